@@ -1,0 +1,23 @@
+"""shared_td: share nested dictionaries of tensors between the processes of one machine.
+
+The public names mirror tensordict 0.15.3, so code written for tensordict runs after
+changing its import.
+"""
+from shared_td.containers.base import TensorDictBase, is_non_tensor, is_tensor_collection
+from shared_td.containers.nontensor import NonTensorData, NonTensorStack
+from shared_td.containers.tensordict import TensorDict
+from shared_td.errors import BatchSizeMismatchError, KeyTypeError, LockedTensorDictError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BatchSizeMismatchError",
+    "KeyTypeError",
+    "LockedTensorDictError",
+    "NonTensorData",
+    "NonTensorStack",
+    "TensorDict",
+    "TensorDictBase",
+    "is_non_tensor",
+    "is_tensor_collection",
+]

@@ -1,0 +1,503 @@
+"""TensorDictBase: what every tensordict class shares.
+
+A concrete class provides the storage primitives ``_get_str``, ``_set_str``,
+``_del_str``, ``_keys_str``, the batch-size properties and ``_index``; this class builds
+the mapping API (nested keys, get/set/update/select, comparisons, locking) on them.
+Batch-dim operations (unsqueeze, permute, ...) are applied uniformly to every entry:
+tensors and child collections answer the same method names, so one ``op(value)`` works
+for both (see ``TensorDict._map_entries``).
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Iterator
+
+import torch
+
+from shared_td.containers import batch as batch_ops
+from shared_td.containers.keysview import KeysView
+from shared_td.errors import LockedTensorDictError
+from shared_td.keys import NestedKey, is_nested_key, key_repr, unravel_key
+
+NO_DEFAULT = object()
+
+
+def is_tensor_collection(value: Any) -> bool:
+    """True for tensordicts, tensorclass instances and non-tensor containers."""
+    return isinstance(value, TensorDictBase) or getattr(type(value), "_is_tensorclass", False)
+
+
+def is_non_tensor(value: Any) -> bool:
+    """True for NonTensorData and NonTensorStack."""
+    return getattr(type(value), "_is_non_tensor", False)
+
+
+class TensorDictBase:
+    """Common API of TensorDict, LazyStackedTensorDict and the non-tensor containers."""
+
+    _is_non_tensor = False
+    _is_locked: bool
+    _is_shared: bool
+    _is_memmap: bool
+
+    # ---------------------------------------------------------------- abstract hooks
+    def _get_str(self, key: str, default: Any) -> Any:
+        raise NotImplementedError
+
+    def _set_str(self, key: str, value: Any, *, inplace: bool, validated: bool) -> None:
+        raise NotImplementedError
+
+    def _del_str(self, key: str) -> None:
+        raise NotImplementedError
+
+    def _keys_str(self) -> Iterator[str]:
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- shape
+    @property
+    def shape(self) -> torch.Size:
+        """Same as ``batch_size``."""
+        return self.batch_size
+
+    @property
+    def batch_dims(self) -> int:
+        """Number of batch dimensions."""
+        return len(self.batch_size)
+
+    ndim = batch_dims
+
+    def dim(self) -> int:
+        """Number of batch dimensions."""
+        return len(self.batch_size)
+
+    def numel(self) -> int:
+        """Number of elements of the batch (the product of ``batch_size``)."""
+        return self.batch_size.numel()
+
+    def size(self, dim: int | None = None):
+        """The batch size, or its ``dim``-th entry."""
+        return self.batch_size if dim is None else self.batch_size[dim]
+
+    def __len__(self) -> int:
+        return self.batch_size[0] if self.batch_dims else 0
+
+    def __iter__(self):
+        if not self.batch_dims:
+            raise StopIteration
+        for i in range(self.batch_size[0]):
+            yield self[i]
+
+    def __bool__(self) -> bool:
+        raise ValueError(
+            "The truth value of a tensordict is ambiguous: use .all() or .any(), "
+            "or .is_empty() to test for entries."
+        )
+
+    # ---------------------------------------------------------------- keys and values
+    def keys(
+        self, include_nested: bool = False, leaves_only: bool = False, *, sort: bool = False
+    ) -> KeysView:
+        """The keys, as a view: nested ones as tuples when ``include_nested``.
+
+        Non-tensor entries count as leaves.
+
+        Examples:
+            >>> td = TensorDict(a=torch.zeros(2), b={"c": torch.ones(2)}, batch_size=[2])
+            >>> list(td.keys(include_nested=True, leaves_only=True))
+            ['a', ('b', 'c')]
+        """
+        return KeysView(self, include_nested, leaves_only, sort)
+
+    def values(self, include_nested: bool = False, leaves_only: bool = False):
+        """The values in ``keys()`` order (non-tensors as NonTensorData)."""
+        for key in self.keys(include_nested, leaves_only):
+            yield self.get(key)
+
+    def items(self, include_nested: bool = False, leaves_only: bool = False):
+        """``(key, value)`` pairs in ``keys()`` order."""
+        for key in self.keys(include_nested, leaves_only):
+            yield key, self.get(key)
+
+    def __contains__(self, key: NestedKey) -> bool:
+        if not is_nested_key(key):
+            raise TypeError(
+                f"`in` tests keys of a tensordict (str or tuples of str), got {key!r}; "
+                "to test values, compare tensors explicitly."
+            )
+        return self._get_path(unravel_key(key), None) is not None
+
+    def _get_path(self, path: tuple[str, ...], default: Any) -> Any:
+        node: Any = self
+        for i, part in enumerate(path):
+            if i and not is_tensor_collection(node):
+                return default
+            if i and not isinstance(node, TensorDictBase):  # a tensorclass
+                node = node._tensordict
+            node = node._get_str(part, default) if isinstance(node, TensorDictBase) else default
+            if node is default:
+                return default
+        return node
+
+    def get(self, key: NestedKey, default: Any = NO_DEFAULT) -> Any:
+        """The entry at ``key`` (non-tensors as NonTensorData), or ``default``.
+
+        Raises:
+            KeyError: naming the key and the existing ones, when it is missing and no
+                default is given.
+        """
+        path = unravel_key(key)
+        value = self._get_path(path, NO_DEFAULT)
+        if value is NO_DEFAULT:
+            if default is not NO_DEFAULT:
+                return default
+            raise KeyError(self._missing_key_message(path))
+        return value
+
+    def _missing_key_message(self, path: tuple[str, ...]) -> str:
+        existing = [k for k in self.keys(include_nested=True)]
+        return (
+            f"Key {key_repr(path)} not found in {type(self).__name__} with keys "
+            f"{existing}. Use td.get(key, default) to allow a missing key."
+        )
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, str) or (isinstance(index, tuple) and is_nested_key(index)):
+            value = self.get(index)
+            return value._python_value() if is_non_tensor(value) else value
+        return self._index(index)
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        if isinstance(index, str) or (isinstance(index, tuple) and is_nested_key(index)):
+            self.set(index, value)
+        else:
+            self._set_at_index(index, value)
+
+    def __delitem__(self, key: NestedKey) -> None:
+        self.del_(key)
+
+    def set(self, key: NestedKey, value: Any, *, inplace: bool = False) -> "TensorDictBase":
+        """Add or replace the entry ``key``; returns self.
+
+        ``inplace=True`` writes into the existing entry when there is one (allowed on a
+        locked tensordict). Missing intermediate tensordicts of a nested key are created.
+
+        Raises:
+            LockedTensorDictError: (a RuntimeError) when locked and the entry would be
+                added or replaced.
+            BatchSizeMismatchError: (ValueError/RuntimeError) when the value's leading
+                dims differ from the batch size.
+        """
+        path = unravel_key(key)
+        parent = self._parent_for_write(path, create=True)
+        parent._set_str(path[-1], value, inplace=inplace, validated=False)
+        return self
+
+    def set_(self, key: NestedKey, value: Any) -> "TensorDictBase":
+        """Write ``value`` into the existing entry ``key``, in place; returns self.
+
+        Allowed on a locked (e.g. memory-mapped or shared) tensordict.
+
+        Raises:
+            KeyError: if ``key`` does not exist (use ``set`` to add it).
+        """
+        path = unravel_key(key)
+        if self._get_path(path, None) is None:
+            raise KeyError(
+                f"set_() writes in place into an existing entry, but key {key_repr(path)} "
+                f"does not exist in {type(self).__name__}. Use set() to add it."
+            )
+        parent = self._parent_for_write(path, create=False)
+        parent._set_str(path[-1], value, inplace=True, validated=False)
+        return self
+
+    def _parent_for_write(self, path: tuple[str, ...], *, create: bool) -> "TensorDictBase":
+        node: TensorDictBase = self
+        for i, part in enumerate(path[:-1]):
+            child = node._get_str(part, None)
+            if child is None:
+                if not create:
+                    raise KeyError(self._missing_key_message(path[: i + 1]))
+                node._check_unlocked(path[: i + 1], "add")
+                child = node._empty_child()
+                node._set_str(part, child, inplace=False, validated=True)
+            elif not is_tensor_collection(child) or is_non_tensor(child):
+                raise KeyError(
+                    f"Cannot write nested key {key_repr(path)}: {key_repr(path[: i + 1])} "
+                    f"holds a {type(child).__name__}, not a tensordict."
+                )
+            node = child if isinstance(child, TensorDictBase) else child._tensordict
+        return node
+
+    def del_(self, key: NestedKey) -> "TensorDictBase":
+        """Remove the entry ``key``; returns self.
+
+        Raises:
+            KeyError: if missing. LockedTensorDictError: if locked.
+        """
+        path = unravel_key(key)
+        if self._get_path(path, None) is None:
+            raise KeyError(self._missing_key_message(path))
+        parent = self._parent_for_write(path, create=False)
+        parent._check_unlocked(path, "remove")
+        parent._del_str(path[-1])
+        return self
+
+    def pop(self, key: NestedKey, default: Any = NO_DEFAULT) -> Any:
+        """Remove the entry ``key`` and return it (or ``default`` when it is missing)."""
+        path = unravel_key(key)
+        value = self._get_path(path, NO_DEFAULT)
+        if value is NO_DEFAULT:
+            if default is NO_DEFAULT:
+                raise KeyError(self._missing_key_message(path))
+            return default
+        self.del_(path)
+        return value
+
+    def get_non_tensor(self, key: NestedKey, default: Any = NO_DEFAULT) -> Any:
+        """The plain Python value of a non-tensor entry (``td["task"]`` does the same)."""
+        value = self.get(key, default)
+        return value._python_value() if is_non_tensor(value) else value
+
+    def update(
+        self, other: Any, *, inplace: bool = False, keys_to_update=None
+    ) -> "TensorDictBase":
+        """Set every entry of ``other`` (a dict or tensordict), merging nested ones.
+
+        With ``inplace=True`` existing entries are written in place (allowed on a
+        locked tensordict) and missing ones are added.
+        """
+        items = other.items() if isinstance(other, (dict, TensorDictBase)) else other
+        selected = None if keys_to_update is None else {unravel_key(k) for k in keys_to_update}
+        for key, value in items:
+            path = unravel_key(key)
+            if selected is not None and not any(path[: len(s)] == s for s in selected):
+                continue
+            current = self._get_path(path, None)
+            nested_update = (
+                isinstance(current, TensorDictBase)
+                and not is_non_tensor(current)
+                and isinstance(value, (dict, TensorDictBase))
+                and not is_non_tensor(value)
+            )
+            if nested_update:
+                current.update(value, inplace=inplace)
+            elif inplace and current is not None:
+                self.set_(path, value)
+            else:
+                self.set(path, value)
+        return self
+
+    def update_(self, other: Any) -> "TensorDictBase":
+        """Write every entry of ``other`` into the existing entries, in place.
+
+        Raises KeyError (naming the key, before anything is written) if one is missing.
+        """
+        items = dict(other.items()) if isinstance(other, (dict, TensorDictBase)) else dict(other)
+        for key, value in items.items():
+            current = self._get_path(unravel_key(key), None)
+            if current is None:
+                raise KeyError(
+                    f"update_() writes in place, but key {key_repr(unravel_key(key))} does "
+                    f"not exist in {type(self).__name__}. Use update() to add it."
+                )
+        for key, value in items.items():
+            current = self.get(key)
+            if isinstance(value, dict) and isinstance(current, TensorDictBase):
+                current.update_(value)
+            else:
+                self.set_(key, value)
+        return self
+
+    def copy_(self, other: Any, non_blocking: bool = False) -> "TensorDictBase":
+        """Copy ``other`` into self, in place (same as ``update_``)."""
+        return self.update_(other)
+
+    def rename_key_(self, old_key: NestedKey, new_key: NestedKey, safe: bool = False):
+        """Move entry ``old_key`` to ``new_key``; returns self.
+
+        ``safe=True`` refuses to overwrite an existing ``new_key`` (KeyError).
+        """
+        old, new = unravel_key(old_key), unravel_key(new_key)
+        value = self.get(old)
+        if safe and new in self.keys(include_nested=True):
+            raise KeyError(f"Key {key_repr(new)} already exists; pass safe=False to replace it.")
+        self._parent_for_write(old, create=False)._check_unlocked(old, "rename")
+        self.set(new, value)
+        if old != new:
+            self.del_(old)
+        return self
+
+    # ---------------------------------------------------------------- locking
+    @property
+    def is_locked(self) -> bool:
+        """True if entries cannot be added, removed or replaced (see lock_())."""
+        return self._is_locked
+
+    @is_locked.setter
+    def is_locked(self, value: bool) -> None:
+        self.lock_() if value else self.unlock_()
+
+    def _check_unlocked(self, path: tuple[str, ...], action: str) -> None:
+        if self._is_locked:
+            raise LockedTensorDictError(
+                f"Cannot modify locked TensorDict: cannot {action} key {key_repr(path)}. "
+                "For in-place modification, consider using the `set_()` method and make "
+                "sure the key is present (or update_()), or unlock it first with "
+                "`with td.unlock_(): ...`."
+            )
+
+    def _collection_children(self) -> list:
+        children = []
+        for key in self._keys_str():
+            value = self._get_str(key, None)
+            if isinstance(value, TensorDictBase):
+                children.append(value)
+            elif is_tensor_collection(value):
+                children.append(value._tensordict)
+        return children
+
+    def lock_(self) -> "TensorDictBase":
+        """Lock self and every nested tensordict: entries can then only be written in place.
+
+        Usable as a context manager: ``with td.lock_(): ...`` unlocks at exit.
+        """
+        self._is_locked = True
+        for child in self._collection_children():
+            child._lock_parents[id(self)] = weakref.ref(self)
+            child.lock_()
+        self._last_op = "lock_"
+        return self
+
+    def unlock_(self) -> "TensorDictBase":
+        """Unlock self and every nested tensordict; ``is_memmap()`` and ``is_shared()``
+        become False.
+
+        Usable as a context manager: ``with td.unlock_(): ...`` re-locks at exit.
+
+        Raises:
+            RuntimeError: if self is nested in a tensordict that is still locked.
+        """
+        locked_parents = [p() for p in self._lock_parents.values() if p() is not None]
+        if any(parent._is_locked for parent in locked_parents):
+            raise RuntimeError(
+                "Cannot unlock a tensordict that is part of a locked graph: unlock the "
+                "parent tensordict it belongs to instead."
+            )
+        self._unlock_tree()
+        self._last_op = "unlock_"
+        return self
+
+    def _unlock_tree(self) -> None:
+        self._is_locked = False
+        self._is_memmap = False
+        self._is_shared = False
+        for child in self._collection_children():
+            child._lock_parents.pop(id(self), None)
+            child._unlock_tree()
+
+    def __enter__(self) -> "TensorDictBase":
+        self._context_ops.append(getattr(self, "_last_op", None))
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        op = self._context_ops.pop()
+        if op == "unlock_":
+            self.lock_()
+        elif op == "lock_":
+            self.unlock_()
+
+    # ---------------------------------------------------------------- pickling
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_lock_parents"] = {}
+        state["_context_ops"] = []
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if self._is_locked:
+            self.lock_()
+
+    # ---------------------------------------------------------------- sharing flags
+    def is_shared(self) -> bool:
+        """True after share_memory_() (until unlock_())."""
+        return self._is_shared
+
+    def is_memmap(self) -> bool:
+        """True when every leaf is a MemoryMappedTensor set by memmap_() (until unlock_())."""
+        return self._is_memmap
+
+    # ---------------------------------------------------------------- comparisons
+    def _compare(self, other: Any, op: Callable) -> "TensorDictBase":
+        if isinstance(other, dict):
+            other = type(self)(other, batch_size=self.batch_size)
+        if isinstance(other, TensorDictBase):
+            missing = set(self.keys(True, True)) ^ set(other.keys(True, True))
+            if missing:
+                raise KeyError(f"Cannot compare tensordicts with different keys: {sorted(map(str, missing))}.")
+            return self._map_leaves(lambda key, value: op(value, other.get(key)))
+        return self._map_leaves(lambda key, value: op(value, other))
+
+    def __eq__(self, other: Any) -> "TensorDictBase":  # type: ignore[override]
+        return self._compare(other, _equal)
+
+    def __ne__(self, other: Any) -> "TensorDictBase":  # type: ignore[override]
+        return self._compare(other, lambda a, b: ~_equal(a, b))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def all(self) -> bool:
+        """True if every element of every leaf is true."""
+        return all(bool(v.all()) for v in self._leaf_tensors())
+
+    def any(self) -> bool:
+        """True if some element of some leaf is true."""
+        return any(bool(v.any()) for v in self._leaf_tensors())
+
+    def _leaf_tensors(self) -> Iterator[torch.Tensor]:
+        for value in self.values(include_nested=True, leaves_only=True):
+            if isinstance(value, torch.Tensor):
+                yield value
+
+    def is_empty(self) -> bool:
+        """True if the tensordict holds no leaf (tensor or non-tensor) at any depth."""
+        return next(iter(self.keys(include_nested=True, leaves_only=True)), None) is None
+
+    # ---------------------------------------------------------------- conversions
+    def to_dict(self) -> dict:
+        """A nested dict of the entries (non-tensors as their Python values)."""
+        out = {}
+        for key in self._keys_str():
+            value = self._get_str(key, None)
+            if is_non_tensor(value):
+                out[key] = value._python_value()
+            elif is_tensor_collection(value):
+                out[key] = value.to_dict()
+            else:
+                out[key] = value
+        return out
+
+    def cpu(self) -> "TensorDictBase":
+        """A copy on the CPU (self if already there)."""
+        return self.to("cpu")
+
+    def __repr__(self) -> str:
+        from shared_td.containers.formatting import format_collection
+
+        return format_collection(self)
+
+    # ---------------------------------------------------------------- torch functions
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        from shared_td.containers.functions import TORCH_FUNCTIONS
+
+        handler = TORCH_FUNCTIONS.get(func)
+        if handler is None:
+            return NotImplemented
+        return handler(*args, **(kwargs or {}))
+
+
+def _equal(value: Any, other: Any) -> Any:
+    if is_non_tensor(value):
+        return value._compare_data(other)
+    return value == other

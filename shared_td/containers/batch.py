@@ -1,0 +1,162 @@
+"""Batch-size arithmetic shared by every container.
+
+Every entry of a tensordict starts with the batch dimensions, so an operation along
+batch dims (indexing, unsqueeze, permute, ...) is the same tensor operation applied to
+every leaf.  This module turns user arguments (negative dims, Ellipsis, lists, masks)
+into the explicit form that can be applied to leaves with more trailing dims.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+_BASIC_INDEX_TYPES = (int, slice, type(None), type(Ellipsis))
+
+
+def as_batch_size(batch_size: Any) -> torch.Size:
+    """Return ``batch_size`` (None, an int, a sequence of ints or a Size) as a Size."""
+    if batch_size is None:
+        return torch.Size([])
+    if isinstance(batch_size, (int, np.integer)):
+        return torch.Size([int(batch_size)])
+    if isinstance(batch_size, torch.Tensor):
+        batch_size = batch_size.tolist()
+    try:
+        size = torch.Size([int(d) for d in batch_size])
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"batch_size must be a sequence of ints (e.g. [3, 4]), got {batch_size!r}."
+        ) from None
+    if any(d < 0 for d in size):
+        raise ValueError(f"batch_size cannot have negative dims, got {list(size)}.")
+    return size
+
+
+def shape_args(shape: tuple) -> torch.Size:
+    """Accept ``f(2, 3)``, ``f((2, 3))`` and ``f(torch.Size([2, 3]))`` alike."""
+    if len(shape) == 1 and not isinstance(shape[0], (int, np.integer)):
+        shape = tuple(shape[0])
+    return torch.Size([int(d) for d in shape])
+
+
+def normalize_dim(dim: int, ndim: int, *, what: str = "dim") -> int:
+    """Turn a possibly negative ``dim`` into a non-negative one, checking its range."""
+    if not -ndim <= dim < ndim:
+        raise IndexError(
+            f"{what}={dim} is out of range for a tensordict with {ndim} batch "
+            f"dims (expected {-ndim} <= {what} < {ndim})."
+        )
+    return dim % ndim
+
+
+def _as_index_part(part: Any) -> Any:
+    """Lists and numpy arrays become tensors; numpy scalars become ints."""
+    if isinstance(part, (list, np.ndarray)):
+        return torch.as_tensor(np.asarray(part) if isinstance(part, list) else part)
+    if isinstance(part, np.integer):
+        return int(part)
+    if isinstance(part, range):
+        return torch.arange(part.start, part.stop, part.step)
+    return part
+
+
+def normalize_index(index: Any, batch_size: torch.Size) -> tuple:
+    """Return ``index`` as a tuple that names every batch dim explicitly.
+
+    Ellipsis is expanded into full slices of the batch dims only, so the same tuple
+    indexes a leaf that has more (feature) dims than the batch.
+
+    Raises:
+        IndexError: if the index uses more dims than the batch has.
+        TypeError: if a part of the index is not an int, slice, None, Ellipsis, bool
+            or integer tensor, list or array.
+    """
+    parts = index if isinstance(index, tuple) else (index,)
+    parts = tuple(_as_index_part(p) for p in parts)
+    consumed = 0
+    for part in parts:
+        if isinstance(part, torch.Tensor):
+            if part.dtype == torch.bool:
+                consumed += max(part.ndim, 1)
+            elif part.is_floating_point() or part.is_complex():
+                raise TypeError(
+                    f"Index tensors must be integer or bool, got dtype {part.dtype}."
+                )
+            else:
+                consumed += 1
+        elif isinstance(part, bool):
+            consumed += 0
+        elif isinstance(part, (int, slice)):
+            consumed += 1
+        elif part is None or part is Ellipsis:
+            continue
+        else:
+            raise TypeError(
+                f"Cannot index a tensordict with {part!r} of type {type(part).__name__}: "
+                "use ints, slices, None, Ellipsis, or bool/integer tensors or lists."
+            )
+    if sum(p is Ellipsis for p in parts) > 1:
+        raise IndexError("An index can hold at most one Ellipsis (...).")
+    if consumed > len(batch_size):
+        raise IndexError(
+            f"Too many indices for a tensordict with batch size {list(batch_size)}: "
+            f"{index!r} indexes {consumed} dims but there are {len(batch_size)}."
+        )
+    if Ellipsis in [p for p in parts if not isinstance(p, torch.Tensor)]:
+        position = next(
+            i for i, p in enumerate(parts) if not isinstance(p, torch.Tensor) and p is Ellipsis
+        )
+        fill = (slice(None),) * (len(batch_size) - consumed)
+        parts = parts[:position] + fill + parts[position + 1 :]
+    return parts
+
+
+def is_basic_index(index: tuple) -> bool:
+    """True if indexing with ``index`` gives a view (no copy), as in torch."""
+    return all(isinstance(p, _BASIC_INDEX_TYPES) and not isinstance(p, bool) for p in index)
+
+
+def indexed_batch_size(batch_size: torch.Size, index: tuple) -> torch.Size:
+    """The batch size after indexing, computed by torch itself on a 0-stride tensor.
+
+    Raises IndexError (naming the index and the batch size) when out of range.
+    """
+    probe = torch.zeros((), dtype=torch.uint8).expand(batch_size)
+    try:
+        return probe[index].shape
+    except IndexError as error:
+        raise IndexError(
+            f"{error} (while indexing a tensordict of batch size {list(batch_size)} "
+            f"with {index!r})"
+        ) from None
+
+
+def indexed_names(names: Sequence[str | None] | None, index: tuple) -> list | None:
+    """Dim names after a basic index: ints drop a dim, None inserts an unnamed one."""
+    if names is None or not is_basic_index(index):
+        return None
+    out: list = []
+    remaining = list(names)
+    for part in index:
+        if part is None:
+            out.append(None)
+        elif isinstance(part, int):
+            remaining.pop(0)
+        else:
+            out.append(remaining.pop(0))
+    return out + remaining
+
+
+def common_batch_prefix(shapes: Sequence[torch.Size]) -> torch.Size:
+    """The longest leading shape shared by all ``shapes`` (for automatic batch sizes)."""
+    if not shapes:
+        return torch.Size([])
+    prefix = list(shapes[0])
+    for shape in shapes[1:]:
+        n = 0
+        while n < min(len(prefix), len(shape)) and prefix[n] == shape[n]:
+            n += 1
+        prefix = prefix[:n]
+    return torch.Size(prefix)

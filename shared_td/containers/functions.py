@@ -1,0 +1,136 @@
+"""torch functions applied to tensordicts: ``torch.stack``, ``torch.cat`` and friends.
+
+``TensorDictBase.__torch_function__`` looks the function up in ``TORCH_FUNCTIONS``.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from shared_td.containers import batch as batch_ops
+from shared_td.containers.base import TensorDictBase, is_non_tensor, is_tensor_collection
+
+
+def _check_members(items: Sequence[Any], what: str) -> list:
+    items = list(items)
+    if not items:
+        raise ValueError(f"torch.{what} needs at least one tensordict, got an empty list.")
+    for item in items:
+        if not is_tensor_collection(item):
+            raise TypeError(
+                f"torch.{what} of tensordicts got a {type(item).__name__}; every item must "
+                "be a tensordict (or tensorclass) of the same type."
+            )
+    kinds = {type(item) for item in items if not is_non_tensor(item)}
+    if len(kinds) > 1 and not all(issubclass(k, TensorDictBase) for k in kinds):
+        raise TypeError(f"torch.{what} cannot mix {sorted(k.__name__ for k in kinds)}.")
+    return items
+
+
+def _check_same_keys(items: Sequence[TensorDictBase], what: str) -> list[str]:
+    keys = list(items[0]._keys_str())
+    for i, item in enumerate(items[1:], start=1):
+        other = list(item._keys_str())
+        if set(other) != set(keys):
+            raise KeyError(
+                f"torch.{what} needs the same keys in every tensordict: item 0 has "
+                f"{sorted(keys)} but item {i} has {sorted(other)}."
+            )
+    return keys
+
+
+def _leaf_shapes_match(items: Sequence[TensorDictBase]) -> bool:
+    first = items[0]
+    if any(item.batch_size != first.batch_size for item in items):
+        return False
+    for key in first.keys(include_nested=True, leaves_only=True):
+        shapes = {tuple(getattr(item.get(key), "shape", ())) for item in items}
+        if len(shapes) > 1:
+            return False
+    return True
+
+
+def stack(items: Sequence[Any], dim: int = 0, *, out: Any = None) -> Any:
+    """Stack tensordicts along a new batch dim ``dim``.
+
+    Members with identical shapes give a dense TensorDict (a copy); members whose
+    shapes differ give a LazyStackedTensorDict that keeps them as they are.
+    """
+    from shared_td.containers.nontensor import stack_non_tensors
+    from shared_td.containers.tensordict import TensorDict
+
+    items = _check_members(items, "stack")
+    if all(is_non_tensor(item) for item in items):
+        return stack_non_tensors(items, dim)
+    first = items[0]
+    if not isinstance(first, TensorDictBase):  # tensorclass
+        return type(first)._from_tensordict(stack([item._tensordict for item in items], dim))
+    dim = batch_ops.normalize_dim(dim, first.batch_dims + 1)
+    if not all(type(item) is TensorDict for item in items) or not _leaf_shapes_match(items):
+        from shared_td.containers.lazy import LazyStackedTensorDict
+
+        return LazyStackedTensorDict.lazy_stack(items, dim)
+    keys = _check_same_keys(items, "stack")
+    entries = {}
+    for key in keys:
+        values = [item._get_str(key, None) for item in items]
+        entries[key] = stack(values, dim) if is_tensor_collection(values[0]) else torch.stack(values, dim)
+    size = torch.Size(list(first.batch_size[:dim]) + [len(items)] + list(first.batch_size[dim:]))
+    result = TensorDict._new_unsafe(entries, size, first.device)
+    if out is not None:
+        out.update_(result)
+        return out
+    return result
+
+
+def cat(items: Sequence[Any], dim: int = 0, *, out: Any = None) -> Any:
+    """Concatenate tensordicts along the existing batch dim ``dim`` (a copy)."""
+    from shared_td.containers.nontensor import cat_non_tensors
+    from shared_td.containers.tensordict import TensorDict
+
+    items = _check_members(items, "cat")
+    if all(is_non_tensor(item) for item in items):
+        return cat_non_tensors(items, dim)
+    first = items[0]
+    if not isinstance(first, TensorDictBase):  # tensorclass
+        return type(first)._from_tensordict(cat([item._tensordict for item in items], dim))
+    if not first.batch_dims:
+        raise ValueError("torch.cat needs tensordicts with at least one batch dim.")
+    dim = batch_ops.normalize_dim(dim, first.batch_dims)
+    for i, item in enumerate(items):
+        other = list(item.batch_size)
+        if len(other) != first.batch_dims or other[:dim] + other[dim + 1 :] != list(first.batch_size[:dim]) + list(first.batch_size[dim + 1 :]):
+            raise ValueError(
+                f"torch.cat along dim {dim}: item {i} has batch_size {other}, which differs "
+                f"from item 0's {list(first.batch_size)} outside dim {dim}."
+            )
+    if not all(isinstance(item, TensorDict) for item in items):
+        items = [item.to_tensordict() if hasattr(item, "to_tensordict") else item for item in items]
+    keys = _check_same_keys(items, "cat")
+    entries = {}
+    for key in keys:
+        values = [item._get_str(key, None) for item in items]
+        entries[key] = cat(values, dim) if is_tensor_collection(values[0]) else torch.cat(values, dim)
+    size = list(first.batch_size)
+    size[dim] = sum(item.batch_size[dim] for item in items)
+    result = TensorDict._new_unsafe(entries, torch.Size(size), first.device)
+    if out is not None:
+        out.update_(result)
+        return out
+    return result
+
+
+TORCH_FUNCTIONS = {
+    torch.stack: stack,
+    torch.cat: cat,
+    torch.concat: cat,
+    torch.unbind: lambda td, dim=0: td.unbind(dim),
+    torch.split: lambda td, split_size_or_sections, dim=0: td.split(split_size_or_sections, dim),
+    torch.chunk: lambda td, chunks, dim=0: td.chunk(chunks, dim),
+    torch.unsqueeze: lambda td, dim: td.unsqueeze(dim),
+    torch.squeeze: lambda td, dim=None: td.squeeze(dim),
+    torch.permute: lambda td, dims: td.permute(*dims),
+    torch.reshape: lambda td, shape: td.reshape(shape),
+    torch.clone: lambda td: td.clone(),
+}

@@ -1,0 +1,56 @@
+"""The object returned by ``td.keys()``: iterable, sized, and ``in`` understands nested keys."""
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+from shared_td.keys import is_nested_key, unravel_key
+
+
+class KeysView:
+    """A live view of the keys of a tensordict.
+
+    Examples:
+        >>> td = TensorDict(a=torch.zeros(()), b={"c": torch.zeros(())})
+        >>> ("b", "c") in td.keys(include_nested=True)
+        True
+    """
+
+    def __init__(self, td: Any, include_nested: bool, leaves_only: bool, sort: bool):
+        self._td = td
+        self._include_nested = include_nested
+        self._leaves_only = leaves_only
+        self._sort = sort
+
+    def __iter__(self) -> Iterator:
+        keys = self._walk(self._td, ())
+        if self._sort:
+            keys = iter(sorted(keys, key=lambda k: (k,) if isinstance(k, str) else k))
+        return keys
+
+    def _walk(self, td: Any, prefix: tuple) -> Iterator:
+        from shared_td.containers.base import is_non_tensor, is_tensor_collection
+
+        for key in td._keys_str():
+            value = td._get_str(key, None)
+            full = prefix + (key,)
+            is_branch = is_tensor_collection(value) and not is_non_tensor(value)
+            if not (is_branch and self._leaves_only):
+                yield full[0] if len(full) == 1 else full
+            if is_branch and self._include_nested:
+                inner = value if hasattr(value, "_keys_str") else value._tensordict
+                yield from self._walk(inner, full)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __contains__(self, key: Any) -> bool:
+        if not is_nested_key(key):
+            return False
+        path = unravel_key(key)
+        if len(path) > 1 and not self._include_nested:
+            return False
+        wanted = path[0] if len(path) == 1 else path
+        return any(k == wanted for k in self)
+
+    def __repr__(self) -> str:
+        return f"_TensorDictKeysView({list(self)}, include_nested={self._include_nested}, leaves_only={self._leaves_only})"

@@ -1,0 +1,329 @@
+"""Non-tensor entries: NonTensorData (one value for the whole batch) and NonTensorStack
+(one value per batch element).
+
+``td["task"] = "walk"`` stores a NonTensorData; stacking tensordicts turns their
+NonTensorData into a NonTensorStack.  Batch-dim operations on a stack are delegated to
+torch: the same operation is applied to a tensor of element positions, and the values
+are gathered at the resulting positions, so indexing, permute, expand, ... follow
+torch's rules exactly.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from shared_td.containers import batch as batch_ops
+from shared_td.containers.base import TensorDictBase
+from shared_td.errors import BatchSizeMismatchError
+
+
+class _NonTensorBase(TensorDictBase):
+    """Shared mechanics: no keys, batch-dim ops through ``_transform``."""
+
+    _is_non_tensor = True
+
+    def _init_flags(self, batch_size: Any, device: Any) -> None:
+        self._batch_size = batch_ops.as_batch_size(batch_size)
+        self._device = None if device is None else torch.device(device)
+        self._names = None
+        self._is_locked = self._is_shared = self._is_memmap = False
+        self._memmap_prefix = None
+        self._lock_parents: dict = {}
+        self._context_ops: list = []
+
+    @property
+    def batch_size(self) -> torch.Size:
+        """The batch size."""
+        return self._batch_size
+
+    @property
+    def device(self) -> torch.device | None:
+        """The device recorded for the data (non-tensor data itself lives in Python)."""
+        return self._device
+
+    @property
+    def names(self) -> None:
+        """Non-tensor containers carry no dim names."""
+        return None
+
+    def _keys_str(self):
+        return iter(())
+
+    def _get_str(self, key: str, default: Any) -> Any:
+        return default
+
+    def _set_str(self, key: str, value: Any, *, inplace: bool, validated: bool) -> None:
+        raise KeyError(f"{type(self).__name__} holds a value, not keys: cannot set {key!r}.")
+
+    def _del_str(self, key: str) -> None:
+        raise KeyError(key)
+
+    def _transform(self, op: Callable[[torch.Tensor], torch.Tensor]) -> "_NonTensorBase":
+        raise NotImplementedError
+
+    def _index(self, index: Any) -> "_NonTensorBase":
+        index = batch_ops.normalize_index(index, self._batch_size)
+        batch_ops.indexed_batch_size(self._batch_size, index)  # range checks
+        return self._transform(lambda positions: positions[index])
+
+    def expand(self, *shape: Any) -> "_NonTensorBase":
+        size = batch_ops.shape_args(shape)
+        return self._transform(lambda positions: positions.expand(size))
+
+    def reshape(self, *shape: Any) -> "_NonTensorBase":
+        size = batch_ops.shape_args(shape)
+        return self._transform(lambda positions: positions.reshape(size))
+
+    view = reshape
+
+    def unsqueeze(self, dim: int) -> "_NonTensorBase":
+        return self._transform(lambda positions: positions.unsqueeze(dim))
+
+    def squeeze(self, dim: int | None = None) -> "_NonTensorBase":
+        return self._transform(lambda p: p.squeeze() if dim is None else p.squeeze(dim))
+
+    def permute(self, *dims: Any) -> "_NonTensorBase":
+        order = batch_ops.shape_args(dims)
+        return self._transform(lambda positions: positions.permute(*order))
+
+    def unbind(self, dim: int = 0) -> tuple:
+        dim = batch_ops.normalize_dim(dim, self.batch_dims)
+        prefix = (slice(None),) * dim
+        return tuple(self[prefix + (i,)] for i in range(self._batch_size[dim]))
+
+    def contiguous(self) -> "_NonTensorBase":
+        return self.clone()
+
+    def to(self, *args: Any, **kwargs: Any) -> "_NonTensorBase":
+        """Record a new device (``to(dtype)`` leaves non-tensor data as it is)."""
+        target = args[0] if args else kwargs.get("device", kwargs.get("dtype"))
+        if isinstance(target, torch.dtype) or target is None:
+            return self
+        out = self.clone(recurse=False)
+        out._device = torch.device(target)
+        return out
+
+    def share_memory_(self) -> "_NonTensorBase":
+        self._is_shared = True
+        return self.lock_()
+
+    def _with_batch_size(self, batch_size: torch.Size, key: str) -> "_NonTensorBase":
+        if self._batch_size[: len(batch_size)] == batch_size:
+            return self
+        raise BatchSizeMismatchError(
+            f"Non-tensor entry {key!r} has batch_size {list(self._batch_size)}, which "
+            f"does not start with the tensordict's batch_size {list(batch_size)}."
+        )
+
+    def _compare_data(self, other: Any) -> torch.Tensor:
+        values = self._flat_values()
+        if isinstance(other, _NonTensorBase):
+            others = other.expand(self._batch_size)._flat_values() if other.batch_size != self._batch_size else other._flat_values()
+        else:
+            others = [other] * len(values)
+        equal = [bool(a == b) for a, b in zip(values, others)]
+        return torch.tensor(equal, dtype=torch.bool).reshape(self._batch_size)
+
+    def _flat_values(self) -> list:
+        raise NotImplementedError
+
+
+class NonTensorData(_NonTensorBase):
+    """One Python value shared by every element of a batch.
+
+    Examples:
+        >>> td = TensorDict(batch_size=[3])
+        >>> td["task"] = "walk"
+        >>> td.get("task")
+        NonTensorData(data=walk, batch_size=torch.Size([3]), device=None)
+        >>> td["task"], td[0]["task"]
+        ('walk', 'walk')
+    """
+
+    def __init__(self, data: Any = None, batch_size: Any = None, device: Any = None, names: Any = None):
+        if isinstance(data, NonTensorData):
+            data = data.data
+        self.data = data
+        self._init_flags(batch_size, device)
+
+    def _python_value(self) -> Any:
+        return self.data
+
+    def tolist(self) -> Any:
+        """The value repeated along the batch dims, as nested lists."""
+        out: Any = self.data
+        for n in reversed(self._batch_size):
+            out = [out] * n
+        return out
+
+    def _flat_values(self) -> list:
+        return [self.data] * self._batch_size.numel()
+
+    def _transform(self, op: Callable[[torch.Tensor], torch.Tensor]) -> "NonTensorData":
+        size = op(torch.zeros((), dtype=torch.uint8).expand(self._batch_size)).shape
+        return NonTensorData(self.data, batch_size=size, device=self._device)
+
+    def _with_batch_size(self, batch_size: torch.Size, key: str) -> "NonTensorData":
+        if self._batch_size == batch_size:
+            return self
+        return NonTensorData(self.data, batch_size=batch_size, device=self._device)
+
+    def clone(self, recurse: bool = True) -> "NonTensorData":
+        return NonTensorData(self.data, batch_size=self._batch_size, device=self._device)
+
+    def _update_(self, value: Any) -> None:
+        if isinstance(value, NonTensorStack):
+            raise ValueError(
+                "Cannot write a NonTensorStack (one value per element) in place into a "
+                "NonTensorData (one value); replace the entry with set() instead."
+            )
+        self.data = value.data if isinstance(value, NonTensorData) else value
+
+    def _set_at(self, index: tuple, source: Any) -> "_NonTensorBase":
+        """``td[index] = ...`` for this entry: returns the entry to store (maybe a stack)."""
+        stack = NonTensorStack._from_flat(self._flat_values(), self._batch_size, self._device)
+        return stack._set_at(index, source)
+
+    def __repr__(self) -> str:
+        return f"NonTensorData(data={self.data}, batch_size={self._batch_size}, device={self._device})"
+
+
+class NonTensorStack(_NonTensorBase):
+    """One Python value per batch element.
+
+    ``NonTensorStack("a", "b")`` stacks values along a new first dim;
+    ``NonTensorStack.from_list([["a", "b"], ["c", "d"]])`` builds a 2-D stack.
+
+    Examples:
+        >>> td = torch.stack([TensorDict(task="walk"), TensorDict(task="run")])
+        >>> td["task"]
+        ['walk', 'run']
+        >>> td[1]["task"]
+        'run'
+    """
+
+    def __init__(self, *values: Any, stack_dim: int = 0, batch_size: Any = None, device: Any = None):
+        if values and all(isinstance(v, _NonTensorBase) for v in values):
+            stack = stack_non_tensors(values, stack_dim)
+        else:
+            stack = NonTensorStack.from_list(list(values), device=device)
+        self._values = stack._values
+        self._init_flags(stack._batch_size, device)
+        if batch_size is not None and batch_ops.as_batch_size(batch_size) != self._batch_size:
+            raise BatchSizeMismatchError(
+                f"{len(values)} values do not fit batch_size {list(batch_ops.as_batch_size(batch_size))}."
+            )
+
+    @classmethod
+    def _from_flat(cls, values: list, batch_size: torch.Size, device: Any = None) -> "NonTensorStack":
+        stack = cls.__new__(cls)
+        stack._values = list(values)
+        stack._init_flags(batch_size, device)
+        return stack
+
+    @classmethod
+    def from_list(cls, values: Sequence, device: Any = None) -> "NonTensorStack":
+        """Build a stack from nested lists (equal-length inner lists become a dim)."""
+        shape, flat = _nested_shape(values)
+        return cls._from_flat(flat, torch.Size(shape), device)
+
+    def _python_value(self) -> list:
+        return self.tolist()
+
+    def tolist(self) -> list:
+        """The values as nested lists, one level per batch dim."""
+        return _nest(self._values, list(self._batch_size))
+
+    @property
+    def data(self) -> list:
+        """Same as ``tolist()``."""
+        return self.tolist()
+
+    def _flat_values(self) -> list:
+        return list(self._values)
+
+    def _transform(self, op: Callable[[torch.Tensor], torch.Tensor]) -> "_NonTensorBase":
+        positions = torch.arange(len(self._values)).reshape(self._batch_size)
+        new_positions = op(positions)
+        values = [self._values[i] for i in new_positions.reshape(-1).tolist()]
+        if new_positions.ndim == 0:
+            return NonTensorData(values[0], batch_size=[], device=self._device)
+        return NonTensorStack._from_flat(values, new_positions.shape, self._device)
+
+    def clone(self, recurse: bool = True) -> "NonTensorStack":
+        return NonTensorStack._from_flat(self._values, self._batch_size, self._device)
+
+    def _update_(self, value: Any) -> None:
+        source = value if isinstance(value, _NonTensorBase) else NonTensorStack.from_list(value)
+        self._values = _broadcast_values(source, self._batch_size)
+
+    def _set_at(self, index: tuple, source: Any) -> "NonTensorStack":
+        positions = torch.arange(len(self._values)).reshape(self._batch_size)
+        targets = positions[index]
+        if not isinstance(source, _NonTensorBase):
+            source = NonTensorData(source, batch_size=[])
+        new_values = _broadcast_values(source, targets.shape)
+        values = list(self._values)
+        for position, value in zip(targets.reshape(-1).tolist(), new_values):
+            values[position] = value
+        return NonTensorStack._from_flat(values, self._batch_size, self._device)
+
+    def __repr__(self) -> str:
+        return f"NonTensorStack({self.tolist()!r}, batch_size={self._batch_size}, device={self._device})"
+
+
+def stack_non_tensors(items: Sequence[_NonTensorBase], dim: int) -> NonTensorStack:
+    """``torch.stack`` of non-tensor entries: always one value per element."""
+    return _combine(items, lambda positions: torch.stack(positions, dim))
+
+
+def cat_non_tensors(items: Sequence[_NonTensorBase], dim: int) -> NonTensorStack:
+    """``torch.cat`` of non-tensor entries."""
+    return _combine(items, lambda positions: torch.cat(positions, dim))
+
+
+def _combine(items: Sequence[_NonTensorBase], op: Callable) -> NonTensorStack:
+    values: list = []
+    positions = []
+    for item in items:
+        flat = item._flat_values()
+        positions.append(torch.arange(len(values), len(values) + len(flat)).reshape(item.batch_size))
+        values.extend(flat)
+    combined = op(positions)
+    gathered = [values[i] for i in combined.reshape(-1).tolist()]
+    return NonTensorStack._from_flat(gathered, combined.shape, items[0].device)
+
+
+def _broadcast_values(source: _NonTensorBase, shape: torch.Size) -> list:
+    if isinstance(source, NonTensorData):
+        return [source.data] * shape.numel()
+    positions = torch.arange(len(source._values)).reshape(source.batch_size)
+    try:
+        positions = positions.expand(shape)
+    except RuntimeError:
+        raise BatchSizeMismatchError(
+            f"Cannot write {list(source.batch_size)} non-tensor values into a slot of shape {list(shape)}."
+        ) from None
+    return [source._values[i] for i in positions.reshape(-1).tolist()]
+
+
+def _nested_shape(values: Any) -> tuple[list[int], list]:
+    """Shape and flat values of nested lists; ragged inner lists are kept as values."""
+    if not isinstance(values, (list, tuple)):
+        return [], [values]
+    parts = [_nested_shape(v) for v in values]
+    inner = {tuple(shape) for shape, _ in parts}
+    if len(inner) == 1 and values:
+        shape = [len(values)] + list(next(iter(inner)))
+        return shape, [x for _, flat in parts for x in flat]
+    return [len(values)], list(values)
+
+
+def _nest(flat: list, shape: list[int]) -> Any:
+    if not shape:
+        return flat[0]
+    if len(shape) == 1:
+        return list(flat)
+    step = len(flat) // shape[0] if shape[0] else 0
+    return [_nest(flat[i * step : (i + 1) * step], shape[1:]) for i in range(shape[0])]

@@ -1,0 +1,677 @@
+"""TensorDict: a dict of tensors (and nested collections) that share leading batch dims."""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from shared_td.containers import batch as batch_ops
+from shared_td.containers.base import (
+    NO_DEFAULT,
+    TensorDictBase,
+    is_non_tensor,
+    is_tensor_collection,
+)
+from shared_td.errors import BatchSizeMismatchError
+from shared_td.keys import NestedKey, key_repr, unravel_key
+
+
+class TensorDict(TensorDictBase):
+    """A nested mapping of str keys to tensors, tensordicts, tensorclasses and non-tensors.
+
+    Every entry's leading dims equal ``batch_size``; operations along batch dims
+    (indexing, stacking, reshaping, ...) apply to all entries at once.
+
+    Args:
+        source: a dict (or tensordict) of entries; nested dicts become TensorDicts.
+        batch_size: the leading shape shared by all entries (default: ``[]``).
+        device: if given, every tensor is moved there.
+        names: optional names of the batch dims.
+        **kwargs: more entries, as in ``dict(**kwargs)``.
+
+    Examples:
+        >>> td = TensorDict({"obs": torch.zeros(4, 3)}, batch_size=[4], reward=torch.ones(4))
+        >>> td["obs"].shape, td[1:3].batch_size
+        (torch.Size([4, 3]), torch.Size([2]))
+        >>> td["task"] = "walk"          # a NonTensorData
+        >>> td[0]["task"]
+        'walk'
+    """
+
+    def __init__(
+        self,
+        source: Any = None,
+        batch_size: Any = None,
+        device: Any = None,
+        names: Sequence[str | None] | None = None,
+        non_blocking: bool | None = None,
+        lock: bool = False,
+        **kwargs: Any,
+    ):
+        self._tensordict: dict[str, Any] = {}
+        self._batch_size = batch_ops.as_batch_size(batch_size)
+        self._device = None if device is None else torch.device(device)
+        self._names = None
+        self._is_locked = False
+        self._is_shared = False
+        self._is_memmap = False
+        self._memmap_prefix = None
+        self._lock_parents: dict = {}
+        self._context_ops: list = []
+        entries = {}
+        if source is not None:
+            entries.update(source.items() if hasattr(source, "items") else source)
+        entries.update(kwargs)
+        for key, value in entries.items():
+            self.set(key, value)
+        if names is not None:
+            self.names = names
+        if lock:
+            self.lock_()
+
+    @classmethod
+    def _new_unsafe(
+        cls, entries: dict, batch_size: torch.Size, device=None, names=None
+    ) -> "TensorDict":
+        """Build from already validated entries (internal fast path)."""
+        td = cls.__new__(cls)
+        td._tensordict = entries
+        td._batch_size = batch_size
+        td._device = device
+        td._names = names
+        td._is_locked = td._is_shared = td._is_memmap = False
+        td._memmap_prefix = None
+        td._lock_parents = {}
+        td._context_ops = []
+        return td
+
+    # ---------------------------------------------------------------- storage hooks
+    def _get_str(self, key: str, default: Any) -> Any:
+        return self._tensordict.get(key, default)
+
+    def _keys_str(self):
+        return iter(list(self._tensordict))
+
+    def _del_str(self, key: str) -> None:
+        del self._tensordict[key]
+
+    def _empty_child(self) -> "TensorDict":
+        return TensorDict._new_unsafe({}, self._batch_size, self._device)
+
+    def _set_str(self, key: str, value: Any, *, inplace: bool, validated: bool) -> None:
+        if not isinstance(key, str):
+            unravel_key(key)  # raises the KeyTypeError
+        if not validated:
+            value = self._convert(key, value)
+        current = self._tensordict.get(key)
+        if inplace and current is not None:
+            _write_into(current, value, key)
+            return
+        self._check_unlocked((key,), "add" if current is None else "replace")
+        self._tensordict[key] = value
+
+    def _convert(self, key: str, value: Any) -> Any:
+        """Turn ``value`` into an entry (tensor, collection or NonTensorData) and check it."""
+        from shared_td.containers.nontensor import NonTensorData
+
+        if isinstance(value, dict):
+            value = TensorDict(value, batch_size=self._batch_size, device=self._device)
+        elif isinstance(value, np.ndarray) and value.dtype != object:
+            value = torch.as_tensor(value)
+        elif isinstance(value, (bool, int, float, complex, np.number)):
+            value = torch.as_tensor(value)
+        elif isinstance(value, (list, tuple)) and not is_tensor_collection(value):
+            value = _list_to_tensor(value)
+        if not isinstance(value, torch.Tensor) and not is_tensor_collection(value):
+            value = NonTensorData(value, batch_size=self._batch_size, device=self._device)
+        if is_non_tensor(value) and value.batch_size != self._batch_size:
+            value = value._with_batch_size(self._batch_size, key)
+        shape = value.batch_size if is_tensor_collection(value) else value.shape
+        if shape[: self.batch_dims] != self._batch_size:
+            raise BatchSizeMismatchError(
+                f"Batch dimension mismatch for key {key!r}: the value has shape "
+                f"{list(shape)} but the tensordict has batch_size {list(self._batch_size)}; "
+                "the leading dims of every value must equal the batch size "
+                "(expand, reshape or index the value, or change batch_size)."
+            )
+        if self._device is not None and value.device != self._device:
+            value = value.to(self._device)
+        return value
+
+    # ---------------------------------------------------------------- properties
+    @property
+    def batch_size(self) -> torch.Size:
+        """The leading shape shared by all entries. Settable (checked against entries)."""
+        return self._batch_size
+
+    @batch_size.setter
+    def batch_size(self, new_size: Any) -> None:
+        new_size = batch_ops.as_batch_size(new_size)
+        self._check_batch_size(new_size)
+        self._apply_batch_size(new_size)
+
+    def _check_batch_size(self, new_size: torch.Size) -> None:
+        """Raise, before anything changes, if some leaf does not start with ``new_size``."""
+        for key, value in self._tensordict.items():
+            if isinstance(value, TensorDict) and value.batch_dims < len(new_size):
+                value._check_batch_size(new_size)
+                continue
+            shape = value.batch_size if is_tensor_collection(value) else value.shape
+            if shape[: len(new_size)] != new_size and not is_non_tensor(value):
+                raise BatchSizeMismatchError(
+                    f"Cannot set batch_size to {list(new_size)}: key {key!r} has shape "
+                    f"{list(shape)}."
+                )
+
+    def _apply_batch_size(self, new_size: torch.Size) -> None:
+        for key, value in self._tensordict.items():
+            if is_non_tensor(value):
+                self._tensordict[key] = value._with_batch_size(new_size, key)
+            elif isinstance(value, TensorDict) and value.batch_dims < len(new_size):
+                value._apply_batch_size(new_size)
+        self._batch_size = new_size
+        if self._names is not None and len(self._names) != len(new_size):
+            self._names = None
+
+    @property
+    def device(self) -> torch.device | None:
+        """The device of every tensor, or None if they may differ."""
+        return self._device
+
+    @property
+    def names(self) -> list | None:
+        """Names of the batch dims (None if unnamed)."""
+        return None if self._names is None else list(self._names)
+
+    @names.setter
+    def names(self, names: Sequence[str | None] | None) -> None:
+        if names is None:
+            self._names = None
+            return
+        names = list(names)
+        if len(names) != self.batch_dims:
+            raise ValueError(
+                f"Got {len(names)} names {names} for {self.batch_dims} batch dims "
+                f"{list(self._batch_size)}: give one name (or None) per batch dim."
+            )
+        named = [n for n in names if n is not None]
+        if len(set(named)) != len(named):
+            raise ValueError(f"Names of batch dims must be unique, got {names}.")
+        self._names = names
+
+    def refine_names(self, *names: str | None) -> "TensorDict":
+        """Set the names of the batch dims in place; returns self."""
+        self.names = names
+        return self
+
+    # ---------------------------------------------------------------- mapping entries
+    def _map_entries(
+        self,
+        op: Callable[[Any], Any],
+        batch_size: torch.Size,
+        names: list | None = None,
+        *,
+        is_view: bool = False,
+        device: Any = NO_DEFAULT,
+    ) -> "TensorDict":
+        """A new TensorDict with ``op`` applied to every entry (tensor or collection).
+
+        ``is_view`` keeps the lock and memmap/shared flags, as the result shares storage.
+        """
+        entries = {key: op(value) for key, value in self._tensordict.items()}
+        out = TensorDict._new_unsafe(
+            entries, batch_size, self._device if device is NO_DEFAULT else device, names
+        )
+        if is_view:
+            out._is_memmap, out._is_shared = self._is_memmap, self._is_shared
+            out._memmap_prefix = self._memmap_prefix
+            if self._is_locked:
+                out.lock_()
+        return out
+
+    def _map_leaves(self, fn: Callable[[NestedKey, Any], Any], prefix: tuple = ()) -> "TensorDict":
+        """Same structure, ``fn(key, leaf)`` on tensor and non-tensor leaves."""
+        entries = {}
+        for key, value in self._tensordict.items():
+            path = prefix + (key,)
+            if is_tensor_collection(value) and not is_non_tensor(value):
+                inner = value if isinstance(value, TensorDict) else value._tensordict
+                entries[key] = inner._map_leaves(fn, path)
+            else:
+                entries[key] = fn(path if len(path) > 1 else key, value)
+        return TensorDict._new_unsafe(entries, self._batch_size, self._device, self.names)
+
+    def apply(
+        self,
+        fn: Callable,
+        *others: TensorDictBase,
+        batch_size: Any = None,
+        names: Any = NO_DEFAULT,
+        inplace: bool = False,
+        device: Any = NO_DEFAULT,
+    ) -> "TensorDict":
+        """Apply ``fn`` to every tensor leaf and return the results as a new TensorDict.
+
+        ``fn`` receives the leaf (and the same key of each of ``others``); a None
+        result drops the key. Non-tensor leaves are kept as they are. ``inplace=True``
+        writes the results into self instead.
+
+        Examples:
+            >>> td.apply(lambda x: x * 2)
+        """
+        return self.named_apply(
+            lambda key, *values: fn(*values), *others, batch_size=batch_size,
+            names=names, inplace=inplace, device=device,
+        )
+
+    def named_apply(
+        self,
+        fn: Callable,
+        *others: TensorDictBase,
+        nested_keys: bool = False,
+        batch_size: Any = None,
+        names: Any = NO_DEFAULT,
+        inplace: bool = False,
+        device: Any = NO_DEFAULT,
+        _prefix: tuple = (),
+    ) -> "TensorDict":
+        """Like ``apply``, but ``fn(key, leaf, *others_leaves)`` also gets the key.
+
+        The key is the leaf's own name, or its full nested tuple if ``nested_keys``.
+        """
+        new_batch = self._batch_size if batch_size is None else batch_ops.as_batch_size(batch_size)
+        entries = {}
+        for key, value in self._tensordict.items():
+            path = _prefix + (key,)
+            other_values = [o.get(key) for o in others]
+            if is_non_tensor(value):
+                result = value if new_batch == self._batch_size else value._with_batch_size(new_batch, key)
+            elif is_tensor_collection(value):
+                inner = value if isinstance(value, TensorDict) else value._tensordict
+                result = inner.named_apply(
+                    fn, *other_values, nested_keys=nested_keys,
+                    batch_size=None if batch_size is None else new_batch,
+                    inplace=inplace, _prefix=path,
+                )
+                if inner is not value:
+                    result = value._from_tensordict(result)
+            else:
+                name = path if nested_keys and len(path) > 1 else key
+                result = fn(name, value, *other_values)
+            if result is not None:
+                entries[key] = result
+        if inplace:
+            for key, result in entries.items():
+                if isinstance(result, torch.Tensor):
+                    self._tensordict[key].copy_(result)
+            return self
+        out_names = self.names if names is NO_DEFAULT and new_batch == self._batch_size else (
+            None if names is NO_DEFAULT else names
+        )
+        out = TensorDict._new_unsafe(
+            entries, new_batch, self._device if device is NO_DEFAULT else device, None
+        )
+        out.names = out_names
+        return out
+
+    # ---------------------------------------------------------------- indexing
+    def _index(self, index: Any) -> "TensorDict":
+        index = batch_ops.normalize_index(index, self._batch_size)
+        new_size = batch_ops.indexed_batch_size(self._batch_size, index)
+        return self._map_entries(
+            lambda value: value[index],
+            new_size,
+            batch_ops.indexed_names(self._names, index),
+            is_view=batch_ops.is_basic_index(index),
+        )
+
+    def _set_at_index(self, index: Any, value: Any) -> None:
+        """``td[index] = value``: write a tensordict, dict or scalar into the indexed rows.
+
+        Everything is checked before the first byte is written.
+        """
+        index = batch_ops.normalize_index(index, self._batch_size)
+        target_batch = batch_ops.indexed_batch_size(self._batch_size, index)
+        if isinstance(value, dict):  # batch_size [] so that values may broadcast
+            value = TensorDict(value, batch_size=[])
+        if not is_tensor_collection(value):
+            for leaf in self._leaf_tensors():
+                leaf[index] = value
+            return
+        if is_non_tensor(value) or not isinstance(value, TensorDictBase):
+            value = value if isinstance(value, TensorDictBase) else value._tensordict
+        writes = self._plan_index_writes(index, target_batch, value)
+        for key, source in writes:
+            current = self._tensordict[key]
+            if is_non_tensor(current):
+                self._tensordict[key] = current._set_at(index, source)
+            else:
+                current[index] = source
+
+    def _plan_index_writes(self, index: tuple, target_batch: torch.Size, value: TensorDictBase):
+        writes = []
+        for key in value._keys_str():
+            source = value._get_str(key, None)
+            current = self._tensordict.get(key)
+            if current is None:
+                self._check_unlocked((key,), "add")
+                current = _zeros_like_entry(source, self._batch_size, target_batch)
+                self._tensordict[key] = current
+            if isinstance(current, torch.Tensor):
+                if not isinstance(source, torch.Tensor):
+                    raise TypeError(f"Cannot write a {type(source).__name__} into tensor entry {key!r}.")
+                expected = target_batch + current.shape[self.batch_dims :]
+                try:
+                    torch.broadcast_shapes(source.shape, expected)
+                except RuntimeError:
+                    raise BatchSizeMismatchError(
+                        f"Cannot write a value of shape {list(source.shape)} into entry "
+                        f"{key!r} at {index!r}: expected shape {list(expected)}."
+                    ) from None
+            writes.append((key, source))
+        return writes
+
+    # ---------------------------------------------------------------- new tensordicts
+    def empty(self, recurse: bool = False, *, batch_size: Any = None, device: Any = NO_DEFAULT) -> "TensorDict":
+        """A tensordict with the same batch size and device but no entries
+        (``recurse=True`` keeps the nested tensordicts, empty)."""
+        size = self._batch_size if batch_size is None else batch_ops.as_batch_size(batch_size)
+        entries = {}
+        if recurse:
+            for key, value in self._tensordict.items():
+                if isinstance(value, TensorDict):
+                    entries[key] = value.empty(recurse=True)
+        return TensorDict._new_unsafe(
+            entries, size, self._device if device is NO_DEFAULT else device, self.names
+        )
+
+    def clone(self, recurse: bool = True) -> "TensorDict":
+        """A copy; with ``recurse=False`` the new tensordict shares the same tensors."""
+        if not recurse:
+            return self._map_entries(lambda v: v, self._batch_size, self.names)
+        return self._map_entries(
+            lambda v: v.clone() if isinstance(v, (torch.Tensor, TensorDictBase)) or is_tensor_collection(v) else v,
+            self._batch_size,
+            self.names,
+        )
+
+    def contiguous(self) -> "TensorDict":
+        """A copy whose tensors are contiguous, plain (not memory-mapped) tensors."""
+        return self._map_entries(_plain_contiguous, self._batch_size, self.names)
+
+    def to(self, *args: Any, **kwargs: Any) -> "TensorDict":
+        """Move to a device (``td.to("cpu")``) or cast tensors (``td.to(torch.float16)``)."""
+        target = args[0] if args else kwargs.get("device", kwargs.get("dtype"))
+        if isinstance(target, torch.dtype):
+            return self._map_entries(lambda v: v.to(target), self._batch_size, self.names)
+        if isinstance(target, torch.Tensor):
+            return self.to(target.device).to(target.dtype)
+        device = torch.device(target)
+        if device == self._device:
+            return self
+        return self._map_entries(
+            lambda v: v.to(device), self._batch_size, self.names, device=device
+        )
+
+    def select(self, *keys: NestedKey, inplace: bool = False, strict: bool = True) -> "TensorDict":
+        """A tensordict with only ``keys`` (nested keys select inside nested tensordicts)."""
+        out = self.empty()
+        for key in keys:
+            path = unravel_key(key)
+            value = self._get_path(path, NO_DEFAULT)
+            if value is NO_DEFAULT:
+                if strict:
+                    raise KeyError(self._missing_key_message(path))
+                continue
+            node = out
+            for i, part in enumerate(path[:-1]):
+                child = node._tensordict.get(part)
+                if child is None:
+                    source = self._get_path(path[: i + 1], None)
+                    child = source.empty() if isinstance(source, TensorDict) else node._empty_child()
+                    node._tensordict[part] = child
+                node = child
+            node._tensordict[path[-1]] = value
+        if inplace:
+            self._check_unlocked(tuple(self._tensordict), "remove")
+            self._tensordict = out._tensordict
+            return self
+        return out
+
+    def exclude(self, *keys: NestedKey, inplace: bool = False) -> "TensorDict":
+        """A tensordict without ``keys`` (missing keys are ignored)."""
+        out = self if inplace else self.clone(recurse=False)
+        if inplace:
+            self._check_unlocked(tuple(unravel_key(k) for k in keys)[0] if keys else (), "remove")
+        for key in keys:
+            path = unravel_key(key)
+            parent = out
+            for part in path[:-1]:
+                child = parent._tensordict.get(part)
+                if not isinstance(child, TensorDict):
+                    parent = None
+                    break
+                if not inplace:
+                    child = child.clone(recurse=False)
+                    parent._tensordict[part] = child
+                parent = child
+            if parent is not None:
+                parent._tensordict.pop(path[-1], None)
+        return out
+
+    def flatten_keys(self, separator: str = ".", inplace: bool = False) -> "TensorDict":
+        """Nested entries as top-level keys joined by ``separator`` (``("a", "b")`` -> ``"a.b"``)."""
+        entries = {}
+        for key in self.keys(include_nested=True, leaves_only=True):
+            name = key if isinstance(key, str) else separator.join(key)
+            if name in entries:
+                raise KeyError(f"Flattening gives the key {name!r} twice; choose another separator.")
+            entries[name] = self.get(key)
+        if inplace:
+            self._check_unlocked((), "flatten the keys of")
+            self._tensordict = entries
+            return self
+        return TensorDict._new_unsafe(entries, self._batch_size, self._device, self.names)
+
+    def unflatten_keys(self, separator: str = ".", inplace: bool = False) -> "TensorDict":
+        """The inverse of ``flatten_keys``: ``"a.b"`` becomes ``("a", "b")``."""
+        out = self.empty()
+        for key, value in self._tensordict.items():
+            out.set(tuple(key.split(separator)), value)
+        if inplace:
+            self._check_unlocked((), "unflatten the keys of")
+            self._tensordict = out._tensordict
+            return self
+        return out
+
+    @classmethod
+    def from_dict(
+        cls, input_dict: dict, batch_size: Any = None, device: Any = None,
+        names: Any = None, auto_batch_size: bool = False,
+    ) -> "TensorDict":
+        """Build a TensorDict from a nested dict.
+
+        ``batch_size=None`` gives ``[]`` unless ``auto_batch_size=True``, which uses the
+        longest leading shape that all leaves share.
+        """
+        td = cls(input_dict, batch_size=batch_size, device=device)
+        if auto_batch_size and batch_size is None:
+            shapes = [v.shape for v in td._leaf_tensors()]
+            td.batch_size = batch_ops.common_batch_prefix(shapes)
+        if names is not None:
+            td.names = names
+        return td
+
+    # ---------------------------------------------------------------- in-place ops
+    def zero_(self) -> "TensorDict":
+        """Fill every tensor with zeros, in place; returns self."""
+        for leaf in self._leaf_tensors():
+            leaf.zero_()
+        return self
+
+    def fill_(self, key: NestedKey, value: Any) -> "TensorDict":
+        """Fill the entry ``key`` (a tensor, or every tensor of a nested tensordict) with
+        ``value``, in place; returns self."""
+        entry = self.get(key)
+        targets = entry._leaf_tensors() if isinstance(entry, TensorDictBase) else [entry]
+        for leaf in targets:
+            leaf.fill_(value)
+        return self
+
+    def share_memory_(self) -> "TensorDict":
+        """Move every tensor to shared memory (torch's) and lock; returns self.
+
+        Raises:
+            RuntimeError: if the tensordict is memory-mapped (the two are exclusive).
+        """
+        if self._is_memmap:
+            raise RuntimeError(
+                "memmap and shared memory are mutually exclusive features: this "
+                "tensordict is memory-mapped already (its leaves are shared)."
+            )
+        for value in self._tensordict.values():
+            if isinstance(value, torch.Tensor):
+                value.share_memory_()
+            elif is_tensor_collection(value) and not is_non_tensor(value):
+                value.share_memory_()
+        self._is_shared = True
+        self.lock_()
+        return self
+
+    # ---------------------------------------------------------------- shape ops
+    def expand(self, *shape: Any) -> "TensorDict":
+        """Expand the batch dims to ``shape`` (new leading dims allowed), as torch does."""
+        size = batch_ops.shape_args(shape)
+        nb = self.batch_dims
+        probe = torch.zeros((), dtype=torch.uint8).expand(self._batch_size)
+        size = probe.expand(size).shape
+        return self._map_entries(
+            lambda v: v.expand(*size, *v.shape[nb:]), size, None
+        )
+
+    def reshape(self, *shape: Any) -> "TensorDict":
+        """Reshape the batch dims (``-1`` allowed); feature dims are kept."""
+        nb = self.batch_dims
+        size = torch.zeros((), dtype=torch.uint8).expand(self._batch_size).reshape(
+            batch_ops.shape_args(shape)
+        ).shape
+        return self._map_entries(lambda v: v.reshape(*size, *v.shape[nb:]), size)
+
+    def view(self, *shape: Any) -> "TensorDict":
+        """A view with reshaped batch dims (the storage is shared; raises if impossible)."""
+        if len(shape) == 1 and isinstance(shape[0], torch.dtype):
+            raise TypeError("TensorDict.view(dtype) is not supported; use .to(dtype).")
+        nb = self.batch_dims
+        size = torch.empty(self._batch_size, device="meta").view(batch_ops.shape_args(shape)).shape
+        return self._map_entries(lambda v: v.view(*size, *v.shape[nb:]), size, is_view=True)
+
+    def unsqueeze(self, dim: int) -> "TensorDict":
+        """Insert a batch dim of size 1 at ``dim`` (a view)."""
+        dim = batch_ops.normalize_dim(dim, self.batch_dims + 1)
+        size = torch.Size(list(self._batch_size[:dim]) + [1] + list(self._batch_size[dim:]))
+        names = None if self._names is None else self._names[:dim] + [None] + self._names[dim:]
+        return self._map_entries(lambda v: v.unsqueeze(dim), size, names, is_view=True)
+
+    def squeeze(self, dim: int | None = None) -> "TensorDict":
+        """Remove batch dims of size 1 (all of them, or only ``dim``) (a view)."""
+        if dim is None:
+            dims = [d for d, n in enumerate(self._batch_size) if n == 1]
+        else:
+            dim = batch_ops.normalize_dim(dim, self.batch_dims)
+            dims = [dim] if self._batch_size[dim] == 1 else []
+        out = self
+        for d in reversed(dims):
+            size = torch.Size(list(out._batch_size[:d]) + list(out._batch_size[d + 1 :]))
+            names = None if out._names is None else out._names[:d] + out._names[d + 1 :]
+            out = out._map_entries(lambda v, d=d: v.squeeze(d), size, names, is_view=True)
+        return out
+
+    def permute(self, *dims: Any) -> "TensorDict":
+        """Reorder the batch dims (a view); feature dims stay last."""
+        order = [batch_ops.normalize_dim(d, self.batch_dims) for d in batch_ops.shape_args(dims)]
+        if sorted(order) != list(range(self.batch_dims)):
+            raise ValueError(f"permute needs each of the {self.batch_dims} batch dims once, got {list(dims)}.")
+        nb = self.batch_dims
+        size = torch.Size([self._batch_size[d] for d in order])
+        names = None if self._names is None else [self._names[d] for d in order]
+        return self._map_entries(
+            lambda v: v.permute(*order, *range(nb, v.ndim)), size, names, is_view=True
+        )
+
+    def unbind(self, dim: int = 0) -> tuple["TensorDict", ...]:
+        """Views of each element along batch dim ``dim``."""
+        dim = batch_ops.normalize_dim(dim, self.batch_dims)
+        prefix = (slice(None),) * dim
+        return tuple(self[prefix + (i,)] for i in range(self._batch_size[dim]))
+
+    def split(self, split_size: int | Sequence[int], dim: int = 0) -> tuple["TensorDict", ...]:
+        """Views of consecutive chunks along batch dim ``dim``, as ``torch.split``."""
+        dim = batch_ops.normalize_dim(dim, self.batch_dims)
+        length = self._batch_size[dim]
+        if isinstance(split_size, int):
+            if split_size <= 0:
+                raise ValueError(f"split_size must be positive, got {split_size}.")
+            sizes = [min(split_size, length - s) for s in range(0, length, split_size)]
+        else:
+            sizes = list(split_size)
+            if sum(sizes) != length:
+                raise ValueError(f"split sizes {sizes} do not add up to dim {dim} of size {length}.")
+        prefix, out, start = (slice(None),) * dim, [], 0
+        for n in sizes:
+            out.append(self[prefix + (slice(start, start + n),)])
+            start += n
+        return tuple(out)
+
+    def chunk(self, chunks: int, dim: int = 0) -> tuple["TensorDict", ...]:
+        """Split into ``chunks`` views of (nearly) equal size along ``dim``, as ``torch.chunk``."""
+        if chunks <= 0:
+            raise ValueError(f"chunks must be positive, got {chunks}.")
+        dim = batch_ops.normalize_dim(dim, self.batch_dims)
+        length = self._batch_size[dim]
+        return self.split(max(1, math.ceil(length / chunks)), dim) if length else (self,)
+
+
+def _write_into(current: Any, value: Any, key: str) -> None:
+    """In-place write of a converted ``value`` into the existing entry ``current``."""
+    if isinstance(current, torch.Tensor):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"Cannot write a {type(value).__name__} in place into tensor entry {key!r}.")
+        try:
+            current.copy_(value)
+        except RuntimeError as error:
+            raise BatchSizeMismatchError(
+                f"Cannot write a value of shape {list(value.shape)} in place into entry "
+                f"{key!r} of shape {list(current.shape)}: {error}"
+            ) from None
+    elif is_non_tensor(current):
+        current._update_(value)
+    else:
+        current.update_(value)
+
+
+def _list_to_tensor(value: list | tuple) -> Any:
+    """Lists of numbers become tensors (as tensordict does); other lists stay Python."""
+    try:
+        return torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError):
+        return value
+
+
+def _plain_contiguous(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.as_subclass(torch.Tensor).contiguous() if type(value) is not torch.Tensor else value.contiguous()
+    return value.contiguous()
+
+
+def _zeros_like_entry(source: Any, batch_size: torch.Size, target_batch: torch.Size) -> Any:
+    """A zero entry for ``td[idx] = other`` when ``other`` has a key self lacks."""
+    if isinstance(source, torch.Tensor):
+        feature = source.shape[len(target_batch):]
+        return torch.zeros(batch_size + feature, dtype=source.dtype, device=source.device)
+    if is_non_tensor(source):
+        from shared_td.containers.nontensor import NonTensorData
+
+        return NonTensorData(None, batch_size=batch_size)
+    return source.empty(batch_size=batch_size) if hasattr(source, "empty") else source
