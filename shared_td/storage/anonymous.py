@@ -1,0 +1,203 @@
+"""Anonymous shared memory: ``memfd`` segments that other processes attach by reference.
+
+Ownership and lifetime (the questions CPython's ``shared_memory`` answers with names and
+a resource tracker; we need neither):
+
+* ``Segment.create`` makes a ``memfd`` (name ``shared_td-<pid>``) and reserves all its
+  bytes with ``posix_fallocate``, so a full tmpfs or memory limit is a
+  :class:`~shared_td.storage.files.StorageFullError` at creation, never a SIGBUS later.
+* The :class:`Segment` object owns exactly one descriptor, closed by ``weakref.finalize``
+  when the object dies. Mappings outlive the descriptor; the memory is freed by the
+  kernel when the last descriptor *and* the last mapping in any process are gone.
+  Nothing is ever named in ``/dev/shm``, so a SIGKILL leaks nothing.
+* A pickled segment is ``(pid, fd, (st_dev, st_ino), nbytes)`` of the pickling process.
+  The receiver opens ``/proc/<pid>/fd/<fd>`` -- allowed for processes of the same user --
+  checks the inode, and owns the new descriptor. This works with every pickler and start
+  method, as long as the sending process still holds the segment when the receiver
+  unpickles (:class:`SegmentUnavailableError` otherwise). Fork children inherit the
+  descriptor and this module's cache, so they need no ``/proc`` at all.
+* Many leaves can share one segment (at :data:`ALIGNMENT`-byte offsets): descriptors grow
+  with the number of segments, not of tensors (user-issues row 15).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+
+from shared_td.storage.files import (
+    NO_SPACE_ERRNOS,
+    map_fd,
+    pwrite_all,
+    storage_full_error,
+)
+
+__all__ = ["ALIGNMENT", "Segment", "SegmentUnavailableError", "align", "find_segment"]
+
+#: Offsets of leaves packed into one segment: a multiple of every dtype's size and of
+#: the cache line, so vectorised kernels see aligned data.
+ALIGNMENT = 64
+
+
+def align(nbytes: int, alignment: int = ALIGNMENT) -> int:
+    """Round ``nbytes`` up to a multiple of ``alignment``.
+
+    Example:
+        >>> align(1), align(64), align(65)
+        (64, 64, 128)
+    """
+    return -(-nbytes // alignment) * alignment
+
+
+class SegmentUnavailableError(RuntimeError):
+    """A pickled segment can no longer be attached: its sender exited or released it."""
+
+
+# (st_dev, st_ino) -> Segment: one descriptor and one mapping per segment per process,
+# however many leaves of it are unpickled. Weak, so a dead segment leaves no entry; a
+# live entry keeps its descriptor open, so its inode number cannot be reused meanwhile.
+_CACHE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_CACHE_LOCK = threading.Lock()
+
+
+class Segment:
+    """An anonymous shared-memory segment of ``nbytes`` bytes, mapped once in this process.
+
+    Attributes: ``fd`` (the one descriptor this object owns), ``nbytes``, ``key``
+    (``(st_dev, st_ino)``, the identity of the memory across processes) and ``storage``
+    (one uint8 ``torch.UntypedStorage`` over all the bytes).
+
+    Example:
+        >>> import pickle
+        >>> seg = Segment.create(128)
+        >>> seg.write(64, b"hi")
+        >>> bytes(seg.storage[64:66].tolist())
+        b'hi'
+        >>> pickle.loads(pickle.dumps(seg)) is seg  # same process: the same object
+        True
+    """
+
+    __slots__ = ("fd", "nbytes", "key", "storage", "_finalizer", "__weakref__")
+
+    def __init__(self, fd: int, nbytes: int, key: tuple[int, int]):
+        # Private: use Segment.create, or pickle. Takes ownership of fd.
+        self.fd = fd
+        self.nbytes = nbytes
+        self.key = key
+        self._finalizer = weakref.finalize(self, os.close, fd)
+        try:
+            # Mapped eagerly: mapping costs nothing until touched, and one fixed storage
+            # per segment is what lets a tensor prove which segment it views.
+            self.storage = map_fd(fd, nbytes, shared=True)
+        except BaseException:
+            self._finalizer()
+            raise
+
+    @classmethod
+    def create(cls, nbytes: int) -> Segment:
+        """Create a new zero-filled segment with all ``nbytes`` reserved.
+
+        Raises ``ValueError`` for ``nbytes <= 0`` (callers keep zero-byte tensors out of
+        segments) and :class:`~shared_td.storage.files.StorageFullError` when the memory
+        cannot be reserved.
+
+        Example:
+            >>> Segment.create(1000).nbytes
+            1000
+        """
+        if nbytes <= 0:
+            raise ValueError(f"A segment needs a positive size, got {nbytes} bytes.")
+        fd = os.memfd_create(f"shared_td-{os.getpid()}", os.MFD_CLOEXEC)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+            st = os.fstat(fd)
+        except OSError as err:
+            os.close(fd)
+            if err.errno in NO_SPACE_ERRNOS:
+                raise storage_full_error(err, nbytes, "an anonymous shared-memory segment") from err
+            raise
+        except BaseException:
+            os.close(fd)
+            raise
+        return _register(fd, nbytes, (st.st_dev, st.st_ino))
+
+    def write(self, offset: int, data) -> None:
+        """Write bytes-like ``data`` at byte ``offset`` with ``pwrite`` (no page faults).
+
+        Example:
+            >>> seg = Segment.create(8)
+            >>> seg.write(0, b"\\x07")
+            >>> seg.storage[0]
+            7
+        """
+        size = memoryview(data).nbytes
+        if offset < 0 or offset + size > self.nbytes:
+            raise ValueError(
+                f"Writing {size} bytes at offset {offset} overflows a segment of "
+                f"{self.nbytes} bytes."
+            )
+        pwrite_all(self.fd, data, offset, where="an anonymous shared-memory segment")
+
+    def __reduce__(self):
+        return _attach, (os.getpid(), self.fd, self.key, self.nbytes)
+
+    def __repr__(self) -> str:
+        return f"Segment(nbytes={self.nbytes}, fd={self.fd}, inode={self.key[1]})"
+
+
+def _register(fd: int, nbytes: int, key: tuple[int, int]) -> Segment:
+    """Wrap ``fd`` as this process's Segment for ``key``, unless another thread won."""
+    segment = Segment(fd, nbytes, key)
+    with _CACHE_LOCK:
+        existing = _CACHE.get(key)
+        if existing is None:
+            _CACHE[key] = segment
+            return segment
+    # Another thread attached the same memory meanwhile: keep one per process.
+    segment._finalizer()
+    return existing
+
+
+def find_segment(storage) -> Segment | None:
+    """The Segment of this process whose mapping is ``storage``, if any."""
+    with _CACHE_LOCK:
+        segments = list(_CACHE.values())
+    return next((s for s in segments if s.storage.data_ptr() == storage.data_ptr()), None)
+
+
+def _unavailable(pid: int, key: tuple[int, int], nbytes: int, reason: str) -> SegmentUnavailableError:
+    return SegmentUnavailableError(
+        f"The shared-memory segment of {nbytes} bytes (inode {key[1]}) sent by process "
+        f"{pid} is gone ({reason}): that process has exited or no longer holds it. "
+        "Anonymous MemoryMappedTensors can only be received while their sender holds "
+        "them; give them a filename for data that must outlive the sender."
+    )
+
+
+def _attach(pid: int, fd: int, key: tuple[int, int], nbytes: int) -> Segment:
+    """Unpickle a segment: reuse this process's copy, or open the sender's descriptor."""
+    key = tuple(key)
+    with _CACHE_LOCK:
+        segment = _CACHE.get(key)
+    if segment is not None:
+        return segment
+    if pid == os.getpid():
+        # Our own segment is no longer in the cache, so its descriptor was closed.
+        raise _unavailable(pid, key, nbytes, "it was released in this process")
+    try:
+        new_fd = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+    except OSError as err:
+        raise _unavailable(pid, key, nbytes, err.strerror or str(err)) from err
+    try:
+        st = os.fstat(new_fd)
+        if (st.st_dev, st.st_ino) != key:
+            # the descriptor number was reused for another file
+            raise _unavailable(pid, key, nbytes, f"descriptor {fd} now names another file")
+        if st.st_size < nbytes:
+            raise _unavailable(pid, key, nbytes, f"it holds only {st.st_size} bytes")
+    except BaseException:
+        os.close(new_fd)
+        raise
+    return _register(new_fd, nbytes, key)
+

@@ -1,0 +1,274 @@
+"""File storage for memory-mapped tensors: create, write, map and size-check files.
+
+Rules this module enforces (see DESIGN.md, "Storage"; user-issues rows 15, 33, 43, 47):
+
+* A file is created with ``O_CREAT | O_EXCL`` and is never written through a symlink.
+* Bytes are written with ``pwrite`` into the page cache *before* the file is mapped:
+  that is several times faster than first-touch faults through a fresh mapping.
+* A file only ever grows: an existing longer file keeps its tail, and nothing here
+  truncates a file that another process may have mapped (a shrink would SIGBUS it).
+* A mapping covers the whole file and is made through our own descriptor
+  (``/proc/self/fd/N``), so the inode we checked is the inode we map; the descriptor is
+  closed right after mapping, so mapped files cost no file descriptors.
+* Mapping checks sizes first: a missing file is a ``FileNotFoundError`` (never created),
+  a short one a :class:`FileTooShortError` -- never a SIGBUS on first access.
+* Zero-byte requests never create or map anything (``mmap`` of 0 bytes is invalid).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import weakref
+
+import torch
+
+__all__ = [
+    "FileBacking",
+    "FileTooShortError",
+    "StorageFullError",
+    "create_file",
+    "find_backing",
+    "map_fd",
+    "open_file_backing",
+    "pwrite_all",
+    "tensor_bytes",
+]
+
+# Without /proc (not Linux) we fall back to mapping by path, losing only the guarantee
+# that the mapped inode is the one we opened.
+_HAVE_PROC_FD = os.path.isdir("/proc/self/fd")
+# One pwrite moves at most ~2 GiB on Linux; smaller calls also keep memory views short.
+_WRITE_CHUNK = 1 << 30
+#: errnos that mean "no room": reported as StorageFullError with the size asked for
+NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM, errno.EFBIG)
+
+
+class FileTooShortError(ValueError, RuntimeError):
+    """A file holds fewer bytes than the tensor mapped over it needs.
+
+    A ``ValueError`` that is also a ``RuntimeError`` so handlers of either catch it.
+    """
+
+
+class StorageFullError(OSError):
+    """Space for new tensor bytes could not be reserved (disk, tmpfs or memory is full)."""
+
+
+def _size_text(nbytes: int) -> str:
+    return f"{nbytes} bytes ({nbytes / 2**20:.1f} MiB)"
+
+
+def storage_full_error(err: OSError, nbytes: int, where: str) -> StorageFullError:
+    """Turn an ``ENOSPC``-like ``OSError`` into a :class:`StorageFullError` naming the size."""
+    return StorageFullError(
+        err.errno,
+        f"Could not reserve {_size_text(nbytes)} for {where}: {err.strerror}. "
+        "Free space there, or raise the limit (for containers: --shm-size / memory limit).",
+    )
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """Return the raw C-order bytes of a CPU tensor as a ``memoryview`` (copying only if needed).
+
+    Example:
+        >>> len(tensor_bytes(torch.arange(3, dtype=torch.int16)))
+        6
+    """
+    # reshape(-1) first: a 0-dim tensor cannot be viewed as another dtype
+    flat = tensor.detach().resolve_conj().resolve_neg().reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def pwrite_all(fd: int, data, offset: int, *, where: str = "a file") -> None:
+    """Write all of ``data`` at ``offset`` of ``fd``, looping over short writes.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryFile() as f:
+        ...     pwrite_all(f.fileno(), b"abc", 0)
+        ...     os.pread(f.fileno(), 3, 0)
+        b'abc'
+    """
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < len(view):
+        try:
+            done += os.pwrite(fd, view[done : done + _WRITE_CHUNK], offset + done)
+        except OSError as err:
+            if err.errno in NO_SPACE_ERRNOS:
+                raise storage_full_error(err, len(view), where) from err
+            raise
+
+
+def map_fd(fd: int, nbytes: int, *, shared: bool = True, path: str | None = None):
+    """Map the first ``nbytes`` of the open file ``fd`` as one uint8 ``UntypedStorage``.
+
+    ``shared=False`` gives a private copy-on-write mapping. torch opens the file again
+    (through ``/proc/self/fd``) and closes that second descriptor once mapped; the caller
+    still owns ``fd``. The caller must have checked that the file holds ``nbytes``.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryFile() as f:
+        ...     _ = f.write(b"\\x01\\x02"); f.flush()
+        ...     map_fd(f.fileno(), 2).tolist()
+        [1, 2]
+    """
+    source = f"/proc/self/fd/{fd}" if _HAVE_PROC_FD else path
+    mapped = torch.from_file(source, shared=shared, size=nbytes, dtype=torch.uint8)
+    return mapped.untyped_storage()
+
+
+class FileBacking:
+    """One mapping of a whole file, shared by every tensor that views that file.
+
+    Attributes: ``path`` (absolute), ``storage`` (uint8 ``UntypedStorage`` or ``None``
+    for an empty file), ``nbytes`` (bytes mapped), ``shared`` (``False`` for a private
+    copy-on-write mapping). Pickles as ``(path, shared)``: the receiver maps the file
+    again, so writes on either side reach the same page cache.
+    """
+
+    __slots__ = ("path", "storage", "nbytes", "shared", "__weakref__")
+
+    def __init__(self, path: str, storage, nbytes: int, shared: bool):
+        self.path = path
+        self.storage = storage
+        self.nbytes = nbytes
+        self.shared = shared
+
+    def __reduce__(self):
+        return open_file_backing, (self.path, self.shared)
+
+    def __repr__(self) -> str:
+        mode = "shared" if self.shared else "copy-on-write"
+        return f"FileBacking({self.path!r}, nbytes={self.nbytes}, {mode})"
+
+
+# (st_dev, st_ino) -> FileBacking, so that unpickling many leaves of one file maps it once.
+# Keyed by inode, not path: a file replaced by rename is a new file and gets a new mapping.
+_CACHE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_CACHE_LOCK = threading.Lock()
+
+
+def backing_from_fd(path: str, fd: int, *, shared: bool = True) -> FileBacking:
+    """Map the whole file open as ``fd`` (or reuse this process's mapping of it)."""
+    st = os.fstat(fd)
+    key = (st.st_dev, st.st_ino)
+    if shared:
+        with _CACHE_LOCK:
+            cached = _CACHE.get(key)
+        # a file that changed size since is mapped again, so sizes are always current
+        if cached is not None and cached.nbytes == st.st_size:
+            return cached
+    storage = map_fd(fd, st.st_size, shared=shared, path=path) if st.st_size else None
+    backing = FileBacking(path, storage, st.st_size, shared)
+    if shared:
+        # private mappings are never shared: two copy-on-write opens must not see each
+        # other's private writes
+        with _CACHE_LOCK:
+            _CACHE[key] = backing
+    return backing
+
+
+def find_backing(storage) -> FileBacking | None:
+    """The shared FileBacking of this process whose storage is ``storage``, if any."""
+    with _CACHE_LOCK:
+        backings = list(_CACHE.values())
+    return next((b for b in backings if b.storage is not None
+                 and b.storage.data_ptr() == storage.data_ptr()), None)
+
+
+def open_file_backing(path: str, shared: bool = True) -> FileBacking:
+    """Map an existing file by path; a missing file raises ``FileNotFoundError``.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.NamedTemporaryFile() as f:
+        ...     _ = f.write(b"abcd"); f.flush()
+        ...     open_file_backing(f.name).nbytes
+        4
+    """
+    flags = (os.O_RDWR if shared else os.O_RDONLY) | os.O_CLOEXEC
+    fd = os.open(path, flags)
+    try:
+        return backing_from_fd(path, fd, shared=shared)
+    finally:
+        os.close(fd)
+
+
+def _symlink_error(path: str) -> RuntimeError:
+    return RuntimeError(f"Refusing to write memory-mapped tensor through symlink {path}.")
+
+
+def reserve_file(path: str, *, existsok: bool) -> tuple[int, bool]:
+    """Create ``path`` exclusively, or open the existing file when ``existsok``.
+
+    Returns ``(fd, created)``; the caller closes ``fd``. Symlinks are refused, an
+    existing file with ``existsok=False`` is a ``RuntimeError``, a missing parent
+    directory a ``RuntimeError`` naming the path (tensordict's messages).
+    """
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666), True
+    except FileExistsError:
+        # O_EXCL also fails on a symlink, dangling or not, so this branch sees them all
+        if os.path.islink(path):
+            raise _symlink_error(path) from None
+        if not existsok:
+            raise RuntimeError(f"The file {path} already exists.") from None
+    except FileNotFoundError as err:
+        raise RuntimeError(f"{err.strerror}: {path}") from err
+    try:
+        # O_NOFOLLOW closes the window where the file became a symlink since the check
+        return os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW), False
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise _symlink_error(path) from err
+        raise
+
+
+def check_new_empty_file(path: str, *, existsok: bool) -> None:
+    """Apply the creation rules to a zero-byte leaf, which gets no file at all."""
+    if os.path.islink(path):
+        raise _symlink_error(path)
+    if not existsok and os.path.lexists(path):
+        raise RuntimeError(f"The file {path} already exists.")
+
+
+def create_file(path: str, nbytes: int, *, existsok: bool = False, data=None):
+    """Create (or reuse) ``path`` with at least ``nbytes``, write ``data``, map it.
+
+    ``data`` (bytes-like, ``nbytes`` long) is written with ``pwrite`` before mapping.
+    Without data the file is grown, never shrunk, and its space reserved with
+    ``posix_fallocate`` so a full disk is an exception now rather than a SIGBUS later.
+    Returns ``(backing, created)``; for ``nbytes == 0`` only the checks run and
+    ``(None, False)`` is returned.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     backing, created = create_file(os.path.join(d, "x"), 4, data=b"abcd")
+        ...     backing.storage.tolist(), created
+        ([97, 98, 99, 100], True)
+    """
+    if nbytes == 0:
+        check_new_empty_file(path, existsok=existsok)
+        return None, False
+    fd, created = reserve_file(path, existsok=existsok)
+    try:
+        if data is not None:
+            pwrite_all(fd, data, 0, where=f"file {path}")
+        elif os.fstat(fd).st_size < nbytes:
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as err:
+                if err.errno in NO_SPACE_ERRNOS:
+                    raise storage_full_error(err, nbytes, f"file {path}") from err
+                # EOPNOTSUPP/EINVAL: a filesystem without fallocate; grow sparsely
+                os.ftruncate(fd, nbytes)
+        return backing_from_fd(path, fd, shared=True), created
+    finally:
+        os.close(fd)
