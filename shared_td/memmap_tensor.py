@@ -1,0 +1,558 @@
+"""MemoryMappedTensor: a CPU tensor whose bytes live in a file or an anonymous segment.
+
+Design (DESIGN.md "Storage"; differences from tensordict 0.15.3 are marked *ours*):
+
+* Every MemoryMappedTensor (MMT) views the single uint8 storage of its *backing*: a
+  :class:`~shared_td.storage.files.FileBacking` (a whole mapped file) or a
+  :class:`~shared_td.storage.anonymous.Segment` (a memfd). The backing is a Python
+  attribute, ``_backing``; views made by indexing share it.
+* Because a view and its backing share one storage, a tensor pickles as ``(backing,
+  dtype, size, stride, byte offset)``: no index bookkeeping, so views of views stay
+  exact after pickling (*ours*: tensordict pickles ``t[2:5][0]`` as ``t[0]``).
+* Torch-function dispatch is disabled, so ordinary ops return plain tensors and in-place
+  ops return the MMT itself; indexing, ``unbind``, ``split`` and ``chunk`` re-wrap results
+  that still share the storage.
+* Zero-element tensors map nothing and create no file; they pickle as an empty tensor
+  (with their filename, if any).
+"""
+
+from __future__ import annotations
+
+import multiprocessing.reduction
+import os
+
+import numpy as np
+import torch
+
+from shared_td.storage import anonymous, files
+from shared_td.storage.anonymous import Segment
+from shared_td.storage.files import FileBacking, FileTooShortError
+
+__all__ = ["MemoryMappedTensor"]
+
+# A non-contiguous input up to this size is made contiguous and written with pwrite;
+# bigger ones (e.g. an expanded scalar) are copied through the mapping, with no temporary.
+_CONTIGUOUS_COPY_LIMIT = 1 << 26
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _parse_shape(size: tuple, shape) -> torch.Size:
+    # the shape may come as varargs ints, one sequence, or the shape= keyword
+    if size:
+        if shape is not None:
+            raise TypeError("Pass the shape either positionally or as shape=, not both.")
+        first = size[0]
+        # one sequence (or 1-D tensor/array) rather than a single int-like size
+        if len(size) == 1 and (isinstance(first, (list, tuple)) or getattr(first, "ndim", 0)):
+            return torch.Size(first)
+        return torch.Size(size)
+    if shape is None:
+        raise TypeError("Could not find the shape argument in the arguments.")
+    return torch.Size(shape)
+
+
+def _check_cpu(device) -> None:
+    if device is not None and torch.device(device).type != "cpu":
+        raise RuntimeError("Only CPU tensors are supported.")
+
+
+class MemoryMappedTensor(torch.Tensor):
+    """A CPU tensor stored in a file or in anonymous shared memory, shared without copies.
+
+    Pickling (plain ``pickle``, multiprocessing queues, ``multiprocess``/dill, DataLoader
+    workers) sends a reference, never the data: the receiver maps the same file or
+    segment, and writes on either side are seen by the other. Anonymous tensors can be
+    received while their sender holds them; file-backed ones while the file exists.
+
+    Build one with :meth:`from_tensor`, :meth:`empty`, :meth:`zeros`, :meth:`ones`,
+    :meth:`full`, the ``*_like`` variants, :meth:`from_filename` or :meth:`from_storage`.
+    The constructor dispatches to them: ``MemoryMappedTensor(path, dtype=, shape=)``
+    maps a file, a storage goes to :meth:`from_storage`, and a tensor is copied as by
+    :meth:`from_tensor` (*ours*: tensordict re-wraps a plain tensor without any backing,
+    giving a tensor that cannot be pickled).
+
+    ``torch.unbind``/``torch.chunk`` (function forms) return plain tensor views; the
+    methods ``t.unbind()``/``t.chunk()``/``t.split()`` and ``torch.split`` return MMTs.
+
+    Example:
+        >>> t = MemoryMappedTensor.zeros(2, 3)
+        >>> t[0] = 1.0
+        >>> t
+        MemoryMappedTensor([[1., 1., 1.],
+                            [0., 0., 0.]])
+        >>> type(t[1]).__name__, type(t + 1).__name__
+        ('MemoryMappedTensor', 'Tensor')
+    """
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    #: the FileBacking or Segment whose storage this tensor views; None for an empty
+    #: anonymous tensor (or a tensor made with ``as_subclass``, which cannot be pickled)
+    _backing = None
+
+    def __new__(cls, source, *, dtype=None, shape=None, index=None, device=None,
+                handler=None, filename=None):
+        if device is not None and torch.device(device).type != "cpu":
+            raise ValueError(f"{cls.__name__} device must be cpu!")
+        if isinstance(source, (str, os.PathLike)):
+            if filename is not None:
+                raise TypeError("Duplicated filename argument.")
+            if dtype is None or shape is None:
+                raise TypeError("dtype and shape are required to map a file.")
+            return cls.from_filename(source, dtype, shape, index)
+        if isinstance(source, (torch.UntypedStorage, torch.TypedStorage)):
+            return cls.from_storage(source, shape=shape, dtype=dtype, index=index,
+                                    filename=filename, handler=handler)
+        if handler is not None:
+            result = cls._from_backing(handler, 0, dtype, shape)
+        else:
+            if dtype is not None and filename is not None:
+                raise TypeError("Cannot pass new dtype if source is provided.")
+            tensor = source if isinstance(source, torch.Tensor) else torch.as_tensor(source)
+            if dtype is not None:
+                tensor = tensor.to(dtype)
+            result = cls.from_tensor(tensor, filename=filename, shape=shape)
+        return result if index is None else result[index]
+
+    def __init__(self, *args, **kwargs):
+        # __new__ did all the work; torch.Tensor.__init__ would reject the arguments
+        pass
+
+    # ----------------------------------------------------------------- internal hooks
+
+    @classmethod
+    def _from_backing(cls, backing, byte_offset: int, dtype: torch.dtype, shape,
+                      stride=None) -> MemoryMappedTensor:
+        """Build an MMT over ``backing`` (a FileBacking or Segment) at ``byte_offset``.
+
+        The hook for code that packs many leaves into one segment or file. ``stride``
+        defaults to C order. Raises ``ValueError`` for a misaligned offset and
+        :class:`FileTooShortError` (a ``ValueError``) when the bytes run past the backing.
+
+        Example:
+            >>> seg = Segment.create(128)
+            >>> a = MemoryMappedTensor._from_backing(seg, 0, torch.int64, (2,))
+            >>> b = MemoryMappedTensor._from_backing(seg, 64, torch.float32, (3,))
+            >>> b._backing is a._backing, b._byte_offset()
+            (True, 64)
+        """
+        shape = torch.Size(shape)
+        itemsize = dtype.itemsize
+        if byte_offset % itemsize:
+            raise ValueError(f"Byte offset {byte_offset} is not a multiple of the "
+                             f"{itemsize}-byte size of {dtype}.")
+        if shape.numel() == 0:
+            return cls._empty_leaf(backing, dtype, shape)
+        stride = _contiguous_strides(shape) if stride is None else tuple(stride)
+        offset = byte_offset // itemsize
+        extent = 1 + sum((n - 1) * s for n, s in zip(shape, stride))
+        needed = (offset + extent) * itemsize
+        if needed > backing.nbytes:
+            where = f"File {backing.path}" if isinstance(backing, FileBacking) else repr(backing)
+            raise FileTooShortError(
+                f"{where} holds {backing.nbytes} bytes, but a {dtype} tensor of shape "
+                f"{tuple(shape)} at byte offset {byte_offset} needs {needed} bytes."
+            )
+        tensor = torch.empty(0, dtype=dtype).set_(backing.storage, offset, shape, stride)
+        result = tensor.as_subclass(cls)
+        result._backing = backing
+        return result
+
+    @classmethod
+    def _empty_leaf(cls, backing, dtype, shape) -> MemoryMappedTensor:
+        # zero elements: nothing to map; only a file backing's path is worth keeping
+        result = torch.empty(shape, dtype=dtype).as_subclass(cls)
+        result._backing = backing if isinstance(backing, FileBacking) else None
+        return result
+
+    def _byte_offset(self) -> int:
+        """Byte offset of this tensor's first element in its backing's storage."""
+        return self.storage_offset() * self.element_size()
+
+    def _is_file_backed_at(self, path) -> bool:
+        """Whether this tensor lives in the file ``path`` (compared as absolute paths)."""
+        backing = self._backing
+        return isinstance(backing, FileBacking) and backing.path == os.path.abspath(path)
+
+    def _wrap(self, tensor: torch.Tensor):
+        # a result that still views our storage is an MMT of the same backing; a copy
+        # (advanced indexing) is a plain tensor
+        if tensor.untyped_storage().data_ptr() != self.untyped_storage().data_ptr():
+            return tensor
+        result = tensor.as_subclass(type(self))
+        result._backing = self._backing
+        return result
+
+    @classmethod
+    def _allocate(cls, shape: torch.Size, dtype, filename, existsok, data=None):
+        """New storage for ``shape``/``dtype``, pre-filled with bytes ``data`` if given.
+
+        Returns ``(tensor, fresh)``; ``fresh`` means the bytes are known to be zero (a
+        new file or segment and no data written).
+        """
+        nbytes = shape.numel() * dtype.itemsize
+        if filename is None:
+            if nbytes == 0:
+                return cls._empty_leaf(None, dtype, shape), True
+            segment = Segment.create(nbytes)
+            if data is not None:
+                segment.write(0, data)
+            return cls._from_backing(segment, 0, dtype, shape), data is None
+        path = os.path.abspath(filename)
+        backing, created = files.create_file(path, nbytes, existsok=existsok, data=data)
+        if nbytes == 0:
+            return cls._empty_leaf(FileBacking(path, None, 0, True), dtype, shape), True
+        return cls._from_backing(backing, 0, dtype, shape), created and data is None
+
+    @classmethod
+    def _new_filled(cls, shape, dtype, device, filename, existsok, fill_value):
+        _check_cpu(device)
+        dtype = torch.get_default_dtype() if dtype is None else dtype
+        result, fresh = cls._allocate(shape, dtype, filename, existsok)
+        # a fresh file or segment is already zero: skip touching every page
+        if fill_value is not None and result.numel() and not (fresh and fill_value == 0):
+            result.fill_(fill_value)
+        return result
+
+    # ------------------------------------------------------------------- constructors
+
+    @classmethod
+    def from_tensor(cls, input, *, filename=None, existsok: bool = False,
+                    copy_existing: bool = False, copy_data: bool = True, shape=None):
+        """Return a MemoryMappedTensor holding a copy of ``input``.
+
+        An MMT ``input`` is returned as is when ``filename`` is None and it is anonymous,
+        or when ``filename`` is its own file. A file-backed MMT with ``filename=None`` is
+        copied to anonymous memory; to another file only with ``copy_existing=True``.
+        ``copy_data=False`` allocates without copying (zeros for a new file or segment,
+        old bytes of a reused file). ``shape`` broadcasts ``input`` to another shape.
+        Non-CPU inputs are copied to CPU. Raises ``TypeError`` for numpy arrays and
+        ``RuntimeError`` for tensors that require grad or existing files without
+        ``existsok``.
+
+        Example:
+            >>> t = MemoryMappedTensor.from_tensor(torch.arange(3))
+            >>> t, MemoryMappedTensor.from_tensor(t) is t
+            (MemoryMappedTensor([0, 1, 2]), True)
+        """
+        if isinstance(input, MemoryMappedTensor):
+            backing = input._backing
+            own = backing.path if isinstance(backing, FileBacking) else None
+            if filename is None and own is None:
+                return input
+            if filename is not None and own is not None:
+                same = os.path.abspath(filename) == own
+                # a copy-on-write mapping may hold writes that its file lacks
+                if same and backing.shared:
+                    return input
+                if not same and not copy_existing:
+                    raise RuntimeError(
+                        "A filename was provided but the tensor already has a file "
+                        f"associated ({own}). To copy the tensor onto the new location, "
+                        "pass copy_existing=True."
+                    )
+        elif isinstance(input, np.ndarray):
+            raise TypeError("Convert input to torch.Tensor before calling "
+                            "MemoryMappedTensor.from_tensor.")
+        elif not isinstance(input, torch.Tensor):
+            raise TypeError(f"from_tensor expects a torch.Tensor, got {type(input).__name__}.")
+        if input.requires_grad:
+            raise RuntimeError("MemoryMappedTensor.from_tensor is incompatible with "
+                               "tensor.requires_grad.")
+        if input.is_nested or input.layout != torch.strided:
+            raise NotImplementedError("MemoryMappedTensor stores strided dense tensors only.")
+        if hasattr(input, "full_tensor"):  # a DTensor: gather it first
+            input = input.full_tensor()
+        shape = input.shape if shape is None else torch.Size(shape)
+        nbytes = shape.numel() * input.dtype.itemsize
+        data = None
+        if copy_data and nbytes and input.shape == shape and (
+            input.is_contiguous() or nbytes <= _CONTIGUOUS_COPY_LIMIT
+        ):
+            # bytes go in with pwrite before mapping: the fast path for big leaves
+            data = files.tensor_bytes(input.cpu())
+        result, _ = cls._allocate(shape, input.dtype, filename, existsok, data)
+        if copy_data and nbytes and data is None:
+            result.copy_(input)
+        return result
+
+    @classmethod
+    def empty(cls, *size, shape=None, dtype=None, device=None, filename=None,
+              existsok: bool = False):
+        """Return an uninitialised MMT (zero-filled when its storage is new).
+
+        The shape is given as ints, as one sequence, or as ``shape=``. ``device`` other
+        than CPU raises ``RuntimeError``; an existing ``filename`` needs ``existsok``.
+
+        Example:
+            >>> MemoryMappedTensor.empty((2, 3), dtype=torch.int64).shape
+            torch.Size([2, 3])
+        """
+        return cls._new_filled(_parse_shape(size, shape), dtype, device, filename,
+                               existsok, None)
+
+    @classmethod
+    def zeros(cls, *size, shape=None, dtype=None, device=None, filename=None,
+              existsok: bool = False):
+        """Return an MMT of zeros; arguments as in :meth:`empty`.
+
+        Example:
+            >>> MemoryMappedTensor.zeros(2)
+            MemoryMappedTensor([0., 0.])
+        """
+        return cls._new_filled(_parse_shape(size, shape), dtype, device, filename,
+                               existsok, 0)
+
+    @classmethod
+    def ones(cls, *size, shape=None, dtype=None, device=None, filename=None,
+             existsok: bool = False):
+        """Return an MMT of ones; arguments as in :meth:`empty`.
+
+        Example:
+            >>> MemoryMappedTensor.ones(2, dtype=torch.int32)
+            MemoryMappedTensor([1, 1], dtype=torch.int32)
+        """
+        return cls._new_filled(_parse_shape(size, shape), dtype, device, filename,
+                               existsok, 1)
+
+    @classmethod
+    def full(cls, *size, fill_value, shape=None, dtype=None, device=None, filename=None,
+             existsok: bool = False):
+        """Return an MMT filled with ``fill_value``; other arguments as in :meth:`empty`.
+
+        Example:
+            >>> MemoryMappedTensor.full(3, fill_value=2, dtype=torch.int64)
+            MemoryMappedTensor([2, 2, 2])
+        """
+        return cls._new_filled(_parse_shape(size, shape), dtype, device, filename,
+                               existsok, fill_value)
+
+    @classmethod
+    def empty_like(cls, input, *, filename=None):
+        """Return an uninitialised MMT with the shape and dtype of ``input``.
+
+        Example:
+            >>> MemoryMappedTensor.empty_like(torch.ones(2, 3)).shape
+            torch.Size([2, 3])
+        """
+        return cls._new_filled(input.shape, input.dtype, None, filename, False, None)
+
+    @classmethod
+    def zeros_like(cls, input, *, filename=None):
+        """Return an MMT of zeros with the shape and dtype of ``input``.
+
+        Example:
+            >>> MemoryMappedTensor.zeros_like(torch.ones(2))
+            MemoryMappedTensor([0., 0.])
+        """
+        return cls._new_filled(input.shape, input.dtype, None, filename, False, 0)
+
+    @classmethod
+    def ones_like(cls, input, *, filename=None):
+        """Return an MMT of ones with the shape and dtype of ``input``.
+
+        Example:
+            >>> MemoryMappedTensor.ones_like(torch.zeros(2))
+            MemoryMappedTensor([1., 1.])
+        """
+        return cls._new_filled(input.shape, input.dtype, None, filename, False, 1)
+
+    @classmethod
+    def full_like(cls, input, fill_value, *, filename=None):
+        """Return an MMT filled with ``fill_value``, with the shape and dtype of ``input``.
+
+        Example:
+            >>> MemoryMappedTensor.full_like(torch.zeros(2, dtype=torch.int64), 7)
+            MemoryMappedTensor([7, 7])
+        """
+        return cls._new_filled(input.shape, input.dtype, None, filename, False, fill_value)
+
+    @classmethod
+    def from_filename(cls, filename, dtype, shape, index=None, mode=None):
+        """Map an existing raw file (C order, no header) as a tensor of ``dtype``/``shape``.
+
+        A missing file raises ``FileNotFoundError`` (nothing is created); a file shorter
+        than the tensor raises :class:`~shared_td.storage.files.FileTooShortError` (a
+        ``ValueError``); a longer file is accepted and only its leading bytes are used.
+        ``mode="r+"`` maps it shared and raises ``PermissionError`` if it is not
+        writable; ``mode="r"`` maps it copy-on-write (writes stay in this process and are
+        lost when pickled); ``None`` (default, as in tensordict) is ``"r+"`` for writable
+        files and ``"r"`` otherwise. ``index`` is applied to the result. A zero-element
+        shape maps nothing and does not need the file.
+
+        Example:
+            >>> import tempfile
+            >>> path = os.path.join(tempfile.mkdtemp(), "x.memmap")
+            >>> _ = MemoryMappedTensor.from_tensor(torch.arange(6), filename=path)
+            >>> MemoryMappedTensor.from_filename(path, torch.int64, (2, 3), index=1)
+            MemoryMappedTensor([3, 4, 5])
+        """
+        if mode not in (None, "r", "r+"):
+            raise ValueError(f"mode must be 'r', 'r+' or None, got {mode!r}.")
+        path = os.path.abspath(filename)
+        shape = torch.Size(shape)
+        if shape.numel() == 0:
+            result = cls._empty_leaf(FileBacking(path, None, 0, True), dtype, shape)
+        else:
+            writable = os.access(path, os.W_OK)
+            if mode == "r+" and not writable and os.path.exists(path):
+                raise PermissionError(f"Cannot open {path} with mode='r+': the file is "
+                                      "not writable.")
+            backing = files.open_file_backing(path, shared=mode != "r" and writable)
+            result = cls._from_backing(backing, 0, dtype, shape)
+        return result if index is None else result[index]
+
+    @classmethod
+    def from_storage(cls, storage, *, shape=None, dtype=None, device=None, index=None,
+                     filename=None, handler=None):
+        """View an existing storage as an MMT, without copying.
+
+        A storage mapped from a file (``torch.UntypedStorage.from_file``) keeps its
+        filename and the result pickles by path (*ours*: tensordict's cannot be pickled);
+        it is assumed to be a shared mapping. The storage of an existing MMT, or of a
+        :class:`Segment` passed as ``handler``, keeps that MMT's backing. Other storages
+        give a tensor that cannot be pickled. ``dtype`` defaults to the storage's (``int64`` for an untyped one, as
+        in tensordict) and ``shape`` to 1-D.
+
+        Example:
+            >>> import tempfile
+            >>> path = os.path.join(tempfile.mkdtemp(), "x.memmap")
+            >>> _ = MemoryMappedTensor.from_tensor(torch.arange(6.0), filename=path)
+            >>> st = torch.UntypedStorage.from_file(path, shared=True, nbytes=24)
+            >>> MemoryMappedTensor.from_storage(st, dtype=torch.float32, shape=(2, 3))[1]
+            MemoryMappedTensor([3., 4., 5.])
+        """
+        if device is not None and torch.device(device).type != "cpu":
+            raise ValueError(f"{cls.__name__} device must be cpu!")
+        if isinstance(storage, torch.TypedStorage):
+            dtype = storage.dtype if dtype is None else dtype
+            storage = storage.untyped()
+        dtype = torch.int64 if dtype is None else dtype
+        numel = storage.nbytes() // dtype.itemsize
+        shape = torch.Size([numel] if shape is None else shape)
+        backing = _storage_backing(storage, filename, handler)
+        if backing is not None:
+            result = cls._from_backing(backing, 0, dtype, shape)
+        else:
+            tensor = torch.empty(0, dtype=dtype).set_(storage, 0, shape,
+                                                      _contiguous_strides(shape))
+            result = tensor.as_subclass(cls)
+        return result if index is None else result[index]
+
+    # ---------------------------------------------------------------- tensor protocol
+
+    @property
+    def filename(self) -> str:
+        """Absolute path of the file holding the data; ``RuntimeError`` when anonymous."""
+        backing = self._backing
+        if isinstance(backing, FileBacking):
+            return backing.path
+        raise RuntimeError("The MemoryMappedTensor has no file associated.")
+
+    def __getitem__(self, item):
+        return self._wrap(super().__getitem__(item))
+
+    def unbind(self, dim=0):
+        """Views along ``dim``, as :meth:`torch.Tensor.unbind`, each an MMT.
+
+        Example:
+            >>> [type(x).__name__ for x in MemoryMappedTensor.zeros(2, 2).unbind(0)]
+            ['MemoryMappedTensor', 'MemoryMappedTensor']
+        """
+        return tuple(self._wrap(piece) for piece in super().unbind(dim))
+
+    def split(self, split_size, dim=0):
+        """Views of ``split_size`` along ``dim``, as :meth:`torch.Tensor.split`, each an MMT.
+
+        Example:
+            >>> [p.shape[0] for p in MemoryMappedTensor.zeros(5).split(2)]
+            [2, 2, 1]
+        """
+        return tuple(self._wrap(piece) for piece in super().split(split_size, dim))
+
+    def chunk(self, chunks, dim=0):
+        """``chunks`` views along ``dim``, as :meth:`torch.Tensor.chunk`, each an MMT.
+
+        Example:
+            >>> [p.shape[0] for p in MemoryMappedTensor.zeros(5).chunk(2)]
+            [3, 2]
+        """
+        return tuple(self._wrap(piece) for piece in super().chunk(chunks, dim))
+
+    def __reduce_ex__(self, protocol):
+        backing = self._backing
+        if self.numel() == 0:
+            path = backing.path if isinstance(backing, FileBacking) else None
+            return _rebuild_empty, (path, self.dtype, tuple(self.shape))
+        if backing is None:
+            raise RuntimeError(
+                "Could not find handler or filename: this MemoryMappedTensor has no file "
+                "or shared-memory segment (was it made with as_subclass?), so it cannot "
+                "be pickled by reference."
+            )
+        if self.untyped_storage().data_ptr() != backing.storage.data_ptr():
+            raise RuntimeError("This MemoryMappedTensor no longer views the storage of "
+                               f"{backing!r} (was set_ called on it?); cannot pickle it.")
+        return _rebuild, (backing, self.dtype, tuple(self.shape), self.stride(),
+                          self._byte_offset())
+
+    def __deepcopy__(self, memo):
+        # A deep copy owns new memory: an anonymous copy (a filename cannot be invented).
+        result = type(self).from_tensor(self.as_subclass(torch.Tensor))
+        memo[id(self)] = result
+        return result
+
+
+def _storage_backing(storage, filename, handler):
+    """The backing that a storage given to from_storage pickles by, or None."""
+    if handler is not None:
+        if storage.data_ptr() != handler.storage.data_ptr():
+            raise ValueError("The storage is not the mapping of the given handler.")
+        return handler
+    backing = files.find_backing(storage) or anonymous.find_segment(storage)
+    own_file = getattr(storage, "filename", None)
+    # our own mappings are made through /proc/self/fd paths, which name nothing later
+    if backing is None and own_file is not None and not own_file.startswith("/proc/"):
+        backing = FileBacking(os.path.abspath(own_file), storage, storage.nbytes(), True)
+    if filename is not None:
+        if not isinstance(backing, FileBacking):
+            raise ValueError(f"The storage was not mapped from a file, so it cannot be "
+                             f"associated with {filename}.")
+        if os.path.abspath(filename) != backing.path:
+            raise RuntimeError(
+                "Providing a storage with an associated filename that differs from the "
+                "filename argument is not permitted unless filename=None. Got "
+                f"filename={filename}, storage.filename={backing.path}"
+            )
+    return backing
+
+
+def _rebuild(backing, dtype, shape, stride, byte_offset):
+    return MemoryMappedTensor._from_backing(backing, byte_offset, dtype, shape, stride)
+
+
+def _rebuild_empty(path, dtype, shape):
+    backing = None if path is None else FileBacking(path, None, 0, True)
+    return MemoryMappedTensor._empty_leaf(backing, dtype, torch.Size(shape))
+
+
+def _reduce(tensor):
+    return tensor.__reduce_ex__(2)
+
+
+# Queues and process arguments use ForkingPickler, whose dispatch table would otherwise
+# not know our type; multiprocess (dill) has its own ForkingPickler.
+multiprocessing.reduction.ForkingPickler.register(MemoryMappedTensor, _reduce)
+try:
+    import multiprocess.reduction
+except ImportError:  # optional: __reduce_ex__ alone also works with dill
+    pass
+else:
+    multiprocess.reduction.ForkingPickler.register(MemoryMappedTensor, _reduce)
