@@ -53,3 +53,55 @@ def is_nested_key(key: object) -> bool:
 def key_repr(key: tuple[str, ...]) -> str:
     """How error messages show a key: ``'a'`` or ``('a', 'b')``."""
     return repr(key[0]) if len(key) == 1 else repr(key)
+
+
+# ---------------------------------------------------------------------------------------
+# File names of keys (the on-disk format, byte-compatible with tensordict 0.15.3)
+# ---------------------------------------------------------------------------------------
+# Robust names percent-encode every character that could leave the directory or that a
+# filesystem refuses; everything else (including non-ASCII) is kept as is.
+_ENCODED_CHARACTERS = frozenset('/<>:"|?*\\ %\x7f') | frozenset(chr(c) for c in range(0x20))
+_SPECIAL_NAMES = {"": "%", ".": "%2E", "..": "%2E%2E"}
+
+
+def encode_key(key: str) -> str:
+    """The robust file-system name of one key part (tensordict's encoding).
+
+    Examples:
+        >>> encode_key("a/b% c")
+        'a%2Fb%25%20c'
+        >>> encode_key("..")
+        '%2E%2E'
+    """
+    if key in _SPECIAL_NAMES:
+        return _SPECIAL_NAMES[key]
+    return "".join(f"%{ord(c):02X}" if c in _ENCODED_CHARACTERS else c for c in key)
+
+
+def decode_key(name: str) -> str:
+    """The inverse of ``encode_key`` (a malformed ``%`` is kept as it is)."""
+    if name == "%":
+        return ""
+    out, i = [], 0
+    while i < len(name):
+        hex_digits = name[i + 1 : i + 3]
+        if name[i] == "%" and len(hex_digits) == 2 and all(c in "0123456789abcdefABCDEF" for c in hex_digits):
+            out.append(chr(int(hex_digits, 16)))
+            i += 3
+        else:
+            out.append(name[i])
+            i += 1
+    return "".join(out)
+
+
+def is_safe_legacy_name(key: str, *, directory: bool = False) -> bool:
+    """True if ``key`` used verbatim as a file name stays inside its directory.
+
+    Legacy (``robust_key=False``) layouts use raw keys as names; only such keys are
+    followed when loading, and only such keys may be written in legacy mode.
+    """
+    if "/" in key or "\\" in key or "\x00" in key:
+        return False
+    if len(key) >= 2 and key[1] == ":" and key[0].isalpha():  # a Windows drive
+        return False
+    return not (directory and key in ("", ".", ".."))

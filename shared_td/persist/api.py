@@ -1,0 +1,160 @@
+"""The memmap family for every container: memmap_, memmap, memmap_like, load_memmap.
+
+The container methods of the same names call these functions.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from shared_td.persist import nodes
+from shared_td.persist.future import TensorDictFuture
+from shared_td.persist.loader import Loader
+from shared_td.persist.writer import NodePlan, Options, Planner, write_leaves, write_metadata
+
+_CPU = torch.device("cpu")
+
+
+def memmap(
+    obj: Any,
+    prefix: Any = None,
+    copy_existing: bool = False,
+    *,
+    inplace: bool,
+    like: bool = False,
+    num_threads: int = 0,
+    return_early: bool = False,
+    share_non_tensor: bool = False,
+    existsok: bool = True,
+    robust_key: bool | None = True,
+    atomic: bool = False,
+) -> Any:
+    """Write ``obj``'s leaves to memory-mapped files (or anonymous shared memory).
+
+    ``inplace=True`` is memmap_ (obj's leaves are replaced), False is memmap (a new
+    tree); ``like=True`` writes no data (memmap_like). See TensorDictBase.memmap_.
+    """
+    if atomic:
+        raise NotImplementedError(
+            "atomic=True (crash-safe rewrites of a prefix) is not available yet in this "
+            "version of shared_td; write without it, or into a new prefix."
+        )
+    if not isinstance(num_threads, int) or num_threads < 0:
+        raise ValueError(f"num_threads must be an int >= 0, got {num_threads!r}.")
+    if inplace and obj.is_shared():
+        raise RuntimeError(
+            "memmap and shared memory are mutually exclusive features: this tensordict "
+            "is in shared memory (share_memory_()). Use memmap() to make a "
+            "memory-mapped copy, or unlock_() it first."
+        )
+    if prefix is None:
+        prefix = getattr(obj, "_memmap_prefix", None)
+    options = Options(
+        prefix=None if prefix is None else os.path.abspath(os.fspath(prefix)),
+        inplace=inplace,
+        like=like,
+        copy_existing=copy_existing,
+        num_threads=num_threads,
+        existsok=existsok,
+        robust_key=True if robust_key is None else bool(robust_key),
+        share_non_tensor=share_non_tensor,
+    )
+    planner = Planner(options)
+    root = planner.plan(obj)
+    if return_early and num_threads > 1:
+        future: Future = Future()
+        worker = threading.Thread(
+            target=_run_into_future, args=(future, planner, root, options), daemon=True,
+            name="shared_td-memmap",
+        )
+        worker.start()
+        return TensorDictFuture(future, f"memmap to {options.prefix or 'shared memory'}")
+    return _execute(planner, root, options)
+
+
+def _run_into_future(future: Future, planner: Planner, root: NodePlan, options: Options) -> None:
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        future.set_result(_execute(planner, root, options))
+    except BaseException as error:  # delivered by future.result()
+        future.set_exception(error)
+
+
+def _execute(planner: Planner, root: NodePlan, options: Options) -> Any:
+    created_dirs = _make_directories(root)
+    pool = ThreadPoolExecutor(options.num_threads) if options.num_threads > 1 else None
+    try:
+        write_leaves(planner.leaves, options, pool)
+        write_metadata(root)
+    except BaseException:
+        for directory in reversed(created_dirs):
+            try:
+                os.rmdir(directory)  # only empty ones: never remove user files
+            except OSError:
+                pass
+        raise
+    finally:
+        if pool is not None:
+            pool.shutdown()
+    result = _build(root, options)
+    result.lock_()
+    return result
+
+
+def _make_directories(root: NodePlan) -> list[str]:
+    created = []
+    for node in reversed(list(root.walk())):  # parents first
+        if node.directory is not None and not os.path.isdir(node.directory):
+            os.makedirs(node.directory)
+            created.append(node.directory)
+    return created
+
+
+def _build(node: NodePlan, options: Options) -> Any:
+    """Put the written leaves into the tree (in place) or into a new tree."""
+    obj, kind = node.obj, node.kind
+    if kind == nodes.TENSORDICT:
+        entries = {
+            key: node.leaves[key].result if key in node.leaves else _build(node.children[key], options)
+            for key in node.order
+        }
+        if options.inplace:
+            result = obj
+            result._tensordict = entries
+            result._device = _CPU
+        else:
+            result = nodes.empty_like_batch(obj)
+            result._tensordict = entries
+    elif kind == nodes.LAZY:
+        members = [_build(node.children[str(i)], options) for i in range(len(obj.tensordicts))]
+        result = obj if options.inplace else type(obj)(*members, stack_dim=obj.stack_dim)
+    elif kind == nodes.TENSORCLASS:
+        inner = _build(node.children[nodes.fmt.TENSORCLASS_CHILD], options)
+        result = obj if options.inplace else type(obj)._from_tensordict(inner)
+    else:
+        result = obj if options.inplace else obj.clone()
+    if kind != nodes.TENSORCLASS:  # a tensorclass keeps its flags in its tensordict
+        result._is_memmap = True
+        result._is_shared = False
+        result._memmap_prefix = node.directory
+    return result
+
+
+def load_memmap(
+    prefix: Any, device: Any = None, *, robust_key: bool | None = True,
+    allow_pickle: bool | None = False,
+) -> Any:
+    """Load what memmap/save wrote at ``prefix`` (by shared_td or tensordict 0.15.3).
+
+    The class is the one recorded on disk. Leaves are MemoryMappedTensors over the
+    files (or copies on ``device`` if it is not the CPU); the result is unlocked.
+    """
+    result = Loader(robust_key=robust_key, allow_pickle=allow_pickle).load(prefix)
+    if device is not None and torch.device(device) != _CPU:
+        result = result.to(device)
+    return result

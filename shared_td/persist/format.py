@@ -1,0 +1,136 @@
+"""The on-disk format: byte-compatible with tensordict 0.15.3 (docs/format.md).
+
+One ``meta.json`` per node, raw little-endian C-order leaf files ``<name>.memmap``,
+nested collections as sub-directories, non-tensor data as JSON (pickle only when asked
+for on load).  Where tensordict loses information we keep it in fields that tensordict
+ignores, so both libraries still read each other's directories:
+
+* keys named like node fields (``shape``, ``device``, ``_type``, ...) are listed under
+  ``"_shared_td_entries"`` (a dict without ``dtype``/``type``, which tensordict skips);
+* float8 dtypes are written under their torch names (tensordict 0.15.3 cannot load
+  them; we can).
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+
+META = "meta.json"
+LEAF_SUFFIX = ".memmap"
+OTHER_PICKLE = "other.pickle"  # non-JSON data of a NonTensorData or tensorclass
+STACK_PICKLE = "pickle.pkl"  # non-JSON data of a NonTensorStack
+TENSORCLASS_CHILD = "_tensordict"
+FORMAT_VERSION = 1
+RESERVED_ENTRIES = "_shared_td_entries"
+
+TENSORDICT_TYPE = "<class 'tensordict._td.TensorDict'>"
+LAZY_STACK_TYPE = "<class 'tensordict._lazy.LazyStackedTensorDict'>"
+NON_TENSOR_DATA_TYPE = "<class 'tensordict.tensorclass.NonTensorData'>"
+NON_TENSOR_STACK_TYPE = "<class 'tensordict.tensorclass.NonTensorStack'>"
+CLASS_TAGS = {
+    TENSORDICT_TYPE: "tensordict:TensorDict",
+    LAZY_STACK_TYPE: "tensordict:LazyStackedTensorDict",
+    NON_TENSOR_STACK_TYPE: "tensordict:NonTensorStack",
+}
+# What a parent's meta.json says of a child collection, by the child's _type.
+CHILD_TYPE_NAMES = {
+    TENSORDICT_TYPE: "TensorDict",
+    LAZY_STACK_TYPE: "LazyStackedTensorDict",
+    NON_TENSOR_DATA_TYPE: "NonTensorData",
+    NON_TENSOR_STACK_TYPE: "NonTensorStack",
+}
+NODE_FIELDS = frozenset(
+    {"shape", "device", "_type", "_format_version", "_class", "_names", RESERVED_ENTRIES}
+)
+
+_DTYPES = [
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.uint16, torch.uint32, torch.uint64, torch.float16, torch.bfloat16, torch.float32,
+    torch.float64, torch.complex32, torch.complex64, torch.complex128,
+    torch.qint8, torch.qint32, torch.quint8, torch.quint4x2,
+]
+_DTYPES += [getattr(torch, name) for name in dir(torch) if name.startswith("float8_")]
+DTYPE_BY_NAME = {str(dtype): dtype for dtype in _DTYPES}
+
+
+class FormatError(ValueError):
+    """A saved directory does not hold what its meta.json says (or is not one at all)."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The dtype as written in meta.json (``"torch.float32"``)."""
+    return str(dtype)
+
+
+def dtype_from_name(name: str, *, where: str) -> torch.dtype:
+    """The dtype written as ``name``; FormatError naming the file when unknown."""
+    try:
+        return DTYPE_BY_NAME[name]
+    except KeyError:
+        raise FormatError(
+            f"{where}: unknown dtype {name!r}; this torch knows {sorted(DTYPE_BY_NAME)}."
+        ) from None
+
+
+def leaf_entry(tensor: torch.Tensor) -> dict:
+    """The meta.json entry of a tensor leaf."""
+    return {
+        "device": "cpu",
+        "shape": list(tensor.shape),
+        "dtype": dtype_name(tensor.dtype),
+        "is_nested": False,
+    }
+
+
+def is_json_value(value: Any) -> bool:
+    """True if ``value`` survives a JSON round trip as tensordict expects it."""
+    if value is None or isinstance(value, (str, bool, int)):
+        return True
+    if isinstance(value, float):
+        return value == value and value not in (float("inf"), float("-inf"))
+    if isinstance(value, (list, tuple, set)):
+        return all(is_json_value(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and is_json_value(v) for k, v in value.items())
+    return False
+
+
+def dumps(document: dict, *, compact: bool = False) -> bytes:
+    """meta.json bytes, with the separators tensordict writes (spaced, or compact)."""
+    separators = (",", ":") if compact else (", ", ": ")
+    return json.dumps(document, separators=separators, ensure_ascii=False).encode("utf-8")
+
+
+def write_json_atomically(path: str, data: bytes) -> None:
+    """Write ``data`` to a temporary file beside ``path``, then rename it over ``path``.
+
+    A reader (or a crash) never sees a truncated meta.json.
+    """
+    temporary = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
+    os.replace(temporary, path)
+
+
+def read_json(path: str) -> dict:
+    """Parse a meta.json (whitespace-agnostic); FormatError naming the file if broken."""
+    try:
+        with open(path, "rb") as handle:
+            document = json.loads(handle.read().decode("utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"No saved tensordict at {os.path.dirname(path)!r}: {META} is missing."
+        ) from None
+    except (ValueError, UnicodeDecodeError) as error:
+        raise FormatError(f"{path} is not valid JSON: {error}") from None
+    if not isinstance(document, dict):
+        raise FormatError(f"{path} holds a {type(document).__name__}, not a JSON object.")
+    return document

@@ -1,0 +1,297 @@
+"""The memmap methods that every tensordict class and every tensorclass has.
+
+``TensorDictBase`` and tensorclasses inherit this mixin; the work is done by
+``shared_td.persist.api``.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+from typing import Any
+
+import torch
+
+from shared_td.keys import NestedKey, encode_key, unravel_key
+
+
+class MemmapMethods:
+    """memmap_, memmap, memmap_like, save, load_memmap and friends."""
+
+    def memmap_(
+        self, prefix: Any = None, copy_existing: bool = False, *, num_threads: int = 0,
+        return_early: bool = False, share_non_tensor: bool = False, existsok: bool = True,
+        robust_key: bool | None = True, atomic: bool = False,
+    ) -> Any:
+        """Writes every leaf to a memory-mapped file in place, and returns self.
+
+        Each leaf is replaced by its MemoryMappedTensor (so ``data_ptr()`` changes), the
+        device becomes "cpu" and the tensordict is locked: leaves can be written in
+        place (the writes reach the files), entries cannot be added or removed. After
+        ``unlock_()``, ``is_memmap()`` is False.
+
+        Args:
+            prefix: the directory to write to. None writes into the tensordict's own
+                directory if it is memory-mapped there already, else into anonymous
+                shared memory (no file name; it lasts while some process holds it).
+            copy_existing: a leaf already mapped to a file at another path is copied
+                if True; if False (default) that is a RuntimeError.
+            num_threads: threads writing the files; 0 and 1 write sequentially. Big
+                leaves are split by byte range over the threads.
+            return_early: with num_threads > 1, return a TensorDictFuture at once;
+                ``future.result()`` waits and returns self (or raises the write error).
+            share_non_tensor: non-tensor entries are shared between processes: an
+                in-place write in one process is seen by the others.
+            existsok: if False, an existing leaf file is a RuntimeError.
+            robust_key: True/None percent-encodes keys in file names so every file
+                stays inside prefix; False uses keys verbatim (legacy) and refuses,
+                with ValueError, a key that would leave prefix.
+            atomic: not available yet (NotImplementedError).
+
+        Raises:
+            RuntimeError: a leaf has a file elsewhere and copy_existing=False; a file
+                exists and existsok=False; the tensordict is in shared memory.
+
+        Nothing is half-done on failure: if a write fails, the files it created are
+        removed, no meta.json names them, and the tensordict keeps its leaves, lock
+        and flags.
+
+        Examples:
+            >>> import tempfile
+            >>> td = TensorDict(obs=torch.zeros(3, 4), batch_size=[3])
+            >>> with tempfile.TemporaryDirectory() as path:
+            ...     out = td.memmap_(path)
+            ...     print(out is td, td.is_memmap(), td.is_locked)
+            True True True
+        """
+        from shared_td.persist import api
+
+        return api.memmap(
+            self, prefix, copy_existing, inplace=True, num_threads=num_threads,
+            return_early=return_early, share_non_tensor=share_non_tensor,
+            existsok=existsok, robust_key=robust_key, atomic=atomic,
+        )
+
+    def memmap(
+        self, prefix: Any = None, copy_existing: bool = False, *, num_threads: int = 0,
+        return_early: bool = False, share_non_tensor: bool = False, existsok: bool = True,
+        robust_key: bool | None = True, atomic: bool = False,
+    ) -> Any:
+        """Like ``memmap_``, but writes a new memory-mapped copy; self is unchanged.
+
+        Examples:
+            >>> copy = td.memmap(path)
+            >>> copy.is_memmap(), td.is_memmap()
+            (True, False)
+        """
+        from shared_td.persist import api
+
+        return api.memmap(
+            self, prefix, copy_existing, inplace=False, num_threads=num_threads,
+            return_early=return_early, share_non_tensor=share_non_tensor,
+            existsok=existsok, robust_key=robust_key, atomic=atomic,
+        )
+
+    def memmap_like(
+        self, prefix: Any = None, copy_existing: bool = False, *, existsok: bool = True,
+        num_threads: int = 0, return_early: bool = False, share_non_tensor: bool = False,
+        robust_key: bool | None = True, atomic: bool = False,
+    ) -> Any:
+        """A new memory-mapped tree with self's layout but no data copied: every leaf
+        reads as zeros (an existing file is replaced by a new one, never reused).
+
+        Examples:
+            >>> like = td.memmap_like(path)
+            >>> bool((like["obs"] == 0).all())
+            True
+        """
+        from shared_td.persist import api
+
+        return api.memmap(
+            self, prefix, copy_existing, inplace=False, like=True, num_threads=num_threads,
+            return_early=return_early, share_non_tensor=share_non_tensor,
+            existsok=existsok, robust_key=robust_key, atomic=atomic,
+        )
+
+    def save(self, prefix: Any = None, copy_existing: bool = False, **kwargs: Any) -> Any:
+        """Save to ``prefix`` (a memory-mapped copy, see ``memmap``); returns the copy."""
+        return self.memmap(prefix, copy_existing, **kwargs)
+
+    dumps = save
+
+    @classmethod
+    def load_memmap(
+        cls, prefix: Any, device: Any = None, non_blocking: bool = False, *,
+        robust_key: bool | None = True, allow_pickle: bool | None = False,
+    ) -> Any:
+        """Load what ``memmap``/``save`` wrote at ``prefix``; the class is the one on disk.
+
+        Leaves map the files (no copy); the result is unlocked. Pickled non-tensor data
+        is refused unless ``allow_pickle=True``. Missing or short files, symlinks and
+        unknown dtypes are errors naming the file.
+
+        Examples:
+            >>> td.memmap(path)
+            >>> TensorDict.load_memmap(path)["obs"].shape
+            torch.Size([3, 4])
+        """
+        from shared_td.persist import api
+
+        return api.load_memmap(prefix, device, robust_key=robust_key, allow_pickle=allow_pickle)
+
+    @classmethod
+    def load(cls, prefix: Any, *args: Any, **kwargs: Any) -> Any:
+        """Same as ``load_memmap``."""
+        return cls.load_memmap(prefix, *args, **kwargs)
+
+    def load_memmap_(self, prefix: Any, robust_key: bool | None = True, *,
+                     allow_pickle: bool | None = False) -> Any:
+        """Load ``prefix`` into self: entries on disk are added or rebound (entries that
+        are not on disk are kept). A memory-mapped self stays memory-mapped."""
+        from shared_td.persist import api
+
+        loaded = api.load_memmap(prefix, robust_key=robust_key, allow_pickle=allow_pickle)
+        was_memmap = self.is_memmap()
+        target = self if hasattr(self, "_keys_str") else self._tensordict
+        source = loaded if hasattr(loaded, "_keys_str") else loaded._tensordict
+        with _unlocked(self):
+            _merge(target, source)
+        if was_memmap:
+            self.memmap_(prefix)
+        return self
+
+    load_ = load_memmap_
+
+    def memmap_refresh_(self, *, allow_pickle: bool | None = False) -> Any:
+        """Re-read this memory-mapped tensordict's directory (e.g. keys another process
+        added with make_memmap)."""
+        path = self.saved_path if self.is_memmap() else None
+        if path is None:
+            raise RuntimeError(
+                "Cannot refresh a TensorDict that is not memory mapped or has no path "
+                "associated: call memmap_(prefix) first."
+            )
+        return self.load_memmap_(path, allow_pickle=allow_pickle)
+
+    @property
+    def saved_path(self) -> pathlib.Path | None:
+        """The directory of a memory-mapped tensordict (None in anonymous memory)."""
+        if not self.is_memmap():
+            raise AttributeError(
+                "The tensordict has no saved path: it is not memory-mapped (call "
+                "memmap_(prefix), or memmap_() again after unlock_())."
+            )
+        prefix = _inner(self)._memmap_prefix
+        return None if prefix is None else pathlib.Path(prefix)
+
+    def make_memmap(self, key: NestedKey, shape: Any, *, dtype: torch.dtype | None = None,
+                    robust_key: bool | None = True) -> torch.Tensor:
+        """Add an empty (zero) memory-mapped leaf ``key`` to a memory-mapped tensordict.
+
+        Nested keys create the missing sub-tensordicts. Returns the new tensor.
+        """
+        from shared_td.memmap_tensor import MemoryMappedTensor
+
+        dtype = torch.get_default_dtype() if dtype is None else dtype
+        return self._add_memmap_leaf(
+            key, lambda path: MemoryMappedTensor.zeros(shape, dtype=dtype, filename=path, existsok=True)
+        )
+
+    def make_memmap_from_tensor(self, key: NestedKey, tensor: torch.Tensor, *,
+                                copy_data: bool = True, existsok: bool = True,
+                                robust_key: bool | None = True) -> torch.Tensor:
+        """Add a memory-mapped copy of ``tensor`` as leaf ``key`` (``copy_data=False``:
+        same shape and dtype, zeros)."""
+        from shared_td.memmap_tensor import MemoryMappedTensor
+
+        source = tensor if copy_data else torch.zeros_like(tensor, device="cpu")
+        return self._add_memmap_leaf(
+            key, lambda path: MemoryMappedTensor.from_tensor(
+                source, filename=path, existsok=existsok, copy_existing=True
+            )
+        )
+
+    def make_memmap_from_storage(self, key: NestedKey, storage: Any, shape: Any, *,
+                                 dtype: torch.dtype | None = None,
+                                 robust_key: bool | None = True) -> torch.Tensor:
+        """Add leaf ``key`` viewing ``storage`` (its file must be the leaf's file)."""
+        from shared_td.memmap_tensor import MemoryMappedTensor
+
+        return self._add_memmap_leaf(
+            key, lambda path: MemoryMappedTensor.from_storage(
+                storage, shape=shape, dtype=dtype, filename=path
+            )
+        )
+
+    def _add_memmap_leaf(self, key: NestedKey, make: Any) -> torch.Tensor:
+        from shared_td.persist import writer
+
+        if not self.is_memmap():
+            raise RuntimeError(
+                "Can only make a memmap tensor within a memory-mapped tensordict: call "
+                "memmap_() first."
+            )
+        path = unravel_key(key)
+        if path in self.keys(include_nested=True):
+            raise RuntimeError(
+                f"The key {path} already exists within the target tensordict. Delete that "
+                "entry before overwriting it."
+            )
+        node = _inner(self)
+        for part in path[:-1]:
+            child = node._get_str(part, None)
+            if child is None:
+                child = node._empty_child()
+                directory = None if node._memmap_prefix is None else os.path.join(node._memmap_prefix, encode_key(part))
+                child.memmap_(directory) if directory else child.memmap_()
+                node._tensordict[part] = child
+                writer.rewrite_tensordict_meta(node)
+            node = _inner(child)
+        directory = node._memmap_prefix
+        filename = None if directory is None else os.path.join(directory, encode_key(path[-1]) + ".memmap")
+        tensor = make(filename)
+        batch = node.batch_size
+        if tensor.shape[: len(batch)] != batch:
+            from shared_td.errors import BatchSizeMismatchError
+
+            raise BatchSizeMismatchError(
+                f"make_memmap of key {path}: shape {list(tensor.shape)} does not start with "
+                f"the batch size {list(batch)}."
+            )
+        node._tensordict[path[-1]] = tensor
+        if directory is not None:
+            writer.rewrite_tensordict_meta(node)
+        return tensor
+
+
+def _inner(obj: Any) -> Any:
+    return obj if hasattr(obj, "_keys_str") else obj._tensordict
+
+
+class _unlocked:
+    """Unlock for the duration of a block, re-locking if it was locked."""
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+        self.was_locked = obj.is_locked
+
+    def __enter__(self) -> None:
+        if self.was_locked:
+            _inner(self.obj)._unlock_tree()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.was_locked:
+            self.obj.lock_()
+
+
+def _merge(target: Any, source: Any) -> None:
+    """Rebind target's entries to source's, recursing into tensordicts both hold."""
+    from shared_td.containers.tensordict import TensorDict
+
+    for key in source._keys_str():
+        value = source._get_str(key, None)
+        current = target._get_str(key, None)
+        if isinstance(current, TensorDict) and isinstance(value, TensorDict):
+            _merge(current, value)
+        else:
+            target._tensordict[key] = value
+    target._memmap_prefix = source._memmap_prefix

@@ -1,0 +1,293 @@
+"""The persistence engine: plan, write, commit (memmap_, memmap, memmap_like).
+
+* **plan** walks the tree once and decides, for every leaf, where its bytes go; every
+  check (keys, paths inside the prefix, symlinks, existing files, files elsewhere)
+  happens here, before any byte is written.
+* **write** copies the leaves: into files with ``pwrite`` (big leaves split by byte
+  range over ``num_threads`` threads), or into ONE anonymous segment for the whole tree
+  (so file descriptors do not grow with the number of leaves).  A failure removes the
+  files this write created and re-raises; the tensordict is untouched.
+* **commit** writes every meta.json (children first, the root's last, each through a
+  rename) and only then puts the new leaves into the tensordict (or a new one).
+"""
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from shared_td.keys import encode_key, is_safe_legacy_name
+from shared_td.memmap_tensor import MemoryMappedTensor
+from shared_td.persist import format as fmt
+from shared_td.persist import nodes
+from shared_td.storage import files
+from shared_td.storage.anonymous import Segment, align
+from shared_td.storage.files import FileBacking
+
+# Leaves at least this big are split into byte ranges written by several threads.
+_PARALLEL_LEAF_BYTES = 16 << 20
+
+
+@dataclass
+class Options:
+    """The parameters of one memmap call, checked."""
+
+    prefix: str | None
+    inplace: bool
+    like: bool = False
+    copy_existing: bool = False
+    num_threads: int = 0
+    existsok: bool = True
+    robust_key: bool = True
+    share_non_tensor: bool = False
+
+
+@dataclass
+class LeafPlan:
+    key: str
+    source: torch.Tensor
+    path: str | None  # None: anonymous memory
+    keep: bool = False  # the source already is an MMT at ``path`` (kept by identity)
+    offset: int = 0  # anonymous: byte offset in the tree's segment
+    result: torch.Tensor | None = None
+
+
+@dataclass
+class NodePlan:
+    obj: Any
+    kind: str
+    directory: str | None
+    leaves: dict[str, LeafPlan] = field(default_factory=dict)
+    children: dict[str, "NodePlan"] = field(default_factory=dict)
+    order: list[str] = field(default_factory=list)  # entry keys in insertion order
+
+    def walk(self):
+        """Every node of the tree, children before their parent."""
+        for child in self.children.values():
+            yield from child.walk()
+        yield self
+
+
+class Planner:
+    """Walks a tree once and checks every write before any is made."""
+
+    def __init__(self, options: Options):
+        self.options = options
+        self.leaves: list[LeafPlan] = []
+        self.root = os.path.abspath(options.prefix) if options.prefix is not None else None
+
+    def plan(self, obj: Any) -> NodePlan:
+        return self._plan(obj, self.root, ())
+
+    def _plan(self, obj: Any, directory: str | None, path: tuple) -> NodePlan:
+        kind = nodes.kind_of(obj)
+        if directory is not None and os.path.islink(directory) and directory != self.root:
+            raise RuntimeError(
+                f"Refusing to write a memory-mapped TensorDict through symlink {directory} "
+                f"(key {path})."
+            )
+        node = NodePlan(obj, kind, directory)
+        for name, child in nodes.children(obj, kind):
+            node.children[name] = self._plan(child, _join(directory, name), path + (name,))
+        if kind == nodes.TENSORDICT:
+            self._plan_entries(node, obj, directory, path)
+        return node
+
+    def _plan_entries(self, node: NodePlan, td: Any, directory: str | None, path: tuple) -> None:
+        used_names = {fmt.META}
+        for key in td._keys_str():
+            value = td._get_str(key, None)
+            node.order.append(key)
+            if isinstance(value, torch.Tensor):
+                name = self._file_name(key, path, leaf=True)
+                target = _join(directory, name)
+            else:
+                name = self._file_name(key, path, leaf=False)
+                target = _join(directory, name)
+            if name in used_names:
+                raise ValueError(
+                    f"Key {path + (key,)} would be written to {name!r}, which another "
+                    "entry of the same tensordict (or meta.json) uses: rename one of them."
+                )
+            used_names.add(name)
+            if isinstance(value, torch.Tensor):
+                node.leaves[key] = self._plan_leaf(key, value, target, path)
+            else:
+                node.children[key] = self._plan(value, target, path + (key,))
+
+    def _file_name(self, key: str, path: tuple, *, leaf: bool) -> str:
+        if self.options.robust_key:
+            name = encode_key(key)
+        else:
+            if not is_safe_legacy_name(key, directory=not leaf):
+                raise ValueError(
+                    f"Key {path + (key,)} is not a safe file name (it holds '/', '\\', a "
+                    "drive or is '.'/'..'), so robust_key=False would write outside the "
+                    "prefix: use robust_key=True (the default)."
+                )
+            name = key
+        return name + fmt.LEAF_SUFFIX if leaf else name
+
+    def _plan_leaf(self, key: str, tensor: torch.Tensor, target: str | None, path: tuple) -> LeafPlan:
+        if tensor.requires_grad:
+            tensor = tensor.detach()
+        if tensor.is_nested:
+            raise NotImplementedError(f"Key {path + (key,)}: nested tensors cannot be memory-mapped yet.")
+        leaf = LeafPlan(key, tensor, target)
+        backing = getattr(tensor, "_backing", None) if isinstance(tensor, MemoryMappedTensor) else None
+        if isinstance(backing, FileBacking):
+            if target is not None and backing.path == target:
+                leaf.keep = not self.options.like
+            elif not self.options.copy_existing and target is not None:
+                raise RuntimeError(
+                    f"Key {path + (key,)} is already memory-mapped to {backing.path}; "
+                    f"writing it to {target} would copy it. Pass copy_existing=True to "
+                    "copy it, or write to its own prefix."
+                )
+        elif target is None and isinstance(tensor, MemoryMappedTensor) and backing is not None:
+            leaf.keep = not self.options.like  # already anonymous shared memory
+        if target is not None and not leaf.keep:
+            if os.path.islink(target):
+                raise RuntimeError(f"Refusing to write memory-mapped tensor through symlink {target}.")
+            if not self.options.existsok and os.path.lexists(target):
+                raise RuntimeError(
+                    f"The file {target} already exists (key {path + (key,)}); pass "
+                    "existsok=True to overwrite it."
+                )
+            _check_inside(target, self.root)
+        self.leaves.append(leaf)
+        return leaf
+
+
+def _join(directory: str | None, name: str) -> str | None:
+    return None if directory is None else os.path.join(directory, name)
+
+
+def _check_inside(path: str, root: str) -> None:
+    resolved = os.path.realpath(os.path.dirname(path))
+    if os.path.commonpath([resolved, os.path.realpath(root)]) != os.path.realpath(root):
+        raise ValueError(f"Refusing to write {path}: it resolves outside the prefix {root}.")
+
+
+# ------------------------------------------------------------------------------ write
+def write_leaves(leaves: list[LeafPlan], options: Options, pool: ThreadPoolExecutor | None) -> None:
+    """Fill ``leaf.result`` for every leaf; on failure remove the files this created."""
+    anonymous = [leaf for leaf in leaves if leaf.path is None and not leaf.keep]
+    if anonymous:
+        _write_anonymous(anonymous, options)
+    created: list[str] = []
+    try:
+        for leaf in leaves:
+            if leaf.keep:
+                leaf.result = leaf.source
+            elif leaf.path is not None:
+                leaf.result = _write_file(leaf, options, pool, created)
+    except BaseException:
+        for path in created:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        raise
+
+
+def _write_anonymous(leaves: list[LeafPlan], options: Options) -> None:
+    """Pack all anonymous leaves of the tree into one segment (one descriptor)."""
+    total = 0
+    for leaf in leaves:
+        leaf.offset = total
+        total = align(total + leaf.source.numel() * leaf.source.element_size())
+    segment = Segment.create(total) if total else None
+    for leaf in leaves:
+        source = leaf.source
+        if source.numel() == 0:
+            leaf.result = MemoryMappedTensor.empty(source.shape, dtype=source.dtype)
+            continue
+        if not options.like:
+            segment.write(leaf.offset, files.tensor_bytes(source.cpu()))
+        leaf.result = MemoryMappedTensor._from_backing(segment, leaf.offset, source.dtype, source.shape)
+
+
+def _write_file(leaf: LeafPlan, options: Options, pool, created: list[str]) -> torch.Tensor:
+    source = leaf.source.cpu()
+    nbytes = source.numel() * source.element_size()
+    if nbytes == 0:
+        files.check_new_empty_file(leaf.path, existsok=options.existsok)
+        return MemoryMappedTensor._empty_leaf(FileBacking(leaf.path, None, 0, True), source.dtype, source.shape)
+    if options.like and os.path.lexists(leaf.path):
+        # a "like" file must read as zeros: a new file replaces the old one, whose
+        # mappings (maybe the source's own) keep the old bytes; nothing is truncated
+        os.unlink(leaf.path)
+    fd, is_new = files.reserve_file(leaf.path, existsok=options.existsok)
+    if is_new:
+        created.append(leaf.path)
+    try:
+        if options.like:
+            if os.fstat(fd).st_size < nbytes:
+                os.ftruncate(fd, nbytes)
+        else:
+            data = files.tensor_bytes(source)
+            if pool is not None and nbytes >= _PARALLEL_LEAF_BYTES:
+                _parallel_pwrite(fd, data, pool, leaf.path)
+            else:
+                files.pwrite_all(fd, data, 0, where=f"file {leaf.path}")
+        backing = files.backing_from_fd(leaf.path, fd)
+    finally:
+        os.close(fd)
+    return MemoryMappedTensor._from_backing(backing, 0, source.dtype, source.shape)
+
+
+def _parallel_pwrite(fd: int, data: memoryview, pool: ThreadPoolExecutor, path: str) -> None:
+    """pwrite releases the GIL: threads write disjoint byte ranges of one big leaf."""
+    parts = pool._max_workers  # noqa: SLF001 - the pool is ours, sized for this call
+    step = -(-len(data) // parts)
+    futures = [
+        pool.submit(files.pwrite_all, fd, data[start : start + step], start, where=f"file {path}")
+        for start in range(0, len(data), step)
+    ]
+    for future in futures:
+        future.result()
+
+
+# ----------------------------------------------------------------------------- commit
+def write_metadata(root: NodePlan) -> None:
+    """Write every node's meta.json (and pickle side files), children before parents."""
+    for node in root.walk():
+        if node.directory is None:
+            continue
+        os.makedirs(node.directory, exist_ok=True)
+        entries = _entries(node) if node.kind == nodes.TENSORDICT else None
+        document, side = nodes.node_document(node.obj, node.kind, entries)
+        for name in nodes.side_files(node.kind):
+            target = os.path.join(node.directory, name)
+            if name in side:
+                fmt.write_json_atomically(target, side[name])
+            elif os.path.lexists(target):
+                os.unlink(target)  # a stale pickle from an older save
+        fmt.write_json_atomically(os.path.join(node.directory, fmt.META), document)
+
+
+def _entries(node: NodePlan) -> dict:
+    entries = {}
+    for key in node.order:
+        if key in node.leaves:
+            entries[key] = fmt.leaf_entry(node.leaves[key].result)
+        else:
+            entries[key] = {"type": nodes.child_type_name(node.children[key].obj)}
+    return entries
+
+
+
+def rewrite_tensordict_meta(td: Any) -> None:
+    """Rewrite the meta.json of a memory-mapped TensorDict node from its entries
+    (after make_memmap added one)."""
+    entries = {
+        key: fmt.leaf_entry(value) if isinstance(value, torch.Tensor)
+        else {"type": nodes.child_type_name(value)}
+        for key, value in ((k, td._get_str(k, None)) for k in td._keys_str())
+    }
+    document, _ = nodes.node_document(td, nodes.TENSORDICT, entries)
+    fmt.write_json_atomically(os.path.join(td._memmap_prefix, fmt.META), document)
