@@ -61,6 +61,15 @@ _CACHE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _CACHE_LOCK = threading.Lock()
 
 
+def _new_lock_after_fork():
+    # a fork taken while another thread held the lock must not leave the child stuck
+    global _CACHE_LOCK
+    _CACHE_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_after_fork)
+
+
 class Segment:
     """An anonymous shared-memory segment of ``nbytes`` bytes, mapped once in this process.
 

@@ -154,6 +154,15 @@ _CACHE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _CACHE_LOCK = threading.Lock()
 
 
+def _new_lock_after_fork():
+    # a fork taken while another thread held the lock must not leave the child stuck
+    global _CACHE_LOCK
+    _CACHE_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_after_fork)
+
+
 def backing_from_fd(path: str, fd: int, *, shared: bool = True) -> FileBacking:
     """Map the whole file open as ``fd`` (or reuse this process's mapping of it)."""
     st = os.fstat(fd)
