@@ -33,7 +33,9 @@ from shared_td.storage.files import (
     storage_full_error,
 )
 
-__all__ = ["ALIGNMENT", "Segment", "SegmentUnavailableError", "align", "find_segment"]
+__all__ = [
+    "ALIGNMENT", "Segment", "SegmentUnavailableError", "align", "find_segment", "reopen_peer_fd",
+]
 
 #: Offsets of leaves packed into one segment: a multiple of every dtype's size and of
 #: the cache line, so vectorised kernels see aligned data.
@@ -175,13 +177,40 @@ def find_segment(storage) -> Segment | None:
     return next((s for s in segments if s.storage.data_ptr() == storage.data_ptr()), None)
 
 
-def _unavailable(pid: int, key: tuple[int, int], nbytes: int, reason: str) -> SegmentUnavailableError:
+def _unavailable(pid: int, key: tuple[int, int], what: str, reason: str) -> SegmentUnavailableError:
     return SegmentUnavailableError(
-        f"The shared-memory segment of {nbytes} bytes (inode {key[1]}) sent by process "
-        f"{pid} is gone ({reason}): that process has exited or no longer holds it. "
-        "Anonymous MemoryMappedTensors can only be received while their sender holds "
-        "them; give them a filename for data that must outlive the sender."
+        f"The {what} (inode {key[1]}) sent by process {pid} is gone ({reason}): that "
+        "process has exited or no longer holds it. Anonymous shared memory can only be "
+        "received while its sender holds it; give tensors a filename for data that must "
+        "outlive the sender."
     )
+
+
+def reopen_peer_fd(pid: int, fd: int, key: tuple[int, int], *, what: str, min_size: int = 0) -> int:
+    """Open our own descriptor on the memfd that process ``pid`` holds as ``fd``.
+
+    Checks that it is still the same file (``key`` = ``(st_dev, st_ino)``) and holds at
+    least ``min_size`` bytes; raises :class:`SegmentUnavailableError` otherwise. The
+    caller owns the returned descriptor.
+    """
+    if pid == os.getpid():
+        # Our own memory is no longer in this process's cache, so its descriptor closed.
+        raise _unavailable(pid, key, what, "it was released in this process")
+    try:
+        new_fd = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+    except OSError as err:
+        raise _unavailable(pid, key, what, err.strerror or str(err)) from err
+    try:
+        st = os.fstat(new_fd)
+        if (st.st_dev, st.st_ino) != key:
+            # the descriptor number was reused for another file
+            raise _unavailable(pid, key, what, f"descriptor {fd} now names another file")
+        if st.st_size < min_size:
+            raise _unavailable(pid, key, what, f"it holds only {st.st_size} bytes")
+    except BaseException:
+        os.close(new_fd)
+        raise
+    return new_fd
 
 
 def _attach(pid: int, fd: int, key: tuple[int, int], nbytes: int) -> Segment:
@@ -191,22 +220,5 @@ def _attach(pid: int, fd: int, key: tuple[int, int], nbytes: int) -> Segment:
         segment = _CACHE.get(key)
     if segment is not None:
         return segment
-    if pid == os.getpid():
-        # Our own segment is no longer in the cache, so its descriptor was closed.
-        raise _unavailable(pid, key, nbytes, "it was released in this process")
-    try:
-        new_fd = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
-    except OSError as err:
-        raise _unavailable(pid, key, nbytes, err.strerror or str(err)) from err
-    try:
-        st = os.fstat(new_fd)
-        if (st.st_dev, st.st_ino) != key:
-            # the descriptor number was reused for another file
-            raise _unavailable(pid, key, nbytes, f"descriptor {fd} now names another file")
-        if st.st_size < nbytes:
-            raise _unavailable(pid, key, nbytes, f"it holds only {st.st_size} bytes")
-    except BaseException:
-        os.close(new_fd)
-        raise
-    return _register(new_fd, nbytes, key)
-
+    what = f"shared-memory segment of {nbytes} bytes"
+    return _register(reopen_peer_fd(pid, fd, key, what=what, min_size=nbytes), nbytes, key)
