@@ -22,9 +22,9 @@ import torch
 from shared_td import MemoryMappedTensor
 
 try:
-    from tensordict import MemoryMappedTensor as TDMemoryMappedTensor
+    import tensordict
 except ImportError:  # the benchmarks still run, without the tensordict column
-    TDMemoryMappedTensor = None
+    tensordict = None
 
 
 def best_of(repeat: int, setup: Callable[[], object], run: Callable[[object], object]) -> float:
@@ -38,22 +38,17 @@ def best_of(repeat: int, setup: Callable[[], object], run: Callable[[object], ob
     return min(times)
 
 
-def fresh_path(root: str) -> Callable[[], str]:
+def fresh_dir(root: str) -> Callable[[], str]:
+    """A new, not yet existing directory under ``root`` at each call."""
     counter = iter(range(10**9))
-
-    def make() -> str:
-        path = os.path.join(root, f"leaf{next(counter)}.memmap")
-        if os.path.exists(path):
-            os.unlink(path)
-        return path
-
-    return make
+    return lambda: os.path.join(root, f"run{next(counter)}")
 
 
 def raw_write(data: memoryview) -> Callable[[str], None]:
     """The OS reference: os.write of the same bytes into a new file."""
 
     def write(path: str) -> None:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             view = data
@@ -65,43 +60,81 @@ def raw_write(data: memoryview) -> Callable[[str], None]:
     return write
 
 
-def case_file_leaf(args, root: str) -> dict:
-    """One big leaf written to a new file (MemoryMappedTensor.from_tensor(filename=))."""
+def _tree(lib, n: int = 1000):
+    """``n`` nested tensordicts of 2 small leaves each, built with ``lib``'s TensorDict."""
+    return lib.TensorDict(
+        {f"node{i}": {"obs": torch.randn(4), "reward": torch.randn(4)} for i in range(n)},
+        batch_size=[4],
+    )
+
+
+def _libraries():
+    import shared_td
+
+    libs = {"shared_td": shared_td}
+    if tensordict is not None:
+        libs["tensordict"] = tensordict
+    return libs
+
+
+def case_big_leaf(args, root: str) -> dict:
+    """memmap_ of one big leaf into a new directory vs os.write of the same bytes."""
     tensor = torch.randn(args.size_mib * (1 << 20) // 4)
     data = memoryview(tensor.numpy()).cast("B")
-    paths = fresh_path(root)
-    out = {
-        "raw os.write": best_of(args.repeat, paths, raw_write(data)),
-        "shared_td": best_of(
-            args.repeat, paths, lambda p: MemoryMappedTensor.from_tensor(tensor, filename=p)
-        ),
-    }
-    if TDMemoryMappedTensor is not None:
-        out["tensordict"] = best_of(
-            args.repeat, paths, lambda p: TDMemoryMappedTensor.from_tensor(tensor, filename=p)
-        )
+    dirs = fresh_dir(root)
+    out = {"raw os.write": best_of(args.repeat, lambda: os.path.join(dirs(), "x"), raw_write(data))}
+    for name, lib in _libraries().items():
+        for threads in (0, 2):
+            out[f"{name} threads={threads}"] = best_of(
+                args.repeat, lambda: (lib.TensorDict(x=tensor), dirs()),
+                lambda s, t=threads: s[0].memmap_(s[1], num_threads=t),
+            )
     return out
 
 
-def case_anonymous_leaves(args, root: str) -> dict:
-    """1000 small anonymous (shared-memory) leaves."""
-    tensors = [torch.randn(16) for _ in range(1000)]
-    out = {
-        "raw share_memory_": best_of(
-            args.repeat, lambda: [t.clone() for t in tensors], lambda ts: [t.share_memory_() for t in ts]
-        ),
-        "shared_td": best_of(
-            args.repeat, lambda: None, lambda _: [MemoryMappedTensor.from_tensor(t) for t in tensors]
-        ),
-    }
-    if TDMemoryMappedTensor is not None:
-        out["tensordict"] = best_of(
-            args.repeat, lambda: None, lambda _: [TDMemoryMappedTensor.from_tensor(t) for t in tensors]
-        )
+def case_tree_to_files(args, root: str) -> dict:
+    """memmap_ of 1000 nested tensordicts x 2 small leaves into a directory."""
+    dirs = fresh_dir(root)
+    out = {}
+    for name, lib in _libraries().items():
+        for threads in (0, 2):
+            out[f"{name} threads={threads}"] = best_of(
+                args.repeat, lambda: (_tree(lib), dirs()),
+                lambda s, t=threads: s[0].memmap_(s[1], num_threads=t),
+            )
     return out
 
 
-def case_pickle_file_leaves(args, root: str) -> dict:
+def case_tree_load(args, root: str) -> dict:
+    """load_memmap of the 1000-node tree written by each library."""
+    out = {}
+    for name, lib in _libraries().items():
+        path = os.path.join(root, f"load_{name}")
+        _tree(lib).memmap_(path)
+        out[name] = best_of(args.repeat, lambda: path, lambda p, lib=lib: lib.TensorDict.load_memmap(p))
+    return out
+
+
+def case_tree_anonymous(args, root: str) -> dict:
+    """memmap_() of the 1000-node tree into anonymous shared memory (+ fds it holds)."""
+    out = {}
+    for name, lib in _libraries().items():
+        for threads in (0, 2):
+            out[f"{name} threads={threads}"] = best_of(
+                args.repeat, lambda: _tree(lib), lambda td, t=threads: td.memmap_(num_threads=t)
+            )
+        before = _open_fds()
+        kept = _tree(lib).memmap_()
+        out[f"{name} fds held"] = _open_fds() - before
+        del kept
+    return out
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def case_leaf_pickle(args, root: str) -> dict:
     """Pickle round trip of 1000 views of one file-backed tensor (sent by reference)."""
     base_path = os.path.join(root, "pickled.memmap")
     ours = MemoryMappedTensor.from_tensor(torch.randn(1000, 16), filename=base_path, existsok=True)
@@ -113,8 +146,8 @@ def case_pickle_file_leaves(args, root: str) -> dict:
         ),
         "shared_td": best_of(args.repeat, lambda: views, lambda vs: pickle.loads(pickle.dumps(vs))),
     }
-    if TDMemoryMappedTensor is not None:
-        theirs = TDMemoryMappedTensor.from_filename(base_path, torch.float32, (1000, 16))
+    if tensordict is not None:
+        theirs = tensordict.MemoryMappedTensor.from_filename(base_path, torch.float32, (1000, 16))
         their_views = list(theirs.unbind(0))
         out["tensordict"] = best_of(
             args.repeat, lambda: their_views, lambda vs: pickle.loads(pickle.dumps(vs))
@@ -123,9 +156,11 @@ def case_pickle_file_leaves(args, root: str) -> dict:
 
 
 CASES = {
-    "file_leaf": case_file_leaf,
-    "anonymous_leaves": case_anonymous_leaves,
-    "pickle_file_leaves": case_pickle_file_leaves,
+    "big_leaf": case_big_leaf,
+    "tree_to_files": case_tree_to_files,
+    "tree_load": case_tree_load,
+    "tree_anonymous": case_tree_anonymous,
+    "leaf_pickle": case_leaf_pickle,
 }
 
 
@@ -157,12 +192,15 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="shared_td_bench_", dir=args.dir)
     try:
         print(describe_machine(root))
-        print(f"{'case':<22}{'column':<26}{'seconds':>10}{'vs reference':>14}")
+        print(f"{'case':<16}{'column':<26}{'seconds':>10}{'vs first row':>14}")
         for name in args.only or CASES:
             results = CASES[name](args, root)
             reference = next(iter(results.values()))
-            for column, seconds in results.items():
-                print(f"{name:<22}{column:<26}{seconds:>10.4f}{reference / seconds:>13.2f}x")
+            for column, value in results.items():
+                if isinstance(value, int):  # a count, not a time
+                    print(f"{name:<16}{column:<26}{value:>10d}")
+                else:
+                    print(f"{name:<16}{column:<26}{value:>10.4f}{reference / value:>13.2f}x")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

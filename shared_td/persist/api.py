@@ -5,6 +5,7 @@ The container methods of the same names call these functions.
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -92,11 +93,11 @@ def _execute(planner: Planner, root: NodePlan, options: Options) -> Any:
         write_leaves(planner.leaves, options, pool)
         write_metadata(root)
     except BaseException:
-        for directory in reversed(created_dirs):
-            try:
-                os.rmdir(directory)  # only empty ones: never remove user files
-            except OSError:
-                pass
+        # Directories this write created hold only what it wrote: remove them whole.
+        # (Files it created in pre-existing directories were removed by write_leaves.)
+        for directory in created_dirs:
+            if not any(directory.startswith(parent + os.sep) for parent in created_dirs):
+                shutil.rmtree(directory, ignore_errors=True)
         raise
     finally:
         if pool is not None:
@@ -107,10 +108,11 @@ def _execute(planner: Planner, root: NodePlan, options: Options) -> Any:
 
 
 def _make_directories(root: NodePlan) -> list[str]:
+    """Create the directories that did not exist; returns them, parents first."""
     created = []
     for node in reversed(list(root.walk())):  # parents first
-        if node.directory is not None and not os.path.isdir(node.directory):
-            os.makedirs(node.directory)
+        if node.directory is not None and not node.exists:
+            os.makedirs(node.directory, exist_ok=node is root)
             created.append(node.directory)
     return created
 
@@ -138,6 +140,8 @@ def _build(node: NodePlan, options: Options) -> Any:
         result = obj if options.inplace else type(obj)._from_tensordict(inner)
     else:
         result = obj if options.inplace else obj.clone()
+        if options.share_non_tensor and result._shared_value is None:
+            result._share()
     if kind != nodes.TENSORCLASS:  # a tensorclass keeps its flags in its tensordict
         result._is_memmap = True
         result._is_shared = False

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from typing import Any
 
 import torch
@@ -104,19 +105,26 @@ def dumps(document: dict, *, compact: bool = False) -> bytes:
     return json.dumps(document, separators=separators, ensure_ascii=False).encode("utf-8")
 
 
-def write_json_atomically(path: str, data: bytes) -> None:
-    """Write ``data`` to a temporary file beside ``path``, then rename it over ``path``.
-
-    A reader (or a crash) never sees a truncated meta.json.
-    """
-    temporary = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+def write_new_file(path: str, data: bytes) -> None:
+    """Write ``data`` to a file that must not exist yet (``O_EXCL``)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view) :]
     finally:
         os.close(fd)
+
+
+def write_json_atomically(path: str, data: bytes) -> None:
+    """Write ``data`` to a temporary file beside ``path``, then rename it over ``path``.
+
+    A reader (or a crash) never sees a truncated meta.json.
+    """
+    temporary = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    if os.path.lexists(temporary):
+        os.unlink(temporary)  # left by a killed writer of the same pid and thread id
+    write_new_file(temporary, data)
     os.replace(temporary, path)
 
 

@@ -60,6 +60,7 @@ class NodePlan:
     obj: Any
     kind: str
     directory: str | None
+    exists: bool = False  # the directory existed when the write was planned
     leaves: dict[str, LeafPlan] = field(default_factory=dict)
     children: dict[str, "NodePlan"] = field(default_factory=dict)
     order: list[str] = field(default_factory=list)  # entry keys in insertion order
@@ -80,18 +81,23 @@ class Planner:
         self.root = os.path.abspath(options.prefix) if options.prefix is not None else None
 
     def plan(self, obj: Any) -> NodePlan:
-        return self._plan(obj, self.root, ())
+        return self._plan(obj, self.root, (), parent_exists=True)
 
-    def _plan(self, obj: Any, directory: str | None, path: tuple) -> NodePlan:
+    def _plan(self, obj: Any, directory: str | None, path: tuple, *, parent_exists: bool) -> NodePlan:
         kind = nodes.kind_of(obj)
-        if directory is not None and os.path.islink(directory) and directory != self.root:
+        # Inside a directory that does not exist yet nothing exists either: a new save
+        # skips every per-file check (they cost a system call per file).
+        exists = directory is not None and parent_exists and os.path.lexists(directory)
+        if exists and directory != self.root and os.path.islink(directory):
             raise RuntimeError(
                 f"Refusing to write a memory-mapped TensorDict through symlink {directory} "
                 f"(key {path})."
             )
-        node = NodePlan(obj, kind, directory)
+        node = NodePlan(obj, kind, directory, exists=exists)
         for name, child in nodes.children(obj, kind):
-            node.children[name] = self._plan(child, _join(directory, name), path + (name,))
+            node.children[name] = self._plan(
+                child, _join(directory, name), path + (name,), parent_exists=exists
+            )
         if kind == nodes.TENSORDICT:
             self._plan_entries(node, obj, directory, path)
         return node
@@ -114,9 +120,11 @@ class Planner:
                 )
             used_names.add(name)
             if isinstance(value, torch.Tensor):
-                node.leaves[key] = self._plan_leaf(key, value, target, path)
+                node.leaves[key] = self._plan_leaf(key, value, target, path, node.exists)
             else:
-                node.children[key] = self._plan(value, target, path + (key,))
+                node.children[key] = self._plan(
+                    value, target, path + (key,), parent_exists=node.exists
+                )
 
     def _file_name(self, key: str, path: tuple, *, leaf: bool) -> str:
         if self.options.robust_key:
@@ -129,9 +137,13 @@ class Planner:
                     "prefix: use robust_key=True (the default)."
                 )
             name = key
+        if os.sep in name or name in (".", ".."):  # never reached by the rules above
+            raise ValueError(f"Key {path + (key,)} would be written outside the prefix.")
         return name + fmt.LEAF_SUFFIX if leaf else name
 
-    def _plan_leaf(self, key: str, tensor: torch.Tensor, target: str | None, path: tuple) -> LeafPlan:
+    def _plan_leaf(
+        self, key: str, tensor: torch.Tensor, target: str | None, path: tuple, in_existing: bool
+    ) -> LeafPlan:
         if tensor.requires_grad:
             tensor = tensor.detach()
         if tensor.is_nested:
@@ -149,7 +161,7 @@ class Planner:
                 )
         elif target is None and isinstance(tensor, MemoryMappedTensor) and backing is not None:
             leaf.keep = not self.options.like  # already anonymous shared memory
-        if target is not None and not leaf.keep:
+        if target is not None and not leaf.keep and in_existing:
             if os.path.islink(target):
                 raise RuntimeError(f"Refusing to write memory-mapped tensor through symlink {target}.")
             if not self.options.existsok and os.path.lexists(target):
@@ -157,19 +169,12 @@ class Planner:
                     f"The file {target} already exists (key {path + (key,)}); pass "
                     "existsok=True to overwrite it."
                 )
-            _check_inside(target, self.root)
         self.leaves.append(leaf)
         return leaf
 
 
 def _join(directory: str | None, name: str) -> str | None:
     return None if directory is None else os.path.join(directory, name)
-
-
-def _check_inside(path: str, root: str) -> None:
-    resolved = os.path.realpath(os.path.dirname(path))
-    if os.path.commonpath([resolved, os.path.realpath(root)]) != os.path.realpath(root):
-        raise ValueError(f"Refusing to write {path}: it resolves outside the prefix {root}.")
 
 
 # ------------------------------------------------------------------------------ write
@@ -258,16 +263,27 @@ def write_metadata(root: NodePlan) -> None:
     for node in root.walk():
         if node.directory is None:
             continue
-        os.makedirs(node.directory, exist_ok=True)
         entries = _entries(node) if node.kind == nodes.TENSORDICT else None
-        document, side = nodes.node_document(node.obj, node.kind, entries)
-        for name in nodes.side_files(node.kind):
-            target = os.path.join(node.directory, name)
-            if name in side:
-                fmt.write_json_atomically(target, side[name])
-            elif os.path.lexists(target):
-                os.unlink(target)  # a stale pickle from an older save
-        fmt.write_json_atomically(os.path.join(node.directory, fmt.META), document)
+        _write_node_files(node.directory, node.obj, node.kind, entries, fresh=not node.exists)
+
+
+def _write_node_files(
+    directory: str, obj: Any, kind: str, entries: dict | None = None, *, fresh: bool = False
+) -> None:
+    """meta.json and the node's pickle side files; a stale pickle of an older save goes.
+
+    Files that may exist are replaced through a rename, so no reader sees them half
+    written; in a ``fresh`` directory (created by this write) they are written directly.
+    """
+    document, side = nodes.node_document(obj, kind, entries)
+    write = fmt.write_new_file if fresh else fmt.write_json_atomically
+    for name in nodes.side_files(kind):
+        target = os.path.join(directory, name)
+        if name in side:
+            write(target, side[name])
+        elif not fresh and os.path.lexists(target):
+            os.unlink(target)
+    write(os.path.join(directory, fmt.META), document)
 
 
 def _entries(node: NodePlan) -> dict:
@@ -289,5 +305,10 @@ def rewrite_tensordict_meta(td: Any) -> None:
         else {"type": nodes.child_type_name(value)}
         for key, value in ((k, td._get_str(k, None)) for k in td._keys_str())
     }
-    document, _ = nodes.node_document(td, nodes.TENSORDICT, entries)
-    fmt.write_json_atomically(os.path.join(td._memmap_prefix, fmt.META), document)
+    _write_node_files(td._memmap_prefix, td, nodes.TENSORDICT, entries)
+
+
+def rewrite_non_tensor(value: Any) -> None:
+    """Rewrite the files of a memory-mapped NonTensorData/NonTensorStack after an
+    in-place write, so the directory holds the current value."""
+    _write_node_files(value._memmap_prefix, value, nodes.kind_of(value))
