@@ -88,13 +88,20 @@ def _run_into_future(future: Future, planner: Planner, root: NodePlan, options: 
 
 def _execute(planner: Planner, root: NodePlan, options: Options) -> Any:
     created_dirs = _make_directories(root)
+    created_files: list[str] = []
     pool = ThreadPoolExecutor(options.num_threads) if options.num_threads > 1 else None
     try:
-        write_leaves(planner.leaves, options, pool)
+        write_leaves(planner.leaves, options, pool, created_files)
         write_metadata(root)
     except BaseException:
+        # Files this write created in pre-existing directories (a failure in the
+        # metadata comes after write_leaves, which removes them only on its own errors)
+        for path in created_files:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
         # Directories this write created hold only what it wrote: remove them whole.
-        # (Files it created in pre-existing directories were removed by write_leaves.)
         for directory in created_dirs:
             if not any(directory.startswith(parent + os.sep) for parent in created_dirs):
                 shutil.rmtree(directory, ignore_errors=True)

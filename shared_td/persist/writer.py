@@ -178,12 +178,19 @@ def _join(directory: str | None, name: str) -> str | None:
 
 
 # ------------------------------------------------------------------------------ write
-def write_leaves(leaves: list[LeafPlan], options: Options, pool: ThreadPoolExecutor | None) -> None:
-    """Fill ``leaf.result`` for every leaf; on failure remove the files this created."""
+def write_leaves(
+    leaves: list[LeafPlan], options: Options, pool: ThreadPoolExecutor | None,
+    created: list[str] | None = None,
+) -> None:
+    """Fill ``leaf.result`` for every leaf; on failure remove the files this created.
+
+    The paths of the files created are appended to ``created``, so that a caller whose
+    next step (the metadata) fails can remove them too.
+    """
     anonymous = [leaf for leaf in leaves if leaf.path is None and not leaf.keep]
     if anonymous:
         _write_anonymous(anonymous, options)
-    created: list[str] = []
+    created = [] if created is None else created
     try:
         for leaf in leaves:
             if leaf.keep:
@@ -259,23 +266,31 @@ def _parallel_pwrite(fd: int, data: memoryview, pool: ThreadPoolExecutor, path: 
 
 # ----------------------------------------------------------------------------- commit
 def write_metadata(root: NodePlan) -> None:
-    """Write every node's meta.json (and pickle side files), children before parents."""
-    for node in root.walk():
-        if node.directory is None:
-            continue
-        entries = _entries(node) if node.kind == nodes.TENSORDICT else None
-        _write_node_files(node.directory, node.obj, node.kind, entries, fresh=not node.exists)
+    """Write every node's meta.json (and pickle side files), children before parents.
+
+    Every document is built (and every pickle made) before the first is written, so
+    that an unpicklable value does not leave a child meta.json naming the new files.
+    """
+    pending = [
+        (node, nodes.node_document(
+            node.obj, node.kind, _entries(node) if node.kind == nodes.TENSORDICT else None
+        ))
+        for node in root.walk() if node.directory is not None
+    ]
+    for node, built in pending:
+        _write_node_files(node.directory, node.obj, node.kind, fresh=not node.exists, built=built)
 
 
 def _write_node_files(
-    directory: str, obj: Any, kind: str, entries: dict | None = None, *, fresh: bool = False
+    directory: str, obj: Any, kind: str, entries: dict | None = None, *, fresh: bool = False,
+    built: tuple | None = None,
 ) -> None:
     """meta.json and the node's pickle side files; a stale pickle of an older save goes.
 
     Files that may exist are replaced through a rename, so no reader sees them half
     written; in a ``fresh`` directory (created by this write) they are written directly.
     """
-    document, side = nodes.node_document(obj, kind, entries)
+    document, side = nodes.node_document(obj, kind, entries) if built is None else built
     write = fmt.write_new_file if fresh else fmt.write_json_atomically
     for name in nodes.side_files(kind):
         target = os.path.join(directory, name)
