@@ -1,0 +1,301 @@
+"""``@tensorclass``: dataclasses whose fields live in a TensorDict (tensordict 0.15.3's API).
+
+The decorator keeps the class (and its methods) and adds to it:
+
+* a data descriptor per field: reading gives the tensor, the nested collection, the
+  plain Python value of a non-tensor, or None for a field that holds nothing; writing
+  goes through ``set`` (so a locked instance refuses it like a TensorDict does);
+* a generated ``__init__(<fields>, *, batch_size=None, device=None, names=None)``;
+* the tensordict API, forwarded to the inner ``_tensordict`` (see
+  ``tensorclass_members``).
+
+A member is only added when the class (or a base other than ``object``) does not
+define that name already, so user methods win over forwarded ones.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import inspect
+import re
+from typing import Any
+
+import torch
+
+from shared_td.containers.base import is_non_tensor, is_tensor_collection
+from shared_td.containers.nontensor import NonTensorData
+from shared_td.containers.tensordict import TensorDict
+from shared_td.containers.tensorclass_members import MEMBERS, _no_field_message, _store, is_tensorclass
+from shared_td.errors import BatchSizeMismatchError
+
+__all__ = ["tensorclass", "is_tensorclass", "tensorclass_for_type_string"]
+
+_REGISTRY: dict[str, type] = {}
+_MISSING = dataclasses.MISSING
+
+
+class _Factory:
+    def __repr__(self) -> str:
+        return "<factory>"
+
+
+_FACTORY = _Factory()  # the default shown in __init__'s signature for default_factory fields
+
+
+# ------------------------------------------------------------------------ registry
+def _register(cls: type) -> None:
+    _REGISTRY[str(cls)] = cls
+
+
+def tensorclass_for_type_string(type_string: str) -> type:
+    """The tensorclass whose ``str(cls)`` is ``type_string`` (e.g. ``"<class 'pkg.mod.X'>"``,
+    as tensordict writes in ``meta.json``).
+
+    Classes register themselves when decorated; if it is not registered yet, its module
+    is imported (which defines and registers it).
+
+    Raises:
+        KeyError: if no such tensorclass is defined or importable.
+    """
+    if type_string in _REGISTRY:
+        return _REGISTRY[type_string]
+    match = re.fullmatch(r"<class '([\w.]+)'>", type_string)
+    if match is not None:
+        parts = match.group(1).split(".")
+        for cut in range(len(parts) - 1, 0, -1):
+            try:
+                obj: Any = importlib.import_module(".".join(parts[:cut]))
+            except ImportError:
+                continue
+            for name in parts[cut:]:
+                obj = getattr(obj, name, None)
+            if is_tensorclass(obj):
+                _register(obj)
+                return obj
+            break
+    raise KeyError(
+        f"No tensorclass {type_string!r} is defined: import (or define) the module that "
+        "declares it with @tensorclass before loading the data."
+    )
+
+
+# ------------------------------------------------------------------------ decorator
+def tensorclass(
+    cls: type | None = None,
+    /,
+    *,
+    autocast: bool = False,
+    frozen: bool = False,
+    nocast: bool = False,
+    shadow: bool = False,
+    tensor_only: bool = False,
+    skip_post_init_on_rebuild: bool = False,
+    cast_filter: Any = None,
+    kw_only: bool = False,
+):
+    """Turn a class with annotated fields into a tensorclass (``@tensorclass`` or
+    ``@tensorclass(frozen=True, ...)``).
+
+    Keyword Args:
+        frozen: assigning a field raises ``dataclasses.FrozenInstanceError`` and
+            instances are locked (in-place writes such as ``x.obs[0] = 1`` still work).
+        nocast: values that are not tensors nor tensor collections (ints, lists,
+            arrays...) are kept as Python values (NonTensorData) instead of tensors.
+        shadow: allow fields named like a tensorclass member (``clone``...), which
+            they then hide.
+        skip_post_init_on_rebuild: run ``__post_init__`` only when an instance is
+            built by ``__init__``/``from_tensordict``, not on indexing, clone, stack...
+        kw_only: the fields are keyword-only arguments of ``__init__``.
+        autocast, tensor_only, cast_filter: not supported (TypeError when set).
+
+    Examples:
+        >>> @tensorclass
+        ... class Obs:
+        ...     pixels: torch.Tensor
+        ...     task: str = "walk"
+        >>> x = Obs(torch.zeros(3, 2), batch_size=[3])
+        >>> x[0].task, x[1:].batch_size
+        ('walk', torch.Size([2]))
+    """
+    if autocast and nocast:
+        raise TypeError("autocast is exclusive with nocast.")
+    if tensor_only and (autocast or nocast):
+        raise TypeError("tensor_only and autocast or nocast are exclusive features.")
+    for option, value in (("autocast", autocast), ("tensor_only", tensor_only), ("cast_filter", cast_filter)):
+        if value is not False and value is not None:
+            raise TypeError(
+                f"shared_td's tensorclass does not support the option {option}={value!r}: "
+                "remove it and convert field values yourself before setting them."
+            )
+    options = dict(
+        frozen=bool(frozen), nocast=bool(nocast), shadow=bool(shadow),
+        skip_post_init=bool(skip_post_init_on_rebuild), kw_only=bool(kw_only),
+    )
+
+    def decorate(klass: type) -> type:
+        return _make_tensorclass(klass, **options)
+
+    return decorate if cls is None else decorate(cls)
+
+
+def _make_tensorclass(cls: type, *, frozen, nocast, shadow, skip_post_init, kw_only) -> type:
+    if not isinstance(cls, type):
+        raise TypeError(f"@tensorclass decorates a class, got {cls!r}.")
+    dataclasses.dataclass(cls, init=False, repr=False, eq=False, kw_only=kw_only)
+    fields = tuple(dataclasses.fields(cls))
+    if not shadow:
+        reserved = _reserved_names()
+        for field in fields:
+            if field.name in reserved:
+                raise AttributeError(
+                    f"Field name {field.name!r} of {cls.__name__} can't be used with "
+                    "@tensorclass, as tensorclasses have a member of that name: rename the "
+                    "field, or pass shadow=True to let the field hide the member."
+                )
+    for field in fields:
+        setattr(cls, field.name, _FieldAttribute(field))
+    defined = {name for klass in cls.__mro__ if klass is not object for name in vars(klass)}
+    for name, member in MEMBERS.items():
+        if name not in defined:
+            setattr(cls, name, member)
+    if "__init__" in vars(cls):
+        cls.__init__ = _wrap_user_init(cls.__init__)
+    else:
+        cls.__init__ = _make_init(cls, fields)
+    if "__hash__" not in defined:
+        cls.__hash__ = None
+    cls._is_tensorclass = True
+    cls._tc_fields = fields
+    cls._tc_field_names = frozenset(f.name for f in fields)
+    cls._frozen, cls._nocast, cls._shadow = frozen, nocast, shadow
+    cls._skip_post_init_on_rebuild = skip_post_init
+    _register(cls)
+    return cls
+
+
+def _reserved_names() -> set:
+    names = {n for n in dir(TensorDict) if not n.startswith("_")}
+    return names | {n for n in MEMBERS if not n.startswith("__")} | {"_tensordict"}
+
+
+class _FieldAttribute:
+    """The data descriptor of one field: the value lives in ``obj._tensordict``."""
+
+    def __init__(self, field: dataclasses.Field):
+        self.name = field.name
+        self.field = field
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            if self.field.default is not _MISSING:
+                return self.field.default
+            raise AttributeError(f"Field {self.name!r} of {owner.__name__} has no class-level default.")
+        value = obj._tensordict._get_str(self.name, None)
+        return value._python_value() if is_non_tensor(value) else value
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        if type(obj)._frozen:
+            raise dataclasses.FrozenInstanceError(f"cannot assign to field {self.name!r}")
+        _store(obj, self.name, value)
+
+    def __delete__(self, obj: Any) -> None:
+        self.__set__(obj, None)
+
+
+def _store_default(obj: Any, name: str, value: Any) -> None:
+    """Defaults that do not fit the batch as tensors (``n: int = 3`` with a batch size)
+    are kept as Python values, as tensordict does."""
+    try:
+        _store(obj, name, value)
+    except BatchSizeMismatchError:
+        if isinstance(value, torch.Tensor) or is_tensor_collection(value):
+            raise
+        td = obj._tensordict
+        td.set(name, NonTensorData(value, batch_size=td.batch_size, device=td.device))
+
+
+def _make_init(cls: type, fields: tuple) -> Any:
+    def __init__(self, *args, batch_size=None, device=None, names=None, lock=False, **kwargs):
+        _init_fields(self, args, kwargs, batch_size, device, names, lock)
+
+    kind = inspect.Parameter
+    params = [kind("self", kind.POSITIONAL_OR_KEYWORD)]
+    for f in fields:
+        default = f.default if f.default is not _MISSING else (
+            kind.empty if f.default_factory is _MISSING else _FACTORY
+        )
+        params.append(kind(f.name, kind.KEYWORD_ONLY if f.kw_only else kind.POSITIONAL_OR_KEYWORD,
+                           default=default, annotation=f.type))
+    params += [kind("batch_size", kind.KEYWORD_ONLY, default=None),
+               kind("device", kind.KEYWORD_ONLY, default=None),
+               kind("names", kind.KEYWORD_ONLY, default=None),
+               kind("lock", kind.KEYWORD_ONLY, default=False)]
+    params.sort(key=lambda p: p.kind)  # keyword-only after positional
+    try:
+        __init__.__signature__ = inspect.Signature(params)
+    except ValueError:  # a required field after a defaulted one: no clean signature
+        pass
+    __init__.__qualname__ = f"{cls.__qualname__}.__init__"
+    __init__.__doc__ = f"Build a {cls.__name__} from its fields, batch_size, device and names."
+    return __init__
+
+
+def _wrap_user_init(user_init: Any) -> Any:
+    """A class's own ``__init__`` starts from an empty TensorDict (batch size ``[]``): it
+    sets the fields as attributes and may set ``self.batch_size``."""
+    if getattr(user_init, "_tc_wrapped", False):
+        return user_init
+
+    @functools.wraps(user_init)
+    def __init__(self, *args, **kwargs):
+        if "_tensordict" not in self.__dict__:
+            object.__setattr__(self, "_tensordict", TensorDict())
+        user_init(self, *args, **kwargs)
+
+    __init__._tc_wrapped = True
+    return __init__
+
+
+def _init_fields(self, args, kwargs, batch_size, device, names, lock) -> None:
+    cls = type(self)
+    fields = cls._tc_fields
+    positional = [f for f in fields if not f.kw_only]
+    if len(args) > len(positional):
+        n = len(positional) + 1
+        raise TypeError(
+            f"{cls.__name__}.__init__() takes {n} positional argument{'s' if n > 1 else ''} "
+            f"but {len(args) + 1} were given; pass batch_size, device and names by keyword"
+        )
+    values = {f.name: value for f, value in zip(positional, args)}
+    for name, value in kwargs.items():
+        if name in values:
+            raise TypeError(f"{cls.__name__}.__init__() got multiple values for argument {name!r}")
+        values[name] = value
+    missing = [f.name for f in fields if f.name not in values
+               and f.default is _MISSING and f.default_factory is _MISSING]
+    unknown = [name for name in kwargs if name not in cls._tc_field_names]
+    if missing:
+        message = (f"{cls.__name__}.__init__() missing {len(missing)} required positional "
+                   f"argument{'s' if len(missing) > 1 else ''}: {', '.join(map(repr, missing))}")
+        if unknown:
+            message += f"; it also got unexpected keyword arguments {unknown}"
+        raise TypeError(f"{message}. Its fields are {sorted(cls._tc_field_names)}.")
+    if unknown:
+        raise AttributeError(_no_field_message(cls, unknown[0]))
+    td = TensorDict(batch_size=batch_size, device=device)
+    object.__setattr__(self, "_tensordict", td)
+    for f in fields:
+        if f.name in values:
+            _store(self, f.name, values[f.name])
+        else:
+            default = f.default if f.default_factory is _MISSING else f.default_factory()
+            _store_default(self, f.name, default)
+    if names is not None:
+        td.names = names
+    if hasattr(cls, "__post_init__"):
+        self.__post_init__()
+    if lock or cls._frozen:
+        td.lock_()
+
+

@@ -1,0 +1,300 @@
+"""The members every tensorclass gets: the tensordict API forwarded to ``_tensordict``.
+
+Results that are the inner tensordict give back the instance; other tensordicts whose
+keys are all fields are rewrapped into the class (``x[0]``, ``x.clone()``, ``x == y``,
+``x.unbind(0)``...). ``shared_td.containers.tensorclass`` adds ``MEMBERS`` to each
+decorated class, skipping the names the class already defines.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from shared_td.containers.base import NO_DEFAULT, TensorDictBase, is_non_tensor, is_tensor_collection
+from shared_td.containers.nontensor import NonTensorData
+from shared_td.containers.tensordict import TensorDict
+from shared_td.keys import is_nested_key, unravel_key
+
+
+def is_tensorclass(obj: Any) -> bool:
+    """True for a tensorclass (the class or an instance)."""
+    cls = obj if isinstance(obj, type) else type(obj)
+    return bool(getattr(cls, "_is_tensorclass", False))
+
+
+def _store(obj: Any, name: str, value: Any) -> None:
+    """Set field ``name``: None removes the entry; dicts (and with ``nocast`` every
+    non-tensor) are kept as NonTensorData, the rest is converted as TensorDict.set does."""
+    td = obj._tensordict
+    if value is None:
+        if td._get_str(name, None) is not None:
+            td.del_(name)
+        return
+    plain = not isinstance(value, torch.Tensor) and not is_tensor_collection(value)
+    if isinstance(value, dict) or (plain and type(obj)._nocast):
+        value = NonTensorData(value, batch_size=td.batch_size, device=td.device)
+    td.set(name, value)
+
+
+def _no_field_message(cls: type, name: str) -> str:
+    return (f"Cannot set the attribute {name!r}: {cls.__name__} has no such field. "
+            f"Its fields are {sorted(cls._tc_field_names)}.")
+
+
+# ------------------------------------------------------------------------ wrapping
+def _unwrap(value: Any) -> Any:
+    return value._tensordict if is_tensorclass(value) else value
+
+
+def _wrap(obj: Any, result: Any) -> Any:
+    """The instance for its own tensordict; the class around tensordicts of its fields."""
+    if result is obj._tensordict:
+        return obj
+    if isinstance(result, TensorDictBase) and not is_non_tensor(result):
+        if set(result._keys_str()) <= type(obj)._tc_field_names:
+            return type(obj)._from_tensordict(result)
+        return result
+    if isinstance(result, tuple) and result and all(isinstance(r, TensorDictBase) for r in result):
+        return tuple(_wrap(obj, r) for r in result)
+    return result
+
+
+def _forward(name: str, wrap: bool) -> Any:
+    def method(self, *args, **kwargs):
+        result = getattr(self._tensordict, name)(*map(_unwrap, args), **kwargs)
+        return _wrap(self, result) if wrap else result
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = getattr(getattr(TensorDict, name, None), "__doc__", None)
+    return method
+
+
+def _td_property(name: str, settable: bool = False) -> property:
+    def fget(self):
+        return getattr(self._tensordict, name)
+
+    def fset(self, value):
+        setattr(self._tensordict, name, value)
+
+    return property(fget, fset if settable else None, doc=getattr(TensorDict, name).__doc__)
+
+
+_WRAPPED = (
+    "unbind split chunk to cpu clone contiguous expand reshape view unsqueeze squeeze "
+    "permute apply named_apply update_ set_ lock_ unlock_ share_memory_ select exclude "
+    "empty zero_ fill_ copy_ del_ rename_key_ refine_names __eq__ __ne__ __enter__ __exit__"
+).split()
+_PLAIN = (
+    "keys values items numel dim size all any is_shared is_memmap is_empty pop "
+    "get_non_tensor __len__ __bool__ __contains__"
+).split()
+
+
+class _TensorClassMembers:
+    """The members added to every tensorclass (collected into ``MEMBERS``)."""
+
+    _is_tensorclass = True
+
+    batch_size = _td_property("batch_size", settable=True)
+    names = _td_property("names", settable=True)
+    is_locked = _td_property("is_locked", settable=True)
+    shape = _td_property("shape")
+    batch_dims = _td_property("batch_dims")
+    ndim = _td_property("ndim")
+    device = _td_property("device")
+
+    __torch_function__ = TensorDictBase.__dict__["__torch_function__"]
+
+    @classmethod
+    def _from_tensordict(cls, tensordict: TensorDictBase, *, _rebuild: bool = True) -> Any:
+        """An instance around ``tensordict`` (shared, not copied), without checks."""
+        obj = cls.__new__(cls)
+        object.__setattr__(obj, "_tensordict", tensordict)
+        if hasattr(cls, "__post_init__") and not (_rebuild and cls._skip_post_init_on_rebuild):
+            obj.__post_init__()
+        if cls._frozen and not tensordict.is_locked:
+            tensordict.lock_()
+        return obj
+
+    @classmethod
+    def from_tensordict(cls, tensordict: TensorDictBase, non_tensordict: dict | None = None, safe: bool = True) -> Any:
+        """An instance whose fields are the entries of ``tensordict`` (shared, not copied);
+        fields it lacks are None. ``non_tensordict`` sets more fields.
+
+        Raises:
+            ValueError: if ``tensordict`` has keys that are not fields of the class.
+        """
+        if not isinstance(tensordict, TensorDictBase):
+            raise TypeError(f"{cls.__name__}.from_tensordict() needs a TensorDict, got {type(tensordict).__name__}.")
+        extra = set(tensordict._keys_str()) - cls._tc_field_names
+        if extra:
+            raise ValueError(
+                f"Keys {sorted(extra)} of the tensordict are not fields of {cls.__name__} "
+                f"(its fields are {sorted(cls._tc_field_names)}): exclude or rename them first."
+            )
+        obj = cls._from_tensordict(tensordict, _rebuild=False)
+        for name, value in (non_tensordict or {}).items():
+            if name not in cls._tc_field_names:
+                raise ValueError(_no_field_message(cls, name))
+            _store(obj, name, value)
+        return obj
+
+    @classmethod
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        from shared_td.containers.tensorclass import _register
+
+        object.__init_subclass__(**kwargs)
+        _register(cls)  # plain subclasses are tensorclasses too
+
+    # ------------------------------------------------------------ attributes
+    def __getattr__(self, name: str) -> Any:
+        td = self.__dict__.get("_tensordict")
+        if td is not None and not name.startswith("_") and hasattr(type(td), name):
+            member = getattr(td, name)
+            if callable(member):
+                return _forward(name, wrap=True).__get__(self)
+            return _wrap(self, member)
+        fields = sorted(getattr(type(self), "_tc_field_names", ()))
+        raise AttributeError(
+            f"{type(self).__name__!r} object has no attribute or field {name!r}. "
+            f"Its fields are {fields}."
+        )
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        for klass in type(self).__mro__:
+            if name in vars(klass):
+                if hasattr(vars(klass)[name], "__set__"):  # a field, a property...
+                    object.__setattr__(self, name, value)
+                    return
+                break
+        raise AttributeError(_no_field_message(type(self), name))
+
+    def __getstate__(self) -> dict:
+        return {"_tensordict": self._tensordict}
+
+    def __setstate__(self, state: dict) -> None:
+        object.__setattr__(self, "_tensordict", state["_tensordict"])
+
+    # ------------------------------------------------------------ entries
+    def get(self, key: Any, default: Any = NO_DEFAULT) -> Any:
+        """The field (or nested entry) ``key``: non-tensors as Python values, a field
+        that holds nothing as None (or ``default``)."""
+        path = unravel_key(key)
+        if len(path) == 1 and path[0] in type(self)._tc_field_names:
+            if self._tensordict._get_str(path[0], None) is None:
+                return None if default is NO_DEFAULT else default
+        value = self._tensordict.get(path, default)
+        return value._python_value() if is_non_tensor(value) else value
+
+    def set(self, key: Any, value: Any, *, inplace: bool = False, **kwargs: Any) -> Any:
+        """Set the field (or nested entry) ``key``; returns self.
+
+        Raises:
+            AttributeError: if the first part of ``key`` is not a field.
+            LockedTensorDictError: if locked (use ``set_`` to write in place).
+        """
+        path = unravel_key(key)
+        if path[0] not in type(self)._tc_field_names:
+            raise AttributeError(_no_field_message(type(self), path[0]))
+        if len(path) == 1 and not inplace:
+            _store(self, path[0], value)
+        else:
+            self._tensordict.set(path, value, inplace=inplace, **kwargs)
+        return self
+
+    def update(self, other: Any, *, inplace: bool = False, keys_to_update: Any = None, **kwargs: Any) -> Any:
+        """Set the entries of ``other`` (a dict, tensordict or tensorclass); returns self.
+
+        Raises:
+            ValueError: (before anything is written) if ``other`` has keys that are not
+                fields.
+        """
+        other = _unwrap(other)
+        keys = list(other.keys())
+        extra = sorted({unravel_key(k)[0] for k in keys} - type(self)._tc_field_names)
+        if extra:
+            raise ValueError(
+                f"Keys {extra} are not fields of {type(self).__name__} (its fields are "
+                f"{sorted(type(self)._tc_field_names)}); nothing was updated."
+            )
+        if isinstance(other, dict):
+            for key in [k for k, v in other.items() if v is None and isinstance(k, str)]:
+                _store(self, key, None)
+            other = {k: v for k, v in other.items() if v is not None}
+        self._tensordict.update(other, inplace=inplace, keys_to_update=keys_to_update, **kwargs)
+        return self
+
+    # ------------------------------------------------------------ batch indexing
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, str) or (isinstance(index, tuple) and index and is_nested_key(index)):
+            raise ValueError(
+                f"Invalid indexing arguments: {index!r}. A tensorclass is indexed along its "
+                f"batch dimensions; to read a field, use the attribute or get({index!r})."
+            )
+        return _wrap(self, self._tensordict[index])
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        if isinstance(index, str) or (isinstance(index, tuple) and index and is_nested_key(index)):
+            raise ValueError(
+                f"Invalid indexing arguments: {index!r}. A tensorclass is indexed along its "
+                f"batch dimensions; to write a field, use the attribute or set({index!r}, value)."
+            )
+        self._tensordict[index] = _unwrap(value)
+
+    def __iter__(self):
+        return (_wrap(self, item) for item in iter(self._tensordict))  # raises at once if 0-dim
+
+    # ------------------------------------------------------------ conversions
+    def to_tensordict(self, *, retain_none: bool | None = None) -> TensorDict:
+        """A TensorDict copy of the entries (nested tensorclasses become TensorDicts,
+        non-tensors stay NonTensorData); fields that hold nothing are left out."""
+        return _plain_copy(self._tensordict)
+
+    def to_dict(self, *, retain_none: bool = True) -> dict:
+        """A nested dict of the fields (non-tensors as Python values, empty fields as None)."""
+        out = self._tensordict.to_dict()
+        if retain_none:
+            out.update({f.name: None for f in type(self)._tc_fields if f.name not in out})
+        return out
+
+    def __repr__(self) -> str:
+        from shared_td.containers.formatting import format_collection
+
+        return format_collection(self, name=type(self).__name__)
+
+    def _empty_fields(self) -> list:
+        """The fields that hold nothing (None), in declaration order (for the repr)."""
+        return [f.name for f in type(self)._tc_fields if self._tensordict._get_str(f.name, None) is None]
+
+
+def _plain_copy(td: TensorDictBase) -> TensorDictBase:
+    if not isinstance(td, TensorDict):
+        return td.clone()
+    out = td.clone(recurse=False)
+    for key, value in list(out._tensordict.items()):
+        if is_tensorclass(value):
+            out._tensordict[key] = _plain_copy(value._tensordict)
+        elif isinstance(value, TensorDict):
+            out._tensordict[key] = _plain_copy(value)
+        else:
+            out._tensordict[key] = value.clone()
+    return out
+
+
+def _container_mixin_members() -> dict:
+    """Methods of the mixins TensorDictBase inherits (written for every container and
+    every tensorclass, e.g. the memmap family): tensorclasses get them as they are."""
+    members: dict = {}
+    for klass in reversed(TensorDictBase.__mro__[1:-1]):
+        members.update({k: v for k, v in vars(klass).items() if not k.startswith("__")})
+    return members
+
+
+MEMBERS: dict[str, Any] = {
+    **_container_mixin_members(),
+    **{name: _forward(name, wrap=True) for name in _WRAPPED},
+    **{name: _forward(name, wrap=False) for name in _PLAIN},
+    **{k: v for k, v in vars(_TensorClassMembers).items()
+       if k not in ("__module__", "__qualname__", "__doc__", "__dict__", "__weakref__")},
+}
