@@ -4,20 +4,34 @@ The public names mirror tensordict 0.15.3, so code written for tensordict runs a
 changing its import.
 """
 from shared_td.containers.base import TensorDictBase, is_non_tensor, is_tensor_collection
+from shared_td.containers.lazy import LazyStackedTensorDict
 from shared_td.containers.nontensor import NonTensorData, NonTensorStack
+from shared_td.containers.tensorclass import is_tensorclass, tensorclass
 from shared_td.containers.tensordict import TensorDict
 from shared_td.errors import BatchSizeMismatchError, KeyTypeError, LockedTensorDictError
+from shared_td.memmap_tensor import MemoryMappedTensor
+from shared_td.persist.functions import load, load_memmap, memmap, save
+from shared_td.persist.future import TensorDictFuture
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BatchSizeMismatchError",
     "KeyTypeError",
+    "LazyStackedTensorDict",
     "LockedTensorDictError",
+    "MemoryMappedTensor",
     "NonTensorData",
     "NonTensorStack",
     "TensorDict",
     "TensorDictBase",
+    "TensorDictFuture",
     "is_non_tensor",
     "is_tensor_collection",
+    "is_tensorclass",
+    "load",
+    "load_memmap",
+    "memmap",
+    "save",
+    "tensorclass",
 ]

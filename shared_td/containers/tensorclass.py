@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import inspect
-import re
 from typing import Any
 
 import torch
@@ -52,28 +50,14 @@ def tensorclass_for_type_string(type_string: str) -> type:
     """The tensorclass whose ``str(cls)`` is ``type_string`` (e.g. ``"<class 'pkg.mod.X'>"``,
     as tensordict writes in ``meta.json``).
 
-    Classes register themselves when decorated; if it is not registered yet, its module
-    is imported (which defines and registers it).
+    Only classes already defined in this process are found: loading data never imports
+    a module named in a file (that would run code chosen by whoever wrote the file).
 
     Raises:
-        KeyError: if no such tensorclass is defined or importable.
+        KeyError: if no such tensorclass has been defined.
     """
     if type_string in _REGISTRY:
         return _REGISTRY[type_string]
-    match = re.fullmatch(r"<class '([\w.]+)'>", type_string)
-    if match is not None:
-        parts = match.group(1).split(".")
-        for cut in range(len(parts) - 1, 0, -1):
-            try:
-                obj: Any = importlib.import_module(".".join(parts[:cut]))
-            except ImportError:
-                continue
-            for name in parts[cut:]:
-                obj = getattr(obj, name, None)
-            if is_tensorclass(obj):
-                _register(obj)
-                return obj
-            break
     raise KeyError(
         f"No tensorclass {type_string!r} is defined: import (or define) the module that "
         "declares it with @tensorclass before loading the data."

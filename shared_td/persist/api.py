@@ -53,7 +53,7 @@ def memmap(
             "memory-mapped copy, or unlock_() it first."
         )
     if prefix is None:
-        prefix = getattr(obj, "_memmap_prefix", None)
+        prefix = own_directory(obj)
     options = Options(
         prefix=None if prefix is None else os.path.abspath(os.fspath(prefix)),
         inplace=inplace,
@@ -75,6 +75,14 @@ def memmap(
         worker.start()
         return TensorDictFuture(future, f"memmap to {options.prefix or 'shared memory'}")
     return _execute(planner, root, options)
+
+
+def own_directory(obj: Any) -> str | None:
+    """The directory ``obj`` was memory-mapped to or loaded from (None if none)."""
+    if nodes.kind_of(obj) == nodes.TENSORCLASS:
+        inner = obj._tensordict._memmap_prefix  # <directory>/_tensordict
+        return None if inner is None else os.path.dirname(inner)
+    return obj._memmap_prefix
 
 
 def _run_into_future(future: Future, planner: Planner, root: NodePlan, options: Options) -> None:

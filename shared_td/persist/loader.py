@@ -135,12 +135,13 @@ class Loader:
     def _load_tensorclass(self, directory: str, meta: dict, type_str: Any) -> Any:
         from shared_td.containers.tensorclass import tensorclass_for_type_string
 
-        cls = tensorclass_for_type_string(type_str) if isinstance(type_str, str) else None
-        if cls is None:
+        try:
+            cls = tensorclass_for_type_string(type_str)
+        except (KeyError, TypeError):
             raise RuntimeError(
                 f"{os.path.join(directory, fmt.META)} holds a {type_str!r}, which is no known "
                 "tensordict class: import the module that defines that tensorclass first."
-            )
+            ) from None
         inner_path = os.path.join(directory, fmt.TENSORCLASS_CHILD)
         if not os.path.isdir(inner_path):
             raise fmt.FormatError(f"The _tensordict directory seems to be missing in {directory}.")

@@ -180,7 +180,9 @@ class MemmapMethods:
                 "The tensordict has no saved path: it is not memory-mapped (call "
                 "memmap_(prefix), or memmap_() again after unlock_())."
             )
-        prefix = _inner(self)._memmap_prefix
+        from shared_td.persist.api import own_directory
+
+        prefix = own_directory(self)
         return None if prefix is None else pathlib.Path(prefix)
 
     def make_memmap(self, key: NestedKey, shape: Any, *, dtype: torch.dtype | None = None,

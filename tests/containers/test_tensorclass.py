@@ -541,22 +541,19 @@ def test_registry():
         tensorclass_for_type_string("<class 'no_such_module_xyz.Thing'>")
 
 
-def test_registry_imports_the_defining_module(tmp_path, monkeypatch):
+def test_registry_never_imports_a_module_named_in_data(tmp_path, monkeypatch):
+    # Loading must not run code chosen by whoever wrote the files: a module named in a
+    # type string is not imported, even when it is importable.
     (tmp_path / "tc_registry_probe.py").write_text(
-        "import torch\n"
-        "from shared_td.containers.tensorclass import tensorclass\n"
-        "@tensorclass\n"
-        "class Point:\n"
-        "    xy: torch.Tensor\n"
+        "import pathlib\n"
+        f"pathlib.Path({str(tmp_path / 'imported')!r}).touch()\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "tc_registry_probe", raising=False)
-    cls = tensorclass_for_type_string("<class 'tc_registry_probe.Point'>")
-    assert cls.__name__ == "Point" and is_tensorclass(cls)
-    assert sys.modules["tc_registry_probe"].Point is cls
     with pytest.raises(KeyError, match="No tensorclass"):
-        tensorclass_for_type_string("<class 'tc_registry_probe.Missing'>")
-    monkeypatch.delitem(sys.modules, "tc_registry_probe")
+        tensorclass_for_type_string("<class 'tc_registry_probe.Point'>")
+    assert "tc_registry_probe" not in sys.modules
+    assert not (tmp_path / "imported").exists()
 
 
 def test_pickle_roundtrip_and_deepcopy():

@@ -1,0 +1,31 @@
+"""Module-level save/load functions, as ``tensordict.save`` / ``tensordict.load``."""
+from __future__ import annotations
+
+from typing import Any
+
+from shared_td.persist import api
+
+
+def save(data: Any, prefix: Any = None, copy_existing: bool = False, **kwargs: Any) -> Any:
+    """Save ``data`` (any tensordict or tensorclass) to ``prefix``; see ``memmap``.
+
+    Examples:
+        >>> shared_td.save(td, path)
+        >>> shared_td.load(path)["obs"].shape
+        torch.Size([3, 4])
+    """
+    return data.save(prefix, copy_existing, **kwargs)
+
+
+def memmap(data: Any, prefix: Any = None, copy_existing: bool = False, **kwargs: Any) -> Any:
+    """A memory-mapped copy of ``data`` at ``prefix`` (anonymous memory if None)."""
+    return data.memmap(prefix, copy_existing, **kwargs)
+
+
+def load_memmap(prefix: Any, device: Any = None, *, robust_key: bool | None = True,
+                allow_pickle: bool | None = False) -> Any:
+    """Load a directory saved by shared_td or tensordict 0.15.3 (the class on disk)."""
+    return api.load_memmap(prefix, device, robust_key=robust_key, allow_pickle=allow_pickle)
+
+
+load = load_memmap
