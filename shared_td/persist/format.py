@@ -102,7 +102,7 @@ def is_json_value(value: Any) -> bool:
 def dumps(document: dict, *, compact: bool = False) -> bytes:
     """meta.json bytes, with the separators tensordict writes (spaced, or compact)."""
     separators = (",", ":") if compact else (", ", ": ")
-    return json.dumps(document, separators=separators, ensure_ascii=False).encode("utf-8")
+    return json.dumps(document, separators=separators).encode("utf-8")
 
 
 def write_new_file(path: str, data: bytes) -> None:

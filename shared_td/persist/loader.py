@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import stat
 from typing import Any
 
 import torch
@@ -160,9 +161,13 @@ class Loader:
             candidates.append(key + suffix)
         for name in candidates:
             path = os.path.join(directory, name)
-            if os.path.lexists(path):
-                self._refuse_symlink(path)
-                return path
+            try:
+                mode = os.lstat(path).st_mode
+            except FileNotFoundError:
+                continue
+            if stat.S_ISLNK(mode):
+                raise RuntimeError(f"Refusing to load through symlink {path}.")
+            return path
         if not must_exist:
             return os.path.join(directory, candidates[0]) if candidates else directory
         kind = "file" if leaf else "directory"
