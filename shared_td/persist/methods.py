@@ -195,7 +195,8 @@ class MemmapMethods:
 
         dtype = torch.get_default_dtype() if dtype is None else dtype
         return self._add_memmap_leaf(
-            key, lambda path: MemoryMappedTensor.zeros(shape, dtype=dtype, filename=path, existsok=True)
+            key, lambda path: MemoryMappedTensor.zeros(shape, dtype=dtype, filename=path, existsok=True),
+            shape,
         )
 
     def make_memmap_from_tensor(self, key: NestedKey, tensor: torch.Tensor, *,
@@ -209,7 +210,8 @@ class MemmapMethods:
         return self._add_memmap_leaf(
             key, lambda path: MemoryMappedTensor.from_tensor(
                 source, filename=path, existsok=existsok, copy_existing=True
-            )
+            ),
+            tensor.shape,
         )
 
     def make_memmap_from_storage(self, key: NestedKey, storage: Any, shape: Any, *,
@@ -221,10 +223,12 @@ class MemmapMethods:
         return self._add_memmap_leaf(
             key, lambda path: MemoryMappedTensor.from_storage(
                 storage, shape=shape, dtype=dtype, filename=path
-            )
+            ),
+            shape,
         )
 
-    def _add_memmap_leaf(self, key: NestedKey, make: Any) -> torch.Tensor:
+    def _add_memmap_leaf(self, key: NestedKey, make: Any, shape: Any = None) -> torch.Tensor:
+        from shared_td.errors import BatchSizeMismatchError
         from shared_td.persist import writer
 
         if not self.is_memmap():
@@ -238,23 +242,35 @@ class MemmapMethods:
                 f"The key {path} already exists within the target tensordict. Delete that "
                 "entry before overwriting it."
             )
-        node = _inner(self)
-        for part in path[:-1]:
-            child = node._get_str(part, None)
-            if child is None:
-                child = node._empty_child()
-                directory = None if node._memmap_prefix is None else os.path.join(node._memmap_prefix, encode_key(part))
-                child.memmap_(directory) if directory else child.memmap_()
-                node._tensordict[part] = child
+        # Walk the existing part of the path and check the shape before creating any
+        # sub-tensordict or file, so that a bad key or shape leaves nothing behind.
+        node, depth = _inner(self), 0
+        while depth < len(path) - 1 and (child := node._get_str(path[depth], None)) is not None:
+            if isinstance(child, torch.Tensor) or getattr(child, "_is_non_tensor", False):
+                raise KeyError(
+                    f"Cannot make memmap key {path}: {path[depth]!r} holds a "
+                    f"{type(child).__name__}, not a tensordict."
+                )
+            node, depth = _inner(child), depth + 1
+        batch = node.batch_size  # new sub-tensordicts get their parent's batch size
+        expected = torch.Size([shape] if isinstance(shape, int) else shape) if shape is not None else None
+        if expected is not None and expected[: len(batch)] != batch:
+            raise BatchSizeMismatchError(
+                f"make_memmap of key {path}: shape {list(expected)} does not start with "
+                f"the batch size {list(batch)}."
+            )
+        for part in path[depth:-1]:
+            child = node._empty_child()
+            directory = None if node._memmap_prefix is None else os.path.join(node._memmap_prefix, encode_key(part))
+            child.memmap_(directory) if directory else child.memmap_()
+            node._tensordict[part] = child
+            if directory is not None:  # an anonymous tensordict has no meta.json
                 writer.rewrite_tensordict_meta(node)
             node = _inner(child)
         directory = node._memmap_prefix
         filename = None if directory is None else os.path.join(directory, encode_key(path[-1]) + ".memmap")
         tensor = make(filename)
-        batch = node.batch_size
         if tensor.shape[: len(batch)] != batch:
-            from shared_td.errors import BatchSizeMismatchError
-
             raise BatchSizeMismatchError(
                 f"make_memmap of key {path}: shape {list(tensor.shape)} does not start with "
                 f"the batch size {list(batch)}."
