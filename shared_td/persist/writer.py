@@ -152,7 +152,13 @@ class Planner:
         backing = getattr(tensor, "_backing", None) if isinstance(tensor, MemoryMappedTensor) else None
         if isinstance(backing, FileBacking):
             if target is not None and backing.path == target:
-                leaf.keep = not self.options.like
+                if tensor.storage_offset() == 0 and tensor.is_contiguous():
+                    leaf.keep = not self.options.like
+                else:
+                    # a view (slice, stride) of the very file it is written to: keeping it
+                    # would record a shape that the file's leading bytes do not hold, so
+                    # it is written; copied out first, as the write overlaps its bytes
+                    leaf.source = tensor.clone()
             elif not self.options.copy_existing and target is not None:
                 raise RuntimeError(
                     f"Key {path + (key,)} is already memory-mapped to {backing.path}; "
