@@ -517,3 +517,14 @@ def test_io_failure_while_replacing_meta_json_leaves_no_meta_naming_removed_file
         "n/m/meta.json naming c.memmap, which the cleanup removed: the meta.json files "
         "should be staged (temporary files) and renamed only once all are written"
     )
+
+
+@pytest.mark.parametrize("view", ["slice", "transpose", "step"])
+def test_view_of_the_target_file_is_written_not_kept(tmp_path, view):
+    base = TensorDict({"a": torch.arange(12.0).reshape(4, 3)}, [4]).memmap_(tmp_path)
+    leaf = {"slice": lambda t: t[2:], "transpose": lambda t: t.t()[:, :2], "step": lambda t: t[::2]}[view](base["a"])
+    expected = leaf.clone()
+    td = TensorDict({"a": leaf}, [expected.shape[0]])
+    td.memmap_(tmp_path)
+    assert torch.equal(td["a"], expected)
+    assert torch.equal(TensorDict.load_memmap(tmp_path)["a"], expected), "the file does not hold the view"
