@@ -169,8 +169,10 @@ def test_missing_leaf_file_is_an_error_naming_the_key(saved):
 def test_missing_child_directory_is_an_error_naming_the_key(saved):
     td, path = saved
     shutil.rmtree(path / "nested")
+    disk = dir_state(path)
     with pytest.raises(FileNotFoundError, match="'nested'"):
         TensorDict.load_memmap(path)
+    assert dir_state(path) == disk
 
 
 def test_longer_leaf_file_is_accepted(saved):
@@ -185,16 +187,19 @@ def test_unknown_dtype_is_an_error_naming_the_file(saved):
     td, path = saved
     meta = (path / "meta.json").read_text().replace('"torch.int32"', '"torch.int33"')
     (path / "meta.json").write_text(meta)
+    disk = dir_state(path)
     with pytest.raises(ValueError, match="int33") as info:
         TensorDict.load_memmap(path)
     assert "meta.json" in str(info.value)
+    assert dir_state(path) == disk
 
 
 def test_missing_directory_and_meta(tmp_path):
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError, match="nope"):
         TensorDict.load_memmap(tmp_path / "nope")
     with pytest.raises(FileNotFoundError, match="meta.json"):
         TensorDict.load_memmap(tmp_path)
+    assert dir_state(tmp_path) == {}  # nothing was created
 
 
 # ----------------------------------------------------------------- pickle safety
@@ -263,12 +268,15 @@ def test_pickle_loads_with_allow_pickle_true(pickled):
 @pytest.mark.parametrize("bad", [0, 1, np.bool_(True), np.bool_(False), "yes", 1.0])
 def test_allow_pickle_must_be_a_bool(pickled, bad):
     td, path = pickled
+    state, disk = tree_state(td), dir_state(path)
     with pytest.raises(TypeError, match="allow_pickle"):
         TensorDict.load_memmap(path, allow_pickle=bad)
+    target = TensorDict({"z": torch.zeros(2)}, [2])
     with pytest.raises(TypeError, match="allow_pickle"):
-        TensorDict(batch_size=[2]).load_memmap_(path, allow_pickle=bad)
+        target.load_memmap_(path, allow_pickle=bad)
     with pytest.raises(TypeError, match="allow_pickle"):
         td.memmap_refresh_(allow_pickle=bad)
+    assert list(target.keys()) == ["z"] and tree_state(td) == state and dir_state(path) == disk
 
 
 def test_json_resave_removes_a_stale_pickle(pickled):
@@ -285,18 +293,26 @@ def test_symlinked_leaf_file_is_refused(saved, tmp_path):
     elsewhere = tmp_path / "elsewhere.bin"
     shutil.move(path / "float32.memmap", elsewhere)
     os.symlink(elsewhere, path / "float32.memmap")
-    before = elsewhere.read_bytes()
-    with pytest.raises(RuntimeError, match="symlink"):
+    before, disk = elsewhere.read_bytes(), dir_state(path)
+    with pytest.raises(RuntimeError, match="symlink") as info:
         TensorDict.load_memmap(path)
-    assert elsewhere.read_bytes() == before
+    assert "float32.memmap" in str(info.value)
+    assert elsewhere.read_bytes() == before and dir_state(path) == disk
+    target = TensorDict({"z": torch.zeros(3)}, [3])
+    with pytest.raises(RuntimeError, match="symlink"):
+        target.load_memmap_(path)
+    assert list(target.keys()) == ["z"]
 
 
 def test_symlinked_child_directory_is_refused(saved, tmp_path):
     td, path = saved
     shutil.move(path / "nested", tmp_path / "elsewhere")
     os.symlink(tmp_path / "elsewhere", path / "nested")
-    with pytest.raises(RuntimeError, match="symlink"):
+    disk, outside = dir_state(path), dir_state(tmp_path / "elsewhere")
+    with pytest.raises(RuntimeError, match="symlink") as info:
         TensorDict.load_memmap(path)
+    assert "nested" in str(info.value)
+    assert dir_state(path) == disk and dir_state(tmp_path / "elsewhere") == outside
 
 
 def test_legacy_unsafe_names_are_not_followed(tmp_path):
@@ -304,5 +320,7 @@ def test_legacy_unsafe_names_are_not_followed(tmp_path):
     path = tmp_path / "p"
     TensorDict({"../x": torch.ones(2)}, [2]).memmap_(path)
     os.rename(path / "..%2Fx.memmap", tmp_path / "x.memmap")
+    disk = dir_state(tmp_path)
     with pytest.raises(FileNotFoundError, match="'../x'"):
         TensorDict.load_memmap(path)
+    assert dir_state(tmp_path) == disk

@@ -238,5 +238,7 @@ def test_memmap_refresh_needs_a_saved_memmapped_td(tmp_path):
     plain = TensorDict({"a": torch.zeros(3)}, [3])
     unlocked = TensorDict({"a": torch.zeros(3)}, [3]).memmap_(tmp_path).unlock_()
     for td in (anonymous, plain, unlocked):
+        state = tree_state(td)
         with pytest.raises(RuntimeError, match="Cannot refresh"):
             td.memmap_refresh_()
+        assert tree_state(td) == state

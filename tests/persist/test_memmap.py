@@ -528,3 +528,31 @@ def test_view_of_the_target_file_is_written_not_kept(tmp_path, view):
     td.memmap_(tmp_path)
     assert torch.equal(td["a"], expected)
     assert torch.equal(TensorDict.load_memmap(tmp_path)["a"], expected), "the file does not hold the view"
+
+
+@pytest.mark.parametrize("names", [("meta.json", None), ("a", "a.memmap")])
+def test_colliding_file_names_are_refused_before_writing(tmp_path, names):
+    leaf_key, dir_key = names
+    td = TensorDict({dir_key or leaf_key: {"x": torch.ones(2)}}, [2])
+    if dir_key:
+        td[leaf_key] = torch.ones(2)
+    state = tree_state(td)
+    with pytest.raises(ValueError, match="rename one of them"):
+        td.memmap_(tmp_path / "p")
+    assert tree_state(td) == state and dir_state(tmp_path) == {}
+
+
+def test_prefix_that_is_a_file(tmp_path):
+    (tmp_path / "f").write_bytes(b"data")
+    td = TensorDict({"a": torch.ones(2)}, [2])
+    state = tree_state(td)
+    with pytest.raises(NotADirectoryError):
+        td.memmap_(tmp_path / "f")
+    assert tree_state(td) == state and dir_state(tmp_path) == {"f": b"data"}
+
+
+def test_memmap_like_anonymous_and_names():
+    td = TensorDict({"a": torch.ones(2, 3)}, [2], names=["b"])
+    like = td.memmap_like()
+    assert like.saved_path is None and like.names == ["b"] and not like["a"].any()
+    assert td.memmap().names == ["b"] and td["a"].all()
