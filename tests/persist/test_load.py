@@ -120,6 +120,18 @@ def test_empty_and_zero_dim_leaves_round_trip(tmp_path):
     assert loaded.batch_size == torch.Size([])
 
 
+def test_non_tensor_entries_round_trip(tmp_path):
+    td = TensorDict({"a": torch.zeros(2)}, [2])
+    td["s"] = "text"
+    td["s2"] = "more"
+    td.set("st", NonTensorStack("u", "v"))
+    td.memmap_(tmp_path)
+    assert td["s"] == "text" and td.get("st").tolist() == ["u", "v"]
+    loaded = TensorDict.load_memmap(tmp_path)
+    assert loaded["s"] == "text" and loaded.get("st").tolist() == ["u", "v"]
+    assert loaded.get("s").batch_size == torch.Size([2]) and loaded["s2"] == "more"
+
+
 # ----------------------------------------------------------------- load_memmap_
 def test_load_memmap_into_a_td_is_additive(saved):
     td, path = saved

@@ -10,7 +10,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from persist_helpers import (  # noqa: E402
-    DTYPES, MemoryMappedTensor, NonTensorStack, TensorDict, assert_all_memmap,
+    DTYPES, MemoryMappedTensor, TensorDict, assert_all_memmap,
     assert_same_values, bits, dir_state, make_td, tree_state, values_state,
 )
 
@@ -474,18 +474,6 @@ def test_hostile_keys_never_write_outside_the_prefix(tmp_path):
     for rel in dir_state(prefix):
         assert os.path.realpath(prefix / rel).startswith(str(prefix) + os.sep), rel
     assert_same_values(TensorDict.load_memmap(prefix), td)
-
-
-def test_non_tensor_entries_round_trip(tmp_path):
-    td = TensorDict({"a": torch.zeros(2)}, [2])
-    td["s"] = "text"
-    td["s2"] = "more"
-    td.set("st", NonTensorStack("u", "v"))
-    td.memmap_(tmp_path)
-    assert td["s"] == "text" and td.get("st").tolist() == ["u", "v"]
-    loaded = TensorDict.load_memmap(tmp_path)
-    assert loaded["s"] == "text" and loaded.get("st").tolist() == ["u", "v"]
-    assert loaded.get("s").batch_size == torch.Size([2]) and loaded["s2"] == "more"
 
 
 def test_unpicklable_non_tensor_fails_before_any_meta_json(tmp_path):
