@@ -16,7 +16,7 @@ import torch
 
 from shared_td.containers import batch as batch_ops
 from shared_td.containers.keysview import KeysView
-from shared_td.errors import LockedTensorDictError
+from shared_td.errors import BatchSizeMismatchError, LockedTensorDictError
 from shared_td.keys import NestedKey, is_nested_key, key_repr, unravel_key
 
 NO_DEFAULT = object()
@@ -81,14 +81,19 @@ class TensorDictBase:
     def __len__(self) -> int:
         return self.batch_size[0] if self.batch_dims else 0
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator:
+        # Not a generator itself, so that ``iter(td)`` of a 0-dim tensordict raises at
+        # once (a StopIteration raised inside a generator becomes a RuntimeError).
         if not self.batch_dims:
-            raise StopIteration
-        for i in range(self.batch_size[0]):
-            yield self[i]
+            raise TypeError(
+                "Iteration over a 0-dim tensordict: it has no batch dim to iterate over. "
+                "Use keys(), values() or items() to iterate over its entries."
+            )
+        return (self[i] for i in range(self.batch_size[0]))
 
     def __bool__(self) -> bool:
-        raise ValueError(
+        # RuntimeError, as torch and tensordict raise for an ambiguous truth value.
+        raise RuntimeError(
             "The truth value of a tensordict is ambiguous: use .all() or .any(), "
             "or .is_empty() to test for entries."
         )
@@ -210,23 +215,63 @@ class TensorDictBase:
         parent._set_str(path[-1], value, inplace=True, validated=False)
         return self
 
-    def _parent_for_write(self, path: tuple[str, ...], *, create: bool) -> "TensorDictBase":
+    def _deepest_existing_parent(self, path: tuple[str, ...]) -> tuple["TensorDictBase", int]:
+        """The deepest tensordict on the way to ``path``'s parent and how many parts of
+        ``path`` lead to it (``len(path) - 1`` when the parent exists).
+
+        Raises KeyError if a part on the way holds a tensor or non-tensor value.
+        """
         node: TensorDictBase = self
         for i, part in enumerate(path[:-1]):
             child = node._get_str(part, None)
             if child is None:
-                if not create:
-                    raise KeyError(self._missing_key_message(path[: i + 1]))
-                node._check_unlocked(path[: i + 1], "add")
-                child = node._empty_child()
-                node._set_str(part, child, inplace=False, validated=True)
-            elif not is_tensor_collection(child) or is_non_tensor(child):
+                return node, i
+            if not is_tensor_collection(child) or is_non_tensor(child):
                 raise KeyError(
                     f"Cannot write nested key {key_repr(path)}: {key_repr(path[: i + 1])} "
                     f"holds a {type(child).__name__}, not a tensordict."
                 )
             node = child if isinstance(child, TensorDictBase) else child._tensordict
+        return node, len(path) - 1
+
+    def _parent_for_write(self, path: tuple[str, ...], *, create: bool) -> "TensorDictBase":
+        node, depth = self._deepest_existing_parent(path)
+        if depth < len(path) - 1 and not create:
+            raise KeyError(self._missing_key_message(path[: depth + 1]))
+        for i in range(depth, len(path) - 1):
+            node._check_unlocked(path[: i + 1], "add")
+            child = node._empty_child()
+            node._set_str(path[i], child, inplace=False, validated=True)
+            node = child
         return node
+
+    def _convert(self, key: str, value: Any, into: Any = None) -> Any:
+        """``value`` as this class stores it, checked against the batch size (``into``:
+        the entry an in-place write goes to).
+
+        A subclass that does not override it validates in ``_set_str`` instead.
+        """
+        return value
+
+    def _checked_set(self, path: tuple[str, ...], value: Any) -> Any:
+        """Check, without writing anything, that ``set(path, value)`` would succeed;
+        returns the converted value to pass to it."""
+        node, depth = self._deepest_existing_parent(path)
+        if depth < len(path) - 1:  # the missing tensordicts would be added to node
+            node._check_unlocked(path[: depth + 1], "add")
+        else:
+            exists = node._get_str(path[-1], None) is not None
+            node._check_unlocked(path, "replace" if exists else "add")
+        # A missing intermediate tensordict gets node's batch size and device.
+        return node._convert(path[-1], value)
+
+    def _checked_set_(self, path: tuple[str, ...], current: Any, value: Any) -> Any:
+        """Check, without writing anything, that ``set_(path, value)`` would succeed;
+        returns the converted value to pass to it."""
+        parent, _ = self._deepest_existing_parent(path)
+        value = parent._convert(path[-1], value)
+        check_write_into(current, value, path)
+        return value
 
     def del_(self, key: NestedKey) -> "TensorDictBase":
         """Remove the entry ``key``; returns self.
@@ -264,49 +309,59 @@ class TensorDictBase:
         """Set every entry of ``other`` (a dict or tensordict), merging nested ones.
 
         With ``inplace=True`` existing entries are written in place (allowed on a
-        locked tensordict) and missing ones are added.
+        locked tensordict) and missing ones are added. Every entry is checked before
+        the first one is written, so a failing update leaves self unchanged.
         """
-        items = other.items() if isinstance(other, (dict, TensorDictBase)) else other
-        selected = None if keys_to_update is None else {unravel_key(k) for k in keys_to_update}
-        for key, value in items:
-            path = unravel_key(key)
-            if selected is not None and not any(path[: len(s)] == s for s in selected):
-                continue
-            current = self._get_path(path, None)
-            nested_update = (
-                isinstance(current, TensorDictBase)
-                and not is_non_tensor(current)
-                and isinstance(value, (dict, TensorDictBase))
-                and not is_non_tensor(value)
-            )
-            if nested_update:
-                current.update(value, inplace=inplace)
-            elif inplace and current is not None:
+        selected = None if keys_to_update is None else [unravel_key(k) for k in keys_to_update]
+        for path, value, in_place in self._plan_update(other, (), inplace, True, selected):
+            if in_place:
                 self.set_(path, value)
             else:
                 self.set(path, value)
         return self
 
-    def update_(self, other: Any) -> "TensorDictBase":
+    def update_(self, other: Any, *, keys_to_update=None) -> "TensorDictBase":
         """Write every entry of ``other`` into the existing entries, in place.
 
-        Raises KeyError (naming the key, before anything is written) if one is missing.
+        Raises KeyError (naming the key) if one is missing; as every entry is checked
+        before the first one is written, a failing update_ leaves self unchanged.
         """
-        items = dict(other.items()) if isinstance(other, (dict, TensorDictBase)) else dict(other)
-        for key, value in items.items():
-            current = self._get_path(unravel_key(key), None)
-            if current is None:
-                raise KeyError(
-                    f"update_() writes in place, but key {key_repr(unravel_key(key))} does "
-                    f"not exist in {type(self).__name__}. Use update() to add it."
-                )
-        for key, value in items.items():
-            current = self.get(key)
-            if isinstance(value, dict) and isinstance(current, TensorDictBase):
-                current.update_(value)
-            else:
-                self.set_(key, value)
+        selected = None if keys_to_update is None else [unravel_key(k) for k in keys_to_update]
+        for path, value, _ in self._plan_update(other, (), True, False, selected):
+            self.set_(path, value)
         return self
+
+    def _plan_update(
+        self, other: Any, prefix: tuple, inplace: bool, add_missing: bool, selected: list | None
+    ) -> list:
+        """The checked ``(path, value, in_place)`` writes of ``update``/``update_``.
+
+        Nothing is written here: every failure (missing key, lock, batch size, shape)
+        is raised before the caller writes the first entry.
+        """
+        plan = []
+        items = other.items() if isinstance(other, (dict, TensorDictBase)) else other
+        for key, value in items:
+            path = prefix + unravel_key(key)
+            is_mapping = isinstance(value, (dict, TensorDictBase)) and not is_non_tensor(value)
+            if selected is not None and not any(path[: len(s)] == s for s in selected):
+                # Only some keys below this one are selected: descend into a mapping.
+                if is_mapping and any(s[: len(path)] == path for s in selected):
+                    plan += self._plan_update(value, path, inplace, add_missing, selected)
+                continue
+            current = self._get_path(path, None)
+            if is_mapping and isinstance(current, TensorDictBase) and not is_non_tensor(current):
+                plan += self._plan_update(value, path, inplace, add_missing, selected)
+            elif current is None and not add_missing:
+                raise KeyError(
+                    f"update_() writes in place, but key {key_repr(path)} does not exist "
+                    f"in {type(self).__name__}. Use update() to add it."
+                )
+            elif inplace and current is not None:
+                plan.append((path, self._checked_set_(path, current, value), True))
+            else:
+                plan.append((path, self._checked_set(path, value), False))
+        return plan
 
     def copy_(self, other: Any, non_blocking: bool = False) -> "TensorDictBase":
         """Copy ``other`` into self, in place (same as ``update_``)."""
@@ -339,8 +394,9 @@ class TensorDictBase:
 
     def _check_unlocked(self, path: tuple[str, ...], action: str) -> None:
         if self._is_locked:
+            target = f" key {key_repr(path)}" if path else ""  # () for whole-tensordict ops
             raise LockedTensorDictError(
-                f"Cannot modify locked TensorDict: cannot {action} key {key_repr(path)}. "
+                f"Cannot modify locked TensorDict: cannot {action}{target}. "
                 "For in-place modification, consider using the `set_()` method and make "
                 "sure the key is present (or update_()), or unlock it first with "
                 "`with td.unlock_(): ...`."
@@ -501,3 +557,30 @@ def _equal(value: Any, other: Any) -> Any:
     if is_non_tensor(value):
         return value._compare_data(other)
     return value == other
+
+
+def check_write_into(current: Any, value: Any, key: str | tuple[str, ...]) -> None:
+    """Raise, naming the key, if the converted ``value`` cannot be written in place into
+    the entry ``current``; writes nothing (update_ checks every entry before writing)."""
+    name = key_repr(key) if isinstance(key, tuple) else repr(key)
+    if isinstance(current, torch.Tensor):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"Cannot write a {type(value).__name__} in place into tensor entry {name}."
+            )
+        try:
+            fits = torch.broadcast_shapes(value.shape, current.shape) == current.shape
+        except RuntimeError:
+            fits = False
+        if not fits:
+            raise BatchSizeMismatchError(
+                f"Cannot write a value of shape {list(value.shape)} in place into entry "
+                f"{name} of shape {list(current.shape)}."
+            )
+    elif is_non_tensor(current):
+        current._check_update(value)
+    elif is_tensor_collection(current) and (not is_tensor_collection(value) or is_non_tensor(value)):
+        raise TypeError(
+            f"Cannot write a {type(value).__name__} in place into the nested tensordict "
+            f"{name}: give a dict or tensordict of its entries."
+        )

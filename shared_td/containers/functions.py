@@ -10,6 +10,7 @@ import torch
 
 from shared_td.containers import batch as batch_ops
 from shared_td.containers.base import TensorDictBase, is_non_tensor, is_tensor_collection
+from shared_td.errors import BatchSizeMismatchError
 
 
 def _check_members(items: Sequence[Any], what: str) -> list:
@@ -29,15 +30,22 @@ def _check_members(items: Sequence[Any], what: str) -> list:
 
 
 def _check_same_keys(items: Sequence[TensorDictBase], what: str) -> list[str]:
-    keys = list(items[0]._keys_str())
+    """The top-level keys of the first item; KeyError naming the keys (nested ones
+    included) that some item lacks or adds."""
+    first = set(items[0].keys(include_nested=True))
     for i, item in enumerate(items[1:], start=1):
-        other = list(item._keys_str())
-        if set(other) != set(keys):
-            raise KeyError(
-                f"torch.{what} needs the same keys in every tensordict: item 0 has "
-                f"{sorted(keys)} but item {i} has {sorted(other)}."
+        other = set(item.keys(include_nested=True))
+        if other != first:
+            missing, extra = sorted(first - other, key=str), sorted(other - first, key=str)
+            differences = ([f"lacks {missing}"] if missing else []) + (
+                [f"has extra keys {extra}"] if extra else []
             )
-    return keys
+            raise KeyError(
+                f"torch.{what} needs the same keys in every tensordict: item {i} "
+                f"{' and '.join(differences)} compared with item 0. Select or exclude "
+                "keys so that they match."
+            )
+    return list(items[0]._keys_str())
 
 
 def _leaf_shapes_match(items: Sequence[TensorDictBase]) -> bool:
@@ -67,11 +75,19 @@ def stack(items: Sequence[Any], dim: int = 0, *, out: Any = None) -> Any:
     if not isinstance(first, TensorDictBase):  # tensorclass
         return type(first)._from_tensordict(stack([item._tensordict for item in items], dim))
     dim = batch_ops.normalize_dim(dim, first.batch_dims + 1)
+    for i, item in enumerate(items):
+        if item.batch_size != first.batch_size:
+            raise BatchSizeMismatchError(
+                f"torch.stack needs tensordicts of the same batch_size: item {i} has "
+                f"{list(item.batch_size)} but item 0 has {list(first.batch_size)}."
+            )
+    if all(type(item) is TensorDict for item in items):
+        _check_same_keys(items, "stack")  # before comparing shapes key by key
     if not all(type(item) is TensorDict for item in items) or not _leaf_shapes_match(items):
         from shared_td.containers.lazy import LazyStackedTensorDict
 
         return LazyStackedTensorDict.lazy_stack(items, dim)
-    keys = _check_same_keys(items, "stack")
+    keys = list(first._keys_str())  # the same in every item, checked above
     entries = {}
     for key in keys:
         values = [item._get_str(key, None) for item in items]
@@ -101,7 +117,7 @@ def cat(items: Sequence[Any], dim: int = 0, *, out: Any = None) -> Any:
     for i, item in enumerate(items):
         other = list(item.batch_size)
         if len(other) != first.batch_dims or other[:dim] + other[dim + 1 :] != list(first.batch_size[:dim]) + list(first.batch_size[dim + 1 :]):
-            raise ValueError(
+            raise BatchSizeMismatchError(
                 f"torch.cat along dim {dim}: item {i} has batch_size {other}, which differs "
                 f"from item 0's {list(first.batch_size)} outside dim {dim}."
             )

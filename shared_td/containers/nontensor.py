@@ -125,7 +125,18 @@ class _NonTensorBase(TensorDictBase):
         equal = [bool(a == b) for a, b in zip(values, others)]
         return torch.tensor(equal, dtype=torch.bool).reshape(self._batch_size)
 
+    def __eq__(self, other: Any) -> torch.Tensor:  # type: ignore[override]
+        # A bool tensor of the batch shape, as tensordict gives (no keys to map over).
+        return self._compare_data(other)
+
+    def __ne__(self, other: Any) -> torch.Tensor:  # type: ignore[override]
+        return ~self._compare_data(other)
+
     def _flat_values(self) -> list:
+        raise NotImplementedError
+
+    def _check_update(self, value: Any) -> None:
+        """Raise if ``_update_(value)`` would fail (it writes nothing)."""
         raise NotImplementedError
 
 
@@ -172,12 +183,15 @@ class NonTensorData(_NonTensorBase):
     def clone(self, recurse: bool = True) -> "NonTensorData":
         return NonTensorData(self.data, batch_size=self._batch_size, device=self._device)
 
-    def _update_(self, value: Any) -> None:
+    def _check_update(self, value: Any) -> None:
         if isinstance(value, NonTensorStack):
             raise ValueError(
                 "Cannot write a NonTensorStack (one value per element) in place into a "
                 "NonTensorData (one value); replace the entry with set() instead."
             )
+
+    def _update_(self, value: Any) -> None:
+        self._check_update(value)
         self.data = value.data if isinstance(value, NonTensorData) else value
 
     def _set_at(self, index: tuple, source: Any) -> "_NonTensorBase":
@@ -254,9 +268,15 @@ class NonTensorStack(_NonTensorBase):
     def clone(self, recurse: bool = True) -> "NonTensorStack":
         return NonTensorStack._from_flat(self._values, self._batch_size, self._device)
 
-    def _update_(self, value: Any) -> None:
+    def _new_values(self, value: Any) -> list:
         source = value if isinstance(value, _NonTensorBase) else NonTensorStack.from_list(value)
-        self._values = _broadcast_values(source, self._batch_size)
+        return _broadcast_values(source, self._batch_size)
+
+    def _check_update(self, value: Any) -> None:
+        self._new_values(value)
+
+    def _update_(self, value: Any) -> None:
+        self._values = self._new_values(value)
 
     def _set_at(self, index: tuple, source: Any) -> "NonTensorStack":
         positions = torch.arange(len(self._values)).reshape(self._batch_size)

@@ -11,6 +11,7 @@ from shared_td.containers import batch as batch_ops
 from shared_td.containers.base import (
     NO_DEFAULT,
     TensorDictBase,
+    check_write_into,
     is_non_tensor,
     is_tensor_collection,
 )
@@ -80,7 +81,7 @@ class TensorDict(TensorDictBase):
         td._tensordict = entries
         td._batch_size = batch_size
         td._device = device
-        td._names = names
+        td._names = None if names is None or all(n is None for n in names) else list(names)
         td._is_locked = td._is_shared = td._is_memmap = False
         td._memmap_prefix = None
         td._lock_parents = {}
@@ -158,8 +159,11 @@ class TensorDict(TensorDictBase):
             if isinstance(value, TensorDict) and value.batch_dims < len(new_size):
                 value._check_batch_size(new_size)
                 continue
+            if is_non_tensor(value):
+                value._with_batch_size(new_size, key)  # raises if it cannot follow
+                continue
             shape = value.batch_size if is_tensor_collection(value) else value.shape
-            if shape[: len(new_size)] != new_size and not is_non_tensor(value):
+            if shape[: len(new_size)] != new_size:
                 raise BatchSizeMismatchError(
                     f"Cannot set batch_size to {list(new_size)}: key {key!r} has shape "
                     f"{list(shape)}."
@@ -187,10 +191,14 @@ class TensorDict(TensorDictBase):
 
     @names.setter
     def names(self, names: Sequence[str | None] | None) -> None:
+        # Checked in full before anything is stored; internally "unnamed" is None.
         if names is None:
             self._names = None
             return
         names = list(names)
+        wrong = [n for n in names if n is not None and not isinstance(n, str)]
+        if wrong:
+            raise TypeError(f"Names of batch dims are str or None, got {wrong[0]!r} in {names}.")
         if len(names) != self.batch_dims:
             raise ValueError(
                 f"Got {len(names)} names {names} for {self.batch_dims} batch dims "
@@ -199,7 +207,7 @@ class TensorDict(TensorDictBase):
         named = [n for n in names if n is not None]
         if len(set(named)) != len(named):
             raise ValueError(f"Names of batch dims must be unique, got {names}.")
-        self._names = names
+        self._names = None if all(n is None for n in names) else names
 
     def refine_names(self, *names: str | None) -> "TensorDict":
         """Set the names of the batch dims in place; returns self."""
@@ -330,48 +338,66 @@ class TensorDict(TensorDictBase):
     def _set_at_index(self, index: Any, value: Any) -> None:
         """``td[index] = value``: write a tensordict, dict or scalar into the indexed rows.
 
-        Everything is checked before the first byte is written.
+        Everything is checked before the first byte is written, so a failing write
+        leaves self unchanged.
         """
         index = batch_ops.normalize_index(index, self._batch_size)
-        target_batch = batch_ops.indexed_batch_size(self._batch_size, index)
         if isinstance(value, dict):  # batch_size [] so that values may broadcast
             value = TensorDict(value, batch_size=[])
-        if not is_tensor_collection(value):
-            for leaf in self._leaf_tensors():
-                leaf[index] = value
-            return
-        if is_non_tensor(value) or not isinstance(value, TensorDictBase):
-            value = value if isinstance(value, TensorDictBase) else value._tensordict
-        writes = self._plan_index_writes(index, target_batch, value)
-        for key, source in writes:
-            current = self._tensordict[key]
-            if is_non_tensor(current):
-                self._tensordict[key] = current._set_at(index, source)
-            else:
-                current[index] = source
+        elif is_tensor_collection(value) and not isinstance(value, TensorDictBase):
+            value = value._tensordict  # a tensorclass
+        writes: list[Callable[[], None]] = []
+        self._plan_index_writes(index, value, writes)
+        for write in writes:
+            write()
 
-    def _plan_index_writes(self, index: tuple, target_batch: torch.Size, value: TensorDictBase):
-        writes = []
+    def _plan_index_writes(self, index: tuple, value: Any, writes: list) -> None:
+        """Check ``self[index] = value`` and append the closures that perform it to
+        ``writes``; nothing is written here."""
+        target_batch = batch_ops.indexed_batch_size(self._batch_size, index)
+        if not is_tensor_collection(value):  # one tensor or number for every tensor leaf
+            if not isinstance(value, (torch.Tensor, bool, int, float, complex)):
+                raise TypeError(
+                    f"Cannot write a {type(value).__name__} at index {index!r} of a "
+                    "tensordict: give a tensordict, a dict, a tensor or a number."
+                )
+            for leaf in self._leaf_tensors():
+                if isinstance(value, torch.Tensor):
+                    _check_fits(value, batch_ops.indexed_batch_size(leaf.shape, index), "a leaf", index)
+                writes.append(lambda leaf=leaf: leaf.__setitem__(index, value))
+            return
         for key in value._keys_str():
             source = value._get_str(key, None)
             current = self._tensordict.get(key)
             if current is None:
                 self._check_unlocked((key,), "add")
+                # A new, detached entry: filled by the closures planned below.
                 current = _zeros_like_entry(source, self._batch_size, target_batch)
-                self._tensordict[key] = current
+                writes.append(lambda key=key, entry=current: self._tensordict.__setitem__(key, entry))
             if isinstance(current, torch.Tensor):
                 if not isinstance(source, torch.Tensor):
                     raise TypeError(f"Cannot write a {type(source).__name__} into tensor entry {key!r}.")
-                expected = target_batch + current.shape[self.batch_dims :]
-                try:
-                    torch.broadcast_shapes(source.shape, expected)
-                except RuntimeError:
-                    raise BatchSizeMismatchError(
-                        f"Cannot write a value of shape {list(source.shape)} into entry "
-                        f"{key!r} at {index!r}: expected shape {list(expected)}."
-                    ) from None
-            writes.append((key, source))
-        return writes
+                _check_fits(source, batch_ops.indexed_batch_size(current.shape, index), key, index)
+                writes.append(lambda current=current, source=source: current.__setitem__(index, source))
+            elif is_non_tensor(current):
+                _check_non_tensor_write(current, index, source, key)
+                writes.append(
+                    lambda key=key, current=current, source=source: self._tensordict.__setitem__(
+                        key, current._set_at(index, source)
+                    )
+                )
+            else:
+                if not is_tensor_collection(source) or is_non_tensor(source):
+                    raise TypeError(
+                        f"Cannot write a {type(source).__name__} into the nested tensordict "
+                        f"{key!r}: give a tensordict or dict of its entries."
+                    )
+                inner = current if isinstance(current, TensorDictBase) else current._tensordict
+                source = source if isinstance(source, TensorDictBase) else source._tensordict
+                if hasattr(inner, "_plan_index_writes"):
+                    inner._plan_index_writes(index, source, writes)
+                else:  # another container class checks when it writes
+                    writes.append(lambda inner=inner, source=source: inner.__setitem__(index, source))
 
     # ---------------------------------------------------------------- new tensordicts
     def empty(self, recurse: bool = False, *, batch_size: Any = None, device: Any = NO_DEFAULT) -> "TensorDict":
@@ -383,8 +409,9 @@ class TensorDict(TensorDictBase):
             for key, value in self._tensordict.items():
                 if isinstance(value, TensorDict):
                     entries[key] = value.empty(recurse=True)
+        names = self.names if size == self._batch_size else None  # names fit the old dims only
         return TensorDict._new_unsafe(
-            entries, size, self._device if device is NO_DEFAULT else device, self.names
+            entries, size, self._device if device is NO_DEFAULT else device, names
         )
 
     def clone(self, recurse: bool = True) -> "TensorDict":
@@ -435,7 +462,10 @@ class TensorDict(TensorDictBase):
                 node = child
             node._tensordict[path[-1]] = value
         if inplace:
-            self._check_unlocked(tuple(self._tensordict), "remove")
+            # Name a key that goes (or the first one, replaced by its selected part).
+            removed = [k for k in self._tensordict if k not in out._tensordict] or list(self._tensordict)
+            if removed:
+                self._check_unlocked((removed[0],), "remove")
             self._tensordict = out._tensordict
             return self
         return out
@@ -443,8 +473,8 @@ class TensorDict(TensorDictBase):
     def exclude(self, *keys: NestedKey, inplace: bool = False) -> "TensorDict":
         """A tensordict without ``keys`` (missing keys are ignored)."""
         out = self if inplace else self.clone(recurse=False)
-        if inplace:
-            self._check_unlocked(tuple(unravel_key(k) for k in keys)[0] if keys else (), "remove")
+        if inplace and keys:
+            self._check_unlocked(unravel_key(keys[0]), "remove")
         for key in keys:
             path = unravel_key(key)
             parent = out
@@ -470,7 +500,7 @@ class TensorDict(TensorDictBase):
                 raise KeyError(f"Flattening gives the key {name!r} twice; choose another separator.")
             entries[name] = self.get(key)
         if inplace:
-            self._check_unlocked((), "flatten the keys of")
+            self._check_unlocked((), "flatten its keys")
             self._tensordict = entries
             return self
         return TensorDict._new_unsafe(entries, self._batch_size, self._device, self.names)
@@ -481,7 +511,7 @@ class TensorDict(TensorDictBase):
         for key, value in self._tensordict.items():
             out.set(tuple(key.split(separator)), value)
         if inplace:
-            self._check_unlocked((), "unflatten the keys of")
+            self._check_unlocked((), "unflatten its keys")
             self._tensordict = out._tensordict
             return self
         return out
@@ -635,20 +665,41 @@ class TensorDict(TensorDictBase):
 
 def _write_into(current: Any, value: Any, key: str) -> None:
     """In-place write of a converted ``value`` into the existing entry ``current``."""
+    check_write_into(current, value, key)
     if isinstance(current, torch.Tensor):
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"Cannot write a {type(value).__name__} in place into tensor entry {key!r}.")
-        try:
-            current.copy_(value)
-        except RuntimeError as error:
-            raise BatchSizeMismatchError(
-                f"Cannot write a value of shape {list(value.shape)} in place into entry "
-                f"{key!r} of shape {list(current.shape)}: {error}"
-            ) from None
+        current.copy_(value)
     elif is_non_tensor(current):
         current._update_(value)
     else:
         current.update_(value)
+
+
+def _check_fits(source: torch.Tensor, expected: torch.Size, key: str, index: tuple) -> None:
+    """Raise unless ``source`` broadcasts to ``expected``, the shape of the indexed entry."""
+    try:
+        fits = torch.broadcast_shapes(source.shape, expected) == expected
+    except RuntimeError:
+        fits = False
+    if not fits:
+        name = key if key == "a leaf" else repr(key)
+        raise BatchSizeMismatchError(
+            f"Cannot write a value of shape {list(source.shape)} into entry {name} at "
+            f"{index!r}: expected shape {list(expected)} (or one that broadcasts to it)."
+        )
+
+
+def _check_non_tensor_write(current: Any, index: tuple, source: Any, key: str) -> None:
+    """Raise unless ``current._set_at(index, source)`` can write ``source``'s values
+    (one, or one per indexed element) into the indexed elements; writes nothing."""
+    from shared_td.containers.nontensor import NonTensorData, _broadcast_values
+
+    if not is_non_tensor(source):
+        source = NonTensorData(source, batch_size=[])
+    target = batch_ops.indexed_batch_size(current.batch_size, index)
+    try:
+        _broadcast_values(source, target)
+    except BatchSizeMismatchError as error:
+        raise BatchSizeMismatchError(f"Cannot write into non-tensor entry {key!r}: {error}") from None
 
 
 def _list_to_tensor(value: list | tuple) -> Any:
