@@ -1,47 +1,79 @@
 """The repr of tensordicts, in tensordict 0.15's compact style.
 
-``TensorDict(batch_size=[3], fields={a: f32[4], n: {b: bf16[2]}, task: str})``: keys in
-sorted order, each tensor as its dtype and feature shape (the dims after the batch).
+``TensorDict(batch_size=[3], fields={a: f32[4], n: {b: bf16[2]}, task: str})``: entries
+in sorted order, each tensor as its dtype and feature shape (the dims after the batch).
+A container that does not fit in 80 columns is written one entry per line, and so on
+recursively for each nested one that does not fit on its line.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Union
 
 import torch
 
-_SHORT_DTYPES = {
-    torch.float32: "f32", torch.float64: "f64", torch.float16: "f16", torch.bfloat16: "bf16",
-    torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64",
-    torch.uint8: "u8", torch.uint16: "u16", torch.uint32: "u32", torch.uint64: "u64",
-    torch.complex64: "c64", torch.complex128: "c128", torch.complex32: "c32", torch.bool: "bool",
-}
-_ONE_LINE_LIMIT = 80
+_WIDTH = 80
+_INDENT = "    "
+
+# An entry's rendering: a token ("f32[4]", "str") or a nested container as
+# (prefix, [(key, entry), ...]), the prefix naming a class or extra batch dims.
+Entry = Union[str, tuple]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
-    return _SHORT_DTYPES.get(dtype, str(dtype).replace("torch.", ""))
+    """f32, i64, u8, c64, bf16, bool, f8_e4m3fn: shortened as tensordict does."""
+    name = str(dtype).replace("torch.", "")
+    for long, short in (("float", "f"), ("uint", "u"), ("int", "i"), ("complex", "c")):
+        name = name.replace(long, short)
+    return name
 
 
-def _format_value(value: Any, batch_dims: int) -> str:
+def _entry(value: Any, owner: Any) -> Entry:
     from shared_td.containers.base import is_non_tensor, is_tensor_collection
 
     if isinstance(value, torch.Tensor):
-        feature = ",".join(str(d) for d in value.shape[batch_dims:])
-        return f"{_dtype_name(value.dtype)}[{feature}]"
+        feature = ",".join(str(d) for d in value.shape[owner.batch_dims :])
+        token = f"{_dtype_name(value.dtype)}[{feature}]"
+        if owner.device is None and value.device.type != "cpu":
+            token += f"@{value.device}"
+        return token
     if is_non_tensor(value):
         return type(value.data).__name__ if type(value).__name__ == "NonTensorData" else type(value).__name__
     if is_tensor_collection(value):
-        inner = value if hasattr(value, "_keys_str") else value._tensordict
-        body = _format_fields(inner, value.batch_dims)
-        if type(value).__name__ in ("TensorDict",):
-            return body
-        return f"{type(value).__name__}{body}"
+        prefix = "" if type(value).__name__ == "TensorDict" else type(value).__name__
+        extra = value.batch_size[owner.batch_dims :]
+        if extra:
+            prefix += f"[{','.join(str(d) for d in extra)}]"
+        return prefix, _entries(value)
     return type(value).__name__
 
 
-def _format_fields(td: Any, batch_dims: int) -> str:
-    keys = sorted(td._keys_str())
-    return "{" + ", ".join(f"{k}: {_format_value(td._get_str(k, None), batch_dims)}" for k in keys) + "}"
+def _entries(td: Any) -> list:
+    inner = td if hasattr(td, "_keys_str") else td._tensordict
+    entries = [(key, _entry(inner._get_str(key, None), td)) for key in inner._keys_str()]
+    # tensordict sorts the rendered "key: value" strings, not the bare keys.
+    return sorted(entries, key=lambda entry: f"{entry[0]}: {_flat(entry[1])}")
+
+
+def _flat(entry: Entry) -> str:
+    if isinstance(entry, str):
+        return entry
+    prefix, entries = entry
+    return prefix + "{" + ", ".join(f"{k}: {_flat(v)}" for k, v in entries) + "}"
+
+
+def _render(entry: Entry, indent: str, used: int, tail: int) -> str:
+    """One line if it fits in the width, given ``used`` columns before it and ``tail``
+    after it; otherwise one entry per line, each rendered by the same rule."""
+    flat = _flat(entry)
+    if isinstance(entry, str) or not entry[1] or used + len(flat) + tail <= _WIDTH:
+        return flat
+    prefix, entries = entry
+    pad = indent + _INDENT
+    lines = []
+    for i, (key, value) in enumerate(entries):
+        value_tail = tail + 1 if i == len(entries) - 1 else 1
+        lines.append(f"{pad}{key}: {_render(value, pad, len(pad) + len(key) + 2, value_tail)}")
+    return prefix + "{\n" + ",\n".join(lines) + "}"
 
 
 def format_collection(td: Any, name: str | None = None) -> str:
@@ -53,10 +85,5 @@ def format_collection(td: Any, name: str | None = None) -> str:
         header.append(f"device={td.device}")
     if getattr(inner, "_stack_dim", None) is not None:
         header.append(f"stack_dim={inner._stack_dim}")
-    keys = sorted(inner._keys_str())
-    fields = [f"{k}: {_format_value(inner._get_str(k, None), td.batch_dims)}" for k in keys]
-    one_line = f"{name}({', '.join(header)}, fields={{{', '.join(fields)}}})"
-    if len(one_line) <= _ONE_LINE_LIMIT:
-        return one_line
-    body = ",\n    ".join(fields)
-    return f"{name}({', '.join(header)}, fields={{\n    {body}}})"
+    head = f"{name}(" + "".join(f"{h}, " for h in header) + "fields="
+    return head + _render(("", _entries(td)), "", len(head), 1) + ")"
