@@ -1,0 +1,105 @@
+"""Nested keys (shared_td.keys) and the keys view of a tensordict."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared_td import KeyTypeError, TensorDict
+from shared_td.keys import is_nested_key, key_repr, unravel_key
+
+
+@pytest.mark.parametrize(
+    "key, expected",
+    [
+        ("a", ("a",)),
+        ("", ("",)),
+        (("a",), ("a",)),
+        (("a", "b"), ("a", "b")),
+        (("a", ("b", "c")), ("a", "b", "c")),
+        ((("a",), (("b",),), "c"), ("a", "b", "c")),
+        ("a.b", ("a.b",)),
+    ],
+)
+def test_unravel_key(key, expected):
+    assert unravel_key(key) == expected
+    assert is_nested_key(key)
+
+
+@pytest.mark.parametrize("key", [1, 1.5, None, b"a", ["a"], ("a", 1), ("a", ("b", None)), object()])
+def test_bad_keys(key):
+    with pytest.raises(KeyTypeError, match="str") as info:
+        unravel_key(key)
+    # catchable as tensordict's KeyError and as a TypeError
+    assert isinstance(info.value, KeyError) and isinstance(info.value, TypeError)
+    assert type(key).__name__ in str(info.value)
+    assert not is_nested_key(key)
+
+
+@pytest.mark.parametrize("key", [(), ((),), ((), ()), ("a", (), "b")])
+def test_empty_keys(key):
+    with pytest.raises(ValueError, match="empty"):
+        unravel_key(key)
+    assert not is_nested_key(key)
+
+
+def test_key_type_error_message_is_plain():
+    # KeyError's str() would quote the message; KeyTypeError shows it as written.
+    error = KeyTypeError("a message")
+    assert str(error) == "a message"
+
+
+def test_key_repr():
+    assert key_repr(("a",)) == "'a'"
+    assert key_repr(("a", "b")) == "('a', 'b')"
+
+
+# ----------------------------------------------------------------------------- keys view
+def make_td() -> TensorDict:
+    td = TensorDict({"b": torch.zeros(2), "a": {"y": torch.zeros(2), "x": {"z": torch.zeros(2)}}}, batch_size=[2])
+    td["t"] = "text"
+    return td
+
+
+def test_keys_view_iteration_and_len():
+    td = make_td()
+    assert list(td.keys()) == ["b", "a", "t"]
+    assert len(td.keys()) == 3
+    nested = list(td.keys(include_nested=True))
+    assert set(nested) == {"b", "a", ("a", "y"), ("a", "x"), ("a", "x", "z"), "t"}
+    assert len(td.keys(True)) == 6
+    assert list(td.keys(True, True, sort=True)) == [("a", "x", "z"), ("a", "y"), "b", "t"]
+    assert list(td.keys(leaves_only=True)) == ["b", "t"]
+
+
+def test_keys_view_contains():
+    td = make_td()
+    keys = td.keys()
+    assert "a" in keys and "b" in keys and "t" in keys
+    assert ("a",) in keys and ("a", "y") not in keys  # nested only with include_nested
+    nested = td.keys(include_nested=True)
+    assert ("a", "y") in nested and ("a", ("x", "z")) in nested and "z" not in nested
+    leaves = td.keys(True, True)
+    assert "a" not in leaves and ("a", "y") in leaves and "t" in leaves
+    assert 3 not in keys and None not in keys and () not in keys
+
+
+def test_keys_view_is_live():
+    td = make_td()
+    keys = td.keys()
+    td["c"] = torch.zeros(2)
+    assert "c" in keys and len(keys) == 4
+    del td["b"]
+    assert "b" not in keys
+
+
+def test_keys_view_repr():
+    td = TensorDict(a=torch.zeros(()), b={"c": torch.zeros(())})
+    assert repr(td.keys()) == "_TensorDictKeysView(['a', 'b'], include_nested=False, leaves_only=False)"
+
+
+def test_keys_of_tensordict_accept_nested_tuples():
+    td = make_td()
+    assert td["a", ("x", "z")] is td["a"]["x"]["z"]
+    assert td.get((("a",), "y")) is td["a", "y"]
+    td[("n", ("m", "o"))] = torch.ones(2)
+    assert td["n", "m", "o"].sum() == 2
