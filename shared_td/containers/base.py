@@ -18,6 +18,7 @@ from shared_td.containers import batch as batch_ops
 from shared_td.containers.keysview import KeysView
 from shared_td.errors import BatchSizeMismatchError, LockedTensorDictError
 from shared_td.keys import NestedKey, is_nested_key, key_repr, unravel_key
+from shared_td.persist.methods import MemmapMethods
 
 NO_DEFAULT = object()
 
@@ -32,7 +33,7 @@ def is_non_tensor(value: Any) -> bool:
     return getattr(type(value), "_is_non_tensor", False)
 
 
-class TensorDictBase:
+class TensorDictBase(MemmapMethods):
     """Common API of TensorDict, LazyStackedTensorDict and the non-tensor containers."""
 
     _is_non_tensor = False
@@ -269,7 +270,7 @@ class TensorDictBase:
         """Check, without writing anything, that ``set_(path, value)`` would succeed;
         returns the converted value to pass to it."""
         parent, _ = self._deepest_existing_parent(path)
-        value = parent._convert(path[-1], value)
+        value = parent._convert(path[-1], value, into=current)
         check_write_into(current, value, path)
         return value
 

@@ -49,9 +49,16 @@ def _entry(value: Any, owner: Any) -> Entry:
 
 def _entries(td: Any) -> list:
     inner = td if hasattr(td, "_keys_str") else td._tensordict
-    entries = [(key, _entry(inner._get_str(key, None), td)) for key in inner._keys_str()]
+    # A container may render its own entries (a lazy stack shows differing dims as -1).
+    hook = getattr(inner, "_repr_entry", None)
+    entries = [
+        (key, hook(key) if hook is not None else _entry(inner._get_str(key, None), td))
+        for key in inner._keys_str()
+    ]
     # tensordict sorts the rendered "key: value" strings, not the bare keys.
-    return sorted(entries, key=lambda entry: f"{entry[0]}: {_flat(entry[1])}")
+    entries = sorted(entries, key=lambda entry: f"{entry[0]}: {_flat(entry[1])}")
+    # a tensorclass lists its empty fields last, as "name: None"
+    return entries + [(name, "None") for name in getattr(td, "_empty_fields", tuple)()]
 
 
 def _flat(entry: Entry) -> str:

@@ -121,6 +121,10 @@ def cat(items: Sequence[Any], dim: int = 0, *, out: Any = None) -> Any:
                 f"torch.cat along dim {dim}: item {i} has batch_size {other}, which differs "
                 f"from item 0's {list(first.batch_size)} outside dim {dim}."
             )
+    from shared_td.containers.lazy import LazyStackedTensorDict
+
+    if any(isinstance(item, LazyStackedTensorDict) for item in items):
+        return LazyStackedTensorDict._cat(items, dim, out=out)  # stays lazy
     if not all(isinstance(item, TensorDict) for item in items):
         items = [item.to_tensordict() if hasattr(item, "to_tensordict") else item for item in items]
     keys = _check_same_keys(items, "cat")

@@ -31,7 +31,8 @@ class KeysView:
         from shared_td.containers.base import is_non_tensor, is_tensor_collection
 
         for key in td._keys_str():
-            value = td._get_str(key, None)
+            # A lazy stack peeks at its members instead of stacking every value.
+            value = td._peek_str(key, None) if hasattr(td, "_peek_str") else td._get_str(key, None)
             full = prefix + (key,)
             is_branch = is_tensor_collection(value) and not is_non_tensor(value)
             if not (is_branch and self._leaves_only):

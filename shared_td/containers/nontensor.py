@@ -135,6 +135,35 @@ class _NonTensorBase(TensorDictBase):
     def _flat_values(self) -> list:
         raise NotImplementedError
 
+    # A SharedValue holding the payload when memory-mapped with share_non_tensor=True:
+    # in-place writes in one process are then seen by all.
+    _shared_value = None
+
+    def _share(self) -> None:
+        """Move the payload into a process-shared cell (memmap_(share_non_tensor=True))."""
+        from shared_td.storage.shared_value import SharedValue
+
+        payload = self._payload
+        self._shared_value = SharedValue.create(payload)
+
+    @property
+    def _payload(self) -> Any:
+        return self._local_payload if self._shared_value is None else self._shared_value.get()
+
+    @_payload.setter
+    def _payload(self, value: Any) -> None:
+        if self._shared_value is None:
+            self._local_payload = value
+        else:
+            self._shared_value.set(value)
+
+    def _after_update(self) -> None:
+        """An in-place write of a memory-mapped entry also rewrites its files."""
+        if self._is_memmap and self._memmap_prefix is not None:
+            from shared_td.persist.writer import rewrite_non_tensor
+
+            rewrite_non_tensor(self)
+
     def _check_update(self, value: Any) -> None:
         """Raise if ``_update_(value)`` would fail (it writes nothing)."""
         raise NotImplementedError
@@ -157,6 +186,15 @@ class NonTensorData(_NonTensorBase):
             data = data.data
         self.data = data
         self._init_flags(batch_size, device)
+
+    @property
+    def data(self) -> Any:
+        """The value (read from shared memory when shared with share_non_tensor=True)."""
+        return self._payload
+
+    @data.setter
+    def data(self, value: Any) -> None:
+        self._payload = value
 
     def _python_value(self) -> Any:
         return self.data
@@ -193,9 +231,16 @@ class NonTensorData(_NonTensorBase):
     def _update_(self, value: Any) -> None:
         self._check_update(value)
         self.data = value.data if isinstance(value, NonTensorData) else value
+        self._after_update()
 
     def _set_at(self, index: tuple, source: Any) -> "_NonTensorBase":
         """``td[index] = ...`` for this entry: returns the entry to store (maybe a stack)."""
+        if self._shared_value is not None:
+            raise RuntimeError(
+                "Cannot write per-element values into a NonTensorData shared with "
+                "share_non_tensor=True (one value for the whole batch): write the whole "
+                "value with update_() or set_()."
+            )
         stack = NonTensorStack._from_flat(self._flat_values(), self._batch_size, self._device)
         return stack._set_at(index, source)
 
@@ -242,6 +287,15 @@ class NonTensorStack(_NonTensorBase):
         shape, flat = _nested_shape(values)
         return cls._from_flat(flat, torch.Size(shape), device)
 
+    @property
+    def _values(self) -> list:
+        # the flat values in C order (read from shared memory when shared)
+        return self._payload
+
+    @_values.setter
+    def _values(self, values: list) -> None:
+        self._payload = values
+
     def _python_value(self) -> list:
         return self.tolist()
 
@@ -277,8 +331,10 @@ class NonTensorStack(_NonTensorBase):
 
     def _update_(self, value: Any) -> None:
         self._values = self._new_values(value)
+        self._after_update()
 
     def _set_at(self, index: tuple, source: Any) -> "NonTensorStack":
+        """Write ``source`` at ``index``, in place (so a shared stack shares the write)."""
         positions = torch.arange(len(self._values)).reshape(self._batch_size)
         targets = positions[index]
         if not isinstance(source, _NonTensorBase):
@@ -287,7 +343,9 @@ class NonTensorStack(_NonTensorBase):
         values = list(self._values)
         for position, value in zip(targets.reshape(-1).tolist(), new_values):
             values[position] = value
-        return NonTensorStack._from_flat(values, self._batch_size, self._device)
+        self._values = values
+        self._after_update()
+        return self
 
     def __repr__(self) -> str:
         return f"NonTensorStack({self.tolist()!r}, batch_size={self._batch_size}, device={self._device})"

@@ -104,19 +104,27 @@ class TensorDict(TensorDictBase):
     def _set_str(self, key: str, value: Any, *, inplace: bool, validated: bool) -> None:
         if not isinstance(key, str):
             unravel_key(key)  # raises the KeyTypeError
-        if not validated:
-            value = self._convert(key, value)
         current = self._tensordict.get(key)
+        if not validated:
+            value = self._convert(key, value, into=current if inplace else None)
         if inplace and current is not None:
             _write_into(current, value, key)
             return
         self._check_unlocked((key,), "add" if current is None else "replace")
         self._tensordict[key] = value
 
-    def _convert(self, key: str, value: Any) -> Any:
-        """Turn ``value`` into an entry (tensor, collection or NonTensorData) and check it."""
-        from shared_td.containers.nontensor import NonTensorData
+    def _convert(self, key: str, value: Any, into: Any = None) -> Any:
+        """Turn ``value`` into an entry (tensor, collection or NonTensorData) and check it.
 
+        ``into`` is the entry an in-place write goes to: a Python value written into a
+        non-tensor entry stays Python data (``True`` is not turned into a tensor).
+        """
+        from shared_td.containers.nontensor import NonTensorData, NonTensorStack
+
+        if is_non_tensor(into) and not isinstance(value, torch.Tensor) and not is_tensor_collection(value):
+            if isinstance(into, NonTensorStack):
+                return value  # per-element values, checked by the stack itself
+            return NonTensorData(value, batch_size=self._batch_size, device=self._device)
         if isinstance(value, dict):
             value = TensorDict(value, batch_size=self._batch_size, device=self._device)
         elif isinstance(value, np.ndarray) and value.dtype != object:
@@ -245,7 +253,7 @@ class TensorDict(TensorDictBase):
         for key, value in self._tensordict.items():
             path = prefix + (key,)
             if is_tensor_collection(value) and not is_non_tensor(value):
-                inner = value if isinstance(value, TensorDict) else value._tensordict
+                inner = value if isinstance(value, TensorDictBase) else value._tensordict
                 entries[key] = inner._map_leaves(fn, path)
             else:
                 entries[key] = fn(path if len(path) > 1 else key, value)
@@ -297,7 +305,7 @@ class TensorDict(TensorDictBase):
             if is_non_tensor(value):
                 result = value if new_batch == self._batch_size else value._with_batch_size(new_batch, key)
             elif is_tensor_collection(value):
-                inner = value if isinstance(value, TensorDict) else value._tensordict
+                inner = value if isinstance(value, TensorDictBase) else value._tensordict
                 result = inner.named_apply(
                     fn, *other_values, nested_keys=nested_keys,
                     batch_size=None if batch_size is None else new_batch,

@@ -116,16 +116,16 @@ def write_new_file(path: str, data: bytes) -> None:
         os.close(fd)
 
 
-def write_json_atomically(path: str, data: bytes) -> None:
-    """Write ``data`` to a temporary file beside ``path``, then rename it over ``path``.
+def write_temporary(path: str, data: bytes) -> str:
+    """Write ``data`` to a new temporary file beside ``path``; returns its name.
 
-    A reader (or a crash) never sees a truncated meta.json.
+    The caller renames it over ``path`` (atomic: readers see the old or the new file).
     """
     temporary = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
     if os.path.lexists(temporary):
         os.unlink(temporary)  # left by a killed writer of the same pid and thread id
     write_new_file(temporary, data)
-    os.replace(temporary, path)
+    return temporary
 
 
 def read_json(path: str) -> dict:

@@ -145,8 +145,9 @@ class MemmapMethods:
 
     def load_memmap_(self, prefix: Any, robust_key: bool | None = True, *,
                      allow_pickle: bool | None = False) -> Any:
-        """Load ``prefix`` into self: entries on disk are added or rebound (entries that
-        are not on disk are kept). A memory-mapped self stays memory-mapped."""
+        """Load ``prefix`` into self: self's entries become those saved there (as in
+        tensordict 0.15.3, entries not on disk are dropped). A memory-mapped self stays
+        memory-mapped."""
         from shared_td.persist import api
 
         loaded = api.load_memmap(prefix, robust_key=robust_key, allow_pickle=allow_pickle)
@@ -154,7 +155,7 @@ class MemmapMethods:
         target = self if hasattr(self, "_keys_str") else self._tensordict
         source = loaded if hasattr(loaded, "_keys_str") else loaded._tensordict
         with _unlocked(self):
-            _merge(target, source)
+            _rebind(target, source)
         if was_memmap:
             self.memmap_(prefix)
         return self
@@ -301,15 +302,8 @@ class _unlocked:
             self.obj.lock_()
 
 
-def _merge(target: Any, source: Any) -> None:
-    """Rebind target's entries to source's, recursing into tensordicts both hold."""
-    from shared_td.containers.tensordict import TensorDict
-
-    for key in source._keys_str():
-        value = source._get_str(key, None)
-        current = target._get_str(key, None)
-        if isinstance(current, TensorDict) and isinstance(value, TensorDict):
-            _merge(current, value)
-        else:
-            target._tensordict[key] = value
+def _rebind(target: Any, source: Any) -> None:
+    """Make target's entries those loaded in source (entries not on disk are dropped,
+    as tensordict 0.15.3's load_memmap_ does)."""
+    target._tensordict = dict(source._tensordict)
     target._memmap_prefix = source._memmap_prefix

@@ -278,33 +278,48 @@ def write_metadata(root: NodePlan) -> None:
     that an unpicklable value does not leave a child meta.json naming the new files.
     """
     pending = [
-        (node, nodes.node_document(
+        (node.directory, node.kind, node.exists, nodes.node_document(
             node.obj, node.kind, _entries(node) if node.kind == nodes.TENSORDICT else None
         ))
         for node in root.walk() if node.directory is not None
     ]
-    for node, built in pending:
-        _write_node_files(node.directory, node.obj, node.kind, fresh=not node.exists, built=built)
+    _write_node_files(pending)
 
 
-def _write_node_files(
-    directory: str, obj: Any, kind: str, entries: dict | None = None, *, fresh: bool = False,
-    built: tuple | None = None,
-) -> None:
-    """meta.json and the node's pickle side files; a stale pickle of an older save goes.
+def _write_node_files(pending: list[tuple[str, str, bool, tuple]]) -> None:
+    """Write ``(directory, kind, existed, (meta.json bytes, side files))`` of nodes.
 
-    Files that may exist are replaced through a rename, so no reader sees them half
-    written; in a ``fresh`` directory (created by this write) they are written directly.
+    In a directory created by this write, files are written directly. Where files may
+    exist, every new file is first written under a temporary name, and only when all are
+    written are they renamed into place: a failure (a full disk) leaves every old
+    meta.json as it was, and no reader ever sees a half-written one. Pickle side files a
+    node no longer needs are removed last.
     """
-    document, side = nodes.node_document(obj, kind, entries) if built is None else built
-    write = fmt.write_new_file if fresh else fmt.write_json_atomically
-    for name in nodes.side_files(kind):
-        target = os.path.join(directory, name)
-        if name in side:
-            write(target, side[name])
-        elif not fresh and os.path.lexists(target):
-            os.unlink(target)
-    write(os.path.join(directory, fmt.META), document)
+    staged: list[tuple[str, str]] = []
+    stale: list[str] = []
+    try:
+        for directory, kind, existed, (document, side) in pending:
+            for name in nodes.side_files(kind):
+                if name not in side and existed:
+                    stale.append(os.path.join(directory, name))
+            for name, data in [*side.items(), (fmt.META, document)]:
+                final = os.path.join(directory, name)
+                if existed:
+                    staged.append((fmt.write_temporary(final, data), final))
+                else:
+                    fmt.write_new_file(final, data)
+    except BaseException:
+        for temporary, _ in staged:
+            try:
+                os.unlink(temporary)
+            except OSError:
+                pass
+        raise
+    for temporary, final in staged:
+        os.replace(temporary, final)
+    for path in stale:
+        if os.path.lexists(path):
+            os.unlink(path)
 
 
 def _entries(node: NodePlan) -> dict:
@@ -326,10 +341,12 @@ def rewrite_tensordict_meta(td: Any) -> None:
         else {"type": nodes.child_type_name(value)}
         for key, value in ((k, td._get_str(k, None)) for k in td._keys_str())
     }
-    _write_node_files(td._memmap_prefix, td, nodes.TENSORDICT, entries)
+    built = nodes.node_document(td, nodes.TENSORDICT, entries)
+    _write_node_files([(td._memmap_prefix, nodes.TENSORDICT, True, built)])
 
 
 def rewrite_non_tensor(value: Any) -> None:
     """Rewrite the files of a memory-mapped NonTensorData/NonTensorStack after an
     in-place write, so the directory holds the current value."""
-    _write_node_files(value._memmap_prefix, value, nodes.kind_of(value))
+    kind = nodes.kind_of(value)
+    _write_node_files([(value._memmap_prefix, kind, True, nodes.node_document(value, kind))])

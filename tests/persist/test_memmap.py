@@ -496,7 +496,7 @@ def test_io_failure_while_replacing_meta_json_leaves_no_meta_naming_removed_file
     TensorDict({"old": torch.ones(2), "n": {"o": torch.ones(2), "m": {"p": torch.ones(2)}}}, [2]).memmap_(prefix)
     disk = dir_state(prefix)
     td = TensorDict({"a": torch.ones(2), "n": {"b": torch.ones(2), "m": {"c": torch.ones(2)}}}, [2])
-    _fail_after(1, monkeypatch, fmt, "write_json_atomically")  # n/m/meta.json done, n's fails
+    _fail_after(1, monkeypatch, fmt, "write_temporary")  # n/m/meta.json staged, n's fails
     with pytest.raises(OSError, match="injected failure"):
         td.memmap_(prefix)
     assert not td.is_memmap() and not td.is_locked
