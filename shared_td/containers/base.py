@@ -16,6 +16,7 @@ import torch
 
 from shared_td.containers import batch as batch_ops
 from shared_td.containers.keysview import KeysView
+from shared_td.containers.splitting import BatchSplitOps
 from shared_td.errors import BatchSizeMismatchError, LockedTensorDictError
 from shared_td.keys import NestedKey, is_nested_key, key_repr, unravel_key
 from shared_td.persist.methods import MemmapMethods
@@ -33,7 +34,7 @@ def is_non_tensor(value: Any) -> bool:
     return getattr(type(value), "_is_non_tensor", False)
 
 
-class TensorDictBase(MemmapMethods):
+class TensorDictBase(BatchSplitOps, MemmapMethods):
     """Common API of TensorDict, LazyStackedTensorDict and the non-tensor containers."""
 
     _is_non_tensor = False

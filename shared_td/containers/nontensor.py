@@ -87,11 +87,6 @@ class _NonTensorBase(TensorDictBase):
         order = batch_ops.shape_args(dims)
         return self._transform(lambda positions: positions.permute(*order))
 
-    def unbind(self, dim: int = 0) -> tuple:
-        dim = batch_ops.normalize_dim(dim, self.batch_dims)
-        prefix = (slice(None),) * dim
-        return tuple(self[prefix + (i,)] for i in range(self._batch_size[dim]))
-
     def contiguous(self) -> "_NonTensorBase":
         return self.clone()
 

@@ -1,7 +1,6 @@
 """TensorDict: a dict of tensors (and nested collections) that share leading batch dims."""
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -15,11 +14,12 @@ from shared_td.containers.base import (
     is_non_tensor,
     is_tensor_collection,
 )
+from shared_td.containers.reshaping import BatchShapeOps
 from shared_td.errors import BatchSizeMismatchError
 from shared_td.keys import NestedKey, key_repr, unravel_key
 
 
-class TensorDict(TensorDictBase):
+class TensorDict(BatchShapeOps, TensorDictBase):
     """A nested mapping of str keys to tensors, tensordicts, tensorclasses and non-tensors.
 
     Every entry's leading dims equal ``batch_size``; operations along batch dims
@@ -577,98 +577,6 @@ class TensorDict(TensorDictBase):
         self._is_shared = True
         self.lock_()
         return self
-
-    # ---------------------------------------------------------------- shape ops
-    def expand(self, *shape: Any) -> "TensorDict":
-        """Expand the batch dims to ``shape`` (new leading dims allowed), as torch does."""
-        size = batch_ops.shape_args(shape)
-        nb = self.batch_dims
-        probe = torch.zeros((), dtype=torch.uint8).expand(self._batch_size)
-        size = probe.expand(size).shape
-        return self._map_entries(
-            lambda v: v.expand(*size, *v.shape[nb:]), size, None
-        )
-
-    def reshape(self, *shape: Any) -> "TensorDict":
-        """Reshape the batch dims (``-1`` allowed); feature dims are kept."""
-        nb = self.batch_dims
-        size = torch.zeros((), dtype=torch.uint8).expand(self._batch_size).reshape(
-            batch_ops.shape_args(shape)
-        ).shape
-        return self._map_entries(lambda v: v.reshape(*size, *v.shape[nb:]), size)
-
-    def view(self, *shape: Any) -> "TensorDict":
-        """A view with reshaped batch dims (the storage is shared; raises if impossible)."""
-        if len(shape) == 1 and isinstance(shape[0], torch.dtype):
-            raise TypeError("TensorDict.view(dtype) is not supported; use .to(dtype).")
-        nb = self.batch_dims
-        size = torch.empty(self._batch_size, device="meta").view(batch_ops.shape_args(shape)).shape
-        return self._map_entries(lambda v: v.view(*size, *v.shape[nb:]), size, is_view=True)
-
-    def unsqueeze(self, dim: int) -> "TensorDict":
-        """Insert a batch dim of size 1 at ``dim`` (a view)."""
-        dim = batch_ops.normalize_dim(dim, self.batch_dims + 1)
-        size = torch.Size(list(self._batch_size[:dim]) + [1] + list(self._batch_size[dim:]))
-        names = None if self._names is None else self._names[:dim] + [None] + self._names[dim:]
-        return self._map_entries(lambda v: v.unsqueeze(dim), size, names, is_view=True)
-
-    def squeeze(self, dim: int | None = None) -> "TensorDict":
-        """Remove batch dims of size 1 (all of them, or only ``dim``) (a view)."""
-        if dim is None:
-            dims = [d for d, n in enumerate(self._batch_size) if n == 1]
-        else:
-            dim = batch_ops.normalize_dim(dim, self.batch_dims)
-            dims = [dim] if self._batch_size[dim] == 1 else []
-        out = self
-        for d in reversed(dims):
-            size = torch.Size(list(out._batch_size[:d]) + list(out._batch_size[d + 1 :]))
-            names = None if out._names is None else out._names[:d] + out._names[d + 1 :]
-            out = out._map_entries(lambda v, d=d: v.squeeze(d), size, names, is_view=True)
-        return out
-
-    def permute(self, *dims: Any) -> "TensorDict":
-        """Reorder the batch dims (a view); feature dims stay last."""
-        order = [batch_ops.normalize_dim(d, self.batch_dims) for d in batch_ops.shape_args(dims)]
-        if sorted(order) != list(range(self.batch_dims)):
-            raise ValueError(f"permute needs each of the {self.batch_dims} batch dims once, got {list(dims)}.")
-        nb = self.batch_dims
-        size = torch.Size([self._batch_size[d] for d in order])
-        names = None if self._names is None else [self._names[d] for d in order]
-        return self._map_entries(
-            lambda v: v.permute(*order, *range(nb, v.ndim)), size, names, is_view=True
-        )
-
-    def unbind(self, dim: int = 0) -> tuple["TensorDict", ...]:
-        """Views of each element along batch dim ``dim``."""
-        dim = batch_ops.normalize_dim(dim, self.batch_dims)
-        prefix = (slice(None),) * dim
-        return tuple(self[prefix + (i,)] for i in range(self._batch_size[dim]))
-
-    def split(self, split_size: int | Sequence[int], dim: int = 0) -> tuple["TensorDict", ...]:
-        """Views of consecutive chunks along batch dim ``dim``, as ``torch.split``."""
-        dim = batch_ops.normalize_dim(dim, self.batch_dims)
-        length = self._batch_size[dim]
-        if isinstance(split_size, int):
-            if split_size <= 0:
-                raise ValueError(f"split_size must be positive, got {split_size}.")
-            sizes = [min(split_size, length - s) for s in range(0, length, split_size)]
-        else:
-            sizes = list(split_size)
-            if sum(sizes) != length:
-                raise ValueError(f"split sizes {sizes} do not add up to dim {dim} of size {length}.")
-        prefix, out, start = (slice(None),) * dim, [], 0
-        for n in sizes:
-            out.append(self[prefix + (slice(start, start + n),)])
-            start += n
-        return tuple(out)
-
-    def chunk(self, chunks: int, dim: int = 0) -> tuple["TensorDict", ...]:
-        """Split into ``chunks`` views of (nearly) equal size along ``dim``, as ``torch.chunk``."""
-        if chunks <= 0:
-            raise ValueError(f"chunks must be positive, got {chunks}.")
-        dim = batch_ops.normalize_dim(dim, self.batch_dims)
-        length = self._batch_size[dim]
-        return self.split(max(1, math.ceil(length / chunks)), dim) if length else (self,)
 
 
 def _write_into(current: Any, value: Any, key: str) -> None:

@@ -1,0 +1,47 @@
+"""unbind, split and chunk along a batch dim, for every tensordict class.
+
+They only index: each piece is ``td[..., i]`` or ``td[..., a:b]``, so a class that
+supports basic indexing gets them as views that share storage.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from shared_td.containers import batch as batch_ops
+
+
+class BatchSplitOps:
+    """Mixin of TensorDictBase."""
+
+    def unbind(self, dim: int = 0) -> tuple:
+        """Views of each element along batch dim ``dim``."""
+        dim = batch_ops.normalize_dim(dim, self.batch_dims)
+        prefix = (slice(None),) * dim
+        return tuple(self[prefix + (i,)] for i in range(self.batch_size[dim]))
+
+    def split(self, split_size: int | Sequence[int], dim: int = 0) -> tuple:
+        """Views of consecutive chunks along batch dim ``dim``, as ``torch.split``."""
+        dim = batch_ops.normalize_dim(dim, self.batch_dims)
+        length = self.batch_size[dim]
+        if isinstance(split_size, int):
+            if split_size <= 0:
+                raise ValueError(f"split_size must be positive, got {split_size}.")
+            sizes = [min(split_size, length - s) for s in range(0, length, split_size)]
+        else:
+            sizes = list(split_size)
+            if sum(sizes) != length:
+                raise ValueError(f"split sizes {sizes} do not add up to dim {dim} of size {length}.")
+        prefix, out, start = (slice(None),) * dim, [], 0
+        for n in sizes:
+            out.append(self[prefix + (slice(start, start + n),)])
+            start += n
+        return tuple(out)
+
+    def chunk(self, chunks: int, dim: int = 0) -> tuple:
+        """Split into ``chunks`` views of (nearly) equal size along ``dim``, as ``torch.chunk``."""
+        if chunks <= 0:
+            raise ValueError(f"chunks must be positive, got {chunks}.")
+        dim = batch_ops.normalize_dim(dim, self.batch_dims)
+        length = self.batch_size[dim]
+        return self.split(max(1, math.ceil(length / chunks)), dim) if length else (self,)
