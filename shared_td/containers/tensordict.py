@@ -14,12 +14,13 @@ from shared_td.containers.base import (
     is_non_tensor,
     is_tensor_collection,
 )
+from shared_td.containers.keyops import KeyOps
 from shared_td.containers.reshaping import BatchShapeOps
 from shared_td.errors import BatchSizeMismatchError
 from shared_td.keys import NestedKey, key_repr, unravel_key
 
 
-class TensorDict(BatchShapeOps, TensorDictBase):
+class TensorDict(KeyOps, BatchShapeOps, TensorDictBase):
     """A nested mapping of str keys to tensors, tensordicts, tensorclasses and non-tensors.
 
     Every entry's leading dims equal ``batch_size``; operations along batch dims
@@ -449,80 +450,6 @@ class TensorDict(BatchShapeOps, TensorDictBase):
         return self._map_entries(
             lambda v: v.to(device), self._batch_size, self.names, device=device
         )
-
-    def select(self, *keys: NestedKey, inplace: bool = False, strict: bool = True) -> "TensorDict":
-        """A tensordict with only ``keys`` (nested keys select inside nested tensordicts)."""
-        out = self.empty()
-        for key in keys:
-            path = unravel_key(key)
-            value = self._get_path(path, NO_DEFAULT)
-            if value is NO_DEFAULT:
-                if strict:
-                    raise KeyError(self._missing_key_message(path))
-                continue
-            node = out
-            for i, part in enumerate(path[:-1]):
-                child = node._tensordict.get(part)
-                if child is None:
-                    source = self._get_path(path[: i + 1], None)
-                    child = source.empty() if isinstance(source, TensorDict) else node._empty_child()
-                    node._tensordict[part] = child
-                node = child
-            node._tensordict[path[-1]] = value
-        if inplace:
-            # Name a key that goes (or the first one, replaced by its selected part).
-            removed = [k for k in self._tensordict if k not in out._tensordict] or list(self._tensordict)
-            if removed:
-                self._check_unlocked((removed[0],), "remove")
-            self._tensordict = out._tensordict
-            return self
-        return out
-
-    def exclude(self, *keys: NestedKey, inplace: bool = False) -> "TensorDict":
-        """A tensordict without ``keys`` (missing keys are ignored)."""
-        out = self if inplace else self.clone(recurse=False)
-        if inplace and keys:
-            self._check_unlocked(unravel_key(keys[0]), "remove")
-        for key in keys:
-            path = unravel_key(key)
-            parent = out
-            for part in path[:-1]:
-                child = parent._tensordict.get(part)
-                if not isinstance(child, TensorDict):
-                    parent = None
-                    break
-                if not inplace:
-                    child = child.clone(recurse=False)
-                    parent._tensordict[part] = child
-                parent = child
-            if parent is not None:
-                parent._tensordict.pop(path[-1], None)
-        return out
-
-    def flatten_keys(self, separator: str = ".", inplace: bool = False) -> "TensorDict":
-        """Nested entries as top-level keys joined by ``separator`` (``("a", "b")`` -> ``"a.b"``)."""
-        entries = {}
-        for key in self.keys(include_nested=True, leaves_only=True):
-            name = key if isinstance(key, str) else separator.join(key)
-            if name in entries:
-                raise KeyError(f"Flattening gives the key {name!r} twice; choose another separator.")
-            entries[name] = self.get(key)
-        if inplace:
-            self._check_unlocked((), "flatten its keys")
-            self._tensordict = entries
-            return self
-        return TensorDict._new_unsafe(entries, self._batch_size, self._device, self.names)
-
-    def unflatten_keys(self, separator: str = ".", inplace: bool = False) -> "TensorDict":
-        """The inverse of ``flatten_keys``: ``"a.b"`` becomes ``("a", "b")``."""
-        out = self.empty()
-        for key, value in self._tensordict.items():
-            out.set(tuple(key.split(separator)), value)
-        if inplace:
-            self._check_unlocked((), "unflatten its keys")
-            self._tensordict = out._tensordict
-            return self
-        return out
 
     @classmethod
     def from_dict(
