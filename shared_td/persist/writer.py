@@ -244,8 +244,7 @@ def _write_file(leaf: LeafPlan, options: Options, pool, created: list[str]) -> t
         created.append(leaf.path)
     try:
         if options.like:
-            if os.fstat(fd).st_size < nbytes:
-                os.ftruncate(fd, nbytes)
+            files.reserve_space(fd, nbytes, leaf.path)
         else:
             data = files.tensor_bytes(source)
             if pool is not None and nbytes >= _PARALLEL_LEAF_BYTES:

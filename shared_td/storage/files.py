@@ -247,6 +247,21 @@ def check_new_empty_file(path: str, *, existsok: bool) -> None:
         raise RuntimeError(f"The file {path} already exists.")
 
 
+def reserve_space(fd: int, nbytes: int, path: str) -> None:
+    """Grow the file ``fd`` to at least ``nbytes`` (never shrink it), reserving the space
+    with ``posix_fallocate`` so that a full disk is a StorageFullError now, not a SIGBUS
+    when a page is first touched."""
+    if os.fstat(fd).st_size >= nbytes:
+        return
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as err:
+        if err.errno in NO_SPACE_ERRNOS:
+            raise storage_full_error(err, nbytes, f"file {path}") from err
+        # EOPNOTSUPP/EINVAL: a filesystem without fallocate; grow sparsely
+        os.ftruncate(fd, nbytes)
+
+
 def create_file(path: str, nbytes: int, *, existsok: bool = False, data=None):
     """Create (or reuse) ``path`` with at least ``nbytes``, write ``data``, map it.
 
@@ -270,14 +285,8 @@ def create_file(path: str, nbytes: int, *, existsok: bool = False, data=None):
     try:
         if data is not None:
             pwrite_all(fd, data, 0, where=f"file {path}")
-        elif os.fstat(fd).st_size < nbytes:
-            try:
-                os.posix_fallocate(fd, 0, nbytes)
-            except OSError as err:
-                if err.errno in NO_SPACE_ERRNOS:
-                    raise storage_full_error(err, nbytes, f"file {path}") from err
-                # EOPNOTSUPP/EINVAL: a filesystem without fallocate; grow sparsely
-                os.ftruncate(fd, nbytes)
+        else:
+            reserve_space(fd, nbytes, path)
         return backing_from_fd(path, fd, shared=True), created
     finally:
         os.close(fd)
