@@ -10,6 +10,7 @@ from shared_td.containers.tensorclass import is_tensorclass, tensorclass
 from shared_td.containers.tensordict import TensorDict
 from shared_td.errors import BatchSizeMismatchError, KeyTypeError, LockedTensorDictError
 from shared_td.memmap_tensor import MemoryMappedTensor
+from shared_td.persist.atomic import gc
 from shared_td.persist.functions import load, load_memmap, memmap, save
 from shared_td.persist.future import TensorDictFuture
 
@@ -26,6 +27,7 @@ __all__ = [
     "TensorDict",
     "TensorDictBase",
     "TensorDictFuture",
+    "gc",
     "is_non_tensor",
     "is_tensor_collection",
     "is_tensorclass",

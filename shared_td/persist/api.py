@@ -12,7 +12,10 @@ from typing import Any
 
 import torch
 
-from shared_td.persist import nodes
+from shared_td.memmap_tensor import MemoryMappedTensor
+from shared_td.persist import atomic, nodes
+from shared_td.storage import files
+from shared_td.storage.files import FileBacking
 from shared_td.persist.future import TensorDictFuture
 from shared_td.persist.loader import Loader
 from shared_td.persist.writer import NodePlan, Options, Planner, write_leaves, write_metadata
@@ -39,11 +42,6 @@ def memmap(
     ``inplace=True`` is memmap_ (obj's leaves are replaced), False is memmap (a new
     tree); ``like=True`` writes no data (memmap_like). See TensorDictBase.memmap_.
     """
-    if atomic:
-        raise NotImplementedError(
-            "atomic=True (crash-safe rewrites of a prefix) is not available yet in this "
-            "version of shared_td; write without it, or into a new prefix."
-        )
     if not isinstance(num_threads, int) or num_threads < 0:
         raise ValueError(f"num_threads must be an int >= 0, got {num_threads!r}.")
     if inplace and obj.is_shared():
@@ -64,6 +62,8 @@ def memmap(
         robust_key=True if robust_key is None else bool(robust_key),
         share_non_tensor=share_non_tensor,
     )
+    if atomic:
+        return _memmap_atomically(obj, options, return_early)
     planner = Planner(options)
     root = planner.plan(obj)
     if return_early and num_threads > 1:
@@ -95,6 +95,12 @@ def _run_into_future(future: Future, planner: Planner, root: NodePlan, options: 
 
 
 def _execute(planner: Planner, root: NodePlan, options: Options) -> Any:
+    _write(planner, root, options)
+    return _finish(root, options)
+
+
+def _write(planner: Planner, root: NodePlan, options: Options) -> None:
+    """Write the leaves, then the metadata; on failure remove what this write created."""
     created_dirs = _make_directories(root)
     created_files: list[str] = []
     pool = ThreadPoolExecutor(options.num_threads) if options.num_threads > 1 else None
@@ -117,9 +123,57 @@ def _execute(planner: Planner, root: NodePlan, options: Options) -> Any:
     finally:
         if pool is not None:
             pool.shutdown()
+
+
+def _finish(root: NodePlan, options: Options) -> Any:
     result = _build(root, options)
     result.lock_()
     return result
+
+
+def _memmap_atomically(obj: Any, options: Options, return_early: bool) -> Any:
+    """Write into a sibling directory, then swap it in under the prefix's writer lock."""
+    if return_early:
+        raise NotImplementedError(
+            "atomic=True cannot be combined with return_early=True: the swap must follow "
+            "the last write. Call memmap_ with return_early=False."
+        )
+    target = atomic.check_target(options.prefix, existsok=options.existsok)
+    with atomic.acquired(target):
+        atomic.sweep_leftovers(target)
+        # checked again: another writer may have changed the prefix while we waited
+        atomic.check_target(target, existsok=options.existsok)
+        staging = atomic.make_staging_directory(target)
+        try:
+            options.prefix = staging
+            planner = Planner(options, fresh_root=True)
+            root = planner.plan(obj)
+            _write(planner, root, options)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        atomic.swap_into_place(staging, target)
+    _relocate(root, staging, target)
+    return _finish(root, options)
+
+
+def _relocate(root: NodePlan, staging: str, target: str) -> None:
+    """After the swap, every node and leaf names its place under ``target``."""
+    def moved(path: str) -> str:
+        return target + path[len(staging):]
+
+    for node in root.walk():
+        node.directory = moved(node.directory)
+        for leaf in node.leaves.values():
+            tensor, backing = leaf.result, leaf.result._backing
+            new_backing = FileBacking(moved(backing.path), None, 0, True)
+            if tensor.numel():
+                new_backing = files.relocated(backing, moved(backing.path))
+                leaf.result = MemoryMappedTensor._from_backing(
+                    new_backing, tensor._byte_offset(), tensor.dtype, tensor.shape, tensor.stride()
+                )
+            else:
+                leaf.result = MemoryMappedTensor._empty_leaf(new_backing, tensor.dtype, tensor.shape)
 
 
 def _make_directories(root: NodePlan) -> list[str]:

@@ -126,19 +126,3 @@ def write_temporary(path: str, data: bytes) -> str:
         os.unlink(temporary)  # left by a killed writer of the same pid and thread id
     write_new_file(temporary, data)
     return temporary
-
-
-def read_json(path: str) -> dict:
-    """Parse a meta.json (whitespace-agnostic); FormatError naming the file if broken."""
-    try:
-        with open(path, "rb") as handle:
-            document = json.loads(handle.read().decode("utf-8"))
-    except FileNotFoundError:
-        raise FileNotFoundError(
-            f"No saved tensordict at {os.path.dirname(path)!r}: {META} is missing."
-        ) from None
-    except (ValueError, UnicodeDecodeError) as error:
-        raise FormatError(f"{path} is not valid JSON: {error}") from None
-    if not isinstance(document, dict):
-        raise FormatError(f"{path} holds a {type(document).__name__}, not a JSON object.")
-    return document

@@ -1,15 +1,20 @@
 """Loading a saved directory: read meta.json, map leaf files, rebuild the containers.
 
-Every file is resolved relative to the node directory opened first.  Unlike tensordict,
-a missing or short leaf file is an error naming the key (never a silently dropped key or
-a SIGBUS), symlinked leaf files and child directories are refused, and pickled
-non-tensor data is only read with ``allow_pickle=True`` (refused before unpickling).
+Every file is opened relative to the directory opened first (``dir_fd``), so a load
+that races an atomic rewrite (a swap of the whole directory) reads one version only; if
+that version is deleted under it, the load starts again on the new one.  Unlike
+tensordict, a missing or short leaf file is an error naming the key (never a silently
+dropped key or a SIGBUS), symlinked leaf files and child directories are refused, and
+pickled non-tensor data is only read with ``allow_pickle=True`` (refused before
+unpickling).
 """
 from __future__ import annotations
 
+import errno
+import json
 import os
 import pickle
-import stat
+import time
 from typing import Any
 
 import torch
@@ -17,6 +22,11 @@ import torch
 from shared_td.keys import encode_key, is_safe_legacy_name
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.persist import format as fmt
+from shared_td.storage import files
+from shared_td.storage.files import FileTooShortError
+
+#: How long a load keeps restarting while atomic writers replace the directory under it.
+RETRY_SECONDS = 60.0
 
 
 def check_allow_pickle(allow_pickle: Any) -> bool:
@@ -31,6 +41,66 @@ def check_allow_pickle(allow_pickle: Any) -> bool:
     return allow_pickle
 
 
+class _Directory:
+    """An open directory: files are opened through its descriptor, named by ``path``."""
+
+    def __init__(self, fd: int, path: str):
+        self.fd = fd
+        self.path = path
+
+    def child(self, name: str) -> "_Directory":
+        path = os.path.join(self.path, name)
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
+        except OSError as error:
+            raise _open_error(error, path) from None
+        return _Directory(fd, path)
+
+    def open(self, name: str, flags: int = os.O_RDONLY) -> int:
+        try:
+            return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
+        except OSError as error:
+            raise _open_error(error, os.path.join(self.path, name)) from None
+
+    def exists(self, name: str) -> bool:
+        try:
+            os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def read(self, name: str) -> bytes:
+        fd = self.open(name)
+        try:
+            with os.fdopen(fd, "rb", closefd=False) as handle:
+                return handle.read()
+        finally:
+            os.close(fd)
+
+    def read_meta(self) -> dict:
+        where = os.path.join(self.path, fmt.META)
+        try:
+            document = json.loads(self.read(fmt.META).decode("utf-8"))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"No saved tensordict at {self.path!r}: {fmt.META} is missing.") from None
+        except (ValueError, UnicodeDecodeError) as error:
+            raise fmt.FormatError(f"{where} is not valid JSON: {error}") from None
+        if not isinstance(document, dict):
+            raise fmt.FormatError(f"{where} holds a {type(document).__name__}, not a JSON object.")
+        return document
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def _open_error(error: OSError, path: str) -> OSError:
+    if error.errno == errno.ELOOP:
+        return RuntimeError(f"Refusing to load through symlink {path}.")
+    if error.errno == errno.ENOTDIR and os.path.islink(path):
+        return RuntimeError(f"Refusing to load through symlink {path}.")
+    return type(error)(error.errno, f"{error.strerror}: {path}")
+
+
 class Loader:
     """Loads one saved tree; ``robust_key`` picks the file names tried first."""
 
@@ -38,13 +108,35 @@ class Loader:
         self.robust_key = True if robust_key is None else robust_key
         self.allow_pickle = check_allow_pickle(allow_pickle)
 
-    def load(self, directory: str, batch_size: torch.Size | None = None) -> Any:
-        directory = os.path.abspath(os.fspath(directory))
-        if not os.path.isdir(directory):
-            if os.path.exists(directory):
-                raise NotADirectoryError(f"{directory} is a file, not a saved tensordict directory.")
-            raise FileNotFoundError(f"No saved tensordict at {directory}: no such directory.")
-        meta = fmt.read_json(os.path.join(directory, fmt.META))
+    def load(self, directory: str) -> Any:
+        """Load the tree at ``directory``, restarting if an atomic writer replaced it."""
+        path = os.path.abspath(os.fspath(directory))
+        deadline = time.monotonic() + RETRY_SECONDS
+        while True:
+            root = self._open_root(path)
+            try:
+                return self._load(root, None)
+            except (FileNotFoundError, fmt.FormatError, FileTooShortError):
+                if not _replaced(root, path) or time.monotonic() > deadline:
+                    raise
+            finally:
+                root.close()
+
+    @staticmethod
+    def _open_root(path: str) -> _Directory:
+        for _ in range(1000):  # the two-renames fallback leaves the path missing briefly
+            try:
+                return _Directory(os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), path)
+            except NotADirectoryError:
+                raise NotADirectoryError(f"{path} is a file, not a saved tensordict directory.") from None
+            except FileNotFoundError:
+                if not os.path.lexists(os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.lock")):
+                    break
+                time.sleep(0.001)
+        raise FileNotFoundError(f"No saved tensordict at {path}: no such directory.")
+
+    def _load(self, directory: _Directory, batch_size: torch.Size | None) -> Any:
+        meta = directory.read_meta()
         type_str = meta.get("_type")
         if type_str == fmt.TENSORDICT_TYPE:
             return self._load_tensordict(directory, meta)
@@ -56,8 +148,15 @@ class Loader:
             return self._load_non_tensor_stack(directory, meta)
         return self._load_tensorclass(directory, meta, type_str)
 
+    def _load_child(self, directory: _Directory, name: str, batch_size=None) -> Any:
+        child = directory.child(name)
+        try:
+            return self._load(child, batch_size)
+        finally:
+            child.close()
+
     # ------------------------------------------------------------------ node kinds
-    def _load_tensordict(self, directory: str, meta: dict) -> Any:
+    def _load_tensordict(self, directory: _Directory, meta: dict) -> Any:
         from shared_td.containers.tensordict import TensorDict
 
         batch_size = torch.Size(meta.get("shape", []))
@@ -66,8 +165,11 @@ class Loader:
         values = {}
         for key, entry in entries.items():
             if "type" in entry:
-                path = self._resolve(directory, key, leaf=False)
-                values[key] = self.load(path, batch_size)
+                name = self._resolve(directory, key, leaf=False)
+                value = self._load_child(directory, name, batch_size)
+                if getattr(value, "_is_non_tensor", False) and value.batch_size != batch_size:
+                    value = value._with_batch_size(batch_size, key)
+                values[key] = value
             elif "dtype" in entry and "shape" in entry:
                 values[key] = self._load_leaf(directory, key, entry)
         device = meta.get("device")
@@ -76,83 +178,79 @@ class Loader:
         )
         if meta.get("_names") is not None:
             td.names = meta["_names"]
-        for key, value in values.items():
-            if getattr(value, "_is_non_tensor", False) and value.batch_size != batch_size:
-                values[key] = value._with_batch_size(batch_size, key)
-        td._memmap_prefix = directory
+        td._memmap_prefix = directory.path
         return td
 
-    def _load_leaf(self, directory: str, key: str, entry: dict) -> torch.Tensor:
-        where = f"key {key!r} in {os.path.join(directory, fmt.META)}"
+    def _load_leaf(self, directory: _Directory, key: str, entry: dict) -> torch.Tensor:
+        where = f"key {key!r} in {os.path.join(directory.path, fmt.META)}"
         if entry.get("is_nested"):
             raise NotImplementedError(f"{where}: nested tensors cannot be loaded yet.")
         dtype = fmt.dtype_from_name(entry["dtype"], where=where)
         shape = torch.Size(entry["shape"])
-        path = self._resolve(directory, key, leaf=True, must_exist=shape.numel() > 0)
-        if shape.numel() == 0:
+        if shape.numel() == 0:  # zero-element leaves have no file
             return MemoryMappedTensor.empty(shape, dtype=dtype)
+        name = self._resolve(directory, key, leaf=True)
+        path = os.path.join(directory.path, name)
         try:
-            return MemoryMappedTensor.from_filename(path, dtype, shape)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"The file of {where} is missing: {path}.") from None
+            fd, shared = directory.open(name, os.O_RDWR), True
+        except PermissionError:  # a read-only file: a private copy-on-write mapping
+            fd, shared = directory.open(name, os.O_RDONLY), False
+        try:
+            backing = files.backing_from_fd(path, fd, shared=shared)
+        finally:
+            os.close(fd)
+        return MemoryMappedTensor._from_backing(backing, 0, dtype, shape)
 
-    def _load_lazy(self, directory: str, meta: dict) -> Any:
+    def _load_lazy(self, directory: _Directory, meta: dict) -> Any:
         from shared_td.containers.lazy import LazyStackedTensorDict
 
         members = []
-        while True:
-            path = os.path.join(directory, str(len(members)))
-            if not os.path.isdir(path):
-                break
-            self._refuse_symlink(path)
-            members.append(self.load(path))
+        while directory.exists(str(len(members))):
+            members.append(self._load_child(directory, str(len(members))))
         if not members:
-            raise fmt.FormatError(f"{directory} holds a lazy stack without members (no 0/ directory).")
+            raise fmt.FormatError(f"{directory.path} holds a lazy stack without members (no 0/ directory).")
         lazy = LazyStackedTensorDict(*members, stack_dim=meta.get("stack_dim", 0))
-        lazy._memmap_prefix = directory
+        lazy._memmap_prefix = directory.path
         return lazy
 
-    def _load_non_tensor_data(self, directory: str, meta: dict, batch_size) -> Any:
+    def _load_non_tensor_data(self, directory: _Directory, meta: dict, batch_size) -> Any:
         from shared_td.containers.nontensor import NonTensorData
 
         if "data" in meta:
             data = meta["data"]
         else:
-            data = self._unpickle(os.path.join(directory, fmt.OTHER_PICKLE))["data"]
+            data = self._unpickle(directory, fmt.OTHER_PICKLE)["data"]
         value = NonTensorData(data, batch_size=batch_size or [])
-        value._memmap_prefix = directory
+        value._memmap_prefix = directory.path
         return value
 
-    def _load_non_tensor_stack(self, directory: str, meta: dict) -> Any:
+    def _load_non_tensor_stack(self, directory: _Directory, meta: dict) -> Any:
         from shared_td.containers.nontensor import NonTensorStack
 
         data = meta.get("data")
         if data == fmt.STACK_PICKLE:
-            data = self._unpickle(os.path.join(directory, fmt.STACK_PICKLE))
+            data = self._unpickle(directory, fmt.STACK_PICKLE)
         stack = NonTensorStack.from_list(data)
-        stack._memmap_prefix = directory
+        stack._memmap_prefix = directory.path
         return stack
 
-    def _load_tensorclass(self, directory: str, meta: dict, type_str: Any) -> Any:
+    def _load_tensorclass(self, directory: _Directory, meta: dict, type_str: Any) -> Any:
         from shared_td.containers.tensorclass import tensorclass_for_type_string
 
         try:
             cls = tensorclass_for_type_string(type_str)
         except (KeyError, TypeError):
             raise RuntimeError(
-                f"{os.path.join(directory, fmt.META)} holds a {type_str!r}, which is no known "
-                "tensordict class: import the module that defines that tensorclass first."
+                f"{os.path.join(directory.path, fmt.META)} holds a {type_str!r}, which is no "
+                "known tensordict class: import the module that defines that tensorclass first."
             ) from None
-        inner_path = os.path.join(directory, fmt.TENSORCLASS_CHILD)
-        if not os.path.isdir(inner_path):
-            raise fmt.FormatError(f"The _tensordict directory seems to be missing in {directory}.")
-        self._refuse_symlink(inner_path)
-        instance = cls._from_tensordict(self.load(inner_path))
-        return instance
+        if not directory.exists(fmt.TENSORCLASS_CHILD):
+            raise fmt.FormatError(f"The _tensordict directory seems to be missing in {directory.path}.")
+        return cls._from_tensordict(self._load_child(directory, fmt.TENSORCLASS_CHILD))
 
     # ------------------------------------------------------------------ files
-    def _resolve(self, directory: str, key: str, *, leaf: bool, must_exist: bool = True) -> str:
-        """The path of ``key``: its robust name, else its legacy (raw) name if safe."""
+    def _resolve(self, directory: _Directory, key: str, *, leaf: bool) -> str:
+        """The file name of ``key``: its robust name, else its legacy (raw) name if safe."""
         suffix = fmt.LEAF_SUFFIX if leaf else ""
         candidates = []
         if self.robust_key:
@@ -160,33 +258,29 @@ class Loader:
         if is_safe_legacy_name(key, directory=not leaf) and key + suffix not in candidates:
             candidates.append(key + suffix)
         for name in candidates:
-            path = os.path.join(directory, name)
-            try:
-                mode = os.lstat(path).st_mode
-            except FileNotFoundError:
-                continue
-            if stat.S_ISLNK(mode):
-                raise RuntimeError(f"Refusing to load through symlink {path}.")
-            return path
-        if not must_exist:
-            return os.path.join(directory, candidates[0]) if candidates else directory
+            if directory.exists(name):
+                return name
         kind = "file" if leaf else "directory"
         raise FileNotFoundError(
-            f"The {kind} of key {key!r} listed in {os.path.join(directory, fmt.META)} is "
+            f"The {kind} of key {key!r} listed in {os.path.join(directory.path, fmt.META)} is "
             f"missing (looked for {candidates}): the save is incomplete or was moved."
         )
 
-    @staticmethod
-    def _refuse_symlink(path: str) -> None:
-        if os.path.islink(path):
-            raise RuntimeError(f"Refusing to load through symlink {path}.")
-
-    def _unpickle(self, path: str) -> Any:
+    def _unpickle(self, directory: _Directory, name: str) -> Any:
+        path = os.path.join(directory.path, name)
         if not self.allow_pickle:
             raise RuntimeError(
                 f"Refusing to load pickled non-tensor data from {path}: unpickling can run "
                 "arbitrary code. Pass allow_pickle=True if you trust this directory."
             )
-        self._refuse_symlink(path)
-        with open(path, "rb") as handle:
-            return pickle.load(handle)
+        return pickle.loads(directory.read(name))
+
+
+def _replaced(root: _Directory, path: str) -> bool:
+    """True if ``path`` no longer names the directory ``root`` opened (a swap happened)."""
+    try:
+        current = os.stat(path)
+    except FileNotFoundError:
+        return True
+    opened = os.fstat(root.fd)
+    return (current.st_dev, current.st_ino) != (opened.st_dev, opened.st_ino)

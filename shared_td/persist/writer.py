@@ -75,13 +75,14 @@ class NodePlan:
 class Planner:
     """Walks a tree once and checks every write before any is made."""
 
-    def __init__(self, options: Options):
+    def __init__(self, options: Options, *, fresh_root: bool = False):
         self.options = options
+        self.fresh_root = fresh_root  # the prefix was just created empty (atomic staging)
         self.leaves: list[LeafPlan] = []
         self.root = os.path.abspath(options.prefix) if options.prefix is not None else None
 
     def plan(self, obj: Any) -> NodePlan:
-        return self._plan(obj, self.root, (), parent_exists=True)
+        return self._plan(obj, self.root, (), parent_exists=not self.fresh_root)
 
     def _plan(self, obj: Any, directory: str | None, path: tuple, *, parent_exists: bool) -> NodePlan:
         kind = nodes.kind_of(obj)

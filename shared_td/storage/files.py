@@ -191,6 +191,20 @@ def find_backing(storage) -> FileBacking | None:
                  and b.storage.data_ptr() == storage.data_ptr()), None)
 
 
+def relocated(backing: FileBacking, path: str) -> FileBacking:
+    """The same mapping under the file's new name, after its directory was renamed.
+
+    The mapped inode is unchanged, so no byte moves; this process's cache then hands
+    out the new name.
+    """
+    moved = FileBacking(path, backing.storage, backing.nbytes, backing.shared)
+    if backing.shared:
+        st = os.stat(path)
+        with _CACHE_LOCK:
+            _CACHE[(st.st_dev, st.st_ino)] = moved
+    return moved
+
+
 def open_file_backing(path: str, shared: bool = True) -> FileBacking:
     """Map an existing file by path; a missing file raises ``FileNotFoundError``.
 
