@@ -155,12 +155,42 @@ def case_leaf_pickle(args, root: str) -> dict:
     return out
 
 
+def case_atomic_rewrite(args, root: str) -> dict:
+    """Rewrite of a 64 MiB tensordict (8 leaves) onto an existing save: plain vs atomic."""
+    import shared_td
+
+    td = shared_td.TensorDict({f"leaf{i}": torch.randn(2 << 20) for i in range(8)})
+    path = os.path.join(root, "atomic")
+    td.memmap(path)
+    dirs = fresh_dir(root)
+    out = {
+        "memmap_ (new directory)": best_of(
+            args.repeat, lambda: (td.clone(), dirs()), lambda s: s[0].memmap_(s[1])
+        ),
+        "memmap_ (overwrite)": best_of(args.repeat, lambda: td.clone(), lambda t: t.memmap_(path)),
+        "memmap_ atomic=True": best_of(
+            args.repeat, lambda: td.clone(), lambda t: t.memmap_(path, atomic=True)
+        ),
+    }
+    from shared_td.persist import atomic
+
+    lock = atomic.prefix_lock(path)
+    rounds = 1000
+    start = time.perf_counter()
+    for _ in range(rounds):
+        lock.acquire()
+        lock.release()
+    out["lock acquire+release"] = (time.perf_counter() - start) / rounds
+    return out
+
+
 CASES = {
     "big_leaf": case_big_leaf,
     "tree_to_files": case_tree_to_files,
     "tree_load": case_tree_load,
     "tree_anonymous": case_tree_anonymous,
     "leaf_pickle": case_leaf_pickle,
+    "atomic_rewrite": case_atomic_rewrite,
 }
 
 

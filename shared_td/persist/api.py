@@ -145,7 +145,7 @@ def _memmap_atomically(obj: Any, options: Options, return_early: bool) -> Any:
         atomic.check_target(target, existsok=options.existsok)
         staging = atomic.make_staging_directory(target)
         try:
-            options.prefix = staging
+            options.prefix, options.atomic_target = staging, target
             planner = Planner(options, fresh_root=True)
             root = planner.plan(obj)
             _write(planner, root, options)

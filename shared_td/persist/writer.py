@@ -43,6 +43,7 @@ class Options:
     existsok: bool = True
     robust_key: bool = True
     share_non_tensor: bool = False
+    atomic_target: str | None = None  # with atomic=True: the prefix being replaced
 
 
 @dataclass
@@ -161,6 +162,12 @@ class Planner:
                     # it is written; copied out first, as the write overlaps its bytes
                     leaf.source = tensor.clone()
             elif not self.options.copy_existing and target is not None:
+                if self.options.atomic_target is not None:
+                    raise RuntimeError(
+                        f"Key {path + (key,)} is already memory-mapped to {backing.path}; "
+                        "atomic=True writes a new copy of every leaf (the new version of "
+                        f"{self.options.atomic_target}). Pass copy_existing=True."
+                    )
                 raise RuntimeError(
                     f"Key {path + (key,)} is already memory-mapped to {backing.path}; "
                     f"writing it to {target} would copy it. Pass copy_existing=True to "
