@@ -3,17 +3,23 @@
 The members are kept as they are (``lazy.tensordicts`` holds the very objects), so their
 entries may have different feature shapes; reading a key stacks the members' values,
 writing a key splits the value along ``stack_dim`` into the members.
+
+This module holds the class: construction, properties, reads (``get``, ``pop``, keys),
+conversions and repr. The rest comes from two mixins, each in its own module:
+lazy_writes.py (LazyWriteOps: set, update, ``lazy[idx] = ...``, del) and lazy_shape.py
+(LazyShapeOps: indexing, shape ops, torch.cat, member-wise maps such as apply and
+clone). They do not import this module; the class is named only here.
 """
 from __future__ import annotations
 
-import numbers
 from typing import Any, Callable, Sequence
 
-import numpy as np
 import torch
 
 from shared_td.containers import batch as batch_ops
 from shared_td.containers.base import NO_DEFAULT, TensorDictBase, is_non_tensor, is_tensor_collection
+from shared_td.containers.lazy_shape import LazyShapeOps, _into
+from shared_td.containers.lazy_writes import LazyWriteOps, _is_branch, _peek
 from shared_td.errors import BatchSizeMismatchError
 from shared_td.keys import NestedKey, key_repr, unravel_key
 
@@ -33,27 +39,14 @@ class _Ragged:
         )
 
 
-def _is_branch(value: Any) -> bool:
-    return is_tensor_collection(value) and not is_non_tensor(value)
-
-
 def _as_td(value: Any) -> TensorDictBase:
     """A tensordict itself, or the inner tensordict of a tensorclass instance."""
     return value if isinstance(value, TensorDictBase) else value._tensordict
 
 
-def _peek(td: TensorDictBase, key: str) -> Any:
-    """The entry ``key`` of ``td`` without stacking anything (None when missing)."""
-    if isinstance(td, LazyStackedTensorDict):
-        return td._peek_str(key, None)
-    return td._get_str(key, None)
-
-
-def _trivial(index: tuple) -> bool:
-    return all(isinstance(p, slice) and p == slice(None) for p in index)
-
-
-class LazyStackedTensorDict(TensorDictBase):
+# The mixins come before TensorDictBase so that their methods override its own; their
+# ``super()`` calls (e.g. ``_check_unlocked`` in ``_set_str``) reach TensorDictBase.
+class LazyStackedTensorDict(LazyShapeOps, LazyWriteOps, TensorDictBase):
     """Tensordicts stacked along ``stack_dim``, kept as they are (``tensordicts``).
 
     Members share their batch size (unlike tensordict, different ones are refused) but
@@ -285,207 +278,6 @@ class LazyStackedTensorDict(TensorDictBase):
             self.del_(key)
         return value
 
-    def _set_str(self, key: str, value: Any, *, inplace: bool, validated: bool) -> None:
-        if not isinstance(key, str):
-            unravel_key(key)  # raises the KeyTypeError
-        parts = self._split_value(key, value)
-        for member, part in zip(self.tensordicts, parts):  # check everything first
-            current = _peek(member, key)
-            if current is None or not inplace:
-                action = "add" if current is None else "replace"
-                super()._check_unlocked((key,), action)
-                member._check_unlocked((key,), action)
-            elif isinstance(current, torch.Tensor) and not isinstance(member, LazyStackedTensorDict):
-                _check_fits(part, current.shape, repr(key))
-        for member, part in zip(self.tensordicts, parts):
-            member._set_str(key, part, inplace=inplace, validated=False)
-
-    def _split_value(self, key: str, value: Any) -> list:
-        """``value`` as one part per member (split along ``stack_dim``)."""
-        from shared_td.containers.tensordict import TensorDict
-
-        if isinstance(value, dict):
-            value = TensorDict(value, batch_size=self.batch_size)
-        elif isinstance(value, (list, tuple, np.ndarray, numbers.Number)) and not is_tensor_collection(value):
-            try:
-                value = torch.as_tensor(value)
-            except (TypeError, ValueError, RuntimeError):
-                pass
-        if isinstance(value, torch.Tensor) or is_tensor_collection(value):
-            shape = value.batch_size if is_tensor_collection(value) else value.shape
-            if shape[: self.batch_dims] != self.batch_size:
-                raise BatchSizeMismatchError(
-                    f"Batch dimension mismatch for key {key!r}: the value has shape "
-                    f"{list(shape)} but the lazy stack has batch_size {list(self.batch_size)}."
-                )
-            return self._unbind_like(value)
-        return [value] * len(self.tensordicts)  # a non-tensor: every member gets it
-
-    def _convert(self, key: str, value: Any, into: Any = None) -> Any:
-        """Check ``value`` for ``key`` (the base class's update planning calls it); the
-        value is split into the members when it is written."""
-        self._split_value(key, value)
-        return value
-
-    def _unbind_like(self, other: Any) -> list:
-        """``other`` split along ``stack_dim`` (the members of a matching lazy stack)."""
-        if isinstance(other, LazyStackedTensorDict) and other._stack_dim == self._stack_dim:
-            return list(other.tensordicts)
-        return list(other.unbind(self._stack_dim))
-
-    def _del_str(self, key: str) -> None:
-        self._check_unlocked((key,), "remove")
-        for member in self.tensordicts:
-            member._del_str(key)
-
-    def _empty_child(self) -> "LazyStackedTensorDict":
-        return self._restack([m._empty_child() for m in self.tensordicts])
-
-    def update(self, other: Any, *, inplace: bool = False, keys_to_update=None) -> "LazyStackedTensorDict":
-        """As TensorDict.update, member by member: ``other`` is split along ``stack_dim``
-        (a lazy stack of the same layout gives its members). Checked before writing."""
-        parts = self._update_parts(other)
-        for member, part in zip(self.tensordicts, parts):
-            _check_write(member, part, replace=not inplace)
-        for member, part in zip(self.tensordicts, parts):
-            member.update(part, inplace=inplace, keys_to_update=keys_to_update)
-        return self
-
-    def update_(self, other: Any, *, keys_to_update=None) -> "LazyStackedTensorDict":
-        """As TensorDict.update_, member by member (see ``update``)."""
-        parts = self._update_parts(other)
-        for key in parts[0].keys(include_nested=True, leaves_only=True) if parts else ():
-            if key not in self:
-                raise KeyError(
-                    f"update_() writes in place, but key {key_repr(unravel_key(key))} does not "
-                    f"exist in {type(self).__name__}. Use update() to add it."
-                )
-        for member, part in zip(self.tensordicts, parts):
-            _check_write(member, part)
-        for member, part in zip(self.tensordicts, parts):
-            member.update_(part, keys_to_update=keys_to_update)
-        return self
-
-    def _update_parts(self, other: Any) -> list:
-        if self._same_layout(other):
-            return list(other.tensordicts)
-        if not isinstance(other, dict) and not _is_branch(other):
-            other = dict(other)
-        return self._split_value("update", other)
-
-    def _same_layout(self, other: Any) -> bool:
-        same_dim = isinstance(other, LazyStackedTensorDict) and other._stack_dim == self._stack_dim
-        return same_dim and other.batch_size == self.batch_size
-
-    # ---------------------------------------------------------------- indexing
-    def _locate(self, index: Any) -> tuple:
-        """Where ``index`` goes: ``("one", i, rest)`` for one member, ``("many", members,
-        rest, stack_dim, batch_size)`` for several, or ``("positions", positions)``."""
-        size, sd = self.batch_size, self._stack_dim
-        parts = batch_ops.normalize_index(index, size)
-        out_batch = batch_ops.indexed_batch_size(size, parts)
-        parts = tuple(
-            int(p) if isinstance(p, torch.Tensor) and p.ndim == 0 and p.dtype != torch.bool else p
-            for p in parts
-        )
-        widths = [_dims(p)[0] for p in parts]
-        parts += (slice(None),) * (len(size) - sum(widths))
-        widths += [1] * (len(parts) - len(widths))
-        tensors = sum(isinstance(p, torch.Tensor) for p in parts)
-        general = ("positions", parts)
-        if tensors > 1 or any(isinstance(p, bool) for p in parts):
-            return general
-        dim = out = 0
-        for i, (part, width) in enumerate(zip(parts, widths)):
-            if width and dim <= sd < dim + width:
-                break
-            dim += width
-            out += _dims(part)[1]
-        if width != 1 or (tensors and not isinstance(part, (slice, torch.Tensor))):
-            return general
-        rest = parts[:i] + parts[i + 1 :]
-        count = len(self.tensordicts)
-        if isinstance(part, int):
-            return ("one", part % count, rest)
-        if isinstance(part, slice):
-            chosen = list(range(count))[part]
-        elif part.dtype == torch.bool:
-            chosen = part.nonzero().flatten().tolist()
-        elif part.ndim == 1:
-            chosen = [j % count for j in part.tolist()]
-        else:
-            return general
-        return ("many", chosen, rest, out, out_batch)
-
-    def _index(self, index: Any) -> Any:
-        where = self._locate(index)
-        if where[0] == "one":
-            member = self.tensordicts[where[1]]
-            return member if _trivial(where[2]) else member._index(where[2])
-        if where[0] == "many":
-            _, chosen, rest, out, out_batch = where
-            members = [self.tensordicts[i] for i in chosen]
-            if not _trivial(rest):
-                members = [m._index(rest) for m in members]
-            return LazyStackedTensorDict(*members, stack_dim=out, batch_size=out_batch)
-        return self._from_positions(self._positions(where[1]))
-
-    def _positions(self, parts: tuple) -> torch.Tensor:
-        """The flat positions of the elements that ``parts`` selects (torch's rules)."""
-        return torch.arange(self.numel()).reshape(self.batch_size)[parts]
-
-    def _element(self, flat: int) -> tuple:
-        """(member, index in the member) of the element at flat position ``flat``."""
-        coords = []
-        for n in reversed(self.batch_size):
-            coords.append(flat % n)
-            flat //= n
-        coords.reverse()
-        sd = self._stack_dim
-        return self.tensordicts[coords[sd]], tuple(coords[:sd] + coords[sd + 1 :])
-
-    def _from_positions(self, positions: torch.Tensor) -> Any:
-        """Nested lazy stacks (along dim 0) of the elements at ``positions`` (views)."""
-        if positions.ndim == 0:
-            member, sub = self._element(int(positions))
-            return member._index(sub) if sub else member
-        return LazyStackedTensorDict(
-            *[self._from_positions(p) for p in positions.unbind(0)],
-            stack_dim=0, batch_size=positions.shape,
-        )
-
-    def _set_at_index(self, index: Any, value: Any) -> None:
-        """``lazy[index] = value``: write into the affected members (checked first)."""
-        from shared_td.containers.tensordict import TensorDict
-
-        if isinstance(value, dict):
-            value = TensorDict(value, batch_size=[])
-        where = self._locate(index)
-        if where[0] == "one":
-            member, rest = self.tensordicts[where[1]], where[2]
-            member._set_at_index(rest, value)
-            return
-        if where[0] == "many":
-            _, chosen, rest, out, out_batch = where
-            targets = [(self.tensordicts[i], rest) for i in chosen]
-            if is_tensor_collection(value):
-                sources = list(_expand_to(value, out_batch).unbind(out))
-            else:
-                sources = [value] * len(targets)
-        else:
-            positions = self._positions(where[1])
-            targets = [self._element(int(f)) for f in positions.flatten().tolist()]
-            if is_tensor_collection(value):
-                value = _expand_to(value, positions.shape)
-                sources = [value[tuple(c)] for c in np.ndindex(*positions.shape)]
-            else:
-                sources = [value] * len(targets)
-        for (member, sub), source in zip(targets, sources):
-            if is_tensor_collection(source):
-                _check_write(member, source, sub)
-        for (member, sub), source in zip(targets, sources):
-            member._set_at_index(sub, source)
-
     # ---------------------------------------------------------------- conversions
     def to_tensordict(self) -> Any:
         """A dense TensorDict (a copy); raises a RuntimeError naming a heterogeneous key."""
@@ -591,212 +383,13 @@ class LazyStackedTensorDict(TensorDictBase):
         return signatures[0][0], [col[0] if len(set(col)) == 1 else -1 for col in zip(*dims)]
 
     # ---------------------------------------------------------------- new stacks
-    def _restack(self, members: list, stack_dim: int | None = None) -> "LazyStackedTensorDict":
+    def _restack(self, members: list, stack_dim: int | None = None,
+                 batch_size: Any = None) -> "LazyStackedTensorDict":
+        """A new lazy stack of ``members`` (along this one's ``stack_dim`` by default): how
+        the mixins build stacks, since they cannot import this module. ``batch_size`` is
+        only needed when ``members`` may be empty (see ``__init__``)."""
         sd = self._stack_dim if stack_dim is None else stack_dim
-        return LazyStackedTensorDict(*members, stack_dim=sd)
-
-    def apply(self, fn: Callable, *others: Any, batch_size: Any = None, names: Any = NO_DEFAULT,
-              inplace: bool = False, device: Any = NO_DEFAULT) -> Any:
-        """Apply ``fn`` to every tensor leaf of every member; the results are stacked lazily."""
-        return self.named_apply(
-            lambda key, *values: fn(*values), *others, batch_size=batch_size, names=names,
-            inplace=inplace, device=device,
-        )
-
-    def named_apply(self, fn: Callable, *others: Any, nested_keys: bool = False,
-                    batch_size: Any = None, names: Any = NO_DEFAULT, inplace: bool = False,
-                    device: Any = NO_DEFAULT, _prefix: tuple = ()) -> Any:
-        """Like ``apply`` with the key: ``fn(key, leaf, *others_leaves)`` per member.
-
-        With ``batch_size`` the stack is made dense first (``to_tensordict()``) and the
-        result is a TensorDict, as in tensordict.
-        """
-        if batch_size is not None:
-            if inplace:
-                raise ValueError("named_apply on a lazy stack cannot combine batch_size and inplace=True.")
-            return self.to_tensordict().named_apply(
-                fn, *others, nested_keys=nested_keys, batch_size=batch_size, names=names,
-                device=device, _prefix=_prefix,
-            )
-        split = [self._unbind_like(other) for other in others]
-        results = [
-            member.named_apply(
-                fn, *[parts[i] for parts in split], nested_keys=nested_keys,
-                inplace=inplace, device=device, _prefix=_prefix,
-            )
-            for i, member in enumerate(self.tensordicts)
-        ]
-        return self if inplace else self._restack(results)
-
-    def clone(self, recurse: bool = True) -> "LazyStackedTensorDict":
-        """A lazy stack of clones of the members (``recurse=False`` shares the tensors)."""
-        return self._restack([m.clone(recurse) for m in self.tensordicts])
-
-    def to(self, *args: Any, **kwargs: Any) -> "LazyStackedTensorDict":
-        """Every member moved or cast (self when nothing changes)."""
-        moved = [m.to(*args, **kwargs) for m in self.tensordicts]
-        if all(a is b for a, b in zip(moved, self.tensordicts)):
-            return self
-        return self._restack(moved)
-
-    def empty(self, recurse: bool = False) -> "LazyStackedTensorDict":
-        """A lazy stack of the members' ``empty()``."""
-        return self._restack([m.empty(recurse) for m in self.tensordicts])
-
-    def select(self, *keys: NestedKey, inplace: bool = False, strict: bool = True) -> "LazyStackedTensorDict":
-        """A lazy stack of the members' ``select(*keys)``."""
-        out = [m.select(*keys, inplace=inplace, strict=strict) for m in self.tensordicts]
-        return self if inplace else self._restack(out)
-
-    def exclude(self, *keys: NestedKey, inplace: bool = False) -> "LazyStackedTensorDict":
-        """A lazy stack of the members' ``exclude(*keys)``."""
-        out = [m.exclude(*keys, inplace=inplace) for m in self.tensordicts]
-        return self if inplace else self._restack(out)
-
-    def zero_(self) -> "LazyStackedTensorDict":
-        """Fill every tensor of every member with zeros; returns self."""
-        for member in self.tensordicts:
-            member.zero_()
-        return self
-
-    # ---------------------------------------------------------------- shape ops
-    def _member_dim(self, dim: int) -> int:
-        return dim if dim < self._stack_dim else dim - 1
-
-    def unbind(self, dim: int = 0) -> tuple:
-        """The members themselves along ``stack_dim``; lazy stacks of views otherwise."""
-        dim = batch_ops.normalize_dim(dim, self.batch_dims)
-        if dim == self._stack_dim:
-            return tuple(self.tensordicts)
-        prefix = (slice(None),) * dim
-        return tuple(self._index(prefix + (i,)) for i in range(self.batch_size[dim]))
-
-    def unsqueeze(self, dim: int) -> "LazyStackedTensorDict":
-        """Insert a batch dim of size 1 in every member; ``stack_dim`` shifts if needed."""
-        dim = batch_ops.normalize_dim(dim, self.batch_dims + 1)
-        if dim <= self._stack_dim:
-            return self._restack([m.unsqueeze(dim) for m in self.tensordicts], self._stack_dim + 1)
-        return self._restack([m.unsqueeze(dim - 1) for m in self.tensordicts])
-
-    def squeeze(self, dim: int | None = None) -> Any:
-        """Remove batch dims of size 1; squeezing ``stack_dim`` gives the single member."""
-        if dim is None:
-            out: Any = self
-            for d in reversed(range(self.batch_dims)):
-                if self.batch_size[d] == 1:
-                    out = out.squeeze(d)
-            return out
-        dim = batch_ops.normalize_dim(dim, self.batch_dims)
-        if self.batch_size[dim] != 1:
-            return self
-        if dim == self._stack_dim:
-            return self.tensordicts[0]
-        sd = self._stack_dim - (dim < self._stack_dim)
-        return self._restack([m.squeeze(self._member_dim(dim)) for m in self.tensordicts], sd)
-
-    def permute(self, *dims: Any) -> "LazyStackedTensorDict":
-        """Reorder the batch dims: each member is permuted and ``stack_dim`` moves."""
-        order = [batch_ops.normalize_dim(d, self.batch_dims) for d in batch_ops.shape_args(dims)]
-        if sorted(order) != list(range(self.batch_dims)):
-            raise ValueError(f"permute needs each of the {self.batch_dims} batch dims once, got {list(dims)}.")
-        sd = self._stack_dim
-        member_order = [self._member_dim(d) for d in order if d != sd]
-        return self._restack([m.permute(*member_order) for m in self.tensordicts], order.index(sd))
-
-    def expand(self, *shape: Any) -> "LazyStackedTensorDict":
-        """Expand the batch dims (each member is expanded: views, no copy)."""
-        probe = torch.zeros((), dtype=torch.uint8).expand(self.batch_size)
-        size = probe.expand(batch_ops.shape_args(shape)).shape
-        sd = self._stack_dim + len(size) - self.batch_dims
-        members = self.tensordicts
-        if size[sd] != len(members):  # only possible from a single member
-            members = members * size[sd]
-        member_size = torch.Size(size[:sd] + size[sd + 1 :])
-        return self._restack([m.expand(member_size) for m in members], sd)
-
-    def reshape(self, *shape: Any) -> Any:
-        """Reshape the batch dims: nested lazy stacks of the members' elements (views)."""
-        positions = torch.arange(self.numel()).reshape(self.batch_size)
-        positions = positions.reshape(batch_ops.shape_args(shape))
-        if positions.shape == self.batch_size:
-            return self
-        return self._from_positions(positions)
-
-    view = reshape
-
-    # ---------------------------------------------------------------- torch.cat
-    @classmethod
-    def _cat(cls, items: Sequence[Any], dim: int, out: Any = None) -> "LazyStackedTensorDict":
-        """``torch.cat`` with lazy stacks: along ``stack_dim`` the members are joined, along
-        another dim the i-th members are concatenated."""
-        sd = next(item for item in items if isinstance(item, cls))._stack_dim
-
-        def parts(item: Any) -> list:
-            if isinstance(item, cls) and item._stack_dim == sd:
-                return list(item.tensordicts)
-            return list(item.unbind(sd))
-
-        if dim == sd:
-            result = cls(*[m for item in items for m in parts(item)], stack_dim=sd)
-        else:
-            member_dim = dim if dim < sd else dim - 1
-            groups = zip(*[parts(item) for item in items])
-            result = cls(*[torch.cat(list(group), member_dim) for group in groups], stack_dim=sd)
-        return _into(out, result)
-
-
-def _into(out: Any, result: Any) -> Any:
-    """``result``, or ``out`` updated in place with it (the ``out=`` of torch functions)."""
-    return result if out is None else out.update_(result)
-
-
-def _dims(part: Any) -> tuple[int, int]:
-    """How many batch dims an index part consumes and how many it produces (when it is
-    the only tensor of the index)."""
-    if part is None or isinstance(part, bool):
-        return 0, 1
-    if isinstance(part, torch.Tensor):
-        return (max(part.ndim, 1), 1) if part.dtype == torch.bool else (1, part.ndim)
-    return 1, 0 if isinstance(part, int) else 1
-
-
-def _expand_to(value: Any, size: torch.Size) -> Any:
-    try:
-        return value if value.batch_size == size else value.expand(size)
-    except RuntimeError:
-        raise BatchSizeMismatchError(
-            f"Cannot write a value of batch_size {list(value.batch_size)} into an index of shape {list(size)}."
-        ) from None
-
-
-def _check_fits(part: Any, shape: torch.Size, name: str) -> None:
-    """Raise before writing if ``part`` cannot be copied into an entry of ``shape``."""
-    try:
-        fits = not isinstance(part, torch.Tensor) or torch.broadcast_shapes(part.shape, shape) == shape
-    except RuntimeError:
-        fits = False
-    if not fits:
-        raise BatchSizeMismatchError(
-            f"Cannot write a value of shape {list(part.shape)} in place into entry {name} of shape {list(shape)}."
-        )
-
-
-def _check_write(member: TensorDictBase, source: Any, index: tuple = (), replace: bool = False) -> None:
-    """Raise if writing ``source`` into ``member[index]`` (in place, or replacing the
-    entries when ``replace``) would fail; checked for plain TensorDicts before writing."""
-    from shared_td.containers.tensordict import TensorDict
-
-    if not isinstance(member, TensorDict) or not isinstance(source, TensorDict):
-        return
-    target = batch_ops.indexed_batch_size(member.batch_size, batch_ops.normalize_index(index, member.batch_size))
-    for key in source.keys(include_nested=True, leaves_only=True):
-        path = unravel_key(key)
-        current = member._get_path(path, None)
-        if current is None or replace:
-            if member.is_locked:
-                member._check_unlocked(path, "add" if current is None else "replace")
-        elif isinstance(current, torch.Tensor):
-            _check_fits(source.get(key), torch.Size(target + current.shape[member.batch_dims :]), key_repr(path))
+        return LazyStackedTensorDict(*members, stack_dim=sd, batch_size=batch_size)
 
 
 def _pad_stack(values: list, padding_value: Any, side: str, path: tuple) -> torch.Tensor:

@@ -1,0 +1,277 @@
+"""New lazy stacks built member by member, as a mixin of LazyStackedTensorDict
+(LazyShapeOps): indexing, shape ops, torch.cat and the member-wise maps (apply, clone,
+to, select, ...).
+
+Indexing and shape ops answer one question: which members (and which elements inside
+them) a batch position maps to. ``_locate`` sends an index that stays inside single
+members to them (so ``lazy[i]`` is the member itself and slices along ``stack_dim`` keep
+the members); any other index falls back to flat positions, giving nested lazy stacks
+of the selected elements. Shape ops are applied to each member and move ``stack_dim``.
+Neither copies a tensor.
+
+This module does not import lazy.py (lazy.py imports it): new stacks are built with
+``self._restack`` or ``cls``.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import torch
+
+from shared_td.containers import batch as batch_ops
+from shared_td.containers.base import NO_DEFAULT
+from shared_td.keys import NestedKey
+
+if TYPE_CHECKING:  # for the annotations only: lazy.py imports this module
+    from shared_td.containers.lazy import LazyStackedTensorDict
+
+
+class LazyShapeOps:
+    """Mixin of LazyStackedTensorDict (it relies on ``tensordicts``, ``_stack_dim``,
+    ``batch_size``, ``_restack`` and LazyWriteOps's ``_unbind_like``)."""
+
+    # ---------------------------------------------------------------- indexing
+    def _locate(self, index: Any) -> tuple:
+        """Where ``index`` goes: ``("one", i, rest)`` for one member, ``("many", members,
+        rest, stack_dim, batch_size)`` for several, or ``("positions", positions)``."""
+        size, sd = self.batch_size, self._stack_dim
+        parts = batch_ops.normalize_index(index, size)
+        out_batch = batch_ops.indexed_batch_size(size, parts)
+        parts = tuple(
+            int(p) if isinstance(p, torch.Tensor) and p.ndim == 0 and p.dtype != torch.bool else p
+            for p in parts
+        )
+        widths = [_dims(p)[0] for p in parts]
+        parts += (slice(None),) * (len(size) - sum(widths))
+        widths += [1] * (len(parts) - len(widths))
+        tensors = sum(isinstance(p, torch.Tensor) for p in parts)
+        general = ("positions", parts)
+        if tensors > 1 or any(isinstance(p, bool) for p in parts):
+            return general
+        dim = out = 0
+        for i, (part, width) in enumerate(zip(parts, widths)):
+            if width and dim <= sd < dim + width:
+                break
+            dim += width
+            out += _dims(part)[1]
+        if width != 1 or (tensors and not isinstance(part, (slice, torch.Tensor))):
+            return general
+        rest = parts[:i] + parts[i + 1 :]
+        count = len(self.tensordicts)
+        if isinstance(part, int):
+            return ("one", part % count, rest)
+        if isinstance(part, slice):
+            chosen = list(range(count))[part]
+        elif part.dtype == torch.bool:
+            chosen = part.nonzero().flatten().tolist()
+        elif part.ndim == 1:
+            chosen = [j % count for j in part.tolist()]
+        else:
+            return general
+        return ("many", chosen, rest, out, out_batch)
+
+    def _index(self, index: Any) -> Any:
+        where = self._locate(index)
+        if where[0] == "one":
+            member = self.tensordicts[where[1]]
+            return member if _trivial(where[2]) else member._index(where[2])
+        if where[0] == "many":
+            _, chosen, rest, out, out_batch = where
+            members = [self.tensordicts[i] for i in chosen]
+            if not _trivial(rest):
+                members = [m._index(rest) for m in members]
+            return self._restack(members, out, out_batch)
+        return self._from_positions(self._positions(where[1]))
+
+    def _positions(self, parts: tuple) -> torch.Tensor:
+        """The flat positions of the elements that ``parts`` selects (torch's rules)."""
+        return torch.arange(self.numel()).reshape(self.batch_size)[parts]
+
+    def _element(self, flat: int) -> tuple:
+        """(member, index in the member) of the element at flat position ``flat``."""
+        coords = []
+        for n in reversed(self.batch_size):
+            coords.append(flat % n)
+            flat //= n
+        coords.reverse()
+        sd = self._stack_dim
+        return self.tensordicts[coords[sd]], tuple(coords[:sd] + coords[sd + 1 :])
+
+    def _from_positions(self, positions: torch.Tensor) -> Any:
+        """Nested lazy stacks (along dim 0) of the elements at ``positions`` (views)."""
+        if positions.ndim == 0:
+            member, sub = self._element(int(positions))
+            return member._index(sub) if sub else member
+        return self._restack([self._from_positions(p) for p in positions.unbind(0)], 0, positions.shape)
+
+    # ---------------------------------------------------------------- member-wise maps
+    def apply(self, fn: Callable, *others: Any, batch_size: Any = None, names: Any = NO_DEFAULT,
+              inplace: bool = False, device: Any = NO_DEFAULT) -> Any:
+        """Apply ``fn`` to every tensor leaf of every member; the results are stacked lazily."""
+        return self.named_apply(
+            lambda key, *values: fn(*values), *others, batch_size=batch_size, names=names,
+            inplace=inplace, device=device,
+        )
+
+    def named_apply(self, fn: Callable, *others: Any, nested_keys: bool = False,
+                    batch_size: Any = None, names: Any = NO_DEFAULT, inplace: bool = False,
+                    device: Any = NO_DEFAULT, _prefix: tuple = ()) -> Any:
+        """Like ``apply`` with the key: ``fn(key, leaf, *others_leaves)`` per member.
+
+        With ``batch_size`` the stack is made dense first (``to_tensordict()``) and the
+        result is a TensorDict, as in tensordict.
+        """
+        if batch_size is not None:
+            if inplace:
+                raise ValueError("named_apply on a lazy stack cannot combine batch_size and inplace=True.")
+            return self.to_tensordict().named_apply(
+                fn, *others, nested_keys=nested_keys, batch_size=batch_size, names=names,
+                device=device, _prefix=_prefix,
+            )
+        split = [self._unbind_like(other) for other in others]
+        results = [
+            member.named_apply(
+                fn, *[parts[i] for parts in split], nested_keys=nested_keys,
+                inplace=inplace, device=device, _prefix=_prefix,
+            )
+            for i, member in enumerate(self.tensordicts)
+        ]
+        return self if inplace else self._restack(results)
+
+    def clone(self, recurse: bool = True) -> "LazyStackedTensorDict":
+        """A lazy stack of clones of the members (``recurse=False`` shares the tensors)."""
+        return self._restack([m.clone(recurse) for m in self.tensordicts])
+
+    def to(self, *args: Any, **kwargs: Any) -> "LazyStackedTensorDict":
+        """Every member moved or cast (self when nothing changes)."""
+        moved = [m.to(*args, **kwargs) for m in self.tensordicts]
+        if all(a is b for a, b in zip(moved, self.tensordicts)):
+            return self
+        return self._restack(moved)
+
+    def empty(self, recurse: bool = False) -> "LazyStackedTensorDict":
+        """A lazy stack of the members' ``empty()``."""
+        return self._restack([m.empty(recurse) for m in self.tensordicts])
+
+    def select(self, *keys: NestedKey, inplace: bool = False, strict: bool = True) -> "LazyStackedTensorDict":
+        """A lazy stack of the members' ``select(*keys)``."""
+        out = [m.select(*keys, inplace=inplace, strict=strict) for m in self.tensordicts]
+        return self if inplace else self._restack(out)
+
+    def exclude(self, *keys: NestedKey, inplace: bool = False) -> "LazyStackedTensorDict":
+        """A lazy stack of the members' ``exclude(*keys)``."""
+        out = [m.exclude(*keys, inplace=inplace) for m in self.tensordicts]
+        return self if inplace else self._restack(out)
+
+    def zero_(self) -> "LazyStackedTensorDict":
+        """Fill every tensor of every member with zeros; returns self."""
+        for member in self.tensordicts:
+            member.zero_()
+        return self
+
+    # ---------------------------------------------------------------- shape ops
+    def _member_dim(self, dim: int) -> int:
+        return dim if dim < self._stack_dim else dim - 1
+
+    # Overrides BatchSplitOps.unbind (split and chunk stay generic: they index, and
+    # ``_index`` keeps the members of a slice along ``stack_dim``).
+    def unbind(self, dim: int = 0) -> tuple:
+        """The members themselves along ``stack_dim``; lazy stacks of views otherwise."""
+        dim = batch_ops.normalize_dim(dim, self.batch_dims)
+        if dim == self._stack_dim:
+            return tuple(self.tensordicts)
+        prefix = (slice(None),) * dim
+        return tuple(self._index(prefix + (i,)) for i in range(self.batch_size[dim]))
+
+    def unsqueeze(self, dim: int) -> "LazyStackedTensorDict":
+        """Insert a batch dim of size 1 in every member; ``stack_dim`` shifts if needed."""
+        dim = batch_ops.normalize_dim(dim, self.batch_dims + 1)
+        if dim <= self._stack_dim:
+            return self._restack([m.unsqueeze(dim) for m in self.tensordicts], self._stack_dim + 1)
+        return self._restack([m.unsqueeze(dim - 1) for m in self.tensordicts])
+
+    def squeeze(self, dim: int | None = None) -> Any:
+        """Remove batch dims of size 1; squeezing ``stack_dim`` gives the single member."""
+        if dim is None:
+            out: Any = self
+            for d in reversed(range(self.batch_dims)):
+                if self.batch_size[d] == 1:
+                    out = out.squeeze(d)
+            return out
+        dim = batch_ops.normalize_dim(dim, self.batch_dims)
+        if self.batch_size[dim] != 1:
+            return self
+        if dim == self._stack_dim:
+            return self.tensordicts[0]
+        sd = self._stack_dim - (dim < self._stack_dim)
+        return self._restack([m.squeeze(self._member_dim(dim)) for m in self.tensordicts], sd)
+
+    def permute(self, *dims: Any) -> "LazyStackedTensorDict":
+        """Reorder the batch dims: each member is permuted and ``stack_dim`` moves."""
+        order = [batch_ops.normalize_dim(d, self.batch_dims) for d in batch_ops.shape_args(dims)]
+        if sorted(order) != list(range(self.batch_dims)):
+            raise ValueError(f"permute needs each of the {self.batch_dims} batch dims once, got {list(dims)}.")
+        sd = self._stack_dim
+        member_order = [self._member_dim(d) for d in order if d != sd]
+        return self._restack([m.permute(*member_order) for m in self.tensordicts], order.index(sd))
+
+    def expand(self, *shape: Any) -> "LazyStackedTensorDict":
+        """Expand the batch dims (each member is expanded: views, no copy)."""
+        probe = torch.zeros((), dtype=torch.uint8).expand(self.batch_size)
+        size = probe.expand(batch_ops.shape_args(shape)).shape
+        sd = self._stack_dim + len(size) - self.batch_dims
+        members = self.tensordicts
+        if size[sd] != len(members):  # only possible from a single member
+            members = members * size[sd]
+        member_size = torch.Size(size[:sd] + size[sd + 1 :])
+        return self._restack([m.expand(member_size) for m in members], sd)
+
+    def reshape(self, *shape: Any) -> Any:
+        """Reshape the batch dims: nested lazy stacks of the members' elements (views)."""
+        positions = torch.arange(self.numel()).reshape(self.batch_size)
+        positions = positions.reshape(batch_ops.shape_args(shape))
+        if positions.shape == self.batch_size:
+            return self
+        return self._from_positions(positions)
+
+    view = reshape
+
+    # ---------------------------------------------------------------- torch.cat
+    @classmethod
+    def _cat(cls, items: Sequence[Any], dim: int, out: Any = None) -> "LazyStackedTensorDict":
+        """``torch.cat`` with lazy stacks: along ``stack_dim`` the members are joined, along
+        another dim the i-th members are concatenated."""
+        sd = next(item for item in items if isinstance(item, cls))._stack_dim
+
+        def parts(item: Any) -> list:
+            if isinstance(item, cls) and item._stack_dim == sd:
+                return list(item.tensordicts)
+            return list(item.unbind(sd))
+
+        if dim == sd:
+            result = cls(*[m for item in items for m in parts(item)], stack_dim=sd)
+        else:
+            member_dim = dim if dim < sd else dim - 1
+            groups = zip(*[parts(item) for item in items])
+            result = cls(*[torch.cat(list(group), member_dim) for group in groups], stack_dim=sd)
+        return _into(out, result)
+
+
+def _into(out: Any, result: Any) -> Any:
+    """``result``, or ``out`` updated in place with it (the ``out=`` of torch functions)."""
+    return result if out is None else out.update_(result)
+
+
+def _dims(part: Any) -> tuple[int, int]:
+    """How many batch dims an index part consumes and how many it produces (when it is
+    the only tensor of the index)."""
+    if part is None or isinstance(part, bool):
+        return 0, 1
+    if isinstance(part, torch.Tensor):
+        return (max(part.ndim, 1), 1) if part.dtype == torch.bool else (1, part.ndim)
+    return 1, 0 if isinstance(part, int) else 1
+
+
+
+def _trivial(index: tuple) -> bool:
+    return all(isinstance(p, slice) and p == slice(None) for p in index)

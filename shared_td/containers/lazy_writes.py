@@ -1,0 +1,214 @@
+"""Writes into a LazyStackedTensorDict, as a mixin (LazyWriteOps).
+
+A write is split along ``stack_dim`` into one part per member and every part is
+checked before the first member is written, so a failing ``set``, ``update``,
+``update_`` or ``lazy[idx] = ...`` leaves all the members unchanged.
+
+This module does not import lazy.py (lazy.py imports it, and its reads use ``_peek``
+and ``_is_branch`` from here): ``_is_lazy`` tells a lazy stack by this mixin.
+"""
+from __future__ import annotations
+
+import numbers
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from shared_td.containers import batch as batch_ops
+from shared_td.containers.base import TensorDictBase, is_non_tensor, is_tensor_collection
+from shared_td.errors import BatchSizeMismatchError
+from shared_td.keys import key_repr, unravel_key
+
+if TYPE_CHECKING:  # for the annotations only: lazy.py imports this module
+    from shared_td.containers.lazy import LazyStackedTensorDict
+
+
+class LazyWriteOps:
+    """Mixin of LazyStackedTensorDict (it relies on ``tensordicts``, ``_stack_dim``,
+    ``batch_size``, ``_restack`` and, for ``lazy[idx] = ...``, LazyShapeOps's
+    ``_locate``, ``_positions`` and ``_element``)."""
+
+    # ---------------------------------------------------------------- set, del, update
+    def _set_str(self, key: str, value: Any, *, inplace: bool, validated: bool) -> None:
+        if not isinstance(key, str):
+            unravel_key(key)  # raises the KeyTypeError
+        parts = self._split_value(key, value)
+        for member, part in zip(self.tensordicts, parts):  # check everything first
+            current = _peek(member, key)
+            if current is None or not inplace:
+                action = "add" if current is None else "replace"
+                super()._check_unlocked((key,), action)
+                member._check_unlocked((key,), action)
+            elif isinstance(current, torch.Tensor) and not _is_lazy(member):
+                _check_fits(part, current.shape, repr(key))
+        for member, part in zip(self.tensordicts, parts):
+            member._set_str(key, part, inplace=inplace, validated=False)
+
+    def _split_value(self, key: str, value: Any) -> list:
+        """``value`` as one part per member (split along ``stack_dim``)."""
+        from shared_td.containers.tensordict import TensorDict
+
+        if isinstance(value, dict):
+            value = TensorDict(value, batch_size=self.batch_size)
+        elif isinstance(value, (list, tuple, np.ndarray, numbers.Number)) and not is_tensor_collection(value):
+            try:
+                value = torch.as_tensor(value)
+            except (TypeError, ValueError, RuntimeError):
+                pass
+        if isinstance(value, torch.Tensor) or is_tensor_collection(value):
+            shape = value.batch_size if is_tensor_collection(value) else value.shape
+            if shape[: self.batch_dims] != self.batch_size:
+                raise BatchSizeMismatchError(
+                    f"Batch dimension mismatch for key {key!r}: the value has shape "
+                    f"{list(shape)} but the lazy stack has batch_size {list(self.batch_size)}."
+                )
+            return self._unbind_like(value)
+        return [value] * len(self.tensordicts)  # a non-tensor: every member gets it
+
+    def _convert(self, key: str, value: Any, into: Any = None) -> Any:
+        """Check ``value`` for ``key`` (the base class's update planning calls it); the
+        value is split into the members when it is written."""
+        self._split_value(key, value)
+        return value
+
+    def _unbind_like(self, other: Any) -> list:
+        """``other`` split along ``stack_dim`` (the members of a matching lazy stack)."""
+        if _is_lazy(other) and other._stack_dim == self._stack_dim:
+            return list(other.tensordicts)
+        return list(other.unbind(self._stack_dim))
+
+    def _del_str(self, key: str) -> None:
+        self._check_unlocked((key,), "remove")
+        for member in self.tensordicts:
+            member._del_str(key)
+
+    def _empty_child(self) -> "LazyStackedTensorDict":
+        return self._restack([m._empty_child() for m in self.tensordicts])
+
+    def update(self, other: Any, *, inplace: bool = False, keys_to_update=None) -> "LazyStackedTensorDict":
+        """As TensorDict.update, member by member: ``other`` is split along ``stack_dim``
+        (a lazy stack of the same layout gives its members). Checked before writing."""
+        parts = self._update_parts(other)
+        for member, part in zip(self.tensordicts, parts):
+            _check_write(member, part, replace=not inplace)
+        for member, part in zip(self.tensordicts, parts):
+            member.update(part, inplace=inplace, keys_to_update=keys_to_update)
+        return self
+
+    def update_(self, other: Any, *, keys_to_update=None) -> "LazyStackedTensorDict":
+        """As TensorDict.update_, member by member (see ``update``)."""
+        parts = self._update_parts(other)
+        for key in parts[0].keys(include_nested=True, leaves_only=True) if parts else ():
+            if key not in self:
+                raise KeyError(
+                    f"update_() writes in place, but key {key_repr(unravel_key(key))} does not "
+                    f"exist in {type(self).__name__}. Use update() to add it."
+                )
+        for member, part in zip(self.tensordicts, parts):
+            _check_write(member, part)
+        for member, part in zip(self.tensordicts, parts):
+            member.update_(part, keys_to_update=keys_to_update)
+        return self
+
+    def _update_parts(self, other: Any) -> list:
+        if self._same_layout(other):
+            return list(other.tensordicts)
+        if not isinstance(other, dict) and not _is_branch(other):
+            other = dict(other)
+        return self._split_value("update", other)
+
+    def _same_layout(self, other: Any) -> bool:
+        same_dim = _is_lazy(other) and other._stack_dim == self._stack_dim
+        return same_dim and other.batch_size == self.batch_size
+
+    # ---------------------------------------------------------------- lazy[idx] = value
+    def _set_at_index(self, index: Any, value: Any) -> None:
+        """``lazy[index] = value``: write into the affected members (checked first)."""
+        from shared_td.containers.tensordict import TensorDict
+
+        if isinstance(value, dict):
+            value = TensorDict(value, batch_size=[])
+        where = self._locate(index)
+        if where[0] == "one":
+            member, rest = self.tensordicts[where[1]], where[2]
+            member._set_at_index(rest, value)
+            return
+        if where[0] == "many":
+            _, chosen, rest, out, out_batch = where
+            targets = [(self.tensordicts[i], rest) for i in chosen]
+            if is_tensor_collection(value):
+                sources = list(_expand_to(value, out_batch).unbind(out))
+            else:
+                sources = [value] * len(targets)
+        else:
+            positions = self._positions(where[1])
+            targets = [self._element(int(f)) for f in positions.flatten().tolist()]
+            if is_tensor_collection(value):
+                value = _expand_to(value, positions.shape)
+                sources = [value[tuple(c)] for c in np.ndindex(*positions.shape)]
+            else:
+                sources = [value] * len(targets)
+        for (member, sub), source in zip(targets, sources):
+            if is_tensor_collection(source):
+                _check_write(member, source, sub)
+        for (member, sub), source in zip(targets, sources):
+            member._set_at_index(sub, source)
+
+
+def _is_branch(value: Any) -> bool:
+    """A tensordict or tensorclass instance, not non-tensor data (a leaf)."""
+    return is_tensor_collection(value) and not is_non_tensor(value)
+
+
+def _peek(td: TensorDictBase, key: str) -> Any:
+    """The entry ``key`` of ``td`` without stacking anything (None when missing)."""
+    if _is_lazy(td):
+        return td._peek_str(key, None)
+    return td._get_str(key, None)
+
+
+def _is_lazy(value: Any) -> bool:
+    """True for a LazyStackedTensorDict: the only class with this mixin (it cannot be
+    named here without importing lazy.py, which imports this module)."""
+    return isinstance(value, LazyWriteOps)
+
+
+def _expand_to(value: Any, size: torch.Size) -> Any:
+    try:
+        return value if value.batch_size == size else value.expand(size)
+    except RuntimeError:
+        raise BatchSizeMismatchError(
+            f"Cannot write a value of batch_size {list(value.batch_size)} into an index of shape {list(size)}."
+        ) from None
+
+
+def _check_fits(part: Any, shape: torch.Size, name: str) -> None:
+    """Raise before writing if ``part`` cannot be copied into an entry of ``shape``."""
+    try:
+        fits = not isinstance(part, torch.Tensor) or torch.broadcast_shapes(part.shape, shape) == shape
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise BatchSizeMismatchError(
+            f"Cannot write a value of shape {list(part.shape)} in place into entry {name} of shape {list(shape)}."
+        )
+
+
+def _check_write(member: TensorDictBase, source: Any, index: tuple = (), replace: bool = False) -> None:
+    """Raise if writing ``source`` into ``member[index]`` (in place, or replacing the
+    entries when ``replace``) would fail; checked for plain TensorDicts before writing."""
+    from shared_td.containers.tensordict import TensorDict
+
+    if not isinstance(member, TensorDict) or not isinstance(source, TensorDict):
+        return
+    target = batch_ops.indexed_batch_size(member.batch_size, batch_ops.normalize_index(index, member.batch_size))
+    for key in source.keys(include_nested=True, leaves_only=True):
+        path = unravel_key(key)
+        current = member._get_path(path, None)
+        if current is None or replace:
+            if member.is_locked:
+                member._check_unlocked(path, "add" if current is None else "replace")
+        elif isinstance(current, torch.Tensor):
+            _check_fits(source.get(key), torch.Size(target + current.shape[member.batch_dims :]), key_repr(path))
+
