@@ -498,6 +498,62 @@ class TestOps:
         rows = lazy.unbind(0)
         assert len(rows) == 3 and torch.equal(rows[2]["a"], lazy["a"][2])
 
+    @pytest.mark.parametrize("stack_dim", [0, 1])
+    def test_split_along_stack_dim_keeps_the_members(self, stack_dim):
+        members = [td(a=torch.full((3, i + 1), float(i))) for i in range(4)]  # ragged "a"
+        lazy = LazyStackedTensorDict(*members, stack_dim=stack_dim)
+        for pieces, sizes in [(lazy.split(3, stack_dim), [3, 1]), (lazy.split([1, 3], stack_dim), [1, 3]),
+                              (torch.split(lazy, 2, stack_dim - 2), [2, 2])]:
+            assert [p.batch_size[stack_dim] for p in pieces] == sizes
+            assert all(isinstance(p, LazyStackedTensorDict) and p.stack_dim == stack_dim for p in pieces)
+            joined = [m for p in pieces for m in p.tensordicts]
+            assert len(joined) == len(members) and all(a is b for a, b in zip(joined, members))
+
+    @pytest.mark.parametrize("stack_dim", [0, 1])
+    def test_split_along_another_dim_gives_views(self, stack_dim):
+        lazy = homo(stack_dim=stack_dim)
+        dim = 1 - stack_dim  # the members' batch dim of size 3
+        pieces = lazy.split([2, 1], dim)
+        expected = lazy["a"].split([2, 1], dim)
+        assert [p.batch_size[dim] for p in pieces] == [2, 1]
+        expected_x = lazy["n", "x"].split([2, 1], dim)
+        for piece, want, want_x in zip(pieces, expected, expected_x):
+            assert isinstance(piece, LazyStackedTensorDict) and piece.stack_dim == stack_dim
+            assert torch.equal(piece["a"], want) and torch.equal(piece["n", "x"], want_x)
+        pieces[1].set_("a", torch.full(pieces[1]["a"].shape, -1.0))  # writes reach the members
+        assert (lazy.tensordicts[1]["a"][2] == -1).all() and (lazy.tensordicts[1]["a"][:2] != -1).all()
+
+    def test_split_ragged_along_another_dim(self):
+        pieces = hetero().split(2, 1)
+        assert [tuple(p.batch_size) for p in pieces] == [(2, 2), (2, 1)]
+        assert [v.shape for v in pieces[0].get("a", as_list=True)] == [(2, 2), (2, 4)]
+        assert pieces[1]["t"] == [["foo"], ["bar"]]
+        assert torch.equal(pieces[1]["b"], hetero()["b"][:, 2:])
+
+    def test_split_errors(self):
+        with pytest.raises(ValueError, match="do not add up"):
+            homo().split([1, 2], 0)
+        with pytest.raises(ValueError, match="must be positive"):
+            homo().split(0, 1)
+
+    @pytest.mark.parametrize("stack_dim", [0, 1])
+    def test_chunk(self, stack_dim):
+        members = [td(a=torch.full((3, 2), float(i))) for i in range(4)]
+        lazy = LazyStackedTensorDict(*members, stack_dim=stack_dim)
+        dense = lazy["a"]
+        for chunks in (1, 2, 3, 4, 5):
+            for dim in (0, 1, -1):
+                pieces = lazy.chunk(chunks, dim)
+                expected = dense.chunk(chunks, dim % 2)  # -1 is the last batch dim, not a feature dim
+                assert len(pieces) == len(expected)
+                for piece, want in zip(pieces, expected):
+                    assert isinstance(piece, LazyStackedTensorDict) and piece.stack_dim == stack_dim
+                    assert torch.equal(piece["a"], want)
+        halves = torch.chunk(lazy, 2, stack_dim)
+        assert halves[0].tensordicts[1] is members[1] and halves[1].tensordicts[0] is members[2]
+        with pytest.raises(ValueError, match="chunks must be positive"):
+            lazy.chunk(0)
+
     def test_unsqueeze(self):
         lazy = homo(stack_dim=1)
         for dim, stack_dim in [(0, 2), (1, 2), (2, 1), (-1, 1)]:
