@@ -68,8 +68,11 @@ def memmap(
     root = planner.plan(obj)
     if return_early and num_threads > 1:
         future: Future = Future()
+        # Not a daemon: the interpreter waits for the write at exit. A daemon thread
+        # still freeing the replaced leaves during finalization aborts the process
+        # ("terminate called without an active exception").
         worker = threading.Thread(
-            target=_run_into_future, args=(future, planner, root, options), daemon=True,
+            target=_run_into_future, args=(future, planner, root, options), daemon=False,
             name="shared_td-memmap",
         )
         worker.start()
@@ -153,7 +156,9 @@ def _memmap_atomically(obj: Any, options: Options, return_early: bool) -> Any:
             shutil.rmtree(staging, ignore_errors=True)
             raise
         atomic.swap_into_place(staging, target)
-    _relocate(root, staging, target)
+        # still under the lock: _relocate looks the files up by name, and once the lock
+        # is released another writer may already have put its own files there
+        _relocate(root, staging, target)
     return _finish(root, options)
 
 
