@@ -107,6 +107,7 @@ class Loader:
     def __init__(self, *, robust_key: bool = True, allow_pickle: bool = False):
         self.robust_key = True if robust_key is None else robust_key
         self.allow_pickle = check_allow_pickle(allow_pickle)
+        self._opened: tuple | None = None  # (root directory, its path) of the current load
 
     def load(self, directory: str) -> Any:
         """Load the tree at ``directory``, restarting if an atomic writer replaced it."""
@@ -114,6 +115,7 @@ class Loader:
         deadline = time.monotonic() + RETRY_SECONDS
         while True:
             root = self._open_root(path)
+            self._opened = (root, path)
             try:
                 return self._load(root, None)
             except (FileNotFoundError, fmt.FormatError, FileTooShortError):
@@ -207,6 +209,10 @@ class Loader:
         members = []
         while directory.exists(str(len(members))):
             members.append(self._load_child(directory, str(len(members))))
+        # the first missing member ends the stack: if the tree was swapped out meanwhile,
+        # that member may have been deleted with the old version, so start again
+        if self._opened is not None and _replaced(*self._opened):
+            raise FileNotFoundError(f"{directory.path} was replaced while it was loaded.")
         if not members:
             raise fmt.FormatError(f"{directory.path} holds a lazy stack without members (no 0/ directory).")
         lazy = LazyStackedTensorDict(*members, stack_dim=meta.get("stack_dim", 0))
