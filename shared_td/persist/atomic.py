@@ -11,7 +11,9 @@ as it was or as the new complete version.
   where the filesystem refuses it, two renames (``prefix`` is missing for a moment).
 * **Leftovers**: temporary directories are named ``.<name>.shared_td-<kind>-<pid>-<rand>``;
   those of dead writers are removed by the next atomic write (under the lock) and by
-  ``shared_td.gc(prefix)``. Nothing outside prefix's parent directory is touched.
+  ``shared_td.gc(prefix)`` (a writer killed between the fallback's two renames leaves
+  ``prefix`` missing until then: the sweep moves the old version back). Nothing outside
+  prefix's parent directory is touched.
 * **Not durable**: files are not synced, so this guards against a killed process, not
   a power failure.
 """
@@ -141,9 +143,12 @@ def sweep_leftovers(prefix: str) -> list[str]:
     """Remove temporary directories of ``prefix`` left by writers that died.
 
     Only names of our own pattern in prefix's parent whose writer pid is gone are
-    removed. Call it while holding the prefix lock (``gc`` does). Returns what it removed.
+    removed. If the writer died between the two renames of the fallback (``prefix``
+    missing), the old version it moved away is renamed back to ``prefix``. Call it
+    while holding the prefix lock (``gc`` does). Returns what it removed.
     """
-    parent, name = os.path.split(os.path.abspath(prefix))
+    prefix = os.path.abspath(prefix)
+    parent, name = os.path.split(prefix)
     removed = []
     try:
         entries = os.listdir(parent)
@@ -153,6 +158,11 @@ def sweep_leftovers(prefix: str) -> list[str]:
         pid = _writer_pid(entry, name)
         if pid is not None and not _alive(pid):
             path = os.path.join(parent, entry)
+            moved_away = os.path.join(path, "tree")
+            if entry.startswith(f".{name}.{_TAG}-old-") and not os.path.lexists(prefix) \
+                    and os.path.isdir(moved_away):
+                # killed between the two renames of the fallback: the old version goes back
+                os.rename(moved_away, prefix)
             _remove_tree(path)
             removed.append(path)
     return removed
