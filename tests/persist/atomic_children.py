@@ -1,0 +1,150 @@
+"""Versioned trees and child processes of the atomic-write tests (tests/persist/test_atomic*.py).
+
+The children are started with the "fork" start method, so torch is imported once, by
+the test process. Each child first limits torch to one thread: an OpenMP thread pool
+used by the parent does not survive a fork.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+
+import torch
+
+from shared_td import LazyStackedTensorDict, TensorDict, load_memmap
+from shared_td.persist import atomic
+from shared_td.storage import files
+
+FOREVER = 3600
+
+
+def build(version: int, mib: int = 0) -> TensorDict:
+    """A tree whose every leaf is filled with ``version``, tagged "v<version>".
+
+    mib=0: a small nested tree with a lazy stack (last, so that a load that misses one of
+    its members reaches no later entry); mib>0: four float leaves of mib/4 MiB each.
+    """
+    if mib:
+        return TensorDict(
+            {**{f"l{i}": torch.full((mib << 16,), float(version)) for i in range(4)}, "tag": f"v{version}"},
+            [],
+        )
+    return TensorDict(
+        {
+            "a": torch.full((64,), float(version)),
+            "nested": {"b": torch.full((3, 2), version, dtype=torch.int64)},
+            "tag": f"v{version}",
+            "stack": LazyStackedTensorDict(
+                *[TensorDict(c=torch.full((2,), version, dtype=torch.int32)) for _ in range(3)]
+            ),
+        },
+        [],
+    )
+
+
+def layout(td) -> dict:
+    """key -> (dtype, shape) of every tensor leaf, plus the keys of non-tensor leaves."""
+    return {
+        key: (value.dtype, tuple(value.shape)) if isinstance(value, torch.Tensor) else "nt"
+        for key, value in ((k, td.get(k)) for k in td.keys(include_nested=True, leaves_only=True))
+    }
+
+
+_LAYOUTS: dict = {}
+
+
+def check(td, mib: int = 0) -> int:
+    """The version of ``td`` if it is one complete, uniform build(version, mib); else AssertionError."""
+    if mib not in _LAYOUTS:
+        _LAYOUTS[mib] = layout(build(0, mib))
+    tag = td["tag"]
+    assert isinstance(tag, str) and tag.startswith("v"), tag
+    version = int(tag[1:])
+    assert layout(td) == _LAYOUTS[mib], (layout(td), _LAYOUTS[mib])
+    for key in td.keys(include_nested=True, leaves_only=True):
+        value = td.get(key)
+        if isinstance(value, torch.Tensor):
+            assert bool((value == version).all()), (key, version, value.unique()[:4])
+    return version
+
+
+def leftovers(prefix) -> list[str]:
+    """The temporary directories of atomic writers beside ``prefix``."""
+    parent, name = os.path.split(os.fspath(prefix))
+    return sorted(e for e in os.listdir(parent) if e.startswith(f".{name}.shared_td-"))
+
+
+def report(path, **fields) -> None:
+    with open(path, "w") as handle:
+        json.dump(fields, handle)
+
+
+# ------------------------------------------------------------------ child targets
+def writer(prefix, versions, mib, out) -> None:
+    """Atomic rewrites of ``prefix`` with each version in turn; reports errors to ``out``."""
+    torch.set_num_threads(1)
+    errors = []
+    for version in versions:
+        try:
+            build(version, mib).memmap_(prefix, atomic=True)
+        except BaseException:
+            errors.append(traceback.format_exc())
+    report(out, errors=errors)
+
+
+def reader(prefix, mib, stop, out) -> None:
+    """load_memmap in a loop until ``stop`` is set; every load must be one complete version."""
+    torch.set_num_threads(1)
+    loads, errors, seen = 0, [], set()
+    while not stop.is_set() or not loads:
+        try:
+            seen.add(check(load_memmap(prefix), mib))
+        except BaseException:
+            errors.append(traceback.format_exc())
+        loads += 1
+    report(out, loads=loads, errors=errors[:5], error_count=len(errors), seen=sorted(seen))
+
+
+def watch(prefix, stop, out) -> None:
+    """Count the times ``prefix`` is not a directory while ``stop`` is unset."""
+    checks = missing = 0
+    while not stop.is_set():
+        checks += 1
+        missing += not os.path.isdir(prefix)
+    report(out, checks=checks, missing=missing)
+
+
+def blocking_writer(prefix, version, mib, point, ready) -> None:
+    """An atomic rewrite that sets ``ready`` and then blocks forever at ``point``:
+
+    "start": before the write begins (the caller kills it after a delay of its own);
+    "write": in the first pwrite of a leaf file;
+    "swap": right before swap_into_place (the new tree is complete);
+    "exchange": after the exchange, before the old tree is deleted;
+    "renames": the fallback without exchange, between its two renames.
+    """
+    torch.set_num_threads(1)
+    td = build(version, mib)
+
+    def block(*args, **kwargs):
+        ready.set()
+        time.sleep(FOREVER)
+
+    if point == "write":
+        files.pwrite_all = block
+    elif point == "swap":
+        atomic.swap_into_place = block
+    elif point == "exchange":
+        remove = atomic._remove_tree
+        mine = f".shared_td-new-{os.getpid()}-"
+        atomic._remove_tree = lambda path: block() if mine in path else remove(path)
+    elif point == "renames":
+        rename, target = os.rename, os.path.abspath(prefix)
+        atomic._exchange = lambda first, second: False
+        os.rename = lambda src, dst: (rename(src, dst), block() if src == target else None)
+    if point == "start":
+        ready.set()
+    td.memmap_(prefix, atomic=True)
+    time.sleep(FOREVER)  # "start": the caller kills us, finished or not
