@@ -45,11 +45,23 @@ class MemmapMethods:
             robust_key: True/None percent-encodes keys in file names so every file
                 stays inside prefix; False uses keys verbatim (legacy) and refuses,
                 with ValueError, a key that would leave prefix.
-            atomic: not available yet (NotImplementedError).
+            atomic: write into a new directory beside prefix, then swap it in (under a
+                lock beside prefix), so an error or a crash leaves prefix as it was or
+                as the new complete version; the old directory is replaced as a whole.
+                Leaves already mapped to a file are copied (copy_existing=True needed).
+                Not synced to disk: guards against a killed process, not a power loss.
 
         Raises:
             RuntimeError: a leaf has a file elsewhere and copy_existing=False; a file
-                exists and existsok=False; the tensordict is in shared memory.
+                exists and existsok=False; the tensordict is in shared memory. With
+                atomic=True also: prefix is a non-empty directory and existsok=False, or
+                holds no saved tensordict (no meta.json).
+            NotADirectoryError: atomic=True and prefix is a file.
+            ValueError: atomic=True and there is no directory to write to.
+            NotImplementedError: return_early=True with atomic=True, or atomic=True on
+                Windows.
+            TimeoutError: atomic=True and another writer held the prefix's lock longer
+                than SHARED_TD_LOCK_TIMEOUT seconds (default 600).
 
         Nothing is half-done on failure: if a write fails, the files it created are
         removed, no meta.json names them, and the tensordict keeps its leaves, lock
