@@ -50,7 +50,8 @@ def memmap(
             "is in shared memory (share_memory_()). Use memmap() to make a "
             "memory-mapped copy, or unlock_() it first."
         )
-    if prefix is None:
+    if prefix is None and not like:
+        # (memmap_like never writes into the source's own files: anonymous memory)
         prefix = own_directory(obj)
     options = Options(
         prefix=None if prefix is None else os.path.abspath(os.fspath(prefix)),

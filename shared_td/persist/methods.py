@@ -110,6 +110,7 @@ class MemmapMethods:
     ) -> Any:
         """A new memory-mapped tree with self's layout but no data copied: every leaf
         reads as zeros (an existing file is replaced by a new one, never reused).
+        Without a prefix it goes to anonymous shared memory, never into self's files.
 
         Examples:
             >>> like = td.memmap_like(path)

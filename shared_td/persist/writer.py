@@ -152,10 +152,10 @@ class Planner:
             raise NotImplementedError(f"Key {path + (key,)}: nested tensors cannot be memory-mapped yet.")
         leaf = LeafPlan(key, tensor, target)
         backing = getattr(tensor, "_backing", None) if isinstance(tensor, MemoryMappedTensor) else None
-        if isinstance(backing, FileBacking):
+        if isinstance(backing, FileBacking) and not self.options.like:  # like copies no data
             if target is not None and backing.path == target:
                 if tensor.storage_offset() == 0 and tensor.is_contiguous():
-                    leaf.keep = not self.options.like
+                    leaf.keep = True
                 else:
                     # a view (slice, stride) of the very file it is written to: keeping it
                     # would record a shape that the file's leading bytes do not hold, so

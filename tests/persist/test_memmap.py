@@ -355,11 +355,12 @@ def test_memmap_like_over_existing_data_gives_zeros_and_keeps_old_mappings(tmp_p
     assert all(set(bits(like.get(k))) <= {0} for k in DTYPES)
     assert values_state(saved) == old_values  # the old files' mappings keep their data
     assert all(set(bits(t)) <= {0} for t in TensorDict.load_memmap(tmp_path).values() if isinstance(t, torch.Tensor))
-    # prefix=None on a memory-mapped td: its own directory, still without aliasing
+    # prefix=None on a memory-mapped td: anonymous memory, never its own files
+    before = dir_state(tmp_path)
     like2 = saved.memmap_like()
     like2["float32"].fill_(5.0)
     assert values_state(saved) == old_values
-    assert like2.saved_path == tmp_path
+    assert like2.saved_path is None and dir_state(tmp_path) == before
 
 
 # ----------------------------------------------------------------- failures
