@@ -536,6 +536,16 @@ def _check_non_tensor_write(current: Any, index: tuple, source: Any, key: str) -
     (one, or one per indexed element) into the indexed elements; writes nothing."""
     from shared_td.containers.nontensor import NonTensorData, _broadcast_values
 
+    if isinstance(current, NonTensorData) and (current._shared_value is not None or current.is_memmap()):
+        # one value for the whole batch, shared with other processes or kept in files:
+        # per-element values would turn it into a private in-memory stack
+        raise RuntimeError(
+            f"Cannot write per-element values into the non-tensor entry {key!r}: it is a "
+            "NonTensorData (one value for the whole batch) that is "
+            + ("shared with share_non_tensor=True: write the whole value with set_() or update_()."
+               if current._shared_value is not None else
+               "memory-mapped: write the whole value with set_() or update_(), or unlock_() first.")
+        )
     if not is_non_tensor(source):
         source = NonTensorData(source, batch_size=[])
     target = batch_ops.indexed_batch_size(current.batch_size, index)
