@@ -6,6 +6,7 @@ as in tensordict (``("a", ("b", "c"))`` is ``("a", "b", "c")``).
 """
 from __future__ import annotations
 
+import re
 from typing import Tuple, Union
 
 from shared_td.errors import KeyTypeError
@@ -62,6 +63,7 @@ def key_repr(key: tuple[str, ...]) -> str:
 # filesystem refuses; everything else (including non-ASCII) is kept as is.
 _ENCODED_CHARACTERS = frozenset('/<>:"|?*\\ %\x7f') | frozenset(chr(c) for c in range(0x20))
 _SPECIAL_NAMES = {"": "%", ".": "%2E", "..": "%2E%2E"}
+_NEEDS_ENCODING = re.compile("[" + re.escape("".join(sorted(_ENCODED_CHARACTERS))) + "]")
 
 
 def encode_key(key: str) -> str:
@@ -75,6 +77,8 @@ def encode_key(key: str) -> str:
     """
     if key in _SPECIAL_NAMES:
         return _SPECIAL_NAMES[key]
+    if _NEEDS_ENCODING.search(key) is None:  # the common case, checked at C speed
+        return key
     return "".join(f"%{ord(c):02X}" if c in _ENCODED_CHARACTERS else c for c in key)
 
 

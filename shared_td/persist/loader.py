@@ -72,8 +72,10 @@ class _Directory:
     def read(self, name: str) -> bytes:
         fd = self.open(name)
         try:
-            with os.fdopen(fd, "rb", closefd=False) as handle:
-                return handle.read()
+            chunks = []
+            while chunk := os.read(fd, 1 << 20):
+                chunks.append(chunk)
+            return b"".join(chunks)
         finally:
             os.close(fd)
 
@@ -184,19 +186,16 @@ class Loader:
         return td
 
     def _load_leaf(self, directory: _Directory, key: str, entry: dict) -> torch.Tensor:
-        where = f"key {key!r} in {os.path.join(directory.path, fmt.META)}"
         if entry.get("is_nested"):
-            raise NotImplementedError(f"{where}: nested tensors cannot be loaded yet.")
-        dtype = fmt.dtype_from_name(entry["dtype"], where=where)
+            raise NotImplementedError(f"{self._where(directory, key)}: nested tensors cannot be loaded yet.")
+        dtype = fmt.DTYPE_BY_NAME.get(entry["dtype"]) or fmt.dtype_from_name(
+            entry["dtype"], where=self._where(directory, key)
+        )
         shape = torch.Size(entry["shape"])
         if shape.numel() == 0:  # zero-element leaves have no file
             return MemoryMappedTensor.empty(shape, dtype=dtype)
-        name = self._resolve(directory, key, leaf=True)
-        path = os.path.join(directory.path, name)
-        try:
-            fd, shared = directory.open(name, os.O_RDWR), True
-        except PermissionError:  # a read-only file: a private copy-on-write mapping
-            fd, shared = directory.open(name, os.O_RDONLY), False
+        name, fd, shared = self._open_leaf(directory, key)
+        path = f"{directory.path}/{name}"
         try:
             backing = files.backing_from_fd(path, fd, shared=shared)
         finally:
@@ -255,22 +254,46 @@ class Loader:
         return cls._from_tensordict(self._load_child(directory, fmt.TENSORCLASS_CHILD))
 
     # ------------------------------------------------------------------ files
-    def _resolve(self, directory: _Directory, key: str, *, leaf: bool) -> str:
-        """The file name of ``key``: its robust name, else its legacy (raw) name if safe."""
+    def _candidates(self, key: str, *, leaf: bool) -> list[str]:
+        """File names of ``key``: its robust name, then its legacy (raw) name if safe."""
         suffix = fmt.LEAF_SUFFIX if leaf else ""
-        candidates = []
-        if self.robust_key:
-            candidates.append(encode_key(key) + suffix)
-        if is_safe_legacy_name(key, directory=not leaf) and key + suffix not in candidates:
-            candidates.append(key + suffix)
-        for name in candidates:
+        names = [encode_key(key) + suffix] if self.robust_key else []
+        if is_safe_legacy_name(key, directory=not leaf) and key + suffix not in names:
+            names.append(key + suffix)
+        return names
+
+    def _open_leaf(self, directory: _Directory, key: str) -> tuple[str, int, bool]:
+        """Open the file of leaf ``key``: ``(name, fd, shared)``.
+
+        A read-only file is opened read-only and mapped copy-on-write (shared=False).
+        """
+        names = self._candidates(key, leaf=True)
+        for name in names:
+            try:
+                return name, directory.open(name, os.O_RDWR), True
+            except FileNotFoundError:
+                continue
+            except PermissionError:
+                return name, directory.open(name, os.O_RDONLY), False
+        raise self._missing(directory, key, names, "file")
+
+    def _resolve(self, directory: _Directory, key: str, *, leaf: bool) -> str:
+        """The existing file name of ``key`` (see ``_candidates``)."""
+        names = self._candidates(key, leaf=leaf)
+        for name in names:
             if directory.exists(name):
                 return name
-        kind = "file" if leaf else "directory"
-        raise FileNotFoundError(
-            f"The {kind} of key {key!r} listed in {os.path.join(directory.path, fmt.META)} is "
-            f"missing (looked for {candidates}): the save is incomplete or was moved."
+        raise self._missing(directory, key, names, "file" if leaf else "directory")
+
+    def _missing(self, directory: _Directory, key: str, names: list, kind: str) -> FileNotFoundError:
+        return FileNotFoundError(
+            f"The {kind} of {self._where(directory, key)} is missing (looked for {names}): "
+            "the save is incomplete or was moved."
         )
+
+    @staticmethod
+    def _where(directory: _Directory, key: str) -> str:
+        return f"key {key!r} listed in {directory.path}/{fmt.META}"
 
     def _unpickle(self, directory: _Directory, name: str) -> Any:
         path = os.path.join(directory.path, name)
