@@ -92,8 +92,8 @@ def is_json_value(value: Any) -> bool:
         return True
     if isinstance(value, float):
         return value == value and value not in (float("inf"), float("-inf"))
-    if isinstance(value, (list, tuple, set)):
-        return all(is_json_value(v) for v in value)
+    if isinstance(value, (list, tuple)):  # a set is pickled, as tensordict does: JSON
+        return all(is_json_value(v) for v in value)  # would load it as a list
     if isinstance(value, dict):
         return all(isinstance(k, str) and is_json_value(v) for k, v in value.items())
     return False
