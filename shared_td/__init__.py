@@ -8,6 +8,7 @@ from shared_td.containers.lazy import LazyStackedTensorDict
 from shared_td.containers.nontensor import NonTensorData, NonTensorStack
 from shared_td.containers.tensorclass import is_tensorclass, tensorclass
 from shared_td.containers.tensordict import TensorDict
+from shared_td.coordinator import Coordinator, attach
 from shared_td.errors import BatchSizeMismatchError, KeyTypeError, LockedTensorDictError
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.persist.atomic import gc
@@ -18,6 +19,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BatchSizeMismatchError",
+    "Coordinator",
     "KeyTypeError",
     "LazyStackedTensorDict",
     "LockedTensorDictError",
@@ -27,6 +29,7 @@ __all__ = [
     "TensorDict",
     "TensorDictBase",
     "TensorDictFuture",
+    "attach",
     "gc",
     "is_non_tensor",
     "is_tensor_collection",

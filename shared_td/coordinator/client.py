@@ -1,0 +1,312 @@
+"""The client side of the Coordinator: a handle that starts or reaches a manager process.
+
+A :class:`Coordinator` owns (or, after :meth:`Coordinator.connect`, merely reaches) a
+manager process that keeps a registry of published tensordicts. Only small metadata and
+pickles *by reference* travel through it; the bulk data stays in files or memfd segments
+that every attached process maps.
+
+Example:
+    >>> import torch, shared_td
+    >>> with shared_td.Coordinator() as coord:
+    ...     td = coord.publish("batch", shared_td.TensorDict(obs=torch.zeros(4), batch_size=[4]))
+    ...     # in any process: shared_td.attach("batch", address=coord.address, authkey=coord.authkey)
+    ...     view = coord.attach("batch")
+    ...     view["obs"][0] = 1.0
+    ...     td["obs"][0].item(), coord.names(), coord.layout("batch")["version"]
+    (1.0, ['batch'], 1)
+
+Connections: each process keeps one connection per coordinator address (re-made after a
+fork, never shared with the parent), so after the first call an attach is one round trip
+plus unpickling. A call that finds the manager gone raises :class:`ConnectionError`
+naming the address; data already attached is untouched by that.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import threading
+
+import multiprocess
+from multiprocess import connection, managers
+
+from shared_td.coordinator.server import DIR_PATTERN, REGISTRY_ID, CoordinatorManager, sweep_dead_dirs
+
+__all__ = ["Coordinator", "attach"]
+
+#: Seconds a call waits for the manager's answer before giving up with ConnectionError.
+DEFAULT_TIMEOUT = 60.0
+
+
+class Coordinator:
+    """A handle on a coordinator manager process.
+
+    ``Coordinator()`` makes an unstarted handle; :meth:`start` (or ``with``) starts the
+    manager, :meth:`shutdown` (or leaving the ``with``) stops it. The manager listens on
+    a Unix socket in a private 0700 directory with a random 32-byte :attr:`authkey`, so
+    only processes given ``address`` and ``authkey`` can connect, and nothing listens on
+    the network. It also stops by itself when the process that started it dies.
+
+    Pickling a handle (e.g. as a worker's argument) sends ``address`` and ``authkey``;
+    the receiver gets a non-owning handle (its :meth:`shutdown` only disconnects).
+
+    Args:
+        context: the ``multiprocess`` start method of the manager (``"fork"``,
+            ``"spawn"``, ``"forkserver"``; default: multiprocess's default).
+        timeout: seconds each call waits for the manager's answer.
+
+    Example:
+        >>> coord = Coordinator().start()
+        >>> len(coord.authkey), coord.address.endswith("/sock")
+        (32, True)
+        >>> coord.shutdown()
+    """
+
+    def __init__(self, *, context: str | None = None, timeout: float = DEFAULT_TIMEOUT):
+        self._context = context
+        self._timeout = timeout
+        self._manager: CoordinatorManager | None = None
+        self._address: str | None = None
+        self._authkey: bytes | None = None
+        # A fork child inherits this object without being the owner: ownership is the
+        # pid that started the manager, never a flag copied along.
+        self._owner_pid = os.getpid()
+
+    @classmethod
+    def connect(cls, address: str, authkey: bytes, *, timeout: float = DEFAULT_TIMEOUT) -> "Coordinator":
+        """A non-owning handle on the running coordinator at ``address``.
+
+        Raises ConnectionError if it is not running (checked with one round trip).
+        """
+        handle = cls(timeout=timeout)
+        handle._owner_pid = None
+        handle._address, handle._authkey = address, _as_key(authkey)
+        _call(handle._address, handle._authkey, "names", timeout=timeout)
+        return handle
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> "Coordinator":
+        """Start the manager process; returns self. RuntimeError if already started."""
+        if self._address is not None:
+            raise RuntimeError("This Coordinator is already started or connected.")
+        sweep_dead_dirs()  # leftovers of coordinators killed earlier
+        authkey = os.urandom(32)
+        ctx = multiprocess.get_context(self._context)
+        manager = CoordinatorManager(authkey=authkey, ctx=ctx)
+        manager.start()
+        self._manager, self._address, self._authkey = manager, manager.address, authkey
+        return self
+
+    def shutdown(self) -> None:
+        """Stop the manager (owner) or just disconnect (non-owner). Idempotent.
+
+        Attached processes keep their mappings: anonymous memory is freed by the kernel
+        once the last of them is gone. Works after the manager was killed too: then it
+        removes the dead manager's private directory.
+        """
+        address, manager = self._address, self._manager
+        if address is None:
+            return
+        _drop_channel(address)
+        self._address = None
+        if manager is None or not self._owns():
+            return
+        self._manager = None
+        process = manager._process
+        manager.shutdown()  # asks the server to stop, joins, terminates if it must
+        if process.is_alive():
+            process.kill()
+            process.join(5)
+        if not process.is_alive():
+            directory = os.path.dirname(address)
+            if DIR_PATTERN.match(os.path.basename(directory)):
+                shutil.rmtree(directory, ignore_errors=True)
+            process.close()  # releases the sentinel descriptor now
+
+    def __enter__(self) -> "Coordinator":
+        if self._address is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __reduce__(self):
+        return Coordinator.connect, (self.address, self.authkey)
+
+    def __repr__(self) -> str:
+        state = self._address or "not started"
+        return f"Coordinator({state}, {'owner' if self._owns() else 'connected'})"
+
+    def _owns(self) -> bool:
+        return self._owner_pid == os.getpid()
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def address(self) -> str:
+        """Path of the manager's Unix socket."""
+        self._check()
+        return self._address
+
+    @property
+    def authkey(self) -> bytes:
+        """The 32 random bytes a process must present to connect (a secret)."""
+        self._check()
+        return self._authkey
+
+    @property
+    def pid(self) -> int:
+        """The manager process's pid."""
+        return self._call("info")["pid"]
+
+    # ------------------------------------------------------------------ registry
+    def publish(self, name: str, td, prefix=None, **memmap_kwargs):
+        """Memory-map ``td`` in place and publish it as ``name``; returns ``td``.
+
+        ``td.memmap_(prefix, **memmap_kwargs)`` puts the leaves in files under ``prefix``,
+        or in anonymous shared memory when ``prefix`` is None; then the manager adopts
+        the tensordict (holding its own descriptor on each anonymous segment), so it
+        stays attachable after this process exits. Publishing a name again replaces it
+        and increases its version.
+
+        Example:
+            >>> with Coordinator() as coord:                     # doctest: +SKIP
+            ...     coord.publish("weights", td, prefix="/data/weights")
+        """
+        td.memmap_(prefix, **memmap_kwargs)
+        # by reference: file paths and (pid, fd) of segments, never the bytes
+        self._call("publish", name, pickle.dumps(td))
+        return td
+
+    def attach(self, name: str):
+        """The locked tensordict published as ``name``, over the same memory.
+
+        KeyError (listing the published names) if nothing is published as ``name``.
+        """
+        return attach(name, address=self.address, authkey=self.authkey, timeout=self._timeout)
+
+    def names(self) -> list[str]:
+        """The published names, sorted."""
+        return self._call("names")
+
+    def layout(self, name: str) -> dict:
+        """The layout of ``name``: ``name``, ``version``, ``class``, ``batch_size`` and
+        ``leaves`` (each ``key``, ``shape``, ``dtype``, ``where``: a file path,
+        ``"anonymous"`` or ``"non-tensor"``). KeyError if unknown."""
+        return self._call("layout", name)
+
+    def unpublish(self, name: str) -> None:
+        """Forget ``name``. Attached processes keep their mappings; anonymous memory is
+        freed when the last one drops it. KeyError if unknown."""
+        self._call("unpublish", name)
+
+    def _call(self, method: str, *args):
+        self._check()
+        return _call(self._address, self._authkey, method, *args, timeout=self._timeout)
+
+    def _check(self) -> None:
+        if self._address is None:
+            raise RuntimeError("This Coordinator is not started (call start(), or use `with`).")
+
+
+def attach(name: str, *, address: str, authkey: bytes, timeout: float = DEFAULT_TIMEOUT):
+    """Attach, in any process of this user, the tensordict published as ``name``.
+
+    Returns a locked tensordict whose leaves map the published memory: writes are seen
+    by every process, no bytes are copied. ``authkey`` may be the bytes or their hex.
+
+    Raises:
+        KeyError: nothing is published as ``name`` (the message lists what is).
+        ConnectionError: the coordinator at ``address`` is gone.
+
+    Example:
+        >>> td = attach("batch", address=addr, authkey=key)   # doctest: +SKIP
+    """
+    blob, _version = _call(address, _as_key(authkey), "attach", name, timeout=timeout)
+    return pickle.loads(blob)
+
+
+# ---------------------------------------------------------------------- connections
+
+class _Channel:
+    """One connection to one manager, used by one thread at a time, in one process."""
+
+    def __init__(self, address: str, authkey: bytes):
+        self.lock = threading.Lock()
+        self.conn = connection.Client(address, authkey=authkey)
+        try:
+            # Serve this connection from the registry object (see server.REGISTRY_ID).
+            managers.dispatch(self.conn, None, "accept_connection", (REGISTRY_ID,))
+        except BaseException:
+            self.conn.close()
+            raise
+
+
+# (pid, address, authkey) -> channel: a wrong key must never ride on a right key's connection
+_CHANNELS: dict[tuple[int, str, bytes], _Channel] = {}
+_CHANNELS_LOCK = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    # Never talk over a socket the parent also uses: forget the inherited ones (their
+    # descriptors close with the objects, in this process only) and a possibly held lock.
+    global _CHANNELS_LOCK
+    _CHANNELS_LOCK = threading.Lock()
+    _CHANNELS.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _channel(address: str, authkey: bytes) -> _Channel:
+    key = (os.getpid(), address, authkey)
+    with _CHANNELS_LOCK:
+        channel = _CHANNELS.get(key)
+        if channel is None:
+            try:
+                channel = _Channel(address, authkey)
+            except (OSError, EOFError) as err:
+                raise _gone(address, err) from err
+            _CHANNELS[key] = channel
+        return channel
+
+
+def _drop_channel(address: str) -> None:
+    pid = os.getpid()
+    with _CHANNELS_LOCK:
+        dropped = [_CHANNELS.pop(k) for k in list(_CHANNELS) if k[:2] == (pid, address)]
+    for channel in dropped:
+        channel.conn.close()
+
+
+def _call(address: str, authkey: bytes, method: str, *args, timeout: float):
+    """Call ``method`` of the manager's registry; server exceptions are re-raised here."""
+    if not address or authkey is None:
+        raise ValueError("Both address= and authkey= of a running Coordinator are needed.")
+    channel = _channel(address, authkey)
+    with channel.lock:
+        try:
+            channel.conn.send((REGISTRY_ID, method, args, {}))
+            if not channel.conn.poll(timeout):
+                raise TimeoutError(f"no answer within {timeout} s")
+            kind, result = channel.conn.recv()
+        except (OSError, EOFError) as err:  # ConnectionError, BrokenPipe, Timeout...
+            _drop_channel(address)
+            raise _gone(address, err) from err
+    if kind == "#RETURN":
+        return result
+    raise managers.convert_to_error(kind, result)
+
+
+def _gone(address: str, err: BaseException) -> ConnectionError:
+    return ConnectionError(
+        f"The shared_td coordinator at {address} is gone ({type(err).__name__}: {err}): "
+        "it was shut down or its process died. Tensordicts already attached stay readable "
+        "and writable; publish again through a new Coordinator."
+    )
+
+
+def _as_key(authkey) -> bytes:
+    if isinstance(authkey, str):
+        return bytes.fromhex(authkey)
+    return bytes(authkey)

@@ -1,0 +1,269 @@
+"""The manager side of the Coordinator: the registry, its private directory, the sweep.
+
+Everything here runs inside the manager process that :class:`~shared_td.Coordinator`
+starts (a :class:`multiprocess.managers.BaseManager` process). Clients never touch this
+module's objects directly: they speak the manager's own wire protocol to one registry
+object that the server holds under the fixed id :data:`REGISTRY_ID`.
+
+Why the manager *unpickles* what is published: an anonymous leaf pickles as "descriptor
+``fd`` of process ``pid``" (see :mod:`shared_td.storage.anonymous`), so it can only be
+received while its sender still holds it. By unpickling each published tensordict once,
+the manager opens its own descriptor on every memfd segment and
+:class:`~shared_td.storage.shared_value.SharedValue`, keeps them alive, and re-pickles the
+tensordict *itself*, so that attaching names the manager's pid and descriptors and works
+after the publisher has exited. File-backed leaves pickle as paths; the manager maps them
+too (cheap, untouched pages cost nothing).
+
+Example (what a client call amounts to, in the manager)::
+
+    >>> import pickle, torch, shared_td
+    >>> registry = Registry()
+    >>> td = shared_td.TensorDict(x=torch.zeros(3)).memmap_()
+    >>> info = registry.publish("demo", pickle.dumps(td))
+    >>> info["version"], info["leaves"][0]["where"]
+    (1, 'anonymous')
+    >>> pickle.loads(registry.attach("demo")[0])["x"].tolist()
+    [0.0, 0.0, 0.0]
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import shutil
+import signal
+import stat
+import tempfile
+import threading
+import time
+
+import torch
+from multiprocess import managers
+
+__all__ = ["DIR_PATTERN", "REGISTRY_ID", "Registry", "CoordinatorManager", "sweep_dead_dirs"]
+
+#: Name of a coordinator's private directory under ``tempfile.gettempdir()``:
+#: ``shared_td-coord-<manager pid>-<mkdtemp suffix>``. The sweep touches nothing else.
+DIR_PREFIX = "shared_td-coord-"
+DIR_PATTERN = re.compile(r"^shared_td-coord-(\d+)-[a-z0-9_]{8}$")
+
+#: The server-side id of the registry object; fixed, so clients need no ``create`` call.
+REGISTRY_ID = "shared_td-registry"
+
+# How often the manager checks that the process that started it is still alive.
+_PARENT_POLL_S = 0.2
+
+
+class Registry:
+    """Name -> published tensordict, held alive in the manager process.
+
+    Each entry keeps the unpickled tensordict (so the manager holds a descriptor on every
+    anonymous segment), the manager's own pickle of it (what :meth:`attach` returns),
+    a layout summary and a version. Methods are called from the server's per-connection
+    threads, hence the lock.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._entries: dict[str, dict] = {}
+        # Never forgotten, so a name published again after unpublish gets a higher version.
+        self._versions: dict[str, int] = {}
+
+    def publish(self, name: str, blob: bytes) -> dict:
+        """Adopt the pickled tensordict ``blob`` under ``name``; returns its layout."""
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"A published name must be a non-empty str, got {name!r}.")
+        # Unpickling opens our own descriptors on the publisher's segments (it is alive:
+        # it is waiting for this reply) and maps its files.
+        td = pickle.loads(blob)
+        own_blob = pickle.dumps(td)  # now naming this process's pid and descriptors
+        with self._lock:
+            version = self._versions.get(name, 0) + 1
+            self._versions[name] = version
+            info = layout_of(td, name, version)
+            # Replacing an old entry drops the manager's hold on its segments; attached
+            # processes keep their own descriptors and mappings.
+            self._entries[name] = {"td": td, "blob": own_blob, "layout": info}
+        return info
+
+    def attach(self, name: str) -> tuple[bytes, int]:
+        """The manager's pickle of ``name`` and its version; KeyError if unknown."""
+        with self._lock:
+            entry = self._entry(name)
+            return entry["blob"], entry["layout"]["version"]
+
+    def layout(self, name: str) -> dict:
+        """The layout summary of ``name`` (see :func:`layout_of`)."""
+        with self._lock:
+            return self._entry(name)["layout"]
+
+    def names(self) -> list[str]:
+        """The published names, sorted."""
+        with self._lock:
+            return sorted(self._entries)
+
+    def unpublish(self, name: str) -> None:
+        """Forget ``name``; its anonymous memory is freed once no process maps it."""
+        with self._lock:
+            self._entry(name)
+            del self._entries[name]
+
+    def info(self) -> dict:
+        """Facts about the manager process (pid, directory), for tests and debugging."""
+        return {"pid": os.getpid(), "names": self.names()}
+
+    def _entry(self, name: str) -> dict:
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise KeyError(
+                f"No tensordict is published as {name!r}; published names: "
+                f"{sorted(self._entries)}."
+            ) from None
+
+
+def layout_of(td, name: str, version: int) -> dict:
+    """A plain-dict summary of ``td``: class, batch size, and per leaf its key, shape,
+    dtype and where it lives (a file path, ``"anonymous"`` or ``"non-tensor"``).
+
+    Example:
+        >>> import shared_td
+        >>> td = shared_td.TensorDict(a=torch.zeros(2, 3), batch_size=[2]).memmap_()
+        >>> layout_of(td, "t", 1)["leaves"]
+        [{'key': 'a', 'shape': [2, 3], 'dtype': 'torch.float32', 'where': 'anonymous'}]
+    """
+    leaves = []
+    for key, value in td.items(include_nested=True, leaves_only=True):
+        key_str = ".".join(key) if isinstance(key, tuple) else key
+        if isinstance(value, torch.Tensor):
+            backing_path = getattr(getattr(value, "_backing", None), "path", None)
+            leaves.append({
+                "key": key_str, "shape": list(value.shape), "dtype": str(value.dtype),
+                "where": backing_path or "anonymous",
+            })
+        else:  # a non-tensor leaf (shared as a SharedValue or held in the pickle)
+            leaves.append({"key": key_str, "shape": list(value.batch_size),
+                           "dtype": type(value).__name__, "where": "non-tensor"})
+    return {
+        "name": name, "version": version, "class": type(td).__name__,
+        "batch_size": list(td.batch_size), "leaves": leaves,
+    }
+
+
+# ----------------------------------------------------------------------------- sweep
+
+def sweep_dead_dirs(root: str | None = None) -> list[str]:
+    """Remove private directories of coordinators whose manager process is dead.
+
+    Only entries of ``root`` (default ``tempfile.gettempdir()``) named exactly like ours
+    (:data:`DIR_PATTERN`), that are real directories owned by this user, are considered;
+    the pid in the name is probed with ``os.kill(pid, 0)``. Returns the removed paths.
+
+    Example:
+        >>> sweep_dead_dirs()  # doctest: +SKIP
+        ['/tmp/shared_td-coord-41234-k2j4h5g6']
+    """
+    root = root or tempfile.gettempdir()
+    removed = []
+    try:
+        entries = os.listdir(root)
+    except OSError:
+        return removed
+    for entry in entries:
+        match = DIR_PATTERN.match(entry)
+        if match is None or _pid_alive(int(match.group(1))):
+            continue
+        path = os.path.join(root, entry)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        # never follow a link, never touch another user's directory
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        return True
+    # A zombie (killed, not yet reaped, e.g. under an init that never reaps) is dead.
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat_file:
+            return stat_file.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
+
+
+# ----------------------------------------------------------------------------- server
+
+_REGISTRY: Registry | None = None
+
+
+def get_registry() -> Registry:
+    """This process's registry (created on first use); the manager's ``registry`` typeid."""
+    global _REGISTRY
+    if _REGISTRY is None:
+        _REGISTRY = Registry()
+    return _REGISTRY
+
+
+class CoordinatorManager(managers.BaseManager):
+    """A BaseManager whose server listens on a Unix socket in a fresh private directory.
+
+    The address cannot be chosen by the caller: the manager process creates
+    ``<tmp>/shared_td-coord-<its pid>-XXXXXXXX`` (mode 0700, by ``mkdtemp``), listens on
+    ``sock`` inside it, and reports that path back through the start pipe.
+    """
+
+    @classmethod
+    def _run_server(cls, registry, address, authkey, serializer, writer,
+                    initializer=None, initargs=()):
+        # Replaces BaseManager._run_server (same arguments; ``address`` is ignored).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the parent
+        parent = os.getppid()
+        sweep_dead_dirs()
+        directory = tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-")
+        server = None
+        try:
+            server = cls._Server(registry, os.path.join(directory, "sock"), authkey, serializer)
+            # Pin the registry under a fixed id with a refcount no client ever drops:
+            # clients then need no create/incref/decref, and a forked client that
+            # inherited a connection can never unbalance a refcount.
+            obj = get_registry()
+            exposed = ("publish", "attach", "layout", "names", "unpublish", "info")
+            server.id_to_obj[REGISTRY_ID] = (obj, exposed, None)
+            server.id_to_refcount[REGISTRY_ID] = 1
+            writer.send(server.address)
+            writer.close()
+            threading.Thread(target=_watch_parent, args=(server, parent), daemon=True).start()
+            server.serve_forever()  # ends with SystemExit after a shutdown request
+        finally:
+            if server is not None:
+                # the listener's own finalizer unlinks the socket: run it before rmtree
+                try:
+                    server.listener.close()
+                except OSError:
+                    pass
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def _watch_parent(server, parent: int) -> None:
+    """Stop the server once the process that started it is gone (even by SIGKILL).
+
+    The manager holds anonymous memory for its creator's job; outliving it would keep
+    that memory until reboot. ``serve_forever`` then exits cleanly, removing the
+    private directory.
+    """
+    while os.getppid() == parent:
+        time.sleep(_PARENT_POLL_S)
+    # serve_forever creates stop_event; the parent may have died before it ran
+    while getattr(server, "stop_event", None) is None:
+        time.sleep(_PARENT_POLL_S)
+    server.stop_event.set()
