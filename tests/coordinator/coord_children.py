@@ -1,0 +1,71 @@
+"""Child-process targets for test_coordinator.py.
+
+They live in their own module, importable by name, so that spawn children (which import
+the target instead of inheriting it) find them. Each reports on a queue or pipe instead
+of dying silently, and never waits without a timeout.
+"""
+import os
+import time
+
+import torch
+
+import shared_td
+
+
+def attach_write_read(address, authkey, name, key, value, queue):
+    """Attach ``name``, write ``value`` into row 1 of ``key``, report what row 0 holds."""
+    try:
+        td = shared_td.attach(name, address=address, authkey=authkey)
+        td[key][1] = value
+        queue.put(("ok", td[key][0].tolist(), td.is_locked))
+    except BaseException as err:
+        queue.put(("error", repr(err), None))
+        raise
+
+
+def attach_with_handle(coord, name, key, value, queue):
+    """Same through a pickled Coordinator handle (a non-owning one in this process)."""
+    try:
+        td = coord.attach(name)
+        td[key][1] = value
+        queue.put(("ok", coord.names(), repr(coord)))
+    except BaseException as err:
+        queue.put(("error", repr(err), None))
+        raise
+
+
+def publish_and_exit(address, authkey, name, queue):
+    """Publish an anonymous tensordict of 7s, report its memfd inode, and exit."""
+    try:
+        coord = shared_td.Coordinator.connect(address, authkey)
+        td = coord.publish(name, shared_td.TensorDict(x=torch.full((3,), 7.0), batch_size=[3]))
+        queue.put(("ok", os.getpid(), td["x"]._backing.key))
+    except BaseException as err:
+        queue.put(("error", repr(err), None))
+        raise
+
+
+def write_forever(address, authkey, name, key, queue):
+    """Attach and keep writing increasing values into ``key`` until killed."""
+    td = shared_td.attach(name, address=address, authkey=authkey)
+    queue.put("attached")
+    i = 0
+    while True:
+        i += 1
+        td[key].fill_(float(i))
+
+
+def own_coordinator_then_wait(prefix, queue):
+    """Start a Coordinator here, publish file-backed and anonymous data, report, sleep."""
+    coord = shared_td.Coordinator().start()
+    coord.publish("anon", shared_td.TensorDict(a=torch.ones(2)))
+    coord.publish("file", shared_td.TensorDict(b=torch.ones(2)), prefix=prefix)
+    queue.put((coord.address, coord.authkey, coord.pid))
+    time.sleep(120)
+
+
+def fill_leaf(tds, key, value, queue):
+    """Write into tensordicts received as a plain Process argument (no coordinator)."""
+    for td in tds:
+        td[key].fill_(value)
+    queue.put("ok")
