@@ -23,9 +23,9 @@ a resource tracker; we need neither):
 from __future__ import annotations
 
 import os
-import threading
 import weakref
 
+from shared_td.storage.cache import InodeCache
 from shared_td.storage.files import (
     NO_SPACE_ERRNOS,
     map_fd,
@@ -59,17 +59,7 @@ class SegmentUnavailableError(RuntimeError):
 # (st_dev, st_ino) -> Segment: one descriptor and one mapping per segment per process,
 # however many leaves of it are unpickled. Weak, so a dead segment leaves no entry; a
 # live entry keeps its descriptor open, so its inode number cannot be reused meanwhile.
-_CACHE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-_CACHE_LOCK = threading.Lock()
-
-
-def _new_lock_after_fork():
-    # a fork taken while another thread held the lock must not leave the child stuck
-    global _CACHE_LOCK
-    _CACHE_LOCK = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_new_lock_after_fork)
+_CACHE = InodeCache()
 
 
 class Segment:
@@ -160,20 +150,16 @@ class Segment:
 def _register(fd: int, nbytes: int, key: tuple[int, int]) -> Segment:
     """Wrap ``fd`` as this process's Segment for ``key``, unless another thread won."""
     segment = Segment(fd, nbytes, key)
-    with _CACHE_LOCK:
-        existing = _CACHE.get(key)
-        if existing is None:
-            _CACHE[key] = segment
-            return segment
-    # Another thread attached the same memory meanwhile: keep one per process.
-    segment._finalizer()
-    return existing
+    stored = _CACHE.put_if_absent(key, segment)
+    if stored is not segment:
+        # Another thread attached the same memory meanwhile: keep one per process.
+        segment._finalizer()
+    return stored
 
 
 def find_segment(storage) -> Segment | None:
     """The Segment of this process whose mapping is ``storage``, if any."""
-    with _CACHE_LOCK:
-        segments = list(_CACHE.values())
+    segments = _CACHE.values()
     return next((s for s in segments if s.storage.data_ptr() == storage.data_ptr()), None)
 
 
@@ -216,8 +202,7 @@ def reopen_peer_fd(pid: int, fd: int, key: tuple[int, int], *, what: str, min_si
 def _attach(pid: int, fd: int, key: tuple[int, int], nbytes: int) -> Segment:
     """Unpickle a segment: reuse this process's copy, or open the sender's descriptor."""
     key = tuple(key)
-    with _CACHE_LOCK:
-        segment = _CACHE.get(key)
+    segment = _CACHE.get(key)
     if segment is not None:
         return segment
     what = f"shared-memory segment of {nbytes} bytes"

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import errno
 import os
-import threading
-import weakref
 
 import torch
+
+from shared_td.storage.cache import InodeCache
 
 __all__ = [
     "FileBacking",
@@ -150,17 +150,7 @@ class FileBacking:
 
 # (st_dev, st_ino) -> FileBacking, so that unpickling many leaves of one file maps it once.
 # Keyed by inode, not path: a file replaced by rename is a new file and gets a new mapping.
-_CACHE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-_CACHE_LOCK = threading.Lock()
-
-
-def _new_lock_after_fork():
-    # a fork taken while another thread held the lock must not leave the child stuck
-    global _CACHE_LOCK
-    _CACHE_LOCK = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_new_lock_after_fork)
+_CACHE = InodeCache()
 
 
 def backing_from_fd(path: str, fd: int, *, shared: bool = True) -> FileBacking:
@@ -168,8 +158,7 @@ def backing_from_fd(path: str, fd: int, *, shared: bool = True) -> FileBacking:
     st = os.fstat(fd)
     key = (st.st_dev, st.st_ino)
     if shared:
-        with _CACHE_LOCK:
-            cached = _CACHE.get(key)
+        cached = _CACHE.get(key)
         # a file that changed size since is mapped again, so sizes are always current
         if cached is not None and cached.nbytes == st.st_size:
             return cached
@@ -178,15 +167,13 @@ def backing_from_fd(path: str, fd: int, *, shared: bool = True) -> FileBacking:
     if shared:
         # private mappings are never shared: two copy-on-write opens must not see each
         # other's private writes
-        with _CACHE_LOCK:
-            _CACHE[key] = backing
+        _CACHE.put(key, backing)
     return backing
 
 
 def find_backing(storage) -> FileBacking | None:
     """The shared FileBacking of this process whose storage is ``storage``, if any."""
-    with _CACHE_LOCK:
-        backings = list(_CACHE.values())
+    backings = _CACHE.values()
     return next((b for b in backings if b.storage is not None
                  and b.storage.data_ptr() == storage.data_ptr()), None)
 
@@ -200,8 +187,7 @@ def relocated(backing: FileBacking, path: str) -> FileBacking:
     moved = FileBacking(path, backing.storage, backing.nbytes, backing.shared)
     if backing.shared:
         st = os.stat(path)
-        with _CACHE_LOCK:
-            _CACHE[(st.st_dev, st.st_ino)] = moved
+        _CACHE.put((st.st_dev, st.st_ino), moved)
     return moved
 
 

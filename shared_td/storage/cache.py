@@ -1,0 +1,51 @@
+"""InodeCache: one object per file or memfd per process, keyed by ``(st_dev, st_ino)``.
+
+Mapping a file once however many leaves of it are unpickled, and keeping a single
+descriptor per segment, both need such a table. Values are held weakly, so a dead
+object leaves no entry; a live entry keeps its descriptor (or mapping) open, so its
+inode number cannot be reused meanwhile.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from typing import Any
+
+
+class InodeCache:
+    """A thread-safe weak map ``(st_dev, st_ino) -> object``, fresh lock after fork."""
+
+    def __init__(self) -> None:
+        self._items: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self._lock = threading.Lock()
+        # a fork taken while another thread held the lock must not leave the child stuck
+        os.register_at_fork(after_in_child=self._new_lock)
+
+    def _new_lock(self) -> None:
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple) -> Any:
+        with self._lock:
+            return self._items.get(key)
+
+    def put(self, key: tuple, value: Any) -> None:
+        with self._lock:
+            self._items[key] = value
+
+    def put_if_absent(self, key: tuple, value: Any) -> Any:
+        """Store ``value`` unless another thread stored one first; returns the stored one."""
+        with self._lock:
+            existing = self._items.get(key)
+            if existing is None:
+                self._items[key] = value
+                return value
+            return existing
+
+    def values(self) -> list:
+        with self._lock:
+            return list(self._items.values())
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
