@@ -43,13 +43,7 @@ FLOAT8 = [getattr(torch, n) for n in sorted(dir(torch)) if n.startswith("float8_
 ROBUST_KEYS = ["a/b", "with space", "50%", "c:d", "..", ".", "", "ünï☃", "back\\slash", "../up"]
 SAFE_LEGACY_KEYS = ["plain", "with space", "50%", "ünï", "dots.in.name"]
 
-try:
-    from shared_td.containers.lazy import LazyStackedTensorDict as SharedLazy
-except ImportError:  # being written by another engineer
-    SharedLazy = None
-lazy_pending = pytest.mark.xfail(
-    SharedLazy is None, reason="LazyStackedTensorDict memmap not landed yet", strict=False
-)
+from shared_td import LazyStackedTensorDict as SharedLazy
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -409,7 +403,6 @@ def lazy_stack(lib_name, stack_dim):
     return cls(a, b, stack_dim=stack_dim)
 
 
-@lazy_pending
 @pytest.mark.parametrize("stack_dim", [0, 1])
 @pytest.mark.parametrize("writer,reader", DIRECTIONS)
 def test_lazy_stack_heterogeneous(tmp_path, writer, reader, stack_dim):
@@ -420,7 +413,6 @@ def test_lazy_stack_heterogeneous(tmp_path, writer, reader, stack_dim):
     assert loaded.batch_size == torch.Size([2, 3] if stack_dim == 0 else [3, 2])
 
 
-@lazy_pending
 @pytest.mark.parametrize("writer,reader", DIRECTIONS)
 def test_lazy_stack_inside_tensordict(tmp_path, writer, reader):
     source = build(writer, {"y": torch.zeros(3, 2)}, [3, 2])
@@ -430,7 +422,6 @@ def test_lazy_stack_inside_tensordict(tmp_path, writer, reader):
     assert_same(loaded, source)
 
 
-@lazy_pending
 def test_lazy_stack_files_equal_tensordict(tmp_path):
     ours, theirs = write_both(tmp_path, lambda lib: lazy_stack(lib, 1))
     assert files(ours) == files(theirs)
