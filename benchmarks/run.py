@@ -184,6 +184,30 @@ def case_atomic_rewrite(args, root: str) -> dict:
     return out
 
 
+def case_coord_attach(args, root: str) -> dict:
+    """Coordinator.attach of a published 100-leaf tensordict (anonymous, then files)."""
+    import shared_td
+
+    def leaves():
+        return shared_td.TensorDict({f"k{i}": torch.zeros(4) for i in range(100)})
+
+    rounds = 200
+    out = {}
+    with shared_td.Coordinator() as coord:
+        coord.publish("anonymous", leaves())
+        coord.publish("files", leaves(), prefix=os.path.join(root, "published"))
+        for name in ["anonymous", "files"]:
+            coord.attach(name)  # the connection is made once per process
+            out[f"{name}, 100 leaves"] = best_of(
+                args.repeat, lambda: None,
+                lambda _, n=name: [coord.attach(n) for _ in range(rounds)],
+            ) / rounds
+        out["names() round trip"] = best_of(
+            args.repeat, lambda: None, lambda _: [coord.names() for _ in range(rounds)]
+        ) / rounds
+    return out
+
+
 CASES = {
     "big_leaf": case_big_leaf,
     "tree_to_files": case_tree_to_files,
@@ -191,6 +215,7 @@ CASES = {
     "tree_anonymous": case_tree_anonymous,
     "leaf_pickle": case_leaf_pickle,
     "atomic_rewrite": case_atomic_rewrite,
+    "coord_attach": case_coord_attach,
 }
 
 

@@ -341,3 +341,14 @@ def test_sweep_touches_only_dead_coordinators_of_our_pattern(tmp_path):
     for name, kept in names.items():
         assert (tmp_path / name).exists() == kept
     assert (tmp_path / f"shared_td-coord-{dead.pid}-file0000").exists()
+
+
+@pytest.mark.timeout(60)
+def test_shared_non_tensor_values_through_the_coordinator():
+    with shared_td.Coordinator() as coord:
+        td = shared_td.TensorDict(a=torch.zeros(2), mode="walk", batch_size=[2])
+        coord.publish("n", td, share_non_tensor=True)
+        leaves = {leaf["key"]: leaf["where"] for leaf in coord.layout("n")["leaves"]}
+        assert leaves == {"a": "anonymous", "mode": "non-tensor"}
+        coord.attach("n").set_("mode", "run")
+        assert td["mode"] == "run" and coord.attach("n")["mode"] == "run"
