@@ -9,6 +9,7 @@ torch's rules exactly.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Sequence
 
 import torch
@@ -152,6 +153,11 @@ class _NonTensorBase(TensorDictBase):
         else:
             self._shared_value.set(value)
 
+    def _updating(self) -> Any:
+        """A block in which an update (read, write, rewrite of the files) of a shared
+        entry is not interleaved with another process's."""
+        return contextlib.nullcontext() if self._shared_value is None else self._shared_value.updating()
+
     def _after_update(self) -> None:
         """An in-place write of a memory-mapped entry also rewrites its files."""
         if self._is_memmap and self._memmap_prefix is not None:
@@ -225,8 +231,9 @@ class NonTensorData(_NonTensorBase):
 
     def _update_(self, value: Any) -> None:
         self._check_update(value)
-        self.data = value.data if isinstance(value, NonTensorData) else value
-        self._after_update()
+        with self._updating():  # so that the files end with the last value written
+            self.data = value.data if isinstance(value, NonTensorData) else value
+            self._after_update()
 
     def _set_at(self, index: tuple, source: Any) -> "_NonTensorBase":
         """``td[index] = ...`` for this entry: returns the entry to store (maybe a stack)."""
@@ -325,8 +332,10 @@ class NonTensorStack(_NonTensorBase):
         self._new_values(value)
 
     def _update_(self, value: Any) -> None:
-        self._values = self._new_values(value)
-        self._after_update()
+        values = self._new_values(value)
+        with self._updating():
+            self._values = values
+            self._after_update()
 
     def _set_at(self, index: tuple, source: Any) -> "NonTensorStack":
         """Write ``source`` at ``index``, in place (so a shared stack shares the write)."""
@@ -335,11 +344,12 @@ class NonTensorStack(_NonTensorBase):
         if not isinstance(source, _NonTensorBase):
             source = NonTensorData(source, batch_size=[])
         new_values = _broadcast_values(source, targets.shape)
-        values = list(self._values)
-        for position, value in zip(targets.reshape(-1).tolist(), new_values):
-            values[position] = value
-        self._values = values
-        self._after_update()
+        with self._updating():  # read-modify-write: no other process's write is lost
+            values = list(self._values)
+            for position, value in zip(targets.reshape(-1).tolist(), new_values):
+                values[position] = value
+            self._values = values
+            self._after_update()
         return self
 
     def __repr__(self) -> str:

@@ -11,17 +11,25 @@ under every pickler and start method.
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import pickle
 import struct
 import threading
 import weakref
-from typing import Any
+from typing import Any, Iterator
 
 from shared_td.storage.anonymous import reopen_peer_fd
 
 _HEADER = struct.Struct("<QQ")  # version, payload length
+# The bytes that lockf locks (a lock needs no data there): _VALUE guards one read or
+# write of the value, _UPDATE a whole update (see ``updating``).
+_VALUE, _UPDATE = 0, 1
+
+
+def _lockf(fd: int, operation: int, byte: int) -> None:
+    fcntl.lockf(fd, operation, 1, byte)
 
 
 class SharedValue:
@@ -41,6 +49,7 @@ class SharedValue:
         self.key = (stat.st_dev, stat.st_ino)
         self._finalizer = weakref.finalize(self, os.close, fd)
         self._thread_lock = threading.Lock()
+        self._update_lock = threading.Lock()
         self._cached_version = -1
         self._cached_value: Any = None
 
@@ -57,7 +66,7 @@ class SharedValue:
     def get(self) -> Any:
         """The current value (the last one written by any process)."""
         with self._thread_lock:
-            fcntl.lockf(self.fd, fcntl.LOCK_SH)
+            _lockf(self.fd, fcntl.LOCK_SH, _VALUE)
             try:
                 version, length = _HEADER.unpack(os.pread(self.fd, _HEADER.size, 0))
                 if version != self._cached_version:
@@ -66,7 +75,7 @@ class SharedValue:
                     self._cached_version = version
                 return self._cached_value
             finally:
-                fcntl.lockf(self.fd, fcntl.LOCK_UN)
+                _lockf(self.fd, fcntl.LOCK_UN, _VALUE)
 
     def set(self, value: Any) -> None:
         """Replace the value for every process."""
@@ -78,14 +87,27 @@ class SharedValue:
                 f"not ({error})."
             ) from error
         with self._thread_lock:
-            fcntl.lockf(self.fd, fcntl.LOCK_EX)
+            _lockf(self.fd, fcntl.LOCK_EX, _VALUE)
             try:
                 header = os.pread(self.fd, _HEADER.size, 0)
                 version = _HEADER.unpack(header)[0] if len(header) == _HEADER.size else 0
                 os.pwrite(self.fd, payload, _HEADER.size)
                 os.pwrite(self.fd, _HEADER.pack(version + 1, len(payload)), 0)
             finally:
-                fcntl.lockf(self.fd, fcntl.LOCK_UN)
+                _lockf(self.fd, fcntl.LOCK_UN, _VALUE)
+
+    @contextlib.contextmanager
+    def updating(self) -> Iterator[None]:
+        """Serialise whole updates between every process and thread: a
+        read-modify-write (``set(f(get()))``) in the block loses no other update, and
+        what the block does after ``set`` (rewriting files) happens in write order.
+        """
+        with self._update_lock:
+            _lockf(self.fd, fcntl.LOCK_EX, _UPDATE)
+            try:
+                yield
+            finally:
+                _lockf(self.fd, fcntl.LOCK_UN, _UPDATE)
 
     def __reduce__(self):
         return _attach, (os.getpid(), self.fd, self.key)
