@@ -141,6 +141,9 @@ class _NonTensorBase(TensorDictBase):
 
         payload = self._payload
         self._shared_value = SharedValue.create(payload)
+        # the cell holds the value now: a stale private copy would be pickled (by value)
+        # with every entry sent to another process
+        self.__dict__.pop("_local_payload", None)
 
     @property
     def _payload(self) -> Any:
@@ -351,6 +354,11 @@ class NonTensorStack(_NonTensorBase):
             self._values = values
             self._after_update()
         return self
+
+    def _set_at_index(self, index: Any, value: Any) -> None:
+        """``stack[index] = value``, in place (as tensordict 0.15.3): a memory-mapped
+        stack rewrites its files, a shared one is seen by every process."""
+        self._set_at(batch_ops.normalize_index(index, self._batch_size), value)
 
     def __repr__(self) -> str:
         return f"NonTensorStack({self.tolist()!r}, batch_size={self._batch_size}, device={self._device})"
