@@ -240,6 +240,8 @@ class NonTensorData(_NonTensorBase):
 
     def _set_at(self, index: tuple, source: Any) -> "_NonTensorBase":
         """``td[index] = ...`` for this entry: returns the entry to store (maybe a stack)."""
+        if self._holds_only(index, source):
+            return self  # as tensordict: writing the value it holds keeps one value
         if self._shared_value is not None:
             raise RuntimeError(
                 "Cannot write per-element values into a NonTensorData shared with "
@@ -248,6 +250,17 @@ class NonTensorData(_NonTensorBase):
             )
         stack = NonTensorStack._from_flat(self._flat_values(), self._batch_size, self._device)
         return stack._set_at(index, source)
+
+    def _holds_only(self, index: tuple, source: Any) -> bool:
+        """True if every value that ``self[index] = source`` writes is the one held."""
+        if not isinstance(source, _NonTensorBase):
+            source = NonTensorData(source, batch_size=[])
+        values = _broadcast_values(source, batch_ops.indexed_batch_size(self._batch_size, index))
+        current = self.data
+        try:
+            return all(v is current or (type(v) is type(current) and bool(v == current)) for v in values)
+        except Exception:  # an == that gives no bool (arrays): not the same
+            return False
 
     def __repr__(self) -> str:
         return f"NonTensorData(data={self.data}, batch_size={self._batch_size}, device={self._device})"

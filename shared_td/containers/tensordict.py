@@ -536,7 +536,8 @@ def _check_non_tensor_write(current: Any, index: tuple, source: Any, key: str) -
     (one, or one per indexed element) into the indexed elements; writes nothing."""
     from shared_td.containers.nontensor import NonTensorData, _broadcast_values
 
-    if isinstance(current, NonTensorData) and (current._shared_value is not None or current.is_memmap()):
+    shared_or_files = current._shared_value is not None or current.is_memmap()
+    if isinstance(current, NonTensorData) and shared_or_files and not current._holds_only(index, source):
         # one value for the whole batch, shared with other processes or kept in files:
         # per-element values would turn it into a private in-memory stack
         raise RuntimeError(

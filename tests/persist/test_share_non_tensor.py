@@ -213,6 +213,10 @@ def test_per_element_write_into_a_shared_non_tensor_data_is_refused(tmp_path, sh
         assert values_state(td) == before
         assert dir_state(tmp_path) == files
         assert type(td.get("s")) is NonTensorData and td.is_locked
+    # the value it holds may be written (as in tensordict): the tensor is written, the
+    # entry stays one NonTensorData
+    td[0] = {"obs": torch.tensor(5.0), "s": "walk", "sub": {"task": "inner"}}
+    assert td["obs"][0] == 5 and type(td.get("s")) is NonTensorData and td["s"] == "walk"
     # a whole-value write still works
     td.set_("s", "whole")
     assert td["s"] == "whole"
