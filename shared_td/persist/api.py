@@ -84,9 +84,10 @@ def memmap(
 def own_directory(obj: Any) -> str | None:
     """The directory ``obj`` was memory-mapped to or loaded from (None if none)."""
     if nodes.kind_of(obj) == nodes.TENSORCLASS:
-        inner = obj._tensordict._memmap_prefix  # <directory>/_tensordict
+        inner = getattr(obj._tensordict, "_memmap_prefix", None)  # <directory>/_tensordict
         return None if inner is None else os.path.dirname(inner)
-    return obj._memmap_prefix
+    # a lazy stack that was never memory-mapped has no _memmap_prefix
+    return getattr(obj, "_memmap_prefix", None)
 
 
 def _run_into_future(future: Future, planner: Planner, root: NodePlan, options: Options) -> None:
