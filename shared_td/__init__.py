@@ -14,6 +14,7 @@ from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.persist.atomic import gc
 from shared_td.persist.functions import load, load_memmap, memmap, save
 from shared_td.persist.future import TensorDictFuture
+from shared_td.storage.counter import SharedCounter
 
 __version__ = "0.1.0"
 
@@ -26,6 +27,7 @@ __all__ = [
     "MemoryMappedTensor",
     "NonTensorData",
     "NonTensorStack",
+    "SharedCounter",
     "TensorDict",
     "TensorDictBase",
     "TensorDictFuture",
