@@ -15,12 +15,13 @@ from shared_td.containers.base import (
     is_tensor_collection,
 )
 from shared_td.containers.keyops import KeyOps
+from shared_td.containers.naming import NamedBatchDims
 from shared_td.containers.reshaping import BatchShapeOps
 from shared_td.errors import BatchSizeMismatchError
 from shared_td.keys import NestedKey, key_repr, unravel_key
 
 
-class TensorDict(KeyOps, BatchShapeOps, TensorDictBase):
+class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, TensorDictBase):
     """A nested mapping of str keys to tensors, tensordicts, tensorclasses and non-tensors.
 
     Every entry's leading dims equal ``batch_size``; operations along batch dims
@@ -112,6 +113,8 @@ class TensorDict(KeyOps, BatchShapeOps, TensorDictBase):
             _write_into(current, value, key)
             return
         self._check_unlocked((key,), "add" if current is None else "replace")
+        if is_tensor_collection(value):
+            self._adopt_names(key, value)
         self._tensordict[key] = value
 
     def _convert(self, key: str, value: Any, into: Any = None) -> Any:
@@ -192,36 +195,6 @@ class TensorDict(KeyOps, BatchShapeOps, TensorDictBase):
     def device(self) -> torch.device | None:
         """The device of every tensor, or None if they may differ."""
         return self._device
-
-    @property
-    def names(self) -> list | None:
-        """Names of the batch dims (None if unnamed)."""
-        return None if self._names is None else list(self._names)
-
-    @names.setter
-    def names(self, names: Sequence[str | None] | None) -> None:
-        # Checked in full before anything is stored; internally "unnamed" is None.
-        if names is None:
-            self._names = None
-            return
-        names = list(names)
-        wrong = [n for n in names if n is not None and not isinstance(n, str)]
-        if wrong:
-            raise TypeError(f"Names of batch dims are str or None, got {wrong[0]!r} in {names}.")
-        if len(names) != self.batch_dims:
-            raise ValueError(
-                f"Got {len(names)} names {names} for {self.batch_dims} batch dims "
-                f"{list(self._batch_size)}: give one name (or None) per batch dim."
-            )
-        named = [n for n in names if n is not None]
-        if len(set(named)) != len(named):
-            raise ValueError(f"Names of batch dims must be unique, got {names}.")
-        self._names = None if all(n is None for n in names) else names
-
-    def refine_names(self, *names: str | None) -> "TensorDict":
-        """Set the names of the batch dims in place; returns self."""
-        self.names = names
-        return self
 
     # ---------------------------------------------------------------- mapping entries
     def _map_entries(

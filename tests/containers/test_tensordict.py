@@ -452,6 +452,41 @@ def test_names():
     assert td.names is None
 
 
+def test_names_reach_nested_tensordicts_and_tensorclasses():
+    from shared_td import tensorclass
+
+    @tensorclass
+    class Pair:
+        x: torch.Tensor
+
+    td = TensorDict(n={"b": torch.zeros(2, 3, 4)}, batch_size=[2, 3], names=["env", None])
+    assert td["n"].names == ["env", None]
+    td["m"] = TensorDict(c=torch.zeros(2, 3, 5), batch_size=[2, 3, 5])
+    td["p"] = Pair(x=torch.zeros(2, 3), batch_size=[2, 3])
+    assert td["m"].names == ["env", None, None]
+    assert td["p"].names == ["env", None]
+    td.names = ["env", "time"]
+    assert td["n"].names == ["env", "time"] and td["m"].names == ["env", "time", None]
+    assert td["p"].names == ["env", "time"]
+    assert td[0]["n"].names == ["time"]  # views follow
+    td.names = None
+    assert td["n"].names is None and td["m"].names is None
+
+
+def test_nested_with_other_names_refused_and_nothing_changes(unchanged):
+    td = TensorDict(a=torch.zeros(2, 3), batch_size=[2, 3], names=["env", "time"])
+    child = TensorDict(c=torch.zeros(2, 3), batch_size=[2, 3], names=["u", "v"])
+    with unchanged(td), pytest.raises(RuntimeError, match="'k'.*\\['u', 'v'\\]"):
+        td["k"] = child
+    assert child.names == ["u", "v"] and "k" not in td.keys()
+    # a name of the child's own dims that repeats one of the parent's is refused too
+    clash = TensorDict(batch_size=[2, 3])
+    clash["n"] = TensorDict(b=torch.zeros(2, 3, 4), batch_size=[2, 3, 4], names=[None, None, "env"])
+    with unchanged(clash), pytest.raises(RuntimeError, match="twice"):
+        clash.names = ["env", None]
+    assert clash.names is None and clash["n"].names == [None, None, "env"]
+
+
 @pytest.mark.parametrize(
     "names, error", [(["x"], ValueError), (["x", "x"], ValueError), ([1, 2], TypeError), (["x", "y", "z"], ValueError)]
 )

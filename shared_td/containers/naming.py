@@ -1,0 +1,98 @@
+"""Names of batch dims, shared with nested tensordicts (as tensordict 0.15.3 does).
+
+A nested tensordict has the batch dims of its parent first, so it carries the parent's
+names for them: naming the parent renames its nested tensordicts, and setting a nested
+tensordict into a named one names the child's leading dims (an incompatible name there
+is a RuntimeError, raised before anything changes).
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+
+def check_names(names: Sequence[Any], batch_size) -> list:
+    """``names`` as a list, checked against ``batch_size`` (TypeError/ValueError)."""
+    names = list(names)
+    wrong = [n for n in names if n is not None and not isinstance(n, str)]
+    if wrong:
+        raise TypeError(f"Names of batch dims are str or None, got {wrong[0]!r} in {names}.")
+    if len(names) != len(batch_size):
+        raise ValueError(
+            f"Got {len(names)} names {names} for {len(batch_size)} batch dims "
+            f"{list(batch_size)}: give one name (or None) per batch dim."
+        )
+    named = [n for n in names if n is not None]
+    if len(set(named)) != len(named):
+        raise ValueError(f"Names of batch dims must be unique, got {names}.")
+    return names
+
+
+class NamedBatchDims:
+    """Mixin of TensorDict (it relies on ``_names``, ``_batch_size`` and ``_tensordict``)."""
+
+    @property
+    def names(self) -> list | None:
+        """Names of the batch dims (None if unnamed)."""
+        return None if self._names is None else list(self._names)
+
+    @names.setter
+    def names(self, names: Sequence[str | None] | None) -> None:
+        # Checked in full (here and in every nested tensordict) before anything is stored.
+        leading = [None] * len(self._batch_size) if names is None else check_names(names, self._batch_size)
+        self._rename_leading(leading, check_only=True)
+        self._rename_leading(leading, check_only=False)
+
+    def refine_names(self, *names: str | None) -> "NamedBatchDims":
+        """Set the names of the batch dims in place (nested tensordicts follow); returns self.
+
+        Example:
+            >>> td = TensorDict(a={"b": torch.zeros(2, 3)}, batch_size=[2, 3])
+            >>> td.refine_names("env", "time")["a"].names
+            ['env', 'time']
+        """
+        self.names = names
+        return self
+
+    def _rename_leading(self, leading: list, *, check_only: bool) -> None:
+        """Give the first ``len(leading)`` batch dims these names, here and below."""
+        current = self._names or [None] * len(self._batch_size)
+        names = list(leading) + current[len(leading):]
+        named = [n for n in names if n is not None]
+        if len(set(named)) != len(named):
+            raise RuntimeError(
+                f"Cannot name the batch dims {names}: a name is used twice (the parent's "
+                f"names are {list(leading)}, this tensordict's {self.names})."
+            )
+        for child in self._named_children():
+            child._rename_leading(names, check_only=check_only)
+        if not check_only:
+            self._names = None if not named else names
+
+    def _named_children(self) -> list:
+        """The nested TensorDicts (also inside tensorclasses) that carry our names."""
+        children = []
+        for value in self._tensordict.values():
+            inner = getattr(value, "_tensordict", None) if not isinstance(value, NamedBatchDims) else value
+            if isinstance(inner, NamedBatchDims):
+                children.append(inner)
+        return children
+
+    def _adopt_names(self, key: str, child: Any) -> None:
+        """Name the leading dims of ``child`` (about to be stored under ``key``) like ours.
+
+        Raises RuntimeError, with nothing renamed, if the child already has other names
+        for those dims.
+        """
+        inner = child if isinstance(child, NamedBatchDims) else getattr(child, "_tensordict", None)
+        if self._names is None or not isinstance(inner, NamedBatchDims):
+            return
+        theirs = (inner._names or [None] * len(inner._batch_size))[: len(self._names)]
+        clash = [(a, b) for a, b in zip(self._names, theirs) if b is not None and a != b]
+        if clash:
+            raise RuntimeError(
+                f"Cannot set {key!r}: its batch dims are named {inner.names}, which do not "
+                f"match this tensordict's names {self.names}. Rename one of them first "
+                f"(e.g. value.names = None)."
+            )
+        inner._rename_leading(self._names, check_only=True)
+        inner._rename_leading(self._names, check_only=False)
