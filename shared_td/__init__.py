@@ -8,7 +8,7 @@ from shared_td.containers.lazy import LazyStackedTensorDict
 from shared_td.containers.nontensor import NonTensorData, NonTensorStack
 from shared_td.containers.tensorclass import is_tensorclass, tensorclass
 from shared_td.containers.tensordict import TensorDict
-from shared_td.coordinator import Coordinator, attach
+from shared_td.coordinator import Coordinator, attach, is_stale, refresh
 from shared_td.errors import BatchSizeMismatchError, KeyTypeError, LockedTensorDictError
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.persist.atomic import gc
@@ -34,11 +34,13 @@ __all__ = [
     "attach",
     "gc",
     "is_non_tensor",
+    "is_stale",
     "is_tensor_collection",
     "is_tensorclass",
     "load",
     "load_memmap",
     "memmap",
+    "refresh",
     "save",
     "tensorclass",
 ]

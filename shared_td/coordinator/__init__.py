@@ -13,5 +13,6 @@ Example:
     [1.0, 1.0]
 """
 from shared_td.coordinator.client import Coordinator, attach
+from shared_td.coordinator.staleness import is_stale, refresh
 
-__all__ = ["Coordinator", "attach"]
+__all__ = ["Coordinator", "attach", "is_stale", "refresh"]

@@ -25,11 +25,13 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+import subprocess
 import threading
 
 import multiprocess
 from multiprocess import connection, managers
 
+from shared_td.coordinator import staleness
 from shared_td.coordinator.server import DIR_PATTERN, REGISTRY_ID, CoordinatorManager, sweep_dead_dirs
 
 __all__ = ["Coordinator", "attach"]
@@ -50,6 +52,10 @@ class Coordinator:
     Pickling a handle (e.g. as a worker's argument) sends ``address`` and ``authkey``;
     the receiver gets a non-owning handle (its :meth:`shutdown` only disconnects).
 
+    Inside ``with coord:`` (and during :meth:`publish`) this coordinator is the one
+    that adopts the values of ``memmap_(share_non_tensor=True)`` in this process, so
+    they outlive the process that made them (see :meth:`current`).
+
     Args:
         context: the ``multiprocess`` start method of the manager (``"fork"``,
             ``"spawn"``, ``"forkserver"``; default: multiprocess's default).
@@ -66,6 +72,7 @@ class Coordinator:
         self._context = context
         self._timeout = timeout
         self._manager: CoordinatorManager | None = None
+        self._popen: subprocess.Popen | None = None  # an embedded coordinator's process
         self._address: str | None = None
         self._authkey: bytes | None = None
         # A fork child inherits this object without being the owner: ownership is the
@@ -109,7 +116,11 @@ class Coordinator:
             return
         _drop_channel(address)
         self._address = None
-        if manager is None or not self._owns():
+        if not self._owns():
+            return
+        if self._popen is not None:
+            self._stop_embedded(address)
+        if manager is None:
             return
         self._manager = None
         process = manager._process
@@ -118,18 +129,52 @@ class Coordinator:
             process.kill()
             process.join(5)
         if not process.is_alive():
-            directory = os.path.dirname(address)
-            if DIR_PATTERN.match(os.path.basename(directory)):
-                shutil.rmtree(directory, ignore_errors=True)
+            _remove_private_dir(address)
             process.close()  # releases the sentinel descriptor now
+
+    def _stop_embedded(self, address: str) -> None:
+        popen, self._popen = self._popen, None
+        try:
+            conn = connection.Client(address, authkey=self._authkey)
+            try:
+                managers.dispatch(conn, None, "shutdown")
+            finally:
+                conn.close()
+            popen.wait(5)
+        except (OSError, EOFError, subprocess.TimeoutExpired):
+            popen.kill()
+            popen.wait(5)
+        _remove_private_dir(address)
 
     def __enter__(self) -> "Coordinator":
         if self._address is None:
             self.start()
+        _IN_USE.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
+        _leave(self)
         self.shutdown()
+
+    @staticmethod
+    def current() -> "Coordinator | None":
+        """The coordinator that adopts this process's new ``share_non_tensor`` values.
+
+        The innermost ``with coord:`` block (or :meth:`publish` call) of this process;
+        else the embedded coordinator this process uses (one it started, or its
+        parent's: inherited by fork, or found through the ``SHARED_TD_COORDINATOR``
+        environment variable); else None. Never starts one.
+
+        Example:
+            >>> with Coordinator() as coord:
+            ...     Coordinator.current() is coord
+            True
+        """
+        if _IN_USE:
+            return _IN_USE[-1]
+        from shared_td.coordinator import ownership
+
+        return ownership.embedded_coordinator(start=False)
 
     def __reduce__(self):
         return Coordinator.connect, (self.address, self.authkey)
@@ -173,9 +218,15 @@ class Coordinator:
             >>> with Coordinator() as coord:                     # doctest: +SKIP
             ...     coord.publish("weights", td, prefix="/data/weights")
         """
-        td.memmap_(prefix, **memmap_kwargs)
+        _IN_USE.append(self)  # adopts the share_non_tensor values this makes
+        try:
+            td.memmap_(prefix, **memmap_kwargs)
+        finally:
+            _leave(self)
         # by reference: file paths and (pid, fd) of segments, never the bytes
-        self._call("publish", name, pickle.dumps(td))
+        _layout, stamp = self._call("publish", name, pickle.dumps(td))
+        staleness.remember(td, name, _layout["version"], stamp,
+                           _Endpoint(self.address, self.authkey, self._timeout))
         return td
 
     def attach(self, name: str):
@@ -222,8 +273,42 @@ def attach(name: str, *, address: str, authkey: bytes, timeout: float = DEFAULT_
     Example:
         >>> td = attach("batch", address=addr, authkey=key)   # doctest: +SKIP
     """
-    blob, _version = _call(address, _as_key(authkey), "attach", name, timeout=timeout)
-    return pickle.loads(blob)
+    authkey = _as_key(authkey)
+    blob, version, stamp = _call(address, authkey, "attach", name, timeout=timeout)
+    td = pickle.loads(blob)
+    staleness.remember(td, name, version, stamp, _Endpoint(address, authkey, timeout))
+    return td
+
+
+class _Endpoint:
+    """Where a tensordict was attached from: what :func:`shared_td.refresh` needs."""
+
+    def __init__(self, address: str, authkey: bytes, timeout: float):
+        self.address, self.authkey, self._timeout = address, authkey, timeout
+
+    def attach(self, name: str):
+        return attach(name, address=self.address, authkey=self.authkey, timeout=self._timeout)
+
+    def _call(self, method: str, *args):
+        return _call(self.address, self.authkey, method, *args, timeout=self._timeout)
+
+
+# Coordinators of this process's active ``with`` blocks and publish calls, innermost
+# last (process-wide, not per thread: a worker thread's memmap_ uses the same one).
+_IN_USE: list[Coordinator] = []
+
+
+def _leave(coord: Coordinator) -> None:
+    for i in range(len(_IN_USE) - 1, -1, -1):
+        if _IN_USE[i] is coord:
+            del _IN_USE[i]
+            return
+
+
+def _remove_private_dir(address: str) -> None:
+    directory = os.path.dirname(address)
+    if DIR_PATTERN.match(os.path.basename(directory)):
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------- connections

@@ -14,12 +14,24 @@ tensordict *itself*, so that attaching names the manager's pid and descriptors a
 after the publisher has exited. File-backed leaves pickle as paths; the manager maps them
 too (cheap, untouched pages cost nothing).
 
+Besides published tensordicts the manager holds:
+
+* *adopted cells*: the memfds of ``share_non_tensor=True`` values that a process handed
+  over (:meth:`Registry.adopt_cells`), so that they stay attachable after it exits;
+* the *version table*: one memfd of u64 slots, one per published name, that attached
+  processes map read-only to check ``is_stale`` without a round trip.
+
+This module imports neither torch nor the ``shared_td`` package at load time: the
+embedded coordinator runs it as a script in a fresh interpreter (see
+:mod:`shared_td.coordinator.embedded`), which then starts in ~0.1 s instead of the ~2.5 s
+of importing torch. torch is imported only when a tensordict is published to it.
+
 Example (what a client call amounts to, in the manager)::
 
     >>> import pickle, torch, shared_td
     >>> registry = Registry()
     >>> td = shared_td.TensorDict(x=torch.zeros(3)).memmap_()
-    >>> info = registry.publish("demo", pickle.dumps(td))
+    >>> info, stamp = registry.publish("demo", pickle.dumps(td))
     >>> info["version"], info["leaves"][0]["where"]
     (1, 'anonymous')
     >>> pickle.loads(registry.attach("demo")[0])["x"].tolist()
@@ -27,17 +39,20 @@ Example (what a client call amounts to, in the manager)::
 """
 from __future__ import annotations
 
+import mmap
 import os
 import pickle
 import re
+import resource
 import shutil
 import signal
 import stat
+import struct
+import sys
 import tempfile
 import threading
 import time
 
-import torch
 from multiprocess import managers
 
 __all__ = ["DIR_PATTERN", "REGISTRY_ID", "Registry", "CoordinatorManager", "sweep_dead_dirs"]
@@ -52,6 +67,13 @@ REGISTRY_ID = "shared_td-registry"
 
 # How often the manager checks that the process that started it is still alive.
 _PARENT_POLL_S = 0.2
+
+#: Slots of the version table (8 bytes each). A name published after these are all
+#: taken gets no slot, and ``is_stale`` asks the manager instead (one round trip).
+VERSION_SLOTS = 4096
+#: High bit of a slot: the name was unpublished (the low bits keep its last version).
+WITHDRAWN = 1 << 63
+_SLOT = struct.Struct("<Q")
 
 
 class Registry:
@@ -68,9 +90,16 @@ class Registry:
         self._entries: dict[str, dict] = {}
         # Never forgotten, so a name published again after unpublish gets a higher version.
         self._versions: dict[str, int] = {}
+        self._slots: dict[str, int | None] = {}  # name -> its slot in the version table
+        self._table: VersionTable | None = None  # made on the first publish
+        self._cells: dict[tuple[int, int], int] = {}  # (st_dev, st_ino) -> our descriptor
 
-    def publish(self, name: str, blob: bytes) -> dict:
-        """Adopt the pickled tensordict ``blob`` under ``name``; returns its layout."""
+    def publish(self, name: str, blob: bytes) -> tuple[dict, dict]:
+        """Adopt the pickled tensordict ``blob`` under ``name``.
+
+        Returns its layout and its *stamp*: where attached processes read its current
+        version without asking (see :meth:`stamp`).
+        """
         if not isinstance(name, str) or not name:
             raise TypeError(f"A published name must be a non-empty str, got {name!r}.")
         # Unpickling opens our own descriptors on the publisher's segments (it is alive:
@@ -84,13 +113,58 @@ class Registry:
             # Replacing an old entry drops the manager's hold on its segments; attached
             # processes keep their own descriptors and mappings.
             self._entries[name] = {"td": td, "blob": own_blob, "layout": info}
-        return info
+            self._store_version(name, version)
+            return info, self._stamp(name)
 
-    def attach(self, name: str) -> tuple[bytes, int]:
-        """The manager's pickle of ``name`` and its version; KeyError if unknown."""
+    def attach(self, name: str) -> tuple[bytes, int, dict]:
+        """The manager's pickle of ``name``, its version and its stamp; KeyError if unknown."""
         with self._lock:
             entry = self._entry(name)
-            return entry["blob"], entry["layout"]["version"]
+            return entry["blob"], entry["layout"]["version"], self._stamp(name)
+
+    def version(self, name: str) -> int:
+        """The current version of ``name``, with :data:`WITHDRAWN` set if it was
+        unpublished (what its slot holds); KeyError if it was never published."""
+        with self._lock:
+            if name not in self._versions:
+                self._entry(name)  # raises the KeyError listing the names
+            return self._versions[name] | (0 if name in self._entries else WITHDRAWN)
+
+    def adopt_cells(self, pid: int, cells: list, released: list) -> tuple[int, list[int]]:
+        """Hold the memfd cells ``cells`` (``(fd, key)`` in process ``pid``) until the
+        manager stops; first drop those whose keys are in ``released``.
+
+        Returns this process's pid and its descriptor for each cell, which the creator
+        records as a fallback holder. A cell already adopted keeps its descriptor.
+        """
+        with self._lock:
+            for key in released:
+                fd = self._cells.pop(tuple(key), None)
+                if fd is not None:
+                    os.close(fd)
+            fds = []
+            for fd, key in cells:
+                key = tuple(key)
+                if key not in self._cells:
+                    self._cells[key] = open_peer_memfd(pid, fd, key)
+                fds.append(self._cells[key])
+            return os.getpid(), fds
+
+    def _store_version(self, name: str, value: int) -> None:
+        if name not in self._slots:
+            if self._table is None:
+                self._table = VersionTable(VERSION_SLOTS)
+            taken = len(self._slots)
+            self._slots[name] = taken if taken < self._table.slots else None
+        slot = self._slots[name]
+        if slot is not None:
+            self._table.store(slot, value)
+
+    def _stamp(self, name: str) -> dict:
+        """``{"table": (pid, fd, (st_dev, st_ino), nbytes) or None, "slot": int or None}``."""
+        slot = self._slots.get(name)
+        table = None if slot is None else self._table.reference()
+        return {"table": table, "slot": slot}
 
     def layout(self, name: str) -> dict:
         """The layout summary of ``name`` (see :func:`layout_of`)."""
@@ -107,6 +181,7 @@ class Registry:
         with self._lock:
             self._entry(name)
             del self._entries[name]
+            self._store_version(name, self._versions[name] | WITHDRAWN)
 
     def info(self) -> dict:
         """Facts about the manager process (pid, directory), for tests and debugging."""
@@ -127,11 +202,13 @@ def layout_of(td, name: str, version: int) -> dict:
     dtype and where it lives (a file path, ``"anonymous"`` or ``"non-tensor"``).
 
     Example:
-        >>> import shared_td
+        >>> import torch, shared_td
         >>> td = shared_td.TensorDict(a=torch.zeros(2, 3), batch_size=[2]).memmap_()
         >>> layout_of(td, "t", 1)["leaves"]
         [{'key': 'a', 'shape': [2, 3], 'dtype': 'torch.float32', 'where': 'anonymous'}]
     """
+    import torch  # only a manager that is published to needs it (see the module doc)
+
     leaves = []
     for key, value in td.items(include_nested=True, leaves_only=True):
         key_str = ".".join(key) if isinstance(key, tuple) else key
@@ -226,32 +303,118 @@ class CoordinatorManager(managers.BaseManager):
     def _run_server(cls, registry, address, authkey, serializer, writer,
                     initializer=None, initargs=()):
         # Replaces BaseManager._run_server (same arguments; ``address`` is ignored).
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the parent
-        parent = os.getppid()
-        sweep_dead_dirs()
-        directory = tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-")
-        server = None
-        try:
-            server = cls._Server(registry, os.path.join(directory, "sock"), authkey, serializer)
-            # Pin the registry under a fixed id with a refcount no client ever drops:
-            # clients then need no create/incref/decref, and a forked client that
-            # inherited a connection can never unbalance a refcount.
-            obj = get_registry()
-            exposed = ("publish", "attach", "layout", "names", "unpublish", "info")
-            server.id_to_obj[REGISTRY_ID] = (obj, exposed, None)
-            server.id_to_refcount[REGISTRY_ID] = 1
-            writer.send(server.address)
+        def report(address: str) -> None:
+            writer.send(address)
             writer.close()
-            threading.Thread(target=_watch_parent, args=(server, parent), daemon=True).start()
-            server.serve_forever()  # ends with SystemExit after a shutdown request
-        finally:
-            if server is not None:
-                # the listener's own finalizer unlinks the socket: run it before rmtree
-                try:
-                    server.listener.close()
-                except OSError:
-                    pass
-            shutil.rmtree(directory, ignore_errors=True)
+
+        serve(authkey, report, typeids=registry)
+
+
+_EXPOSED = ("publish", "attach", "layout", "names", "unpublish", "info", "version", "adopt_cells")
+
+
+def serve(authkey: bytes, report, typeids=None) -> None:
+    """Run the coordinator server in this process until it is shut down or its parent
+    dies; ``report(address)`` is called once it listens."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the parent
+    parent = os.getppid()
+    _raise_descriptor_limit()
+    sweep_dead_dirs()
+    directory = tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-")
+    server = None
+    try:
+        server = managers.Server(typeids or {}, os.path.join(directory, "sock"), authkey, "pickle")
+        # Pin the registry under a fixed id with a refcount no client ever drops:
+        # clients then need no create/incref/decref, and a forked client that
+        # inherited a connection can never unbalance a refcount.
+        server.id_to_obj[REGISTRY_ID] = (get_registry(), _EXPOSED, None)
+        server.id_to_refcount[REGISTRY_ID] = 1
+        report(server.address)
+        threading.Thread(target=_watch_parent, args=(server, parent), daemon=True).start()
+        server.serve_forever()  # ends with SystemExit after a shutdown request
+    finally:
+        if server is not None:
+            # the listener's own finalizer unlinks the socket: run it before rmtree
+            try:
+                server.listener.close()
+            except OSError:
+                pass
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def serve_embedded() -> None:
+    """Entry point of an embedded coordinator (this file run as a script): the authkey
+    comes on stdin, the address goes to stdout as one line."""
+    authkey = sys.stdin.buffer.read(32)
+    sys.stdin.close()
+
+    def report(address: str) -> None:
+        sys.stdout.write(address + "\n")
+        sys.stdout.flush()
+
+    try:
+        serve(authkey, report)
+    except SystemExit:
+        pass
+
+
+def _raise_descriptor_limit() -> None:
+    # The manager holds one descriptor per adopted cell and segment: use the hard limit.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            pass
+
+
+# ----------------------------------------------------------------------------- memfds
+
+class VersionTable:
+    """A memfd of ``slots`` u64 words that the manager writes and attached processes map.
+
+    Each word is written with one aligned 8-byte store (ctypes), so a reader never sees
+    half of a version. The bytes are reserved at creation (no SIGBUS on a full memory).
+
+    Example:
+        >>> table = VersionTable(4)
+        >>> table.store(2, 7)
+        >>> table.words[2], table.reference()[3]
+        (7, 32)
+    """
+
+    def __init__(self, slots: int):
+        import ctypes
+
+        self.slots = slots
+        self.fd = os.memfd_create(f"shared_td-versions-{os.getpid()}", os.MFD_CLOEXEC)
+        os.posix_fallocate(self.fd, 0, slots * _SLOT.size)
+        st = os.fstat(self.fd)
+        self.key = (st.st_dev, st.st_ino)
+        self._map = mmap.mmap(self.fd, slots * _SLOT.size)
+        self.words = (ctypes.c_uint64 * slots).from_buffer(self._map)
+
+    def store(self, slot: int, value: int) -> None:
+        self.words[slot] = value
+
+    def reference(self) -> tuple:
+        """``(pid, fd, (st_dev, st_ino), nbytes)``: how a client opens it via /proc."""
+        return os.getpid(), self.fd, self.key, self.slots * _SLOT.size
+
+
+def open_peer_memfd(pid: int, fd: int, key: tuple[int, int]) -> int:
+    """Our own descriptor on the memfd that process ``pid`` holds as ``fd``.
+
+    The torch-free twin of :func:`shared_td.storage.anonymous.reopen_peer_fd` (this
+    module must load without the package, see the module doc). ValueError if the
+    descriptor now names another file.
+    """
+    new_fd = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+    st = os.fstat(new_fd)
+    if (st.st_dev, st.st_ino) != tuple(key):
+        os.close(new_fd)
+        raise ValueError(f"descriptor {fd} of process {pid} no longer names inode {key[1]}")
+    return new_fd
 
 
 def _watch_parent(server, parent: int) -> None:
@@ -267,3 +430,7 @@ def _watch_parent(server, parent: int) -> None:
     while getattr(server, "stop_event", None) is None:
         time.sleep(_PARENT_POLL_S)
     server.stop_event.set()
+
+
+if __name__ == "__main__":
+    serve_embedded()

@@ -1,18 +1,33 @@
 """SharedValue: one Python value that the processes of a node read and write.
 
-This is the mechanism behind ``memmap_(share_non_tensor=True)`` until the Coordinator
-owns non-tensor state.  The value lives in an anonymous memfd as
-``[version: u64][length: u64][pickled value]``, so it has no size limit (unlike
-tensordict's 100-byte strings) and keeps its type (bool stays bool).  Writers take an
-exclusive ``lockf`` lock on the memfd (processes) plus a thread lock; readers take a
-shared lock, and re-unpickle only when the version changed.  The memfd travels to other
-processes like an anonymous segment: by reopening ``/proc/<pid>/fd/<fd>`` of a holder,
-under every pickler and start method.
+This is the mechanism behind ``memmap_(share_non_tensor=True)``. The value lives in an
+anonymous memfd as ``[version: u64][length: u64][pickled value]``, so it has no size
+limit (unlike tensordict's 100-byte strings) and keeps its type (bool stays bool).
+
+Reads: each process maps the 16-byte header once and keeps the last value it unpickled
+with its version. Reading an unchanged value compares the shared version word with the
+cached one -- one aligned 8-byte load, no lock, no system call (~0.2 us). Only a changed
+version takes the shared ``lockf`` lock and re-reads the payload (``pread`` + unpickle).
+That is safe without a seqlock retry because the fast path never reads the payload: a
+reader that still sees the old version returns the old value it had already read whole,
+which is the value before the concurrent write (the write becomes visible when the
+writer stores the new version, last, while holding the exclusive lock).
+
+Writes take an exclusive ``lockf`` lock (processes) plus a thread lock, write the payload
+and the length with ``pwrite``, then store the new version through the mapping.
+
+Holders: the memfd travels to other processes like an anonymous segment, by reopening
+``/proc/<pid>/fd/<fd>`` of a process that holds it. A pickled cell names the pickling
+process first, then its *fallback holders*: the coordinators that adopted the cell (see
+:mod:`shared_td.coordinator.ownership`), so a cell stays attachable after the process
+that created it exited, for as long as such a coordinator lives.
 """
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
+import mmap
 import os
 import pickle
 import struct
@@ -20,9 +35,11 @@ import threading
 import weakref
 from typing import Any, Iterator
 
-from shared_td.storage.anonymous import reopen_peer_fd
+from shared_td.storage.anonymous import SegmentUnavailableError, reopen_peer_fd
+from shared_td.storage.files import NO_SPACE_ERRNOS, storage_full_error
 
 _HEADER = struct.Struct("<QQ")  # version, payload length
+_LENGTH = struct.Struct("<Q")
 # The bytes that lockf locks (a lock needs no data there): _VALUE guards one read or
 # write of the value, _UPDATE a whole update (see ``updating``).
 _VALUE, _UPDATE = 0, 1
@@ -30,6 +47,29 @@ _VALUE, _UPDATE = 0, 1
 
 def _lockf(fd: int, operation: int, byte: int) -> None:
     fcntl.lockf(fd, operation, 1, byte)
+
+
+# mmap through libc: Python's mmap.mmap would keep a second descriptor per cell.
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.mmap.restype = ctypes.c_void_p
+_LIBC.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+_LIBC.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def map_shared_bytes(fd: int, nbytes: int) -> int:
+    """Map the first ``nbytes`` of ``fd`` (shared, read-write); returns the address.
+    The caller unmaps it with ``unmap_bytes(address, nbytes)``; no descriptor is kept."""
+    address = _LIBC.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    if address in (None, _MAP_FAILED):
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"cannot map {nbytes} bytes of a memfd: {os.strerror(errno)}")
+    return address
+
+
+def unmap_bytes(address: int, nbytes: int) -> None:
+    _LIBC.munmap(address, nbytes)
 
 
 class SharedValue:
@@ -42,38 +82,67 @@ class SharedValue:
         'run'
     """
 
-    def __init__(self, fd: int):
+    def __init__(self, fd: int, holders: tuple = ()):
         # Private: use SharedValue.create, or pickle. Takes ownership of fd.
         self.fd = fd
         stat = os.fstat(fd)
         self.key = (stat.st_dev, stat.st_ino)
+        #: (pid, fd) of other processes that hold the memfd for as long as they live
+        #: (coordinators), tried in order when the pickling process is gone.
+        self.holders: tuple[tuple[int, int], ...] = tuple(holders)
         self._finalizer = weakref.finalize(self, os.close, fd)
+        # Mapped once: the version word read by every get(). The header's page was
+        # reserved at creation, so touching it can never raise SIGBUS.
+        try:
+            address = map_shared_bytes(fd, _HEADER.size)
+        except BaseException:
+            self._finalizer()
+            raise
+        unmap = weakref.finalize(self, unmap_bytes, address, _HEADER.size)
+        unmap.atexit = False  # exit unmaps anyway; a late get() must not find it gone
+        self._version_word = ctypes.c_uint64.from_address(address)
         self._thread_lock = threading.Lock()
         self._update_lock = threading.Lock()
-        self._cached_version = -1
-        self._cached_value: Any = None
+        # (version, value) in one tuple: a thread on the fast path never pairs a new
+        # version with an old value.
+        self._cached: tuple[int, Any] = (-1, None)
 
     @classmethod
     def create(cls, value: Any) -> "SharedValue":
-        """A new shared cell holding ``value`` (which must be picklable)."""
+        """A new shared cell holding ``value`` (which must be picklable).
+
+        The header is reserved with ``posix_fallocate``: a full memory is a
+        :class:`~shared_td.storage.files.StorageFullError` here, never a SIGBUS.
+        """
         fd = os.memfd_create(f"shared_td-value-{os.getpid()}", os.MFD_CLOEXEC)
+        try:
+            os.posix_fallocate(fd, 0, _HEADER.size)
+        except OSError as err:
+            os.close(fd)
+            if err.errno in NO_SPACE_ERRNOS:
+                raise storage_full_error(err, _HEADER.size, "a shared non-tensor value") from err
+            raise
         cell = cls(fd)
         cell.set(value)
         with _CACHE_LOCK:
             _CACHE[cell.key] = cell
+        for batch in _new_cell_batches():
+            batch.append(cell)
         return cell
 
     def get(self) -> Any:
         """The current value (the last one written by any process)."""
+        version, value = self._cached
+        if self._version_word.value == version:
+            return value  # unchanged: no lock, no system call
         with self._thread_lock:
             _lockf(self.fd, fcntl.LOCK_SH, _VALUE)
             try:
                 version, length = _HEADER.unpack(os.pread(self.fd, _HEADER.size, 0))
-                if version != self._cached_version:
+                if version != self._cached[0]:
                     payload = os.pread(self.fd, length, _HEADER.size)
-                    self._cached_value = pickle.loads(payload)
-                    self._cached_version = version
-                return self._cached_value
+                    self._cached = (version, pickle.loads(payload))
+                return self._cached[1]
             finally:
                 _lockf(self.fd, fcntl.LOCK_UN, _VALUE)
 
@@ -89,10 +158,15 @@ class SharedValue:
         with self._thread_lock:
             _lockf(self.fd, fcntl.LOCK_EX, _VALUE)
             try:
-                header = os.pread(self.fd, _HEADER.size, 0)
-                version = _HEADER.unpack(header)[0] if len(header) == _HEADER.size else 0
-                os.pwrite(self.fd, payload, _HEADER.size)
-                os.pwrite(self.fd, _HEADER.pack(version + 1, len(payload)), 0)
+                try:
+                    os.pwrite(self.fd, payload, _HEADER.size)
+                except OSError as err:
+                    if err.errno in NO_SPACE_ERRNOS:
+                        raise storage_full_error(err, len(payload), "a shared non-tensor value") from err
+                    raise
+                os.pwrite(self.fd, _LENGTH.pack(len(payload)), _LENGTH.size)
+                # last, one aligned 8-byte store: from here on readers see the new value
+                self._version_word.value += 1
             finally:
                 _lockf(self.fd, fcntl.LOCK_UN, _VALUE)
 
@@ -109,22 +183,74 @@ class SharedValue:
             finally:
                 _lockf(self.fd, fcntl.LOCK_UN, _UPDATE)
 
+    def add_holders(self, holders) -> None:
+        """Record more processes that hold this cell (e.g. a coordinator that adopted it)."""
+        self.holders = tuple(dict.fromkeys((*self.holders, *map(tuple, holders))))
+
     def __reduce__(self):
-        return _attach, (os.getpid(), self.fd, self.key)
+        return _attach, (os.getpid(), self.fd, self.key, self.holders)
 
     def __repr__(self) -> str:
-        return f"SharedValue(fd={self.fd}, inode={self.key[1]})"
+        return f"SharedValue(fd={self.fd}, inode={self.key[1]}, holders={list(self.holders)})"
 
 
 _CACHE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _CACHE_LOCK = threading.Lock()
 
 
-def _attach(pid: int, fd: int, key: tuple[int, int]) -> SharedValue:
+def _reset_cache_lock() -> None:
+    # a fork taken while another thread held the lock must not leave the child stuck
+    global _CACHE_LOCK
+    _CACHE_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_cache_lock)
+
+
+def _attach(pid: int, fd: int, key: tuple[int, int], holders: tuple = ()) -> SharedValue:
+    """Unpickle a cell: this process's copy, else the sender's descriptor, else a holder's."""
     key = tuple(key)
     with _CACHE_LOCK:
         cell = _CACHE.get(key)
         if cell is None:
-            cell = SharedValue(reopen_peer_fd(pid, fd, key, what="shared non-tensor value"))
+            cell = SharedValue(_reopen_from_any(key, ((pid, fd), *holders)), holders)
             _CACHE[key] = cell
         return cell
+
+
+def _reopen_from_any(key: tuple[int, int], candidates) -> int:
+    first_error = None
+    for pid, fd in candidates:
+        try:
+            return reopen_peer_fd(pid, fd, key, what="shared non-tensor value")
+        except SegmentUnavailableError as err:
+            first_error = first_error or err
+    raise first_error
+
+
+# ----------------------------------------------------------------- new-cell batches
+# memmap_(share_non_tensor=True) creates its cells inside ``collecting_new_cells()`` so
+# that it can hand them all to a coordinator in one round trip.
+_BATCHES = threading.local()
+
+
+def _new_cell_batches() -> list:
+    return getattr(_BATCHES, "open", [])
+
+
+@contextlib.contextmanager
+def collecting_new_cells() -> Iterator[list]:
+    """Collect the cells that :meth:`SharedValue.create` makes in this thread.
+
+    Example:
+        >>> with collecting_new_cells() as cells:
+        ...     _ = SharedValue.create(1), SharedValue.create(2)
+        >>> [cell.get() for cell in cells]
+        [1, 2]
+    """
+    batch: list = []
+    _BATCHES.open = [*_new_cell_batches(), batch]
+    try:
+        yield batch
+    finally:
+        _BATCHES.open = [b for b in _BATCHES.open if b is not batch]

@@ -1,0 +1,152 @@
+"""Is an attached tensordict still the published one? ``is_stale`` and ``refresh``.
+
+Publishing a name again (a new tensordict, new keys added with ``make_memmap``, or an
+atomic rewrite of its prefix followed by ``publish``) raises its version; unpublishing
+marks it withdrawn. A tensordict returned by ``attach`` (or ``publish``) remembers the
+name and version it got. The coordinator keeps every name's current version in a small
+shared-memory table (one u64 per name, see :class:`~shared_td.coordinator.server.VersionTable`)
+that this process maps once per coordinator, so :func:`is_stale` is one load from
+shared memory (well under a microsecond), with no round trip to the manager.
+
+A stale tensordict keeps working on the memory it mapped: writes land in the old
+segments or the old files (an atomic rewrite swapped in new inodes), never in the new
+layout's. :func:`refresh` attaches the current one.
+
+Example:
+    >>> import torch, shared_td
+    >>> with shared_td.Coordinator() as coord:
+    ...     _ = coord.publish("w", shared_td.TensorDict(a=torch.zeros(2)))
+    ...     view = coord.attach("w")
+    ...     _ = coord.publish("w", shared_td.TensorDict(a=torch.ones(2), b=torch.ones(1)))
+    ...     stale = shared_td.is_stale(view)
+    ...     view = shared_td.refresh(view)
+    ...     stale, shared_td.is_stale(view), sorted(view.keys())
+    (True, False, ['a', 'b'])
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+from shared_td.storage.anonymous import reopen_peer_fd
+from shared_td.storage.shared_value import map_shared_bytes, unmap_bytes
+
+__all__ = ["is_stale", "refresh", "remember"]
+
+
+@dataclass
+class _Attachment:
+    name: str
+    version: int
+    endpoint: Any  # has .attach(name) and ._call(method, *args)
+    table: Any  # the mapped version table (_Table), or None
+    slot: int | None
+
+
+# id(td) -> (weak reference, attachment). Keyed by identity: tensordicts have no hash.
+_ATTACHMENTS: dict[int, tuple[weakref.ref, _Attachment]] = {}
+
+class _Table:
+    """A coordinator's version table mapped in this process (no descriptor kept)."""
+
+    def __init__(self, fd: int, nbytes: int):
+        address = map_shared_bytes(fd, nbytes)
+        unmap = weakref.finalize(self, unmap_bytes, address, nbytes)
+        unmap.atexit = False  # exit unmaps anyway; a late is_stale must not find it gone
+        self.words = (ctypes.c_uint64 * (nbytes // 8)).from_address(address)
+
+
+# (st_dev, st_ino) of a version table -> its mapping here, shared by the attachments of
+# one coordinator, unmapped with the last of them
+_TABLES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_LOCK = threading.Lock()
+
+
+def _reset_lock() -> None:
+    global _LOCK
+    _LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_lock)
+
+
+def remember(td: Any, name: str, version: int, stamp: dict, endpoint: Any) -> None:
+    """Record that ``td`` is version ``version`` of ``name`` (called by attach/publish)."""
+    table = None if stamp["table"] is None else _map_table(*stamp["table"])
+    attachment = _Attachment(name, version, endpoint, table, stamp["slot"])
+    key = id(td)
+
+    def forget(_ref, key=key):
+        _ATTACHMENTS.pop(key, None)
+
+    _ATTACHMENTS[key] = (weakref.ref(td, forget), attachment)
+
+
+def _map_table(pid: int, fd: int, key: tuple[int, int], nbytes: int):
+    key = tuple(key)
+    with _LOCK:
+        table = _TABLES.get(key)
+        if table is None:
+            own_fd = reopen_peer_fd(pid, fd, key, what="coordinator version table", min_size=nbytes)
+            try:
+                table = _Table(own_fd, nbytes)
+            finally:
+                os.close(own_fd)  # the mapping keeps the memory
+            _TABLES[key] = table
+        return table
+
+
+def _attachment(td: Any) -> _Attachment:
+    entry = _ATTACHMENTS.get(id(td))
+    if entry is None or entry[0]() is not td:
+        raise ValueError(
+            "This tensordict was not returned by attach() or Coordinator.publish(), so it "
+            "has no published version to compare with."
+        )
+    return entry[1]
+
+
+def is_stale(td: Any) -> bool:
+    """True if the name ``td`` was attached (or published) as has been published again
+    or unpublished since (an unpublished name's slot keeps its version with the
+    :data:`~shared_td.coordinator.server.WITHDRAWN` bit set). No round trip: one read of the coordinator's shared version
+    table (a round trip only past its 4096 names).
+
+    Raises:
+        ValueError: ``td`` was not returned by ``attach``/``Coordinator.publish``.
+        ConnectionError: past 4096 names, when the coordinator is gone.
+
+    Example:
+        >>> shared_td.is_stale(view)          # doctest: +SKIP
+        False
+    """
+    attachment = _attachment(td)
+    if attachment.table is not None:
+        current = attachment.table.words[attachment.slot]
+    else:
+        current = attachment.endpoint._call("version", attachment.name)
+    return current != attachment.version
+
+
+def refresh(td: Any) -> Any:
+    """The current tensordict published under ``td``'s name (a new object; ``td``
+    itself is unchanged and keeps mapping the old memory). Returns ``td`` itself when
+    it is not stale.
+
+    Raises:
+        KeyError: the name was unpublished.
+        ConnectionError: the coordinator is gone.
+        ValueError: ``td`` was not returned by ``attach``/``Coordinator.publish``.
+
+    Example:
+        >>> if shared_td.is_stale(td):        # doctest: +SKIP
+        ...     td = shared_td.refresh(td)
+    """
+    attachment = _attachment(td)
+    if not is_stale(td):
+        return td
+    return attachment.endpoint.attach(attachment.name)
