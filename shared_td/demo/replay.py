@@ -1,0 +1,153 @@
+"""The shared pieces of the actor/learner demo: a ring replay buffer, the state the
+learner shares with the actors, a toy environment, and the checks that prove no slot
+was lost or written twice and that every process maps the same memory.
+
+A transition row holds ``obs``, ``action``, ``reward``, ``next_obs``, ``done``, plus
+``index`` (the cursor position that reserved the row, -1 before the first write) and
+``policy_version`` (the version of the policy that acted).
+
+Example:
+    >>> buffer = replay_layout(capacity=8)
+    >>> ring_rows(start=6, n=4, capacity=8).tolist()
+    [6, 7, 0, 1]
+    >>> expected_indices(reserved=10, capacity=8).tolist()
+    [8, 9, 2, 3, 4, 5, 6, 7]
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from shared_td import NonTensorData, TensorDict
+
+__all__ = [
+    "NUM_ACTIONS", "OBS_SIZE", "Env", "backing_inode", "expected_indices", "greedy_actions",
+    "replay_layout", "ring_rows", "slots_check", "state_layout",
+]
+
+OBS_SIZE = 8
+NUM_ACTIONS = 4
+
+
+def replay_layout(capacity: int) -> TensorDict:
+    """An empty (in-process) replay buffer of ``capacity`` rows, to be published."""
+    return TensorDict(
+        {
+            "obs": torch.zeros(capacity, OBS_SIZE),
+            "action": torch.zeros(capacity, dtype=torch.int64),
+            "reward": torch.zeros(capacity),
+            "next_obs": torch.zeros(capacity, OBS_SIZE),
+            "done": torch.zeros(capacity, dtype=torch.bool),
+            "index": torch.full((capacity,), -1, dtype=torch.int64),
+            "policy_version": torch.zeros(capacity, dtype=torch.int64),
+        },
+        batch_size=[capacity],
+    )
+
+
+def state_layout(num_actors: int) -> TensorDict:
+    """What the processes share besides the buffer, to be published with
+    ``share_non_tensor=True``.
+
+    ``policy_version`` is a non-tensor value (shared through the coordinator's
+    non-tensor mechanism); the rest are small tensors each written by one process only:
+    ``phase`` (0 starting, 1 running, 2 stop; written by the parent), ``ready`` and
+    ``inode`` (one slot per actor, then the learner's), ``written``/``mean_reward`` (one
+    per actor), the learner's ``weights``, ``sampled``, ``updates`` and ``loss``.
+    """
+    processes = num_actors + 1
+    return TensorDict(
+        {
+            "policy_version": NonTensorData(0),
+            "phase": torch.zeros((), dtype=torch.int64),
+            "ready": torch.zeros(processes, dtype=torch.bool),
+            "inode": torch.zeros(processes, dtype=torch.int64),
+            "written": torch.zeros(num_actors, dtype=torch.int64),
+            "mean_reward": torch.zeros(num_actors),
+            "weights": torch.zeros(NUM_ACTIONS, OBS_SIZE),
+            "sampled": torch.zeros((), dtype=torch.int64),
+            "updates": torch.zeros((), dtype=torch.int64),
+            "loss": torch.zeros(()),
+        },
+        batch_size=[],
+    )
+
+
+def ring_rows(start: int, n: int, capacity: int) -> torch.Tensor:
+    """The buffer rows of cursor positions ``start .. start + n - 1`` (wrapping)."""
+    return torch.arange(start, start + n) % capacity
+
+
+class Env:
+    """A contextual bandit: reward = ``true_weights[action] . obs`` + noise.
+
+    Every actor builds the same hidden ``true_weights`` (seed 0); the learner never sees
+    them and fits them from the rewards in the buffer.
+    """
+
+    def __init__(self, batch_size: int, seed: int):
+        self.generator = torch.Generator().manual_seed(seed)
+        self.true_weights = torch.randn(NUM_ACTIONS, OBS_SIZE, generator=torch.Generator().manual_seed(0))
+        self.batch_size = batch_size
+        self.obs = self._observe()
+
+    def _observe(self) -> torch.Tensor:
+        return torch.randn(self.batch_size, OBS_SIZE, generator=self.generator)
+
+    def step(self, action: torch.Tensor) -> dict[str, torch.Tensor]:
+        """One step of ``batch_size`` independent episodes; returns a transition batch."""
+        obs, next_obs = self.obs, self._observe()
+        noise = 0.1 * torch.randn(self.batch_size, generator=self.generator)
+        reward = (self.true_weights[action] * obs).sum(-1) + noise
+        done = torch.rand(self.batch_size, generator=self.generator) < 0.05
+        self.obs = next_obs
+        return {"obs": obs, "action": action, "reward": reward, "next_obs": next_obs, "done": done}
+
+
+def greedy_actions(weights: torch.Tensor, obs: torch.Tensor, epsilon: float,
+                   generator: torch.Generator) -> torch.Tensor:
+    """The action the learned reward model rates best, or a random one with
+    probability ``epsilon``."""
+    best = (obs @ weights.T).argmax(-1)
+    explore = torch.rand(len(obs), generator=generator) < epsilon
+    random = torch.randint(NUM_ACTIONS, (len(obs),), generator=generator)
+    return torch.where(explore, random, best)
+
+
+def expected_indices(reserved: int, capacity: int) -> torch.Tensor:
+    """What each row's ``index`` must hold once cursor positions ``0 .. reserved - 1``
+    were all written: the last position that maps to the row, or -1 for none."""
+    rows = torch.arange(capacity)
+    last = rows + capacity * torch.div(reserved - 1 - rows, capacity, rounding_mode="floor")
+    return torch.where(rows < reserved, last, torch.full_like(rows, -1))
+
+
+def slots_check(buffer: TensorDict, reserved: int, written: int) -> tuple[bool, str]:
+    """Whether every reserved slot was written exactly once, and a sentence saying so.
+
+    A slot handed out twice would make the actors' ``written`` counts exceed the cursor;
+    a slot skipped or never written would leave a row with an older ``index`` (or -1).
+    """
+    if written != reserved:
+        return False, f"the cursor reserved {reserved:,} slots but the actors wrote {written:,}"
+    wrong = int((buffer["index"] != expected_indices(reserved, len(buffer))).sum())
+    if wrong:
+        return False, f"{wrong:,} rows do not hold the last position the cursor gave them"
+    return True, f"reserved {reserved:,} slots = written {written:,}; every slot written exactly once"
+
+
+def backing_inode(tensor: torch.Tensor) -> int:
+    """The inode of the file or memfd that this process maps at ``tensor``'s address.
+
+    Two processes that report the same inode read and write the same physical memory:
+    the proof that nothing was copied. Linux only (``/proc/self/maps``).
+    """
+    address = tensor.data_ptr()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            start, end = (int(bound, 16) for bound in fields[0].split("-"))
+            if start <= address < end:
+                return int(fields[4])
+    raise LookupError(f"address {address:#x} is not mapped in process {os.getpid()}")

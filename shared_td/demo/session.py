@@ -1,0 +1,185 @@
+"""One run of the actor/learner demo: start a coordinator, publish the replay buffer and
+the shared state, spawn the actors and the learner, show live throughput, stop them,
+verify, and clean everything up.
+
+Example:
+    >>> result = run_demo(seconds=2, actors=2)          # doctest: +SKIP
+    >>> result.ok, result.written == result.reserved    # doctest: +SKIP
+    (True, True)
+"""
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import pickle
+import sys
+import time
+from typing import TextIO
+
+from shared_td import Coordinator, SharedCounter
+from shared_td.demo.actor import run_actor
+from shared_td.demo.learner import run_learner
+from shared_td.demo.progress import ProgressLine, count, rate, size
+from shared_td.demo.replay import backing_inode, replay_layout, slots_check, state_layout
+
+__all__ = ["DemoResult", "run_demo"]
+
+START_TIMEOUT = 120.0  # seconds for the spawned processes to import torch and attach
+STOP_TIMEOUT = 30.0    # seconds for each of them to finish its step and exit
+
+
+@dataclasses.dataclass
+class DemoResult:
+    """What a run measured; ``ok`` when every check passed."""
+
+    seconds: float
+    actors: int
+    capacity: int
+    buffer_bytes: int
+    reference_bytes: int
+    reserved: int
+    written: int
+    sampled: int
+    updates: int
+    policy_version: int
+    loss: float
+    mean_reward: float
+    same_memory: bool
+    slots_ok: bool
+    slots_message: str
+
+    @property
+    def ok(self) -> bool:
+        return self.slots_ok and self.same_memory
+
+    def summary(self) -> str:
+        """The lines printed at the end of a run."""
+        mapping = ("map the same memory (one memfd inode, read in /proc/<pid>/maps)"
+                   if self.same_memory else "DO NOT map the same memory")
+        return "\n".join([
+            f"shared_td demo: {self.actors} actor processes and 1 learner for {self.seconds:.1f} s",
+            f"  written  {self.written:,} transitions ({rate(self.written, self.seconds)}, "
+            f"{size(self.written * self.buffer_bytes / self.capacity / self.seconds)}/s) into a "
+            f"{size(self.buffer_bytes)} shared ring buffer of {self.capacity:,} rows",
+            f"  sampled  {self.sampled:,} transitions ({rate(self.sampled, self.seconds)}) in "
+            f"{self.updates:,} learner updates; loss {self.loss:.4f}",
+            f"  policy   version {self.policy_version} read by the actors from shared non-tensor "
+            f"state; their mean reward {self.mean_reward:+.3f}",
+            f"  cursor   {self.slots_message}",
+            f"  copies   none: all {self.actors + 2} processes {mapping}; attaching the "
+            f"buffer sent {size(self.reference_bytes)} of references, no transition went "
+            "through a pipe or the coordinator",
+            "  result   " + ("OK" if self.ok else "FAILED"),
+        ])
+
+
+def run_demo(seconds: float = 20.0, actors: int = 2, capacity: int = 1 << 18,
+             batch_size: int = 128, stream: TextIO | None = None) -> DemoResult:
+    """Run the actor/learner demo for ``seconds`` (once every process is up) with
+    ``actors`` actor processes and a buffer of ``capacity`` rows; live progress goes to
+    ``stream`` (default stdout). Raises RuntimeError if a process fails or hangs.
+    """
+    if actors < 1 or capacity < batch_size or seconds <= 0:
+        raise ValueError(f"need actors >= 1, capacity >= {batch_size} rows and seconds > 0; "
+                         f"got {actors}, {capacity} and {seconds}")
+    stream = stream if stream is not None else sys.stdout
+    with Coordinator() as coord:
+        buffer = coord.publish("replay", replay_layout(capacity))
+        state = coord.publish("state", state_layout(actors), share_non_tensor=True)
+        cursor = SharedCounter()
+        ctx = multiprocessing.get_context("spawn")  # the strictest start method
+        processes = [
+            ctx.Process(target=run_actor, args=(coord, cursor, i, batch_size, 0.002),
+                        name=f"actor-{i}")
+            for i in range(actors)
+        ]
+        processes.append(ctx.Process(
+            target=run_learner, args=(coord, cursor, actors, 256, 20, 0.001), name="learner"))
+        try:
+            for process in processes:
+                process.start()
+            print(f"shared_td demo: starting {actors} actor processes and 1 learner (spawn) "
+                  f"on coordinator {coord.address}", file=stream, flush=True)
+            _wait(lambda: bool(state["ready"].all()), processes, START_TIMEOUT, "start")
+            row_bytes = sum(leaf[0].nbytes for leaf in buffer.values(True, True))
+            elapsed = _run_with_progress(state, processes, seconds, row_bytes, stream)
+        finally:
+            state["phase"].fill_(2)  # every process leaves its loop after this step
+            _stop(processes)
+        written = int(state["written"].sum())
+        slots_ok, slots_message = slots_check(buffer, cursor.value, written)
+        result = DemoResult(
+            seconds=elapsed,
+            actors=actors,
+            capacity=capacity,
+            buffer_bytes=sum(leaf.nbytes for leaf in buffer.values(True, True)),
+            reference_bytes=len(pickle.dumps(buffer)),
+            reserved=cursor.value,
+            written=written,
+            sampled=int(state["sampled"]),
+            updates=int(state["updates"]),
+            policy_version=state["policy_version"],
+            loss=float(state["loss"]),
+            mean_reward=float(state["mean_reward"].mean()),
+            same_memory=bool((state["inode"] == backing_inode(buffer["obs"])).all()),
+            slots_ok=slots_ok,
+            slots_message=slots_message,
+        )
+    print(result.summary(), file=stream, flush=True)
+    return result
+
+
+def _run_with_progress(state, processes, seconds: float, row_bytes: int, stream: TextIO) -> float:
+    """Let the workers run for ``seconds``, redrawing the progress line (``row_bytes``:
+    the bytes of one transition); returns the seconds they ran."""
+    line = ProgressLine(stream)
+    state["phase"].fill_(1)
+    started = time.monotonic()
+    try:
+        while (elapsed := time.monotonic() - started) < seconds:
+            _check_alive(processes, "run")
+            written, sampled = int(state["written"].sum()), int(state["sampled"])
+            line.update(elapsed / seconds, (
+                f"{elapsed:4.1f}/{seconds:g} s  written {count(written)} ({rate(written, elapsed)}, "
+                f"{size(written * row_bytes / max(elapsed, 1e-9))}/s)"
+                f"  sampled {count(sampled)} ({rate(sampled, elapsed)})"
+                f"  policy v{state['policy_version']}  loss {float(state['loss']):.3f}"))
+            time.sleep(min(0.2, max(seconds - elapsed, 0.0)))
+        return time.monotonic() - started
+    finally:
+        line.close()
+
+
+def _wait(condition, processes, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        _check_alive(processes, what)
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the demo's processes did not {what} within {timeout:g} s")
+        time.sleep(0.05)
+
+
+def _check_alive(processes, what: str) -> None:
+    dead = [p for p in processes if p.exitcode is not None]
+    if dead:
+        codes = ", ".join(f"{p.name} exit code {p.exitcode}" for p in dead)
+        raise RuntimeError(f"a demo process failed during {what} ({codes}); see its traceback above")
+
+
+def _stop(processes) -> None:
+    """Join every started process; kill one that does not stop in time; raise if any
+    failed or hung."""
+    failed = []
+    for process in processes:
+        if process.pid is None:
+            continue  # never started
+        process.join(STOP_TIMEOUT)
+        if process.exitcode is None:
+            failed.append(f"{process.name} hung and was killed")
+            process.kill()
+            process.join(STOP_TIMEOUT)
+        elif process.exitcode != 0:
+            failed.append(f"{process.name} exit code {process.exitcode}")
+        process.close()
+    if failed:
+        raise RuntimeError(f"demo processes failed: {', '.join(failed)}")
