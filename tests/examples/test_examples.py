@@ -1,0 +1,125 @@
+"""The examples and the demo, run as a user runs them: in a subprocess, bounded in time.
+
+Each run gets a private TMPDIR, so "nothing left in the temp directory" is checked on a
+directory no other program writes to, and an environment marker, which every process
+it starts inherits, so "no child process left" is checked by scanning /proc for it.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXAMPLES = os.path.join(REPO_ROOT, "examples")
+TIMEOUT = 240  # seconds: spawning processes that import torch is slow on a loaded 2-core box
+
+pytestmark = pytest.mark.timeout(TIMEOUT + 60)
+
+
+def processes_with(marker: str) -> list[int]:
+    """Pids of live processes whose environment holds ``marker``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as environ:
+                if marker.encode() in environ.read():
+                    found.append(int(entry))
+        except OSError:  # gone meanwhile, or not ours
+            pass
+    return found
+
+
+def run_python(args: list[str], tmp_path) -> tuple[subprocess.CompletedProcess, str]:
+    """Run ``python <args>`` from the repository root with a private TMPDIR and a
+    marker in its environment; returns the result and the marker."""
+    private_tmp = tmp_path / "tmp"
+    private_tmp.mkdir()
+    marker = f"shared_td-test-{uuid.uuid4().hex}"
+    env = dict(os.environ, TMPDIR=str(private_tmp), SHARED_TD_TEST_MARKER=marker)
+    result = subprocess.run([sys.executable, *args], cwd=REPO_ROOT, env=env,
+                            capture_output=True, text=True, timeout=TIMEOUT)
+    return result, marker
+
+
+def assert_nothing_left(tmp_path, marker: str, shm_before: set[str]) -> None:
+    assert os.listdir(tmp_path / "tmp") == []
+    assert set(os.listdir("/dev/shm")) - shm_before == set()
+    # the multiprocessing resource tracker leaves when its parent has exited: give it a moment
+    deadline = time.monotonic() + 15
+    while processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert processes_with(marker) == []
+
+
+def test_actor_learner_example(tmp_path):
+    shm_before = set(os.listdir("/dev/shm"))
+    result, marker = run_python(
+        [os.path.join(EXAMPLES, "actor_learner.py"), "--seconds", "3", "--actors", "2"], tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    throughput = re.search(r"throughput: 2 actors wrote ([\d,]+) transitions \(([\d.]+[kMG]?)/s\), "
+                           r"the learner sampled ([\d,]+)", result.stdout)
+    assert throughput, result.stdout
+    assert int(throughput[1].replace(",", "")) > 0 and int(throughput[3].replace(",", "")) > 0
+    cursor = re.search(r"cursor: reserved ([\d,]+) slots = written ([\d,]+); "
+                       r"every slot written exactly once", result.stdout)
+    assert cursor, result.stdout
+    assert cursor[1] == cursor[2] and int(cursor[1].replace(",", "")) > 0
+    assert_nothing_left(tmp_path, marker, shm_before)
+
+
+def test_multiprocess_test_example_passes_under_pytest(tmp_path):
+    result, marker = run_python(
+        ["-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.join(EXAMPLES, "multiprocess_test.py")],
+        tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert re.search(r"\b2 passed\b", result.stdout), result.stdout
+    assert_nothing_left(tmp_path, marker, set(os.listdir("/dev/shm")))
+
+
+DEMO = """
+import argparse, sys
+from shared_td.cli import demo
+parser = argparse.ArgumentParser()
+demo.add_arguments(parser)
+sys.exit(demo.run(parser.parse_args(["--seconds", "3"])))
+"""
+
+
+def test_demo_runs_reports_and_leaves_nothing_behind(tmp_path):
+    shm_before = set(os.listdir("/dev/shm"))
+    result, marker = run_python(["-c", DEMO], tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "shared_td demo: 2 actor processes and 1 learner for 3." in out, out
+    assert re.search(r"written +[\d,]+ transitions \([\d.]+[kMG]?/s", out), out
+    assert re.search(r"sampled +[\d,]+ transitions", out), out
+    assert re.search(r"reserved ([\d,]+) slots = written \1; every slot written exactly once", out), out
+    assert "all 4 processes map the same memory" in out, out
+    assert out.rstrip().endswith("result   OK"), out
+    assert_nothing_left(tmp_path, marker, shm_before)
+
+
+def test_demo_refuses_bad_options():
+    code = ("import argparse; from shared_td.cli import demo; p = argparse.ArgumentParser(); "
+            "demo.add_arguments(p); p.parse_args(['--actors', '0'])")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=TIMEOUT)
+    assert result.returncode == 2 and "must be positive" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("script", ["shared_buffer.py", "dataloader_workers.py"])
+def test_older_examples_run(tmp_path, script):
+    result, marker = run_python([os.path.join(EXAMPLES, script)], tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    expected = {"shared_buffer.py": "actors wrote 128 rows into shared memory",
+                "dataloader_workers.py": "every sample was marked seen in the shared files: True"}
+    assert expected[script] in result.stdout, result.stdout
+    assert_nothing_left(tmp_path, marker, set(os.listdir("/dev/shm")))
