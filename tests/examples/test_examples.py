@@ -123,3 +123,17 @@ def test_older_examples_run(tmp_path, script):
                 "dataloader_workers.py": "every sample was marked seen in the shared files: True"}
     assert expected[script] in result.stdout, result.stdout
     assert_nothing_left(tmp_path, marker, set(os.listdir("/dev/shm")))
+
+
+def test_readme_actor_learner_snippet_runs(tmp_path):
+    with open(os.path.join(REPO_ROOT, "README.md")) as readme:
+        text = readme.read()
+    section = text[text.index("### Actor/learner: a shared replay buffer"):]
+    snippet = re.search(r"```python\n(.*?)```", section, re.S)[1]
+    assert len(snippet.splitlines()) <= 25
+    script = tmp_path / "snippet.py"
+    script.write_text(snippet)
+    result, marker = run_python([str(script)], tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.split() == ["320", "320"]  # 2 actors x 10 x 16 rows, all written
+    assert_nothing_left(tmp_path, marker, set(os.listdir("/dev/shm")))
