@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from shared_td.keys import encode_key, is_safe_legacy_name
+
 META = "meta.json"
 LEAF_SUFFIX = ".memmap"
 OTHER_PICKLE = "other.pickle"  # non-JSON data of a NonTensorData or tensorclass
@@ -74,6 +76,39 @@ def dtype_from_name(name: str, *, where: str) -> torch.dtype:
         raise FormatError(
             f"{where}: unknown dtype {name!r}; this torch knows {sorted(DTYPE_BY_NAME)}."
         ) from None
+
+
+def node_entries(meta: dict) -> dict[str, dict]:
+    """The per-key entries of a TensorDict node's meta.json, reserved names included.
+
+    Examples:
+        >>> node_entries({"x": {"dtype": "torch.float32", "shape": [2]}, "shape": [2]})
+        {'x': {'dtype': 'torch.float32', 'shape': [2]}}
+    """
+    entries = {k: v for k, v in meta.items() if isinstance(v, dict) and k not in NODE_FIELDS}
+    reserved = meta.get(RESERVED_ENTRIES)
+    if isinstance(reserved, dict):
+        entries.update(reserved)
+    return entries
+
+
+def file_names(key: str, *, leaf: bool, robust_key: bool = True) -> list[str]:
+    """The file names a key may have, in the order a loader tries them.
+
+    Its robust (encoded) name first, then its raw legacy name when that stays inside
+    the directory (tensordict 0.15.3's rule, spec §4.7). A leaf's names end in .memmap.
+
+    Examples:
+        >>> file_names("a b", leaf=True)
+        ['a%20b.memmap', 'a b.memmap']
+        >>> file_names("../x", leaf=False)
+        ['..%2Fx']
+    """
+    suffix = LEAF_SUFFIX if leaf else ""
+    names = [encode_key(key) + suffix] if robust_key else []
+    if is_safe_legacy_name(key, directory=not leaf) and key + suffix not in names:
+        names.append(key + suffix)
+    return names
 
 
 def leaf_entry(tensor: torch.Tensor) -> dict:

@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from shared_td.keys import encode_key, is_safe_legacy_name
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.persist import format as fmt
 from shared_td.storage import files
@@ -164,8 +163,7 @@ class Loader:
         from shared_td.containers.tensordict import TensorDict
 
         batch_size = torch.Size(meta.get("shape", []))
-        entries = {k: v for k, v in meta.items() if isinstance(v, dict) and k not in fmt.NODE_FIELDS}
-        entries.update(meta.get(fmt.RESERVED_ENTRIES, {}))
+        entries = fmt.node_entries(meta)
         values = {}
         for key, entry in entries.items():
             if "type" in entry:
@@ -256,11 +254,7 @@ class Loader:
     # ------------------------------------------------------------------ files
     def _candidates(self, key: str, *, leaf: bool) -> list[str]:
         """File names of ``key``: its robust name, then its legacy (raw) name if safe."""
-        suffix = fmt.LEAF_SUFFIX if leaf else ""
-        names = [encode_key(key) + suffix] if self.robust_key else []
-        if is_safe_legacy_name(key, directory=not leaf) and key + suffix not in names:
-            names.append(key + suffix)
-        return names
+        return fmt.file_names(key, leaf=leaf, robust_key=self.robust_key)
 
     def _open_leaf(self, directory: _Directory, key: str) -> tuple[str, int, bool]:
         """Open the file of leaf ``key``: ``(name, fd, shared)``.
