@@ -1,0 +1,79 @@
+"""``shared-td verify PREFIX``: would this saved tensordict load, completely and safely?
+
+Checked, from the meta.json files only (nothing is mapped or unpickled): every
+meta.json parses; every leaf file it lists exists and holds at least the bytes its shape
+and dtype need; no symlink anywhere (a symlink could lead out of the directory, and
+the loader refuses them); files and directories no meta.json names are warnings.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+
+from shared_td.cli.common import human_bytes, plural, print_json
+from shared_td.persist.survey import Survey, survey
+
+EPILOG = """examples:
+  shared-td verify /data/buffer          a report; exit code 0 (ok, maybe warnings) or 1 (errors)
+  shared-td verify --json /data/buffer   the same as JSON (keys: prefix, ok, totals, problems)
+  shared-td verify -q /data/buffer && echo loads   only the exit code and the problems
+
+Errors (exit code 1): a meta.json that is missing or not JSON, a leaf file that is
+missing or shorter than its shape and dtype need, an unknown dtype, any symlink.
+Warnings (exit code 0): files or directories that no meta.json names (a leftover
+temporary file, a stack member after a gap, a stale pickle).
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prefix", metavar="PREFIX", help="the directory of a saved tensordict")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a report")
+    parser.add_argument("-q", "--quiet", action="store_true",
+                        help="print the problems only (nothing when there is none)")
+
+
+def run(args: argparse.Namespace) -> int:
+    found = survey(args.prefix)
+    if args.json:
+        print_json(as_json(found))
+    else:
+        lines = report_lines(found)
+        if args.quiet:
+            lines = lines[1:]
+        if lines:
+            print("\n".join(lines))
+    return 1 if found.errors else 0
+
+
+def as_json(found: Survey) -> dict:
+    return {
+        "prefix": found.prefix,
+        "ok": not found.errors,
+        "totals": found.totals(),
+        "problems": [
+            dict(dataclasses.asdict(p), absolute_path=os.path.join(found.prefix, p.path))
+            for p in found.problems
+        ],
+    }
+
+
+def report_lines(found: Survey) -> list[str]:
+    """A summary line, then one line per problem (errors first) with its full path."""
+    totals = found.totals()
+    checked = (
+        f"{plural(totals['nodes'], 'node')}, {plural(totals['leaves'], 'leaf')} "
+        f"({human_bytes(totals['bytes'])}), {plural(totals['non_tensor_values'], 'non-tensor value')}"
+    )
+    if not found.problems:
+        summary = f"ok: {found.prefix}: {checked}"
+    else:
+        verdict = "FAILED" if found.errors else "ok"
+        summary = (f"{verdict}: {found.prefix}: {plural(len(found.errors), 'error')}, "
+                   f"{plural(len(found.warnings), 'warning')} ({checked})")
+    width = max((len(p.severity) for p in found.problems), default=0)
+    problems = [
+        f"{p.severity:<{width}}  {os.path.join(found.prefix, p.path)}: {p.message}"
+        for p in found.errors + found.warnings
+    ]
+    return [summary] + problems

@@ -1,0 +1,361 @@
+"""What a saved directory holds, read from its meta.json files only (nothing is mapped).
+
+``survey(prefix)`` walks a directory written by shared_td or tensordict 0.15.3 the way
+the loader would, without mapping a leaf or unpickling a value, and returns the tree
+(keys, classes, shapes, dtypes, sizes on disk, non-tensor values shown as short text)
+with every problem found: a meta.json that does not parse, a missing or short leaf
+file, a symlink (never followed: it could lead out of the directory), a file that no
+meta.json names. ``shared_td inspect`` prints the tree, ``shared_td verify`` the problems.
+
+Examples:
+    >>> found = survey("/data/buffer")
+    >>> [leaf.key for leaf in found.root.children]
+    ['obs', 'next']
+    >>> found.errors
+    []
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import stat
+from dataclasses import dataclass, field
+
+from shared_td.keys import decode_key
+from shared_td.persist import format as fmt
+
+#: Non-tensor values are shown as their repr cut to this many characters.
+VALUE_WIDTH = 60
+
+TENSOR, NODE, VALUE = "tensor", "node", "value"
+
+
+@dataclass
+class Problem:
+    """One thing wrong (``error``: the loader would fail) or odd (``warning``)."""
+
+    severity: str
+    path: str  # relative to the prefix; "." is the prefix itself
+    message: str
+
+
+@dataclass
+class Entry:
+    """A node, tensor leaf or non-tensor value of the saved tree."""
+
+    key: str  # the key in its parent ("" for the root), as the user wrote it
+    kind: str  # TENSOR, NODE or VALUE
+    path: str  # its file or directory, relative to the prefix ("" for the root)
+    class_name: str = ""  # TensorDict, LazyStackedTensorDict, NonTensorData, a tensorclass...
+    batch_size: list | None = None
+    dtype: str | None = None
+    shape: list | None = None
+    nbytes: int | None = None  # bytes that shape and dtype need (None: unknown)
+    size_on_disk: int | None = None  # bytes of its file(s) (None: no file)
+    value: str | None = None  # a non-tensor value, cut to VALUE_WIDTH characters
+    children: list["Entry"] = field(default_factory=list)
+
+    def walk(self):
+        """This entry and every entry below it, depth first."""
+        yield self
+        for child in self.children:
+            yield from child.walk()
+
+
+@dataclass
+class Survey:
+    """The tree at ``prefix`` and the problems found in it."""
+
+    prefix: str
+    root: Entry
+    problems: list[Problem]
+
+    @property
+    def errors(self) -> list[Problem]:
+        return [p for p in self.problems if p.severity == "error"]
+
+    @property
+    def warnings(self) -> list[Problem]:
+        return [p for p in self.problems if p.severity == "warning"]
+
+    def totals(self) -> dict:
+        """Counts and bytes: ``leaves``, ``bytes`` (what the leaves need), ``bytes_on_disk``."""
+        entries = list(self.root.walk())
+        leaves = [e for e in entries if e.kind == TENSOR]
+        return {
+            "leaves": len(leaves),
+            "bytes": sum(e.nbytes or 0 for e in leaves),
+            "bytes_on_disk": sum(e.size_on_disk or 0 for e in leaves),
+            "non_tensor_values": sum(e.kind == VALUE for e in entries),
+            "nodes": sum(e.kind == NODE for e in entries),
+        }
+
+
+def survey(prefix: str) -> Survey:
+    """Read the tree saved at ``prefix`` and check it (see the module docstring).
+
+    Raises:
+        FileNotFoundError: ``prefix`` does not exist or holds no meta.json.
+        NotADirectoryError: ``prefix`` is a file.
+    """
+    root = os.path.abspath(os.fspath(prefix))
+    if not os.path.exists(root):
+        raise FileNotFoundError(f"No such directory: {root}")
+    if not os.path.isdir(root):
+        raise NotADirectoryError(f"{root} is a file, not a saved tensordict directory.")
+    if not os.path.lexists(os.path.join(root, fmt.META)):
+        raise FileNotFoundError(f"No saved tensordict at {root}: {fmt.META} is missing.")
+    walker = _Walker(root)
+    tree = walker.node("", "")
+    walker.check_directories()
+    return Survey(root, tree, walker.problems)
+
+
+class _Walker:
+    """Reads the nodes; remembers which names each node directory should hold."""
+
+    def __init__(self, root: str):
+        self.root = root
+        self.problems: list[Problem] = []
+        self.expected: dict[str, set[str]] = {}  # node directory -> names it owns
+        self.reported: set[str] = set()  # paths already named in a problem
+
+    def problem(self, severity: str, path: str, message: str) -> None:
+        self.problems.append(Problem(severity, os.path.normpath(path), message))
+        self.reported.add(os.path.normpath(path))
+
+    def absolute(self, path: str) -> str:
+        return os.path.join(self.root, path)
+
+    # -------------------------------------------------------------------- nodes
+    def node(self, key: str, directory: str) -> Entry:
+        self.expected[directory] = {fmt.META}
+        entry = Entry(key, NODE, directory)
+        meta = self.read_meta(directory)
+        if meta is None:  # what its files are for is unknown: no warning per file
+            del self.expected[directory]
+            entry.class_name = "?"
+            return entry
+        type_str = meta.get("_type")
+        if type_str == fmt.TENSORDICT_TYPE:
+            self.tensordict(entry, meta)
+        elif type_str == fmt.LAZY_STACK_TYPE:
+            self.lazy_stack(entry)
+        elif type_str == fmt.NON_TENSOR_DATA_TYPE:
+            self.non_tensor_data(entry, meta)
+        elif type_str == fmt.NON_TENSOR_STACK_TYPE:
+            self.non_tensor_stack(entry, meta)
+        else:
+            self.tensorclass(entry, meta, type_str)
+        return entry
+
+    def read_meta(self, directory: str) -> dict | None:
+        path = os.path.join(directory, fmt.META)
+        try:
+            fd = os.open(self.absolute(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            self.problem("error", path, f"{fmt.META} is missing: this directory is no saved node")
+            return None
+        except OSError as error:  # ELOOP: a symlink
+            kind = "a symlink (not followed)" if os.path.islink(self.absolute(path)) else error.strerror
+            self.problem("error", path, f"cannot read {fmt.META}: {kind}")
+            return None
+        with os.fdopen(fd, "rb") as file:
+            data = file.read()
+        try:
+            meta = json.loads(data.decode("utf-8"))
+        except (ValueError, UnicodeDecodeError) as error:
+            self.problem("error", path, f"not valid JSON: {error}")
+            return None
+        if not isinstance(meta, dict):
+            self.problem("error", path, f"holds a JSON {type(meta).__name__}, not an object")
+            return None
+        return meta
+
+    def tensordict(self, entry: Entry, meta: dict) -> None:
+        entry.class_name = "TensorDict"
+        entry.batch_size = meta.get("shape")
+        for key, item in fmt.node_entries(meta).items():
+            if "type" in item:
+                name = self.find(entry.path, key, leaf=False)
+                if name is not None:
+                    entry.children.append(self.node(key, os.path.join(entry.path, name)))
+            elif "dtype" in item and "shape" in item:
+                entry.children.append(self.leaf(entry.path, key, item))
+
+    def lazy_stack(self, entry: Entry) -> None:
+        entry.class_name = "LazyStackedTensorDict"
+        index = 0
+        while os.path.isdir(self.absolute(os.path.join(entry.path, str(index)))) and \
+                not os.path.islink(self.absolute(os.path.join(entry.path, str(index)))):
+            self.expected[entry.path].add(str(index))
+            entry.children.append(self.node(str(index), os.path.join(entry.path, str(index))))
+            index += 1
+        if index == 0:
+            self.problem("error", entry.path, "a lazy stack without members (no 0/ directory)")
+        entry.batch_size = [index]
+
+    def non_tensor_data(self, entry: Entry, meta: dict) -> None:
+        entry.kind, entry.class_name = VALUE, "NonTensorData"
+        if "data" in meta:
+            entry.value = _short(repr(meta["data"]))
+        else:
+            entry.value = self.pickled(entry.path, fmt.OTHER_PICKLE)
+
+    def non_tensor_stack(self, entry: Entry, meta: dict) -> None:
+        entry.kind, entry.class_name = VALUE, "NonTensorStack"
+        data = meta.get("data")
+        if data == fmt.STACK_PICKLE:
+            entry.value = self.pickled(entry.path, fmt.STACK_PICKLE)
+        else:
+            entry.value = _short(repr(data))
+            if isinstance(data, list):
+                entry.batch_size = [len(data)]
+
+    def tensorclass(self, entry: Entry, meta: dict, type_str) -> None:
+        entry.class_name = _class_name(type_str)
+        child = os.path.join(entry.path, fmt.TENSORCLASS_CHILD)
+        if not os.path.isdir(self.absolute(child)) or os.path.islink(self.absolute(child)):
+            what = "a tensorclass without its _tensordict/ directory" if type_str else "no _type"
+            self.problem("error", os.path.join(entry.path, fmt.META), f"{what}: cannot be loaded")
+            return
+        self.expected[entry.path].add(fmt.TENSORCLASS_CHILD)
+        inner = self.node(fmt.TENSORCLASS_CHILD, child)
+        entry.batch_size, entry.children = inner.batch_size, inner.children
+        for key, value in meta.items():  # non-tensor fields kept in meta.json itself
+            if not key.startswith("_"):
+                entry.children.append(Entry(key, VALUE, os.path.join(entry.path, fmt.META),
+                                            "field", value=_short(repr(value))))
+        if os.path.lexists(self.absolute(os.path.join(entry.path, fmt.OTHER_PICKLE))):
+            value = self.pickled(entry.path, fmt.OTHER_PICKLE)
+            entry.children.append(Entry("(other fields)", VALUE, os.path.join(entry.path, fmt.OTHER_PICKLE),
+                                        "field", value=value))
+
+    # -------------------------------------------------------------------- files
+    def leaf(self, directory: str, key: str, item: dict) -> Entry:
+        entry = Entry(key, TENSOR, os.path.join(directory, fmt.file_names(key, leaf=True)[0]))
+        entry.dtype, entry.shape = item["dtype"], item["shape"]
+        where = os.path.join(directory, fmt.META)
+        try:
+            itemsize = fmt.dtype_from_name(entry.dtype, where=where).itemsize
+        except (fmt.FormatError, TypeError):
+            self.problem("error", where, f"key {key!r}: unknown dtype {entry.dtype!r}")
+            itemsize = None
+        if not isinstance(entry.shape, list) or not all(type(n) is int and n >= 0 for n in entry.shape):
+            self.problem("error", where, f"key {key!r}: shape {entry.shape!r} is not a list of sizes")
+            self.expected[directory].update(fmt.file_names(key, leaf=True))
+            return entry
+        numel = math.prod(entry.shape)
+        nested = bool(item.get("is_nested"))
+        if itemsize is not None and not nested:
+            entry.nbytes = numel * itemsize
+        if numel == 0 and not nested:  # zero-element leaves have no file
+            name = self.find(directory, key, leaf=True, required=False)
+            entry.size_on_disk = 0
+        else:
+            name = self.find(directory, key, leaf=True)
+        if name is None:
+            return entry
+        entry.path = os.path.join(directory, name)
+        entry.size_on_disk = self.regular_file_size(entry.path)
+        if nested:  # its shape is that of the int64 sizes file beside the data file
+            sizes = entry.path[: -len(fmt.LEAF_SUFFIX)] + ".shape" + fmt.LEAF_SUFFIX
+            self.expected[directory].add(os.path.basename(sizes))
+            entry.class_name = "nested"
+            self.problem("warning", entry.path, f"key {key!r} is a nested tensor: tensordict "
+                         "0.15.3 loads it, shared_td cannot yet")
+            self.check_size(sizes, self.regular_file_size(sizes), numel * 8, entry)
+        elif entry.nbytes is not None:
+            self.check_size(entry.path, entry.size_on_disk, entry.nbytes, entry)
+        return entry
+
+    def check_size(self, path: str, size: int | None, needed: int, entry: Entry) -> None:
+        if size is not None and size < needed:
+            self.problem("error", path, f"{size} bytes, but shape {entry.shape} of "
+                         f"{entry.dtype} needs {needed}: the file is truncated")
+
+    def regular_file_size(self, path: str) -> int | None:
+        """Its size; None (and a problem) when missing or not a regular file."""
+        try:
+            info = os.lstat(self.absolute(path))
+        except FileNotFoundError:
+            self.problem("error", path, "missing: meta.json lists it")
+            return None
+        if stat.S_ISLNK(info.st_mode):
+            self.problem("error", path, f"a symlink (to {os.readlink(self.absolute(path))}), not followed")
+            return None
+        if not stat.S_ISREG(info.st_mode):
+            self.problem("error", path, "not a regular file")
+            return None
+        return info.st_size
+
+    def find(self, directory: str, key: str, *, leaf: bool, required: bool = True) -> str | None:
+        """The existing name of ``key``'s file or directory (see format.file_names)."""
+        names = fmt.file_names(key, leaf=leaf)
+        for name in names:
+            path = os.path.join(directory, name)
+            if os.path.lexists(self.absolute(path)):
+                self.expected[directory].add(name)
+                if not leaf and (os.path.islink(self.absolute(path)) or not os.path.isdir(self.absolute(path))):
+                    kind = "a symlink, not followed" if os.path.islink(self.absolute(path)) else "not a directory"
+                    self.problem("error", path, f"the directory of key {key!r} is {kind}")
+                    return None
+                return name
+        if required:
+            kind = "file" if leaf else "directory"
+            self.problem("error", os.path.join(directory, names[0]),
+                         f"missing: the {kind} of key {key!r} listed in {os.path.join(directory, fmt.META)}")
+        return None
+
+    def pickled(self, directory: str, name: str) -> str:
+        size = self.regular_file_size(os.path.join(directory, name))
+        self.expected[directory].add(name)
+        return "<pickled, ? bytes>" if size is None else f"<pickled, {size} bytes>"
+
+    # -------------------------------------------------------------------- directories
+    def check_directories(self) -> None:
+        """Symlinks anywhere are errors; names no meta.json owns are warnings.
+
+        Unknown directories are walked too (for symlinks), without a warning per file.
+        """
+        for directory, dirnames, filenames in os.walk(self.root):
+            relative = os.path.relpath(directory, self.root)
+            relative = "" if relative == os.curdir else relative  # the root's own key
+            for name in sorted(dirnames + filenames):
+                path = os.path.normpath(os.path.join(relative, name))
+                if path in self.reported:
+                    continue
+                absolute = os.path.join(directory, name)
+                if os.path.islink(absolute):
+                    target = os.readlink(absolute)
+                    inside = _inside(os.path.join(directory, target), self.root)
+                    where = "inside the prefix" if inside else "escapes the prefix"
+                    self.problem("error", path, f"a symlink to {target} ({where}); never followed")
+                elif relative in self.expected and name not in self.expected[relative]:
+                    self.problem("warning", path, _unknown(name, os.path.isdir(absolute)))
+
+
+def _unknown(name: str, is_directory: bool) -> str:
+    if is_directory:
+        return "an unknown directory: no meta.json names it"
+    if name.endswith(fmt.LEAF_SUFFIX):
+        key = decode_key(name[: -len(fmt.LEAF_SUFFIX)])
+        return f"an unknown file: a leaf file of key {key!r}, which no meta.json lists"
+    return "an unknown file: no meta.json names it"
+
+
+def _inside(path: str, root: str) -> bool:
+    real, root = os.path.realpath(path), os.path.realpath(root)
+    return real == root or real.startswith(root + os.sep)
+
+
+def _class_name(type_str) -> str:
+    """``"<class 'module.Name'>"`` -> ``"module.Name"``, without importing anything."""
+    if isinstance(type_str, str) and type_str.startswith("<class '") and type_str.endswith("'>"):
+        return type_str[len("<class '"): -len("'>")]
+    return "?"
+
+
+def _short(text: str, width: int = VALUE_WIDTH) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
