@@ -36,7 +36,7 @@ import weakref
 from typing import Any, Iterator
 
 from shared_td.storage.anonymous import SegmentUnavailableError, reopen_peer_fd
-from shared_td.storage.files import NO_SPACE_ERRNOS, storage_full_error
+from shared_td.storage.files import NO_SPACE_ERRNOS, pwrite_all, storage_full_error
 
 _HEADER = struct.Struct("<QQ")  # version, payload length
 _LENGTH = struct.Struct("<Q")
@@ -159,11 +159,14 @@ class SharedValue:
             _lockf(self.fd, fcntl.LOCK_EX, _VALUE)
             try:
                 try:
-                    os.pwrite(self.fd, payload, _HEADER.size)
+                    # reserve first: a full memory then fails with the old value intact
+                    # (a pwrite cut short would have overwritten part of it)
+                    os.posix_fallocate(self.fd, _HEADER.size, max(len(payload), 1))
                 except OSError as err:
                     if err.errno in NO_SPACE_ERRNOS:
                         raise storage_full_error(err, len(payload), "a shared non-tensor value") from err
                     raise
+                pwrite_all(self.fd, payload, _HEADER.size, where="a shared non-tensor value")
                 os.pwrite(self.fd, _LENGTH.pack(len(payload)), _LENGTH.size)
                 # last, one aligned 8-byte store: from here on readers see the new value
                 self._version_word.value += 1
