@@ -6,6 +6,7 @@ stores straight into the memory every process maps.
 """
 from __future__ import annotations
 
+import signal
 import time
 
 import torch
@@ -23,6 +24,7 @@ def run_actor(coord: Coordinator, cursor: SharedCounter, actor_id: int, batch_si
     Spawn-safe: everything arrives by reference (the coordinator handle is its address
     and key; the cursor a memfd reference) and the buffer is attached by name.
     """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the parent stops us via phase
     buffer = coord.attach("replay")
     state = coord.attach("state")
     capacity = len(buffer)

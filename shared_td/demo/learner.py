@@ -4,6 +4,7 @@ replay buffer, fits a linear reward model, and publishes new weights and a new
 """
 from __future__ import annotations
 
+import signal
 import time
 
 import torch
@@ -18,6 +19,7 @@ def run_learner(coord: Coordinator, cursor: SharedCounter, learner_slot: int, ba
                 publish_every: int, pause: float) -> None:
     """Train until the parent sets ``phase`` to 2; ``learner_slot`` is this process's
     index in ``state["ready"]`` and ``state["inode"]``."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the parent stops us via phase
     buffer = coord.attach("replay")
     state = coord.attach("state")
     capacity = len(buffer)

@@ -103,9 +103,12 @@ def run_demo(seconds: float = 20.0, actors: int = 2, capacity: int = 1 << 18,
             _wait(lambda: bool(state["ready"].all()), processes, START_TIMEOUT, "start")
             row_bytes = sum(leaf[0].nbytes for leaf in buffer.values(True, True))
             elapsed = _run_with_progress(state, processes, seconds, row_bytes, stream)
-        finally:
-            state["phase"].fill_(2)  # every process leaves its loop after this step
-            _stop(processes)
+        except BaseException:
+            state["phase"].fill_(2)
+            _stop(processes, report=False)  # the error in flight says what went wrong
+            raise
+        state["phase"].fill_(2)  # every process leaves its loop after this step
+        _stop(processes, report=True)
         written = int(state["written"].sum())
         slots_ok, slots_message = slots_check(buffer, cursor.value, written)
         result = DemoResult(
@@ -166,9 +169,9 @@ def _check_alive(processes, what: str) -> None:
         raise RuntimeError(f"a demo process failed during {what} ({codes}); see its traceback above")
 
 
-def _stop(processes) -> None:
-    """Join every started process; kill one that does not stop in time; raise if any
-    failed or hung."""
+def _stop(processes, report: bool) -> None:
+    """Join every started process; kill one that does not stop in time; if ``report``,
+    raise RuntimeError when any failed or hung."""
     failed = []
     for process in processes:
         if process.pid is None:
@@ -181,5 +184,5 @@ def _stop(processes) -> None:
         elif process.exitcode != 0:
             failed.append(f"{process.name} exit code {process.exitcode}")
         process.close()
-    if failed:
+    if failed and report:
         raise RuntimeError(f"demo processes failed: {', '.join(failed)}")
