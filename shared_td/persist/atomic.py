@@ -13,7 +13,8 @@ as it was or as the new complete version.
   those of dead writers are removed by the next atomic write (under the lock) and by
   ``shared_td.gc(prefix)`` (a writer killed between the fallback's two renames leaves
   ``prefix`` missing until then: the sweep moves the old version back). Nothing outside
-  prefix's parent directory is touched.
+  prefix's parent directory is touched. Lock files stay (every writer reuses them);
+  ``gc(prefix, remove_lock=True)`` (``shared-td gc``) removes one no process holds.
 * **Not durable**: files are not synced, so this guards against a killed process, not
   a power failure.
 """
@@ -23,11 +24,14 @@ import ctypes
 import ctypes.util
 import errno
 import os
+import re
 import shutil
 import sys
 import tempfile
 
 import filelock
+
+from shared_td.persist.lock_probe import lock_is_held, remove_unheld_lock
 
 #: Seconds a writer waits for another writer of the same prefix before TimeoutError.
 #: Override per process with the environment variable SHARED_TD_LOCK_TIMEOUT.
@@ -62,15 +66,30 @@ class acquired:
         self.lock = prefix_lock(prefix, timeout)
 
     def __enter__(self) -> "acquired":
+        while True:
+            try:
+                self.lock.acquire()
+            except filelock.Timeout:
+                raise TimeoutError(
+                    f"Another writer has held the lock {self.lock.lock_file} for more than "
+                    f"{self.lock.timeout:.0f} s: an atomic write of the same prefix is still "
+                    "running. Wait for it, or raise SHARED_TD_LOCK_TIMEOUT."
+                ) from None
+            if self._holds_the_file_at_its_path():
+                return self
+            # gc removed the file between our open and our flock: what we hold locks
+            # nothing that the next writer would see, so lock the file now there
+            self.lock.release()
+
+    def _holds_the_file_at_its_path(self) -> bool:
+        """False if the locked file was unlinked or replaced (filelock 3.12 does not check that)."""
+        fd = getattr(self.lock._context, "lock_file_fd", None)
+        if fd is None:  # a filelock without this attribute: trust it
+            return True
         try:
-            self.lock.acquire()
-        except filelock.Timeout:
-            raise TimeoutError(
-                f"Another writer has held the lock {self.lock.lock_file} for more than "
-                f"{self.lock.timeout:.0f} s: an atomic write of the same prefix is still "
-                "running. Wait for it, or raise SHARED_TD_LOCK_TIMEOUT."
-            ) from None
-        return self
+            return os.path.samestat(os.fstat(fd), os.stat(self.lock.lock_file))
+        except FileNotFoundError:
+            return False
 
     def __exit__(self, *exc: object) -> None:
         self.lock.release()
@@ -139,54 +158,124 @@ def swap_into_place(staging: str, prefix: str) -> None:
     _remove_tree(retired)
 
 
+def find_leftovers(prefix: str) -> list[str]:
+    """Temporary directories of ``prefix`` whose writer process is gone (nothing removed).
+
+    Only names of our own pattern in prefix's parent are considered, and a directory of
+    a live writer (its pid still runs) is never one of them.
+    """
+    parent, name = os.path.split(os.path.abspath(prefix))
+    try:
+        entries = sorted(os.listdir(parent))
+    except FileNotFoundError:
+        return []
+    found = []
+    for entry in entries:
+        pid = _writer_pid(entry, name)
+        if pid is not None and not _alive(pid):
+            found.append(os.path.join(parent, entry))
+    return found
+
+
 def sweep_leftovers(prefix: str) -> list[str]:
     """Remove temporary directories of ``prefix`` left by writers that died.
 
-    Only names of our own pattern in prefix's parent whose writer pid is gone are
-    removed. If the writer died between the two renames of the fallback (``prefix``
-    missing), the old version it moved away is renamed back to ``prefix``. Call it
-    while holding the prefix lock (``gc`` does). Returns what it removed.
+    If the writer died between the two renames of the fallback (``prefix`` missing),
+    the old version it moved away is renamed back to ``prefix``. Call it while holding
+    the prefix lock (``gc`` does). Returns what it removed.
     """
     prefix = os.path.abspath(prefix)
     parent, name = os.path.split(prefix)
     removed = []
-    try:
-        entries = os.listdir(parent)
-    except FileNotFoundError:
-        return removed
-    for entry in entries:
-        pid = _writer_pid(entry, name)
-        if pid is not None and not _alive(pid):
-            path = os.path.join(parent, entry)
-            moved_away = os.path.join(path, "tree")
-            if entry.startswith(f".{name}.{_TAG}-old-") and not os.path.lexists(prefix) \
-                    and os.path.isdir(moved_away):
-                # killed between the two renames of the fallback: the old version goes back
-                os.rename(moved_away, prefix)
-            _remove_tree(path)
-            removed.append(path)
+    for path in find_leftovers(prefix):
+        moved_away = os.path.join(path, "tree")
+        if os.path.basename(path).startswith(f".{name}.{_TAG}-old-") \
+                and not os.path.lexists(prefix) and os.path.isdir(moved_away):
+            # killed between the two renames of the fallback: the old version goes back
+            os.rename(moved_away, prefix)
+        _remove_tree(path)
+        removed.append(path)
     return removed
 
 
-def gc(prefix: str, timeout: float | None = None) -> list[str]:
-    """Remove what killed atomic writers of ``prefix`` left beside it.
+def gc(prefix: str, timeout: float | None = None, *, dry_run: bool = False,
+       remove_lock: bool = False) -> list[str]:
+    """Remove what killed atomic writers of ``prefix`` left beside it; returns the paths.
+
+    The temporary directories of dead writers are removed under the prefix lock (waiting
+    at most ``timeout`` seconds for a running writer, then TimeoutError). With
+    ``remove_lock=True`` the lock file ``.<name>.lock`` goes too when no process holds
+    it. ``dry_run=True`` removes nothing, takes no lock and returns what would go.
 
     Examples:
         >>> shared_td.gc("/data/buffer")
         []
+        >>> shared_td.gc("/data/buffer", remove_lock=True, dry_run=True)
+        ['/data/.buffer.lock']
     """
     prefix = os.path.abspath(os.fspath(prefix))
+    lock_file = lock_path(prefix)
+    if dry_run:
+        found = find_leftovers(prefix)
+        if remove_lock and os.path.lexists(lock_file) and not lock_is_held(lock_file):
+            found.append(lock_file)
+        return found
+    existed = os.path.lexists(lock_file)  # else taking the lock creates it: not a leftover
     with acquired(prefix, timeout):
-        return sweep_leftovers(prefix)
+        removed = sweep_leftovers(prefix)
+    if remove_lock and remove_unheld_lock(lock_file) and existed:
+        removed.append(lock_file)
+    return removed
+
+
+def leftover_prefixes(directory: str) -> list[str]:
+    """Prefixes in ``directory`` that have atomic writers' leftovers or a lock file beside them.
+
+    Names are parsed only (nothing is checked for being dead or stale): the temporary
+    directories ``.<name>.shared_td-{new,old}-<pid>-<random>`` and the lock files
+    ``.<name>.lock`` whose ``<name>`` is a saved tensordict or has such directories
+    (a ``.x.lock`` of another program beside no saved tensordict is not ours).
+
+    Examples:
+        >>> leftover_prefixes("/data")  # /data/.buffer.lock, /data/buffer/meta.json
+        ['/data/buffer']
+    """
+    try:
+        entries = os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    with_dirs, with_locks = set(), set()
+    for entry in entries:
+        parsed = parse_leftover_name(entry)
+        if parsed is not None:
+            with_dirs.add(parsed[0])
+        elif entry.startswith(".") and entry.endswith(".lock") and len(entry) > len("..lock"):
+            with_locks.add(entry[1:-len(".lock")])
+    ours = with_dirs | {
+        name for name in with_locks
+        if os.path.isfile(os.path.join(directory, name, "meta.json"))
+    }
+    return sorted(os.path.join(os.path.abspath(directory), name) for name in ours)
+
+
+# the random part of mkdtemp's names has no dot, so the last ".shared_td-" is ours
+_LEFTOVER_NAME = re.compile(rf"\.(?P<name>.+)\.{_TAG}-(?:new|old)-(?P<pid>[0-9]+)-", re.DOTALL)
+
+
+def parse_leftover_name(entry: str) -> tuple[str, int] | None:
+    """``(prefix name, writer pid)`` of a temporary directory's name, else None.
+
+    Examples:
+        >>> parse_leftover_name(".buffer.shared_td-new-4242-k2j5x")
+        ('buffer', 4242)
+    """
+    match = _LEFTOVER_NAME.match(entry)
+    return (match["name"], int(match["pid"])) if match else None
 
 
 def _writer_pid(entry: str, name: str) -> int | None:
-    for kind in ("new", "old"):
-        head = f".{name}.{_TAG}-{kind}-"
-        if entry.startswith(head):
-            pid = entry[len(head):].split("-", 1)[0]
-            return int(pid) if pid.isdigit() else None
-    return None
+    parsed = parse_leftover_name(entry)
+    return parsed[1] if parsed is not None and parsed[0] == name else None
 
 
 def _alive(pid: int) -> bool:

@@ -1,0 +1,101 @@
+"""``shared-td gc PATH``: remove what killed atomic writers left under PATH.
+
+Two kinds of things, and nothing else:
+
+* temporary directories ``.<name>.shared_td-{new,old}-<pid>-<random>`` whose writer
+  process ``<pid>`` no longer runs (a running writer's are never touched);
+* lock files ``.<name>.lock`` that no process holds (probed with a non-blocking flock),
+  beside a saved tensordict ``<name>`` or beside such directories. A lock file of a
+  prefix that no longer exists is left alone: nothing says it is ours.
+
+Each prefix is cleaned by ``shared_td.gc(prefix, remove_lock=True)`` under its writer
+lock; a prefix whose lock a running writer holds is skipped (that writer removes dead
+writers' directories itself before it swaps).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+from shared_td.cli.common import CommandError, UsageError, plural, print_json
+from shared_td.persist import atomic
+from shared_td.persist.lock_probe import lock_is_held
+
+EPILOG = """examples:
+  shared-td gc --dry-run /data       list what would be removed under /data
+  shared-td gc /data                 remove it
+  shared-td gc /data/buffer          a saved tensordict: also its own leftovers beside it
+  shared-td gc --wait 30 /data       wait up to 30 s for each running writer's lock
+
+Leftovers live beside their prefix (/data/.buffer.shared_td-new-4242-x1y2 for
+/data/buffer), so PATH is usually the parent directory; its subdirectories are searched
+too (symlinks are not followed). A crashed writer's half-written meta.json temporary
+file inside a prefix is not removed here: `shared-td verify` lists it.
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("path", metavar="PATH", help="a directory to search, or a saved tensordict")
+    parser.add_argument("--dry-run", action="store_true", help="list what would be removed; remove nothing")
+    parser.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                        help="how long to wait for a running writer's lock (default 0: skip its prefix)")
+    parser.add_argument("--json", action="store_true", help="print JSON (keys: removed, skipped, dry_run)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.wait < 0:
+        raise UsageError(f"--wait must be 0 or more seconds, got {args.wait}")
+    root = os.path.abspath(args.path)
+    if not os.path.isdir(root):
+        raise CommandError(f"{root} is not a directory" if os.path.exists(root) else f"No such directory: {root}")
+    removed, skipped = [], []
+    for prefix in prefixes_under(root):
+        if args.dry_run:
+            if lock_is_held(atomic.lock_path(prefix)):
+                skipped.append(prefix)
+            else:
+                removed += atomic.gc(prefix, dry_run=True, remove_lock=True)
+            continue
+        try:
+            removed += atomic.gc(prefix, timeout=args.wait, remove_lock=True)
+        except TimeoutError:
+            skipped.append(prefix)
+    if args.json:
+        print_json({"dry_run": args.dry_run, "removed": removed, "skipped": skipped})
+    else:
+        print("\n".join(report_lines(removed, skipped, dry_run=args.dry_run, root=root)))
+    return 0
+
+
+def prefixes_under(root: str) -> list[str]:
+    """Every prefix with leftovers or a lock file beside it, in ``root`` or below it.
+
+    ``root`` itself counts when it is a saved tensordict (its leftovers are beside it).
+    Temporary directories are not searched (they are copies of a tree) and symlinks
+    are not followed.
+    """
+    found = []
+    if os.path.isfile(os.path.join(root, "meta.json")):
+        found += [p for p in atomic.leftover_prefixes(os.path.dirname(root)) if p == root]
+    for directory, dirnames, _ in os.walk(root):
+        found += atomic.leftover_prefixes(directory)
+        dirnames[:] = sorted(d for d in dirnames if atomic.parse_leftover_name(d) is None)
+    return found
+
+
+def report_lines(removed: list[str], skipped: list[str], *, dry_run: bool, root: str) -> list[str]:
+    verb = "would remove" if dry_run else "removed"
+    lines = [f"{verb}  {path}  ({_what(path)})" for path in removed]
+    lines += [f"skipped {prefix}: a running writer holds its lock {atomic.lock_path(prefix)}"
+              for prefix in skipped]
+    count = plural(len(removed), "leftover")
+    lines.append(f"{count} {'to remove' if dry_run else 'removed'} under {root}"
+                 + (f", {plural(len(skipped), 'prefix')} in use" if skipped else ""))
+    return lines
+
+
+def _what(path: str) -> str:
+    parsed = atomic.parse_leftover_name(os.path.basename(path))
+    if parsed is not None:
+        return f"temporary directory of dead writer pid {parsed[1]}"
+    return "lock file no process holds"

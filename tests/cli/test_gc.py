@@ -1,0 +1,194 @@
+"""`shared-td gc`: removes dead atomic writers' temporary directories and lock files no
+process holds, under a directory; never a running writer's, never anything else."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from cli_helpers import dead_pid, run_cli, run_json, run_main  # noqa: E402
+
+import shared_td  # noqa: E402
+from shared_td.persist import atomic  # noqa: E402
+
+HOLD_LOCK = (
+    "import filelock, sys\n"
+    "lock = filelock.FileLock(sys.argv[1]); lock.acquire()\n"
+    "print('locked', flush=True); sys.stdin.read()\n"
+)
+
+
+@pytest.fixture
+def lock_holder():
+    """Start a process that holds a lock file until the test ends."""
+    holders = []
+
+    def hold(path) -> subprocess.Popen:
+        holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(path)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        holders.append(holder)
+        assert holder.stdout.readline() == "locked\n"
+        return holder
+
+    yield hold
+    for holder in holders:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+
+
+def _save(prefix) -> None:
+    shared_td.TensorDict(x=torch.arange(3.0)).memmap_(str(prefix), atomic=True)
+
+
+def _crashed_writer_leftovers(parent, name: str, pid: int) -> list[str]:
+    """What a writer killed while writing leaves: a staging directory with a partial tree."""
+    staging = parent / f".{name}.shared_td-new-{pid}-k2j5x_q"
+    (staging / "nested").mkdir(parents=True)
+    (staging / "x.memmap").write_bytes(b"\0" * 12)
+    return [str(staging)]
+
+
+def _listing(root) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(d, n), root)
+                  for d, dirs, files in os.walk(root) for n in dirs + files)
+
+
+@pytest.fixture
+def scene(tmp_path, lock_holder):
+    """A data directory with leftovers of a crashed writer, stale and held locks, and
+    things that must stay. Returns (root, what gc must remove, what it must keep)."""
+    root = tmp_path / "data"
+    (root / "runs").mkdir(parents=True)
+    dead = dead_pid()
+    gone = []
+    _save(root / "buffer")  # leaves .buffer.lock behind, held by nobody
+    gone += _crashed_writer_leftovers(root, "buffer", dead) + [str(root / ".buffer.lock")]
+    _save(root / "runs" / "deep")
+    gone += _crashed_writer_leftovers(root / "runs", "deep", dead) + [str(root / "runs" / ".deep.lock")]
+    # a running writer of "busy": its lock is held, its staging directory is alive
+    _save(root / "busy")
+    holder = lock_holder(root / ".busy.lock")
+    kept = [".busy.lock", f".busy.shared_td-new-{holder.pid}-abc"]
+    kept += [os.path.relpath(p, root) for p in _crashed_writer_leftovers(root, "busy", dead)]
+    (root / kept[1]).mkdir()
+    # not ours: another program's lock file, a name of our pattern whose pid is no number
+    (root / ".other.lock").write_text("")
+    (root / ".buffer.shared_td-new-notapid-x").mkdir()
+    kept += [".other.lock", ".buffer.shared_td-new-notapid-x", "buffer", "busy"]
+    return root, gone, kept
+
+
+def test_dry_run_lists_and_removes_nothing(scene):
+    root, gone, kept = scene
+    before = _listing(root)
+    code, out, err = run_main("gc", "--dry-run", root)
+    assert (code, err) == (0, "")
+    assert _listing(root) == before
+    lines = out.splitlines()
+    assert sorted(line.split()[2] for line in lines if line.startswith("would remove")) == sorted(gone)
+    assert f"skipped {root / 'busy'}: a running writer holds its lock {root / '.busy.lock'}" in lines
+    assert lines[-1] == f"4 leftovers to remove under {root}, 1 prefix in use"
+
+
+def test_removes_dead_writers_leftovers_and_unheld_locks_only(scene):
+    root, gone, kept = scene
+    code, document = run_json("gc", "--dry-run", root)
+    assert code == 0 and sorted(document["removed"]) == sorted(gone)
+    done = run_cli("gc", root)
+    assert done.returncode == 0 and done.stderr == ""
+    assert sorted(line.split()[1] for line in done.stdout.splitlines()
+                  if line.startswith("removed ")) == sorted(gone)
+    for path in gone:
+        assert not os.path.lexists(path)
+    for name in kept:
+        assert os.path.lexists(root / name), name
+    assert shared_td.load_memmap(str(root / "buffer"))["x"].tolist() == [0.0, 1.0, 2.0]
+    assert shared_td.load_memmap(str(root / "runs" / "deep"))["x"].tolist() == [0.0, 1.0, 2.0]
+    code, document = run_json("gc", root)  # nothing left to do
+    assert (code, document["removed"], document["skipped"]) == (0, [], [str(root / "busy")])
+
+
+def test_a_writer_killed_between_the_two_renames_gets_its_prefix_back(tmp_path):
+    _save(tmp_path / "p")
+    moved = tmp_path / f".p.shared_td-old-{dead_pid()}-x1"
+    moved.mkdir()
+    os.rename(tmp_path / "p", moved / "tree")  # the fallback's first rename, then SIGKILL
+    code, out, _ = run_main("gc", tmp_path)
+    assert code == 0 and f"removed  {moved}  (temporary directory of dead writer pid" in out
+    assert sorted(os.listdir(tmp_path)) == ["p"]
+    assert shared_td.load_memmap(str(tmp_path / "p"))["x"].tolist() == [0.0, 1.0, 2.0]
+
+
+def test_path_may_be_the_saved_tensordict_itself(tmp_path):
+    _save(tmp_path / "p")
+    leftovers = _crashed_writer_leftovers(tmp_path, "p", dead_pid())
+    code, document = run_json("gc", tmp_path / "p")
+    assert code == 0 and sorted(document["removed"]) == sorted(leftovers + [str(tmp_path / ".p.lock")])
+    assert os.listdir(tmp_path) == ["p"]
+
+
+def test_the_library_function_dry_run_and_remove_lock(tmp_path, lock_holder):
+    _save(tmp_path / "p")
+    leftovers = _crashed_writer_leftovers(tmp_path, "p", dead_pid())
+    lock = str(tmp_path / ".p.lock")
+    assert shared_td.gc(tmp_path / "p", dry_run=True) == leftovers
+    assert shared_td.gc(tmp_path / "p", dry_run=True, remove_lock=True) == leftovers + [lock]
+    assert sorted(os.listdir(tmp_path)) == sorted([".p.lock", "p", os.path.basename(leftovers[0])])
+    holder = lock_holder(lock)
+    assert atomic.lock_is_held(lock)
+    assert shared_td.gc(tmp_path / "p", dry_run=True, remove_lock=True) == leftovers
+    with pytest.raises(TimeoutError):
+        shared_td.gc(tmp_path / "p", timeout=0, remove_lock=True)
+    holder.stdin.close()
+    holder.wait(timeout=60)
+    assert not atomic.lock_is_held(lock)
+    assert shared_td.gc(tmp_path / "p", timeout=0, remove_lock=True) == leftovers + [lock]
+    assert os.listdir(tmp_path) == ["p"]
+    # without remove_lock, the lock file that taking the lock creates stays
+    assert shared_td.gc(tmp_path / "p") == [] and sorted(os.listdir(tmp_path)) == [".p.lock", "p"]
+
+
+def test_a_removed_lock_file_is_recreated_by_the_next_writer(tmp_path):
+    _save(tmp_path / "p")
+    assert atomic.remove_unheld_lock(str(tmp_path / ".p.lock"))
+    with atomic.acquired(str(tmp_path / "p")):  # recreated by the next writer
+        assert atomic.lock_is_held(str(tmp_path / ".p.lock"))
+        assert not atomic.remove_unheld_lock(str(tmp_path / ".p.lock"))
+    _save(tmp_path / "p")
+
+
+def test_a_writer_whose_lock_file_was_removed_under_it_locks_the_new_one(tmp_path):
+    # The race gc's lock removal could open: a writer opens the lock file, gc unlinks
+    # it, the writer's flock then succeeds on the deleted file while a second writer
+    # creates and locks a new one. The first writer must notice and lock the new file.
+    prefix = str(tmp_path / "p")
+    _save(prefix)
+    writer = atomic.acquired(prefix, timeout=10)
+    original, attempts = writer.lock.acquire, []
+
+    def acquire_then_lose_the_file(*args, **kwargs):
+        result = original(*args, **kwargs)
+        attempts.append(os.fstat(writer.lock._context.lock_file_fd).st_ino)
+        if len(attempts) == 1:
+            os.unlink(atomic.lock_path(prefix))  # as if gc removed it just before our flock
+        return result
+
+    writer.lock.acquire = acquire_then_lose_the_file
+    with writer:
+        assert len(attempts) == 2  # (the inode number may be reused: not compared)
+        assert os.path.samestat(os.fstat(writer.lock._context.lock_file_fd),
+                                os.stat(atomic.lock_path(prefix)))
+        assert atomic.lock_is_held(atomic.lock_path(prefix))
+
+
+def test_errors(tmp_path):
+    (tmp_path / "file").write_text("")
+    for target in [tmp_path / "missing", tmp_path / "file"]:
+        code, out, err = run_main("gc", target)
+        assert (code, out) == (1, "") and len(err.splitlines()) == 1 and "Traceback" not in err
+    code, out, err = run_main("gc", "--wait", "-1", tmp_path)
+    assert code == 2 and err == "shared-td gc: usage error: --wait must be 0 or more seconds, got -1.0\n"
