@@ -1,0 +1,92 @@
+"""Benchmark cases of sharing: pickling by reference, atomic rewrites, the Coordinator.
+
+Each case takes the options and a scratch directory and returns ``{column: seconds}``;
+the first column is the reference of the table.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import time
+
+import torch
+
+from shared_td.bench.libraries import tensordict_module
+from shared_td.bench.timing import best_of, fresh_dir
+
+
+def case_leaf_pickle(options, root: str) -> dict:
+    """Pickle round trip of 1000 views of one file-backed tensor (sent by reference)."""
+    from shared_td import MemoryMappedTensor
+
+    base_path = os.path.join(root, "pickled.memmap")
+    ours = MemoryMappedTensor.from_tensor(torch.randn(1000, 16), filename=base_path, existsok=True)
+    views = list(ours.unbind(0))
+    out = {
+        "raw pickle of the bytes": best_of(
+            options.repeat, lambda: [v.clone().numpy() for v in views],
+            lambda arrays: pickle.loads(pickle.dumps(arrays)),
+        ),
+        "shared_td": best_of(options.repeat, lambda: views, lambda vs: pickle.loads(pickle.dumps(vs))),
+    }
+    tensordict = tensordict_module()
+    if tensordict is not None:
+        theirs = tensordict.MemoryMappedTensor.from_filename(base_path, torch.float32, (1000, 16))
+        their_views = list(theirs.unbind(0))
+        out["tensordict"] = best_of(
+            options.repeat, lambda: their_views, lambda vs: pickle.loads(pickle.dumps(vs))
+        )
+    return out
+
+
+def case_atomic_rewrite(options, root: str) -> dict:
+    """Rewrite of a tensordict of 8 leaves (size-mib/4 in all) onto a save: plain vs atomic."""
+    import shared_td
+    from shared_td.persist import atomic
+
+    floats_per_leaf = options.size_mib * (1 << 20) // 4 // 32
+    td = shared_td.TensorDict({f"leaf{i}": torch.randn(floats_per_leaf) for i in range(8)})
+    path = os.path.join(root, "atomic")
+    td.memmap(path)
+    dirs = fresh_dir(root)
+    out = {
+        "memmap_ (new directory)": best_of(
+            options.repeat, lambda: (td.clone(), dirs()), lambda s: s[0].memmap_(s[1])
+        ),
+        "memmap_ (overwrite)": best_of(options.repeat, lambda: td.clone(), lambda t: t.memmap_(path)),
+        "memmap_ atomic=True": best_of(
+            options.repeat, lambda: td.clone(), lambda t: t.memmap_(path, atomic=True)
+        ),
+    }
+    lock = atomic.prefix_lock(path)
+    rounds = 5 * options.rounds
+    start = time.perf_counter()
+    for _ in range(rounds):
+        lock.acquire()
+        lock.release()
+    out["lock acquire+release"] = (time.perf_counter() - start) / rounds
+    return out
+
+
+def case_coord_attach(options, root: str) -> dict:
+    """Coordinator.attach of a published 100-leaf tensordict (anonymous, then files)."""
+    import shared_td
+
+    def leaves():
+        return shared_td.TensorDict({f"k{i}": torch.zeros(4) for i in range(100)})
+
+    rounds = options.rounds
+    out = {}
+    with shared_td.Coordinator() as coord:
+        coord.publish("anonymous", leaves())
+        coord.publish("files", leaves(), prefix=os.path.join(root, "published"))
+        for name in ["anonymous", "files"]:
+            coord.attach(name)  # the connection is made once per process
+            out[f"{name}, 100 leaves"] = best_of(
+                options.repeat, lambda: None,
+                lambda _, n=name: [coord.attach(n) for _ in range(rounds)],
+            ) / rounds
+        out["names() round trip"] = best_of(
+            options.repeat, lambda: None, lambda _: [coord.names() for _ in range(rounds)]
+        ) / rounds
+    return out

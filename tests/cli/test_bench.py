@@ -1,0 +1,78 @@
+"""`shared-td bench` and benchmarks/run.py: the cases run from the installed package, the
+table has every case, tensordict's rows are optional."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+from cli_helpers import REPO, run_cli, run_main  # noqa: E402
+
+from shared_td.bench import CASES, BenchOptions, run  # noqa: E402
+from shared_td.bench.runner import table_rows  # noqa: E402
+
+
+def _rows(out: str) -> dict[str, list[str]]:
+    """case -> its column names, from the printed table."""
+    rows: dict = {}
+    for line in out.splitlines()[2:]:
+        if line.startswith(tuple(CASES)):
+            rows.setdefault(line[:16].strip(), []).append(line[16:42].strip())
+    return rows
+
+
+def test_quick_runs_every_case_in_bounded_time():
+    # about 7 s alone on 2 cores; the timeout leaves room for a busy machine
+    done = run_cli("bench", "--quick", timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert "cores" in lines[0] and "torch" in lines[0]
+    assert "failed" not in done.stdout
+    rows = _rows(done.stdout)
+    assert list(rows) == list(CASES)
+    assert rows["big_leaf"][0] == "raw os.write" and "shared_td threads=2" in rows["big_leaf"]
+    assert "shared_td fds held" in rows["tree_anonymous"]
+
+
+def test_the_repository_runner_takes_the_same_options():
+    done = subprocess.run(
+        [sys.executable, os.path.join("benchmarks", "run.py"), "--quick", "--only", "tree_load",
+         "--only", "leaf_pickle", "--repeat", "2"],
+        cwd=REPO, capture_output=True, text=True, timeout=240,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert list(_rows(done.stdout)) == ["tree_load", "leaf_pickle"]
+
+
+def test_without_tensordict_its_rows_are_left_out_with_a_note(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tensordict", None)  # `import tensordict` fails
+    assert run(BenchOptions.quick(only=["tree_load", "leaf_pickle"])) == 0
+    out = capsys.readouterr().out
+    assert "note: tensordict is not installed" in out.splitlines()[1]
+    assert _rows(out) == {"tree_load": ["shared_td"], "leaf_pickle": ["raw pickle of the bytes", "shared_td"]}
+
+
+def test_a_failing_case_is_reported_and_the_others_run(monkeypatch, capsys):
+    def broken(options, root):
+        raise OSError("disk full")
+
+    monkeypatch.setitem(CASES, "big_leaf", broken)
+    assert run(BenchOptions.quick(only=["big_leaf", "tree_load"])) == 1
+    out = capsys.readouterr().out
+    assert "big_leaf        failed: OSError: disk full" in out and "tree_load" in _rows(out)
+
+
+def test_options_quick_defaults_and_overrides():
+    assert BenchOptions.quick(repeat=3) == BenchOptions(size_mib=16, repeat=3, nodes=100, rounds=20)
+    code, out, err = run_main("bench", "--repeat", "0")
+    assert (code, out) == (2, "")
+    assert err == "shared-td bench: usage error: --repeat must be at least 1, got 0\n"
+
+
+def test_table_rows_show_ratios_to_the_first_column():
+    assert table_rows("case", {"ref": 2.0, "half as fast": 4.0, "count": 7}) == [
+        "case            ref                           2.0000         1.00x",
+        "case            half as fast                  4.0000         0.50x",
+        "case            count                              7",
+    ]
