@@ -76,11 +76,34 @@ def prefixes_under(root: str) -> list[str]:
     """
     found = []
     if os.path.isfile(os.path.join(root, "meta.json")):
-        found += [p for p in atomic.leftover_prefixes(os.path.dirname(root)) if p == root]
+        found += [p for p in prefixes_in(os.path.dirname(root)) if p == root]
     for directory, dirnames, _ in os.walk(root):
-        found += atomic.leftover_prefixes(directory)
+        found += prefixes_in(directory)
         dirnames[:] = sorted(d for d in dirnames if atomic.parse_leftover_name(d) is None)
     return found
+
+
+def prefixes_in(directory: str) -> list[str]:
+    """Prefixes in ``directory`` with atomic writers' directories or a lock file beside them.
+
+    Names are parsed only (nothing is checked for being dead or stale). A lock file
+    counts only beside a saved tensordict (a ``.x.lock`` of another program is not ours).
+    """
+    try:
+        entries = os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    found = set()
+    for entry in entries:
+        parsed = atomic.parse_leftover_name(entry)
+        if parsed is not None:
+            found.add(os.path.join(directory, parsed[0]))
+        elif entry.startswith(".") and entry.endswith(".lock"):
+            prefix = os.path.join(directory, entry[1:-len(".lock")])
+            if atomic.lock_path(prefix) == os.path.join(directory, entry) and \
+                    os.path.isfile(os.path.join(prefix, "meta.json")):
+                found.add(prefix)
+    return sorted(found)
 
 
 def report_lines(removed: list[str], skipped: list[str], *, dry_run: bool, root: str) -> list[str]:

@@ -228,36 +228,6 @@ def gc(prefix: str, timeout: float | None = None, *, dry_run: bool = False,
     return removed
 
 
-def leftover_prefixes(directory: str) -> list[str]:
-    """Prefixes in ``directory`` that have atomic writers' leftovers or a lock file beside them.
-
-    Names are parsed only (nothing is checked for being dead or stale): the temporary
-    directories ``.<name>.shared_td-{new,old}-<pid>-<random>`` and the lock files
-    ``.<name>.lock`` whose ``<name>`` is a saved tensordict or has such directories
-    (a ``.x.lock`` of another program beside no saved tensordict is not ours).
-
-    Examples:
-        >>> leftover_prefixes("/data")  # /data/.buffer.lock, /data/buffer/meta.json
-        ['/data/buffer']
-    """
-    try:
-        entries = os.listdir(directory)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    with_dirs, with_locks = set(), set()
-    for entry in entries:
-        parsed = parse_leftover_name(entry)
-        if parsed is not None:
-            with_dirs.add(parsed[0])
-        elif entry.startswith(".") and entry.endswith(".lock") and len(entry) > len("..lock"):
-            with_locks.add(entry[1:-len(".lock")])
-    ours = with_dirs | {
-        name for name in with_locks
-        if os.path.isfile(os.path.join(directory, name, "meta.json"))
-    }
-    return sorted(os.path.join(os.path.abspath(directory), name) for name in ours)
-
-
 # the random part of mkdtemp's names has no dot, so the last ".shared_td-" is ours
 _LEFTOVER_NAME = re.compile(rf"\.(?P<name>.+)\.{_TAG}-(?:new|old)-(?P<pid>[0-9]+)-", re.DOTALL)
 

@@ -5,7 +5,8 @@ the loader would, without mapping a leaf or unpickling a value, and returns the 
 (keys, classes, shapes, dtypes, sizes on disk, non-tensor values shown as short text)
 with every problem found: a meta.json that does not parse, a missing or short leaf
 file, a symlink (never followed: it could lead out of the directory), a file that no
-meta.json names. ``shared_td inspect`` prints the tree, ``shared_td verify`` the problems.
+meta.json names. ``shared-td inspect`` prints the tree, ``shared-td verify`` the problems.
+The tree's types are in saved_tree.py.
 
 Examples:
     >>> found = survey("/data/buffer")
@@ -20,77 +21,11 @@ import json
 import math
 import os
 import stat
-from dataclasses import dataclass, field
-
 from shared_td.keys import decode_key
 from shared_td.persist import format as fmt
+from shared_td.persist.saved_tree import NODE, TENSOR, VALUE, VALUE_WIDTH, Entry, Problem, Survey
 
-#: Non-tensor values are shown as their repr cut to this many characters.
-VALUE_WIDTH = 60
-
-TENSOR, NODE, VALUE = "tensor", "node", "value"
-
-
-@dataclass
-class Problem:
-    """One thing wrong (``error``: the loader would fail) or odd (``warning``)."""
-
-    severity: str
-    path: str  # relative to the prefix; "." is the prefix itself
-    message: str
-
-
-@dataclass
-class Entry:
-    """A node, tensor leaf or non-tensor value of the saved tree."""
-
-    key: str  # the key in its parent ("" for the root), as the user wrote it
-    kind: str  # TENSOR, NODE or VALUE
-    path: str  # its file or directory, relative to the prefix ("" for the root)
-    class_name: str = ""  # TensorDict, LazyStackedTensorDict, NonTensorData, a tensorclass...
-    batch_size: list | None = None
-    dtype: str | None = None
-    shape: list | None = None
-    nbytes: int | None = None  # bytes that shape and dtype need (None: unknown)
-    size_on_disk: int | None = None  # bytes of its file(s) (None: no file)
-    value: str | None = None  # a non-tensor value, cut to VALUE_WIDTH characters
-    children: list["Entry"] = field(default_factory=list)
-
-    def walk(self):
-        """This entry and every entry below it, depth first."""
-        yield self
-        for child in self.children:
-            yield from child.walk()
-
-
-@dataclass
-class Survey:
-    """The tree at ``prefix`` and the problems found in it."""
-
-    prefix: str
-    root: Entry
-    problems: list[Problem]
-
-    @property
-    def errors(self) -> list[Problem]:
-        return [p for p in self.problems if p.severity == "error"]
-
-    @property
-    def warnings(self) -> list[Problem]:
-        return [p for p in self.problems if p.severity == "warning"]
-
-    def totals(self) -> dict:
-        """Counts and bytes: ``leaves``, ``bytes`` (what the leaves need), ``bytes_on_disk``."""
-        entries = list(self.root.walk())
-        leaves = [e for e in entries if e.kind == TENSOR]
-        return {
-            "leaves": len(leaves),
-            "bytes": sum(e.nbytes or 0 for e in leaves),
-            "bytes_on_disk": sum(e.size_on_disk or 0 for e in leaves),
-            "non_tensor_values": sum(e.kind == VALUE for e in entries),
-            "nodes": sum(e.kind == NODE for e in entries),
-        }
-
+__all__ = ["NODE", "TENSOR", "VALUE", "Entry", "Problem", "Survey", "survey"]
 
 def survey(prefix: str) -> Survey:
     """Read the tree saved at ``prefix`` and check it (see the module docstring).

@@ -131,6 +131,16 @@ def test_path_may_be_the_saved_tensordict_itself(tmp_path):
     assert os.listdir(tmp_path) == ["p"]
 
 
+def test_a_tensordict_save_with_a_crashed_shared_td_rewrite(tmp_path):
+    tensordict = pytest.importorskip("tensordict")
+    tensordict.TensorDict(x=torch.arange(3.0)).memmap_(str(tmp_path / "theirs"))
+    leftovers = _crashed_writer_leftovers(tmp_path, "theirs", dead_pid())
+    code, document = run_json("gc", tmp_path)
+    assert code == 0 and document["removed"] == leftovers
+    assert os.listdir(tmp_path) == ["theirs"]
+    assert tensordict.TensorDict.load_memmap(str(tmp_path / "theirs"))["x"].tolist() == [0.0, 1.0, 2.0]
+
+
 def test_the_library_function_dry_run_and_remove_lock(tmp_path, lock_holder):
     _save(tmp_path / "p")
     leftovers = _crashed_writer_leftovers(tmp_path, "p", dead_pid())

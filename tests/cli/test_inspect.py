@@ -103,3 +103,41 @@ def test_no_saved_tensordict_is_a_one_line_error(tmp_path):
         assert done.returncode == 1 and done.stdout == ""
         assert len(done.stderr.splitlines()) == 1 and message in done.stderr
         assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("writer", ["shared_td", "tensordict"])
+def test_tensorclass_fields_are_shown_without_importing_its_class(tmp_path, writer):
+    lib = pytest.importorskip("tensordict") if writer == "tensordict" else __import__("shared_td")
+    import torch
+
+    @lib.tensorclass
+    class Step:
+        obs: torch.Tensor
+        label: str
+
+    prefix = str(tmp_path / "step")
+    Step(obs=torch.zeros(2, 3), label="a", batch_size=[2]).memmap_(prefix)
+    code, document = run_json("inspect", prefix)
+    tree = document["tree"]
+    assert code == 0 and tree["class"].endswith(".Step") and tree["batch_size"] == [2]
+    entries = _by_key(tree)
+    assert entries["obs"]["path"] == os.path.join("_tensordict", "obs.memmap")
+    assert (entries["obs"]["bytes"], entries["label"]["value"]) == (24, "'a'")
+    code, out, _ = run_main("verify", prefix)
+    assert code == 0 and out.startswith("ok: ")
+
+
+def test_a_nested_tensor_of_tensordict_is_shown_and_flagged(tmp_path):
+    tensordict = pytest.importorskip("tensordict")
+    import torch
+
+    prefix = str(tmp_path / "nested")
+    with pytest.warns(UserWarning):  # torch: nested tensors are a prototype
+        nested = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])
+    tensordict.TensorDict(nt=nested).memmap_(prefix)
+    code, out, _ = run_main("inspect", prefix)
+    assert code == 0 and "nested" in out and "(2 tensors)" in out
+    code, document = run_json("verify", prefix)
+    assert code == 0
+    assert [p["severity"] for p in document["problems"]] == ["warning"]
+    assert "nested tensor" in document["problems"][0]["message"]
