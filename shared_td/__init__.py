@@ -3,12 +3,20 @@
 The public names mirror tensordict 0.15.3, so code written for tensordict runs after
 changing its import.
 """
-from shared_td.containers.base import TensorDictBase, is_non_tensor, is_tensor_collection
+from shared_td.containers.base import (
+    TensorDictBase,
+    default_is_leaf,
+    is_leaf_nontensor,
+    is_non_tensor,
+    is_tensor_collection,
+)
 from shared_td.containers.lazy import LazyStackedTensorDict
 from shared_td.containers.nontensor import NonTensorData, NonTensorStack
 from shared_td.containers.tensorclass import is_tensorclass, tensorclass
 from shared_td.containers.tensordict import TensorDict
 from shared_td.coordinator import Coordinator, attach, is_stale, refresh
+from shared_td.keys import NestedKey
+from shared_td.keys import canonical_key as unravel_key
 from shared_td.errors import BatchSizeMismatchError, KeyTypeError, LockedTensorDictError
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.persist.atomic import gc
@@ -18,6 +26,9 @@ from shared_td.storage.counter import SharedCounter
 
 __version__ = "0.1.0"
 
+#: ``lazy_stack(tds, dim=0)``, as ``tensordict.lazy_stack``
+lazy_stack = LazyStackedTensorDict.lazy_stack
+
 __all__ = [
     "BatchSizeMismatchError",
     "Coordinator",
@@ -25,6 +36,7 @@ __all__ = [
     "LazyStackedTensorDict",
     "LockedTensorDictError",
     "MemoryMappedTensor",
+    "NestedKey",
     "NonTensorData",
     "NonTensorStack",
     "SharedCounter",
@@ -32,15 +44,19 @@ __all__ = [
     "TensorDictBase",
     "TensorDictFuture",
     "attach",
+    "default_is_leaf",
     "gc",
+    "is_leaf_nontensor",
     "is_non_tensor",
     "is_stale",
     "is_tensor_collection",
     "is_tensorclass",
+    "lazy_stack",
     "load",
     "load_memmap",
     "memmap",
     "refresh",
     "save",
     "tensorclass",
+    "unravel_key",
 ]

@@ -42,6 +42,20 @@ def unravel_key(key: NestedKey) -> tuple[str, ...]:
     )
 
 
+def canonical_key(key: NestedKey) -> NestedKey:
+    """``key`` in tensordict's canonical form: a ``str`` for one part, else a flat tuple.
+
+    This is what ``shared_td.unravel_key`` (like ``tensordict.unravel_key``) returns;
+    internally keys are always tuples (:func:`unravel_key`).
+
+    Examples:
+        >>> canonical_key(("a",)), canonical_key(("a", ("b", "c")))
+        ('a', ('a', 'b', 'c'))
+    """
+    parts = unravel_key(key)
+    return parts[0] if len(parts) == 1 else parts
+
+
 def is_nested_key(key: object) -> bool:
     """True if ``key`` is a str or a (possibly nested) tuple of str."""
     try:

@@ -67,8 +67,8 @@ def test_keys_view_iteration_and_len():
     nested = list(td.keys(include_nested=True))
     assert set(nested) == {"b", "a", ("a", "y"), ("a", "x"), ("a", "x", "z"), "t"}
     assert len(td.keys(True)) == 6
-    assert list(td.keys(True, True, sort=True)) == [("a", "x", "z"), ("a", "y"), "b", "t"]
-    assert list(td.keys(leaves_only=True)) == ["b", "t"]
+    assert list(td.keys(True, True, sort=True)) == [("a", "x", "z"), ("a", "y"), "b"]
+    assert list(td.keys(leaves_only=True)) == ["b"]  # "t" is non-tensor: not a leaf by default
 
 
 def test_keys_view_contains():
@@ -79,7 +79,7 @@ def test_keys_view_contains():
     nested = td.keys(include_nested=True)
     assert ("a", "y") in nested and ("a", ("x", "z")) in nested and "z" not in nested
     leaves = td.keys(True, True)
-    assert "a" not in leaves and ("a", "y") in leaves and "t" in leaves
+    assert "a" not in leaves and ("a", "y") in leaves and "t" not in leaves
     assert 3 not in keys and None not in keys and () not in keys
 
 
@@ -103,3 +103,13 @@ def test_keys_of_tensordict_accept_nested_tuples():
     assert td.get((("a",), "y")) is td["a", "y"]
     td[("n", ("m", "o"))] = torch.ones(2)
     assert td["n", "m", "o"].sum() == 2
+
+
+def test_public_unravel_key_is_tensordicts():
+    # shared_td.unravel_key returns what tensordict.unravel_key returns: a str for one part
+    import shared_td
+
+    assert shared_td.unravel_key("a") == "a" and shared_td.unravel_key(("a",)) == "a"
+    assert shared_td.unravel_key(("a", ("b", "c"))) == ("a", "b", "c")
+    with pytest.raises(TypeError):
+        shared_td.unravel_key(1)

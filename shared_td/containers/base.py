@@ -34,6 +34,29 @@ def is_non_tensor(value: Any) -> bool:
     return getattr(type(value), "_is_non_tensor", False)
 
 
+def default_is_leaf(cls: type) -> bool:
+    """The default ``is_leaf`` of ``keys``/``values``/``items`` (as tensordict 0.15.3):
+    anything but a tensordict, a tensorclass or a non-tensor container, so
+    ``leaves_only=True`` lists tensors only.
+
+    Example:
+        >>> default_is_leaf(torch.Tensor), default_is_leaf(NonTensorData), default_is_leaf(TensorDict)
+        (True, False, False)
+    """
+    return not (issubclass(cls, TensorDictBase) or getattr(cls, "_is_tensorclass", False))
+
+
+def is_leaf_nontensor(cls: type) -> bool:
+    """An ``is_leaf`` that also counts NonTensorData and NonTensorStack as leaves.
+
+    Example:
+        >>> td = TensorDict(a=torch.zeros(()), task="walk")
+        >>> list(td.keys(leaves_only=True)), list(td.keys(leaves_only=True, is_leaf=is_leaf_nontensor))
+        (['a'], ['a', 'task'])
+    """
+    return default_is_leaf(cls) or getattr(cls, "_is_non_tensor", False)
+
+
 class TensorDictBase(BatchSplitOps, MemmapMethods):
     """Common API of TensorDict, LazyStackedTensorDict and the non-tensor containers."""
 
@@ -102,27 +125,35 @@ class TensorDictBase(BatchSplitOps, MemmapMethods):
 
     # ---------------------------------------------------------------- keys and values
     def keys(
-        self, include_nested: bool = False, leaves_only: bool = False, *, sort: bool = False
+        self,
+        include_nested: bool = False,
+        leaves_only: bool = False,
+        is_leaf: Callable[[type], bool] | None = None,
+        *,
+        sort: bool = False,
     ) -> KeysView:
         """The keys, as a view: nested ones as tuples when ``include_nested``.
 
-        Non-tensor entries count as leaves.
+        ``is_leaf(cls)`` says which entries are leaves (listed by ``leaves_only``, not
+        walked into by ``include_nested``); the default, :func:`default_is_leaf`, counts
+        tensors only, as tensordict 0.15.3 does: pass :func:`is_leaf_nontensor` to list
+        non-tensor entries with ``leaves_only=True``.
 
         Examples:
             >>> td = TensorDict(a=torch.zeros(2), b={"c": torch.ones(2)}, batch_size=[2])
             >>> list(td.keys(include_nested=True, leaves_only=True))
             ['a', ('b', 'c')]
         """
-        return KeysView(self, include_nested, leaves_only, sort)
+        return KeysView(self, include_nested, leaves_only, sort, is_leaf)
 
-    def values(self, include_nested: bool = False, leaves_only: bool = False):
+    def values(self, include_nested: bool = False, leaves_only: bool = False, is_leaf=None, *, sort: bool = False):
         """The values in ``keys()`` order (non-tensors as NonTensorData)."""
-        for key in self.keys(include_nested, leaves_only):
+        for key in self.keys(include_nested, leaves_only, is_leaf, sort=sort):
             yield self.get(key)
 
-    def items(self, include_nested: bool = False, leaves_only: bool = False):
+    def items(self, include_nested: bool = False, leaves_only: bool = False, is_leaf=None, *, sort: bool = False):
         """``(key, value)`` pairs in ``keys()`` order."""
-        for key in self.keys(include_nested, leaves_only):
+        for key in self.keys(include_nested, leaves_only, is_leaf, sort=sort):
             yield key, self.get(key)
 
     def __contains__(self, key: NestedKey) -> bool:
@@ -490,7 +521,7 @@ class TensorDictBase(BatchSplitOps, MemmapMethods):
         if isinstance(other, dict):
             other = type(self)(other, batch_size=self.batch_size)
         if isinstance(other, TensorDictBase):
-            missing = set(self.keys(True, True)) ^ set(other.keys(True, True))
+            missing = set(self.keys(True, True, is_leaf_nontensor)) ^ set(other.keys(True, True, is_leaf_nontensor))
             if missing:
                 raise KeyError(f"Cannot compare tensordicts with different keys: {sorted(map(str, missing))}.")
             return self._map_leaves(lambda key, value: op(value, other.get(key)))
@@ -519,7 +550,7 @@ class TensorDictBase(BatchSplitOps, MemmapMethods):
 
     def is_empty(self) -> bool:
         """True if the tensordict holds no leaf (tensor or non-tensor) at any depth."""
-        return next(iter(self.keys(include_nested=True, leaves_only=True)), None) is None
+        return next(iter(self.keys(True, True, is_leaf_nontensor)), None) is None
 
     # ---------------------------------------------------------------- conversions
     def to_dict(self) -> dict:

@@ -9,7 +9,7 @@ from typing import Any, Sequence
 import torch
 
 from shared_td.containers import batch as batch_ops
-from shared_td.containers.base import TensorDictBase, is_non_tensor, is_tensor_collection
+from shared_td.containers.base import TensorDictBase, is_leaf_nontensor, is_non_tensor, is_tensor_collection
 from shared_td.errors import BatchSizeMismatchError
 
 
@@ -52,7 +52,7 @@ def _leaf_shapes_match(items: Sequence[TensorDictBase]) -> bool:
     first = items[0]
     if any(item.batch_size != first.batch_size for item in items):
         return False
-    for key in first.keys(include_nested=True, leaves_only=True):
+    for key in first.keys(True, True, is_leaf_nontensor):
         shapes = {tuple(getattr(item.get(key), "shape", ())) for item in items}
         if len(shapes) > 1:
             return False

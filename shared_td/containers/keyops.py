@@ -4,7 +4,7 @@ They build new tensordicts that share the entries (no tensor is copied).
 """
 from __future__ import annotations
 
-from shared_td.containers.base import NO_DEFAULT
+from shared_td.containers.base import NO_DEFAULT, is_leaf_nontensor
 from shared_td.keys import NestedKey, unravel_key
 
 
@@ -63,7 +63,7 @@ class KeyOps:
     def flatten_keys(self, separator: str = ".", inplace: bool = False) -> "KeyOps":
         """Nested entries as top-level keys joined by ``separator`` (``("a", "b")`` -> ``"a.b"``)."""
         entries = {}
-        for key in self.keys(include_nested=True, leaves_only=True):
+        for key in self.keys(True, True, is_leaf_nontensor):
             name = key if isinstance(key, str) else separator.join(key)
             if name in entries:
                 raise KeyError(f"Flattening gives the key {name!r} twice; choose another separator.")

@@ -15,8 +15,9 @@ class KeysView:
         True
     """
 
-    def __init__(self, td: Any, include_nested: bool, leaves_only: bool, sort: bool):
+    def __init__(self, td: Any, include_nested: bool, leaves_only: bool, sort: bool, is_leaf=None):
         self._td = td
+        self._is_leaf = is_leaf
         self._include_nested = include_nested
         self._leaves_only = leaves_only
         self._sort = sort
@@ -28,16 +29,18 @@ class KeysView:
         return keys
 
     def _walk(self, td: Any, prefix: tuple) -> Iterator:
-        from shared_td.containers.base import is_non_tensor, is_tensor_collection
+        from shared_td.containers.base import default_is_leaf, is_non_tensor, is_tensor_collection
 
+        is_leaf = self._is_leaf or default_is_leaf
         for key in td._keys_str():
             # A lazy stack peeks at its members instead of stacking every value.
             value = td._peek_str(key, None) if hasattr(td, "_peek_str") else td._get_str(key, None)
             full = prefix + (key,)
-            is_branch = is_tensor_collection(value) and not is_non_tensor(value)
-            if not (is_branch and self._leaves_only):
+            leaf = is_leaf(type(value))
+            if leaf or not self._leaves_only:
                 yield full[0] if len(full) == 1 else full
-            if is_branch and self._include_nested:
+            # non-tensor containers have no keys to walk into
+            if not leaf and self._include_nested and is_tensor_collection(value) and not is_non_tensor(value):
                 inner = value if hasattr(value, "_keys_str") else value._tensordict
                 yield from self._walk(inner, full)
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from shared_td.containers import batch as batch_ops
-from shared_td.containers.base import TensorDictBase, is_non_tensor, is_tensor_collection
+from shared_td.containers.base import TensorDictBase, is_leaf_nontensor, is_non_tensor, is_tensor_collection
 from shared_td.errors import BatchSizeMismatchError
 from shared_td.keys import key_repr, unravel_key
 
@@ -99,7 +99,7 @@ class LazyWriteOps:
     def update_(self, other: Any, *, keys_to_update=None) -> "LazyStackedTensorDict":
         """As TensorDict.update_, member by member (see ``update``)."""
         parts = self._update_parts(other)
-        for key in parts[0].keys(include_nested=True, leaves_only=True) if parts else ():
+        for key in parts[0].keys(True, True, is_leaf_nontensor) if parts else ():
             if key not in self:
                 raise KeyError(
                     f"update_() writes in place, but key {key_repr(unravel_key(key))} does not "
@@ -203,7 +203,7 @@ def _check_write(member: TensorDictBase, source: Any, index: tuple = (), replace
     if not isinstance(member, TensorDict) or not isinstance(source, TensorDict):
         return
     target = batch_ops.indexed_batch_size(member.batch_size, batch_ops.normalize_index(index, member.batch_size))
-    for key in source.keys(include_nested=True, leaves_only=True):
+    for key in source.keys(True, True, is_leaf_nontensor):
         path = unravel_key(key)
         current = member._get_path(path, None)
         if current is None or replace:

@@ -209,8 +209,10 @@ def layout_of(td, name: str, version: int) -> dict:
     """
     import torch  # only a manager that is published to needs it (see the module doc)
 
+    from shared_td.containers.base import is_leaf_nontensor
+
     leaves = []
-    for key, value in td.items(include_nested=True, leaves_only=True):
+    for key, value in td.items(True, True, is_leaf_nontensor):
         key_str = ".".join(key) if isinstance(key, tuple) else key
         if isinstance(value, torch.Tensor):
             backing_path = getattr(getattr(value, "_backing", None), "path", None)

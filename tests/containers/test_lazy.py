@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.multiprocessing  # noqa: F401  (registers the shared-memory reductions)
 
-from shared_td import LockedTensorDictError, NonTensorStack, TensorDict
+from shared_td import LockedTensorDictError, NonTensorStack, TensorDict, is_leaf_nontensor
 from shared_td.containers.lazy import LazyStackedTensorDict
 from shared_td.errors import BatchSizeMismatchError
 
@@ -98,7 +98,8 @@ class TestRead:
     def test_keys(self):
         lazy = hetero()
         assert list(lazy.keys()) == ["a", "b", "n", "t"]
-        assert list(lazy.keys(include_nested=True, leaves_only=True)) == ["a", "b", ("n", "x"), "t"]
+        assert list(lazy.keys(include_nested=True, leaves_only=True)) == ["a", "b", ("n", "x")]
+        assert list(lazy.keys(True, True, is_leaf_nontensor)) == ["a", "b", ("n", "x"), "t"]
         assert ("n", "x") in lazy.keys(include_nested=True)
         assert "a" in lazy and ("n", "x") in lazy and "zz" not in lazy
         with pytest.raises(TypeError):

@@ -5,7 +5,14 @@ import numpy as np
 import pytest
 import torch
 
-from shared_td import BatchSizeMismatchError, KeyTypeError, NonTensorData, TensorDict
+from shared_td import (
+    BatchSizeMismatchError,
+    KeyTypeError,
+    NonTensorData,
+    TensorDict,
+    default_is_leaf,
+    is_leaf_nontensor,
+)
 
 
 def make_td() -> TensorDict:
@@ -185,12 +192,20 @@ def test_keys_values_items():
     td["task"] = "walk"
     assert set(td.keys()) == {"obs", "nested", "reward", "task"}
     assert set(td.keys(include_nested=True)) == {"obs", "nested", ("nested", "x"), "reward", "task"}
-    assert set(td.keys(True, True)) == {"obs", ("nested", "x"), "reward", "task"}
-    assert set(td.keys(leaves_only=True)) == {"obs", "reward", "task"}
-    assert len(td.keys(True, True)) == 4
-    items = dict(td.items(True, True))
+    # as tensordict 0.15.3: leaves are tensors, unless is_leaf says otherwise
+    assert set(td.keys(True, True)) == {"obs", ("nested", "x"), "reward"}
+    assert set(td.keys(leaves_only=True)) == {"obs", "reward"}
+    assert set(td.keys(True, True, is_leaf_nontensor)) == {"obs", ("nested", "x"), "reward", "task"}
+    assert len(td.keys(True, True)) == 3
+    items = dict(td.items(True, True, is_leaf=is_leaf_nontensor))
     assert items["obs"] is td["obs"] and isinstance(items["task"], NonTensorData)
     assert len(list(td.values())) == 4
+    assert [v.shape for v in td.values(True, True, sort=True)] == [(3,), (3, 4), (3, 1)]
+    # a custom is_leaf: nested tensordicts listed whole, not walked into
+    whole = lambda cls: default_is_leaf(cls) or issubclass(cls, TensorDict)  # noqa: E731
+    assert set(td.keys(True, True, whole)) == {"obs", "nested", "reward"}
+    assert default_is_leaf(torch.Tensor) and not default_is_leaf(NonTensorData)
+    assert not default_is_leaf(TensorDict) and is_leaf_nontensor(NonTensorData)
 
 
 # ----------------------------------------------------------------------------- update
