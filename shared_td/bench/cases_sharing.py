@@ -90,3 +90,35 @@ def case_coord_attach(options, root: str) -> dict:
             options.repeat, lambda: None, lambda _: [coord.names() for _ in range(rounds)]
         ) / rounds
     return out
+
+
+def case_nontensor_read(options, root: str) -> dict:
+    """Read of an unchanged shared non-tensor value (a str): per read.
+
+    The reference is a manager proxy (one round trip per read, what a
+    ``multiprocess.Manager().dict()`` costs); shared_td reads the value's version word
+    in shared memory and returns its cached object; tensordict 0.15.3 decodes its
+    100-byte ``mp.Array`` on every read.
+    """
+    import multiprocess
+
+    import shared_td
+
+    value = "walk to the door"  # under tensordict's 100-byte limit for shared strings
+    reads = 50 * options.rounds
+
+    def per_read(read, calls: int) -> float:
+        read()  # warm: caches, connections
+        return best_of(options.repeat, lambda: None, lambda _: [read() for _ in range(calls)]) / calls
+
+    out = {}
+    with multiprocess.Manager() as manager:
+        proxy = manager.dict(task=value)
+        out["manager proxy"] = per_read(lambda: proxy["task"], options.rounds)
+    ours = shared_td.TensorDict(task=value).memmap_(share_non_tensor=True)
+    out["shared_td"] = per_read(lambda: ours["task"], reads)
+    tensordict = tensordict_module()
+    if tensordict is not None:
+        theirs = tensordict.TensorDict(task=value).memmap_(share_non_tensor=True)
+        out["tensordict"] = per_read(lambda: theirs["task"], reads)
+    return out

@@ -16,7 +16,12 @@ import tempfile
 from typing import Callable
 
 from shared_td.bench.cases_files import case_big_leaf, case_tree_anonymous, case_tree_load, case_tree_to_files
-from shared_td.bench.cases_sharing import case_atomic_rewrite, case_coord_attach, case_leaf_pickle
+from shared_td.bench.cases_sharing import (
+    case_atomic_rewrite,
+    case_coord_attach,
+    case_leaf_pickle,
+    case_nontensor_read,
+)
 from shared_td.bench.libraries import comparison_note
 from shared_td.bench.timing import describe_machine
 
@@ -28,6 +33,7 @@ CASES: dict[str, Callable[..., dict]] = {
     "leaf_pickle": case_leaf_pickle,
     "atomic_rewrite": case_atomic_rewrite,
     "coord_attach": case_coord_attach,
+    "nontensor_read": case_nontensor_read,
 }
 
 
@@ -82,7 +88,7 @@ def run(options: BenchOptions, write: Callable[[str], None] = print) -> int:
         note = comparison_note()
         if note:
             write(note)
-        write(f"{'case':<16}{'column':<26}{'seconds':>10}{'vs first row':>14}")
+        write(f"{'case':<16}{'column':<26}{'time':>10}{'vs first row':>14}")
         for name in options.only or CASES:
             try:
                 results = CASES[name](options, root)
@@ -105,5 +111,17 @@ def table_rows(name: str, results: dict) -> list[str]:
         if isinstance(value, int):  # a count, not a time
             rows.append(f"{name:<16}{column:<26}{value:>10d}")
         else:
-            rows.append(f"{name:<16}{column:<26}{value:>10.4f}{reference / value:>13.2f}x")
+            rows.append(f"{name:<16}{column:<26}{readable_time(value):>10}{reference / value:>13.2f}x")
     return rows
+
+
+def readable_time(seconds: float) -> str:
+    """``seconds`` in the unit that shows it best.
+
+    Examples:
+        >>> readable_time(0.25), readable_time(0.00123), readable_time(2.5e-6)
+        ('250.0 ms', '1.23 ms', '2.50 us')
+    """
+    unit, scale = next(((u, k) for u, k in (("s", 1.0), ("ms", 1e-3)) if seconds >= k), ("us", 1e-6))
+    shown = seconds / scale
+    return f"{shown:.1f} {unit}" if shown >= 100 else f"{shown:.2f} {unit}"
