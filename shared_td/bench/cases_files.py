@@ -10,7 +10,7 @@ import os
 import torch
 
 from shared_td.bench.libraries import build_tree, libraries
-from shared_td.bench.timing import best_of, fresh_dir, open_fds, raw_write
+from shared_td.bench.timing import best_of_each, fresh_dir, open_fds, raw_write
 
 
 def case_big_leaf(options, root: str) -> dict:
@@ -18,48 +18,48 @@ def case_big_leaf(options, root: str) -> dict:
     tensor = torch.randn(options.size_mib * (1 << 20) // 4)
     data = memoryview(tensor.numpy()).cast("B")
     dirs = fresh_dir(root)
-    out = {"raw os.write": best_of(options.repeat, lambda: os.path.join(dirs(), "x"), raw_write(data))}
+    variants = {"raw os.write": (lambda: os.path.join(dirs(), "x"), raw_write(data))}
     for name, lib in libraries().items():
         for threads in (0, 2):
-            out[f"{name} threads={threads}"] = best_of(
-                options.repeat, lambda: (lib.TensorDict(x=tensor), dirs()),
+            variants[f"{name} threads={threads}"] = (
+                lambda lib=lib: (lib.TensorDict(x=tensor), dirs()),
                 lambda s, t=threads: s[0].memmap_(s[1], num_threads=t),
             )
-    return out
+    return best_of_each(options.repeat, variants)
 
 
 def case_tree_to_files(options, root: str) -> dict:
     """memmap_ of N nested tensordicts x 2 small leaves into a directory."""
     dirs = fresh_dir(root)
-    out = {}
-    for name, lib in libraries().items():
-        for threads in (0, 2):
-            out[f"{name} threads={threads}"] = best_of(
-                options.repeat, lambda: (build_tree(lib, options.nodes), dirs()),
-                lambda s, t=threads: s[0].memmap_(s[1], num_threads=t),
-            )
-    return out
+    return best_of_each(options.repeat, {
+        f"{name} threads={threads}": (
+            lambda lib=lib: (build_tree(lib, options.nodes), dirs()),
+            lambda s, t=threads: s[0].memmap_(s[1], num_threads=t),
+        )
+        for name, lib in libraries().items() for threads in (0, 2)
+    })
 
 
 def case_tree_load(options, root: str) -> dict:
     """load_memmap of the N-node tree written by each library."""
-    out = {}
+    variants = {}
     for name, lib in libraries().items():
         path = os.path.join(root, f"load_{name}")
         build_tree(lib, options.nodes).memmap_(path)
-        out[name] = best_of(options.repeat, lambda: path, lambda p, lib=lib: lib.TensorDict.load_memmap(p))
-    return out
+        variants[name] = (lambda p=path: p, lambda p, lib=lib: lib.TensorDict.load_memmap(p))
+    return best_of_each(options.repeat, variants)
 
 
 def case_tree_anonymous(options, root: str) -> dict:
     """memmap_() of the N-node tree into anonymous shared memory (+ fds it holds)."""
-    out = {}
+    out = best_of_each(options.repeat, {
+        f"{name} threads={threads}": (
+            lambda lib=lib: build_tree(lib, options.nodes),
+            lambda td, t=threads: td.memmap_(num_threads=t),
+        )
+        for name, lib in libraries().items() for threads in (0, 2)
+    })
     for name, lib in libraries().items():
-        for threads in (0, 2):
-            out[f"{name} threads={threads}"] = best_of(
-                options.repeat, lambda: build_tree(lib, options.nodes),
-                lambda td, t=threads: td.memmap_(num_threads=t),
-            )
         before = open_fds()
         kept = build_tree(lib, options.nodes).memmap_()
         out[f"{name} fds held"] = open_fds() - before

@@ -3,6 +3,7 @@ and §3, §5, §12 of the memmap spec), without atomic= and share_non_tensor=.""
 from __future__ import annotations
 
 import os
+import threading
 import sys
 
 import pytest
@@ -173,9 +174,10 @@ def test_memmap_copy_of_file_backed_leaves_into_anonymous_memory(tmp_path):
 # ----------------------------------------------------------------- threads
 @pytest.fixture
 def big_td():
-    # one leaf above the 16 MiB threshold (split into byte ranges), and small ones
-    big = torch.arange((17 << 20) // 4 + 3, dtype=torch.int32)
-    return TensorDict({"big": big, "small": {"s": torch.arange(5.0)}, "txt": "x"}, [])
+    # two leaves above the 1 MiB threshold (written by the pool), and small ones
+    big = torch.arange((2 << 20) // 4 + 3, dtype=torch.int32)
+    return TensorDict({"big": big, "n": {"big2": big.double()}, "small": {"s": torch.arange(5.0)},
+                       "txt": "x"}, [])
 
 
 def test_num_threads_give_identical_files(tmp_path, big_td, monkeypatch):
@@ -183,7 +185,7 @@ def test_num_threads_give_identical_files(tmp_path, big_td, monkeypatch):
     real = files.pwrite_all
 
     def spy(fd, data, offset, **kwargs):
-        calls.append((offset, memoryview(data).nbytes))
+        calls.append((memoryview(data).nbytes, threading.current_thread() is threading.main_thread()))
         return real(fd, data, offset, **kwargs)
 
     monkeypatch.setattr(files, "pwrite_all", spy)
@@ -196,12 +198,11 @@ def test_num_threads_give_identical_files(tmp_path, big_td, monkeypatch):
         disk = {k: v for k, v in dir_state(tmp_path / str(n)).items()}
         reference = disk if reference is None else reference
         assert disk == reference, n
-        big_calls = [c for c in calls if c[1] > 1000]
-        if n > 1:  # the big leaf is split into n byte ranges
-            assert len(big_calls) == n and sorted(o for o, _ in big_calls)[0] == 0
-            assert sum(size for _, size in big_calls) == big_td["big"].numel() * 4
-        else:
-            assert len(big_calls) == 1
+        # each leaf is one write (never split); big ones go to the pool when there is one
+        big_calls = sorted(c for c in calls if c[0] > 1000)
+        assert [size for size, _ in big_calls] == [big_td["big"].numel() * 4, big_td["n", "big2"].numel() * 8]
+        assert all(in_main == (n <= 1) for _, in_main in big_calls)
+        assert all(in_main for size, in_main in calls if size <= 1000)
 
 
 def test_return_early_gives_a_future(tmp_path, big_td):
