@@ -71,8 +71,9 @@ def test_options_quick_defaults_and_overrides():
 
 
 def test_table_rows_show_ratios_to_the_first_column():
-    assert table_rows("case", {"ref": 2.0, "half as fast": 4.0, "count": 7}) == [
-        "case            ref                           2.0000         1.00x",
-        "case            half as fast                  4.0000         0.50x",
+    assert table_rows("case", {"ref": 2.0, "half as fast": 4.0, "us": 2e-5, "count": 7}) == [
+        "case            ref                           2.00 s         1.00x",
+        "case            half as fast                  4.00 s         0.50x",
+        "case            us                          20.00 us    100000.00x",
         "case            count                              7",
     ]
