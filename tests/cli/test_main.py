@@ -15,7 +15,7 @@ from cli_helpers import REPO, run_cli, run_main  # noqa: E402
 
 from shared_td import cli  # noqa: E402
 
-OURS = ["inspect", "verify", "gc", "bench"]
+OURS = ["inspect", "verify", "gc", "bench", "demo"]
 
 
 def test_top_level_help_lists_every_command_with_examples():
