@@ -1,6 +1,7 @@
 """MemoryMappedTensor in one process: constructors, dtypes, files, views, pickling."""
 
 import copy
+import gc
 import multiprocessing.reduction
 import os
 import pickle
@@ -59,6 +60,7 @@ def random_tensor(dtype, shape=(3, 5)):
 
 
 def fd_count():
+    gc.collect()  # garbage of earlier tests must not close descriptors between two counts
     return len(os.listdir("/proc/self/fd"))
 
 

@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import ctypes
 import os
-import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any
 
 from shared_td.storage.anonymous import reopen_peer_fd
+from shared_td.storage.cache import InodeCache
 from shared_td.storage.shared_value import map_shared_bytes, unmap_bytes
 
 __all__ = ["is_stale", "refresh", "remember"]
@@ -62,16 +62,7 @@ class _Table:
 
 # (st_dev, st_ino) of a version table -> its mapping here, shared by the attachments of
 # one coordinator, unmapped with the last of them
-_TABLES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-_LOCK = threading.Lock()
-
-
-def _reset_lock() -> None:
-    global _LOCK
-    _LOCK = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_reset_lock)
+_TABLES = InodeCache()
 
 
 def remember(td: Any, name: str, version: int, stamp: dict, endpoint: Any) -> None:
@@ -88,16 +79,15 @@ def remember(td: Any, name: str, version: int, stamp: dict, endpoint: Any) -> No
 
 def _map_table(pid: int, fd: int, key: tuple[int, int], nbytes: int):
     key = tuple(key)
-    with _LOCK:
-        table = _TABLES.get(key)
-        if table is None:
-            own_fd = reopen_peer_fd(pid, fd, key, what="coordinator version table", min_size=nbytes)
-            try:
-                table = _Table(own_fd, nbytes)
-            finally:
-                os.close(own_fd)  # the mapping keeps the memory
-            _TABLES[key] = table
-        return table
+
+    def open_table() -> _Table:
+        own_fd = reopen_peer_fd(pid, fd, key, what="coordinator version table", min_size=nbytes)
+        try:
+            return _Table(own_fd, nbytes)
+        finally:
+            os.close(own_fd)  # the mapping keeps the memory
+
+    return _TABLES.get_or_create(key, open_table)
 
 
 def _attachment(td: Any) -> _Attachment:

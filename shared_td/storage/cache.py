@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 
 class InodeCache:
@@ -32,6 +32,16 @@ class InodeCache:
     def put(self, key: tuple, value: Any) -> None:
         with self._lock:
             self._items[key] = value
+
+    def get_or_create(self, key: tuple, make: Callable[[], Any]) -> Any:
+        """The object stored under ``key``, else ``make()``'s, stored: made under the
+        lock, so two threads never open the same inode twice."""
+        with self._lock:
+            value = self._items.get(key)
+            if value is None:
+                value = make()
+                self._items[key] = value
+            return value
 
     def put_if_absent(self, key: tuple, value: Any) -> Any:
         """Store ``value`` unless another thread stored one first; returns the stored one."""

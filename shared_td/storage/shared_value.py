@@ -36,6 +36,7 @@ import weakref
 from typing import Any, Iterator
 
 from shared_td.storage.anonymous import SegmentUnavailableError, reopen_peer_fd
+from shared_td.storage.cache import InodeCache
 from shared_td.storage.files import NO_SPACE_ERRNOS, pwrite_all, storage_full_error
 
 _HEADER = struct.Struct("<QQ")  # version, payload length
@@ -124,8 +125,7 @@ class SharedValue:
             raise
         cell = cls(fd)
         cell.set(value)
-        with _CACHE_LOCK:
-            _CACHE[cell.key] = cell
+        _CACHE.put(cell.key, cell)
         for batch in _new_cell_batches():
             batch.append(cell)
         return cell
@@ -197,28 +197,26 @@ class SharedValue:
         return f"SharedValue(fd={self.fd}, inode={self.key[1]}, holders={list(self.holders)})"
 
 
-_CACHE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-_CACHE_LOCK = threading.Lock()
+# (st_dev, st_ino) -> this process's SharedValue of that cell
+_CACHE = InodeCache()
 
 
-def _reset_cache_lock() -> None:
-    # a fork taken while another thread held the lock must not leave the child stuck
-    global _CACHE_LOCK
-    _CACHE_LOCK = threading.Lock()
+def _renew_thread_locks() -> None:
+    # A fork taken while another thread was reading or writing a cell must not leave
+    # the child waiting for a thread that does not exist there. (The cache renews its
+    # own lock first: at-fork hooks run in registration order.)
+    for cell in _CACHE.values():
+        cell._thread_lock = threading.Lock()
+        cell._update_lock = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_reset_cache_lock)
+os.register_at_fork(after_in_child=_renew_thread_locks)
 
 
 def _attach(pid: int, fd: int, key: tuple[int, int], holders: tuple = ()) -> SharedValue:
     """Unpickle a cell: this process's copy, else the sender's descriptor, else a holder's."""
     key = tuple(key)
-    with _CACHE_LOCK:
-        cell = _CACHE.get(key)
-        if cell is None:
-            cell = SharedValue(_reopen_from_any(key, ((pid, fd), *holders)), holders)
-            _CACHE[key] = cell
-        return cell
+    return _CACHE.get_or_create(key, lambda: SharedValue(_reopen_from_any(key, ((pid, fd), *holders)), holders))
 
 
 def _reopen_from_any(key: tuple[int, int], candidates) -> int:

@@ -4,6 +4,7 @@ Every join and queue read is bounded; a hung child fails the test instead of the
 """
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import signal
@@ -72,7 +73,9 @@ def our_temp_entries():
 
 
 def snapshot():
-    """/dev/shm, our temp-dir entries, and this process's open descriptors."""
+    """/dev/shm, our temp-dir entries, and this process's open descriptors (after a
+    collection: garbage of earlier tests must not close descriptors between snapshots)."""
+    gc.collect()
     fds = {}
     for fd in os.listdir("/proc/self/fd"):
         try:
@@ -314,9 +317,6 @@ def test_nothing_left_behind(tmp_path):
         coord.unpublish("a")
         assert td["obs"][1].tolist() == [1.0, 1.0]  # still ours after unpublish
     del td, process, queue
-    import gc
-
-    gc.collect()
     shm, temp, fds = snapshot()
     assert shm == before[0]
     assert temp == before[1]

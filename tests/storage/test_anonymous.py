@@ -16,6 +16,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def fd_count():
+    gc.collect()  # garbage of earlier tests must not close descriptors between two counts
     return len(os.listdir("/proc/self/fd"))
 
 
@@ -45,7 +46,6 @@ def test_zero_bytes_make_no_segment():
 
 
 def test_one_descriptor_per_segment_named_and_closed_on_collection():
-    gc.collect()  # garbage of earlier tests may hold descriptors that the gc below closes
     before = fd_count()
     shm_before = set(os.listdir("/dev/shm"))
     segment = Segment.create(4096)

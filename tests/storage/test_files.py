@@ -1,6 +1,7 @@
 """shared_td.storage.files: creating, writing, mapping and size-checking files."""
 
 import errno
+import gc
 import os
 import pickle
 
@@ -22,6 +23,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def fd_count():
+    gc.collect()  # garbage of earlier tests must not close descriptors between two counts
     return len(os.listdir("/proc/self/fd"))
 
 

@@ -1,0 +1,55 @@
+"""SharedValue: the memfd cell behind share_non_tensor (most behaviour is tested through
+memmap_(share_non_tensor=True) in tests/persist and tests/coordinator)."""
+from __future__ import annotations
+
+import multiprocessing
+import pickle
+
+import pytest
+
+from shared_td.storage.shared_value import SharedValue
+
+WAIT = 30
+
+
+def test_values_keep_their_type_and_size():
+    cell = SharedValue.create("walk")
+    for value in [True, 3, 2.5, b"\x00bytes", ("a", 1), {"k": [1, 2]}, None, "x" * 100_000]:
+        cell.set(value)
+        assert cell.get() == value and type(cell.get()) is type(value)
+
+
+def test_a_pickled_cell_is_the_same_cell():
+    cell = SharedValue.create([1, 2])
+    clone = pickle.loads(pickle.dumps(cell))
+    assert clone is cell  # one object per cell and process
+    clone.set("new")
+    assert cell.get() == "new"
+
+
+def test_an_unpicklable_value_is_refused_and_the_old_one_stays():
+    cell = SharedValue.create("old")
+    with pytest.raises(TypeError, match="picklable.*lambda|lambda.*picklable|function"):
+        cell.set(lambda: None)
+    assert cell.get() == "old"
+
+
+def _set_in_child(cell, queue):
+    cell.set("from the child")
+    queue.put(cell.get())
+
+
+def test_fork_while_another_thread_holds_the_cell_locks():
+    cell = SharedValue.create("parent")
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    # as if a thread were inside get/set (and an update) when the fork happens
+    with cell._thread_lock, cell._update_lock:
+        child = ctx.Process(target=_set_in_child, args=(cell, queue))
+        child.start()
+        assert queue.get(timeout=WAIT) == "from the child"
+    child.join(WAIT)
+    if child.is_alive():
+        child.kill()
+        pytest.fail("the child hung on a lock held by a thread of its parent")
+    assert child.exitcode == 0 and cell.get() == "from the child"
