@@ -201,6 +201,13 @@ def open_file_backing(path: str, shared: bool = True) -> FileBacking:
         ...     open_file_backing(f.name).nbytes
         4
     """
+    if shared:
+        # Unpickling many leaves of files this process maps already (attach, workers)
+        # needs no descriptor: a stat names the inode, and the cache has its mapping.
+        st = os.stat(path)
+        cached = _CACHE.get((st.st_dev, st.st_ino))
+        if cached is not None and cached.nbytes == st.st_size:
+            return cached
     flags = (os.O_RDWR if shared else os.O_RDONLY) | os.O_CLOEXEC
     fd = os.open(path, flags)
     try:
