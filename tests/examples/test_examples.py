@@ -84,21 +84,13 @@ def test_multiprocess_test_example_passes_under_pytest(tmp_path):
     assert_nothing_left(tmp_path, marker, set(os.listdir("/dev/shm")))
 
 
-DEMO = """
-import argparse, sys
-from shared_td.cli import demo
-parser = argparse.ArgumentParser()
-demo.add_arguments(parser)
-sys.exit(demo.run(parser.parse_args(["--seconds", "3"])))
-"""
-
-
 def test_demo_runs_reports_and_leaves_nothing_behind(tmp_path):
     shm_before = set(os.listdir("/dev/shm"))
-    result, marker = run_python(["-c", DEMO], tmp_path)
+    # the README's main job, as CI runs it (issue 6: --seconds 5)
+    result, marker = run_python(["-m", "shared_td", "demo", "--seconds", "5"], tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
-    assert "shared_td demo: 2 actor processes and 1 learner for 3." in out, out
+    assert "shared_td demo: 2 actor processes and 1 learner for 5." in out, out
     assert re.search(r"written +[\d,]+ transitions \([\d.]+[kMG]?/s", out), out
     assert re.search(r"sampled +[\d,]+ transitions", out), out
     assert re.search(r"reserved ([\d,]+) slots = written \1; every slot written exactly once", out), out
