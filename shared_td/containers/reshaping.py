@@ -74,3 +74,46 @@ class BatchShapeOps:
         return self._map_entries(
             lambda v: v.permute(*order, *range(nb, v.ndim)), size, names, is_view=True
         )
+
+    def auto_batch_size_(self, batch_dims: int | None = None, keep_compliant_size: bool = False):
+        """Set the batch size to the longest leading shape that every entry shares
+        (nested tensordicts first get theirs), at most ``batch_dims`` dims; returns self.
+
+        As tensordict 0.15.3: non-tensor entries follow the new batch size, other nested
+        collections (tensorclasses, lazy stacks) keep theirs, and with
+        ``keep_compliant_size`` a nested tensordict that already has ``batch_dims`` dims
+        or more keeps its batch size.
+
+        Example:
+            >>> td = TensorDict(a=torch.zeros(3, 4, 5), b={"c": torch.zeros(3, 4, 6)})
+            >>> td.auto_batch_size_().batch_size, td["b"].batch_size
+            (torch.Size([3, 4]), torch.Size([3, 4, 6]))
+        """
+        from shared_td.containers.base import is_non_tensor, is_tensor_collection
+
+        valid = batch_dims is None or (type(batch_dims) is int and batch_dims >= 0)
+        if not valid:
+            raise ValueError(f"batch_dims must be None or an int >= 0, got {batch_dims!r}.")
+        shapes = []
+        for value in self._tensordict.values():
+            if is_non_tensor(value):
+                continue  # follows whatever batch size we choose
+            if isinstance(value, BatchShapeOps):
+                compliant = keep_compliant_size and batch_dims is not None and value.batch_dims >= batch_dims
+                if not compliant:
+                    value.auto_batch_size_(batch_dims, keep_compliant_size)
+            shapes.append(value.batch_size if is_tensor_collection(value) else value.shape)
+        common = _common_prefix(shapes)
+        self.batch_size = common if batch_dims is None else common[:batch_dims]
+        return self
+
+
+def _common_prefix(shapes: list) -> torch.Size:
+    """The longest leading shape of all ``shapes`` (``[]`` when there is none)."""
+    if not shapes:
+        return torch.Size([])
+    prefix = list(shapes[0])
+    for shape in shapes[1:]:
+        shared = min(len(prefix), len(shape))
+        del prefix[next((i for i in range(shared) if prefix[i] != shape[i]), shared):]
+    return torch.Size(prefix)

@@ -458,6 +458,34 @@ def test_batch_size_setter_failures_change_nothing(unchanged):
         td.batch_size = "x"
 
 
+def test_auto_batch_size_as_tensordict():
+    td = TensorDict(a=torch.zeros(3, 4, 5), b={"c": torch.zeros(3, 4, 6)}, e="text")
+    assert td.auto_batch_size_() is td
+    assert td.batch_size == (3, 4) and td["b"].batch_size == (3, 4, 6)
+    assert td.get("e").batch_size == (3, 4) and td["e"] == "text"  # non-tensors follow
+    assert td.auto_batch_size_(batch_dims=1).batch_size == (3,) and td["b"].batch_size == (3,)
+    kept = TensorDict(a=torch.zeros(3, 4), b=TensorDict(c=torch.zeros(3, 4), batch_size=[3, 4]))
+    kept.auto_batch_size_(batch_dims=1, keep_compliant_size=True)
+    assert kept.batch_size == (3,) and kept["b"].batch_size == (3, 4)
+    assert TensorDict(a=torch.zeros(3), b=torch.zeros(2)).auto_batch_size_().batch_size == ()
+    assert TensorDict().auto_batch_size_().batch_size == ()
+
+
+def test_auto_batch_size_of_a_tensorclass_and_bad_input(unchanged):
+    from shared_td import tensorclass
+
+    @tensorclass
+    class Obs:
+        x: torch.Tensor
+
+    obs = Obs(x=torch.zeros(5, 2))
+    assert obs.auto_batch_size_().batch_size == (5, 2)
+    td = TensorDict(a=torch.zeros(3, 4))
+    for bad in (-1, 1.5, True):
+        with unchanged(td), pytest.raises(ValueError, match="batch_dims"):
+            td.auto_batch_size_(batch_dims=bad)
+
+
 def test_names():
     td = TensorDict(a=torch.zeros(2, 3), batch_size=[2, 3])
     td.names = ["env", None]
