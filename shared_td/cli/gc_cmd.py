@@ -6,7 +6,9 @@ Two kinds of things, and nothing else:
   process ``<pid>`` no longer runs (a running writer's are never touched);
 * lock files ``.<name>.lock`` that no process holds (probed with a non-blocking flock),
   beside a saved tensordict ``<name>`` or beside such directories. A lock file of a
-  prefix that no longer exists is left alone: nothing says it is ours.
+  prefix that no longer exists is left alone: nothing says it is ours;
+* inside a saved tensordict, the temporary files (``meta.json.<pid>.<thread>.tmp``, ...)
+  of a writer ``<pid>`` killed while it rewrote the metadata in place.
 
 Each prefix is cleaned by ``shared_td.gc(prefix, remove_lock=True)`` under its writer
 lock; a prefix whose lock a running writer holds is skipped (that writer removes dead
@@ -19,6 +21,7 @@ import os
 
 from shared_td.cli.common import CommandError, UsageError, plural, print_json
 from shared_td.persist import atomic
+from shared_td.persist import format as fmt
 from shared_td.persist.lock_probe import lock_is_held
 
 EPILOG = """examples:
@@ -29,8 +32,7 @@ EPILOG = """examples:
 
 Leftovers live beside their prefix (/data/.buffer.shared_td-new-4242-x1y2 for
 /data/buffer), so PATH is usually the parent directory; its subdirectories are searched
-too (symlinks are not followed). A crashed writer's half-written meta.json temporary
-file inside a prefix is not removed here: `shared-td verify` lists it.
+too (symlinks are not followed).
 """
 
 
@@ -77,10 +79,25 @@ def prefixes_under(root: str) -> list[str]:
     found = []
     if os.path.isfile(os.path.join(root, "meta.json")):
         found += [p for p in prefixes_in(os.path.dirname(root)) if p == root]
-    for directory, dirnames, _ in os.walk(root):
+    for directory, dirnames, names in os.walk(root):
         found += prefixes_in(directory)
+        if any(fmt.temporary_writer_pid(name) is not None for name in names):
+            # gc of the save that holds it (under that save's lock) finds and checks them
+            found.append(_outermost_save(directory, root))
         dirnames[:] = sorted(d for d in dirnames if atomic.parse_leftover_name(d) is None)
-    return found
+    return sorted(set(found))
+
+
+def _outermost_save(directory: str, root: str) -> str:
+    """The saved tensordict holding ``directory`` (a node directory of it, or itself):
+    its outermost ancestor with a meta.json, not above ``root``."""
+    top = directory
+    while top != root:
+        parent = os.path.dirname(top)
+        if not os.path.isfile(os.path.join(parent, "meta.json")):
+            break
+        top = parent
+    return top
 
 
 def prefixes_in(directory: str) -> list[str]:
@@ -121,4 +138,7 @@ def _what(path: str) -> str:
     parsed = atomic.parse_leftover_name(os.path.basename(path))
     if parsed is not None:
         return f"temporary directory of dead writer pid {parsed[1]}"
+    writer = fmt.temporary_writer_pid(os.path.basename(path))
+    if writer is not None:
+        return f"temporary file of dead writer pid {writer}"
     return "lock file no process holds"

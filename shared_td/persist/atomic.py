@@ -31,6 +31,7 @@ import tempfile
 
 import filelock
 
+from shared_td.persist import format as fmt
 from shared_td.persist.lock_probe import lock_is_held, remove_unheld_lock
 
 #: Seconds a writer waits for another writer of the same prefix before TimeoutError.
@@ -177,6 +178,20 @@ def find_leftovers(prefix: str) -> list[str]:
     return found
 
 
+def find_stale_temporaries(prefix: str) -> list[str]:
+    """Temporary files a killed (non-atomic) writer left inside the saved tree at
+    ``prefix``: ``meta.json.<pid>.<thread>.tmp`` and the like, whose pid is gone.
+    Symlinks are not followed; nothing is removed."""
+    found = []
+    for directory, subdirectories, names in os.walk(prefix):
+        subdirectories.sort()
+        for name in sorted(names):
+            pid = fmt.temporary_writer_pid(name)
+            if pid is not None and not _alive(pid):
+                found.append(os.path.join(directory, name))
+    return found
+
+
 def sweep_leftovers(prefix: str) -> list[str]:
     """Remove temporary directories of ``prefix`` left by writers that died.
 
@@ -200,10 +215,12 @@ def sweep_leftovers(prefix: str) -> list[str]:
 
 def gc(prefix: str, timeout: float | None = None, *, dry_run: bool = False,
        remove_lock: bool = False) -> list[str]:
-    """Remove what killed atomic writers of ``prefix`` left beside it; returns the paths.
+    """Remove what killed writers of ``prefix`` left; returns the paths.
 
-    The temporary directories of dead writers are removed under the prefix lock (waiting
-    at most ``timeout`` seconds for a running writer, then TimeoutError). With
+    The temporary directories of dead atomic writers (beside ``prefix``) and the
+    temporary files of dead writers inside it (:func:`find_stale_temporaries`) are
+    removed under the prefix lock (waiting at most ``timeout`` seconds for a running
+    writer, then TimeoutError). With
     ``remove_lock=True`` the lock file ``.<name>.lock`` goes too when no process holds
     it. ``dry_run=True`` removes nothing, takes no lock and returns what would go.
 
@@ -216,13 +233,16 @@ def gc(prefix: str, timeout: float | None = None, *, dry_run: bool = False,
     prefix = os.path.abspath(os.fspath(prefix))
     lock_file = lock_path(prefix)
     if dry_run:
-        found = find_leftovers(prefix)
+        found = find_leftovers(prefix) + find_stale_temporaries(prefix)
         if remove_lock and os.path.lexists(lock_file) and not lock_is_held(lock_file):
             found.append(lock_file)
         return found
     existed = os.path.lexists(lock_file)  # else taking the lock creates it: not a leftover
     with acquired(prefix, timeout):
         removed = sweep_leftovers(prefix)
+        for path in find_stale_temporaries(prefix):
+            os.unlink(path)
+            removed.append(path)
     if remove_lock and remove_unheld_lock(lock_file) and existed:
         removed.append(lock_file)
     return removed

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 from typing import Any
 
@@ -161,3 +162,20 @@ def write_temporary(path: str, data: bytes) -> str:
         os.unlink(temporary)  # left by a killed writer of the same pid and thread id
     write_new_file(temporary, data)
     return temporary
+
+
+# write_temporary's names for the files of a node: <file>.<pid>.<thread id>.tmp
+_TEMPORARY_NAME = re.compile(
+    "(?:" + "|".join(re.escape(n) for n in (META, OTHER_PICKLE, STACK_PICKLE)) + r")\.(?P<pid>[0-9]+)\.[0-9]+\.tmp"
+)
+
+
+def temporary_writer_pid(name: str) -> int | None:
+    """The pid of the writer that made ``name`` with :func:`write_temporary`, else None.
+
+    Examples:
+        >>> temporary_writer_pid("meta.json.4242.1399.tmp"), temporary_writer_pid("notes.tmp")
+        (4242, None)
+    """
+    match = _TEMPORARY_NAME.fullmatch(name)
+    return int(match["pid"]) if match else None

@@ -9,11 +9,10 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from cli_helpers import dead_pid, run_cli, run_json, run_main  # noqa: E402
+from cli_helpers import dead_pid, run_cli, run_json, run_main
 
-import shared_td  # noqa: E402
-from shared_td.persist import atomic  # noqa: E402
+import shared_td
+from shared_td.persist import atomic
 
 HOLD_LOCK = (
     "import filelock, sys\n"
@@ -139,6 +138,32 @@ def test_a_tensordict_save_with_a_crashed_shared_td_rewrite(tmp_path):
     assert code == 0 and document["removed"] == leftovers
     assert os.listdir(tmp_path) == ["theirs"]
     assert tensordict.TensorDict.load_memmap(str(tmp_path / "theirs"))["x"].tolist() == [0.0, 1.0, 2.0]
+
+
+def test_temporary_files_of_a_killed_in_place_writer(tmp_path):
+    # a writer killed while it rewrote the metadata of an existing save in place leaves
+    # meta.json.<pid>.<thread>.tmp files, at any depth of the tree
+    prefix = tmp_path / "data" / "buffer"
+    shared_td.TensorDict(x=torch.arange(3.0), n={"y": torch.zeros(3)}, batch_size=[3]).memmap_(str(prefix))
+    dead = dead_pid()
+    gone = [prefix / f"meta.json.{dead}.140.tmp", prefix / "n" / f"meta.json.{dead}.141.tmp"]
+    kept = [prefix / f"meta.json.{os.getpid()}.142.tmp",  # a live writer's: never touched
+            prefix / "notes.tmp", prefix / "n" / f"meta.json.{dead}.tmp"]  # not our pattern
+    for path in gone + kept:
+        path.write_bytes(b"{")
+    expected = sorted(map(str, gone))
+    code, document = run_json("gc", "--dry-run", tmp_path / "data")
+    assert code == 0 and sorted(document["removed"]) == expected
+    assert all(path.exists() for path in gone)
+    code, out, _ = run_main("gc", tmp_path / "data")
+    assert code == 0 and f"removed  {gone[0]}  (temporary file of dead writer pid {dead})" in out
+    assert not any(path.exists() for path in gone) and all(path.exists() for path in kept)
+    assert not (tmp_path / "data" / ".buffer.lock").exists()  # the lock gc took is not left
+    assert shared_td.load_memmap(str(prefix))["n", "y"].tolist() == [0.0] * 3
+    # the library function does the same for one prefix
+    gone[0].write_bytes(b"{")
+    assert shared_td.gc(str(prefix), dry_run=True) == [str(gone[0])]
+    assert shared_td.gc(str(prefix)) == [str(gone[0])] and not gone[0].exists()
 
 
 def test_the_library_function_dry_run_and_remove_lock(tmp_path, lock_holder):
