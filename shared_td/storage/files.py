@@ -76,11 +76,21 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
         >>> len(tensor_bytes(torch.arange(3, dtype=torch.int16)))
         6
     """
+    return memoryview(raw_bytes(tensor).numpy())
+
+
+def raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The C-order bytes of a CPU tensor as a 1-d uint8 tensor (a view when possible).
+
+    Example:
+        >>> raw_bytes(torch.tensor([1, 2], dtype=torch.int16)).tolist()
+        [1, 0, 2, 0]
+    """
     # reshape(-1) first: a 0-dim tensor cannot be viewed as another dtype
     flat = tensor.detach().resolve_conj().resolve_neg().reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
-    return memoryview(flat.view(torch.uint8).numpy())
+    return flat.view(torch.uint8)
 
 
 def pwrite_all(fd: int, data, offset: int, *, where: str = "a file") -> None:
