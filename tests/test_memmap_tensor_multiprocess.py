@@ -6,34 +6,20 @@ and plain pickle bytes -- for file-backed and anonymous tensors, whole and as vi
 """
 
 import multiprocessing
-import os
 import pickle
-import sys
 
 import multiprocess
 import pytest
 import torch
 import torch.multiprocessing
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO_ROOT = os.path.dirname(TESTS_DIR)
-# The child targets are in a sibling module; spawn children get the parent's sys.path,
-# and the PYTHONPATH set below covers the other cases.
-if TESTS_DIR not in sys.path:
-    sys.path.insert(0, TESTS_DIR)
+# The child targets are in a sibling module, importable by name (tests/conftest.py).
+import mp_children_memmap as children
 
-import mp_children_memmap as children  # noqa: E402
-
-from shared_td.memmap_tensor import MemoryMappedTensor  # noqa: E402
-from shared_td.storage.anonymous import SegmentUnavailableError  # noqa: E402
+from shared_td.memmap_tensor import MemoryMappedTensor
+from shared_td.storage.anonymous import SegmentUnavailableError
 
 JOIN_TIMEOUT = 50
-
-
-@pytest.fixture(autouse=True)
-def child_import_path(monkeypatch):
-    path = os.pathsep.join([TESTS_DIR, REPO_ROOT, os.environ.get("PYTHONPATH", "")])
-    monkeypatch.setenv("PYTHONPATH", path.rstrip(os.pathsep))
 
 
 def make_tensors(tmp_path):

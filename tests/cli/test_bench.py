@@ -6,11 +6,10 @@ import os
 import subprocess
 import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
-from cli_helpers import REPO, run_cli, run_main  # noqa: E402
+from cli_helpers import REPO, run_cli, run_main
 
-from shared_td.bench import CASES, BenchOptions, run  # noqa: E402
-from shared_td.bench.runner import table_rows  # noqa: E402
+from shared_td.bench import CASES, BenchOptions, run
+from shared_td.bench.runner import table_rows
 
 
 def _rows(out: str) -> dict[str, list[str]]:

@@ -3,12 +3,10 @@ as text and as JSON, from metadata only (pickles are never unpickled)."""
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-from cli_helpers import run_cli, run_json, run_main, save_lazy_stack, save_ours, save_theirs  # noqa: E402
+from cli_helpers import run_cli, run_json, run_main, save_lazy_stack, save_ours, save_theirs
 
 
 def _by_key(tree: dict) -> dict:

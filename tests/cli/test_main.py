@@ -10,10 +10,9 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-from cli_helpers import REPO, run_cli, run_main  # noqa: E402
+from cli_helpers import REPO, run_cli, run_main
 
-from shared_td import cli  # noqa: E402
+from shared_td import cli
 
 OURS = ["inspect", "verify", "gc", "bench", "demo"]
 

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-from cli_helpers import (  # noqa: E402
+from cli_helpers import (
     problems_by_path, run_cli, run_json, run_main, save_lazy_stack, save_ours, save_theirs,
 )
 
-from shared_td.cli import main  # noqa: E402
+from shared_td.cli import main
 
 
 @pytest.mark.parametrize("writer", ["shared_td", "tensordict"])

@@ -10,7 +10,6 @@ import os
 import signal
 import socket
 import stat
-import sys
 import tempfile
 import time
 
@@ -18,24 +17,11 @@ import multiprocess
 import pytest
 import torch
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO_ROOT = os.path.dirname(os.path.dirname(TESTS_DIR))
-if TESTS_DIR not in sys.path:
-    sys.path.insert(0, TESTS_DIR)
+import coord_children as kids
+from processes import WAIT, finish
 
-import coord_children as kids  # noqa: E402
-
-import shared_td  # noqa: E402
-from shared_td.coordinator import server  # noqa: E402
-
-WAIT = 30  # seconds: the bound on every join / queue read
-
-
-@pytest.fixture(autouse=True)
-def child_import_path(monkeypatch):
-    # spawn children import the targets by module name
-    path = os.pathsep.join([TESTS_DIR, REPO_ROOT, os.environ.get("PYTHONPATH", "")])
-    monkeypatch.setenv("PYTHONPATH", path.rstrip(os.pathsep))
+import shared_td
+from shared_td.coordinator import server
 
 
 def run(ctx, target, *args):
@@ -44,15 +30,6 @@ def run(ctx, target, *args):
     process = ctx.Process(target=target, args=(*args, queue))
     process.start()
     return process, queue
-
-
-def finish(process):
-    process.join(WAIT)
-    if process.is_alive():
-        process.kill()
-        process.join(WAIT)
-        pytest.fail("child process hung")
-    return process.exitcode
 
 
 def alive(pid: int) -> bool:

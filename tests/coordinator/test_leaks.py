@@ -17,21 +17,11 @@ import textwrap
 import pytest
 import torch
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO_ROOT = os.path.dirname(os.path.dirname(TESTS_DIR))
-if TESTS_DIR not in sys.path:
-    sys.path.insert(0, TESTS_DIR)
+import coord_children as kids
+from processes import WAIT, finish
+from test_coordinator import alive, run, snapshot, wait_until
 
-import coord_children as kids  # noqa: E402
-from test_coordinator import WAIT, alive, finish, run, snapshot, wait_until  # noqa: E402
-
-import shared_td  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def child_import_path(monkeypatch):
-    path = os.pathsep.join([TESTS_DIR, REPO_ROOT, os.environ.get("PYTHONPATH", "")])
-    monkeypatch.setenv("PYTHONPATH", path.rstrip(os.pathsep))
+import shared_td
 
 
 def holders_of(inode: int, pids) -> list[int]:

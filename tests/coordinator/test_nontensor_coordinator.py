@@ -20,23 +20,11 @@ import time
 import pytest
 import torch
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO_ROOT = os.path.dirname(os.path.dirname(TESTS_DIR))
-if TESTS_DIR not in sys.path:
-    sys.path.insert(0, TESTS_DIR)
+import nt_children as kids
+from processes import WAIT, finish
 
-import nt_children as kids  # noqa: E402
-
-import shared_td  # noqa: E402
-from shared_td.coordinator import ownership, server  # noqa: E402
-
-WAIT = 30  # seconds: the bound on every join / queue read
-
-
-@pytest.fixture(autouse=True)
-def child_import_path(monkeypatch):
-    path = os.pathsep.join([TESTS_DIR, REPO_ROOT, os.environ.get("PYTHONPATH", "")])
-    monkeypatch.setenv("PYTHONPATH", path.rstrip(os.pathsep))
+import shared_td
+from shared_td.coordinator import ownership, server
 
 
 def start(ctx, target, *args, daemon=None):
@@ -44,15 +32,6 @@ def start(ctx, target, *args, daemon=None):
     process = ctx.Process(target=target, args=(*args, queue), daemon=daemon)
     process.start()
     return process, queue
-
-
-def finish(process):
-    process.join(WAIT)
-    if process.is_alive():
-        process.kill()
-        process.join(WAIT)
-        pytest.fail("child process hung")
-    return process.exitcode
 
 
 def wait_until(condition, timeout=10.0):

@@ -5,29 +5,16 @@ with ``shared_td.refresh``; writes into a stale layout never reach the new one.
 from __future__ import annotations
 
 import multiprocessing
-import os
-import sys
 import time
 
 import pytest
 import torch
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO_ROOT = os.path.dirname(os.path.dirname(TESTS_DIR))
-if TESTS_DIR not in sys.path:
-    sys.path.insert(0, TESTS_DIR)
+import nt_children as kids
 
-import nt_children as kids  # noqa: E402
-
-import shared_td  # noqa: E402
+import shared_td
 
 WAIT = 30
-
-
-@pytest.fixture(autouse=True)
-def child_import_path(monkeypatch):
-    path = os.pathsep.join([TESTS_DIR, REPO_ROOT, os.environ.get("PYTHONPATH", "")])
-    monkeypatch.setenv("PYTHONPATH", path.rstrip(os.pathsep))
 
 
 def tree(fill=0.0):

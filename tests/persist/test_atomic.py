@@ -18,17 +18,16 @@ import filelock
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import atomic_children as kids  # noqa: E402
-from persist_helpers import (  # noqa: E402
+import atomic_children as kids
+from persist_helpers import (
     MemoryMappedTensor, NonTensorData, NonTensorStack, TensorDict, assert_all_memmap,
     bits, dir_state, make_td, tree_state, values_state,
 )
 
-import shared_td  # noqa: E402
-from shared_td import LazyStackedTensorDict, is_tensorclass, load_memmap, tensorclass  # noqa: E402
-from shared_td.persist import api, atomic, loader  # noqa: E402
-from shared_td.storage import files  # noqa: E402
+import shared_td
+from shared_td import LazyStackedTensorDict, is_tensorclass, load_memmap, tensorclass
+from shared_td.persist import api, atomic, loader
+from shared_td.storage import files
 
 pytestmark = pytest.mark.timeout(60)
 FORK = multiprocessing.get_context("fork")

@@ -12,17 +12,15 @@ import multiprocessing
 import os
 import random
 import shutil
-import sys
 import time
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-import atomic_children as kids  # noqa: E402
-from persist_helpers import dir_state  # noqa: E402
+import atomic_children as kids
+from persist_helpers import dir_state
 
-import shared_td  # noqa: E402
-from shared_td import load_memmap  # noqa: E402
+import shared_td
+from shared_td import load_memmap
 
 FORK = multiprocessing.get_context("fork")
 STRESS = os.environ.get("SHARED_TD_STRESS") == "1"

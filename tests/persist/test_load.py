@@ -5,19 +5,17 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
-import sys
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from persist_helpers import (  # noqa: E402
+from persist_helpers import (
     DTYPES, MemoryMappedTensor, NonTensorData, NonTensorStack, TensorDict, assert_all_memmap,
     assert_same_values, bits, dir_state, make_td, tree_state, values_state,
 )
 
-from shared_td.storage.files import FileTooShortError  # noqa: E402
+from shared_td.storage.files import FileTooShortError
 
 
 @pytest.fixture

@@ -11,12 +11,11 @@ import textwrap
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from persist_helpers import (  # noqa: E402
+from persist_helpers import (
     MemoryMappedTensor, TensorDict, assert_all_memmap, bits, dir_state, tree_state,
 )
 
-from shared_td import BatchSizeMismatchError  # noqa: E402
+from shared_td import BatchSizeMismatchError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import os
 import threading
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from persist_helpers import (  # noqa: E402
+from persist_helpers import (
     DTYPES, MemoryMappedTensor, TensorDict, assert_all_memmap,
     assert_same_values, bits, dir_state, make_td, tree_state, values_state,
 )
 
-import shared_td.storage.files as files  # noqa: E402
-from shared_td.persist.future import TensorDictFuture  # noqa: E402
-from shared_td.storage.anonymous import Segment  # noqa: E402
+import shared_td.storage.files as files
+from shared_td.persist.future import TensorDictFuture
+from shared_td.storage.anonymous import Segment
 
 
 def read(path) -> bytes:

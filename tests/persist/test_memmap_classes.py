@@ -7,19 +7,17 @@ and NonTensorStack used on their own. TensorDict itself is tested in test_memmap
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from persist_helpers import bits, dir_state, sample  # noqa: E402
+from persist_helpers import bits, dir_state, sample
 
-from shared_td import (  # noqa: E402
+from shared_td import (
     LazyStackedTensorDict, MemoryMappedTensor, NonTensorData, NonTensorStack, TensorDict,
     is_non_tensor, is_tensorclass, tensorclass,
 )
-from shared_td.persist.future import TensorDictFuture  # noqa: E402
+from shared_td.persist.future import TensorDictFuture
 
 
 @tensorclass

@@ -10,31 +10,18 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import os
 import pickle
-import sys
 
 import multiprocess
 import pytest
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO_ROOT = os.path.dirname(os.path.dirname(HERE))
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
+import share_children as kids
+from persist_helpers import dir_state, values_state
 
-import share_children as kids  # noqa: E402
-from persist_helpers import dir_state, values_state  # noqa: E402
-
-from shared_td import NonTensorData, NonTensorStack, TensorDict  # noqa: E402
+from shared_td import NonTensorData, NonTensorStack, TensorDict
 
 JOIN_TIMEOUT = 60
-
-
-@pytest.fixture(autouse=True)
-def child_import_path(monkeypatch):
-    path = os.pathsep.join([HERE, REPO_ROOT, os.environ.get("PYTHONPATH", "")])
-    monkeypatch.setenv("PYTHONPATH", path.rstrip(os.pathsep))
 
 
 def start(ctx, target, *args):

@@ -9,41 +9,20 @@ import gc
 import multiprocessing
 import os
 import pickle
-import sys
 
 import multiprocess
 import numpy as np
 import pytest
 import torch
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO_ROOT = os.path.dirname(os.path.dirname(TESTS_DIR))
-if TESTS_DIR not in sys.path:
-    sys.path.insert(0, TESTS_DIR)
+import counter_children as kids
+from processes import finish
 
-import counter_children as kids  # noqa: E402
-
-from shared_td import SharedCounter  # noqa: E402
-from shared_td.storage import counter as counter_module  # noqa: E402
+from shared_td import SharedCounter
+from shared_td.storage import counter as counter_module
 
 pytestmark = pytest.mark.timeout(120)
 WAIT = 60  # seconds: the bound on every join / queue read
-
-
-@pytest.fixture(autouse=True)
-def child_import_path(monkeypatch):
-    # spawn children import the targets by module name
-    path = os.pathsep.join([TESTS_DIR, REPO_ROOT, os.environ.get("PYTHONPATH", "")])
-    monkeypatch.setenv("PYTHONPATH", path.rstrip(os.pathsep))
-
-
-def finish(process):
-    process.join(WAIT)
-    if process.is_alive():
-        process.kill()
-        process.join(WAIT)
-        pytest.fail("child process hung")
-    return process.exitcode
 
 
 def test_fetch_add_returns_the_old_value():
@@ -121,7 +100,7 @@ def hammer(ctx, processes=3, calls=1500, threads=2):
         child.start()
     reports = [queue.get(timeout=WAIT) for _ in children]
     for child in children:
-        assert finish(child) == 0
+        assert finish(child, WAIT) == 0
     assert all(status == "ok" for status, _ in reports), reports
     reservations = [r for _, rs in reports for r in rs]
     assert len(reservations) == processes * threads * calls
@@ -148,7 +127,7 @@ def test_fork_while_another_thread_holds_the_lock():
         child = multiprocessing.get_context("fork").Process(target=kids.add_one, args=(counter, queue))
         child.start()
         assert queue.get(timeout=WAIT) == 0
-    assert finish(child) == 0
+    assert finish(child, WAIT) == 0
     assert counter.value == 1
 
 
