@@ -46,7 +46,8 @@ def wait_until(condition, timeout=10.0):
 
 
 def our_temp_entries():
-    return {e for e in os.listdir(tempfile.gettempdir()) if e.startswith("shared_td")}
+    # what the library makes in the temp dir (not, e.g., a benchmark run beside the tests)
+    return {e for e in os.listdir(tempfile.gettempdir()) if e.startswith(server.DIR_PREFIX)}
 
 
 def snapshot():

@@ -22,6 +22,7 @@ import torch
 
 import nt_children as kids
 from processes import WAIT, finish
+from test_coordinator import snapshot
 
 import shared_td
 from shared_td.coordinator import ownership, server
@@ -55,12 +56,6 @@ def run_script(body: str, timeout: float = 60) -> dict:
                             capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
-
-
-def our_temp_entries():
-    import tempfile
-
-    return {e for e in os.listdir(tempfile.gettempdir()) if e.startswith("shared_td")}
 
 
 # ------------------------------------------------------------------ the read path
@@ -254,19 +249,7 @@ def test_values_leave_nothing_behind():
     ownership.embedded_coordinator(start=True)
     shared_td.TensorDict(task="warm").memmap_(share_non_tensor=True)  # connection made
 
-    def state():
-        fds = {}
-        for fd in os.listdir("/proc/self/fd"):
-            try:
-                fds[fd] = os.readlink(f"/proc/self/fd/{fd}")
-            except OSError:
-                pass
-        return set(os.listdir("/dev/shm")), our_temp_entries(), fds
-
-    import gc
-
-    gc.collect()
-    before = state()
+    before = snapshot()
     with shared_td.Coordinator() as coord:
         creator, queue = start(ctx, kids.make_shared_then_sleep, coord, "x")
         status, creator_pid, blob, _ = queue.get(timeout=WAIT)
@@ -278,7 +261,6 @@ def test_values_leave_nothing_behind():
         queue.close()
         queue.join_thread()
         del td, queue, creator
-    gc.collect()
-    shm, temp, fds = state()
+    shm, temp, fds = snapshot()
     assert shm == before[0] and temp == before[1]
     assert fds == before[2], {k: v for k, v in fds.items() if before[2].get(k) != v}
