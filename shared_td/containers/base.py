@@ -9,15 +9,15 @@ for both (see ``TensorDict._map_entries``).
 """
 from __future__ import annotations
 
-import weakref
 from typing import Any, Callable, Iterator
 
 import torch
 
 from shared_td.containers import batch as batch_ops
 from shared_td.containers.keysview import KeysView
+from shared_td.containers.locking import LockingOps
 from shared_td.containers.splitting import BatchSplitOps
-from shared_td.errors import BatchSizeMismatchError, LockedTensorDictError
+from shared_td.errors import BatchSizeMismatchError
 from shared_td.keys import NestedKey, is_nested_key, key_repr, unravel_key
 from shared_td.persist.methods import MemmapMethods
 
@@ -57,7 +57,7 @@ def is_leaf_nontensor(cls: type) -> bool:
     return default_is_leaf(cls) or getattr(cls, "_is_non_tensor", False)
 
 
-class TensorDictBase(BatchSplitOps, MemmapMethods):
+class TensorDictBase(LockingOps, BatchSplitOps, MemmapMethods):
     """Common API of TensorDict, LazyStackedTensorDict and the non-tensor containers."""
 
     _is_non_tensor = False
@@ -414,86 +414,6 @@ class TensorDictBase(BatchSplitOps, MemmapMethods):
         if old != new:
             self.del_(old)
         return self
-
-    # ---------------------------------------------------------------- locking
-    @property
-    def is_locked(self) -> bool:
-        """True if entries cannot be added, removed or replaced (see lock_())."""
-        return self._is_locked
-
-    @is_locked.setter
-    def is_locked(self, value: bool) -> None:
-        self.lock_() if value else self.unlock_()
-
-    def _check_unlocked(self, path: tuple[str, ...], action: str) -> None:
-        if self._is_locked:
-            target = f" key {key_repr(path)}" if path else ""  # () for whole-tensordict ops
-            raise LockedTensorDictError(
-                f"Cannot modify locked TensorDict: cannot {action}{target}. "
-                "For in-place modification, consider using the `set_()` method and make "
-                "sure the key is present (or update_()), or unlock it first with "
-                "`with td.unlock_(): ...`."
-            )
-
-    def _collection_children(self) -> list:
-        children = []
-        for key in self._keys_str():
-            value = self._get_str(key, None)
-            if isinstance(value, TensorDictBase):
-                children.append(value)
-            elif is_tensor_collection(value):
-                children.append(value._tensordict)
-        return children
-
-    def lock_(self) -> "TensorDictBase":
-        """Lock self and every nested tensordict: entries can then only be written in place.
-
-        Usable as a context manager: ``with td.lock_(): ...`` unlocks at exit.
-        """
-        self._is_locked = True
-        for child in self._collection_children():
-            child._lock_parents[id(self)] = weakref.ref(self)
-            child.lock_()
-        self._last_op = "lock_"
-        return self
-
-    def unlock_(self) -> "TensorDictBase":
-        """Unlock self and every nested tensordict; ``is_memmap()`` and ``is_shared()``
-        become False.
-
-        Usable as a context manager: ``with td.unlock_(): ...`` re-locks at exit.
-
-        Raises:
-            RuntimeError: if self is nested in a tensordict that is still locked.
-        """
-        locked_parents = [p() for p in self._lock_parents.values() if p() is not None]
-        if any(parent._is_locked for parent in locked_parents):
-            raise RuntimeError(
-                "Cannot unlock a tensordict that is part of a locked graph: unlock the "
-                "parent tensordict it belongs to instead."
-            )
-        self._unlock_tree()
-        self._last_op = "unlock_"
-        return self
-
-    def _unlock_tree(self) -> None:
-        self._is_locked = False
-        self._is_memmap = False
-        self._is_shared = False
-        for child in self._collection_children():
-            child._lock_parents.pop(id(self), None)
-            child._unlock_tree()
-
-    def __enter__(self) -> "TensorDictBase":
-        self._context_ops.append(getattr(self, "_last_op", None))
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        op = self._context_ops.pop()
-        if op == "unlock_":
-            self.lock_()
-        elif op == "lock_":
-            self.unlock_()
 
     # ---------------------------------------------------------------- pickling
     def __getstate__(self) -> dict:

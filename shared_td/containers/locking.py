@@ -1,0 +1,96 @@
+"""Locking of tensordicts: lock_, unlock_, is_locked, and ``with td.lock_()/unlock_()``.
+
+A locked tensordict refuses to add, remove or replace an entry (in-place writes stay
+allowed); the lock reaches every nested tensordict, which remembers its locked parents
+so that it cannot be unlocked on its own.
+"""
+from __future__ import annotations
+
+import weakref
+
+from shared_td.errors import LockedTensorDictError
+from shared_td.keys import key_repr
+
+
+class LockingOps:
+    """Mixin of TensorDictBase (it relies on ``_keys_str``, ``_get_str``, ``_is_locked``,
+    ``_lock_parents`` and ``_context_ops``)."""
+
+    @property
+    def is_locked(self) -> bool:
+        """True if entries cannot be added, removed or replaced (see lock_())."""
+        return self._is_locked
+
+    @is_locked.setter
+    def is_locked(self, value: bool) -> None:
+        self.lock_() if value else self.unlock_()
+
+    def _check_unlocked(self, path: tuple[str, ...], action: str) -> None:
+        if self._is_locked:
+            target = f" key {key_repr(path)}" if path else ""  # () for whole-tensordict ops
+            raise LockedTensorDictError(
+                f"Cannot modify locked TensorDict: cannot {action}{target}. "
+                "For in-place modification, consider using the `set_()` method and make "
+                "sure the key is present (or update_()), or unlock it first with "
+                "`with td.unlock_(): ...`."
+            )
+
+    def _collection_children(self) -> list:
+        children = []
+        for key in self._keys_str():
+            value = self._get_str(key, None)
+            if isinstance(value, LockingOps):  # a tensordict of any class
+                children.append(value)
+            elif getattr(type(value), "_is_tensorclass", False):
+                children.append(value._tensordict)
+        return children
+
+    def lock_(self) -> "LockingOps":
+        """Lock self and every nested tensordict: entries can then only be written in place.
+
+        Usable as a context manager: ``with td.lock_(): ...`` unlocks at exit.
+        """
+        self._is_locked = True
+        for child in self._collection_children():
+            child._lock_parents[id(self)] = weakref.ref(self)
+            child.lock_()
+        self._last_op = "lock_"
+        return self
+
+    def unlock_(self) -> "LockingOps":
+        """Unlock self and every nested tensordict; ``is_memmap()`` and ``is_shared()``
+        become False.
+
+        Usable as a context manager: ``with td.unlock_(): ...`` re-locks at exit.
+
+        Raises:
+            RuntimeError: if self is nested in a tensordict that is still locked.
+        """
+        locked_parents = [p() for p in self._lock_parents.values() if p() is not None]
+        if any(parent._is_locked for parent in locked_parents):
+            raise RuntimeError(
+                "Cannot unlock a tensordict that is part of a locked graph: unlock the "
+                "parent tensordict it belongs to instead."
+            )
+        self._unlock_tree()
+        self._last_op = "unlock_"
+        return self
+
+    def _unlock_tree(self) -> None:
+        self._is_locked = False
+        self._is_memmap = False
+        self._is_shared = False
+        for child in self._collection_children():
+            child._lock_parents.pop(id(self), None)
+            child._unlock_tree()
+
+    def __enter__(self) -> "LockingOps":
+        self._context_ops.append(getattr(self, "_last_op", None))
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        op = self._context_ops.pop()
+        if op == "unlock_":
+            self.lock_()
+        elif op == "lock_":
+            self.unlock_()
