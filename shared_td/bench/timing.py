@@ -6,6 +6,7 @@ Examples:
 """
 from __future__ import annotations
 
+import gc
 import os
 import platform
 import shutil
@@ -19,13 +20,21 @@ def best_of(repeat: int, setup: Callable[[], object], run: Callable[[object], ob
     """Best wall time of ``run(setup())`` over ``repeat`` runs (setup is not timed).
 
     The best run is the least disturbed one: on a shared machine noise only adds time.
+    As ``timeit`` does, the garbage collector is off while ``run`` is timed (and what the
+    previous run left is collected before), so that a collection of another variant's
+    garbage does not fall into this one's time.
     """
     times = []
     for _ in range(repeat):
         state = setup()
-        start = time.perf_counter()
-        run(state)
-        times.append(time.perf_counter() - start)
+        gc.collect()
+        gc.disable()
+        try:
+            start = time.perf_counter()
+            run(state)
+            times.append(time.perf_counter() - start)
+        finally:
+            gc.enable()
     return min(times)
 
 
