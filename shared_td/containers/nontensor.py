@@ -10,6 +10,7 @@ torch's rules exactly.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from typing import Any, Callable, Sequence
 
 import torch
@@ -60,13 +61,13 @@ class _NonTensorBase(TensorDictBase):
     def _del_str(self, key: str) -> None:
         raise KeyError(key)
 
-    def _transform(self, op: Callable[[torch.Tensor], torch.Tensor]) -> "_NonTensorBase":
+    def _transform(self, op: Callable[[torch.Tensor], torch.Tensor], keep_members: bool = False) -> "_NonTensorBase":
         raise NotImplementedError
 
     def _index(self, index: Any) -> "_NonTensorBase":
         index = batch_ops.normalize_index(index, self._batch_size)
         batch_ops.indexed_batch_size(self._batch_size, index)  # range checks
-        return self._transform(lambda positions: positions[index])
+        return self._transform(lambda positions: positions[index], keep_members=True)
 
     def expand(self, *shape: Any) -> "_NonTensorBase":
         size = batch_ops.shape_args(shape)
@@ -79,7 +80,7 @@ class _NonTensorBase(TensorDictBase):
     view = reshape
 
     def unsqueeze(self, dim: int) -> "_NonTensorBase":
-        return self._transform(lambda positions: positions.unsqueeze(dim))
+        return self._transform(lambda positions: positions.unsqueeze(dim), keep_members=True)
 
     def squeeze(self, dim: int | None = None) -> "_NonTensorBase":
         return self._transform(lambda p: p.squeeze() if dim is None else p.squeeze(dim))
@@ -213,7 +214,7 @@ class NonTensorData(_NonTensorBase):
     def _flat_values(self) -> list:
         return [self.data] * self._batch_size.numel()
 
-    def _transform(self, op: Callable[[torch.Tensor], torch.Tensor]) -> "NonTensorData":
+    def _transform(self, op: Callable[[torch.Tensor], torch.Tensor], keep_members: bool = False) -> "NonTensorData":
         size = op(torch.zeros((), dtype=torch.uint8).expand(self._batch_size)).shape
         return NonTensorData(self.data, batch_size=size, device=self._device)
 
@@ -292,11 +293,20 @@ class NonTensorStack(_NonTensorBase):
                 f"{len(values)} values do not fit batch_size {list(batch_ops.as_batch_size(batch_size))}."
             )
 
+    # Which stacked NonTensorData each value comes from, as tensordict keeps its members:
+    # one ``(member id, member's batch dims)`` per value, or None (a value of its own).
+    # Indexing that leaves exactly (part of) one member gives that NonTensorData back:
+    # ``torch.stack([td1, td2])[0]["task"]`` is td1's single "task" value.
+    _members: list | None = None
+
     @classmethod
-    def _from_flat(cls, values: list, batch_size: torch.Size, device: Any = None) -> "NonTensorStack":
+    def _from_flat(cls, values: list, batch_size: torch.Size, device: Any = None,
+                   members: list | None = None) -> "NonTensorStack":
         stack = cls.__new__(cls)
         stack._values = list(values)
         stack._init_flags(batch_size, device)
+        if members is not None and any(m is not None for m in members):
+            stack._members = members
         return stack
 
     @classmethod
@@ -329,16 +339,26 @@ class NonTensorStack(_NonTensorBase):
     def _flat_values(self) -> list:
         return list(self._values)
 
-    def _transform(self, op: Callable[[torch.Tensor], torch.Tensor]) -> "_NonTensorBase":
+    def _transform(self, op: Callable[[torch.Tensor], torch.Tensor], keep_members: bool = False) -> "_NonTensorBase":
+        """``op`` applied to the positions of the values. Only indexing and unsqueeze
+        keep the stacked members (as tensordict's lazy stack of them does); a reshape,
+        expand or permute gives one value per element."""
         positions = torch.arange(len(self._values)).reshape(self._batch_size)
         new_positions = op(positions)
-        values = [self._values[i] for i in new_positions.reshape(-1).tolist()]
+        taken = new_positions.reshape(-1).tolist()
+        values = [self._values[i] for i in taken]
         if new_positions.ndim == 0:
             return NonTensorData(values[0], batch_size=[], device=self._device)
-        return NonTensorStack._from_flat(values, new_positions.shape, self._device)
+        members = None if self._members is None or not keep_members else [self._members[i] for i in taken]
+        if _one_member(members, values, new_positions.ndim):
+            return NonTensorData(values[0], batch_size=new_positions.shape, device=self._device)
+        return NonTensorStack._from_flat(values, new_positions.shape, self._device, members)
+
+    def _flat_members(self) -> list:
+        return [None] * len(self._values) if self._members is None else list(self._members)
 
     def clone(self, recurse: bool = True) -> "NonTensorStack":
-        return NonTensorStack._from_flat(self._values, self._batch_size, self._device)
+        return NonTensorStack._from_flat(self._values, self._batch_size, self._device, self._members)
 
     def _new_values(self, value: Any) -> list:
         source = value if isinstance(value, _NonTensorBase) else NonTensorStack.from_list(value)
@@ -351,6 +371,7 @@ class NonTensorStack(_NonTensorBase):
         values = self._new_values(value)
         with self._updating():
             self._values = values
+            self._members = None  # new values: no longer the stacked members
             self._after_update()
 
     def _set_at(self, index: tuple, source: Any) -> "NonTensorStack":
@@ -365,6 +386,7 @@ class NonTensorStack(_NonTensorBase):
             for position, value in zip(targets.reshape(-1).tolist(), new_values):
                 values[position] = value
             self._values = values
+            self._members = None  # new values: no longer the stacked members
             self._after_update()
         return self
 
@@ -378,25 +400,53 @@ class NonTensorStack(_NonTensorBase):
 
 
 def stack_non_tensors(items: Sequence[_NonTensorBase], dim: int) -> NonTensorStack:
-    """``torch.stack`` of non-tensor entries: always one value per element."""
-    return _combine(items, lambda positions: torch.stack(positions, dim))
+    """``torch.stack`` of non-tensor entries: one value per element, each NonTensorData
+    stacked remembered as a member."""
+    return _combine(items, lambda positions: torch.stack(positions, dim), members=True)
 
 
 def cat_non_tensors(items: Sequence[_NonTensorBase], dim: int) -> NonTensorStack:
-    """``torch.cat`` of non-tensor entries."""
-    return _combine(items, lambda positions: torch.cat(positions, dim))
+    """``torch.cat`` of non-tensor entries: one value per element."""
+    return _combine(items, lambda positions: torch.cat(positions, dim), members=False)
 
 
-def _combine(items: Sequence[_NonTensorBase], op: Callable) -> NonTensorStack:
+def _combine(items: Sequence[_NonTensorBase], op: Callable, members: bool) -> NonTensorStack:
     values: list = []
+    origins: list = []  # the member of each value (see NonTensorStack._members)
     positions = []
     for item in items:
         flat = item._flat_values()
         positions.append(torch.arange(len(values), len(values) + len(flat)).reshape(item.batch_size))
         values.extend(flat)
+        if not members:
+            origins.extend([None] * len(flat))
+        elif isinstance(item, NonTensorData):
+            origins.extend([(next(_MEMBER_IDS), item.batch_dims)] * len(flat))
+        else:
+            origins.extend(item._flat_members())
     combined = op(positions)
-    gathered = [values[i] for i in combined.reshape(-1).tolist()]
-    return NonTensorStack._from_flat(gathered, combined.shape, items[0].device)
+    taken = combined.reshape(-1).tolist()
+    return NonTensorStack._from_flat([values[i] for i in taken], combined.shape, items[0].device,
+                                     [origins[i] for i in taken])
+
+
+_MEMBER_IDS = itertools.count()
+
+
+def _one_member(members: list | None, values: list, ndim: int) -> bool:
+    """True if ``values`` (``ndim`` dims) are all of one stacked NonTensorData, with no
+    dim of the stack left: then they are that NonTensorData (or a part of it). Their
+    values are compared too, so a value written since (e.g. by another process into a
+    shared stack) never hides behind one."""
+    if not members or members[0] is None or any(m != members[0] for m in members):
+        return False
+    if ndim > members[0][1]:
+        return False
+    first = values[0]
+    try:
+        return all(v is first or (type(v) is type(first) and bool(v == first)) for v in values)
+    except Exception:  # an == that gives no bool (arrays): keep them as a stack
+        return False
 
 
 def _broadcast_values(source: _NonTensorBase, shape: torch.Size) -> list:

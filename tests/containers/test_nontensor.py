@@ -40,13 +40,29 @@ def test_non_tensor_in_nested_and_to_dict():
     assert td.flatten_keys()["info.name"] == "cheetah"
 
 
+def test_stacked_members_only_through_indexing():
+    # tensordict keeps a stack of NonTensorData members; cat, reshape and writes do not
+    a, b = make_td("walk"), make_td("run")
+    stacked = torch.stack([a, b])
+    assert stacked.unsqueeze(0)[0, 1]["task"] == "run"
+    assert torch.stack([stacked, stacked])[0, 1]["task"] == "run"
+    assert torch.cat([a, b])[0:3]["task"] == ["walk"] * 3
+    assert stacked.reshape(6)[0:3]["task"] == ["walk"] * 3
+    stacked[1, 0] = {"task": "jump"}  # a write: element values from now on
+    assert stacked[1]["task"] == ["jump", "run", "run"]
+    copy = torch.stack([a, b]).clone()
+    assert copy[0]["task"] == "walk"
+
+
 def test_stack_gives_one_value_per_element():
     stacked = torch.stack([make_td("walk"), make_td("run")])
     assert isinstance(stacked.get("task"), NonTensorStack)
     assert stacked.get("task").batch_size == torch.Size([2, 3])
     assert stacked["task"] == [["walk"] * 3, ["run"] * 3]
     assert stacked[1, 0]["task"] == "run" and stacked[0, 2]["task"] == "walk"
-    assert stacked[1]["task"] == ["run"] * 3
+    # as tensordict 0.15.3: an element of the stack dim is the stacked NonTensorData
+    assert stacked[1]["task"] == "run" and stacked.get("task")[1].batch_size == (3,)
+    assert stacked[1, 1:]["task"] == "run" and stacked[0:1]["task"] == [["walk"] * 3]
     assert stacked[:, 0]["task"] == ["walk", "run"]
     assert stacked[torch.tensor([False, True])]["task"] == [["run"] * 3]
     assert stacked[[1, 0, 1], 2]["task"] == ["run", "walk", "run"]
