@@ -26,12 +26,7 @@ import os
 import weakref
 
 from shared_td.storage.cache import InodeCache
-from shared_td.storage.files import (
-    NO_SPACE_ERRNOS,
-    map_fd,
-    pwrite_all,
-    storage_full_error,
-)
+from shared_td.storage.files import allocate, map_fd, pwrite_all
 
 __all__ = [
     "ALIGNMENT", "Segment", "SegmentUnavailableError", "align", "find_segment", "reopen_peer_fd",
@@ -50,6 +45,23 @@ def align(nbytes: int, alignment: int = ALIGNMENT) -> int:
         (64, 64, 128)
     """
     return -(-nbytes // alignment) * alignment
+
+
+def new_memfd(name: str, nbytes: int, what: str) -> int:
+    """A new memfd (close-on-exec) of ``nbytes`` reserved bytes; a full memory is a
+    :class:`~shared_td.storage.files.StorageFullError` naming the size and ``what``.
+
+    Example:
+        >>> fd = new_memfd("example", 64, "an example"); os.fstat(fd).st_size
+        64
+    """
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        allocate(fd, 0, nbytes, what)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 class SegmentUnavailableError(RuntimeError):
@@ -109,18 +121,8 @@ class Segment:
         """
         if nbytes <= 0:
             raise ValueError(f"A segment needs a positive size, got {nbytes} bytes.")
-        fd = os.memfd_create(f"shared_td-{os.getpid()}", os.MFD_CLOEXEC)
-        try:
-            os.posix_fallocate(fd, 0, nbytes)
-            st = os.fstat(fd)
-        except OSError as err:
-            os.close(fd)
-            if err.errno in NO_SPACE_ERRNOS:
-                raise storage_full_error(err, nbytes, "an anonymous shared-memory segment") from err
-            raise
-        except BaseException:
-            os.close(fd)
-            raise
+        fd = new_memfd(f"shared_td-{os.getpid()}", nbytes, "an anonymous shared-memory segment")
+        st = os.fstat(fd)
         return _register(fd, nbytes, (st.st_dev, st.st_ino))
 
     def write(self, offset: int, data) -> None:

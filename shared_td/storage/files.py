@@ -28,6 +28,7 @@ __all__ = [
     "FileBacking",
     "FileTooShortError",
     "StorageFullError",
+    "allocate",
     "create_file",
     "find_backing",
     "map_fd",
@@ -264,17 +265,28 @@ def check_new_empty_file(path: str, *, existsok: bool) -> None:
         raise RuntimeError(f"The file {path} already exists.")
 
 
+def allocate(fd: int, offset: int, nbytes: int, where: str) -> None:
+    """Reserve bytes ``offset .. offset + nbytes`` of ``fd`` with ``posix_fallocate``
+    (growing it if needed): a full disk or memory is a :class:`StorageFullError` naming
+    the size and ``where`` now, never a SIGBUS when a page is first touched."""
+    try:
+        os.posix_fallocate(fd, offset, nbytes)
+    except OSError as err:
+        if err.errno in NO_SPACE_ERRNOS:
+            raise storage_full_error(err, nbytes, where) from err
+        raise
+
+
 def reserve_space(fd: int, nbytes: int, path: str) -> None:
-    """Grow the file ``fd`` to at least ``nbytes`` (never shrink it), reserving the space
-    with ``posix_fallocate`` so that a full disk is a StorageFullError now, not a SIGBUS
-    when a page is first touched."""
+    """Grow the file ``fd`` to at least ``nbytes`` (never shrink it), its space reserved
+    (see :func:`allocate`)."""
     if os.fstat(fd).st_size >= nbytes:
         return
     try:
-        os.posix_fallocate(fd, 0, nbytes)
-    except OSError as err:
-        if err.errno in NO_SPACE_ERRNOS:
-            raise storage_full_error(err, nbytes, f"file {path}") from err
+        allocate(fd, 0, nbytes, f"file {path}")
+    except StorageFullError:
+        raise
+    except OSError:
         # EOPNOTSUPP/EINVAL: a filesystem without fallocate; grow sparsely
         os.ftruncate(fd, nbytes)
 

@@ -35,9 +35,9 @@ import threading
 import weakref
 from typing import Any, Iterator
 
-from shared_td.storage.anonymous import SegmentUnavailableError, reopen_peer_fd
+from shared_td.storage.anonymous import SegmentUnavailableError, new_memfd, reopen_peer_fd
 from shared_td.storage.cache import InodeCache
-from shared_td.storage.files import NO_SPACE_ERRNOS, pwrite_all, storage_full_error
+from shared_td.storage.files import allocate, pwrite_all
 
 _HEADER = struct.Struct("<QQ")  # version, payload length
 _LENGTH = struct.Struct("<Q")
@@ -115,14 +115,7 @@ class SharedValue:
         The header is reserved with ``posix_fallocate``: a full memory is a
         :class:`~shared_td.storage.files.StorageFullError` here, never a SIGBUS.
         """
-        fd = os.memfd_create(f"shared_td-value-{os.getpid()}", os.MFD_CLOEXEC)
-        try:
-            os.posix_fallocate(fd, 0, _HEADER.size)
-        except OSError as err:
-            os.close(fd)
-            if err.errno in NO_SPACE_ERRNOS:
-                raise storage_full_error(err, _HEADER.size, "a shared non-tensor value") from err
-            raise
+        fd = new_memfd(f"shared_td-value-{os.getpid()}", _HEADER.size, "a shared non-tensor value")
         cell = cls(fd)
         cell.set(value)
         _CACHE.put(cell.key, cell)
@@ -158,14 +151,9 @@ class SharedValue:
         with self._thread_lock:
             _lockf(self.fd, fcntl.LOCK_EX, _VALUE)
             try:
-                try:
-                    # reserve first: a full memory then fails with the old value intact
-                    # (a pwrite cut short would have overwritten part of it)
-                    os.posix_fallocate(self.fd, _HEADER.size, max(len(payload), 1))
-                except OSError as err:
-                    if err.errno in NO_SPACE_ERRNOS:
-                        raise storage_full_error(err, len(payload), "a shared non-tensor value") from err
-                    raise
+                # reserve first: a full memory then fails with the old value intact
+                # (a pwrite cut short would have overwritten part of it)
+                allocate(self.fd, _HEADER.size, max(len(payload), 1), "a shared non-tensor value")
                 pwrite_all(self.fd, payload, _HEADER.size, where="a shared non-tensor value")
                 os.pwrite(self.fd, _LENGTH.pack(len(payload)), _LENGTH.size)
                 # last, one aligned 8-byte store: from here on readers see the new value
