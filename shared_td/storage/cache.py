@@ -14,16 +14,26 @@ from typing import Any, Callable
 
 
 class InodeCache:
-    """A thread-safe weak map ``(st_dev, st_ino) -> object``, fresh lock after fork."""
+    """A thread-safe weak map ``(st_dev, st_ino) -> object``, fresh locks after fork.
 
-    def __init__(self) -> None:
+    Args:
+        thread_locks: names of ``threading.Lock`` attributes of the stored objects that a
+            fork child gets fresh too, as it gets a fresh lock of the map itself.
+    """
+
+    def __init__(self, thread_locks: tuple[str, ...] = ()) -> None:
         self._items: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._lock = threading.Lock()
-        # a fork taken while another thread held the lock must not leave the child stuck
-        os.register_at_fork(after_in_child=self._new_lock)
+        self._thread_locks = thread_locks
+        # a fork taken while another thread held a lock must not leave the child waiting
+        # for a thread that does not exist there
+        os.register_at_fork(after_in_child=self._renew_locks)
 
-    def _new_lock(self) -> None:
+    def _renew_locks(self) -> None:
         self._lock = threading.Lock()
+        for item in list(self._items.values()):
+            for name in self._thread_locks:
+                setattr(item, name, threading.Lock())
 
     def get(self, key: tuple) -> Any:
         with self._lock:

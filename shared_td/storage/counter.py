@@ -123,29 +123,20 @@ class SharedCounter:
         return f"SharedCounter(value={self.value})"
 
 
-# (st_dev, st_ino) of the segment -> this process's SharedCounter over it
-_COUNTERS = InodeCache()
-
-
-def _renew_thread_locks() -> None:
-    # A fork taken while another thread was inside fetch_add must not leave the child
-    # waiting for a thread that does not exist there. (InodeCache renews its own lock
-    # first: at-fork hooks run in registration order.)
-    for counter in _COUNTERS.values():
-        counter._lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_renew_thread_locks)
+# (st_dev, st_ino) of the segment -> this process's SharedCounter over it; a fork child
+# gets fresh thread locks (a fork taken while another thread was inside fetch_add)
+_COUNTERS = InodeCache(thread_locks=("_lock",))
 
 
 def _attach(segment: Segment) -> SharedCounter:
     """Unpickle: this process's counter over ``segment``, made once."""
-    counter = _COUNTERS.get(segment.key)
-    if counter is None:
-        candidate = SharedCounter.__new__(SharedCounter)
-        candidate._adopt(segment)
-        counter = _COUNTERS.put_if_absent(segment.key, candidate)
-    return counter
+
+    def make() -> SharedCounter:
+        counter = SharedCounter.__new__(SharedCounter)
+        counter._adopt(segment)
+        return counter
+
+    return _COUNTERS.get_or_create(segment.key, make)
 
 
 def _as_int(value, name: str) -> int:

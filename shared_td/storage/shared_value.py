@@ -185,20 +185,9 @@ class SharedValue:
         return f"SharedValue(fd={self.fd}, inode={self.key[1]}, holders={list(self.holders)})"
 
 
-# (st_dev, st_ino) -> this process's SharedValue of that cell
-_CACHE = InodeCache()
-
-
-def _renew_thread_locks() -> None:
-    # A fork taken while another thread was reading or writing a cell must not leave
-    # the child waiting for a thread that does not exist there. (The cache renews its
-    # own lock first: at-fork hooks run in registration order.)
-    for cell in _CACHE.values():
-        cell._thread_lock = threading.Lock()
-        cell._update_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_renew_thread_locks)
+# (st_dev, st_ino) -> this process's SharedValue of that cell; a fork child gets fresh
+# thread locks (a fork taken while another thread was reading or writing a cell)
+_CACHE = InodeCache(thread_locks=("_thread_lock", "_update_lock"))
 
 
 def _attach(pid: int, fd: int, key: tuple[int, int], holders: tuple = ()) -> SharedValue:
