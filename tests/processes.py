@@ -5,7 +5,11 @@ the sys.path that tests/conftest.py sets up.
 """
 from __future__ import annotations
 
+import time
+
 import pytest
+
+from shared_td.coordinator import server
 
 WAIT = 30  # seconds: the bound on every join / queue read
 
@@ -19,3 +23,18 @@ def finish(process, timeout: float = WAIT) -> int:
         process.join(timeout)
         pytest.fail("child process hung")
     return process.exitcode
+
+
+def wait_until(condition, timeout: float = 10.0) -> bool:
+    """Poll ``condition()`` until it is true or ``timeout`` seconds passed; its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return condition()
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie counts as dead), as the coordinator sees it."""
+    return server._pid_alive(pid)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from contextlib import redirect_stderr, redirect_stdout
 
+import pytest
 import torch
 
 import shared_td
@@ -50,6 +51,15 @@ def save_theirs(path) -> str:
 
     build(tensordict).memmap_(str(path))
     return str(path)
+
+
+def save_by(writer: str, path) -> str:
+    """The tree saved at ``path`` by ``writer`` ("shared_td" or "tensordict"; the test is
+    skipped when tensordict is not installed)."""
+    if writer == "tensordict":
+        pytest.importorskip("tensordict")
+        return save_theirs(path)
+    return save_ours(path)
 
 
 def save_lazy_stack(path) -> str:

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from cli_helpers import run_cli, run_json, run_main, save_lazy_stack, save_ours, save_theirs
+from cli_helpers import run_cli, run_json, run_main, save_by, save_lazy_stack, save_ours
 
 
 def _by_key(tree: dict) -> dict:
@@ -15,11 +15,7 @@ def _by_key(tree: dict) -> dict:
 
 @pytest.mark.parametrize("writer", ["shared_td", "tensordict"])
 def test_json_describes_every_entry(tmp_path, writer):
-    if writer == "tensordict":
-        pytest.importorskip("tensordict")
-        prefix = save_theirs(tmp_path / "saved")
-    else:
-        prefix = save_ours(tmp_path / "saved")
+    prefix = save_by(writer, tmp_path / "saved")
     code, document = run_json("inspect", prefix)
     assert code == 0
     tree = document["tree"]

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from cli_helpers import (
-    problems_by_path, run_cli, run_json, run_main, save_lazy_stack, save_ours, save_theirs,
+    problems_by_path, run_cli, run_json, run_main, save_by, save_lazy_stack, save_ours,
 )
 
 from shared_td.cli import main
@@ -16,11 +16,7 @@ from shared_td.cli import main
 
 @pytest.mark.parametrize("writer", ["shared_td", "tensordict"])
 def test_a_sound_save_passes(tmp_path, writer):
-    if writer == "tensordict":
-        pytest.importorskip("tensordict")
-        prefix = save_theirs(tmp_path / "saved")
-    else:
-        prefix = save_ours(tmp_path / "saved")
+    prefix = save_by(writer, tmp_path / "saved")
     code, out, err = run_main("verify", prefix)
     assert (code, err) == (0, ""), out + err
     assert out == f"ok: {prefix}: 2 nodes, 4 leaves (96 B), 3 non-tensor values\n"

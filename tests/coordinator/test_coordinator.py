@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import coord_children as kids
-from processes import WAIT, finish
+from processes import WAIT, alive, finish, wait_until
 
 import shared_td
 from shared_td.coordinator import server
@@ -30,19 +30,6 @@ def run(ctx, target, *args):
     process = ctx.Process(target=target, args=(*args, queue))
     process.start()
     return process, queue
-
-
-def alive(pid: int) -> bool:
-    return server._pid_alive(pid)
-
-
-def wait_until(condition, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
 
 
 def our_temp_entries():

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import coord_children as kids
-from processes import WAIT, finish
-from test_coordinator import alive, run, snapshot, wait_until
+from processes import WAIT, alive, finish, wait_until
+from test_coordinator import run, snapshot
 
 import shared_td
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import nt_children as kids
-from processes import WAIT, finish
+from processes import WAIT, alive, finish, wait_until
 from test_coordinator import snapshot
 
 import shared_td
@@ -33,19 +33,6 @@ def start(ctx, target, *args, daemon=None):
     process = ctx.Process(target=target, args=(*args, queue), daemon=daemon)
     process.start()
     return process, queue
-
-
-def wait_until(condition, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return condition()
-
-
-def alive(pid):
-    return server._pid_alive(pid)
 
 
 def run_script(body: str, timeout: float = 60) -> dict:
