@@ -297,7 +297,7 @@ class CoordinatorManager(managers.BaseManager):
     """A BaseManager whose server listens on a Unix socket in a fresh private directory.
 
     The address cannot be chosen by the caller: the manager process creates
-    ``<tmp>/shared_td-coord-<its pid>-XXXXXXXX`` (mode 0700, by ``mkdtemp``), listens on
+    ``<tmp>/shared_td-coord-<its pid>-<random suffix>`` (mode 0700, by ``mkdtemp``), listens on
     ``sock`` inside it, and reports that path back through the start pipe.
     """
 

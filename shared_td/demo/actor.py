@@ -12,7 +12,7 @@ import time
 import torch
 
 from shared_td import Coordinator, SharedCounter, TensorDict
-from shared_td.demo.replay import Env, backing_inode, greedy_actions, ring_rows
+from shared_td.demo.replay import Env, check_in, greedy_actions, ring_rows
 
 EPSILON = 0.2  # exploration rate
 
@@ -33,10 +33,7 @@ def run_actor(coord: Coordinator, cursor: SharedCounter, actor_id: int, batch_si
     # copy before reporting ready, so the measured run starts at full speed.
     scratch = buffer[:batch_size].clone()
     scratch[torch.arange(batch_size)] = scratch.clone()
-    state["inode"][actor_id] = backing_inode(buffer["obs"])
-    state["ready"][actor_id] = True
-    while int(state["phase"]) == 0:
-        time.sleep(0.01)
+    check_in(state, actor_id, buffer)
     mean_reward = 0.0
     while int(state["phase"]) == 1:
         # The learner may be rewriting the weights meanwhile; a policy that acts on a

@@ -10,7 +10,7 @@ import time
 import torch
 
 from shared_td import Coordinator, SharedCounter
-from shared_td.demo.replay import NUM_ACTIONS, OBS_SIZE, backing_inode
+from shared_td.demo.replay import NUM_ACTIONS, OBS_SIZE, check_in
 
 LEARNING_RATE = 0.05
 
@@ -25,10 +25,7 @@ def run_learner(coord: Coordinator, cursor: SharedCounter, learner_slot: int, ba
     capacity = len(buffer)
     weights = torch.zeros(NUM_ACTIONS, OBS_SIZE, requires_grad=True)
     generator = torch.Generator().manual_seed(12345)
-    state["inode"][learner_slot] = backing_inode(buffer["obs"])
-    state["ready"][learner_slot] = True
-    while int(state["phase"]) == 0:
-        time.sleep(0.01)
+    check_in(state, learner_slot, buffer)
     updates = 0
     while int(state["phase"]) == 1:
         filled = min(cursor.value, capacity)

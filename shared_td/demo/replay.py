@@ -16,13 +16,14 @@ Example:
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
 from shared_td import NonTensorData, TensorDict
 
 __all__ = [
-    "NUM_ACTIONS", "OBS_SIZE", "Env", "backing_inode", "expected_indices", "greedy_actions",
+    "NUM_ACTIONS", "OBS_SIZE", "Env", "backing_inode", "check_in", "expected_indices", "greedy_actions",
     "replay_layout", "ring_rows", "slots_check", "state_layout",
 ]
 
@@ -151,3 +152,12 @@ def backing_inode(tensor: torch.Tensor) -> int:
             if start <= address < end:
                 return int(fields[4])
     raise LookupError(f"address {address:#x} is not mapped in process {os.getpid()}")
+
+
+def check_in(state: TensorDict, slot: int, buffer: TensorDict) -> None:
+    """Report this worker ready (with the inode it maps the buffer from) and wait for
+    the parent to start the run (``phase`` leaves 0)."""
+    state["inode"][slot] = backing_inode(buffer["obs"])
+    state["ready"][slot] = True
+    while int(state["phase"]) == 0:
+        time.sleep(0.01)
