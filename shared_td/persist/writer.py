@@ -258,21 +258,21 @@ def _write_anonymous(leaves: list[LeafPlan], options: Options) -> None:
     copies dominated a tree of many small leaves. Big leaves start at 64-byte
     boundaries and are written one by one (no extra copy through ``cat``).
     """
-    stored = [leaf for leaf in leaves if _nbytes(leaf.source)]
-    small = sorted((leaf for leaf in stored if _nbytes(leaf.source) <= _PACKED_LEAF_BYTES),
+    sizes = {id(leaf): _nbytes(leaf.source) for leaf in leaves}
+    small = sorted((leaf for leaf in leaves if 0 < sizes[id(leaf)] <= _PACKED_LEAF_BYTES),
                    key=lambda leaf: -leaf.source.element_size())
-    big = [leaf for leaf in stored if _nbytes(leaf.source) > _PACKED_LEAF_BYTES]
+    big = [leaf for leaf in leaves if sizes[id(leaf)] > _PACKED_LEAF_BYTES]
     total = 0
     for leaf in small:
-        leaf.offset, total = total, total + _nbytes(leaf.source)
+        leaf.offset, total = total, total + sizes[id(leaf)]
     for leaf in big:
         leaf.offset = align(total)
-        total = leaf.offset + _nbytes(leaf.source)
+        total = leaf.offset + sizes[id(leaf)]
     segment = Segment.create(align(total)) if total else None
     if not options.like:
         if small:
             packed = torch.cat([files.raw_bytes(leaf.source.cpu()) for leaf in small])
-            segment.write(0, memoryview(packed.numpy()))
+            segment.write(0, files.tensor_bytes(packed))
         for leaf in big:
             segment.write(leaf.offset, files.tensor_bytes(leaf.source.cpu()))
     for leaf in leaves:
