@@ -5,8 +5,8 @@ The container methods of the same names call these functions.
 from __future__ import annotations
 
 import os
-import shutil
 import threading
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -105,30 +105,42 @@ def _execute(planner: Planner, root: NodePlan, options: Options) -> Any:
     return _finish(root, options)
 
 
-def _write(planner: Planner, root: NodePlan, options: Options) -> None:
-    """Write the leaves, then the metadata; on failure remove what this write created."""
+def _write(planner: Planner, root: NodePlan, options: Options, *, clean_up: bool = True) -> None:
+    """Write the leaves, then the metadata; on failure remove what this write created
+    (``clean_up=False``: the caller removes the whole directory). What cannot be removed
+    is named in a note on the raised error."""
     created_dirs = _make_directories(root)
     created_files: list[str] = []
     pool = ThreadPoolExecutor(options.num_threads) if options.num_threads > 1 else None
     try:
         write_leaves(planner.leaves, options, pool, created_files)
         write_metadata(root)
-    except BaseException:
-        # Files this write created in pre-existing directories (a failure in the
-        # metadata comes after write_leaves, which removes them only on its own errors)
-        for path in created_files:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-        # Directories this write created hold only what it wrote: remove them whole.
-        for directory in created_dirs:
-            if not any(directory.startswith(parent + os.sep) for parent in created_dirs):
-                shutil.rmtree(directory, ignore_errors=True)
+    except BaseException as error:
+        if clean_up:
+            _remove_created(created_dirs, created_files, error)
         raise
     finally:
         if pool is not None:
             pool.shutdown()
+
+
+def _remove_created(directories: list[str], created_files: list[str], error: BaseException) -> None:
+    # Files this write created in pre-existing directories (a failure in the metadata
+    # comes after write_leaves, which removes them only on its own errors), then the
+    # directories it created, whole: they hold only what it wrote.
+    outermost = [d for d in directories if not any(d.startswith(p + os.sep) for p in directories)]
+    for path in created_files:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as failure:
+            error.add_note(f"The file {path} written before this error could not be removed: {failure}")
+    for directory in outermost:
+        try:
+            atomic.remove_tree(directory)
+        except OSError as failure:
+            error.add_note(f"The directory {directory} this write created could not be removed: {failure}")
 
 
 def _finish(root: NodePlan, options: Options) -> Any:
@@ -153,24 +165,30 @@ def _memmap_atomically(obj: Any, options: Options, return_early: bool) -> Any:
             "atomic=True cannot be combined with return_early=True: the swap must follow "
             "the last write. Call memmap_ with return_early=False."
         )
-    target = atomic.check_target(options.prefix, existsok=options.existsok)
+    target = atomic.check_target(options.prefix, existsok=options.existsok)  # a symlink resolved
     with atomic.acquired(target):
-        atomic.sweep_leftovers(target)
-        # checked again: another writer may have changed the prefix while we waited
-        atomic.check_target(target, existsok=options.existsok)
-        staging = atomic.make_staging_directory(target)
         try:
-            options.prefix, options.atomic_target = staging, target
+            atomic.sweep_leftovers(target)
+        except OSError as error:  # what dead writers left does not stop this one
+            warnings.warn(str(error), RuntimeWarning, stacklevel=3)
+        # checked again: another writer may have changed the prefix while we waited
+        if atomic.check_target(target, existsok=options.existsok) != target:
+            raise RuntimeError(f"atomic=True: {target} became a symlink while this writer waited "
+                               "for its lock; nothing was written. Try again.")
+        staging = atomic.Staging(target)
+        try:
+            options.prefix, options.atomic_target = staging.path, target
             planner = Planner(options, fresh_root=True)
             root = planner.plan(obj)
-            _write(planner, root, options)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
+            _write(planner, root, options, clean_up=False)
+            staging.finish()
+            atomic.swap_into_place(staging.path, target)
+        except BaseException as error:
+            staging.discard(error)
             raise
-        atomic.swap_into_place(staging, target)
         # still under the lock: _relocate looks the files up by name, and once the lock
         # is released another writer may already have put its own files there
-        _relocate(root, staging, target)
+        _relocate(root, staging.path, target)
     return _finish(root, options)
 
 

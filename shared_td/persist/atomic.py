@@ -4,17 +4,42 @@
 ``prefix`` and then swaps it in, so a failure or a SIGKILL at any moment leaves ``prefix``
 as it was or as the new complete version.
 
+* **What may be replaced**: a missing or empty directory, or one whose meta.json is a
+  save of tensordict or shared_td (:func:`shared_td.persist.format.not_a_save`: it parses,
+  its ``_type`` is known and the fields of that type are there). Anything else is a
+  RuntimeError naming the prefix and what it holds, and nothing is touched.
 * **Lock**: writers of one prefix serialise on ``.<name>.lock`` beside it (never inside
   the directory being swapped), through ``filelock``. The lock only orders writers;
-  readers rely on the rename alone (file locks do not work on every filesystem).
+  readers rely on the rename alone (file locks do not work on every filesystem). The
+  lock file is created (or opened) with ``O_NOFOLLOW``: a symlink planted there is an
+  error, never followed (it could make a writer truncate or lock another file).
 * **Swap**: ``renameat2(RENAME_EXCHANGE)`` (Linux), so ``prefix`` never goes missing;
   where the filesystem refuses it, two renames (``prefix`` is missing for a moment).
+* **A symlinked prefix**: a prefix that is a symlink is resolved once, before the lock
+  is taken, and the directory it points to is replaced: the lock, the staging directory
+  and the swap live beside the link's target, the link itself is never replaced or
+  removed, and the result's files are named under the target. A dangling symlink is
+  refused (FileNotFoundError). ``gc(prefix)`` looks beside both the link and its target.
+* **Permissions**: a new prefix gets the mode, group and setgid bit that ``os.makedirs``
+  would give it (umask, parent's setgid); a rewrite gives the new version the replaced
+  directory's mode bits (setgid and sticky included) and group, and its sub-directories
+  and files are created as a plain ``makedirs``/``open`` inside it would be. The owner
+  becomes the writer (only root could keep another owner); a group the writer may not
+  give is a PermissionError before anything is written.
+* **Clean-up**: a failed write removes its staging directory with :func:`remove_tree`,
+  which never holds more than two descriptors (``shutil.rmtree`` holds two per level),
+  and two descriptors are kept open from the start of the write for it: a write that
+  failed because the process ran out of descriptors still cleans up. A clean-up that
+  fails anyway is added as a note to the raised error (after a successful swap, a
+  RuntimeWarning), naming what is left; gc removes it once the writer has exited.
 * **Leftovers**: temporary directories are named ``.<name>.shared_td-<kind>-<pid>-<rand>``;
   those of dead writers are removed by the next atomic write (under the lock) and by
   ``shared_td.gc(prefix)`` (a writer killed between the fallback's two renames leaves
   ``prefix`` missing until then: the sweep moves the old version back). Nothing outside
-  prefix's parent directory is touched. Lock files stay (every writer reuses them);
-  ``gc(prefix, remove_lock=True)`` (``shared-td gc``) removes one no process holds.
+  prefix's parent directory is touched. ``gc`` returns only what it removed and raises
+  an OSError naming a leftover it could not remove. Lock files stay (every writer
+  reuses them); ``gc(prefix, remove_lock=True)`` (``shared-td gc``) removes one no
+  process holds.
 * **Not durable**: files are not synced, so this guards against a killed process, not
   a power failure.
 """
@@ -25,9 +50,11 @@ import ctypes.util
 import errno
 import os
 import re
-import shutil
+import secrets
+import stat
 import sys
 import tempfile
+import warnings
 
 import filelock
 
@@ -68,6 +95,7 @@ class acquired:
 
     def __enter__(self) -> "acquired":
         while True:
+            create_lock_file(self.lock.lock_file)
             try:
                 self.lock.acquire()
             except filelock.Timeout:
@@ -88,7 +116,7 @@ class acquired:
         if fd is None:  # a filelock without this attribute: trust it
             return True
         try:
-            return os.path.samestat(os.fstat(fd), os.stat(self.lock.lock_file))
+            return os.path.samestat(os.fstat(fd), os.lstat(self.lock.lock_file))
         except FileNotFoundError:
             return False
 
@@ -96,15 +124,55 @@ class acquired:
         self.lock.release()
 
 
+def create_lock_file(path: str) -> None:
+    """Create the lock file ``path`` (mode 0o666 less the umask, as a plain ``open``)
+    unless it exists, never following a symlink: one planted there is an OSError, so
+    that no writer truncates or locks the file it points to. (filelock >= 3.20.1 opens
+    it with O_NOFOLLOW too, which closes the window between this check and its open.)"""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise OSError(error.errno, f"The lock file {path} is a symlink (to {os.readlink(path)}): "
+                          "refusing to follow it. Remove it; the next writer creates a new one.") from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, f"The lock file {path} is not a regular file: remove it.")
+    finally:
+        os.close(fd)
+
+
+def resolve(prefix) -> str:
+    """``prefix`` made absolute, a symlink resolved to the directory it points to (what
+    atomic=True replaces, see the module docstring).
+
+    Raises:
+        FileNotFoundError: ``prefix`` is a symlink to nothing.
+    """
+    prefix = os.path.abspath(os.fspath(prefix))
+    if not os.path.islink(prefix):
+        return prefix
+    if not os.path.exists(prefix):
+        raise FileNotFoundError(
+            f"atomic=True: prefix {prefix} is a symlink to {os.readlink(prefix)}, which does "
+            "not exist. Create that directory, or remove the symlink."
+        )
+    return os.path.realpath(prefix)
+
+
 def check_target(prefix: str | None, *, existsok: bool) -> str:
-    """Validate an atomic write's prefix before anything is written; returns it absolute.
+    """Validate an atomic write's prefix before anything is written; returns what will
+    be replaced (absolute, a symlink resolved: :func:`resolve`).
 
     Raises:
         NotImplementedError: on Windows (an open mapping blocks directory renames).
         ValueError: no prefix (and the tensordict has no directory of its own).
-        NotADirectoryError: prefix is a file.
+        FileNotFoundError: prefix is a symlink to nothing.
+        NotADirectoryError: prefix is a file (or anything else but a directory).
         RuntimeError: prefix is a non-empty directory and existsok=False, or a non-empty
-            directory that holds no saved tensordict (no meta.json).
+            directory that is not a saved tensordict (format.not_a_save says why).
     """
     if sys.platform.startswith("win"):
         raise NotImplementedError(
@@ -116,35 +184,122 @@ def check_target(prefix: str | None, *, existsok: bool) -> str:
             "atomic=True needs a directory to write to: pass prefix= (this tensordict is "
             "not memory-mapped to a directory of its own)."
         )
-    prefix = os.path.abspath(prefix)
-    if os.path.isfile(prefix):
-        raise NotADirectoryError(f"atomic=True: prefix {prefix} is a file, not a directory.")
-    if os.path.isdir(prefix) and os.listdir(prefix):
+    prefix = resolve(prefix)
+    if os.path.lexists(prefix) and not os.path.isdir(prefix):
+        what = "a file" if os.path.isfile(prefix) else "no directory"
+        raise NotADirectoryError(f"atomic=True: prefix {prefix} is {what}, not a directory.")
+    entries = sorted(os.listdir(prefix)) if os.path.isdir(prefix) else []
+    if entries:
         if not existsok:
             raise RuntimeError(
                 f"atomic=True with existsok=False: {prefix} is a non-empty directory. Pass "
                 "existsok=True to replace it, or choose a new prefix."
             )
-        if not os.path.isfile(os.path.join(prefix, "meta.json")):
+        why = fmt.not_a_save(prefix)
+        if why is not None:
             raise RuntimeError(
-                f"atomic=True would replace {prefix} as a whole, but it holds no saved "
-                "tensordict (no meta.json): refusing to delete files that are not ours."
+                f"atomic=True would replace {prefix} as a whole, but it is not a saved "
+                f"tensordict: {why}. It holds {_listing(prefix, entries)}. Nothing was "
+                "touched: choose another prefix, or empty this one yourself."
             )
     return prefix
 
 
-def make_staging_directory(prefix: str) -> str:
-    """A new empty directory beside ``prefix`` (same filesystem, so it can be renamed)."""
-    parent, name = os.path.split(prefix)
-    os.makedirs(parent, exist_ok=True)
-    return tempfile.mkdtemp(prefix=f".{name}.{_TAG}-new-{os.getpid()}-", dir=parent)
+def _listing(directory: str, entries: list[str], shown: int = 8) -> str:
+    """``a.txt, photos/, ... and 3 more``: the first entries, directories marked."""
+    def named(entry: str) -> str:
+        path = os.path.join(directory, entry)
+        return entry + "/" if os.path.isdir(path) and not os.path.islink(path) else entry
+
+    more = f" and {len(entries) - shown} more" if len(entries) > shown else ""
+    return ", ".join(map(named, entries[:shown])) + more
+
+
+class Staging:
+    """The new directory of one atomic write, beside the prefix it will replace.
+
+    Made as a plain ``os.mkdir`` of the prefix would be (mode 0o777 less the umask, the
+    parent's setgid and group). When a directory is replaced, it takes that directory's
+    group and setgid bit at once (so that what the write creates inside inherits them)
+    and its exact mode in :meth:`finish`. Two descriptors stay reserved until the write
+    ends, so that :meth:`discard` can remove the tree after a write that failed for lack
+    of descriptors (:func:`remove_tree` needs two).
+    """
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        parent, name = os.path.split(prefix)
+        os.makedirs(parent, exist_ok=True)
+        self.path = _new_directory(parent, f".{name}.{_TAG}-new-{os.getpid()}-")
+        self.reserved: list[int] = []
+        self.replaced: os.stat_result | None = None
+        try:
+            self.reserved.append(os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC))
+            self.reserved.append(os.dup(self.reserved[0]))
+            if os.path.isdir(prefix):
+                self.replaced = os.lstat(prefix)
+                self._take_group_and_setgid()
+        except BaseException as error:
+            self.discard(error)
+            raise
+
+    def _take_group_and_setgid(self) -> None:
+        fd, old = self.reserved[0], self.replaced
+        if os.fstat(fd).st_gid != old.st_gid:
+            try:
+                os.fchown(fd, -1, old.st_gid)
+            except PermissionError:
+                raise PermissionError(
+                    errno.EPERM, f"atomic=True: {self.prefix} belongs to group {old.st_gid}, which "
+                    "this process may not give to its new version (not a member), so other users "
+                    "would lose their access. Write as a member of that group, or with atomic=False."
+                ) from None
+        # the owner may write until finish(): the final mode may not let it
+        os.fchmod(fd, stat.S_IMODE(old.st_mode) | stat.S_IRWXU)
+
+    def finish(self) -> None:
+        """The tree is written: the replaced directory's exact mode, and the reserved
+        descriptors freed for the swap and the removal of the old version."""
+        if self.replaced is not None:
+            os.fchmod(self.reserved[0], stat.S_IMODE(self.replaced.st_mode))
+        self._release()
+
+    def discard(self, error: BaseException) -> None:
+        """Remove the staging tree after ``error``; a failure to do so becomes a note on it."""
+        self._release()
+        try:
+            remove_tree(self.path)
+        except OSError as failure:
+            error.add_note(
+                f"The staging directory {self.path} could not be removed: {failure}. Remove it, "
+                f"or run shared_td.gc({self.prefix!r}) once this process has exited."
+            )
+
+    def _release(self) -> None:
+        while self.reserved:
+            os.close(self.reserved.pop())
+
+
+def _new_directory(parent: str, start: str) -> str:
+    """A new directory ``<parent>/<start><random>``, made by ``os.mkdir(path, 0o777)``
+    as a plain makedirs would (tempfile.mkdtemp makes 0o700). The random part is hex:
+    no dot, so parse_leftover_name finds the prefix's name."""
+    for _ in range(100):
+        path = os.path.join(parent, start + secrets.token_hex(6))
+        try:
+            os.mkdir(path, 0o777)
+        except FileExistsError:
+            continue
+        return path
+    raise FileExistsError(errno.EEXIST, f"No unused temporary directory name {start}* in {parent}")
 
 
 def swap_into_place(staging: str, prefix: str) -> None:
     """Make ``staging`` the directory at ``prefix``; the old one (if any) is deleted.
 
     Uses RENAME_EXCHANGE so ``prefix`` always exists; falls back to two renames on
-    filesystems that refuse it.
+    filesystems that refuse it. The write has succeeded once the swap is made: an old
+    version that cannot be deleted is a RuntimeWarning naming it, not an error.
     """
     if not os.path.lexists(prefix):
         os.rename(staging, prefix)
@@ -156,7 +311,14 @@ def swap_into_place(staging: str, prefix: str) -> None:
         retired = tempfile.mkdtemp(prefix=f".{name}.{_TAG}-old-{os.getpid()}-", dir=parent)
         os.rename(prefix, os.path.join(retired, "tree"))
         os.rename(staging, prefix)
-    _remove_tree(retired)
+    try:
+        remove_tree(retired)
+    except OSError as error:
+        warnings.warn(
+            f"{prefix} was replaced, but its old version at {retired} could not be removed: "
+            f"{error}. shared_td.gc({prefix!r}) removes it once this process has exited.",
+            RuntimeWarning, stacklevel=2,
+        )
 
 
 def find_leftovers(prefix: str) -> list[str]:
@@ -197,32 +359,43 @@ def sweep_leftovers(prefix: str) -> list[str]:
 
     If the writer died between the two renames of the fallback (``prefix`` missing),
     the old version it moved away is renamed back to ``prefix``. Call it while holding
-    the prefix lock (``gc`` does). Returns what it removed.
+    the prefix lock (``gc`` does). Returns what it removed; an OSError naming every
+    leftover it could not remove (its ``removed`` attribute: what it did remove).
     """
     prefix = os.path.abspath(prefix)
     parent, name = os.path.split(prefix)
-    removed = []
+    removed, failed = [], []
     for path in find_leftovers(prefix):
         moved_away = os.path.join(path, "tree")
-        if os.path.basename(path).startswith(f".{name}.{_TAG}-old-") \
-                and not os.path.lexists(prefix) and os.path.isdir(moved_away):
-            # killed between the two renames of the fallback: the old version goes back
-            os.rename(moved_away, prefix)
-        _remove_tree(path)
+        try:
+            if os.path.basename(path).startswith(f".{name}.{_TAG}-old-") \
+                    and not os.path.lexists(prefix) and os.path.isdir(moved_away):
+                # killed between the two renames of the fallback: the old version goes back
+                os.rename(moved_away, prefix)
+            remove_tree(path)
+        except OSError as error:
+            failed.append(f"{path} ({error})")
+            continue
         removed.append(path)
+    if failed:
+        error = OSError(f"Could not remove the leftovers of dead writers of {prefix}: {'; '.join(failed)}")
+        error.removed = removed
+        raise error
     return removed
 
 
 def gc(prefix: str, timeout: float | None = None, *, dry_run: bool = False,
        remove_lock: bool = False) -> list[str]:
-    """Remove what killed writers of ``prefix`` left; returns the paths.
+    """Remove what killed writers of ``prefix`` left; returns the paths removed.
 
     The temporary directories of dead atomic writers (beside ``prefix``) and the
     temporary files of dead writers inside it (:func:`find_stale_temporaries`) are
     removed under the prefix lock (waiting at most ``timeout`` seconds for a running
-    writer, then TimeoutError). With
-    ``remove_lock=True`` the lock file ``.<name>.lock`` goes too when no process holds
-    it. ``dry_run=True`` removes nothing, takes no lock and returns what would go.
+    writer, then TimeoutError). With ``remove_lock=True`` the lock file ``.<name>.lock``
+    goes too when no process holds it. ``dry_run=True`` removes nothing, takes no lock
+    and returns what would go. A leftover that cannot be removed is an OSError naming it.
+    For a symlinked prefix, both the link's and its target's neighbours are cleaned (an
+    atomic write works beside the target; older versions worked beside the link).
 
     Examples:
         >>> shared_td.gc("/data/buffer")
@@ -231,16 +404,31 @@ def gc(prefix: str, timeout: float | None = None, *, dry_run: bool = False,
         ['/data/.buffer.lock']
     """
     prefix = os.path.abspath(os.fspath(prefix))
+    found = []
+    if os.path.islink(prefix):
+        # beside the link: only what an older writer left (none writes there now)
+        if find_leftovers(prefix):
+            found += _gc_one(prefix, timeout, dry_run, remove_lock, inside=False)
+        if not os.path.isdir(prefix):
+            return found
+        prefix = os.path.realpath(prefix)
+    return found + _gc_one(prefix, timeout, dry_run, remove_lock, inside=True)
+
+
+def _gc_one(prefix: str, timeout: float | None, dry_run: bool, remove_lock: bool,
+            *, inside: bool) -> list[str]:
+    """gc of one real path (``inside``: the temporary files within it too)."""
     lock_file = lock_path(prefix)
+    stale = find_stale_temporaries if inside else (lambda _: [])
     if dry_run:
-        found = find_leftovers(prefix) + find_stale_temporaries(prefix)
+        found = find_leftovers(prefix) + stale(prefix)
         if remove_lock and os.path.lexists(lock_file) and not lock_is_held(lock_file):
             found.append(lock_file)
         return found
     existed = os.path.lexists(lock_file)  # else taking the lock creates it: not a leftover
     with acquired(prefix, timeout):
         removed = sweep_leftovers(prefix)
-        for path in find_stale_temporaries(prefix):
+        for path in stale(prefix):
             os.unlink(path)
             removed.append(path)
     if remove_lock and remove_unheld_lock(lock_file) and existed:
@@ -280,9 +468,75 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _remove_tree(path: str) -> None:
-    """Remove a directory tree; files still mapped by readers stay valid until unmapped."""
-    shutil.rmtree(path, ignore_errors=True)
+_DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def remove_tree(path: str) -> None:
+    """Remove the tree at ``path`` (a symlink or file: just it); OSError naming what stays.
+
+    Needs two descriptors whatever the depth (``shutil.rmtree`` holds two per level):
+    the directory being emptied, opened with O_NOFOLLOW relative to its parent, and its
+    listing. Back up, it reopens the parent through ``..`` and checks it is the one it
+    left (a directory moved meanwhile stops the removal: nothing outside is touched).
+    Files still mapped by readers stay valid until unmapped.
+    """
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(info.st_mode):
+        os.unlink(path)
+        return
+    try:
+        os.rmdir(path)  # an empty directory needs no descriptor at all
+        return
+    except OSError as error:
+        if error.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+    fd = os.open(path, _DIRECTORY)
+    way: list[tuple[str, os.stat_result, list[str]]] = []  # (name, its parent, parent's rest)
+    try:
+        if not os.path.samestat(os.fstat(fd), info):
+            raise OSError(errno.ESTALE, f"{path} was replaced while it was being removed")
+        pending = _remove_files(fd, path)
+        while pending or way:
+            if pending:
+                name = pending.pop()
+                child = os.open(name, _DIRECTORY, dir_fd=fd)
+                way.append((name, os.fstat(fd), pending))
+                fd, parent = child, fd
+                os.close(parent)
+                pending = _remove_files(fd, os.path.join(path, *(n for n, _, _ in way)))
+                continue
+            name, parent_info, pending = way.pop()
+            parent = os.open("..", _DIRECTORY, dir_fd=fd)
+            fd, child = parent, fd
+            os.close(child)
+            where = os.path.join(path, *(n for n, _, _ in way))
+            if not os.path.samestat(os.fstat(fd), parent_info):
+                raise OSError(errno.ESTALE, f"{where} was moved while it was being removed")
+            _name_errors(os.rmdir, name, fd, where)
+    finally:
+        os.close(fd)
+    os.rmdir(path)
+
+
+def _remove_files(fd: int, where: str) -> list[str]:
+    """Unlink every non-directory in the directory ``fd``; the names of its directories."""
+    with os.scandir(fd) as listing:  # (a duplicate of fd, closed with it)
+        entries = [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in listing]
+    for name, _ in (e for e in entries if not e[1]):
+        _name_errors(os.unlink, name, fd, where)
+    return [name for name, is_directory in entries if is_directory]
+
+
+def _name_errors(remove, name: str, fd: int, where: str) -> None:
+    try:
+        remove(name, dir_fd=fd)
+    except FileNotFoundError:
+        pass
+    except OSError as error:
+        raise OSError(error.errno, f"{error.strerror}: {os.path.join(where, name)}") from None
 
 
 _renameat2 = None

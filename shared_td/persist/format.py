@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import threading
 from typing import Any
 
@@ -143,7 +144,8 @@ def dumps(document: dict, *, compact: bool = False) -> bytes:
 
 def write_new_file(path: str, data: bytes) -> None:
     """Write ``data`` to a file that must not exist yet (``O_EXCL``)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    # 0o666 less the umask, as a plain open() (and every leaf file) gets
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
     try:
         view = memoryview(data)
         while view:
@@ -179,3 +181,73 @@ def temporary_writer_pid(name: str) -> int | None:
     """
     match = _TEMPORARY_NAME.fullmatch(name)
     return int(match["pid"]) if match else None
+
+
+# The fields that a node's meta.json always has, by _type, as tensordict 0.15.3 and
+# shared_td write them (each tuple: one of these names). A tensorclass's _type names
+# its class ("<class 'module.Name'>") and its tensors are in a _tensordict/ directory.
+REQUIRED_FIELDS = {
+    TENSORDICT_TYPE: (("shape",), ("device",)),
+    LAZY_STACK_TYPE: (("stack_dim",),),
+    NON_TENSOR_DATA_TYPE: (("data", "_is_non_tensor"),),  # no data: it is in other.pickle
+    NON_TENSOR_STACK_TYPE: (("stack_dim",), ("data",)),
+}
+_CLASS_TYPE = re.compile(r"<class '[^'\s]+\.[^'\s]+'>")
+
+
+def not_a_save(directory: str) -> str | None:
+    """Why ``directory`` is not the root of a saved tensordict (written by tensordict or
+    shared_td), in words; None when it is one.
+
+    Only "is this a save at all": its meta.json is a regular file (a symlink is not
+    followed) holding a JSON object whose ``_type`` is known and which has the fields
+    that type always has (:data:`REQUIRED_FIELDS`). Whether its shapes, dtypes and files
+    make sense is for the loader and ``shared-td verify``. atomic=True replaces only a
+    save; verify and inspect refuse the same directories with the same words.
+
+    Examples:
+        >>> not_a_save("/data/photos")
+        "its meta.json has no _type (it holds the keys 'name')"
+    """
+    path = os.path.join(directory, META)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return f"it has no {META}"
+    except OSError as error:
+        kind = "a symlink (not followed)" if os.path.islink(path) else error.strerror
+        return f"its {META} cannot be read: {kind}"
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return f"its {META} is not a regular file"
+    with os.fdopen(fd, "rb") as file:
+        data = file.read()
+    try:
+        meta = json.loads(data.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as error:
+        return f"its {META} is not valid JSON ({error})"
+    child = os.path.join(directory, TENSORCLASS_CHILD)
+    return save_problem(meta, tensorclass_child=os.path.isdir(child) and not os.path.islink(child))
+
+
+def save_problem(meta: Any, *, tensorclass_child: bool) -> str | None:
+    """:func:`not_a_save` for a parsed meta.json (``tensorclass_child``: whether the
+    directory holds a _tensordict/ directory)."""
+    if not isinstance(meta, dict):
+        return f"its {META} holds a JSON {type(meta).__name__}, not an object"
+    if "_type" not in meta:
+        keys = ", ".join(repr(k) for k in list(meta)[:5]) + (", ..." if len(meta) > 5 else "")
+        return f"its {META} has no _type (it holds the keys {keys or 'none'})"
+    type_str = meta["_type"]
+    if type_str in REQUIRED_FIELDS:
+        for names in REQUIRED_FIELDS[type_str]:
+            if not any(name in meta for name in names):
+                wanted = " or ".join(repr(name) for name in names)
+                return f"its {META} has the _type {type_str} but no {wanted}"
+        return None
+    if not isinstance(type_str, str) or not _CLASS_TYPE.fullmatch(type_str):
+        return f"its {META} has the _type {type_str!r}, which names no tensordict class"
+    if not tensorclass_child:
+        return (f"its {META} names the class {type_str}, but the {TENSORCLASS_CHILD}/ "
+                "directory of a saved tensorclass is missing")
+    return None

@@ -33,6 +33,7 @@ def survey(prefix: str) -> Survey:
     Raises:
         FileNotFoundError: ``prefix`` does not exist or holds no meta.json.
         NotADirectoryError: ``prefix`` is a file.
+        FormatError: its meta.json is not that of a save (format.not_a_save says why).
     """
     root = os.path.abspath(os.fspath(prefix))
     if not os.path.exists(root):
@@ -41,6 +42,9 @@ def survey(prefix: str) -> Survey:
         raise NotADirectoryError(f"{root} is a file, not a saved tensordict directory.")
     if not os.path.lexists(os.path.join(root, fmt.META)):
         raise FileNotFoundError(f"No saved tensordict at {root}: {fmt.META} is missing.")
+    why = fmt.not_a_save(root)  # the words atomic=True uses to refuse replacing it
+    if why is not None:
+        raise fmt.FormatError(f"{root} is not a saved tensordict: {why}.")
     walker = _Walker(root)
     tree = walker.node("", "")
     walker.check_directories()

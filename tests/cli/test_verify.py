@@ -64,13 +64,17 @@ def test_broken_meta_json(tmp_path):
     assert severity == "error" and message.startswith("not valid JSON")
 
 
-def test_broken_root_meta_json(tmp_path):
-    def damage(prefix):
+def test_a_root_meta_json_that_is_no_save_is_a_one_line_error(tmp_path):
+    # the words atomic=True uses to refuse replacing such a directory (format.not_a_save)
+    prefix = save_ours(tmp_path / "saved")
+    for content, why in [("[1, 2]", "its meta.json holds a JSON list, not an object"),
+                         ('{"name": "x"}', "its meta.json has no _type (it holds the keys 'name')")]:
         with open(os.path.join(prefix, "meta.json"), "w") as file:
-            file.write("[1, 2]")
-
-    code, problems = _damaged(tmp_path, damage)
-    assert code == 1 and problems["meta.json"] == [("error", "holds a JSON list, not an object")]
+            file.write(content)
+        for command in ("verify", "inspect"):
+            code, out, err = run_main(command, prefix)
+            assert (code, out) == (1, "")
+            assert err == f"shared-td {command}: error: {prefix} is not a saved tensordict: {why}.\n"
 
 
 def test_missing_leaf_file(tmp_path):

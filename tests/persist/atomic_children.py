@@ -137,9 +137,9 @@ def blocking_writer(prefix, version, mib, point, ready) -> None:
     elif point == "swap":
         atomic.swap_into_place = block
     elif point == "exchange":
-        remove = atomic._remove_tree
+        remove = atomic.remove_tree
         mine = f".shared_td-new-{os.getpid()}-"
-        atomic._remove_tree = lambda path: block() if mine in path else remove(path)
+        atomic.remove_tree = lambda path: block() if mine in path else remove(path)
     elif point == "renames":
         rename, target = os.rename, os.path.abspath(prefix)
         atomic._exchange = lambda first, second: False
@@ -148,3 +148,66 @@ def blocking_writer(prefix, version, mib, point, ready) -> None:
         ready.set()
     td.memmap_(prefix, atomic=True)
     time.sleep(FOREVER)  # "start": the caller kills us, finished or not
+
+
+def write_at_descriptor_limit(prefix, spare, out) -> None:
+    """An atomic rewrite with RLIMIT_NOFILE lowered so that only ``spare`` more
+    descriptors can be opened: reports the error (if any), its notes, and the temporary
+    directories beside prefix while this process still runs (its own included)."""
+    import resource
+
+    torch.set_num_threads(1)
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    # new descriptors take the lowest free numbers below the limit: put the limit at the
+    # (spare + 1)-th free number, so that exactly ``spare`` more can be opened
+    limit, free = 0, 0
+    while _is_open(limit) or free < spare:
+        free += not _is_open(limit)
+        limit += 1
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+    error = notes = None
+    try:
+        build(9).memmap_(prefix, atomic=True)
+    except BaseException as caught:
+        error, notes = repr(caught), getattr(caught, "__notes__", [])
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    report(out, error=error, notes=notes, leftovers=leftovers(prefix))
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+def as_nobody(action, directory, out) -> None:
+    """Run ``action()`` in ``directory`` as the unprivileged user nobody (root bypasses
+    file modes) and report its result or its error. The report file is opened and the
+    directory entered first, so that its ancestors need not be open to nobody (pytest's
+    temporary directories are not); ``action`` uses paths relative to it."""
+    import pwd
+
+    torch.set_num_threads(1)
+    nobody = pwd.getpwnam("nobody")
+    with open(out, "w") as handle:
+        os.chdir(directory)
+        os.setgroups([])
+        os.setgid(nobody.pw_gid)
+        os.setuid(nobody.pw_uid)
+        try:
+            fields = {"result": action(), "error": None}
+        except BaseException as caught:
+            fields = {"result": None, "error": repr(caught)}
+        json.dump(fields, handle)
+
+
+def with_umask(umask, action, out) -> None:
+    """Run ``action()`` under ``umask`` (in a child: the umask is per process)."""
+    torch.set_num_threads(1)
+    os.umask(umask)
+    try:
+        report(out, result=action(), error=None)
+    except BaseException:
+        report(out, result=None, error=traceback.format_exc())
