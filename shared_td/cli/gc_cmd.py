@@ -12,7 +12,8 @@ Two kinds of things, and nothing else:
 
 Each prefix is cleaned by ``shared_td.gc(prefix, remove_lock=True)`` under its writer
 lock; a prefix whose lock a running writer holds is skipped (that writer removes dead
-writers' directories itself before it swaps).
+writers' directories itself before it swaps). Only what was removed is listed as removed:
+what could not be is listed as failed (exit code 1), and the other prefixes are cleaned.
 """
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true", help="list what would be removed; remove nothing")
     parser.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
                         help="how long to wait for a running writer's lock (default 0: skip its prefix)")
-    parser.add_argument("--json", action="store_true", help="print JSON (keys: removed, skipped, dry_run)")
+    parser.add_argument("--json", action="store_true",
+                        help="print JSON (keys: removed, skipped, failed, dry_run)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     root = os.path.abspath(args.path)
     if not os.path.isdir(root):
         raise CommandError(f"{root} is not a directory" if os.path.exists(root) else f"No such directory: {root}")
-    removed, skipped = [], []
+    removed, skipped, failed = [], [], []
     for prefix in prefixes_under(root):
         if args.dry_run:
             if lock_is_held(atomic.lock_path(prefix)):
@@ -62,11 +64,14 @@ def run(args: argparse.Namespace) -> int:
             removed += atomic.gc(prefix, timeout=args.wait, remove_lock=True)
         except TimeoutError:
             skipped.append(prefix)
+        except OSError as error:  # a leftover that cannot be removed: said, not hidden
+            removed += getattr(error, "removed", [])
+            failed.append({"prefix": prefix, "error": str(error)})
     if args.json:
-        print_json({"dry_run": args.dry_run, "removed": removed, "skipped": skipped})
+        print_json({"dry_run": args.dry_run, "removed": removed, "skipped": skipped, "failed": failed})
     else:
-        print("\n".join(report_lines(removed, skipped, dry_run=args.dry_run, root=root)))
-    return 0
+        print("\n".join(report_lines(removed, skipped, dry_run=args.dry_run, root=root, failed=failed)))
+    return 1 if failed else 0
 
 
 def prefixes_under(root: str) -> list[str]:
@@ -123,14 +128,17 @@ def prefixes_in(directory: str) -> list[str]:
     return sorted(found)
 
 
-def report_lines(removed: list[str], skipped: list[str], *, dry_run: bool, root: str) -> list[str]:
+def report_lines(removed: list[str], skipped: list[str], *, dry_run: bool, root: str,
+                 failed: list[dict] = ()) -> list[str]:
     verb = "would remove" if dry_run else "removed"
     lines = [f"{verb}  {path}  ({_what(path)})" for path in removed]
     lines += [f"skipped {prefix}: a running writer holds its lock {atomic.lock_path(prefix)}"
               for prefix in skipped]
+    lines += [f"failed  {failure['prefix']}: {failure['error']}" for failure in failed]
     count = plural(len(removed), "leftover")
     lines.append(f"{count} {'to remove' if dry_run else 'removed'} under {root}"
-                 + (f", {plural(len(skipped), 'prefix')} in use" if skipped else ""))
+                 + (f", {plural(len(skipped), 'prefix')} in use" if skipped else "")
+                 + (f", {plural(len(failed), 'prefix')} failed" if failed else ""))
     return lines
 
 

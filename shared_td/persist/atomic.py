@@ -60,6 +60,7 @@ import filelock
 
 from shared_td.persist import format as fmt
 from shared_td.persist.lock_probe import lock_is_held, remove_unheld_lock
+from shared_td.persist.removal import remove_tree
 
 #: Seconds a writer waits for another writer of the same prefix before TimeoutError.
 #: Override per process with the environment variable SHARED_TD_LOCK_TIMEOUT.
@@ -81,10 +82,15 @@ def lock_path(prefix: str) -> str:
 
 
 def prefix_lock(prefix: str, timeout: float | None = None) -> filelock.BaseFileLock:
-    """The inter-process lock that orders atomic writers of ``prefix``."""
+    """The inter-process lock that orders atomic writers of ``prefix``; its file is
+    created now if missing (:func:`create_lock_file`)."""
     if timeout is None:
         timeout = float(os.environ.get("SHARED_TD_LOCK_TIMEOUT", DEFAULT_LOCK_TIMEOUT))
-    return filelock.FileLock(lock_path(prefix), timeout=timeout)
+    path = lock_path(prefix)
+    # filelock 3.x (3.22 still) sets the file's mode to its ``mode`` argument (0o644 by
+    # default) at every acquire, taking away the group write of a 0o002 umask: given
+    # the file's own mode, it changes nothing
+    return filelock.FileLock(path, timeout=timeout, mode=create_lock_file(path))
 
 
 class acquired:
@@ -95,7 +101,6 @@ class acquired:
 
     def __enter__(self) -> "acquired":
         while True:
-            create_lock_file(self.lock.lock_file)
             try:
                 self.lock.acquire()
             except filelock.Timeout:
@@ -109,6 +114,7 @@ class acquired:
             # gc removed the file between our open and our flock: what we hold locks
             # nothing that the next writer would see, so lock the file now there
             self.lock.release()
+            create_lock_file(self.lock.lock_file)
 
     def _holds_the_file_at_its_path(self) -> bool:
         """False if the locked file was unlinked or replaced (filelock 3.12 does not check that)."""
@@ -124,11 +130,12 @@ class acquired:
         self.lock.release()
 
 
-def create_lock_file(path: str) -> None:
+def create_lock_file(path: str) -> int:
     """Create the lock file ``path`` (mode 0o666 less the umask, as a plain ``open``)
     unless it exists, never following a symlink: one planted there is an OSError, so
-    that no writer truncates or locks the file it points to. (filelock >= 3.20.1 opens
-    it with O_NOFOLLOW too, which closes the window between this check and its open.)"""
+    that no writer truncates or locks the file it points to (filelock >= 3.20.1 opens
+    it with O_NOFOLLOW too, which closes the window between this check and its open).
+    Returns the file's mode bits."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
@@ -138,10 +145,12 @@ def create_lock_file(path: str) -> None:
                           "refusing to follow it. Remove it; the next writer creates a new one.") from None
         raise
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, f"The lock file {path} is not a regular file: remove it.")
+        mode = os.fstat(fd).st_mode
     finally:
         os.close(fd)
+    if not stat.S_ISREG(mode):
+        raise OSError(errno.EINVAL, f"The lock file {path} is not a regular file: remove it.")
+    return stat.S_IMODE(mode)
 
 
 def resolve(prefix) -> str:
@@ -412,7 +421,11 @@ def gc(prefix: str, timeout: float | None = None, *, dry_run: bool = False,
         if not os.path.isdir(prefix):
             return found
         prefix = os.path.realpath(prefix)
-    return found + _gc_one(prefix, timeout, dry_run, remove_lock, inside=True)
+    try:
+        return found + _gc_one(prefix, timeout, dry_run, remove_lock, inside=True)
+    except OSError as error:
+        error.removed = found + getattr(error, "removed", [])
+        raise
 
 
 def _gc_one(prefix: str, timeout: float | None, dry_run: bool, remove_lock: bool,
@@ -426,11 +439,16 @@ def _gc_one(prefix: str, timeout: float | None, dry_run: bool, remove_lock: bool
             found.append(lock_file)
         return found
     existed = os.path.lexists(lock_file)  # else taking the lock creates it: not a leftover
-    with acquired(prefix, timeout):
-        removed = sweep_leftovers(prefix)
-        for path in stale(prefix):
-            os.unlink(path)
-            removed.append(path)
+    removed: list[str] = []
+    try:
+        with acquired(prefix, timeout):
+            removed += sweep_leftovers(prefix)
+            for path in stale(prefix):
+                os.unlink(path)
+                removed.append(path)
+    except OSError as error:  # what was removed before it, for the caller to report
+        error.removed = removed + getattr(error, "removed", [])
+        raise
     if remove_lock and remove_unheld_lock(lock_file) and existed:
         removed.append(lock_file)
     return removed
@@ -466,77 +484,6 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True  # someone else's process
     return True
-
-
-_DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-def remove_tree(path: str) -> None:
-    """Remove the tree at ``path`` (a symlink or file: just it); OSError naming what stays.
-
-    Needs two descriptors whatever the depth (``shutil.rmtree`` holds two per level):
-    the directory being emptied, opened with O_NOFOLLOW relative to its parent, and its
-    listing. Back up, it reopens the parent through ``..`` and checks it is the one it
-    left (a directory moved meanwhile stops the removal: nothing outside is touched).
-    Files still mapped by readers stay valid until unmapped.
-    """
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISDIR(info.st_mode):
-        os.unlink(path)
-        return
-    try:
-        os.rmdir(path)  # an empty directory needs no descriptor at all
-        return
-    except OSError as error:
-        if error.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-            raise
-    fd = os.open(path, _DIRECTORY)
-    way: list[tuple[str, os.stat_result, list[str]]] = []  # (name, its parent, parent's rest)
-    try:
-        if not os.path.samestat(os.fstat(fd), info):
-            raise OSError(errno.ESTALE, f"{path} was replaced while it was being removed")
-        pending = _remove_files(fd, path)
-        while pending or way:
-            if pending:
-                name = pending.pop()
-                child = os.open(name, _DIRECTORY, dir_fd=fd)
-                way.append((name, os.fstat(fd), pending))
-                fd, parent = child, fd
-                os.close(parent)
-                pending = _remove_files(fd, os.path.join(path, *(n for n, _, _ in way)))
-                continue
-            name, parent_info, pending = way.pop()
-            parent = os.open("..", _DIRECTORY, dir_fd=fd)
-            fd, child = parent, fd
-            os.close(child)
-            where = os.path.join(path, *(n for n, _, _ in way))
-            if not os.path.samestat(os.fstat(fd), parent_info):
-                raise OSError(errno.ESTALE, f"{where} was moved while it was being removed")
-            _name_errors(os.rmdir, name, fd, where)
-    finally:
-        os.close(fd)
-    os.rmdir(path)
-
-
-def _remove_files(fd: int, where: str) -> list[str]:
-    """Unlink every non-directory in the directory ``fd``; the names of its directories."""
-    with os.scandir(fd) as listing:  # (a duplicate of fd, closed with it)
-        entries = [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in listing]
-    for name, _ in (e for e in entries if not e[1]):
-        _name_errors(os.unlink, name, fd, where)
-    return [name for name, is_directory in entries if is_directory]
-
-
-def _name_errors(remove, name: str, fd: int, where: str) -> None:
-    try:
-        remove(name, dir_fd=fd)
-    except FileNotFoundError:
-        pass
-    except OSError as error:
-        raise OSError(error.errno, f"{error.strerror}: {os.path.join(where, name)}") from None
 
 
 _renameat2 = None

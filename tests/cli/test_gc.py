@@ -220,6 +220,30 @@ def test_a_writer_whose_lock_file_was_removed_under_it_locks_the_new_one(tmp_pat
         assert atomic.lock_is_held(atomic.lock_path(prefix))
 
 
+def test_a_leftover_that_cannot_be_removed_is_reported_as_failed(tmp_path, monkeypatch):
+    dead = dead_pid()
+    for name in ("a", "b"):
+        _save(tmp_path / name)
+        _crashed_writer_leftovers(tmp_path, name, dead)
+    stuck, remove = str(tmp_path / f".a.shared_td-new-{dead}-k2j5x_q"), atomic.remove_tree
+
+    def refusing(path):
+        if path == stuck:
+            raise PermissionError(13, "Permission denied (injected)", path)
+        remove(path)
+
+    monkeypatch.setattr(atomic, "remove_tree", refusing)
+    code, out, err = run_main("gc", tmp_path)
+    lines = out.splitlines()
+    assert (code, err) == (1, "") and os.path.isdir(stuck)
+    assert not os.path.lexists(tmp_path / f".b.shared_td-new-{dead}-k2j5x_q")
+    assert [line.split()[1] for line in lines if line.startswith("removed ")] == [
+        str(tmp_path / f".b.shared_td-new-{dead}-k2j5x_q"), str(tmp_path / ".b.lock")]
+    [failed] = [line for line in lines if line.startswith("failed ")]
+    assert failed.startswith(f"failed  {tmp_path / 'a'}: ") and stuck in failed and "injected" in failed
+    assert lines[-1] == f"2 leftovers removed under {tmp_path}, 1 prefix failed"
+
+
 def test_errors(tmp_path):
     (tmp_path / "file").write_text("")
     for target in [tmp_path / "missing", tmp_path / "file"]:
