@@ -49,14 +49,20 @@ class MemmapMethods:
                 lock beside prefix), so an error or a crash leaves prefix as it was or
                 as the new complete version; the old directory is replaced as a whole.
                 Leaves already mapped to a file are copied (copy_existing=True needed).
+                Only a save (tensordict's or shared_td's) or an empty directory is
+                replaced. A symlinked prefix: the directory it points to is replaced,
+                the link stays. The new version keeps the old one's mode and group.
                 Not synced to disk: guards against a killed process, not a power loss.
 
         Raises:
             RuntimeError: a leaf has a file elsewhere and copy_existing=False; a file
                 exists and existsok=False; the tensordict is in shared memory. With
                 atomic=True also: prefix is a non-empty directory and existsok=False, or
-                holds no saved tensordict (no meta.json).
+                is not a saved tensordict (the error says why and what it holds).
             NotADirectoryError: atomic=True and prefix is a file.
+            FileNotFoundError: atomic=True and prefix is a symlink to nothing.
+            PermissionError: atomic=True and prefix's group is one this process may
+                not give to the new version.
             ValueError: atomic=True and there is no directory to write to.
             NotImplementedError: return_early=True with atomic=True, or atomic=True on
                 Windows.

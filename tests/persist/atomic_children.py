@@ -6,6 +6,7 @@ used by the parent does not survive a fork.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -151,13 +152,36 @@ def blocking_writer(prefix, version, mib, point, ready) -> None:
 
 
 def write_at_descriptor_limit(prefix, spare, out) -> None:
-    """An atomic rewrite with RLIMIT_NOFILE lowered so that only ``spare`` more
-    descriptors can be opened: reports the error (if any), its notes, and the temporary
-    directories beside prefix while this process still runs (its own included)."""
+    """An atomic rewrite when only ``spare`` more descriptors can be opened: reports
+    the error (if any), its notes, and the temporary directories beside prefix while
+    this process still runs (its own included)."""
+    torch.set_num_threads(1)
+    error = notes = None
+    with descriptor_limit(spare):
+        try:
+            build(9).memmap_(prefix, atomic=True)
+        except BaseException as caught:
+            error, notes = repr(caught), getattr(caught, "__notes__", [])
+    report(out, error=error, notes=notes, leftovers=leftovers(prefix))
+
+
+def remove_at_descriptor_limit(path, spare, out) -> None:
+    """atomic.remove_tree(path) when only ``spare`` more descriptors can be opened."""
+    error = None
+    with descriptor_limit(spare):
+        try:
+            atomic.remove_tree(path)
+        except BaseException as caught:
+            error = repr(caught)
+    report(out, error=error, exists=os.path.lexists(path))
+
+
+@contextlib.contextmanager
+def descriptor_limit(spare: int):
+    """RLIMIT_NOFILE lowered so that only ``spare`` more descriptors can be opened."""
     import resource
 
-    torch.set_num_threads(1)
-    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     # new descriptors take the lowest free numbers below the limit: put the limit at the
     # (spare + 1)-th free number, so that exactly ``spare`` more can be opened
     limit, free = 0, 0
@@ -165,13 +189,10 @@ def write_at_descriptor_limit(prefix, spare, out) -> None:
         free += not _is_open(limit)
         limit += 1
     resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
-    error = notes = None
     try:
-        build(9).memmap_(prefix, atomic=True)
-    except BaseException as caught:
-        error, notes = repr(caught), getattr(caught, "__notes__", [])
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    report(out, error=error, notes=notes, leftovers=leftovers(prefix))
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def _is_open(fd: int) -> bool:

@@ -158,21 +158,31 @@ def test_a_failed_clean_up_is_reported_on_the_error(tmp_path, monkeypatch):
     atomic.remove_tree(str(tmp_path / staging))  # left for the test to remove
 
 
-def test_remove_tree_never_follows_a_symlink_and_holds_few_descriptors(tmp_path):
+def test_remove_tree_never_follows_a_symlink(tmp_path):
     outside = tmp_path / "outside"
     (outside / "keep").mkdir(parents=True)
     tree = tmp_path / "tree"
-    deep = tree.joinpath(*[f"d{i}" for i in range(40)])  # rmtree would hold 2 fds per level
-    deep.mkdir(parents=True)
-    (deep / "f").write_bytes(b"x")
+    (tree / "d0" / "d1").mkdir(parents=True)
+    (tree / "d0" / "d1" / "f").write_bytes(b"x")
     os.symlink(outside, tree / "d0" / "link")
-    os.symlink(outside / "keep", deep / "link")
+    os.symlink(outside / "keep", tree / "d0" / "d1" / "link")
     atomic.remove_tree(str(tree))
     assert not os.path.lexists(tree) and (outside / "keep").is_dir()
     link = tmp_path / "alink"
     os.symlink(outside, link)
     atomic.remove_tree(str(link))  # a symlink is unlinked, its target kept
     assert not os.path.lexists(link) and (outside / "keep").is_dir()
+
+
+def test_remove_tree_needs_two_descriptors_at_any_depth(tmp_path):
+    tree = tmp_path / "tree"
+    deep = tree.joinpath(*[f"d{i}" for i in range(30)])  # shutil.rmtree: 2 per level
+    deep.mkdir(parents=True)
+    for directory in [tree, deep.parent, deep]:
+        (directory / "f").write_bytes(b"x")
+        (directory / "e").mkdir()
+    found = in_child(kids.remove_at_descriptor_limit, str(tree), 2, tmp_path=tmp_path)
+    assert found == {"error": None, "exists": False}
 
 
 # ------------------------------------------------------------- item 4: symlinked prefix
@@ -288,6 +298,32 @@ def _read_as_nobody():
     with open(os.path.join("p", "a.memmap"), "rb") as leaf:
         first = torch.frombuffer(bytearray(leaf.read(4)), dtype=torch.float32).item()
     return [sorted(os.listdir("p")), names, first]
+
+
+def test_an_atomic_rewrite_keeps_a_read_only_mode(tmp_path):
+    prefix = tmp_path / "p"
+    kids.build(1).memmap(prefix)
+    os.chmod(prefix, 0o555)  # set only once the new version is written: it is written
+    kids.build(2).memmap(prefix, atomic=True)
+    assert oct(stat.S_IMODE(os.stat(prefix).st_mode)) == oct(0o555)
+    assert kids.check(load_memmap(prefix)) == 2
+
+
+def test_a_group_that_cannot_be_given_stops_the_rewrite_before_it_starts(tmp_path, monkeypatch):
+    prefix = tmp_path / "p"
+    kids.build(1).memmap(prefix)
+    os.chown(prefix, -1, 65534 if os.getgid() != 65534 else 1)
+    before = dir_state(tmp_path)
+
+    def not_a_member(fd, uid, gid):  # what the kernel says to a non-member (we are root)
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "fchown", not_a_member)
+    with pytest.raises(PermissionError, match=f"{prefix} belongs to group"):
+        kids.build(2).memmap(prefix, atomic=True)
+    after = dir_state(tmp_path)
+    after.pop(".p.lock")
+    assert after == before and kids.leftovers(prefix) == []
 
 
 def test_other_users_keep_access_after_an_atomic_rewrite(tmp_path):
