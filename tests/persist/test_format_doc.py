@@ -197,11 +197,11 @@ def test_every_lock_and_staging_name_is_documented(tmp_path):
     for kind in kinds:
         assert f"`.<name>.shared_td-{kind}-<pid>-<rand>`" in DOC, f"staging kind {kind!r} undocumented"
         assert atomic.parse_leftover_name(f".buf.shared_td-{kind}-4242-k2j5x_9a") == ("buf", 4242)
-    staging = atomic.make_staging_directory(prefix)
+    staging = atomic.Staging(prefix)
     try:
-        assert re.fullmatch(rf"\.buf\.shared_td-new-{os.getpid()}-[a-z0-9_]{{8}}", os.path.basename(staging))
+        assert re.fullmatch(rf"\.buf\.shared_td-new-{os.getpid()}-[0-9a-f]{{12}}", os.path.basename(staging.path))
     finally:
-        os.rmdir(staging)
+        staging.discard(RuntimeError("test"))
 
 
 def test_tensordict_reads_around_shared_td_extra_fields(tmp_path):
