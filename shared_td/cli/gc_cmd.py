@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from shared_td.cli.common import CommandError, UsageError, plural, print_json
+from shared_td.cli.common import CommandError, UsageError, plural, print_json, print_lines
 from shared_td.persist import atomic
 from shared_td.persist import format as fmt
 from shared_td.persist.lock_probe import lock_is_held
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json({"dry_run": args.dry_run, "removed": removed, "skipped": skipped})
     else:
-        print("\n".join(report_lines(removed, skipped, dry_run=args.dry_run, root=root)))
+        print_lines(report_lines(removed, skipped, dry_run=args.dry_run, root=root))
     return 0
 
 

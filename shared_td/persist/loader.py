@@ -7,6 +7,21 @@ tensordict, a missing or short leaf file is an error naming the key (never a sil
 dropped key or a SIGBUS), symlinked leaf files and child directories are refused, and
 pickled non-tensor data is only read with ``allow_pickle=True`` (refused before
 unpickling).
+
+Untrusted directories: each meta.json is checked by ``format.NodeMeta.from_json`` before
+anything is mapped (a bad field is a :class:`~shared_td.errors.FormatError` naming the
+file and the field; ``shared-td verify`` reports the same errors through
+:func:`read_node_meta`). Only regular files are read or mapped: a FIFO, socket, device
+or directory in the place of a file is refused after an ``lstat``, and the file is
+opened ``O_NONBLOCK`` and checked again with ``fstat``, so a swap between the two
+cannot make a load block.
+
+Read-only saves (read-only files, a read-only file system, immutable files: ``open``
+fails with EACCES, EPERM or EROFS) load as tensordict 0.15.3 loads them: each such leaf
+is mapped privately, copy-on-write (``MAP_PRIVATE``). A write into such a tensor stays in
+this process and never reaches the file. It is not a ``PROT_READ`` mapping on purpose:
+torch cannot mark a tensor read-only, so a write into a read-only mapping would kill the
+process with SIGSEGV instead of raising.
 """
 from __future__ import annotations
 

@@ -3,9 +3,10 @@
 ``survey(prefix)`` walks a directory written by shared_td or tensordict 0.15.3 the way
 the loader would, without mapping a leaf or unpickling a value, and returns the tree
 (keys, classes, shapes, dtypes, sizes on disk, non-tensor values shown as short text)
-with every problem found: a meta.json that does not parse, a missing or short leaf
-file, a symlink (never followed: it could lead out of the directory), a file that no
-meta.json names. ``shared-td inspect`` prints the tree, ``shared-td verify`` the problems.
+with every problem found: a meta.json that the loader would refuse (read and checked
+by the loader's own ``read_node_meta``), a batch size that does not fit a child, a
+missing, short or special (FIFO, socket, device) leaf file, a symlink (never followed:
+it could lead out of the directory), a file that no meta.json names. ``shared-td inspect`` prints the tree, ``shared-td verify`` the problems.
 The tree's types are in saved_tree.py.
 
 Examples:
