@@ -14,13 +14,13 @@ class CommandError(Exception):
 
 
 def shown(text: str) -> str:
-    """``text`` safe for a terminal: each non-printable character (newline, carriage
+    r"""``text`` safe for a terminal: each non-printable character (newline, carriage
     return, escape, ...) written as in a Python literal, so that a file or key name
     cannot forge a line of the report or drive the terminal.
 
     Examples:
-        >>> shown("a\nb\x1b[31m c")
-        'a\\nb\\x1b[31m c'
+        >>> print(shown("a\nb\x1b[31m c"))
+        a\nb\x1b[31m c
     """
     if text.isprintable():
         return text
