@@ -81,13 +81,13 @@ class _Directory:
         directory) is refused without being opened for reading, so nothing blocks."""
         path = os.path.join(self.path, name)
         try:
-            kind = _file_kind(os.stat(name, dir_fd=self.fd, follow_symlinks=False).st_mode)
+            kind = file_kind(os.stat(name, dir_fd=self.fd, follow_symlinks=False).st_mode)
             if kind is None:
                 # O_NONBLOCK: should a FIFO replace the file after that stat, open and
                 # read return at once (and fstat refuses it) instead of waiting forever
                 fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY,
                              dir_fd=self.fd)
-                kind = _file_kind(os.fstat(fd).st_mode)
+                kind = file_kind(os.fstat(fd).st_mode)
                 if kind is None:
                     return fd
                 os.close(fd)
@@ -147,7 +147,7 @@ def read_node_meta(path: str) -> fmt.NodeMeta:
         directory.close()
 
 
-def _file_kind(mode: int) -> str | None:
+def file_kind(mode: int) -> str | None:
     """None for a regular file, else what it is ("a FIFO", "a directory", ...)."""
     if stat.S_ISREG(mode):
         return None

@@ -26,7 +26,7 @@ from shared_td.errors import FormatError
 from shared_td.keys import decode_key
 from shared_td.persist import format as fmt
 from shared_td.persist.format import NodeMeta
-from shared_td.persist.loader import read_node_meta
+from shared_td.persist.loader import file_kind, read_node_meta
 from shared_td.persist.saved_tree import NODE, TENSOR, VALUE, VALUE_WIDTH, Entry, Problem, Survey
 
 __all__ = ["NODE", "TENSOR", "VALUE", "Entry", "Problem", "Survey", "survey"]
@@ -98,8 +98,10 @@ class _Walker:
             self.problem("error", path, f"{fmt.META} is missing: this directory is no saved node")
         except FormatError as error:
             self.problem("error", path, error.detail)
-        except RuntimeError:  # the loader refuses symlinks
-            self.problem("error", path, f"cannot read {fmt.META}: a symlink (not followed)")
+        except RuntimeError as error:  # the loader refuses symlinks
+            symlink = os.path.islink(self.absolute(path))
+            self.problem("error", path, f"cannot read {fmt.META}: a symlink (not followed)" if symlink
+                         else str(error))
         except OSError as error:
             self.problem("error", path, f"cannot read {fmt.META}: {error.strerror}")
         return None
@@ -214,8 +216,8 @@ class _Walker:
         if stat.S_ISLNK(info.st_mode):
             self.problem("error", path, f"a symlink (to {os.readlink(self.absolute(path))}), not followed")
             return None
-        if not stat.S_ISREG(info.st_mode):
-            self.problem("error", path, "not a regular file")
+        if not stat.S_ISREG(info.st_mode):  # never opened: a FIFO would block
+            self.problem("error", path, f"{file_kind(info.st_mode)}, not a regular file")
             return None
         return info.st_size
 

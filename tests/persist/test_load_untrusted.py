@@ -126,7 +126,8 @@ def test_special_files_are_refused_at_once(tmp_path, kind, target):
     assert str(path / target) in outcome[3] and ("a " + kind) in outcome[3]
     code, document = in_child(verify_json, path)[1]
     assert code == 1 and not document["ok"]
-    assert any(p["path"] == target and p["severity"] == "error" for p in document["problems"]), document
+    assert [(p["severity"], ("a " + kind) in p["message"]) for p in document["problems"]
+            if p["path"] == target] == [("error", True)], document
     assert in_child(inspect_code, path) == ("returned", 0)
     assert listing(path) == disk
     del keep
