@@ -3,9 +3,12 @@ block, a read-only save loads copy-on-write, every bad meta.json field is a Form
 naming the file and the field, and `shared-td verify` reports what the load refuses."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import multiprocessing
 import os
+import queue
 import shutil
 import socket
 import stat
@@ -23,25 +26,25 @@ from shared_td.cli import main
 BOUND = 20  # seconds: a load that takes longer is hung (the test fails, it does not wait on)
 
 
-def _outcome(queue, function, args):
+def _outcome(results, function, args):
     try:
         result = function(*args)
     except BaseException as error:  # noqa: BLE001 - reported to the parent
-        queue.put(("raised", type(error).__name__, isinstance(error, RuntimeError), str(error)))
+        results.put(("raised", type(error).__name__, isinstance(error, RuntimeError), str(error)))
     else:
-        queue.put(("returned", result))
+        results.put(("returned", result))
 
 
 def in_child(function, *args):
     """Run ``function(*args)`` in a forked child, bounded: its result, or
     ``("raised", class name, is a RuntimeError, message)``. A hang fails the test."""
     context = multiprocessing.get_context("fork")
-    queue = context.Queue()
-    child = context.Process(target=_outcome, args=(queue, function, args), daemon=True)
+    results = context.Queue()
+    child = context.Process(target=_outcome, args=(results, function, args), daemon=True)
     child.start()
     try:
-        return queue.get(timeout=BOUND)
-    except Exception:  # queue.Empty: hung
+        return results.get(timeout=BOUND)
+    except queue.Empty:
         pytest.fail(f"{function.__name__}{args} did not return within {BOUND} s (it blocked)")
     finally:
         child.kill()
@@ -53,9 +56,6 @@ def load_keys(path):
 
 
 def verify_json(path):
-    import contextlib
-    import io
-
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
         code = main(["verify", "--json", str(path)])
@@ -63,9 +63,6 @@ def verify_json(path):
 
 
 def inspect_code(path):
-    import contextlib
-    import io
-
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         return main(["inspect", str(path)])
 
