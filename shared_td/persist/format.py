@@ -74,7 +74,7 @@ def dtype_from_name(name: Any, *, where: str, field: str | None = None) -> torch
     dtype = DTYPE_BY_NAME.get(name) if isinstance(name, str) else None
     if dtype is None:
         raise FormatError(
-            where, f"unknown dtype {name!r}; this torch knows {sorted(DTYPE_BY_NAME)}.", field=field
+            where, f"unknown dtype {_shown(name)}; this torch knows {sorted(DTYPE_BY_NAME)}.", field=field
         )
     return dtype
 
@@ -150,10 +150,6 @@ class NodeMeta:
     entries: tuple[LeafMeta | ChildMeta, ...] = ()
     document: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
-    @property
-    def leaves(self) -> list[LeafMeta]:
-        return [entry for entry in self.entries if isinstance(entry, LeafMeta)]
-
     @classmethod
     def from_json(cls, document: Any, *, where: str) -> "NodeMeta":
         """Check a parsed meta.json; FormatError naming ``where`` and the field if wrong."""
@@ -161,7 +157,7 @@ class NodeMeta:
             raise FormatError(where, f"holds a JSON {type(document).__name__}, not an object")
         type_str = document.get("_type")
         if not isinstance(type_str, str):
-            raise FormatError(where, f"{type_str!r} is not a class name", field="_type")
+            raise FormatError(where, f"{_shown(type_str)} is not a class name", field="_type")
         device = _device(document.get("device"), where, "device")
         if type_str == TENSORDICT_TYPE:
             batch_size = _sizes(document.get("shape", []), where, "shape")
@@ -173,14 +169,14 @@ class NodeMeta:
                        entries=entries, document=document)
         stack_dim = document.get("stack_dim", 0)
         if type(stack_dim) is not int or stack_dim < 0:
-            raise FormatError(where, f"{stack_dim!r} is not a dimension (an integer >= 0)", field="stack_dim")
+            raise FormatError(where, f"{_shown(stack_dim)} is not a dimension (an integer >= 0)", field="stack_dim")
         return cls(where, type_str, None, device, stack_dim=stack_dim, document=document)
 
 
 def _entry(key: str, item: dict, where: str) -> LeafMeta | ChildMeta:
     if "type" in item:
         if not isinstance(item["type"], str):
-            raise FormatError(where, f"{item['type']!r} is not a class name", field=f"{key}.type")
+            raise FormatError(where, f"{_shown(item['type'])} is not a class name", field=f"{key}.type")
         return ChildMeta(key, item["type"])
     if not ("dtype" in item and "shape" in item):
         raise FormatError(where, "neither a tensor (dtype and shape) nor a collection (type)", field=key)
@@ -189,7 +185,7 @@ def _entry(key: str, item: dict, where: str) -> LeafMeta | ChildMeta:
     _device(item.get("device"), where, f"{key}.device")
     is_nested = item.get("is_nested", False)
     if type(is_nested) is not bool:
-        raise FormatError(where, f"{is_nested!r} is not true or false", field=f"{key}.is_nested")
+        raise FormatError(where, f"{_shown(is_nested)} is not true or false", field=f"{key}.is_nested")
     if not is_nested and math.prod(shape) * dtype.itemsize > MAX_BYTES:
         raise FormatError(where, f"shape {list(shape)} of {dtype} needs more bytes than any "
                           "file can hold", field=f"{key}.shape")
@@ -199,7 +195,7 @@ def _entry(key: str, item: dict, where: str) -> LeafMeta | ChildMeta:
 def _sizes(value: Any, where: str, name: str) -> tuple[int, ...]:
     """A JSON list of sizes (integers >= 0, not booleans, each below 2**63)."""
     if not isinstance(value, list) or not all(type(n) is int and 0 <= n <= MAX_BYTES for n in value):
-        raise FormatError(where, f"{value!r} is not a list of sizes (integers >= 0)", field=name)
+        raise FormatError(where, f"{_shown(value)} is not a list of sizes (integers >= 0)", field=name)
     return tuple(value)
 
 
@@ -212,7 +208,7 @@ def _device(value: Any, where: str, name: str) -> str | None:
             raise TypeError
         torch.device(value)
     except (RuntimeError, TypeError, ValueError):
-        raise FormatError(where, f"{value!r} is not a device torch knows", field=name) from None
+        raise FormatError(where, f"{_shown(value)} is not a device torch knows", field=name) from None
     return value
 
 
@@ -222,9 +218,15 @@ def _names(document: dict, batch_size: tuple[int, ...], where: str) -> tuple | N
         return None
     if not (isinstance(names, list) and len(names) == len(batch_size)
             and all(n is None or isinstance(n, str) for n in names)):
-        raise FormatError(where, f"{names!r} is not one name (a string or null) per batch "
+        raise FormatError(where, f"{_shown(names)} is not one name (a string or null) per batch "
                           f"dimension of {list(batch_size)}", field="_names")
     return tuple(names)
+
+
+def _shown(value: Any, width: int = 80) -> str:
+    """The repr of a bad value, cut to ``width`` characters (a hostile file may hold MBs)."""
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def check_batch_fits(where: str, key: str, batch_size, shape) -> None:
