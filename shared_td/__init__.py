@@ -17,7 +17,7 @@ from shared_td.containers.tensordict import TensorDict
 from shared_td.coordinator import Coordinator, attach, is_stale, refresh
 from shared_td.keys import NestedKey
 from shared_td.keys import canonical_key as unravel_key
-from shared_td.errors import BatchSizeMismatchError, KeyTypeError, LockedTensorDictError
+from shared_td.errors import BatchSizeMismatchError, FormatError, KeyTypeError, LockedTensorDictError
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.persist.atomic import gc
 from shared_td.persist.functions import load, load_memmap, memmap, save
@@ -32,6 +32,7 @@ lazy_stack = LazyStackedTensorDict.lazy_stack
 __all__ = [
     "BatchSizeMismatchError",
     "Coordinator",
+    "FormatError",
     "KeyTypeError",
     "LazyStackedTensorDict",
     "LockedTensorDictError",

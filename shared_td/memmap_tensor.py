@@ -43,6 +43,20 @@ def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def checked_shape(shape) -> torch.Size:
+    """``shape`` as a ``torch.Size``; ``ValueError`` for a negative size (torch.Size takes
+    one, and a file would be created before anything failed).
+
+    Example:
+        >>> checked_shape([2, 3])
+        torch.Size([2, 3])
+    """
+    size = torch.Size(shape)
+    if any(n < 0 for n in size):
+        raise ValueError(f"Shape {list(size)} has a negative size: sizes must be 0 or more.")
+    return size
+
+
 def _parse_shape(size: tuple, shape) -> torch.Size:
     # the shape may come as varargs ints, one sequence, or the shape= keyword
     if size:
@@ -51,11 +65,11 @@ def _parse_shape(size: tuple, shape) -> torch.Size:
         first = size[0]
         # one sequence (or 1-D tensor/array) rather than a single int-like size
         if len(size) == 1 and (isinstance(first, (list, tuple)) or getattr(first, "ndim", 0)):
-            return torch.Size(first)
-        return torch.Size(size)
+            return checked_shape(first)
+        return checked_shape(size)
     if shape is None:
         raise TypeError("Could not find the shape argument in the arguments.")
-    return torch.Size(shape)
+    return checked_shape(shape)
 
 
 def _check_cpu(device) -> None:

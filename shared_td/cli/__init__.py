@@ -20,7 +20,7 @@ import os
 import sys
 import traceback
 
-from shared_td.cli.common import CommandError, UsageError
+from shared_td.cli.common import CommandError, UsageError, shown
 
 PROG = "shared-td"
 
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except UsageError as error:
-        print(f"{PROG} {args.command}: usage error: {error}", file=sys.stderr)
+        print(f"{PROG} {args.command}: usage error: {shown(str(error))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"{PROG} {args.command}: interrupted", file=sys.stderr)
@@ -80,7 +80,8 @@ def _failed(command: str | None, error: Exception, debug: bool) -> int:
     """Report a failure on one line of stderr (and the traceback with --debug); 1."""
     if debug:
         traceback.print_exc()
-    message = " ".join(str(error).split()) or type(error).__name__
+    # one line whatever the error says; names in it cannot drive the terminal
+    message = shown(" ".join(str(error).split())) or type(error).__name__
     if not isinstance(error, CommandError) and isinstance(error, (ImportError, AssertionError)):
         message = f"{type(error).__name__}: {message}"  # a bug, not a user's mistake
     print(f"{PROG} {command}: error: {message}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""What the commands share: their errors and how they print sizes and JSON."""
+"""What the commands share: their errors and how they print sizes, JSON and names."""
 from __future__ import annotations
 
 import json
@@ -11,6 +11,25 @@ class UsageError(Exception):
 
 class CommandError(Exception):
     """The command cannot do what was asked (exit code 1); the message says why."""
+
+
+def shown(text: str) -> str:
+    r"""``text`` safe for a terminal: each non-printable character (newline, carriage
+    return, escape, ...) written as in a Python literal, so that a file or key name
+    cannot forge a line of the report or drive the terminal.
+
+    Examples:
+        >>> print(shown("a\nb\x1b[31m c"))
+        a\nb\x1b[31m c
+    """
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def print_lines(lines: list[str]) -> None:
+    """Print a report, one line each, with every line passed through :func:`shown`."""
+    print("\n".join(shown(line) for line in lines))
 
 
 def human_bytes(count: int) -> str:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from shared_td.cli.common import CommandError, UsageError, plural, print_json
+from shared_td.cli.common import CommandError, UsageError, plural, print_json, print_lines
 from shared_td.persist import atomic
 from shared_td.persist import format as fmt
 from shared_td.persist.lock_probe import lock_is_held
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json({"dry_run": args.dry_run, "removed": removed, "skipped": skipped, "failed": failed})
     else:
-        print("\n".join(report_lines(removed, skipped, dry_run=args.dry_run, root=root, failed=failed)))
+        print_lines(report_lines(removed, skipped, dry_run=args.dry_run, root=root, failed=failed))
     return 1 if failed else 0
 
 

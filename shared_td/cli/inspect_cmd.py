@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from shared_td.cli.common import human_bytes, plural, print_json
+from shared_td.cli.common import human_bytes, plural, print_json, print_lines
 from shared_td.persist.survey import NODE, TENSOR, Entry, Survey, survey
 
 EPILOG = """examples:
@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(as_json(found))
     else:
-        print("\n".join(tree_lines(found)))
+        print_lines(tree_lines(found))
     return 0
 
 

@@ -1,9 +1,13 @@
 """``shared-td verify PREFIX``: would this saved tensordict load, completely and safely?
 
 Checked, from the meta.json files only (nothing is mapped or unpickled): every
-meta.json parses; every leaf file it lists exists and holds at least the bytes its shape
-and dtype need; no symlink anywhere (a symlink could lead out of the directory, and
-the loader refuses them); files and directories no meta.json names are warnings.
+meta.json passes the loader's own check (``format.NodeMeta.from_json``: it parses, each
+field has the right type, dtypes and devices are known, shapes fit the batch size and
+no file could hold more), so a load refuses exactly what is reported here; every leaf
+file it lists is a regular file (a FIFO, socket or device is never opened) holding at
+least the bytes its shape and dtype need; no symlink anywhere (a symlink could lead out
+of the directory, and the loader refuses them); files and directories no meta.json names
+are warnings. Paths and keys are printed with control characters escaped.
 """
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ import argparse
 import dataclasses
 import os
 
-from shared_td.cli.common import human_bytes, plural, print_json
+from shared_td.cli.common import human_bytes, plural, print_json, print_lines
 from shared_td.persist.survey import Survey, survey
 
 EPILOG = """examples:
@@ -19,8 +23,10 @@ EPILOG = """examples:
   shared-td verify --json /data/buffer   the same as JSON (keys: prefix, ok, totals, problems)
   shared-td verify -q /data/buffer && echo loads   only the exit code and the problems
 
-Errors (exit code 1): a meta.json that is missing or not JSON, a leaf file that is
-missing or shorter than its shape and dtype need, an unknown dtype, any symlink.
+Errors (exit code 1): what load_memmap refuses: a meta.json that is missing, not JSON
+or has a bad field (named in the message), a batch size that does not fit its entries,
+a leaf file that is missing, not a regular file or shorter than its shape and dtype
+need, a nested tensor, any symlink.
 Warnings (exit code 0): files or directories that no meta.json names (a leftover
 temporary file, a stack member after a gap, a stale pickle).
 """
@@ -42,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
         if args.quiet:
             lines = lines[1:]
         if lines:
-            print("\n".join(lines))
+            print_lines(lines)
     return 1 if found.errors else 0
 
 

@@ -13,14 +13,18 @@ ignores, so both libraries still read each other's directories:
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import stat
+import sys
 import threading
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 import torch
 
+from shared_td.errors import FormatError
 from shared_td.keys import encode_key, is_safe_legacy_name
 
 META = "meta.json"
@@ -61,23 +65,19 @@ _DTYPES += [getattr(torch, name) for name in dir(torch) if name.startswith("floa
 DTYPE_BY_NAME = {str(dtype): dtype for dtype in _DTYPES}
 
 
-class FormatError(ValueError):
-    """A saved directory does not hold what its meta.json says (or is not one at all)."""
-
-
 def dtype_name(dtype: torch.dtype) -> str:
     """The dtype as written in meta.json (``"torch.float32"``)."""
     return str(dtype)
 
 
-def dtype_from_name(name: str, *, where: str) -> torch.dtype:
-    """The dtype written as ``name``; FormatError naming the file when unknown."""
-    try:
-        return DTYPE_BY_NAME[name]
-    except KeyError:
+def dtype_from_name(name: Any, *, where: str, field: str | None = None) -> torch.dtype:
+    """The dtype written as ``name``; FormatError naming the file (and field) when unknown."""
+    dtype = DTYPE_BY_NAME.get(name) if isinstance(name, str) else None
+    if dtype is None:
         raise FormatError(
-            f"{where}: unknown dtype {name!r}; this torch knows {sorted(DTYPE_BY_NAME)}."
-        ) from None
+            where, f"unknown dtype {_shown(name)}; this torch knows {sorted(DTYPE_BY_NAME)}.", field=field
+        )
+    return dtype
 
 
 def node_entries(meta: dict) -> dict[str, dict]:
@@ -92,6 +92,152 @@ def node_entries(meta: dict) -> dict[str, dict]:
     if isinstance(reserved, dict):
         entries.update(reserved)
     return entries
+
+
+# ---------------------------------------------------------------- the checked node model
+#: No file holds more bytes than this; a larger shape is a damaged or hostile meta.json.
+_MAX_BYTES = sys.maxsize
+
+
+@dataclass(frozen=True)
+class LeafMeta:
+    """A tensor leaf as its node's meta.json describes it (checked).
+
+    ``shape`` is the shape of the tensor (of its sizes, for a nested tensor).
+    """
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    is_nested: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes its file must hold (of the data file of a nested tensor: unknown here)."""
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class ChildMeta:
+    """A sub-collection (a directory) listed in its parent's meta.json."""
+
+    key: str
+    type_name: str  # "TensorDict", "NonTensorData", ... as the parent records it
+
+
+@dataclass(frozen=True)
+class NodeMeta:
+    """One node's meta.json, checked: what a load of that node may rely on.
+
+    Built by :meth:`from_json`, the one place where meta.json is validated: the loader
+    raises its errors, ``shared-td verify`` reports them. ``batch_size`` is None where
+    the node kind records none (lazy stacks, non-tensor data, tensorclasses); ``entries``
+    are the leaves and children of a TensorDict node in file order; ``document`` is the
+    parsed JSON (non-tensor ``data``, tensorclass fields).
+
+    Example:
+        >>> meta = NodeMeta.from_json({"_type": TENSORDICT_TYPE, "shape": [2],
+        ...     "x": {"dtype": "torch.int8", "shape": [2, 3]}}, where="/d/meta.json")
+        >>> meta.batch_size, meta.entries[0].nbytes
+        ((2,), 6)
+    """
+
+    path: str  # the meta.json it was read from
+    type: str
+    batch_size: tuple[int, ...] | None = None
+    device: str | None = None
+    names: tuple | None = None
+    stack_dim: int = 0
+    entries: tuple[LeafMeta | ChildMeta, ...] = ()
+    document: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def from_json(cls, document: Any, *, where: str) -> "NodeMeta":
+        """Check a parsed meta.json; FormatError naming ``where`` and the field if wrong."""
+        if not isinstance(document, dict):
+            raise FormatError(where, f"holds a JSON {type(document).__name__}, not an object")
+        type_str = document.get("_type")
+        if not isinstance(type_str, str):
+            raise FormatError(where, f"{_shown(type_str)} is not a class name", field="_type")
+        device = _device(document.get("device"), where, "device")
+        if type_str == TENSORDICT_TYPE:
+            batch_size = _sizes(document.get("shape", []), where, "shape")
+            entries = tuple(_entry(key, item, where) for key, item in node_entries(document).items())
+            for leaf in entries:
+                if isinstance(leaf, LeafMeta) and not leaf.is_nested:
+                    check_batch_fits(where, leaf.key, batch_size, leaf.shape)
+            return cls(where, type_str, batch_size, device, _names(document, batch_size, where),
+                       entries=entries, document=document)
+        stack_dim = document.get("stack_dim", 0)
+        if type(stack_dim) is not int or stack_dim < 0:
+            raise FormatError(where, f"{_shown(stack_dim)} is not a dimension (an integer >= 0)", field="stack_dim")
+        return cls(where, type_str, None, device, stack_dim=stack_dim, document=document)
+
+
+def _entry(key: str, item: dict, where: str) -> LeafMeta | ChildMeta:
+    if "type" in item:
+        if not isinstance(item["type"], str):
+            raise FormatError(where, f"{_shown(item['type'])} is not a class name", field=f"{key}.type")
+        return ChildMeta(key, item["type"])
+    if not ("dtype" in item and "shape" in item):
+        raise FormatError(where, "neither a tensor (dtype and shape) nor a collection (type)", field=key)
+    dtype = dtype_from_name(item["dtype"], where=where, field=f"{key}.dtype")
+    shape = _sizes(item["shape"], where, f"{key}.shape")
+    _device(item.get("device"), where, f"{key}.device")
+    is_nested = item.get("is_nested", False)
+    if type(is_nested) is not bool:
+        raise FormatError(where, f"{_shown(is_nested)} is not true or false", field=f"{key}.is_nested")
+    if not is_nested and math.prod(shape) * dtype.itemsize > _MAX_BYTES:
+        raise FormatError(where, f"shape {list(shape)} of {dtype} needs more bytes than any "
+                          "file can hold", field=f"{key}.shape")
+    return LeafMeta(key, shape, dtype, is_nested)
+
+
+def _sizes(value: Any, where: str, name: str) -> tuple[int, ...]:
+    """A JSON list of sizes (integers >= 0, not booleans, each below 2**63)."""
+    if not isinstance(value, list) or not all(type(n) is int and 0 <= n <= _MAX_BYTES for n in value):
+        raise FormatError(where, f"{_shown(value)} is not a list of sizes (integers >= 0)", field=name)
+    return tuple(value)
+
+
+def _device(value: Any, where: str, name: str) -> str | None:
+    """A device name torch knows, or None (also written as "None")."""
+    if value is None or value == "None":
+        return None
+    try:
+        if not isinstance(value, str):
+            raise TypeError
+        torch.device(value)
+    except (RuntimeError, TypeError, ValueError):
+        raise FormatError(where, f"{_shown(value)} is not a device torch knows", field=name) from None
+    return value
+
+
+def _names(document: dict, batch_size: tuple[int, ...], where: str) -> tuple | None:
+    names = document.get("_names")
+    if names is None:
+        return None
+    if not (isinstance(names, list) and len(names) == len(batch_size)
+            and all(n is None or isinstance(n, str) for n in names)):
+        raise FormatError(where, f"{_shown(names)} is not one name (a string or null) per batch "
+                          f"dimension of {list(batch_size)}", field="_names")
+    return tuple(names)
+
+
+def _shown(value: Any, width: int = 80) -> str:
+    """The repr of a bad value, cut to ``width`` characters (a hostile file may hold MBs)."""
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def check_batch_fits(where: str, key: str, batch_size, shape) -> None:
+    """A leaf's or child's shape must start with its node's batch size (RuntimeError)."""
+    if tuple(shape[: len(batch_size)]) != tuple(batch_size):
+        raise FormatError(
+            where, f"batch size {list(batch_size)} does not fit key {key!r} of shape "
+            f"{list(shape)}: the leading dimensions of every entry must equal the batch size",
+            field="shape",
+        )
 
 
 def file_names(key: str, *, leaf: bool, robust_key: bool = True) -> list[str]:
@@ -195,6 +341,15 @@ REQUIRED_FIELDS = {
 _CLASS_TYPE = re.compile(r"<class '[^'\s]+\.[^'\s]+'>")
 
 
+def file_kind(mode: int) -> str | None:
+    """None for a regular file, else what it is ("a FIFO", "a directory", ...)."""
+    if stat.S_ISREG(mode):
+        return None
+    kinds = {stat.S_ISLNK: "a symlink", stat.S_ISDIR: "a directory", stat.S_ISFIFO: "a FIFO",
+             stat.S_ISSOCK: "a socket", stat.S_ISCHR: "a character device", stat.S_ISBLK: "a block device"}
+    return next((name for test, name in kinds.items() if test(mode)), "not a regular file")
+
+
 def not_a_save(directory: str) -> str | None:
     """Why ``directory`` is not the root of a saved tensordict (written by tensordict or
     shared_td), in words; None when it is one.
@@ -211,20 +366,26 @@ def not_a_save(directory: str) -> str | None:
     """
     path = os.path.join(directory, META)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        # what it is before opening it: opening a socket fails, a FIFO or device may block
+        kind = file_kind(os.lstat(path).st_mode)
+        if kind is None:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+            kind = file_kind(os.fstat(fd).st_mode)  # replaced since the lstat
+            if kind is not None:
+                os.close(fd)
     except FileNotFoundError:
         return f"it has no {META}"
     except OSError as error:
-        kind = "a symlink (not followed)" if os.path.islink(path) else error.strerror
-        return f"its {META} cannot be read: {kind}"
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        return f"its {META} is not a regular file"
+        return f"its {META} cannot be read: {error.strerror}"
+    if kind == "a symlink":
+        return f"its {META} is a symlink (not followed)"
+    if kind is not None:
+        return f"its {META} is {kind}, not a regular file"
     with os.fdopen(fd, "rb") as file:
         data = file.read()
     try:
         meta = json.loads(data.decode("utf-8"))
-    except (ValueError, UnicodeDecodeError) as error:
+    except (ValueError, UnicodeDecodeError, RecursionError) as error:
         return f"its {META} is not valid JSON ({error})"
     child = os.path.join(directory, TENSORCLASS_CHILD)
     return save_problem(meta, tensorclass_child=os.path.isdir(child) and not os.path.islink(child))

@@ -7,6 +7,21 @@ tensordict, a missing or short leaf file is an error naming the key (never a sil
 dropped key or a SIGBUS), symlinked leaf files and child directories are refused, and
 pickled non-tensor data is only read with ``allow_pickle=True`` (refused before
 unpickling).
+
+Untrusted directories: each meta.json is checked by ``format.NodeMeta.from_json`` before
+anything is mapped (a bad field is a :class:`~shared_td.errors.FormatError` naming the
+file and the field; ``shared-td verify`` reports the same errors through
+:func:`read_node_meta`). Only regular files are read or mapped: a FIFO, socket, device
+or directory in the place of a file is refused after an ``lstat``, and the file is
+opened ``O_NONBLOCK`` and checked again with ``fstat``, so a swap between the two
+cannot make a load block.
+
+Read-only saves (read-only files, a read-only file system, immutable files: ``open``
+fails with EACCES, EPERM or EROFS) load as tensordict 0.15.3 loads them: each such leaf
+is mapped privately, copy-on-write (``MAP_PRIVATE``). A write into such a tensor stays in
+this process and never reaches the file. It is not a ``PROT_READ`` mapping on purpose:
+torch cannot mark a tensor read-only, so a write into a read-only mapping would kill the
+process with SIGSEGV instead of raising.
 """
 from __future__ import annotations
 
@@ -14,15 +29,21 @@ import errno
 import json
 import os
 import pickle
+import stat
 import time
 from typing import Any
 
 import torch
 
+from shared_td.errors import FormatError
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.persist import format as fmt
 from shared_td.storage import files
 from shared_td.storage.files import FileTooShortError
+
+#: open(O_RDWR) fails so on a file that can be read but not written (its mode or ACL,
+#: a read-only file system, an immutable file): such a file is mapped copy-on-write.
+READ_ONLY_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
 
 #: How long a load keeps restarting while atomic writers replace the directory under it.
 RETRY_SECONDS = 60.0
@@ -56,10 +77,25 @@ class _Directory:
         return _Directory(fd, path)
 
     def open(self, name: str, flags: int = os.O_RDONLY) -> int:
+        """Open the regular file ``name``; anything else (a symlink, FIFO, socket, device,
+        directory) is refused without being opened for reading, so nothing blocks."""
+        path = os.path.join(self.path, name)
         try:
-            return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
+            kind = fmt.file_kind(os.stat(name, dir_fd=self.fd, follow_symlinks=False).st_mode)
+            if kind is None:
+                # O_NONBLOCK: should a FIFO replace the file after that stat, open and
+                # read return at once (and fstat refuses it) instead of waiting forever
+                fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY,
+                             dir_fd=self.fd)
+                kind = fmt.file_kind(os.fstat(fd).st_mode)
+                if kind is None:
+                    return fd
+                os.close(fd)
         except OSError as error:
-            raise _open_error(error, os.path.join(self.path, name)) from None
+            raise _open_error(error, path) from None
+        if kind == "a symlink":
+            raise RuntimeError(f"Refusing to load through symlink {path}.")
+        raise FormatError(path, f"{kind}, not a regular file: refused (reading it could block or never end)")
 
     def exists(self, name: str) -> bool:
         try:
@@ -78,20 +114,37 @@ class _Directory:
         finally:
             os.close(fd)
 
-    def read_meta(self) -> dict:
+    def read_meta(self) -> fmt.NodeMeta:
+        """This node's meta.json, parsed and checked (FormatError naming file and field)."""
         where = os.path.join(self.path, fmt.META)
         try:
-            document = json.loads(self.read(fmt.META).decode("utf-8"))
+            data = self.read(fmt.META)
         except FileNotFoundError:
             raise FileNotFoundError(f"No saved tensordict at {self.path!r}: {fmt.META} is missing.") from None
-        except (ValueError, UnicodeDecodeError) as error:
-            raise fmt.FormatError(f"{where} is not valid JSON: {error}") from None
-        if not isinstance(document, dict):
-            raise fmt.FormatError(f"{where} holds a {type(document).__name__}, not a JSON object.")
-        return document
+        try:
+            document = json.loads(data.decode("utf-8"))
+        except (ValueError, UnicodeDecodeError, RecursionError) as error:
+            raise FormatError(where, f"not valid JSON: {error}") from None
+        return fmt.NodeMeta.from_json(document, where=where)
 
     def close(self) -> None:
         os.close(self.fd)
+
+
+def read_node_meta(path: str) -> fmt.NodeMeta:
+    """The checked meta.json of the node directory ``path``, read as a load reads it.
+
+    The one validation of node metadata: ``shared-td verify`` reports what this raises.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as error:
+        raise _open_error(error, path) from None
+    directory = _Directory(fd, path)
+    try:
+        return directory.read_meta()
+    finally:
+        directory.close()
 
 
 def _open_error(error: OSError, path: str) -> OSError:
@@ -119,7 +172,7 @@ class Loader:
             self._opened = (root, path)
             try:
                 return self._load(root, None)
-            except (FileNotFoundError, fmt.FormatError, FileTooShortError):
+            except (FileNotFoundError, FormatError, FileTooShortError):
                 if not _replaced(root, path) or time.monotonic() > deadline:
                     raise
             finally:
@@ -140,16 +193,15 @@ class Loader:
 
     def _load(self, directory: _Directory, batch_size: torch.Size | None) -> Any:
         meta = directory.read_meta()
-        type_str = meta.get("_type")
-        if type_str == fmt.TENSORDICT_TYPE:
+        if meta.type == fmt.TENSORDICT_TYPE:
             return self._load_tensordict(directory, meta)
-        if type_str == fmt.LAZY_STACK_TYPE:
+        if meta.type == fmt.LAZY_STACK_TYPE:
             return self._load_lazy(directory, meta)
-        if type_str == fmt.NON_TENSOR_DATA_TYPE:
+        if meta.type == fmt.NON_TENSOR_DATA_TYPE:
             return self._load_non_tensor_data(directory, meta, batch_size)
-        if type_str == fmt.NON_TENSOR_STACK_TYPE:
+        if meta.type == fmt.NON_TENSOR_STACK_TYPE:
             return self._load_non_tensor_stack(directory, meta)
-        return self._load_tensorclass(directory, meta, type_str)
+        return self._load_tensorclass(directory, meta)
 
     def _load_child(self, directory: _Directory, name: str, batch_size=None) -> Any:
         child = directory.child(name)
@@ -159,48 +211,45 @@ class Loader:
             child.close()
 
     # ------------------------------------------------------------------ node kinds
-    def _load_tensordict(self, directory: _Directory, meta: dict) -> Any:
+    def _load_tensordict(self, directory: _Directory, meta: fmt.NodeMeta) -> Any:
         from shared_td.containers.tensordict import TensorDict
 
-        batch_size = torch.Size(meta.get("shape", []))
-        entries = fmt.node_entries(meta)
+        batch_size = torch.Size(meta.batch_size)
         values = {}
-        for key, entry in entries.items():
-            if "type" in entry:
-                name = self._resolve(directory, key, leaf=False)
+        for entry in meta.entries:
+            if isinstance(entry, fmt.ChildMeta):
+                name = self._resolve(directory, entry.key, leaf=False)
                 value = self._load_child(directory, name, batch_size)
-                if getattr(value, "_is_non_tensor", False) and value.batch_size != batch_size:
-                    value = value._with_batch_size(batch_size, key)
-                values[key] = value
-            elif "dtype" in entry and "shape" in entry:
-                values[key] = self._load_leaf(directory, key, entry)
-        device = meta.get("device")
-        td = TensorDict._new_unsafe(
-            values, batch_size, None if device in (None, "None") else torch.device(device)
-        )
-        if meta.get("_names") is not None:
-            td.names = meta["_names"]
+                if getattr(value, "_is_non_tensor", False):
+                    if value.batch_size != batch_size:
+                        value = value._with_batch_size(batch_size, entry.key)
+                else:
+                    fmt.check_batch_fits(meta.path, entry.key, batch_size, value.batch_size)
+                values[entry.key] = value
+            else:
+                values[entry.key] = self._load_leaf(directory, entry)
+        device = None if meta.device is None else torch.device(meta.device)
+        td = TensorDict._new_unsafe(values, batch_size, device)
+        if meta.names is not None:
+            td.names = list(meta.names)
         td._memmap_prefix = directory.path
         return td
 
-    def _load_leaf(self, directory: _Directory, key: str, entry: dict) -> torch.Tensor:
-        if entry.get("is_nested"):
-            raise NotImplementedError(f"{self._where(directory, key)}: nested tensors cannot be loaded yet.")
-        dtype = fmt.DTYPE_BY_NAME.get(entry["dtype"]) or fmt.dtype_from_name(
-            entry["dtype"], where=self._where(directory, key)
-        )
-        shape = torch.Size(entry["shape"])
+    def _load_leaf(self, directory: _Directory, leaf: fmt.LeafMeta) -> torch.Tensor:
+        if leaf.is_nested:
+            raise NotImplementedError(f"{self._where(directory, leaf.key)}: nested tensors cannot be loaded yet.")
+        shape = torch.Size(leaf.shape)
         if shape.numel() == 0:  # zero-element leaves have no file
-            return MemoryMappedTensor.empty(shape, dtype=dtype)
-        name, fd, shared = self._open_leaf(directory, key)
+            return MemoryMappedTensor.empty(shape, dtype=leaf.dtype)
+        name, fd, shared = self._open_leaf(directory, leaf.key)
         path = f"{directory.path}/{name}"
         try:
             backing = files.backing_from_fd(path, fd, shared=shared)
         finally:
             os.close(fd)
-        return MemoryMappedTensor._from_backing(backing, 0, dtype, shape)
+        return MemoryMappedTensor._from_backing(backing, 0, leaf.dtype, shape)
 
-    def _load_lazy(self, directory: _Directory, meta: dict) -> Any:
+    def _load_lazy(self, directory: _Directory, meta: fmt.NodeMeta) -> Any:
         from shared_td.containers.lazy import LazyStackedTensorDict
 
         members = []
@@ -211,44 +260,44 @@ class Loader:
         if self._opened is not None and _replaced(*self._opened):
             raise FileNotFoundError(f"{directory.path} was replaced while it was loaded.")
         if not members:
-            raise fmt.FormatError(f"{directory.path} holds a lazy stack without members (no 0/ directory).")
-        lazy = LazyStackedTensorDict(*members, stack_dim=meta.get("stack_dim", 0))
+            raise FormatError(directory.path, "a lazy stack without members (no 0/ directory)")
+        lazy = LazyStackedTensorDict(*members, stack_dim=meta.stack_dim)
         lazy._memmap_prefix = directory.path
         return lazy
 
-    def _load_non_tensor_data(self, directory: _Directory, meta: dict, batch_size) -> Any:
+    def _load_non_tensor_data(self, directory: _Directory, meta: fmt.NodeMeta, batch_size) -> Any:
         from shared_td.containers.nontensor import NonTensorData
 
-        if "data" in meta:
-            data = meta["data"]
+        if "data" in meta.document:
+            data = meta.document["data"]
         else:
             data = self._unpickle(directory, fmt.OTHER_PICKLE)["data"]
         value = NonTensorData(data, batch_size=batch_size or [])
         value._memmap_prefix = directory.path
         return value
 
-    def _load_non_tensor_stack(self, directory: _Directory, meta: dict) -> Any:
+    def _load_non_tensor_stack(self, directory: _Directory, meta: fmt.NodeMeta) -> Any:
         from shared_td.containers.nontensor import NonTensorStack
 
-        data = meta.get("data")
+        data = meta.document.get("data")
         if data == fmt.STACK_PICKLE:
             data = self._unpickle(directory, fmt.STACK_PICKLE)
         stack = NonTensorStack.from_list(data)
         stack._memmap_prefix = directory.path
         return stack
 
-    def _load_tensorclass(self, directory: _Directory, meta: dict, type_str: Any) -> Any:
+    def _load_tensorclass(self, directory: _Directory, meta: fmt.NodeMeta) -> Any:
         from shared_td.containers.tensorclass import tensorclass_for_type_string
 
         try:
-            cls = tensorclass_for_type_string(type_str)
+            cls = tensorclass_for_type_string(meta.type)
         except (KeyError, TypeError):
             raise RuntimeError(
-                f"{os.path.join(directory.path, fmt.META)} holds a {type_str!r}, which is no "
-                "known tensordict class: import the module that defines that tensorclass first."
+                f"{meta.path} holds a {meta.type!r}, which is no known tensordict class: "
+                "import the module that defines that tensorclass first."
             ) from None
         if not directory.exists(fmt.TENSORCLASS_CHILD):
-            raise fmt.FormatError(f"The _tensordict directory seems to be missing in {directory.path}.")
+            raise FormatError(directory.path, "a tensorclass without its _tensordict/ directory")
         return cls._from_tensordict(self._load_child(directory, fmt.TENSORCLASS_CHILD))
 
     # ------------------------------------------------------------------ files
@@ -259,7 +308,8 @@ class Loader:
     def _open_leaf(self, directory: _Directory, key: str) -> tuple[str, int, bool]:
         """Open the file of leaf ``key``: ``(name, fd, shared)``.
 
-        A read-only file is opened read-only and mapped copy-on-write (shared=False).
+        A file this process may not write (its mode, a read-only file system, an
+        immutable file) is opened read-only and mapped copy-on-write (shared=False).
         """
         names = self._candidates(key, leaf=True)
         for name in names:
@@ -267,7 +317,9 @@ class Loader:
                 return name, directory.open(name, os.O_RDWR), True
             except FileNotFoundError:
                 continue
-            except PermissionError:
+            except OSError as error:
+                if error.errno not in READ_ONLY_ERRNOS:
+                    raise
                 return name, directory.open(name, os.O_RDONLY), False
         raise self._missing(directory, key, names, "file")
 

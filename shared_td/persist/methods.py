@@ -249,6 +249,7 @@ class MemmapMethods:
 
     def _add_memmap_leaf(self, key: NestedKey, make: Any, shape: Any = None) -> torch.Tensor:
         from shared_td.errors import BatchSizeMismatchError
+        from shared_td.memmap_tensor import checked_shape
         from shared_td.persist import writer
 
         if not self.is_memmap():
@@ -273,7 +274,7 @@ class MemmapMethods:
                 )
             node, depth = _inner(child), depth + 1
         batch = node.batch_size  # new sub-tensordicts get their parent's batch size
-        expected = torch.Size([shape] if isinstance(shape, int) else shape) if shape is not None else None
+        expected = None if shape is None else checked_shape([shape] if isinstance(shape, int) else shape)
         if expected is not None and expected[: len(batch)] != batch:
             raise BatchSizeMismatchError(
                 f"make_memmap of key {path}: shape {list(expected)} does not start with "

@@ -3,9 +3,10 @@
 ``survey(prefix)`` walks a directory written by shared_td or tensordict 0.15.3 the way
 the loader would, without mapping a leaf or unpickling a value, and returns the tree
 (keys, classes, shapes, dtypes, sizes on disk, non-tensor values shown as short text)
-with every problem found: a meta.json that does not parse, a missing or short leaf
-file, a symlink (never followed: it could lead out of the directory), a file that no
-meta.json names. ``shared-td inspect`` prints the tree, ``shared-td verify`` the problems.
+with every problem found: a meta.json that the loader would refuse (read and checked
+by the loader's own ``read_node_meta``), a batch size that does not fit a child, a
+missing, short or special (FIFO, socket, device) leaf file, a symlink (never followed:
+it could lead out of the directory), a file that no meta.json names. ``shared-td inspect`` prints the tree, ``shared-td verify`` the problems.
 The tree's types are in saved_tree.py.
 
 Examples:
@@ -17,12 +18,15 @@ Examples:
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import stat
+
+from shared_td.errors import FormatError
 from shared_td.keys import decode_key
 from shared_td.persist import format as fmt
+from shared_td.persist.format import NodeMeta
+from shared_td.persist.loader import read_node_meta
 from shared_td.persist.saved_tree import NODE, TENSOR, VALUE, VALUE_WIDTH, Entry, Problem, Survey
 
 __all__ = ["NODE", "TENSOR", "VALUE", "Entry", "Problem", "Survey", "survey"]
@@ -44,7 +48,7 @@ def survey(prefix: str) -> Survey:
         raise FileNotFoundError(f"No saved tensordict at {root}: {fmt.META} is missing.")
     why = fmt.not_a_save(root)  # the words atomic=True uses to refuse replacing it
     if why is not None:
-        raise fmt.FormatError(f"{root} is not a saved tensordict: {why}.")
+        raise fmt.FormatError(root, f"not a saved tensordict: {why}.")
     walker = _Walker(root)
     tree = walker.node("", "")
     walker.check_directories()
@@ -76,52 +80,53 @@ class _Walker:
             del self.expected[directory]
             entry.class_name = "?"
             return entry
-        type_str = meta.get("_type")
-        if type_str == fmt.TENSORDICT_TYPE:
+        if meta.type == fmt.TENSORDICT_TYPE:
             self.tensordict(entry, meta)
-        elif type_str == fmt.LAZY_STACK_TYPE:
+        elif meta.type == fmt.LAZY_STACK_TYPE:
             self.lazy_stack(entry)
-        elif type_str == fmt.NON_TENSOR_DATA_TYPE:
-            self.non_tensor_data(entry, meta)
-        elif type_str == fmt.NON_TENSOR_STACK_TYPE:
-            self.non_tensor_stack(entry, meta)
+        elif meta.type == fmt.NON_TENSOR_DATA_TYPE:
+            self.non_tensor_data(entry, meta.document)
+        elif meta.type == fmt.NON_TENSOR_STACK_TYPE:
+            self.non_tensor_stack(entry, meta.document)
         else:
-            self.tensorclass(entry, meta, type_str)
+            self.tensorclass(entry, meta.document, meta.type)
         return entry
 
-    def read_meta(self, directory: str) -> dict | None:
+    def read_meta(self, directory: str) -> NodeMeta | None:
+        """The node's checked meta.json, read by the loader's own code; None (and the
+        error the loader would raise, as a problem) when it would refuse it."""
         path = os.path.join(directory, fmt.META)
         try:
-            fd = os.open(self.absolute(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            return read_node_meta(self.absolute(directory))
         except FileNotFoundError:
             self.problem("error", path, f"{fmt.META} is missing: this directory is no saved node")
-            return None
-        except OSError as error:  # ELOOP: a symlink
-            kind = "a symlink (not followed)" if os.path.islink(self.absolute(path)) else error.strerror
-            self.problem("error", path, f"cannot read {fmt.META}: {kind}")
-            return None
-        with os.fdopen(fd, "rb") as file:
-            data = file.read()
-        try:
-            meta = json.loads(data.decode("utf-8"))
-        except (ValueError, UnicodeDecodeError) as error:
-            self.problem("error", path, f"not valid JSON: {error}")
-            return None
-        if not isinstance(meta, dict):
-            self.problem("error", path, f"holds a JSON {type(meta).__name__}, not an object")
-            return None
-        return meta
+        except FormatError as error:
+            self.problem("error", path, error.detail)
+        except RuntimeError as error:  # the loader refuses symlinks
+            symlink = os.path.islink(self.absolute(path))
+            self.problem("error", path, f"cannot read {fmt.META}: a symlink (not followed)" if symlink
+                         else str(error))
+        except OSError as error:
+            self.problem("error", path, f"cannot read {fmt.META}: {error.strerror}")
+        return None
 
-    def tensordict(self, entry: Entry, meta: dict) -> None:
+    def tensordict(self, entry: Entry, meta: NodeMeta) -> None:
         entry.class_name = "TensorDict"
-        entry.batch_size = meta.get("shape")
-        for key, item in fmt.node_entries(meta).items():
-            if "type" in item:
-                name = self.find(entry.path, key, leaf=False)
-                if name is not None:
-                    entry.children.append(self.node(key, os.path.join(entry.path, name)))
-            elif "dtype" in item and "shape" in item:
-                entry.children.append(self.leaf(entry.path, key, item))
+        entry.batch_size = list(meta.batch_size)
+        for item in meta.entries:
+            if isinstance(item, fmt.LeafMeta):
+                entry.children.append(self.leaf(entry.path, item))
+                continue
+            name = self.find(entry.path, item.key, leaf=False)
+            if name is None:
+                continue
+            child = self.node(item.key, os.path.join(entry.path, name))
+            entry.children.append(child)
+            if child.kind == NODE and child.batch_size is not None:
+                try:
+                    fmt.check_batch_fits(meta.path, item.key, meta.batch_size, child.batch_size)
+                except FormatError as error:
+                    self.problem("error", os.path.join(entry.path, fmt.META), error.detail)
 
     def lazy_stack(self, entry: Entry) -> None:
         entry.class_name = "LazyStackedTensorDict"
@@ -156,8 +161,8 @@ class _Walker:
         entry.class_name = _class_name(type_str)
         child = os.path.join(entry.path, fmt.TENSORCLASS_CHILD)
         if not os.path.isdir(self.absolute(child)) or os.path.islink(self.absolute(child)):
-            what = "a tensorclass without its _tensordict/ directory" if type_str else "no _type"
-            self.problem("error", os.path.join(entry.path, fmt.META), f"{what}: cannot be loaded")
+            self.problem("error", os.path.join(entry.path, fmt.META),
+                         "a tensorclass without its _tensordict/ directory: cannot be loaded")
             return
         self.expected[entry.path].add(fmt.TENSORCLASS_CHILD)
         inner = self.node(fmt.TENSORCLASS_CHILD, child)
@@ -172,23 +177,14 @@ class _Walker:
                                         "field", value=value))
 
     # -------------------------------------------------------------------- files
-    def leaf(self, directory: str, key: str, item: dict) -> Entry:
+    def leaf(self, directory: str, leaf: fmt.LeafMeta) -> Entry:
+        key = leaf.key
         entry = Entry(key, TENSOR, os.path.join(directory, fmt.file_names(key, leaf=True)[0]))
-        entry.dtype, entry.shape = item["dtype"], item["shape"]
-        where = os.path.join(directory, fmt.META)
-        try:
-            itemsize = fmt.dtype_from_name(entry.dtype, where=where).itemsize
-        except (fmt.FormatError, TypeError):
-            self.problem("error", where, f"key {key!r}: unknown dtype {entry.dtype!r}")
-            itemsize = None
-        if not isinstance(entry.shape, list) or not all(type(n) is int and n >= 0 for n in entry.shape):
-            self.problem("error", where, f"key {key!r}: shape {entry.shape!r} is not a list of sizes")
-            self.expected[directory].update(fmt.file_names(key, leaf=True))
-            return entry
-        numel = math.prod(entry.shape)
-        nested = bool(item.get("is_nested"))
-        if itemsize is not None and not nested:
-            entry.nbytes = numel * itemsize
+        entry.dtype, entry.shape = fmt.dtype_name(leaf.dtype), list(leaf.shape)
+        numel = math.prod(leaf.shape)
+        nested = leaf.is_nested
+        if not nested:
+            entry.nbytes = leaf.nbytes
         if numel == 0 and not nested:  # zero-element leaves have no file
             name = self.find(directory, key, leaf=True, required=False)
             entry.size_on_disk = 0
@@ -202,7 +198,7 @@ class _Walker:
             sizes = entry.path[: -len(fmt.LEAF_SUFFIX)] + ".shape" + fmt.LEAF_SUFFIX
             self.expected[directory].add(os.path.basename(sizes))
             entry.class_name = "nested"
-            self.problem("warning", entry.path, f"key {key!r} is a nested tensor: tensordict "
+            self.problem("error", entry.path, f"key {key!r} is a nested tensor: tensordict "
                          "0.15.3 loads it, shared_td cannot yet")
             self.check_size(sizes, self.regular_file_size(sizes), numel * 8, entry)
         elif entry.nbytes is not None:
@@ -224,8 +220,8 @@ class _Walker:
         if stat.S_ISLNK(info.st_mode):
             self.problem("error", path, f"a symlink (to {os.readlink(self.absolute(path))}), not followed")
             return None
-        if not stat.S_ISREG(info.st_mode):
-            self.problem("error", path, "not a regular file")
+        if not stat.S_ISREG(info.st_mode):  # never opened: a FIFO would block
+            self.problem("error", path, f"{fmt.file_kind(info.st_mode)}, not a regular file")
             return None
         return info.st_size
 

@@ -8,6 +8,8 @@ import pytest
 
 from cli_helpers import run_cli, run_json, run_main, save_by, save_lazy_stack, save_ours
 
+import shared_td
+
 
 def _by_key(tree: dict) -> dict:
     return {child["key"]: child for child in tree["children"]}
@@ -121,7 +123,7 @@ def test_tensorclass_fields_are_shown_without_importing_its_class(tmp_path, writ
     assert code == 0 and out.startswith("ok: ")
 
 
-def test_a_nested_tensor_of_tensordict_is_shown_and_flagged(tmp_path):
+def test_a_nested_tensor_of_tensordict_is_shown_and_an_error(tmp_path):
     tensordict = pytest.importorskip("tensordict")
     import torch
 
@@ -131,7 +133,9 @@ def test_a_nested_tensor_of_tensordict_is_shown_and_flagged(tmp_path):
     tensordict.TensorDict(nt=nested).memmap_(prefix)
     code, out, _ = run_main("inspect", prefix)
     assert code == 0 and "nested" in out and "(2 tensors)" in out
-    code, document = run_json("verify", prefix)
-    assert code == 0
-    assert [p["severity"] for p in document["problems"]] == ["warning"]
+    code, document = run_json("verify", prefix)  # an error: load_memmap refuses it
+    assert code == 1
+    assert [p["severity"] for p in document["problems"]] == ["error"]
     assert "nested tensor" in document["problems"][0]["message"]
+    with pytest.raises(NotImplementedError, match="nested"):
+        shared_td.TensorDict.load_memmap(prefix)

@@ -74,7 +74,7 @@ def test_a_root_meta_json_that_is_no_save_is_a_one_line_error(tmp_path):
         for command in ("verify", "inspect"):
             code, out, err = run_main(command, prefix)
             assert (code, out) == (1, "")
-            assert err == f"shared-td {command}: error: {prefix} is not a saved tensordict: {why}.\n"
+            assert err == f"shared-td {command}: error: {prefix}: not a saved tensordict: {why}.\n"
 
 
 def test_missing_leaf_file(tmp_path):

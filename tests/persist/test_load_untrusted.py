@@ -1,0 +1,343 @@
+"""load_memmap of directories that are damaged, hostile or read-only: special files never
+block, a read-only save loads copy-on-write, every bad meta.json field is a FormatError
+naming the file and the field, and `shared-td verify` reports what the load refuses."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import multiprocessing
+import os
+import queue
+import shutil
+import socket
+import stat
+import subprocess
+import tempfile
+
+import pytest
+import torch
+
+from persist_helpers import NonTensorData, TensorDict, bits, dir_state, make_td
+
+from shared_td import FormatError
+from shared_td.cli import main
+
+BOUND = 20  # seconds: a load that takes longer is hung (the test fails, it does not wait on)
+
+
+def _outcome(results, function, args):
+    try:
+        result = function(*args)
+    except BaseException as error:  # noqa: BLE001 - reported to the parent
+        results.put(("raised", type(error).__name__, isinstance(error, RuntimeError), str(error)))
+    else:
+        results.put(("returned", result))
+
+
+def in_child(function, *args):
+    """Run ``function(*args)`` in a forked child, bounded: its result, or
+    ``("raised", class name, is a RuntimeError, message)``. A hang fails the test."""
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    child = context.Process(target=_outcome, args=(results, function, args), daemon=True)
+    child.start()
+    try:
+        return results.get(timeout=BOUND)
+    except queue.Empty:
+        pytest.fail(f"{function.__name__}{args} did not return within {BOUND} s (it blocked)")
+    finally:
+        child.kill()
+        child.join(BOUND)
+
+
+def load_keys(path):
+    return sorted(TensorDict.load_memmap(path, allow_pickle=True).keys(True, True))
+
+
+def verify_json(path):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        code = main(["verify", "--json", str(path)])
+    return code, json.loads(out.getvalue())
+
+
+def run_cli(command, path):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([command, str(path)])
+    return code, out.getvalue(), err.getvalue()
+
+
+def inspect_code(path):
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        return main(["inspect", str(path)])
+
+
+@pytest.fixture
+def saved(tmp_path):
+    td = make_td()
+    td.save(tmp_path / "s")
+    return td, tmp_path / "s"
+
+
+# ----------------------------------------------------------------- item 8: special files
+def _fifo(path):
+    os.mkfifo(path)
+
+
+def _socket(path):
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(path))
+    return server  # kept open by the caller for the test's duration
+
+
+def _zero_device(path):
+    try:  # /dev/zero: a read never ends
+        os.mknod(path, stat.S_IFCHR | 0o600, os.makedev(1, 5))
+    except PermissionError:
+        pytest.skip("creating a device node needs CAP_MKNOD, which this process lacks")
+
+
+SPECIAL = {"FIFO": _fifo, "socket": _socket, "character device": _zero_device}
+
+
+def listing(root) -> dict:
+    """relative path -> (mode, size, mtime) of everything under ``root``, from lstat
+    only (dir_state would read a FIFO and block)."""
+    state = {}
+    for directory, dirnames, names in os.walk(root):
+        for name in dirnames + names:
+            info = os.lstat(os.path.join(directory, name))
+            state[os.path.relpath(os.path.join(directory, name), root)] = (
+                info.st_mode, info.st_size, info.st_mtime_ns)
+    return state
+
+
+@pytest.mark.parametrize("kind", SPECIAL)
+@pytest.mark.parametrize("target", ["meta.json", "nested/meta.json", "float32.memmap",
+                                    "nested/x.memmap", "obj/other.pickle"])
+def test_special_files_are_refused_at_once(tmp_path, kind, target):
+    td = make_td()
+    td["obj"] = NonTensorData(3 + 4j, batch_size=[3])  # complex: pickled
+    path = tmp_path / "s"
+    td.save(path)
+    os.unlink(path / target)
+    keep = SPECIAL[kind](path / target)
+    disk = listing(path)
+    outcome = in_child(load_keys, path)
+    assert outcome[:3] == ("raised", "FormatError", True), outcome
+    assert str(path / target) in outcome[3] and ("a " + kind) in outcome[3]
+    if target == "meta.json":
+        # the root is then no save at all: verify and inspect refuse it in one line,
+        # with the words atomic=True uses (format.not_a_save)
+        for command in ("verify", "inspect"):
+            code, out, err = in_child(run_cli, command, path)[1]
+            assert (code, out) == (1, "") and str(path) in err and ("a " + kind) in err, err
+    else:
+        code, document = in_child(verify_json, path)[1]
+        assert code == 1 and not document["ok"]
+        assert [(p["severity"], ("a " + kind) in p["message"]) for p in document["problems"]
+                if p["path"] == target] == [("error", True)], document
+        assert in_child(inspect_code, path) == ("returned", 0)
+    assert listing(path) == disk
+    del keep
+
+
+def test_meta_json_that_is_a_directory(saved):
+    td, path = saved
+    os.unlink(path / "nested" / "meta.json")
+    os.mkdir(path / "nested" / "meta.json")
+    with pytest.raises(FormatError, match="a directory, not a regular file") as info:
+        TensorDict.load_memmap(path)
+    assert str(path / "nested" / "meta.json") in str(info.value)
+    code, document = verify_json(path)
+    assert code == 1 and [p["path"] for p in document["problems"]] == ["nested/meta.json"]
+
+
+# ----------------------------------------------------------------- item 9: read-only saves
+def _load_as_nobody(path, expected_bits):
+    os.setgid(65534)
+    os.setuid(65534)
+    loaded = TensorDict.load_memmap(path)
+    same = bits(loaded["float32"]) == expected_bits
+    leaf = loaded["float32"]
+    leaf.fill_(7.0)  # copy-on-write: stays in this process
+    with open(leaf.filename, "rb") as handle:
+        on_disk = handle.read(len(expected_bits))
+    return same, leaf._backing.shared, on_disk == expected_bits, float(leaf[0, 0])
+
+
+@pytest.fixture
+def world_readable(tmp_path):
+    """A directory that user nobody can reach (pytest's tmp_path is root-only)."""
+    top = tempfile.mkdtemp(prefix="shared_td_ro_")
+    os.chmod(top, 0o755)
+    yield top
+    shutil.rmtree(top)
+
+
+def test_read_only_files_load_copy_on_write(world_readable):
+    if os.getuid() != 0:
+        pytest.skip("needs root, to drop to user nobody in a child (root ignores file modes)")
+    td = make_td()
+    path = os.path.join(world_readable, "s")
+    td.save(path)
+    for directory, _, names in os.walk(path):
+        os.chmod(directory, 0o555)
+        for name in names:
+            os.chmod(os.path.join(directory, name), 0o444)
+    try:
+        outcome = in_child(_load_as_nobody, path, bits(td["float32"]))
+    finally:
+        for directory, _, _ in os.walk(path):
+            os.chmod(directory, 0o755)
+    assert outcome == ("returned", (True, False, True, 7.0)), outcome
+
+
+@pytest.fixture
+def read_only_mount(tmp_path):
+    """(source, mount point): a read-only bind mount of source (skipped if not allowed)."""
+    source, point = tmp_path / "src", tmp_path / "ro"
+    source.mkdir()
+    point.mkdir()
+    done = subprocess.run(["mount", "--bind", str(source), str(point)], capture_output=True)
+    if done.returncode:
+        pytest.skip(f"cannot bind-mount (needs root / CAP_SYS_ADMIN): {done.stderr.decode().strip()}")
+    try:
+        done = subprocess.run(["mount", "-o", "remount,ro,bind", str(point)], capture_output=True)
+        if done.returncode:
+            pytest.skip(f"cannot remount read-only: {done.stderr.decode().strip()}")
+        yield source, point
+    finally:
+        subprocess.run(["umount", "-l", str(point)], check=True, timeout=30)
+
+
+def test_a_save_on_a_read_only_file_system_loads(read_only_mount):
+    source, point = read_only_mount
+    td = make_td()
+    td.save(source / "s")
+    with pytest.raises(OSError):  # it is read-only indeed
+        open(point / "s" / "float32.memmap", "r+b")
+    loaded = TensorDict.load_memmap(point / "s")
+    for key in ("float32", "int64", "bfloat16"):
+        assert bits(loaded[key]) == bits(td[key])
+    leaf = loaded["float32"]
+    assert not leaf._backing.shared  # copy-on-write
+    leaf.fill_(5.0)
+    assert (source / "s" / "float32.memmap").read_bytes()[: leaf.nbytes] == bits(td["float32"])
+    code, document = verify_json(point / "s")
+    assert (code, document["problems"]) == (0, [])
+
+
+# ----------------------------------------------------------------- items 11, 12: meta.json fields
+def _rewrite(path, edit):
+    document = json.loads((path / "meta.json").read_text())
+    edit(document)
+    (path / "meta.json").write_text(json.dumps(document))
+
+
+@pytest.mark.parametrize("batch_size", [[5], [2, 7]])
+def test_a_batch_size_that_does_not_fit_is_refused(tmp_path, batch_size):
+    path = tmp_path / "s"
+    TensorDict({"a": torch.zeros(2, 3)}, [2]).save(path)
+    _rewrite(path, lambda d: d.update(shape=batch_size))
+    with pytest.raises(RuntimeError) as info:
+        TensorDict.load_memmap(path)
+    message = str(info.value)
+    assert isinstance(info.value, FormatError)
+    assert str(path / "meta.json") in message and str(batch_size) in message and "[2, 3]" in message
+    code, document = verify_json(path)
+    assert code == 1 and document["problems"][0]["path"] == "meta.json"
+    assert str(batch_size) in document["problems"][0]["message"]
+
+
+def test_a_child_whose_batch_size_does_not_fit_is_refused(saved):
+    td, path = saved
+    _rewrite(path / "nested" / "deeper", lambda d: d.update(shape=[]))  # its leaf fits []
+    with pytest.raises(FormatError, match=r"\[3\] does not fit key 'deeper' of shape \[\]") as info:
+        TensorDict.load_memmap(path)
+    assert info.value.path == str(path / "nested" / "meta.json")
+    code, document = verify_json(path)
+    errors = [p for p in document["problems"] if p["severity"] == "error"]
+    assert code == 1 and [p["path"] for p in errors] == ["nested/meta.json"]
+    assert errors[0]["message"] == info.value.detail
+
+
+BAD_FIELDS = {  # (where, edit, field named in the error)
+    "negative batch size": ("", lambda d: d.update(shape=[-2]), "shape"),
+    "string batch size": ("", lambda d: d.update(shape="3"), "shape"),
+    "bool in batch size": ("", lambda d: d.update(shape=[True]), "shape"),
+    "unknown device": ("", lambda d: d.update(device="gpu7"), "device"),
+    "device a list": ("", lambda d: d.update(device=["cpu"]), "device"),
+    "_type a number": ("", lambda d: d.update(_type=3), "_type"),
+    "_type missing": ("", lambda d: d.pop("_type"), "_type"),
+    "names too short": ("", lambda d: d.update(_names=[]), "_names"),
+    "overflowing shape": ("", lambda d: d["float32"].update(shape=[3, 2**62, 2**62]), "float32.shape"),
+    "huge dim": ("", lambda d: d["empty"].update(shape=[3, 0, 2**64]), "empty.shape"),
+    "null shape": ("", lambda d: d["float32"].update(shape=None), "float32.shape"),
+    "float dim": ("", lambda d: d["float32"].update(shape=[3, 2.0]), "float32.shape"),
+    "negative dim": ("", lambda d: d["float32"].update(shape=[3, -2]), "float32.shape"),
+    "list dtype": ("", lambda d: d["float32"].update(dtype=["torch.float32"]), "float32.dtype"),
+    "unknown dtype": ("", lambda d: d["float32"].update(dtype="torch.float33"), "float32.dtype"),
+    "leaf device": ("", lambda d: d["float32"].update(device="warp"), "float32.device"),
+    "is_nested a string": ("", lambda d: d["float32"].update(is_nested="no"), "float32.is_nested"),
+    "neither leaf nor node": ("", lambda d: d["float32"].pop("dtype"), "float32"),
+    "child type a list": ("", lambda d: d["nested"].update(type=[]), "nested.type"),
+    "stack_dim a string": ("stack", lambda d: d.update(stack_dim="0"), "stack_dim"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_FIELDS)
+def test_bad_meta_json_fields_name_the_file_and_the_field(saved, case):
+    td, path = saved
+    where, edit, field = BAD_FIELDS[case]
+    _rewrite(path / where, edit)
+    disk = dir_state(path)
+    with pytest.raises(FormatError) as info:
+        TensorDict.load_memmap(path)
+    meta = os.path.join(path, where, "meta.json") if where else str(path / "meta.json")
+    assert (info.value.path, info.value.field) == (meta, field)
+    assert str(info.value).startswith(f"{meta}: field {field!r}: ")
+    assert isinstance(info.value, RuntimeError) and isinstance(info.value, ValueError)
+    assert dir_state(path) == disk
+    if field == "_type" and not where:
+        # a root without a known _type is no save at all: verify refuses it in one line,
+        # with the words atomic=True uses (format.not_a_save)
+        code, out, err = run_cli("verify", path)
+        assert (code, out) == (1, "") and "not a saved tensordict" in err and "_type" in err
+        return
+    code, document = verify_json(path)  # the same error, one line, no traceback
+    errors = [p for p in document["problems"] if p["severity"] == "error"]
+    assert code == 1 and len(errors) == 1
+    assert errors[0]["path"] == os.path.join(where, "meta.json")
+    assert errors[0]["message"] == info.value.detail
+
+
+@pytest.mark.parametrize("text", ["", "{", '"a string"', "[1]", "\xff", "[" * 100_000])
+def test_meta_json_that_is_no_json_object(saved, text):
+    td, path = saved
+    (path / "meta.json").write_bytes(text.encode("latin-1"))
+    with pytest.raises(FormatError, match="meta.json") as info:
+        TensorDict.load_memmap(path)
+    # the root is then no save at all: verify refuses it in one line (as atomic=True does)
+    code, out, err = run_cli("verify", path)
+    assert (code, out) == (1, "") and "meta.json" in err and "not a saved tensordict" in err
+
+
+def test_format_error_pickles(saved):
+    import pickle
+
+    error = FormatError("/x/meta.json", "bad", field="shape")
+    copy = pickle.loads(pickle.dumps(error))
+    assert (copy.path, copy.reason, copy.field, str(copy)) == (error.path, "bad", "shape", str(error))
+
+
+# ----------------------------------------------------------------- make_memmap shapes
+@pytest.mark.parametrize("key", ["z", ("new", "z")])
+def test_make_memmap_negative_shape_is_a_value_error_leaving_nothing(tmp_path, key):
+    td = TensorDict({"a": torch.zeros(2)}, [2]).memmap_(tmp_path / "p")
+    disk = dir_state(tmp_path)
+    with pytest.raises(ValueError, match="-3"):
+        td.make_memmap(key, (2, -3))
+    assert dir_state(tmp_path) == disk and set(td.keys()) == {"a"}
