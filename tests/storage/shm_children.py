@@ -139,3 +139,33 @@ def count(counter, threads: int, calls: int, tally) -> None:
         worker.start()
     for worker in workers:
         worker.join(120)
+
+
+# the two values a version-table writer alternates: every byte differs between them
+TABLE_VALUES = (0x0123456789ABCDEF, 0xFEDCBA9876543210)
+
+
+def store_table_forever(table, slot: int) -> None:
+    """Store TABLE_VALUES alternately into ``slot`` of a VersionTable until killed."""
+    first, second = TABLE_VALUES
+    while True:
+        table.store(slot, first)
+        table.store(slot, second)
+
+
+def read_table(reference, slot: int, stop, outbox) -> None:
+    """Map the table named by ``reference`` as is_stale does and load ``slot`` until
+    ``stop``; report ``(loads, values seen that are neither 0 nor TABLE_VALUES)``."""
+    from shared_td.coordinator.staleness import _map_table
+
+    pid, fd, key, nbytes = reference
+    table = _map_table(pid, fd, key, nbytes)
+    loads, bad = 0, set()
+    allowed = {0, *TABLE_VALUES}
+    while not stop.is_set() or loads == 0:
+        for _ in range(1000):
+            value = table.words[slot]
+            if value not in allowed:
+                bad.add(value)
+        loads += 1000
+    outbox.put((loads, sorted(bad)[:5]))

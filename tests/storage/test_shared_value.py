@@ -72,3 +72,25 @@ def test_a_fork_child_does_not_share_the_locks_its_parent_holds():
     assert queue.get(timeout=WAIT) == "from the child"
     child.join(WAIT)
     assert child.exitcode == 0 and cell.get() == "from the child"
+
+
+def test_memory_stays_bounded_across_writes():
+    """Each write goes where no reader looks (beside the live value), but the memfd
+    never grows past the live value plus room for the new one: below 64 bytes plus
+    three times the largest value, two for values of one size."""
+    import os
+    import random
+
+    cell = SharedValue.create(b"")
+    size = 1 << 20
+    for i in range(20):
+        cell.set(bytes([i]) * size)
+        assert cell.get() == bytes([i]) * size
+    pickled = len(pickle.dumps(bytes(size)))
+    assert os.fstat(cell.fd).st_size <= 64 + 2 * pickled + 128  # + the first, tiny value
+    rng = random.Random(0)
+    for i in range(200):
+        value = bytes([i % 256]) * rng.randint(0, 2 * size)
+        cell.set(value)
+        assert cell.get() == value
+    assert os.fstat(cell.fd).st_size <= 64 + 3 * (len(pickle.dumps(bytes(2 * size))) + 8)

@@ -1,7 +1,7 @@
 """Shared-memory structures against real processes, real threads and real SIGKILLs:
 a shared non-tensor value whose writer dies mid-write (item 1 of "Trust"), threads of
-two processes reading and writing one cell (item 6: no EDEADLK), and a SharedCounter
-whose process dies mid-run.
+two processes reading and writing one cell (item 6: no EDEADLK), a SharedCounter
+whose process dies mid-run, and the coordinator's version table under a killed writer.
 
 Bounded by default (a few seconds each); SHARED_TD_STRESS=1 runs the long variants
 (marked `stress`).
@@ -20,6 +20,7 @@ import shm_children as kids
 from processes import WAIT, finish
 
 from shared_td import NonTensorData, SharedCounter, TensorDict
+from shared_td.coordinator import server
 
 FORK = multiprocessing.get_context("fork")
 STRESS = os.environ.get("SHARED_TD_STRESS") == "1"
@@ -138,3 +139,26 @@ def test_a_counter_survives_a_worker_killed_mid_fetch_add():
 def test_a_counter_survives_a_worker_killed_stress():
     for _ in range(20):
         run_counter_with_a_kill(calls=20000)
+
+
+# ------------------------------------------------- the coordinator's version table
+def test_version_table_entries_are_never_torn_even_by_a_killed_writer():
+    """Guards the single-word design (it passed before this branch too): a reader in
+    another process, mapping the table as is_stale does, never loads a mix of two
+    versions, and a writer killed mid-store leaves one of them."""
+    table = server.VersionTable(4)
+    stop, outbox = FORK.Event(), FORK.Queue()
+    reader = FORK.Process(target=kids.read_table, args=(table.reference(), 2, stop, outbox))
+    reader.start()
+    try:
+        for _ in range(3):
+            writer = FORK.Process(target=kids.store_table_forever, args=(table, 2))
+            writer.start()
+            time.sleep(random.uniform(0.05, 0.3))
+            kill(writer)
+            assert table.words[2] in kids.TABLE_VALUES
+    finally:
+        stop.set()
+    loads, bad = outbox.get(timeout=WAIT)
+    assert finish(reader) == 0
+    assert bad == [] and loads > 0
