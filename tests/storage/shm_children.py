@@ -79,10 +79,13 @@ def fresh_reader(inbox, outbox) -> None:
         gc.collect()  # the cell dies here: the next message attaches it again
 
 
+PAD = b"p" * 65536  # makes each read and write hold its lock a little longer
+
+
 def contend(td, me: int, seconds: float, outbox) -> None:
-    """One writer thread sets the shared value ``td["v"]`` to ``(me, 0)``, ``(me, 1)``,
-    ...; one reader thread reads it and checks that no writer's count goes back.
-    Reports ``(me, writes, reads, errors)``."""
+    """One writer thread sets the shared value ``td["v"]`` to ``(me, 0, PAD)``,
+    ``(me, 1, PAD)``, ...; reader threads read it and check that no writer's count goes
+    back. Reports ``(me, writes, reads, errors)``."""
     errors: list[str] = []
     counts = {"writes": 0, "reads": 0}
     stop = threading.Event()
@@ -91,7 +94,7 @@ def contend(td, me: int, seconds: float, outbox) -> None:
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             try:
-                td.set_("v", (me, counts["writes"]))
+                td.set_("v", (me, counts["writes"], PAD))
             except Exception as err:  # every error is a lost write: report it
                 errors.append(f"write {counts['writes']}: {err!r}")
                 continue
@@ -99,10 +102,10 @@ def contend(td, me: int, seconds: float, outbox) -> None:
         stop.set()
 
     def read() -> None:
-        last = {}
+        last = {}  # per reader thread
         while not stop.is_set():
             try:
-                writer, n = td["v"]
+                writer, n, _ = td["v"]
             except Exception as err:
                 errors.append(f"read: {err!r}")
                 continue
@@ -111,7 +114,8 @@ def contend(td, me: int, seconds: float, outbox) -> None:
                 errors.append(f"writer {writer} went back from {last[writer]} to {n}")
             last[writer] = n
 
-    threads = [threading.Thread(target=write), threading.Thread(target=read)]
+    # two readers: more chances for the interleaving that made the kernel answer EDEADLK
+    threads = [threading.Thread(target=write), threading.Thread(target=read), threading.Thread(target=read)]
     for thread in threads:
         thread.start()
     for thread in threads:

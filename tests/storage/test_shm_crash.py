@@ -83,7 +83,7 @@ def test_a_writer_killed_mid_write_stress():
 
 # ------------------------------------------------------------ item 6: threads x processes
 def run_contention(seconds: float) -> None:
-    td = TensorDict(v=NonTensorData(("start", 0))).memmap_(share_non_tensor=True)
+    td = TensorDict(v=NonTensorData(("start", 0, b""))).memmap_(share_non_tensor=True)
     outbox = FORK.Queue()
     workers = [FORK.Process(target=kids.contend, args=(td, me, seconds, outbox)) for me in (0, 1)]
     for worker in workers:
@@ -95,7 +95,7 @@ def run_contention(seconds: float) -> None:
         assert errors == [], f"process {me}: {len(errors)} errors, first: {errors[:3]}"
         assert writes > 0 and reads > 0
     # the value is the last write of one of the writers
-    assert td["v"] in [(me, writes - 1) for me, writes, _, _ in reports]
+    assert td["v"] in [(me, writes - 1, kids.PAD) for me, writes, _, _ in reports]
 
 
 def test_threads_of_two_processes_never_get_edeadlk_nor_lose_a_write():
