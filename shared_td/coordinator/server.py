@@ -375,8 +375,13 @@ def _raise_descriptor_limit() -> None:
 class VersionTable:
     """A memfd of ``slots`` u64 words that the manager writes and attached processes map.
 
-    Each word is written with one aligned 8-byte store (ctypes), so a reader never sees
-    half of a version. The bytes are reserved at creation (no SIGBUS on a full memory).
+    Only the manager writes it (under the registry's lock), each entry with one aligned
+    8-byte store through the mapping (a ctypes u64 at an 8-byte-aligned address, which
+    CPython stores with one 8-byte move; x86-64 and arm64 make it single-copy atomic), and
+    readers load an entry with one aligned 8-byte load. So a reader never sees half of a
+    version, and a manager killed at any instant leaves each entry old or new, never torn:
+    there is no multi-word state to commit. The bytes are reserved at creation (no SIGBUS
+    on a full memory).
 
     Example:
         >>> table = VersionTable(4)

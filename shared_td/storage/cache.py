@@ -19,12 +19,16 @@ class InodeCache:
     Args:
         thread_locks: names of ``threading.Lock`` attributes of the stored objects that a
             fork child gets fresh too, as it gets a fresh lock of the map itself.
+        after_fork: name of a method (no arguments) of the stored objects that a fork
+            child calls on each, before any code of the child runs (e.g. to reopen its
+            own open file description, see :mod:`shared_td.platform`).
     """
 
-    def __init__(self, thread_locks: tuple[str, ...] = ()) -> None:
+    def __init__(self, thread_locks: tuple[str, ...] = (), after_fork: str | None = None) -> None:
         self._items: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._lock = threading.Lock()
         self._thread_locks = thread_locks
+        self._after_fork = after_fork
         # a fork taken while another thread held a lock must not leave the child waiting
         # for a thread that does not exist there
         os.register_at_fork(after_in_child=self._renew_locks)
@@ -34,6 +38,8 @@ class InodeCache:
         for item in list(self._items.values()):
             for name in self._thread_locks:
                 setattr(item, name, threading.Lock())
+            if self._after_fork is not None:
+                getattr(item, self._after_fork)()
 
     def get(self, key: tuple) -> Any:
         with self._lock:

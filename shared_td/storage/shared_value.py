@@ -1,53 +1,73 @@
 """SharedValue: one Python value that the processes of a node read and write.
 
-This is the mechanism behind ``memmap_(share_non_tensor=True)``. The value lives in an
-anonymous memfd as ``[version: u64][length: u64][pickled value]``, so it has no size
-limit (unlike tensordict's 100-byte strings) and keeps its type (bool stays bool).
+This is the mechanism behind ``memmap_(share_non_tensor=True)``. The value lives pickled
+in an anonymous memfd, so it has no size limit (unlike tensordict's 100-byte strings)
+and keeps its type (bool stays bool).
 
-Reads: each process maps the 16-byte header once and keeps the last value it unpickled
-with its version. Reading an unchanged value compares the shared version word with the
-cached one -- one aligned 8-byte load, no lock, no system call (~0.2 us). Only a changed
-version takes the shared ``lockf`` lock and re-reads the payload (``pread`` + unpickle).
-That is safe without a seqlock retry because the fast path never reads the payload: a
-reader that still sees the old version returns the old value it had already read whole,
-which is the value before the concurrent write (the write becomes visible when the
-writer stores the new version, last, while holding the exclusive lock).
+The cell, and why a writer killed at any instant cannot tear it::
 
-Writes take an exclusive ``lockf`` lock (processes) plus a thread lock, write the payload
-and the length with ``pwrite``, then store the new version through the mapping.
+    word 0        version: the published word; its low bit names the live slot
+    words 1, 2    slot 0: offset, length of a pickled value
+    words 3, 4    slot 1: offset, length
+    byte 64 ...   payload area: the live value, and room for the next one
+
+* Commit protocol. A write never touches the bytes a reader may read: it pickles the new
+  value into a region of the payload area disjoint from the live one (before it if it
+  fits there, else after it), fills the *other* slot's offset and length, and publishes
+  with one aligned 8-byte store of ``version + 1`` (see :mod:`shared_td.platform`). A
+  writer killed before that store leaves an unpublished slot and region that the next
+  writer overwrites; killed after it, it has published a whole value.
+* Readers. Each process maps the 64-byte header once and keeps the last value it
+  unpickled with its version. Reading an unchanged value compares the shared version
+  word with the cached one: one aligned 8-byte load, no lock, no system call. A changed
+  version takes the shared ``_VALUE`` lock, reads the version, the live slot and its
+  payload (``pread``), releases the lock, then unpickles.
+* Why readers need no retry: the store that publishes is made while holding the
+  exclusive ``_VALUE`` lock, so it waits until no reader is inside the live region, and
+  every reader that starts afterwards reads the new slot. The next write reuses only
+  what lies outside the new live region: no reader is there any more. Writers exclude
+  one another with the ``_WRITE`` lock (the payload is copied under it, not under
+  ``_VALUE``: readers are never held up by a long write), and whole read-modify-write
+  updates with ``_UPDATE`` (see :meth:`SharedValue.updating`). Lock order: ``_UPDATE``,
+  ``_WRITE``, ``_VALUE``; every lock is a :class:`~shared_td.platform.ByteLock` (thread
+  lock, then open-file-description lock), so threads of two processes never get a
+  false ``EDEADLK``, and a killed holder's locks vanish with it.
+* Memory. Space is reserved with ``posix_fallocate`` before the payload is written: a
+  full memory is a :class:`~shared_td.storage.files.StorageFullError` with the old
+  value intact. The memfd never shrinks (another process's ``pread`` must never run
+  past its end); it grows to at most ``64 + 2 * new + live`` bytes, so below three times
+  the largest value (typically two: values of one size alternate between two regions).
+  A write copies the value once (``pwrite`` of its pickle), as a plain write would.
 
 Holders: the memfd travels to other processes like an anonymous segment, by reopening
 ``/proc/<pid>/fd/<fd>`` of a process that holds it. A pickled cell names the pickling
 process first, then its *fallback holders*: the coordinators that adopted the cell (see
 :mod:`shared_td.coordinator.ownership`), so a cell stays attachable after the process
-that created it exited, for as long as such a coordinator lives.
+that created it exited, for as long as such a coordinator lives. A fork child inherits
+the descriptor and reopens its own open file description (the cache's at-fork hook), so
+its locks exclude its parent's.
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import fcntl
 import mmap
 import os
 import pickle
-import struct
 import threading
 import weakref
 from typing import Any, Iterator
 
+from shared_td.platform import ByteLock, reopen_description
 from shared_td.storage.anonymous import SegmentUnavailableError, new_memfd, reopen_peer_fd
 from shared_td.storage.cache import InodeCache
 from shared_td.storage.files import allocate, pwrite_all
 
-_HEADER = struct.Struct("<QQ")  # version, payload length
-_LENGTH = struct.Struct("<Q")
-# The bytes that lockf locks (a lock needs no data there): _VALUE guards one read or
-# write of the value, _UPDATE a whole update (see ``updating``).
-_VALUE, _UPDATE = 0, 1
-
-
-def _lockf(fd: int, operation: int, byte: int) -> None:
-    fcntl.lockf(fd, operation, 1, byte)
+_HEADER_WORDS = 5  # version, then (offset, length) of slots 0 and 1
+_PAYLOAD = 64  # where the payload area starts; the header is reserved at creation
+# The bytes that the ByteLocks lock (a lock needs no data there); see the module doc.
+_VALUE, _WRITE, _UPDATE = 0, 1, 2
+_WHAT = "a shared non-tensor value"
 
 
 # mmap through libc: Python's mmap.mmap would keep a second descriptor per cell.
@@ -73,6 +93,18 @@ def unmap_bytes(address: int, nbytes: int) -> None:
     _LIBC.munmap(address, nbytes)
 
 
+def _pread_all(fd: int, length: int, offset: int) -> bytes:
+    # one pread moves at most ~2 GiB on Linux
+    parts, done = [], 0
+    while done < length:
+        part = os.pread(fd, length - done, offset + done)
+        if not part:
+            raise OSError(f"{_WHAT} ends {length - done} bytes early (offset {offset + done})")
+        parts.append(part)
+        done += len(part)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
 class SharedValue:
     """A picklable handle on a value shared between processes.
 
@@ -92,18 +124,23 @@ class SharedValue:
         #: (coordinators), tried in order when the pickling process is gone.
         self.holders: tuple[tuple[int, int], ...] = tuple(holders)
         self._finalizer = weakref.finalize(self, os.close, fd)
-        # Mapped once: the version word read by every get(). The header's page was
-        # reserved at creation, so touching it can never raise SIGBUS.
+        # Mapped once: the header read by every get(). Its bytes were reserved at
+        # creation, so touching them can never raise SIGBUS.
         try:
-            address = map_shared_bytes(fd, _HEADER.size)
+            address = map_shared_bytes(fd, _PAYLOAD)
         except BaseException:
             self._finalizer()
             raise
-        unmap = weakref.finalize(self, unmap_bytes, address, _HEADER.size)
+        unmap = weakref.finalize(self, unmap_bytes, address, _PAYLOAD)
         unmap.atexit = False  # exit unmaps anyway; a late get() must not find it gone
         self._version_word = ctypes.c_uint64.from_address(address)
-        self._thread_lock = threading.Lock()
-        self._update_lock = threading.Lock()
+        self._slots = (ctypes.c_uint64 * (_HEADER_WORDS - 1)).from_address(address + 8)
+        self._value_lock = ByteLock(fd, _VALUE)
+        self._write_lock = ByteLock(fd, _WRITE)
+        self._update_lock = ByteLock(fd, _UPDATE)
+        # bytes of the memfd known to be reserved (it never shrinks): set() skips the
+        # fallocate call below that
+        self._reserved = stat.st_size
         # (version, value) in one tuple: a thread on the fast path never pairs a new
         # version with an old value.
         self._cached: tuple[int, Any] = (-1, None)
@@ -115,7 +152,7 @@ class SharedValue:
         The header is reserved with ``posix_fallocate``: a full memory is a
         :class:`~shared_td.storage.files.StorageFullError` here, never a SIGBUS.
         """
-        fd = new_memfd(f"shared_td-value-{os.getpid()}", _HEADER.size, "a shared non-tensor value")
+        fd = new_memfd(f"shared_td-value-{os.getpid()}", _PAYLOAD, _WHAT)
         cell = cls(fd)
         cell.set(value)
         _CACHE.put(cell.key, cell)
@@ -128,19 +165,23 @@ class SharedValue:
         version, value = self._cached
         if self._version_word.value == version:
             return value  # unchanged: no lock, no system call
-        with self._thread_lock:
-            _lockf(self.fd, fcntl.LOCK_SH, _VALUE)
-            try:
-                version, length = _HEADER.unpack(os.pread(self.fd, _HEADER.size, 0))
-                if version != self._cached[0]:
-                    payload = os.pread(self.fd, length, _HEADER.size)
-                    self._cached = (version, pickle.loads(payload))
-                return self._cached[1]
-            finally:
-                _lockf(self.fd, fcntl.LOCK_UN, _VALUE)
+        self._value_lock.acquire(exclusive=False)
+        try:
+            version = self._version_word.value  # no store to it while we hold the lock
+            if version == self._cached[0]:
+                return self._cached[1]  # another thread of ours read it meanwhile
+            slot = 2 * (version & 1)
+            payload = _pread_all(self.fd, self._slots[slot + 1], self._slots[slot])
+        finally:
+            self._value_lock.release()
+        value = pickle.loads(payload)  # ours now: no lock needed
+        if version > self._cached[0]:
+            self._cached = (version, value)
+        return value
 
     def set(self, value: Any) -> None:
-        """Replace the value for every process."""
+        """Replace the value for every process (see the module doc: the old value stays
+        whole for readers until the new one is published by one 8-byte store)."""
         try:
             payload = pickle.dumps(value)
         except Exception as error:
@@ -148,18 +189,34 @@ class SharedValue:
                 f"A shared non-tensor value must be picklable; {type(value).__name__} is "
                 f"not ({error})."
             ) from error
-        with self._thread_lock:
-            _lockf(self.fd, fcntl.LOCK_EX, _VALUE)
+        length = len(payload)
+        self._write_lock.acquire()
+        try:
+            version = self._version_word.value  # only writers store it, and we are the one
+            live = 2 * (version & 1)
+            live_offset, live_length = self._slots[live], self._slots[live + 1]
+            # a region no reader looks at: before the live value if it fits, else after
+            if _PAYLOAD + length <= live_offset:
+                offset = _PAYLOAD
+            else:
+                offset = max(_PAYLOAD, -(-(live_offset + live_length) // 8) * 8)
+            if offset + length > self._reserved:
+                # reserve first: a full memory fails here, before anything is published
+                allocate(self.fd, 0, offset + length, _WHAT)
+                self._reserved = offset + length
+            pwrite_all(self.fd, payload, offset, where=_WHAT)
+            other = 2 - live
+            self._slots[other] = offset
+            self._slots[other + 1] = length
+            # publish: one aligned 8-byte store, made once no reader is inside the
+            # region that the next write may reuse
+            self._value_lock.acquire()
             try:
-                # reserve first: a full memory then fails with the old value intact
-                # (a pwrite cut short would have overwritten part of it)
-                allocate(self.fd, _HEADER.size, max(len(payload), 1), "a shared non-tensor value")
-                pwrite_all(self.fd, payload, _HEADER.size, where="a shared non-tensor value")
-                os.pwrite(self.fd, _LENGTH.pack(len(payload)), _LENGTH.size)
-                # last, one aligned 8-byte store: from here on readers see the new value
-                self._version_word.value += 1
+                self._version_word.value = version + 1
             finally:
-                _lockf(self.fd, fcntl.LOCK_UN, _VALUE)
+                self._value_lock.release()
+        finally:
+            self._write_lock.release()
 
     @contextlib.contextmanager
     def updating(self) -> Iterator[None]:
@@ -167,16 +224,23 @@ class SharedValue:
         read-modify-write (``set(f(get()))``) in the block loses no other update, and
         what the block does after ``set`` (rewriting files) happens in write order.
         """
-        with self._update_lock:
-            _lockf(self.fd, fcntl.LOCK_EX, _UPDATE)
-            try:
-                yield
-            finally:
-                _lockf(self.fd, fcntl.LOCK_UN, _UPDATE)
+        with self._update_lock.hold():
+            yield
 
     def add_holders(self, holders) -> None:
         """Record more processes that hold this cell (e.g. a coordinator that adopted it)."""
         self.holders = tuple(dict.fromkeys((*self.holders, *map(tuple, holders))))
+
+    def _after_fork(self) -> None:
+        # A fork child shares our open file description, hence our locks: give it its own
+        # (see shared_td.platform), and fresh thread locks.
+        try:
+            reopen_description(self.fd)
+            error = None
+        except OSError as err:
+            error = err
+        for lock in (self._value_lock, self._write_lock, self._update_lock):
+            lock.renew_after_fork(error)
 
     def __reduce__(self):
         return _attach, (os.getpid(), self.fd, self.key, self.holders)
@@ -185,9 +249,10 @@ class SharedValue:
         return f"SharedValue(fd={self.fd}, inode={self.key[1]}, holders={list(self.holders)})"
 
 
-# (st_dev, st_ino) -> this process's SharedValue of that cell; a fork child gets fresh
-# thread locks (a fork taken while another thread was reading or writing a cell)
-_CACHE = InodeCache(thread_locks=("_thread_lock", "_update_lock"))
+# (st_dev, st_ino) -> this process's SharedValue of that cell; a fork child reopens its
+# own description of each and gets fresh thread locks (a fork taken while another thread
+# was reading or writing a cell)
+_CACHE = InodeCache(after_fork="_after_fork")
 
 
 def _attach(pid: int, fd: int, key: tuple[int, int], holders: tuple = ()) -> SharedValue:

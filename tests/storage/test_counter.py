@@ -9,6 +9,7 @@ import gc
 import multiprocessing
 import os
 import pickle
+import queue as queue_module
 
 import multiprocess
 import numpy as np
@@ -123,10 +124,26 @@ def test_concurrent_processes_get_every_slot_exactly_once(ctx):
 def test_fork_while_another_thread_holds_the_lock():
     counter = SharedCounter()
     queue = multiprocessing.get_context("fork").Queue()
-    with counter._lock:  # as if a thread were inside fetch_add when the fork happens
+    with counter._lock._thread_lock:  # as if a thread were entering fetch_add at the fork
         child = multiprocessing.get_context("fork").Process(target=kids.add_one, args=(counter, queue))
         child.start()
         assert queue.get(timeout=WAIT) == 0
+    assert finish(child, WAIT) == 0
+    assert counter.value == 1
+
+
+def test_a_fork_child_does_not_share_the_lock_its_parent_holds():
+    """The child takes its own open-file-description lock: a lock the parent holds at
+    the fork (a thread inside fetch_add) excludes it until released."""
+    counter = SharedCounter()
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    with counter._lock.hold():
+        child = ctx.Process(target=kids.add_one, args=(counter, queue))
+        child.start()
+        with pytest.raises(queue_module.Empty):
+            queue.get(timeout=0.5)
+    assert queue.get(timeout=WAIT) == 0
     assert finish(child, WAIT) == 0
     assert counter.value == 1
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import pickle
+import queue as queue_module
 
 import pytest
 
@@ -43,8 +44,9 @@ def test_fork_while_another_thread_holds_the_cell_locks():
     cell = SharedValue.create("parent")
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
-    # as if a thread were inside get/set (and an update) when the fork happens
-    with cell._thread_lock, cell._update_lock:
+    # as if a thread were about to take the cell's locks when the fork happens
+    locks = [cell._value_lock._thread_lock, cell._write_lock._thread_lock, cell._update_lock._thread_lock]
+    with locks[0], locks[1], locks[2]:
         child = ctx.Process(target=_set_in_child, args=(cell, queue))
         child.start()
         assert queue.get(timeout=WAIT) == "from the child"
@@ -53,3 +55,42 @@ def test_fork_while_another_thread_holds_the_cell_locks():
         child.kill()
         pytest.fail("the child hung on a lock held by a thread of its parent")
     assert child.exitcode == 0 and cell.get() == "from the child"
+
+
+def test_a_fork_child_does_not_share_the_locks_its_parent_holds():
+    """An open-file-description lock is shared through an inherited descriptor: the
+    child must take its own, so a lock the parent holds at the fork excludes it."""
+    cell = SharedValue.create("parent")
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    with cell._update_lock.hold(), cell._write_lock.hold():  # a parent thread mid-update
+        child = ctx.Process(target=_set_in_child, args=(cell, queue))
+        child.start()
+        with pytest.raises(queue_module.Empty):
+            queue.get(timeout=0.5)  # the child waits for our write lock
+        assert cell.get() == "parent"
+    assert queue.get(timeout=WAIT) == "from the child"
+    child.join(WAIT)
+    assert child.exitcode == 0 and cell.get() == "from the child"
+
+
+def test_memory_stays_bounded_across_writes():
+    """Each write goes where no reader looks (beside the live value), but the memfd
+    never grows past the live value plus room for the new one: below 64 bytes plus
+    three times the largest value, two for values of one size."""
+    import os
+    import random
+
+    cell = SharedValue.create(b"")
+    size = 1 << 20
+    for i in range(20):
+        cell.set(bytes([i]) * size)
+        assert cell.get() == bytes([i]) * size
+    pickled = len(pickle.dumps(bytes(size)))
+    assert os.fstat(cell.fd).st_size <= 64 + 2 * pickled + 128  # + the first, tiny value
+    rng = random.Random(0)
+    for i in range(200):
+        value = bytes([i % 256]) * rng.randint(0, 2 * size)
+        cell.set(value)
+        assert cell.get() == value
+    assert os.fstat(cell.fd).st_size <= 64 + 3 * (len(pickle.dumps(bytes(2 * size))) + 8)
