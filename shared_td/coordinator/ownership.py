@@ -57,6 +57,9 @@ __all__ = ["adopt", "embedded_coordinator", "ENV_VAR"]
 ENV_VAR = "SHARED_TD_COORDINATOR"
 #: Seconds to wait for a new embedded coordinator to listen.
 START_TIMEOUT = 30.0
+#: Seconds each call to the embedded coordinator waits (connecting and answering) before
+#: CoordinatorTimeoutError: a stopped or stalled one never hangs ``memmap_`` for ever.
+TIMEOUT = client.DEFAULT_TIMEOUT
 
 _EMBEDDED: client.Coordinator | None = None
 _LOCK = threading.Lock()
@@ -145,7 +148,7 @@ def _from_environment() -> client.Coordinator | None:
         return None
     address, _, key = announced.partition(";")
     try:
-        return client.Coordinator.connect(address, bytes.fromhex(key))
+        return client.Coordinator.connect(address, bytes.fromhex(key), timeout=TIMEOUT)
     except client.CoordinatorTimeoutError:
         raise  # alive but not answering: a new coordinator would split the ownership
     except (ConnectionError, ValueError, OSError, multiprocess.AuthenticationError):
@@ -181,7 +184,7 @@ def _start_embedded() -> client.Coordinator:
         popen.kill()
         popen.wait()
         raise
-    handle = client.Coordinator()
+    handle = client.Coordinator(timeout=TIMEOUT)
     handle._popen, handle._address, handle._authkey = popen, address, authkey
     atexit.register(handle.shutdown)  # a no-op in fork children: they do not own it
     return handle

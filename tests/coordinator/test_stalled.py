@@ -11,10 +11,14 @@ coordinator from other threads go on. Each test resumes or kills what it stopped
 from __future__ import annotations
 
 import contextlib
+import json
 import multiprocessing
 import os
 import signal
 import socket
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -25,6 +29,7 @@ import coord_children as kids
 from processes import WAIT, alive, finish, wait_until
 
 import shared_td
+from shared_td.coordinator import ownership
 
 
 @contextlib.contextmanager
@@ -200,3 +205,35 @@ def test_leaving_a_with_block_stops_a_stopped_manager_in_bounded_time():
         if manager is not None and alive(manager):
             os.kill(manager, signal.SIGCONT)
             os.kill(manager, signal.SIGKILL)
+
+
+@pytest.mark.timeout(120)
+def test_share_non_tensor_with_a_stopped_embedded_coordinator_raises_within_its_timeout():
+    # A process whose environment announces a coordinator (its parent's embedded one)
+    # hands its shared values to it: stopped, that is a clear error, not a hang, and not
+    # a second coordinator started behind the user's back.
+    body = textwrap.dedent("""
+        import json, time, shared_td
+        from shared_td.coordinator import ownership
+        ownership.TIMEOUT = 2
+        started = time.monotonic()
+        try:
+            shared_td.TensorDict(task="walk").memmap_(share_non_tensor=True)
+            outcome = {"error": None}
+        except BaseException as err:
+            outcome = {"error": type(err).__name__, "message": str(err),
+                       "timeout": isinstance(err, TimeoutError)}
+        outcome["seconds"] = time.monotonic() - started
+        outcome["embedded"] = ownership._EMBEDDED is not None
+        print(json.dumps(outcome))
+    """)
+    with shared_td.Coordinator() as coord:
+        env = dict(os.environ, **{ownership.ENV_VAR: f"{coord.address};{coord.authkey.hex()}"})
+        with stopped(coord.pid):
+            result = subprocess.run([sys.executable, "-c", body], env=env,
+                                    capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr[-3000:]
+        outcome = json.loads(result.stdout.strip().splitlines()[-1])
+        assert outcome["error"] == "CoordinatorTimeoutError" and outcome["timeout"], outcome
+        assert coord.address in outcome["message"] and "within 2 s" in outcome["message"]
+        assert outcome["seconds"] < 3.5 and not outcome["embedded"], outcome
