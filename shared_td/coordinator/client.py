@@ -80,7 +80,8 @@ class Coordinator:
     Args:
         context: the ``multiprocess`` start method of the manager (``"fork"``,
             ``"spawn"``, ``"forkserver"``; default: multiprocess's default).
-        timeout: seconds each call waits for the manager's answer.
+        timeout: seconds each call may take in all (connecting, the handshake of a new
+            connection, the answer) before :class:`CoordinatorTimeoutError`.
 
     Example:
         >>> coord = Coordinator().start()
@@ -104,7 +105,8 @@ class Coordinator:
     def connect(cls, address: str, authkey: bytes, *, timeout: float = DEFAULT_TIMEOUT) -> "Coordinator":
         """A non-owning handle on the running coordinator at ``address``.
 
-        Raises ConnectionError if it is not running (checked with one round trip).
+        Raises ConnectionError if it is not running (checked with one round trip), or
+        CoordinatorTimeoutError if it does not answer within ``timeout`` seconds.
         """
         handle = cls(timeout=timeout)
         handle._owner_pid = None
@@ -400,9 +402,10 @@ def _time_left(deadline: float) -> float:
 
 
 def _limit_waits(conn: connection.Connection, deadline: float) -> None:
-    """Make each blocking read and write on ``conn`` give up (EAGAIN, an OSError) once
-    ``deadline`` has passed, so that a peer that stops answering in the middle of a
-    message cannot block us for ever. One socket option each, a few microseconds."""
+    """Make each blocking read and write on ``conn`` wait at most the time left now until
+    ``deadline``, then fail with EAGAIN (BlockingIOError), so that a peer that stops
+    answering, even in the middle of a message, cannot block us for ever. Two socket
+    options, a few microseconds."""
     left = _time_left(deadline)
     seconds = int(left)
     # a zero timeval would mean "wait for ever": at least one microsecond
