@@ -32,11 +32,24 @@ import shared_td
 from shared_td.coordinator import ownership
 
 
+def all_threads_stopped(pid: int) -> bool:
+    states = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat", "rb") as stat:
+                states.append(stat.read().rsplit(b")", 1)[1].split()[0])
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return all(state in (b"T", b"t") for state in states)
+
+
 @contextlib.contextmanager
 def stopped(pid: int):
-    """Process ``pid`` stopped with SIGSTOP for the block, resumed afterwards."""
+    """Process ``pid`` stopped with SIGSTOP for the block (every thread of it: the
+    signal is delivered asynchronously), resumed afterwards."""
     os.kill(pid, signal.SIGSTOP)
     try:
+        assert wait_until(lambda: all_threads_stopped(pid), timeout=10)
         yield
     finally:
         os.kill(pid, signal.SIGCONT)
