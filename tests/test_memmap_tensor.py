@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+from leakcheck import this_process_in_shm
+
 import shared_td.memmap_tensor as memmap_tensor
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.storage.anonymous import Segment
@@ -341,7 +343,7 @@ def test_file_descriptors_are_closed_after_mapping(tmp_path):
 # ------------------------------------------------------- anonymous memory
 
 def test_many_leaves_in_one_segment_cost_one_fd():
-    shm_before = set(os.listdir("/dev/shm"))
+    shm_before = this_process_in_shm()
     before = fd_count()
     segment = Segment.create(50 * 64)
     leaves = [MemoryMappedTensor._from_backing(segment, 64 * i, torch.float64, (2, 4))
@@ -352,7 +354,7 @@ def test_many_leaves_in_one_segment_cost_one_fd():
     assert fd_count() <= before + 1
     assert all(r._backing is segment for r in received)
     assert [int(r[0, 0]) for r in received] == list(range(50))
-    assert set(os.listdir("/dev/shm")) == shm_before
+    assert this_process_in_shm() == shm_before
     with pytest.raises(ValueError, match="multiple"):
         MemoryMappedTensor._from_backing(segment, 3, torch.float32, (1,))
     with pytest.raises(ValueError, match="needs 3208 bytes"):
@@ -360,10 +362,10 @@ def test_many_leaves_in_one_segment_cost_one_fd():
 
 
 def test_anonymous_tensors_never_touch_dev_shm():
-    shm_before = set(os.listdir("/dev/shm"))
+    shm_before = this_process_in_shm()
     tensors = [MemoryMappedTensor.zeros(1000) for _ in range(5)]
     pickle.loads(pickle.dumps(tensors))
-    assert set(os.listdir("/dev/shm")) == shm_before
+    assert this_process_in_shm() == shm_before
 
 
 # ------------------------------------------------------------ views and ops

@@ -12,7 +12,7 @@ Example:
     ...     shared_td.attach("x", address=coord.address, authkey=coord.authkey)["a"].tolist()
     [1.0, 1.0]
 """
-from shared_td.coordinator.client import Coordinator, attach
+from shared_td.coordinator.client import Coordinator, CoordinatorTimeoutError, attach
 from shared_td.coordinator.staleness import is_stale, refresh
 
-__all__ = ["Coordinator", "attach", "is_stale", "refresh"]
+__all__ = ["Coordinator", "CoordinatorTimeoutError", "attach", "is_stale", "refresh"]

@@ -19,14 +19,25 @@ Connections: each process keeps one connection per coordinator address (re-made 
 fork, never shared with the parent), so after the first call an attach is one round trip
 plus unpickling. A call that finds the manager gone raises :class:`ConnectionError`
 naming the address; data already attached is untouched by that.
+
+Every wait of a call is bounded by its ``timeout`` (one deadline for the whole call):
+connecting, the authkey handshake of a new connection, sending, and the answer. A manager
+that is stopped (SIGSTOP, a debugger) or stalled makes the call raise
+:class:`CoordinatorTimeoutError` (a ConnectionError and a TimeoutError) naming the address
+after about ``timeout`` seconds, and the connection is dropped. No process-wide lock is held
+while talking to a manager: a thread waiting for a stalled coordinator never holds up calls
+to another one.
 """
 from __future__ import annotations
 
 import os
 import pickle
 import shutil
+import socket
+import struct
 import subprocess
 import threading
+import time
 
 import multiprocess
 from multiprocess import connection, managers
@@ -34,10 +45,20 @@ from multiprocess import connection, managers
 from shared_td.coordinator import staleness
 from shared_td.coordinator.server import DIR_PATTERN, REGISTRY_ID, CoordinatorManager, sweep_dead_dirs
 
-__all__ = ["Coordinator", "attach"]
+__all__ = ["Coordinator", "CoordinatorTimeoutError", "attach"]
 
-#: Seconds a call waits for the manager's answer before giving up with ConnectionError.
+#: Seconds a call waits for the manager (connecting, handshake, answer) before giving up
+#: with :class:`CoordinatorTimeoutError`.
 DEFAULT_TIMEOUT = 60.0
+#: Seconds :meth:`Coordinator.shutdown` waits for a manager to take its stop request
+#: (at most the handle's timeout); one that does not is killed.
+SHUTDOWN_TIMEOUT = 5.0
+
+
+class CoordinatorTimeoutError(ConnectionError, TimeoutError):
+    """A coordinator did not answer within the caller's timeout: its manager process is
+    stopped (SIGSTOP, a debugger) or stalled. Both a ConnectionError (the call failed to
+    reach the coordinator) and a TimeoutError (it may answer again later)."""
 
 
 class Coordinator:
@@ -59,7 +80,8 @@ class Coordinator:
     Args:
         context: the ``multiprocess`` start method of the manager (``"fork"``,
             ``"spawn"``, ``"forkserver"``; default: multiprocess's default).
-        timeout: seconds each call waits for the manager's answer.
+        timeout: seconds each call may take in all (connecting, the handshake of a new
+            connection, the answer) before :class:`CoordinatorTimeoutError`.
 
     Example:
         >>> coord = Coordinator().start()
@@ -83,7 +105,8 @@ class Coordinator:
     def connect(cls, address: str, authkey: bytes, *, timeout: float = DEFAULT_TIMEOUT) -> "Coordinator":
         """A non-owning handle on the running coordinator at ``address``.
 
-        Raises ConnectionError if it is not running (checked with one round trip).
+        Raises ConnectionError if it is not running (checked with one round trip), or
+        CoordinatorTimeoutError if it does not answer within ``timeout`` seconds.
         """
         handle = cls(timeout=timeout)
         handle._owner_pid = None
@@ -100,6 +123,9 @@ class Coordinator:
         authkey = os.urandom(32)
         ctx = multiprocess.get_context(self._context)
         manager = CoordinatorManager(authkey=authkey, ctx=ctx)
+        # The manager's finalizer (shutdown(), and at exit) connects to send its stop
+        # request: with a deadline, so a stopped manager is killed instead of waited for.
+        manager._Client = _StopRequestClient(min(self._timeout, SHUTDOWN_TIMEOUT))
         manager.start()
         self._manager, self._address, self._authkey = manager, manager.address, authkey
         return self
@@ -135,12 +161,14 @@ class Coordinator:
     def _stop_embedded(self, address: str) -> None:
         popen, self._popen = self._popen, None
         try:
-            conn = connection.Client(address, authkey=self._authkey)
+            deadline = time.monotonic() + min(self._timeout, SHUTDOWN_TIMEOUT)
+            conn = _connect(address, self._authkey, deadline)
             try:
+                _limit_waits(conn, deadline)
                 managers.dispatch(conn, None, "shutdown")
             finally:
                 conn.close()
-            popen.wait(5)
+            popen.wait(SHUTDOWN_TIMEOUT)
         except (OSError, EOFError, subprocess.TimeoutExpired):
             popen.kill()
             popen.wait(5)
@@ -269,6 +297,8 @@ def attach(name: str, *, address: str, authkey: bytes, timeout: float = DEFAULT_
     Raises:
         KeyError: nothing is published as ``name`` (the message lists what is).
         ConnectionError: the coordinator at ``address`` is gone.
+        CoordinatorTimeoutError: it did not answer within ``timeout`` seconds (its
+            manager is stopped or stalled); also a ConnectionError and a TimeoutError.
 
     Example:
         >>> td = attach("batch", address=addr, authkey=key)   # doctest: +SKIP
@@ -316,19 +346,99 @@ def _remove_private_dir(address: str) -> None:
 class _Channel:
     """One connection to one manager, used by one thread at a time, in one process."""
 
-    def __init__(self, address: str, authkey: bytes):
+    def __init__(self, address: str, authkey: bytes, deadline: float):
         self.lock = threading.Lock()
-        self.conn = connection.Client(address, authkey=authkey)
+        self.conn = _connect(address, authkey, deadline)
         try:
             # Serve this connection from the registry object (see server.REGISTRY_ID).
+            _limit_waits(self.conn, deadline)
             managers.dispatch(self.conn, None, "accept_connection", (REGISTRY_ID,))
         except BaseException:
             self.conn.close()
             raise
 
 
+def _connect(address: str, authkey: bytes, deadline: float) -> connection.Connection:
+    """A connection to the manager at ``address`` that passed the authkey handshake,
+    made before ``deadline`` (a ``time.monotonic()`` value), else TimeoutError.
+
+    ``multiprocess.connection.Client`` would wait for ever on a manager that does not
+    answer: a blocking connect() while its listen backlog is full, then the handshake's
+    reads. Here the socket connects with a timeout, and each read and write of the
+    handshake is bounded by what is left until the deadline (see :func:`_limit_waits`).
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        while True:
+            sock.settimeout(_time_left(deadline))
+            try:
+                sock.connect(address)
+                break
+            except BlockingIOError:
+                # A Unix socket's full backlog fails at once instead of waiting: the
+                # manager is not accepting, ask again shortly.
+                time.sleep(min(0.01, _time_left(deadline)))
+        sock.setblocking(True)  # the Connection reads and writes the descriptor itself
+        conn = connection.Connection(sock.detach())
+    finally:
+        sock.close()
+    try:
+        _limit_waits(conn, deadline)
+        connection.answer_challenge(conn, authkey)
+        _limit_waits(conn, deadline)
+        connection.deliver_challenge(conn, authkey)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _time_left(deadline: float) -> float:
+    """Seconds until ``deadline``; TimeoutError once it has passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the deadline passed")
+    return left
+
+
+def _limit_waits(conn: connection.Connection, deadline: float) -> None:
+    """Make each blocking read and write on ``conn`` wait at most the time left now until
+    ``deadline``, then fail with EAGAIN (BlockingIOError), so that a peer that stops
+    answering, even in the middle of a message, cannot block us for ever. Two socket
+    options, a few microseconds."""
+    left = _time_left(deadline)
+    seconds = int(left)
+    # a zero timeval would mean "wait for ever": at least one microsecond
+    timeval = struct.pack("@ll", seconds, max(1, int((left - seconds) * 1e6)))
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, 0, conn.fileno())
+    try:
+        if socket.getdefaulttimeout() is not None:
+            sock.setblocking(True)  # a socket object made the descriptor non-blocking
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+    finally:
+        sock.detach()  # the descriptor stays the Connection's
+
+
+class _StopRequestClient:
+    """``BaseManager._Client`` for the stop request of the manager's finalizer: a
+    connection made within ``timeout`` seconds (the finalizer then terminates and
+    kills a manager that did not stop)."""
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+
+    def __call__(self, address: str, authkey: bytes) -> connection.Connection:
+        deadline = time.monotonic() + self.timeout
+        conn = _connect(address, authkey, deadline)
+        _limit_waits(conn, deadline)
+        return conn
+
+
 # (pid, address, authkey) -> channel: a wrong key must never ride on a right key's connection
 _CHANNELS: dict[tuple[int, str, bytes], _Channel] = {}
+# Guards _CHANNELS only, never held while talking to a manager: a thread connecting to a
+# stalled coordinator must not hold up threads calling other coordinators.
 _CHANNELS_LOCK = threading.Lock()
 
 
@@ -343,17 +453,27 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _channel(address: str, authkey: bytes) -> _Channel:
+def _channel(address: str, authkey: bytes, deadline: float) -> _Channel:
     key = (os.getpid(), address, authkey)
     with _CHANNELS_LOCK:
         channel = _CHANNELS.get(key)
-        if channel is None:
-            try:
-                channel = _Channel(address, authkey)
-            except (OSError, EOFError) as err:
-                raise _gone(address, err) from err
-            _CHANNELS[key] = channel
+    if channel is not None:
         return channel
+    # Connect with no lock held; two threads may both connect, the first one stored wins.
+    channel = _Channel(address, authkey, deadline)
+    with _CHANNELS_LOCK:
+        stored = _CHANNELS.setdefault(key, channel)
+    if stored is not channel:
+        channel.conn.close()
+    return stored
+
+
+def _forget(channel: _Channel) -> None:
+    """Close ``channel`` (whose lock the caller holds) and stop handing it out."""
+    with _CHANNELS_LOCK:
+        for key in [k for k, c in _CHANNELS.items() if c is channel]:
+            del _CHANNELS[key]
+    channel.conn.close()
 
 
 def _drop_channel(address: str) -> None:
@@ -365,19 +485,42 @@ def _drop_channel(address: str) -> None:
 
 
 def _call(address: str, authkey: bytes, method: str, *args, timeout: float):
-    """Call ``method`` of the manager's registry; server exceptions are re-raised here."""
+    """Call ``method`` of the manager's registry; server exceptions are re-raised here.
+
+    Everything (connecting if needed, waiting for another thread's call on the same
+    connection, sending, the answer) happens within ``timeout`` seconds, else
+    CoordinatorTimeoutError.
+    """
     if not address or authkey is None:
         raise ValueError("Both address= and authkey= of a running Coordinator are needed.")
-    channel = _channel(address, authkey)
-    with channel.lock:
+    deadline = time.monotonic() + timeout
+    while True:
         try:
-            channel.conn.send((REGISTRY_ID, method, args, {}))
-            if not channel.conn.poll(timeout):
-                raise TimeoutError(f"no answer within {timeout} s")
-            kind, result = channel.conn.recv()
-        except (OSError, EOFError) as err:  # ConnectionError, BrokenPipe, Timeout...
-            _drop_channel(address)
+            channel = _channel(address, authkey, deadline)
+            # queued behind another thread's call: wait no longer than our own deadline
+            if not channel.lock.acquire(timeout=_time_left(deadline)):
+                raise TimeoutError("another thread's call on this connection did not end")
+        except (TimeoutError, BlockingIOError) as err:
+            raise _stalled(address, timeout, err) from err
+        except (OSError, EOFError) as err:
             raise _gone(address, err) from err
+        if not channel.conn.closed:
+            break
+        channel.lock.release()  # another thread's call failed and closed it: connect anew
+    try:
+        _limit_waits(channel.conn, deadline)
+        channel.conn.send((REGISTRY_ID, method, args, {}))
+        if not channel.conn.poll(_time_left(deadline)):
+            raise TimeoutError("no answer")
+        kind, result = channel.conn.recv()
+    except (TimeoutError, BlockingIOError) as err:  # the deadline passed (EAGAIN: a read/write's)
+        _forget(channel)  # an answer may still come: never read it as the next call's
+        raise _stalled(address, timeout, err) from err
+    except (OSError, EOFError) as err:  # ConnectionError, BrokenPipe...
+        _forget(channel)
+        raise _gone(address, err) from err
+    finally:
+        channel.lock.release()
     if kind == "#RETURN":
         return result
     raise managers.convert_to_error(kind, result)
@@ -388,6 +531,18 @@ def _gone(address: str, err: BaseException) -> ConnectionError:
         f"The shared_td coordinator at {address} is gone ({type(err).__name__}: {err}): "
         "it was shut down or its process died. Tensordicts already attached stay readable "
         "and writable; publish again through a new Coordinator."
+    )
+
+
+def _stalled(address: str, timeout: float, err: BaseException) -> CoordinatorTimeoutError:
+    match = DIR_PATTERN.match(os.path.basename(os.path.dirname(address)))
+    pid = match.group(1) if match else "PID"  # the manager's pid is in its directory name
+    return CoordinatorTimeoutError(
+        f"The shared_td coordinator at {address} did not answer within {timeout:g} s "
+        f"({err}): its manager process {pid} is stopped (SIGSTOP, Ctrl-Z, a debugger) or "
+        f"stalled. Check it with `ps -o pid,stat,cmd -p {pid}` (state T: stopped; "
+        f"`kill -CONT {pid}` resumes it), or pass a longer timeout=. Tensordicts already "
+        "attached stay readable and writable."
     )
 
 

@@ -57,6 +57,9 @@ __all__ = ["adopt", "embedded_coordinator", "ENV_VAR"]
 ENV_VAR = "SHARED_TD_COORDINATOR"
 #: Seconds to wait for a new embedded coordinator to listen.
 START_TIMEOUT = 30.0
+#: Seconds each call to the embedded coordinator waits (connecting and answering) before
+#: CoordinatorTimeoutError: a stopped or stalled one never hangs ``memmap_`` for ever.
+TIMEOUT = client.DEFAULT_TIMEOUT
 
 _EMBEDDED: client.Coordinator | None = None
 _LOCK = threading.Lock()
@@ -76,7 +79,9 @@ def adopt(cells: list) -> None:
     """Hand the new ``cells`` to the process's coordinator (see the module doc).
 
     Raises ConnectionError if a coordinator given with ``with``/``publish`` is gone; an
-    embedded one that is gone (a dead parent's) is replaced by a new one.
+    embedded one that is gone (a dead parent's) is replaced by a new one. Raises
+    :class:`~shared_td.coordinator.client.CoordinatorTimeoutError` if the coordinator did
+    not answer within its timeout (stopped or stalled, not gone: never replaced).
     """
     if not cells:
         return
@@ -85,8 +90,8 @@ def adopt(cells: list) -> None:
         return  # a daemonic worker: the cells stay its own
     try:
         _hand_over(coord, cells)
-    except ConnectionError:
-        if client._IN_USE or coord is not _EMBEDDED:
+    except ConnectionError as err:
+        if client._IN_USE or coord is not _EMBEDDED or isinstance(err, TimeoutError):
             raise
         _forget_embedded(coord)
         _hand_over(embedded_coordinator(start=True), cells)
@@ -108,11 +113,20 @@ def _release_later(address: str, key: tuple[int, int]) -> None:
 
 def embedded_coordinator(start: bool) -> client.Coordinator | None:
     """The embedded coordinator this process uses; started here if ``start`` and none
-    is known (None in a daemonic worker, or if ``start`` is False and none is known)."""
+    is known (None in a daemonic worker, or if ``start`` is False and none is known).
+
+    Raises CoordinatorTimeoutError if the one announced in the environment does not
+    answer within its timeout (it is stopped or stalled: not replaced by a new one).
+    """
     global _EMBEDDED
+    if _EMBEDDED is None:
+        # A round trip: made with no lock held (see client: no process-wide lock during
+        # network I/O); two threads may both make one, the first one stored is used.
+        announced = _from_environment()
+        with _LOCK:
+            if _EMBEDDED is None:
+                _EMBEDDED = announced
     with _LOCK:
-        if _EMBEDDED is None:
-            _EMBEDDED = _from_environment()
         if _EMBEDDED is None and start and not _is_daemonic():
             _EMBEDDED = _start_embedded()
             os.environ[ENV_VAR] = f"{_EMBEDDED.address};{_EMBEDDED.authkey.hex()}"
@@ -134,9 +148,12 @@ def _from_environment() -> client.Coordinator | None:
         return None
     address, _, key = announced.partition(";")
     try:
-        return client.Coordinator.connect(address, bytes.fromhex(key))
+        return client.Coordinator.connect(address, bytes.fromhex(key), timeout=TIMEOUT)
+    except client.CoordinatorTimeoutError:
+        raise  # alive but not answering: a new coordinator would split the ownership
     except (ConnectionError, ValueError, OSError, multiprocess.AuthenticationError):
-        del os.environ[ENV_VAR]  # a dead ancestor's: do not hand it to our children
+        if os.environ.get(ENV_VAR) == announced:  # not one another thread started since
+            del os.environ[ENV_VAR]  # a dead ancestor's: do not hand it to our children
         return None
 
 
@@ -167,7 +184,7 @@ def _start_embedded() -> client.Coordinator:
         popen.kill()
         popen.wait()
         raise
-    handle = client.Coordinator()
+    handle = client.Coordinator(timeout=TIMEOUT)
     handle._popen, handle._address, handle._authkey = popen, address, authkey
     atexit.register(handle.shutdown)  # a no-op in fork children: they do not own it
     return handle

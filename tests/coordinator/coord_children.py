@@ -69,3 +69,30 @@ def fill_leaf(tds, key, value, queue):
     for td in tds:
         td[key].fill_(value)
     queue.put("ok")
+
+
+def attach_timed(address, authkey, name, timeout, queue):
+    """Attach ``name`` with ``timeout``; report how it ended and how long it took:
+    ``(outcome, is ConnectionError, is TimeoutError, message, seconds)``."""
+    started = time.monotonic()
+    try:
+        shared_td.attach(name, address=address, authkey=authkey, timeout=timeout)
+        queue.put(("attached", False, False, "", time.monotonic() - started))
+    except BaseException as err:
+        queue.put((type(err).__name__, isinstance(err, ConnectionError),
+                   isinstance(err, TimeoutError), str(err), time.monotonic() - started))
+
+
+def stop_own_manager_then_leave(queue):
+    """Start a Coordinator, report its manager's pid, SIGSTOP that manager, then leave
+    the ``with`` block (which must stop the manager anyway) and report the seconds the
+    shutdown took."""
+    import signal
+
+    with shared_td.Coordinator(timeout=1) as coord:
+        coord.publish("x", shared_td.TensorDict(a=torch.ones(2)))
+        manager = coord.pid
+        queue.put(("manager", manager, coord.address))
+        os.kill(manager, signal.SIGSTOP)
+        started = time.monotonic()
+    queue.put(("left", time.monotonic() - started, None))

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import coord_children as kids
+from leakcheck import ShmWatch, foreign_churn, private_tempdir
 from processes import WAIT, alive, finish, wait_until
 
 import shared_td
@@ -32,14 +33,9 @@ def run(ctx, target, *args):
     return process, queue
 
 
-def our_temp_entries():
-    # what the library makes in the temp dir (not, e.g., a benchmark run beside the tests)
-    return {e for e in os.listdir(tempfile.gettempdir()) if e.startswith(server.DIR_PREFIX)}
-
-
-def snapshot():
-    """/dev/shm, our temp-dir entries, and this process's open descriptors (after a
-    collection: garbage of earlier tests must not close descriptors between snapshots)."""
+def open_descriptors() -> dict[str, str]:
+    """This process's open descriptors and what they name (after a collection: garbage
+    of earlier tests must not close descriptors between two calls)."""
     gc.collect()
     fds = {}
     for fd in os.listdir("/proc/self/fd"):
@@ -47,7 +43,17 @@ def snapshot():
             fds[fd] = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:  # the listdir descriptor itself
             pass
-    return set(os.listdir("/dev/shm")), our_temp_entries(), fds
+    return fds
+
+
+def assert_nothing_left(shm: ShmWatch, tempdir: str, fds_before: dict) -> None:
+    """Only what our processes made counts (another program may run beside the test):
+    the entries left in the private temp directory, the /dev/shm entries that our
+    processes held and left (see leakcheck), and this process's descriptors."""
+    assert os.listdir(tempdir) == []
+    assert shm.leftovers() == []
+    fds = open_descriptors()
+    assert fds == fds_before, {k: v for k, v in fds.items() if fds_before.get(k) != v}
 
 
 def tree(n=3):
@@ -268,24 +274,22 @@ def test_plain_passing_still_works_with_a_coordinator_running(method):
 def test_nothing_left_behind(tmp_path):
     ctx = multiprocessing.get_context("fork")
     td = None
-    before = snapshot()
-    with shared_td.Coordinator() as coord:
-        coord.publish("a", tree())
-        coord.publish("f", tree(), prefix=tmp_path / "f")
-        process, queue = run(ctx, kids.attach_write_read, coord.address, coord.authkey,
-                             "a", "obs", 1.0)
-        assert queue.get(timeout=WAIT)[0] == "ok"
-        assert finish(process) == 0
-        queue.close()
-        queue.join_thread()
-        td = coord.attach("a")
-        coord.unpublish("a")
-        assert td["obs"][1].tolist() == [1.0, 1.0]  # still ours after unpublish
-    del td, process, queue
-    shm, temp, fds = snapshot()
-    assert shm == before[0]
-    assert temp == before[1]
-    assert fds == before[2], {k: v for k, v in fds.items() if before[2].get(k) != v}
+    with foreign_churn(), private_tempdir() as tempdir:
+        before = open_descriptors()  # (the watch's own reads of /proc come and go)
+        with ShmWatch() as shm, shared_td.Coordinator() as coord:
+            coord.publish("a", tree())
+            coord.publish("f", tree(), prefix=tmp_path / "f")
+            process, queue = run(ctx, kids.attach_write_read, coord.address, coord.authkey,
+                                 "a", "obs", 1.0)
+            assert queue.get(timeout=WAIT)[0] == "ok"
+            assert finish(process) == 0
+            queue.close()
+            queue.join_thread()
+            td = coord.attach("a")
+            coord.unpublish("a")
+            assert td["obs"][1].tolist() == [1.0, 1.0]  # still ours after unpublish
+        del td, process, queue
+        assert_nothing_left(shm, tempdir, before)
 
 
 def test_sweep_touches_only_dead_coordinators_of_our_pattern(tmp_path):

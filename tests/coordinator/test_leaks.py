@@ -11,15 +11,14 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 
 import pytest
-import torch
 
 import coord_children as kids
+from leakcheck import ShmWatch, foreign_churn, private_tempdir
 from processes import WAIT, alive, finish, wait_until
-from test_coordinator import run, snapshot
+from test_coordinator import assert_nothing_left, open_descriptors, run
 
 import shared_td
 
@@ -72,9 +71,16 @@ def test_anonymous_memory_is_freed_when_unpublished_and_dropped_or_shut_down():
 
 @pytest.mark.timeout(180)
 def test_sigkill_of_any_process_leaves_nothing_behind(tmp_path):
+    # beside another program that makes and removes entries in /dev/shm and the temp dir
+    with foreign_churn(), private_tempdir() as tempdir:
+        before = open_descriptors()
+        with ShmWatch() as shm:
+            sigkill_each_kind_of_process(tmp_path)
+        assert_nothing_left(shm, tempdir, before)
+
+
+def sigkill_each_kind_of_process(tmp_path):
     ctx = multiprocessing.get_context("fork")
-    gc.collect()
-    before = snapshot()
 
     # the process that started a manager
     queues = []
@@ -106,12 +112,6 @@ def test_sigkill_of_any_process_leaves_nothing_behind(tmp_path):
     for q in queues:
         q.close()
         q.join_thread()
-    del owner, publisher, writer, queue, queues, q
-    gc.collect()
-    shm, temp, fds = snapshot()
-    assert shm == before[0]
-    assert temp == before[1], temp ^ before[1]
-    assert fds == before[2], {k: v for k, v in fds.items() if before[2].get(k) != v}
 
 
 def run_limited(body: str) -> subprocess.CompletedProcess:

@@ -21,8 +21,9 @@ import pytest
 import torch
 
 import nt_children as kids
+from leakcheck import ShmWatch, foreign_churn, private_tempdir
 from processes import WAIT, alive, finish, wait_until
-from test_coordinator import snapshot
+from test_coordinator import assert_nothing_left, open_descriptors
 
 import shared_td
 from shared_td.coordinator import ownership, server
@@ -236,18 +237,18 @@ def test_values_leave_nothing_behind():
     ownership.embedded_coordinator(start=True)
     shared_td.TensorDict(task="warm").memmap_(share_non_tensor=True)  # connection made
 
-    before = snapshot()
-    with shared_td.Coordinator() as coord:
-        creator, queue = start(ctx, kids.make_shared_then_sleep, coord, "x")
-        status, creator_pid, blob, _ = queue.get(timeout=WAIT)
-        os.kill(creator_pid, signal.SIGKILL)
-        assert finish(creator) == -signal.SIGKILL
-        td = pickle.loads(blob)
-        td.set_("task", "y")
-        shared_td.TensorDict(task="z").memmap_(share_non_tensor=True)  # embedded one
-        queue.close()
-        queue.join_thread()
-        del td, queue, creator
-    shm, temp, fds = snapshot()
-    assert shm == before[0] and temp == before[1]
-    assert fds == before[2], {k: v for k, v in fds.items() if before[2].get(k) != v}
+    # (the embedded coordinator, started above, lives on after the private temp dir)
+    with foreign_churn(), private_tempdir() as tempdir:
+        before = open_descriptors()  # (the watch's own reads of /proc come and go)
+        with ShmWatch() as shm, shared_td.Coordinator() as coord:
+            creator, queue = start(ctx, kids.make_shared_then_sleep, coord, "x")
+            status, creator_pid, blob, _ = queue.get(timeout=WAIT)
+            os.kill(creator_pid, signal.SIGKILL)
+            assert finish(creator) == -signal.SIGKILL
+            td = pickle.loads(blob)
+            td.set_("task", "y")
+            shared_td.TensorDict(task="z").memmap_(share_non_tensor=True)  # embedded one
+            queue.close()
+            queue.join_thread()
+            del td, queue, creator
+        assert_nothing_left(shm, tempdir, before)

@@ -3,6 +3,9 @@
 Each run gets a private TMPDIR, so "nothing left in the temp directory" is checked on a
 directory no other program writes to, and an environment marker, which every process
 it starts inherits, so "no child process left" is checked by scanning /proc for it.
+"Nothing left in /dev/shm" counts only the entries that the processes of the run held
+(sampled from their /proc/<pid>/fd and maps while it runs, see tests/leakcheck.py), and
+another program makes and removes entries in /dev/shm and the temp directory meanwhile.
 """
 from __future__ import annotations
 
@@ -14,6 +17,8 @@ import time
 import uuid
 
 import pytest
+
+from leakcheck import ShmWatch, foreign_churn
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = os.path.join(REPO_ROOT, "examples")
@@ -37,31 +42,34 @@ def processes_with(marker: str) -> list[int]:
     return found
 
 
-def run_python(args: list[str], tmp_path) -> tuple[subprocess.CompletedProcess, str]:
+def run_python(args: list[str], tmp_path) -> tuple[subprocess.CompletedProcess, str, ShmWatch]:
     """Run ``python <args>`` from the repository root with a private TMPDIR and a
-    marker in its environment; returns the result and the marker."""
+    marker in its environment, beside another program that churns /dev/shm and the
+    temp directory; returns the result, the marker and what its processes held in
+    /dev/shm."""
     private_tmp = tmp_path / "tmp"
     private_tmp.mkdir()
     marker = f"shared_td-test-{uuid.uuid4().hex}"
     env = dict(os.environ, TMPDIR=str(private_tmp), SHARED_TD_TEST_MARKER=marker)
-    result = subprocess.run([sys.executable, *args], cwd=REPO_ROOT, env=env,
-                            capture_output=True, text=True, timeout=TIMEOUT)
-    return result, marker
+    with foreign_churn(), ShmWatch() as shm:
+        result = subprocess.run([sys.executable, *args], cwd=REPO_ROOT, env=env,
+                                capture_output=True, text=True, timeout=TIMEOUT)
+    return result, marker, shm
 
 
-def assert_nothing_left(tmp_path, marker: str, shm_before: set[str]) -> None:
-    assert os.listdir(tmp_path / "tmp") == []
-    assert set(os.listdir("/dev/shm")) - shm_before == set()
-    # the multiprocessing resource tracker leaves when its parent has exited: give it a moment
+def assert_nothing_left(tmp_path, marker: str, shm: ShmWatch) -> None:
+    # the multiprocessing resource tracker leaves when its parent has exited (unlinking
+    # what that left): give it a moment
     deadline = time.monotonic() + 15
     while processes_with(marker) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert processes_with(marker) == []
+    assert os.listdir(tmp_path / "tmp") == []
+    assert shm.leftovers() == []
 
 
 def test_actor_learner_example(tmp_path):
-    shm_before = set(os.listdir("/dev/shm"))
-    result, marker = run_python(
+    result, marker, shm = run_python(
         [os.path.join(EXAMPLES, "actor_learner.py"), "--seconds", "3", "--actors", "2"], tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     throughput = re.search(r"throughput: 2 actors wrote ([\d,]+) transitions \(([\d.]+[kMG]?)/s\), "
@@ -72,22 +80,21 @@ def test_actor_learner_example(tmp_path):
                        r"every slot written exactly once", result.stdout)
     assert cursor, result.stdout
     assert cursor[1] == cursor[2] and int(cursor[1].replace(",", "")) > 0
-    assert_nothing_left(tmp_path, marker, shm_before)
+    assert_nothing_left(tmp_path, marker, shm)
 
 
 def test_multiprocess_test_example_passes_under_pytest(tmp_path):
-    result, marker = run_python(
+    result, marker, shm = run_python(
         ["-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.join(EXAMPLES, "multiprocess_test.py")],
         tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert re.search(r"\b2 passed\b", result.stdout), result.stdout
-    assert_nothing_left(tmp_path, marker, set(os.listdir("/dev/shm")))
+    assert_nothing_left(tmp_path, marker, shm)
 
 
 def test_demo_runs_reports_and_leaves_nothing_behind(tmp_path):
-    shm_before = set(os.listdir("/dev/shm"))
     # the README's main job, as CI runs it (issue 6: --seconds 5)
-    result, marker = run_python(["-m", "shared_td", "demo", "--seconds", "5"], tmp_path)
+    result, marker, shm = run_python(["-m", "shared_td", "demo", "--seconds", "5"], tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     assert "shared_td demo: 2 actor processes and 1 learner for 5." in out, out
@@ -96,7 +103,7 @@ def test_demo_runs_reports_and_leaves_nothing_behind(tmp_path):
     assert re.search(r"reserved ([\d,]+) slots = written \1; every slot written exactly once", out), out
     assert "all 4 processes map the same memory" in out, out
     assert out.rstrip().endswith("result   OK"), out
-    assert_nothing_left(tmp_path, marker, shm_before)
+    assert_nothing_left(tmp_path, marker, shm)
 
 
 def test_demo_refuses_bad_options():
@@ -109,12 +116,12 @@ def test_demo_refuses_bad_options():
 
 @pytest.mark.parametrize("script", ["shared_buffer.py", "dataloader_workers.py"])
 def test_older_examples_run(tmp_path, script):
-    result, marker = run_python([os.path.join(EXAMPLES, script)], tmp_path)
+    result, marker, shm = run_python([os.path.join(EXAMPLES, script)], tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     expected = {"shared_buffer.py": "actors wrote 128 rows into shared memory",
                 "dataloader_workers.py": "every sample was marked seen in the shared files: True"}
     assert expected[script] in result.stdout, result.stdout
-    assert_nothing_left(tmp_path, marker, set(os.listdir("/dev/shm")))
+    assert_nothing_left(tmp_path, marker, shm)
 
 
 def test_readme_actor_learner_snippet_runs(tmp_path):
@@ -125,7 +132,7 @@ def test_readme_actor_learner_snippet_runs(tmp_path):
     assert len(snippet.splitlines()) <= 25
     script = tmp_path / "snippet.py"
     script.write_text(snippet)
-    result, marker = run_python([str(script)], tmp_path)
+    result, marker, shm = run_python([str(script)], tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.split() == ["320", "320"]  # 2 actors x 10 x 16 rows, all written
-    assert_nothing_left(tmp_path, marker, set(os.listdir("/dev/shm")))
+    assert_nothing_left(tmp_path, marker, shm)

@@ -8,6 +8,8 @@ import pickle
 
 import pytest
 
+from leakcheck import this_process_in_shm
+
 from shared_td.storage import anonymous
 from shared_td.storage.anonymous import Segment, SegmentUnavailableError, align
 from shared_td.storage.files import StorageFullError
@@ -47,12 +49,12 @@ def test_zero_bytes_make_no_segment():
 
 def test_one_descriptor_per_segment_named_and_closed_on_collection():
     before = fd_count()
-    shm_before = set(os.listdir("/dev/shm"))
+    shm_before = this_process_in_shm()
     segment = Segment.create(4096)
     assert fd_count() == before + 1
     target = os.readlink(f"/proc/self/fd/{segment.fd}")
     assert "shared_td" in target and str(os.getpid()) in target
-    assert set(os.listdir("/dev/shm")) == shm_before
+    assert this_process_in_shm() == shm_before
     storage = segment.storage
     del segment
     gc.collect()
