@@ -419,6 +419,7 @@ class TensorDictBase(LockingOps, BatchSplitOps, MemmapMethods):
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["_lock_parents"] = {}
+        state.pop("_row_write_plan", None)  # a cache of this process's leaves (see row_writes)
         state["_context_ops"] = []
         return state
 
@@ -521,11 +522,7 @@ def check_write_into(current: Any, value: Any, key: str | tuple[str, ...]) -> No
             raise TypeError(
                 f"Cannot write a {type(value).__name__} in place into tensor entry {name}."
             )
-        try:
-            fits = torch.broadcast_shapes(value.shape, current.shape) == current.shape
-        except RuntimeError:
-            fits = False
-        if not fits:
+        if not batch_ops.broadcasts_to(value.shape, current.shape):
             raise BatchSizeMismatchError(
                 f"Cannot write a value of shape {list(value.shape)} in place into entry "
                 f"{name} of shape {list(current.shape)}."
