@@ -76,3 +76,18 @@ def test_table_rows_show_ratios_to_the_first_column():
         "case            us                          20.00 us    100000.00x",
         "case            count                              7",
     ]
+
+
+def test_the_replay_cases_print_every_operation_and_column(capsys):
+    # small buffer; the worker and the DataLoader really start (spawn, 2 forked workers)
+    assert run(BenchOptions.quick(only=["replay", "replay_worker", "replay_loader"], rows=4096)) == 0
+    out = capsys.readouterr().out
+    assert "failed" not in out
+    rows = _rows(out)
+    assert rows["replay"] == ["operation", "buf[i] = step", "buf[i:i+64] = batch", "buf[idx64] = batch",
+                              "buf[idx256] (sample)", "buf[i] (one row)"]
+    assert rows["replay_worker"] == ["operation", *rows["replay"][1:5]]
+    assert rows["replay_loader"] == ["operation", "DataLoader samples/s"]
+    header = next(line for line in out.splitlines() if line.startswith("replay ") and "operation" in line)
+    assert header.split()[2:] == ["raw", "torch", "tensordict", "shared_td", "shared_td/raw", "torch",
+                                  "shared_td/tensordict"]
