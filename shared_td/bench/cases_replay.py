@@ -255,7 +255,7 @@ class ReplayDataset(torch.utils.data.Dataset):
         return self.rows
 
     def __getitem__(self, index: int):
-        return self.__getitems__([index])
+        return _raw_read(self.buf, index) if self.raw else self.buf[index]
 
     def __getitems__(self, indices: list):
         index = torch.tensor(indices)
