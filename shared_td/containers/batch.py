@@ -7,6 +7,7 @@ into the explicit form that can be applied to leaves with more trailing dims.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import numpy as np
@@ -168,14 +169,21 @@ def indexed_batch_size(batch_size: torch.Size, index: tuple) -> torch.Size:
 
     Raises IndexError (naming the index and the batch size) when out of range.
     """
-    probe = torch.zeros((), dtype=torch.uint8).expand(batch_size)
     try:
-        return probe[index].shape
+        return _probe(batch_size)[index].shape
     except IndexError as error:
         raise IndexError(
             f"{error} (while indexing a tensordict of batch size {list(batch_size)} "
             f"with {index!r})"
         ) from None
+
+
+@functools.lru_cache(maxsize=64)
+def _probe(batch_size: torch.Size) -> torch.Tensor:
+    """A 0-stride tensor of shape ``batch_size`` (one byte of memory), made once per
+    batch size: making it costs more than indexing it (~6 µs against ~3 µs for 256
+    indices). Only ever read."""
+    return torch.zeros((), dtype=torch.uint8).expand(batch_size)
 
 
 def indexed_names(names: Sequence[str | None] | None, index: tuple) -> list | None:
