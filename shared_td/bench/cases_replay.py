@@ -166,6 +166,10 @@ def _calls(options) -> int:
     return 10 * options.rounds  # 200 calls per timing with --quick, 2000 in the full run
 
 
+def _repeat(options) -> int:
+    return max(options.repeat, 3)  # a timing costs ~10 ms: best of 3 even with --quick
+
+
 # ---------------------------------------------------------------------------- cases
 def _buffers(coord, root: str, rows: int) -> tuple[dict, dict]:
     """column -> (buffer, library module or None for raw), and the raw files' specs."""
@@ -187,7 +191,7 @@ def case_replay(options, root: str) -> dict:
 
     with shared_td.Coordinator() as coord:
         buffers, _ = _buffers(coord, root, options.rows)
-        return time_operations(buffers, options.rows, _calls(options), options.repeat)
+        return time_operations(buffers, options.rows, _calls(options), _repeat(options))
 
 
 WORKER_OPERATIONS = ("buf[i] = step", "buf[i:i+64] = batch", "buf[idx64] = batch", "buf[idx256] (sample)")
@@ -205,7 +209,7 @@ def case_replay_worker(options, root: str) -> dict:
         worker = ctx.Process(
             target=_worker,
             args=(send, coord.address, coord.authkey.hex(), theirs, specs, options.rows, _calls(options),
-                  options.repeat),
+                  _repeat(options)),
             daemon=True,
         )
         worker.start()
