@@ -30,6 +30,8 @@ def unravel_key(key: NestedKey) -> tuple[str, ...]:
     if isinstance(key, str):
         return (key,)
     if isinstance(key, tuple):
+        if type(key) is tuple and key and all(isinstance(part, str) for part in key):
+            return key  # already flat: the common case of every nested get/set
         parts: list[str] = []
         for part in key:
             parts.extend(unravel_key(part))
@@ -57,12 +59,19 @@ def canonical_key(key: NestedKey) -> NestedKey:
 
 
 def is_nested_key(key: object) -> bool:
-    """True if ``key`` is a str or a (possibly nested) tuple of str."""
-    try:
-        unravel_key(key)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return False
-    return True
+    """True if ``key`` is a str or a (possibly nested) non-empty tuple of str.
+
+    A plain predicate, with no exception and no message: it runs on every ``td[index]``
+    to tell a key from an index, and formatting the index (an error message of
+    ``unravel_key``) would cost more than the indexing itself.
+
+    Examples:
+        >>> is_nested_key(("a", ("b", "c"))), is_nested_key(("a", 0)), is_nested_key(())
+        (True, False, False)
+    """
+    if isinstance(key, str):
+        return True
+    return isinstance(key, tuple) and bool(key) and all(is_nested_key(part) for part in key)
 
 
 def key_repr(key: tuple[str, ...]) -> str:

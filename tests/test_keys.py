@@ -113,3 +113,21 @@ def test_public_unravel_key_is_tensordicts():
     assert shared_td.unravel_key(("a", ("b", "c"))) == ("a", "b", "c")
     with pytest.raises(TypeError):
         shared_td.unravel_key(1)
+
+
+class _ReprCounted:
+    """A non-key whose repr is counted: a check that formats it builds a message eagerly."""
+
+    reprs = 0
+
+    def __repr__(self) -> str:
+        type(self).reprs += 1
+        return "<counted>"
+
+
+@pytest.mark.parametrize("key", [_ReprCounted(), ("a", _ReprCounted()), ("a", ("b", _ReprCounted())), ((), "a")])
+def test_is_nested_key_formats_nothing(key):
+    # is_nested_key runs on every td[index]; an index tensor's repr costs ~1 ms
+    _ReprCounted.reprs = 0
+    assert not is_nested_key(key)
+    assert _ReprCounted.reprs == 0

@@ -16,6 +16,7 @@ import tempfile
 from typing import Callable
 
 from shared_td.bench.cases_files import case_big_leaf, case_tree_anonymous, case_tree_load, case_tree_to_files
+from shared_td.bench.cases_replay import Rate, case_replay, case_replay_loader, case_replay_worker
 from shared_td.bench.cases_sharing import (
     case_atomic_rewrite,
     case_coord_attach,
@@ -34,6 +35,9 @@ CASES: dict[str, Callable[..., dict]] = {
     "atomic_rewrite": case_atomic_rewrite,
     "coord_attach": case_coord_attach,
     "nontensor_read": case_nontensor_read,
+    "replay": case_replay,
+    "replay_worker": case_replay_worker,
+    "replay_loader": case_replay_loader,
 }
 
 
@@ -44,7 +48,8 @@ class BenchOptions:
     size_mib: int = 256  # the big leaf (and a quarter of it for atomic_rewrite)
     repeat: int = 5  # each number is the best of this many runs
     nodes: int = 1000  # nested tensordicts in the tree cases
-    rounds: int = 200  # coordinator calls per timing (and 5x as many lock rounds)
+    rounds: int = 200  # coordinator calls per timing (and 5x as many lock rounds, 10x replay calls)
+    rows: int = 65536  # rows of the replay buffer
     only: list[str] | None = None  # case names; None runs them all
     directory: str | None = None  # where the scratch directory goes (None: the temp dir)
 
@@ -63,6 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, help=f"best of this many runs (default {full.repeat})")
     parser.add_argument("--nodes", type=int, help=f"nodes of the tree cases (default {full.nodes})")
     parser.add_argument("--rounds", type=int, help=f"calls per coordinator timing (default {full.rounds})")
+    parser.add_argument("--rows", type=int, help=f"rows of the replay buffer (default {full.rows})")
     parser.add_argument("--only", choices=sorted(CASES), action="append", metavar="CASE",
                         help="run this case only (may be repeated): " + ", ".join(CASES))
     parser.add_argument("--dir", dest="directory", default=None,
@@ -73,7 +79,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
     """The options given on the command line over the full (or --quick) defaults."""
     given = {field.name: getattr(args, field.name) for field in dataclasses.fields(BenchOptions)
              if getattr(args, field.name, None) is not None}
-    for name in ("size_mib", "repeat", "nodes", "rounds"):
+    for name in ("size_mib", "repeat", "nodes", "rounds", "rows"):
         if name in given and given[name] < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {given[name]}")
     return BenchOptions.quick(**given) if args.quick else BenchOptions(**given)
@@ -104,15 +110,58 @@ def run(options: BenchOptions, write: Callable[[str], None] = print) -> int:
 
 
 def table_rows(name: str, results: dict) -> list[str]:
-    """One line per column; times also as a ratio to the first (reference) column."""
+    """One line per column; times also as a ratio to the first (reference) column
+    (a rate as the inverse ratio: above 1 is always faster than the reference).
+
+    A case whose results are ``{row: {column: value}}`` gets a grid instead (see
+    ``grid_rows``).
+    """
     reference = next(iter(results.values()))
+    if isinstance(reference, dict):
+        return grid_rows(name, results)
     rows = []
     for column, value in results.items():
         if isinstance(value, int):  # a count, not a time
             rows.append(f"{name:<16}{column:<26}{value:>10d}")
         else:
-            rows.append(f"{name:<16}{column:<26}{readable_time(value):>10}{reference / value:>13.2f}x")
+            speedup = value / reference if isinstance(value, Rate) else reference / value
+            rows.append(f"{name:<16}{column:<26}{readable_value(value):>10}{speedup:>13.2f}x")
     return rows
+
+
+def grid_rows(name: str, results: dict) -> list[str]:
+    """A header naming the columns, then one line per row: each column's value, then
+    shared_td's time divided by each other column's (below 1: shared_td is faster; a
+    rate counts as the time of one unit).
+
+    Example:
+        >>> for line in grid_rows("replay", {"buf[i]": {"raw": 2e-6, "shared_td": 3e-6}}):
+        ...     print(line)
+        replay          operation                       raw   shared_td  shared_td/raw
+        replay          buf[i]                      2.00 us     3.00 us          1.50x
+    """
+    columns = list(next(iter(results.values())))
+    others = [column for column in columns if column != "shared_td"]
+    ratio_names = [f"shared_td/{column}" for column in others] if "shared_td" in columns else []
+    rows = [f"{name:<16}{'operation':<26}" + "".join(f"{c:>12}" for c in columns)
+            + "".join(f"{r:>{max(15, len(r) + 2)}}" for r in ratio_names)]
+    for row, values in results.items():
+        line = f"{name:<16}{row:<26}" + "".join(f"{readable_value(values[c]):>12}" for c in columns)
+        if ratio_names:
+            ours = _unit_time(values["shared_td"])
+            line += "".join(f"{ours / _unit_time(values[c]):>{max(15, len(r) + 2) - 1}.2f}x"
+                            for c, r in zip(others, ratio_names))
+        rows.append(line)
+    return rows
+
+
+def _unit_time(value: float) -> float:
+    return 1.0 / value if isinstance(value, Rate) else value
+
+
+def readable_value(value: float) -> str:
+    """A time as ``readable_time`` shows it; a Rate as ``N/s``."""
+    return f"{value:,.0f}/s" if isinstance(value, Rate) else readable_time(value)
 
 
 def readable_time(seconds: float) -> str:

@@ -11,10 +11,13 @@ EPILOG = """examples:
   shared-td bench --quick                     every case, small sizes, one run each
   shared-td bench --only big_leaf --only tree_load
   shared-td bench --size-mib 1024 --repeat 3 --dir /mnt/nvme   the full run, elsewhere
+  shared-td bench --only replay --only replay_worker --only replay_loader   the RL hot paths
 
 Each number is the best of --repeat runs; "vs first row" is the first row of the case
-divided by this one (above 1: faster than the reference). tensordict is optional: when
-it is not installed its rows are left out. Exit code 1 if a case failed.
+divided by this one (above 1: faster than the reference). The replay cases show one row
+per operation with a column per library and shared_td's time divided by each other
+column's (below 1: shared_td is faster). tensordict is optional: when it is not
+installed its rows are left out. Exit code 1 if a case failed.
 """
 
 

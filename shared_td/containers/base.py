@@ -419,6 +419,7 @@ class TensorDictBase(LockingOps, BatchSplitOps, MemmapMethods):
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["_lock_parents"] = {}
+        state.pop("_row_write_plan", None)  # a cache of this process's leaves (see row_writes)
         state["_context_ops"] = []
         return state
 
@@ -515,25 +516,25 @@ def _equal(value: Any, other: Any) -> Any:
 def check_write_into(current: Any, value: Any, key: str | tuple[str, ...]) -> None:
     """Raise, naming the key, if the converted ``value`` cannot be written in place into
     the entry ``current``; writes nothing (update_ checks every entry before writing)."""
-    name = key_repr(key) if isinstance(key, tuple) else repr(key)
     if isinstance(current, torch.Tensor):
         if not isinstance(value, torch.Tensor):
             raise TypeError(
-                f"Cannot write a {type(value).__name__} in place into tensor entry {name}."
+                f"Cannot write a {type(value).__name__} in place into tensor entry {_shown(key)}."
             )
-        try:
-            fits = torch.broadcast_shapes(value.shape, current.shape) == current.shape
-        except RuntimeError:
-            fits = False
-        if not fits:
+        if not batch_ops.broadcasts_to(value.shape, current.shape):
             raise BatchSizeMismatchError(
                 f"Cannot write a value of shape {list(value.shape)} in place into entry "
-                f"{name} of shape {list(current.shape)}."
+                f"{_shown(key)} of shape {list(current.shape)}."
             )
     elif is_non_tensor(current):
         current._check_update(value)
     elif is_tensor_collection(current) and (not is_tensor_collection(value) or is_non_tensor(value)):
         raise TypeError(
             f"Cannot write a {type(value).__name__} in place into the nested tensordict "
-            f"{name}: give a dict or tensordict of its entries."
+            f"{_shown(key)}: give a dict or tensordict of its entries."
         )
+
+
+def _shown(key: str | tuple[str, ...]) -> str:
+    """How an error message names ``key`` (made only when there is an error)."""
+    return key_repr(key) if isinstance(key, tuple) else repr(key)

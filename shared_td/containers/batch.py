@@ -7,6 +7,7 @@ into the explicit form that can be applied to leaves with more trailing dims.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import numpy as np
@@ -113,6 +114,51 @@ def normalize_index(index: Any, batch_size: torch.Size) -> tuple:
     return parts
 
 
+def index_and_size(index: Any, batch_size: torch.Size) -> tuple[tuple, torch.Size]:
+    """``normalize_index(index)`` and the batch size it gives, computed once per call.
+
+    The replay buffer's common indices, an int in range and a slice of step 1 with int
+    bounds, are done in plain Python (the same result as torch's), and an integer tensor
+    skips the part-by-part normalisation; anything else, and every error, goes through
+    ``normalize_index`` and ``indexed_batch_size``.
+
+    Examples:
+        >>> index_and_size(-1, torch.Size([5, 2]))
+        ((-1,), torch.Size([2]))
+        >>> index_and_size(slice(3, 9), torch.Size([5]))
+        ((slice(3, 9, None),), torch.Size([2]))
+    """
+    if batch_size:
+        kind, rows = type(index), batch_size[0]
+        if kind is int and -rows <= index < rows:
+            return (index,), batch_size[1:]
+        if kind is slice and index.step is None and type(index.start) in _SLICE_BOUNDS and type(index.stop) in _SLICE_BOUNDS:
+            start, stop, _ = index.indices(rows)
+            return (index,), torch.Size([max(stop - start, 0)]) + batch_size[1:]
+        if kind is torch.Tensor and index.dtype in _INTEGER_DTYPES:  # a sample's indices
+            index = (index,)
+            return index, indexed_batch_size(batch_size, index)  # checks the range
+    index = normalize_index(index, batch_size)
+    return index, indexed_batch_size(batch_size, index)
+
+
+_SLICE_BOUNDS = (int, type(None))
+_INTEGER_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8})  # uint8 is a mask to torch
+
+
+def broadcasts_to(shape: torch.Size, target: torch.Size) -> bool:
+    """True if a tensor of ``shape`` broadcasts to ``target`` (torch's rule, in plain
+    Python: ``torch.broadcast_shapes`` costs ~40 µs and raises on a mismatch).
+
+    Examples:
+        >>> broadcasts_to(torch.Size([1, 3]), torch.Size([4, 3])), broadcasts_to(torch.Size([2]), torch.Size([3]))
+        (True, False)
+    """
+    return len(shape) <= len(target) and all(
+        have in (want, 1) for have, want in zip(reversed(shape), reversed(target))
+    )
+
+
 def is_basic_index(index: tuple) -> bool:
     """True if indexing with ``index`` gives a view (no copy), as in torch."""
     return all(isinstance(p, _BASIC_INDEX_TYPES) and not isinstance(p, bool) for p in index)
@@ -123,14 +169,21 @@ def indexed_batch_size(batch_size: torch.Size, index: tuple) -> torch.Size:
 
     Raises IndexError (naming the index and the batch size) when out of range.
     """
-    probe = torch.zeros((), dtype=torch.uint8).expand(batch_size)
     try:
-        return probe[index].shape
+        return _probe(batch_size)[index].shape
     except IndexError as error:
         raise IndexError(
             f"{error} (while indexing a tensordict of batch size {list(batch_size)} "
             f"with {index!r})"
         ) from None
+
+
+@functools.lru_cache(maxsize=64)
+def _probe(batch_size: torch.Size) -> torch.Tensor:
+    """A 0-stride tensor of shape ``batch_size`` (one byte of memory), made once per
+    batch size: making it costs more than indexing it (~6 µs against ~3 µs for 256
+    indices). Only ever read."""
+    return torch.zeros((), dtype=torch.uint8).expand(batch_size)
 
 
 def indexed_names(names: Sequence[str | None] | None, index: tuple) -> list | None:

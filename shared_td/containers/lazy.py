@@ -21,7 +21,7 @@ from shared_td.containers.base import NO_DEFAULT, TensorDictBase, is_non_tensor,
 from shared_td.containers.lazy_shape import LazyShapeOps, _into
 from shared_td.containers.lazy_writes import LazyWriteOps, _is_branch, _peek
 from shared_td.errors import BatchSizeMismatchError
-from shared_td.keys import NestedKey, key_repr, unravel_key
+from shared_td.keys import NestedKey, is_nested_key, key_repr, unravel_key
 
 
 class _Ragged:
@@ -230,11 +230,10 @@ class LazyStackedTensorDict(LazyShapeOps, LazyWriteOps, TensorDictBase):
         return values[0]
 
     def __contains__(self, key: NestedKey) -> bool:
+        if not is_nested_key(key):
+            return super().__contains__(key)  # raises the TypeError
         if not isinstance(key, str):
-            try:
-                key = unravel_key(key)
-            except (TypeError, ValueError):
-                return super().__contains__(key)  # raises the TypeError
+            key = unravel_key(key)
         return bool(self.tensordicts) and all(key in m for m in self.tensordicts)
 
     def get(self, key: NestedKey, default: Any = NO_DEFAULT, *, as_list: bool = False,

@@ -185,11 +185,7 @@ def _expand_to(value: Any, size: torch.Size) -> Any:
 
 def _check_fits(part: Any, shape: torch.Size, name: str) -> None:
     """Raise before writing if ``part`` cannot be copied into an entry of ``shape``."""
-    try:
-        fits = not isinstance(part, torch.Tensor) or torch.broadcast_shapes(part.shape, shape) == shape
-    except RuntimeError:
-        fits = False
-    if not fits:
+    if isinstance(part, torch.Tensor) and not batch_ops.broadcasts_to(part.shape, shape):
         raise BatchSizeMismatchError(
             f"Cannot write a value of shape {list(part.shape)} in place into entry {name} of shape {list(shape)}."
         )

@@ -17,6 +17,7 @@ from shared_td.containers.base import (
 from shared_td.containers.keyops import KeyOps
 from shared_td.containers.naming import NamedBatchDims
 from shared_td.containers.reshaping import BatchShapeOps
+from shared_td.containers.row_writes import write_rows
 from shared_td.errors import BatchSizeMismatchError
 from shared_td.keys import NestedKey, key_repr, unravel_key
 
@@ -42,6 +43,9 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, TensorDictBase):
         >>> td[0]["task"]
         'walk'
     """
+
+    #: the cached leaves of ``td[index] = other`` (see row_writes; checked at each use)
+    _row_write_plan = None
 
     def __init__(
         self,
@@ -308,14 +312,33 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, TensorDictBase):
 
     # ---------------------------------------------------------------- indexing
     def _index(self, index: Any) -> "TensorDict":
-        index = batch_ops.normalize_index(index, self._batch_size)
-        new_size = batch_ops.indexed_batch_size(self._batch_size, index)
-        return self._map_entries(
-            lambda value: value[index],
-            new_size,
-            batch_ops.indexed_names(self._names, index),
-            is_view=batch_ops.is_basic_index(index),
+        index, new_size = batch_ops.index_and_size(index, self._batch_size)
+        return self._index_rows(index, new_size, batch_ops.is_basic_index(index), False)
+
+    def _index_rows(self, index: tuple, new_size: torch.Size, is_view: bool, parent_locks: bool) -> "TensorDict":
+        """``self[index]`` for a normalized ``index`` that gives batch size ``new_size``.
+
+        Nested tensordicts are indexed by this method too: the index is normalised and
+        checked once per call, at the top. A view (basic index) keeps the lock and the
+        memmap/shared flags; ``parent_locks``: the caller locks the whole result.
+        """
+        depth = len(self._batch_size)
+        locks = is_view and self._is_locked
+        entries = {}
+        for key, value in self._tensordict.items():
+            if type(value) is TensorDict:
+                entries[key] = value._index_rows(index, new_size + value._batch_size[depth:], is_view, locks)
+            else:
+                entries[key] = value[index]
+        out = TensorDict._new_unsafe(
+            entries, new_size, self._device, batch_ops.indexed_names(self._names, index)
         )
+        if is_view:
+            out._is_memmap, out._is_shared = self._is_memmap, self._is_shared
+            out._memmap_prefix = self._memmap_prefix
+            if locks and not parent_locks:  # lock_() locks the nested results too
+                out.lock_()
+        return out
 
     def _set_at_index(self, index: Any, value: Any) -> None:
         """``td[index] = value``: write a tensordict, dict or scalar into the indexed rows.
@@ -323,22 +346,24 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, TensorDictBase):
         Everything is checked before the first byte is written, so a failing write
         leaves self unchanged.
         """
-        index = batch_ops.normalize_index(index, self._batch_size)
+        index, target_batch = batch_ops.index_and_size(index, self._batch_size)
+        if type(value) is TensorDict and write_rows(self, index, target_batch, value):
+            return  # the same structure as before: leaf by leaf over the cached plan
         if isinstance(value, dict):  # batch_size [] so that values may broadcast
             value = TensorDict(value, batch_size=[])
         elif is_tensor_collection(value) and not isinstance(value, TensorDictBase):
             value = value._tensordict  # a tensorclass
         writes: list[Callable[[], None]] = []
-        self._plan_index_writes(index, value, writes)
+        self._plan_index_writes(index, value, writes, target_batch)
         for write in writes:
             write()
 
-    def _plan_index_writes(self, index: tuple, value: Any, writes: list) -> None:
+    def _plan_index_writes(self, index: tuple, value: Any, writes: list, target_batch: torch.Size) -> None:
         """Check ``self[index] = value`` and append the closures that perform it to
-        ``writes``; nothing is written here."""
+        ``writes``; nothing is written here. ``target_batch``: the batch size after
+        indexing (``batch_ops.index_and_size``)."""
         # ``index`` names batch dims only (normalized), so an entry's indexed shape is
         # the indexed batch size followed by its own feature dims.
-        target_batch = batch_ops.indexed_batch_size(self._batch_size, index)
         if not is_tensor_collection(value):  # one tensor or number for every tensor leaf
             if not isinstance(value, (torch.Tensor, bool, int, float, complex)):
                 raise TypeError(
@@ -379,7 +404,8 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, TensorDictBase):
                 inner = current if isinstance(current, TensorDictBase) else current._tensordict
                 source = source if isinstance(source, TensorDictBase) else source._tensordict
                 if hasattr(inner, "_plan_index_writes"):
-                    inner._plan_index_writes(index, source, writes)
+                    inner_batch = target_batch + inner._batch_size[self.batch_dims:]
+                    inner._plan_index_writes(index, source, writes, inner_batch)
                 else:  # another container class checks when it writes
                     writes.append(lambda inner=inner, source=source: inner.__setitem__(index, source))
 
@@ -494,13 +520,7 @@ def _write_into(current: Any, value: Any, key: str) -> None:
 
 def _check_fits(source: torch.Tensor, expected: torch.Size, key: str, index: tuple) -> None:
     """Raise unless ``source`` broadcasts to ``expected``, the shape of the indexed entry."""
-    # torch's broadcasting rule, in plain Python: this runs once per leaf of every
-    # replay-buffer write, where torch.broadcast_shapes cost ~40 µs
-    shape = source.shape
-    fits = len(shape) <= len(expected) and all(
-        have in (want, 1) for have, want in zip(reversed(shape), reversed(expected))
-    )
-    if not fits:
+    if not batch_ops.broadcasts_to(source.shape, expected):
         name = key if key == "a leaf" else repr(key)
         raise BatchSizeMismatchError(
             f"Cannot write a value of shape {list(source.shape)} into entry {name} at "

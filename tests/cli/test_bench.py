@@ -22,7 +22,8 @@ def _rows(out: str) -> dict[str, list[str]]:
 
 
 def test_quick_runs_every_case_in_bounded_time():
-    # about 7 s alone on 2 cores; the timeout leaves room for a busy machine
+    # about 7 s alone on 2 cores, plus the replay cases' spawn worker (its imports); the
+    # timeout leaves room for a busy machine
     done = run_cli("bench", "--quick", timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
@@ -32,6 +33,19 @@ def test_quick_runs_every_case_in_bounded_time():
     assert list(rows) == list(CASES)
     assert rows["big_leaf"][0] == "raw os.write" and "shared_td threads=2" in rows["big_leaf"]
     assert "shared_td fds held" in rows["tree_anonymous"]
+    assert_replay_rows(done.stdout, rows)
+
+
+def assert_replay_rows(out: str, rows: dict) -> None:
+    """The replay cases (a spawn worker and a DataLoader with 2 workers really ran): a
+    header naming the columns, then every operation."""
+    assert rows["replay"] == ["operation", "buf[i] = step", "buf[i:i+64] = batch", "buf[idx64] = batch",
+                              "buf[idx256] (sample)", "buf[i] (one row)"]
+    assert rows["replay_worker"] == ["operation", *rows["replay"][1:5]]
+    assert rows["replay_loader"] == ["operation", "DataLoader samples/s"]
+    header = next(line for line in out.splitlines() if line.startswith("replay ") and "operation" in line)
+    assert header.split()[2:] == ["raw", "torch", "tensordict", "shared_td", "shared_td/raw", "torch",
+                                  "shared_td/tensordict"]
 
 
 def test_the_repository_runner_takes_the_same_options():
@@ -75,4 +89,20 @@ def test_table_rows_show_ratios_to_the_first_column():
         "case            half as fast                  4.00 s         0.50x",
         "case            us                          20.00 us    100000.00x",
         "case            count                              7",
+    ]
+
+
+
+def test_grid_rows_show_shared_td_time_over_each_other_column():
+    from shared_td.bench.cases_replay import Rate
+
+    results = {"op": {"raw torch": 2e-6, "tensordict": 6e-6, "shared_td": 3e-6},
+               "DataLoader samples/s": {"raw torch": Rate(1000.0), "tensordict": Rate(400.0), "shared_td": Rate(500.0)}}
+    assert table_rows("replay", results) == [
+        "replay          operation                    raw torch  tensordict   shared_td  shared_td/raw torch"
+        "  shared_td/tensordict",
+        "replay          op                             2.00 us     6.00 us     3.00 us                1.50x"
+        "                 0.50x",
+        "replay          DataLoader samples/s           1,000/s       400/s       500/s                2.00x"
+        "                 0.80x",
     ]

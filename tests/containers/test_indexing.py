@@ -248,3 +248,18 @@ def test_bad_shape_ops():
         td.unsqueeze(4)
     with pytest.raises(RuntimeError):
         td.permute(1, 0).view(-1)  # not contiguous: view impossible
+
+
+def test_indexing_formats_no_index(monkeypatch):
+    # A tensor index reaches the nested tensordicts; nothing may build a message with it
+    # (torch's repr of a 256-row index cost 0.5 ms per sample before).
+    td = make_td()
+    index = torch.tensor([2, 0])
+
+    def no_repr(self, *args, **kwargs):
+        raise AssertionError("the index was formatted on a path that raised nothing")
+
+    monkeypatch.setattr(torch.Tensor, "__repr__", no_repr)
+    sub = td[index]
+    td[index] = sub
+    assert torch.equal(sub["nested", "x"], td["nested", "x"][index])
