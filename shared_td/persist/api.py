@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -19,7 +19,7 @@ from shared_td.storage.files import FileBacking
 from shared_td.storage.shared_value import collecting_new_cells
 from shared_td.persist.future import TensorDictFuture
 from shared_td.persist.loader import Loader
-from shared_td.persist.writer import NodePlan, Options, Planner, write_leaves, write_metadata
+from shared_td.persist.writer import NodePlan, Options, Planner, write_tree
 
 _CPU = torch.device("cpu")
 
@@ -107,28 +107,7 @@ def _execute(planner: Planner, root: NodePlan, options: Options) -> Any:
 
 def _write(planner: Planner, root: NodePlan, options: Options) -> None:
     """Write the leaves, then the metadata; on failure remove what this write created."""
-    created_dirs = _make_directories(root)
-    created_files: list[str] = []
-    pool = ThreadPoolExecutor(options.num_threads) if options.num_threads > 1 else None
-    try:
-        write_leaves(planner.leaves, options, pool, created_files)
-        write_metadata(root)
-    except BaseException:
-        # Files this write created in pre-existing directories (a failure in the
-        # metadata comes after write_leaves, which removes them only on its own errors)
-        for path in created_files:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-        # Directories this write created hold only what it wrote: remove them whole.
-        for directory in created_dirs:
-            if not any(directory.startswith(parent + os.sep) for parent in created_dirs):
-                shutil.rmtree(directory, ignore_errors=True)
-        raise
-    finally:
-        if pool is not None:
-            pool.shutdown()
+    write_tree(root, planner.leaves, options)
 
 
 def _finish(root: NodePlan, options: Options) -> Any:
@@ -191,16 +170,6 @@ def _relocate(root: NodePlan, staging: str, target: str) -> None:
                 )
             else:
                 leaf.result = MemoryMappedTensor._empty_leaf(new_backing, tensor.dtype, tensor.shape)
-
-
-def _make_directories(root: NodePlan) -> list[str]:
-    """Create the directories that did not exist; returns them, parents first."""
-    created = []
-    for node in reversed(list(root.walk())):  # parents first
-        if node.directory is not None and not node.exists:
-            os.makedirs(node.directory, exist_ok=node is root)
-            created.append(node.directory)
-    return created
 
 
 def _build(node: NodePlan, options: Options) -> Any:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from shared_td.keys import encode_key, is_safe_legacy_name
+from shared_td.storage.files import Directory
 
 META = "meta.json"
 LEAF_SUFFIX = ".memmap"
@@ -141,26 +142,19 @@ def dumps(document: dict, *, compact: bool = False) -> bytes:
     return json.dumps(document, separators=separators).encode("utf-8")
 
 
-def write_new_file(path: str, data: bytes) -> None:
-    """Write ``data`` to a file that must not exist yet (``O_EXCL``)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-    finally:
-        os.close(fd)
+def write_temporary(directory: Directory, name: str, data: bytes) -> str:
+    """Write ``data`` to a new temporary file beside ``name`` in ``directory``; returns
+    the temporary's name.
 
-
-def write_temporary(path: str, data: bytes) -> str:
-    """Write ``data`` to a new temporary file beside ``path``; returns its name.
-
-    The caller renames it over ``path`` (atomic: readers see the old or the new file).
+    The caller renames it over ``name`` (atomic: readers see the old or the new file).
+    A failed write removes the temporary at once; no room is a StorageFullError naming
+    the file and the bytes needed.
     """
-    temporary = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-    if os.path.lexists(temporary):
-        os.unlink(temporary)  # left by a killed writer of the same pid and thread id
-    write_new_file(temporary, data)
+    temporary = f"{name}.{os.getpid()}.{threading.get_ident()}.tmp"
+    directory.unlink(temporary)  # left by a killed writer of the same pid and thread id
+    directory.write_new_file(
+        temporary, data, where=f"file {directory.join(name)} (written as {temporary})"
+    )
     return temporary
 
 

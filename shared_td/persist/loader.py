@@ -10,7 +10,6 @@ unpickling).
 """
 from __future__ import annotations
 
-import errno
 import json
 import os
 import pickle
@@ -22,7 +21,7 @@ import torch
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.persist import format as fmt
 from shared_td.storage import files
-from shared_td.storage.files import FileTooShortError
+from shared_td.storage.files import Directory, FileTooShortError
 
 #: How long a load keeps restarting while atomic writers replace the directory under it.
 RETRY_SECONDS = 60.0
@@ -40,66 +39,18 @@ def check_allow_pickle(allow_pickle: Any) -> bool:
     return allow_pickle
 
 
-class _Directory:
-    """An open directory: files are opened through its descriptor, named by ``path``."""
-
-    def __init__(self, fd: int, path: str):
-        self.fd = fd
-        self.path = path
-
-    def child(self, name: str) -> "_Directory":
-        path = os.path.join(self.path, name)
-        try:
-            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
-        except OSError as error:
-            raise _open_error(error, path) from None
-        return _Directory(fd, path)
-
-    def open(self, name: str, flags: int = os.O_RDONLY) -> int:
-        try:
-            return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
-        except OSError as error:
-            raise _open_error(error, os.path.join(self.path, name)) from None
-
-    def exists(self, name: str) -> bool:
-        try:
-            os.stat(name, dir_fd=self.fd, follow_symlinks=False)
-        except FileNotFoundError:
-            return False
-        return True
-
-    def read(self, name: str) -> bytes:
-        fd = self.open(name)
-        try:
-            chunks = []
-            while chunk := os.read(fd, 1 << 20):
-                chunks.append(chunk)
-            return b"".join(chunks)
-        finally:
-            os.close(fd)
-
-    def read_meta(self) -> dict:
-        where = os.path.join(self.path, fmt.META)
-        try:
-            document = json.loads(self.read(fmt.META).decode("utf-8"))
-        except FileNotFoundError:
-            raise FileNotFoundError(f"No saved tensordict at {self.path!r}: {fmt.META} is missing.") from None
-        except (ValueError, UnicodeDecodeError) as error:
-            raise fmt.FormatError(f"{where} is not valid JSON: {error}") from None
-        if not isinstance(document, dict):
-            raise fmt.FormatError(f"{where} holds a {type(document).__name__}, not a JSON object.")
-        return document
-
-    def close(self) -> None:
-        os.close(self.fd)
-
-
-def _open_error(error: OSError, path: str) -> OSError:
-    if error.errno == errno.ELOOP:
-        return RuntimeError(f"Refusing to load through symlink {path}.")
-    if error.errno == errno.ENOTDIR and os.path.islink(path):
-        return RuntimeError(f"Refusing to load through symlink {path}.")
-    return type(error)(error.errno, f"{error.strerror}: {path}")
+def read_meta(directory: Directory) -> dict:
+    """The meta.json of ``directory`` as a dict; a clear error if missing or not JSON."""
+    where = directory.join(fmt.META)
+    try:
+        document = json.loads(directory.read(fmt.META).decode("utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"No saved tensordict at {directory.path!r}: {fmt.META} is missing.") from None
+    except (ValueError, UnicodeDecodeError) as error:
+        raise fmt.FormatError(f"{where} is not valid JSON: {error}") from None
+    if not isinstance(document, dict):
+        raise fmt.FormatError(f"{where} holds a {type(document).__name__}, not a JSON object.")
+    return document
 
 
 class Loader:
@@ -126,10 +77,10 @@ class Loader:
                 root.close()
 
     @staticmethod
-    def _open_root(path: str) -> _Directory:
+    def _open_root(path: str) -> Directory:
         for _ in range(1000):  # the two-renames fallback leaves the path missing briefly
             try:
-                return _Directory(os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), path)
+                return Directory.open(path, action="load")
             except NotADirectoryError:
                 raise NotADirectoryError(f"{path} is a file, not a saved tensordict directory.") from None
             except FileNotFoundError:
@@ -138,8 +89,8 @@ class Loader:
                 time.sleep(0.001)
         raise FileNotFoundError(f"No saved tensordict at {path}: no such directory.")
 
-    def _load(self, directory: _Directory, batch_size: torch.Size | None) -> Any:
-        meta = directory.read_meta()
+    def _load(self, directory: Directory, batch_size: torch.Size | None) -> Any:
+        meta = read_meta(directory)
         type_str = meta.get("_type")
         if type_str == fmt.TENSORDICT_TYPE:
             return self._load_tensordict(directory, meta)
@@ -151,7 +102,7 @@ class Loader:
             return self._load_non_tensor_stack(directory, meta)
         return self._load_tensorclass(directory, meta, type_str)
 
-    def _load_child(self, directory: _Directory, name: str, batch_size=None) -> Any:
+    def _load_child(self, directory: Directory, name: str, batch_size=None) -> Any:
         child = directory.child(name)
         try:
             return self._load(child, batch_size)
@@ -159,7 +110,7 @@ class Loader:
             child.close()
 
     # ------------------------------------------------------------------ node kinds
-    def _load_tensordict(self, directory: _Directory, meta: dict) -> Any:
+    def _load_tensordict(self, directory: Directory, meta: dict) -> Any:
         from shared_td.containers.tensordict import TensorDict
 
         batch_size = torch.Size(meta.get("shape", []))
@@ -183,7 +134,7 @@ class Loader:
         td._memmap_prefix = directory.path
         return td
 
-    def _load_leaf(self, directory: _Directory, key: str, entry: dict) -> torch.Tensor:
+    def _load_leaf(self, directory: Directory, key: str, entry: dict) -> torch.Tensor:
         if entry.get("is_nested"):
             raise NotImplementedError(f"{self._where(directory, key)}: nested tensors cannot be loaded yet.")
         dtype = fmt.DTYPE_BY_NAME.get(entry["dtype"]) or fmt.dtype_from_name(
@@ -200,7 +151,7 @@ class Loader:
             os.close(fd)
         return MemoryMappedTensor._from_backing(backing, 0, dtype, shape)
 
-    def _load_lazy(self, directory: _Directory, meta: dict) -> Any:
+    def _load_lazy(self, directory: Directory, meta: dict) -> Any:
         from shared_td.containers.lazy import LazyStackedTensorDict
 
         members = []
@@ -216,7 +167,7 @@ class Loader:
         lazy._memmap_prefix = directory.path
         return lazy
 
-    def _load_non_tensor_data(self, directory: _Directory, meta: dict, batch_size) -> Any:
+    def _load_non_tensor_data(self, directory: Directory, meta: dict, batch_size) -> Any:
         from shared_td.containers.nontensor import NonTensorData
 
         if "data" in meta:
@@ -227,7 +178,7 @@ class Loader:
         value._memmap_prefix = directory.path
         return value
 
-    def _load_non_tensor_stack(self, directory: _Directory, meta: dict) -> Any:
+    def _load_non_tensor_stack(self, directory: Directory, meta: dict) -> Any:
         from shared_td.containers.nontensor import NonTensorStack
 
         data = meta.get("data")
@@ -237,7 +188,7 @@ class Loader:
         stack._memmap_prefix = directory.path
         return stack
 
-    def _load_tensorclass(self, directory: _Directory, meta: dict, type_str: Any) -> Any:
+    def _load_tensorclass(self, directory: Directory, meta: dict, type_str: Any) -> Any:
         from shared_td.containers.tensorclass import tensorclass_for_type_string
 
         try:
@@ -256,7 +207,7 @@ class Loader:
         """File names of ``key``: its robust name, then its legacy (raw) name if safe."""
         return fmt.file_names(key, leaf=leaf, robust_key=self.robust_key)
 
-    def _open_leaf(self, directory: _Directory, key: str) -> tuple[str, int, bool]:
+    def _open_leaf(self, directory: Directory, key: str) -> tuple[str, int, bool]:
         """Open the file of leaf ``key``: ``(name, fd, shared)``.
 
         A read-only file is opened read-only and mapped copy-on-write (shared=False).
@@ -264,14 +215,14 @@ class Loader:
         names = self._candidates(key, leaf=True)
         for name in names:
             try:
-                return name, directory.open(name, os.O_RDWR), True
+                return name, directory.open_file(name, os.O_RDWR), True
             except FileNotFoundError:
                 continue
             except PermissionError:
-                return name, directory.open(name, os.O_RDONLY), False
+                return name, directory.open_file(name, os.O_RDONLY), False
         raise self._missing(directory, key, names, "file")
 
-    def _resolve(self, directory: _Directory, key: str, *, leaf: bool) -> str:
+    def _resolve(self, directory: Directory, key: str, *, leaf: bool) -> str:
         """The existing file name of ``key`` (see ``_candidates``)."""
         names = self._candidates(key, leaf=leaf)
         for name in names:
@@ -279,17 +230,17 @@ class Loader:
                 return name
         raise self._missing(directory, key, names, "file" if leaf else "directory")
 
-    def _missing(self, directory: _Directory, key: str, names: list, kind: str) -> FileNotFoundError:
+    def _missing(self, directory: Directory, key: str, names: list, kind: str) -> FileNotFoundError:
         return FileNotFoundError(
             f"The {kind} of {self._where(directory, key)} is missing (looked for {names}): "
             "the save is incomplete or was moved."
         )
 
     @staticmethod
-    def _where(directory: _Directory, key: str) -> str:
+    def _where(directory: Directory, key: str) -> str:
         return f"key {key!r} listed in {directory.path}/{fmt.META}"
 
-    def _unpickle(self, directory: _Directory, name: str) -> Any:
+    def _unpickle(self, directory: Directory, name: str) -> Any:
         path = os.path.join(directory.path, name)
         if not self.allow_pickle:
             raise RuntimeError(
@@ -299,7 +250,7 @@ class Loader:
         return pickle.loads(directory.read(name))
 
 
-def _replaced(root: _Directory, path: str) -> bool:
+def _replaced(root: Directory, path: str) -> bool:
     """True if ``path`` no longer names the directory ``root`` opened (a swap happened)."""
     try:
         current = os.stat(path)
