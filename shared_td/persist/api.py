@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -19,7 +19,7 @@ from shared_td.storage.files import FileBacking
 from shared_td.storage.shared_value import collecting_new_cells
 from shared_td.persist.future import TensorDictFuture
 from shared_td.persist.loader import Loader
-from shared_td.persist.writer import NodePlan, Options, Planner, write_leaves, write_metadata
+from shared_td.persist.writer import NodePlan, Options, Planner, write_tree
 
 _CPU = torch.device("cpu")
 
@@ -101,46 +101,8 @@ def _run_into_future(future: Future, planner: Planner, root: NodePlan, options: 
 
 
 def _execute(planner: Planner, root: NodePlan, options: Options) -> Any:
-    _write(planner, root, options)
+    write_tree(root, planner.leaves, options)
     return _finish(root, options)
-
-
-def _write(planner: Planner, root: NodePlan, options: Options, *, clean_up: bool = True) -> None:
-    """Write the leaves, then the metadata; on failure remove what this write created
-    (``clean_up=False``: the caller removes the whole directory). What cannot be removed
-    is named in a note on the raised error."""
-    created_dirs = _make_directories(root)
-    created_files: list[str] = []
-    pool = ThreadPoolExecutor(options.num_threads) if options.num_threads > 1 else None
-    try:
-        write_leaves(planner.leaves, options, pool, created_files)
-        write_metadata(root)
-    except BaseException as error:
-        if clean_up:
-            _remove_created(created_dirs, created_files, error)
-        raise
-    finally:
-        if pool is not None:
-            pool.shutdown()
-
-
-def _remove_created(directories: list[str], created_files: list[str], error: BaseException) -> None:
-    # Files this write created in pre-existing directories (a failure in the metadata
-    # comes after write_leaves, which removes them only on its own errors), then the
-    # directories it created, whole: they hold only what it wrote.
-    outermost = [d for d in directories if not any(d.startswith(p + os.sep) for p in directories)]
-    for path in created_files:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        except OSError as failure:
-            error.add_note(f"The file {path} written before this error could not be removed: {failure}")
-    for directory in outermost:
-        try:
-            atomic.remove_tree(directory)
-        except OSError as failure:
-            error.add_note(f"The directory {directory} this write created could not be removed: {failure}")
 
 
 def _finish(root: NodePlan, options: Options) -> Any:
@@ -180,7 +142,7 @@ def _memmap_atomically(obj: Any, options: Options, return_early: bool) -> Any:
             options.prefix, options.atomic_target = staging.path, target
             planner = Planner(options, fresh_root=True)
             root = planner.plan(obj)
-            _write(planner, root, options, clean_up=False)
+            write_tree(root, planner.leaves, options, clean_up=False)
             staging.finish()
             atomic.swap_into_place(staging.path, target)
         except BaseException as error:
@@ -209,16 +171,6 @@ def _relocate(root: NodePlan, staging: str, target: str) -> None:
                 )
             else:
                 leaf.result = MemoryMappedTensor._empty_leaf(new_backing, tensor.dtype, tensor.shape)
-
-
-def _make_directories(root: NodePlan) -> list[str]:
-    """Create the directories that did not exist; returns them, parents first."""
-    created = []
-    for node in reversed(list(root.walk())):  # parents first
-        if node.directory is not None and not node.exists:
-            os.makedirs(node.directory, exist_ok=node is root)
-            created.append(node.directory)
-    return created
 
 
 def _build(node: NodePlan, options: Options) -> Any:

@@ -60,7 +60,7 @@ import filelock
 
 from shared_td.persist import format as fmt
 from shared_td.persist.lock_probe import lock_is_held, remove_unheld_lock
-from shared_td.persist.removal import remove_tree
+from shared_td.storage.removal import remove_tree
 
 #: Seconds a writer waits for another writer of the same prefix before TimeoutError.
 #: Override per process with the environment variable SHARED_TD_LOCK_TIMEOUT.

@@ -26,6 +26,7 @@ import torch
 
 from shared_td.errors import FormatError
 from shared_td.keys import encode_key, is_safe_legacy_name
+from shared_td.storage.files import Directory, file_kind
 
 META = "meta.json"
 LEAF_SUFFIX = ".memmap"
@@ -288,27 +289,19 @@ def dumps(document: dict, *, compact: bool = False) -> bytes:
     return json.dumps(document, separators=separators).encode("utf-8")
 
 
-def write_new_file(path: str, data: bytes) -> None:
-    """Write ``data`` to a file that must not exist yet (``O_EXCL``)."""
-    # 0o666 less the umask, as a plain open() (and every leaf file) gets
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-    finally:
-        os.close(fd)
+def write_temporary(directory: Directory, name: str, data: bytes) -> str:
+    """Write ``data`` to a new temporary file beside ``name`` in ``directory``; returns
+    the temporary's name.
 
-
-def write_temporary(path: str, data: bytes) -> str:
-    """Write ``data`` to a new temporary file beside ``path``; returns its name.
-
-    The caller renames it over ``path`` (atomic: readers see the old or the new file).
+    The caller renames it over ``name`` (atomic: readers see the old or the new file).
+    A failed write removes the temporary at once; no room is a StorageFullError naming
+    the file and the bytes needed.
     """
-    temporary = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-    if os.path.lexists(temporary):
-        os.unlink(temporary)  # left by a killed writer of the same pid and thread id
-    write_new_file(temporary, data)
+    temporary = f"{name}.{os.getpid()}.{threading.get_ident()}.tmp"
+    directory.unlink(temporary)  # left by a killed writer of the same pid and thread id
+    directory.write_new_file(
+        temporary, data, where=f"file {directory.join(name)} (written as {temporary})"
+    )
     return temporary
 
 
@@ -339,15 +332,6 @@ REQUIRED_FIELDS = {
     NON_TENSOR_STACK_TYPE: (("stack_dim",), ("data",)),
 }
 _CLASS_TYPE = re.compile(r"<class '[^'\s]+\.[^'\s]+'>")
-
-
-def file_kind(mode: int) -> str | None:
-    """None for a regular file, else what it is ("a FIFO", "a directory", ...)."""
-    if stat.S_ISREG(mode):
-        return None
-    kinds = {stat.S_ISLNK: "a symlink", stat.S_ISDIR: "a directory", stat.S_ISFIFO: "a FIFO",
-             stat.S_ISSOCK: "a socket", stat.S_ISCHR: "a character device", stat.S_ISBLK: "a block device"}
-    return next((name for test, name in kinds.items() if test(mode)), "not a regular file")
 
 
 def not_a_save(directory: str) -> str | None:

@@ -39,7 +39,7 @@ from shared_td.errors import FormatError
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.persist import format as fmt
 from shared_td.storage import files
-from shared_td.storage.files import FileTooShortError
+from shared_td.storage.files import Directory, FileTooShortError
 
 #: open(O_RDWR) fails so on a file that can be read but not written (its mode or ACL,
 #: a read-only file system, an immutable file): such a file is mapped copy-on-write.
@@ -61,74 +61,18 @@ def check_allow_pickle(allow_pickle: Any) -> bool:
     return allow_pickle
 
 
-class _Directory:
-    """An open directory: files are opened through its descriptor, named by ``path``."""
-
-    def __init__(self, fd: int, path: str):
-        self.fd = fd
-        self.path = path
-
-    def child(self, name: str) -> "_Directory":
-        path = os.path.join(self.path, name)
-        try:
-            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
-        except OSError as error:
-            raise _open_error(error, path) from None
-        return _Directory(fd, path)
-
-    def open(self, name: str, flags: int = os.O_RDONLY) -> int:
-        """Open the regular file ``name``; anything else (a symlink, FIFO, socket, device,
-        directory) is refused without being opened for reading, so nothing blocks."""
-        path = os.path.join(self.path, name)
-        try:
-            kind = fmt.file_kind(os.stat(name, dir_fd=self.fd, follow_symlinks=False).st_mode)
-            if kind is None:
-                # O_NONBLOCK: should a FIFO replace the file after that stat, open and
-                # read return at once (and fstat refuses it) instead of waiting forever
-                fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY,
-                             dir_fd=self.fd)
-                kind = fmt.file_kind(os.fstat(fd).st_mode)
-                if kind is None:
-                    return fd
-                os.close(fd)
-        except OSError as error:
-            raise _open_error(error, path) from None
-        if kind == "a symlink":
-            raise RuntimeError(f"Refusing to load through symlink {path}.")
-        raise FormatError(path, f"{kind}, not a regular file: refused (reading it could block or never end)")
-
-    def exists(self, name: str) -> bool:
-        try:
-            os.stat(name, dir_fd=self.fd, follow_symlinks=False)
-        except FileNotFoundError:
-            return False
-        return True
-
-    def read(self, name: str) -> bytes:
-        fd = self.open(name)
-        try:
-            chunks = []
-            while chunk := os.read(fd, 1 << 20):
-                chunks.append(chunk)
-            return b"".join(chunks)
-        finally:
-            os.close(fd)
-
-    def read_meta(self) -> fmt.NodeMeta:
-        """This node's meta.json, parsed and checked (FormatError naming file and field)."""
-        where = os.path.join(self.path, fmt.META)
-        try:
-            data = self.read(fmt.META)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"No saved tensordict at {self.path!r}: {fmt.META} is missing.") from None
-        try:
-            document = json.loads(data.decode("utf-8"))
-        except (ValueError, UnicodeDecodeError, RecursionError) as error:
-            raise FormatError(where, f"not valid JSON: {error}") from None
-        return fmt.NodeMeta.from_json(document, where=where)
-
-    def close(self) -> None:
-        os.close(self.fd)
+def read_meta(directory: Directory) -> fmt.NodeMeta:
+    """The meta.json of ``directory``, parsed and checked (FormatError naming file and field)."""
+    where = directory.join(fmt.META)
+    try:
+        data = directory.read(fmt.META)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"No saved tensordict at {directory.path!r}: {fmt.META} is missing.") from None
+    try:
+        document = json.loads(data.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError) as error:
+        raise FormatError(where, f"not valid JSON: {error}") from None
+    return fmt.NodeMeta.from_json(document, where=where)
 
 
 def read_node_meta(path: str) -> fmt.NodeMeta:
@@ -139,20 +83,11 @@ def read_node_meta(path: str) -> fmt.NodeMeta:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as error:
-        raise _open_error(error, path) from None
-    directory = _Directory(fd, path)
-    try:
-        return directory.read_meta()
-    finally:
-        directory.close()
-
-
-def _open_error(error: OSError, path: str) -> OSError:
-    if error.errno == errno.ELOOP:
-        return RuntimeError(f"Refusing to load through symlink {path}.")
-    if error.errno == errno.ENOTDIR and os.path.islink(path):
-        return RuntimeError(f"Refusing to load through symlink {path}.")
-    return type(error)(error.errno, f"{error.strerror}: {path}")
+        if error.errno == errno.ELOOP or (error.errno == errno.ENOTDIR and os.path.islink(path)):
+            raise RuntimeError(f"Refusing to load through symlink {path}.") from None
+        raise type(error)(error.errno, f"{error.strerror}: {path}") from None
+    with Directory(fd, path, "load") as directory:
+        return read_meta(directory)
 
 
 class Loader:
@@ -179,10 +114,10 @@ class Loader:
                 root.close()
 
     @staticmethod
-    def _open_root(path: str) -> _Directory:
+    def _open_root(path: str) -> Directory:
         for _ in range(1000):  # the two-renames fallback leaves the path missing briefly
             try:
-                return _Directory(os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), path)
+                return Directory(os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), path, "load")
             except NotADirectoryError:
                 raise NotADirectoryError(f"{path} is a file, not a saved tensordict directory.") from None
             except FileNotFoundError:
@@ -191,8 +126,8 @@ class Loader:
                 time.sleep(0.001)
         raise FileNotFoundError(f"No saved tensordict at {path}: no such directory.")
 
-    def _load(self, directory: _Directory, batch_size: torch.Size | None) -> Any:
-        meta = directory.read_meta()
+    def _load(self, directory: Directory, batch_size: torch.Size | None) -> Any:
+        meta = read_meta(directory)
         if meta.type == fmt.TENSORDICT_TYPE:
             return self._load_tensordict(directory, meta)
         if meta.type == fmt.LAZY_STACK_TYPE:
@@ -203,7 +138,7 @@ class Loader:
             return self._load_non_tensor_stack(directory, meta)
         return self._load_tensorclass(directory, meta)
 
-    def _load_child(self, directory: _Directory, name: str, batch_size=None) -> Any:
+    def _load_child(self, directory: Directory, name: str, batch_size=None) -> Any:
         child = directory.child(name)
         try:
             return self._load(child, batch_size)
@@ -211,7 +146,7 @@ class Loader:
             child.close()
 
     # ------------------------------------------------------------------ node kinds
-    def _load_tensordict(self, directory: _Directory, meta: fmt.NodeMeta) -> Any:
+    def _load_tensordict(self, directory: Directory, meta: fmt.NodeMeta) -> Any:
         from shared_td.containers.tensordict import TensorDict
 
         batch_size = torch.Size(meta.batch_size)
@@ -235,7 +170,7 @@ class Loader:
         td._memmap_prefix = directory.path
         return td
 
-    def _load_leaf(self, directory: _Directory, leaf: fmt.LeafMeta) -> torch.Tensor:
+    def _load_leaf(self, directory: Directory, leaf: fmt.LeafMeta) -> torch.Tensor:
         if leaf.is_nested:
             raise NotImplementedError(f"{self._where(directory, leaf.key)}: nested tensors cannot be loaded yet.")
         shape = torch.Size(leaf.shape)
@@ -249,7 +184,7 @@ class Loader:
             os.close(fd)
         return MemoryMappedTensor._from_backing(backing, 0, leaf.dtype, shape)
 
-    def _load_lazy(self, directory: _Directory, meta: fmt.NodeMeta) -> Any:
+    def _load_lazy(self, directory: Directory, meta: fmt.NodeMeta) -> Any:
         from shared_td.containers.lazy import LazyStackedTensorDict
 
         members = []
@@ -265,7 +200,7 @@ class Loader:
         lazy._memmap_prefix = directory.path
         return lazy
 
-    def _load_non_tensor_data(self, directory: _Directory, meta: fmt.NodeMeta, batch_size) -> Any:
+    def _load_non_tensor_data(self, directory: Directory, meta: fmt.NodeMeta, batch_size) -> Any:
         from shared_td.containers.nontensor import NonTensorData
 
         if "data" in meta.document:
@@ -276,7 +211,7 @@ class Loader:
         value._memmap_prefix = directory.path
         return value
 
-    def _load_non_tensor_stack(self, directory: _Directory, meta: fmt.NodeMeta) -> Any:
+    def _load_non_tensor_stack(self, directory: Directory, meta: fmt.NodeMeta) -> Any:
         from shared_td.containers.nontensor import NonTensorStack
 
         data = meta.document.get("data")
@@ -286,7 +221,7 @@ class Loader:
         stack._memmap_prefix = directory.path
         return stack
 
-    def _load_tensorclass(self, directory: _Directory, meta: fmt.NodeMeta) -> Any:
+    def _load_tensorclass(self, directory: Directory, meta: fmt.NodeMeta) -> Any:
         from shared_td.containers.tensorclass import tensorclass_for_type_string
 
         try:
@@ -305,7 +240,7 @@ class Loader:
         """File names of ``key``: its robust name, then its legacy (raw) name if safe."""
         return fmt.file_names(key, leaf=leaf, robust_key=self.robust_key)
 
-    def _open_leaf(self, directory: _Directory, key: str) -> tuple[str, int, bool]:
+    def _open_leaf(self, directory: Directory, key: str) -> tuple[str, int, bool]:
         """Open the file of leaf ``key``: ``(name, fd, shared)``.
 
         A file this process may not write (its mode, a read-only file system, an
@@ -314,16 +249,16 @@ class Loader:
         names = self._candidates(key, leaf=True)
         for name in names:
             try:
-                return name, directory.open(name, os.O_RDWR), True
+                return name, directory.open_regular(name, os.O_RDWR), True
             except FileNotFoundError:
                 continue
             except OSError as error:
                 if error.errno not in READ_ONLY_ERRNOS:
                     raise
-                return name, directory.open(name, os.O_RDONLY), False
+                return name, directory.open_regular(name, os.O_RDONLY), False
         raise self._missing(directory, key, names, "file")
 
-    def _resolve(self, directory: _Directory, key: str, *, leaf: bool) -> str:
+    def _resolve(self, directory: Directory, key: str, *, leaf: bool) -> str:
         """The existing file name of ``key`` (see ``_candidates``)."""
         names = self._candidates(key, leaf=leaf)
         for name in names:
@@ -331,17 +266,17 @@ class Loader:
                 return name
         raise self._missing(directory, key, names, "file" if leaf else "directory")
 
-    def _missing(self, directory: _Directory, key: str, names: list, kind: str) -> FileNotFoundError:
+    def _missing(self, directory: Directory, key: str, names: list, kind: str) -> FileNotFoundError:
         return FileNotFoundError(
             f"The {kind} of {self._where(directory, key)} is missing (looked for {names}): "
             "the save is incomplete or was moved."
         )
 
     @staticmethod
-    def _where(directory: _Directory, key: str) -> str:
+    def _where(directory: Directory, key: str) -> str:
         return f"key {key!r} listed in {directory.path}/{fmt.META}"
 
-    def _unpickle(self, directory: _Directory, name: str) -> Any:
+    def _unpickle(self, directory: Directory, name: str) -> Any:
         path = os.path.join(directory.path, name)
         if not self.allow_pickle:
             raise RuntimeError(
@@ -351,7 +286,7 @@ class Loader:
         return pickle.loads(directory.read(name))
 
 
-def _replaced(root: _Directory, path: str) -> bool:
+def _replaced(root: Directory, path: str) -> bool:
     """True if ``path`` no longer names the directory ``root`` opened (a swap happened)."""
     try:
         current = os.stat(path)

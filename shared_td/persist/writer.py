@@ -6,13 +6,17 @@
 * **write** copies the leaves: into files with ``pwrite`` (big leaves on
   ``num_threads`` threads, one file each), or into ONE anonymous segment for the whole tree
   (so file descriptors do not grow with the number of leaves).  A failure removes the
-  files this write created and re-raises; the tensordict is untouched.
+  files this write created and re-raises; the tensordict is untouched.  Every file and
+  directory below the prefix is reached from the prefix's descriptor, one name at a
+  time, never through a symlink: what the plan checked by path is not trusted to still
+  hold when the bytes go out (another process may have swapped a directory since).
 * **commit** writes every meta.json (children first, the root's last, each through a
   rename) and only then puts the new leaves into the tensordict (or a new one).
 """
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +29,8 @@ from shared_td.persist import format as fmt
 from shared_td.persist import nodes
 from shared_td.storage import files
 from shared_td.storage.anonymous import Segment, align
-from shared_td.storage.files import FileBacking
+from shared_td.storage.files import Directory, FileBacking
+from shared_td.storage.removal import remove_tree
 
 # With num_threads > 1, leaves at least this big are written by the pool, one leaf per
 # task: pwrite releases the GIL, and distinct files do not share an inode lock. One leaf
@@ -196,54 +201,166 @@ def _join(directory: str | None, name: str) -> str | None:
 
 
 # ------------------------------------------------------------------------------ write
-def write_leaves(
-    leaves: list[LeafPlan], options: Options, pool: ThreadPoolExecutor | None,
-    created: list[str] | None = None,
-) -> None:
-    """Fill ``leaf.result`` for every leaf; on failure remove the files this created.
+def write_tree(root: NodePlan, leaves: list[LeafPlan], options: Options, *, clean_up: bool = True) -> None:
+    """Write the leaves, then every meta.json; on failure remove what this write created
+    (``clean_up=False``: the caller removes the whole root, as an atomic write's staging
+    directory does with the descriptors it reserved for that).
 
-    The paths of the files created are appended to ``created``, so that a caller whose
-    next step (the metadata) fails can remove them too.
+    Every directory below the prefix is made with ``mkdirat`` and opened with
+    ``O_NOFOLLOW`` relative to its parent's descriptor, every file with ``openat`` in
+    its directory: another process that swaps directories of the prefix, or puts
+    symlinks in their place, gets a refusal, never a write outside the prefix.
+    Only the directories from the root to the node being written are open at a time.
     """
     anonymous = [leaf for leaf in leaves if leaf.path is None and not leaf.keep]
     if anonymous:
         _write_anonymous(anonymous, options)
-    created = [] if created is None else created
+    for leaf in leaves:
+        if leaf.keep:
+            leaf.result = leaf.source
+    if root.directory is None:
+        return  # anonymous memory only: no file, no meta.json
+    pool = ThreadPoolExecutor(options.num_threads) if options.num_threads > 1 else None
+    writer = _FileWriter(options, pool)
+    directory = Directory.open(root.directory, create=not root.exists)
     try:
-        for leaf in leaves:
-            if leaf.keep:
-                leaf.result = leaf.source
-        _write_files([leaf for leaf in leaves if leaf.path is not None and not leaf.keep],
-                     options, pool, created)
-    except BaseException:
-        for path in created:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+        writer.write(root, directory)
+        write_metadata(root, directory)
+    except BaseException as error:
+        if clean_up:
+            writer.remove_what_was_made(root, directory, error)
+        directory.close()
+        if clean_up and not root.exists:  # the whole prefix is this write's
+            _note_failure(error, root.directory, remove_tree, root.directory)
         raise
+    finally:
+        if pool is not None:
+            pool.shutdown()
+    directory.close()
 
 
-def _write_files(leaves: list[LeafPlan], options: Options, pool, created: list[str]) -> None:
-    """Write file leaves, the big ones on ``pool``; raise the first error once all ended
-    (so that ``created`` lists every file made, for the caller's clean-up)."""
-    in_pool = [] if pool is None else [leaf for leaf in leaves if _nbytes(leaf.source) >= _POOL_LEAF_BYTES]
-    pooled = {id(leaf) for leaf in in_pool}
-    futures = [(leaf, pool.submit(_write_file, leaf, options, created)) for leaf in in_pool]
-    error = None
-    try:
-        for leaf in leaves:
-            if id(leaf) not in pooled:
-                leaf.result = _write_file(leaf, options, created)
-    except BaseException as caught:
-        error = caught
-    for leaf, future in futures:
+def _each_directory(node: NodePlan, directory: Directory, visit, *, only_existing: bool = False) -> None:
+    """``visit(node, directory)`` for ``node`` and every node below it, children first,
+    each directory opened relative to its parent's (``only_existing``: skip the
+    directories this write created, and all below them)."""
+    for child in node.children.values():
+        if child.directory is None or (only_existing and not child.exists):
+            continue
+        with directory.child(os.path.basename(child.directory)) as opened:
+            _each_directory(child, opened, visit, only_existing=only_existing)
+    visit(node, directory)
+
+
+class _FileWriter:
+    """Writes the file leaves of a tree, node by node, and knows what it created.
+
+    With a pool, leaves of at least ``_POOL_LEAF_BYTES`` are written by its threads:
+    the calling thread opens the file (in its directory) and hands the descriptor
+    over; at most two per thread wait, so descriptors stay few.
+    """
+
+    def __init__(self, options: Options, pool: ThreadPoolExecutor | None):
+        self.options = options
+        self.pool = pool
+        self.slots = threading.BoundedSemaphore(2 * options.num_threads) if pool else None
+        self.futures: list = []
+        self.made_directories: set[int] = set()  # id() of the nodes whose directory this made
+        self.made_files: dict[int, list[str]] = {}  # node id -> names of the files this made
+
+    def write(self, root: NodePlan, directory: Directory) -> None:
+        """Write every file leaf below ``root``; raise the first error once all writes
+        ended (so that the files made are all known, for the clean-up)."""
+        error = None
         try:
-            leaf.result = future.result()
+            self._write_node(root, directory)
         except BaseException as caught:
-            error = error or caught
-    if error is not None:
-        raise error
+            error = caught
+        for leaf, future in self.futures:
+            try:
+                leaf.result = future.result()
+            except BaseException as caught:
+                error = error or caught
+        if error is not None:
+            raise error
+
+    def _write_node(self, node: NodePlan, directory: Directory) -> None:
+        for leaf in node.leaves.values():
+            if leaf.path is not None and not leaf.keep:
+                self._write_leaf(leaf, node, directory)
+        for child in node.children.values():
+            name = os.path.basename(child.directory)
+            if not child.exists:
+                directory.mkdir(name)
+                self.made_directories.add(id(child))
+            with directory.child(name) as opened:
+                self._write_node(child, opened)
+
+    def _write_leaf(self, leaf: LeafPlan, node: NodePlan, directory: Directory) -> None:
+        options, source = self.options, leaf.source.cpu()
+        name, nbytes = os.path.basename(leaf.path), _nbytes(source)
+        if nbytes == 0:
+            files.check_new_empty_file(directory, name, existsok=options.existsok)
+            leaf.result = MemoryMappedTensor._empty_leaf(
+                FileBacking(leaf.path, None, 0, True), source.dtype, source.shape
+            )
+            return
+        if options.like and directory.exists(name):
+            # a "like" file must read as zeros: a new file replaces the old one, whose
+            # mappings (maybe the source's own) keep the old bytes; nothing is truncated
+            directory.unlink(name)
+        fd, is_new = files.reserve_file(directory, name, existsok=options.existsok)
+        if is_new:
+            self.made_files.setdefault(id(node), []).append(name)
+        if self.pool is None or nbytes < _POOL_LEAF_BYTES:
+            leaf.result = self._fill(leaf, fd, source)
+            return
+        try:
+            self.slots.acquire()
+            future = self.pool.submit(self._fill, leaf, fd, source, pooled=True)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.futures.append((leaf, future))
+
+    def _fill(self, leaf: LeafPlan, fd: int, source: torch.Tensor, pooled: bool = False) -> torch.Tensor:
+        """Write (or reserve) the bytes of ``leaf`` into ``fd``, map it, close ``fd``."""
+        try:
+            if self.options.like:
+                files.reserve_space(fd, _nbytes(source), leaf.path)
+            else:
+                files.pwrite_all(fd, files.tensor_bytes(source), 0, where=f"file {leaf.path}")
+            backing = files.backing_from_fd(leaf.path, fd)
+        finally:
+            os.close(fd)
+            if pooled:
+                self.slots.release()
+        return MemoryMappedTensor._from_backing(backing, 0, source.dtype, source.shape)
+
+    def remove_what_was_made(self, root: NodePlan, directory: Directory, error: BaseException) -> None:
+        """Remove the files and directories this write made after ``error``; what cannot
+        be removed is named in a note on it (a directory swapped for a symlink meanwhile
+        is left alone, never followed)."""
+        for name in self.made_files.get(id(root), ()):
+            _note_failure(error, directory.join(name), directory.unlink, name)
+        for child in root.children.values():
+            name = os.path.basename(child.directory)
+            if id(child) in self.made_directories:
+                # it holds only what this write put there
+                _note_failure(error, directory.join(name), directory.remove_tree, name)
+            elif child.exists:
+                try:
+                    with directory.child(name) as opened:
+                        self.remove_what_was_made(child, opened, error)
+                except (OSError, RuntimeError) as failure:
+                    error.add_note(f"What this write made in {directory.join(name)} was not removed: {failure}")
+
+
+def _note_failure(error: BaseException, shown: str, remove, *args) -> None:
+    """``remove(*args)``; a failure becomes a note on ``error`` naming ``shown``."""
+    try:
+        remove(*args)
+    except OSError as failure:
+        error.add_note(f"{shown}, written before this error, could not be removed: {failure}")
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -283,80 +400,76 @@ def _write_anonymous(leaves: list[LeafPlan], options: Options) -> None:
             leaf.result = MemoryMappedTensor._from_backing(segment, leaf.offset, source.dtype, source.shape)
 
 
-def _write_file(leaf: LeafPlan, options: Options, created: list[str]) -> torch.Tensor:
-    source = leaf.source.cpu()
-    nbytes = _nbytes(source)
-    if nbytes == 0:
-        files.check_new_empty_file(leaf.path, existsok=options.existsok)
-        return MemoryMappedTensor._empty_leaf(FileBacking(leaf.path, None, 0, True), source.dtype, source.shape)
-    if options.like and os.path.lexists(leaf.path):
-        # a "like" file must read as zeros: a new file replaces the old one, whose
-        # mappings (maybe the source's own) keep the old bytes; nothing is truncated
-        os.unlink(leaf.path)
-    fd, is_new = files.reserve_file(leaf.path, existsok=options.existsok)
-    if is_new:
-        created.append(leaf.path)
-    try:
-        if options.like:
-            files.reserve_space(fd, nbytes, leaf.path)
-        else:
-            files.pwrite_all(fd, files.tensor_bytes(source), 0, where=f"file {leaf.path}")
-        backing = files.backing_from_fd(leaf.path, fd)
-    finally:
-        os.close(fd)
-    return MemoryMappedTensor._from_backing(backing, 0, source.dtype, source.shape)
-
-
 # ----------------------------------------------------------------------------- commit
-def write_metadata(root: NodePlan) -> None:
+def write_metadata(root: NodePlan, directory: Directory) -> None:
     """Write every node's meta.json (and pickle side files), children before parents.
 
     Every document is built (and every pickle made) before the first is written, so
     that an unpicklable value does not leave a child meta.json naming the new files.
+    In a directory this write created, files are written directly. Where files may
+    exist, every new file is first written under a temporary name, and only when all
+    are written are they renamed into place: a failure (a full disk) leaves every old
+    meta.json as it was, and no reader ever sees a half-written one.
     """
-    pending = [
-        (node.directory, node.kind, node.exists, nodes.node_document(
+    documents = {
+        id(node): (node.kind, node.exists, nodes.node_document(
             node.obj, node.kind, _entries(node) if node.kind == nodes.TENSORDICT else None
         ))
         for node in root.walk() if node.directory is not None
-    ]
-    _write_node_files(pending)
+    }
+    staged: dict[int, list[tuple[str, str]]] = {}
 
+    def stage(node: NodePlan, opened: Directory) -> None:
+        staged[id(node)] = _stage_node_files(opened, *documents[id(node)])
 
-def _write_node_files(pending: list[tuple[str, str, bool, tuple]]) -> None:
-    """Write ``(directory, kind, existed, (meta.json bytes, side files))`` of nodes.
+    def discard(node: NodePlan, opened: Directory) -> None:
+        for temporary, _ in staged.get(id(node), ()):
+            opened.unlink(temporary)
 
-    In a directory created by this write, files are written directly. Where files may
-    exist, every new file is first written under a temporary name, and only when all are
-    written are they renamed into place: a failure (a full disk) leaves every old
-    meta.json as it was, and no reader ever sees a half-written one. Pickle side files a
-    node no longer needs are removed last.
-    """
-    staged: list[tuple[str, str]] = []
-    stale: list[str] = []
+    def put_in_place(node: NodePlan, opened: Directory) -> None:
+        kind, _, built = documents[id(node)]
+        _put_in_place(opened, kind, built, staged[id(node)])
+
     try:
-        for directory, kind, existed, (document, side) in pending:
-            for name in nodes.side_files(kind):
-                if name not in side and existed:
-                    stale.append(os.path.join(directory, name))
-            for name, data in [*side.items(), (fmt.META, document)]:
-                final = os.path.join(directory, name)
-                if existed:
-                    staged.append((fmt.write_temporary(final, data), final))
-                else:
-                    fmt.write_new_file(final, data)
+        _each_directory(root, directory, stage)
+    except BaseException:
+        try:
+            _each_directory(root, directory, discard, only_existing=True)
+        except (OSError, RuntimeError):
+            pass  # a directory swapped meanwhile: its temporaries go with the next gc
+        raise
+    if root.exists:
+        _each_directory(root, directory, put_in_place, only_existing=True)
+
+
+def _stage_node_files(directory: Directory, kind: str, existed: bool, built: tuple) -> list[tuple[str, str]]:
+    """Write one node's ``built`` files (``(meta.json bytes, side files)``) into its
+    directory: directly in a new one, else as temporaries, returned as
+    ``(temporary, final name)`` for :func:`_put_in_place`. On failure none is left."""
+    document, side = built
+    staged: list[tuple[str, str]] = []
+    try:
+        for name, data in [*side.items(), (fmt.META, document)]:
+            if existed:
+                staged.append((fmt.write_temporary(directory, name, data), name))
+            else:
+                directory.write_new_file(name, data)
     except BaseException:
         for temporary, _ in staged:
-            try:
-                os.unlink(temporary)
-            except OSError:
-                pass
+            directory.unlink(temporary)
         raise
+    return staged
+
+
+def _put_in_place(directory: Directory, kind: str, built: tuple, staged: list[tuple[str, str]]) -> None:
+    """Rename the staged files of one node over the old ones; then remove the pickle
+    side files the node no longer needs."""
     for temporary, final in staged:
-        os.replace(temporary, final)
-    for path in stale:
-        if os.path.lexists(path):
-            os.unlink(path)
+        directory.replace(temporary, final)
+    if staged:  # the node existed: old side files may remain
+        for name in nodes.side_files(kind):
+            if name not in built[1]:
+                directory.unlink(name)
 
 
 def _entries(node: NodePlan) -> dict:
@@ -378,12 +491,18 @@ def rewrite_tensordict_meta(td: Any) -> None:
         else {"type": nodes.child_type_name(value)}
         for key, value in ((k, td._get_str(k, None)) for k in td._keys_str())
     }
-    built = nodes.node_document(td, nodes.TENSORDICT, entries)
-    _write_node_files([(td._memmap_prefix, nodes.TENSORDICT, True, built)])
+    _rewrite_node_files(td._memmap_prefix, nodes.TENSORDICT, nodes.node_document(td, nodes.TENSORDICT, entries))
 
 
 def rewrite_non_tensor(value: Any) -> None:
     """Rewrite the files of a memory-mapped NonTensorData/NonTensorStack after an
     in-place write, so the directory holds the current value."""
     kind = nodes.kind_of(value)
-    _write_node_files([(value._memmap_prefix, kind, True, nodes.node_document(value, kind))])
+    _rewrite_node_files(value._memmap_prefix, kind, nodes.node_document(value, kind))
+
+
+def _rewrite_node_files(path: str, kind: str, built: tuple) -> None:
+    """Replace the files of the existing node directory ``path`` (through a temporary
+    each, renamed over the old file; a failure leaves the old files and no temporary)."""
+    with Directory.open(path) as directory:
+        _put_in_place(directory, kind, built, _stage_node_files(directory, kind, True, built))

@@ -2,7 +2,9 @@
 
 Rules this module enforces (see DESIGN.md, "Storage"; user-issues rows 15, 33, 43, 47):
 
-* A file is created with ``O_CREAT | O_EXCL`` and is never written through a symlink.
+* A file is created with ``O_CREAT | O_EXCL`` and is never written through a symlink:
+  it is opened relative to an opened :class:`Directory` with ``O_NOFOLLOW``, so a
+  directory renamed or replaced by a symlink meanwhile never redirects it.
 * Bytes are written with ``pwrite`` into the page cache *before* the file is mapped:
   that is several times faster than first-touch faults through a fresh mapping.
 * A file only ever grows: an existing longer file keeps its tail, and nothing here
@@ -19,13 +21,17 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 
 import torch
 
+from shared_td.errors import FormatError
 from shared_td.storage.cache import InodeCache
+from shared_td.storage.removal import remove_tree
 
 __all__ = [
     "FileBacking",
+    "Directory",
     "FileTooShortError",
     "StorageFullError",
     "allocate",
@@ -227,42 +233,187 @@ def open_file_backing(path: str, shared: bool = True) -> FileBacking:
         os.close(fd)
 
 
-def _symlink_error(path: str) -> RuntimeError:
-    return RuntimeError(f"Refusing to write memory-mapped tensor through symlink {path}.")
+def file_kind(mode: int) -> str | None:
+    """None for a regular file, else what it is ("a FIFO", "a directory", ...)."""
+    if stat.S_ISREG(mode):
+        return None
+    kinds = {stat.S_ISLNK: "a symlink", stat.S_ISDIR: "a directory", stat.S_ISFIFO: "a FIFO",
+             stat.S_ISSOCK: "a socket", stat.S_ISCHR: "a character device", stat.S_ISBLK: "a block device"}
+    return next((name for test, name in kinds.items() if test(mode)), "not a regular file")
 
 
-def reserve_file(path: str, *, existsok: bool) -> tuple[int, bool]:
-    """Create ``path`` exclusively, or open the existing file when ``existsok``.
+class Directory:
+    """An open directory: every name below it is resolved relative to its descriptor.
+
+    A path string is looked up again at each use, so another process that renames a
+    directory, or puts a symlink in its place, between a check and the use sends the
+    bytes elsewhere. A Directory is opened once; its files and sub-directories are
+    opened through ``dir_fd`` with ``O_NOFOLLOW``, so nothing below it follows a symlink
+    or is looked up twice. ``path`` only names things (errors, the file names that
+    mapped tensors record); ``action`` ("write memory-mapped tensor", "load") words
+    the symlink refusals.
+    The caller closes it (``with`` or :meth:`close`).
+    """
+
+    __slots__ = ("fd", "path", "action")
+
+    def __init__(self, fd: int, path: str, action: str = "write memory-mapped tensor"):
+        self.fd = fd
+        self.path = path
+        self.action = action
+
+    @classmethod
+    def open(cls, path: str, *, action: str = "write memory-mapped tensor", create: bool = False) -> "Directory":
+        """Open the directory ``path`` (a caller's own path: symlinks in it are followed),
+        creating it and its parents first when ``create``."""
+        if create:
+            os.makedirs(path, mode=0o777, exist_ok=True)
+        return cls(os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), path, action)
+
+    def join(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    def child(self, name: str) -> "Directory":
+        """The sub-directory ``name`` (a symlink there is refused)."""
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open(name, flags, dir_fd=self.fd)
+        except OSError as error:
+            raise self._open_error(error, name) from None
+        return Directory(fd, self.join(name), self.action)
+
+    def mkdir(self, name: str) -> None:
+        """Create the sub-directory ``name`` (modes as ``os.makedirs`` gives them)."""
+        os.mkdir(name, 0o777, dir_fd=self.fd)
+
+    def open_file(self, name: str, flags: int, mode: int = 0o666) -> int:
+        """``openat`` of ``name`` with ``O_NOFOLLOW``; the caller closes the descriptor."""
+        try:
+            return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=self.fd)
+        except OSError as error:
+            raise self._open_error(error, name) from None
+
+    def lstat(self, name: str) -> os.stat_result | None:
+        """The entry ``name`` itself (a symlink is not followed); None if missing."""
+        try:
+            return os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+
+    def exists(self, name: str) -> bool:
+        return self.lstat(name) is not None
+
+    def is_symlink(self, name: str) -> bool:
+        st = self.lstat(name)
+        return st is not None and stat.S_ISLNK(st.st_mode)
+
+    def open_regular(self, name: str, flags: int = os.O_RDONLY) -> int:
+        """Open the regular file ``name``; anything else (a symlink, FIFO, socket, device,
+        directory) is refused without being opened for reading, so nothing blocks."""
+        try:
+            kind = file_kind(os.stat(name, dir_fd=self.fd, follow_symlinks=False).st_mode)
+        except OSError as error:
+            raise self._open_error(error, name) from None
+        if kind is None:
+            # O_NONBLOCK: should a FIFO replace the file after that stat, open and read
+            # return at once (and fstat refuses it) instead of waiting forever
+            fd = self.open_file(name, flags | os.O_NONBLOCK | os.O_NOCTTY)
+            kind = file_kind(os.fstat(fd).st_mode)
+            if kind is None:
+                return fd
+            os.close(fd)
+        if kind == "a symlink":
+            raise RuntimeError(f"Refusing to {self.action} through symlink {self.join(name)}.")
+        raise FormatError(self.join(name), f"{kind}, not a regular file: refused (reading it could block or never end)")
+
+    def read(self, name: str) -> bytes:
+        fd = self.open_regular(name)
+        try:
+            chunks = []
+            while chunk := os.read(fd, 1 << 20):
+                chunks.append(chunk)
+            return b"".join(chunks)
+        finally:
+            os.close(fd)
+
+    def write_new_file(self, name: str, data, *, where: str | None = None) -> None:
+        """Write ``data`` to a file ``name`` that must not exist yet (``O_EXCL``).
+
+        If a write fails the file is removed at once (a partial file on a full disk
+        would keep it full); no room is a :class:`StorageFullError` naming ``where``
+        (default: the file) and the bytes needed.
+        """
+        fd = self.open_file(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        try:
+            view = memoryview(data).cast("B")
+            while view:
+                view = view[os.write(fd, view):]
+        except BaseException as error:
+            os.close(fd)
+            self.unlink(name)
+            if isinstance(error, OSError) and error.errno in NO_SPACE_ERRNOS:
+                raise storage_full_error(error, len(data), where or f"file {self.join(name)}") from error
+            raise
+        os.close(fd)
+
+    def unlink(self, name: str) -> None:
+        """Remove the file ``name``; a missing one is not an error."""
+        try:
+            os.unlink(name, dir_fd=self.fd)
+        except FileNotFoundError:
+            pass
+
+    def replace(self, source: str, target: str) -> None:
+        """Rename ``source`` over ``target``, both in this directory (atomic)."""
+        os.replace(source, target, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+
+    def remove_tree(self, name: str) -> None:
+        """Remove the sub-directory ``name`` and all it holds (never through a symlink,
+        with two descriptors whatever its depth); OSError naming what stays."""
+        remove_tree(name, dir_fd=self.fd, shown=self.join(name))
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def __enter__(self) -> "Directory":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _open_error(self, error: OSError, name: str) -> Exception:
+        path = self.join(name)
+        if error.errno == errno.ELOOP or (error.errno == errno.ENOTDIR and self.is_symlink(name)):
+            return RuntimeError(f"Refusing to {self.action} through symlink {path}.")
+        return type(error)(error.errno, f"{error.strerror}: {path}")
+
+
+def reserve_file(directory: Directory, name: str, *, existsok: bool) -> tuple[int, bool]:
+    """Create the file ``name`` of ``directory`` exclusively, or open the existing file
+    when ``existsok``.
 
     Returns ``(fd, created)``; the caller closes ``fd``. Symlinks are refused, an
-    existing file with ``existsok=False`` is a ``RuntimeError``, a missing parent
-    directory a ``RuntimeError`` naming the path (tensordict's messages).
+    existing file with ``existsok=False`` is a ``RuntimeError`` (tensordict's message).
     """
     try:
-        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666), True
+        return directory.open_file(name, os.O_RDWR | os.O_CREAT | os.O_EXCL), True
     except FileExistsError:
         # O_EXCL also fails on a symlink, dangling or not, so this branch sees them all
-        if os.path.islink(path):
-            raise _symlink_error(path) from None
         if not existsok:
-            raise RuntimeError(f"The file {path} already exists.") from None
-    except FileNotFoundError as err:
-        raise RuntimeError(f"{err.strerror}: {path}") from err
-    try:
-        # O_NOFOLLOW closes the window where the file became a symlink since the check
-        return os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW), False
-    except OSError as err:
-        if err.errno == errno.ELOOP:
-            raise _symlink_error(path) from err
-        raise
+            if directory.is_symlink(name):
+                raise RuntimeError(f"Refusing to {directory.action} through symlink {directory.join(name)}.") from None
+            raise RuntimeError(f"The file {directory.join(name)} already exists.") from None
+    # O_NOFOLLOW: a symlink put there since is refused, never followed
+    return directory.open_file(name, os.O_RDWR), False
 
 
-def check_new_empty_file(path: str, *, existsok: bool) -> None:
+def check_new_empty_file(directory: Directory, name: str, *, existsok: bool) -> None:
     """Apply the creation rules to a zero-byte leaf, which gets no file at all."""
-    if os.path.islink(path):
-        raise _symlink_error(path)
-    if not existsok and os.path.lexists(path):
-        raise RuntimeError(f"The file {path} already exists.")
+    st = directory.lstat(name)
+    if st is not None and stat.S_ISLNK(st.st_mode):
+        raise RuntimeError(f"Refusing to {directory.action} through symlink {directory.join(name)}.")
+    if not existsok and st is not None:
+        raise RuntimeError(f"The file {directory.join(name)} already exists.")
 
 
 def allocate(fd: int, offset: int, nbytes: int, where: str) -> None:
@@ -307,10 +458,16 @@ def create_file(path: str, nbytes: int, *, existsok: bool = False, data=None):
         ...     backing.storage.tolist(), created
         ([97, 98, 99, 100], True)
     """
-    if nbytes == 0:
-        check_new_empty_file(path, existsok=existsok)
-        return None, False
-    fd, created = reserve_file(path, existsok=existsok)
+    parent, name = os.path.split(os.path.abspath(path))
+    try:
+        directory = Directory.open(parent)
+    except FileNotFoundError as err:
+        raise RuntimeError(f"{err.strerror}: {path}") from err
+    with directory:
+        if nbytes == 0:
+            check_new_empty_file(directory, name, existsok=existsok)
+            return None, False
+        fd, created = reserve_file(directory, name, existsok=existsok)
     try:
         if data is not None:
             pwrite_all(fd, data, 0, where=f"file {path}")

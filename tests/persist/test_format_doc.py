@@ -18,6 +18,8 @@ import threading
 import warnings
 
 import pytest
+
+from shared_td.storage.files import Directory
 import torch
 
 import shared_td
@@ -183,9 +185,10 @@ def test_every_temporary_file_name_is_documented(tmp_path):
     for base in documented:
         assert fmt.temporary_writer_pid(f"{base}.4242.1399.tmp") == 4242, base
     # the real name write_temporary makes has the documented shape
-    made = fmt.write_temporary(str(tmp_path / fmt.META), b"{}")
-    assert os.path.basename(made) == f"{fmt.META}.{os.getpid()}.{threading.get_ident()}.tmp"
-    os.unlink(made)
+    with Directory.open(str(tmp_path)) as directory:
+        made = fmt.write_temporary(directory, fmt.META, b"{}")
+    assert made == f"{fmt.META}.{os.getpid()}.{threading.get_ident()}.tmp"
+    os.unlink(tmp_path / made)
 
 
 def test_every_lock_and_staging_name_is_documented(tmp_path):

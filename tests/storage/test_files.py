@@ -102,17 +102,16 @@ def test_create_file_refuses_symlinks(tmp_path):
     assert target.read_bytes() == b"keep"
 
 
-def test_reserve_refuses_a_symlink_swapped_in_after_the_check(tmp_path, monkeypatch):
-    # the O_NOFOLLOW re-open catches a file replaced by a link between the two opens
+def test_reserve_refuses_a_symlink_at_the_name(tmp_path):
+    # the existing name is re-opened with O_NOFOLLOW relative to its directory: a file
+    # replaced by a link is refused, never followed
     target = tmp_path / "target"
     target.write_bytes(b"keep")
-    path = tmp_path / "x"
-    path.write_bytes(b"old")
-    monkeypatch.setattr(os.path, "islink", lambda p: False)
-    path.unlink()
-    path.symlink_to(target)
-    with pytest.raises(RuntimeError, match="symlink"):
-        files.reserve_file(str(path), existsok=True)
+    (tmp_path / "x").symlink_to(target)
+    with files.Directory.open(str(tmp_path)) as directory:
+        for existsok in (False, True):
+            with pytest.raises(RuntimeError, match=f"through symlink {tmp_path / 'x'}"):
+                files.reserve_file(directory, "x", existsok=existsok)
     assert target.read_bytes() == b"keep"
 
 

@@ -17,32 +17,35 @@ import stat
 _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def remove_tree(path: str) -> None:
+def remove_tree(path: str, *, dir_fd: int | None = None, shown: str | None = None) -> None:
     """Remove the tree at ``path`` (a symlink or file: just it); OSError naming what stays.
 
-    Needs two descriptors whatever the depth (see the module docstring); a directory
-    moved while it is removed stops the removal (nothing outside the tree is touched).
-    Files still mapped by readers stay valid until unmapped.
+    ``path`` is relative to the directory ``dir_fd`` when given (so a directory renamed
+    or swapped for a symlink above it cannot redirect the removal); ``shown`` names it in
+    errors (default ``path``). Needs two descriptors whatever the depth (see the module
+    docstring); a directory moved while it is removed stops the removal (nothing outside
+    the tree is touched). Files still mapped by readers stay valid until unmapped.
     """
+    shown = shown or path
     try:
-        info = os.lstat(path)
+        info = os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
         return
     if not stat.S_ISDIR(info.st_mode):
-        os.unlink(path)
+        os.unlink(path, dir_fd=dir_fd)
         return
     try:
-        os.rmdir(path)  # an empty directory needs no descriptor at all
+        os.rmdir(path, dir_fd=dir_fd)  # an empty directory needs no descriptor at all
         return
     except OSError as error:
         if error.errno not in (errno.ENOTEMPTY, errno.EEXIST):
             raise
-    fd = os.open(path, _DIRECTORY)
+    fd = os.open(path, _DIRECTORY, dir_fd=dir_fd)
     way: list[tuple[str, os.stat_result, list[str]]] = []  # (name, its parent, parent's rest)
     try:
         if not os.path.samestat(os.fstat(fd), info):
-            raise OSError(errno.ESTALE, f"{path} was replaced while it was being removed")
-        pending = _remove_files(fd, path)
+            raise OSError(errno.ESTALE, f"{shown} was replaced while it was being removed")
+        pending = _remove_files(fd, shown)
         while pending or way:
             if pending:
                 name = pending.pop()
@@ -50,19 +53,19 @@ def remove_tree(path: str) -> None:
                 way.append((name, os.fstat(fd), pending))
                 fd, parent = child, fd
                 os.close(parent)
-                pending = _remove_files(fd, os.path.join(path, *(n for n, _, _ in way)))
+                pending = _remove_files(fd, os.path.join(shown, *(n for n, _, _ in way)))
                 continue
             name, parent_info, pending = way.pop()
             parent = os.open("..", _DIRECTORY, dir_fd=fd)
             fd, child = parent, fd
             os.close(child)
-            where = os.path.join(path, *(n for n, _, _ in way))
+            where = os.path.join(shown, *(n for n, _, _ in way))
             if not os.path.samestat(os.fstat(fd), parent_info):
                 raise OSError(errno.ESTALE, f"{where} was moved while it was being removed")
             _name_errors(os.rmdir, name, fd, where)
     finally:
         os.close(fd)
-    os.rmdir(path)
+    _name_errors(os.rmdir, path, dir_fd, os.path.dirname(shown))
 
 
 def _remove_files(fd: int, where: str) -> list[str]:
