@@ -216,10 +216,10 @@ def write_tree(root: NodePlan, leaves: list[LeafPlan], options: Options) -> None
 
     Every meta.json is built (and every pickle made) before the first byte is written,
     so an unpicklable value writes nothing. A node's files come after its children's,
-    the root's after every leaf. In a directory this write created they are written directly;
-    where files may exist, under temporary names, renamed into place only when every
-    node is written: a failure (a full disk) leaves every old meta.json as it was, and
-    no reader ever sees a half-written one.
+    the root's after every leaf. In a directory this write created they are written
+    directly; where files may exist, under temporary names, renamed into place only
+    when every node is written: a failure (a full disk) leaves every old meta.json as
+    it was, and no reader ever sees a half-written one.
     """
     anonymous = [leaf for leaf in leaves if leaf.path is None and not leaf.keep]
     if anonymous:
@@ -230,7 +230,9 @@ def write_tree(root: NodePlan, leaves: list[LeafPlan], options: Options) -> None
     if root.directory is None:
         return  # anonymous memory only: no file, no meta.json
     documents = {
-        id(node): nodes.node_document(node.obj, node.kind, _entries(node) if node.kind == nodes.TENSORDICT else None)
+        id(node): nodes.node_document(
+            node.obj, node.kind, _entries(node) if node.kind == nodes.TENSORDICT else None
+        )
         for node in root.walk()
     }
     pool = ThreadPoolExecutor(options.num_threads) if options.num_threads > 1 else None
