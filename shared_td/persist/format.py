@@ -299,9 +299,7 @@ def write_temporary(directory: Directory, name: str, data: bytes) -> str:
     """
     temporary = f"{name}.{os.getpid()}.{threading.get_ident()}.tmp"
     directory.unlink(temporary)  # left by a killed writer of the same pid and thread id
-    directory.write_new_file(
-        temporary, data, where=f"file {directory.join(name)} (written as {temporary})"
-    )
+    directory.write_new_file(temporary, data, final=name)
     return temporary
 
 

@@ -38,6 +38,9 @@ from shared_td.storage.removal import remove_tree
 # splitting only added overhead (measured ~15% slower for a 256 MiB leaf on ext4).
 # Smaller leaves are written by the calling thread: a hop to the pool costs more.
 _POOL_LEAF_BYTES = 1 << 20
+# Existing directories a rewrite keeps open from their files' staging to their renaming
+# (a second open each costs ~4 us); more are opened again, so descriptors stay bounded.
+_KEPT_DIRECTORIES = 256
 # Anonymous leaves up to this size are copied together into the tree's segment.
 _PACKED_LEAF_BYTES = 64 << 10
 
@@ -202,15 +205,23 @@ def _join(directory: str | None, name: str) -> str | None:
 
 # ------------------------------------------------------------------------------ write
 def write_tree(root: NodePlan, leaves: list[LeafPlan], options: Options, *, clean_up: bool = True) -> None:
-    """Write the leaves, then every meta.json; on failure remove what this write created
+    """Write the leaves and every meta.json; on failure remove what this write created
     (``clean_up=False``: the caller removes the whole root, as an atomic write's staging
     directory does with the descriptors it reserved for that).
 
     Every directory below the prefix is made with ``mkdirat`` and opened with
     ``O_NOFOLLOW`` relative to its parent's descriptor, every file with ``openat`` in
     its directory: another process that swaps directories of the prefix, or puts
-    symlinks in their place, gets a refusal, never a write outside the prefix.
-    Only the directories from the root to the node being written are open at a time.
+    symlinks in their place, gets a refusal, never a write outside the prefix. One
+    walk does it all, so only the directories from the root to the node being written
+    are open at a time, and each is opened once.
+
+    Every meta.json is built (and every pickle made) before the first byte is written,
+    so an unpicklable value writes nothing. A node's files come after its children's,
+    the root's after every leaf. In a directory this write created they are written
+    directly; where files may exist, under temporary names, renamed into place only
+    when every node is written: a failure (a full disk) leaves every old meta.json as
+    it was, and no reader ever sees a half-written one.
     """
     anonymous = [leaf for leaf in leaves if leaf.path is None and not leaf.keep]
     if anonymous:
@@ -220,13 +231,21 @@ def write_tree(root: NodePlan, leaves: list[LeafPlan], options: Options, *, clea
             leaf.result = leaf.source
     if root.directory is None:
         return  # anonymous memory only: no file, no meta.json
+    documents = {
+        id(node): nodes.node_document(
+            node.obj, node.kind, _entries(node) if node.kind == nodes.TENSORDICT else None
+        )
+        for node in root.walk()
+    }
     pool = ThreadPoolExecutor(options.num_threads) if options.num_threads > 1 else None
-    writer = _FileWriter(options, pool)
+    writer = _TreeWriter(options, pool, documents)
     directory = Directory.open(root.directory, create=not root.exists)
     try:
         writer.write(root, directory)
-        write_metadata(root, directory)
+        if root.exists:
+            writer.put_in_place(root, directory)
     except BaseException as error:
+        writer.close_kept()
         if clean_up:
             writer.remove_what_was_made(root, directory, error)
         directory.close()
@@ -234,56 +253,47 @@ def write_tree(root: NodePlan, leaves: list[LeafPlan], options: Options, *, clea
             _note_failure(error, root.directory, remove_tree, root.directory)
         raise
     finally:
+        writer.close_kept()
         if pool is not None:
             pool.shutdown()
     directory.close()
 
 
-def _each_directory(node: NodePlan, directory: Directory, visit, *, only_existing: bool = False) -> None:
-    """``visit(node, directory)`` for ``node`` and every node below it, children first,
-    each directory opened relative to its parent's (``only_existing``: skip the
-    directories this write created, and all below them)."""
-    for child in node.children.values():
-        if child.directory is None or (only_existing and not child.exists):
-            continue
-        with directory.child(os.path.basename(child.directory)) as opened:
-            _each_directory(child, opened, visit, only_existing=only_existing)
-    visit(node, directory)
-
-
-class _FileWriter:
-    """Writes the file leaves of a tree, node by node, and knows what it created.
+class _TreeWriter:
+    """Writes the files of a tree, node by node, and knows what it created.
 
     With a pool, leaves of at least ``_POOL_LEAF_BYTES`` are written by its threads:
     the calling thread opens the file (in its directory) and hands the descriptor
     over; at most two per thread wait, so descriptors stay few.
     """
 
-    def __init__(self, options: Options, pool: ThreadPoolExecutor | None):
+    def __init__(self, options: Options, pool: ThreadPoolExecutor | None, documents: dict):
         self.options = options
         self.pool = pool
+        self.documents = documents  # node id -> (meta.json bytes, side files)
         self.slots = threading.BoundedSemaphore(2 * options.num_threads) if pool else None
-        self.futures: list = []
+        self.futures: list = []  # (leaf, future) of every leaf handed to the pool
         self.made_directories: set[int] = set()  # id() of the nodes whose directory this made
         self.made_files: dict[int, list[str]] = {}  # node id -> names of the files this made
+        self.staged: dict[int, list[tuple[str, str]]] = {}  # node id -> (temporary, final)
+        self.kept: dict[int, Directory] = {}  # node id -> its existing directory, still open
+
+    def close_kept(self) -> None:
+        for opened in self.kept.values():
+            opened.close()
+        self.kept.clear()
 
     def write(self, root: NodePlan, directory: Directory) -> None:
-        """Write every file leaf below ``root``; raise the first error once all writes
+        """Write every file below ``root``; raise the first error once all writes
         ended (so that the files made are all known, for the clean-up)."""
-        error = None
         try:
-            self._write_node(root, directory)
-        except BaseException as caught:
-            error = caught
-        for leaf, future in self.futures:
-            try:
-                leaf.result = future.result()
-            except BaseException as caught:
-                error = error or caught
-        if error is not None:
-            raise error
+            self._write_node(root, directory, root=True)
+        except BaseException:
+            for _, future in self.futures:
+                future.exception()  # wait; the first error is the one raised
+            raise
 
-    def _write_node(self, node: NodePlan, directory: Directory) -> None:
+    def _write_node(self, node: NodePlan, directory: Directory, root: bool = False) -> None:
         for leaf in node.leaves.values():
             if leaf.path is not None and not leaf.keep:
                 self._write_leaf(leaf, node, directory)
@@ -292,8 +302,22 @@ class _FileWriter:
             if not child.exists:
                 directory.mkdir(name)
                 self.made_directories.add(id(child))
-            with directory.child(name) as opened:
+            opened = directory.child(name)
+            try:
                 self._write_node(child, opened)
+            finally:
+                if child.exists and len(self.kept) < _KEPT_DIRECTORIES:
+                    self.kept[id(child)] = opened  # for put_in_place, without a new open
+                else:
+                    opened.close()
+        if root:
+            # The root's meta.json, which readers open first, comes after every byte
+            # of the tree. (Other nodes' files need not wait for their leaves: a new
+            # directory is named by no meta.json before the root's, and files in an
+            # existing one are renamed into place only at the end.)
+            for leaf, future in self.futures:
+                leaf.result = future.result()
+        self.staged[id(node)] = _stage_node_files(directory, node.kind, node.exists, self.documents[id(node)])
 
     def _write_leaf(self, leaf: LeafPlan, node: NodePlan, directory: Directory) -> None:
         options, source = self.options, leaf.source.cpu()
@@ -336,13 +360,25 @@ class _FileWriter:
                 self.slots.release()
         return MemoryMappedTensor._from_backing(backing, 0, source.dtype, source.shape)
 
-    def remove_what_was_made(self, root: NodePlan, directory: Directory, error: BaseException) -> None:
-        """Remove the files and directories this write made after ``error``; what cannot
-        be removed is named in a note on it (a directory swapped for a symlink meanwhile
-        is left alone, never followed)."""
-        for name in self.made_files.get(id(root), ()):
+    def put_in_place(self, node: NodePlan, directory: Directory) -> None:
+        """Rename the staged files of ``node`` and of the existing directories below it
+        over the old ones, children first."""
+        for child in node.children.values():
+            if child.exists:
+                opened = self.kept.pop(id(child), None) or directory.child(os.path.basename(child.directory))
+                with opened:
+                    self.put_in_place(child, opened)
+        _put_in_place(directory, node.kind, self.documents[id(node)], self.staged[id(node)])
+
+    def remove_what_was_made(self, node: NodePlan, directory: Directory, error: BaseException) -> None:
+        """Remove the files, temporaries and directories this write made after ``error``;
+        what cannot be removed is named in a note on it (a directory swapped for a
+        symlink meanwhile is left alone, never followed)."""
+        for name in self.made_files.get(id(node), ()):
             _note_failure(error, directory.join(name), directory.unlink, name)
-        for child in root.children.values():
+        for temporary, _ in self.staged.get(id(node), ()):
+            _note_failure(error, directory.join(temporary), directory.unlink, temporary)
+        for child in node.children.values():
             name = os.path.basename(child.directory)
             if id(child) in self.made_directories:
                 # it holds only what this write put there
@@ -401,47 +437,6 @@ def _write_anonymous(leaves: list[LeafPlan], options: Options) -> None:
 
 
 # ----------------------------------------------------------------------------- commit
-def write_metadata(root: NodePlan, directory: Directory) -> None:
-    """Write every node's meta.json (and pickle side files), children before parents.
-
-    Every document is built (and every pickle made) before the first is written, so
-    that an unpicklable value does not leave a child meta.json naming the new files.
-    In a directory this write created, files are written directly. Where files may
-    exist, every new file is first written under a temporary name, and only when all
-    are written are they renamed into place: a failure (a full disk) leaves every old
-    meta.json as it was, and no reader ever sees a half-written one.
-    """
-    documents = {
-        id(node): (node.kind, node.exists, nodes.node_document(
-            node.obj, node.kind, _entries(node) if node.kind == nodes.TENSORDICT else None
-        ))
-        for node in root.walk() if node.directory is not None
-    }
-    staged: dict[int, list[tuple[str, str]]] = {}
-
-    def stage(node: NodePlan, opened: Directory) -> None:
-        staged[id(node)] = _stage_node_files(opened, *documents[id(node)])
-
-    def discard(node: NodePlan, opened: Directory) -> None:
-        for temporary, _ in staged.get(id(node), ()):
-            opened.unlink(temporary)
-
-    def put_in_place(node: NodePlan, opened: Directory) -> None:
-        kind, _, built = documents[id(node)]
-        _put_in_place(opened, kind, built, staged[id(node)])
-
-    try:
-        _each_directory(root, directory, stage)
-    except BaseException:
-        try:
-            _each_directory(root, directory, discard, only_existing=True)
-        except (OSError, RuntimeError):
-            pass  # a directory swapped meanwhile: its temporaries go with the next gc
-        raise
-    if root.exists:
-        _each_directory(root, directory, put_in_place, only_existing=True)
-
-
 def _stage_node_files(directory: Directory, kind: str, existed: bool, built: tuple) -> list[tuple[str, str]]:
     """Write one node's ``built`` files (``(meta.json bytes, side files)``) into its
     directory: directly in a new one, else as temporaries, returned as
@@ -476,7 +471,7 @@ def _entries(node: NodePlan) -> dict:
     entries = {}
     for key in node.order:
         if key in node.leaves:
-            entries[key] = fmt.leaf_entry(node.leaves[key].result)
+            entries[key] = fmt.leaf_entry(node.leaves[key].source)  # its shape and dtype
         else:
             entries[key] = {"type": nodes.child_type_name(node.children[key].obj)}
     return entries

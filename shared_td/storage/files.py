@@ -250,17 +250,27 @@ class Directory:
     bytes elsewhere. A Directory is opened once; its files and sub-directories are
     opened through ``dir_fd`` with ``O_NOFOLLOW``, so nothing below it follows a symlink
     or is looked up twice. ``path`` only names things (errors, the file names that
-    mapped tensors record); ``action`` ("write memory-mapped tensor", "load") words
-    the symlink refusals.
-    The caller closes it (``with`` or :meth:`close`).
+    mapped tensors record; a child's is joined only when asked for); ``action``
+    ("write memory-mapped tensor", "load") words the symlink refusals. The caller
+    closes it (``with`` or :meth:`close`).
     """
 
-    __slots__ = ("fd", "path", "action")
+    __slots__ = ("fd", "action", "_parent", "_name", "_path")
 
-    def __init__(self, fd: int, path: str, action: str = "write memory-mapped tensor"):
+    def __init__(self, fd: int, path: str | None, action: str = "write memory-mapped tensor",
+                 *, parent: "Directory | None" = None, name: str = ""):
         self.fd = fd
-        self.path = path
         self.action = action
+        self._path = path  # None: joined from parent's path and name when first needed
+        self._parent = parent
+        self._name = name
+
+    @property
+    def path(self) -> str:
+        if self._path is None:
+            self._path = os.path.join(self._parent.path, self._name)
+            self._parent = None
+        return self._path
 
     @classmethod
     def open(cls, path: str, *, action: str = "write memory-mapped tensor", create: bool = False) -> "Directory":
@@ -280,11 +290,14 @@ class Directory:
             fd = os.open(name, flags, dir_fd=self.fd)
         except OSError as error:
             raise self._open_error(error, name) from None
-        return Directory(fd, self.join(name), self.action)
+        return Directory(fd, None, self.action, parent=self, name=name)
 
     def mkdir(self, name: str) -> None:
         """Create the sub-directory ``name`` (modes as ``os.makedirs`` gives them)."""
-        os.mkdir(name, 0o777, dir_fd=self.fd)
+        try:
+            os.mkdir(name, 0o777, dir_fd=self.fd)
+        except OSError as error:
+            raise self._open_error(error, name) from None
 
     def open_file(self, name: str, flags: int, mode: int = 0o666) -> int:
         """``openat`` of ``name`` with ``O_NOFOLLOW``; the caller closes the descriptor."""
@@ -336,12 +349,12 @@ class Directory:
         finally:
             os.close(fd)
 
-    def write_new_file(self, name: str, data, *, where: str | None = None) -> None:
+    def write_new_file(self, name: str, data, *, final: str | None = None) -> None:
         """Write ``data`` to a file ``name`` that must not exist yet (``O_EXCL``).
 
         If a write fails the file is removed at once (a partial file on a full disk
-        would keep it full); no room is a :class:`StorageFullError` naming ``where``
-        (default: the file) and the bytes needed.
+        would keep it full); no room is a :class:`StorageFullError` naming the file
+        (``final``: the file that ``name`` is a temporary of) and the bytes needed.
         """
         fd = self.open_file(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         try:
@@ -352,7 +365,9 @@ class Directory:
             os.close(fd)
             self.unlink(name)
             if isinstance(error, OSError) and error.errno in NO_SPACE_ERRNOS:
-                raise storage_full_error(error, len(data), where or f"file {self.join(name)}") from error
+                where = f"file {self.join(name)}" if final is None else \
+                    f"file {self.join(final)} (written as {name})"
+                raise storage_full_error(error, len(data), where) from error
             raise
         os.close(fd)
 
@@ -382,6 +397,8 @@ class Directory:
         self.close()
 
     def _open_error(self, error: OSError, name: str) -> Exception:
+        """The error to raise for ``error`` on ``name``: a refused symlink, else the
+        same error naming the full path."""
         path = self.join(name)
         if error.errno == errno.ELOOP or (error.errno == errno.ENOTDIR and self.is_symlink(name)):
             return RuntimeError(f"Refusing to {self.action} through symlink {path}.")
@@ -395,14 +412,19 @@ def reserve_file(directory: Directory, name: str, *, existsok: bool) -> tuple[in
     Returns ``(fd, created)``; the caller closes ``fd``. Symlinks are refused, an
     existing file with ``existsok=False`` is a ``RuntimeError`` (tensordict's message).
     """
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        return directory.open_file(name, os.O_RDWR | os.O_CREAT | os.O_EXCL), True
+        # os.open itself, not open_file: an existing file is common (an overwrite),
+        # and its error needs no message
+        return os.open(name, flags, 0o666, dir_fd=directory.fd), True
     except FileExistsError:
-        # O_EXCL also fails on a symlink, dangling or not, so this branch sees them all
-        if not existsok:
-            if directory.is_symlink(name):
-                raise RuntimeError(f"Refusing to {directory.action} through symlink {directory.join(name)}.") from None
-            raise RuntimeError(f"The file {directory.join(name)} already exists.") from None
+        pass  # O_EXCL also fails on a symlink, dangling or not: this sees them all
+    except OSError as error:
+        raise directory._open_error(error, name) from None
+    if not existsok:
+        if directory.is_symlink(name):
+            raise RuntimeError(f"Refusing to {directory.action} through symlink {directory.join(name)}.")
+        raise RuntimeError(f"The file {directory.join(name)} already exists.")
     # O_NOFOLLOW: a symlink put there since is refused, never followed
     return directory.open_file(name, os.O_RDWR), False
 
