@@ -10,8 +10,8 @@ or removes an entry meanwhile. These helpers look only at what our processes mad
 * /dev/shm: :class:`ShmWatch` samples, while the test runs, the /dev/shm entries that this
   process and its descendants hold open (``/proc/<pid>/fd``) or mapped
   (``/proc/<pid>/maps``); afterwards, an entry they held that still exists (same inode)
-  is a leak, and so is any entry bearing our naming (``shared_td``, or torch's
-  ``torch_<pid>_`` with the pid of one of our processes);
+  is a leak, and so is any entry bearing our naming with the pid of one of our
+  processes (``shared_td-<what>-<pid>-``, or torch's ``torch_<pid>_``);
 * :func:`foreign_churn`: another program beside the test, which creates and removes
   ``multiprocessing`` semaphores in /dev/shm, files in the temp directory and directories
   named like another shared_td run's coordinators, so the tests show they stay green.
@@ -33,9 +33,11 @@ import threading
 import time
 
 SHM = "/dev/shm"
-#: What shared_td or torch would name in /dev/shm (torch's file_system sharing strategy
-#: names ``torch_<pid>_<random>``): ours when the pid is one of our processes'.
-OUR_SHM_NAME = re.compile(r"shared_td|^torch_(\d+)_")
+#: What shared_td or torch would name in /dev/shm (shared_td's names carry the maker's
+#: pid, ``shared_td-<what>-<pid>-...``; torch's file_system sharing strategy names
+#: ``torch_<pid>_<random>``): ours only when the pid is one of our processes' (another
+#: program, e.g. a benchmark run beside the tests, makes ``shared_td_bench_*`` too).
+OUR_SHM_NAME = re.compile(r"^shared_td[-_][a-z_]*?-?(\d+)-|^torch_(\d+)_")
 
 
 @contextlib.contextmanager
@@ -170,7 +172,7 @@ def named_like_ours(pids) -> list[str]:
     found = []
     for name in os.listdir(SHM):
         match = OUR_SHM_NAME.search(name)
-        if match and (match.group(1) is None or int(match.group(1)) in pids):
+        if match and int(match.group(1) or match.group(2)) in pids:
             found.append(os.path.join(SHM, name))
     return found
 

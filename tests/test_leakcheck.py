@@ -41,7 +41,7 @@ def leak_things(tag: str) -> None:
     make_shm(f"planted-{tag}-held", hold=0.3)  # a name no rule knows: seen held
     make_shm(f"planted-{tag}-cleaned", hold=0.3, unlink=True)  # removed: no leak
     make_shm(f"torch_{os.getpid()}_planted-{tag}")  # torch's naming, with our pid
-    make_shm(f"shared_td-planted-{tag}")  # our naming, never held long
+    make_shm(f"shared_td-planted-{os.getpid()}-{tag}")  # our naming and pid, never held long
     with open(os.path.join(tempfile.gettempdir(), f"planted-{tag}"), "w"):
         pass
     if os.fork() == 0:  # a grandchild, soon orphaned: still ours
@@ -54,6 +54,8 @@ def leak_things(tag: str) -> None:
 def test_a_planted_leak_is_reported_and_another_programs_entries_are_not():
     tag = uuid.uuid4().hex[:8]
     make_shm(f"torch_1_planted-{tag}")  # torch's naming, not our pid: not ours
+    make_shm(f"shared_td-planted-1-{tag}")  # shared_td's naming, not our pid: not ours
+    make_shm(f"shared_td_bench_planted-{tag}")  # e.g. a benchmark run beside the tests
     child = None
     try:
         with foreign_churn(), private_tempdir() as tempdir, ShmWatch() as shm:
@@ -65,7 +67,7 @@ def test_a_planted_leak_is_reported_and_another_programs_entries_are_not():
         assert left_in_tempdir == [f"planted-{tag}"]
         assert shm.leftovers() == sorted(os.path.join(SHM, name) for name in [
             f"planted-{tag}-held", f"torch_{child.pid}_planted-{tag}",
-            f"shared_td-planted-{tag}", f"planted-{tag}-orphan"])
+            f"shared_td-planted-{child.pid}-{tag}", f"planted-{tag}-orphan"])
     finally:
         for name in os.listdir(SHM):
             if f"planted-{tag}" in name:
