@@ -20,7 +20,7 @@ from shared_td.containers.reshaping import BatchShapeOps
 from shared_td.containers.row_writes import write_rows
 from shared_td.errors import BatchSizeMismatchError
 from shared_td.keys import NestedKey, key_repr, unravel_key
-from shared_td.memmap_tensor import refuse_read_only
+from shared_td.memmap_tensor import ReadOnlyMemoryMappedTensor, refuse_read_only
 
 
 class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, TensorDictBase):
@@ -565,6 +565,8 @@ def _list_to_tensor(value: list | tuple) -> Any:
 
 
 def _plain_contiguous(value: Any) -> Any:
+    if isinstance(value, ReadOnlyMemoryMappedTensor):  # a copy: a view would be writable
+        return value.clone(memory_format=torch.contiguous_format)
     if isinstance(value, torch.Tensor):
         return value.as_subclass(torch.Tensor).contiguous() if type(value) is not torch.Tensor else value.contiguous()
     return value.contiguous()

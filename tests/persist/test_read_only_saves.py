@@ -203,7 +203,8 @@ def test_views_stay_read_only(loaded, view):
 def test_copies_are_writable(loaded):
     td, saved, state = loaded
     leaf = td["a"]
-    copies = [leaf.clone(), leaf + 0, leaf[[0, 2]], leaf.to(torch.float64), td.clone()["a"]]
+    copies = [leaf.clone(), leaf + 0, leaf[[0, 2]], leaf.to(torch.float64), td.clone()["a"],
+              td.contiguous()["a"]]
     for result in copies:
         assert type(result) is torch.Tensor, type(result)
         result.fill_(4.0)
@@ -212,7 +213,10 @@ def test_copies_are_writable(loaded):
     deep.fill_(4.0)
     cloned = td.clone()
     cloned.zero_()
-    cloned[0] = cloned[1]
+    cloned[0] = td[1]  # a read-only tensordict may be the source of a write
+    cloned["a"][1] = leaf[2]
+    assert cloned["a"].tolist() == [[2.0, 3.0], [4.0, 5.0], [0.0, 0.0]]
+    assert torch.zeros(3, 2).copy_(leaf).tolist() == reference_tensor().tolist()
     assert leaf.tolist() == reference_tensor().tolist()
     assert dir_state(saved) == state
 
