@@ -590,6 +590,9 @@ class ReadOnlyMemoryMappedTensor(MemoryMappedTensor):
         source = next((a for a in args if isinstance(a, ReadOnlyMemoryMappedTensor)), None)
         return _keep_read_only(result, source) if source is not None else result
 
+    def _wrap(self, tensor: torch.Tensor):
+        return tensor  # __torch_function__ made the views of our storage read-only already
+
     def _write_refused(self, operation: str) -> ReadOnlyError:
         backing = self._backing
         return ReadOnlyError(
