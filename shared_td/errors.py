@@ -18,6 +18,16 @@ class LockedTensorDictError(RuntimeError):
     """An entry was added, removed or replaced in a locked tensordict."""
 
 
+class ReadOnlyError(RuntimeError):
+    """A write into a tensor mapped from a file that this process may not write (a
+    read-only file system, the file's mode or an immutable file).
+
+    Such a tensor maps its file privately (copy-on-write), so a write would stay in this
+    process and be lost without a word; it is refused instead. A ``RuntimeError``, as
+    torch and tensordict raise for writes they refuse.
+    """
+
+
 class KeyTypeError(TypeError, KeyError):
     """A key is not a ``str`` or a tuple of ``str`` (tensordict raises ``KeyError``)."""
 

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from shared_td.containers import batch as batch_ops
+from shared_td.memmap_tensor import refuse_read_only
 
 
 class RowWritePlan:
@@ -101,6 +102,8 @@ def make_plan(dest: Any, paths: list) -> RowWritePlan | None:
             return None
         places.append((node._tensordict, path[-1]))
         leaves.append(leaf)
+    # checked once per plan, not per write: a refused leaf fails before any is written
+    refuse_read_only(leaves, "td[index] = value")
     return RowWritePlan(paths, dest._tensordict, nodes, places, leaves)
 
 

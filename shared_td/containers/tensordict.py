@@ -20,6 +20,7 @@ from shared_td.containers.reshaping import BatchShapeOps
 from shared_td.containers.row_writes import write_rows
 from shared_td.errors import BatchSizeMismatchError
 from shared_td.keys import NestedKey, key_repr, unravel_key
+from shared_td.memmap_tensor import ReadOnlyMemoryMappedTensor, refuse_read_only
 
 
 class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, TensorDictBase):
@@ -371,6 +372,7 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, TensorDictBase):
                     "tensordict: give a tensordict, a dict, a tensor or a number."
                 )
             for leaf in self._leaf_tensors():
+                refuse_read_only(leaf, "td[index] = value")
                 if isinstance(value, torch.Tensor):
                     _check_fits(value, target_batch + leaf.shape[self.batch_dims:], "a leaf", index)
                 writes.append(lambda leaf=leaf: leaf.__setitem__(index, value))
@@ -387,6 +389,7 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, TensorDictBase):
                 if not isinstance(source, torch.Tensor):
                     raise TypeError(f"Cannot write a {type(source).__name__} into tensor entry {key!r}.")
                 _check_fits(source, target_batch + current.shape[self.batch_dims:], key, index)
+                refuse_read_only(current, "td[index] = value")
                 writes.append(lambda current=current, source=source: current.__setitem__(index, source))
             elif is_non_tensor(current):
                 _check_non_tensor_write(current, index, source, key)
@@ -562,6 +565,8 @@ def _list_to_tensor(value: list | tuple) -> Any:
 
 
 def _plain_contiguous(value: Any) -> Any:
+    if isinstance(value, ReadOnlyMemoryMappedTensor):  # a copy: a view would be writable
+        return value.clone(memory_format=torch.contiguous_format)
     if isinstance(value, torch.Tensor):
         return value.as_subclass(torch.Tensor).contiguous() if type(value) is not torch.Tensor else value.contiguous()
     return value.contiguous()

@@ -17,11 +17,14 @@ opened ``O_NONBLOCK`` and checked again with ``fstat``, so a swap between the tw
 cannot make a load block.
 
 Read-only saves (read-only files, a read-only file system, immutable files: ``open``
-fails with EACCES, EPERM or EROFS) load as tensordict 0.15.3 loads them: each such leaf
-is mapped privately, copy-on-write (``MAP_PRIVATE``). A write into such a tensor stays in
-this process and never reaches the file. It is not a ``PROT_READ`` mapping on purpose:
-torch cannot mark a tensor read-only, so a write into a read-only mapping would kill the
-process with SIGSEGV instead of raising.
+fails with EACCES, EPERM or EROFS) load, as in tensordict 0.15.3: each such leaf is
+mapped privately, copy-on-write (``MAP_PRIVATE``), and is a
+:class:`~shared_td.memmap_tensor.ReadOnlyMemoryMappedTensor`, which refuses writes with a
+:class:`~shared_td.errors.ReadOnlyError` naming the file and why (*ours*: tensordict lets
+the write change this process's copy only, so it is lost without a word). It is not a
+``PROT_READ`` mapping on purpose: torch cannot mark a tensor read-only, so a write that
+slipped through (a numpy view, a raw storage) would kill the process with SIGSEGV
+instead of raising.
 """
 from __future__ import annotations
 
@@ -42,8 +45,13 @@ from shared_td.storage import files
 from shared_td.storage.files import Directory, FileTooShortError
 
 #: open(O_RDWR) fails so on a file that can be read but not written (its mode or ACL,
-#: a read-only file system, an immutable file): such a file is mapped copy-on-write.
-READ_ONLY_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
+#: a read-only file system, an immutable file): such a file is mapped copy-on-write,
+#: read-only, and its tensors' errors say why, in these words.
+READ_ONLY_ERRNOS = {
+    errno.EROFS: "it is on a read-only file system",
+    errno.EACCES: "this process has no permission to write it (its mode or ACL)",
+    errno.EPERM: "this process may not write it (an immutable or append-only file)",
+}
 
 #: How long a load keeps restarting while atomic writers replace the directory under it.
 RETRY_SECONDS = 60.0
@@ -176,10 +184,10 @@ class Loader:
         shape = torch.Size(leaf.shape)
         if shape.numel() == 0:  # zero-element leaves have no file
             return MemoryMappedTensor.empty(shape, dtype=leaf.dtype)
-        name, fd, shared = self._open_leaf(directory, leaf.key)
+        name, fd, read_only = self._open_leaf(directory, leaf.key)
         path = f"{directory.path}/{name}"
         try:
-            backing = files.backing_from_fd(path, fd, shared=shared)
+            backing = files.backing_from_fd(path, fd, shared=read_only is None, read_only=read_only)
         finally:
             os.close(fd)
         return MemoryMappedTensor._from_backing(backing, 0, leaf.dtype, shape)
@@ -240,22 +248,23 @@ class Loader:
         """File names of ``key``: its robust name, then its legacy (raw) name if safe."""
         return fmt.file_names(key, leaf=leaf, robust_key=self.robust_key)
 
-    def _open_leaf(self, directory: Directory, key: str) -> tuple[str, int, bool]:
-        """Open the file of leaf ``key``: ``(name, fd, shared)``.
+    def _open_leaf(self, directory: Directory, key: str) -> tuple[str, int, str | None]:
+        """Open the file of leaf ``key``: ``(name, fd, read_only)``.
 
         A file this process may not write (its mode, a read-only file system, an
-        immutable file) is opened read-only and mapped copy-on-write (shared=False).
+        immutable file) is opened read-only; ``read_only`` then says why (else None),
+        and the file is mapped copy-on-write, its tensors refusing writes.
         """
         names = self._candidates(key, leaf=True)
         for name in names:
             try:
-                return name, directory.open_regular(name, os.O_RDWR), True
+                return name, directory.open_regular(name, os.O_RDWR), None
             except FileNotFoundError:
                 continue
             except OSError as error:
                 if error.errno not in READ_ONLY_ERRNOS:
                     raise
-                return name, directory.open_regular(name, os.O_RDONLY), False
+                return name, directory.open_regular(name, os.O_RDONLY), READ_ONLY_ERRNOS[error.errno]
         raise self._missing(directory, key, names, "file")
 
     def _resolve(self, directory: Directory, key: str, *, leaf: bool) -> str:

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from shared_td.errors import ReadOnlyError
 from shared_td.keys import encode_key, is_safe_legacy_name
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.persist import format as fmt
@@ -164,7 +165,20 @@ class Planner:
             raise NotImplementedError(f"Key {path + (key,)}: nested tensors cannot be memory-mapped yet.")
         leaf = LeafPlan(key, tensor, target)
         backing = getattr(tensor, "_backing", None) if isinstance(tensor, MemoryMappedTensor) else None
-        if isinstance(backing, FileBacking) and not self.options.like:  # like copies no data
+        if isinstance(backing, FileBacking) and not backing.shared and not self.options.like:
+            # a private (copy-on-write) mapping: its bytes live in this process only, so
+            # it is never kept as if memory-mapped; it is copied, as a plain tensor is
+            if target is not None and backing.path == target:
+                if backing.read_only:
+                    raise ReadOnlyError(
+                        f"Key {path + (key,)} cannot be memory-mapped to its own file "
+                        f"{target}: that file was loaded read-only because "
+                        f"{backing.read_only}. Write the tensordict to a new prefix "
+                        "(memmap_(new_prefix)), take a writable copy in memory with "
+                        ".clone(), or load the save from a place this process may write."
+                    )
+                leaf.source = tensor.clone()  # the write overwrites the bytes it maps
+        elif isinstance(backing, FileBacking) and not self.options.like:  # like copies no data
             if target is not None and backing.path == target:
                 if tensor.storage_offset() == 0 and tensor.is_contiguous():
                     leaf.keep = True

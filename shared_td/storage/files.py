@@ -145,23 +145,29 @@ class FileBacking:
 
     Attributes: ``path`` (absolute), ``storage`` (uint8 ``UntypedStorage`` or ``None``
     for an empty file), ``nbytes`` (bytes mapped), ``shared`` (``False`` for a private
-    copy-on-write mapping). Pickles as ``(path, shared)``: the receiver maps the file
-    again, so writes on either side reach the same page cache.
+    copy-on-write mapping), ``read_only`` (``None``, or why this process may not write
+    the file, e.g. "it is on a read-only file system": tensors over such a backing
+    refuse writes). Pickles as ``(path, shared, read_only)``: the receiver maps the
+    file again, so writes on either side reach the same page cache, and a read-only
+    backing stays read-only.
     """
 
-    __slots__ = ("path", "storage", "nbytes", "shared", "__weakref__")
+    __slots__ = ("path", "storage", "nbytes", "shared", "read_only", "__weakref__")
 
-    def __init__(self, path: str, storage, nbytes: int, shared: bool):
+    def __init__(self, path: str, storage, nbytes: int, shared: bool, read_only: str | None = None):
         self.path = path
         self.storage = storage
         self.nbytes = nbytes
         self.shared = shared
+        self.read_only = read_only
 
     def __reduce__(self):
-        return open_file_backing, (self.path, self.shared)
+        return open_file_backing, (self.path, self.shared, self.read_only)
 
     def __repr__(self) -> str:
         mode = "shared" if self.shared else "copy-on-write"
+        if self.read_only:
+            mode += ", read-only"
         return f"FileBacking({self.path!r}, nbytes={self.nbytes}, {mode})"
 
 
@@ -170,8 +176,14 @@ class FileBacking:
 _CACHE = InodeCache()
 
 
-def backing_from_fd(path: str, fd: int, *, shared: bool = True) -> FileBacking:
-    """Map the whole file open as ``fd`` (or reuse this process's mapping of it)."""
+def backing_from_fd(path: str, fd: int, *, shared: bool = True, read_only: str | None = None) -> FileBacking:
+    """Map the whole file open as ``fd`` (or reuse this process's mapping of it).
+
+    ``read_only`` (why the file may not be written) needs ``shared=False``: the mapping
+    is private, and the tensors over it refuse writes.
+    """
+    if read_only and shared:
+        raise ValueError(f"A read-only backing of {path} must be mapped copy-on-write (shared=False).")
     st = os.fstat(fd)
     key = (st.st_dev, st.st_ino)
     if shared:
@@ -180,7 +192,7 @@ def backing_from_fd(path: str, fd: int, *, shared: bool = True) -> FileBacking:
         if cached is not None and cached.nbytes == st.st_size:
             return cached
     storage = map_fd(fd, st.st_size, shared=shared, path=path) if st.st_size else None
-    backing = FileBacking(path, storage, st.st_size, shared)
+    backing = FileBacking(path, storage, st.st_size, shared, read_only)
     if shared:
         # private mappings are never shared: two copy-on-write opens must not see each
         # other's private writes
@@ -201,15 +213,16 @@ def relocated(backing: FileBacking, path: str) -> FileBacking:
     The mapped inode is unchanged, so no byte moves; this process's cache then hands
     out the new name.
     """
-    moved = FileBacking(path, backing.storage, backing.nbytes, backing.shared)
+    moved = FileBacking(path, backing.storage, backing.nbytes, backing.shared, backing.read_only)
     if backing.shared:
         st = os.stat(path)
         _CACHE.put((st.st_dev, st.st_ino), moved)
     return moved
 
 
-def open_file_backing(path: str, shared: bool = True) -> FileBacking:
+def open_file_backing(path: str, shared: bool = True, read_only: str | None = None) -> FileBacking:
     """Map an existing file by path; a missing file raises ``FileNotFoundError``.
+    ``read_only`` as in :func:`backing_from_fd`.
 
     Example:
         >>> import tempfile
@@ -228,7 +241,7 @@ def open_file_backing(path: str, shared: bool = True) -> FileBacking:
     flags = (os.O_RDWR if shared else os.O_RDONLY) | os.O_CLOEXEC
     fd = os.open(path, flags)
     try:
-        return backing_from_fd(path, fd, shared=shared)
+        return backing_from_fd(path, fd, shared=shared, read_only=read_only)
     finally:
         os.close(fd)
 

@@ -1,6 +1,6 @@
-"""load_memmap of directories that are damaged, hostile or read-only: special files never
-block, a read-only save loads copy-on-write, every bad meta.json field is a FormatError
-naming the file and the field, and `shared-td verify` reports what the load refuses."""
+"""load_memmap of directories that are damaged or hostile: special files never block,
+every bad meta.json field is a FormatError naming the file and the field, and `shared-td
+verify` reports what the load refuses. Read-only saves: test_read_only_saves.py."""
 from __future__ import annotations
 
 import contextlib
@@ -9,16 +9,13 @@ import json
 import multiprocessing
 import os
 import queue
-import shutil
 import socket
 import stat
-import subprocess
-import tempfile
 
 import pytest
 import torch
 
-from persist_helpers import NonTensorData, TensorDict, bits, dir_state, make_td
+from persist_helpers import NonTensorData, TensorDict, dir_state, make_td
 
 from shared_td import FormatError
 from shared_td.cli import main
@@ -153,81 +150,6 @@ def test_meta_json_that_is_a_directory(saved):
     assert str(path / "nested" / "meta.json") in str(info.value)
     code, document = verify_json(path)
     assert code == 1 and [p["path"] for p in document["problems"]] == ["nested/meta.json"]
-
-
-# ----------------------------------------------------------------- item 9: read-only saves
-def _load_as_nobody(path, expected_bits):
-    os.setgid(65534)
-    os.setuid(65534)
-    loaded = TensorDict.load_memmap(path)
-    same = bits(loaded["float32"]) == expected_bits
-    leaf = loaded["float32"]
-    leaf.fill_(7.0)  # copy-on-write: stays in this process
-    with open(leaf.filename, "rb") as handle:
-        on_disk = handle.read(len(expected_bits))
-    return same, leaf._backing.shared, on_disk == expected_bits, float(leaf[0, 0])
-
-
-@pytest.fixture
-def world_readable(tmp_path):
-    """A directory that user nobody can reach (pytest's tmp_path is root-only)."""
-    top = tempfile.mkdtemp(prefix="shared_td_ro_")
-    os.chmod(top, 0o755)
-    yield top
-    shutil.rmtree(top)
-
-
-def test_read_only_files_load_copy_on_write(world_readable):
-    if os.getuid() != 0:
-        pytest.skip("needs root, to drop to user nobody in a child (root ignores file modes)")
-    td = make_td()
-    path = os.path.join(world_readable, "s")
-    td.save(path)
-    for directory, _, names in os.walk(path):
-        os.chmod(directory, 0o555)
-        for name in names:
-            os.chmod(os.path.join(directory, name), 0o444)
-    try:
-        outcome = in_child(_load_as_nobody, path, bits(td["float32"]))
-    finally:
-        for directory, _, _ in os.walk(path):
-            os.chmod(directory, 0o755)
-    assert outcome == ("returned", (True, False, True, 7.0)), outcome
-
-
-@pytest.fixture
-def read_only_mount(tmp_path):
-    """(source, mount point): a read-only bind mount of source (skipped if not allowed)."""
-    source, point = tmp_path / "src", tmp_path / "ro"
-    source.mkdir()
-    point.mkdir()
-    done = subprocess.run(["mount", "--bind", str(source), str(point)], capture_output=True)
-    if done.returncode:
-        pytest.skip(f"cannot bind-mount (needs root / CAP_SYS_ADMIN): {done.stderr.decode().strip()}")
-    try:
-        done = subprocess.run(["mount", "-o", "remount,ro,bind", str(point)], capture_output=True)
-        if done.returncode:
-            pytest.skip(f"cannot remount read-only: {done.stderr.decode().strip()}")
-        yield source, point
-    finally:
-        subprocess.run(["umount", "-l", str(point)], check=True, timeout=30)
-
-
-def test_a_save_on_a_read_only_file_system_loads(read_only_mount):
-    source, point = read_only_mount
-    td = make_td()
-    td.save(source / "s")
-    with pytest.raises(OSError):  # it is read-only indeed
-        open(point / "s" / "float32.memmap", "r+b")
-    loaded = TensorDict.load_memmap(point / "s")
-    for key in ("float32", "int64", "bfloat16"):
-        assert bits(loaded[key]) == bits(td[key])
-    leaf = loaded["float32"]
-    assert not leaf._backing.shared  # copy-on-write
-    leaf.fill_(5.0)
-    assert (source / "s" / "float32.memmap").read_bytes()[: leaf.nbytes] == bits(td["float32"])
-    code, document = verify_json(point / "s")
-    assert (code, document["problems"]) == (0, [])
 
 
 # ----------------------------------------------------------------- items 11, 12: meta.json fields
