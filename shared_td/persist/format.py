@@ -84,15 +84,26 @@ def dtype_from_name(name: Any, *, where: str, field: str | None = None) -> torch
 def node_entries(meta: dict) -> dict[str, dict]:
     """The per-key entries of a TensorDict node's meta.json, reserved names included.
 
+    A top-level value under a node field's name is an entry when it is one (a dict with
+    ``type``, or with ``dtype`` and ``shape``): tensordict 0.15.3 leaves there the
+    entries of keys named ``_class``, ``_format_version`` and ``_names``.
+
     Examples:
         >>> node_entries({"x": {"dtype": "torch.float32", "shape": [2]}, "shape": [2]})
         {'x': {'dtype': 'torch.float32', 'shape': [2]}}
+        >>> list(node_entries({"_class": {"dtype": "torch.int8", "shape": [2]}, "shape": [2]}))
+        ['_class']
     """
-    entries = {k: v for k, v in meta.items() if isinstance(v, dict) and k not in NODE_FIELDS}
+    entries = {k: v for k, v in meta.items() if isinstance(v, dict)
+               and (k not in NODE_FIELDS or (k != RESERVED_ENTRIES and _is_entry(v)))}
     reserved = meta.get(RESERVED_ENTRIES)
     if isinstance(reserved, dict):
         entries.update(reserved)
     return entries
+
+
+def _is_entry(value: dict) -> bool:
+    return "type" in value or ("dtype" in value and "shape" in value)
 
 
 # ---------------------------------------------------------------- the checked node model
@@ -295,7 +306,7 @@ def _device(value: Any, where: str, name: str) -> str | None:
 
 def _names(document: dict, batch_size: tuple[int, ...], where: str) -> tuple | None:
     names = document.get("_names")
-    if names is None:
+    if names is None or isinstance(names, dict):  # a dict: the entry of a key "_names"
         return None
     if not (isinstance(names, list) and len(names) == len(batch_size)
             and all(n is None or isinstance(n, str) for n in names)):
