@@ -186,8 +186,8 @@ class NodeMeta:
         fields last, under RESERVED_ENTRIES), then the node's fields of ``document``.
 
         Example:
-            >>> NodeMeta.for_tensorclass("<class 'mod.Obs'>").to_json()
-            b"{\"_type\": \"<class 'mod.Obs'>\"}"
+            >>> print(NodeMeta.for_tensorclass("<class 'mod.Obs'>").to_json().decode())
+            {"_type": "<class 'mod.Obs'>"}
         """
         written: dict = {}
         reserved: dict = {}
@@ -376,6 +376,17 @@ def dumps(document: dict, *, compact: bool = False) -> bytes:
     """meta.json bytes, with the separators tensordict writes (spaced, or compact)."""
     separators = (",", ":") if compact else (", ", ": ")
     return json.dumps(document, separators=separators).encode("utf-8")
+
+
+def nested_sizes_name(leaf_file: str) -> str:
+    """The file of a nested tensor's int64 sizes, beside its data file (tensordict
+    0.15.3 writes nested tensors so; shared_td reads neither yet).
+
+    Examples:
+        >>> nested_sizes_name("obs.memmap")
+        'obs.shape.memmap'
+    """
+    return leaf_file[: -len(LEAF_SUFFIX)] + ".shape" + LEAF_SUFFIX
 
 
 def lock_path(prefix: str) -> str:

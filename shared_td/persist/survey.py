@@ -158,7 +158,7 @@ class _Walker:
         entry.path = os.path.join(directory, name)
         entry.size_on_disk = self.regular_file_size(entry.path)
         if nested:  # its shape is that of the int64 sizes file beside the data file
-            sizes = entry.path[: -len(fmt.LEAF_SUFFIX)] + ".shape" + fmt.LEAF_SUFFIX
+            sizes = fmt.nested_sizes_name(entry.path)
             self.expected[directory].add(os.path.basename(sizes))
             entry.class_name = "nested"
             self.problem("error", entry.path, f"key {key!r} is a nested tensor: tensordict "
