@@ -1,4 +1,4 @@
-"""Loading a saved directory: read meta.json, map leaf files, rebuild the containers.
+"""Loading a saved directory: read meta.json, map leaf files, let each node's kind rebuild it.
 
 Every file is opened relative to the directory opened first (``dir_fd``), so a load
 that races an atomic rewrite (a swap of the whole directory) reads one version only; if
@@ -131,13 +131,7 @@ class Loader:
         """Load one node: its keyed entries (from its meta.json), its fixed-name
         children (the kind names them), then the kind rebuilds the container."""
         meta = read_meta(directory)
-        try:
-            kind = nodes.kind_for_type_string(meta.type)
-        except RuntimeError:
-            raise RuntimeError(
-                f"{meta.path} holds a {meta.type!r}, which is no known tensordict class: "
-                "import the module that defines that tensorclass first."
-            ) from None
+        kind = nodes.kind_for_type_string(meta.type)
         values = {}
         for entry in meta.entries:
             if isinstance(entry, fmt.ChildMeta):
