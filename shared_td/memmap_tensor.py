@@ -1,6 +1,6 @@
 """MemoryMappedTensor: a CPU tensor whose bytes live in a file or an anonymous segment.
 
-Design (DESIGN.md "Storage"; differences from tensordict 0.15.3 are marked *ours*):
+Design (differences from tensordict 0.15.3 are marked *ours*):
 
 * Every MemoryMappedTensor (MMT) views the single uint8 storage of its *backing*: a
   :class:`~shared_td.storage.files.FileBacking` (a whole mapped file) or a

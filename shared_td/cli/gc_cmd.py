@@ -82,7 +82,7 @@ def prefixes_under(root: str) -> list[str]:
     are not followed.
     """
     found = []
-    if os.path.isfile(os.path.join(root, "meta.json")):
+    if os.path.isfile(os.path.join(root, fmt.META)):
         found += [p for p in prefixes_in(os.path.dirname(root)) if p == root]
     for directory, dirnames, names in os.walk(root):
         found += prefixes_in(directory)
@@ -99,7 +99,7 @@ def _outermost_save(directory: str, root: str) -> str:
     top = directory
     while top != root:
         parent = os.path.dirname(top)
-        if not os.path.isfile(os.path.join(parent, "meta.json")):
+        if not os.path.isfile(os.path.join(parent, fmt.META)):
             break
         top = parent
     return top
@@ -120,10 +120,9 @@ def prefixes_in(directory: str) -> list[str]:
         parsed = atomic.parse_leftover_name(entry)
         if parsed is not None:
             found.add(os.path.join(directory, parsed[0]))
-        elif entry.startswith(".") and entry.endswith(".lock"):
-            prefix = os.path.join(directory, entry[1:-len(".lock")])
-            if atomic.lock_path(prefix) == os.path.join(directory, entry) and \
-                    os.path.isfile(os.path.join(prefix, "meta.json")):
+        elif (name := fmt.prefix_of_lock(entry)) is not None:
+            prefix = os.path.join(directory, name)
+            if os.path.isfile(os.path.join(prefix, fmt.META)):
                 found.add(prefix)
     return sorted(found)
 

@@ -2,3 +2,5 @@
 
 They hold keys, batch size, device, names and a lock flag; they know nothing of files.
 """
+
+from shared_td.containers import node_kinds  # noqa: F401  (registers every class's NodeKind once)

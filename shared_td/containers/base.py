@@ -19,7 +19,7 @@ from shared_td.containers.locking import LockingOps
 from shared_td.containers.splitting import BatchSplitOps
 from shared_td.errors import BatchSizeMismatchError
 from shared_td.keys import NestedKey, is_nested_key, key_repr, unravel_key
-from shared_td.persist.methods import MemmapMethods
+from shared_td.containers.memmap_methods import MemmapMethods
 
 NO_DEFAULT = object()
 

@@ -165,9 +165,9 @@ class _NonTensorBase(TensorDictBase):
     def _after_update(self) -> None:
         """An in-place write of a memory-mapped entry also rewrites its files."""
         if self._is_memmap and self._memmap_prefix is not None:
-            from shared_td.persist.writer import rewrite_non_tensor
+            from shared_td.persist.writer import rewrite_node
 
-            rewrite_non_tensor(self)
+            rewrite_node(self, self._memmap_prefix)
 
     def _check_update(self, value: Any) -> None:
         """Raise if ``_update_(value)`` would fail (it writes nothing)."""

@@ -84,11 +84,7 @@ def memmap(
 
 def own_directory(obj: Any) -> str | None:
     """The directory ``obj`` was memory-mapped to or loaded from (None if none)."""
-    if nodes.kind_of(obj) == nodes.TENSORCLASS:
-        inner = getattr(obj._tensordict, "_memmap_prefix", None)  # <directory>/_tensordict
-        return None if inner is None else os.path.dirname(inner)
-    # a lazy stack that was never memory-mapped has no _memmap_prefix
-    return getattr(obj, "_memmap_prefix", None)
+    return nodes.kind_for_object(obj).directory(obj)
 
 
 def _run_into_future(future: Future, planner: Planner, root: NodePlan, options: Options) -> None:
@@ -175,34 +171,11 @@ def _relocate(root: NodePlan, staging: str, target: str) -> None:
 
 def _build(node: NodePlan, options: Options) -> Any:
     """Put the written leaves into the tree (in place) or into a new tree."""
-    obj, kind = node.obj, node.kind
-    if kind == nodes.TENSORDICT:
-        entries = {
-            key: node.leaves[key].result if key in node.leaves else _build(node.children[key], options)
-            for key in node.order
-        }
-        if options.inplace:
-            result = obj
-            result._tensordict = entries
-            result._device = _CPU
-        else:
-            result = nodes.empty_like_batch(obj)
-            result._tensordict = entries
-    elif kind == nodes.LAZY:
-        members = [_build(node.children[str(i)], options) for i in range(len(obj.tensordicts))]
-        result = obj if options.inplace else type(obj)(*members, stack_dim=obj.stack_dim)
-    elif kind == nodes.TENSORCLASS:
-        inner = _build(node.children[nodes.fmt.TENSORCLASS_CHILD], options)
-        result = obj if options.inplace else type(obj)._from_tensordict(inner)
-    else:
-        result = obj if options.inplace else obj.clone()
-        if options.share_non_tensor and result._shared_value is None:
-            result._share()
-    if kind != nodes.TENSORCLASS:  # a tensorclass keeps its flags in its tensordict
-        result._is_memmap = True
-        result._is_shared = False
-        result._memmap_prefix = node.directory
-    return result
+    built = {name: _build(child, options) for name, child in node.children.items()}
+    values = {key: node.leaves[key].result if key in node.leaves else built[key]
+              for key in node.order} if node.order else built
+    put = node.kind.adopt if options.inplace else node.kind.copy
+    return put(node.obj, values, node.directory, share_non_tensor=options.share_non_tensor)
 
 
 def load_memmap(

@@ -59,6 +59,7 @@ import warnings
 import filelock
 
 from shared_td.persist import format as fmt
+from shared_td.persist.format import lock_path
 from shared_td.persist.lock_probe import lock_is_held, remove_unheld_lock
 from shared_td.storage.removal import remove_tree
 
@@ -73,12 +74,6 @@ _RENAME_EXCHANGE = 2
 
 class AtomicWriteError(RuntimeError):
     """An atomic rewrite cannot start (the prefix is not a saved tensordict, ...)."""
-
-
-def lock_path(prefix: str) -> str:
-    """The lock file of ``prefix``: beside it, so that it survives every swap."""
-    parent, name = os.path.split(os.path.abspath(prefix))
-    return os.path.join(parent, f".{name}.lock")
 
 
 def prefix_lock(prefix: str, timeout: float | None = None) -> filelock.BaseFileLock:

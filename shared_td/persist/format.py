@@ -84,15 +84,26 @@ def dtype_from_name(name: Any, *, where: str, field: str | None = None) -> torch
 def node_entries(meta: dict) -> dict[str, dict]:
     """The per-key entries of a TensorDict node's meta.json, reserved names included.
 
+    A top-level value under a node field's name is an entry when it is one (a dict with
+    ``type``, or with ``dtype`` and ``shape``): tensordict 0.15.3 leaves there the
+    entries of keys named ``_class``, ``_format_version`` and ``_names``.
+
     Examples:
         >>> node_entries({"x": {"dtype": "torch.float32", "shape": [2]}, "shape": [2]})
         {'x': {'dtype': 'torch.float32', 'shape': [2]}}
+        >>> list(node_entries({"_class": {"dtype": "torch.int8", "shape": [2]}, "shape": [2]}))
+        ['_class']
     """
-    entries = {k: v for k, v in meta.items() if isinstance(v, dict) and k not in NODE_FIELDS}
+    entries = {k: v for k, v in meta.items() if isinstance(v, dict)
+               and (k not in NODE_FIELDS or (k != RESERVED_ENTRIES and _is_entry(v)))}
     reserved = meta.get(RESERVED_ENTRIES)
     if isinstance(reserved, dict):
         entries.update(reserved)
     return entries
+
+
+def _is_entry(value: dict) -> bool:
+    return "type" in value or ("dtype" in value and "shape" in value)
 
 
 # ---------------------------------------------------------------- the checked node model
@@ -117,6 +128,16 @@ class LeafMeta:
         """Bytes its file must hold (of the data file of a nested tensor: unknown here)."""
         return math.prod(self.shape) * self.dtype.itemsize
 
+    @classmethod
+    def of(cls, key: str, tensor: torch.Tensor) -> "LeafMeta":
+        """The entry the writer records for ``tensor`` (written to the CPU)."""
+        return cls(key, tuple(tensor.shape), tensor.dtype)
+
+    def to_json(self) -> dict:
+        """Its entry in the node's meta.json (tensordict's field order)."""
+        return {"device": "cpu", "shape": list(self.shape), "dtype": dtype_name(self.dtype),
+                "is_nested": self.is_nested}
+
 
 @dataclass(frozen=True)
 class ChildMeta:
@@ -124,6 +145,9 @@ class ChildMeta:
 
     key: str
     type_name: str  # "TensorDict", "NonTensorData", ... as the parent records it
+
+    def to_json(self) -> dict:
+        return {"type": self.type_name}
 
 
 @dataclass(frozen=True)
@@ -136,6 +160,10 @@ class NodeMeta:
     are the leaves and children of a TensorDict node in file order; ``document`` is the
     parsed JSON (non-tensor ``data``, tensorclass fields).
 
+    Written the other way by :meth:`to_json`: a node kind builds its NodeMeta with one
+    of the ``for_*`` constructors below (the layouts of tensordict 0.15.3, field by
+    field), whose ``document`` holds the node's own fields in the order written.
+
     Example:
         >>> meta = NodeMeta.from_json({"_type": TENSORDICT_TYPE, "shape": [2],
         ...     "x": {"dtype": "torch.int8", "shape": [2, 3]}}, where="/d/meta.json")
@@ -143,7 +171,7 @@ class NodeMeta:
         ((2,), 6)
     """
 
-    path: str  # the meta.json it was read from
+    path: str | None  # the meta.json it was read from (None: built to be written)
     type: str
     batch_size: tuple[int, ...] | None = None
     device: str | None = None
@@ -151,6 +179,68 @@ class NodeMeta:
     stack_dim: int = 0
     entries: tuple[LeafMeta | ChildMeta, ...] = ()
     document: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    compact: bool = field(default=False, compare=False, repr=False)  # written without spaces
+
+    def to_json(self) -> bytes:
+        """The meta.json bytes: the entries first, in order (those named like node
+        fields last, under RESERVED_ENTRIES), then the node's fields of ``document``.
+
+        Example:
+            >>> print(NodeMeta.for_tensorclass("<class 'mod.Obs'>").to_json().decode())
+            {"_type": "<class 'mod.Obs'>"}
+        """
+        written: dict = {}
+        reserved: dict = {}
+        for entry in self.entries:
+            (reserved if entry.key in NODE_FIELDS else written)[entry.key] = entry.to_json()
+        for name, value in self.document.items():
+            if name not in written and name != RESERVED_ENTRIES:  # a read document lists entries too
+                written[name] = value
+        if reserved:
+            written[RESERVED_ENTRIES] = reserved
+        return dumps(written, compact=self.compact)
+
+    # --------------------------------------------------- the layouts a writer builds
+    @classmethod
+    def for_tensordict(cls, batch_size: Any, names: Any, entries: tuple) -> "NodeMeta":
+        """A TensorDict node (its leaves are written to the CPU)."""
+        document = {"shape": list(batch_size), "device": "cpu", "_type": TENSORDICT_TYPE,
+                    "_format_version": FORMAT_VERSION, "_class": CLASS_TAGS[TENSORDICT_TYPE]}
+        if names is not None:
+            document["_names"] = list(names)
+        return cls(None, TENSORDICT_TYPE, tuple(batch_size), "cpu", None if names is None else tuple(names),
+                   entries=tuple(entries), document=document)
+
+    @classmethod
+    def for_lazy_stack(cls, stack_dim: int) -> "NodeMeta":
+        """A LazyStackedTensorDict node (its members are the directories 0/, 1/, ...)."""
+        document = {"_type": LAZY_STACK_TYPE, "_format_version": FORMAT_VERSION,
+                    "_class": CLASS_TAGS[LAZY_STACK_TYPE], "stack_dim": stack_dim, "stack_dim_name": None}
+        return cls(None, LAZY_STACK_TYPE, stack_dim=stack_dim, document=document)
+
+    @classmethod
+    def for_tensorclass(cls, type_str: str) -> "NodeMeta":
+        """A tensorclass node (its tensordict is the directory _tensordict/)."""
+        return cls(None, type_str, document={"_type": type_str})
+
+    @classmethod
+    def for_non_tensor_data(cls, data: Any, *, in_json: bool) -> "NodeMeta":
+        """A NonTensorData node; ``in_json=False``: ``data`` goes to OTHER_PICKLE."""
+        document: dict = {"_type": NON_TENSOR_DATA_TYPE}
+        if in_json:
+            document["data"] = _jsonable(data)
+        document.update({"_metadata": None, "_is_non_tensor": True})
+        return cls(None, NON_TENSOR_DATA_TYPE, document=document)
+
+    @classmethod
+    def for_non_tensor_stack(cls, device: Any, values: Any, *, in_json: bool) -> "NodeMeta":
+        """A NonTensorStack node (compact JSON); ``in_json=False``: the values go to
+        STACK_PICKLE, which ``data`` names."""
+        document = {"_type": NON_TENSOR_STACK_TYPE, "_format_version": FORMAT_VERSION,
+                    "_class": CLASS_TAGS[NON_TENSOR_STACK_TYPE], "stack_dim": 0,
+                    "device": None if device is None else str(device),
+                    "data": _jsonable(values) if in_json else STACK_PICKLE}
+        return cls(None, NON_TENSOR_STACK_TYPE, document=document, compact=True)
 
     @classmethod
     def from_json(cls, document: Any, *, where: str) -> "NodeMeta":
@@ -216,7 +306,7 @@ def _device(value: Any, where: str, name: str) -> str | None:
 
 def _names(document: dict, batch_size: tuple[int, ...], where: str) -> tuple | None:
     names = document.get("_names")
-    if names is None:
+    if names is None or isinstance(names, dict):  # a dict: the entry of a key "_names"
         return None
     if not (isinstance(names, list) and len(names) == len(batch_size)
             and all(n is None or isinstance(n, str) for n in names)):
@@ -245,7 +335,7 @@ def file_names(key: str, *, leaf: bool, robust_key: bool = True) -> list[str]:
     """The file names a key may have, in the order a loader tries them.
 
     Its robust (encoded) name first, then its raw legacy name when that stays inside
-    the directory (tensordict 0.15.3's rule, spec §4.7). A leaf's names end in .memmap.
+    the directory (tensordict 0.15.3's rule, docs/format.md §4). A leaf's names end in .memmap.
 
     Examples:
         >>> file_names("a b", leaf=True)
@@ -260,14 +350,13 @@ def file_names(key: str, *, leaf: bool, robust_key: bool = True) -> list[str]:
     return names
 
 
-def leaf_entry(tensor: torch.Tensor) -> dict:
-    """The meta.json entry of a tensor leaf."""
-    return {
-        "device": "cpu",
-        "shape": list(tensor.shape),
-        "dtype": dtype_name(tensor.dtype),
-        "is_nested": False,
-    }
+def _jsonable(value: Any) -> Any:
+    """Tuples and sets become lists, as JSON has only lists."""
+    if isinstance(value, (list, tuple, set)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    return value
 
 
 def is_json_value(value: Any) -> bool:
@@ -287,6 +376,42 @@ def dumps(document: dict, *, compact: bool = False) -> bytes:
     """meta.json bytes, with the separators tensordict writes (spaced, or compact)."""
     separators = (",", ":") if compact else (", ", ": ")
     return json.dumps(document, separators=separators).encode("utf-8")
+
+
+def nested_sizes_name(leaf_file: str) -> str:
+    """The file of a nested tensor's int64 sizes, beside its data file (tensordict
+    0.15.3 writes nested tensors so; shared_td reads neither yet).
+
+    Examples:
+        >>> nested_sizes_name("obs.memmap")
+        'obs.shape.memmap'
+    """
+    return leaf_file[: -len(LEAF_SUFFIX)] + ".shape" + LEAF_SUFFIX
+
+
+def lock_path(prefix: str) -> str:
+    """The lock file of ``prefix``: ``.<name>.lock`` beside it, so that it survives
+    every swap of the directory.
+
+    Examples:
+        >>> lock_path("/data/buf")
+        '/data/.buf.lock'
+    """
+    parent, name = os.path.split(os.path.abspath(prefix))
+    return os.path.join(parent, f".{name}.lock")
+
+
+def prefix_of_lock(name: str) -> str | None:
+    """The name of the prefix whose lock file is named ``name``, else None.
+
+    Examples:
+        >>> prefix_of_lock(".buf.lock"), prefix_of_lock("buf.lock"), prefix_of_lock(".lock")
+        ('buf', None, None)
+    """
+    if name.startswith(".") and name.endswith(".lock") and len(name) > len("..lock"):
+        prefix = name[1:-len(".lock")]
+        return prefix if os.path.basename(lock_path(prefix)) == name else None
+    return None
 
 
 def write_temporary(directory: Directory, name: str, data: bytes) -> str:

@@ -1,4 +1,4 @@
-"""Loading a saved directory: read meta.json, map leaf files, rebuild the containers.
+"""Loading a saved directory: read meta.json, map leaf files, let each node's kind rebuild it.
 
 Every file is opened relative to the directory opened first (``dir_fd``), so a load
 that races an atomic rewrite (a swap of the whole directory) reads one version only; if
@@ -41,6 +41,7 @@ import torch
 from shared_td.errors import FormatError
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.persist import format as fmt
+from shared_td.persist import nodes
 from shared_td.storage import files
 from shared_td.storage.files import Directory, FileTooShortError
 
@@ -129,22 +130,32 @@ class Loader:
             except NotADirectoryError:
                 raise NotADirectoryError(f"{path} is a file, not a saved tensordict directory.") from None
             except FileNotFoundError:
-                if not os.path.lexists(os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.lock")):
+                if not os.path.lexists(fmt.lock_path(path)):
                     break
                 time.sleep(0.001)
         raise FileNotFoundError(f"No saved tensordict at {path}: no such directory.")
 
-    def _load(self, directory: Directory, batch_size: torch.Size | None) -> Any:
+    def _load(self, directory: Directory, parent_batch: tuple | None) -> Any:
+        """Load one node: its keyed entries (from its meta.json), its fixed-name
+        children (the kind names them), then the kind rebuilds the container."""
         meta = read_meta(directory)
-        if meta.type == fmt.TENSORDICT_TYPE:
-            return self._load_tensordict(directory, meta)
-        if meta.type == fmt.LAZY_STACK_TYPE:
-            return self._load_lazy(directory, meta)
-        if meta.type == fmt.NON_TENSOR_DATA_TYPE:
-            return self._load_non_tensor_data(directory, meta, batch_size)
-        if meta.type == fmt.NON_TENSOR_STACK_TYPE:
-            return self._load_non_tensor_stack(directory, meta)
-        return self._load_tensorclass(directory, meta)
+        kind = nodes.kind_for_type_string(meta.type)
+        values = {}
+        for entry in meta.entries:
+            if isinstance(entry, fmt.ChildMeta):
+                name = self._resolve(directory, entry.key, leaf=False)
+                values[entry.key] = self._load_child(directory, name, meta.batch_size)
+            else:
+                values[entry.key] = self._load_leaf(directory, entry)
+        names = kind.child_names(meta, directory.exists)
+        for name in names:
+            values[name] = self._load_child(directory, name, meta.batch_size)
+        # children found by looking at the directory: if the tree was swapped out
+        # meanwhile, the first missing one may have gone with the old version
+        if names and self._opened is not None and _replaced(*self._opened):
+            raise FileNotFoundError(f"{directory.path} was replaced while it was loaded.")
+        return kind.rebuild(meta, values, directory=directory.path, parent_batch=parent_batch,
+                            unpickle=lambda name: self._unpickle(directory, name))
 
     def _load_child(self, directory: Directory, name: str, batch_size=None) -> Any:
         child = directory.child(name)
@@ -152,31 +163,6 @@ class Loader:
             return self._load(child, batch_size)
         finally:
             child.close()
-
-    # ------------------------------------------------------------------ node kinds
-    def _load_tensordict(self, directory: Directory, meta: fmt.NodeMeta) -> Any:
-        from shared_td.containers.tensordict import TensorDict
-
-        batch_size = torch.Size(meta.batch_size)
-        values = {}
-        for entry in meta.entries:
-            if isinstance(entry, fmt.ChildMeta):
-                name = self._resolve(directory, entry.key, leaf=False)
-                value = self._load_child(directory, name, batch_size)
-                if getattr(value, "_is_non_tensor", False):
-                    if value.batch_size != batch_size:
-                        value = value._with_batch_size(batch_size, entry.key)
-                else:
-                    fmt.check_batch_fits(meta.path, entry.key, batch_size, value.batch_size)
-                values[entry.key] = value
-            else:
-                values[entry.key] = self._load_leaf(directory, entry)
-        device = None if meta.device is None else torch.device(meta.device)
-        td = TensorDict._new_unsafe(values, batch_size, device)
-        if meta.names is not None:
-            td.names = list(meta.names)
-        td._memmap_prefix = directory.path
-        return td
 
     def _load_leaf(self, directory: Directory, leaf: fmt.LeafMeta) -> torch.Tensor:
         if leaf.is_nested:
@@ -191,57 +177,6 @@ class Loader:
         finally:
             os.close(fd)
         return MemoryMappedTensor._from_backing(backing, 0, leaf.dtype, shape)
-
-    def _load_lazy(self, directory: Directory, meta: fmt.NodeMeta) -> Any:
-        from shared_td.containers.lazy import LazyStackedTensorDict
-
-        members = []
-        while directory.exists(str(len(members))):
-            members.append(self._load_child(directory, str(len(members))))
-        # the first missing member ends the stack: if the tree was swapped out meanwhile,
-        # that member may have been deleted with the old version, so start again
-        if self._opened is not None and _replaced(*self._opened):
-            raise FileNotFoundError(f"{directory.path} was replaced while it was loaded.")
-        if not members:
-            raise FormatError(directory.path, "a lazy stack without members (no 0/ directory)")
-        lazy = LazyStackedTensorDict(*members, stack_dim=meta.stack_dim)
-        lazy._memmap_prefix = directory.path
-        return lazy
-
-    def _load_non_tensor_data(self, directory: Directory, meta: fmt.NodeMeta, batch_size) -> Any:
-        from shared_td.containers.nontensor import NonTensorData
-
-        if "data" in meta.document:
-            data = meta.document["data"]
-        else:
-            data = self._unpickle(directory, fmt.OTHER_PICKLE)["data"]
-        value = NonTensorData(data, batch_size=batch_size or [])
-        value._memmap_prefix = directory.path
-        return value
-
-    def _load_non_tensor_stack(self, directory: Directory, meta: fmt.NodeMeta) -> Any:
-        from shared_td.containers.nontensor import NonTensorStack
-
-        data = meta.document.get("data")
-        if data == fmt.STACK_PICKLE:
-            data = self._unpickle(directory, fmt.STACK_PICKLE)
-        stack = NonTensorStack.from_list(data)
-        stack._memmap_prefix = directory.path
-        return stack
-
-    def _load_tensorclass(self, directory: Directory, meta: fmt.NodeMeta) -> Any:
-        from shared_td.containers.tensorclass import tensorclass_for_type_string
-
-        try:
-            cls = tensorclass_for_type_string(meta.type)
-        except (KeyError, TypeError):
-            raise RuntimeError(
-                f"{meta.path} holds a {meta.type!r}, which is no known tensordict class: "
-                "import the module that defines that tensorclass first."
-            ) from None
-        if not directory.exists(fmt.TENSORCLASS_CHILD):
-            raise FormatError(directory.path, "a tensorclass without its _tensordict/ directory")
-        return cls._from_tensordict(self._load_child(directory, fmt.TENSORCLASS_CHILD))
 
     # ------------------------------------------------------------------ files
     def _candidates(self, key: str, *, leaf: bool) -> list[str]:

@@ -1,150 +1,166 @@
-"""How each container class appears on disk: its kind, its children, its meta.json.
+"""The node kinds: how the engine reaches a container class without importing it.
 
-The containers know nothing of files; this module is the one place that looks inside
-them to describe them to the writer and to rebuild them in the loader.
+Every class that is saved as a node (a directory with a meta.json) describes itself to
+the engine through one :class:`NodeKind`, registered once with :func:`register` by the
+containers package (containers/node_kinds.py) when it is imported. The engine (writer,
+loader, survey) deals in files and plain data only: it finds a kind by an object's class
+(:func:`kind_for_object`) or by the ``_type`` of a meta.json
+(:func:`kind_for_type_string`), and lets the kind read or set the container's fields.
+Where a class is written, loaded and inspected is therefore one class of
+containers/node_kinds.py.
+
+A kind answers:
+
+* **what it is**: ``name`` (one of the names below), the ``type_strings`` it owns and
+  :meth:`NodeKind.matches` for the others it accepts (a tensorclass's
+  ``<class 'module.Name'>``), the pickle ``side_files`` a node of it may own;
+* **writing**: its keyed ``entries`` (tensors and sub-nodes, filed under their key) and
+  fixed-name ``children`` (sub-directories such as ``0/`` or ``_tensordict/``), the
+  ``child_type_name`` its parent records, its ``metadata`` (a format.NodeMeta, whose
+  ``to_json`` is the meta.json, and side files), the ``directory`` it is saved in;
+  then ``adopt`` (memmap_: the object takes the written leaves and sub-nodes) or
+  ``copy`` (memmap: a new object over them);
+* **loading**: the fixed-name sub-directories a saved node has (``child_names``), and
+  ``rebuild``, a new object from its checked metadata and its loaded entries/children;
+* **inspecting**: ``inspect`` fills what ``shared-td inspect`` shows of a node.
 """
 from __future__ import annotations
 
-import pickle
-from typing import Any, Iterator
-
-import torch
+from typing import Any, Callable, Iterable
 
 from shared_td.persist import format as fmt
 
+# The names of the kinds the containers register (one per container class family).
 TENSORDICT, LAZY, TENSORCLASS, NON_TENSOR_DATA, NON_TENSOR_STACK = (
     "tensordict", "lazy", "tensorclass", "non_tensor_data", "non_tensor_stack",
 )
 
 
-def kind_of(obj: Any) -> str:
-    """The node kind of a container instance."""
-    from shared_td.containers.nontensor import NonTensorData, NonTensorStack
-    from shared_td.containers.tensordict import TensorDict
+class NodeKind:
+    """How one family of container classes is saved, loaded and inspected.
 
-    if isinstance(obj, NonTensorData):
-        return NON_TENSOR_DATA
-    if isinstance(obj, NonTensorStack):
-        return NON_TENSOR_STACK
-    if isinstance(obj, TensorDict):
-        return TENSORDICT
-    if getattr(type(obj), "_is_tensorclass", False):
-        return TENSORCLASS
-    from shared_td.containers.lazy import LazyStackedTensorDict
+    Subclasses override what their nodes have; the defaults describe a node without
+    entries, children or side files.
+    """
 
-    if isinstance(obj, LazyStackedTensorDict):
-        return LAZY
+    name: str = ""
+    type_strings: tuple[str, ...] = ()  # the meta.json ``_type`` values of this kind
+    side_files: tuple[str, ...] = ()  # pickles a node may own (removed when not rewritten)
+
+    def matches(self, type_str: str) -> bool:
+        """Whether a ``_type`` not in any kind's ``type_strings`` is this kind's."""
+        return False
+
+    def owns_class(self, cls: type) -> bool:
+        """Whether instances of ``cls`` (a class not registered by name) are this kind's."""
+        return False
+
+    # ---------------------------------------------------------------- writing
+    def entries(self, obj: Any) -> Iterable[tuple[str, Any]]:
+        """(key, tensor or sub-node) in order: each filed under its (encoded) key."""
+        return ()
+
+    def children(self, obj: Any) -> Iterable[tuple[str, Any]]:
+        """(fixed directory name, sub-node): the sub-directories that are not keys."""
+        return ()
+
+    def child_type_name(self, obj: Any) -> str:
+        """What a parent's meta.json records of ``obj`` (``{"type": ...}``)."""
+        raise NotImplementedError
+
+    def metadata(self, obj: Any, entries: tuple) -> tuple[fmt.NodeMeta, dict[str, bytes]]:
+        """The node's metadata (``entries``: LeafMeta/ChildMeta of its keyed entries,
+        as written) and its side files (name -> bytes)."""
+        raise NotImplementedError
+
+    def directory(self, obj: Any) -> str | None:
+        """The directory ``obj`` was memory-mapped to or loaded from (None if none)."""
+        raise NotImplementedError
+
+    def adopt(self, obj: Any, values: dict, directory: str | None, *, share_non_tensor: bool) -> Any:
+        """memmap_: ``obj`` takes the written ``values`` (key or child name -> leaf or
+        built sub-node) and records ``directory``; returns ``obj``."""
+        raise NotImplementedError
+
+    def copy(self, obj: Any, values: dict, directory: str | None, *, share_non_tensor: bool) -> Any:
+        """memmap/memmap_like: a new object like ``obj`` over the written ``values``."""
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- loading
+    def child_names(self, meta: fmt.NodeMeta, is_directory: Callable[[str], bool]) -> list[str]:
+        """The fixed-name sub-directories of a saved node, in order (FormatError
+        naming the node's directory when one it needs is missing)."""
+        return []
+
+    def rebuild(self, meta: fmt.NodeMeta, values: dict, *, directory: str,
+                parent_batch: tuple | None, unpickle: Callable[[str], Any]) -> Any:
+        """A new object from ``meta`` and the loaded ``values`` (keyed entries in order,
+        then fixed children by name); ``parent_batch``: the parent's batch size when
+        it records one; ``unpickle(name)`` reads a side file (refused unless allowed)."""
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- inspecting
+    def inspect(self, meta: fmt.NodeMeta, node: Any) -> None:
+        """Fill ``node`` (a survey.NodeView: the entry shown, its children) for
+        ``shared-td inspect``, from metadata and file names only."""
+        raise NotImplementedError
+
+
+_BY_NAME: dict[str, NodeKind] = {}
+_BY_TYPE: dict[str, NodeKind] = {}
+_BY_CLASS: dict[type, NodeKind] = {}
+
+
+def register(kind: NodeKind, *classes: type) -> NodeKind:
+    """Make ``kind`` the one of ``classes`` (and their subclasses) and of its type
+    strings. Called once per kind, by the containers package."""
+    _BY_NAME[kind.name] = kind
+    for type_str in kind.type_strings:
+        _BY_TYPE[type_str] = kind
+    for cls in classes:
+        _BY_CLASS[cls] = kind
+    return kind
+
+
+def kind_named(name: str) -> NodeKind:
+    return _BY_NAME[name]
+
+
+def kind_for_object(obj: Any) -> NodeKind:
+    """The kind of a container instance (by its class, the nearest registered one)."""
+    cls = type(obj)
+    kind = _BY_CLASS.get(cls)
+    if kind is not None:
+        return kind
+    for base in cls.__mro__[1:]:
+        if base in _BY_CLASS:
+            return _BY_CLASS[base]
+    for kind in _BY_NAME.values():
+        if kind.owns_class(cls):
+            return kind
     raise TypeError(
-        f"Cannot memory-map a {type(obj).__name__}: only TensorDict, "
+        f"Cannot memory-map a {cls.__name__}: only TensorDict, "
         "LazyStackedTensorDict, tensorclass instances and non-tensor data can be."
     )
 
 
-def type_string(obj: Any, kind: str) -> str:
-    """The ``_type`` written in meta.json (tensordict's class names, for interop)."""
-    if kind == TENSORCLASS:
-        return str(type(obj))
-    return {
-        TENSORDICT: fmt.TENSORDICT_TYPE,
-        LAZY: fmt.LAZY_STACK_TYPE,
-        NON_TENSOR_DATA: fmt.NON_TENSOR_DATA_TYPE,
-        NON_TENSOR_STACK: fmt.NON_TENSOR_STACK_TYPE,
-    }[kind]
+def kind_for_type_string(type_str: str) -> NodeKind:
+    """The kind of a saved node, by its meta.json ``_type``."""
+    kind = _BY_TYPE.get(type_str)
+    if kind is not None:
+        return kind
+    for kind in _BY_NAME.values():
+        if kind.matches(type_str):
+            return kind
+    raise RuntimeError(f"No node kind reads a {type_str!r}: import shared_td.containers first.")
 
 
-def child_type_name(obj: Any) -> str:
-    """What a parent's meta.json records of a child collection (``{"type": ...}``)."""
-    kind = kind_of(obj)
-    return type(obj).__name__ if kind == TENSORCLASS else fmt.CHILD_TYPE_NAMES[type_string(obj, kind)]
+def node_document(obj: Any, kind: NodeKind, entries: tuple = ()) -> tuple[bytes, dict[str, bytes]]:
+    """The meta.json bytes of a node and the side files it needs (pickles)."""
+    meta, side = kind.metadata(obj, entries)
+    return meta.to_json(), side
 
 
-def children(obj: Any, kind: str) -> Iterator[tuple[str, Any]]:
-    """The sub-collections written as sub-directories, with their fixed names."""
-    if kind == LAZY:
-        for index, member in enumerate(obj.tensordicts):
-            yield str(index), member
-    elif kind == TENSORCLASS:
-        yield fmt.TENSORCLASS_CHILD, obj._tensordict
-
-
-def node_document(obj: Any, kind: str, entries: dict | None = None) -> tuple[bytes, dict[str, bytes]]:
-    """The meta.json bytes of a node and the side files it needs (pickles).
-
-    ``entries`` is the per-key metadata of a TensorDict node (built by the writer).
-    """
-    type_str = type_string(obj, kind)
-    if kind == TENSORDICT:
-        document = _tensordict_document(obj, entries or {}, type_str)
-        return fmt.dumps(document), {}
-    if kind == LAZY:
-        document = {
-            "_type": type_str, "_format_version": fmt.FORMAT_VERSION,
-            "_class": fmt.CLASS_TAGS[type_str], "stack_dim": obj.stack_dim,
-            "stack_dim_name": None,
-        }
-        return fmt.dumps(document), {}
-    if kind == TENSORCLASS:
-        return fmt.dumps({"_type": type_str}), {}
-    if kind == NON_TENSOR_DATA:
-        document = {"_type": type_str}
-        side = {}
-        if fmt.is_json_value(obj.data):
-            document["data"] = _jsonable(obj.data)
-        else:
-            side[fmt.OTHER_PICKLE] = pickle.dumps({"data": obj.data})
-        document.update({"_metadata": None, "_is_non_tensor": True})
-        return fmt.dumps(document), side
-    values = obj.tolist()
-    document = {
-        "_type": type_str, "_format_version": fmt.FORMAT_VERSION,
-        "_class": fmt.CLASS_TAGS[type_str], "stack_dim": 0,
-        "device": None if obj.device is None else str(obj.device),
-    }
-    if fmt.is_json_value(values):
-        document["data"] = _jsonable(values)
-        return fmt.dumps(document, compact=True), {}
-    document["data"] = fmt.STACK_PICKLE
-    return fmt.dumps(document, compact=True), {fmt.STACK_PICKLE: pickle.dumps(values)}
-
-
-def _tensordict_document(td: Any, entries: dict, type_str: str) -> dict:
-    document: dict = {}
-    reserved: dict = {}
-    for key, entry in entries.items():
-        (reserved if key in fmt.NODE_FIELDS else document)[key] = entry
-    document.update(
-        {
-            "shape": list(td.batch_size), "device": "cpu", "_type": type_str,
-            "_format_version": fmt.FORMAT_VERSION, "_class": fmt.CLASS_TAGS[type_str],
-        }
-    )
-    if td.names is not None:
-        document["_names"] = td.names
-    if reserved:
-        document[fmt.RESERVED_ENTRIES] = reserved
-    return document
-
-
-def _jsonable(value: Any) -> Any:
-    """Tuples and sets become lists, as JSON has only lists."""
-    if isinstance(value, (list, tuple, set)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
-    return value
-
-
-def side_files(kind: str) -> tuple[str, ...]:
-    """Pickle side files a node kind may own (removed when a new save does not need them)."""
-    if kind in (NON_TENSOR_DATA, TENSORCLASS):
-        return (fmt.OTHER_PICKLE,)
-    if kind == NON_TENSOR_STACK:
-        return (fmt.STACK_PICKLE,)
-    return ()
-
-
-def empty_like_batch(td: Any) -> Any:
-    """A TensorDict with ``td``'s batch size and names, on the CPU, without entries."""
-    from shared_td.containers.tensordict import TensorDict
-
-    return TensorDict._new_unsafe({}, td.batch_size, torch.device("cpu"), td.names)
+def side_files(kind: NodeKind | str) -> tuple[str, ...]:
+    """Pickle side files a node kind (or the kind of that name) may own."""
+    return (kind_named(kind) if isinstance(kind, str) else kind).side_files

@@ -21,15 +21,17 @@ from __future__ import annotations
 import math
 import os
 import stat
+from typing import Any
 
 from shared_td.errors import FormatError
 from shared_td.keys import decode_key
 from shared_td.persist import format as fmt
+from shared_td.persist import nodes
 from shared_td.persist.format import NodeMeta
 from shared_td.persist.loader import read_node_meta
 from shared_td.persist.saved_tree import NODE, TENSOR, VALUE, VALUE_WIDTH, Entry, Problem, Survey
 
-__all__ = ["NODE", "TENSOR", "VALUE", "Entry", "Problem", "Survey", "survey"]
+__all__ = ["NODE", "TENSOR", "VALUE", "Entry", "NodeView", "Problem", "Survey", "survey"]
 
 def survey(prefix: str) -> Survey:
     """Read the tree saved at ``prefix`` and check it (see the module docstring).
@@ -73,6 +75,9 @@ class _Walker:
 
     # -------------------------------------------------------------------- nodes
     def node(self, key: str, directory: str) -> Entry:
+        """The entry of the node saved in ``directory``: its keyed entries from its
+        meta.json, its fixed-name children as its kind names them; the kind fills the
+        rest (class, batch size, value)."""
         self.expected[directory] = {fmt.META}
         entry = Entry(key, NODE, directory)
         meta = self.read_meta(directory)
@@ -80,17 +85,41 @@ class _Walker:
             del self.expected[directory]
             entry.class_name = "?"
             return entry
-        if meta.type == fmt.TENSORDICT_TYPE:
-            self.tensordict(entry, meta)
-        elif meta.type == fmt.LAZY_STACK_TYPE:
-            self.lazy_stack(entry)
-        elif meta.type == fmt.NON_TENSOR_DATA_TYPE:
-            self.non_tensor_data(entry, meta.document)
-        elif meta.type == fmt.NON_TENSOR_STACK_TYPE:
-            self.non_tensor_stack(entry, meta.document)
-        else:
-            self.tensorclass(entry, meta.document, meta.type)
+        kind = nodes.kind_for_type_string(meta.type)
+        for item in meta.entries:
+            if isinstance(item, fmt.LeafMeta):
+                entry.children.append(self.leaf(entry.path, item))
+            else:
+                self.child(entry, meta, item)
+        view = NodeView(self, entry)
+        try:
+            names = kind.child_names(meta, lambda name: self.is_directory(os.path.join(directory, name)))
+        except FormatError as error:
+            self.problem("error", directory, error.detail)
+            names = []
+        for name in names:
+            self.expected[directory].add(name)
+            view.children[name] = self.node(name, os.path.join(directory, name))
+        kind.inspect(meta, view)
         return entry
+
+    def child(self, entry: Entry, meta: NodeMeta, item: fmt.ChildMeta) -> None:
+        """A sub-collection listed in ``meta``: found by its key, and its batch size checked."""
+        name = self.find(entry.path, item.key, leaf=False)
+        if name is None:
+            return
+        child = self.node(item.key, os.path.join(entry.path, name))
+        entry.children.append(child)
+        if child.kind == NODE and child.batch_size is not None:
+            try:
+                fmt.check_batch_fits(meta.path, item.key, meta.batch_size, child.batch_size)
+            except FormatError as error:
+                self.problem("error", os.path.join(entry.path, fmt.META), error.detail)
+
+    def is_directory(self, path: str) -> bool:
+        """A directory (never through a symlink)."""
+        absolute = self.absolute(path)
+        return os.path.isdir(absolute) and not os.path.islink(absolute)
 
     def read_meta(self, directory: str) -> NodeMeta | None:
         """The node's checked meta.json, read by the loader's own code; None (and the
@@ -109,72 +138,6 @@ class _Walker:
         except OSError as error:
             self.problem("error", path, f"cannot read {fmt.META}: {error.strerror}")
         return None
-
-    def tensordict(self, entry: Entry, meta: NodeMeta) -> None:
-        entry.class_name = "TensorDict"
-        entry.batch_size = list(meta.batch_size)
-        for item in meta.entries:
-            if isinstance(item, fmt.LeafMeta):
-                entry.children.append(self.leaf(entry.path, item))
-                continue
-            name = self.find(entry.path, item.key, leaf=False)
-            if name is None:
-                continue
-            child = self.node(item.key, os.path.join(entry.path, name))
-            entry.children.append(child)
-            if child.kind == NODE and child.batch_size is not None:
-                try:
-                    fmt.check_batch_fits(meta.path, item.key, meta.batch_size, child.batch_size)
-                except FormatError as error:
-                    self.problem("error", os.path.join(entry.path, fmt.META), error.detail)
-
-    def lazy_stack(self, entry: Entry) -> None:
-        entry.class_name = "LazyStackedTensorDict"
-        index = 0
-        while os.path.isdir(self.absolute(os.path.join(entry.path, str(index)))) and \
-                not os.path.islink(self.absolute(os.path.join(entry.path, str(index)))):
-            self.expected[entry.path].add(str(index))
-            entry.children.append(self.node(str(index), os.path.join(entry.path, str(index))))
-            index += 1
-        if index == 0:
-            self.problem("error", entry.path, "a lazy stack without members (no 0/ directory)")
-        entry.batch_size = [index]
-
-    def non_tensor_data(self, entry: Entry, meta: dict) -> None:
-        entry.kind, entry.class_name = VALUE, "NonTensorData"
-        if "data" in meta:
-            entry.value = _short(repr(meta["data"]))
-        else:
-            entry.value = self.pickled(entry.path, fmt.OTHER_PICKLE)
-
-    def non_tensor_stack(self, entry: Entry, meta: dict) -> None:
-        entry.kind, entry.class_name = VALUE, "NonTensorStack"
-        data = meta.get("data")
-        if data == fmt.STACK_PICKLE:
-            entry.value = self.pickled(entry.path, fmt.STACK_PICKLE)
-        else:
-            entry.value = _short(repr(data))
-            if isinstance(data, list):
-                entry.batch_size = [len(data)]
-
-    def tensorclass(self, entry: Entry, meta: dict, type_str) -> None:
-        entry.class_name = _class_name(type_str)
-        child = os.path.join(entry.path, fmt.TENSORCLASS_CHILD)
-        if not os.path.isdir(self.absolute(child)) or os.path.islink(self.absolute(child)):
-            self.problem("error", os.path.join(entry.path, fmt.META),
-                         "a tensorclass without its _tensordict/ directory: cannot be loaded")
-            return
-        self.expected[entry.path].add(fmt.TENSORCLASS_CHILD)
-        inner = self.node(fmt.TENSORCLASS_CHILD, child)
-        entry.batch_size, entry.children = inner.batch_size, inner.children
-        for key, value in meta.items():  # non-tensor fields kept in meta.json itself
-            if not key.startswith("_"):
-                entry.children.append(Entry(key, VALUE, os.path.join(entry.path, fmt.META),
-                                            "field", value=_short(repr(value))))
-        if os.path.lexists(self.absolute(os.path.join(entry.path, fmt.OTHER_PICKLE))):
-            value = self.pickled(entry.path, fmt.OTHER_PICKLE)
-            entry.children.append(Entry("(other fields)", VALUE, os.path.join(entry.path, fmt.OTHER_PICKLE),
-                                        "field", value=value))
 
     # -------------------------------------------------------------------- files
     def leaf(self, directory: str, leaf: fmt.LeafMeta) -> Entry:
@@ -195,7 +158,7 @@ class _Walker:
         entry.path = os.path.join(directory, name)
         entry.size_on_disk = self.regular_file_size(entry.path)
         if nested:  # its shape is that of the int64 sizes file beside the data file
-            sizes = entry.path[: -len(fmt.LEAF_SUFFIX)] + ".shape" + fmt.LEAF_SUFFIX
+            sizes = fmt.nested_sizes_name(entry.path)
             self.expected[directory].add(os.path.basename(sizes))
             entry.class_name = "nested"
             self.problem("error", entry.path, f"key {key!r} is a nested tensor: tensordict "
@@ -285,12 +248,25 @@ def _inside(path: str, root: str) -> bool:
     return real == root or real.startswith(root + os.sep)
 
 
-def _class_name(type_str) -> str:
-    """``"<class 'module.Name'>"`` -> ``"module.Name"``, without importing anything."""
-    if isinstance(type_str, str) and type_str.startswith("<class '") and type_str.endswith("'>"):
-        return type_str[len("<class '"): -len("'>")]
-    return "?"
+class NodeView:
+    """A node as a kind's ``inspect`` fills it: ``entry`` (class name, batch size,
+    value, children) and ``children``, the entries of its fixed-name sub-directories
+    by name (a kind decides whether they are shown as they are)."""
 
+    def __init__(self, walker: _Walker, entry: Entry):
+        self._walker = walker
+        self.entry = entry
+        self.children: dict[str, Entry] = {}
 
-def _short(text: str, width: int = VALUE_WIDTH) -> str:
-    return text if len(text) <= width else text[: width - 3] + "..."
+    def pickled(self, name: str) -> str:
+        """A pickle side file of the node as shown (its size; never unpickled)."""
+        return self._walker.pickled(self.entry.path, name)
+
+    def has_file(self, name: str) -> bool:
+        return os.path.lexists(self._walker.absolute(os.path.join(self.entry.path, name)))
+
+    @staticmethod
+    def shown(value: Any, width: int = VALUE_WIDTH) -> str:
+        """A value as inspect shows it: its repr, cut to ``width`` characters."""
+        text = repr(value)
+        return text if len(text) <= width else text[: width - 3] + "..."

@@ -74,7 +74,7 @@ class LeafPlan:
 @dataclass
 class NodePlan:
     obj: Any
-    kind: str
+    kind: nodes.NodeKind
     directory: str | None
     exists: bool = False  # the directory existed when the write was planned
     leaves: dict[str, LeafPlan] = field(default_factory=dict)
@@ -101,7 +101,7 @@ class Planner:
         return self._plan(obj, self.root, (), parent_exists=not self.fresh_root)
 
     def _plan(self, obj: Any, directory: str | None, path: tuple, *, parent_exists: bool) -> NodePlan:
-        kind = nodes.kind_of(obj)
+        kind = nodes.kind_for_object(obj)
         # Inside a directory that does not exist yet nothing exists either: a new save
         # skips every per-file check (they cost a system call per file).
         exists = directory is not None and parent_exists and os.path.lexists(directory)
@@ -111,18 +111,16 @@ class Planner:
                 f"(key {path})."
             )
         node = NodePlan(obj, kind, directory, exists=exists)
-        for name, child in nodes.children(obj, kind):
+        for name, child in kind.children(obj):
             node.children[name] = self._plan(
                 child, _join(directory, name), path + (name,), parent_exists=exists
             )
-        if kind == nodes.TENSORDICT:
-            self._plan_entries(node, obj, directory, path)
+        self._plan_entries(node, kind.entries(obj), directory, path)
         return node
 
-    def _plan_entries(self, node: NodePlan, td: Any, directory: str | None, path: tuple) -> None:
+    def _plan_entries(self, node: NodePlan, entries, directory: str | None, path: tuple) -> None:
         used_names = {fmt.META}
-        for key in td._keys_str():
-            value = td._get_str(key, None)
+        for key, value in entries:
             node.order.append(key)
             target = None  # anonymous memory: no file, so no file name to check
             if directory is not None:
@@ -246,9 +244,7 @@ def write_tree(root: NodePlan, leaves: list[LeafPlan], options: Options, *, clea
     if root.directory is None:
         return  # anonymous memory only: no file, no meta.json
     documents = {
-        id(node): nodes.node_document(
-            node.obj, node.kind, _entries(node) if node.kind == nodes.TENSORDICT else None
-        )
+        id(node): nodes.node_document(node.obj, node.kind, _entries(node))
         for node in root.walk()
     }
     pool = ThreadPoolExecutor(options.num_threads) if options.num_threads > 1 else None
@@ -451,7 +447,7 @@ def _write_anonymous(leaves: list[LeafPlan], options: Options) -> None:
 
 
 # ----------------------------------------------------------------------------- commit
-def _stage_node_files(directory: Directory, kind: str, existed: bool, built: tuple) -> list[tuple[str, str]]:
+def _stage_node_files(directory: Directory, kind: nodes.NodeKind, existed: bool, built: tuple) -> list[tuple[str, str]]:
     """Write one node's ``built`` files (``(meta.json bytes, side files)``) into its
     directory: directly in a new one, else as temporaries, returned as
     ``(temporary, final name)`` for :func:`_put_in_place`. On failure none is left."""
@@ -470,48 +466,38 @@ def _stage_node_files(directory: Directory, kind: str, existed: bool, built: tup
     return staged
 
 
-def _put_in_place(directory: Directory, kind: str, built: tuple, staged: list[tuple[str, str]]) -> None:
+def _put_in_place(directory: Directory, kind: nodes.NodeKind, built: tuple, staged: list[tuple[str, str]]) -> None:
     """Rename the staged files of one node over the old ones; then remove the pickle
     side files the node no longer needs."""
     for temporary, final in staged:
         directory.replace(temporary, final)
     if staged:  # the node existed: old side files may remain
-        for name in nodes.side_files(kind):
+        for name in kind.side_files:
             if name not in built[1]:
                 directory.unlink(name)
 
 
-def _entries(node: NodePlan) -> dict:
-    entries = {}
-    for key in node.order:
-        if key in node.leaves:
-            entries[key] = fmt.leaf_entry(node.leaves[key].source)  # its shape and dtype
-        else:
-            entries[key] = {"type": nodes.child_type_name(node.children[key].obj)}
-    return entries
+def _entries(node: NodePlan) -> tuple:
+    """The metadata of a node's keyed entries, as they will be written: built from the
+    sources (shape and dtype) before any byte is written."""
+    return tuple(
+        fmt.LeafMeta.of(key, node.leaves[key].source) if key in node.leaves
+        else fmt.ChildMeta(key, node.children[key].kind.child_type_name(node.children[key].obj))
+        for key in node.order
+    )
 
 
-
-def rewrite_tensordict_meta(td: Any) -> None:
-    """Rewrite the meta.json of a memory-mapped TensorDict node from its entries
-    (after make_memmap added one)."""
-    entries = {
-        key: fmt.leaf_entry(value) if isinstance(value, torch.Tensor)
-        else {"type": nodes.child_type_name(value)}
-        for key, value in ((k, td._get_str(k, None)) for k in td._keys_str())
-    }
-    _rewrite_node_files(td._memmap_prefix, nodes.TENSORDICT, nodes.node_document(td, nodes.TENSORDICT, entries))
-
-
-def rewrite_non_tensor(value: Any) -> None:
-    """Rewrite the files of a memory-mapped NonTensorData/NonTensorStack after an
-    in-place write, so the directory holds the current value."""
-    kind = nodes.kind_of(value)
-    _rewrite_node_files(value._memmap_prefix, kind, nodes.node_document(value, kind))
-
-
-def _rewrite_node_files(path: str, kind: str, built: tuple) -> None:
-    """Replace the files of the existing node directory ``path`` (through a temporary
-    each, renamed over the old file; a failure leaves the old files and no temporary)."""
-    with Directory.open(path) as directory:
-        _put_in_place(directory, kind, built, _stage_node_files(directory, kind, True, built))
+def rewrite_node(obj: Any, directory: str) -> None:
+    """Rewrite the files of ``obj``'s existing node ``directory`` from what ``obj``
+    holds now (after make_memmap added an entry, or an in-place write of non-tensor
+    data): through a temporary each, renamed over the old file; a failure leaves the
+    old files and no temporary."""
+    kind = nodes.kind_for_object(obj)
+    entries = tuple(
+        fmt.LeafMeta.of(key, value) if isinstance(value, torch.Tensor)
+        else fmt.ChildMeta(key, nodes.kind_for_object(value).child_type_name(value))
+        for key, value in kind.entries(obj)
+    )
+    built = nodes.node_document(obj, kind, entries)
+    with Directory.open(directory) as opened:
+        _put_in_place(opened, kind, built, _stage_node_files(opened, kind, True, built))

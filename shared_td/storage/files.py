@@ -1,6 +1,6 @@
 """File storage for memory-mapped tensors: create, write, map and size-check files.
 
-Rules this module enforces (see DESIGN.md, "Storage"; user-issues rows 15, 33, 43, 47):
+Rules this module enforces:
 
 * A file is created with ``O_CREAT | O_EXCL`` and is never written through a symlink:
   it is opened relative to an opened :class:`Directory` with ``O_NOFOLLOW``, so a

@@ -219,10 +219,6 @@ def test_tensordict_reads_around_shared_td_extra_fields(tmp_path):
         tensordict.TensorDict.load_memmap(float8)
 
 
-@pytest.mark.xfail(strict=True, raises=(AssertionError, ValueError), reason=(
-    "docs/format.md §9: shared_td skips tensordict's entries of keys named _class, "
-    "_format_version, _names (format.node_entries drops every NODE_FIELDS name) and takes "
-    "a _names entry for dimension names. When this passes, drop the mark and §9's paragraph."))
 @pytest.mark.parametrize("key", ["_class", "_format_version", "_names"])
 def test_tensordict_keys_named_like_node_fields_load_in_shared_td(key, tmp_path):
     tensordict = _tensordict_0153()

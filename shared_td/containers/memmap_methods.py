@@ -1,7 +1,8 @@
 """The memmap methods that every tensordict class and every tensorclass has.
 
-``TensorDictBase`` and tensorclasses inherit this mixin; the work is done by
-``shared_td.persist.api``.
+``TensorDictBase`` and tensorclasses inherit this mixin; the work is done by the
+persistence engine (``shared_td.persist.api``, ``writer.rewrite_node``), which reaches
+the containers through their node kinds (containers/node_kinds.py).
 """
 from __future__ import annotations
 
@@ -11,7 +12,11 @@ from typing import Any
 
 import torch
 
+from shared_td.errors import BatchSizeMismatchError
 from shared_td.keys import NestedKey, encode_key, unravel_key
+from shared_td.memmap_tensor import MemoryMappedTensor, checked_shape
+from shared_td.persist import api, writer
+from shared_td.persist import format as fmt
 
 
 class MemmapMethods:
@@ -81,8 +86,6 @@ class MemmapMethods:
             ...     print(out is td, td.is_memmap(), td.is_locked)
             True True True
         """
-        from shared_td.persist import api
-
         return api.memmap(
             self, prefix, copy_existing, inplace=True, num_threads=num_threads,
             return_early=return_early, share_non_tensor=share_non_tensor,
@@ -101,8 +104,6 @@ class MemmapMethods:
             >>> copy.is_memmap(), td.is_memmap()
             (True, False)
         """
-        from shared_td.persist import api
-
         return api.memmap(
             self, prefix, copy_existing, inplace=False, num_threads=num_threads,
             return_early=return_early, share_non_tensor=share_non_tensor,
@@ -123,8 +124,6 @@ class MemmapMethods:
             >>> bool((like["obs"] == 0).all())
             True
         """
-        from shared_td.persist import api
-
         return api.memmap(
             self, prefix, copy_existing, inplace=False, like=True, num_threads=num_threads,
             return_early=return_early, share_non_tensor=share_non_tensor,
@@ -153,8 +152,6 @@ class MemmapMethods:
             >>> TensorDict.load_memmap(path)["obs"].shape
             torch.Size([3, 4])
         """
-        from shared_td.persist import api
-
         return api.load_memmap(prefix, device, robust_key=robust_key, allow_pickle=allow_pickle)
 
     @classmethod
@@ -167,8 +164,6 @@ class MemmapMethods:
         """Load ``prefix`` into self: self's entries become those saved there (as in
         tensordict 0.15.3, entries not on disk are dropped). A memory-mapped self stays
         memory-mapped."""
-        from shared_td.persist import api
-
         loaded = api.load_memmap(prefix, robust_key=robust_key, allow_pickle=allow_pickle)
         was_memmap = self.is_memmap()
         target = self if hasattr(self, "_keys_str") else self._tensordict
@@ -200,9 +195,7 @@ class MemmapMethods:
                 "The tensordict has no saved path: it is not memory-mapped (call "
                 "memmap_(prefix), or memmap_() again after unlock_())."
             )
-        from shared_td.persist.api import own_directory
-
-        prefix = own_directory(self)
+        prefix = api.own_directory(self)
         return None if prefix is None else pathlib.Path(prefix)
 
     def make_memmap(self, key: NestedKey, shape: Any, *, dtype: torch.dtype | None = None,
@@ -211,8 +204,6 @@ class MemmapMethods:
 
         Nested keys create the missing sub-tensordicts. Returns the new tensor.
         """
-        from shared_td.memmap_tensor import MemoryMappedTensor
-
         dtype = torch.get_default_dtype() if dtype is None else dtype
         return self._add_memmap_leaf(
             key, lambda path: MemoryMappedTensor.zeros(shape, dtype=dtype, filename=path, existsok=True),
@@ -224,8 +215,6 @@ class MemmapMethods:
                                 robust_key: bool | None = True) -> torch.Tensor:
         """Add a memory-mapped copy of ``tensor`` as leaf ``key`` (``copy_data=False``:
         same shape and dtype, zeros)."""
-        from shared_td.memmap_tensor import MemoryMappedTensor
-
         source = tensor if copy_data else torch.zeros_like(tensor, device="cpu")
         return self._add_memmap_leaf(
             key, lambda path: MemoryMappedTensor.from_tensor(
@@ -238,8 +227,6 @@ class MemmapMethods:
                                  dtype: torch.dtype | None = None,
                                  robust_key: bool | None = True) -> torch.Tensor:
         """Add leaf ``key`` viewing ``storage`` (its file must be the leaf's file)."""
-        from shared_td.memmap_tensor import MemoryMappedTensor
-
         return self._add_memmap_leaf(
             key, lambda path: MemoryMappedTensor.from_storage(
                 storage, shape=shape, dtype=dtype, filename=path
@@ -248,10 +235,6 @@ class MemmapMethods:
         )
 
     def _add_memmap_leaf(self, key: NestedKey, make: Any, shape: Any = None) -> torch.Tensor:
-        from shared_td.errors import BatchSizeMismatchError
-        from shared_td.memmap_tensor import checked_shape
-        from shared_td.persist import writer
-
         if not self.is_memmap():
             raise RuntimeError(
                 "Can only make a memmap tensor within a memory-mapped tensordict: call "
@@ -286,10 +269,10 @@ class MemmapMethods:
             child.memmap_(directory) if directory else child.memmap_()
             node._tensordict[part] = child
             if directory is not None:  # an anonymous tensordict has no meta.json
-                writer.rewrite_tensordict_meta(node)
+                writer.rewrite_node(node, node._memmap_prefix)
             node = _inner(child)
         directory = node._memmap_prefix
-        filename = None if directory is None else os.path.join(directory, encode_key(path[-1]) + ".memmap")
+        filename = None if directory is None else os.path.join(directory, encode_key(path[-1]) + fmt.LEAF_SUFFIX)
         tensor = make(filename)
         if tensor.shape[: len(batch)] != batch:
             raise BatchSizeMismatchError(
@@ -298,7 +281,7 @@ class MemmapMethods:
             )
         node._tensordict[path[-1]] = tensor
         if directory is not None:
-            writer.rewrite_tensordict_meta(node)
+            writer.rewrite_node(node, node._memmap_prefix)
         return tensor
 
 

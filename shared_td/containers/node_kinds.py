@@ -1,0 +1,289 @@
+"""How each container class is written, loaded and inspected: its persist.NodeKind.
+
+One class per family, registered once when the containers package is imported. The
+engine (shared_td.persist) finds them by class or by meta.json ``_type`` and never looks
+inside a container itself: every read or write of a container's fields for saving or
+loading is here. The meta.json layouts are format.NodeMeta's ``for_*`` constructors.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+from typing import Any, Callable
+
+import torch
+
+from shared_td.containers.lazy import LazyStackedTensorDict
+from shared_td.containers.nontensor import NonTensorData, NonTensorStack
+from shared_td.containers.tensorclass import tensorclass_for_type_string
+from shared_td.containers.tensordict import TensorDict
+from shared_td.errors import FormatError
+from shared_td.persist import format as fmt
+from shared_td.persist import nodes
+from shared_td.persist.format import NodeMeta
+from shared_td.persist.saved_tree import VALUE, Entry
+from shared_td.persist.survey import NodeView
+
+_CPU = torch.device("cpu")
+
+
+def _mark_written(obj: Any, directory: str | None) -> Any:
+    """The flags of a container whose leaves were just written (memory-mapped, locked
+    by the caller, not in torch shared memory)."""
+    obj._is_memmap = True
+    obj._is_shared = False
+    obj._memmap_prefix = directory
+    return obj
+
+
+class TensorDictKind(nodes.NodeKind):
+    """A TensorDict: its keys are leaf files and sub-directories; meta.json lists them."""
+
+    name = nodes.TENSORDICT
+    type_strings = (fmt.TENSORDICT_TYPE,)
+
+    def entries(self, td: TensorDict):
+        return list(td._tensordict.items())
+
+    def child_type_name(self, td: TensorDict) -> str:
+        return fmt.CHILD_TYPE_NAMES[fmt.TENSORDICT_TYPE]
+
+    def metadata(self, td: TensorDict, entries: tuple) -> tuple[NodeMeta, dict]:
+        return NodeMeta.for_tensordict(td.batch_size, td.names, entries), {}
+
+    def directory(self, td: TensorDict) -> str | None:
+        return td._memmap_prefix
+
+    def adopt(self, td: TensorDict, values: dict, directory, *, share_non_tensor: bool) -> TensorDict:
+        td._tensordict = values
+        td._device = _CPU
+        return _mark_written(td, directory)
+
+    def copy(self, td: TensorDict, values: dict, directory, *, share_non_tensor: bool) -> TensorDict:
+        return _mark_written(TensorDict._new_unsafe(values, td.batch_size, _CPU, td.names), directory)
+
+    def rebuild(self, meta: NodeMeta, values: dict, *, directory: str, parent_batch, unpickle) -> TensorDict:
+        batch_size = torch.Size(meta.batch_size)
+        for key, value in values.items():
+            if isinstance(value, torch.Tensor):
+                continue  # its shape was checked with meta.json
+            if getattr(value, "_is_non_tensor", False):
+                if value.batch_size != batch_size:
+                    values[key] = value._with_batch_size(batch_size, key)
+            else:
+                fmt.check_batch_fits(meta.path, key, batch_size, value.batch_size)
+        device = None if meta.device is None else torch.device(meta.device)
+        td = TensorDict._new_unsafe(values, batch_size, device)
+        if meta.names is not None:
+            td.names = list(meta.names)
+        td._memmap_prefix = directory
+        return td
+
+    def inspect(self, meta: NodeMeta, node: NodeView) -> None:
+        node.entry.class_name = "TensorDict"
+        node.entry.batch_size = list(meta.batch_size)
+
+
+class LazyStackKind(nodes.NodeKind):
+    """A LazyStackedTensorDict: its members are the directories 0/, 1/, ..."""
+
+    name = nodes.LAZY
+    type_strings = (fmt.LAZY_STACK_TYPE,)
+
+    def children(self, lazy: LazyStackedTensorDict):
+        return [(str(index), member) for index, member in enumerate(lazy.tensordicts)]
+
+    def child_type_name(self, lazy: LazyStackedTensorDict) -> str:
+        return fmt.CHILD_TYPE_NAMES[fmt.LAZY_STACK_TYPE]
+
+    def metadata(self, lazy: LazyStackedTensorDict, entries: tuple) -> tuple[NodeMeta, dict]:
+        return NodeMeta.for_lazy_stack(lazy.stack_dim), {}
+
+    def directory(self, lazy: LazyStackedTensorDict) -> str | None:
+        return getattr(lazy, "_memmap_prefix", None)  # none if it was never memory-mapped
+
+    def adopt(self, lazy, values: dict, directory, *, share_non_tensor: bool):
+        return _mark_written(lazy, directory)  # its members adopted their leaves
+
+    def copy(self, lazy, values: dict, directory, *, share_non_tensor: bool):
+        members = [values[str(index)] for index in range(len(values))]
+        return _mark_written(type(lazy)(*members, stack_dim=lazy.stack_dim), directory)
+
+    def child_names(self, meta: NodeMeta, is_directory: Callable[[str], bool]) -> list[str]:
+        names = []
+        while is_directory(str(len(names))):  # the first missing member ends the stack
+            names.append(str(len(names)))
+        if not names:
+            raise FormatError(os.path.dirname(meta.path), "a lazy stack without members (no 0/ directory)")
+        return names
+
+    def rebuild(self, meta: NodeMeta, values: dict, *, directory: str, parent_batch, unpickle):
+        lazy = LazyStackedTensorDict(*values.values(), stack_dim=meta.stack_dim)
+        lazy._memmap_prefix = directory
+        return lazy
+
+    def inspect(self, meta: NodeMeta, node: NodeView) -> None:
+        node.entry.class_name = "LazyStackedTensorDict"
+        node.entry.children = list(node.children.values())
+        node.entry.batch_size = [len(node.children)]
+
+
+class _NonTensorKind(nodes.NodeKind):
+    """What NonTensorData and NonTensorStack share: a value, in meta.json or a pickle."""
+
+    def directory(self, value) -> str | None:
+        return value._memmap_prefix
+
+    def adopt(self, value, values: dict, directory, *, share_non_tensor: bool):
+        if share_non_tensor and value._shared_value is None:
+            value._share()
+        return _mark_written(value, directory)
+
+    def copy(self, value, values: dict, directory, *, share_non_tensor: bool):
+        return self.adopt(value.clone(), values, directory, share_non_tensor=share_non_tensor)
+
+
+class NonTensorDataKind(_NonTensorKind):
+    """A NonTensorData: one value, in meta.json's ``data`` or in other.pickle."""
+
+    name = nodes.NON_TENSOR_DATA
+    type_strings = (fmt.NON_TENSOR_DATA_TYPE,)
+    side_files = (fmt.OTHER_PICKLE,)
+
+    def child_type_name(self, value: NonTensorData) -> str:
+        return fmt.CHILD_TYPE_NAMES[fmt.NON_TENSOR_DATA_TYPE]
+
+    def metadata(self, value: NonTensorData, entries: tuple) -> tuple[NodeMeta, dict]:
+        data = value.data
+        if fmt.is_json_value(data):
+            return NodeMeta.for_non_tensor_data(data, in_json=True), {}
+        side = {fmt.OTHER_PICKLE: pickle.dumps({"data": data})}
+        return NodeMeta.for_non_tensor_data(data, in_json=False), side
+
+    def rebuild(self, meta: NodeMeta, values: dict, *, directory: str, parent_batch, unpickle):
+        data = meta.document["data"] if "data" in meta.document else unpickle(fmt.OTHER_PICKLE)["data"]
+        value = NonTensorData(data, batch_size=parent_batch or [])
+        value._memmap_prefix = directory
+        return value
+
+    def inspect(self, meta: NodeMeta, node: NodeView) -> None:
+        node.entry.kind, node.entry.class_name = VALUE, "NonTensorData"
+        if "data" in meta.document:
+            node.entry.value = node.shown(meta.document["data"])
+        else:
+            node.entry.value = node.pickled(fmt.OTHER_PICKLE)
+
+
+class NonTensorStackKind(_NonTensorKind):
+    """A NonTensorStack: its list of values, in meta.json's ``data`` or in pickle.pkl."""
+
+    name = nodes.NON_TENSOR_STACK
+    type_strings = (fmt.NON_TENSOR_STACK_TYPE,)
+    side_files = (fmt.STACK_PICKLE,)
+
+    def child_type_name(self, stack: NonTensorStack) -> str:
+        return fmt.CHILD_TYPE_NAMES[fmt.NON_TENSOR_STACK_TYPE]
+
+    def metadata(self, stack: NonTensorStack, entries: tuple) -> tuple[NodeMeta, dict]:
+        values = stack.tolist()
+        if fmt.is_json_value(values):
+            return NodeMeta.for_non_tensor_stack(stack.device, values, in_json=True), {}
+        side = {fmt.STACK_PICKLE: pickle.dumps(values)}
+        return NodeMeta.for_non_tensor_stack(stack.device, values, in_json=False), side
+
+    def rebuild(self, meta: NodeMeta, values: dict, *, directory: str, parent_batch, unpickle):
+        data = meta.document.get("data")
+        if data == fmt.STACK_PICKLE:
+            data = unpickle(fmt.STACK_PICKLE)
+        stack = NonTensorStack.from_list(data)
+        stack._memmap_prefix = directory
+        return stack
+
+    def inspect(self, meta: NodeMeta, node: NodeView) -> None:
+        node.entry.kind, node.entry.class_name = VALUE, "NonTensorStack"
+        data = meta.document.get("data")
+        if data == fmt.STACK_PICKLE:
+            node.entry.value = node.pickled(fmt.STACK_PICKLE)
+        else:
+            node.entry.value = node.shown(data)
+            if isinstance(data, list):
+                node.entry.batch_size = [len(data)]
+
+
+class TensorClassKind(nodes.NodeKind):
+    """A tensorclass: meta.json names its class; its tensordict is _tensordict/.
+
+    Any ``_type`` no other kind owns is read as a tensorclass's (as tensordict 0.15.3
+    does); its class must be defined in this process to load it (never imported).
+    """
+
+    name = nodes.TENSORCLASS
+    side_files = (fmt.OTHER_PICKLE,)
+
+    def matches(self, type_str: str) -> bool:
+        return True
+
+    def owns_class(self, cls: type) -> bool:
+        return bool(getattr(cls, "_is_tensorclass", False))
+
+    def children(self, obj: Any):
+        return [(fmt.TENSORCLASS_CHILD, obj._tensordict)]
+
+    def child_type_name(self, obj: Any) -> str:
+        return type(obj).__name__
+
+    def metadata(self, obj: Any, entries: tuple) -> tuple[NodeMeta, dict]:
+        return NodeMeta.for_tensorclass(str(type(obj))), {}
+
+    def directory(self, obj: Any) -> str | None:
+        inner = getattr(obj._tensordict, "_memmap_prefix", None)  # <directory>/_tensordict
+        return None if inner is None else os.path.dirname(inner)
+
+    def adopt(self, obj: Any, values: dict, directory, *, share_non_tensor: bool) -> Any:
+        return obj  # its flags are those of its tensordict, which adopted the leaves
+
+    def copy(self, obj: Any, values: dict, directory, *, share_non_tensor: bool) -> Any:
+        return type(obj)._from_tensordict(values[fmt.TENSORCLASS_CHILD])
+
+    def child_names(self, meta: NodeMeta, is_directory: Callable[[str], bool]) -> list[str]:
+        if not is_directory(fmt.TENSORCLASS_CHILD):
+            raise FormatError(os.path.dirname(meta.path), "a tensorclass without its _tensordict/ directory")
+        return [fmt.TENSORCLASS_CHILD]
+
+    def rebuild(self, meta: NodeMeta, values: dict, *, directory: str, parent_batch, unpickle) -> Any:
+        try:
+            cls = tensorclass_for_type_string(meta.type)
+        except (KeyError, TypeError):
+            raise RuntimeError(
+                f"{meta.path} holds a {meta.type!r}, which is no known tensordict class: "
+                "import the module that defines that tensorclass first."
+            ) from None
+        return cls._from_tensordict(values[fmt.TENSORCLASS_CHILD])
+
+    def inspect(self, meta: NodeMeta, node: NodeView) -> None:
+        node.entry.class_name = _class_name(meta.type)
+        inner = node.children.get(fmt.TENSORCLASS_CHILD)
+        if inner is None:
+            return
+        node.entry.batch_size, node.entry.children = inner.batch_size, inner.children
+        for key, value in meta.document.items():  # non-tensor fields kept in meta.json itself
+            if not key.startswith("_"):
+                node.entry.children.append(Entry(key, VALUE, os.path.join(node.entry.path, fmt.META),
+                                                 "field", value=node.shown(value)))
+        if node.has_file(fmt.OTHER_PICKLE):
+            node.entry.children.append(Entry("(other fields)", VALUE, os.path.join(node.entry.path, fmt.OTHER_PICKLE),
+                                             "field", value=node.pickled(fmt.OTHER_PICKLE)))
+
+
+def _class_name(type_str: str) -> str:
+    """``"<class 'module.Name'>"`` -> ``"module.Name"``, without importing anything."""
+    if type_str.startswith("<class '") and type_str.endswith("'>"):
+        return type_str[len("<class '"): -len("'>")]
+    return "?"
+
+
+nodes.register(TensorDictKind(), TensorDict)
+nodes.register(LazyStackKind(), LazyStackedTensorDict)
+nodes.register(NonTensorDataKind(), NonTensorData)
+nodes.register(NonTensorStackKind(), NonTensorStack)
+nodes.register(TensorClassKind())
