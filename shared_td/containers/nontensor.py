@@ -102,6 +102,10 @@ class _NonTensorBase(TensorDictBase):
         return out
 
     def share_memory_(self) -> "_NonTensorBase":
+        """Move the value into a cell shared between processes (see
+        ``TensorDict.share_memory_``) and lock; returns self."""
+        if self._shared_value is None:
+            self._share()
         self._is_shared = True
         return self.lock_()
 
@@ -132,12 +136,13 @@ class _NonTensorBase(TensorDictBase):
     def _flat_values(self) -> list:
         raise NotImplementedError
 
-    # A SharedValue holding the payload when memory-mapped with share_non_tensor=True:
-    # in-place writes in one process are then seen by all.
+    # A SharedValue holding the payload after share_memory_(), or when memory-mapped
+    # with share_non_tensor=True: in-place writes in one process are then seen by all.
     _shared_value = None
 
     def _share(self) -> None:
-        """Move the payload into a process-shared cell (memmap_(share_non_tensor=True))."""
+        """Move the payload into a process-shared cell (share_memory_(),
+        memmap_(share_non_tensor=True))."""
         from shared_td.storage.shared_value import SharedValue
 
         payload = self._payload

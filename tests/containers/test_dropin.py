@@ -1,0 +1,79 @@
+"""shared_td against tensordict 0.15.3, side by side: the behaviours a program ported
+from tensordict relies on (sharing, non-tensor entries, comparisons, tensorclasses).
+
+Each test runs on both libraries where tensordict has the behaviour; it is skipped for
+tensordict when tensordict 0.15.3 is not installed.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import queue as queue_module
+
+import pytest
+import torch
+
+import dropin_children as kids
+import shared_td
+from processes import WAIT, finish
+
+try:
+    import tensordict
+except ImportError:  # the shared_td half still runs
+    tensordict = None
+
+needs_tensordict = pytest.mark.skipif(
+    tensordict is None or tensordict.__version__ != "0.15.3",
+    reason="tensordict==0.15.3 is not installed: pip install '.[test]' to compare with it",
+)
+LIBS = [
+    pytest.param(shared_td, id="shared_td"),
+    pytest.param(tensordict, id="tensordict", marks=needs_tensordict),
+]
+
+
+def run_child(method: str, target, *args) -> None:
+    """Run ``target(*args, done)`` in a child process (bounded waits)."""
+    ctx = multiprocessing.get_context(method)
+    done = ctx.Queue()
+    child = ctx.Process(target=target, args=(*args, done))
+    child.start()
+    try:
+        assert done.get(timeout=WAIT) == "written"
+    except queue_module.Empty:
+        pytest.fail(f"the {method} child did not write within {WAIT}s")
+    finally:
+        assert finish(child) == 0
+
+
+# ------------------------------------------------------------------ 1. share_memory_
+@pytest.mark.parametrize("lib,method", [
+    pytest.param(shared_td, "spawn", id="shared_td-spawn"),
+    pytest.param(shared_td, "fork", id="shared_td-fork"),
+    # tensordict shares through a fork-context lock: a spawn child refuses it
+    pytest.param(tensordict, "fork", id="tensordict-fork", marks=needs_tensordict),
+])
+def test_share_memory_shares_non_tensor_values(lib, method):
+    td = lib.TensorDict({"val": "old", "x": torch.zeros(2)}, []).share_memory_()
+    assert td.get("val").is_shared()
+    run_child(method, kids.write_non_tensor, td, "val", "new")
+    assert td["val"] == "new"
+    assert td.get("val").data == "new"
+
+
+@pytest.mark.parametrize("method", ["spawn", "fork"])
+def test_share_memory_shares_nested_and_stacked_non_tensor_values(method):
+    td = shared_td.TensorDict(
+        {"sub": {"task": "walk"}, "st": shared_td.NonTensorStack("a", "b", "c"),
+         "x": torch.zeros(3)}, [3]).share_memory_()
+    run_child(method, kids.write_non_tensor, td, ("sub", "task"), "run")
+    run_child(method, kids.write_stack_element, td, 1, "B")
+    assert td["sub", "task"] == "run"
+    assert td["st"] == ["a", "B", "c"]
+
+
+def test_share_memory_keeps_non_tensor_type_and_its_own_copies_private():
+    td = shared_td.TensorDict({"flag": shared_td.NonTensorData(True)}, []).share_memory_()
+    assert td.get("flag").data is True  # bool stays bool
+    copy = td.clone()
+    copy.set_("flag", False)
+    assert td["flag"] is True  # a clone is a private copy
