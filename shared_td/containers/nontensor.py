@@ -178,6 +178,40 @@ class _NonTensorBase(TensorDictBase):
         """Raise if ``_update_(value)`` would fail (it writes nothing)."""
         raise NotImplementedError
 
+    def update_(self, other: Any, *, keys_to_update: Any = None, non_blocking: bool = False, **kwargs: Any) -> "_NonTensorBase":
+        """Write the value(s) of the NonTensorData or NonTensorStack ``other`` into self,
+        in place; returns self. Allowed when locked; a shared entry's write is seen by
+        every process and a memory-mapped one's files are rewritten. (A non-tensor
+        entry has no keys: ``keys_to_update`` is accepted and ignored, as in
+        tensordict.)
+
+        Raises:
+            TypeError: if ``other`` is not a NonTensorData or NonTensorStack.
+            ValueError: if its values do not fit self (a stack into a NonTensorData,
+                a stack of another batch size); self is then unchanged.
+        """
+        if not isinstance(other, _NonTensorBase):
+            raise TypeError(
+                f"{type(self).__name__}.update_() and copy_() need a NonTensorData or "
+                f"NonTensorStack source, got a {type(other).__name__}: wrap the value in "
+                "NonTensorData(value)."
+            )
+        self._update_(other)
+        return self
+
+    def update(self, other: Any, *, inplace: bool = False, keys_to_update: Any = None,
+               non_blocking: bool = False, **kwargs: Any) -> "_NonTensorBase":
+        """Set the value(s) of the NonTensorData or NonTensorStack ``other``; returns self.
+
+        Raises:
+            LockedTensorDictError: (a RuntimeError) when locked and not ``inplace``,
+                as a locked TensorDict refuses ``update``.
+        """
+        if not inplace:
+            self._check_unlocked((), f"replace the value of this locked {type(self).__name__} "
+                                     "(update(other, inplace=True) writes it in place)")
+        return self.update_(other, keys_to_update=keys_to_update)
+
 
 class NonTensorData(_NonTensorBase):
     """One Python value shared by every element of a batch.

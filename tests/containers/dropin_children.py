@@ -16,3 +16,12 @@ def write_stack_element(td, index, value, done) -> None:
     """``td[index] = {"st": value}``: one element of a shared NonTensorStack."""
     td[index] = {"st": value}
     done.put("written")
+
+
+def update_entries(td, done) -> None:
+    """``update_`` on the NonTensorData "s" and the NonTensorStack "st" themselves."""
+    from shared_td import NonTensorData, NonTensorStack
+
+    td.get("s").update_(NonTensorData("new", batch_size=[2]))
+    td.get("st").update(NonTensorStack("c", "d"), inplace=True)
+    done.put("written")

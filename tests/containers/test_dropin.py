@@ -77,3 +77,76 @@ def test_share_memory_keeps_non_tensor_type_and_its_own_copies_private():
     copy = td.clone()
     copy.set_("flag", False)
     assert td["flag"] is True  # a clone is a private copy
+
+
+# ------------------------------------------------------------------ 2. update_ of non-tensors
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("how", ["update_", "update(inplace=True)", "update", "copy_"])
+def test_update_writes_non_tensor_data(lib, how):
+    nt = lib.NonTensorData(data="old")
+    new = lib.NonTensorData(data="new")
+    if how == "update_":
+        result = nt.update_(new)
+    elif how == "copy_":
+        result = nt.copy_(new)
+    else:
+        result = nt.update(new, inplace=how != "update")
+    assert result is nt and nt.data == "new"
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_update_writes_non_tensor_stack(lib):
+    stack = lib.NonTensorStack("a", "b")
+    assert stack.update_(lib.NonTensorStack("c", "d")) is stack
+    assert stack.tolist() == ["c", "d"]
+    stack.update(lib.NonTensorData("z"))  # one value for every element
+    assert stack.tolist() == ["z", "z"]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_update_of_a_locked_non_tensor_raises_update_inplace_writes(lib):
+    nt = lib.NonTensorData(data="old").lock_()
+    with pytest.raises(RuntimeError, match="locked"):
+        nt.update(lib.NonTensorData(data="new"))
+    assert nt.data == "old"
+    nt.update(lib.NonTensorData(data="new"), inplace=True)
+    assert nt.data == "new"
+    stack = lib.NonTensorStack("a", "b").lock_()
+    with pytest.raises(RuntimeError, match="locked"):
+        stack.update(lib.NonTensorStack("c", "d"))
+    assert stack.tolist() == ["a", "b"]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_update_of_non_tensor_needs_a_non_tensor_source(lib):
+    nt = lib.NonTensorData(data="old")
+    for bad in ("plain", {"data": "x"}, torch.zeros(2)):
+        with pytest.raises((TypeError, RuntimeError)):
+            nt.update_(bad)
+    assert nt.data == "old"
+
+
+def test_update_of_a_wrong_sized_stack_raises_and_keeps_the_values():
+    stack = shared_td.NonTensorStack("a", "b")
+    with pytest.raises(ValueError, match="2"):
+        stack.update_(shared_td.NonTensorStack("a", "b", "c"))
+    with pytest.raises(ValueError, match="NonTensorStack"):
+        shared_td.NonTensorData("x", batch_size=[2]).update_(shared_td.NonTensorStack("c", "d"))
+    assert stack.tolist() == ["a", "b"]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_update_of_memory_mapped_non_tensors_rewrites_the_files(lib, tmp_path):
+    td = lib.TensorDict({"s": "old", "st": lib.NonTensorStack("a", "b")}, [2]).memmap_(tmp_path / "td")
+    td.get("s").update_(lib.NonTensorData("new", batch_size=[2]))
+    td.get("st").update_(lib.NonTensorStack("c", "d"))
+    assert td["s"] == "new" and list(td["st"]) == ["c", "d"]
+    loaded = lib.load_memmap(tmp_path / "td")
+    assert loaded["s"] == "new" and list(loaded["st"]) == ["c", "d"]
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_update_of_a_shared_non_tensor_reaches_other_processes(method):
+    td = shared_td.TensorDict({"s": "old", "st": shared_td.NonTensorStack("a", "b")}, [2]).share_memory_()
+    run_child(method, kids.update_entries, td)
+    assert td["s"] == "new" and td["st"] == ["c", "d"]
