@@ -240,6 +240,15 @@ class _TensorClassMembers:
                 f"Invalid indexing arguments: {index!r}. A tensorclass is indexed along its "
                 f"batch dimensions; to write a field, use the attribute or set({index!r}, value)."
             )
+        if is_tensorclass(value) and not isinstance(value, type(self)):
+            mine, theirs = type(self)._tc_field_names, type(value)._tc_field_names
+            if mine != theirs:  # as tensordict: another class only with the same members
+                raise ValueError(
+                    f"Cannot write a {type(value).__name__} into the rows of a "
+                    f"{type(self).__name__}: an indexed write takes the same class, a class "
+                    f"with the same fields, or a tensordict. {type(self).__name__} has fields "
+                    f"{sorted(mine)}, {type(value).__name__} has {sorted(theirs)}."
+                )
         self._tensordict[index] = _unwrap(value)
 
     def __iter__(self):

@@ -150,3 +150,47 @@ def test_update_of_a_shared_non_tensor_reaches_other_processes(method):
     td = shared_td.TensorDict({"s": "old", "st": shared_td.NonTensorStack("a", "b")}, [2]).share_memory_()
     run_child(method, kids.update_entries, td)
     assert td["s"] == "new" and td["st"] == ["c", "d"]
+
+
+# ------------------------------------------------------------------ 4. a[:2] = b[:2] between classes
+def _classes(lib):
+    @lib.tensorclass
+    class Single:
+        x: torch.Tensor
+
+    @lib.tensorclass
+    class Pair:
+        x: torch.Tensor
+        y: torch.Tensor
+
+    @lib.tensorclass
+    class Twin:  # the same members as Single
+        x: torch.Tensor
+
+    return Single, Pair, Twin
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("index", [slice(0, 2), 0, slice(None)])
+def test_indexed_write_of_another_tensorclass_raises_naming_both(lib, index):
+    Single, Pair, _ = _classes(lib)
+    a = Single(x=torch.zeros(3), batch_size=[3])
+    b = Pair(x=torch.ones(3), y=torch.ones(3), batch_size=[3])
+    with pytest.raises(ValueError) as raised:
+        a[index] = b[index]
+    if lib is shared_td:
+        assert "Single" in str(raised.value) and "Pair" in str(raised.value)
+    assert (a.x == 0).all() and set(a._tensordict.keys()) == {"x"}
+    with pytest.raises(ValueError):
+        b[index] = a[index]
+    assert (b.x == 1).all()
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_indexed_write_of_a_class_with_the_same_members_or_a_tensordict_works(lib):
+    Single, _, Twin = _classes(lib)
+    a = Single(x=torch.zeros(3), batch_size=[3])
+    a[:2] = Twin(x=torch.full((3,), 7.0), batch_size=[3])[:2]
+    assert a.x.tolist() == [7.0, 7.0, 0.0]
+    a[2:] = lib.TensorDict(x=torch.ones(1), batch_size=[1])
+    assert a.x.tolist() == [7.0, 7.0, 1.0]
