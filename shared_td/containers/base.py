@@ -9,6 +9,7 @@ for both (see ``TensorDict._map_entries``).
 """
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable, Iterator
 
 import torch
@@ -448,11 +449,27 @@ class TensorDictBase(LockingOps, BatchSplitOps, MemmapMethods):
             return self._map_leaves(lambda key, value: op(value, other.get(key)))
         return self._map_leaves(lambda key, value: op(value, other))
 
+    # Comparisons map over the leaves, as tensordict 0.15.3: tensors compare with torch's
+    # operator; a non-tensor entry compares its values with the same entry of another
+    # tensordict (== and !=), and is ignored otherwise (see _equal and _ordered), so
+    # ``(td == 0).all()`` looks at the tensors only.
     def __eq__(self, other: Any) -> "TensorDictBase":  # type: ignore[override]
         return self._compare(other, _equal)
 
     def __ne__(self, other: Any) -> "TensorDictBase":  # type: ignore[override]
-        return self._compare(other, lambda a, b: ~_equal(a, b))
+        return self._compare(other, _not_equal)
+
+    def __lt__(self, other: Any) -> "TensorDictBase":
+        return self._compare(other, _ordered(operator.lt))
+
+    def __le__(self, other: Any) -> "TensorDictBase":
+        return self._compare(other, _ordered(operator.le))
+
+    def __gt__(self, other: Any) -> "TensorDictBase":
+        return self._compare(other, _ordered(operator.gt))
+
+    def __ge__(self, other: Any) -> "TensorDictBase":
+        return self._compare(other, _ordered(operator.ge))
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -509,8 +526,29 @@ class TensorDictBase(LockingOps, BatchSplitOps, MemmapMethods):
 
 def _equal(value: Any, other: Any) -> Any:
     if is_non_tensor(value):
-        return value._compare_data(other)
+        if is_non_tensor(other):  # the same entry of another tensordict
+            return value._compare_data(other)
+        return _ignored(value)  # a scalar or tensor compares with the tensors only
     return value == other
+
+
+def _not_equal(value: Any, other: Any) -> Any:
+    result = _equal(value, other)
+    return ~result if isinstance(result, torch.Tensor) else result
+
+
+def _ordered(op: Callable) -> Callable:
+    """``<``, ``<=``, ``>``, ``>=`` on one leaf: non-tensor entries are kept as they
+    are (not compared), as tensordict does."""
+    return lambda value, other: value if is_non_tensor(value) else op(value, other)
+
+
+def _ignored(value: Any) -> "TensorDictBase":
+    """What ``td == 0`` holds at a non-tensor entry: an empty tensordict of the entry's
+    batch size (as tensordict), which ``all()`` and ``any()`` skip."""
+    from shared_td.containers.tensordict import TensorDict
+
+    return TensorDict._new_unsafe({}, value.batch_size, value.device)
 
 
 def check_write_into(current: Any, value: Any, key: str | tuple[str, ...]) -> None:

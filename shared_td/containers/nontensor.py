@@ -133,6 +133,11 @@ class _NonTensorBase(TensorDictBase):
     def __ne__(self, other: Any) -> torch.Tensor:  # type: ignore[override]
         return ~self._compare_data(other)
 
+    def __lt__(self, other: Any) -> Any:
+        return NotImplemented  # no order between Python values of any type
+
+    __le__ = __gt__ = __ge__ = __lt__
+
     def _flat_values(self) -> list:
         raise NotImplementedError
 

@@ -194,3 +194,49 @@ def test_indexed_write_of_a_class_with_the_same_members_or_a_tensordict_works(li
     assert a.x.tolist() == [7.0, 7.0, 0.0]
     a[2:] = lib.TensorDict(x=torch.ones(1), batch_size=[1])
     assert a.x.tolist() == [7.0, 7.0, 1.0]
+
+
+# ------------------------------------------------------------------ 5. comparisons
+def _mixed(lib):
+    return lib.TensorDict({"x": torch.zeros(3), "s": "txt", "n": {"y": torch.zeros(3), "t": "u"},
+                           "st": lib.NonTensorStack("a", "b", "c")}, [3])
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_comparison_with_a_scalar_ignores_non_tensor_entries(lib):
+    td = _mixed(lib)
+    assert (td == 0).all() and not (td != 0).any()
+    assert not (td == 1).any() and (td != 1).all()
+    assert (td < 1).all() and (td <= 0).all() and not (td > 0).any() and (td >= 0).all()
+    assert (td == torch.zeros(3)).all()
+    assert set((td == 0).keys()) == {"x", "s", "n", "st"}
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_memmap_like_of_a_tensordict_with_strings_compares_equal_to_zero(lib, tmp_path):
+    td = lib.TensorDict({"x": torch.ones(3), "s": "txt"}, [3])
+    assert (td.memmap_like(tmp_path / "td") == 0).all()
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_comparison_between_tensordicts_compares_non_tensor_values(lib):
+    td, other = _mixed(lib), _mixed(lib)
+    assert (td == other).all() and not (td != other).any()
+    other.set_(("n", "t"), "changed")
+    assert not (td == other).all() and (td != other).any()
+    assert (td == other)["n", "t"].tolist() == [False, False, False]
+    assert (td <= td.clone()).all() and not (td < td.clone()).any()  # non-tensors ignored
+
+
+def test_ordered_comparison_of_tensorclasses_and_lazy_stacks():
+    @shared_td.tensorclass
+    class Obs:
+        x: torch.Tensor
+        task: str
+
+    obs = Obs(x=torch.arange(3.0), task="walk", batch_size=[3])
+    assert (obs < 3).all() and (obs >= 1).x.tolist() == [False, True, True]
+    lazy = shared_td.lazy_stack([_mixed(shared_td), _mixed(shared_td)])
+    assert (lazy == 0).all() and (lazy < 1).all() and not (lazy > 0).any()
+    with pytest.raises(TypeError):
+        shared_td.NonTensorData("a") < 1
