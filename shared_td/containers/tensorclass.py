@@ -17,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import types
+import typing
 from typing import Any
 
 import torch
@@ -153,9 +155,28 @@ def _make_tensorclass(cls: type, *, frozen, nocast, shadow, skip_post_init, kw_o
     cls._tc_fields = fields
     cls._tc_field_names = frozenset(f.name for f in fields)
     cls._frozen, cls._nocast, cls._shadow = frozen, nocast, shadow
+    cls._tc_scalar_fields = _scalar_fields(cls, fields)
     cls._skip_post_init_on_rebuild = skip_post_init
     _register(cls)
     return cls
+
+
+def _scalar_fields(cls: type, fields: tuple) -> dict:
+    """field name -> the Python number types it keeps as they are (see ``_store``): the
+    fields annotated ``int``, ``float`` (an int is a valid float) or ``bool``, alone or
+    in an Optional/Union of them. Unresolvable annotations give none."""
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # a forward reference that does not resolve: no scalar fields
+        return {}
+    out = {}
+    for field in fields:
+        hint = hints.get(field.name)
+        args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+        args = [a for a in args if a is not type(None)]
+        if args and all(a in (int, float, bool) for a in args):
+            out[field.name] = tuple({int, *args} if float in args else args)
+    return out
 
 
 def _reserved_names() -> set:

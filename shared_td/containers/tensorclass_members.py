@@ -25,14 +25,21 @@ def is_tensorclass(obj: Any) -> bool:
 
 def _store(obj: Any, name: str, value: Any) -> None:
     """Set field ``name``: None removes the entry; dicts (and with ``nocast`` every
-    non-tensor) are kept as NonTensorData, the rest is converted as TensorDict.set does."""
+    non-tensor) are kept as NonTensorData, the rest is converted as TensorDict.set does.
+
+    As tensordict 0.15.3: a number given to a field annotated ``int``, ``float`` or
+    ``bool`` (or Optional of them) of a batched instance stays a Python number, since a
+    0-d tensor would not fit the batch size.
+    """
     td = obj._tensordict
     if value is None:
         if td._get_str(name, None) is not None:
             td.del_(name)
         return
     plain = not isinstance(value, torch.Tensor) and not is_tensor_collection(value)
-    if isinstance(value, dict) or (plain and type(obj)._nocast):
+    scalar_types = type(obj)._tc_scalar_fields.get(name)
+    if (isinstance(value, dict) or (plain and type(obj)._nocast)
+            or (scalar_types and td.batch_dims and isinstance(value, scalar_types))):
         value = NonTensorData(value, batch_size=td.batch_size, device=td.device)
     td.set(name, value)
 

@@ -137,7 +137,8 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, TensorDictBase):
             value = TensorDict(value, batch_size=self._batch_size, device=self._device)
         elif isinstance(value, np.ndarray) and value.dtype != object:
             value = torch.as_tensor(value)
-        elif isinstance(value, (bool, int, float, complex, np.number)):
+        elif isinstance(value, (bool, int, float, np.number)):
+            # a Python complex stays a Python value, as in tensordict
             value = torch.as_tensor(value)
         elif isinstance(value, (list, tuple)) and not is_tensor_collection(value):
             value = _list_to_tensor(value)

@@ -7,6 +7,7 @@ tensordict when tensordict 0.15.3 is not installed.
 from __future__ import annotations
 
 import multiprocessing
+from typing import Any, Optional
 import queue as queue_module
 
 import pytest
@@ -240,3 +241,41 @@ def test_ordered_comparison_of_tensorclasses_and_lazy_stacks():
     assert (lazy == 0).all() and (lazy < 1).all() and not (lazy > 0).any()
     with pytest.raises(TypeError):
         shared_td.NonTensorData("a") < 1
+
+
+# ------------------------------------------------------------------ 6. non-tensor field values
+@pytest.mark.parametrize("lib", LIBS)
+def test_a_complex_number_stays_a_python_value(lib):
+    @lib.tensorclass
+    class Holder:
+        a: Any
+        c: complex
+
+    h = Holder(a=1 + 2j, c=3j)
+    assert h.a == 1 + 2j and type(h.a) is complex and type(h.c) is complex
+    h.a = 2 - 1j
+    assert type(h.a) is complex
+    td = lib.TensorDict(c=1 + 2j)
+    assert td["c"] == 1 + 2j and type(td["c"]) is complex
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_scalar_fields_of_a_batched_tensorclass_keep_the_python_value(lib):
+    @lib.tensorclass
+    class Step:
+        count: int
+        rate: float
+        done: Optional[bool]
+        anything: Any
+        obs: torch.Tensor
+
+    step = Step(count=3, rate=1, done=True, anything="z", obs=torch.zeros(4), batch_size=[4])
+    assert (step.count, step.rate, step.done) == (3, 1, True)
+    assert type(step.count) is int and type(step.done) is bool
+    assert step[1:].count == 3
+    step.count = 5
+    assert step.count == 5 and type(step.count) is int
+    with pytest.raises(RuntimeError):  # Any: a number is a 0-d tensor, as tensordict
+        step.anything = 2
+    flat = Step(count=3, rate=1.5, done=False, anything=2, obs=torch.zeros(()))
+    assert isinstance(flat.count, torch.Tensor) and isinstance(flat.anything, torch.Tensor)
