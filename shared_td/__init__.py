@@ -11,7 +11,7 @@ from shared_td.containers.base import (
     is_tensor_collection,
 )
 from shared_td.containers.lazy import LazyStackedTensorDict
-from shared_td.containers.nontensor import NonTensorData, NonTensorStack
+from shared_td.containers.nontensor import NonTensorData, NonTensorDataBase, NonTensorStack
 from shared_td.containers.tensorclass import is_tensorclass, tensorclass
 from shared_td.containers.tensordict import TensorDict
 from shared_td.coordinator import Coordinator, attach, is_stale, refresh
@@ -39,6 +39,7 @@ __all__ = [
     "MemoryMappedTensor",
     "NestedKey",
     "NonTensorData",
+    "NonTensorDataBase",
     "NonTensorStack",
     "SharedCounter",
     "TensorDict",

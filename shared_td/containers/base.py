@@ -15,8 +15,10 @@ from typing import Any, Callable, Iterator
 import torch
 
 from shared_td.containers import batch as batch_ops
+from shared_td.containers.convenience_ops import ConvenienceOps
 from shared_td.containers.keysview import KeysView
 from shared_td.containers.locking import LockingOps
+from shared_td.containers.nontensor_ops import NonTensorOps
 from shared_td.containers.splitting import BatchSplitOps
 from shared_td.errors import BatchSizeMismatchError
 from shared_td.keys import NestedKey, is_nested_key, key_repr, unravel_key
@@ -58,7 +60,7 @@ def is_leaf_nontensor(cls: type) -> bool:
     return default_is_leaf(cls) or getattr(cls, "_is_non_tensor", False)
 
 
-class TensorDictBase(LockingOps, BatchSplitOps, MemmapMethods):
+class TensorDictBase(LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, MemmapMethods):
     """Common API of TensorDict, LazyStackedTensorDict and the non-tensor containers."""
 
     _is_non_tensor = False
@@ -214,11 +216,13 @@ class TensorDictBase(LockingOps, BatchSplitOps, MemmapMethods):
     def __delitem__(self, key: NestedKey) -> None:
         self.del_(key)
 
-    def set(self, key: NestedKey, value: Any, *, inplace: bool = False) -> "TensorDictBase":
+    def set(self, key: NestedKey, value: Any, *, inplace: bool = False, non_blocking: bool = False) -> "TensorDictBase":
         """Add or replace the entry ``key``; returns self.
 
         ``inplace=True`` writes into the existing entry when there is one (allowed on a
         locked tensordict). Missing intermediate tensordicts of a nested key are created.
+        ``non_blocking`` is accepted as in tensordict (copies between CPU tensors are
+        synchronous anyway).
 
         Raises:
             LockedTensorDictError: (a RuntimeError) when locked and the entry would be
@@ -231,7 +235,7 @@ class TensorDictBase(LockingOps, BatchSplitOps, MemmapMethods):
         parent._set_str(path[-1], value, inplace=inplace, validated=False)
         return self
 
-    def set_(self, key: NestedKey, value: Any) -> "TensorDictBase":
+    def set_(self, key: NestedKey, value: Any, *, non_blocking: bool = False) -> "TensorDictBase":
         """Write ``value`` into the existing entry ``key``, in place; returns self.
 
         Allowed on a locked (e.g. memory-mapped or shared) tensordict.
@@ -338,7 +342,7 @@ class TensorDictBase(LockingOps, BatchSplitOps, MemmapMethods):
         return value._python_value() if is_non_tensor(value) else value
 
     def update(
-        self, other: Any, *, inplace: bool = False, keys_to_update=None
+        self, other: Any, *, inplace: bool = False, keys_to_update=None, non_blocking: bool = False
     ) -> "TensorDictBase":
         """Set every entry of ``other`` (a dict or tensordict), merging nested ones.
 
@@ -354,7 +358,7 @@ class TensorDictBase(LockingOps, BatchSplitOps, MemmapMethods):
                 self.set(path, value)
         return self
 
-    def update_(self, other: Any, *, keys_to_update=None) -> "TensorDictBase":
+    def update_(self, other: Any, *, keys_to_update=None, non_blocking: bool = False) -> "TensorDictBase":
         """Write every entry of ``other`` into the existing entries, in place.
 
         Raises KeyError (naming the key) if one is missing; as every entry is checked

@@ -218,7 +218,12 @@ class _NonTensorBase(TensorDictBase):
         return self.update_(other, keys_to_update=keys_to_update)
 
 
-class NonTensorData(_NonTensorBase):
+class NonTensorDataBase(_NonTensorBase):
+    """The base class of NonTensorData, as in tensordict 0.15.3 (where MetaData derives
+    from it too). A NonTensorStack is not one: ``is_non_tensor`` tests for both."""
+
+
+class NonTensorData(NonTensorDataBase):
     """One Python value shared by every element of a batch.
 
     Examples:

@@ -279,3 +279,133 @@ def test_scalar_fields_of_a_batched_tensorclass_keep_the_python_value(lib):
         step.anything = 2
     flat = Step(count=3, rate=1.5, done=False, anything=2, obs=torch.zeros(()))
     assert isinstance(flat.count, torch.Tensor) and isinstance(flat.anything, torch.Tensor)
+
+
+# ------------------------------------------------------------------ 7. the non-tensor API
+@pytest.mark.parametrize("lib", LIBS)
+def test_set_non_tensor_keeps_even_a_tensor_as_a_python_value(lib):
+    td = lib.TensorDict({"x": torch.zeros(3), "n": {"y": torch.zeros(3)}}, [3])
+    assert td.set_non_tensor("a", torch.zeros(2)) is td
+    assert isinstance(td.get("a"), lib.NonTensorData) and td.get("a").batch_size == (3,)
+    assert torch.equal(td.get_non_tensor("a"), torch.zeros(2))
+    td.set_non_tensor(("n", "q"), 3)
+    assert td.get_non_tensor(("n", "q")) == 3 and td[0]["n", "q"] == 3
+    assert td.get_non_tensor("missing", default="dflt") == "dflt"
+    with pytest.raises(KeyError, match="missing"):
+        td.get_non_tensor("missing")
+    td.lock_()
+    with pytest.raises(RuntimeError, match="locked"):
+        td.set_non_tensor("b", 5)
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_non_tensor_items_and_filter_non_tensor_data(lib):
+    td = lib.TensorDict({"x": torch.zeros(3), "n": {"s": "t", "y": torch.zeros(3)}, "a": "b",
+                         "st": lib.NonTensorStack("p", "q", "r")}, [3])
+    assert sorted(k for k, _ in td.non_tensor_items()) == ["a", "st"]
+    items = dict(td.non_tensor_items(include_nested=True))
+    assert set(items) == {"a", "st", ("n", "s")}
+    assert isinstance(items[("n", "s")], lib.NonTensorData) and isinstance(items["st"], lib.NonTensorStack)
+    filtered = td.filter_non_tensor_data()
+    assert filtered is not td and set(filtered.keys(True, True)) == {"x", ("n", "y")}
+    assert set(filtered.keys(True)) == {"x", "n", ("n", "y")}
+    assert filtered["x"] is td["x"] and filtered["n", "y"] is td["n", "y"]  # shared, not copied
+    assert "a" in td.keys()  # self unchanged
+
+
+def test_filter_non_tensor_data_of_a_lazy_stack():
+    lazy = shared_td.lazy_stack([shared_td.TensorDict(x=torch.zeros(2), s="a", batch_size=[2]),
+                                 shared_td.TensorDict(x=torch.ones(2), s="b", batch_size=[2])])
+    assert list(lazy.filter_non_tensor_data().keys()) == ["x"]
+    assert [k for k, _ in lazy.non_tensor_items()] == ["s"]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_non_tensor_data_base(lib):
+    assert isinstance(lib.NonTensorData("a"), lib.NonTensorDataBase)
+    # as tensordict 0.15.3: a stack is not a NonTensorDataBase (is_non_tensor covers both)
+    assert not isinstance(lib.NonTensorStack("a", "b"), lib.NonTensorDataBase)
+    assert lib.is_non_tensor(lib.NonTensorStack("a", "b"))
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_non_blocking_is_accepted(lib):
+    td = lib.TensorDict({"x": torch.zeros(3)}, [3])
+    td.set("z", torch.ones(3), non_blocking=True)
+    td.set_("z", torch.full((3,), 2.0), non_blocking=True)
+    td.update({"x": torch.ones(3)}, non_blocking=True)
+    td.update_({"z": torch.full((3,), 3.0)}, non_blocking=True)
+    moved = td.to("cpu", non_blocking=True)
+    assert moved["x"].tolist() == [1.0] * 3 and moved["z"].tolist() == [3.0] * 3
+    lazy = lib.lazy_stack([td.clone(), td.clone()])
+    lazy.update({"x": torch.zeros(2, 3)}, non_blocking=True)
+    lazy.update_({"x": torch.ones(2, 3)}, non_blocking=True)
+    assert (lazy["x"] == 1).all()
+
+    @lib.tensorclass
+    class Obs:
+        x: torch.Tensor
+
+    obs = Obs(x=torch.zeros(3), batch_size=[3])
+    obs.set("x", torch.ones(3), non_blocking=True)
+    obs.update({"x": torch.full((3,), 2.0)}, non_blocking=True)
+    assert obs.x.tolist() == [2.0] * 3
+
+
+# ------------------------------------------------------------------ 14. conveniences
+@pytest.mark.parametrize("lib", LIBS)
+def test_detach(lib):
+    td = lib.TensorDict({"x": torch.zeros(3, requires_grad=True), "n": {"y": torch.ones(3, requires_grad=True)},
+                         "s": "a"}, [3], names=["b"])
+    out = td.detach()
+    assert not out["x"].requires_grad and not out["n", "y"].requires_grad
+    assert out.names == ["b"] and out["s"] == "a" and out is not td
+    out["x"][0] = 5.0  # detach shares the storage, as torch's
+    assert td["x"][0].item() == 5.0
+    assert td.lock_().detach().is_locked
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_update_at_(lib):
+    td = lib.TensorDict({"x": torch.zeros(3), "n": {"y": torch.zeros(3)}}, [3])
+    assert td.update_at_({"x": torch.tensor(5.0)}, 1) is td
+    assert td["x"].tolist() == [0.0, 5.0, 0.0]
+    td.update_at_(lib.TensorDict({"x": torch.tensor([7.0, 8.0])}, [2]), slice(0, 2))
+    assert td["x"].tolist() == [7.0, 8.0, 0.0]
+    td.update_at_({"x": torch.tensor(1.0), "n": {"y": torch.tensor(2.0)}}, 2, keys_to_update=["x"])
+    assert td["x"][2] == 1.0 and td["n", "y"][2] == 0.0
+    td.lock_().update_at_({"n": {"y": torch.tensor(4.0)}}, 0)  # in place: allowed when locked
+    assert td["n", "y"][0] == 4.0
+    with pytest.raises(KeyError, match="z"):
+        td.update_at_({"z": torch.tensor(1.0)}, 0)
+    before = td["x"].clone()
+    with pytest.raises(RuntimeError):
+        td.update_at_({"x": torch.ones(5)}, 0)
+    assert torch.equal(td["x"], before)
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_lazy_stack_classmethod(lib):
+    a = lib.TensorDict({"x": torch.zeros(3)}, [3])
+    lazy = lib.TensorDict.lazy_stack([a, a.clone()])
+    assert isinstance(lazy, lib.LazyStackedTensorDict) and lazy.batch_size == (2, 3)
+    assert lib.TensorDict.lazy_stack([a, a.clone()], dim=1).batch_size == (3, 2)
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_the_new_names_on_a_tensorclass(lib):
+    @lib.tensorclass
+    class Obs:
+        x: torch.Tensor
+        task: Any = None
+
+    obs = Obs(x=torch.zeros(3, requires_grad=True), batch_size=[3])
+    obs.set_non_tensor("task", "walk")
+    assert obs.task == "walk" and [k for k, _ in obs.non_tensor_items()] == ["task"]
+    assert obs.get_non_tensor("task") == "walk"
+    assert isinstance(obs.filter_non_tensor_data(), Obs) and obs.filter_non_tensor_data().task is None
+    detached = obs.detach()
+    assert isinstance(detached, Obs) and not detached.x.requires_grad
+    plain = Obs(x=torch.zeros(3), batch_size=[3])
+    assert plain.update_at_({"x": torch.tensor(2.0)}, 1) is plain
+    assert plain.x.tolist() == [0.0, 2.0, 0.0]
