@@ -6,6 +6,7 @@ tensordict when tensordict 0.15.3 is not installed.
 """
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 from typing import Any, Optional
 import queue as queue_module
@@ -409,3 +410,122 @@ def test_the_new_names_on_a_tensorclass(lib):
     plain = Obs(x=torch.zeros(3), batch_size=[3])
     assert plain.update_at_({"x": torch.tensor(2.0)}, 1) is plain
     assert plain.x.tolist() == [0.0, 2.0, 0.0]
+
+
+# ------------------------------------------------------------------ 8. TensorClass, from_dataclass
+@pytest.mark.parametrize("lib", LIBS)
+def test_tensorclass_class_form(lib):
+    class Step(lib.TensorClass):
+        obs: torch.Tensor
+        task: str = "walk"
+
+        def double(self):
+            return self.obs * 2
+
+    step = Step(obs=torch.ones(3, 2), batch_size=[3])
+    assert lib.is_tensorclass(Step) and isinstance(step, lib.TensorClass)
+    assert step[1:].batch_size == (2,) and step[0].task == "walk"
+    assert step.double().sum() == 12
+    assert isinstance(torch.stack([step, step]), Step)
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_tensorclass_class_form_options(lib, tmp_path):
+    class Frozen(lib.TensorClass, frozen=True):
+        x: torch.Tensor
+
+    frozen = Frozen(x=torch.zeros(2))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        frozen.x = torch.ones(2)
+
+    class Plain(lib.TensorClass["nocast"]):
+        n: int
+        v: Any
+
+    plain = Plain(n=1, v=2.5)
+    assert type(plain.n) is int and type(plain.v) is float
+
+    class Both(lib.TensorClass["nocast", "frozen"]):
+        n: int
+
+    assert type(Both(n=1).n) is int and Both(n=1).is_locked
+
+    class Child(Plain):  # a subclass keeps the options and adds fields
+        extra: torch.Tensor = None
+
+    child = Child(n=2, v="x", extra=torch.zeros(1))
+    assert type(child.n) is int and child.extra.shape == (1,)
+    assert isinstance(child, Plain) and lib.is_tensorclass(Child)
+    child.memmap(tmp_path / "c")
+    loaded = lib.load_memmap(tmp_path / "c")
+    assert type(loaded) is Child and loaded.n == 2
+
+
+def test_tensorclass_class_form_refuses_unknown_or_unsupported_options():
+    with pytest.raises(TypeError, match="flags"):
+        shared_td.TensorClass["nocats"]
+    with pytest.raises(TypeError, match="autocast"):
+        class Cast(shared_td.TensorClass, autocast=True):
+            x: torch.Tensor
+    with pytest.raises(TypeError, match="exclusive"):
+        class Both(shared_td.TensorClass, nocast=True, tensor_only=True):
+            x: torch.Tensor
+
+
+@dataclasses.dataclass
+class Record:
+    a: int
+    b: torch.Tensor
+    c: str = "z"
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_from_dataclass_of_an_instance(lib):
+    record = Record(0, torch.zeros(3, 2))
+    tc = lib.from_dataclass(record)
+    assert type(tc).__name__ == "Record_tc" and lib.is_tensorclass(tc)
+    assert tc.c == "z" and tc.b.shape == (3, 2) and tc.batch_size == ()
+    assert lib.from_dataclass(record, batch_size=[3]).a == 0
+    assert lib.from_dataclass(record, batch_size=[3]).batch_size == (3,)
+    with pytest.raises(TypeError):
+        lib.from_dataclass(record, auto_batch_size=True, batch_size=[3])
+    with pytest.raises(TypeError):
+        lib.from_dataclass(3)
+
+    @lib.tensorclass
+    class Dest:
+        a: torch.Tensor
+        b: torch.Tensor
+        c: str
+
+    assert type(lib.from_dataclass(record, dest_cls=Dest)) is Dest
+
+
+def test_from_dataclass_auto_batch_size():
+    @dataclasses.dataclass
+    class Pair:
+        x: torch.Tensor
+        y: torch.Tensor
+
+    tc = shared_td.from_dataclass(Pair(torch.zeros(3, 2), torch.ones(3, 2, 4)), auto_batch_size=True)
+    assert tc.batch_size == (3, 2)
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_from_dataclass_of_a_type(lib):
+    cls = lib.from_dataclass(Record)
+    assert cls.__name__ == "Record_tc" and lib.is_tensorclass(cls) and not lib.is_tensorclass(Record)
+    made = cls(a=1, b=torch.zeros(2))
+    assert made.c == "z" and made.b.shape == (2,)
+    assert lib.from_dataclass(cls) is cls
+
+    @dataclasses.dataclass
+    class Local:
+        x: torch.Tensor
+        tag: str = "t"
+
+    same = lib.from_dataclass(Local, inplace=True)
+    assert same is Local and lib.is_tensorclass(Local)
+    local = Local(x=torch.zeros(2, 3), batch_size=[2])
+    assert local[0].tag == "t" and local[1:].batch_size == (1,)
+    assert "Local(" in repr(local) and "batch_size" in repr(local)
