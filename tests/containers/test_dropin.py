@@ -81,6 +81,14 @@ def test_share_memory_keeps_non_tensor_type_and_its_own_copies_private():
     assert td["flag"] is True  # a clone is a private copy
 
 
+def test_share_memory_of_an_unpicklable_value_names_the_key_and_keeps_it():
+    value = lambda: 1  # noqa: E731 (a lambda cannot be pickled)
+    td = shared_td.TensorDict({"x": torch.zeros(2), "fn": shared_td.NonTensorData(value)}, [])
+    with pytest.raises(TypeError, match="'fn'"):
+        td.share_memory_()
+    assert td["fn"] is value and not td.is_locked
+
+
 # ------------------------------------------------------------------ 2. update_ of non-tensors
 @pytest.mark.parametrize("lib", LIBS)
 @pytest.mark.parametrize("how", ["update_", "update(inplace=True)", "update", "copy_"])
