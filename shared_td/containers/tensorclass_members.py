@@ -37,11 +37,20 @@ def _store(obj: Any, name: str, value: Any) -> None:
             td.del_(name)
         return
     plain = not isinstance(value, torch.Tensor) and not is_tensor_collection(value)
-    scalar_types = type(obj)._tc_scalar_fields.get(name)
-    if (isinstance(value, dict) or (plain and type(obj)._nocast)
-            or (scalar_types and td.batch_dims and isinstance(value, scalar_types))):
+    if isinstance(value, dict) or (plain and type(obj)._nocast):
         value = NonTensorData(value, batch_size=td.batch_size, device=td.device)
+    value = _kept_number(obj, name, value)
     td.set(name, value)
+
+
+def _kept_number(obj: Any, name: str, value: Any) -> Any:
+    """``value`` as a NonTensorData if it is a number given to an ``int``/``float``/
+    ``bool`` field of a batched instance (see ``_store``), else unchanged."""
+    scalar_types = type(obj)._tc_scalar_fields.get(name)
+    td = obj._tensordict
+    if scalar_types and td.batch_dims and isinstance(value, scalar_types):
+        return NonTensorData(value, batch_size=td.batch_size, device=td.device)
+    return value
 
 
 def _no_field_message(cls: type, name: str) -> str:
@@ -230,6 +239,8 @@ class _TensorClassMembers:
             for key in [k for k, v in other.items() if v is None and isinstance(k, str)]:
                 _store(self, key, None)
             other = {k: v for k, v in other.items() if v is not None}
+            if not inplace:  # numbers given to int/float/bool fields, as setattr keeps them
+                other = {k: _kept_number(self, k, v) if isinstance(k, str) else v for k, v in other.items()}
         self._tensordict.update(other, inplace=inplace, keys_to_update=keys_to_update, **kwargs)
         return self
 

@@ -537,3 +537,17 @@ def test_from_dataclass_of_a_type(lib):
     local = Local(x=torch.zeros(2, 3), batch_size=[2])
     assert local[0].tag == "t" and local[1:].batch_size == (1,)
     assert "Local(" in repr(local) and "batch_size" in repr(local)
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_update_of_a_batched_tensorclass_keeps_numbers_of_scalar_fields(lib):
+    @lib.tensorclass
+    class Counter:
+        n: int
+        x: torch.Tensor
+
+    counter = Counter(n=1, x=torch.zeros(3), batch_size=[3])
+    counter.update({"n": 4, "x": torch.ones(3)})
+    assert type(counter.n) is int and counter.n == 4 and counter.x.tolist() == [1.0] * 3
+    counter.update({"n": 5}, keys_to_update=["x"])
+    assert counter.n == 4
