@@ -11,8 +11,8 @@ from shared_td.containers.base import (
     is_tensor_collection,
 )
 from shared_td.containers.lazy import LazyStackedTensorDict
-from shared_td.containers.nontensor import NonTensorData, NonTensorStack
-from shared_td.containers.tensorclass import is_tensorclass, tensorclass
+from shared_td.containers.nontensor import NonTensorData, NonTensorDataBase, NonTensorStack
+from shared_td.containers.tensorclass import TensorClass, from_dataclass, is_tensorclass, tensorclass
 from shared_td.containers.tensordict import TensorDict
 from shared_td.coordinator import Coordinator, attach, is_stale, refresh
 from shared_td.keys import NestedKey
@@ -40,13 +40,16 @@ __all__ = [
     "NestedKey",
     "ReadOnlyError",
     "NonTensorData",
+    "NonTensorDataBase",
     "NonTensorStack",
     "SharedCounter",
+    "TensorClass",
     "TensorDict",
     "TensorDictBase",
     "TensorDictFuture",
     "attach",
     "default_is_leaf",
+    "from_dataclass",
     "gc",
     "is_leaf_nontensor",
     "is_non_tensor",

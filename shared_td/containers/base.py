@@ -9,13 +9,16 @@ for both (see ``TensorDict._map_entries``).
 """
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable, Iterator
 
 import torch
 
 from shared_td.containers import batch as batch_ops
+from shared_td.containers.convenience_ops import ConvenienceOps
 from shared_td.containers.keysview import KeysView
 from shared_td.containers.locking import LockingOps
+from shared_td.containers.nontensor_ops import NonTensorOps
 from shared_td.containers.splitting import BatchSplitOps
 from shared_td.errors import BatchSizeMismatchError
 from shared_td.keys import NestedKey, is_nested_key, key_repr, unravel_key
@@ -57,7 +60,7 @@ def is_leaf_nontensor(cls: type) -> bool:
     return default_is_leaf(cls) or getattr(cls, "_is_non_tensor", False)
 
 
-class TensorDictBase(LockingOps, BatchSplitOps, MemmapMethods):
+class TensorDictBase(LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, MemmapMethods):
     """Common API of TensorDict, LazyStackedTensorDict and the non-tensor containers."""
 
     _is_non_tensor = False
@@ -213,11 +216,13 @@ class TensorDictBase(LockingOps, BatchSplitOps, MemmapMethods):
     def __delitem__(self, key: NestedKey) -> None:
         self.del_(key)
 
-    def set(self, key: NestedKey, value: Any, *, inplace: bool = False) -> "TensorDictBase":
+    def set(self, key: NestedKey, value: Any, *, inplace: bool = False, non_blocking: bool = False) -> "TensorDictBase":
         """Add or replace the entry ``key``; returns self.
 
         ``inplace=True`` writes into the existing entry when there is one (allowed on a
         locked tensordict). Missing intermediate tensordicts of a nested key are created.
+        ``non_blocking`` is accepted as in tensordict (copies between CPU tensors are
+        synchronous anyway).
 
         Raises:
             LockedTensorDictError: (a RuntimeError) when locked and the entry would be
@@ -230,7 +235,7 @@ class TensorDictBase(LockingOps, BatchSplitOps, MemmapMethods):
         parent._set_str(path[-1], value, inplace=inplace, validated=False)
         return self
 
-    def set_(self, key: NestedKey, value: Any) -> "TensorDictBase":
+    def set_(self, key: NestedKey, value: Any, *, non_blocking: bool = False) -> "TensorDictBase":
         """Write ``value`` into the existing entry ``key``, in place; returns self.
 
         Allowed on a locked (e.g. memory-mapped or shared) tensordict.
@@ -337,7 +342,7 @@ class TensorDictBase(LockingOps, BatchSplitOps, MemmapMethods):
         return value._python_value() if is_non_tensor(value) else value
 
     def update(
-        self, other: Any, *, inplace: bool = False, keys_to_update=None
+        self, other: Any, *, inplace: bool = False, keys_to_update=None, non_blocking: bool = False
     ) -> "TensorDictBase":
         """Set every entry of ``other`` (a dict or tensordict), merging nested ones.
 
@@ -353,7 +358,7 @@ class TensorDictBase(LockingOps, BatchSplitOps, MemmapMethods):
                 self.set(path, value)
         return self
 
-    def update_(self, other: Any, *, keys_to_update=None) -> "TensorDictBase":
+    def update_(self, other: Any, *, keys_to_update=None, non_blocking: bool = False) -> "TensorDictBase":
         """Write every entry of ``other`` into the existing entries, in place.
 
         Raises KeyError (naming the key) if one is missing; as every entry is checked
@@ -448,11 +453,27 @@ class TensorDictBase(LockingOps, BatchSplitOps, MemmapMethods):
             return self._map_leaves(lambda key, value: op(value, other.get(key)))
         return self._map_leaves(lambda key, value: op(value, other))
 
+    # Comparisons map over the leaves, as tensordict 0.15.3: tensors compare with torch's
+    # operator; a non-tensor entry compares its values with the same entry of another
+    # tensordict (== and !=), and is ignored otherwise (see _equal and _ordered), so
+    # ``(td == 0).all()`` looks at the tensors only.
     def __eq__(self, other: Any) -> "TensorDictBase":  # type: ignore[override]
         return self._compare(other, _equal)
 
     def __ne__(self, other: Any) -> "TensorDictBase":  # type: ignore[override]
-        return self._compare(other, lambda a, b: ~_equal(a, b))
+        return self._compare(other, _not_equal)
+
+    def __lt__(self, other: Any) -> "TensorDictBase":
+        return self._compare(other, _ordered(operator.lt))
+
+    def __le__(self, other: Any) -> "TensorDictBase":
+        return self._compare(other, _ordered(operator.le))
+
+    def __gt__(self, other: Any) -> "TensorDictBase":
+        return self._compare(other, _ordered(operator.gt))
+
+    def __ge__(self, other: Any) -> "TensorDictBase":
+        return self._compare(other, _ordered(operator.ge))
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -509,8 +530,29 @@ class TensorDictBase(LockingOps, BatchSplitOps, MemmapMethods):
 
 def _equal(value: Any, other: Any) -> Any:
     if is_non_tensor(value):
-        return value._compare_data(other)
+        if is_non_tensor(other):  # the same entry of another tensordict
+            return value._compare_data(other)
+        return _ignored(value)  # a scalar or tensor compares with the tensors only
     return value == other
+
+
+def _not_equal(value: Any, other: Any) -> Any:
+    result = _equal(value, other)
+    return ~result if isinstance(result, torch.Tensor) else result
+
+
+def _ordered(op: Callable) -> Callable:
+    """``<``, ``<=``, ``>``, ``>=`` on one leaf: non-tensor entries are kept as they
+    are (not compared), as tensordict does."""
+    return lambda value, other: value if is_non_tensor(value) else op(value, other)
+
+
+def _ignored(value: Any) -> "TensorDictBase":
+    """What ``td == 0`` holds at a non-tensor entry: an empty tensordict of the entry's
+    batch size (as tensordict), which ``all()`` and ``any()`` skip."""
+    from shared_td.containers.tensordict import TensorDict
+
+    return TensorDict._new_unsafe({}, value.batch_size, value.device)
 
 
 def check_write_into(current: Any, value: Any, key: str | tuple[str, ...]) -> None:

@@ -86,7 +86,8 @@ class LazyWriteOps:
     def _empty_child(self) -> "LazyStackedTensorDict":
         return self._restack([m._empty_child() for m in self.tensordicts])
 
-    def update(self, other: Any, *, inplace: bool = False, keys_to_update=None) -> "LazyStackedTensorDict":
+    def update(self, other: Any, *, inplace: bool = False, keys_to_update=None,
+               non_blocking: bool = False) -> "LazyStackedTensorDict":
         """As TensorDict.update, member by member: ``other`` is split along ``stack_dim``
         (a lazy stack of the same layout gives its members). Checked before writing."""
         parts = self._update_parts(other)
@@ -96,7 +97,7 @@ class LazyWriteOps:
             member.update(part, inplace=inplace, keys_to_update=keys_to_update)
         return self
 
-    def update_(self, other: Any, *, keys_to_update=None) -> "LazyStackedTensorDict":
+    def update_(self, other: Any, *, keys_to_update=None, non_blocking: bool = False) -> "LazyStackedTensorDict":
         """As TensorDict.update_, member by member (see ``update``)."""
         parts = self._update_parts(other)
         for key in parts[0].keys(True, True, is_leaf_nontensor) if parts else ():

@@ -102,6 +102,10 @@ class _NonTensorBase(TensorDictBase):
         return out
 
     def share_memory_(self) -> "_NonTensorBase":
+        """Move the value into a cell shared between processes (see
+        ``TensorDict.share_memory_``) and lock; returns self."""
+        if self._shared_value is None:
+            self._share()
         self._is_shared = True
         return self.lock_()
 
@@ -129,15 +133,21 @@ class _NonTensorBase(TensorDictBase):
     def __ne__(self, other: Any) -> torch.Tensor:  # type: ignore[override]
         return ~self._compare_data(other)
 
+    def __lt__(self, other: Any) -> Any:
+        return NotImplemented  # no order between Python values of any type
+
+    __le__ = __gt__ = __ge__ = __lt__
+
     def _flat_values(self) -> list:
         raise NotImplementedError
 
-    # A SharedValue holding the payload when memory-mapped with share_non_tensor=True:
-    # in-place writes in one process are then seen by all.
+    # A SharedValue holding the payload after share_memory_(), or when memory-mapped
+    # with share_non_tensor=True: in-place writes in one process are then seen by all.
     _shared_value = None
 
     def _share(self) -> None:
-        """Move the payload into a process-shared cell (memmap_(share_non_tensor=True))."""
+        """Move the payload into a process-shared cell (share_memory_(),
+        memmap_(share_non_tensor=True))."""
         from shared_td.storage.shared_value import SharedValue
 
         payload = self._payload
@@ -173,8 +183,47 @@ class _NonTensorBase(TensorDictBase):
         """Raise if ``_update_(value)`` would fail (it writes nothing)."""
         raise NotImplementedError
 
+    def update_(self, other: Any, *, keys_to_update: Any = None, non_blocking: bool = False, **kwargs: Any) -> "_NonTensorBase":
+        """Write the value(s) of the NonTensorData or NonTensorStack ``other`` into self,
+        in place; returns self. Allowed when locked; a shared entry's write is seen by
+        every process and a memory-mapped one's files are rewritten. (A non-tensor
+        entry has no keys: ``keys_to_update`` is accepted and ignored, as in
+        tensordict.)
 
-class NonTensorData(_NonTensorBase):
+        Raises:
+            TypeError: if ``other`` is not a NonTensorData or NonTensorStack.
+            ValueError: if its values do not fit self (a stack into a NonTensorData,
+                a stack of another batch size); self is then unchanged.
+        """
+        if not isinstance(other, _NonTensorBase):
+            raise TypeError(
+                f"{type(self).__name__}.update_() and copy_() need a NonTensorData or "
+                f"NonTensorStack source, got a {type(other).__name__}: wrap the value in "
+                "NonTensorData(value)."
+            )
+        self._update_(other)
+        return self
+
+    def update(self, other: Any, *, inplace: bool = False, keys_to_update: Any = None,
+               non_blocking: bool = False, **kwargs: Any) -> "_NonTensorBase":
+        """Set the value(s) of the NonTensorData or NonTensorStack ``other``; returns self.
+
+        Raises:
+            LockedTensorDictError: (a RuntimeError) when locked and not ``inplace``,
+                as a locked TensorDict refuses ``update``.
+        """
+        if not inplace:
+            self._check_unlocked((), f"replace the value of this locked {type(self).__name__} "
+                                     "(update(other, inplace=True) writes it in place)")
+        return self.update_(other, keys_to_update=keys_to_update)
+
+
+class NonTensorDataBase(_NonTensorBase):
+    """The base class of NonTensorData, as in tensordict 0.15.3 (where MetaData derives
+    from it too). A NonTensorStack is not one: ``is_non_tensor`` tests for both."""
+
+
+class NonTensorData(NonTensorDataBase):
     """One Python value shared by every element of a batch.
 
     Examples:

@@ -14,9 +14,12 @@ define that name already, so user methods win over forwarded ones.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import inspect
+import types
+import typing
 from typing import Any
 
 import torch
@@ -27,7 +30,7 @@ from shared_td.containers.tensordict import TensorDict
 from shared_td.containers.tensorclass_members import MEMBERS, _no_field_message, _store, is_tensorclass
 from shared_td.errors import BatchSizeMismatchError
 
-__all__ = ["tensorclass", "is_tensorclass", "tensorclass_for_type_string"]
+__all__ = ["TensorClass", "from_dataclass", "tensorclass", "is_tensorclass", "tensorclass_for_type_string"]
 
 _REGISTRY: dict[str, type] = {}
 _MISSING = dataclasses.MISSING
@@ -123,6 +126,122 @@ def tensorclass(
     return decorate if cls is None else decorate(cls)
 
 
+# ------------------------------------------------------------------------ class form
+#: the options of the bracket form ``TensorClass["nocast", "frozen"]``, as in tensordict
+_FLAGS = ("autocast", "nocast", "frozen", "tensor_only", "shadow", "skip_post_init_on_rebuild")
+#: class attribute that holds each inherited option
+_FLAG_ATTRIBUTES = {"frozen": "_frozen", "nocast": "_nocast", "shadow": "_shadow",
+                    "skip_post_init_on_rebuild": "_skip_post_init_on_rebuild"}
+
+
+class TensorClass:
+    """The class form of ``@tensorclass``: every subclass is a tensorclass.
+
+    Options are keywords of the class statement (``class Step(TensorClass,
+    frozen=True)``) or flags in brackets (``class Step(TensorClass["nocast"])``); a
+    subclass of a subclass inherits them and adds its own fields.
+
+    Examples:
+        >>> class Step(TensorClass):
+        ...     obs: torch.Tensor
+        ...     task: str = "walk"
+        >>> Step(obs=torch.zeros(3, 2), batch_size=[3])[0].task
+        'walk'
+    """
+
+    _is_tensorclass = True
+
+    def __init_subclass__(cls, *, autocast: bool = False, frozen: bool | None = None,
+                          nocast: bool | None = None, shadow: bool | None = None,
+                          tensor_only: bool = False, skip_post_init_on_rebuild: bool | None = None,
+                          cast_filter: Any = None, kw_only: bool = False, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__dict__.get("_tc_flags_only"):  # TensorClass["..."]: options, no fields
+            return
+        given = dict(frozen=frozen, nocast=nocast, shadow=shadow,
+                     skip_post_init_on_rebuild=skip_post_init_on_rebuild)
+        options = {name: bool(getattr(cls, _FLAG_ATTRIBUTES[name], False)) if value is None else value
+                   for name, value in given.items()}
+        tensorclass(autocast=autocast, tensor_only=tensor_only, cast_filter=cast_filter,
+                    kw_only=kw_only, **options)(cls)
+
+    def __class_getitem__(cls, item: Any) -> type:
+        flags = item if isinstance(item, tuple) else (item,)
+        unknown = [flag for flag in flags if flag not in _FLAGS]
+        if unknown:
+            raise TypeError(f"TensorClass[...] accepts the flags {_FLAGS}, got {unknown}.")
+        tensorclass(**{flag: True for flag in flags})  # refuses what the decorator refuses
+        namespace = {"_tc_flags_only": True, "__module__": cls.__module__}
+        namespace.update({_FLAG_ATTRIBUTES[flag]: True for flag in flags if flag in _FLAG_ATTRIBUTES})
+        return type(f"TensorClass_{'_'.join(flags)}", (cls,), namespace)
+
+
+# ------------------------------------------------------------------------ from_dataclass
+def from_dataclass(obj: Any, *, dest_cls: type | None = None, auto_batch_size: bool = False,
+                   batch_dims: int | None = None, batch_size: Any = None, frozen: bool = False,
+                   autocast: bool = False, nocast: bool = False, inplace: bool = False,
+                   shadow: bool = False, tensor_only: bool = False, device: Any = None) -> Any:
+    """A tensorclass from a dataclass type, or a tensorclass instance from a dataclass
+    instance (tensordict 0.15.3's ``from_dataclass``).
+
+    For a type: a new tensorclass ``<name>_tc`` with the same fields, or the type
+    itself made a tensorclass with ``inplace=True``; a tensorclass is returned as it is.
+    For an instance: an instance of a new ``<name>_tc`` tensorclass (or of
+    ``dest_cls``) built from the fields (copied, as ``dataclasses.asdict`` does), with
+    ``batch_size`` or, with ``auto_batch_size=True``, the longest leading shape the
+    entries share (at most ``batch_dims`` dims).
+
+    Raises:
+        TypeError: if ``obj`` is not a dataclass, if ``auto_batch_size`` is given with
+            ``batch_size``, or for options that ``@tensorclass`` refuses.
+
+    Examples:
+        >>> @dataclasses.dataclass
+        ... class X:
+        ...     a: int
+        ...     b: torch.Tensor
+        >>> from_dataclass(X(0, torch.zeros(3))).b.shape
+        torch.Size([3])
+    """
+    options = dict(frozen=frozen, autocast=autocast, nocast=nocast, shadow=shadow, tensor_only=tensor_only)
+    if isinstance(obj, type):
+        if is_tensorclass(obj):
+            return obj
+        if not dataclasses.is_dataclass(obj):
+            raise TypeError(f"from_dataclass() needs a dataclass type or instance, got {obj!r}.")
+        if inplace:
+            _drop_generated_methods(obj)
+            return tensorclass(**options)(obj)
+        fields = [(f.name, f.type, copy.copy(f)) for f in dataclasses.fields(obj)]
+        made = dataclasses.make_dataclass(f"{obj.__name__}_tc", fields, bases=obj.__bases__,
+                                          init=False, repr=False, eq=False)
+        made.__module__ = obj.__module__
+        return tensorclass(**options)(made)
+    if not dataclasses.is_dataclass(obj):
+        raise TypeError(f"from_dataclass() needs a dataclass type or instance, got a {type(obj).__name__}.")
+    if auto_batch_size and batch_size is not None:
+        raise TypeError("from_dataclass(): give batch_size or auto_batch_size=True, not both.")
+    cls = dest_cls if dest_cls is not None else from_dataclass(type(obj), **options)
+    result = cls(**dataclasses.asdict(obj), batch_size=batch_size, device=device)
+    if auto_batch_size:
+        result.auto_batch_size_(batch_dims=batch_dims)
+    return result
+
+
+def _drop_generated_methods(cls: type) -> None:
+    """Remove the ``__init__``, ``__repr__`` and ``__eq__`` that ``@dataclass`` wrote, so
+    that the tensorclass ones take their place (methods the user wrote stay)."""
+    for name in ("__init__", "__repr__", "__eq__"):
+        method = vars(cls).get(name)
+        if method is None:
+            continue
+        # dataclasses compiles the methods it writes from source text ("<string>"); its
+        # __repr__ is wrapped against recursion
+        code = getattr(inspect.unwrap(method), "__code__", None)
+        if getattr(code, "co_filename", None) == "<string>":
+            delattr(cls, name)
+
+
 def _make_tensorclass(cls: type, *, frozen, nocast, shadow, skip_post_init, kw_only) -> type:
     if not isinstance(cls, type):
         raise TypeError(f"@tensorclass decorates a class, got {cls!r}.")
@@ -153,9 +272,28 @@ def _make_tensorclass(cls: type, *, frozen, nocast, shadow, skip_post_init, kw_o
     cls._tc_fields = fields
     cls._tc_field_names = frozenset(f.name for f in fields)
     cls._frozen, cls._nocast, cls._shadow = frozen, nocast, shadow
+    cls._tc_scalar_fields = _scalar_fields(cls, fields)
     cls._skip_post_init_on_rebuild = skip_post_init
     _register(cls)
     return cls
+
+
+def _scalar_fields(cls: type, fields: tuple) -> dict:
+    """field name -> the Python number types it keeps as they are (see ``_store``): the
+    fields annotated ``int``, ``float`` (an int is a valid float) or ``bool``, alone or
+    in an Optional/Union of them. Unresolvable annotations give none."""
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # a forward reference that does not resolve: no scalar fields
+        return {}
+    out = {}
+    for field in fields:
+        hint = hints.get(field.name)
+        args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+        args = [a for a in args if a is not type(None)]
+        if args and all(a in (int, float, bool) for a in args):
+            out[field.name] = tuple({int, *args} if float in args else args)
+    return out
 
 
 def _reserved_names() -> set:

@@ -25,7 +25,12 @@ def is_tensorclass(obj: Any) -> bool:
 
 def _store(obj: Any, name: str, value: Any) -> None:
     """Set field ``name``: None removes the entry; dicts (and with ``nocast`` every
-    non-tensor) are kept as NonTensorData, the rest is converted as TensorDict.set does."""
+    non-tensor) are kept as NonTensorData, the rest is converted as TensorDict.set does.
+
+    As tensordict 0.15.3: a number given to a field annotated ``int``, ``float`` or
+    ``bool`` (or Optional of them) of a batched instance stays a Python number, since a
+    0-d tensor would not fit the batch size.
+    """
     td = obj._tensordict
     if value is None:
         if td._get_str(name, None) is not None:
@@ -34,7 +39,18 @@ def _store(obj: Any, name: str, value: Any) -> None:
     plain = not isinstance(value, torch.Tensor) and not is_tensor_collection(value)
     if isinstance(value, dict) or (plain and type(obj)._nocast):
         value = NonTensorData(value, batch_size=td.batch_size, device=td.device)
+    value = _kept_number(obj, name, value)
     td.set(name, value)
+
+
+def _kept_number(obj: Any, name: str, value: Any) -> Any:
+    """``value`` as a NonTensorData if it is a number given to an ``int``/``float``/
+    ``bool`` field of a batched instance (see ``_store``), else unchanged."""
+    scalar_types = type(obj)._tc_scalar_fields.get(name)
+    td = obj._tensordict
+    if scalar_types and td.batch_dims and isinstance(value, scalar_types):
+        return NonTensorData(value, batch_size=td.batch_size, device=td.device)
+    return value
 
 
 def _no_field_message(cls: type, name: str) -> str:
@@ -83,7 +99,8 @@ def _td_property(name: str, settable: bool = False) -> property:
 _WRAPPED = (
     "unbind split chunk to cpu clone contiguous expand reshape view unsqueeze squeeze "
     "permute apply named_apply update_ set_ lock_ unlock_ share_memory_ select exclude "
-    "empty zero_ fill_ copy_ del_ rename_key_ refine_names auto_batch_size_ __eq__ __ne__ __enter__ __exit__"
+    "empty zero_ fill_ copy_ del_ rename_key_ refine_names auto_batch_size_ __eq__ __ne__ __lt__ __le__ "
+    "__gt__ __ge__ __enter__ __exit__"
 ).split()
 _PLAIN = (
     "keys values items numel dim size all any is_shared is_memmap is_empty pop "
@@ -222,6 +239,8 @@ class _TensorClassMembers:
             for key in [k for k, v in other.items() if v is None and isinstance(k, str)]:
                 _store(self, key, None)
             other = {k: v for k, v in other.items() if v is not None}
+            if not inplace:  # numbers given to int/float/bool fields, as setattr keeps them
+                other = {k: _kept_number(self, k, v) if isinstance(k, str) else v for k, v in other.items()}
         self._tensordict.update(other, inplace=inplace, keys_to_update=keys_to_update, **kwargs)
         return self
 
@@ -240,6 +259,15 @@ class _TensorClassMembers:
                 f"Invalid indexing arguments: {index!r}. A tensorclass is indexed along its "
                 f"batch dimensions; to write a field, use the attribute or set({index!r}, value)."
             )
+        if is_tensorclass(value) and not isinstance(value, type(self)):
+            mine, theirs = type(self)._tc_field_names, type(value)._tc_field_names
+            if mine != theirs:  # as tensordict: another class only with the same members
+                raise ValueError(
+                    f"Cannot write a {type(value).__name__} into the rows of a "
+                    f"{type(self).__name__}: an indexed write takes the same class, a class "
+                    f"with the same fields, or a tensordict. {type(self).__name__} has fields "
+                    f"{sorted(mine)}, {type(value).__name__} has {sorted(theirs)}."
+                )
         self._tensordict[index] = _unwrap(value)
 
     def __iter__(self):

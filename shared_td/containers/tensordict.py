@@ -138,7 +138,8 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, TensorDictBase):
             value = TensorDict(value, batch_size=self._batch_size, device=self._device)
         elif isinstance(value, np.ndarray) and value.dtype != object:
             value = torch.as_tensor(value)
-        elif isinstance(value, (bool, int, float, complex, np.number)):
+        elif isinstance(value, (bool, int, float, np.number)):
+            # a Python complex stays a Python value, as in tensordict
             value = torch.as_tensor(value)
         elif isinstance(value, (list, tuple)) and not is_tensor_collection(value):
             value = _list_to_tensor(value)
@@ -490,20 +491,34 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, TensorDictBase):
         return self
 
     def share_memory_(self) -> "TensorDict":
-        """Move every tensor to shared memory (torch's) and lock; returns self.
+        """Move every tensor to shared memory (torch's), and every non-tensor value into
+        a cell shared between processes, then lock; returns self.
+
+        As in tensordict, a process that receives the tensordict (fork, spawn, a queue)
+        and writes a non-tensor entry in place (``set_``, ``update_``, ``td[i] = ...``)
+        is seen by every other: ``td.set_("task", "run")`` in a child changes the
+        parent's ``td["task"]``. A receiving process attaches to a cell through the
+        process that shared it, so that process must still be alive then.
 
         Raises:
             RuntimeError: if the tensordict is memory-mapped (the two are exclusive).
+            TypeError: naming the key, if a non-tensor value cannot be pickled (the
+                entries before it are shared already).
         """
         if self._is_memmap:
             raise RuntimeError(
                 "memmap and shared memory are mutually exclusive features: this "
                 "tensordict is memory-mapped already (its leaves are shared)."
             )
-        for value in self._tensordict.values():
+        for key, value in self._tensordict.items():
             if isinstance(value, torch.Tensor):
                 value.share_memory_()
-            elif is_tensor_collection(value) and not is_non_tensor(value):
+            elif is_non_tensor(value):
+                try:
+                    value.share_memory_()
+                except TypeError as error:
+                    raise TypeError(f"share_memory_(): cannot share the non-tensor entry {key!r}: {error}") from error
+            elif is_tensor_collection(value):
                 value.share_memory_()
         self._is_shared = True
         self.lock_()

@@ -1,0 +1,553 @@
+"""shared_td against tensordict 0.15.3, side by side: the behaviours a program ported
+from tensordict relies on (sharing, non-tensor entries, comparisons, tensorclasses).
+
+Each test runs on both libraries where tensordict has the behaviour; it is skipped for
+tensordict when tensordict 0.15.3 is not installed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+from typing import Any, Optional
+import queue as queue_module
+
+import pytest
+import torch
+
+import dropin_children as kids
+import shared_td
+from processes import WAIT, finish
+
+try:
+    import tensordict
+except ImportError:  # the shared_td half still runs
+    tensordict = None
+
+needs_tensordict = pytest.mark.skipif(
+    tensordict is None or tensordict.__version__ != "0.15.3",
+    reason="tensordict==0.15.3 is not installed: pip install '.[test]' to compare with it",
+)
+LIBS = [
+    pytest.param(shared_td, id="shared_td"),
+    pytest.param(tensordict, id="tensordict", marks=needs_tensordict),
+]
+
+
+def run_child(method: str, target, *args) -> None:
+    """Run ``target(*args, done)`` in a child process (bounded waits)."""
+    ctx = multiprocessing.get_context(method)
+    done = ctx.Queue()
+    child = ctx.Process(target=target, args=(*args, done))
+    child.start()
+    try:
+        assert done.get(timeout=WAIT) == "written"
+    except queue_module.Empty:
+        pytest.fail(f"the {method} child did not write within {WAIT}s")
+    finally:
+        assert finish(child) == 0
+
+
+# ------------------------------------------------------------------ 1. share_memory_
+@pytest.mark.parametrize("lib,method", [
+    pytest.param(shared_td, "spawn", id="shared_td-spawn"),
+    pytest.param(shared_td, "fork", id="shared_td-fork"),
+    # tensordict shares through a fork-context lock: a spawn child refuses it
+    pytest.param(tensordict, "fork", id="tensordict-fork", marks=needs_tensordict),
+])
+def test_share_memory_shares_non_tensor_values(lib, method):
+    td = lib.TensorDict({"val": "old", "x": torch.zeros(2)}, []).share_memory_()
+    assert td.get("val").is_shared()
+    run_child(method, kids.write_non_tensor, td, "val", "new")
+    assert td["val"] == "new"
+    assert td.get("val").data == "new"
+
+
+@pytest.mark.parametrize("method", ["spawn", "fork"])
+def test_share_memory_shares_nested_and_stacked_non_tensor_values(method):
+    td = shared_td.TensorDict(
+        {"sub": {"task": "walk"}, "st": shared_td.NonTensorStack("a", "b", "c"),
+         "x": torch.zeros(3)}, [3]).share_memory_()
+    run_child(method, kids.write_non_tensor, td, ("sub", "task"), "run")
+    run_child(method, kids.write_stack_element, td, 1, "B")
+    assert td["sub", "task"] == "run"
+    assert td["st"] == ["a", "B", "c"]
+
+
+def test_share_memory_keeps_non_tensor_type_and_its_own_copies_private():
+    td = shared_td.TensorDict({"flag": shared_td.NonTensorData(True)}, []).share_memory_()
+    assert td.get("flag").data is True  # bool stays bool
+    copy = td.clone()
+    copy.set_("flag", False)
+    assert td["flag"] is True  # a clone is a private copy
+
+
+def test_share_memory_of_an_unpicklable_value_names_the_key_and_keeps_it():
+    value = lambda: 1  # noqa: E731 (a lambda cannot be pickled)
+    td = shared_td.TensorDict({"x": torch.zeros(2), "fn": shared_td.NonTensorData(value)}, [])
+    with pytest.raises(TypeError, match="'fn'"):
+        td.share_memory_()
+    assert td["fn"] is value and not td.is_locked
+
+
+# ------------------------------------------------------------------ 2. update_ of non-tensors
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("how", ["update_", "update(inplace=True)", "update", "copy_"])
+def test_update_writes_non_tensor_data(lib, how):
+    nt = lib.NonTensorData(data="old")
+    new = lib.NonTensorData(data="new")
+    if how == "update_":
+        result = nt.update_(new)
+    elif how == "copy_":
+        result = nt.copy_(new)
+    else:
+        result = nt.update(new, inplace=how != "update")
+    assert result is nt and nt.data == "new"
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_update_writes_non_tensor_stack(lib):
+    stack = lib.NonTensorStack("a", "b")
+    assert stack.update_(lib.NonTensorStack("c", "d")) is stack
+    assert stack.tolist() == ["c", "d"]
+    stack.update(lib.NonTensorData("z"))  # one value for every element
+    assert stack.tolist() == ["z", "z"]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_update_of_a_locked_non_tensor_raises_update_inplace_writes(lib):
+    nt = lib.NonTensorData(data="old").lock_()
+    with pytest.raises(RuntimeError, match="locked"):
+        nt.update(lib.NonTensorData(data="new"))
+    assert nt.data == "old"
+    nt.update(lib.NonTensorData(data="new"), inplace=True)
+    assert nt.data == "new"
+    stack = lib.NonTensorStack("a", "b").lock_()
+    with pytest.raises(RuntimeError, match="locked"):
+        stack.update(lib.NonTensorStack("c", "d"))
+    assert stack.tolist() == ["a", "b"]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_update_of_non_tensor_needs_a_non_tensor_source(lib):
+    nt = lib.NonTensorData(data="old")
+    for bad in ("plain", {"data": "x"}, torch.zeros(2)):
+        with pytest.raises((TypeError, RuntimeError)):
+            nt.update_(bad)
+    assert nt.data == "old"
+
+
+def test_update_of_a_wrong_sized_stack_raises_and_keeps_the_values():
+    stack = shared_td.NonTensorStack("a", "b")
+    with pytest.raises(ValueError, match="2"):
+        stack.update_(shared_td.NonTensorStack("a", "b", "c"))
+    with pytest.raises(ValueError, match="NonTensorStack"):
+        shared_td.NonTensorData("x", batch_size=[2]).update_(shared_td.NonTensorStack("c", "d"))
+    assert stack.tolist() == ["a", "b"]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_update_of_memory_mapped_non_tensors_rewrites_the_files(lib, tmp_path):
+    td = lib.TensorDict({"s": "old", "st": lib.NonTensorStack("a", "b")}, [2]).memmap_(tmp_path / "td")
+    td.get("s").update_(lib.NonTensorData("new", batch_size=[2]))
+    td.get("st").update_(lib.NonTensorStack("c", "d"))
+    assert td["s"] == "new" and list(td["st"]) == ["c", "d"]
+    loaded = lib.load_memmap(tmp_path / "td")
+    assert loaded["s"] == "new" and list(loaded["st"]) == ["c", "d"]
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_update_of_a_shared_non_tensor_reaches_other_processes(method):
+    td = shared_td.TensorDict({"s": "old", "st": shared_td.NonTensorStack("a", "b")}, [2]).share_memory_()
+    run_child(method, kids.update_entries, td)
+    assert td["s"] == "new" and td["st"] == ["c", "d"]
+
+
+# ------------------------------------------------------------------ 4. a[:2] = b[:2] between classes
+def _classes(lib):
+    @lib.tensorclass
+    class Single:
+        x: torch.Tensor
+
+    @lib.tensorclass
+    class Pair:
+        x: torch.Tensor
+        y: torch.Tensor
+
+    @lib.tensorclass
+    class Twin:  # the same members as Single
+        x: torch.Tensor
+
+    return Single, Pair, Twin
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("index", [slice(0, 2), 0, slice(None)])
+def test_indexed_write_of_another_tensorclass_raises_naming_both(lib, index):
+    Single, Pair, _ = _classes(lib)
+    a = Single(x=torch.zeros(3), batch_size=[3])
+    b = Pair(x=torch.ones(3), y=torch.ones(3), batch_size=[3])
+    with pytest.raises(ValueError) as raised:
+        a[index] = b[index]
+    if lib is shared_td:
+        assert "Single" in str(raised.value) and "Pair" in str(raised.value)
+    assert (a.x == 0).all() and set(a._tensordict.keys()) == {"x"}
+    with pytest.raises(ValueError):
+        b[index] = a[index]
+    assert (b.x == 1).all()
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_indexed_write_of_a_class_with_the_same_members_or_a_tensordict_works(lib):
+    Single, _, Twin = _classes(lib)
+    a = Single(x=torch.zeros(3), batch_size=[3])
+    a[:2] = Twin(x=torch.full((3,), 7.0), batch_size=[3])[:2]
+    assert a.x.tolist() == [7.0, 7.0, 0.0]
+    a[2:] = lib.TensorDict(x=torch.ones(1), batch_size=[1])
+    assert a.x.tolist() == [7.0, 7.0, 1.0]
+
+
+# ------------------------------------------------------------------ 5. comparisons
+def _mixed(lib):
+    return lib.TensorDict({"x": torch.zeros(3), "s": "txt", "n": {"y": torch.zeros(3), "t": "u"},
+                           "st": lib.NonTensorStack("a", "b", "c")}, [3])
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_comparison_with_a_scalar_ignores_non_tensor_entries(lib):
+    td = _mixed(lib)
+    assert (td == 0).all() and not (td != 0).any()
+    assert not (td == 1).any() and (td != 1).all()
+    assert (td < 1).all() and (td <= 0).all() and not (td > 0).any() and (td >= 0).all()
+    assert (td == torch.zeros(3)).all()
+    assert set((td == 0).keys()) == {"x", "s", "n", "st"}
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_memmap_like_of_a_tensordict_with_strings_compares_equal_to_zero(lib, tmp_path):
+    td = lib.TensorDict({"x": torch.ones(3), "s": "txt"}, [3])
+    assert (td.memmap_like(tmp_path / "td") == 0).all()
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_comparison_between_tensordicts_compares_non_tensor_values(lib):
+    td, other = _mixed(lib), _mixed(lib)
+    assert (td == other).all() and not (td != other).any()
+    other.set_(("n", "t"), "changed")
+    assert not (td == other).all() and (td != other).any()
+    assert (td == other)["n", "t"].tolist() == [False, False, False]
+    assert (td <= td.clone()).all() and not (td < td.clone()).any()  # non-tensors ignored
+
+
+def test_ordered_comparison_of_tensorclasses_and_lazy_stacks():
+    @shared_td.tensorclass
+    class Obs:
+        x: torch.Tensor
+        task: str
+
+    obs = Obs(x=torch.arange(3.0), task="walk", batch_size=[3])
+    assert (obs < 3).all() and (obs >= 1).x.tolist() == [False, True, True]
+    lazy = shared_td.lazy_stack([_mixed(shared_td), _mixed(shared_td)])
+    assert (lazy == 0).all() and (lazy < 1).all() and not (lazy > 0).any()
+    with pytest.raises(TypeError):
+        shared_td.NonTensorData("a") < 1
+
+
+# ------------------------------------------------------------------ 6. non-tensor field values
+@pytest.mark.parametrize("lib", LIBS)
+def test_a_complex_number_stays_a_python_value(lib):
+    @lib.tensorclass
+    class Holder:
+        a: Any
+        c: complex
+
+    h = Holder(a=1 + 2j, c=3j)
+    assert h.a == 1 + 2j and type(h.a) is complex and type(h.c) is complex
+    h.a = 2 - 1j
+    assert type(h.a) is complex
+    td = lib.TensorDict(c=1 + 2j)
+    assert td["c"] == 1 + 2j and type(td["c"]) is complex
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_scalar_fields_of_a_batched_tensorclass_keep_the_python_value(lib):
+    @lib.tensorclass
+    class Step:
+        count: int
+        rate: float
+        done: Optional[bool]
+        anything: Any
+        obs: torch.Tensor
+
+    step = Step(count=3, rate=1, done=True, anything="z", obs=torch.zeros(4), batch_size=[4])
+    assert (step.count, step.rate, step.done) == (3, 1, True)
+    assert type(step.count) is int and type(step.done) is bool
+    assert step[1:].count == 3
+    step.count = 5
+    assert step.count == 5 and type(step.count) is int
+    with pytest.raises(RuntimeError):  # Any: a number is a 0-d tensor, as tensordict
+        step.anything = 2
+    flat = Step(count=3, rate=1.5, done=False, anything=2, obs=torch.zeros(()))
+    assert isinstance(flat.count, torch.Tensor) and isinstance(flat.anything, torch.Tensor)
+
+
+# ------------------------------------------------------------------ 7. the non-tensor API
+@pytest.mark.parametrize("lib", LIBS)
+def test_set_non_tensor_keeps_even_a_tensor_as_a_python_value(lib):
+    td = lib.TensorDict({"x": torch.zeros(3), "n": {"y": torch.zeros(3)}}, [3])
+    assert td.set_non_tensor("a", torch.zeros(2)) is td
+    assert isinstance(td.get("a"), lib.NonTensorData) and td.get("a").batch_size == (3,)
+    assert torch.equal(td.get_non_tensor("a"), torch.zeros(2))
+    td.set_non_tensor(("n", "q"), 3)
+    assert td.get_non_tensor(("n", "q")) == 3 and td[0]["n", "q"] == 3
+    assert td.get_non_tensor("missing", default="dflt") == "dflt"
+    with pytest.raises(KeyError, match="missing"):
+        td.get_non_tensor("missing")
+    td.lock_()
+    with pytest.raises(RuntimeError, match="locked"):
+        td.set_non_tensor("b", 5)
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_non_tensor_items_and_filter_non_tensor_data(lib):
+    td = lib.TensorDict({"x": torch.zeros(3), "n": {"s": "t", "y": torch.zeros(3)}, "a": "b",
+                         "st": lib.NonTensorStack("p", "q", "r")}, [3])
+    assert sorted(k for k, _ in td.non_tensor_items()) == ["a", "st"]
+    items = dict(td.non_tensor_items(include_nested=True))
+    assert set(items) == {"a", "st", ("n", "s")}
+    assert isinstance(items[("n", "s")], lib.NonTensorData) and isinstance(items["st"], lib.NonTensorStack)
+    filtered = td.filter_non_tensor_data()
+    assert filtered is not td and set(filtered.keys(True, True)) == {"x", ("n", "y")}
+    assert set(filtered.keys(True)) == {"x", "n", ("n", "y")}
+    assert filtered["x"] is td["x"] and filtered["n", "y"] is td["n", "y"]  # shared, not copied
+    assert "a" in td.keys()  # self unchanged
+
+
+def test_filter_non_tensor_data_of_a_lazy_stack():
+    lazy = shared_td.lazy_stack([shared_td.TensorDict(x=torch.zeros(2), s="a", batch_size=[2]),
+                                 shared_td.TensorDict(x=torch.ones(2), s="b", batch_size=[2])])
+    assert list(lazy.filter_non_tensor_data().keys()) == ["x"]
+    assert [k for k, _ in lazy.non_tensor_items()] == ["s"]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_non_tensor_data_base(lib):
+    assert isinstance(lib.NonTensorData("a"), lib.NonTensorDataBase)
+    # as tensordict 0.15.3: a stack is not a NonTensorDataBase (is_non_tensor covers both)
+    assert not isinstance(lib.NonTensorStack("a", "b"), lib.NonTensorDataBase)
+    assert lib.is_non_tensor(lib.NonTensorStack("a", "b"))
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_non_blocking_is_accepted(lib):
+    td = lib.TensorDict({"x": torch.zeros(3)}, [3])
+    td.set("z", torch.ones(3), non_blocking=True)
+    td.set_("z", torch.full((3,), 2.0), non_blocking=True)
+    td.update({"x": torch.ones(3)}, non_blocking=True)
+    td.update_({"z": torch.full((3,), 3.0)}, non_blocking=True)
+    moved = td.to("cpu", non_blocking=True)
+    assert moved["x"].tolist() == [1.0] * 3 and moved["z"].tolist() == [3.0] * 3
+    lazy = lib.lazy_stack([td.clone(), td.clone()])
+    lazy.update({"x": torch.zeros(2, 3)}, non_blocking=True)
+    lazy.update_({"x": torch.ones(2, 3)}, non_blocking=True)
+    assert (lazy["x"] == 1).all()
+
+    @lib.tensorclass
+    class Obs:
+        x: torch.Tensor
+
+    obs = Obs(x=torch.zeros(3), batch_size=[3])
+    obs.set("x", torch.ones(3), non_blocking=True)
+    obs.update({"x": torch.full((3,), 2.0)}, non_blocking=True)
+    assert obs.x.tolist() == [2.0] * 3
+
+
+# ------------------------------------------------------------------ 14. conveniences
+@pytest.mark.parametrize("lib", LIBS)
+def test_detach(lib):
+    td = lib.TensorDict({"x": torch.zeros(3, requires_grad=True), "n": {"y": torch.ones(3, requires_grad=True)},
+                         "s": "a"}, [3], names=["b"])
+    out = td.detach()
+    assert not out["x"].requires_grad and not out["n", "y"].requires_grad
+    assert out.names == ["b"] and out["s"] == "a" and out is not td
+    out["x"][0] = 5.0  # detach shares the storage, as torch's
+    assert td["x"][0].item() == 5.0
+    assert td.lock_().detach().is_locked
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_update_at_(lib):
+    td = lib.TensorDict({"x": torch.zeros(3), "n": {"y": torch.zeros(3)}}, [3])
+    assert td.update_at_({"x": torch.tensor(5.0)}, 1) is td
+    assert td["x"].tolist() == [0.0, 5.0, 0.0]
+    td.update_at_(lib.TensorDict({"x": torch.tensor([7.0, 8.0])}, [2]), slice(0, 2))
+    assert td["x"].tolist() == [7.0, 8.0, 0.0]
+    td.update_at_({"x": torch.tensor(1.0), "n": {"y": torch.tensor(2.0)}}, 2, keys_to_update=["x"])
+    assert td["x"][2] == 1.0 and td["n", "y"][2] == 0.0
+    td.lock_().update_at_({"n": {"y": torch.tensor(4.0)}}, 0)  # in place: allowed when locked
+    assert td["n", "y"][0] == 4.0
+    with pytest.raises(KeyError, match="z"):
+        td.update_at_({"z": torch.tensor(1.0)}, 0)
+    before = td["x"].clone()
+    with pytest.raises(RuntimeError):
+        td.update_at_({"x": torch.ones(5)}, 0)
+    assert torch.equal(td["x"], before)
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_lazy_stack_classmethod(lib):
+    a = lib.TensorDict({"x": torch.zeros(3)}, [3])
+    lazy = lib.TensorDict.lazy_stack([a, a.clone()])
+    assert isinstance(lazy, lib.LazyStackedTensorDict) and lazy.batch_size == (2, 3)
+    assert lib.TensorDict.lazy_stack([a, a.clone()], dim=1).batch_size == (3, 2)
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_the_new_names_on_a_tensorclass(lib):
+    @lib.tensorclass
+    class Obs:
+        x: torch.Tensor
+        task: Any = None
+
+    obs = Obs(x=torch.zeros(3, requires_grad=True), batch_size=[3])
+    obs.set_non_tensor("task", "walk")
+    assert obs.task == "walk" and [k for k, _ in obs.non_tensor_items()] == ["task"]
+    assert obs.get_non_tensor("task") == "walk"
+    assert isinstance(obs.filter_non_tensor_data(), Obs) and obs.filter_non_tensor_data().task is None
+    detached = obs.detach()
+    assert isinstance(detached, Obs) and not detached.x.requires_grad
+    plain = Obs(x=torch.zeros(3), batch_size=[3])
+    assert plain.update_at_({"x": torch.tensor(2.0)}, 1) is plain
+    assert plain.x.tolist() == [0.0, 2.0, 0.0]
+
+
+# ------------------------------------------------------------------ 8. TensorClass, from_dataclass
+@pytest.mark.parametrize("lib", LIBS)
+def test_tensorclass_class_form(lib):
+    class Step(lib.TensorClass):
+        obs: torch.Tensor
+        task: str = "walk"
+
+        def double(self):
+            return self.obs * 2
+
+    step = Step(obs=torch.ones(3, 2), batch_size=[3])
+    assert lib.is_tensorclass(Step) and isinstance(step, lib.TensorClass)
+    assert step[1:].batch_size == (2,) and step[0].task == "walk"
+    assert step.double().sum() == 12
+    assert isinstance(torch.stack([step, step]), Step)
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_tensorclass_class_form_options(lib, tmp_path):
+    class Frozen(lib.TensorClass, frozen=True):
+        x: torch.Tensor
+
+    frozen = Frozen(x=torch.zeros(2))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        frozen.x = torch.ones(2)
+
+    class Plain(lib.TensorClass["nocast"]):
+        n: int
+        v: Any
+
+    plain = Plain(n=1, v=2.5)
+    assert type(plain.n) is int and type(plain.v) is float
+
+    class Both(lib.TensorClass["nocast", "frozen"]):
+        n: int
+
+    assert type(Both(n=1).n) is int and Both(n=1).is_locked
+
+    class Child(Plain):  # a subclass keeps the options and adds fields
+        extra: torch.Tensor = None
+
+    child = Child(n=2, v="x", extra=torch.zeros(1))
+    assert type(child.n) is int and child.extra.shape == (1,)
+    assert isinstance(child, Plain) and lib.is_tensorclass(Child)
+    child.memmap(tmp_path / "c")
+    loaded = lib.load_memmap(tmp_path / "c")
+    assert type(loaded) is Child and loaded.n == 2
+
+
+def test_tensorclass_class_form_refuses_unknown_or_unsupported_options():
+    with pytest.raises(TypeError, match="flags"):
+        shared_td.TensorClass["nocats"]
+    with pytest.raises(TypeError, match="autocast"):
+        class Cast(shared_td.TensorClass, autocast=True):
+            x: torch.Tensor
+    with pytest.raises(TypeError, match="exclusive"):
+        class Both(shared_td.TensorClass, nocast=True, tensor_only=True):
+            x: torch.Tensor
+
+
+@dataclasses.dataclass
+class Record:
+    a: int
+    b: torch.Tensor
+    c: str = "z"
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_from_dataclass_of_an_instance(lib):
+    record = Record(0, torch.zeros(3, 2))
+    tc = lib.from_dataclass(record)
+    assert type(tc).__name__ == "Record_tc" and lib.is_tensorclass(tc)
+    assert tc.c == "z" and tc.b.shape == (3, 2) and tc.batch_size == ()
+    assert lib.from_dataclass(record, batch_size=[3]).a == 0
+    assert lib.from_dataclass(record, batch_size=[3]).batch_size == (3,)
+    with pytest.raises(TypeError):
+        lib.from_dataclass(record, auto_batch_size=True, batch_size=[3])
+    with pytest.raises(TypeError):
+        lib.from_dataclass(3)
+
+    @lib.tensorclass
+    class Dest:
+        a: torch.Tensor
+        b: torch.Tensor
+        c: str
+
+    assert type(lib.from_dataclass(record, dest_cls=Dest)) is Dest
+
+
+def test_from_dataclass_auto_batch_size():
+    @dataclasses.dataclass
+    class Pair:
+        x: torch.Tensor
+        y: torch.Tensor
+
+    tc = shared_td.from_dataclass(Pair(torch.zeros(3, 2), torch.ones(3, 2, 4)), auto_batch_size=True)
+    assert tc.batch_size == (3, 2)
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_from_dataclass_of_a_type(lib):
+    cls = lib.from_dataclass(Record)
+    assert cls.__name__ == "Record_tc" and lib.is_tensorclass(cls) and not lib.is_tensorclass(Record)
+    made = cls(a=1, b=torch.zeros(2))
+    assert made.c == "z" and made.b.shape == (2,)
+    assert lib.from_dataclass(cls) is cls
+
+    @dataclasses.dataclass
+    class Local:
+        x: torch.Tensor
+        tag: str = "t"
+
+    same = lib.from_dataclass(Local, inplace=True)
+    assert same is Local and lib.is_tensorclass(Local)
+    local = Local(x=torch.zeros(2, 3), batch_size=[2])
+    assert local[0].tag == "t" and local[1:].batch_size == (1,)
+    assert "Local(" in repr(local) and "batch_size" in repr(local)
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_update_of_a_batched_tensorclass_keeps_numbers_of_scalar_fields(lib):
+    @lib.tensorclass
+    class Counter:
+        n: int
+        x: torch.Tensor
+
+    counter = Counter(n=1, x=torch.zeros(3), batch_size=[3])
+    counter.update({"n": 4, "x": torch.ones(3)})
+    assert type(counter.n) is int and counter.n == 4 and counter.x.tolist() == [1.0] * 3
+    counter.update({"n": 5}, keys_to_update=["x"])
+    assert counter.n == 4
