@@ -141,7 +141,9 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, TensorDictBase):
         elif isinstance(value, (bool, int, float, np.number)):
             # a Python complex stays a Python value, as in tensordict
             value = torch.as_tensor(value)
-        elif isinstance(value, (list, tuple)) and not is_tensor_collection(value):
+        elif isinstance(value, list):
+            value = _list_to_entry(value, self._device)
+        elif isinstance(value, tuple) and not is_tensor_collection(value):
             value = _list_to_tensor(value)
         if not isinstance(value, torch.Tensor) and not is_tensor_collection(value):
             value = NonTensorData(value, batch_size=self._batch_size, device=self._device)
@@ -572,11 +574,28 @@ def _check_non_tensor_write(current: Any, index: tuple, source: Any, key: str) -
 
 
 def _list_to_tensor(value: list | tuple) -> Any:
-    """Lists of numbers become tensors (as tensordict does); other lists stay Python."""
+    """Numbers become a tensor (as tensordict does); other values stay Python."""
     try:
         return torch.as_tensor(value)
     except (TypeError, ValueError, RuntimeError):
         return value
+
+
+def _list_to_entry(value: list, device: Any) -> Any:
+    """A list as tensordict 0.15.3 stores it: numbers (nested lists of numbers) become a
+    tensor, tensors of one shape are stacked, anything else is a NonTensorStack with
+    one value per element (equal-length inner lists are more dims), whose batch size is
+    then checked like a tensor's: ``["a", "b", "c"]`` fits a batch size of ``[3]``."""
+    from shared_td.containers.nontensor import NonTensorStack
+
+    if value and all(isinstance(v, torch.Tensor) for v in value):
+        if len({v.shape for v in value}) == 1:
+            return torch.stack(value)
+        return NonTensorStack._from_flat(value, torch.Size([len(value)]), device)
+    converted = _list_to_tensor(value)
+    if isinstance(converted, torch.Tensor):
+        return converted
+    return NonTensorStack.from_list(value, device=device)
 
 
 def _plain_contiguous(value: Any) -> Any:

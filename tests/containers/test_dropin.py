@@ -551,3 +551,55 @@ def test_update_of_a_batched_tensorclass_keeps_numbers_of_scalar_fields(lib):
     assert type(counter.n) is int and counter.n == 4 and counter.x.tolist() == [1.0] * 3
     counter.update({"n": 5}, keys_to_update=["x"])
     assert counter.n == 4
+# ------------------------------------------------------------------ 3. lists of the batch size
+@pytest.mark.parametrize("lib", LIBS)
+def test_a_list_of_the_batch_size_is_one_value_per_element(lib):
+    td = lib.TensorDict({"info": ["a", "b", "c"]}, [3])
+    assert isinstance(td.get("info"), lib.NonTensorStack)
+    assert td[1]["info"] == "b"
+    assert td[1:]["info"] == ["b", "c"]
+    td["more"] = ["x", None, 3]  # mixed values, set after construction
+    assert td[2]["more"] == 3 and td[1]["more"] is None
+    td.set("other", ["p", "q", "r"])
+    assert td[0]["other"] == "p"
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_a_nested_list_of_the_batch_shape_is_one_value_per_element(lib):
+    td = lib.TensorDict({"info": [["a", "b"], ["c", "d"]]}, [2, 2])
+    assert td.get("info").batch_size == torch.Size([2, 2])
+    assert td[1, 0]["info"] == "c"
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_a_list_of_another_length_is_a_batch_size_error_naming_the_key(lib):
+    with pytest.raises(RuntimeError, match="'info'"):
+        lib.TensorDict({"info": ["a", "b"]}, [3])
+    td = lib.TensorDict({}, [3])
+    with pytest.raises(RuntimeError, match="'info'"):
+        td["info"] = ["a", "b"]
+    assert "info" not in td.keys()
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_lists_of_numbers_stay_tensors(lib):
+    td = lib.TensorDict({"n": [1, 2, 3], "f": [[0.5], [1.5], [2.5]]}, [3])
+    assert isinstance(td.get("n"), torch.Tensor) and td.get("f").shape == (3, 1)
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_a_list_in_a_0_dim_tensordict_is_a_stack_of_its_length(lib):
+    td = lib.TensorDict({"info": ["a", "b"]}, [])
+    assert isinstance(td.get("info"), lib.NonTensorStack)
+    assert td.get("info").batch_size == torch.Size([2])
+    assert list(td["info"]) == ["a", "b"]
+
+
+def test_a_list_written_into_a_stack_entry_writes_each_element():
+    td = shared_td.TensorDict({"info": ["a", "b", "c"]}, [3])
+    stack = td.get("info")
+    td.set_("info", ["x", "y", "z"])
+    assert td.get("info") is stack and stack.tolist() == ["x", "y", "z"]
+    with pytest.raises(ValueError, match="'info'"):
+        td.update_({"info": ["only", "two"]})
+    assert stack.tolist() == ["x", "y", "z"]

@@ -24,8 +24,10 @@ def test_set_and_get_plain_value():
     assert td[1:].get("task").batch_size == torch.Size([2])
 
 
-# (a dict is not among them: it becomes a nested TensorDict)
-@pytest.mark.parametrize("value", ["text", None, {1, 2}, object, ["a", 1], range(3)])
+# (a dict is not among them: it becomes a nested TensorDict; nor is a list as long as
+# the batch, which becomes a NonTensorStack of one value per element, as in tensordict:
+# test_dropin.py; a tuple stays one value)
+@pytest.mark.parametrize("value", ["text", None, {1, 2}, object, ("a", 1), range(3)])
 def test_any_python_value(value):
     td = TensorDict(batch_size=[2])
     td["v"] = value
