@@ -57,15 +57,15 @@ class MemmapMethods:
         Raises:
             RuntimeError: a leaf has a file elsewhere and copy_existing=False; a file
                 exists and existsok=False; the tensordict is in shared memory. With
-                atomic=True also: prefix is a non-empty directory and existsok=False, or
-                is not a saved tensordict (the error says why and what it holds).
+                atomic=True also (an AtomicWriteError): prefix is a non-empty directory
+                and existsok=False, or is not a saved tensordict (the error says why and
+                what it holds).
             NotADirectoryError: atomic=True and prefix is a file.
             FileNotFoundError: atomic=True and prefix is a symlink to nothing.
             PermissionError: atomic=True and prefix's group is one this process may
                 not give to the new version.
             ValueError: atomic=True and there is no directory to write to.
-            NotImplementedError: return_early=True with atomic=True, or atomic=True on
-                Windows.
+            NotImplementedError: return_early=True with atomic=True.
             TimeoutError: atomic=True and another writer held the prefix's lock longer
                 than SHARED_TD_LOCK_TIMEOUT seconds (default 600).
 
