@@ -17,6 +17,7 @@ from shared_td.containers import batch as batch_ops
 from shared_td.containers.keysview import KeysView
 from shared_td.containers.locking import LockingOps
 from shared_td.containers.splitting import BatchSplitOps
+from shared_td.tensorclass_protocol import unwrap_tensorclass
 from shared_td.errors import BatchSizeMismatchError
 from shared_td.keys import NestedKey, is_nested_key, key_repr, unravel_key
 from shared_td.persist.methods import MemmapMethods
@@ -169,8 +170,7 @@ class TensorDictBase(LockingOps, BatchSplitOps, MemmapMethods):
         for i, part in enumerate(path):
             if i and not is_tensor_collection(node):
                 return default
-            if i and not isinstance(node, TensorDictBase):  # a tensorclass
-                node = node._tensordict
+            node = unwrap_tensorclass(node)
             node = node._get_str(part, default) if isinstance(node, TensorDictBase) else default
             if node is default:
                 return default
@@ -264,7 +264,7 @@ class TensorDictBase(LockingOps, BatchSplitOps, MemmapMethods):
                     f"Cannot write nested key {key_repr(path)}: {key_repr(path[: i + 1])} "
                     f"holds a {type(child).__name__}, not a tensordict."
                 )
-            node = child if isinstance(child, TensorDictBase) else child._tensordict
+            node = unwrap_tensorclass(child)
         return node, len(path) - 1
 
     def _parent_for_write(self, path: tuple[str, ...], *, create: bool) -> "TensorDictBase":

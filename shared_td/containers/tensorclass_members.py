@@ -14,13 +14,8 @@ import torch
 from shared_td.containers.base import NO_DEFAULT, TensorDictBase, is_non_tensor, is_tensor_collection
 from shared_td.containers.nontensor import NonTensorData
 from shared_td.containers.tensordict import TensorDict
+from shared_td.tensorclass_protocol import is_tensorclass, unwrap_tensorclass
 from shared_td.keys import is_nested_key, unravel_key
-
-
-def is_tensorclass(obj: Any) -> bool:
-    """True for a tensorclass (the class or an instance)."""
-    cls = obj if isinstance(obj, type) else type(obj)
-    return bool(getattr(cls, "_is_tensorclass", False))
 
 
 def _store(obj: Any, name: str, value: Any) -> None:
@@ -43,10 +38,6 @@ def _no_field_message(cls: type, name: str) -> str:
 
 
 # ------------------------------------------------------------------------ wrapping
-def _unwrap(value: Any) -> Any:
-    return value._tensordict if is_tensorclass(value) else value
-
-
 def _wrap(obj: Any, result: Any) -> Any:
     """The instance for its own tensordict; the class around tensordicts of its fields."""
     if result is obj._tensordict:
@@ -62,7 +53,7 @@ def _wrap(obj: Any, result: Any) -> Any:
 
 def _forward(name: str, wrap: bool) -> Any:
     def method(self, *args, **kwargs):
-        result = getattr(self._tensordict, name)(*map(_unwrap, args), **kwargs)
+        result = getattr(self._tensordict, name)(*map(unwrap_tensorclass, args), **kwargs)
         return _wrap(self, result) if wrap else result
 
     method.__name__ = method.__qualname__ = name
@@ -210,7 +201,7 @@ class _TensorClassMembers:
             ValueError: (before anything is written) if ``other`` has keys that are not
                 fields.
         """
-        other = _unwrap(other)
+        other = unwrap_tensorclass(other)
         keys = list(other.keys())
         extra = sorted({unravel_key(k)[0] for k in keys} - type(self)._tc_field_names)
         if extra:
@@ -240,7 +231,7 @@ class _TensorClassMembers:
                 f"Invalid indexing arguments: {index!r}. A tensorclass is indexed along its "
                 f"batch dimensions; to write a field, use the attribute or set({index!r}, value)."
             )
-        self._tensordict[index] = _unwrap(value)
+        self._tensordict[index] = unwrap_tensorclass(value)
 
     def __iter__(self):
         return (_wrap(self, item) for item in iter(self._tensordict))  # raises at once if 0-dim

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from shared_td.keys import NestedKey, encode_key, unravel_key
+from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 
 class MemmapMethods:
@@ -171,8 +172,7 @@ class MemmapMethods:
 
         loaded = api.load_memmap(prefix, robust_key=robust_key, allow_pickle=allow_pickle)
         was_memmap = self.is_memmap()
-        target = self if hasattr(self, "_keys_str") else self._tensordict
-        source = loaded if hasattr(loaded, "_keys_str") else loaded._tensordict
+        target, source = unwrap_tensorclass(self), unwrap_tensorclass(loaded)
         with _unlocked(self):
             _rebind(target, source)
         if was_memmap:
@@ -265,14 +265,14 @@ class MemmapMethods:
             )
         # Walk the existing part of the path and check the shape before creating any
         # sub-tensordict or file, so that a bad key or shape leaves nothing behind.
-        node, depth = _inner(self), 0
+        node, depth = unwrap_tensorclass(self), 0
         while depth < len(path) - 1 and (child := node._get_str(path[depth], None)) is not None:
             if isinstance(child, torch.Tensor) or getattr(child, "_is_non_tensor", False):
                 raise KeyError(
                     f"Cannot make memmap key {path}: {path[depth]!r} holds a "
                     f"{type(child).__name__}, not a tensordict."
                 )
-            node, depth = _inner(child), depth + 1
+            node, depth = unwrap_tensorclass(child), depth + 1
         batch = node.batch_size  # new sub-tensordicts get their parent's batch size
         expected = None if shape is None else checked_shape([shape] if isinstance(shape, int) else shape)
         if expected is not None and expected[: len(batch)] != batch:
@@ -287,7 +287,7 @@ class MemmapMethods:
             node._tensordict[part] = child
             if directory is not None:  # an anonymous tensordict has no meta.json
                 writer.rewrite_tensordict_meta(node)
-            node = _inner(child)
+            node = unwrap_tensorclass(child)
         directory = node._memmap_prefix
         filename = None if directory is None else os.path.join(directory, encode_key(path[-1]) + ".memmap")
         tensor = make(filename)
@@ -302,10 +302,6 @@ class MemmapMethods:
         return tensor
 
 
-def _inner(obj: Any) -> Any:
-    return obj if hasattr(obj, "_keys_str") else obj._tensordict
-
-
 class _unlocked:
     """Unlock for the duration of a block, re-locking if it was locked."""
 
@@ -315,7 +311,7 @@ class _unlocked:
 
     def __enter__(self) -> None:
         if self.was_locked:
-            _inner(self.obj)._unlock_tree()
+            unwrap_tensorclass(self.obj)._unlock_tree()
 
     def __exit__(self, *exc: Any) -> None:
         if self.was_locked:
