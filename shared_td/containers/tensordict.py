@@ -253,7 +253,10 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, TensorDictBase):
         writes the results into self instead.
 
         Examples:
-            >>> td.apply(lambda x: x * 2)
+            >>> td = TensorDict(a=torch.ones(2), b={"c": torch.arange(2)}, batch_size=[2])
+            >>> doubled = td.apply(lambda x: x * 2)
+            >>> doubled["a"].tolist(), doubled["b", "c"].tolist()
+            ([2.0, 2.0], [0, 2])
         """
         return self.named_apply(
             lambda key, *values: fn(*values), *others, batch_size=batch_size,

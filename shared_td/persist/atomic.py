@@ -396,10 +396,11 @@ def gc(prefix: str, timeout: float | None = None, *, dry_run: bool = False,
     atomic write works beside the target; older versions worked beside the link).
 
     Examples:
-        >>> shared_td.gc("/data/buffer")
+        >>> _ = shared_td.TensorDict(a=torch.ones(2)).memmap_("data/buffer", atomic=True)
+        >>> shared_td.gc("data/buffer")  # no writer was killed: nothing to remove
         []
-        >>> shared_td.gc("/data/buffer", remove_lock=True, dry_run=True)
-        ['/data/.buffer.lock']
+        >>> [os.path.basename(p) for p in shared_td.gc("data/buffer", remove_lock=True, dry_run=True)]
+        ['.buffer.lock']
     """
     prefix = os.path.abspath(os.fspath(prefix))
     found = []

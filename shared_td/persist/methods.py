@@ -98,7 +98,8 @@ class MemmapMethods:
         """Like ``memmap_``, but writes a new memory-mapped copy; self is unchanged.
 
         Examples:
-            >>> copy = td.memmap(path)
+            >>> td = TensorDict(obs=torch.zeros(3, 4), batch_size=[3])
+            >>> copy = td.memmap("data/copy")
             >>> copy.is_memmap(), td.is_memmap()
             (True, False)
         """
@@ -120,7 +121,8 @@ class MemmapMethods:
         Without a prefix it goes to anonymous shared memory, never into self's files.
 
         Examples:
-            >>> like = td.memmap_like(path)
+            >>> td = TensorDict(obs=torch.ones(3, 4), batch_size=[3])
+            >>> like = td.memmap_like("data/like")
             >>> bool((like["obs"] == 0).all())
             True
         """
@@ -150,8 +152,8 @@ class MemmapMethods:
         unknown dtypes are errors naming the file.
 
         Examples:
-            >>> td.memmap(path)
-            >>> TensorDict.load_memmap(path)["obs"].shape
+            >>> _ = TensorDict(obs=torch.zeros(3, 4), batch_size=[3]).memmap("data/saved")
+            >>> TensorDict.load_memmap("data/saved")["obs"].shape
             torch.Size([3, 4])
         """
         from shared_td.persist import api
