@@ -17,10 +17,10 @@ from shared_td.containers import batch as batch_ops
 from shared_td.containers.keysview import KeysView
 from shared_td.containers.locking import LockingOps
 from shared_td.containers.splitting import BatchSplitOps
-from shared_td.tensorclass_protocol import unwrap_tensorclass
 from shared_td.errors import BatchSizeMismatchError
 from shared_td.keys import NestedKey, is_nested_key, key_repr, unravel_key
 from shared_td.persist.methods import MemmapMethods
+from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 NO_DEFAULT = object()
 
@@ -397,7 +397,11 @@ class TensorDictBase(LockingOps, BatchSplitOps, MemmapMethods):
         return plan
 
     def copy_(self, other: Any, non_blocking: bool = False) -> "TensorDictBase":
-        """Copy ``other`` into self, in place (same as ``update_``)."""
+        """Copy ``other`` into self, in place (same as ``update_``).
+
+        ``non_blocking`` is accepted for compatibility with tensordict, and ignored (every
+        copy here is synchronous).
+        """
         return self.update_(other)
 
     def rename_key_(self, old_key: NestedKey, new_key: NestedKey, safe: bool = False):

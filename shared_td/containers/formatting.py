@@ -13,6 +13,7 @@ import torch
 
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 
+
 _WIDTH = 80
 _INDENT = "    "
 

@@ -10,8 +10,8 @@ import torch
 
 from shared_td.containers import batch as batch_ops
 from shared_td.containers.base import TensorDictBase, is_leaf_nontensor, is_non_tensor, is_tensor_collection
-from shared_td.tensorclass_protocol import unwrap_tensorclass
 from shared_td.errors import BatchSizeMismatchError
+from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 
 def _check_members(items: Sequence[Any], what: str) -> list:

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from shared_td.tensorclass_protocol import unwrap_tensorclass
 from shared_td.keys import is_nested_key, unravel_key
+from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 
 class KeysView:

@@ -20,9 +20,9 @@ from shared_td.containers import batch as batch_ops
 from shared_td.containers.base import NO_DEFAULT, TensorDictBase, is_non_tensor, is_tensor_collection
 from shared_td.containers.lazy_shape import LazyShapeOps, _into
 from shared_td.containers.lazy_writes import LazyWriteOps, _is_branch, _peek
-from shared_td.tensorclass_protocol import unwrap_tensorclass
 from shared_td.errors import BatchSizeMismatchError
 from shared_td.keys import NestedKey, is_nested_key, key_repr, unravel_key
+from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 
 class _Ragged:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import weakref
 
 from shared_td.errors import LockedTensorDictError
-from shared_td.tensorclass_protocol import unwrap_tensorclass
 from shared_td.keys import key_repr
+from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 
 class LockingOps:

@@ -12,6 +12,7 @@ from typing import Any, Sequence
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 
+
 def check_names(names: Sequence[Any], batch_size) -> list:
     """``names`` as a list, checked against ``batch_size`` (TypeError/ValueError)."""
     names = list(names)

@@ -14,8 +14,8 @@ import torch
 from shared_td.containers.base import NO_DEFAULT, TensorDictBase, is_non_tensor, is_tensor_collection
 from shared_td.containers.nontensor import NonTensorData
 from shared_td.containers.tensordict import TensorDict
-from shared_td.tensorclass_protocol import is_tensorclass, unwrap_tensorclass
 from shared_td.keys import is_nested_key, unravel_key
+from shared_td.tensorclass_protocol import is_tensorclass, unwrap_tensorclass
 
 
 def _store(obj: Any, name: str, value: Any) -> None:
@@ -111,7 +111,9 @@ class _TensorClassMembers:
     @classmethod
     def from_tensordict(cls, tensordict: TensorDictBase, non_tensordict: dict | None = None, safe: bool = True) -> Any:
         """An instance whose fields are the entries of ``tensordict`` (shared, not copied);
-        fields it lacks are None. ``non_tensordict`` sets more fields.
+        fields it lacks are None. ``non_tensordict`` sets more fields. ``safe`` is
+        accepted for compatibility with tensordict, and ignored: keys that are not fields
+        are always refused.
 
         Raises:
             ValueError: if ``tensordict`` has keys that are not fields of the class.
@@ -239,7 +241,8 @@ class _TensorClassMembers:
     # ------------------------------------------------------------ conversions
     def to_tensordict(self, *, retain_none: bool | None = None) -> TensorDict:
         """A TensorDict copy of the entries (nested tensorclasses become TensorDicts,
-        non-tensors stay NonTensorData); fields that hold nothing are left out."""
+        non-tensors stay NonTensorData); fields that hold nothing are left out.
+        ``retain_none`` is accepted for compatibility with tensordict, and ignored."""
         return _plain_copy(self._tensordict)
 
     def to_dict(self, *, retain_none: bool = True) -> dict:

@@ -18,9 +18,9 @@ from shared_td.containers.keyops import KeyOps
 from shared_td.containers.naming import NamedBatchDims
 from shared_td.containers.reshaping import BatchShapeOps
 from shared_td.containers.row_writes import write_rows
-from shared_td.tensorclass_protocol import unwrap_tensorclass
 from shared_td.errors import BatchSizeMismatchError
 from shared_td.keys import NestedKey, key_repr, unravel_key
+from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 
 class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, TensorDictBase):
@@ -34,6 +34,9 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, TensorDictBase):
         batch_size: the leading shape shared by all entries (default: ``[]``).
         device: if given, every tensor is moved there.
         names: optional names of the batch dims.
+        non_blocking: accepted for compatibility with tensordict, and ignored (every
+            copy here is synchronous).
+        lock: if True, the new tensordict is locked (``lock_()``).
         **kwargs: more entries, as in ``dict(**kwargs)``.
 
     Examples:

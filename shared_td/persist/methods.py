@@ -149,7 +149,8 @@ class MemmapMethods:
 
         Leaves map the files (no copy); the result is unlocked. Pickled non-tensor data
         is refused unless ``allow_pickle=True``. Missing or short files, symlinks and
-        unknown dtypes are errors naming the file.
+        unknown dtypes are errors naming the file. ``non_blocking`` is accepted for
+        compatibility with tensordict, and ignored.
 
         Examples:
             >>> _ = TensorDict(obs=torch.zeros(3, 4), batch_size=[3]).memmap("data/saved")
@@ -212,6 +213,8 @@ class MemmapMethods:
         """Add an empty (zero) memory-mapped leaf ``key`` to a memory-mapped tensordict.
 
         Nested keys create the missing sub-tensordicts. Returns the new tensor.
+        ``robust_key`` is accepted for compatibility with tensordict, and ignored: the
+        file is named with the key encoded as ``memmap_`` encodes it.
         """
         from shared_td.memmap_tensor import MemoryMappedTensor
 
@@ -225,7 +228,8 @@ class MemmapMethods:
                                 copy_data: bool = True, existsok: bool = True,
                                 robust_key: bool | None = True) -> torch.Tensor:
         """Add a memory-mapped copy of ``tensor`` as leaf ``key`` (``copy_data=False``:
-        same shape and dtype, zeros)."""
+        same shape and dtype, zeros). ``robust_key`` is accepted and ignored, as in
+        :meth:`make_memmap`."""
         from shared_td.memmap_tensor import MemoryMappedTensor
 
         source = tensor if copy_data else torch.zeros_like(tensor, device="cpu")
@@ -239,7 +243,8 @@ class MemmapMethods:
     def make_memmap_from_storage(self, key: NestedKey, storage: Any, shape: Any, *,
                                  dtype: torch.dtype | None = None,
                                  robust_key: bool | None = True) -> torch.Tensor:
-        """Add leaf ``key`` viewing ``storage`` (its file must be the leaf's file)."""
+        """Add leaf ``key`` viewing ``storage`` (its file must be the leaf's file).
+        ``robust_key`` is accepted and ignored, as in :meth:`make_memmap`."""
         from shared_td.memmap_tensor import MemoryMappedTensor
 
         return self._add_memmap_leaf(
