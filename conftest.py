@@ -36,15 +36,15 @@ def pytest_collect_file(file_path, parent):
 
 
 @pytest.fixture(autouse=True)
-def _docstring_examples(request, tmp_path, monkeypatch):
+def _docstring_examples(request):
     if not isinstance(request.node, DoctestItem):
-        yield
+        yield  # a test of tests/: nothing to set up (not even a temporary directory)
         return
     import torch
 
     import shared_td
 
-    monkeypatch.chdir(tmp_path)
+    request.getfixturevalue("monkeypatch").chdir(request.getfixturevalue("tmp_path"))
     buffer = shared_td.TensorDict(
         obs=torch.zeros(4, 3),
         next=shared_td.TensorDict(obs=torch.ones(4, 3), reward=torch.zeros(4, 1), batch_size=[4]),
