@@ -1,7 +1,7 @@
 """Bounded waits on child processes, for the multi-process tests.
 
-A helper module, not a test (pytest collects only test_*.py); imported by name through
-the sys.path that tests/conftest.py sets up.
+A helper module, not a test (pytest collects only test_*.py); imported as
+``tests.processes`` (see tests/conftest.py).
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from processes import WAIT, wait_until
+from tests.processes import WAIT, wait_until
 from shared_td import platform
 from shared_td.persist import atomic
 

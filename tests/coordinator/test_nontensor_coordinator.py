@@ -20,10 +20,10 @@ import time
 import pytest
 import torch
 
-import nt_children as kids
-from leakcheck import ShmWatch, foreign_churn, private_tempdir
-from processes import WAIT, alive, finish, wait_until
-from test_coordinator import assert_nothing_left, open_descriptors
+from tests.coordinator import nt_children as kids
+from tests.leakcheck import ShmWatch, foreign_churn, private_tempdir
+from tests.processes import WAIT, alive, finish, wait_until
+from tests.coordinator.test_coordinator import assert_nothing_left, open_descriptors
 
 import shared_td
 from shared_td.coordinator import ownership, server

@@ -17,8 +17,8 @@ import filelock
 import pytest
 import torch
 
-import atomic_children as kids
-from persist_helpers import (
+from tests.persist import atomic_children as kids
+from tests.persist.persist_helpers import (
     MemoryMappedTensor, NonTensorData, NonTensorStack, TensorDict, assert_all_memmap,
     bits, dir_state, make_td, tree_state, values_state,
 )

@@ -14,8 +14,8 @@ import time
 import pytest
 import torch
 
-from persist_helpers import TensorDict, dir_state
-from processes import finish
+from tests.persist.persist_helpers import TensorDict, dir_state
+from tests.processes import finish
 
 from shared_td.platform import rename_exchange
 
