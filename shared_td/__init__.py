@@ -2,7 +2,12 @@
 
 The public names mirror tensordict 0.15.3, so code written for tensordict runs after
 changing its import.
+
+Linux only: importing shared_td on any other system, or on a Linux without what it needs
+(memfd_create, /proc, open-file-description locks), raises one ImportError that names
+what is missing (see :mod:`shared_td.platform`).
 """
+import shared_td.platform  # noqa: F401  (first: the one check of the platform)
 from shared_td.containers.base import (
     TensorDictBase,
     default_is_leaf,
@@ -17,7 +22,18 @@ from shared_td.containers.tensordict import TensorDict
 from shared_td.coordinator import Coordinator, attach, is_stale, refresh
 from shared_td.keys import NestedKey
 from shared_td.keys import canonical_key as unravel_key
-from shared_td.errors import BatchSizeMismatchError, FormatError, KeyTypeError, LockedTensorDictError, ReadOnlyError
+from shared_td.errors import (
+    AtomicWriteError,
+    BatchSizeMismatchError,
+    CoordinatorTimeoutError,
+    FileTooShortError,
+    FormatError,
+    KeyTypeError,
+    LockedTensorDictError,
+    ReadOnlyError,
+    SegmentUnavailableError,
+    StorageFullError,
+)
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.persist.atomic import gc
 from shared_td.persist.functions import load, load_memmap, memmap, save
@@ -30,8 +46,11 @@ __version__ = "0.1.0"
 lazy_stack = LazyStackedTensorDict.lazy_stack
 
 __all__ = [
+    "AtomicWriteError",
     "BatchSizeMismatchError",
     "Coordinator",
+    "CoordinatorTimeoutError",
+    "FileTooShortError",
     "FormatError",
     "KeyTypeError",
     "LazyStackedTensorDict",
@@ -42,7 +61,9 @@ __all__ = [
     "NonTensorData",
     "NonTensorDataBase",
     "NonTensorStack",
+    "SegmentUnavailableError",
     "SharedCounter",
+    "StorageFullError",
     "TensorClass",
     "TensorDict",
     "TensorDictBase",

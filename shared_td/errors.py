@@ -1,8 +1,12 @@
-"""Exceptions of shared_td.
+"""Exceptions of shared_td: every exception class the library raises is defined here
+(torch-free, importing nothing) and exported from ``shared_td``.
 
 They subclass the built-in exceptions that tensordict raises in the same situations, so
 code written for tensordict (``except RuntimeError``, ``except KeyError``) keeps working,
 while the type says more precisely what went wrong.
+
+(The ``shared-td`` command's own exit signals, ``UsageError`` and ``CommandError`` in
+:mod:`shared_td.cli.common`, never leave its ``main`` and are not library errors.)
 """
 
 
@@ -58,6 +62,33 @@ class FormatError(ValueError, RuntimeError):
 
     def __reduce__(self):
         return _rebuild_format_error, (self.path, self.reason, self.field)
+
+
+class FileTooShortError(ValueError, RuntimeError):
+    """A file holds fewer bytes than the tensor mapped over it needs.
+
+    A ``ValueError`` that is also a ``RuntimeError`` so handlers of either catch it.
+    """
+
+
+class StorageFullError(OSError):
+    """Space for new tensor bytes could not be reserved (disk, tmpfs or memory is full)."""
+
+
+class SegmentUnavailableError(RuntimeError):
+    """A pickled segment can no longer be attached: its sender exited or released it."""
+
+
+class AtomicWriteError(RuntimeError):
+    """An atomic rewrite (``atomic=True``) refused to start because of what the prefix
+    holds: a non-empty directory with ``existsok=False``, or a directory that is not a
+    saved tensordict. Nothing was written or touched. A ``RuntimeError``, as before."""
+
+
+class CoordinatorTimeoutError(ConnectionError, TimeoutError):
+    """A coordinator did not answer within the caller's timeout: its manager process is
+    stopped (SIGSTOP, a debugger) or stalled. Both a ConnectionError (the call failed to
+    reach the coordinator) and a TimeoutError (it may answer again later)."""
 
 
 def _rebuild_format_error(path: str, reason: str, field: str | None) -> FormatError:

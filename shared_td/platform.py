@@ -1,5 +1,26 @@
 """Platform primitives: the operating-system facilities that shared_td's shared memory
-stands on, in one place (torch-free; imports nothing of shared_td).
+stands on, in one place (torch-free; imports nothing of shared_td, so that the
+coordinator's manager process can load this file alone, see
+:mod:`shared_td.coordinator.server`).
+
+What shared_td needs, checked once when this module is imported (``import shared_td``
+imports it first), with one ImportError naming what is missing:
+
+* Linux, with
+* ``memfd_create`` (kernel 3.17): anonymous shared memory that is never named in
+  ``/dev/shm``, so a SIGKILL leaks nothing (:func:`new_memfd`);
+* ``/proc/<pid>/fd``: a process opens its own descriptor on a peer's memfd
+  (:func:`reopen_peer_fd`), on its own descriptor (:func:`reopen_description`), and
+  maps a file through the descriptor it checked;
+* open-file-description locks (``F_OFD_SETLKW``, kernel 3.15): :class:`ByteLock`.
+
+``renameat2(RENAME_EXCHANGE)`` (kernel 3.15, glibc 2.28) swaps a directory into place
+without the path ever going missing (:func:`rename_exchange`); where the C library lacks
+it or the filesystem refuses it, atomic writes fall back to two renames.
+
+Other primitives: liveness of a process by pid (:func:`pid_alive`: a zombie is dead),
+raw ``mmap`` of a descriptor's bytes that keeps no descriptor (:func:`map_shared_bytes`)
+and a non-blocking ``flock`` probe (:func:`try_flock`).
 
 Locks between processes *and* threads -- :class:`ByteLock`:
 
@@ -22,10 +43,8 @@ Locks between processes *and* threads -- :class:`ByteLock`:
   cache's at-fork hook, before any code of the child runs): the child then has its own
   description under the same descriptor number, and :meth:`ByteLock.renew_after_fork`
   gives it fresh thread locks (a thread of the parent may have held one at the fork).
-  Should the reopen fail (no ``/proc``), every later acquire raises a RuntimeError that
-  says so instead of silently sharing the parent's locks.
-* Without ``F_OFD_SETLKW`` (not Linux) the process-owned ``lockf`` lock is used: correct
-  between processes, but the false ``EDEADLK`` above remains possible there.
+  Should the reopen fail (out of descriptors, say), every later acquire raises a
+  RuntimeError that says so instead of silently sharing the parent's locks.
 
 One aligned 8-byte word: shared memory structures publish with a single aligned 8-byte
 store through a mapping (a ``ctypes`` 64-bit integer at an 8-byte-aligned address, which
@@ -35,16 +54,49 @@ killed at any instant has stored all of it or none.
 """
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import os
-import struct
-import threading
-from typing import Iterator
+import sys
 
-__all__ = ["ByteLock", "reopen_description"]
 
-_OFD = hasattr(fcntl, "F_OFD_SETLKW")
+def _missing() -> list[str]:
+    """What this system lacks of what shared_td needs (see the module doc)."""
+    if not sys.platform.startswith("linux"):
+        return [f"Linux (this is {sys.platform!r})"]
+    missing = []
+    if not hasattr(os, "memfd_create"):
+        missing.append("os.memfd_create (Linux 3.17 and a C library that has it)")
+    if not os.path.isdir("/proc/self/fd"):
+        missing.append("/proc (mounted procfs)")
+    import fcntl
+
+    if not hasattr(fcntl, "F_OFD_SETLKW"):
+        missing.append("open-file-description locks (fcntl.F_OFD_SETLKW, Linux 3.15)")
+    return missing
+
+
+_MISSING = _missing()
+if _MISSING:
+    raise ImportError(
+        "shared_td runs on Linux only: it needs memfd_create (Linux 3.17), /proc/<pid>/fd "
+        "and open-file-description locks (F_OFD_SETLKW, Linux 3.15); this system lacks "
+        f"{', '.join(_MISSING)}."
+    )
+
+import contextlib  # noqa: E402  (after the check: fcntl does not exist everywhere)
+import ctypes  # noqa: E402
+import ctypes.util  # noqa: E402
+import errno  # noqa: E402
+import fcntl  # noqa: E402
+import mmap  # noqa: E402
+import struct  # noqa: E402
+import threading  # noqa: E402
+from typing import Iterator  # noqa: E402
+
+__all__ = [
+    "ByteLock", "map_shared_bytes", "new_memfd", "pid_alive", "rename_exchange",
+    "reopen_description", "reopen_peer_fd", "try_flock", "unmap_bytes",
+]
+
 # struct flock on Linux: l_type, l_whence (short); l_start, l_len (off_t); l_pid (0 for
 # OFD locks), padded to 32 bytes
 _FLOCK = struct.Struct("@hhqqi4x")
@@ -86,20 +138,14 @@ class ByteLock:
             raise RuntimeError(self._broken)
         self._thread_lock.acquire()
         try:
-            if _OFD:
-                fcntl.fcntl(self.fd, fcntl.F_OFD_SETLKW, self._exclusive if exclusive else self._shared)
-            else:
-                fcntl.lockf(self.fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, 1, self.byte)
+            fcntl.fcntl(self.fd, fcntl.F_OFD_SETLKW, self._exclusive if exclusive else self._shared)
         except BaseException:
             self._thread_lock.release()
             raise
 
     def release(self) -> None:
         try:
-            if _OFD:
-                fcntl.fcntl(self.fd, fcntl.F_OFD_SETLK, self._unlock)
-            else:
-                fcntl.lockf(self.fd, fcntl.LOCK_UN, 1, self.byte)
+            fcntl.fcntl(self.fd, fcntl.F_OFD_SETLK, self._unlock)
         finally:
             self._thread_lock.release()
 
@@ -141,3 +187,180 @@ def reopen_description(fd: int) -> None:
         os.dup2(new_fd, fd, inheritable=False)
     finally:
         os.close(new_fd)
+
+
+def try_flock(fd: int) -> bool:
+    """Take the exclusive ``flock`` of ``fd`` without waiting; False if another open
+    file description holds it. Closing ``fd`` (its last descriptor) drops it.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.NamedTemporaryFile() as f:
+        ...     other = os.open(f.name, os.O_RDONLY)
+        ...     try_flock(f.fileno()), try_flock(other)
+        ...     os.close(other)
+        (True, False)
+    """
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+# --------------------------------------------------------------------- memfds
+
+
+def new_memfd(name: str, nbytes: int) -> int:
+    """A new memfd (close-on-exec; ``name`` shows in ``/proc/<pid>/fd``, never in
+    ``/dev/shm``) of ``nbytes`` bytes, all reserved with ``posix_fallocate``: touching
+    them never raises SIGBUS. A full memory is the OSError of ``posix_fallocate``
+    (``ENOSPC``, ``ENOMEM``), raised with the new descriptor closed. The caller owns it.
+
+    Example:
+        >>> fd = new_memfd("example", 64)
+        >>> os.fstat(fd).st_size
+        64
+        >>> os.close(fd)
+    """
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        if nbytes:
+            os.posix_fallocate(fd, 0, nbytes)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def reopen_peer_fd(pid: int, fd: int, key: tuple[int, int]) -> int:
+    """Our own read-write descriptor (close-on-exec) on the file that process ``pid``
+    holds as descriptor ``fd``, opened through ``/proc/<pid>/fd/<fd>`` (allowed between
+    processes of one user) and checked to be the file ``key`` = ``(st_dev, st_ino)``.
+    The caller owns it.
+
+    Raises the OSError of the open when the process or its descriptor is gone
+    (``ENOENT``) or is not ours to open (``EACCES``), and an OSError ``ESTALE`` when the
+    descriptor number now names another file.
+
+    Example:
+        >>> fd = new_memfd("example", 8)
+        >>> st = os.fstat(fd)
+        >>> mine = reopen_peer_fd(os.getpid(), fd, (st.st_dev, st.st_ino))
+        >>> os.path.samestat(os.fstat(mine), st), mine != fd
+        (True, True)
+        >>> os.close(mine); os.close(fd)
+    """
+    new_fd = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        st = os.fstat(new_fd)
+        if (st.st_dev, st.st_ino) != tuple(key):
+            raise OSError(errno.ESTALE, f"descriptor {fd} now names another file (process {pid})")
+    except BaseException:
+        os.close(new_fd)
+        raise
+    return new_fd
+
+
+# mmap through libc: Python's mmap.mmap keeps a second descriptor per mapping.
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+_LIBC.mmap.restype = ctypes.c_void_p
+_LIBC.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+_LIBC.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def map_shared_bytes(fd: int, nbytes: int) -> int:
+    """Map the first ``nbytes`` of ``fd`` (shared, read-write); returns the address.
+    The caller unmaps it with ``unmap_bytes(address, nbytes)``; no descriptor is kept.
+
+    Example:
+        >>> fd = new_memfd("example", 8)
+        >>> address = map_shared_bytes(fd, 8)
+        >>> ctypes.c_uint64.from_address(address).value = 7
+        >>> os.pread(fd, 1, 0)
+        b'\\x07'
+        >>> unmap_bytes(address, 8); os.close(fd)
+    """
+    address = _LIBC.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    if address in (None, _MAP_FAILED):
+        code = ctypes.get_errno()
+        raise OSError(code, f"cannot map {nbytes} bytes of descriptor {fd}: {os.strerror(code)}")
+    return address
+
+
+def unmap_bytes(address: int, nbytes: int) -> None:
+    """Undo :func:`map_shared_bytes`."""
+    _LIBC.munmap(address, nbytes)
+
+
+# --------------------------------------------------------------------- paths
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+_renameat2 = getattr(_LIBC, "renameat2", None)  # glibc 2.28
+if _renameat2 is not None:
+    _renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    _renameat2.restype = ctypes.c_int
+
+
+def rename_exchange(first: str, second: str) -> bool:
+    """Swap the two existing paths ``first`` and ``second`` in one step
+    (``renameat2(RENAME_EXCHANGE)``): neither path is ever missing. False, with nothing
+    changed, where the C library or the filesystem cannot (the caller falls back to
+    renames); any other failure is an OSError naming both paths.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     a, b = os.path.join(d, "a"), os.path.join(d, "b")
+        ...     os.mkdir(a); open(b, "w").close()
+        ...     rename_exchange(a, b), os.path.isdir(b), os.path.isfile(a)
+        (True, True, True)
+    """
+    if _renameat2 is None:
+        return False
+    result = _renameat2(_AT_FDCWD, os.fsencode(first), _AT_FDCWD, os.fsencode(second), _RENAME_EXCHANGE)
+    if result == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EXDEV, errno.ENOTSUP):
+        return False
+    raise OSError(code, f"renameat2(RENAME_EXCHANGE) of {first} and {second}: {os.strerror(code)}")
+
+
+# --------------------------------------------------------------------- processes
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and can still act.
+
+    A zombie (a process that exited and that its parent has not reaped yet, or never
+    will, as under an init that does not reap) is dead: it will never run again, so
+    whatever it held -- a lock, a half-written directory -- is abandoned. A process of
+    another user is alive. A pid of 0 or below names no process (``kill`` would read it
+    as a process group): dead.
+
+    Example:
+        >>> pid_alive(os.getpid()), pid_alive(0)
+        (True, False)
+    """
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # it exists, another user's: its state below says whether it can act
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat_file:
+            # "pid (comm) state ...": comm may hold spaces and parentheses, so the state
+            # is the first field after the last ")"
+            state = stat_file.read().rsplit(b")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False  # reaped since the kill
+    except (OSError, IndexError):
+        return True  # exists, but its state cannot be read: count it alive (never sweep it)
+    return state not in (b"Z", b"X")  # zombie, or dead and being reaped

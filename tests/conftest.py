@@ -1,10 +1,13 @@
-"""Import paths for the test helper modules, in the test process and in its children.
+"""Import paths for the tests and their helper modules, in the test process and in its
+children.
 
-The tests run with ``--import-mode=importlib``, which puts no test folder on
-``sys.path``, yet test modules import sibling helper modules by name
-(``import coord_children as kids``, ``from persist_helpers import dir_state``, ...).
-Spawn and forkserver children import their target's module by name too, so they need
-the same folders, which they get through ``PYTHONPATH``.
+``tests/`` and its sub-folders are packages, and every module of them is imported by its
+dotted name from the repository root: ``from tests import processes``,
+``from tests.persist import atomic_children as kids``,
+``from tests.persist.persist_helpers import dir_state``. The tests run with
+``--import-mode=importlib``, which puts nothing on ``sys.path``, so the repository root
+is put there once, here; spawn and forkserver children import their target's module by
+that same name (it is what gets pickled) and find it through ``PYTHONPATH``.
 """
 from __future__ import annotations
 
@@ -16,19 +19,12 @@ import pytest
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(TESTS_DIR)
 
-# tests/ and each direct sub-folder holding Python files.
-HELPER_DIRS = [TESTS_DIR] + sorted(
-    entry.path for entry in os.scandir(TESTS_DIR)
-    if entry.is_dir() and any(name.endswith(".py") for name in os.listdir(entry.path))
-)
-
-for folder in reversed(HELPER_DIRS):
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
 
 
 @pytest.fixture(autouse=True)
 def child_import_path(monkeypatch):
-    """Children find the helper modules and the repository's package."""
-    path = os.pathsep.join([*HELPER_DIRS, REPO_ROOT, os.environ.get("PYTHONPATH", "")])
+    """Children find the test packages and the repository's shared_td."""
+    path = os.pathsep.join([REPO_ROOT, os.environ.get("PYTHONPATH", "")])
     monkeypatch.setenv("PYTHONPATH", path.rstrip(os.pathsep))

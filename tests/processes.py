@@ -1,7 +1,7 @@
 """Bounded waits on child processes, for the multi-process tests.
 
-A helper module, not a test (pytest collects only test_*.py); imported by name through
-the sys.path that tests/conftest.py sets up.
+A helper module, not a test (pytest collects only test_*.py); imported as
+``tests.processes`` (see tests/conftest.py).
 """
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from shared_td.coordinator import server
+from shared_td.platform import pid_alive
 
 WAIT = 30  # seconds: the bound on every join / queue read
 
@@ -36,5 +36,5 @@ def wait_until(condition, timeout: float = 10.0) -> bool:
 
 
 def alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie counts as dead), as the coordinator sees it."""
-    return server._pid_alive(pid)
+    """Whether process ``pid`` runs (a zombie counts as dead), as shared_td sees it."""
+    return pid_alive(pid)

@@ -1,7 +1,8 @@
 """The layers of shared_td import only the layers below them, also inside functions.
 
-storage/, keys.py, errors.py, platform.py  <-  memmap_tensor.py  <-  persist/  <-
-containers/  <-  coordinator/  <-  cli/, demo/, bench/ (and the package's __init__).
+storage/, keys.py, errors.py, platform.py, tensorclass_protocol.py  <-  memmap_tensor.py
+<-  persist/  <-  containers/  <-  coordinator/  <-  cli/, demo/, bench/ (and the
+package's __init__).
 
 The manager process (coordinator/server*.py) imports no container module at all: the
 layouts reach it as plain data.
@@ -16,7 +17,7 @@ import pytest
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "shared_td")
 
 LAYERS = {
-    "storage": 0, "keys": 0, "errors": 0, "platform": 0,
+    "storage": 0, "keys": 0, "errors": 0, "platform": 0, "tensorclass_protocol": 0,
     "memmap_tensor": 1,
     "persist": 2,
     "containers": 3,

@@ -16,8 +16,8 @@ import uuid
 
 import pytest
 
-from leakcheck import SHM, ShmWatch, foreign_churn, private_tempdir
-from processes import finish
+from tests.leakcheck import SHM, ShmWatch, foreign_churn, private_tempdir
+from tests.processes import finish
 
 pytestmark = pytest.mark.timeout(60)
 

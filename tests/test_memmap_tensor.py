@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from leakcheck import this_process_in_shm
+from tests.leakcheck import this_process_in_shm
 
 import shared_td.memmap_tensor as memmap_tensor
 from shared_td.memmap_tensor import MemoryMappedTensor

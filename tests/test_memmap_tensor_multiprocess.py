@@ -14,7 +14,7 @@ import torch
 import torch.multiprocessing
 
 # The child targets are in a sibling module, importable by name (tests/conftest.py).
-import mp_children_memmap as children
+from tests import mp_children_memmap as children
 
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.storage.anonymous import SegmentUnavailableError

@@ -6,9 +6,12 @@ Run them with ``shared-td bench`` or ``python benchmarks/run.py`` (same options)
 tensordict is optional (its columns are left out, with a note, when it is missing).
 
 Examples:
+    >>> import contextlib, io
     >>> from shared_td.bench import BenchOptions, run
-    >>> run(BenchOptions.quick(only=["big_leaf"]))
-    0
+    >>> with contextlib.redirect_stdout(io.StringIO()) as table:  # the machine, then the rows
+    ...     status = run(BenchOptions.quick(only=["big_leaf"]))
+    >>> status, table.getvalue().splitlines()[1].split()
+    (0, ['case', 'column', 'time', 'vs', 'first', 'row'])
 """
 from shared_td.bench.runner import CASES, BenchOptions, add_arguments, options_from_args, run
 

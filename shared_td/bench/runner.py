@@ -4,8 +4,11 @@
 (``add_arguments``) and call ``run``.
 
 Examples:
-    >>> run(BenchOptions.quick(only=["tree_load"]))  # prints the machine, then the rows
-    0
+    >>> import contextlib, io
+    >>> with contextlib.redirect_stdout(io.StringIO()) as table:  # the machine, then the rows
+    ...     status = run(BenchOptions.quick(only=["tree_load"]))
+    >>> status, [row.split()[:2] for row in table.getvalue().splitlines()[2:]]
+    (0, [['tree_load', 'shared_td'], ['tree_load', 'tensordict']])
 """
 from __future__ import annotations
 
@@ -137,8 +140,8 @@ def grid_rows(name: str, results: dict) -> list[str]:
     Example:
         >>> for line in grid_rows("replay", {"buf[i]": {"raw": 2e-6, "shared_td": 3e-6}}):
         ...     print(line)
-        replay          operation                       raw   shared_td  shared_td/raw
-        replay          buf[i]                      2.00 us     3.00 us          1.50x
+        replay          operation                          raw   shared_td  shared_td/raw
+        replay          buf[i]                         2.00 us     3.00 us          1.50x
     """
     columns = list(next(iter(results.values())))
     others = [column for column in columns if column != "shared_td"]

@@ -23,6 +23,7 @@ from shared_td.containers.splitting import BatchSplitOps
 from shared_td.errors import BatchSizeMismatchError
 from shared_td.keys import NestedKey, is_nested_key, key_repr, unravel_key
 from shared_td.containers.memmap_methods import MemmapMethods
+from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 NO_DEFAULT = object()
 
@@ -172,8 +173,7 @@ class TensorDictBase(LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, Me
         for i, part in enumerate(path):
             if i and not is_tensor_collection(node):
                 return default
-            if i and not isinstance(node, TensorDictBase):  # a tensorclass
-                node = node._tensordict
+            node = unwrap_tensorclass(node)
             node = node._get_str(part, default) if isinstance(node, TensorDictBase) else default
             if node is default:
                 return default
@@ -269,7 +269,7 @@ class TensorDictBase(LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, Me
                     f"Cannot write nested key {key_repr(path)}: {key_repr(path[: i + 1])} "
                     f"holds a {type(child).__name__}, not a tensordict."
                 )
-            node = child if isinstance(child, TensorDictBase) else child._tensordict
+            node = unwrap_tensorclass(child)
         return node, len(path) - 1
 
     def _parent_for_write(self, path: tuple[str, ...], *, create: bool) -> "TensorDictBase":
@@ -402,7 +402,11 @@ class TensorDictBase(LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, Me
         return plan
 
     def copy_(self, other: Any, non_blocking: bool = False) -> "TensorDictBase":
-        """Copy ``other`` into self, in place (same as ``update_``)."""
+        """Copy ``other`` into self, in place (same as ``update_``).
+
+        ``non_blocking`` is accepted for compatibility with tensordict, and ignored (every
+        copy here is synchronous).
+        """
         return self.update_(other)
 
     def rename_key_(self, old_key: NestedKey, new_key: NestedKey, safe: bool = False):

@@ -11,6 +11,9 @@ from typing import Any, Union
 
 import torch
 
+from shared_td.tensorclass_protocol import unwrap_tensorclass
+
+
 _WIDTH = 80
 _INDENT = "    "
 
@@ -48,7 +51,7 @@ def _entry(value: Any, owner: Any) -> Entry:
 
 
 def _entries(td: Any) -> list:
-    inner = td if hasattr(td, "_keys_str") else td._tensordict
+    inner = unwrap_tensorclass(td)
     # A container may render its own entries (a lazy stack shows differing dims as -1).
     hook = getattr(inner, "_repr_entry", None)
     entries = [
@@ -86,7 +89,7 @@ def _render(entry: Entry, indent: str, used: int, tail: int) -> str:
 def format_collection(td: Any, name: str | None = None) -> str:
     """The repr of a tensordict (or tensorclass, through its inner tensordict)."""
     name = name or type(td).__name__
-    inner = td if hasattr(td, "_keys_str") else td._tensordict
+    inner = unwrap_tensorclass(td)
     header = [f"batch_size=[{','.join(str(d) for d in td.batch_size)}]"]
     if getattr(td, "device", None) is not None:
         header.append(f"device={td.device}")

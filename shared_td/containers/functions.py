@@ -11,6 +11,7 @@ import torch
 from shared_td.containers import batch as batch_ops
 from shared_td.containers.base import TensorDictBase, is_leaf_nontensor, is_non_tensor, is_tensor_collection
 from shared_td.errors import BatchSizeMismatchError
+from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 
 def _check_members(items: Sequence[Any], what: str) -> list:
@@ -73,7 +74,7 @@ def stack(items: Sequence[Any], dim: int = 0, *, out: Any = None) -> Any:
         return stack_non_tensors(items, dim)
     first = items[0]
     if not isinstance(first, TensorDictBase):  # tensorclass
-        return type(first)._from_tensordict(stack([item._tensordict for item in items], dim))
+        return type(first)._from_tensordict(stack([unwrap_tensorclass(item) for item in items], dim))
     dim = batch_ops.normalize_dim(dim, first.batch_dims + 1)
     for i, item in enumerate(items):
         if item.batch_size != first.batch_size:
@@ -110,7 +111,7 @@ def cat(items: Sequence[Any], dim: int = 0, *, out: Any = None) -> Any:
         return cat_non_tensors(items, dim)
     first = items[0]
     if not isinstance(first, TensorDictBase):  # tensorclass
-        return type(first)._from_tensordict(cat([item._tensordict for item in items], dim))
+        return type(first)._from_tensordict(cat([unwrap_tensorclass(item) for item in items], dim))
     if not first.batch_dims:
         raise ValueError("torch.cat needs tensordicts with at least one batch dim.")
     dim = batch_ops.normalize_dim(dim, first.batch_dims)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 from shared_td.keys import is_nested_key, unravel_key
+from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 
 class KeysView:
@@ -41,7 +42,7 @@ class KeysView:
                 yield full[0] if len(full) == 1 else full
             # non-tensor containers have no keys to walk into
             if not leaf and self._include_nested and is_tensor_collection(value) and not is_non_tensor(value):
-                inner = value if hasattr(value, "_keys_str") else value._tensordict
+                inner = unwrap_tensorclass(value)
                 yield from self._walk(inner, full)
 
     def __len__(self) -> int:

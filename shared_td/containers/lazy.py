@@ -22,6 +22,7 @@ from shared_td.containers.lazy_shape import LazyShapeOps, _into
 from shared_td.containers.lazy_writes import LazyWriteOps, _is_branch, _peek
 from shared_td.errors import BatchSizeMismatchError
 from shared_td.keys import NestedKey, is_nested_key, key_repr, unravel_key
+from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 
 class _Ragged:
@@ -37,11 +38,6 @@ class _Ragged:
             f"their shapes are {shapes}. To read them, pass as_padded_tensor=True, "
             "as_nested_tensor=True or as_list=True to get()."
         )
-
-
-def _as_td(value: Any) -> TensorDictBase:
-    """A tensordict itself, or the inner tensordict of a tensorclass instance."""
-    return value if isinstance(value, TensorDictBase) else value._tensordict
 
 
 # The mixins come before TensorDictBase so that their methods override its own; their
@@ -75,7 +71,7 @@ class LazyStackedTensorDict(LazyShapeOps, LazyWriteOps, TensorDictBase):
         for i, item in enumerate(tensordicts):
             if not _is_branch(item):
                 raise TypeError(f"LazyStackedTensorDict stacks tensordicts, but item {i} is a {type(item).__name__}.")
-            members.append(_as_td(item))
+            members.append(unwrap_tensorclass(item))
             if members[i].batch_size != members[0].batch_size:
                 raise BatchSizeMismatchError(
                     f"Cannot lazily stack tensordicts of different batch sizes: item 0 has "
@@ -313,7 +309,7 @@ class LazyStackedTensorDict(LazyShapeOps, LazyWriteOps, TensorDictBase):
         for key in self._keys_str():
             path, value = prefix + (key,), self.get(key)
             if _is_branch(value):
-                entries[key] = _as_td(value)._map_leaves(fn, path)
+                entries[key] = unwrap_tensorclass(value)._map_leaves(fn, path)
             else:
                 entries[key] = fn(path if len(path) > 1 else key, value)
         return TensorDict._new_unsafe(entries, self.batch_size, self.device)

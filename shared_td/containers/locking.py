@@ -10,6 +10,7 @@ import weakref
 
 from shared_td.errors import LockedTensorDictError
 from shared_td.keys import key_repr
+from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 
 class LockingOps:
@@ -38,11 +39,9 @@ class LockingOps:
     def _collection_children(self) -> list:
         children = []
         for key in self._keys_str():
-            value = self._get_str(key, None)
+            value = unwrap_tensorclass(self._get_str(key, None))
             if isinstance(value, LockingOps):  # a tensordict of any class
                 children.append(value)
-            elif getattr(type(value), "_is_tensorclass", False):
-                children.append(value._tensordict)
         return children
 
     def lock_(self) -> "LockingOps":

@@ -17,6 +17,7 @@ from shared_td.keys import NestedKey, encode_key, unravel_key
 from shared_td.memmap_tensor import MemoryMappedTensor, checked_shape
 from shared_td.persist import api, writer
 from shared_td.persist import format as fmt
+from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 
 class MemmapMethods:
@@ -62,15 +63,15 @@ class MemmapMethods:
         Raises:
             RuntimeError: a leaf has a file elsewhere and copy_existing=False; a file
                 exists and existsok=False; the tensordict is in shared memory. With
-                atomic=True also: prefix is a non-empty directory and existsok=False, or
-                is not a saved tensordict (the error says why and what it holds).
+                atomic=True also (an AtomicWriteError): prefix is a non-empty directory
+                and existsok=False, or is not a saved tensordict (the error says why and
+                what it holds).
             NotADirectoryError: atomic=True and prefix is a file.
             FileNotFoundError: atomic=True and prefix is a symlink to nothing.
             PermissionError: atomic=True and prefix's group is one this process may
                 not give to the new version.
             ValueError: atomic=True and there is no directory to write to.
-            NotImplementedError: return_early=True with atomic=True, or atomic=True on
-                Windows.
+            NotImplementedError: return_early=True with atomic=True.
             TimeoutError: atomic=True and another writer held the prefix's lock longer
                 than SHARED_TD_LOCK_TIMEOUT seconds (default 600).
 
@@ -100,7 +101,8 @@ class MemmapMethods:
         """Like ``memmap_``, but writes a new memory-mapped copy; self is unchanged.
 
         Examples:
-            >>> copy = td.memmap(path)
+            >>> td = TensorDict(obs=torch.zeros(3, 4), batch_size=[3])
+            >>> copy = td.memmap("data/copy")
             >>> copy.is_memmap(), td.is_memmap()
             (True, False)
         """
@@ -120,7 +122,8 @@ class MemmapMethods:
         Without a prefix it goes to anonymous shared memory, never into self's files.
 
         Examples:
-            >>> like = td.memmap_like(path)
+            >>> td = TensorDict(obs=torch.ones(3, 4), batch_size=[3])
+            >>> like = td.memmap_like("data/like")
             >>> bool((like["obs"] == 0).all())
             True
         """
@@ -145,11 +148,12 @@ class MemmapMethods:
 
         Leaves map the files (no copy); the result is unlocked. Pickled non-tensor data
         is refused unless ``allow_pickle=True``. Missing or short files, symlinks and
-        unknown dtypes are errors naming the file.
+        unknown dtypes are errors naming the file. ``non_blocking`` is accepted for
+        compatibility with tensordict, and ignored.
 
         Examples:
-            >>> td.memmap(path)
-            >>> TensorDict.load_memmap(path)["obs"].shape
+            >>> _ = TensorDict(obs=torch.zeros(3, 4), batch_size=[3]).memmap("data/saved")
+            >>> TensorDict.load_memmap("data/saved")["obs"].shape
             torch.Size([3, 4])
         """
         return api.load_memmap(prefix, device, robust_key=robust_key, allow_pickle=allow_pickle)
@@ -166,8 +170,7 @@ class MemmapMethods:
         memory-mapped."""
         loaded = api.load_memmap(prefix, robust_key=robust_key, allow_pickle=allow_pickle)
         was_memmap = self.is_memmap()
-        target = self if hasattr(self, "_keys_str") else self._tensordict
-        source = loaded if hasattr(loaded, "_keys_str") else loaded._tensordict
+        target, source = unwrap_tensorclass(self), unwrap_tensorclass(loaded)
         with _unlocked(self):
             _rebind(target, source)
         if was_memmap:
@@ -203,6 +206,8 @@ class MemmapMethods:
         """Add an empty (zero) memory-mapped leaf ``key`` to a memory-mapped tensordict.
 
         Nested keys create the missing sub-tensordicts. Returns the new tensor.
+        ``robust_key`` is accepted for compatibility with tensordict, and ignored: the
+        file is named with the key encoded as ``memmap_`` encodes it.
         """
         dtype = torch.get_default_dtype() if dtype is None else dtype
         return self._add_memmap_leaf(
@@ -214,7 +219,8 @@ class MemmapMethods:
                                 copy_data: bool = True, existsok: bool = True,
                                 robust_key: bool | None = True) -> torch.Tensor:
         """Add a memory-mapped copy of ``tensor`` as leaf ``key`` (``copy_data=False``:
-        same shape and dtype, zeros)."""
+        same shape and dtype, zeros). ``robust_key`` is accepted and ignored, as in
+        :meth:`make_memmap`."""
         source = tensor if copy_data else torch.zeros_like(tensor, device="cpu")
         return self._add_memmap_leaf(
             key, lambda path: MemoryMappedTensor.from_tensor(
@@ -226,7 +232,8 @@ class MemmapMethods:
     def make_memmap_from_storage(self, key: NestedKey, storage: Any, shape: Any, *,
                                  dtype: torch.dtype | None = None,
                                  robust_key: bool | None = True) -> torch.Tensor:
-        """Add leaf ``key`` viewing ``storage`` (its file must be the leaf's file)."""
+        """Add leaf ``key`` viewing ``storage`` (its file must be the leaf's file).
+        ``robust_key`` is accepted and ignored, as in :meth:`make_memmap`."""
         return self._add_memmap_leaf(
             key, lambda path: MemoryMappedTensor.from_storage(
                 storage, shape=shape, dtype=dtype, filename=path
@@ -248,14 +255,14 @@ class MemmapMethods:
             )
         # Walk the existing part of the path and check the shape before creating any
         # sub-tensordict or file, so that a bad key or shape leaves nothing behind.
-        node, depth = _inner(self), 0
+        node, depth = unwrap_tensorclass(self), 0
         while depth < len(path) - 1 and (child := node._get_str(path[depth], None)) is not None:
             if isinstance(child, torch.Tensor) or getattr(child, "_is_non_tensor", False):
                 raise KeyError(
                     f"Cannot make memmap key {path}: {path[depth]!r} holds a "
                     f"{type(child).__name__}, not a tensordict."
                 )
-            node, depth = _inner(child), depth + 1
+            node, depth = unwrap_tensorclass(child), depth + 1
         batch = node.batch_size  # new sub-tensordicts get their parent's batch size
         expected = None if shape is None else checked_shape([shape] if isinstance(shape, int) else shape)
         if expected is not None and expected[: len(batch)] != batch:
@@ -270,7 +277,7 @@ class MemmapMethods:
             node._tensordict[part] = child
             if directory is not None:  # an anonymous tensordict has no meta.json
                 writer.rewrite_node(node, node._memmap_prefix)
-            node = _inner(child)
+            node = unwrap_tensorclass(child)
         directory = node._memmap_prefix
         filename = None if directory is None else os.path.join(directory, encode_key(path[-1]) + fmt.LEAF_SUFFIX)
         tensor = make(filename)
@@ -285,10 +292,6 @@ class MemmapMethods:
         return tensor
 
 
-def _inner(obj: Any) -> Any:
-    return obj if hasattr(obj, "_keys_str") else obj._tensordict
-
-
 class _unlocked:
     """Unlock for the duration of a block, re-locking if it was locked."""
 
@@ -298,7 +301,7 @@ class _unlocked:
 
     def __enter__(self) -> None:
         if self.was_locked:
-            _inner(self.obj)._unlock_tree()
+            unwrap_tensorclass(self.obj)._unlock_tree()
 
     def __exit__(self, *exc: Any) -> None:
         if self.was_locked:

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from shared_td.tensorclass_protocol import unwrap_tensorclass
+
+
 
 def check_names(names: Sequence[Any], batch_size) -> list:
     """``names`` as a list, checked against ``batch_size`` (TypeError/ValueError)."""
@@ -72,7 +75,7 @@ class NamedBatchDims:
         """The nested TensorDicts (also inside tensorclasses) that carry our names."""
         children = []
         for value in self._tensordict.values():
-            inner = getattr(value, "_tensordict", None) if not isinstance(value, NamedBatchDims) else value
+            inner = unwrap_tensorclass(value)
             if isinstance(inner, NamedBatchDims):
                 children.append(inner)
         return children
@@ -83,7 +86,7 @@ class NamedBatchDims:
         Raises RuntimeError, with nothing renamed, if the child already has other names
         for those dims.
         """
-        inner = child if isinstance(child, NamedBatchDims) else getattr(child, "_tensordict", None)
+        inner = unwrap_tensorclass(child)
         if self._names is None or not isinstance(inner, NamedBatchDims):
             return
         theirs = (inner._names or [None] * len(inner._batch_size))[: len(self._names)]

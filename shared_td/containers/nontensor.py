@@ -273,6 +273,8 @@ class NonTensorData(NonTensorDataBase):
         return NonTensorData(self.data, batch_size=batch_size, device=self._device)
 
     def clone(self, recurse: bool = True) -> "NonTensorData":
+        """A new NonTensorData holding the same value (not a copy of it). ``recurse`` is
+        accepted for compatibility with tensordict, and ignored."""
         return NonTensorData(self.data, batch_size=self._batch_size, device=self._device)
 
     def _check_update(self, value: Any) -> None:
@@ -407,6 +409,8 @@ class NonTensorStack(_NonTensorBase):
         return [None] * len(self._values) if self._members is None else list(self._members)
 
     def clone(self, recurse: bool = True) -> "NonTensorStack":
+        """A new NonTensorStack holding the same values (not copies of them). ``recurse``
+        is accepted for compatibility with tensordict, and ignored."""
         return NonTensorStack._from_flat(self._values, self._batch_size, self._device, self._members)
 
     def _new_values(self, value: Any) -> list:

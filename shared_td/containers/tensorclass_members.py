@@ -15,12 +15,7 @@ from shared_td.containers.base import NO_DEFAULT, TensorDictBase, is_non_tensor,
 from shared_td.containers.nontensor import NonTensorData
 from shared_td.containers.tensordict import TensorDict
 from shared_td.keys import is_nested_key, unravel_key
-
-
-def is_tensorclass(obj: Any) -> bool:
-    """True for a tensorclass (the class or an instance)."""
-    cls = obj if isinstance(obj, type) else type(obj)
-    return bool(getattr(cls, "_is_tensorclass", False))
+from shared_td.tensorclass_protocol import is_tensorclass, unwrap_tensorclass
 
 
 def _store(obj: Any, name: str, value: Any) -> None:
@@ -59,10 +54,6 @@ def _no_field_message(cls: type, name: str) -> str:
 
 
 # ------------------------------------------------------------------------ wrapping
-def _unwrap(value: Any) -> Any:
-    return value._tensordict if is_tensorclass(value) else value
-
-
 def _wrap(obj: Any, result: Any) -> Any:
     """The instance for its own tensordict; the class around tensordicts of its fields."""
     if result is obj._tensordict:
@@ -78,7 +69,7 @@ def _wrap(obj: Any, result: Any) -> Any:
 
 def _forward(name: str, wrap: bool) -> Any:
     def method(self, *args, **kwargs):
-        result = getattr(self._tensordict, name)(*map(_unwrap, args), **kwargs)
+        result = getattr(self._tensordict, name)(*map(unwrap_tensorclass, args), **kwargs)
         return _wrap(self, result) if wrap else result
 
     method.__name__ = method.__qualname__ = name
@@ -137,7 +128,9 @@ class _TensorClassMembers:
     @classmethod
     def from_tensordict(cls, tensordict: TensorDictBase, non_tensordict: dict | None = None, safe: bool = True) -> Any:
         """An instance whose fields are the entries of ``tensordict`` (shared, not copied);
-        fields it lacks are None. ``non_tensordict`` sets more fields.
+        fields it lacks are None. ``non_tensordict`` sets more fields. ``safe`` is
+        accepted for compatibility with tensordict, and ignored: keys that are not fields
+        are always refused.
 
         Raises:
             ValueError: if ``tensordict`` has keys that are not fields of the class.
@@ -227,7 +220,7 @@ class _TensorClassMembers:
             ValueError: (before anything is written) if ``other`` has keys that are not
                 fields.
         """
-        other = _unwrap(other)
+        other = unwrap_tensorclass(other)
         keys = list(other.keys())
         extra = sorted({unravel_key(k)[0] for k in keys} - type(self)._tc_field_names)
         if extra:
@@ -268,7 +261,7 @@ class _TensorClassMembers:
                     f"with the same fields, or a tensordict. {type(self).__name__} has fields "
                     f"{sorted(mine)}, {type(value).__name__} has {sorted(theirs)}."
                 )
-        self._tensordict[index] = _unwrap(value)
+        self._tensordict[index] = unwrap_tensorclass(value)
 
     def __iter__(self):
         return (_wrap(self, item) for item in iter(self._tensordict))  # raises at once if 0-dim
@@ -276,7 +269,8 @@ class _TensorClassMembers:
     # ------------------------------------------------------------ conversions
     def to_tensordict(self, *, retain_none: bool | None = None) -> TensorDict:
         """A TensorDict copy of the entries (nested tensorclasses become TensorDicts,
-        non-tensors stay NonTensorData); fields that hold nothing are left out."""
+        non-tensors stay NonTensorData); fields that hold nothing are left out.
+        ``retain_none`` is accepted for compatibility with tensordict, and ignored."""
         return _plain_copy(self._tensordict)
 
     def to_dict(self, *, retain_none: bool = True) -> dict:

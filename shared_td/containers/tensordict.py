@@ -21,6 +21,7 @@ from shared_td.containers.row_writes import write_rows
 from shared_td.errors import BatchSizeMismatchError
 from shared_td.keys import NestedKey, key_repr, unravel_key
 from shared_td.memmap_tensor import ReadOnlyMemoryMappedTensor, refuse_read_only
+from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 
 class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, TensorDictBase):
@@ -34,6 +35,9 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, TensorDictBase):
         batch_size: the leading shape shared by all entries (default: ``[]``).
         device: if given, every tensor is moved there.
         names: optional names of the batch dims.
+        non_blocking: accepted for compatibility with tensordict, and ignored (every
+            copy here is synchronous).
+        lock: if True, the new tensordict is locked (``lock_()``).
         **kwargs: more entries, as in ``dict(**kwargs)``.
 
     Examples:
@@ -235,8 +239,7 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, TensorDictBase):
         for key, value in self._tensordict.items():
             path = prefix + (key,)
             if is_tensor_collection(value) and not is_non_tensor(value):
-                inner = value if isinstance(value, TensorDictBase) else value._tensordict
-                entries[key] = inner._map_leaves(fn, path)
+                entries[key] = unwrap_tensorclass(value)._map_leaves(fn, path)
             else:
                 entries[key] = fn(path if len(path) > 1 else key, value)
         return TensorDict._new_unsafe(entries, self._batch_size, self._device, self.names)
@@ -257,7 +260,10 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, TensorDictBase):
         writes the results into self instead.
 
         Examples:
-            >>> td.apply(lambda x: x * 2)
+            >>> td = TensorDict(a=torch.ones(2), b={"c": torch.arange(2)}, batch_size=[2])
+            >>> doubled = td.apply(lambda x: x * 2)
+            >>> doubled["a"].tolist(), doubled["b", "c"].tolist()
+            ([2.0, 2.0], [0, 2])
         """
         return self.named_apply(
             lambda key, *values: fn(*values), *others, batch_size=batch_size,
@@ -287,7 +293,7 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, TensorDictBase):
             if is_non_tensor(value):
                 result = value if new_batch == self._batch_size else value._with_batch_size(new_batch, key)
             elif is_tensor_collection(value):
-                inner = value if isinstance(value, TensorDictBase) else value._tensordict
+                inner = unwrap_tensorclass(value)
                 result = inner.named_apply(
                     fn, *other_values, nested_keys=nested_keys,
                     batch_size=None if batch_size is None else new_batch,
@@ -355,8 +361,8 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, TensorDictBase):
             return  # the same structure as before: leaf by leaf over the cached plan
         if isinstance(value, dict):  # batch_size [] so that values may broadcast
             value = TensorDict(value, batch_size=[])
-        elif is_tensor_collection(value) and not isinstance(value, TensorDictBase):
-            value = value._tensordict  # a tensorclass
+        else:
+            value = unwrap_tensorclass(value)
         writes: list[Callable[[], None]] = []
         self._plan_index_writes(index, value, writes, target_batch)
         for write in writes:
@@ -407,8 +413,7 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, TensorDictBase):
                         f"Cannot write a {type(source).__name__} into the nested tensordict "
                         f"{key!r}: give a tensordict or dict of its entries."
                     )
-                inner = current if isinstance(current, TensorDictBase) else current._tensordict
-                source = source if isinstance(source, TensorDictBase) else source._tensordict
+                inner, source = unwrap_tensorclass(current), unwrap_tensorclass(source)
                 if hasattr(inner, "_plan_index_writes"):
                     inner_batch = target_batch + inner._batch_size[self.batch_dims:]
                     inner._plan_index_writes(index, source, writes, inner_batch)

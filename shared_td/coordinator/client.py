@@ -44,6 +44,7 @@ from multiprocess import connection, managers
 
 from shared_td.coordinator import staleness
 from shared_td.coordinator.server import DIR_PATTERN, REGISTRY_ID, CoordinatorManager, sweep_dead_dirs
+from shared_td.errors import CoordinatorTimeoutError
 
 __all__ = ["Coordinator", "CoordinatorTimeoutError", "attach"]
 
@@ -53,12 +54,6 @@ DEFAULT_TIMEOUT = 60.0
 #: Seconds :meth:`Coordinator.shutdown` waits for a manager to take its stop request
 #: (at most the handle's timeout); one that does not is killed.
 SHUTDOWN_TIMEOUT = 5.0
-
-
-class CoordinatorTimeoutError(ConnectionError, TimeoutError):
-    """A coordinator did not answer within the caller's timeout: its manager process is
-    stopped (SIGSTOP, a debugger) or stalled. Both a ConnectionError (the call failed to
-    reach the coordinator) and a TimeoutError (it may answer again later)."""
 
 
 class Coordinator:

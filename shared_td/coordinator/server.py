@@ -23,8 +23,11 @@ Besides published tensordicts the manager holds:
 
 This module imports neither torch nor the ``shared_td`` package at load time: the
 embedded coordinator runs it as a script in a fresh interpreter (see
-:mod:`shared_td.coordinator.embedded`), which then starts in ~0.1 s instead of the ~2.5 s
-of importing torch. torch is imported only when a tensordict is published to it.
+:mod:`shared_td.coordinator.ownership`), which then starts in ~0.1 s instead of the ~2.5 s
+of importing torch. torch is imported only when a tensordict is published to it. Its
+operating-system primitives come from ``shared_td/platform.py``, which is torch-free and
+imports nothing of the package: run as a script, this module loads that one file by
+its path.
 
 Example (what a client call amounts to, in the manager)::
 
@@ -55,6 +58,25 @@ import time
 
 from multiprocess import managers
 
+
+def _load_platform():
+    """shared_td's platform module: imported from the package, or, when this file runs
+    as a script (see the module doc), loaded alone from its path beside the package's."""
+    if __package__:
+        from shared_td import platform as module
+
+        return module
+    import importlib.util
+
+    package_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(
+        "_shared_td_platform", os.path.join(package_dir, "platform.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+platform = _load_platform()
 __all__ = ["DIR_PATTERN", "REGISTRY_ID", "Registry", "CoordinatorManager", "sweep_dead_dirs"]
 
 #: Name of a coordinator's private directory under ``tempfile.gettempdir()``:
@@ -146,7 +168,7 @@ class Registry:
             for fd, key in cells:
                 key = tuple(key)
                 if key not in self._cells:
-                    self._cells[key] = open_peer_memfd(pid, fd, key)
+                    self._cells[key] = platform.reopen_peer_fd(pid, fd, key)
                 fds.append(self._cells[key])
             return os.getpid(), fds
 
@@ -236,7 +258,8 @@ def sweep_dead_dirs(root: str | None = None) -> list[str]:
 
     Only entries of ``root`` (default ``tempfile.gettempdir()``) named exactly like ours
     (:data:`DIR_PATTERN`), that are real directories owned by this user, are considered;
-    the pid in the name is probed with ``os.kill(pid, 0)``. Returns the removed paths.
+    the pid in the name is probed with :func:`shared_td.platform.pid_alive` (a zombie
+    is dead). Returns the removed paths.
 
     Example:
         >>> sweep_dead_dirs()  # doctest: +SKIP
@@ -250,7 +273,7 @@ def sweep_dead_dirs(root: str | None = None) -> list[str]:
         return removed
     for entry in entries:
         match = DIR_PATTERN.match(entry)
-        if match is None or _pid_alive(int(match.group(1))):
+        if match is None or platform.pid_alive(int(match.group(1))):
             continue
         path = os.path.join(root, entry)
         try:
@@ -263,21 +286,6 @@ def sweep_dead_dirs(root: str | None = None) -> list[str]:
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
     return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, someone else's
-        return True
-    # A zombie (killed, not yet reaped, e.g. under an init that never reaps) is dead.
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat_file:
-            return stat_file.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True
 
 
 # ----------------------------------------------------------------------------- server
@@ -394,8 +402,7 @@ class VersionTable:
         import ctypes
 
         self.slots = slots
-        self.fd = os.memfd_create(f"shared_td-versions-{os.getpid()}", os.MFD_CLOEXEC)
-        os.posix_fallocate(self.fd, 0, slots * _SLOT.size)
+        self.fd = platform.new_memfd(f"shared_td-versions-{os.getpid()}", slots * _SLOT.size)
         st = os.fstat(self.fd)
         self.key = (st.st_dev, st.st_ino)
         self._map = mmap.mmap(self.fd, slots * _SLOT.size)
@@ -407,21 +414,6 @@ class VersionTable:
     def reference(self) -> tuple:
         """``(pid, fd, (st_dev, st_ino), nbytes)``: how a client opens it via /proc."""
         return os.getpid(), self.fd, self.key, self.slots * _SLOT.size
-
-
-def open_peer_memfd(pid: int, fd: int, key: tuple[int, int]) -> int:
-    """Our own descriptor on the memfd that process ``pid`` holds as ``fd``.
-
-    The torch-free twin of :func:`shared_td.storage.anonymous.reopen_peer_fd` (this
-    module must load without the package, see the module doc). ValueError if the
-    descriptor now names another file.
-    """
-    new_fd = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
-    st = os.fstat(new_fd)
-    if (st.st_dev, st.st_ino) != tuple(key):
-        os.close(new_fd)
-        raise ValueError(f"descriptor {fd} of process {pid} no longer names inode {key[1]}")
-    return new_fd
 
 
 def _watch_parent(server, parent: int) -> None:

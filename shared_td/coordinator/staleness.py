@@ -31,9 +31,9 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from shared_td.storage.anonymous import reopen_peer_fd
+from shared_td.platform import map_shared_bytes, unmap_bytes
+from shared_td.storage.anonymous import attach_peer_fd
 from shared_td.storage.cache import InodeCache
-from shared_td.storage.shared_value import map_shared_bytes, unmap_bytes
 
 __all__ = ["is_stale", "refresh", "remember"]
 
@@ -81,7 +81,7 @@ def _map_table(pid: int, fd: int, key: tuple[int, int], nbytes: int):
     key = tuple(key)
 
     def open_table() -> _Table:
-        own_fd = reopen_peer_fd(pid, fd, key, what="coordinator version table", min_size=nbytes)
+        own_fd = attach_peer_fd(pid, fd, key, what="coordinator version table", min_size=nbytes)
         try:
             return _Table(own_fd, nbytes)
         finally:

@@ -7,7 +7,8 @@ as it was or as the new complete version.
 * **What may be replaced**: a missing or empty directory, or one whose meta.json is a
   save of tensordict or shared_td (:func:`shared_td.persist.format.not_a_save`: it parses,
   its ``_type`` is known and the fields of that type are there). Anything else is a
-  RuntimeError naming the prefix and what it holds, and nothing is touched.
+  :class:`~shared_td.errors.AtomicWriteError` (a RuntimeError) naming the prefix and what
+  it holds, and nothing is touched.
 * **Lock**: writers of one prefix serialise on ``.<name>.lock`` beside it (never inside
   the directory being swapped), through ``filelock``. The lock only orders writers;
   readers rely on the rename alone (file locks do not work on every filesystem). The
@@ -45,22 +46,21 @@ as it was or as the new complete version.
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import errno
 import os
 import re
 import secrets
 import stat
-import sys
 import tempfile
 import warnings
 
 import filelock
 
+from shared_td.errors import AtomicWriteError
 from shared_td.persist import format as fmt
 from shared_td.persist.format import lock_path
 from shared_td.persist.lock_probe import lock_is_held, remove_unheld_lock
+from shared_td.platform import pid_alive, rename_exchange
 from shared_td.storage.removal import remove_tree
 
 #: Seconds a writer waits for another writer of the same prefix before TimeoutError.
@@ -68,12 +68,6 @@ from shared_td.storage.removal import remove_tree
 DEFAULT_LOCK_TIMEOUT = 600.0
 
 _TAG = "shared_td"
-_AT_FDCWD = -100
-_RENAME_EXCHANGE = 2
-
-
-class AtomicWriteError(RuntimeError):
-    """An atomic rewrite cannot start (the prefix is not a saved tensordict, ...)."""
 
 
 def prefix_lock(prefix: str, timeout: float | None = None) -> filelock.BaseFileLock:
@@ -171,18 +165,13 @@ def check_target(prefix: str | None, *, existsok: bool) -> str:
     be replaced (absolute, a symlink resolved: :func:`resolve`).
 
     Raises:
-        NotImplementedError: on Windows (an open mapping blocks directory renames).
         ValueError: no prefix (and the tensordict has no directory of its own).
         FileNotFoundError: prefix is a symlink to nothing.
         NotADirectoryError: prefix is a file (or anything else but a directory).
-        RuntimeError: prefix is a non-empty directory and existsok=False, or a non-empty
-            directory that is not a saved tensordict (format.not_a_save says why).
+        AtomicWriteError (a RuntimeError): prefix is a non-empty directory and
+            existsok=False, or a non-empty directory that is not a saved tensordict
+            (format.not_a_save says why).
     """
-    if sys.platform.startswith("win"):
-        raise NotImplementedError(
-            "atomic=True is not supported on Windows, where a directory that holds open "
-            "(mapped) files cannot be renamed."
-        )
     if prefix is None:
         raise ValueError(
             "atomic=True needs a directory to write to: pass prefix= (this tensordict is "
@@ -195,13 +184,13 @@ def check_target(prefix: str | None, *, existsok: bool) -> str:
     entries = sorted(os.listdir(prefix)) if os.path.isdir(prefix) else []
     if entries:
         if not existsok:
-            raise RuntimeError(
+            raise AtomicWriteError(
                 f"atomic=True with existsok=False: {prefix} is a non-empty directory. Pass "
                 "existsok=True to replace it, or choose a new prefix."
             )
         why = fmt.not_a_save(prefix)
         if why is not None:
-            raise RuntimeError(
+            raise AtomicWriteError(
                 f"atomic=True would replace {prefix} as a whole, but it is not a saved "
                 f"tensordict: {why}. It holds {_listing(prefix, entries)}. Nothing was "
                 "touched: choose another prefix, or empty this one yourself."
@@ -308,7 +297,7 @@ def swap_into_place(staging: str, prefix: str) -> None:
     if not os.path.lexists(prefix):
         os.rename(staging, prefix)
         return
-    if _exchange(staging, prefix):
+    if rename_exchange(staging, prefix):
         retired = staging  # the old version now lives at the staging name
     else:
         parent, name = os.path.split(prefix)
@@ -339,7 +328,7 @@ def find_leftovers(prefix: str) -> list[str]:
     found = []
     for entry in entries:
         pid = _writer_pid(entry, name)
-        if pid is not None and not _alive(pid):
+        if pid is not None and not pid_alive(pid):
             found.append(os.path.join(parent, entry))
     return found
 
@@ -353,7 +342,7 @@ def find_stale_temporaries(prefix: str) -> list[str]:
         subdirectories.sort()
         for name in sorted(names):
             pid = fmt.temporary_writer_pid(name)
-            if pid is not None and not _alive(pid):
+            if pid is not None and not pid_alive(pid):
                 found.append(os.path.join(directory, name))
     return found
 
@@ -402,10 +391,11 @@ def gc(prefix: str, timeout: float | None = None, *, dry_run: bool = False,
     atomic write works beside the target; older versions worked beside the link).
 
     Examples:
-        >>> shared_td.gc("/data/buffer")
+        >>> _ = shared_td.TensorDict(a=torch.ones(2)).memmap_("data/buffer", atomic=True)
+        >>> shared_td.gc("data/buffer")  # no writer was killed: nothing to remove
         []
-        >>> shared_td.gc("/data/buffer", remove_lock=True, dry_run=True)
-        ['/data/.buffer.lock']
+        >>> [os.path.basename(p) for p in shared_td.gc("data/buffer", remove_lock=True, dry_run=True)]
+        ['.buffer.lock']
     """
     prefix = os.path.abspath(os.fspath(prefix))
     found = []
@@ -467,40 +457,3 @@ def parse_leftover_name(entry: str) -> tuple[str, int] | None:
 def _writer_pid(entry: str, name: str) -> int | None:
     parsed = parse_leftover_name(entry)
     return parsed[1] if parsed is not None and parsed[0] == name else None
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process
-    return True
-
-
-_renameat2 = None
-
-
-def _exchange(first: str, second: str) -> bool:
-    """Atomically swap two paths; False if this system or filesystem cannot."""
-    global _renameat2
-    if not sys.platform.startswith("linux"):
-        return False
-    if _renameat2 is None:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        function = getattr(libc, "renameat2", None)
-        if function is None:
-            return False
-        function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-        function.restype = ctypes.c_int
-        _renameat2 = function
-    result = _renameat2(_AT_FDCWD, os.fsencode(first), _AT_FDCWD, os.fsencode(second), _RENAME_EXCHANGE)
-    if result == 0:
-        return True
-    code = ctypes.get_errno()
-    if code in (errno.EINVAL, errno.ENOSYS, errno.EXDEV, errno.ENOTSUP):
-        return False
-    raise OSError(code, f"renameat2(RENAME_EXCHANGE) of {first} and {second}: {os.strerror(code)}")

@@ -468,7 +468,7 @@ def not_a_save(directory: str) -> str | None:
     save; verify and inspect refuse the same directories with the same words.
 
     Examples:
-        >>> not_a_save("/data/photos")
+        >>> not_a_save("data/photos")
         "its meta.json has no _type (it holds the keys 'name')"
     """
     path = os.path.join(directory, META)

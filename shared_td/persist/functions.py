@@ -10,8 +10,9 @@ def save(data: Any, prefix: Any = None, copy_existing: bool = False, **kwargs: A
     """Save ``data`` (any tensordict or tensorclass) to ``prefix``; see ``memmap``.
 
     Examples:
-        >>> shared_td.save(td, path)
-        >>> shared_td.load(path)["obs"].shape
+        >>> td = shared_td.TensorDict(obs=torch.zeros(3, 4), batch_size=[3])
+        >>> _ = shared_td.save(td, "data/saved")
+        >>> shared_td.load("data/saved")["obs"].shape
         torch.Size([3, 4])
     """
     return data.save(prefix, copy_existing, **kwargs)

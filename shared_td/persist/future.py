@@ -12,8 +12,11 @@ class TensorDictFuture:
     write failed it raises that error (nothing is half-converted: see ``memmap_``).
 
     Examples:
-        >>> future = td.memmap_(path, num_threads=2, return_early=True)
+        >>> td = shared_td.TensorDict(obs=torch.zeros(3, 4), batch_size=[3])
+        >>> future = td.memmap_("data/saved", num_threads=2, return_early=True)
         >>> td = future.result()
+        >>> td.is_memmap(), td["obs"].filename.endswith("data/saved/obs.memmap")
+        (True, True)
     """
 
     def __init__(self, future: Future, description: str):

@@ -10,10 +10,7 @@ from __future__ import annotations
 import os
 import stat
 
-try:
-    import fcntl
-except ImportError:  # Windows: atomic writes (and their locks) are refused there anyway
-    fcntl = None
+from shared_td.platform import try_flock
 
 
 def lock_is_held(path: str) -> bool:
@@ -26,7 +23,7 @@ def lock_is_held(path: str) -> bool:
     if fd is None:
         return os.path.lexists(path)
     try:
-        return not _try_flock(fd)
+        return not try_flock(fd)
     finally:
         os.close(fd)  # closing drops the probe's flock
 
@@ -43,7 +40,7 @@ def remove_unheld_lock(path: str) -> bool:
     if fd is None:
         return False
     try:
-        if not _try_flock(fd):
+        if not try_flock(fd):
             return False
         if not os.path.samestat(os.fstat(fd), os.lstat(path)):
             return False  # replaced meanwhile: the new file is someone else's
@@ -65,14 +62,3 @@ def _open_lock_file(path: str) -> int | None:
         os.close(fd)
         return None
     return fd
-
-
-def _try_flock(fd: int) -> bool:
-    """Take the flock of ``fd`` without waiting; False if another open file holds it."""
-    if fcntl is None:
-        raise NotImplementedError("Lock files can only be probed where flock exists (not on Windows).")
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    return True

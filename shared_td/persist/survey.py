@@ -10,7 +10,7 @@ it could lead out of the directory), a file that no meta.json names. ``shared-td
 The tree's types are in saved_tree.py.
 
 Examples:
-    >>> found = survey("/data/buffer")
+    >>> found = survey("data/buffer")
     >>> [leaf.key for leaf in found.root.children]
     ['obs', 'next']
     >>> found.errors

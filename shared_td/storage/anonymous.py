@@ -25,11 +25,14 @@ from __future__ import annotations
 import os
 import weakref
 
+from shared_td import platform
+from shared_td.errors import SegmentUnavailableError
 from shared_td.storage.cache import InodeCache
-from shared_td.storage.files import allocate, map_fd, pwrite_all
+from shared_td.storage.files import NO_SPACE_ERRNOS, map_fd, pwrite_all, storage_full_error
 
 __all__ = [
-    "ALIGNMENT", "Segment", "SegmentUnavailableError", "align", "find_segment", "reopen_peer_fd",
+    "ALIGNMENT", "Segment", "SegmentUnavailableError", "align", "attach_peer_fd", "create_memfd",
+    "find_segment",
 ]
 
 #: Offsets of leaves packed into one segment: a multiple of every dtype's size and of
@@ -47,25 +50,21 @@ def align(nbytes: int, alignment: int = ALIGNMENT) -> int:
     return -(-nbytes // alignment) * alignment
 
 
-def new_memfd(name: str, nbytes: int, what: str) -> int:
-    """A new memfd (close-on-exec) of ``nbytes`` reserved bytes; a full memory is a
+def create_memfd(name: str, nbytes: int, what: str) -> int:
+    """:func:`shared_td.platform.new_memfd`, a full memory reported as a
     :class:`~shared_td.storage.files.StorageFullError` naming the size and ``what``.
 
     Example:
-        >>> fd = new_memfd("example", 64, "an example"); os.fstat(fd).st_size
+        >>> fd = create_memfd("example", 64, "an example"); os.fstat(fd).st_size
         64
+        >>> os.close(fd)
     """
-    fd = os.memfd_create(name, os.MFD_CLOEXEC)
     try:
-        allocate(fd, 0, nbytes, what)
-    except BaseException:
-        os.close(fd)
+        return platform.new_memfd(name, nbytes)
+    except OSError as err:
+        if err.errno in NO_SPACE_ERRNOS:
+            raise storage_full_error(err, nbytes, what) from err
         raise
-    return fd
-
-
-class SegmentUnavailableError(RuntimeError):
-    """A pickled segment can no longer be attached: its sender exited or released it."""
 
 
 # (st_dev, st_ino) -> Segment: one descriptor and one mapping per segment per process,
@@ -121,7 +120,7 @@ class Segment:
         """
         if nbytes <= 0:
             raise ValueError(f"A segment needs a positive size, got {nbytes} bytes.")
-        fd = new_memfd(f"shared_td-{os.getpid()}", nbytes, "an anonymous shared-memory segment")
+        fd = create_memfd(f"shared_td-{os.getpid()}", nbytes, "an anonymous shared-memory segment")
         st = os.fstat(fd)
         return _register(fd, nbytes, (st.st_dev, st.st_ino))
 
@@ -174,25 +173,21 @@ def _unavailable(pid: int, key: tuple[int, int], what: str, reason: str) -> Segm
     )
 
 
-def reopen_peer_fd(pid: int, fd: int, key: tuple[int, int], *, what: str, min_size: int = 0) -> int:
-    """Open our own descriptor on the memfd that process ``pid`` holds as ``fd``.
-
-    Checks that it is still the same file (``key`` = ``(st_dev, st_ino)``) and holds at
-    least ``min_size`` bytes; raises :class:`SegmentUnavailableError` otherwise. The
-    caller owns the returned descriptor.
+def attach_peer_fd(pid: int, fd: int, key: tuple[int, int], *, what: str, min_size: int = 0) -> int:
+    """Our own descriptor on the memfd that process ``pid`` holds as ``fd``
+    (:func:`shared_td.platform.reopen_peer_fd`: still the file ``key`` =
+    ``(st_dev, st_ino)``), holding at least ``min_size`` bytes; a
+    :class:`SegmentUnavailableError` naming ``what`` otherwise. The caller owns it.
     """
     if pid == os.getpid():
         # Our own memory is no longer in this process's cache, so its descriptor closed.
         raise _unavailable(pid, key, what, "it was released in this process")
     try:
-        new_fd = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+        new_fd = platform.reopen_peer_fd(pid, fd, key)
     except OSError as err:
         raise _unavailable(pid, key, what, err.strerror or str(err)) from err
     try:
         st = os.fstat(new_fd)
-        if (st.st_dev, st.st_ino) != key:
-            # the descriptor number was reused for another file
-            raise _unavailable(pid, key, what, f"descriptor {fd} now names another file")
         if st.st_size < min_size:
             raise _unavailable(pid, key, what, f"it holds only {st.st_size} bytes")
     except BaseException:
@@ -208,4 +203,4 @@ def _attach(pid: int, fd: int, key: tuple[int, int], nbytes: int) -> Segment:
     if segment is not None:
         return segment
     what = f"shared-memory segment of {nbytes} bytes"
-    return _register(reopen_peer_fd(pid, fd, key, what=what, min_size=nbytes), nbytes, key)
+    return _register(attach_peer_fd(pid, fd, key, what=what, min_size=nbytes), nbytes, key)

@@ -25,7 +25,7 @@ import stat
 
 import torch
 
-from shared_td.errors import FormatError
+from shared_td.errors import FileTooShortError, FormatError, StorageFullError
 from shared_td.storage.cache import InodeCache
 from shared_td.storage.removal import remove_tree
 
@@ -43,24 +43,10 @@ __all__ = [
     "tensor_bytes",
 ]
 
-# Without /proc (not Linux) we fall back to mapping by path, losing only the guarantee
-# that the mapped inode is the one we opened.
-_HAVE_PROC_FD = os.path.isdir("/proc/self/fd")
 # One pwrite moves at most ~2 GiB on Linux; smaller calls also keep memory views short.
 _WRITE_CHUNK = 1 << 30
 #: errnos that mean "no room": reported as StorageFullError with the size asked for
 NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM, errno.EFBIG)
-
-
-class FileTooShortError(ValueError, RuntimeError):
-    """A file holds fewer bytes than the tensor mapped over it needs.
-
-    A ``ValueError`` that is also a ``RuntimeError`` so handlers of either catch it.
-    """
-
-
-class StorageFullError(OSError):
-    """Space for new tensor bytes could not be reserved (disk, tmpfs or memory is full)."""
 
 
 def _size_text(nbytes: int) -> str:
@@ -121,7 +107,7 @@ def pwrite_all(fd: int, data, offset: int, *, where: str = "a file") -> None:
             raise
 
 
-def map_fd(fd: int, nbytes: int, *, shared: bool = True, path: str | None = None):
+def map_fd(fd: int, nbytes: int, *, shared: bool = True):
     """Map the first ``nbytes`` of the open file ``fd`` as one uint8 ``UntypedStorage``.
 
     ``shared=False`` gives a private copy-on-write mapping. torch opens the file again
@@ -135,8 +121,7 @@ def map_fd(fd: int, nbytes: int, *, shared: bool = True, path: str | None = None
         ...     map_fd(f.fileno(), 2).tolist()
         [1, 2]
     """
-    source = f"/proc/self/fd/{fd}" if _HAVE_PROC_FD else path
-    mapped = torch.from_file(source, shared=shared, size=nbytes, dtype=torch.uint8)
+    mapped = torch.from_file(f"/proc/self/fd/{fd}", shared=shared, size=nbytes, dtype=torch.uint8)
     return mapped.untyped_storage()
 
 
@@ -191,7 +176,7 @@ def backing_from_fd(path: str, fd: int, *, shared: bool = True, read_only: str |
         # a file that changed size since is mapped again, so sizes are always current
         if cached is not None and cached.nbytes == st.st_size:
             return cached
-    storage = map_fd(fd, st.st_size, shared=shared, path=path) if st.st_size else None
+    storage = map_fd(fd, st.st_size, shared=shared) if st.st_size else None
     backing = FileBacking(path, storage, st.st_size, shared, read_only)
     if shared:
         # private mappings are never shared: two copy-on-write opens must not see each

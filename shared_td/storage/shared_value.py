@@ -51,15 +51,15 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import mmap
 import os
 import pickle
 import threading
 import weakref
 from typing import Any, Iterator
 
-from shared_td.platform import ByteLock, reopen_description
-from shared_td.storage.anonymous import SegmentUnavailableError, new_memfd, reopen_peer_fd
+from shared_td.errors import SegmentUnavailableError
+from shared_td.platform import ByteLock, map_shared_bytes, reopen_description, unmap_bytes
+from shared_td.storage.anonymous import attach_peer_fd, create_memfd
 from shared_td.storage.cache import InodeCache
 from shared_td.storage.files import allocate, pwrite_all
 
@@ -68,29 +68,6 @@ _PAYLOAD = 64  # where the payload area starts; the header is reserved at creati
 # The bytes that the ByteLocks lock (a lock needs no data there); see the module doc.
 _VALUE, _WRITE, _UPDATE = 0, 1, 2
 _WHAT = "a shared non-tensor value"
-
-
-# mmap through libc: Python's mmap.mmap would keep a second descriptor per cell.
-_LIBC = ctypes.CDLL(None, use_errno=True)
-_LIBC.mmap.restype = ctypes.c_void_p
-_LIBC.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_long]
-_LIBC.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_MAP_FAILED = ctypes.c_void_p(-1).value
-
-
-def map_shared_bytes(fd: int, nbytes: int) -> int:
-    """Map the first ``nbytes`` of ``fd`` (shared, read-write); returns the address.
-    The caller unmaps it with ``unmap_bytes(address, nbytes)``; no descriptor is kept."""
-    address = _LIBC.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
-    if address in (None, _MAP_FAILED):
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"cannot map {nbytes} bytes of a memfd: {os.strerror(errno)}")
-    return address
-
-
-def unmap_bytes(address: int, nbytes: int) -> None:
-    _LIBC.munmap(address, nbytes)
 
 
 def _pread_all(fd: int, length: int, offset: int) -> bytes:
@@ -152,7 +129,7 @@ class SharedValue:
         The header is reserved with ``posix_fallocate``: a full memory is a
         :class:`~shared_td.storage.files.StorageFullError` here, never a SIGBUS.
         """
-        fd = new_memfd(f"shared_td-value-{os.getpid()}", _PAYLOAD, _WHAT)
+        fd = create_memfd(f"shared_td-value-{os.getpid()}", _PAYLOAD, _WHAT)
         cell = cls(fd)
         cell.set(value)
         _CACHE.put(cell.key, cell)
@@ -265,7 +242,7 @@ def _reopen_from_any(key: tuple[int, int], candidates) -> int:
     first_error = None
     for pid, fd in candidates:
         try:
-            return reopen_peer_fd(pid, fd, key, what="shared non-tensor value")
+            return attach_peer_fd(pid, fd, key, what="shared non-tensor value")
         except SegmentUnavailableError as err:
             first_error = first_error or err
     raise first_error

@@ -1,6 +1,6 @@
 """Helpers of the command-line tests (tests/cli): sample saves, running the CLI, dead pids.
 
-Imported by the test modules through sys.path (the tests run with --import-mode=importlib).
+Imported by the test modules as ``tests.cli.cli_helpers`` (see tests/conftest.py).
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from cli_helpers import REPO, run_cli, run_main
+from tests.cli.cli_helpers import REPO, run_cli, run_main
 
 from shared_td.bench import CASES, BenchOptions, run
 from shared_td.bench.runner import table_rows

@@ -7,7 +7,7 @@ import re
 
 import torch
 
-from cli_helpers import dead_pid, run_main
+from tests.cli.cli_helpers import dead_pid, run_main
 
 import shared_td
 from shared_td.cli.common import shown

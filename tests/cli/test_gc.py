@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from cli_helpers import dead_pid, run_cli, run_json, run_main
+from tests.cli.cli_helpers import dead_pid, run_cli, run_json, run_main
 
 import shared_td
 from shared_td.persist import atomic

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from cli_helpers import run_cli, run_json, run_main, save_by, save_lazy_stack, save_ours
+from tests.cli.cli_helpers import run_cli, run_json, run_main, save_by, save_lazy_stack, save_ours
 
 import shared_td
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from cli_helpers import REPO, run_cli, run_main
+from tests.cli.cli_helpers import REPO, run_cli, run_main
 
 from shared_td import cli
 

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from cli_helpers import (
+from tests.cli.cli_helpers import (
     problems_by_path, run_cli, run_json, run_main, save_by, save_lazy_stack, save_ours,
 )
 

@@ -14,9 +14,9 @@ import queue as queue_module
 import pytest
 import torch
 
-import dropin_children as kids
+from tests.containers import dropin_children as kids
 import shared_td
-from processes import WAIT, finish
+from tests.processes import WAIT, finish
 
 try:
     import tensordict

@@ -17,9 +17,9 @@ import multiprocess
 import pytest
 import torch
 
-import coord_children as kids
-from leakcheck import ShmWatch, foreign_churn, private_tempdir
-from processes import WAIT, alive, finish, wait_until
+from tests.coordinator import coord_children as kids
+from tests.leakcheck import ShmWatch, foreign_churn, private_tempdir
+from tests.processes import WAIT, alive, finish, wait_until
 
 import shared_td
 from shared_td.coordinator import server

@@ -15,10 +15,10 @@ import textwrap
 
 import pytest
 
-import coord_children as kids
-from leakcheck import ShmWatch, foreign_churn, private_tempdir
-from processes import WAIT, alive, finish, wait_until
-from test_coordinator import assert_nothing_left, open_descriptors, run
+from tests.coordinator import coord_children as kids
+from tests.leakcheck import ShmWatch, foreign_churn, private_tempdir
+from tests.processes import WAIT, alive, finish, wait_until
+from tests.coordinator.test_coordinator import assert_nothing_left, open_descriptors, run
 
 import shared_td
 

@@ -20,10 +20,10 @@ import time
 import pytest
 import torch
 
-import nt_children as kids
-from leakcheck import ShmWatch, foreign_churn, private_tempdir
-from processes import WAIT, alive, finish, wait_until
-from test_coordinator import assert_nothing_left, open_descriptors
+from tests.coordinator import nt_children as kids
+from tests.leakcheck import ShmWatch, foreign_churn, private_tempdir
+from tests.processes import WAIT, alive, finish, wait_until
+from tests.coordinator.test_coordinator import assert_nothing_left, open_descriptors
 
 import shared_td
 from shared_td.coordinator import ownership, server
@@ -147,12 +147,13 @@ def test_embedded_coordinator_stops_when_its_process_is_sigkilled():
 def test_a_sigkilled_embedded_coordinator_is_replaced_and_swept():
     out = run_script("""
         import json, os, signal, time, shared_td
-        from shared_td.coordinator import ownership, server
+        from shared_td.coordinator import ownership
+        from shared_td.platform import pid_alive
         td = shared_td.TensorDict(task="walk").memmap_(share_non_tensor=True)
         first = ownership.embedded_coordinator(start=False)
         pid, address = first.pid, first.address
         os.kill(pid, signal.SIGKILL)
-        while server._pid_alive(pid):
+        while pid_alive(pid):
             time.sleep(0.01)
         again = shared_td.TensorDict(task="run").memmap_(share_non_tensor=True)
         second = ownership.embedded_coordinator(start=False)

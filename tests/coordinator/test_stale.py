@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-import nt_children as kids
+from tests.coordinator import nt_children as kids
 
 import shared_td
 

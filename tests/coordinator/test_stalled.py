@@ -25,8 +25,8 @@ import time
 import pytest
 import torch
 
-import coord_children as kids
-from processes import WAIT, alive, finish, wait_until
+from tests.coordinator import coord_children as kids
+from tests.processes import WAIT, alive, finish, wait_until
 
 import shared_td
 from shared_td.coordinator import ownership

@@ -18,7 +18,7 @@ import uuid
 
 import pytest
 
-from leakcheck import ShmWatch, foreign_churn
+from tests.leakcheck import ShmWatch, foreign_churn
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = os.path.join(REPO_ROOT, "examples")

@@ -143,7 +143,7 @@ def blocking_writer(prefix, version, mib, point, ready) -> None:
         atomic.remove_tree = lambda path: block() if mine in path else remove(path)
     elif point == "renames":
         rename, target = os.rename, os.path.abspath(prefix)
-        atomic._exchange = lambda first, second: False
+        atomic.rename_exchange = lambda first, second: False
         os.rename = lambda src, dst: (rename(src, dst), block() if src == target else None)
     if point == "start":
         ready.set()

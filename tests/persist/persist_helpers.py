@@ -1,6 +1,6 @@
 """Helpers of the persistence tests (tests/persist): sample trees and state snapshots.
 
-Imported by the test modules through sys.path (the tests run with --import-mode=importlib).
+Imported by the test modules as ``tests.persist.persist_helpers`` (see tests/conftest.py).
 """
 from __future__ import annotations
 

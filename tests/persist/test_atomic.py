@@ -10,7 +10,6 @@ import json
 import multiprocessing
 import os
 import re
-import sys
 import threading
 import time
 
@@ -18,8 +17,8 @@ import filelock
 import pytest
 import torch
 
-import atomic_children as kids
-from persist_helpers import (
+from tests.persist import atomic_children as kids
+from tests.persist.persist_helpers import (
     MemoryMappedTensor, NonTensorData, NonTensorStack, TensorDict, assert_all_memmap,
     bits, dir_state, make_td, tree_state, values_state,
 )
@@ -160,16 +159,13 @@ def _error_case(case, tmp_path, monkeypatch):
         return td, None, kwargs, ValueError, "needs a directory"
     if case == "return_early":
         return td, prefix, {"num_threads": 2, "return_early": True}, NotImplementedError, "return_early"
-    if case == "windows":
-        monkeypatch.setattr(sys, "platform", "win32")
-        return td, prefix, kwargs, NotImplementedError, "Windows"
     td = TensorDict(a=torch.ones(3)).memmap_(tmp_path / "elsewhere")  # case copy_existing
     return td, prefix, kwargs, RuntimeError, "copy_existing=True"
 
 
 @pytest.mark.parametrize("method", ["memmap_", "memmap"])
 @pytest.mark.parametrize(
-    "case", ["existsok", "not_saved", "file", "no_prefix", "return_early", "windows", "copy_existing"]
+    "case", ["existsok", "not_saved", "file", "no_prefix", "return_early", "copy_existing"]
 )
 def test_errors_leave_prefix_untouched(tmp_path, monkeypatch, case, method):
     td, prefix, kwargs, error, match = _error_case(case, tmp_path, monkeypatch)
@@ -321,7 +317,7 @@ def test_prefix_never_goes_missing_during_rewrites(tmp_path):
 def test_without_exchange_two_renames_are_used(tmp_path, monkeypatch):
     prefix = tmp_path / "p"
     old_save(prefix)
-    monkeypatch.setattr(atomic, "_exchange", lambda first, second: False)
+    monkeypatch.setattr(atomic, "rename_exchange", lambda first, second: False)
     td = kids.build(3)
     td.memmap_(prefix, atomic=True)
     assert kids.check(load_memmap(prefix)) == 3 and not (prefix / "junk.bin").exists()

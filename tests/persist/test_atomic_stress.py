@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-import atomic_children as kids
-from persist_helpers import dir_state
+from tests.persist import atomic_children as kids
+from tests.persist.persist_helpers import dir_state
 
 import shared_td
 from shared_td import load_memmap

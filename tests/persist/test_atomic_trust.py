@@ -12,9 +12,9 @@ import stat
 import pytest
 import torch
 
-import atomic_children as kids
-from persist_helpers import dir_state, make_td
-from processes import finish
+from tests.persist import atomic_children as kids
+from tests.persist.persist_helpers import dir_state, make_td
+from tests.processes import finish
 
 import shared_td
 from shared_td import load_memmap
@@ -120,7 +120,7 @@ def test_verify_and_inspect_say_the_same_as_atomic(tmp_path):
     for command in ("verify", "inspect"):
         code = main([command, str(prefix)])
         assert code == 1
-    from cli_helpers import run_main
+    from tests.cli.cli_helpers import run_main
 
     for command in ("verify", "inspect"):
         code, out, err = run_main(command, prefix)

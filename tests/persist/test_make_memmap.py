@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch
 
-from persist_helpers import (
+from tests.persist.persist_helpers import (
     MemoryMappedTensor, TensorDict, assert_all_memmap, bits, dir_state, tree_state,
 )
 

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from persist_helpers import (
+from tests.persist.persist_helpers import (
     DTYPES, MemoryMappedTensor, TensorDict, assert_all_memmap,
     assert_same_values, bits, dir_state, make_td, tree_state, values_state,
 )

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from persist_helpers import bits, dir_state, sample
+from tests.persist.persist_helpers import bits, dir_state, sample
 
 from shared_td import (
     LazyStackedTensorDict, MemoryMappedTensor, NonTensorData, NonTensorStack, TensorDict,

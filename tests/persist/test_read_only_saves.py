@@ -17,10 +17,10 @@ import tempfile
 import pytest
 import torch
 
-from persist_helpers import bits, dir_state, make_td
-from processes import WAIT, finish
-from read_only_children import load_and_write_as_nobody, reference_tensor, write_received
-from test_load_untrusted import in_child, verify_json
+from tests.persist.persist_helpers import bits, dir_state, make_td
+from tests.processes import WAIT, finish
+from tests.persist.read_only_children import load_and_write_as_nobody, reference_tensor, write_received
+from tests.persist.test_load_untrusted import in_child, verify_json
 
 from shared_td import MemoryMappedTensor, ReadOnlyError, TensorDict, lazy_stack
 from shared_td.memmap_tensor import ReadOnlyMemoryMappedTensor

@@ -16,8 +16,8 @@ import multiprocess
 import pytest
 import torch
 
-import share_children as kids
-from persist_helpers import dir_state, values_state
+from tests.persist import share_children as kids
+from tests.persist.persist_helpers import dir_state, values_state
 
 from shared_td import NonTensorData, NonTensorStack, TensorDict
 

@@ -14,10 +14,10 @@ import time
 import pytest
 import torch
 
-from persist_helpers import TensorDict, dir_state
-from processes import finish
+from tests.persist.persist_helpers import TensorDict, dir_state
+from tests.processes import finish
 
-from shared_td.persist.atomic import _exchange
+from shared_td.platform import rename_exchange
 
 STRESS = os.environ.get("SHARED_TD_STRESS") == "1"
 
@@ -111,8 +111,8 @@ def _swap_in_symlinks(prefix: str, canary: str, stop, seconds: float) -> None:
         for real, link in pairs:
             try:
                 if turn % 3:
-                    _exchange(real, link)  # the symlink takes the directory's place
-                    _exchange(real, link)  # and gives it back
+                    rename_exchange(real, link)  # the symlink takes the directory's place
+                    rename_exchange(real, link)  # and gives it back
                 else:  # a rename away and a symlink in the freed name
                     os.rename(real, real + "-away")
                     os.symlink(os.readlink(link), real)

@@ -1,7 +1,7 @@
 """Child-process targets for test_shm_crash.py (writers SIGKILLed mid-write, readers
 that check every value they see, threads and processes contending for one cell).
 
-Importable by name (tests/conftest.py puts this folder on sys.path).
+Imported as ``tests.storage.shm_children`` (see tests/conftest.py).
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ import pickle
 
 import pytest
 
-from leakcheck import this_process_in_shm
+from tests.leakcheck import this_process_in_shm
 
 from shared_td.storage import anonymous
 from shared_td.storage.anonymous import Segment, SegmentUnavailableError, align

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-import counter_children as kids
-from leakcheck import this_process_in_shm
-from processes import finish
+from tests.storage import counter_children as kids
+from tests.leakcheck import this_process_in_shm
+from tests.processes import finish
 
 from shared_td import SharedCounter
 from shared_td.storage import counter as counter_module

@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-import shm_children as kids
-from processes import WAIT, finish
+from tests.storage import shm_children as kids
+from tests.processes import WAIT, finish
 
 from shared_td import NonTensorData, SharedCounter, TensorDict
 from shared_td.coordinator import server
