@@ -1,0 +1,107 @@
+"""What a client sends to publish a tensordict, and how an attaching client rebuilds it.
+
+The manager process imports no torch and no container (see
+:mod:`shared_td.coordinator.server`), so everything it holds is plain data made here:
+
+* :func:`pickle_by_reference`: the tensordict's pickle, in which every memfd (an
+  anonymous :class:`~shared_td.storage.anonymous.Segment`, a shared non-tensor
+  :class:`~shared_td.storage.shared_value.SharedValue`) is a *reference*: an index into
+  a list of ``(pid, fd, (st_dev, st_ino))``. The manager opens its own descriptor on
+  each, and answers an attach with ``(its pid, its fd, key)`` instead, so attaching works
+  after the publisher exited. Both kinds pickle as ``attach(pid, fd, key, *rest)``; the
+  pickle keeps ``attach`` and ``rest``, the list only what the manager must reopen.
+* :func:`layout_of`: the summary that :meth:`Coordinator.layout` returns.
+
+Example:
+    >>> import os, torch, shared_td
+    >>> td = shared_td.TensorDict(a=torch.zeros(2, 3), batch_size=[2]).memmap_()
+    >>> blob, references = pickle_by_reference(td)
+    >>> len(references), references[0][0] == os.getpid()   # one segment, ours
+    (1, True)
+    >>> unpickle(blob, references)["a"].shape
+    torch.Size([2, 3])
+    >>> layout_of(td)["leaves"]
+    [{'key': 'a', 'shape': [2, 3], 'dtype': 'torch.float32', 'where': 'anonymous'}]
+"""
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any
+
+import torch
+
+from shared_td.containers.base import is_leaf_nontensor
+from shared_td.storage.anonymous import Segment
+from shared_td.storage.shared_value import SharedValue
+
+__all__ = ["layout_of", "pickle_by_reference", "unpickle"]
+
+# Pickled as ``attach(pid, fd, (st_dev, st_ino), *rest)``: a descriptor of the pickling
+# process that the receiver reopens through /proc.
+_BY_DESCRIPTOR = (Segment, SharedValue)
+
+
+class _ReferencePickler(pickle.Pickler):
+    def __init__(self, file):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.references: list[tuple[int, int, tuple[int, int]]] = []
+        self._index: dict[tuple[int, int], int] = {}  # (st_dev, st_ino) -> reference
+
+    def persistent_id(self, obj: Any):
+        if type(obj) not in _BY_DESCRIPTOR:
+            return None
+        attach, (pid, fd, key, *rest) = obj.__reduce__()
+        index = self._index.get(key)
+        if index is None:
+            index = self._index[key] = len(self.references)
+            self.references.append((pid, fd, key))
+        return index, attach, tuple(rest)
+
+
+class _ReferenceUnpickler(pickle.Unpickler):
+    def __init__(self, file, references: list):
+        super().__init__(file)
+        self.references = references
+        self._loaded: dict[int, Any] = {}  # index -> the object (leaves share segments)
+
+    def persistent_load(self, reference):
+        index, attach, rest = reference
+        loaded = self._loaded.get(index)
+        if loaded is None:
+            pid, fd, key = self.references[index]
+            loaded = self._loaded[index] = attach(pid, fd, tuple(key), *rest)
+        return loaded
+
+
+def pickle_by_reference(obj: Any) -> tuple[bytes, list[tuple[int, int, tuple[int, int]]]]:
+    """``obj``'s pickle, and the ``(pid, fd, key)`` of each memfd it names (see the
+    module doc)."""
+    buffer = io.BytesIO()
+    pickler = _ReferencePickler(buffer)
+    pickler.dump(obj)
+    return buffer.getvalue(), pickler.references
+
+
+def unpickle(blob: bytes, references: list) -> Any:
+    """Rebuild what :func:`pickle_by_reference` pickled, opening each memfd through the
+    process and descriptor that ``references`` now name (the manager's)."""
+    return _ReferenceUnpickler(io.BytesIO(blob), references).load()
+
+
+def layout_of(td: Any) -> dict:
+    """A plain-dict summary of ``td``: class, batch size, and per leaf its key, shape,
+    dtype and where it lives (a file path, ``"anonymous"`` or ``"non-tensor"``)."""
+    leaves = []
+    for key, value in td.items(True, True, is_leaf_nontensor):
+        key_str = ".".join(key) if isinstance(key, tuple) else key
+        if isinstance(value, torch.Tensor):
+            backing_path = getattr(getattr(value, "_backing", None), "path", None)
+            leaves.append({
+                "key": key_str, "shape": list(value.shape), "dtype": str(value.dtype),
+                "where": backing_path or "anonymous",
+            })
+        else:  # a non-tensor leaf (shared as a SharedValue or held in the pickle)
+            leaves.append({"key": key_str, "shape": list(value.batch_size),
+                           "dtype": type(value).__name__, "where": "non-tensor"})
+    return {"class": type(td).__name__, "batch_size": list(td.batch_size), "leaves": leaves}
