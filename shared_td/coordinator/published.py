@@ -3,13 +3,15 @@
 The manager process imports no torch and no container (see
 :mod:`shared_td.coordinator.server`), so everything it holds is plain data made here:
 
-* :func:`pickle_by_reference`: the tensordict's pickle, in which every memfd (an
-  anonymous :class:`~shared_td.storage.anonymous.Segment`, a shared non-tensor
-  :class:`~shared_td.storage.shared_value.SharedValue`) is a *reference*: an index into
-  a list of ``(pid, fd, (st_dev, st_ino))``. The manager opens its own descriptor on
-  each, and answers an attach with ``(its pid, its fd, key)`` instead, so attaching works
-  after the publisher exited. Both kinds pickle as ``attach(pid, fd, key, *rest)``; the
-  pickle keeps ``attach`` and ``rest``, the list only what the manager must reopen.
+* :func:`pickle_by_reference`: the tensordict's pickle, and a *reference* to every memfd
+  it names (an anonymous :class:`~shared_td.storage.anonymous.Segment`, a shared
+  non-tensor :class:`~shared_td.storage.shared_value.SharedValue`):
+  ``(pid, fd, (st_dev, st_ino), how)`` in the publishing process, ``how`` being opaque
+  bytes that say how to rebuild it here. The manager opens its own descriptor on each,
+  and answers an attach with ``(its pid, its fd, key, how)`` instead, so attaching works
+  after the publisher exited. :func:`unpickle` first opens each memfd through those
+  references (this process's storage caches keep one object per inode), then unpickles
+  the blob with plain ``pickle.loads``, which finds every memfd already open here.
 * :func:`layout_of`: the summary that :meth:`Coordinator.layout` returns.
 
 Example:
@@ -38,55 +40,42 @@ from shared_td.storage.shared_value import SharedValue
 __all__ = ["layout_of", "pickle_by_reference", "unpickle"]
 
 # Pickled as ``attach(pid, fd, (st_dev, st_ino), *rest)``: a descriptor of the pickling
-# process that the receiver reopens through /proc.
+# process that the receiver reopens through /proc (unless it has that inode open already).
 _BY_DESCRIPTOR = (Segment, SharedValue)
 
 
-class _ReferencePickler(pickle.Pickler):
+class _ReferenceCollector(pickle.Pickler):
+    """A plain pickler that notes the memfds it pickles (the pickle is unchanged)."""
+
     def __init__(self, file):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.references: list[tuple[int, int, tuple[int, int]]] = []
-        self._index: dict[tuple[int, int], int] = {}  # (st_dev, st_ino) -> reference
+        self.references: dict[tuple[int, int], tuple] = {}  # (st_dev, st_ino) -> reference
 
     def persistent_id(self, obj: Any):
-        if type(obj) not in _BY_DESCRIPTOR:
-            return None
-        attach, (pid, fd, key, *rest) = obj.__reduce__()
-        index = self._index.get(key)
-        if index is None:
-            index = self._index[key] = len(self.references)
-            self.references.append((pid, fd, key))
-        return index, attach, tuple(rest)
+        if type(obj) in _BY_DESCRIPTOR:
+            attach, (pid, fd, key, *rest) = obj.__reduce__()
+            if key not in self.references:
+                self.references[key] = (pid, fd, key, pickle.dumps((attach, tuple(rest))))
+        return None  # pickled as usual
 
 
-class _ReferenceUnpickler(pickle.Unpickler):
-    def __init__(self, file, references: list):
-        super().__init__(file)
-        self.references = references
-        self._loaded: dict[int, Any] = {}  # index -> the object (leaves share segments)
-
-    def persistent_load(self, reference):
-        index, attach, rest = reference
-        loaded = self._loaded.get(index)
-        if loaded is None:
-            pid, fd, key = self.references[index]
-            loaded = self._loaded[index] = attach(pid, fd, tuple(key), *rest)
-        return loaded
-
-
-def pickle_by_reference(obj: Any) -> tuple[bytes, list[tuple[int, int, tuple[int, int]]]]:
-    """``obj``'s pickle, and the ``(pid, fd, key)`` of each memfd it names (see the
-    module doc)."""
+def pickle_by_reference(obj: Any) -> tuple[bytes, list[tuple]]:
+    """``obj``'s pickle, and a ``(pid, fd, key, how)`` reference to each memfd it names
+    (see the module doc)."""
     buffer = io.BytesIO()
-    pickler = _ReferencePickler(buffer)
-    pickler.dump(obj)
-    return buffer.getvalue(), pickler.references
+    collector = _ReferenceCollector(buffer)
+    collector.dump(obj)
+    return buffer.getvalue(), list(collector.references.values())
 
 
 def unpickle(blob: bytes, references: list) -> Any:
     """Rebuild what :func:`pickle_by_reference` pickled, opening each memfd through the
     process and descriptor that ``references`` now name (the manager's)."""
-    return _ReferenceUnpickler(io.BytesIO(blob), references).load()
+    opened = []  # held while unpickling: the storage caches are weak
+    for pid, fd, key, how in references:
+        attach, rest = pickle.loads(how)
+        opened.append(attach(pid, fd, tuple(key), *rest))
+    return pickle.loads(blob)
 
 
 def layout_of(td: Any) -> dict:

@@ -7,14 +7,15 @@ tensordict reaches it as plain data, made by the client (see
 :mod:`shared_td.coordinator.published`):
 
 * its pickle, *opaque* bytes that the manager never unpickles;
-* its *references*: ``(pid, fd, (st_dev, st_ino))`` of every memfd the pickle names
-  (anonymous segments, shared non-tensor cells), in the publishing process;
+* its *references*: ``(pid, fd, (st_dev, st_ino), how)`` of every memfd the pickle names
+  (anonymous segments, shared non-tensor cells) in the publishing process, ``how``
+  being opaque bytes for the client;
 * its layout: class, batch size, and per leaf its key, shape, dtype and where it lives.
 
 Why the manager opens a descriptor on each reference: a memfd can only be reached while a
 process holds it (``/proc/<pid>/fd/<fd>``). The manager reopens each one while its
 publisher waits for the reply, keeps the descriptor until the name is replaced or
-unpublished, and hands ``(its pid, its fd, key)`` to attaching processes: so attaching
+unpublished, and hands ``(its pid, its fd, key, how)`` to attaching processes: so attaching
 works after the publisher has exited, and the manager never maps a byte of the data.
 
 Besides published tensordicts the registry holds:
@@ -29,7 +30,8 @@ Example (what a client call amounts to, in the manager)::
     >>> fd = os.memfd_create("example"); st = os.fstat(fd)
     >>> registry = Registry()
     >>> layout = {"class": "TensorDict", "batch_size": [], "leaves": []}
-    >>> info, stamp = registry.publish("demo", b"<pickle>", [(os.getpid(), fd, (st.st_dev, st.st_ino))], layout)
+    >>> reference = (os.getpid(), fd, (st.st_dev, st.st_ino), b"<how>")
+    >>> info, stamp = registry.publish("demo", b"<pickle>", [reference], layout)
     >>> info["name"], info["version"], stamp["slot"]
     ('demo', 1, 0)
     >>> blob, references, version, _ = registry.attach("demo")
@@ -73,8 +75,8 @@ class Registry:
     def publish(self, name: str, blob: bytes, references: list, layout: dict) -> tuple[dict, dict]:
         """Hold the tensordict pickled as ``blob`` under ``name``.
 
-        ``references`` are ``(pid, fd, (st_dev, st_ino))`` of the memfds the pickle names
-        (the publisher is alive: it waits for this reply); ``layout`` is its summary
+        ``references`` are ``(pid, fd, (st_dev, st_ino), how)`` of the memfds the pickle
+        names (the publisher is alive: it waits for this reply); ``layout`` is its summary
         (``class``, ``batch_size``, ``leaves``). Returns the layout with its ``name`` and
         ``version``, and the name's *stamp*: where attached processes read its current
         version without asking (see :meth:`_stamp`).
@@ -85,13 +87,13 @@ class Registry:
             raise TypeError("publish takes the pickle as bytes and the layout as a dict.")
         fds: list[int] = []
         try:
-            for pid, fd, key in references:
+            for pid, fd, key, _how in references:
                 fds.append(open_peer_memfd(pid, fd, key))
         except BaseException:
             for fd in fds:
                 os.close(fd)
             raise
-        own = [(os.getpid(), fd, tuple(key)) for fd, (_, _, key) in zip(fds, references)]
+        own = [(os.getpid(), fd, tuple(key), how) for fd, (_, _, key, how) in zip(fds, references)]
         with self._lock:
             version = self._versions.get(name, 0) + 1
             self._versions[name] = version
@@ -191,7 +193,7 @@ class Registry:
 
 
 def _close_references(entry: dict) -> None:
-    for _, fd, _ in entry["references"]:
+    for _, fd, _, _ in entry["references"]:
         os.close(fd)
 
 
