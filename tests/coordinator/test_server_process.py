@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from processes import WAIT, alive, finish, wait_until
+from test_leaks import holders_of
 
 import shared_td
 from shared_td.coordinator import ownership
@@ -147,6 +148,18 @@ def test_the_manager_never_loads_torch_nor_unpickles_what_is_published(tmp_path)
         layout = coord.layout("pose")
         assert layout["class"] == "Pose" and layout["name"] == "pose"
         assert coord.attach("td")["b"] == "walk"
+
+
+@pytest.mark.timeout(60)
+def test_the_manager_lets_go_of_a_replaced_tensordicts_memory():
+    with shared_td.Coordinator() as coord:
+        manager = coord.pid
+        first = coord.publish("x", shared_td.TensorDict(a=torch.zeros(2)))
+        inode = first["a"]._backing.key[1]
+        assert holders_of(inode, [manager]) == [manager]
+        coord.publish("x", shared_td.TensorDict(a=torch.ones(2)))  # a new segment
+        assert holders_of(inode, [manager]) == []
+        assert coord.attach("x")["a"].tolist() == [1.0, 1.0]
 
 
 # ------------------------------------------------------------------ the engine's hook
