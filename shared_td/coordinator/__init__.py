@@ -13,6 +13,7 @@ Example:
     [1.0, 1.0]
 """
 from shared_td.coordinator.client import Coordinator, CoordinatorTimeoutError, attach
+from shared_td.coordinator import ownership  # registers the adopter of new shared cells
 from shared_td.coordinator.staleness import is_stale, refresh
 
 __all__ = ["Coordinator", "CoordinatorTimeoutError", "attach", "is_stale", "refresh"]

@@ -15,35 +15,25 @@ Example:
     ...     td["obs"][0].item(), coord.names(), coord.layout("batch")["version"]
     (1.0, ['batch'], 1)
 
-Connections: each process keeps one connection per coordinator address (re-made after a
-fork, never shared with the parent), so after the first call an attach is one round trip
-plus unpickling. A call that finds the manager gone raises :class:`ConnectionError`
-naming the address; data already attached is untouched by that.
+Connections (see :mod:`shared_td.coordinator.channels`): each process keeps one
+connection per coordinator address (re-made after a fork, never shared with the parent),
+so after the first call an attach is one round trip plus unpickling. A call that finds the
+manager gone raises :class:`ConnectionError` naming the address; data already attached is
+untouched by that.
 
-Every wait of a call is bounded by its ``timeout`` (one deadline for the whole call):
-connecting, the authkey handshake of a new connection, sending, and the answer. A manager
-that is stopped (SIGSTOP, a debugger) or stalled makes the call raise
-:class:`CoordinatorTimeoutError` (a ConnectionError and a TimeoutError) naming the address
-after about ``timeout`` seconds, and the connection is dropped. No process-wide lock is held
-while talking to a manager: a thread waiting for a stalled coordinator never holds up calls
-to another one.
+Every wait of a call is bounded by its ``timeout``: a manager that is stopped (SIGSTOP, a
+debugger) or stalled makes the call raise :class:`CoordinatorTimeoutError` (a
+ConnectionError and a TimeoutError) naming the address after about ``timeout`` seconds.
 """
 from __future__ import annotations
 
 import os
-import pickle
-import shutil
-import socket
-import struct
-import subprocess
-import threading
-import time
+import warnings
+import weakref
 
-import multiprocess
-from multiprocess import connection, managers
-
-from shared_td.coordinator import staleness
-from shared_td.coordinator.server import DIR_PATTERN, REGISTRY_ID, CoordinatorManager, sweep_dead_dirs
+from shared_td.coordinator import published, staleness
+from shared_td.coordinator.channels import call, drop_channel
+from shared_td.coordinator.process import ServerProcess
 from shared_td.errors import CoordinatorTimeoutError
 
 __all__ = ["Coordinator", "CoordinatorTimeoutError", "attach"]
@@ -66,15 +56,22 @@ class Coordinator:
     the network. It also stops by itself when the process that started it dies.
 
     Pickling a handle (e.g. as a worker's argument) sends ``address`` and ``authkey``;
-    the receiver gets a non-owning handle (its :meth:`shutdown` only disconnects).
+    the receiver gets a non-owning handle (its :meth:`shutdown` only disconnects). A
+    started handle that is garbage-collected, or still running when this process exits,
+    stops its manager.
 
     Inside ``with coord:`` (and during :meth:`publish`) this coordinator is the one
     that adopts the values of ``memmap_(share_non_tensor=True)`` in this process, so
     they outlive the process that made them (see :meth:`current`).
 
+    The manager runs ``coordinator/server.py`` in a fresh interpreter (a
+    :class:`~shared_td.coordinator.process.ServerProcess`, ~0.1 s to start): it imports
+    neither torch nor the user's ``__main__`` and inherits nothing of this process.
+
     Args:
-        context: the ``multiprocess`` start method of the manager (``"fork"``,
-            ``"spawn"``, ``"forkserver"``; default: multiprocess's default).
+        context: deprecated and ignored (a DeprecationWarning says so): it chose the
+            ``multiprocess`` start method of the manager, which now always starts in a
+            fresh interpreter.
         timeout: seconds each call may take in all (connecting, the handshake of a new
             connection, the answer) before :class:`CoordinatorTimeoutError`.
 
@@ -86,15 +83,16 @@ class Coordinator:
     """
 
     def __init__(self, *, context: str | None = None, timeout: float = DEFAULT_TIMEOUT):
-        self._context = context
+        if context is not None:
+            warnings.warn(
+                "Coordinator(context=...) is deprecated and ignored: the manager always "
+                "starts in a fresh interpreter (no fork, no spawn of __main__). Remove "
+                "the argument.", DeprecationWarning, stacklevel=2,
+            )
         self._timeout = timeout
-        self._manager: CoordinatorManager | None = None
-        self._popen: subprocess.Popen | None = None  # an embedded coordinator's process
+        self._process: ServerProcess | None = None  # the manager, when this handle started it
         self._address: str | None = None
         self._authkey: bytes | None = None
-        # A fork child inherits this object without being the owner: ownership is the
-        # pid that started the manager, never a flag copied along.
-        self._owner_pid = os.getpid()
 
     @classmethod
     def connect(cls, address: str, authkey: bytes, *, timeout: float = DEFAULT_TIMEOUT) -> "Coordinator":
@@ -104,9 +102,8 @@ class Coordinator:
         CoordinatorTimeoutError if it does not answer within ``timeout`` seconds.
         """
         handle = cls(timeout=timeout)
-        handle._owner_pid = None
         handle._address, handle._authkey = address, _as_key(authkey)
-        _call(handle._address, handle._authkey, "names", timeout=timeout)
+        call(handle._address, handle._authkey, "names", timeout=timeout)
         return handle
 
     # ------------------------------------------------------------------ lifecycle
@@ -114,15 +111,10 @@ class Coordinator:
         """Start the manager process; returns self. RuntimeError if already started."""
         if self._address is not None:
             raise RuntimeError("This Coordinator is already started or connected.")
-        sweep_dead_dirs()  # leftovers of coordinators killed earlier
-        authkey = os.urandom(32)
-        ctx = multiprocess.get_context(self._context)
-        manager = CoordinatorManager(authkey=authkey, ctx=ctx)
-        # The manager's finalizer (shutdown(), and at exit) connects to send its stop
-        # request: with a deadline, so a stopped manager is killed instead of waited for.
-        manager._Client = _StopRequestClient(min(self._timeout, SHUTDOWN_TIMEOUT))
-        manager.start()
-        self._manager, self._address, self._authkey = manager, manager.address, authkey
+        process = ServerProcess.start(os.urandom(32))
+        self._process, self._address, self._authkey = process, process.address, process.authkey
+        # collected, or still running at exit: stop it (in the owner only, see ServerProcess)
+        weakref.finalize(self, process.stop, min(self._timeout, SHUTDOWN_TIMEOUT))
         return self
 
     def shutdown(self) -> None:
@@ -130,44 +122,16 @@ class Coordinator:
 
         Attached processes keep their mappings: anonymous memory is freed by the kernel
         once the last of them is gone. Works after the manager was killed too: then it
-        removes the dead manager's private directory.
+        removes the dead manager's private directory. A stopped (SIGSTOP) or stalled
+        manager is killed after at most ``min(timeout, 5)`` seconds.
         """
-        address, manager = self._address, self._manager
+        address = self._address
         if address is None:
             return
-        _drop_channel(address)
+        drop_channel(address)
         self._address = None
-        if not self._owns():
-            return
-        if self._popen is not None:
-            self._stop_embedded(address)
-        if manager is None:
-            return
-        self._manager = None
-        process = manager._process
-        manager.shutdown()  # asks the server to stop, joins, terminates if it must
-        if process.is_alive():
-            process.kill()
-            process.join(5)
-        if not process.is_alive():
-            _remove_private_dir(address)
-            process.close()  # releases the sentinel descriptor now
-
-    def _stop_embedded(self, address: str) -> None:
-        popen, self._popen = self._popen, None
-        try:
-            deadline = time.monotonic() + min(self._timeout, SHUTDOWN_TIMEOUT)
-            conn = _connect(address, self._authkey, deadline)
-            try:
-                _limit_waits(conn, deadline)
-                managers.dispatch(conn, None, "shutdown")
-            finally:
-                conn.close()
-            popen.wait(SHUTDOWN_TIMEOUT)
-        except (OSError, EOFError, subprocess.TimeoutExpired):
-            popen.kill()
-            popen.wait(5)
-        _remove_private_dir(address)
+        if self._process is not None:  # stops it in the owning process only
+            self._process.stop(min(self._timeout, SHUTDOWN_TIMEOUT))
 
     def __enter__(self) -> "Coordinator":
         if self._address is None:
@@ -203,11 +167,10 @@ class Coordinator:
         return Coordinator.connect, (self.address, self.authkey)
 
     def __repr__(self) -> str:
-        state = self._address or "not started"
-        return f"Coordinator({state}, {'owner' if self._owns() else 'connected'})"
-
-    def _owns(self) -> bool:
-        return self._owner_pid == os.getpid()
+        if self._address is None:
+            return "Coordinator(not started)"
+        owns = self._process is not None and self._process.owned_here()
+        return f"Coordinator({self._address}, {'owner' if owns else 'connected'})"
 
     # ------------------------------------------------------------------ properties
     @property
@@ -246,9 +209,11 @@ class Coordinator:
             td.memmap_(prefix, **memmap_kwargs)
         finally:
             _leave(self)
-        # by reference: file paths and (pid, fd) of segments, never the bytes
-        _layout, stamp = self._call("publish", name, pickle.dumps(td))
-        staleness.remember(td, name, _layout["version"], stamp,
+        # by reference: file paths and (pid, fd) of memfds, never the bytes; the layout
+        # as plain data (the manager imports no container)
+        blob, references = published.pickle_by_reference(td)
+        layout, stamp = self._call("publish", name, blob, references, published.layout_of(td))
+        staleness.remember(td, name, layout["version"], stamp,
                            _Endpoint(self.address, self.authkey, self._timeout))
         return td
 
@@ -274,9 +239,25 @@ class Coordinator:
         freed when the last one drops it. KeyError if unknown."""
         self._call("unpublish", name)
 
+    def adopt_cells(self, cells: list) -> None:
+        """Hold the shared non-tensor cells ``cells`` (new
+        :class:`~shared_td.storage.shared_value.SharedValue` objects of this process) in
+        the manager too, so that they stay attachable after this process exits, while the
+        manager lives. One round trip; each cell records the manager as a fallback holder.
+        Cells this process dropped since the last call are released in the same trip.
+        """
+        address = self.address
+        released = _RELEASED.pop(address, [])
+        pid, fds = self._call("adopt_cells", os.getpid(), [(c.fd, c.key) for c in cells], released)
+        for cell, fd in zip(cells, fds):
+            cell.add_holders([(pid, fd)])
+            # once this process drops the cell, the manager may drop it too (told with
+            # the next adoption: a finalizer must not make a round trip)
+            weakref.finalize(cell, _release_later, address, cell.key)
+
     def _call(self, method: str, *args):
         self._check()
-        return _call(self._address, self._authkey, method, *args, timeout=self._timeout)
+        return call(self._address, self._authkey, method, *args, timeout=self._timeout)
 
     def _check(self) -> None:
         if self._address is None:
@@ -299,8 +280,8 @@ def attach(name: str, *, address: str, authkey: bytes, timeout: float = DEFAULT_
         >>> td = attach("batch", address=addr, authkey=key)   # doctest: +SKIP
     """
     authkey = _as_key(authkey)
-    blob, version, stamp = _call(address, authkey, "attach", name, timeout=timeout)
-    td = pickle.loads(blob)
+    blob, references, version, stamp = call(address, authkey, "attach", name, timeout=timeout)
+    td = published.unpickle(blob, references)
     staleness.remember(td, name, version, stamp, _Endpoint(address, authkey, timeout))
     return td
 
@@ -314,13 +295,15 @@ class _Endpoint:
     def attach(self, name: str):
         return attach(name, address=self.address, authkey=self.authkey, timeout=self._timeout)
 
-    def _call(self, method: str, *args):
-        return _call(self.address, self.authkey, method, *args, timeout=self._timeout)
+    def version(self, name: str) -> int:
+        return call(self.address, self.authkey, "version", name, timeout=self._timeout)
 
 
 # Coordinators of this process's active ``with`` blocks and publish calls, innermost
 # last (process-wide, not per thread: a worker thread's memmap_ uses the same one).
 _IN_USE: list[Coordinator] = []
+# address -> keys of cells this process dropped, released with its next adopt_cells
+_RELEASED: dict[str, list] = {}
 
 
 def _leave(coord: Coordinator) -> None:
@@ -330,215 +313,8 @@ def _leave(coord: Coordinator) -> None:
             return
 
 
-def _remove_private_dir(address: str) -> None:
-    directory = os.path.dirname(address)
-    if DIR_PATTERN.match(os.path.basename(directory)):
-        shutil.rmtree(directory, ignore_errors=True)
-
-
-# ---------------------------------------------------------------------- connections
-
-class _Channel:
-    """One connection to one manager, used by one thread at a time, in one process."""
-
-    def __init__(self, address: str, authkey: bytes, deadline: float):
-        self.lock = threading.Lock()
-        self.conn = _connect(address, authkey, deadline)
-        try:
-            # Serve this connection from the registry object (see server.REGISTRY_ID).
-            _limit_waits(self.conn, deadline)
-            managers.dispatch(self.conn, None, "accept_connection", (REGISTRY_ID,))
-        except BaseException:
-            self.conn.close()
-            raise
-
-
-def _connect(address: str, authkey: bytes, deadline: float) -> connection.Connection:
-    """A connection to the manager at ``address`` that passed the authkey handshake,
-    made before ``deadline`` (a ``time.monotonic()`` value), else TimeoutError.
-
-    ``multiprocess.connection.Client`` would wait for ever on a manager that does not
-    answer: a blocking connect() while its listen backlog is full, then the handshake's
-    reads. Here the socket connects with a timeout, and each read and write of the
-    handshake is bounded by what is left until the deadline (see :func:`_limit_waits`).
-    """
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        while True:
-            sock.settimeout(_time_left(deadline))
-            try:
-                sock.connect(address)
-                break
-            except BlockingIOError:
-                # A Unix socket's full backlog fails at once instead of waiting: the
-                # manager is not accepting, ask again shortly.
-                time.sleep(min(0.01, _time_left(deadline)))
-        sock.setblocking(True)  # the Connection reads and writes the descriptor itself
-        conn = connection.Connection(sock.detach())
-    finally:
-        sock.close()
-    try:
-        _limit_waits(conn, deadline)
-        connection.answer_challenge(conn, authkey)
-        _limit_waits(conn, deadline)
-        connection.deliver_challenge(conn, authkey)
-    except BaseException:
-        conn.close()
-        raise
-    return conn
-
-
-def _time_left(deadline: float) -> float:
-    """Seconds until ``deadline``; TimeoutError once it has passed."""
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError("the deadline passed")
-    return left
-
-
-def _limit_waits(conn: connection.Connection, deadline: float) -> None:
-    """Make each blocking read and write on ``conn`` wait at most the time left now until
-    ``deadline``, then fail with EAGAIN (BlockingIOError), so that a peer that stops
-    answering, even in the middle of a message, cannot block us for ever. Two socket
-    options, a few microseconds."""
-    left = _time_left(deadline)
-    seconds = int(left)
-    # a zero timeval would mean "wait for ever": at least one microsecond
-    timeval = struct.pack("@ll", seconds, max(1, int((left - seconds) * 1e6)))
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, 0, conn.fileno())
-    try:
-        if socket.getdefaulttimeout() is not None:
-            sock.setblocking(True)  # a socket object made the descriptor non-blocking
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
-    finally:
-        sock.detach()  # the descriptor stays the Connection's
-
-
-class _StopRequestClient:
-    """``BaseManager._Client`` for the stop request of the manager's finalizer: a
-    connection made within ``timeout`` seconds (the finalizer then terminates and
-    kills a manager that did not stop)."""
-
-    def __init__(self, timeout: float):
-        self.timeout = timeout
-
-    def __call__(self, address: str, authkey: bytes) -> connection.Connection:
-        deadline = time.monotonic() + self.timeout
-        conn = _connect(address, authkey, deadline)
-        _limit_waits(conn, deadline)
-        return conn
-
-
-# (pid, address, authkey) -> channel: a wrong key must never ride on a right key's connection
-_CHANNELS: dict[tuple[int, str, bytes], _Channel] = {}
-# Guards _CHANNELS only, never held while talking to a manager: a thread connecting to a
-# stalled coordinator must not hold up threads calling other coordinators.
-_CHANNELS_LOCK = threading.Lock()
-
-
-def _after_fork_in_child() -> None:
-    # Never talk over a socket the parent also uses: forget the inherited ones (their
-    # descriptors close with the objects, in this process only) and a possibly held lock.
-    global _CHANNELS_LOCK
-    _CHANNELS_LOCK = threading.Lock()
-    _CHANNELS.clear()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _channel(address: str, authkey: bytes, deadline: float) -> _Channel:
-    key = (os.getpid(), address, authkey)
-    with _CHANNELS_LOCK:
-        channel = _CHANNELS.get(key)
-    if channel is not None:
-        return channel
-    # Connect with no lock held; two threads may both connect, the first one stored wins.
-    channel = _Channel(address, authkey, deadline)
-    with _CHANNELS_LOCK:
-        stored = _CHANNELS.setdefault(key, channel)
-    if stored is not channel:
-        channel.conn.close()
-    return stored
-
-
-def _forget(channel: _Channel) -> None:
-    """Close ``channel`` (whose lock the caller holds) and stop handing it out."""
-    with _CHANNELS_LOCK:
-        for key in [k for k, c in _CHANNELS.items() if c is channel]:
-            del _CHANNELS[key]
-    channel.conn.close()
-
-
-def _drop_channel(address: str) -> None:
-    pid = os.getpid()
-    with _CHANNELS_LOCK:
-        dropped = [_CHANNELS.pop(k) for k in list(_CHANNELS) if k[:2] == (pid, address)]
-    for channel in dropped:
-        channel.conn.close()
-
-
-def _call(address: str, authkey: bytes, method: str, *args, timeout: float):
-    """Call ``method`` of the manager's registry; server exceptions are re-raised here.
-
-    Everything (connecting if needed, waiting for another thread's call on the same
-    connection, sending, the answer) happens within ``timeout`` seconds, else
-    CoordinatorTimeoutError.
-    """
-    if not address or authkey is None:
-        raise ValueError("Both address= and authkey= of a running Coordinator are needed.")
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            channel = _channel(address, authkey, deadline)
-            # queued behind another thread's call: wait no longer than our own deadline
-            if not channel.lock.acquire(timeout=_time_left(deadline)):
-                raise TimeoutError("another thread's call on this connection did not end")
-        except (TimeoutError, BlockingIOError) as err:
-            raise _stalled(address, timeout, err) from err
-        except (OSError, EOFError) as err:
-            raise _gone(address, err) from err
-        if not channel.conn.closed:
-            break
-        channel.lock.release()  # another thread's call failed and closed it: connect anew
-    try:
-        _limit_waits(channel.conn, deadline)
-        channel.conn.send((REGISTRY_ID, method, args, {}))
-        if not channel.conn.poll(_time_left(deadline)):
-            raise TimeoutError("no answer")
-        kind, result = channel.conn.recv()
-    except (TimeoutError, BlockingIOError) as err:  # the deadline passed (EAGAIN: a read/write's)
-        _forget(channel)  # an answer may still come: never read it as the next call's
-        raise _stalled(address, timeout, err) from err
-    except (OSError, EOFError) as err:  # ConnectionError, BrokenPipe...
-        _forget(channel)
-        raise _gone(address, err) from err
-    finally:
-        channel.lock.release()
-    if kind == "#RETURN":
-        return result
-    raise managers.convert_to_error(kind, result)
-
-
-def _gone(address: str, err: BaseException) -> ConnectionError:
-    return ConnectionError(
-        f"The shared_td coordinator at {address} is gone ({type(err).__name__}: {err}): "
-        "it was shut down or its process died. Tensordicts already attached stay readable "
-        "and writable; publish again through a new Coordinator."
-    )
-
-
-def _stalled(address: str, timeout: float, err: BaseException) -> CoordinatorTimeoutError:
-    match = DIR_PATTERN.match(os.path.basename(os.path.dirname(address)))
-    pid = match.group(1) if match else "PID"  # the manager's pid is in its directory name
-    return CoordinatorTimeoutError(
-        f"The shared_td coordinator at {address} did not answer within {timeout:g} s "
-        f"({err}): its manager process {pid} is stopped (SIGSTOP, Ctrl-Z, a debugger) or "
-        f"stalled. Check it with `ps -o pid,stat,cmd -p {pid}` (state T: stopped; "
-        f"`kill -CONT {pid}` resumes it), or pass a longer timeout=. Tensordicts already "
-        "attached stay readable and writable."
-    )
+def _release_later(address: str, key: tuple[int, int]) -> None:
+    _RELEASED.setdefault(address, []).append(key)
 
 
 def _as_key(authkey) -> bytes:

@@ -19,16 +19,15 @@ lives. The process's coordinator is, in order:
    without a coordinator. Such a worker lives and dies with its parent anyway, so a
    manager process of its own would add a process per worker and change no lifetime.
 
-Why the embedded coordinator is a fresh interpreter and not a fork: forking took
-~15 ms here, but the child would keep, for the life of the process, copy-on-write
-copies of every private page its creator later writes or frees (a trainer's weights,
-buffers: up to its whole memory) and every descriptor the creator had open (pipes
-whose readers then never see EOF, segments never freed). ``spawn`` re-imports the
-user's ``__main__`` (a script without the ``if __name__ == "__main__"`` guard would
-fail) and torch (~2.5 s). So the embedded coordinator runs
-``shared_td/coordinator/server.py`` as a script in a new interpreter that imports only
-``multiprocess``: about 0.1 s, paid once per process, on its first
-``memmap_(share_non_tensor=True)``, never on a read or a write.
+The embedded coordinator is a plain :class:`~shared_td.Coordinator` started here: its
+manager runs ``shared_td/coordinator/server.py`` in a fresh interpreter that imports only
+``multiprocess`` (:mod:`shared_td.coordinator.server` says why not a fork): about 0.1 s,
+paid once per process, on its first ``memmap_(share_non_tensor=True)``, never on a read
+or a write.
+
+The engine does not import this module: ``memmap_`` hands its new cells to the hook that
+this module registers in storage at import (see
+:func:`shared_td.storage.shared_value.set_cell_adopter`).
 
 Example:
     >>> import shared_td
@@ -38,33 +37,25 @@ Example:
 """
 from __future__ import annotations
 
-import atexit
 import os
-import select
-import subprocess
-import sys
 import threading
-import weakref
 
 import multiprocess
 import multiprocessing
 
-from shared_td.coordinator import client, server
+from shared_td.coordinator import client
+from shared_td.storage.shared_value import set_cell_adopter
 
 __all__ = ["adopt", "embedded_coordinator", "ENV_VAR"]
 
 #: ``"<socket address>;<authkey hex>"`` of the embedded coordinator, for child processes.
 ENV_VAR = "SHARED_TD_COORDINATOR"
-#: Seconds to wait for a new embedded coordinator to listen.
-START_TIMEOUT = 30.0
 #: Seconds each call to the embedded coordinator waits (connecting and answering) before
 #: CoordinatorTimeoutError: a stopped or stalled one never hangs ``memmap_`` for ever.
 TIMEOUT = client.DEFAULT_TIMEOUT
 
 _EMBEDDED: client.Coordinator | None = None
 _LOCK = threading.Lock()
-# address -> keys of cells this process dropped, released with the next adopt_cells
-_RELEASED: dict[str, list] = {}
 
 
 def _after_fork_in_child() -> None:
@@ -85,30 +76,18 @@ def adopt(cells: list) -> None:
     """
     if not cells:
         return
-    coord = client._IN_USE[-1] if client._IN_USE else embedded_coordinator(start=True)
+    coord = client.Coordinator.current() or embedded_coordinator(start=True)
     if coord is None:
         return  # a daemonic worker: the cells stay its own
     try:
-        _hand_over(coord, cells)
+        coord.adopt_cells(cells)
     except ConnectionError as err:
-        if client._IN_USE or coord is not _EMBEDDED or isinstance(err, TimeoutError):
+        # only an embedded coordinator that is gone is replaced (a stalled one is not:
+        # a new one would split the ownership; one given with `with` is the user's)
+        if coord is not _EMBEDDED or isinstance(err, TimeoutError):
             raise
         _forget_embedded(coord)
-        _hand_over(embedded_coordinator(start=True), cells)
-
-
-def _hand_over(coord: client.Coordinator, cells: list) -> None:
-    released = _RELEASED.pop(coord.address, [])
-    pid, fds = coord._call("adopt_cells", os.getpid(), [(c.fd, c.key) for c in cells], released)
-    for cell, fd in zip(cells, fds):
-        cell.add_holders([(pid, fd)])
-        # once this process drops the cell, the coordinator may drop it too (told with
-        # the next adoption: a finalizer must not make a round trip)
-        weakref.finalize(cell, _release_later, coord.address, cell.key)
-
-
-def _release_later(address: str, key: tuple[int, int]) -> None:
-    _RELEASED.setdefault(address, []).append(key)
+        embedded_coordinator(start=True).adopt_cells(cells)
 
 
 def embedded_coordinator(start: bool) -> client.Coordinator | None:
@@ -162,29 +141,8 @@ def _is_daemonic() -> bool:
 
 
 def _start_embedded() -> client.Coordinator:
-    """Run server.py in a new interpreter; returns the owning handle."""
-    authkey = os.urandom(32)
-    boot = "import runpy, sys; del sys.path[0]; runpy.run_path(sys.argv[1], run_name='__main__')"
-    popen = subprocess.Popen(
-        [sys.executable, "-c", boot, server.__file__],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True,
-    )
-    try:
-        popen.stdin.write(authkey)  # never on the command line: ps shows that
-        popen.stdin.close()
-        ready, _, _ = select.select([popen.stdout], [], [], START_TIMEOUT)
-        address = popen.stdout.readline().decode().strip() if ready else ""
-        popen.stdout.close()
-        if not address:
-            raise RuntimeError(
-                f"The embedded shared_td coordinator did not start within {START_TIMEOUT} s "
-                f"(exit code {popen.poll()}); see its error output above."
-            )
-    except BaseException:
-        popen.kill()
-        popen.wait()
-        raise
-    handle = client.Coordinator(timeout=TIMEOUT)
-    handle._popen, handle._address, handle._authkey = popen, address, authkey
-    atexit.register(handle.shutdown)  # a no-op in fork children: they do not own it
-    return handle
+    """A started coordinator; it stops when this process exits (see Coordinator.start)."""
+    return client.Coordinator(timeout=TIMEOUT).start()
+
+
+set_cell_adopter(adopt)

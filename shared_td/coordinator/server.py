@@ -1,56 +1,34 @@
-"""The manager side of the Coordinator: the registry, its private directory, the sweep.
+"""The coordinator's manager process: its private directory, its serving loop, the sweep.
 
-Everything here runs inside the manager process that :class:`~shared_td.Coordinator`
-starts (a :class:`multiprocess.managers.BaseManager` process). Clients never touch this
-module's objects directly: they speak the manager's own wire protocol to one registry
-object that the server holds under the fixed id :data:`REGISTRY_ID`.
+:class:`~shared_td.coordinator.process.ServerProcess` runs this file as a script in a
+fresh interpreter: the server listens on a Unix socket in a new private directory, serves
+one :class:`~shared_td.coordinator.registry.Registry` to every client over the wire
+protocol of ``multiprocess.managers`` (under the fixed id :data:`REGISTRY_ID`), and stops
+on a shutdown request or once the process that started it is gone (even by SIGKILL),
+removing its directory.
 
-Why the manager *unpickles* what is published: an anonymous leaf pickles as "descriptor
-``fd`` of process ``pid``" (see :mod:`shared_td.storage.anonymous`), so it can only be
-received while its sender still holds it. By unpickling each published tensordict once,
-the manager opens its own descriptor on every memfd segment and
-:class:`~shared_td.storage.shared_value.SharedValue`, keeps them alive, and re-pickles the
-tensordict *itself*, so that attaching names the manager's pid and descriptors and works
-after the publisher has exited. File-backed leaves pickle as paths; the manager maps them
-too (cheap, untouched pages cost nothing).
+Why a fresh interpreter and not a fork of the process that wants a coordinator: forking
+took ~15 ms here, but the child would keep, for the life of the process, copy-on-write
+copies of every private page its creator later writes or frees (a trainer's weights,
+buffers: up to its whole memory) and every descriptor the creator had open (pipes whose
+readers then never see EOF, segments never freed). ``spawn`` would re-import the user's
+``__main__`` (a script without the ``if __name__ == "__main__"`` guard would fail) and
+torch (~2.5 s). This module and the registry import only the standard library and
+``multiprocess`` (never torch, never the ``shared_td`` package, never a container: what
+is published reaches the manager as plain data), so the interpreter starts in ~0.1 s.
 
-Besides published tensordicts the manager holds:
-
-* *adopted cells*: the memfds of ``share_non_tensor=True`` values that a process handed
-  over (:meth:`Registry.adopt_cells`), so that they stay attachable after it exits;
-* the *version table*: one memfd of u64 slots, one per published name, that attached
-  processes map read-only to check ``is_stale`` without a round trip.
-
-This module imports neither torch nor the ``shared_td`` package at load time: the
-embedded coordinator runs it as a script in a fresh interpreter (see
-:mod:`shared_td.coordinator.ownership`), which then starts in ~0.1 s instead of the ~2.5 s
-of importing torch. torch is imported only when a tensordict is published to it. Its
-operating-system primitives come from ``shared_td/platform.py``, which is torch-free and
-imports nothing of the package: run as a script, this module loads that one file by
-its path.
-
-Example (what a client call amounts to, in the manager)::
-
-    >>> import pickle, torch, shared_td
-    >>> registry = Registry()
-    >>> td = shared_td.TensorDict(x=torch.zeros(3)).memmap_()
-    >>> info, stamp = registry.publish("demo", pickle.dumps(td))
-    >>> info["version"], info["leaves"][0]["where"]
-    (1, 'anonymous')
-    >>> pickle.loads(registry.attach("demo")[0])["x"].tolist()
-    [0.0, 0.0, 0.0]
+The registry is loaded from its file beside this one (:func:`_load_sibling`): importing
+it through the package would import ``shared_td``, hence torch.
 """
 from __future__ import annotations
 
-import mmap
+import importlib.util
 import os
-import pickle
 import re
 import resource
 import shutil
 import signal
 import stat
-import struct
 import sys
 import tempfile
 import threading
@@ -59,25 +37,28 @@ import time
 from multiprocess import managers
 
 
-def _load_platform():
-    """shared_td's platform module: imported from the package, or, when this file runs
-    as a script (see the module doc), loaded alone from its path beside the package's."""
+def _load_torch_free(full_name: str, *path_parts: str):
+    """The torch-free module ``full_name`` of the package, at ``path_parts`` below it:
+    through the package when this module was imported through it, else (this file runs
+    as a script) loaded alone from its path."""
     if __package__:
-        from shared_td import platform as module
-
-        return module
-    import importlib.util
-
+        return importlib.import_module(full_name)
     package_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location(
-        "_shared_td_platform", os.path.join(package_dir, "platform.py"))
+    spec = importlib.util.spec_from_file_location(full_name, os.path.join(package_dir, *path_parts))
     module = importlib.util.module_from_spec(spec)
+    sys.modules[full_name] = module  # the registry finds platform there (see registry.py)
     spec.loader.exec_module(module)
     return module
 
 
-platform = _load_platform()
-__all__ = ["DIR_PATTERN", "REGISTRY_ID", "Registry", "CoordinatorManager", "sweep_dead_dirs"]
+# The operating-system primitives (the package's one platform module), then the
+# registry's names that the manager process uses (VersionTable: also what tests of the
+# table under a killed writer build).
+platform = _load_torch_free("shared_td.platform", "platform.py")
+_registry = _load_torch_free("shared_td.coordinator.registry", "coordinator", "registry.py")
+Registry, VersionTable = _registry.Registry, _registry.VersionTable
+
+__all__ = ["DIR_PATTERN", "REGISTRY_ID", "serve", "sweep_dead_dirs"]
 
 #: Name of a coordinator's private directory under ``tempfile.gettempdir()``:
 #: ``shared_td-coord-<manager pid>-<mkdtemp suffix>``. The sweep touches nothing else.
@@ -90,165 +71,8 @@ REGISTRY_ID = "shared_td-registry"
 # How often the manager checks that the process that started it is still alive.
 _PARENT_POLL_S = 0.2
 
-#: Slots of the version table (8 bytes each). A name published after these are all
-#: taken gets no slot, and ``is_stale`` asks the manager instead (one round trip).
-VERSION_SLOTS = 4096
-#: High bit of a slot: the name was unpublished (the low bits keep its last version).
-WITHDRAWN = 1 << 63
-_SLOT = struct.Struct("<Q")
-
-
-class Registry:
-    """Name -> published tensordict, held alive in the manager process.
-
-    Each entry keeps the unpickled tensordict (so the manager holds a descriptor on every
-    anonymous segment), the manager's own pickle of it (what :meth:`attach` returns),
-    a layout summary and a version. Methods are called from the server's per-connection
-    threads, hence the lock.
-    """
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._entries: dict[str, dict] = {}
-        # Never forgotten, so a name published again after unpublish gets a higher version.
-        self._versions: dict[str, int] = {}
-        self._slots: dict[str, int | None] = {}  # name -> its slot in the version table
-        self._table: VersionTable | None = None  # made on the first publish
-        self._cells: dict[tuple[int, int], int] = {}  # (st_dev, st_ino) -> our descriptor
-
-    def publish(self, name: str, blob: bytes) -> tuple[dict, dict]:
-        """Adopt the pickled tensordict ``blob`` under ``name``.
-
-        Returns its layout and its *stamp*: where attached processes read its current
-        version without asking (see :meth:`stamp`).
-        """
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"A published name must be a non-empty str, got {name!r}.")
-        # Unpickling opens our own descriptors on the publisher's segments (it is alive:
-        # it is waiting for this reply) and maps its files.
-        td = pickle.loads(blob)
-        own_blob = pickle.dumps(td)  # now naming this process's pid and descriptors
-        with self._lock:
-            version = self._versions.get(name, 0) + 1
-            self._versions[name] = version
-            info = layout_of(td, name, version)
-            # Replacing an old entry drops the manager's hold on its segments; attached
-            # processes keep their own descriptors and mappings.
-            self._entries[name] = {"td": td, "blob": own_blob, "layout": info}
-            self._store_version(name, version)
-            return info, self._stamp(name)
-
-    def attach(self, name: str) -> tuple[bytes, int, dict]:
-        """The manager's pickle of ``name``, its version and its stamp; KeyError if unknown."""
-        with self._lock:
-            entry = self._entry(name)
-            return entry["blob"], entry["layout"]["version"], self._stamp(name)
-
-    def version(self, name: str) -> int:
-        """The current version of ``name``, with :data:`WITHDRAWN` set if it was
-        unpublished (what its slot holds); KeyError if it was never published."""
-        with self._lock:
-            if name not in self._versions:
-                self._entry(name)  # raises the KeyError listing the names
-            return self._versions[name] | (0 if name in self._entries else WITHDRAWN)
-
-    def adopt_cells(self, pid: int, cells: list, released: list) -> tuple[int, list[int]]:
-        """Hold the memfd cells ``cells`` (``(fd, key)`` in process ``pid``) until the
-        manager stops; first drop those whose keys are in ``released``.
-
-        Returns this process's pid and its descriptor for each cell, which the creator
-        records as a fallback holder. A cell already adopted keeps its descriptor.
-        """
-        with self._lock:
-            for key in released:
-                fd = self._cells.pop(tuple(key), None)
-                if fd is not None:
-                    os.close(fd)
-            fds = []
-            for fd, key in cells:
-                key = tuple(key)
-                if key not in self._cells:
-                    self._cells[key] = platform.reopen_peer_fd(pid, fd, key)
-                fds.append(self._cells[key])
-            return os.getpid(), fds
-
-    def _store_version(self, name: str, value: int) -> None:
-        if name not in self._slots:
-            if self._table is None:
-                self._table = VersionTable(VERSION_SLOTS)
-            taken = len(self._slots)
-            self._slots[name] = taken if taken < self._table.slots else None
-        slot = self._slots[name]
-        if slot is not None:
-            self._table.store(slot, value)
-
-    def _stamp(self, name: str) -> dict:
-        """``{"table": (pid, fd, (st_dev, st_ino), nbytes) or None, "slot": int or None}``."""
-        slot = self._slots.get(name)
-        table = None if slot is None else self._table.reference()
-        return {"table": table, "slot": slot}
-
-    def layout(self, name: str) -> dict:
-        """The layout summary of ``name`` (see :func:`layout_of`)."""
-        with self._lock:
-            return self._entry(name)["layout"]
-
-    def names(self) -> list[str]:
-        """The published names, sorted."""
-        with self._lock:
-            return sorted(self._entries)
-
-    def unpublish(self, name: str) -> None:
-        """Forget ``name``; its anonymous memory is freed once no process maps it."""
-        with self._lock:
-            self._entry(name)
-            del self._entries[name]
-            self._store_version(name, self._versions[name] | WITHDRAWN)
-
-    def info(self) -> dict:
-        """Facts about the manager process (pid, directory), for tests and debugging."""
-        return {"pid": os.getpid(), "names": self.names()}
-
-    def _entry(self, name: str) -> dict:
-        try:
-            return self._entries[name]
-        except KeyError:
-            raise KeyError(
-                f"No tensordict is published as {name!r}; published names: "
-                f"{sorted(self._entries)}."
-            ) from None
-
-
-def layout_of(td, name: str, version: int) -> dict:
-    """A plain-dict summary of ``td``: class, batch size, and per leaf its key, shape,
-    dtype and where it lives (a file path, ``"anonymous"`` or ``"non-tensor"``).
-
-    Example:
-        >>> import torch, shared_td
-        >>> td = shared_td.TensorDict(a=torch.zeros(2, 3), batch_size=[2]).memmap_()
-        >>> layout_of(td, "t", 1)["leaves"]
-        [{'key': 'a', 'shape': [2, 3], 'dtype': 'torch.float32', 'where': 'anonymous'}]
-    """
-    import torch  # only a manager that is published to needs it (see the module doc)
-
-    from shared_td.containers.base import is_leaf_nontensor
-
-    leaves = []
-    for key, value in td.items(True, True, is_leaf_nontensor):
-        key_str = ".".join(key) if isinstance(key, tuple) else key
-        if isinstance(value, torch.Tensor):
-            backing_path = getattr(getattr(value, "_backing", None), "path", None)
-            leaves.append({
-                "key": key_str, "shape": list(value.shape), "dtype": str(value.dtype),
-                "where": backing_path or "anonymous",
-            })
-        else:  # a non-tensor leaf (shared as a SharedValue or held in the pickle)
-            leaves.append({"key": key_str, "shape": list(value.batch_size),
-                           "dtype": type(value).__name__, "where": "non-tensor"})
-    return {
-        "name": name, "version": version, "class": type(td).__name__,
-        "batch_size": list(td.batch_size), "leaves": leaves,
-    }
+#: The registry methods clients may call.
+EXPOSED = ("publish", "attach", "layout", "names", "unpublish", "info", "version", "adopt_cells")
 
 
 # ----------------------------------------------------------------------------- sweep
@@ -258,8 +82,7 @@ def sweep_dead_dirs(root: str | None = None) -> list[str]:
 
     Only entries of ``root`` (default ``tempfile.gettempdir()``) named exactly like ours
     (:data:`DIR_PATTERN`), that are real directories owned by this user, are considered;
-    the pid in the name is probed with :func:`shared_td.platform.pid_alive` (a zombie
-    is dead). Returns the removed paths.
+    the pid in the name is probed with ``os.kill(pid, 0)``. Returns the removed paths.
 
     Example:
         >>> sweep_dead_dirs()  # doctest: +SKIP
@@ -290,40 +113,7 @@ def sweep_dead_dirs(root: str | None = None) -> list[str]:
 
 # ----------------------------------------------------------------------------- server
 
-_REGISTRY: Registry | None = None
-
-
-def get_registry() -> Registry:
-    """This process's registry (created on first use); the manager's ``registry`` typeid."""
-    global _REGISTRY
-    if _REGISTRY is None:
-        _REGISTRY = Registry()
-    return _REGISTRY
-
-
-class CoordinatorManager(managers.BaseManager):
-    """A BaseManager whose server listens on a Unix socket in a fresh private directory.
-
-    The address cannot be chosen by the caller: the manager process creates
-    ``<tmp>/shared_td-coord-<its pid>-<random suffix>`` (mode 0700, by ``mkdtemp``), listens on
-    ``sock`` inside it, and reports that path back through the start pipe.
-    """
-
-    @classmethod
-    def _run_server(cls, registry, address, authkey, serializer, writer,
-                    initializer=None, initargs=()):
-        # Replaces BaseManager._run_server (same arguments; ``address`` is ignored).
-        def report(address: str) -> None:
-            writer.send(address)
-            writer.close()
-
-        serve(authkey, report, typeids=registry)
-
-
-_EXPOSED = ("publish", "attach", "layout", "names", "unpublish", "info", "version", "adopt_cells")
-
-
-def serve(authkey: bytes, report, typeids=None) -> None:
+def serve(authkey: bytes, report) -> None:
     """Run the coordinator server in this process until it is shut down or its parent
     dies; ``report(address)`` is called once it listens."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the parent
@@ -333,11 +123,11 @@ def serve(authkey: bytes, report, typeids=None) -> None:
     directory = tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-")
     server = None
     try:
-        server = managers.Server(typeids or {}, os.path.join(directory, "sock"), authkey, "pickle")
+        server = managers.Server({}, os.path.join(directory, "sock"), authkey, "pickle")
         # Pin the registry under a fixed id with a refcount no client ever drops:
         # clients then need no create/incref/decref, and a forked client that
         # inherited a connection can never unbalance a refcount.
-        server.id_to_obj[REGISTRY_ID] = (get_registry(), _EXPOSED, None)
+        server.id_to_obj[REGISTRY_ID] = (Registry(), EXPOSED, None)
         server.id_to_refcount[REGISTRY_ID] = 1
         report(server.address)
         threading.Thread(target=_watch_parent, args=(server, parent), daemon=True).start()
@@ -352,9 +142,9 @@ def serve(authkey: bytes, report, typeids=None) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def serve_embedded() -> None:
-    """Entry point of an embedded coordinator (this file run as a script): the authkey
-    comes on stdin, the address goes to stdout as one line."""
+def main() -> None:
+    """Entry point of this file run as a script: the authkey comes on stdin, the address
+    goes to stdout as one line."""
     authkey = sys.stdin.buffer.read(32)
     sys.stdin.close()
 
@@ -378,44 +168,6 @@ def _raise_descriptor_limit() -> None:
             pass
 
 
-# ----------------------------------------------------------------------------- memfds
-
-class VersionTable:
-    """A memfd of ``slots`` u64 words that the manager writes and attached processes map.
-
-    Only the manager writes it (under the registry's lock), each entry with one aligned
-    8-byte store through the mapping (a ctypes u64 at an 8-byte-aligned address, which
-    CPython stores with one 8-byte move; x86-64 and arm64 make it single-copy atomic), and
-    readers load an entry with one aligned 8-byte load. So a reader never sees half of a
-    version, and a manager killed at any instant leaves each entry old or new, never torn:
-    there is no multi-word state to commit. The bytes are reserved at creation (no SIGBUS
-    on a full memory).
-
-    Example:
-        >>> table = VersionTable(4)
-        >>> table.store(2, 7)
-        >>> table.words[2], table.reference()[3]
-        (7, 32)
-    """
-
-    def __init__(self, slots: int):
-        import ctypes
-
-        self.slots = slots
-        self.fd = platform.new_memfd(f"shared_td-versions-{os.getpid()}", slots * _SLOT.size)
-        st = os.fstat(self.fd)
-        self.key = (st.st_dev, st.st_ino)
-        self._map = mmap.mmap(self.fd, slots * _SLOT.size)
-        self.words = (ctypes.c_uint64 * slots).from_buffer(self._map)
-
-    def store(self, slot: int, value: int) -> None:
-        self.words[slot] = value
-
-    def reference(self) -> tuple:
-        """``(pid, fd, (st_dev, st_ino), nbytes)``: how a client opens it via /proc."""
-        return os.getpid(), self.fd, self.key, self.slots * _SLOT.size
-
-
 def _watch_parent(server, parent: int) -> None:
     """Stop the server once the process that started it is gone (even by SIGKILL).
 
@@ -432,4 +184,4 @@ def _watch_parent(server, parent: int) -> None:
 
 
 if __name__ == "__main__":
-    serve_embedded()
+    main()

@@ -4,7 +4,7 @@ Publishing a name again (a new tensordict, new keys added with ``make_memmap``, 
 atomic rewrite of its prefix followed by ``publish``) raises its version; unpublishing
 marks it withdrawn. A tensordict returned by ``attach`` (or ``publish``) remembers the
 name and version it got. The coordinator keeps every name's current version in a small
-shared-memory table (one u64 per name, see :class:`~shared_td.coordinator.server.VersionTable`)
+shared-memory table (one u64 per name, see :class:`~shared_td.coordinator.registry.VersionTable`)
 that this process maps once per coordinator, so :func:`is_stale` is one load from
 shared memory (well under a microsecond), with no round trip to the manager.
 
@@ -42,7 +42,7 @@ __all__ = ["is_stale", "refresh", "remember"]
 class _Attachment:
     name: str
     version: int
-    endpoint: Any  # has .attach(name) and ._call(method, *args)
+    endpoint: Any  # has .attach(name) and .version(name)
     table: Any  # the mapped version table (_Table), or None
     slot: int | None
 
@@ -103,7 +103,7 @@ def _attachment(td: Any) -> _Attachment:
 def is_stale(td: Any) -> bool:
     """True if the name ``td`` was attached (or published) as has been published again
     or unpublished since (an unpublished name's slot keeps its version with the
-    :data:`~shared_td.coordinator.server.WITHDRAWN` bit set). No round trip: one read of the coordinator's shared version
+    :data:`~shared_td.coordinator.registry.WITHDRAWN` bit set). No round trip: one read of the coordinator's shared version
     table (a round trip only past its 4096 names).
 
     Raises:
@@ -118,7 +118,7 @@ def is_stale(td: Any) -> bool:
     if attachment.table is not None:
         current = attachment.table.words[attachment.slot]
     else:
-        current = attachment.endpoint._call("version", attachment.name)
+        current = attachment.endpoint.version(attachment.name)
     return current != attachment.version
 
 

@@ -16,7 +16,7 @@ from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.persist import atomic, nodes
 from shared_td.storage import files
 from shared_td.storage.files import FileBacking
-from shared_td.storage.shared_value import collecting_new_cells
+from shared_td.storage.shared_value import adopt_new_cells, collecting_new_cells
 from shared_td.persist.future import TensorDictFuture
 from shared_td.persist.loader import Loader
 from shared_td.persist.writer import NodePlan, Options, Planner, write_tree
@@ -107,11 +107,8 @@ def _finish(root: NodePlan, options: Options) -> Any:
     else:
         with collecting_new_cells() as cells:
             result = _build(root, options)
-        if cells:
-            # a coordinator holds them too, so they outlive this process (one round trip)
-            from shared_td.coordinator.ownership import adopt
-
-            adopt(cells)
+        # a coordinator holds them too, so they outlive this process (one round trip)
+        adopt_new_cells(cells)
     result.lock_()
     return result
 

@@ -55,7 +55,7 @@ import os
 import pickle
 import threading
 import weakref
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from shared_td.errors import SegmentUnavailableError
 from shared_td.platform import ByteLock, map_shared_bytes, reopen_description, unmap_bytes
@@ -250,8 +250,27 @@ def _reopen_from_any(key: tuple[int, int], candidates) -> int:
 
 # ----------------------------------------------------------------- new-cell batches
 # memmap_(share_non_tensor=True) creates its cells inside ``collecting_new_cells()`` so
-# that it can hand them all to a coordinator in one round trip.
+# that it can hand them all to a coordinator in one round trip, through the adopter that
+# the coordinator package registers here (the engine never imports the coordinator).
 _BATCHES = threading.local()
+_ADOPTER: Callable[[list], None] | None = None
+
+
+def set_cell_adopter(adopter: Callable[[list], None] | None) -> None:
+    """Make ``adopter(cells)`` the hook that :func:`adopt_new_cells` calls (None: no hook).
+
+    :mod:`shared_td.coordinator.ownership` registers the one that hands new cells to the
+    process's coordinator, so that they outlive this process.
+    """
+    global _ADOPTER
+    _ADOPTER = adopter
+
+
+def adopt_new_cells(cells: list) -> None:
+    """Hand the new ``cells`` (collected with :func:`collecting_new_cells`) to the
+    registered adopter, if any and if there are cells; its errors propagate."""
+    if cells and _ADOPTER is not None:
+        _ADOPTER(cells)
 
 
 def _new_cell_batches() -> list:

@@ -1,0 +1,220 @@
+"""Connections to coordinator manager processes: one per process and address, every
+wait bounded.
+
+Each process keeps one connection per coordinator address (re-made after a fork, never
+shared with the parent), so after the first call a call is one round trip. Every wait of
+a call is bounded by its ``timeout`` (one deadline for the whole call): connecting, the
+authkey handshake of a new connection, sending, and the answer. A manager that is stopped
+(SIGSTOP, a debugger) or stalled makes the call raise :class:`CoordinatorTimeoutError`
+naming the address after about ``timeout`` seconds, and the connection is dropped. No
+process-wide lock is held while talking to a manager: a thread waiting for a stalled
+coordinator never holds up calls to another one.
+
+The wire protocol is the one of ``multiprocess.managers`` (what the manager's server
+speaks), spoken here directly to the one registry object the server holds under
+:data:`~shared_td.coordinator.server.REGISTRY_ID`.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+import time
+
+from multiprocess import connection, managers
+
+from shared_td.coordinator.server import DIR_PATTERN, REGISTRY_ID
+from shared_td.errors import CoordinatorTimeoutError
+
+__all__ = ["CoordinatorTimeoutError", "call", "connect", "drop_channel", "limit_waits", "time_left"]
+
+
+class _Channel:
+    """One connection to one manager, used by one thread at a time, in one process."""
+
+    def __init__(self, address: str, authkey: bytes, deadline: float):
+        self.lock = threading.Lock()
+        self.conn = connect(address, authkey, deadline)
+        try:
+            # Serve this connection from the registry object (see server.REGISTRY_ID).
+            limit_waits(self.conn, deadline)
+            managers.dispatch(self.conn, None, "accept_connection", (REGISTRY_ID,))
+        except BaseException:
+            self.conn.close()
+            raise
+
+
+def connect(address: str, authkey: bytes, deadline: float) -> connection.Connection:
+    """A connection to the manager at ``address`` that passed the authkey handshake,
+    made before ``deadline`` (a ``time.monotonic()`` value), else TimeoutError.
+
+    ``multiprocess.connection.Client`` would wait for ever on a manager that does not
+    answer: a blocking connect() while its listen backlog is full, then the handshake's
+    reads. Here the socket connects with a timeout, and each read and write of the
+    handshake is bounded by what is left until the deadline (see :func:`limit_waits`).
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        while True:
+            sock.settimeout(time_left(deadline))
+            try:
+                sock.connect(address)
+                break
+            except BlockingIOError:
+                # A Unix socket's full backlog fails at once instead of waiting: the
+                # manager is not accepting, ask again shortly.
+                time.sleep(min(0.01, time_left(deadline)))
+        sock.setblocking(True)  # the Connection reads and writes the descriptor itself
+        conn = connection.Connection(sock.detach())
+    finally:
+        sock.close()
+    try:
+        limit_waits(conn, deadline)
+        connection.answer_challenge(conn, authkey)
+        limit_waits(conn, deadline)
+        connection.deliver_challenge(conn, authkey)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def time_left(deadline: float) -> float:
+    """Seconds until ``deadline``; TimeoutError once it has passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the deadline passed")
+    return left
+
+
+def limit_waits(conn: connection.Connection, deadline: float) -> None:
+    """Make each blocking read and write on ``conn`` wait at most the time left now until
+    ``deadline``, then fail with EAGAIN (BlockingIOError), so that a peer that stops
+    answering, even in the middle of a message, cannot block us for ever. Two socket
+    options, a few microseconds."""
+    left = time_left(deadline)
+    seconds = int(left)
+    # a zero timeval would mean "wait for ever": at least one microsecond
+    timeval = struct.pack("@ll", seconds, max(1, int((left - seconds) * 1e6)))
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, 0, conn.fileno())
+    try:
+        if socket.getdefaulttimeout() is not None:
+            sock.setblocking(True)  # a socket object made the descriptor non-blocking
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+    finally:
+        sock.detach()  # the descriptor stays the Connection's
+
+
+# (pid, address, authkey) -> channel: a wrong key must never ride on a right key's connection
+_CHANNELS: dict[tuple[int, str, bytes], _Channel] = {}
+# Guards _CHANNELS only, never held while talking to a manager: a thread connecting to a
+# stalled coordinator must not hold up threads calling other coordinators.
+_CHANNELS_LOCK = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    # Never talk over a socket the parent also uses: forget the inherited ones (their
+    # descriptors close with the objects, in this process only) and a possibly held lock.
+    global _CHANNELS_LOCK
+    _CHANNELS_LOCK = threading.Lock()
+    _CHANNELS.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _channel(address: str, authkey: bytes, deadline: float) -> _Channel:
+    key = (os.getpid(), address, authkey)
+    with _CHANNELS_LOCK:
+        channel = _CHANNELS.get(key)
+    if channel is not None:
+        return channel
+    # Connect with no lock held; two threads may both connect, the first one stored wins.
+    channel = _Channel(address, authkey, deadline)
+    with _CHANNELS_LOCK:
+        stored = _CHANNELS.setdefault(key, channel)
+    if stored is not channel:
+        channel.conn.close()
+    return stored
+
+
+def _forget(channel: _Channel) -> None:
+    """Close ``channel`` (whose lock the caller holds) and stop handing it out."""
+    with _CHANNELS_LOCK:
+        for key in [k for k, c in _CHANNELS.items() if c is channel]:
+            del _CHANNELS[key]
+    channel.conn.close()
+
+
+def drop_channel(address: str) -> None:
+    pid = os.getpid()
+    with _CHANNELS_LOCK:
+        dropped = [_CHANNELS.pop(k) for k in list(_CHANNELS) if k[:2] == (pid, address)]
+    for channel in dropped:
+        channel.conn.close()
+
+
+def call(address: str, authkey: bytes, method: str, *args, timeout: float):
+    """Call ``method`` of the manager's registry; server exceptions are re-raised here.
+
+    Everything (connecting if needed, waiting for another thread's call on the same
+    connection, sending, the answer) happens within ``timeout`` seconds, else
+    CoordinatorTimeoutError.
+    """
+    if not address or authkey is None:
+        raise ValueError("Both address= and authkey= of a running Coordinator are needed.")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            channel = _channel(address, authkey, deadline)
+            # queued behind another thread's call: wait no longer than our own deadline
+            if not channel.lock.acquire(timeout=time_left(deadline)):
+                raise TimeoutError("another thread's call on this connection did not end")
+        except (TimeoutError, BlockingIOError) as err:
+            raise _stalled(address, timeout, err) from err
+        except (OSError, EOFError) as err:
+            raise _gone(address, err) from err
+        if not channel.conn.closed:
+            break
+        channel.lock.release()  # another thread's call failed and closed it: connect anew
+    try:
+        limit_waits(channel.conn, deadline)
+        channel.conn.send((REGISTRY_ID, method, args, {}))
+        if not channel.conn.poll(time_left(deadline)):
+            raise TimeoutError("no answer")
+        kind, result = channel.conn.recv()
+    except (TimeoutError, BlockingIOError) as err:  # the deadline passed (EAGAIN: a read/write's)
+        _forget(channel)  # an answer may still come: never read it as the next call's
+        raise _stalled(address, timeout, err) from err
+    except (OSError, EOFError) as err:  # ConnectionError, BrokenPipe...
+        _forget(channel)
+        raise _gone(address, err) from err
+    finally:
+        channel.lock.release()
+    if kind == "#RETURN":
+        return result
+    raise managers.convert_to_error(kind, result)
+
+
+def _gone(address: str, err: BaseException) -> ConnectionError:
+    return ConnectionError(
+        f"The shared_td coordinator at {address} is gone ({type(err).__name__}: {err}): "
+        "it was shut down or its process died. Tensordicts already attached stay readable "
+        "and writable; publish again through a new Coordinator."
+    )
+
+
+def _stalled(address: str, timeout: float, err: BaseException) -> CoordinatorTimeoutError:
+    match = DIR_PATTERN.match(os.path.basename(os.path.dirname(address)))
+    pid = match.group(1) if match else "PID"  # the manager's pid is in its directory name
+    return CoordinatorTimeoutError(
+        f"The shared_td coordinator at {address} did not answer within {timeout:g} s "
+        f"({err}): its manager process {pid} is stopped (SIGSTOP, Ctrl-Z, a debugger) or "
+        f"stalled. Check it with `ps -o pid,stat,cmd -p {pid}` (state T: stopped; "
+        f"`kill -CONT {pid}` resumes it), or pass a longer timeout=. Tensordicts already "
+        "attached stay readable and writable."
+    )
+
+

@@ -1,0 +1,122 @@
+"""ServerProcess: one coordinator manager process, from start to the removal of its files.
+
+Both a :class:`~shared_td.Coordinator` started by the user and the embedded coordinator
+that ``memmap_(share_non_tensor=True)`` starts on demand (see
+:mod:`shared_td.coordinator.ownership`) run one of these: ``coordinator/server.py`` as a
+script in a fresh interpreter (the server module says why not a fork), about 0.1 s.
+
+Ownership and lifetime: the process that called :meth:`ServerProcess.start` owns it; only
+that process's :meth:`ServerProcess.stop` stops it (a fork child's copy does nothing). The
+server stops by itself within 0.2 s when its owner is gone, even by SIGKILL, and then
+removes its private directory; :meth:`stop` removes the directory of a server that was
+killed. The authkey travels on the server's stdin, never on its command line (``ps``
+shows that), and its address comes back on its stdout.
+
+Example:
+    >>> process = ServerProcess.start(os.urandom(32))
+    >>> process.address.endswith("/sock"), os.path.isdir(os.path.dirname(process.address))
+    (True, True)
+    >>> process.stop(timeout=5)
+    >>> os.path.exists(os.path.dirname(process.address))
+    False
+"""
+from __future__ import annotations
+
+import os
+import select
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+from multiprocess import managers
+
+from shared_td.coordinator import channels, server
+
+__all__ = ["ServerProcess", "START_TIMEOUT"]
+
+#: Seconds to wait for a new server to listen.
+START_TIMEOUT = 30.0
+#: Seconds :meth:`ServerProcess.stop` waits for the server to exit after its stop
+#: request (and for a killed one to be reaped).
+EXIT_TIMEOUT = 5.0
+
+# Runs server.py without the script's own directory on sys.path (its siblings must not
+# shadow top-level modules of the same name).
+_BOOT = "import runpy, sys; del sys.path[0]; runpy.run_path(sys.argv[1], run_name='__main__')"
+
+
+class ServerProcess:
+    """A coordinator server running in a child interpreter of this process."""
+
+    def __init__(self, popen: subprocess.Popen, address: str, authkey: bytes):
+        # Private: use ServerProcess.start.
+        self._popen: subprocess.Popen | None = popen
+        self.address, self.authkey, self.pid = address, authkey, popen.pid
+        self._owner_pid = os.getpid()
+
+    @classmethod
+    def start(cls, authkey: bytes, *, timeout: float = START_TIMEOUT) -> "ServerProcess":
+        """Start a server that accepts ``authkey``; returns once it listens.
+
+        Its private directory is made under this process's ``tempfile.gettempdir()``.
+        RuntimeError if it does not listen within ``timeout`` seconds (it is killed).
+        """
+        popen = subprocess.Popen(
+            [sys.executable, "-c", _BOOT, server.__file__],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True,
+            env=dict(os.environ, TMPDIR=tempfile.gettempdir()),
+        )
+        try:
+            popen.stdin.write(authkey)
+            popen.stdin.close()
+            ready, _, _ = select.select([popen.stdout], [], [], timeout)
+            address = popen.stdout.readline().decode().strip() if ready else ""
+            popen.stdout.close()
+            if not address:
+                raise RuntimeError(
+                    f"The shared_td coordinator did not start within {timeout:g} s "
+                    f"(exit code {popen.poll()}); see its error output above."
+                )
+        except BaseException:
+            popen.kill()
+            popen.wait()
+            raise
+        return cls(popen, address, authkey)
+
+    def owned_here(self) -> bool:
+        """Whether this process started it (a fork child's copy is not the owner)."""
+        return os.getpid() == self._owner_pid
+
+    def stop(self, timeout: float) -> None:
+        """Stop the server and remove its private directory. Idempotent; does nothing in
+        a process that does not own it.
+
+        The stop request is sent within ``timeout`` seconds; a server that does not take
+        it (stopped by SIGSTOP, stalled) or does not exit within :data:`EXIT_TIMEOUT` is
+        killed. A server that died already is only reaped.
+        """
+        popen = self._popen
+        if popen is None or not self.owned_here():
+            return
+        self._popen = None
+        try:
+            deadline = time.monotonic() + timeout
+            conn = channels.connect(self.address, self.authkey, deadline)
+            try:
+                channels.limit_waits(conn, deadline)
+                managers.dispatch(conn, None, "shutdown")
+            finally:
+                conn.close()
+            popen.wait(EXIT_TIMEOUT)
+        except Exception:  # gone, stalled, slow to exit, or an error reply: no more asking
+            popen.kill()
+            popen.wait(EXIT_TIMEOUT)
+        directory = os.path.dirname(self.address)
+        if server.DIR_PATTERN.match(os.path.basename(directory)):
+            shutil.rmtree(directory, ignore_errors=True)
+
+    def __repr__(self) -> str:
+        state = "running" if self._popen is not None else "stopped"
+        return f"ServerProcess(pid={self.pid}, {self.address}, {state})"
