@@ -124,7 +124,7 @@ def test_dumps_writes_tensordicts_separators():
 
 
 def test_leaf_entry_and_node_entries_describe_a_tensor():
-    entry = fmt.leaf_entry(torch.zeros(2, 3, dtype=torch.bfloat16))
+    entry = fmt.LeafMeta.of("x", torch.zeros(2, 3, dtype=torch.bfloat16)).to_json()
     assert entry == {"device": "cpu", "shape": [2, 3], "dtype": "torch.bfloat16", "is_nested": False}
     assert fmt.node_entries(_td_meta(x=entry)) == {"x": entry}
 
