@@ -5,6 +5,8 @@ A helper module, not a test (pytest collects only test_*.py); imported as
 """
 from __future__ import annotations
 
+import contextlib
+import subprocess
 import time
 
 import pytest
@@ -38,3 +40,18 @@ def wait_until(condition, timeout: float = 10.0) -> bool:
 def alive(pid: int) -> bool:
     """Whether process ``pid`` runs (a zombie counts as dead), as shared_td sees it."""
     return pid_alive(pid)
+
+
+@contextlib.contextmanager
+def small_tmpfs(path, size: str = "1m"):
+    """A real tmpfs of ``size`` mounted at the new directory ``path`` for the block, then
+    unmounted; the test is skipped (saying why) where mounting needs root it lacks."""
+    path.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                             capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {mounted.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)

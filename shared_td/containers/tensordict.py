@@ -19,7 +19,7 @@ from shared_td.containers.naming import NamedBatchDims
 from shared_td.containers.reshaping import BatchShapeOps
 from shared_td.containers.row_writes import write_rows
 from shared_td.errors import BatchSizeMismatchError
-from shared_td.keys import NestedKey, key_repr, unravel_key
+from shared_td.keys import NestedKey, unravel_key
 from shared_td.memmap_tensor import ReadOnlyMemoryMappedTensor, refuse_read_only
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 

@@ -16,7 +16,6 @@ import json
 import math
 import os
 import re
-import stat
 import sys
 import threading
 from dataclasses import dataclass, field

@@ -32,7 +32,6 @@ import errno
 import json
 import os
 import pickle
-import stat
 import time
 from typing import Any
 

@@ -17,7 +17,7 @@ import pytest
 
 from tests.coordinator import coord_children as kids
 from tests.leakcheck import ShmWatch, foreign_churn, private_tempdir
-from tests.processes import WAIT, alive, finish, wait_until
+from tests.processes import WAIT, alive, finish, small_tmpfs, wait_until
 from tests.coordinator.test_coordinator import assert_nothing_left, open_descriptors, run
 
 import shared_td
@@ -149,13 +149,7 @@ def test_memory_over_a_limit_is_an_exception_naming_the_size_never_sigbus():
 
 @pytest.mark.timeout(120)
 def test_a_full_tmpfs_is_an_exception_naming_the_size_never_sigbus(tmp_path):
-    mount_point = tmp_path / "small"
-    mount_point.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)],
-                             capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip("cannot mount a small tmpfs here (needs root)")
-    try:
+    with small_tmpfs(tmp_path / "small") as mount_point:
         code = textwrap.dedent(f"""
             import torch, shared_td
             try:
@@ -164,7 +158,5 @@ def test_a_full_tmpfs_is_an_exception_naming_the_size_never_sigbus(tmp_path):
                 print(err)
         """)
         result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
-    finally:
-        subprocess.run(["umount", str(mount_point)], check=True)
     assert result.returncode == 0, result.stderr[-3000:]  # a SIGBUS would be -7
     assert "4194304 bytes (4.0 MiB)" in result.stdout, result.stdout

@@ -15,7 +15,7 @@ import stat
 import pytest
 import torch
 
-from tests.persist.persist_helpers import NonTensorData, TensorDict, bits, dir_state, make_td
+from tests.persist.persist_helpers import NonTensorData, TensorDict, dir_state, make_td
 
 from shared_td import FormatError
 from shared_td.cli import main

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.persist.persist_helpers import TensorDict, dir_state
-from tests.processes import finish
+from tests.processes import finish, small_tmpfs
 
 from shared_td.platform import rename_exchange
 
@@ -64,25 +64,17 @@ def test_a_rewrite_over_the_file_size_limit_leaves_no_temporary(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_a_rewrite_on_a_full_tmpfs_leaves_no_temporary(tmp_path):
-    mount_point = tmp_path / "small"
-    mount_point.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)],
-                             capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip("cannot mount a small tmpfs here (needs root)")
-    prefix = str(mount_point / "td")
-    fill = textwrap.dedent(f"""
-    filler = os.open({str(mount_point / "filler")!r}, os.O_WRONLY | os.O_CREAT)
-    try:
-        while os.write(filler, b"f" * 4096):
-            pass
-    except OSError:  # ENOSPC: the tmpfs is full
-        os.close(filler)
-    """).replace("\n", "\n    ")
-    try:
+    with small_tmpfs(tmp_path / "small") as mount_point:
+        prefix = str(mount_point / "td")
+        fill = textwrap.dedent(f"""
+        filler = os.open({str(mount_point / "filler")!r}, os.O_WRONLY | os.O_CREAT)
+        try:
+            while os.write(filler, b"f" * 4096):
+                pass
+        except OSError:  # ENOSPC: the tmpfs is full
+            os.close(filler)
+        """).replace("\n", "\n    ")
         result = _run(_REWRITE_TOO_BIG.format(prefix=prefix, limit=fill, size=2**16))
-    finally:
-        subprocess.run(["umount", str(mount_point)], check=True)
     _check_rewrite_failure(result, prefix)
 
 
