@@ -349,8 +349,7 @@ def _load_into(out: Any, loaded: Any) -> None:
     source = _inner(loaded)
     batch = tuple(out.batch_size)
     for key, value in source._tensordict.items():
-        shape = tuple(value.batch_size if hasattr(value, "batch_size") and not isinstance(value, torch.Tensor)
-                      else value.shape)
+        shape = tuple(value.shape if isinstance(value, torch.Tensor) else value.batch_size)
         if shape[: len(batch)] != batch:
             raise RuntimeError(
                 f"load_memmap(out=): the saved entry {key!r} of shape {list(shape)} does not "
