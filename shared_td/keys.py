@@ -6,6 +6,7 @@ as in tensordict (``("a", ("b", "c"))`` is ``("a", "b", "c")``).
 """
 from __future__ import annotations
 
+import os
 import re
 from typing import Tuple, Union
 
@@ -121,14 +122,30 @@ def decode_key(name: str) -> str:
     return "".join(out)
 
 
+# What cannot appear in one file name on this system.  POSIX forbids only the separator
+# and NUL; Windows also refuses its second separator, drive/stream colons, the wildcard
+# and redirection characters and control characters.
+if os.name == "nt":  # pragma: no cover - the tests run on Linux
+    _NOT_IN_A_NAME = frozenset('/\\<>:"|?*') | frozenset(chr(c) for c in range(0x20))
+else:
+    _NOT_IN_A_NAME = frozenset("/\x00")
+
+
 def is_safe_legacy_name(key: str, *, directory: bool = False) -> bool:
-    """True if ``key`` used verbatim as a file name stays inside its directory.
+    """True if ``key`` used verbatim is one file name on this system, inside its directory.
 
     Legacy (``robust_key=False``) layouts use raw keys as names; only such keys are
-    followed when loading, and only such keys may be written in legacy mode.
+    followed when loading, and only such keys may be written in legacy mode.  On Linux
+    that refuses only '/' and NUL, and '', '.', '..' as directories (a leaf's name gets
+    '.memmap' appended, so ``"."`` is the file ``..memmap``); ``"x:y"`` or ``"a\\b"`` are
+    plain names, written as they are, as tensordict 0.15.3 does.
+
+    Examples:
+        >>> is_safe_legacy_name("x:y"), is_safe_legacy_name("a/b"), is_safe_legacy_name("..")
+        (True, False, True)
+        >>> is_safe_legacy_name("..", directory=True)
+        False
     """
-    if "/" in key or "\\" in key or "\x00" in key:
-        return False
-    if len(key) >= 2 and key[1] == ":" and key[0].isalpha():  # a Windows drive
+    if not _NOT_IN_A_NAME.isdisjoint(key):
         return False
     return not (directory and key in ("", ".", ".."))

@@ -116,6 +116,8 @@ class MemoryMappedTensor(torch.Tensor):
     #: the FileBacking or Segment whose storage this tensor views; None for an empty
     #: anonymous tensor (or a tensor made with ``as_subclass``, which cannot be pickled)
     _backing = None
+    #: the shape this tensor's first MMT was built with (views keep it); see parent_shape
+    _parent_shape = None
 
     def __new__(cls, source, *, dtype=None, shape=None, index=None, device=None,
                 handler=None, filename=None):
@@ -183,6 +185,7 @@ class MemoryMappedTensor(torch.Tensor):
         tensor = torch.empty(0, dtype=dtype).set_(backing.storage, offset, shape, stride)
         result = tensor.as_subclass(_class_for(cls, backing))
         result._backing = backing
+        result._parent_shape = shape
         return result
 
     @classmethod
@@ -190,6 +193,7 @@ class MemoryMappedTensor(torch.Tensor):
         # zero elements: nothing to map; only a file backing's path is worth keeping
         result = torch.empty(shape, dtype=dtype).as_subclass(_class_for(cls, backing))
         result._backing = backing if isinstance(backing, FileBacking) else None
+        result._parent_shape = torch.Size(shape)
         return result
 
     def _byte_offset(self) -> int:
@@ -208,6 +212,7 @@ class MemoryMappedTensor(torch.Tensor):
             return tensor
         result = tensor.as_subclass(type(self))
         result._backing = self._backing
+        result._parent_shape = self._parent_shape
         return result
 
     @classmethod
@@ -466,7 +471,63 @@ class MemoryMappedTensor(torch.Tensor):
             result = tensor.as_subclass(cls)
         return result if index is None else result[index]
 
+    @classmethod
+    def from_handler(cls, handler, dtype, shape, index=None):
+        """A tensor of ``dtype``/``shape`` over the memory of ``handler``, without copying.
+
+        The handler is what ``t._handler`` gives: for an anonymous tensor a
+        :class:`~shared_td.storage.anonymous.Segment` (a memfd mapped once in this
+        process, which pickles by reference), for a file-backed one its
+        :class:`~shared_td.storage.files.FileBacking` (*ours*: tensordict's handler is its
+        private ``_FileHandler``/shared-memory buffer, and it deprecates this method; here
+        it is supported). The tensor starts at the handler's first byte, in C order;
+        ``dtype`` may reinterpret the bytes. A shape smaller than the handler uses its
+        leading bytes (*ours*: tensordict requires the exact size); a larger one raises
+        :class:`~shared_td.storage.files.FileTooShortError` (a ``ValueError``).
+        ``index`` is applied to the result, whose :attr:`parent_shape` is ``shape``.
+
+        Example:
+            >>> t = MemoryMappedTensor.zeros(4, 3)
+            >>> u = MemoryMappedTensor.from_handler(t._handler, torch.float32, (4, 3), index=1)
+            >>> _ = u.fill_(2.0)
+            >>> t[1].tolist(), u.parent_shape
+            ([2.0, 2.0, 2.0], torch.Size([4, 3]))
+        """
+        if not isinstance(handler, (Segment, FileBacking)):
+            raise TypeError(
+                f"from_handler takes the handler of a MemoryMappedTensor (t._handler: a "
+                f"Segment or FileBacking), got {type(handler).__name__}. For a storage use "
+                "from_storage, for a path from_filename."
+            )
+        if isinstance(shape, torch.Tensor):
+            raise NotImplementedError("from_handler: nested shapes (a tensor of shapes) are "
+                                      "not supported: nested tensors cannot be memory-mapped yet.")
+        result = cls._from_backing(handler, 0, dtype, checked_shape(shape))
+        return result if index is None else result[index]
+
     # ---------------------------------------------------------------- tensor protocol
+
+    @property
+    def _handler(self):
+        """What this tensor's memory is, for :meth:`from_handler`: its Segment (anonymous)
+        or FileBacking (a file); None for an empty anonymous tensor."""
+        return self._backing
+
+    @property
+    def parent_shape(self) -> torch.Size:
+        """The shape of the tensor that this tensor was built from.
+
+        The shape a constructor (``empty``, ``from_filename``, ``from_handler``, a load...)
+        gave, before its ``index``; views made by indexing, ``unbind``, ``split`` or
+        ``chunk`` keep it, and so does pickling. A tensor made otherwise (``as_subclass``)
+        gives its own shape. (tensordict 0.15.3 deprecates it; it is kept here.)
+
+        Example:
+            >>> t = MemoryMappedTensor.empty(4, 3)
+            >>> t[1:].parent_shape
+            torch.Size([4, 3])
+        """
+        return self.shape if self._parent_shape is None else self._parent_shape
 
     @property
     def filename(self) -> str:
@@ -521,7 +582,7 @@ class MemoryMappedTensor(torch.Tensor):
             raise RuntimeError("This MemoryMappedTensor no longer views the storage of "
                                f"{backing!r} (was set_ called on it?); cannot pickle it.")
         return _rebuild, (backing, self.dtype, tuple(self.shape), self.stride(),
-                          self._byte_offset())
+                          self._byte_offset(), tuple(self.parent_shape))
 
     def __deepcopy__(self, memo):
         # A deep copy owns new memory: an anonymous copy (a filename cannot be invented).
@@ -623,6 +684,7 @@ def _keep_read_only(result, source: ReadOnlyMemoryMappedTensor):
                 and result.untyped_storage().data_ptr() == backing.storage.data_ptr()):
             result = result.as_subclass(ReadOnlyMemoryMappedTensor)
             result._backing = backing
+            result._parent_shape = source._parent_shape
         return result
     if isinstance(result, (tuple, list)):
         return type(result)(_keep_read_only(item, source) for item in result)
@@ -663,8 +725,11 @@ def _storage_backing(storage, filename, handler):
     return backing
 
 
-def _rebuild(backing, dtype, shape, stride, byte_offset):
-    return MemoryMappedTensor._from_backing(backing, byte_offset, dtype, shape, stride)
+def _rebuild(backing, dtype, shape, stride, byte_offset, parent_shape=None):
+    result = MemoryMappedTensor._from_backing(backing, byte_offset, dtype, shape, stride)
+    if parent_shape is not None:
+        result._parent_shape = torch.Size(parent_shape)
+    return result
 
 
 def _rebuild_empty(path, dtype, shape):

@@ -480,3 +480,107 @@ def test_from_storage(tmp_path):
     assert MemoryMappedTensor.from_storage(on_segment.untyped_storage())._backing is segment
     with pytest.raises(ValueError, match="cpu"):
         MemoryMappedTensor.from_storage(typed, device="meta")
+
+
+# ------------------------------------------------ from_handler and parent_shape (issue item 9)
+try:
+    import tensordict as _tensordict
+except ImportError:  # the comparisons skip; our own behaviour is still tested
+    _tensordict = None
+_needs_tensordict = pytest.mark.skipif(
+    _tensordict is None or _tensordict.__version__ != "0.15.3",
+    reason="compares with tensordict 0.15.3, which is not installed: "
+    "pip install 'tensordict==0.15.3' (the test extra)",
+)
+
+
+def test_handler_of_an_anonymous_tensor_is_its_segment():
+    t = MemoryMappedTensor.zeros(4, 3)
+    assert isinstance(t._handler, Segment) and t._handler is t[1:]._handler
+    assert t._handler.nbytes >= t.nbytes
+
+
+@pytest.mark.parametrize("index, shape", [(None, (4, 3)), (1, (3,)), (slice(0, 2), (2, 3)),
+                                          ((slice(None), 2), (4,))])
+def test_from_handler_shares_the_segment(index, shape):
+    t = MemoryMappedTensor.zeros(4, 3)
+    u = MemoryMappedTensor.from_handler(t._handler, torch.float32, torch.Size([4, 3]), index=index)
+    assert type(u) is MemoryMappedTensor and u.shape == shape and u._handler is t._handler
+    u.fill_(7.0)
+    expected = torch.zeros(4, 3)
+    expected[index if index is not None else slice(None)] = 7.0
+    assert torch.equal(t.as_subclass(torch.Tensor), expected)
+    assert u.parent_shape == (4, 3)
+    v = pickle.loads(pickle.dumps(u))  # pickles by reference, as any anonymous MMT
+    assert v._handler is t._handler and torch.equal(v, u) and v.parent_shape == (4, 3)
+
+
+def test_from_handler_reinterprets_and_checks_size():
+    t = MemoryMappedTensor.from_tensor(torch.arange(6, dtype=torch.int32))
+    as_float = MemoryMappedTensor.from_handler(t._handler, torch.float32, [2, 3])
+    assert as_float.as_subclass(torch.Tensor).view(torch.int32).flatten().tolist() == list(range(6))
+    leading = MemoryMappedTensor.from_handler(t._handler, torch.int32, (2,))  # a prefix
+    assert leading.tolist() == [0, 1]
+    with pytest.raises(FileTooShortError, match="needs"):
+        MemoryMappedTensor.from_handler(t._handler, torch.int64, (6,))
+
+
+@pytest.mark.parametrize("bad, error", [(None, TypeError), ("/tmp/x", TypeError),
+                                        (torch.zeros(2).untyped_storage(), TypeError)])
+def test_from_handler_refuses_what_is_not_a_handler(bad, error):
+    with pytest.raises(error, match="from_handler"):
+        MemoryMappedTensor.from_handler(bad, torch.float32, (2,))
+
+
+def test_from_handler_refuses_a_nested_shape():
+    t = MemoryMappedTensor.zeros(6)
+    with pytest.raises(NotImplementedError, match="nested"):
+        MemoryMappedTensor.from_handler(t._handler, torch.float32, torch.tensor([[2], [4]]))
+
+
+def test_from_handler_of_a_file_backing(tmp_path):
+    t = MemoryMappedTensor.from_tensor(torch.arange(4.0), filename=tmp_path / "x.memmap")
+    u = MemoryMappedTensor.from_handler(t._handler, torch.float32, (4,), index=slice(2, None))
+    assert u.filename == t.filename and u.tolist() == [2.0, 3.0]
+
+
+def test_parent_shape_is_the_shape_built():
+    t = MemoryMappedTensor.empty(4, 3)
+    assert t.parent_shape == (4, 3) and t[1:].parent_shape == (4, 3)
+    assert t[0].parent_shape == (4, 3) and t.unbind(1)[0].parent_shape == (4, 3)
+    assert MemoryMappedTensor.from_tensor(torch.ones(2)).parent_shape == (2,)
+    assert MemoryMappedTensor.empty(0, 3).parent_shape == (0, 3)
+
+
+def test_parent_shape_of_a_file_tensor(tmp_path):
+    path = tmp_path / "x.memmap"
+    MemoryMappedTensor.from_tensor(torch.arange(12.0), filename=path)
+    t = MemoryMappedTensor.from_filename(path, torch.float32, (3, 4), index=1)
+    assert t.shape == (4,) and t.parent_shape == (3, 4)
+    assert pickle.loads(pickle.dumps(t[1:])).parent_shape == (3, 4)
+
+
+@_needs_tensordict
+@pytest.mark.parametrize("index", [None, 1, slice(0, 2)])
+def test_from_handler_and_parent_shape_equal_tensordict(index):
+    theirs_cls = _tensordict.MemoryMappedTensor
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # deprecated in 0.15
+        theirs = theirs_cls.empty((4, 3))
+        theirs.copy_(torch.arange(12.0).view(4, 3))
+        theirs_view = theirs_cls.from_handler(theirs._handler, torch.float32, (4, 3), index=index)
+        expected = (theirs_view.shape, theirs_view.parent_shape, theirs_view.tolist(),
+                    theirs[1:].parent_shape)
+    ours = MemoryMappedTensor.empty((4, 3))
+    ours.copy_(torch.arange(12.0).view(4, 3))
+    view = MemoryMappedTensor.from_handler(ours._handler, torch.float32, (4, 3), index=index)
+    assert (view.shape, view.parent_shape, view.tolist(), ours[1:].parent_shape) == expected
+
+
+def test_parent_shape_of_read_only_views(tmp_path):
+    from shared_td.storage import files
+    path = tmp_path / "x.memmap"
+    MemoryMappedTensor.from_tensor(torch.arange(12.0), filename=path)
+    backing = files.open_file_backing(str(path), shared=False, read_only="it is a test")
+    t = MemoryMappedTensor._from_backing(backing, 0, torch.float32, (3, 4))
+    assert type(t[1]).__name__ == "ReadOnlyMemoryMappedTensor" and t[1].parent_shape == (3, 4)

@@ -142,7 +142,8 @@ class MemmapMethods:
     @classmethod
     def load_memmap(
         cls, prefix: Any, device: Any = None, non_blocking: bool = False, *,
-        robust_key: bool | None = True, allow_pickle: bool | None = False,
+        out: Any = None, robust_key: bool | None = True, subpath: Any = None,
+        mode: str | None = None, num_threads: int = 0, allow_pickle: bool | None = None,
     ) -> Any:
         """Load what ``memmap``/``save`` wrote at ``prefix``; the class is the one on disk.
 
@@ -151,12 +152,33 @@ class MemmapMethods:
         unknown dtypes are errors naming the file. ``non_blocking`` is accepted for
         compatibility with tensordict, and ignored.
 
+        - ``subpath``: a nested key of the save (``"obs"``, ``("a", "b")``); only that
+          nested tensordict is loaded. It is walked key by key, never joined as a path.
+        - ``mode``: ``"r"`` maps every file read-only (writes raise a ReadOnlyError
+          saying so, the files stay intact), ``"r+"`` read-write (a file this process
+          may not write is a PermissionError); None: read-write where allowed.
+        - ``num_threads``: map the files on that many threads (0: in this thread).
+        - ``out``: an unlocked TensorDict loaded in place and returned: its entries become
+          those saved (entries not on disk are dropped, as in tensordict 0.15.3), its
+          nested tensordicts of the same batch size are kept and filled in place, its
+          batch size stays. Checked before anything of it changes.
+
         Examples:
             >>> _ = TensorDict(obs=torch.zeros(3, 4), batch_size=[3]).memmap("data/saved")
             >>> TensorDict.load_memmap("data/saved")["obs"].shape
             torch.Size([3, 4])
+            >>> TensorDict.load_memmap(path, subpath="nested", mode="r")
         """
-        return api.load_memmap(prefix, device, robust_key=robust_key, allow_pickle=allow_pickle)
+        if out is not None:
+            _check_out(out)
+        loaded = api.load_memmap(
+            prefix, device, non_blocking, robust_key=robust_key, subpath=subpath, mode=mode,
+            num_threads=num_threads, allow_pickle=allow_pickle,
+        )
+        if out is None:
+            return loaded
+        _load_into(out, loaded)
+        return out
 
     @classmethod
     def load(cls, prefix: Any, *args: Any, **kwargs: Any) -> Any:
@@ -164,11 +186,12 @@ class MemmapMethods:
         return cls.load_memmap(prefix, *args, **kwargs)
 
     def load_memmap_(self, prefix: Any, robust_key: bool | None = True, *,
-                     allow_pickle: bool | None = False) -> Any:
+                     allow_pickle: bool | None = None, mode: str | None = None) -> Any:
         """Load ``prefix`` into self: self's entries become those saved there (as in
         tensordict 0.15.3, entries not on disk are dropped). A memory-mapped self stays
-        memory-mapped."""
-        loaded = api.load_memmap(prefix, robust_key=robust_key, allow_pickle=allow_pickle)
+        memory-mapped. ``mode`` as in ``load_memmap`` ("r": read-only leaves)."""
+        loaded = api.load_memmap(prefix, robust_key=robust_key, allow_pickle=allow_pickle,
+                                 mode=mode)
         was_memmap = self.is_memmap()
         target, source = unwrap_tensorclass(self), unwrap_tensorclass(loaded)
         with _unlocked(self):
@@ -306,6 +329,49 @@ class _unlocked:
     def __exit__(self, *exc: Any) -> None:
         if self.was_locked:
             self.obj.lock_()
+
+
+def _check_out(out: Any) -> None:
+    """``load_memmap(out=)`` fills an unlocked TensorDict (refused before any change)."""
+    if not hasattr(out, "_keys_str"):
+        raise TypeError(
+            f"load_memmap(out=) takes a TensorDict to load into, got {type(out).__name__}: "
+            "pass a TensorDict, or use the tensordict load_memmap returns."
+        )
+    if out.is_locked:
+        raise RuntimeError(
+            "load_memmap(out=) cannot load into a locked tensordict (its entries change): "
+            "call out.unlock_() first."
+        )
+
+
+def _load_into(out: Any, loaded: Any) -> None:
+    """Make ``out``'s entries those of ``loaded``, keeping ``out``'s nested TensorDicts
+    where they have the loaded batch size. Checked first: every entry must fit out's
+    batch size, else nothing of ``out`` changes."""
+    source = _inner(loaded)
+    batch = tuple(out.batch_size)
+    for key, value in source._tensordict.items():
+        shape = tuple(value.shape if isinstance(value, torch.Tensor) else value.batch_size)
+        if shape[: len(batch)] != batch:
+            raise RuntimeError(
+                f"load_memmap(out=): the saved entry {key!r} of shape {list(shape)} does not "
+                f"fit out's batch size {list(batch)}: give an out of batch size "
+                f"{list(loaded.batch_size)}, or none."
+            )
+    _fill(out, source)
+
+
+def _fill(target: Any, source: Any) -> None:
+    entries = {}
+    for key, value in source._tensordict.items():
+        mine = target._tensordict.get(key)
+        if (type(mine) is type(value) and hasattr(value, "_keys_str") and not mine.is_locked
+                and mine.batch_size == value.batch_size):
+            _fill(mine, value)
+            value = mine
+        entries[key] = value
+    target._tensordict = entries
 
 
 def _rebind(target: Any, source: Any) -> None:

@@ -176,15 +176,21 @@ def _build(node: NodePlan, options: Options) -> Any:
 
 
 def load_memmap(
-    prefix: Any, device: Any = None, *, robust_key: bool | None = True,
-    allow_pickle: bool | None = False,
+    prefix: Any, device: Any = None, non_blocking: bool = False, *,
+    robust_key: bool | None = True, subpath: Any = None, mode: str | None = None,
+    num_threads: int = 0, allow_pickle: bool | None = False,
 ) -> Any:
     """Load what memmap/save wrote at ``prefix`` (by shared_td or tensordict 0.15.3).
 
     The class is the one recorded on disk. Leaves are MemoryMappedTensors over the
     files (or copies on ``device`` if it is not the CPU); the result is unlocked.
+    ``subpath`` (a nested key) loads one nested tensordict of the save, ``mode`` is
+    None, "r" (read-only leaves) or "r+" (writable or an error), ``num_threads`` maps
+    the files on that many threads (see ``persist.loader``).
     """
-    result = Loader(robust_key=robust_key, allow_pickle=allow_pickle).load(prefix)
+    loader = Loader(robust_key=robust_key, allow_pickle=allow_pickle, mode=mode,
+                    num_threads=num_threads)
+    result = loader.load(prefix, subpath)
     if device is not None and torch.device(device) != _CPU:
-        result = result.to(device)
+        result = result.to(device, non_blocking=non_blocking)
     return result

@@ -23,10 +23,25 @@ def memmap(data: Any, prefix: Any = None, copy_existing: bool = False, **kwargs:
     return data.memmap(prefix, copy_existing, **kwargs)
 
 
-def load_memmap(prefix: Any, device: Any = None, *, robust_key: bool | None = True,
-                allow_pickle: bool | None = False) -> Any:
-    """Load a directory saved by shared_td or tensordict 0.15.3 (the class on disk)."""
-    return api.load_memmap(prefix, device, robust_key=robust_key, allow_pickle=allow_pickle)
+def load_memmap(
+    prefix: Any, device: Any = None, non_blocking: bool = False, *, out: Any = None,
+    robust_key: bool | None = True, subpath: Any = None, mode: str | None = None,
+    num_threads: int = 0, allow_pickle: bool | None = None,
+) -> Any:
+    """Load a directory saved by shared_td or tensordict 0.15.3 (the class on disk).
+
+    The options are those of ``TensorDict.load_memmap`` (``out`` is loaded in place by
+    its own class's ``load_memmap``).
+    """
+    if out is not None:
+        return type(out).load_memmap(
+            prefix, device, non_blocking, out=out, robust_key=robust_key, subpath=subpath,
+            mode=mode, num_threads=num_threads, allow_pickle=allow_pickle,
+        )
+    return api.load_memmap(
+        prefix, device, non_blocking, robust_key=robust_key, subpath=subpath, mode=mode,
+        num_threads=num_threads, allow_pickle=allow_pickle,
+    )
 
 
 load = load_memmap

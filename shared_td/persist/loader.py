@@ -25,6 +25,15 @@ the write change this process's copy only, so it is lost without a word). It is 
 ``PROT_READ`` mapping on purpose: torch cannot mark a tensor read-only, so a write that
 slipped through (a numpy view, a raw storage) would kill the process with SIGSEGV
 instead of raising.
+
+Options (``load_memmap``'s): ``mode="r"`` opens every leaf read-only and gives those same
+read-only leaves, their errors saying "opened with mode='r'"; ``mode="r+"`` insists on
+writable files (a file this process may not write is a PermissionError naming it);
+``mode=None`` maps writable what it may and read-only the rest. ``subpath`` loads one
+nested tensordict of the save, reached key by key through the same ``dir_fd`` walk (a key
+listed in each meta.json, by its file name), so it cannot leave the prefix.
+``num_threads`` maps the leaf files on a thread pool; every thread is joined before the
+load returns or raises.
 """
 from __future__ import annotations
 
@@ -33,11 +42,13 @@ import json
 import os
 import pickle
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
 
 from shared_td.errors import FormatError
+from shared_td.keys import unravel_key
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.persist import format as fmt
 from shared_td.persist import nodes
@@ -53,6 +64,10 @@ READ_ONLY_ERRNOS = {
     errno.EPERM: "this process may not write it (an immutable or append-only file)",
 }
 
+#: The values of ``load_memmap(mode=)``: None (writable where allowed), read-only, read-write.
+MODES = (None, "r", "r+")
+MODE_R_REASON = "opened with mode='r'"
+
 #: How long a load keeps restarting while atomic writers replace the directory under it.
 RETRY_SECONDS = 60.0
 
@@ -67,6 +82,22 @@ def check_allow_pickle(allow_pickle: Any) -> bool:
             f"{type(allow_pickle).__name__}."
         )
     return allow_pickle
+
+
+def check_mode(mode: Any) -> str | None:
+    """``mode`` must be one of :data:`MODES` (ValueError otherwise)."""
+    if not (mode is None or (type(mode) is str and mode in MODES)):
+        raise ValueError(f"mode must be 'r', 'r+' or None, got {mode!r}.")
+    return mode
+
+
+def check_num_threads(num_threads: Any) -> int:
+    """``num_threads`` is a count of threads, 0 for none (TypeError/ValueError otherwise)."""
+    if type(num_threads) is not int:
+        raise TypeError(f"num_threads must be an int, got {num_threads!r} of type {type(num_threads).__name__}.")
+    if num_threads < 0:
+        raise ValueError(f"num_threads must be 0 (no thread pool) or more, got {num_threads}.")
+    return num_threads
 
 
 def read_meta(directory: Directory) -> fmt.NodeMeta:
@@ -99,27 +130,65 @@ def read_node_meta(path: str) -> fmt.NodeMeta:
 
 
 class Loader:
-    """Loads one saved tree; ``robust_key`` picks the file names tried first."""
+    """Loads one saved tree; ``robust_key`` picks the file names tried first, ``mode``
+    how leaves are opened and ``num_threads`` how many threads map them (module doc)."""
 
-    def __init__(self, *, robust_key: bool = True, allow_pickle: bool = False):
+    def __init__(self, *, robust_key: bool = True, allow_pickle: bool = False,
+                 mode: str | None = None, num_threads: int = 0):
         self.robust_key = True if robust_key is None else robust_key
         self.allow_pickle = check_allow_pickle(allow_pickle)
+        self.mode = check_mode(mode)
+        self.num_threads = check_num_threads(num_threads)
         self._opened: tuple | None = None  # (root directory, its path) of the current load
+        self._pool: ThreadPoolExecutor | None = None
 
-    def load(self, directory: str) -> Any:
-        """Load the tree at ``directory``, restarting if an atomic writer replaced it."""
+    def load(self, directory: str, subpath: Any = None) -> Any:
+        """Load the tree at ``directory`` (or its nested tensordict ``subpath``, a nested
+        key), restarting if an atomic writer replaced it."""
         path = os.path.abspath(os.fspath(directory))
+        parts = () if subpath is None else unravel_key(subpath)
         deadline = time.monotonic() + RETRY_SECONDS
         while True:
             root = self._open_root(path)
             self._opened = (root, path)
+            opened = [root]
             try:
-                return self._load(root, None)
+                node, parent_batch = self._walk(opened, parts, subpath)
+                if not self.num_threads:
+                    return self._load(node, parent_batch)
+                with ThreadPoolExecutor(self.num_threads, thread_name_prefix="shared_td-load") as pool:
+                    self._pool = pool
+                    return self._load(node, parent_batch)
             except (FileNotFoundError, FormatError, FileTooShortError):
                 if not _replaced(root, path) or time.monotonic() > deadline:
                     raise
             finally:
-                root.close()
+                self._pool = None
+                for each in reversed(opened):
+                    each.close()
+
+    def _walk(self, opened: list, parts: tuple, subpath: Any) -> tuple[Directory, tuple | None]:
+        """Open the directory of the nested key ``parts`` below ``opened[0]``, key by key:
+        each part must be a nested tensordict listed in its parent's meta.json, found by
+        its file name (never a path join, so '..' or '/' cannot leave the save).
+        Returns it and its parent's batch size; ``opened`` collects what to close."""
+        parent_batch = None
+        for depth, part in enumerate(parts):
+            directory = opened[-1]
+            meta = read_meta(directory)
+            entry = next((e for e in meta.entries if e.key == part), None)
+            where = f"subpath {subpath!r}: {directory.path}/{fmt.META}"
+            if entry is None:
+                hint = ""
+                if depth == 0 and isinstance(subpath, str) and "/" in subpath:
+                    hint = f" (to walk into nested keys, give a tuple: {tuple(subpath.split('/'))!r})"
+                raise ValueError(f"No tensordict under {where} lists no key {part!r}{hint}.")
+            if not isinstance(entry, fmt.ChildMeta):
+                raise ValueError(f"No tensordict under {where} says key {part!r} is a tensor, "
+                                 "not a nested tensordict: load its parent and index it.")
+            opened.append(directory.child(self._resolve(directory, part, leaf=False)))
+            parent_batch = meta.batch_size
+        return opened[-1], parent_batch
 
     @staticmethod
     def _open_root(path: str) -> Directory:
@@ -139,13 +208,22 @@ class Loader:
         children (the kind names them), then the kind rebuilds the container."""
         meta = read_meta(directory)
         kind = nodes.kind_for_type_string(meta.type)
-        values = {}
-        for entry in meta.entries:
-            if isinstance(entry, fmt.ChildMeta):
-                name = self._resolve(directory, entry.key, leaf=False)
-                values[entry.key] = self._load_child(directory, name, meta.batch_size)
-            else:
-                values[entry.key] = self._load_leaf(directory, entry)
+        values = dict.fromkeys(entry.key for entry in meta.entries)  # in the saved order
+        mapping = {}  # key -> future of its leaf, when a pool maps them
+        try:
+            for entry in meta.entries:
+                if isinstance(entry, fmt.ChildMeta):
+                    name = self._resolve(directory, entry.key, leaf=False)
+                    values[entry.key] = self._load_child(directory, name, meta.batch_size)
+                elif self._pool is not None:
+                    mapping[entry.key] = self._pool.submit(self._load_leaf, directory, entry)
+                else:
+                    values[entry.key] = self._load_leaf(directory, entry)
+        finally:
+            # the threads use directory's fd: none may outlive it, also on an error
+            wait(mapping.values())
+        for key, future in mapping.items():
+            values[key] = future.result()
         names = kind.child_names(meta, directory.exists)
         for name in names:
             values[name] = self._load_child(directory, name, meta.batch_size)
@@ -186,18 +264,27 @@ class Loader:
         """Open the file of leaf ``key``: ``(name, fd, read_only)``.
 
         A file this process may not write (its mode, a read-only file system, an
-        immutable file) is opened read-only; ``read_only`` then says why (else None),
-        and the file is mapped copy-on-write, its tensors refusing writes.
+        immutable file), or any file with ``mode="r"``, is opened read-only;
+        ``read_only`` then says why (else None), and the file is mapped copy-on-write,
+        its tensors refusing writes. With ``mode="r+"`` such a file is an error.
         """
         names = self._candidates(key, leaf=True)
         for name in names:
             try:
+                if self.mode == "r":
+                    return name, directory.open_regular(name, os.O_RDONLY), MODE_R_REASON
                 return name, directory.open_regular(name, os.O_RDWR), None
             except FileNotFoundError:
                 continue
             except OSError as error:
                 if error.errno not in READ_ONLY_ERRNOS:
                     raise
+                if self.mode == "r+":
+                    raise PermissionError(
+                        error.errno, f"Cannot load {directory.path}/{name} with mode='r+': "
+                        f"{READ_ONLY_ERRNOS[error.errno]}. Load it with mode='r' (or None) "
+                        "to map it read-only, or make it writable."
+                    ) from None
                 return name, directory.open_regular(name, os.O_RDONLY), READ_ONLY_ERRNOS[error.errno]
         raise self._missing(directory, key, names, "file")
 

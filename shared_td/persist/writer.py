@@ -145,14 +145,17 @@ class Planner:
         else:
             if not is_safe_legacy_name(key, directory=not leaf):
                 raise ValueError(
-                    f"Key {path + (key,)} is not a safe file name (it holds '/', '\\', a "
-                    "drive or is '.'/'..'), so robust_key=False would write outside the "
-                    "prefix: use robust_key=True (the default)."
+                    f"Key {path + (key,)} is not one file name on this system (it holds "
+                    "'/' or NUL, or is ''/'.'/'..' for a nested tensordict), so "
+                    "robust_key=False cannot write it inside the prefix: use "
+                    "robust_key=True (the default), which encodes it."
                 )
             name = key
-        if os.sep in name or name in (".", ".."):  # never reached by the rules above
+        if leaf:
+            name += fmt.LEAF_SUFFIX  # so a leaf "." is the file "..memmap", inside
+        if os.sep in name or name in ("", ".", ".."):  # never reached by the rules above
             raise ValueError(f"Key {path + (key,)} would be written outside the prefix.")
-        return name + fmt.LEAF_SUFFIX if leaf else name
+        return name
 
     def _plan_leaf(
         self, key: str, tensor: torch.Tensor, target: str | None, path: tuple, in_existing: bool

@@ -49,3 +49,15 @@ def load_and_write_as_nobody(path: str) -> tuple:
 
 def reference_tensor() -> torch.Tensor:
     return torch.arange(6, dtype=torch.float32).reshape(3, 2)
+
+
+def load_with_modes_as_nobody(path: str) -> tuple:
+    """As user nobody: the leaf type of a plain load of ``path`` (a file 0444), and
+    what ``mode='r+'`` raises (its class name and message)."""
+    drop_to_nobody()
+    plain = type(TensorDict.load_memmap(path)["a"]).__name__
+    try:
+        TensorDict.load_memmap(path, mode="r+")
+    except OSError as error:
+        return plain, type(error).__name__, str(error)
+    return plain, None, None
