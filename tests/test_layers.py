@@ -1,6 +1,6 @@
 """The layers of shared_td import only the layers below them, also inside functions.
 
-storage/, keys.py, errors.py, platform.py, tensorclass_protocol.py  <-  memmap_tensor.py
+storage/, keys.py, errors.py, platform.py, tensorclass_protocol.py  <-  memmap_tensor/
 <-  persist/  <-  containers/  <-  coordinator/  <-  cli/, demo/, bench/ (and the
 package's __init__).
 

@@ -349,7 +349,7 @@ def _load_into(out: Any, loaded: Any) -> None:
     """Make ``out``'s entries those of ``loaded``, keeping ``out``'s nested TensorDicts
     where they have the loaded batch size. Checked first: every entry must fit out's
     batch size, else nothing of ``out`` changes."""
-    source = _inner(loaded)
+    source = unwrap_tensorclass(loaded)
     batch = tuple(out.batch_size)
     for key, value in source._tensordict.items():
         shape = tuple(value.shape if isinstance(value, torch.Tensor) else value.batch_size)

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from persist_helpers import TensorDict, assert_same_values, dir_state
+from tests.persist.persist_helpers import TensorDict, assert_same_values, dir_state
 
 try:
     import tensordict
@@ -91,8 +91,8 @@ def test_legacy_names_equal_tensordict(tmp_path):
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
-from read_only_children import load_with_modes_as_nobody  # noqa: E402
-from test_load_untrusted import in_child  # noqa: E402
+from tests.persist.read_only_children import load_with_modes_as_nobody  # noqa: E402
+from tests.persist.test_load_untrusted import in_child  # noqa: E402
 
 from shared_td import ReadOnlyError, load_memmap  # noqa: E402
 from shared_td.memmap_tensor import MemoryMappedTensor, ReadOnlyMemoryMappedTensor  # noqa: E402

@@ -1,86 +1,22 @@
-"""MemoryMappedTensor: a CPU tensor whose bytes live in a file or an anonymous segment.
-
-Design (differences from tensordict 0.15.3 are marked *ours*):
-
-* Every MemoryMappedTensor (MMT) views the single uint8 storage of its *backing*: a
-  :class:`~shared_td.storage.files.FileBacking` (a whole mapped file) or a
-  :class:`~shared_td.storage.anonymous.Segment` (a memfd). The backing is a Python
-  attribute, ``_backing``; views made by indexing share it.
-* Because a view and its backing share one storage, a tensor pickles as ``(backing,
-  dtype, size, stride, byte offset)``: no index bookkeeping, so views of views stay
-  exact after pickling (*ours*: tensordict pickles ``t[2:5][0]`` as ``t[0]``).
-* Torch-function dispatch is disabled, so ordinary ops return plain tensors and in-place
-  ops return the MMT itself; indexing, ``unbind``, ``split`` and ``chunk`` re-wrap results
-  that still share the storage.
-* Zero-element tensors map nothing and create no file; they pickle as an empty tensor
-  (with their filename, if any).
-* A tensor over a file this process may not write (a read-only file system, the file's
-  mode) is a :class:`ReadOnlyMemoryMappedTensor`: its mapping is private and every torch
-  write into it raises :class:`~shared_td.errors.ReadOnlyError` (*ours*: tensordict lets
-  the write change this process's copy only). Only that subclass checks: writable
-  tensors keep the disabled dispatch and pay nothing.
-"""
+"""The MemoryMappedTensor class (the package's opening says how it is built)."""
 
 from __future__ import annotations
 
-import multiprocessing.reduction
 import os
 
 import numpy as np
 import torch
 
-from shared_td.errors import ReadOnlyError
+from shared_td.memmap_tensor.shapes import _check_cpu, _contiguous_strides, _parse_shape, checked_shape
 from shared_td.storage import anonymous, files
 from shared_td.storage.anonymous import Segment
 from shared_td.storage.files import FileBacking, FileTooShortError
 
-__all__ = ["MemoryMappedTensor", "ReadOnlyMemoryMappedTensor"]
+__all__ = ["MemoryMappedTensor", "checked_shape"]
 
 # A non-contiguous input up to this size is made contiguous and written with pwrite;
 # bigger ones (e.g. an expanded scalar) are copied through the mapping, with no temporary.
 _CONTIGUOUS_COPY_LIMIT = 1 << 26
-
-
-def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
-
-
-def checked_shape(shape) -> torch.Size:
-    """``shape`` as a ``torch.Size``; ``ValueError`` for a negative size (torch.Size takes
-    one, and a file would be created before anything failed).
-
-    Example:
-        >>> checked_shape([2, 3])
-        torch.Size([2, 3])
-    """
-    size = torch.Size(shape)
-    if any(n < 0 for n in size):
-        raise ValueError(f"Shape {list(size)} has a negative size: sizes must be 0 or more.")
-    return size
-
-
-def _parse_shape(size: tuple, shape) -> torch.Size:
-    # the shape may come as varargs ints, one sequence, or the shape= keyword
-    if size:
-        if shape is not None:
-            raise TypeError("Pass the shape either positionally or as shape=, not both.")
-        first = size[0]
-        # one sequence (or 1-D tensor/array) rather than a single int-like size
-        if len(size) == 1 and (isinstance(first, (list, tuple)) or getattr(first, "ndim", 0)):
-            return checked_shape(first)
-        return checked_shape(size)
-    if shape is None:
-        raise TypeError("Could not find the shape argument in the arguments.")
-    return checked_shape(shape)
-
-
-def _check_cpu(device) -> None:
-    if device is not None and torch.device(device).type != "cpu":
-        raise RuntimeError("Only CPU tensors are supported.")
 
 
 class MemoryMappedTensor(torch.Tensor):
@@ -591,114 +527,17 @@ class MemoryMappedTensor(torch.Tensor):
         return result
 
 
-# Torch functions named like writes (``add_``, ``__iadd__``) that change no element.
-_NOT_WRITES = frozenset({"requires_grad_", "detach_", "rename_", "share_memory_"})
-# Writes whose names do not end in a single "_"; ``__set__`` is the ``.data = x`` setter.
-_DUNDER_WRITES = frozenset({
-    "__setitem__", "__set__", "__iadd__", "__isub__", "__imul__", "__itruediv__",
-    "__ifloordiv__", "__imod__", "__ipow__", "__imatmul__", "__iand__", "__ior__",
-    "__ixor__", "__ilshift__", "__irshift__",
-})
-# Results left as torch gives them: as_subclass asks for another class on purpose.
-_NOT_REWRAPPED = frozenset({"as_subclass"})
-
-
-class ReadOnlyMemoryMappedTensor(MemoryMappedTensor):
-    """A MemoryMappedTensor over a file that this process may not write; writes raise.
-
-    ``load_memmap`` of a save on a read-only file system, or with files this process may
-    not write, gives these. The file is mapped privately (copy-on-write), so a write would
-    change this process's copy only and be lost without a word; instead every torch write
-    into it raises :class:`~shared_td.errors.ReadOnlyError` naming the file and why: an
-    in-place op (``add_``, ``t += 1``, ``copy_``, ``fill_``...), ``t[i] = x``, ``out=t``,
-    ``t.data = x``, and with them every in-place method of the tensordicts holding it.
-    Views (indexing, ``view``, ``reshape``, ``unbind``, ``detach``...) stay read-only,
-    also after pickling to another process; ``clone()`` and other ops give ordinary
-    writable tensors, and ``numpy()`` a read-only array.
-
-    Not covered (torch offers no hook): writes through ``untyped_storage()``, DLPack,
-    or a view made with ``as_subclass(torch.Tensor)``; they change this process's copy
-    only, never the file.
-
-    Example:
-        >>> import tempfile
-        >>> path = os.path.join(tempfile.mkdtemp(), "x.memmap")
-        >>> _ = MemoryMappedTensor.from_tensor(torch.zeros(3), filename=path)
-        >>> backing = files.open_file_backing(path, shared=False, read_only="it is an example")
-        >>> t = MemoryMappedTensor._from_backing(backing, 0, torch.float32, (3,))
-        >>> type(t[1:]).__name__, type(t + 1).__name__
-        ('ReadOnlyMemoryMappedTensor', 'Tensor')
-        >>> t.add_(1)
-        Traceback (most recent call last):
-        ...
-        shared_td.errors.ReadOnlyError: Cannot write (add_) into a tensor of ... because it is an example. ...
-    """
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = {} if kwargs is None else kwargs
-        name = getattr(func, "__name__", "")
-        if name in _DUNDER_WRITES or (name[-1:] == "_" and name[-2:] != "__" and name not in _NOT_WRITES):
-            # the written tensor is the first argument (a list of them for _foreach_ ops)
-            refuse_read_only(args[0] if args else None, name)
-        out = kwargs.get("out")
-        if out is not None:
-            refuse_read_only(out, name)
-        with torch._C.DisableTorchFunctionSubclass():
-            result = func(*args, **kwargs)
-        if name in _NOT_REWRAPPED:
-            return result
-        source = next((a for a in args if isinstance(a, ReadOnlyMemoryMappedTensor)), None)
-        return _keep_read_only(result, source) if source is not None else result
-
-    def _wrap(self, tensor: torch.Tensor):
-        return tensor  # __torch_function__ made the views of our storage read-only already
-
-    def _write_refused(self, operation: str) -> ReadOnlyError:
-        backing = self._backing
-        return ReadOnlyError(
-            f"Cannot write ({operation}) into a tensor of {backing.path}: it is mapped "
-            f"read-only because {backing.read_only}. A write would change this process's "
-            "copy only, never the file. For a writable copy, use .clone() (td.clone() for "
-            "a whole tensordict); to change the save, load it from a place this process "
-            "may write."
-        )
-
-
-def refuse_read_only(target, operation: str) -> None:
-    """Raise :class:`ReadOnlyError` if ``target`` (a tensor, or a list or tuple of them)
-    is read-only: for writes of many tensors to check them all before the first."""
-    if isinstance(target, ReadOnlyMemoryMappedTensor) and target._backing is not None:
-        raise target._write_refused(operation)
-    if isinstance(target, (list, tuple)):
-        for item in target:
-            refuse_read_only(item, operation)
-
-
-def _keep_read_only(result, source: ReadOnlyMemoryMappedTensor):
-    """``result`` of an op on ``source``, with every view of its storage read-only too."""
-    if isinstance(result, torch.Tensor):
-        backing = source._backing
-        if (type(result) is not ReadOnlyMemoryMappedTensor and backing is not None
-                and backing.storage is not None
-                and result.untyped_storage().data_ptr() == backing.storage.data_ptr()):
-            result = result.as_subclass(ReadOnlyMemoryMappedTensor)
-            result._backing = backing
-            result._parent_shape = source._parent_shape
-        return result
-    if isinstance(result, (tuple, list)):
-        return type(result)(_keep_read_only(item, source) for item in result)
-    if isinstance(result, np.ndarray):  # numpy() views our bytes
-        result.flags.writeable = False
-    return result
+#: ReadOnlyMemoryMappedTensor, registered by read_only.py when it is imported (the
+#: package's __init__ imports it, so it is there before any tensor is built).
+READ_ONLY_CLASS: type | None = None
 
 
 def _class_for(cls, backing) -> type:
     """The class of a tensor over ``backing``: read-only for a read-only file, else
     ``cls`` (a read-only tensor's new storage is writable)."""
     if isinstance(backing, FileBacking) and backing.read_only:
-        return ReadOnlyMemoryMappedTensor
-    return MemoryMappedTensor if cls is ReadOnlyMemoryMappedTensor else cls
+        return READ_ONLY_CLASS
+    return MemoryMappedTensor if cls is READ_ONLY_CLASS else cls
 
 
 def _storage_backing(storage, filename, handler):
@@ -739,16 +578,3 @@ def _rebuild_empty(path, dtype, shape):
 
 def _reduce(tensor):
     return tensor.__reduce_ex__(2)
-
-
-# Queues and process arguments use ForkingPickler, whose dispatch table would otherwise
-# not know our type; multiprocess (dill) has its own ForkingPickler.
-for _class in (MemoryMappedTensor, ReadOnlyMemoryMappedTensor):
-    multiprocessing.reduction.ForkingPickler.register(_class, _reduce)
-try:
-    import multiprocess.reduction
-except ImportError:  # optional: __reduce_ex__ alone also works with dill
-    pass
-else:
-    for _class in (MemoryMappedTensor, ReadOnlyMemoryMappedTensor):
-        multiprocess.reduction.ForkingPickler.register(_class, _reduce)
