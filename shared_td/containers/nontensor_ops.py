@@ -1,5 +1,6 @@
 """The non-tensor API of every tensordict class (tensordict 0.15.3's names):
-``set_non_tensor``, ``non_tensor_items``, ``filter_non_tensor_data``.
+``set_non_tensor``, ``non_tensor_items``, ``filter_non_tensor_data``; and what a Python
+list becomes in a tensordict, and the check of an indexed write into non-tensor data.
 
 ``get_non_tensor`` lives beside ``get`` in ``base``.
 """
@@ -7,6 +8,10 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
+import torch
+
+from shared_td.containers import batch as batch_ops
+from shared_td.errors import BatchSizeMismatchError
 from shared_td.keys import NestedKey
 
 
@@ -38,3 +43,55 @@ class NonTensorOps:
         """A new tensordict without the non-tensor entries, at any depth (the nested
         tensordicts stay, even when they become empty); it shares the tensors."""
         return self.exclude(*[key for key, _ in self.non_tensor_items(include_nested=True)])
+
+
+# ------------------------------------------------- what a Python value becomes
+def check_non_tensor_write(current: Any, index: tuple, source: Any, key: str) -> None:
+    """Raise unless ``current._set_at(index, source)`` can write ``source``'s values
+    (one, or one per indexed element) into the indexed elements; writes nothing."""
+    from shared_td.containers.base import is_non_tensor
+    from shared_td.containers.nontensor import NonTensorData, _broadcast_values
+
+    shared_or_files = current._shared_value is not None or current.is_memmap()
+    if isinstance(current, NonTensorData) and shared_or_files and not current._holds_only(index, source):
+        # one value for the whole batch, shared with other processes or kept in files:
+        # per-element values would turn it into a private in-memory stack
+        raise RuntimeError(
+            f"Cannot write per-element values into the non-tensor entry {key!r}: it is a "
+            "NonTensorData (one value for the whole batch) that is "
+            + ("shared with share_non_tensor=True: write the whole value with set_() or update_()."
+               if current._shared_value is not None else
+               "memory-mapped: write the whole value with set_() or update_(), or unlock_() first.")
+        )
+    if not is_non_tensor(source):
+        source = NonTensorData(source, batch_size=[])
+    target = batch_ops.indexed_batch_size(current.batch_size, index)
+    try:
+        _broadcast_values(source, target)
+    except BatchSizeMismatchError as error:
+        raise BatchSizeMismatchError(f"Cannot write into non-tensor entry {key!r}: {error}") from None
+
+
+def list_to_tensor(value: list | tuple) -> Any:
+    """Numbers become a tensor (as tensordict does); other values stay Python."""
+    try:
+        return torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError):
+        return value
+
+
+def list_to_entry(value: list, device: Any) -> Any:
+    """A list as tensordict 0.15.3 stores it: numbers (nested lists of numbers) become a
+    tensor, tensors of one shape are stacked, anything else is a NonTensorStack with
+    one value per element (equal-length inner lists are more dims), whose batch size is
+    then checked like a tensor's: ``["a", "b", "c"]`` fits a batch size of ``[3]``."""
+    from shared_td.containers.nontensor import NonTensorStack
+
+    if value and all(isinstance(v, torch.Tensor) for v in value):
+        if len({v.shape for v in value}) == 1:
+            return torch.stack(value)
+        return NonTensorStack._from_flat(value, torch.Size([len(value)]), device)
+    converted = list_to_tensor(value)
+    if isinstance(converted, torch.Tensor):
+        return converted
+    return NonTensorStack.from_list(value, device=device)

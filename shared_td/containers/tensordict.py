@@ -16,6 +16,7 @@ from shared_td.containers.base import (
 )
 from shared_td.containers.keyops import KeyOps
 from shared_td.containers.naming import NamedBatchDims
+from shared_td.containers.nontensor_ops import check_non_tensor_write, list_to_entry, list_to_tensor
 from shared_td.containers.reshaping import BatchShapeOps
 from shared_td.containers.row_writes import write_rows
 from shared_td.errors import BatchSizeMismatchError
@@ -146,9 +147,9 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, TensorDictBase):
             # a Python complex stays a Python value, as in tensordict
             value = torch.as_tensor(value)
         elif isinstance(value, list):
-            value = _list_to_entry(value, self._device)
+            value = list_to_entry(value, self._device)
         elif isinstance(value, tuple) and not is_tensor_collection(value):
-            value = _list_to_tensor(value)
+            value = list_to_tensor(value)
         if not isinstance(value, torch.Tensor) and not is_tensor_collection(value):
             value = NonTensorData(value, batch_size=self._batch_size, device=self._device)
         if is_non_tensor(value) and value.batch_size != self._batch_size:
@@ -401,7 +402,7 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, TensorDictBase):
                 refuse_read_only(current, "td[index] = value")
                 writes.append(lambda current=current, source=source: current.__setitem__(index, source))
             elif is_non_tensor(current):
-                _check_non_tensor_write(current, index, source, key)
+                check_non_tensor_write(current, index, source, key)
                 writes.append(
                     lambda key=key, current=current, source=source: self._tensordict.__setitem__(
                         key, current._set_at(index, source)
@@ -551,56 +552,6 @@ def _check_fits(source: torch.Tensor, expected: torch.Size, key: str, index: tup
             f"Cannot write a value of shape {list(source.shape)} into entry {name} at "
             f"{index!r}: expected shape {list(expected)} (or one that broadcasts to it)."
         )
-
-
-def _check_non_tensor_write(current: Any, index: tuple, source: Any, key: str) -> None:
-    """Raise unless ``current._set_at(index, source)`` can write ``source``'s values
-    (one, or one per indexed element) into the indexed elements; writes nothing."""
-    from shared_td.containers.nontensor import NonTensorData, _broadcast_values
-
-    shared_or_files = current._shared_value is not None or current.is_memmap()
-    if isinstance(current, NonTensorData) and shared_or_files and not current._holds_only(index, source):
-        # one value for the whole batch, shared with other processes or kept in files:
-        # per-element values would turn it into a private in-memory stack
-        raise RuntimeError(
-            f"Cannot write per-element values into the non-tensor entry {key!r}: it is a "
-            "NonTensorData (one value for the whole batch) that is "
-            + ("shared with share_non_tensor=True: write the whole value with set_() or update_()."
-               if current._shared_value is not None else
-               "memory-mapped: write the whole value with set_() or update_(), or unlock_() first.")
-        )
-    if not is_non_tensor(source):
-        source = NonTensorData(source, batch_size=[])
-    target = batch_ops.indexed_batch_size(current.batch_size, index)
-    try:
-        _broadcast_values(source, target)
-    except BatchSizeMismatchError as error:
-        raise BatchSizeMismatchError(f"Cannot write into non-tensor entry {key!r}: {error}") from None
-
-
-def _list_to_tensor(value: list | tuple) -> Any:
-    """Numbers become a tensor (as tensordict does); other values stay Python."""
-    try:
-        return torch.as_tensor(value)
-    except (TypeError, ValueError, RuntimeError):
-        return value
-
-
-def _list_to_entry(value: list, device: Any) -> Any:
-    """A list as tensordict 0.15.3 stores it: numbers (nested lists of numbers) become a
-    tensor, tensors of one shape are stacked, anything else is a NonTensorStack with
-    one value per element (equal-length inner lists are more dims), whose batch size is
-    then checked like a tensor's: ``["a", "b", "c"]`` fits a batch size of ``[3]``."""
-    from shared_td.containers.nontensor import NonTensorStack
-
-    if value and all(isinstance(v, torch.Tensor) for v in value):
-        if len({v.shape for v in value}) == 1:
-            return torch.stack(value)
-        return NonTensorStack._from_flat(value, torch.Size([len(value)]), device)
-    converted = _list_to_tensor(value)
-    if isinstance(converted, torch.Tensor):
-        return converted
-    return NonTensorStack.from_list(value, device=device)
 
 
 def _plain_contiguous(value: Any) -> Any:
