@@ -27,6 +27,7 @@ import torch
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.persist import nodes, writer
 from shared_td.storage import files
+from shared_td.storage.anonymous import align
 
 _BYTE = torch.uint8
 
@@ -47,17 +48,41 @@ def _inner(obj: Any) -> Any:
 
 
 def _sources(obj: Any) -> list[torch.Tensor]:
+    """The tensor leaves of ``obj``'s tree in the order ``apply`` visits them (entries in
+    order, nested collections where they stand, lazy-stack members one after another)."""
     leaves: list[torch.Tensor] = []
-    obj.apply(leaves.append)  # None results: apply builds an empty tree, nothing more
+
+    def walk(node: Any) -> None:
+        kind = nodes.kind_for_object(node)
+        for _, value in kind.entries(node):
+            if isinstance(value, torch.Tensor):
+                leaves.append(value)
+            elif not getattr(type(value), "_is_non_tensor", False):
+                walk(value)
+        for _, child in kind.children(node):
+            walk(child)
+
+    if not getattr(type(obj), "_is_non_tensor", False):
+        walk(obj)
     return leaves
 
 
 def _byte_views(buffer: torch.Tensor, sources: list[torch.Tensor], offsets: list[int]) -> list[torch.Tensor]:
-    """Each source's place in ``buffer`` (a plain uint8 tensor), as a tensor of its dtype and shape."""
+    """Each source's place in ``buffer`` (a plain uint8 tensor whose length is a multiple
+    of 64), as a contiguous tensor of its dtype and shape: one ``as_strided`` each."""
+    typed: dict[torch.dtype, torch.Tensor] = {}
     views = []
     for source, offset in zip(sources, offsets):
-        nbytes = source.numel() * source.element_size()
-        views.append(buffer[offset:offset + nbytes].view(source.dtype).view(source.shape))
+        dtype = source.dtype
+        whole = typed.get(dtype)
+        if whole is None:
+            whole = typed[dtype] = buffer.view(dtype)
+        shape = source.shape
+        stride, step = [], 1
+        for size in reversed(shape):
+            stride.append(step)
+            step *= size
+        views.append(whole.as_strided(shape, stride[::-1], offset // source.element_size()))
     return views
 
 
@@ -75,7 +100,7 @@ def _fill(buffer: torch.Tensor, sources: list[torch.Tensor], offsets: list[int],
 
 def _consolidate_plain(sources: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
     offsets, small, total = writer.packed_layout(sources)
-    buffer = torch.empty(total, dtype=_BYTE)
+    buffer = torch.empty(align(total), dtype=_BYTE)  # a whole number of every dtype
     _fill(buffer, sources, offsets, small)
     return buffer, _byte_views(buffer, sources, offsets)
 
@@ -223,22 +248,39 @@ class ConsolidateMethods:
         return _unpickle_consolidated, (skeleton, payload, offsets, self.is_locked)
 
 
-def _rebuilt(template: Any, buffer: torch.Tensor, leaves: list[torch.Tensor], lock: bool = True) -> Any:
-    """``template``'s tree with ``leaves`` (in apply order) for its leaves, carrying the layout."""
+def _rebuilt(template: Any, buffer: torch.Tensor, leaves: list[torch.Tensor]) -> Any:
+    """``template``'s tree with ``leaves`` (in apply order) for its leaves, carrying the
+    layout, locked."""
     position = iter(leaves)
     out = template.apply(lambda _: next(position))
     _mark(out, _Layout(buffer))
-    if lock:
-        out.lock_()
+    out.lock_()
     return out
 
 
 def _unpickle_consolidated(skeleton: Any, payload: Any, offsets: list, locked: bool) -> Any:
-    """Rebuild a pickled consolidated tensordict: the payload becomes its one buffer."""
+    """Rebuild a pickled consolidated tensordict: the payload becomes its one buffer and
+    the skeleton's meta leaves are replaced, in place, by views of it."""
     data = payload if isinstance(payload, bytearray) else bytearray(payload)
-    buffer = torch.frombuffer(data, dtype=_BYTE) if data else torch.empty(0, dtype=_BYTE)
-    leaves: list[torch.Tensor] = []
-    skeleton.apply(leaves.append)
-    views = [leaf if offset is None else _byte_views(buffer, [leaf], [offset])[0]
-             for leaf, offset in zip(leaves, offsets)]
-    return _rebuilt(skeleton, buffer, views, locked)
+    buffer = torch.frombuffer(data, dtype=_BYTE) if data else torch.empty(0, dtype=_BYTE)  # len: 64 * n
+    places = []  # (a node's entry dict, key, leaf) in apply order
+
+    def walk(node: Any) -> None:
+        kind = nodes.kind_for_object(node)
+        for key, value in kind.entries(node):
+            if isinstance(value, torch.Tensor):
+                places.append((node._tensordict, key, value))
+            elif not getattr(type(value), "_is_non_tensor", False):
+                walk(value)
+        for _, child in kind.children(node):
+            walk(child)
+
+    walk(skeleton)
+    kept = [(entries, key, leaf, offset) for (entries, key, leaf), offset in zip(places, offsets) if offset is not None]
+    views = _byte_views(buffer, [leaf for _, _, leaf, _ in kept], [offset for *_, offset in kept])
+    for (entries, key, _, _), view in zip(kept, views):
+        entries[key] = view
+    _mark(skeleton, _Layout(buffer))
+    if locked:
+        skeleton.lock_()
+    return skeleton
