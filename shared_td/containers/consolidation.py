@@ -11,15 +11,18 @@ The bytes are laid out as an anonymous ``memmap_()`` lays out its one segment
 * ``filename=``: one file, mapped shared; its leaves pickle by reference (the path).
 
 Every node of a consolidated tree remembers the buffer. A plain one pickles as ONE buffer
-plus a skeleton (the same tree with meta tensors and byte offsets for leaves, and the
-non-tensor values) instead of one whole storage per leaf (what torch pickles for a view).
-Whether it still is consolidated is checked, not assumed: after ``unlock_()`` an entry
-may have been replaced; such a leaf pickles as itself.
+plus the pickle of the tree in which each leaf is only ``(dtype, shape, byte offset)``
+(a persistent id), instead of one whole storage per leaf (what torch pickles for a
+view); a sub-tree pickles the same way. Whether it still is consolidated is checked, not
+assumed: after ``unlock_()`` an entry may have been replaced; such a leaf pickles as
+itself (with the standard pickler, also under a ForkingPickler).
 """
 from __future__ import annotations
 
+import io
 import os
 import pickle
+import threading
 from typing import Any
 
 import torch
@@ -77,13 +80,17 @@ def _byte_views(buffer: torch.Tensor, sources: list[torch.Tensor], offsets: list
         whole = typed.get(dtype)
         if whole is None:
             whole = typed[dtype] = buffer.view(dtype)
-        shape = source.shape
-        stride, step = [], 1
-        for size in reversed(shape):
-            stride.append(step)
-            step *= size
-        views.append(whole.as_strided(shape, stride[::-1], offset // source.element_size()))
+        views.append(whole.as_strided(source.shape, _c_strides(source.shape), offset // source.element_size()))
     return views
+
+
+def _c_strides(shape: Any) -> list[int]:
+    """The strides of a contiguous tensor of ``shape``."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return strides[::-1]
 
 
 def _fill(buffer: torch.Tensor, sources: list[torch.Tensor], offsets: list[int], small: list[int]) -> None:
@@ -228,24 +235,63 @@ class ConsolidateMethods:
         return layout is not None and all(_offset_in(layout, leaf) is not None for leaf in _sources(self))
 
     def __reduce_ex__(self, protocol: int):
-        """A consolidated tree over a plain buffer pickles as the buffer (once) and a
-        skeleton: its leaves are meta tensors and their offsets, except those no longer
-        in the buffer, which pickle as themselves. Other trees pickle their state (a
+        """A consolidated tree over a plain buffer pickles as the buffer (once) and the
+        pickle of the tree in which each leaf that is a view of the buffer is only its
+        dtype, shape and byte offset (a leaf no longer in the buffer pickles as itself).
+        Other trees, and the nodes met while pickling that tree, pickle their state (a
         shared or file buffer by reference)."""
         layout = _layout_of(self)
-        if layout is None or isinstance(layout.buffer, MemoryMappedTensor):
+        if (layout is None or isinstance(layout.buffer, MemoryMappedTensor)
+                or getattr(_PICKLING, "layout", None) is layout):
             return super().__reduce_ex__(protocol)
-        offsets: list[int | None] = []
-
-        def to_meta(leaf: torch.Tensor) -> torch.Tensor:
-            offset = _offset_in(layout, leaf)
-            offsets.append(offset)
-            return leaf if offset is None else torch.empty(leaf.shape, dtype=leaf.dtype, device="meta")
-
-        skeleton = self.apply(to_meta)
+        tree = io.BytesIO()
+        _PICKLING.layout = layout
+        try:
+            _TreePickler(tree, protocol, layout).dump(self)
+        finally:
+            _PICKLING.layout = None
         data = layout.buffer.numpy()
         payload = pickle.PickleBuffer(data) if protocol >= 5 else data.tobytes()
-        return _unpickle_consolidated, (skeleton, payload, offsets, self.is_locked)
+        return _unpickle_consolidated, (payload, tree.getvalue())
+
+
+# The layout whose tree this thread is pickling leaf by leaf (see __reduce_ex__).
+_PICKLING = threading.local()
+
+
+class _TreePickler(pickle.Pickler):
+    """Pickles a consolidated tree with its buffer's views as ``(dtype, shape, offset)``."""
+
+    def __init__(self, file: Any, protocol: int, layout: _Layout):
+        super().__init__(file, protocol)
+        self.layout = layout
+
+    def persistent_id(self, obj: Any) -> Any:
+        if obj is self.layout:
+            return "layout"
+        if isinstance(obj, torch.Tensor):
+            offset = _offset_in(self.layout, obj)
+            if offset is not None:
+                return (obj.dtype, tuple(obj.shape), offset)
+        return None
+
+
+class _TreeUnpickler(pickle.Unpickler):
+    """Reads what _TreePickler wrote: the leaves become views of ``buffer``."""
+
+    def __init__(self, file: Any, buffer: torch.Tensor):
+        super().__init__(file)
+        self.layout = _Layout(buffer)
+        self.typed: dict[torch.dtype, torch.Tensor] = {}
+
+    def persistent_load(self, pid: Any) -> Any:
+        if pid == "layout":
+            return self.layout
+        dtype, shape, offset = pid
+        whole = self.typed.get(dtype)
+        if whole is None:
+            whole = self.typed[dtype] = self.layout.buffer.view(dtype)
+        return whole.as_strided(shape, _c_strides(shape), offset // dtype.itemsize)
 
 
 def _rebuilt(template: Any, buffer: torch.Tensor, leaves: list[torch.Tensor]) -> Any:
@@ -258,29 +304,8 @@ def _rebuilt(template: Any, buffer: torch.Tensor, leaves: list[torch.Tensor]) ->
     return out
 
 
-def _unpickle_consolidated(skeleton: Any, payload: Any, offsets: list, locked: bool) -> Any:
-    """Rebuild a pickled consolidated tensordict: the payload becomes its one buffer and
-    the skeleton's meta leaves are replaced, in place, by views of it."""
+def _unpickle_consolidated(payload: Any, tree: bytes) -> Any:
+    """Rebuild a pickled consolidated tensordict: the payload becomes its one buffer."""
     data = payload if isinstance(payload, bytearray) else bytearray(payload)
     buffer = torch.frombuffer(data, dtype=_BYTE) if data else torch.empty(0, dtype=_BYTE)  # len: 64 * n
-    places = []  # (a node's entry dict, key, leaf) in apply order
-
-    def walk(node: Any) -> None:
-        kind = nodes.kind_for_object(node)
-        for key, value in kind.entries(node):
-            if isinstance(value, torch.Tensor):
-                places.append((node._tensordict, key, value))
-            elif not getattr(type(value), "_is_non_tensor", False):
-                walk(value)
-        for _, child in kind.children(node):
-            walk(child)
-
-    walk(skeleton)
-    kept = [(entries, key, leaf, offset) for (entries, key, leaf), offset in zip(places, offsets) if offset is not None]
-    views = _byte_views(buffer, [leaf for _, _, leaf, _ in kept], [offset for *_, offset in kept])
-    for (entries, key, _, _), view in zip(kept, views):
-        entries[key] = view
-    _mark(skeleton, _Layout(buffer))
-    if locked:
-        skeleton.lock_()
-    return skeleton
+    return _TreeUnpickler(io.BytesIO(tree), buffer).load()
