@@ -11,8 +11,7 @@ The bytes are laid out as an anonymous ``memmap_()`` lays out its one segment
 * ``filename=``: one file, mapped shared; its leaves pickle by reference (the path).
 
 Every node of a consolidated tree remembers the buffer. A plain one pickles as ONE buffer
-plus the pickle of the tree in which each leaf is only ``(dtype, shape, byte offset)``
-(a persistent id), instead of one whole storage per leaf (what torch pickles for a
+plus the pickle of the tree in which each leaf is only ``(dtype, shape, byte offset)``, instead of one whole storage per leaf (what torch pickles for a
 view); a sub-tree pickles the same way. Whether it still is consolidated is checked, not
 assumed: after ``unlock_()`` an entry may have been replaced; such a leaf pickles as
 itself (with the standard pickler, also under a ForkingPickler).
@@ -241,15 +240,22 @@ class ConsolidateMethods:
         Other trees, and the nodes met while pickling that tree, pickle their state (a
         shared or file buffer by reference)."""
         layout = _layout_of(self)
-        if (layout is None or isinstance(layout.buffer, MemoryMappedTensor)
-                or getattr(_PICKLING, "layout", None) is layout):
+        if layout is None or isinstance(layout.buffer, MemoryMappedTensor):
             return super().__reduce_ex__(protocol)
+        if getattr(_PICKLING, "layout", None) is layout:  # a node met by _TreePickler
+            reduced = super().__reduce_ex__(protocol)
+            if _PICKLING.locked_root is not None and self is not _PICKLING.locked_root:
+                # the root's lock_() on loading locks its whole tree once (as here);
+                # each node locking its own sub-tree as well cost O(nodes x depth)
+                reduced[2]["_is_locked"] = False
+            return reduced
         tree = io.BytesIO()
-        _PICKLING.layout = layout
+        root = _inner(self)
+        _PICKLING.layout, _PICKLING.locked_root = layout, root if root.is_locked else None
         try:
             _TreePickler(tree, protocol, layout).dump(self)
         finally:
-            _PICKLING.layout = None
+            _PICKLING.layout = _PICKLING.locked_root = None
         data = layout.buffer.numpy()
         payload = pickle.PickleBuffer(data) if protocol >= 5 else data.tobytes()
         return _unpickle_consolidated, (payload, tree.getvalue())
@@ -260,20 +266,31 @@ _PICKLING = threading.local()
 
 
 class _TreePickler(pickle.Pickler):
-    """Pickles a consolidated tree with its buffer's views as ``(dtype, shape, offset)``."""
+    """Pickles a consolidated tree with its buffer's views as ``_view(dtype, shape,
+    offset)`` and its layout as ``_layout()``: names that _TreeUnpickler resolves to its
+    own buffer. (``reducer_override``, unlike ``persistent_id``, is not called for the
+    many str/int/tuple/dict objects of a tree.)"""
 
     def __init__(self, file: Any, protocol: int, layout: _Layout):
         super().__init__(file, protocol)
         self.layout = layout
 
-    def persistent_id(self, obj: Any) -> Any:
+    def reducer_override(self, obj: Any) -> Any:
         if obj is self.layout:
-            return "layout"
+            return _layout, ()
         if isinstance(obj, torch.Tensor):
             offset = _offset_in(self.layout, obj)
             if offset is not None:
-                return (obj.dtype, tuple(obj.shape), offset)
-        return None
+                return _view, (obj.dtype, tuple(obj.shape), offset)
+        return NotImplemented
+
+
+def _view(dtype: torch.dtype, shape: tuple, offset: int) -> torch.Tensor:
+    raise pickle.UnpicklingError("a consolidated leaf can only be read by _TreeUnpickler")
+
+
+def _layout() -> _Layout:
+    raise pickle.UnpicklingError("a consolidated layout can only be read by _TreeUnpickler")
 
 
 class _TreeUnpickler(pickle.Unpickler):
@@ -284,10 +301,14 @@ class _TreeUnpickler(pickle.Unpickler):
         self.layout = _Layout(buffer)
         self.typed: dict[torch.dtype, torch.Tensor] = {}
 
-    def persistent_load(self, pid: Any) -> Any:
-        if pid == "layout":
-            return self.layout
-        dtype, shape, offset = pid
+    def find_class(self, module: str, name: str) -> Any:
+        if module == __name__ and name == "_view":
+            return self.view
+        if module == __name__ and name == "_layout":
+            return lambda: self.layout
+        return super().find_class(module, name)
+
+    def view(self, dtype: torch.dtype, shape: tuple, offset: int) -> torch.Tensor:
         whole = self.typed.get(dtype)
         if whole is None:
             whole = self.typed[dtype] = self.layout.buffer.view(dtype)

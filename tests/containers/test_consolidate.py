@@ -96,6 +96,13 @@ def test_pickle_is_one_buffer():
         assert len(_storages(again)) == 1
         again["k0"][0] = 5.0  # its buffer is writable and its own
         assert out["k0"][0] != 5.0 or td["k0"][0] == 5.0
+    # the nested nodes come back locked by their root, as they were
+    again = pickle.loads(pickle.dumps(out))
+    assert again["nested"].is_locked
+    with pytest.raises(RuntimeError, match="locked graph"):
+        again["nested"].unlock_()
+    unlocked = pickle.loads(pickle.dumps(out.unlock_()))
+    assert not unlocked.is_locked and not unlocked["nested"].is_locked
     # a sub-tree and a single leaf's tree carry the buffer once, not once per leaf
     assert len(pickle.dumps(out["nested"])) < 2 * len(pickle.dumps(out))
 
