@@ -197,6 +197,8 @@ class ConsolidateMethods:
             inplace, return_early, pin_memory: not supported (ValueError).
 
         Examples:
+            >>> import torch
+            >>> from shared_td import TensorDict
             >>> td = TensorDict(a=torch.zeros(3), b={"c": torch.ones(3, dtype=torch.int64)}, batch_size=[3])
             >>> c = td.consolidate()
             >>> c.is_consolidated(), c["a"].untyped_storage().data_ptr() == c["b", "c"].untyped_storage().data_ptr()
@@ -227,6 +229,8 @@ class ConsolidateMethods:
         one) and every leaf still is its view of the one storage.
 
         Example:
+            >>> import torch
+            >>> from shared_td import TensorDict
             >>> TensorDict(a=torch.zeros(2)).is_consolidated()
             False
         """
