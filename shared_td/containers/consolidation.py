@@ -265,6 +265,15 @@ class ConsolidateMethods:
         return _unpickle_consolidated, (payload, tree.getvalue())
 
 
+    def __copy__(self) -> Any:
+        """A shallow copy (what ``copy.copy`` makes without ``__reduce_ex__``): the same
+        leaves; defined here because copy.copy would otherwise take the pickling path
+        above, which copies a consolidated tree's buffer."""
+        new = type(self).__new__(type(self))
+        new.__setstate__(self.__getstate__())
+        return new
+
+
 # The layout whose tree this thread is pickling leaf by leaf (see __reduce_ex__).
 _PICKLING = threading.local()
 

@@ -177,3 +177,14 @@ def test_side_by_side_with_tensordict():
     assert ours.is_locked == theirs.is_locked is True
     assert (ours["b", "c"] == theirs["b", "c"]).all()
     assert len(pickle.dumps(ours)) <= len(pickle.dumps(theirs)) * 2
+
+
+def test_copy_is_shallow_and_deepcopy_is_consolidated():
+    import copy
+
+    out = _tree().consolidate()
+    shallow = copy.copy(out)
+    assert shallow["a"] is out["a"] and shallow.is_consolidated() and shallow.is_locked
+    deep = copy.deepcopy(out)
+    assert deep.is_consolidated() and (deep == out).all()
+    assert _storages(deep).isdisjoint(_storages(out))
