@@ -93,10 +93,22 @@ def _c_strides(shape: Any) -> list[int]:
 
 
 def _fill(buffer: torch.Tensor, sources: list[torch.Tensor], offsets: list[int], small: list[int]) -> None:
-    """Copy the sources' bytes into ``buffer``: the small ones by one cat, the others one by one."""
-    if small:
-        small_bytes = sum(sources[i].numel() * sources[i].element_size() for i in small)
-        torch.cat([files.raw_bytes(sources[i].cpu()) for i in small], out=buffer[:small_bytes])
+    """Copy the sources' values into ``buffer`` (length a multiple of 64): the small ones
+    by one ``torch.cat`` per run of one dtype in packing order, straight into the typed
+    buffer (no per-leaf byte view: those cost more than the copy for small leaves), the
+    others one by one."""
+    with torch.no_grad():  # out= refuses inputs that require grad
+        start = 0
+        while start < len(small):
+            dtype = sources[small[start]].dtype
+            end = start
+            while end < len(small) and sources[small[end]].dtype is dtype:
+                end += 1
+            run = [sources[i] if sources[i].device.type == "cpu" else sources[i].cpu() for i in small[start:end]]
+            first = offsets[small[start]] // run[0].element_size()
+            count = sum(source.numel() for source in run)
+            torch.cat([source.reshape(-1) for source in run], out=buffer.view(dtype)[first:first + count])
+            start = end
     small_set = set(small)
     for i, (source, offset) in enumerate(zip(sources, offsets)):
         nbytes = source.numel() * source.element_size()

@@ -188,3 +188,18 @@ def test_copy_is_shallow_and_deepcopy_is_consolidated():
     deep = copy.deepcopy(out)
     assert deep.is_consolidated() and (deep == out).all()
     assert _storages(deep).isdisjoint(_storages(out))
+
+
+def test_values_of_every_kind_of_leaf():
+    # dtypes of one size interleaved (float32/int32), a transposed leaf, a conjugate,
+    # a negative view, a 0-dim one and one that requires grad: values as they read
+    source = TensorDict(
+        f=torch.ones(2, 3).t(), i=torch.arange(6, dtype=torch.int32).reshape(2, 3).t(),
+        g=torch.randn(3, requires_grad=True), c=torch.tensor([1 + 2j]).conj(),
+        n=torch.tensor([1.0, 2.0])._neg_view(), z=torch.tensor(5), b=torch.tensor([True]),
+        h=torch.arange(3, dtype=torch.float16),
+    )
+    for out in (source.consolidate(), pickle.loads(pickle.dumps(source.consolidate()))):
+        for key, value in source.items():
+            assert torch.equal(out[key], value.detach().resolve_conj().resolve_neg()), key
+        assert len(_storages(out)) == 1
