@@ -2,7 +2,7 @@
 
 Each case returns ``{column: seconds}``; the first column, the floor, is the reference:
 for ``consolidate`` one ``torch.cat`` of every leaf's bytes (the memcpy the copy cannot
-avoid), for ``consolidated_pickle`` the same bytes pickled as one ``bytes`` object, sent
+avoid), for ``consol_pickle`` the same bytes pickled as one ``bytes`` object, sent
 through the same pipe and unpickled by the same child.
 """
 from __future__ import annotations

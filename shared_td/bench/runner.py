@@ -37,7 +37,7 @@ CASES: dict[str, Callable[..., dict]] = {
     "coord_attach": case_coord_attach,
     "nontensor_read": case_nontensor_read,
     "consolidate": case_consolidate,
-    "consolidated_pickle": case_consolidated_pickle,
+    "consol_pickle": case_consolidated_pickle,
     "replay": case_replay,
     "replay_worker": case_replay_worker,
     "replay_loader": case_replay_loader,
