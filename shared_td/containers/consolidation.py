@@ -18,10 +18,10 @@ itself (with the standard pickler, also under a ForkingPickler).
 """
 from __future__ import annotations
 
+import copyreg
 import io
 import os
 import pickle
-import threading
 from typing import Any
 
 import torch
@@ -253,25 +253,13 @@ class ConsolidateMethods:
         """A consolidated tree over a plain buffer pickles as the buffer (once) and the
         pickle of the tree in which each leaf that is a view of the buffer is only its
         dtype, shape and byte offset (a leaf no longer in the buffer pickles as itself).
-        Other trees, and the nodes met while pickling that tree, pickle their state (a
-        shared or file buffer by reference)."""
+        Other trees pickle their state (a shared or file buffer by reference)."""
         layout = _layout_of(self)
         if layout is None or isinstance(layout.buffer, MemoryMappedTensor):
             return super().__reduce_ex__(protocol)
-        if getattr(_PICKLING, "layout", None) is layout:  # a node met by _TreePickler
-            reduced = super().__reduce_ex__(protocol)
-            if _PICKLING.locked_root is not None and self is not _PICKLING.locked_root:
-                # the root's lock_() on loading locks its whole tree once (as here);
-                # each node locking its own sub-tree as well cost O(nodes x depth)
-                reduced[2]["_is_locked"] = False
-            return reduced
         tree = io.BytesIO()
         root = _inner(self)
-        _PICKLING.layout, _PICKLING.locked_root = layout, root if root.is_locked else None
-        try:
-            _TreePickler(tree, protocol, layout).dump(self)
-        finally:
-            _PICKLING.layout = _PICKLING.locked_root = None
+        _TreePickler(tree, protocol, layout, root if root.is_locked else None).dump(self)
         data = layout.buffer.numpy()
         payload = pickle.PickleBuffer(data) if protocol >= 5 else data.tobytes()
         return _unpickle_consolidated, (payload, tree.getvalue())
@@ -286,20 +274,17 @@ class ConsolidateMethods:
         return new
 
 
-# The layout whose tree this thread is pickling leaf by leaf (see __reduce_ex__).
-_PICKLING = threading.local()
-
-
 class _TreePickler(pickle.Pickler):
     """Pickles a consolidated tree with its buffer's views as ``_view(dtype, shape,
     offset)`` and its layout as ``_layout()``: names that _TreeUnpickler resolves to its
     own buffer. (``reducer_override``, unlike ``persistent_id``, is not called for the
     many str/int/tuple/dict objects of a tree.)"""
 
-    def __init__(self, file: Any, protocol: int, layout: _Layout):
+    def __init__(self, file: Any, protocol: int, layout: _Layout, locked_root: Any):
         super().__init__(file, protocol)
         self.layout = layout
         self.base = layout.buffer.untyped_storage().data_ptr()
+        self.locked_root = locked_root
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
@@ -308,6 +293,15 @@ class _TreePickler(pickle.Pickler):
                 return _view, (obj.dtype, tuple(obj.shape), obj.storage_offset() * obj.element_size())
             if obj.numel() == 0:
                 return _view, (obj.dtype, tuple(obj.shape), 0)
+        elif isinstance(obj, ConsolidateMethods) and obj.__dict__.get("_consolidated") is self.layout:
+            # a node of this tree: its state, as object.__reduce_ex__ gives it (not
+            # through its own __reduce_ex__, which would start another tree pickle)
+            state = obj.__getstate__()
+            if self.locked_root is not None and obj is not self.locked_root:
+                # the root's lock_() on loading locks its whole tree once (as here);
+                # each node locking its own sub-tree as well cost O(nodes x depth)
+                state["_is_locked"] = False
+            return copyreg.__newobj__, (type(obj),), state
         elif obj is self.layout:
             return _layout, ()
         return NotImplemented
