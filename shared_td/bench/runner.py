@@ -18,6 +18,7 @@ import shutil
 import tempfile
 from typing import Callable
 
+from shared_td.bench.cases_consolidate import case_consolidate, case_consolidated_pickle
 from shared_td.bench.cases_files import case_big_leaf, case_tree_anonymous, case_tree_load, case_tree_to_files
 from shared_td.bench.cases_replay import Rate, case_replay, case_replay_loader, case_replay_worker
 from shared_td.bench.cases_sharing import (
@@ -38,6 +39,8 @@ CASES: dict[str, Callable[..., dict]] = {
     "atomic_rewrite": case_atomic_rewrite,
     "coord_attach": case_coord_attach,
     "nontensor_read": case_nontensor_read,
+    "consolidate": case_consolidate,
+    "consol_pickle": case_consolidated_pickle,
     "replay": case_replay,
     "replay_worker": case_replay_worker,
     "replay_loader": case_replay_loader,

@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from shared_td.containers import batch as batch_ops
+from shared_td.containers.consolidation import ConsolidateMethods
 from shared_td.containers.convenience_ops import ConvenienceOps
 from shared_td.containers.keysview import KeysView
 from shared_td.containers.locking import LockingOps
@@ -61,7 +62,7 @@ def is_leaf_nontensor(cls: type) -> bool:
     return default_is_leaf(cls) or getattr(cls, "_is_non_tensor", False)
 
 
-class TensorDictBase(LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, MemmapMethods):
+class TensorDictBase(LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, MemmapMethods, ConsolidateMethods):
     """Common API of TensorDict, LazyStackedTensorDict and the non-tensor containers."""
 
     _is_non_tensor = False

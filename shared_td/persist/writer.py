@@ -416,31 +416,52 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def packed_layout(sources: list[torch.Tensor]) -> tuple[list[int], list[int], int]:
+    """Where each of ``sources`` lies when a tree's leaves are packed into one buffer
+    (the layout of an anonymous memmap_, shared with ``consolidate()``).
+
+    Returns ``(offsets, small, total)``: small leaves (``small``: their indices, in
+    packing order) lie back to back from byte 0, the largest element size first (so each
+    stays aligned to its dtype); bigger ones start at 64-byte boundaries; ``total`` is
+    the number of bytes used.
+
+    Example:
+        >>> packed_layout([torch.zeros(3, dtype=torch.int8), torch.zeros(2)])
+        ([8, 0], [1, 0], 11)
+    """
+    sizes = [_nbytes(source) for source in sources]
+    small = sorted((i for i, n in enumerate(sizes) if 0 < n <= _PACKED_LEAF_BYTES),
+                   key=lambda i: -sources[i].element_size())
+    offsets = [0] * len(sources)
+    total = 0
+    for i in small:
+        offsets[i], total = total, total + sizes[i]
+    for i, n in enumerate(sizes):
+        if n > _PACKED_LEAF_BYTES:
+            offsets[i] = align(total)
+            total = offsets[i] + n
+    return offsets, small, total
+
+
 def _write_anonymous(leaves: list[LeafPlan], options: Options) -> None:
     """Pack all anonymous leaves of the tree into one segment (one descriptor).
 
-    Small leaves lie back to back, the largest element size first (so each stays aligned
-    to its dtype), and are copied by one ``torch.cat`` and one ``pwrite``: per-leaf
-    copies dominated a tree of many small leaves. Big leaves start at 64-byte
-    boundaries and are written one by one (no extra copy through ``cat``).
+    The layout is :func:`packed_layout`'s. Small leaves are copied by one ``torch.cat``
+    and one ``pwrite``: per-leaf copies dominated a tree of many small leaves. Big
+    leaves are written one by one (no extra copy through ``cat``).
     """
-    sizes = {id(leaf): _nbytes(leaf.source) for leaf in leaves}
-    small = sorted((leaf for leaf in leaves if 0 < sizes[id(leaf)] <= _PACKED_LEAF_BYTES),
-                   key=lambda leaf: -leaf.source.element_size())
-    big = [leaf for leaf in leaves if sizes[id(leaf)] > _PACKED_LEAF_BYTES]
-    total = 0
-    for leaf in small:
-        leaf.offset, total = total, total + sizes[id(leaf)]
-    for leaf in big:
-        leaf.offset = align(total)
-        total = leaf.offset + sizes[id(leaf)]
+    sources = [leaf.source for leaf in leaves]
+    offsets, small, total = packed_layout(sources)
+    for leaf, offset in zip(leaves, offsets):
+        leaf.offset = offset
     segment = Segment.create(align(total)) if total else None
     if not options.like:
         if small:
-            packed = torch.cat([files.raw_bytes(leaf.source.cpu()) for leaf in small])
+            packed = torch.cat([files.raw_bytes(sources[i].cpu()) for i in small])
             segment.write(0, files.tensor_bytes(packed))
-        for leaf in big:
-            segment.write(leaf.offset, files.tensor_bytes(leaf.source.cpu()))
+        for leaf in leaves:
+            if _nbytes(leaf.source) > _PACKED_LEAF_BYTES:
+                segment.write(leaf.offset, files.tensor_bytes(leaf.source.cpu()))
     for leaf in leaves:
         source = leaf.source
         if source.numel() == 0:

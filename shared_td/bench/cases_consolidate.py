@@ -1,0 +1,80 @@
+"""Benchmark cases of consolidate(): the copy into one storage, and a pickle to a child.
+
+Each case returns ``{column: seconds}``; the first column, the floor, is the reference:
+for ``consolidate`` one ``torch.cat`` of every leaf's bytes (the memcpy the copy cannot
+avoid), for ``consol_pickle`` the same bytes pickled as one ``bytes`` object, sent
+through the same pipe and unpickled by the same child.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import pickle
+
+import torch
+
+from shared_td.bench.libraries import build_tree, libraries
+from shared_td.bench.timing import best_of_each
+
+_WAIT = 60  # seconds: the bound on every wait for the child
+
+
+def _leaf_bytes(td) -> list[torch.Tensor]:
+    return [leaf.reshape(-1).view(torch.uint8) for leaf in td.values(include_nested=True, leaves_only=True)]
+
+
+def case_consolidate(options, root: str) -> dict:
+    """consolidate() of the N-node tree (2 small leaves per node), vs one torch.cat."""
+    variants = {"memcpy floor (one cat)": (
+        lambda: _leaf_bytes(build_tree(_shared_td(), options.nodes)), torch.cat)}
+    for name, lib in libraries().items():
+        variants[name] = (lambda lib=lib: build_tree(lib, options.nodes), lambda td: td.consolidate())
+        variants[f"{name} share_memory"] = (
+            lambda lib=lib: build_tree(lib, options.nodes), lambda td: td.consolidate(share_memory=True))
+    return best_of_each(options.repeat, variants)
+
+
+def _shared_td():
+    import shared_td
+    return shared_td
+
+
+def _child_loop(connection) -> None:
+    """Unpickle what arrives and answer its number of leaves, until None arrives."""
+    while True:
+        data = connection.recv_bytes()
+        value = pickle.loads(data)
+        if value is None:
+            return
+        count = len(value) if isinstance(value, bytes) else len(list(value.values(True, True)))
+        connection.send(count)
+
+
+def case_consolidated_pickle(options, root: str) -> dict:
+    """Pickle a consolidated N-node tree, send it to a child, which unpickles it."""
+    ctx = multiprocessing.get_context("spawn")
+    parent_end, child_end = ctx.Pipe()
+    child = ctx.Process(target=_child_loop, args=(child_end,), daemon=True)
+    child.start()
+
+    def send(value) -> None:
+        parent_end.send_bytes(pickle.dumps(value))
+        if not parent_end.poll(_WAIT):
+            raise TimeoutError("the benchmark's child did not answer")
+        parent_end.recv()
+
+    try:
+        floor = bytes(torch.cat(_leaf_bytes(build_tree(_shared_td(), options.nodes))).numpy())
+        variants = {"floor (one bytes object)": (lambda: floor, send)}
+        for name, lib in libraries().items():
+            consolidated = build_tree(lib, options.nodes).consolidate()
+            variants[name] = (lambda c=consolidated: c, send)
+        send(floor)  # the child's imports are not timed
+        for _, (setup, _) in list(variants.items())[1:]:
+            send(setup())
+        return best_of_each(options.repeat, variants)
+    finally:
+        parent_end.send_bytes(pickle.dumps(None))
+        child.join(_WAIT)
+        if child.is_alive():
+            child.kill()
+            child.join(_WAIT)
