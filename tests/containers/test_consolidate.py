@@ -7,8 +7,8 @@ import pickle
 import pytest
 import torch
 
-from consolidate_children import add_one_and_report, unpickle_and_sum
-from processes import WAIT, finish
+from tests.containers.consolidate_children import add_one_and_report, unpickle_and_sum
+from tests.processes import WAIT, finish
 from shared_td import LazyStackedTensorDict, MemoryMappedTensor, TensorDict
 from shared_td.containers.tensorclass import tensorclass
 
