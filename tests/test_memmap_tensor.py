@@ -210,7 +210,7 @@ def test_from_tensor_copy_data_shape_and_layouts(tmp_path, where, monkeypatch):
     conjugated = MemoryMappedTensor.from_tensor(torch.tensor([1 + 2j]).conj(), filename=name("d"))
     assert conjugated.tolist() == [1 - 2j]
     # big non-contiguous inputs are copied through the mapping, not made contiguous
-    monkeypatch.setattr(memmap_tensor, "_CONTIGUOUS_COPY_LIMIT", 0)
+    monkeypatch.setattr(memmap_tensor.tensor, "_CONTIGUOUS_COPY_LIMIT", 0)
     expanded = MemoryMappedTensor.from_tensor(torch.tensor(4.0).expand(3, 2), filename=name("e"))
     assert expanded.eq(4.0).all() and expanded.stride() == (2, 1)
 

@@ -164,10 +164,13 @@ class MemmapMethods:
           batch size stays. Checked before anything of it changes.
 
         Examples:
-            >>> _ = TensorDict(obs=torch.zeros(3, 4), batch_size=[3]).memmap("data/saved")
+            >>> td = TensorDict(obs=torch.zeros(3, 4), nested=TensorDict(r=torch.ones(3), batch_size=[3]),
+            ...                 batch_size=[3])
+            >>> _ = td.memmap("data/saved")
             >>> TensorDict.load_memmap("data/saved")["obs"].shape
             torch.Size([3, 4])
-            >>> TensorDict.load_memmap(path, subpath="nested", mode="r")
+            >>> TensorDict.load_memmap("data/saved", subpath="nested", mode="r")["r"].tolist()
+            [1.0, 1.0, 1.0]
         """
         if out is not None:
             _check_out(out)

@@ -97,7 +97,7 @@ def test_every_dtype_name_round_trips():
     ("obs", True, True, ["obs.memmap"]),
     ("a b", True, True, ["a%20b.memmap", "a b.memmap"]),
     ("a/b", True, True, ["a%2Fb.memmap"]),  # its raw name would leave the directory
-    ("C:x", False, True, ["C%3Ax"]),
+    ("C:x", False, True, ["C%3Ax", "C:x"]),  # one file name on Linux (not a drive)
     ("..", False, True, ["%2E%2E"]),
     ("a b", False, False, ["a b"]),  # legacy only
     ("a/b", True, False, []),
