@@ -52,3 +52,9 @@ class FormatError(ValueError, RuntimeError):
 
 def _rebuild_format_error(path: str, reason: str, field: str | None) -> FormatError:
     return FormatError(path, reason, field=field)
+
+
+class OwnerLostError(ConnectionError):
+    """The node that owns a name published across machines stopped answering (no
+    heartbeat in the cluster store): ``pull``, ``push`` and ``sync`` of that name fail
+    with it, while the replicas stay readable with their last version."""

@@ -1,0 +1,126 @@
+"""Node process trees for the cluster tests: each child is one "node" on 127.0.0.1.
+
+A node runs its own Coordinator and a Cluster member, then executes the commands the
+test sends on its queue (``publish``, ``attach``, ``sync``, ...), answering each on its
+result queue: ``("ok", value)`` or ``("error", exception type, message)``. Every queue
+read is bounded, and a node whose test went away stops by itself.
+"""
+from __future__ import annotations
+
+import os
+import queue as queues
+
+import torch
+
+import shared_td
+from shared_td.coordinator import cluster_replica
+from shared_td.coordinator.cluster import Cluster
+
+IDLE_S = 60  # a node that gets no command for this long exits
+
+
+def make_td(rows: int, fill: float = 0.0):
+    return shared_td.TensorDict(
+        w=torch.arange(rows, dtype=torch.float32) + fill,
+        nested=shared_td.TensorDict(i=torch.full((rows, 3), int(fill), dtype=torch.int64), batch_size=[rows]),
+        batch_size=[rows],
+    )
+
+
+def node_main(url, node, nodes, authkey, commands, results):
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    coord = shared_td.Coordinator().start()
+    try:
+        cluster = Cluster(url, node, nodes, authkey=authkey, timeout=15.0, coordinator=coord,
+                          hostname="127.0.0.1").start()
+    except BaseException as err:
+        coord.shutdown()
+        results.put(("error", type(err).__name__, str(err)))
+        return
+    results.put(("ok", os.getpid()))
+    counters = {}
+    while True:
+        try:
+            command, *args = commands.get(timeout=IDLE_S)
+        except queues.Empty:
+            break
+        if command == "stop":
+            break
+        try:
+            results.put(("ok", _run(cluster, coord, counters, command, *args)))
+        except BaseException as err:  # reported, the node keeps serving
+            results.put(("error", type(err).__name__, str(err)))
+    cluster.shutdown()
+    coord.shutdown()
+    results.put(("ok", "stopped"))
+
+
+def _run(cluster, coord, counters, command, *args):
+    if command == "publish":
+        name, rows, fill = args
+        td = cluster.publish(name, make_td(rows, fill))
+        return td["w"]._backing.key
+    if command == "attach":
+        td = cluster.attach(args[0])
+        return td["w"]._backing.key, cluster.version(args[0])
+    if command == "read":
+        td = cluster.attach(args[0])
+        return td["w"].tolist(), td["nested", "i"][:, 0].tolist()
+    if command == "fill":  # owner: w <- arange + value, i <- value
+        name, value = args
+        td = cluster.attach(name)
+        td["w"].copy_(torch.arange(td.batch_size[0], dtype=torch.float32) + value)
+        td["nested", "i"].fill_(int(value))
+        return None
+    if command == "sync":
+        report = cluster.sync(args[0], *args[1:])
+        return report.version, report.delivered, sorted(report.dropped)
+    if command == "pull":
+        return cluster.pull(args[0])
+    if command == "push":
+        name, rows, value = args
+        td = cluster.attach(name)
+        td["w"][rows] = value
+        return cluster.push(name, rows)
+    if command == "version":
+        return cluster.version(args[0])
+    if command == "wait_version":
+        return cluster_replica.wait_version(cluster.attach(args[0]), args[1], timeout=10)
+    if command == "worker_read":  # a spawn worker of this node attaches through the Coordinator
+        return _worker_read(coord, args[0])
+    if command == "claim_rows":  # take rows with a cluster counter, write and push them
+        name, total, batch = args
+        counter = cluster.counter(f"{name}-cursor")
+        td = cluster.attach(name)
+        mine = []
+        while True:
+            start = counter.fetch_add(batch)
+            if start >= total:
+                return mine
+            index = torch.arange(start, min(start + batch, total))
+            td["w"][index] = float(cluster.node)
+            td["nested", "i"][index] = cluster.node
+            cluster.push(name, index)
+            mine.extend(index.tolist())
+    raise ValueError(f"unknown command {command!r}")
+
+
+def _worker_read(coord, name):
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    worker = ctx.Process(target=worker_attach, args=(coord.address, coord.authkey, name, out))
+    worker.start()
+    try:
+        return out.get(timeout=60)
+    finally:
+        worker.join(30)
+        if worker.is_alive():
+            worker.kill()
+            worker.join(5)
+
+
+def worker_attach(address, authkey, name, out):
+    td = shared_td.attach(name, address=address, authkey=authkey)
+    out.put((td["w"].tolist(), td["w"]._backing.key, cluster_replica.replica_version(td)))
