@@ -416,8 +416,13 @@ class Cluster:
                 self._serve_receive(peer, request, self._owned.get(name), self._apply_rows)
             elif op == "sync":
                 self._serve_receive(peer, request, self._replicas.get(name), self._apply_sync)
-        except (TransferFailed, RuntimeError, OSError, ValueError):
-            self._groups.fail(peer, request["pair"])
+        except TransferFailed:
+            self._groups.fail(peer, request["pair"])  # the requester's own wait fails too
+        except Exception as err:  # answered, so that the requester does not wait in vain
+            try:
+                self._reply(request, error=f"{type(err).__name__}: {err}")
+            except (RuntimeError, OSError):
+                pass  # the store is gone
 
     def _serve_pull(self, peer: int, request: dict) -> None:
         owned = self._owned.get(request["name"])
@@ -453,7 +458,10 @@ class Cluster:
         for leaf in owned.layout["leaves"]:
             target = owned.td.get(tuple(leaf["key"]))
             size = rows * target[0].numel() * target.element_size()
-            target[index] = buffer[offset: offset + size].view(target.dtype).view((rows, *leaf["shape"][1:]))
+            chunk = buffer[offset: offset + size]
+            if offset % target.element_size():
+                chunk = chunk.clone()  # rows of a smaller dtype came before: realign
+            target[index] = chunk.view(target.dtype).view((rows, *leaf["shape"][1:]))
             offset += size
 
     def _apply_sync(self, peer: int, rep: _Replica, request: dict) -> None:

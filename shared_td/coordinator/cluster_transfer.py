@@ -125,10 +125,17 @@ class PairGroups:
             pass  # the store is gone: there is no next transfer
 
     def send(self, peer: int, generation: int, tensor: torch.Tensor, tag: int):
-        return self.group(peer, generation).send([tensor], 1 - self._rank(peer), tag)
+        return self._post("send", peer, generation, tensor, tag)
 
     def recv(self, peer: int, generation: int, tensor: torch.Tensor, tag: int):
-        return self.group(peer, generation).recv([tensor], 1 - self._rank(peer), tag)
+        return self._post("recv", peer, generation, tensor, tag)
+
+    def _post(self, op: str, peer: int, generation: int, tensor: torch.Tensor, tag: int):
+        group = self.group(peer, generation)
+        try:  # a pair that a failure already closed refuses at once
+            return getattr(group, op)([tensor], 1 - self._rank(peer), tag)
+        except RuntimeError as err:
+            raise TransferFailed(f"the {op} to node {peer} could not start: {str(err).splitlines()[0][:300]}") from err
 
     def _rank(self, peer: int) -> int:
         return 0 if self.node < peer else 1

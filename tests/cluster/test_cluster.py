@@ -87,7 +87,7 @@ def test_replica_equals_owner_and_is_another_segment(nodes_of):
     assert nodes.ok(1, "read", "policy") == nodes.ok(0, "read", "policy")
     # sync: owner -> every replica, returns when all have it
     nodes.ok(0, "fill", "policy", 100.0)
-    assert nodes.ok(0, "sync", "policy") == [2, [1], []]
+    assert nodes.ok(0, "sync", "policy") == (2, [1], [])
     assert nodes.ok(1, "version", "policy") == 2
     w, i = nodes.ok(1, "read", "policy")
     assert w[:3] == [100.0, 101.0, 102.0] and set(i) == {100}
