@@ -110,7 +110,7 @@ class SignedStore:
     under ``shared_td/``. One connection per thread (see the module's opening)."""
 
     def __init__(self, base, authkey: bytes, *, timeout: float):
-        self._base = dist.PrefixStore("shared_td/", base)
+        self._base = dist.PrefixStore("shared_td", base)
         self._raw = base
         self._authkey = authkey
         self.timeout = timeout
@@ -125,7 +125,7 @@ class SignedStore:
         store = getattr(self._local, "store", None)
         if store is None:
             try:
-                store = dist.PrefixStore("shared_td/", self._raw.clone())
+                store = dist.PrefixStore("shared_td", self._raw.clone())
             except (AttributeError, RuntimeError):  # a Store that cannot be cloned: share it
                 store = self._base
             self._local.store = store
