@@ -220,6 +220,10 @@ class Cluster:
         store.set_json(f"version/{name}", {"version": 1, "generation": generation})
         return td
 
+    def knows(self, name: str) -> bool:
+        """Whether ``name`` is published across the cluster (one store round trip)."""
+        return self._checked().has(f"name/{name}")
+
     def owner(self, name: str) -> int:
         """The node that owns ``name``; KeyError if nothing is published as ``name``."""
         return self._info(name)["owner"]

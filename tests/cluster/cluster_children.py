@@ -124,3 +124,46 @@ def _worker_read(coord, name):
 def worker_attach(address, authkey, name, out):
     td = shared_td.attach(name, address=address, authkey=authkey)
     out.put((td["w"].tolist(), td["w"]._backing.key, cluster_replica.replica_version(td)))
+
+
+def coordinator_node(url, node, nodes, authkey, results):
+    """A node through the Coordinator's own API: node 0 owns "policy", node 1 attaches,
+    each step checked against the other node through the store's counter."""
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    try:
+        with shared_td.Coordinator(cluster=url, node=node, nodes=nodes, authkey=authkey, timeout=15.0) as coord:
+            steps = coord.counter("steps")
+            if node == 0:
+                td = coord.publish("policy", make_td(16, 2.0), replicate=True)
+                steps.fetch_add(1)  # published
+                _wait_counter(steps, 2)  # node 1 attached
+                td["w"].fill_(5.0)
+                report = coord.sync("policy")
+                steps.fetch_add(1)  # synced
+                _wait_counter(steps, 4)  # node 1 pushed rows 0 and 1
+                results.put(("ok", report.delivered, td["w"][:3].tolist(), coord.version("policy")))
+                _wait_counter(steps, 5)  # node 1 done: keep serving until then
+            else:
+                _wait_counter(steps, 1)
+                view = coord.attach("policy")
+                first = view["w"][:2].tolist()
+                steps.fetch_add(1)
+                _wait_counter(steps, 3)
+                synced = view["w"][:2].tolist(), coord.version("policy")
+                view["w"][:2] = -1.0
+                coord.push("policy", [0, 1])
+                steps.fetch_add(1)
+                results.put(("ok", first, synced, coord.attach("policy") is view, coord.names()))
+                steps.fetch_add(1)
+    except BaseException as err:
+        results.put(("error", type(err).__name__, str(err)))
+
+
+def _wait_counter(counter, value, timeout=30):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while counter.value < value:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"counter {counter.name} did not reach {value}")
+        time.sleep(0.01)

@@ -1,8 +1,10 @@
 """Across machines, on one machine: 2-3 node process trees on 127.0.0.1.
 
-Each node is a spawn child with its own Coordinator and Cluster member
-(cluster_children.node_main); the test hosts the TCPStore on a free port, so that killing
-a node never takes the store with it (``?host=0`` tells every node to join it).
+Each node is a child of a forkserver (which imported torch once for all tests: a fresh
+interpreter per node costs seconds of CPU on a 2-core CI machine) with its own Coordinator
+and Cluster member (cluster_children.node_main); the test hosts the TCPStore on a free
+port, so that killing a node never takes the store with it (``?host=0`` tells every node
+to join it).
 """
 from __future__ import annotations
 
@@ -29,11 +31,17 @@ def store():
                                wait_for_workers=False)
 
 
+def node_context():
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "shared_td", "cluster_children"])
+    return ctx
+
+
 class Nodes:
     """Node processes driven by commands; every read of an answer is bounded."""
 
     def __init__(self, store, count, keys=None):
-        self.ctx = multiprocessing.get_context("spawn")
+        self.ctx = node_context()
         url = f"tcp://127.0.0.1:{store.port}?host=0"
         self.commands = [self.ctx.Queue() for _ in range(count)]
         self.results = [self.ctx.Queue() for _ in range(count)]
@@ -161,3 +169,4 @@ def test_wrong_authkey_is_refused(nodes_of):
     kinds = sorted(answer[1] if answer[0] == "error" else "ok" for answer in nodes.started)
     assert kinds == ["ClusterAuthError", "ClusterAuthError"], nodes.started
     assert "wrong signature" in nodes.started[1][2]
+

@@ -125,15 +125,14 @@ def test_republish_makes_replica_stale(pair):
     assert not other.is_stale("p")
 
 
-def test_unknown_and_unreplicable_names_are_clear_errors(pair):
+def test_unknown_and_unreplicable_names_are_clear_errors(pair, tmp_path):
     owner, other = pair
     with pytest.raises(KeyError, match="'nothing'"):
         other.attach("nothing")
     with pytest.raises(KeyError, match="does not own 'nothing'"):
         owner.sync("nothing")
     with pytest.raises(ValueError, match="'files'.*anonymous"):
-        owner.publish("files", shared_td.TensorDict(x=torch.zeros(2), batch_size=[2]).memmap_(
-            __import__("tempfile").mkdtemp()))
+        owner.publish("files", shared_td.TensorDict(x=torch.zeros(2), batch_size=[2]).memmap_(tmp_path))
 
 
 def test_wait_version_is_bounded(pair):
