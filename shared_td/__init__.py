@@ -17,7 +17,7 @@ from shared_td.containers.tensordict import TensorDict
 from shared_td.coordinator import Coordinator, attach, is_stale, refresh
 from shared_td.keys import NestedKey
 from shared_td.keys import canonical_key as unravel_key
-from shared_td.errors import BatchSizeMismatchError, FormatError, KeyTypeError, LockedTensorDictError
+from shared_td.errors import BatchSizeMismatchError, FormatError, KeyTypeError, LockedTensorDictError, OwnerLostError
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.persist.atomic import gc
 from shared_td.persist.functions import load, load_memmap, memmap, save
@@ -40,6 +40,7 @@ __all__ = [
     "NestedKey",
     "NonTensorData",
     "NonTensorStack",
+    "OwnerLostError",
     "SharedCounter",
     "TensorDict",
     "TensorDictBase",

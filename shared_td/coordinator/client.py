@@ -90,9 +90,15 @@ class Coordinator:
         >>> coord.shutdown()
     """
 
-    def __init__(self, *, context: str | None = None, timeout: float = DEFAULT_TIMEOUT):
+    def __init__(self, *, context: str | None = None, timeout: float = DEFAULT_TIMEOUT,
+                 cluster=None, node: int | None = None, nodes: int | None = None, authkey=None):
         self._context = context
         self._timeout = timeout
+        # Across machines (see shared_td.coordinator.cluster): joined by start()
+        if cluster is None and (node is not None or nodes is not None or authkey is not None):
+            raise ValueError("node=, nodes= and authkey= belong to a cluster: pass cluster= too.")
+        self._cluster_args = None if cluster is None else (cluster, node, nodes, authkey)
+        self.cluster = None  # this node's Cluster member once started
         self._manager: CoordinatorManager | None = None
         self._popen: subprocess.Popen | None = None  # an embedded coordinator's process
         self._address: str | None = None
@@ -128,7 +134,20 @@ class Coordinator:
         manager._Client = _StopRequestClient(min(self._timeout, SHUTDOWN_TIMEOUT))
         manager.start()
         self._manager, self._address, self._authkey = manager, manager.address, authkey
+        if self._cluster_args is not None:
+            self._join_cluster()
         return self
+
+    def _join_cluster(self) -> None:
+        from shared_td.coordinator.cluster import Cluster
+
+        spec, node, nodes, cluster_key = self._cluster_args
+        try:
+            self.cluster = Cluster(spec, node, nodes, authkey=cluster_key, timeout=self._timeout,
+                                   coordinator=self).start()
+        except BaseException:
+            self.shutdown()
+            raise
 
     def shutdown(self) -> None:
         """Stop the manager (owner) or just disconnect (non-owner). Idempotent.
@@ -140,6 +159,8 @@ class Coordinator:
         address, manager = self._address, self._manager
         if address is None:
             return
+        if self.cluster is not None and self._owns():
+            self.cluster.shutdown()
         _drop_channel(address)
         self._address = None
         if not self._owns():
@@ -233,7 +254,7 @@ class Coordinator:
         return self._call("info")["pid"]
 
     # ------------------------------------------------------------------ registry
-    def publish(self, name: str, td, prefix=None, **memmap_kwargs):
+    def publish(self, name: str, td, prefix=None, *, replicate: bool = False, **memmap_kwargs):
         """Memory-map ``td`` in place and publish it as ``name``; returns ``td``.
 
         ``td.memmap_(prefix, **memmap_kwargs)`` puts the leaves in files under ``prefix``,
@@ -246,6 +267,11 @@ class Coordinator:
             >>> with Coordinator() as coord:                     # doctest: +SKIP
             ...     coord.publish("weights", td, prefix="/data/weights")
         """
+        if replicate:
+            if self.cluster is None or prefix is not None or memmap_kwargs:
+                raise ValueError(f"publish({name!r}, replicate=True) needs a Coordinator(cluster=...) "
+                                 "and anonymous memory (no prefix, no memmap_ options).")
+            return self.cluster.publish(name, td)  # owner: this node; publishes here too
         _IN_USE.append(self)  # adopts the share_non_tensor values this makes
         try:
             td.memmap_(prefix, **memmap_kwargs)
@@ -261,8 +287,39 @@ class Coordinator:
         """The locked tensordict published as ``name``, over the same memory.
 
         KeyError (listing the published names) if nothing is published as ``name``.
+        With a cluster, a name replicated from another node is this node's replica (made
+        and filled on first attach).
         """
+        if self.cluster is not None and name not in self.cluster._owned and self.cluster.knows(name):
+            return self.cluster.attach(name)
         return attach(name, address=self.address, authkey=self.authkey, timeout=self._timeout)
+
+    # ------------------------------------------------------------------ across machines
+    def pull(self, name: str) -> int:
+        """Replica <- owner (see :meth:`shared_td.coordinator.cluster.Cluster.pull`)."""
+        return self._member().pull(name)
+
+    def push(self, name: str, index) -> None:
+        """Rows ``index`` of this node's replica -> the owner (:meth:`Cluster.push`)."""
+        return self._member().push(name, index)
+
+    def sync(self, name: str, timeout: float | None = None):
+        """Owner -> every replica; a SyncReport (:meth:`Cluster.sync`)."""
+        return self._member().sync(name, timeout)
+
+    def version(self, name: str) -> int | None:
+        """The version of ``name`` this node holds (:meth:`Cluster.version`)."""
+        return self._member().version(name)
+
+    def counter(self, name: str):
+        """A counter shared by every node (``fetch_add`` is one ``TCPStore.add``)."""
+        return self._member().counter(name)
+
+    def _member(self):
+        if self.cluster is None:
+            raise RuntimeError("This Coordinator is in no cluster: make it with "
+                               "Coordinator(cluster=..., node=..., nodes=...) and start() it.")
+        return self.cluster
 
     def names(self) -> list[str]:
         """The published names, sorted."""
