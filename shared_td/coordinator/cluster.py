@@ -133,6 +133,7 @@ class Cluster:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._lanes: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
+        self._senders = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="shared_td-sync")
         self._beats: dict[int, tuple[object, float]] = {}
         self._beats_lock = threading.Lock()
         self.refused = 0  # requests dropped for a wrong signature
@@ -187,7 +188,7 @@ class Cluster:
             pass  # the store is gone; the service thread's pop fails by itself
         for thread in self._threads:
             thread.join(_POP_S if thread.name.endswith("_serve") else 2 * HEARTBEAT_S)
-        for lane in self._lanes.values():
+        for lane in [*self._lanes.values(), self._senders]:
             lane.shutdown(wait=False, cancel_futures=True)
         self._groups.close()
 
@@ -334,10 +335,15 @@ class Cluster:
         if not targets:
             return report
         payload = replica.segment_bytes(owned.segment, owned.layout["nbytes"])
-        with concurrent.futures.ThreadPoolExecutor(len(targets)) as pool:
-            futures = {node: pool.submit(self._sync_one, node, name, owned, payload, deadline) for node in targets}
-        for node, future in futures.items():
-            reason = future.result()
+        # one replica: this thread; more: the sender threads, which keep their store
+        # connections from one sync to the next
+        if len(targets) == 1:
+            reasons = {targets[0]: self._sync_one(targets[0], name, owned, payload, deadline)}
+        else:
+            futures = {node: self._senders.submit(self._sync_one, node, name, owned, payload, deadline)
+                       for node in targets}
+            reasons = {node: future.result() for node, future in futures.items()}
+        for node, reason in reasons.items():
             if reason is None:
                 report.delivered.append(node)
             else:
