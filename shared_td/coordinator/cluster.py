@@ -190,7 +190,8 @@ class Cluster:
             thread.join(_POP_S if thread.name.endswith("_serve") else 2 * HEARTBEAT_S)
         for lane in [*self._lanes.values(), self._senders]:
             lane.shutdown(wait=False, cancel_futures=True)
-        self._groups.close()
+        if self._groups is not None:  # None: start() failed before the groups
+            self._groups.close()
 
     def __enter__(self) -> "Cluster":
         return self if self._store is not None else self.start()

@@ -166,3 +166,25 @@ def test_store_host_lost_gives_connection_error():
     finally:
         owner.shutdown()
         other.shutdown()
+
+
+def test_a_member_refused_at_start_shuts_down_cleanly(store):
+    url = f"tcp://127.0.0.1:{store.port}?host=0"
+    members = [Cluster(url, 0, 2, authkey=KEY, timeout=10), Cluster(url, 1, 2, authkey=b"wrong", timeout=10)]
+    errors = []
+
+    def start(member):
+        try:
+            member.start()
+        except ClusterAuthError as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=start, args=(m,)) for m in members]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert len(errors) == 2 and all("wrong signature" in str(e) for e in errors)
+    for member in members:
+        member.shutdown()  # nothing was started: nothing to stop, no error
+        member.shutdown()
