@@ -188,3 +188,29 @@ def test_a_member_refused_at_start_shuts_down_cleanly(store):
     for member in members:
         member.shutdown()  # nothing was started: nothing to stop, no error
         member.shutdown()
+
+
+def test_env_launch_reads_rank_and_count_as_torchrun_sets_them(store, monkeypatch):
+    from shared_td.coordinator.cluster_store import open_store
+
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+                        "TORCHELASTIC_USE_AGENT_STORE": "True",  # join the agent's store, never host
+                        "GROUP_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    _store, node, nodes = open_store("env://", None, 5.0)
+    assert (node, nodes) == (1, 2)
+    monkeypatch.setenv("GROUP_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with Cluster("env://", authkey=KEY, timeout=5.0) as single:
+        assert (single.node, single.nodes) == (0, 1)
+        assert single.counter("c").fetch_add(5) == 0
+    assert store.add("shared_td/counter/c", 0) == 5  # it used the store at MASTER_PORT
+
+
+def test_cluster_urls_are_checked(monkeypatch):
+    from shared_td.coordinator.cluster_store import open_store
+
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    for url in ("udp://x:1", "tcp://nohost", "env://"):
+        with pytest.raises(ValueError, match="cluster="):
+            open_store(url, 0, 1.0)
