@@ -528,9 +528,10 @@ class Cluster:
         return self._lost(peer, name)
 
     def _lost(self, peer: int, name: str) -> OwnerLostError:
+        role = "the owner" if self._replicas.get(name) and self._replicas[name].owner == peer else "a replica"
         return OwnerLostError(
-            f"Node {peer}, the owner of {name!r}, is lost: its heartbeat stood still for "
-            f"{LOST_AFTER_S:g} s. This node's replica stays readable with its last contents."
+            f"Node {peer}, {role} of {name!r}, is lost: its heartbeat stood still for "
+            f"{LOST_AFTER_S:g} s. This node's copy stays readable with its last contents."
         )
 
     # ------------------------------------------------------------------ helpers

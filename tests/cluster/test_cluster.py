@@ -170,3 +170,23 @@ def test_wrong_authkey_is_refused(nodes_of):
     assert kinds == ["ClusterAuthError", "ClusterAuthError"], nodes.started
     assert "wrong signature" in nodes.started[1][2]
 
+
+
+def test_stopped_replica_is_dropped_within_the_timeout_and_rejoins(nodes_of):
+    nodes = nodes_of(3)
+    nodes.ok(0, "publish", "policy", 100_000, 3.0)  # 1.6 MB
+    nodes.ok(1, "attach", "policy")
+    nodes.ok(2, "attach", "policy")
+    os.kill(nodes.procs[2].pid, signal.SIGSTOP)
+    try:
+        began = time.monotonic()
+        version, delivered, dropped = nodes.ok(0, "sync", "policy", 3.0)
+        assert time.monotonic() - began < 3.0 + 2  # the timeout, plus the heartbeat's slack
+        assert delivered == [1] and dropped == [2]
+    finally:
+        os.kill(nodes.procs[2].pid, signal.SIGCONT)
+    nodes.ok(0, "fill", "policy", 50.0)
+    version, delivered, dropped = nodes.ok(0, "sync", "policy")  # a new pair generation
+    assert delivered == [1, 2] and dropped == [], dropped
+    assert nodes.ok(2, "wait_version", "policy", version) == version
+    assert nodes.ok(2, "read", "policy") == nodes.ok(0, "read", "policy")
