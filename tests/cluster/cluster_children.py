@@ -82,6 +82,18 @@ def _run(cluster, coord, counters, command, *args):
         td = cluster.attach(name)
         td["w"][rows] = value
         return cluster.push(name, rows)
+    if command == "pull_loop":  # pull until an error (the owner killed meanwhile)
+        import time
+
+        name, seconds = args
+        deadline, pulls = time.monotonic() + seconds, 0
+        while time.monotonic() < deadline:
+            try:
+                cluster.pull(name)
+            except Exception as err:
+                return pulls, type(err).__name__, time.monotonic(), cluster.version(name)
+            pulls += 1
+        return pulls, None, time.monotonic(), cluster.version(name)
     if command == "version":
         return cluster.version(args[0])
     if command == "wait_version":

@@ -190,3 +190,22 @@ def test_stopped_replica_is_dropped_within_the_timeout_and_rejoins(nodes_of):
     assert delivered == [1, 2] and dropped == [], dropped
     assert nodes.ok(2, "wait_version", "policy", version) == version
     assert nodes.ok(2, "read", "policy") == nodes.ok(0, "read", "policy")
+
+
+def test_owner_sigkill_during_pulls_raises_owner_lost_not_a_hang(nodes_of):
+    import random
+
+    nodes = nodes_of(3)
+    nodes.ok(1, "publish", "policy", 250_000, 3.0)  # 4 MB per pull
+    nodes.ok(2, "attach", "policy")
+    nodes.commands[2].put(("pull_loop", "policy", 20.0))
+    time.sleep(random.uniform(0.2, 1.0))
+    os.kill(nodes.procs[1].pid, signal.SIGKILL)
+    killed = time.monotonic()  # CLOCK_MONOTONIC: the same clock in every process
+    answer = nodes.results[2].get(timeout=WAIT)
+    assert answer[0] == "ok", answer
+    pulls, error, ended, version = answer[1]
+    assert pulls > 0 and error == "OwnerLostError", answer
+    assert ended - killed < 10
+    assert version in (1, None)  # complete, or marked as written when the kill came mid-transfer
+    assert len(nodes.ok(2, "read", "policy")[0]) == 250_000  # still readable
