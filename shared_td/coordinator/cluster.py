@@ -289,7 +289,7 @@ class Cluster:
             try:
                 replica.set_state(rep.segment, replica.state(rep.segment) | 1)
                 work = self._groups.recv(rep.owner, generation, replica.segment_bytes(rep.segment, rep.layout["nbytes"]), tag)
-                wait_work([work], deadline, f"pull of {name!r}")
+                wait_work([work], deadline, f"pull of {name!r}", rep.layout["nbytes"])
             except TransferFailed as err:
                 self._groups.fail(rep.owner, generation)
                 raise self._lost_or(rep.owner, name, err) from err
@@ -313,7 +313,7 @@ class Cluster:
                                         rows=int(index.numel()), nbytes=int(payload.numel()))
         try:
             work = self._groups.send(rep.owner, generation, payload, tag)
-            wait_work([work], deadline, f"push of {name!r}")
+            wait_work([work], deadline, f"push of {name!r}", int(payload.numel()))
         except TransferFailed as err:
             self._groups.fail(rep.owner, generation)
             raise self._lost_or(rep.owner, name, err) from err
@@ -357,7 +357,7 @@ class Cluster:
                                             nbytes=owned.layout["nbytes"])
             try:
                 work = self._groups.send(peer, generation, payload, tag)
-                wait_work([work], deadline, f"sync of {name!r} to node {peer}")
+                wait_work([work], deadline, f"sync of {name!r} to node {peer}", int(payload.numel()))
             except TransferFailed:
                 self._groups.fail(peer, generation)
                 raise
@@ -443,7 +443,7 @@ class Cluster:
         group_pair = request["pair"]
         self._reply(request, version=owned.version)
         work = self._groups.send(peer, group_pair, replica.segment_bytes(owned.segment, owned.layout["nbytes"]), request["tag"])
-        wait_work([work], time.monotonic() + self.timeout, "pull")
+        wait_work([work], time.monotonic() + self.timeout, "pull", owned.layout["nbytes"])
 
     def _serve_receive(self, peer: int, request: dict, entry, apply) -> None:
         """Receive a push (on the owner) or a sync (on a replica). A request for what this
@@ -452,7 +452,7 @@ class Cluster:
         if entry is None or entry.generation != request["generation"]:
             scratch = torch.empty(request["nbytes"], dtype=torch.uint8)
             work = self._groups.recv(peer, request["pair"], scratch, request["tag"])
-            wait_work([work], time.monotonic() + self.timeout, request["op"])
+            wait_work([work], time.monotonic() + self.timeout, request["op"], request["nbytes"])
             self._reply(request, error=f"node {self.node} has no generation {request['generation']} "
                                        f"of {request['name']!r}")
             return
@@ -462,7 +462,7 @@ class Cluster:
     def _apply_rows(self, peer: int, owned: _Owned, request: dict) -> None:
         buffer = torch.empty(request["nbytes"], dtype=torch.uint8)
         work = self._groups.recv(peer, request["pair"], buffer, request["tag"])
-        wait_work([work], time.monotonic() + self.timeout, "push")
+        wait_work([work], time.monotonic() + self.timeout, "push", request["nbytes"])
         rows = request["rows"]
         index = buffer[: 8 * rows].view(torch.int64)
         offset = 8 * rows
@@ -482,7 +482,7 @@ class Cluster:
             replica.set_state(rep.segment, replica.state(rep.segment) | 1)
             work = self._groups.recv(peer, request["pair"],
                                      replica.segment_bytes(rep.segment, rep.layout["nbytes"]), request["tag"])
-            wait_work([work], time.monotonic() + self.timeout, "sync")
+            wait_work([work], time.monotonic() + self.timeout, "sync", request["nbytes"])
             replica.set_state(rep.segment, 2 * request["version"])
         finally:
             rep.lock.release()

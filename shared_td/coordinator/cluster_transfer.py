@@ -14,10 +14,12 @@ uses, see :mod:`shared_td.coordinator.cluster`). Other pairs are not disturbed.
 
 Waiting: gloo completes a send or receive only inside ``work.wait()`` (``is_completed()``
 stays False until then, measured), and ``ProcessGroupGloo.abort()`` does not interrupt a
-waiting thread. So each transfer waits once, with the time left until the call's
-deadline as its timeout: a peer process that dies makes gloo fail the wait at once
-("Connection closed by peer"); a peer that is stopped (SIGSTOP) or unreachable makes it
-fail at the deadline, which closes the pair, and the group is then aborted and replaced.
+waiting thread. So each transfer waits once, at most until the call's deadline and
+at most ``WAIT_SLACK_S`` plus its bytes at ``MIN_RATE``: a peer process that dies usually
+makes gloo fail the wait at once ("Connection closed by peer"; but a receive posted just
+as the peer died was seen to wait on); a peer that is stopped (SIGSTOP), unreachable or
+gone silently makes it fail at that bound, which closes the pair, and the group is then
+aborted and replaced.
 A receive is therefore never left posted beyond the deadline of its call.
 
 Payloads are contiguous CPU tensors; gloo reads and writes their memory directly, so a
@@ -39,12 +41,21 @@ class TransferFailed(RuntimeError):
     """A gloo transfer failed, or did not end before its deadline."""
 
 
-def wait_work(works, deadline: float, what: str = "transfer") -> None:
-    """Wait until every gloo ``works`` completed; TransferFailed when one failed (gloo
-    reports a peer whose process died at once: "Connection closed by peer") or when
-    ``deadline`` (``time.monotonic()``) passed, after which the pair is closed."""
+#: The slowest transfer rate (bytes/s) a wait allows for before it gives up: a gloo wait
+#: cannot be interrupted, so this bounds how long a peer that vanished without closing its
+#: connection can hold a caller (measured: a SIGKILLed owner is usually reported at once
+#: by gloo, but not always).
+MIN_RATE = 20e6
+#: Seconds every wait allows on top of the bytes at MIN_RATE.
+WAIT_SLACK_S = 5.0
+
+
+def wait_work(works, deadline: float, what: str = "transfer", nbytes: int = 0) -> None:
+    """Wait until every gloo ``works`` completed; TransferFailed when one failed, or did
+    not end within ``WAIT_SLACK_S + nbytes / MIN_RATE`` seconds or before ``deadline``
+    (``time.monotonic()``), after which gloo has closed the pair."""
     for work in works:
-        left = deadline - time.monotonic()
+        left = min(deadline - time.monotonic(), WAIT_SLACK_S + nbytes / MIN_RATE)
         try:
             if left <= 0:
                 raise TimeoutError("no time left")

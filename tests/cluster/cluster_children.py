@@ -91,9 +91,9 @@ def _run(cluster, coord, counters, command, *args):
             try:
                 cluster.pull(name)
             except Exception as err:
-                return pulls, type(err).__name__, time.monotonic(), cluster.version(name)
+                return pulls, type(err).__name__, time.monotonic(), cluster.version(name), repr(err.__cause__)[:300]
             pulls += 1
-        return pulls, None, time.monotonic(), cluster.version(name)
+        return pulls, None, time.monotonic(), cluster.version(name), None
     if command == "version":
         return cluster.version(args[0])
     if command == "wait_version":
