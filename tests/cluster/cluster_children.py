@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import queue as queues
+import tempfile
 
 import torch
 
@@ -27,8 +28,14 @@ def make_td(rows: int, fill: float = 0.0):
     )
 
 
-def node_main(url, node, nodes, authkey, commands, results):
+def _as_test_says(tmpdir):
+    # A forkserver child has the environment of the forkserver's start, not the test's
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    os.environ["TMPDIR"] = tempfile.tempdir = tmpdir
+
+
+def node_main(url, node, nodes, authkey, commands, results, tmpdir):
+    _as_test_says(tmpdir)
     coord = shared_td.Coordinator().start()
     try:
         cluster = Cluster(url, node, nodes, authkey=authkey, timeout=15.0, coordinator=coord,
@@ -138,10 +145,10 @@ def worker_attach(address, authkey, name, out):
     out.put((td["w"].tolist(), td["w"]._backing.key, cluster_replica.replica_version(td)))
 
 
-def coordinator_node(url, node, nodes, authkey, results):
+def coordinator_node(url, node, nodes, authkey, results, tmpdir):
     """A node through the Coordinator's own API: node 0 owns "policy", node 1 attaches,
     each step checked against the other node through the store's counter."""
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    _as_test_says(tmpdir)
     try:
         with shared_td.Coordinator(cluster=url, node=node, nodes=nodes, authkey=authkey, timeout=15.0) as coord:
             steps = coord.counter("steps")

@@ -11,8 +11,8 @@ from __future__ import annotations
 import datetime
 import multiprocessing
 import os
-import queue as queues
 import signal
+import tempfile
 import time
 
 import pytest
@@ -40,14 +40,15 @@ def node_context():
 class Nodes:
     """Node processes driven by commands; every read of an answer is bounded."""
 
-    def __init__(self, store, count, keys=None):
-        self.ctx = node_context()
+    def __init__(self, store, count, keys=None, ctx=None):
+        self.ctx = ctx or node_context()
         url = f"tcp://127.0.0.1:{store.port}?host=0"
         self.commands = [self.ctx.Queue() for _ in range(count)]
         self.results = [self.ctx.Queue() for _ in range(count)]
         keys = keys or [KEY] * count
         self.procs = [
-            self.ctx.Process(target=kids.node_main, args=(url, n, count, keys[n], self.commands[n], self.results[n]))
+            self.ctx.Process(target=kids.node_main,
+                             args=(url, n, count, keys[n], self.commands[n], self.results[n], tempfile.gettempdir()))
             for n in range(count)
         ]
         for proc in self.procs:
@@ -209,3 +210,38 @@ def test_owner_sigkill_during_pulls_raises_owner_lost_not_a_hang(nodes_of):
     assert ended - killed < 10, answer
     assert version in (1, None)  # complete, or marked as written when the kill came mid-transfer
     assert len(nodes.ok(2, "read", "policy")[0]) == 250_000  # still readable
+
+
+@pytest.mark.timeout(120)
+def test_killed_and_stopped_nodes_leave_nothing_behind(store):
+    from leakcheck import ShmWatch, private_tempdir
+    from test_coordinator import assert_nothing_left, open_descriptors
+
+    import shared_td
+
+    from multiprocessing import resource_tracker
+
+    # spawn children (a forkserver child was seen to leave multiprocessing's pymp-* temp
+    # directory when killed); the resource tracker's pipe is the process's, not the test's
+    resource_tracker.ensure_running()
+    with private_tempdir() as tempdir:
+        before = open_descriptors()
+        with ShmWatch() as shm:
+            nodes = Nodes(store, 3, ctx=multiprocessing.get_context("spawn"))
+            try:
+                nodes.ok(1, "publish", "policy", 1000, 1.0)
+                nodes.ok(2, "attach", "policy")
+                nodes.ok(0, "attach", "policy")
+                os.kill(nodes.procs[1].pid, signal.SIGKILL)  # the owner, its manager orphaned
+                assert finish(nodes.procs[1]) == -signal.SIGKILL
+            finally:
+                nodes.close()
+            for n in (0, 2):
+                assert nodes.procs[n].exitcode == 0
+            with shared_td.Coordinator() as sweeper:  # sweeps the killed node's directory
+                sweeper.names()
+            for q in nodes.commands + nodes.results:
+                q.close()
+                q.join_thread()
+            del nodes, q  # a forkserver queue's named semaphores go with the objects
+        assert_nothing_left(shm, tempdir, before)

@@ -3,6 +3,8 @@ authkey=), publish(replicate=True), attach, sync, pull, push, version, counter; 
 process trees (forkserver children, see test_cluster.py) on 127.0.0.1."""
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 
 pytest.importorskip("torch.distributed")
@@ -16,7 +18,7 @@ def test_coordinator_cluster_api(store):
     ctx = node_context()
     url = f"tcp://127.0.0.1:{store.port}?host=0"
     results = [ctx.Queue() for _ in range(2)]
-    procs = [ctx.Process(target=kids.coordinator_node, args=(url, n, 2, KEY, results[n])) for n in range(2)]
+    procs = [ctx.Process(target=kids.coordinator_node, args=(url, n, 2, KEY, results[n], tempfile.gettempdir())) for n in range(2)]
     for proc in procs:
         proc.start()
     try:

@@ -197,11 +197,11 @@ def test_env_launch_reads_rank_and_count_as_torchrun_sets_them(store, monkeypatc
                         "TORCHELASTIC_USE_AGENT_STORE": "True",  # join the agent's store, never host
                         "GROUP_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(name, value)
-    _store, node, nodes = open_store("env://", None, 5.0)
+    _store, node, nodes = open_store("env://", None, 15.0)
     assert (node, nodes) == (1, 2)
     monkeypatch.setenv("GROUP_RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with Cluster("env://", authkey=KEY, timeout=5.0) as single:
+    with Cluster("env://", authkey=KEY, timeout=15.0) as single:
         assert (single.node, single.nodes) == (0, 1)
         assert single.counter("c").fetch_add(5) == 0
     assert store.add("shared_td/counter/c", 0) == 5  # it used the store at MASTER_PORT
