@@ -27,9 +27,12 @@ Failure behaviour:
 
 * Each node writes a heartbeat every :data:`HEARTBEAT_S`; a node whose heartbeat has not
   changed for :data:`LOST_AFTER_S` is lost. ``pull``/``push`` whose owner is lost raise
-  :class:`~shared_td.errors.OwnerLostError` within about ``LOST_AFTER_S`` + 0.5 s; the
-  replica stays readable (after an interrupted transfer its version reads None: its rows
-  may mix two versions).
+  :class:`~shared_td.errors.OwnerLostError`: about ``LOST_AFTER_S`` after the owner died
+  when gloo reports the closed connection (the usual case), at most the bounded gloo wait
+  (:data:`~shared_td.coordinator.cluster_transfer.WAIT_SLACK_S` + bytes / ``MIN_RATE``)
+  later when it does not. The replica stays readable (after an interrupted transfer its
+  version reads None: its rows may mix two versions). A failed transfer with a node that
+  is alive raises a ConnectionError: the call may be retried (a new pair generation).
 * ``sync`` on the owner drops a replica node that fails or does not answer within the
   timeout (or is lost) and reports it in :attr:`SyncReport.dropped`; the others get it.
 * The store host lost: store calls raise :class:`ConnectionError`.
