@@ -25,14 +25,17 @@ from shared_td.keys import canonical_key as unravel_key
 from shared_td.errors import (
     AtomicWriteError,
     BatchSizeMismatchError,
+    ClusterAuthError,
     CoordinatorTimeoutError,
     FileTooShortError,
     FormatError,
     KeyTypeError,
     LockedTensorDictError,
+    OwnerLostError,
     ReadOnlyError,
     SegmentUnavailableError,
     StorageFullError,
+    TransferFailed,
 )
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.persist.atomic import gc
@@ -48,6 +51,7 @@ lazy_stack = LazyStackedTensorDict.lazy_stack
 __all__ = [
     "AtomicWriteError",
     "BatchSizeMismatchError",
+    "ClusterAuthError",
     "Coordinator",
     "CoordinatorTimeoutError",
     "FileTooShortError",
@@ -61,6 +65,7 @@ __all__ = [
     "NonTensorData",
     "NonTensorDataBase",
     "NonTensorStack",
+    "OwnerLostError",
     "SegmentUnavailableError",
     "SharedCounter",
     "StorageFullError",
@@ -68,6 +73,7 @@ __all__ = [
     "TensorDict",
     "TensorDictBase",
     "TensorDictFuture",
+    "TransferFailed",
     "attach",
     "default_is_leaf",
     "from_dataclass",

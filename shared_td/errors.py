@@ -93,3 +93,17 @@ class CoordinatorTimeoutError(ConnectionError, TimeoutError):
 
 def _rebuild_format_error(path: str, reason: str, field: str | None) -> FormatError:
     return FormatError(path, reason, field=field)
+
+
+class ClusterAuthError(PermissionError):
+    """A value in the cluster store is not signed with this node's cluster authkey."""
+
+
+class TransferFailed(RuntimeError):
+    """A gloo transfer between two nodes failed, or did not end before its deadline."""
+
+
+class OwnerLostError(ConnectionError):
+    """The node that owns a name published across machines stopped answering (no
+    heartbeat in the cluster store): ``pull``, ``push`` and ``sync`` of that name fail
+    with it, while the replicas stay readable with their last version."""

@@ -33,9 +33,9 @@ def test_every_exception_class_is_defined_in_errors_and_exported():
     defined = {name for name, value in vars(errors).items()
                if inspect.isclass(value) and issubclass(value, BaseException)}
     assert defined == {
-        "AtomicWriteError", "BatchSizeMismatchError", "CoordinatorTimeoutError",
+        "AtomicWriteError", "BatchSizeMismatchError", "ClusterAuthError", "CoordinatorTimeoutError",
         "FileTooShortError", "FormatError", "KeyTypeError", "LockedTensorDictError",
-        "ReadOnlyError", "SegmentUnavailableError", "StorageFullError",
+        "OwnerLostError", "ReadOnlyError", "SegmentUnavailableError", "StorageFullError", "TransferFailed",
     }
     for name in defined:
         assert getattr(shared_td, name) is getattr(errors, name)

@@ -82,7 +82,8 @@ class Coordinator:
         >>> coord.shutdown()
     """
 
-    def __init__(self, *, context: str | None = None, timeout: float = DEFAULT_TIMEOUT):
+    def __init__(self, *, context: str | None = None, timeout: float = DEFAULT_TIMEOUT,
+                 cluster=None, node: int | None = None, nodes: int | None = None, authkey=None):
         if context is not None:
             warnings.warn(
                 "Coordinator(context=...) is deprecated and ignored: the manager always "
@@ -91,6 +92,11 @@ class Coordinator:
             )
         self._timeout = timeout
         self._process: ServerProcess | None = None  # the manager, when this handle started it
+        # Across machines (see shared_td.coordinator.cluster): joined by start()
+        if cluster is None and (node is not None or nodes is not None or authkey is not None):
+            raise ValueError("node=, nodes= and authkey= belong to a cluster: pass cluster= too.")
+        self._cluster_args = None if cluster is None else (cluster, node, nodes, authkey)
+        self.cluster = None  # this node's Cluster member once started
         self._address: str | None = None
         self._authkey: bytes | None = None
 
@@ -115,7 +121,20 @@ class Coordinator:
         self._process, self._address, self._authkey = process, process.address, process.authkey
         # collected, or still running at exit: stop it (in the owner only, see ServerProcess)
         weakref.finalize(self, process.stop, min(self._timeout, SHUTDOWN_TIMEOUT))
+        if self._cluster_args is not None:
+            self._join_cluster()
         return self
+
+    def _join_cluster(self) -> None:
+        from shared_td.coordinator.cluster import Cluster
+
+        spec, node, nodes, cluster_key = self._cluster_args
+        try:
+            self.cluster = Cluster(spec, node, nodes, authkey=cluster_key, timeout=self._timeout,
+                                   coordinator=self).start()
+        except BaseException:
+            self.shutdown()
+            raise
 
     def shutdown(self) -> None:
         """Stop the manager (owner) or just disconnect (non-owner). Idempotent.
@@ -128,6 +147,8 @@ class Coordinator:
         address = self._address
         if address is None:
             return
+        if self.cluster is not None and self._process is not None and self._process.owned_here():
+            self.cluster.shutdown()
         drop_channel(address)
         self._address = None
         if self._process is not None:  # stops it in the owning process only
@@ -191,7 +212,7 @@ class Coordinator:
         return self._call("info")["pid"]
 
     # ------------------------------------------------------------------ registry
-    def publish(self, name: str, td, prefix=None, **memmap_kwargs):
+    def publish(self, name: str, td, prefix=None, *, replicate: bool = False, **memmap_kwargs):
         """Memory-map ``td`` in place and publish it as ``name``; returns ``td``.
 
         ``td.memmap_(prefix, **memmap_kwargs)`` puts the leaves in files under ``prefix``,
@@ -204,6 +225,11 @@ class Coordinator:
             >>> with Coordinator() as coord:                     # doctest: +SKIP
             ...     coord.publish("weights", td, prefix="/data/weights")
         """
+        if replicate:
+            if self.cluster is None or prefix is not None or memmap_kwargs:
+                raise ValueError(f"publish({name!r}, replicate=True) needs a Coordinator(cluster=...) "
+                                 "and anonymous memory (no prefix, no memmap_ options).")
+            return self.cluster.publish(name, td)  # owner: this node; publishes here too
         _IN_USE.append(self)  # adopts the share_non_tensor values this makes
         try:
             td.memmap_(prefix, **memmap_kwargs)
@@ -221,8 +247,39 @@ class Coordinator:
         """The locked tensordict published as ``name``, over the same memory.
 
         KeyError (listing the published names) if nothing is published as ``name``.
+        With a cluster, a name replicated from another node is this node's replica (made
+        and filled on first attach).
         """
+        if self.cluster is not None and name not in self.cluster._owned and self.cluster.knows(name):
+            return self.cluster.attach(name)
         return attach(name, address=self.address, authkey=self.authkey, timeout=self._timeout)
+
+    # ------------------------------------------------------------------ across machines
+    def pull(self, name: str) -> int:
+        """Replica <- owner (see :meth:`shared_td.coordinator.cluster.Cluster.pull`)."""
+        return self._member().pull(name)
+
+    def push(self, name: str, index) -> None:
+        """Rows ``index`` of this node's replica -> the owner (:meth:`Cluster.push`)."""
+        return self._member().push(name, index)
+
+    def sync(self, name: str, timeout: float | None = None):
+        """Owner -> every replica; a SyncReport (:meth:`Cluster.sync`)."""
+        return self._member().sync(name, timeout)
+
+    def version(self, name: str) -> int | None:
+        """The version of ``name`` this node holds (:meth:`Cluster.version`)."""
+        return self._member().version(name)
+
+    def counter(self, name: str):
+        """A counter shared by every node (``fetch_add`` is one ``TCPStore.add``)."""
+        return self._member().counter(name)
+
+    def _member(self):
+        if self.cluster is None:
+            raise RuntimeError("This Coordinator is in no cluster: make it with "
+                               "Coordinator(cluster=..., node=..., nodes=...) and start() it.")
+        return self.cluster
 
     def names(self) -> list[str]:
         """The published names, sorted."""

@@ -1,0 +1,552 @@
+"""Across machines: the node coordinators of several machines form one cluster.
+
+One :class:`Cluster` per node, in the process that runs the node's
+:class:`~shared_td.Coordinator`. The cluster runs on what ships with torch:
+
+* a ``torch.distributed`` Store (a ``TCPStore``, hosted by node 0 unless told otherwise)
+  for names, layouts, versions, counters, heartbeats and requests, every value signed
+  with the cluster authkey (:mod:`~shared_td.coordinator.cluster_store`);
+* two-rank gloo process groups, one per pair of nodes, for tensor payloads
+  (:mod:`~shared_td.coordinator.cluster_transfer`).
+
+A name published with :meth:`Cluster.publish` has one owner node. Another node's
+:meth:`Cluster.attach` makes a *replica*: one local anonymous segment with the owner's
+layout (:mod:`~shared_td.coordinator.cluster_replica`), filled by one transfer and
+published on the node's own Coordinator under the same name, so all processes of that
+node attach it as today and the network copy is made once per node.
+
+Requests travel through the store: each node pops its queue ``queue/<node>`` in a service
+thread and hands each request to the *lane* of its sender (one thread per peer node: a
+peer that stops answering holds up only its own lane). Answers are signed keys
+``reply/<node>/<tag>``; payloads go over the pair's gloo group with the same tag. A
+sender of a payload only sends after the receiver's request or promise, and every wait
+is bounded: on a failure or a timeout the pair's group is aborted (which cancels any
+receive still posted) and rebuilt by the next transfer.
+
+Failure behaviour:
+
+* Each node writes a heartbeat every :data:`HEARTBEAT_S`; a node whose heartbeat has not
+  changed for :data:`LOST_AFTER_S` is lost. ``pull``/``push`` whose owner is lost raise
+  :class:`~shared_td.errors.OwnerLostError`: about ``LOST_AFTER_S`` after the owner died
+  when gloo reports the closed connection (the usual case), at most the bounded gloo wait
+  (:data:`~shared_td.coordinator.cluster_transfer.WAIT_SLACK_S` + bytes / ``MIN_RATE``)
+  later when it does not. The replica stays readable (after an interrupted transfer its
+  version reads None: its rows may mix two versions). A failed transfer with a node that
+  is alive raises a ConnectionError: the call may be retried (a new pair generation).
+* ``sync`` on the owner drops a replica node that fails or does not answer within the
+  timeout (or is lost) and reports it in :attr:`SyncReport.dropped`; the others get it.
+* The store host lost: store calls raise :class:`ConnectionError`.
+
+Example (two nodes in one process, as in the tests; normally one per machine)::
+
+    >>> a = Cluster("tcp://127.0.0.1:29600", node=0, nodes=2, authkey=b"k")  # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import itertools
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from shared_td.containers.tensordict import TensorDict
+from shared_td.coordinator import cluster_replica as replica
+from shared_td.coordinator.cluster_store import ClusterAuthError, ClusterCounter, SignedStore, cluster_key, open_store
+from shared_td.coordinator.cluster_transfer import PairGroups, TransferFailed, wait_work
+from shared_td.errors import OwnerLostError
+
+__all__ = ["Cluster", "ClusterAuthError", "OwnerLostError", "SyncReport"]
+
+#: Seconds between two heartbeats of a node.
+HEARTBEAT_S = 0.5
+#: Seconds without a changed heartbeat after which a node counts as lost.
+LOST_AFTER_S = 3.0
+#: Seconds any cluster call may take in all, unless the Cluster is given another timeout.
+DEFAULT_TIMEOUT = 30.0
+# How long the service thread waits in one queue_pop (a stop request wakes it earlier).
+_POP_S = 60.0
+
+
+@dataclass
+class SyncReport:
+    """What :meth:`Cluster.sync` did: the ``version`` sent, the nodes that have it, and
+    the nodes dropped (node -> why)."""
+
+    version: int
+    delivered: list[int] = field(default_factory=list)
+    dropped: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass
+class _Owned:
+    td: object
+    segment: object
+    layout: dict
+    generation: int
+    version: int
+
+
+@dataclass
+class _Replica:
+    td: object
+    segment: object
+    layout: dict
+    owner: int
+    generation: int
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class Cluster:
+    """This node's membership of a cluster.
+
+    Args:
+        cluster: ``"tcp://HOST:PORT"`` (node 0 hosts the TCPStore there; ``?host=0`` on
+            every node when another process hosts it), ``"env://"`` (``MASTER_ADDR``,
+            ``MASTER_PORT``, node rank and count from the environment: torchrun, a
+            scheduler), or a ``torch.distributed`` Store.
+        node, nodes: this node's number and the number of nodes.
+        authkey: the cluster authkey (bytes or str), the same on every node; default
+            ``SHARED_TD_CLUSTER_KEY``.
+        timeout: seconds any call may take in all (joining waits for every node).
+        coordinator: this node's running Coordinator; replicas are published on it under
+            their name, so local processes attach them by name.
+        hostname: the address gloo binds and announces; default: ``GLOO_SOCKET_IFNAME``'s
+            interface, else this host's name.
+    """
+
+    def __init__(self, cluster, node: int | None = None, nodes: int | None = None, *,
+                 authkey=None, timeout: float = DEFAULT_TIMEOUT, coordinator=None,
+                 hostname: str | None = None):
+        self._spec, self.node, self.nodes = cluster, node, nodes
+        self._authkey = cluster_key(authkey)
+        self.timeout = timeout
+        self._coordinator = coordinator
+        self._hostname = hostname
+        self._store: SignedStore | None = None
+        self._groups: PairGroups | None = None
+        self._owned: dict[str, _Owned] = {}
+        self._replicas: dict[str, _Replica] = {}
+        self._tags = itertools.count(1)
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._lanes: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
+        self._senders = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="shared_td-sync")
+        self._beats: dict[int, tuple[object, float]] = {}
+        self._beats_lock = threading.Lock()
+        self.refused = 0  # requests dropped for a wrong signature
+        self._pid = os.getpid()
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> "Cluster":
+        """Join the cluster: wait (at most ``timeout``) for every node's signed join
+        record, refuse with ClusterAuthError one signed with another authkey, then start
+        the heartbeat and the service thread. Returns self."""
+        if self._store is not None:
+            raise RuntimeError("This Cluster is already started.")
+        if isinstance(self._spec, str):
+            base, node, nodes = open_store(self._spec, self.node, self.timeout)
+            self.node = self.node if self.node is not None else node
+            self.nodes = self.nodes if self.nodes is not None else nodes
+        else:
+            base = self._spec
+        if self.node is None or self.nodes is None or not 0 <= self.node < self.nodes:
+            raise ValueError(f"A cluster needs node= in [0, nodes) and nodes=, got node={self.node}, nodes={self.nodes}.")
+        self._store = SignedStore(base, self._authkey, timeout=self.timeout)
+        self._store.set_json(f"join/{self.node}", {"node": self.node, "nodes": self.nodes, "pid": os.getpid(),
+                                                   "host": socket.gethostname()})
+        self._store.set_json(f"hb/{self.node}", {"beat": 0, "pid": os.getpid()})
+        others = [f"join/{n}" for n in range(self.nodes) if n != self.node]
+        if others and not self._store.wait(others, self.timeout):
+            missing = [k.split("/")[1] for k in others if not self._store.has(k)]
+            raise TimeoutError(f"Cluster node {self.node}: nodes {', '.join(missing)} did not join "
+                               f"within {self.timeout:g} s.")
+        for key in others:
+            record = self._store.get_json(key)  # ClusterAuthError: another authkey
+            if record["nodes"] != self.nodes:
+                raise ValueError(f"Node {record['node']} joined with nodes={record['nodes']}, this node has {self.nodes}.")
+        self._groups = PairGroups(self._store, self.node, timeout=self.timeout, hostname=self._hostname)
+        for target in (self._heartbeat, self._serve):
+            thread = threading.Thread(target=target, name=f"shared_td-cluster-{target.__name__}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        return self
+
+    def shutdown(self) -> None:
+        """Leave the cluster: stop the threads, abort the gloo groups. Idempotent.
+        Replicas already attached stay readable. Node 0 usually hosts the store: the
+        others lose it when it leaves."""
+        if self._store is None or self._stop.is_set():
+            return
+        self._stop.set()
+        atexit.unregister(self.shutdown)
+        try:
+            self._store.push_json(f"queue/{self.node}", {"op": "stop", "from": self.node})
+        except (RuntimeError, OSError):
+            pass  # the store is gone; the service thread's pop fails by itself
+        for thread in self._threads:
+            thread.join(_POP_S if thread.name.endswith("_serve") else 2 * HEARTBEAT_S)
+        for lane in [*self._lanes.values(), self._senders]:
+            lane.shutdown(wait=False, cancel_futures=True)
+        if self._groups is not None:  # None: start() failed before the groups
+            self._groups.close()
+
+    def __enter__(self) -> "Cluster":
+        return self if self._store is not None else self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def counter(self, name: str) -> ClusterCounter:
+        """A counter shared by every node (``fetch_add`` is one ``TCPStore.add``)."""
+        return ClusterCounter(self._checked(), name)
+
+    # ------------------------------------------------------------------ names
+    def publish(self, name: str, td):
+        """Publish ``td`` as ``name`` owned by this node; returns ``td``.
+
+        ``td`` is memory-mapped into one anonymous segment (``memmap_()``, on this
+        node's Coordinator when there is one). Publishing a name again makes a new
+        generation: replicas of the old one are stale (:meth:`is_stale`)."""
+        store = self._checked()
+        if self._coordinator is not None:
+            td = self._coordinator.publish(name, td)
+        else:
+            td = td.memmap_()  # keeps leaves already in anonymous shared memory
+        layout, segment = replica.describe(td, name)
+        generation = store.add(f"generation/{name}", 1)
+        self._owned[name] = _Owned(td, segment, layout, generation, version=1)
+        store.set_json(f"name/{name}", {"owner": self.node, "generation": generation, "layout": layout})
+        store.set_json(f"version/{name}", {"version": 1, "generation": generation})
+        return td
+
+    def knows(self, name: str) -> bool:
+        """Whether ``name`` is published across the cluster (one store round trip)."""
+        return self._checked().has(f"name/{name}")
+
+    def owner(self, name: str) -> int:
+        """The node that owns ``name``; KeyError if nothing is published as ``name``."""
+        return self._info(name)["owner"]
+
+    def _info(self, name: str) -> dict:
+        store = self._checked()
+        if not store.has(f"name/{name}"):
+            raise KeyError(f"Nothing is published as {name!r} in the cluster (publish it with "
+                           "replicate=True on its owner node first).")
+        return self._guard(store.get_json, f"name/{name}")
+
+    def attach(self, name: str):
+        """The tensordict of ``name`` on this node: the owner's own, or this node's
+        replica (made on first attach and filled with one transfer)."""
+        if name in self._owned:
+            return self._owned[name].td
+        info = self._info(name)
+        have = self._replicas.get(name)
+        if have is not None and have.generation == info["generation"]:
+            return have.td
+        td, segment = replica.rebuild(info["layout"], TensorDict)
+        if self._coordinator is not None:
+            td = self._coordinator.publish(name, td)
+        self._replicas[name] = _Replica(td, segment, info["layout"], info["owner"], info["generation"])
+        self._checked().set_json(f"has/{name}/{self.node}", {"generation": info["generation"]})
+        self.pull(name)
+        return td
+
+    def is_stale(self, name: str) -> bool:
+        """Whether the owner published ``name`` again since this replica was made."""
+        have = self._replicas.get(name)
+        if have is None:
+            return False
+        return self._info(name)["generation"] != have.generation
+
+    def version(self, name: str) -> int | None:
+        """The version this node holds of ``name`` (the owner's: its current one)."""
+        if name in self._owned:
+            return self._owned[name].version
+        return replica.replica_version(self._replica(name).td)
+
+    def _replica(self, name: str) -> _Replica:
+        have = self._replicas.get(name)
+        if have is None:
+            raise KeyError(f"This node has no replica of {name!r}: attach it first.")
+        return have
+
+    # ------------------------------------------------------------------ transfers
+    def pull(self, name: str) -> int:
+        """Replica <- owner: the owner's current contents, in place; returns the version.
+        OwnerLostError if the owner is lost (the replica keeps what it has)."""
+        if name in self._owned:
+            return self._owned[name].version
+        rep = self._replica(name)
+        deadline = time.monotonic() + self.timeout
+        if not rep.lock.acquire(timeout=self.timeout):
+            raise TimeoutError(f"Another transfer of {name!r} on this node did not end within {self.timeout:g} s.")
+        try:
+            tag, generation = self._request(rep.owner, "pull", name, rep.generation)
+            answer = self._answer(rep.owner, tag, deadline, name)
+            try:
+                replica.set_state(rep.segment, replica.state(rep.segment) | 1)
+                work = self._groups.recv(rep.owner, generation, replica.segment_bytes(rep.segment, rep.layout["nbytes"]), tag)
+                wait_work([work], deadline, f"pull of {name!r}", rep.layout["nbytes"])
+            except TransferFailed as err:
+                self._groups.fail(rep.owner, generation)
+                raise self._lost_or(rep.owner, name, err) from err
+            replica.set_state(rep.segment, 2 * answer["version"])
+            return answer["version"]
+        finally:
+            rep.lock.release()
+
+    def push(self, name: str, index) -> None:
+        """Rows ``index`` (of the first dimension) of this node's replica -> the same rows
+        of the owner's tensordict, in place. Returns when the owner wrote them."""
+        if name in self._owned:
+            return  # the owner's replica is its own buffer: the rows are already there
+        rep = self._replica(name)
+        index = torch.as_tensor(index, dtype=torch.int64).reshape(-1)
+        leaves = [rep.td.get(tuple(leaf["key"])) for leaf in rep.layout["leaves"]]
+        parts = [index.view(torch.uint8)] + [leaf[index].contiguous().reshape(-1).view(torch.uint8) for leaf in leaves]
+        payload = torch.cat(parts)
+        deadline = time.monotonic() + self.timeout
+        tag, generation = self._request(rep.owner, "push", name, rep.generation,
+                                        rows=int(index.numel()), nbytes=int(payload.numel()))
+        try:
+            work = self._groups.send(rep.owner, generation, payload, tag)
+            wait_work([work], deadline, f"push of {name!r}", int(payload.numel()))
+        except TransferFailed as err:
+            self._groups.fail(rep.owner, generation)
+            raise self._lost_or(rep.owner, name, err) from err
+        self._answer(rep.owner, tag, deadline, name)
+
+    def sync(self, name: str, timeout: float | None = None) -> SyncReport:
+        """On the owner: send the current contents of ``name`` to every node holding a
+        replica, as a new version; returns when all have it (or were dropped: a node
+        that fails or does not answer within ``timeout`` seconds)."""
+        owned = self._owned.get(name)
+        if owned is None:
+            raise KeyError(f"This node (node {self.node}) does not own {name!r}: only its owner syncs it.")
+        store = self._checked()
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        owned.version += 1
+        store.set_json(f"version/{name}", {"version": owned.version, "generation": owned.generation})
+        report = SyncReport(owned.version)
+        targets = [n for n in range(self.nodes) if n != self.node and store.has(f"has/{name}/{n}")]
+        if not targets:
+            return report
+        payload = replica.segment_bytes(owned.segment, owned.layout["nbytes"])
+        # one replica: this thread; more: the sender threads, which keep their store
+        # connections from one sync to the next
+        if len(targets) == 1:
+            reasons = {targets[0]: self._sync_one(targets[0], name, owned, payload, deadline)}
+        else:
+            futures = {node: self._senders.submit(self._sync_one, node, name, owned, payload, deadline)
+                       for node in targets}
+            reasons = {node: future.result() for node, future in futures.items()}
+        for node, reason in reasons.items():
+            if reason is None:
+                report.delivered.append(node)
+            else:
+                report.dropped[node] = reason
+        return report
+
+    def _sync_one(self, peer: int, name: str, owned: _Owned, payload, deadline: float) -> str | None:
+        try:
+            tag, generation = self._request(peer, "sync", name, owned.generation, version=owned.version,
+                                            nbytes=owned.layout["nbytes"])
+            try:
+                work = self._groups.send(peer, generation, payload, tag)
+                wait_work([work], deadline, f"sync of {name!r} to node {peer}", int(payload.numel()))
+            except TransferFailed:
+                self._groups.fail(peer, generation)
+                raise
+            self._answer(peer, tag, deadline, name)
+        except (TransferFailed, TimeoutError, ConnectionError, RuntimeError) as err:
+            return f"{type(err).__name__}: {err}"
+        return None
+
+    # ------------------------------------------------------------------ requests
+    def _request(self, peer: int, op: str, name: str, generation: int, **extra) -> tuple[int, int]:
+        """Put a request in ``peer``'s queue; returns (tag, pair generation)."""
+        store = self._checked()
+        tag = next(self._tags) * 1024 + self.node  # unique per sender (nodes < 1024)
+        pair = self._guard(self._groups.generation, peer)
+        self._guard(store.push_json, f"queue/{peer}",
+                    {"op": op, "name": name, "generation": generation, "from": self.node,
+                     "tag": tag, "pair": pair, **extra})
+        return tag, pair
+
+    def _answer(self, peer: int, tag: int, deadline: float, name: str) -> dict:
+        """The peer's signed answer to request ``tag``, waited for in slices while the
+        peer's heartbeat lives; OwnerLostError/TimeoutError otherwise; a refusal raises."""
+        store = self._checked()
+        key = f"reply/{self.node}/{tag}"
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"Node {peer} did not answer about {name!r} within {self.timeout:g} s.")
+            if self._guard(store.wait, [key], min(left, 0.25)):
+                break
+            if not self._alive(peer):
+                raise self._lost(peer, name)
+        answer = self._guard(store.get_json, key)
+        store.delete(key)
+        if "error" in answer:
+            raise RuntimeError(f"Node {peer} refused the transfer of {name!r}: {answer['error']}")
+        return answer
+
+    def _reply(self, request: dict, **answer) -> None:
+        self._store.set_json(f"reply/{request['from']}/{request['tag']}", answer)
+
+    # ------------------------------------------------------------------ service
+    def _serve(self) -> None:
+        queue = f"queue/{self.node}"
+        while not self._stop.is_set():
+            try:
+                request = self._store.pop_json(queue, _POP_S)
+            except ClusterAuthError:
+                self.refused += 1  # forged or another cluster's: never acted on
+                continue
+            except (RuntimeError, OSError):
+                return  # the store is gone
+            if request is None or request.get("op") == "stop":
+                continue
+            peer = request["from"]
+            lane = self._lanes.get(peer)
+            if lane is None:
+                lane = self._lanes[peer] = concurrent.futures.ThreadPoolExecutor(1, f"shared_td-lane-{peer}")
+            lane.submit(self._handle, request)
+
+    def _handle(self, request: dict) -> None:
+        peer, op, name = request["from"], request["op"], request["name"]
+        try:
+            if op == "pull":
+                self._serve_pull(peer, request)
+            elif op == "push":
+                self._serve_receive(peer, request, self._owned.get(name), self._apply_rows)
+            elif op == "sync":
+                self._serve_receive(peer, request, self._replicas.get(name), self._apply_sync)
+        except TransferFailed:
+            self._groups.fail(peer, request["pair"])  # the requester's own wait fails too
+        except Exception as err:  # answered, so that the requester does not wait in vain
+            try:
+                self._reply(request, error=f"{type(err).__name__}: {err}")
+            except (RuntimeError, OSError):
+                pass  # the store is gone
+
+    def _serve_pull(self, peer: int, request: dict) -> None:
+        owned = self._owned.get(request["name"])
+        if owned is None or owned.generation != request["generation"]:
+            self._reply(request, error=f"node {self.node} has no generation {request['generation']} of {request['name']!r}")
+            return
+        group_pair = request["pair"]
+        self._reply(request, version=owned.version)
+        work = self._groups.send(peer, group_pair, replica.segment_bytes(owned.segment, owned.layout["nbytes"]), request["tag"])
+        wait_work([work], time.monotonic() + self.timeout, "pull", owned.layout["nbytes"])
+
+    def _serve_receive(self, peer: int, request: dict, entry, apply) -> None:
+        """Receive a push (on the owner) or a sync (on a replica). A request for what this
+        node does not hold is still received, into scratch memory, so that the sender's
+        send ends, and answered with a refusal."""
+        if entry is None or entry.generation != request["generation"]:
+            scratch = torch.empty(request["nbytes"], dtype=torch.uint8)
+            work = self._groups.recv(peer, request["pair"], scratch, request["tag"])
+            wait_work([work], time.monotonic() + self.timeout, request["op"], request["nbytes"])
+            self._reply(request, error=f"node {self.node} has no generation {request['generation']} "
+                                       f"of {request['name']!r}")
+            return
+        apply(peer, entry, request)
+        self._reply(request, ok=True)
+
+    def _apply_rows(self, peer: int, owned: _Owned, request: dict) -> None:
+        buffer = torch.empty(request["nbytes"], dtype=torch.uint8)
+        work = self._groups.recv(peer, request["pair"], buffer, request["tag"])
+        wait_work([work], time.monotonic() + self.timeout, "push", request["nbytes"])
+        rows = request["rows"]
+        index = buffer[: 8 * rows].view(torch.int64)
+        offset = 8 * rows
+        for leaf in owned.layout["leaves"]:
+            target = owned.td.get(tuple(leaf["key"]))
+            size = rows * target[0].numel() * target.element_size()
+            chunk = buffer[offset: offset + size]
+            if offset % target.element_size():
+                chunk = chunk.clone()  # rows of a smaller dtype came before: realign
+            target[index] = chunk.view(target.dtype).view((rows, *leaf["shape"][1:]))
+            offset += size
+
+    def _apply_sync(self, peer: int, rep: _Replica, request: dict) -> None:
+        if not rep.lock.acquire(timeout=self.timeout):
+            raise TransferFailed("a pull of the same replica did not end")
+        try:
+            replica.set_state(rep.segment, replica.state(rep.segment) | 1)
+            work = self._groups.recv(peer, request["pair"],
+                                     replica.segment_bytes(rep.segment, rep.layout["nbytes"]), request["tag"])
+            wait_work([work], time.monotonic() + self.timeout, "sync", request["nbytes"])
+            replica.set_state(rep.segment, 2 * request["version"])
+        finally:
+            rep.lock.release()
+
+    # ------------------------------------------------------------------ liveness
+    def _heartbeat(self) -> None:
+        for beat in itertools.count(1):
+            if self._stop.wait(HEARTBEAT_S):
+                return
+            try:
+                self._store.set_json(f"hb/{self.node}", {"beat": beat, "pid": os.getpid()})
+            except (RuntimeError, OSError):
+                return  # the store is gone
+
+    def _beat(self, peer: int):
+        """``peer``'s last heartbeat number (None if unreadable or not signed by us)."""
+        try:
+            return self._guard(self._store.get_json, f"hb/{peer}")["beat"]
+        except ClusterAuthError:
+            return None
+
+    def _alive(self, peer: int) -> bool:
+        """Whether ``peer``'s heartbeat changed within the last LOST_AFTER_S seconds (as
+        seen by this process since it first looked)."""
+        beat, now = self._beat(peer), time.monotonic()
+        with self._beats_lock:
+            seen = self._beats.get(peer)
+            if seen is None or seen[0] != beat:
+                self._beats[peer] = (beat, now)
+                return True
+            return now - seen[1] < LOST_AFTER_S
+
+    def _lost_or(self, peer: int, name: str, err: BaseException) -> BaseException:
+        """After a failed transfer with ``peer``: OwnerLostError once its heartbeat has
+        stood still for LOST_AFTER_S (waited for here), else a ConnectionError (the
+        transfer may be retried)."""
+        end = time.monotonic() + LOST_AFTER_S + HEARTBEAT_S
+        while self._alive(peer):
+            if time.monotonic() > end:
+                return ConnectionError(f"The transfer of {name!r} with node {peer} failed ({err}); "
+                                       "that node is alive: the call may be retried.")
+            time.sleep(HEARTBEAT_S / 4)
+        return self._lost(peer, name)
+
+    def _lost(self, peer: int, name: str) -> OwnerLostError:
+        role = "the owner" if self._replicas.get(name) and self._replicas[name].owner == peer else "a replica"
+        return OwnerLostError(
+            f"Node {peer}, {role} of {name!r}, is lost: its heartbeat stood still for "
+            f"{LOST_AFTER_S:g} s. This node's copy stays readable with its last contents."
+        )
+
+    # ------------------------------------------------------------------ helpers
+    def _checked(self) -> SignedStore:
+        if self._store is None:
+            raise RuntimeError("This Cluster is not started (call start()).")
+        return self._store
+
+    def _guard(self, call, *args):
+        """``call(*args)`` with a lost store host turned into ConnectionError."""
+        try:
+            return call(*args)
+        except dist.DistNetworkError as err:
+            raise ConnectionError(f"The cluster store is gone ({err}): the node that hosts it "
+                                  "(node 0 by default) stopped.") from err

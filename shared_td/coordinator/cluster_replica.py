@@ -1,0 +1,138 @@
+"""What travels between nodes: a tensordict's layout as plain JSON, and replica segments.
+
+A replicated name is a tensordict whose tensor leaves all lie in ONE anonymous segment
+(what ``memmap_()`` without a prefix makes: :func:`shared_td.persist.writer` packs a tree
+into one segment). Its *layout* -- batch size, and for each leaf its key, dtype, shape and
+byte offset -- is plain JSON in the store, so another node rebuilds the same tree over a
+segment of its own, and a transfer is one contiguous copy of ``nbytes`` bytes, received
+in place.
+
+A replica segment is ``nbytes`` data bytes followed by a 64-byte trailer: a magic word and
+a *state* word, ``2 * version`` when the data is one complete version, odd while a
+transfer writes it. Every process of the node that attached the replica reads the version
+from its own mapping (:func:`replica_version`, :func:`wait_version`), without asking
+anyone.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from shared_td.memmap_tensor import MemoryMappedTensor
+from shared_td.storage.anonymous import Segment
+
+__all__ = ["describe", "rebuild", "replica_version", "wait_version", "segment_bytes"]
+
+_TRAILER = 64
+_MAGIC = 0x5348545F5245504C  # "SHT_REPL"
+
+
+def _segment_of(td, name: str) -> tuple[Segment, list]:
+    leaves, segment = [], None
+    for key, leaf in td.items(include_nested=True, leaves_only=True):
+        key = (key,) if isinstance(key, str) else tuple(key)
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(
+                f"{name!r}: the leaf {key} is a {type(leaf).__name__}; a replicated name holds "
+                "tensors only (publish non-tensor values under a name that is not replicated)."
+            )
+        backing = getattr(leaf, "_backing", None)
+        if leaf.numel() and not isinstance(backing, Segment):
+            raise ValueError(
+                f"{name!r}: the leaf {key} is not in anonymous shared memory; publish with "
+                "replicate=True without a prefix, so that the whole tree lies in one segment."
+            )
+        if leaf.numel() and segment is not None and backing is not segment:
+            raise ValueError(
+                f"{name!r}: the leaves lie in several segments; replicate a tensordict made "
+                "by one memmap_() without a prefix."
+            )
+        if leaf.numel() and not leaf.is_contiguous():
+            raise ValueError(f"{name!r}: the leaf {key} is not contiguous.")
+        segment = backing if leaf.numel() else segment
+        leaves.append((key, leaf))
+    return segment, leaves
+
+
+def describe(td, name: str) -> tuple[dict, Segment]:
+    """The JSON layout of ``td`` (one segment of tensor leaves) and its segment."""
+    if type(td).__name__ != "TensorDict":
+        raise TypeError(f"{name!r}: only a TensorDict can be replicated, not a {type(td).__name__}.")
+    segment, leaves = _segment_of(td, name)
+    if segment is None:
+        raise ValueError(f"{name!r}: nothing to replicate (no tensor with elements).")
+    return {
+        "batch_size": list(td.batch_size),
+        "nbytes": segment.nbytes,
+        "leaves": [
+            {"key": list(key), "dtype": str(leaf.dtype).removeprefix("torch."),
+             "shape": list(leaf.shape), "offset": leaf._byte_offset() if leaf.numel() else 0}
+            for key, leaf in leaves
+        ],
+    }, segment
+
+
+def rebuild(layout: dict, tensordict_class) -> tuple[object, Segment]:
+    """A new replica: a segment of ``nbytes`` + trailer, state 0 (no version yet), and a
+    ``tensordict_class`` over it with the owner's keys, dtypes, shapes and offsets."""
+    segment = Segment.create(layout["nbytes"] + _TRAILER)
+    _words(segment)[0] = _MAGIC
+    td = tensordict_class({}, batch_size=layout["batch_size"])
+    for leaf in layout["leaves"]:
+        dtype = getattr(torch, leaf["dtype"])
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"The layout names an unknown dtype {leaf['dtype']!r}.")
+        td.set(tuple(leaf["key"]), MemoryMappedTensor._from_backing(segment, leaf["offset"], dtype, leaf["shape"]))
+    return td, segment
+
+
+def segment_bytes(segment: Segment, nbytes: int) -> torch.Tensor:
+    """The first ``nbytes`` of ``segment`` as one uint8 tensor over its memory."""
+    return torch.empty(0, dtype=torch.uint8).set_(segment.storage, 0, (nbytes,))
+
+
+def _words(segment: Segment) -> torch.Tensor:
+    start = (segment.nbytes - _TRAILER) // 8
+    return torch.empty(0, dtype=torch.int64).set_(segment.storage, start, (2,))
+
+
+def state(segment: Segment) -> int:
+    """The state word of a replica segment: 2 * version, odd while being written."""
+    return int(_words(segment)[1])
+
+
+def set_state(segment: Segment, state: int) -> None:
+    _words(segment)[1] = state
+
+
+def _replica_segment(td) -> Segment:
+    for _key, leaf in td.items(include_nested=True, leaves_only=True):
+        backing = getattr(leaf, "_backing", None)
+        if isinstance(backing, Segment) and backing.nbytes > _TRAILER and int(_words(backing)[0]) == _MAGIC:
+            return backing
+    raise ValueError("This tensordict is not a replica of a name published on another node.")
+
+
+def replica_version(td) -> int | None:
+    """The version of the contents of replica ``td`` (any process of its node), None
+    while a transfer writes it or before the first one."""
+    state = int(_words(_replica_segment(td))[1])
+    return None if state % 2 or state == 0 else state // 2
+
+
+def wait_version(td, version: int, timeout: float = 10.0) -> int:
+    """Wait until replica ``td`` holds a complete version >= ``version``; returns it.
+    TimeoutError after ``timeout`` seconds."""
+    words = _words(_replica_segment(td))
+    deadline = time.monotonic() + timeout
+    pause = 1e-5
+    while True:
+        state = int(words[1])
+        if state and state % 2 == 0 and state // 2 >= version:
+            return state // 2
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"The replica did not reach version {version} within {timeout:g} s "
+                               f"(it holds {state // 2}{', being written' if state % 2 else ''}).")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.005)

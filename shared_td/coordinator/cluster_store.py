@@ -1,0 +1,228 @@
+"""The cluster's store: a ``torch.distributed`` Store whose every value is signed.
+
+A ``TCPStore`` (and gloo) authenticate nobody: anything that reaches the port can read and
+write keys. So every value that a node reads back from the store carries an HMAC-SHA256 of
+the cluster authkey over ``key + NUL + payload``, and a value whose signature is wrong is
+refused with :class:`ClusterAuthError` naming the key, before any byte of it is parsed.
+Payloads are JSON (UTF-8), never pickles. The two integer facilities of the store that
+cannot carry a signature -- ``add`` counters (:class:`ClusterCounter`, the pair generations
+of :mod:`~shared_td.coordinator.cluster_transfer`) and gloo's own rendezvous keys -- are
+only ever read as integers or by gloo: a forger can disturb them (a denial of service),
+never make a node run code. A signed value can still be *replayed* by someone who recorded
+it: the cluster must run on a private network.
+
+Each thread talks to the store over its own connection (``Store.clone()``): a TCPStore
+client serialises its calls, so one thread blocked in ``queue_pop`` or ``wait`` would
+otherwise hold up every other thread of the process.
+
+Example:
+    >>> import datetime
+    >>> from torch.distributed import TCPStore
+    >>> raw = TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
+    >>> store = SignedStore(raw, b"k" * 32, timeout=5.0)
+    >>> store.set_json("name/x", {"owner": 0})
+    >>> store.get_json("name/x")
+    {'owner': 0}
+    >>> SignedStore(raw, b"other key", timeout=5.0).get_json("name/x")
+    Traceback (most recent call last):
+    ...
+    shared_td.errors.ClusterAuthError: The value of 'name/x' in the cluster store has a wrong signature: ...
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import hmac
+import json
+import os
+import threading
+import urllib.parse
+
+import torch.distributed as dist
+
+from shared_td.errors import ClusterAuthError
+
+__all__ = ["ClusterAuthError", "ClusterCounter", "SignedStore", "cluster_key", "open_store"]
+
+_DIGEST = hashlib.sha256().digest_size
+
+
+def cluster_key(authkey) -> bytes:
+    """The cluster authkey: ``authkey`` (bytes or str) or ``SHARED_TD_CLUSTER_KEY``.
+
+    Example:
+        >>> cluster_key("secret")
+        b'secret'
+    """
+    if authkey is None:
+        authkey = os.environ.get("SHARED_TD_CLUSTER_KEY")
+    if not authkey:
+        raise ValueError(
+            "A cluster needs an authkey, the same on every node: pass authkey= or set "
+            "SHARED_TD_CLUSTER_KEY (e.g. `export SHARED_TD_CLUSTER_KEY=$(openssl rand -hex 32)`)."
+        )
+    return authkey.encode() if isinstance(authkey, str) else bytes(authkey)
+
+
+def open_store(url: str, node: int, timeout: float):
+    """A Store for ``url``: ``tcp://HOST:PORT`` (node 0 hosts the TCPStore unless the URL
+    says ``?host=0``; ``?host=1`` makes this node host it) or ``env://`` (``MASTER_ADDR``,
+    ``MASTER_PORT``; under torchrun the agent's store is joined, never hosted again).
+
+    Returns ``(store, node, nodes)``; ``node``/``nodes`` are None unless ``env://`` found
+    them (``GROUP_RANK``/``NODE_RANK`` and ``WORLD_SIZE // LOCAL_WORLD_SIZE`` or ``NNODES``).
+    """
+    parsed = urllib.parse.urlparse(url)
+    query = urllib.parse.parse_qs(parsed.query)
+    found_node = found_nodes = None
+    if parsed.scheme == "env":
+        env = os.environ
+        host, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
+        if not host or not port:
+            raise ValueError("cluster='env://' needs MASTER_ADDR and MASTER_PORT in the environment.")
+        rank = env.get("GROUP_RANK") or env.get("NODE_RANK") or env.get("SHARED_TD_NODE")
+        found_node = int(rank) if rank is not None else None
+        if env.get("NNODES") or env.get("SHARED_TD_NODES"):
+            found_nodes = int(env.get("NNODES") or env["SHARED_TD_NODES"])
+        elif env.get("WORLD_SIZE"):
+            found_nodes = int(env["WORLD_SIZE"]) // int(env.get("LOCAL_WORLD_SIZE", "1"))
+        agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        hosts = False if agent else None
+        port = int(port)
+    elif parsed.scheme == "tcp":
+        host, port = parsed.hostname, parsed.port
+        if not host or not port:
+            raise ValueError(f"cluster={url!r}: expected tcp://HOST:PORT.")
+        hosts = {"0": False, "1": True}.get(query.get("host", [""])[0])
+    else:
+        raise ValueError(f"cluster={url!r}: expected 'tcp://HOST:PORT', 'env://' or a torch.distributed Store.")
+    node_here = found_node if found_node is not None else node
+    is_master = (node_here == 0) if hosts is None else hosts
+    store = dist.TCPStore(host, port, None, is_master, datetime.timedelta(seconds=timeout),
+                          wait_for_workers=False)
+    return store, found_node, found_nodes
+
+
+class SignedStore:
+    """A Store (``base``) whose values are signed and checked with ``authkey``; all keys
+    under ``shared_td/``. One connection per thread (see the module's opening)."""
+
+    def __init__(self, base, authkey: bytes, *, timeout: float):
+        self._base = dist.PrefixStore("shared_td", base)
+        self._raw = base
+        self._authkey = authkey
+        self.timeout = timeout
+        self._local = threading.local()
+
+    @property
+    def raw(self):
+        """The unsigned store under the same ``shared_td/`` prefix (gloo's rendezvous)."""
+        return self._store()
+
+    def _store(self):
+        store = getattr(self._local, "store", None)
+        if store is None:
+            try:
+                store = dist.PrefixStore("shared_td", self._raw.clone())
+            except (AttributeError, RuntimeError):  # a Store that cannot be cloned: share it
+                store = self._base
+            self._local.store = store
+        return store
+
+    # --------------------------------------------------------------- signing
+    def sign(self, key: str, payload: bytes) -> bytes:
+        return hmac.new(self._authkey, key.encode() + b"\0" + payload, hashlib.sha256).digest() + payload
+
+    def check(self, key: str, blob: bytes) -> bytes:
+        """The payload of ``blob`` read at ``key``; ClusterAuthError if it is not signed
+        with our authkey (compared in constant time)."""
+        mac, payload = blob[:_DIGEST], blob[_DIGEST:]
+        good = hmac.new(self._authkey, key.encode() + b"\0" + payload, hashlib.sha256).digest()
+        if len(blob) < _DIGEST or not hmac.compare_digest(mac, good):
+            raise ClusterAuthError(
+                f"The value of {key!r} in the cluster store has a wrong signature: the node "
+                "that wrote it uses another cluster authkey (authkey= or SHARED_TD_CLUSTER_KEY "
+                "must be the same on every node), or something else writes to the store. "
+                "Nothing of it was used. Run the cluster on a private network."
+            )
+        return payload
+
+    # --------------------------------------------------------------- values
+    def set_json(self, key: str, value) -> None:
+        self._store().set(key, self.sign(key, json.dumps(value).encode()))
+
+    def get_json(self, key: str):
+        """The value at ``key`` (waits up to the store's timeout for it to exist)."""
+        return json.loads(self.check(key, self._store().get(key)))
+
+    def has(self, key: str) -> bool:
+        return self._store().check([key])
+
+    def wait(self, keys: list[str], timeout: float) -> bool:
+        """Whether all ``keys`` exist within ``timeout`` seconds (False on timeout)."""
+        store = self._store()
+        if store.check(keys):
+            return True
+        try:
+            store.wait(keys, datetime.timedelta(seconds=max(timeout, 0.001)))
+        except dist.DistStoreError as err:
+            if "timeout" not in str(err):
+                raise
+            return False
+        return True
+
+    def delete(self, key: str) -> None:
+        self._store().delete_key(key)
+
+    def add(self, key: str, n: int) -> int:
+        """``store.add``: the counter at ``key`` after adding ``n`` (unsigned, see above)."""
+        return self._store().add(key, n)
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        return self._store().compare_set(key, expected, desired)
+
+    # --------------------------------------------------------------- queues
+    def push_json(self, queue: str, value) -> None:
+        self._store().queue_push(queue, self.sign(queue, json.dumps(value).encode()))
+
+    def pop_json(self, queue: str, timeout: float):
+        """The next value of ``queue``, or None when none came within ``timeout`` s."""
+        store = self._store()
+        store.set_timeout(datetime.timedelta(seconds=timeout))
+        try:
+            blob = store.queue_pop(queue)
+        except dist.DistStoreError as err:
+            if "timeout" not in str(err):
+                raise
+            return None
+        finally:
+            store.set_timeout(datetime.timedelta(seconds=self.timeout))
+        return json.loads(self.check(queue, blob))
+
+
+class ClusterCounter:
+    """A counter shared by every node of a cluster: ``fetch_add`` is one ``TCPStore.add``
+    (atomic on the store host). The same methods as :class:`shared_td.SharedCounter`.
+
+    Example:
+        >>> import datetime
+        >>> from torch.distributed import TCPStore
+        >>> raw = TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
+        >>> c = ClusterCounter(SignedStore(raw, b"k", timeout=5.0), "cursor")
+        >>> c.fetch_add(3), c.fetch_add(), c.value
+        (0, 3, 4)
+    """
+
+    def __init__(self, store: SignedStore, name: str):
+        self._store, self.name, self._key = store, name, f"counter/{name}"
+
+    def fetch_add(self, n: int = 1) -> int:
+        """Add ``n`` and return the value before, atomically across the cluster."""
+        return self._store.add(self._key, int(n)) - int(n)
+
+    @property
+    def value(self) -> int:
+        return self._store.add(self._key, 0)
+
+    def __repr__(self) -> str:
+        return f"ClusterCounter({self.name!r})"

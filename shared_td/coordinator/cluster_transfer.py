@@ -1,0 +1,156 @@
+"""Tensor payloads between two nodes: one gloo process group per pair of nodes.
+
+Why pairs, made lazily, with a *generation*: a gloo operation that times out closes its
+pair's connection for good ("Application timeout caused pair closure"), and a receive
+whose peer was SIGKILLed is never completed by gloo at all (measured with torch 2.13:
+still pending 5 s later). A group of all nodes would therefore have to be rebuilt by all
+nodes together after any failure. Instead nodes ``a < b`` share a two-rank
+``ProcessGroupGloo`` made on first use, rendezvous ``pair/a-b/<generation>`` in the
+store. A failed or timed-out transfer *aborts* that group (``ProcessGroupGloo.abort()``
+cancels every send and receive still posted on it, so no receive stays posted for ever)
+and increments the pair's generation counter in the store; the next transfer between the
+two nodes builds generation + 1 on both sides (each request names the generation it
+uses, see :mod:`shared_td.coordinator.cluster`). Other pairs are not disturbed.
+
+Waiting: gloo completes a send or receive only inside ``work.wait()`` (``is_completed()``
+stays False until then, measured), and ``ProcessGroupGloo.abort()`` does not interrupt a
+waiting thread. So each transfer waits once, at most until the call's deadline and
+at most ``WAIT_SLACK_S`` plus its bytes at ``MIN_RATE``: a peer process that dies usually
+makes gloo fail the wait at once ("Connection closed by peer"; but a receive posted just
+as the peer died was seen to wait on); a peer that is stopped (SIGSTOP), unreachable or
+gone silently makes it fail at that bound, which closes the pair, and the group is then
+aborted and replaced.
+A receive is therefore never left posted beyond the deadline of its call.
+
+Payloads are contiguous CPU tensors; gloo reads and writes their memory directly, so a
+replica segment is received in place.
+"""
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from shared_td.errors import TransferFailed
+
+__all__ = ["PairGroups", "TransferFailed", "wait_work"]
+
+
+#: The slowest transfer rate (bytes/s) a wait allows for before it gives up: a gloo wait
+#: cannot be interrupted, so this bounds how long a peer that vanished without closing its
+#: connection can hold a caller (measured: a SIGKILLed owner is usually reported at once
+#: by gloo, but not always).
+MIN_RATE = 20e6
+#: Seconds every wait allows on top of the bytes at MIN_RATE.
+WAIT_SLACK_S = 5.0
+
+
+def wait_work(works, deadline: float, what: str = "transfer", nbytes: int = 0) -> None:
+    """Wait until every gloo ``works`` completed; TransferFailed when one failed, or did
+    not end within ``WAIT_SLACK_S + nbytes / MIN_RATE`` seconds or before ``deadline``
+    (``time.monotonic()``), after which gloo has closed the pair."""
+    for work in works:
+        left = min(deadline - time.monotonic(), WAIT_SLACK_S + nbytes / MIN_RATE)
+        try:
+            if left <= 0:
+                raise TimeoutError("no time left")
+            work.wait(datetime.timedelta(seconds=left))
+        except (RuntimeError, TimeoutError) as err:
+            raise TransferFailed(f"the {what} failed: {str(err).splitlines()[0][:300]}") from err
+
+
+class PairGroups:
+    """This node's two-rank gloo groups, one per peer, each with its generation.
+
+    ``store`` is a :class:`~shared_td.coordinator.cluster_store.SignedStore` (its raw,
+    unsigned side is gloo's rendezvous and the generation counters).
+    """
+
+    def __init__(self, store, node: int, *, timeout: float, hostname: str | None = None):
+        self._store, self.node, self.timeout = store, node, timeout
+        self._hostname = hostname
+        self._groups: dict[int, tuple[int, object]] = {}  # peer -> (generation, group)
+        self._locks: dict[int, threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    def _pair(self, peer: int) -> str:
+        low, high = sorted((self.node, peer))
+        return f"{low}-{high}"
+
+    def generation(self, peer: int) -> int:
+        """The pair's current generation (one store round trip)."""
+        return self._store.add(f"pairgen/{self._pair(peer)}", 0)
+
+    def group(self, peer: int, generation: int):
+        """The group shared with ``peer`` at ``generation``, built if this node has an
+        older one (built with the peer: blocks until it joins, at most ``timeout``).
+        TransferFailed if this node already moved past ``generation``."""
+        with self._guard:
+            lock = self._locks.setdefault(peer, threading.Lock())
+        if not lock.acquire(timeout=self.timeout):
+            raise TransferFailed(f"the group with node {peer} is being rebuilt for too long")
+        try:
+            have = self._groups.get(peer)
+            if have is not None and have[0] == generation:
+                return have[1]
+            if have is not None and have[0] > generation:
+                raise TransferFailed(f"generation {generation} of the pair with node {peer} is gone")
+            if have is not None:
+                have[1].abort()
+            group = self._build(peer, generation)
+            self._groups[peer] = (generation, group)
+            return group
+        finally:
+            lock.release()
+
+    def _build(self, peer: int, generation: int):
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = datetime.timedelta(seconds=self.timeout)
+        if self._hostname:
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=self._hostname)]
+        else:  # GLOO_SOCKET_IFNAME, else the interface of this host's name
+            options._devices = [dist.ProcessGroupGloo.create_default_device()]
+        prefix = dist.PrefixStore(f"pair/{self._pair(peer)}/{generation}/", self._store.raw)
+        rank = 0 if self.node < peer else 1
+        try:
+            return dist.ProcessGroupGloo(prefix, rank, 2, options)
+        except RuntimeError as err:
+            raise TransferFailed(f"no gloo connection with node {peer} ({err})") from err
+
+    def fail(self, peer: int, generation: int) -> None:
+        """Abort the group with ``peer`` (cancels its posted sends and receives) and move
+        the pair to the next generation, unless that already happened."""
+        with self._guard:
+            have = self._groups.get(peer)
+            if have is not None and have[0] == generation:
+                del self._groups[peer]
+                have[1].abort()
+        try:
+            self._store.compare_set(f"pairgen/{self._pair(peer)}", str(generation), str(generation + 1))
+        except (RuntimeError, dist.DistError):
+            pass  # the store is gone: there is no next transfer
+
+    def send(self, peer: int, generation: int, tensor: torch.Tensor, tag: int):
+        return self._post("send", peer, generation, tensor, tag)
+
+    def recv(self, peer: int, generation: int, tensor: torch.Tensor, tag: int):
+        return self._post("recv", peer, generation, tensor, tag)
+
+    def _post(self, op: str, peer: int, generation: int, tensor: torch.Tensor, tag: int):
+        group = self.group(peer, generation)
+        try:  # a pair that a failure already closed refuses at once
+            return getattr(group, op)([tensor], 1 - self._rank(peer), tag)
+        except RuntimeError as err:
+            raise TransferFailed(f"the {op} to node {peer} could not start: {str(err).splitlines()[0][:300]}") from err
+
+    def _rank(self, peer: int) -> int:
+        return 0 if self.node < peer else 1
+
+    def close(self) -> None:
+        with self._guard:
+            groups, self._groups = list(self._groups.values()), {}
+        for _generation, group in groups:
+            group.abort()

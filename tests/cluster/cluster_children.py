@@ -1,0 +1,188 @@
+"""Node process trees for the cluster tests: each child is one "node" on 127.0.0.1.
+
+A node runs its own Coordinator and a Cluster member, then executes the commands the
+test sends on its queue (``publish``, ``attach``, ``sync``, ...), answering each on its
+result queue: ``("ok", value)`` or ``("error", exception type, message)``. Every queue
+read is bounded, and a node whose test went away stops by itself.
+"""
+from __future__ import annotations
+
+import os
+import queue as queues
+import tempfile
+
+import torch
+
+import shared_td
+from shared_td.coordinator import cluster_replica
+from shared_td.coordinator.cluster import Cluster
+
+IDLE_S = 60  # a node that gets no command for this long exits
+
+
+def make_td(rows: int, fill: float = 0.0):
+    return shared_td.TensorDict(
+        w=torch.arange(rows, dtype=torch.float32) + fill,
+        nested=shared_td.TensorDict(i=torch.full((rows, 3), int(fill), dtype=torch.int64), batch_size=[rows]),
+        batch_size=[rows],
+    )
+
+
+def _as_test_says(tmpdir):
+    # A forkserver child has the environment of the forkserver's start, not the test's
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    os.environ["TMPDIR"] = tempfile.tempdir = tmpdir
+
+
+def node_main(url, node, nodes, authkey, commands, results, tmpdir):
+    _as_test_says(tmpdir)
+    coord = shared_td.Coordinator().start()
+    try:
+        cluster = Cluster(url, node, nodes, authkey=authkey, timeout=15.0, coordinator=coord,
+                          hostname="127.0.0.1").start()
+    except BaseException as err:
+        coord.shutdown()
+        results.put(("error", type(err).__name__, str(err)))
+        return
+    results.put(("ok", os.getpid()))
+    counters = {}
+    while True:
+        try:
+            command, *args = commands.get(timeout=IDLE_S)
+        except queues.Empty:
+            break
+        if command == "stop":
+            break
+        try:
+            results.put(("ok", _run(cluster, coord, counters, command, *args)))
+        except BaseException as err:  # reported, the node keeps serving
+            results.put(("error", type(err).__name__, str(err)))
+    cluster.shutdown()
+    coord.shutdown()
+    results.put(("ok", "stopped"))
+
+
+def _run(cluster, coord, counters, command, *args):
+    if command == "publish":
+        name, rows, fill = args
+        td = cluster.publish(name, make_td(rows, fill))
+        return td["w"]._backing.key
+    if command == "attach":
+        td = cluster.attach(args[0])
+        return td["w"]._backing.key, cluster.version(args[0])
+    if command == "read":
+        td = cluster.attach(args[0])
+        return td["w"].tolist(), td["nested", "i"][:, 0].tolist()
+    if command == "fill":  # owner: w <- arange + value, i <- value
+        name, value = args
+        td = cluster.attach(name)
+        td["w"].copy_(torch.arange(td.batch_size[0], dtype=torch.float32) + value)
+        td["nested", "i"].fill_(int(value))
+        return None
+    if command == "sync":
+        report = cluster.sync(args[0], *args[1:])
+        return report.version, report.delivered, sorted(report.dropped)
+    if command == "pull":
+        return cluster.pull(args[0])
+    if command == "push":
+        name, rows, value = args
+        td = cluster.attach(name)
+        td["w"][rows] = value
+        return cluster.push(name, rows)
+    if command == "pull_loop":  # pull until an error (the owner killed meanwhile)
+        import time
+
+        name, seconds = args
+        deadline, pulls = time.monotonic() + seconds, 0
+        while time.monotonic() < deadline:
+            try:
+                cluster.pull(name)
+            except Exception as err:
+                return pulls, type(err).__name__, time.monotonic(), cluster.version(name), repr(err.__cause__)[:300]
+            pulls += 1
+        return pulls, None, time.monotonic(), cluster.version(name), None
+    if command == "version":
+        return cluster.version(args[0])
+    if command == "wait_version":
+        return cluster_replica.wait_version(cluster.attach(args[0]), args[1], timeout=10)
+    if command == "worker_read":  # a spawn worker of this node attaches through the Coordinator
+        return _worker_read(coord, args[0])
+    if command == "claim_rows":  # take rows with a cluster counter, write and push them
+        name, total, batch = args
+        counter = cluster.counter(f"{name}-cursor")
+        td = cluster.attach(name)
+        mine = []
+        while True:
+            start = counter.fetch_add(batch)
+            if start >= total:
+                return mine
+            index = torch.arange(start, min(start + batch, total))
+            td["w"][index] = float(cluster.node)
+            td["nested", "i"][index] = cluster.node
+            cluster.push(name, index)
+            mine.extend(index.tolist())
+    raise ValueError(f"unknown command {command!r}")
+
+
+def _worker_read(coord, name):
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    worker = ctx.Process(target=worker_attach, args=(coord.address, coord.authkey, name, out))
+    worker.start()
+    try:
+        return out.get(timeout=60)
+    finally:
+        worker.join(30)
+        if worker.is_alive():
+            worker.kill()
+            worker.join(5)
+
+
+def worker_attach(address, authkey, name, out):
+    td = shared_td.attach(name, address=address, authkey=authkey)
+    out.put((td["w"].tolist(), td["w"]._backing.key, cluster_replica.replica_version(td)))
+
+
+def coordinator_node(url, node, nodes, authkey, results, tmpdir):
+    """A node through the Coordinator's own API: node 0 owns "policy", node 1 attaches,
+    each step checked against the other node through the store's counter."""
+    _as_test_says(tmpdir)
+    try:
+        with shared_td.Coordinator(cluster=url, node=node, nodes=nodes, authkey=authkey, timeout=15.0) as coord:
+            steps = coord.counter("steps")
+            if node == 0:
+                td = coord.publish("policy", make_td(16, 2.0), replicate=True)
+                steps.fetch_add(1)  # published
+                _wait_counter(steps, 2)  # node 1 attached
+                td["w"].fill_(5.0)
+                report = coord.sync("policy")
+                steps.fetch_add(1)  # synced
+                _wait_counter(steps, 4)  # node 1 pushed rows 0 and 1
+                results.put(("ok", report.delivered, td["w"][:3].tolist(), coord.version("policy")))
+                _wait_counter(steps, 5)  # node 1 done: keep serving until then
+            else:
+                _wait_counter(steps, 1)
+                view = coord.attach("policy")
+                first = view["w"][:2].tolist()
+                steps.fetch_add(1)
+                _wait_counter(steps, 3)
+                synced = view["w"][:2].tolist(), coord.version("policy")
+                view["w"][:2] = -1.0
+                coord.push("policy", [0, 1])
+                steps.fetch_add(1)
+                results.put(("ok", first, synced, coord.attach("policy") is view, coord.names()))
+                steps.fetch_add(1)
+    except BaseException as err:
+        results.put(("error", type(err).__name__, str(err)))
+
+
+def _wait_counter(counter, value, timeout=30):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while counter.value < value:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"counter {counter.name} did not reach {value}")
+        time.sleep(0.01)

@@ -1,0 +1,247 @@
+"""Across machines, on one machine: 2-3 node process trees on 127.0.0.1.
+
+Each node is a child of a forkserver (which imported torch once for all tests: a fresh
+interpreter per node costs seconds of CPU on a 2-core CI machine) with its own Coordinator
+and Cluster member (cluster_children.node_main); the test hosts the TCPStore on a free
+port, so that killing a node never takes the store with it (``?host=0`` tells every node
+to join it).
+"""
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+import signal
+import tempfile
+import time
+
+import pytest
+
+torch_dist = pytest.importorskip("torch.distributed")
+
+from tests.cluster import cluster_children as kids  # noqa: E402
+from tests.processes import WAIT, finish  # noqa: E402
+
+KEY = b"cluster test key"
+
+
+@pytest.fixture
+def store():
+    return torch_dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=20),
+                               wait_for_workers=False)
+
+
+def node_context():
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "shared_td", "cluster_children"])
+    return ctx
+
+
+class Nodes:
+    """Node processes driven by commands; every read of an answer is bounded."""
+
+    def __init__(self, store, count, keys=None, ctx=None):
+        self.ctx = ctx or node_context()
+        url = f"tcp://127.0.0.1:{store.port}?host=0"
+        self.commands = [self.ctx.Queue() for _ in range(count)]
+        self.results = [self.ctx.Queue() for _ in range(count)]
+        keys = keys or [KEY] * count
+        self.procs = [
+            self.ctx.Process(target=kids.node_main,
+                             args=(url, n, count, keys[n], self.commands[n], self.results[n], tempfile.gettempdir()))
+            for n in range(count)
+        ]
+        for proc in self.procs:
+            proc.start()
+        self.started = [self.results[n].get(timeout=WAIT) for n in range(count)]
+
+    def call(self, node, *command, timeout=WAIT):
+        self.commands[node].put(command)
+        return self.results[node].get(timeout=timeout)
+
+    def ok(self, node, *command, timeout=WAIT):
+        answer = self.call(node, *command, timeout=timeout)
+        assert answer[0] == "ok", answer
+        return answer[1]
+
+    def close(self):
+        for n, proc in enumerate(self.procs):
+            if proc.is_alive():
+                self.commands[n].put(("stop",))
+        for proc in self.procs:
+            finish(proc)
+
+
+@pytest.fixture
+def nodes_of(store):
+    made = []
+
+    def make(count, keys=None):
+        nodes = Nodes(store, count, keys)
+        made.append(nodes)
+        return nodes
+
+    yield make
+    for nodes in made:
+        nodes.close()
+
+
+def test_replica_equals_owner_and_is_another_segment(nodes_of):
+    nodes = nodes_of(2)
+    assert [s[0] for s in nodes.started] == ["ok", "ok"], nodes.started
+    owner_segment = nodes.ok(0, "publish", "policy", 1000, 5.0)
+    replica_segment, version = nodes.ok(1, "attach", "policy")
+    assert version == 1
+    assert tuple(replica_segment) != tuple(owner_segment)
+    assert nodes.ok(1, "read", "policy") == nodes.ok(0, "read", "policy")
+    # sync: owner -> every replica, returns when all have it
+    nodes.ok(0, "fill", "policy", 100.0)
+    assert nodes.ok(0, "sync", "policy") == (2, [1], [])
+    assert nodes.ok(1, "version", "policy") == 2
+    w, i = nodes.ok(1, "read", "policy")
+    assert w[:3] == [100.0, 101.0, 102.0] and set(i) == {100}
+    # pull: replica <- owner's current contents
+    nodes.ok(0, "fill", "policy", 7.0)
+    assert nodes.ok(1, "pull", "policy") == 2
+    assert nodes.ok(1, "read", "policy") == nodes.ok(0, "read", "policy")
+
+
+def test_worker_on_replica_node_sees_synced_data_without_copy(nodes_of):
+    nodes = nodes_of(2)
+    nodes.ok(0, "publish", "policy", 64, 1.0)
+    replica_segment, _ = nodes.ok(1, "attach", "policy")
+    nodes.ok(0, "fill", "policy", 40.0)
+    nodes.ok(0, "sync", "policy")
+    values, worker_segment, version = nodes.ok(1, "worker_read", "policy", timeout=90)
+    assert values[:2] == [40.0, 41.0]
+    assert tuple(worker_segment) == tuple(replica_segment)  # the node's one replica
+    assert version == 2
+
+
+def test_push_from_two_nodes_with_cluster_counter_writes_every_row_once(nodes_of):
+    nodes = nodes_of(3)
+    nodes.ok(0, "publish", "replay", 300, -1.0)
+    for n in (1, 2):
+        nodes.ok(n, "attach", "replay")
+    for n in (1, 2):
+        nodes.commands[n].put(("claim_rows", "replay", 300, 7))
+    claimed = {n: nodes.results[n].get(timeout=WAIT) for n in (1, 2)}
+    assert all(answer[0] == "ok" for answer in claimed.values()), claimed
+    rows1, rows2 = claimed[1][1], claimed[2][1]
+    assert sorted(rows1 + rows2) == list(range(300))  # every row claimed exactly once
+    w, i = nodes.ok(0, "read", "replay")
+    for row in range(300):
+        writer = 1 if row in set(rows1) else 2
+        assert w[row] == float(writer) and i[row] == writer, row
+
+
+def test_owner_sigkill_raises_owner_lost_within_10s_replica_readable(nodes_of):
+    nodes = nodes_of(3)
+    nodes.ok(1, "publish", "policy", 128, 3.0)  # owner: node 1 (the store lives on)
+    nodes.ok(2, "attach", "policy")
+    before = nodes.ok(2, "read", "policy")
+    os.kill(nodes.procs[1].pid, signal.SIGKILL)
+    nodes.procs[1].join(WAIT)
+    for command in (("pull", "policy"), ("push", "policy", [0, 1], 9.0)):
+        began = time.monotonic()
+        answer = nodes.call(2, *command)
+        assert answer[0] == "error" and answer[1] == "OwnerLostError", answer
+        assert time.monotonic() - began < 10
+    w, i = nodes.ok(2, "read", "policy")  # the replica stays readable
+    assert w[2:] == before[0][2:] and w[:2] == [9.0, 9.0] and i == before[1]
+
+
+def test_lost_replica_does_not_block_sync(nodes_of):
+    nodes = nodes_of(3)
+    nodes.ok(0, "publish", "policy", 128, 3.0)
+    nodes.ok(1, "attach", "policy")
+    nodes.ok(2, "attach", "policy")
+    os.kill(nodes.procs[2].pid, signal.SIGKILL)
+    nodes.procs[2].join(WAIT)
+    began = time.monotonic()
+    version, delivered, dropped = nodes.ok(0, "sync", "policy", 5.0)
+    assert time.monotonic() - began < 10
+    assert delivered == [1] and dropped == [2]
+    assert nodes.ok(1, "version", "policy") == version
+
+
+def test_wrong_authkey_is_refused(nodes_of):
+    nodes = nodes_of(2, keys=[KEY, b"another key"])
+    kinds = sorted(answer[1] if answer[0] == "error" else "ok" for answer in nodes.started)
+    assert kinds == ["ClusterAuthError", "ClusterAuthError"], nodes.started
+    assert "wrong signature" in nodes.started[1][2]
+
+
+
+def test_stopped_replica_is_dropped_within_the_timeout_and_rejoins(nodes_of):
+    nodes = nodes_of(3)
+    nodes.ok(0, "publish", "policy", 100_000, 3.0)  # 1.6 MB
+    nodes.ok(1, "attach", "policy")
+    nodes.ok(2, "attach", "policy")
+    os.kill(nodes.procs[2].pid, signal.SIGSTOP)
+    try:
+        began = time.monotonic()
+        version, delivered, dropped = nodes.ok(0, "sync", "policy", 3.0)
+        assert time.monotonic() - began < 3.0 + 2  # the timeout, plus the heartbeat's slack
+        assert delivered == [1] and dropped == [2]
+    finally:
+        os.kill(nodes.procs[2].pid, signal.SIGCONT)
+    nodes.ok(0, "fill", "policy", 50.0)
+    version, delivered, dropped = nodes.ok(0, "sync", "policy")  # a new pair generation
+    assert delivered == [1, 2] and dropped == [], dropped
+    assert nodes.ok(2, "wait_version", "policy", version) == version
+    assert nodes.ok(2, "read", "policy") == nodes.ok(0, "read", "policy")
+
+
+def test_owner_sigkill_during_pulls_raises_owner_lost_not_a_hang(nodes_of):
+    import random
+
+    nodes = nodes_of(3)
+    nodes.ok(1, "publish", "policy", 250_000, 3.0)  # 4 MB per pull
+    nodes.ok(2, "attach", "policy")
+    nodes.commands[2].put(("pull_loop", "policy", 20.0))
+    time.sleep(random.uniform(0.2, 1.0))
+    os.kill(nodes.procs[1].pid, signal.SIGKILL)
+    killed = time.monotonic()  # CLOCK_MONOTONIC: the same clock in every process
+    answer = nodes.results[2].get(timeout=WAIT)
+    assert answer[0] == "ok", answer
+    pulls, error, ended, version, cause = answer[1]
+    assert pulls > 0 and error == "OwnerLostError", answer
+    assert ended - killed < 10, answer
+    assert version in (1, None)  # complete, or marked as written when the kill came mid-transfer
+    assert len(nodes.ok(2, "read", "policy")[0]) == 250_000  # still readable
+
+
+@pytest.mark.timeout(120)
+def test_killed_and_stopped_nodes_leave_nothing_behind(store):
+    from tests.leakcheck import ShmWatch, private_tempdir
+    from tests.coordinator.test_coordinator import assert_nothing_left, open_descriptors
+
+    import shared_td
+
+    from multiprocessing import resource_tracker
+
+    # spawn children (a forkserver child was seen to leave multiprocessing's pymp-* temp
+    # directory when killed); the resource tracker's pipe is the process's, not the test's
+    resource_tracker.ensure_running()
+    with private_tempdir() as tempdir:
+        before = open_descriptors()
+        with ShmWatch() as shm:
+            nodes = Nodes(store, 3, ctx=multiprocessing.get_context("spawn"))
+            try:
+                nodes.ok(1, "publish", "policy", 1000, 1.0)
+                nodes.ok(2, "attach", "policy")
+                nodes.ok(0, "attach", "policy")
+                os.kill(nodes.procs[1].pid, signal.SIGKILL)  # the owner, its manager orphaned
+                assert finish(nodes.procs[1]) == -signal.SIGKILL
+            finally:
+                nodes.close()
+            for n in (0, 2):
+                assert nodes.procs[n].exitcode == 0
+            with shared_td.Coordinator() as sweeper:  # sweeps the killed node's directory
+                sweeper.names()
+            for q in nodes.commands + nodes.results:
+                q.close()
+                q.join_thread()
+            del nodes, q  # a forkserver queue's named semaphores go with the objects
+        assert_nothing_left(shm, tempdir, before)

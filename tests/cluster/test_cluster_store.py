@@ -1,0 +1,216 @@
+"""The signed store, and two cluster members in one process (fast; no process trees).
+
+Two Cluster objects of one process are two nodes as far as the store and gloo are
+concerned (each its own ranks, threads and sockets), which keeps these checks to a
+fraction of a second; test_cluster.py runs real node process trees.
+"""
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+
+import pytest
+import torch
+
+torch_dist = pytest.importorskip("torch.distributed")
+
+import shared_td  # noqa: E402
+from shared_td.coordinator import cluster_replica  # noqa: E402
+from shared_td.coordinator.cluster import Cluster  # noqa: E402
+from shared_td.coordinator.cluster_store import ClusterAuthError, SignedStore  # noqa: E402
+
+KEY = b"in-process key"
+
+
+@pytest.fixture
+def store():
+    return torch_dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10),
+                               wait_for_workers=False)
+
+
+def test_signed_values_round_trip_and_forgeries_are_refused(store):
+    signed = SignedStore(store, KEY, timeout=5)
+    signed.set_json("name/a", {"owner": 1})
+    assert signed.get_json("name/a") == {"owner": 1}
+    # another key, a changed byte, a value written without a signature, a moved value
+    with pytest.raises(ClusterAuthError, match="'name/a'.*wrong signature"):
+        SignedStore(store, b"wrong", timeout=5).get_json("name/a")
+    raw = store.get("shared_td/name/a")
+    store.set("shared_td/name/b", raw[:-1] + b"2")
+    store.set("shared_td/name/c", b'{"owner": 0}')
+    store.set("shared_td/name/d", raw)  # a valid signature of another key
+    for key in ("name/b", "name/c", "name/d"):
+        with pytest.raises(ClusterAuthError):
+            signed.get_json(key)
+
+
+def test_queue_values_are_signed(store):
+    signed = SignedStore(store, KEY, timeout=5)
+    signed.push_json("queue/0", {"op": "x"})
+    assert signed.pop_json("queue/0", 1) == {"op": "x"}
+    store.queue_push("shared_td/queue/0", b"\x80\x04forged pickle")
+    with pytest.raises(ClusterAuthError):
+        signed.pop_json("queue/0", 1)
+    began = time.monotonic()
+    assert signed.pop_json("queue/0", 0.2) is None  # bounded
+    assert time.monotonic() - began < 2
+
+
+def test_counter_is_shared_between_stores(store):
+    a = SignedStore(store, KEY, timeout=5)
+    b = SignedStore(store.clone(), KEY, timeout=5)
+    from shared_td.coordinator.cluster_store import ClusterCounter
+
+    ca, cb = ClusterCounter(a, "c"), ClusterCounter(b, "c")
+    assert [ca.fetch_add(2), cb.fetch_add(1), ca.fetch_add()] == [0, 2, 3]
+    assert cb.value == 4
+
+
+def _pair(store, timeout=10.0):
+    """Nodes 0 and 1 of a cluster on ``store``, started together (each waits for the other)."""
+    url = f"tcp://127.0.0.1:{store.port}?host=0"
+    members = [Cluster(url, n, 2, authkey=KEY, timeout=timeout, hostname="127.0.0.1") for n in range(2)]
+    errors = []
+
+    def start(member):
+        try:
+            member.start()
+        except BaseException as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=start, args=(m,)) for m in members]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    if errors:
+        for member in members:
+            member.shutdown()
+        raise errors[0]
+    return members
+
+
+@pytest.fixture
+def pair(store):
+    members = _pair(store)
+    yield members
+    for member in members:
+        member.shutdown()
+
+
+def test_forged_request_is_dropped_and_the_node_keeps_serving(store, pair):
+    owner, other = pair
+    td = owner.publish("p", shared_td.TensorDict(x=torch.arange(4.0), batch_size=[4]))
+    # a request pushed without the key: never acted on, counted
+    store.queue_push("shared_td/queue/0", b"0" * 32 + b'{"op": "pull", "name": "p"}')
+    replica = other.attach("p")
+    assert replica["x"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert owner.refused == 1
+    td["x"].add_(1)
+    assert owner.sync("p").delivered == [1]
+    assert replica["x"].tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert cluster_replica.replica_version(replica) == 2 == other.version("p")
+
+
+def test_republish_makes_replica_stale(pair):
+    owner, other = pair
+    owner.publish("p", shared_td.TensorDict(x=torch.zeros(3), batch_size=[3]))
+    first = other.attach("p")
+    assert not other.is_stale("p")
+    owner.publish("p", shared_td.TensorDict(x=torch.ones(5), batch_size=[5]))
+    assert other.is_stale("p")
+    second = other.attach("p")  # a new replica of the new generation
+    assert second["x"].tolist() == [1.0] * 5 and first["x"].tolist() == [0.0] * 3
+    assert not other.is_stale("p")
+
+
+def test_unknown_and_unreplicable_names_are_clear_errors(pair, tmp_path):
+    owner, other = pair
+    with pytest.raises(KeyError, match="'nothing'"):
+        other.attach("nothing")
+    with pytest.raises(KeyError, match="does not own 'nothing'"):
+        owner.sync("nothing")
+    with pytest.raises(ValueError, match="'files'.*anonymous"):
+        owner.publish("files", shared_td.TensorDict(x=torch.zeros(2), batch_size=[2]).memmap_(tmp_path))
+
+
+def test_wait_version_is_bounded(pair):
+    owner, other = pair
+    owner.publish("p", shared_td.TensorDict(x=torch.zeros(3), batch_size=[3]))
+    replica = other.attach("p")
+    assert cluster_replica.wait_version(replica, 1, timeout=1) == 1
+    began = time.monotonic()
+    with pytest.raises(TimeoutError, match="version 2"):
+        cluster_replica.wait_version(replica, 2, timeout=0.3)
+    assert time.monotonic() - began < 2
+    waiter = threading.Thread(target=owner.sync, args=("p",))
+    waiter.start()
+    assert cluster_replica.wait_version(replica, 2, timeout=10) == 2
+    waiter.join(10)
+
+
+def test_store_host_lost_gives_connection_error():
+    store = torch_dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10),
+                                wait_for_workers=False)
+    owner, other = _pair(store)
+    try:
+        owner.publish("p", shared_td.TensorDict(x=torch.zeros(3), batch_size=[3]))
+        other.attach("p")
+        del store  # the test hosts the store: stopping it is losing the store host
+        import gc
+
+        gc.collect()
+        with pytest.raises(ConnectionError):
+            other.pull("p")
+    finally:
+        owner.shutdown()
+        other.shutdown()
+
+
+def test_a_member_refused_at_start_shuts_down_cleanly(store):
+    url = f"tcp://127.0.0.1:{store.port}?host=0"
+    members = [Cluster(url, 0, 2, authkey=KEY, timeout=10), Cluster(url, 1, 2, authkey=b"wrong", timeout=10)]
+    errors = []
+
+    def start(member):
+        try:
+            member.start()
+        except ClusterAuthError as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=start, args=(m,)) for m in members]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert len(errors) == 2 and all("wrong signature" in str(e) for e in errors)
+    for member in members:
+        member.shutdown()  # nothing was started: nothing to stop, no error
+        member.shutdown()
+
+
+def test_env_launch_reads_rank_and_count_as_torchrun_sets_them(store, monkeypatch):
+    from shared_td.coordinator.cluster_store import open_store
+
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+                        "TORCHELASTIC_USE_AGENT_STORE": "True",  # join the agent's store, never host
+                        "GROUP_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    _store, node, nodes = open_store("env://", None, 15.0)
+    assert (node, nodes) == (1, 2)
+    monkeypatch.setenv("GROUP_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with Cluster("env://", authkey=KEY, timeout=15.0) as single:
+        assert (single.node, single.nodes) == (0, 1)
+        assert single.counter("c").fetch_add(5) == 0
+    assert store.add("shared_td/counter/c", 0) == 5  # it used the store at MASTER_PORT
+
+
+def test_cluster_urls_are_checked(monkeypatch):
+    from shared_td.coordinator.cluster_store import open_store
+
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    for url in ("udp://x:1", "tcp://nohost", "env://"):
+        with pytest.raises(ValueError, match="cluster="):
+            open_store(url, 0, 1.0)
