@@ -67,16 +67,14 @@ def test_counter_is_shared_between_stores(store):
     assert cb.value == 4
 
 
-def _pair(store, timeout=10.0):
-    """Nodes 0 and 1 of a cluster on ``store``, started together (each waits for the other)."""
-    url = f"tcp://127.0.0.1:{store.port}?host=0"
-    members = [Cluster(url, n, 2, authkey=KEY, timeout=timeout, hostname="127.0.0.1") for n in range(2)]
+def _start_together(members) -> list:
+    """Start every member in its own thread (each waits for the others); their errors."""
     errors = []
 
     def start(member):
         try:
             member.start()
-        except BaseException as err:
+        except BaseException as err:  # noqa: BLE001 - handed to the caller
             errors.append(err)
 
     threads = [threading.Thread(target=start, args=(m,)) for m in members]
@@ -84,6 +82,14 @@ def _pair(store, timeout=10.0):
         thread.start()
     for thread in threads:
         thread.join(30)
+    return errors
+
+
+def _pair(store, timeout=10.0):
+    """Nodes 0 and 1 of a cluster on ``store``, started together (each waits for the other)."""
+    url = f"tcp://127.0.0.1:{store.port}?host=0"
+    members = [Cluster(url, n, 2, authkey=KEY, timeout=timeout, hostname="127.0.0.1") for n in range(2)]
+    errors = _start_together(members)
     if errors:
         for member in members:
             member.shutdown()
@@ -171,20 +177,8 @@ def test_store_host_lost_gives_connection_error():
 def test_a_member_refused_at_start_shuts_down_cleanly(store):
     url = f"tcp://127.0.0.1:{store.port}?host=0"
     members = [Cluster(url, 0, 2, authkey=KEY, timeout=10), Cluster(url, 1, 2, authkey=b"wrong", timeout=10)]
-    errors = []
-
-    def start(member):
-        try:
-            member.start()
-        except ClusterAuthError as err:
-            errors.append(err)
-
-    threads = [threading.Thread(target=start, args=(m,)) for m in members]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
-    assert len(errors) == 2 and all("wrong signature" in str(e) for e in errors)
+    errors = _start_together(members)
+    assert len(errors) == 2 and all(isinstance(e, ClusterAuthError) and "wrong signature" in str(e) for e in errors)
     for member in members:
         member.shutdown()  # nothing was started: nothing to stop, no error
         member.shutdown()
