@@ -483,15 +483,8 @@ def test_from_storage(tmp_path):
 
 
 # ------------------------------------------------ from_handler and parent_shape (issue item 9)
-try:
-    import tensordict as _tensordict
-except ImportError:  # the comparisons skip; our own behaviour is still tested
-    _tensordict = None
-_needs_tensordict = pytest.mark.skipif(
-    _tensordict is None or _tensordict.__version__ != "0.15.3",
-    reason="compares with tensordict 0.15.3, which is not installed: "
-    "pip install 'tensordict==0.15.3' (the test extra)",
-)
+from tests.reference import needs_tensordict as _needs_tensordict  # noqa: E402
+from tests.reference import tensordict as _tensordict  # noqa: E402
 
 
 def test_handler_of_an_anonymous_tensor_is_its_segment():

@@ -18,15 +18,7 @@ from tests.containers import dropin_children as kids
 import shared_td
 from tests.processes import WAIT, finish
 
-try:
-    import tensordict
-except ImportError:  # the shared_td half still runs
-    tensordict = None
-
-needs_tensordict = pytest.mark.skipif(
-    tensordict is None or tensordict.__version__ != "0.15.3",
-    reason="tensordict==0.15.3 is not installed: pip install '.[test]' to compare with it",
-)
+from tests.reference import needs_tensordict, tensordict
 LIBS = [
     pytest.param(shared_td, id="shared_td"),
     pytest.param(tensordict, id="tensordict", marks=needs_tensordict),

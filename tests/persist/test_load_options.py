@@ -12,15 +12,7 @@ import torch
 
 from tests.persist.persist_helpers import TensorDict, assert_same_values, dir_state
 
-try:
-    import tensordict
-except ImportError:  # the comparisons skip; our own behaviour is still tested
-    tensordict = None
-needs_tensordict = pytest.mark.skipif(
-    tensordict is None or tensordict.__version__ != "0.15.3",
-    reason="compares with tensordict 0.15.3, which is not installed: "
-    "pip install 'tensordict==0.15.3' (the test extra)",
-)
+from tests.reference import needs_tensordict, tensordict
 
 
 def files(path) -> set[str]:
