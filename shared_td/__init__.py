@@ -38,6 +38,8 @@ from shared_td.errors import (
     TransferFailed,
 )
 from shared_td.memmap_tensor import MemoryMappedTensor
+from shared_td.persist.archive import is_memmap_archive
+from shared_td.persist.archive_write import pack_memmap, unpack_memmap
 from shared_td.persist.atomic import gc
 from shared_td.persist.functions import load, load_memmap, memmap, save
 from shared_td.persist.future import TensorDictFuture
@@ -79,6 +81,7 @@ __all__ = [
     "from_dataclass",
     "gc",
     "is_leaf_nontensor",
+    "is_memmap_archive",
     "is_non_tensor",
     "is_stale",
     "is_tensor_collection",
@@ -87,8 +90,10 @@ __all__ = [
     "load",
     "load_memmap",
     "memmap",
+    "pack_memmap",
     "refresh",
     "save",
     "tensorclass",
+    "unpack_memmap",
     "unravel_key",
 ]

@@ -5,8 +5,9 @@ Two kinds of things, and nothing else:
 * temporary directories ``.<name>.shared_td-{new,old}-<pid>-<random>`` whose writer
   process ``<pid>`` no longer runs (a running writer's are never touched);
 * lock files ``.<name>.lock`` that no process holds (probed with a non-blocking flock),
-  beside a saved tensordict ``<name>`` or beside such directories. A lock file of a
-  prefix that no longer exists is left alone: nothing says it is ours;
+  beside a saved tensordict ``<name>`` (a directory or an archive) or beside such
+  directories (an archive writer's temporary directory is one of them). A lock file of
+  a prefix that no longer exists is left alone: nothing says it is ours;
 * inside a saved tensordict, the temporary files (``meta.json.<pid>.<thread>.tmp``, ...)
   of a writer ``<pid>`` killed while it rewrote the metadata in place.
 
@@ -23,6 +24,7 @@ import os
 from shared_td.cli.common import CommandError, UsageError, plural, print_json, print_lines
 from shared_td.persist import atomic
 from shared_td.persist import format as fmt
+from shared_td.persist.archive import is_memmap_archive
 from shared_td.persist.lock_probe import lock_is_held
 
 EPILOG = """examples:
@@ -109,7 +111,8 @@ def prefixes_in(directory: str) -> list[str]:
     """Prefixes in ``directory`` with atomic writers' directories or a lock file beside them.
 
     Names are parsed only (nothing is checked for being dead or stale). A lock file
-    counts only beside a saved tensordict (a ``.x.lock`` of another program is not ours).
+    counts only beside a saved tensordict or an archive (a ``.x.lock`` of another program
+    is not ours).
     """
     try:
         entries = os.listdir(directory)
@@ -122,7 +125,7 @@ def prefixes_in(directory: str) -> list[str]:
             found.add(os.path.join(directory, parsed[0]))
         elif (name := fmt.prefix_of_lock(entry)) is not None:
             prefix = os.path.join(directory, name)
-            if os.path.isfile(os.path.join(prefix, fmt.META)):
+            if os.path.isfile(os.path.join(prefix, fmt.META)) or is_memmap_archive(prefix):
                 found.add(prefix)
     return sorted(found)
 

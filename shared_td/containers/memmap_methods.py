@@ -96,30 +96,46 @@ class MemmapMethods:
     def memmap(
         self, prefix: Any = None, copy_existing: bool = False, *, num_threads: int = 0,
         return_early: bool = False, share_non_tensor: bool = False, existsok: bool = True,
-        robust_key: bool | None = True, atomic: bool = False,
+        robust_key: bool | None = True, atomic: bool = False, archive: bool | None = None,
+        compression: Any = None,
     ) -> Any:
         """Like ``memmap_``, but writes a new memory-mapped copy; self is unchanged.
+
+        With ``archive=True``, or ``archive=None`` and a prefix ending with ``".tdz"``,
+        ``prefix`` is one zip file holding the files of a directory save, written
+        atomically (a new file beside it, renamed over it); the result is that archive
+        loaded back (its leaves view the archive, read-only: ``load_memmap(prefix,
+        mode="r+")`` writes into it) and locked. An archive is always a copy (as with
+        ``copy_existing=True``); ``share_non_tensor`` does not apply to it.
+        ``compression`` ("stored", "deflate", "bzip2", "lzma" or a ``zipfile.ZIP_*``
+        constant; archives only) compresses the payloads, which are then decompressed
+        into memory when loaded. See ``shared_td.persist.archive``.
 
         Examples:
             >>> td = TensorDict(obs=torch.zeros(3, 4), batch_size=[3])
             >>> copy = td.memmap("data/copy")
             >>> copy.is_memmap(), td.is_memmap()
             (True, False)
+            >>> td.memmap("data/copy.tdz")["obs"].shape
+            torch.Size([3, 4])
         """
         return api.memmap(
             self, prefix, copy_existing, inplace=False, num_threads=num_threads,
             return_early=return_early, share_non_tensor=share_non_tensor,
-            existsok=existsok, robust_key=robust_key, atomic=atomic,
+            existsok=existsok, robust_key=robust_key, atomic=atomic, archive=archive,
+            compression=compression,
         )
 
     def memmap_like(
         self, prefix: Any = None, copy_existing: bool = False, *, existsok: bool = True,
         num_threads: int = 0, return_early: bool = False, share_non_tensor: bool = False,
-        robust_key: bool | None = True, atomic: bool = False,
+        robust_key: bool | None = True, atomic: bool = False, archive: bool | None = None,
     ) -> Any:
         """A new memory-mapped tree with self's layout but no data copied: every leaf
         reads as zeros (an existing file is replaced by a new one, never reused).
         Without a prefix it goes to anonymous shared memory, never into self's files.
+        An archive (``archive`` as in ``memmap``) is loaded back with ``mode="r+"``: writes
+        into the result reach the archive file (its CRCs are not updated).
 
         Examples:
             >>> td = TensorDict(obs=torch.ones(3, 4), batch_size=[3])
@@ -130,7 +146,7 @@ class MemmapMethods:
         return api.memmap(
             self, prefix, copy_existing, inplace=False, like=True, num_threads=num_threads,
             return_early=return_early, share_non_tensor=share_non_tensor,
-            existsok=existsok, robust_key=robust_key, atomic=atomic,
+            existsok=existsok, robust_key=robust_key, atomic=atomic, archive=archive,
         )
 
     def save(self, prefix: Any = None, copy_existing: bool = False, **kwargs: Any) -> Any:

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 
 from shared_td.memmap_tensor import MemoryMappedTensor
+from shared_td.persist import archive as archives
+from shared_td.persist import archive_write
 from shared_td.persist import atomic, nodes
 from shared_td.storage import files
 from shared_td.storage.files import FileBacking
@@ -37,14 +39,28 @@ def memmap(
     existsok: bool = True,
     robust_key: bool | None = True,
     atomic: bool = False,
+    archive: bool | None = None,
+    compression: Any = None,
 ) -> Any:
     """Write ``obj``'s leaves to memory-mapped files (or anonymous shared memory).
 
     ``inplace=True`` is memmap_ (obj's leaves are replaced), False is memmap (a new
     tree); ``like=True`` writes no data (memmap_like). See TensorDictBase.memmap_.
+    ``archive`` (None: a prefix ending with ``.tdz``) writes one zip file instead
+    (``persist.archive``), ``compression`` its payloads.
     """
     if not isinstance(num_threads, int) or num_threads < 0:
         raise ValueError(f"num_threads must be an int >= 0, got {num_threads!r}.")
+    if archives.wants_archive(prefix, archive):
+        if inplace:
+            raise ValueError("memmap_ cannot write an archive: its leaves would have to be the "
+                             "archive's, read-only. Use memmap(prefix, archive=True) or save().")
+        return _memmap_to_archive(obj, prefix, copy_existing=copy_existing, like=like,
+                                  num_threads=num_threads, return_early=return_early,
+                                  existsok=existsok, robust_key=robust_key, compression=compression)
+    if compression is not None:
+        raise ValueError("compression is only for an archive: pass archive=True or a prefix "
+                         f"ending with {archives.ARCHIVE_SUFFIX!r}.")
     if inplace and obj.is_shared():
         raise RuntimeError(
             "memmap and shared memory are mutually exclusive features: this tensordict "
@@ -145,6 +161,30 @@ def _memmap_atomically(obj: Any, options: Options, return_early: bool) -> Any:
         # is released another writer may already have put its own files there
         _relocate(root, staging.path, target)
     return _finish(root, options)
+
+
+def _memmap_to_archive(obj: Any, prefix: Any, *, copy_existing: bool, like: bool,
+                       num_threads: int, return_early: bool, existsok: bool,
+                       robust_key: bool | None, compression: Any) -> Any:
+    """memmap/memmap_like/save to one archive file, written atomically (see
+    ``persist.archive``); returns the archive loaded (memmap_like: mode="r+", so that
+    writes fill it) and locked."""
+    archives.check_compression(compression)
+    if return_early:
+        raise NotImplementedError("return_early=True cannot write an archive: the zip is made "
+                                  "once every leaf is written. Call it with return_early=False.")
+    target = archive_write.check_archive_target(prefix, existsok=existsok)
+
+    def stage(tree: str) -> str:
+        # an archive is always a copy: leaves mapped to files elsewhere are copied too
+        memmap(obj, tree, True, inplace=False, like=like, num_threads=num_threads,
+               robust_key=robust_key)
+        return tree
+
+    archive_write.write_archive(target, stage, compression)
+    # this process wrote it, from its own objects: its pickles are trusted
+    loaded = load_memmap(target, mode="r+" if like else None, allow_pickle=True)
+    return loaded.lock_()
 
 
 def _relocate(root: NodePlan, staging: str, target: str) -> None:

@@ -52,6 +52,7 @@ from shared_td.keys import unravel_key
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.persist import format as fmt
 from shared_td.persist import nodes
+from shared_td.persist.archive import Archive, ArchiveNode, looks_like_zip
 from shared_td.storage import files
 from shared_td.storage.files import Directory, FileTooShortError
 
@@ -190,13 +191,24 @@ class Loader:
             parent_batch = meta.batch_size
         return opened[-1], parent_batch
 
-    @staticmethod
-    def _open_root(path: str) -> Directory:
+    def _open_root(self, path: str) -> Directory | ArchiveNode:
+        if os.path.isfile(path) and looks_like_zip(path):
+            reason = MODE_R_REASON if self.mode == "r" else None
+            try:
+                return ArchiveNode(Archive(path, writable=self.mode == "r+", read_only_reason=reason))
+            except OSError as error:
+                if self.mode != "r+" or error.errno not in READ_ONLY_ERRNOS:
+                    raise
+                raise PermissionError(
+                    error.errno, f"Cannot load the archive {path} with mode='r+': "
+                    f"{READ_ONLY_ERRNOS[error.errno]}. Load it with mode='r' (or None) to map "
+                    "it read-only, or make it writable.") from None
         for _ in range(1000):  # the two-renames fallback leaves the path missing briefly
             try:
                 return Directory(os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), path, "load")
             except NotADirectoryError:
-                raise NotADirectoryError(f"{path} is a file, not a saved tensordict directory.") from None
+                raise NotADirectoryError(f"{path} is a file, not a saved tensordict directory nor "
+                                         "an archive (a zip file).") from None
             except FileNotFoundError:
                 if not os.path.lexists(fmt.lock_path(path)):
                     break
@@ -231,7 +243,9 @@ class Loader:
         # meanwhile, the first missing one may have gone with the old version
         if names and self._opened is not None and _replaced(*self._opened):
             raise FileNotFoundError(f"{directory.path} was replaced while it was loaded.")
-        return kind.rebuild(meta, values, directory=directory.path, parent_batch=parent_batch,
+        # a node of an archive has no directory of its own to write back to
+        own = None if isinstance(directory, ArchiveNode) else directory.path
+        return kind.rebuild(meta, values, directory=own, parent_batch=parent_batch,
                             unpickle=lambda name: self._unpickle(directory, name))
 
     def _load_child(self, directory: Directory, name: str, batch_size=None) -> Any:
@@ -247,6 +261,8 @@ class Loader:
         shape = torch.Size(leaf.shape)
         if shape.numel() == 0:  # zero-element leaves have no file
             return MemoryMappedTensor.empty(shape, dtype=leaf.dtype)
+        if isinstance(directory, ArchiveNode):
+            return directory.leaf(self._resolve(directory, leaf.key, leaf=True), leaf)
         name, fd, read_only = self._open_leaf(directory, leaf.key)
         path = f"{directory.path}/{name}"
         try:

@@ -27,6 +27,7 @@ from shared_td.errors import FormatError
 from shared_td.keys import decode_key
 from shared_td.persist import format as fmt
 from shared_td.persist import nodes
+from shared_td.persist.archive import is_memmap_archive
 from shared_td.persist.format import NodeMeta
 from shared_td.persist.loader import read_node_meta
 from shared_td.persist.saved_tree import NODE, TENSOR, VALUE, VALUE_WIDTH, Entry, Problem, Survey
@@ -45,6 +46,11 @@ def survey(prefix: str) -> Survey:
     if not os.path.exists(root):
         raise FileNotFoundError(f"No such directory: {root}")
     if not os.path.isdir(root):
+        if is_memmap_archive(root):
+            raise NotADirectoryError(
+                f"{root} is an archive (one zip file), which is not surveyed file by file: "
+                f"unpack it first (shared_td.unpack_memmap({root!r}, 'some/directory')), or "
+                "load it with shared_td.load_memmap, which checks what it maps.")
         raise NotADirectoryError(f"{root} is a file, not a saved tensordict directory.")
     if not os.path.lexists(os.path.join(root, fmt.META)):
         raise FileNotFoundError(f"No saved tensordict at {root}: {fmt.META} is missing.")

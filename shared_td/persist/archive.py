@@ -1,0 +1,348 @@
+"""Archives: a whole save in one zip file (``td.save("x.tdz")``), readable in place.
+
+**What is in one.** The entries of the zip are exactly the files of the directory
+layout (``meta.json`` at every level, ``<key>.memmap`` payloads, ``other.pickle`` ...),
+named by their path below the prefix, with no directory entries: unzipping it gives
+the directory save, and tensordict 0.15.3 reads ours as we read its. Payloads
+(``*.memmap``) are stored uncompressed by default, their first byte at a multiple of
+64 in the file (the local header's extra field is padded with a block of id ``0x6474``
+as tensordict pads it), so that a load maps the archive once and every leaf is a view
+into that mapping: no copy, pages read when touched. ``compression=`` ("deflate",
+"bzip2", "lzma" or a ``zipfile.ZIP_*`` constant) compresses the payloads; such a leaf
+is decompressed into memory when it is loaded. Other entries are always stored.
+
+**Writes into a loaded archive.** By default (and with ``mode="r"``) the archive is
+mapped privately and its leaves are read-only tensors: a write raises
+:class:`~shared_td.errors.ReadOnlyError` naming the archive (*ours*: tensordict lets it
+change a private copy, lost without a word). With ``mode="r+"`` the archive is mapped
+shared and writes reach the file; a compressed or unaligned payload cannot be mapped
+so, and is then an error naming the member. Like tensordict, such writes do not update
+the members' CRC-32, which a load does not check for mapped payloads (that would read
+the whole archive at every load, defeating lazy mapping); ``zipfile``/``unzip`` would.
+A compressed (or, in a foreign zip, unaligned) leaf loaded without ``"r+"`` is a copy
+in memory: writable, and its writes never reach the archive.
+
+**Damage.** Opening checks what is cheap before anything is mapped: the central
+directory (a truncated file has none), every member's name (no absolute path, ``..``
+or ``.`` part, backslash, drive or NUL), its kind (a symlink or other non-regular
+member is refused), duplicates, encryption, the local header matching the central
+one, the payload lying inside the file; a leaf member shorter than its meta.json's
+shape is refused when loaded. CRCs are checked for every member read whole (meta.json,
+pickles, compressed payloads). Each is a :class:`~shared_td.errors.FormatError` naming
+the archive and the member.
+
+**Atomic.** An archive is always written beside its target, in a temporary directory
+``.<name>.shared_td-new-<pid>-<random>`` (the directory save is staged there, then
+zipped), and renamed over it under the target's writer lock (``.<name>.lock``), so a
+failure or a SIGKILL leaves the old archive whole; a killed writer's temporary
+directory is removed by the next writer and by ``shared-td gc``. Not synced to disk,
+as the directory layout: this guards against a killed process, not a power loss.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import posixpath
+import re
+import stat
+import struct
+import zipfile
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shared_td.errors import FormatError
+from shared_td.memmap_tensor import MemoryMappedTensor
+from shared_td.persist import format as fmt
+from shared_td.persist.format import LeafMeta
+from shared_td.storage import files
+
+#: the suffix that makes ``memmap``/``save`` write an archive (``archive=None``)
+ARCHIVE_SUFFIX = ".tdz"
+#: payloads start at a multiple of this (torch.save's alignment, every itemsize divides it)
+ALIGNMENT = 64
+_LOCAL_HEADER = struct.Struct("<4s5H3I2H")
+_LOCAL_SIGNATURE = b"PK\x03\x04"
+#: the largest member read whole (meta.json, pickles): a bigger one is damage or hostile
+_MAX_METADATA = 1 << 30
+
+COMPRESSIONS = {
+    "stored": zipfile.ZIP_STORED,
+    "deflate": zipfile.ZIP_DEFLATED,
+    "deflated": zipfile.ZIP_DEFLATED,
+    "bzip2": zipfile.ZIP_BZIP2,
+    "lzma": zipfile.ZIP_LZMA,
+}
+_READ_ONLY_REASON = ("it was loaded from an archive, which is mapped read-only unless "
+                     "loaded with mode='r+'")
+_DRIVE = re.compile(r"[A-Za-z]:")
+
+
+def check_compression(compression: Any) -> int:
+    """The ``zipfile`` constant of ``compression`` (a name, a constant or None);
+    ValueError listing the valid ones otherwise."""
+    if compression is None:
+        return zipfile.ZIP_STORED
+    if isinstance(compression, str) and compression.lower() in COMPRESSIONS:
+        return COMPRESSIONS[compression.lower()]
+    if type(compression) is int and compression in set(COMPRESSIONS.values()):
+        return compression
+    names = ", ".join(repr(name) for name in COMPRESSIONS)
+    raise ValueError(f"Unknown compression {compression!r}: use one of {names}, a zipfile "
+                     "constant (zipfile.ZIP_STORED, ZIP_DEFLATED, ZIP_BZIP2, ZIP_LZMA) or None.")
+
+
+def wants_archive(prefix: Any, archive: bool | None) -> bool:
+    """Whether a write to ``prefix`` makes an archive: ``archive``, or for None a
+    prefix ending with ``.tdz``."""
+    if archive is None:
+        return prefix is not None and os.fspath(prefix).endswith(ARCHIVE_SUFFIX)
+    return bool(archive)
+
+
+# ------------------------------------------------------------------------ reading
+@dataclass(frozen=True)
+class Member:
+    """Where one member's payload lies in the archive file."""
+
+    offset: int
+    size: int
+    compress_type: int
+    compress_size: int
+
+
+def name_problem(name: str) -> str | None:
+    """Why the member name ``name`` could escape or confuse a destination, else None."""
+    if not name or "\x00" in name:
+        return "an empty name or a NUL byte"
+    if "\\" in name:
+        return "a backslash (a Windows path separator)"
+    if name.startswith("/"):
+        return "an absolute path"
+    parts = name.rstrip("/").split("/")
+    if _DRIVE.fullmatch(parts[0]):
+        return "a drive letter"
+    if any(part in ("", ".", "..") for part in parts):
+        return "a '.', '..' or empty path part"
+    return None
+
+
+class Archive:
+    """An archive opened for a load: its checked member index and (once needed) one
+    mapping of the whole file. ``writable``: opened read-write, mapped shared."""
+
+    def __init__(self, path: str, *, writable: bool = False, read_only_reason: str | None = None):
+        self.path = path
+        self.writable = writable
+        self.read_only_reason = read_only_reason or _READ_ONLY_REASON
+        self.fd = open_regular_file(path, os.O_RDWR if writable else os.O_RDONLY)
+        self._backing = None
+        try:
+            self._file = open(self.fd, "rb", closefd=False)
+            try:
+                self._zip = zipfile.ZipFile(self._file)
+            except (zipfile.BadZipFile, OSError, ValueError, EOFError) as error:
+                raise FormatError(path, f"not a complete zip archive (truncated?): {error}") from None
+            self.members, self.directories = self._index()
+        except BaseException:
+            self.close()
+            raise
+
+    def _index(self) -> tuple[dict[str, Member], set[str]]:
+        size = os.fstat(self.fd).st_size
+        members: dict[str, Member] = {}
+        directories = {""}
+        for info in self._zip.infolist():
+            name = info.filename
+            problem = name_problem(name)
+            if problem is None and info.flag_bits & 0x1:
+                problem = "it is encrypted"
+            kind = stat.S_IFMT(info.external_attr >> 16) if info.create_system == 3 else 0
+            if problem is None and kind and not (stat.S_ISREG(kind) or stat.S_ISDIR(kind)):
+                problem = f"it is {files.file_kind(kind)}, not a regular file"
+            if problem is None and (name in members or name.rstrip("/") in directories - {""}):
+                problem = "it appears twice"
+            if problem is not None:
+                raise self.error(name, f"refused: {problem}")
+            if name.endswith("/"):
+                _add_parents(directories, name.rstrip("/") + "/x")
+                continue
+            members[name] = self._locate(info, size)
+            _add_parents(directories, name)
+        clash = set(members) & directories
+        if clash:
+            raise self.error(sorted(clash)[0], "refused: it is both a file and a directory")
+        return members, directories
+
+    def _locate(self, info: zipfile.ZipInfo, size: int) -> Member:
+        """The payload of ``info``, after checking its local header against the central one."""
+        name = info.filename
+        header = os.pread(self.fd, _LOCAL_HEADER.size, info.header_offset)
+        if len(header) != _LOCAL_HEADER.size or header[:4] != _LOCAL_SIGNATURE:
+            raise self.error(name, "its local header is missing or damaged (truncated archive?)")
+        flags = struct.unpack_from("<H", header, 6)[0]
+        name_len, extra_len = struct.unpack_from("<2H", header, 26)
+        local_name = os.pread(self.fd, name_len, info.header_offset + _LOCAL_HEADER.size)
+        if local_name.decode("utf-8" if flags & 0x800 else "cp437", "replace") != info.orig_filename:
+            raise self.error(name, "its local header names another file")
+        offset = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+        if offset + info.compress_size > size:
+            raise self.error(name, f"its payload runs past the end of the file ({size} bytes): "
+                             "the archive is truncated")
+        return Member(offset, info.file_size, info.compress_type, info.compress_size)
+
+    def error(self, member: str, reason: str) -> FormatError:
+        return FormatError(self.path, f"member {member!r}: {reason}")
+
+    def read(self, name: str, *, metadata: bool = True) -> bytes:
+        """The content of member ``name``, its CRC checked; FileNotFoundError if missing.
+        A ``metadata`` member bigger than _MAX_METADATA is refused."""
+        if name not in self.members:
+            raise FileNotFoundError(errno.ENOENT, f"No member {name!r} in the archive {self.path}")
+        if metadata and self.members[name].size > _MAX_METADATA:
+            raise self.error(name, f"{self.members[name].size} bytes is too big to be read whole")
+        try:
+            return self._zip.read(name)
+        except (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError, NotImplementedError) as error:
+            raise self.error(name, f"cannot be read: {error}") from None
+
+    def leaf(self, name: str, leaf: LeafMeta, *, where: str) -> torch.Tensor:
+        """The tensor of leaf ``leaf`` stored as member ``name``: a view into the mapping
+        of the archive, or (compressed or unaligned) a copy in memory."""
+        member, shape = self.members[name], torch.Size(leaf.shape)
+        if member.size < leaf.nbytes:
+            raise self.error(name, f"holds {member.size} bytes, but {where} says a {leaf.dtype} "
+                             f"tensor of shape {tuple(shape)} ({leaf.nbytes} bytes)")
+        if member.compress_type == zipfile.ZIP_STORED and member.offset % leaf.dtype.itemsize == 0:
+            return MemoryMappedTensor._from_backing(self.backing(), member.offset, leaf.dtype, shape)
+        why = "compressed" if member.compress_type != zipfile.ZIP_STORED else "not aligned"
+        if self.writable:
+            raise self.error(name, f"cannot be loaded with mode='r+': its payload is {why}, so it "
+                             "can only be copied into memory, and writes would never reach the "
+                             "archive. Load it without mode='r+', or save the archive again "
+                             "without compression.")
+        data = self.read(name, metadata=False)
+        return torch.frombuffer(bytearray(data[: leaf.nbytes]), dtype=leaf.dtype).view(shape)
+
+    def backing(self) -> files.FileBacking:
+        """The one mapping of the whole archive (made on first use)."""
+        if self._backing is None:
+            self._backing = files.backing_from_fd(
+                self.path, self.fd, shared=self.writable,
+                read_only=None if self.writable else self.read_only_reason)
+        return self._backing
+
+    def close(self) -> None:
+        """Close the file (the mapping, if made, lives as long as its tensors)."""
+        if getattr(self, "_zip", None) is not None:
+            self._zip.close()
+        if getattr(self, "_file", None) is not None:
+            self._file.close()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _add_parents(directories: set[str], name: str) -> None:
+    parent = posixpath.dirname(name)
+    while parent not in directories:
+        directories.add(parent)
+        parent = posixpath.dirname(parent)
+
+
+class ArchiveNode:
+    """One node directory inside an archive, with the methods of ``storage.files.Directory``
+    that the loader uses (``read``, ``exists``, ``child``, ``join``, ``path``, ``close``)."""
+
+    def __init__(self, archive: Archive, at: str = ""):
+        self.archive, self.at = archive, at
+        self.fd = archive.fd  # the loader compares it with the path to see a replaced archive
+
+    @property
+    def path(self) -> str:
+        return f"{self.archive.path}::{self.at}" if self.at else self.archive.path
+
+    def _member(self, name: str) -> str:
+        return f"{self.at}/{name}" if self.at else name
+
+    def join(self, name: str) -> str:
+        return f"{self.archive.path}::{self._member(name)}"
+
+    def exists(self, name: str) -> bool:
+        member = self._member(name)
+        return member in self.archive.members or member in self.archive.directories
+
+    def read(self, name: str) -> bytes:
+        return self.archive.read(self._member(name))
+
+    def child(self, name: str) -> "ArchiveNode":
+        member = self._member(name)
+        if member not in self.archive.directories:
+            raise FileNotFoundError(errno.ENOENT, f"No directory {member!r} in the archive {self.archive.path}")
+        return ArchiveNode(self.archive, member)
+
+    def leaf(self, name: str, leaf: LeafMeta) -> torch.Tensor:
+        member = self._member(name)
+        if member not in self.archive.members:
+            raise FileNotFoundError(errno.ENOENT, f"No member {member!r} in the archive {self.archive.path}")
+        return self.archive.leaf(member, leaf, where=f"key {leaf.key!r} in {self.join(fmt.META)}")
+
+    def close(self) -> None:
+        if not self.at:
+            self.archive.close()
+
+
+def open_regular_file(path: str, flags: int) -> int:
+    """Open ``path`` (symlinks followed: the caller's own path) if it is a regular file;
+    a FIFO or device is refused without blocking."""
+    fd = os.open(path, flags | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    kind = files.file_kind(os.fstat(fd).st_mode)
+    if kind is not None:
+        os.close(fd)
+        raise FormatError(path, f"{kind}, not a regular file: not an archive")
+    return fd
+
+
+def looks_like_zip(path: str) -> bool:
+    """Whether the regular file ``path`` starts as a zip does (never blocks)."""
+    try:
+        fd = open_regular_file(path, os.O_RDONLY)
+    except (OSError, FormatError):
+        return False
+    try:
+        return os.pread(fd, 4, 0) in (_LOCAL_SIGNATURE, b"PK\x05\x06")
+    finally:
+        os.close(fd)
+
+
+def is_memmap_archive(path: Any) -> bool:
+    """True if ``path`` is a zip file holding a save (ours or tensordict's) at its root.
+
+    Its root ``meta.json`` must parse and name a tensordict class with the fields that
+    class always has (``format.save_problem``). A directory, a missing path, a FIFO (not
+    opened for reading, so this never blocks), another file or a zip of other things
+    gives False.
+
+    Examples:
+        >>> _ = shared_td.TensorDict(a=torch.zeros(3)).save("data/td.tdz")
+        >>> shared_td.is_memmap_archive("data/td.tdz"), shared_td.is_memmap_archive("data")
+        (True, False)
+    """
+    try:
+        path = os.fspath(path)
+        if not os.path.isfile(path) or not looks_like_zip(path):
+            return False
+        archive = Archive(path)
+    except (OSError, FormatError, TypeError, ValueError):
+        return False
+    try:
+        meta = json.loads(archive.read(fmt.META).decode("utf-8"))
+        tensorclass = f"{fmt.TENSORCLASS_CHILD}/{fmt.META}" in archive.members
+        return fmt.save_problem(meta, tensorclass_child=tensorclass) is None
+    except (OSError, FormatError, ValueError, UnicodeDecodeError, RecursionError):
+        return False
+    finally:
+        archive.close()
