@@ -65,3 +65,20 @@ def case_tree_anonymous(options, root: str) -> dict:
         out[f"{name} fds held"] = open_fds() - before
         del kept
     return out
+
+
+def case_tree_archive(options, root: str) -> dict:
+    """save of the N-node tree as one .tdz archive vs as a directory; load of the archive."""
+    dirs = fresh_dir(root)
+    variants = {}
+    for name, lib in libraries().items():
+        variants[f"{name} save dir"] = (
+            lambda lib=lib: (build_tree(lib, options.nodes), dirs()), lambda s: s[0].save(s[1]))
+        variants[f"{name} save archive"] = (
+            lambda lib=lib: (build_tree(lib, options.nodes), dirs()),
+            lambda s: s[0].save(os.path.join(s[1], "tree.tdz")))
+    for name, lib in libraries().items():
+        path = os.path.join(root, f"archive_{name}.tdz")
+        build_tree(lib, options.nodes).save(path)
+        variants[f"{name} load archive"] = (lambda p=path: p, lambda p, lib=lib: lib.TensorDict.load_memmap(p))
+    return best_of_each(options.repeat, variants)

@@ -20,7 +20,13 @@ from typing import Callable
 
 from shared_td.bench.cases_cluster import case_cluster_counter, case_cluster_push, case_cluster_sync
 from shared_td.bench.cases_consolidate import case_consolidate, case_consolidated_pickle
-from shared_td.bench.cases_files import case_big_leaf, case_tree_anonymous, case_tree_load, case_tree_to_files
+from shared_td.bench.cases_files import (
+    case_big_leaf,
+    case_tree_anonymous,
+    case_tree_archive,
+    case_tree_load,
+    case_tree_to_files,
+)
 from shared_td.bench.cases_replay import Rate, case_replay, case_replay_loader, case_replay_worker
 from shared_td.bench.cases_sharing import (
     case_atomic_rewrite,
@@ -36,6 +42,7 @@ CASES: dict[str, Callable[..., dict]] = {
     "tree_to_files": case_tree_to_files,
     "tree_load": case_tree_load,
     "tree_anonymous": case_tree_anonymous,
+    "tree_archive": case_tree_archive,
     "leaf_pickle": case_leaf_pickle,
     "atomic_rewrite": case_atomic_rewrite,
     "coord_attach": case_coord_attach,

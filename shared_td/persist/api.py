@@ -55,8 +55,7 @@ def memmap(
         if inplace:
             raise ValueError("memmap_ cannot write an archive: its leaves would have to be the "
                              "archive's, read-only. Use memmap(prefix, archive=True) or save().")
-        return _memmap_to_archive(obj, prefix, copy_existing=copy_existing, like=like,
-                                  num_threads=num_threads, return_early=return_early,
+        return _memmap_to_archive(obj, prefix, like=like, return_early=return_early,
                                   existsok=existsok, robust_key=robust_key, compression=compression)
     if compression is not None:
         raise ValueError("compression is only for an archive: pass archive=True or a prefix "
@@ -163,25 +162,23 @@ def _memmap_atomically(obj: Any, options: Options, return_early: bool) -> Any:
     return _finish(root, options)
 
 
-def _memmap_to_archive(obj: Any, prefix: Any, *, copy_existing: bool, like: bool,
-                       num_threads: int, return_early: bool, existsok: bool,
-                       robust_key: bool | None, compression: Any) -> Any:
-    """memmap/memmap_like/save to one archive file, written atomically (see
-    ``persist.archive``); returns the archive loaded (memmap_like: mode="r+", so that
-    writes fill it) and locked."""
+def _memmap_to_archive(obj: Any, prefix: Any, *, like: bool, return_early: bool,
+                       existsok: bool, robust_key: bool | None, compression: Any) -> Any:
+    """memmap/memmap_like/save to one archive file, written atomically from memory (see
+    ``persist.archive_write``); returns the archive loaded (memmap_like: mode="r+", so
+    that writes fill it) and locked. An archive is always a copy, written by the
+    calling thread (``copy_existing`` and ``num_threads`` do not apply)."""
     archives.check_compression(compression)
     if return_early:
         raise NotImplementedError("return_early=True cannot write an archive: the zip is made "
                                   "once every leaf is written. Call it with return_early=False.")
     target = archive_write.check_archive_target(prefix, existsok=existsok)
 
-    def stage(tree: str) -> str:
+    def fill(members: archive_write.Members) -> None:
         # an archive is always a copy: leaves mapped to files elsewhere are copied too
-        memmap(obj, tree, True, inplace=False, like=like, num_threads=num_threads,
-               robust_key=robust_key)
-        return tree
+        archive_write.add_tree(members, obj, like=like, robust_key=robust_key, where=target)
 
-    archive_write.write_archive(target, stage, compression)
+    archive_write.write_archive(target, fill, compression, like=like)
     # this process wrote it, from its own objects: its pickles are trusted
     loaded = load_memmap(target, mode="r+" if like else None, allow_pickle=True)
     return loaded.lock_()

@@ -1,18 +1,26 @@
-"""Writing archives: zip a directory save (aligned or compressed payloads), atomically;
-extract one into a directory save. The format, and how archives are read, is in
+"""Writing archives: a tree or a directory save zipped into one file, atomically; an
+archive extracted into a directory save. The format, and how archives are read, is in
 ``persist.archive``.
+
+A tree is zipped straight from memory: the engine's planner names every file and builds
+every meta.json (and pickle) first, as for a directory, then each member is streamed
+from its tensor into the zip, with no file per leaf on the way. The zip is written to a
+temporary file ``.<name>.shared_td-new-<pid>-<random>`` beside the target (the name of
+an atomic writer's leftovers, which gc removes once ``<pid>`` is dead) and renamed over
+the target under its writer lock.
 """
 from __future__ import annotations
 
 import errno
 import os
+import secrets
 import stat
 import struct
 import time
 import warnings
 import zipfile
 import zlib
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from shared_td.errors import FormatError
 from shared_td.persist import atomic
@@ -20,36 +28,34 @@ from shared_td.persist import format as fmt
 from shared_td.persist.archive import (
     ALIGNMENT, ARCHIVE_SUFFIX, Archive, check_compression, is_memmap_archive, name_problem,
 )
+from shared_td.persist.writer import NodePlan, Options, Planner, node_files
 from shared_td.storage import files
 from shared_td.storage.files import Directory, NO_SPACE_ERRNOS, storage_full_error
-from shared_td.storage.removal import remove_tree
 
 _PAD_EXTRA_ID = 0x6474  # b"td", tensordict's id for the padding block
 _LOCAL_HEADER_SIZE = 30
 _ZIP64_LOCAL_EXTRA = 20  # what zipfile adds to a local header under force_zip64=True
 _CHUNK = 16 << 20
+_ZEROS = memoryview(bytes(1 << 20))
 
 
-def _files_of(directory: Directory, at: str = ""):
-    """``(member name, directory, file name)`` of every file below ``directory``:
-    meta.json first at each level, then the other files, then each sub-directory
-    (tensordict's order). Never through a symlink; a killed writer's temporaries are
-    left out; anything but a file or a directory is refused."""
-    names = sorted(os.listdir(directory.fd))
-    kinds = {name: directory.lstat(name) for name in names}
-    regular = [n for n in names if kinds[n] is not None and stat.S_ISREG(kinds[n].st_mode)
-               and fmt.temporary_writer_pid(n) is None]
-    for name in sorted(regular, key=lambda n: n != fmt.META):
-        yield (f"{at}/{name}" if at else name), directory, name
-    for name in names:
-        st = kinds[name]
-        if st is None or stat.S_ISREG(st.st_mode):
-            continue
-        if not stat.S_ISDIR(st.st_mode):
-            raise FormatError(directory.join(name), f"{files.file_kind(st.st_mode)} in a save: "
-                              "only files and directories can be put in an archive")
-        with directory.child(name) as child:
-            yield from _files_of(child, f"{at}/{name}" if at else name)
+class Members:
+    """Adds members to a zip being written: payloads (``*.memmap``) aligned and stored,
+    or compressed with ``compress_type``; every other member stored. ``like``: the
+    payloads of a tree are zeros (memmap_like)."""
+
+    def __init__(self, zf: zipfile.ZipFile, compress_type: int, *, like: bool = False):
+        self.zf, self.compress_type, self.like = zf, compress_type, like
+        self.written = 0  # bytes added so far (named when the disk is full)
+
+    def add(self, name: str, size: int, chunks: Iterable) -> None:
+        problem = name_problem(name)
+        if problem is not None:
+            raise ValueError(f"The file {name!r} cannot be a member of an archive: its name has "
+                             f"{problem} (save with robust_key=True).")
+        payload = name.endswith(fmt.LEAF_SUFFIX)
+        _write_member(self.zf, name, size, chunks, self.compress_type if payload else zipfile.ZIP_STORED)
+        self.written += size
 
 
 def _padding(header_offset: int, name: str) -> bytes:
@@ -60,7 +66,7 @@ def _padding(header_offset: int, name: str) -> bytes:
     return struct.pack("<HH", _PAD_EXTRA_ID, pad) + bytes(pad)
 
 
-def _write_member(zf: zipfile.ZipFile, name: str, fd: int, size: int, compress_type: int) -> None:
+def _write_member(zf: zipfile.ZipFile, name: str, size: int, chunks: Iterable, compress_type: int) -> None:
     info = zipfile.ZipInfo(name, date_time=time.localtime()[:6])
     info.compress_type = compress_type
     info.file_size = size
@@ -72,49 +78,100 @@ def _write_member(zf: zipfile.ZipFile, name: str, fd: int, size: int, compress_t
         if aligned and zf.fp.tell() % ALIGNMENT:
             raise RuntimeError(f"The payload of {name} is not aligned: zipfile's local header "
                                "layout changed (this is a bug of shared_td).")
-        done = 0
-        while done < size:
-            chunk = os.pread(fd, min(_CHUNK, size - done), done)
-            if not chunk:
-                raise RuntimeError(f"{name} shrank while it was put in the archive.")
+        written = 0
+        for chunk in chunks:
             out.write(chunk)
-            done += len(chunk)
+            written += len(chunk)
+        if written != size:
+            raise RuntimeError(f"{name} changed size while it was put in the archive "
+                               f"({written} bytes instead of {size}).")
 
 
-def pack_directory(source: str, target: str, compression: Any = None, *, final: str | None = None) -> None:
-    """Zip the directory save ``source`` into the NEW file ``target`` (O_EXCL), payloads
-    aligned or compressed as ``persist.archive`` says. ``final``: the archive that
-    ``target`` is a temporary of (named in errors)."""
-    compress_type = check_compression(compression)
-    with Directory.open(source, action="put in an archive") as root:
-        parent, name = os.path.split(target)
-        with Directory.open(parent) as out_dir:
-            out = out_dir.open_file(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+def _file_chunks(fd: int, size: int):
+    done = 0
+    while done < size:
+        chunk = os.pread(fd, min(_CHUNK, size - done), done)
+        if not chunk:
+            return
+        yield chunk
+        done += len(chunk)
+
+
+def _view_chunks(view: memoryview):
+    for start in range(0, len(view), _CHUNK):
+        yield view[start:start + _CHUNK]
+
+
+def _zero_chunks(size: int):
+    while size:
+        chunk = _ZEROS[:min(size, len(_ZEROS))]
+        yield chunk
+        size -= len(chunk)
+
+
+# ------------------------------------------------------------------ what goes in
+def add_tree(members: Members, obj: Any, *, like: bool, robust_key: bool | None, where: str) -> None:
+    """The members of ``obj`` saved as a directory would be: planned by the engine (keys
+    checked, files named, every meta.json and pickle built before the first byte), then
+    each payload streamed from its tensor (zeros for ``like``). ``where`` names the
+    archive in the planner's messages."""
+    options = Options(prefix=where, inplace=False, like=like, copy_existing=True,
+                      robust_key=True if robust_key is None else bool(robust_key))
+    root = Planner(options, fresh_root=True).plan(obj)  # fresh: nothing on disk is looked at
+    built = {id(node): node_files(node) for node in root.walk()}
+    _add_node(members, root, built, "")
+
+
+def _add_node(members: Members, node: NodePlan, built: dict, at: str) -> None:
+    document, side = built[id(node)]
+    named: dict[str, Any] = dict(side)
+    for leaf in node.leaves.values():
+        if leaf.source.numel():  # an empty leaf has no file, as in the directory layout
+            named[os.path.basename(leaf.path)] = leaf
+    members.add(at + fmt.META, len(document), [document])
+    for name in sorted(named):
+        value = named[name]
+        if isinstance(value, bytes):
+            members.add(at + name, len(value), [value])
+            continue
+        source = value.source.cpu()
+        size = source.numel() * source.element_size()
+        chunks = _zero_chunks(size) if members.like else _view_chunks(files.tensor_bytes(source))
+        members.add(at + name, size, chunks)
+    for child in sorted(node.children.values(), key=lambda c: os.path.basename(c.directory)):
+        _add_node(members, child, built, f"{at}{os.path.basename(child.directory)}/")
+
+
+def add_directory(members: Members, directory: Directory, at: str = "") -> None:
+    """The files below the directory save ``directory``: meta.json first at each level,
+    then the other files, then each sub-directory (tensordict's order). Never through a
+    symlink; a killed writer's temporaries are left out; anything but a file or a
+    directory is refused."""
+    names = sorted(os.listdir(directory.fd))
+    kinds = {name: directory.lstat(name) for name in names}
+    regular = [n for n in names if kinds[n] is not None and stat.S_ISREG(kinds[n].st_mode)
+               and fmt.temporary_writer_pid(n) is None]
+    for name in sorted(regular, key=lambda n: n != fmt.META):
+        fd = directory.open_regular(name)
         try:
-            with open(out, "wb") as stream, zipfile.ZipFile(stream, "w", allowZip64=True) as zf:
-                for member, directory, file_name in _files_of(root):
-                    problem = name_problem(member)
-                    if problem is not None:
-                        raise FormatError(directory.join(file_name), f"its name has {problem}: it "
-                                          "cannot be a member of an archive (save with robust_key=True)")
-                    fd = directory.open_regular(file_name)
-                    try:
-                        size = os.fstat(fd).st_size
-                        packed = compress_type if member.endswith(fmt.LEAF_SUFFIX) else zipfile.ZIP_STORED
-                        _write_member(zf, member, fd, size, packed)
-                    finally:
-                        os.close(fd)
-        except OSError as error:
-            if error.errno in NO_SPACE_ERRNOS:
-                where = f"archive {final or target}" + (f" (written as {target})" if final else "")
-                raise storage_full_error(error, _tree_size(source), where) from error
-            raise
+            size = os.fstat(fd).st_size
+            members.add(at + name, size, _file_chunks(fd, size))
+        finally:
+            os.close(fd)
+    for name in names:
+        st = kinds[name]
+        if st is None or stat.S_ISREG(st.st_mode):
+            continue
+        if stat.S_ISLNK(st.st_mode):
+            raise RuntimeError(f"Refusing to put a symlink in an archive: {directory.join(name)}.")
+        if not stat.S_ISDIR(st.st_mode):
+            raise FormatError(directory.join(name), f"{files.file_kind(st.st_mode)} in a save: "
+                              "only files and directories can be put in an archive")
+        with directory.child(name) as child:
+            add_directory(members, child, f"{at}{name}/")
 
 
-def _tree_size(path: str) -> int:
-    return sum(os.lstat(os.path.join(d, n)).st_size for d, _, names in os.walk(path) for n in names)
-
-
+# ------------------------------------------------------------------ atomic write
 def check_archive_target(target: Any, *, existsok: bool) -> str:
     """The file an archive write replaces (absolute, a symlink followed), checked first:
     a directory there is a IsADirectoryError, an existing file with existsok=False a
@@ -131,39 +188,48 @@ def check_archive_target(target: Any, *, existsok: bool) -> str:
     return target
 
 
-def write_archive(target: str, stage: Callable[[str], str], compression: Any = None) -> None:
-    """Write the archive ``target`` atomically. ``stage(path)`` returns the directory
-    save to zip: one it writes at ``path`` (inside a temporary directory beside
-    ``target``), or an existing one. The zip is made in that temporary directory and
-    renamed over ``target`` under its writer lock. On any failure ``target`` is left as
-    it was and the temporary directory removed (after a SIGKILL: by the next writer or
-    ``shared-td gc``)."""
-    check_compression(compression)
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    with atomic.acquired(target):
+def write_archive(target: str, fill: Callable[[Members], None], compression: Any = None, *,
+                  like: bool = False) -> None:
+    """Write the archive ``target`` atomically: ``fill(members)`` adds its members to a
+    new temporary file beside it, which is then renamed over it, under its writer lock.
+    On any failure ``target`` is left as it was and the temporary file removed (after a
+    SIGKILL: by the next writer or gc). The new file keeps an old one's mode."""
+    compress_type = check_compression(compression)
+    parent, name = os.path.split(target)
+    os.makedirs(parent, exist_ok=True)
+    with atomic.acquired(target), Directory.open(parent) as directory:
         _sweep(target)
-        staging = atomic.Staging(target)
+        temporary, fd = _new_temporary(directory, name)
+        members = None
         try:
-            source = stage(os.path.join(staging.path, "tree"))
-            packed = os.path.join(staging.path, os.path.basename(target))
-            pack_directory(source, packed, compression, final=target)
-            if os.path.isfile(target):  # the new version keeps the old one's mode
-                os.chmod(packed, stat.S_IMODE(os.stat(target).st_mode))
-            staging.finish()
-            os.rename(packed, target)
+            with open(fd, "wb") as stream, zipfile.ZipFile(stream, "w", allowZip64=True) as zf:
+                members = Members(zf, compress_type, like=like)
+                fill(members)
+            old = directory.lstat(name)
+            if old is not None and stat.S_ISREG(old.st_mode):
+                os.chmod(temporary, stat.S_IMODE(old.st_mode), dir_fd=directory.fd)
+            directory.replace(temporary, name)
         except BaseException as error:
-            staging.discard(error)
+            directory.unlink(temporary)
+            if isinstance(error, OSError) and error.errno in NO_SPACE_ERRNOS:
+                written = members.written if members is not None else 0
+                raise storage_full_error(error, written, f"archive {target} (written as {temporary})") from error
             raise
+
+
+def _new_temporary(directory: Directory, name: str) -> tuple[str, int]:
+    """A new file ``.<name>.shared_td-new-<pid>-<random>`` in ``directory``, opened."""
+    for _ in range(100):
+        temporary = f".{name}.shared_td-new-{os.getpid()}-{secrets.token_hex(6)}"
         try:
-            remove_tree(staging.path)
-        except OSError as error:
-            warnings.warn(f"{target} was written, but its temporary directory could not be "
-                          f"removed: {error}. shared_td.gc({target!r}) removes it once this "
-                          "process has exited.", RuntimeWarning, stacklevel=3)
+            return temporary, directory.open_file(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, f"No unused temporary name .{name}.shared_td-new-* in {directory.path}")
 
 
 def _sweep(target: str) -> None:
-    """Remove the temporary directories of dead writers of ``target`` (under its lock)."""
+    """Remove the temporaries of dead writers of ``target`` (under its lock)."""
     try:
         atomic.sweep_leftovers(target)
     except OSError as error:  # what dead writers left does not stop this one
@@ -173,7 +239,7 @@ def _sweep(target: str) -> None:
 def pack_memmap(prefix: Any, archive: Any = None, compression: Any = None) -> str:
     """Zip the directory save ``prefix`` into the archive ``archive`` (default
     ``<prefix>.tdz``), atomically; returns the archive's path. Payloads are stored
-    aligned, or compressed with ``compression`` (see :func:`check_compression`).
+    aligned, or compressed with ``compression`` (see ``archive.check_compression``).
 
     Examples:
         >>> _ = shared_td.TensorDict(a=torch.zeros(3)).save("data/saved")
@@ -189,7 +255,12 @@ def pack_memmap(prefix: Any, archive: Any = None, compression: Any = None) -> st
     real = os.path.realpath(prefix)
     if target == real or target.startswith(real + os.sep):
         raise ValueError(f"The archive {target} must be outside the save {prefix} it packs.")
-    write_archive(target, lambda _: prefix, compression)
+
+    def fill(members: Members) -> None:
+        with Directory.open(prefix, action="put in an archive") as directory:
+            add_directory(members, directory)
+
+    write_archive(target, fill, compression)
     return target
 
 

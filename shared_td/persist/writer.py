@@ -246,10 +246,7 @@ def write_tree(root: NodePlan, leaves: list[LeafPlan], options: Options, *, clea
             leaf.result = leaf.source
     if root.directory is None:
         return  # anonymous memory only: no file, no meta.json
-    documents = {
-        id(node): nodes.node_document(node.obj, node.kind, _entries(node))
-        for node in root.walk()
-    }
+    documents = {id(node): node_files(node) for node in root.walk()}
     pool = ThreadPoolExecutor(options.num_threads) if options.num_threads > 1 else None
     writer = _TreeWriter(options, pool, documents)
     directory = Directory.open(root.directory, create=not root.exists)
@@ -499,6 +496,12 @@ def _put_in_place(directory: Directory, kind: nodes.NodeKind, built: tuple, stag
         for name in kind.side_files:
             if name not in built[1]:
                 directory.unlink(name)
+
+
+def node_files(node: NodePlan) -> tuple[bytes, dict[str, bytes]]:
+    """The meta.json bytes of a planned node and its side files (pickles), built from
+    the plan before any byte is written (an unpicklable value writes nothing)."""
+    return nodes.node_document(node.obj, node.kind, _entries(node))
 
 
 def _entries(node: NodePlan) -> tuple:

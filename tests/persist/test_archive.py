@@ -384,11 +384,11 @@ def test_an_exception_mid_way_leaves_the_old_archive(tmp_path, monkeypatch):
     before = path.read_bytes()
     calls = []
 
-    def failing(zf, name, fd, size, compress_type):
+    def failing(zf, name, size, chunks, compress_type):
         calls.append(name)
         if len(calls) == 3:
             raise KeyboardInterrupt("stop")
-        return real(zf, name, fd, size, compress_type)
+        return real(zf, name, size, chunks, compress_type)
 
     real = archive_write._write_member
     monkeypatch.setattr(archive_write, "_write_member", failing)
@@ -543,3 +543,30 @@ def test_inspect_and_verify_say_to_unpack_first(tmp_path):
     path = _saved(tmp_path)
     with pytest.raises(NotADirectoryError, match="is an archive.*unpack"):
         survey(str(path))
+
+
+def test_saving_over_the_archive_a_tree_was_loaded_from(tmp_path):
+    path = _saved(tmp_path)
+    loaded = load_memmap(path)
+    loaded.unlock_()
+    loaded["extra"] = torch.full((2,), 9.0)
+    loaded.save(path)  # reads the old archive's mapping while it writes the new one
+    again = load_memmap(path)
+    assert torch.equal(again["a"], torch.arange(4.0)) and again["extra"].tolist() == [9.0, 9.0]
+    assert torch.equal(loaded["a"], torch.arange(4.0))  # the old mapping still reads
+
+
+def test_a_symlinked_target_replaces_the_file_it_points_to(tmp_path):
+    real = _saved(tmp_path, "real.tdz")
+    os.symlink(real, tmp_path / "link.tdz")
+    TensorDict(a=torch.ones(2)).save(tmp_path / "link.tdz")
+    assert os.path.islink(tmp_path / "link.tdz")
+    assert load_memmap(real)["a"].tolist() == [1.0, 1.0]
+
+
+def test_an_unpicklable_value_writes_nothing(tmp_path):
+    td = TensorDict(a=torch.ones(2), f=NonTensorData(data=lambda: 1, batch_size=[]), batch_size=[])
+    with pytest.raises(Exception):
+        td.save(tmp_path / "u.tdz")
+    assert not os.path.exists(tmp_path / "u.tdz")
+    assert [e for e in os.listdir(tmp_path) if "shared_td-new" in e] == []
