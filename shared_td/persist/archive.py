@@ -31,12 +31,15 @@ shape is refused when loaded. CRCs are checked for every member read whole (meta
 pickles, compressed payloads). Each is a :class:`~shared_td.errors.FormatError` naming
 the archive and the member.
 
-**Atomic.** An archive is always written beside its target, in a temporary directory
-``.<name>.shared_td-new-<pid>-<random>`` (the directory save is staged there, then
-zipped), and renamed over it under the target's writer lock (``.<name>.lock``), so a
-failure or a SIGKILL leaves the old archive whole; a killed writer's temporary
-directory is removed by the next writer and by ``shared-td gc``. Not synced to disk,
-as the directory layout: this guards against a killed process, not a power loss.
+**Atomic.** An archive is always written to a new file beside its target
+(``.<name>.shared_td-new-<pid>-<random>``), zipped straight from the tree in memory
+(no file per leaf on the way), and renamed over the target under its writer lock
+(``.<name>.lock``), so a failure or a SIGKILL leaves the old archive whole; a killed
+writer's temporary file is removed by the next writer and by ``shared-td gc``. A
+symlinked target: the file it points to is replaced, the link stays; other hard links
+keep the old content. Not synced to disk, as the directory layout: this guards against
+a killed process, not a power loss. Writing is in ``persist.archive_write``; the format
+is in docs/format.md, section 10.
 """
 from __future__ import annotations
 

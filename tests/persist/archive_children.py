@@ -48,3 +48,24 @@ def read_pickled_leaf(leaf, queue) -> None:
 def load_in_child(path, queue) -> None:
     """Load the archive ``path`` and send back its "a" leaf as a list."""
     queue.put(shared_td.load_memmap(path)["a"].tolist())
+
+
+def save_blocked_mid_write(path, version, mib, ready) -> None:
+    """Save build(version, mib) to ``path`` but stop forever inside the write of its
+    second member (``ready`` set then), to be SIGKILLed there."""
+    import time
+
+    from shared_td.persist import archive_write
+
+    torch.set_num_threads(1)
+    real, calls = archive_write._write_member, []
+
+    def blocking(*args):
+        calls.append(args[1])
+        if len(calls) == 2:
+            ready.set()
+            time.sleep(3600)
+        return real(*args)
+
+    archive_write._write_member = blocking
+    build(version, mib).save(path)

@@ -432,6 +432,27 @@ def test_sigkill_at_random_moments_leaves_a_whole_archive(tmp_path):
     assert len(seen) >= 2  # some writes did complete
 
 
+def test_sigkill_mid_write_leaves_the_old_archive_and_a_temporary_for_gc(tmp_path):
+    path, mib = tmp_path / "k.tdz", 1
+    atomic_children.build(1, mib).save(path)
+    before = path.read_bytes()
+    ready = FORK.Event()
+    child = FORK.Process(target=kids.save_blocked_mid_write, args=(str(path), 2, mib, ready))
+    child.start()
+    assert ready.wait(WAIT)
+    os.kill(child.pid, signal.SIGKILL)
+    finish(child)
+    assert path.read_bytes() == before
+    leftover = [e for e in os.listdir(tmp_path) if e.startswith(".k.tdz.shared_td-new-")]
+    assert len(leftover) == 1
+    from shared_td.cli.gc_cmd import prefixes_under
+
+    assert prefixes_under(str(tmp_path)) == [str(path)]
+    assert shared_td.gc(path) == [str(tmp_path / leftover[0])]
+    assert atomic_children.check(load_memmap(path), mib) == 1
+    assert listing(tmp_path) == [".k.tdz.lock", "k.tdz"]
+
+
 def test_gc_cli_finds_a_dead_archive_writers_directory(tmp_path):
     from shared_td.cli.gc_cmd import prefixes_under
 
