@@ -51,10 +51,11 @@ def memmap(
     """
     if not isinstance(num_threads, int) or num_threads < 0:
         raise ValueError(f"num_threads must be an int >= 0, got {num_threads!r}.")
-    if archives.wants_archive(prefix, archive):
-        if inplace:
-            raise ValueError("memmap_ cannot write an archive: its leaves would have to be the "
-                             "archive's, read-only. Use memmap(prefix, archive=True) or save().")
+    if inplace and archive:
+        raise ValueError("memmap_ cannot write an archive: its leaves would have to be the "
+                         "archive's, read-only. Use memmap(prefix, archive=True) or save().")
+    # memmap_ writes a directory whatever the prefix's name, as in tensordict 0.15.3
+    if not inplace and archives.wants_archive(prefix, archive):
         return _memmap_to_archive(obj, prefix, like=like, return_early=return_early,
                                   existsok=existsok, robust_key=robust_key, compression=compression)
     if compression is not None:

@@ -50,6 +50,7 @@ import posixpath
 import re
 import stat
 import struct
+import threading
 import zipfile
 import zlib
 from dataclasses import dataclass
@@ -143,6 +144,7 @@ class Archive:
         self.read_only_reason = read_only_reason or _READ_ONLY_REASON
         self.fd = open_regular_file(path, os.O_RDWR if writable else os.O_RDONLY)
         self._backing = None
+        self._mapping = threading.Lock()  # leaves may be loaded on a thread pool
         try:
             self._file = open(self.fd, "rb", closefd=False)
             try:
@@ -232,11 +234,12 @@ class Archive:
 
     def backing(self) -> files.FileBacking:
         """The one mapping of the whole archive (made on first use)."""
-        if self._backing is None:
-            self._backing = files.backing_from_fd(
-                self.path, self.fd, shared=self.writable,
-                read_only=None if self.writable else self.read_only_reason)
-        return self._backing
+        with self._mapping:
+            if self._backing is None:
+                self._backing = files.backing_from_fd(
+                    self.path, self.fd, shared=self.writable,
+                    read_only=None if self.writable else self.read_only_reason)
+            return self._backing
 
     def close(self) -> None:
         """Close the file (the mapping, if made, lives as long as its tensors)."""

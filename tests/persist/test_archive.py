@@ -591,3 +591,13 @@ def test_an_unpicklable_value_writes_nothing(tmp_path):
         td.save(tmp_path / "u.tdz")
     assert not os.path.exists(tmp_path / "u.tdz")
     assert [e for e in os.listdir(tmp_path) if "shared_td-new" in e] == []
+
+
+def test_memmap_in_place_to_a_tdz_name_writes_a_directory_as_tensordict(tmp_path):
+    td = TensorDict(a=torch.ones(2))
+    td.memmap_(tmp_path / "d.tdz")  # memmap_ has no archive option in tensordict 0.15.3
+    assert os.path.isdir(tmp_path / "d.tdz") and td.is_memmap()
+    with pytest.raises(ValueError, match="memmap_ cannot write an archive"):
+        from shared_td.persist import api
+        api.memmap(TensorDict(a=torch.ones(2)), tmp_path / "e.tdz", inplace=True, archive=True)
+    assert not os.path.exists(tmp_path / "e.tdz")
