@@ -135,6 +135,7 @@ def test_every_dtype_and_empty_tensors(tmp_path):
 def test_tensorclass_and_non_tensor_data(tmp_path):
     step = Step(obs=torch.ones(2, 3), label="go", batch_size=[2])
     step.save(tmp_path / "s.tdz")
+    assert is_memmap_archive(tmp_path / "s.tdz")
     loaded = Step.load_memmap(tmp_path / "s.tdz")
     assert type(loaded) is Step and loaded.label == "go" and torch.equal(loaded.obs, step.obs)
     nt = NonTensorData(data={"any": [1, 2]}, batch_size=[])
@@ -558,12 +559,15 @@ def test_is_memmap_archive_of_a_fifo_does_not_block(tmp_path):
         load_memmap(fifo)
 
 
-def test_inspect_and_verify_say_to_unpack_first(tmp_path):
-    from shared_td.persist.survey import survey
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+def test_inspect_and_verify_say_to_unpack_first(tmp_path, capsys, command):
+    from shared_td.cli import main
 
     path = _saved(tmp_path)
-    with pytest.raises(NotADirectoryError, match="is an archive.*unpack"):
-        survey(str(path))
+    assert main([command, str(path)]) == 1
+    assert f"{path} is an archive" in capsys.readouterr().err
+    assert main([command, str(tmp_path / "missing")]) == 1  # not mistaken for one
+    assert "is an archive" not in capsys.readouterr().err
 
 
 def test_saving_over_the_archive_a_tree_was_loaded_from(tmp_path):
