@@ -168,7 +168,7 @@ class Archive:
             kind = stat.S_IFMT(info.external_attr >> 16) if info.create_system == 3 else 0
             if problem is None and kind and not (stat.S_ISREG(kind) or stat.S_ISDIR(kind)):
                 problem = f"it is {files.file_kind(kind)}, not a regular file"
-            if problem is None and (name in members or name.rstrip("/") in directories - {""}):
+            if problem is None and name in members:
                 problem = "it appears twice"
             if problem is not None:
                 raise self.error(name, f"refused: {problem}")

@@ -605,3 +605,18 @@ def test_memmap_in_place_to_a_tdz_name_writes_a_directory_as_tensordict(tmp_path
         from shared_td.persist import api
         api.memmap(TensorDict(a=torch.ones(2)), tmp_path / "e.tdz", inplace=True, archive=True)
     assert not os.path.exists(tmp_path / "e.tdz")
+
+
+def test_loads_and_failed_loads_leave_no_descriptor_open(tmp_path):
+    path = _saved(tmp_path)
+    bad = tmp_path / "bad.tdz"
+    bad.write_bytes(path.read_bytes()[:-10])
+    load_memmap(path)  # warm up (imports, caches)
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        kept = load_memmap(path, num_threads=2)
+        with pytest.raises(FormatError):
+            load_memmap(bad)
+        assert is_memmap_archive(path) and not is_memmap_archive(bad)
+    assert len(os.listdir("/proc/self/fd")) == before
+    assert torch.equal(kept["a"], torch.arange(4.0))
