@@ -15,7 +15,7 @@ from tests.interop.test_interop import (
     BATCH_SIZES, DIRECTIONS, DTYPES, LIBS, ROBUST_KEYS, assert_same, files, load, nested_td,
     set_non_tensor,
 )
-from tests.persist.test_archive import inside, maps_of
+from tests.persist.archive_children import inside, maps_of
 from tests.reference import needs_tensordict
 
 pytestmark = needs_tensordict

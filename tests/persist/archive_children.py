@@ -1,6 +1,8 @@
-"""Child-process targets of the archive tests (tests/persist/test_archive.py)."""
+"""Helpers and child-process targets of the archive tests (tests/persist/test_archive*.py,
+tests/interop/test_archive_interop.py)."""
 from __future__ import annotations
 
+import os
 import resource
 import traceback
 
@@ -9,6 +11,7 @@ import torch
 from tests.persist.atomic_children import build, report
 
 import shared_td
+from shared_td import TensorDict
 
 
 def save_forever(path, first_version, mib, ready) -> None:
@@ -69,3 +72,28 @@ def save_blocked_mid_write(path, version, mib, ready) -> None:
 
     archive_write._write_member = blocking
     build(version, mib).save(path)
+
+
+# ------------------------------------------------------------------ helpers
+def saved_archive(tmp_path, name="t.tdz", **kwargs):
+    """A small nested TensorDict saved as the archive ``tmp_path / name``."""
+    path = tmp_path / name
+    TensorDict(a=torch.arange(4.0), n=TensorDict(b=torch.ones(2)), batch_size=[]).save(path, **kwargs)
+    return path
+
+
+def maps_of(path) -> list[tuple[int, int]]:
+    """Address ranges of this process's mappings of the file ``path`` (/proc/self/maps)."""
+    st = os.stat(path)
+    found = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            if len(fields) >= 6 and int(fields[4]) == st.st_ino:
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                found.append((start, end))
+    return found
+
+
+def inside(tensor, ranges) -> bool:
+    return any(start <= tensor.data_ptr() < end for start, end in ranges)

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from tests.persist import archive_children as kids
+from tests.persist.archive_children import inside, maps_of, saved_archive
 from tests.persist import atomic_children
 from tests.persist.persist_helpers import dir_state
 from tests.processes import WAIT, finish, small_tmpfs
@@ -70,23 +71,6 @@ def same(loaded, expected) -> None:
             assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), key
         else:
             assert got == want, key
-
-
-def maps_of(path) -> list[tuple[int, int]]:
-    """Address ranges of this process's mappings of the file ``path`` (/proc/self/maps)."""
-    st = os.stat(path)
-    found = []
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split()
-            if len(fields) >= 6 and int(fields[4]) == st.st_ino:
-                start, end = (int(x, 16) for x in fields[0].split("-"))
-                found.append((start, end))
-    return found
-
-
-def inside(tensor, ranges) -> bool:
-    return any(start <= tensor.data_ptr() < end for start, end in ranges)
 
 
 def listing(directory) -> list[str]:
@@ -271,117 +255,9 @@ def test_compression_without_an_archive_is_refused(tmp_path):
     assert listing(tmp_path) == []
 
 
-# ------------------------------------------------------------------ damage
-def _members(path) -> list[tuple[zipfile.ZipInfo, bytes]]:
-    with zipfile.ZipFile(path) as zf:
-        return [(info, zf.read(info)) for info in zf.infolist()]
-
-
-def _rezip(path, members) -> None:
-    with zipfile.ZipFile(path, "w") as zf:
-        for info, data in members:
-            zf.writestr(info, data)
-
-
-def _saved(tmp_path, name="t.tdz", **kwargs):
-    path = tmp_path / name
-    TensorDict(a=torch.arange(4.0), n=TensorDict(b=torch.ones(2)), batch_size=[]).save(path, **kwargs)
-    return path
-
-
-def test_truncated_archive(tmp_path):
-    path = _saved(tmp_path)
-    data = path.read_bytes()
-    for size in (len(data) - 10, len(data) // 2, 100):
-        path.write_bytes(data[:size])
-        with pytest.raises(FormatError, match=f"{path}.*truncated"):
-            load_memmap(path)
-        assert not is_memmap_archive(path)
-
-
-def test_bad_crc_of_metadata(tmp_path):
-    path = _saved(tmp_path)
-    data = bytearray(path.read_bytes())
-    data[data.index(b'"_type"') + 1] ^= 0x20  # inside the stored root meta.json
-    path.write_bytes(bytes(data))
-    with pytest.raises(FormatError, match=f"{path}: member 'meta.json'.*CRC"):
-        load_memmap(path)
-
-
-def _break_central_crc(path, member: str) -> None:
-    data = bytearray(path.read_bytes())
-    with zipfile.ZipFile(path) as zf:
-        start = zf.start_dir
-    at = data.index(member.encode(), start) - 46  # the central record of ``member``
-    assert data[at:at + 4] == b"PK\x01\x02"
-    data[at + 16] ^= 0xFF
-    path.write_bytes(bytes(data))
-
-
-def test_bad_crc_of_a_compressed_payload(tmp_path):
-    path = _saved(tmp_path, compression="deflate")
-    _break_central_crc(path, "a.memmap")
-    with pytest.raises(FormatError, match="member 'a.memmap'.*CRC"):
-        load_memmap(path)
-
-
-def test_bad_crc_of_a_stored_payload_is_found_by_unpack_not_by_load(tmp_path):
-    path = _saved(tmp_path)
-    _break_central_crc(path, "a.memmap")
-    assert torch.equal(load_memmap(path)["a"], torch.arange(4.0))  # mapped: not read whole
-    with pytest.raises(FormatError, match="member 'a.memmap'.*CRC"):
-        unpack_memmap(path, tmp_path / "out")
-    assert not os.path.lexists(tmp_path / "out")
-    assert not [e for e in os.listdir(tmp_path) if "shared_td-new" in e]
-
-
-@pytest.mark.parametrize("name, why", [
-    ("../evil.memmap", "'..'"), ("/abs.memmap", "absolute"), ("sub\\x.memmap", "backslash"),
-    ("C:/x.memmap", "drive"), ("a/./b.memmap", "'.'"),
-])
-def test_member_paths_that_could_escape_are_refused(tmp_path, name, why):
-    path = _saved(tmp_path)
-    members = _members(path) + [(zipfile.ZipInfo(name), b"\0" * 8)]
-    _rezip(path, members)
-    with pytest.raises(FormatError, match=f"member .*refused.*{why}"):
-        load_memmap(path)
-    with pytest.raises(ValueError):
-        unpack_memmap(path, tmp_path / "out")
-    assert sorted(os.listdir(tmp_path)) == sorted(["t.tdz", ".t.tdz.lock"])
-    assert not os.path.exists(tmp_path.parent / "evil.memmap")
-
-
-def test_symlink_member_and_duplicates_are_refused(tmp_path):
-    path = _saved(tmp_path)
-    link = zipfile.ZipInfo("n/b.memmap")
-    link.create_system = 3
-    link.external_attr = (stat.S_IFLNK | 0o777) << 16
-    members = [(i, d) for i, d in _members(path) if i.filename != "n/b.memmap"] + [(link, b"/etc/passwd")]
-    _rezip(path, members)
-    with pytest.raises(FormatError, match="'n/b.memmap'.*symlink"):
-        load_memmap(path)
-    with pytest.raises(ValueError):
-        unpack_memmap(path, tmp_path / "out")
-    assert not os.path.lexists(tmp_path / "out")
-    path = _saved(tmp_path, "d.tdz")
-    members = _members(path)
-    with pytest.warns(UserWarning, match="Duplicate name"):
-        _rezip(path, members + [m for m in members if m[0].filename == "a.memmap"])
-    with pytest.raises(FormatError, match="'a.memmap'.*twice"):
-        load_memmap(path)
-
-
-def test_member_shorter_than_its_shape(tmp_path):
-    path = _saved(tmp_path)
-    members = [(i, d[:8] if i.filename == "a.memmap" else d) for i, d in _members(path)]
-    _rezip(path, members)
-    with pytest.raises(FormatError, match="'a.memmap': holds 8 bytes.*shape \\(4,\\) \\(16 bytes\\)"):
-        load_memmap(path)
-
-
 # ------------------------------------------------------------------ atomic
 def test_an_exception_mid_way_leaves_the_old_archive(tmp_path, monkeypatch):
-    path = _saved(tmp_path)
+    path = saved_archive(tmp_path)
     before = path.read_bytes()
     calls = []
 
@@ -457,7 +333,7 @@ def test_sigkill_mid_write_leaves_the_old_archive_and_a_temporary_for_gc(tmp_pat
 def test_gc_cli_finds_a_dead_archive_writers_directory(tmp_path):
     from shared_td.cli.gc_cmd import prefixes_under
 
-    path = _saved(tmp_path)
+    path = saved_archive(tmp_path)
     leftover = tmp_path / ".t.tdz.shared_td-new-999999999-abcdef"
     (leftover / "tree").mkdir(parents=True)
     assert prefixes_under(str(tmp_path)) == [str(path)]
@@ -466,7 +342,7 @@ def test_gc_cli_finds_a_dead_archive_writers_directory(tmp_path):
 
 
 def test_existsok_false_and_a_directory_target(tmp_path):
-    path = _saved(tmp_path)
+    path = saved_archive(tmp_path)
     with pytest.raises(RuntimeError, match="already exists"):
         tree().memmap(path, existsok=False)
     (tmp_path / "dir.tdz").mkdir()
@@ -475,7 +351,7 @@ def test_existsok_false_and_a_directory_target(tmp_path):
 
 
 def test_the_new_archive_keeps_the_old_ones_mode(tmp_path):
-    path = _saved(tmp_path)
+    path = saved_archive(tmp_path)
     os.chmod(path, 0o640)
     tree().save(path)
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o640
@@ -499,7 +375,7 @@ def test_pack_and_unpack(tmp_path):
 
 
 def test_unpack_into_a_directory_that_is_not_a_save_refuses(tmp_path):
-    packed = _saved(tmp_path)
+    packed = saved_archive(tmp_path)
     (tmp_path / "photos").mkdir()
     (tmp_path / "photos" / "cat.jpg").write_bytes(b"meow")
     with pytest.raises(AtomicWriteError, match="not a saved tensordict"):
@@ -528,7 +404,7 @@ def test_pack_refuses_a_symlink_inside_the_save(tmp_path):
 
 # ------------------------------------------------------------------ is_memmap_archive
 def test_is_memmap_archive(tmp_path):
-    path = _saved(tmp_path)
+    path = saved_archive(tmp_path)
     assert is_memmap_archive(path) and is_memmap_archive(str(path))
     assert not is_memmap_archive(tmp_path / "missing")
     assert not is_memmap_archive(tmp_path)
@@ -563,7 +439,7 @@ def test_is_memmap_archive_of_a_fifo_does_not_block(tmp_path):
 def test_inspect_and_verify_say_to_unpack_first(tmp_path, capsys, command):
     from shared_td.cli import main
 
-    path = _saved(tmp_path)
+    path = saved_archive(tmp_path)
     assert main([command, str(path)]) == 1
     assert f"{path} is an archive" in capsys.readouterr().err
     assert main([command, str(tmp_path / "missing")]) == 1  # not mistaken for one
@@ -571,7 +447,7 @@ def test_inspect_and_verify_say_to_unpack_first(tmp_path, capsys, command):
 
 
 def test_saving_over_the_archive_a_tree_was_loaded_from(tmp_path):
-    path = _saved(tmp_path)
+    path = saved_archive(tmp_path)
     loaded = load_memmap(path)
     loaded.unlock_()
     loaded["extra"] = torch.full((2,), 9.0)
@@ -582,7 +458,7 @@ def test_saving_over_the_archive_a_tree_was_loaded_from(tmp_path):
 
 
 def test_a_symlinked_target_replaces_the_file_it_points_to(tmp_path):
-    real = _saved(tmp_path, "real.tdz")
+    real = saved_archive(tmp_path, "real.tdz")
     os.symlink(real, tmp_path / "link.tdz")
     TensorDict(a=torch.ones(2)).save(tmp_path / "link.tdz")
     assert os.path.islink(tmp_path / "link.tdz")
@@ -608,7 +484,7 @@ def test_memmap_in_place_to_a_tdz_name_writes_a_directory_as_tensordict(tmp_path
 
 
 def test_loads_and_failed_loads_leave_no_descriptor_open(tmp_path):
-    path = _saved(tmp_path)
+    path = saved_archive(tmp_path)
     bad = tmp_path / "bad.tdz"
     bad.write_bytes(path.read_bytes()[:-10])
     load_memmap(path)  # warm up (imports, caches)
