@@ -17,7 +17,7 @@ import time
 import torch
 
 from shared_td import Coordinator, SharedCounter, TensorDict
-from shared_td.demo.replay import Env, check_in, greedy_actions, ring_rows
+from shared_td.demo.replay import Env, check_in, greedy_actions, ring_rows, running
 
 EPSILON = 0.2  # exploration rate
 
@@ -58,9 +58,9 @@ def run_actor(coord: Coordinator, cursor: SharedCounter, actor_id: int, batch_si
     state = coord.attach("state")
     env = Env(batch_size, seed=1 + actor_id)
     _warm_up(buffer, batch_size)
-    check_in(state, actor_id, buffer)
+    parent = check_in(state, actor_id, buffer)
     mean_reward = 0.0
-    while int(state["phase"]) == 1:
+    while running(state, parent):
         version = state["policy_version"]  # a shared non-tensor value
         start = cursor.fetch_add(batch_size)  # these positions are ours alone
         reward = write_step(buffer, env, state["weights"], version, start)
@@ -82,10 +82,10 @@ def run_node_actor(coord: Coordinator, actor_id: int, batch_size: int, pause: fl
     state = coord.attach("actors")
     env = Env(batch_size, seed=1 + actor_id)
     _warm_up(buffer, batch_size)
-    check_in(state, actor_id, buffer)
+    parent = check_in(state, actor_id, buffer)
     grant, filled = state["grant"], state["filled"]
     mean_reward = 0.0
-    while int(state["phase"]) == 1:
+    while running(state, parent):
         start = int(grant[actor_id])
         if start < 0 or start == int(filled[actor_id]):
             time.sleep(0.0005)  # the agent is pushing our last rows
