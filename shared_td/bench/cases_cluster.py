@@ -3,16 +3,22 @@
 Both nodes are :class:`~shared_td.coordinator.cluster.Cluster` members of this process
 (their own threads, sockets and gloo pairs), beside a raw reference made of the same
 torch.distributed parts: a two-rank gloo group whose ranks run in two threads, and the
-bare ``TCPStore``. The ratios compare like with like on the same machine and run.
+bare ``TCPStore``. tensordict 0.15.3's ``send``/``recv`` run over that same raw pair
+(its ``group=``/``group_dst=`` arguments take an unregistered group), so every column
+pays the same loopback and the same threads; the ratios compare like with like on the
+same machine and run. Node 1 runs a real Coordinator, and ``sync`` is timed until a
+worker process attached through it (not the network) has seen the new version.
 """
 from __future__ import annotations
 
 import datetime
+import multiprocessing
 import threading
 
 import torch
 import torch.distributed as dist
 
+from shared_td.bench.libraries import tensordict_module
 from shared_td.bench.timing import best_of
 
 _KEY = b"benchmark key"
@@ -21,13 +27,14 @@ _KEY = b"benchmark key"
 class _Loopback:
     """A TCPStore on a free port, two cluster nodes and a raw two-rank gloo pair."""
 
-    def __init__(self):
+    def __init__(self, coordinator=None):
         from shared_td.coordinator.cluster import Cluster
 
         self.store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=30),
                                    wait_for_workers=False)
         url = f"tcp://127.0.0.1:{self.store.port}?host=0"
-        self.nodes = [Cluster(url, n, 2, authkey=_KEY, timeout=60, hostname="127.0.0.1") for n in range(2)]
+        self.nodes = [Cluster(url, n, 2, authkey=_KEY, timeout=60, hostname="127.0.0.1",
+                              coordinator=coordinator if n == 1 else None) for n in range(2)]
         self.raw = [None, None]
         self._in_threads(lambda n: self.nodes[n].start())
         self._in_threads(self._raw_rank)
@@ -47,9 +54,15 @@ class _Loopback:
             thread.join(120)
 
     def raw_transfer(self, send: torch.Tensor, recv: torch.Tensor, tag: int) -> None:
-        receiver = threading.Thread(target=lambda: self.raw[1].recv([recv], 0, tag).wait())
+        self.pair(lambda: self.raw[0].send([send], 1, tag).wait(),
+                  lambda: self.raw[1].recv([recv], 0, tag).wait())
+
+    @staticmethod
+    def pair(send, receive) -> None:
+        """``send()`` here and ``receive()`` in a thread (rank 1), both to the end."""
+        receiver = threading.Thread(target=receive)
         receiver.start()
-        self.raw[0].send([send], 1, tag).wait()
+        send()
         receiver.join(60)
 
     def close(self) -> None:
@@ -57,26 +70,113 @@ class _Loopback:
             node.shutdown()
 
 
-def case_cluster_sync(options, root: str) -> dict:
-    """``sync`` of size-mib MiB owner -> one replica node (returns once the replica has
-    it) against a raw gloo send/recv of the same bytes between two ranks."""
+def policy_tree(nbytes: int):
+    """A policy-like tree of ``nbytes``: 4 layers, each a weight and a bias (8 leaves)."""
     import shared_td
 
-    loop = _Loopback()
+    layer = nbytes // 4 // 4  # float32 elements per layer
+    bias = 256
+    return shared_td.TensorDict(
+        {f"layer{i}": {"weight": torch.ones(layer - bias), "bias": torch.ones(bias)} for i in range(4)},
+        batch_size=[])
+
+
+def _replica_worker(address: str, authkey: bytes, name: str, conn) -> None:
+    """A worker of node 1: attaches ``name`` through its node's coordinator (its one
+    replica, no copy), then for each (version, value) asked answers once the replica
+    holds that version and its first and last leaves read ``value``."""
+    import shared_td
+    from shared_td.coordinator.cluster_replica import replica_version
+
+    conn.recv()  # the replica exists now
+    td = shared_td.attach(name, address=address, authkey=authkey)
+    first, last = td["layer0", "weight"], td["layer3", "bias"]
+    conn.send("attached")
+    while (asked := conn.recv()) is not None:
+        version, value = asked
+        conn.send(replica_version(td) >= version and float(first[0]) == value and float(last[-1]) == value)
+
+
+def case_cluster_sync(options, root: str) -> dict:
+    """``sync`` of a tree of min(size-mib, 100) MiB owner -> one replica node, until a
+    worker process of that node sees it, against a raw gloo send/recv of the same bytes
+    and tensordict 0.15.3's two ways over the same gloo pair: ``consolidate()`` +
+    ``send``/``recv(consolidated=True)``, and one message per leaf (``send``/``recv``
+    into the tensordict that ``init_remote`` builds on the receiver)."""
+    from shared_td import Coordinator
+
+    nbytes = min(options.size_mib, 100) << 20
+    node1 = Coordinator().start()
+    ctx = multiprocessing.get_context("fork")  # the worker needs no fresh interpreter
+    here, there = ctx.Pipe()
+    worker = ctx.Process(target=_replica_worker, args=(node1.address, node1.authkey, "weights", there),
+                         daemon=True)
+    worker.start()
+    loop = _Loopback(coordinator=node1)
     try:
-        nbytes = options.size_mib << 20
         owner, other = loop.nodes
-        owner.publish("weights", shared_td.TensorDict(w=torch.ones(nbytes // 4), batch_size=[]))
+        weights = owner.publish("weights", policy_tree(nbytes))
         other.attach("weights")
+        here.send(True)
+        if not here.poll(60) or here.recv() != "attached":
+            raise RuntimeError("the replica node's worker did not attach")
+        fills = iter(range(1, 10**9))
+
+        def refill():  # untimed: new contents, as a learner's step makes them
+            value = float(next(fills))
+            for leaf in weights.values(True, True):
+                leaf.fill_(value)
+            return value
+
+        def sync_seen(value):
+            report = owner.sync("weights")
+            here.send((report.version, value))
+            if not here.poll(60) or not here.recv():
+                raise RuntimeError("the replica node's worker did not see the synced version")
+
         send, recv = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
         tags = iter(range(1, 10**9))
-        return {
-            "raw gloo send/recv": best_of(options.repeat, lambda: None,
-                                          lambda _: loop.raw_transfer(send, recv, next(tags))),
-            "shared_td sync": best_of(options.repeat, lambda: None, lambda _: owner.sync("weights")),
-        }
+        results = {"raw gloo send/recv": best_of(options.repeat, lambda: None,
+                                                 lambda _: loop.raw_transfer(send, recv, next(tags)))}
+        results.update(_tensordict_columns(options, loop, nbytes))
+        results["shared_td sync+worker"] = best_of(options.repeat, refill, sync_seen)
+        return results
     finally:
+        try:
+            here.send(None)  # the worker leaves
+        except OSError:
+            pass  # it is gone already: joined below
+        worker.join(30)
+        if worker.is_alive():
+            worker.kill()
+            worker.join(5)
+        here.close()
+        there.close()
         loop.close()
+        node1.shutdown()
+
+
+def _tensordict_columns(options, loop: _Loopback, nbytes: int) -> dict:
+    """tensordict 0.15.3 over the raw pair: ``send(consolidated=True)`` (which runs
+    ``consolidate()`` on each call, as a learner's changed weights need) into a
+    consolidated receiver, and one message per leaf into the consolidated tensordict
+    that ``from_remote_init`` would build (``init_remote`` itself needs a registered
+    default group, which one process cannot be both ranks of). Empty without tensordict."""
+    tensordict = tensordict_module()
+    if tensordict is None:
+        return {}
+    sent = tensordict.TensorDict(policy_tree(nbytes).to_dict(), batch_size=[])
+    received = tensordict.TensorDict(policy_tree(nbytes).to_dict(), batch_size=[]).consolidate(metadata=True)
+    per_leaf = tensordict.TensorDict(policy_tree(nbytes).to_dict(), batch_size=[]).consolidate(metadata=True)
+    raw0, raw1 = loop.raw
+    return {
+        "tensordict consolidated": best_of(options.repeat, lambda: None, lambda _: loop.pair(
+            lambda: sent.send(group=raw0, group_dst=1, consolidated=True),
+            lambda: received.recv(group=raw1, group_src=0, consolidated=True))),
+        "tensordict per leaf": best_of(options.repeat, lambda: None, lambda _: loop.pair(
+            lambda: sent.send(group=raw0, group_dst=1),
+            lambda: per_leaf.recv(group=raw1, group_src=0))),
+    }
 
 
 def case_cluster_push(options, root: str) -> dict:

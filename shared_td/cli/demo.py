@@ -1,6 +1,11 @@
 """``python -m shared_td demo``: actor processes feed a shared replay buffer that a
 learner process trains from, live, with nothing copied between them.
 
+``--nodes 2`` runs the same job on a two-node cluster over loopback: the learner on node 0
+(this process, which hosts the TCPStore on a free port of 127.0.0.1), the actors on node
+1 (a process tree of its own); the buffer and the policy are replicated, the actors'
+rows pushed to node 0, the policy synced to node 1 (see :mod:`shared_td.demo.nodes`).
+
 It starts a Coordinator, publishes the buffer and the shared state, spawns the actors
 and the learner, shows throughput for ``--seconds``, stops everything, checks that the
 shared cursor handed out every slot exactly once and that all processes mapped the same
@@ -12,8 +17,8 @@ Example:
     >>> parser = argparse.ArgumentParser()
     >>> add_arguments(parser)
     >>> args = parser.parse_args(["--seconds", "3"])
-    >>> args.seconds, args.actors
-    (3.0, 2)
+    >>> args.seconds, args.actors, args.nodes
+    (3.0, 2, 1)
     >>> run(args)                                          # doctest: +SKIP
     0
 """
@@ -27,6 +32,7 @@ EPILOG = """examples:
   shared-td demo                              20 s, 2 actors, a 262,144-row buffer
   shared-td demo --seconds 5 --actors 4
   shared-td demo --buffer-size 4096           a small ring: the cursor wraps many times
+  shared-td demo --nodes 2 --seconds 5        learner on node 0, actors on node 1 (loopback)
 
 Exit code 0 when every check passed (each slot the shared cursor handed out written
 exactly once, all processes mapping the same memory, no process failed), 1 otherwise,
@@ -51,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="number of actor processes (default 2)")
     parser.add_argument("--buffer-size", type=_positive(int), default=1 << 18,
                         help="rows of the shared ring buffer (default 262144, ~23 MiB)")
+    parser.add_argument("--nodes", type=int, choices=(1, 2), default=1,
+                        help="1 (default): one machine; 2: the learner on node 0 and the actors "
+                             "on node 1 of a cluster over loopback (127.0.0.1 only)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
     from shared_td.demo import run_demo
 
     try:
-        result = run_demo(seconds=args.seconds, actors=args.actors, capacity=args.buffer_size)
+        result = run_demo(seconds=args.seconds, actors=args.actors, capacity=args.buffer_size,
+                          nodes=args.nodes)
     except (RuntimeError, ValueError) as error:
         print(f"shared_td demo failed: {error}", file=sys.stderr)
         return 1

@@ -291,7 +291,8 @@ class Cluster:
             answer = self._answer(rep.owner, tag, deadline, name)
             try:
                 replica.set_state(rep.segment, replica.state(rep.segment) | 1)
-                work = self._groups.recv(rep.owner, generation, replica.segment_bytes(rep.segment, rep.layout["nbytes"]), tag)
+                work = self._groups.recv(rep.owner, generation, replica.segment_bytes(rep.segment, rep.layout["nbytes"]), tag,
+                                         deadline)
                 wait_work([work], deadline, f"pull of {name!r}", rep.layout["nbytes"])
             except TransferFailed as err:
                 self._groups.fail(rep.owner, generation)
@@ -315,7 +316,7 @@ class Cluster:
         tag, generation = self._request(rep.owner, "push", name, rep.generation,
                                         rows=int(index.numel()), nbytes=int(payload.numel()))
         try:
-            work = self._groups.send(rep.owner, generation, payload, tag)
+            work = self._groups.send(rep.owner, generation, payload, tag, deadline)
             wait_work([work], deadline, f"push of {name!r}", int(payload.numel()))
         except TransferFailed as err:
             self._groups.fail(rep.owner, generation)
@@ -336,6 +337,9 @@ class Cluster:
         store.set_json(f"version/{name}", {"version": owned.version, "generation": owned.generation})
         report = SyncReport(owned.version)
         targets = [n for n in range(self.nodes) if n != self.node and store.has(f"has/{name}/{n}")]
+        for node in [n for n in targets if not self._alive(n)]:  # lost: dropped, not waited for
+            targets.remove(node)
+            report.dropped[node] = f"lost: its heartbeat stood still for {LOST_AFTER_S:g} s"
         if not targets:
             return report
         payload = replica.segment_bytes(owned.segment, owned.layout["nbytes"])
@@ -359,7 +363,7 @@ class Cluster:
             tag, generation = self._request(peer, "sync", name, owned.generation, version=owned.version,
                                             nbytes=owned.layout["nbytes"])
             try:
-                work = self._groups.send(peer, generation, payload, tag)
+                work = self._groups.send(peer, generation, payload, tag, deadline)
                 wait_work([work], deadline, f"sync of {name!r} to node {peer}", int(payload.numel()))
             except TransferFailed:
                 self._groups.fail(peer, generation)

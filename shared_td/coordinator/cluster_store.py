@@ -31,6 +31,7 @@ Example:
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import hmac
 import json
@@ -45,6 +46,19 @@ from shared_td.errors import ClusterAuthError
 __all__ = ["ClusterAuthError", "ClusterCounter", "SignedStore", "cluster_key", "open_store"]
 
 _DIGEST = hashlib.sha256().digest_size
+
+
+def _store_call(method):
+    """A SignedStore method whose lost store host raises ConnectionError (torch raises
+    DistNetworkError, a RuntimeError), whichever caller uses it: the Cluster, a counter."""
+    @functools.wraps(method)
+    def call(self, key, *args):
+        try:
+            return method(self, key, *args)
+        except dist.DistNetworkError as err:
+            raise ConnectionError(f"The cluster store is gone ({err}) while using {key!r}: the "
+                                  "node that hosts it (node 0 by default) stopped.") from err
+    return call
 
 
 def cluster_key(authkey) -> bytes:
@@ -148,16 +162,20 @@ class SignedStore:
         return payload
 
     # --------------------------------------------------------------- values
+    @_store_call
     def set_json(self, key: str, value) -> None:
         self._store().set(key, self.sign(key, json.dumps(value).encode()))
 
+    @_store_call
     def get_json(self, key: str):
         """The value at ``key`` (waits up to the store's timeout for it to exist)."""
         return json.loads(self.check(key, self._store().get(key)))
 
+    @_store_call
     def has(self, key: str) -> bool:
         return self._store().check([key])
 
+    @_store_call
     def wait(self, keys: list[str], timeout: float) -> bool:
         """Whether all ``keys`` exist within ``timeout`` seconds (False on timeout)."""
         store = self._store()
@@ -171,20 +189,25 @@ class SignedStore:
             return False
         return True
 
+    @_store_call
     def delete(self, key: str) -> None:
         self._store().delete_key(key)
 
+    @_store_call
     def add(self, key: str, n: int) -> int:
         """``store.add``: the counter at ``key`` after adding ``n`` (unsigned, see above)."""
         return self._store().add(key, n)
 
+    @_store_call
     def compare_set(self, key: str, expected: str, desired: str) -> bytes:
         return self._store().compare_set(key, expected, desired)
 
     # --------------------------------------------------------------- queues
+    @_store_call
     def push_json(self, queue: str, value) -> None:
         self._store().queue_push(queue, self.sign(queue, json.dumps(value).encode()))
 
+    @_store_call
     def pop_json(self, queue: str, timeout: float):
         """The next value of ``queue``, or None when none came within ``timeout`` s."""
         store = self._store()

@@ -84,13 +84,14 @@ class PairGroups:
         """The pair's current generation (one store round trip)."""
         return self._store.add(f"pairgen/{self._pair(peer)}", 0)
 
-    def group(self, peer: int, generation: int):
+    def group(self, peer: int, generation: int, deadline: float | None = None):
         """The group shared with ``peer`` at ``generation``, built if this node has an
-        older one (built with the peer: blocks until it joins, at most ``timeout``).
+        older one (built with the peer: blocks until it joins, at most ``timeout`` and
+        not past ``deadline``, a ``time.monotonic()``: a lost peer never joins).
         TransferFailed if this node already moved past ``generation``."""
         with self._guard:
             lock = self._locks.setdefault(peer, threading.Lock())
-        if not lock.acquire(timeout=self.timeout):
+        if not lock.acquire(timeout=self._left(deadline)):
             raise TransferFailed(f"the group with node {peer} is being rebuilt for too long")
         try:
             have = self._groups.get(peer)
@@ -100,15 +101,21 @@ class PairGroups:
                 raise TransferFailed(f"generation {generation} of the pair with node {peer} is gone")
             if have is not None:
                 have[1].abort()
-            group = self._build(peer, generation)
+            group = self._build(peer, generation, self._left(deadline))
             self._groups[peer] = (generation, group)
             return group
         finally:
             lock.release()
 
-    def _build(self, peer: int, generation: int):
+    def _left(self, deadline: float | None) -> float:
+        """Seconds a wait may take: ``timeout``, and not past ``deadline``."""
+        if deadline is None:
+            return self.timeout
+        return max(0.001, min(self.timeout, deadline - time.monotonic()))
+
+    def _build(self, peer: int, generation: int, timeout: float):
         options = dist.ProcessGroupGloo._Options()
-        options._timeout = datetime.timedelta(seconds=self.timeout)
+        options._timeout = datetime.timedelta(seconds=timeout)  # the rendezvous's bound
         if self._hostname:
             options._devices = [dist.ProcessGroupGloo.create_device(hostname=self._hostname)]
         else:  # GLOO_SOCKET_IFNAME, else the interface of this host's name
@@ -130,17 +137,17 @@ class PairGroups:
                 have[1].abort()
         try:
             self._store.compare_set(f"pairgen/{self._pair(peer)}", str(generation), str(generation + 1))
-        except (RuntimeError, dist.DistError):
+        except (RuntimeError, OSError):  # OSError: ConnectionError, the store lost
             pass  # the store is gone: there is no next transfer
 
-    def send(self, peer: int, generation: int, tensor: torch.Tensor, tag: int):
-        return self._post("send", peer, generation, tensor, tag)
+    def send(self, peer: int, generation: int, tensor: torch.Tensor, tag: int, deadline: float | None = None):
+        return self._post("send", peer, generation, tensor, tag, deadline)
 
-    def recv(self, peer: int, generation: int, tensor: torch.Tensor, tag: int):
-        return self._post("recv", peer, generation, tensor, tag)
+    def recv(self, peer: int, generation: int, tensor: torch.Tensor, tag: int, deadline: float | None = None):
+        return self._post("recv", peer, generation, tensor, tag, deadline)
 
-    def _post(self, op: str, peer: int, generation: int, tensor: torch.Tensor, tag: int):
-        group = self.group(peer, generation)
+    def _post(self, op: str, peer: int, generation: int, tensor: torch.Tensor, tag: int, deadline: float | None):
+        group = self.group(peer, generation, deadline)
         try:  # a pair that a failure already closed refuses at once
             return getattr(group, op)([tensor], 1 - self._rank(peer), tag)
         except RuntimeError as err:

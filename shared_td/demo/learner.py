@@ -10,7 +10,7 @@ import time
 import torch
 
 from shared_td import Coordinator, SharedCounter
-from shared_td.demo.replay import NUM_ACTIONS, OBS_SIZE, check_in
+from shared_td.demo.replay import NUM_ACTIONS, OBS_SIZE, check_in, running
 
 LEARNING_RATE = 0.05
 
@@ -25,9 +25,9 @@ def run_learner(coord: Coordinator, cursor: SharedCounter, learner_slot: int, ba
     capacity = len(buffer)
     weights = torch.zeros(NUM_ACTIONS, OBS_SIZE, requires_grad=True)
     generator = torch.Generator().manual_seed(12345)
-    check_in(state, learner_slot, buffer)
+    parent = check_in(state, learner_slot, buffer)
     updates = 0
-    while int(state["phase"]) == 1:
+    while running(state, parent):
         filled = min(cursor.value, capacity)
         if filled == 0:
             time.sleep(0.01)

@@ -24,7 +24,7 @@ from shared_td import NonTensorData, TensorDict
 
 __all__ = [
     "NUM_ACTIONS", "OBS_SIZE", "Env", "backing_inode", "check_in", "expected_indices", "greedy_actions",
-    "replay_layout", "ring_rows", "slots_check", "state_layout",
+    "replay_layout", "ring_rows", "running", "slots_check", "state_layout",
 ]
 
 OBS_SIZE = 8
@@ -154,10 +154,19 @@ def backing_inode(tensor: torch.Tensor) -> int:
     raise LookupError(f"address {address:#x} is not mapped in process {os.getpid()}")
 
 
-def check_in(state: TensorDict, slot: int, buffer: TensorDict) -> None:
+def check_in(state: TensorDict, slot: int, buffer: TensorDict) -> int:
     """Report this worker ready (with the inode it maps the buffer from) and wait for
-    the parent to start the run (``phase`` leaves 0)."""
+    the parent to start the run (``phase`` leaves 0). Returns the parent's pid, for
+    :func:`running`."""
+    parent = os.getppid()
     state["inode"][slot] = backing_inode(buffer["obs"])
     state["ready"][slot] = True
-    while int(state["phase"]) == 0:
+    while int(state["phase"]) == 0 and os.getppid() == parent:
         time.sleep(0.01)
+    return parent
+
+
+def running(state: TensorDict, parent: int) -> bool:
+    """Whether the run goes on: ``phase`` is 1 and the parent that would end it is alive
+    (a SIGKILLed parent never sets phase 2: its workers must not outlive it)."""
+    return int(state["phase"]) == 1 and os.getppid() == parent

@@ -1,6 +1,7 @@
 """One run of the actor/learner demo: start a coordinator, publish the replay buffer and
 the shared state, spawn the actors and the learner, show live throughput, stop them,
-verify, and clean everything up.
+verify, and clean everything up. With ``nodes=2`` the learner and the actors run on two
+cluster nodes over loopback (:mod:`shared_td.demo.nodes`).
 
 Example:
     >>> result = run_demo(seconds=2, actors=2)          # doctest: +SKIP
@@ -21,11 +22,11 @@ from shared_td.demo.actor import run_actor
 from shared_td.demo.learner import run_learner
 from shared_td.demo.progress import ProgressLine, count, rate, size
 from shared_td.demo.replay import backing_inode, replay_layout, slots_check, state_layout
+from shared_td.demo.supervise import check_alive, stop, wait_for
 
 __all__ = ["DemoResult", "run_demo"]
 
 START_TIMEOUT = 120.0  # seconds for the spawned processes to import torch and attach
-STOP_TIMEOUT = 30.0    # seconds for each of them to finish its step and exit
 
 
 @dataclasses.dataclass
@@ -47,6 +48,9 @@ class DemoResult:
     same_memory: bool
     slots_ok: bool
     slots_message: str
+    nodes: int = 1
+    pushes: int = 0     # across nodes: push calls that carried the actors' rows to node 0
+    syncs: int = 0      # across nodes: policy versions synced to node 1
 
     @property
     def ok(self) -> bool:
@@ -54,35 +58,55 @@ class DemoResult:
 
     def summary(self) -> str:
         """The lines printed at the end of a run."""
-        mapping = ("map the same memory (one memfd inode, read in /proc/<pid>/maps)"
-                   if self.same_memory else "DO NOT map the same memory")
+        if self.nodes == 1:
+            who = f"{self.actors} actor processes and 1 learner"
+            mapping = ("map the same memory (one memfd inode, read in /proc/<pid>/maps)"
+                       if self.same_memory else "DO NOT map the same memory")
+            copies = (f"none: all {self.actors + 2} processes {mapping}; attaching the buffer sent "
+                      f"{size(self.reference_bytes)} of references, no transition went through a "
+                      "pipe or the coordinator")
+        else:
+            who = f"{self.actors} actor processes on node 1 and 1 learner on node 0"
+            mapping = ("map its one copy of the buffer (one memfd inode per node)"
+                       if self.same_memory else "DO NOT map their node's one copy")
+            copies = (f"one per node: the processes of each node {mapping}; {self.pushes:,} pushes "
+                      f"carried the rows to node 0 and {self.syncs:,} syncs the policy to node 1 "
+                      "(gloo over loopback); no transition went through a pipe or a coordinator")
         return "\n".join([
-            f"shared_td demo: {self.actors} actor processes and 1 learner for {self.seconds:.1f} s",
+            f"shared_td demo: {who} for {self.seconds:.1f} s"
+            + (f" ({self.nodes} nodes over loopback)" if self.nodes > 1 else ""),
             f"  written  {self.written:,} transitions ({rate(self.written, self.seconds)}, "
             f"{size(self.written * self.buffer_bytes / self.capacity / self.seconds)}/s) into a "
             f"{size(self.buffer_bytes)} shared ring buffer of {self.capacity:,} rows",
             f"  sampled  {self.sampled:,} transitions ({rate(self.sampled, self.seconds)}) in "
             f"{self.updates:,} learner updates; loss {self.loss:.4f}",
-            f"  policy   version {self.policy_version} read by the actors from shared non-tensor "
-            f"state; their mean reward {self.mean_reward:+.3f}",
+            f"  policy   version {self.policy_version} read by the actors from "
+            + ("shared non-tensor state" if self.nodes == 1 else "node 1's replica of the policy")
+            + f"; their mean reward {self.mean_reward:+.3f}",
             f"  cursor   {self.slots_message}",
-            f"  copies   none: all {self.actors + 2} processes {mapping}; attaching the "
-            f"buffer sent {size(self.reference_bytes)} of references, no transition went "
-            "through a pipe or the coordinator",
+            f"  copies   {copies}",
             "  result   " + ("OK" if self.ok else "FAILED"),
         ])
 
 
 def run_demo(seconds: float = 20.0, actors: int = 2, capacity: int = 1 << 18,
-             batch_size: int = 128, stream: TextIO | None = None) -> DemoResult:
+             batch_size: int = 128, stream: TextIO | None = None, nodes: int = 1) -> DemoResult:
     """Run the actor/learner demo for ``seconds`` (once every process is up) with
     ``actors`` actor processes and a buffer of ``capacity`` rows; live progress goes to
-    ``stream`` (default stdout). Raises RuntimeError if a process fails or hangs.
+    ``stream`` (default stdout). ``nodes=2``: the learner on node 0 (this process), the
+    actors on node 1, a cluster over loopback. Raises RuntimeError if a process fails or
+    hangs.
     """
-    if actors < 1 or capacity < batch_size or seconds <= 0:
-        raise ValueError(f"need actors >= 1, capacity >= {batch_size} rows and seconds > 0; "
-                         f"got {actors}, {capacity} and {seconds}")
+    if actors < 1 or capacity < batch_size or seconds <= 0 or nodes not in (1, 2):
+        raise ValueError(f"need actors >= 1, capacity >= {batch_size} rows, seconds > 0 and nodes "
+                         f"1 or 2; got {actors}, {capacity}, {seconds} and {nodes}")
     stream = stream if stream is not None else sys.stdout
+    if nodes == 2:
+        from shared_td.demo.nodes import run_two_nodes  # the cluster's imports only when asked
+
+        result = run_two_nodes(seconds, actors, capacity, batch_size, stream)
+        print(result.summary(), file=stream, flush=True)
+        return result
     with Coordinator() as coord:
         buffer = coord.publish("replay", replay_layout(capacity))
         state = coord.publish("state", state_layout(actors), share_non_tensor=True)
@@ -100,15 +124,20 @@ def run_demo(seconds: float = 20.0, actors: int = 2, capacity: int = 1 << 18,
                 process.start()
             print(f"shared_td demo: starting {actors} actor processes and 1 learner (spawn) "
                   f"on coordinator {coord.address}", file=stream, flush=True)
-            _wait(lambda: bool(state["ready"].all()), processes, START_TIMEOUT, "start")
+            wait_for(lambda: bool(state["ready"].all()), processes, START_TIMEOUT, "start")
             row_bytes = sum(leaf[0].nbytes for leaf in buffer.values(True, True))
-            elapsed = _run_with_progress(state, processes, seconds, row_bytes, stream)
+
+            def step() -> int:
+                check_alive(processes, "run")
+                return int(state["written"].sum())
+
+            elapsed = run_with_progress(state, seconds, row_bytes, stream, step)
         except BaseException:
             state["phase"].fill_(2)
-            _stop(processes, report=False)  # the error in flight says what went wrong
+            stop(processes, report=False)  # the error in flight says what went wrong
             raise
         state["phase"].fill_(2)  # every process leaves its loop after this step
-        _stop(processes, report=True)
+        stop(processes, report=True)
         written = int(state["written"].sum())
         slots_ok, slots_message = slots_check(buffer, cursor.value, written)
         result = DemoResult(
@@ -132,16 +161,17 @@ def run_demo(seconds: float = 20.0, actors: int = 2, capacity: int = 1 << 18,
     return result
 
 
-def _run_with_progress(state, processes, seconds: float, row_bytes: int, stream: TextIO) -> float:
+def run_with_progress(state, seconds: float, row_bytes: int, stream: TextIO, step) -> float:
     """Let the workers run for ``seconds``, redrawing the progress line (``row_bytes``:
-    the bytes of one transition); returns the seconds they ran."""
+    the bytes of one transition; ``step()`` checks the processes, does what the run
+    needs between two lines and returns the transitions written so far); returns the
+    seconds they ran."""
     line = ProgressLine(stream)
     state["phase"].fill_(1)
     started = time.monotonic()
     try:
         while (elapsed := time.monotonic() - started) < seconds:
-            _check_alive(processes, "run")
-            written, sampled = int(state["written"].sum()), int(state["sampled"])
+            written, sampled = step(), int(state["sampled"])
             line.update(elapsed / seconds, (
                 f"{elapsed:4.1f}/{seconds:g} s  written {count(written)} ({rate(written, elapsed)}, "
                 f"{size(written * row_bytes / max(elapsed, 1e-9))}/s)"
@@ -151,38 +181,3 @@ def _run_with_progress(state, processes, seconds: float, row_bytes: int, stream:
         return time.monotonic() - started
     finally:
         line.close()
-
-
-def _wait(condition, processes, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        _check_alive(processes, what)
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the demo's processes did not {what} within {timeout:g} s")
-        time.sleep(0.05)
-
-
-def _check_alive(processes, what: str) -> None:
-    dead = [p for p in processes if p.exitcode is not None]
-    if dead:
-        codes = ", ".join(f"{p.name} exit code {p.exitcode}" for p in dead)
-        raise RuntimeError(f"a demo process failed during {what} ({codes}); see its traceback above")
-
-
-def _stop(processes, report: bool) -> None:
-    """Join every started process; kill one that does not stop in time; if ``report``,
-    raise RuntimeError when any failed or hung."""
-    failed = []
-    for process in processes:
-        if process.pid is None:
-            continue  # never started
-        process.join(STOP_TIMEOUT)
-        if process.exitcode is None:
-            failed.append(f"{process.name} hung and was killed")
-            process.kill()
-            process.join(STOP_TIMEOUT)
-        elif process.exitcode != 0:
-            failed.append(f"{process.name} exit code {process.exitcode}")
-        process.close()
-    if failed and report:
-        raise RuntimeError(f"demo processes failed: {', '.join(failed)}")

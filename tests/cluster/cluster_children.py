@@ -107,6 +107,10 @@ def _run(cluster, coord, counters, command, *args):
         return cluster_replica.wait_version(cluster.attach(args[0]), args[1], timeout=10)
     if command == "worker_read":  # a spawn worker of this node attaches through the Coordinator
         return _worker_read(coord, args[0])
+    if command == "coordinator":  # where this node's workers attach (the test attaches as one)
+        return coord.address, coord.authkey
+    if command == "counter_add":
+        return cluster.counter(args[0]).fetch_add(args[1])
     if command == "claim_rows":  # take rows with a cluster counter, write and push them
         name, total, batch = args
         counter = cluster.counter(f"{name}-cursor")

@@ -1,0 +1,306 @@
+"""The actor/learner demo across two nodes (``python -m shared_td demo --nodes 2``), on
+loopback: the learner on node 0, the actors on node 1, each node its own process tree.
+
+* Node 0 is the process that runs the demo: it hosts the cluster's ``TCPStore`` on a
+  free port of 127.0.0.1, starts its ``Coordinator(cluster=..., node=0, nodes=2)``,
+  publishes the replay buffer and the ``policy`` (weights and their version) with
+  ``replicate=True``, and spawns the learner, which attaches them through node 0's
+  coordinator as on one machine. Whenever the learner makes a new policy version, node 0
+  copies it into ``policy`` and ``sync``\\ s it to node 1.
+* Node 1 is a spawned process with its own Coordinator (node=1) and its own spawned
+  actors. It attaches the buffer and the policy (one replica segment each, filled over
+  gloo), publishes its ``actors`` state (grants, counts, rewards) replicated too, and
+  runs the *agent* loop: it reserves each actor's next rows from the cluster-wide cursor
+  (``coord.counter("demo/cursor")``, one ``TCPStore.add``), and once an actor wrote them
+  into node 1's replica, ``push``\\ es those rows to node 0's buffer and counts them in
+  ``coord.counter("demo/written")``. The actors never talk to the network.
+* The two nodes step through stages on a cluster counter (``demo/stage``: published,
+  node 1 ready, run, stop, node 1 drained, done); every wait is bounded, and a failure on
+  either side (``demo/abort``) stops both. At the end node 0 pulls node 1's ``actors``
+  state and checks, as on one node, that every slot the cursor handed out was written
+  exactly once and that the processes of each node map one segment.
+"""
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+import secrets
+import signal
+import time
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from shared_td import Coordinator, SharedCounter, TensorDict
+from shared_td.demo.actor import run_node_actor
+from shared_td.demo.learner import run_learner
+from shared_td.demo.replay import NUM_ACTIONS, OBS_SIZE, backing_inode, replay_layout, slots_check, state_layout
+from shared_td.demo.session import START_TIMEOUT, DemoResult, run_with_progress
+from shared_td.demo.supervise import STOP_TIMEOUT, check_alive, stop, wait_for
+
+__all__ = ["actors_layout", "node1_main", "policy_layout", "run_two_nodes"]
+
+#: Seconds any cluster call, and any wait for the other node, may take.
+CLUSTER_TIMEOUT = 60.0
+
+# The stages of a run, the values of the ``demo/stage`` counter.
+PUBLISHED, NODE1_READY, RUN, STOP, DRAINED, DONE = range(1, 7)
+
+
+def policy_layout() -> TensorDict:
+    """What node 0 replicates to node 1 for the actors: the weights and their version."""
+    return TensorDict(weights=torch.zeros(NUM_ACTIONS, OBS_SIZE),
+                      version=torch.zeros((), dtype=torch.int64), batch_size=[])
+
+
+def actors_layout(actors: int) -> TensorDict:
+    """Node 1's state, replicated to node 0 for the end-of-run checks: ``phase`` (0
+    starting, 1 running, 2 stop), ``ready``/``inode`` per actor, the agent's ``grant``
+    (cursor position handed to each actor, -1 none) and the actors' ``filled`` (the last
+    granted position written), rows ``written`` (pushed) and ``mean_reward`` per actor,
+    and ``same_memory`` (node 1's actors all map its replica of the buffer)."""
+    return TensorDict(
+        phase=torch.zeros((), dtype=torch.int64),
+        ready=torch.zeros(actors, dtype=torch.bool),
+        inode=torch.zeros(actors, dtype=torch.int64),
+        grant=torch.full((actors,), -1, dtype=torch.int64),
+        filled=torch.full((actors,), -1, dtype=torch.int64),
+        written=torch.zeros(actors, dtype=torch.int64),
+        mean_reward=torch.zeros(actors),
+        same_memory=torch.zeros((), dtype=torch.bool),
+        batch_size=[],
+    )
+
+
+@contextmanager
+def loopback():
+    """A TCPStore on a free port of 127.0.0.1 (hosted here: this process is node 0) with
+    gloo bound to the loopback interface for the block; yields the store."""
+    saved = os.environ.get("GLOO_SOCKET_IFNAME")
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # the spawned node 1 inherits it
+    try:
+        yield dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=CLUSTER_TIMEOUT),
+                            wait_for_workers=False)
+    finally:
+        if saved is None:
+            del os.environ["GLOO_SOCKET_IFNAME"]
+        else:
+            os.environ["GLOO_SOCKET_IFNAME"] = saved
+
+
+class NodeStages:
+    """The stage counter both nodes step through, and the abort flag; every wait is
+    bounded and gives up when the other node aborted or (``alive``) died."""
+
+    def __init__(self, coord: Coordinator):
+        self._stage = coord.counter("demo/stage")
+        self._abort = coord.counter("demo/abort")
+
+    def reach(self, stage: int) -> None:
+        """Announce ``stage`` (each stage is announced once, by one node)."""
+        self._stage.fetch_add(stage - self._stage.fetch_add(0))
+
+    @property
+    def now(self) -> int:
+        return self._stage.value
+
+    def abort(self) -> None:
+        self._abort.fetch_add(1)
+
+    def aborted(self) -> bool:
+        return self._abort.value > 0
+
+    def wait(self, stage: int, timeout: float, what: str, alive=lambda: None) -> None:
+        deadline = time.monotonic() + timeout
+        while self._stage.value < stage:
+            if self.aborted():
+                raise RuntimeError(f"the other node failed while this one waited for {what}")
+            alive()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what} did not happen within {timeout:g} s")
+            time.sleep(0.01)
+
+
+def node1_main(url: str, authkey: bytes, actors: int, batch_size: int, pause: float) -> None:
+    """Node 1 (a spawned process): its own Coordinator, its actors and the agent loop.
+    Exits 0 after a complete run; on any failure it announces the abort, stops its
+    actors and exits 1."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: node 0 stops us via the stages
+    coord = Coordinator(cluster=url, node=1, nodes=2, authkey=authkey, timeout=CLUSTER_TIMEOUT)
+    processes = []
+    with coord:
+        stages = NodeStages(coord)
+        try:
+            stages.wait(PUBLISHED, START_TIMEOUT, "node 0's publishing")
+            buffer = coord.attach("replay")          # node 1's replica: one full transfer
+            coord.attach("policy")
+            state = coord.publish("actors", actors_layout(actors), replicate=True)
+            ctx = multiprocessing.get_context("spawn")
+            processes = [ctx.Process(target=run_node_actor, args=(coord, i, batch_size, pause),
+                                     name=f"actor-{i} (node 1)") for i in range(actors)]
+            for process in processes:
+                process.start()
+            wait_for(lambda: bool(state["ready"].all()), processes, START_TIMEOUT, "start")
+            stages.reach(NODE1_READY)
+            stages.wait(RUN, START_TIMEOUT, "node 0's start", lambda: check_alive(processes, "start"))
+            state["phase"].fill_(1)
+            _agent(coord, stages, state, processes, batch_size, len(buffer))
+            state["phase"].fill_(2)
+            stop(processes, report=True)
+            state["same_memory"].fill_(bool((state["inode"] == backing_inode(buffer["obs"])).all()))
+            stages.reach(DRAINED)
+            stages.wait(DONE, CLUSTER_TIMEOUT, "node 0's checks")  # node 0 pulls our state
+        except BaseException:
+            stages_failed(coord)
+            if processes:
+                state["phase"].fill_(2)
+                stop(processes, report=False)  # the error in flight says what went wrong
+            raise
+
+
+def stages_failed(coord: Coordinator) -> None:
+    """Tell the other node that this one failed (if the store is still there)."""
+    try:
+        NodeStages(coord).abort()
+    except (RuntimeError, OSError):
+        pass  # the store is gone: the other node sees ConnectionError by itself
+
+
+def _agent(coord, stages: NodeStages, state, processes, batch_size: int, capacity: int) -> None:
+    """Hand every actor its next rows from the cluster cursor and push the rows they
+    wrote to node 0 (one push for all the actors that finished), until node 0 says stop;
+    then stop granting, wait for the rows granted last, push them, and return."""
+    cursor, written = coord.counter("demo/cursor"), coord.counter("demo/written")
+    pushes = coord.counter("demo/pushes")
+    grant, filled = state["grant"], state["filled"]
+    granting, next_look = True, 0.0
+    while True:
+        done = [a for a in range(len(grant)) if int(grant[a]) == int(filled[a])]
+        rows = [torch.arange(int(grant[a]), int(grant[a]) + batch_size) for a in done if int(grant[a]) >= 0]
+        if rows:
+            positions = torch.cat(rows)
+            coord.push("replay", positions % capacity)  # returns once node 0 wrote them
+            written.fetch_add(len(positions))
+            pushes.fetch_add(1)
+            for a in done:
+                if int(grant[a]) >= 0:
+                    state["written"][a] += batch_size
+        if granting:
+            for a in done:
+                grant[a] = cursor.fetch_add(batch_size)
+        else:
+            for a in done:
+                grant[a] = filled[a] = -1  # nothing granted, nothing to push again
+            if bool((grant < 0).all()):
+                return
+        if time.monotonic() >= next_look:  # the stage is a store round trip: not every step
+            check_alive(processes, "run")
+            if stages.aborted():
+                raise RuntimeError("node 0 failed during the run")
+            granting = stages.now < STOP
+            next_look = time.monotonic() + 0.05
+        if not done:
+            time.sleep(0.0005)
+
+
+def run_two_nodes(seconds: float, actors: int, capacity: int, batch_size: int, stream) -> DemoResult:
+    """Node 0's part of a two-node run (this process): host the store, start node 1, run,
+    check; returns the result. RuntimeError if a process or a node fails or hangs."""
+    ctx = multiprocessing.get_context("spawn")
+    with loopback() as store:
+        url = f"tcp://127.0.0.1:{store.port}?host=0"  # node 1 joins the store this process hosts
+        authkey = secrets.token_bytes(32)  # one run's cluster key, handed over the spawn pipe
+        node1 = ctx.Process(target=node1_main, args=(url, authkey, actors, batch_size, 0.002), name="node 1")
+        node1.start()
+        try:
+            coord = Coordinator(cluster=store, node=0, nodes=2, authkey=authkey, timeout=CLUSTER_TIMEOUT)
+            with coord:  # waits (bounded) for node 1 to join
+                print(f"shared_td demo: starting 1 learner on node 0 and {actors} actor processes on "
+                      f"node 1 (spawn), a cluster on 127.0.0.1:{store.port}", file=stream, flush=True)
+                found = _run_node0(coord, node1, actors, capacity, batch_size, seconds, stream)
+            stop([node1], report=True)  # node 1 left after node 0's checks: its exit code counts
+        except BaseException:
+            stop([node1], report=False)  # it sees the abort (or the store gone) and stops
+            raise
+    buffer, actors_state = found["buffer"], found["actors_state"]
+    slots_ok, slots_message = slots_check(buffer, found["reserved"], found["written"])
+    pushed = int(actors_state["written"].sum())
+    if pushed != found["written"]:
+        slots_ok, slots_message = False, (f"node 1 counted {pushed:,} rows pushed, node 0 received "
+                                          f"{found['written']:,}")
+    return DemoResult(
+        seconds=found["elapsed"], actors=actors, capacity=capacity,
+        buffer_bytes=sum(leaf.nbytes for leaf in buffer.values(True, True)),
+        reference_bytes=0, reserved=found["reserved"], written=found["written"],
+        sampled=found["sampled"], updates=found["updates"], policy_version=found["policy_version"],
+        loss=found["loss"], mean_reward=float(actors_state["mean_reward"].mean()),
+        same_memory=found["same_memory"], slots_ok=slots_ok, slots_message=slots_message,
+        nodes=2, pushes=found["pushes"], syncs=found["syncs"],
+    )
+
+
+def _run_node0(coord: Coordinator, node1, actors: int, capacity: int, batch_size: int,
+               seconds: float, stream) -> dict:
+    """Publish, start the learner, keep node 1's policy current while the progress line
+    runs, stop, pull node 1's state. Returns what the result needs."""
+    stages = NodeStages(coord)
+    buffer = coord.publish("replay", replay_layout(capacity), replicate=True)
+    policy = coord.publish("policy", policy_layout(), replicate=True)
+    state = coord.publish("state", state_layout(0), share_non_tensor=True)
+    landed = SharedCounter()  # rows pushed into this node's buffer: what the learner samples from
+    stages.reach(PUBLISHED)
+    learner = multiprocessing.get_context("spawn").Process(
+        target=run_learner, args=(coord, landed, 0, 256, 20, 0.001), name="learner (node 0)")
+    processes = [learner]
+    node1_alive = lambda: check_alive([node1], "the run")  # noqa: E731
+    try:
+        learner.start()
+        wait_for(lambda: bool(state["ready"].all()), [learner, node1], START_TIMEOUT, "start")
+        stages.wait(NODE1_READY, START_TIMEOUT, "node 1's start", node1_alive)
+        actors_state = coord.attach("actors")  # node 1's state: this node's replica of it
+        written = coord.counter("demo/written")
+        synced = {"version": 0, "syncs": 0}
+        row_bytes = sum(leaf[0].nbytes for leaf in buffer.values(True, True))
+
+        def step() -> int:
+            """Keep the learner's sample range and node 1's policy current; returns the
+            rows that reached this node."""
+            check_alive([learner, node1], "run")
+            if stages.aborted():
+                raise RuntimeError("node 1 failed during the run")
+            arrived = written.value
+            landed.fetch_add(arrived - landed.value)
+            version = state["policy_version"]
+            if version != synced["version"]:
+                policy["weights"].copy_(state["weights"])
+                policy["version"].fill_(version)
+                report = coord.sync("policy")
+                if report.dropped:
+                    raise RuntimeError(f"node 1 was dropped from the policy sync: {report.dropped}")
+                synced.update(version=version, syncs=synced["syncs"] + 1)
+            return arrived
+
+        stages.reach(RUN)
+        elapsed = run_with_progress(state, seconds, row_bytes, stream, step)
+        stages.reach(STOP)
+        stages.wait(DRAINED, STOP_TIMEOUT, "node 1's last pushes", node1_alive)
+        state["phase"].fill_(2)
+        stop(processes, report=True)
+        coord.pull("actors")
+        stages.reach(DONE)  # node 1 may leave
+        return dict(
+            elapsed=elapsed, buffer=buffer, actors_state=actors_state,
+            reserved=coord.counter("demo/cursor").value, written=written.value,
+            pushes=coord.counter("demo/pushes").value, syncs=synced["syncs"],
+            sampled=int(state["sampled"]), updates=int(state["updates"]),
+            policy_version=state["policy_version"], loss=float(state["loss"]),
+            same_memory=bool(state["inode"][0] == backing_inode(buffer["obs"]))
+            and bool(actors_state["same_memory"]),
+        )
+    except BaseException:
+        stages_failed(coord)
+        state["phase"].fill_(2)
+        stop(processes, report=False)
+        raise

@@ -1,0 +1,28 @@
+"""The cluster benchmark cases, tiny: every column runs, and ``sync`` is timed until a
+worker process attached through the replica node's coordinator saw the new contents
+(the case raises when it did not)."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch.distributed")
+
+from shared_td.bench.cases_cluster import case_cluster_counter, case_cluster_push, case_cluster_sync  # noqa: E402
+from shared_td.bench.runner import BenchOptions  # noqa: E402
+from tests.reference import needs_tensordict  # noqa: E402
+
+
+@needs_tensordict
+@pytest.mark.timeout(120)
+def test_sync_case_runs_beside_raw_gloo_and_tensordict(tmp_path):
+    results = case_cluster_sync(BenchOptions.quick(size_mib=1, repeat=2), str(tmp_path))
+    assert list(results) == ["raw gloo send/recv", "tensordict consolidated", "tensordict per leaf",
+                             "shared_td sync+worker"]
+    assert all(0 < seconds < 10 for seconds in results.values()), results
+
+
+@pytest.mark.timeout(120)
+def test_push_and_counter_cases_run(tmp_path):
+    options = BenchOptions.quick(rounds=10, repeat=1)
+    assert list(case_cluster_push(options, str(tmp_path))) == ["raw gloo send + 1 store round trip", "shared_td push"]
+    assert list(case_cluster_counter(options, str(tmp_path))) == ["raw TCPStore.add", "shared_td fetch_add"]
