@@ -1,0 +1,120 @@
+"""The pickle of a consolidated tree: its one buffer once, plus a small skeleton.
+
+A consolidated tensordict over a plain buffer pickles as the buffer (one
+``PickleBuffer`` with protocol 5, so a pipe or a file gets it without a copy) and the
+pickle of the tree in which every leaf that is a view of the buffer is only its
+``(dtype, shape, byte offset)``. A leaf no longer in the buffer (an entry replaced
+after ``unlock_()``) pickles as itself. Loading makes the payload the new tree's buffer
+and every leaf a view of it: one allocation, no per-leaf storage.
+"""
+from __future__ import annotations
+
+import copyreg
+import io
+import pickle
+from typing import Any
+
+import torch
+
+_BYTE = torch.uint8
+
+
+class Layout:
+    """The one storage of a consolidated tree: ``buffer`` (1-d uint8, its length a
+    multiple of 64). Every node of the tree carries it, so a sub-tree pickles with the
+    buffer once, not once per leaf."""
+
+    __slots__ = ("buffer",)
+
+    def __init__(self, buffer: torch.Tensor):
+        self.buffer = buffer
+
+
+def c_strides(shape: Any) -> list[int]:
+    """The strides of a contiguous tensor of ``shape``."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return strides[::-1]
+
+
+def reduce_tree(obj: Any, root: Any, layout: Layout, protocol: int, node_class: type) -> tuple:
+    """``obj.__reduce_ex__(protocol)`` for a consolidated ``obj`` over a plain buffer;
+    ``root`` is the node that carries the layout (a tensorclass's tensordict);
+    ``node_class`` the class of the tree's nodes (TensorDictBase's consolidate mixin)."""
+    tree = io.BytesIO()
+    _TreePickler(tree, protocol, layout, root if root.is_locked else None, node_class).dump(obj)
+    data = layout.buffer.numpy()
+    payload = pickle.PickleBuffer(data) if protocol >= 5 else data.tobytes()
+    return _unpickle_consolidated, (payload, tree.getvalue())
+
+
+class _TreePickler(pickle.Pickler):
+    """Pickles a consolidated tree with its buffer's views as ``_view(dtype, shape,
+    offset)`` and its layout as ``_layout()``: names that _TreeUnpickler resolves to its
+    own buffer. (``reducer_override``, unlike ``persistent_id``, is not called for the
+    many str/int/tuple/dict objects of a tree.)"""
+
+    def __init__(self, file: Any, protocol: int, layout: Layout, locked_root: Any, node_class: type):
+        super().__init__(file, protocol)
+        self.layout = layout
+        self.node_class = node_class
+        self.base = layout.buffer.untyped_storage().data_ptr()
+        self.locked_root = locked_root
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            if obj.untyped_storage().data_ptr() == self.base and obj.is_contiguous():
+                return _view, (obj.dtype, tuple(obj.shape), obj.storage_offset() * obj.element_size())
+            if obj.numel() == 0:
+                return _view, (obj.dtype, tuple(obj.shape), 0)
+        elif isinstance(obj, self.node_class) and obj.__dict__.get("_consolidated") is self.layout:
+            # a node of this tree: its state, as object.__reduce_ex__ gives it (not
+            # through its own __reduce_ex__, which would start another tree pickle)
+            state = obj.__getstate__()
+            if self.locked_root is not None and obj is not self.locked_root:
+                # the root's lock_() on loading locks its whole tree once (as here);
+                # each node locking its own sub-tree as well cost O(nodes x depth)
+                state["_is_locked"] = False
+            return copyreg.__newobj__, (type(obj),), state
+        elif obj is self.layout:
+            return _layout, ()
+        return NotImplemented
+
+
+def _view(dtype: torch.dtype, shape: tuple, offset: int) -> torch.Tensor:
+    raise pickle.UnpicklingError("a consolidated leaf can only be read by _TreeUnpickler")
+
+
+def _layout() -> Layout:
+    raise pickle.UnpicklingError("a consolidated layout can only be read by _TreeUnpickler")
+
+
+class _TreeUnpickler(pickle.Unpickler):
+    """Reads what _TreePickler wrote: the leaves become views of ``buffer``."""
+
+    def __init__(self, file: Any, buffer: torch.Tensor):
+        super().__init__(file)
+        self.layout = Layout(buffer)
+        self.typed: dict[torch.dtype, torch.Tensor] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == __name__ and name == "_view":
+            return self.view
+        if module == __name__ and name == "_layout":
+            return lambda: self.layout
+        return super().find_class(module, name)
+
+    def view(self, dtype: torch.dtype, shape: tuple, offset: int) -> torch.Tensor:
+        whole = self.typed.get(dtype)
+        if whole is None:
+            whole = self.typed[dtype] = self.layout.buffer.view(dtype)
+        return whole.as_strided(shape, c_strides(shape), offset // dtype.itemsize)
+
+
+def _unpickle_consolidated(payload: Any, tree: bytes) -> Any:
+    """Rebuild a pickled consolidated tensordict: the payload becomes its one buffer."""
+    data = payload if isinstance(payload, bytearray) else bytearray(payload)
+    buffer = torch.frombuffer(data, dtype=_BYTE) if data else torch.empty(0, dtype=_BYTE)  # len: 64 * n
+    return _TreeUnpickler(io.BytesIO(tree), buffer).load()
