@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copyreg
 import io
+import math
 import pickle
 from typing import Any
 
@@ -39,36 +40,73 @@ def c_strides(shape: Any) -> list[int]:
     return strides[::-1]
 
 
+def views_in_runs(buffer: torch.Tensor, entries: list[tuple]) -> list[torch.Tensor]:
+    """The views of ``buffer`` (1-d uint8, its length a multiple of 64) that ``entries``
+    describe, in order: each ``(dtype, shape, byte offset)`` a contiguous tensor. Each run
+    of entries of one dtype and shape lying back to back is one ``unbind`` (one C++ call
+    for the run instead of one ``as_strided`` per leaf)."""
+    typed: dict[torch.dtype, torch.Tensor] = {}
+    views: list[torch.Tensor] = []
+    start, count = 0, len(entries)
+    while start < count:
+        dtype, shape, offset = entries[start]
+        whole = typed.get(dtype)
+        if whole is None:
+            whole = typed[dtype] = buffer.view(dtype)
+        itemsize, numel = dtype.itemsize, math.prod(shape)
+        end, after = start + 1, offset + numel * itemsize
+        while numel and end < count and entries[end][2] == after and entries[end][0] is dtype \
+                and entries[end][1] == shape:
+            end, after = end + 1, after + numel * itemsize
+        if end - start > 1:
+            first = offset // itemsize
+            views.extend(whole[first:first + numel * (end - start)].view(end - start, *shape).unbind(0))
+        else:
+            views.append(whole.as_strided(shape, c_strides(shape), offset // itemsize))
+        start = end
+    return views
+
+
 def reduce_tree(obj: Any, root: Any, layout: Layout, protocol: int, node_class: type) -> tuple:
     """``obj.__reduce_ex__(protocol)`` for a consolidated ``obj`` over a plain buffer;
     ``root`` is the node that carries the layout (a tensorclass's tensordict);
     ``node_class`` the class of the tree's nodes (TensorDictBase's consolidate mixin)."""
     tree = io.BytesIO()
-    _TreePickler(tree, protocol, layout, root if root.is_locked else None, node_class).dump(obj)
+    pickler = _TreePickler(tree, protocol, layout, root if root.is_locked else None, node_class)
+    pickler.dump(obj)
     data = layout.buffer.numpy()
     payload = pickle.PickleBuffer(data) if protocol >= 5 else data.tobytes()
-    return _unpickle_consolidated, (payload, tree.getvalue())
+    return _unpickle_consolidated, (payload, pickler.leaves, tree.getvalue())
 
 
 class _TreePickler(pickle.Pickler):
-    """Pickles a consolidated tree with its buffer's views as ``_view(dtype, shape,
-    offset)`` and its layout as ``_layout()``: names that _TreeUnpickler resolves to its
-    own buffer. (``reducer_override``, unlike ``persistent_id``, is not called for the
-    many str/int/tuple/dict objects of a tree.)"""
+    """Pickles a consolidated tree with its buffer's views as ``_leaf(index)`` (their
+    ``(dtype, shape, byte offset)`` listed in ``leaves``, pickled beside the tree) and its
+    layout as ``_layout()``: names that _TreeUnpickler resolves to its own views and
+    buffer. (``reducer_override``, unlike ``persistent_id``, is not called for the many
+    str/int/tuple/dict objects of a tree.)"""
 
     def __init__(self, file: Any, protocol: int, layout: Layout, locked_root: Any, node_class: type):
         super().__init__(file, protocol)
         self.layout = layout
         self.node_class = node_class
-        self.base = layout.buffer.untyped_storage().data_ptr()
+        self.leaves: list[tuple] = []
+        self.base = layout.buffer.data_ptr()
+        self.nbytes = layout.buffer.numel()
         self.locked_root = locked_root
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
-            if obj.untyped_storage().data_ptr() == self.base and obj.is_contiguous():
-                return _view, (obj.dtype, tuple(obj.shape), obj.storage_offset() * obj.element_size())
-            if obj.numel() == 0:
-                return _view, (obj.dtype, tuple(obj.shape), 0)
+            # within the buffer's bytes (whose addresses are its own): a view of it
+            offset = obj.data_ptr() - self.base
+            if 0 <= offset < self.nbytes and obj.is_contiguous() and not (obj.is_conj() or obj.is_neg()):
+                pass  # (a conjugate or negative view's flag is not in the bytes)
+            elif obj.numel() == 0:
+                offset = 0
+            else:
+                return NotImplemented  # no longer a view of the buffer: pickled as itself
+            self.leaves.append((obj.dtype, tuple(obj.shape), offset))
+            return _leaf, (len(self.leaves) - 1,)
         elif isinstance(obj, self.node_class) and obj.__dict__.get("_consolidated") is self.layout:
             # a node of this tree: its state, as object.__reduce_ex__ gives it (not
             # through its own __reduce_ex__, which would start another tree pickle)
@@ -83,7 +121,7 @@ class _TreePickler(pickle.Pickler):
         return NotImplemented
 
 
-def _view(dtype: torch.dtype, shape: tuple, offset: int) -> torch.Tensor:
+def _leaf(index: int) -> torch.Tensor:
     raise pickle.UnpicklingError("a consolidated leaf can only be read by _TreeUnpickler")
 
 
@@ -92,29 +130,24 @@ def _layout() -> Layout:
 
 
 class _TreeUnpickler(pickle.Unpickler):
-    """Reads what _TreePickler wrote: the leaves become views of ``buffer``."""
+    """Reads what _TreePickler wrote: the leaves become views of ``buffer``, made
+    before the tree is read (``leaves``: their dtypes, shapes and offsets, in order)."""
 
-    def __init__(self, file: Any, buffer: torch.Tensor):
+    def __init__(self, file: Any, buffer: torch.Tensor, leaves: list[tuple]):
         super().__init__(file)
         self.layout = Layout(buffer)
-        self.typed: dict[torch.dtype, torch.Tensor] = {}
+        self.views = views_in_runs(buffer, leaves)
 
     def find_class(self, module: str, name: str) -> Any:
-        if module == __name__ and name == "_view":
-            return self.view
+        if module == __name__ and name == "_leaf":
+            return self.views.__getitem__
         if module == __name__ and name == "_layout":
             return lambda: self.layout
         return super().find_class(module, name)
 
-    def view(self, dtype: torch.dtype, shape: tuple, offset: int) -> torch.Tensor:
-        whole = self.typed.get(dtype)
-        if whole is None:
-            whole = self.typed[dtype] = self.layout.buffer.view(dtype)
-        return whole.as_strided(shape, c_strides(shape), offset // dtype.itemsize)
 
-
-def _unpickle_consolidated(payload: Any, tree: bytes) -> Any:
+def _unpickle_consolidated(payload: Any, leaves: list[tuple], tree: bytes) -> Any:
     """Rebuild a pickled consolidated tensordict: the payload becomes its one buffer."""
     data = payload if isinstance(payload, bytearray) else bytearray(payload)
     buffer = torch.frombuffer(data, dtype=_BYTE) if data else torch.empty(0, dtype=_BYTE)  # len: 64 * n
-    return _TreeUnpickler(io.BytesIO(tree), buffer).load()
+    return _TreeUnpickler(io.BytesIO(tree), buffer, leaves).load()

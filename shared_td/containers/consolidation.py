@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from shared_td.containers.consolidated_pickle import Layout, c_strides, reduce_tree
+from shared_td.containers.consolidated_pickle import Layout, reduce_tree, views_in_runs
 from shared_td.containers.locking import lock_built
 from shared_td.errors import LockedTensorDictError
 from shared_td.keys import key_repr
@@ -172,37 +172,15 @@ def _adopt(node: Any, views: Iterator[torch.Tensor], layout: Layout) -> None:
 
 # ----------------------------------------------------------------------------- bytes
 def _views(buffer: torch.Tensor, sources: list, offsets: list[int], small: list[int]) -> list[torch.Tensor]:
-    """Each source's place in ``buffer`` (a plain uint8 tensor whose length is a multiple
-    of 64) as a contiguous tensor of its dtype and shape, in the sources' order. The
-    small leaves lie back to back in packing order: each run of one dtype and shape is
-    one ``unbind`` (one C++ call for the run); the others are one ``as_strided`` each."""
-    typed: dict[torch.dtype, torch.Tensor] = {}
-
-    def typed_buffer(dtype: torch.dtype) -> torch.Tensor:
-        whole = typed.get(dtype)
-        if whole is None:
-            whole = typed[dtype] = buffer.view(dtype)
-        return whole
-
+    """Each source's place in ``buffer`` as a contiguous tensor of its dtype and shape,
+    in the sources' order. The small leaves lie back to back in packing order, so each
+    run of them of one dtype and shape is one ``unbind``."""
+    small_set = set(small)
+    order = small + [index for index in range(len(sources)) if index not in small_set]
+    placed = views_in_runs(buffer, [(sources[i].dtype, sources[i].shape, offsets[i]) for i in order])
     views: list = [None] * len(sources)
-    start, count = 0, len(small)
-    while start < count:
-        first = sources[small[start]]
-        dtype, shape = first.dtype, first.shape
-        end = start + 1
-        while end < count and sources[small[end]].dtype is dtype and sources[small[end]].shape == shape:
-            end += 1
-        at = offsets[small[start]] // first.element_size()
-        size = first.numel() * (end - start)
-        block = typed_buffer(dtype)[at:at + size].view(end - start, *shape)
-        for index, view in zip(small[start:end], block.unbind(0)):
-            views[index] = view
-        start = end
-    for index, view in enumerate(views):
-        if view is None:  # a big leaf, or an empty one (offset 0)
-            source = sources[index]
-            views[index] = typed_buffer(source.dtype).as_strided(
-                source.shape, c_strides(source.shape), offsets[index] // source.element_size())
+    for index, view in zip(order, placed):
+        views[index] = view
     return views
 
 

@@ -201,3 +201,15 @@ def test_values_of_every_kind_of_leaf():
         for key, value in source.items():
             assert torch.equal(out[key], value.detach().resolve_conj().resolve_neg()), key
         assert len(_storages(out)) == 1
+
+
+def test_replaced_entries_that_view_the_buffer_pickle_with_their_values():
+    out = TensorDict(c=torch.tensor([1 + 2j, 3 - 1j]), f=torch.arange(6.0), g=torch.arange(4.0)).consolidate()
+    out.unlock_()
+    out["c"] = out["c"].conj()  # a conjugate view of the buffer: the flag is not in the bytes
+    out["g"] = out["f"][1:5]  # a contiguous part of another leaf
+    out["t"] = out["f"].reshape(2, 3).t()  # not contiguous
+    out["n"] = out["f"][:2]._neg_view()
+    again = pickle.loads(pickle.dumps(out))
+    for key in ("c", "g", "t", "n"):
+        assert torch.equal(again[key].resolve_conj().resolve_neg(), out[key].resolve_conj().resolve_neg()), key
