@@ -64,6 +64,12 @@ def test_same_layout_as_anonymous_memmap():
         if td[key].numel():
             assert shared[key]._byte_offset() == memmapped[key]._byte_offset(), key
     assert len({leaf._backing.key for leaf in memmapped.values(True, True) if leaf.numel()}) == 1
+    # memmap_() of the shared consolidated tree keeps its one segment (no copy)
+    leaves = dict(shared.items(True, True))
+    shared.unlock_()
+    shared.memmap_()
+    assert shared.is_memmap() and shared.is_consolidated()
+    assert all(shared[key] is leaf for key, leaf in leaves.items() if leaf.numel())
 
 
 def test_lazy_stack_and_tensorclass():
