@@ -243,8 +243,7 @@ class _Storage:
             if total == 0:
                 files.create_file(path, 0, existsok=True)  # the checks only: nothing to map
             else:
-                self.backing, _ = files.create_file(path, total, existsok=True)
-                nbytes = total  # the file holds the bytes only
+                self.backing, _ = files.create_file(path, nbytes, existsok=True)
         elif share_memory and total:
             self.backing = Segment.create(nbytes)
         if self.backing is None and (filename is not None or share_memory):
@@ -371,7 +370,8 @@ class ConsolidateMethods:
         Args:
             filename: map one file at this path (created, or reused and grown) and put
                 the bytes there; the leaves are MemoryMappedTensors of that file. The
-                file holds the raw bytes only (no metadata, unlike tensordict's).
+                file holds the raw bytes only, padded to a multiple of 64 (no metadata,
+                unlike tensordict's).
             num_threads: with 2 or more, that many threads copy the leaves (in pieces of
                 about equal bytes); 0 and 1 copy in the calling thread.
             device: only None or "cpu" (CPU storage is the only one this build of
@@ -433,8 +433,10 @@ class ConsolidateMethods:
             return result
 
         if return_early and threads > 1:
-            # inplace: this tensordict keeps its leaves until the copy has succeeded
-            return _copy_in_background(jobs, threads, finish if inplace else (lambda built=finish(): built))
+            if inplace:  # this tensordict keeps its leaves until the copy has succeeded
+                return _copy_in_background(jobs, threads, finish)
+            result = finish()
+            return _copy_in_background(jobs, threads, lambda: result)
         _run_copies(jobs, threads)  # before any leaf is replaced: a failed copy changes nothing
         return finish()
 

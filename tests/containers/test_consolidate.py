@@ -219,3 +219,11 @@ def test_replaced_entries_that_view_the_buffer_pickle_with_their_values():
     again = pickle.loads(pickle.dumps(out))
     for key in ("c", "g", "t", "n"):
         assert torch.equal(again[key].resolve_conj().resolve_neg(), out[key].resolve_conj().resolve_neg()), key
+
+
+def test_filename_with_a_size_that_is_not_a_whole_number_of_every_dtype(tmp_path):
+    # 8 bytes of float32 then 3 of int8: 11 bytes, not a whole number of float32
+    td = TensorDict(a=torch.arange(2.0), b=torch.arange(3, dtype=torch.int8), c=torch.arange(3, dtype=torch.int64))
+    out = td.consolidate(filename=tmp_path / "odd.bin")
+    assert (out == td).all() and out.is_consolidated()
+    assert (pickle.loads(pickle.dumps(out)) == td).all()
