@@ -171,13 +171,23 @@ def _adopt(node: Any, views: Iterator[torch.Tensor], layout: Layout) -> None:
 
 
 # ----------------------------------------------------------------------------- bytes
-def _views(buffer: torch.Tensor, sources: list, offsets: list[int], small: list[int]) -> list[torch.Tensor]:
+def _others(sources: list, small: list[int]) -> list[int]:
+    """The indices of the sources that are not packed (big or empty ones), in order."""
+    if len(small) == len(sources):
+        return []
+    packed = set(small)
+    return [index for index in range(len(sources)) if index not in packed]
+
+
+def _views(buffer: torch.Tensor, sources: list, offsets: list[int], small: list[int],
+           others: list[int]) -> list[torch.Tensor]:
     """Each source's place in ``buffer`` as a contiguous tensor of its dtype and shape,
     in the sources' order. The small leaves lie back to back in packing order, so each
     run of them of one dtype and shape is one ``unbind``."""
-    small_set = set(small)
-    order = small + [index for index in range(len(sources)) if index not in small_set]
+    order = small + others
     placed = views_in_runs(buffer, [(sources[i].dtype, sources[i].shape, offsets[i]) for i in order])
+    if order == list(range(len(sources))):  # one element size: packing kept the order
+        return placed
     views: list = [None] * len(sources)
     for index, view in zip(order, placed):
         views[index] = view
@@ -204,7 +214,7 @@ def _cat_small(buffer: torch.Tensor, sources: list, offsets: list[int], small: l
             start = end
 
 
-def _copy_jobs(buffer: torch.Tensor, sources: list, offsets: list[int], small: list[int],
+def _copy_jobs(buffer: torch.Tensor, sources: list, offsets: list[int], small: list[int], others: list[int],
                threads: int, write_big: Callable[[int, torch.Tensor], None]) -> list[Callable[[], None]]:
     """The copies that fill ``buffer``: the small leaves in ``threads`` pieces of about
     equal bytes (each one ``cat`` per dtype run), then each big leaf (``write_big``)."""
@@ -223,10 +233,9 @@ def _copy_jobs(buffer: torch.Tensor, sources: list, offsets: list[int], small: l
                 piece, filled = [], 0
         if piece:
             jobs.append(lambda piece=piece: _cat_small(buffer, sources, offsets, piece))
-    small_set = set(small)
-    for index, source in enumerate(sources):
-        if index not in small_set and source.numel():
-            jobs.append(lambda offset=offsets[index], source=source: write_big(offset, source))
+    for index in others:
+        if sources[index].numel():
+            jobs.append(lambda offset=offsets[index], source=sources[index]: write_big(offset, source))
     return jobs
 
 
@@ -418,8 +427,9 @@ class ConsolidateMethods:
         offsets, small, total = writer.packed_layout(sources)
         storage = _Storage(total, filename=filename, share_memory=share_memory,
                            pin_memory=pin_memory and filename is None and not share_memory)
-        jobs = _copy_jobs(storage.plain, sources, offsets, small, threads, storage.write_big)
-        leaves = storage.wrap(_views(storage.plain, sources, offsets, small), sources)
+        others = _others(sources, small)
+        jobs = _copy_jobs(storage.plain, sources, offsets, small, others, threads, storage.write_big)
+        leaves = storage.wrap(_views(storage.plain, sources, offsets, small, others), sources)
         layout = Layout(storage.buffer)
 
         def finish() -> Any:
