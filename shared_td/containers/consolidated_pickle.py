@@ -23,12 +23,25 @@ _BYTE = torch.uint8
 class Layout:
     """The one storage of a consolidated tree: ``buffer`` (1-d uint8, its length a
     multiple of 64). Every node of the tree carries it, so a sub-tree pickles with the
-    buffer once, not once per leaf."""
+    buffer once, not once per leaf.
 
-    __slots__ = ("buffer",)
+    It also keeps the views it was made with (``record``) and their ``(dtype, shape,
+    byte offset)``, so that pickling knows a leaf without asking torch (five calls per
+    leaf); held here, a view's ``id`` names no other live object.
+    """
+
+    __slots__ = ("buffer", "views", "entries", "positions")
 
     def __init__(self, buffer: torch.Tensor):
         self.buffer = buffer
+        self.views: list[torch.Tensor] = []
+        self.entries: list[tuple] = []
+        self.positions: dict[int, int] = {}
+
+    def record(self, views: list[torch.Tensor], entries: list[tuple]) -> None:
+        """``views`` of the buffer and their ``(dtype, shape tuple, byte offset)``."""
+        self.views, self.entries = views, entries
+        self.positions = {id(view): position for position, view in enumerate(views)}
 
 
 def c_strides(shape: Any) -> list[int]:
@@ -91,12 +104,17 @@ class _TreePickler(pickle.Pickler):
         self.layout = layout
         self.node_class = node_class
         self.leaves: list[tuple] = []
+        self.positions = layout.positions
         self.base = layout.buffer.data_ptr()
         self.nbytes = layout.buffer.numel()
         self.locked_root = locked_root
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
+            position = self.positions.get(id(obj))
+            if position is not None and self.layout.views[position] is obj:  # as it was made
+                self.leaves.append(self.layout.entries[position])
+                return _leaf, (len(self.leaves) - 1,)
             # within the buffer's bytes (whose addresses are its own): a view of it
             offset = obj.data_ptr() - self.base
             if 0 <= offset < self.nbytes and obj.is_contiguous() and not (obj.is_conj() or obj.is_neg()):
@@ -137,6 +155,7 @@ class _TreeUnpickler(pickle.Unpickler):
         super().__init__(file)
         self.layout = Layout(buffer)
         self.views = views_in_runs(buffer, leaves)
+        self.layout.record(self.views, leaves)
 
     def find_class(self, module: str, name: str) -> Any:
         if module == __name__ and name == "_leaf":

@@ -180,18 +180,21 @@ def _others(sources: list, small: list[int]) -> list[int]:
 
 
 def _views(buffer: torch.Tensor, sources: list, offsets: list[int], small: list[int],
-           others: list[int]) -> list[torch.Tensor]:
+           others: list[int]) -> tuple[list[torch.Tensor], list[tuple]]:
     """Each source's place in ``buffer`` as a contiguous tensor of its dtype and shape,
-    in the sources' order. The small leaves lie back to back in packing order, so each
-    run of them of one dtype and shape is one ``unbind``."""
+    and its ``(dtype, shape tuple, byte offset)``, in the sources' order. The small
+    leaves lie back to back in packing order, so each run of them of one dtype and
+    shape is one ``unbind``."""
     order = small + others
-    placed = views_in_runs(buffer, [(sources[i].dtype, sources[i].shape, offsets[i]) for i in order])
+    entries = [(sources[i].dtype, tuple(sources[i].shape), offsets[i]) for i in order]
+    placed = views_in_runs(buffer, entries)
     if order == list(range(len(sources))):  # one element size: packing kept the order
-        return placed
+        return placed, entries
     views: list = [None] * len(sources)
-    for index, view in zip(order, placed):
-        views[index] = view
-    return views
+    in_order: list = [None] * len(sources)
+    for index, view, entry in zip(order, placed, entries):
+        views[index], in_order[index] = view, entry
+    return views, in_order
 
 
 def _cat_small(buffer: torch.Tensor, sources: list, offsets: list[int], small: list[int]) -> None:
@@ -429,8 +432,11 @@ class ConsolidateMethods:
                            pin_memory=pin_memory and filename is None and not share_memory)
         others = _others(sources, small)
         jobs = _copy_jobs(storage.plain, sources, offsets, small, others, threads, storage.write_big)
-        leaves = storage.wrap(_views(storage.plain, sources, offsets, small, others), sources)
+        views, entries = _views(storage.plain, sources, offsets, small, others)
+        leaves = storage.wrap(views, sources)
         layout = Layout(storage.buffer)
+        if leaves is views:  # a plain buffer: it pickles with the tree (consolidated_pickle)
+            layout.record(views, entries)
 
         def finish() -> Any:
             if inplace:
