@@ -3,7 +3,11 @@
 Each case returns ``{column: seconds}``; the first column, the floor, is the reference:
 for ``consolidate`` one ``torch.cat`` of every leaf's bytes (the memcpy the copy cannot
 avoid), for ``consol_pickle`` the same bytes pickled as one ``bytes`` object, sent
-through the same pipe and unpickled by the same child.
+through the same pipe and unpickled by the same child. ``consolidate`` has a second
+floor, for what its result must hold: one buffer filled with every leaf and one view of
+it per leaf, in a flat dict, with raw torch (the floor of any dict-of-tensors API; the
+tree's leaves are all of one dtype and shape, so this is one ``torch.stack`` and one
+``unbind``, the cheapest torch has).
 """
 from __future__ import annotations
 
@@ -22,10 +26,26 @@ def _leaf_bytes(td) -> list[torch.Tensor]:
     return [leaf.reshape(-1).view(torch.uint8) for leaf in td.values(include_nested=True, leaves_only=True)]
 
 
+def _flat_leaves(td) -> dict:
+    """``{nested key: leaf}`` of ``td``, checked to be of one dtype and shape."""
+    flat = dict(td.items(include_nested=True, leaves_only=True))
+    assert len({(leaf.dtype, leaf.shape) for leaf in flat.values()}) == 1, "a uniform tree is needed"
+    return flat
+
+
+def _raw_torch_views(flat: dict) -> dict:
+    """One buffer holding every leaf, and a flat dict of one view of it per leaf."""
+    return dict(zip(flat, torch.stack(list(flat.values())).unbind(0)))
+
+
 def case_consolidate(options, root: str) -> dict:
-    """consolidate() of the N-node tree (2 small leaves per node), vs one torch.cat."""
-    variants = {"memcpy floor (one cat)": (
-        lambda: _leaf_bytes(build_tree(_shared_td(), options.nodes)), torch.cat)}
+    """consolidate() of the N-node tree (2 small leaves per node), vs one torch.cat and
+    vs raw torch's buffer plus one view per leaf."""
+    variants = {
+        "memcpy floor (one cat)": (lambda: _leaf_bytes(build_tree(_shared_td(), options.nodes)), torch.cat),
+        "raw torch buffer + views": (
+            lambda: _flat_leaves(build_tree(_shared_td(), options.nodes)), _raw_torch_views),
+    }
     for name, lib in libraries().items():
         variants[name] = (lambda lib=lib: build_tree(lib, options.nodes), lambda td: td.consolidate())
         variants[f"{name} share_memory"] = (

@@ -17,7 +17,7 @@ import torch
 from shared_td.containers import batch as batch_ops
 from shared_td.containers.consolidation import ConsolidateMethods
 from shared_td.containers.convenience_ops import ConvenienceOps
-from shared_td.containers.keysview import KeysView
+from shared_td.containers.keysview import UNSEEN, KeysView
 from shared_td.containers.locking import LockingOps
 from shared_td.containers.nontensor_ops import NonTensorOps
 from shared_td.containers.splitting import BatchSplitOps
@@ -153,13 +153,13 @@ class TensorDictBase(LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, Me
 
     def values(self, include_nested: bool = False, leaves_only: bool = False, is_leaf=None, *, sort: bool = False):
         """The values in ``keys()`` order (non-tensors as NonTensorData)."""
-        for key in self.keys(include_nested, leaves_only, is_leaf, sort=sort):
-            yield self.get(key)
+        for key, value in self.keys(include_nested, leaves_only, is_leaf, sort=sort).pairs():
+            yield self.get(key) if value is UNSEEN else value
 
     def items(self, include_nested: bool = False, leaves_only: bool = False, is_leaf=None, *, sort: bool = False):
         """``(key, value)`` pairs in ``keys()`` order."""
-        for key in self.keys(include_nested, leaves_only, is_leaf, sort=sort):
-            yield key, self.get(key)
+        for key, value in self.keys(include_nested, leaves_only, is_leaf, sort=sort).pairs():
+            yield key, (self.get(key) if value is UNSEEN else value)
 
     def __contains__(self, key: NestedKey) -> bool:
         if not is_nested_key(key):

@@ -2,46 +2,63 @@
 
 The bytes are laid out as an anonymous ``memmap_()`` lays out its one segment
 (``persist.writer.packed_layout``): small leaves back to back, copied by one
-``torch.cat``; big ones at 64-byte boundaries. Three places hold the buffer:
+``torch.cat`` per run of one dtype; big ones at 64-byte boundaries. Three places hold
+the buffer:
 
-* a plain CPU byte tensor (default);
-* ``share_memory=True``: one anonymous shared-memory segment, written by the engine's own
-  anonymous writer, so the result is exactly what ``memmap()`` without a prefix gives;
-  its leaves pickle by reference (the segment), never by value;
+* a plain CPU byte tensor (default; ``pin_memory=True``: pinned, where torch can pin);
+* ``share_memory=True``: one anonymous shared-memory segment with the layout of
+  ``memmap()`` without a prefix; its leaves are MemoryMappedTensors of the segment and
+  pickle by reference (the segment), never by value;
 * ``filename=``: one file, mapped shared; its leaves pickle by reference (the path).
 
-Every node of a consolidated tree remembers the buffer. A plain one pickles as ONE buffer
-plus the pickle of the tree in which each leaf is only ``(dtype, shape, byte offset)``, instead of one whole storage per leaf (what torch pickles for a
-view); a sub-tree pickles the same way. Whether it still is consolidated is checked, not
-assumed: after ``unlock_()`` an entry may have been replaced; such a leaf pickles as
-itself (with the standard pickler, also under a ForkingPickler).
+The work is three passes over what the tree holds, none of them generic: one walk
+collects the tensor leaves (in ``apply`` order); the views are made from the layout in
+runs (one ``unbind`` per run of leaves of one dtype and shape); one walk builds the new
+nodes with the containers' unchecked constructors (keys and batch sizes are those of a
+valid tree) and locks each as it is built. ``inplace=True`` puts the views into the
+tree's own nodes instead. The copy itself may run on ``num_threads`` threads, and
+``return_early=True`` returns a TensorDictFuture while they copy.
+
+Every node of a consolidated tree remembers the buffer, so a plain one pickles as ONE
+buffer plus a small skeleton (consolidated_pickle.py). Whether it still is consolidated
+is checked, not assumed: after ``unlock_()`` an entry may have been replaced.
 """
 from __future__ import annotations
 
-import copyreg
-import io
 import os
-import pickle
-from typing import Any
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Iterator
 
 import torch
 
+from shared_td.containers.consolidated_pickle import Layout, reduce_tree, views_in_runs
+from shared_td.containers.locking import lock_built
+from shared_td.errors import LockedTensorDictError
+from shared_td.keys import key_repr
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.persist import nodes, writer
+from shared_td.persist.future import TensorDictFuture
 from shared_td.storage import files
-from shared_td.storage.anonymous import align
+from shared_td.storage.anonymous import Segment, align
 
 _BYTE = torch.uint8
+_CPU = torch.device("cpu")
+
+# type -> node kind name, learnt once per class from the registered node kinds
+_KIND_NAMES: dict[type, str] = {}
 
 
-class _Layout:
-    """The one storage of a consolidated tree: ``buffer`` (1-d uint8). Every node of the
-    tree carries it, so a sub-tree pickles with the buffer once, not once per leaf."""
+def _kind_name(node: Any) -> str:
+    cls = type(node)
+    name = _KIND_NAMES.get(cls)
+    if name is None:
+        name = _KIND_NAMES[cls] = nodes.kind_for_object(node).name
+    return name
 
-    __slots__ = ("buffer",)
 
-    def __init__(self, buffer: torch.Tensor):
-        self.buffer = buffer
+def _is_non_tensor_kind(name: str) -> bool:
+    return name in (nodes.NON_TENSOR_DATA, nodes.NON_TENSOR_STACK)
 
 
 def _inner(obj: Any) -> Any:
@@ -49,54 +66,140 @@ def _inner(obj: Any) -> Any:
     return obj._tensordict if getattr(type(obj), "_is_tensorclass", False) else obj
 
 
-def _sources(obj: Any) -> list[torch.Tensor]:
-    """The tensor leaves of ``obj``'s tree in the order ``apply`` visits them (entries in
-    order, nested collections where they stand, lazy-stack members one after another)."""
-    leaves: list[torch.Tensor] = []
-
-    def walk(node: Any) -> None:
-        kind = nodes.kind_for_object(node)
-        for _, value in kind.entries(node):
+# ----------------------------------------------------------------------------- walks
+def _collect(node: Any, leaves: list) -> None:
+    """Append the tensor leaves of ``node``'s tree in ``apply`` order (entries in order,
+    nested collections where they stand, lazy-stack members one after another)."""
+    kind = _kind_name(node)
+    if kind == nodes.TENSORDICT:
+        for value in node._tensordict.values():
             if isinstance(value, torch.Tensor):
                 leaves.append(value)
-            elif not getattr(type(value), "_is_non_tensor", False):
-                walk(value)
-        for _, child in kind.children(node):
-            walk(child)
+            else:
+                _collect(value, leaves)
+    elif kind == nodes.TENSORCLASS:
+        _collect(node._tensordict, leaves)
+    elif kind == nodes.LAZY:
+        for member in node.tensordicts:
+            _collect(member, leaves)
 
-    if not getattr(type(obj), "_is_non_tensor", False):
-        walk(obj)
+
+def _sources(obj: Any) -> list[torch.Tensor]:
+    leaves: list[torch.Tensor] = []
+    _collect(obj, leaves)
     return leaves
 
 
-def _byte_views(buffer: torch.Tensor, sources: list[torch.Tensor], offsets: list[int]) -> list[torch.Tensor]:
-    """Each source's place in ``buffer`` (a plain uint8 tensor whose length is a multiple
-    of 64), as a contiguous tensor of its dtype and shape: one ``as_strided`` each."""
-    typed: dict[torch.dtype, torch.Tensor] = {}
-    views = []
-    for source, offset in zip(sources, offsets):
-        dtype = source.dtype
-        whole = typed.get(dtype)
-        if whole is None:
-            whole = typed[dtype] = buffer.view(dtype)
-        views.append(whole.as_strided(source.shape, _c_strides(source.shape), offset // source.element_size()))
-    return views
+def _locked_path(node: Any, path: tuple = ()) -> tuple | None:
+    """The key path of the first locked tensordict of ``node``'s tree (() for the root),
+    or None: inplace=True cannot replace the leaves of a locked node."""
+    kind = _kind_name(node)
+    if _is_non_tensor_kind(kind):
+        return None
+    if kind == nodes.TENSORCLASS:
+        return _locked_path(node._tensordict, path)
+    if node._is_locked:
+        return path
+    if kind == nodes.LAZY:
+        children = [(path, member) for member in node.tensordicts]
+    else:
+        children = [(path + (key,), value) for key, value in node._tensordict.items()
+                    if not isinstance(value, torch.Tensor)]
+    for child_path, child in children:
+        found = _locked_path(child, child_path)
+        if found is not None:
+            return found
+    return None
 
 
-def _c_strides(shape: Any) -> list[int]:
-    """The strides of a contiguous tensor of ``shape``."""
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return strides[::-1]
+def _build(node: Any, views: Iterator[torch.Tensor], layout: Layout) -> Any:
+    """A new, locked tree like ``node``'s whose tensor leaves are the next ``views``;
+    non-tensor values are carried in new wrappers (locking the result must not lock the
+    source's), as tensordict does."""
+    kind = _kind_name(node)
+    if kind == nodes.TENSORDICT:
+        entries, children = {}, []
+        for key, value in node._tensordict.items():
+            if isinstance(value, torch.Tensor):
+                entries[key] = next(views)
+            else:
+                entries[key] = built = _build(value, views, layout)
+                children.append(_inner(built))
+        device = node._device
+        if device is not None and device.type != "cpu":
+            device = _CPU  # the storage is on the CPU
+        new = type(node)._new_unsafe(entries, node._batch_size, device, node._names)
+    elif kind == nodes.TENSORCLASS:
+        return type(node)._from_tensordict(_build(node._tensordict, views, layout))
+    elif kind == nodes.LAZY:
+        children = [_build(member, views, layout) for member in node.tensordicts]
+        new = type(node)(*children, stack_dim=node.stack_dim, batch_size=node.batch_size)
+    else:  # non-tensor data: no layout of its own
+        new = node.clone(recurse=False)
+        lock_built(new, ())
+        return new
+    new.__dict__["_consolidated"] = layout
+    lock_built(new, children)
+    return new
 
 
-def _fill(buffer: torch.Tensor, sources: list[torch.Tensor], offsets: list[int], small: list[int]) -> None:
-    """Copy the sources' values into ``buffer`` (length a multiple of 64): the small ones
-    by one ``torch.cat`` per run of one dtype in packing order, straight into the typed
-    buffer (no per-leaf byte view: those cost more than the copy for small leaves), the
-    others one by one."""
+def _adopt(node: Any, views: Iterator[torch.Tensor], layout: Layout) -> None:
+    """inplace=True: ``node``'s own tensor leaves become the next ``views`` (its
+    entries are unlocked: checked before)."""
+    kind = _kind_name(node)
+    if kind == nodes.TENSORDICT:
+        entries = node._tensordict
+        for key, value in entries.items():
+            if isinstance(value, torch.Tensor):
+                entries[key] = next(views)  # an existing key: the dict keeps its size
+            else:
+                _adopt(value, views, layout)
+        if node._device is not None and node._device.type != "cpu":
+            node._device = _CPU
+    elif kind == nodes.TENSORCLASS:
+        _adopt(node._tensordict, views, layout)
+        return
+    elif kind == nodes.LAZY:
+        for member in node.tensordicts:
+            _adopt(member, views, layout)
+    else:
+        return
+    # its leaves are no longer the files or shared memory they may have been
+    node._is_memmap = node._is_shared = False
+    node._memmap_prefix = None
+    node.__dict__["_consolidated"] = layout
+
+
+# ----------------------------------------------------------------------------- bytes
+def _others(sources: list, small: list[int]) -> list[int]:
+    """The indices of the sources that are not packed (big or empty ones), in order."""
+    if len(small) == len(sources):
+        return []
+    packed = set(small)
+    return [index for index in range(len(sources)) if index not in packed]
+
+
+def _views(buffer: torch.Tensor, sources: list, offsets: list[int], small: list[int],
+           others: list[int]) -> tuple[list[torch.Tensor], list[tuple]]:
+    """Each source's place in ``buffer`` as a contiguous tensor of its dtype and shape,
+    and its ``(dtype, shape tuple, byte offset)``, in the sources' order. The small
+    leaves lie back to back in packing order, so each run of them of one dtype and
+    shape is one ``unbind``."""
+    order = small + others
+    entries = [(sources[i].dtype, tuple(sources[i].shape), offsets[i]) for i in order]
+    placed = views_in_runs(buffer, entries)
+    if order == list(range(len(sources))):  # one element size: packing kept the order
+        return placed, entries
+    views: list = [None] * len(sources)
+    in_order: list = [None] * len(sources)
+    for index, view, entry in zip(order, placed, entries):
+        views[index], in_order[index] = view, entry
+    return views, in_order
+
+
+def _cat_small(buffer: torch.Tensor, sources: list, offsets: list[int], small: list[int]) -> None:
+    """Copy the small sources (their indices in packing order: back to back) by one
+    ``torch.cat`` per run of one dtype, straight into the typed buffer."""
     with torch.no_grad():  # out= refuses inputs that require grad
         start = 0
         while start < len(small):
@@ -104,77 +207,157 @@ def _fill(buffer: torch.Tensor, sources: list[torch.Tensor], offsets: list[int],
             end = start
             while end < len(small) and sources[small[end]].dtype is dtype:
                 end += 1
-            run = [sources[i] if sources[i].device.type == "cpu" else sources[i].cpu() for i in small[start:end]]
+            run = [sources[i] for i in small[start:end]]
             first = offsets[small[start]] // run[0].element_size()
             count = sum(source.numel() for source in run)
-            torch.cat([source.reshape(-1) for source in run], out=buffer.view(dtype)[first:first + count])
+            # cat takes CPU tensors of one number of dims: flatten only where needed
+            run = [(source if source.is_cpu else source.cpu()) if source.ndim == 1 else source.reshape(-1).cpu()
+                   for source in run]
+            torch.cat(run, out=buffer.view(dtype)[first:first + count])
             start = end
-    small_set = set(small)
-    for i, (source, offset) in enumerate(zip(sources, offsets)):
-        nbytes = source.numel() * source.element_size()
-        if nbytes and i not in small_set:
-            buffer[offset:offset + nbytes].copy_(files.raw_bytes(source.cpu()))
 
 
-def _consolidate_plain(sources: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    offsets, small, total = writer.packed_layout(sources)
-    buffer = torch.empty(align(total), dtype=_BYTE)  # a whole number of every dtype
-    _fill(buffer, sources, offsets, small)
-    return buffer, _byte_views(buffer, sources, offsets)
+def _copy_jobs(buffer: torch.Tensor, sources: list, offsets: list[int], small: list[int], others: list[int],
+               threads: int, write_big: Callable[[int, torch.Tensor], None]) -> list[Callable[[], None]]:
+    """The copies that fill ``buffer``: the small leaves in ``threads`` pieces of about
+    equal bytes (each one ``cat`` per dtype run), then each big leaf (``write_big``)."""
+    jobs: list[Callable[[], None]] = []
+    if small and threads <= 1:
+        jobs.append(lambda: _cat_small(buffer, sources, offsets, small))
+    elif small:
+        sizes = [sources[i].numel() * sources[i].element_size() for i in small]
+        target = max(1, -(-sum(sizes) // max(1, threads)))
+        piece, filled = [], 0
+        for index, size in zip(small, sizes):
+            piece.append(index)
+            filled += size
+            if filled >= target:
+                jobs.append(lambda piece=piece: _cat_small(buffer, sources, offsets, piece))
+                piece, filled = [], 0
+        if piece:
+            jobs.append(lambda piece=piece: _cat_small(buffer, sources, offsets, piece))
+    for index in others:
+        if sources[index].numel():
+            jobs.append(lambda offset=offsets[index], source=sources[index]: write_big(offset, source))
+    return jobs
 
 
-def _consolidate_shared(sources: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    plans = [writer.LeafPlan(str(i), source, None) for i, source in enumerate(sources)]
-    writer._write_anonymous(plans, writer.Options(prefix=None, inplace=False))
-    segment = next((p.result._backing for p in plans if p.result.numel()), None)
-    if segment is None:  # nothing but empty leaves: no segment was made
-        buffer = MemoryMappedTensor.empty(0, dtype=_BYTE)
-    else:
-        buffer = MemoryMappedTensor._from_backing(segment, 0, _BYTE, (segment.nbytes,))
-    return buffer, [p.result for p in plans]
+class _Storage:
+    """Where the bytes of one consolidate() go: ``buffer`` (what the layout keeps),
+    ``plain`` (a plain uint8 tensor over the same bytes, that the views are made of),
+    ``write_big`` (how a big leaf is copied in) and ``wrap`` (the leaves the tree gets)."""
+
+    def __init__(self, total: int, *, filename: Any, share_memory: bool, pin_memory: bool):
+        nbytes = align(total)  # a whole number of every dtype
+        self.backing = None
+        if filename is not None:
+            path = os.path.abspath(os.fspath(filename))
+            if total == 0:
+                files.create_file(path, 0, existsok=True)  # the checks only: nothing to map
+            else:
+                self.backing, _ = files.create_file(path, nbytes, existsok=True)
+        elif share_memory and total:
+            self.backing = Segment.create(nbytes)
+        if self.backing is None and (filename is not None or share_memory):
+            self.buffer = MemoryMappedTensor.empty(0, dtype=_BYTE)
+            self.plain = torch.empty(0, dtype=_BYTE)
+        elif self.backing is None:
+            self.buffer = self.plain = torch.empty(nbytes, dtype=_BYTE, pin_memory=pin_memory)
+        else:
+            self.buffer = MemoryMappedTensor._from_backing(self.backing, 0, _BYTE, (nbytes,))
+            self.plain = self.buffer.as_subclass(torch.Tensor)
+
+    def write_big(self, offset: int, source: torch.Tensor) -> None:
+        if isinstance(self.backing, Segment):  # pwrite: no first-touch faults of the mapping
+            self.backing.write(offset, files.tensor_bytes(source.detach().cpu()))
+        else:
+            data = files.raw_bytes(source.detach().cpu())
+            self.plain[offset:offset + data.numel()].copy_(data)
+
+    def wrap(self, views: list[torch.Tensor], sources: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The leaves of the tree: the views themselves for a plain buffer, else
+        MemoryMappedTensors of the segment or file (an empty one maps nothing)."""
+        if not isinstance(self.buffer, MemoryMappedTensor):
+            return views
+        if self.backing is None:  # nothing but empty leaves: nothing was mapped
+            return [MemoryMappedTensor.empty(s.shape, dtype=s.dtype) for s in sources]
+        leaves = MemoryMappedTensor._wrap_views(self.backing, views)
+        for index, view in enumerate(views):
+            if not view.numel():
+                leaves[index] = MemoryMappedTensor._from_backing(self.backing, 0, view.dtype, view.shape)
+        return leaves
 
 
-def _consolidate_file(sources: list[torch.Tensor], filename: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    path = os.path.abspath(os.fspath(filename))
-    offsets, small, total = writer.packed_layout(sources)
-    if total == 0:
-        files.create_file(path, 0, existsok=True)  # the checks only: nothing to map
-        buffer = MemoryMappedTensor.empty(0, dtype=_BYTE)
-        return buffer, [MemoryMappedTensor.empty(s.shape, dtype=s.dtype) for s in sources]
-    backing, _ = files.create_file(path, total, existsok=True)
-    buffer = MemoryMappedTensor._from_backing(backing, 0, _BYTE, (total,))
-    _fill(buffer.as_subclass(torch.Tensor), sources, offsets, small)
-    leaves = [MemoryMappedTensor._from_backing(backing, offset, s.dtype, s.shape)
-              for s, offset in zip(sources, offsets)]
-    return buffer, leaves
+def _run_copies(jobs: list[Callable[[], None]], threads: int) -> None:
+    if threads <= 1 or len(jobs) <= 1:
+        for job in jobs:
+            job()
+        return
+    with ThreadPoolExecutor(min(threads, len(jobs)), thread_name_prefix="shared_td-consolidate") as pool:
+        for done in [pool.submit(job) for job in jobs]:
+            done.result()  # the first error of the copies
 
 
-def _offset_in(layout: _Layout, leaf: torch.Tensor) -> int | None:
-    """The byte offset of ``leaf`` in the layout's buffer, or None if it is not a
-    contiguous view of it (an entry replaced after ``unlock_()``). An empty leaf holds no
-    bytes: offset 0."""
-    if leaf.numel() == 0:
-        return 0
-    if leaf.untyped_storage().data_ptr() != layout.buffer.untyped_storage().data_ptr() or not leaf.is_contiguous():
-        return None
-    return leaf.storage_offset() * leaf.element_size()
+def _copy_in_background(jobs: list, threads: int, result: Callable[[], Any]) -> TensorDictFuture:
+    """Run the copies on a background thread; the future's result is ``result()``,
+    called once they all succeeded."""
+    future: Future = Future()
+
+    def run() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            _run_copies(jobs, threads)
+            future.set_result(result())
+        except BaseException as error:  # delivered by future.result()
+            future.set_exception(error)
+
+    # Not a daemon, as memmap_'s: the interpreter waits for the copy at exit.
+    threading.Thread(target=run, name="shared_td-consolidate", daemon=False).start()
+    return TensorDictFuture(future, "consolidate")
 
 
-def _layout_of(obj: Any) -> _Layout | None:
-    return _inner(obj).__dict__.get("_consolidated")
+def _check_options(filename: Any, num_threads: Any, device: Any, non_blocking: bool,
+                   return_early: bool, use_buffer: bool, share_memory: bool, pin_memory: bool) -> int:
+    """Refuse arguments that cannot be honoured, before any byte is copied; the number
+    of threads."""
+    threads = 0 if num_threads is None else num_threads
+    if not isinstance(threads, int) or threads < 0:
+        raise ValueError(f"consolidate(num_threads={num_threads!r}): an int >= 0 is needed.")
+    if device is not None and torch.device(device).type != "cpu":
+        raise ValueError(f"consolidate(device={device!r}): shared_td consolidates into CPU "
+                         "memory only; call .to(device) on the result instead.")
+    if filename is not None and share_memory:
+        raise ValueError("consolidate(): pass either filename= (one file) or share_memory=True "
+                         "(one anonymous segment), not both.")
+    if return_early and threads > 1 and (use_buffer or non_blocking):
+        name = "use_buffer" if use_buffer else "non_blocking"
+        raise NotImplementedError(
+            f"consolidate(return_early=True) is not supported with {name}=True (as in "
+            f"tensordict): call it without {name}=True, or without return_early=True.")
+    return threads
 
 
-def _mark(obj: Any, layout: _Layout) -> None:
-    """Give every tensordict node of ``obj``'s tree the layout."""
-    if not getattr(type(obj), "_is_non_tensor", False):
-        if not getattr(type(obj), "_is_tensorclass", False):
-            obj.__dict__["_consolidated"] = layout
-        kind = nodes.kind_for_object(obj)
-        for _, value in kind.entries(obj):
-            if not isinstance(value, torch.Tensor):
-                _mark(value, layout)
-        for _, child in kind.children(obj):
-            _mark(child, layout)
+def _check_pinnable(filename: Any, pin_memory: bool) -> None:
+    if pin_memory and filename is None and not torch.accelerator.is_available():
+        # torch.empty(pin_memory=True) would raise a RuntimeError without saying why
+        raise RuntimeError(
+            "consolidate(pin_memory=True): pinned memory needs a CUDA or other accelerator "
+            "backend, and torch finds none on this machine (torch.accelerator.is_available() "
+            "is False). Call consolidate() without pin_memory=True: pinning only speeds up "
+            "copies to an accelerator.")
+
+
+def _check_unlocked(obj: Any) -> None:
+    """inplace=True replaces the leaves of every node: refused if one is locked."""
+    path = _locked_path(obj)
+    if path is not None:
+        where = "it" if not path else f"its nested tensordict {key_repr(path)}"
+        raise LockedTensorDictError(
+            f"Cannot modify locked TensorDict: consolidate(inplace=True) replaces the "
+            f"leaves of this tensordict, and {where} is locked. Unlock it first "
+            "(`with td.unlock_(): td.consolidate(inplace=True)`), or call consolidate() "
+            "without inplace=True, which returns a new tensordict.")
 
 
 class ConsolidateMethods:
@@ -186,27 +369,44 @@ class ConsolidateMethods:
         use_buffer: bool = False, share_memory: bool = False, pin_memory: bool = False,
         metadata: bool = False,
     ) -> Any:
-        """A copy of this tensordict whose leaves all live in one contiguous storage.
+        """A tensordict whose leaves all live in one contiguous storage.
 
         Every tensor leaf (nested ones, the members of lazy stacks, tensorclass fields)
         is copied once into one buffer and replaced by a view of it; non-tensor values
-        are carried along. The result is locked (entries are fixed; leaves can be
-        written in place). Pickling a consolidated tensordict sends one buffer plus a
-        small skeleton.
+        are carried along (in new wrappers). The result is locked (entries are fixed;
+        leaves can be written in place). Pickling a consolidated tensordict sends one
+        buffer plus a small skeleton. A tensordict that is already consolidated is
+        returned as it is, unless it is asked for a storage it does not have (another
+        file, shared memory, pinned memory): then a new one is made.
 
         Args:
             filename: map one file at this path (created, or reused and grown) and put
                 the bytes there; the leaves are MemoryMappedTensors of that file. The
-                file holds the raw bytes only (no metadata, unlike tensordict's).
+                file holds the raw bytes only, padded to a multiple of 64 (no metadata,
+                unlike tensordict's).
+            num_threads: with 2 or more, that many threads copy the leaves (in pieces of
+                about equal bytes); 0 and 1 copy in the calling thread.
+            device: only None or "cpu" (CPU storage is the only one this build of
+                shared_td consolidates into).
+            inplace: this tensordict's own leaves become the views, and it is returned
+                (locked). Refused (LockedTensorDictError, a RuntimeError) when it or a
+                nested tensordict is locked.
+            return_early: with ``num_threads > 1``, return a TensorDictFuture at once
+                while the threads copy; ``result()`` waits and returns the tensordict
+                (or raises the copy's error). Do not write into the new leaves before.
+                With inplace=True this tensordict keeps its own leaves until the copy
+                has succeeded (tensordict replaces them at once).
             share_memory: put the bytes in one anonymous shared-memory segment, laid out
                 as ``memmap()`` without a prefix lays it out; the leaves pickle by
                 reference, so another process sees the same memory.
-            device: only None or "cpu" (CPU storage is the only one this build of
-                shared_td consolidates into).
-            num_threads, non_blocking, use_buffer, metadata: accepted for
-                compatibility; the copy is one ``torch.cat`` on the calling thread and the
-                layout is always kept, so they change nothing.
-            inplace, return_early, pin_memory: not supported (ValueError).
+            pin_memory: allocate the plain buffer in pinned memory. Without an
+                accelerator torch cannot pin: RuntimeError (as tensordict). Ignored with
+                ``filename`` (a file mapping) and, as in tensordict, with share_memory
+                (the shared segment is not pinned).
+            non_blocking, use_buffer, metadata: accepted for compatibility; the copies
+                are CPU ones and the layout is always kept, so they change nothing
+                (except that return_early=True refuses use_buffer and non_blocking, as
+                tensordict does).
 
         Examples:
             >>> import torch
@@ -215,26 +415,46 @@ class ConsolidateMethods:
             >>> c = td.consolidate()
             >>> c.is_consolidated(), c["a"].untyped_storage().data_ptr() == c["b", "c"].untyped_storage().data_ptr()
             (True, True)
+            >>> td.consolidate(num_threads=2, return_early=True).result().is_consolidated()
+            True
         """
-        del num_threads, non_blocking, use_buffer, metadata  # see the docstring
-        for name, value in (("inplace", inplace), ("return_early", return_early), ("pin_memory", pin_memory)):
-            if value:
-                raise ValueError(f"consolidate({name}=True) is not supported by shared_td; "
-                                 f"call consolidate() without {name} (the result is a new tensordict).")
-        if device is not None and torch.device(device).type != "cpu":
-            raise ValueError(f"consolidate(device={device!r}): shared_td consolidates into CPU "
-                             "memory only; call .to(device) on the result instead.")
-        if filename is not None and share_memory:
-            raise ValueError("consolidate(): pass either filename= (one file) or share_memory=True "
-                             "(one anonymous segment), not both.")
+        del metadata  # see the docstring
+        threads = _check_options(filename, num_threads, device, non_blocking,
+                                 return_early, use_buffer, share_memory, pin_memory)
+        if _already_consolidated(self, filename, share_memory, pin_memory):
+            return self
+        _check_pinnable(filename, pin_memory)
+        if inplace:
+            _check_unlocked(self)
         sources = _sources(self)
-        if filename is not None:
-            buffer, leaves = _consolidate_file(sources, filename)
-        elif share_memory:
-            buffer, leaves = _consolidate_shared(sources)
-        else:
-            buffer, leaves = _consolidate_plain(sources)
-        return _rebuilt(self, buffer, leaves)
+        offsets, small, total = writer.packed_layout(sources)
+        storage = _Storage(total, filename=filename, share_memory=share_memory,
+                           pin_memory=pin_memory and filename is None and not share_memory)
+        others = _others(sources, small)
+        jobs = _copy_jobs(storage.plain, sources, offsets, small, others, threads, storage.write_big)
+        views, entries = _views(storage.plain, sources, offsets, small, others)
+        leaves = storage.wrap(views, sources)
+        layout = Layout(storage.buffer)
+        if leaves is views:  # a plain buffer: it pickles with the tree (consolidated_pickle)
+            layout.record(views, entries)
+
+        def finish() -> Any:
+            if inplace:
+                _adopt(self, iter(leaves), layout)
+                self.lock_()
+                result = self
+            else:
+                result = _build(self, iter(leaves), layout)
+            _inner(result).__dict__.setdefault("_consolidated", layout)  # a non-tensor root
+            return result
+
+        if return_early and threads > 1:
+            if inplace:  # this tensordict keeps its leaves until the copy has succeeded
+                return _copy_in_background(jobs, threads, finish)
+            result = finish()
+            return _copy_in_background(jobs, threads, lambda: result)
+        _run_copies(jobs, threads)  # before any leaf is replaced: a failed copy changes nothing
+        return finish()
 
     def is_consolidated(self) -> bool:
         """True if this tensordict came from ``consolidate()`` (or the unpickling of
@@ -257,13 +477,7 @@ class ConsolidateMethods:
         layout = _layout_of(self)
         if layout is None or isinstance(layout.buffer, MemoryMappedTensor):
             return super().__reduce_ex__(protocol)
-        tree = io.BytesIO()
-        root = _inner(self)
-        _TreePickler(tree, protocol, layout, root if root.is_locked else None).dump(self)
-        data = layout.buffer.numpy()
-        payload = pickle.PickleBuffer(data) if protocol >= 5 else data.tobytes()
-        return _unpickle_consolidated, (payload, tree.getvalue())
-
+        return reduce_tree(self, _inner(self), layout, protocol, ConsolidateMethods)
 
     def __copy__(self) -> Any:
         """A shallow copy (what ``copy.copy`` makes without ``__reduce_ex__``): the same
@@ -274,81 +488,33 @@ class ConsolidateMethods:
         return new
 
 
-class _TreePickler(pickle.Pickler):
-    """Pickles a consolidated tree with its buffer's views as ``_view(dtype, shape,
-    offset)`` and its layout as ``_layout()``: names that _TreeUnpickler resolves to its
-    own buffer. (``reducer_override``, unlike ``persistent_id``, is not called for the
-    many str/int/tuple/dict objects of a tree.)"""
-
-    def __init__(self, file: Any, protocol: int, layout: _Layout, locked_root: Any):
-        super().__init__(file, protocol)
-        self.layout = layout
-        self.base = layout.buffer.untyped_storage().data_ptr()
-        self.locked_root = locked_root
-
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            # _offset_in, inlined: this runs for every leaf of the tree
-            if obj.untyped_storage().data_ptr() == self.base and obj.is_contiguous():
-                return _view, (obj.dtype, tuple(obj.shape), obj.storage_offset() * obj.element_size())
-            if obj.numel() == 0:
-                return _view, (obj.dtype, tuple(obj.shape), 0)
-        elif isinstance(obj, ConsolidateMethods) and obj.__dict__.get("_consolidated") is self.layout:
-            # a node of this tree: its state, as object.__reduce_ex__ gives it (not
-            # through its own __reduce_ex__, which would start another tree pickle)
-            state = obj.__getstate__()
-            if self.locked_root is not None and obj is not self.locked_root:
-                # the root's lock_() on loading locks its whole tree once (as here);
-                # each node locking its own sub-tree as well cost O(nodes x depth)
-                state["_is_locked"] = False
-            return copyreg.__newobj__, (type(obj),), state
-        elif obj is self.layout:
-            return _layout, ()
-        return NotImplemented
+def _already_consolidated(obj: Any, filename: Any, share_memory: bool, pin_memory: bool) -> bool:
+    """Whether ``obj`` is consolidated into a storage of the kind asked for (then
+    consolidate() returns it as it is, as tensordict does)."""
+    layout = _layout_of(obj)
+    if layout is None or not obj.is_consolidated():
+        return False
+    buffer = layout.buffer
+    backing = getattr(buffer, "_backing", None)
+    if filename is not None:
+        return getattr(backing, "path", None) == os.path.abspath(os.fspath(filename))
+    if share_memory:
+        return isinstance(backing, Segment) or (isinstance(buffer, MemoryMappedTensor) and not buffer.numel())
+    if pin_memory and not isinstance(buffer, MemoryMappedTensor) and torch.accelerator.is_available():
+        return buffer.is_pinned()  # (without an accelerator nothing can be pinned: as tensordict)
+    return True
 
 
-def _view(dtype: torch.dtype, shape: tuple, offset: int) -> torch.Tensor:
-    raise pickle.UnpicklingError("a consolidated leaf can only be read by _TreeUnpickler")
+def _offset_in(layout: Layout, leaf: torch.Tensor) -> int | None:
+    """The byte offset of ``leaf`` in the layout's buffer, or None if it is not a
+    contiguous view of it (an entry replaced after ``unlock_()``). An empty leaf holds no
+    bytes: offset 0."""
+    if leaf.numel() == 0:
+        return 0
+    if leaf.untyped_storage().data_ptr() != layout.buffer.untyped_storage().data_ptr() or not leaf.is_contiguous():
+        return None
+    return leaf.storage_offset() * leaf.element_size()
 
 
-def _layout() -> _Layout:
-    raise pickle.UnpicklingError("a consolidated layout can only be read by _TreeUnpickler")
-
-
-class _TreeUnpickler(pickle.Unpickler):
-    """Reads what _TreePickler wrote: the leaves become views of ``buffer``."""
-
-    def __init__(self, file: Any, buffer: torch.Tensor):
-        super().__init__(file)
-        self.layout = _Layout(buffer)
-        self.typed: dict[torch.dtype, torch.Tensor] = {}
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == __name__ and name == "_view":
-            return self.view
-        if module == __name__ and name == "_layout":
-            return lambda: self.layout
-        return super().find_class(module, name)
-
-    def view(self, dtype: torch.dtype, shape: tuple, offset: int) -> torch.Tensor:
-        whole = self.typed.get(dtype)
-        if whole is None:
-            whole = self.typed[dtype] = self.layout.buffer.view(dtype)
-        return whole.as_strided(shape, _c_strides(shape), offset // dtype.itemsize)
-
-
-def _rebuilt(template: Any, buffer: torch.Tensor, leaves: list[torch.Tensor]) -> Any:
-    """``template``'s tree with ``leaves`` (in apply order) for its leaves, carrying the
-    layout, locked."""
-    position = iter(leaves)
-    out = template.apply(lambda _: next(position))
-    _mark(out, _Layout(buffer))
-    out.lock_()
-    return out
-
-
-def _unpickle_consolidated(payload: Any, tree: bytes) -> Any:
-    """Rebuild a pickled consolidated tensordict: the payload becomes its one buffer."""
-    data = payload if isinstance(payload, bytearray) else bytearray(payload)
-    buffer = torch.frombuffer(data, dtype=_BYTE) if data else torch.empty(0, dtype=_BYTE)  # len: 64 * n
-    return _TreeUnpickler(io.BytesIO(tree), buffer).load()
+def _layout_of(obj: Any) -> Layout | None:
+    return _inner(obj).__dict__.get("_consolidated")

@@ -7,6 +7,14 @@ from shared_td.keys import is_nested_key, unravel_key
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 
+#: what KeysView.pairs gives for a value that only ``get(key)`` can give
+UNSEEN = object()
+
+
+def _first(pair: tuple) -> Any:
+    return pair[0]
+
+
 class KeysView:
     """A live view of the keys of a tensordict.
 
@@ -24,26 +32,35 @@ class KeysView:
         self._sort = sort
 
     def __iter__(self) -> Iterator:
-        keys = self._walk(self._td, ())
-        if self._sort:
-            keys = iter(sorted(keys, key=lambda k: (k,) if isinstance(k, str) else k))
-        return keys
+        return map(_first, self.pairs())
 
-    def _walk(self, td: Any, prefix: tuple) -> Iterator:
+    def pairs(self) -> Iterator[tuple]:
+        """``(key, value)`` in this view's order, the value as the walk found it, or
+        UNSEEN where only ``get(key)`` gives it (below a lazy stack, whose walk peeks at
+        its members): values() and items() need no second walk from the root per key."""
+        pairs = self._walk(self._td, (), True)
+        if self._sort:
+            pairs = iter(sorted(pairs, key=lambda pair: (pair[0],) if isinstance(pair[0], str) else pair[0]))
+        return pairs
+
+    def _walk(self, td: Any, prefix: tuple, exact: bool) -> Iterator:
         from shared_td.containers.base import default_is_leaf, is_non_tensor, is_tensor_collection
 
         is_leaf = self._is_leaf or default_is_leaf
+        # A lazy stack peeks at its members instead of stacking every value: what its
+        # walk finds (and all below it) is not what get() gives
+        peek = getattr(td, "_peek_str", None)
+        exact = exact and peek is None
         for key in td._keys_str():
-            # A lazy stack peeks at its members instead of stacking every value.
-            value = td._peek_str(key, None) if hasattr(td, "_peek_str") else td._get_str(key, None)
+            value = td._get_str(key, None) if peek is None else peek(key, None)
             full = prefix + (key,)
             leaf = is_leaf(type(value))
             if leaf or not self._leaves_only:
-                yield full[0] if len(full) == 1 else full
+                yield (full[0] if len(full) == 1 else full), (value if exact else UNSEEN)
             # non-tensor containers have no keys to walk into
             if not leaf and self._include_nested and is_tensor_collection(value) and not is_non_tensor(value):
                 inner = unwrap_tensorclass(value)
-                yield from self._walk(inner, full)
+                yield from self._walk(inner, full, exact)
 
     def __len__(self) -> int:
         return sum(1 for _ in self)

@@ -132,6 +132,20 @@ class MemoryMappedTensor(torch.Tensor):
         result._parent_shape = torch.Size(shape)
         return result
 
+    @classmethod
+    def _wrap_views(cls, backing, views: list) -> list:
+        """MMTs of ``backing`` over ``views``: plain tensors that already view its
+        storage (the leaves of a tree packed into one segment or file, laid out and
+        bounds-checked by their packer), without ``_from_backing``'s per-leaf checks."""
+        klass = _class_for(cls, backing)
+        wrapped = []
+        for view in views:
+            result = view.as_subclass(klass)
+            result._backing = backing
+            result._parent_shape = view.shape
+            wrapped.append(result)
+        return wrapped
+
     def _byte_offset(self) -> int:
         """Byte offset of this tensor's first element in its backing's storage."""
         return self.storage_offset() * self.element_size()

@@ -33,7 +33,8 @@ def test_quick_runs_every_case_in_bounded_time():
     assert list(rows) == list(CASES)
     assert rows["big_leaf"][0] == "raw os.write" and "shared_td threads=2" in rows["big_leaf"]
     assert "shared_td fds held" in rows["tree_anonymous"]
-    assert rows["consolidate"][:3] == ["memcpy floor (one cat)", "shared_td", "shared_td share_memory"]
+    assert rows["consolidate"][:4] == ["memcpy floor (one cat)", "raw torch buffer + views",
+                                       "shared_td", "shared_td share_memory"]
     assert rows["consol_pickle"][:2] == ["floor (one bytes object)", "shared_td"]
     assert_replay_rows(done.stdout, rows)
 

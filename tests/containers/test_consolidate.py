@@ -64,6 +64,12 @@ def test_same_layout_as_anonymous_memmap():
         if td[key].numel():
             assert shared[key]._byte_offset() == memmapped[key]._byte_offset(), key
     assert len({leaf._backing.key for leaf in memmapped.values(True, True) if leaf.numel()}) == 1
+    # memmap_() of the shared consolidated tree keeps its one segment (no copy)
+    leaves = dict(shared.items(True, True))
+    shared.unlock_()
+    shared.memmap_()
+    assert shared.is_memmap() and shared.is_consolidated()
+    assert all(shared[key] is leaf for key, leaf in leaves.items() if leaf.numel())
 
 
 def test_lazy_stack_and_tensorclass():
@@ -159,10 +165,8 @@ def test_plain_pickle_to_a_child():
     assert total == pytest.approx(sum(float(v.double().sum()) for v in td.values(True, True)))
 
 
-def test_unsupported_arguments_are_named():
+def test_conflicting_arguments_are_named():
     td = _tree()
-    with pytest.raises(ValueError, match="inplace"):
-        td.consolidate(inplace=True)
     with pytest.raises(ValueError, match="filename"):
         td.consolidate(filename="x", share_memory=True)
 
@@ -203,3 +207,23 @@ def test_values_of_every_kind_of_leaf():
         for key, value in source.items():
             assert torch.equal(out[key], value.detach().resolve_conj().resolve_neg()), key
         assert len(_storages(out)) == 1
+
+
+def test_replaced_entries_that_view_the_buffer_pickle_with_their_values():
+    out = TensorDict(c=torch.tensor([1 + 2j, 3 - 1j]), f=torch.arange(6.0), g=torch.arange(4.0)).consolidate()
+    out.unlock_()
+    out["c"] = out["c"].conj()  # a conjugate view of the buffer: the flag is not in the bytes
+    out["g"] = out["f"][1:5]  # a contiguous part of another leaf
+    out["t"] = out["f"].reshape(2, 3).t()  # not contiguous
+    out["n"] = out["f"][:2]._neg_view()
+    again = pickle.loads(pickle.dumps(out))
+    for key in ("c", "g", "t", "n"):
+        assert torch.equal(again[key].resolve_conj().resolve_neg(), out[key].resolve_conj().resolve_neg()), key
+
+
+def test_filename_with_a_size_that_is_not_a_whole_number_of_every_dtype(tmp_path):
+    # 8 bytes of float32 then 3 of int8: 11 bytes, not a whole number of float32
+    td = TensorDict(a=torch.arange(2.0), b=torch.arange(3, dtype=torch.int8), c=torch.arange(3, dtype=torch.int64))
+    out = td.consolidate(filename=tmp_path / "odd.bin")
+    assert (out == td).all() and out.is_consolidated()
+    assert (pickle.loads(pickle.dumps(out)) == td).all()
