@@ -55,10 +55,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from shared_td.containers.tensordict import TensorDict
 from shared_td.coordinator import cluster_replica as replica
+from shared_td.coordinator import staleness
 from shared_td.coordinator.cluster_store import ClusterAuthError, ClusterCounter, SignedStore, cluster_key, open_store
 from shared_td.coordinator.cluster_transfer import PairGroups, TransferFailed, wait_work
+from shared_td.coordinator.cluster_values import ClusterValues
 from shared_td.errors import OwnerLostError
 
 __all__ = ["Cluster", "ClusterAuthError", "OwnerLostError", "SyncReport"]
@@ -130,8 +131,10 @@ class Cluster:
         self._hostname = hostname
         self._store: SignedStore | None = None
         self._groups: PairGroups | None = None
+        self._values: ClusterValues | None = None
         self._owned: dict[str, _Owned] = {}
         self._replicas: dict[str, _Replica] = {}
+        self._held: set[str] = set()  # names published on this node's Coordinator by us
         self._tags = itertools.count(1)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -171,6 +174,7 @@ class Cluster:
             if record["nodes"] != self.nodes:
                 raise ValueError(f"Node {record['node']} joined with nodes={record['nodes']}, this node has {self.nodes}.")
         self._groups = PairGroups(self._store, self.node, timeout=self.timeout, hostname=self._hostname)
+        self._values = ClusterValues(self._store, self.node, self.nodes, self._stop)
         for target in (self._heartbeat, self._serve):
             thread = threading.Thread(target=target, name=f"shared_td-cluster-{target.__name__}", daemon=True)
             thread.start()
@@ -191,6 +195,8 @@ class Cluster:
             pass  # the store is gone; the service thread's pop fails by itself
         for thread in self._threads:
             thread.join(_POP_S if thread.name.endswith("_serve") else 2 * HEARTBEAT_S)
+        if self._values is not None:
+            self._values.join(2 * HEARTBEAT_S)
         for lane in [*self._lanes.values(), self._senders]:
             lane.shutdown(wait=False, cancel_futures=True)
         if self._groups is not None:  # None: start() failed before the groups
@@ -207,20 +213,22 @@ class Cluster:
         return ClusterCounter(self._checked(), name)
 
     # ------------------------------------------------------------------ names
-    def publish(self, name: str, td):
+    def publish(self, name: str, td, *, share_non_tensor: bool = False):
         """Publish ``td`` as ``name`` owned by this node; returns ``td``.
 
         ``td`` is memory-mapped into one anonymous segment (``memmap_()``, on this
-        node's Coordinator when there is one). Publishing a name again makes a new
-        generation: replicas of the old one are stale (:meth:`is_stale`)."""
+        node's Coordinator when there is one). With ``share_non_tensor=True`` its
+        NonTensorData values are shared by every process of every node: a write on any
+        node reaches the others within milliseconds (see
+        :mod:`~shared_td.coordinator.cluster_values`); without it, a tree with a
+        non-tensor value is refused. Publishing a name again makes a new generation:
+        replicas of the old one are stale (:meth:`is_stale`)."""
         store = self._checked()
-        if self._coordinator is not None:
-            td = self._coordinator.publish(name, td)
-        else:
-            td = td.memmap_()  # keeps leaves already in anonymous shared memory
-        layout, segment = replica.describe(td, name)
+        td = self._memmap_here(name, td, share_non_tensor)
+        layout, segment, cells = replica.describe(td, name, share_non_tensor)
         generation = store.add(f"generation/{name}", 1)
         self._owned[name] = _Owned(td, segment, layout, generation, version=1)
+        self._values.publish(name, generation, cells)  # before the name: attachers read them
         store.set_json(f"name/{name}", {"owner": self.node, "generation": generation, "layout": layout})
         store.set_json(f"version/{name}", {"version": 1, "generation": generation})
         return td
@@ -240,22 +248,65 @@ class Cluster:
                            "replicate=True on its owner node first).")
         return self._guard(store.get_json, f"name/{name}")
 
+    def _memmap_here(self, name: str, td, share_non_tensor: bool):
+        """``td`` in anonymous memory, published on this node's Coordinator if any."""
+        self._held.add(name)
+        if self._coordinator is not None:
+            if share_non_tensor:
+                return self._coordinator.publish(name, td, share_non_tensor=True)
+            return self._coordinator.publish(name, td)
+        return td.memmap_(share_non_tensor=share_non_tensor)  # keeps leaves already in anonymous memory
+
     def attach(self, name: str):
         """The tensordict of ``name`` on this node: the owner's own, or this node's
-        replica (made on first attach and filled with one transfer)."""
+        replica (made on first attach and filled with one transfer).
+
+        A replica is remembered for :func:`shared_td.is_stale` and
+        :func:`shared_td.refresh`: it is stale once the owner published ``name`` again,
+        and ``refresh`` attaches the new generation (one full transfer)."""
         if name in self._owned:
             return self._owned[name].td
         info = self._info(name)
         have = self._replicas.get(name)
         if have is not None and have.generation == info["generation"]:
             return have.td
-        td, segment = replica.rebuild(info["layout"], TensorDict)
-        if self._coordinator is not None:
-            td = self._coordinator.publish(name, td)
-        self._replicas[name] = _Replica(td, segment, info["layout"], info["owner"], info["generation"])
-        self._checked().set_json(f"has/{name}/{self.node}", {"generation": info["generation"]})
+        layout, generation = info["layout"], info["generation"]
+        latest = self._values.latest(name, generation, len(layout.get("values", ())))
+        td, segment = replica.rebuild(layout, [value for _version, value in latest])
+        td = self._memmap_here(name, td, bool(latest))
+        self._values.attach(name, generation, replica.value_cells(td, layout), [v for v, _value in latest])
+        self._replicas[name] = _Replica(td, segment, layout, info["owner"], generation)
+        self._checked().set_json(f"has/{name}/{self.node}", {"generation": generation})
         self.pull(name)
+        staleness.remember(td, name, generation, {"table": None, "slot": None}, _ClusterEndpoint(self))
         return td
+
+    def holds(self, name: str) -> bool:
+        """Whether ``name`` on this node's Coordinator is the cluster's (owned or a replica)."""
+        return name in self._held
+
+    def published_here(self, name: str) -> None:
+        """Record that this node's Coordinator published ``name`` without replicating it,
+        so that another node's attach says where it lives (:meth:`where_error`)."""
+        self._checked().set_json(f"local/{name}/{self.node}", {"node": self.node})
+
+    def unpublished_here(self, name: str) -> None:
+        if not self.holds(name):
+            self._checked().delete(f"local/{name}/{self.node}")
+
+    def where_error(self, name: str, err: KeyError) -> KeyError:
+        """The KeyError for ``name``, unknown on this node: it names the nodes where it
+        was published without ``replicate=True``, and the fix."""
+        store = self._checked()
+        there = [n for n in range(self.nodes) if n != self.node and store.has(f"local/{name}/{n}")]
+        if not there:
+            return KeyError(f"{err.args[0] if err.args else name!r} Nor is it published on another node of the cluster.")
+        where = ", ".join(map(str, there))
+        return KeyError(
+            f"{name!r} is published on node {where} without replicate=True, so it lives only "
+            f"there. Publish it with replicate=True on node {there[0]} (coord.publish({name!r}, td, "
+            f"replicate=True)) to attach it here, or attach it on node {where}."
+        )
 
     def is_stale(self, name: str) -> bool:
         """Whether the owner published ``name`` again since this replica was made."""
@@ -415,6 +466,12 @@ class Cluster:
                 return  # the store is gone
             if request is None or request.get("op") == "stop":
                 continue
+            if request.get("op") == "value":  # small and quick: applied here, in order
+                try:
+                    self._values.receive(request)
+                except Exception:  # noqa: BLE001 - a bad value must not stop the service
+                    self.refused += 1
+                continue
             peer = request["from"]
             lane = self._lanes.get(peer)
             if lane is None:
@@ -538,6 +595,11 @@ class Cluster:
         )
 
     # ------------------------------------------------------------------ helpers
+    def generation(self, name: str) -> int:
+        """The current generation of ``name`` (one store round trip): it grows with
+        every publish of ``name`` on its owner."""
+        return self._info(name)["generation"]
+
     def _checked(self) -> SignedStore:
         if self._store is None:
             raise RuntimeError("This Cluster is not started (call start()).")
@@ -550,3 +612,17 @@ class Cluster:
         except dist.DistNetworkError as err:
             raise ConnectionError(f"The cluster store is gone ({err}): the node that hosts it "
                                   "(node 0 by default) stopped.") from err
+
+
+class _ClusterEndpoint:
+    """Where a replica came from, for :func:`shared_td.is_stale` and
+    :func:`shared_td.refresh`: its version is the name's generation in the store."""
+
+    def __init__(self, cluster: Cluster):
+        self._cluster = cluster
+
+    def attach(self, name: str):
+        return self._cluster.attach(name)
+
+    def version(self, name: str) -> int:
+        return self._cluster.generation(name)

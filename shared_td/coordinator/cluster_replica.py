@@ -19,23 +19,41 @@ import time
 
 import torch
 
+from shared_td.containers.nontensor import NonTensorData
+from shared_td.containers.tensordict import TensorDict
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.storage.anonymous import Segment
 
-__all__ = ["describe", "rebuild", "replica_version", "wait_version", "segment_bytes"]
+__all__ = ["describe", "rebuild", "replica_version", "segment_bytes", "value_cells", "version", "wait_version"]
 
 _TRAILER = 64
 _MAGIC = 0x5348545F5245504C  # "SHT_REPL"
 
 
-def _segment_of(td, name: str) -> tuple[Segment, list]:
-    leaves, segment = [], None
-    for key, leaf in td.items(include_nested=True, leaves_only=True):
+def _is_leaf_here(cls: type) -> bool:
+    # walk into TensorDict nodes only: anything else (a tensor, a non-tensor value, a
+    # tensorclass, a lazy stack) is a leaf of the layout, checked by _segment_of
+    return not issubclass(cls, TensorDict)
+
+
+def _segment_of(td, name: str, share_non_tensor: bool) -> tuple[Segment, list, list]:
+    leaves, values, segment = [], [], None
+    for key, leaf in td.items(include_nested=True, leaves_only=True, is_leaf=_is_leaf_here):
         key = (key,) if isinstance(key, str) else tuple(key)
+        if type(leaf) is NonTensorData:
+            if not share_non_tensor or leaf._shared_value is None:
+                raise TypeError(
+                    f"{name!r}: the leaf {key} is a non-tensor value; a replicated name shares "
+                    "its non-tensor values across the cluster only when published with "
+                    "share_non_tensor=True (publish(name, td, replicate=True, share_non_tensor=True))."
+                )
+            values.append((key, leaf))
+            continue
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(
                 f"{name!r}: the leaf {key} is a {type(leaf).__name__}; a replicated name holds "
-                "tensors only (publish non-tensor values under a name that is not replicated)."
+                "TensorDict nodes, tensors and NonTensorData values only (publish the others "
+                "under a name that is not replicated)."
             )
         backing = getattr(leaf, "_backing", None)
         if leaf.numel() and not isinstance(backing, Segment):
@@ -52,14 +70,16 @@ def _segment_of(td, name: str) -> tuple[Segment, list]:
             raise ValueError(f"{name!r}: the leaf {key} is not contiguous.")
         segment = backing if leaf.numel() else segment
         leaves.append((key, leaf))
-    return segment, leaves
+    return segment, leaves, values
 
 
-def describe(td, name: str) -> tuple[dict, Segment]:
-    """The JSON layout of ``td`` (one segment of tensor leaves) and its segment."""
-    if type(td).__name__ != "TensorDict":
+def describe(td, name: str, share_non_tensor: bool = False) -> tuple[dict, Segment, list]:
+    """The JSON layout of ``td`` (one segment of tensor leaves, and NonTensorData values
+    shared with ``share_non_tensor=True``), its segment and the cells of its values (in
+    the order of ``layout["values"]``)."""
+    if type(td) is not TensorDict:
         raise TypeError(f"{name!r}: only a TensorDict can be replicated, not a {type(td).__name__}.")
-    segment, leaves = _segment_of(td, name)
+    segment, leaves, values = _segment_of(td, name, share_non_tensor)
     if segment is None:
         raise ValueError(f"{name!r}: nothing to replicate (no tensor with elements).")
     return {
@@ -70,21 +90,30 @@ def describe(td, name: str) -> tuple[dict, Segment]:
              "shape": list(leaf.shape), "offset": leaf._byte_offset() if leaf.numel() else 0}
             for key, leaf in leaves
         ],
-    }, segment
+        "values": [{"key": list(key), "batch_size": list(leaf.batch_size)} for key, leaf in values],
+    }, segment, [leaf._shared_value for _key, leaf in values]
 
 
-def rebuild(layout: dict, tensordict_class) -> tuple[object, Segment]:
+def rebuild(layout: dict, values: list) -> tuple[TensorDict, Segment]:
     """A new replica: a segment of ``nbytes`` + trailer, state 0 (no version yet), and a
-    ``tensordict_class`` over it with the owner's keys, dtypes, shapes and offsets."""
+    TensorDict over it with the owner's keys, dtypes, shapes and offsets, and its
+    non-tensor ``values`` (not shared yet: ``memmap_(share_non_tensor=True)`` does it)."""
     segment = Segment.create(layout["nbytes"] + _TRAILER)
     _words(segment)[0] = _MAGIC
-    td = tensordict_class({}, batch_size=layout["batch_size"])
+    td = TensorDict({}, batch_size=layout["batch_size"])
     for leaf in layout["leaves"]:
         dtype = getattr(torch, leaf["dtype"])
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"The layout names an unknown dtype {leaf['dtype']!r}.")
         td.set(tuple(leaf["key"]), MemoryMappedTensor._from_backing(segment, leaf["offset"], dtype, leaf["shape"]))
+    for entry, value in zip(layout.get("values", ()), values):
+        td.set(tuple(entry["key"]), NonTensorData(value, batch_size=entry["batch_size"]))
     return td, segment
+
+
+def value_cells(td, layout: dict) -> list:
+    """The shared cells of the non-tensor values of ``td`` listed in ``layout``."""
+    return [td.get(tuple(entry["key"]))._shared_value for entry in layout.get("values", ())]
 
 
 def segment_bytes(segment: Segment, nbytes: int) -> torch.Tensor:
@@ -111,19 +140,45 @@ def _replica_segment(td) -> Segment:
         backing = getattr(leaf, "_backing", None)
         if isinstance(backing, Segment) and backing.nbytes > _TRAILER and int(_words(backing)[0]) == _MAGIC:
             return backing
-    raise ValueError("This tensordict is not a replica of a name published on another node.")
+    raise ValueError("This tensordict is not a replica of a name published on another node "
+                     "(on the owner's node the data is written in place: there is no version to "
+                     "wait for; coord.version(name) gives the owner's sync count).")
 
 
-def replica_version(td) -> int | None:
-    """The version of the contents of replica ``td`` (any process of its node), None
-    while a transfer writes it or before the first one."""
+def version(td) -> int | None:
+    """The version of the contents of the replica ``td`` (exported as
+    ``shared_td.version``): the owner's ``sync`` count, read from the replica's own
+    memory by any process of its node (no round trip); None while a transfer writes it
+    (its rows may then mix two versions) or before the first one.
+
+    Raises:
+        ValueError: ``td`` is not a replica of a name owned by another node (on the
+            owner's node the data is written in place: there is no transfer to wait for).
+
+    Example (``view`` attached on node 1 of a name that node 0 owns)::
+
+        >>> shared_td.version(view)                    # doctest: +SKIP
+        3
+    """
     state = int(_words(_replica_segment(td))[1])
     return None if state % 2 or state == 0 else state // 2
 
 
+replica_version = version  # the name the cluster layer and its tests use
+
+
 def wait_version(td, version: int, timeout: float = 10.0) -> int:
-    """Wait until replica ``td`` holds a complete version >= ``version``; returns it.
-    TimeoutError after ``timeout`` seconds."""
+    """Wait until the replica ``td`` holds a complete version >= ``version`` and return
+    it (exported as ``shared_td.wait_version``): after it, a read sees one whole
+    version, until the next transfer starts. Polls the replica's own memory (10 µs at
+    first, 5 ms at most between looks). TimeoutError after ``timeout`` seconds; ValueError
+    if ``td`` is not a replica (see :func:`version`).
+
+    Example::
+
+        >>> shared_td.wait_version(view, 4, timeout=5.0)   # doctest: +SKIP
+        4
+    """
     words = _words(_replica_segment(td))
     deadline = time.monotonic() + timeout
     pause = 1e-5

@@ -155,6 +155,23 @@ class SignedStore:
         """The value at ``key`` (waits up to the store's timeout for it to exist)."""
         return json.loads(self.check(key, self._store().get(key)))
 
+    def set_json_if_newer(self, key: str, value: dict, field: str) -> None:
+        """``set_json(key, value)`` unless ``key`` holds a value whose ``field`` is at
+        least ``value[field]``: a compare-and-set loop on the store host, so that of two
+        writers at once the higher ``field`` stays. A current value with a wrong
+        signature is refused (ClusterAuthError), never overwritten blindly."""
+        store, blob = self._store(), self.sign(key, json.dumps(value).encode())
+        current = store.get(key) if store.check([key]) else b""
+        while current:
+            if json.loads(self.check(key, current))[field] >= value[field]:
+                return
+            answer = store.compare_set(key, current, blob)
+            if answer == blob:
+                return
+            current = answer
+        if store.compare_set(key, b"", blob) != blob:  # another writer created it first
+            self.set_json_if_newer(key, value, field)
+
     def has(self, key: str) -> bool:
         return self._store().check([key])
 

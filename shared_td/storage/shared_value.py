@@ -137,6 +137,12 @@ class SharedValue:
             batch.append(cell)
         return cell
 
+    @property
+    def version(self) -> int:
+        """The cell's version word: it changes with every :meth:`set` by any process
+        (one aligned 8-byte load; the cluster layer polls it to see local writes)."""
+        return self._version_word.value
+
     def get(self) -> Any:
         """The current value (the last one written by any process)."""
         version, value = self._cached
