@@ -29,10 +29,10 @@ all nodes equal:
   A signed value can be replayed, but never with a version above the current one's
   effect: an old notice is ignored (its version is not the highest).
 
-A process of the node that writes the cell and one that applies a remote value at the
-same instant are ordered by the cell's own lock; the poller then sees a word it did not
-expect and publishes the cell's current content with a new, higher version, so the nodes
-still converge (on the value the cell ended with).
+A remote value is written into the cell only if no process of the node wrote it since
+the poller last looked (a compare-and-set under the cell's write lock,
+:meth:`~shared_td.storage.shared_value.SharedValue.set_if_version`): a local write is
+never lost; it is published with a higher version instead, and wins everywhere.
 """
 from __future__ import annotations
 
@@ -149,16 +149,14 @@ class ClusterValues:
             entry = tracked.values[index]
             if version <= entry.applied:
                 return  # an older write: a higher version is already here
-            if entry.cell.version != entry.seen:
-                # a local write not published yet: it takes a higher version and wins
+            # unless a process of this node wrote the cell since we last looked (checked
+            # under the cell's write lock): that write is published next, with a higher
+            # version, and wins
+            if entry.cell.set_if_version(value, entry.seen):
+                entry.seen += 1
+                entry.applied = version
+            else:
                 self._publish_local(name, tracked, index)
-                return
-            before = entry.cell.version
-            entry.cell.set(value)
-            entry.applied = version
-            # a local write in between (word moved by more than ours): the poller
-            # republishes the cell's content, so that every node ends with it
-            entry.seen = before + 1
 
     # ------------------------------------------------------------------ local writes
     def _poll(self) -> None:
