@@ -135,6 +135,7 @@ class Cluster:
         self._owned: dict[str, _Owned] = {}
         self._replicas: dict[str, _Replica] = {}
         self._held: set[str] = set()  # names published on this node's Coordinator by us
+        self._attaching = threading.Lock()  # one attach at a time (user's, or a lane's renewal)
         self._tags = itertools.count(1)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -143,6 +144,7 @@ class Cluster:
         self._beats: dict[int, tuple[object, float]] = {}
         self._beats_lock = threading.Lock()
         self.refused = 0  # requests dropped for a wrong signature
+        self.renew_failures = 0  # replicas not renewed after a re-publish (see _renew)
         self._pid = os.getpid()
 
     # ------------------------------------------------------------------ lifecycle
@@ -230,6 +232,11 @@ class Cluster:
         self._owned[name] = _Owned(td, segment, layout, generation, version=1)
         self._values.publish(name, generation, cells)  # before the name: attachers read them
         store.set_json(f"name/{name}", {"owner": self.node, "generation": generation, "layout": layout})
+        if generation > 1:  # replicas of the old generation renew themselves
+            for peer in range(self.nodes):
+                if peer != self.node and store.has(f"has/{name}/{peer}"):
+                    store.push_json(f"queue/{peer}", {"op": "renew", "name": name, "from": self.node,
+                                                      "generation": generation})
         store.set_json(f"version/{name}", {"version": 1, "generation": generation})
         return td
 
@@ -263,9 +270,21 @@ class Cluster:
 
         A replica is remembered for :func:`shared_td.is_stale` and
         :func:`shared_td.refresh`: it is stale once the owner published ``name`` again,
-        and ``refresh`` attaches the new generation (one full transfer)."""
+        and ``refresh`` attaches the new generation (one full transfer). When the owner
+        publishes again, a node that holds a replica makes the new one by itself (the
+        owner's notice, handled in that owner's lane) and publishes it on its
+        Coordinator, so that the views of the node's other processes turn stale and their
+        ``refresh`` finds the new generation."""
         if name in self._owned:
             return self._owned[name].td
+        if not self._attaching.acquire(timeout=self.timeout):
+            raise TimeoutError(f"Another attach on this node did not end within {self.timeout:g} s.")
+        try:
+            return self._attach(name)
+        finally:
+            self._attaching.release()
+
+    def _attach(self, name: str):
         info = self._info(name)
         have = self._replicas.get(name)
         if have is not None and have.generation == info["generation"]:
@@ -480,6 +499,9 @@ class Cluster:
 
     def _handle(self, request: dict) -> None:
         peer, op, name = request["from"], request["op"], request["name"]
+        if op == "renew":
+            self._renew(name, request["generation"])
+            return
         try:
             if op == "pull":
                 self._serve_pull(peer, request)
@@ -494,6 +516,17 @@ class Cluster:
                 self._reply(request, error=f"{type(err).__name__}: {err}")
             except (RuntimeError, OSError):
                 pass  # the store is gone
+
+    def _renew(self, name: str, generation: int) -> None:
+        """The owner published ``name`` again: replace this node's older replica. On a
+        failure the old one stays (stale); the next attach or refresh tries again."""
+        have = self._replicas.get(name)
+        if have is None or have.generation >= generation:
+            return
+        try:
+            self.attach(name)
+        except Exception:  # noqa: BLE001 - nobody waits for this answer; counted
+            self.renew_failures += 1
 
     def _serve_pull(self, peer: int, request: dict) -> None:
         owned = self._owned.get(request["name"])

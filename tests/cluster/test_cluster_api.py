@@ -233,3 +233,18 @@ def test_shared_counter_of_a_cluster(coordinators):
     with pytest.raises(TypeError, match="counter\\(name\\)"):
         shared_td.SharedCounter(cluster=object())
     assert shared_td.SharedCounter(2).fetch_add(1) == 2  # one machine, as before
+
+
+def test_a_republish_turns_the_views_of_a_replica_node_stale_and_refresh_renews_them(coordinators):
+    owner, other = coordinators
+    owner.publish("p", shared_td.TensorDict(x=torch.zeros(3), batch_size=[3]), replicate=True)
+    other.attach("p")  # the node's replica
+    # what a worker of that node gets: an attach by address to the node's Coordinator
+    local = shared_td.attach("p", address=other.address, authkey=other.authkey)
+    assert local["x"].tolist() == [0.0] * 3 and not shared_td.is_stale(local)
+    owner.publish("p", shared_td.TensorDict(x=torch.ones(4), batch_size=[4]), replicate=True)
+    assert wait_until(lambda: shared_td.is_stale(local), 10)
+    fresh = shared_td.refresh(local)
+    assert fresh["x"].tolist() == [1.0] * 4 and not shared_td.is_stale(fresh)
+    assert shared_td.version(fresh) == 1
+    assert other.cluster.renew_failures == 0
