@@ -25,9 +25,9 @@ receive still posted) and rebuilt by the next transfer.
 
 Failure behaviour:
 
-* Each node writes a heartbeat every :data:`HEARTBEAT_S`; a node whose heartbeat has not
-  changed for :data:`LOST_AFTER_S` is lost. ``pull``/``push`` whose owner is lost raise
-  :class:`~shared_td.errors.OwnerLostError`: about ``LOST_AFTER_S`` after the owner died
+* Each node writes a heartbeat every ``HEARTBEAT_S``; a node whose heartbeat has not
+  changed for ``LOST_AFTER_S`` is lost (:mod:`~shared_td.coordinator.cluster_liveness`).
+  ``pull``/``push`` whose owner is lost raise :class:`~shared_td.errors.OwnerLostError`: about ``LOST_AFTER_S`` after the owner died
   when gloo reports the closed connection (the usual case), at most the bounded gloo wait
   (:data:`~shared_td.coordinator.cluster_transfer.WAIT_SLACK_S` + bytes / ``MIN_RATE``)
   later when it does not. The replica stays readable (after an interrupted transfer its
@@ -56,7 +56,9 @@ import torch
 import torch.distributed as dist
 
 from shared_td.coordinator import cluster_replica as replica
+from shared_td.coordinator.cluster_replica import Owned, Replica
 from shared_td.coordinator import staleness
+from shared_td.coordinator.cluster_liveness import HEARTBEAT_S, LOST_AFTER_S, Liveness  # noqa: F401  (the documented constants, also here)
 from shared_td.coordinator.cluster_store import ClusterAuthError, ClusterCounter, SignedStore, cluster_key, open_store
 from shared_td.coordinator.cluster_transfer import PairGroups, TransferFailed, wait_work
 from shared_td.coordinator.cluster_values import ClusterValues
@@ -64,10 +66,6 @@ from shared_td.errors import OwnerLostError
 
 __all__ = ["Cluster", "ClusterAuthError", "OwnerLostError", "SyncReport"]
 
-#: Seconds between two heartbeats of a node.
-HEARTBEAT_S = 0.5
-#: Seconds without a changed heartbeat after which a node counts as lost.
-LOST_AFTER_S = 3.0
 #: Seconds any cluster call may take in all, unless the Cluster is given another timeout.
 DEFAULT_TIMEOUT = 30.0
 # How long the service thread waits in one queue_pop (a stop request wakes it earlier).
@@ -82,25 +80,6 @@ class SyncReport:
     version: int
     delivered: list[int] = field(default_factory=list)
     dropped: dict[int, str] = field(default_factory=dict)
-
-
-@dataclass
-class _Owned:
-    td: object
-    segment: object
-    layout: dict
-    generation: int
-    version: int
-
-
-@dataclass
-class _Replica:
-    td: object
-    segment: object
-    layout: dict
-    owner: int
-    generation: int
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class Cluster:
@@ -132,8 +111,8 @@ class Cluster:
         self._store: SignedStore | None = None
         self._groups: PairGroups | None = None
         self._values: ClusterValues | None = None
-        self._owned: dict[str, _Owned] = {}
-        self._replicas: dict[str, _Replica] = {}
+        self._owned: dict[str, Owned] = {}
+        self._replicas: dict[str, Replica] = {}
         self._held: set[str] = set()  # names published on this node's Coordinator by us
         self._attaching = threading.Lock()  # one attach at a time (user's, or a lane's renewal)
         self._tags = itertools.count(1)
@@ -141,8 +120,6 @@ class Cluster:
         self._threads: list[threading.Thread] = []
         self._lanes: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
         self._senders = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="shared_td-sync")
-        self._beats: dict[int, tuple[object, float]] = {}
-        self._beats_lock = threading.Lock()
         self.refused = 0  # requests dropped for a wrong signature
         self.renew_failures = 0  # replicas not renewed after a re-publish (see _renew)
         self._pid = os.getpid()
@@ -177,8 +154,9 @@ class Cluster:
                 raise ValueError(f"Node {record['node']} joined with nodes={record['nodes']}, this node has {self.nodes}.")
         self._groups = PairGroups(self._store, self.node, timeout=self.timeout, hostname=self._hostname)
         self._values = ClusterValues(self._store, self.node, self.nodes, self._stop)
-        for target in (self._heartbeat, self._serve):
-            thread = threading.Thread(target=target, name=f"shared_td-cluster-{target.__name__}", daemon=True)
+        self._liveness = Liveness(self._store, self.node, lambda key: self._guard(self._store.get_json, key))
+        for target, args in ((self._liveness.beat, (self._stop,)), (self._serve, ())):
+            thread = threading.Thread(target=target, args=args, name=f"shared_td-cluster-{target.__name__}", daemon=True)
             thread.start()
             self._threads.append(thread)
         return self
@@ -229,7 +207,7 @@ class Cluster:
         td = self._memmap_here(name, td, share_non_tensor)
         layout, segment, cells = replica.describe(td, name, share_non_tensor)
         generation = store.add(f"generation/{name}", 1)
-        self._owned[name] = _Owned(td, segment, layout, generation, version=1)
+        self._owned[name] = Owned(td, segment, layout, generation, version=1)
         self._values.publish(name, generation, cells)  # before the name: attachers read them
         store.set_json(f"name/{name}", {"owner": self.node, "generation": generation, "layout": layout})
         if generation > 1:  # replicas of the old generation renew themselves
@@ -294,7 +272,7 @@ class Cluster:
         td, segment = replica.rebuild(layout, [value for _version, value in latest])
         td = self._memmap_here(name, td, bool(latest))
         self._values.attach(name, generation, replica.value_cells(td, layout), [v for v, _value in latest])
-        self._replicas[name] = _Replica(td, segment, layout, info["owner"], generation)
+        self._replicas[name] = Replica(td, segment, layout, info["owner"], generation)
         self._checked().set_json(f"has/{name}/{self.node}", {"generation": generation})
         self.pull(name)
         staleness.remember(td, name, generation, {"table": None, "slot": None}, _ClusterEndpoint(self))
@@ -340,7 +318,7 @@ class Cluster:
             return self._owned[name].version
         return replica.replica_version(self._replica(name).td)
 
-    def _replica(self, name: str) -> _Replica:
+    def _replica(self, name: str) -> Replica:
         have = self._replicas.get(name)
         if have is None:
             raise KeyError(f"This node has no replica of {name!r}: attach it first.")
@@ -424,7 +402,7 @@ class Cluster:
                 report.dropped[node] = reason
         return report
 
-    def _sync_one(self, peer: int, name: str, owned: _Owned, payload, deadline: float) -> str | None:
+    def _sync_one(self, peer: int, name: str, owned: Owned, payload, deadline: float) -> str | None:
         try:
             tag, generation = self._request(peer, "sync", name, owned.generation, version=owned.version,
                                             nbytes=owned.layout["nbytes"])
@@ -552,7 +530,7 @@ class Cluster:
         apply(peer, entry, request)
         self._reply(request, ok=True)
 
-    def _apply_rows(self, peer: int, owned: _Owned, request: dict) -> None:
+    def _apply_rows(self, peer: int, owned: Owned, request: dict) -> None:
         buffer = torch.empty(request["nbytes"], dtype=torch.uint8)
         work = self._groups.recv(peer, request["pair"], buffer, request["tag"])
         wait_work([work], time.monotonic() + self.timeout, "push", request["nbytes"])
@@ -568,7 +546,7 @@ class Cluster:
             target[index] = chunk.view(target.dtype).view((rows, *leaf["shape"][1:]))
             offset += size
 
-    def _apply_sync(self, peer: int, rep: _Replica, request: dict) -> None:
+    def _apply_sync(self, peer: int, rep: Replica, request: dict) -> None:
         if not rep.lock.acquire(timeout=self.timeout):
             raise TransferFailed("a pull of the same replica did not end")
         try:
@@ -581,51 +559,18 @@ class Cluster:
             rep.lock.release()
 
     # ------------------------------------------------------------------ liveness
-    def _heartbeat(self) -> None:
-        for beat in itertools.count(1):
-            if self._stop.wait(HEARTBEAT_S):
-                return
-            try:
-                self._store.set_json(f"hb/{self.node}", {"beat": beat, "pid": os.getpid()})
-            except (RuntimeError, OSError):
-                return  # the store is gone
-
-    def _beat(self, peer: int):
-        """``peer``'s last heartbeat number (None if unreadable or not signed by us)."""
-        try:
-            return self._guard(self._store.get_json, f"hb/{peer}")["beat"]
-        except ClusterAuthError:
-            return None
-
     def _alive(self, peer: int) -> bool:
-        """Whether ``peer``'s heartbeat changed within the last LOST_AFTER_S seconds (as
-        seen by this process since it first looked)."""
-        beat, now = self._beat(peer), time.monotonic()
-        with self._beats_lock:
-            seen = self._beats.get(peer)
-            if seen is None or seen[0] != beat:
-                self._beats[peer] = (beat, now)
-                return True
-            return now - seen[1] < LOST_AFTER_S
+        return self._liveness.alive(peer)
+
+    def _role(self, peer: int, name: str) -> str:
+        have = self._replicas.get(name)
+        return "the owner" if have is not None and have.owner == peer else "a replica"
 
     def _lost_or(self, peer: int, name: str, err: BaseException) -> BaseException:
-        """After a failed transfer with ``peer``: OwnerLostError once its heartbeat has
-        stood still for LOST_AFTER_S (waited for here), else a ConnectionError (the
-        transfer may be retried)."""
-        end = time.monotonic() + LOST_AFTER_S + HEARTBEAT_S
-        while self._alive(peer):
-            if time.monotonic() > end:
-                return ConnectionError(f"The transfer of {name!r} with node {peer} failed ({err}); "
-                                       "that node is alive: the call may be retried.")
-            time.sleep(HEARTBEAT_S / 4)
-        return self._lost(peer, name)
+        return self._liveness.lost_or(peer, name, err, self._role(peer, name))
 
     def _lost(self, peer: int, name: str) -> OwnerLostError:
-        role = "the owner" if self._replicas.get(name) and self._replicas[name].owner == peer else "a replica"
-        return OwnerLostError(
-            f"Node {peer}, {role} of {name!r}, is lost: its heartbeat stood still for "
-            f"{LOST_AFTER_S:g} s. This node's copy stays readable with its last contents."
-        )
+        return self._liveness.lost(peer, name, self._role(peer, name))
 
     # ------------------------------------------------------------------ helpers
     def generation(self, name: str) -> int:

@@ -15,7 +15,9 @@ anyone.
 """
 from __future__ import annotations
 
+import threading
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,10 +26,33 @@ from shared_td.containers.tensordict import TensorDict
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.storage.anonymous import Segment
 
-__all__ = ["describe", "rebuild", "replica_version", "segment_bytes", "value_cells", "version", "wait_version"]
+__all__ = ["Owned", "Replica", "describe", "rebuild", "replica_version", "segment_bytes", "value_cells", "version", "wait_version"]
 
 _TRAILER = 64
 _MAGIC = 0x5348545F5245504C  # "SHT_REPL"
+
+
+@dataclass
+class Owned:
+    """A name this node owns: its tensordict, segment, layout, generation and sync count."""
+
+    td: object
+    segment: Segment
+    layout: dict
+    generation: int
+    version: int
+
+
+@dataclass
+class Replica:
+    """This node's replica of a name another node owns; ``lock`` orders its transfers."""
+
+    td: object
+    segment: Segment
+    layout: dict
+    owner: int
+    generation: int
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 def _is_leaf_here(cls: type) -> bool:
