@@ -270,11 +270,18 @@ class Cluster:
         layout, generation = info["layout"], info["generation"]
         latest = self._values.latest(name, generation, len(layout.get("values", ())))
         td, segment = replica.rebuild(layout, [value for _version, value in latest])
-        td = self._memmap_here(name, td, bool(latest))
-        self._values.attach(name, generation, replica.value_cells(td, layout), [v for v, _value in latest])
-        self._replicas[name] = Replica(td, segment, layout, info["owner"], generation)
+        rep = self._replicas[name] = Replica(td, segment, layout, info["owner"], generation)
         self._checked().set_json(f"has/{name}/{self.node}", {"generation": generation})
-        self.pull(name)
+        try:
+            self.pull(name)  # filled before this node's processes can attach it
+        except BaseException:  # a later attach starts again; the old replica stays
+            if have is None:
+                del self._replicas[name]
+            else:
+                self._replicas[name] = have
+            raise
+        rep.td = td = self._memmap_here(name, td, bool(latest))
+        self._values.attach(name, generation, replica.value_cells(td, layout), [v for v, _value in latest])
         staleness.remember(td, name, generation, {"table": None, "slot": None}, _ClusterEndpoint(self))
         return td
 

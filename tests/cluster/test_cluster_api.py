@@ -248,3 +248,15 @@ def test_a_republish_turns_the_views_of_a_replica_node_stale_and_refresh_renews_
     assert fresh["x"].tolist() == [1.0] * 4 and not shared_td.is_stale(fresh)
     assert shared_td.version(fresh) == 1
     assert other.cluster.renew_failures == 0
+
+
+def test_a_failed_first_attach_leaves_no_half_made_replica(pair, monkeypatch):
+    from shared_td.coordinator import cluster_liveness
+
+    monkeypatch.setattr(cluster_liveness, "LOST_AFTER_S", 0.6)  # keeps the test short
+    owner, other = pair
+    owner.publish("p", shared_td.TensorDict(x=torch.arange(3.0), batch_size=[3]))
+    owner.shutdown()  # its heartbeat and service stop: the first transfer cannot happen
+    for _ in range(2):  # the second attach tries again; it never returns an unfilled replica
+        with pytest.raises(shared_td.OwnerLostError, match="Node 0, the owner of .p., is lost"):
+            other.attach("p")
