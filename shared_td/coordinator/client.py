@@ -221,6 +221,11 @@ class Coordinator:
         stays attachable after this process exits. Publishing a name again replaces it
         and increases its version.
 
+        With ``replicate=True`` (a Coordinator in a cluster), this node owns ``name``
+        and every other node can attach a replica of it (see
+        :mod:`shared_td.coordinator.cluster`); ``share_non_tensor=True`` then shares its
+        NonTensorData values with every process of every node.
+
         Example:
             >>> with Coordinator() as coord:                     # doctest: +SKIP
             ...     coord.publish("weights", td, prefix="/data/weights")

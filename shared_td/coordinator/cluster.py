@@ -15,6 +15,14 @@ layout (:mod:`~shared_td.coordinator.cluster_replica`), filled by one transfer a
 published on the node's own Coordinator under the same name, so all processes of that
 node attach it as today and the network copy is made once per node.
 
+Non-tensor values published with ``share_non_tensor=True`` are shared by every node: each
+node keeps them in its own shared cells, a write on any node is sent to the others as a
+signed notice, and the highest store version wins
+(:mod:`~shared_td.coordinator.cluster_values`). Publishing a name again makes a new
+*generation*: each node that holds a replica renews it by itself (one full transfer), so
+the views of that node's processes turn stale (:func:`shared_td.is_stale`) and
+:func:`shared_td.refresh` gives the new one.
+
 Requests travel through the store: each node pops its queue ``queue/<node>`` in a service
 thread and hands each request to the *lane* of its sender (one thread per peer node: a
 peer that stops answering holds up only its own lane). Answers are signed keys
@@ -37,9 +45,24 @@ Failure behaviour:
   timeout (or is lost) and reports it in :attr:`SyncReport.dropped`; the others get it.
 * The store host lost: store calls raise :class:`ConnectionError`.
 
-Example (two nodes in one process, as in the tests; normally one per machine)::
+Example: a one-node cluster on a store of a free port (normally one member per machine,
+all started with the same URL and authkey, e.g. ``Cluster("tcp://head:29600", node=i,
+nodes=n, authkey=key)``, each waiting in ``start()`` for the others)::
 
-    >>> a = Cluster("tcp://127.0.0.1:29600", node=0, nodes=2, authkey=b"k")  # doctest: +SKIP
+    >>> import datetime, torch, shared_td
+    >>> from torch.distributed import TCPStore
+    >>> store = TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10), wait_for_workers=False)
+    >>> with Cluster(store, node=0, nodes=1, authkey=b"key") as cluster:
+    ...     td = cluster.publish("policy", shared_td.TensorDict(w=torch.zeros(3), mode="train", batch_size=[3]),
+    ...                          share_non_tensor=True)
+    ...     _ = td.set_("mode", "eval")      # any node's set_ reaches the others within ms
+    ...     cursor = shared_td.SharedCounter("cursor", cluster=cluster)
+    ...     cluster.owner("policy"), cluster.sync("policy").version, cursor.fetch_add(8), cursor.value
+    (0, 2, 0, 8)
+
+On another node, ``cluster.attach("policy")`` makes its replica, ``shared_td.version(view)``
+and ``shared_td.wait_version(view, n)`` tell which sync it holds, and
+``shared_td.is_stale(view)``/``shared_td.refresh(view)`` follow a re-publish.
 """
 from __future__ import annotations
 

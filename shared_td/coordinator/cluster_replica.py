@@ -3,15 +3,21 @@
 A replicated name is a tensordict whose tensor leaves all lie in ONE anonymous segment
 (what ``memmap_()`` without a prefix makes: :func:`shared_td.persist.writer` packs a tree
 into one segment). Its *layout* -- batch size, and for each leaf its key, dtype, shape and
-byte offset -- is plain JSON in the store, so another node rebuilds the same tree over a
+byte offset, and the key and batch size of each shared NonTensorData value (whose
+contents travel separately, see :mod:`~shared_td.coordinator.cluster_values`) -- is plain
+JSON in the store, so another node rebuilds the same tree over a
 segment of its own, and a transfer is one contiguous copy of ``nbytes`` bytes, received
 in place.
 
 A replica segment is ``nbytes`` data bytes followed by a 64-byte trailer: a magic word and
 a *state* word, ``2 * version`` when the data is one complete version, odd while a
 transfer writes it. Every process of the node that attached the replica reads the version
-from its own mapping (:func:`replica_version`, :func:`wait_version`), without asking
-anyone.
+from its own mapping (:func:`version`, :func:`wait_version`, exported as
+``shared_td.version`` and ``shared_td.wait_version``), without asking anyone.
+
+What is not replicated is refused with a TypeError naming the leaf: tensorclasses, lazy
+stacks, NonTensorStack values, and NonTensorData values of a name published without
+``share_non_tensor=True``.
 """
 from __future__ import annotations
 

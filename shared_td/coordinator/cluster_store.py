@@ -4,7 +4,9 @@ A ``TCPStore`` (and gloo) authenticate nobody: anything that reaches the port ca
 write keys. So every value that a node reads back from the store carries an HMAC-SHA256 of
 the cluster authkey over ``key + NUL + payload``, and a value whose signature is wrong is
 refused with :class:`ClusterAuthError` naming the key, before any byte of it is parsed.
-Payloads are JSON (UTF-8), never pickles. The two integer facilities of the store that
+Payloads are JSON (UTF-8); the one pickle, a cluster-wide non-tensor value
+(:mod:`~shared_td.coordinator.cluster_values`), travels inside a signed JSON record and is
+unpickled only after that record's signature was checked. The two integer facilities of the store that
 cannot carry a signature -- ``add`` counters (:class:`ClusterCounter`, the pair generations
 of :mod:`~shared_td.coordinator.cluster_transfer`) and gloo's own rendezvous keys -- are
 only ever read as integers or by gloo: a forger can disturb them (a denial of service),
