@@ -227,6 +227,7 @@ class Cluster:
         non-tensor value is refused. Publishing a name again makes a new generation:
         replicas of the old one are stale (:meth:`is_stale`)."""
         store = self._checked()
+        replica.check_kinds(td, name, share_non_tensor)  # before anything is mapped or published
         td = self._memmap_here(name, td, share_non_tensor)
         layout, segment, cells = replica.describe(td, name, share_non_tensor)
         generation = store.add(f"generation/{name}", 1)

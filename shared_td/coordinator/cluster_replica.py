@@ -32,7 +32,7 @@ from shared_td.containers.tensordict import TensorDict
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.storage.anonymous import Segment
 
-__all__ = ["Owned", "Replica", "describe", "rebuild", "replica_version", "segment_bytes", "value_cells", "version", "wait_version"]
+__all__ = ["Owned", "Replica", "check_kinds", "describe", "rebuild", "replica_version", "segment_bytes", "value_cells", "version", "wait_version"]
 
 _TRAILER = 64
 _MAGIC = 0x5348545F5245504C  # "SHT_REPL"
@@ -67,25 +67,40 @@ def _is_leaf_here(cls: type) -> bool:
     return not issubclass(cls, TensorDict)
 
 
-def _segment_of(td, name: str, share_non_tensor: bool) -> tuple[Segment, list, list]:
-    leaves, values, segment = [], [], None
-    for key, leaf in td.items(include_nested=True, leaves_only=True, is_leaf=_is_leaf_here):
-        key = (key,) if isinstance(key, str) else tuple(key)
+def check_kinds(td, name: str, share_non_tensor: bool) -> None:
+    """TypeError, naming the leaf, for what does not replicate (checked before anything
+    is memory-mapped or published): a root that is not a TensorDict; leaves other than
+    tensors and NonTensorData; NonTensorData without ``share_non_tensor=True``."""
+    if type(td) is not TensorDict:
+        raise TypeError(f"{name!r}: only a TensorDict can be replicated, not a {type(td).__name__}.")
+    for key, leaf in _leaves(td):
         if type(leaf) is NonTensorData:
-            if not share_non_tensor or leaf._shared_value is None:
+            if not share_non_tensor:
                 raise TypeError(
                     f"{name!r}: the leaf {key} is a non-tensor value; a replicated name shares "
                     "its non-tensor values across the cluster only when published with "
                     "share_non_tensor=True (publish(name, td, replicate=True, share_non_tensor=True))."
                 )
-            values.append((key, leaf))
-            continue
-        if not isinstance(leaf, torch.Tensor):
+        elif not isinstance(leaf, torch.Tensor):
             raise TypeError(
                 f"{name!r}: the leaf {key} is a {type(leaf).__name__}; a replicated name holds "
                 "TensorDict nodes, tensors and NonTensorData values only (publish the others "
                 "under a name that is not replicated)."
             )
+
+
+def _leaves(td):
+    for key, leaf in td.items(include_nested=True, leaves_only=True, is_leaf=_is_leaf_here):
+        yield ((key,) if isinstance(key, str) else tuple(key)), leaf
+
+
+def _segment_of(td, name: str, share_non_tensor: bool) -> tuple[Segment, list, list]:
+    check_kinds(td, name, share_non_tensor)
+    leaves, values, segment = [], [], None
+    for key, leaf in _leaves(td):
+        if type(leaf) is NonTensorData:
+            values.append((key, leaf))
+            continue
         backing = getattr(leaf, "_backing", None)
         if leaf.numel() and not isinstance(backing, Segment):
             raise ValueError(
@@ -108,8 +123,6 @@ def describe(td, name: str, share_non_tensor: bool = False) -> tuple[dict, Segme
     """The JSON layout of ``td`` (one segment of tensor leaves, and NonTensorData values
     shared with ``share_non_tensor=True``), its segment and the cells of its values (in
     the order of ``layout["values"]``)."""
-    if type(td) is not TensorDict:
-        raise TypeError(f"{name!r}: only a TensorDict can be replicated, not a {type(td).__name__}.")
     segment, leaves, values = _segment_of(td, name, share_non_tensor)
     if segment is None:
         raise ValueError(f"{name!r}: nothing to replicate (no tensor with elements).")

@@ -54,6 +54,11 @@ def _seen(td, key, value, timeout=5.0) -> float:
     return time.perf_counter() - began
 
 
+@shared_td.tensorclass
+class Obs:
+    pos: torch.Tensor
+
+
 # ---------------------------------------------------------------- non-tensor values
 def test_non_tensor_values_replicate_and_a_set_on_either_node_reaches_the_other(pair):
     owner, other = pair
@@ -158,6 +163,15 @@ def test_what_does_not_replicate_is_a_clear_error(pair):
         batch_size=[2])
     with pytest.raises(TypeError, match=r"\('s',\) is a LazyStackedTensorDict"):
         owner.publish("lazy", lazy)
+    with_class = shared_td.TensorDict(x=torch.zeros(2), o=Obs(pos=torch.zeros(2, 3), batch_size=[2]), batch_size=[2])
+    with pytest.raises(TypeError, match=r"\('o',\) is a Obs; a replicated name holds TensorDict nodes"):
+        owner.publish("class", with_class)
+    with pytest.raises(TypeError, match="only a TensorDict can be replicated, not a Obs"):
+        owner.publish("top", Obs(pos=torch.zeros(2, 3), batch_size=[2]))
+    refused = shared_td.TensorDict(x=torch.zeros(2), task="t", batch_size=[2])
+    with pytest.raises(TypeError):
+        owner.publish("refused", refused)
+    assert not refused.is_memmap() and not owner.holds("refused")  # refused before any change
     stack = shared_td.TensorDict(x=torch.zeros(2), s=shared_td.NonTensorStack("a", "b"), batch_size=[2])
     with pytest.raises(TypeError, match=r"\('s',\) is a NonTensorStack"):
         owner.publish("stack", stack, share_non_tensor=True)
