@@ -16,7 +16,7 @@ from its own mapping (:func:`version`, :func:`wait_version`, exported as
 ``shared_td.version`` and ``shared_td.wait_version``), without asking anyone.
 
 What is not replicated is refused with a TypeError naming the leaf: tensorclasses, lazy
-stacks, NonTensorStack values, and NonTensorData values of a name published without
+stacks, and NonTensorData/NonTensorStack values of a name published without
 ``share_non_tensor=True``.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared_td.containers.nontensor import NonTensorData
+from shared_td.containers.nontensor import NonTensorData, NonTensorStack
 from shared_td.containers.tensordict import TensorDict
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.storage.anonymous import Segment
@@ -61,6 +61,14 @@ class Replica:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
+# The non-tensor containers that replicate, by name: each from the payload of its shared
+# cell (one value; a stack's flat list of values in C order) and its batch size.
+_VALUE_CLASSES = {
+    "NonTensorData": lambda value, batch_size: NonTensorData(value, batch_size=batch_size),
+    "NonTensorStack": lambda values, batch_size: NonTensorStack._from_flat(values, torch.Size(batch_size)),
+}
+
+
 def _is_leaf_here(cls: type) -> bool:
     # walk into TensorDict nodes only: anything else (a tensor, a non-tensor value, a
     # tensorclass, a lazy stack) is a leaf of the layout, checked by _segment_of
@@ -70,11 +78,11 @@ def _is_leaf_here(cls: type) -> bool:
 def check_kinds(td, name: str, share_non_tensor: bool) -> None:
     """TypeError, naming the leaf, for what does not replicate (checked before anything
     is memory-mapped or published): a root that is not a TensorDict; leaves other than
-    tensors and NonTensorData; NonTensorData without ``share_non_tensor=True``."""
+    tensors, NonTensorData and NonTensorStack; those two without ``share_non_tensor=True``."""
     if type(td) is not TensorDict:
         raise TypeError(f"{name!r}: only a TensorDict can be replicated, not a {type(td).__name__}.")
     for key, leaf in _leaves(td):
-        if type(leaf) is NonTensorData:
+        if type(leaf) in (NonTensorData, NonTensorStack):
             if not share_non_tensor:
                 raise TypeError(
                     f"{name!r}: the leaf {key} is a non-tensor value; a replicated name shares "
@@ -84,7 +92,7 @@ def check_kinds(td, name: str, share_non_tensor: bool) -> None:
         elif not isinstance(leaf, torch.Tensor):
             raise TypeError(
                 f"{name!r}: the leaf {key} is a {type(leaf).__name__}; a replicated name holds "
-                "TensorDict nodes, tensors and NonTensorData values only (publish the others "
+                "TensorDict nodes, tensors, NonTensorData and NonTensorStack values only (publish the others "
                 "under a name that is not replicated)."
             )
 
@@ -98,7 +106,7 @@ def _segment_of(td, name: str, share_non_tensor: bool) -> tuple[Segment, list, l
     check_kinds(td, name, share_non_tensor)
     leaves, values, segment = [], [], None
     for key, leaf in _leaves(td):
-        if type(leaf) is NonTensorData:
+        if type(leaf) in (NonTensorData, NonTensorStack):
             values.append((key, leaf))
             continue
         backing = getattr(leaf, "_backing", None)
@@ -120,8 +128,8 @@ def _segment_of(td, name: str, share_non_tensor: bool) -> tuple[Segment, list, l
 
 
 def describe(td, name: str, share_non_tensor: bool = False) -> tuple[dict, Segment, list]:
-    """The JSON layout of ``td`` (one segment of tensor leaves, and NonTensorData values
-    shared with ``share_non_tensor=True``), its segment and the cells of its values (in
+    """The JSON layout of ``td`` (one segment of tensor leaves, and NonTensorData and
+    NonTensorStack values shared with ``share_non_tensor=True``), its segment and the cells of its values (in
     the order of ``layout["values"]``)."""
     segment, leaves, values = _segment_of(td, name, share_non_tensor)
     if segment is None:
@@ -134,7 +142,8 @@ def describe(td, name: str, share_non_tensor: bool = False) -> tuple[dict, Segme
              "shape": list(leaf.shape), "offset": leaf._byte_offset() if leaf.numel() else 0}
             for key, leaf in leaves
         ],
-        "values": [{"key": list(key), "batch_size": list(leaf.batch_size)} for key, leaf in values],
+        "values": [{"key": list(key), "class": type(leaf).__name__, "batch_size": list(leaf.batch_size)}
+                   for key, leaf in values],
     }, segment, [leaf._shared_value for _key, leaf in values]
 
 
@@ -151,7 +160,7 @@ def rebuild(layout: dict, values: list) -> tuple[TensorDict, Segment]:
             raise ValueError(f"The layout names an unknown dtype {leaf['dtype']!r}.")
         td.set(tuple(leaf["key"]), MemoryMappedTensor._from_backing(segment, leaf["offset"], dtype, leaf["shape"]))
     for entry, value in zip(layout.get("values", ()), values):
-        td.set(tuple(entry["key"]), NonTensorData(value, batch_size=entry["batch_size"]))
+        td.set(tuple(entry["key"]), _VALUE_CLASSES[entry["class"]](value, entry["batch_size"]))
     return td, segment
 
 
