@@ -50,3 +50,26 @@ def test_concurrent_writers_on_two_nodes_leave_one_value_everywhere(nodes_of):
 
     assert wait_until(lambda: len(set(values())) == 1, 10), values()
     assert values()[0] in ("node1-49", "node2-49")  # the last write of one of the writers
+
+
+def test_values_keep_flowing_between_the_other_nodes_after_the_owner_is_killed(nodes_of):
+    import os
+    import random
+    import signal
+    import time
+
+    nodes = nodes_of(3)
+    nodes.ok(0, "publish_values", "cfg", 4, "start")
+    for n in (1, 2):
+        nodes.ok(n, "attach", "cfg")
+    nodes.commands[1].put(("write_values", "cfg", "task", "node1", 300))
+    time.sleep(random.uniform(0.0, 0.3))  # the owner dies at a random moment of the writes
+    os.kill(nodes.procs[0].pid, signal.SIGKILL)
+    nodes.procs[0].join(WAIT)
+    assert nodes.results[1].get(timeout=WAIT) == ("ok", None)
+    # the values never needed the owner: node 2 gets node 1's last write, and back
+    nodes.commands[2].put(("wait_value", "cfg", "task", "node1-299", 10.0))
+    assert nodes.results[2].get(timeout=WAIT)[0] == "ok"
+    nodes.commands[1].put(("wait_value", "cfg", "task", "after", 10.0))
+    nodes.ok(2, "set_value", "cfg", "task", "after")
+    assert nodes.results[1].get(timeout=WAIT)[0] == "ok"
