@@ -35,8 +35,9 @@ Failure behaviour:
 
 * Each node writes a heartbeat every ``HEARTBEAT_S``; a node whose heartbeat has not
   changed for ``LOST_AFTER_S`` is lost (:mod:`~shared_td.coordinator.cluster_liveness`).
-  ``pull``/``push`` whose owner is lost raise :class:`~shared_td.errors.OwnerLostError`: about ``LOST_AFTER_S`` after the owner died
-  when gloo reports the closed connection (the usual case), at most the bounded gloo wait
+  ``pull``/``push`` whose owner is lost raise :class:`~shared_td.errors.OwnerLostError`:
+  about ``LOST_AFTER_S`` after the owner died when gloo reports the closed connection
+  (the usual case), at most the bounded gloo wait
   (:data:`~shared_td.coordinator.cluster_transfer.WAIT_SLACK_S` + bytes / ``MIN_RATE``)
   later when it does not. The replica stays readable (after an interrupted transfer its
   version reads None: its rows may mix two versions). A failed transfer with a node that
@@ -79,9 +80,13 @@ import torch
 import torch.distributed as dist
 
 from shared_td.coordinator import cluster_replica as replica
-from shared_td.coordinator.cluster_replica import Owned, Replica
 from shared_td.coordinator import staleness
-from shared_td.coordinator.cluster_liveness import HEARTBEAT_S, LOST_AFTER_S, Liveness  # noqa: F401  (the documented constants, also here)
+from shared_td.coordinator.cluster_liveness import (  # noqa: F401  (LOST_AFTER_S: also named here)
+    HEARTBEAT_S,
+    LOST_AFTER_S,
+    Liveness,
+)
+from shared_td.coordinator.cluster_replica import Owned, Replica
 from shared_td.coordinator.cluster_store import ClusterAuthError, ClusterCounter, SignedStore, cluster_key, open_store
 from shared_td.coordinator.cluster_transfer import PairGroups, TransferFailed, wait_work
 from shared_td.coordinator.cluster_values import ClusterValues
