@@ -284,3 +284,15 @@ def test_a_failed_first_attach_leaves_no_half_made_replica(pair, monkeypatch):
     for _ in range(2):  # the second attach tries again; it never returns an unfilled replica
         with pytest.raises(shared_td.OwnerLostError, match="Node 0, the owner of .p., is lost"):
             other.attach("p")
+
+
+def test_coordinator_publish_replicate_with_share_non_tensor(coordinators):
+    owner, other = coordinators
+    td = owner.publish("cfg", _valued(), replicate=True, share_non_tensor=True)
+    assert other.attach("cfg")["task"] == "walk"
+    # a process of node 1 attached by address (as a worker is) writes; node 0 sees it
+    local = shared_td.attach("cfg", address=other.address, authkey=other.authkey)
+    local.set_("task", "from a worker of node 1")
+    assert _seen(td, "task", "from a worker of node 1") < 1.0
+    with pytest.raises(ValueError, match="only share_non_tensor"):
+        owner.publish("bad", _valued(), replicate=True, copy_existing=True)
