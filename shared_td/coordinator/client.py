@@ -249,7 +249,7 @@ class Coordinator:
         staleness.remember(td, name, layout["version"], stamp,
                            _Endpoint(self.address, self.authkey, self._timeout))
         if self.cluster is not None and not self.cluster.holds(name):
-            self.cluster.published_here(name)  # so that other nodes' attach says where it is
+            self.cluster.local_names.record(name)  # so that other nodes' attach says where it is
         return td
 
     def attach(self, name: str):
@@ -267,7 +267,7 @@ class Coordinator:
         except KeyError as err:
             if self.cluster is None:
                 raise
-            raise self.cluster.where_error(name, err) from err
+            raise self.cluster.local_names.error(name, err) from err
 
     # ------------------------------------------------------------------ across machines
     def pull(self, name: str) -> int:
@@ -310,8 +310,8 @@ class Coordinator:
         """Forget ``name``. Attached processes keep their mappings; anonymous memory is
         freed when the last one drops it. KeyError if unknown."""
         self._call("unpublish", name)
-        if self.cluster is not None:
-            self.cluster.unpublished_here(name)
+        if self.cluster is not None and not self.cluster.holds(name):
+            self.cluster.local_names.forget(name)
 
     def adopt_cells(self, cells: list) -> None:
         """Hold the shared non-tensor cells ``cells`` (new

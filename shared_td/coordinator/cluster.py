@@ -81,11 +81,8 @@ import torch.distributed as dist
 
 from shared_td.coordinator import cluster_replica as replica
 from shared_td.coordinator import staleness
-from shared_td.coordinator.cluster_liveness import (  # noqa: F401  (LOST_AFTER_S: also named here)
-    HEARTBEAT_S,
-    LOST_AFTER_S,
-    Liveness,
-)
+from shared_td.coordinator.cluster_liveness import HEARTBEAT_S, Liveness
+from shared_td.coordinator.cluster_names import LocalNames
 from shared_td.coordinator.cluster_replica import Owned, Replica
 from shared_td.coordinator.cluster_store import ClusterAuthError, ClusterCounter, SignedStore, cluster_key, open_store
 from shared_td.coordinator.cluster_transfer import PairGroups, TransferFailed, wait_work
@@ -182,6 +179,8 @@ class Cluster:
                 raise ValueError(f"Node {record['node']} joined with nodes={record['nodes']}, this node has {self.nodes}.")
         self._groups = PairGroups(self._store, self.node, timeout=self.timeout, hostname=self._hostname)
         self._values = ClusterValues(self._store, self.node, self.nodes, self._stop)
+        #: this node's records of its unreplicated names (see cluster_names)
+        self.local_names = LocalNames(self._store, self.node, self.nodes)
         self._liveness = Liveness(self._store, self.node, lambda key: self._guard(self._store.get_json, key))
         for target, args in ((self._liveness.beat, (self._stop,)), (self._serve, ())):
             thread = threading.Thread(target=target, args=args, name=f"shared_td-cluster-{target.__name__}", daemon=True)
@@ -315,31 +314,9 @@ class Cluster:
         return td
 
     def holds(self, name: str) -> bool:
-        """Whether ``name`` on this node's Coordinator is the cluster's (owned or a replica)."""
+        """Whether ``name`` on this node's Coordinator is the cluster's (owned or a
+        replica); the others are recorded in :attr:`local_names`."""
         return name in self._held
-
-    def published_here(self, name: str) -> None:
-        """Record that this node's Coordinator published ``name`` without replicating it,
-        so that another node's attach says where it lives (:meth:`where_error`)."""
-        self._checked().set_json(f"local/{name}/{self.node}", {"node": self.node})
-
-    def unpublished_here(self, name: str) -> None:
-        if not self.holds(name):
-            self._checked().delete(f"local/{name}/{self.node}")
-
-    def where_error(self, name: str, err: KeyError) -> KeyError:
-        """The KeyError for ``name``, unknown on this node: it names the nodes where it
-        was published without ``replicate=True``, and the fix."""
-        store = self._checked()
-        there = [n for n in range(self.nodes) if n != self.node and store.has(f"local/{name}/{n}")]
-        if not there:
-            return KeyError(f"{err.args[0] if err.args else name!r} Nor is it published on another node of the cluster.")
-        where = ", ".join(map(str, there))
-        return KeyError(
-            f"{name!r} is published on node {where} without replicate=True, so it lives only "
-            f"there. Publish it with replicate=True on node {there[0]} (coord.publish({name!r}, td, "
-            f"replicate=True)) to attach it here, or attach it on node {where}."
-        )
 
     def is_stale(self, name: str) -> bool:
         """Whether the owner published ``name`` again since this replica was made."""
