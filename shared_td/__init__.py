@@ -19,7 +19,7 @@ from shared_td.containers.lazy import LazyStackedTensorDict
 from shared_td.containers.nontensor import NonTensorData, NonTensorDataBase, NonTensorStack
 from shared_td.containers.tensorclass import TensorClass, from_dataclass, is_tensorclass, tensorclass
 from shared_td.containers.tensordict import TensorDict
-from shared_td.coordinator import Coordinator, attach, is_stale, refresh
+from shared_td.coordinator import Coordinator, attach, is_stale, refresh, version, wait_version
 from shared_td.keys import NestedKey
 from shared_td.keys import canonical_key as unravel_key
 from shared_td.errors import (
@@ -96,4 +96,6 @@ __all__ = [
     "tensorclass",
     "unpack_memmap",
     "unravel_key",
+    "version",
+    "wait_version",
 ]

@@ -19,6 +19,7 @@ import tempfile
 from typing import Callable
 
 from shared_td.bench.cases_cluster import case_cluster_counter, case_cluster_push, case_cluster_sync
+from shared_td.bench.cases_cluster_values import case_cluster_value
 from shared_td.bench.cases_consolidate import case_consolidate, case_consolidated_pickle
 from shared_td.bench.cases_files import (
     case_big_leaf,
@@ -55,6 +56,7 @@ CASES: dict[str, Callable[..., dict]] = {
     "cluster_sync": case_cluster_sync,
     "cluster_push": case_cluster_push,
     "cluster_counter": case_cluster_counter,
+    "cluster_value": case_cluster_value,
 }
 
 

@@ -14,6 +14,7 @@ Example:
 """
 from shared_td.coordinator.client import Coordinator, CoordinatorTimeoutError, attach
 from shared_td.coordinator import ownership  # registers the adopter of new shared cells
+from shared_td.coordinator.cluster_replica import version, wait_version
 from shared_td.coordinator.staleness import is_stale, refresh
 
-__all__ = ["Coordinator", "CoordinatorTimeoutError", "attach", "is_stale", "refresh"]
+__all__ = ["Coordinator", "CoordinatorTimeoutError", "attach", "is_stale", "refresh", "version", "wait_version"]

@@ -221,15 +221,22 @@ class Coordinator:
         stays attachable after this process exits. Publishing a name again replaces it
         and increases its version.
 
+        With ``replicate=True`` (a Coordinator in a cluster), this node owns ``name``
+        and every other node can attach a replica of it (see
+        :mod:`shared_td.coordinator.cluster`); ``share_non_tensor=True`` then shares its
+        NonTensorData values with every process of every node.
+
         Example:
             >>> with Coordinator() as coord:                     # doctest: +SKIP
             ...     coord.publish("weights", td, prefix="/data/weights")
         """
         if replicate:
+            share = memmap_kwargs.pop("share_non_tensor", False)
             if self.cluster is None or prefix is not None or memmap_kwargs:
                 raise ValueError(f"publish({name!r}, replicate=True) needs a Coordinator(cluster=...) "
-                                 "and anonymous memory (no prefix, no memmap_ options).")
-            return self.cluster.publish(name, td)  # owner: this node; publishes here too
+                                 "and anonymous memory (no prefix; of the memmap_ options, only "
+                                 "share_non_tensor).")
+            return self.cluster.publish(name, td, share_non_tensor=share)  # owner: this node; here too
         _IN_USE.append(self)  # adopts the share_non_tensor values this makes
         try:
             td.memmap_(prefix, **memmap_kwargs)
@@ -241,6 +248,8 @@ class Coordinator:
         layout, stamp = self._call("publish", name, blob, references, published.layout_of(td))
         staleness.remember(td, name, layout["version"], stamp,
                            _Endpoint(self.address, self.authkey, self._timeout))
+        if self.cluster is not None and not self.cluster.holds(name):
+            self.cluster.local_names.record(name)  # so that other nodes' attach says where it is
         return td
 
     def attach(self, name: str):
@@ -248,11 +257,17 @@ class Coordinator:
 
         KeyError (listing the published names) if nothing is published as ``name``.
         With a cluster, a name replicated from another node is this node's replica (made
-        and filled on first attach).
+        and filled on first attach); a name published without ``replicate=True`` on
+        another node raises a KeyError that names that node.
         """
         if self.cluster is not None and name not in self.cluster._owned and self.cluster.knows(name):
             return self.cluster.attach(name)
-        return attach(name, address=self.address, authkey=self.authkey, timeout=self._timeout)
+        try:
+            return attach(name, address=self.address, authkey=self.authkey, timeout=self._timeout)
+        except KeyError as err:
+            if self.cluster is None:
+                raise
+            raise self.cluster.local_names.error(name, err) from err
 
     # ------------------------------------------------------------------ across machines
     def pull(self, name: str) -> int:
@@ -295,6 +310,8 @@ class Coordinator:
         """Forget ``name``. Attached processes keep their mappings; anonymous memory is
         freed when the last one drops it. KeyError if unknown."""
         self._call("unpublish", name)
+        if self.cluster is not None and not self.cluster.holds(name):
+            self.cluster.local_names.forget(name)
 
     def adopt_cells(self, cells: list) -> None:
         """Hold the shared non-tensor cells ``cells`` (new

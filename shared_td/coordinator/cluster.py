@@ -15,6 +15,14 @@ layout (:mod:`~shared_td.coordinator.cluster_replica`), filled by one transfer a
 published on the node's own Coordinator under the same name, so all processes of that
 node attach it as today and the network copy is made once per node.
 
+Non-tensor values published with ``share_non_tensor=True`` are shared by every node: each
+node keeps them in its own shared cells, a write on any node is sent to the others as a
+signed notice, and the highest store version wins
+(:mod:`~shared_td.coordinator.cluster_values`). Publishing a name again makes a new
+*generation*: each node that holds a replica renews it by itself (one full transfer), so
+the views of that node's processes turn stale (:func:`shared_td.is_stale`) and
+:func:`shared_td.refresh` gives the new one.
+
 Requests travel through the store: each node pops its queue ``queue/<node>`` in a service
 thread and hands each request to the *lane* of its sender (one thread per peer node: a
 peer that stops answering holds up only its own lane). Answers are signed keys
@@ -25,10 +33,11 @@ receive still posted) and rebuilt by the next transfer.
 
 Failure behaviour:
 
-* Each node writes a heartbeat every :data:`HEARTBEAT_S`; a node whose heartbeat has not
-  changed for :data:`LOST_AFTER_S` is lost. ``pull``/``push`` whose owner is lost raise
-  :class:`~shared_td.errors.OwnerLostError`: about ``LOST_AFTER_S`` after the owner died
-  when gloo reports the closed connection (the usual case), at most the bounded gloo wait
+* Each node writes a heartbeat every ``HEARTBEAT_S``; a node whose heartbeat has not
+  changed for ``LOST_AFTER_S`` is lost (:mod:`~shared_td.coordinator.cluster_liveness`).
+  ``pull``/``push`` whose owner is lost raise :class:`~shared_td.errors.OwnerLostError`:
+  about ``LOST_AFTER_S`` after the owner died when gloo reports the closed connection
+  (the usual case), at most the bounded gloo wait
   (:data:`~shared_td.coordinator.cluster_transfer.WAIT_SLACK_S` + bytes / ``MIN_RATE``)
   later when it does not. The replica stays readable (after an interrupted transfer its
   version reads None: its rows may mix two versions). A failed transfer with a node that
@@ -37,9 +46,24 @@ Failure behaviour:
   timeout (or is lost) and reports it in :attr:`SyncReport.dropped`; the others get it.
 * The store host lost: store calls raise :class:`ConnectionError`.
 
-Example (two nodes in one process, as in the tests; normally one per machine)::
+Example: a one-node cluster on a store of a free port (normally one member per machine,
+all started with the same URL and authkey, e.g. ``Cluster("tcp://head:29600", node=i,
+nodes=n, authkey=key)``, each waiting in ``start()`` for the others)::
 
-    >>> a = Cluster("tcp://127.0.0.1:29600", node=0, nodes=2, authkey=b"k")  # doctest: +SKIP
+    >>> import datetime, torch, shared_td
+    >>> from torch.distributed import TCPStore
+    >>> store = TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10), wait_for_workers=False)
+    >>> with Cluster(store, node=0, nodes=1, authkey=b"key") as cluster:
+    ...     td = cluster.publish("policy", shared_td.TensorDict(w=torch.zeros(3), mode="train", batch_size=[3]),
+    ...                          share_non_tensor=True)
+    ...     _ = td.set_("mode", "eval")      # any node's set_ reaches the others within ms
+    ...     cursor = shared_td.SharedCounter("cursor", cluster=cluster)
+    ...     cluster.owner("policy"), cluster.sync("policy").version, cursor.fetch_add(8), cursor.value
+    (0, 2, 0, 8)
+
+On another node, ``cluster.attach("policy")`` makes its replica, ``shared_td.version(view)``
+and ``shared_td.wait_version(view, n)`` tell which sync it holds, and
+``shared_td.is_stale(view)``/``shared_td.refresh(view)`` follow a re-publish.
 """
 from __future__ import annotations
 
@@ -55,18 +79,19 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from shared_td.containers.tensordict import TensorDict
 from shared_td.coordinator import cluster_replica as replica
+from shared_td.coordinator import staleness
+from shared_td.coordinator import cluster_liveness
+from shared_td.coordinator.cluster_liveness import HEARTBEAT_S, Liveness
+from shared_td.coordinator.cluster_names import LocalNames
+from shared_td.coordinator.cluster_replica import Owned, Replica
 from shared_td.coordinator.cluster_store import ClusterAuthError, ClusterCounter, SignedStore, cluster_key, open_store
 from shared_td.coordinator.cluster_transfer import PairGroups, TransferFailed, wait_work
+from shared_td.coordinator.cluster_values import ClusterValues
 from shared_td.errors import OwnerLostError
 
 __all__ = ["Cluster", "ClusterAuthError", "OwnerLostError", "SyncReport"]
 
-#: Seconds between two heartbeats of a node.
-HEARTBEAT_S = 0.5
-#: Seconds without a changed heartbeat after which a node counts as lost.
-LOST_AFTER_S = 3.0
 #: Seconds any cluster call may take in all, unless the Cluster is given another timeout.
 DEFAULT_TIMEOUT = 30.0
 # How long the service thread waits in one queue_pop (a stop request wakes it earlier).
@@ -81,25 +106,6 @@ class SyncReport:
     version: int
     delivered: list[int] = field(default_factory=list)
     dropped: dict[int, str] = field(default_factory=dict)
-
-
-@dataclass
-class _Owned:
-    td: object
-    segment: object
-    layout: dict
-    generation: int
-    version: int
-
-
-@dataclass
-class _Replica:
-    td: object
-    segment: object
-    layout: dict
-    owner: int
-    generation: int
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class Cluster:
@@ -130,16 +136,18 @@ class Cluster:
         self._hostname = hostname
         self._store: SignedStore | None = None
         self._groups: PairGroups | None = None
-        self._owned: dict[str, _Owned] = {}
-        self._replicas: dict[str, _Replica] = {}
+        self._values: ClusterValues | None = None
+        self._owned: dict[str, Owned] = {}
+        self._replicas: dict[str, Replica] = {}
+        self._held: set[str] = set()  # names published on this node's Coordinator by us
+        self._attaching = threading.Lock()  # one attach at a time (user's, or a lane's renewal)
         self._tags = itertools.count(1)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._lanes: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
         self._senders = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="shared_td-sync")
-        self._beats: dict[int, tuple[object, float]] = {}
-        self._beats_lock = threading.Lock()
         self.refused = 0  # requests dropped for a wrong signature
+        self.renew_failures = 0  # replicas not renewed after a re-publish (see _renew)
         self._pid = os.getpid()
 
     # ------------------------------------------------------------------ lifecycle
@@ -171,8 +179,12 @@ class Cluster:
             if record["nodes"] != self.nodes:
                 raise ValueError(f"Node {record['node']} joined with nodes={record['nodes']}, this node has {self.nodes}.")
         self._groups = PairGroups(self._store, self.node, timeout=self.timeout, hostname=self._hostname)
-        for target in (self._heartbeat, self._serve):
-            thread = threading.Thread(target=target, name=f"shared_td-cluster-{target.__name__}", daemon=True)
+        self._values = ClusterValues(self._store, self.node, self.nodes, self._stop)
+        #: this node's records of its unreplicated names (see cluster_names)
+        self.local_names = LocalNames(self._store, self.node, self.nodes)
+        self._liveness = Liveness(self._store, self.node, lambda key: self._guard(self._store.get_json, key))
+        for target, args in ((self._liveness.beat, (self._stop,)), (self._serve, ())):
+            thread = threading.Thread(target=target, args=args, name=f"shared_td-cluster-{target.__name__}", daemon=True)
             thread.start()
             self._threads.append(thread)
         return self
@@ -191,6 +203,8 @@ class Cluster:
             pass  # the store is gone; the service thread's pop fails by itself
         for thread in self._threads:
             thread.join(_POP_S if thread.name.endswith("_serve") else 2 * HEARTBEAT_S)
+        if self._values is not None:
+            self._values.join(2 * HEARTBEAT_S)
         for lane in [*self._lanes.values(), self._senders]:
             lane.shutdown(wait=False, cancel_futures=True)
         if self._groups is not None:  # None: start() failed before the groups
@@ -207,21 +221,29 @@ class Cluster:
         return ClusterCounter(self._checked(), name)
 
     # ------------------------------------------------------------------ names
-    def publish(self, name: str, td):
+    def publish(self, name: str, td, *, share_non_tensor: bool = False):
         """Publish ``td`` as ``name`` owned by this node; returns ``td``.
 
         ``td`` is memory-mapped into one anonymous segment (``memmap_()``, on this
-        node's Coordinator when there is one). Publishing a name again makes a new
-        generation: replicas of the old one are stale (:meth:`is_stale`)."""
+        node's Coordinator when there is one). With ``share_non_tensor=True`` its
+        NonTensorData values are shared by every process of every node: a write on any
+        node reaches the others within milliseconds (see
+        :mod:`~shared_td.coordinator.cluster_values`); without it, a tree with a
+        non-tensor value is refused. Publishing a name again makes a new generation:
+        replicas of the old one are stale (:meth:`is_stale`)."""
         store = self._checked()
-        if self._coordinator is not None:
-            td = self._coordinator.publish(name, td)
-        else:
-            td = td.memmap_()  # keeps leaves already in anonymous shared memory
-        layout, segment = replica.describe(td, name)
+        replica.check_kinds(td, name, share_non_tensor)  # before anything is mapped or published
+        td = self._memmap_here(name, td, share_non_tensor)
+        layout, segment, cells = replica.describe(td, name, share_non_tensor)
         generation = store.add(f"generation/{name}", 1)
-        self._owned[name] = _Owned(td, segment, layout, generation, version=1)
+        self._owned[name] = Owned(td, segment, layout, generation, version=1)
+        self._values.publish(name, generation, cells)  # before the name: attachers read them
         store.set_json(f"name/{name}", {"owner": self.node, "generation": generation, "layout": layout})
+        if generation > 1:  # replicas of the old generation renew themselves
+            for peer in range(self.nodes):
+                if peer != self.node and store.has(f"has/{name}/{peer}"):
+                    store.push_json(f"queue/{peer}", {"op": "renew", "name": name, "from": self.node,
+                                                      "generation": generation})
         store.set_json(f"version/{name}", {"version": 1, "generation": generation})
         return td
 
@@ -240,22 +262,62 @@ class Cluster:
                            "replicate=True on its owner node first).")
         return self._guard(store.get_json, f"name/{name}")
 
+    def _memmap_here(self, name: str, td, share_non_tensor: bool):
+        """``td`` in anonymous memory, published on this node's Coordinator if any."""
+        self._held.add(name)
+        if self._coordinator is not None:
+            if share_non_tensor:
+                return self._coordinator.publish(name, td, share_non_tensor=True)
+            return self._coordinator.publish(name, td)
+        return td.memmap_(share_non_tensor=share_non_tensor)  # keeps leaves already in anonymous memory
+
     def attach(self, name: str):
         """The tensordict of ``name`` on this node: the owner's own, or this node's
-        replica (made on first attach and filled with one transfer)."""
+        replica (made on first attach and filled with one transfer).
+
+        A replica is remembered for :func:`shared_td.is_stale` and
+        :func:`shared_td.refresh`: it is stale once the owner published ``name`` again,
+        and ``refresh`` attaches the new generation (one full transfer). When the owner
+        publishes again, a node that holds a replica makes the new one by itself (the
+        owner's notice, handled in that owner's lane) and publishes it on its
+        Coordinator, so that the views of the node's other processes turn stale and their
+        ``refresh`` finds the new generation."""
         if name in self._owned:
             return self._owned[name].td
+        if not self._attaching.acquire(timeout=self.timeout):
+            raise TimeoutError(f"Another attach on this node did not end within {self.timeout:g} s.")
+        try:
+            return self._attach(name)
+        finally:
+            self._attaching.release()
+
+    def _attach(self, name: str):
         info = self._info(name)
         have = self._replicas.get(name)
         if have is not None and have.generation == info["generation"]:
             return have.td
-        td, segment = replica.rebuild(info["layout"], TensorDict)
-        if self._coordinator is not None:
-            td = self._coordinator.publish(name, td)
-        self._replicas[name] = _Replica(td, segment, info["layout"], info["owner"], info["generation"])
-        self._checked().set_json(f"has/{name}/{self.node}", {"generation": info["generation"]})
-        self.pull(name)
+        layout, generation = info["layout"], info["generation"]
+        latest = self._values.latest(name, generation, len(layout.get("values", ())))
+        td, segment = replica.rebuild(layout, [value for _version, value in latest])
+        rep = self._replicas[name] = Replica(td, segment, layout, info["owner"], generation)
+        self._checked().set_json(f"has/{name}/{self.node}", {"generation": generation})
+        try:
+            self.pull(name)  # filled before this node's processes can attach it
+        except BaseException:  # a later attach starts again; the old replica stays
+            if have is None:
+                del self._replicas[name]
+            else:
+                self._replicas[name] = have
+            raise
+        rep.td = td = self._memmap_here(name, td, bool(latest))
+        self._values.attach(name, generation, replica.value_cells(td, layout), [v for v, _value in latest])
+        staleness.remember(td, name, generation, {"table": None, "slot": None}, _ClusterEndpoint(self))
         return td
+
+    def holds(self, name: str) -> bool:
+        """Whether ``name`` on this node's Coordinator is the cluster's (owned or a
+        replica); the others are recorded in :attr:`local_names`."""
+        return name in self._held
 
     def is_stale(self, name: str) -> bool:
         """Whether the owner published ``name`` again since this replica was made."""
@@ -270,7 +332,7 @@ class Cluster:
             return self._owned[name].version
         return replica.replica_version(self._replica(name).td)
 
-    def _replica(self, name: str) -> _Replica:
+    def _replica(self, name: str) -> Replica:
         have = self._replicas.get(name)
         if have is None:
             raise KeyError(f"This node has no replica of {name!r}: attach it first.")
@@ -339,7 +401,7 @@ class Cluster:
         targets = [n for n in range(self.nodes) if n != self.node and store.has(f"has/{name}/{n}")]
         for node in [n for n in targets if not self._alive(n)]:  # lost: dropped, not waited for
             targets.remove(node)
-            report.dropped[node] = f"lost: its heartbeat stood still for {LOST_AFTER_S:g} s"
+            report.dropped[node] = f"lost: its heartbeat stood still for {cluster_liveness.LOST_AFTER_S:g} s"
         if not targets:
             return report
         payload = replica.segment_bytes(owned.segment, owned.layout["nbytes"])
@@ -358,7 +420,7 @@ class Cluster:
                 report.dropped[node] = reason
         return report
 
-    def _sync_one(self, peer: int, name: str, owned: _Owned, payload, deadline: float) -> str | None:
+    def _sync_one(self, peer: int, name: str, owned: Owned, payload, deadline: float) -> str | None:
         try:
             tag, generation = self._request(peer, "sync", name, owned.generation, version=owned.version,
                                             nbytes=owned.layout["nbytes"])
@@ -419,6 +481,12 @@ class Cluster:
                 return  # the store is gone
             if request is None or request.get("op") == "stop":
                 continue
+            if request.get("op") == "value":  # small and quick: applied here, in order
+                try:
+                    self._values.receive(request)
+                except Exception:  # noqa: BLE001 - a bad value must not stop the service
+                    self.refused += 1
+                continue
             peer = request["from"]
             lane = self._lanes.get(peer)
             if lane is None:
@@ -427,6 +495,9 @@ class Cluster:
 
     def _handle(self, request: dict) -> None:
         peer, op, name = request["from"], request["op"], request["name"]
+        if op == "renew":
+            self._renew(name, request["generation"])
+            return
         try:
             if op == "pull":
                 self._serve_pull(peer, request)
@@ -441,6 +512,17 @@ class Cluster:
                 self._reply(request, error=f"{type(err).__name__}: {err}")
             except (RuntimeError, OSError):
                 pass  # the store is gone
+
+    def _renew(self, name: str, generation: int) -> None:
+        """The owner published ``name`` again: replace this node's older replica. On a
+        failure the old one stays (stale); the next attach or refresh tries again."""
+        have = self._replicas.get(name)
+        if have is None or have.generation >= generation:
+            return
+        try:
+            self.attach(name)
+        except Exception:  # noqa: BLE001 - nobody waits for this answer; counted
+            self.renew_failures += 1
 
     def _serve_pull(self, peer: int, request: dict) -> None:
         owned = self._owned.get(request["name"])
@@ -466,7 +548,7 @@ class Cluster:
         apply(peer, entry, request)
         self._reply(request, ok=True)
 
-    def _apply_rows(self, peer: int, owned: _Owned, request: dict) -> None:
+    def _apply_rows(self, peer: int, owned: Owned, request: dict) -> None:
         buffer = torch.empty(request["nbytes"], dtype=torch.uint8)
         work = self._groups.recv(peer, request["pair"], buffer, request["tag"])
         wait_work([work], time.monotonic() + self.timeout, "push", request["nbytes"])
@@ -482,7 +564,7 @@ class Cluster:
             target[index] = chunk.view(target.dtype).view((rows, *leaf["shape"][1:]))
             offset += size
 
-    def _apply_sync(self, peer: int, rep: _Replica, request: dict) -> None:
+    def _apply_sync(self, peer: int, rep: Replica, request: dict) -> None:
         if not rep.lock.acquire(timeout=self.timeout):
             raise TransferFailed("a pull of the same replica did not end")
         try:
@@ -495,53 +577,25 @@ class Cluster:
             rep.lock.release()
 
     # ------------------------------------------------------------------ liveness
-    def _heartbeat(self) -> None:
-        for beat in itertools.count(1):
-            if self._stop.wait(HEARTBEAT_S):
-                return
-            try:
-                self._store.set_json(f"hb/{self.node}", {"beat": beat, "pid": os.getpid()})
-            except (RuntimeError, OSError):
-                return  # the store is gone
-
-    def _beat(self, peer: int):
-        """``peer``'s last heartbeat number (None if unreadable or not signed by us)."""
-        try:
-            return self._guard(self._store.get_json, f"hb/{peer}")["beat"]
-        except ClusterAuthError:
-            return None
-
     def _alive(self, peer: int) -> bool:
-        """Whether ``peer``'s heartbeat changed within the last LOST_AFTER_S seconds (as
-        seen by this process since it first looked)."""
-        beat, now = self._beat(peer), time.monotonic()
-        with self._beats_lock:
-            seen = self._beats.get(peer)
-            if seen is None or seen[0] != beat:
-                self._beats[peer] = (beat, now)
-                return True
-            return now - seen[1] < LOST_AFTER_S
+        return self._liveness.alive(peer)
+
+    def _role(self, peer: int, name: str) -> str:
+        have = self._replicas.get(name)
+        return "the owner" if have is not None and have.owner == peer else "a replica"
 
     def _lost_or(self, peer: int, name: str, err: BaseException) -> BaseException:
-        """After a failed transfer with ``peer``: OwnerLostError once its heartbeat has
-        stood still for LOST_AFTER_S (waited for here), else a ConnectionError (the
-        transfer may be retried)."""
-        end = time.monotonic() + LOST_AFTER_S + HEARTBEAT_S
-        while self._alive(peer):
-            if time.monotonic() > end:
-                return ConnectionError(f"The transfer of {name!r} with node {peer} failed ({err}); "
-                                       "that node is alive: the call may be retried.")
-            time.sleep(HEARTBEAT_S / 4)
-        return self._lost(peer, name)
+        return self._liveness.lost_or(peer, name, err, self._role(peer, name))
 
     def _lost(self, peer: int, name: str) -> OwnerLostError:
-        role = "the owner" if self._replicas.get(name) and self._replicas[name].owner == peer else "a replica"
-        return OwnerLostError(
-            f"Node {peer}, {role} of {name!r}, is lost: its heartbeat stood still for "
-            f"{LOST_AFTER_S:g} s. This node's copy stays readable with its last contents."
-        )
+        return self._liveness.lost(peer, name, self._role(peer, name))
 
     # ------------------------------------------------------------------ helpers
+    def generation(self, name: str) -> int:
+        """The current generation of ``name`` (one store round trip): it grows with
+        every publish of ``name`` on its owner."""
+        return self._info(name)["generation"]
+
     def _checked(self) -> SignedStore:
         if self._store is None:
             raise RuntimeError("This Cluster is not started (call start()).")
@@ -554,3 +608,17 @@ class Cluster:
         except dist.DistNetworkError as err:
             raise ConnectionError(f"The cluster store is gone ({err}): the node that hosts it "
                                   "(node 0 by default) stopped.") from err
+
+
+class _ClusterEndpoint:
+    """Where a replica came from, for :func:`shared_td.is_stale` and
+    :func:`shared_td.refresh`: its version is the name's generation in the store."""
+
+    def __init__(self, cluster: Cluster):
+        self._cluster = cluster
+
+    def attach(self, name: str):
+        return self._cluster.attach(name)
+
+    def version(self, name: str) -> int:
+        return self._cluster.generation(name)

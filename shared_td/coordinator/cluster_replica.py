@@ -3,40 +3,112 @@
 A replicated name is a tensordict whose tensor leaves all lie in ONE anonymous segment
 (what ``memmap_()`` without a prefix makes: :func:`shared_td.persist.writer` packs a tree
 into one segment). Its *layout* -- batch size, and for each leaf its key, dtype, shape and
-byte offset -- is plain JSON in the store, so another node rebuilds the same tree over a
+byte offset, and the key and batch size of each shared NonTensorData value (whose
+contents travel separately, see :mod:`~shared_td.coordinator.cluster_values`) -- is plain
+JSON in the store, so another node rebuilds the same tree over a
 segment of its own, and a transfer is one contiguous copy of ``nbytes`` bytes, received
 in place.
 
 A replica segment is ``nbytes`` data bytes followed by a 64-byte trailer: a magic word and
 a *state* word, ``2 * version`` when the data is one complete version, odd while a
 transfer writes it. Every process of the node that attached the replica reads the version
-from its own mapping (:func:`replica_version`, :func:`wait_version`), without asking
-anyone.
+from its own mapping (:func:`version`, :func:`wait_version`, exported as
+``shared_td.version`` and ``shared_td.wait_version``), without asking anyone.
+
+What is not replicated is refused with a TypeError naming the leaf: tensorclasses, lazy
+stacks, and NonTensorData/NonTensorStack values of a name published without
+``share_non_tensor=True``.
 """
 from __future__ import annotations
 
+import threading
 import time
+from dataclasses import dataclass, field
 
 import torch
 
+from shared_td.containers.nontensor import NonTensorData, NonTensorStack
+from shared_td.containers.tensordict import TensorDict
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.storage.anonymous import Segment
 
-__all__ = ["describe", "rebuild", "replica_version", "wait_version", "segment_bytes"]
+__all__ = ["Owned", "Replica", "check_kinds", "describe", "rebuild", "replica_version", "segment_bytes", "value_cells", "version", "wait_version"]
 
 _TRAILER = 64
 _MAGIC = 0x5348545F5245504C  # "SHT_REPL"
 
 
-def _segment_of(td, name: str) -> tuple[Segment, list]:
-    leaves, segment = [], None
-    for key, leaf in td.items(include_nested=True, leaves_only=True):
-        key = (key,) if isinstance(key, str) else tuple(key)
-        if not isinstance(leaf, torch.Tensor):
+@dataclass
+class Owned:
+    """A name this node owns: its tensordict, segment, layout, generation and sync count."""
+
+    td: object
+    segment: Segment
+    layout: dict
+    generation: int
+    version: int
+
+
+@dataclass
+class Replica:
+    """This node's replica of a name another node owns; ``lock`` orders its transfers."""
+
+    td: object
+    segment: Segment
+    layout: dict
+    owner: int
+    generation: int
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+# The non-tensor containers that replicate, by name: each from the payload of its shared
+# cell (one value; a stack's flat list of values in C order) and its batch size.
+_VALUE_CLASSES = {
+    "NonTensorData": lambda value, batch_size: NonTensorData(value, batch_size=batch_size),
+    "NonTensorStack": lambda values, batch_size: NonTensorStack._from_flat(values, torch.Size(batch_size)),
+}
+
+
+def _is_leaf_here(cls: type) -> bool:
+    # walk into TensorDict nodes only: anything else (a tensor, a non-tensor value, a
+    # tensorclass, a lazy stack) is a leaf of the layout, checked by _segment_of
+    return not issubclass(cls, TensorDict)
+
+
+def check_kinds(td, name: str, share_non_tensor: bool) -> None:
+    """TypeError, naming the leaf, for what does not replicate (checked before anything
+    is memory-mapped or published): a root that is not a TensorDict; leaves other than
+    tensors, NonTensorData and NonTensorStack; those two without ``share_non_tensor=True``."""
+    if type(td) is not TensorDict:
+        raise TypeError(f"{name!r}: only a TensorDict can be replicated, not a {type(td).__name__}.")
+    for key, leaf in _leaves(td):
+        if type(leaf) in (NonTensorData, NonTensorStack):
+            if not share_non_tensor:
+                raise TypeError(
+                    f"{name!r}: the leaf {key} is a non-tensor value; a replicated name shares "
+                    "its non-tensor values across the cluster only when published with "
+                    "share_non_tensor=True (publish(name, td, replicate=True, share_non_tensor=True))."
+                )
+        elif not isinstance(leaf, torch.Tensor):
             raise TypeError(
                 f"{name!r}: the leaf {key} is a {type(leaf).__name__}; a replicated name holds "
-                "tensors only (publish non-tensor values under a name that is not replicated)."
+                "TensorDict nodes, tensors, NonTensorData and NonTensorStack values only (publish the others "
+                "under a name that is not replicated)."
             )
+
+
+def _leaves(td):
+    for key, leaf in td.items(include_nested=True, leaves_only=True, is_leaf=_is_leaf_here):
+        yield ((key,) if isinstance(key, str) else tuple(key)), leaf
+
+
+def _segment_of(td, name: str, share_non_tensor: bool) -> tuple[Segment, list, list]:
+    check_kinds(td, name, share_non_tensor)
+    leaves, values, segment = [], [], None
+    for key, leaf in _leaves(td):
+        if type(leaf) in (NonTensorData, NonTensorStack):
+            values.append((key, leaf))
+            continue
         backing = getattr(leaf, "_backing", None)
         if leaf.numel() and not isinstance(backing, Segment):
             raise ValueError(
@@ -52,14 +124,14 @@ def _segment_of(td, name: str) -> tuple[Segment, list]:
             raise ValueError(f"{name!r}: the leaf {key} is not contiguous.")
         segment = backing if leaf.numel() else segment
         leaves.append((key, leaf))
-    return segment, leaves
+    return segment, leaves, values
 
 
-def describe(td, name: str) -> tuple[dict, Segment]:
-    """The JSON layout of ``td`` (one segment of tensor leaves) and its segment."""
-    if type(td).__name__ != "TensorDict":
-        raise TypeError(f"{name!r}: only a TensorDict can be replicated, not a {type(td).__name__}.")
-    segment, leaves = _segment_of(td, name)
+def describe(td, name: str, share_non_tensor: bool = False) -> tuple[dict, Segment, list]:
+    """The JSON layout of ``td`` (one segment of tensor leaves, and NonTensorData and
+    NonTensorStack values shared with ``share_non_tensor=True``), its segment and the cells of its values (in
+    the order of ``layout["values"]``)."""
+    segment, leaves, values = _segment_of(td, name, share_non_tensor)
     if segment is None:
         raise ValueError(f"{name!r}: nothing to replicate (no tensor with elements).")
     return {
@@ -70,21 +142,31 @@ def describe(td, name: str) -> tuple[dict, Segment]:
              "shape": list(leaf.shape), "offset": leaf._byte_offset() if leaf.numel() else 0}
             for key, leaf in leaves
         ],
-    }, segment
+        "values": [{"key": list(key), "class": type(leaf).__name__, "batch_size": list(leaf.batch_size)}
+                   for key, leaf in values],
+    }, segment, [leaf._shared_value for _key, leaf in values]
 
 
-def rebuild(layout: dict, tensordict_class) -> tuple[object, Segment]:
+def rebuild(layout: dict, values: list) -> tuple[TensorDict, Segment]:
     """A new replica: a segment of ``nbytes`` + trailer, state 0 (no version yet), and a
-    ``tensordict_class`` over it with the owner's keys, dtypes, shapes and offsets."""
+    TensorDict over it with the owner's keys, dtypes, shapes and offsets, and its
+    non-tensor ``values`` (not shared yet: ``memmap_(share_non_tensor=True)`` does it)."""
     segment = Segment.create(layout["nbytes"] + _TRAILER)
     _words(segment)[0] = _MAGIC
-    td = tensordict_class({}, batch_size=layout["batch_size"])
+    td = TensorDict({}, batch_size=layout["batch_size"])
     for leaf in layout["leaves"]:
         dtype = getattr(torch, leaf["dtype"])
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"The layout names an unknown dtype {leaf['dtype']!r}.")
         td.set(tuple(leaf["key"]), MemoryMappedTensor._from_backing(segment, leaf["offset"], dtype, leaf["shape"]))
+    for entry, value in zip(layout.get("values", ()), values):
+        td.set(tuple(entry["key"]), _VALUE_CLASSES[entry["class"]](value, entry["batch_size"]))
     return td, segment
+
+
+def value_cells(td, layout: dict) -> list:
+    """The shared cells of the non-tensor values of ``td`` listed in ``layout``."""
+    return [td.get(tuple(entry["key"]))._shared_value for entry in layout.get("values", ())]
 
 
 def segment_bytes(segment: Segment, nbytes: int) -> torch.Tensor:
@@ -111,19 +193,45 @@ def _replica_segment(td) -> Segment:
         backing = getattr(leaf, "_backing", None)
         if isinstance(backing, Segment) and backing.nbytes > _TRAILER and int(_words(backing)[0]) == _MAGIC:
             return backing
-    raise ValueError("This tensordict is not a replica of a name published on another node.")
+    raise ValueError("This tensordict is not a replica of a name published on another node "
+                     "(on the owner's node the data is written in place: there is no version to "
+                     "wait for; coord.version(name) gives the owner's sync count).")
 
 
-def replica_version(td) -> int | None:
-    """The version of the contents of replica ``td`` (any process of its node), None
-    while a transfer writes it or before the first one."""
+def version(td) -> int | None:
+    """The version of the contents of the replica ``td`` (exported as
+    ``shared_td.version``): the owner's ``sync`` count, read from the replica's own
+    memory by any process of its node (no round trip); None while a transfer writes it
+    (its rows may then mix two versions) or before the first one.
+
+    Raises:
+        ValueError: ``td`` is not a replica of a name owned by another node (on the
+            owner's node the data is written in place: there is no transfer to wait for).
+
+    Example (``view`` attached on node 1 of a name that node 0 owns)::
+
+        >>> shared_td.version(view)                    # doctest: +SKIP
+        3
+    """
     state = int(_words(_replica_segment(td))[1])
     return None if state % 2 or state == 0 else state // 2
 
 
+replica_version = version  # the name the cluster layer and its tests use
+
+
 def wait_version(td, version: int, timeout: float = 10.0) -> int:
-    """Wait until replica ``td`` holds a complete version >= ``version``; returns it.
-    TimeoutError after ``timeout`` seconds."""
+    """Wait until the replica ``td`` holds a complete version >= ``version`` and return
+    it (exported as ``shared_td.wait_version``): after it, a read sees one whole
+    version, until the next transfer starts. Polls the replica's own memory (10 µs at
+    first, 5 ms at most between looks). TimeoutError after ``timeout`` seconds; ValueError
+    if ``td`` is not a replica (see :func:`version`).
+
+    Example::
+
+        >>> shared_td.wait_version(view, 4, timeout=5.0)   # doctest: +SKIP
+        4
+    """
     words = _words(_replica_segment(td))
     deadline = time.monotonic() + timeout
     pause = 1e-5

@@ -4,7 +4,9 @@ A ``TCPStore`` (and gloo) authenticate nobody: anything that reaches the port ca
 write keys. So every value that a node reads back from the store carries an HMAC-SHA256 of
 the cluster authkey over ``key + NUL + payload``, and a value whose signature is wrong is
 refused with :class:`ClusterAuthError` naming the key, before any byte of it is parsed.
-Payloads are JSON (UTF-8), never pickles. The two integer facilities of the store that
+Payloads are JSON (UTF-8); the one pickle, a cluster-wide non-tensor value
+(:mod:`~shared_td.coordinator.cluster_values`), travels inside a signed JSON record and is
+unpickled only after that record's signature was checked. The two integer facilities of the store that
 cannot carry a signature -- ``add`` counters (:class:`ClusterCounter`, the pair generations
 of :mod:`~shared_td.coordinator.cluster_transfer`) and gloo's own rendezvous keys -- are
 only ever read as integers or by gloo: a forger can disturb them (a denial of service),
@@ -170,6 +172,24 @@ class SignedStore:
     def get_json(self, key: str):
         """The value at ``key`` (waits up to the store's timeout for it to exist)."""
         return json.loads(self.check(key, self._store().get(key)))
+
+    @_store_call
+    def set_json_if_newer(self, key: str, value: dict, field: str) -> None:
+        """``set_json(key, value)`` unless ``key`` holds a value whose ``field`` is at
+        least ``value[field]``: a compare-and-set loop on the store host, so that of two
+        writers at once the higher ``field`` stays. A current value with a wrong
+        signature is refused (ClusterAuthError), never overwritten blindly."""
+        store, blob = self._store(), self.sign(key, json.dumps(value).encode())
+        current = store.get(key) if store.check([key]) else b""
+        while current:
+            if json.loads(self.check(key, current))[field] >= value[field]:
+                return
+            answer = store.compare_set(key, current, blob)
+            if answer == blob:
+                return
+            current = answer
+        if store.compare_set(key, b"", blob) != blob:  # another writer created it first
+            self.set_json_if_newer(key, value, field)
 
     @_store_call
     def has(self, key: str) -> bool:

@@ -71,8 +71,9 @@ def remember(td: Any, name: str, version: int, stamp: dict, endpoint: Any) -> No
     attachment = _Attachment(name, version, endpoint, table, stamp["slot"])
     key = id(td)
 
-    def forget(_ref, key=key):
-        _ATTACHMENTS.pop(key, None)
+    def forget(_ref, key=key, attachments=_ATTACHMENTS):
+        # bound here: at interpreter exit the module's globals may already be None
+        attachments.pop(key, None)
 
     _ATTACHMENTS[key] = (weakref.ref(td, forget), attachment)
 

@@ -25,6 +25,11 @@ How it is built, and why:
   that a lock its parent holds excludes it too.
 * Cost: about a microsecond or two per call (two system calls); one Python integer per
   reservation, so reserve slots in batches on hot paths.
+* Across machines, ``SharedCounter(name, cluster=coord)`` is the cluster's counter
+  ``name`` instead (``fetch_add`` is one ``TCPStore.add`` on the store host): any
+  ``cluster`` object with a ``counter(name)`` method (a clustered
+  :class:`~shared_td.Coordinator` or its ``Cluster``) makes it, so this module needs
+  nothing from the coordinator layer above it.
 """
 from __future__ import annotations
 
@@ -44,7 +49,12 @@ class SharedCounter:
     """A signed 64-bit integer shared between processes, with an atomic ``fetch_add``.
 
     Args:
-        value: the initial value (an int).
+        value: the initial value (an int); with ``cluster``, the counter's name instead
+            (default ``"counter"``): every node that names the same counter shares it.
+        cluster: a clustered Coordinator (or anything with a ``counter(name)`` method):
+            the result is then that cluster-wide counter (``fetch_add`` is one
+            ``TCPStore.add``, tens of microseconds on a LAN), which starts at 0 and is
+            not picklable (each process asks its own node's cluster for it).
 
     Examples:
         >>> import pickle
@@ -64,7 +74,21 @@ class SharedCounter:
 
     __slots__ = ("_segment", "_word", "_lock", "__weakref__")
 
-    def __init__(self, value: int = 0):
+    def __new__(cls, value: int | str = 0, *, cluster=None):
+        if cluster is None:
+            return super().__new__(cls)
+        counter = getattr(cluster, "counter", None)
+        if counter is None:
+            raise TypeError(f"SharedCounter(cluster=...) needs a clustered Coordinator (or an object "
+                            f"with a counter(name) method), got a {type(cluster).__name__}.")
+        if not isinstance(value, str):
+            if value != 0:
+                raise ValueError("A cluster SharedCounter starts at 0 (no node can set it for the others "
+                                 "without a race): pass its name, SharedCounter(name, cluster=coord).")
+            value = "counter"
+        return counter(value)  # not a SharedCounter: __init__ is not called
+
+    def __init__(self, value: int = 0, *, cluster=None):
         value = _as_int(value, "value")
         if not _INT64_MIN <= value <= _INT64_MAX:
             raise OverflowError(f"A SharedCounter holds an int64; {value} does not fit.")

@@ -137,6 +137,12 @@ class SharedValue:
             batch.append(cell)
         return cell
 
+    @property
+    def version(self) -> int:
+        """The cell's version word: it changes with every :meth:`set` by any process
+        (one aligned 8-byte load; the cluster layer polls it to see local writes)."""
+        return self._version_word.value
+
     def get(self) -> Any:
         """The current value (the last one written by any process)."""
         version, value = self._cached
@@ -159,6 +165,23 @@ class SharedValue:
     def set(self, value: Any) -> None:
         """Replace the value for every process (see the module doc: the old value stays
         whole for readers until the new one is published by one 8-byte store)."""
+        self._write(value, None)
+
+    def set_if_version(self, value: Any, version: int) -> bool:
+        """:meth:`set`, only if the version word is still ``version`` (checked and
+        written under the write lock, so no other write comes in between); whether it
+        wrote. The cluster layer writes values from other nodes with it, so that a local
+        write it has not seen yet is never overwritten.
+
+        Example:
+            >>> cell = SharedValue.create(1)
+            >>> seen = cell.version
+            >>> cell.set_if_version(2, seen), cell.set_if_version(3, seen), cell.get()
+            (True, False, 2)
+        """
+        return self._write(value, version)
+
+    def _write(self, value: Any, expected: int | None) -> bool:
         try:
             payload = pickle.dumps(value)
         except Exception as error:
@@ -170,6 +193,8 @@ class SharedValue:
         self._write_lock.acquire()
         try:
             version = self._version_word.value  # only writers store it, and we are the one
+            if expected is not None and version != expected:
+                return False
             live = 2 * (version & 1)
             live_offset, live_length = self._slots[live], self._slots[live + 1]
             # a region no reader looks at: before the live value if it fits, else after
@@ -194,6 +219,7 @@ class SharedValue:
                 self._value_lock.release()
         finally:
             self._write_lock.release()
+        return True
 
     @contextlib.contextmanager
     def updating(self) -> Iterator[None]:

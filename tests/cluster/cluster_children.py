@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import queue as queues
 import tempfile
+import time
 
 import torch
 
@@ -90,8 +91,6 @@ def _run(cluster, coord, counters, command, *args):
         td["w"][rows] = value
         return cluster.push(name, rows)
     if command == "pull_loop":  # pull until an error (the owner killed meanwhile)
-        import time
-
         name, seconds = args
         deadline, pulls = time.monotonic() + seconds, 0
         while time.monotonic() < deadline:
@@ -111,9 +110,9 @@ def _run(cluster, coord, counters, command, *args):
         return coord.address, coord.authkey
     if command == "counter_add":
         return cluster.counter(args[0]).fetch_add(args[1])
-    if command == "claim_rows":  # take rows with a cluster counter, write and push them
+    if command == "claim_rows":  # take rows with a cluster SharedCounter, write and push them
         name, total, batch = args
-        counter = cluster.counter(f"{name}-cursor")
+        counter = shared_td.SharedCounter(f"{name}-cursor", cluster=cluster)
         td = cluster.attach(name)
         mine = []
         while True:
@@ -125,15 +124,52 @@ def _run(cluster, coord, counters, command, *args):
             td["nested", "i"][index] = cluster.node
             cluster.push(name, index)
             mine.extend(index.tolist())
+    if command == "publish_values":  # a tree with share_non_tensor values
+        name, rows, task = args
+        cluster.publish(name, values_td(rows, task), share_non_tensor=True)
+        return None
+    if command == "set_value":  # returns when it was set (CLOCK_MONOTONIC: one clock per machine)
+        name, key, value = args
+        td = cluster.attach(name)
+        began = time.monotonic()
+        td.set_(key, value)
+        return began
+    if command == "write_values":  # count writes in a row
+        name, key, prefix, count = args
+        td = cluster.attach(name)
+        for i in range(count):
+            td.set_(key, f"{prefix}-{i}")
+        return None
+    if command == "wait_value":  # the time the value was first seen here
+        name, key, value, timeout = args
+        td = cluster.attach(name)
+        deadline = time.monotonic() + timeout
+        while td[key] != value:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{key} is {td[key]!r}, not {value!r}, after {timeout} s")
+            time.sleep(2e-5)
+        return time.monotonic()
+    if command == "get_value":
+        return cluster.attach(args[0])[args[1]]
+    if command == "worker_set":  # a spawn worker of this node sets the value through its own attach
+        return _in_worker(coord, worker_set, *args)
     raise ValueError(f"unknown command {command!r}")
 
 
+def values_td(rows: int, task):
+    return shared_td.TensorDict(w=torch.zeros(rows), task=task, batch_size=[rows])
+
+
 def _worker_read(coord, name):
+    return _in_worker(coord, worker_attach, name)
+
+
+def _in_worker(coord, target, *args):
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    worker = ctx.Process(target=worker_attach, args=(coord.address, coord.authkey, name, out))
+    worker = ctx.Process(target=target, args=(coord.address, coord.authkey, *args, out))
     worker.start()
     try:
         return out.get(timeout=60)
@@ -147,6 +183,13 @@ def _worker_read(coord, name):
 def worker_attach(address, authkey, name, out):
     td = shared_td.attach(name, address=address, authkey=authkey)
     out.put((td["w"].tolist(), td["w"]._backing.key, cluster_replica.replica_version(td)))
+
+
+def worker_set(address, authkey, name, key, value, out):
+    td = shared_td.attach(name, address=address, authkey=authkey)
+    before = td[key]
+    td.set_(key, value)
+    out.put((before, time.monotonic()))
 
 
 def coordinator_node(url, node, nodes, authkey, results, tmpdir):

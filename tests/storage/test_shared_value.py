@@ -94,3 +94,20 @@ def test_memory_stays_bounded_across_writes():
         cell.set(value)
         assert cell.get() == value
     assert os.fstat(cell.fd).st_size <= 64 + 3 * (len(pickle.dumps(bytes(2 * size))) + 8)
+
+
+def test_set_if_version_never_overwrites_a_write_it_has_not_seen():
+    cell = SharedValue.create("seen")
+    seen = cell.version
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_set_in_child, args=(cell, queue))  # another process writes
+    child.start()
+    assert queue.get(timeout=WAIT) == "from the child"
+    child.join(WAIT)
+    assert child.exitcode == 0
+    assert cell.version == seen + 1
+    assert cell.set_if_version("remote", seen) is False  # the child's write stays
+    assert cell.get() == "from the child"
+    assert cell.set_if_version("remote", seen + 1) is True and cell.get() == "remote"
+    assert cell.version == seen + 2

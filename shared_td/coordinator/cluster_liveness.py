@@ -1,0 +1,88 @@
+"""Is a node of the cluster still there? Heartbeats through the store.
+
+Each node writes a signed heartbeat ``hb/<node>`` (a growing number) every
+:data:`HEARTBEAT_S`. Another node counts it as lost once the number it reads has not
+changed for :data:`LOST_AFTER_S` of its own clock: no clock is compared between
+machines, and a node that is only slow (a heartbeat every few seconds) is never lost.
+A heartbeat with a wrong signature reads as no heartbeat (forged or of another cluster).
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+from typing import Callable
+
+from shared_td.errors import ClusterAuthError, OwnerLostError
+
+__all__ = ["HEARTBEAT_S", "LOST_AFTER_S", "Liveness"]
+
+#: Seconds between two heartbeats of a node.
+HEARTBEAT_S = 0.5
+#: Seconds without a changed heartbeat after which a node counts as lost.
+LOST_AFTER_S = 3.0
+
+
+class Liveness:
+    """This node's heartbeat, and what it knows of the others'.
+
+    Args:
+        store: the node's SignedStore.
+        node: this node's number.
+        read: ``read(key)`` -> the signed JSON value at ``key`` (the cluster's guarded
+            read: a lost store host raises ConnectionError).
+    """
+
+    def __init__(self, store, node: int, read: Callable[[str], dict]):
+        self._store, self._node, self._read = store, node, read
+        self._beats: dict[int, tuple[object, float]] = {}
+        self._lock = threading.Lock()
+
+    def beat(self, stop: threading.Event) -> None:
+        """Write this node's heartbeat until ``stop`` is set or the store is gone (the
+        target of the cluster's heartbeat thread)."""
+        for number in itertools.count(1):
+            if stop.wait(HEARTBEAT_S):
+                return
+            try:
+                self._store.set_json(f"hb/{self._node}", {"beat": number, "pid": os.getpid()})
+            except (RuntimeError, OSError):
+                return  # the store is gone
+
+    def _last_beat(self, peer: int):
+        """``peer``'s last heartbeat number (None if not signed with our key)."""
+        try:
+            return self._read(f"hb/{peer}")["beat"]
+        except ClusterAuthError:
+            return None
+
+    def alive(self, peer: int) -> bool:
+        """Whether ``peer``'s heartbeat changed within the last LOST_AFTER_S seconds (as
+        seen by this process since it first looked)."""
+        beat, now = self._last_beat(peer), time.monotonic()
+        with self._lock:
+            seen = self._beats.get(peer)
+            if seen is None or seen[0] != beat:
+                self._beats[peer] = (beat, now)
+                return True
+            return now - seen[1] < LOST_AFTER_S
+
+    def lost_or(self, peer: int, name: str, err: BaseException, role: str) -> BaseException:
+        """After a failed transfer with ``peer``: OwnerLostError once its heartbeat has
+        stood still for LOST_AFTER_S (waited for here), else a ConnectionError (the
+        transfer may be retried)."""
+        end = time.monotonic() + LOST_AFTER_S + HEARTBEAT_S
+        while self.alive(peer):
+            if time.monotonic() > end:
+                return ConnectionError(f"The transfer of {name!r} with node {peer} failed ({err}); "
+                                       "that node is alive: the call may be retried.")
+            time.sleep(HEARTBEAT_S / 4)
+        return self.lost(peer, name, role)
+
+    @staticmethod
+    def lost(peer: int, name: str, role: str) -> OwnerLostError:
+        return OwnerLostError(
+            f"Node {peer}, {role} of {name!r}, is lost: its heartbeat stood still for "
+            f"{LOST_AFTER_S:g} s. This node's copy stays readable with its last contents."
+        )

@@ -1,0 +1,193 @@
+"""Cluster-wide non-tensor values: the ``share_non_tensor=True`` entries of a replicated name.
+
+On one node, a ``NonTensorData`` memory-mapped with ``share_non_tensor=True`` keeps its
+value in a shared cell (:class:`~shared_td.storage.shared_value.SharedValue`): a write by
+any process is seen by every other, and an unchanged value reads with one 8-byte load.
+Across nodes, each node keeps its own cell per value, and this module keeps the cells of
+all nodes equal:
+
+* **Versions.** Every value ``i`` of generation ``g`` of a name has a counter
+  ``valver/<name>/<g>/<i>`` in the store: a node that publishes a value takes the next
+  version with one ``TCPStore.add``, so versions are totally ordered across the cluster.
+  Every node applies a value only if its version is above the last one it applied:
+  **the highest version wins** (the last writer in store order), and every node converges
+  to it whatever the order in which notices arrive.
+* **Local writes.** One thread per node (started with the first value it tracks) looks at
+  each cell's version word every :data:`POLL_S` (one 8-byte load per value: the same read
+  as an unchanged ``get``). A changed word means a process of this node wrote the value:
+  the thread takes a version, stores the value as the latest (``value/<name>/<g>/<i>``,
+  replaced only by a higher version: ``compare_set``) and pushes a notice carrying the
+  value to every other node's request queue.
+* **Remote writes.** The node's service thread pops a notice, and :meth:`ClusterValues.receive`
+  writes the value into the local cell if its version is the highest seen. Readers of the
+  node then see it at their next read; a value that did not change is never fetched
+  again: reads stay local.
+* **Security.** Values are pickles, so they are only unpickled after the HMAC of the
+  notice (or of the stored latest value) was checked with the cluster authkey
+  (:class:`~shared_td.coordinator.cluster_store.SignedStore`); a wrong signature is
+  refused with :class:`~shared_td.errors.ClusterAuthError` before any byte is parsed.
+  A signed value can be replayed, but never with a version above the current one's
+  effect: an old notice is ignored (its version is not the highest).
+
+A remote value is written into the cell only if no process of the node wrote it since
+the poller last looked (a compare-and-set under the cell's write lock,
+:meth:`~shared_td.storage.shared_value.SharedValue.set_if_version`): a local write is
+never lost; it is published with a higher version instead, and wins everywhere.
+"""
+from __future__ import annotations
+
+import base64
+import pickle
+import threading
+from dataclasses import dataclass, field
+
+__all__ = ["ClusterValues", "POLL_S"]
+
+#: Seconds between two looks of the poller at the version words of this node's cells.
+POLL_S = 0.001
+
+
+@dataclass
+class _Value:
+    cell: object  # the node's SharedValue
+    seen: int  # the cell's version word when this node last published or applied
+    applied: int  # the highest cluster version this node published or applied
+
+
+@dataclass
+class _Tracked:
+    generation: int
+    values: list[_Value] = field(default_factory=list)
+
+
+def _key(name: str, generation: int, index: int) -> str:
+    return f"{name}/{generation}/{index}"
+
+
+def encode(value) -> str:
+    """``value`` pickled, as text for a signed JSON record."""
+    return base64.b64encode(pickle.dumps(value)).decode("ascii")
+
+
+def decode(text: str):
+    """The value of :func:`encode` (only ever called on a record whose signature was
+    checked)."""
+    return pickle.loads(base64.b64decode(text))
+
+
+class ClusterValues:
+    """The shared non-tensor values that this node keeps equal with the others.
+
+    Args:
+        store: the node's :class:`~shared_td.coordinator.cluster_store.SignedStore`.
+        node, nodes: this node's number and the number of nodes.
+        stop: the cluster's stop event (ends the poller).
+    """
+
+    def __init__(self, store, node: int, nodes: int, stop: threading.Event):
+        self._store, self._node, self._nodes, self._stop = store, node, nodes, stop
+        self._tracked: dict[str, _Tracked] = {}
+        # one at a time: the poller's publications and the service thread's applications
+        self._lock = threading.Lock()
+        self._poller: threading.Thread | None = None
+        self.published = 0  # values this node sent (tests and benchmarks count them)
+
+    # ------------------------------------------------------------------ names
+    def publish(self, name: str, generation: int, cells: list) -> None:
+        """Owner: store the current values of ``cells`` as version 1.. of a new
+        generation of ``name`` and keep them equal with the replicas from now on."""
+        tracked = _Tracked(generation)
+        for index, cell in enumerate(cells):
+            seen = cell.version
+            version = self._store.add(f"valver/{_key(name, generation, index)}", 1)
+            self._store_latest(_key(name, generation, index), version, encode(cell.get()))
+            tracked.values.append(_Value(cell, seen, version))
+        self._track(name, tracked)
+
+    def latest(self, name: str, generation: int, count: int) -> list[tuple[int, object]]:
+        """``(version, value)`` of the ``count`` values of ``name`` as last stored
+        (signature checked before anything is unpickled)."""
+        records = [self._store.get_json(f"value/{_key(name, generation, i)}") for i in range(count)]
+        return [(record["version"], decode(record["payload"])) for record in records]
+
+    def attach(self, name: str, generation: int, cells: list, versions: list[int]) -> None:
+        """Replica: track ``cells``, filled with ``versions`` of the values; then catch
+        up with any value stored meanwhile (a notice sent before this node tracked the
+        name was ignored, but its value is in the store)."""
+        self._track(name, _Tracked(generation, [_Value(cell, cell.version, version)
+                                                for cell, version in zip(cells, versions)]))
+        for index, (version, value) in enumerate(self.latest(name, generation, len(cells))):
+            self._apply(name, generation, index, version, value)
+
+    def forget(self, name: str) -> None:
+        """Stop keeping the values of ``name`` (a new generation replaces them)."""
+        with self._lock:
+            self._tracked.pop(name, None)
+
+    def _track(self, name: str, tracked: _Tracked) -> None:
+        with self._lock:
+            self._tracked[name] = tracked
+        if tracked.values and self._poller is None:
+            self._poller = threading.Thread(target=self._poll, name="shared_td-cluster-values", daemon=True)
+            self._poller.start()
+
+    def join(self, timeout: float) -> None:
+        if self._poller is not None:
+            self._poller.join(timeout)
+
+    # ------------------------------------------------------------------ remote writes
+    def receive(self, notice: dict) -> None:
+        """A value published by another node (a signed notice from the request queue)."""
+        self._apply(notice["name"], notice["generation"], notice["index"], notice["version"],
+                    decode(notice["payload"]))
+
+    def _apply(self, name: str, generation: int, index: int, version: int, value) -> None:
+        with self._lock:
+            tracked = self._tracked.get(name)
+            if tracked is None or tracked.generation != generation or index >= len(tracked.values):
+                return  # a name this node does not hold (or an older generation of it)
+            entry = tracked.values[index]
+            if version <= entry.applied:
+                return  # an older write: a higher version is already here
+            # unless a process of this node wrote the cell since we last looked (checked
+            # under the cell's write lock): that write is published next, with a higher
+            # version, and wins
+            if entry.cell.set_if_version(value, entry.seen):
+                entry.seen += 1
+                entry.applied = version
+            else:
+                self._publish_local(name, tracked, index)
+
+    # ------------------------------------------------------------------ local writes
+    def _poll(self) -> None:
+        while not self._stop.wait(POLL_S):
+            try:
+                with self._lock:
+                    for name, tracked in list(self._tracked.items()):
+                        for index, entry in enumerate(tracked.values):
+                            if entry.cell.version != entry.seen:
+                                self._publish_local(name, tracked, index)
+            except (RuntimeError, OSError):
+                return  # the store is gone: values stay as they are on this node
+
+    def _publish_local(self, name: str, tracked: _Tracked, index: int) -> None:
+        """The cell ``index`` changed on this node: give its value the next version,
+        store it as the latest and tell every other node (called holding the lock)."""
+        entry = tracked.values[index]
+        seen = entry.cell.version
+        payload = encode(entry.cell.get())  # the value at ``seen`` or a later one
+        key = _key(name, tracked.generation, index)
+        version = self._store.add(f"valver/{key}", 1)
+        entry.seen, entry.applied = seen, version
+        self._store_latest(key, version, payload)
+        notice = {"op": "value", "from": self._node, "name": name, "generation": tracked.generation,
+                  "index": index, "version": version, "payload": payload}
+        for peer in range(self._nodes):
+            if peer != self._node:
+                self._store.push_json(f"queue/{peer}", notice)
+        self.published += 1
+
+    def _store_latest(self, key: str, version: int, payload: str) -> None:
+        """``value/<key>`` <- (version, payload) unless it holds a higher version
+        (compare-and-set, so that two nodes writing at once leave the highest)."""
+        self._store.set_json_if_newer(f"value/{key}", {"version": version, "payload": payload}, "version")
