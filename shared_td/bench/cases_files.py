@@ -64,7 +64,9 @@ def case_tree_load(options, root: str) -> dict:
         path = os.path.join(root, f"load_{name}")
         build_tree(lib, options.nodes).memmap_(path)
         variants[name] = (lambda p=path: p, lambda p, lib=lib: lib.TensorDict.load_memmap(p))
-    floor = {"floor: json+open+mmap": (lambda: os.path.join(root, "load_shared_td"), floors.load_tree)}
+    ours = os.path.join(root, "load_shared_td")
+    floor = {"floor: json+open+mmap": (lambda: ours, floors.load_tree),
+             "floor + our checks": (lambda: ours, floors.load_tree_checked)}
     return best_of_each(options.repeat, {**floor, **variants})
 
 

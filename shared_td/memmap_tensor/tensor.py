@@ -113,7 +113,9 @@ class MemoryMappedTensor(torch.Tensor):
             extent = shape.numel()
         else:
             stride = tuple(stride)
-            extent = 1 + sum((n - 1) * s for n, s in zip(shape, stride))
+            extent = 1  # a loop, not sum() of a generator: this runs per leaf of an attach
+            for n, step in zip(shape, stride):
+                extent += (n - 1) * step
         needed = (offset + extent) * itemsize
         if needed > backing.nbytes:
             where = f"File {backing.path}" if isinstance(backing, FileBacking) else repr(backing)

@@ -68,3 +68,9 @@ def test_attach_floor_views_the_segment_at_each_leaf_offset():
     assert all(torch.equal(v, leaf) for v, leaf in zip(views, leaves))
     views[0][0] = 42.0  # the same memory
     assert leaves[0][0] == 42.0
+
+
+def test_checked_load_floor_maps_the_same_leaves(tmp_path):
+    _, path = _saved(tmp_path)
+    plain, checked = floors.load_tree(path), floors.load_tree_checked(path)
+    assert sorted(v.numpy().tobytes() for v in plain) == sorted(v.numpy().tobytes() for v in checked)
