@@ -1,7 +1,9 @@
 """Benchmark cases of writing and loading: one big leaf, a tree of many small ones.
 
 Each case takes the options and a scratch directory and returns ``{column: seconds}``
-(an int is a count, not a time); the first column is the reference of the table.
+(an int is a count, not a time); the first column is the reference of the table: the
+raw OS write, or the floor of the tree cases (:mod:`shared_td.bench.floors`), so that
+a ratio of 0.67x there means 1.5x the floor.
 """
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import os
 
 import torch
 
+from shared_td.bench import floors
 from shared_td.bench.libraries import build_tree, libraries
 from shared_td.bench.timing import best_of_each, fresh_dir, open_fds, raw_write
 
@@ -28,37 +31,58 @@ def case_big_leaf(options, root: str) -> dict:
     return best_of_each(options.repeat, variants)
 
 
+def _leaves(td) -> list[torch.Tensor]:
+    return list(td.values(include_nested=True, leaves_only=True))
+
+
 def case_tree_to_files(options, root: str) -> dict:
-    """memmap_ of N nested tensordicts x 2 small leaves into a directory."""
+    """memmap_ of N nested tensordicts x 2 small leaves into a directory, vs the floor:
+    the same files written (and mapped, as memmap_ returns mapped leaves)."""
     dirs = fresh_dir(root)
-    return best_of_each(options.repeat, {
+    reference = os.path.join(root, "to_files_reference")
+    build_tree(_shared_td(), options.nodes).memmap_(reference)
+    nodes = floors.saved_nodes(reference)
+    variants = {
+        "floor: write+map": (dirs, lambda d: floors.write_tree(nodes, d)),
+        "floor: write only": (dirs, lambda d: floors.write_tree(nodes, d, map_after=False)),
+    }
+    variants.update({
         f"{name} threads={threads}": (
             lambda lib=lib: (build_tree(lib, options.nodes), dirs()),
             lambda s, t=threads: s[0].memmap_(s[1], num_threads=t),
         )
         for name, lib in libraries().items() for threads in (0, 2)
     })
+    return best_of_each(options.repeat, variants)
 
 
 def case_tree_load(options, root: str) -> dict:
-    """load_memmap of the N-node tree written by each library."""
+    """load_memmap of the N-node tree written by each library, vs the floor: each
+    meta.json read and parsed, each leaf file mapped."""
     variants = {}
     for name, lib in libraries().items():
         path = os.path.join(root, f"load_{name}")
         build_tree(lib, options.nodes).memmap_(path)
         variants[name] = (lambda p=path: p, lambda p, lib=lib: lib.TensorDict.load_memmap(p))
-    return best_of_each(options.repeat, variants)
+    ours = os.path.join(root, "load_shared_td")
+    floor = {"floor: json+open+mmap": (lambda: ours, floors.load_tree),
+             "floor + our checks": (lambda: ours, floors.load_tree_checked)}
+    return best_of_each(options.repeat, {**floor, **variants})
 
 
 def case_tree_anonymous(options, root: str) -> dict:
-    """memmap_() of the N-node tree into anonymous shared memory (+ fds it holds)."""
-    out = best_of_each(options.repeat, {
+    """memmap_() of the N-node tree into anonymous shared memory (+ fds it holds), vs
+    the floor: one memfd, one copy and one view per leaf."""
+    variants = {"floor: memfd+copy+view": (
+        lambda: _leaves(build_tree(_shared_td(), options.nodes)), floors.share_anonymously)}
+    variants.update({
         f"{name} threads={threads}": (
             lambda lib=lib: build_tree(lib, options.nodes),
             lambda td, t=threads: td.memmap_(num_threads=t),
         )
         for name, lib in libraries().items() for threads in (0, 2)
     })
+    out = best_of_each(options.repeat, variants)
     for name, lib in libraries().items():
         before = open_fds()
         kept = build_tree(lib, options.nodes).memmap_()
@@ -82,3 +106,8 @@ def case_tree_archive(options, root: str) -> dict:
         build_tree(lib, options.nodes).save(path)
         variants[f"{name} load archive"] = (lambda p=path: p, lambda p, lib=lib: lib.TensorDict.load_memmap(p))
     return best_of_each(options.repeat, variants)
+
+
+def _shared_td():
+    import shared_td
+    return shared_td

@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from shared_td.bench import floors
 from shared_td.bench.libraries import tensordict_module
 from shared_td.bench.timing import best_of, fresh_dir
 
@@ -40,7 +41,9 @@ def case_leaf_pickle(options, root: str) -> dict:
 
 
 def case_atomic_rewrite(options, root: str) -> dict:
-    """Rewrite of a tensordict of 8 leaves (size-mib/4 in all) onto a save: plain vs atomic."""
+    """Rewrite of a tensordict of 8 leaves (size-mib/4 in all) onto a save: plain vs
+    atomic, vs the floor: the same files written into a new directory (and mapped),
+    swapped in with renameat2(RENAME_EXCHANGE), the old version removed."""
     import shared_td
     from shared_td.persist import atomic
 
@@ -48,8 +51,14 @@ def case_atomic_rewrite(options, root: str) -> dict:
     td = shared_td.TensorDict({f"leaf{i}": torch.randn(floats_per_leaf) for i in range(8)})
     path = os.path.join(root, "atomic")
     td.memmap(path)
+    nodes = floors.saved_nodes(path)
+    floor_path = os.path.join(root, "atomic_floor")
+    td.memmap(floor_path)
     dirs = fresh_dir(root)
     out = {
+        "floor: new dir+exchange": best_of(
+            options.repeat, dirs, lambda staging: floors.rewrite_tree(nodes, floor_path, staging)
+        ),
         "memmap_ (new directory)": best_of(
             options.repeat, lambda: (td.clone(), dirs()), lambda s: s[0].memmap_(s[1])
         ),
@@ -69,19 +78,29 @@ def case_atomic_rewrite(options, root: str) -> dict:
 
 
 def case_coord_attach(options, root: str) -> dict:
-    """Coordinator.attach of a published 100-leaf tensordict (anonymous, then files)."""
+    """Coordinator.attach of a published 100-leaf tensordict (anonymous, then files),
+    vs the floors: one received descriptor mapped once and 100 views (anonymous), 100
+    files mapped (files); neither counts the round trip to the coordinator that fetches
+    the layout (its own row: names() costs one)."""
     import shared_td
 
     def leaves():
         return shared_td.TensorDict({f"k{i}": torch.zeros(4) for i in range(100)})
 
     rounds = options.rounds
+    prefix = os.path.join(root, "published")
     out = {}
     with shared_td.Coordinator() as coord:
         coord.publish("anonymous", leaves())
-        coord.publish("files", leaves(), prefix=os.path.join(root, "published"))
+        coord.publish("files", leaves(), prefix=prefix)
+        floor_of = {"anonymous": _anonymous_floor(coord.attach("anonymous")),
+                    "files": _files_floor(coord.attach("files"))}
         for name in ["anonymous", "files"]:
             coord.attach(name)  # the connection is made once per process
+            out[f"floor {name}"] = best_of(
+                options.repeat, lambda: None,
+                lambda _, n=name: [floor_of[n]() for _ in range(rounds)],
+            ) / rounds
             out[f"{name}, 100 leaves"] = best_of(
                 options.repeat, lambda: None,
                 lambda _, n=name: [coord.attach(n) for _ in range(rounds)],
@@ -90,6 +109,23 @@ def case_coord_attach(options, root: str) -> dict:
             options.repeat, lambda: None, lambda _: [coord.names() for _ in range(rounds)]
         ) / rounds
     return out
+
+
+def _anonymous_floor(attached):
+    """The floor of attaching ``attached`` (anonymous): its segment opened through a
+    ``/proc/<pid>/fd`` path, as a receiver opens it, mapped once, one view per leaf."""
+    leaves = list(attached.values(include_nested=True, leaves_only=True))
+    segment = leaves[0]._backing
+    layout = [(leaf._byte_offset(), leaf.dtype, tuple(leaf.shape)) for leaf in leaves]
+    path = f"/proc/{os.getpid()}/fd/{segment.fd}"
+    return lambda: floors.map_views(path, layout, segment.nbytes)
+
+
+def _files_floor(attached):
+    """The floor of attaching ``attached`` (files): each leaf's file mapped."""
+    layout = [(leaf.filename, leaf.dtype, tuple(leaf.shape))
+              for leaf in attached.values(include_nested=True, leaves_only=True)]
+    return lambda: [floors.mapped_view(*leaf) for leaf in layout]
 
 
 def case_nontensor_read(options, root: str) -> dict:

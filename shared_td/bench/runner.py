@@ -8,7 +8,7 @@ Examples:
     >>> with contextlib.redirect_stdout(io.StringIO()) as table:  # the machine, then the rows
     ...     status = run(BenchOptions.quick(only=["tree_load"]))
     >>> status, [row.split()[:2] for row in table.getvalue().splitlines()[2:]]
-    (0, [['tree_load', 'shared_td'], ['tree_load', 'tensordict']])
+    (0, [['tree_load', 'floor:'], ['tree_load', 'floor'], ['tree_load', 'shared_td'], ['tree_load', 'tensordict']])
 """
 from __future__ import annotations
 

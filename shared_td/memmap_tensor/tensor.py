@@ -108,9 +108,14 @@ class MemoryMappedTensor(torch.Tensor):
                              f"{itemsize}-byte size of {dtype}.")
         if shape.numel() == 0:
             return cls._empty_leaf(backing, dtype, shape)
-        stride = _contiguous_strides(shape) if stride is None else tuple(stride)
         offset = byte_offset // itemsize
-        extent = 1 + sum((n - 1) * s for n, s in zip(shape, stride))
+        if stride is None:  # C order (a leaf of a load or a write): set_ makes the strides
+            extent = shape.numel()
+        else:
+            stride = tuple(stride)
+            extent = 1  # a loop, not sum() of a generator: this runs per leaf of an attach
+            for n, step in zip(shape, stride):
+                extent += (n - 1) * step
         needed = (offset + extent) * itemsize
         if needed > backing.nbytes:
             where = f"File {backing.path}" if isinstance(backing, FileBacking) else repr(backing)
@@ -118,7 +123,10 @@ class MemoryMappedTensor(torch.Tensor):
                 f"{where} holds {backing.nbytes} bytes, but a {dtype} tensor of shape "
                 f"{tuple(shape)} at byte offset {byte_offset} needs {needed} bytes."
             )
-        tensor = torch.empty(0, dtype=dtype).set_(backing.storage, offset, shape, stride)
+        if stride is None:
+            tensor = torch.empty(0, dtype=dtype).set_(backing.storage, offset, shape)
+        else:
+            tensor = torch.empty(0, dtype=dtype).set_(backing.storage, offset, shape, stride)
         result = tensor.as_subclass(_class_for(cls, backing))
         result._backing = backing
         result._parent_shape = shape

@@ -265,15 +265,19 @@ class NodeMeta:
 
 
 def _entry(key: str, item: dict, where: str) -> LeafMeta | ChildMeta:
+    # every field name below is built only on an error: this runs once per leaf of a load
     if "type" in item:
         if not isinstance(item["type"], str):
             raise FormatError(where, f"{_shown(item['type'])} is not a class name", field=f"{key}.type")
         return ChildMeta(key, item["type"])
     if not ("dtype" in item and "shape" in item):
         raise FormatError(where, "neither a tensor (dtype and shape) nor a collection (type)", field=key)
-    dtype = dtype_from_name(item["dtype"], where=where, field=f"{key}.dtype")
-    shape = _sizes(item["shape"], where, f"{key}.shape")
-    _device(item.get("device"), where, f"{key}.device")
+    name = item["dtype"]
+    dtype = DTYPE_BY_NAME.get(name) if isinstance(name, str) else None
+    if dtype is None:
+        dtype_from_name(name, where=where, field=f"{key}.dtype")  # raises, naming the field
+    shape = _sizes(item["shape"], where, "shape", key)
+    _device(item.get("device"), where, "device", key)
     is_nested = item.get("is_nested", False)
     if type(is_nested) is not bool:
         raise FormatError(where, f"{_shown(is_nested)} is not true or false", field=f"{key}.is_nested")
@@ -283,23 +287,29 @@ def _entry(key: str, item: dict, where: str) -> LeafMeta | ChildMeta:
     return LeafMeta(key, shape, dtype, is_nested)
 
 
-def _sizes(value: Any, where: str, name: str) -> tuple[int, ...]:
-    """A JSON list of sizes (integers >= 0, not booleans, each below 2**63)."""
+def _sizes(value: Any, where: str, name: str, key: str | None = None) -> tuple[int, ...]:
+    """A JSON list of sizes (integers >= 0, not booleans, each below 2**63); the error
+    names the field ``name`` (of entry ``key``)."""
     if not isinstance(value, list) or not all(type(n) is int and 0 <= n <= _MAX_BYTES for n in value):
-        raise FormatError(where, f"{_shown(value)} is not a list of sizes (integers >= 0)", field=name)
+        raise FormatError(where, f"{_shown(value)} is not a list of sizes (integers >= 0)",
+                          field=name if key is None else f"{key}.{name}")
     return tuple(value)
 
 
-def _device(value: Any, where: str, name: str) -> str | None:
-    """A device name torch knows, or None (also written as "None")."""
+def _device(value: Any, where: str, name: str, key: str | None = None) -> str | None:
+    """A device name torch knows, or None (also written as "None"); the error names the
+    field ``name`` (of entry ``key``)."""
     if value is None or value == "None":
         return None
+    if value == "cpu" and type(value) is str:  # what every save of ours holds: no parse
+        return value
     try:
         if not isinstance(value, str):
             raise TypeError
         torch.device(value)
     except (RuntimeError, TypeError, ValueError):
-        raise FormatError(where, f"{_shown(value)} is not a device torch knows", field=name) from None
+        raise FormatError(where, f"{_shown(value)} is not a device torch knows",
+                          field=name if key is None else f"{key}.{name}") from None
     return value
 
 

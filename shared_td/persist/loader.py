@@ -142,6 +142,7 @@ class Loader:
         self.num_threads = check_num_threads(num_threads)
         self._opened: tuple | None = None  # (root directory, its path) of the current load
         self._pool: ThreadPoolExecutor | None = None
+        self._names: dict[tuple[str, bool], list[str]] = {}  # (key, leaf) -> its file names
 
     def load(self, directory: str, subpath: Any = None) -> Any:
         """Load the tree at ``directory`` (or its nested tensordict ``subpath``, a nested
@@ -187,7 +188,7 @@ class Loader:
             if not isinstance(entry, fmt.ChildMeta):
                 raise ValueError(f"No tensordict under {where} says key {part!r} is a tensor, "
                                  "not a nested tensordict: load its parent and index it.")
-            opened.append(directory.child(self._resolve(directory, part, leaf=False)))
+            opened.append(self._open_child(directory, part))
             parent_batch = meta.batch_size
         return opened[-1], parent_batch
 
@@ -225,15 +226,18 @@ class Loader:
         try:
             for entry in meta.entries:
                 if isinstance(entry, fmt.ChildMeta):
-                    name = self._resolve(directory, entry.key, leaf=False)
-                    values[entry.key] = self._load_child(directory, name, meta.batch_size)
+                    child = self._open_child(directory, entry.key)
+                    try:
+                        values[entry.key] = self._load(child, meta.batch_size)
+                    finally:
+                        child.close()
                 elif self._pool is not None:
                     mapping[entry.key] = self._pool.submit(self._load_leaf, directory, entry)
                 else:
                     values[entry.key] = self._load_leaf(directory, entry)
         finally:
-            # the threads use directory's fd: none may outlive it, also on an error
-            wait(mapping.values())
+            if mapping:  # the threads use directory's fd: none may outlive it, also on an error
+                wait(mapping.values())
         for key, future in mapping.items():
             values[key] = future.result()
         names = kind.child_names(meta, directory.exists)
@@ -258,26 +262,29 @@ class Loader:
     def _load_leaf(self, directory: Directory, leaf: fmt.LeafMeta) -> torch.Tensor:
         if leaf.is_nested:
             raise NotImplementedError(f"{self._where(directory, leaf.key)}: nested tensors cannot be loaded yet.")
-        shape = torch.Size(leaf.shape)
-        if shape.numel() == 0:  # zero-element leaves have no file
-            return MemoryMappedTensor.empty(shape, dtype=leaf.dtype)
+        if 0 in leaf.shape:  # zero-element leaves have no file
+            return MemoryMappedTensor.empty(torch.Size(leaf.shape), dtype=leaf.dtype)
         if isinstance(directory, ArchiveNode):
             return directory.leaf(self._resolve(directory, leaf.key, leaf=True), leaf)
-        name, fd, read_only = self._open_leaf(directory, leaf.key)
+        name, fd, st, read_only = self._open_leaf(directory, leaf.key)
         path = f"{directory.path}/{name}"
         try:
-            backing = files.backing_from_fd(path, fd, shared=read_only is None, read_only=read_only)
+            backing = files.backing_from_fd(path, fd, shared=read_only is None, read_only=read_only, st=st)
         finally:
             os.close(fd)
-        return MemoryMappedTensor._from_backing(backing, 0, leaf.dtype, shape)
+        return MemoryMappedTensor._from_backing(backing, 0, leaf.dtype, leaf.shape)
 
     # ------------------------------------------------------------------ files
     def _candidates(self, key: str, *, leaf: bool) -> list[str]:
-        """File names of ``key``: its robust name, then its legacy (raw) name if safe."""
-        return fmt.file_names(key, leaf=leaf, robust_key=self.robust_key)
+        """File names of ``key``: its robust name, then its legacy (raw) name if safe
+        (worked out once per key and load: the same keys recur in every node)."""
+        names = self._names.get((key, leaf))
+        if names is None:
+            names = self._names[key, leaf] = fmt.file_names(key, leaf=leaf, robust_key=self.robust_key)
+        return names
 
-    def _open_leaf(self, directory: Directory, key: str) -> tuple[str, int, str | None]:
-        """Open the file of leaf ``key``: ``(name, fd, read_only)``.
+    def _open_leaf(self, directory: Directory, key: str) -> tuple[str, int, os.stat_result, str | None]:
+        """Open the file of leaf ``key``: ``(name, fd, its fstat, read_only)``.
 
         A file this process may not write (its mode, a read-only file system, an
         immutable file), or any file with ``mode="r"``, is opened read-only;
@@ -288,8 +295,8 @@ class Loader:
         for name in names:
             try:
                 if self.mode == "r":
-                    return name, directory.open_regular(name, os.O_RDONLY), MODE_R_REASON
-                return name, directory.open_regular(name, os.O_RDWR), None
+                    return (name, *directory.open_regular_stat(name, os.O_RDONLY), MODE_R_REASON)
+                return (name, *directory.open_regular_stat(name, os.O_RDWR), None)
             except FileNotFoundError:
                 continue
             except OSError as error:
@@ -301,16 +308,20 @@ class Loader:
                         f"{READ_ONLY_ERRNOS[error.errno]}. Load it with mode='r' (or None) "
                         "to map it read-only, or make it writable."
                     ) from None
-                return name, directory.open_regular(name, os.O_RDONLY), READ_ONLY_ERRNOS[error.errno]
+                return (name, *directory.open_regular_stat(name, os.O_RDONLY), READ_ONLY_ERRNOS[error.errno])
         raise self._missing(directory, key, names, "file")
 
-    def _resolve(self, directory: Directory, key: str, *, leaf: bool) -> str:
-        """The existing file name of ``key`` (see ``_candidates``)."""
-        names = self._candidates(key, leaf=leaf)
+    def _open_child(self, directory: Directory, key: str) -> Directory:
+        """Open the sub-directory of nested key ``key`` (see ``_candidates``): each name
+        is opened directly (``O_NOFOLLOW``), a missing one tried next, with no ``lstat``
+        before."""
+        names = self._candidates(key, leaf=False)
         for name in names:
-            if directory.exists(name):
-                return name
-        raise self._missing(directory, key, names, "file" if leaf else "directory")
+            try:
+                return directory.child(name)
+            except FileNotFoundError:
+                continue
+        raise self._missing(directory, key, names, "directory")
 
     def _missing(self, directory: Directory, key: str, names: list, kind: str) -> FileNotFoundError:
         return FileNotFoundError(

@@ -161,15 +161,18 @@ class FileBacking:
 _CACHE = InodeCache()
 
 
-def backing_from_fd(path: str, fd: int, *, shared: bool = True, read_only: str | None = None) -> FileBacking:
+def backing_from_fd(path: str, fd: int, *, shared: bool = True, read_only: str | None = None,
+                    st: os.stat_result | None = None) -> FileBacking:
     """Map the whole file open as ``fd`` (or reuse this process's mapping of it).
 
     ``read_only`` (why the file may not be written) needs ``shared=False``: the mapping
-    is private, and the tensors over it refuse writes.
+    is private, and the tensors over it refuse writes. ``st``: the ``fstat`` of ``fd``
+    when the caller has just made it (:meth:`Directory.open_regular_stat`).
     """
     if read_only and shared:
         raise ValueError(f"A read-only backing of {path} must be mapped copy-on-write (shared=False).")
-    st = os.fstat(fd)
+    if st is None:
+        st = os.fstat(fd)
     key = (st.st_dev, st.st_ino)
     if shared:
         cached = _CACHE.get(key)
@@ -321,6 +324,10 @@ class Directory:
     def open_regular(self, name: str, flags: int = os.O_RDONLY) -> int:
         """Open the regular file ``name``; anything else (a symlink, FIFO, socket, device,
         directory) is refused without being opened for reading, so nothing blocks."""
+        return self.open_regular_stat(name, flags)[0]
+
+    def open_regular_stat(self, name: str, flags: int = os.O_RDONLY) -> tuple[int, os.stat_result]:
+        """:meth:`open_regular`, with the ``fstat`` of the opened file (its size)."""
         try:
             kind = file_kind(os.stat(name, dir_fd=self.fd, follow_symlinks=False).st_mode)
         except OSError as error:
@@ -329,9 +336,10 @@ class Directory:
             # O_NONBLOCK: should a FIFO replace the file after that stat, open and read
             # return at once (and fstat refuses it) instead of waiting forever
             fd = self.open_file(name, flags | os.O_NONBLOCK | os.O_NOCTTY)
-            kind = file_kind(os.fstat(fd).st_mode)
+            st = os.fstat(fd)
+            kind = file_kind(st.st_mode)
             if kind is None:
-                return fd
+                return fd, st
             os.close(fd)
         if kind == "a symlink":
             raise RuntimeError(f"Refusing to {self.action} through symlink {self.join(name)}.")

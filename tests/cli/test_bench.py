@@ -33,6 +33,13 @@ def test_quick_runs_every_case_in_bounded_time():
     assert list(rows) == list(CASES)
     assert rows["big_leaf"][0] == "raw os.write" and "shared_td threads=2" in rows["big_leaf"]
     assert "shared_td fds held" in rows["tree_anonymous"]
+    # each tree case's first column is its floor (shared_td/bench/floors.py)
+    assert rows["tree_load"][:3] == ["floor: json+open+mmap", "floor + our checks", "shared_td"]
+    assert rows["tree_anonymous"][:2] == ["floor: memfd+copy+view", "shared_td threads=0"]
+    assert rows["tree_to_files"][:3] == ["floor: write+map", "floor: write only", "shared_td threads=0"]
+    assert rows["atomic_rewrite"][:2] == ["floor: new dir+exchange", "memmap_ (new directory)"]
+    assert rows["coord_attach"][:2] == ["floor anonymous", "anonymous, 100 leaves"]
+    assert rows["coord_attach"][2:4] == ["floor files", "files, 100 leaves"]
     assert rows["consolidate"][:4] == ["memcpy floor (one cat)", "raw torch buffer + views",
                                        "shared_td", "shared_td share_memory"]
     assert rows["consol_pickle"][:2] == ["floor (one bytes object)", "shared_td"]
@@ -66,7 +73,8 @@ def test_without_tensordict_its_rows_are_left_out_with_a_note(monkeypatch, capsy
     assert run(BenchOptions.quick(only=["tree_load", "leaf_pickle"])) == 0
     out = capsys.readouterr().out
     assert "note: tensordict is not installed" in out.splitlines()[1]
-    assert _rows(out) == {"tree_load": ["shared_td"], "leaf_pickle": ["raw pickle of the bytes", "shared_td"]}
+    assert _rows(out) == {"tree_load": ["floor: json+open+mmap", "floor + our checks", "shared_td"],
+                          "leaf_pickle": ["raw pickle of the bytes", "shared_td"]}
 
 
 def test_a_failing_case_is_reported_and_the_others_run(monkeypatch, capsys):

@@ -1,0 +1,207 @@
+"""The floors of the tree cases: the same work done with the raw system calls only.
+
+A floor is what any library must do to give the same result, done by the shortest
+Python over the OS and torch primitives, with none of the checks, containers or error
+handling a library owes its users. It is the limit a case is measured against (its
+first column), in the same run.
+
+What each floor counts, and why:
+
+* **mapping a file** (every floor that maps one): ``torch.from_file(path)``, which opens,
+  maps and closes the file in C. It is the cheapest view of a file torch offers that
+  keeps no descriptor (``mmap.mmap`` keeps a duplicate descriptor per mapping); a view
+  per leaf is what any tensor API must hand out.
+* **load** (:func:`load_tree`): open+read+close and ``json.loads`` of each meta.json,
+  then one mapped view per leaf; the children are found in the parsed metadata.
+* **write** (:func:`write_tree`): mkdir per node, open/write/close per leaf, each
+  meta.json written from ``json.dumps`` of the same dicts (no fsync: neither library
+  syncs); ``map_after=True`` also maps each written file, as ``memmap_`` returns
+  memory-mapped leaves (without it the floor is that of ``save``).
+* **atomic rewrite** (:func:`rewrite_tree`): the write into a new sibling directory,
+  ``renameat2(RENAME_EXCHANGE)`` with the old one, the old one removed.
+* **anonymous** (:func:`share_anonymously`): one memfd of the total size (our layout is
+  one segment per tree), ftruncate, one mapping, then one copy and one view per leaf.
+* **attach** (:func:`map_views`): per leaf a mapped view of its file; anonymously, the
+  one received descriptor (opened through ``/proc/<pid>/fd``) mapped once and one view
+  per leaf.
+
+Examples:
+    >>> import shared_td, tempfile
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     _ = shared_td.TensorDict(a=torch.ones(2), b={"c": torch.zeros(3)}).memmap_(d + "/t")
+    ...     [tuple(v.shape) for v in load_tree(d + "/t")]
+    [(2,), (3,)]
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+
+from shared_td.platform import rename_exchange
+
+_META = "meta.json"
+_LEAF_SUFFIX = ".memmap"
+
+
+def mapped_view(path: str, dtype: torch.dtype, shape) -> torch.Tensor:
+    """The whole file ``path`` mapped (shared) as a ``dtype`` tensor of ``shape``."""
+    count = 1
+    for n in shape:
+        count *= n
+    return torch.from_file(path, shared=True, size=count, dtype=dtype).view(shape)
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name[len("torch."):])
+
+
+def load_tree(path: str) -> list[torch.Tensor]:
+    """Every leaf of the save at ``path``, mapped: the floor of ``load_memmap``."""
+    views: list[torch.Tensor] = []
+    pending = [path]
+    while pending:
+        directory = pending.pop()
+        fd = os.open(os.path.join(directory, _META), os.O_RDONLY | os.O_CLOEXEC)
+        data = os.read(fd, 1 << 20)
+        os.close(fd)
+        for key, entry in json.loads(data).items():
+            if type(entry) is not dict:
+                continue
+            if "dtype" in entry:
+                views.append(mapped_view(os.path.join(directory, key + _LEAF_SUFFIX),
+                                         _dtype(entry["dtype"]), entry["shape"]))
+            elif "type" in entry:
+                pending.append(os.path.join(directory, key))
+    return views
+
+
+def load_tree_checked(path: str) -> list[torch.Tensor]:
+    """:func:`load_tree` with the system calls of the checks ``load_memmap`` keeps (its
+    module doc): every name opened relative to its directory's descriptor with
+    ``O_NOFOLLOW``, an ``lstat`` before each file is opened (a FIFO or device is never
+    opened) and an ``fstat`` after, meta.json read to its end, each leaf mapped through
+    the descriptor that was checked (``/proc/self/fd/<n>``). Floor minus this: the
+    price of those guarantees; load_memmap minus this: its Python."""
+    views: list[torch.Tensor] = []
+    dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        _load_checked(dir_fd, views)
+    finally:
+        os.close(dir_fd)
+    return views
+
+
+_DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+
+
+def _load_checked(dir_fd: int, views: list) -> None:
+    os.stat(_META, dir_fd=dir_fd, follow_symlinks=False)
+    fd = os.open(_META, os.O_RDONLY | _FILE_FLAGS, dir_fd=dir_fd)
+    os.fstat(fd)
+    chunks = []
+    while chunk := os.read(fd, 1 << 20):
+        chunks.append(chunk)
+    os.close(fd)
+    for key, entry in json.loads(b"".join(chunks)).items():
+        if type(entry) is not dict:
+            continue
+        if "dtype" in entry:
+            leaf = key + _LEAF_SUFFIX
+            os.stat(leaf, dir_fd=dir_fd, follow_symlinks=False)
+            fd = os.open(leaf, os.O_RDWR | _FILE_FLAGS, dir_fd=dir_fd)
+            os.fstat(fd)
+            views.append(mapped_view(f"/proc/self/fd/{fd}", _dtype(entry["dtype"]), entry["shape"]))
+            os.close(fd)
+        elif "type" in entry:
+            child = os.open(key, _DIRECTORY_FLAGS, dir_fd=dir_fd)
+            try:
+                _load_checked(child, views)
+            finally:
+                os.close(child)
+
+
+def saved_nodes(path: str) -> list[tuple[str, dict, list[tuple]]]:
+    """The save at ``path`` as ``(relative directory, meta dict, leaves)`` per node,
+    parents first, each leaf ``(file name, bytes, dtype, shape)``: what the write
+    floors write (their untimed input)."""
+    nodes = []
+    for directory, subdirectories, names in os.walk(path):
+        subdirectories.sort()
+        with open(os.path.join(directory, _META), "rb") as f:
+            meta = json.load(f)
+        leaves = []
+        for key, entry in meta.items():
+            if type(entry) is dict and "dtype" in entry:
+                with open(os.path.join(directory, key + _LEAF_SUFFIX), "rb") as f:
+                    leaves.append((key + _LEAF_SUFFIX, f.read(), _dtype(entry["dtype"]), entry["shape"]))
+        nodes.append((os.path.relpath(directory, path), meta, leaves))
+    return nodes
+
+
+def write_tree(nodes: list, path: str, *, map_after: bool = True) -> list[torch.Tensor]:
+    """Write ``nodes`` (:func:`saved_nodes`) as a new directory ``path``: the floor of
+    ``memmap_`` to files (``map_after=False``: of ``save``)."""
+    views: list[torch.Tensor] = []
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    for relative, meta, leaves in nodes:
+        directory = os.path.join(path, relative) if relative != "." else path
+        os.mkdir(directory)
+        for name, data, dtype, shape in leaves:
+            leaf_path = os.path.join(directory, name)
+            fd = os.open(leaf_path, flags, 0o666)
+            os.write(fd, data)  # one call: Linux writes up to 2 GiB to a regular file at once
+            os.close(fd)
+            if map_after:
+                views.append(mapped_view(leaf_path, dtype, shape))
+        fd = os.open(os.path.join(directory, _META), flags, 0o666)
+        os.write(fd, json.dumps(meta).encode())
+        os.close(fd)
+    return views
+
+
+def rewrite_tree(nodes: list, path: str, staging: str, *, map_after: bool = True) -> list[torch.Tensor]:
+    """Write ``nodes`` into ``staging``, swap it with the existing ``path``, remove the
+    old version: the floor of ``memmap_(path, atomic=True)``."""
+    views = write_tree(nodes, staging, map_after=map_after)
+    if not rename_exchange(staging, path):
+        raise OSError(f"renameat2(RENAME_EXCHANGE) is not available for {path}")
+    shutil.rmtree(staging)
+    return views
+
+
+def share_anonymously(sources: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copy ``sources`` (contiguous CPU tensors) into one new memfd segment and return a
+    view of each: the floor of an anonymous ``memmap_()``."""
+    sizes = [source.numel() * source.element_size() for source in sources]
+    total = sum(sizes)
+    fd = os.memfd_create("floor", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, total)
+        segment = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=total, dtype=torch.uint8)
+    finally:
+        os.close(fd)
+    views, offset = [], 0
+    for source, size in zip(sources, sizes):
+        view = segment[offset:offset + size].view(source.dtype).view(source.shape)
+        view.copy_(source)
+        views.append(view)
+        offset += size
+    return views
+
+
+def map_views(segment_path: str, layout: list[tuple[int, torch.dtype, tuple]], total: int) -> list[torch.Tensor]:
+    """Map ``total`` bytes of ``segment_path`` (a ``/proc/<pid>/fd/<n>`` of a peer's
+    memfd: the received descriptor) once and view each ``(byte offset, dtype, shape)``
+    of ``layout``: the floor of attaching an anonymous tensordict."""
+    segment = torch.from_file(segment_path, shared=True, size=total, dtype=torch.uint8)
+    views = []
+    for offset, dtype, shape in layout:
+        count = 1
+        for n in shape:
+            count *= n
+        views.append(segment[offset:offset + count * dtype.itemsize].view(dtype).view(shape))
+    return views
