@@ -323,6 +323,14 @@ class Loader:
                 continue
         raise self._missing(directory, key, names, "directory")
 
+    def _resolve(self, directory: ArchiveNode, key: str, *, leaf: bool) -> str:
+        """The existing member name of ``key`` in an archive (see ``_candidates``)."""
+        names = self._candidates(key, leaf=leaf)
+        for name in names:
+            if directory.exists(name):
+                return name
+        raise self._missing(directory, key, names, "file" if leaf else "directory")
+
     def _missing(self, directory: Directory, key: str, names: list, kind: str) -> FileNotFoundError:
         return FileNotFoundError(
             f"The {kind} of {self._where(directory, key)} is missing (looked for {names}): "
