@@ -16,14 +16,13 @@ workers whose Dataset returns a batch of 256 rows from ``__getitems__``.
 """
 from __future__ import annotations
 
-import gc
 import os
 import time
 
 import torch
 
 from shared_td.bench.libraries import libraries
-from shared_td.bench.timing import best_of_each
+from shared_td.bench.timing import best_of_each, frozen_heap
 from shared_td.bench.worker import shared_worker
 
 #: name -> (feature shape, dtype) of the buffer's leaves; "next/obs" is nested.
@@ -132,11 +131,8 @@ def time_operations(buffers: dict, rows: int, calls: int, repeat: int, only=None
     frozen out of the collector's reach meanwhile, so that best_of's collection before
     each run sees only the garbage of the runs.
     """
-    gc.freeze()
-    try:
+    with frozen_heap():
         return _time_operations(buffers, rows, calls, repeat, only)
-    finally:
-        gc.unfreeze()
 
 
 def _time_operations(buffers: dict, rows: int, calls: int, repeat: int, only) -> dict:
@@ -255,13 +251,13 @@ def case_replay_loader(options, root: str) -> dict:
     """DataLoader (2 workers, batch 256, shuffled) over the buffer: samples per second.
 
     One loader per column, all started before any timing (their start is not counted);
-    each timing takes ``5 * rounds`` batches from one loader, the columns taking turns,
+    each timing takes ``2 * rounds`` batches from one loader, the columns taking turns,
     and the best of ``repeat`` (at least 3) timings is kept, so that a slow phase of the
     machine does not fall on one column only.
     """
     import shared_td
 
-    batches = 5 * options.rounds  # 100 with --quick, 1000 in the full run
+    batches = 2 * options.rounds  # 40 with --quick, 400 in the full run
     repeat = _repeat(options)
     rows = max(options.rows, 256 * (_PREFETCHED + repeat * batches + 1))
     with shared_td.Coordinator() as coord:

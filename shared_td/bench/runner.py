@@ -30,7 +30,7 @@ from shared_td.bench.cases_sharing import (
     case_share_nontensor,
 )
 from shared_td.bench.libraries import comparison_note
-from shared_td.bench.timing import describe_machine
+from shared_td.bench.timing import describe_machine, frozen_heap
 from shared_td.bench.worker import close_shared_worker
 
 CASES: dict[str, Callable[..., dict]] = {
@@ -108,19 +108,27 @@ def run(options: BenchOptions, write: Callable[[str], None] = print) -> int:
         if note:
             write(note)
         write(f"{'case':<16}{'column':<26}{'time':>10}{'vs first row':>14}")
-        for name in options.only or CASES:
-            try:
-                results = CASES[name](options, root)
-            except Exception as error:  # report it and go on: one broken case hides no other
-                write(f"{name:<16}failed: {type(error).__name__}: {error}")
-                failed += 1
-                continue
-            for line in table_rows(name, results):
-                write(line)
+        with frozen_heap():  # the imports' objects: not rescanned before each timed run
+            failed = _run_cases(options, root, write)
     finally:
         close_shared_worker()
         shutil.rmtree(root, ignore_errors=True)
     return 1 if failed else 0
+
+
+def _run_cases(options: BenchOptions, root: str, write: Callable[[str], None]) -> int:
+    """Run and write each case; the number that failed."""
+    failed = 0
+    for name in options.only or CASES:
+        try:
+            results = CASES[name](options, root)
+        except Exception as error:  # report it and go on: one broken case hides no other
+            write(f"{name:<16}failed: {type(error).__name__}: {error}")
+            failed += 1
+            continue
+        for line in table_rows(name, results):
+            write(line)
+    return failed
 
 
 def table_rows(name: str, results: dict) -> list[str]:
