@@ -26,9 +26,10 @@ once per process.
 
 Handing over in the background. ``memmap_`` does not wait for the embedded coordinator:
 the start and the round trip that hands it the new cells run in one background thread of
-this process (batched: cells made while a round trip is under way go in the next one),
-and ``memmap_`` returns as soon as its cells exist (the values are already shared with
-this process's threads and with fork children). What needs the coordinator waits for it:
+this process (batched: a round trip waits up to 5 ms for the cells of more calls, and
+whoever needs it cuts that short), and ``memmap_`` returns as soon as its cells exist
+(the values are already shared with this process's threads and with fork children).
+What needs the coordinator waits for it:
 
 * a pickle of a cell being handed over (its ``holders``, see
   :class:`~shared_td.storage.shared_value.SharedValue`), so a pickle names its
@@ -43,9 +44,10 @@ and raised, once, by the next of these or by the next ``memmap_(share_non_tensor
 (with a note saying where it came from); the values it concerned stay owned by this
 process, as without a coordinator. A child exec'd during the start (its first ~0.1 s)
 does not find the coordinator in its environment yet: it starts its own when it needs
-one. A coordinator given with ``with``/``publish``, or announced in the environment, is
-reached in the caller (a failure is raised by that ``memmap_``); only the hand-over round
-trip of an announced or embedded one runs in the background.
+one. A coordinator given with ``with``/``publish`` adopts the cells in the caller, and
+one announced in the environment is connected to in the caller (a failure is raised by
+that ``memmap_``); only the hand-over round trips to the embedded one run in the
+background.
 
 The engine does not import this module: ``memmap_`` hands its new cells to the hook that
 this module registers in storage at import (see
@@ -169,6 +171,8 @@ class _Handover:
     #: its own timeout (a start, a connection to an announced coordinator, two calls)
     #: and it may replace a gone coordinator once.
     WAIT = 2 * START_TIMEOUT + 3 * TIMEOUT
+    #: Seconds a round trip waits for more cells to take with it (see _run).
+    GATHER = 0.005
 
     def __init__(self):
         self._owner = os.getpid()
@@ -179,6 +183,7 @@ class _Handover:
         self._queued: futures.Future | None = None  # the round trip not started yet
         self._latest: futures.Future | None = None
         self._failure: BaseException | None = None
+        self._kick = threading.Event()  # set: hand over now, someone waits for it
 
     def submit(self, cells: list) -> None:
         """Hand ``cells`` over in the background; each cell waits for it when its
@@ -205,6 +210,11 @@ class _Handover:
             cell.handing_over(wait)
 
     def _run(self) -> None:
+        # gather the cells of the calls made meanwhile into this round trip (a loop of
+        # memmap_ calls makes one round trip per GATHER seconds, not one per call);
+        # whoever needs the hand-over cuts the wait short (kick)
+        self._kick.wait(self.GATHER)
+        self._kick.clear()
         with self._lock:
             cells, self._cells, self._queued = self._cells, [], None
         if not cells:
@@ -224,6 +234,7 @@ class _Handover:
     def _wait(self, future: futures.Future) -> None:
         if os.getpid() != self._owner or threading.get_ident() == self._thread_id:
             return  # a fork child (the thread is its parent's), or the thread itself
+        self._kick.set()
         if not futures.wait([future], timeout=self.WAIT).done:
             raise client.CoordinatorTimeoutError(
                 f"The embedded shared_td coordinator was not started or did not answer "
@@ -243,6 +254,7 @@ class _Handover:
         wrong stays for the next operation that needs it)."""
         latest = self._latest
         if latest is not None and threading.get_ident() != self._thread_id:
+            self._kick.set()
             futures.wait([latest], timeout=self.WAIT)
 
     def raise_failure(self) -> None:

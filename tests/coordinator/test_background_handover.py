@@ -88,6 +88,7 @@ def test_the_process_may_exit_right_after_memmap_the_coordinator_stops_with_it()
 def test_a_failed_start_is_raised_by_the_next_operation_that_needs_it_naming_its_cause():
     out = run_script("""
         import json, pickle, shared_td
+        from concurrent import futures
         from shared_td.coordinator import ownership
         def broken_start():
             raise RuntimeError("no room for a manager process (test)")
@@ -100,6 +101,8 @@ def test_a_failed_start_is_raised_by_the_next_operation_that_needs_it_naming_its
             errors.append(str(err) + " " + " ".join(getattr(err, "__notes__", [])))
         clone = pickle.loads(pickle.dumps(td))  # raised once: the value stays this process's
         again = shared_td.TensorDict(task="run").memmap_(share_non_tensor=True)
+        # its hand-over has failed in the background (waited for without raising it)
+        futures.wait([ownership._HANDOVER._latest], timeout=30)
         try:
             shared_td.TensorDict(task="jump").memmap_(share_non_tensor=True)
         except RuntimeError as err:
