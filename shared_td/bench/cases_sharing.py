@@ -174,7 +174,8 @@ def case_share_nontensor(options, root: str) -> dict:
     for lib in libraries().values():
         share_all_handed_over(batch(lib)())
     for row, run in [("warm: caller (per call)", share_all), ("warm: + hand-over done", share_all_handed_over)]:
-        warm = best_of_each(options.repeat, {name: (batch(lib), run) for name, lib in libraries().items()})
+        # a timing costs a few ms: best of 3 even with --quick
+        warm = best_of_each(max(options.repeat, 3), {name: (batch(lib), run) for name, lib in libraries().items()})
         out[row] = {name: warm[name] / calls for name in names}
     ownership.embedded_coordinator(start=False)
     return out

@@ -18,7 +18,7 @@ import shutil
 import tempfile
 from typing import Callable
 
-from shared_td.bench.cases_cluster import case_cluster_counter, case_cluster_push, case_cluster_sync
+from shared_td.bench.cases_cluster import case_cluster_counter, case_cluster_push, case_cluster_sync, close_loopback
 from shared_td.bench.cases_consolidate import case_consolidate, case_consolidated_pickle
 from shared_td.bench.cases_files import case_big_leaf, case_tree_anonymous, case_tree_load, case_tree_to_files
 from shared_td.bench.cases_replay import Rate, case_replay, case_replay_loader, case_replay_worker
@@ -112,6 +112,7 @@ def run(options: BenchOptions, write: Callable[[str], None] = print) -> int:
             failed = _run_cases(options, root, write)
     finally:
         close_shared_worker()
+        close_loopback()
         shutil.rmtree(root, ignore_errors=True)
     return 1 if failed else 0
 
