@@ -11,13 +11,13 @@ tree's leaves are all of one dtype and shape, so this is one ``torch.stack`` and
 """
 from __future__ import annotations
 
-import multiprocessing
 import pickle
 
 import torch
 
 from shared_td.bench.libraries import build_tree, libraries
 from shared_td.bench.timing import best_of_each
+from shared_td.bench.worker import shared_worker
 
 _WAIT = 60  # seconds: the bound on every wait for the child
 
@@ -58,7 +58,7 @@ def _shared_td():
     return shared_td
 
 
-def _child_loop(connection) -> None:
+def _child_loop(connection) -> None:  # a job of the spawn worker
     """Unpickle what arrives and answer its number of leaves, until None arrives."""
     while True:
         data = connection.recv_bytes()
@@ -70,17 +70,16 @@ def _child_loop(connection) -> None:
 
 
 def case_consolidated_pickle(options, root: str) -> dict:
-    """Pickle a consolidated N-node tree, send it to a child, which unpickles it."""
-    ctx = multiprocessing.get_context("spawn")
-    parent_end, child_end = ctx.Pipe()
-    child = ctx.Process(target=_child_loop, args=(child_end,), daemon=True)
-    child.start()
+    """Pickle a consolidated N-node tree, send it to a child (the run's spawn worker),
+    which unpickles it."""
+    worker = shared_worker()
+    connection = worker.start_job(_child_loop)
 
     def send(value) -> None:
-        parent_end.send_bytes(pickle.dumps(value))
-        if not parent_end.poll(_WAIT):
+        connection.send_bytes(pickle.dumps(value))
+        if not connection.poll(_WAIT):
             raise TimeoutError("the benchmark's child did not answer")
-        parent_end.recv()
+        connection.recv()
 
     try:
         floor = bytes(torch.cat(_leaf_bytes(build_tree(_shared_td(), options.nodes))).numpy())
@@ -93,8 +92,5 @@ def case_consolidated_pickle(options, root: str) -> dict:
             send(setup())
         return best_of_each(options.repeat, variants)
     finally:
-        parent_end.send_bytes(pickle.dumps(None))
-        child.join(_WAIT)
-        if child.is_alive():
-            child.kill()
-            child.join(_WAIT)
+        connection.send_bytes(pickle.dumps(None))  # ends the job
+        worker.result(_WAIT)

@@ -16,15 +16,14 @@ workers whose Dataset returns a batch of 256 rows from ``__getitems__``.
 """
 from __future__ import annotations
 
-import gc
-import multiprocessing
 import os
 import time
 
 import torch
 
 from shared_td.bench.libraries import libraries
-from shared_td.bench.timing import best_of_each
+from shared_td.bench.timing import best_of_each, frozen_heap
+from shared_td.bench.worker import shared_worker
 
 #: name -> (feature shape, dtype) of the buffer's leaves; "next/obs" is nested.
 FIELDS = {
@@ -35,7 +34,7 @@ FIELDS = {
     "next/obs": ((8,), torch.float32),
 }
 RAW = "raw torch"
-WORKER_TIMEOUT = 120.0  # seconds for the spawn worker to import torch, attach and time
+WORKER_TIMEOUT = 120.0  # seconds for the spawn worker to import torch (if new), attach and time
 
 
 class Rate(float):
@@ -132,11 +131,8 @@ def time_operations(buffers: dict, rows: int, calls: int, repeat: int, only=None
     frozen out of the collector's reach meanwhile, so that best_of's collection before
     each run sees only the garbage of the runs.
     """
-    gc.freeze()
-    try:
+    with frozen_heap():
         return _time_operations(buffers, rows, calls, repeat, only)
-    finally:
-        gc.unfreeze()
 
 
 def _time_operations(buffers: dict, rows: int, calls: int, repeat: int, only) -> dict:
@@ -198,53 +194,29 @@ WORKER_OPERATIONS = ("buf[i] = step", "buf[i:i+64] = batch", "buf[idx64] = batch
 
 
 def case_replay_worker(options, root: str) -> dict:
-    """The writes and the sampling, timed in a spawn worker that attached each buffer."""
+    """The writes and the sampling, timed in a spawn worker (the run's) that attached
+    each buffer."""
     import shared_td
 
-    ctx = multiprocessing.get_context("spawn")
     with shared_td.Coordinator() as coord:
         buffers, specs = _buffers(coord, root, options.rows)
         theirs = {name: buf for name, (buf, lib) in buffers.items() if name not in (RAW, "shared_td")}
-        receive, send = ctx.Pipe(duplex=False)
-        worker = ctx.Process(
-            target=_worker,
-            args=(send, coord.address, coord.authkey.hex(), theirs, specs, options.rows, _calls(options),
-                  _repeat(options)),
-            daemon=True,
+        return shared_worker().call(
+            _worker, coord.address, coord.authkey.hex(), theirs, specs, options.rows, _calls(options),
+            _repeat(options), timeout=WORKER_TIMEOUT,
         )
-        worker.start()
-        send.close()
-        try:
-            if not receive.poll(WORKER_TIMEOUT):
-                raise TimeoutError(f"the replay worker sent nothing within {WORKER_TIMEOUT:.0f} s")
-            kind, result = receive.recv()
-        finally:
-            worker.join(WORKER_TIMEOUT)
-            if worker.is_alive():
-                worker.kill()
-                worker.join(WORKER_TIMEOUT)
-            receive.close()
-    if kind == "error":
-        raise RuntimeError(f"the replay worker failed: {result}")
-    return result
 
 
-def _worker(send, address, authkey, theirs, specs, rows, calls, repeat) -> None:
-    """In the spawn worker: attach, time, send ``("ok", results)`` or ``("error", text)``."""
-    try:
-        import shared_td
+def _worker(connection, address, authkey, theirs, specs, rows, calls, repeat) -> dict:
+    """In the spawn worker: attach, time, return the results."""
+    import shared_td
 
-        buffers = {RAW: (raw_buffer(specs), None),
-                   "shared_td": (shared_td.attach("replay", address=address, authkey=authkey), shared_td)}
-        for name, buf in theirs.items():
-            buffers[name] = (buf, libraries()[name])
-        order = [RAW, *theirs, "shared_td"]  # the columns in the main case's order
-        result = time_operations({c: buffers[c] for c in order}, rows, calls, repeat, WORKER_OPERATIONS)
-        send.send(("ok", result))
-    except Exception as error:  # the parent reports it as this case's failure
-        send.send(("error", f"{type(error).__name__}: {error}"))
-    finally:
-        send.close()
+    buffers = {RAW: (raw_buffer(specs), None),
+               "shared_td": (shared_td.attach("replay", address=address, authkey=authkey), shared_td)}
+    for name, buf in theirs.items():
+        buffers[name] = (buf, libraries()[name])
+    order = [RAW, *theirs, "shared_td"]  # the columns in the main case's order
+    return time_operations({c: buffers[c] for c in order}, rows, calls, repeat, WORKER_OPERATIONS)
 
 
 class ReplayDataset(torch.utils.data.Dataset):
@@ -270,26 +242,45 @@ def _identity(batch):
     return batch
 
 
+#: batches a DataLoader has ready before the first is taken (2 workers x prefetch 2):
+#: received at once, they are left out of every timing
+_PREFETCHED = 4
+
+
 def case_replay_loader(options, root: str) -> dict:
-    """DataLoader (2 workers, batch 256, shuffled) over the buffer: samples per second,
-    from the first batch received (the workers' start is not counted)."""
+    """DataLoader (2 workers, batch 256, shuffled) over the buffer: samples per second.
+
+    One loader per column, all started before any timing (their start is not counted);
+    each timing takes ``2 * rounds`` batches from one loader, the columns taking turns,
+    and the best of ``repeat`` (at least 3) timings is kept, so that a slow phase of the
+    machine does not fall on one column only.
+    """
     import shared_td
 
-    batches = options.rounds  # 20 with --quick, 200 in the full run
-    rows = max(options.rows, 256 * (batches + 1))
-    out = {}
+    batches = 2 * options.rounds  # 40 with --quick, 400 in the full run
+    repeat = _repeat(options)
+    rows = max(options.rows, 256 * (_PREFETCHED + repeat * batches + 1))
     with shared_td.Coordinator() as coord:
         buffers, _ = _buffers(coord, root, rows)
-        for column, (buf, lib) in buffers.items():
-            loader = torch.utils.data.DataLoader(
-                ReplayDataset(buf, raw=lib is None), batch_size=256, shuffle=True, num_workers=2,
-                collate_fn=_identity, multiprocessing_context="fork", generator=torch.Generator().manual_seed(0),
-            )
-            iterator = iter(loader)
-            next(iterator)  # the workers have started
-            start = time.perf_counter()
-            for _ in range(batches):
-                next(iterator)
-            out[column] = Rate(256 * batches / (time.perf_counter() - start))
-            del iterator  # stops the workers
-    return {"DataLoader samples/s": out}
+        iterators = {}
+        try:
+            for column, (buf, lib) in buffers.items():
+                loader = torch.utils.data.DataLoader(
+                    ReplayDataset(buf, raw=lib is None), batch_size=256, shuffle=True, num_workers=2,
+                    collate_fn=_identity, multiprocessing_context="fork",
+                    generator=torch.Generator().manual_seed(0),
+                )
+                iterators[column] = iter(loader)
+            for iterator in iterators.values():
+                for _ in range(_PREFETCHED):
+                    next(iterator)  # the workers have started, the prefetched batches are gone
+
+            def take(_, iterator):
+                for _ in range(batches):
+                    next(iterator)
+
+            seconds = best_of_each(repeat, {column: (lambda: None, lambda _, it=it: take(_, it))
+                                            for column, it in iterators.items()})
+        finally:
+            iterators.clear()  # stops the workers
+    return {"DataLoader samples/s": {column: Rate(256 * batches / t) for column, t in seconds.items()}}

@@ -13,7 +13,7 @@ import torch
 
 from shared_td.bench import floors
 from shared_td.bench.libraries import tensordict_module
-from shared_td.bench.timing import best_of, fresh_dir
+from shared_td.bench.timing import best_of, best_of_each, fresh_dir
 
 
 def case_leaf_pickle(options, root: str) -> dict:
@@ -158,3 +158,89 @@ def case_nontensor_read(options, root: str) -> dict:
         theirs = tensordict.TensorDict(task=value).memmap_(share_non_tensor=True)
         out["tensordict"] = per_read(lambda: theirs["task"], reads)
     return out
+
+
+def _small_td(lib):
+    """What share_nontensor memmaps: a tensor and two str values, one of them nested."""
+    return lib.TensorDict({"obs": torch.zeros(4, 3), "task": "walk to the door", "goal": {"name": "door"}},
+                          batch_size=[4])
+
+
+def case_share_nontensor(options, root: str) -> dict:
+    """memmap_(share_non_tensor=True) of a small tensordict, tensordict vs shared_td.
+
+    cold: the first call in a process (a spawn worker whose environment announces no
+    coordinator): shared_td's starts the embedded coordinator in the background and
+    returns; "+ coordinator ready" waits for it too (until the values are held by it).
+    warm: per call, over ``rounds`` calls: the caller's time (shared_td's background
+    hand-over is waited for after the clock stops, before the next timing), and with
+    that wait inside the timing (the hand-over's cost counted).
+    """
+    from shared_td.bench.libraries import libraries
+    from shared_td.bench.worker import SpawnWorker, shared_worker
+    from shared_td.coordinator import ownership
+
+    cold = []
+    for run in range(options.repeat):  # a fresh process each: the run's worker first
+        worker = shared_worker() if run == 0 else SpawnWorker()
+        try:
+            cold.append(worker.call(_first_share))
+        finally:
+            if run:
+                worker.close()
+    names = list(libraries())[::-1]  # tensordict first when installed, then shared_td
+    out = {row: {name: min(c[row][name] for c in cold) for name in names} for row in cold[0]}
+    calls = options.rounds
+
+    def batch(lib):
+        def setup():
+            ownership.embedded_coordinator(start=False)  # the previous hand-over is done
+            return [_small_td(lib) for _ in range(calls)]
+        return setup
+
+    def share_all(tds):
+        for td in tds:
+            td.memmap_(share_non_tensor=True)
+
+    def share_all_handed_over(tds):
+        share_all(tds)
+        ownership.embedded_coordinator(start=False)  # shared_td's hand-over is done
+
+    ownership.embedded_coordinator(start=True)  # warm: started (and the connection made)
+    for lib in libraries().values():
+        share_all_handed_over(batch(lib)())
+    for row, run in [("warm: caller (per call)", share_all), ("warm: + hand-over done", share_all_handed_over)]:
+        # a timing costs a few ms: best of 3 even with --quick
+        warm = best_of_each(max(options.repeat, 3), {name: (batch(lib), run) for name, lib in libraries().items()})
+        out[row] = {name: warm[name] / calls for name in names}
+    ownership.embedded_coordinator(start=False)
+    return out
+
+
+def _first_share(connection) -> dict:
+    """In a spawn worker: the first memmap_(share_non_tensor=True) of each library."""
+    import time
+
+    from shared_td.bench.libraries import libraries
+    from shared_td.coordinator import ownership
+
+    import multiprocessing
+
+    os.environ.pop(ownership.ENV_VAR, None)  # no parent's coordinator: a cold start
+    # as in a program's own process: a spawned child inherits the "spawn" start method,
+    # which would make tensordict's first call (it starts a multiprocessing Manager)
+    # re-import torch in the manager, seconds instead of tens of ms
+    multiprocessing.set_start_method(None, force=True)
+    if ownership._EMBEDDED is not None:
+        raise RuntimeError("the worker has an embedded coordinator already: not a cold start")
+    first, ready = {}, {}
+    # tensordict first: its Manager's fork would wait for shared_td's background start
+    for name, lib in reversed(libraries().items()):
+        td = _small_td(lib)
+        start = time.perf_counter()
+        td.memmap_(share_non_tensor=True)
+        first[name] = time.perf_counter() - start
+        if name == "shared_td":
+            ownership.embedded_coordinator(start=False)  # waits for the background start
+        ready[name] = time.perf_counter() - start
+    return {"cold: first call": first, "cold: + coordinator ready": ready}

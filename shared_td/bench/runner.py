@@ -34,9 +34,11 @@ from shared_td.bench.cases_sharing import (
     case_coord_attach,
     case_leaf_pickle,
     case_nontensor_read,
+    case_share_nontensor,
 )
 from shared_td.bench.libraries import comparison_note
-from shared_td.bench.timing import describe_machine
+from shared_td.bench.timing import describe_machine, frozen_heap
+from shared_td.bench.worker import close_shared_worker
 
 CASES: dict[str, Callable[..., dict]] = {
     "big_leaf": case_big_leaf,
@@ -48,6 +50,7 @@ CASES: dict[str, Callable[..., dict]] = {
     "atomic_rewrite": case_atomic_rewrite,
     "coord_attach": case_coord_attach,
     "nontensor_read": case_nontensor_read,
+    "share_nontensor": case_share_nontensor,
     "consolidate": case_consolidate,
     "consol_pickle": case_consolidated_pickle,
     "replay": case_replay,
@@ -114,18 +117,27 @@ def run(options: BenchOptions, write: Callable[[str], None] = print) -> int:
         if note:
             write(note)
         write(f"{'case':<16}{'column':<26}{'time':>10}{'vs first row':>14}")
-        for name in options.only or CASES:
-            try:
-                results = CASES[name](options, root)
-            except Exception as error:  # report it and go on: one broken case hides no other
-                write(f"{name:<16}failed: {type(error).__name__}: {error}")
-                failed += 1
-                continue
-            for line in table_rows(name, results):
-                write(line)
+        with frozen_heap():  # the imports' objects: not rescanned before each timed run
+            failed = _run_cases(options, root, write)
     finally:
+        close_shared_worker()
         shutil.rmtree(root, ignore_errors=True)
     return 1 if failed else 0
+
+
+def _run_cases(options: BenchOptions, root: str, write: Callable[[str], None]) -> int:
+    """Run and write each case; the number that failed."""
+    failed = 0
+    for name in options.only or CASES:
+        try:
+            results = CASES[name](options, root)
+        except Exception as error:  # report it and go on: one broken case hides no other
+            write(f"{name:<16}failed: {type(error).__name__}: {error}")
+            failed += 1
+            continue
+        for line in table_rows(name, results):
+            write(line)
+    return failed
 
 
 def table_rows(name: str, results: dict) -> list[str]:
@@ -150,8 +162,8 @@ def table_rows(name: str, results: dict) -> list[str]:
 
 def grid_rows(name: str, results: dict) -> list[str]:
     """A header naming the columns, then one line per row: each column's value, then
-    shared_td's time divided by each other column's (below 1: shared_td is faster; a
-    rate counts as the time of one unit).
+    shared_td's value divided by each other column's, as shown: for a time below 1 is
+    faster, for a rate (N/s) above 1 is faster (higher is better).
 
     Example:
         >>> for line in grid_rows("replay", {"buf[i]": {"raw": 2e-6, "shared_td": 3e-6}}):
@@ -167,15 +179,11 @@ def grid_rows(name: str, results: dict) -> list[str]:
     for row, values in results.items():
         line = f"{name:<16}{row:<26}" + "".join(f"{readable_value(values[c]):>12}" for c in columns)
         if ratio_names:
-            ours = _unit_time(values["shared_td"])
-            line += "".join(f"{ours / _unit_time(values[c]):>{max(15, len(r) + 2) - 1}.2f}x"
+            ours = values["shared_td"]
+            line += "".join(f"{ours / values[c]:>{max(15, len(r) + 2) - 1}.2f}x"
                             for c, r in zip(others, ratio_names))
         rows.append(line)
     return rows
-
-
-def _unit_time(value: float) -> float:
-    return 1.0 / value if isinstance(value, Rate) else value
 
 
 def readable_value(value: float) -> str:

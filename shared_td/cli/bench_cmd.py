@@ -15,8 +15,9 @@ EPILOG = """examples:
 
 Each number is the best of --repeat runs; "vs first row" is the first row of the case
 divided by this one (above 1: faster than the reference). The replay cases show one row
-per operation with a column per library and shared_td's time divided by each other
-column's (below 1: shared_td is faster). tensordict is optional: when it is not
+per operation with a column per library and shared_td's value divided by each other
+column's: for a time below 1 means shared_td is faster, for a rate (N/s, the DataLoader
+row) above 1 does (higher is better). tensordict is optional: when it is not
 installed its rows are left out. Exit code 1 if a case failed.
 """
 

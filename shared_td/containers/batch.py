@@ -161,6 +161,8 @@ def broadcasts_to(shape: torch.Size, target: torch.Size) -> bool:
 
 def is_basic_index(index: tuple) -> bool:
     """True if indexing with ``index`` gives a view (no copy), as in torch."""
+    if len(index) == 1 and type(index[0]) is int:
+        return True  # one row (a replay buffer's read): the common case first
     return all(isinstance(p, _BASIC_INDEX_TYPES) and not isinstance(p, bool) for p in index)
 
 

@@ -1,6 +1,7 @@
 """TensorDict: a dict of tensors (and nested collections) that share leading batch dims."""
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -15,13 +16,14 @@ from shared_td.containers.base import (
     is_tensor_collection,
 )
 from shared_td.containers.keyops import KeyOps
+from shared_td.containers.locking import LockingOps
 from shared_td.containers.naming import NamedBatchDims
 from shared_td.containers.nontensor_ops import check_non_tensor_write, list_to_entry, list_to_tensor
 from shared_td.containers.reshaping import BatchShapeOps
 from shared_td.containers.row_writes import write_rows
 from shared_td.errors import BatchSizeMismatchError
 from shared_td.keys import NestedKey, unravel_key
-from shared_td.memmap_tensor import ReadOnlyMemoryMappedTensor, refuse_read_only
+from shared_td.memmap_tensor import MemoryMappedTensor, ReadOnlyMemoryMappedTensor, refuse_read_only
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 
@@ -330,31 +332,38 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, TensorDictBase):
     # ---------------------------------------------------------------- indexing
     def _index(self, index: Any) -> "TensorDict":
         index, new_size = batch_ops.index_and_size(index, self._batch_size)
-        return self._index_rows(index, new_size, batch_ops.is_basic_index(index), False)
+        return self._index_rows(index, new_size, batch_ops.is_basic_index(index))
 
-    def _index_rows(self, index: tuple, new_size: torch.Size, is_view: bool, parent_locks: bool) -> "TensorDict":
+    def _index_rows(self, index: tuple, new_size: torch.Size, is_view: bool) -> "TensorDict":
         """``self[index]`` for a normalized ``index`` that gives batch size ``new_size``.
 
         Nested tensordicts are indexed by this method too: the index is normalised and
         checked once per call, at the top. A view (basic index) keeps the lock and the
-        memmap/shared flags; ``parent_locks``: the caller locks the whole result.
+        memmap/shared flags. This is the row read of a replay buffer: a memory-mapped
+        leaf is viewed without re-checking its storage, and each node locks itself.
         """
         depth = len(self._batch_size)
-        locks = is_view and self._is_locked
+        leaf_index = index[0] if len(index) == 1 else index  # torch takes an int faster than (int,)
         entries = {}
         for key, value in self._tensordict.items():
-            if type(value) is TensorDict:
-                entries[key] = value._index_rows(index, new_size + value._batch_size[depth:], is_view, locks)
+            kind = type(value)
+            if kind is MemoryMappedTensor and is_view:
+                entries[key] = value._basic_view(leaf_index)
+            elif kind is TensorDict:
+                entries[key] = value._index_rows(index, new_size + value._batch_size[depth:], is_view)
+            elif kind is torch.Tensor:
+                entries[key] = value[leaf_index]
             else:
                 entries[key] = value[index]
         out = TensorDict._new_unsafe(
-            entries, new_size, self._device, batch_ops.indexed_names(self._names, index)
+            entries, new_size, self._device,
+            None if self._names is None else batch_ops.indexed_names(self._names, index),
         )
         if is_view:
             out._is_memmap, out._is_shared = self._is_memmap, self._is_shared
             out._memmap_prefix = self._memmap_prefix
-            if locks and not parent_locks:  # lock_() locks the nested results too
-                out.lock_()
+            if self._is_locked:
+                _lock_view(out)
         return out
 
     def _set_at_index(self, index: Any, value: Any) -> None:
@@ -578,3 +587,22 @@ def _zeros_like_entry(source: Any, batch_size: torch.Size, target_batch: torch.S
 
         return NonTensorData(None, batch_size=batch_size)
     return source.empty(batch_size=batch_size) if hasattr(source, "empty") else source
+
+
+def _lock_view(view: TensorDict) -> None:
+    """``view.lock_()`` for a view that ``_index_rows`` just built from a locked
+    tensordict: its nested TensorDicts were built and locked by the same call, so they
+    only get their link to ``view``; any other nested collection is locked by lock_()."""
+    view._is_locked = True
+    view._last_op = "lock_"
+    link = weakref.ref(view)
+    for value in view._tensordict.values():
+        if isinstance(value, torch.Tensor):
+            continue
+        if type(value) is TensorDict and value._is_locked:
+            value._lock_parents[id(view)] = link
+            continue
+        child = unwrap_tensorclass(value)
+        if isinstance(child, LockingOps):  # what lock_() reaches
+            child._lock_parents[id(view)] = link
+            child.lock_()

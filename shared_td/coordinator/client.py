@@ -180,7 +180,7 @@ class Coordinator:
         """
         if _IN_USE:
             return _IN_USE[-1]
-        from shared_td.coordinator import ownership
+        from shared_td.coordinator import ownership  # (it imports this module)
 
         return ownership.embedded_coordinator(start=False)
 
@@ -378,6 +378,12 @@ class _Endpoint:
 _IN_USE: list[Coordinator] = []
 # address -> keys of cells this process dropped, released with its next adopt_cells
 _RELEASED: dict[str, list] = {}
+
+
+def innermost() -> Coordinator | None:
+    """The coordinator of the innermost ``with coord:`` block or ``publish`` call of this
+    process, if any (:meth:`Coordinator.current` without the embedded one)."""
+    return _IN_USE[-1] if _IN_USE else None
 
 
 def _leave(coord: Coordinator) -> None:

@@ -12,7 +12,7 @@ lives. The process's coordinator is, in order:
 2. an embedded coordinator this process already uses: one it started, or its parent's
    (a fork child inherits it; a spawned or exec'd child finds it through the
    ``SHARED_TD_COORDINATOR`` environment variable, set when it starts);
-3. else a new embedded coordinator, started here once (~0.1 s, measured; see below) and
+3. else a new embedded coordinator, started once (~0.1 s, measured; see below) and
    stopped when this process exits, or within 0.2 s of its being SIGKILLed;
 4. except in a daemonic worker (``multiprocessing``/``multiprocess`` daemon, e.g. a
    DataLoader worker) with no coordinator from 1-2: its cells stay owned by itself, as
@@ -22,8 +22,32 @@ lives. The process's coordinator is, in order:
 The embedded coordinator is a plain :class:`~shared_td.Coordinator` started here: its
 manager runs ``shared_td/coordinator/server.py`` in a fresh interpreter that imports only
 ``multiprocess`` (:mod:`shared_td.coordinator.server` says why not a fork): about 0.1 s,
-paid once per process, on its first ``memmap_(share_non_tensor=True)``, never on a read
-or a write.
+once per process.
+
+Handing over in the background. ``memmap_`` does not wait for the embedded coordinator:
+the start and the round trip that hands it the new cells run in one background thread of
+this process (batched: a round trip waits up to 5 ms for the cells of more calls, and
+whoever needs it cuts that short), and ``memmap_`` returns as soon as its cells exist
+(the values are already shared with this process's threads and with fork children).
+What needs the coordinator waits for it:
+
+* a pickle of a cell being handed over (its ``holders``, see
+  :class:`~shared_td.storage.shared_value.SharedValue`), so a pickle names its
+  coordinator and stays attachable after its creator exits;
+* a fork (a hook before it), so a fork child has the coordinator and the holders too;
+* :func:`embedded_coordinator` and :meth:`Coordinator.current`;
+* the exit of this process (the thread is joined before the exit hooks stop the
+  coordinator).
+
+A failure in the background (the coordinator did not start, stopped answering) is kept
+and raised, once, by the next of these or by the next ``memmap_(share_non_tensor=True)``
+(with a note saying where it came from); the values it concerned stay owned by this
+process, as without a coordinator. A child exec'd during the start (its first ~0.1 s)
+does not find the coordinator in its environment yet: it starts its own when it needs
+one. A coordinator given with ``with``/``publish`` adopts the cells in the caller, and
+one announced in the environment is connected to in the caller (a failure is raised by
+that ``memmap_``); only the hand-over round trips to the embedded one run in the
+background.
 
 The engine does not import this module: ``memmap_`` hands its new cells to the hook that
 this module registers in storage at import (see
@@ -37,13 +61,16 @@ Example:
 """
 from __future__ import annotations
 
+import functools
 import os
 import threading
+from concurrent import futures
 
 import multiprocess
 import multiprocessing
 
 from shared_td.coordinator import client
+from shared_td.coordinator.process import START_TIMEOUT
 from shared_td.storage.shared_value import set_cell_adopter
 
 __all__ = ["adopt", "embedded_coordinator", "ENV_VAR"]
@@ -58,45 +85,46 @@ _EMBEDDED: client.Coordinator | None = None
 _LOCK = threading.Lock()
 
 
-def _after_fork_in_child() -> None:
-    global _LOCK
-    _LOCK = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
 def adopt(cells: list) -> None:
     """Hand the new ``cells`` to the process's coordinator (see the module doc).
 
-    Raises ConnectionError if a coordinator given with ``with``/``publish`` is gone; an
-    embedded one that is gone (a dead parent's) is replaced by a new one. Raises
-    :class:`~shared_td.coordinator.client.CoordinatorTimeoutError` if the coordinator did
-    not answer within its timeout (stopped or stalled, not gone: never replaced).
+    A coordinator given with ``with``/``publish`` adopts them here: ConnectionError if it
+    is gone. Else they go to the embedded coordinator in the background (started there
+    if needed; one that is gone, e.g. a dead parent's, is replaced). Raises what went
+    wrong in an earlier background hand-over, and
+    :class:`~shared_td.coordinator.client.CoordinatorTimeoutError` if the coordinator
+    announced in the environment does not answer within its timeout (stopped or
+    stalled, not gone: never replaced).
     """
     if not cells:
         return
-    coord = client.Coordinator.current() or embedded_coordinator(start=True)
-    if coord is None:
+    given = client.innermost()
+    if given is not None:
+        given.adopt_cells(cells)
+        return
+    _HANDOVER.raise_failure()
+    if _known_embedded() is None and _is_daemonic():
         return  # a daemonic worker: the cells stay its own
-    try:
-        coord.adopt_cells(cells)
-    except ConnectionError as err:
-        # only an embedded coordinator that is gone is replaced (a stalled one is not:
-        # a new one would split the ownership; one given with `with` is the user's)
-        if coord is not _EMBEDDED or isinstance(err, TimeoutError):
-            raise
-        _forget_embedded(coord)
-        embedded_coordinator(start=True).adopt_cells(cells)
+    _HANDOVER.submit(cells)
 
 
 def embedded_coordinator(start: bool) -> client.Coordinator | None:
     """The embedded coordinator this process uses; started here if ``start`` and none
     is known (None in a daemonic worker, or if ``start`` is False and none is known).
 
-    Raises CoordinatorTimeoutError if the one announced in the environment does not
-    answer within its timeout (it is stopped or stalled: not replaced by a new one).
+    Waits for a start or hand-over under way in the background, and raises what went
+    wrong there. Raises CoordinatorTimeoutError if the one announced in the environment
+    does not answer within its timeout (it is stopped or stalled: not replaced).
     """
+    _HANDOVER.wait_idle()
+    if _known_embedded() is None and start and not _is_daemonic():
+        return _started_embedded()
+    return _EMBEDDED
+
+
+def _known_embedded() -> client.Coordinator | None:
+    """The embedded coordinator known to this process (one it started or inherited, or
+    one announced in its environment, connected to here); never starts one."""
     global _EMBEDDED
     if _EMBEDDED is None:
         # A round trip: made with no lock held (see client: no process-wide lock during
@@ -105,11 +133,151 @@ def embedded_coordinator(start: bool) -> client.Coordinator | None:
         with _LOCK:
             if _EMBEDDED is None:
                 _EMBEDDED = announced
+    return _EMBEDDED
+
+
+def _started_embedded() -> client.Coordinator:
+    """The embedded coordinator, started here if none is known (announced in the
+    environment for the children)."""
+    global _EMBEDDED
     with _LOCK:
-        if _EMBEDDED is None and start and not _is_daemonic():
+        if _EMBEDDED is None:
             _EMBEDDED = _start_embedded()
             os.environ[ENV_VAR] = f"{_EMBEDDED.address};{_EMBEDDED.authkey.hex()}"
         return _EMBEDDED
+
+
+def _hand_over(cells: list) -> None:
+    """Give ``cells`` to the embedded coordinator (started if none is known); one that
+    is gone is replaced once. Runs in the background thread."""
+    coord = _known_embedded() or _started_embedded()
+    try:
+        coord.adopt_cells(cells)
+    except ConnectionError as err:
+        # only a coordinator that is gone is replaced (a stalled one is not: a new one
+        # would split the ownership)
+        if isinstance(err, TimeoutError):
+            raise
+        _forget_embedded(coord)
+        (_known_embedded() or _started_embedded()).adopt_cells(cells)
+
+
+class _Handover:
+    """The background thread that hands new cells to the embedded coordinator, and what
+    it left to raise (see the module doc). One per process: a fork child makes its own.
+    """
+
+    #: Seconds a caller waits for the background work: each of its steps is bounded by
+    #: its own timeout (a start, a connection to an announced coordinator, two calls)
+    #: and it may replace a gone coordinator once.
+    WAIT = 2 * START_TIMEOUT + 3 * TIMEOUT
+    #: Seconds a round trip waits for more cells to take with it (see _run).
+    GATHER = 0.005
+
+    def __init__(self):
+        self._owner = os.getpid()
+        self._lock = threading.Lock()
+        self._executor: futures.ThreadPoolExecutor | None = None
+        self._thread_id: int | None = None
+        self._cells: list = []  # to hand over, taken by the next round trip
+        self._queued: futures.Future | None = None  # the round trip not started yet
+        self._latest: futures.Future | None = None
+        self._failure: BaseException | None = None
+        self._kick = threading.Event()  # set: hand over now, someone waits for it
+
+    def submit(self, cells: list) -> None:
+        """Hand ``cells`` over in the background; each cell waits for it when its
+        holders are asked for (a pickle)."""
+        with self._lock:
+            self._cells.extend(cells)
+            if self._executor is None:
+                self._executor = futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="shared_td-handover", initializer=self._in_thread)
+            # one round trip queued at a time: it takes every cell added until it starts
+            # (and the thread is woken once for them all)
+            if self._queued is None:
+                try:
+                    self._queued = self._latest = self._executor.submit(self._run)
+                except RuntimeError:  # the interpreter is exiting: no new work in a thread
+                    pass
+            future = self._queued
+        if future is None:
+            self._run()
+            self.raise_failure()
+            return
+        wait = functools.partial(self._wait, future)
+        for cell in cells:
+            cell.handing_over(wait)
+
+    def _run(self) -> None:
+        # gather the cells of the calls made meanwhile into this round trip (a loop of
+        # memmap_ calls makes one round trip per GATHER seconds, not one per call);
+        # whoever needs the hand-over cuts the wait short (kick)
+        self._kick.wait(self.GATHER)
+        self._kick.clear()
+        with self._lock:
+            cells, self._cells, self._queued = self._cells, [], None
+        if not cells:
+            return
+        try:
+            _hand_over(cells)
+        except BaseException as err:  # kept for the next operation that needs it
+            err.add_note(f"(raised in the background while handing {len(cells)} value(s) of "
+                         "memmap_(share_non_tensor=True) to the embedded coordinator: they "
+                         "stay owned by this process only)")
+            with self._lock:
+                self._failure = self._failure or err
+
+    def _in_thread(self) -> None:
+        self._thread_id = threading.get_ident()
+
+    def _wait(self, future: futures.Future) -> None:
+        if os.getpid() != self._owner or threading.get_ident() == self._thread_id:
+            return  # a fork child (the thread is its parent's), or the thread itself
+        self._kick.set()
+        if not futures.wait([future], timeout=self.WAIT).done:
+            raise client.CoordinatorTimeoutError(
+                f"The embedded shared_td coordinator was not started or did not answer "
+                f"within {self.WAIT:g} s.")
+        self.raise_failure()
+
+    def wait_idle(self) -> None:
+        """Wait for the work submitted so far; raise what went wrong, once."""
+        latest = self._latest
+        if latest is not None:
+            self._wait(latest)
+        else:
+            self.raise_failure()
+
+    def wait_quietly(self) -> None:
+        """Wait for the work submitted so far, raising nothing (before a fork: what went
+        wrong stays for the next operation that needs it)."""
+        latest = self._latest
+        if latest is not None and threading.get_ident() != self._thread_id:
+            self._kick.set()
+            futures.wait([latest], timeout=self.WAIT)
+
+    def raise_failure(self) -> None:
+        with self._lock:
+            failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
+
+
+_HANDOVER = _Handover()
+
+
+def _before_fork() -> None:
+    _HANDOVER.wait_quietly()
+
+
+def _after_fork_in_child() -> None:
+    global _LOCK, _HANDOVER
+    _LOCK = threading.Lock()
+    _HANDOVER = _Handover()
+
+
+os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
 
 
 def _forget_embedded(coord: client.Coordinator) -> None:

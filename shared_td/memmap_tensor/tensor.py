@@ -498,6 +498,16 @@ class MemoryMappedTensor(torch.Tensor):
     def __getitem__(self, item):
         return self._wrap(super().__getitem__(item))
 
+    def _basic_view(self, index) -> "MemoryMappedTensor":
+        """``self[index]`` for an ``index`` of ints, slices, None and Ellipsis only (a
+        tensordict's row read): always a view of our storage, so ``_wrap``'s check of the
+        storage is skipped. Only for this exact class (a read-only tensor's views go
+        through its ``__torch_function__``)."""
+        result = _TENSOR_GETITEM(self, index).as_subclass(MemoryMappedTensor)
+        result._backing = self._backing
+        result._parent_shape = self._parent_shape
+        return result
+
     def unbind(self, dim=0):
         """Views along ``dim``, as :meth:`torch.Tensor.unbind`, each an MMT.
 
@@ -548,6 +558,8 @@ class MemoryMappedTensor(torch.Tensor):
         memo[id(self)] = result
         return result
 
+
+_TENSOR_GETITEM = torch.Tensor.__getitem__
 
 #: ReadOnlyMemoryMappedTensor, registered by read_only.py when it is imported (the
 #: package's __init__ imports it, so it is there before any tensor is built).

@@ -97,9 +97,11 @@ class SharedValue:
         self.fd = fd
         stat = os.fstat(fd)
         self.key = (stat.st_dev, stat.st_ino)
-        #: (pid, fd) of other processes that hold the memfd for as long as they live
-        #: (coordinators), tried in order when the pickling process is gone.
-        self.holders: tuple[tuple[int, int], ...] = tuple(holders)
+        # (pid, fd) of other processes that hold the memfd (see the holders property)
+        self._holders: tuple[tuple[int, int], ...] = tuple(holders)
+        # set while an adopter hands this cell to a coordinator in the background: a
+        # call that returns once it is done (raising what went wrong); see holders
+        self._handing_over: Callable[[], None] | None = None
         self._finalizer = weakref.finalize(self, os.close, fd)
         # Mapped once: the header read by every get(). Its bytes were reserved at
         # creation, so touching them can never raise SIGBUS.
@@ -230,9 +232,32 @@ class SharedValue:
         with self._update_lock.hold():
             yield
 
+    @property
+    def holders(self) -> tuple[tuple[int, int], ...]:
+        """(pid, fd) of other processes that hold the memfd for as long as they live
+        (coordinators), tried in order when the pickling process is gone.
+
+        A cell that an adopter is still handing to a coordinator in the background (see
+        :meth:`handing_over`) is waited for first, so a pickle names its coordinator;
+        what went wrong in the background is raised here, once.
+        """
+        wait = self._handing_over
+        if wait is not None:
+            try:
+                wait()
+            finally:
+                self._handing_over = None
+        return self._holders
+
     def add_holders(self, holders) -> None:
         """Record more processes that hold this cell (e.g. a coordinator that adopted it)."""
-        self.holders = tuple(dict.fromkeys((*self.holders, *map(tuple, holders))))
+        self._holders = tuple(dict.fromkeys((*self._holders, *map(tuple, holders))))
+
+    def handing_over(self, wait: Callable[[], None]) -> None:
+        """Mark this cell as being handed to a coordinator in the background:
+        ``wait()`` returns once that is done (or raises why it failed); :attr:`holders`
+        (and so a pickle) calls it first."""
+        self._handing_over = wait
 
     def _after_fork(self) -> None:
         # A fork child shares our open file description, hence our locks: give it its own
@@ -249,7 +274,7 @@ class SharedValue:
         return _attach, (os.getpid(), self.fd, self.key, self.holders)
 
     def __repr__(self) -> str:
-        return f"SharedValue(fd={self.fd}, inode={self.key[1]}, holders={list(self.holders)})"
+        return f"SharedValue(fd={self.fd}, inode={self.key[1]}, holders={list(self._holders)})"
 
 
 # (st_dev, st_ino) -> this process's SharedValue of that cell; a fork child reopens its

@@ -263,3 +263,35 @@ def test_indexing_formats_no_index(monkeypatch):
     sub = td[index]
     td[index] = sub
     assert torch.equal(sub["nested", "x"], td["nested", "x"][index])
+
+
+@pytest.mark.parametrize("index", [1, -2, (1, 2), slice(0, 2), (Ellipsis, 3)])
+def test_basic_index_of_a_memmapped_locked_td_keeps_everything(tmp_path, index):
+    # the row read of a replay buffer (a fast path): every leaf a MemoryMappedTensor of
+    # the same file, every node locked and linked to its locked parent, the flags kept
+    from shared_td import MemoryMappedTensor
+
+    plain = make_td()
+    plain.names = ["rows", "cols"]
+    td = plain.clone().memmap_(tmp_path / "buf")
+    view, reference = td[index], plain[index]
+    assert view.batch_size == reference.batch_size and view.names == reference.names
+    assert view.device == td.device and view["nested"].batch_size == reference["nested"].batch_size
+    assert view.is_locked and view.is_memmap() and view["nested"].is_locked
+    assert view["nested"].is_memmap() and view.get("task").is_locked
+    for key in [("obs",), ("nested", "x")]:
+        leaf, whole = view.get(key), td.get(key)
+        assert type(leaf) is MemoryMappedTensor and leaf.filename == whole.filename
+        assert leaf.parent_shape == whole.shape
+        assert leaf.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
+        assert torch.equal(leaf, reference.get(key))
+    assert view["task"] == "walk" and view.get("task").batch_size == view.batch_size
+    with pytest.raises(RuntimeError, match="locked graph"):
+        view["nested"].unlock_()
+    with pytest.raises(RuntimeError, match="locked graph"):
+        view.get("task").unlock_()
+    with pytest.raises(RuntimeError, match="locked"):
+        view["new"] = torch.zeros(view.batch_size)
+    with view.unlock_():
+        assert not view["nested"].is_locked and not view.is_memmap()
+    assert view.is_locked and view["nested"].is_locked

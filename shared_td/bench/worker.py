@@ -1,0 +1,128 @@
+"""One spawned Python process that runs the benchmark cases' jobs, one after another.
+
+A spawn worker costs ~3 s on 2 cores (a fresh interpreter importing torch and
+tensordict), so the cases that need a process of their own (``consol_pickle``,
+``replay_worker``, the cold ``share_nontensor``) share one per run instead of starting
+their own: :func:`shared_worker` starts it on first use, :func:`close_shared_worker`
+(called at the end of the run) stops it. Every wait is bounded by ``timeout``.
+
+A job is a module-level function (it is pickled by reference); it gets the worker's end
+of the connection as its first argument, for a conversation of its own with the caller
+(see :meth:`SpawnWorker.start_job`), and its return value comes back.
+
+Example:
+    >>> worker = SpawnWorker()
+    >>> worker.call(_pid) != os.getpid()
+    True
+    >>> worker.close()
+"""
+from __future__ import annotations
+
+import atexit
+import multiprocessing
+import os
+from typing import Any, Callable
+
+#: Seconds a job may take (the first one includes the worker's imports).
+TIMEOUT = 120.0
+
+
+def _pid(connection) -> int:
+    return os.getpid()
+
+
+def _serve(connection) -> None:
+    """The worker's loop: run each ``(function, args)`` received, answer ``("ok",
+    result)`` or ``("error", text)``; stop at None."""
+    while True:
+        try:
+            job = connection.recv()
+        except EOFError:  # the caller is gone
+            return
+        if job is None:
+            return
+        function, args = job
+        try:
+            answer = ("ok", function(connection, *args))
+        except Exception as error:  # the caller reports it as its case's failure
+            answer = ("error", f"{type(error).__name__}: {error}")
+        connection.send(answer)
+
+
+class SpawnWorker:
+    """A spawned process running jobs; started on the first job."""
+
+    def __init__(self):
+        self._process = None
+        self._connection = None
+
+    def start_job(self, function: Callable, *args: Any):
+        """Send ``function(connection, *args)`` to the worker; returns this end of the
+        connection, for the job's own conversation. End with :meth:`result`."""
+        if self._process is None:
+            ctx = multiprocessing.get_context("spawn")
+            self._connection, theirs = ctx.Pipe()
+            # not daemonic: a job may start processes (the cold share_nontensor starts a
+            # coordinator); it exits when the connection closes, even if we die
+            self._process = ctx.Process(target=_serve, args=(theirs,))
+            self._process.start()
+            theirs.close()
+        self._connection.send((function, args))
+        return self._connection
+
+    def result(self, timeout: float = TIMEOUT) -> Any:
+        """The return value of the job sent last (RuntimeError with its error)."""
+        if not self._connection.poll(timeout):
+            self.close()
+            raise TimeoutError(f"the benchmark worker sent nothing within {timeout:.0f} s")
+        kind, value = self._connection.recv()
+        if kind == "error":
+            raise RuntimeError(f"the benchmark worker failed: {value}")
+        return value
+
+    def call(self, function: Callable, *args: Any, timeout: float = TIMEOUT) -> Any:
+        """``function(connection, *args)`` run in the worker: its return value."""
+        self.start_job(function, *args)
+        return self.result(timeout)
+
+    @property
+    def started(self) -> bool:
+        return self._process is not None
+
+    def close(self) -> None:
+        """Stop the worker (killed if it does not stop within a few seconds)."""
+        process, connection = self._process, self._connection
+        self._process = self._connection = None
+        if process is None:
+            return
+        try:
+            connection.send(None)
+        except OSError:
+            pass  # gone already
+        process.join(10)
+        if process.is_alive():
+            process.kill()
+            process.join(10)
+        connection.close()
+
+
+_SHARED: SpawnWorker | None = None
+
+
+def shared_worker() -> SpawnWorker:
+    """The run's worker (started on its first job)."""
+    global _SHARED
+    if _SHARED is None:
+        _SHARED = SpawnWorker()
+    return _SHARED
+
+
+def close_shared_worker() -> None:
+    """Stop the run's worker, if it was started."""
+    global _SHARED
+    worker, _SHARED = _SHARED, None
+    if worker is not None:
+        worker.close()
+
+
+atexit.register(close_shared_worker)  # before multiprocessing joins its children at exit
