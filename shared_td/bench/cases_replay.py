@@ -17,7 +17,6 @@ workers whose Dataset returns a batch of 256 rows from ``__getitems__``.
 from __future__ import annotations
 
 import os
-import time
 
 import torch
 
