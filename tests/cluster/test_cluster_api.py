@@ -9,7 +9,6 @@ gloo (see test_cluster_store.py); test_cluster_values.py runs real node process 
 from __future__ import annotations
 
 import base64
-import datetime
 import json
 import pickle
 import threading
@@ -21,22 +20,8 @@ import torch
 torch_dist = pytest.importorskip("torch.distributed")
 
 import shared_td  # noqa: E402
-from tests.cluster.test_cluster_store import KEY, _pair, _start_together  # noqa: E402
+from tests.cluster.test_cluster_store import KEY, _start_together, pair, store  # noqa: E402,F401 (fixtures)
 from tests.processes import wait_until  # noqa: E402
-
-
-@pytest.fixture
-def store():
-    return torch_dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10),
-                               wait_for_workers=False)
-
-
-@pytest.fixture
-def pair(store):
-    members = _pair(store)
-    yield members
-    for member in members:
-        member.shutdown()
 
 
 def _valued(rows=4, task="walk"):
