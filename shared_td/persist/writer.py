@@ -42,8 +42,11 @@ _POOL_LEAF_BYTES = 1 << 20
 # Existing directories a rewrite keeps open from their files' staging to their renaming
 # (a second open each costs ~4 us); more are opened again, so descriptors stay bounded.
 _KEPT_DIRECTORIES = 256
-# Anonymous leaves up to this size are copied together into the tree's segment.
+# Anonymous leaves up to this size are copied together into the tree's segment; leaves
+# to files up to this size are copied together into one buffer before their writes.
 _PACKED_LEAF_BYTES = 64 << 10
+# ... as long as that buffer stays below this size (an extra copy held in memory).
+_STAGED_BYTES = 64 << 20
 
 
 @dataclass
@@ -61,17 +64,21 @@ class Options:
     atomic_target: str | None = None  # with atomic=True: the prefix being replaced
 
 
-@dataclass
+# slots: a tree has a plan per leaf and per node; without a __dict__ each, a big tree
+# allocates half the objects the garbage collector has to walk while the write runs.
+@dataclass(slots=True)
 class LeafPlan:
     key: str
     source: torch.Tensor
     path: str | None  # None: anonymous memory
+    name: str = ""  # the file's name in its directory (with a path)
     keep: bool = False  # the source already is an MMT at ``path`` (kept by identity)
     offset: int = 0  # anonymous: byte offset in the tree's segment
+    data: memoryview | None = None  # the bytes to write, when staged with other leaves'
     result: torch.Tensor | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class NodePlan:
     obj: Any
     kind: nodes.NodeKind
@@ -122,7 +129,7 @@ class Planner:
         used_names = {fmt.META}
         for key, value in entries:
             node.order.append(key)
-            target = None  # anonymous memory: no file, so no file name to check
+            target = name = None  # anonymous memory: no file, so no file name to check
             if directory is not None:
                 name = self._file_name(key, path, leaf=isinstance(value, torch.Tensor))
                 if name in used_names:
@@ -133,7 +140,7 @@ class Planner:
                 used_names.add(name)
                 target = os.path.join(directory, name)
             if isinstance(value, torch.Tensor):
-                node.leaves[key] = self._plan_leaf(key, value, target, path, node.exists)
+                node.leaves[key] = self._plan_leaf(key, value, target, name, path, node.exists)
             else:
                 node.children[key] = self._plan(
                     value, target, path + (key,), parent_exists=node.exists
@@ -158,13 +165,19 @@ class Planner:
         return name
 
     def _plan_leaf(
-        self, key: str, tensor: torch.Tensor, target: str | None, path: tuple, in_existing: bool
+        self, key: str, tensor: torch.Tensor, target: str | None, name: str | None, path: tuple,
+        in_existing: bool,
     ) -> LeafPlan:
         if tensor.requires_grad:
             tensor = tensor.detach()
         if tensor.is_nested:
             raise NotImplementedError(f"Key {path + (key,)}: nested tensors cannot be memory-mapped yet.")
-        leaf = LeafPlan(key, tensor, target)
+        leaf = LeafPlan(key, tensor, target, name)
+        if type(tensor) is torch.Tensor:  # the common case: a plain tensor, always written
+            if target is not None and in_existing:
+                self._check_existing(key, target, path)
+            self.leaves.append(leaf)
+            return leaf
         backing = getattr(tensor, "_backing", None) if isinstance(tensor, MemoryMappedTensor) else None
         if isinstance(backing, FileBacking) and not backing.shared and not self.options.like:
             # a private (copy-on-write) mapping: its bytes live in this process only, so
@@ -203,15 +216,18 @@ class Planner:
         elif target is None and isinstance(tensor, MemoryMappedTensor) and backing is not None:
             leaf.keep = not self.options.like  # already anonymous shared memory
         if target is not None and not leaf.keep and in_existing:
-            if os.path.islink(target):
-                raise RuntimeError(f"Refusing to write memory-mapped tensor through symlink {target}.")
-            if not self.options.existsok and os.path.lexists(target):
-                raise RuntimeError(
-                    f"The file {target} already exists (key {path + (key,)}); pass "
-                    "existsok=True to overwrite it."
-                )
+            self._check_existing(key, target, path)
         self.leaves.append(leaf)
         return leaf
+
+    def _check_existing(self, key: str, target: str, path: tuple) -> None:
+        if os.path.islink(target):
+            raise RuntimeError(f"Refusing to write memory-mapped tensor through symlink {target}.")
+        if not self.options.existsok and os.path.lexists(target):
+            raise RuntimeError(
+                f"The file {target} already exists (key {path + (key,)}); pass "
+                "existsok=True to overwrite it."
+            )
 
 
 def _join(directory: str | None, name: str) -> str | None:
@@ -246,6 +262,8 @@ def write_tree(root: NodePlan, leaves: list[LeafPlan], options: Options, *, clea
             leaf.result = leaf.source
     if root.directory is None:
         return  # anonymous memory only: no file, no meta.json
+    if not options.like:
+        stage_small_leaves([leaf for leaf in leaves if not leaf.keep])
     documents = {id(node): node_files(node) for node in root.walk()}
     pool = ThreadPoolExecutor(options.num_threads) if options.num_threads > 1 else None
     writer = _TreeWriter(options, pool, documents)
@@ -330,8 +348,12 @@ class _TreeWriter:
         self.staged[id(node)] = _stage_node_files(directory, node.kind, node.exists, self.documents[id(node)])
 
     def _write_leaf(self, leaf: LeafPlan, node: NodePlan, directory: Directory) -> None:
-        options, source = self.options, leaf.source.cpu()
-        name, nbytes = os.path.basename(leaf.path), _nbytes(source)
+        options, source, name = self.options, leaf.source, leaf.name
+        if leaf.data is None:
+            source = source.cpu()
+            nbytes = _nbytes(source)
+        else:
+            nbytes = len(leaf.data)
         if nbytes == 0:
             files.check_new_empty_file(directory, name, existsok=options.existsok)
             leaf.result = MemoryMappedTensor._empty_leaf(
@@ -362,13 +384,17 @@ class _TreeWriter:
             if self.options.like:
                 files.reserve_space(fd, _nbytes(source), leaf.path)
             else:
-                files.pwrite_all(fd, files.tensor_bytes(source), 0, where=f"file {leaf.path}")
+                data = files.tensor_bytes(source) if leaf.data is None else leaf.data
+                files.pwrite_all(fd, data, 0, where=f"file {leaf.path}")
             backing = files.backing_from_fd(leaf.path, fd)
         finally:
             os.close(fd)
             if pooled:
                 self.slots.release()
-        return MemoryMappedTensor._from_backing(backing, 0, source.dtype, source.shape)
+        # the file holds the whole leaf from byte 0 (written or reserved just now):
+        # nothing for _from_backing to check
+        view = torch.empty(0, dtype=source.dtype).set_(backing.storage, 0, source.shape)
+        return MemoryMappedTensor._wrap_views(backing, [view])[0]
 
     def put_in_place(self, node: NodePlan, directory: Directory) -> None:
         """Rename the staged files of ``node`` and of the existing directories below it
@@ -440,31 +466,78 @@ def packed_layout(sources: list[torch.Tensor]) -> tuple[list[int], list[int], in
     return offsets, small, total
 
 
+def packed_views(storage, sources: list[torch.Tensor], offsets: list[int], order: list[int]) -> list[torch.Tensor]:
+    """For each index ``i`` of ``order``, a plain C-order tensor over ``storage`` with
+    the dtype and shape of ``sources[i]``, at byte ``offsets[i]`` (a layout of
+    :func:`packed_layout`, which keeps them in bounds and aligned: not checked again).
+
+    Each is a tensor of its own over the storage, not a view of another one, so that an
+    in-place write to one leaf never bumps the version counter (autograd) of another.
+    """
+    empty = torch.empty
+    return [empty(0, dtype=(source := sources[i]).dtype)
+            .set_(storage, offsets[i] // source.dtype.itemsize, source.shape) for i in order]
+
+
+def copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """Copy each of ``sources`` into its target (same shape and dtype), in one torch
+    call for CPU sources: strides, conjugate and negative bits are resolved by the copy."""
+    with torch.no_grad():
+        if all(source.is_cpu for source in sources):
+            torch._foreach_copy_(targets, sources)
+        else:
+            for target, source in zip(targets, sources):
+                target.copy_(source)
+
+
+def stage_small_leaves(leaves: list[LeafPlan]) -> None:
+    """Give the small leaves among ``leaves`` (to files) their bytes, copied into one
+    buffer by one call, as ``leaf.data``: six torch calls per leaf to get its bytes
+    one by one cost more than writing it. Leaves that would make the buffer bigger
+    than ``_STAGED_BYTES`` in all keep ``data=None`` (their bytes are taken one by one)."""
+    sources = [leaf.source for leaf in leaves]
+    offsets, small, _ = packed_layout(sources)
+    if not small:
+        return
+    end = offsets[small[-1]] + _nbytes(sources[small[-1]])
+    if end > _STAGED_BYTES:
+        return
+    buffer = torch.empty(end, dtype=torch.uint8)
+    copy_all(packed_views(buffer.untyped_storage(), sources, offsets, small), [sources[i] for i in small])
+    data = memoryview(buffer.numpy())
+    for i in small:
+        offset = offsets[i]
+        leaves[i].data = data[offset:offset + _nbytes(sources[i])]
+
+
 def _write_anonymous(leaves: list[LeafPlan], options: Options) -> None:
     """Pack all anonymous leaves of the tree into one segment (one descriptor).
 
-    The layout is :func:`packed_layout`'s. Small leaves are copied by one ``torch.cat``
-    and one ``pwrite``: per-leaf copies dominated a tree of many small leaves. Big
-    leaves are written one by one (no extra copy through ``cat``).
+    The layout is :func:`packed_layout`'s. Each small leaf's result is a view of the
+    segment made first, and all are filled by one copy (:func:`copy_all`): per-leaf
+    work dominated a tree of many small leaves. Big leaves are written one by one with
+    ``pwrite`` (no first-touch faults through the fresh mapping).
     """
     sources = [leaf.source for leaf in leaves]
     offsets, small, total = packed_layout(sources)
+    segment = Segment.create(align(total)) if total else None
+    if small:
+        views = packed_views(segment.storage, sources, offsets, small)
+        if not options.like:
+            copy_all(views, [sources[i] for i in small])
+        for i, result in zip(small, MemoryMappedTensor._wrap_views(segment, views)):
+            leaves[i].result = result
     for leaf, offset in zip(leaves, offsets):
         leaf.offset = offset
-    segment = Segment.create(align(total)) if total else None
-    if not options.like:
-        if small:
-            packed = torch.cat([files.raw_bytes(sources[i].cpu()) for i in small])
-            segment.write(0, files.tensor_bytes(packed))
-        for leaf in leaves:
-            if _nbytes(leaf.source) > _PACKED_LEAF_BYTES:
-                segment.write(leaf.offset, files.tensor_bytes(leaf.source.cpu()))
-    for leaf in leaves:
+        if leaf.result is not None:
+            continue
         source = leaf.source
         if source.numel() == 0:
             leaf.result = MemoryMappedTensor.empty(source.shape, dtype=source.dtype)
-        else:
-            leaf.result = MemoryMappedTensor._from_backing(segment, leaf.offset, source.dtype, source.shape)
+            continue
+        if not options.like:
+            segment.write(offset, files.tensor_bytes(source.cpu()))
+        leaf.result = MemoryMappedTensor._from_backing(segment, offset, source.dtype, source.shape)
 
 
 # ----------------------------------------------------------------------------- commit

@@ -14,6 +14,7 @@ from tests.persist.persist_helpers import (
 )
 
 import shared_td.storage.files as files
+from shared_td.persist import writer
 from shared_td.persist.future import TensorDictFuture
 from shared_td.storage.anonymous import Segment
 
@@ -394,10 +395,15 @@ def test_failure_midway_leaves_td_and_disk_as_they_were(tmp_path, monkeypatch, e
     assert os.path.exists(prefix) == existing
 
 
-def test_failure_in_anonymous_memmap_leaves_td_as_it_was(monkeypatch):
+@pytest.mark.parametrize("big", [False, True])
+def test_failure_in_anonymous_memmap_leaves_td_as_it_was(monkeypatch, big):
     td = make_td()
+    if big:  # a leaf over the packing size: written by a pwrite of its own
+        td["big"] = torch.randn(3, 1 << 15)
+        _fail_after(0, monkeypatch, Segment, "write")
+    else:  # the small leaves: all copied into the segment at once
+        _fail_after(0, monkeypatch, writer, "copy_all")
     state = tree_state(td)
-    _fail_after(0, monkeypatch, Segment, "write")
     with pytest.raises(OSError, match="injected failure"):
         td.memmap_()
     assert tree_state(td) == state
