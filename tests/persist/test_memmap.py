@@ -550,3 +550,23 @@ def test_memmap_like_anonymous_and_names():
     like = td.memmap_like()
     assert like.saved_path is None and like.names == ["b"] and not like["a"].any()
     assert td.memmap().names == ["b"] and td["a"].all()
+
+
+@pytest.mark.parametrize("to_files", [False, True])
+def test_small_leaves_copied_together_keep_values_and_stay_independent(tmp_path, to_files):
+    # the small leaves are copied by one call (strided, conjugate, negative views, runs
+    # of dtypes of one size side by side); each result is a tensor of its own: writing
+    # one in place bumps no other's version counter (autograd would refuse a backward)
+    sources = {"t": torch.arange(12.0).reshape(3, 4).t(), "i": torch.arange(4, dtype=torch.int32),
+               "f": torch.randn(4), "c": torch.randn(4, dtype=torch.complex64).conj(),
+               "n": torch.randn(4)._neg_view(), "b": torch.tensor([True, False, True, True]),
+               "s": torch.tensor(3.0), "h": torch.arange(5, dtype=torch.float16)}
+    td = TensorDict({**sources, "nested": {"f": torch.randn(4)}})
+    expected = {k: v.resolve_conj().resolve_neg().clone() for k, v in td.items(True, True)}
+    out = td.memmap_(tmp_path / "p" if to_files else None)
+    for key, value in expected.items():
+        leaf = out.get(key)
+        assert torch.equal(leaf, value) and leaf.is_contiguous() and not leaf.is_conj(), key
+    versions = {key: out.get(key)._version for key in expected}
+    out["f"].add_(1)
+    assert all(out.get(key)._version == versions[key] for key in expected if key != "f")
