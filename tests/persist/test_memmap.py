@@ -570,3 +570,26 @@ def test_small_leaves_copied_together_keep_values_and_stay_independent(tmp_path,
     versions = {key: out.get(key)._version for key in expected}
     out["f"].add_(1)
     assert all(out.get(key)._version == versions[key] for key in expected if key != "f")
+
+
+def test_alike_nodes_share_no_metadata_that_differs(tmp_path):
+    # meta.json is built once for nodes that are alike; each node still records its own
+    # batch size, names, entry shapes, dtypes and child types
+    td = TensorDict({
+        "a": TensorDict({"x": torch.zeros(2, 3)}, [2]),
+        "b": TensorDict({"x": torch.zeros(2, 3)}, [2, 3]),
+        "c": TensorDict({"x": torch.zeros(2, 3)}, [2], names=["time"]),
+        "d": TensorDict({"x": torch.zeros(2, 3, dtype=torch.int8)}, [2]),
+        "e": TensorDict({"x": torch.zeros(2, 4)}, [2]),
+        "f": TensorDict({"x": TensorDict({}, [2])}, [2]),
+        "g": TensorDict({"x": torch.zeros(2, 3)}, [2]),
+    }, [2])
+    td.memmap_(tmp_path / "p")
+    back = TensorDict.load_memmap(tmp_path / "p")
+    for key in "abcdefg":
+        assert back[key].batch_size == td[key].batch_size and back[key].names == td[key].names, key
+        if key != "f":
+            assert back[key, "x"].shape == td[key, "x"].shape and back[key, "x"].dtype == td[key, "x"].dtype, key
+    assert isinstance(back["f", "x"], TensorDict)
+    metas = {key: (tmp_path / "p" / key / "meta.json").read_bytes() for key in "abcdefg"}
+    assert metas["a"] == metas["g"] and len(set(metas.values())) == 6
