@@ -306,6 +306,7 @@ class _TreeWriter:
         self.made_files: dict[int, list[str]] = {}  # node id -> names of the files this made
         self.staged: dict[int, list[tuple[str, str]]] = {}  # node id -> (temporary, final)
         self.kept: dict[int, Directory] = {}  # node id -> its existing directory, still open
+        self.shapes: dict = {}  # one torch.Size per shape of the leaves (MMT._wrap_views)
 
     def close_kept(self) -> None:
         for opened in self.kept.values():
@@ -395,7 +396,7 @@ class _TreeWriter:
         # the file holds the whole leaf from byte 0 (written or reserved just now):
         # nothing for _from_backing to check
         view = torch.empty(0, dtype=source.dtype).set_(backing.storage, 0, source.shape)
-        return MemoryMappedTensor._wrap_views(backing, [view])[0]
+        return MemoryMappedTensor._wrap_views(backing, [view], self.shapes)[0]
 
     def put_in_place(self, node: NodePlan, directory: Directory) -> None:
         """Rename the staged files of ``node`` and of the existing directories below it
