@@ -138,7 +138,7 @@ class Planner:
                         "entry of the same tensordict (or meta.json) uses: rename one of them."
                     )
                 used_names.add(name)
-                target = os.path.join(directory, name)
+                target = _join(directory, name)
             if isinstance(value, torch.Tensor):
                 node.leaves[key] = self._plan_leaf(key, value, target, name, path, node.exists)
             else:
@@ -231,7 +231,11 @@ class Planner:
 
 
 def _join(directory: str | None, name: str) -> str | None:
-    return None if directory is None else os.path.join(directory, name)
+    """os.path.join for an absolute ``directory`` and one checked file name (a third
+    of the planning of a big tree was os.path.join's generality)."""
+    if directory is None:
+        return None
+    return directory + name if directory.endswith(os.sep) else directory + os.sep + name
 
 
 # ------------------------------------------------------------------------------ write
@@ -307,6 +311,7 @@ class _TreeWriter:
         self.staged: dict[int, list[tuple[str, str]]] = {}  # node id -> (temporary, final)
         self.kept: dict[int, Directory] = {}  # node id -> its existing directory, still open
         self.shapes: dict = {}  # one torch.Size per shape of the leaves (MMT._wrap_views)
+        self.empty_of: dict = {}  # dtype -> an empty tensor of it
 
     def close_kept(self) -> None:
         for opened in self.kept.values():
@@ -370,32 +375,38 @@ class _TreeWriter:
         if is_new:
             self.made_files.setdefault(id(node), []).append(name)
         if self.pool is None or nbytes < _POOL_LEAF_BYTES:
-            leaf.result = self._fill(leaf, fd, source)
+            leaf.result = self._fill(leaf, fd, source, is_new)
             return
         try:
             self.slots.acquire()
-            future = self.pool.submit(self._fill, leaf, fd, source, pooled=True)
+            future = self.pool.submit(self._fill, leaf, fd, source, is_new, pooled=True)
         except BaseException:
             os.close(fd)
             raise
         self.futures.append((leaf, future))
 
-    def _fill(self, leaf: LeafPlan, fd: int, source: torch.Tensor, pooled: bool = False) -> torch.Tensor:
-        """Write (or reserve) the bytes of ``leaf`` into ``fd``, map it, close ``fd``."""
+    def _fill(self, leaf: LeafPlan, fd: int, source: torch.Tensor, created: bool,
+              pooled: bool = False) -> torch.Tensor:
+        """Write (or reserve) the bytes of ``leaf`` into ``fd`` (``created``: a new
+        file), map it, close ``fd``."""
         try:
             if self.options.like:
                 files.reserve_space(fd, _nbytes(source), leaf.path)
             else:
                 data = files.tensor_bytes(source) if leaf.data is None else leaf.data
                 files.pwrite_all(fd, data, 0, where=f"file {leaf.path}")
-            backing = files.backing_from_fd(leaf.path, fd)
+            backing = files.backing_from_fd(leaf.path, fd, created=created)
         finally:
             os.close(fd)
             if pooled:
                 self.slots.release()
         # the file holds the whole leaf from byte 0 (written or reserved just now):
         # nothing for _from_backing to check
-        view = torch.empty(0, dtype=source.dtype).set_(backing.storage, 0, source.shape)
+        dtype = source.dtype
+        empty = self.empty_of.get(dtype)
+        if empty is None:  # new() of an empty tensor of the dtype: the cheapest new tensor
+            empty = self.empty_of[dtype] = torch.empty(0, dtype=dtype)
+        view = empty.new().set_(backing.storage, 0, source.shape)
         return MemoryMappedTensor._wrap_views(backing, [view], self.shapes)[0]
 
     def put_in_place(self, node: NodePlan, directory: Directory) -> None:
