@@ -5,11 +5,15 @@
   happens here, before any byte is written.
 * **write** copies the leaves: into files with ``pwrite`` (big leaves on
   ``num_threads`` threads, one file each), or into ONE anonymous segment for the whole tree
-  (so file descriptors do not grow with the number of leaves).  A failure removes the
-  files this write created and re-raises; the tensordict is untouched.  Every file and
-  directory below the prefix is reached from the prefix's descriptor, one name at a
-  time, never through a symlink: what the plan checked by path is not trusted to still
-  hold when the bytes go out (another process may have swapped a directory since).
+  (so file descriptors do not grow with the number of leaves). Small leaves are copied
+  together by one torch call (into their views of the segment, or into one buffer whose
+  slices are then written to their files): per-leaf torch calls cost more than the
+  bytes of a small leaf. A meta.json is built once for nodes that are alike. A failure
+  removes the files this write created and re-raises; the tensordict is untouched.
+  Every file and directory below the prefix is reached from the prefix's descriptor,
+  one name at a time, never through a symlink: what the plan checked by path is not
+  trusted to still hold when the bytes go out (another process may have swapped a
+  directory since).
 * **commit** writes every meta.json (children first, the root's last, each through a
   rename) and only then puts the new leaves into the tensordict (or a new one).
 """
@@ -28,6 +32,7 @@ from shared_td.keys import encode_key, is_safe_legacy_name
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.persist import format as fmt
 from shared_td.persist import nodes
+from shared_td.persist.packing import copy_all, leaf_nbytes, packed_layout, packed_views, stage_small_leaves
 from shared_td.storage import files
 from shared_td.storage.anonymous import Segment, align
 from shared_td.storage.files import Directory, FileBacking
@@ -42,11 +47,6 @@ _POOL_LEAF_BYTES = 1 << 20
 # Existing directories a rewrite keeps open from their files' staging to their renaming
 # (a second open each costs ~4 us); more are opened again, so descriptors stay bounded.
 _KEPT_DIRECTORIES = 256
-# Anonymous leaves up to this size are copied together into the tree's segment; leaves
-# to files up to this size are copied together into one buffer before their writes.
-_PACKED_LEAF_BYTES = 64 << 10
-# ... as long as that buffer stays below this size (an extra copy held in memory).
-_STAGED_BYTES = 64 << 20
 
 
 @dataclass
@@ -358,7 +358,7 @@ class _TreeWriter:
         options, source, name = self.options, leaf.source, leaf.name
         if leaf.data is None:
             source = source.cpu()
-            nbytes = _nbytes(source)
+            nbytes = leaf_nbytes(source)
         else:
             nbytes = len(leaf.data)
         if nbytes == 0:
@@ -391,7 +391,7 @@ class _TreeWriter:
         file), map it, close ``fd``."""
         try:
             if self.options.like:
-                files.reserve_space(fd, _nbytes(source), leaf.path)
+                files.reserve_space(fd, leaf_nbytes(source), leaf.path)
             else:
                 data = files.tensor_bytes(source) if leaf.data is None else leaf.data
                 files.pwrite_all(fd, data, 0, where=f"file {leaf.path}")
@@ -446,109 +446,6 @@ def _note_failure(error: BaseException, shown: str, remove, *args) -> None:
         remove(*args)
     except OSError as failure:
         error.add_note(f"{shown}, written before this error, could not be removed: {failure}")
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
-def packed_layout(sources: list[torch.Tensor]) -> tuple[list[int], list[int], int]:
-    """Where each of ``sources`` lies when a tree's leaves are packed into one buffer
-    (the layout of an anonymous memmap_, shared with ``consolidate()``).
-
-    Returns ``(offsets, small, total)``: small leaves (``small``: their indices, in
-    packing order) lie back to back from byte 0, the largest element size first (so each
-    stays aligned to its dtype); bigger ones start at 64-byte boundaries; ``total`` is
-    the number of bytes used.
-
-    Example:
-        >>> packed_layout([torch.zeros(3, dtype=torch.int8), torch.zeros(2)])
-        ([8, 0], [1, 0], 11)
-    """
-    sizes = [_nbytes(source) for source in sources]
-    small = sorted((i for i, n in enumerate(sizes) if 0 < n <= _PACKED_LEAF_BYTES),
-                   key=lambda i: -sources[i].element_size())
-    offsets = [0] * len(sources)
-    total = 0
-    for i in small:
-        offsets[i], total = total, total + sizes[i]
-    for i, n in enumerate(sizes):
-        if n > _PACKED_LEAF_BYTES:
-            offsets[i] = align(total)
-            total = offsets[i] + n
-    return offsets, small, total
-
-
-def packed_views(storage, sources: list[torch.Tensor], offsets: list[int], order: list[int]) -> list[torch.Tensor]:
-    """For each index ``i`` of ``order``, a plain C-order tensor over ``storage`` with
-    the dtype and shape of ``sources[i]``, at byte ``offsets[i]`` (a layout of
-    :func:`packed_layout`, which keeps them in bounds and aligned: not checked again).
-
-    Each is a tensor of its own over the storage, not a view of another one, so that an
-    in-place write to one leaf never bumps the version counter (autograd) of another.
-    """
-    empty_of: dict = {}  # dtype -> an empty tensor: new() of it is the cheapest new tensor
-    views = []
-    for i in order:
-        source = sources[i]
-        dtype = source.dtype
-        empty = empty_of.get(dtype)
-        if empty is None:
-            empty = empty_of[dtype] = torch.empty(0, dtype=dtype)
-        views.append(empty.new().set_(storage, offsets[i] // dtype.itemsize, source.shape))
-    return views
-
-
-def _staging_views(buffer: torch.Tensor, sources: list[torch.Tensor], offsets: list[int],
-                   order: list[int]) -> list[torch.Tensor]:
-    """:func:`packed_views` over a temporary uint8 ``buffer``, made faster: the leaves of
-    one dtype that lie back to back are cut from one view by one split (views of one
-    tensor share its version counter, which a buffer thrown away after the copy may)."""
-    views: list[torch.Tensor] = []
-    start, count = 0, len(order)
-    while start < count:
-        dtype = sources[order[start]].dtype
-        end = start + 1
-        while end < count and sources[order[end]].dtype == dtype:
-            end += 1
-        run = [sources[i] for i in order[start:end]]
-        sizes = [source.numel() for source in run]
-        first = offsets[order[start]]
-        parts = buffer[first:first + sum(sizes) * dtype.itemsize].view(dtype).split_with_sizes(sizes)
-        views.extend(part if source.dim() == 1 else part.view(source.shape) for part, source in zip(parts, run))
-        start = end
-    return views
-
-
-def copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-    """Copy each of ``sources`` into its target (same shape and dtype), in one torch
-    call for CPU sources: strides, conjugate and negative bits are resolved by the copy."""
-    with torch.no_grad():
-        if all(source.is_cpu for source in sources):
-            torch._foreach_copy_(targets, sources)
-        else:
-            for target, source in zip(targets, sources):
-                target.copy_(source)
-
-
-def stage_small_leaves(leaves: list[LeafPlan]) -> None:
-    """Give the small leaves among ``leaves`` (to files) their bytes, copied into one
-    buffer by one call, as ``leaf.data``: six torch calls per leaf to get its bytes
-    one by one cost more than writing it. Leaves that would make the buffer bigger
-    than ``_STAGED_BYTES`` in all keep ``data=None`` (their bytes are taken one by one)."""
-    sources = [leaf.source for leaf in leaves]
-    offsets, small, _ = packed_layout(sources)
-    if not small:
-        return
-    end = offsets[small[-1]] + _nbytes(sources[small[-1]])
-    if end > _STAGED_BYTES:
-        return
-    buffer = torch.empty(end, dtype=torch.uint8)
-    copy_all(_staging_views(buffer, sources, offsets, small), [sources[i] for i in small])
-    data = memoryview(buffer.numpy())
-    for i in small:
-        offset = offsets[i]
-        leaves[i].data = data[offset:offset + _nbytes(sources[i])]
 
 
 def _write_anonymous(leaves: list[LeafPlan], options: Options) -> None:
