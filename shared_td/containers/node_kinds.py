@@ -51,6 +51,10 @@ class TensorDictKind(nodes.NodeKind):
     def metadata(self, td: TensorDict, entries: tuple) -> tuple[NodeMeta, dict]:
         return NodeMeta.for_tensordict(td.batch_size, td.names, entries), {}
 
+    def metadata_key(self, td: TensorDict):
+        names = td.names  # what metadata() reads of td, besides the entries
+        return tuple(td.batch_size), None if names is None else tuple(names)
+
     def directory(self, td: TensorDict) -> str | None:
         return td._memmap_prefix
 

@@ -141,16 +141,23 @@ class MemoryMappedTensor(torch.Tensor):
         return result
 
     @classmethod
-    def _wrap_views(cls, backing, views: list) -> list:
+    def _wrap_views(cls, backing, views: list, shapes: dict | None = None) -> list:
         """MMTs of ``backing`` over ``views``: plain tensors that already view its
         storage (the leaves of a tree packed into one segment or file, laid out and
-        bounds-checked by their packer), without ``_from_backing``'s per-leaf checks."""
+        bounds-checked by their packer), without ``_from_backing``'s per-leaf checks.
+
+        Leaves of equal shapes share one ``torch.Size`` (``shapes``: the ones met so far,
+        kept by a caller that wraps a tree's leaves in several calls): each is an object
+        the garbage collector tracks for the leaf's life, and a big tree has few shapes."""
         klass = _class_for(cls, backing)
+        if shapes is None:
+            shapes = {}
         wrapped = []
         for view in views:
             result = view.as_subclass(klass)
             result._backing = backing
-            result._parent_shape = view.shape
+            shape = view.shape
+            result._parent_shape = shapes.setdefault(shape, shape)
             wrapped.append(result)
         return wrapped
 

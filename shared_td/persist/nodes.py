@@ -26,7 +26,7 @@ A kind answers:
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Hashable, Iterable
 
 from shared_td.persist import format as fmt
 
@@ -72,6 +72,13 @@ class NodeKind:
         """The node's metadata (``entries``: LeafMeta/ChildMeta of its keyed entries,
         as written) and its side files (name -> bytes)."""
         raise NotImplementedError
+
+    def metadata_key(self, obj: Any) -> Hashable | None:
+        """What the node's metadata depends on besides its entries, when that is plain
+        data: a writer then reuses the meta.json built for an earlier node with the
+        same key and entries (the nodes of a big tree are mostly alike). None (the
+        default): built for each node."""
+        return None
 
     def directory(self, obj: Any) -> str | None:
         """The directory ``obj`` was memory-mapped to or loaded from (None if none)."""

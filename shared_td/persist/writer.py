@@ -5,11 +5,15 @@
   happens here, before any byte is written.
 * **write** copies the leaves: into files with ``pwrite`` (big leaves on
   ``num_threads`` threads, one file each), or into ONE anonymous segment for the whole tree
-  (so file descriptors do not grow with the number of leaves).  A failure removes the
-  files this write created and re-raises; the tensordict is untouched.  Every file and
-  directory below the prefix is reached from the prefix's descriptor, one name at a
-  time, never through a symlink: what the plan checked by path is not trusted to still
-  hold when the bytes go out (another process may have swapped a directory since).
+  (so file descriptors do not grow with the number of leaves). Small leaves are copied
+  together by one torch call (into their views of the segment, or into one buffer whose
+  slices are then written to their files): per-leaf torch calls cost more than the
+  bytes of a small leaf. A meta.json is built once for nodes that are alike. A failure
+  removes the files this write created and re-raises; the tensordict is untouched.
+  Every file and directory below the prefix is reached from the prefix's descriptor,
+  one name at a time, never through a symlink: what the plan checked by path is not
+  trusted to still hold when the bytes go out (another process may have swapped a
+  directory since).
 * **commit** writes every meta.json (children first, the root's last, each through a
   rename) and only then puts the new leaves into the tensordict (or a new one).
 """
@@ -28,6 +32,7 @@ from shared_td.keys import encode_key, is_safe_legacy_name
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.persist import format as fmt
 from shared_td.persist import nodes
+from shared_td.persist.packing import copy_all, leaf_nbytes, packed_layout, packed_views, stage_small_leaves
 from shared_td.storage import files
 from shared_td.storage.anonymous import Segment, align
 from shared_td.storage.files import Directory, FileBacking
@@ -42,8 +47,6 @@ _POOL_LEAF_BYTES = 1 << 20
 # Existing directories a rewrite keeps open from their files' staging to their renaming
 # (a second open each costs ~4 us); more are opened again, so descriptors stay bounded.
 _KEPT_DIRECTORIES = 256
-# Anonymous leaves up to this size are copied together into the tree's segment.
-_PACKED_LEAF_BYTES = 64 << 10
 
 
 @dataclass
@@ -61,17 +64,21 @@ class Options:
     atomic_target: str | None = None  # with atomic=True: the prefix being replaced
 
 
-@dataclass
+# slots: a tree has a plan per leaf and per node; without a __dict__ each, a big tree
+# allocates half the objects the garbage collector has to walk while the write runs.
+@dataclass(slots=True)
 class LeafPlan:
     key: str
     source: torch.Tensor
     path: str | None  # None: anonymous memory
+    name: str = ""  # the file's name in its directory (with a path)
     keep: bool = False  # the source already is an MMT at ``path`` (kept by identity)
     offset: int = 0  # anonymous: byte offset in the tree's segment
+    data: memoryview | None = None  # the bytes to write, when staged with other leaves'
     result: torch.Tensor | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class NodePlan:
     obj: Any
     kind: nodes.NodeKind
@@ -122,7 +129,7 @@ class Planner:
         used_names = {fmt.META}
         for key, value in entries:
             node.order.append(key)
-            target = None  # anonymous memory: no file, so no file name to check
+            target = name = None  # anonymous memory: no file, so no file name to check
             if directory is not None:
                 name = self._file_name(key, path, leaf=isinstance(value, torch.Tensor))
                 if name in used_names:
@@ -131,9 +138,9 @@ class Planner:
                         "entry of the same tensordict (or meta.json) uses: rename one of them."
                     )
                 used_names.add(name)
-                target = os.path.join(directory, name)
+                target = _join(directory, name)
             if isinstance(value, torch.Tensor):
-                node.leaves[key] = self._plan_leaf(key, value, target, path, node.exists)
+                node.leaves[key] = self._plan_leaf(key, value, target, name, path, node.exists)
             else:
                 node.children[key] = self._plan(
                     value, target, path + (key,), parent_exists=node.exists
@@ -158,13 +165,19 @@ class Planner:
         return name
 
     def _plan_leaf(
-        self, key: str, tensor: torch.Tensor, target: str | None, path: tuple, in_existing: bool
+        self, key: str, tensor: torch.Tensor, target: str | None, name: str | None, path: tuple,
+        in_existing: bool,
     ) -> LeafPlan:
         if tensor.requires_grad:
             tensor = tensor.detach()
         if tensor.is_nested:
             raise NotImplementedError(f"Key {path + (key,)}: nested tensors cannot be memory-mapped yet.")
-        leaf = LeafPlan(key, tensor, target)
+        leaf = LeafPlan(key, tensor, target, name)
+        if type(tensor) is torch.Tensor:  # the common case: a plain tensor, always written
+            if target is not None and in_existing:
+                self._check_existing(key, target, path)
+            self.leaves.append(leaf)
+            return leaf
         backing = getattr(tensor, "_backing", None) if isinstance(tensor, MemoryMappedTensor) else None
         if isinstance(backing, FileBacking) and not backing.shared and not self.options.like:
             # a private (copy-on-write) mapping: its bytes live in this process only, so
@@ -203,19 +216,26 @@ class Planner:
         elif target is None and isinstance(tensor, MemoryMappedTensor) and backing is not None:
             leaf.keep = not self.options.like  # already anonymous shared memory
         if target is not None and not leaf.keep and in_existing:
-            if os.path.islink(target):
-                raise RuntimeError(f"Refusing to write memory-mapped tensor through symlink {target}.")
-            if not self.options.existsok and os.path.lexists(target):
-                raise RuntimeError(
-                    f"The file {target} already exists (key {path + (key,)}); pass "
-                    "existsok=True to overwrite it."
-                )
+            self._check_existing(key, target, path)
         self.leaves.append(leaf)
         return leaf
 
+    def _check_existing(self, key: str, target: str, path: tuple) -> None:
+        if os.path.islink(target):
+            raise RuntimeError(f"Refusing to write memory-mapped tensor through symlink {target}.")
+        if not self.options.existsok and os.path.lexists(target):
+            raise RuntimeError(
+                f"The file {target} already exists (key {path + (key,)}); pass "
+                "existsok=True to overwrite it."
+            )
+
 
 def _join(directory: str | None, name: str) -> str | None:
-    return None if directory is None else os.path.join(directory, name)
+    """os.path.join for an absolute ``directory`` and one checked file name (a third
+    of the planning of a big tree was os.path.join's generality)."""
+    if directory is None:
+        return None
+    return directory + name if directory.endswith(os.sep) else directory + os.sep + name
 
 
 # ------------------------------------------------------------------------------ write
@@ -246,7 +266,10 @@ def write_tree(root: NodePlan, leaves: list[LeafPlan], options: Options, *, clea
             leaf.result = leaf.source
     if root.directory is None:
         return  # anonymous memory only: no file, no meta.json
-    documents = {id(node): node_files(node) for node in root.walk()}
+    if not options.like:
+        stage_small_leaves([leaf for leaf in leaves if not leaf.keep])
+    built: dict = {}
+    documents = {id(node): node_files(node, built) for node in root.walk()}
     pool = ThreadPoolExecutor(options.num_threads) if options.num_threads > 1 else None
     writer = _TreeWriter(options, pool, documents)
     directory = Directory.open(root.directory, create=not root.exists)
@@ -287,6 +310,8 @@ class _TreeWriter:
         self.made_files: dict[int, list[str]] = {}  # node id -> names of the files this made
         self.staged: dict[int, list[tuple[str, str]]] = {}  # node id -> (temporary, final)
         self.kept: dict[int, Directory] = {}  # node id -> its existing directory, still open
+        self.shapes: dict = {}  # one torch.Size per shape of the leaves (MMT._wrap_views)
+        self.empty_of: dict = {}  # dtype -> an empty tensor of it
 
     def close_kept(self) -> None:
         for opened in self.kept.values():
@@ -330,8 +355,12 @@ class _TreeWriter:
         self.staged[id(node)] = _stage_node_files(directory, node.kind, node.exists, self.documents[id(node)])
 
     def _write_leaf(self, leaf: LeafPlan, node: NodePlan, directory: Directory) -> None:
-        options, source = self.options, leaf.source.cpu()
-        name, nbytes = os.path.basename(leaf.path), _nbytes(source)
+        options, source, name = self.options, leaf.source, leaf.name
+        if leaf.data is None:
+            source = source.cpu()
+            nbytes = leaf_nbytes(source)
+        else:
+            nbytes = len(leaf.data)
         if nbytes == 0:
             files.check_new_empty_file(directory, name, existsok=options.existsok)
             leaf.result = MemoryMappedTensor._empty_leaf(
@@ -346,29 +375,39 @@ class _TreeWriter:
         if is_new:
             self.made_files.setdefault(id(node), []).append(name)
         if self.pool is None or nbytes < _POOL_LEAF_BYTES:
-            leaf.result = self._fill(leaf, fd, source)
+            leaf.result = self._fill(leaf, fd, source, is_new)
             return
         try:
             self.slots.acquire()
-            future = self.pool.submit(self._fill, leaf, fd, source, pooled=True)
+            future = self.pool.submit(self._fill, leaf, fd, source, is_new, pooled=True)
         except BaseException:
             os.close(fd)
             raise
         self.futures.append((leaf, future))
 
-    def _fill(self, leaf: LeafPlan, fd: int, source: torch.Tensor, pooled: bool = False) -> torch.Tensor:
-        """Write (or reserve) the bytes of ``leaf`` into ``fd``, map it, close ``fd``."""
+    def _fill(self, leaf: LeafPlan, fd: int, source: torch.Tensor, created: bool,
+              pooled: bool = False) -> torch.Tensor:
+        """Write (or reserve) the bytes of ``leaf`` into ``fd`` (``created``: a new
+        file), map it, close ``fd``."""
         try:
             if self.options.like:
-                files.reserve_space(fd, _nbytes(source), leaf.path)
+                files.reserve_space(fd, leaf_nbytes(source), leaf.path)
             else:
-                files.pwrite_all(fd, files.tensor_bytes(source), 0, where=f"file {leaf.path}")
-            backing = files.backing_from_fd(leaf.path, fd)
+                data = files.tensor_bytes(source) if leaf.data is None else leaf.data
+                files.pwrite_all(fd, data, 0, where=f"file {leaf.path}")
+            backing = files.backing_from_fd(leaf.path, fd, created=created)
         finally:
             os.close(fd)
             if pooled:
                 self.slots.release()
-        return MemoryMappedTensor._from_backing(backing, 0, source.dtype, source.shape)
+        # the file holds the whole leaf from byte 0 (written or reserved just now):
+        # nothing for _from_backing to check
+        dtype = source.dtype
+        empty = self.empty_of.get(dtype)
+        if empty is None:  # new() of an empty tensor of the dtype: the cheapest new tensor
+            empty = self.empty_of[dtype] = torch.empty(0, dtype=dtype)
+        view = empty.new().set_(backing.storage, 0, source.shape)
+        return MemoryMappedTensor._wrap_views(backing, [view], self.shapes)[0]
 
     def put_in_place(self, node: NodePlan, directory: Directory) -> None:
         """Rename the staged files of ``node`` and of the existing directories below it
@@ -409,62 +448,34 @@ def _note_failure(error: BaseException, shown: str, remove, *args) -> None:
         error.add_note(f"{shown}, written before this error, could not be removed: {failure}")
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
-def packed_layout(sources: list[torch.Tensor]) -> tuple[list[int], list[int], int]:
-    """Where each of ``sources`` lies when a tree's leaves are packed into one buffer
-    (the layout of an anonymous memmap_, shared with ``consolidate()``).
-
-    Returns ``(offsets, small, total)``: small leaves (``small``: their indices, in
-    packing order) lie back to back from byte 0, the largest element size first (so each
-    stays aligned to its dtype); bigger ones start at 64-byte boundaries; ``total`` is
-    the number of bytes used.
-
-    Example:
-        >>> packed_layout([torch.zeros(3, dtype=torch.int8), torch.zeros(2)])
-        ([8, 0], [1, 0], 11)
-    """
-    sizes = [_nbytes(source) for source in sources]
-    small = sorted((i for i, n in enumerate(sizes) if 0 < n <= _PACKED_LEAF_BYTES),
-                   key=lambda i: -sources[i].element_size())
-    offsets = [0] * len(sources)
-    total = 0
-    for i in small:
-        offsets[i], total = total, total + sizes[i]
-    for i, n in enumerate(sizes):
-        if n > _PACKED_LEAF_BYTES:
-            offsets[i] = align(total)
-            total = offsets[i] + n
-    return offsets, small, total
-
-
 def _write_anonymous(leaves: list[LeafPlan], options: Options) -> None:
     """Pack all anonymous leaves of the tree into one segment (one descriptor).
 
-    The layout is :func:`packed_layout`'s. Small leaves are copied by one ``torch.cat``
-    and one ``pwrite``: per-leaf copies dominated a tree of many small leaves. Big
-    leaves are written one by one (no extra copy through ``cat``).
+    The layout is :func:`packed_layout`'s. Each small leaf's result is a view of the
+    segment made first, and all are filled by one copy (:func:`copy_all`): per-leaf
+    work dominated a tree of many small leaves. Big leaves are written one by one with
+    ``pwrite`` (no first-touch faults through the fresh mapping).
     """
     sources = [leaf.source for leaf in leaves]
     offsets, small, total = packed_layout(sources)
+    segment = Segment.create(align(total)) if total else None
+    if small:
+        views = packed_views(segment.storage, sources, offsets, small)
+        if not options.like:
+            copy_all(views, [sources[i] for i in small])
+        for i, result in zip(small, MemoryMappedTensor._wrap_views(segment, views)):
+            leaves[i].result = result
     for leaf, offset in zip(leaves, offsets):
         leaf.offset = offset
-    segment = Segment.create(align(total)) if total else None
-    if not options.like:
-        if small:
-            packed = torch.cat([files.raw_bytes(sources[i].cpu()) for i in small])
-            segment.write(0, files.tensor_bytes(packed))
-        for leaf in leaves:
-            if _nbytes(leaf.source) > _PACKED_LEAF_BYTES:
-                segment.write(leaf.offset, files.tensor_bytes(leaf.source.cpu()))
-    for leaf in leaves:
+        if leaf.result is not None:
+            continue
         source = leaf.source
         if source.numel() == 0:
             leaf.result = MemoryMappedTensor.empty(source.shape, dtype=source.dtype)
-        else:
-            leaf.result = MemoryMappedTensor._from_backing(segment, leaf.offset, source.dtype, source.shape)
+            continue
+        if not options.like:
+            segment.write(offset, files.tensor_bytes(source.cpu()))
+        leaf.result = MemoryMappedTensor._from_backing(segment, offset, source.dtype, source.shape)
 
 
 # ----------------------------------------------------------------------------- commit
@@ -498,10 +509,33 @@ def _put_in_place(directory: Directory, kind: nodes.NodeKind, built: tuple, stag
                 directory.unlink(name)
 
 
-def node_files(node: NodePlan) -> tuple[bytes, dict[str, bytes]]:
+def node_files(node: NodePlan, built: dict | None = None) -> tuple[bytes, dict[str, bytes]]:
     """The meta.json bytes of a planned node and its side files (pickles), built from
-    the plan before any byte is written (an unpicklable value writes nothing)."""
+    the plan before any byte is written (an unpicklable value writes nothing).
+
+    ``built`` (a dict the caller keeps for one tree) holds the documents made so far, by
+    what they are made of: a node whose kind has a ``metadata_key`` and whose entries
+    are alike (keys, shapes, dtypes, child types) gets the same bytes without building
+    them again (building one cost more than writing it)."""
+    if built is not None:
+        base = node.kind.metadata_key(node.obj)
+        if base is not None:
+            key = (node.kind, base, _entry_signature(node))
+            document = built.get(key)
+            if document is None:
+                document = built[key] = nodes.node_document(node.obj, node.kind, _entries(node))
+            return document
     return nodes.node_document(node.obj, node.kind, _entries(node))
+
+
+def _entry_signature(node: NodePlan) -> tuple:
+    """What :func:`_entries` records of a node's entries, as a key."""
+    leaves, children = node.leaves, node.children
+    return tuple(
+        (key, leaf.source.shape, leaf.source.dtype) if (leaf := leaves.get(key)) is not None
+        else (key, (child := children[key]).kind.child_type_name(child.obj))
+        for key in node.order
+    )
 
 
 def _entries(node: NodePlan) -> tuple:

@@ -162,19 +162,21 @@ _CACHE = InodeCache()
 
 
 def backing_from_fd(path: str, fd: int, *, shared: bool = True, read_only: str | None = None,
-                    st: os.stat_result | None = None) -> FileBacking:
+                    st: os.stat_result | None = None, created: bool = False) -> FileBacking:
     """Map the whole file open as ``fd`` (or reuse this process's mapping of it).
 
     ``read_only`` (why the file may not be written) needs ``shared=False``: the mapping
     is private, and the tensors over it refuse writes. ``st``: the ``fstat`` of ``fd``
-    when the caller has just made it (:meth:`Directory.open_regular_stat`).
+    when the caller has just made it (:meth:`Directory.open_regular_stat`). ``created``:
+    the caller made the file with ``O_EXCL``, so no mapping of it can be cached (a live
+    mapping keeps its inode, whose number a new file cannot get): none is looked for.
     """
     if read_only and shared:
         raise ValueError(f"A read-only backing of {path} must be mapped copy-on-write (shared=False).")
     if st is None:
         st = os.fstat(fd)
     key = (st.st_dev, st.st_ino)
-    if shared:
+    if shared and not created:
         cached = _CACHE.get(key)
         # a file that changed size since is mapped again, so sizes are always current
         if cached is not None and cached.nbytes == st.st_size:

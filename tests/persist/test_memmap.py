@@ -14,6 +14,7 @@ from tests.persist.persist_helpers import (
 )
 
 import shared_td.storage.files as files
+from shared_td.persist import writer
 from shared_td.persist.future import TensorDictFuture
 from shared_td.storage.anonymous import Segment
 
@@ -394,10 +395,15 @@ def test_failure_midway_leaves_td_and_disk_as_they_were(tmp_path, monkeypatch, e
     assert os.path.exists(prefix) == existing
 
 
-def test_failure_in_anonymous_memmap_leaves_td_as_it_was(monkeypatch):
+@pytest.mark.parametrize("big", [False, True])
+def test_failure_in_anonymous_memmap_leaves_td_as_it_was(monkeypatch, big):
     td = make_td()
+    if big:  # a leaf over the packing size: written by a pwrite of its own
+        td["big"] = torch.randn(3, 1 << 15)
+        _fail_after(0, monkeypatch, Segment, "write")
+    else:  # the small leaves: all copied into the segment at once
+        _fail_after(0, monkeypatch, writer, "copy_all")
     state = tree_state(td)
-    _fail_after(0, monkeypatch, Segment, "write")
     with pytest.raises(OSError, match="injected failure"):
         td.memmap_()
     assert tree_state(td) == state
@@ -544,3 +550,46 @@ def test_memmap_like_anonymous_and_names():
     like = td.memmap_like()
     assert like.saved_path is None and like.names == ["b"] and not like["a"].any()
     assert td.memmap().names == ["b"] and td["a"].all()
+
+
+@pytest.mark.parametrize("to_files", [False, True])
+def test_small_leaves_copied_together_keep_values_and_stay_independent(tmp_path, to_files):
+    # the small leaves are copied by one call (strided, conjugate, negative views, runs
+    # of dtypes of one size side by side); each result is a tensor of its own: writing
+    # one in place bumps no other's version counter (autograd would refuse a backward)
+    sources = {"t": torch.arange(12.0).reshape(3, 4).t(), "i": torch.arange(4, dtype=torch.int32),
+               "f": torch.randn(4), "c": torch.randn(4, dtype=torch.complex64).conj(),
+               "n": torch.randn(4)._neg_view(), "b": torch.tensor([True, False, True, True]),
+               "s": torch.tensor(3.0), "h": torch.arange(5, dtype=torch.float16)}
+    td = TensorDict({**sources, "nested": {"f": torch.randn(4)}})
+    expected = {k: v.resolve_conj().resolve_neg().clone() for k, v in td.items(True, True)}
+    out = td.memmap_(tmp_path / "p" if to_files else None)
+    for key, value in expected.items():
+        leaf = out.get(key)
+        assert torch.equal(leaf, value) and leaf.is_contiguous() and not leaf.is_conj(), key
+    versions = {key: out.get(key)._version for key in expected}
+    out["f"].add_(1)
+    assert all(out.get(key)._version == versions[key] for key in expected if key != "f")
+
+
+def test_alike_nodes_share_no_metadata_that_differs(tmp_path):
+    # meta.json is built once for nodes that are alike; each node still records its own
+    # batch size, names, entry shapes, dtypes and child types
+    td = TensorDict({
+        "a": TensorDict({"x": torch.zeros(2, 3)}, [2]),
+        "b": TensorDict({"x": torch.zeros(2, 3)}, [2, 3]),
+        "c": TensorDict({"x": torch.zeros(2, 3)}, [2], names=["time"]),
+        "d": TensorDict({"x": torch.zeros(2, 3, dtype=torch.int8)}, [2]),
+        "e": TensorDict({"x": torch.zeros(2, 4)}, [2]),
+        "f": TensorDict({"x": TensorDict({}, [2])}, [2]),
+        "g": TensorDict({"x": torch.zeros(2, 3)}, [2]),
+    }, [2])
+    td.memmap_(tmp_path / "p")
+    back = TensorDict.load_memmap(tmp_path / "p")
+    for key in "abcdefg":
+        assert back[key].batch_size == td[key].batch_size and back[key].names == td[key].names, key
+        if key != "f":
+            assert back[key, "x"].shape == td[key, "x"].shape and back[key, "x"].dtype == td[key, "x"].dtype, key
+    assert isinstance(back["f", "x"], TensorDict)
+    metas = {key: (tmp_path / "p" / key / "meta.json").read_bytes() for key in "abcdefg"}
+    assert metas["a"] == metas["g"] and len(set(metas.values())) == 6
