@@ -140,6 +140,9 @@ class Cluster:
         self._owned: dict[str, Owned] = {}
         self._replicas: dict[str, Replica] = {}
         self._held: set[str] = set()  # names published on this node's Coordinator by us
+        # name -> the newest generation its owner announced to this node (a renew notice):
+        # what is_stale can still tell once the store host is lost
+        self._announced: dict[str, int] = {}
         self._attaching = threading.Lock()  # one attach at a time (user's, or a lane's renewal)
         self._tags = itertools.count(1)
         self._stop = threading.Event()
@@ -292,8 +295,15 @@ class Cluster:
             self._attaching.release()
 
     def _attach(self, name: str):
-        info = self._info(name)
         have = self._replicas.get(name)
+        try:
+            info = self._info(name)
+        except ConnectionError:
+            if have is None:
+                raise
+            # the store host is lost: this node's replica stays readable (and no newer
+            # generation can be published without the store)
+            return have.td
         if have is not None and have.generation == info["generation"]:
             return have.td
         layout, generation = info["layout"], info["generation"]
@@ -319,12 +329,18 @@ class Cluster:
         replica); the others are recorded in :attr:`local_names`."""
         return name in self._held
 
+    def replicates(self, name: str) -> bool:
+        """Whether this node holds a replica of ``name`` (no round trip)."""
+        return name in self._replicas
+
     def is_stale(self, name: str) -> bool:
-        """Whether the owner published ``name`` again since this replica was made."""
+        """Whether the owner published ``name`` again since this replica was made. Once
+        the store host is lost: whether the owner announced a newer generation to this
+        node before (no new one can be published after)."""
         have = self._replicas.get(name)
         if have is None:
             return False
-        return self._info(name)["generation"] != have.generation
+        return self.generation(name) != have.generation
 
     def version(self, name: str) -> int | None:
         """The version this node holds of ``name`` (the owner's: its current one)."""
@@ -516,6 +532,7 @@ class Cluster:
     def _renew(self, name: str, generation: int) -> None:
         """The owner published ``name`` again: replace this node's older replica. On a
         failure the old one stays (stale); the next attach or refresh tries again."""
+        self._announced[name] = max(generation, self._announced.get(name, 0))
         have = self._replicas.get(name)
         if have is None or have.generation >= generation:
             return
@@ -593,8 +610,16 @@ class Cluster:
     # ------------------------------------------------------------------ helpers
     def generation(self, name: str) -> int:
         """The current generation of ``name`` (one store round trip): it grows with
-        every publish of ``name`` on its owner."""
-        return self._info(name)["generation"]
+        every publish of ``name`` on its owner. Once the store host is lost, for a name
+        this node replicates: the newest generation it knows of (its replica's, or one
+        the owner announced since); ConnectionError for the others."""
+        try:
+            return self._info(name)["generation"]
+        except ConnectionError:
+            have = self._replicas.get(name)
+            if have is None:
+                raise
+            return max(have.generation, self._announced.get(name, 0))
 
     def _checked(self) -> SignedStore:
         if self._store is None:
