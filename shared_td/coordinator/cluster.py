@@ -397,9 +397,11 @@ class Cluster:
             return  # the owner's replica is its own buffer: the rows are already there
         rep = self._replica(name)
         index = torch.as_tensor(index, dtype=torch.int64).reshape(-1)
-        leaves = [rep.td.get(tuple(leaf["key"])) for leaf in rep.layout["leaves"]]
-        parts = [index.view(torch.uint8)] + [leaf[index].contiguous().reshape(-1).view(torch.uint8) for leaf in leaves]
-        payload = torch.cat(parts)
+        rows = rep.layout["batch_size"][0] if rep.layout["batch_size"] else 0
+        index = torch.where(index < 0, index + rows, index)  # -1: the last row, as td[-1]
+        if index.numel() and not 0 <= int(index.min()) <= int(index.max()) < rows:
+            raise IndexError(f"push({name!r}): an index is out of range for {rows} rows.")
+        payload = _rows_payload(rep, index)
         deadline = time.monotonic() + self.timeout
         tag, generation = self._request(rep.owner, "push", name, rep.generation,
                                         rows=int(index.numel()), nbytes=int(payload.numel()))
@@ -625,14 +627,15 @@ class Cluster:
         wait_work([work], time.monotonic() + self.timeout, "push", request["nbytes"])
         rows = request["rows"]
         index = buffer[: 8 * rows].view(torch.int64)
+        if not owned.leaves:
+            owned.leaves = replica.leaf_views(owned.segment, owned.layout)
         offset = 8 * rows
-        for leaf in owned.layout["leaves"]:
-            target = owned.td.get(tuple(leaf["key"]))
+        for target in owned.leaves:
             size = rows * target[0].numel() * target.element_size()
             chunk = buffer[offset: offset + size]
             if offset % target.element_size():
                 chunk = chunk.clone()  # rows of a smaller dtype came before: realign
-            target[index] = chunk.view(target.dtype).view((rows, *leaf["shape"][1:]))
+            target[index] = chunk.view(target.dtype).view((rows, *target.shape[1:]))
             offset += size
 
     def _apply_sync(self, peer: int, rep: Replica, request: dict) -> None:
@@ -687,6 +690,26 @@ class Cluster:
         except dist.DistNetworkError as err:
             raise ConnectionError(f"The cluster store is gone ({err}): the node that hosts it "
                                   "(node 0 by default) stopped.") from err
+
+
+def _rows_payload(rep: Replica, index: torch.Tensor) -> torch.Tensor:
+    """One message for a push: ``index`` (int64) then, leaf after leaf, its rows
+    ``index`` (each copied once, straight into the message)."""
+    if not rep.leaves:
+        rep.leaves = replica.leaf_views(rep.segment, rep.layout)
+    rows = int(index.numel())
+    sizes = [rows * leaf[0].numel() * leaf.element_size() for leaf in rep.leaves]
+    payload = torch.empty(8 * rows + sum(sizes), dtype=torch.uint8)
+    payload[: 8 * rows].view(torch.int64).copy_(index)
+    offset = 8 * rows
+    for leaf, size in zip(rep.leaves, sizes):
+        out = payload[offset: offset + size]
+        if offset % leaf.element_size():  # rows of a smaller dtype came before: not aligned
+            out.copy_(leaf.index_select(0, index).reshape(-1).view(torch.uint8))
+        else:
+            torch.index_select(leaf, 0, index, out=out.view(leaf.dtype).view((rows, *leaf.shape[1:])))
+        offset += size
+    return payload
 
 
 class _ClusterEndpoint:
