@@ -7,9 +7,9 @@ has seen the new version; its references -- a raw gloo ``send``/``recv`` and ten
 0.15.3's ``consolidate()``+``send``/``recv``, ``init_remote``/``from_remote_init`` and
 per-leaf ``send``/``recv`` of the same tree -- run in two spawned processes of a
 registered default gloo group, as a user runs them
-(:mod:`~shared_td.bench.cases_cluster_peers`). ``cluster_push`` and ``cluster_counter``
-compare with the same torch.distributed parts in this process: a two-rank gloo group
-whose ranks run in two threads, and the bare ``TCPStore``.
+(:mod:`~shared_td.bench.cases_cluster_peers`). ``cluster_counter`` compares with a bare
+``TCPStore.add``; ``cluster_push`` runs its two nodes in two processes
+(:mod:`~shared_td.bench.cases_cluster_push`).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ _KEY = b"benchmark key"
 
 
 class _Loopback:
-    """A TCPStore on a free port, two cluster nodes and a raw two-rank gloo pair."""
+    """A TCPStore on a free port and two cluster nodes of this process."""
 
     def __init__(self, coordinator=None):
         from shared_td.coordinator.cluster import Cluster
@@ -37,35 +37,11 @@ class _Loopback:
         url = f"tcp://127.0.0.1:{self.store.port}?host=0"
         self.nodes = [Cluster(url, n, 2, authkey=_KEY, timeout=60, hostname="127.0.0.1",
                               coordinator=coordinator if n == 1 else None) for n in range(2)]
-        self.raw = [None, None]
-        self._in_threads(lambda n: self.nodes[n].start())
-        self._in_threads(self._raw_rank)
-
-    def _raw_rank(self, rank: int) -> None:
-        options = dist.ProcessGroupGloo._Options()
-        options._timeout = datetime.timedelta(seconds=60)
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-        self.raw[rank] = dist.ProcessGroupGloo(dist.PrefixStore("raw", self.store.clone()), rank, 2, options)  # a client each: a TCPStore client serialises its calls
-
-    @staticmethod
-    def _in_threads(work) -> None:
-        threads = [threading.Thread(target=work, args=(n,)) for n in range(2)]
+        threads = [threading.Thread(target=node.start) for node in self.nodes]  # each waits for the other
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join(120)
-
-    def raw_transfer(self, send: torch.Tensor, recv: torch.Tensor, tag: int) -> None:
-        self.pair(lambda: self.raw[0].send([send], 1, tag).wait(),
-                  lambda: self.raw[1].recv([recv], 0, tag).wait())
-
-    @staticmethod
-    def pair(send, receive) -> None:
-        """``send()`` here and ``receive()`` in a thread (rank 1), both to the end."""
-        receiver = threading.Thread(target=receive)
-        receiver.start()
-        send()
-        receiver.join(60)
 
     def close(self) -> None:
         for node in self.nodes:
@@ -150,36 +126,6 @@ def _sync_column(options, nbytes: int, Coordinator, before_timing) -> float:
         there.close()
         loop.close()
         node1.shutdown()
-
-
-def case_cluster_push(options, root: str) -> dict:
-    """``push`` of 64 rows of 1 KiB from a replica node, against a raw gloo send of the
-    same bytes plus one store round trip."""
-    import shared_td
-
-    loop = _Loopback()
-    try:
-        owner, other = loop.nodes
-        owner.publish("replay", shared_td.TensorDict(obs=torch.zeros(4096, 256), batch_size=[4096]))
-        other.attach("replay")
-        index = torch.arange(0, 4096, 64)
-        payload = torch.ones(64 * 1024 + 64 * 8, dtype=torch.uint8)
-        recv = torch.empty_like(payload)
-        tags = iter(range(1, 10**9))
-
-        def raw(_):
-            loop.raw_transfer(payload, recv, next(tags))
-            loop.store.add("bench/rt", 1)
-
-        rounds = max(1, options.rounds // 10)
-        return {
-            "raw gloo send + 1 store round trip": best_of(options.repeat, lambda: None,
-                                                          lambda s: [raw(s) for _ in range(rounds)]) / rounds,
-            "shared_td push": best_of(options.repeat, lambda: None,
-                                      lambda _: [other.push("replay", index) for _ in range(rounds)]) / rounds,
-        }
-    finally:
-        loop.close()
 
 
 def case_cluster_counter(options, root: str) -> dict:

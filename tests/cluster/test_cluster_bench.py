@@ -7,7 +7,8 @@ import pytest
 
 pytest.importorskip("torch.distributed")
 
-from shared_td.bench.cases_cluster import case_cluster_counter, case_cluster_push, case_cluster_sync  # noqa: E402
+from shared_td.bench.cases_cluster import case_cluster_counter, case_cluster_sync  # noqa: E402
+from shared_td.bench.cases_cluster_push import case_cluster_push  # noqa: E402
 from shared_td.bench.runner import BenchOptions  # noqa: E402
 from tests.reference import needs_tensordict  # noqa: E402
 
