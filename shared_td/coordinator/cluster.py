@@ -27,13 +27,12 @@ Requests travel through the store. Each node has one *lane* per peer node: a thr
 pops that peer's requests from their own queue ``lane/<node>/<peer>`` and serves them (a
 peer that stops answering holds up only its own lane; no hand-off between threads on the
 way), and a service thread for the small notices of ``queue/<node>`` (non-tensor values,
-new pair generations, stop). Answers are signed values pushed
-to the requesting thread's own queue ``reply/<node>/<slot>`` (one blocking pop gets one:
-no poll; an answer that comes after its request gave up is skipped by its tag); payloads
-go over the pair's gloo group with the same tag. A
-sender of a payload only sends after the receiver's request or promise, and every wait
-is bounded: on a failure or a timeout the pair's group is aborted (which cancels any
-receive still posted) and rebuilt by the next transfer.
+new pair generations, stop). Answers are signed values pushed to the requesting
+thread's own queue ``reply/<node>/<slot>`` (one blocking pop gets one: no poll; an answer
+that comes after its request gave up is skipped by its tag); payloads go over the pair's
+gloo group with the same tag. A sender of a payload only sends after the receiver's
+request or promise, and every wait is bounded: on a failure or a timeout the pair's group
+is aborted (which cancels any receive still posted) and rebuilt by the next transfer.
 
 Failure behaviour:
 
@@ -207,7 +206,8 @@ class Cluster:
         self._stop.set()
         atexit.unregister(self.shutdown)
         try:
-            for queue in [f"queue/{self.node}", *(self._lane_queue(self.node, peer) for peer in range(self.nodes) if peer != self.node)]:
+            lanes = [self._lane_queue(self.node, peer) for peer in range(self.nodes) if peer != self.node]
+            for queue in [f"queue/{self.node}", *lanes]:
                 self._store.push_json(queue, {"op": "stop", "from": self.node})
         except (RuntimeError, OSError):
             pass  # the store is gone; the pops fail by themselves
@@ -251,8 +251,8 @@ class Cluster:
         if generation > 1:  # replicas of the old generation renew themselves
             for peer in range(self.nodes):
                 if peer != self.node and store.has(f"has/{name}/{peer}"):
-                    store.push_json(self._lane_queue(peer, self.node), {"op": "renew", "name": name, "from": self.node,
-                                                      "generation": generation})
+                    store.push_json(self._lane_queue(peer, self.node),
+                                    {"op": "renew", "name": name, "from": self.node, "generation": generation})
         store.set_json(f"version/{name}", {"version": 1, "generation": generation})
         return td
 
@@ -401,7 +401,9 @@ class Cluster:
         index = torch.where(index < 0, index + rows, index)  # -1: the last row, as td[-1]
         if index.numel() and not 0 <= int(index.min()) <= int(index.max()) < rows:
             raise IndexError(f"push({name!r}): an index is out of range for {rows} rows.")
-        payload = _rows_payload(rep, index)
+        if not rep.leaves:
+            rep.leaves = replica.leaf_views(rep.segment, rep.layout)
+        payload = replica.pack_rows(rep.leaves, index)
         deadline = time.monotonic() + self.timeout
         tag, generation = self._request(rep.owner, "push", name, rep.generation,
                                         rows=int(index.numel()), nbytes=int(payload.numel()))
@@ -625,18 +627,9 @@ class Cluster:
         buffer = torch.empty(request["nbytes"], dtype=torch.uint8)
         work = self._groups.recv(peer, request["pair"], buffer, request["tag"])
         wait_work([work], time.monotonic() + self.timeout, "push", request["nbytes"])
-        rows = request["rows"]
-        index = buffer[: 8 * rows].view(torch.int64)
         if not owned.leaves:
             owned.leaves = replica.leaf_views(owned.segment, owned.layout)
-        offset = 8 * rows
-        for target in owned.leaves:
-            size = rows * target[0].numel() * target.element_size()
-            chunk = buffer[offset: offset + size]
-            if offset % target.element_size():
-                chunk = chunk.clone()  # rows of a smaller dtype came before: realign
-            target[index] = chunk.view(target.dtype).view((rows, *target.shape[1:]))
-            offset += size
+        replica.unpack_rows(owned.leaves, buffer, request["rows"])
 
     def _apply_sync(self, peer: int, rep: Replica, request: dict) -> None:
         if not rep.lock.acquire(timeout=self.timeout):
@@ -690,26 +683,6 @@ class Cluster:
         except dist.DistNetworkError as err:
             raise ConnectionError(f"The cluster store is gone ({err}): the node that hosts it "
                                   "(node 0 by default) stopped.") from err
-
-
-def _rows_payload(rep: Replica, index: torch.Tensor) -> torch.Tensor:
-    """One message for a push: ``index`` (int64) then, leaf after leaf, its rows
-    ``index`` (each copied once, straight into the message)."""
-    if not rep.leaves:
-        rep.leaves = replica.leaf_views(rep.segment, rep.layout)
-    rows = int(index.numel())
-    sizes = [rows * leaf[0].numel() * leaf.element_size() for leaf in rep.leaves]
-    payload = torch.empty(8 * rows + sum(sizes), dtype=torch.uint8)
-    payload[: 8 * rows].view(torch.int64).copy_(index)
-    offset = 8 * rows
-    for leaf, size in zip(rep.leaves, sizes):
-        out = payload[offset: offset + size]
-        if offset % leaf.element_size():  # rows of a smaller dtype came before: not aligned
-            out.copy_(leaf.index_select(0, index).reshape(-1).view(torch.uint8))
-        else:
-            torch.index_select(leaf, 0, index, out=out.view(leaf.dtype).view((rows, *leaf.shape[1:])))
-        offset += size
-    return payload
 
 
 class _ClusterEndpoint:
