@@ -1,13 +1,15 @@
 """Benchmark cases across machines, on loopback: two cluster nodes in one process.
 
 Both nodes are :class:`~shared_td.coordinator.cluster.Cluster` members of this process
-(their own threads, sockets and gloo pairs), beside a raw reference made of the same
-torch.distributed parts: a two-rank gloo group whose ranks run in two threads, and the
-bare ``TCPStore``. tensordict 0.15.3's ``send``/``recv`` run over that same raw pair
-(its ``group=``/``group_dst=`` arguments take an unregistered group), so every column
-pays the same loopback and the same threads; the ratios compare like with like on the
-same machine and run. Node 1 runs a real Coordinator, and ``sync`` is timed until a
-worker process attached through it (not the network) has seen the new version.
+(their own threads, sockets and gloo pairs). ``cluster_sync`` times ``sync`` until a
+worker process of node 1, attached through node 1's real Coordinator (not the network),
+has seen the new version; its references -- a raw gloo ``send``/``recv`` and tensordict
+0.15.3's ``consolidate()``+``send``/``recv``, ``init_remote``/``from_remote_init`` and
+per-leaf ``send``/``recv`` of the same tree -- run in two spawned processes of a
+registered default gloo group, as a user runs them
+(:mod:`~shared_td.bench.cases_cluster_peers`). ``cluster_counter`` compares with a bare
+``TCPStore.add``; ``cluster_push`` runs its two nodes in two processes
+(:mod:`~shared_td.bench.cases_cluster_push`).
 """
 from __future__ import annotations
 
@@ -18,14 +20,14 @@ import threading
 import torch
 import torch.distributed as dist
 
-from shared_td.bench.libraries import tensordict_module
+from shared_td.bench.cases_cluster_peers import policy_tree, start_peers
 from shared_td.bench.timing import best_of
 
 _KEY = b"benchmark key"
 
 
 class _Loopback:
-    """A TCPStore on a free port, two cluster nodes and a raw two-rank gloo pair."""
+    """A TCPStore on a free port and two cluster nodes of this process."""
 
     def __init__(self, coordinator=None):
         from shared_td.coordinator.cluster import Cluster
@@ -35,50 +37,15 @@ class _Loopback:
         url = f"tcp://127.0.0.1:{self.store.port}?host=0"
         self.nodes = [Cluster(url, n, 2, authkey=_KEY, timeout=60, hostname="127.0.0.1",
                               coordinator=coordinator if n == 1 else None) for n in range(2)]
-        self.raw = [None, None]
-        self._in_threads(lambda n: self.nodes[n].start())
-        self._in_threads(self._raw_rank)
-
-    def _raw_rank(self, rank: int) -> None:
-        options = dist.ProcessGroupGloo._Options()
-        options._timeout = datetime.timedelta(seconds=60)
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-        self.raw[rank] = dist.ProcessGroupGloo(dist.PrefixStore("raw", self.store.clone()), rank, 2, options)  # a client each: a TCPStore client serialises its calls
-
-    @staticmethod
-    def _in_threads(work) -> None:
-        threads = [threading.Thread(target=work, args=(n,)) for n in range(2)]
+        threads = [threading.Thread(target=node.start) for node in self.nodes]  # each waits for the other
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join(120)
 
-    def raw_transfer(self, send: torch.Tensor, recv: torch.Tensor, tag: int) -> None:
-        self.pair(lambda: self.raw[0].send([send], 1, tag).wait(),
-                  lambda: self.raw[1].recv([recv], 0, tag).wait())
-
-    @staticmethod
-    def pair(send, receive) -> None:
-        """``send()`` here and ``receive()`` in a thread (rank 1), both to the end."""
-        receiver = threading.Thread(target=receive)
-        receiver.start()
-        send()
-        receiver.join(60)
-
     def close(self) -> None:
         for node in self.nodes:
             node.shutdown()
-
-
-def policy_tree(nbytes: int):
-    """A policy-like tree of ``nbytes``: 4 layers, each a weight and a bias (8 leaves)."""
-    import shared_td
-
-    layer = nbytes // 4 // 4  # float32 elements per layer
-    bias = 256
-    return shared_td.TensorDict(
-        {f"layer{i}": {"weight": torch.ones(layer - bias), "bias": torch.ones(bias)} for i in range(4)},
-        batch_size=[])
 
 
 def _replica_worker(address: str, authkey: bytes, name: str, conn) -> None:
@@ -100,12 +67,22 @@ def _replica_worker(address: str, authkey: bytes, name: str, conn) -> None:
 def case_cluster_sync(options, root: str) -> dict:
     """``sync`` of a tree of min(size-mib, 100) MiB owner -> one replica node, until a
     worker process of that node sees it, against a raw gloo send/recv of the same bytes
-    and tensordict 0.15.3's two ways over the same gloo pair: ``consolidate()`` +
-    ``send``/``recv(consolidated=True)``, and one message per leaf (``send``/``recv``
-    into the tensordict that ``init_remote`` builds on the receiver)."""
+    and tensordict 0.15.3's ways, each between two processes of a registered gloo group
+    (see :mod:`~shared_td.bench.cases_cluster_peers`; its columns are left out without
+    tensordict)."""
     from shared_td import Coordinator
 
     nbytes = min(options.size_mib, 100) << 20
+    peers = start_peers(nbytes, options.repeat)  # they get ready while this process does
+    try:
+        synced = _sync_column(options, nbytes, Coordinator, peers.ready)
+    except BaseException:
+        peers.close()
+        raise
+    return {**peers.measure(), "shared_td sync+worker": synced}
+
+
+def _sync_column(options, nbytes: int, Coordinator, before_timing) -> float:
     node1 = Coordinator().start()
     ctx = multiprocessing.get_context("fork")  # the worker needs no fresh interpreter
     here, there = ctx.Pipe()
@@ -134,13 +111,8 @@ def case_cluster_sync(options, root: str) -> dict:
             if not here.poll(60) or not here.recv():
                 raise RuntimeError("the replica node's worker did not see the synced version")
 
-        send, recv = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
-        tags = iter(range(1, 10**9))
-        results = {"raw gloo send/recv": best_of(options.repeat, lambda: None,
-                                                 lambda _: loop.raw_transfer(send, recv, next(tags)))}
-        results.update(_tensordict_columns(options, loop, nbytes))
-        results["shared_td sync+worker"] = best_of(options.repeat, refill, sync_seen)
-        return results
+        before_timing()  # nothing else of the case runs meanwhile
+        return best_of(options.repeat, refill, sync_seen)
     finally:
         try:
             here.send(None)  # the worker leaves
@@ -154,59 +126,6 @@ def case_cluster_sync(options, root: str) -> dict:
         there.close()
         loop.close()
         node1.shutdown()
-
-
-def _tensordict_columns(options, loop: _Loopback, nbytes: int) -> dict:
-    """tensordict 0.15.3 over the raw pair: ``send(consolidated=True)`` (which runs
-    ``consolidate()`` on each call, as a learner's changed weights need) into a
-    consolidated receiver, and one message per leaf into the consolidated tensordict
-    that ``from_remote_init`` would build (``init_remote`` itself needs a registered
-    default group, which one process cannot be both ranks of). Empty without tensordict."""
-    tensordict = tensordict_module()
-    if tensordict is None:
-        return {}
-    sent = tensordict.TensorDict(policy_tree(nbytes).to_dict(), batch_size=[])
-    received = tensordict.TensorDict(policy_tree(nbytes).to_dict(), batch_size=[]).consolidate(metadata=True)
-    per_leaf = tensordict.TensorDict(policy_tree(nbytes).to_dict(), batch_size=[]).consolidate(metadata=True)
-    raw0, raw1 = loop.raw
-    return {
-        "tensordict consolidated": best_of(options.repeat, lambda: None, lambda _: loop.pair(
-            lambda: sent.send(group=raw0, group_dst=1, consolidated=True),
-            lambda: received.recv(group=raw1, group_src=0, consolidated=True))),
-        "tensordict per leaf": best_of(options.repeat, lambda: None, lambda _: loop.pair(
-            lambda: sent.send(group=raw0, group_dst=1),
-            lambda: per_leaf.recv(group=raw1, group_src=0))),
-    }
-
-
-def case_cluster_push(options, root: str) -> dict:
-    """``push`` of 64 rows of 1 KiB from a replica node, against a raw gloo send of the
-    same bytes plus one store round trip."""
-    import shared_td
-
-    loop = _Loopback()
-    try:
-        owner, other = loop.nodes
-        owner.publish("replay", shared_td.TensorDict(obs=torch.zeros(4096, 256), batch_size=[4096]))
-        other.attach("replay")
-        index = torch.arange(0, 4096, 64)
-        payload = torch.ones(64 * 1024 + 64 * 8, dtype=torch.uint8)
-        recv = torch.empty_like(payload)
-        tags = iter(range(1, 10**9))
-
-        def raw(_):
-            loop.raw_transfer(payload, recv, next(tags))
-            loop.store.add("bench/rt", 1)
-
-        rounds = max(1, options.rounds // 10)
-        return {
-            "raw gloo send + 1 store round trip": best_of(options.repeat, lambda: None,
-                                                          lambda s: [raw(s) for _ in range(rounds)]) / rounds,
-            "shared_td push": best_of(options.repeat, lambda: None,
-                                      lambda _: [other.push("replay", index) for _ in range(rounds)]) / rounds,
-        }
-    finally:
-        loop.close()
 
 
 def case_cluster_counter(options, root: str) -> dict:

@@ -18,7 +18,8 @@ import shutil
 import tempfile
 from typing import Callable
 
-from shared_td.bench.cases_cluster import case_cluster_counter, case_cluster_push, case_cluster_sync
+from shared_td.bench.cases_cluster import case_cluster_counter, case_cluster_sync
+from shared_td.bench.cases_cluster_push import case_cluster_push
 from shared_td.bench.cases_cluster_values import case_cluster_value
 from shared_td.bench.cases_consolidate import case_consolidate, case_consolidated_pickle
 from shared_td.bench.cases_files import (

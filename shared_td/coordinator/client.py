@@ -260,7 +260,9 @@ class Coordinator:
         and filled on first attach); a name published without ``replicate=True`` on
         another node raises a KeyError that names that node.
         """
-        if self.cluster is not None and name not in self.cluster._owned and self.cluster.knows(name):
+        # a replica this node holds: no store round trip (it stays readable without the store)
+        if self.cluster is not None and name not in self.cluster._owned and (
+                self.cluster.replicates(name) or self.cluster.knows(name)):
             return self.cluster.attach(name)
         try:
             return attach(name, address=self.address, authkey=self.authkey, timeout=self._timeout)

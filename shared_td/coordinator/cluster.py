@@ -23,13 +23,16 @@ signed notice, and the highest store version wins
 the views of that node's processes turn stale (:func:`shared_td.is_stale`) and
 :func:`shared_td.refresh` gives the new one.
 
-Requests travel through the store: each node pops its queue ``queue/<node>`` in a service
-thread and hands each request to the *lane* of its sender (one thread per peer node: a
-peer that stops answering holds up only its own lane). Answers are signed keys
-``reply/<node>/<tag>``; payloads go over the pair's gloo group with the same tag. A
-sender of a payload only sends after the receiver's request or promise, and every wait
-is bounded: on a failure or a timeout the pair's group is aborted (which cancels any
-receive still posted) and rebuilt by the next transfer.
+Requests travel through the store. Each node has one *lane* per peer node: a thread that
+pops that peer's requests from their own queue ``lane/<node>/<peer>`` and serves them (a
+peer that stops answering holds up only its own lane; no hand-off between threads on the
+way), and a service thread for the small notices of ``queue/<node>`` (non-tensor values,
+new pair generations, stop). Answers are signed values pushed to the requesting
+thread's own queue ``reply/<node>/<slot>`` (one blocking pop gets one: no poll; an answer
+that comes after its request gave up is skipped by its tag); payloads go over the pair's
+gloo group with the same tag. A sender of a payload only sends after the receiver's
+request or promise, and every wait is bounded: on a failure or a timeout the pair's group
+is aborted (which cancels any receive still posted) and rebuilt by the next transfer.
 
 Failure behaviour:
 
@@ -86,7 +89,7 @@ from shared_td.coordinator.cluster_liveness import HEARTBEAT_S, Liveness
 from shared_td.coordinator.cluster_names import LocalNames
 from shared_td.coordinator.cluster_replica import Owned, Replica
 from shared_td.coordinator.cluster_store import ClusterAuthError, ClusterCounter, SignedStore, cluster_key, open_store
-from shared_td.coordinator.cluster_transfer import PairGroups, TransferFailed, wait_work
+from shared_td.coordinator.cluster_transfer import PairGroups, StalePair, TransferFailed, wait_work
 from shared_td.coordinator.cluster_values import ClusterValues
 from shared_td.errors import OwnerLostError
 
@@ -140,11 +143,15 @@ class Cluster:
         self._owned: dict[str, Owned] = {}
         self._replicas: dict[str, Replica] = {}
         self._held: set[str] = set()  # names published on this node's Coordinator by us
+        # name -> the newest generation its owner announced to this node (a renew notice):
+        # what is_stale can still tell once the store host is lost
+        self._announced: dict[str, int] = {}
         self._attaching = threading.Lock()  # one attach at a time (user's, or a lane's renewal)
         self._tags = itertools.count(1)
+        self._reply_slots = itertools.count()
+        self._local = threading.local()  # each thread's reply queue
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._lanes: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
         self._senders = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="shared_td-sync")
         self.refused = 0  # requests dropped for a wrong signature
         self.renew_failures = 0  # replicas not renewed after a re-publish (see _renew)
@@ -183,8 +190,9 @@ class Cluster:
         #: this node's records of its unreplicated names (see cluster_names)
         self.local_names = LocalNames(self._store, self.node, self.nodes)
         self._liveness = Liveness(self._store, self.node, lambda key: self._guard(self._store.get_json, key))
-        for target, args in ((self._liveness.beat, (self._stop,)), (self._serve, ())):
-            thread = threading.Thread(target=target, args=args, name=f"shared_td-cluster-{target.__name__}", daemon=True)
+        lanes = [(self._lane, (peer,), f"lane-{peer}") for peer in range(self.nodes) if peer != self.node]
+        for target, args, name in [(self._liveness.beat, (self._stop,), "beat"), (self._serve, (), "serve"), *lanes]:
+            thread = threading.Thread(target=target, args=args, name=f"shared_td-cluster-{name}", daemon=True)
             thread.start()
             self._threads.append(thread)
         return self
@@ -198,15 +206,16 @@ class Cluster:
         self._stop.set()
         atexit.unregister(self.shutdown)
         try:
-            self._store.push_json(f"queue/{self.node}", {"op": "stop", "from": self.node})
+            lanes = [self._lane_queue(self.node, peer) for peer in range(self.nodes) if peer != self.node]
+            for queue in [f"queue/{self.node}", *lanes]:
+                self._store.push_json(queue, {"op": "stop", "from": self.node})
         except (RuntimeError, OSError):
-            pass  # the store is gone; the service thread's pop fails by itself
-        for thread in self._threads:
-            thread.join(_POP_S if thread.name.endswith("_serve") else 2 * HEARTBEAT_S)
+            pass  # the store is gone; the pops fail by themselves
+        for thread in self._threads:  # a lane in a transfer ends at its bounded wait (daemon)
+            thread.join(_POP_S if thread.name.endswith("serve") else 2 * HEARTBEAT_S)
         if self._values is not None:
             self._values.join(2 * HEARTBEAT_S)
-        for lane in [*self._lanes.values(), self._senders]:
-            lane.shutdown(wait=False, cancel_futures=True)
+        self._senders.shutdown(wait=False, cancel_futures=True)
         if self._groups is not None:  # None: start() failed before the groups
             self._groups.close()
 
@@ -242,8 +251,8 @@ class Cluster:
         if generation > 1:  # replicas of the old generation renew themselves
             for peer in range(self.nodes):
                 if peer != self.node and store.has(f"has/{name}/{peer}"):
-                    store.push_json(f"queue/{peer}", {"op": "renew", "name": name, "from": self.node,
-                                                      "generation": generation})
+                    store.push_json(self._lane_queue(peer, self.node),
+                                    {"op": "renew", "name": name, "from": self.node, "generation": generation})
         store.set_json(f"version/{name}", {"version": 1, "generation": generation})
         return td
 
@@ -292,8 +301,15 @@ class Cluster:
             self._attaching.release()
 
     def _attach(self, name: str):
-        info = self._info(name)
         have = self._replicas.get(name)
+        try:
+            info = self._info(name)
+        except ConnectionError:
+            if have is None:
+                raise
+            # the store host is lost: this node's replica stays readable (and no newer
+            # generation can be published without the store)
+            return have.td
         if have is not None and have.generation == info["generation"]:
             return have.td
         layout, generation = info["layout"], info["generation"]
@@ -319,12 +335,18 @@ class Cluster:
         replica); the others are recorded in :attr:`local_names`."""
         return name in self._held
 
+    def replicates(self, name: str) -> bool:
+        """Whether this node holds a replica of ``name`` (no round trip)."""
+        return name in self._replicas
+
     def is_stale(self, name: str) -> bool:
-        """Whether the owner published ``name`` again since this replica was made."""
+        """Whether the owner published ``name`` again since this replica was made. Once
+        the store host is lost: whether the owner announced a newer generation to this
+        node before (no new one can be published after)."""
         have = self._replicas.get(name)
         if have is None:
             return False
-        return self._info(name)["generation"] != have.generation
+        return self.generation(name) != have.generation
 
     def version(self, name: str) -> int | None:
         """The version this node holds of ``name`` (the owner's: its current one)."""
@@ -349,8 +371,12 @@ class Cluster:
         if not rep.lock.acquire(timeout=self.timeout):
             raise TimeoutError(f"Another transfer of {name!r} on this node did not end within {self.timeout:g} s.")
         try:
-            tag, generation = self._request(rep.owner, "pull", name, rep.generation)
-            answer = self._answer(rep.owner, tag, deadline, name)
+            try:
+                tag, generation = self._request(rep.owner, "pull", name, rep.generation)
+                answer = self._answer(rep.owner, tag, deadline, name)
+            except StalePair:  # asked just before the owner's notice of a new pair generation came
+                tag, generation = self._request(rep.owner, "pull", name, rep.generation)
+                answer = self._answer(rep.owner, tag, deadline, name)
             try:
                 replica.set_state(rep.segment, replica.state(rep.segment) | 1)
                 work = self._groups.recv(rep.owner, generation, replica.segment_bytes(rep.segment, rep.layout["nbytes"]), tag,
@@ -371,9 +397,13 @@ class Cluster:
             return  # the owner's replica is its own buffer: the rows are already there
         rep = self._replica(name)
         index = torch.as_tensor(index, dtype=torch.int64).reshape(-1)
-        leaves = [rep.td.get(tuple(leaf["key"])) for leaf in rep.layout["leaves"]]
-        parts = [index.view(torch.uint8)] + [leaf[index].contiguous().reshape(-1).view(torch.uint8) for leaf in leaves]
-        payload = torch.cat(parts)
+        rows = rep.layout["batch_size"][0] if rep.layout["batch_size"] else 0
+        index = torch.where(index < 0, index + rows, index)  # -1: the last row, as td[-1]
+        if index.numel() and not 0 <= int(index.min()) <= int(index.max()) < rows:
+            raise IndexError(f"push({name!r}): an index is out of range for {rows} rows.")
+        if not rep.leaves:
+            rep.leaves = replica.leaf_views(rep.segment, rep.layout)
+        payload = replica.pack_rows(rep.leaves, index)
         deadline = time.monotonic() + self.timeout
         tag, generation = self._request(rep.owner, "push", name, rep.generation,
                                         rows=int(index.numel()), nbytes=int(payload.numel()))
@@ -440,33 +470,50 @@ class Cluster:
         """Put a request in ``peer``'s queue; returns (tag, pair generation)."""
         store = self._checked()
         tag = next(self._tags) * 1024 + self.node  # unique per sender (nodes < 1024)
-        pair = self._guard(self._groups.generation, peer)
-        self._guard(store.push_json, f"queue/{peer}",
+        pair = self._guard(self._groups.generation, peer)  # cached: no round trip
+        self._guard(store.push_json, self._lane_queue(peer, self.node),
                     {"op": op, "name": name, "generation": generation, "from": self.node,
-                     "tag": tag, "pair": pair, **extra})
+                     "tag": tag, "pair": pair, "reply": self._reply_queue(), **extra})
         return tag, pair
 
+    def _reply_queue(self) -> str:
+        """This thread's answer queue: one per thread, so that one pop waits for the
+        answers of this thread's requests only (and the store keeps a bounded number)."""
+        queue = getattr(self._local, "replies", None)
+        if queue is None:
+            queue = self._local.replies = f"reply/{self.node}/{next(self._reply_slots)}"
+        return queue
+
     def _answer(self, peer: int, tag: int, deadline: float, name: str) -> dict:
-        """The peer's signed answer to request ``tag``, waited for in slices while the
-        peer's heartbeat lives; OwnerLostError/TimeoutError otherwise; a refusal raises."""
+        """The peer's signed answer to request ``tag`` (sent from this thread), waited
+        for in slices while the peer's heartbeat lives; OwnerLostError/TimeoutError
+        otherwise; a refusal raises. Answers to this thread's earlier requests that gave
+        up before them, and values with a wrong signature, are skipped."""
         store = self._checked()
-        key = f"reply/{self.node}/{tag}"
+        queue = self._reply_queue()
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"Node {peer} did not answer about {name!r} within {self.timeout:g} s.")
-            if self._guard(store.wait, [key], min(left, 0.25)):
+            try:
+                answer = self._guard(store.pop_json, queue, min(left, 0.25))
+            except ClusterAuthError:
+                self.refused += 1  # forged: never acted on
+                continue
+            if answer is None:
+                if not self._alive(peer):
+                    raise self._lost(peer, name)
+            elif answer.get("tag") == tag:
                 break
-            if not self._alive(peer):
-                raise self._lost(peer, name)
-        answer = self._guard(store.get_json, key)
-        store.delete(key)
+        if "stale_pair" in answer:  # nothing was transferred
+            self._groups.seen(peer, answer["stale_pair"])
+            raise StalePair(f"Node {peer} moved the pair to generation {answer['stale_pair']}: {answer['error']}")
         if "error" in answer:
             raise RuntimeError(f"Node {peer} refused the transfer of {name!r}: {answer['error']}")
         return answer
 
     def _reply(self, request: dict, **answer) -> None:
-        self._store.set_json(f"reply/{request['from']}/{request['tag']}", answer)
+        self._store.push_json(request["reply"], {"tag": request["tag"], **answer})
 
     # ------------------------------------------------------------------ service
     def _serve(self) -> None:
@@ -481,17 +528,38 @@ class Cluster:
                 return  # the store is gone
             if request is None or request.get("op") == "stop":
                 continue
-            if request.get("op") == "value":  # small and quick: applied here, in order
-                try:
+            try:
+                if request.get("op") == "pair":  # the peer moved our pair to a new generation
+                    self._groups.seen(request["from"], request["generation"])
+                elif request.get("op") == "value":  # applied here, in order
                     self._values.receive(request)
-                except Exception:  # noqa: BLE001 - a bad value must not stop the service
-                    self.refused += 1
+                else:
+                    self.refused += 1  # signed, but not a notice
+            except Exception:  # noqa: BLE001 - a bad notice must not stop the service
+                self.refused += 1
+
+    @staticmethod
+    def _lane_queue(node: int, peer: int) -> str:
+        """The queue of ``peer``'s requests to ``node``."""
+        return f"lane/{node}/{peer}"
+
+    def _lane(self, peer: int) -> None:
+        """Serve ``peer``'s requests, one at a time, in the order sent."""
+        queue = self._lane_queue(self.node, peer)
+        while not self._stop.is_set():
+            try:
+                request = self._store.pop_json(queue, _POP_S)
+            except ClusterAuthError:
+                self.refused += 1  # forged or another cluster's: never acted on
                 continue
-            peer = request["from"]
-            lane = self._lanes.get(peer)
-            if lane is None:
-                lane = self._lanes[peer] = concurrent.futures.ThreadPoolExecutor(1, f"shared_td-lane-{peer}")
-            lane.submit(self._handle, request)
+            except (RuntimeError, OSError):
+                return  # the store is gone
+            if request is None or request.get("op") == "stop":
+                continue
+            if request.get("from") != peer:
+                self.refused += 1  # signed, but not in its sender's lane
+                continue
+            self._handle(request)
 
     def _handle(self, request: dict) -> None:
         peer, op, name = request["from"], request["op"], request["name"]
@@ -505,6 +573,11 @@ class Cluster:
                 self._serve_receive(peer, request, self._owned.get(name), self._apply_rows)
             elif op == "sync":
                 self._serve_receive(peer, request, self._replicas.get(name), self._apply_sync)
+        except StalePair as err:  # nothing transferred: the requester may retry at once
+            try:
+                self._reply(request, error=str(err), stale_pair=self._groups.generation(peer))
+            except (RuntimeError, OSError):
+                pass  # the store is gone
         except TransferFailed:
             self._groups.fail(peer, request["pair"])  # the requester's own wait fails too
         except Exception as err:  # answered, so that the requester does not wait in vain
@@ -516,6 +589,7 @@ class Cluster:
     def _renew(self, name: str, generation: int) -> None:
         """The owner published ``name`` again: replace this node's older replica. On a
         failure the old one stays (stale); the next attach or refresh tries again."""
+        self._announced[name] = max(generation, self._announced.get(name, 0))
         have = self._replicas.get(name)
         if have is None or have.generation >= generation:
             return
@@ -530,6 +604,7 @@ class Cluster:
             self._reply(request, error=f"node {self.node} has no generation {request['generation']} of {request['name']!r}")
             return
         group_pair = request["pair"]
+        self._groups.check(peer, group_pair)  # before the answer: the requester's receive follows it
         self._reply(request, version=owned.version)
         work = self._groups.send(peer, group_pair, replica.segment_bytes(owned.segment, owned.layout["nbytes"]), request["tag"])
         wait_work([work], time.monotonic() + self.timeout, "pull", owned.layout["nbytes"])
@@ -552,17 +627,9 @@ class Cluster:
         buffer = torch.empty(request["nbytes"], dtype=torch.uint8)
         work = self._groups.recv(peer, request["pair"], buffer, request["tag"])
         wait_work([work], time.monotonic() + self.timeout, "push", request["nbytes"])
-        rows = request["rows"]
-        index = buffer[: 8 * rows].view(torch.int64)
-        offset = 8 * rows
-        for leaf in owned.layout["leaves"]:
-            target = owned.td.get(tuple(leaf["key"]))
-            size = rows * target[0].numel() * target.element_size()
-            chunk = buffer[offset: offset + size]
-            if offset % target.element_size():
-                chunk = chunk.clone()  # rows of a smaller dtype came before: realign
-            target[index] = chunk.view(target.dtype).view((rows, *leaf["shape"][1:]))
-            offset += size
+        if not owned.leaves:
+            owned.leaves = replica.leaf_views(owned.segment, owned.layout)
+        replica.unpack_rows(owned.leaves, buffer, request["rows"])
 
     def _apply_sync(self, peer: int, rep: Replica, request: dict) -> None:
         if not rep.lock.acquire(timeout=self.timeout):
@@ -593,8 +660,16 @@ class Cluster:
     # ------------------------------------------------------------------ helpers
     def generation(self, name: str) -> int:
         """The current generation of ``name`` (one store round trip): it grows with
-        every publish of ``name`` on its owner."""
-        return self._info(name)["generation"]
+        every publish of ``name`` on its owner. Once the store host is lost, for a name
+        this node replicates: the newest generation it knows of (its replica's, or one
+        the owner announced since); ConnectionError for the others."""
+        try:
+            return self._info(name)["generation"]
+        except ConnectionError:
+            have = self._replicas.get(name)
+            if have is None:
+                raise
+            return max(have.generation, self._announced.get(name, 0))
 
     def _checked(self) -> SignedStore:
         if self._store is None:

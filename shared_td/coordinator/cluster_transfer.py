@@ -12,6 +12,14 @@ and increments the pair's generation counter in the store; the next transfer bet
 two nodes builds generation + 1 on both sides (each request names the generation it
 uses, see :mod:`shared_td.coordinator.cluster`). Other pairs are not disturbed.
 
+Each node caches the generation of each pair (a request costs no store round trip for
+it): the cache moves on in :meth:`PairGroups.fail` (to what the store holds), when a
+request names a newer generation (:meth:`PairGroups.seen`), and when the peer's notice
+of its own ``fail`` arrives (``fail`` queues one to the peer). A request sent on an older
+generation in the moment before the notice arrives is refused by the peer without any
+transfer (:class:`StalePair`): a receiving requester (a pull) retries at once; a sending
+one (push, sync) fails at its bounded wait, as on any failed transfer.
+
 Waiting: gloo completes a send or receive only inside ``work.wait()`` (``is_completed()``
 stays False until then, measured), and ``ProcessGroupGloo.abort()`` does not interrupt a
 waiting thread. So each transfer waits once, at most until the call's deadline and
@@ -36,7 +44,12 @@ import torch.distributed as dist
 
 from shared_td.errors import TransferFailed
 
-__all__ = ["PairGroups", "TransferFailed", "wait_work"]
+__all__ = ["PairGroups", "StalePair", "TransferFailed", "wait_work"]
+
+
+class StalePair(TransferFailed):
+    """A request named a generation of the pair that this node already left: nothing
+    was transferred, the requester may retry on the current generation."""
 
 
 #: The slowest transfer rate (bytes/s) a wait allows for before it gives up: a gloo wait
@@ -73,6 +86,7 @@ class PairGroups:
         self._store, self.node, self.timeout = store, node, timeout
         self._hostname = hostname
         self._groups: dict[int, tuple[int, object]] = {}  # peer -> (generation, group)
+        self._generations: dict[int, int] = {}  # peer -> the newest generation known here
         self._locks: dict[int, threading.Lock] = {}
         self._guard = threading.Lock()
 
@@ -81,8 +95,18 @@ class PairGroups:
         return f"{low}-{high}"
 
     def generation(self, peer: int) -> int:
-        """The pair's current generation (one store round trip)."""
-        return self._store.add(f"pairgen/{self._pair(peer)}", 0)
+        """The pair's current generation: cached (a store round trip the first time)."""
+        known = self._generations.get(peer)
+        if known is None:
+            known = self.seen(peer, self._store.add(f"pairgen/{self._pair(peer)}", 0))
+        return known
+
+    def seen(self, peer: int, generation: int) -> int:
+        """Note that the pair with ``peer`` reached ``generation`` (a request or a notice
+        named it); returns the newest generation known."""
+        with self._guard:
+            newest = self._generations[peer] = max(generation, self._generations.get(peer, 0))
+        return newest
 
     def group(self, peer: int, generation: int, deadline: float | None = None):
         """The group shared with ``peer`` at ``generation``, built if this node has an
@@ -97,15 +121,21 @@ class PairGroups:
             have = self._groups.get(peer)
             if have is not None and have[0] == generation:
                 return have[1]
-            if have is not None and have[0] > generation:
-                raise TransferFailed(f"generation {generation} of the pair with node {peer} is gone")
+            self.check(peer, generation)
             if have is not None:
                 have[1].abort()
             group = self._build(peer, generation, self._left(deadline))
             self._groups[peer] = (generation, group)
+            self.seen(peer, generation)
             return group
         finally:
             lock.release()
+
+    def check(self, peer: int, generation: int) -> None:
+        """StalePair if this node already moved the pair with ``peer`` past ``generation``."""
+        have = self._groups.get(peer)
+        if have is not None and have[0] > generation or self._generations.get(peer, 0) > generation:
+            raise StalePair(f"generation {generation} of the pair with node {peer} is gone")
 
     def _left(self, deadline: float | None) -> float:
         """Seconds a wait may take: ``timeout``, and not past ``deadline``."""
@@ -128,16 +158,20 @@ class PairGroups:
             raise TransferFailed(f"no gloo connection with node {peer} ({err})") from err
 
     def fail(self, peer: int, generation: int) -> None:
-        """Abort the group with ``peer`` (cancels its posted sends and receives) and move
-        the pair to the next generation, unless that already happened."""
+        """Abort the group with ``peer`` (cancels this node's posted sends and receives:
+        not the peer's, which end at their bounded wait) and move the pair to the next
+        generation, unless that already happened; the peer is told (a notice in its
+        queue) so that its next request uses the new generation."""
         with self._guard:
             have = self._groups.get(peer)
             if have is not None and have[0] == generation:
                 del self._groups[peer]
                 have[1].abort()
         try:
-            self._store.compare_set(f"pairgen/{self._pair(peer)}", str(generation), str(generation + 1))
-        except (RuntimeError, OSError):  # OSError: ConnectionError, the store lost
+            now = self._store.compare_set(f"pairgen/{self._pair(peer)}", str(generation), str(generation + 1))
+            newest = self.seen(peer, int(now))
+            self._store.push_json(f"queue/{peer}", {"op": "pair", "from": self.node, "generation": newest})
+        except (RuntimeError, OSError, ValueError):  # OSError: ConnectionError, the store lost
             pass  # the store is gone: there is no next transfer
 
     def send(self, peer: int, generation: int, tensor: torch.Tensor, tag: int, deadline: float | None = None):

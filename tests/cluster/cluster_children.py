@@ -45,6 +45,7 @@ def node_main(url, node, nodes, authkey, commands, results, tmpdir):
         coord.shutdown()
         results.put(("error", type(err).__name__, str(err)))
         return
+    coord.cluster = cluster  # as Coordinator(cluster=...) does: coord.attach goes through it
     results.put(("ok", os.getpid()))
     counters = {}
     while True:
@@ -71,6 +72,10 @@ def _run(cluster, coord, counters, command, *args):
     if command == "attach":
         td = cluster.attach(args[0])
         return td["w"]._backing.key, cluster.version(args[0])
+    if command == "coord_attach":  # what the node's users call: Coordinator.attach, is_stale, refresh
+        view = coord.attach(args[0])
+        return (view["w"]._backing.key, shared_td.is_stale(view), shared_td.refresh(view)["w"]._backing.key,
+                cluster.is_stale(args[0]), view["w"][:2].tolist())
     if command == "read":
         td = cluster.attach(args[0])
         return td["w"].tolist(), td["nested", "i"][:, 0].tolist()

@@ -7,7 +7,8 @@ import pytest
 
 pytest.importorskip("torch.distributed")
 
-from shared_td.bench.cases_cluster import case_cluster_counter, case_cluster_push, case_cluster_sync  # noqa: E402
+from shared_td.bench.cases_cluster import case_cluster_counter, case_cluster_sync  # noqa: E402
+from shared_td.bench.cases_cluster_push import case_cluster_push  # noqa: E402
 from shared_td.bench.runner import BenchOptions  # noqa: E402
 from tests.reference import needs_tensordict  # noqa: E402
 
@@ -16,8 +17,8 @@ from tests.reference import needs_tensordict  # noqa: E402
 @pytest.mark.timeout(120)
 def test_sync_case_runs_beside_raw_gloo_and_tensordict(tmp_path):
     results = case_cluster_sync(BenchOptions.quick(size_mib=1, repeat=2), str(tmp_path))
-    assert list(results) == ["raw gloo send/recv", "tensordict consolidated", "tensordict per leaf",
-                             "shared_td sync+worker"]
+    assert list(results) == ["raw gloo send/recv", "tensordict consolidated", "tensordict init_remote",
+                             "tensordict per leaf", "shared_td sync+worker"]
     assert all(0 < seconds < 10 for seconds in results.values()), results
 
 

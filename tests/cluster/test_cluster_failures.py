@@ -104,7 +104,7 @@ def timed_call(nodes, node, *command, timeout=WAIT):
 def test_store_host_killed_gives_connection_error_and_nodes_stop_cleanly():
     with leak_checked_nodes(3, hosted=True) as nodes:
         nodes.ok(1, "publish", "policy", 1000, 2.0)
-        nodes.ok(2, "attach", "policy")
+        held, _version = nodes.ok(2, "attach", "policy")
         nodes.ok(2, "counter_add", "cursor", 4)
         time.sleep(random.uniform(0.0, 0.5))
         os.kill(nodes.procs[0].pid, signal.SIGKILL)  # node 0 hosts the store
@@ -114,6 +114,14 @@ def test_store_host_killed_gives_connection_error_and_nodes_stop_cleanly():
             answer, took = timed_call(nodes, node, *command)
             assert answer[0] == "error" and answer[1] == "ConnectionError", (command, answer)
             assert took < 10, (command, took)
+        # attach of the replica this node holds needs no store: the same replica, not
+        # stale (no newer generation can be published without the store) ...
+        assert nodes.ok(2, "attach", "policy") == (held, 1)
+        key, stale, refreshed, cluster_stale, values = nodes.ok(2, "coord_attach", "policy")
+        assert (key, stale, refreshed, cluster_stale, values) == (held, False, held, False, [2.0, 3.0])
+        # ... while a name it does not hold still needs the store
+        answer, took = timed_call(nodes, 2, "attach", "other")
+        assert answer[0] == "error" and answer[1] == "ConnectionError" and took < 10, answer
         # the replica stays readable by the node's workers (through its own coordinator)
         values, _segment, version = nodes.ok(2, "worker_read", "policy", timeout=90)
         assert values[:2] == [2.0, 3.0] and version == 1

@@ -110,9 +110,10 @@ def test_forged_request_is_dropped_and_the_node_keeps_serving(store, pair):
     td = owner.publish("p", shared_td.TensorDict(x=torch.arange(4.0), batch_size=[4]))
     # a request pushed without the key: never acted on, counted
     store.queue_push("shared_td/queue/0", b"0" * 32 + b'{"op": "pull", "name": "p"}')
+    store.queue_push("shared_td/lane/0/1", b"0" * 32 + b'{"op": "pull", "name": "p"}')  # node 1's lane
     replica = other.attach("p")
     assert replica["x"].tolist() == [0.0, 1.0, 2.0, 3.0]
-    assert owner.refused == 1
+    assert owner.refused == 2
     td["x"].add_(1)
     assert owner.sync("p").delivered == [1]
     assert replica["x"].tolist() == [1.0, 2.0, 3.0, 4.0]
@@ -125,10 +126,12 @@ def test_republish_makes_replica_stale(pair):
     first = other.attach("p")
     assert not other.is_stale("p")
     owner.publish("p", shared_td.TensorDict(x=torch.ones(5), batch_size=[5]))
-    assert other.is_stale("p")
+    # the view is stale at once (node 1's own replica may already be renewed by the
+    # owner's notice, so other.is_stale("p") can read either way here)
+    assert shared_td.is_stale(first)
     second = other.attach("p")  # a new replica of the new generation
     assert second["x"].tolist() == [1.0] * 5 and first["x"].tolist() == [0.0] * 3
-    assert not other.is_stale("p")
+    assert not other.is_stale("p") and not shared_td.is_stale(second) and shared_td.is_stale(first)
 
 
 def test_unknown_and_unreplicable_names_are_clear_errors(pair, tmp_path):
@@ -208,3 +211,49 @@ def test_cluster_urls_are_checked(monkeypatch):
     for url in ("udp://x:1", "tcp://nohost", "env://"):
         with pytest.raises(ValueError, match="cluster="):
             open_store(url, 0, 1.0)
+
+
+def test_a_pair_moved_on_by_one_node_is_followed_by_the_other(pair):
+    """Pair generations are cached: the node that fails a pair tells the other (a notice),
+    and a request sent on the old generation before the notice came is refused without a
+    transfer and retried (a pull), never left waiting for an answer."""
+    import time
+
+    owner, other = pair
+    td = owner.publish("p", shared_td.TensorDict(x=torch.arange(4.0), batch_size=[4]))
+    replica = other.attach("p")
+    old = other._groups.generation(0)
+    assert owner._groups.generation(1) == old
+    owner._groups.fail(1, old)  # as after a failed transfer on the owner's side
+    deadline = time.monotonic() + 5
+    while other._groups.generation(0) == old:  # the notice reaches node 1's service thread
+        assert time.monotonic() < deadline, "node 1 never heard of the new pair generation"
+        time.sleep(0.01)
+    replica["x"][1] = 7.0
+    other.push("p", [1])
+    assert td["x"].tolist() == [0.0, 7.0, 2.0, 3.0]
+    # a request on a generation the owner already left (sent just before its notice came)
+    owner._groups.fail(1, old + 1)
+    other._groups._generations[0] = old + 1  # the notice not seen yet
+    td["x"][3] = 9.0
+    began = time.monotonic()
+    other.pull("p")
+    assert time.monotonic() - began < 2
+    assert replica["x"].tolist() == [0.0, 7.0, 2.0, 9.0]
+    assert other._groups.generation(0) == old + 2
+
+
+def test_push_takes_negative_rows_and_refuses_rows_out_of_range(pair):
+    owner, other = pair
+    td = owner.publish("p", shared_td.TensorDict(x=torch.zeros(4), flag=torch.zeros(4, dtype=torch.uint8),
+                                                 y=torch.zeros(4, 2, dtype=torch.float64), batch_size=[4]))
+    replica = other.attach("p")
+    replica["x"][3], replica["flag"][3], replica["y"][3] = 5.0, 1, torch.tensor([6.0, 7.0], dtype=torch.float64)
+    other.push("p", [-1])  # the last row; y's rows come after an odd number of bytes
+    assert td["x"].tolist() == [0.0, 0.0, 0.0, 5.0] and td["flag"].tolist() == [0, 0, 0, 1]
+    assert td["y"][3].tolist() == [6.0, 7.0] and td["y"][:3].abs().sum() == 0
+    with pytest.raises(IndexError, match="'p'.*out of range"):
+        other.push("p", [4])
+    with pytest.raises(IndexError, match="out of range"):
+        other.push("p", [-5])
+    assert td["x"].tolist() == [0.0, 0.0, 0.0, 5.0]

@@ -1,0 +1,171 @@
+"""The reference columns of ``cluster_sync``, measured as a user of torch.distributed
+would run them: two processes (spawn), each rank of a *registered* default gloo group
+(``init_process_group`` on a TCPStore that the benchmark hosts on a free port of
+127.0.0.1, ``GLOO_SOCKET_IFNAME=lo``).
+
+Each column runs once untimed (buffers touched, as in a training loop), then each timing
+starts when both ranks leave a barrier and ends when the receiver (rank 1) holds the data, so that the sender's own work (tensordict's ``consolidate()``, the
+pickling of ``init_remote``'s metadata) counts as the receiver waits for it. Columns:
+
+* ``raw gloo send/recv``: ``dist.send``/``dist.recv`` of the same bytes (the floor);
+* ``tensordict consolidated``: ``send(consolidated=True)`` of a changed (so not
+  consolidated) tree, which runs ``consolidate()`` on each call, into the consolidated
+  tensordict that ``from_remote_init`` built;
+* ``tensordict init_remote``: ``init_remote`` -> ``from_remote_init`` (metadata pickled,
+  then the consolidated storage): how a receiver that does not know the tree gets it;
+* ``tensordict per leaf``: ``send``/``recv``, one message per leaf, into that tensordict.
+
+The children are started first (:func:`start_peers`): they import torch and tensordict and
+join the group while the caller prepares its own column, which it times once they are
+idle (:meth:`Peers.ready`); they wait until :meth:`Peers.measure` lets them run. Every
+wait is bounded and no process outlives the case.
+"""
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+import queue as queues
+import time
+
+import torch
+import torch.distributed as dist
+
+from shared_td.bench.libraries import tensordict_module
+
+#: Seconds the children may take to start (imports, joining the group), and any gloo
+#: call of theirs.
+START_S = 120.0
+
+
+def policy_tree(nbytes: int, library=None):
+    """A policy-like tree of ``nbytes``: 4 layers, each a weight and a bias (8 leaves), a
+    TensorDict of ``library`` (shared_td by default, or tensordict)."""
+    if library is None:
+        import shared_td as library
+    layer = nbytes // 4 // 4  # float32 elements per layer
+    bias = 256
+    return library.TensorDict(
+        {f"layer{i}": {"weight": torch.ones(layer - bias), "bias": torch.ones(bias)} for i in range(4)},
+        batch_size=[])
+
+
+def _peer_main(rank: int, port: int, nbytes: int, repeat: int, with_tensordict: bool, go, results) -> None:
+    """One rank: join the group, tell ``results`` it is ready, wait for ``go``, then time
+    each column ``repeat`` times (rank 1 reports the best of each)."""
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    tensordict = tensordict_module() if with_tensordict else None
+    timeout = datetime.timedelta(seconds=START_S + nbytes / 20e6)
+    store = dist.TCPStore("127.0.0.1", port, None, False, timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timeout)
+    try:
+        results.put(("ready", rank))
+        if not go.wait(START_S):
+            return  # the caller went away
+        columns = {"raw gloo send/recv": _raw(rank, nbytes)}
+        if tensordict is not None:
+            columns.update(_tensordict_columns(rank, tensordict, nbytes))
+        best = {}
+        for name, step in columns.items():
+            _timed(rank, step)  # once untimed: buffers touched, connections warm
+            best[name] = min(_timed(rank, step) for _ in range(repeat))
+        if rank == 1:
+            results.put(("times", best))
+    finally:
+        dist.destroy_process_group()
+
+
+def _timed(rank: int, step) -> float:
+    """Seconds from leaving a barrier together to the end of ``step()`` on this rank."""
+    dist.barrier()
+    began = time.perf_counter()
+    step()
+    return time.perf_counter() - began
+
+
+def _raw(rank: int, nbytes: int):
+    data = torch.ones(nbytes, dtype=torch.uint8)
+    if rank == 0:
+        return lambda: dist.send(data, dst=1)
+    return lambda: dist.recv(data, src=0)
+
+
+def _tensordict_columns(rank: int, tensordict, nbytes: int) -> dict:
+    if rank == 0:
+        # a learner's weights: a plain (not consolidated) tree, so send(consolidated=True)
+        # runs consolidate() on each call, as after each change
+        sent = policy_tree(nbytes, tensordict)
+        sent.init_remote(dst=1)  # the receiver's consolidated tensordict (untimed)
+        return {
+            "tensordict consolidated": lambda: sent.send(dst=1, consolidated=True),
+            "tensordict init_remote": lambda: sent.init_remote(dst=1),
+            "tensordict per leaf": lambda: sent.send(dst=1),
+        }
+    received = tensordict.TensorDict.from_remote_init(src=0)
+    return {
+        "tensordict consolidated": lambda: received.recv(src=0, consolidated=True),
+        "tensordict init_remote": lambda: tensordict.TensorDict.from_remote_init(src=0),
+        "tensordict per leaf": lambda: received.recv(src=0),
+    }
+
+
+class Peers:
+    """The two rank processes of :func:`start_peers`."""
+
+    def __init__(self, nbytes: int, repeat: int):
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter, as a user's ranks
+        self._store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=START_S),
+                                    wait_for_workers=False)
+        self._go, self._results = ctx.Event(), ctx.Queue()
+        self._procs = [ctx.Process(target=_peer_main, args=(rank, self._store.port, nbytes, repeat,
+                                                            tensordict_module() is not None, self._go, self._results), daemon=True)
+                       for rank in (0, 1)]
+        self._limit = START_S + repeat * 4 * (1 + nbytes / 20e6)  # the columns, at 20 MB/s at worst
+        self._started, self._waiting = time.monotonic(), len(self._procs)
+        for proc in self._procs:
+            proc.start()
+
+    def ready(self) -> None:
+        """Wait until both ranks joined the group (and are idle: nothing of theirs runs
+        beside the caller's timings)."""
+        while self._waiting:
+            self._get("ready", self._started + START_S)
+            self._waiting -= 1
+
+    def measure(self) -> dict:
+        """Let the ranks run; the best time of each column (seconds)."""
+        try:
+            self.ready()
+            self._go.set()
+            return self._get("times", time.monotonic() + self._limit)
+        finally:
+            self.close()
+
+    def _get(self, kind: str, deadline: float):
+        while True:
+            try:
+                got, value = self._results.get(timeout=max(0.1, min(1.0, deadline - time.monotonic())))
+            except queues.Empty:
+                dead = [p.exitcode for p in self._procs if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    raise RuntimeError(f"the torch.distributed ranks did not report {kind!r} "
+                                       f"(exit codes {[p.exitcode for p in self._procs]})") from None
+                continue
+            if got == kind:
+                return value
+
+    def close(self) -> None:
+        """Stop both ranks (bounded: after their columns, or at once when they were never
+        let run) and free the queue."""
+        for proc in self._procs:
+            proc.join(10 if self._go.is_set() else 0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        self._results.close()
+        self._results.join_thread()
+
+
+def start_peers(nbytes: int, repeat: int) -> Peers:
+    """Start the two ranks (they get ready while the caller works)."""
+    return Peers(nbytes, repeat)
