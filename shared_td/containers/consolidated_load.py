@@ -29,11 +29,20 @@ from shared_td.persist.format import dtype_from_name
 from shared_td.storage import files
 
 
-def read_consolidated(filename: Any) -> Any:
-    """The tree in the consolidated file ``filename`` (see the module docstring).
+def from_consolidated(filename: Any) -> Any:
+    """The tree of a file written by ``consolidate(filename=...)`` (by shared_td or
+    tensordict 0.15.3): tensordict's ``from_consolidated`` (see
+    ``TensorDict.from_consolidated``). A symlink is followed (the caller names the file,
+    as for tensordict). A FIFO, directory or device is refused without blocking.
 
-    A symlink is followed (the caller names the file, as for tensordict). A FIFO,
-    directory or device is refused without blocking.
+    Example:
+        >>> import tempfile, torch
+        >>> from shared_td import TensorDict, from_consolidated
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     _ = TensorDict(a=torch.ones(2), b="text").consolidate(filename=f"{d}/td.bin")
+        ...     loaded = from_consolidated(f"{d}/td.bin")
+        ...     loaded["a"].tolist(), loaded["b"], loaded.is_consolidated()
+        ([1.0, 1.0], 'text', True)
     """
     path = os.path.abspath(os.fspath(filename))
     # O_NONBLOCK: a FIFO in the file's place opens at once, and fstat refuses it

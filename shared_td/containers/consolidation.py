@@ -508,9 +508,10 @@ class ConsolidateMethods:
             ...     TensorDict.from_consolidated(f"{d}/td.bin")["a"].tolist()
             [1.0, 1.0]
         """
-        from shared_td.containers.consolidated_load import read_consolidated  # (it imports this module's users)
+        # imported here: it imports the containers, which import this module
+        from shared_td.containers.consolidated_load import from_consolidated
 
-        return read_consolidated(filename)
+        return from_consolidated(filename)
 
     def is_consolidated(self) -> bool:
         """True if this tensordict came from ``consolidate()`` (or the unpickling of
