@@ -140,3 +140,17 @@ def test_in_place_writes_do_not_reach_the_file(tmp_path, reader):
     loaded["a"][1] = 5.0
     assert loaded["a"].tolist() == [0.0, 5.0, 0.0, 0.0]
     assert from_consolidated(reader, tmp_path / "td.bin")["a"].tolist() == [0.0] * 4
+
+
+def test_pickle_of_a_tensordict_file_whose_data_end_inside_an_element(tmp_path):
+    """tensordict pads leaves to 8 bytes: 24 bytes of data are not a whole number of
+    complex128; the loaded tree still pickles (as one buffer) and unpickles."""
+    import pickle
+
+    source = LIBS["tensordict"].TensorDict(z=torch.tensor([1 + 2j], dtype=torch.complex128),
+                                           b=torch.tensor([3], dtype=torch.int8))
+    source.consolidate(filename=tmp_path / "td.bin")
+    loaded = from_consolidated("shared_td", tmp_path / "td.bin")
+    again = pickle.loads(pickle.dumps(loaded))
+    assert again.is_consolidated()
+    same(again, source)
