@@ -15,6 +15,7 @@ from shared_td.containers.base import (
     is_non_tensor,
     is_tensor_collection,
 )
+from shared_td.containers.consolidated_load import from_consolidated
 from shared_td.containers.lazy import LazyStackedTensorDict
 from shared_td.containers.nontensor import NonTensorData, NonTensorDataBase, NonTensorStack
 from shared_td.containers.tensorclass import TensorClass, from_dataclass, is_tensorclass, tensorclass
@@ -87,6 +88,7 @@ __all__ = [
     "is_tensor_collection",
     "is_tensorclass",
     "lazy_stack",
+    "from_consolidated",
     "load",
     "load_memmap",
     "memmap",

@@ -65,7 +65,8 @@ def views_in_runs(buffer: torch.Tensor, entries: list[tuple]) -> list[torch.Tens
         dtype, shape, offset = entries[start]
         whole = typed.get(dtype)
         if whole is None:
-            whole = typed[dtype] = buffer.view(dtype)
+            # (a buffer read from a file may end inside an element: view whole ones)
+            whole = typed[dtype] = buffer[:buffer.numel() - buffer.numel() % dtype.itemsize].view(dtype)
         itemsize, numel = dtype.itemsize, math.prod(shape)
         end, after = start + 1, offset + numel * itemsize
         while numel and end < count and entries[end][2] == after and entries[end][0] is dtype \

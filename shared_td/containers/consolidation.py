@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from shared_td.containers.consolidated_file import NewFile, metadata_json, rewrite_metadata
 from shared_td.containers.consolidated_pickle import Layout, reduce_tree, views_in_runs
 from shared_td.containers.locking import lock_built
 from shared_td.errors import LockedTensorDictError
@@ -247,15 +248,13 @@ class _Storage:
     ``plain`` (a plain uint8 tensor over the same bytes, that the views are made of),
     ``write_big`` (how a big leaf is copied in) and ``wrap`` (the leaves the tree gets)."""
 
-    def __init__(self, total: int, *, filename: Any, share_memory: bool, pin_memory: bool):
+    def __init__(self, total: int, *, filename: Any, share_memory: bool, pin_memory: bool,
+                 metadata: bytes = b""):
         nbytes = align(total)  # a whole number of every dtype
-        self.backing = None
+        self.backing = self.file = None
         if filename is not None:
-            path = os.path.abspath(os.fspath(filename))
-            if total == 0:
-                files.create_file(path, 0, existsok=True)  # the checks only: nothing to map
-            else:
-                self.backing, _ = files.create_file(path, nbytes, existsok=True)
+            self.file = NewFile(os.path.abspath(os.fspath(filename)), nbytes, metadata)
+            self.backing = self.file.backing
         elif share_memory and total:
             self.backing = Segment.create(nbytes)
         if self.backing is None and (filename is not None or share_memory):
@@ -266,6 +265,15 @@ class _Storage:
         else:
             self.buffer = MemoryMappedTensor._from_backing(self.backing, 0, _BYTE, (nbytes,))
             self.plain = self.buffer.as_subclass(torch.Tensor)
+
+    def commit(self) -> None:
+        """The copies are done: a new file takes its name (nothing else to do otherwise)."""
+        if self.file is not None:
+            self.file.commit()
+
+    def abort(self) -> None:
+        if self.file is not None:
+            self.file.abort()
 
     def write_big(self, offset: int, source: torch.Tensor) -> None:
         if isinstance(self.backing, Segment):  # pwrite: no first-touch faults of the mapping
@@ -298,16 +306,21 @@ def _run_copies(jobs: list[Callable[[], None]], threads: int) -> None:
             done.result()  # the first error of the copies
 
 
-def _copy_in_background(jobs: list, threads: int, result: Callable[[], Any]) -> TensorDictFuture:
+def _copy_in_background(jobs: list, threads: int, result: Callable[[], Any], storage: "_Storage") -> TensorDictFuture:
     """Run the copies on a background thread; the future's result is ``result()``,
-    called once they all succeeded."""
+    called once they all succeeded (and ``storage`` committed: a file renamed in place)."""
     future: Future = Future()
 
     def run() -> None:
         if not future.set_running_or_notify_cancel():
             return
         try:
-            _run_copies(jobs, threads)
+            try:
+                _run_copies(jobs, threads)
+            except BaseException:
+                storage.abort()
+                raise
+            storage.commit()
             future.set_result(result())
         except BaseException as error:  # delivered by future.result()
             future.set_exception(error)
@@ -380,10 +393,15 @@ class ConsolidateMethods:
         file, shared memory, pinned memory): then a new one is made.
 
         Args:
-            filename: map one file at this path (created, or reused and grown) and put
-                the bytes there; the leaves are MemoryMappedTensors of that file. The
-                file holds the raw bytes only, padded to a multiple of 64 (no metadata,
-                unlike tensordict's).
+            filename: write the bytes to one file at this path, in tensordict's format
+                (the data, then the tree's JSON metadata, then its length), which
+                ``from_consolidated`` (ours or tensordict's) reads. The leaves are
+                MemoryMappedTensors of that file: in-place writes reach it, and they
+                pickle by reference. The file is made beside its name and renamed over
+                it once complete, so the path never holds a partial file and the
+                tensordicts mapping an old file there keep their data. Non-tensor
+                values must be JSON values (as in tensordict). A tree consolidated into
+                this very file (still there) only gets its metadata rewritten.
             num_threads: with 2 or more, that many threads copy the leaves (in pieces of
                 about equal bytes); 0 and 1 copy in the calling thread.
             device: only None or "cpu" (CPU storage is the only one this build of
@@ -422,14 +440,20 @@ class ConsolidateMethods:
         threads = _check_options(filename, num_threads, device, non_blocking,
                                  return_early, use_buffer, share_memory, pin_memory)
         if _already_consolidated(self, filename, share_memory, pin_memory):
-            return self
+            if filename is None or _rewrite_own_file(self, filename):
+                return self
         _check_pinnable(filename, pin_memory)
         if inplace:
             _check_unlocked(self)
         sources = _sources(self)
         offsets, small, total = writer.packed_layout(sources)
+        metadata = b""
+        if filename is not None:
+            sizes = (source.numel() * source.element_size() for source in sources)
+            metadata = metadata_json(self, zip(offsets, sizes), _kind_name, os.fspath(filename))
         storage = _Storage(total, filename=filename, share_memory=share_memory,
-                           pin_memory=pin_memory and filename is None and not share_memory)
+                           pin_memory=pin_memory and filename is None and not share_memory,
+                           metadata=metadata)
         others = _others(sources, small)
         jobs = _copy_jobs(storage.plain, sources, offsets, small, others, threads, storage.write_big)
         views, entries = _views(storage.plain, sources, offsets, small, others)
@@ -450,11 +474,44 @@ class ConsolidateMethods:
 
         if return_early and threads > 1:
             if inplace:  # this tensordict keeps its leaves until the copy has succeeded
-                return _copy_in_background(jobs, threads, finish)
+                return _copy_in_background(jobs, threads, finish, storage)
             result = finish()
-            return _copy_in_background(jobs, threads, lambda: result)
-        _run_copies(jobs, threads)  # before any leaf is replaced: a failed copy changes nothing
+            return _copy_in_background(jobs, threads, lambda: result, storage)
+        try:
+            _run_copies(jobs, threads)  # before any leaf is replaced: a failed copy changes nothing
+        except BaseException:
+            storage.abort()
+            raise
+        storage.commit()
         return finish()
+
+    @classmethod
+    def from_consolidated(cls, filename: Any) -> Any:
+        """The tree of a file written by ``consolidate(filename=...)`` (by shared_td or
+        tensordict 0.15.3), as tensordict's ``from_consolidated``.
+
+        The result is consolidated: its leaves are views of one copy-on-write mapping
+        of the file, so in-place writes into them do not reach the file (as in
+        tensordict); ``consolidate(filename=...)`` writes them. It is not locked
+        (unless the file says so). Batch sizes and names are those of the file; a
+        tensorclass in the file must be defined in this process (it is looked up by
+        name, never imported). A damaged file (truncated, bad length, JSON that is not
+        a tree, offsets or shapes outside the data) raises a FormatError naming the
+        file; a FIFO or directory at the path is refused without blocking; a symlink
+        is followed.
+
+        Example:
+            >>> import tempfile, torch
+            >>> from shared_td import TensorDict
+            >>> with tempfile.TemporaryDirectory() as d:
+            ...     _ = TensorDict(a=torch.ones(2)).consolidate(filename=f"{d}/td.bin")
+            ...     TensorDict.from_consolidated(f"{d}/td.bin")["a"].tolist()
+            [1.0, 1.0]
+        """
+        # imported here: it imports the containers, which import this module
+        from shared_td.containers.consolidated_load import from_consolidated
+
+        return from_consolidated(filename)
 
     def is_consolidated(self) -> bool:
         """True if this tensordict came from ``consolidate()`` (or the unpickling of
@@ -503,6 +560,18 @@ def _already_consolidated(obj: Any, filename: Any, share_memory: bool, pin_memor
     if pin_memory and not isinstance(buffer, MemoryMappedTensor) and torch.accelerator.is_available():
         return buffer.is_pinned()  # (without an accelerator nothing can be pinned: as tensordict)
     return True
+
+
+def _rewrite_own_file(obj: Any, filename: Any) -> bool:
+    """``obj`` is consolidated into the file at ``filename``: write its current metadata
+    there (batch sizes and names may have changed), as tensordict does. False if the
+    path no longer is the file it maps (then a new file is written)."""
+    layout = _layout_of(obj)
+    sources = _sources(obj)
+    places = ((_offset_in(layout, source), source.numel() * source.element_size()) for source in sources)
+    path = os.path.abspath(os.fspath(filename))
+    metadata = metadata_json(obj, places, _kind_name, os.fspath(filename))
+    return rewrite_metadata(path, layout.buffer._backing, layout.buffer.numel(), metadata)
 
 
 def _offset_in(layout: Layout, leaf: torch.Tensor) -> int | None:

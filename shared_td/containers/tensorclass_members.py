@@ -151,6 +151,13 @@ class _TensorClassMembers:
         return obj
 
     @classmethod
+    def from_consolidated(cls, filename: Any) -> Any:
+        """The tree of a file written by ``consolidate(filename=...)``, as
+        ``TensorDict.from_consolidated``: an instance of the class the file names (this
+        tensorclass for a file written from one of its instances)."""
+        return TensorDictBase.from_consolidated(filename)
+
+    @classmethod
     def __init_subclass__(cls, **kwargs: Any) -> None:
         from shared_td.containers.tensorclass import _register
 

@@ -190,6 +190,11 @@ def backing_from_fd(path: str, fd: int, *, shared: bool = True, read_only: str |
     return backing
 
 
+def mapped_backing(st: os.stat_result) -> FileBacking | None:
+    """This process's shared mapping of the file that ``st`` describes, if it has one."""
+    return _CACHE.get((st.st_dev, st.st_ino))
+
+
 def find_backing(storage) -> FileBacking | None:
     """The shared FileBacking of this process whose storage is ``storage``, if any."""
     backings = _CACHE.values()

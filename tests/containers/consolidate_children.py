@@ -18,3 +18,24 @@ def unpickle_and_sum(connection) -> None:
     td = pickle.loads(connection.recv_bytes())
     total = sum(float(leaf.double().sum()) for leaf in td.values(include_nested=True, leaves_only=True))
     connection.send((td.is_consolidated(), total))
+
+
+def consolidate_forever(path: str, started) -> None:
+    """Consolidate trees of changing sizes into ``path`` until killed (each value is
+    its generation number, so a reader can tell one complete file from a mix)."""
+    import torch
+
+    from shared_td import TensorDict
+
+    # a forked child must not enter the OpenMP pool the parent used (libgomp is not
+    # fork-safe: its workers do not exist here, and the child would wait for them)
+    torch.set_num_threads(1)
+    generation = 0
+    while True:
+        generation += 1
+        size = 1000 + (generation % 7) * 50_000
+        td = TensorDict({"a": torch.full((size,), float(generation)),
+                         "n": {"b": torch.full((3,), generation, dtype=torch.int64)}},
+                        batch_size=[], names=None)
+        td.consolidate(filename=path)
+        started.set()

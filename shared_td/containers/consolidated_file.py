@@ -1,0 +1,201 @@
+"""The file of ``consolidate(filename=)``, as tensordict 0.15.3 writes and reads it.
+
+The file is the leaves' bytes, then the JSON metadata of the tree, then the length of
+that JSON as a little-endian int64. The metadata of a node is
+``{"cls", "non_tensors", "leaves", "cls_metadata"}`` plus one entry per nested
+collection: ``leaves`` maps a key to ``[dtype, shape, start, stop, pad]`` (its bytes are
+``data[start:stop]``, the last ``pad`` of them padding); ``non_tensors`` maps a key to
+``[value, batch_size, device]``, the value itself in JSON (nothing is pickled: a value
+JSON cannot hold is refused, as tensordict refuses it); a lazy stack or a NonTensorStack
+keeps its members under ``"0"``, ``"1"``, ...; a tensorclass is named by ``str(cls)`` and
+found among the classes this process has defined (never imported).
+
+The file is written beside its name and renamed over it once complete (NewFile): the
+name holds the old file or the whole new one, and tensordicts that map the old file keep
+their data. Reading: consolidated_load.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from typing import Any, Iterator
+
+import torch
+
+from shared_td.keys import key_repr
+from shared_td.persist import nodes
+from shared_td.persist.format import dtype_name
+from shared_td.storage import files
+
+# the fields of a node's metadata; every other key names a nested collection
+FIELDS = ("cls", "non_tensors", "leaves", "cls_metadata")
+TENSORDICT, LAZY, STACK = "TensorDict", "LazyStackedTensorDict", "NonTensorStack"
+LENGTH = 8  # the int64 after the JSON
+
+
+# ----------------------------------------------------------------------------- writing
+def metadata_json(root: Any, places: Iterator[tuple[int, int]], kind_name, filename: str) -> bytes:
+    """The JSON that follows the data: ``root``'s tree, its tensor leaves (in the order
+    of consolidate()'s walk) at the ``(byte offset, nbytes)`` that ``places`` yields.
+    ``kind_name(node)`` names a node's kind."""
+    meta = _node_meta(root, places, kind_name, (), filename)
+    return json.dumps(meta).encode("utf-8")
+
+
+def _device(node: Any) -> str | None:
+    device = getattr(node, "device", None)
+    return None if device is None else str(device)
+
+
+def _json_value(value: Any, where: tuple, filename: str) -> Any:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError) as error:
+        raise TypeError(
+            f"consolidate(filename={filename!r}): the non-tensor value at {key_repr(where)} "
+            f"(a {type(value).__name__}) cannot be written as JSON ({error}); the consolidated "
+            "file keeps non-tensor values as JSON, as tensordict does. Store it as a tensor, "
+            "or save the tree with memmap(..., allow_pickle=True) instead.") from None
+    return value
+
+
+def _node_meta(node: Any, places: Iterator, kind_name, where: tuple, filename: str) -> dict:
+    kind = kind_name(node)
+    if kind == nodes.TENSORCLASS:
+        meta = _node_meta(node._tensordict, places, kind_name, where, filename)
+        meta["cls"] = str(type(node))
+        return meta
+    if kind == nodes.NON_TENSOR_STACK:
+        return _stack_meta(node.tolist(), _device(node), node.is_locked)
+    if kind == nodes.LAZY:
+        names = node.names
+        meta = {"cls": LAZY, "non_tensors": {}, "leaves": {}, "cls_metadata": {
+            "stack_dim": node.stack_dim,
+            "stack_dim_name": names[node.stack_dim] if names else None,
+            "is_locked": node.is_locked}}
+        for index, member in enumerate(node.tensordicts):
+            meta[str(index)] = _node_meta(member, places, kind_name, where + (index,), filename)
+        return meta
+    if kind != nodes.TENSORDICT:  # a non-tensor root: tensordict has no format for it
+        raise TypeError(f"consolidate(filename={filename!r}) writes tensordicts, tensorclasses "
+                        f"and lazy stacks; a {type(node).__name__} has no consolidated file format.")
+    names = node.names
+    meta = {"cls": TENSORDICT, "non_tensors": {}, "leaves": {}, "cls_metadata": {
+        "device": _device(node), "names": list(names) if names else [None] * node.batch_dims,
+        "batch_size": list(node.batch_size), "is_locked": node.is_locked}}
+    for key, value in node._tensordict.items():
+        if isinstance(value, torch.Tensor):
+            offset, nbytes = next(places)
+            meta["leaves"][key] = [dtype_name(value.dtype), list(value.shape), offset, offset + nbytes, 0]
+        elif kind_name(value) == nodes.NON_TENSOR_DATA:
+            meta["non_tensors"][key] = [_json_value(value.data, where + (key,), filename),
+                                        list(value.batch_size), _device(value)]
+        elif key in FIELDS:
+            raise ValueError(
+                f"consolidate(filename={filename!r}): the nested collection {key_repr(where + (key,))} "
+                f"is named like a field of the file's metadata ({', '.join(FIELDS)}), which "
+                "tensordict's format cannot tell apart. Rename the key, or save with memmap().")
+        else:
+            meta[key] = _node_meta(value, places, kind_name, where + (key,), filename)
+    return meta
+
+
+def _stack_meta(values: list, device: str | None, locked: bool) -> dict:
+    """A NonTensorStack stacked along dim 0: one member per element of ``values``."""
+    meta = {"cls": STACK, "non_tensors": {}, "leaves": {},
+            "cls_metadata": {"stack_dim": 0, "stack_dim_name": None, "is_locked": locked}}
+    nested = bool(values) and all(isinstance(v, list) for v in values)
+    for index, value in enumerate(values):
+        if nested:
+            meta[str(index)] = _stack_meta(value, device, False)
+        else:
+            meta["non_tensors"][str(index)] = [value, [], device]
+    return meta
+
+
+
+
+def _footer(metadata: bytes) -> bytes:
+    return metadata + len(metadata).to_bytes(LENGTH, "little")
+
+
+class NewFile:
+    """The file of one ``consolidate(filename=path)``: made beside ``path`` under a
+    hidden name, the metadata written after its ``nbytes`` of data (which the caller
+    copies into ``backing``, the shared mapping), then renamed over ``path`` by
+    :meth:`commit` once the data are complete, or removed by :meth:`abort`.
+
+    A symlink or directory at ``path`` is refused (the rename would replace the link
+    itself); so is a missing parent directory.
+    """
+
+    def __init__(self, path: str, nbytes: int, metadata: bytes):
+        self.path = path
+        parent, self.name = os.path.split(path)
+        self.temp: str | None = None
+        try:
+            self.directory = files.Directory.open(parent, action="write the consolidated file")
+        except FileNotFoundError as err:
+            raise RuntimeError(f"consolidate(filename=): {err.strerror}: {parent} (create the directory first)") from err
+        try:
+            st = self.directory.lstat(self.name)
+            kind = None if st is None else files.file_kind(st.st_mode)
+            if kind is not None:
+                raise RuntimeError(f"consolidate(filename={path!r}): the path is {kind}; refusing to "
+                                   "replace it. Pass the path of a regular file (or a new one).")
+            self.temp = f".{self.name}.consolidating-{os.getpid()}-{secrets.token_hex(4)}"
+            fd, _ = files.reserve_file(self.directory, self.temp, existsok=False)
+            try:
+                footer = _footer(metadata)
+                files.reserve_space(fd, nbytes + len(footer), path)
+                files.pwrite_all(fd, footer, nbytes, where=f"file {path}")
+                # named by its final path: that is what pickles of its leaves will map
+                self.backing = files.backing_from_fd(path, fd, shared=True) if nbytes else None
+            finally:
+                os.close(fd)
+        except BaseException:
+            self.abort()
+            raise
+
+    def commit(self) -> None:
+        try:
+            os.rename(self.temp, self.name, src_dir_fd=self.directory.fd, dst_dir_fd=self.directory.fd)
+        except OSError as err:
+            self.abort()
+            raise type(err)(err.errno, f"consolidate(filename=): cannot put the new file in place: "
+                                       f"{err.strerror}: {self.path}") from None
+        self.temp = None
+        self.directory.close()
+
+    def abort(self) -> None:
+        """Remove the new file (if any) and let go of the directory; safe to call twice."""
+        if self.temp is not None:
+            try:
+                os.unlink(self.temp, dir_fd=self.directory.fd)
+            except FileNotFoundError:
+                pass
+            self.temp = None
+        if getattr(self, "directory", None) is not None:
+            self.directory.close()
+
+
+def rewrite_metadata(path: str, backing: Any, data_size: int, metadata: bytes) -> bool:
+    """Write ``metadata`` after the data of the file at ``path`` that ``backing`` maps
+    (a consolidated tree consolidated again into its own file: its batch sizes or names
+    may have changed). A shorter JSON is padded with spaces, so the file does not shrink
+    under its mapping; one ``pwrite`` puts JSON and length. Returns False (writing
+    nothing) if ``path`` no longer is that file."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if files.file_kind(st.st_mode) is not None or files.mapped_backing(st) is not backing:
+            return False
+        metadata = metadata.ljust(st.st_size - data_size - LENGTH)
+        files.pwrite_all(fd, _footer(metadata), data_size, where=f"file {path}")
+        return True
+    finally:
+        os.close(fd)
