@@ -64,16 +64,28 @@ def _replica_worker(address: str, authkey: bytes, name: str, conn) -> None:
         conn.send(replica_version(td) >= version and float(first[0]) == value and float(last[-1]) == value)
 
 
-def case_cluster_sync(options, root: str) -> dict:
+def sync_peers(options):
+    """``cluster_sync``'s two reference ranks for ``options``, started now (see
+    :func:`~shared_td.bench.cases_cluster_peers.start_peers`)."""
+    return start_peers(_sync_bytes(options), options.repeat)
+
+
+def _sync_bytes(options) -> int:
+    return min(options.size_mib, 100) << 20
+
+
+def case_cluster_sync(options, root: str, peers=None) -> dict:
     """``sync`` of a tree of min(size-mib, 100) MiB owner -> one replica node, until a
     worker process of that node sees it, against a raw gloo send/recv of the same bytes
     and tensordict 0.15.3's ways, each between two processes of a registered gloo group
     (see :mod:`~shared_td.bench.cases_cluster_peers`; its columns are left out without
-    tensordict)."""
+    tensordict). ``peers``: those ranks if the caller started them already
+    (:func:`sync_peers`); the case closes them in any case."""
     from shared_td import Coordinator
 
-    nbytes = min(options.size_mib, 100) << 20
-    peers = start_peers(nbytes, options.repeat)  # they get ready while this process does
+    nbytes = _sync_bytes(options)
+    if peers is None:
+        peers = start_peers(nbytes, options.repeat)  # they get ready while this process does
     try:
         synced = _sync_column(options, nbytes, Coordinator, peers.ready)
     except BaseException:

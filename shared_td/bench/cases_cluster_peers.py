@@ -17,8 +17,11 @@ pickling of ``init_remote``'s metadata) counts as the receiver waits for it. Col
 
 The children are started first (:func:`start_peers`): they import torch and tensordict and
 join the group while the caller prepares its own column, which it times once they are
-idle (:meth:`Peers.ready`); they wait until :meth:`Peers.measure` lets them run. Every
-wait is bounded and no process outlives the case.
+idle (:meth:`Peers.ready`); they wait until :meth:`Peers.measure` lets them run. A quick
+bench run starts them at its very beginning (:mod:`~shared_td.bench.runner`), so that
+their imports (seconds) overlap the cases before; a full run starts them in the case,
+where nothing else is timed meanwhile. Every wait is bounded and no process outlives the
+run (the runner closes them even when a case fails).
 """
 from __future__ import annotations
 
@@ -60,8 +63,10 @@ def _peer_main(rank: int, port: int, nbytes: int, repeat: int, with_tensordict: 
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timeout)
     try:
         results.put(("ready", rank))
-        if not go.wait(START_S):
-            return  # the caller went away
+        caller = multiprocessing.parent_process()
+        while not go.wait(1.0):  # the caller may run other cases first (see start_peers)
+            if not caller.is_alive():
+                return  # the caller went away
         columns = {"raw gloo send/recv": _raw(rank, nbytes)}
         if tensordict is not None:
             columns.update(_tensordict_columns(rank, tensordict, nbytes))
@@ -122,6 +127,7 @@ class Peers:
                        for rank in (0, 1)]
         self._limit = START_S + repeat * 4 * (1 + nbytes / 20e6)  # the columns, at 20 MB/s at worst
         self._started, self._waiting = time.monotonic(), len(self._procs)
+        self._closed = False
         for proc in self._procs:
             proc.start()
 
@@ -156,7 +162,10 @@ class Peers:
 
     def close(self) -> None:
         """Stop both ranks (bounded: after their columns, or at once when they were never
-        let run) and free the queue."""
+        let run) and free the queue. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         for proc in self._procs:
             proc.join(10 if self._go.is_set() else 0)
             if proc.is_alive():
@@ -167,5 +176,8 @@ class Peers:
 
 
 def start_peers(nbytes: int, repeat: int) -> Peers:
-    """Start the two ranks (they get ready while the caller works)."""
+    """Start the two ranks (they get ready while the caller works). Once ready they wait,
+    idle, for :meth:`Peers.measure` as long as the caller lives, so that a caller may
+    start them before other work (the runner of a quick run: before the first case); the
+    caller must :meth:`Peers.close` them (``measure`` does)."""
     return Peers(nbytes, repeat)

@@ -27,7 +27,8 @@ Requests travel through the store. Each node has one *lane* per peer node: a thr
 pops that peer's requests from their own queue ``lane/<node>/<peer>`` and serves them (a
 peer that stops answering holds up only its own lane; no hand-off between threads on the
 way), and a service thread for the small notices of ``queue/<node>`` (non-tensor values,
-new pair generations, stop). Answers are signed values pushed to the requesting
+new pair generations, stop); both live in :mod:`~shared_td.coordinator.cluster_serve`,
+this module is the calling half. Answers are signed values pushed to the requesting
 thread's own queue ``reply/<node>/<slot>`` (one blocking pop gets one: no poll; an answer
 that comes after its request gave up is skipped by its tag); payloads go over the pair's
 gloo group with the same tag. A sender of a payload only sends after the receiver's
@@ -88,6 +89,7 @@ from shared_td.coordinator import cluster_liveness
 from shared_td.coordinator.cluster_liveness import HEARTBEAT_S, Liveness
 from shared_td.coordinator.cluster_names import LocalNames
 from shared_td.coordinator.cluster_replica import Owned, Replica
+from shared_td.coordinator.cluster_serve import POP_S, lane_queue, serve_lane, serve_notices
 from shared_td.coordinator.cluster_store import ClusterAuthError, ClusterCounter, SignedStore, cluster_key, open_store
 from shared_td.coordinator.cluster_transfer import PairGroups, StalePair, TransferFailed, wait_work
 from shared_td.coordinator.cluster_values import ClusterValues
@@ -97,8 +99,6 @@ __all__ = ["Cluster", "ClusterAuthError", "OwnerLostError", "SyncReport"]
 
 #: Seconds any cluster call may take in all, unless the Cluster is given another timeout.
 DEFAULT_TIMEOUT = 30.0
-# How long the service thread waits in one queue_pop (a stop request wakes it earlier).
-_POP_S = 60.0
 
 
 @dataclass
@@ -154,7 +154,7 @@ class Cluster:
         self._threads: list[threading.Thread] = []
         self._senders = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="shared_td-sync")
         self.refused = 0  # requests dropped for a wrong signature
-        self.renew_failures = 0  # replicas not renewed after a re-publish (see _renew)
+        self.renew_failures = 0  # replicas not renewed after a re-publish (see cluster_serve)
         self._pid = os.getpid()
 
     # ------------------------------------------------------------------ lifecycle
@@ -190,8 +190,9 @@ class Cluster:
         #: this node's records of its unreplicated names (see cluster_names)
         self.local_names = LocalNames(self._store, self.node, self.nodes)
         self._liveness = Liveness(self._store, self.node, lambda key: self._guard(self._store.get_json, key))
-        lanes = [(self._lane, (peer,), f"lane-{peer}") for peer in range(self.nodes) if peer != self.node]
-        for target, args, name in [(self._liveness.beat, (self._stop,), "beat"), (self._serve, (), "serve"), *lanes]:
+        lanes = [(serve_lane, (self, peer), f"lane-{peer}") for peer in range(self.nodes) if peer != self.node]
+        for target, args, name in [(self._liveness.beat, (self._stop,), "beat"), (serve_notices, (self,), "serve"),
+                                   *lanes]:
             thread = threading.Thread(target=target, args=args, name=f"shared_td-cluster-{name}", daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -206,13 +207,13 @@ class Cluster:
         self._stop.set()
         atexit.unregister(self.shutdown)
         try:
-            lanes = [self._lane_queue(self.node, peer) for peer in range(self.nodes) if peer != self.node]
+            lanes = [lane_queue(self.node, peer) for peer in range(self.nodes) if peer != self.node]
             for queue in [f"queue/{self.node}", *lanes]:
                 self._store.push_json(queue, {"op": "stop", "from": self.node})
         except (RuntimeError, OSError):
             pass  # the store is gone; the pops fail by themselves
         for thread in self._threads:  # a lane in a transfer ends at its bounded wait (daemon)
-            thread.join(_POP_S if thread.name.endswith("serve") else 2 * HEARTBEAT_S)
+            thread.join(POP_S if thread.name.endswith("serve") else 2 * HEARTBEAT_S)
         if self._values is not None:
             self._values.join(2 * HEARTBEAT_S)
         self._senders.shutdown(wait=False, cancel_futures=True)
@@ -251,7 +252,7 @@ class Cluster:
         if generation > 1:  # replicas of the old generation renew themselves
             for peer in range(self.nodes):
                 if peer != self.node and store.has(f"has/{name}/{peer}"):
-                    store.push_json(self._lane_queue(peer, self.node),
+                    store.push_json(lane_queue(peer, self.node),
                                     {"op": "renew", "name": name, "from": self.node, "generation": generation})
         store.set_json(f"version/{name}", {"version": 1, "generation": generation})
         return td
@@ -471,7 +472,7 @@ class Cluster:
         store = self._checked()
         tag = next(self._tags) * 1024 + self.node  # unique per sender (nodes < 1024)
         pair = self._guard(self._groups.generation, peer)  # cached: no round trip
-        self._guard(store.push_json, self._lane_queue(peer, self.node),
+        self._guard(store.push_json, lane_queue(peer, self.node),
                     {"op": op, "name": name, "generation": generation, "from": self.node,
                      "tag": tag, "pair": pair, "reply": self._reply_queue(), **extra})
         return tag, pair
@@ -511,137 +512,6 @@ class Cluster:
         if "error" in answer:
             raise RuntimeError(f"Node {peer} refused the transfer of {name!r}: {answer['error']}")
         return answer
-
-    def _reply(self, request: dict, **answer) -> None:
-        self._store.push_json(request["reply"], {"tag": request["tag"], **answer})
-
-    # ------------------------------------------------------------------ service
-    def _serve(self) -> None:
-        queue = f"queue/{self.node}"
-        while not self._stop.is_set():
-            try:
-                request = self._store.pop_json(queue, _POP_S)
-            except ClusterAuthError:
-                self.refused += 1  # forged or another cluster's: never acted on
-                continue
-            except (RuntimeError, OSError):
-                return  # the store is gone
-            if request is None or request.get("op") == "stop":
-                continue
-            try:
-                if request.get("op") == "pair":  # the peer moved our pair to a new generation
-                    self._groups.seen(request["from"], request["generation"])
-                elif request.get("op") == "value":  # applied here, in order
-                    self._values.receive(request)
-                else:
-                    self.refused += 1  # signed, but not a notice
-            except Exception:  # noqa: BLE001 - a bad notice must not stop the service
-                self.refused += 1
-
-    @staticmethod
-    def _lane_queue(node: int, peer: int) -> str:
-        """The queue of ``peer``'s requests to ``node``."""
-        return f"lane/{node}/{peer}"
-
-    def _lane(self, peer: int) -> None:
-        """Serve ``peer``'s requests, one at a time, in the order sent."""
-        queue = self._lane_queue(self.node, peer)
-        while not self._stop.is_set():
-            try:
-                request = self._store.pop_json(queue, _POP_S)
-            except ClusterAuthError:
-                self.refused += 1  # forged or another cluster's: never acted on
-                continue
-            except (RuntimeError, OSError):
-                return  # the store is gone
-            if request is None or request.get("op") == "stop":
-                continue
-            if request.get("from") != peer:
-                self.refused += 1  # signed, but not in its sender's lane
-                continue
-            self._handle(request)
-
-    def _handle(self, request: dict) -> None:
-        peer, op, name = request["from"], request["op"], request["name"]
-        if op == "renew":
-            self._renew(name, request["generation"])
-            return
-        try:
-            if op == "pull":
-                self._serve_pull(peer, request)
-            elif op == "push":
-                self._serve_receive(peer, request, self._owned.get(name), self._apply_rows)
-            elif op == "sync":
-                self._serve_receive(peer, request, self._replicas.get(name), self._apply_sync)
-        except StalePair as err:  # nothing transferred: the requester may retry at once
-            try:
-                self._reply(request, error=str(err), stale_pair=self._groups.generation(peer))
-            except (RuntimeError, OSError):
-                pass  # the store is gone
-        except TransferFailed:
-            self._groups.fail(peer, request["pair"])  # the requester's own wait fails too
-        except Exception as err:  # answered, so that the requester does not wait in vain
-            try:
-                self._reply(request, error=f"{type(err).__name__}: {err}")
-            except (RuntimeError, OSError):
-                pass  # the store is gone
-
-    def _renew(self, name: str, generation: int) -> None:
-        """The owner published ``name`` again: replace this node's older replica. On a
-        failure the old one stays (stale); the next attach or refresh tries again."""
-        self._announced[name] = max(generation, self._announced.get(name, 0))
-        have = self._replicas.get(name)
-        if have is None or have.generation >= generation:
-            return
-        try:
-            self.attach(name)
-        except Exception:  # noqa: BLE001 - nobody waits for this answer; counted
-            self.renew_failures += 1
-
-    def _serve_pull(self, peer: int, request: dict) -> None:
-        owned = self._owned.get(request["name"])
-        if owned is None or owned.generation != request["generation"]:
-            self._reply(request, error=f"node {self.node} has no generation {request['generation']} of {request['name']!r}")
-            return
-        group_pair = request["pair"]
-        self._groups.check(peer, group_pair)  # before the answer: the requester's receive follows it
-        self._reply(request, version=owned.version)
-        work = self._groups.send(peer, group_pair, replica.segment_bytes(owned.segment, owned.layout["nbytes"]), request["tag"])
-        wait_work([work], time.monotonic() + self.timeout, "pull", owned.layout["nbytes"])
-
-    def _serve_receive(self, peer: int, request: dict, entry, apply) -> None:
-        """Receive a push (on the owner) or a sync (on a replica). A request for what this
-        node does not hold is still received, into scratch memory, so that the sender's
-        send ends, and answered with a refusal."""
-        if entry is None or entry.generation != request["generation"]:
-            scratch = torch.empty(request["nbytes"], dtype=torch.uint8)
-            work = self._groups.recv(peer, request["pair"], scratch, request["tag"])
-            wait_work([work], time.monotonic() + self.timeout, request["op"], request["nbytes"])
-            self._reply(request, error=f"node {self.node} has no generation {request['generation']} "
-                                       f"of {request['name']!r}")
-            return
-        apply(peer, entry, request)
-        self._reply(request, ok=True)
-
-    def _apply_rows(self, peer: int, owned: Owned, request: dict) -> None:
-        buffer = torch.empty(request["nbytes"], dtype=torch.uint8)
-        work = self._groups.recv(peer, request["pair"], buffer, request["tag"])
-        wait_work([work], time.monotonic() + self.timeout, "push", request["nbytes"])
-        if not owned.leaves:
-            owned.leaves = replica.leaf_views(owned.segment, owned.layout)
-        replica.unpack_rows(owned.leaves, buffer, request["rows"])
-
-    def _apply_sync(self, peer: int, rep: Replica, request: dict) -> None:
-        if not rep.lock.acquire(timeout=self.timeout):
-            raise TransferFailed("a pull of the same replica did not end")
-        try:
-            replica.set_state(rep.segment, replica.state(rep.segment) | 1)
-            work = self._groups.recv(peer, request["pair"],
-                                     replica.segment_bytes(rep.segment, rep.layout["nbytes"]), request["tag"])
-            wait_work([work], time.monotonic() + self.timeout, "sync", request["nbytes"])
-            replica.set_state(rep.segment, 2 * request["version"])
-        finally:
-            rep.lock.release()
 
     # ------------------------------------------------------------------ liveness
     def _alive(self, peer: int) -> bool:

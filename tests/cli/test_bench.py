@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.cli.cli_helpers import REPO, run_cli, run_main
 
 from shared_td.bench import CASES, BenchOptions, run
@@ -88,7 +90,7 @@ def test_a_failing_case_is_reported_and_the_others_run(monkeypatch, capsys):
 
 
 def test_options_quick_defaults_and_overrides():
-    assert BenchOptions.quick(repeat=3) == BenchOptions(size_mib=16, repeat=3, nodes=100, rounds=20)
+    assert BenchOptions.quick(repeat=3) == BenchOptions(size_mib=16, repeat=3, nodes=100, rounds=20, early_peers=True)
     code, out, err = run_main("bench", "--repeat", "0")
     assert (code, out) == (2, "")
     assert err == "shared-td bench: usage error: --repeat must be at least 1, got 0\n"
@@ -118,3 +120,45 @@ def test_grid_rows_show_shared_td_value_over_each_other_column():
         "replay          DataLoader samples/s           1,000/s       400/s       500/s                0.50x"
         "                 1.25x",
     ]
+
+
+def test_a_quick_run_starts_the_sync_peers_first_and_stops_them_when_the_case_fails(monkeypatch, capsys):
+    """cluster_sync's reference ranks start before the first case (their imports overlap
+    it) and are stopped, bounded, even though the case fails without using them."""
+    from shared_td.bench import runner
+
+    order, started = [], []
+
+    def early(options):
+        order.append("peers")
+        started.append(real_sync_peers(options))
+        return started[-1]
+
+    def first(options, root):
+        order.append("tree_load")
+        return {"floor": 1.0}
+
+    def broken(options, root, peers=None):
+        order.append(("cluster_sync", peers is not None and peers is started[0]))
+        raise RuntimeError("gloo is down")
+
+    real_sync_peers = runner.sync_peers
+    monkeypatch.setattr(runner, "sync_peers", early)
+    monkeypatch.setitem(CASES, "tree_load", first)
+    monkeypatch.setitem(CASES, "cluster_sync", broken)
+    assert run(BenchOptions.quick(only=["tree_load", "cluster_sync"])) == 1
+    assert order == ["peers", "tree_load", ("cluster_sync", True)]
+    assert "cluster_sync    failed: RuntimeError: gloo is down" in capsys.readouterr().out
+    assert [proc.is_alive() for proc in started[0]._procs] == [False, False]
+
+
+def test_a_full_run_starts_no_peers_before_the_case(monkeypatch):
+    from shared_td.bench import runner
+
+    monkeypatch.setattr(runner, "sync_peers", lambda options: pytest.fail("peers started early"))
+    def case(options, root, **extra):
+        assert not extra, extra  # the case starts its own peers: nothing else runs meanwhile
+        return {"ran": 1.0}
+
+    monkeypatch.setitem(CASES, "cluster_sync", case)
+    assert run(BenchOptions(only=["cluster_sync"])) == 0

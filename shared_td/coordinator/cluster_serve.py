@@ -1,0 +1,179 @@
+"""The serving half of a :class:`~shared_td.coordinator.cluster.Cluster`: the threads
+that answer the other nodes.
+
+Each node has one *lane* per peer node (:func:`serve_lane`): a thread that pops that
+peer's requests from their own queue ``lane/<node>/<peer>`` (:func:`lane_queue`) and
+serves them one at a time, in the order sent, so that a peer that stops answering holds
+up only its own lane. Requests are ``pull`` (send the owner's contents), ``push`` (receive
+rows into the owner's tensordict), ``sync`` (receive a new version into this node's
+replica) and ``renew`` (the owner published the name again: make the new replica). One
+service thread (:func:`serve_notices`) applies the small notices of ``queue/<node>``:
+non-tensor values, new pair generations, stop.
+
+Answers are signed values pushed to the requester's reply queue with the request's tag;
+payloads go over the pair's gloo group with the same tag, each wait bounded by the
+cluster's timeout. A request for what this node does not hold is answered with a
+refusal (after receiving any payload into scratch memory, so that the sender's send
+ends); a failed transfer marks the pair's group failed, so that the requester's own wait
+fails too. Requests that do not verify (another authkey, a forgery) or that arrive in
+another sender's lane are counted in ``Cluster.refused`` and never acted on.
+
+These functions take the Cluster they serve: they are its methods, kept apart from the
+calling half (:mod:`~shared_td.coordinator.cluster`) so that each reads on its own.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from shared_td.coordinator import cluster_replica as replica
+from shared_td.coordinator.cluster_replica import Owned, Replica
+from shared_td.coordinator.cluster_store import ClusterAuthError
+from shared_td.coordinator.cluster_transfer import StalePair, TransferFailed, wait_work
+
+# How long a lane or the service thread waits in one queue_pop (a stop request wakes it
+# earlier).
+POP_S = 60.0
+
+
+def lane_queue(node: int, peer: int) -> str:
+    """The queue of ``peer``'s requests to ``node``."""
+    return f"lane/{node}/{peer}"
+
+
+def serve_notices(cluster) -> None:
+    """The service thread: apply the notices of ``queue/<node>`` until stopped."""
+    queue = f"queue/{cluster.node}"
+    while not cluster._stop.is_set():
+        try:
+            request = cluster._store.pop_json(queue, POP_S)
+        except ClusterAuthError:
+            cluster.refused += 1  # forged or another cluster's: never acted on
+            continue
+        except (RuntimeError, OSError):
+            return  # the store is gone
+        if request is None or request.get("op") == "stop":
+            continue
+        try:
+            if request.get("op") == "pair":  # the peer moved our pair to a new generation
+                cluster._groups.seen(request["from"], request["generation"])
+            elif request.get("op") == "value":  # applied here, in order
+                cluster._values.receive(request)
+            else:
+                cluster.refused += 1  # signed, but not a notice
+        except Exception:  # noqa: BLE001 - a bad notice must not stop the service
+            cluster.refused += 1
+
+
+def serve_lane(cluster, peer: int) -> None:
+    """Serve ``peer``'s requests, one at a time, in the order sent, until stopped."""
+    queue = lane_queue(cluster.node, peer)
+    while not cluster._stop.is_set():
+        try:
+            request = cluster._store.pop_json(queue, POP_S)
+        except ClusterAuthError:
+            cluster.refused += 1  # forged or another cluster's: never acted on
+            continue
+        except (RuntimeError, OSError):
+            return  # the store is gone
+        if request is None or request.get("op") == "stop":
+            continue
+        if request.get("from") != peer:
+            cluster.refused += 1  # signed, but not in its sender's lane
+            continue
+        _handle(cluster, request)
+
+
+def _handle(cluster, request: dict) -> None:
+    peer, op, name = request["from"], request["op"], request["name"]
+    if op == "renew":
+        _renew(cluster, name, request["generation"])
+        return
+    try:
+        if op == "pull":
+            _serve_pull(cluster, peer, request)
+        elif op == "push":
+            _serve_receive(cluster, peer, request, cluster._owned.get(name), _apply_rows)
+        elif op == "sync":
+            _serve_receive(cluster, peer, request, cluster._replicas.get(name), _apply_sync)
+    except StalePair as err:  # nothing transferred: the requester may retry at once
+        try:
+            _reply(cluster, request, error=str(err), stale_pair=cluster._groups.generation(peer))
+        except (RuntimeError, OSError):
+            pass  # the store is gone
+    except TransferFailed:
+        cluster._groups.fail(peer, request["pair"])  # the requester's own wait fails too
+    except Exception as err:  # answered, so that the requester does not wait in vain
+        try:
+            _reply(cluster, request, error=f"{type(err).__name__}: {err}")
+        except (RuntimeError, OSError):
+            pass  # the store is gone
+
+
+def _reply(cluster, request: dict, **answer) -> None:
+    cluster._store.push_json(request["reply"], {"tag": request["tag"], **answer})
+
+
+def _renew(cluster, name: str, generation: int) -> None:
+    """The owner published ``name`` again: replace this node's older replica. On a
+    failure the old one stays (stale); the next attach or refresh tries again."""
+    cluster._announced[name] = max(generation, cluster._announced.get(name, 0))
+    have = cluster._replicas.get(name)
+    if have is None or have.generation >= generation:
+        return
+    try:
+        cluster.attach(name)
+    except Exception:  # noqa: BLE001 - nobody waits for this answer; counted
+        cluster.renew_failures += 1
+
+
+def _serve_pull(cluster, peer: int, request: dict) -> None:
+    owned = cluster._owned.get(request["name"])
+    if owned is None or owned.generation != request["generation"]:
+        _reply(cluster, request,
+               error=f"node {cluster.node} has no generation {request['generation']} of {request['name']!r}")
+        return
+    group_pair = request["pair"]
+    cluster._groups.check(peer, group_pair)  # before the answer: the requester's receive follows it
+    _reply(cluster, request, version=owned.version)
+    payload = replica.segment_bytes(owned.segment, owned.layout["nbytes"])
+    work = cluster._groups.send(peer, group_pair, payload, request["tag"])
+    wait_work([work], time.monotonic() + cluster.timeout, "pull", owned.layout["nbytes"])
+
+
+def _serve_receive(cluster, peer: int, request: dict, entry, apply) -> None:
+    """Receive a push (on the owner) or a sync (on a replica). A request for what this
+    node does not hold is still received, into scratch memory, so that the sender's send
+    ends, and answered with a refusal."""
+    if entry is None or entry.generation != request["generation"]:
+        scratch = torch.empty(request["nbytes"], dtype=torch.uint8)
+        work = cluster._groups.recv(peer, request["pair"], scratch, request["tag"])
+        wait_work([work], time.monotonic() + cluster.timeout, request["op"], request["nbytes"])
+        _reply(cluster, request, error=f"node {cluster.node} has no generation {request['generation']} "
+                                       f"of {request['name']!r}")
+        return
+    apply(cluster, peer, entry, request)
+    _reply(cluster, request, ok=True)
+
+
+def _apply_rows(cluster, peer: int, owned: Owned, request: dict) -> None:
+    buffer = torch.empty(request["nbytes"], dtype=torch.uint8)
+    work = cluster._groups.recv(peer, request["pair"], buffer, request["tag"])
+    wait_work([work], time.monotonic() + cluster.timeout, "push", request["nbytes"])
+    if not owned.leaves:
+        owned.leaves = replica.leaf_views(owned.segment, owned.layout)
+    replica.unpack_rows(owned.leaves, buffer, request["rows"])
+
+
+def _apply_sync(cluster, peer: int, rep: Replica, request: dict) -> None:
+    if not rep.lock.acquire(timeout=cluster.timeout):
+        raise TransferFailed("a pull of the same replica did not end")
+    try:
+        replica.set_state(rep.segment, replica.state(rep.segment) | 1)
+        work = cluster._groups.recv(peer, request["pair"],
+                                    replica.segment_bytes(rep.segment, rep.layout["nbytes"]), request["tag"])
+        wait_work([work], time.monotonic() + cluster.timeout, "sync", request["nbytes"])
+        replica.set_state(rep.segment, 2 * request["version"])
+    finally:
+        rep.lock.release()
