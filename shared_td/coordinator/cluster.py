@@ -430,7 +430,10 @@ class Cluster:
         store.set_json(f"version/{name}", {"version": owned.version, "generation": owned.generation})
         report = SyncReport(owned.version)
         targets = [n for n in range(self.nodes) if n != self.node and store.has(f"has/{name}/{n}")]
-        for node in [n for n in targets if not self._alive(n)]:  # lost: dropped, not waited for
+        # lost: dropped after one more look at its heartbeat (a node that was only
+        # stopped beats again within HEARTBEAT_S), not waited for until the timeout
+        quiet = [n for n in targets if not self._alive(n)]
+        for node in self._liveness.still_lost(quiet, min(2 * HEARTBEAT_S, max(0.0, deadline - time.monotonic()))):
             targets.remove(node)
             report.dropped[node] = f"lost: its heartbeat stood still for {cluster_liveness.LOST_AFTER_S:g} s"
         if not targets:

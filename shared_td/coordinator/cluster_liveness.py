@@ -68,6 +68,17 @@ class Liveness:
                 return True
             return now - seen[1] < LOST_AFTER_S
 
+    def still_lost(self, peers: list[int], wait: float) -> list[int]:
+        """Those of ``peers`` (each not :meth:`alive` a moment ago) whose heartbeat does
+        not move within ``wait`` seconds: a node that was only stopped and runs again
+        (SIGCONT, a long pause) beats within HEARTBEAT_S and is not counted as lost."""
+        end = time.monotonic() + wait
+        lost = [peer for peer in peers if not self.alive(peer)]
+        while lost and time.monotonic() < end:
+            time.sleep(min(HEARTBEAT_S / 4, max(0.0, end - time.monotonic())))
+            lost = [peer for peer in lost if not self.alive(peer)]
+        return lost
+
     def lost_or(self, peer: int, name: str, err: BaseException, role: str) -> BaseException:
         """After a failed transfer with ``peer``: OwnerLostError once its heartbeat has
         stood still for LOST_AFTER_S (waited for here), else a ConnectionError (the

@@ -257,3 +257,26 @@ def test_push_takes_negative_rows_and_refuses_rows_out_of_range(pair):
     with pytest.raises(IndexError, match="out of range"):
         other.push("p", [-5])
     assert td["x"].tolist() == [0.0, 0.0, 0.0, 5.0]
+
+
+def test_a_quiet_node_that_beats_again_is_not_counted_lost(monkeypatch):
+    """A node whose heartbeat stood still past LOST_AFTER_S (stopped, then SIGCONT) is
+    given one more look before a sync drops it: the race that made a resumed replica
+    node be dropped by the first sync after it ran again."""
+    from shared_td.coordinator import cluster_liveness
+
+    monkeypatch.setattr(cluster_liveness, "LOST_AFTER_S", 0.2)
+    beats = {1: 1, 2: 1}
+    liveness = cluster_liveness.Liveness(None, 0, lambda key: {"beat": beats[int(key.split("/")[1])]})
+    assert liveness.alive(1) and liveness.alive(2)  # first look
+    time.sleep(0.3)  # both quiet for longer than LOST_AFTER_S
+    assert not liveness.alive(1) and not liveness.alive(2)
+    resumer = threading.Timer(0.2, lambda: beats.__setitem__(1, 2))  # node 1 runs again
+    resumer.start()
+    began = time.monotonic()
+    try:
+        assert liveness.still_lost([1, 2], wait=1.0) == [2]
+    finally:
+        resumer.join(5)
+    assert time.monotonic() - began < 1.0 + 0.5  # bounded by the wait
+    assert liveness.still_lost([2], wait=0.0) == [2]  # no wait: the answer at once
