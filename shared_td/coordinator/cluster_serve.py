@@ -42,19 +42,24 @@ def lane_queue(node: int, peer: int) -> str:
     return f"lane/{node}/{peer}"
 
 
-def serve_notices(cluster) -> None:
-    """The service thread: apply the notices of ``queue/<node>`` until stopped."""
-    queue = f"queue/{cluster.node}"
+def _signed_requests(cluster, queue: str):
+    """The signed requests popped from ``queue`` until the cluster stops or the store is
+    gone; a forged one (or another cluster's) is counted in ``refused``, never yielded."""
     while not cluster._stop.is_set():
         try:
             request = cluster._store.pop_json(queue, POP_S)
         except ClusterAuthError:
-            cluster.refused += 1  # forged or another cluster's: never acted on
+            cluster.refused += 1
             continue
         except (RuntimeError, OSError):
             return  # the store is gone
-        if request is None or request.get("op") == "stop":
-            continue
+        if request is not None and request.get("op") != "stop":
+            yield request
+
+
+def serve_notices(cluster) -> None:
+    """The service thread: apply the notices of ``queue/<node>`` until stopped."""
+    for request in _signed_requests(cluster, f"queue/{cluster.node}"):
         try:
             if request.get("op") == "pair":  # the peer moved our pair to a new generation
                 cluster._groups.seen(request["from"], request["generation"])
@@ -68,17 +73,7 @@ def serve_notices(cluster) -> None:
 
 def serve_lane(cluster, peer: int) -> None:
     """Serve ``peer``'s requests, one at a time, in the order sent, until stopped."""
-    queue = lane_queue(cluster.node, peer)
-    while not cluster._stop.is_set():
-        try:
-            request = cluster._store.pop_json(queue, POP_S)
-        except ClusterAuthError:
-            cluster.refused += 1  # forged or another cluster's: never acted on
-            continue
-        except (RuntimeError, OSError):
-            return  # the store is gone
-        if request is None or request.get("op") == "stop":
-            continue
+    for request in _signed_requests(cluster, lane_queue(cluster.node, peer)):
         if request.get("from") != peer:
             cluster.refused += 1  # signed, but not in its sender's lane
             continue
