@@ -36,6 +36,7 @@ from shared_td.errors import (
     ReadOnlyError,
     SegmentUnavailableError,
     StorageFullError,
+    StalePair,
     TransferFailed,
 )
 from shared_td.memmap_tensor import MemoryMappedTensor
@@ -76,6 +77,7 @@ __all__ = [
     "TensorDict",
     "TensorDictBase",
     "TensorDictFuture",
+    "StalePair",
     "TransferFailed",
     "attach",
     "default_is_leaf",

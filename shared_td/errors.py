@@ -103,6 +103,12 @@ class TransferFailed(RuntimeError):
     """A gloo transfer between two nodes failed, or did not end before its deadline."""
 
 
+class StalePair(TransferFailed):
+    """A cluster request named a generation of a node pair's gloo group that the other
+    node already left (it rebuilt the group after a failure): nothing was transferred,
+    and the call may be retried at once (a ``pull`` retries by itself)."""
+
+
 class OwnerLostError(ConnectionError):
     """The node that owns a name published across machines stopped answering (no
     heartbeat in the cluster store): ``pull``, ``push`` and ``sync`` of that name fail

@@ -42,14 +42,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from shared_td.errors import TransferFailed
+from shared_td.errors import StalePair, TransferFailed
 
 __all__ = ["PairGroups", "StalePair", "TransferFailed", "wait_work"]
-
-
-class StalePair(TransferFailed):
-    """A request named a generation of the pair that this node already left: nothing
-    was transferred, the requester may retry on the current generation."""
 
 
 #: The slowest transfer rate (bytes/s) a wait allows for before it gives up: a gloo wait
