@@ -81,7 +81,6 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from shared_td.coordinator import cluster_replica as replica
 from shared_td.coordinator import staleness
@@ -189,7 +188,7 @@ class Cluster:
         self._values = ClusterValues(self._store, self.node, self.nodes, self._stop)
         #: this node's records of its unreplicated names (see cluster_names)
         self.local_names = LocalNames(self._store, self.node, self.nodes)
-        self._liveness = Liveness(self._store, self.node, lambda key: self._guard(self._store.get_json, key))
+        self._liveness = Liveness(self._store, self.node, self._store.get_json)
         lanes = [(serve_lane, (self, peer), f"lane-{peer}") for peer in range(self.nodes) if peer != self.node]
         for target, args, name in [(self._liveness.beat, (self._stop,), "beat"), (serve_notices, (self,), "serve"),
                                    *lanes]:
@@ -270,7 +269,7 @@ class Cluster:
         if not store.has(f"name/{name}"):
             raise KeyError(f"Nothing is published as {name!r} in the cluster (publish it with "
                            "replicate=True on its owner node first).")
-        return self._guard(store.get_json, f"name/{name}")
+        return store.get_json(f"name/{name}")
 
     def _memmap_here(self, name: str, td, share_non_tensor: bool):
         """``td`` in anonymous memory, published on this node's Coordinator if any."""
@@ -474,10 +473,10 @@ class Cluster:
         """Put a request in ``peer``'s queue; returns (tag, pair generation)."""
         store = self._checked()
         tag = next(self._tags) * 1024 + self.node  # unique per sender (nodes < 1024)
-        pair = self._guard(self._groups.generation, peer)  # cached: no round trip
-        self._guard(store.push_json, lane_queue(peer, self.node),
-                    {"op": op, "name": name, "generation": generation, "from": self.node,
-                     "tag": tag, "pair": pair, "reply": self._reply_queue(), **extra})
+        pair = self._groups.generation(peer)  # cached: no round trip
+        store.push_json(lane_queue(peer, self.node),
+                        {"op": op, "name": name, "generation": generation, "from": self.node,
+                         "tag": tag, "pair": pair, "reply": self._reply_queue(), **extra})
         return tag, pair
 
     def _reply_queue(self) -> str:
@@ -500,7 +499,7 @@ class Cluster:
             if left <= 0:
                 raise TimeoutError(f"Node {peer} did not answer about {name!r} within {self.timeout:g} s.")
             try:
-                answer = self._guard(store.pop_json, queue, min(left, 0.25))
+                answer = store.pop_json(queue, min(left, 0.25))
             except ClusterAuthError:
                 self.refused += 1  # forged: never acted on
                 continue
@@ -548,14 +547,6 @@ class Cluster:
         if self._store is None:
             raise RuntimeError("This Cluster is not started (call start()).")
         return self._store
-
-    def _guard(self, call, *args):
-        """``call(*args)`` with a lost store host turned into ConnectionError."""
-        try:
-            return call(*args)
-        except dist.DistNetworkError as err:
-            raise ConnectionError(f"The cluster store is gone ({err}): the node that hosts it "
-                                  "(node 0 by default) stopped.") from err
 
 
 class _ClusterEndpoint:
