@@ -8,7 +8,6 @@ to join it).
 """
 from __future__ import annotations
 
-import datetime
 import multiprocessing
 import os
 import signal
@@ -19,6 +18,8 @@ import pytest
 
 torch_dist = pytest.importorskip("torch.distributed")
 
+from tests.cluster.stores import loopback_store  # noqa: E402
+
 from tests.cluster import cluster_children as kids  # noqa: E402
 from tests.processes import WAIT, finish  # noqa: E402
 
@@ -27,8 +28,7 @@ KEY = b"cluster test key"
 
 @pytest.fixture
 def store():
-    return torch_dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=20),
-                               wait_for_workers=False)
+    return loopback_store(20)
 
 
 def node_context():

@@ -8,7 +8,6 @@ Payloads stay under 10 MB.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import gc
 import multiprocessing
 import os
@@ -23,6 +22,7 @@ import pytest
 torch_dist = pytest.importorskip("torch.distributed")
 
 import shared_td  # noqa: E402
+from tests.cluster.stores import loopback_store  # noqa: E402
 from tests.cluster import cluster_children as kids  # noqa: E402
 from tests.cluster.test_cluster import KEY, Nodes  # noqa: E402
 from tests.processes import WAIT, finish  # noqa: E402
@@ -67,8 +67,7 @@ def leak_checked_nodes(count, hosted=False):
     ctx = multiprocessing.get_context("spawn")
     # the test's own store (when no node hosts it) is made before the descriptors are
     # listed: its server thread's descriptors are the test's, not the nodes'
-    store = None if hosted else torch_dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=20),
-                                                    wait_for_workers=False)
+    store = None if hosted else loopback_store(20)
     with private_tempdir() as tempdir:
         before = open_descriptors()
         with ShmWatch() as shm:

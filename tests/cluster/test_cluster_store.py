@@ -6,7 +6,6 @@ fraction of a second; test_cluster.py runs real node process trees.
 """
 from __future__ import annotations
 
-import datetime
 import threading
 import time
 
@@ -14,6 +13,8 @@ import pytest
 import torch
 
 torch_dist = pytest.importorskip("torch.distributed")
+
+from tests.cluster.stores import loopback_store  # noqa: E402
 
 import shared_td  # noqa: E402
 from shared_td.coordinator import cluster_replica  # noqa: E402
@@ -25,8 +26,7 @@ KEY = b"in-process key"
 
 @pytest.fixture
 def store():
-    return torch_dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10),
-                               wait_for_workers=False)
+    return loopback_store(10)
 
 
 def test_signed_values_round_trip_and_forgeries_are_refused(store):
@@ -160,8 +160,7 @@ def test_wait_version_is_bounded(pair):
 
 
 def test_store_host_lost_gives_connection_error():
-    store = torch_dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10),
-                                wait_for_workers=False)
+    store = loopback_store(10)
     owner, other = _pair(store)
     try:
         owner.publish("p", shared_td.TensorDict(x=torch.zeros(3), batch_size=[3]))
