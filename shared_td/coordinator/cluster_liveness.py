@@ -23,6 +23,8 @@ HEARTBEAT_S = 0.5
 #: Seconds without a changed heartbeat after which a node counts as lost.
 LOST_AFTER_S = 3.0
 
+_NOT_FOUND = object()  # equals no heartbeat, None (a wrong signature) included
+
 
 class Liveness:
     """This node's heartbeat, and what it knows of the others'.
@@ -37,6 +39,9 @@ class Liveness:
     def __init__(self, store, node: int, read: Callable[[str], dict]):
         self._store, self._node, self._read = store, node, read
         self._beats: dict[int, tuple[object, float]] = {}
+        # peer -> the heartbeat it stood still at when still_lost last found it lost: a
+        # node found lost is not waited for again until its heartbeat moves
+        self._found_lost: dict[int, object] = {}
         self._lock = threading.Lock()
 
     def beat(self, stop: threading.Event) -> None:
@@ -71,13 +76,21 @@ class Liveness:
     def still_lost(self, peers: list[int], wait: float) -> list[int]:
         """Those of ``peers`` (each not :meth:`alive` a moment ago) whose heartbeat does
         not move within ``wait`` seconds: a node that was only stopped and runs again
-        (SIGCONT, a long pause) beats within HEARTBEAT_S and is not counted as lost."""
+        (SIGCONT, a long pause) beats within HEARTBEAT_S and is not counted as lost.
+        A peer this method already found lost, whose heartbeat has not moved since, is
+        lost at once: a dead replica node costs each later sync one store read, not
+        ``wait`` seconds."""
         end = time.monotonic() + wait
         lost = [peer for peer in peers if not self.alive(peer)]
-        while lost and time.monotonic() < end:
+        with self._lock:
+            known = [peer for peer in lost if self._found_lost.get(peer, _NOT_FOUND) == self._beats[peer][0]]
+        pending = [peer for peer in lost if peer not in known]
+        while pending and time.monotonic() < end:
             time.sleep(min(HEARTBEAT_S / 4, max(0.0, end - time.monotonic())))
-            lost = [peer for peer in lost if not self.alive(peer)]
-        return lost
+            pending = [peer for peer in pending if not self.alive(peer)]
+        with self._lock:
+            self._found_lost.update((peer, self._beats[peer][0]) for peer in pending)
+        return sorted(known + pending)
 
     def lost_or(self, peer: int, name: str, err: BaseException, role: str) -> BaseException:
         """After a failed transfer with ``peer``: OwnerLostError once its heartbeat has

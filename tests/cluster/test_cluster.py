@@ -181,8 +181,11 @@ def test_stopped_replica_is_dropped_within_the_timeout_and_rejoins(nodes_of):
     os.kill(nodes.procs[2].pid, signal.SIGSTOP)
     try:
         began = time.monotonic()
-        version, delivered, dropped = nodes.ok(0, "sync", "policy", 3.0)
-        assert time.monotonic() - began < 3.0 + 2  # the timeout, plus the heartbeat's slack
+        took, version, delivered, dropped = nodes.ok(0, "timed_sync", "policy", 3.0)
+        # the sync itself ends at its timeout (measured in the node: the test's queues
+        # between processes took 2 s more once on a loaded 2-core CI machine)
+        assert took < 3.0 + 0.5, took
+        assert time.monotonic() - began < 3.0 + 10
         assert delivered == [1] and dropped == [2]
     finally:
         os.kill(nodes.procs[2].pid, signal.SIGCONT)

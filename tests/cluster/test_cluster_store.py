@@ -279,3 +279,27 @@ def test_a_quiet_node_that_beats_again_is_not_counted_lost(monkeypatch):
         resumer.join(5)
     assert time.monotonic() - began < 1.0 + 0.5  # bounded by the wait
     assert liveness.still_lost([2], wait=0.0) == [2]  # no wait: the answer at once
+
+
+def test_a_node_found_lost_is_not_waited_for_again_until_it_beats(monkeypatch):
+    """Each sync after a replica node died waited the whole extra look (1 s) for it again:
+    40 syncs back to back took 40 s. Found lost once, it is lost at once while its
+    heartbeat stands still, and waited for again after it moved."""
+    from shared_td.coordinator import cluster_liveness
+
+    monkeypatch.setattr(cluster_liveness, "LOST_AFTER_S", 0.2)
+    beats = {1: 1, 2: None}  # node 2: a heartbeat with a wrong signature reads as None
+    liveness = cluster_liveness.Liveness(None, 0, lambda key: {"beat": beats[int(key.split("/")[1])]})
+    assert liveness.alive(1) and liveness.alive(2)
+    time.sleep(0.3)
+    assert liveness.still_lost([1, 2], wait=0.3) == [1, 2]  # the first time: one more look
+    began = time.monotonic()
+    for _ in range(5):
+        assert liveness.still_lost([1, 2], wait=1.0) == [1, 2]
+    assert time.monotonic() - began < 0.5  # not 5 x 1 s
+    beats[1] = 2  # node 1 runs again, then stops for good
+    assert liveness.alive(1)
+    time.sleep(0.3)
+    began = time.monotonic()
+    assert liveness.still_lost([1], wait=0.3) == [1]
+    assert time.monotonic() - began >= 0.3  # its new silence gets the look again
