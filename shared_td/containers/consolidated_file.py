@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 from typing import Any, Iterator
 
 import torch
 
 from shared_td.keys import key_repr
-from shared_td.persist import nodes
+from shared_td.persist import atomic, nodes
 from shared_td.persist.format import dtype_name
 from shared_td.storage import files
 
@@ -124,7 +123,9 @@ class NewFile:
     """The file of one ``consolidate(filename=path)``: made beside ``path`` under a
     hidden name, the metadata written after its ``nbytes`` of data (which the caller
     copies into ``backing``, the shared mapping), then renamed over ``path`` by
-    :meth:`commit` once the data are complete, or removed by :meth:`abort`.
+    :meth:`commit` once the data are complete, or removed by :meth:`abort`. The hidden
+    name is :func:`shared_td.persist.atomic.temporary_name`'s, so that the file of a
+    writer killed before either is removed by ``shared_td.gc(path)``.
 
     A symlink or directory at ``path`` is refused (the rename would replace the link
     itself); so is a missing parent directory.
@@ -144,7 +145,7 @@ class NewFile:
             if kind is not None:
                 raise RuntimeError(f"consolidate(filename={path!r}): the path is {kind}; refusing to "
                                    "replace it. Pass the path of a regular file (or a new one).")
-            self.temp = f".{self.name}.consolidating-{os.getpid()}-{secrets.token_hex(4)}"
+            self.temp = atomic.temporary_name(self.name)  # what shared_td.gc(path) removes
             fd, _ = files.reserve_file(self.directory, self.temp, existsok=False)
             try:
                 footer = _footer(metadata)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import errno
 import os
-import secrets
 import stat
 import struct
 import time
@@ -220,7 +219,7 @@ def write_archive(target: str, fill: Callable[[Members], None], compression: Any
 def _new_temporary(directory: Directory, name: str) -> tuple[str, int]:
     """A new file ``.<name>.shared_td-new-<pid>-<random>`` in ``directory``, opened."""
     for _ in range(100):
-        temporary = f".{name}.shared_td-new-{os.getpid()}-{secrets.token_hex(6)}"
+        temporary = atomic.temporary_name(name)
         try:
             return temporary, directory.open_file(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         except FileExistsError:

@@ -314,6 +314,18 @@ def swap_into_place(staging: str, prefix: str) -> None:
         )
 
 
+def temporary_name(name: str) -> str:
+    """A fresh name ``.<name>.shared_td-new-<pid>-<random>`` for a file written beside
+    ``name`` and then renamed over it: if its writer is killed first, :func:`gc` of
+    ``name`` (and the next archive write there) finds it by this name and removes it.
+
+    Examples:
+        >>> parse_leftover_name(temporary_name("td.bin")) == ("td.bin", os.getpid())
+        True
+    """
+    return f".{name}.{_TAG}-new-{os.getpid()}-{secrets.token_hex(6)}"
+
+
 def find_leftovers(prefix: str) -> list[str]:
     """Temporary directories of ``prefix`` whose writer process is gone (nothing removed).
 

@@ -188,7 +188,13 @@ def test_writer_killed_at_random_moments_leaves_a_complete_file(tmp_path, method
         generation = loaded["n", "b"][0].item()
         assert (loaded["a"] == float(generation)).all() and (loaded["n", "b"] == generation).all()
     leftovers = [name for name in _ours(path) if name != "td.bin"]
-    assert all(name.startswith(".td.bin.consolidating-") for name in leftovers)
+    assert all(name.startswith(".td.bin.shared_td-new-") for name in leftovers)
+    # what the killed writers left, gc removes (it found none of it before: the files
+    # were named .td.bin.consolidating-*, a name gc did not know)
+    removed = shared_td.gc(path)
+    assert sorted(os.path.basename(p) for p in removed) == leftovers
+    assert [name for name in _ours(path) if not name.endswith(".lock")] == ["td.bin"]
+    assert from_consolidated(path)["n", "b"].numel() > 0
 
 
 # ----------------------------------------------------------------------------- damage
