@@ -22,7 +22,7 @@ are cut to 60 characters. Exit code 1 if PREFIX holds no saved tensordict.
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("prefix", metavar="PREFIX", help="the directory of a saved tensordict")
+    parser.add_argument("prefix", metavar="PREFIX", help="the directory or .tdz archive of a saved tensordict")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a tree")
 
 

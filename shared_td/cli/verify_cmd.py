@@ -7,7 +7,8 @@ no file could hold more), so a load refuses exactly what is reported here; every
 file it lists is a regular file (a FIFO, socket or device is never opened) holding at
 least the bytes its shape and dtype need; no symlink anywhere (a symlink could lead out
 of the directory, and the loader refuses them); files and directories no meta.json names
-are warnings. Paths and keys are printed with control characters escaped.
+are warnings; in an archive, every member's data match its stored CRC-32. Paths and keys
+are printed with control characters escaped.
 """
 from __future__ import annotations
 
@@ -26,14 +27,15 @@ EPILOG = """examples:
 Errors (exit code 1): what load_memmap refuses: a meta.json that is missing, not JSON
 or has a bad field (named in the message), a batch size that does not fit its entries,
 a leaf file that is missing, not a regular file or shorter than its shape and dtype
-need, a nested tensor, any symlink.
+need, a nested tensor, any symlink; in an archive, a member whose data do not match
+its checksum (a damaged index or an escaping member name is refused, as a load does).
 Warnings (exit code 0): files or directories that no meta.json names (a leftover
 temporary file, a stack member after a gap, a stale pickle).
 """
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("prefix", metavar="PREFIX", help="the directory of a saved tensordict")
+    parser.add_argument("prefix", metavar="PREFIX", help="the directory or .tdz archive of a saved tensordict")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a report")
     parser.add_argument("-q", "--quiet", action="store_true",
                         help="print the problems only (nothing when there is none)")

@@ -214,6 +214,27 @@ class Archive:
         except (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError, NotImplementedError) as error:
             raise self.error(name, f"cannot be read: {error}") from None
 
+    def check(self, name: str) -> None:
+        """Read member ``name`` through in chunks: FormatError if its data do not match
+        its stored CRC or cannot be decompressed (what ``shared-td verify`` checks)."""
+        try:
+            with self._zip.open(name) as member:
+                while member.read(1 << 20):
+                    pass
+        except (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError, NotImplementedError) as error:
+            raise self.error(name, f"its data do not match the archive's checksum: {error}") from None
+
+    def not_a_save(self) -> str | None:
+        """Why the archive's root is no save (format.not_a_save's words), else None."""
+        try:
+            meta = json.loads(self.read(fmt.META).decode("utf-8"))
+        except FileNotFoundError:
+            return f"it holds no {fmt.META} at its root"
+        except (ValueError, UnicodeDecodeError, RecursionError) as error:
+            return f"its {fmt.META} is not valid JSON: {error}"
+        tensorclass = f"{fmt.TENSORCLASS_CHILD}/{fmt.META}" in self.members
+        return fmt.save_problem(meta, tensorclass_child=tensorclass)
+
     def leaf(self, name: str, leaf: LeafMeta, *, where: str) -> torch.Tensor:
         """The tensor of leaf ``leaf`` stored as member ``name``: a view into the mapping
         of the archive, or (compressed or unaligned) a copy in memory."""
@@ -345,10 +366,8 @@ def is_memmap_archive(path: Any) -> bool:
     except (OSError, FormatError, TypeError, ValueError):
         return False
     try:
-        meta = json.loads(archive.read(fmt.META).decode("utf-8"))
-        tensorclass = f"{fmt.TENSORCLASS_CHILD}/{fmt.META}" in archive.members
-        return fmt.save_problem(meta, tensorclass_child=tensorclass) is None
-    except (OSError, FormatError, ValueError, UnicodeDecodeError, RecursionError):
+        return archive.not_a_save() is None
+    except (OSError, FormatError):
         return False
     finally:
         archive.close()

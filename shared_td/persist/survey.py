@@ -1,12 +1,15 @@
-"""What a saved directory holds, read from its meta.json files only (nothing is mapped).
+"""What a save holds, read from its meta.json files only (nothing is mapped).
 
-``survey(prefix)`` walks a directory written by shared_td or tensordict 0.15.3 the way
-the loader would, without mapping a leaf or unpickling a value, and returns the tree
+``survey(prefix)`` walks a directory (or an archive, through the same code:
+survey_files.py) written by shared_td or tensordict 0.15.3 the way the loader would,
+without mapping a leaf or unpickling a value, and returns the tree
 (keys, classes, shapes, dtypes, sizes on disk, non-tensor values shown as short text)
 with every problem found: a meta.json that the loader would refuse (read and checked
 by the loader's own ``read_node_meta``), a batch size that does not fit a child, a
 missing, short or special (FIFO, socket, device) leaf file, a symlink (never followed:
-it could lead out of the directory), a file that no meta.json names. ``shared-td inspect`` prints the tree, ``shared-td verify`` the problems.
+it could lead out of the directory), a file that no meta.json names; in an archive, a
+member whose data do not match its stored checksum. ``shared-td inspect`` prints the
+tree, ``shared-td verify`` the problems.
 The tree's types are in saved_tree.py.
 
 Examples:
@@ -20,54 +23,60 @@ from __future__ import annotations
 
 import math
 import os
-import stat
 from typing import Any
 
 from shared_td.errors import FormatError
 from shared_td.keys import decode_key
 from shared_td.persist import format as fmt
 from shared_td.persist import nodes
-from shared_td.persist.archive import is_memmap_archive
+from shared_td.persist.archive import looks_like_zip
 from shared_td.persist.format import NodeMeta
-from shared_td.persist.loader import read_node_meta
 from shared_td.persist.saved_tree import NODE, TENSOR, VALUE, VALUE_WIDTH, Entry, Problem, Survey
+from shared_td.persist.survey_files import DIRECTORY, FILE, SYMLINK, InArchive, OnDisk
 
 __all__ = ["NODE", "TENSOR", "VALUE", "Entry", "NodeView", "Problem", "Survey", "survey"]
 
 def survey(prefix: str) -> Survey:
-    """Read the tree saved at ``prefix`` and check it (see the module docstring).
+    """Read the tree saved at ``prefix`` (a directory or an archive) and check it (see
+    the module docstring).
 
     Raises:
         FileNotFoundError: ``prefix`` does not exist or holds no meta.json.
-        NotADirectoryError: ``prefix`` is a file.
-        FormatError: its meta.json is not that of a save (format.not_a_save says why).
+        NotADirectoryError: ``prefix`` is a file but no zip archive.
+        FormatError: its meta.json is not that of a save (format.not_a_save says why),
+            or the archive's index is damaged or refused (what a load refuses).
     """
     root = os.path.abspath(os.fspath(prefix))
     if not os.path.exists(root):
         raise FileNotFoundError(f"No such directory: {root}")
-    if not os.path.isdir(root):
-        if is_memmap_archive(root):
-            raise NotADirectoryError(
-                f"{root} is an archive (one zip file), which is not surveyed file by file: "
-                f"unpack it first (shared_td.unpack_memmap({root!r}, 'some/directory')), or "
-                "load it with shared_td.load_memmap, which checks what it maps.")
-        raise NotADirectoryError(f"{root} is a file, not a saved tensordict directory.")
-    if not os.path.lexists(os.path.join(root, fmt.META)):
-        raise FileNotFoundError(f"No saved tensordict at {root}: {fmt.META} is missing.")
-    why = fmt.not_a_save(root)  # the words atomic=True uses to refuse replacing it
-    if why is not None:
-        raise fmt.FormatError(root, f"not a saved tensordict: {why}.")
-    walker = _Walker(root)
-    tree = walker.node("", "")
-    walker.check_directories()
-    return Survey(root, tree, walker.problems)
+    if os.path.isdir(root):
+        files = OnDisk(root)
+    elif looks_like_zip(root):
+        files = InArchive(root)
+    else:
+        raise NotADirectoryError(f"{root} is a file, neither a saved tensordict directory nor an archive.")
+    try:
+        if files.found(fmt.META) is None:
+            raise FileNotFoundError(f"No saved tensordict at {root}: {fmt.META} is missing.")
+        # the words atomic=True uses to refuse replacing it
+        why = fmt.not_a_save(root) if isinstance(files, OnDisk) else files.archive.not_a_save()
+        if why is not None:
+            raise fmt.FormatError(root, f"not a saved tensordict: {why}.")
+        walker = _Walker(files)
+        tree = walker.node("", "")
+        walker.check_directories()
+        for member, why in files.damaged():
+            walker.problem("error", member, why)
+        return Survey(root, tree, walker.problems)
+    finally:
+        files.close()
 
 
 class _Walker:
     """Reads the nodes; remembers which names each node directory should hold."""
 
-    def __init__(self, root: str):
-        self.root = root
+    def __init__(self, files: OnDisk | InArchive):
+        self.files = files
         self.problems: list[Problem] = []
         self.expected: dict[str, set[str]] = {}  # node directory -> names it owns
         self.reported: set[str] = set()  # paths already named in a problem
@@ -75,9 +84,6 @@ class _Walker:
     def problem(self, severity: str, path: str, message: str) -> None:
         self.problems.append(Problem(severity, os.path.normpath(path), message))
         self.reported.add(os.path.normpath(path))
-
-    def absolute(self, path: str) -> str:
-        return os.path.join(self.root, path)
 
     # -------------------------------------------------------------------- nodes
     def node(self, key: str, directory: str) -> Entry:
@@ -124,21 +130,22 @@ class _Walker:
 
     def is_directory(self, path: str) -> bool:
         """A directory (never through a symlink)."""
-        absolute = self.absolute(path)
-        return os.path.isdir(absolute) and not os.path.islink(absolute)
+        found = self.files.found(path)
+        return found is not None and found.kind == DIRECTORY
 
     def read_meta(self, directory: str) -> NodeMeta | None:
         """The node's checked meta.json, read by the loader's own code; None (and the
         error the loader would raise, as a problem) when it would refuse it."""
         path = os.path.join(directory, fmt.META)
         try:
-            return read_node_meta(self.absolute(directory))
+            return self.files.read_meta(directory)
         except FileNotFoundError:
             self.problem("error", path, f"{fmt.META} is missing: this directory is no saved node")
         except FormatError as error:
             self.problem("error", path, error.detail)
         except RuntimeError as error:  # the loader refuses symlinks
-            symlink = os.path.islink(self.absolute(path))
+            found = self.files.found(path)
+            symlink = found is not None and found.kind == SYMLINK
             self.problem("error", path, f"cannot read {fmt.META}: a symlink (not followed)" if symlink
                          else str(error))
         except OSError as error:
@@ -181,28 +188,28 @@ class _Walker:
 
     def regular_file_size(self, path: str) -> int | None:
         """Its size; None (and a problem) when missing or not a regular file."""
-        try:
-            info = os.lstat(self.absolute(path))
-        except FileNotFoundError:
+        found = self.files.found(path)
+        if found is None:
             self.problem("error", path, "missing: meta.json lists it")
             return None
-        if stat.S_ISLNK(info.st_mode):
-            self.problem("error", path, f"a symlink (to {os.readlink(self.absolute(path))}), not followed")
+        if found.kind == SYMLINK:
+            self.problem("error", path, f"a symlink (to {found.target}), not followed")
             return None
-        if not stat.S_ISREG(info.st_mode):  # never opened: a FIFO would block
-            self.problem("error", path, f"{fmt.file_kind(info.st_mode)}, not a regular file")
+        if found.kind != FILE:  # never opened: a FIFO would block
+            self.problem("error", path, f"{found.kind}, not a regular file")
             return None
-        return info.st_size
+        return found.size
 
     def find(self, directory: str, key: str, *, leaf: bool, required: bool = True) -> str | None:
         """The existing name of ``key``'s file or directory (see format.file_names)."""
         names = fmt.file_names(key, leaf=leaf)
         for name in names:
             path = os.path.join(directory, name)
-            if os.path.lexists(self.absolute(path)):
+            found = self.files.found(path)
+            if found is not None:
                 self.expected[directory].add(name)
-                if not leaf and (os.path.islink(self.absolute(path)) or not os.path.isdir(self.absolute(path))):
-                    kind = "a symlink, not followed" if os.path.islink(self.absolute(path)) else "not a directory"
+                if not leaf and found.kind != DIRECTORY:
+                    kind = "a symlink, not followed" if found.kind == SYMLINK else "not a directory"
                     self.problem("error", path, f"the directory of key {key!r} is {kind}")
                     return None
                 return name
@@ -223,21 +230,19 @@ class _Walker:
 
         Unknown directories are walked too (for symlinks), without a warning per file.
         """
-        for directory, dirnames, filenames in os.walk(self.root):
-            relative = os.path.relpath(directory, self.root)
-            relative = "" if relative == os.curdir else relative  # the root's own key
-            for name in sorted(dirnames + filenames):
+        for relative, names in self.files.listing():
+            for name in names:
                 path = os.path.normpath(os.path.join(relative, name))
                 if path in self.reported:
                     continue
-                absolute = os.path.join(directory, name)
-                if os.path.islink(absolute):
-                    target = os.readlink(absolute)
-                    inside = _inside(os.path.join(directory, target), self.root)
-                    where = "inside the prefix" if inside else "escapes the prefix"
-                    self.problem("error", path, f"a symlink to {target} ({where}); never followed")
+                found = self.files.found(path)
+                if found is None:  # gone since it was listed
+                    continue
+                if found.kind == SYMLINK:
+                    where = "escapes the prefix" if self.files.escapes(path, found.target) else "inside the prefix"
+                    self.problem("error", path, f"a symlink to {found.target} ({where}); never followed")
                 elif relative in self.expected and name not in self.expected[relative]:
-                    self.problem("warning", path, _unknown(name, os.path.isdir(absolute)))
+                    self.problem("warning", path, _unknown(name, found.kind == DIRECTORY))
 
 
 def _unknown(name: str, is_directory: bool) -> str:
@@ -247,11 +252,6 @@ def _unknown(name: str, is_directory: bool) -> str:
         key = decode_key(name[: -len(fmt.LEAF_SUFFIX)])
         return f"an unknown file: a leaf file of key {key!r}, which no meta.json lists"
     return "an unknown file: no meta.json names it"
-
-
-def _inside(path: str, root: str) -> bool:
-    real, root = os.path.realpath(path), os.path.realpath(root)
-    return real == root or real.startswith(root + os.sep)
 
 
 class NodeView:
@@ -269,7 +269,7 @@ class NodeView:
         return self._walker.pickled(self.entry.path, name)
 
     def has_file(self, name: str) -> bool:
-        return os.path.lexists(self._walker.absolute(os.path.join(self.entry.path, name)))
+        return self._walker.files.found(os.path.join(self.entry.path, name)) is not None
 
     @staticmethod
     def shown(value: Any, width: int = VALUE_WIDTH) -> str:

@@ -435,17 +435,6 @@ def test_is_memmap_archive_of_a_fifo_does_not_block(tmp_path):
         load_memmap(fifo)
 
 
-@pytest.mark.parametrize("command", ["inspect", "verify"])
-def test_inspect_and_verify_say_to_unpack_first(tmp_path, capsys, command):
-    from shared_td.cli import main
-
-    path = saved_archive(tmp_path)
-    assert main([command, str(path)]) == 1
-    assert f"{path} is an archive" in capsys.readouterr().err
-    assert main([command, str(tmp_path / "missing")]) == 1  # not mistaken for one
-    assert "is an archive" not in capsys.readouterr().err
-
-
 def test_saving_over_the_archive_a_tree_was_loaded_from(tmp_path):
     path = saved_archive(tmp_path)
     loaded = load_memmap(path)

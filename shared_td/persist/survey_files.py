@@ -1,0 +1,131 @@
+"""What the survey sees of a save: a directory on disk, or an archive's members.
+
+``survey`` walks both the same way through one of these views; each answers, for a path
+relative to the save's root, what is there (:class:`Found`), reads a node's checked
+meta.json with the loader's own code, and lists every name below the root. Only the
+disk view can hold symlinks or special files (an archive holding one is refused whole
+when opened, as a load refuses it); only the archive view has stored checksums, which
+:meth:`InArchive.damaged` checks by reading every member.
+"""
+from __future__ import annotations
+
+import os
+import posixpath
+import stat
+from dataclasses import dataclass
+from typing import Iterator
+
+from shared_td.errors import FormatError
+from shared_td.persist import format as fmt
+from shared_td.persist.archive import Archive, ArchiveNode
+from shared_td.persist.loader import read_meta, read_node_meta
+
+__all__ = ["Found", "InArchive", "OnDisk"]
+
+DIRECTORY, FILE, SYMLINK = "directory", "file", "symlink"
+
+
+@dataclass(frozen=True)
+class Found:
+    """What lies at a path: ``kind`` is DIRECTORY, FILE, SYMLINK or the words for a
+    special file ("a FIFO"...); ``size`` the bytes of a file (uncompressed, in an
+    archive); ``target`` a symlink's."""
+
+    kind: str
+    size: int = 0
+    target: str = ""
+
+
+class OnDisk:
+    """The save as the directory ``root`` (symlinks are reported, never followed)."""
+
+    def __init__(self, root: str):
+        self.root = root
+
+    def found(self, path: str) -> Found | None:
+        absolute = os.path.join(self.root, path)
+        try:
+            info = os.lstat(absolute)
+        except FileNotFoundError:
+            return None
+        if stat.S_ISLNK(info.st_mode):
+            return Found(SYMLINK, target=os.readlink(absolute))
+        if stat.S_ISDIR(info.st_mode):
+            return Found(DIRECTORY)
+        if stat.S_ISREG(info.st_mode):
+            return Found(FILE, info.st_size)
+        return Found(fmt.file_kind(info.st_mode))
+
+    def read_meta(self, directory: str) -> fmt.NodeMeta:
+        return read_node_meta(os.path.join(self.root, directory))
+
+    def listing(self) -> Iterator[tuple[str, list[str]]]:
+        """(directory relative to the root, the names in it) for every directory."""
+        for directory, dirnames, filenames in os.walk(self.root):
+            relative = os.path.relpath(directory, self.root)
+            yield ("" if relative == os.curdir else relative), sorted(dirnames + filenames)
+
+    def escapes(self, path: str, target: str) -> bool:
+        """Whether the symlink at ``path`` leads out of the root."""
+        real = os.path.realpath(os.path.join(self.root, os.path.dirname(path), target))
+        root = os.path.realpath(self.root)
+        return not (real == root or real.startswith(root + os.sep))
+
+    def damaged(self) -> list[tuple[str, str]]:
+        return []  # files on disk carry no checksum
+
+    def close(self) -> None:
+        pass
+
+
+class InArchive:
+    """The save as the members of the archive ``root`` (its index checked on opening:
+    a member escaping the archive, a symlink or a duplicate is a FormatError then)."""
+
+    def __init__(self, root: str):
+        self.root = root
+        self.archive = Archive(root)
+
+    def found(self, path: str) -> Found | None:
+        name = _member(path)
+        if name in self.archive.members:
+            return Found(FILE, self.archive.members[name].size)
+        if name in self.archive.directories:
+            return Found(DIRECTORY)
+        return None
+
+    def read_meta(self, directory: str) -> fmt.NodeMeta:
+        name = _member(directory)
+        if name not in self.archive.directories:
+            raise FileNotFoundError(f"No directory {name!r} in the archive {self.root}")
+        return read_meta(ArchiveNode(self.archive, name))
+
+    def listing(self) -> Iterator[tuple[str, list[str]]]:
+        below: dict[str, list[str]] = {directory: [] for directory in self.archive.directories}
+        for name in list(self.archive.members) + [d for d in self.archive.directories if d]:
+            below[posixpath.dirname(name)].append(posixpath.basename(name))
+        for directory in sorted(below):
+            yield directory, sorted(below[directory])
+
+    def escapes(self, path: str, target: str) -> bool:
+        return True  # never asked: an archive holding a symlink is refused when opened
+
+    def damaged(self) -> list[tuple[str, str]]:
+        """(member, why) for each member whose data do not match its stored CRC (every
+        member is read through once)."""
+        problems = []
+        for name in sorted(self.archive.members):
+            try:
+                self.archive.check(name)
+            except FormatError as error:
+                problems.append((name, error.detail))
+        return problems
+
+    def close(self) -> None:
+        self.archive.close()
+
+
+def _member(path: str) -> str:
+    """The archive member name of a survey path ("" or "a/b")."""
+    path = os.path.normpath(path) if path else ""
+    return "" if path == os.curdir else path.replace(os.sep, "/")
