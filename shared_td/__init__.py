@@ -41,6 +41,7 @@ from shared_td.errors import (
 )
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.persist.archive import is_memmap_archive
+from shared_td.persist.archive_checksums import refresh_archive_checksums
 from shared_td.persist.archive_write import pack_memmap, unpack_memmap
 from shared_td.persist.atomic import gc
 from shared_td.persist.functions import load, load_memmap, memmap, save
@@ -96,6 +97,7 @@ __all__ = [
     "memmap",
     "pack_memmap",
     "refresh",
+    "refresh_archive_checksums",
     "save",
     "tensorclass",
     "unpack_memmap",

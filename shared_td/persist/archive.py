@@ -18,7 +18,8 @@ change a private copy, lost without a word). With ``mode="r+"`` the archive is m
 shared and writes reach the file; a compressed or unaligned payload cannot be mapped
 so, and is then an error naming the member. Like tensordict, such writes do not update
 the members' CRC-32, which a load does not check for mapped payloads (that would read
-the whole archive at every load, defeating lazy mapping); ``zipfile``/``unzip`` would.
+the whole archive at every load, defeating lazy mapping); ``zipfile``/``unzip`` would:
+``refresh_archive_checksums`` (persist.archive_checksums) makes them true again.
 A compressed (or, in a foreign zip, unaligned) leaf loaded without ``"r+"`` is a copy
 in memory: writable, and its writes never reach the archive.
 
@@ -198,6 +199,15 @@ class Archive:
             raise self.error(name, f"its payload runs past the end of the file ({size} bytes): "
                              "the archive is truncated")
         return Member(offset, info.file_size, info.compress_type, info.compress_size)
+
+    def infos(self) -> list[zipfile.ZipInfo]:
+        """The central directory's entries, in its order."""
+        return self._zip.infolist()
+
+    @property
+    def central_directory(self) -> int:
+        """The file offset of the central directory's first record."""
+        return self._zip.start_dir
 
     def error(self, member: str, reason: str) -> FormatError:
         return FormatError(self.path, f"member {member!r}: {reason}")
