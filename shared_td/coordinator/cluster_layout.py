@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shared_td.containers.base import is_tensor_collection
 from shared_td.containers.nontensor import NonTensorData, NonTensorStack
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.persist import format as fmt
@@ -65,10 +66,11 @@ _VALUE_CLASSES = {
 
 @dataclass
 class _Tree:
-    """A walk of a tree by its node kinds: its container nodes (path -> meta document),
-    tensor leaves (path, tensor, row) and non-tensor values (path, value), in order."""
+    """A walk of a tree by its node kinds: its container nodes (path -> meta document;
+    None: not wanted), tensor leaves (path, tensor, row) and non-tensor values (path,
+    value), in order."""
 
-    documents: dict = field(default_factory=dict)
+    documents: dict | None = field(default_factory=dict)
     leaves: list = field(default_factory=list)
     values: list = field(default_factory=list)
 
@@ -82,29 +84,33 @@ def _walk(obj, tree: _Tree, path: tuple = (), row: int | None = None) -> None:
     row of the root's first dimension that all of ``obj`` is (None: ``obj``'s own first
     batch dimension is the root's)."""
     kind = nodes.kind_for_object(obj)  # TypeError for what the engine cannot memory-map
+    documented = tree.documents is not None
     entries = []
     for key, value in kind.entries(obj):
         if isinstance(value, torch.Tensor):
-            entries.append(fmt.LeafMeta.of(key, value))
+            if documented:
+                entries.append(fmt.LeafMeta.of(key, value))
             tree.leaves.append((path + (key,), value, row))
             continue
-        entries.append(fmt.ChildMeta(key, nodes.kind_for_object(value).child_type_name(value)))
+        if documented:
+            entries.append(fmt.ChildMeta(key, nodes.kind_for_object(value).child_type_name(value)))
         if _is_value(value):
             tree.values.append((path + (key,), value))
         else:
             _walk(value, tree, path + (key,), row)
-    meta, side_files = kind.metadata(obj, tuple(entries))
-    if side_files:  # no container node has any; non-tensor data is not walked here
-        raise TypeError(f"The node {list(path)} needs pickled side files: it cannot be replicated.")
-    tree.documents[path] = json.loads(meta.to_json())
+    if documented:
+        meta, side_files = kind.metadata(obj, tuple(entries))
+        if side_files:  # no container node has any; non-tensor data is not walked here
+            raise TypeError(f"The node {list(path)} needs pickled side files: it cannot be replicated.")
+        tree.documents[path] = json.loads(meta.to_json())
     # a lazy stack along the root's first dimension: each member is one row of it
-    stacked_rows = row is None and kind.name == nodes.LAZY and meta.stack_dim == 0
+    stacked_rows = row is None and kind.name == nodes.LAZY and obj.stack_dim == 0
     for index, (child, member) in enumerate(kind.children(obj)):
         _walk(member, tree, path + (child,), index if stacked_rows else row)
 
 
 def _survey(td, name: str) -> _Tree:
-    if isinstance(td, torch.Tensor) or _is_value(td):
+    if not is_tensor_collection(td) or _is_value(td):
         raise TypeError(f"{name!r}: a replicated name is a TensorDict, a tensorclass or a lazy stack "
                         f"of them, not a {type(td).__name__}.")
     tree = _Tree()
@@ -210,14 +216,14 @@ def _leaf(name: str, segment: Segment, leaf: dict | None, meta: fmt.LeafMeta, ke
 def tensor_leaves(td):
     """The tensor leaves of a tree, by its node kinds (any nesting of containers, lazy
     stacks of members of different shapes included)."""
-    tree = _Tree()
+    tree = _Tree(documents=None)
     _walk(td, tree)
     return [leaf for _key, leaf, _row in tree.leaves]
 
 
 def value_cells(td, layout: dict) -> list:
     """The shared cells of the non-tensor values of ``td`` listed in ``layout``."""
-    tree = _Tree()
+    tree = _Tree(documents=None)
     _walk(td, tree)
     found = dict(tree.values)
     return [found[tuple(entry["key"])]._shared_value for entry in layout.get("values", ())]

@@ -18,6 +18,7 @@ torch_dist = pytest.importorskip("torch.distributed")
 import shared_td  # noqa: E402
 from tests.cluster.cluster_children import Step, kinds_td  # noqa: E402
 from tests.processes import wait_until  # noqa: E402
+from tests.cluster.test_cluster_api import coordinators  # noqa: E402,F401 (fixture)
 from tests.cluster.test_cluster_store import pair, store  # noqa: E402,F401 (fixtures)
 
 
@@ -53,7 +54,10 @@ def _same_lazy(a, b):
     for x, y in zip(a.tensordicts, b.tensordicts):
         assert x.batch_size == y.batch_size and list(x.keys()) == list(y.keys())
         for key in x.keys():
-            assert torch.equal(x[key], y[key]), key
+            if isinstance(x[key], torch.Tensor):
+                assert torch.equal(x[key], y[key]), key
+            else:
+                assert x[key] == y[key], key
 
 
 def test_a_tensorclass_replicates_at_the_top_level_with_its_non_tensor_fields(pair):
@@ -110,11 +114,14 @@ def test_a_tensordict_holding_a_tensorclass_and_a_lazy_stack_replicates(pair):
 
 def test_a_lazy_stack_along_dim_0_replicates_and_a_pushed_row_is_a_whole_member(pair):
     owner, other = pair
-    members = [shared_td.TensorDict(obs=torch.full((n, 2), float(n)), batch_size=[]) for n in (1, 2, 3)]
-    lazy = owner.publish("episodes", shared_td.LazyStackedTensorDict(*members, stack_dim=0))
+    members = [shared_td.TensorDict(obs=torch.full((n, 2), float(n)), name=f"m{n}", batch_size=[]) for n in (1, 2, 3)]
+    lazy = owner.publish("episodes", shared_td.LazyStackedTensorDict(*members, stack_dim=0), share_non_tensor=True)
     view = other.attach("episodes")
     _same_lazy(view, lazy)
     assert view.batch_size == (3,) and view[2]["obs"].shape == (3, 2)
+    assert [member["name"] for member in view.tensordicts] == ["m1", "m2", "m3"]
+    view.tensordicts[1].set_("name", "renamed")  # a member's value is cluster-wide too
+    assert wait_until(lambda: lazy.tensordicts[1]["name"] == "renamed", 5)
     view.tensordicts[1]["obs"].fill_(-1.0)
     view.tensordicts[2]["obs"].fill_(-2.0)
     other.push("episodes", [-1])  # the last member only, as lazy[-1] selects it
@@ -125,6 +132,22 @@ def test_a_lazy_stack_along_dim_0_replicates_and_a_pushed_row_is_a_whole_member(
     lazy.tensordicts[0]["obs"].fill_(9.0)
     owner.sync("episodes")
     assert view.tensordicts[0]["obs"].tolist() == [[9.0, 9.0]]
+
+
+def test_coordinators_replicate_a_lazy_stack_and_a_local_attach_by_address_sees_the_replica(coordinators):
+    owner, other = coordinators
+    members = [shared_td.TensorDict(v=torch.full((2, w), float(w)), batch_size=[2]) for w in (1, 3)]
+    lazy = owner.publish("lazy", shared_td.LazyStackedTensorDict(*members, stack_dim=1), replicate=True)
+    replica = other.attach("lazy")
+    # what a worker of node 1 gets: an attach by address to its node's Coordinator
+    local = shared_td.attach("lazy", address=other.address, authkey=other.authkey)
+    assert type(local) is shared_td.LazyStackedTensorDict and local.stack_dim == 1
+    _same_lazy(local, lazy)
+    assert _segment(local) == _segment(replica) != _segment(lazy)  # the node's one replica
+    lazy.tensordicts[1]["v"].fill_(6.0)
+    owner.sync("lazy")
+    assert shared_td.wait_version(local, 2, timeout=5) == 2
+    assert local.tensordicts[1]["v"].unique().tolist() == [6.0]
 
 
 def test_a_republished_tensorclass_makes_the_replica_stale_and_refresh_renews_it(pair):
@@ -172,8 +195,40 @@ def test_what_does_not_replicate_is_a_clear_error(pair):
         owner.publish("p", kinds_td(2))
     with pytest.raises(TypeError, match="a replicated name is a TensorDict, a tensorclass or a lazy stack"):
         owner.publish("value", shared_td.NonTensorData("x"), share_non_tensor=True)
+    with pytest.raises(TypeError, match="'plain': a replicated name is .* not a dict"):
+        owner.publish("plain", {"x": torch.zeros(2)})
     refused = kinds_td(2)
     with pytest.raises(TypeError):
         owner.publish("refused", refused)
     assert not refused.is_memmap() and not owner.holds("refused")  # refused before any change
 
+
+
+def test_rows_of_a_push_are_what_indexing_selects_for_every_kind_and_dtype():
+    """pack_rows/unpack_rows over a layout (no network): a lazy stack along dim 0 (rows
+    are whole members, of mixed dtypes: unaligned after a bool) beside one along dim 1."""
+    from shared_td.coordinator import cluster_layout, cluster_replica
+
+    def tree(fill):
+        along0 = shared_td.LazyStackedTensorDict(*[
+            shared_td.TensorDict(flag=torch.full((m + 1,), bool(fill)), big=torch.full((m + 2, 3), fill, dtype=torch.float64),
+                                 batch_size=[]) for m in range(3)], stack_dim=0)
+        along1 = shared_td.LazyStackedTensorDict(*[
+            shared_td.TensorDict(v=torch.full((3, w), fill), batch_size=[3]) for w in (1, 4)], stack_dim=1)
+        return shared_td.TensorDict(a=along0, b=along1, batch_size=[3]).memmap_()
+
+    source, target = tree(1.0), tree(0.0)
+    layout, segment, _cells = cluster_layout.describe(source, "t")
+    target_layout, target_segment, _ = cluster_layout.describe(target, "t")
+    assert [leaf.get("row") for leaf in layout["leaves"]] == [0, 0, 1, 1, 2, 2, None, None]
+    index = torch.tensor([2, 0, 2])  # a duplicate is written once more, with the same rows
+    message = cluster_replica.pack_rows(cluster_replica.leaf_views(segment, layout), index)
+    cluster_replica.unpack_rows(cluster_replica.leaf_views(target_segment, target_layout), message, 3)
+    expected = tree(0.0)
+    for row in (0, 2):  # what expected[row] = source[row] writes
+        expected["a"].tensordicts[row].update_(source["a"].tensordicts[row])
+        for member, origin in zip(expected["b"].tensordicts, source["b"].tensordicts):
+            member["v"][row] = origin["v"][row]
+    for got, want in zip(cluster_layout.tensor_leaves(target), cluster_layout.tensor_leaves(expected)):
+        assert torch.equal(got, want)
+    assert target["a"].tensordicts[1]["big"].unique().tolist() == [0.0]  # not pushed
