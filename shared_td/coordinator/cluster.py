@@ -11,7 +11,9 @@ One :class:`Cluster` per node, in the process that runs the node's
 
 A name published with :meth:`Cluster.publish` has one owner node. Another node's
 :meth:`Cluster.attach` makes a *replica*: one local anonymous segment with the owner's
-layout (:mod:`~shared_td.coordinator.cluster_replica`), filled by one transfer and
+layout (:mod:`~shared_td.coordinator.cluster_layout`: any tree of TensorDicts,
+tensorclasses and lazy stacks, rebuilt with the same classes; the segment and its
+versions: :mod:`~shared_td.coordinator.cluster_replica`), filled by one transfer and
 published on the node's own Coordinator under the same name, so all processes of that
 node attach it as today and the network copy is made once per node.
 
@@ -82,6 +84,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shared_td.coordinator import cluster_layout
 from shared_td.coordinator import cluster_replica as replica
 from shared_td.coordinator import staleness
 from shared_td.coordinator import cluster_liveness
@@ -233,17 +236,21 @@ class Cluster:
     def publish(self, name: str, td, *, share_non_tensor: bool = False):
         """Publish ``td`` as ``name`` owned by this node; returns ``td``.
 
-        ``td`` is memory-mapped into one anonymous segment (``memmap_()``, on this
-        node's Coordinator when there is one). With ``share_non_tensor=True`` its
+        ``td`` (a TensorDict, a tensorclass or a LazyStackedTensorDict, nested in any
+        way; its members may differ in shape) is memory-mapped into one anonymous
+        segment (``memmap_()``, on this node's Coordinator when there is one). Another
+        node's replica has the same classes (a tensorclass must be defined on that node:
+        its module imported before the attach), batch sizes, names and stack dims. With
+        ``share_non_tensor=True`` its
         NonTensorData values are shared by every process of every node: a write on any
         node reaches the others within milliseconds (see
         :mod:`~shared_td.coordinator.cluster_values`); without it, a tree with a
         non-tensor value is refused. Publishing a name again makes a new generation:
         replicas of the old one are stale (:meth:`is_stale`)."""
         store = self._checked()
-        replica.check_kinds(td, name, share_non_tensor)  # before anything is mapped or published
+        cluster_layout.check_kinds(td, name, share_non_tensor)  # before anything is mapped or published
         td = self._memmap_here(name, td, share_non_tensor)
-        layout, segment, cells = replica.describe(td, name, share_non_tensor)
+        layout, segment, cells = cluster_layout.describe(td, name, share_non_tensor)
         generation = store.add(f"generation/{name}", 1)
         self._owned[name] = Owned(td, segment, layout, generation, version=1)
         self._values.publish(name, generation, cells)  # before the name: attachers read them
@@ -314,7 +321,8 @@ class Cluster:
             return have.td
         layout, generation = info["layout"], info["generation"]
         latest = self._values.latest(name, generation, len(layout.get("values", ())))
-        td, segment = replica.rebuild(layout, [value for _version, value in latest])
+        segment = replica.new_segment(layout["nbytes"])
+        td = cluster_layout.rebuild(name, layout, [value for _version, value in latest], segment)
         rep = self._replicas[name] = Replica(td, segment, layout, info["owner"], generation)
         self._checked().set_json(f"has/{name}/{self.node}", {"generation": generation})
         try:
@@ -326,7 +334,7 @@ class Cluster:
                 self._replicas[name] = have
             raise
         rep.td = td = self._memmap_here(name, td, bool(latest))
-        self._values.attach(name, generation, replica.value_cells(td, layout), [v for v, _value in latest])
+        self._values.attach(name, generation, cluster_layout.value_cells(td, layout), [v for v, _value in latest])
         staleness.remember(td, name, generation, {"table": None, "slot": None}, _ClusterEndpoint(self))
         return td
 
@@ -391,8 +399,13 @@ class Cluster:
             rep.lock.release()
 
     def push(self, name: str, index) -> None:
-        """Rows ``index`` (of the first dimension) of this node's replica -> the same rows
-        of the owner's tensordict, in place. Returns when the owner wrote them."""
+        """Rows ``index`` (of the first batch dimension) of this node's replica -> the
+        same rows of the owner's tree, in place. Returns when the owner wrote them.
+
+        A row is what ``td[i]`` selects: of a tensorclass, row ``i`` of its fields;
+        of a lazy stack along dim 0 (the root's first dimension), its whole member
+        ``i``; of a lazy stack along another dim, row ``i`` of every member. Non-tensor
+        values are not pushed: with ``share_non_tensor=True`` they travel by themselves."""
         if name in self._owned:
             return  # the owner's replica is its own buffer: the rows are already there
         rep = self._replica(name)

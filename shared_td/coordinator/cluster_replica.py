@@ -1,13 +1,9 @@
-"""What travels between nodes: a tensordict's layout as plain JSON, and replica segments.
+"""Replica segments, their versions, and the rows of a push.
 
-A replicated name is a tensordict whose tensor leaves all lie in ONE anonymous segment
-(what ``memmap_()`` without a prefix makes: :func:`shared_td.persist.writer` packs a tree
-into one segment). Its *layout* -- batch size, and for each leaf its key, dtype, shape and
-byte offset, and the key and batch size of each shared NonTensorData value (whose
-contents travel separately, see :mod:`~shared_td.coordinator.cluster_values`) -- is plain
-JSON in the store, so another node rebuilds the same tree over a
-segment of its own, and a transfer is one contiguous copy of ``nbytes`` bytes, received
-in place.
+A replicated name is a tree whose tensor leaves all lie in ONE anonymous segment; its
+*layout* (:mod:`~shared_td.coordinator.cluster_layout`) tells another node how to rebuild
+the same tree over a segment of its own, so a transfer is one contiguous copy of
+``nbytes`` bytes, received in place.
 
 A replica segment is ``nbytes`` data bytes followed by a 64-byte trailer: a magic word and
 a *state* word, ``2 * version`` when the data is one complete version, odd while a
@@ -15,9 +11,11 @@ transfer writes it. Every process of the node that attached the replica reads th
 from its own mapping (:func:`version`, :func:`wait_version`, exported as
 ``shared_td.version`` and ``shared_td.wait_version``), without asking anyone.
 
-What is not replicated is refused with a TypeError naming the leaf: tensorclasses, lazy
-stacks, and NonTensorData/NonTensorStack values of a name published without
-``share_non_tensor=True``.
+A push sends *rows*: indices along the root's first batch dimension, as ``td[index]``
+selects them. Of a leaf below TensorDicts and tensorclasses, its rows ``index`` (its own
+first dimension); below a lazy stack stacked along that dimension (``stack_dim=0``), a
+row is a whole member, so each leaf of member ``m`` is sent whole when ``m`` is in
+``index``; a lazy stack stacked along another dimension has the same rows in every member.
 """
 from __future__ import annotations
 
@@ -27,13 +25,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared_td.containers.nontensor import NonTensorData, NonTensorStack
-from shared_td.containers.tensordict import TensorDict
-from shared_td.memmap_tensor import MemoryMappedTensor
+from shared_td.coordinator.cluster_layout import tensor_leaves
 from shared_td.storage.anonymous import Segment
 
-__all__ = ["Owned", "Replica", "check_kinds", "describe", "leaf_views", "pack_rows", "rebuild", "replica_version",
-           "segment_bytes", "unpack_rows", "value_cells", "version", "wait_version"]
+__all__ = ["Owned", "Replica", "leaf_views", "new_segment", "pack_rows", "replica_version",
+           "segment_bytes", "unpack_rows", "version", "wait_version"]
 
 _TRAILER = 64
 _MAGIC = 0x5348545F5245504C  # "SHT_REPL"
@@ -64,112 +60,11 @@ class Replica:
     leaves: list = field(default_factory=list)  # leaf_views(segment, layout), made by the first push
 
 
-# The non-tensor containers that replicate, by name: each from the payload of its shared
-# cell (one value; a stack's flat list of values in C order) and its batch size.
-_VALUE_CLASSES = {
-    "NonTensorData": lambda value, batch_size: NonTensorData(value, batch_size=batch_size),
-    "NonTensorStack": lambda values, batch_size: NonTensorStack._from_flat(values, torch.Size(batch_size)),
-}
-
-
-def _is_leaf_here(cls: type) -> bool:
-    # walk into TensorDict nodes only: anything else (a tensor, a non-tensor value, a
-    # tensorclass, a lazy stack) is a leaf of the layout, checked by _segment_of
-    return not issubclass(cls, TensorDict)
-
-
-def check_kinds(td, name: str, share_non_tensor: bool) -> None:
-    """TypeError, naming the leaf, for what does not replicate (checked before anything
-    is memory-mapped or published): a root that is not a TensorDict; leaves other than
-    tensors, NonTensorData and NonTensorStack; those two without ``share_non_tensor=True``."""
-    if type(td) is not TensorDict:
-        raise TypeError(f"{name!r}: only a TensorDict can be replicated, not a {type(td).__name__}.")
-    for key, leaf in _leaves(td):
-        if type(leaf) in (NonTensorData, NonTensorStack):
-            if not share_non_tensor:
-                raise TypeError(
-                    f"{name!r}: the leaf {key} is a non-tensor value; a replicated name shares "
-                    "its non-tensor values across the cluster only when published with "
-                    "share_non_tensor=True (publish(name, td, replicate=True, share_non_tensor=True))."
-                )
-        elif not isinstance(leaf, torch.Tensor):
-            raise TypeError(
-                f"{name!r}: the leaf {key} is a {type(leaf).__name__}; a replicated name holds "
-                "TensorDict nodes, tensors, NonTensorData and NonTensorStack values only (publish the others "
-                "under a name that is not replicated)."
-            )
-
-
-def _leaves(td):
-    for key, leaf in td.items(include_nested=True, leaves_only=True, is_leaf=_is_leaf_here):
-        yield ((key,) if isinstance(key, str) else tuple(key)), leaf
-
-
-def _segment_of(td, name: str, share_non_tensor: bool) -> tuple[Segment, list, list]:
-    check_kinds(td, name, share_non_tensor)
-    leaves, values, segment = [], [], None
-    for key, leaf in _leaves(td):
-        if type(leaf) in (NonTensorData, NonTensorStack):
-            values.append((key, leaf))
-            continue
-        backing = getattr(leaf, "_backing", None)
-        if leaf.numel() and not isinstance(backing, Segment):
-            raise ValueError(
-                f"{name!r}: the leaf {key} is not in anonymous shared memory; publish with "
-                "replicate=True without a prefix, so that the whole tree lies in one segment."
-            )
-        if leaf.numel() and segment is not None and backing is not segment:
-            raise ValueError(
-                f"{name!r}: the leaves lie in several segments; replicate a tensordict made "
-                "by one memmap_() without a prefix."
-            )
-        if leaf.numel() and not leaf.is_contiguous():
-            raise ValueError(f"{name!r}: the leaf {key} is not contiguous.")
-        segment = backing if leaf.numel() else segment
-        leaves.append((key, leaf))
-    return segment, leaves, values
-
-
-def describe(td, name: str, share_non_tensor: bool = False) -> tuple[dict, Segment, list]:
-    """The JSON layout of ``td`` (one segment of tensor leaves, and NonTensorData and
-    NonTensorStack values shared with ``share_non_tensor=True``), its segment and the cells of its values (in
-    the order of ``layout["values"]``)."""
-    segment, leaves, values = _segment_of(td, name, share_non_tensor)
-    if segment is None:
-        raise ValueError(f"{name!r}: nothing to replicate (no tensor with elements).")
-    return {
-        "batch_size": list(td.batch_size),
-        "nbytes": segment.nbytes,
-        "leaves": [
-            {"key": list(key), "dtype": str(leaf.dtype).removeprefix("torch."),
-             "shape": list(leaf.shape), "offset": leaf._byte_offset() if leaf.numel() else 0}
-            for key, leaf in leaves
-        ],
-        "values": [{"key": list(key), "class": type(leaf).__name__, "batch_size": list(leaf.batch_size)}
-                   for key, leaf in values],
-    }, segment, [leaf._shared_value for _key, leaf in values]
-
-
-def rebuild(layout: dict, values: list) -> tuple[TensorDict, Segment]:
-    """A new replica: a segment of ``nbytes`` + trailer, state 0 (no version yet), and a
-    TensorDict over it with the owner's keys, dtypes, shapes and offsets, and its
-    non-tensor ``values`` (not shared yet: ``memmap_(share_non_tensor=True)`` does it)."""
-    segment = Segment.create(layout["nbytes"] + _TRAILER)
+def new_segment(nbytes: int) -> Segment:
+    """A replica segment: ``nbytes`` data bytes and the trailer, state 0 (no version yet)."""
+    segment = Segment.create(nbytes + _TRAILER)
     _words(segment)[0] = _MAGIC
-    td = TensorDict({}, batch_size=layout["batch_size"])
-    for leaf in layout["leaves"]:
-        dtype = getattr(torch, leaf["dtype"])
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"The layout names an unknown dtype {leaf['dtype']!r}.")
-        td.set(tuple(leaf["key"]), MemoryMappedTensor._from_backing(segment, leaf["offset"], dtype, leaf["shape"]))
-    for entry, value in zip(layout.get("values", ()), values):
-        td.set(tuple(entry["key"]), _VALUE_CLASSES[entry["class"]](value, entry["batch_size"]))
-    return td, segment
-
-
-def value_cells(td, layout: dict) -> list:
-    """The shared cells of the non-tensor values of ``td`` listed in ``layout``."""
-    return [td.get(tuple(entry["key"]))._shared_value for entry in layout.get("values", ())]
+    return segment
 
 
 def segment_bytes(segment: Segment, nbytes: int) -> torch.Tensor:
@@ -177,10 +72,11 @@ def segment_bytes(segment: Segment, nbytes: int) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(segment.storage, 0, (nbytes,))
 
 
-def leaf_views(segment: Segment, layout: dict) -> list[torch.Tensor]:
+def leaf_views(segment: Segment, layout: dict) -> list[tuple[torch.Tensor, int | None]]:
     """The tensor leaves of ``layout`` as plain tensors over ``segment`` (in the order of
-    ``layout["leaves"]``): the rows a push copies, without the per-call cost of the
-    tensordict's lookups and of MemoryMappedTensor's dispatch."""
+    ``layout["leaves"]``), each with its row (None: the leaf's first dimension holds the
+    rows; an int: the whole leaf is that row, see the module doc): what a push copies,
+    without the per-call cost of the tree's lookups and of MemoryMappedTensor's dispatch."""
     data = segment_bytes(segment, layout["nbytes"])
     views = []
     for leaf in layout["leaves"]:
@@ -189,39 +85,55 @@ def leaf_views(segment: Segment, layout: dict) -> list[torch.Tensor]:
         for size in leaf["shape"]:
             count *= size
         start = leaf["offset"]
-        views.append(data[start: start + count * dtype.itemsize].view(dtype).view(leaf["shape"]))
+        views.append((data[start: start + count * dtype.itemsize].view(dtype).view(leaf["shape"]), leaf.get("row")))
     return views
 
 
-def pack_rows(leaves: list[torch.Tensor], index: torch.Tensor) -> torch.Tensor:
+def _sizes(leaves: list, index: torch.Tensor) -> list[int]:
+    """Bytes of each leaf in a message of rows ``index``."""
+    rows = int(index.numel())
+    whole = any(row is not None for _leaf, row in leaves)
+    wanted = set(index.tolist()) if whole else ()  # members of a stack along dim 0
+    return [rows * leaf[0].numel() * leaf.element_size() if row is None
+            else (leaf.numel() * leaf.element_size() if row in wanted else 0)
+            for leaf, row in leaves]
+
+
+def pack_rows(leaves: list, index: torch.Tensor) -> torch.Tensor:
     """One message for a push: ``index`` (int64), then leaf after leaf its rows ``index``
     (each copied once, straight into the message; ``leaves`` from :func:`leaf_views`)."""
     rows = int(index.numel())
-    sizes = [rows * leaf[0].numel() * leaf.element_size() for leaf in leaves]
+    sizes = _sizes(leaves, index)
     payload = torch.empty(8 * rows + sum(sizes), dtype=torch.uint8)
     payload[: 8 * rows].view(torch.int64).copy_(index)
     offset = 8 * rows
-    for leaf, size in zip(leaves, sizes):
+    for (leaf, row), size in zip(leaves, sizes):
         out = payload[offset: offset + size]
-        if offset % leaf.element_size():  # rows of a smaller dtype came before: not aligned
-            out.copy_(leaf.index_select(0, index).reshape(-1).view(torch.uint8))
+        if not size:
+            pass  # a member of a stack along dim 0 that is not pushed
+        elif row is not None or offset % leaf.element_size():  # a whole member, or not aligned
+            out.copy_((leaf if row is not None else leaf.index_select(0, index)).reshape(-1).view(torch.uint8))
         else:
             torch.index_select(leaf, 0, index, out=out.view(leaf.dtype).view((rows, *leaf.shape[1:])))
         offset += size
     return payload
 
 
-def unpack_rows(leaves: list[torch.Tensor], message: torch.Tensor, rows: int) -> None:
+def unpack_rows(leaves: list, message: torch.Tensor, rows: int) -> None:
     """Write the ``rows`` rows of a :func:`pack_rows` message into ``leaves``."""
     index = message[: 8 * rows].view(torch.int64)
     offset = 8 * rows
-    for target in leaves:
-        size = rows * target[0].numel() * target.element_size()
-        chunk = message[offset: offset + size]
-        if offset % target.element_size():
-            chunk = chunk.clone()  # rows of a smaller dtype came before: realign
-        target[index] = chunk.view(target.dtype).view((rows, *target.shape[1:]))
+    for (target, row), size in zip(leaves, _sizes(leaves, index)):
+        chunk, start = message[offset: offset + size], offset
         offset += size
+        if not size:
+            continue
+        if start % target.element_size():
+            chunk = chunk.clone()  # rows of a smaller dtype came before: realign
+        if row is not None:
+            target.view(-1).copy_(chunk.view(target.dtype))
+        else:
+            target[index] = chunk.view(target.dtype).view((rows, *target.shape[1:]))
 
 
 def _words(segment: Segment) -> torch.Tensor:
@@ -239,7 +151,7 @@ def set_state(segment: Segment, state: int) -> None:
 
 
 def _replica_segment(td) -> Segment:
-    for _key, leaf in td.items(include_nested=True, leaves_only=True):
+    for leaf in tensor_leaves(td):
         backing = getattr(leaf, "_backing", None)
         if isinstance(backing, Segment) and backing.nbytes > _TRAILER and int(_words(backing)[0]) == _MAGIC:
             return backing

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from shared_td.containers.base import is_leaf_nontensor
+from shared_td.containers.lazy import LazyStackedTensorDict
 from shared_td.storage.anonymous import Segment
 from shared_td.storage.shared_value import SharedValue
 
@@ -80,10 +81,12 @@ def unpickle(blob: bytes, references: list) -> Any:
 
 def layout_of(td: Any) -> dict:
     """A plain-dict summary of ``td``: class, batch size, and per leaf its key, shape,
-    dtype and where it lives (a file path, ``"anonymous"`` or ``"non-tensor"``)."""
+    dtype and where it lives (a file path, ``"anonymous"`` or ``"non-tensor"``). The
+    leaves of a lazy stack are listed member by member (``"s.0.a"``): its members may
+    have different shapes, and a stacked view would be a copy, in no shared memory."""
     leaves = []
-    for key, value in td.items(True, True, is_leaf_nontensor):
-        key_str = ".".join(key) if isinstance(key, tuple) else key
+    for key, value in _summary_leaves(td, ()):
+        key_str = ".".join(key)
         if isinstance(value, torch.Tensor):
             backing_path = getattr(getattr(value, "_backing", None), "path", None)
             leaves.append({
@@ -94,3 +97,21 @@ def layout_of(td: Any) -> dict:
             leaves.append({"key": key_str, "shape": list(value.batch_size),
                            "dtype": type(value).__name__, "where": "non-tensor"})
     return {"class": type(td).__name__, "batch_size": list(td.batch_size), "leaves": leaves}
+
+
+def _is_lazy_stack(cls: type) -> bool:
+    return issubclass(cls, LazyStackedTensorDict) and not getattr(cls, "_is_non_tensor", False)
+
+
+def _summary_leaves(td: Any, prefix: tuple):
+    """(key path, leaf) of ``td``: tensors and non-tensor values, lazy stacks member by member."""
+    if _is_lazy_stack(type(td)):
+        for index, member in enumerate(td.tensordicts):
+            yield from _summary_leaves(member, prefix + (str(index),))
+        return
+    for key, value in td.items(True, True, lambda cls: is_leaf_nontensor(cls) or _is_lazy_stack(cls)):
+        key = prefix + ((key,) if isinstance(key, str) else tuple(key))
+        if _is_lazy_stack(type(value)):
+            yield from _summary_leaves(value, key)
+        else:
+            yield key, value

@@ -29,6 +29,32 @@ def make_td(rows: int, fill: float = 0.0):
     )
 
 
+@shared_td.tensorclass
+class Step:
+    """A tensorclass with a non-tensor field (defined here: every node and worker imports it)."""
+
+    obs: torch.Tensor
+    reward: torch.Tensor
+    label: str
+
+
+def kinds_td(rows: int, fill: float = 0.0):
+    """A tree of every replicated kind: a tensorclass (with a non-tensor field), a lazy
+    stack of members of different shapes (stacked along dim 1), a non-tensor value in a
+    nested TensorDict, names of dims."""
+    members = [shared_td.TensorDict(a=torch.full((rows,), fill + m), b=torch.full((rows, width), fill + m),
+                                    batch_size=[rows]) for m, width in enumerate((2, 5))]
+    td = shared_td.TensorDict(
+        step=Step(obs=torch.arange(rows * 3.0).reshape(rows, 3) + fill, reward=torch.zeros(rows, 1), label="walk",
+                  batch_size=[rows]),
+        lazy=shared_td.LazyStackedTensorDict(*members, stack_dim=1),
+        sub=shared_td.TensorDict(x=torch.full((rows,), fill), tag="t", batch_size=[rows]),
+        batch_size=[rows],
+    )
+    td.names = ["time"]
+    return td
+
+
 def _as_test_says(tmpdir):
     # A forkserver child has the environment of the forkserver's start, not the test's
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
@@ -133,6 +159,27 @@ def _run(cluster, coord, counters, command, *args):
             td["nested", "i"][index] = cluster.node
             cluster.push(name, index)
             mine.extend(index.tolist())
+    if command == "publish_kinds":  # a tensorclass and a lazy stack in one tree
+        name, rows, fill = args
+        return _kinds_state(cluster.publish(name, kinds_td(rows, fill), share_non_tensor=True))
+    if command == "kinds":  # this node's view of such a tree
+        return _kinds_state(cluster.attach(args[0]))
+    if command == "fill_kinds":  # every tensor of the tree <- value
+        name, value = args
+        td = cluster.attach(name)
+        for leaf in (td["step"].obs, td["step"].reward, td["sub", "x"], *(m[k] for m in td["lazy"].tensordicts
+                                                                          for k in ("a", "b"))):
+            leaf.fill_(value)
+        return None
+    if command == "push_kinds":  # rows of the tensorclass and of every member of the stack <- value, pushed
+        name, rows, value = args
+        td = cluster.attach(name)
+        td["step"].obs[rows] = value
+        for member in td["lazy"].tensordicts:
+            member["b"][rows] = value
+        return cluster.push(name, rows)
+    if command == "worker_kinds":  # a spawn worker of this node attaches the tree by address
+        return _in_worker(coord, worker_kinds, *args)
     if command == "publish_values":  # a tree with share_non_tensor values
         name, rows, task = args
         cluster.publish(name, values_td(rows, task), share_non_tensor=True)
@@ -192,6 +239,35 @@ def _in_worker(coord, target, *args):
 def worker_attach(address, authkey, name, out):
     td = shared_td.attach(name, address=address, authkey=authkey)
     out.put((td["w"].tolist(), td["w"]._backing.key, cluster_replica.replica_version(td)))
+
+
+def _kinds_state(td):
+    """What a test compares of a kinds_td tree, as plain data."""
+    lazy = td["lazy"]
+    return {
+        "classes": (type(td).__name__, type(td["step"]).__name__, type(lazy).__name__),
+        "batch": (list(td.batch_size), list(td["step"].batch_size), list(lazy.batch_size), lazy.stack_dim),
+        "names": td.names, "label": td["step"].label, "tag": td["sub", "tag"],
+        "obs": td["step"].obs.tolist(), "x": td["sub", "x"].tolist(),
+        "members": [{k: m[k].tolist() for k in ("a", "b")} for m in lazy.tensordicts],
+        "segment": tuple(td["step"].obs._backing.key),
+        "version": cluster_replica.replica_version(td) if _is_replica(td) else None,
+    }
+
+
+def _is_replica(td):
+    try:
+        cluster_replica.replica_version(td)
+    except ValueError:
+        return False
+    return True
+
+
+def worker_kinds(address, authkey, name, label, out):
+    td = shared_td.attach(name, address=address, authkey=authkey)
+    state = _kinds_state(td)
+    td["step"].set_("label", label)  # the worker's write reaches every node
+    out.put(state)
 
 
 def worker_set(address, authkey, name, key, value, out):

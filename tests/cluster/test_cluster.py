@@ -118,6 +118,36 @@ def test_worker_on_replica_node_sees_synced_data_without_copy(nodes_of):
     assert version == 2
 
 
+def test_a_tensorclass_and_a_lazy_stack_replicate_to_a_node_and_its_worker(nodes_of):
+    nodes = nodes_of(2)
+    owner = nodes.ok(0, "publish_kinds", "tree", 6, 1.0)
+    replica = nodes.ok(1, "kinds", "tree")
+    assert replica["classes"] == ("TensorDict", "Step", "LazyStackedTensorDict")
+    assert replica["segment"] != owner["segment"] and replica["version"] == 1
+    assert {k: v for k, v in replica.items() if k not in ("segment", "version")} == \
+        {k: v for k, v in owner.items() if k not in ("segment", "version")}
+    # sync: owner -> replica; a spawn worker of node 1, attached by address, sees the
+    # node's replica (the same segment, no copy of its own) and its label write reaches node 0
+    nodes.ok(0, "fill_kinds", "tree", 4.0)
+    assert nodes.ok(0, "sync", "tree") == (2, [1], [])
+    worker = nodes.ok(1, "worker_kinds", "tree", "from a worker", timeout=90)
+    assert worker["segment"] == replica["segment"] and worker["version"] == 2
+    assert worker["classes"] == replica["classes"] and worker["batch"] == replica["batch"]
+    assert worker["members"][1]["b"][0] == [4.0] * 5 and worker["obs"][0] == [4.0] * 3
+    nodes.commands[0].put(("wait_value", "tree", ("step", "label"), "from a worker", 10.0))
+    assert nodes.results[0].get(timeout=WAIT)[0] == "ok"
+    # push of rows 1 and 4 (of the tensorclass, and of every member of the stack)
+    nodes.ok(1, "push_kinds", "tree", [1, 4], -3.0)
+    owner = nodes.ok(0, "kinds", "tree")
+    assert [row[0] for row in owner["obs"]] == [4.0, -3.0, 4.0, 4.0, -3.0, 4.0]
+    assert [row[0] for row in owner["members"][1]["b"]] == [4.0, -3.0, 4.0, 4.0, -3.0, 4.0]
+    # pull: replica <- owner's current contents
+    nodes.ok(0, "fill_kinds", "tree", 8.0)
+    assert nodes.ok(1, "pull", "tree") == 2
+    replica, owner = nodes.ok(1, "kinds", "tree"), nodes.ok(0, "kinds", "tree")
+    assert replica["members"] == owner["members"] and replica["obs"] == owner["obs"] == [[8.0] * 3] * 6
+
+
 def test_push_from_two_nodes_with_cluster_counter_writes_every_row_once(nodes_of):
     nodes = nodes_of(3)
     nodes.ok(0, "publish", "replay", 300, -1.0)

@@ -2,7 +2,8 @@
 
 Cluster-wide ``share_non_tensor`` values, ``SharedCounter(cluster=...)``,
 ``shared_td.version``/``wait_version``, top-level ``is_stale``/``refresh`` of a replica,
-and the KeyError of an attach of a name that lives unreplicated on another node. Two
+and the KeyError of an attach of a name that lives unreplicated on another node
+(tensorclasses and lazy stacks: test_cluster_kinds.py). Two
 Cluster (or clustered Coordinator) objects of one process are two nodes for the store and
 gloo (see test_cluster_store.py); test_cluster_values.py runs real node process trees.
 """
@@ -37,11 +38,6 @@ def _seen(td, key, value, timeout=5.0) -> float:
     began = time.perf_counter()
     assert wait_until(lambda: td[key] == value, timeout), (key, td[key], value)
     return time.perf_counter() - began
-
-
-@shared_td.tensorclass
-class Obs:
-    pos: torch.Tensor
 
 
 # ---------------------------------------------------------------- non-tensor values
@@ -150,26 +146,6 @@ def test_a_forged_value_is_refused_before_it_is_unpickled(pair, store, tmp_path)
     with pytest.raises(shared_td.ClusterAuthError, match="value/q"):
         other.attach("q")
     assert not marker.exists()
-
-
-def test_what_does_not_replicate_is_a_clear_error(pair):
-    owner, _other = pair
-    with pytest.raises(TypeError, match=r"\('task',\).*share_non_tensor=True"):
-        owner.publish("p", _valued())
-    lazy = shared_td.TensorDict(
-        x=torch.zeros(2), s=shared_td.lazy_stack([shared_td.TensorDict(a=torch.zeros(())) for _ in range(2)]),
-        batch_size=[2])
-    with pytest.raises(TypeError, match=r"\('s',\) is a LazyStackedTensorDict"):
-        owner.publish("lazy", lazy)
-    with_class = shared_td.TensorDict(x=torch.zeros(2), o=Obs(pos=torch.zeros(2, 3), batch_size=[2]), batch_size=[2])
-    with pytest.raises(TypeError, match=r"\('o',\) is a Obs; a replicated name holds TensorDict nodes"):
-        owner.publish("class", with_class)
-    with pytest.raises(TypeError, match="only a TensorDict can be replicated, not a Obs"):
-        owner.publish("top", Obs(pos=torch.zeros(2, 3), batch_size=[2]))
-    refused = shared_td.TensorDict(x=torch.zeros(2), task="t", batch_size=[2])
-    with pytest.raises(TypeError):
-        owner.publish("refused", refused)
-    assert not refused.is_memmap() and not owner.holds("refused")  # refused before any change
 
 
 # ---------------------------------------------------------------- versions, staleness
