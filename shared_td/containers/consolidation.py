@@ -33,7 +33,8 @@ from typing import Any, Callable, Iterator
 import torch
 
 from shared_td.containers.consolidated_file import NewFile, metadata_json, rewrite_metadata
-from shared_td.containers.consolidated_pickle import Layout, reduce_tree, views_in_runs
+from shared_td.containers.consolidated_layout import Layout, runs_of, views_of_runs
+from shared_td.containers.consolidated_pickle import reduce_tree
 from shared_td.containers.locking import lock_built
 from shared_td.errors import LockedTensorDictError
 from shared_td.keys import key_repr
@@ -181,21 +182,23 @@ def _others(sources: list, small: list[int]) -> list[int]:
 
 
 def _views(buffer: torch.Tensor, sources: list, offsets: list[int], small: list[int],
-           others: list[int]) -> tuple[list[torch.Tensor], list[tuple]]:
+           others: list[int]) -> tuple[list[torch.Tensor], list[tuple] | None, list[tuple] | None]:
     """Each source's place in ``buffer`` as a contiguous tensor of its dtype and shape,
-    and its ``(dtype, shape tuple, byte offset)``, in the sources' order. The small
-    leaves lie back to back in packing order, so each run of them of one dtype and
-    shape is one ``unbind``."""
+    in the sources' order, and where they lie: their runs, or (if packing changed the
+    order) their entries ``(dtype, shape tuple, byte offset)``. The small leaves lie
+    back to back in packing order, so each run of them of one dtype and shape is one
+    ``unbind``."""
     order = small + others
     entries = [(sources[i].dtype, tuple(sources[i].shape), offsets[i]) for i in order]
-    placed = views_in_runs(buffer, entries)
+    runs = runs_of(entries)
+    placed = views_of_runs(buffer, runs)
     if order == list(range(len(sources))):  # one element size: packing kept the order
-        return placed, entries
+        return placed, None, runs
     views: list = [None] * len(sources)
     in_order: list = [None] * len(sources)
     for index, view, entry in zip(order, placed, entries):
         views[index], in_order[index] = view, entry
-    return views, in_order
+    return views, in_order, None
 
 
 def _cat_small(buffer: torch.Tensor, sources: list, offsets: list[int], small: list[int]) -> None:
@@ -456,11 +459,11 @@ class ConsolidateMethods:
                            metadata=metadata)
         others = _others(sources, small)
         jobs = _copy_jobs(storage.plain, sources, offsets, small, others, threads, storage.write_big)
-        views, entries = _views(storage.plain, sources, offsets, small, others)
+        views, entries, runs = _views(storage.plain, sources, offsets, small, others)
         leaves = storage.wrap(views, sources)
         layout = Layout(storage.buffer)
         if leaves is views:  # a plain buffer: it pickles with the tree (consolidated_pickle)
-            layout.record(views, entries)
+            layout.record(views, entries=entries, runs=runs)
 
         def finish() -> Any:
             if inplace:
@@ -534,7 +537,11 @@ class ConsolidateMethods:
         layout = _layout_of(self)
         if layout is None or isinstance(layout.buffer, MemoryMappedTensor):
             return super().__reduce_ex__(protocol)
-        return reduce_tree(self, _inner(self), layout, protocol, ConsolidateMethods)
+        # imported here: they import this module (the same layer)
+        from shared_td.containers.tensorclass_members import _TensorClassMembers
+        from shared_td.containers.tensordict import TensorDict
+
+        return reduce_tree(self, layout, protocol, ConsolidateMethods, TensorDict, _TensorClassMembers)
 
     def __copy__(self) -> Any:
         """A shallow copy (what ``copy.copy`` makes without ``__reduce_ex__``): the same
