@@ -25,6 +25,7 @@ is checked, not assumed: after ``unlock_()`` an entry may have been replaced.
 """
 from __future__ import annotations
 
+import operator
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,7 +34,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from shared_td.containers.consolidated_file import NewFile, metadata_json, rewrite_metadata
-from shared_td.containers.consolidated_layout import Layout, runs_of, views_of_runs
+from shared_td.containers.consolidated_layout import Layout, entries_of, views_of_runs
 from shared_td.containers.consolidated_pickle import reduce_tree
 from shared_td.containers.locking import lock_built
 from shared_td.errors import LockedTensorDictError
@@ -46,6 +47,8 @@ from shared_td.storage.anonymous import Segment, align
 
 _BYTE = torch.uint8
 _CPU = torch.device("cpu")
+_Tensor = torch.Tensor
+_dtype_of = operator.attrgetter("dtype")
 
 # type -> node kind name, learnt once per class from the registered node kinds
 _KIND_NAMES: dict[type, str] = {}
@@ -72,10 +75,10 @@ def _inner(obj: Any) -> Any:
 def _collect(node: Any, leaves: list) -> None:
     """Append the tensor leaves of ``node``'s tree in ``apply`` order (entries in order,
     nested collections where they stand, lazy-stack members one after another)."""
-    kind = _kind_name(node)
+    kind = _KIND_NAMES.get(type(node)) or _kind_name(node)
     if kind == nodes.TENSORDICT:
         for value in node._tensordict.values():
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, _Tensor):
                 leaves.append(value)
             else:
                 _collect(value, leaves)
@@ -118,11 +121,11 @@ def _build(node: Any, views: Iterator[torch.Tensor], layout: Layout) -> Any:
     """A new, locked tree like ``node``'s whose tensor leaves are the next ``views``;
     non-tensor values are carried in new wrappers (locking the result must not lock the
     source's), as tensordict does."""
-    kind = _kind_name(node)
+    kind = _KIND_NAMES.get(type(node)) or _kind_name(node)
     if kind == nodes.TENSORDICT:
         entries, children = {}, []
         for key, value in node._tensordict.items():
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, _Tensor):
                 entries[key] = next(views)
             else:
                 entries[key] = built = _build(value, views, layout)
@@ -189,14 +192,27 @@ def _views(buffer: torch.Tensor, sources: list, offsets: list[int], small: list[
     back to back in packing order, so each run of them of one dtype and shape is one
     ``unbind``."""
     order = small + others
-    entries = [(sources[i].dtype, tuple(sources[i].shape), offsets[i]) for i in order]
-    runs = runs_of(entries)
+    runs: list[list] = []  # [dtype, shape tuple, byte offset, count], in packing order
+    run_dtype = run_shape = None
+    after = -1  # where the current run ends (-1: it cannot grow, as after an empty leaf)
+    for index in order:
+        source = sources[index]
+        dtype, shape, offset = source.dtype, source.shape, offsets[index]
+        if offset == after and dtype is run_dtype and shape == run_shape:
+            run[3] += 1
+        else:
+            run = [dtype, tuple(shape), offset, 1]
+            runs.append(run)
+            run_dtype, run_shape = dtype, shape
+            step = source.numel() * dtype.itemsize
+        after = offset + step if step else -1
+    runs = [tuple(run) for run in runs]
     placed = views_of_runs(buffer, runs)
     if order == list(range(len(sources))):  # one element size: packing kept the order
         return placed, None, runs
     views: list = [None] * len(sources)
     in_order: list = [None] * len(sources)
-    for index, view, entry in zip(order, placed, entries):
+    for index, view, entry in zip(order, placed, entries_of(runs)):
         views[index], in_order[index] = view, entry
     return views, in_order, None
 
@@ -204,20 +220,22 @@ def _views(buffer: torch.Tensor, sources: list, offsets: list[int], small: list[
 def _cat_small(buffer: torch.Tensor, sources: list, offsets: list[int], small: list[int]) -> None:
     """Copy the small sources (their indices in packing order: back to back) by one
     ``torch.cat`` per run of one dtype, straight into the typed buffer."""
+    packed = [sources[i] for i in small]
+    dtypes = list(map(_dtype_of, packed))  # (one C loop: a dtype read per leaf in Python cost more)
     with torch.no_grad():  # out= refuses inputs that require grad
         start = 0
-        while start < len(small):
-            dtype = sources[small[start]].dtype
-            end = start
-            while end < len(small) and sources[small[end]].dtype is dtype:
+        while start < len(packed):
+            dtype = dtypes[start]
+            end = start + 1
+            while end < len(packed) and dtypes[end] is dtype:
                 end += 1
-            run = [sources[i] for i in small[start:end]]
-            first = offsets[small[start]] // run[0].element_size()
-            count = sum(source.numel() for source in run)
+            last = packed[end - 1]
+            # (back to back: the run's bytes end where its last leaf ends)
+            first, stop = offsets[small[start]], offsets[small[end - 1]] + last.numel() * last.element_size()
             # cat takes CPU tensors of one number of dims: flatten only where needed
             run = [(source if source.is_cpu else source.cpu()) if source.ndim == 1 else source.reshape(-1).cpu()
-                   for source in run]
-            torch.cat(run, out=buffer.view(dtype)[first:first + count])
+                   for source in packed[start:end]]
+            torch.cat(run, out=buffer[first:stop].view(dtype))
             start = end
 
 
