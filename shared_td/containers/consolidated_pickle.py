@@ -124,7 +124,10 @@ class _Skeleton:
                 item = None
             else:
                 self.cursor = cursor
-                item = self._other(value)
+                if isinstance(value, _Tensor):
+                    item = self._leaf(value)
+                else:
+                    item = self.record(value) or [value]
                 cursor = self.cursor
             if item is not None and items is None:
                 items = [None] * index
@@ -134,12 +137,9 @@ class _Skeleton:
         return (cls, tuple(state["_batch_size"]), state["_device"], state["_names"], state["_is_locked"],
                 tuple(entries), items)
 
-    def _other(self, value: Any) -> Any:
-        """The item of an entry that is not the next view in order: None for a leaf of
-        the buffer (listed), a nested node's skeleton, or ``[value]``."""
-        if not isinstance(value, _Tensor):
-            item = self.record(value)
-            return [value] if item is None else item
+    def _leaf(self, value: torch.Tensor) -> list | None:
+        """The item of a tensor that is not the next view in order: None for a leaf of
+        the buffer (listed), or ``[value]``."""
         if self.start is None and self.listed is None:  # the first leaf: where the order starts
             position = self.layout.positions.get(id(value))
             if position is not None and self.views[position] is value:

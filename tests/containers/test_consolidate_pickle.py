@@ -2,6 +2,7 @@
 of plain tuples (consolidated_pickle.py), rebuilt without re-validation."""
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import pickle
 
@@ -61,6 +62,11 @@ def test_wide_tree_round_trip_keeps_everything():
     assert not again["node3"].is_locked
     again["node3", "obs"][0] = -1.0
     assert out["node3", "obs"][0] == 3.0
+    # a leaf keeps the loaded buffer alive without its tree
+    leaf = again["node299", "reward"]
+    del again
+    gc.collect()
+    assert (leaf == torch.arange(4.0) + 299).all()
 
 
 def test_pickle_calls_back_into_python_a_constant_number_of_times(monkeypatch):
