@@ -57,6 +57,8 @@ def test_wide_tree_round_trip_keeps_everything():
     assert again["node7"].batch_size == torch.Size([4]) and again.device is None
     assert len(_storages(again)) == 1
     _assert_locked_graph(again)
+    twice = pickle.loads(pickle.dumps(again, protocol=5))  # a loaded tree sends on as one run
+    assert (twice == source).all() and twice.is_consolidated() and len(pickle.dumps(twice)) == len(pickle.dumps(out))
     # the root unlocks its whole tree, and the buffer is writable and its own
     again.unlock_()
     assert not again["node3"].is_locked
