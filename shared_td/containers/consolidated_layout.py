@@ -115,3 +115,35 @@ def views_of_runs(buffer: torch.Tensor, runs: list[tuple]) -> list[torch.Tensor]
         else:
             views.append(whole.as_strided(shape, c_strides(shape), offset // dtype.itemsize))
     return views
+
+
+def placed_views(buffer: torch.Tensor, sources: list, offsets: list[int],
+                 order: list[int]) -> tuple[list[torch.Tensor], list[tuple] | None, list[tuple] | None]:
+    """Each of ``sources``' place in ``buffer`` (at byte ``offsets[i]``; ``order``: the
+    indices in the order of their offsets) as a contiguous tensor of its dtype and
+    shape, in the sources' order, and where they lie: their runs, or (if ``order`` is
+    not the sources' order) their entries. The small leaves of a packed layout lie back
+    to back, so each run of them of one dtype and shape is one ``unbind``."""
+    runs: list[list] = []  # [dtype, shape tuple, byte offset, count], in packing order
+    run_dtype = run_shape = None
+    after = -1  # where the current run ends (-1: it cannot grow, as after an empty leaf)
+    for index in order:
+        source = sources[index]
+        dtype, shape, offset = source.dtype, source.shape, offsets[index]
+        if offset == after and dtype is run_dtype and shape == run_shape:
+            run[3] += 1
+        else:
+            run = [dtype, tuple(shape), offset, 1]
+            runs.append(run)
+            run_dtype, run_shape = dtype, shape
+            step = source.numel() * dtype.itemsize
+        after = offset + step if step else -1
+    runs = [tuple(run) for run in runs]
+    placed = views_of_runs(buffer, runs)
+    if order == list(range(len(sources))):  # (packing keeps the order of leaves of one element size)
+        return placed, None, runs
+    views: list = [None] * len(sources)
+    in_order: list = [None] * len(sources)
+    for index, view, entry in zip(order, placed, entries_of(runs)):
+        views[index], in_order[index] = view, entry
+    return views, in_order, None

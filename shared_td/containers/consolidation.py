@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from shared_td.containers.consolidated_file import NewFile, metadata_json, rewrite_metadata
-from shared_td.containers.consolidated_layout import Layout, entries_of, views_of_runs
+from shared_td.containers.consolidated_layout import Layout, placed_views
 from shared_td.containers.consolidated_pickle import reduce_tree
 from shared_td.containers.locking import lock_built
 from shared_td.errors import LockedTensorDictError
@@ -182,39 +182,6 @@ def _others(sources: list, small: list[int]) -> list[int]:
         return []
     packed = set(small)
     return [index for index in range(len(sources)) if index not in packed]
-
-
-def _views(buffer: torch.Tensor, sources: list, offsets: list[int], small: list[int],
-           others: list[int]) -> tuple[list[torch.Tensor], list[tuple] | None, list[tuple] | None]:
-    """Each source's place in ``buffer`` as a contiguous tensor of its dtype and shape,
-    in the sources' order, and where they lie: their runs, or (if packing changed the
-    order) their entries ``(dtype, shape tuple, byte offset)``. The small leaves lie
-    back to back in packing order, so each run of them of one dtype and shape is one
-    ``unbind``."""
-    order = small + others
-    runs: list[list] = []  # [dtype, shape tuple, byte offset, count], in packing order
-    run_dtype = run_shape = None
-    after = -1  # where the current run ends (-1: it cannot grow, as after an empty leaf)
-    for index in order:
-        source = sources[index]
-        dtype, shape, offset = source.dtype, source.shape, offsets[index]
-        if offset == after and dtype is run_dtype and shape == run_shape:
-            run[3] += 1
-        else:
-            run = [dtype, tuple(shape), offset, 1]
-            runs.append(run)
-            run_dtype, run_shape = dtype, shape
-            step = source.numel() * dtype.itemsize
-        after = offset + step if step else -1
-    runs = [tuple(run) for run in runs]
-    placed = views_of_runs(buffer, runs)
-    if order == list(range(len(sources))):  # one element size: packing kept the order
-        return placed, None, runs
-    views: list = [None] * len(sources)
-    in_order: list = [None] * len(sources)
-    for index, view, entry in zip(order, placed, entries_of(runs)):
-        views[index], in_order[index] = view, entry
-    return views, in_order, None
 
 
 def _cat_small(buffer: torch.Tensor, sources: list, offsets: list[int], small: list[int]) -> None:
@@ -477,7 +444,7 @@ class ConsolidateMethods:
                            metadata=metadata)
         others = _others(sources, small)
         jobs = _copy_jobs(storage.plain, sources, offsets, small, others, threads, storage.write_big)
-        views, entries, runs = _views(storage.plain, sources, offsets, small, others)
+        views, entries, runs = placed_views(storage.plain, sources, offsets, small + others)
         leaves = storage.wrap(views, sources)
         layout = Layout(storage.buffer)
         if leaves is views:  # a plain buffer: it pickles with the tree (consolidated_pickle)
