@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from shared_td.containers.consolidated_file import FIELDS, LAZY, LENGTH, STACK, TENSORDICT
-from shared_td.containers.consolidated_pickle import Layout
+from shared_td.containers.consolidated_layout import Layout
 from shared_td.containers.lazy import LazyStackedTensorDict
 from shared_td.containers.nontensor import NonTensorData, NonTensorStack
 from shared_td.containers.tensorclass import tensorclass_for_type_string
@@ -107,7 +107,7 @@ class _Reader:
 
     def tree(self, meta: dict) -> Any:
         root = self.node(meta, ())
-        self.layout.record(self.views, self.entries)
+        self.layout.record(self.views, entries=self.entries)
         return root
 
     def node(self, meta: Any, where: tuple) -> Any:

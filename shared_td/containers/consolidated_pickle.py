@@ -1,138 +1,243 @@
 """The pickle of a consolidated tree: its one buffer once, plus a small skeleton.
 
-A consolidated tensordict over a plain buffer pickles as the buffer (one
-``PickleBuffer`` with protocol 5, so a pipe or a file gets it without a copy) and the
-pickle of the tree in which every leaf that is a view of the buffer is only its
-``(dtype, shape, byte offset)``. A leaf no longer in the buffer (an entry replaced
-after ``unlock_()``) pickles as itself. Loading makes the payload the new tree's buffer
-and every leaf a view of it: one allocation, no per-leaf storage.
+A consolidated tensordict over a plain buffer pickles as ONE reduce: the buffer (one
+``PickleBuffer`` with protocol 5, so a pipe or a file gets it without a copy), the runs
+of its leaves (consolidated_layout.py: a 1000-node tree of like leaves is one run) and a
+skeleton of plain tuples that the C pickler writes without calling back into Python.
+Loading makes the payload the new tree's buffer, the leaves views of it (one
+``unbind`` per run) and the nodes straight from the skeleton: a consolidated tree is a
+valid one, so nothing is checked or converted again.
+
+The skeleton of a tensordict node is ``(class, batch size, device, names, locked, keys,
+items)``; ``items`` is None when every entry is the next leaf of the buffer, else one
+item per key: None (the next leaf), a tuple (a nested node, or ``(class, node)`` for a
+tensorclass) or ``[value]`` for any other value (a non-tensor, a lazy stack, a tensor
+no longer in the buffer, a node of an unusual class or state), which is pickled as
+itself, its own views of the buffer as ``_leaf(index)`` and its nodes of this tree by
+their state. A tree whose one node appears twice is pickled that way as a whole, so
+that it comes back as one object. The classes named are those a pickle of the nodes
+themselves names; loading resolves nothing else.
 """
 from __future__ import annotations
 
 import copyreg
 import io
-import math
 import pickle
+import weakref
 from typing import Any
 
 import torch
 
+from shared_td.containers.consolidated_layout import Layout, runs_of, views_of_runs
+from shared_td.containers.locking import LockingOps
+from shared_td.tensorclass_protocol import unwrap_tensorclass
+
 _BYTE = torch.uint8
+_Tensor = torch.Tensor
+# The attributes of a tensordict node that its skeleton rebuilds (the others are caches
+# of this process or what pickling resets); a node with any other is pickled as itself.
+_NODE_ATTRIBUTES = frozenset({
+    "_tensordict", "_batch_size", "_device", "_names", "_is_locked", "_is_shared",
+    "_is_memmap", "_memmap_prefix", "_lock_parents", "_context_ops", "_consolidated",
+    "_last_op", "_row_write_plan"})
+_NODE, _TENSORCLASS = "node", "tensorclass"
+_PICKLING = ("__reduce_ex__", "__reduce__", "__getstate__", "__setstate__")
 
 
-class Layout:
-    """The one storage of a consolidated tree: ``buffer`` (1-d uint8, its length a
-    multiple of 64). Every node of the tree carries it, so a sub-tree pickles with the
-    buffer once, not once per leaf.
-
-    It also keeps the views it was made with (``record``) and their ``(dtype, shape,
-    byte offset)``, so that pickling knows a leaf without asking torch (five calls per
-    leaf); held here, a view's ``id`` names no other live object.
-    """
-
-    __slots__ = ("buffer", "views", "entries", "positions")
-
-    def __init__(self, buffer: torch.Tensor):
-        self.buffer = buffer
-        self.views: list[torch.Tensor] = []
-        self.entries: list[tuple] = []
-        self.positions: dict[int, int] = {}
-
-    def record(self, views: list[torch.Tensor], entries: list[tuple]) -> None:
-        """``views`` of the buffer and their ``(dtype, shape tuple, byte offset)``."""
-        self.views, self.entries = views, entries
-        self.positions = {id(view): position for position, view in enumerate(views)}
+class _Aliased(Exception):
+    """A node or leaf met twice: the tree is pickled as itself (the memo keeps it one)."""
 
 
-def c_strides(shape: Any) -> list[int]:
-    """The strides of a contiguous tensor of ``shape``."""
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return strides[::-1]
+class _SkeletonKinds:
+    """Which classes a skeleton describes: the subclasses of ``tensordict`` (TensorDict)
+    and the tensorclasses that pickle exactly as it and as ``tensorclass`` (the members
+    every tensorclass gets) do, learnt once per class."""
+
+    def __init__(self) -> None:
+        self.known: dict[type, str | None] = {}
+
+    def of(self, cls: type, tensordict: type, tensorclass: type) -> str | None:
+        kind = self.known.get(cls, False)
+        if kind is False:
+            kind = None
+            for name, reference, member in ((_NODE, tensordict, issubclass(cls, tensordict)),
+                                            (_TENSORCLASS, tensorclass, getattr(cls, "_is_tensorclass", False))):
+                if member and all(
+                        getattr(cls, method) is getattr(reference, method) for method in _PICKLING):
+                    kind = name
+            self.known[cls] = kind
+        return kind
 
 
-def views_in_runs(buffer: torch.Tensor, entries: list[tuple]) -> list[torch.Tensor]:
-    """The views of ``buffer`` (1-d uint8, its length a multiple of 64) that ``entries``
-    describe, in order: each ``(dtype, shape, byte offset)`` a contiguous tensor. Each run
-    of entries of one dtype and shape lying back to back is one ``unbind`` (one C++ call
-    for the run instead of one ``as_strided`` per leaf)."""
-    typed: dict[torch.dtype, torch.Tensor] = {}
-    views: list[torch.Tensor] = []
-    start, count = 0, len(entries)
-    while start < count:
-        dtype, shape, offset = entries[start]
-        whole = typed.get(dtype)
-        if whole is None:
-            # (a buffer read from a file may end inside an element: view whole ones)
-            whole = typed[dtype] = buffer[:buffer.numel() - buffer.numel() % dtype.itemsize].view(dtype)
-        itemsize, numel = dtype.itemsize, math.prod(shape)
-        end, after = start + 1, offset + numel * itemsize
-        while numel and end < count and entries[end][2] == after and entries[end][0] is dtype \
-                and entries[end][1] == shape:
-            end, after = end + 1, after + numel * itemsize
-        if end - start > 1:
-            first = offset // itemsize
-            views.extend(whole[first:first + numel * (end - start)].view(end - start, *shape).unbind(0))
-        else:
-            views.append(whole.as_strided(shape, c_strides(shape), offset // itemsize))
-        start = end
-    return views
+_KINDS = _SkeletonKinds()
 
 
-def reduce_tree(obj: Any, root: Any, layout: Layout, protocol: int, node_class: type) -> tuple:
-    """``obj.__reduce_ex__(protocol)`` for a consolidated ``obj`` over a plain buffer;
-    ``root`` is the node that carries the layout (a tensorclass's tensordict);
-    ``node_class`` the class of the tree's nodes (TensorDictBase's consolidate mixin)."""
-    tree = io.BytesIO()
-    pickler = _TreePickler(tree, protocol, layout, root if root.is_locked else None, node_class)
-    pickler.dump(obj)
-    data = layout.buffer.numpy()
-    payload = pickle.PickleBuffer(data) if protocol >= 5 else data.tobytes()
-    return _unpickle_consolidated, (payload, pickler.leaves, tree.getvalue())
+class _Skeleton:
+    """Walks a consolidated tree once and describes it (see the module's opening). The
+    leaves it meets are the layout's views one after another (the order consolidate()
+    made them in) as long as they can be: then they are a slice of the layout's runs;
+    otherwise (entries replaced after ``unlock_()``) each one's entry is listed."""
+
+    def __init__(self, layout: Layout, tensordict: type, tensorclass: type):
+        self.layout, self.tensordict, self.tensorclass = layout, tensordict, tensorclass
+        self.views = layout.views
+        self.start: int | None = None  # the position of the first leaf in layout.views
+        self.cursor = len(self.views)  # where the next leaf is expected (none: past the end)
+        self.listed: list[tuple] | None = None  # the entries, once not in order
+        self.seen_nodes: set[int] = set()
+        self.seen_leaves: set[int] = set()
+
+    def runs(self) -> tuple[list[tuple], int]:
+        """The runs of the leaves met, and their number."""
+        if self.listed is not None:
+            return runs_of(self.listed), len(self.listed)
+        if self.start is None:
+            return [], 0
+        if self.start == 0 and self.cursor == len(self.views):
+            return self.layout.runs, self.cursor
+        return runs_of(self.layout.entries[self.start:self.cursor]), self.cursor - self.start
+
+    def record(self, node: Any) -> tuple | None:
+        """The skeleton of ``node``, or None where it is not one of this tree's nodes of
+        a class the skeleton describes (then it is pickled as itself)."""
+        cls = type(node)
+        kind = _KINDS.known.get(cls, False)
+        if kind is False:
+            kind = _KINDS.of(cls, self.tensordict, self.tensorclass)
+        if kind is _TENSORCLASS:
+            state = node.__dict__
+            inner = self.record(state["_tensordict"]) if len(state) == 1 else None
+            return None if inner is None else (cls, inner)
+        state = node.__dict__
+        if kind is not _NODE or state.get("_consolidated") is not self.layout or state["_is_shared"] \
+                or state["_is_memmap"] or state["_memmap_prefix"] is not None or not state.keys() <= _NODE_ATTRIBUTES:
+            return None
+        if id(node) in self.seen_nodes:
+            raise _Aliased
+        self.seen_nodes.add(id(node))
+        views, count = self.views, len(self.views)
+        cursor, items = self.cursor, None
+        entries = state["_tensordict"]
+        for index, value in enumerate(entries.values()):
+            if cursor < count and views[cursor] is value:  # the next view: most leaves
+                cursor += 1
+                item = None
+            else:
+                self.cursor = cursor
+                if isinstance(value, _Tensor):
+                    item = self._leaf(value)
+                else:
+                    item = self.record(value) or [value]
+                cursor = self.cursor
+            if item is not None and items is None:
+                items = [None] * index
+            if items is not None:
+                items.append(item)
+        self.cursor = cursor
+        return (cls, tuple(state["_batch_size"]), state["_device"], state["_names"], state["_is_locked"],
+                tuple(entries), items)
+
+    def _leaf(self, value: torch.Tensor) -> list | None:
+        """The item of a tensor that is not the next view in order: None for a leaf of
+        the buffer (listed), or ``[value]``."""
+        if self.start is None and self.listed is None:  # the first leaf: where the order starts
+            position = self.layout.positions.get(id(value))
+            if position is not None and self.views[position] is value:
+                self.start, self.cursor = position, position + 1
+                return None
+        if self.listed is None:  # out of order from here: list every leaf
+            first = self.start or 0
+            self.listed = list(self.layout.entries[first:self.cursor]) if self.start is not None else []
+            self.seen_leaves = {id(view) for view in self.views[first:self.cursor]} if self.start is not None else set()
+            self.cursor = len(self.views)
+        if id(value) in self.seen_leaves:
+            raise _Aliased
+        entry = place(self.layout, value)
+        if entry is None:
+            return [value]  # no longer a view of the buffer: pickled as itself
+        self.seen_leaves.add(id(value))
+        self.listed.append(entry)
+        return None
+
+
+def place(layout: Layout, tensor: torch.Tensor) -> tuple | None:
+    """``(dtype, shape, byte offset)`` of ``tensor`` in the layout's buffer, or None if
+    it is not a contiguous view of it (a conjugate or negative view's flag is not in the
+    bytes). An empty tensor holds no bytes: offset 0."""
+    position = layout.positions.get(id(tensor))
+    if position is not None and layout.views[position] is tensor:  # as it was made
+        return layout.entries[position]
+    offset = tensor.data_ptr() - layout.buffer.data_ptr()  # (addresses are the buffer's own)
+    if 0 <= offset < layout.buffer.numel() and tensor.is_contiguous() and not (tensor.is_conj() or tensor.is_neg()):
+        return tensor.dtype, tuple(tensor.shape), offset
+    if tensor.numel() == 0:
+        return tensor.dtype, tuple(tensor.shape), 0
+    return None
+
+
+def reduce_tree(obj: Any, layout: Layout, protocol: int, node_class: type,
+                tensordict: type, tensorclass: type) -> tuple:
+    """``obj.__reduce_ex__(protocol)`` for a consolidated ``obj`` over a plain buffer.
+    ``node_class``: the class of the tree's nodes (TensorDictBase's consolidate mixin);
+    ``tensordict`` and ``tensorclass``: the classes whose pickling the skeleton mirrors."""
+    skeleton = _Skeleton(layout, tensordict, tensorclass)
+    try:
+        tree = skeleton.record(obj)
+        if tree is not None:
+            return _reduction(obj, tree, skeleton, layout, protocol, node_class)
+    except _Aliased:  # (also raised by the pickler: a node of the skeleton in a value)
+        pass
+    return _reduction(obj, None, _Skeleton(layout, tensordict, tensorclass), layout, protocol, node_class)
+
+
+def _reduction(obj: Any, tree: tuple | None, skeleton: _Skeleton, layout: Layout, protocol: int,
+               node_class: type) -> tuple:
+    runs, count = skeleton.runs() if tree is not None else ([], 0)
+    data = io.BytesIO()
+    pickler = _TreePickler(data, protocol, layout, obj if obj.is_locked else None, node_class, count,
+                           skeleton.seen_nodes)
+    pickler.dump([obj] if tree is None else tree)
+    if pickler.leaves:
+        runs = runs + runs_of(pickler.leaves)
+    array = layout.buffer.numpy()
+    payload = pickle.PickleBuffer(array) if protocol >= 5 else array.tobytes()
+    return _unpickle_consolidated, (payload, runs, data.getvalue())
 
 
 class _TreePickler(pickle.Pickler):
-    """Pickles a consolidated tree with its buffer's views as ``_leaf(index)`` (their
-    ``(dtype, shape, byte offset)`` listed in ``leaves``, pickled beside the tree) and its
+    """Pickles a skeleton. The values it holds as themselves have their views of the
+    buffer written as ``_leaf(index)`` (their entries listed in ``leaves``; the
+    skeleton's own leaves come first) and their nodes of this tree by their state, the
     layout as ``_layout()``: names that _TreeUnpickler resolves to its own views and
-    buffer. (``reducer_override``, unlike ``persistent_id``, is not called for the many
-    str/int/tuple/dict objects of a tree.)"""
+    layout. (``reducer_override``, unlike ``persistent_id``, is not called for the
+    tuples, lists, str and int that make the skeleton.)"""
 
-    def __init__(self, file: Any, protocol: int, layout: Layout, locked_root: Any, node_class: type):
+    def __init__(self, file: Any, protocol: int, layout: Layout, locked_root: Any, node_class: type,
+                 first_index: int, in_skeleton: set[int]):
         super().__init__(file, protocol)
+        self.in_skeleton = in_skeleton
         self.layout = layout
         self.node_class = node_class
         self.leaves: list[tuple] = []
-        self.positions = layout.positions
-        self.base = layout.buffer.data_ptr()
-        self.nbytes = layout.buffer.numel()
+        self.first_index = first_index
         self.locked_root = locked_root
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
-            position = self.positions.get(id(obj))
-            if position is not None and self.layout.views[position] is obj:  # as it was made
-                self.leaves.append(self.layout.entries[position])
-                return _leaf, (len(self.leaves) - 1,)
-            # within the buffer's bytes (whose addresses are its own): a view of it
-            offset = obj.data_ptr() - self.base
-            if 0 <= offset < self.nbytes and obj.is_contiguous() and not (obj.is_conj() or obj.is_neg()):
-                pass  # (a conjugate or negative view's flag is not in the bytes)
-            elif obj.numel() == 0:
-                offset = 0
-            else:
+            entry = place(self.layout, obj)
+            if entry is None:
                 return NotImplemented  # no longer a view of the buffer: pickled as itself
-            self.leaves.append((obj.dtype, tuple(obj.shape), offset))
-            return _leaf, (len(self.leaves) - 1,)
+            self.leaves.append(entry)
+            return _leaf, (self.first_index + len(self.leaves) - 1,)
         elif isinstance(obj, self.node_class) and obj.__dict__.get("_consolidated") is self.layout:
             # a node of this tree: its state, as object.__reduce_ex__ gives it (not
             # through its own __reduce_ex__, which would start another tree pickle)
+            if id(obj) in self.in_skeleton:
+                raise _Aliased
             state = obj.__getstate__()
             if self.locked_root is not None and obj is not self.locked_root:
-                # the root's lock_() on loading locks its whole tree once (as here);
-                # each node locking its own sub-tree as well cost O(nodes x depth)
+                # the root's lock (on loading) locks its whole tree once; each node
+                # locking its own sub-tree as well cost O(nodes x depth)
                 state["_is_locked"] = False
             return copyreg.__newobj__, (type(obj),), state
         elif obj is self.layout:
@@ -149,25 +254,78 @@ def _layout() -> Layout:
 
 
 class _TreeUnpickler(pickle.Unpickler):
-    """Reads what _TreePickler wrote: the leaves become views of ``buffer``, made
-    before the tree is read (``leaves``: their dtypes, shapes and offsets, in order)."""
+    """Reads what _TreePickler wrote; the views are made before (from their runs)."""
 
-    def __init__(self, file: Any, buffer: torch.Tensor, leaves: list[tuple]):
+    def __init__(self, file: Any, layout: Layout):
         super().__init__(file)
-        self.layout = Layout(buffer)
-        self.views = views_in_runs(buffer, leaves)
-        self.layout.record(self.views, leaves)
+        self.layout = layout
 
     def find_class(self, module: str, name: str) -> Any:
         if module == __name__ and name == "_leaf":
-            return self.views.__getitem__
+            return self.layout.views.__getitem__
         if module == __name__ and name == "_layout":
             return lambda: self.layout
         return super().find_class(module, name)
 
 
-def _unpickle_consolidated(payload: Any, leaves: list[tuple], tree: bytes) -> Any:
+class _Builder:
+    """Makes the nodes of a skeleton (known to be valid: nothing is checked again), the
+    skeleton's leaves taken from ``views`` in order, each node locked as it is built
+    (what ``lock_()`` of the root does, once per node)."""
+
+    def __init__(self, layout: Layout):
+        self.layout = layout
+        self.next_views = iter(layout.views)
+        self.sizes: dict[tuple, torch.Size] = {}  # one torch.Size per batch size
+
+    def build(self, record: Any) -> Any:
+        if type(record) is list:
+            return record[0]
+        if len(record) == 2:  # a tensorclass around its tensordict
+            cls, inner = record
+            obj = cls.__new__(cls)
+            object.__setattr__(obj, "_tensordict", self.build(inner))
+            return obj
+        cls, size, device, names, locked, keys, items = record
+        children = []
+        if items is None:
+            entries = dict(zip(keys, self.next_views))  # (zip stops at the keys' end)
+        else:
+            entries = {}
+            for key, item in zip(keys, items):
+                if item is None:
+                    entries[key] = next(self.next_views)
+                    continue
+                entries[key] = child = self.build(item)
+                if type(item) is list:  # a value pickled as itself: a collection?
+                    child = unwrap_tensorclass(child)
+                    if not isinstance(child, LockingOps):
+                        continue
+                elif len(item) == 2:  # a tensorclass: its tensordict is the one locked
+                    child = child._tensordict
+                children.append(child)
+        batch_size = self.sizes.get(size)
+        if batch_size is None:
+            batch_size = self.sizes[size] = torch.Size(size)
+        node = cls.__new__(cls)
+        node.__dict__.update(
+            _tensordict=entries, _batch_size=batch_size, _device=device, _names=names,
+            _is_locked=locked, _is_shared=False, _is_memmap=False, _memmap_prefix=None,
+            _lock_parents={}, _context_ops=[], _consolidated=self.layout)
+        if locked:
+            node._last_op = "lock_"
+            for child in children:  # each locked as lock_() would (those pickled as themselves)
+                if not child._is_locked:
+                    child.lock_()
+                child._lock_parents[id(node)] = weakref.ref(node)
+        return node
+
+
+def _unpickle_consolidated(payload: Any, runs: list[tuple], tree: bytes) -> Any:
     """Rebuild a pickled consolidated tensordict: the payload becomes its one buffer."""
     data = payload if isinstance(payload, bytearray) else bytearray(payload)
     buffer = torch.frombuffer(data, dtype=_BYTE) if data else torch.empty(0, dtype=_BYTE)  # len: 64 * n
-    return _TreeUnpickler(io.BytesIO(tree), buffer, leaves).load()
+    layout = Layout(buffer)
+    layout.record(views_of_runs(buffer, runs), runs=runs)
+    skeleton = _TreeUnpickler(io.BytesIO(tree), layout).load()
+    return _Builder(layout).build(skeleton)

@@ -25,6 +25,7 @@ is checked, not assumed: after ``unlock_()`` an entry may have been replaced.
 """
 from __future__ import annotations
 
+import operator
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,7 +34,8 @@ from typing import Any, Callable, Iterator
 import torch
 
 from shared_td.containers.consolidated_file import NewFile, metadata_json, rewrite_metadata
-from shared_td.containers.consolidated_pickle import Layout, reduce_tree, views_in_runs
+from shared_td.containers.consolidated_layout import Layout, placed_views
+from shared_td.containers.consolidated_pickle import reduce_tree
 from shared_td.containers.locking import lock_built
 from shared_td.errors import LockedTensorDictError
 from shared_td.keys import key_repr
@@ -45,6 +47,8 @@ from shared_td.storage.anonymous import Segment, align
 
 _BYTE = torch.uint8
 _CPU = torch.device("cpu")
+_Tensor = torch.Tensor
+_dtype_of = operator.attrgetter("dtype")
 
 # type -> node kind name, learnt once per class from the registered node kinds
 _KIND_NAMES: dict[type, str] = {}
@@ -71,10 +75,10 @@ def _inner(obj: Any) -> Any:
 def _collect(node: Any, leaves: list) -> None:
     """Append the tensor leaves of ``node``'s tree in ``apply`` order (entries in order,
     nested collections where they stand, lazy-stack members one after another)."""
-    kind = _kind_name(node)
+    kind = _KIND_NAMES.get(type(node)) or _kind_name(node)
     if kind == nodes.TENSORDICT:
         for value in node._tensordict.values():
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, _Tensor):
                 leaves.append(value)
             else:
                 _collect(value, leaves)
@@ -117,11 +121,11 @@ def _build(node: Any, views: Iterator[torch.Tensor], layout: Layout) -> Any:
     """A new, locked tree like ``node``'s whose tensor leaves are the next ``views``;
     non-tensor values are carried in new wrappers (locking the result must not lock the
     source's), as tensordict does."""
-    kind = _kind_name(node)
+    kind = _KIND_NAMES.get(type(node)) or _kind_name(node)
     if kind == nodes.TENSORDICT:
         entries, children = {}, []
         for key, value in node._tensordict.items():
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, _Tensor):
                 entries[key] = next(views)
             else:
                 entries[key] = built = _build(value, views, layout)
@@ -180,41 +184,25 @@ def _others(sources: list, small: list[int]) -> list[int]:
     return [index for index in range(len(sources)) if index not in packed]
 
 
-def _views(buffer: torch.Tensor, sources: list, offsets: list[int], small: list[int],
-           others: list[int]) -> tuple[list[torch.Tensor], list[tuple]]:
-    """Each source's place in ``buffer`` as a contiguous tensor of its dtype and shape,
-    and its ``(dtype, shape tuple, byte offset)``, in the sources' order. The small
-    leaves lie back to back in packing order, so each run of them of one dtype and
-    shape is one ``unbind``."""
-    order = small + others
-    entries = [(sources[i].dtype, tuple(sources[i].shape), offsets[i]) for i in order]
-    placed = views_in_runs(buffer, entries)
-    if order == list(range(len(sources))):  # one element size: packing kept the order
-        return placed, entries
-    views: list = [None] * len(sources)
-    in_order: list = [None] * len(sources)
-    for index, view, entry in zip(order, placed, entries):
-        views[index], in_order[index] = view, entry
-    return views, in_order
-
-
 def _cat_small(buffer: torch.Tensor, sources: list, offsets: list[int], small: list[int]) -> None:
     """Copy the small sources (their indices in packing order: back to back) by one
     ``torch.cat`` per run of one dtype, straight into the typed buffer."""
+    packed = [sources[i] for i in small]
+    dtypes = list(map(_dtype_of, packed))  # (one C loop: a dtype read per leaf in Python cost more)
     with torch.no_grad():  # out= refuses inputs that require grad
         start = 0
-        while start < len(small):
-            dtype = sources[small[start]].dtype
-            end = start
-            while end < len(small) and sources[small[end]].dtype is dtype:
+        while start < len(packed):
+            dtype = dtypes[start]
+            end = start + 1
+            while end < len(packed) and dtypes[end] is dtype:
                 end += 1
-            run = [sources[i] for i in small[start:end]]
-            first = offsets[small[start]] // run[0].element_size()
-            count = sum(source.numel() for source in run)
+            last = packed[end - 1]
+            # (back to back: the run's bytes end where its last leaf ends)
+            first, stop = offsets[small[start]], offsets[small[end - 1]] + last.numel() * last.element_size()
             # cat takes CPU tensors of one number of dims: flatten only where needed
             run = [(source if source.is_cpu else source.cpu()) if source.ndim == 1 else source.reshape(-1).cpu()
-                   for source in run]
-            torch.cat(run, out=buffer.view(dtype)[first:first + count])
+                   for source in packed[start:end]]
+            torch.cat(run, out=buffer[first:stop].view(dtype))
             start = end
 
 
@@ -456,11 +444,11 @@ class ConsolidateMethods:
                            metadata=metadata)
         others = _others(sources, small)
         jobs = _copy_jobs(storage.plain, sources, offsets, small, others, threads, storage.write_big)
-        views, entries = _views(storage.plain, sources, offsets, small, others)
+        views, entries, runs = placed_views(storage.plain, sources, offsets, small + others)
         leaves = storage.wrap(views, sources)
         layout = Layout(storage.buffer)
         if leaves is views:  # a plain buffer: it pickles with the tree (consolidated_pickle)
-            layout.record(views, entries)
+            layout.record(views, entries=entries, runs=runs)
 
         def finish() -> Any:
             if inplace:
@@ -534,7 +522,11 @@ class ConsolidateMethods:
         layout = _layout_of(self)
         if layout is None or isinstance(layout.buffer, MemoryMappedTensor):
             return super().__reduce_ex__(protocol)
-        return reduce_tree(self, _inner(self), layout, protocol, ConsolidateMethods)
+        # imported here: they import this module (the same layer)
+        from shared_td.containers.tensorclass_members import _TensorClassMembers
+        from shared_td.containers.tensordict import TensorDict
+
+        return reduce_tree(self, layout, protocol, ConsolidateMethods, TensorDict, _TensorClassMembers)
 
     def __copy__(self) -> Any:
         """A shallow copy (what ``copy.copy`` makes without ``__reduce_ex__``): the same

@@ -39,9 +39,11 @@ def packed_layout(sources: list[torch.Tensor]) -> tuple[list[int], list[int], in
         >>> packed_layout([torch.zeros(3, dtype=torch.int8), torch.zeros(2)])
         ([8, 0], [1, 0], 11)
     """
-    sizes = [leaf_nbytes(source) for source in sources]
-    small = sorted((i for i, n in enumerate(sizes) if 0 < n <= _PACKED_LEAF_BYTES),
-                   key=lambda i: -sources[i].element_size())
+    element_sizes = [source.element_size() for source in sources]
+    sizes = [source.numel() * size for source, size in zip(sources, element_sizes)]
+    small = [i for i, n in enumerate(sizes) if 0 < n <= _PACKED_LEAF_BYTES]
+    if len(set(element_sizes)) > 1:  # (a tree of one element size keeps its order: no sort)
+        small.sort(key=lambda i: -element_sizes[i])
     offsets = [0] * len(sources)
     total = 0
     for i in small:
