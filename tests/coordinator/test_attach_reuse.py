@@ -34,16 +34,17 @@ def wide(n=100):
 
 @pytest.fixture
 def leaf_builds(monkeypatch):
-    """A list that grows by one per leaf built from a published layout (a call of
-    ``MemoryMappedTensor._from_backing``, which unpickling a leaf goes through)."""
+    """A list that grows by one per leaf built from a published layout: a call of
+    ``MemoryMappedTensor._checked_view``, the checks and the view of each leaf, which
+    unpickling a leaf (``_from_backing``) and parsing a published version go through."""
     built = []
-    original = MemoryMappedTensor._from_backing.__func__
+    original = MemoryMappedTensor._checked_view
 
-    def counting(cls, *args, **kwargs):
+    def counting(*args, **kwargs):
         built.append(args[1:3])
-        return original(cls, *args, **kwargs)
+        return original(*args, **kwargs)
 
-    monkeypatch.setattr(MemoryMappedTensor, "_from_backing", classmethod(counting))
+    monkeypatch.setattr(MemoryMappedTensor, "_checked_view", staticmethod(counting))
     return built
 
 
@@ -58,7 +59,7 @@ def test_a_second_attach_of_an_unchanged_version_parses_no_leaf_again(leaf_build
         assert len(leaf_builds) == parsed  # nothing parsed or checked again
         # a new tree of new leaf objects over the same memory, as unpickling gave
         assert second is not first and second.is_locked and not shared_td.is_stale(second)
-        assert sorted(second.keys(True, True)) == sorted(first.keys(True, True))
+        assert list(second.keys(True, True)) == list(first.keys(True, True))
         for key in first.keys(True, True):
             old, new = first[key], second[key]
             assert new is not old and type(new) is type(old) and new._backing is old._backing
