@@ -24,11 +24,13 @@ version once (a :class:`ParsedVersion`: each leaf checked against its segment on
 kept as a plain view), and each attach of that version wraps new MemoryMappedTensors
 around those views (one ``as_subclass`` each) and unpickles only the tree around them,
 so every attach still returns new objects (new nodes, leaves whose metadata is their
-own), as a plain unpickle did. A parsed version lives as long as a
-tensordict attached from it (:func:`shared_td.coordinator.staleness.remember` holds it),
-so it never keeps memory mapped by itself. File-backed leaves stay in the tree: each
-attach maps their paths anew, as before (an atomic rewrite that was not published yet
-is what a new attach maps).
+own), as a plain unpickle did. Each attach still asks the manager for the current
+version first (one round trip), so staleness, unpublishing and a dead or stopped manager
+are seen as before. A parsed version lives as long as a tensordict attached from it
+(:func:`shared_td.coordinator.staleness.remember` holds it), so it never keeps memory
+mapped by itself. File-backed leaves stay in the tree: each attach maps their paths
+anew, as before (an atomic rewrite that was not published yet is what a new attach
+maps).
 
 Example:
     >>> import os, torch, shared_td
