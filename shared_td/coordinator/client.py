@@ -17,7 +17,9 @@ Example:
 
 Connections (see :mod:`shared_td.coordinator.channels`): each process keeps one
 connection per coordinator address (re-made after a fork, never shared with the parent),
-so after the first call an attach is one round trip plus unpickling. A call that finds the
+so after the first call an attach is one round trip plus unpickling (only the tree
+around the leaves, for a version this process parsed before: see
+:mod:`shared_td.coordinator.published`). A call that finds the
 manager gone raises :class:`ConnectionError` naming the address; data already attached is
 untouched by that.
 
@@ -357,8 +359,9 @@ def attach(name: str, *, address: str, authkey: bytes, timeout: float = DEFAULT_
     """
     authkey = _as_key(authkey)
     blob, references, version, stamp = call(address, authkey, "attach", name, timeout=timeout)
-    td = published.unpickle(blob, references)
-    staleness.remember(td, name, version, stamp, _Endpoint(address, authkey, timeout))
+    # a version this process parsed already (and still holds) is not parsed again
+    td, parsed = published.rebuild((address, name, version), blob, references)
+    staleness.remember(td, name, version, stamp, _Endpoint(address, authkey, timeout), holds=parsed)
     return td
 
 

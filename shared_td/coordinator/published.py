@@ -9,10 +9,28 @@ The manager process imports no torch and no container (see
   ``(pid, fd, (st_dev, st_ino), how)`` in the publishing process, ``how`` being opaque
   bytes that say how to rebuild it here. The manager opens its own descriptor on each,
   and answers an attach with ``(its pid, its fd, key, how)`` instead, so attaching works
-  after the publisher exited. :func:`unpickle` first opens each memfd through those
-  references (this process's storage caches keep one object per inode), then unpickles
-  the blob with plain ``pickle.loads``, which finds every memfd already open here.
+  after the publisher exited.
+* :func:`rebuild`: the attaching side. It first opens each memfd through those
+  references (this process's storage caches keep one object per inode), then unpickles.
 * :func:`layout_of`: the summary that :meth:`Coordinator.layout` returns.
+
+Why the pickle sets the anonymous leaves aside: attaching a 100-leaf tensordict was
+mostly unpickling its leaves one by one (each checked against its segment), again at
+every attach. The pickle is ``(tree, leaves)``: ``tree`` is the tensordict pickled with
+each MemoryMappedTensor over an anonymous segment replaced by its index in ``leaves``
+(a pickle persistent id), and ``leaves`` is what each one pickles as (its
+``_reference()``: segment, dtype, shape, strides, offset). A process parses a published
+version once (a :class:`ParsedVersion`: each leaf checked against its segment once and
+kept as a plain view), and each attach of that version wraps new MemoryMappedTensors
+around those views (one ``as_subclass`` each) and unpickles only the tree around them,
+so every attach still returns new objects (new nodes, leaves whose metadata is their
+own), as a plain unpickle did. Each attach still asks the manager for the current
+version first (one round trip), so staleness, unpublishing and a dead or stopped manager
+are seen as before. A parsed version lives as long as a tensordict attached from it
+(:func:`shared_td.coordinator.staleness.remember` holds it), so it never keeps memory
+mapped by itself. File-backed leaves stay in the tree: each attach maps their paths
+anew, as before (an atomic rewrite that was not published yet is what a new attach
+maps).
 
 Example:
     >>> import os, torch, shared_td
@@ -20,8 +38,9 @@ Example:
     >>> blob, references = pickle_by_reference(td)
     >>> len(references), references[0][0] == os.getpid()   # one segment, ours
     (1, True)
-    >>> unpickle(blob, references)["a"].shape
-    torch.Size([2, 3])
+    >>> attached, parsed = rebuild(("address", "name", 1), blob, references)
+    >>> attached["a"].shape, attached["a"].data_ptr() == td["a"].data_ptr()
+    (torch.Size([2, 3]), True)
     >>> layout_of(td)["leaves"]
     [{'key': 'a', 'shape': [2, 3], 'dtype': 'torch.float32', 'where': 'anonymous'}]
 """
@@ -29,16 +48,18 @@ from __future__ import annotations
 
 import io
 import pickle
+import weakref
 from typing import Any
 
 import torch
 
 from shared_td.containers.base import is_leaf_nontensor
 from shared_td.containers.lazy import LazyStackedTensorDict
+from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.storage.anonymous import Segment
 from shared_td.storage.shared_value import SharedValue
 
-__all__ = ["layout_of", "pickle_by_reference", "unpickle"]
+__all__ = ["ParsedVersion", "layout_of", "pickle_by_reference", "rebuild"]
 
 # Pickled as ``attach(pid, fd, (st_dev, st_ino), *rest)``: a descriptor of the pickling
 # process that the receiver reopens through /proc (unless it has that inode open already).
@@ -46,37 +67,85 @@ _BY_DESCRIPTOR = (Segment, SharedValue)
 
 
 class _ReferenceCollector(pickle.Pickler):
-    """A plain pickler that notes the memfds it pickles (the pickle is unchanged)."""
+    """A plain pickler that notes the memfds it pickles in ``references``; given a
+    ``leaves`` list, it also sets aside each MemoryMappedTensor over an anonymous segment
+    (pickled as its index there, the list getting what the tensor pickles as)."""
 
-    def __init__(self, file):
+    def __init__(self, file, references: dict, leaves: list | None = None):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.references: dict[tuple[int, int], tuple] = {}  # (st_dev, st_ino) -> reference
+        self.references = references  # (st_dev, st_ino) -> reference
+        self.leaves = leaves
+        self._leaf_index: dict[int, int] = {}  # id(leaf) -> its index: one object, one leaf
 
     def persistent_id(self, obj: Any):
-        if type(obj) in _BY_DESCRIPTOR:
+        kind = type(obj)
+        if kind in _BY_DESCRIPTOR:
             attach, (pid, fd, key, *rest) = obj.__reduce__()
             if key not in self.references:
                 self.references[key] = (pid, fd, key, pickle.dumps((attach, tuple(rest))))
+        elif kind is MemoryMappedTensor and self.leaves is not None and type(obj._backing) is Segment:
+            index = self._leaf_index.get(id(obj))
+            if index is None:
+                index = self._leaf_index[id(obj)] = len(self.leaves)
+                self.leaves.append(obj._reference())
+            return index
         return None  # pickled as usual
 
 
 def pickle_by_reference(obj: Any) -> tuple[bytes, list[tuple]]:
-    """``obj``'s pickle, and a ``(pid, fd, key, how)`` reference to each memfd it names
-    (see the module doc)."""
-    buffer = io.BytesIO()
-    collector = _ReferenceCollector(buffer)
-    collector.dump(obj)
-    return buffer.getvalue(), list(collector.references.values())
+    """``obj``'s pickle as ``(tree, leaves)`` (see the module doc), and a
+    ``(pid, fd, key, how)`` reference to each memfd it names."""
+    references: dict = {}
+    leaves: list = []
+    tree = io.BytesIO()
+    _ReferenceCollector(tree, references, leaves).dump(obj)
+    blob = io.BytesIO()
+    _ReferenceCollector(blob, references).dump((tree.getvalue(), leaves))
+    return blob.getvalue(), list(references.values())
 
 
-def unpickle(blob: bytes, references: list) -> Any:
-    """Rebuild what :func:`pickle_by_reference` pickled, opening each memfd through the
-    process and descriptor that ``references`` now name (the manager's)."""
-    opened = []  # held while unpickling: the storage caches are weak
-    for pid, fd, key, how in references:
-        attach, rest = pickle.loads(how)
-        opened.append(attach(pid, fd, tuple(key), *rest))
-    return pickle.loads(blob)
+class ParsedVersion:
+    """One published version as this process parsed it: ``blob`` (what the manager sent),
+    the memfds it names opened here, its anonymous leaves checked against their segments
+    once and kept as plain views, never handed out: :meth:`build` wraps new objects
+    around them. Immutable once made, so threads build from it at once."""
+
+    __slots__ = ("blob", "_tree", "_leaves", "_opened", "__weakref__")
+
+    def __init__(self, blob: bytes, references: list):
+        opened = []  # held while this lives: the storage caches are weak
+        for pid, fd, key, how in references:
+            attach, rest = pickle.loads(how)
+            opened.append(attach(pid, fd, tuple(key), *rest))
+        self._opened = opened
+        self.blob = blob
+        self._tree, leaves = pickle.loads(blob)
+        self._leaves = [MemoryMappedTensor._leaf_parts(*leaf) for leaf in leaves]
+
+    def build(self) -> Any:
+        """A new tensordict of this version: the tree unpickled around new leaf objects."""
+        fresh = MemoryMappedTensor._wrap_leaves(self._leaves)
+        unpickler = pickle.Unpickler(io.BytesIO(self._tree))
+        unpickler.persistent_load = fresh.__getitem__
+        return unpickler.load()
+
+
+# (address, name, version) -> the ParsedVersion that the tensordicts attached from it
+# hold alive (see the module doc); gone with the last of them
+_PARSED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def rebuild(version_key: tuple, blob: bytes, references: list) -> tuple[Any, ParsedVersion]:
+    """What :func:`pickle_by_reference` pickled, rebuilt over the memfds that
+    ``references`` now name (the manager's), and the :class:`ParsedVersion` it was built
+    from, which the caller keeps alive with the result. ``version_key`` names the
+    published version (``(address, name, version)``): one this process parsed already,
+    and still holds, is reused when ``blob`` is the same."""
+    parsed = _PARSED.get(version_key)
+    if parsed is None or parsed.blob != blob:
+        parsed = ParsedVersion(blob, references)
+        _PARSED[version_key] = parsed
+    return parsed.build(), parsed
 
 
 def layout_of(td: Any) -> dict:

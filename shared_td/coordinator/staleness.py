@@ -45,6 +45,7 @@ class _Attachment:
     endpoint: Any  # has .attach(name) and .version(name)
     table: Any  # the mapped version table (_Table), or None
     slot: int | None
+    holds: Any  # kept alive with the tensordict: the ParsedVersion it was attached from
 
 
 # id(td) -> (weak reference, attachment). Keyed by identity: tensordicts have no hash.
@@ -65,10 +66,11 @@ class _Table:
 _TABLES = InodeCache()
 
 
-def remember(td: Any, name: str, version: int, stamp: dict, endpoint: Any) -> None:
-    """Record that ``td`` is version ``version`` of ``name`` (called by attach/publish)."""
+def remember(td: Any, name: str, version: int, stamp: dict, endpoint: Any, holds: Any = None) -> None:
+    """Record that ``td`` is version ``version`` of ``name`` (called by attach/publish);
+    ``holds`` lives as long as ``td`` does."""
     table = None if stamp["table"] is None else _map_table(*stamp["table"])
-    attachment = _Attachment(name, version, endpoint, table, stamp["slot"])
+    attachment = _Attachment(name, version, endpoint, table, stamp["slot"], holds)
     key = id(td)
 
     def forget(_ref, key=key, attachments=_ATTACHMENTS):

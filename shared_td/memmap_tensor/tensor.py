@@ -102,12 +102,24 @@ class MemoryMappedTensor(torch.Tensor):
             (True, 64)
         """
         shape = torch.Size(shape)
+        view = cls._checked_view(backing, byte_offset, dtype, shape, stride)
+        if view is None:
+            return cls._empty_leaf(backing, dtype, shape)
+        result = view.as_subclass(_class_for(cls, backing))
+        result._backing = backing
+        result._parent_shape = shape
+        return result
+
+    @staticmethod
+    def _checked_view(backing, byte_offset: int, dtype: torch.dtype, shape: torch.Size, stride=None):
+        """The plain tensor over ``backing`` that :meth:`_from_backing` wraps, after its
+        checks (the same errors); None for zero elements (nothing to map)."""
         itemsize = dtype.itemsize
         if byte_offset % itemsize:
             raise ValueError(f"Byte offset {byte_offset} is not a multiple of the "
                              f"{itemsize}-byte size of {dtype}.")
         if shape.numel() == 0:
-            return cls._empty_leaf(backing, dtype, shape)
+            return None
         offset = byte_offset // itemsize
         if stride is None:  # C order (a leaf of a load or a write): set_ makes the strides
             extent = shape.numel()
@@ -124,13 +136,29 @@ class MemoryMappedTensor(torch.Tensor):
                 f"{tuple(shape)} at byte offset {byte_offset} needs {needed} bytes."
             )
         if stride is None:
-            tensor = torch.empty(0, dtype=dtype).set_(backing.storage, offset, shape)
-        else:
-            tensor = torch.empty(0, dtype=dtype).set_(backing.storage, offset, shape, stride)
-        result = tensor.as_subclass(_class_for(cls, backing))
-        result._backing = backing
-        result._parent_shape = shape
-        return result
+            return torch.empty(0, dtype=dtype).set_(backing.storage, offset, shape)
+        return torch.empty(0, dtype=dtype).set_(backing.storage, offset, shape, stride)
+
+    @classmethod
+    def _leaf_parts(cls, backing, dtype, shape, stride, byte_offset, parent_shape) -> tuple:
+        """A leaf that :meth:`_reference` described, checked once and kept as
+        ``(plain view, class, backing, parent shape)`` for :meth:`_wrap_leaves`, which
+        makes MMTs of it as often as needed (a coordinator's attach of a version it
+        parsed before). Zero-element leaves have no backing: not for them."""
+        view = cls._checked_view(backing, byte_offset, dtype, torch.Size(shape), stride)
+        return view, _class_for(cls, backing), backing, torch.Size(parent_shape)
+
+    @staticmethod
+    def _wrap_leaves(parts: list) -> list:
+        """New MMTs over the ``(view, class, backing, parent shape)`` of :meth:`_leaf_parts`:
+        one ``as_subclass`` each (a new tensor object whose metadata is its own)."""
+        wrapped = []
+        for view, klass, backing, parent_shape in parts:
+            result = view.as_subclass(klass)
+            result._backing = backing
+            result._parent_shape = parent_shape
+            wrapped.append(result)
+        return wrapped
 
     @classmethod
     def _empty_leaf(cls, backing, dtype, shape) -> MemoryMappedTensor:
@@ -547,6 +575,13 @@ class MemoryMappedTensor(torch.Tensor):
         if self.numel() == 0:
             path = backing.path if isinstance(backing, FileBacking) else None
             return _rebuild_empty, (path, self.dtype, tuple(self.shape))
+        return _rebuild, self._reference()
+
+    def _reference(self) -> tuple:
+        """What this (non-empty) tensor pickles as: ``(backing, dtype, shape, stride,
+        byte offset, parent shape)``, the arguments of its rebuild. RuntimeError when it
+        has no backing or no longer views it."""
+        backing = self._backing
         if backing is None:
             raise RuntimeError(
                 "Could not find handler or filename: this MemoryMappedTensor has no file "
@@ -556,8 +591,8 @@ class MemoryMappedTensor(torch.Tensor):
         if self.untyped_storage().data_ptr() != backing.storage.data_ptr():
             raise RuntimeError("This MemoryMappedTensor no longer views the storage of "
                                f"{backing!r} (was set_ called on it?); cannot pickle it.")
-        return _rebuild, (backing, self.dtype, tuple(self.shape), self.stride(),
-                          self._byte_offset(), tuple(self.parent_shape))
+        return (backing, self.dtype, tuple(self.shape), self.stride(),
+                self._byte_offset(), tuple(self.parent_shape))
 
     def __deepcopy__(self, memo):
         # A deep copy owns new memory: an anonymous copy (a filename cannot be invented).

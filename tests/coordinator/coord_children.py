@@ -96,3 +96,30 @@ def stop_own_manager_then_leave(queue):
         os.kill(manager, signal.SIGSTOP)
         started = time.monotonic()
     queue.put(("left", time.monotonic() - started, None))
+
+
+def publish_mixed_and_exit(address, authkey, name, queue):
+    """Publish a tree of anonymous leaves (one nested) and a shared non-tensor value,
+    report, and exit: afterwards only the manager holds their memory."""
+    try:
+        coord = shared_td.Coordinator.connect(address, authkey)
+        td = shared_td.TensorDict(x=torch.full((3,), 7.0), inner={"y": torch.arange(3.0)},
+                                  task="walk", batch_size=[3])
+        coord.publish(name, td, share_non_tensor=True)
+        queue.put(("ok", os.getpid()))
+    except BaseException as err:
+        queue.put(("error", repr(err)))
+        raise
+
+
+def attach_twice_and_write(address, authkey, name, queue):
+    """Attach ``name`` twice (the second from this process's parsed layout, when the
+    parent had parsed it before a fork), write through the second, report what the first sees."""
+    try:
+        first = shared_td.attach(name, address=address, authkey=authkey)
+        second = shared_td.attach(name, address=address, authkey=authkey)
+        second["x"][0] = -5.0
+        queue.put(("ok", first["x"].tolist(), second is not first, shared_td.is_stale(second)))
+    except BaseException as err:
+        queue.put(("error", repr(err), None, None))
+        raise
