@@ -220,7 +220,7 @@ def unpack_rows(leaves: list[torch.Tensor], message: torch.Tensor, rows: int) ->
         chunk = message[offset: offset + size]
         if offset % target.element_size():
             chunk = chunk.clone()  # rows of a smaller dtype came before: realign
-        target[index] = chunk.view(target.dtype).view((rows, *target.shape[1:]))
+        target.index_copy_(0, index, chunk.view(target.dtype).view((rows, *target.shape[1:])))
         offset += size
 
 
