@@ -93,7 +93,8 @@ def test_answers_are_signed_for_their_request_and_cut_to_fit():
         with pytest.raises(ClusterAuthError):
             decode_answer(store, 0, 7 * 1024 + 1, buffer)
     long = encode_answer(store, 0, 1, {"error": "x" * (4 * ANSWER_BYTES)})
-    assert long.numel() <= ANSWER_BYTES
+    # every answer fills its receive exactly: gloo completes a larger receive 10-40x slower
+    assert long.numel() == ANSWER_BYTES == message.numel()
     buffer[: long.numel()] = long
     assert decode_answer(store, 0, 1, buffer)["error"].startswith("xxx")
 
