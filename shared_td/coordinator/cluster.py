@@ -33,9 +33,10 @@ request's tag. The answer to a pull is a signed value pushed to the requesting t
 own queue ``reply/<node>/<slot>`` (one blocking pop gets one: no poll; an answer that
 comes after its request gave up is skipped by its tag); a push or a sync is answered
 after its payload over the pair, signed for that request, into a receive the sender
-posted beside its send (so a push costs one store round trip, its request). A sender of a payload only sends after the receiver's
-request or promise, and every wait is bounded: on a failure or a timeout the pair's group
-is aborted (which cancels any receive still posted) and rebuilt by the next transfer.
+posted beside its send (so a push costs one store round trip, its request). A sender of
+a payload only sends after the receiver's request or promise, and every wait is bounded:
+on a failure or a timeout the pair's group is aborted (which cancels any receive still
+posted) and rebuilt by the next transfer.
 
 Failure behaviour:
 

@@ -18,8 +18,9 @@ after its payload, over the pair, signed for that request
 and no thread of the sender's node in between. A request for what this node does not
 hold is answered with a refusal (after receiving any payload into scratch memory, so
 that the sender's send ends); a failed transfer marks the pair's group failed, so that
-the requester's own wait fails too. Requests that do not verify (another authkey, a forgery) or that arrive in
-another sender's lane are counted in ``Cluster.refused`` and never acted on.
+the requester's own wait fails too. Requests that do not verify (another authkey, a
+forgery) or that arrive in another sender's lane are counted in ``Cluster.refused`` and
+never acted on.
 
 These functions take the Cluster they serve: they are its methods, kept apart from the
 calling half (:mod:`~shared_td.coordinator.cluster`) so that each reads on its own.

@@ -57,8 +57,8 @@ import torch.distributed as dist
 
 from shared_td.errors import ClusterAuthError, StalePair, TransferFailed
 
-__all__ = ["ANSWER_BYTES", "ANSWER_TAG_BIT", "TAG_WRAP", "PairGroups", "StalePair", "TransferFailed", "answer_tag", "decode_answer",
-           "encode_answer", "wait_work"]
+__all__ = ["ANSWER_BYTES", "ANSWER_TAG_BIT", "TAG_WRAP", "PairGroups", "StalePair", "TransferFailed", "answer_tag",
+           "decode_answer", "encode_answer", "wait_work"]
 
 
 #: The slowest transfer rate (bytes/s) a wait allows for before it gives up: a gloo wait
