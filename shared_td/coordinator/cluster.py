@@ -30,12 +30,15 @@ pops that peer's requests from their own queue ``lane/<node>/<peer>`` and serves
 peer that stops answering holds up only its own lane; no hand-off between threads on the
 way), and a service thread for the small notices of ``queue/<node>`` (non-tensor values,
 new pair generations, stop); both live in :mod:`~shared_td.coordinator.cluster_serve`,
-this module is the calling half. Answers are signed values pushed to the requesting
-thread's own queue ``reply/<node>/<slot>`` (one blocking pop gets one: no poll; an answer
-that comes after its request gave up is skipped by its tag); payloads go over the pair's
-gloo group with the same tag. A sender of a payload only sends after the receiver's
-request or promise, and every wait is bounded: on a failure or a timeout the pair's group
-is aborted (which cancels any receive still posted) and rebuilt by the next transfer.
+this module is the calling half. Payloads go over the pair's gloo group with the
+request's tag. The answer to a pull is a signed value pushed to the requesting thread's
+own queue ``reply/<node>/<slot>`` (one blocking pop gets one: no poll; an answer that
+comes after its request gave up is skipped by its tag); a push or a sync is answered
+after its payload over the pair, signed for that request, into a receive the sender
+posted beside its send (so a push costs one store round trip, its request). A sender of
+a payload only sends after the receiver's request or promise, and every wait is bounded:
+on a failure or a timeout the pair's group is aborted (which cancels any receive still
+posted) and rebuilt by the next transfer.
 
 Failure behaviour:
 
@@ -93,7 +96,8 @@ from shared_td.coordinator.cluster_names import LocalNames
 from shared_td.coordinator.cluster_replica import Owned, Replica
 from shared_td.coordinator.cluster_serve import POP_S, lane_queue, serve_lane, serve_notices
 from shared_td.coordinator.cluster_store import ClusterAuthError, ClusterCounter, SignedStore, cluster_key, open_store
-from shared_td.coordinator.cluster_transfer import PairGroups, StalePair, TransferFailed, wait_work
+from shared_td.coordinator.cluster_transfer import (ANSWER_BYTES, TAG_WRAP, PairGroups, StalePair, TransferFailed,
+                                                    answer_tag, decode_answer, wait_work)
 from shared_td.coordinator.cluster_values import ClusterValues
 from shared_td.errors import OwnerLostError
 
@@ -411,9 +415,13 @@ class Cluster:
         rep = self._replica(name)
         index = torch.as_tensor(index, dtype=torch.int64).reshape(-1)
         rows = rep.layout["batch_size"][0] if rep.layout["batch_size"] else 0
-        index = torch.where(index < 0, index + rows, index)  # -1: the last row, as td[-1]
-        if index.numel() and not 0 <= int(index.min()) <= int(index.max()) < rows:
-            raise IndexError(f"push({name!r}): an index is out of range for {rows} rows.")
+        if index.numel():
+            low, high = (int(end) for end in torch.aminmax(index))
+            if low < 0:  # -1: the last row, as td[-1]
+                index = torch.where(index < 0, index + rows, index)
+                low, high = (int(end) for end in torch.aminmax(index))
+            if not 0 <= low <= high < rows:
+                raise IndexError(f"push({name!r}): an index is out of range for {rows} rows.")
         if not rep.leaves:
             rep.leaves = replica.leaf_views(rep.segment, rep.layout)
         payload = replica.pack_rows(rep.leaves, index)
@@ -421,12 +429,10 @@ class Cluster:
         tag, generation = self._request(rep.owner, "push", name, rep.generation,
                                         rows=int(index.numel()), nbytes=int(payload.numel()))
         try:
-            work = self._groups.send(rep.owner, generation, payload, tag, deadline)
-            wait_work([work], deadline, f"push of {name!r}", int(payload.numel()))
+            answer = self._send_answered(rep.owner, generation, tag, payload, deadline, f"push of {name!r}")
         except TransferFailed as err:
-            self._groups.fail(rep.owner, generation)
             raise self._lost_or(rep.owner, name, err) from err
-        self._answer(rep.owner, tag, deadline, name)
+        self._refusal(rep.owner, name, answer)
 
     def sync(self, name: str, timeout: float | None = None) -> SyncReport:
         """On the owner: send the current contents of ``name`` to every node holding a
@@ -470,13 +476,8 @@ class Cluster:
         try:
             tag, generation = self._request(peer, "sync", name, owned.generation, version=owned.version,
                                             nbytes=owned.layout["nbytes"])
-            try:
-                work = self._groups.send(peer, generation, payload, tag, deadline)
-                wait_work([work], deadline, f"sync of {name!r} to node {peer}", int(payload.numel()))
-            except TransferFailed:
-                self._groups.fail(peer, generation)
-                raise
-            self._answer(peer, tag, deadline, name)
+            self._refusal(peer, name, self._send_answered(peer, generation, tag, payload, deadline,
+                                                          f"sync of {name!r} to node {peer}"))
         except (TransferFailed, TimeoutError, ConnectionError, RuntimeError) as err:
             return f"{type(err).__name__}: {err}"
         return None
@@ -485,12 +486,43 @@ class Cluster:
     def _request(self, peer: int, op: str, name: str, generation: int, **extra) -> tuple[int, int]:
         """Put a request in ``peer``'s queue; returns (tag, pair generation)."""
         store = self._checked()
-        tag = next(self._tags) * 1024 + self.node  # unique per sender (nodes < 1024)
+        # unique per sender (nodes < 1024) among its requests in flight, and below
+        # ANSWER_TAG_BIT: gloo takes a 32-bit tag, so the count wraps after 2**20 requests
+        tag = next(self._tags) % TAG_WRAP * 1024 + self.node
         pair = self._groups.generation(peer)  # cached: no round trip
         store.push_json(lane_queue(peer, self.node),
                         {"op": op, "name": name, "generation": generation, "from": self.node,
                          "tag": tag, "pair": pair, "reply": self._reply_queue(), **extra})
         return tag, pair
+
+    def _send_answered(self, peer: int, generation: int, tag: int, payload: torch.Tensor, deadline: float,
+                       what: str) -> dict:
+        """Send ``payload`` for request ``tag`` and receive the peer's signed answer over
+        the pair (its receive posted beside the send, so that it is there when the peer
+        answers). TransferFailed, the pair failed, when either does not end in time or
+        the answer's signature is wrong."""
+        buffer = getattr(self._local, "answer", None)
+        if buffer is None:
+            buffer = self._local.answer = torch.empty(ANSWER_BYTES, dtype=torch.uint8)
+        try:
+            works = [self._groups.send(peer, generation, payload, tag, deadline),
+                     self._groups.recv(peer, generation, buffer, answer_tag(tag), deadline)]
+            wait_work(works, deadline, what, int(payload.numel()))
+            try:
+                return decode_answer(self._store, peer, tag, buffer)
+            except ClusterAuthError as err:
+                self.refused += 1  # forged: never acted on, and the pair is not trusted further
+                raise TransferFailed(f"the answer to the {what} is not signed with this cluster's key") from err
+        except TransferFailed:
+            self._groups.fail(peer, generation)
+            raise
+
+    @staticmethod
+    def _refusal(peer: int, name: str, answer: dict) -> dict:
+        """``answer``, unless it is a refusal: RuntimeError naming the peer and the name."""
+        if "error" in answer:
+            raise RuntimeError(f"Node {peer} refused the transfer of {name!r}: {answer['error']}")
+        return answer
 
     def _reply_queue(self) -> str:
         """This thread's answer queue: one per thread, so that one pop waits for the
@@ -524,9 +556,7 @@ class Cluster:
         if "stale_pair" in answer:  # nothing was transferred
             self._groups.seen(peer, answer["stale_pair"])
             raise StalePair(f"Node {peer} moved the pair to generation {answer['stale_pair']}: {answer['error']}")
-        if "error" in answer:
-            raise RuntimeError(f"Node {peer} refused the transfer of {name!r}: {answer['error']}")
-        return answer
+        return self._refusal(peer, name, answer)
 
     # ------------------------------------------------------------------ liveness
     def _alive(self, peer: int) -> bool:

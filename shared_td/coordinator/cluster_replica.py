@@ -133,7 +133,7 @@ def unpack_rows(leaves: list, message: torch.Tensor, rows: int) -> None:
         if row is not None:
             target.view(-1).copy_(chunk.view(target.dtype))
         else:
-            target[index] = chunk.view(target.dtype).view((rows, *target.shape[1:]))
+            target.index_copy_(0, index, chunk.view(target.dtype).view((rows, *target.shape[1:])))
 
 
 def _words(segment: Segment) -> torch.Tensor:

@@ -10,13 +10,17 @@ replica) and ``renew`` (the owner published the name again: make the new replica
 service thread (:func:`serve_notices`) applies the small notices of ``queue/<node>``:
 non-tensor values, new pair generations, stop.
 
-Answers are signed values pushed to the requester's reply queue with the request's tag;
-payloads go over the pair's gloo group with the same tag, each wait bounded by the
-cluster's timeout. A request for what this node does not hold is answered with a
-refusal (after receiving any payload into scratch memory, so that the sender's send
-ends); a failed transfer marks the pair's group failed, so that the requester's own wait
-fails too. Requests that do not verify (another authkey, a forgery) or that arrive in
-another sender's lane are counted in ``Cluster.refused`` and never acted on.
+Payloads go over the pair's gloo group with the request's tag, each wait bounded by the
+cluster's timeout. The answer to a pull (sent before its payload: the version) is a
+signed value pushed to the requester's reply queue; the answer to a push or a sync comes
+after its payload, over the pair, signed for that request
+(:func:`~shared_td.coordinator.cluster_transfer.encode_answer`): no store round trip
+and no thread of the sender's node in between. A request for what this node does not
+hold is answered with a refusal (after receiving any payload into scratch memory, so
+that the sender's send ends); a failed transfer marks the pair's group failed, so that
+the requester's own wait fails too. Requests that do not verify (another authkey, a
+forgery) or that arrive in another sender's lane are counted in ``Cluster.refused`` and
+never acted on.
 
 These functions take the Cluster they serve: they are its methods, kept apart from the
 calling half (:mod:`~shared_td.coordinator.cluster`) so that each reads on its own.
@@ -30,7 +34,7 @@ import torch
 from shared_td.coordinator import cluster_replica as replica
 from shared_td.coordinator.cluster_replica import Owned, Replica
 from shared_td.coordinator.cluster_store import ClusterAuthError
-from shared_td.coordinator.cluster_transfer import StalePair, TransferFailed, wait_work
+from shared_td.coordinator.cluster_transfer import StalePair, TransferFailed, answer_tag, encode_answer, wait_work
 
 # How long a lane or the service thread waits in one queue_pop (a stop request wakes it
 # earlier).
@@ -92,14 +96,19 @@ def _handle(cluster, request: dict) -> None:
             _serve_receive(cluster, peer, request, cluster._owned.get(name), _apply_rows)
         elif op == "sync":
             _serve_receive(cluster, peer, request, cluster._replicas.get(name), _apply_sync)
-    except StalePair as err:  # nothing transferred: the requester may retry at once
-        try:
-            _reply(cluster, request, error=str(err), stale_pair=cluster._groups.generation(peer))
-        except (RuntimeError, OSError):
-            pass  # the store is gone
+    except StalePair as err:  # nothing transferred: a pull may retry at once
+        if op == "pull":  # (a push or sync sender waits over the pair: its bounded wait ends it)
+            try:
+                _reply(cluster, request, error=str(err), stale_pair=cluster._groups.generation(peer))
+            except (RuntimeError, OSError):
+                pass  # the store is gone
     except TransferFailed:
         cluster._groups.fail(peer, request["pair"])  # the requester's own wait fails too
     except Exception as err:  # answered, so that the requester does not wait in vain
+        if op != "pull":  # not answered over the pair (a malformed request): end its transfer
+            if isinstance(request.get("pair"), int):
+                cluster._groups.fail(peer, request["pair"])
+            return
         try:
             _reply(cluster, request, error=f"{type(err).__name__}: {err}")
         except (RuntimeError, OSError):
@@ -138,18 +147,27 @@ def _serve_pull(cluster, peer: int, request: dict) -> None:
 
 
 def _serve_receive(cluster, peer: int, request: dict, entry, apply) -> None:
-    """Receive a push (on the owner) or a sync (on a replica). A request for what this
-    node does not hold is still received, into scratch memory, so that the sender's send
-    ends, and answered with a refusal."""
-    if entry is None or entry.generation != request["generation"]:
-        scratch = torch.empty(request["nbytes"], dtype=torch.uint8)
-        work = cluster._groups.recv(peer, request["pair"], scratch, request["tag"])
-        wait_work([work], time.monotonic() + cluster.timeout, request["op"], request["nbytes"])
-        _reply(cluster, request, error=f"node {cluster.node} has no generation {request['generation']} "
-                                       f"of {request['name']!r}")
-        return
-    apply(cluster, peer, entry, request)
-    _reply(cluster, request, ok=True)
+    """Receive a push (on the owner) or a sync (on a replica), and answer over the pair.
+    A request for what this node does not hold is still received, into scratch memory,
+    so that the sender's send ends, and answered with a refusal; an error after the
+    payload came is answered too. A failed transfer raises TransferFailed."""
+    tag = request["tag"]
+    try:
+        if entry is None or entry.generation != request["generation"]:
+            scratch = torch.empty(request["nbytes"], dtype=torch.uint8)
+            work = cluster._groups.recv(peer, request["pair"], scratch, tag)
+            wait_work([work], time.monotonic() + cluster.timeout, request["op"], request["nbytes"])
+            answer = {"error": f"node {cluster.node} has no generation {request['generation']} of {request['name']!r}"}
+        else:
+            apply(cluster, peer, entry, request)
+            answer = {"ok": True}
+    except TransferFailed:
+        raise
+    except Exception as err:  # noqa: BLE001 - answered: the sender raises it
+        answer = {"error": f"{type(err).__name__}: {err}"}
+    message = encode_answer(cluster._store, cluster.node, tag, answer)
+    work = cluster._groups.send(peer, request["pair"], message, answer_tag(tag))
+    wait_work([work], time.monotonic() + cluster.timeout, f"answer to node {peer}")
 
 
 def _apply_rows(cluster, peer: int, owned: Owned, request: dict) -> None:
