@@ -44,8 +44,15 @@ _NODE, _TENSORCLASS = "node", "tensorclass"
 _PICKLING = ("__reduce_ex__", "__reduce__", "__getstate__", "__setstate__")
 
 
-class _Aliased(Exception):
-    """A node or leaf met twice: the tree is pickled as itself (the memo keeps it one)."""
+# A node or leaf met twice: the tree is then pickled as itself (the memo keeps it one
+# object). Said by a LookupError whose only argument is this marker (an exception, since
+# the pickler's callback must stop the dump; no class of its own: every exception class
+# of the package is a public one of errors.py), caught in this module only.
+_ALIASED = object()
+
+
+def _is_aliased(error: LookupError) -> bool:
+    return error.args == (_ALIASED,)
 
 
 class _SkeletonKinds:
@@ -113,7 +120,7 @@ class _Skeleton:
                 or state["_is_memmap"] or state["_memmap_prefix"] is not None or not state.keys() <= _NODE_ATTRIBUTES:
             return None
         if id(node) in self.seen_nodes:
-            raise _Aliased
+            raise LookupError(_ALIASED)
         self.seen_nodes.add(id(node))
         views, count = self.views, len(self.views)
         cursor, items = self.cursor, None
@@ -151,7 +158,7 @@ class _Skeleton:
             self.seen_leaves = {id(view) for view in self.views[first:self.cursor]} if self.start is not None else set()
             self.cursor = len(self.views)
         if id(value) in self.seen_leaves:
-            raise _Aliased
+            raise LookupError(_ALIASED)
         entry = place(self.layout, value)
         if entry is None:
             return [value]  # no longer a view of the buffer: pickled as itself
@@ -185,8 +192,9 @@ def reduce_tree(obj: Any, layout: Layout, protocol: int, node_class: type,
         tree = skeleton.record(obj)
         if tree is not None:
             return _reduction(obj, tree, skeleton, layout, protocol, node_class)
-    except _Aliased:  # (also raised by the pickler: a node of the skeleton in a value)
-        pass
+    except LookupError as error:  # (also raised by the pickler: a node of the skeleton in a value)
+        if not _is_aliased(error):
+            raise
     return _reduction(obj, None, _Skeleton(layout, tensordict, tensorclass), layout, protocol, node_class)
 
 
@@ -233,7 +241,7 @@ class _TreePickler(pickle.Pickler):
             # a node of this tree: its state, as object.__reduce_ex__ gives it (not
             # through its own __reduce_ex__, which would start another tree pickle)
             if id(obj) in self.in_skeleton:
-                raise _Aliased
+                raise LookupError(_ALIASED)
             state = obj.__getstate__()
             if self.locked_root is not None and obj is not self.locked_root:
                 # the root's lock (on loading) locks its whole tree once; each node
