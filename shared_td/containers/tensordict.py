@@ -345,16 +345,22 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, TensorDictBase):
         depth = len(self._batch_size)
         leaf_index = index[0] if len(index) == 1 else index  # torch takes an int faster than (int,)
         entries = {}
+        collections = []  # the entries a locked view links to itself (see _lock_view)
         for key, value in self._tensordict.items():
             kind = type(value)
             if kind is MemoryMappedTensor and is_view:
                 entries[key] = value._basic_view(leaf_index)
-            elif kind is TensorDict:
-                entries[key] = value._index_rows(index, new_size + value._batch_size[depth:], is_view)
             elif kind is torch.Tensor:
                 entries[key] = value[leaf_index]
+            elif kind is TensorDict:
+                # a nested node's own batch dims usually end where ours do: no Size to build
+                size = new_size if len(value._batch_size) == depth else new_size + value._batch_size[depth:]
+                entries[key] = child = value._index_rows(index, size, is_view)
+                collections.append(child)
             else:
-                entries[key] = value[index]
+                entries[key] = child = value[index]
+                if not isinstance(child, torch.Tensor):
+                    collections.append(child)
         out = TensorDict._new_unsafe(
             entries, new_size, self._device,
             None if self._names is None else batch_ops.indexed_names(self._names, index),
@@ -363,7 +369,7 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, TensorDictBase):
             out._is_memmap, out._is_shared = self._is_memmap, self._is_shared
             out._memmap_prefix = self._memmap_prefix
             if self._is_locked:
-                _lock_view(out)
+                _lock_view(out, collections)
         return out
 
     def _set_at_index(self, index: Any, value: Any) -> None:
@@ -589,16 +595,17 @@ def _zeros_like_entry(source: Any, batch_size: torch.Size, target_batch: torch.S
     return source.empty(batch_size=batch_size) if hasattr(source, "empty") else source
 
 
-def _lock_view(view: TensorDict) -> None:
+def _lock_view(view: TensorDict, collections: list) -> None:
     """``view.lock_()`` for a view that ``_index_rows`` just built from a locked
-    tensordict: its nested TensorDicts were built and locked by the same call, so they
-    only get their link to ``view``; any other nested collection is locked by lock_()."""
+    tensordict, whose collection entries are ``collections``: its nested TensorDicts were
+    built and locked by the same call, so they only get their link to ``view``; any other
+    nested collection is locked by lock_()."""
     view._is_locked = True
     view._last_op = "lock_"
+    if not collections:
+        return
     link = weakref.ref(view)
-    for value in view._tensordict.values():
-        if isinstance(value, torch.Tensor):
-            continue
+    for value in collections:
         if type(value) is TensorDict and value._is_locked:
             value._lock_parents[id(view)] = link
             continue
