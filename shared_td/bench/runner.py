@@ -39,7 +39,7 @@ from shared_td.bench.cases_sharing import (
 )
 from shared_td.bench.libraries import comparison_note
 from shared_td.bench.timing import describe_machine, frozen_heap
-from shared_td.bench.worker import close_shared_worker
+from shared_td.bench.worker import close_shared_worker, fork_shared_worker
 
 CASES: dict[str, Callable[..., dict]] = {
     "big_leaf": case_big_leaf,
@@ -63,6 +63,9 @@ CASES: dict[str, Callable[..., dict]] = {
     "cluster_value": case_cluster_value,
 }
 
+#: The cases that run jobs in the run's worker process (shared_td/bench/worker.py).
+WORKER_CASES = frozenset({"share_nontensor", "consol_pickle", "replay_worker", "cluster_push"})
+
 
 @dataclasses.dataclass
 class BenchOptions:
@@ -75,21 +78,23 @@ class BenchOptions:
     rows: int = 65536  # rows of the replay buffer
     only: list[str] | None = None  # case names; None runs them all
     directory: str | None = None  # where the scratch directory goes (None: the temp dir)
-    # cluster_sync's reference ranks start with the run, so that their imports (seconds)
-    # overlap the cases before it, whose timings they may disturb: quick runs only
-    early_peers: bool = False
+    # the processes the cases need (the run's worker, cluster_sync's reference ranks) are
+    # forked at the start of the run, copies of this process with its imports done
+    # (ms, not ~4 s of CPU each for a fresh interpreter's imports), that wait idle until
+    # their case: quick runs only (a full run spawns them, as a user's program would)
+    fork_early: bool = False
 
     @classmethod
     def quick(cls, **overrides) -> "BenchOptions":
-        """Small sizes, one run each: every case in well under a minute on 2 cores."""
-        return cls(**{"size_mib": 16, "repeat": 1, "nodes": 100, "rounds": 20, "early_peers": True, **overrides})
+        """Small sizes, one run each: every case in about 10 s on 2 idle cores."""
+        return cls(**{"size_mib": 16, "repeat": 1, "nodes": 100, "rounds": 20, "fork_early": True, **overrides})
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark options (defaults None: ``options_from_args`` fills them in)."""
     full = BenchOptions()
     parser.add_argument("--quick", action="store_true",
-                        help="small sizes and one run of each case (under a minute on 2 cores)")
+                        help="small sizes and one run of each case (about 10 s on 2 idle cores)")
     parser.add_argument("--size-mib", type=int, help=f"size of the big leaf (default {full.size_mib})")
     parser.add_argument("--repeat", type=int, help=f"best of this many runs (default {full.repeat})")
     parser.add_argument("--nodes", type=int, help=f"nodes of the tree cases (default {full.nodes})")
@@ -132,7 +137,12 @@ def run(options: BenchOptions, write: Callable[[str], None] = print) -> int:
 def _run_cases(options: BenchOptions, root: str, write: Callable[[str], None]) -> int:
     """Run and write each case; the number that failed."""
     names = options.only or list(CASES)
-    peers = sync_peers(options) if options.early_peers and "cluster_sync" in names else None
+    peers = None
+    if options.fork_early:  # before any case made a thread, a store or a coordinator
+        if WORKER_CASES.intersection(names):
+            fork_shared_worker()
+        if "cluster_sync" in names:
+            peers = sync_peers(options)
     failed = 0
     try:
         for name in names:

@@ -90,7 +90,7 @@ def test_a_failing_case_is_reported_and_the_others_run(monkeypatch, capsys):
 
 
 def test_options_quick_defaults_and_overrides():
-    assert BenchOptions.quick(repeat=3) == BenchOptions(size_mib=16, repeat=3, nodes=100, rounds=20, early_peers=True)
+    assert BenchOptions.quick(repeat=3) == BenchOptions(size_mib=16, repeat=3, nodes=100, rounds=20, fork_early=True)
     code, out, err = run_main("bench", "--repeat", "0")
     assert (code, out) == (2, "")
     assert err == "shared-td bench: usage error: --repeat must be at least 1, got 0\n"
@@ -162,3 +162,21 @@ def test_a_full_run_starts_no_peers_before_the_case(monkeypatch):
 
     monkeypatch.setitem(CASES, "cluster_sync", case)
     assert run(BenchOptions(only=["cluster_sync"])) == 0
+
+
+def test_a_quick_run_forks_its_processes_and_spawns_no_interpreter(monkeypatch, capsys):
+    """A quick run forks the run's worker and cluster_sync's reference ranks at its
+    start (copies of the runner with its imports done): a spawn, a fresh interpreter
+    importing torch and tensordict (~4 s of CPU each), fails the run here."""
+    import multiprocessing.context
+
+    from shared_td.bench import worker
+
+    def refuse(process):
+        raise AssertionError("a quick run spawned a fresh interpreter")
+
+    monkeypatch.setattr(multiprocessing.context.SpawnProcess, "start", refuse)
+    assert run(BenchOptions.quick(only=["consol_pickle", "cluster_push", "cluster_sync"])) == 0
+    out = capsys.readouterr().out
+    assert "failed" not in out and list(_rows(out)) == ["consol_pickle", "cluster_push", "cluster_sync"]
+    assert worker._SHARED is None  # the run stopped its worker
