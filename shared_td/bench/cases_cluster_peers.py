@@ -1,5 +1,5 @@
 """The reference columns of ``cluster_sync``, measured as a user of torch.distributed
-would run them: two processes (spawned; forked in a quick run), each rank of a
+would run them: two processes (spawned; forked in a quick run from the command line), each rank of a
 *registered* default gloo group
 (``init_process_group`` on a TCPStore that the benchmark hosts on a free port of
 127.0.0.1, ``GLOO_SOCKET_IFNAME=lo``).
@@ -20,10 +20,10 @@ The children are started first (:func:`start_peers`): they import torch and tens
 join the group while the caller prepares its own column, which it times once they are
 idle (:meth:`Peers.ready`); they wait until :meth:`Peers.measure` lets them run. A full
 run spawns them in the case, where nothing else is timed meanwhile. A quick bench run
-forks them at its very beginning (:mod:`~shared_td.bench.runner`), before any case made a
-thread or a store: copies of the runner, which has imported torch and tensordict
-already, so a few ms each instead of ~4 s of CPU of imports that would compete with the
-cases on 2 cores. Every wait is bounded and no process outlives the run (the runner
+starts them at its very beginning (:mod:`~shared_td.bench.runner`); from the command
+line it forks them, before any case made a thread or a store: copies of the runner,
+which has imported torch and tensordict already, so a few ms each instead of ~4 s of
+CPU of imports that would compete with the cases on 2 cores. Every wait is bounded and no process outlives the run (the runner
 closes them even when a case fails).
 """
 from __future__ import annotations
@@ -60,6 +60,7 @@ def _peer_main(rank: int, ports, nbytes: int, repeat: int, with_tensordict: bool
     """One rank: get the store's port from ``ports``, join the group, tell ``results`` it
     is ready, wait for ``go``, then time each column ``repeat`` times (rank 1 reports the
     best of each)."""
+    caller = os.getppid()
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     tensordict = tensordict_module() if with_tensordict else None
     timeout = datetime.timedelta(seconds=START_S + nbytes / 20e6)
@@ -67,10 +68,11 @@ def _peer_main(rank: int, ports, nbytes: int, repeat: int, with_tensordict: bool
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timeout)
     try:
         results.put(("ready", rank))
-        caller = multiprocessing.parent_process()
         while not go.wait(1.0):  # the caller may run other cases first (see start_peers)
-            if not caller.is_alive():
-                return  # the caller went away
+            if os.getppid() != caller:
+                # orphaned: the caller went away (its sentinel pipe may live on in
+                # processes it forked later, so parent_process().is_alive() need not see it)
+                return
         columns = {"raw gloo send/recv": _raw(rank, nbytes)}
         if tensordict is not None:
             columns.update(_tensordict_columns(rank, tensordict, nbytes))

@@ -78,16 +78,21 @@ class BenchOptions:
     rows: int = 65536  # rows of the replay buffer
     only: list[str] | None = None  # case names; None runs them all
     directory: str | None = None  # where the scratch directory goes (None: the temp dir)
-    # the processes the cases need (the run's worker, cluster_sync's reference ranks) are
-    # forked at the start of the run, copies of this process with its imports done
-    # (ms, not ~4 s of CPU each for a fresh interpreter's imports), that wait idle until
-    # their case: quick runs only (a full run spawns them, as a user's program would)
-    fork_early: bool = False
+    # cluster_sync's reference ranks start with the run, so that their start overlaps the
+    # cases before it, whose timings they may disturb: quick runs only
+    early_peers: bool = False
+    # the run's worker and those early ranks are forked at the start of the run, copies
+    # of this process with its imports done (ms, not ~4 s of CPU each for a fresh
+    # interpreter's imports). Only for a process that did nothing before the run: a fork
+    # copies every lock as it is, e.g. one that a gloo thread of earlier work holds (the
+    # command line sets it with --quick; a caller of run() in its own process spawns)
+    fork: bool = False
 
     @classmethod
     def quick(cls, **overrides) -> "BenchOptions":
-        """Small sizes, one run each: every case in about 10 s on 2 idle cores."""
-        return cls(**{"size_mib": 16, "repeat": 1, "nodes": 100, "rounds": 20, "fork_early": True, **overrides})
+        """Small sizes, one run each: every case in about 10 s on 2 idle cores from the
+        command line (which also sets ``fork``)."""
+        return cls(**{"size_mib": 16, "repeat": 1, "nodes": 100, "rounds": 20, "early_peers": True, **overrides})
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -113,7 +118,8 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
     for name in ("size_mib", "repeat", "nodes", "rounds", "rows"):
         if name in given and given[name] < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {given[name]}")
-    return BenchOptions.quick(**given) if args.quick else BenchOptions(**given)
+    # the command line's process has run nothing else: a quick run may fork (see fork)
+    return BenchOptions.quick(**{"fork": True, **given}) if args.quick else BenchOptions(**given)
 
 
 def run(options: BenchOptions, write: Callable[[str], None] = print) -> int:
@@ -137,12 +143,9 @@ def run(options: BenchOptions, write: Callable[[str], None] = print) -> int:
 def _run_cases(options: BenchOptions, root: str, write: Callable[[str], None]) -> int:
     """Run and write each case; the number that failed."""
     names = options.only or list(CASES)
-    peers = None
-    if options.fork_early:  # before any case made a thread, a store or a coordinator
-        if WORKER_CASES.intersection(names):
-            fork_shared_worker()
-        if "cluster_sync" in names:
-            peers = sync_peers(options)
+    if options.fork and WORKER_CASES.intersection(names):  # before any case made a thread
+        fork_shared_worker()
+    peers = sync_peers(options) if options.early_peers and "cluster_sync" in names else None
     failed = 0
     try:
         for name in names:

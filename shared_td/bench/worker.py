@@ -5,10 +5,11 @@ tensordict), so the cases that need a process of their own (the cold
 ``share_nontensor``, ``consol_pickle``, ``replay_worker``, ``cluster_push``'s owner node)
 share one per run instead of starting their own: :func:`shared_worker` spawns it on first
 use, :func:`close_shared_worker` (called at the end of the run) stops it. A quick run
-forks it instead, at its very start (:func:`fork_shared_worker`): a copy of the runner
-that has imported everything already and done nothing else yet (no coordinator, no
-thread of a case), so a few ms instead of seconds, and as cold as a spawned one for what
-the cases measure in it. Every wait is bounded by ``timeout``.
+from the command line forks it instead, at its very start (:func:`fork_shared_worker`):
+a copy of the runner that has imported everything already and done nothing else yet
+(no coordinator, no thread of a case, no lock held), so a few ms instead of seconds, and
+as cold as a spawned one for what the cases measure in it. Every wait is bounded by
+``timeout``.
 
 A job is a module-level function (it is pickled by reference); it gets the worker's end
 of the connection as its first argument, for a conversation of its own with the caller
@@ -29,6 +30,8 @@ from typing import Any, Callable
 
 #: Seconds a job may take (the first one includes the worker's imports).
 TIMEOUT = 120.0
+#: Seconds between two looks, by an idle worker, at whether its caller still runs.
+_LOOK_S = 1.0
 
 
 def _pid(connection) -> int:
@@ -37,9 +40,15 @@ def _pid(connection) -> int:
 
 def _serve(connection) -> None:
     """The worker's loop: run each ``(function, args)`` received, answer ``("ok",
-    result)`` or ``("error", text)``; stop at None."""
+    result)`` or ``("error", text)``; stop at None, or within a second once the caller is
+    gone (its end of the connection may live on in processes forked after this one, and
+    in this one when it is a fork, so no EOF need come)."""
+    caller = os.getppid()
     while True:
         try:
+            while not connection.poll(_LOOK_S):
+                if os.getppid() != caller:  # orphaned: the caller died (a SIGKILL)
+                    return
             job = connection.recv()
         except EOFError:  # the caller is gone
             return
@@ -72,7 +81,7 @@ class JobWorker:
             ctx = multiprocessing.get_context(self._start_method)
             self._connection, theirs = ctx.Pipe()
             # not daemonic: a job may start processes (the cold share_nontensor starts a
-            # coordinator); it exits when the connection closes, even if we die
+            # coordinator); it exits when the connection closes or we die (see _serve)
             self._process = ctx.Process(target=_serve, args=(theirs,))
             self._process.start()
             theirs.close()
