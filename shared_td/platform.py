@@ -84,7 +84,6 @@ if _MISSING:
 
 import contextlib  # noqa: E402  (after the check: fcntl does not exist everywhere)
 import ctypes  # noqa: E402
-import ctypes.util  # noqa: E402
 import errno  # noqa: E402
 import fcntl  # noqa: E402
 import mmap  # noqa: E402
@@ -262,8 +261,10 @@ def reopen_peer_fd(pid: int, fd: int, key: tuple[int, int]) -> int:
     return new_fd
 
 
-# mmap through libc: Python's mmap.mmap keeps a second descriptor per mapping.
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+# mmap through libc: Python's mmap.mmap keeps a second descriptor per mapping. libc is
+# the process's own (dlopen(NULL) finds its symbols): ctypes.util.find_library("c") would
+# run `ldconfig -p` in a subprocess at every import (each coordinator server's start).
+_LIBC = ctypes.CDLL(None, use_errno=True)
 _LIBC.mmap.restype = ctypes.c_void_p
 _LIBC.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
                        ctypes.c_int, ctypes.c_long]

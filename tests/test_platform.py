@@ -309,3 +309,25 @@ def test_the_coordinator_script_loads_platform_alone_without_torch():
     assert result.returncode == 0, result.stderr
     assert result.stdout.split("\n")[:2] == [platform.__file__, "False False"]
     assert server.platform is platform  # imported as part of the package: the same module
+
+
+def test_loading_platform_starts_no_program():
+    """Loading platform.py (each coordinator server loads it at its start, ~0.1 s in all)
+    finds libc without ctypes.util.find_library, which runs ``ldconfig -p`` in a
+    subprocess (a fork and an exec, tens of ms) and imports ctypes.util."""
+    from shared_td.coordinator import server
+
+    body = textwrap.dedent("""
+        import runpy, sys
+        started = []
+        sys.addaudithook(lambda event, args: started.append(event)
+                         if event in ("subprocess.Popen", "os.posix_spawn", "os.fork", "os.exec") else None)
+        del sys.path[0]
+        runpy.run_path(sys.argv[1])  # the coordinator server's module: platform.py, by path
+        print(started, "ctypes.util" in sys.modules)
+    """)
+    result = subprocess.run([sys.executable, "-c", body, server.__file__], capture_output=True,
+                            text=True, timeout=WAIT, env={k: v for k, v in os.environ.items()
+                                                          if k != "PYTHONPATH"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[] False"

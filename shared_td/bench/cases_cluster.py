@@ -65,9 +65,9 @@ def _replica_worker(address: str, authkey: bytes, name: str, conn) -> None:
 
 
 def sync_peers(options):
-    """``cluster_sync``'s two reference ranks for ``options``, started now (see
-    :func:`~shared_td.bench.cases_cluster_peers.start_peers`)."""
-    return start_peers(_sync_bytes(options), options.repeat)
+    """``cluster_sync``'s two reference ranks for ``options``, started now (forked with
+    ``options.fork``; see :func:`~shared_td.bench.cases_cluster_peers.start_peers`)."""
+    return start_peers(_sync_bytes(options), options.repeat, "fork" if options.fork else "spawn")
 
 
 def _sync_bytes(options) -> int:

@@ -1,5 +1,6 @@
 """The reference columns of ``cluster_sync``, measured as a user of torch.distributed
-would run them: two processes (spawn), each rank of a *registered* default gloo group
+would run them: two processes (spawned; forked in a quick run from the command line), each rank of a
+*registered* default gloo group
 (``init_process_group`` on a TCPStore that the benchmark hosts on a free port of
 127.0.0.1, ``GLOO_SOCKET_IFNAME=lo``).
 
@@ -17,11 +18,13 @@ pickling of ``init_remote``'s metadata) counts as the receiver waits for it. Col
 
 The children are started first (:func:`start_peers`): they import torch and tensordict and
 join the group while the caller prepares its own column, which it times once they are
-idle (:meth:`Peers.ready`); they wait until :meth:`Peers.measure` lets them run. A quick
-bench run starts them at its very beginning (:mod:`~shared_td.bench.runner`), so that
-their imports (seconds) overlap the cases before; a full run starts them in the case,
-where nothing else is timed meanwhile. Every wait is bounded and no process outlives the
-run (the runner closes them even when a case fails).
+idle (:meth:`Peers.ready`); they wait until :meth:`Peers.measure` lets them run. A full
+run spawns them in the case, where nothing else is timed meanwhile. A quick bench run
+starts them at its very beginning (:mod:`~shared_td.bench.runner`); from the command
+line it forks them, before any case made a thread or a store: copies of the runner,
+which has imported torch and tensordict already, so a few ms each instead of ~4 s of
+CPU of imports that would compete with the cases on 2 cores. Every wait is bounded and no process outlives the run (the runner
+closes them even when a case fails).
 """
 from __future__ import annotations
 
@@ -53,20 +56,23 @@ def policy_tree(nbytes: int, library=None):
         batch_size=[])
 
 
-def _peer_main(rank: int, port: int, nbytes: int, repeat: int, with_tensordict: bool, go, results) -> None:
-    """One rank: join the group, tell ``results`` it is ready, wait for ``go``, then time
-    each column ``repeat`` times (rank 1 reports the best of each)."""
+def _peer_main(rank: int, ports, nbytes: int, repeat: int, with_tensordict: bool, go, results) -> None:
+    """One rank: get the store's port from ``ports``, join the group, tell ``results`` it
+    is ready, wait for ``go``, then time each column ``repeat`` times (rank 1 reports the
+    best of each)."""
+    caller = os.getppid()
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     tensordict = tensordict_module() if with_tensordict else None
     timeout = datetime.timedelta(seconds=START_S + nbytes / 20e6)
-    store = dist.TCPStore("127.0.0.1", port, None, False, timeout)
+    store = dist.TCPStore("127.0.0.1", ports.get(timeout=START_S), None, False, timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timeout)
     try:
         results.put(("ready", rank))
-        caller = multiprocessing.parent_process()
         while not go.wait(1.0):  # the caller may run other cases first (see start_peers)
-            if not caller.is_alive():
-                return  # the caller went away
+            if os.getppid() != caller:
+                # orphaned: the caller went away (its sentinel pipe may live on in
+                # processes it forked later, so parent_process().is_alive() need not see it)
+                return
         columns = {"raw gloo send/recv": _raw(rank, nbytes)}
         if tensordict is not None:
             columns.update(_tensordict_columns(rank, tensordict, nbytes))
@@ -117,19 +123,23 @@ def _tensordict_columns(rank: int, tensordict, nbytes: int) -> dict:
 class Peers:
     """The two rank processes of :func:`start_peers`."""
 
-    def __init__(self, nbytes: int, repeat: int):
-        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter, as a user's ranks
-        self._store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=START_S),
-                                    wait_for_workers=False)
-        self._go, self._results = ctx.Event(), ctx.Queue()
-        self._procs = [ctx.Process(target=_peer_main, args=(rank, self._store.port, nbytes, repeat,
-                                                            tensordict_module() is not None, self._go, self._results), daemon=True)
+    def __init__(self, nbytes: int, repeat: int, start_method: str = "spawn"):
+        ctx = multiprocessing.get_context(start_method)
+        # kept until close: a spawned rank unpickles the queues after start() returned
+        self._go, self._results, self._ports = ctx.Event(), ctx.Queue(), ctx.Queue()
+        self._procs = [ctx.Process(target=_peer_main, args=(rank, self._ports, nbytes, repeat, tensordict_module() is not None,
+                                                            self._go, self._results), daemon=True)
                        for rank in (0, 1)]
         self._limit = START_S + repeat * 4 * (1 + nbytes / 20e6)  # the columns, at 20 MB/s at worst
         self._started, self._waiting = time.monotonic(), len(self._procs)
         self._closed = False
         for proc in self._procs:
             proc.start()
+        # the store (and its thread) only now: a forked rank must not copy a running store
+        self._store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=START_S),
+                                    wait_for_workers=False)
+        for _ in self._procs:
+            self._ports.put(self._store.port)
 
     def ready(self) -> None:
         """Wait until both ranks joined the group (and are idle: nothing of theirs runs
@@ -171,13 +181,19 @@ class Peers:
             if proc.is_alive():
                 proc.kill()
                 proc.join(5)
-        self._results.close()
-        self._results.join_thread()
+        for queue in (self._results, self._ports):
+            queue.close()
+            queue.join_thread()
 
 
-def start_peers(nbytes: int, repeat: int) -> Peers:
+def start_peers(nbytes: int, repeat: int, start_method: str = "spawn") -> Peers:
     """Start the two ranks (they get ready while the caller works). Once ready they wait,
     idle, for :meth:`Peers.measure` as long as the caller lives, so that a caller may
     start them before other work (the runner of a quick run: before the first case); the
-    caller must :meth:`Peers.close` them (``measure`` does)."""
-    return Peers(nbytes, repeat)
+    caller must :meth:`Peers.close` them (``measure`` does).
+
+    ``start_method``: "spawn" (fresh interpreters, as a user's ranks) or "fork" (copies of
+    the caller, which must have started no thread, store or coordinator yet: the quick
+    run's start); either way each rank makes its own group, buffers and connections
+    after it started, so the columns time the same work."""
+    return Peers(nbytes, repeat, start_method)

@@ -1,7 +1,8 @@
 """``cluster_push``: a replica node pushes rows to the owner node, the two nodes in two
 processes (as on two machines: each its own interpreter and GIL), on loopback.
 
-This process is node 1 (the replica); a spawned child is node 0, the owner of "replay".
+This process is node 1 (the replica); the run's worker process (:mod:`~shared_td.bench.worker`)
+is node 0, the owner of "replay", for the time of the case.
 The reference is made of the same parts between the same two processes: a raw gloo
 ``send`` of the same bytes to a receive that the child has already posted (it loops on
 them), then one ``TCPStore.add`` round trip. The columns take turns (best of each).
@@ -9,15 +10,14 @@ them), then one ``TCPStore.add`` round trip. The columns take turns (best of eac
 from __future__ import annotations
 
 import datetime
-import multiprocessing
 import os
-import queue as queues
 
 import torch
 import torch.distributed as dist
 
 from shared_td.bench.cases_cluster import _KEY
 from shared_td.bench.timing import best_of_each
+from shared_td.bench.worker import shared_worker
 
 _ROWS, _ROW_FLOATS, _PUSHED = 4096, 256, 64  # the buffer, 1 KiB rows, rows per push
 #: Seconds the child may take to start, and any wait of either side.
@@ -37,8 +37,9 @@ def _payload_bytes() -> int:
     return _PUSHED * (8 + 4 * _ROW_FLOATS)  # the index, then the rows
 
 
-def _owner_main(port: int, commands, results) -> None:
-    """Node 0: own "replay", then post the raw receives it is asked for, until None."""
+def _owner_job(connection, port: int) -> None:  # a job of the run's worker
+    """Node 0: own "replay", answer "ready", then post the raw receives it is asked for
+    (``(first tag, rounds)``), until None."""
     import shared_td
     from shared_td.coordinator.cluster import Cluster
 
@@ -48,9 +49,13 @@ def _owner_main(port: int, commands, results) -> None:
     try:
         raw = _raw_rank(port, 1)
         cluster.publish("replay", shared_td.TensorDict(obs=torch.zeros(_ROWS, _ROW_FLOATS), batch_size=[_ROWS]))
-        results.put("ready")
+        connection.send("ready")
         buffer = torch.empty(_payload_bytes(), dtype=torch.uint8)
-        while (asked := commands.get(timeout=WAIT_S)) is not None:  # bounded: the parent gone
+        while True:
+            if not connection.poll(WAIT_S):  # bounded: the caller stalled or gone
+                raise TimeoutError(f"cluster_push's caller sent nothing within {WAIT_S:g} s")
+            if (asked := connection.recv()) is None:
+                return
             first, rounds = asked
             for n in range(rounds):
                 raw.recv([buffer], 0, first + n).wait(datetime.timedelta(seconds=WAIT_S))
@@ -65,21 +70,18 @@ def case_cluster_push(options, root: str) -> dict:
     from shared_td.coordinator.cluster import Cluster
 
     store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=WAIT_S), wait_for_workers=False)
-    ctx = multiprocessing.get_context("spawn")
-    commands, results = ctx.Queue(), ctx.Queue()
-    owner = ctx.Process(target=_owner_main, args=(store.port, commands, results), daemon=True)
-    owner.start()
-    node = None
+    worker = shared_worker()
+    owner = worker.start_job(_owner_job, store.port)
+    node, owner_ended = None, False
     try:
         node = Cluster(f"tcp://127.0.0.1:{store.port}?host=0", 1, 2, authkey=_KEY, timeout=WAIT_S,
                        hostname="127.0.0.1").start()
         raw = _raw_rank(store.port, 0)
-        try:
-            if results.get(timeout=WAIT_S) != "ready":
-                raise RuntimeError("the owner node did not start")
-        except queues.Empty:
-            raise RuntimeError(f"the owner node did not start within {WAIT_S:g} s "
-                               f"(exit code {owner.exitcode})") from None
+        if not owner.poll(WAIT_S):
+            raise RuntimeError(f"the owner node did not start within {WAIT_S:g} s")
+        if (said := owner.recv()) != "ready":  # the job ended: its answer, an error
+            owner_ended = True
+            raise RuntimeError(f"the owner node did not start: {said[1]}")
         node.attach("replay")
         index = torch.arange(0, _ROWS, _ROWS // _PUSHED)
         payload = torch.ones(_payload_bytes(), dtype=torch.uint8)
@@ -89,7 +91,7 @@ def case_cluster_push(options, root: str) -> dict:
 
         def raw_rounds(_):
             first = next(tags)
-            commands.put((first, rounds))  # the owner posts its receives, one after another
+            owner.send((first, rounds))  # the owner posts its receives, one after another
             for n in range(rounds):
                 raw.send([payload], 1, first + n).wait(datetime.timedelta(seconds=WAIT_S))
                 client.add("bench/rt", 1)
@@ -100,13 +102,18 @@ def case_cluster_push(options, root: str) -> dict:
         })
         return {column: seconds / rounds for column, seconds in times.items()}
     finally:
-        commands.put(None)
-        if node is not None:
-            node.shutdown()
-        owner.join(30)
-        if owner.is_alive():
-            owner.kill()
-            owner.join(5)
-        for queue in (commands, results):
-            queue.close()
-            queue.join_thread()
+        try:
+            if node is not None:
+                node.shutdown()
+        finally:
+            if not owner_ended:
+                _end_owner(worker, owner)
+
+
+def _end_owner(worker, owner) -> None:
+    """End the owner's job (bounded: a worker that does not answer is stopped)."""
+    try:
+        owner.send(None)
+    except OSError:  # the worker is gone: result() says so
+        pass
+    worker.result(WAIT_S)

@@ -179,20 +179,21 @@ def _small_td(lib):
 def case_share_nontensor(options, root: str) -> dict:
     """memmap_(share_non_tensor=True) of a small tensordict, tensordict vs shared_td.
 
-    cold: the first call in a process (a spawn worker whose environment announces no
-    coordinator): shared_td's starts the embedded coordinator in the background and
+    cold: the first call in a process that has shared nothing yet and whose environment
+    announces no coordinator (the run's worker, forked at the start of a quick run, then
+    a spawned one per further repeat): shared_td's starts the embedded coordinator in the background and
     returns; "+ coordinator ready" waits for it too (until the values are held by it).
     warm: per call, over ``rounds`` calls: the caller's time (shared_td's background
     hand-over is waited for after the clock stops, before the next timing), and with
     that wait inside the timing (the hand-over's cost counted).
     """
     from shared_td.bench.libraries import libraries
-    from shared_td.bench.worker import SpawnWorker, shared_worker
+    from shared_td.bench.worker import JobWorker, shared_worker
     from shared_td.coordinator import ownership
 
     cold = []
     for run in range(options.repeat):  # a fresh process each: the run's worker first
-        worker = shared_worker() if run == 0 else SpawnWorker()
+        worker = shared_worker() if run == 0 else JobWorker()
         try:
             cold.append(worker.call(_first_share))
         finally:
@@ -228,7 +229,7 @@ def case_share_nontensor(options, root: str) -> dict:
 
 
 def _first_share(connection) -> dict:
-    """In a spawn worker: the first memmap_(share_non_tensor=True) of each library."""
+    """In the worker: the first memmap_(share_non_tensor=True) of each library."""
     import time
 
     from shared_td.bench.libraries import libraries

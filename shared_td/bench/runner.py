@@ -39,7 +39,7 @@ from shared_td.bench.cases_sharing import (
 )
 from shared_td.bench.libraries import comparison_note
 from shared_td.bench.timing import describe_machine, frozen_heap
-from shared_td.bench.worker import close_shared_worker
+from shared_td.bench.worker import close_shared_worker, fork_shared_worker
 
 CASES: dict[str, Callable[..., dict]] = {
     "big_leaf": case_big_leaf,
@@ -63,6 +63,9 @@ CASES: dict[str, Callable[..., dict]] = {
     "cluster_value": case_cluster_value,
 }
 
+#: The cases that run jobs in the run's worker process (shared_td/bench/worker.py).
+WORKER_CASES = frozenset({"share_nontensor", "consol_pickle", "replay_worker", "cluster_push"})
+
 
 @dataclasses.dataclass
 class BenchOptions:
@@ -75,13 +78,20 @@ class BenchOptions:
     rows: int = 65536  # rows of the replay buffer
     only: list[str] | None = None  # case names; None runs them all
     directory: str | None = None  # where the scratch directory goes (None: the temp dir)
-    # cluster_sync's reference ranks start with the run, so that their imports (seconds)
-    # overlap the cases before it, whose timings they may disturb: quick runs only
+    # cluster_sync's reference ranks start with the run, so that their start overlaps the
+    # cases before it, whose timings they may disturb: quick runs only
     early_peers: bool = False
+    # the run's worker and those early ranks are forked at the start of the run, copies
+    # of this process with its imports done (ms, not ~4 s of CPU each for a fresh
+    # interpreter's imports). Only for a process that did nothing before the run: a fork
+    # copies every lock as it is, e.g. one that a gloo thread of earlier work holds (the
+    # command line sets it with --quick; a caller of run() in its own process spawns)
+    fork: bool = False
 
     @classmethod
     def quick(cls, **overrides) -> "BenchOptions":
-        """Small sizes, one run each: every case in well under a minute on 2 cores."""
+        """Small sizes, one run each: every case in about 10 s on 2 idle cores from the
+        command line (which also sets ``fork``)."""
         return cls(**{"size_mib": 16, "repeat": 1, "nodes": 100, "rounds": 20, "early_peers": True, **overrides})
 
 
@@ -89,7 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark options (defaults None: ``options_from_args`` fills them in)."""
     full = BenchOptions()
     parser.add_argument("--quick", action="store_true",
-                        help="small sizes and one run of each case (under a minute on 2 cores)")
+                        help="small sizes and one run of each case (about 10 s on 2 idle cores)")
     parser.add_argument("--size-mib", type=int, help=f"size of the big leaf (default {full.size_mib})")
     parser.add_argument("--repeat", type=int, help=f"best of this many runs (default {full.repeat})")
     parser.add_argument("--nodes", type=int, help=f"nodes of the tree cases (default {full.nodes})")
@@ -108,7 +118,8 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
     for name in ("size_mib", "repeat", "nodes", "rounds", "rows"):
         if name in given and given[name] < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {given[name]}")
-    return BenchOptions.quick(**given) if args.quick else BenchOptions(**given)
+    # the command line's process has run nothing else: a quick run may fork (see fork)
+    return BenchOptions.quick(**{"fork": True, **given}) if args.quick else BenchOptions(**given)
 
 
 def run(options: BenchOptions, write: Callable[[str], None] = print) -> int:
@@ -132,6 +143,8 @@ def run(options: BenchOptions, write: Callable[[str], None] = print) -> int:
 def _run_cases(options: BenchOptions, root: str, write: Callable[[str], None]) -> int:
     """Run and write each case; the number that failed."""
     names = options.only or list(CASES)
+    if options.fork and WORKER_CASES.intersection(names):  # before any case made a thread
+        fork_shared_worker()
     peers = sync_peers(options) if options.early_peers and "cluster_sync" in names else None
     failed = 0
     try:

@@ -10,7 +10,7 @@ import pytest
 
 from tests.cli.cli_helpers import REPO, run_cli, run_main
 
-from shared_td.bench import CASES, BenchOptions, run
+from shared_td.bench import CASES, BenchOptions, options_from_args, run
 from shared_td.bench.runner import table_rows
 
 
@@ -24,8 +24,8 @@ def _rows(out: str) -> dict[str, list[str]]:
 
 
 def test_quick_runs_every_case_in_bounded_time():
-    # about 7 s alone on 2 cores, plus the replay cases' spawn worker (its imports); the
-    # timeout leaves room for a busy machine
+    # about 10 s alone on 2 idle cores (the run's worker and cluster_sync's ranks are
+    # forks, not fresh interpreters); the timeout leaves room for a busy machine
     done = run_cli("bench", "--quick", timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
@@ -162,3 +162,59 @@ def test_a_full_run_starts_no_peers_before_the_case(monkeypatch):
 
     monkeypatch.setitem(CASES, "cluster_sync", case)
     assert run(BenchOptions(only=["cluster_sync"])) == 0
+
+
+def test_a_quick_run_from_the_command_line_forks_its_processes_and_spawns_no_interpreter():
+    """From the command line (a process that ran nothing before), a quick run forks the
+    run's worker and cluster_sync's reference ranks at its start (copies of the runner
+    with its imports done): a spawn, a fresh interpreter importing torch and tensordict
+    (~4 s of CPU each), fails the run here."""
+    body = ("import multiprocessing.context, sys\n"
+            "def refuse(process):\n"
+            "    raise AssertionError('a quick run spawned a fresh interpreter')\n"
+            "multiprocessing.context.SpawnProcess.start = refuse\n"
+            "from shared_td.cli import main\n"
+            "sys.exit(main(['bench', '--quick', '--only', 'consol_pickle', '--only', 'cluster_push',\n"
+            "               '--only', 'cluster_sync']))\n")
+    done = subprocess.run([sys.executable, "-c", body], cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "failed" not in done.stdout and list(_rows(done.stdout)) == ["consol_pickle", "cluster_push", "cluster_sync"]
+
+
+def test_options_from_the_command_line_fork_only_for_a_quick_run():
+    from shared_td.cli import build_parser
+
+    assert options_from_args(build_parser("bench").parse_args(["bench", "--quick"])).fork
+    assert not options_from_args(build_parser("bench").parse_args(["bench"])).fork
+    assert not BenchOptions.quick().fork  # run() in a caller's process: spawned
+
+
+def test_the_forked_processes_leave_when_the_run_is_killed():
+    """A quick run's worker is a fork: it also holds the runner's end of their connection,
+    and processes forked after it (cluster_sync's ranks, a case's own forks) hold it too,
+    so no EOF tells it that the runner died. A SIGKILLed runner leaves neither its worker
+    nor the ranks behind (bounded)."""
+    import signal
+
+    from tests.processes import WAIT, alive, wait_until
+
+    body = ("import sys, time\n"
+            "from shared_td.bench.cases_cluster import sync_peers\n"
+            "from shared_td.bench.runner import BenchOptions\n"
+            "from shared_td.bench.worker import JobWorker, fork_shared_worker\n"
+            "worker = fork_shared_worker()\n"
+            "peers = sync_peers(BenchOptions.quick(size_mib=1, fork=True))\n"
+            "peers.ready()\n"
+            "later = JobWorker('fork').start()  # forked after them all: holds their ends too\n"
+            "print(worker._process.pid, later._process.pid, *[p.pid for p in peers._procs], flush=True)\n"
+            "time.sleep(600)\n")
+    runner = subprocess.Popen([sys.executable, "-c", body], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(pid) for pid in runner.stdout.readline().split()]
+        assert len(pids) == 4 and all(alive(pid) for pid in pids)
+        runner.send_signal(signal.SIGKILL)
+        assert wait_until(lambda: not any(alive(pid) for pid in pids), WAIT), "a forked process outlived the run"
+    finally:
+        runner.kill()
+        runner.wait(WAIT)
+        runner.stdout.close()
