@@ -178,7 +178,9 @@ class Cluster:
             base = self._spec
         if self.node is None or self.nodes is None or not 0 <= self.node < self.nodes:
             raise ValueError(f"A cluster needs node= in [0, nodes) and nodes=, got node={self.node}, nodes={self.nodes}.")
-        self._store = SignedStore(base, self._authkey, timeout=self.timeout)
+        # spares: the sync sender threads' first connections are made ahead (a connect
+        # can stall 5 s in a reverse DNS lookup, see cluster_store)
+        self._store = SignedStore(base, self._authkey, timeout=self.timeout, spares=min(max(self.nodes - 1, 2), 6))
         self._store.set_json(f"join/{self.node}", {"node": self.node, "nodes": self.nodes, "pid": os.getpid(),
                                                    "host": socket.gethostname()})
         self._store.set_json(f"hb/{self.node}", {"beat": 0, "pid": os.getpid()})
@@ -225,6 +227,7 @@ class Cluster:
         self._senders.shutdown(wait=False, cancel_futures=True)
         if self._groups is not None:  # None: start() failed before the groups
             self._groups.close()
+        self._store.close()
 
     def __enter__(self) -> "Cluster":
         return self if self._store is not None else self.start()

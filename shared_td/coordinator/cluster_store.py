@@ -15,7 +15,12 @@ it: the cluster must run on a private network.
 
 Each thread talks to the store over its own connection (``Store.clone()``): a TCPStore
 client serialises its calls, so one thread blocked in ``queue_pop`` or ``wait`` would
-otherwise hold up every other thread of the process.
+otherwise hold up every other thread of the process. A thread's first call takes a
+*spare* connection made beforehand in the background when there is one: each TCPStore
+connect makes torch resolve the peer's address back to a name (a reverse DNS lookup,
+seen with strace), and a resolver that drops a query holds that connect for its 5 s
+timeout (measured on the CI machine: one connect in ~25), which inside a ``sync`` ate the
+call's whole deadline.
 
 Example:
     >>> import datetime
@@ -38,6 +43,7 @@ import hashlib
 import hmac
 import json
 import os
+import queue
 import threading
 import urllib.parse
 
@@ -121,14 +127,44 @@ def open_store(url: str, node: int, timeout: float):
 
 class SignedStore:
     """A Store (``base``) whose values are signed and checked with ``authkey``; all keys
-    under ``shared_td/``. One connection per thread (see the module's opening)."""
+    under ``shared_td/``. One connection per thread, ``spares`` of them connected ahead
+    in the background (see the module's opening); :meth:`close` lets the spares go."""
 
-    def __init__(self, base, authkey: bytes, *, timeout: float):
+    def __init__(self, base, authkey: bytes, *, timeout: float, spares: int = 0):
         self._base = dist.PrefixStore("shared_td", base)
         self._raw = base
         self._authkey = authkey
         self.timeout = timeout
         self._local = threading.local()
+        self._spares: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
+        if spares:
+            self._connect_spares(spares)
+
+    def _connect_spares(self, count: int) -> None:
+        """Put ``count`` new connections in the spares, from a background thread (a
+        connect stalled by the resolver holds that thread, not a caller's)."""
+        def connect() -> None:
+            for _ in range(count):
+                if self._closed:
+                    break
+                try:
+                    self._spares.put(dist.PrefixStore("shared_td", self._raw.clone()))
+                except (AttributeError, RuntimeError):  # not clonable, or the store is gone
+                    break
+            if self._closed:
+                self.close()  # closed meanwhile: let what was just made go too
+
+        threading.Thread(target=connect, name="shared_td-store-spares", daemon=True).start()
+
+    def close(self) -> None:
+        """Let the spare connections go (each thread's own goes with its thread)."""
+        self._closed = True
+        while True:
+            try:
+                self._spares.get_nowait()
+            except queue.Empty:
+                return
 
     @property
     def raw(self):
@@ -139,9 +175,13 @@ class SignedStore:
         store = getattr(self._local, "store", None)
         if store is None:
             try:
-                store = dist.PrefixStore("shared_td", self._raw.clone())
-            except (AttributeError, RuntimeError):  # a Store that cannot be cloned: share it
-                store = self._base
+                store = self._spares.get_nowait()
+                self._connect_spares(1)  # its replacement, in the background
+            except queue.Empty:
+                try:
+                    store = dist.PrefixStore("shared_td", self._raw.clone())
+                except (AttributeError, RuntimeError):  # a Store that cannot be cloned: share it
+                    store = self._base
             self._local.store = store
         return store
 

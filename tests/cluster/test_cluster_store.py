@@ -57,6 +57,52 @@ def test_queue_values_are_signed(store):
     assert time.monotonic() - began < 2
 
 
+class _SlowConnects:
+    """The store, whose new connections take ``delay`` seconds: what torch's reverse DNS
+    lookup of the peer does when the resolver drops a query (5 s, one connect in ~25 on
+    the CI machine; the cause of a sync that overran its timeout)."""
+
+    def __init__(self, store, delay: float):
+        self.store, self.delay = store, delay
+
+    def clone(self):
+        time.sleep(self.delay)
+        return self.store.clone()
+
+
+def _first_call_in_a_new_thread(signed: SignedStore) -> float:
+    took = []
+
+    def call():
+        began = time.monotonic()
+        signed.set_json("name/x", {"owner": 0})
+        took.append(time.monotonic() - began)
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    thread.join(30)
+    assert took, "the call did not end"
+    return took[0]
+
+
+def test_a_new_threads_first_call_takes_a_spare_connection_made_ahead(store):
+    signed = SignedStore(store, KEY, timeout=10, spares=2)
+    deadline = time.monotonic() + 10
+    while signed._spares.qsize() < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    signed._raw = _SlowConnects(store, 2.0)  # every connect from now on stalls
+    assert _first_call_in_a_new_thread(signed) < 1.0  # a spare: no connect of its own
+    assert _first_call_in_a_new_thread(signed) < 1.0
+    # the spares are used up (their replacements still connecting): the next connects
+    assert _first_call_in_a_new_thread(signed) >= 2.0
+    signed.close()
+    time.sleep(2.5)  # the replacements end, and go at once: closed
+    assert signed._spares.qsize() == 0
+    without = SignedStore(store, KEY, timeout=10)  # as before: each thread connects
+    without._raw = _SlowConnects(store, 2.0)
+    assert _first_call_in_a_new_thread(without) >= 2.0
+
+
 def test_counter_is_shared_between_stores(store):
     a = SignedStore(store, KEY, timeout=5)
     b = SignedStore(store.clone(), KEY, timeout=5)
