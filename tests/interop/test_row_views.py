@@ -15,21 +15,14 @@ import warnings
 import pytest
 import torch
 
-tensordict = pytest.importorskip(
-    "tensordict",
-    reason="tensordict==0.15.3 is not installed: install the test extra "
-    "(pip install '.[test]') to run the interop tests",
-)
-if tensordict.__version__ != "0.15.3":
-    pytest.skip(
-        f"the interop tests compare against tensordict 0.15.3 exactly, but tensordict "
-        f"{tensordict.__version__} is installed: pip install 'tensordict==0.15.3'",
-        allow_module_level=True,
-    )
+from tests.interop import test_interop
+from tests.reference import needs_tensordict
 
 import shared_td  # noqa: E402
 
-LIBS = {"shared_td": shared_td, "tensordict": tensordict}
+pytestmark = needs_tensordict
+tensordict = test_interop.LIBS["tensordict"]
+LIBS = {"shared_td": shared_td, "tensordict": tensordict}  # ours first: (ours, theirs) below
 ROWS = 6
 LEAVES = [("obs",), ("action",), ("done",), ("next", "obs"), ("next", "deeper", "x")]
 INDICES = [3, -1, slice(1, 4), slice(None, None, 2), (Ellipsis,), None, (slice(1, 5), None)]
