@@ -7,7 +7,8 @@ import os
 import numpy as np
 import torch
 
-from shared_td.memmap_tensor.shapes import _check_cpu, _contiguous_strides, _parse_shape, checked_shape
+from shared_td.memmap_tensor.factories import Factories
+from shared_td.memmap_tensor.shapes import _check_cpu, _contiguous_strides, checked_shape
 from shared_td.storage import anonymous, files
 from shared_td.storage.anonymous import Segment
 from shared_td.storage.files import FileBacking, FileTooShortError
@@ -19,7 +20,7 @@ __all__ = ["MemoryMappedTensor", "checked_shape"]
 _CONTIGUOUS_COPY_LIMIT = 1 << 26
 
 
-class MemoryMappedTensor(torch.Tensor):
+class MemoryMappedTensor(Factories, torch.Tensor):
     """A CPU tensor stored in a file or in anonymous shared memory, shared without copies.
 
     Pickling (plain ``pickle``, multiprocessing queues, ``multiprocess``/dill, DataLoader
@@ -300,97 +301,6 @@ class MemoryMappedTensor(torch.Tensor):
         if copy_data and nbytes and data is None:
             result.copy_(input)
         return result
-
-    @classmethod
-    def empty(cls, *size, shape=None, dtype=None, device=None, filename=None,
-              existsok: bool = False):
-        """Return an uninitialised MMT (zero-filled when its storage is new).
-
-        The shape is given as ints, as one sequence, or as ``shape=``. ``device`` other
-        than CPU raises ``RuntimeError``; an existing ``filename`` needs ``existsok``.
-
-        Example:
-            >>> MemoryMappedTensor.empty((2, 3), dtype=torch.int64).shape
-            torch.Size([2, 3])
-        """
-        return cls._new_filled(_parse_shape(size, shape), dtype, device, filename,
-                               existsok, None)
-
-    @classmethod
-    def zeros(cls, *size, shape=None, dtype=None, device=None, filename=None,
-              existsok: bool = False):
-        """Return an MMT of zeros; arguments as in :meth:`empty`.
-
-        Example:
-            >>> MemoryMappedTensor.zeros(2)
-            MemoryMappedTensor([0., 0.])
-        """
-        return cls._new_filled(_parse_shape(size, shape), dtype, device, filename,
-                               existsok, 0)
-
-    @classmethod
-    def ones(cls, *size, shape=None, dtype=None, device=None, filename=None,
-             existsok: bool = False):
-        """Return an MMT of ones; arguments as in :meth:`empty`.
-
-        Example:
-            >>> MemoryMappedTensor.ones(2, dtype=torch.int32)
-            MemoryMappedTensor([1, 1], dtype=torch.int32)
-        """
-        return cls._new_filled(_parse_shape(size, shape), dtype, device, filename,
-                               existsok, 1)
-
-    @classmethod
-    def full(cls, *size, fill_value, shape=None, dtype=None, device=None, filename=None,
-             existsok: bool = False):
-        """Return an MMT filled with ``fill_value``; other arguments as in :meth:`empty`.
-
-        Example:
-            >>> MemoryMappedTensor.full(3, fill_value=2, dtype=torch.int64)
-            MemoryMappedTensor([2, 2, 2])
-        """
-        return cls._new_filled(_parse_shape(size, shape), dtype, device, filename,
-                               existsok, fill_value)
-
-    @classmethod
-    def empty_like(cls, input, *, filename=None):
-        """Return an uninitialised MMT with the shape and dtype of ``input``.
-
-        Example:
-            >>> MemoryMappedTensor.empty_like(torch.ones(2, 3)).shape
-            torch.Size([2, 3])
-        """
-        return cls._new_filled(input.shape, input.dtype, None, filename, False, None)
-
-    @classmethod
-    def zeros_like(cls, input, *, filename=None):
-        """Return an MMT of zeros with the shape and dtype of ``input``.
-
-        Example:
-            >>> MemoryMappedTensor.zeros_like(torch.ones(2))
-            MemoryMappedTensor([0., 0.])
-        """
-        return cls._new_filled(input.shape, input.dtype, None, filename, False, 0)
-
-    @classmethod
-    def ones_like(cls, input, *, filename=None):
-        """Return an MMT of ones with the shape and dtype of ``input``.
-
-        Example:
-            >>> MemoryMappedTensor.ones_like(torch.zeros(2))
-            MemoryMappedTensor([1., 1.])
-        """
-        return cls._new_filled(input.shape, input.dtype, None, filename, False, 1)
-
-    @classmethod
-    def full_like(cls, input, fill_value, *, filename=None):
-        """Return an MMT filled with ``fill_value``, with the shape and dtype of ``input``.
-
-        Example:
-            >>> MemoryMappedTensor.full_like(torch.zeros(2, dtype=torch.int64), 7)
-            MemoryMappedTensor([7, 7])
-        """
-        return cls._new_filled(input.shape, input.dtype, None, filename, False, fill_value)
 
     @classmethod
     def from_filename(cls, filename, dtype, shape, index=None, mode=None):
