@@ -178,9 +178,11 @@ class Cluster:
             base = self._spec
         if self.node is None or self.nodes is None or not 0 <= self.node < self.nodes:
             raise ValueError(f"A cluster needs node= in [0, nodes) and nodes=, got node={self.node}, nodes={self.nodes}.")
-        # spares: the sync sender threads' first connections are made ahead (a connect
-        # can stall 5 s in a reverse DNS lookup, see cluster_store)
-        self._store = SignedStore(base, self._authkey, timeout=self.timeout, spares=min(max(self.nodes - 1, 2), 6))
+        # spares: the first connections of this node's threads (heartbeat, service, a
+        # lane per peer, the values poller, the sync senders) are made ahead, in the
+        # background (a connect can stall 5 s in a reverse DNS lookup, see cluster_store)
+        self._store = SignedStore(base, self._authkey, timeout=self.timeout,
+                                  spares=3 + (self.nodes - 1) + min(self.nodes - 1, 6))
         self._store.set_json(f"join/{self.node}", {"node": self.node, "nodes": self.nodes, "pid": os.getpid(),
                                                    "host": socket.gethostname()})
         self._store.set_json(f"hb/{self.node}", {"beat": 0, "pid": os.getpid()})

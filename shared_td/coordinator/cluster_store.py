@@ -142,20 +142,25 @@ class SignedStore:
             self._connect_spares(spares)
 
     def _connect_spares(self, count: int) -> None:
-        """Put ``count`` new connections in the spares, from a background thread (a
-        connect stalled by the resolver holds that thread, not a caller's)."""
+        """Put ``count`` new connections in the spares, each from its own background
+        thread (a connect stalled by the resolver holds that thread only, not a caller
+        and not the other spares)."""
         def connect() -> None:
-            for _ in range(count):
-                if self._closed:
-                    break
+            if not self._closed:
                 try:
                     self._spares.put(dist.PrefixStore("shared_td", self._raw.clone()))
                 except (AttributeError, RuntimeError):  # not clonable, or the store is gone
-                    break
+                    return
             if self._closed:
                 self.close()  # closed meanwhile: let what was just made go too
 
-        threading.Thread(target=connect, name="shared_td-store-spares", daemon=True).start()
+        for _ in range(count):
+            threading.Thread(target=connect, name="shared_td-store-spare", daemon=True).start()
+
+    def connect(self) -> None:
+        """Give the calling thread its connection now (a spare if one is ready): for a
+        thread that must answer fast once it has something to send."""
+        self._store()
 
     def close(self) -> None:
         """Let the spare connections go (each thread's own goes with its thread)."""

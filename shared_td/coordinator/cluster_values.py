@@ -160,6 +160,10 @@ class ClusterValues:
 
     # ------------------------------------------------------------------ local writes
     def _poll(self) -> None:
+        try:  # this thread's store connection now, not at the first write it must send
+            self._store.connect()
+        except (RuntimeError, OSError):
+            return
         while not self._stop.wait(POLL_S):
             try:
                 with self._lock:
