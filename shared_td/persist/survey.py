@@ -58,8 +58,7 @@ def survey(prefix: str) -> Survey:
     try:
         if files.found(fmt.META) is None:
             raise FileNotFoundError(f"No saved tensordict at {root}: {fmt.META} is missing.")
-        # the words atomic=True uses to refuse replacing it
-        why = fmt.not_a_save(root) if isinstance(files, OnDisk) else files.archive.not_a_save()
+        why = files.not_a_save()
         if why is not None:
             raise fmt.FormatError(root, f"not a saved tensordict: {why}.")
         walker = _Walker(files)

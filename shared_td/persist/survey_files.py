@@ -59,6 +59,10 @@ class OnDisk:
     def read_meta(self, directory: str) -> fmt.NodeMeta:
         return read_node_meta(os.path.join(self.root, directory))
 
+    def not_a_save(self) -> str | None:
+        """Why the root is no save (the words atomic=True uses to refuse replacing it)."""
+        return fmt.not_a_save(self.root)
+
     def listing(self) -> Iterator[tuple[str, list[str]]]:
         """(directory relative to the root, the names in it) for every directory."""
         for directory, dirnames, filenames in os.walk(self.root):
@@ -99,6 +103,9 @@ class InArchive:
         if name not in self.archive.directories:
             raise FileNotFoundError(f"No directory {name!r} in the archive {self.root}")
         return read_meta(ArchiveNode(self.archive, name))
+
+    def not_a_save(self) -> str | None:
+        return self.archive.not_a_save()
 
     def listing(self) -> Iterator[tuple[str, list[str]]]:
         below: dict[str, list[str]] = {directory: [] for directory in self.archive.directories}
