@@ -17,10 +17,10 @@ import datetime
 import multiprocessing
 import threading
 
-import torch
 import torch.distributed as dist
 
 from shared_td.bench.cases_cluster_peers import policy_tree, start_peers
+from shared_td.coordinator.store_host import host_tcp_store
 from shared_td.bench.timing import best_of
 
 _KEY = b"benchmark key"
@@ -32,8 +32,7 @@ class _Loopback:
     def __init__(self, coordinator=None):
         from shared_td.coordinator.cluster import Cluster
 
-        self.store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=30),
-                                   wait_for_workers=False)
+        self.store = host_tcp_store("127.0.0.1", 0, timeout=30)
         url = f"tcp://127.0.0.1:{self.store.port}?host=0"
         self.nodes = [Cluster(url, n, 2, authkey=_KEY, timeout=60, hostname="127.0.0.1",
                               coordinator=coordinator if n == 1 else None) for n in range(2)]

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from shared_td.bench.libraries import tensordict_module
+from shared_td.coordinator.store_host import host_tcp_store
 
 #: Seconds the children may take to start (imports, joining the group), and any gloo
 #: call of theirs.
@@ -136,8 +137,7 @@ class Peers:
         for proc in self._procs:
             proc.start()
         # the store (and its thread) only now: a forked rank must not copy a running store
-        self._store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=START_S),
-                                    wait_for_workers=False)
+        self._store = host_tcp_store("127.0.0.1", 0, timeout=START_S)
         for _ in self._procs:
             self._ports.put(self._store.port)
 

@@ -45,10 +45,12 @@ import json
 import os
 import queue
 import threading
+import time
 import urllib.parse
 
 import torch.distributed as dist
 
+from shared_td.coordinator.store_host import host_tcp_store
 from shared_td.errors import ClusterAuthError
 
 __all__ = ["ClusterAuthError", "ClusterCounter", "SignedStore", "cluster_key", "open_store"]
@@ -120,8 +122,10 @@ def open_store(url: str, node: int, timeout: float):
         raise ValueError(f"cluster={url!r}: expected 'tcp://HOST:PORT', 'env://' or a torch.distributed Store.")
     node_here = found_node if found_node is not None else node
     is_master = (node_here == 0) if hosts is None else hosts
-    store = dist.TCPStore(host, port, None, is_master, datetime.timedelta(seconds=timeout),
-                          wait_for_workers=False)
+    if is_master:
+        store = host_tcp_store(host, port, timeout=timeout)
+    else:
+        store = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout))
     return store, found_node, found_nodes
 
 
@@ -137,6 +141,8 @@ class SignedStore:
         self.timeout = timeout
         self._local = threading.local()
         self._spares: queue.SimpleQueue = queue.SimpleQueue()
+        self._connecting: set[threading.Thread] = set()  # spares being connected
+        self._connecting_lock = threading.Lock()
         self._closed = False
         if spares:
             self._connect_spares(spares)
@@ -146,16 +152,26 @@ class SignedStore:
         thread (a connect stalled by the resolver holds that thread only, not a caller
         and not the other spares)."""
         def connect() -> None:
-            if not self._closed:
-                try:
+            try:
+                if not self._closed:
                     self._spares.put(dist.PrefixStore("shared_td", self._raw.clone()))
-                except (AttributeError, RuntimeError):  # not clonable, or the store is gone
-                    return
+            except (AttributeError, RuntimeError):  # not clonable, or the store is gone
+                pass
+            finally:
+                with self._connecting_lock:
+                    self._connecting.discard(threading.current_thread())
             if self._closed:
-                self.close()  # closed meanwhile: let what was just made go too
+                self._drop_spares()  # closed meanwhile: let what was just made go too
 
-        for _ in range(count):
-            threading.Thread(target=connect, name="shared_td-store-spare", daemon=True).start()
+        # Not daemons: a daemon thread still inside torch's connect when the interpreter
+        # exits aborts the process as it comes back ("terminate called without an active
+        # exception"); close() and the interpreter's exit wait for these instead (a
+        # connect ends within the store's timeout, at once while the store is up).
+        with self._connecting_lock:
+            for _ in range(count):
+                thread = threading.Thread(target=connect, name="shared_td-store-spare")
+                self._connecting.add(thread)
+                thread.start()
 
     def connect(self) -> None:
         """Give the calling thread its connection now (a spare if one is ready): for a
@@ -163,8 +179,18 @@ class SignedStore:
         self._store()
 
     def close(self) -> None:
-        """Let the spare connections go (each thread's own goes with its thread)."""
+        """Let the spare connections go (each thread's own goes with its thread), once
+        those being connected are made (bounded by the store's timeout): none is left
+        connecting after the store's host may have stopped."""
         self._closed = True
+        deadline = time.monotonic() + self.timeout
+        with self._connecting_lock:
+            connecting = list(self._connecting)
+        for thread in connecting:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        self._drop_spares()
+
+    def _drop_spares(self) -> None:
         while True:
             try:
                 self._spares.get_nowait()

@@ -22,7 +22,6 @@ loopback: the learner on node 0, the actors on node 1, each node its own process
 """
 from __future__ import annotations
 
-import datetime
 import multiprocessing
 import os
 import secrets
@@ -31,9 +30,9 @@ import time
 from contextlib import contextmanager
 
 import torch
-import torch.distributed as dist
 
 from shared_td import Coordinator, SharedCounter, TensorDict
+from shared_td.coordinator.store_host import host_tcp_store
 from shared_td.demo.actor import run_node_actor
 from shared_td.demo.learner import run_learner
 from shared_td.demo.replay import NUM_ACTIONS, OBS_SIZE, backing_inode, replay_layout, slots_check, state_layout
@@ -81,8 +80,7 @@ def loopback():
     saved = os.environ.get("GLOO_SOCKET_IFNAME")
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # the spawned node 1 inherits it
     try:
-        yield dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=CLUSTER_TIMEOUT),
-                            wait_for_workers=False)
+        yield host_tcp_store("127.0.0.1", 0, timeout=CLUSTER_TIMEOUT)
     finally:
         if saved is None:
             del os.environ["GLOO_SOCKET_IFNAME"]

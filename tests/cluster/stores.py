@@ -1,12 +1,10 @@
 """The TCPStore the cluster tests host on 127.0.0.1 (a free port, no other address)."""
 from __future__ import annotations
 
-import datetime
-
-import torch.distributed as torch_dist
+from shared_td.coordinator.store_host import host_tcp_store
 
 
-def loopback_store(timeout: float) -> "torch_dist.TCPStore":
-    """A store hosted by this process on a free loopback port; waits bounded by ``timeout``."""
-    return torch_dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=timeout),
-                               wait_for_workers=False)
+def loopback_store(timeout: float):
+    """A store hosted by this process on a free loopback port (listening on 127.0.0.1
+    only, see store_host); waits bounded by ``timeout``."""
+    return host_tcp_store("127.0.0.1", 0, timeout=timeout)
