@@ -56,6 +56,9 @@ from shared_td.errors import ClusterAuthError
 __all__ = ["ClusterAuthError", "ClusterCounter", "SignedStore", "cluster_key", "open_store"]
 
 _DIGEST = hashlib.sha256().digest_size
+# The bound on a spare connection's connect: above the resolver's 5 s timeout (torch
+# resolves the peer's name as it connects), far below a cluster's timeout.
+SPARE_CONNECT_S = 7.0
 
 
 def _store_call(method):
@@ -154,7 +157,7 @@ class SignedStore:
         def connect() -> None:
             try:
                 if not self._closed:
-                    self._spares.put(dist.PrefixStore("shared_td", self._raw.clone()))
+                    self._spares.put(dist.PrefixStore("shared_td", self._new_connection()))
             except (AttributeError, RuntimeError):  # not clonable, or the store is gone
                 pass
             finally:
@@ -165,13 +168,26 @@ class SignedStore:
 
         # Not daemons: a daemon thread still inside torch's connect when the interpreter
         # exits aborts the process as it comes back ("terminate called without an active
-        # exception"); close() and the interpreter's exit wait for these instead (a
-        # connect ends within the store's timeout, at once while the store is up).
+        # exception"); close() and the interpreter's exit wait for these instead, each
+        # connect bounded by SPARE_CONNECT_S (at once while the store is up).
         with self._connecting_lock:
             for _ in range(count):
                 thread = threading.Thread(target=connect, name="shared_td-store-spare")
                 self._connecting.add(thread)
                 thread.start()
+
+    def _new_connection(self):
+        """A new connection to the store: a TCPStore's connect bounded by
+        ``SPARE_CONNECT_S`` (torch retries a refused connect until the timeout, and a
+        spare made while the store's host dies must not hold a closing node for the
+        whole store timeout), then given the store's own timeout; another Store's clone."""
+        raw = self._raw
+        if not isinstance(raw, dist.TCPStore):
+            return raw.clone()
+        connect_s = min(SPARE_CONNECT_S, raw.timeout.total_seconds())
+        store = dist.TCPStore(raw.host, raw.port, None, False, datetime.timedelta(seconds=connect_s))
+        store.set_timeout(raw.timeout)
+        return store
 
     def connect(self) -> None:
         """Give the calling thread its connection now (a spare if one is ready): for a
@@ -183,7 +199,7 @@ class SignedStore:
         those being connected are made (bounded by the store's timeout): none is left
         connecting after the store's host may have stopped."""
         self._closed = True
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + SPARE_CONNECT_S + 1.0
         with self._connecting_lock:
             connecting = list(self._connecting)
         for thread in connecting:
