@@ -6,11 +6,13 @@ whose peer was SIGKILLed is never completed by gloo at all (measured with torch 
 still pending 5 s later). A group of all nodes would therefore have to be rebuilt by all
 nodes together after any failure. Instead nodes ``a < b`` share a two-rank
 ``ProcessGroupGloo`` made on first use, rendezvous ``pair/a-b/<generation>`` in the
-store. A failed or timed-out transfer *aborts* that group (``ProcessGroupGloo.abort()``
-cancels every send and receive still posted on it, so no receive stays posted for ever)
-and increments the pair's generation counter in the store; the next transfer between the
-two nodes builds generation + 1 on both sides (each request names the generation it
-uses, see :mod:`shared_td.coordinator.cluster`). Other pairs are not disturbed.
+store. A failed or timed-out transfer ends what it still has posted (:func:`end_works`:
+gloo closes the pair of a wait that times out; ``ProcessGroupGloo.abort()`` alone does
+not cancel a posted receive, measured with torch 2.13: one took the peer's later send),
+aborts the group and increments the pair's generation counter in the store; the next
+transfer between the two nodes builds generation + 1 on both sides (each request names
+the generation it uses, see :mod:`shared_td.coordinator.cluster`). Other pairs are not
+disturbed.
 
 Each node caches the generation of each pair (a request costs no store round trip for
 it): the cache moves on in :meth:`PairGroups.fail` (to what the store holds), when a
@@ -37,13 +39,13 @@ Stripes: a pair may hold several groups of the same generation, *stripes* ``0..k
 (stripe 0 is the group above; stripe ``i`` rendezvous under ``pair/a-b/<generation>/
 stripe<i>/``), each its own gloo device, TCP connection and I/O thread. A payload of at
 least :data:`STRIPE_MIN_BYTES` may go as ``k`` contiguous byte ranges
-(:func:`stripe_ranges`), one per stripe, all posted at once (:meth:`PairGroups.post`):
-views of the same memory, so a striped receive still lands in place. The requester
-names ``k`` in its request; both sides build the missing stripes in order, so their
-rendezvous meet. The stripes are one transfer: they share one bounded wait
-(:func:`wait_work`), a failure of any fails the transfer, and :meth:`PairGroups.fail`
-aborts every stripe of the generation (so no receive stays posted on any of them) and
-moves the whole pair to the next one.
+(:func:`stripe_ranges`), one per stripe, all posted at once (:meth:`PairGroups.send`,
+:meth:`PairGroups.recv`): views of the same memory, so a striped receive still lands in
+place. The requester names ``k`` in its request; both sides build the missing stripes in
+order, so their rendezvous meet. The stripes are one transfer: they share one bounded
+wait (:func:`wait_work`), a failure of any fails the transfer and ends the operations of
+every stripe (so no receive stays posted on any of them), and :meth:`PairGroups.fail`
+aborts every stripe of the generation and moves the whole pair to the next one.
 
 Answers: the node that received a payload (a push on the owner, a sync on a replica)
 answers over the same pair, with its request's tag + :data:`ANSWER_TAG_BIT`, into a
@@ -70,7 +72,7 @@ import torch.distributed as dist
 from shared_td.errors import ClusterAuthError, StalePair, TransferFailed
 
 __all__ = ["ANSWER_BYTES", "ANSWER_TAG_BIT", "MAX_STRIPES", "STRIPE_MIN_BYTES", "TAG_WRAP", "PairGroups", "StalePair",
-           "TransferFailed", "answer_tag", "decode_answer", "encode_answer", "stripe_count", "stripe_ranges",
+           "TransferFailed", "answer_tag", "decode_answer", "encode_answer", "end_works", "stripe_count", "stripe_ranges",
            "wait_work"]
 
 
@@ -163,14 +165,27 @@ def wait_work(works, deadline: float, what: str = "transfer", nbytes: int = 0) -
     (``time.monotonic()``), after which gloo has closed the pair. One bound for all: k
     stripes waited one after the other never take k times it."""
     until = min(deadline, time.monotonic() + WAIT_SLACK_S + nbytes / MIN_RATE)
-    for work in works:
+    for n, work in enumerate(works):
         left = until - time.monotonic()
         try:
             if left <= 0:
                 raise TimeoutError("no time left")
             work.wait(datetime.timedelta(seconds=left))
         except (RuntimeError, TimeoutError) as err:
+            end_works(works[n:])  # the other stripes' operations too
             raise TransferFailed(f"the {what} failed: {str(err).splitlines()[0][:300]}") from err
+
+
+def end_works(works) -> None:
+    """Make sure no operation of ``works`` stays posted: each that has not ended is
+    waited for a millisecond, and gloo closes the pair of a wait that times out, which
+    cancels what is posted on it. (``ProcessGroupGloo.abort()`` does not: measured with
+    torch 2.13, a receive still posted on an aborted group took the peer's later send.)"""
+    for work in works:
+        try:
+            work.wait(datetime.timedelta(milliseconds=1))
+        except RuntimeError:
+            pass  # timed out (its pair now closed) or failed already
 
 
 class PairGroups:
@@ -302,12 +317,15 @@ class PairGroups:
               stripes: int) -> list:
         ranges = stripe_ranges(int(tensor.numel()), stripes) if stripes > 1 else [(0, int(tensor.numel()))]
         groups = self.groups(peer, generation, len(ranges), deadline)
+        works = []
         try:  # a pair that a failure already closed refuses at once
             if len(ranges) == 1:
                 return [getattr(groups[0], op)([tensor], 1 - self._rank(peer), tag)]
-            return [getattr(group, op)([tensor[start:end]], 1 - self._rank(peer), tag)
-                    for group, (start, end) in zip(groups, ranges)]
+            for group, (start, end) in zip(groups, ranges):
+                works.append(getattr(group, op)([tensor[start:end]], 1 - self._rank(peer), tag))
+            return works
         except RuntimeError as err:
+            end_works(works)  # the stripes already posted
             raise TransferFailed(f"the {op} to node {peer} could not start: {str(err).splitlines()[0][:300]}") from err
 
     def _rank(self, peer: int) -> int:

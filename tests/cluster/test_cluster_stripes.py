@@ -8,6 +8,7 @@ aborted (nothing stays posted). Payloads stay under 10 MB, every wait is bounded
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -140,3 +141,55 @@ def test_replica_node_killed_mid_striped_sync_is_dropped_and_its_groups_aborted(
         assert nodes.ok(0, "stripes", 1)[1] == 4
         version = reports[-1][0]
         assert nodes.ok(1, "digest", "weights")[:2] == (nodes.ok(0, "digest", "weights")[0], version)
+
+
+def _pair_of_nodes(store, stripes: int):
+    """Two nodes' PairGroups in this process, their pair built with ``stripes`` stripes
+    (each side in its own thread: the rendezvous waits for both)."""
+    import threading
+
+    from shared_td.coordinator.cluster_store import SignedStore
+    from shared_td.coordinator.cluster_transfer import PairGroups
+
+    sides = [PairGroups(SignedStore(store, b"k", timeout=10.0), node, timeout=10.0, hostname="127.0.0.1")
+             for node in (0, 1)]
+    assert [side.generation(1 - side.node) for side in sides] == [0, 0]  # as a first request does
+    built = {}
+    threads = [threading.Thread(target=lambda n=n: built.__setitem__(n, sides[n].groups(1 - n, 0, stripes)))
+               for n in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(WAIT)
+    assert [len(built.get(n, ())) for n in (0, 1)] == [stripes, stripes]
+    return sides
+
+
+def test_a_failed_striped_transfer_leaves_no_receive_posted_on_any_stripe(stores):
+    """A striped receive whose sender never comes fails at its bounded wait; afterwards
+    no stripe's receive takes a byte any more: the peer's late sends on the old
+    generation never reach the buffer (in a pull or a sync: the replica's segment)."""
+    import torch
+
+    from shared_td.coordinator.cluster_transfer import TransferFailed, wait_work
+
+    sides = _pair_of_nodes(stores, 3)
+    try:
+        buffer = torch.zeros(3000, dtype=torch.uint8)
+        works = sides[1].recv(0, 0, buffer, 5, stripes=3)  # no sender yet
+        assert len(works) == 3
+        began = time.monotonic()
+        with pytest.raises(TransferFailed):
+            wait_work(works, time.monotonic() + 0.5, "striped receive")
+        assert time.monotonic() - began < 2.0  # one bound for all stripes, not one each
+        sides[1].fail(0, 0)  # as every caller does on TransferFailed
+        assert sides[1].stripes(0) is None and sides[1].generation(0) == 1  # the next transfer builds generation 1
+        ones = torch.ones(3000, dtype=torch.uint8)  # the peer's late sends, on generation 0, each stripe its own
+        for group, (start, end) in zip(sides[0].groups(1, 0, 3), stripe_ranges(3000, 3)):
+            with contextlib.suppress(RuntimeError, TransferFailed):  # RuntimeError: that pair is closed
+                wait_work([group.send([ones[start:end]], 1, 5)], time.monotonic() + 1.0, "late send")
+        time.sleep(0.2)
+        assert int(buffer.count_nonzero()) == 0, [int(buffer[s:e].count_nonzero()) for s, e in stripe_ranges(3000, 3)]
+    finally:
+        for side in sides:
+            side.close()
