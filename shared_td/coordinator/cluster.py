@@ -31,14 +31,16 @@ peer that stops answering holds up only its own lane; no hand-off between thread
 way), and a service thread for the small notices of ``queue/<node>`` (non-tensor values,
 new pair generations, stop); both live in :mod:`~shared_td.coordinator.cluster_serve`,
 this module is the calling half. Payloads go over the pair's gloo group with the
-request's tag. The answer to a pull is a signed value pushed to the requesting thread's
+request's tag (a large one over ``stripes`` groups of the pair at once, in contiguous byte
+ranges: see :mod:`~shared_td.coordinator.cluster_transfer`). The answer to a pull is a signed value pushed to the requesting thread's
 own queue ``reply/<node>/<slot>`` (one blocking pop gets one: no poll; an answer that
 comes after its request gave up is skipped by its tag); a push or a sync is answered
 after its payload over the pair, signed for that request, into a receive the sender
 posted beside its send (so a push costs one store round trip, its request). A sender of
 a payload only sends after the receiver's request or promise, and every wait is bounded:
-on a failure or a timeout the pair's group is aborted (which cancels any receive still
-posted) and rebuilt by the next transfer.
+on a failure or a timeout of any stripe, every stripe's operations are ended (no
+receive stays posted), the pair's groups are aborted and rebuilt by the next transfer,
+and a replica's version is set only once every stripe arrived.
 
 Failure behaviour:
 
@@ -105,8 +107,9 @@ __all__ = ["Cluster", "ClusterAuthError", "OwnerLostError", "SyncReport"]
 
 #: Seconds any cluster call may take in all, unless the Cluster is given another timeout.
 DEFAULT_TIMEOUT = 30.0
-#: Stripes of a large transfer unless the Cluster is given another count (see Cluster's
-#: ``stripes``).
+#: Stripes of a large transfer by default (Cluster's ``stripes``): 1, as measured on a
+#: 2-core loopback (CPU-bound: 2 or 4 gave no reliable gain for a 100 MB sync); where one
+#: TCP stream is bound by the link or its latency, try more (``--only cluster_sync``).
 DEFAULT_STRIPES = 1
 
 
