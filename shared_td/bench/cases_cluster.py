@@ -3,7 +3,9 @@
 Both nodes are :class:`~shared_td.coordinator.cluster.Cluster` members of this process
 (their own threads, sockets and gloo pairs). ``cluster_sync`` times ``sync`` until a
 worker process of node 1, attached through node 1's real Coordinator (not the network),
-has seen the new version; its references -- a raw gloo ``send``/``recv`` and tensordict
+has seen the new version, unstriped and striped over 2 and 4 gloo groups
+(:func:`striped_sync_columns`); its references -- a raw gloo ``send``/``recv`` (also
+striped, the same way) and tensordict
 0.15.3's ``consolidate()``+``send``/``recv``, ``init_remote``/``from_remote_init`` and
 per-leaf ``send``/``recv`` of the same tree -- run in two spawned processes of a
 registered default gloo group, as a user runs them
@@ -19,7 +21,7 @@ import threading
 
 import torch.distributed as dist
 
-from shared_td.bench.cases_cluster_peers import policy_tree, start_peers
+from shared_td.bench.cases_cluster_peers import STRIPED, policy_tree, start_peers
 from shared_td.coordinator.store_host import host_tcp_store
 from shared_td.bench.timing import best_of
 
@@ -90,10 +92,10 @@ def case_cluster_sync(options, root: str, peers=None) -> dict:
     except BaseException:
         peers.close()
         raise
-    return {**peers.measure(), "shared_td sync+worker": synced}
+    return {**peers.measure(), **synced}
 
 
-def _sync_column(options, nbytes: int, Coordinator, before_timing) -> float:
+def _sync_column(options, nbytes: int, Coordinator, before_timing) -> dict:
     node1 = Coordinator().start()
     ctx = multiprocessing.get_context("fork")  # the worker needs no fresh interpreter
     here, there = ctx.Pipe()
@@ -123,7 +125,8 @@ def _sync_column(options, nbytes: int, Coordinator, before_timing) -> float:
                 raise RuntimeError("the replica node's worker did not see the synced version")
 
         before_timing()  # nothing else of the case runs meanwhile
-        return best_of(options.repeat, refill, sync_seen)
+        return {"shared_td sync+worker": best_of(options.repeat, refill, sync_seen),
+                **striped_sync_columns(options, nbytes, owner, refill, sync_seen)}
     finally:
         try:
             here.send(None)  # the worker leaves
@@ -137,6 +140,27 @@ def _sync_column(options, nbytes: int, Coordinator, before_timing) -> float:
         there.close()
         loop.close()
         node1.shutdown()
+
+
+def striped_sync_columns(options, nbytes: int, owner, refill, sync_seen) -> dict:
+    """The same ``sync`` (until the worker sees it) with the owner's ``stripes`` set to
+    each count of STRIPED: the payload in that many byte ranges over as many gloo groups
+    of the pair (built by one untimed sync first). None for ``nbytes`` under
+    ``STRIPE_MIN_BYTES``: that goes over one group whatever the count."""
+    from shared_td.coordinator.cluster_transfer import STRIPE_MIN_BYTES
+
+    columns = {}
+    if nbytes < STRIPE_MIN_BYTES:
+        return columns
+    unstriped = owner.stripes
+    try:
+        for count in STRIPED:
+            owner.stripes = count
+            sync_seen(refill())  # the pair's extra groups are built here, untimed
+            columns[f"shared_td sync x{count} stripes+worker"] = best_of(options.repeat, refill, sync_seen)
+    finally:
+        owner.stripes = unstriped
+    return columns
 
 
 def case_cluster_counter(options, root: str) -> dict:

@@ -9,6 +9,8 @@ starts when both ranks leave a barrier and ends when the receiver (rank 1) holds
 pickling of ``init_remote``'s metadata) counts as the receiver waits for it. Columns:
 
 * ``raw gloo send/recv``: ``dist.send``/``dist.recv`` of the same bytes (the floor);
+* ``raw gloo xK groups``: the same bytes in K ranges over K gloo groups at once (what
+  striping gives at best between two processes);
 * ``tensordict consolidated``: ``send(consolidated=True)`` of a changed (so not
   consolidated) tree, which runs ``consolidate()`` on each call, into the consolidated
   tensordict that ``from_remote_init`` built;
@@ -43,6 +45,8 @@ from shared_td.coordinator.store_host import host_tcp_store
 #: Seconds the children may take to start (imports, joining the group), and any gloo
 #: call of theirs.
 START_S = 120.0
+#: Stripe counts of the striped columns (raw gloo here, ``sync`` in cases_cluster).
+STRIPED = (2, 4)
 
 
 def policy_tree(nbytes: int, library=None):
@@ -74,7 +78,7 @@ def _peer_main(rank: int, ports, nbytes: int, repeat: int, with_tensordict: bool
                 # orphaned: the caller went away (its sentinel pipe may live on in
                 # processes it forked later, so parent_process().is_alive() need not see it)
                 return
-        columns = {"raw gloo send/recv": _raw(rank, nbytes)}
+        columns = {"raw gloo send/recv": _raw(rank, nbytes), **_raw_striped(rank, nbytes)}
         if tensordict is not None:
             columns.update(_tensordict_columns(rank, tensordict, nbytes))
         best = {}
@@ -100,6 +104,29 @@ def _raw(rank: int, nbytes: int):
     if rank == 0:
         return lambda: dist.send(data, dst=1)
     return lambda: dist.recv(data, src=0)
+
+
+def _raw_striped(rank: int, nbytes: int, counts=STRIPED) -> dict:
+    """The same bytes as k contiguous ranges over k gloo groups of the two ranks (each
+    its own device: a TCP connection and an I/O thread), all posted, then all waited:
+    what striping can give at best between two processes, beside ``sync``'s striped
+    columns (:func:`~shared_td.bench.cases_cluster.striped_sync_columns`)."""
+    data = torch.ones(nbytes, dtype=torch.uint8)
+    columns = {}
+    for count in counts:
+        groups = [dist.new_group([0, 1], backend="gloo") for _ in range(count)]
+        size = -(-nbytes // count)
+        chunks = [data[i * size: (i + 1) * size] for i in range(count)]
+        if rank == 0:
+            def step(groups=groups, chunks=chunks):
+                for work in [dist.isend(chunk, dst=1, group=group) for group, chunk in zip(groups, chunks)]:
+                    work.wait()
+        else:
+            def step(groups=groups, chunks=chunks):
+                for work in [dist.irecv(chunk, src=0, group=group) for group, chunk in zip(groups, chunks)]:
+                    work.wait()
+        columns[f"raw gloo x{count} groups"] = step
+    return columns
 
 
 def _tensordict_columns(rank: int, tensordict, nbytes: int) -> dict:
@@ -131,7 +158,7 @@ class Peers:
         self._procs = [ctx.Process(target=_peer_main, args=(rank, self._ports, nbytes, repeat, tensordict_module() is not None,
                                                             self._go, self._results), daemon=True)
                        for rank in (0, 1)]
-        self._limit = START_S + repeat * 4 * (1 + nbytes / 20e6)  # the columns, at 20 MB/s at worst
+        self._limit = START_S + repeat * 6 * (1 + nbytes / 20e6)  # the columns, at 20 MB/s at worst
         self._started, self._waiting = time.monotonic(), len(self._procs)
         self._closed = False
         for proc in self._procs:

@@ -76,6 +76,9 @@ class Coordinator:
             fresh interpreter.
         timeout: seconds each call may take in all (connecting, the handshake of a new
             connection, the answer) before :class:`CoordinatorTimeoutError`.
+        cluster, node, nodes, authkey, stripes: join a cluster of machines at
+            :meth:`start` (see :class:`~shared_td.coordinator.cluster.Cluster`;
+            ``stripes``: how many gloo connections carry one large transfer).
 
     Example:
         >>> coord = Coordinator().start()
@@ -85,7 +88,8 @@ class Coordinator:
     """
 
     def __init__(self, *, context: str | None = None, timeout: float = DEFAULT_TIMEOUT,
-                 cluster=None, node: int | None = None, nodes: int | None = None, authkey=None):
+                 cluster=None, node: int | None = None, nodes: int | None = None, authkey=None,
+                 stripes: int | None = None):
         if context is not None:
             warnings.warn(
                 "Coordinator(context=...) is deprecated and ignored: the manager always "
@@ -95,9 +99,9 @@ class Coordinator:
         self._timeout = timeout
         self._process: ServerProcess | None = None  # the manager, when this handle started it
         # Across machines (see shared_td.coordinator.cluster): joined by start()
-        if cluster is None and (node is not None or nodes is not None or authkey is not None):
-            raise ValueError("node=, nodes= and authkey= belong to a cluster: pass cluster= too.")
-        self._cluster_args = None if cluster is None else (cluster, node, nodes, authkey)
+        if cluster is None and (node is not None or nodes is not None or authkey is not None or stripes is not None):
+            raise ValueError("node=, nodes=, authkey= and stripes= belong to a cluster: pass cluster= too.")
+        self._cluster_args = None if cluster is None else (cluster, node, nodes, authkey, stripes)
         self.cluster = None  # this node's Cluster member once started
         self._address: str | None = None
         self._authkey: bytes | None = None
@@ -130,10 +134,10 @@ class Coordinator:
     def _join_cluster(self) -> None:
         from shared_td.coordinator.cluster import Cluster
 
-        spec, node, nodes, cluster_key = self._cluster_args
+        spec, node, nodes, cluster_key, stripes = self._cluster_args
         try:
             self.cluster = Cluster(spec, node, nodes, authkey=cluster_key, timeout=self._timeout,
-                                   coordinator=self).start()
+                                   coordinator=self, stripes=stripes).start()
         except BaseException:
             self.shutdown()
             raise

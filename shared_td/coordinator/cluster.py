@@ -31,14 +31,16 @@ peer that stops answering holds up only its own lane; no hand-off between thread
 way), and a service thread for the small notices of ``queue/<node>`` (non-tensor values,
 new pair generations, stop); both live in :mod:`~shared_td.coordinator.cluster_serve`,
 this module is the calling half. Payloads go over the pair's gloo group with the
-request's tag. The answer to a pull is a signed value pushed to the requesting thread's
+request's tag (a large one over ``stripes`` groups of the pair at once, in contiguous byte
+ranges: see :mod:`~shared_td.coordinator.cluster_transfer`). The answer to a pull is a signed value pushed to the requesting thread's
 own queue ``reply/<node>/<slot>`` (one blocking pop gets one: no poll; an answer that
 comes after its request gave up is skipped by its tag); a push or a sync is answered
 after its payload over the pair, signed for that request, into a receive the sender
 posted beside its send (so a push costs one store round trip, its request). A sender of
 a payload only sends after the receiver's request or promise, and every wait is bounded:
-on a failure or a timeout the pair's group is aborted (which cancels any receive still
-posted) and rebuilt by the next transfer.
+on a failure or a timeout of any stripe, every stripe's operations are ended (no
+receive stays posted), the pair's groups are aborted and rebuilt by the next transfer,
+and a replica's version is set only once every stripe arrived.
 
 Failure behaviour:
 
@@ -97,7 +99,7 @@ from shared_td.coordinator.cluster_replica import Owned, Replica
 from shared_td.coordinator.cluster_serve import POP_S, lane_queue, serve_lane, serve_notices
 from shared_td.coordinator.cluster_store import ClusterAuthError, ClusterCounter, SignedStore, cluster_key, open_store
 from shared_td.coordinator.cluster_transfer import (ANSWER_BYTES, TAG_WRAP, PairGroups, StalePair, TransferFailed,
-                                                    answer_tag, decode_answer, wait_work)
+                                                    answer_tag, decode_answer, stripe_count, stripe_ranges, wait_work)
 from shared_td.coordinator.cluster_values import ClusterValues
 from shared_td.errors import OwnerLostError
 
@@ -105,6 +107,10 @@ __all__ = ["Cluster", "ClusterAuthError", "OwnerLostError", "SyncReport"]
 
 #: Seconds any cluster call may take in all, unless the Cluster is given another timeout.
 DEFAULT_TIMEOUT = 30.0
+#: Stripes of a large transfer by default (Cluster's ``stripes``): 1, as measured on a
+#: 2-core loopback (CPU-bound: 2 or 4 gave no reliable gain for a 100 MB sync); where one
+#: TCP stream is bound by the link or its latency, try more (``--only cluster_sync``).
+DEFAULT_STRIPES = 1
 
 
 @dataclass
@@ -133,11 +139,21 @@ class Cluster:
             their name, so local processes attach them by name.
         hostname: the address gloo binds and announces; default: ``GLOO_SOCKET_IFNAME``'s
             interface, else this host's name.
+        stripes: how many gloo groups (TCP connections) of a pair carry one ``sync``,
+            ``pull`` or first attach of at least
+            :data:`~shared_td.coordinator.cluster_transfer.STRIPE_MIN_BYTES`, each a
+            contiguous byte range, received in place (1 to
+            :data:`~shared_td.coordinator.cluster_transfer.MAX_STRIPES`; the node that
+            asks for a transfer chooses: the owner for a sync, the replica for a pull).
+            Default :data:`DEFAULT_STRIPES`. A ``push`` goes over one.
     """
 
     def __init__(self, cluster, node: int | None = None, nodes: int | None = None, *,
                  authkey=None, timeout: float = DEFAULT_TIMEOUT, coordinator=None,
-                 hostname: str | None = None):
+                 hostname: str | None = None, stripes: int | None = None):
+        stripes = DEFAULT_STRIPES if stripes is None else stripes
+        stripe_ranges(0, stripes)  # ValueError now, not at the first transfer
+        self.stripes = stripes
         self._spec, self.node, self.nodes = cluster, node, nodes
         self._authkey = cluster_key(authkey)
         self.timeout = timeout
@@ -388,17 +404,19 @@ class Cluster:
         if not rep.lock.acquire(timeout=self.timeout):
             raise TimeoutError(f"Another transfer of {name!r} on this node did not end within {self.timeout:g} s.")
         try:
+            nbytes = rep.layout["nbytes"]
+            stripes = stripe_count(nbytes, self.stripes)
             try:
-                tag, generation = self._request(rep.owner, "pull", name, rep.generation)
+                tag, generation = self._request(rep.owner, "pull", name, rep.generation, stripes=stripes)
                 answer = self._answer(rep.owner, tag, deadline, name)
             except StalePair:  # asked just before the owner's notice of a new pair generation came
-                tag, generation = self._request(rep.owner, "pull", name, rep.generation)
+                tag, generation = self._request(rep.owner, "pull", name, rep.generation, stripes=stripes)
                 answer = self._answer(rep.owner, tag, deadline, name)
             try:
                 replica.set_state(rep.segment, replica.state(rep.segment) | 1)
-                work = self._groups.recv(rep.owner, generation, replica.segment_bytes(rep.segment, rep.layout["nbytes"]), tag,
-                                         deadline)
-                wait_work([work], deadline, f"pull of {name!r}", rep.layout["nbytes"])
+                works = self._groups.recv(rep.owner, generation, replica.segment_bytes(rep.segment, nbytes), tag,
+                                          deadline, stripes)
+                wait_work(works, deadline, f"pull of {name!r}", nbytes)  # every stripe, before the version
             except TransferFailed as err:
                 self._groups.fail(rep.owner, generation)
                 raise self._lost_or(rep.owner, name, err) from err
@@ -479,10 +497,11 @@ class Cluster:
 
     def _sync_one(self, peer: int, name: str, owned: Owned, payload, deadline: float) -> str | None:
         try:
+            stripes = stripe_count(owned.layout["nbytes"], self.stripes)
             tag, generation = self._request(peer, "sync", name, owned.generation, version=owned.version,
-                                            nbytes=owned.layout["nbytes"])
+                                            nbytes=owned.layout["nbytes"], stripes=stripes)
             self._refusal(peer, name, self._send_answered(peer, generation, tag, payload, deadline,
-                                                          f"sync of {name!r} to node {peer}"))
+                                                          f"sync of {name!r} to node {peer}", stripes))
         except (TransferFailed, TimeoutError, ConnectionError, RuntimeError) as err:
             return f"{type(err).__name__}: {err}"
         return None
@@ -501,17 +520,17 @@ class Cluster:
         return tag, pair
 
     def _send_answered(self, peer: int, generation: int, tag: int, payload: torch.Tensor, deadline: float,
-                       what: str) -> dict:
-        """Send ``payload`` for request ``tag`` and receive the peer's signed answer over
-        the pair (its receive posted beside the send, so that it is there when the peer
-        answers). TransferFailed, the pair failed, when either does not end in time or
-        the answer's signature is wrong."""
+                       what: str, stripes: int = 1) -> dict:
+        """Send ``payload`` for request ``tag`` over ``stripes`` groups and receive the
+        peer's signed answer over the pair (its receive posted beside the send, so that
+        it is there when the peer answers). TransferFailed, every group of the pair
+        failed, when any does not end in time or the answer's signature is wrong."""
         buffer = getattr(self._local, "answer", None)
         if buffer is None:
             buffer = self._local.answer = torch.empty(ANSWER_BYTES, dtype=torch.uint8)
         try:
-            works = [self._groups.send(peer, generation, payload, tag, deadline),
-                     self._groups.recv(peer, generation, buffer, answer_tag(tag), deadline)]
+            works = [*self._groups.send(peer, generation, payload, tag, deadline, stripes),
+                     *self._groups.recv(peer, generation, buffer, answer_tag(tag), deadline)]
             wait_work(works, deadline, what, int(payload.numel()))
             try:
                 return decode_answer(self._store, peer, tag, buffer)

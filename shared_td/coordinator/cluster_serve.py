@@ -34,7 +34,8 @@ import torch
 from shared_td.coordinator import cluster_replica as replica
 from shared_td.coordinator.cluster_replica import Owned, Replica
 from shared_td.coordinator.cluster_store import ClusterAuthError
-from shared_td.coordinator.cluster_transfer import StalePair, TransferFailed, answer_tag, encode_answer, wait_work
+from shared_td.coordinator.cluster_transfer import (StalePair, TransferFailed, answer_tag, encode_answer, stripe_ranges,
+                                                    wait_work)
 
 # How long a lane or the service thread waits in one queue_pop (a stop request wakes it
 # earlier).
@@ -140,10 +141,20 @@ def _serve_pull(cluster, peer: int, request: dict) -> None:
         return
     group_pair = request["pair"]
     cluster._groups.check(peer, group_pair)  # before the answer: the requester's receive follows it
+    stripes = _stripes(request)  # before the answer: a bad count is refused, nothing posted
     _reply(cluster, request, version=owned.version)
     payload = replica.segment_bytes(owned.segment, owned.layout["nbytes"])
-    work = cluster._groups.send(peer, group_pair, payload, request["tag"])
-    wait_work([work], time.monotonic() + cluster.timeout, "pull", owned.layout["nbytes"])
+    deadline = time.monotonic() + cluster.timeout
+    works = cluster._groups.send(peer, group_pair, payload, request["tag"], deadline, stripes)
+    wait_work(works, deadline, "pull", owned.layout["nbytes"])
+
+
+def _stripes(request: dict) -> int:
+    """The stripes a request's payload goes over (1 when it names none: a push);
+    ValueError for a count this node refuses (see ``stripe_ranges``)."""
+    stripes = request.get("stripes", 1)
+    stripe_ranges(request.get("nbytes", 0), stripes)  # checks the count
+    return stripes
 
 
 def _serve_receive(cluster, peer: int, request: dict, entry, apply) -> None:
@@ -152,11 +163,13 @@ def _serve_receive(cluster, peer: int, request: dict, entry, apply) -> None:
     so that the sender's send ends, and answered with a refusal; an error after the
     payload came is answered too. A failed transfer raises TransferFailed."""
     tag = request["tag"]
+    stripes = _stripes(request)  # a count refused here fails the pair (see _handle): the sender's wait ends
     try:
         if entry is None or entry.generation != request["generation"]:
             scratch = torch.empty(request["nbytes"], dtype=torch.uint8)
-            work = cluster._groups.recv(peer, request["pair"], scratch, tag)
-            wait_work([work], time.monotonic() + cluster.timeout, request["op"], request["nbytes"])
+            deadline = time.monotonic() + cluster.timeout
+            works = cluster._groups.recv(peer, request["pair"], scratch, tag, deadline, stripes)
+            wait_work(works, deadline, request["op"], request["nbytes"])
             answer = {"error": f"node {cluster.node} has no generation {request['generation']} of {request['name']!r}"}
         else:
             apply(cluster, peer, entry, request)
@@ -166,14 +179,14 @@ def _serve_receive(cluster, peer: int, request: dict, entry, apply) -> None:
     except Exception as err:  # noqa: BLE001 - answered: the sender raises it
         answer = {"error": f"{type(err).__name__}: {err}"}
     message = encode_answer(cluster._store, cluster.node, tag, answer)
-    work = cluster._groups.send(peer, request["pair"], message, answer_tag(tag))
-    wait_work([work], time.monotonic() + cluster.timeout, f"answer to node {peer}")
+    works = cluster._groups.send(peer, request["pair"], message, answer_tag(tag))
+    wait_work(works, time.monotonic() + cluster.timeout, f"answer to node {peer}")
 
 
 def _apply_rows(cluster, peer: int, owned: Owned, request: dict) -> None:
     buffer = torch.empty(request["nbytes"], dtype=torch.uint8)
-    work = cluster._groups.recv(peer, request["pair"], buffer, request["tag"])
-    wait_work([work], time.monotonic() + cluster.timeout, "push", request["nbytes"])
+    works = cluster._groups.recv(peer, request["pair"], buffer, request["tag"])
+    wait_work(works, time.monotonic() + cluster.timeout, "push", request["nbytes"])
     if not owned.leaves:
         owned.leaves = replica.leaf_views(owned.segment, owned.layout)
     replica.unpack_rows(owned.leaves, buffer, request["rows"])
@@ -183,10 +196,12 @@ def _apply_sync(cluster, peer: int, rep: Replica, request: dict) -> None:
     if not rep.lock.acquire(timeout=cluster.timeout):
         raise TransferFailed("a pull of the same replica did not end")
     try:
+        stripes = _stripes(request)
+        deadline = time.monotonic() + cluster.timeout
         replica.set_state(rep.segment, replica.state(rep.segment) | 1)
-        work = cluster._groups.recv(peer, request["pair"],
-                                    replica.segment_bytes(rep.segment, rep.layout["nbytes"]), request["tag"])
-        wait_work([work], time.monotonic() + cluster.timeout, "sync", request["nbytes"])
+        works = cluster._groups.recv(peer, request["pair"], replica.segment_bytes(rep.segment, rep.layout["nbytes"]),
+                                     request["tag"], deadline, stripes)
+        wait_work(works, deadline, "sync", request["nbytes"])  # every stripe, before the version
         replica.set_state(rep.segment, 2 * request["version"])
     finally:
         rep.lock.release()

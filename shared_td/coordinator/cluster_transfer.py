@@ -6,11 +6,13 @@ whose peer was SIGKILLed is never completed by gloo at all (measured with torch 
 still pending 5 s later). A group of all nodes would therefore have to be rebuilt by all
 nodes together after any failure. Instead nodes ``a < b`` share a two-rank
 ``ProcessGroupGloo`` made on first use, rendezvous ``pair/a-b/<generation>`` in the
-store. A failed or timed-out transfer *aborts* that group (``ProcessGroupGloo.abort()``
-cancels every send and receive still posted on it, so no receive stays posted for ever)
-and increments the pair's generation counter in the store; the next transfer between the
-two nodes builds generation + 1 on both sides (each request names the generation it
-uses, see :mod:`shared_td.coordinator.cluster`). Other pairs are not disturbed.
+store. A failed or timed-out transfer ends what it still has posted (:func:`end_works`:
+gloo closes the pair of a wait that times out; ``ProcessGroupGloo.abort()`` alone does
+not cancel a posted receive, measured with torch 2.13: one took the peer's later send),
+aborts the group and increments the pair's generation counter in the store; the next
+transfer between the two nodes builds generation + 1 on both sides (each request names
+the generation it uses, see :mod:`shared_td.coordinator.cluster`). Other pairs are not
+disturbed.
 
 Each node caches the generation of each pair (a request costs no store round trip for
 it): the cache moves on in :meth:`PairGroups.fail` (to what the store holds), when a
@@ -32,6 +34,18 @@ A receive is therefore never left posted beyond the deadline of its call.
 
 Payloads are contiguous CPU tensors; gloo reads and writes their memory directly, so a
 replica segment is received in place.
+
+Stripes: a pair may hold several groups of the same generation, *stripes* ``0..k-1``
+(stripe 0 is the group above; stripe ``i`` rendezvous under ``pair/a-b/<generation>/
+stripe<i>/``), each its own gloo device, TCP connection and I/O thread. A payload of at
+least :data:`STRIPE_MIN_BYTES` may go as ``k`` contiguous byte ranges
+(:func:`stripe_ranges`), one per stripe, all posted at once (:meth:`PairGroups.send`,
+:meth:`PairGroups.recv`): views of the same memory, so a striped receive still lands in
+place. The requester names ``k`` in its request; both sides build the missing stripes in
+order, so their rendezvous meet. The stripes are one transfer: they share one bounded
+wait (:func:`wait_work`), a failure of any fails the transfer and ends the operations of
+every stripe (so no receive stays posted on any of them), and :meth:`PairGroups.fail`
+aborts every stripe of the generation and moves the whole pair to the next one.
 
 Answers: the node that received a payload (a push on the owner, a sync on a replica)
 answers over the same pair, with its request's tag + :data:`ANSWER_TAG_BIT`, into a
@@ -57,8 +71,9 @@ import torch.distributed as dist
 
 from shared_td.errors import ClusterAuthError, StalePair, TransferFailed
 
-__all__ = ["ANSWER_BYTES", "ANSWER_TAG_BIT", "TAG_WRAP", "PairGroups", "StalePair", "TransferFailed", "answer_tag",
-           "decode_answer", "encode_answer", "wait_work"]
+__all__ = ["ANSWER_BYTES", "ANSWER_TAG_BIT", "MAX_STRIPES", "STRIPE_MIN_BYTES", "TAG_WRAP", "PairGroups", "StalePair",
+           "TransferFailed", "answer_tag", "decode_answer", "encode_answer", "end_works", "stripe_count", "stripe_ranges",
+           "wait_work"]
 
 
 #: The slowest transfer rate (bytes/s) a wait allows for before it gives up: a gloo wait
@@ -68,6 +83,32 @@ __all__ = ["ANSWER_BYTES", "ANSWER_TAG_BIT", "TAG_WRAP", "PairGroups", "StalePai
 MIN_RATE = 20e6
 #: Seconds every wait allows on top of the bytes at MIN_RATE.
 WAIT_SLACK_S = 5.0
+
+
+#: Payloads smaller than this go over one group whatever the stripes asked for: below it
+#: the cost of posting and waiting k operations outweighs what k connections could give.
+STRIPE_MIN_BYTES = 4 << 20
+#: The most stripes a transfer may use (each is a TCP connection and an I/O thread on both
+#: nodes); a request naming more is refused.
+MAX_STRIPES = 16
+
+
+def stripe_count(nbytes: int, stripes: int) -> int:
+    """How many stripes a payload of ``nbytes`` goes over when ``stripes`` are allowed: 1
+    below :data:`STRIPE_MIN_BYTES`."""
+    return stripes if nbytes >= STRIPE_MIN_BYTES else 1
+
+
+def stripe_ranges(nbytes: int, stripes: int) -> list[tuple[int, int]]:
+    """The ``stripes`` contiguous byte ranges ``(start, end)`` that cover ``nbytes`` in
+    order: equal sizes rounded up to 64 bytes (a cache line), the last one shorter.
+    ValueError for a count outside ``1..MAX_STRIPES``."""
+    if not isinstance(stripes, int) or not 1 <= stripes <= MAX_STRIPES:
+        raise ValueError(f"a transfer goes over 1 to {MAX_STRIPES} stripes, not {stripes!r}")
+    size = -(-nbytes // stripes)
+    size += -size % 64
+    bounds = [min(nbytes, i * size) for i in range(stripes + 1)]
+    return list(zip(bounds, bounds[1:]))
 
 
 #: Bytes of the buffer an answer is received into: a 4-byte length, then the signed answer
@@ -118,21 +159,38 @@ def decode_answer(store, node: int, tag: int, buffer: torch.Tensor) -> dict:
 
 
 def wait_work(works, deadline: float, what: str = "transfer", nbytes: int = 0) -> None:
-    """Wait until every gloo ``works`` completed; TransferFailed when one failed, or did
-    not end within ``WAIT_SLACK_S + nbytes / MIN_RATE`` seconds or before ``deadline``
-    (``time.monotonic()``), after which gloo has closed the pair."""
-    for work in works:
-        left = min(deadline - time.monotonic(), WAIT_SLACK_S + nbytes / MIN_RATE)
+    """Wait until every gloo ``works`` (one transfer: its stripes, an answer's receive)
+    completed; TransferFailed when one failed, or when they did not all end within
+    ``WAIT_SLACK_S + nbytes / MIN_RATE`` seconds together or before ``deadline``
+    (``time.monotonic()``), after which gloo has closed the pair. One bound for all: k
+    stripes waited one after the other never take k times it."""
+    until = min(deadline, time.monotonic() + WAIT_SLACK_S + nbytes / MIN_RATE)
+    for n, work in enumerate(works):
+        left = until - time.monotonic()
         try:
             if left <= 0:
                 raise TimeoutError("no time left")
             work.wait(datetime.timedelta(seconds=left))
         except (RuntimeError, TimeoutError) as err:
+            end_works(works[n:])  # the other stripes' operations too
             raise TransferFailed(f"the {what} failed: {str(err).splitlines()[0][:300]}") from err
 
 
+def end_works(works) -> None:
+    """Make sure no operation of ``works`` stays posted: each that has not ended is
+    waited for a millisecond, and gloo closes the pair of a wait that times out, which
+    cancels what is posted on it. (``ProcessGroupGloo.abort()`` does not: measured with
+    torch 2.13, a receive still posted on an aborted group took the peer's later send.)"""
+    for work in works:
+        try:
+            work.wait(datetime.timedelta(milliseconds=1))
+        except RuntimeError:
+            pass  # timed out (its pair now closed) or failed already
+
+
 class PairGroups:
-    """This node's two-rank gloo groups, one per peer, each with its generation.
+    """This node's two-rank gloo groups, one per peer (or one per stripe, see the
+    module's opening), each pair with its generation.
 
     ``store`` is a :class:`~shared_td.coordinator.cluster_store.SignedStore` (its raw,
     unsigned side is gloo's rendezvous and the generation counters).
@@ -141,7 +199,7 @@ class PairGroups:
     def __init__(self, store, node: int, *, timeout: float, hostname: str | None = None):
         self._store, self.node, self.timeout = store, node, timeout
         self._hostname = hostname
-        self._groups: dict[int, tuple[int, object]] = {}  # peer -> (generation, group)
+        self._groups: dict[int, tuple[int, list]] = {}  # peer -> (generation, its stripes' groups)
         self._generations: dict[int, int] = {}  # peer -> the newest generation known here
         self._locks: dict[int, threading.Lock] = {}
         self._guard = threading.Lock()
@@ -164,26 +222,37 @@ class PairGroups:
             newest = self._generations[peer] = max(generation, self._generations.get(peer, 0))
         return newest
 
-    def group(self, peer: int, generation: int, deadline: float | None = None):
-        """The group shared with ``peer`` at ``generation``, built if this node has an
-        older one (built with the peer: blocks until it joins, at most ``timeout`` and
-        not past ``deadline``, a ``time.monotonic()``: a lost peer never joins).
-        TransferFailed if this node already moved past ``generation``."""
+    def stripes(self, peer: int) -> tuple[int, int] | None:
+        """(generation, number of stripes built) of the pair with ``peer``; None when
+        this node holds no group with it (never built, or aborted by :meth:`fail`)."""
+        have = self._groups.get(peer)
+        return None if have is None else (have[0], len(have[1]))
+
+    def groups(self, peer: int, generation: int, count: int = 1, deadline: float | None = None) -> list:
+        """The first ``count`` stripes' groups shared with ``peer`` at ``generation``,
+        built (in order) where this node has fewer or an older generation (built with
+        the peer: each blocks until it joins, at most ``timeout`` and not past
+        ``deadline``, a ``time.monotonic()``: a lost peer never joins). TransferFailed if
+        this node already moved past ``generation``."""
         with self._guard:
             lock = self._locks.setdefault(peer, threading.Lock())
         if not lock.acquire(timeout=self._left(deadline)):
             raise TransferFailed(f"the group with node {peer} is being rebuilt for too long")
         try:
             have = self._groups.get(peer)
-            if have is not None and have[0] == generation:
-                return have[1]
+            if have is not None and have[0] == generation and len(have[1]) >= count:
+                return have[1][:count]
             self.check(peer, generation)
-            if have is not None:
-                have[1].abort()
-            group = self._build(peer, generation, self._left(deadline))
-            self._groups[peer] = (generation, group)
+            if have is not None and have[0] != generation:  # older: aborted, replaced
+                for group in have[1]:
+                    group.abort()
+                have = None
+            built = [] if have is None else have[1]
+            while len(built) < count:  # stored as they come, so that fail() aborts them too
+                built.append(self._build(peer, generation, len(built), self._left(deadline)))
+                self._groups[peer] = (generation, built)
             self.seen(peer, generation)
-            return group
+            return built[:count]
         finally:
             lock.release()
 
@@ -199,14 +268,15 @@ class PairGroups:
             return self.timeout
         return max(0.001, min(self.timeout, deadline - time.monotonic()))
 
-    def _build(self, peer: int, generation: int, timeout: float):
+    def _build(self, peer: int, generation: int, stripe: int, timeout: float):
         options = dist.ProcessGroupGloo._Options()
         options._timeout = datetime.timedelta(seconds=timeout)  # the rendezvous's bound
-        if self._hostname:
+        if self._hostname:  # a device each: its own connection and I/O thread
             options._devices = [dist.ProcessGroupGloo.create_device(hostname=self._hostname)]
         else:  # GLOO_SOCKET_IFNAME, else the interface of this host's name
             options._devices = [dist.ProcessGroupGloo.create_default_device()]
-        prefix = dist.PrefixStore(f"pair/{self._pair(peer)}/{generation}/", self._store.raw)
+        where = f"pair/{self._pair(peer)}/{generation}/" + (f"stripe{stripe}/" if stripe else "")
+        prefix = dist.PrefixStore(where, self._store.raw)
         rank = 0 if self.node < peer else 1
         try:
             return dist.ProcessGroupGloo(prefix, rank, 2, options)
@@ -214,15 +284,16 @@ class PairGroups:
             raise TransferFailed(f"no gloo connection with node {peer} ({err})") from err
 
     def fail(self, peer: int, generation: int) -> None:
-        """Abort the group with ``peer`` (cancels this node's posted sends and receives:
-        not the peer's, which end at their bounded wait) and move the pair to the next
-        generation, unless that already happened; the peer is told (a notice in its
-        queue) so that its next request uses the new generation."""
+        """Abort every stripe's group with ``peer`` (cancels this node's posted sends and
+        receives: not the peer's, which end at their bounded wait) and move the pair to
+        the next generation, unless that already happened; the peer is told (a notice in
+        its queue) so that its next request uses the new generation."""
         with self._guard:
             have = self._groups.get(peer)
             if have is not None and have[0] == generation:
                 del self._groups[peer]
-                have[1].abort()
+                for group in have[1]:
+                    group.abort()
         try:
             now = self._store.compare_set(f"pairgen/{self._pair(peer)}", str(generation), str(generation + 1))
             newest = self.seen(peer, int(now))
@@ -230,17 +301,31 @@ class PairGroups:
         except (RuntimeError, OSError, ValueError):  # OSError: ConnectionError, the store lost
             pass  # the store is gone: there is no next transfer
 
-    def send(self, peer: int, generation: int, tensor: torch.Tensor, tag: int, deadline: float | None = None):
-        return self._post("send", peer, generation, tensor, tag, deadline)
+    def send(self, peer: int, generation: int, tensor: torch.Tensor, tag: int, deadline: float | None = None,
+             stripes: int = 1) -> list:
+        """Post the send of ``tensor`` (a contiguous uint8 tensor) over ``stripes`` groups,
+        one byte range each (:func:`stripe_ranges`); returns their works."""
+        return self._post("send", peer, generation, tensor, tag, deadline, stripes)
 
-    def recv(self, peer: int, generation: int, tensor: torch.Tensor, tag: int, deadline: float | None = None):
-        return self._post("recv", peer, generation, tensor, tag, deadline)
+    def recv(self, peer: int, generation: int, tensor: torch.Tensor, tag: int, deadline: float | None = None,
+             stripes: int = 1) -> list:
+        """Post the receive into ``tensor`` (its own memory: in place) over ``stripes``
+        groups, as :meth:`send` sends it; returns their works."""
+        return self._post("recv", peer, generation, tensor, tag, deadline, stripes)
 
-    def _post(self, op: str, peer: int, generation: int, tensor: torch.Tensor, tag: int, deadline: float | None):
-        group = self.group(peer, generation, deadline)
+    def _post(self, op: str, peer: int, generation: int, tensor: torch.Tensor, tag: int, deadline: float | None,
+              stripes: int) -> list:
+        ranges = stripe_ranges(int(tensor.numel()), stripes) if stripes > 1 else [(0, int(tensor.numel()))]
+        groups = self.groups(peer, generation, len(ranges), deadline)
+        works = []
         try:  # a pair that a failure already closed refuses at once
-            return getattr(group, op)([tensor], 1 - self._rank(peer), tag)
+            if len(ranges) == 1:
+                return [getattr(groups[0], op)([tensor], 1 - self._rank(peer), tag)]
+            for group, (start, end) in zip(groups, ranges):
+                works.append(getattr(group, op)([tensor[start:end]], 1 - self._rank(peer), tag))
+            return works
         except RuntimeError as err:
+            end_works(works)  # the stripes already posted
             raise TransferFailed(f"the {op} to node {peer} could not start: {str(err).splitlines()[0][:300]}") from err
 
     def _rank(self, peer: int) -> int:
@@ -248,6 +333,7 @@ class PairGroups:
 
     def close(self) -> None:
         with self._guard:
-            groups, self._groups = list(self._groups.values()), {}
-        for _generation, group in groups:
-            group.abort()
+            pairs, self._groups = list(self._groups.values()), {}
+        for _generation, groups in pairs:
+            for group in groups:
+                group.abort()

@@ -17,6 +17,7 @@ import torch
 import shared_td
 from shared_td.coordinator import cluster_replica
 from shared_td.coordinator.cluster import Cluster
+from tests.cluster import stripe_children
 
 IDLE_S = 60  # a node that gets no command for this long exits
 
@@ -61,12 +62,13 @@ def _as_test_says(tmpdir):
     os.environ["TMPDIR"] = tempfile.tempdir = tmpdir
 
 
-def node_main(url, node, nodes, authkey, commands, results, tmpdir):
+def node_main(url, node, nodes, authkey, commands, results, tmpdir, options=None):
+    """``options``: more keyword arguments of this node's Cluster (e.g. ``stripes``)."""
     _as_test_says(tmpdir)
     coord = shared_td.Coordinator().start()
     try:
         cluster = Cluster(url, node, nodes, authkey=authkey, timeout=15.0, coordinator=coord,
-                          hostname="127.0.0.1").start()
+                          hostname="127.0.0.1", **(options or {})).start()
     except BaseException as err:
         coord.shutdown()
         results.put(("error", type(err).__name__, str(err)))
@@ -209,6 +211,8 @@ def _run(cluster, coord, counters, command, *args):
         return cluster.attach(args[0])[args[1]]
     if command == "worker_set":  # a spawn worker of this node sets the value through its own attach
         return _in_worker(coord, worker_set, *args)
+    if command in stripe_children.COMMANDS:  # the striped transfers' own
+        return stripe_children.COMMANDS[command](cluster, *args)
     raise ValueError(f"unknown command {command!r}")
 
 

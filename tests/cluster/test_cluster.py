@@ -40,15 +40,18 @@ def node_context():
 class Nodes:
     """Node processes driven by commands; every read of an answer is bounded."""
 
-    def __init__(self, store, count, keys=None, ctx=None):
+    def __init__(self, store, count, keys=None, ctx=None, options=None):
+        """``options``: each node's more Cluster keyword arguments (a list, one per node)."""
         self.ctx = ctx or node_context()
+        options = options or [None] * count
         url = f"tcp://127.0.0.1:{store.port}?host=0"
         self.commands = [self.ctx.Queue() for _ in range(count)]
         self.results = [self.ctx.Queue() for _ in range(count)]
         keys = keys or [KEY] * count
         self.procs = [
             self.ctx.Process(target=kids.node_main,
-                             args=(url, n, count, keys[n], self.commands[n], self.results[n], tempfile.gettempdir()))
+                             args=(url, n, count, keys[n], self.commands[n], self.results[n], tempfile.gettempdir(),
+                                   options[n]))
             for n in range(count)
         ]
         for proc in self.procs:

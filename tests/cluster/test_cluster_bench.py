@@ -17,9 +17,12 @@ from tests.reference import needs_tensordict  # noqa: E402
 @needs_tensordict
 @pytest.mark.timeout(120)
 def test_sync_case_runs_beside_raw_gloo_and_tensordict(tmp_path):
-    results = case_cluster_sync(BenchOptions.quick(size_mib=1, repeat=2), str(tmp_path))
-    assert list(results) == ["raw gloo send/recv", "tensordict consolidated", "tensordict init_remote",
-                             "tensordict per leaf", "shared_td sync+worker"]
+    # 5 MiB: above STRIPE_MIN_BYTES, so that the striped syncs are striped
+    results = case_cluster_sync(BenchOptions.quick(size_mib=5, repeat=2), str(tmp_path))
+    assert list(results) == ["raw gloo send/recv", "raw gloo x2 groups", "raw gloo x4 groups",
+                             "tensordict consolidated", "tensordict init_remote", "tensordict per leaf",
+                             "shared_td sync+worker", "shared_td sync x2 stripes+worker",
+                             "shared_td sync x4 stripes+worker"]
     assert all(0 < seconds < 10 for seconds in results.values()), results
 
 

@@ -54,7 +54,7 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def leak_checked_nodes(count, hosted=False):
+def leak_checked_nodes(count, hosted=False, options=None):
     """``count`` spawn node processes (spawn: a forkserver child was seen to leave
     multiprocessing's pymp-* directory when killed) in a private temp directory; on exit
     every node is stopped (bounded), killed nodes' directories swept, and nothing left."""
@@ -74,7 +74,7 @@ def leak_checked_nodes(count, hosted=False):
             if hosted:
                 nodes = HostedNodes(f"tcp://127.0.0.1:{free_port()}", count, ctx)
             else:
-                nodes = Nodes(store, count, ctx=ctx)
+                nodes = Nodes(store, count, ctx=ctx, options=options)
             try:
                 yield nodes
             finally:
