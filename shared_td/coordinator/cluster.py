@@ -594,6 +594,8 @@ class Cluster:
         return self._liveness.lost_or(peer, name, err, self._role(peer, name))
 
     def _lost(self, peer: int, name: str) -> OwnerLostError:
+        if self._groups is not None:
+            self._groups.forget(peer)  # nothing stays built or posted with a lost node
         return self._liveness.lost(peer, name, self._role(peer, name))
 
     # ------------------------------------------------------------------ helpers

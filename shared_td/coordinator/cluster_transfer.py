@@ -301,6 +301,14 @@ class PairGroups:
         except (RuntimeError, OSError, ValueError):  # OSError: ConnectionError, the store lost
             pass  # the store is gone: there is no next transfer
 
+    def forget(self, peer: int) -> None:
+        """``peer`` was found lost: :meth:`fail` the pair this node holds with it, so
+        that its groups (their sockets, any operation still posted) go now, not at
+        the next transfer, and a peer that comes back builds a new generation."""
+        have = self._groups.get(peer)
+        if have is not None:
+            self.fail(peer, have[0])
+
     def send(self, peer: int, generation: int, tensor: torch.Tensor, tag: int, deadline: float | None = None,
              stripes: int = 1) -> list:
         """Post the send of ``tensor`` (a contiguous uint8 tensor) over ``stripes`` groups,
