@@ -161,6 +161,7 @@ class Cluster:
         self._hostname = hostname
         self._store: SignedStore | None = None
         self._groups: PairGroups | None = None
+        self._found_lost: set[int] = set()  # peers whose pair was failed as lost (see _lost)
         self._values: ClusterValues | None = None
         self._owned: dict[str, Owned] = {}
         self._replicas: dict[str, Replica] = {}
@@ -510,6 +511,10 @@ class Cluster:
     def _request(self, peer: int, op: str, name: str, generation: int, **extra) -> tuple[int, int]:
         """Put a request in ``peer``'s queue; returns (tag, pair generation)."""
         store = self._checked()
+        if peer in self._found_lost:  # its pair was failed: a new one cannot be built with a dead node
+            if not self._alive(peer):
+                raise self._lost(peer, name)
+            self._found_lost.discard(peer)
         # unique per sender (nodes < 1024) among its requests in flight, and below
         # ANSWER_TAG_BIT: gloo takes a 32-bit tag, so the count wraps after 2**20 requests
         tag = next(self._tags) % TAG_WRAP * 1024 + self.node
@@ -596,6 +601,7 @@ class Cluster:
     def _lost(self, peer: int, name: str) -> OwnerLostError:
         if self._groups is not None:
             self._groups.forget(peer)  # nothing stays built or posted with a lost node
+            self._found_lost.add(peer)
         return self._liveness.lost(peer, name, self._role(peer, name))
 
     # ------------------------------------------------------------------ helpers
