@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from shared_td.bench.libraries import tensordict_module
+from shared_td.bench.loopback import HOST, loopback_store
 
 #: Seconds the children may take to start (imports, joining the group), and any gloo
 #: call of theirs.
@@ -64,7 +65,7 @@ def _peer_main(rank: int, ports, nbytes: int, repeat: int, with_tensordict: bool
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     tensordict = tensordict_module() if with_tensordict else None
     timeout = datetime.timedelta(seconds=START_S + nbytes / 20e6)
-    store = dist.TCPStore("127.0.0.1", ports.get(timeout=START_S), None, False, timeout)
+    store = dist.TCPStore(HOST, ports.get(timeout=START_S), None, False, timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timeout)
     try:
         results.put(("ready", rank))
@@ -136,8 +137,8 @@ class Peers:
         for proc in self._procs:
             proc.start()
         # the store (and its thread) only now: a forked rank must not copy a running store
-        self._store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=START_S),
-                                    wait_for_workers=False)
+        # (IPv4 only: no reverse lookup in the store's loop, see shared_td.bench.loopback)
+        self._store = loopback_store(START_S)
         for _ in self._procs:
             self._ports.put(self._store.port)
 
