@@ -8,8 +8,10 @@ has seen the new version; its references -- a raw gloo ``send``/``recv`` and ten
 per-leaf ``send``/``recv`` of the same tree -- run in two spawned processes of a
 registered default gloo group, as a user runs them
 (:mod:`~shared_td.bench.cases_cluster_peers`). ``cluster_counter`` compares with a bare
-``TCPStore.add``; ``cluster_push`` runs its two nodes in two processes
-(:mod:`~shared_td.bench.cases_cluster_push`).
+``TCPStore.add``; it and ``cluster_value`` share one loopback cluster per run
+(:class:`SharedLoopback`); ``cluster_push`` runs its two nodes in two processes
+(:mod:`~shared_td.bench.cases_cluster_push`). The stores listen on IPv4 127.0.0.1 only
+(:mod:`~shared_td.bench.loopback`).
 """
 from __future__ import annotations
 
