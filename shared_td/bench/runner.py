@@ -153,7 +153,7 @@ def _run_cases(options: BenchOptions, root: str, write: Callable[[str], None]) -
     loop = SharedLoopback(early=options.early_peers) if LOOPBACK_CASES.intersection(names) else None
     failed = 0
     try:
-        for name in names:
+        for position, name in enumerate(names):
             try:
                 extra = {"peers": peers} if name == "cluster_sync" and peers is not None else {}
                 if name in LOOPBACK_CASES:
@@ -163,6 +163,9 @@ def _run_cases(options: BenchOptions, root: str, write: Callable[[str], None]) -
                 write(f"{name:<16}failed: {type(error).__name__}: {error}")
                 failed += 1
                 continue
+            finally:
+                if loop is not None and not LOOPBACK_CASES.intersection(names[position + 1:]):
+                    loop.close()  # its threads (a values poller at 1 kHz) run beside no later case
             for line in table_rows(name, results):
                 write(line)
     finally:

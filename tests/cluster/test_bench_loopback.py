@@ -158,3 +158,24 @@ def _short_timeout(init):
     def short(self, *args, **kwargs):  # node 0 waits for node 1's join record 2 s, not 60
         init(self, *args, **{**kwargs, "timeout": 2})
     return short
+
+
+@pytest.mark.timeout(60)
+def test_the_loopback_cluster_stops_after_the_last_case_that_uses_it(monkeypatch):
+    """Its threads (heartbeats, and a values poller every ms once cluster_value published
+    a value) must not run beside the cases after it."""
+    nodes: list[Cluster] = []
+    real = Cluster.start
+
+    def start(self):
+        nodes.append(self)
+        return real(self)
+
+    def after(options, root):
+        assert len(nodes) == 2 and all(node._stop.is_set() for node in nodes), "the cluster still runs"
+        return {"floor": 1.0}
+
+    monkeypatch.setattr(Cluster, "start", start)
+    monkeypatch.setitem(CASES, "tree_load", after)
+    status, out = _run(BenchOptions.quick(only=["cluster_value", "tree_load"], rounds=2))
+    assert status == 0 and "failed" not in out, out
