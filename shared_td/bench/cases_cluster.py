@@ -10,43 +10,103 @@ striped, the same way) and tensordict
 per-leaf ``send``/``recv`` of the same tree -- run in two spawned processes of a
 registered default gloo group, as a user runs them
 (:mod:`~shared_td.bench.cases_cluster_peers`). ``cluster_counter`` compares with a bare
-``TCPStore.add``; ``cluster_push`` runs its two nodes in two processes
-(:mod:`~shared_td.bench.cases_cluster_push`).
+``TCPStore.add``; it and ``cluster_value`` share one loopback cluster per run
+(:class:`SharedLoopback`); ``cluster_push`` runs its two nodes in two processes
+(:mod:`~shared_td.bench.cases_cluster_push`). The stores listen on IPv4 127.0.0.1 only
+(:mod:`~shared_td.bench.loopback`).
 """
 from __future__ import annotations
 
-import datetime
 import multiprocessing
 import threading
 
-import torch.distributed as dist
-
 from shared_td.bench.cases_cluster_peers import STRIPED, policy_tree, start_peers
-from shared_td.coordinator.store_host import host_tcp_store
+from shared_td.bench.loopback import HOST, loopback_store
 from shared_td.bench.timing import best_of
 
 _KEY = b"benchmark key"
+#: Seconds a loopback cluster may take to start (its nodes give up after 60 s).
+_START_S = 130.0
 
 
 class _Loopback:
-    """A TCPStore on a free port and two cluster nodes of this process."""
+    """A TCPStore on a free port and two cluster nodes of this process.
+
+    The store listens on IPv4 only (:mod:`~shared_td.bench.loopback`: no reverse lookup
+    in its event loop), and both nodes join through this process's store object, so
+    that no node makes a connection of its own in the foreground at its start (their
+    threads' connections are made ahead, in the background, by the nodes)."""
 
     def __init__(self, coordinator=None):
         from shared_td.coordinator.cluster import Cluster
 
-        self.store = host_tcp_store("127.0.0.1", 0, timeout=30)
-        url = f"tcp://127.0.0.1:{self.store.port}?host=0"
-        self.nodes = [Cluster(url, n, 2, authkey=_KEY, timeout=60, hostname="127.0.0.1",
+        self.store = loopback_store(30.0)
+        self.nodes = [Cluster(self.store, n, 2, authkey=_KEY, timeout=60, hostname=HOST,
                               coordinator=coordinator if n == 1 else None) for n in range(2)]
-        threads = [threading.Thread(target=node.start) for node in self.nodes]  # each waits for the other
+        errors = []
+
+        def join(node):
+            try:
+                node.start()
+            except Exception as error:  # raised below, in the caller's thread
+                errors.append(error)
+
+        threads = [threading.Thread(target=join, args=(node,)) for node in self.nodes]  # each waits for the other
         for thread in threads:
             thread.start()
         for thread in threads:
-            thread.join(120)
+            thread.join(120)  # bounded: each node's start gives up within its timeout (60 s)
+        if errors or any(thread.is_alive() for thread in threads):
+            self.close()
+            raise RuntimeError(f"the loopback cluster's nodes did not start: {errors or 'timed out'}")
 
     def close(self) -> None:
         for node in self.nodes:
             node.shutdown()
+
+
+class SharedLoopback:
+    """The loopback cluster that ``cluster_counter`` and ``cluster_value`` share in a run:
+    one cluster start instead of one per case (a start makes ~20 store connections, and a
+    connect waits 5 s whenever the resolver drops torch's reverse lookup, see
+    :mod:`~shared_td.bench.loopback`). ``early``: started now, in a background thread, so
+    that its start, stalls included, overlaps the cases before (a quick run, after its
+    forks: see the runner); else at the first :meth:`get`. The caller must :meth:`close`."""
+
+    def __init__(self, early: bool):
+        self._loop: _Loopback | None = None
+        self._error: Exception | None = None
+        self._thread: threading.Thread | None = None
+        if early:
+            self._thread = threading.Thread(target=self._start, name="shared_td-bench-loopback", daemon=True)
+            self._thread.start()
+
+    def _start(self) -> None:
+        try:
+            self._loop = _Loopback()
+        except Exception as error:  # get() raises it, in a case
+            self._error = error
+
+    def get(self) -> _Loopback:
+        """The started cluster (the error of its start, if it failed)."""
+        if self._thread is None:
+            if self._loop is None:
+                self._loop = _Loopback()
+            return self._loop
+        self._thread.join(_START_S)
+        if self._thread.is_alive():
+            raise TimeoutError(f"the loopback cluster did not start within {_START_S:g} s")
+        if self._error is not None:
+            raise self._error
+        return self._loop
+
+    def close(self) -> None:
+        """Stop the cluster (bounded: waits for a start in progress first). Idempotent."""
+        if self._thread is not None:
+            self._thread.join(_START_S)
+        loop, self._loop = self._loop, None
+        if loop is not None:
+            loop.close()
 
 
 def _replica_worker(address: str, authkey: bytes, name: str, conn) -> None:
@@ -163,12 +223,17 @@ def striped_sync_columns(options, nbytes: int, owner, refill, sync_seen) -> dict
     return columns
 
 
-def case_cluster_counter(options, root: str) -> dict:
-    """A cluster counter's ``fetch_add`` against a raw ``TCPStore.add``, per call."""
-    loop = _Loopback()
+def case_cluster_counter(options, root: str, loop: _Loopback | None = None) -> dict:
+    """A cluster counter's ``fetch_add`` against a raw ``TCPStore.add``, per call.
+    ``loop``: the run's loopback cluster (:class:`SharedLoopback`), else the case starts
+    its own."""
+    own = loop is None
+    if own:
+        loop = _Loopback()
     try:
         counter = loop.nodes[1].counter("cursor")
-        client = dist.TCPStore("127.0.0.1", loop.store.port, None, False, datetime.timedelta(seconds=30))
+        counter.value  # untimed: this thread's connection to the store, made now
+        client = loop.store  # a bare TCPStore client: the store object's own connection
         rounds = options.rounds * 10
         return {
             "raw TCPStore.add": best_of(options.repeat, lambda: None,
@@ -177,4 +242,5 @@ def case_cluster_counter(options, root: str) -> dict:
                                            lambda _: [counter.fetch_add(1) for _ in range(rounds)]) / rounds,
         }
     finally:
-        loop.close()
+        if own:
+            loop.close()

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from shared_td.bench.libraries import tensordict_module
-from shared_td.coordinator.store_host import host_tcp_store
+from shared_td.bench.loopback import HOST, loopback_store
 
 #: Seconds the children may take to start (imports, joining the group), and any gloo
 #: call of theirs.
@@ -69,7 +69,7 @@ def _peer_main(rank: int, ports, nbytes: int, repeat: int, with_tensordict: bool
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     tensordict = tensordict_module() if with_tensordict else None
     timeout = datetime.timedelta(seconds=START_S + nbytes / 20e6)
-    store = dist.TCPStore("127.0.0.1", ports.get(timeout=START_S), None, False, timeout)
+    store = dist.TCPStore(HOST, ports.get(timeout=START_S), None, False, timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timeout)
     try:
         results.put(("ready", rank))
@@ -164,7 +164,7 @@ class Peers:
         for proc in self._procs:
             proc.start()
         # the store (and its thread) only now: a forked rank must not copy a running store
-        self._store = host_tcp_store("127.0.0.1", 0, timeout=START_S)
+        self._store = loopback_store(START_S)  # IPv4 only: see shared_td.coordinator.store_host
         for _ in self._procs:
             self._ports.put(self._store.port)
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from shared_td.bench.cases_cluster import _KEY
 from shared_td.bench.timing import best_of_each
 from shared_td.bench.worker import shared_worker
-from shared_td.coordinator.store_host import host_tcp_store
+from shared_td.bench.loopback import loopback_store
 
 _ROWS, _ROW_FLOATS, _PUSHED = 4096, 256, 64  # the buffer, 1 KiB rows, rows per push
 #: Seconds the child may take to start, and any wait of either side.
@@ -70,7 +70,7 @@ def case_cluster_push(options, root: str) -> dict:
     that process, plus one store round trip."""
     from shared_td.coordinator.cluster import Cluster
 
-    store = host_tcp_store("127.0.0.1", 0, timeout=WAIT_S)
+    store = loopback_store(WAIT_S)
     worker = shared_worker()
     owner = worker.start_job(_owner_job, store.port)
     node, owner_ended = None, False

@@ -15,13 +15,17 @@ from shared_td.bench.cases_cluster import _Loopback
 from shared_td.bench.timing import best_of
 
 
-def case_cluster_value(options, root: str) -> dict:
+def case_cluster_value(options, root: str, loop: _Loopback | None = None) -> dict:
     """The read of an unchanged value on the replica node against the same read on one
     node, per read; then a value set on the owner node until the other node reads it
-    (the median of ``rounds`` changes, at least 20; the reader looks every 10 µs)."""
+    (the median of ``rounds`` changes, at least 20; the reader looks every 10 µs).
+    ``loop``: the run's loopback cluster (see :class:`~shared_td.bench.cases_cluster.SharedLoopback`),
+    else the case starts its own."""
     import shared_td
 
-    loop = _Loopback()
+    own = loop is None
+    if own:
+        loop = _Loopback()
     try:
         owner, other = loop.nodes
         td = owner.publish("cfg", shared_td.TensorDict(w=torch.zeros(4), task="v0", batch_size=[4]),
@@ -50,4 +54,5 @@ def case_cluster_value(options, root: str) -> dict:
             "set -> seen on other node": statistics.median(delays),
         }
     finally:
-        loop.close()
+        if own:
+            loop.close()

@@ -18,7 +18,7 @@ import shutil
 import tempfile
 from typing import Callable
 
-from shared_td.bench.cases_cluster import case_cluster_counter, case_cluster_sync, sync_peers
+from shared_td.bench.cases_cluster import SharedLoopback, case_cluster_counter, case_cluster_sync, sync_peers
 from shared_td.bench.cases_cluster_push import case_cluster_push
 from shared_td.bench.cases_cluster_values import case_cluster_value
 from shared_td.bench.cases_consolidate import case_consolidate, case_consolidated_pickle
@@ -65,6 +65,8 @@ CASES: dict[str, Callable[..., dict]] = {
 
 #: The cases that run jobs in the run's worker process (shared_td/bench/worker.py).
 WORKER_CASES = frozenset({"share_nontensor", "consol_pickle", "replay_worker", "cluster_push"})
+#: The cases that share the run's loopback cluster (cases_cluster.SharedLoopback).
+LOOPBACK_CASES = frozenset({"cluster_counter", "cluster_value"})
 
 
 @dataclasses.dataclass
@@ -78,8 +80,9 @@ class BenchOptions:
     rows: int = 65536  # rows of the replay buffer
     only: list[str] | None = None  # case names; None runs them all
     directory: str | None = None  # where the scratch directory goes (None: the temp dir)
-    # cluster_sync's reference ranks start with the run, so that their start overlaps the
-    # cases before it, whose timings they may disturb: quick runs only
+    # cluster_sync's reference ranks and the loopback cluster of cluster_counter and
+    # cluster_value start with the run, so that their start overlaps the cases before
+    # them, whose timings they may disturb: quick runs only
     early_peers: bool = False
     # the run's worker and those early ranks are forked at the start of the run, copies
     # of this process with its imports done (ms, not ~4 s of CPU each for a fresh
@@ -146,21 +149,32 @@ def _run_cases(options: BenchOptions, root: str, write: Callable[[str], None]) -
     if options.fork and WORKER_CASES.intersection(names):  # before any case made a thread
         fork_shared_worker()
     peers = sync_peers(options) if options.early_peers and "cluster_sync" in names else None
+    # after the forks: its nodes run threads and hold store connections
+    loop = SharedLoopback(early=options.early_peers) if LOOPBACK_CASES.intersection(names) else None
     failed = 0
     try:
-        for name in names:
+        for position, name in enumerate(names):
             try:
                 extra = {"peers": peers} if name == "cluster_sync" and peers is not None else {}
+                if name in LOOPBACK_CASES:
+                    extra["loop"] = loop.get()  # its start's error is these cases' failure
                 results = CASES[name](options, root, **extra)
             except Exception as error:  # report it and go on: one broken case hides no other
                 write(f"{name:<16}failed: {type(error).__name__}: {error}")
                 failed += 1
                 continue
+            finally:
+                if loop is not None and not LOOPBACK_CASES.intersection(names[position + 1:]):
+                    loop.close()  # its threads (a values poller at 1 kHz) run beside no later case
             for line in table_rows(name, results):
                 write(line)
     finally:
-        if peers is not None:  # never reached cluster_sync (an interrupt): stopped, bounded
-            peers.close()
+        try:
+            if loop is not None:
+                loop.close()
+        finally:
+            if peers is not None:  # never reached cluster_sync (an interrupt): stopped, bounded
+                peers.close()
     return failed
 
 
