@@ -81,10 +81,12 @@ def load_tree(path: str) -> list[torch.Tensor]:
 def load_tree_checked(path: str) -> list[torch.Tensor]:
     """:func:`load_tree` with the system calls of the checks ``load_memmap`` keeps (its
     module doc): every name opened relative to its directory's descriptor with
-    ``O_NOFOLLOW``, an ``lstat`` before each file is opened (a FIFO or device is never
-    opened) and an ``fstat`` after, meta.json read to its end, each leaf mapped through
-    the descriptor that was checked (``/proc/self/fd/<n>``). Floor minus this: the
-    price of those guarantees; load_memmap minus this: its Python."""
+    ``O_NOFOLLOW``; each meta.json ``lstat``-ed before it is opened (a FIFO or device is
+    never opened), ``fstat``-ed after and read to its end; each leaf found with an
+    ``O_PATH`` open, ``fstat``-ed, and mapped through that descriptor
+    (``/proc/self/fd/<n>``: the file checked is the file mapped, and nothing else is ever
+    opened). Floor minus this: the price of those guarantees; load_memmap minus this:
+    its Python."""
     views: list[torch.Tensor] = []
     dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
@@ -96,23 +98,22 @@ def load_tree_checked(path: str) -> list[torch.Tensor]:
 
 _DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+_PATH_FLAGS = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def _load_checked(dir_fd: int, views: list) -> None:
     os.stat(_META, dir_fd=dir_fd, follow_symlinks=False)
     fd = os.open(_META, os.O_RDONLY | _FILE_FLAGS, dir_fd=dir_fd)
-    os.fstat(fd)
-    chunks = []
-    while chunk := os.read(fd, 1 << 20):
-        chunks.append(chunk)
+    size = os.fstat(fd).st_size
+    data = os.read(fd, size + 1)  # a read short of the one byte more asked for ends the file
+    while len(data) != size and (chunk := os.read(fd, 1 << 20)):
+        data += chunk
     os.close(fd)
-    for key, entry in json.loads(b"".join(chunks)).items():
+    for key, entry in json.loads(data).items():
         if type(entry) is not dict:
             continue
         if "dtype" in entry:
-            leaf = key + _LEAF_SUFFIX
-            os.stat(leaf, dir_fd=dir_fd, follow_symlinks=False)
-            fd = os.open(leaf, os.O_RDWR | _FILE_FLAGS, dir_fd=dir_fd)
+            fd = os.open(key + _LEAF_SUFFIX, _PATH_FLAGS, dir_fd=dir_fd)
             os.fstat(fd)
             views.append(mapped_view(f"/proc/self/fd/{fd}", _dtype(entry["dtype"]), entry["shape"]))
             os.close(fd)

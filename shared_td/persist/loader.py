@@ -12,9 +12,12 @@ Untrusted directories: each meta.json is checked by ``format.NodeMeta.from_json`
 anything is mapped (a bad field is a :class:`~shared_td.errors.FormatError` naming the
 file and the field; ``shared-td verify`` reports the same errors through
 :func:`read_node_meta`). Only regular files are read or mapped: a FIFO, socket, device
-or directory in the place of a file is refused after an ``lstat``, and the file is
-opened ``O_NONBLOCK`` and checked again with ``fstat``, so a swap between the two
-cannot make a load block.
+or directory in the place of a file is refused. A meta.json (or pickle) is checked with
+``lstat`` before it is opened, then opened ``O_NONBLOCK`` and checked again with
+``fstat``, so a swap between the two cannot make a load block. A leaf file is found
+with an ``O_PATH`` open and checked with its ``fstat``; only its mapping opens it, through
+that descriptor, so whatever is put in its place and whenever, nothing but the regular
+file that was checked is opened (no device's open, no FIFO's waiting writer let through).
 
 Read-only saves (read-only files, a read-only file system, immutable files: ``open``
 fails with EACCES, EPERM or EROFS) load, as in tensordict 0.15.3: each such leaf is
@@ -266,13 +269,7 @@ class Loader:
             return MemoryMappedTensor.empty(torch.Size(leaf.shape), dtype=leaf.dtype)
         if isinstance(directory, ArchiveNode):
             return directory.leaf(self._resolve(directory, leaf.key, leaf=True), leaf)
-        name, fd, st, read_only = self._open_leaf(directory, leaf.key)
-        path = f"{directory.path}/{name}"
-        try:
-            backing = files.backing_from_fd(path, fd, shared=read_only is None, read_only=read_only, st=st)
-        finally:
-            os.close(fd)
-        return MemoryMappedTensor._from_backing(backing, 0, leaf.dtype, leaf.shape)
+        return MemoryMappedTensor._from_backing(self._map_leaf(directory, leaf.key), 0, leaf.dtype, leaf.shape)
 
     # ------------------------------------------------------------------ files
     def _candidates(self, key: str, *, leaf: bool) -> list[str]:
@@ -283,33 +280,42 @@ class Loader:
             names = self._names[key, leaf] = fmt.file_names(key, leaf=leaf, robust_key=self.robust_key)
         return names
 
-    def _open_leaf(self, directory: Directory, key: str) -> tuple[str, int, os.stat_result, str | None]:
-        """Open the file of leaf ``key``: ``(name, fd, its fstat, read_only)``.
+    def _map_leaf(self, directory: Directory, key: str) -> files.FileBacking:
+        """Map the file of leaf ``key``, found with ``O_PATH`` (so that nothing but a
+        regular file is ever opened: :meth:`Directory.open_path_regular`) and opened
+        only by its mapping.
 
         A file this process may not write (its mode, a read-only file system, an
-        immutable file), or any file with ``mode="r"``, is opened read-only;
-        ``read_only`` then says why (else None), and the file is mapped copy-on-write,
-        its tensors refusing writes. With ``mode="r+"`` such a file is an error.
+        immutable file), or any file with ``mode="r"``, is mapped copy-on-write, its
+        tensors refusing writes and saying why. With ``mode="r+"`` such a file is an error.
         """
         names = self._candidates(key, leaf=True)
         for name in names:
             try:
-                if self.mode == "r":
-                    return (name, *directory.open_regular_stat(name, os.O_RDONLY), MODE_R_REASON)
-                return (name, *directory.open_regular_stat(name, os.O_RDWR), None)
+                fd, st = directory.open_path_regular(name)
             except FileNotFoundError:
                 continue
-            except OSError as error:
-                if error.errno not in READ_ONLY_ERRNOS:
-                    raise
-                if self.mode == "r+":
-                    raise PermissionError(
-                        error.errno, f"Cannot load {directory.path}/{name} with mode='r+': "
-                        f"{READ_ONLY_ERRNOS[error.errno]}. Load it with mode='r' (or None) "
-                        "to map it read-only, or make it writable."
-                    ) from None
-                return (name, *directory.open_regular_stat(name, os.O_RDONLY), READ_ONLY_ERRNOS[error.errno])
+            try:
+                return self._map(f"{directory.path}/{name}", fd, st)
+            finally:
+                os.close(fd)
         raise self._missing(directory, key, names, "file")
+
+    def _map(self, path: str, fd: int, st: os.stat_result) -> files.FileBacking:
+        if self.mode == "r":
+            return files.map_path_fd(path, fd, st, read_only=MODE_R_REASON)
+        try:
+            return files.map_path_fd(path, fd, st)
+        except OSError as error:
+            if error.errno not in READ_ONLY_ERRNOS:
+                raise
+            if self.mode == "r+":
+                raise PermissionError(
+                    error.errno, f"Cannot load {path} with mode='r+': "
+                    f"{READ_ONLY_ERRNOS[error.errno]}. Load it with mode='r' (or None) "
+                    "to map it read-only, or make it writable."
+                ) from None
+            return files.map_path_fd(path, fd, st, read_only=READ_ONLY_ERRNOS[error.errno])
 
     def _open_child(self, directory: Directory, key: str) -> Directory:
         """Open the sub-directory of nested key ``key`` (see ``_candidates``): each name
