@@ -104,18 +104,39 @@ def check_num_threads(num_threads: Any) -> int:
     return num_threads
 
 
-def read_meta(directory: Directory) -> fmt.NodeMeta:
-    """The meta.json of ``directory``, parsed and checked (FormatError naming file and field)."""
+#: A load keeps the checked metadata of this many distinct meta.json files of a
+#: TensorDict node, up to this many bytes each, to reuse for the same bytes elsewhere.
+PARSED_KEPT = 64
+PARSED_MAX_BYTES = 1 << 14
+
+
+def read_meta(directory: Directory, parsed: dict | None = None) -> fmt.NodeMeta:
+    """The meta.json of ``directory``, parsed and checked (FormatError naming file and field).
+
+    ``parsed`` (bytes -> NodeMeta, kept by one load): the nodes of a tree are often alike
+    (every step of a trajectory, every agent), and the same bytes check the same way, so a
+    meta.json whose bytes were checked before is neither parsed nor checked again. Only
+    TensorDict nodes are kept: their parsed document is handed to no one (a NonTensorData's
+    value, a tensorclass's fields are, and must not be shared between nodes).
+    """
     where = directory.join(fmt.META)
     try:
         data = directory.read(fmt.META)
     except FileNotFoundError:
         raise FileNotFoundError(f"No saved tensordict at {directory.path!r}: {fmt.META} is missing.") from None
+    if parsed is not None:
+        known = parsed.get(data)
+        if known is not None:
+            return known.read_at(where)
     try:
         document = json.loads(data.decode("utf-8"))
     except (ValueError, UnicodeDecodeError, RecursionError) as error:
         raise FormatError(where, f"not valid JSON: {error}") from None
-    return fmt.NodeMeta.from_json(document, where=where)
+    meta = fmt.NodeMeta.from_json(document, where=where)
+    if parsed is not None and meta.type == fmt.TENSORDICT_TYPE and len(data) <= PARSED_MAX_BYTES \
+            and len(parsed) < PARSED_KEPT:
+        parsed[data] = meta
+    return meta
 
 
 def read_node_meta(path: str) -> fmt.NodeMeta:
@@ -146,6 +167,7 @@ class Loader:
         self._opened: tuple | None = None  # (root directory, its path) of the current load
         self._pool: ThreadPoolExecutor | None = None
         self._names: dict[tuple[str, bool], list[str]] = {}  # (key, leaf) -> its file names
+        self._parsed: dict[bytes, fmt.NodeMeta] = {}  # meta.json bytes -> checked (read_meta)
 
     def load(self, directory: str, subpath: Any = None) -> Any:
         """Load the tree at ``directory`` (or its nested tensordict ``subpath``, a nested
@@ -222,7 +244,7 @@ class Loader:
     def _load(self, directory: Directory, parent_batch: tuple | None) -> Any:
         """Load one node: its keyed entries (from its meta.json), its fixed-name
         children (the kind names them), then the kind rebuilds the container."""
-        meta = read_meta(directory)
+        meta = read_meta(directory, self._parsed)
         kind = nodes.kind_for_type_string(meta.type)
         values = dict.fromkeys(entry.key for entry in meta.entries)  # in the saved order
         mapping = {}  # key -> future of its leaf, when a pool maps them
