@@ -294,6 +294,12 @@ def file_kind(mode: int) -> str | None:
     return next((name for test, name in kinds.items() if test(mode)), "not a regular file")
 
 
+def _join(directory: str, name: str) -> str:
+    """``os.path.join`` of a directory path and one file name (no separator in it), at
+    the cost of one concatenation: a load joins one per node and leaf."""
+    return directory + name if not directory or directory.endswith("/") else directory + "/" + name
+
+
 class Directory:
     """An open directory: every name below it is resolved relative to its descriptor.
 
@@ -320,7 +326,7 @@ class Directory:
     @property
     def path(self) -> str:
         if self._path is None:
-            self._path = os.path.join(self._parent.path, self._name)
+            self._path = _join(self._parent.path, self._name)
             self._parent = None
         return self._path
 
@@ -333,7 +339,8 @@ class Directory:
         return cls(os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), path, action)
 
     def join(self, name: str) -> str:
-        return os.path.join(self.path, name)
+        """The path of ``name`` (one file name) in this directory."""
+        return _join(self.path, name)
 
     def child(self, name: str) -> "Directory":
         """The sub-directory ``name`` (a symlink there is refused)."""
