@@ -37,7 +37,8 @@ def _leaves(td) -> list[torch.Tensor]:
 
 def case_tree_to_files(options, root: str) -> dict:
     """memmap_ of N nested tensordicts x 2 small leaves into a directory, vs the floor:
-    the same files written (and mapped, as memmap_ returns mapped leaves)."""
+    the same files written (and mapped, as memmap_ returns mapped leaves), alone and with
+    the system calls of memmap_'s checks."""
     dirs = fresh_dir(root)
     reference = os.path.join(root, "to_files_reference")
     build_tree(_shared_td(), options.nodes).memmap_(reference)
@@ -53,6 +54,7 @@ def case_tree_to_files(options, root: str) -> dict:
         )
         for name, lib in libraries().items() for threads in (0, 2)
     })
+    variants["floor + our checks"] = (dirs, lambda d: floors.write_tree_checked(nodes, d))
     return best_of_each(options.repeat, variants)
 
 

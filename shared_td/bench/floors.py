@@ -13,10 +13,12 @@ What each floor counts, and why:
   per leaf is what any tensor API must hand out.
 * **load** (:func:`load_tree`): open+read+close and ``json.loads`` of each meta.json,
   then one mapped view per leaf; the children are found in the parsed metadata.
+  :func:`load_tree_checked` adds the system calls of the checks ``load_memmap`` keeps.
 * **write** (:func:`write_tree`): mkdir per node, open/write/close per leaf, each
   meta.json written from ``json.dumps`` of the same dicts (no fsync: neither library
   syncs); ``map_after=True`` also maps each written file, as ``memmap_`` returns
   memory-mapped leaves (without it the floor is that of ``save``).
+  :func:`write_tree_checked` adds the system calls of the checks ``memmap_`` keeps.
 * **atomic rewrite** (:func:`rewrite_tree`): the write into a new sibling directory,
   ``renameat2(RENAME_EXCHANGE)`` with the old one, the old one removed.
 * **anonymous** (:func:`share_anonymously`): one memfd of the total size (our layout is
@@ -81,10 +83,12 @@ def load_tree(path: str) -> list[torch.Tensor]:
 def load_tree_checked(path: str) -> list[torch.Tensor]:
     """:func:`load_tree` with the system calls of the checks ``load_memmap`` keeps (its
     module doc): every name opened relative to its directory's descriptor with
-    ``O_NOFOLLOW``, an ``lstat`` before each file is opened (a FIFO or device is never
-    opened) and an ``fstat`` after, meta.json read to its end, each leaf mapped through
-    the descriptor that was checked (``/proc/self/fd/<n>``). Floor minus this: the
-    price of those guarantees; load_memmap minus this: its Python."""
+    ``O_NOFOLLOW``; each meta.json ``lstat``-ed before it is opened (a FIFO or device is
+    never opened), ``fstat``-ed after and read to its end; each leaf found with an
+    ``O_PATH`` open, ``fstat``-ed, and mapped through that descriptor
+    (``/proc/self/fd/<n>``: the file checked is the file mapped, and nothing else is ever
+    opened). Floor minus this: the price of those guarantees; load_memmap minus this:
+    its Python."""
     views: list[torch.Tensor] = []
     dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
@@ -96,23 +100,22 @@ def load_tree_checked(path: str) -> list[torch.Tensor]:
 
 _DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+_PATH_FLAGS = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def _load_checked(dir_fd: int, views: list) -> None:
     os.stat(_META, dir_fd=dir_fd, follow_symlinks=False)
     fd = os.open(_META, os.O_RDONLY | _FILE_FLAGS, dir_fd=dir_fd)
-    os.fstat(fd)
-    chunks = []
-    while chunk := os.read(fd, 1 << 20):
-        chunks.append(chunk)
+    size = os.fstat(fd).st_size
+    data = os.read(fd, size + 1)  # a read short of the one byte more asked for ends the file
+    while len(data) != size and (chunk := os.read(fd, 1 << 20)):
+        data += chunk
     os.close(fd)
-    for key, entry in json.loads(b"".join(chunks)).items():
+    for key, entry in json.loads(data).items():
         if type(entry) is not dict:
             continue
         if "dtype" in entry:
-            leaf = key + _LEAF_SUFFIX
-            os.stat(leaf, dir_fd=dir_fd, follow_symlinks=False)
-            fd = os.open(leaf, os.O_RDWR | _FILE_FLAGS, dir_fd=dir_fd)
+            fd = os.open(key + _LEAF_SUFFIX, _PATH_FLAGS, dir_fd=dir_fd)
             os.fstat(fd)
             views.append(mapped_view(f"/proc/self/fd/{fd}", _dtype(entry["dtype"]), entry["shape"]))
             os.close(fd)
@@ -161,6 +164,51 @@ def write_tree(nodes: list, path: str, *, map_after: bool = True) -> list[torch.
         os.write(fd, json.dumps(meta).encode())
         os.close(fd)
     return views
+
+
+def write_tree_checked(nodes: list, path: str) -> list[torch.Tensor]:
+    """:func:`write_tree` with the system calls of the checks ``memmap_`` keeps
+    (persist/writer.py's doc): the new prefix opened once, every directory made and
+    opened relative to its parent's descriptor (``O_NOFOLLOW``), every file created
+    there with ``O_EXCL | O_NOFOLLOW``, each leaf ``fstat``-ed after its write (its
+    inode: this process's one mapping of it is found again by it) and mapped through
+    the descriptor it was written with (``/proc/self/fd/<n>``: the file written is
+    the file mapped, whatever was renamed meanwhile). Floor minus this: the price of
+    those guarantees; memmap_ minus this: its Python."""
+    children: dict[str, list] = {}
+    for node in nodes:
+        if node[0] != ".":
+            children.setdefault(os.path.dirname(node[0]) or ".", []).append(node)
+    views: list[torch.Tensor] = []
+    os.mkdir(path)
+    dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        _write_checked(nodes[0], dir_fd, children, views)
+    finally:
+        os.close(dir_fd)
+    return views
+
+
+def _write_checked(node: tuple, dir_fd: int, children: dict, views: list) -> None:
+    relative, meta, leaves = node
+    flags = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    for name, data, dtype, shape in leaves:
+        fd = os.open(name, os.O_RDWR | flags, 0o666, dir_fd=dir_fd)
+        os.pwrite(fd, data, 0)
+        os.fstat(fd)
+        views.append(mapped_view(f"/proc/self/fd/{fd}", dtype, shape))
+        os.close(fd)
+    for child in children.get(relative, ()):
+        name = os.path.basename(child[0])
+        os.mkdir(name, 0o777, dir_fd=dir_fd)
+        child_fd = os.open(name, _DIRECTORY_FLAGS, dir_fd=dir_fd)
+        try:
+            _write_checked(child, child_fd, children, views)
+        finally:
+            os.close(child_fd)
+    fd = os.open(_META, os.O_WRONLY | flags, 0o666, dir_fd=dir_fd)
+    os.write(fd, json.dumps(meta).encode())
+    os.close(fd)
 
 
 def rewrite_tree(nodes: list, path: str, staging: str, *, map_after: bool = True) -> list[torch.Tensor]:

@@ -180,6 +180,14 @@ class NodeMeta:
     document: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
     compact: bool = field(default=False, compare=False, repr=False)  # written without spaces
 
+    def read_at(self, path: str) -> "NodeMeta":
+        """This checked NodeMeta as read from the file ``path`` too (a meta.json of the
+        same bytes: what :meth:`from_json` found does not depend on where it was read)."""
+        copy = object.__new__(NodeMeta)
+        copy.__dict__.update(self.__dict__)
+        object.__setattr__(copy, "path", path)
+        return copy
+
     def to_json(self) -> bytes:
         """The meta.json bytes: the entries first, in order (those named like node
         fields last, under RESERVED_ENTRIES), then the node's fields of ``document``.

@@ -12,9 +12,12 @@ Untrusted directories: each meta.json is checked by ``format.NodeMeta.from_json`
 anything is mapped (a bad field is a :class:`~shared_td.errors.FormatError` naming the
 file and the field; ``shared-td verify`` reports the same errors through
 :func:`read_node_meta`). Only regular files are read or mapped: a FIFO, socket, device
-or directory in the place of a file is refused after an ``lstat``, and the file is
-opened ``O_NONBLOCK`` and checked again with ``fstat``, so a swap between the two
-cannot make a load block.
+or directory in the place of a file is refused. A meta.json (or pickle) is checked with
+``lstat`` before it is opened, then opened ``O_NONBLOCK`` and checked again with
+``fstat``, so a swap between the two cannot make a load block. A leaf file is found
+with an ``O_PATH`` open and checked with its ``fstat``; only its mapping opens it, through
+that descriptor, so whatever is put in its place and whenever, nothing but the regular
+file that was checked is opened (no device's open, no FIFO's waiting writer let through).
 
 Read-only saves (read-only files, a read-only file system, immutable files: ``open``
 fails with EACCES, EPERM or EROFS) load, as in tensordict 0.15.3: each such leaf is
@@ -101,18 +104,39 @@ def check_num_threads(num_threads: Any) -> int:
     return num_threads
 
 
-def read_meta(directory: Directory) -> fmt.NodeMeta:
-    """The meta.json of ``directory``, parsed and checked (FormatError naming file and field)."""
+#: A load keeps the checked metadata of this many distinct meta.json files of a
+#: TensorDict node, up to this many bytes each, to reuse for the same bytes elsewhere.
+PARSED_KEPT = 64
+PARSED_MAX_BYTES = 1 << 14
+
+
+def read_meta(directory: Directory, parsed: dict | None = None) -> fmt.NodeMeta:
+    """The meta.json of ``directory``, parsed and checked (FormatError naming file and field).
+
+    ``parsed`` (bytes -> NodeMeta, kept by one load): the nodes of a tree are often alike
+    (every step of a trajectory, every agent), and the same bytes check the same way, so a
+    meta.json whose bytes were checked before is neither parsed nor checked again. Only
+    TensorDict nodes are kept: their parsed document is handed to no one (a NonTensorData's
+    value, a tensorclass's fields are, and must not be shared between nodes).
+    """
     where = directory.join(fmt.META)
     try:
         data = directory.read(fmt.META)
     except FileNotFoundError:
         raise FileNotFoundError(f"No saved tensordict at {directory.path!r}: {fmt.META} is missing.") from None
+    if parsed is not None:
+        known = parsed.get(data)
+        if known is not None:
+            return known.read_at(where)
     try:
         document = json.loads(data.decode("utf-8"))
     except (ValueError, UnicodeDecodeError, RecursionError) as error:
         raise FormatError(where, f"not valid JSON: {error}") from None
-    return fmt.NodeMeta.from_json(document, where=where)
+    meta = fmt.NodeMeta.from_json(document, where=where)
+    if parsed is not None and meta.type == fmt.TENSORDICT_TYPE and len(data) <= PARSED_MAX_BYTES \
+            and len(parsed) < PARSED_KEPT:
+        parsed[data] = meta
+    return meta
 
 
 def read_node_meta(path: str) -> fmt.NodeMeta:
@@ -143,6 +167,7 @@ class Loader:
         self._opened: tuple | None = None  # (root directory, its path) of the current load
         self._pool: ThreadPoolExecutor | None = None
         self._names: dict[tuple[str, bool], list[str]] = {}  # (key, leaf) -> its file names
+        self._parsed: dict[bytes, fmt.NodeMeta] = {}  # meta.json bytes -> checked (read_meta)
 
     def load(self, directory: str, subpath: Any = None) -> Any:
         """Load the tree at ``directory`` (or its nested tensordict ``subpath``, a nested
@@ -219,7 +244,7 @@ class Loader:
     def _load(self, directory: Directory, parent_batch: tuple | None) -> Any:
         """Load one node: its keyed entries (from its meta.json), its fixed-name
         children (the kind names them), then the kind rebuilds the container."""
-        meta = read_meta(directory)
+        meta = read_meta(directory, self._parsed)
         kind = nodes.kind_for_type_string(meta.type)
         values = dict.fromkeys(entry.key for entry in meta.entries)  # in the saved order
         mapping = {}  # key -> future of its leaf, when a pool maps them
@@ -266,13 +291,7 @@ class Loader:
             return MemoryMappedTensor.empty(torch.Size(leaf.shape), dtype=leaf.dtype)
         if isinstance(directory, ArchiveNode):
             return directory.leaf(self._resolve(directory, leaf.key, leaf=True), leaf)
-        name, fd, st, read_only = self._open_leaf(directory, leaf.key)
-        path = f"{directory.path}/{name}"
-        try:
-            backing = files.backing_from_fd(path, fd, shared=read_only is None, read_only=read_only, st=st)
-        finally:
-            os.close(fd)
-        return MemoryMappedTensor._from_backing(backing, 0, leaf.dtype, leaf.shape)
+        return MemoryMappedTensor._from_backing(self._map_leaf(directory, leaf.key), 0, leaf.dtype, leaf.shape)
 
     # ------------------------------------------------------------------ files
     def _candidates(self, key: str, *, leaf: bool) -> list[str]:
@@ -283,33 +302,42 @@ class Loader:
             names = self._names[key, leaf] = fmt.file_names(key, leaf=leaf, robust_key=self.robust_key)
         return names
 
-    def _open_leaf(self, directory: Directory, key: str) -> tuple[str, int, os.stat_result, str | None]:
-        """Open the file of leaf ``key``: ``(name, fd, its fstat, read_only)``.
+    def _map_leaf(self, directory: Directory, key: str) -> files.FileBacking:
+        """Map the file of leaf ``key``, found with ``O_PATH`` (so that nothing but a
+        regular file is ever opened: :meth:`Directory.open_path_regular`) and opened
+        only by its mapping.
 
         A file this process may not write (its mode, a read-only file system, an
-        immutable file), or any file with ``mode="r"``, is opened read-only;
-        ``read_only`` then says why (else None), and the file is mapped copy-on-write,
-        its tensors refusing writes. With ``mode="r+"`` such a file is an error.
+        immutable file), or any file with ``mode="r"``, is mapped copy-on-write, its
+        tensors refusing writes and saying why. With ``mode="r+"`` such a file is an error.
         """
         names = self._candidates(key, leaf=True)
         for name in names:
             try:
-                if self.mode == "r":
-                    return (name, *directory.open_regular_stat(name, os.O_RDONLY), MODE_R_REASON)
-                return (name, *directory.open_regular_stat(name, os.O_RDWR), None)
+                fd, st = directory.open_path_regular(name)
             except FileNotFoundError:
                 continue
-            except OSError as error:
-                if error.errno not in READ_ONLY_ERRNOS:
-                    raise
-                if self.mode == "r+":
-                    raise PermissionError(
-                        error.errno, f"Cannot load {directory.path}/{name} with mode='r+': "
-                        f"{READ_ONLY_ERRNOS[error.errno]}. Load it with mode='r' (or None) "
-                        "to map it read-only, or make it writable."
-                    ) from None
-                return (name, *directory.open_regular_stat(name, os.O_RDONLY), READ_ONLY_ERRNOS[error.errno])
+            try:
+                return self._map(f"{directory.path}/{name}", fd, st)
+            finally:
+                os.close(fd)
         raise self._missing(directory, key, names, "file")
+
+    def _map(self, path: str, fd: int, st: os.stat_result) -> files.FileBacking:
+        if self.mode == "r":
+            return files.map_path_fd(path, fd, st, read_only=MODE_R_REASON)
+        try:
+            return files.map_path_fd(path, fd, st)
+        except OSError as error:
+            if error.errno not in READ_ONLY_ERRNOS:
+                raise
+            if self.mode == "r+":
+                raise PermissionError(
+                    error.errno, f"Cannot load {path} with mode='r+': "
+                    f"{READ_ONLY_ERRNOS[error.errno]}. Load it with mode='r' (or None) "
+                    "to map it read-only, or make it writable."
+                ) from None
+            return files.map_path_fd(path, fd, st, read_only=READ_ONLY_ERRNOS[error.errno])
 
     def _open_child(self, directory: Directory, key: str) -> Directory:
         """Open the sub-directory of nested key ``key`` (see ``_candidates``): each name

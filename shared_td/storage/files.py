@@ -190,6 +190,50 @@ def backing_from_fd(path: str, fd: int, *, shared: bool = True, read_only: str |
     return backing
 
 
+_PATH_FLAGS = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def map_path_fd(path: str, fd: int, st: os.stat_result, *, read_only: str | None = None) -> FileBacking:
+    """Map the regular file that the ``O_PATH`` descriptor ``fd`` names
+    (:meth:`Directory.open_path_regular`, ``st`` its ``fstat``): shared and writable, or
+    with ``read_only`` (why it may not be written) privately, as :func:`backing_from_fd`.
+
+    The file is opened for real only by the mapping itself (torch opens
+    ``/proc/self/fd/<fd>``: the inode that was checked), read-write when shared. A file
+    this process may not open so is an ``OSError`` with the errno of that open
+    (EACCES, EROFS, EPERM...) naming ``path``, so the caller can map it read-only. A
+    mapping this process holds already is reused only if the file may still be written.
+    """
+    shared = read_only is None
+    if shared:
+        cached = _CACHE.get((st.st_dev, st.st_ino))
+        if cached is not None and cached.nbytes == st.st_size and \
+                os.access(f"/proc/self/fd/{fd}", os.W_OK, effective_ids=True):
+            return cached
+    try:
+        storage = map_fd(fd, st.st_size, shared=shared) if st.st_size else None
+    except RuntimeError:
+        # torch's error has no errno: open the file as it did to get one (an error path)
+        probe = _reopen(fd, path, os.O_RDWR if shared else os.O_RDONLY)
+        os.close(probe)
+        raise
+    if not st.st_size:  # nothing mapped: the file must still be openable as asked
+        os.close(_reopen(fd, path, os.O_RDWR if shared else os.O_RDONLY))
+    backing = FileBacking(path, storage, st.st_size, shared, read_only)
+    if shared:
+        _CACHE.put((st.st_dev, st.st_ino), backing)
+    return backing
+
+
+def _reopen(fd: int, path: str, flags: int) -> int:
+    """Open again the file of descriptor ``fd`` (through ``/proc/self/fd``) with
+    ``flags``; an error names ``path``."""
+    try:
+        return os.open(f"/proc/self/fd/{fd}", flags | os.O_CLOEXEC)
+    except OSError as error:
+        raise type(error)(error.errno, f"{error.strerror}: {path}") from None
+
+
 def mapped_backing(st: os.stat_result) -> FileBacking | None:
     """This process's shared mapping of the file that ``st`` describes, if it has one."""
     return _CACHE.get((st.st_dev, st.st_ino))
@@ -250,6 +294,12 @@ def file_kind(mode: int) -> str | None:
     return next((name for test, name in kinds.items() if test(mode)), "not a regular file")
 
 
+def _join(directory: str, name: str) -> str:
+    """``os.path.join`` of a directory path and one file name (no separator in it), at
+    the cost of one concatenation: a load joins one per node and leaf."""
+    return directory + name if not directory or directory.endswith("/") else directory + "/" + name
+
+
 class Directory:
     """An open directory: every name below it is resolved relative to its descriptor.
 
@@ -276,7 +326,7 @@ class Directory:
     @property
     def path(self) -> str:
         if self._path is None:
-            self._path = os.path.join(self._parent.path, self._name)
+            self._path = _join(self._parent.path, self._name)
             self._parent = None
         return self._path
 
@@ -289,7 +339,8 @@ class Directory:
         return cls(os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), path, action)
 
     def join(self, name: str) -> str:
-        return os.path.join(self.path, name)
+        """The path of ``name`` (one file name) in this directory."""
+        return _join(self.path, name)
 
     def child(self, name: str) -> "Directory":
         """The sub-directory ``name`` (a symlink there is refused)."""
@@ -328,6 +379,28 @@ class Directory:
         st = self.lstat(name)
         return st is not None and stat.S_ISLNK(st.st_mode)
 
+    def open_path_regular(self, name: str) -> tuple[int, os.stat_result]:
+        """An ``O_PATH`` descriptor of the regular file ``name`` and its ``fstat``, for
+        :func:`map_path_fd`; the caller closes it. An ``O_PATH`` open opens nothing for
+        reading or writing, so a FIFO, socket or device here (put there at any moment,
+        also after a check) is refused by the ``fstat`` without its open ever running:
+        no driver's open, no writer of a FIFO let through. A symlink is refused too
+        (``O_PATH | O_NOFOLLOW`` gives the link itself)."""
+        try:
+            fd = os.open(name, _PATH_FLAGS, dir_fd=self.fd)
+        except OSError as error:
+            raise self._open_error(error, name) from None
+        try:
+            st = os.fstat(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        kind = file_kind(st.st_mode)
+        if kind is None:
+            return fd, st
+        os.close(fd)
+        raise self._refusal(name, kind)
+
     def open_regular(self, name: str, flags: int = os.O_RDONLY) -> int:
         """Open the regular file ``name``; anything else (a symlink, FIFO, socket, device,
         directory) is refused without being opened for reading, so nothing blocks."""
@@ -348,14 +421,24 @@ class Directory:
             if kind is None:
                 return fd, st
             os.close(fd)
+        raise self._refusal(name, kind)
+
+    def _refusal(self, name: str, kind: str) -> Exception:
+        """The error for ``name`` that is ``kind`` (:func:`file_kind`), not a regular file."""
         if kind == "a symlink":
-            raise RuntimeError(f"Refusing to {self.action} through symlink {self.join(name)}.")
-        raise FormatError(self.join(name), f"{kind}, not a regular file: refused (reading it could block or never end)")
+            return RuntimeError(f"Refusing to {self.action} through symlink {self.join(name)}.")
+        return FormatError(self.join(name), f"{kind}, not a regular file: refused (reading it could block or never end)")
 
     def read(self, name: str) -> bytes:
-        fd = self.open_regular(name)
+        """All the bytes of the regular file ``name``, read to its end."""
+        fd, st = self.open_regular_stat(name)
         try:
-            chunks = []
+            # one read for a file that kept its fstat size: a read that stops at that
+            # size when asked for one byte more stopped at the end
+            first = os.read(fd, st.st_size + 1)
+            if len(first) == st.st_size:
+                return first
+            chunks = [first]
             while chunk := os.read(fd, 1 << 20):
                 chunks.append(chunk)
             return b"".join(chunks)

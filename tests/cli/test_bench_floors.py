@@ -42,6 +42,18 @@ def test_write_floor_writes_a_save_that_loads_equal(tmp_path):
         assert (shared_td.TensorDict.load_memmap(str(tmp_path / copy)) == td).all()
 
 
+def test_checked_floors_map_and_write_the_same_bytes(tmp_path):
+    td, path = _saved(tmp_path)
+    expected = sorted((str(v.dtype), tuple(v.shape), v.numpy().tobytes()) for v in floors.load_tree(path))
+    loaded = floors.load_tree_checked(path)
+    assert sorted((str(v.dtype), tuple(v.shape), v.numpy().tobytes()) for v in loaded) == expected
+    views = floors.write_tree_checked(floors.saved_nodes(path), str(tmp_path / "copy"))
+    assert sorted((str(v.dtype), tuple(v.shape), v.numpy().tobytes()) for v in views) == expected
+    assert (shared_td.TensorDict.load_memmap(str(tmp_path / "copy")) == td).all()
+    views[0].fill_(3)  # a shared mapping of the file written
+    assert any(bool((leaf == 3).all()) for leaf in _leaves(shared_td.TensorDict.load_memmap(str(tmp_path / "copy"))))
+
+
 def test_rewrite_floor_swaps_the_new_version_in_and_removes_the_old(tmp_path):
     td, path = _saved(tmp_path)
     nodes = floors.saved_nodes(path)

@@ -157,6 +157,27 @@ def test_load_memmap_into_a_memmapped_td_stays_memmapped(tmp_path):
 
 
 # ----------------------------------------------------------------- damaged directories
+def test_alike_nodes_are_told_apart(tmp_path):
+    """Nodes whose meta.json bytes are the same (a load checks such bytes once) still
+    load their own leaves, give their own values, and name their own file in errors."""
+    from shared_td import FormatError
+
+    td = TensorDict({name: {"x": torch.full((2,), float(i)), "c": {"y": torch.zeros(2)},
+                            "note": NonTensorData(["a", "list"])} for i, name in enumerate("ab")}, [2])
+    td.save(tmp_path / "s")
+    assert (tmp_path / "s/a/meta.json").read_bytes() == (tmp_path / "s/b/meta.json").read_bytes()
+    loaded = TensorDict.load_memmap(tmp_path / "s")
+    assert loaded["a", "x"].tolist() == [0.0, 0.0] and loaded["b", "x"].tolist() == [1.0, 1.0]
+    assert loaded["a", "note"] == ["a", "list"] and loaded["a", "note"] is not loaded["b", "note"]
+    # b's child no longer fits b's batch size: the error names b's meta.json, not a's
+    meta = tmp_path / "s/b/c/meta.json"
+    meta.write_text(meta.read_text().replace('"shape": [2]', '"shape": [3]'))  # its batch and y's
+    (tmp_path / "s/b/c/y.memmap").write_bytes(bytes(12))
+    with pytest.raises(FormatError) as info:
+        TensorDict.load_memmap(tmp_path / "s")
+    assert info.value.path == str(tmp_path / "s/b/meta.json"), info.value
+
+
 def test_short_leaf_file_is_a_clear_error(saved):
     td, path = saved
     os.truncate(path / "nested" / "x.memmap", 5)

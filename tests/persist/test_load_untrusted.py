@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.persist.persist_helpers import NonTensorData, TensorDict, dir_state, make_td
+from tests.processes import finish, wait_until
 
 from shared_td import FormatError
 from shared_td.cli import main
@@ -139,6 +140,56 @@ def test_special_files_are_refused_at_once(tmp_path, kind, target):
         assert in_child(inspect_code, path) == ("returned", 0)
     assert listing(path) == disk
     del keep
+
+
+def _open_for_writing(path):
+    os.close(os.open(path, os.O_WRONLY))  # blocks until someone opens the FIFO for reading
+
+
+class _SwapBeforeOpen:
+    """``os`` for shared_td.storage.files, whose ``open`` of ``name`` first renames
+    ``replacement`` over it: the swap at the last moment, after any check a load makes
+    before it opens the file (the race a hostile writer of the directory can win)."""
+
+    def __init__(self, name, replacement, directory):
+        self.name, self.replacement, self.directory = name, replacement, directory
+
+    def open(self, name, *args, dir_fd=None, **kwargs):
+        if name == self.name and os.path.lexists(self.replacement):
+            os.rename(self.replacement, self.directory / name)
+        return os.open(name, *args, dir_fd=dir_fd, **kwargs)
+
+    def __getattr__(self, attribute):
+        return getattr(os, attribute)
+
+
+def test_a_fifo_swapped_in_for_a_leaf_is_refused_without_being_opened(saved, monkeypatch):
+    """A FIFO renamed over a leaf file right before the load opens it is refused without
+    being opened: a writer waiting in open() on the FIFO stays waiting (an open for
+    reading, even non-blocking and closed at once, would let it through)."""
+    from shared_td.storage import files
+
+    td, path = saved
+    fifo = path.parent / "fifo"
+    os.mkfifo(fifo)
+    writer = multiprocessing.get_context("fork").Process(target=_open_for_writing, args=(fifo,), daemon=True)
+    writer.start()
+    try:
+        def waiting():
+            with open(f"/proc/{writer.pid}/wchan") as f:
+                return f.read() == "wait_for_partner"
+
+        assert wait_until(waiting), "the writer never reached its open() of the FIFO"
+        monkeypatch.setattr(files, "os", _SwapBeforeOpen("float32.memmap", fifo, path))
+        with pytest.raises(FormatError, match="a FIFO, not a regular file") as info:
+            TensorDict.load_memmap(path)
+        assert str(path / "float32.memmap") in str(info.value)
+        writer.join(0.5)
+        assert writer.is_alive(), "the load opened the FIFO: the writer waiting on it went through"
+    finally:
+        with contextlib.suppress(OSError):  # let the writer through, whatever happened
+            os.close(os.open(path / "float32.memmap", os.O_RDONLY | os.O_NONBLOCK))
+        finish(writer)
 
 
 def test_meta_json_that_is_a_directory(saved):
