@@ -83,6 +83,8 @@ __all__ = ["ANSWER_BYTES", "ANSWER_TAG_BIT", "MAX_STRIPES", "STRIPE_MIN_BYTES", 
 MIN_RATE = 20e6
 #: Seconds every wait allows on top of the bytes at MIN_RATE.
 WAIT_SLACK_S = 5.0
+#: Seconds between two looks at a peer's heartbeat while a group is built with it.
+WATCH_S = 0.25
 
 
 #: Payloads smaller than this go over one group whatever the stripes asked for: below it
@@ -196,8 +198,9 @@ class PairGroups:
     unsigned side is gloo's rendezvous and the generation counters).
     """
 
-    def __init__(self, store, node: int, *, timeout: float, hostname: str | None = None):
+    def __init__(self, store, node: int, *, timeout: float, hostname: str | None = None, alive=None):
         self._store, self.node, self.timeout = store, node, timeout
+        self._alive = alive  # alive(peer) -> False once the peer's heartbeat stood still
         self._hostname = hostname
         self._groups: dict[int, tuple[int, list]] = {}  # peer -> (generation, its stripes' groups)
         self._generations: dict[int, int] = {}  # peer -> the newest generation known here
@@ -249,7 +252,7 @@ class PairGroups:
                 have = None
             built = [] if have is None else have[1]
             while len(built) < count:  # stored as they come, so that fail() aborts them too
-                built.append(self._build(peer, generation, len(built), self._left(deadline)))
+                built.append(self._build_watched(peer, generation, len(built), self._left(deadline)))
                 self._groups[peer] = (generation, built)
             self.seen(peer, generation)
             return built[:count]
@@ -282,6 +285,48 @@ class PairGroups:
             return dist.ProcessGroupGloo(prefix, rank, 2, options)
         except RuntimeError as err:
             raise TransferFailed(f"no gloo connection with node {peer} ({err})") from err
+
+    def _build_watched(self, peer: int, generation: int, stripe: int, timeout: float):
+        """:meth:`_build`, given up (TransferFailed) as soon as ``peer`` is found lost.
+
+        gloo's rendezvous waits for the peer to join, up to ``timeout`` (the cluster's:
+        a push that had to build a new pair with a SIGKILLed owner waited that long
+        before its OwnerLostError), and it cannot be interrupted: it runs in a helper
+        thread while this one looks at the peer's heartbeat every WATCH_S. A build given
+        up ends by itself at its timeout, and a group it still makes is aborted, never
+        used: the caller fails the pair (next generation), so no later build meets its
+        rendezvous keys."""
+        if self._alive is None:
+            return self._build(peer, generation, stripe, timeout)
+        outcome: dict = {}
+        done = threading.Event()
+
+        def build() -> None:
+            try:
+                made = self._build(peer, generation, stripe, timeout)
+            except TransferFailed as err:
+                made = err
+            with self._guard:
+                given_up = outcome.setdefault("made", made) is not made
+            if given_up and not isinstance(made, TransferFailed):
+                made.abort()
+            done.set()
+
+        threading.Thread(target=build, name=f"shared_td-cluster-build-{peer}", daemon=True).start()
+        while not done.wait(WATCH_S):
+            try:
+                lost = not self._alive(peer)
+            except (RuntimeError, OSError):  # the store is gone: the build ends at its timeout
+                lost = False
+            if lost:
+                with self._guard:
+                    outcome.setdefault("made", TransferFailed(
+                        f"node {peer} is lost: it never joined the group of generation {generation}"))
+                break
+        made = outcome["made"]
+        if isinstance(made, TransferFailed):
+            raise made
+        return made
 
     def fail(self, peer: int, generation: int) -> None:
         """Abort every stripe's group with ``peer`` (cancels this node's posted sends and

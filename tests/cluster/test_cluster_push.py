@@ -138,3 +138,31 @@ def test_tags_stay_in_gloo_range_after_millions_of_requests(pair):
     td["x"][0] = 9.0
     other.pull("p")
     assert replica["x"][0] == 9.0
+
+
+def test_a_push_that_must_build_a_new_pair_with_a_lost_owner_raises_owner_lost_in_time():
+    """A push whose pair with the owner must be built again (a failed transfer moved it to
+    the next generation) waits for the owner to join that group, and a lost owner never
+    joins: OwnerLostError came only when gloo's rendezvous timed out (the cluster's
+    timeout), and must come once the owner's heartbeat stands still."""
+    import time
+
+    from shared_td.coordinator.cluster_liveness import HEARTBEAT_S, LOST_AFTER_S
+
+    store = loopback_store(30)
+    owner, other = _pair(store, timeout=20.0)
+    try:
+        owner.publish("p", shared_td.TensorDict(x=torch.zeros(4), batch_size=[4]))
+        other.attach("p")
+        other.push("p", [1])  # the pair is built and used
+        generation = other._groups.generation(0)
+        owner.shutdown()  # as lost as an in-process node gets: no heartbeat, no lane, no pair
+        other._groups.fail(0, generation)  # the next push builds generation + 1
+        began = time.monotonic()
+        with pytest.raises(shared_td.OwnerLostError):
+            other.push("p", [2])
+        took = time.monotonic() - began
+        assert took < LOST_AFTER_S + 4 * HEARTBEAT_S + 1.0, took  # was the timeout (20 s)
+    finally:
+        other.shutdown()
+        owner.shutdown()
