@@ -1,7 +1,6 @@
 """TensorDict: a dict of tensors (and nested collections) that share leading batch dims."""
 from __future__ import annotations
 
-import weakref
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -16,10 +15,10 @@ from shared_td.containers.base import (
     is_tensor_collection,
 )
 from shared_td.containers.keyops import KeyOps
-from shared_td.containers.locking import LockingOps
 from shared_td.containers.naming import NamedBatchDims
 from shared_td.containers.nontensor_ops import check_non_tensor_write, list_to_entry, list_to_tensor
 from shared_td.containers.reshaping import BatchShapeOps
+from shared_td.containers.row_reads import read_rows
 from shared_td.containers.row_writes import write_rows
 from shared_td.errors import BatchSizeMismatchError
 from shared_td.keys import NestedKey, unravel_key
@@ -54,6 +53,8 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, TensorDictBase):
 
     #: the cached leaves of ``td[index] = other`` (see row_writes; checked at each use)
     _row_write_plan = None
+    #: how to read ``td[i]`` while locked (see row_reads; checked at each use)
+    _row_read_plan = None
 
     def __init__(
         self,
@@ -339,13 +340,16 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, TensorDictBase):
 
         Nested tensordicts are indexed by this method too: the index is normalised and
         checked once per call, at the top. A view (basic index) keeps the lock and the
-        memmap/shared flags. This is the row read of a replay buffer: a memory-mapped
-        leaf is viewed without re-checking its storage, and each node locks itself.
+        memmap/shared flags. A view of a locked tensordict is a replay buffer's row read:
+        ``read_rows`` builds it over the node's cached plan (see row_reads), each node
+        locked and linked to its parent view; elsewhere a memory-mapped leaf is viewed
+        without re-checking its storage.
         """
+        if is_view and self._is_locked:
+            return read_rows(self, index, new_size)
         depth = len(self._batch_size)
         leaf_index = index[0] if len(index) == 1 else index  # torch takes an int faster than (int,)
         entries = {}
-        collections = []  # the entries a locked view links to itself (see _lock_view)
         for key, value in self._tensordict.items():
             kind = type(value)
             if kind is MemoryMappedTensor and is_view:
@@ -355,12 +359,9 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, TensorDictBase):
             elif kind is TensorDict:
                 # a nested node's own batch dims usually end where ours do: no Size to build
                 size = new_size if len(value._batch_size) == depth else new_size + value._batch_size[depth:]
-                entries[key] = child = value._index_rows(index, size, is_view)
-                collections.append(child)
+                entries[key] = value._index_rows(index, size, is_view)
             else:
-                entries[key] = child = value[index]
-                if not isinstance(child, torch.Tensor):
-                    collections.append(child)
+                entries[key] = value[index]
         out = TensorDict._new_unsafe(
             entries, new_size, self._device,
             None if self._names is None else batch_ops.indexed_names(self._names, index),
@@ -368,8 +369,6 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, TensorDictBase):
         if is_view:
             out._is_memmap, out._is_shared = self._is_memmap, self._is_shared
             out._memmap_prefix = self._memmap_prefix
-            if self._is_locked:
-                _lock_view(out, collections)
         return out
 
     def _set_at_index(self, index: Any, value: Any) -> None:
@@ -594,22 +593,3 @@ def _zeros_like_entry(source: Any, batch_size: torch.Size, target_batch: torch.S
         return NonTensorData(None, batch_size=batch_size)
     return source.empty(batch_size=batch_size) if hasattr(source, "empty") else source
 
-
-def _lock_view(view: TensorDict, collections: list) -> None:
-    """``view.lock_()`` for a view that ``_index_rows`` just built from a locked
-    tensordict, whose collection entries are ``collections``: its nested TensorDicts were
-    built and locked by the same call, so they only get their link to ``view``; any other
-    nested collection is locked by lock_()."""
-    view._is_locked = True
-    view._last_op = "lock_"
-    if not collections:
-        return
-    link = weakref.ref(view)
-    for value in collections:
-        if type(value) is TensorDict and value._is_locked:
-            value._lock_parents[id(view)] = link
-            continue
-        child = unwrap_tensorclass(value)
-        if isinstance(child, LockingOps):  # what lock_() reaches
-            child._lock_parents[id(view)] = link
-            child.lock_()
