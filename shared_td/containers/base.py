@@ -429,8 +429,7 @@ class TensorDictBase(LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, Me
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["_lock_parents"] = {}
-        state.pop("_row_write_plan", None)  # caches of this process's leaves (see row_writes,
-        state.pop("_row_read_plan", None)  # row_reads)
+        state.pop("_row_write_plan", None)  # a cache of this process's leaves (see row_writes)
         state["_context_ops"] = []
         return state
 

@@ -39,7 +39,7 @@ _Tensor = torch.Tensor
 _NODE_ATTRIBUTES = frozenset({
     "_tensordict", "_batch_size", "_device", "_names", "_is_locked", "_is_shared",
     "_is_memmap", "_memmap_prefix", "_lock_parents", "_context_ops", "_consolidated",
-    "_last_op", "_row_write_plan", "_row_read_plan"})
+    "_last_op", "_row_write_plan"})
 _NODE, _TENSORCLASS = "node", "tensorclass"
 _PICKLING = ("__reduce_ex__", "__reduce__", "__getstate__", "__setstate__")
 

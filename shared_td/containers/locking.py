@@ -87,8 +87,6 @@ class LockingOps:
 
     def _unlock_tree(self) -> None:
         self._is_locked = False
-        # the row-read plan is used while locked only: drop it with the entries it holds
-        self.__dict__.pop("_row_read_plan", None)
         self._is_memmap = False
         self._is_shared = False
         for child in self._collection_children():

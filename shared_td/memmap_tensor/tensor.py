@@ -452,7 +452,8 @@ class MemoryMappedTensor(Factories, torch.Tensor):
         Torch returns a new tensor object for every index, even ``t[...]`` (an alias),
         that no one else holds yet, so it is made an MMT by assigning its class: the same
         object ``as_subclass`` would give, without the second alias tensor that
-        ``as_subclass`` makes (as costly as the indexing itself, ~1 µs a leaf)."""
+        ``as_subclass`` makes (as costly as the indexing itself, ~1 µs a leaf).
+        ``basic_views`` does the same for many leaves at once."""
         result = _TENSOR_GETITEM(self, index)
         result.__class__ = MemoryMappedTensor
         result._backing = self._backing
@@ -518,26 +519,18 @@ class MemoryMappedTensor(Factories, torch.Tensor):
 
 
 _TENSOR_GETITEM = torch.Tensor.__getitem__
-_NO_SUBCLASS_DISPATCH = torch._C.DisableTorchFunctionSubclass
 
 
 def basic_views(leaves: list, index, out: dict) -> None:
-    """``out[key] = leaf._basic_view(index)`` for each ``(key, leaf, backing,
-    parent_shape)`` of ``leaves`` (exact MemoryMappedTensors and their two attributes,
-    which are set when a tensor is built and never change): a row read's leaves at once.
-
-    Torch looks up ``__torch_function__`` on every tensor subclass it is given, even one
-    that disables it as this class does (~15% of indexing a small leaf); with subclass
-    dispatch off for the whole loop it does not, and gives the plain tensor it gives
-    ``_basic_view`` (the MemoryMappedTensor itself is indexed, so a leaf changed in place
-    by ``set_``/``resize_`` is read as it is now)."""
-    with _NO_SUBCLASS_DISPATCH():
-        for key, leaf, backing, parent_shape in leaves:
-            view = _TENSOR_GETITEM(leaf, index)
-            view.__class__ = MemoryMappedTensor
-            view._backing = backing
-            view._parent_shape = parent_shape
-            out[key] = view
+    """``out[key] = leaf._basic_view(index)`` for each ``(key, leaf)`` of ``leaves``
+    (exact MemoryMappedTensors): the memory-mapped leaves of a tensordict's row read, in
+    one call instead of one method call per leaf."""
+    for key, leaf in leaves:
+        view = _TENSOR_GETITEM(leaf, index)
+        view.__class__ = MemoryMappedTensor
+        view._backing = leaf._backing
+        view._parent_shape = leaf._parent_shape
+        out[key] = view
 
 #: ReadOnlyMemoryMappedTensor, registered by read_only.py when it is imported (the
 #: package's __init__ imports it, so it is there before any tensor is built).

@@ -1,12 +1,10 @@
-"""``td[i]`` of a locked tensordict over the cached plan (containers/row_reads.py): every
-change between two reads, by any code path, still gives the view the general indexing
-gives (the same leaves, nodes, names, flags and lock links), and the plan holds nothing
-once the tensordict is unlocked or pickled."""
+"""``td[i]`` of a locked tensordict, a replay buffer's row read (a fast path of
+``TensorDict._index_rows``): it gives the view the general indexing gives (the same
+leaves, nodes, names, flags and lock links), also after any change between two reads,
+by any code path."""
 from __future__ import annotations
 
-import gc
 import pickle
-import weakref
 
 import pytest
 import torch
@@ -62,15 +60,10 @@ def _nodes(td):
             yield from _nodes(value)
 
 
-def test_a_row_is_what_the_general_indexing_gives_and_the_plan_is_kept(tmp_path):
+def test_a_row_is_what_the_general_indexing_gives(tmp_path):
     td = buffer(tmp_path)
-    for index in [2, -1, slice(1, 4), (Ellipsis,), None]:
+    for index in [2, -1, slice(1, 4), (Ellipsis,), None, (slice(None), None)]:
         assert facts(td[index]) == facts(general(td, index)), index
-    td[3]
-    plan = td._row_read_plan
-    assert plan is not None and td["next"]._row_read_plan is not None
-    td[3]
-    assert td._row_read_plan is plan  # nothing changed: the plan is reused
 
 
 def test_each_node_of_a_row_is_linked_to_its_parent_view(tmp_path):
@@ -122,33 +115,20 @@ def test_changes_made_while_locked_are_seen(tmp_path):
 def test_a_locked_tensordict_of_plain_tensors_reads_over_a_plan(tmp_path):
     td = TensorDict(a=torch.arange(4), b={"c": torch.arange(8).reshape(4, 2)}, batch_size=[4], lock=True)
     row = td[1]
-    assert td._row_read_plan is not None and type(row["a"]) is torch.Tensor
+    assert type(row["a"]) is torch.Tensor
     assert row["a"].item() == 1 and row["b", "c"].tolist() == [2, 3] and row.is_locked
     assert row["a"].untyped_storage().data_ptr() == td["a"].untyped_storage().data_ptr()
 
 
-def test_unlocking_drops_the_plan_and_the_leaves_it_held(tmp_path):
-    td = buffer(tmp_path)
-    td[0]
-    gone = weakref.ref(td["obs"])
-    td.unlock_()
-    assert td._row_read_plan is None and td["next"]._row_read_plan is None
-    del td["obs"]
-    gc.collect()
-    assert gone() is None
-
-
-def test_the_plan_is_not_pickled(tmp_path):
+def test_a_read_after_pickling_reads_the_same_rows(tmp_path):
     td = buffer(tmp_path)
     td[0]
     copy = pickle.loads(pickle.dumps(td))
-    assert "_row_read_plan" not in copy.__dict__ and "_row_read_plan" not in copy["next"].__dict__
     assert copy[3]["next", "obs"].tolist() == td[3]["next", "obs"].tolist() == [109.0, 110.0, 111.0]
     consolidated = TensorDict(a=torch.arange(4), batch_size=[4]).consolidate().lock_()
     consolidated[0]
-    assert consolidated._row_read_plan is not None
     again = pickle.loads(pickle.dumps(consolidated))
-    assert "_row_read_plan" not in again.__dict__ and again[1]["a"].item() == 1
+    assert again[1]["a"].item() == 1 and again[1].is_locked
 
 
 def test_a_row_leaf_is_a_memory_mapped_tensor_of_the_file(tmp_path):
