@@ -10,7 +10,8 @@ entry at its place, with the same shape, and that each source leaf broadcasts to
 indexed rows) and then writes leaf by leaf.
 
 Correctness of the cache: the plan is never trusted, it is *checked* at each write, by
-identity, against the destination as it is now: every dict on the way to a leaf is
+identity, against the destination as it is now (the leaves in the same pass as the
+shapes of the source): every dict on the way to a leaf is
 still its node's dict and still holds the same child, and every planned leaf is still
 the same tensor object with the same shape. So any structural change, made by any code
 path (set of a new key, del, rename, replacing a nested tensordict or a leaf, memmap_
@@ -28,13 +29,20 @@ from typing import Any
 import torch
 
 from shared_td.containers import batch as batch_ops
-from shared_td.memmap_tensor import refuse_read_only
+from shared_td.memmap_tensor import MemoryMappedTensor, refuse_read_only
+
+# Tensor classes that override nothing of torch's: torch still looks up
+# ``__torch_function__`` on a subclass (MemoryMappedTensor disables it) at every
+# ``leaf.shape`` and ``leaf[index] = value``, ~0.5k instructions each, unless told not to
+_NO_OVERRIDES = frozenset({torch.Tensor, MemoryMappedTensor})
+_NO_SUBCLASS_DISPATCH = torch._C.DisableTorchFunctionSubclass
 
 
 class RowWritePlan:
     """Where the leaves of a source with the leaf paths ``paths`` go in one destination."""
 
-    __slots__ = ("paths", "root_entries", "nodes", "places", "leaves", "shapes", "expected", "expected_for")
+    __slots__ = ("paths", "root_entries", "nodes", "places", "leaves", "shapes", "expected", "expected_for",
+                 "no_overrides")
 
     def __init__(self, paths: list, root_entries: dict, nodes: list, places: list, leaves: list):
         self.paths = paths  # the source's leaf paths, in its iteration order
@@ -43,18 +51,18 @@ class RowWritePlan:
         self.places = places  # (dict, key) holding each leaf
         self.leaves = leaves  # the destination's tensors, one per path
         self.shapes = [leaf.shape for leaf in leaves]
+        # the leaves are of classes whose torch behaviour is torch's own (see write_rows)
+        self.no_overrides = {type(leaf) for leaf in leaves} <= _NO_OVERRIDES
         self.expected: list = []  # the indexed shape of each leaf ...
         self.expected_for: Any = None  # ... for this (indexed batch size, batch dims)
 
-    def holds_for(self, dest: Any) -> bool:
-        """True if ``dest`` still has the structure and leaves the plan was made on."""
+    def holds_nodes(self, dest: Any) -> bool:
+        """True if ``dest`` still has the nodes the plan was made on (its leaves are
+        checked by ``write_rows``, in its one pass over them)."""
         if dest._tensordict is not self.root_entries:
             return False
         for parent, key, node, entries in self.nodes:
             if parent.get(key) is not node or node._tensordict is not entries:
-                return False
-        for (entries, key), leaf, shape in zip(self.places, self.leaves, self.shapes):
-            if entries.get(key) is not leaf or leaf.shape != shape:
                 return False
         return True
 
@@ -119,15 +127,57 @@ def write_rows(dest: Any, index: tuple, target_batch: torch.Size, source: Any) -
     if not source_leaves(source, type(dest), (), paths, sources):
         return False
     plan = dest._row_write_plan
-    if plan is None or plan.paths != paths or not plan.holds_for(dest):
-        plan = make_plan(dest, paths)
+    if plan is None or plan.paths != paths or not plan.holds_nodes(dest):
+        plan = _new_plan(dest, paths)
         if plan is None:
             return False
-        dest._row_write_plan = plan
-    expected = plan.expected_shapes(target_batch, len(dest._batch_size))
-    for value, shape in zip(sources, expected):
-        if value.shape != shape and not batch_ops.broadcasts_to(value.shape, shape):
-            return False  # the general write raises, naming the key and the shapes
+    written = _write(plan, dest, index, target_batch, sources)
+    if written is None:  # a planned leaf is no longer there or changed shape: plan again
+        plan = _new_plan(dest, paths)
+        if plan is None:
+            return False
+        written = _write(plan, dest, index, target_batch, sources)
+    return bool(written)  # False: the general write raises, naming the key and the shapes
+
+
+def _write(plan: RowWritePlan, dest: Any, index: tuple, target_batch: torch.Size, sources: list) -> bool | None:
+    """Check the sources and the plan (``_fits``), then write leaf by leaf; None for a
+    stale plan, False for a source that does not fit, with nothing written."""
+    if plan.no_overrides and set(map(type, sources)) <= _NO_OVERRIDES:
+        # no tensor here overrides torch: the same checks and writes without torch's
+        # lookup of __torch_function__ on each (a tensor subclass is left to its own)
+        with _NO_SUBCLASS_DISPATCH():
+            return _fit_and_write(plan, dest, index, target_batch, sources)
+    return _fit_and_write(plan, dest, index, target_batch, sources)
+
+
+def _fit_and_write(plan: RowWritePlan, dest: Any, index: tuple, target_batch: torch.Size,
+                   sources: list) -> bool | None:
+    fits = _fits(plan, dest, target_batch, sources)
+    if not fits:
+        return fits
     for leaf, value in zip(plan.leaves, sources):
         leaf[index] = value
     return True
+
+
+def _new_plan(dest: Any, paths: list) -> RowWritePlan | None:
+    plan = make_plan(dest, paths)
+    if plan is not None:
+        dest._row_write_plan = plan
+    return plan
+
+
+def _fits(plan: RowWritePlan, dest: Any, target_batch: torch.Size, sources: list) -> bool | None:
+    """In one pass over the planned leaves: None if one is no longer the entry at its
+    place or changed shape (``resize_``), else whether each source leaf broadcasts to
+    its leaf's indexed rows."""
+    expected = plan.expected_shapes(target_batch, len(dest._batch_size))
+    fits = True
+    for (entries, key), leaf, shape, value, want in zip(plan.places, plan.leaves, plan.shapes, sources, expected):
+        if entries.get(key) is not leaf or leaf.shape != shape:
+            return None
+        have = value.shape
+        if have != want and not batch_ops.broadcasts_to(have, want):
+            fits = False  # the other leaves are still checked: a stale plan comes first
+    return fits

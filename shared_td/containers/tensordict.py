@@ -24,6 +24,7 @@ from shared_td.containers.row_writes import write_rows
 from shared_td.errors import BatchSizeMismatchError
 from shared_td.keys import NestedKey, unravel_key
 from shared_td.memmap_tensor import MemoryMappedTensor, ReadOnlyMemoryMappedTensor, refuse_read_only
+from shared_td.memmap_tensor.tensor import basic_views
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 
@@ -330,6 +331,15 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, TensorDictBase):
         return out
 
     # ---------------------------------------------------------------- indexing
+    def __getitem__(self, index: Any) -> Any:
+        # a replay buffer's row read, ``td[i]`` with an int in range, goes straight to
+        # _index_rows (what index_and_size gives it); anything else as TensorDictBase
+        if type(index) is int:
+            size = self._batch_size
+            if size and -size[0] <= index < size[0]:
+                return self._index_rows((index,), size[1:], True)
+        return TensorDictBase.__getitem__(self, index)
+
     def _index(self, index: Any) -> "TensorDict":
         index, new_size = batch_ops.index_and_size(index, self._batch_size)
         return self._index_rows(index, new_size, batch_ops.is_basic_index(index))
@@ -339,17 +349,20 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, TensorDictBase):
 
         Nested tensordicts are indexed by this method too: the index is normalised and
         checked once per call, at the top. A view (basic index) keeps the lock and the
-        memmap/shared flags. This is the row read of a replay buffer: a memory-mapped
-        leaf is viewed without re-checking its storage, and each node locks itself.
+        memmap/shared flags. This is the row read of a replay buffer: the memory-mapped
+        leaves are viewed at once without re-checking their storage (``basic_views``),
+        and a locked view is built locked, with no second walk of its entries.
         """
         depth = len(self._batch_size)
         leaf_index = index[0] if len(index) == 1 else index  # torch takes an int faster than (int,)
         entries = {}
-        collections = []  # the entries a locked view links to itself (see _lock_view)
+        mapped = []  # (key, memory-mapped leaf): viewed by basic_views, in their places
+        collections = []  # the entries a locked view links to itself (see _link_view)
         for key, value in self._tensordict.items():
             kind = type(value)
             if kind is MemoryMappedTensor and is_view:
-                entries[key] = value._basic_view(leaf_index)
+                entries[key] = value  # keeps the key's place; its view replaces it below
+                mapped.append((key, value))
             elif kind is torch.Tensor:
                 entries[key] = value[leaf_index]
             elif kind is TensorDict:
@@ -361,15 +374,31 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, TensorDictBase):
                 entries[key] = child = value[index]
                 if not isinstance(child, torch.Tensor):
                     collections.append(child)
-        out = TensorDict._new_unsafe(
-            entries, new_size, self._device,
-            None if self._names is None else batch_ops.indexed_names(self._names, index),
-        )
-        if is_view:
-            out._is_memmap, out._is_shared = self._is_memmap, self._is_shared
-            out._memmap_prefix = self._memmap_prefix
-            if self._is_locked:
-                _lock_view(out, collections)
+        if mapped:
+            basic_views(mapped, leaf_index, entries)
+        names = None if self._names is None else batch_ops.indexed_names(self._names, index)
+        if not (is_view and self._is_locked):
+            out = TensorDict._new_unsafe(entries, new_size, self._device, names)
+            if is_view:
+                out._is_memmap, out._is_shared = self._is_memmap, self._is_shared
+                out._memmap_prefix = self._memmap_prefix
+            return out
+        # a locked view: _new_unsafe's attributes in its order (the instances share one
+        # table of attribute names), then the view's flags and lock, set once
+        out = _NEW(TensorDict)
+        out._tensordict = entries
+        out._batch_size = new_size
+        out._device = self._device
+        out._names = None if names is None or all(name is None for name in names) else names
+        out._is_locked = True
+        out._is_shared = self._is_shared
+        out._is_memmap = self._is_memmap
+        out._memmap_prefix = self._memmap_prefix
+        out._lock_parents = {}
+        out._context_ops = []
+        out._last_op = "lock_"
+        if collections:
+            _link_view(out, collections)
         return out
 
     def _set_at_index(self, index: Any, value: Any) -> None:
@@ -595,15 +624,14 @@ def _zeros_like_entry(source: Any, batch_size: torch.Size, target_batch: torch.S
     return source.empty(batch_size=batch_size) if hasattr(source, "empty") else source
 
 
-def _lock_view(view: TensorDict, collections: list) -> None:
-    """``view.lock_()`` for a view that ``_index_rows`` just built from a locked
-    tensordict, whose collection entries are ``collections``: its nested TensorDicts were
-    built and locked by the same call, so they only get their link to ``view``; any other
-    nested collection is locked by lock_()."""
-    view._is_locked = True
-    view._last_op = "lock_"
-    if not collections:
-        return
+_NEW = object.__new__
+
+
+def _link_view(view: TensorDict, collections: list) -> None:
+    """The rest of ``view.lock_()`` for a locked view that ``_index_rows`` just built
+    from a locked tensordict, whose collection entries are ``collections``: its nested
+    TensorDicts were built and locked by the same call, so they only get their link to
+    ``view``; any other nested collection is locked by lock_()."""
     link = weakref.ref(view)
     for value in collections:
         if type(value) is TensorDict and value._is_locked:

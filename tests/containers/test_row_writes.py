@@ -155,3 +155,31 @@ def test_the_plan_is_not_pickled():
     assert clone._row_write_plan is None
     clone[4] = step(3.0)
     assert clone["obs"][4].tolist() == [3.0] * 3 and td["obs"][4].tolist() == [0.0] * 3
+
+
+class _Recorded(torch.Tensor):
+    """A tensor subclass that overrides torch: every torch call on it is recorded."""
+
+    calls: list = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.calls.append(getattr(func, "__name__", str(func)))
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@pytest.mark.parametrize("where", ["source", "destination"])
+def test_a_tensor_subclass_keeps_its_torch_function_on_cached_writes(where):
+    # the fast lane skips torch's __torch_function__ lookup only where no tensor overrides it
+    td = buffer()
+    if where == "destination":
+        td.set("obs", torch.zeros(6, 3).as_subclass(_Recorded))
+    warm(td)
+    source = step(5.0)
+    if where == "source":
+        source.set("obs", torch.full((3,), 5.0).as_subclass(_Recorded))
+    _Recorded.calls.clear()
+    td[4] = source
+    td[5] = source
+    assert _Recorded.calls.count("__setitem__") == 2, _Recorded.calls
+    assert td["obs"][4:].tolist() == [[5.0] * 3] * 2
