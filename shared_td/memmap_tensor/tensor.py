@@ -113,53 +113,58 @@ class MemoryMappedTensor(Factories, torch.Tensor):
 
     @staticmethod
     def _checked_view(backing, byte_offset: int, dtype: torch.dtype, shape: torch.Size, stride=None):
-        """The plain tensor over ``backing`` that :meth:`_from_backing` wraps, after its
-        checks (the same errors); None for zero elements (nothing to map)."""
-        itemsize = dtype.itemsize
-        if byte_offset % itemsize:
-            raise ValueError(f"Byte offset {byte_offset} is not a multiple of the "
-                             f"{itemsize}-byte size of {dtype}.")
-        if shape.numel() == 0:
+        """The plain tensor over ``backing`` that :meth:`_from_backing` wraps, after the
+        checks of :func:`_element_offset` (its errors); None for zero elements (nothing
+        to map)."""
+        offset = _element_offset(backing, byte_offset, dtype, shape, stride)
+        if offset is None:
             return None
-        offset = byte_offset // itemsize
         if stride is None:  # C order (a leaf of a load or a write): set_ makes the strides
-            extent = shape.numel()
-        else:
-            stride = tuple(stride)
-            extent = 1  # a loop, not sum() of a generator: this runs per leaf of an attach
-            for n, step in zip(shape, stride):
-                extent += (n - 1) * step
-        needed = (offset + extent) * itemsize
-        if needed > backing.nbytes:
-            where = f"File {backing.path}" if isinstance(backing, FileBacking) else repr(backing)
-            raise FileTooShortError(
-                f"{where} holds {backing.nbytes} bytes, but a {dtype} tensor of shape "
-                f"{tuple(shape)} at byte offset {byte_offset} needs {needed} bytes."
-            )
-        if stride is None:
             return torch.empty(0, dtype=dtype).set_(backing.storage, offset, shape)
         return torch.empty(0, dtype=dtype).set_(backing.storage, offset, shape, stride)
 
-    @classmethod
-    def _leaf_parts(cls, backing, dtype, shape, stride, byte_offset, parent_shape) -> tuple:
-        """A leaf that :meth:`_reference` described, checked once and kept as
-        ``(plain view, class, backing, parent shape)`` for :meth:`_wrap_leaves`, which
-        makes MMTs of it as often as needed (a coordinator's attach of a version it
-        parsed before). Zero-element leaves have no backing: not for them."""
-        view = cls._checked_view(backing, byte_offset, dtype, torch.Size(shape), stride)
-        return view, _class_for(cls, backing), backing, torch.Size(parent_shape)
+    @staticmethod
+    def _leaf_specs(references: list) -> list:
+        """The anonymous leaves that :meth:`_reference` described (a published version's),
+        each checked against its segment by :func:`_element_offset` (its errors; a
+        zero-element leaf, which pickles as itself, is refused too) and kept as
+        ``(base, shape, strides, element offset, segment, parent shape)`` for
+        :meth:`_make_leaves`, which makes MMTs of them as often as needed.
+
+        ``base`` is one zero-size tensor per segment and dtype over the segment's storage:
+        each leaf is then one ``as_strided`` of it (torch checks its bounds against the
+        storage too), where a view made from the storage itself (``set_``) costs two
+        torch calls, and the checks here are arithmetic only."""
+        bases: dict = {}
+        specs = []
+        for backing, dtype, shape, stride, byte_offset, parent_shape in references:
+            if type(backing) is not Segment:
+                raise TypeError(f"A published leaf lives in a shared-memory segment, not in "
+                                f"{type(backing).__name__}.")
+            offset = _element_offset(backing, byte_offset, dtype, shape, stride)
+            if offset is None:
+                raise ValueError(f"A {dtype} leaf of shape {tuple(shape)} has no element: a "
+                                 "published leaf of a segment always has some.")
+            base = bases.get((backing, dtype))
+            if base is None:
+                base = bases[backing, dtype] = torch.empty(0, dtype=dtype).set_(backing.storage, 0, (0,))
+            specs.append((base, tuple(shape), tuple(stride), offset, backing, torch.Size(parent_shape)))
+        return specs
 
     @staticmethod
-    def _wrap_leaves(parts: list) -> list:
-        """New MMTs over the ``(view, class, backing, parent shape)`` of :meth:`_leaf_parts`:
-        one ``as_subclass`` each (a new tensor object whose metadata is its own)."""
-        wrapped = []
-        for view, klass, backing, parent_shape in parts:
-            result = view.as_subclass(klass)
-            result._backing = backing
-            result._parent_shape = parent_shape
-            wrapped.append(result)
-        return wrapped
+    def _make_leaves(specs: list) -> list:
+        """New MMTs over the ``specs`` of :meth:`_leaf_specs`, one ``as_strided`` each: new
+        tensor objects whose metadata is their own. Torch returns a new tensor that no one
+        else holds, so it is made an MMT by assigning its class (as :meth:`_basic_view`
+        does), without the second tensor that ``as_subclass`` would make."""
+        made = []
+        for base, shape, stride, offset, backing, parent_shape in specs:
+            leaf = base.as_strided(shape, stride, offset)
+            leaf.__class__ = MemoryMappedTensor
+            leaf._backing = backing
+            leaf._parent_shape = parent_shape
+            made.append(leaf)
+        return made
 
     @classmethod
     def _empty_leaf(cls, backing, dtype, shape) -> MemoryMappedTensor:
@@ -530,6 +535,58 @@ def _class_for(cls, backing) -> type:
     if isinstance(backing, FileBacking) and backing.read_only:
         return READ_ONLY_CLASS
     return MemoryMappedTensor if cls is READ_ONLY_CLASS else cls
+
+
+def _element_offset(backing, byte_offset: int, dtype, shape, stride=None) -> int | None:
+    """Where a ``dtype`` tensor of ``shape`` (and ``stride``; C order when None) at
+    ``byte_offset`` of ``backing`` starts, in elements, once checked to lie within the
+    backing's bytes; None when it has no element (nothing to map, nothing to check).
+
+    Sizes are multiplied as Python ints: a shape whose element count overflows 64 bits
+    (torch's ``numel()`` then wraps, to 0 for ``(2**62, 2**62)``) is too big, not empty.
+
+    Raises:
+        TypeError: ``dtype`` is not a torch dtype.
+        ValueError: a negative offset, size or stride, a stride of another rank than the
+            shape, an offset that is not a multiple of the dtype's size.
+        FileTooShortError: the bytes run past the end of the backing.
+    """
+    if type(dtype) is not torch.dtype:
+        raise TypeError(f"The dtype of a tensor over shared memory is a torch.dtype, not {dtype!r}.")
+    itemsize = dtype.itemsize
+    if byte_offset % itemsize:
+        raise ValueError(f"Byte offset {byte_offset} is not a multiple of the "
+                         f"{itemsize}-byte size of {dtype}.")
+    count = 1
+    if stride is None:
+        for n in shape:  # a loop, not math.prod: this runs per leaf of an attach
+            if n < 0:
+                raise ValueError(f"A tensor of shape {tuple(shape)}: a size is negative.")
+            count *= n
+        extent = count
+    else:
+        if len(stride) != len(shape):
+            raise ValueError(f"A tensor of shape {tuple(shape)} cannot have the stride {tuple(stride)}.")
+        extent = 1
+        for n, step in zip(shape, stride):
+            if n < 0 or step < 0:
+                raise ValueError(f"A tensor of shape {tuple(shape)} and stride {tuple(stride)}: "
+                                 "a size or stride is negative.")
+            count *= n
+            extent += (n - 1) * step
+    if count == 0:
+        return None
+    if byte_offset < 0:
+        raise ValueError(f"Byte offset {byte_offset} is negative.")
+    offset = byte_offset // itemsize
+    needed = (offset + extent) * itemsize
+    if needed > backing.nbytes:
+        where = f"File {backing.path}" if isinstance(backing, FileBacking) else repr(backing)
+        raise FileTooShortError(
+            f"{where} holds {backing.nbytes} bytes, but a {dtype} tensor of shape "
+            f"{tuple(shape)} at byte offset {byte_offset} needs {needed} bytes."
+        )
+    return offset
 
 
 def _storage_backing(storage, filename, handler):

@@ -24,7 +24,7 @@ from tests.coordinator.test_leaks import holders_of
 from tests.processes import WAIT, finish
 
 import shared_td
-from shared_td import MemoryMappedTensor
+from shared_td.memmap_tensor import tensor as tensor_module
 
 
 def wide(n=100):
@@ -34,17 +34,17 @@ def wide(n=100):
 
 @pytest.fixture
 def leaf_builds(monkeypatch):
-    """A list that grows by one per leaf built from a published layout: a call of
-    ``MemoryMappedTensor._checked_view``, the checks and the view of each leaf, which
-    unpickling a leaf (``_from_backing``) and parsing a published version go through."""
+    """A list that grows by one per leaf checked against its backing: a call of
+    ``shared_td.memmap_tensor.tensor._element_offset``, the check that unpickling a leaf
+    (``_from_backing``) and parsing a published version (``_leaf_specs``) make per leaf."""
     built = []
-    original = MemoryMappedTensor._checked_view
+    original = tensor_module._element_offset
 
     def counting(*args, **kwargs):
         built.append(args[1:3])
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(MemoryMappedTensor, "_checked_view", staticmethod(counting))
+    monkeypatch.setattr(tensor_module, "_element_offset", counting)
     return built
 
 
