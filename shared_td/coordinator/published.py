@@ -19,14 +19,18 @@ mostly unpickling its leaves one by one (each checked against its segment), agai
 every attach. The pickle is ``(tree, leaves)``: ``tree`` is the tensordict pickled with
 each MemoryMappedTensor over an anonymous segment replaced by its index in ``leaves``
 (a pickle persistent id), and ``leaves`` is what each one pickles as (its
-``_reference()``: segment, dtype, shape, strides, offset). A process parses a published
-version once (a :class:`ParsedVersion`: each leaf checked against its segment once and
-kept as a plain view), and each attach of that version wraps new MemoryMappedTensors
-around those views (one ``as_subclass`` each) and unpickles only the tree around them,
-so every attach still returns new objects (new nodes, leaves whose metadata is their
-own), as a plain unpickle did. Each attach still asks the manager for the current
-version first (one round trip), so staleness, unpublishing and a dead or stopped manager
-are seen as before. A parsed version lives as long as a tensordict attached from it
+``_reference()``: segment, dtype, shape, strides, offset); a zero-element one has no
+bytes to view and stays in the tree, pickled as itself. A process parses a published
+version once (a :class:`ParsedVersion`: each leaf checked against its segment once, by
+arithmetic, and kept as its spec), and each attach of that version makes new
+MemoryMappedTensors of those specs (one ``as_strided`` each, of one base tensor per
+segment and dtype: ``MemoryMappedTensor._leaf_specs``) and unpickles only the tree
+around them, so every attach still returns new objects (new nodes, leaves whose metadata
+is their own), as a plain unpickle did. A leaf that does not fit its segment is refused
+before any view is made, and the error names the published name and the leaf's key.
+Each attach still asks the manager for the current version first (one round trip), so
+staleness, unpublishing and a dead or stopped manager are seen as before. A parsed
+version lives as long as a tensordict attached from it
 (:func:`shared_td.coordinator.staleness.remember` holds it), so it never keeps memory
 mapped by itself. File-backed leaves stay in the tree: each attach maps their paths
 anew, as before (an atomic rewrite that was not published yet is what a new attach

@@ -8,10 +8,10 @@ import numpy as np
 import torch
 
 from shared_td.memmap_tensor.factories import Factories
-from shared_td.memmap_tensor.shapes import _check_cpu, _contiguous_strides, checked_shape
+from shared_td.memmap_tensor.shapes import _check_cpu, _contiguous_strides, _element_offset, checked_shape
 from shared_td.storage import anonymous, files
 from shared_td.storage.anonymous import Segment
-from shared_td.storage.files import FileBacking, FileTooShortError
+from shared_td.storage.files import FileBacking
 
 __all__ = ["MemoryMappedTensor", "checked_shape"]
 
@@ -535,58 +535,6 @@ def _class_for(cls, backing) -> type:
     if isinstance(backing, FileBacking) and backing.read_only:
         return READ_ONLY_CLASS
     return MemoryMappedTensor if cls is READ_ONLY_CLASS else cls
-
-
-def _element_offset(backing, byte_offset: int, dtype, shape, stride=None) -> int | None:
-    """Where a ``dtype`` tensor of ``shape`` (and ``stride``; C order when None) at
-    ``byte_offset`` of ``backing`` starts, in elements, once checked to lie within the
-    backing's bytes; None when it has no element (nothing to map, nothing to check).
-
-    Sizes are multiplied as Python ints: a shape whose element count overflows 64 bits
-    (torch's ``numel()`` then wraps, to 0 for ``(2**62, 2**62)``) is too big, not empty.
-
-    Raises:
-        TypeError: ``dtype`` is not a torch dtype.
-        ValueError: a negative offset, size or stride, a stride of another rank than the
-            shape, an offset that is not a multiple of the dtype's size.
-        FileTooShortError: the bytes run past the end of the backing.
-    """
-    if type(dtype) is not torch.dtype:
-        raise TypeError(f"The dtype of a tensor over shared memory is a torch.dtype, not {dtype!r}.")
-    itemsize = dtype.itemsize
-    if byte_offset % itemsize:
-        raise ValueError(f"Byte offset {byte_offset} is not a multiple of the "
-                         f"{itemsize}-byte size of {dtype}.")
-    count = 1
-    if stride is None:
-        for n in shape:  # a loop, not math.prod: this runs per leaf of an attach
-            if n < 0:
-                raise ValueError(f"A tensor of shape {tuple(shape)}: a size is negative.")
-            count *= n
-        extent = count
-    else:
-        if len(stride) != len(shape):
-            raise ValueError(f"A tensor of shape {tuple(shape)} cannot have the stride {tuple(stride)}.")
-        extent = 1
-        for n, step in zip(shape, stride):
-            if n < 0 or step < 0:
-                raise ValueError(f"A tensor of shape {tuple(shape)} and stride {tuple(stride)}: "
-                                 "a size or stride is negative.")
-            count *= n
-            extent += (n - 1) * step
-    if count == 0:
-        return None
-    if byte_offset < 0:
-        raise ValueError(f"Byte offset {byte_offset} is negative.")
-    offset = byte_offset // itemsize
-    needed = (offset + extent) * itemsize
-    if needed > backing.nbytes:
-        where = f"File {backing.path}" if isinstance(backing, FileBacking) else repr(backing)
-        raise FileTooShortError(
-            f"{where} holds {backing.nbytes} bytes, but a {dtype} tensor of shape "
-            f"{tuple(shape)} at byte offset {byte_offset} needs {needed} bytes."
-        )
-    return offset
 
 
 def _storage_backing(storage, filename, handler):

@@ -35,8 +35,9 @@ def wide(n=100):
 @pytest.fixture
 def leaf_builds(monkeypatch):
     """A list that grows by one per leaf checked against its backing: a call of
-    ``shared_td.memmap_tensor.tensor._element_offset``, the check that unpickling a leaf
-    (``_from_backing``) and parsing a published version (``_leaf_specs``) make per leaf."""
+    ``_element_offset`` (of memmap_tensor/shapes.py, called from tensor.py), the check
+    that unpickling a leaf (``_from_backing``) and parsing a published version
+    (``_leaf_specs``) make per leaf."""
     built = []
     original = tensor_module._element_offset
 
