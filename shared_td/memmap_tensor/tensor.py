@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from shared_td.memmap_tensor.factories import Factories
-from shared_td.memmap_tensor.shapes import _check_cpu, _contiguous_strides, _element_offset, checked_shape
+from shared_td.memmap_tensor.shapes import _check_cpu, _contiguous_strides, _element_offset, _extent, checked_shape
 from shared_td.storage import anonymous, files
 from shared_td.storage.anonymous import Segment
 from shared_td.storage.files import FileBacking
@@ -126,29 +126,31 @@ class MemoryMappedTensor(Factories, torch.Tensor):
     @staticmethod
     def _leaf_specs(references: list) -> list:
         """The anonymous leaves that :meth:`_reference` described (a published version's),
-        each checked against its segment by :func:`_element_offset` (its errors; a
-        zero-element leaf, which pickles as itself, is refused too) and kept as
-        ``(base, shape, strides, element offset, segment, parent shape)`` for
-        :meth:`_make_leaves`, which makes MMTs of them as often as needed.
+        each checked to lie within its segment (the errors of :func:`_element_offset`; a
+        zero-element leaf, which pickles as itself, is refused too), as ``(base, shape,
+        strides, element offset, segment, parent shape)`` for :meth:`_make_leaves`.
 
-        ``base`` is one zero-size tensor per segment and dtype over the segment's storage:
-        each leaf is then one ``as_strided`` of it (torch checks its bounds against the
-        storage too), where a view made from the storage itself (``set_``) costs two
-        torch calls, and the checks here are arithmetic only."""
+        ``base`` is one zero-size tensor per segment and dtype: each leaf is one
+        ``as_strided`` of it (a view made from the storage, ``set_``, costs two torch
+        calls). Each layout (dtype, shape, strides) is checked once (a tree has few), so
+        a leaf of a layout met before costs its offset's checks only."""
         bases: dict = {}
+        layouts: dict = {}  # (dtype, shape, strides) -> (item size, bytes it spans), checked
+        sizes: dict = {}  # parent shape -> its torch.Size: one object per distinct shape
         specs = []
         for backing, dtype, shape, stride, byte_offset, parent_shape in references:
-            if type(backing) is not Segment:
-                raise TypeError(f"A published leaf lives in a shared-memory segment, not in "
-                                f"{type(backing).__name__}.")
-            offset = _element_offset(backing, byte_offset, dtype, shape, stride)
-            if offset is None:
-                raise ValueError(f"A {dtype} leaf of shape {tuple(shape)} has no element: a "
-                                 "published leaf of a segment always has some.")
+            layout = layouts.get((dtype, shape, stride))
+            if (layout is None or type(backing) is not Segment or byte_offset < 0
+                    or byte_offset % layout[0] or byte_offset + layout[1] > backing.nbytes):
+                # a new layout, or a leaf that does not fit: the whole check (its error)
+                layout = layouts[dtype, shape, stride] = _checked_layout(backing, byte_offset, dtype, shape, stride)
             base = bases.get((backing, dtype))
             if base is None:
                 base = bases[backing, dtype] = torch.empty(0, dtype=dtype).set_(backing.storage, 0, (0,))
-            specs.append((base, tuple(shape), tuple(stride), offset, backing, torch.Size(parent_shape)))
+            size = sizes.get(parent_shape)
+            if size is None:
+                size = sizes[parent_shape] = torch.Size(parent_shape)
+            specs.append((base, shape, stride, byte_offset // layout[0], backing, size))
         return specs
 
     @staticmethod
@@ -535,6 +537,17 @@ def _class_for(cls, backing) -> type:
     if isinstance(backing, FileBacking) and backing.read_only:
         return READ_ONLY_CLASS
     return MemoryMappedTensor if cls is READ_ONLY_CLASS else cls
+
+
+def _checked_layout(backing, byte_offset: int, dtype, shape, stride) -> tuple[int, int]:
+    """``(item size, bytes spanned)`` of a published leaf (see ``_leaf_specs``), once
+    checked to lie within ``backing``, a Segment, and to have elements."""
+    if type(backing) is not Segment:
+        raise TypeError(f"A published leaf lives in a shared-memory segment, not in {type(backing).__name__}.")
+    if _element_offset(backing, byte_offset, dtype, shape, stride) is None:
+        raise ValueError(f"A {dtype} leaf of shape {tuple(shape)} has no element: a "
+                         "published leaf of a segment always has some.")
+    return dtype.itemsize, _extent(dtype, shape, stride) * dtype.itemsize
 
 
 def _storage_backing(storage, filename, handler):

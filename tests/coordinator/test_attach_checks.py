@@ -85,6 +85,35 @@ def test_a_leaf_that_does_not_fit_its_segment_is_refused_naming_it(change, error
         assert coord.attach("w")["b", "c"].shape == (2, 3)
 
 
+# (id, new byte offset of the last leaf, from the segment's size and the leaf's offset)
+_BAD_OFFSETS = [
+    ("past the end", lambda nbytes, offset: nbytes - 8),
+    ("misaligned", lambda nbytes, offset: offset + 2),
+    ("negative", lambda nbytes, offset: -16),
+    ("far past the end", lambda nbytes, offset: 1 << 62),
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("new_offset", [case[1] for case in _BAD_OFFSETS], ids=[case[0] for case in _BAD_OFFSETS])
+def test_a_leaf_of_a_layout_met_before_is_checked_too(new_offset):
+    # the leaves share one layout (dtype, shape, strides), checked once per version:
+    # the offset of each one is still checked against its segment
+    with shared_td.Coordinator() as coord:
+        td = shared_td.TensorDict({f"k{i}": torch.zeros(4) for i in range(5)})
+        coord.publish("w", td)
+        blob, references = published.pickle_by_reference(td)
+        tree, leaves = pickle.loads(blob)
+        last = max(range(len(leaves)), key=lambda i: leaves[i][4])
+        key = next(k for k in td.keys() if td[k]._byte_offset() == leaves[last][4])
+        backing, dtype, shape, stride, offset, parent = leaves[last]
+        leaves[last] = (backing, dtype, shape, stride, new_offset(backing.nbytes, offset), parent)
+        coord._call("publish", "w", pickle.dumps((tree, leaves)), references, published.layout_of(td))
+        with pytest.raises(ValueError, match=f"'{key}' is refused") as info:
+            coord.attach("w")
+        assert "'w'" in str(info.value)
+
+
 @pytest.mark.timeout(60)
 def test_leaves_of_several_dtypes_in_one_segment_are_each_their_own_view():
     with shared_td.Coordinator() as coord:

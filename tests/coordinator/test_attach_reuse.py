@@ -24,7 +24,7 @@ from tests.coordinator.test_leaks import holders_of
 from tests.processes import WAIT, finish
 
 import shared_td
-from shared_td.memmap_tensor import tensor as tensor_module
+from shared_td import MemoryMappedTensor
 
 
 def wide(n=100):
@@ -34,18 +34,22 @@ def wide(n=100):
 
 @pytest.fixture
 def leaf_builds(monkeypatch):
-    """A list that grows by one per leaf checked against its backing: a call of
-    ``_element_offset`` (of memmap_tensor/shapes.py, called from tensor.py), the check
-    that unpickling a leaf (``_from_backing``) and parsing a published version
-    (``_leaf_specs``) make per leaf."""
+    """A list that grows by one per leaf parsed: per leaf of a published version that
+    ``MemoryMappedTensor._leaf_specs`` checks, and per leaf unpickled on its own
+    (``_from_backing``'s ``_checked_view``)."""
     built = []
-    original = tensor_module._element_offset
+    specs, checked_view = MemoryMappedTensor._leaf_specs, MemoryMappedTensor._checked_view
 
-    def counting(*args, **kwargs):
+    def counting_specs(references):
+        built.extend(reference[1:3] for reference in references)
+        return specs(references)
+
+    def counting_view(*args, **kwargs):
         built.append(args[1:3])
-        return original(*args, **kwargs)
+        return checked_view(*args, **kwargs)
 
-    monkeypatch.setattr(tensor_module, "_element_offset", counting)
+    monkeypatch.setattr(MemoryMappedTensor, "_leaf_specs", staticmethod(counting_specs))
+    monkeypatch.setattr(MemoryMappedTensor, "_checked_view", staticmethod(counting_view))
     return built
 
 
