@@ -18,6 +18,8 @@ __all__ = ["MemoryMappedTensor", "checked_shape"]
 # A non-contiguous input up to this size is made contiguous and written with pwrite;
 # bigger ones (e.g. an expanded scalar) are copied through the mapping, with no temporary.
 _CONTIGUOUS_COPY_LIMIT = 1 << 26
+# Leaves made below the dispatch key that makes views: each its own tensor (see _make_leaves)
+_OWN_VERSION_COUNTER = torch._C._AutoDispatchBelowADInplaceOrView
 
 
 class MemoryMappedTensor(Factories, torch.Tensor):
@@ -127,13 +129,15 @@ class MemoryMappedTensor(Factories, torch.Tensor):
     def _leaf_specs(references: list) -> list:
         """The anonymous leaves that :meth:`_reference` described (a published version's),
         each checked to lie within its segment (the errors of :func:`_element_offset`; a
-        zero-element leaf, which pickles as itself, is refused too), as ``(base, shape,
+        zero-element leaf, which pickles as itself, is refused), as ``(base, shape,
         strides, element offset, segment, parent shape)`` for :meth:`_make_leaves`.
 
-        ``base`` is one zero-size tensor per segment and dtype: each leaf is one
-        ``as_strided`` of it (a view made from the storage, ``set_``, costs two torch
-        calls). Each layout (dtype, shape, strides) is checked once (a tree has few), so
-        a leaf of a layout met before costs its offset's checks only."""
+        ``base``: one zero-size tensor per segment and dtype, of which each leaf is one
+        ``as_strided`` (``set_`` on a new tensor costs two torch calls). A normal tensor
+        even in inference mode, so are the leaves: an attach under ``inference_mode()``
+        must not make the leaves of later attaches inference tensors (no in-place write
+        outside it). Each layout (dtype, shape, strides) is checked once: a leaf of a
+        layout met before costs its offset's checks only."""
         bases: dict = {}
         layouts: dict = {}  # (dtype, shape, strides) -> (item size, bytes it spans), checked
         sizes: dict = {}  # parent shape -> its torch.Size: one object per distinct shape
@@ -146,7 +150,8 @@ class MemoryMappedTensor(Factories, torch.Tensor):
                 layout = layouts[dtype, shape, stride] = _checked_layout(backing, byte_offset, dtype, shape, stride)
             base = bases.get((backing, dtype))
             if base is None:
-                base = bases[backing, dtype] = torch.empty(0, dtype=dtype).set_(backing.storage, 0, (0,))
+                with torch.inference_mode(False):  # a normal tensor, so are the leaves
+                    base = bases[backing, dtype] = torch.empty(0, dtype=dtype).set_(backing.storage, 0, (0,))
             size = sizes.get(parent_shape)
             if size is None:
                 size = sizes[parent_shape] = torch.Size(parent_shape)
@@ -155,17 +160,20 @@ class MemoryMappedTensor(Factories, torch.Tensor):
 
     @staticmethod
     def _make_leaves(specs: list) -> list:
-        """New MMTs over the ``specs`` of :meth:`_leaf_specs`, one ``as_strided`` each: new
-        tensor objects whose metadata is their own. Torch returns a new tensor that no one
-        else holds, so it is made an MMT by assigning its class (as :meth:`_basic_view`
-        does), without the second tensor that ``as_subclass`` would make."""
+        """New MMTs over the ``specs`` of :meth:`_leaf_specs`, one ``as_strided`` each, made
+        an MMT by assigning its class (as :meth:`_basic_view` does; ``as_subclass`` would
+        make a second tensor). Made below torch's ADInplaceOrView dispatch key, each is a
+        tensor of its own, as ``set_`` makes one (bounds still checked), not a view of
+        the base: a view shares its base's version counter, so an in-place write to one
+        leaf would fail autograd's backward of another that it saved."""
         made = []
-        for base, shape, stride, offset, backing, parent_shape in specs:
-            leaf = base.as_strided(shape, stride, offset)
-            leaf.__class__ = MemoryMappedTensor
-            leaf._backing = backing
-            leaf._parent_shape = parent_shape
-            made.append(leaf)
+        with _OWN_VERSION_COUNTER():
+            for base, shape, stride, offset, backing, parent_shape in specs:
+                leaf = base.as_strided(shape, stride, offset)
+                leaf.__class__ = MemoryMappedTensor
+                leaf._backing = backing
+                leaf._parent_shape = parent_shape
+                made.append(leaf)
         return made
 
     @classmethod
@@ -539,17 +547,6 @@ def _class_for(cls, backing) -> type:
     return MemoryMappedTensor if cls is READ_ONLY_CLASS else cls
 
 
-def _checked_layout(backing, byte_offset: int, dtype, shape, stride) -> tuple[int, int]:
-    """``(item size, bytes spanned)`` of a published leaf (see ``_leaf_specs``), once
-    checked to lie within ``backing``, a Segment, and to have elements."""
-    if type(backing) is not Segment:
-        raise TypeError(f"A published leaf lives in a shared-memory segment, not in {type(backing).__name__}.")
-    if _element_offset(backing, byte_offset, dtype, shape, stride) is None:
-        raise ValueError(f"A {dtype} leaf of shape {tuple(shape)} has no element: a "
-                         "published leaf of a segment always has some.")
-    return dtype.itemsize, _extent(dtype, shape, stride) * dtype.itemsize
-
-
 def _storage_backing(storage, filename, handler):
     """The backing that a storage given to from_storage pickles by, or None."""
     if handler is not None:
@@ -588,3 +585,14 @@ def _rebuild_empty(path, dtype, shape):
 
 def _reduce(tensor):
     return tensor.__reduce_ex__(2)
+
+
+def _checked_layout(backing, byte_offset: int, dtype, shape, stride) -> tuple[int, int]:
+    """``(item size, bytes spanned)`` of a published leaf (see ``_leaf_specs``), once
+    checked to lie within ``backing``, a Segment, and to have elements."""
+    if type(backing) is not Segment:
+        raise TypeError(f"A published leaf lives in a shared-memory segment, not in {type(backing).__name__}.")
+    if _element_offset(backing, byte_offset, dtype, shape, stride) is None:
+        raise ValueError(f"A {dtype} leaf of shape {tuple(shape)} has no element: a "
+                         "published leaf of a segment always has some.")
+    return dtype.itemsize, _extent(dtype, shape, stride) * dtype.itemsize
