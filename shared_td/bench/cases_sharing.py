@@ -87,7 +87,11 @@ def case_coord_attach(options, root: str) -> dict:
     does: after the first, each attach reuses the version this process parsed (see
     shared_td/coordinator/published.py). The ``first attach`` row drops each result
     first, so each attach parses the version anew (what a worker's one attach costs once
-    connected; the segment stays open here, as the floor's descriptor does)."""
+    connected; the segment stays open here, as the floor's descriptor does), against
+    the same floor as the anonymous row.
+
+    The rows take turns (best_of_each), so that a busy phase of a shared machine does
+    not fall on a floor or on one row only: the ratios compare timings of one period."""
     import shared_td
 
     def leaves():
@@ -95,30 +99,20 @@ def case_coord_attach(options, root: str) -> dict:
 
     rounds = options.rounds
     prefix = os.path.join(root, "published")
-    out = {}
     with shared_td.Coordinator() as coord:
         coord.publish("anonymous", leaves())
         coord.publish("files", leaves(), prefix=prefix)
         floor_of = {"anonymous": _anonymous_floor(coord.attach("anonymous")),
                     "files": _files_floor(coord.attach("files"))}
+        variants = {}
         for name in ["anonymous", "files"]:
             coord.attach(name)  # the connection is made once per process
-            out[f"floor {name}"] = best_of(
-                options.repeat, lambda: None,
-                lambda _, n=name: [floor_of[n]() for _ in range(rounds)],
-            ) / rounds
-            out[f"{name}, 100 leaves"] = best_of(
-                options.repeat, lambda: None,
-                lambda _, n=name: [coord.attach(n) for _ in range(rounds)],
-            ) / rounds
-        out["anonymous, first attach"] = best_of(
-            options.repeat, lambda: None,
-            lambda _: [type(coord.attach("anonymous")) for _ in range(rounds)],
-        ) / rounds
-        out["names() round trip"] = best_of(
-            options.repeat, lambda: None, lambda _: [coord.names() for _ in range(rounds)]
-        ) / rounds
-    return out
+            variants[f"floor {name}"] = lambda _, n=name: [floor_of[n]() for _ in range(rounds)]
+            variants[f"{name}, 100 leaves"] = lambda _, n=name: [coord.attach(n) for _ in range(rounds)]
+        variants["anonymous, first attach"] = lambda _: [type(coord.attach("anonymous")) for _ in range(rounds)]
+        variants["names() round trip"] = lambda _: [coord.names() for _ in range(rounds)]
+        times = best_of_each(options.repeat, {row: (lambda: None, run) for row, run in variants.items()})
+    return {row: seconds / rounds for row, seconds in times.items()}
 
 
 def _anonymous_floor(attached):

@@ -112,9 +112,11 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, TensorDictBase):
 
     def _collection_children(self) -> list:
         """LockingOps's, over the entries themselves: lock_() and unlock_() of a tree
-        call it once per node (the lock of a loaded 1000-node tree was mostly lookups)."""
-        return [child for child in map(unwrap_tensorclass, self._tensordict.values())
-                if isinstance(child, TensorDictBase)]
+        call it once per node (the lock of a loaded 1000-node tree was mostly lookups).
+        Tensors, most entries, are passed over first (a tensor is never a collection):
+        the lock of each attach of a 100-leaf tensordict was ~25 us of unwrapping them."""
+        others = [value for value in self._tensordict.values() if not isinstance(value, torch.Tensor)]
+        return [child for child in map(unwrap_tensorclass, others) if isinstance(child, TensorDictBase)]
 
     def _del_str(self, key: str) -> None:
         del self._tensordict[key]

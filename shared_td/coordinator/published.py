@@ -19,14 +19,18 @@ mostly unpickling its leaves one by one (each checked against its segment), agai
 every attach. The pickle is ``(tree, leaves)``: ``tree`` is the tensordict pickled with
 each MemoryMappedTensor over an anonymous segment replaced by its index in ``leaves``
 (a pickle persistent id), and ``leaves`` is what each one pickles as (its
-``_reference()``: segment, dtype, shape, strides, offset). A process parses a published
-version once (a :class:`ParsedVersion`: each leaf checked against its segment once and
-kept as a plain view), and each attach of that version wraps new MemoryMappedTensors
-around those views (one ``as_subclass`` each) and unpickles only the tree around them,
-so every attach still returns new objects (new nodes, leaves whose metadata is their
-own), as a plain unpickle did. Each attach still asks the manager for the current
-version first (one round trip), so staleness, unpublishing and a dead or stopped manager
-are seen as before. A parsed version lives as long as a tensordict attached from it
+``_reference()``: segment, dtype, shape, strides, offset); a zero-element one has no
+bytes to view and stays in the tree, pickled as itself. A process parses a published
+version once (a :class:`ParsedVersion`: each leaf checked against its segment once, by
+arithmetic, and kept as its spec), and each attach of that version makes new
+MemoryMappedTensors of those specs (one ``as_strided`` each, of one base tensor per
+segment and dtype: ``MemoryMappedTensor._leaf_specs``) and unpickles only the tree
+around them, so every attach still returns new objects (new nodes, leaves whose metadata
+is their own), as a plain unpickle did. A leaf that does not fit its segment is refused
+before any view is made, and the error names the published name and the leaf's key.
+Each attach still asks the manager for the current version first (one round trip), so
+staleness, unpublishing and a dead or stopped manager are seen as before. A parsed
+version lives as long as a tensordict attached from it
 (:func:`shared_td.coordinator.staleness.remember` holds it), so it never keeps memory
 mapped by itself. File-backed leaves stay in the tree: each attach maps their paths
 anew, as before (an atomic rewrite that was not published yet is what a new attach
@@ -55,6 +59,7 @@ import torch
 
 from shared_td.containers.base import is_leaf_nontensor
 from shared_td.containers.lazy import LazyStackedTensorDict
+from shared_td.keys import key_repr
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.storage.anonymous import Segment
 from shared_td.storage.shared_value import SharedValue
@@ -83,7 +88,8 @@ class _ReferenceCollector(pickle.Pickler):
             attach, (pid, fd, key, *rest) = obj.__reduce__()
             if key not in self.references:
                 self.references[key] = (pid, fd, key, pickle.dumps((attach, tuple(rest))))
-        elif kind is MemoryMappedTensor and self.leaves is not None and type(obj._backing) is Segment:
+        elif (kind is MemoryMappedTensor and self.leaves is not None
+              and type(obj._backing) is Segment and obj.numel()):  # no bytes, no view: pickled as itself
             index = self._leaf_index.get(id(obj))
             if index is None:
                 index = self._leaf_index[id(obj)] = len(self.leaves)
@@ -107,12 +113,16 @@ def pickle_by_reference(obj: Any) -> tuple[bytes, list[tuple]]:
 class ParsedVersion:
     """One published version as this process parsed it: ``blob`` (what the manager sent),
     the memfds it names opened here, its anonymous leaves checked against their segments
-    once and kept as plain views, never handed out: :meth:`build` wraps new objects
-    around them. Immutable once made, so threads build from it at once."""
+    once and kept as their specs, never as tensors handed out: :meth:`build` makes new
+    objects of them. Immutable once made, so threads build from it at once.
+
+    Raises what :meth:`MemoryMappedTensor._leaf_specs` raises for a leaf that does not
+    fit its segment (or whose dtype is not one), its message naming ``name`` and the
+    leaf's key."""
 
     __slots__ = ("blob", "_tree", "_leaves", "_opened", "__weakref__")
 
-    def __init__(self, blob: bytes, references: list):
+    def __init__(self, blob: bytes, references: list, name: str = "?"):
         opened = []  # held while this lives: the storage caches are weak
         for pid, fd, key, how in references:
             attach, rest = pickle.loads(how)
@@ -120,14 +130,48 @@ class ParsedVersion:
         self._opened = opened
         self.blob = blob
         self._tree, leaves = pickle.loads(blob)
-        self._leaves = [MemoryMappedTensor._leaf_parts(*leaf) for leaf in leaves]
+        try:
+            self._leaves = MemoryMappedTensor._leaf_specs(leaves)
+        except (TypeError, ValueError) as err:
+            raise _refused(name, self._tree, leaves, err) from err
 
     def build(self) -> Any:
         """A new tensordict of this version: the tree unpickled around new leaf objects."""
-        fresh = MemoryMappedTensor._wrap_leaves(self._leaves)
+        fresh = MemoryMappedTensor._make_leaves(self._leaves)
         unpickler = pickle.Unpickler(io.BytesIO(self._tree))
         unpickler.persistent_load = fresh.__getitem__
         return unpickler.load()
+
+
+def _refused(name: str, tree: bytes, leaves: list, err: Exception) -> Exception:
+    """``err`` (a leaf of the version of ``name`` refused), its message naming the leaf's
+    key. Only on that error: the leaves are checked again one by one to find it, and its
+    key is found in the tree unpickled around a placeholder per leaf."""
+    index = None
+    for index, leaf in enumerate(leaves):
+        try:
+            MemoryMappedTensor._leaf_specs([leaf])
+        except (TypeError, ValueError):
+            break
+    where = f"leaf number {index}"
+    try:
+        placeholders: dict[int, int] = {}  # id(placeholder) -> index of its leaf
+
+        def placeholder(i: int) -> torch.Tensor:
+            tensor = torch.empty(0)
+            placeholders[id(tensor)] = i
+            return tensor
+
+        unpickler = pickle.Unpickler(io.BytesIO(tree))
+        unpickler.persistent_load = placeholder
+        for key, value in _summary_leaves(unpickler.load(), ()):
+            if placeholders.get(id(value)) == index:
+                where = f"leaf {key_repr(key)}"
+                break
+    except Exception:  # a tree that does not unpickle: the leaf stays named by its number
+        pass
+    return type(err)(f"Cannot attach {name!r}: its {where} is refused: {err} The published "
+                     "pickle is damaged; publish the tensordict again.")
 
 
 # (address, name, version) -> the ParsedVersion that the tensordicts attached from it
@@ -143,7 +187,7 @@ def rebuild(version_key: tuple, blob: bytes, references: list) -> tuple[Any, Par
     and still holds, is reused when ``blob`` is the same."""
     parsed = _PARSED.get(version_key)
     if parsed is None or parsed.blob != blob:
-        parsed = ParsedVersion(blob, references)
+        parsed = ParsedVersion(blob, references, version_key[1])
         _PARSED[version_key] = parsed
     return parsed.build(), parsed
 

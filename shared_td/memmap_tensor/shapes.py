@@ -1,7 +1,10 @@
-"""Shapes and strides of the tensors MemoryMappedTensor builds: parsed and checked once."""
+"""Shapes and strides of the tensors MemoryMappedTensor builds: parsed and checked once;
+where such a tensor starts in its backing, checked to lie within it."""
 from __future__ import annotations
 
 import torch
+
+from shared_td.storage.files import FileBacking, FileTooShortError
 
 
 def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
@@ -44,3 +47,65 @@ def _parse_shape(size: tuple, shape) -> torch.Size:
 def _check_cpu(device) -> None:
     if device is not None and torch.device(device).type != "cpu":
         raise RuntimeError("Only CPU tensors are supported.")
+
+
+def _extent(dtype, shape, stride=None) -> int:
+    """How many elements of its storage a ``dtype`` tensor of ``shape`` (and ``stride``;
+    C order when None) spans, from its first element to its last; 0 when it has none.
+
+    Sizes are multiplied as Python ints: a shape whose element count overflows 64 bits
+    (torch's ``numel()`` then wraps, to 0 for ``(2**62, 2**62)``) is too big, not empty.
+
+    Raises:
+        TypeError: ``dtype`` is not a torch dtype.
+        ValueError: a negative size or stride, a stride of another rank than the shape.
+    """
+    if type(dtype) is not torch.dtype:
+        raise TypeError(f"The dtype of a tensor over shared memory is a torch.dtype, not {dtype!r}.")
+    count = 1
+    if stride is None:
+        for n in shape:  # a loop, not math.prod: this runs per leaf of a load
+            if n < 0:
+                raise ValueError(f"A tensor of shape {tuple(shape)}: a size is negative.")
+            count *= n
+        return count
+    if len(stride) != len(shape):
+        raise ValueError(f"A tensor of shape {tuple(shape)} cannot have the stride {tuple(stride)}.")
+    extent = 1
+    for n, step in zip(shape, stride):
+        if n < 0 or step < 0:
+            raise ValueError(f"A tensor of shape {tuple(shape)} and stride {tuple(stride)}: "
+                             "a size or stride is negative.")
+        count *= n
+        extent += (n - 1) * step
+    return extent if count else 0
+
+
+def _element_offset(backing, byte_offset: int, dtype, shape, stride=None) -> int | None:
+    """Where a ``dtype`` tensor of ``shape`` (and ``stride``) at ``byte_offset`` of
+    ``backing`` starts, in elements, once checked to lie within the backing's bytes; None
+    when it has no element (nothing to map, nothing to check).
+
+    Raises:
+        TypeError, ValueError: as :func:`_extent`; ValueError also for a negative offset
+            or one that is not a multiple of the dtype's size.
+        FileTooShortError: the bytes run past the end of the backing.
+    """
+    extent = _extent(dtype, shape, stride)
+    itemsize = dtype.itemsize
+    if byte_offset % itemsize:
+        raise ValueError(f"Byte offset {byte_offset} is not a multiple of the "
+                         f"{itemsize}-byte size of {dtype}.")
+    if extent == 0:
+        return None
+    if byte_offset < 0:
+        raise ValueError(f"Byte offset {byte_offset} is negative.")
+    offset = byte_offset // itemsize
+    needed = (offset + extent) * itemsize
+    if needed > backing.nbytes:
+        where = f"File {backing.path}" if isinstance(backing, FileBacking) else repr(backing)
+        raise FileTooShortError(
+            f"{where} holds {backing.nbytes} bytes, but a {dtype} tensor of shape "
+            f"{tuple(shape)} at byte offset {byte_offset} needs {needed} bytes."
+        )
+    return offset

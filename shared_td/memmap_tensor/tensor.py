@@ -8,16 +8,18 @@ import numpy as np
 import torch
 
 from shared_td.memmap_tensor.factories import Factories
-from shared_td.memmap_tensor.shapes import _check_cpu, _contiguous_strides, checked_shape
+from shared_td.memmap_tensor.shapes import _check_cpu, _contiguous_strides, _element_offset, _extent, checked_shape
 from shared_td.storage import anonymous, files
 from shared_td.storage.anonymous import Segment
-from shared_td.storage.files import FileBacking, FileTooShortError
+from shared_td.storage.files import FileBacking
 
 __all__ = ["MemoryMappedTensor", "checked_shape"]
 
 # A non-contiguous input up to this size is made contiguous and written with pwrite;
 # bigger ones (e.g. an expanded scalar) are copied through the mapping, with no temporary.
 _CONTIGUOUS_COPY_LIMIT = 1 << 26
+# Leaves made below the dispatch key that makes views: each its own tensor (see _make_leaves)
+_OWN_VERSION_COUNTER = torch._C._AutoDispatchBelowADInplaceOrView
 
 
 class MemoryMappedTensor(Factories, torch.Tensor):
@@ -113,53 +115,66 @@ class MemoryMappedTensor(Factories, torch.Tensor):
 
     @staticmethod
     def _checked_view(backing, byte_offset: int, dtype: torch.dtype, shape: torch.Size, stride=None):
-        """The plain tensor over ``backing`` that :meth:`_from_backing` wraps, after its
-        checks (the same errors); None for zero elements (nothing to map)."""
-        itemsize = dtype.itemsize
-        if byte_offset % itemsize:
-            raise ValueError(f"Byte offset {byte_offset} is not a multiple of the "
-                             f"{itemsize}-byte size of {dtype}.")
-        if shape.numel() == 0:
+        """The plain tensor over ``backing`` that :meth:`_from_backing` wraps, after the
+        checks of :func:`_element_offset` (its errors); None for zero elements (nothing
+        to map)."""
+        offset = _element_offset(backing, byte_offset, dtype, shape, stride)
+        if offset is None:
             return None
-        offset = byte_offset // itemsize
         if stride is None:  # C order (a leaf of a load or a write): set_ makes the strides
-            extent = shape.numel()
-        else:
-            stride = tuple(stride)
-            extent = 1  # a loop, not sum() of a generator: this runs per leaf of an attach
-            for n, step in zip(shape, stride):
-                extent += (n - 1) * step
-        needed = (offset + extent) * itemsize
-        if needed > backing.nbytes:
-            where = f"File {backing.path}" if isinstance(backing, FileBacking) else repr(backing)
-            raise FileTooShortError(
-                f"{where} holds {backing.nbytes} bytes, but a {dtype} tensor of shape "
-                f"{tuple(shape)} at byte offset {byte_offset} needs {needed} bytes."
-            )
-        if stride is None:
             return torch.empty(0, dtype=dtype).set_(backing.storage, offset, shape)
         return torch.empty(0, dtype=dtype).set_(backing.storage, offset, shape, stride)
 
-    @classmethod
-    def _leaf_parts(cls, backing, dtype, shape, stride, byte_offset, parent_shape) -> tuple:
-        """A leaf that :meth:`_reference` described, checked once and kept as
-        ``(plain view, class, backing, parent shape)`` for :meth:`_wrap_leaves`, which
-        makes MMTs of it as often as needed (a coordinator's attach of a version it
-        parsed before). Zero-element leaves have no backing: not for them."""
-        view = cls._checked_view(backing, byte_offset, dtype, torch.Size(shape), stride)
-        return view, _class_for(cls, backing), backing, torch.Size(parent_shape)
+    @staticmethod
+    def _leaf_specs(references: list) -> list:
+        """The anonymous leaves that :meth:`_reference` described (a published version's),
+        each checked to lie within its segment (the errors of :func:`_element_offset`; a
+        zero-element leaf, which pickles as itself, is refused), as ``(base, shape,
+        strides, element offset, segment, parent shape)`` for :meth:`_make_leaves`.
+
+        ``base``: one zero-size tensor per segment and dtype, of which each leaf is one
+        ``as_strided`` (``set_`` on a new tensor costs two torch calls). A normal tensor
+        even in inference mode, so are the leaves: an attach under ``inference_mode()``
+        must not make the leaves of later attaches inference tensors (no in-place write
+        outside it). Each layout (dtype, shape, strides) is checked once: a leaf of a
+        layout met before costs its offset's checks only."""
+        bases: dict = {}
+        layouts: dict = {}  # (dtype, shape, strides) -> (item size, bytes it spans), checked
+        sizes: dict = {}  # parent shape -> its torch.Size: one object per distinct shape
+        specs = []
+        for backing, dtype, shape, stride, byte_offset, parent_shape in references:
+            layout = layouts.get((dtype, shape, stride))
+            if (layout is None or type(backing) is not Segment or byte_offset < 0
+                    or byte_offset % layout[0] or byte_offset + layout[1] > backing.nbytes):
+                # a new layout, or a leaf that does not fit: the whole check (its error)
+                layout = layouts[dtype, shape, stride] = _checked_layout(backing, byte_offset, dtype, shape, stride)
+            base = bases.get((backing, dtype))
+            if base is None:
+                with torch.inference_mode(False):  # a normal tensor, so are the leaves
+                    base = bases[backing, dtype] = torch.empty(0, dtype=dtype).set_(backing.storage, 0, (0,))
+            size = sizes.get(parent_shape)
+            if size is None:
+                size = sizes[parent_shape] = torch.Size(parent_shape)
+            specs.append((base, shape, stride, byte_offset // layout[0], backing, size))
+        return specs
 
     @staticmethod
-    def _wrap_leaves(parts: list) -> list:
-        """New MMTs over the ``(view, class, backing, parent shape)`` of :meth:`_leaf_parts`:
-        one ``as_subclass`` each (a new tensor object whose metadata is its own)."""
-        wrapped = []
-        for view, klass, backing, parent_shape in parts:
-            result = view.as_subclass(klass)
-            result._backing = backing
-            result._parent_shape = parent_shape
-            wrapped.append(result)
-        return wrapped
+    def _make_leaves(specs: list) -> list:
+        """New MMTs over the ``specs`` of :meth:`_leaf_specs`, one ``as_strided`` each, made
+        an MMT by assigning its class (as :meth:`_basic_view` does; ``as_subclass`` would
+        make a second tensor). Made below torch's ADInplaceOrView dispatch key, each is a
+        tensor of its own, as ``set_`` makes one (bounds still checked), not a view of
+        the base: a view shares its base's version counter, so an in-place write to one
+        leaf would fail autograd's backward of another that it saved."""
+        made = []
+        with _OWN_VERSION_COUNTER():
+            for base, shape, stride, offset, backing, parent_shape in specs:
+                leaf = base.as_strided(shape, stride, offset)
+                leaf.__class__ = MemoryMappedTensor
+                leaf._backing = backing
+                leaf._parent_shape = parent_shape
+                made.append(leaf)
+        return made
 
     @classmethod
     def _empty_leaf(cls, backing, dtype, shape) -> MemoryMappedTensor:
@@ -592,3 +607,14 @@ def _rebuild_empty(path, dtype, shape):
 
 def _reduce(tensor):
     return tensor.__reduce_ex__(2)
+
+
+def _checked_layout(backing, byte_offset: int, dtype, shape, stride) -> tuple[int, int]:
+    """``(item size, bytes spanned)`` of a published leaf (see ``_leaf_specs``), once
+    checked to lie within ``backing``, a Segment, and to have elements."""
+    if type(backing) is not Segment:
+        raise TypeError(f"A published leaf lives in a shared-memory segment, not in {type(backing).__name__}.")
+    if _element_offset(backing, byte_offset, dtype, shape, stride) is None:
+        raise ValueError(f"A {dtype} leaf of shape {tuple(shape)} has no element: a "
+                         "published leaf of a segment always has some.")
+    return dtype.itemsize, _extent(dtype, shape, stride) * dtype.itemsize

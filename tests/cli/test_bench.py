@@ -42,6 +42,7 @@ def test_quick_runs_every_case_in_bounded_time():
     assert rows["atomic_rewrite"][:2] == ["floor: new dir+exchange", "memmap_ (new directory)"]
     assert rows["coord_attach"][:2] == ["floor anonymous", "anonymous, 100 leaves"]
     assert rows["coord_attach"][2:4] == ["floor files", "files, 100 leaves"]
+    assert "anonymous, first attach" in rows["coord_attach"]  # a worker's one attach (issue 13)
     assert rows["consolidate"][:4] == ["memcpy floor (one cat)", "raw torch buffer + views",
                                        "shared_td", "shared_td share_memory"]
     assert rows["consol_pickle"][:2] == ["floor (one bytes object)", "shared_td"]

@@ -34,17 +34,22 @@ def wide(n=100):
 
 @pytest.fixture
 def leaf_builds(monkeypatch):
-    """A list that grows by one per leaf built from a published layout: a call of
-    ``MemoryMappedTensor._checked_view``, the checks and the view of each leaf, which
-    unpickling a leaf (``_from_backing``) and parsing a published version go through."""
+    """A list that grows by one per leaf parsed: per leaf of a published version that
+    ``MemoryMappedTensor._leaf_specs`` checks, and per leaf unpickled on its own
+    (``_from_backing``'s ``_checked_view``)."""
     built = []
-    original = MemoryMappedTensor._checked_view
+    specs, checked_view = MemoryMappedTensor._leaf_specs, MemoryMappedTensor._checked_view
 
-    def counting(*args, **kwargs):
+    def counting_specs(references):
+        built.extend(reference[1:3] for reference in references)
+        return specs(references)
+
+    def counting_view(*args, **kwargs):
         built.append(args[1:3])
-        return original(*args, **kwargs)
+        return checked_view(*args, **kwargs)
 
-    monkeypatch.setattr(MemoryMappedTensor, "_checked_view", staticmethod(counting))
+    monkeypatch.setattr(MemoryMappedTensor, "_leaf_specs", staticmethod(counting_specs))
+    monkeypatch.setattr(MemoryMappedTensor, "_checked_view", staticmethod(counting_view))
     return built
 
 
@@ -144,6 +149,50 @@ def test_attach_twice_after_the_publisher_exited_here_and_in_a_worker(method):
         assert (status, seen, distinct, stale) == ("ok", [-5.0, 7.0, 7.0], True, False), seen
         assert finish(worker) == 0
         assert first["x"].tolist() == [-5.0, 7.0, 7.0]
+
+
+@pytest.mark.timeout(60)
+def test_writing_one_leaf_in_place_leaves_autograd_of_another_alone():
+    # Autograd refuses a backward whose saved tensor was written in place since: it
+    # compares the tensor's version counter. Each attached leaf must have its own, as a
+    # leaf mapped alone has: a write to "b" is no write to "a", even though both leaves
+    # live in one segment and the version was parsed once.
+    with shared_td.Coordinator() as coord:
+        coord.publish("w", shared_td.TensorDict(a=torch.ones(3), b=torch.ones(3), c=torch.ones(2, 2)))
+        for _attempt in range(2):  # parsed, then built from the parsed version
+            view = coord.attach("w")
+            weight = torch.full((3,), 2.0, requires_grad=True)
+            loss = (weight * view["a"]).sum()  # saves view["a"] for the backward
+            view["b"].add_(1.0)
+            view["c"][0, 1] = 5.0
+            loss.backward()
+            assert weight.grad.tolist() == [1.0, 1.0, 1.0]
+            # and a write to the saved leaf itself is still seen
+            loss = (weight * view["a"]).sum()
+            view["a"].mul_(1.0)
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                loss.backward()
+
+
+@pytest.mark.timeout(60)
+def test_an_attach_in_inference_mode_gives_normal_tensors_to_it_and_to_later_attaches():
+    # An actor attaches under torch.inference_mode(); the version it parsed first must
+    # not make the leaves of every later attach in the process inference tensors (which
+    # refuse in-place writes and autograd outside inference mode). Leaves of shared
+    # memory are normal tensors, written from inside and outside inference mode.
+    with shared_td.Coordinator() as coord:
+        coord.publish("w", shared_td.TensorDict(a=torch.ones(3), b=torch.zeros(2)))
+        with torch.inference_mode():
+            actor = coord.attach("w")
+            actor["b"].add_(1.0)
+        learner = coord.attach("w")
+        for view in (actor, learner):
+            assert not view["a"].is_inference() and not view["b"].is_inference()
+        actor["b"].add_(1.0)  # outside inference mode
+        assert learner["b"].tolist() == [2.0, 2.0]
+        weight = torch.ones(3, requires_grad=True)
+        (weight * learner["a"]).sum().backward()
+        assert weight.grad.tolist() == [1.0, 1.0, 1.0]
 
 
 @pytest.mark.timeout(60)
