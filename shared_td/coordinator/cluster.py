@@ -212,7 +212,8 @@ class Cluster:
             record = self._store.get_json(key)  # ClusterAuthError: another authkey
             if record["nodes"] != self.nodes:
                 raise ValueError(f"Node {record['node']} joined with nodes={record['nodes']}, this node has {self.nodes}.")
-        self._groups = PairGroups(self._store, self.node, timeout=self.timeout, hostname=self._hostname)
+        self._groups = PairGroups(self._store, self.node, timeout=self.timeout, hostname=self._hostname,
+                                  alive=lambda peer: self._liveness.alive(peer))
         self._values = ClusterValues(self._store, self.node, self.nodes, self._stop)
         #: this node's records of its unreplicated names (see cluster_names)
         self.local_names = LocalNames(self._store, self.node, self.nodes)
@@ -599,13 +600,21 @@ class Cluster:
         return "the owner" if have is not None and have.owner == peer else "a replica"
 
     def _lost_or(self, peer: int, name: str, err: BaseException) -> BaseException:
-        return self._liveness.lost_or(peer, name, err, self._role(peer, name))
+        error = self._liveness.lost_or(peer, name, err, self._role(peer, name))
+        if isinstance(error, OwnerLostError):
+            self._found(peer)
+        return error
 
     def _lost(self, peer: int, name: str) -> OwnerLostError:
-        if self._groups is not None:
-            self._groups.forget(peer)  # nothing stays built or posted with a lost node
-            self._found_lost.add(peer)
+        self._found(peer)
         return self._liveness.lost(peer, name, self._role(peer, name))
+
+    def _found(self, peer: int) -> None:
+        """``peer`` is lost: nothing stays built or posted with it, and requests to it
+        fail at once while it stays lost (see _request)."""
+        if self._groups is not None:
+            self._groups.forget(peer)
+            self._found_lost.add(peer)
 
     # ------------------------------------------------------------------ helpers
     def generation(self, name: str) -> int:
