@@ -11,6 +11,7 @@ import gc
 import os
 import platform
 import shutil
+import tempfile
 import time
 from typing import Callable, Iterator
 
@@ -80,11 +81,14 @@ def fresh_dir(root: str) -> Callable[[], str]:
     cache do not fill up over the runs."""
     counter = iter(range(10**9))
     previous: list[str] = []
+    # names of this sequence only: another case's sequence under the same root leaves
+    # its last directory behind (a full run's tree_to_files met big_leaf's run24)
+    base = tempfile.mkdtemp(prefix="runs", dir=root)
 
     def next_dir() -> str:
         for old in previous:
             shutil.rmtree(old, ignore_errors=True)
-        previous[:] = [os.path.join(root, f"run{next(counter)}")]
+        previous[:] = [os.path.join(base, f"run{next(counter)}")]
         return previous[0]
 
     return next_dir

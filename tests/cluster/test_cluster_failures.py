@@ -132,28 +132,34 @@ def test_store_host_killed_gives_connection_error_and_nodes_stop_cleanly():
             assert time.monotonic() - began < 15
 
 
+def syncs_through_a_kill(nodes, name: str, timeout: float, victim: int, syncs: int = 40):
+    """``syncs`` syncs of ``name`` by node 0, back to back (~10-30 ms each), with node
+    ``victim`` SIGKILLed in one of them; checks each returned within its timeout (+ slack
+    for a loaded machine), the one in flight at the kill included. Returns the gaps
+    between answers and the sync reports."""
+    for _ in range(syncs):
+        nodes.commands[0].put(("sync", name, timeout))
+    answers = [nodes.results[0].get(timeout=WAIT)]  # they run
+    time.sleep(random.uniform(0.0, 0.05))
+    os.kill(nodes.procs[victim].pid, signal.SIGKILL)
+    times = [time.monotonic()]
+    for _ in range(syncs - 1):
+        answers.append(nodes.results[0].get(timeout=WAIT))
+        times.append(time.monotonic())
+    assert all(answer[0] == "ok" for answer in answers), answers
+    reports = [answer[1] for answer in answers]
+    gaps = [round(after - before, 2) for before, after in zip(times, times[1:])]
+    assert max(gaps) < timeout + 1.5, (gaps, reports)
+    return gaps, reports
+
+
 def test_replica_node_killed_mid_transfer_is_dropped_within_the_timeout():
     timeout = 3.0
     with leak_checked_nodes(3) as nodes:
         nodes.ok(0, "publish", "policy", 300_000, 1.0)  # 8.4 MB per sync
         nodes.ok(1, "attach", "policy")
         nodes.ok(2, "attach", "policy")
-        syncs = 40
-        for _ in range(syncs):  # back to back (~10-30 ms each): the kill lands in one
-            nodes.commands[0].put(("sync", "policy", timeout))
-        answers = [nodes.results[0].get(timeout=WAIT)]  # they run
-        time.sleep(random.uniform(0.0, 0.05))
-        os.kill(nodes.procs[2].pid, signal.SIGKILL)
-        times = [time.monotonic()]
-        for _ in range(syncs - 1):
-            answers.append(nodes.results[0].get(timeout=WAIT))
-            times.append(time.monotonic())
-        assert all(answer[0] == "ok" for answer in answers), answers
-        reports = [answer[1] for answer in answers]
-        # every sync returned within its timeout (+ slack for a loaded machine), the one
-        # in flight at the kill included, and a lost node is dropped, not waited for again
-        gaps = [round(after - before, 2) for before, after in zip(times, times[1:])]
-        assert max(gaps) < timeout + 1.5, (gaps, reports)
+        gaps, reports = syncs_through_a_kill(nodes, "policy", timeout, victim=2)
         # a node found lost is dropped at once by the syncs after (each waited 1 s for
         # it again before): the last ten took a few ms each, not 10 s together
         assert sum(gaps[-10:]) < 3.0, (gaps, reports)

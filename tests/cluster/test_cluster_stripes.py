@@ -9,9 +9,7 @@ aborted (nothing stays posted). Payloads stay under 10 MB, every wait is bounded
 from __future__ import annotations
 
 import contextlib
-import os
 import random
-import signal
 import time
 
 import pytest
@@ -20,8 +18,8 @@ torch_dist = pytest.importorskip("torch.distributed")
 
 from shared_td.coordinator.cluster import Cluster  # noqa: E402
 from shared_td.coordinator.cluster_transfer import MAX_STRIPES, STRIPE_MIN_BYTES, stripe_ranges  # noqa: E402
-from tests.cluster.test_cluster import Nodes  # noqa: E402
-from tests.cluster.test_cluster_failures import leak_checked_nodes  # noqa: E402
+from tests.cluster.test_cluster import Nodes, pulls_through_an_owner_kill  # noqa: E402
+from tests.cluster.test_cluster_failures import leak_checked_nodes, syncs_through_a_kill  # noqa: E402
 from tests.processes import WAIT  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
@@ -119,20 +117,8 @@ def test_replica_node_killed_mid_striped_sync_is_dropped_and_its_groups_aborted(
         nodes.ok(0, "publish_dtypes", "weights", ROWS, 1)
         nodes.ok(1, "attach_dtypes", "weights")
         nodes.ok(2, "attach_dtypes", "weights")
-        syncs = 40
-        for _ in range(syncs):  # back to back: the kill lands in one
-            nodes.commands[0].put(("sync", "weights", timeout))
-        answers = [nodes.results[0].get(timeout=WAIT)]
-        time.sleep(random.uniform(0.0, 0.05))
-        os.kill(nodes.procs[2].pid, signal.SIGKILL)
-        times = [time.monotonic()]
-        for _ in range(syncs - 1):
-            answers.append(nodes.results[0].get(timeout=WAIT))
-            times.append(time.monotonic())
-        assert all(answer[0] == "ok" for answer in answers), answers
-        reports = [answer[1] for answer in answers]
-        gaps = [round(after - before, 2) for before, after in zip(times, times[1:])]
-        assert max(gaps) < timeout + 1.5, (gaps, reports)  # each stripe's wait shares the sync's bound
+        # each stripe's wait shares the sync's bound
+        gaps, reports = syncs_through_a_kill(nodes, "weights", timeout, victim=2)
         assert sum(gaps[-10:]) < 3.0, (gaps, reports)  # a lost node is not waited for again
         assert reports[-1][1:] == ([1], [2]), reports
         # every group of the pair with the dead node was aborted (no receive or send stays
@@ -148,16 +134,7 @@ def test_owner_killed_during_striped_pulls_raises_owner_lost_not_a_hang(stores):
     try:
         nodes.ok(1, "publish_dtypes", "weights", ROWS, 1)  # the owner: node 1 (the store lives on)
         nodes.ok(2, "attach_dtypes", "weights")
-        nodes.commands[2].put(("pull_loop", "weights", 20.0))
-        time.sleep(random.uniform(0.2, 1.0))
-        os.kill(nodes.procs[1].pid, signal.SIGKILL)
-        killed = time.monotonic()  # CLOCK_MONOTONIC: the same clock in every process
-        answer = nodes.results[2].get(timeout=WAIT)
-        assert answer[0] == "ok", answer
-        pulls, error, ended, version, _cause = answer[1]
-        assert pulls > 0 and error == "OwnerLostError", answer
-        assert ended - killed < 10, answer
-        assert version in (1, None)  # complete, or marked as written: never a version over mixed stripes
+        pulls_through_an_owner_kill(nodes, "weights")  # a version over mixed stripes never counts
         assert nodes.ok(2, "stripes", 1) is None  # every stripe of the failed generation aborted
     finally:
         nodes.close()
