@@ -45,6 +45,7 @@ import json
 import os
 import queue
 import threading
+import time
 import urllib.parse
 
 import torch.distributed as dist
@@ -143,6 +144,8 @@ class SignedStore:
         self.timeout = timeout
         self._local = threading.local()
         self._spares: queue.SimpleQueue = queue.SimpleQueue()
+        self._connecting: set[threading.Thread] = set()  # spares being connected
+        self._connecting_lock = threading.Lock()
         self._closed = False
         if spares:
             self._connect_spares(spares)
@@ -156,16 +159,22 @@ class SignedStore:
                 if not self._closed:
                     self._spares.put(dist.PrefixStore("shared_td", self._new_connection()))
             except (AttributeError, RuntimeError):  # not clonable, or the store is gone
-                return
+                pass
+            finally:
+                with self._connecting_lock:
+                    self._connecting.discard(threading.current_thread())
             if self._closed:
                 self._drop_spares()  # closed meanwhile: let what was just made go too
 
         # Not daemons: a daemon thread still inside torch's connect when the interpreter
         # exits aborts the process as it comes back ("terminate called without an active
-        # exception"); the interpreter's exit waits for these instead, each connect
-        # bounded by SPARE_CONNECT_S (at once while the store is up).
-        for _ in range(count):
-            threading.Thread(target=connect, name="shared_td-store-spare").start()
+        # exception"); close() and the interpreter's exit wait for these instead, each
+        # connect bounded by SPARE_CONNECT_S (at once while the store is up).
+        with self._connecting_lock:
+            for _ in range(count):
+                thread = threading.Thread(target=connect, name="shared_td-store-spare")
+                self._connecting.add(thread)
+                thread.start()
 
     def _new_connection(self):
         """A new connection to the store: a TCPStore's connect bounded by
@@ -186,10 +195,16 @@ class SignedStore:
         self._store()
 
     def close(self) -> None:
-        """Let the spare connections go (each thread's own goes with its thread); one
-        still being connected goes as soon as it is made (within ``SPARE_CONNECT_S``,
-        and the interpreter's exit waits for it: see _connect_spares)."""
+        """Let the spare connections go (each thread's own goes with its thread), once
+        those being connected are made (each connect bounded by SPARE_CONNECT_S): nothing
+        of this store is left running, or opening and closing sockets, after it closed
+        (one left so made a later test's descriptor check see sockets come and go)."""
         self._closed = True
+        deadline = time.monotonic() + SPARE_CONNECT_S + 1.0
+        with self._connecting_lock:
+            connecting = list(self._connecting)
+        for thread in connecting:
+            thread.join(max(0.0, deadline - time.monotonic()))
         self._drop_spares()
 
     def _drop_spares(self) -> None:

@@ -107,23 +107,19 @@ def _spare_threads() -> list[threading.Thread]:
     return [thread for thread in threading.enumerate() if thread.name == "shared_td-store-spare"]
 
 
-def test_spares_still_connecting_at_close_end_by_themselves_and_are_not_daemons(store):
+def test_close_returns_once_no_spare_is_still_connecting(store):
     # a daemon thread still inside torch's connect when the interpreter exits aborts the
-    # process ("terminate called without an active exception", seen at the end of a test
-    # run): the interpreter's exit must wait for them, and they must end in bounded time
+    # process ("terminate called without an active exception", seen at the end of a test run)
     before = set(_spare_threads())
     signed = SignedStore(store, KEY, timeout=10)
     signed._raw = _SlowConnects(store, 1.0)  # every connect from now on stalls
     signed._connect_spares(3)
     began = time.monotonic()
     signed.close()
-    assert time.monotonic() - began < 0.5  # close itself does not wait
-    mine = set(_spare_threads()) - before
-    assert mine and all(not thread.daemon for thread in mine)
-    for thread in mine:
-        thread.join(10)
-    assert not any(thread.is_alive() for thread in mine)
+    assert 0.9 <= time.monotonic() - began < 5.0  # waited for the connects, bounded
+    assert not set(_spare_threads()) - before
     assert signed._spares.qsize() == 0  # what they made went at once: closed
+    assert all(not thread.daemon for thread in _spare_threads())
 
 
 def test_counter_is_shared_between_stores(store):
