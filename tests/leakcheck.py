@@ -114,10 +114,12 @@ class ShmWatch:
         self.pids: dict[int, int] = {}  # pid -> start time, every process watched so far
         self.seen: dict[tuple[str, int], int] = {}  # (path, inode) -> a pid that held it
         self.before: set[tuple[str, int]] = set()
+        self.present: dict[str, int] = {}  # path -> inode of every /dev/shm entry at the start
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def __enter__(self) -> "ShmWatch":
+        self.present = _inodes_in_shm()
         self.sample()
         self.before = set(self.seen)
         self._thread.start()
@@ -150,8 +152,12 @@ class ShmWatch:
 
     def leftovers(self) -> list[str]:
         """/dev/shm entries our processes made and left: held during the watch (not
-        before) and still there with the same inode, or named like ours."""
-        left = set(named_like_ours(self.pids))
+        before) and still there with the same inode, or named like ours and not there
+        before the watch (a stale entry of a dead process whose pid one of ours reuses
+        is not ours)."""
+        now = _inodes_in_shm()
+        left = {path for path in named_like_ours(self.pids)
+                if path not in self.present or self.present[path] != now.get(path)}
         for path, inode in set(self.seen) - self.before:
             try:
                 if os.stat(path).st_ino == inode:
@@ -165,6 +171,17 @@ def this_process_in_shm() -> set[tuple[str, int]]:
     """What this process holds in /dev/shm, and the entries named like ours there (for a
     before/after comparison within one process)."""
     return held_in_shm(os.getpid()) | {(path, 0) for path in named_like_ours({os.getpid()})}
+
+
+def _inodes_in_shm() -> dict[str, int]:
+    found = {}
+    for name in os.listdir(SHM):
+        path = os.path.join(SHM, name)
+        try:
+            found[path] = os.lstat(path).st_ino
+        except OSError:  # removed meanwhile
+            pass
+    return found
 
 
 def named_like_ours(pids) -> list[str]:

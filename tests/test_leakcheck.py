@@ -84,3 +84,16 @@ def test_nothing_reported_when_our_processes_clean_up():
         assert os.listdir(tempdir) == []
     assert shm.leftovers() == []
     assert any(path.endswith(f"planted-{tag}") for path, _ in shm.seen)  # it was seen
+
+
+def test_an_entry_named_with_a_reused_pid_before_the_watch_is_not_ours():
+    # a CI run failed on /dev/shm/shared_td-planted-19371-...: left hours before by a
+    # process whose pid a node of the test was given again
+    tag = uuid.uuid4().hex[:8]
+    stale = make_shm(f"shared_td-planted-{os.getpid()}-{tag}")  # our naming, our pid, already there
+    try:
+        with ShmWatch() as shm:
+            pass
+        assert shm.leftovers() == []
+    finally:
+        os.unlink(stale)
