@@ -161,7 +161,6 @@ class Cluster:
         self._hostname = hostname
         self._store: SignedStore | None = None
         self._groups: PairGroups | None = None
-        self._found_lost: set[int] = set()  # peers whose pair was failed as lost (see _lost)
         self._values: ClusterValues | None = None
         self._owned: dict[str, Owned] = {}
         self._replicas: dict[str, Replica] = {}
@@ -512,10 +511,8 @@ class Cluster:
     def _request(self, peer: int, op: str, name: str, generation: int, **extra) -> tuple[int, int]:
         """Put a request in ``peer``'s queue; returns (tag, pair generation)."""
         store = self._checked()
-        if peer in self._found_lost:  # its pair was failed: a new one cannot be built with a dead node
-            if not self._alive(peer):
-                raise self._lost(peer, name)
-            self._found_lost.discard(peer)
+        if self._liveness.known_lost(peer):  # its pair was failed: none can be built with a dead node
+            raise self._lost(peer, name)
         # unique per sender (nodes < 1024) among its requests in flight, and below
         # ANSWER_TAG_BIT: gloo takes a 32-bit tag, so the count wraps after 2**20 requests
         tag = next(self._tags) % TAG_WRAP * 1024 + self.node
@@ -611,10 +608,10 @@ class Cluster:
 
     def _found(self, peer: int) -> None:
         """``peer`` is lost: nothing stays built or posted with it, and requests to it
-        fail at once while it stays lost (see _request)."""
+        fail at once while its heartbeat stands still (see _request)."""
+        self._liveness.mark_lost(peer)
         if self._groups is not None:
             self._groups.forget(peer)
-            self._found_lost.add(peer)
 
     # ------------------------------------------------------------------ helpers
     def generation(self, name: str) -> int:

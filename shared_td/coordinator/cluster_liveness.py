@@ -39,8 +39,8 @@ class Liveness:
     def __init__(self, store, node: int, read: Callable[[str], dict]):
         self._store, self._node, self._read = store, node, read
         self._beats: dict[int, tuple[object, float]] = {}
-        # peer -> the heartbeat it stood still at when still_lost last found it lost: a
-        # node found lost is not waited for again until its heartbeat moves
+        # peer -> the heartbeat it stood still at when it was found lost (still_lost, or
+        # a call that failed with it: mark_lost): not waited for again until it moves
         self._found_lost: dict[int, object] = {}
         self._lock = threading.Lock()
 
@@ -91,6 +91,25 @@ class Liveness:
         with self._lock:
             self._found_lost.update((peer, self._beats[peer][0]) for peer in pending)
         return sorted(known + pending)
+
+    def mark_lost(self, peer: int) -> None:
+        """Record ``peer`` as found lost at the heartbeat last seen of it."""
+        with self._lock:
+            seen = self._beats.get(peer)
+            self._found_lost[peer] = _NOT_FOUND if seen is None else seen[0]
+
+    def known_lost(self, peer: int) -> bool:
+        """Whether ``peer`` was found lost and its heartbeat has not moved since: free
+        for a peer never found lost, one store read for one that was (a peer whose
+        heartbeat moved is forgotten as lost)."""
+        with self._lock:
+            if peer not in self._found_lost:
+                return False
+        if not self.alive(peer):
+            return True
+        with self._lock:
+            self._found_lost.pop(peer, None)
+        return False
 
     def lost_or(self, peer: int, name: str, err: BaseException, role: str) -> BaseException:
         """After a failed transfer with ``peer``: OwnerLostError once its heartbeat has

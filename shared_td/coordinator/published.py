@@ -146,7 +146,7 @@ class ParsedVersion:
 def _refused(name: str, tree: bytes, leaves: list, err: Exception) -> Exception:
     """``err`` (a leaf of the version of ``name`` refused), its message naming the leaf's
     key. Only on that error: the leaves are checked again one by one to find it, and its
-    key is found in the tree unpickled around a placeholder per leaf."""
+    key is found in the tree unpickled around a stand-in tensor per leaf."""
     index = None
     for index, leaf in enumerate(leaves):
         try:
@@ -155,17 +155,17 @@ def _refused(name: str, tree: bytes, leaves: list, err: Exception) -> Exception:
             break
     where = f"leaf number {index}"
     try:
-        placeholders: dict[int, int] = {}  # id(placeholder) -> index of its leaf
+        stand_ins: dict[int, int] = {}  # id(stand-in) -> index of its leaf
 
-        def placeholder(i: int) -> torch.Tensor:
+        def stand_in(i: int) -> torch.Tensor:
             tensor = torch.empty(0)
-            placeholders[id(tensor)] = i
+            stand_ins[id(tensor)] = i
             return tensor
 
         unpickler = pickle.Unpickler(io.BytesIO(tree))
-        unpickler.persistent_load = placeholder
+        unpickler.persistent_load = stand_in
         for key, value in _summary_leaves(unpickler.load(), ()):
-            if placeholders.get(id(value)) == index:
+            if stand_ins.get(id(value)) == index:
                 where = f"leaf {key_repr(key)}"
                 break
     except Exception:  # a tree that does not unpickle: the leaf stays named by its number

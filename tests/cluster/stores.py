@@ -1,10 +1,7 @@
-"""The TCPStore the cluster tests host on 127.0.0.1 (a free port, no other address)."""
+"""The TCPStore the cluster tests host on 127.0.0.1 (a free port, no other address): the
+bench's, listening on 127.0.0.1 only (see shared_td.coordinator.store_host)."""
 from __future__ import annotations
 
-from shared_td.coordinator.store_host import host_tcp_store
+from shared_td.bench.loopback import loopback_store
 
-
-def loopback_store(timeout: float):
-    """A store hosted by this process on a free loopback port (listening on 127.0.0.1
-    only, see store_host); waits bounded by ``timeout``."""
-    return host_tcp_store("127.0.0.1", 0, timeout=timeout)
+__all__ = ["loopback_store"]
