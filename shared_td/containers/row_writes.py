@@ -1,9 +1,9 @@
 """The fast lane of ``td[index] = other``: a write of the same structure, leaf by leaf.
 
 A replay buffer is written millions of times with tensordicts of one structure (a step,
-a batch). The general write (``TensorDict._plan_index_writes``) checks every entry's
-kind, the lock and the shape, and plans one closure per leaf; here the destination's
-leaves are found once, for the source's list of leaf paths, and kept in a
+a batch). The general write (``TensorDict._plan_index_writes``, index_writes.py)
+checks every entry's kind, the lock and the shape, and plans one closure per leaf; here
+the destination's leaves are found once, for the source's list of leaf paths, and kept in a
 :class:`RowWritePlan` on the destination. A later write whose source has the same list
 of paths checks only what can change between writes (that each planned leaf is still the
 entry at its place, with the same shape, and that each source leaf broadcasts to its

@@ -1,4 +1,14 @@
-"""TensorDict: a dict of tensors (and nested collections) that share leading batch dims."""
+"""TensorDict: a dict of tensors (and nested collections) that share leading batch dims.
+
+This module holds what builds TensorDicts and reads their entries: construction, the
+conversion and check of each value set, the batch size, ``apply``, ``empty`` and indexing,
+with the replay buffer's hot paths (the row read ``td[i]``, the entry of the row write
+``td[i] = step``), which build TensorDicts directly with no call between. The mixins add
+the rest: names of batch dims (naming.py), key operations (keyops.py), batch reshaping
+(reshaping.py), the general, checked write of ``td[index] = value`` (index_writes.py;
+its fast lane is row_writes.py) and torch's tensor methods applied to every leaf
+(tensor_methods.py).
+"""
 from __future__ import annotations
 
 import weakref
@@ -15,20 +25,22 @@ from shared_td.containers.base import (
     is_non_tensor,
     is_tensor_collection,
 )
+from shared_td.containers.index_writes import IndexWrites
 from shared_td.containers.keyops import KeyOps
 from shared_td.containers.locking import LockingOps
 from shared_td.containers.naming import NamedBatchDims
-from shared_td.containers.nontensor_ops import check_non_tensor_write, list_to_entry, list_to_tensor
+from shared_td.containers.nontensor_ops import list_to_entry, list_to_tensor
 from shared_td.containers.reshaping import BatchShapeOps
 from shared_td.containers.row_writes import write_rows
+from shared_td.containers.tensor_methods import TensorMethods
 from shared_td.errors import BatchSizeMismatchError
 from shared_td.keys import NestedKey, unravel_key
-from shared_td.memmap_tensor import MemoryMappedTensor, ReadOnlyMemoryMappedTensor, refuse_read_only
+from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.memmap_tensor.tensor import basic_views
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 
-class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, TensorDictBase):
+class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, IndexWrites, TensorMethods, TensorDictBase):
     """A nested mapping of str keys to tensors, tensordicts, tensorclasses and non-tensors.
 
     Every entry's leading dims equal ``batch_size``; operations along batch dims
@@ -421,58 +433,6 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, TensorDictBase):
         for write in writes:
             write()
 
-    def _plan_index_writes(self, index: tuple, value: Any, writes: list, target_batch: torch.Size) -> None:
-        """Check ``self[index] = value`` and append the closures that perform it to
-        ``writes``; nothing is written here. ``target_batch``: the batch size after
-        indexing (``batch_ops.index_and_size``)."""
-        # ``index`` names batch dims only (normalized), so an entry's indexed shape is
-        # the indexed batch size followed by its own feature dims.
-        if not is_tensor_collection(value):  # one tensor or number for every tensor leaf
-            if not isinstance(value, (torch.Tensor, bool, int, float, complex)):
-                raise TypeError(
-                    f"Cannot write a {type(value).__name__} at index {index!r} of a "
-                    "tensordict: give a tensordict, a dict, a tensor or a number."
-                )
-            for leaf in self._leaf_tensors():
-                refuse_read_only(leaf, "td[index] = value")
-                if isinstance(value, torch.Tensor):
-                    _check_fits(value, target_batch + leaf.shape[self.batch_dims:], "a leaf", index)
-                writes.append(lambda leaf=leaf: leaf.__setitem__(index, value))
-            return
-        for key in value._keys_str():
-            source = value._get_str(key, None)
-            current = self._tensordict.get(key)
-            if current is None:
-                self._check_unlocked((key,), "add")
-                # A new, detached entry: filled by the closures planned below.
-                current = _zeros_like_entry(source, self._batch_size, target_batch)
-                writes.append(lambda key=key, entry=current: self._tensordict.__setitem__(key, entry))
-            if isinstance(current, torch.Tensor):
-                if not isinstance(source, torch.Tensor):
-                    raise TypeError(f"Cannot write a {type(source).__name__} into tensor entry {key!r}.")
-                _check_fits(source, target_batch + current.shape[self.batch_dims:], key, index)
-                refuse_read_only(current, "td[index] = value")
-                writes.append(lambda current=current, source=source: current.__setitem__(index, source))
-            elif is_non_tensor(current):
-                check_non_tensor_write(current, index, source, key)
-                writes.append(
-                    lambda key=key, current=current, source=source: self._tensordict.__setitem__(
-                        key, current._set_at(index, source)
-                    )
-                )
-            else:
-                if not is_tensor_collection(source) or is_non_tensor(source):
-                    raise TypeError(
-                        f"Cannot write a {type(source).__name__} into the nested tensordict "
-                        f"{key!r}: give a tensordict or dict of its entries."
-                    )
-                inner, source = unwrap_tensorclass(current), unwrap_tensorclass(source)
-                if hasattr(inner, "_plan_index_writes"):
-                    inner_batch = target_batch + inner._batch_size[self.batch_dims:]
-                    inner._plan_index_writes(index, source, writes, inner_batch)
-                else:  # another container class checks when it writes
-                    writes.append(lambda inner=inner, source=source: inner.__setitem__(index, source))
-
     # ---------------------------------------------------------------- new tensordicts
     def empty(self, recurse: bool = False, *, batch_size: Any = None, device: Any = NO_DEFAULT) -> "TensorDict":
         """A tensordict with the same batch size and device but no entries
@@ -486,34 +446,6 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, TensorDictBase):
         names = self.names if size == self._batch_size else None  # names fit the old dims only
         return TensorDict._new_unsafe(
             entries, size, self._device if device is NO_DEFAULT else device, names
-        )
-
-    def clone(self, recurse: bool = True) -> "TensorDict":
-        """A copy; with ``recurse=False`` the new tensordict shares the same tensors."""
-        if not recurse:
-            return self._map_entries(lambda v: v, self._batch_size, self.names)
-        return self._map_entries(
-            lambda v: v.clone() if isinstance(v, (torch.Tensor, TensorDictBase)) or is_tensor_collection(v) else v,
-            self._batch_size,
-            self.names,
-        )
-
-    def contiguous(self) -> "TensorDict":
-        """A copy whose tensors are contiguous, plain (not memory-mapped) tensors."""
-        return self._map_entries(_plain_contiguous, self._batch_size, self.names)
-
-    def to(self, *args: Any, **kwargs: Any) -> "TensorDict":
-        """Move to a device (``td.to("cpu")``) or cast tensors (``td.to(torch.float16)``)."""
-        target = args[0] if args else kwargs.get("device", kwargs.get("dtype"))
-        if isinstance(target, torch.dtype):
-            return self._map_entries(lambda v: v.to(target), self._batch_size, self.names)
-        if isinstance(target, torch.Tensor):
-            return self.to(target.device).to(target.dtype)
-        device = torch.device(target)
-        if device == self._device:
-            return self
-        return self._map_entries(
-            lambda v: v.to(device), self._batch_size, self.names, device=device
         )
 
     @classmethod
@@ -534,56 +466,6 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, TensorDictBase):
             td.names = names
         return td
 
-    # ---------------------------------------------------------------- in-place ops
-    def zero_(self) -> "TensorDict":
-        """Fill every tensor with zeros, in place; returns self."""
-        for leaf in self._leaf_tensors():
-            leaf.zero_()
-        return self
-
-    def fill_(self, key: NestedKey, value: Any) -> "TensorDict":
-        """Fill the entry ``key`` (a tensor, or every tensor of a nested tensordict) with
-        ``value``, in place; returns self."""
-        entry = self.get(key)
-        targets = entry._leaf_tensors() if isinstance(entry, TensorDictBase) else [entry]
-        for leaf in targets:
-            leaf.fill_(value)
-        return self
-
-    def share_memory_(self) -> "TensorDict":
-        """Move every tensor to shared memory (torch's), and every non-tensor value into
-        a cell shared between processes, then lock; returns self.
-
-        As in tensordict, a process that receives the tensordict (fork, spawn, a queue)
-        and writes a non-tensor entry in place (``set_``, ``update_``, ``td[i] = ...``)
-        is seen by every other: ``td.set_("task", "run")`` in a child changes the
-        parent's ``td["task"]``. A receiving process attaches to a cell through the
-        process that shared it, so that process must still be alive then.
-
-        Raises:
-            RuntimeError: if the tensordict is memory-mapped (the two are exclusive).
-            TypeError: naming the key, if a non-tensor value cannot be pickled (the
-                entries before it are shared already).
-        """
-        if self._is_memmap:
-            raise RuntimeError(
-                "memmap and shared memory are mutually exclusive features: this "
-                "tensordict is memory-mapped already (its leaves are shared)."
-            )
-        for key, value in self._tensordict.items():
-            if isinstance(value, torch.Tensor):
-                value.share_memory_()
-            elif is_non_tensor(value):
-                try:
-                    value.share_memory_()
-                except TypeError as error:
-                    raise TypeError(f"share_memory_(): cannot share the non-tensor entry {key!r}: {error}") from error
-            elif is_tensor_collection(value):
-                value.share_memory_()
-        self._is_shared = True
-        self.lock_()
-        return self
-
 
 def _write_into(current: Any, value: Any, key: str) -> None:
     """In-place write of a converted ``value`` into the existing entry ``current``."""
@@ -594,36 +476,6 @@ def _write_into(current: Any, value: Any, key: str) -> None:
         current._update_(value)
     else:
         current.update_(value)
-
-
-def _check_fits(source: torch.Tensor, expected: torch.Size, key: str, index: tuple) -> None:
-    """Raise unless ``source`` broadcasts to ``expected``, the shape of the indexed entry."""
-    if not batch_ops.broadcasts_to(source.shape, expected):
-        name = key if key == "a leaf" else repr(key)
-        raise BatchSizeMismatchError(
-            f"Cannot write a value of shape {list(source.shape)} into entry {name} at "
-            f"{index!r}: expected shape {list(expected)} (or one that broadcasts to it)."
-        )
-
-
-def _plain_contiguous(value: Any) -> Any:
-    if isinstance(value, ReadOnlyMemoryMappedTensor):  # a copy: a view would be writable
-        return value.clone(memory_format=torch.contiguous_format)
-    if isinstance(value, torch.Tensor):
-        return value.as_subclass(torch.Tensor).contiguous() if type(value) is not torch.Tensor else value.contiguous()
-    return value.contiguous()
-
-
-def _zeros_like_entry(source: Any, batch_size: torch.Size, target_batch: torch.Size) -> Any:
-    """A zero entry for ``td[idx] = other`` when ``other`` has a key self lacks."""
-    if isinstance(source, torch.Tensor):
-        feature = source.shape[len(target_batch):]
-        return torch.zeros(batch_size + feature, dtype=source.dtype, device=source.device)
-    if is_non_tensor(source):
-        from shared_td.containers.nontensor import NonTensorData
-
-        return NonTensorData(None, batch_size=batch_size)
-    return source.empty(batch_size=batch_size) if hasattr(source, "empty") else source
 
 
 _NEW = object.__new__

@@ -1,4 +1,12 @@
-"""The MemoryMappedTensor class (the package's opening says how it is built)."""
+"""The MemoryMappedTensor class: how a tensor is built over a backing (the hooks that the
+loader, the coordinator's attach and the other constructors end in), ``from_tensor``, and
+the tensor protocol (indexing and views that stay MMTs, pickling by reference).
+
+Its constructors over memory that exists already (``from_filename``, ``from_storage``,
+``from_handler``) are in existing_memory.py, those named as torch's (``empty``,
+``zeros``...) in factories.py: mixins of the class. The package's opening says how an
+MMT is built.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +15,10 @@ import os
 import numpy as np
 import torch
 
+from shared_td.memmap_tensor.existing_memory import FromExistingMemory
 from shared_td.memmap_tensor.factories import Factories
-from shared_td.memmap_tensor.shapes import _check_cpu, _contiguous_strides, _element_offset, _extent, checked_shape
-from shared_td.storage import anonymous, files
+from shared_td.memmap_tensor.shapes import _check_cpu, _element_offset, _extent, checked_shape
+from shared_td.storage import files
 from shared_td.storage.anonymous import Segment
 from shared_td.storage.files import FileBacking
 
@@ -22,7 +31,7 @@ _CONTIGUOUS_COPY_LIMIT = 1 << 26
 _OWN_VERSION_COUNTER = torch._C._AutoDispatchBelowADInplaceOrView
 
 
-class MemoryMappedTensor(Factories, torch.Tensor):
+class MemoryMappedTensor(FromExistingMemory, Factories, torch.Tensor):
     """A CPU tensor stored in a file or in anonymous shared memory, shared without copies.
 
     Pickling (plain ``pickle``, multiprocessing queues, ``multiprocess``/dill, DataLoader
@@ -317,112 +326,6 @@ class MemoryMappedTensor(Factories, torch.Tensor):
             result.copy_(input)
         return result
 
-    @classmethod
-    def from_filename(cls, filename, dtype, shape, index=None, mode=None):
-        """Map an existing raw file (C order, no header) as a tensor of ``dtype``/``shape``.
-
-        A missing file raises ``FileNotFoundError`` (nothing is created); a file shorter
-        than the tensor raises :class:`~shared_td.storage.files.FileTooShortError` (a
-        ``ValueError``); a longer file is accepted and only its leading bytes are used.
-        ``mode="r+"`` maps it shared and raises ``PermissionError`` if it is not
-        writable; ``mode="r"`` maps it copy-on-write (writes stay in this process and are
-        lost when pickled); ``None`` (default, as in tensordict) is ``"r+"`` for writable
-        files and ``"r"`` otherwise. ``index`` is applied to the result. A zero-element
-        shape maps nothing and does not need the file.
-
-        Example:
-            >>> import tempfile
-            >>> path = os.path.join(tempfile.mkdtemp(), "x.memmap")
-            >>> _ = MemoryMappedTensor.from_tensor(torch.arange(6), filename=path)
-            >>> MemoryMappedTensor.from_filename(path, torch.int64, (2, 3), index=1)
-            MemoryMappedTensor([3, 4, 5])
-        """
-        if mode not in (None, "r", "r+"):
-            raise ValueError(f"mode must be 'r', 'r+' or None, got {mode!r}.")
-        path = os.path.abspath(filename)
-        shape = torch.Size(shape)
-        if shape.numel() == 0:
-            result = cls._empty_leaf(FileBacking(path, None, 0, True), dtype, shape)
-        else:
-            writable = os.access(path, os.W_OK)
-            if mode == "r+" and not writable and os.path.exists(path):
-                raise PermissionError(f"Cannot open {path} with mode='r+': the file is "
-                                      "not writable.")
-            backing = files.open_file_backing(path, shared=mode != "r" and writable)
-            result = cls._from_backing(backing, 0, dtype, shape)
-        return result if index is None else result[index]
-
-    @classmethod
-    def from_storage(cls, storage, *, shape=None, dtype=None, device=None, index=None,
-                     filename=None, handler=None):
-        """View an existing storage as an MMT, without copying.
-
-        A storage mapped from a file (``torch.UntypedStorage.from_file``) keeps its
-        filename and the result pickles by path (*ours*: tensordict's cannot be pickled);
-        it is assumed to be a shared mapping. The storage of an existing MMT, or of a
-        :class:`Segment` passed as ``handler``, keeps that MMT's backing. Other storages
-        give a tensor that cannot be pickled. ``dtype`` defaults to the storage's (``int64`` for an untyped one, as
-        in tensordict) and ``shape`` to 1-D.
-
-        Example:
-            >>> import tempfile
-            >>> path = os.path.join(tempfile.mkdtemp(), "x.memmap")
-            >>> _ = MemoryMappedTensor.from_tensor(torch.arange(6.0), filename=path)
-            >>> st = torch.UntypedStorage.from_file(path, shared=True, nbytes=24)
-            >>> MemoryMappedTensor.from_storage(st, dtype=torch.float32, shape=(2, 3))[1]
-            MemoryMappedTensor([3., 4., 5.])
-        """
-        if device is not None and torch.device(device).type != "cpu":
-            raise ValueError(f"{cls.__name__} device must be cpu!")
-        if isinstance(storage, torch.TypedStorage):
-            dtype = storage.dtype if dtype is None else dtype
-            storage = storage.untyped()
-        dtype = torch.int64 if dtype is None else dtype
-        numel = storage.nbytes() // dtype.itemsize
-        shape = torch.Size([numel] if shape is None else shape)
-        backing = _storage_backing(storage, filename, handler)
-        if backing is not None:
-            result = cls._from_backing(backing, 0, dtype, shape)
-        else:
-            tensor = torch.empty(0, dtype=dtype).set_(storage, 0, shape,
-                                                      _contiguous_strides(shape))
-            result = tensor.as_subclass(cls)
-        return result if index is None else result[index]
-
-    @classmethod
-    def from_handler(cls, handler, dtype, shape, index=None):
-        """A tensor of ``dtype``/``shape`` over the memory of ``handler``, without copying.
-
-        The handler is what ``t._handler`` gives: for an anonymous tensor a
-        :class:`~shared_td.storage.anonymous.Segment` (a memfd mapped once in this
-        process, which pickles by reference), for a file-backed one its
-        :class:`~shared_td.storage.files.FileBacking` (*ours*: tensordict's handler is its
-        private ``_FileHandler``/shared-memory buffer, and it deprecates this method; here
-        it is supported). The tensor starts at the handler's first byte, in C order;
-        ``dtype`` may reinterpret the bytes. A shape smaller than the handler uses its
-        leading bytes (*ours*: tensordict requires the exact size); a larger one raises
-        :class:`~shared_td.storage.files.FileTooShortError` (a ``ValueError``).
-        ``index`` is applied to the result, whose :attr:`parent_shape` is ``shape``.
-
-        Example:
-            >>> t = MemoryMappedTensor.zeros(4, 3)
-            >>> u = MemoryMappedTensor.from_handler(t._handler, torch.float32, (4, 3), index=1)
-            >>> _ = u.fill_(2.0)
-            >>> t[1].tolist(), u.parent_shape
-            ([2.0, 2.0, 2.0], torch.Size([4, 3]))
-        """
-        if not isinstance(handler, (Segment, FileBacking)):
-            raise TypeError(
-                f"from_handler takes the handler of a MemoryMappedTensor (t._handler: a "
-                f"Segment or FileBacking), got {type(handler).__name__}. For a storage use "
-                "from_storage, for a path from_filename."
-            )
-        if isinstance(shape, torch.Tensor):
-            raise NotImplementedError("from_handler: nested shapes (a tensor of shapes) are "
-                                      "not supported: nested tensors cannot be memory-mapped yet.")
-        result = cls._from_backing(handler, 0, dtype, checked_shape(shape))
-        return result if index is None else result[index]
-
     # ---------------------------------------------------------------- tensor protocol
 
     @property
@@ -567,30 +470,6 @@ def _class_for(cls, backing) -> type:
     if isinstance(backing, FileBacking) and backing.read_only:
         return READ_ONLY_CLASS
     return MemoryMappedTensor if cls is READ_ONLY_CLASS else cls
-
-
-def _storage_backing(storage, filename, handler):
-    """The backing that a storage given to from_storage pickles by, or None."""
-    if handler is not None:
-        if storage.data_ptr() != handler.storage.data_ptr():
-            raise ValueError("The storage is not the mapping of the given handler.")
-        return handler
-    backing = files.find_backing(storage) or anonymous.find_segment(storage)
-    own_file = getattr(storage, "filename", None)
-    # our own mappings are made through /proc/self/fd paths, which name nothing later
-    if backing is None and own_file is not None and not own_file.startswith("/proc/"):
-        backing = FileBacking(os.path.abspath(own_file), storage, storage.nbytes(), True)
-    if filename is not None:
-        if not isinstance(backing, FileBacking):
-            raise ValueError(f"The storage was not mapped from a file, so it cannot be "
-                             f"associated with {filename}.")
-        if os.path.abspath(filename) != backing.path:
-            raise RuntimeError(
-                "Providing a storage with an associated filename that differs from the "
-                "filename argument is not permitted unless filename=None. Got "
-                f"filename={filename}, storage.filename={backing.path}"
-            )
-    return backing
 
 
 def _rebuild(backing, dtype, shape, stride, byte_offset, parent_shape=None):

@@ -1,0 +1,102 @@
+"""The general write of ``td[index] = value`` into a TensorDict: every entry checked,
+then written, so that a failing write leaves the tensordict unchanged.
+
+``TensorDict._set_at_index`` (tensordict.py) first tries the fast lane of a write of the
+same structure as the last one (row_writes.py); anything else comes here:
+``_plan_index_writes`` walks the source and the destination together, raises (naming the
+key and the shapes) at the first entry that cannot take its value, and otherwise
+appends one closure per write to the caller's list, which runs them once all are planned.
+A key that the destination lacks gets a new zero entry of the destination's batch size,
+added by its own closure, so that a failing write adds no key either.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from shared_td.containers import batch as batch_ops
+from shared_td.containers.base import is_non_tensor, is_tensor_collection
+from shared_td.containers.nontensor_ops import check_non_tensor_write
+from shared_td.errors import BatchSizeMismatchError
+from shared_td.memmap_tensor import refuse_read_only
+from shared_td.tensorclass_protocol import unwrap_tensorclass
+
+
+class IndexWrites:
+    """Mixin of TensorDict (it relies on ``_tensordict``, ``_batch_size``, ``batch_dims``,
+    ``_leaf_tensors`` and ``_check_unlocked``)."""
+
+    def _plan_index_writes(self, index: tuple, value: Any, writes: list, target_batch: torch.Size) -> None:
+        """Check ``self[index] = value`` and append the closures that perform it to
+        ``writes``; nothing is written here. ``target_batch``: the batch size after
+        indexing (``batch_ops.index_and_size``)."""
+        # ``index`` names batch dims only (normalized), so an entry's indexed shape is
+        # the indexed batch size followed by its own feature dims.
+        if not is_tensor_collection(value):  # one tensor or number for every tensor leaf
+            if not isinstance(value, (torch.Tensor, bool, int, float, complex)):
+                raise TypeError(
+                    f"Cannot write a {type(value).__name__} at index {index!r} of a "
+                    "tensordict: give a tensordict, a dict, a tensor or a number."
+                )
+            for leaf in self._leaf_tensors():
+                refuse_read_only(leaf, "td[index] = value")
+                if isinstance(value, torch.Tensor):
+                    _check_fits(value, target_batch + leaf.shape[self.batch_dims:], "a leaf", index)
+                writes.append(lambda leaf=leaf: leaf.__setitem__(index, value))
+            return
+        for key in value._keys_str():
+            source = value._get_str(key, None)
+            current = self._tensordict.get(key)
+            if current is None:
+                self._check_unlocked((key,), "add")
+                # A new, detached entry: filled by the closures planned below.
+                current = _zeros_like_entry(source, self._batch_size, target_batch)
+                writes.append(lambda key=key, entry=current: self._tensordict.__setitem__(key, entry))
+            if isinstance(current, torch.Tensor):
+                if not isinstance(source, torch.Tensor):
+                    raise TypeError(f"Cannot write a {type(source).__name__} into tensor entry {key!r}.")
+                _check_fits(source, target_batch + current.shape[self.batch_dims:], key, index)
+                refuse_read_only(current, "td[index] = value")
+                writes.append(lambda current=current, source=source: current.__setitem__(index, source))
+            elif is_non_tensor(current):
+                check_non_tensor_write(current, index, source, key)
+                writes.append(
+                    lambda key=key, current=current, source=source: self._tensordict.__setitem__(
+                        key, current._set_at(index, source)
+                    )
+                )
+            else:
+                if not is_tensor_collection(source) or is_non_tensor(source):
+                    raise TypeError(
+                        f"Cannot write a {type(source).__name__} into the nested tensordict "
+                        f"{key!r}: give a tensordict or dict of its entries."
+                    )
+                inner, source = unwrap_tensorclass(current), unwrap_tensorclass(source)
+                if hasattr(inner, "_plan_index_writes"):
+                    inner_batch = target_batch + inner._batch_size[self.batch_dims:]
+                    inner._plan_index_writes(index, source, writes, inner_batch)
+                else:  # another container class checks when it writes
+                    writes.append(lambda inner=inner, source=source: inner.__setitem__(index, source))
+
+
+def _check_fits(source: torch.Tensor, expected: torch.Size, key: str, index: tuple) -> None:
+    """Raise unless ``source`` broadcasts to ``expected``, the shape of the indexed entry."""
+    if not batch_ops.broadcasts_to(source.shape, expected):
+        name = key if key == "a leaf" else repr(key)
+        raise BatchSizeMismatchError(
+            f"Cannot write a value of shape {list(source.shape)} into entry {name} at "
+            f"{index!r}: expected shape {list(expected)} (or one that broadcasts to it)."
+        )
+
+
+def _zeros_like_entry(source: Any, batch_size: torch.Size, target_batch: torch.Size) -> Any:
+    """A zero entry for ``td[idx] = other`` when ``other`` has a key self lacks."""
+    if isinstance(source, torch.Tensor):
+        feature = source.shape[len(target_batch):]
+        return torch.zeros(batch_size + feature, dtype=source.dtype, device=source.device)
+    if is_non_tensor(source):
+        from shared_td.containers.nontensor import NonTensorData
+
+        return NonTensorData(None, batch_size=batch_size)
+    return source.empty(batch_size=batch_size) if hasattr(source, "empty") else source

@@ -1,0 +1,109 @@
+"""torch.Tensor's methods that a TensorDict applies to every tensor it holds: the copies
+``clone``, ``contiguous`` and ``to`` (through ``TensorDict._map_entries``: nested
+collections answer the same methods) and the in-place ``zero_``, ``fill_`` and
+``share_memory_``.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from shared_td.containers.base import TensorDictBase, is_non_tensor, is_tensor_collection
+from shared_td.keys import NestedKey
+from shared_td.memmap_tensor import ReadOnlyMemoryMappedTensor
+
+if TYPE_CHECKING:  # for the annotations only: tensordict.py imports this module
+    from shared_td.containers.tensordict import TensorDict
+
+
+class TensorMethods:
+    """Mixin of TensorDict (it relies on ``_map_entries``, ``_batch_size``, ``_device``,
+    ``_tensordict``, ``_leaf_tensors``, ``get`` and ``lock_``)."""
+
+    # ---------------------------------------------------------------- copies
+    def clone(self, recurse: bool = True) -> "TensorDict":
+        """A copy; with ``recurse=False`` the new tensordict shares the same tensors."""
+        if not recurse:
+            return self._map_entries(lambda v: v, self._batch_size, self.names)
+        return self._map_entries(
+            lambda v: v.clone() if isinstance(v, (torch.Tensor, TensorDictBase)) or is_tensor_collection(v) else v,
+            self._batch_size,
+            self.names,
+        )
+
+    def contiguous(self) -> "TensorDict":
+        """A copy whose tensors are contiguous, plain (not memory-mapped) tensors."""
+        return self._map_entries(_plain_contiguous, self._batch_size, self.names)
+
+    def to(self, *args: Any, **kwargs: Any) -> "TensorDict":
+        """Move to a device (``td.to("cpu")``) or cast tensors (``td.to(torch.float16)``)."""
+        target = args[0] if args else kwargs.get("device", kwargs.get("dtype"))
+        if isinstance(target, torch.dtype):
+            return self._map_entries(lambda v: v.to(target), self._batch_size, self.names)
+        if isinstance(target, torch.Tensor):
+            return self.to(target.device).to(target.dtype)
+        device = torch.device(target)
+        if device == self._device:
+            return self
+        return self._map_entries(
+            lambda v: v.to(device), self._batch_size, self.names, device=device
+        )
+
+    # ---------------------------------------------------------------- in-place ops
+    def zero_(self) -> "TensorDict":
+        """Fill every tensor with zeros, in place; returns self."""
+        for leaf in self._leaf_tensors():
+            leaf.zero_()
+        return self
+
+    def fill_(self, key: NestedKey, value: Any) -> "TensorDict":
+        """Fill the entry ``key`` (a tensor, or every tensor of a nested tensordict) with
+        ``value``, in place; returns self."""
+        entry = self.get(key)
+        targets = entry._leaf_tensors() if isinstance(entry, TensorDictBase) else [entry]
+        for leaf in targets:
+            leaf.fill_(value)
+        return self
+
+    def share_memory_(self) -> "TensorDict":
+        """Move every tensor to shared memory (torch's), and every non-tensor value into
+        a cell shared between processes, then lock; returns self.
+
+        As in tensordict, a process that receives the tensordict (fork, spawn, a queue)
+        and writes a non-tensor entry in place (``set_``, ``update_``, ``td[i] = ...``)
+        is seen by every other: ``td.set_("task", "run")`` in a child changes the
+        parent's ``td["task"]``. A receiving process attaches to a cell through the
+        process that shared it, so that process must still be alive then.
+
+        Raises:
+            RuntimeError: if the tensordict is memory-mapped (the two are exclusive).
+            TypeError: naming the key, if a non-tensor value cannot be pickled (the
+                entries before it are shared already).
+        """
+        if self._is_memmap:
+            raise RuntimeError(
+                "memmap and shared memory are mutually exclusive features: this "
+                "tensordict is memory-mapped already (its leaves are shared)."
+            )
+        for key, value in self._tensordict.items():
+            if isinstance(value, torch.Tensor):
+                value.share_memory_()
+            elif is_non_tensor(value):
+                try:
+                    value.share_memory_()
+                except TypeError as error:
+                    raise TypeError(f"share_memory_(): cannot share the non-tensor entry {key!r}: {error}") from error
+            elif is_tensor_collection(value):
+                value.share_memory_()
+        self._is_shared = True
+        self.lock_()
+        return self
+
+
+def _plain_contiguous(value: Any) -> Any:
+    if isinstance(value, ReadOnlyMemoryMappedTensor):  # a copy: a view would be writable
+        return value.clone(memory_format=torch.contiguous_format)
+    if isinstance(value, torch.Tensor):
+        return value.as_subclass(torch.Tensor).contiguous() if type(value) is not torch.Tensor else value.contiguous()
+    return value.contiguous()
