@@ -27,6 +27,7 @@ calling half (:mod:`~shared_td.coordinator.cluster`) so that each reads on its o
 """
 from __future__ import annotations
 
+import datetime
 import time
 
 import torch
@@ -34,12 +35,21 @@ import torch
 from shared_td.coordinator import cluster_replica as replica
 from shared_td.coordinator.cluster_replica import Owned, Replica
 from shared_td.coordinator.cluster_store import ClusterAuthError
-from shared_td.coordinator.cluster_transfer import (StalePair, TransferFailed, answer_tag, encode_answer, stripe_ranges,
+from shared_td.coordinator.cluster_liveness import HEARTBEAT_S
+from shared_td.coordinator.cluster_transfer import (StalePair, TransferFailed, answer_context, answer_tag,
+                                                    decode_signed, encode_signed, push_context, stripe_ranges,
                                                     wait_work)
 
 # How long a lane or the service thread waits in one queue_pop (a stop request wakes it
 # earlier).
 POP_S = 60.0
+#: Bytes of a push header, the start of the receive kept posted per pair for the peer's
+#: next push (signed JSON: name, generation, tag, seq, rows, nbytes).
+HEADER_BYTES = 512
+#: The longest a kept push receive waits (a backstop: shutdown, a failure and a peer
+#: found lost close the pair earlier); its end closes the pair, rebuilt by the next
+#: transfer.
+LISTEN_S = 24 * 3600.0
 
 
 def lane_queue(node: int, peer: int) -> str:
@@ -178,18 +188,103 @@ def _serve_receive(cluster, peer: int, request: dict, entry, apply) -> None:
         raise
     except Exception as err:  # noqa: BLE001 - answered: the sender raises it
         answer = {"error": f"{type(err).__name__}: {err}"}
-    message = encode_answer(cluster._store, cluster.node, tag, answer)
-    works = cluster._groups.send(peer, request["pair"], message, answer_tag(tag))
+    _answer_over_pair(cluster, peer, request["pair"], tag, answer)
+
+
+def _answer_over_pair(cluster, peer: int, generation: int, tag: int, answer: dict) -> None:
+    """Send ``answer`` to ``peer``'s request ``tag``, signed for it, into the receive
+    the requester posted beside its send."""
+    message = encode_signed(cluster._store, answer_context(cluster.node, tag), answer)
+    works = cluster._groups.send(peer, generation, message, answer_tag(tag))
     wait_work(works, time.monotonic() + cluster.timeout, f"answer to node {peer}")
+
+
+def serve_pushes(cluster, peer: int, generation: int) -> None:
+    """Keep one receive posted on stripe 0 of the pair with ``peer`` (at ``generation``)
+    for that peer's next push, and serve each that comes: a signed header of
+    HEADER_BYTES and, in the same message, the rows when they are as many bytes as the
+    last push's (the size of the receive posted for it: the pusher knows it too); other
+    rows come as a second message, on the header's tag. A header that does not verify
+    for this pair generation, or that repeats or skips a push of it (its ``seq``), is
+    counted in ``Cluster.refused`` and never acted on. Ends when the pair is closed,
+    which ends the posted receive: a failed transfer, shutdown, the peer found lost
+    (:func:`watch_pairs`), or LISTEN_S without a push (the backstop: gloo closes the
+    pair of a wait that times out)."""
+    context = push_context(peer, cluster.node, generation)
+    buffer = torch.empty(HEADER_BYTES, dtype=torch.uint8)
+    served = 0
+    try:
+        while not cluster._stop.is_set():
+            work = cluster._groups.listen(peer, generation, buffer)
+            try:
+                work.wait(datetime.timedelta(seconds=LISTEN_S))
+            except RuntimeError as err:
+                raise TransferFailed(f"the pair with node {peer} closed: {str(err).splitlines()[0][:300]}") from err
+            try:
+                header = decode_signed(cluster._store, context, buffer[:HEADER_BYTES])
+            except ClusterAuthError:
+                header = None  # forged, or another cluster's
+            if header is None or header.get("seq") != served + 1:  # forged or replayed: never acted on
+                cluster.refused += 1
+                continue
+            served += 1
+            _serve_push(cluster, peer, generation, header, buffer[HEADER_BYTES:])
+            size = HEADER_BYTES + header["nbytes"]  # what the pusher expects posted next
+            if buffer.numel() != size:
+                buffer = torch.empty(size, dtype=torch.uint8)
+    except Exception:  # noqa: BLE001 - a transfer failed (or a node with our key sent a malformed header)
+        if not cluster._stop.is_set() and cluster._groups.built(peer, generation):
+            cluster._groups.fail(peer, generation)  # ends the pusher's wait; the next transfer builds the next generation
+
+
+def _serve_push(cluster, peer: int, generation: int, header: dict, inline: torch.Tensor) -> None:
+    """Write the rows a push ``header`` announced (``inline`` when they came with it,
+    else received now: TransferFailed if they do not come) and answer over the pair."""
+    nbytes = header["nbytes"]
+    rows = inline if inline.numel() == nbytes else inline[:0]
+    if rows.numel() != nbytes:
+        rows = torch.empty(nbytes, dtype=torch.uint8)
+        deadline = time.monotonic() + cluster.timeout
+        wait_work(cluster._groups.recv(peer, generation, rows, header["tag"], deadline), deadline, "push", nbytes)
+    owned = cluster._owned.get(header["name"])
+    try:
+        if owned is None or owned.generation != header["generation"]:
+            answer = {"error": f"node {cluster.node} has no generation {header['generation']} of {header['name']!r}"}
+        else:
+            _write_rows(owned, rows, header["rows"])
+            answer = {"ok": True}
+    except Exception as err:  # noqa: BLE001 - answered: the pusher raises it
+        answer = {"error": f"{type(err).__name__}: {err}"}
+    _answer_over_pair(cluster, peer, generation, header["tag"], answer)
+
+
+def watch_pairs(cluster) -> None:
+    """Close the pairs with peers found lost (``Cluster._found``), so that the receives
+    kept posted for their pushes end (gloo does not always end a receive whose peer
+    died), until stopped."""
+    while not cluster._stop.wait(HEARTBEAT_S):
+        for peer in range(cluster.nodes):
+            if peer == cluster.node or cluster._groups.stripes(peer) is None:
+                continue
+            try:
+                lost = not cluster._alive(peer)
+            except (RuntimeError, OSError):
+                return  # the store is gone: shutdown closes the pairs
+            if lost:
+                cluster._found(peer)
 
 
 def _apply_rows(cluster, peer: int, owned: Owned, request: dict) -> None:
     buffer = torch.empty(request["nbytes"], dtype=torch.uint8)
     works = cluster._groups.recv(peer, request["pair"], buffer, request["tag"])
     wait_work(works, time.monotonic() + cluster.timeout, "push", request["nbytes"])
+    _write_rows(owned, buffer, request["rows"])
+
+
+def _write_rows(owned: Owned, message: torch.Tensor, rows: int) -> None:
     if not owned.leaves:
         owned.leaves = replica.leaf_views(owned.segment, owned.layout)
-    replica.unpack_rows(owned.leaves, buffer, request["rows"])
+    replica.unpack_rows(owned.leaves, message, rows)
 
 
 def _apply_sync(cluster, peer: int, rep: Replica, request: dict) -> None:
