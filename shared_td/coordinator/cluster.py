@@ -32,14 +32,16 @@ way), and a service thread for the small notices of ``queue/<node>`` (non-tensor
 new pair generations, stop); both live in :mod:`~shared_td.coordinator.cluster_serve`,
 this module is the calling half. Payloads go over the pair's gloo group with the
 request's tag (a large one over ``stripes`` groups of the pair at once, in contiguous byte
-ranges: see :mod:`~shared_td.coordinator.cluster_transfer`). The answer to a pull is a signed value pushed to the requesting thread's
-own queue ``reply/<node>/<slot>`` (one blocking pop gets one: no poll; an answer that
-comes after its request gave up is skipped by its tag); a push or a sync is answered
-after its payload over the pair, signed for that request, into a receive the sender
-posted beside its send (so a push costs one store round trip, its request). A sender of
-a payload only sends after the receiver's request or promise, and every wait is bounded:
+ranges: see :mod:`~shared_td.coordinator.cluster_transfer`). The answer to a pull is a
+signed value pushed to the requesting thread's own queue ``reply/<node>/<slot>`` (one
+blocking pop gets one: no poll; an answer that comes after its request gave up is
+skipped by its tag); a push or a sync is answered after its payload over the pair,
+signed for that request, into a receive the sender posted beside its send. A push skips
+the store once its pair is built: it goes into a receive the owner keeps posted for it
+(:mod:`~shared_td.coordinator.cluster_push`). A sender of a payload only sends after the
+receiver's request, promise or kept receive, and every wait is bounded:
 on a failure or a timeout of any stripe, every stripe's operations are ended (no
-receive stays posted), the pair's groups are aborted and rebuilt by the next transfer,
+receive stays posted), the pair's groups are closed and rebuilt by the next transfer,
 and a replica's version is set only once every stripe arrived.
 
 Failure behaviour:
@@ -87,8 +89,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from shared_td.coordinator import cluster_layout, cluster_push
 from shared_td.coordinator import cluster_replica as replica
 from shared_td.coordinator import staleness
@@ -96,12 +96,12 @@ from shared_td.coordinator import cluster_liveness
 from shared_td.coordinator.cluster_liveness import HEARTBEAT_S, Liveness
 from shared_td.coordinator.cluster_names import LocalNames
 from shared_td.coordinator.cluster_replica import Owned, Replica
-from shared_td.coordinator.cluster_serve import (POP_S, lane_queue, serve_lane, serve_notices, serve_pushes,
+from shared_td.coordinator.cluster_push import send_answered
+from shared_td.coordinator.cluster_serve import (LISTENER, POP_S, lane_queue, listen, serve_lane, serve_notices,
                                                  watch_pairs)
 from shared_td.coordinator.cluster_store import ClusterAuthError, ClusterCounter, SignedStore, cluster_key, open_store
-from shared_td.coordinator.cluster_transfer import (ANSWER_BYTES, PUSH_TAG, TAG_WRAP, PairGroups, StalePair,
-                                                    TransferFailed, answer_context, answer_tag, decode_signed,
-                                                    stripe_count, stripe_ranges, wait_work)
+from shared_td.coordinator.cluster_transfer import (TAG_WRAP, PairGroups, StalePair, TransferFailed, stripe_count,
+                                                    stripe_ranges, wait_work)
 from shared_td.coordinator.cluster_values import ClusterValues
 from shared_td.errors import OwnerLostError
 
@@ -113,8 +113,6 @@ DEFAULT_TIMEOUT = 30.0
 #: 2-core loopback (CPU-bound: 2 or 4 gave no reliable gain for a 100 MB sync); where one
 #: TCP stream is bound by the link or its latency, try more (``--only cluster_sync``).
 DEFAULT_STRIPES = 1
-#: The name of a thread that keeps a receive posted for a peer's pushes (+ peer-generation).
-_LISTENER = "shared_td-cluster-pushes-"
 
 
 @dataclass
@@ -217,7 +215,8 @@ class Cluster:
             if record["nodes"] != self.nodes:
                 raise ValueError(f"Node {record['node']} joined with nodes={record['nodes']}, this node has {self.nodes}.")
         self._groups = PairGroups(self._store, self.node, timeout=self.timeout, hostname=self._hostname,
-                                  alive=lambda peer: self._liveness.alive(peer), on_built=self._listen)
+                                  alive=lambda peer: self._liveness.alive(peer),
+                                  on_built=lambda peer, generation: listen(self, peer, generation))
         self._values = ClusterValues(self._store, self.node, self.nodes, self._stop)
         #: this node's records of its unreplicated names (see cluster_names)
         self.local_names = LocalNames(self._store, self.node, self.nodes)
@@ -244,7 +243,7 @@ class Cluster:
                 self._store.push_json(queue, {"op": "stop", "from": self.node})
         except (RuntimeError, OSError):
             pass  # the store is gone; the pops fail by themselves
-        listeners = [t for t in self._threads if t.name.startswith(_LISTENER)]
+        listeners = [t for t in self._threads if t.name.startswith(LISTENER)]
         for thread in self._threads:  # a lane in a transfer ends at its bounded wait (daemon)
             if thread not in listeners:
                 thread.join(POP_S if thread.name.endswith("serve") else 2 * HEARTBEAT_S)
@@ -256,16 +255,6 @@ class Cluster:
         for thread in listeners:
             thread.join(2 * HEARTBEAT_S)
         self._store.close()
-
-    def _listen(self, peer: int, generation: int) -> None:
-        """Stripe 0 of the pair with ``peer`` was built at ``generation``: keep a receive
-        posted on it for that peer's pushes (the thread ends when that pair is closed)."""
-        if self._stop.is_set():
-            return
-        thread = threading.Thread(target=serve_pushes, args=(self, peer, generation), daemon=True,
-                                  name=f"{_LISTENER}{peer}-{generation}")
-        thread.start()
-        self._threads.append(thread)
 
     def __enter__(self) -> "Cluster":
         return self if self._store is not None else self.start()
@@ -498,8 +487,8 @@ class Cluster:
             stripes = stripe_count(owned.layout["nbytes"], self.stripes)
             tag, generation = self._request(peer, "sync", name, owned.generation, version=owned.version,
                                             nbytes=owned.layout["nbytes"], stripes=stripes)
-            self._refusal(peer, name, self._send_answered(peer, generation, tag, payload, deadline,
-                                                          f"sync of {name!r} to node {peer}", stripes))
+            self._refusal(peer, name, send_answered(self, peer, generation, tag, payload, deadline,
+                                                    f"sync of {name!r} to node {peer}", stripes))
         except (TransferFailed, TimeoutError, ConnectionError, RuntimeError) as err:
             return f"{type(err).__name__}: {err}"
         return None
@@ -516,36 +505,6 @@ class Cluster:
                         {"op": op, "name": name, "generation": generation, "from": self.node,
                          "tag": tag, "pair": pair, "reply": self._reply_queue(), **extra})
         return tag, pair
-
-    def _send_answered(self, peer: int, generation: int, tag: int, payload: torch.Tensor, deadline: float,
-                       what: str, stripes: int = 1, header: torch.Tensor | None = None,
-                       send_tag: int | None = None) -> dict:
-        """Send ``payload`` for request ``tag`` over ``stripes`` groups (on ``send_tag``
-        if given; after ``header`` on PUSH_TAG, if given: see cluster_push) and receive
-        the peer's signed answer over the pair (its receive posted beside the send, so
-        that it is there when the peer answers). TransferFailed, every group of the pair
-        failed, when any does not end in time or the answer's signature is wrong."""
-        buffer = getattr(self._local, "answer", None)
-        if buffer is None:
-            buffer = self._local.answer = torch.empty(ANSWER_BYTES, dtype=torch.uint8)
-        try:
-            # the answer's receive first: posted after the send, it waited for this thread
-            # to run again after its write (measured at load 6-7: the owner had the rows
-            # written at 0.6 ms and its answer waited ~3 ms for the receive)
-            works = self._groups.recv(peer, generation, buffer, answer_tag(tag), deadline)
-            if header is not None:
-                works += self._groups.send(peer, generation, header, PUSH_TAG, deadline)
-            works += self._groups.send(peer, generation, payload, tag if send_tag is None else send_tag, deadline,
-                                       stripes)
-            wait_work(works, deadline, what, int(payload.numel()))
-            try:
-                return decode_signed(self._store, answer_context(peer, tag), buffer)
-            except ClusterAuthError as err:
-                self.refused += 1  # forged: never acted on, and the pair is not trusted further
-                raise TransferFailed(f"the answer to the {what} is not signed with this cluster's key") from err
-        except TransferFailed:
-            self._groups.fail(peer, generation)
-            raise
 
     @staticmethod
     def _refusal(peer: int, name: str, answer: dict) -> dict:

@@ -28,6 +28,7 @@ calling half (:mod:`~shared_td.coordinator.cluster`) so that each reads on its o
 from __future__ import annotations
 
 import datetime
+import threading
 import time
 
 import torch
@@ -50,6 +51,10 @@ HEADER_BYTES = 512
 #: found lost close the pair earlier); its end closes the pair, rebuilt by the next
 #: transfer.
 LISTEN_S = 24 * 3600.0
+
+
+#: The start of the name of a thread that keeps a receive posted for a peer's pushes.
+LISTENER = "shared_td-cluster-pushes-"
 
 
 def lane_queue(node: int, peer: int) -> str:
@@ -199,6 +204,17 @@ def _answer_over_pair(cluster, peer: int, generation: int, tag: int, answer: dic
     wait_work(works, time.monotonic() + cluster.timeout, f"answer to node {peer}")
 
 
+def listen(cluster, peer: int, generation: int) -> None:
+    """Stripe 0 of the pair with ``peer`` was built at ``generation``: start the thread
+    that keeps a receive posted on it for that peer's pushes (:func:`serve_pushes`)."""
+    if cluster._stop.is_set():
+        return
+    thread = threading.Thread(target=serve_pushes, args=(cluster, peer, generation), daemon=True,
+                              name=f"{LISTENER}{peer}-{generation}")
+    thread.start()
+    cluster._threads.append(thread)
+
+
 def serve_pushes(cluster, peer: int, generation: int) -> None:
     """Keep one receive posted on stripe 0 of the pair with ``peer`` (at ``generation``)
     for that peer's next push, and serve each that comes: a signed header of
@@ -234,7 +250,7 @@ def serve_pushes(cluster, peer: int, generation: int) -> None:
                 buffer = torch.empty(size, dtype=torch.uint8)
     except Exception:  # noqa: BLE001 - a transfer failed (or a node with our key sent a malformed header)
         if not cluster._stop.is_set() and cluster._groups.built(peer, generation):
-            cluster._groups.fail(peer, generation)  # ends the pusher's wait; the next transfer builds the next generation
+            cluster._groups.fail(peer, generation)  # ends the pusher's wait; the next transfer builds a new pair
 
 
 def _serve_push(cluster, peer: int, generation: int, header: dict, inline: torch.Tensor) -> None:

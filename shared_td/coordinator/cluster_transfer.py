@@ -50,13 +50,25 @@ aborts every stripe of the generation and moves the whole pair to the next one.
 Answers: the node that received a payload (a push on the owner, a sync on a replica)
 answers over the same pair, with its request's tag + :data:`ANSWER_TAG_BIT`, into a
 buffer of :data:`ANSWER_BYTES` that the sender posted beside its send. gloo is
-unauthenticated, so an answer is signed like a store value (:func:`encode_answer`), for
+unauthenticated, so an answer is signed like a store value (:func:`encode_signed`), for
 that request of that node only (its tag and node are in the signed text: an answer
 recorded earlier does not pass for another), and checked before a byte of it is parsed
-(:func:`decode_answer`). The sender's wait for it is bounded as any transfer's. An
-answer is padded to fill its receive exactly: gloo completes a receive larger than its
-message, but 10-40x slower (measured with torch 2.13 on loopback: a 64 KiB message into a
-posted 1 MiB receive took 2-8 ms, into a 64 KiB one 0.15-0.2 ms).
+(:func:`decode_signed`). The sender's wait for it is bounded as any transfer's. Every
+message fills its receive exactly (an answer is padded to ANSWER_BYTES): gloo completes
+a receive larger than its message, but 10-40x slower (measured with torch 2.13 on
+loopback: a 64 KiB message into a posted 1 MiB receive took 2-8 ms, into a 64 KiB one
+0.15-0.2 ms).
+
+Kept receives: each node keeps one receive posted on stripe 0 of each pair it holds, on
+:data:`PUSH_TAG`, for the peer's next push (a header signed for that pair generation,
+:func:`push_context`; see :mod:`~shared_td.coordinator.cluster_push`). Its thread waits
+in gloo, which ``abort()`` does not wake: so a pair is *closed* (:meth:`PairGroups._close`:
+a receive on :data:`CLOSE_TAG`, where nothing is sent, waited for a millisecond, which
+makes gloo close the pair on both nodes) before it is aborted, on a failure
+(:meth:`PairGroups.fail`), when the peer is found lost (:meth:`PairGroups.forget`), on
+shutdown (:meth:`PairGroups.close`) and when a newer generation replaces it; the kept
+receive's own wait is bounded by a day
+(:data:`~shared_td.coordinator.cluster_serve.LISTEN_S`), the backstop.
 """
 from __future__ import annotations
 
@@ -72,8 +84,8 @@ import torch.distributed as dist
 from shared_td.errors import ClusterAuthError, StalePair, TransferFailed
 
 __all__ = ["ANSWER_BYTES", "ANSWER_TAG_BIT", "CLOSE_TAG", "MAX_STRIPES", "PUSH_TAG", "STRIPE_MIN_BYTES", "TAG_WRAP",
-           "PairGroups", "StalePair", "TransferFailed", "answer_context", "answer_tag", "decode_signed", "encode_signed",
-           "end_works", "push_context", "stripe_count", "stripe_ranges", "wait_work"]
+           "PairGroups", "StalePair", "TransferFailed", "answer_context", "answer_tag", "decode_signed",
+           "encode_signed", "end_works", "push_context", "stripe_count", "stripe_ranges", "wait_work"]
 
 
 #: The slowest transfer rate (bytes/s) a wait allows for before it gives up: a gloo wait
