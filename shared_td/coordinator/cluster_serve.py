@@ -220,18 +220,19 @@ def serve_pushes(cluster, peer: int, generation: int) -> None:
     for that peer's next push, and serve each that comes: a signed header of
     HEADER_BYTES and, in the same message, the rows when they are as many bytes as the
     last push's (the size of the receive posted for it: the pusher knows it too); other
-    rows come as a second message, on the header's tag. A header that does not verify
-    for this pair generation, or that repeats or skips a push of it (its ``seq``), is
-    counted in ``Cluster.refused`` and never acted on. Ends when the pair is closed,
-    which ends the posted receive: a failed transfer, shutdown, the peer found lost
-    (:func:`watch_pairs`), or LISTEN_S without a push (the backstop: gloo closes the
-    pair of a wait that times out)."""
+    rows come as a second message, on the header's tag. The next receive is posted
+    before the answer is sent, so that the pusher's next push finds it there. A header
+    that does not verify for this pair generation, or that repeats or skips a push of it
+    (its ``seq``), is counted in ``Cluster.refused`` and never acted on. Ends when the
+    pair is closed, which ends the posted receive: a failed transfer, shutdown, the peer
+    found lost (:func:`watch_pairs`), or LISTEN_S without a push (the backstop: gloo
+    closes the pair of a wait that times out)."""
     context = push_context(peer, cluster.node, generation)
     buffer = torch.empty(HEADER_BYTES, dtype=torch.uint8)
     served = 0
     try:
+        work = cluster._groups.listen(peer, generation, buffer)
         while not cluster._stop.is_set():
-            work = cluster._groups.listen(peer, generation, buffer)
             try:
                 work.wait(datetime.timedelta(seconds=LISTEN_S))
             except RuntimeError as err:
@@ -242,20 +243,23 @@ def serve_pushes(cluster, peer: int, generation: int) -> None:
                 header = None  # forged, or another cluster's
             if header is None or header.get("seq") != served + 1:  # forged or replayed: never acted on
                 cluster.refused += 1
+                work = cluster._groups.listen(peer, generation, buffer)
                 continue
             served += 1
-            _serve_push(cluster, peer, generation, header, buffer[HEADER_BYTES:])
+            answer = _apply_push(cluster, peer, generation, header, buffer[HEADER_BYTES:])
             size = HEADER_BYTES + header["nbytes"]  # what the pusher expects posted next
             if buffer.numel() != size:
                 buffer = torch.empty(size, dtype=torch.uint8)
+            work = cluster._groups.listen(peer, generation, buffer)  # the rows are written: free
+            _answer_over_pair(cluster, peer, generation, header["tag"], answer)
     except Exception:  # noqa: BLE001 - a transfer failed (or a node with our key sent a malformed header)
         if not cluster._stop.is_set() and cluster._groups.built(peer, generation):
             cluster._groups.fail(peer, generation)  # ends the pusher's wait; the next transfer builds a new pair
 
 
-def _serve_push(cluster, peer: int, generation: int, header: dict, inline: torch.Tensor) -> None:
+def _apply_push(cluster, peer: int, generation: int, header: dict, inline: torch.Tensor) -> dict:
     """Write the rows a push ``header`` announced (``inline`` when they came with it,
-    else received now: TransferFailed if they do not come) and answer over the pair."""
+    else received now: TransferFailed if they do not come); returns the answer."""
     nbytes = header["nbytes"]
     rows = inline if inline.numel() == nbytes else inline[:0]
     if rows.numel() != nbytes:
@@ -265,19 +269,19 @@ def _serve_push(cluster, peer: int, generation: int, header: dict, inline: torch
     owned = cluster._owned.get(header["name"])
     try:
         if owned is None or owned.generation != header["generation"]:
-            answer = {"error": f"node {cluster.node} has no generation {header['generation']} of {header['name']!r}"}
-        else:
-            _write_rows(owned, rows, header["rows"])
-            answer = {"ok": True}
+            return {"error": f"node {cluster.node} has no generation {header['generation']} of {header['name']!r}"}
+        _write_rows(owned, rows, header["rows"])
+        return {"ok": True}
     except Exception as err:  # noqa: BLE001 - answered: the pusher raises it
-        answer = {"error": f"{type(err).__name__}: {err}"}
-    _answer_over_pair(cluster, peer, generation, header["tag"], answer)
+        return {"error": f"{type(err).__name__}: {err}"}
 
 
 def watch_pairs(cluster) -> None:
-    """Close the pairs with peers found lost (``Cluster._found``), so that the receives
+    """Close the pairs with peers whose heartbeat stands still, so that the receives
     kept posted for their pushes end (gloo does not always end a receive whose peer
-    died), until stopped."""
+    died), until stopped. The peer is not marked lost for the calls: a node that was
+    only stopped gets its second look there (``Liveness.still_lost``), and its next
+    transfer builds a new pair."""
     while not cluster._stop.wait(HEARTBEAT_S):
         for peer in range(cluster.nodes):
             if peer == cluster.node or cluster._groups.stripes(peer) is None:
@@ -287,7 +291,7 @@ def watch_pairs(cluster) -> None:
             except (RuntimeError, OSError):
                 return  # the store is gone: shutdown closes the pairs
             if lost:
-                cluster._found(peer)
+                cluster._groups.forget(peer)
 
 
 def _apply_rows(cluster, peer: int, owned: Owned, request: dict) -> None:
