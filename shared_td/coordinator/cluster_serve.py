@@ -193,15 +193,16 @@ def _serve_receive(cluster, peer: int, request: dict, entry, apply) -> None:
         raise
     except Exception as err:  # noqa: BLE001 - answered: the sender raises it
         answer = {"error": f"{type(err).__name__}: {err}"}
-    _answer_over_pair(cluster, peer, request["pair"], tag, answer)
-
-
-def _answer_over_pair(cluster, peer: int, generation: int, tag: int, answer: dict) -> None:
-    """Send ``answer`` to ``peer``'s request ``tag``, signed for it, into the receive
-    the requester posted beside its send."""
-    message = encode_signed(cluster._store, answer_context(cluster.node, tag), answer)
-    works = cluster._groups.send(peer, generation, message, answer_tag(tag))
+    works = _answer_over_pair(cluster, peer, request["pair"], tag, answer)
     wait_work(works, time.monotonic() + cluster.timeout, f"answer to node {peer}")
+
+
+def _answer_over_pair(cluster, peer: int, generation: int, tag: int, answer: dict) -> list:
+    """Post the send of ``answer`` to ``peer``'s request ``tag``, signed for it, into the
+    receive the requester posted beside its send; returns its works (the message lives
+    as long as they are held)."""
+    message = encode_signed(cluster._store, answer_context(cluster.node, tag), answer)
+    return cluster._groups.send(peer, generation, message, answer_tag(tag))
 
 
 def listen(cluster, peer: int, generation: int) -> None:
@@ -230,6 +231,9 @@ def serve_pushes(cluster, peer: int, generation: int) -> None:
     context = push_context(peer, cluster.node, generation)
     buffer = torch.empty(HEADER_BYTES, dtype=torch.uint8)
     served = 0
+    # the last answer's send: waited for once the next push came (it has ended by then),
+    # so that this thread is not woken once more per push
+    answering: list = []
     try:
         work = cluster._groups.listen(peer, generation, buffer)
         while not cluster._stop.is_set():
@@ -237,6 +241,8 @@ def serve_pushes(cluster, peer: int, generation: int) -> None:
                 work.wait(datetime.timedelta(seconds=LISTEN_S))
             except RuntimeError as err:
                 raise TransferFailed(f"the pair with node {peer} closed: {str(err).splitlines()[0][:300]}") from err
+            wait_work(answering, time.monotonic() + cluster.timeout, f"answer to node {peer}")
+            answering = []  # a gloo work is waited for once: a second wait waits for another send
             try:
                 header = decode_signed(cluster._store, context, buffer[:HEADER_BYTES])
             except ClusterAuthError:
@@ -251,7 +257,7 @@ def serve_pushes(cluster, peer: int, generation: int) -> None:
             if buffer.numel() != size:
                 buffer = torch.empty(size, dtype=torch.uint8)
             work = cluster._groups.listen(peer, generation, buffer)  # the rows are written: free
-            _answer_over_pair(cluster, peer, generation, header["tag"], answer)
+            answering = _answer_over_pair(cluster, peer, generation, header["tag"], answer)
     except Exception:  # noqa: BLE001 - a transfer failed (or a node with our key sent a malformed header)
         if not cluster._stop.is_set() and cluster._groups.built(peer, generation):
             cluster._groups.fail(peer, generation)  # ends the pusher's wait; the next transfer builds a new pair

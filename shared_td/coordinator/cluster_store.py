@@ -235,13 +235,13 @@ class SignedStore:
 
     # --------------------------------------------------------------- signing
     def sign(self, key: str, payload: bytes) -> bytes:
-        return hmac.new(self._authkey, key.encode() + b"\0" + payload, hashlib.sha256).digest() + payload
+        return hmac.digest(self._authkey, key.encode() + b"\0" + payload, "sha256") + payload
 
     def check(self, key: str, blob: bytes) -> bytes:
         """The payload of ``blob`` read at ``key``; ClusterAuthError if it is not signed
         with our authkey (compared in constant time)."""
         mac, payload = blob[:_DIGEST], blob[_DIGEST:]
-        good = hmac.new(self._authkey, key.encode() + b"\0" + payload, hashlib.sha256).digest()
+        good = hmac.digest(self._authkey, key.encode() + b"\0" + payload, "sha256")
         if len(blob) < _DIGEST or not hmac.compare_digest(mac, good):
             raise ClusterAuthError(
                 f"The value of {key!r} in the cluster store has a wrong signature: the node "
