@@ -10,11 +10,17 @@ replica) and ``renew`` (the owner published the name again: make the new replica
 service thread (:func:`serve_notices`) applies the small notices of ``queue/<node>``:
 non-tensor values, new pair generations, stop.
 
+Pushes skip the lanes once a pair is built: for each pair it holds, a node keeps one
+receive posted on the pair's stripe 0 for the peer's next push, in a thread of its own
+(:func:`serve_pushes`, started by :func:`listen` when the pair is built), and a watch
+thread (:func:`watch_pairs`) closes the pairs of a peer whose heartbeat stands still, so
+that no kept receive waits on a dead peer. The first push on a pair is a lane request.
+
 Payloads go over the pair's gloo group with the request's tag, each wait bounded by the
 cluster's timeout. The answer to a pull (sent before its payload: the version) is a
 signed value pushed to the requester's reply queue; the answer to a push or a sync comes
 after its payload, over the pair, signed for that request
-(:func:`~shared_td.coordinator.cluster_transfer.encode_answer`): no store round trip
+(:func:`~shared_td.coordinator.cluster_transfer.encode_signed`): no store round trip
 and no thread of the sender's node in between. A request for what this node does not
 hold is answered with a refusal (after receiving any payload into scratch memory, so
 that the sender's send ends); a failed transfer marks the pair's group failed, so that
