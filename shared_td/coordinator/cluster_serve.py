@@ -242,6 +242,7 @@ def serve_pushes(cluster, peer: int, generation: int) -> None:
     answering: list = []
     try:
         work = cluster._groups.listen(peer, generation, buffer)
+        _connect(cluster)
         while not cluster._stop.is_set():
             try:
                 work.wait(datetime.timedelta(seconds=LISTEN_S))
@@ -269,6 +270,18 @@ def serve_pushes(cluster, peer: int, generation: int) -> None:
             cluster._groups.fail(peer, generation)  # ends the pusher's wait; the next transfer builds a new pair
 
 
+def _connect(cluster) -> None:
+    """Give this thread its store connection now, while the store host is there: the
+    first store call of a thread connects, and a connect to a lost host is retried for
+    the cluster's timeout, which held a node's exit (a thread in that connect at the
+    interpreter's exit aborted the process). A failure is its own; store calls fail fast
+    on a connection made."""
+    try:
+        cluster._store.connect()
+    except (RuntimeError, OSError):
+        pass  # the store is gone already: the thread's store calls fail, as the others'
+
+
 def _apply_push(cluster, peer: int, generation: int, header: dict, inline: torch.Tensor) -> dict:
     """Write the rows a push ``header`` announced (``inline`` when they came with it,
     else received now: TransferFailed if they do not come); returns the answer."""
@@ -294,6 +307,7 @@ def watch_pairs(cluster) -> None:
     died), until stopped. The peer is not marked lost for the calls: a node that was
     only stopped gets its second look there (``Liveness.still_lost``), and its next
     transfer builds a new pair."""
+    _connect(cluster)
     while not cluster._stop.wait(HEARTBEAT_S):
         for peer in range(cluster.nodes):
             if peer == cluster.node or cluster._groups.stripes(peer) is None:
