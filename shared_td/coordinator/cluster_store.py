@@ -169,10 +169,12 @@ class SignedStore:
         # Not daemons: a daemon thread still inside torch's connect when the interpreter
         # exits aborts the process as it comes back ("terminate called without an active
         # exception"); close() and the interpreter's exit wait for these instead, each
-        # connect bounded by SPARE_CONNECT_S (at once while the store is up).
+        # connect bounded by SPARE_CONNECT_S (at once while the store is up). Said so:
+        # a thread inherits daemon from the thread that makes it, and a spare's
+        # replacement is made by the thread that took it (a lane, a kept push receive).
         with self._connecting_lock:
             for _ in range(count):
-                thread = threading.Thread(target=connect, name="shared_td-store-spare")
+                thread = threading.Thread(target=connect, name="shared_td-store-spare", daemon=False)
                 self._connecting.add(thread)
                 thread.start()
 
