@@ -271,13 +271,14 @@ def serve_pushes(cluster, peer: int, generation: int) -> None:
 
 
 def _connect(cluster) -> None:
-    """Give this thread its store connection now, while the store host is there: the
-    first store call of a thread connects, and a connect to a lost host is retried for
-    the cluster's timeout, which held a node's exit (a thread in that connect at the
-    interpreter's exit aborted the process). A failure is its own; store calls fail fast
-    on a connection made."""
+    """Give this thread a spare store connection now, while the store host is there
+    (a spare is nearly always ready: each taken is replaced in the background): a
+    thread's first store call connects, and a connect to a lost host is retried for the
+    cluster's timeout, in which a node that stops meanwhile exits with this daemon
+    thread inside torch's connect (the process aborts there). Not a connect of its own
+    now: that can stall 5 s in a reverse DNS lookup, which held up shutdown's join."""
     try:
-        cluster._store.connect()
+        cluster._store.connect(spare_only=True)
     except (RuntimeError, OSError):
         pass  # the store is gone already: the thread's store calls fail, as the others'
 

@@ -191,9 +191,12 @@ class SignedStore:
         store.set_timeout(raw.timeout)
         return store
 
-    def connect(self) -> None:
+    def connect(self, spare_only: bool = False) -> None:
         """Give the calling thread its connection now (a spare if one is ready): for a
-        thread that must answer fast once it has something to send."""
+        thread that must answer fast once it has something to send. ``spare_only``:
+        only a spare that is ready, else nothing now (the first store call connects)."""
+        if spare_only and getattr(self._local, "store", None) is None and self._spares.empty():
+            return
         self._store()
 
     def close(self) -> None:
