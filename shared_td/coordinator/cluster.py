@@ -32,14 +32,16 @@ way), and a service thread for the small notices of ``queue/<node>`` (non-tensor
 new pair generations, stop); both live in :mod:`~shared_td.coordinator.cluster_serve`,
 this module is the calling half. Payloads go over the pair's gloo group with the
 request's tag (a large one over ``stripes`` groups of the pair at once, in contiguous byte
-ranges: see :mod:`~shared_td.coordinator.cluster_transfer`). The answer to a pull is a signed value pushed to the requesting thread's
-own queue ``reply/<node>/<slot>`` (one blocking pop gets one: no poll; an answer that
-comes after its request gave up is skipped by its tag); a push or a sync is answered
-after its payload over the pair, signed for that request, into a receive the sender
-posted beside its send (so a push costs one store round trip, its request). A sender of
-a payload only sends after the receiver's request or promise, and every wait is bounded:
+ranges: see :mod:`~shared_td.coordinator.cluster_transfer`). The answer to a pull is a
+signed value pushed to the requesting thread's own queue ``reply/<node>/<slot>`` (one
+blocking pop gets one: no poll; an answer that comes after its request gave up is
+skipped by its tag); a push or a sync is answered after its payload over the pair,
+signed for that request, into a receive the sender posted beside its send. A push skips
+the store once its pair is built: it goes into a receive the owner keeps posted for it
+(:mod:`~shared_td.coordinator.cluster_push`). A sender of a payload only sends after the
+receiver's request, promise or kept receive, and every wait is bounded:
 on a failure or a timeout of any stripe, every stripe's operations are ended (no
-receive stays posted), the pair's groups are aborted and rebuilt by the next transfer,
+receive stays posted), the pair's groups are closed and rebuilt by the next transfer,
 and a replica's version is set only once every stripe arrived.
 
 Failure behaviour:
@@ -87,19 +89,19 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import torch
-
-from shared_td.coordinator import cluster_layout
+from shared_td.coordinator import cluster_layout, cluster_push
 from shared_td.coordinator import cluster_replica as replica
 from shared_td.coordinator import staleness
 from shared_td.coordinator import cluster_liveness
 from shared_td.coordinator.cluster_liveness import HEARTBEAT_S, Liveness
 from shared_td.coordinator.cluster_names import LocalNames
 from shared_td.coordinator.cluster_replica import Owned, Replica
-from shared_td.coordinator.cluster_serve import POP_S, lane_queue, serve_lane, serve_notices
+from shared_td.coordinator.cluster_push import send_answered
+from shared_td.coordinator.cluster_serve import (LISTENER, POP_S, lane_queue, listen, serve_lane, serve_notices,
+                                                 watch_pairs)
 from shared_td.coordinator.cluster_store import ClusterAuthError, ClusterCounter, SignedStore, cluster_key, open_store
-from shared_td.coordinator.cluster_transfer import (ANSWER_BYTES, TAG_WRAP, PairGroups, StalePair, TransferFailed,
-                                                    answer_tag, decode_answer, stripe_count, stripe_ranges, wait_work)
+from shared_td.coordinator.cluster_transfer import (TAG_WRAP, PairGroups, StalePair, TransferFailed, stripe_count,
+                                                    stripe_ranges, wait_work)
 from shared_td.coordinator.cluster_values import ClusterValues
 from shared_td.errors import OwnerLostError
 
@@ -174,6 +176,7 @@ class Cluster:
         self._local = threading.local()  # each thread's reply queue
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._push_lines: dict[int, cluster_push.PushLine] = {}  # owner -> this node's pushes to it
         self._senders = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="shared_td-sync")
         self.refused = 0  # requests dropped for a wrong signature
         self.renew_failures = 0  # replicas not renewed after a re-publish (see cluster_serve)
@@ -194,11 +197,11 @@ class Cluster:
             base = self._spec
         if self.node is None or self.nodes is None or not 0 <= self.node < self.nodes:
             raise ValueError(f"A cluster needs node= in [0, nodes) and nodes=, got node={self.node}, nodes={self.nodes}.")
-        # spares: the first connections of this node's threads (heartbeat, service, a
-        # lane per peer, the values poller, the sync senders) are made ahead, in the
+        # spares: the first connections of this node's threads (heartbeat, service, pair
+        # watch, a lane per peer, the values poller, the sync senders) are made ahead, in the
         # background (a connect can stall 5 s in a reverse DNS lookup, see cluster_store)
         self._store = SignedStore(base, self._authkey, timeout=self.timeout,
-                                  spares=3 + (self.nodes - 1) + min(self.nodes - 1, 6))
+                                  spares=4 + (self.nodes - 1) + min(self.nodes - 1, 6))
         self._store.set_json(f"join/{self.node}", {"node": self.node, "nodes": self.nodes, "pid": os.getpid(),
                                                    "host": socket.gethostname()})
         self._store.set_json(f"hb/{self.node}", {"beat": 0, "pid": os.getpid()})
@@ -212,14 +215,15 @@ class Cluster:
             if record["nodes"] != self.nodes:
                 raise ValueError(f"Node {record['node']} joined with nodes={record['nodes']}, this node has {self.nodes}.")
         self._groups = PairGroups(self._store, self.node, timeout=self.timeout, hostname=self._hostname,
-                                  alive=lambda peer: self._liveness.alive(peer))
+                                  alive=lambda peer: self._liveness.alive(peer),
+                                  on_built=lambda peer, generation: listen(self, peer, generation))
         self._values = ClusterValues(self._store, self.node, self.nodes, self._stop)
         #: this node's records of its unreplicated names (see cluster_names)
         self.local_names = LocalNames(self._store, self.node, self.nodes)
         self._liveness = Liveness(self._store, self.node, self._store.get_json)
         lanes = [(serve_lane, (self, peer), f"lane-{peer}") for peer in range(self.nodes) if peer != self.node]
         for target, args, name in [(self._liveness.beat, (self._stop,), "beat"), (serve_notices, (self,), "serve"),
-                                   *lanes]:
+                                   (watch_pairs, (self,), "watch"), *lanes]:
             thread = threading.Thread(target=target, args=args, name=f"shared_td-cluster-{name}", daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -239,13 +243,17 @@ class Cluster:
                 self._store.push_json(queue, {"op": "stop", "from": self.node})
         except (RuntimeError, OSError):
             pass  # the store is gone; the pops fail by themselves
+        listeners = [t for t in self._threads if t.name.startswith(LISTENER)]
         for thread in self._threads:  # a lane in a transfer ends at its bounded wait (daemon)
-            thread.join(POP_S if thread.name.endswith("serve") else 2 * HEARTBEAT_S)
+            if thread not in listeners:
+                thread.join(POP_S if thread.name.endswith("serve") else 2 * HEARTBEAT_S)
         if self._values is not None:
             self._values.join(2 * HEARTBEAT_S)
         self._senders.shutdown(wait=False, cancel_futures=True)
         if self._groups is not None:  # None: start() failed before the groups
-            self._groups.close()
+            self._groups.close()  # closes the pairs: the kept push receives end
+        for thread in listeners:
+            thread.join(2 * HEARTBEAT_S)
         self._store.close()
 
     def __enter__(self) -> "Cluster":
@@ -434,29 +442,7 @@ class Cluster:
         of a lazy stack along dim 0 (the root's first dimension), its whole member
         ``i``; of a lazy stack along another dim, row ``i`` of every member. Non-tensor
         values are not pushed: with ``share_non_tensor=True`` they travel by themselves."""
-        if name in self._owned:
-            return  # the owner's replica is its own buffer: the rows are already there
-        rep = self._replica(name)
-        index = torch.as_tensor(index, dtype=torch.int64).reshape(-1)
-        rows = rep.layout["batch_size"][0] if rep.layout["batch_size"] else 0
-        if index.numel():
-            low, high = (int(end) for end in torch.aminmax(index))
-            if low < 0:  # -1: the last row, as td[-1]
-                index = torch.where(index < 0, index + rows, index)
-                low, high = (int(end) for end in torch.aminmax(index))
-            if not 0 <= low <= high < rows:
-                raise IndexError(f"push({name!r}): an index is out of range for {rows} rows.")
-        if not rep.leaves:
-            rep.leaves = replica.leaf_views(rep.segment, rep.layout)
-        payload = replica.pack_rows(rep.leaves, index)
-        deadline = time.monotonic() + self.timeout
-        tag, generation = self._request(rep.owner, "push", name, rep.generation,
-                                        rows=int(index.numel()), nbytes=int(payload.numel()))
-        try:
-            answer = self._send_answered(rep.owner, generation, tag, payload, deadline, f"push of {name!r}")
-        except TransferFailed as err:
-            raise self._lost_or(rep.owner, name, err) from err
-        self._refusal(rep.owner, name, answer)
+        cluster_push.push(self, name, index)  # over the pair when it is built: see cluster_push
 
     def sync(self, name: str, timeout: float | None = None) -> SyncReport:
         """On the owner: send the current contents of ``name`` to every node holding a
@@ -501,8 +487,8 @@ class Cluster:
             stripes = stripe_count(owned.layout["nbytes"], self.stripes)
             tag, generation = self._request(peer, "sync", name, owned.generation, version=owned.version,
                                             nbytes=owned.layout["nbytes"], stripes=stripes)
-            self._refusal(peer, name, self._send_answered(peer, generation, tag, payload, deadline,
-                                                          f"sync of {name!r} to node {peer}", stripes))
+            self._refusal(peer, name, send_answered(self, peer, generation, tag, payload, deadline,
+                                                    f"sync of {name!r} to node {peer}", stripes))
         except (TransferFailed, TimeoutError, ConnectionError, RuntimeError) as err:
             return f"{type(err).__name__}: {err}"
         return None
@@ -513,39 +499,12 @@ class Cluster:
         store = self._checked()
         if self._liveness.known_lost(peer):  # its pair was failed: none can be built with a dead node
             raise self._lost(peer, name)
-        # unique per sender (nodes < 1024) among its requests in flight, and below
-        # ANSWER_TAG_BIT: gloo takes a 32-bit tag, so the count wraps after 2**20 requests
-        tag = next(self._tags) % TAG_WRAP * 1024 + self.node
+        tag = self._next_tag()
         pair = self._groups.generation(peer)  # cached: no round trip
         store.push_json(lane_queue(peer, self.node),
                         {"op": op, "name": name, "generation": generation, "from": self.node,
                          "tag": tag, "pair": pair, "reply": self._reply_queue(), **extra})
         return tag, pair
-
-    def _send_answered(self, peer: int, generation: int, tag: int, payload: torch.Tensor, deadline: float,
-                       what: str, stripes: int = 1) -> dict:
-        """Send ``payload`` for request ``tag`` over ``stripes`` groups and receive the
-        peer's signed answer over the pair (its receive posted beside the send, so that
-        it is there when the peer answers). TransferFailed, every group of the pair
-        failed, when any does not end in time or the answer's signature is wrong."""
-        buffer = getattr(self._local, "answer", None)
-        if buffer is None:
-            buffer = self._local.answer = torch.empty(ANSWER_BYTES, dtype=torch.uint8)
-        try:
-            # the answer's receive first: posted after the send, it waited for this thread
-            # to run again after its write (measured at load 6-7: the owner had the rows
-            # written at 0.6 ms and its answer waited ~3 ms for the receive)
-            works = [*self._groups.recv(peer, generation, buffer, answer_tag(tag), deadline),
-                     *self._groups.send(peer, generation, payload, tag, deadline, stripes)]
-            wait_work(works, deadline, what, int(payload.numel()))
-            try:
-                return decode_answer(self._store, peer, tag, buffer)
-            except ClusterAuthError as err:
-                self.refused += 1  # forged: never acted on, and the pair is not trusted further
-                raise TransferFailed(f"the answer to the {what} is not signed with this cluster's key") from err
-        except TransferFailed:
-            self._groups.fail(peer, generation)
-            raise
 
     @staticmethod
     def _refusal(peer: int, name: str, answer: dict) -> dict:
@@ -553,6 +512,11 @@ class Cluster:
         if "error" in answer:
             raise RuntimeError(f"Node {peer} refused the transfer of {name!r}: {answer['error']}")
         return answer
+
+    def _next_tag(self) -> int:
+        """A request's tag: unique per sender (nodes < 1024) among its requests in flight,
+        and below PUSH_TAG (gloo takes a 32-bit tag: the count wraps after TAG_WRAP)."""
+        return next(self._tags) % TAG_WRAP * 1024 + self.node
 
     def _reply_queue(self) -> str:
         """This thread's answer queue: one per thread, so that one pop waits for the

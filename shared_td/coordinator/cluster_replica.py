@@ -99,12 +99,14 @@ def _sizes(leaves: list, index: torch.Tensor) -> list[int]:
             for leaf, row in leaves]
 
 
-def pack_rows(leaves: list, index: torch.Tensor) -> torch.Tensor:
-    """One message for a push: ``index`` (int64), then leaf after leaf its rows ``index``
-    (each copied once, straight into the message; ``leaves`` from :func:`leaf_views`)."""
+def pack_rows(leaves: list, index: torch.Tensor, reserve: int = 0) -> torch.Tensor:
+    """One message for a push: ``reserve`` bytes left free in front (a header; a multiple
+    of 8), ``index`` (int64), then leaf after leaf its rows ``index`` (each copied once,
+    straight into the message; ``leaves`` from :func:`leaf_views`)."""
     rows = int(index.numel())
     sizes = _sizes(leaves, index)
-    payload = torch.empty(8 * rows + sum(sizes), dtype=torch.uint8)
+    message = torch.empty(reserve + 8 * rows + sum(sizes), dtype=torch.uint8)
+    payload = message[reserve:]
     payload[: 8 * rows].view(torch.int64).copy_(index)
     offset = 8 * rows
     for (leaf, row), size in zip(leaves, sizes):
@@ -116,7 +118,7 @@ def pack_rows(leaves: list, index: torch.Tensor) -> torch.Tensor:
         else:
             torch.index_select(leaf, 0, index, out=out.view(leaf.dtype).view((rows, *leaf.shape[1:])))
         offset += size
-    return payload
+    return message
 
 
 def unpack_rows(leaves: list, message: torch.Tensor, rows: int) -> None:

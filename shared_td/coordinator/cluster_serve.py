@@ -10,11 +10,17 @@ replica) and ``renew`` (the owner published the name again: make the new replica
 service thread (:func:`serve_notices`) applies the small notices of ``queue/<node>``:
 non-tensor values, new pair generations, stop.
 
+Pushes skip the lanes once a pair is built: for each pair it holds, a node keeps one
+receive posted on the pair's stripe 0 for the peer's next push, in a thread of its own
+(:func:`serve_pushes`, started by :func:`listen` when the pair is built), and a watch
+thread (:func:`watch_pairs`) closes the pairs of a peer whose heartbeat stands still, so
+that no kept receive waits on a dead peer. The first push on a pair is a lane request.
+
 Payloads go over the pair's gloo group with the request's tag, each wait bounded by the
 cluster's timeout. The answer to a pull (sent before its payload: the version) is a
 signed value pushed to the requester's reply queue; the answer to a push or a sync comes
 after its payload, over the pair, signed for that request
-(:func:`~shared_td.coordinator.cluster_transfer.encode_answer`): no store round trip
+(:func:`~shared_td.coordinator.cluster_transfer.encode_signed`): no store round trip
 and no thread of the sender's node in between. A request for what this node does not
 hold is answered with a refusal (after receiving any payload into scratch memory, so
 that the sender's send ends); a failed transfer marks the pair's group failed, so that
@@ -27,6 +33,8 @@ calling half (:mod:`~shared_td.coordinator.cluster`) so that each reads on its o
 """
 from __future__ import annotations
 
+import datetime
+import threading
 import time
 
 import torch
@@ -34,12 +42,25 @@ import torch
 from shared_td.coordinator import cluster_replica as replica
 from shared_td.coordinator.cluster_replica import Owned, Replica
 from shared_td.coordinator.cluster_store import ClusterAuthError
-from shared_td.coordinator.cluster_transfer import (StalePair, TransferFailed, answer_tag, encode_answer, stripe_ranges,
+from shared_td.coordinator.cluster_liveness import HEARTBEAT_S
+from shared_td.coordinator.cluster_transfer import (StalePair, TransferFailed, answer_context, answer_tag,
+                                                    decode_signed, encode_signed, push_context, stripe_ranges,
                                                     wait_work)
 
 # How long a lane or the service thread waits in one queue_pop (a stop request wakes it
 # earlier).
 POP_S = 60.0
+#: Bytes of a push header, the start of the receive kept posted per pair for the peer's
+#: next push (signed JSON: name, generation, tag, seq, rows, nbytes).
+HEADER_BYTES = 512
+#: The longest a kept push receive waits (a backstop: shutdown, a failure and a peer
+#: found lost close the pair earlier); its end closes the pair, rebuilt by the next
+#: transfer.
+LISTEN_S = 24 * 3600.0
+
+
+#: The start of the name of a thread that keeps a receive posted for a peer's pushes.
+LISTENER = "shared_td-cluster-pushes-"
 
 
 def lane_queue(node: int, peer: int) -> str:
@@ -178,18 +199,139 @@ def _serve_receive(cluster, peer: int, request: dict, entry, apply) -> None:
         raise
     except Exception as err:  # noqa: BLE001 - answered: the sender raises it
         answer = {"error": f"{type(err).__name__}: {err}"}
-    message = encode_answer(cluster._store, cluster.node, tag, answer)
-    works = cluster._groups.send(peer, request["pair"], message, answer_tag(tag))
+    works = _answer_over_pair(cluster, peer, request["pair"], tag, answer)
     wait_work(works, time.monotonic() + cluster.timeout, f"answer to node {peer}")
+
+
+def _answer_over_pair(cluster, peer: int, generation: int, tag: int, answer: dict) -> list:
+    """Post the send of ``answer`` to ``peer``'s request ``tag``, signed for it, into the
+    receive the requester posted beside its send; returns its works (the message lives
+    as long as they are held)."""
+    message = encode_signed(cluster._store, answer_context(cluster.node, tag), answer)
+    return cluster._groups.send(peer, generation, message, answer_tag(tag))
+
+
+def listen(cluster, peer: int, generation: int) -> None:
+    """Stripe 0 of the pair with ``peer`` was built at ``generation``: start the thread
+    that keeps a receive posted on it for that peer's pushes (:func:`serve_pushes`)."""
+    if cluster._stop.is_set():
+        return
+    thread = threading.Thread(target=serve_pushes, args=(cluster, peer, generation), daemon=True,
+                              name=f"{LISTENER}{peer}-{generation}")
+    thread.start()
+    cluster._threads.append(thread)
+
+
+def serve_pushes(cluster, peer: int, generation: int) -> None:
+    """Keep one receive posted on stripe 0 of the pair with ``peer`` (at ``generation``)
+    for that peer's next push, and serve each that comes: a signed header of
+    HEADER_BYTES and, in the same message, the rows when they are as many bytes as the
+    last push's (the size of the receive posted for it: the pusher knows it too); other
+    rows come as a second message, on the header's tag. The next receive is posted
+    before the answer is sent, so that the pusher's next push finds it there. A header
+    that does not verify for this pair generation, or that repeats or skips a push of it
+    (its ``seq``), is counted in ``Cluster.refused`` and never acted on. Ends when the
+    pair is closed, which ends the posted receive: a failed transfer, shutdown, the peer
+    found lost (:func:`watch_pairs`), or LISTEN_S without a push (the backstop: gloo
+    closes the pair of a wait that times out)."""
+    context = push_context(peer, cluster.node, generation)
+    buffer = torch.empty(HEADER_BYTES, dtype=torch.uint8)
+    served = 0
+    # the last answer's send: waited for once the next push came (it has ended by then),
+    # so that this thread is not woken once more per push
+    answering: list = []
+    try:
+        work = cluster._groups.listen(peer, generation, buffer)
+        _connect(cluster)
+        while not cluster._stop.is_set():
+            try:
+                work.wait(datetime.timedelta(seconds=LISTEN_S))
+            except RuntimeError as err:
+                raise TransferFailed(f"the pair with node {peer} closed: {str(err).splitlines()[0][:300]}") from err
+            wait_work(answering, time.monotonic() + cluster.timeout, f"answer to node {peer}")
+            answering = []  # a gloo work is waited for once: a second wait waits for another send
+            try:
+                header = decode_signed(cluster._store, context, buffer[:HEADER_BYTES])
+            except ClusterAuthError:
+                header = None  # forged, or another cluster's
+            if header is None or header.get("seq") != served + 1:  # forged or replayed: never acted on
+                cluster.refused += 1
+                work = cluster._groups.listen(peer, generation, buffer)
+                continue
+            served += 1
+            answer = _apply_push(cluster, peer, generation, header, buffer[HEADER_BYTES:])
+            size = HEADER_BYTES + header["nbytes"]  # what the pusher expects posted next
+            if buffer.numel() != size:
+                buffer = torch.empty(size, dtype=torch.uint8)
+            work = cluster._groups.listen(peer, generation, buffer)  # the rows are written: free
+            answering = _answer_over_pair(cluster, peer, generation, header["tag"], answer)
+    except Exception:  # noqa: BLE001 - a transfer failed (or a node with our key sent a malformed header)
+        if not cluster._stop.is_set() and cluster._groups.built(peer, generation):
+            cluster._groups.fail(peer, generation)  # ends the pusher's wait; the next transfer builds a new pair
+
+
+def _connect(cluster) -> None:
+    """Give this thread a spare store connection now, while the store host is there
+    (a spare is nearly always ready: each taken is replaced in the background): a
+    thread's first store call connects, and a connect to a lost host is retried for the
+    cluster's timeout, in which a node that stops meanwhile exits with this daemon
+    thread inside torch's connect (the process aborts there). Not a connect of its own
+    now: that can stall 5 s in a reverse DNS lookup, which held up shutdown's join."""
+    try:
+        cluster._store.connect(spare_only=True)
+    except (RuntimeError, OSError):
+        pass  # the store is gone already: the thread's store calls fail, as the others'
+
+
+def _apply_push(cluster, peer: int, generation: int, header: dict, inline: torch.Tensor) -> dict:
+    """Write the rows a push ``header`` announced (``inline`` when they came with it,
+    else received now: TransferFailed if they do not come); returns the answer."""
+    nbytes = header["nbytes"]
+    rows = inline if inline.numel() == nbytes else inline[:0]
+    if rows.numel() != nbytes:
+        rows = torch.empty(nbytes, dtype=torch.uint8)
+        deadline = time.monotonic() + cluster.timeout
+        wait_work(cluster._groups.recv(peer, generation, rows, header["tag"], deadline), deadline, "push", nbytes)
+    owned = cluster._owned.get(header["name"])
+    try:
+        if owned is None or owned.generation != header["generation"]:
+            return {"error": f"node {cluster.node} has no generation {header['generation']} of {header['name']!r}"}
+        _write_rows(owned, rows, header["rows"])
+        return {"ok": True}
+    except Exception as err:  # noqa: BLE001 - answered: the pusher raises it
+        return {"error": f"{type(err).__name__}: {err}"}
+
+
+def watch_pairs(cluster) -> None:
+    """Close the pairs with peers whose heartbeat stands still, so that the receives
+    kept posted for their pushes end (gloo does not always end a receive whose peer
+    died), until stopped. The peer is not marked lost for the calls: a node that was
+    only stopped gets its second look there (``Liveness.still_lost``), and its next
+    transfer builds a new pair."""
+    _connect(cluster)
+    while not cluster._stop.wait(HEARTBEAT_S):
+        for peer in range(cluster.nodes):
+            if peer == cluster.node or cluster._groups.stripes(peer) is None:
+                continue
+            try:
+                lost = not cluster._alive(peer)
+            except (RuntimeError, OSError):
+                return  # the store is gone: shutdown closes the pairs
+            if lost:
+                cluster._groups.forget(peer)
 
 
 def _apply_rows(cluster, peer: int, owned: Owned, request: dict) -> None:
     buffer = torch.empty(request["nbytes"], dtype=torch.uint8)
     works = cluster._groups.recv(peer, request["pair"], buffer, request["tag"])
     wait_work(works, time.monotonic() + cluster.timeout, "push", request["nbytes"])
+    _write_rows(owned, buffer, request["rows"])
+
+
+def _write_rows(owned: Owned, message: torch.Tensor, rows: int) -> None:
     if not owned.leaves:
         owned.leaves = replica.leaf_views(owned.segment, owned.layout)
-    replica.unpack_rows(owned.leaves, buffer, request["rows"])
+    replica.unpack_rows(owned.leaves, message, rows)
 
 
 def _apply_sync(cluster, peer: int, rep: Replica, request: dict) -> None:

@@ -169,10 +169,12 @@ class SignedStore:
         # Not daemons: a daemon thread still inside torch's connect when the interpreter
         # exits aborts the process as it comes back ("terminate called without an active
         # exception"); close() and the interpreter's exit wait for these instead, each
-        # connect bounded by SPARE_CONNECT_S (at once while the store is up).
+        # connect bounded by SPARE_CONNECT_S (at once while the store is up). Said so:
+        # a thread inherits daemon from the thread that makes it, and a spare's
+        # replacement is made by the thread that took it (a lane, a kept push receive).
         with self._connecting_lock:
             for _ in range(count):
-                thread = threading.Thread(target=connect, name="shared_td-store-spare")
+                thread = threading.Thread(target=connect, name="shared_td-store-spare", daemon=False)
                 self._connecting.add(thread)
                 thread.start()
 
@@ -189,9 +191,12 @@ class SignedStore:
         store.set_timeout(raw.timeout)
         return store
 
-    def connect(self) -> None:
+    def connect(self, spare_only: bool = False) -> None:
         """Give the calling thread its connection now (a spare if one is ready): for a
-        thread that must answer fast once it has something to send."""
+        thread that must answer fast once it has something to send. ``spare_only``:
+        only a spare that is ready, else nothing now (the first store call connects)."""
+        if spare_only and getattr(self._local, "store", None) is None and self._spares.empty():
+            return
         self._store()
 
     def close(self) -> None:
@@ -235,13 +240,13 @@ class SignedStore:
 
     # --------------------------------------------------------------- signing
     def sign(self, key: str, payload: bytes) -> bytes:
-        return hmac.new(self._authkey, key.encode() + b"\0" + payload, hashlib.sha256).digest() + payload
+        return hmac.digest(self._authkey, key.encode() + b"\0" + payload, "sha256") + payload
 
     def check(self, key: str, blob: bytes) -> bytes:
         """The payload of ``blob`` read at ``key``; ClusterAuthError if it is not signed
         with our authkey (compared in constant time)."""
         mac, payload = blob[:_DIGEST], blob[_DIGEST:]
-        good = hmac.new(self._authkey, key.encode() + b"\0" + payload, hashlib.sha256).digest()
+        good = hmac.digest(self._authkey, key.encode() + b"\0" + payload, "sha256")
         if len(blob) < _DIGEST or not hmac.compare_digest(mac, good):
             raise ClusterAuthError(
                 f"The value of {key!r} in the cluster store has a wrong signature: the node "

@@ -50,13 +50,25 @@ aborts every stripe of the generation and moves the whole pair to the next one.
 Answers: the node that received a payload (a push on the owner, a sync on a replica)
 answers over the same pair, with its request's tag + :data:`ANSWER_TAG_BIT`, into a
 buffer of :data:`ANSWER_BYTES` that the sender posted beside its send. gloo is
-unauthenticated, so an answer is signed like a store value (:func:`encode_answer`), for
+unauthenticated, so an answer is signed like a store value (:func:`encode_signed`), for
 that request of that node only (its tag and node are in the signed text: an answer
 recorded earlier does not pass for another), and checked before a byte of it is parsed
-(:func:`decode_answer`). The sender's wait for it is bounded as any transfer's. An
-answer is padded to fill its receive exactly: gloo completes a receive larger than its
-message, but 10-40x slower (measured with torch 2.13 on loopback: a 64 KiB message into a
-posted 1 MiB receive took 2-8 ms, into a 64 KiB one 0.15-0.2 ms).
+(:func:`decode_signed`). The sender's wait for it is bounded as any transfer's. Every
+message fills its receive exactly (an answer is padded to ANSWER_BYTES): gloo completes
+a receive larger than its message, but 10-40x slower (measured with torch 2.13 on
+loopback: a 64 KiB message into a posted 1 MiB receive took 2-8 ms, into a 64 KiB one
+0.15-0.2 ms).
+
+Kept receives: each node keeps one receive posted on stripe 0 of each pair it holds, on
+:data:`PUSH_TAG`, for the peer's next push (a header signed for that pair generation,
+:func:`push_context`; see :mod:`~shared_td.coordinator.cluster_push`). Its thread waits
+in gloo, which ``abort()`` does not wake: so a pair is *closed* (:meth:`PairGroups._close`:
+a receive on :data:`CLOSE_TAG`, where nothing is sent, waited for a millisecond, which
+makes gloo close the pair on both nodes) before it is aborted, on a failure
+(:meth:`PairGroups.fail`), when the peer is found lost (:meth:`PairGroups.forget`), on
+shutdown (:meth:`PairGroups.close`) and when a newer generation replaces it; the kept
+receive's own wait is bounded by a day
+(:data:`~shared_td.coordinator.cluster_serve.LISTEN_S`), the backstop.
 """
 from __future__ import annotations
 
@@ -71,9 +83,9 @@ import torch.distributed as dist
 
 from shared_td.errors import ClusterAuthError, StalePair, TransferFailed
 
-__all__ = ["ANSWER_BYTES", "ANSWER_TAG_BIT", "MAX_STRIPES", "STRIPE_MIN_BYTES", "TAG_WRAP", "PairGroups", "StalePair",
-           "TransferFailed", "answer_tag", "decode_answer", "encode_answer", "end_works", "stripe_count", "stripe_ranges",
-           "wait_work"]
+__all__ = ["ANSWER_BYTES", "ANSWER_TAG_BIT", "CLOSE_TAG", "MAX_STRIPES", "PUSH_TAG", "STRIPE_MIN_BYTES", "TAG_WRAP",
+           "PairGroups", "StalePair", "TransferFailed", "answer_context", "answer_tag", "decode_signed",
+           "encode_signed", "end_works", "push_context", "stripe_count", "stripe_ranges", "wait_work"]
 
 
 #: The slowest transfer rate (bytes/s) a wait allows for before it gives up: a gloo wait
@@ -117,9 +129,14 @@ def stripe_ranges(nbytes: int, stripes: int) -> list[tuple[int, int]]:
 #: (an error text too long for it is cut).
 ANSWER_BYTES = 1024
 #: Set in the gloo tag of an answer: its request's tag with this bit. gloo takes a 32-bit
-#: signed tag, so a request's tag (count % TAG_WRAP * 1024 + node) stays below it.
+#: signed tag, so a request's tag (count % TAG_WRAP * 1024 + node) stays below it, and
+#: below the two tags of its top: :data:`PUSH_TAG` and :data:`CLOSE_TAG`.
 ANSWER_TAG_BIT = 1 << 30
-TAG_WRAP = ANSWER_TAG_BIT // 1024
+TAG_WRAP = ANSWER_TAG_BIT // 1024 - 1
+#: The tag of the receive each node keeps posted on stripe 0 of a pair for the peer's
+#: next push (:func:`~shared_td.coordinator.cluster_serve.serve_pushes`), and the tag
+#: nothing is ever sent on, whose receive closes a pair (:meth:`PairGroups._close`).
+PUSH_TAG, CLOSE_TAG = ANSWER_TAG_BIT - 1, ANSWER_TAG_BIT - 2
 _LENGTH = 4
 
 
@@ -128,36 +145,44 @@ def answer_tag(tag: int) -> int:
     return tag | ANSWER_TAG_BIT
 
 
-def _answer_context(node: int, tag: int) -> str:
-    return f"answer/{node}/{tag}"  # signed with the answer: who answers which request
+def answer_context(node: int, tag: int) -> str:
+    """What an answer is signed for: node ``node``'s answer to request ``tag``."""
+    return f"answer/{node}/{tag}"
 
 
-def encode_answer(store, node: int, tag: int, answer: dict) -> torch.Tensor:
-    """Node ``node``'s answer to request ``tag``, signed with ``store``'s authkey (a
-    :class:`~shared_td.coordinator.cluster_store.SignedStore`), as the bytes to send:
-    ANSWER_BYTES, zero-padded (a long ``error`` is cut)."""
-    room = ANSWER_BYTES - _LENGTH - hashlib.sha256().digest_size
-    payload = json.dumps(answer).encode()
-    if len(payload) > room:  # only an error text is long: cut it (json takes <= 6 bytes a character)
-        payload = json.dumps(dict(answer, error=answer["error"][: (room - 64) // 6])).encode()
-    blob = store.sign(_answer_context(node, tag), payload)
-    if len(blob) > ANSWER_BYTES - _LENGTH:
-        raise ValueError(f"an answer of {len(blob)} bytes does not fit in {ANSWER_BYTES}")
-    message = bytearray(ANSWER_BYTES)  # fills the receive exactly: see the module's opening
+def push_context(sender: int, receiver: int, generation: int) -> str:
+    """What a push header is signed for: from ``sender`` to ``receiver`` on that pair
+    generation (its ``seq`` orders the pushes of that generation: no replay passes)."""
+    return f"push/{sender}/{receiver}/{generation}"
+
+
+def encode_signed(store, context: str, value: dict, limit: int = ANSWER_BYTES) -> torch.Tensor:
+    """``value`` as JSON signed for ``context`` with ``store``'s authkey (a
+    :class:`~shared_td.coordinator.cluster_store.SignedStore`): a 4-byte length, then the
+    signed bytes, zeros up to ``limit`` bytes (a long ``error`` text is cut; ValueError
+    for anything else that does not fit)."""
+    room = limit - _LENGTH - hashlib.sha256().digest_size
+    payload = json.dumps(value).encode()
+    if len(payload) > room and "error" in value:  # cut (json takes <= 6 bytes a character)
+        payload = json.dumps(dict(value, error=value["error"][: max(0, room - 64) // 6])).encode()
+    if len(payload) > room:
+        raise ValueError(f"a signed message of {len(payload)} bytes does not fit in {limit}")
+    blob = store.sign(context, payload)
+    message = bytearray(limit)  # always ``limit`` bytes: see the module's opening
     message[: _LENGTH + len(blob)] = len(blob).to_bytes(_LENGTH, "little") + blob
     return torch.frombuffer(message, dtype=torch.uint8)
 
 
-def decode_answer(store, node: int, tag: int, buffer: torch.Tensor) -> dict:
-    """The answer of node ``node`` to request ``tag`` received in ``buffer``;
-    ClusterAuthError if it is not signed with ``store``'s authkey for that request (its
-    length is checked and its signature before any byte is parsed)."""
+def decode_signed(store, context: str, buffer: torch.Tensor) -> dict:
+    """The value :func:`encode_signed` wrote at the start of ``buffer`` for ``context``;
+    ClusterAuthError if it is not signed with ``store``'s authkey for ``context`` (its
+    length and its signature are checked before any byte is parsed)."""
     data = memoryview(buffer.numpy())
     length = int.from_bytes(data[:_LENGTH], "little")
     if not 0 < length <= len(data) - _LENGTH:
-        raise ClusterAuthError(f"The answer of node {node} to request {tag} has an impossible length ({length}): "
-                               "something else writes to the cluster's gloo connections. Nothing of it was used.")
-    return json.loads(store.check(_answer_context(node, tag), bytes(data[_LENGTH: _LENGTH + length])))
+        raise ClusterAuthError(f"A message for {context!r} has an impossible length ({length}): something else "
+                               "writes to the cluster's gloo connections. Nothing of it was used.")
+    return json.loads(store.check(context, bytes(data[_LENGTH: _LENGTH + length])))
 
 
 def wait_work(works, deadline: float, what: str = "transfer", nbytes: int = 0) -> None:
@@ -198,9 +223,11 @@ class PairGroups:
     unsigned side is gloo's rendezvous and the generation counters).
     """
 
-    def __init__(self, store, node: int, *, timeout: float, hostname: str | None = None, alive=None):
+    def __init__(self, store, node: int, *, timeout: float, hostname: str | None = None, alive=None,
+                 on_built=None):
         self._store, self.node, self.timeout = store, node, timeout
         self._alive = alive  # alive(peer) -> False once the peer's heartbeat stood still
+        self._on_built = on_built  # on_built(peer, generation): stripe 0 of a generation was built
         self._hostname = hostname
         self._groups: dict[int, tuple[int, list]] = {}  # peer -> (generation, its stripes' groups)
         self._generations: dict[int, int] = {}  # peer -> the newest generation known here
@@ -237,6 +264,9 @@ class PairGroups:
         the peer: each blocks until it joins, at most ``timeout`` and not past
         ``deadline``, a ``time.monotonic()``: a lost peer never joins). TransferFailed if
         this node already moved past ``generation``."""
+        have = self._groups.get(peer)  # built already (every transfer but a pair's first): no lock
+        if have is not None and have[0] == generation and len(have[1]) >= count:
+            return have[1][:count]
         with self._guard:
             lock = self._locks.setdefault(peer, threading.Lock())
         if not lock.acquire(timeout=self._left(deadline)):
@@ -246,14 +276,15 @@ class PairGroups:
             if have is not None and have[0] == generation and len(have[1]) >= count:
                 return have[1][:count]
             self.check(peer, generation)
-            if have is not None and have[0] != generation:  # older: aborted, replaced
-                for group in have[1]:
-                    group.abort()
+            if have is not None and have[0] != generation:  # older: closed, replaced
+                self._close(peer, have[1])
                 have = None
             built = [] if have is None else have[1]
-            while len(built) < count:  # stored as they come, so that fail() aborts them too
+            while len(built) < count:  # stored as they come, so that fail() closes them too
                 built.append(self._build_watched(peer, generation, len(built), self._left(deadline)))
                 self._groups[peer] = (generation, built)
+                if len(built) == 1 and self._on_built is not None:
+                    self._on_built(peer, generation)
             self.seen(peer, generation)
             return built[:count]
         finally:
@@ -329,16 +360,15 @@ class PairGroups:
         return made
 
     def fail(self, peer: int, generation: int) -> None:
-        """Abort every stripe's group with ``peer`` (cancels this node's posted sends and
-        receives: not the peer's, which end at their bounded wait) and move the pair to
+        """Close every stripe's group with ``peer`` (:meth:`_close`: ends the posted sends
+        and receives of both nodes on it, waiting threads included) and move the pair to
         the next generation, unless that already happened; the peer is told (a notice in
         its queue) so that its next request uses the new generation."""
         with self._guard:
             have = self._groups.get(peer)
             if have is not None and have[0] == generation:
                 del self._groups[peer]
-                for group in have[1]:
-                    group.abort()
+                self._close(peer, have[1])
         try:
             now = self._store.compare_set(f"pairgen/{self._pair(peer)}", str(generation), str(generation + 1))
             newest = self.seen(peer, int(now))
@@ -384,9 +414,39 @@ class PairGroups:
     def _rank(self, peer: int) -> int:
         return 0 if self.node < peer else 1
 
+    def built(self, peer: int, generation: int) -> bool:
+        """Whether this node holds stripe 0 of ``generation`` with ``peer`` (no wait)."""
+        have = self._groups.get(peer)
+        return have is not None and have[0] == generation
+
+    def listen(self, peer: int, generation: int, buffer: torch.Tensor):
+        """Post a receive of ``buffer`` on stripe 0 of ``generation`` with ``peer``, on
+        PUSH_TAG, for that peer's next push; returns its work. Never builds a group:
+        TransferFailed once that generation is gone here or its pair is closed."""
+        have = self._groups.get(peer)
+        if have is None or have[0] != generation:
+            raise TransferFailed(f"generation {generation} of the pair with node {peer} is gone")
+        try:
+            return have[1][0].recv([buffer], 1 - self._rank(peer), PUSH_TAG)
+        except RuntimeError as err:
+            raise TransferFailed(f"the pair with node {peer} is closed: {str(err).splitlines()[0][:300]}") from err
+
     def close(self) -> None:
+        """Close every pair (on shutdown): the receives kept posted end."""
         with self._guard:
-            pairs, self._groups = list(self._groups.values()), {}
-        for _generation, groups in pairs:
-            for group in groups:
-                group.abort()
+            pairs, self._groups = list(self._groups.items()), {}
+        for peer, (_generation, groups) in pairs:
+            self._close(peer, groups)
+
+    def _close(self, peer: int, groups: list) -> None:
+        """Close the connections of ``groups`` at once, then abort them. ``abort()``
+        alone cancels this node's posted operations but wakes no thread waiting on one
+        (measured), such as a receive kept posted for the peer's pushes: a receive on
+        CLOSE_TAG, where nothing is sent, waited for a millisecond (:func:`end_works`)
+        closes its pair on both nodes and wakes every waiter."""
+        for group in groups:
+            try:
+                end_works([group.recv([torch.empty(1, dtype=torch.uint8)], 1 - self._rank(peer), CLOSE_TAG)])
+            except RuntimeError:
+                pass  # a pair already closed
+            group.abort()

@@ -137,6 +137,19 @@ def _run(cluster, coord, counters, command, *args):
                 return pulls, type(err).__name__, time.monotonic(), cluster.version(name), repr(err.__cause__)[:300]
             pulls += 1
         return pulls, None, time.monotonic(), cluster.version(name), None
+    if command == "push_loop":  # push one row at a time until an error (the owner killed meanwhile)
+        name, seconds = args
+        td = cluster.attach(name)
+        deadline, pushes = time.monotonic() + seconds, 0
+        while time.monotonic() < deadline:
+            row = pushes % td.batch_size[0]
+            td["w"][row] = float(pushes)
+            try:
+                cluster.push(name, [row])
+            except Exception as err:
+                return pushes, type(err).__name__, time.monotonic(), repr(err.__cause__)[:300]
+            pushes += 1
+        return pushes, None, time.monotonic(), None
     if command == "version":
         return cluster.version(args[0])
     if command == "wait_version":

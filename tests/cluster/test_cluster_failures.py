@@ -184,6 +184,29 @@ def test_owner_killed_pull_push_raise_owner_lost_and_replica_stays_readable_by_w
         assert values[0] == 9.0 and values[1:3] == [4.0, 5.0] and version == 1
 
 
+def test_owner_killed_during_pushes_over_its_kept_receive_raises_owner_lost_within_10s():
+    """Node 2 pushes rows in a loop, each into the receive the owner keeps posted for its
+    pushes (no store request), while the owner is SIGKILLed at a random moment: the loop
+    ends in OwnerLostError within 10 s of the kill, the next push too (at once), and the
+    replica stays readable."""
+    with leak_checked_nodes(3) as nodes:
+        nodes.ok(1, "publish", "policy", 2000, 3.0)  # owner: node 1 (the store lives on)
+        nodes.ok(2, "attach", "policy")
+        nodes.commands[2].put(("push_loop", "policy", 20.0))
+        time.sleep(random.uniform(0.2, 1.0))
+        os.kill(nodes.procs[1].pid, signal.SIGKILL)
+        killed = time.monotonic()  # CLOCK_MONOTONIC: the same clock in every process
+        answer = nodes.results[2].get(timeout=WAIT)
+        assert answer[0] == "ok", answer
+        pushes, error, ended, _cause = answer[1]
+        assert pushes > 0 and error == "OwnerLostError", answer
+        assert ended - killed < 10, answer
+        assert finish(nodes.procs[1]) == -signal.SIGKILL
+        answer, took = timed_call(nodes, 2, "push", "policy", [0], 9.0)
+        assert answer[0] == "error" and answer[1] == "OwnerLostError" and took < 2, (answer, took)
+        assert nodes.ok(2, "read", "policy")[0][0] == 9.0  # readable, with this node's own writes
+
+
 def _mappings_of(pid: int, inode: int) -> list[str]:
     with open(f"/proc/{pid}/maps") as maps:
         return [line for line in maps if len(line.split()) >= 6 and int(line.split()[4]) == inode]

@@ -1,0 +1,149 @@
+"""The pushing half of a :class:`~shared_td.coordinator.cluster.Cluster`: rows of this
+node's replica -> the same rows of the owner's tree, in place (:func:`push`).
+
+Why a push skips the store: a request in the store costs a round trip to the store host
+and wakes the owner's lane thread, which only then posts its receive for the rows: the
+rows wait for two hops between threads and processes before a byte moves (measured on
+main before this module: 0.84-1.1 ms per push of 64 rows of 1 KiB, 4.5-5x a raw gloo
+send of the same bytes plus one store round trip). So each node keeps one receive posted
+on stripe 0 of each pair it holds, for the peer's next push
+(:func:`~shared_td.coordinator.cluster_serve.serve_pushes`), of the size of that peer's
+last push plus a header: a push is one gloo message (a header signed with the cluster
+key for that pair generation and numbered, then the rows) and the owner's signed answer
+over the same pair. A push of another size than the last sends the header alone, padded
+to the posted size, then the rows on the header's tag. A push with no pair built (the
+first one, or the first after a failure moved the pair to a new generation) is a
+request in the store, as a pull's, which builds the pair.
+
+Only one push per owner travels at a time from this node (the owner keeps one receive
+posted per pair, and the headers of a pair generation are numbered in order); the rows
+are packed before that lock is taken.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from shared_td.coordinator import cluster_replica as replica
+from shared_td.coordinator.cluster_serve import HEADER_BYTES
+from shared_td.coordinator.cluster_store import ClusterAuthError
+from shared_td.coordinator.cluster_transfer import (ANSWER_BYTES, PUSH_TAG, TransferFailed, answer_context, answer_tag,
+                                                    decode_signed, encode_signed, push_context, wait_work)
+
+__all__ = ["PushLine", "push", "send_answered"]
+
+
+@dataclass
+class PushLine:
+    """This node's pushes to one owner: one at a time (``lock``), and what the owner's
+    kept receive on pair ``generation`` expects next: ``posted`` bytes, header ``seq``."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    generation: int = -1
+    posted: int = HEADER_BYTES
+    seq: int = 0
+
+
+def push(cluster, name: str, index) -> None:
+    """:meth:`Cluster.push <shared_td.coordinator.cluster.Cluster.push>`."""
+    if name in cluster._owned:
+        return  # the owner's replica is its own buffer: the rows are already there
+    rep = cluster._replica(name)
+    index = _checked_index(name, rep, index)
+    if not rep.leaves:
+        rep.leaves = replica.leaf_views(rep.segment, rep.layout)
+    message = replica.pack_rows(rep.leaves, index, reserve=HEADER_BYTES)
+    payload = message[HEADER_BYTES:]
+    deadline = time.monotonic() + cluster.timeout
+    request = {"name": name, "generation": rep.generation, "rows": int(index.numel()),
+               "nbytes": int(payload.numel())}
+    try:
+        generation = cluster._groups.generation(rep.owner)  # cached: no round trip
+        if cluster._groups.built(rep.owner, generation):
+            answer = _over_pair(cluster, rep.owner, generation, request, message, deadline)
+        else:  # no pair yet (it is built meanwhile): a request in the store
+            tag, generation = cluster._request(rep.owner, "push", **request)
+            answer = send_answered(cluster, rep.owner, generation, tag, payload, deadline, f"push of {name!r}")
+    except TransferFailed as err:
+        raise cluster._lost_or(rep.owner, name, err) from err
+    cluster._refusal(rep.owner, name, answer)
+
+
+def _checked_index(name: str, rep, index) -> torch.Tensor:
+    """``index`` as int64 rows of ``rep`` (negative ones counted from the end, as
+    ``td[-1]``); IndexError naming ``name`` when one is out of range."""
+    index = torch.as_tensor(index, dtype=torch.int64).reshape(-1)
+    rows = rep.layout["batch_size"][0] if rep.layout["batch_size"] else 0
+    if index.numel():
+        low, high = (int(end) for end in torch.aminmax(index))
+        if low < 0:  # -1: the last row, as td[-1]
+            index = torch.where(index < 0, index + rows, index)
+            low, high = (int(end) for end in torch.aminmax(index))
+        if not 0 <= low <= high < rows:
+            raise IndexError(f"push({name!r}): an index is out of range for {rows} rows.")
+    return index
+
+
+def _over_pair(cluster, owner: int, generation: int, request: dict, message: torch.Tensor,
+               deadline: float) -> dict:
+    """Send a push into the receive ``owner`` keeps posted on the pair of ``generation``
+    and return its answer. The header and the rows (``message[HEADER_BYTES:]``) go as one
+    message when they fill that receive exactly (gloo completes a receive larger than its
+    message 10-40x slower, see cluster_transfer), else the header alone, padded to the
+    posted size, then the rows."""
+    line = cluster._push_lines.setdefault(owner, PushLine())
+    if not line.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+        raise TransferFailed(f"another push to node {owner} did not end in time")
+    try:
+        if line.generation != generation:  # a new pair: its receive is posted for a header
+            line.generation, line.posted, line.seq = generation, HEADER_BYTES, 0
+        line.seq += 1
+        tag = cluster._next_tag()
+        header = encode_signed(cluster._store, push_context(cluster.node, owner, generation),
+                               {**request, "tag": tag, "seq": line.seq}, HEADER_BYTES)
+        posted, line.posted = line.posted, int(message.numel())  # what the owner posts next
+        what = f"push of {request['name']!r}"
+        if message.numel() == posted:
+            message[:HEADER_BYTES] = header
+            return send_answered(cluster, owner, generation, tag, message, deadline, what, send_tag=PUSH_TAG)
+        padded = torch.zeros(posted, dtype=torch.uint8)
+        padded[:HEADER_BYTES] = header
+        rows = message[HEADER_BYTES:]
+        if not rows.numel():  # no rows: the header alone
+            return send_answered(cluster, owner, generation, tag, padded, deadline, what, send_tag=PUSH_TAG)
+        return send_answered(cluster, owner, generation, tag, rows, deadline, what, header=padded)
+    finally:
+        line.lock.release()
+
+
+def send_answered(cluster, peer: int, generation: int, tag: int, payload: torch.Tensor, deadline: float, what: str,
+                  stripes: int = 1, header: torch.Tensor | None = None, send_tag: int | None = None) -> dict:
+    """Send ``payload`` (a push's rows, a sync's contents) for request ``tag`` over
+    ``stripes`` groups (on ``send_tag`` if given; after ``header`` on PUSH_TAG, if given)
+    and receive the peer's signed answer over the pair (its receive posted beside the
+    send, so that it is there when the peer answers). TransferFailed, every group of the
+    pair failed, when any does not end in time or the answer's signature is wrong."""
+    buffer = getattr(cluster._local, "answer", None)
+    if buffer is None:
+        buffer = cluster._local.answer = torch.empty(ANSWER_BYTES, dtype=torch.uint8)
+    groups = cluster._groups
+    try:
+        # the answer's receive first: posted after the send, it waited for this thread
+        # to run again after its write (measured at load 6-7: the owner had the rows
+        # written at 0.6 ms and its answer waited ~3 ms for the receive)
+        works = groups.recv(peer, generation, buffer, answer_tag(tag), deadline)
+        if header is not None:
+            works += groups.send(peer, generation, header, PUSH_TAG, deadline)
+        works += groups.send(peer, generation, payload, tag if send_tag is None else send_tag, deadline, stripes)
+        wait_work(works, deadline, what, int(payload.numel()))
+        try:
+            return decode_signed(cluster._store, answer_context(peer, tag), buffer)
+        except ClusterAuthError as err:
+            cluster.refused += 1  # forged: never acted on, and the pair is not trusted further
+            raise TransferFailed(f"the answer to the {what} is not signed with this cluster's key") from err
+    except TransferFailed:
+        groups.fail(peer, generation)
+        raise
