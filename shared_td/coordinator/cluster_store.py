@@ -69,6 +69,7 @@ def _store_call(method):
         try:
             return method(self, key, *args)
         except dist.DistNetworkError as err:
+            self._host_lost = True  # no connection is tried any more: see _store
             raise ConnectionError(f"The cluster store is gone ({err}) while using {key!r}: the "
                                   "node that hosts it (node 0 by default) stopped.") from err
     return call
@@ -147,6 +148,11 @@ class SignedStore:
         self._connecting: set[threading.Thread] = set()  # spares being connected
         self._connecting_lock = threading.Lock()
         self._closed = False
+        # set once a call found the store's host gone: a connect to it would not fail
+        # at once (torch retries a refused connect until its timeout, then once more
+        # after a random backoff: 7-14 s for a spare), and no process can exit while
+        # one runs (a node took 16 s to stop after the host's SIGKILL)
+        self._host_lost = False
         if spares:
             self._connect_spares(spares)
 
@@ -156,7 +162,7 @@ class SignedStore:
         and not the other spares)."""
         def connect() -> None:
             try:
-                if not self._closed:
+                if not (self._closed or self._host_lost):
                     self._spares.put(dist.PrefixStore("shared_td", self._new_connection()))
             except (AttributeError, RuntimeError):  # not clonable, or the store is gone
                 pass
@@ -172,6 +178,8 @@ class SignedStore:
         # connect bounded by SPARE_CONNECT_S (at once while the store is up). Said so:
         # a thread inherits daemon from the thread that makes it, and a spare's
         # replacement is made by the thread that took it (a lane, a kept push receive).
+        if self._closed or self._host_lost:
+            return
         with self._connecting_lock:
             for _ in range(count):
                 thread = threading.Thread(target=connect, name="shared_td-store-spare", daemon=False)
@@ -227,6 +235,9 @@ class SignedStore:
     def _store(self):
         store = getattr(self._local, "store", None)
         if store is None:
+            if self._host_lost:
+                raise ConnectionError("The cluster store is gone (a call of this node found its host "
+                                      "stopped): no new connection to it is tried.")
             try:
                 store = self._spares.get_nowait()
                 self._connect_spares(1)  # its replacement, in the background

@@ -129,7 +129,8 @@ def test_store_host_killed_gives_connection_error_and_nodes_stop_cleanly():
             nodes.commands[n].put(("stop",))
             assert nodes.results[n].get(timeout=WAIT) == ("ok", "stopped")
             assert finish(nodes.procs[n]) == 0
-            assert time.monotonic() - began < 15
+            # < 0.1 s unloaded; 16 s once, when spares were still connecting to the lost host
+            assert time.monotonic() - began < 8
 
 
 def syncs_through_a_kill(nodes, name: str, timeout: float, victim: int, syncs: int = 40):

@@ -368,3 +368,50 @@ def test_a_node_found_lost_is_not_waited_for_again_until_it_beats(monkeypatch):
     began = time.monotonic()
     assert liveness.still_lost([1], wait=0.3) == [1]
     assert time.monotonic() - began >= 0.3  # its new silence gets the look again
+
+
+def test_once_the_store_host_is_lost_no_new_connection_is_tried():
+    """A connect to a store host that is gone does not fail at once: torch retries the
+    refused connect until its timeout, then once more after a random backoff (7-14 s
+    measured for a spare's 7 s bound), and a node cannot exit while one runs (a CI run's
+    node took 16 s to stop after the host's SIGKILL). Once a call found the host gone, a
+    thread's first call fails at once and no spare is connected any more."""
+    import datetime
+    import gc
+
+    host = loopback_store(10)
+    client = torch_dist.TCPStore("127.0.0.1", host.port, None, False, datetime.timedelta(seconds=10))
+    signed = SignedStore(client, KEY, timeout=10.0, spares=2)
+    deadline = time.monotonic() + 30
+    while signed._spares.qsize() < 2 or signed._connecting:  # bounded: the spares connect
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    signed.set_json("x", 1)  # this thread's connection: a spare (its replacement connects)
+    while signed._connecting:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    del host
+    gc.collect()  # the host is gone
+    with pytest.raises(ConnectionError):
+        signed.get_json("x")
+    outcomes = []
+
+    def first_call() -> None:
+        began = time.monotonic()
+        try:
+            signed.get_json("x")
+            outcomes.append(("no error", time.monotonic() - began))
+        except Exception as err:  # noqa: BLE001 - recorded for the assertion
+            outcomes.append((type(err).__name__, time.monotonic() - began))
+
+    for _ in range(3):  # two take the spares connected before the loss, the third has none
+        thread = threading.Thread(target=first_call)
+        thread.start()
+        thread.join(40)
+        assert not thread.is_alive()
+    assert [name for name, _took in outcomes] == ["ConnectionError"] * 3, outcomes
+    assert all(took < 1.0 for _name, took in outcomes), outcomes
+    assert not signed._connecting  # no spare is being connected to the lost host
+    began = time.monotonic()
+    signed.close()
+    assert time.monotonic() - began < 1.0
