@@ -225,8 +225,8 @@ def striped_sync_columns(options, nbytes: int, owner, refill, sync_seen) -> dict
 
 def case_cluster_counter(options, root: str, loop: _Loopback | None = None) -> dict:
     """A cluster counter's ``fetch_add`` against a raw ``TCPStore.add``: the median call,
-    the two alternating call by call. ``loop``: the run's loopback cluster (:class:`SharedLoopback`), else the case starts
-    its own."""
+    the two alternating call by call. ``loop``: the run's loopback cluster
+    (:class:`SharedLoopback`), else the case starts its own."""
     own = loop is None
     if own:
         loop = _Loopback()

@@ -287,8 +287,9 @@ def _apply_push(cluster, peer: int, generation: int, header: dict, inline: torch
     """Write the rows a push ``header`` announced (``inline`` when they came with it,
     else received now: TransferFailed if they do not come); returns the answer."""
     nbytes = header["nbytes"]
-    rows = inline if inline.numel() == nbytes else inline[:0]
-    if rows.numel() != nbytes:
+    if inline.numel() == nbytes or not nbytes:  # came with the header, or no rows at all
+        rows = inline[:nbytes]
+    else:  # a second message, on the header's tag
         rows = torch.empty(nbytes, dtype=torch.uint8)
         deadline = time.monotonic() + cluster.timeout
         wait_work(cluster._groups.recv(peer, generation, rows, header["tag"], deadline), deadline, "push", nbytes)

@@ -250,14 +250,18 @@ class SignedStore:
         return store
 
     # --------------------------------------------------------------- signing
+    def _mac(self, key: str, payload: bytes) -> bytes:
+        """HMAC-SHA256 of the cluster authkey over ``key + NUL + payload``."""
+        return hmac.digest(self._authkey, key.encode() + b"\0" + payload, "sha256")
+
     def sign(self, key: str, payload: bytes) -> bytes:
-        return hmac.digest(self._authkey, key.encode() + b"\0" + payload, "sha256") + payload
+        return self._mac(key, payload) + payload
 
     def check(self, key: str, blob: bytes) -> bytes:
         """The payload of ``blob`` read at ``key``; ClusterAuthError if it is not signed
         with our authkey (compared in constant time)."""
         mac, payload = blob[:_DIGEST], blob[_DIGEST:]
-        good = hmac.digest(self._authkey, key.encode() + b"\0" + payload, "sha256")
+        good = self._mac(key, payload)
         if len(blob) < _DIGEST or not hmac.compare_digest(mac, good):
             raise ClusterAuthError(
                 f"The value of {key!r} in the cluster store has a wrong signature: the node "
