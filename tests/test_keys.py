@@ -83,6 +83,61 @@ def test_keys_view_contains():
     assert 3 not in keys and None not in keys and () not in keys
 
 
+def _mixed_tree(lib):
+    """Every kind of entry a walk meets: tensors, a nested tensordict, a tensorclass, a
+    non-tensor value and a non-tensor stack, a lazy stack (with lib's own classes)."""
+    @lib.tensorclass
+    class Step:
+        obs: torch.Tensor
+        note: str
+
+    td = lib.TensorDict({"b": torch.zeros(2), "a": {"y": torch.zeros(2), "x": {"z": torch.zeros(2)}}}, batch_size=[2])
+    td["t"] = "text"
+    td["step"] = Step(obs=torch.zeros(2, 3), note="n", batch_size=[2])
+    td["s"] = lib.NonTensorStack("u", "v")
+    td["lazy"] = lib.LazyStackedTensorDict(lib.TensorDict(q=torch.zeros(()), r={"w": torch.zeros(())}),
+                                           lib.TensorDict(q=torch.ones(()), r={"w": torch.ones(())}))
+    return td
+
+
+@pytest.mark.parametrize("include_nested", [False, True])
+@pytest.mark.parametrize("leaves_only", [False, True])
+@pytest.mark.parametrize("nontensor_leaves", [False, True])
+def test_keys_view_len_is_what_iteration_lists_as_tensordict(include_nested, leaves_only, nontensor_leaves):
+    import shared_td
+
+    libs = [shared_td]
+    try:
+        import tensordict
+
+        libs.append(tensordict)
+    except ImportError:
+        pass
+    listed = []
+    for lib in libs:
+        is_leaf = (shared_td.is_leaf_nontensor if lib is shared_td else lib.base._is_leaf_nontensor) if nontensor_leaves else None
+        view = _mixed_tree(lib).keys(include_nested, leaves_only, is_leaf)
+        keys = list(iter(view))
+        assert len(view) == len(keys) and list(view) == keys
+        assert all(key in view for key in keys)
+        listed.append(keys)
+    if len(listed) == 2:
+        assert listed[0] == listed[1]
+
+
+def test_keys_view_contains_reads_only_the_path(monkeypatch):
+    td = TensorDict({f"node{i}": {"obs": torch.zeros(2)} for i in range(50)}, batch_size=[2])
+    reads = []
+    for name in ("_get_str", "_items_str", "_keys_str"):
+        method = getattr(TensorDict, name)
+        monkeypatch.setattr(TensorDict, name, lambda self, *args, _m=method, _n=name: reads.append(_n) or _m(self, *args))
+    view = td.keys(True, True)
+    assert ("node7", "obs") in view and "node7" not in view and ("node7", "missing") not in view
+    assert ("node7", "obs", "deeper") not in view  # a tensor has no keys
+    # a lookup along the path (before: the whole tree walked for each ``in``)
+    assert reads == ["_get_str"] * 2 + ["_get_str"] + ["_get_str"] * 2 + ["_get_str"] * 2, reads
+
+
 def test_keys_view_is_live():
     td = make_td()
     keys = td.keys()

@@ -36,7 +36,12 @@ def is_tensor_collection(value: Any) -> bool:
 
 def is_non_tensor(value: Any) -> bool:
     """True for NonTensorData and NonTensorStack."""
-    return getattr(type(value), "_is_non_tensor", False)
+    return is_non_tensor_class(type(value))
+
+
+def is_non_tensor_class(cls: type) -> bool:
+    """True for the classes NonTensorData and NonTensorStack (and their subclasses)."""
+    return getattr(cls, "_is_non_tensor", False)
 
 
 def default_is_leaf(cls: type) -> bool:
@@ -82,6 +87,10 @@ class TensorDictBase(LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, Me
 
     def _keys_str(self) -> Iterator[str]:
         raise NotImplementedError
+
+    def _items_str(self) -> Iterator[tuple[str, Any]]:
+        """``(key, value)`` of this node's own entries, as ``_keys_str`` and ``_get_str``."""
+        return ((key, self._get_str(key, None)) for key in self._keys_str())
 
     # ---------------------------------------------------------------- shape
     @property
@@ -142,12 +151,16 @@ class TensorDictBase(LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, Me
         ``is_leaf(cls)`` says which entries are leaves (listed by ``leaves_only``, not
         walked into by ``include_nested``); the default, :func:`default_is_leaf`, counts
         tensors only, as tensordict 0.15.3 does: pass :func:`is_leaf_nontensor` to list
-        non-tensor entries with ``leaves_only=True``.
+        non-tensor entries with ``leaves_only=True``. In tensordict 0.15.3's order: a
+        nested tensordict's keys come before its own key. ``len()`` counts without making
+        the keys, and ``in`` looks the key up along its path.
 
         Examples:
             >>> td = TensorDict(a=torch.zeros(2), b={"c": torch.ones(2)}, batch_size=[2])
             >>> list(td.keys(include_nested=True, leaves_only=True))
             ['a', ('b', 'c')]
+            >>> list(td.keys(include_nested=True))
+            ['a', ('b', 'c'), 'b']
         """
         return KeysView(self, include_nested, leaves_only, sort, is_leaf)
 

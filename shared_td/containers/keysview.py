@@ -3,14 +3,20 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-import torch
-
 from shared_td.keys import is_nested_key, unravel_key
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 
 #: what KeysView.pairs gives for a value that only ``get(key)`` can give
 UNSEEN = object()
+#: what a lookup of a key that is not there reads
+_MISSING = object()
+
+
+def _peeks(td: Any) -> bool:
+    """Whether ``td`` is a lazy stack, read by peeking at its members (asked of the
+    class: a failed lookup on the instance raises and catches an AttributeError)."""
+    return hasattr(type(td), "_peek_str")
 
 
 def _first(pair: tuple) -> Any:
@@ -34,53 +40,86 @@ class KeysView:
         self._sort = sort
 
     def __iter__(self) -> Iterator:
+        if not self._include_nested and not self._leaves_only and not self._sort:
+            return self._td._keys_str()  # every key is listed: no value is looked at
         return map(_first, self.pairs())
 
     def pairs(self) -> Iterator[tuple]:
         """``(key, value)`` in this view's order, the value as the walk found it, or
         UNSEEN where only ``get(key)`` gives it (below a lazy stack, whose walk peeks at
         its members): values() and items() need no second walk from the root per key."""
-        pairs = self._walk(self._td, (), True)
+        pairs = self._walk(self._td, (), True, {})
         if self._sort:
             pairs = iter(sorted(pairs, key=lambda pair: (pair[0],) if isinstance(pair[0], str) else pair[0]))
         return pairs
 
-    def _walk(self, td: Any, prefix: tuple, exact: bool) -> Iterator:
-        from shared_td.containers.base import default_is_leaf, is_non_tensor, is_tensor_collection
+    def _kind(self, cls: type, kinds: dict) -> tuple[bool, bool]:
+        """Whether a value of type ``cls`` is listed, and whether the walk goes into it;
+        kept in ``kinds`` for the rest of one walk (``is_leaf`` is given the type only,
+        and a 1000-node tree has two types: asking per value was most of its walk)."""
+        from shared_td.containers.base import default_is_leaf, is_non_tensor_class
 
-        is_leaf = self._is_leaf or default_is_leaf
-        # a tensor is a leaf of the default is_leaf: said without a call per tensor (the
-        # walk of a 1000-node tree spent a third of its time asking)
-        tensors_are_leaves = self._is_leaf is None
-        # A lazy stack peeks at its members instead of stacking every value: what its
-        # walk finds (and all below it) is not what get() gives
-        peek = getattr(td, "_peek_str", None)
-        exact = exact and peek is None
-        for key in td._keys_str():
-            value = td._get_str(key, None) if peek is None else peek(key, None)
-            if tensors_are_leaves and isinstance(value, torch.Tensor):
+        leaf = bool((self._is_leaf or default_is_leaf)(cls))
+        # a tensor collection (what default_is_leaf is not) other than a non-tensor
+        # container, which has no keys to walk into
+        walked = not leaf and self._include_nested and not default_is_leaf(cls) and not is_non_tensor_class(cls)
+        kinds[cls] = kind = (leaf or not self._leaves_only, walked)
+        return kind
+
+    @staticmethod
+    def _entries(td: Any, exact: bool) -> tuple[Iterator[tuple[str, Any]], bool]:
+        """``(key, value)`` of node ``td``, and whether the values are what ``get`` gives:
+        a lazy stack peeks at its members instead of stacking every value, so what its
+        walk finds (and all below it) is not."""
+        if not _peeks(td):
+            return td._items_str(), exact
+        return ((key, td._peek_str(key, None)) for key in td._keys_str()), False
+
+    def _walk(self, td: Any, prefix: tuple, exact: bool, kinds: dict) -> Iterator:
+        entries, exact = self._entries(td, exact)
+        for key, value in entries:
+            listed, walked = kinds.get(type(value)) or self._kind(type(value), kinds)
+            if walked:  # its keys first, then itself: tensordict 0.15.3's order
+                yield from self._walk(unwrap_tensorclass(value), prefix + (key,), exact, kinds)
+            if listed:
                 yield (prefix + (key,) if prefix else key), (value if exact else UNSEEN)
-                continue
-            full = prefix + (key,)
-            leaf = is_leaf(type(value))
-            if leaf or not self._leaves_only:
-                yield (full[0] if len(full) == 1 else full), (value if exact else UNSEEN)
-            # non-tensor containers have no keys to walk into
-            if not leaf and self._include_nested and is_tensor_collection(value) and not is_non_tensor(value):
-                inner = unwrap_tensorclass(value)
-                yield from self._walk(inner, full, exact)
+
+    def _count(self, td: Any, kinds: dict) -> int:
+        """How many keys :meth:`_walk` lists below ``td``, without making them (``list()``
+        asks ``len()`` before it iterates: counting by iterating walked the tree twice)."""
+        count = 0
+        for _key, value in self._entries(td, True)[0]:
+            listed, walked = kinds.get(type(value)) or self._kind(type(value), kinds)
+            count += listed
+            if walked:
+                count += self._count(unwrap_tensorclass(value), kinds)
+        return count
 
     def __len__(self) -> int:
-        return sum(1 for _ in self)
+        if not self._include_nested and not self._leaves_only:
+            return sum(1 for _key in self._td._keys_str())  # every key is listed
+        return self._count(self._td, {})
 
     def __contains__(self, key: Any) -> bool:
+        """One lookup along ``key``'s path (not a walk of the tree): each node on the way
+        one the walk goes into, the entry itself one it lists."""
         if not is_nested_key(key):
             return False
         path = unravel_key(key)
         if len(path) > 1 and not self._include_nested:
             return False
-        wanted = path[0] if len(path) == 1 else path
-        return any(k == wanted for k in self)
+        kinds, node = {}, self._td
+        for depth, part in enumerate(path):
+            value = (node._peek_str if _peeks(node) else node._get_str)(part, _MISSING)
+            if value is _MISSING:
+                return False
+            listed, walked = kinds.get(type(value)) or self._kind(type(value), kinds)
+            if depth == len(path) - 1:
+                return listed
+            if not walked:
+                return False
+            node = unwrap_tensorclass(value)
+        return False
 
     def __repr__(self) -> str:
         return f"_TensorDictKeysView({list(self)}, include_nested={self._include_nested}, leaves_only={self._leaves_only})"

@@ -122,6 +122,9 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, IndexWrites, TensorMetho
     def _keys_str(self):
         return iter(list(self._tensordict))
 
+    def _items_str(self):
+        return iter(list(self._tensordict.items()))
+
     def _collection_children(self) -> list:
         """LockingOps's, over the entries themselves: lock_() and unlock_() of a tree
         call it once per node (the lock of a loaded 1000-node tree was mostly lookups).
