@@ -116,11 +116,17 @@ def test_keys_view_len_is_what_iteration_lists_as_tensordict(include_nested, lea
     listed = []
     for lib in libs:
         is_leaf = (shared_td.is_leaf_nontensor if lib is shared_td else lib.base._is_leaf_nontensor) if nontensor_leaves else None
-        view = _mixed_tree(lib).keys(include_nested, leaves_only, is_leaf)
+        td = _mixed_tree(lib)
+        view = td.keys(include_nested, leaves_only, is_leaf)
         keys = list(iter(view))
         assert len(view) == len(keys) and list(view) == keys
         assert all(key in view for key in keys)
-        listed.append(keys)
+        # items() and values() list a nested tensordict before its entries, keys() after
+        items = [(key, type(value).__name__) for key, value in td.items(include_nested, leaves_only, is_leaf)]
+        assert [type(value).__name__ for value in td.values(include_nested, leaves_only, is_leaf)] == [
+            name for _key, name in items]
+        assert sorted(map(str, keys)) == sorted(str(key) for key, _name in items)
+        listed.append((keys, items))
     if len(listed) == 2:
         assert listed[0] == listed[1]
 

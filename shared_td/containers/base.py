@@ -152,8 +152,9 @@ class TensorDictBase(LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, Me
         walked into by ``include_nested``); the default, :func:`default_is_leaf`, counts
         tensors only, as tensordict 0.15.3 does: pass :func:`is_leaf_nontensor` to list
         non-tensor entries with ``leaves_only=True``. In tensordict 0.15.3's order: a
-        nested tensordict's keys come before its own key. ``len()`` counts without making
-        the keys, and ``in`` looks the key up along its path.
+        nested tensordict's keys come before its own key (values() and items() give it
+        before its entries, as tensordict's do). ``len()`` counts without making the
+        keys, and ``in`` looks the key up along its path.
 
         Examples:
             >>> td = TensorDict(a=torch.zeros(2), b={"c": torch.ones(2)}, batch_size=[2])

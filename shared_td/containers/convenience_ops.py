@@ -1,11 +1,16 @@
 """Small operations of every tensordict class that ported code uses every day:
-``detach``, ``update_at_`` and the ``TensorDict.lazy_stack`` classmethod (tensordict
+``detach``, ``update_at_``, ``to_tensordict``, ``copy``, ``get_at``, ``set_at_``,
+``setdefault``, ``sorted_keys`` and the ``TensorDict.lazy_stack`` classmethod (tensordict
 0.15.3's names and signatures)."""
 from __future__ import annotations
 
 from typing import Any, Sequence
 
 from shared_td.keys import NestedKey, unravel_key
+from shared_td.tensorclass_protocol import unwrap_tensorclass
+
+#: what a lookup of a key that is not there reads
+_ABSENT = object()
 
 
 class ConvenienceOps:
@@ -51,6 +56,72 @@ class ConvenienceOps:
             source = source.clone()
         target._set_at_index(idx, source)
         return self
+
+    def to_tensordict(self, *, retain_none: bool | None = None) -> Any:
+        """A plain TensorDict copy of the tree, as tensordict 0.15.3's: every tensor
+        cloned into regular memory (memory-mapped and shared ones too), nested
+        tensorclasses and lazy stacks as TensorDicts, non-tensor entries as new ones
+        holding the same values, nothing locked. ``retain_none`` is accepted for
+        compatibility, and ignored (no entry holds None here).
+
+        Example:
+            >>> import torch
+            >>> from shared_td import TensorDict
+            >>> td = TensorDict(a=torch.zeros(2), b={"c": torch.ones(2)}, batch_size=[2]).memmap_()
+            >>> plain = td.to_tensordict()
+            >>> plain.is_locked, type(plain["a"]).__name__, plain["a"].data_ptr() != td["a"].data_ptr()
+            (False, 'Tensor', True)
+        """
+        from shared_td.containers.base import is_non_tensor, is_tensor_collection
+        from shared_td.containers.lazy import LazyStackedTensorDict
+        from shared_td.containers.tensordict import TensorDict
+
+        node = unwrap_tensorclass(self)
+        if is_non_tensor(node):
+            return node.clone()
+        if isinstance(node, LazyStackedTensorDict):
+            node = node.contiguous()  # dense (its nested tensorclasses are converted below)
+        entries = {key: value.to_tensordict() if is_tensor_collection(value) and not is_non_tensor(value)
+                   else value.clone() for key, value in node.items()}
+        return TensorDict(entries, batch_size=node.batch_size, device=node.device, names=node.names)
+
+    def copy(self) -> Any:
+        """A shallow copy: ``clone(recurse=False)`` (the tree's structure is new, the
+        tensors are the same)."""
+        return self.clone(recurse=False)
+
+    def get_at(self, key: NestedKey, index: Any, default: Any = _ABSENT) -> Any:
+        """``self.get(key)[index]``, or ``default`` when the key is missing (without a
+        default, the KeyError of ``get``)."""
+        value = self.get(key) if default is _ABSENT else self.get(key, _ABSENT)
+        return default if value is _ABSENT else value[index]
+
+    def set_at_(self, key: NestedKey, value: Any, index: Any, *, non_blocking: bool = False) -> Any:
+        """Write ``value`` at batch index ``index`` of the existing entry ``key``, in place
+        (allowed when locked); returns self. ``non_blocking`` is accepted for
+        compatibility, and ignored (the write is done on return).
+
+        Raises:
+            KeyError: naming the key, when it is missing.
+        """
+        entry = self.get(key)
+        try:
+            entry[index] = value
+        except (RuntimeError, IndexError, TypeError) as err:
+            raise type(err)(f"set_at_({key!r}, ..., {index!r}): {err}") from err
+        return self
+
+    def setdefault(self, key: NestedKey, default: Any, inplace: bool = False) -> Any:
+        """The entry at ``key``; when it is missing, ``default`` is set there first (as
+        ``set(key, default, inplace=inplace)``)."""
+        if self.get(key, _ABSENT) is _ABSENT:
+            self.set(key, default, inplace=inplace)
+        return self.get(key)
+
+    @property
+    def sorted_keys(self) -> list[str]:
+        """The keys of this level, sorted."""
+        return sorted(self.keys())
 
     @classmethod
     def lazy_stack(cls, input: Sequence[Any], dim: int = 0, *, out: Any = None, **kwargs: Any) -> Any:

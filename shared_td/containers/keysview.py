@@ -42,13 +42,15 @@ class KeysView:
     def __iter__(self) -> Iterator:
         if not self._include_nested and not self._leaves_only and not self._sort:
             return self._td._keys_str()  # every key is listed: no value is looked at
-        return map(_first, self.pairs())
+        return map(_first, self.pairs(parents_last=True))
 
-    def pairs(self) -> Iterator[tuple]:
-        """``(key, value)`` in this view's order, the value as the walk found it, or
-        UNSEEN where only ``get(key)`` gives it (below a lazy stack, whose walk peeks at
-        its members): values() and items() need no second walk from the root per key."""
-        pairs = self._walk(self._td, (), True, {})
+    def pairs(self, parents_last: bool = False) -> Iterator[tuple]:
+        """``(key, value)`` in the order of values() and items(), the value as the walk
+        found it, or UNSEEN where only ``get(key)`` gives it (below a lazy stack, whose
+        walk peeks at its members): they need no second walk from the root per key.
+        tensordict 0.15.3 lists a nested tensordict before its keys there, and after
+        them in keys() (``parents_last``)."""
+        pairs = self._walk(self._td, (), True, {}, parents_last)
         if self._sort:
             pairs = iter(sorted(pairs, key=lambda pair: (pair[0],) if isinstance(pair[0], str) else pair[0]))
         return pairs
@@ -75,14 +77,17 @@ class KeysView:
             return td._items_str(), exact
         return ((key, td._peek_str(key, None)) for key in td._keys_str()), False
 
-    def _walk(self, td: Any, prefix: tuple, exact: bool, kinds: dict) -> Iterator:
+    def _walk(self, td: Any, prefix: tuple, exact: bool, kinds: dict, parents_last: bool) -> Iterator:
         entries, exact = self._entries(td, exact)
         for key, value in entries:
             listed, walked = kinds.get(type(value)) or self._kind(type(value), kinds)
-            if walked:  # its keys first, then itself: tensordict 0.15.3's order
-                yield from self._walk(unwrap_tensorclass(value), prefix + (key,), exact, kinds)
-            if listed:
-                yield (prefix + (key,) if prefix else key), (value if exact else UNSEEN)
+            pair = (prefix + (key,) if prefix else key), (value if exact else UNSEEN)
+            if listed and not (walked and parents_last):
+                yield pair
+            if walked:
+                yield from self._walk(unwrap_tensorclass(value), prefix + (key,), exact, kinds, parents_last)
+                if listed and parents_last:
+                    yield pair
 
     def _count(self, td: Any, kinds: dict) -> int:
         """How many keys :meth:`_walk` lists below ``td``, without making them (``list()``

@@ -458,9 +458,26 @@ def stack_non_tensors(items: Sequence[_NonTensorBase], dim: int) -> NonTensorSta
     return _combine(items, lambda positions: torch.stack(positions, dim), members=True)
 
 
-def cat_non_tensors(items: Sequence[_NonTensorBase], dim: int) -> NonTensorStack:
-    """``torch.cat`` of non-tensor entries: one value per element."""
-    return _combine(items, lambda positions: torch.cat(positions, dim), members=False)
+def cat_non_tensors(items: Sequence[_NonTensorBase], dim: int) -> _NonTensorBase:
+    """``torch.cat`` of non-tensor entries: one value per element; a NonTensorData when
+    every item is one and their values are equal, as in tensordict 0.15.3."""
+    combined = _combine(items, lambda positions: torch.cat(positions, dim), members=False)
+    first = items[0]
+    if all(isinstance(item, NonTensorData) and _same_value(item.data, first.data) for item in items):
+        return NonTensorData(first.data, batch_size=combined.batch_size, device=first.device)
+    return combined
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Whether two non-tensor values are equal (element-wise ones: everywhere); False
+    when they cannot be compared."""
+    if a is b:
+        return True
+    try:
+        same = a == b
+        return bool(same.all()) if hasattr(same, "all") else bool(same)
+    except Exception:  # noqa: BLE001 - values of foreign types: not equal
+        return False
 
 
 def _combine(items: Sequence[_NonTensorBase], op: Callable, members: bool) -> NonTensorStack:

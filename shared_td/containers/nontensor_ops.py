@@ -95,3 +95,17 @@ def list_to_entry(value: list, device: Any) -> Any:
     if isinstance(converted, torch.Tensor):
         return converted
     return NonTensorStack.from_list(value, device=device)
+
+
+def kept_by_empty(entry: Any, batch_size: torch.Size) -> Any:
+    """What ``empty(recurse=True)`` keeps of a non-tensor entry (None: nothing): the
+    entry itself, shared, as tensordict 0.15.3 does, when its batch shape begins with
+    ``batch_size``; for another batch size, a NonTensorData's value re-batched, while a
+    NonTensorStack's values belong to the old batch elements and are left out."""
+    from shared_td.containers.nontensor import NonTensorData
+
+    if tuple(entry.batch_size[: len(batch_size)]) == tuple(batch_size):
+        return entry
+    if isinstance(entry, NonTensorData):
+        return NonTensorData(entry.data, batch_size=batch_size, device=entry.device)
+    return None

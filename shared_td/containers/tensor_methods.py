@@ -23,9 +23,12 @@ class TensorMethods:
 
     # ---------------------------------------------------------------- copies
     def clone(self, recurse: bool = True) -> "TensorDict":
-        """A copy; with ``recurse=False`` the new tensordict shares the same tensors."""
+        """A copy; with ``recurse=False`` the tree's structure is copied (nested
+        tensordicts, tensorclasses and non-tensor entries are new ones) but the tensors
+        are the same, as tensordict 0.15.3's."""
         if not recurse:
-            return self._map_entries(lambda v: v, self._batch_size, self.names)
+            return self._map_entries(lambda v: v.clone(recurse=False) if is_tensor_collection(v) else v,
+                                     self._batch_size, self.names)
         return self._map_entries(
             lambda v: v.clone() if isinstance(v, (torch.Tensor, TensorDictBase)) or is_tensor_collection(v) else v,
             self._batch_size,

@@ -29,7 +29,7 @@ from shared_td.containers.index_writes import IndexWrites
 from shared_td.containers.keyops import KeyOps
 from shared_td.containers.locking import LockingOps
 from shared_td.containers.naming import NamedBatchDims
-from shared_td.containers.nontensor_ops import list_to_entry, list_to_tensor
+from shared_td.containers.nontensor_ops import kept_by_empty, list_to_entry, list_to_tensor
 from shared_td.containers.reshaping import BatchShapeOps
 from shared_td.containers.row_writes import write_rows
 from shared_td.containers.tensor_methods import TensorMethods
@@ -439,13 +439,16 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, IndexWrites, TensorMetho
     # ---------------------------------------------------------------- new tensordicts
     def empty(self, recurse: bool = False, *, batch_size: Any = None, device: Any = NO_DEFAULT) -> "TensorDict":
         """A tensordict with the same batch size and device but no entries
-        (``recurse=True`` keeps the nested tensordicts, empty)."""
+        (``recurse=True`` keeps the nested tensordicts, empty, and the non-tensor
+        entries, as tensordict 0.15.3: see :func:`kept_by_empty`)."""
         size = self._batch_size if batch_size is None else batch_ops.as_batch_size(batch_size)
         entries = {}
         if recurse:
             for key, value in self._tensordict.items():
                 if isinstance(value, TensorDict):
                     entries[key] = value.empty(recurse=True)
+                elif is_non_tensor(value) and (kept := kept_by_empty(value, size)) is not None:
+                    entries[key] = kept
         names = self.names if size == self._batch_size else None  # names fit the old dims only
         return TensorDict._new_unsafe(
             entries, size, self._device if device is NO_DEFAULT else device, names

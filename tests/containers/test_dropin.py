@@ -595,3 +595,105 @@ def test_a_list_written_into_a_stack_entry_writes_each_element():
     with pytest.raises(ValueError, match="'info'"):
         td.update_({"info": ["only", "two"]})
     assert stack.tolist() == ["x", "y", "z"]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_cat_of_equal_non_tensor_values_is_one_value(lib):
+    def make(task):
+        td = lib.TensorDict(obs=torch.zeros(2), batch_size=[2])
+        td["task"] = task
+        return td
+
+    both = torch.cat([make("walk"), make("walk")])
+    assert isinstance(both.get("task"), lib.NonTensorData) and both["task"] == "walk"
+    assert both.get("task").batch_size == torch.Size([4])
+    mixed = torch.cat([make("walk"), make("run")])
+    assert isinstance(mixed.get("task"), lib.NonTensorStack) and mixed["task"] == ["walk"] * 2 + ["run"] * 2
+    arrays = torch.cat([lib.NonTensorData(torch.ones(3), batch_size=[1]), lib.NonTensorData(torch.ones(3), batch_size=[1])])
+    assert isinstance(arrays, lib.NonTensorData) and arrays.batch_size == torch.Size([2])
+    other = torch.cat([lib.NonTensorData(torch.ones(3), batch_size=[1]), lib.NonTensorData(torch.zeros(3), batch_size=[1])])
+    assert isinstance(other, lib.NonTensorStack)
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_empty_recurse_keeps_non_tensor_entries(lib):
+    td = lib.TensorDict(obs=torch.zeros(2), nested={"x": torch.zeros(2)}, batch_size=[2])
+    td["task"] = "walk"
+    td["steps"] = lib.NonTensorStack("a", "b")
+    empty = td.empty(recurse=True)
+    assert list(empty.keys(True)) == ["nested", "task", "steps"]
+    assert empty["task"] == "walk" and empty["steps"] == ["a", "b"]
+    assert list(td.empty().keys()) == []
+    assert empty.get("task") is td.get("task")  # shared, as tensordict's
+    lazy = lib.LazyStackedTensorDict(td, td).empty(recurse=True)
+    assert set(lazy.keys()) == {"nested", "task", "steps"}
+
+
+def test_empty_recurse_with_another_batch_size_rebatches_a_value_and_leaves_a_stack_out():
+    td = shared_td.TensorDict(obs=torch.zeros(2), batch_size=[2])
+    td["task"] = "walk"
+    td["steps"] = shared_td.NonTensorStack("a", "b")
+    same_prefix = td.empty(recurse=True, batch_size=[])
+    assert same_prefix.get("task") is td.get("task") and same_prefix.get("steps") is td.get("steps")
+    other = td.empty(recurse=True, batch_size=[3])
+    assert list(other.keys()) == ["task"] and other.get("task").batch_size == torch.Size([3]) and other["task"] == "walk"
+
+
+def _tree_of_every_kind(lib):
+    @lib.tensorclass
+    class Pair:
+        a: torch.Tensor
+
+    inner = lib.LazyStackedTensorDict(lib.TensorDict(q=torch.zeros(())), lib.TensorDict(q=torch.ones(())))
+    td = lib.TensorDict({"pair": Pair(a=torch.zeros(2), batch_size=[2]), "lazy": inner, "n": {"x": torch.ones(2)}}, [2])
+    td["t"] = "text"
+    return td.lock_()
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_to_tensordict_is_a_plain_unlocked_copy(lib, tmp_path):
+    td = _tree_of_every_kind(lib)
+    plain = td.to_tensordict()
+    assert {key: type(value).__name__ for key, value in plain.items()} == {
+        "pair": "TensorDict", "lazy": "TensorDict", "n": "TensorDict", "t": "NonTensorData"}
+    assert not plain.is_locked and not plain["n"].is_locked and plain["t"] == "text"
+    assert plain["n", "x"].data_ptr() != td["n", "x"].data_ptr()
+    mapped = lib.TensorDict(a=torch.arange(3.), batch_size=[3]).memmap_(tmp_path)
+    copied = mapped.to_tensordict()
+    assert type(copied["a"]) is torch.Tensor and copied["a"].tolist() == [0.0, 1.0, 2.0]
+    copied["a"] += 1
+    assert mapped["a"].tolist() == [0.0, 1.0, 2.0]
+    assert type(td["pair"].to_tensordict()).__name__ == "TensorDict"
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_clone_without_recursion_copies_the_structure_and_shares_the_tensors(lib):
+    td = _tree_of_every_kind(lib)
+    for shallow in (td.clone(recurse=False), td.copy()):
+        assert not shallow.is_locked
+        assert shallow["n"] is not td["n"] and shallow["n", "x"] is td["n", "x"]
+        assert shallow["pair"] is not td["pair"] and shallow["lazy"] is not td["lazy"]
+        shallow["n", "added"] = torch.zeros(2)  # the source's nested tensordict is not changed
+        assert "added" not in td["n"].keys()
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_get_at_set_at_setdefault_sorted_keys(lib):
+    td = lib.TensorDict({"b": torch.zeros(2, 3), "a": {"x": torch.arange(2.)}}, [2]).lock_()
+    assert td.get_at(("a", "x"), 1).item() == 1.0 and td.get_at("missing", 0, "default") == "default"
+    assert td.set_at_("b", torch.ones(3), 1) is td  # in place: allowed when locked
+    assert td["b"].tolist() == [[0.0] * 3, [1.0] * 3]
+    assert td.sorted_keys == ["a", "b"]
+    td.unlock_()
+    assert td.setdefault("c", torch.ones(2)).tolist() == [1.0, 1.0]
+    assert td.setdefault("c", torch.zeros(2)).tolist() == [1.0, 1.0]  # already there: kept
+
+
+def test_get_at_and_set_at_of_a_missing_key_name_it():
+    td = shared_td.TensorDict(b=torch.zeros(2), batch_size=[2])
+    with pytest.raises(KeyError, match="'missing'"):
+        td.get_at("missing", 0)
+    with pytest.raises(KeyError, match="'missing'"):
+        td.set_at_("missing", 1.0, 0)
+    with pytest.raises(RuntimeError, match=r"set_at_\('b'"):
+        td.set_at_("b", torch.zeros(3), 0)
