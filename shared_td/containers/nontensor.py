@@ -294,6 +294,9 @@ class NonTensorData(NonTensorDataBase):
         """``td[index] = ...`` for this entry: returns the entry to store (maybe a stack)."""
         if self._holds_only(index, source):
             return self  # as tensordict: writing the value it holds keeps one value
+        if self._stays_one_value(index, source):  # in place: a shared or mapped entry shares it
+            self._update_(source if isinstance(source, NonTensorData) else NonTensorData(source, batch_size=[]))
+            return self
         if self._shared_value is not None:
             raise RuntimeError(
                 "Cannot write per-element values into a NonTensorData shared with "
@@ -302,6 +305,12 @@ class NonTensorData(NonTensorDataBase):
             )
         stack = NonTensorStack._from_flat(self._flat_values(), self._batch_size, self._device)
         return stack._set_at(index, source)
+
+    def _stays_one_value(self, index: tuple, source: Any) -> bool:
+        """True if ``self[index] = source`` leaves one value for the whole batch: the one
+        held written again, or one value written into the only element of a 0-dim entry
+        (which tensordict 0.15.3 keeps a NonTensorData)."""
+        return self._holds_only(index, source) or (not self._batch_size and not isinstance(source, NonTensorStack))
 
     def _holds_only(self, index: tuple, source: Any) -> bool:
         """True if every value that ``self[index] = source`` writes is the one held."""

@@ -53,7 +53,7 @@ def check_non_tensor_write(current: Any, index: tuple, source: Any, key: str) ->
     from shared_td.containers.nontensor import NonTensorData, _broadcast_values
 
     shared_or_files = current._shared_value is not None or current.is_memmap()
-    if isinstance(current, NonTensorData) and shared_or_files and not current._holds_only(index, source):
+    if isinstance(current, NonTensorData) and shared_or_files and not current._stays_one_value(index, source):
         # one value for the whole batch, shared with other processes or kept in files:
         # per-element values would turn it into a private in-memory stack
         raise RuntimeError(

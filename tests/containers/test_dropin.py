@@ -697,3 +697,21 @@ def test_get_at_and_set_at_of_a_missing_key_name_it():
         td.set_at_("missing", 1.0, 0)
     with pytest.raises(RuntimeError, match=r"set_at_\('b'"):
         td.set_at_("b", torch.zeros(3), 0)
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_an_indexed_write_into_a_0_dim_non_tensor_keeps_one_value(lib):
+    td = lib.TensorDict(a=torch.zeros(()), batch_size=[])
+    td["s"] = "u"
+    td[()] = lib.TensorDict(a=torch.zeros(()), s="w")
+    assert type(td.get("s")) is lib.NonTensorData and td["s"] == "w"
+    stack = lib.LazyStackedTensorDict(lib.TensorDict(a=torch.zeros(2), s="u"), lib.TensorDict(a=torch.ones(2), s="v"))
+    stack[0] = lib.TensorDict(a=torch.full((2,), 5.0), s="w")
+    assert type(stack.tensordicts[0].get("s")) is lib.NonTensorData and stack["s"] == ["w", "v"]
+
+
+def test_an_indexed_write_into_a_shared_0_dim_non_tensor_is_in_place():
+    td = shared_td.TensorDict(a=torch.zeros(()), s="u", batch_size=[]).share_memory_()
+    entry = td.get("s")
+    td[()] = shared_td.TensorDict(a=torch.zeros(()), s="w")  # before: refused as a per-element write
+    assert td.get("s") is entry and entry.is_shared() and td["s"] == "w"
