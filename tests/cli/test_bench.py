@@ -46,6 +46,7 @@ def test_quick_runs_every_case_in_bounded_time():
     assert rows["consolidate"][:4] == ["memcpy floor (one cat)", "raw torch buffer + views",
                                        "shared_td", "shared_td share_memory"]
     assert rows["consol_pickle"][:2] == ["floor (one bytes object)", "shared_td"]
+    assert rows["tree_walk"][:3] == ["floor: nested dicts walk", "shared_td keys", "shared_td items"]
     assert_replay_rows(done.stdout, rows)
 
 
