@@ -317,7 +317,11 @@ class NonTensorData(NonTensorDataBase):
         if not isinstance(source, _NonTensorBase):
             source = NonTensorData(source, batch_size=[])
         values = _broadcast_values(source, batch_ops.indexed_batch_size(self._batch_size, index))
-        return all(_same_value(value, self.data) for value in values)
+        current = self.data
+        try:
+            return all(v is current or (type(v) is type(current) and bool(v == current)) for v in values)
+        except Exception:  # an == that gives no bool (arrays): not the same
+            return False
 
     def __repr__(self) -> str:
         return f"NonTensorData(data={self.data}, batch_size={self._batch_size}, device={self._device})"
@@ -474,17 +478,14 @@ def cat_non_tensors(items: Sequence[_NonTensorBase], dim: int) -> _NonTensorBase
 
 
 def _same_value(a: Any, b: Any) -> bool:
-    """Whether two non-tensor values are the same: one object, or equal values of one
-    type (element-wise ones, such as tensors and arrays, equal everywhere); False when
-    they cannot be compared."""
+    """Whether two non-tensor values are equal (element-wise ones: everywhere); False
+    when they cannot be compared."""
     if a is b:
         return True
-    if type(a) is not type(b):
-        return False
     try:
         same = a == b
         return bool(same.all()) if hasattr(same, "all") else bool(same)
-    except Exception:  # noqa: BLE001 - an == that raises, or gives no truth value: not the same
+    except Exception:  # noqa: BLE001 - values of foreign types: not equal
         return False
 
 
