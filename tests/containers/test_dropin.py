@@ -715,3 +715,12 @@ def test_an_indexed_write_into_a_shared_0_dim_non_tensor_is_in_place():
     entry = td.get("s")
     td[()] = shared_td.TensorDict(a=torch.zeros(()), s="w")  # before: refused as a per-element write
     assert td.get("s") is entry and entry.is_shared() and td["s"] == "w"
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_an_indexed_write_of_an_equal_tensor_value_makes_a_stack_as_tensordict(lib):
+    # tensordict's cat keeps equal tensor values one value, its indexed write does not
+    td = lib.TensorDict(x=torch.zeros(2), batch_size=[2])
+    td.set_non_tensor("v", torch.ones(3))
+    td[0] = lib.TensorDict(x=torch.zeros(()), v=lib.NonTensorData(torch.ones(3)))
+    assert isinstance(td.get("v"), lib.NonTensorStack)
