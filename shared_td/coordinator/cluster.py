@@ -30,9 +30,10 @@ pops that peer's requests from their own queue ``lane/<node>/<peer>`` and serves
 peer that stops answering holds up only its own lane; no hand-off between threads on the
 way), and a service thread for the small notices of ``queue/<node>`` (non-tensor values,
 new pair generations, stop); both live in :mod:`~shared_td.coordinator.cluster_serve`,
-this module is the calling half. Payloads go over the pair's gloo group with the
-request's tag (a large one over ``stripes`` groups of the pair at once, in contiguous byte
-ranges: see :mod:`~shared_td.coordinator.cluster_transfer`). The answer to a pull is a
+this module is the calling half (its requests: :mod:`~shared_td.coordinator.cluster_requests`).
+Payloads go over the pair's gloo group with the request's tag (a large one over
+``stripes`` groups of the pair at once, in contiguous byte ranges: see
+:mod:`~shared_td.coordinator.cluster_transfer`). The answer to a pull is a
 signed value pushed to the requesting thread's own queue ``reply/<node>/<slot>`` (one
 blocking pop gets one: no poll; an answer that comes after its request gave up is
 skipped by its tag); a push or a sync is answered after its payload over the pair,
@@ -96,11 +97,12 @@ from shared_td.coordinator import cluster_liveness
 from shared_td.coordinator.cluster_liveness import HEARTBEAT_S, Liveness
 from shared_td.coordinator.cluster_names import LocalNames
 from shared_td.coordinator.cluster_replica import Owned, Replica
+from shared_td.coordinator.cluster_requests import ClusterRequests
 from shared_td.coordinator.cluster_push import send_answered
 from shared_td.coordinator.cluster_serve import (LISTENER, POP_S, lane_queue, listen, serve_lane, serve_notices,
                                                  watch_pairs)
 from shared_td.coordinator.cluster_store import ClusterAuthError, ClusterCounter, SignedStore, cluster_key, open_store
-from shared_td.coordinator.cluster_transfer import (TAG_WRAP, PairGroups, StalePair, TransferFailed, stripe_count,
+from shared_td.coordinator.cluster_transfer import (PairGroups, StalePair, TransferFailed, stripe_count,
                                                     stripe_ranges, wait_work)
 from shared_td.coordinator.cluster_values import ClusterValues
 from shared_td.errors import OwnerLostError
@@ -125,7 +127,7 @@ class SyncReport:
     dropped: dict[int, str] = field(default_factory=dict)
 
 
-class Cluster:
+class Cluster(ClusterRequests):
     """This node's membership of a cluster.
 
     Args:
@@ -492,65 +494,6 @@ class Cluster:
         except (TransferFailed, TimeoutError, ConnectionError, RuntimeError) as err:
             return f"{type(err).__name__}: {err}"
         return None
-
-    # ------------------------------------------------------------------ requests
-    def _request(self, peer: int, op: str, name: str, generation: int, **extra) -> tuple[int, int]:
-        """Put a request in ``peer``'s queue; returns (tag, pair generation)."""
-        store = self._checked()
-        if self._liveness.known_lost(peer):  # its pair was failed: none can be built with a dead node
-            raise self._lost(peer, name)
-        tag = self._next_tag()
-        pair = self._groups.generation(peer)  # cached: no round trip
-        store.push_json(lane_queue(peer, self.node),
-                        {"op": op, "name": name, "generation": generation, "from": self.node,
-                         "tag": tag, "pair": pair, "reply": self._reply_queue(), **extra})
-        return tag, pair
-
-    @staticmethod
-    def _refusal(peer: int, name: str, answer: dict) -> dict:
-        """``answer``, unless it is a refusal: RuntimeError naming the peer and the name."""
-        if "error" in answer:
-            raise RuntimeError(f"Node {peer} refused the transfer of {name!r}: {answer['error']}")
-        return answer
-
-    def _next_tag(self) -> int:
-        """A request's tag: unique per sender (nodes < 1024) among its requests in flight,
-        and below PUSH_TAG (gloo takes a 32-bit tag: the count wraps after TAG_WRAP)."""
-        return next(self._tags) % TAG_WRAP * 1024 + self.node
-
-    def _reply_queue(self) -> str:
-        """This thread's answer queue: one per thread, so that one pop waits for the
-        answers of this thread's requests only (and the store keeps a bounded number)."""
-        queue = getattr(self._local, "replies", None)
-        if queue is None:
-            queue = self._local.replies = f"reply/{self.node}/{next(self._reply_slots)}"
-        return queue
-
-    def _answer(self, peer: int, tag: int, deadline: float, name: str) -> dict:
-        """The peer's signed answer to request ``tag`` (sent from this thread), waited
-        for in slices while the peer's heartbeat lives; OwnerLostError/TimeoutError
-        otherwise; a refusal raises. Answers to this thread's earlier requests that gave
-        up before them, and values with a wrong signature, are skipped."""
-        store = self._checked()
-        queue = self._reply_queue()
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"Node {peer} did not answer about {name!r} within {self.timeout:g} s.")
-            try:
-                answer = store.pop_json(queue, min(left, 0.25))
-            except ClusterAuthError:
-                self.refused += 1  # forged: never acted on
-                continue
-            if answer is None:
-                if not self._alive(peer):
-                    raise self._lost(peer, name)
-            elif answer.get("tag") == tag:
-                break
-        if "stale_pair" in answer:  # nothing was transferred
-            self._groups.seen(peer, answer["stale_pair"])
-            raise StalePair(f"Node {peer} moved the pair to generation {answer['stale_pair']}: {answer['error']}")
-        return self._refusal(peer, name, answer)
 
     # ------------------------------------------------------------------ liveness
     def _alive(self, peer: int) -> bool:

@@ -1,0 +1,80 @@
+"""The requests of a :class:`~shared_td.coordinator.cluster.Cluster` through the store:
+a request is pushed to the peer's lane queue ``lane/<peer>/<node>`` with a tag unique
+among this node's requests in flight, and a pull's answer comes back signed to the
+requesting thread's own queue ``reply/<node>/<slot>`` (one blocking pop gets one: no
+poll; an answer that comes after its request gave up is skipped by its tag). The
+serving half is :mod:`~shared_td.coordinator.cluster_serve`.
+"""
+from __future__ import annotations
+
+import time
+
+from shared_td.coordinator.cluster_serve import lane_queue
+from shared_td.coordinator.cluster_store import ClusterAuthError
+from shared_td.coordinator.cluster_transfer import TAG_WRAP, StalePair
+
+__all__ = ["ClusterRequests"]
+
+
+class ClusterRequests:
+    """Mixin of Cluster (it relies on ``node``, ``timeout``, ``refused``, ``_checked``,
+    ``_liveness``, ``_groups``, ``_tags``, ``_reply_slots``, ``_local``, ``_alive`` and
+    ``_lost``)."""
+
+    def _request(self, peer: int, op: str, name: str, generation: int, **extra) -> tuple[int, int]:
+        """Put a request in ``peer``'s queue; returns (tag, pair generation)."""
+        store = self._checked()
+        if self._liveness.known_lost(peer):  # its pair was failed: none can be built with a dead node
+            raise self._lost(peer, name)
+        tag = self._next_tag()
+        pair = self._groups.generation(peer)  # cached: no round trip
+        store.push_json(lane_queue(peer, self.node),
+                        {"op": op, "name": name, "generation": generation, "from": self.node,
+                         "tag": tag, "pair": pair, "reply": self._reply_queue(), **extra})
+        return tag, pair
+
+    @staticmethod
+    def _refusal(peer: int, name: str, answer: dict) -> dict:
+        """``answer``, unless it is a refusal: RuntimeError naming the peer and the name."""
+        if "error" in answer:
+            raise RuntimeError(f"Node {peer} refused the transfer of {name!r}: {answer['error']}")
+        return answer
+
+    def _next_tag(self) -> int:
+        """A request's tag: unique per sender (nodes < 1024) among its requests in flight,
+        and below PUSH_TAG (gloo takes a 32-bit tag: the count wraps after TAG_WRAP)."""
+        return next(self._tags) % TAG_WRAP * 1024 + self.node
+
+    def _reply_queue(self) -> str:
+        """This thread's answer queue: one per thread, so that one pop waits for the
+        answers of this thread's requests only (and the store keeps a bounded number)."""
+        queue = getattr(self._local, "replies", None)
+        if queue is None:
+            queue = self._local.replies = f"reply/{self.node}/{next(self._reply_slots)}"
+        return queue
+
+    def _answer(self, peer: int, tag: int, deadline: float, name: str) -> dict:
+        """The peer's signed answer to request ``tag`` (sent from this thread), waited
+        for in slices while the peer's heartbeat lives; OwnerLostError/TimeoutError
+        otherwise; a refusal raises. Answers to this thread's earlier requests that gave
+        up before them, and values with a wrong signature, are skipped."""
+        store = self._checked()
+        queue = self._reply_queue()
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"Node {peer} did not answer about {name!r} within {self.timeout:g} s.")
+            try:
+                answer = store.pop_json(queue, min(left, 0.25))
+            except ClusterAuthError:
+                self.refused += 1  # forged: never acted on
+                continue
+            if answer is None:
+                if not self._alive(peer):
+                    raise self._lost(peer, name)
+            elif answer.get("tag") == tag:
+                break
+        if "stale_pair" in answer:  # nothing was transferred
+            self._groups.seen(peer, answer["stale_pair"])
+            raise StalePair(f"Node {peer} moved the pair to generation {answer['stale_pair']}: {answer['error']}")
+        return self._refusal(peer, name, answer)
