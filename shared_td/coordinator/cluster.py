@@ -102,7 +102,7 @@ from shared_td.coordinator.cluster_push import send_answered
 from shared_td.coordinator.cluster_serve import (LISTENER, POP_S, lane_queue, listen, serve_lane, serve_notices,
                                                  watch_pairs)
 from shared_td.coordinator.cluster_store import ClusterAuthError, ClusterCounter, SignedStore, cluster_key, open_store
-from shared_td.coordinator.cluster_transfer import (PairGroups, StalePair, TransferFailed, stripe_count,
+from shared_td.coordinator.cluster_transfer import (PairGroups, TransferFailed, stripe_count,
                                                     stripe_ranges, wait_work)
 from shared_td.coordinator.cluster_values import ClusterValues
 from shared_td.errors import OwnerLostError
@@ -417,12 +417,11 @@ class Cluster(ClusterRequests):
         try:
             nbytes = rep.layout["nbytes"]
             stripes = stripe_count(nbytes, self.stripes)
-            try:
+            def ask():
                 tag, generation = self._request(rep.owner, "pull", name, rep.generation, stripes=stripes)
-                answer = self._answer(rep.owner, tag, deadline, name)
-            except StalePair:  # asked just before the owner's notice of a new pair generation came
-                tag, generation = self._request(rep.owner, "pull", name, rep.generation, stripes=stripes)
-                answer = self._answer(rep.owner, tag, deadline, name)
+                return tag, generation, self._answer(rep.owner, tag, deadline, name)
+
+            tag, generation, answer = self._retried_if_stale(ask)
             try:
                 replica.set_state(rep.segment, replica.state(rep.segment) | 1)
                 works = self._groups.recv(rep.owner, generation, replica.segment_bytes(rep.segment, nbytes), tag,
@@ -487,10 +486,14 @@ class Cluster(ClusterRequests):
     def _sync_one(self, peer: int, name: str, owned: Owned, payload, deadline: float) -> str | None:
         try:
             stripes = stripe_count(owned.layout["nbytes"], self.stripes)
-            tag, generation = self._request(peer, "sync", name, owned.generation, version=owned.version,
-                                            nbytes=owned.layout["nbytes"], stripes=stripes)
-            self._refusal(peer, name, send_answered(self, peer, generation, tag, payload, deadline,
-                                                    f"sync of {name!r} to node {peer}", stripes))
+
+            def send():
+                tag, generation = self._request(peer, "sync", name, owned.generation, version=owned.version,
+                                                nbytes=owned.layout["nbytes"], stripes=stripes)
+                return send_answered(self, peer, generation, tag, payload, deadline,
+                                     f"sync of {name!r} to node {peer}", stripes)
+
+            self._refusal(peer, name, self._retried_if_stale(send))
         except (TransferFailed, TimeoutError, ConnectionError, RuntimeError) as err:
             return f"{type(err).__name__}: {err}"
         return None

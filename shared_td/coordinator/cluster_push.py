@@ -65,8 +65,11 @@ def push(cluster, name: str, index) -> None:
         if cluster._groups.built(rep.owner, generation):
             answer = _over_pair(cluster, rep.owner, generation, request, message, deadline)
         else:  # no pair yet (it is built meanwhile): a request in the store
-            tag, generation = cluster._request(rep.owner, "push", **request)
-            answer = send_answered(cluster, rep.owner, generation, tag, payload, deadline, f"push of {name!r}")
+            def send():
+                tag, generation = cluster._request(rep.owner, "push", **request)
+                return send_answered(cluster, rep.owner, generation, tag, payload, deadline, f"push of {name!r}")
+
+            answer = cluster._retried_if_stale(send)
     except TransferFailed as err:
         raise cluster._lost_or(rep.owner, name, err) from err
     cluster._refusal(rep.owner, name, answer)

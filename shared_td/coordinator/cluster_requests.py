@@ -34,6 +34,16 @@ class ClusterRequests:
         return tag, pair
 
     @staticmethod
+    def _retried_if_stale(request):
+        """``request()``, once more if it raised StalePair: the peer moved the pair to a
+        new generation before its notice came here, and nothing was transferred (the
+        first try read the new generation: the second names it)."""
+        try:
+            return request()
+        except StalePair:
+            return request()
+
+    @staticmethod
     def _refusal(peer: int, name: str, answer: dict) -> dict:
         """``answer``, unless it is a refusal: RuntimeError naming the peer and the name."""
         if "error" in answer:

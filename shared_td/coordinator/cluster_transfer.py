@@ -275,6 +275,11 @@ class PairGroups:
             have = self._groups.get(peer)
             if have is not None and have[0] == generation and len(have[1]) >= count:
                 return have[1][:count]
+            if have is None or have[0] != generation:
+                # a generation's first build: never of one the pair has left (a request
+                # that waited in a lane while the peer moved on); the peer would not
+                # join it, and this thread would wait out its timeout
+                self.seen(peer, self._store.add(f"pairgen/{self._pair(peer)}", 0))
             self.check(peer, generation)
             if have is not None and have[0] != generation:  # older: closed, replaced
                 self._close(peer, have[1])
@@ -365,6 +370,9 @@ class PairGroups:
         the next generation, unless that already happened; the peer is told (a notice in
         its queue) so that its next request uses the new generation."""
         with self._guard:
+            # past ``generation`` at once, with its groups gone: a thread that finds them
+            # gone must not build it again while the store is told
+            self._generations[peer] = max(generation + 1, self._generations.get(peer, 0))
             have = self._groups.get(peer)
             if have is not None and have[0] == generation:
                 del self._groups[peer]

@@ -116,6 +116,9 @@ def _run(cluster, coord, counters, command, *args):
     if command == "sync":
         report = cluster.sync(args[0], *args[1:])
         return report.version, report.delivered, sorted(report.dropped)
+    if command == "sync_reasons":  # each dropped node with why
+        report = cluster.sync(args[0], *args[1:])
+        return report.version, report.delivered, report.dropped
     if command == "timed_sync":  # the sync's own duration, without the test's queues
         began = time.monotonic()
         report = cluster.sync(args[0], *args[1:])
