@@ -241,9 +241,11 @@ class PairGroups:
     def generation(self, peer: int) -> int:
         """The pair's current generation: cached (a store round trip the first time)."""
         known = self._generations.get(peer)
-        if known is None:
-            known = self.seen(peer, self._store.add(f"pairgen/{self._pair(peer)}", 0))
-        return known
+        return self._stored_generation(peer) if known is None else known
+
+    def _stored_generation(self, peer: int) -> int:
+        """The pair's generation as the store has it (one round trip), noted as seen."""
+        return self.seen(peer, self._store.add(f"pairgen/{self._pair(peer)}", 0))
 
     def seen(self, peer: int, generation: int) -> int:
         """Note that the pair with ``peer`` reached ``generation`` (a request or a notice
@@ -279,7 +281,7 @@ class PairGroups:
                 # a generation's first build: never of one the pair has left (a request
                 # that waited in a lane while the peer moved on); the peer would not
                 # join it, and this thread would wait out its timeout
-                self.seen(peer, self._store.add(f"pairgen/{self._pair(peer)}", 0))
+                self._stored_generation(peer)
             self.check(peer, generation)
             if have is not None and have[0] != generation:  # older: closed, replaced
                 self._close(peer, have[1])
@@ -369,10 +371,10 @@ class PairGroups:
         and receives of both nodes on it, waiting threads included) and move the pair to
         the next generation, unless that already happened; the peer is told (a notice in
         its queue) so that its next request uses the new generation."""
+        # past ``generation`` here before its groups go: a thread that finds them gone
+        # must not build it again while the store is told
+        self.seen(peer, generation + 1)
         with self._guard:
-            # past ``generation`` at once, with its groups gone: a thread that finds them
-            # gone must not build it again while the store is told
-            self._generations[peer] = max(generation + 1, self._generations.get(peer, 0))
             have = self._groups.get(peer)
             if have is not None and have[0] == generation:
                 del self._groups[peer]
