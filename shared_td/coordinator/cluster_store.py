@@ -56,9 +56,16 @@ from shared_td.errors import ClusterAuthError
 __all__ = ["ClusterAuthError", "ClusterCounter", "SignedStore", "cluster_key", "open_store"]
 
 _DIGEST = hashlib.sha256().digest_size
-# The bound on a spare connection's connect: above the resolver's 5 s timeout (torch
-# resolves the peer's name as it connects), far below a cluster's timeout.
-SPARE_CONNECT_S = 7.0
+# The bound on one try of a spare connection's connect. torch retries a refused connect
+# until this timeout, then once more after a random backoff of up to it: a spare that is
+# connecting while the store's host dies runs ~2x this, and a node's close and its
+# process's exit wait for it (7 s made a node's stop take 9.6 s). A try that fails for
+# another reason (the resolver stalling for 5 s as torch resolves the peer's name) is
+# tried again, up to SPARE_TRIES times, while the store is open.
+SPARE_CONNECT_S = 2.0
+SPARE_TRIES = 3
+# the longest a spare's connect can run: torch's two tries and its backoff
+_SPARE_CONNECT_WORST_S = 2 * SPARE_CONNECT_S + 1.0
 
 
 def _store_call(method):
@@ -160,11 +167,20 @@ class SignedStore:
         """Put ``count`` new connections in the spares, each from its own background
         thread (a connect stalled by the resolver holds that thread only, not a caller
         and not the other spares)."""
+        def connect_one() -> None:
+            for _ in range(SPARE_TRIES):
+                if self._closed or self._host_lost:
+                    return
+                try:
+                    self._spares.put(dist.PrefixStore("shared_td", self._new_connection()))
+                    return
+                except dist.DistNetworkError:  # timed out: stalled, or the host is gone
+                    continue
+
         def connect() -> None:
             try:
-                if not (self._closed or self._host_lost):
-                    self._spares.put(dist.PrefixStore("shared_td", self._new_connection()))
-            except (AttributeError, RuntimeError):  # not clonable, or the store is gone
+                connect_one()
+            except (AttributeError, RuntimeError):  # not clonable
                 pass
             finally:
                 with self._connecting_lock:
@@ -175,7 +191,7 @@ class SignedStore:
         # Not daemons: a daemon thread still inside torch's connect when the interpreter
         # exits aborts the process as it comes back ("terminate called without an active
         # exception"); close() and the interpreter's exit wait for these instead, each
-        # connect bounded by SPARE_CONNECT_S (at once while the store is up). Said so:
+        # connect bounded by _SPARE_CONNECT_WORST_S (at once while the store is up). Said so:
         # a thread inherits daemon from the thread that makes it, and a spare's
         # replacement is made by the thread that took it (a lane, a kept push receive).
         if self._closed or self._host_lost:
@@ -187,10 +203,10 @@ class SignedStore:
                 thread.start()
 
     def _new_connection(self):
-        """A new connection to the store: a TCPStore's connect bounded by
-        ``SPARE_CONNECT_S`` (torch retries a refused connect until the timeout, and a
-        spare made while the store's host dies must not hold a closing node for the
-        whole store timeout), then given the store's own timeout; another Store's clone."""
+        """A new connection to the store: a TCPStore whose connect tries are bounded by
+        ``SPARE_CONNECT_S`` (see there: a spare made while the store's host dies must not
+        hold a closing node for the whole store timeout), then given the store's own
+        timeout; another Store's clone."""
         raw = self._raw
         if not isinstance(raw, dist.TCPStore):
             return raw.clone()
@@ -209,11 +225,12 @@ class SignedStore:
 
     def close(self) -> None:
         """Let the spare connections go (each thread's own goes with its thread), once
-        those being connected are made (each connect bounded by SPARE_CONNECT_S): nothing
+        those being connected are made (each connect bounded by _SPARE_CONNECT_WORST_S, and
+        no new try after this): nothing
         of this store is left running, or opening and closing sockets, after it closed
         (one left so made a later test's descriptor check see sockets come and go)."""
         self._closed = True
-        deadline = time.monotonic() + SPARE_CONNECT_S + 1.0
+        deadline = time.monotonic() + _SPARE_CONNECT_WORST_S + 0.5
         with self._connecting_lock:
             connecting = list(self._connecting)
         for thread in connecting:

@@ -415,3 +415,31 @@ def test_once_the_store_host_is_lost_no_new_connection_is_tried():
     began = time.monotonic()
     signed.close()
     assert time.monotonic() - began < 1.0
+
+
+def test_a_spare_connecting_when_the_host_dies_ends_soon_and_close_waits_only_for_it():
+    """A spare's connect that runs while the store's host dies (it had stalled in the
+    resolver, or began before any call noticed the loss) keeps retrying the refused
+    connect: torch retries it until the connect's timeout, then once more after a random
+    backoff of up to that timeout. The node's close, and its process's exit, wait for
+    that thread (a daemon would abort the process at exit), so the whole connect must fit
+    a node's stop: a CI run's node took 9.6 s to stop when a spare's 7 s bound was
+    really 7 + 7 s."""
+    import datetime
+    import gc
+
+    host = loopback_store(10)
+    client = torch_dist.TCPStore("127.0.0.1", host.port, None, False, datetime.timedelta(seconds=10))
+    signed = SignedStore(client, KEY, timeout=10.0)
+    signed.set_json("x", 1)  # connected while the host is up
+    del host
+    gc.collect()  # the host is gone; no call of this store has noticed
+    before = set(_spare_threads())
+    began = time.monotonic()
+    signed._connect_spares(1)  # a replacement, as a thread that took a spare makes
+    time.sleep(0.5)
+    signed.close()
+    assert not set(_spare_threads()) - before  # close waited for it ...
+    took = time.monotonic() - began
+    assert took < 6.0, took  # ... and the connect ended within a stop's bound
+    assert signed._spares.qsize() == 0
