@@ -54,9 +54,15 @@ def assert_nothing_left(shm: ShmWatch, tempdir: str, fds_before: dict) -> None:
     an earlier test closes its end of a connection whenever that peer's process ends."""
     assert os.listdir(tempdir) == []
     assert shm.leftovers() == []
-    fds = open_descriptors()
-    opened = {fd: name for fd, name in fds.items() if fds_before.get(fd) != name}
+    opened = opened_since(fds_before)
     assert opened == {}, opened
+
+
+def opened_since(before: dict) -> dict:
+    """The descriptors opened since ``before`` (an ``open_descriptors()``) and still
+    held: only these count, since one listed before may close meanwhile (see above)."""
+    now = open_descriptors()
+    return {fd: name for fd, name in now.items() if before.get(fd) != name}
 
 
 def tree(n=3):
