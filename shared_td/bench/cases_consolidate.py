@@ -7,7 +7,10 @@ through the same pipe and unpickled by the same child. ``consolidate`` has a sec
 floor, for what its result must hold: one buffer filled with every leaf and one view of
 it per leaf, in a flat dict, with raw torch (the floor of any dict-of-tensors API; the
 tree's leaves are all of one dtype and shape, so this is one ``torch.stack`` and one
-``unbind``, the cheapest torch has).
+``unbind``, the cheapest torch has). A third reference is the floor of any consolidate():
+before it copies, it must find the leaves, so ``walk + cat`` walks the same tree held as
+plain nested dicts, collecting the leaves, then makes one ``torch.cat`` of them (the
+tree's leaves are alike: no reshape is needed).
 """
 from __future__ import annotations
 
@@ -38,6 +41,16 @@ def _raw_torch_views(flat: dict) -> dict:
     return dict(zip(flat, torch.stack(list(flat.values())).unbind(0)))
 
 
+def _dict_leaves(tree: dict, leaves: list) -> list:
+    """The tensors of nested dicts, in order: the cheapest walk that finds the leaves."""
+    for value in tree.values():
+        if isinstance(value, dict):
+            _dict_leaves(value, leaves)
+        else:
+            leaves.append(value)
+    return leaves
+
+
 def case_consolidate(options, root: str) -> dict:
     """consolidate() of the N-node tree (2 small leaves per node), vs one torch.cat and
     vs raw torch's buffer plus one view per leaf."""
@@ -45,6 +58,9 @@ def case_consolidate(options, root: str) -> dict:
         "memcpy floor (one cat)": (lambda: _leaf_bytes(build_tree(_shared_td(), options.nodes)), torch.cat),
         "raw torch buffer + views": (
             lambda: _flat_leaves(build_tree(_shared_td(), options.nodes)), _raw_torch_views),
+        "walk + cat (nested dicts)": (
+            lambda: build_tree(_shared_td(), options.nodes).to_dict(),
+            lambda tree: torch.cat(_dict_leaves(tree, []))),
     }
     for name, lib in libraries().items():
         variants[name] = (lambda lib=lib: build_tree(lib, options.nodes), lambda td: td.consolidate())

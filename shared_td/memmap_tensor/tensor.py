@@ -198,6 +198,9 @@ class MemoryMappedTensor(FromExistingMemory, Factories, torch.Tensor):
         """MMTs of ``backing`` over ``views``: plain tensors that already view its
         storage (the leaves of a tree packed into one segment or file, laid out and
         bounds-checked by their packer), without ``_from_backing``'s per-leaf checks.
+        The views themselves become the MMTs (their class is assigned, as in
+        :meth:`_make_leaves`: ``as_subclass`` would make a second tensor of each, 3x the
+        time), so a caller passes views that nothing else holds.
 
         Leaves of equal shapes share one ``torch.Size`` (``shapes``: the ones met so far,
         kept by a caller that wraps a tree's leaves in several calls): each is an object
@@ -207,11 +210,11 @@ class MemoryMappedTensor(FromExistingMemory, Factories, torch.Tensor):
             shapes = {}
         wrapped = []
         for view in views:
-            result = view.as_subclass(klass)
-            result._backing = backing
+            view.__class__ = klass
+            view._backing = backing
             shape = view.shape
-            result._parent_shape = shapes.setdefault(shape, shape)
-            wrapped.append(result)
+            view._parent_shape = shapes.setdefault(shape, shape)
+            wrapped.append(view)
         return wrapped
 
     def _byte_offset(self) -> int:
