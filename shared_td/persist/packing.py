@@ -9,9 +9,15 @@ for leaves written to files, into one staging buffer whose slices are then writt
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from shared_td.storage.anonymous import align
+
+# (read by map(): a loop in C, 3-4x faster over a tree's 2000 leaves than one in Python)
+_itemsize = operator.attrgetter("itemsize")
+_nbytes = operator.attrgetter("nbytes")
 
 # Leaves up to this size are packed together (into the tree's segment, or the staging
 # buffer of a write to files); bigger ones are written one by one.
@@ -39,8 +45,8 @@ def packed_layout(sources: list[torch.Tensor]) -> tuple[list[int], list[int], in
         >>> packed_layout([torch.zeros(3, dtype=torch.int8), torch.zeros(2)])
         ([8, 0], [1, 0], 11)
     """
-    element_sizes = [source.element_size() for source in sources]
-    sizes = [source.numel() * size for source, size in zip(sources, element_sizes)]
+    element_sizes = list(map(_itemsize, sources))
+    sizes = list(map(_nbytes, sources))
     small = [i for i, n in enumerate(sizes) if 0 < n <= _PACKED_LEAF_BYTES]
     if len(set(element_sizes)) > 1:  # (a tree of one element size keeps its order: no sort)
         small.sort(key=lambda i: -element_sizes[i])
