@@ -131,10 +131,9 @@ def placed_views(buffer: torch.Tensor, sources: list, offsets: list[int],
         source = sources[index]
         dtype, shape, offset = source.dtype, source.shape, offsets[index]
         if offset == after and dtype is run_dtype and shape == run_shape:
-            run[3] += 1
+            runs[-1][3] += 1
         else:
-            run = [dtype, tuple(shape), offset, 1]
-            runs.append(run)
+            runs.append([dtype, tuple(shape), offset, 1])
             run_dtype, run_shape = dtype, shape
             step = source.numel() * dtype.itemsize
         after = offset + step if step else -1

@@ -6,11 +6,14 @@ Views (view, unsqueeze, squeeze, permute) keep the lock and memmap/shared flags.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from shared_td.containers import batch as batch_ops
+
+if TYPE_CHECKING:  # for the annotations only: tensordict.py imports this module
+    from shared_td.containers.tensordict import TensorDict
 
 
 class BatchShapeOps:

@@ -131,7 +131,7 @@ def test_set_get_and_repr(dtype):
     td["x"] = value
     td.set(("nested", "y"), value)
     assert td["x"] is value and td["nested", "y"] is value and td.get("x").dtype == dtype
-    assert f"[2]" in repr(td) and "x: " in repr(td)
+    assert "[2]" in repr(td) and "x: " in repr(td)
 
 
 @pytest.mark.parametrize("name", list(OPS))

@@ -353,7 +353,7 @@ def test_gc_removes_only_dead_writers_leftovers_of_that_prefix(tmp_path):
         f".p.shared_td-new-{dead.pid}-abc": True, f".p.shared_td-old-{dead.pid}-def": True,
         f".p.shared_td-new-{os.getpid()}-ghi": False,  # a live writer's
         f".q.shared_td-new-{dead.pid}-jkl": False,  # another prefix's
-        f".p.shared_td-new-notapid-mno": False, "p2": False,
+        ".p.shared_td-new-notapid-mno": False, "p2": False,
     }
     for name in names:
         (tmp_path / name / "sub").mkdir(parents=True)

@@ -291,7 +291,7 @@ def test_bad_meta_json_fields_name_the_file_and_the_field(saved, case):
 def test_meta_json_that_is_no_json_object(saved, text):
     td, path = saved
     (path / "meta.json").write_bytes(text.encode("latin-1"))
-    with pytest.raises(FormatError, match="meta.json") as info:
+    with pytest.raises(FormatError, match="meta.json"):
         TensorDict.load_memmap(path)
     # the root is then no save at all: verify refuses it in one line (as atomic=True does)
     code, out, err = run_cli("verify", path)
