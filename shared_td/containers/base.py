@@ -29,6 +29,18 @@ from shared_td.tensorclass_protocol import unwrap_tensorclass
 NO_DEFAULT = object()
 
 
+def parse_device(device: Any) -> torch.device | None:
+    """``device`` as a torch.device (None stays None); a CUDA device without an index is
+    the current CUDA device, as tensordict makes it (``TensorDict(..., device="cuda")``
+    has the device ``cuda:0``, and its leaves compare equal to it)."""
+    if device is None:
+        return None
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def is_tensor_collection(value: Any) -> bool:
     """True for tensordicts, tensorclass instances and non-tensor containers."""
     return isinstance(value, TensorDictBase) or getattr(type(value), "_is_tensorclass", False)
@@ -454,7 +466,12 @@ class TensorDictBase(LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, Me
 
     # ---------------------------------------------------------------- sharing flags
     def is_shared(self) -> bool:
-        """True after share_memory_() (until unlock_())."""
+        """True after share_memory_() (until unlock_()), and always for a tensordict whose
+        device is CUDA and that is not memory-mapped (CUDA tensors are shared between
+        processes as they are, as in tensordict)."""
+        device = self.device
+        if device is not None and not self._is_memmap:
+            return device.type == "cuda" or self._is_shared
         return self._is_shared
 
     def is_memmap(self) -> bool:
@@ -530,6 +547,17 @@ class TensorDictBase(LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, Me
     def cpu(self) -> "TensorDictBase":
         """A copy on the CPU (self if already there)."""
         return self.to("cpu")
+
+    def cuda(self, device: Any = None, **kwargs: Any) -> "TensorDictBase":
+        """A copy on a CUDA device (self if already there): ``device`` None (the current
+        one), an index or a CUDA device; ``kwargs`` go to :meth:`to`. A device of another
+        type is a RuntimeError, as in tensordict."""
+        if isinstance(device, int):
+            device = f"cuda:{device}"
+        device = parse_device("cuda" if device is None else device)
+        if device.type != "cuda":
+            raise RuntimeError(f"cuda(device={device}): a CUDA device is needed; use .to({str(device)!r}).")
+        return self.to(device, **kwargs)
 
     def __repr__(self) -> str:
         from shared_td.containers.formatting import format_collection

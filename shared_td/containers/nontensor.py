@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from shared_td.containers import batch as batch_ops
-from shared_td.containers.base import TensorDictBase
+from shared_td.containers.base import TensorDictBase, parse_device
 from shared_td.errors import BatchSizeMismatchError
 
 
@@ -27,7 +27,7 @@ class _NonTensorBase(TensorDictBase):
 
     def _init_flags(self, batch_size: Any, device: Any) -> None:
         self._batch_size = batch_ops.as_batch_size(batch_size)
-        self._device = None if device is None else torch.device(device)
+        self._device = parse_device(device)
         self._names = None
         self._is_locked = self._is_shared = self._is_memmap = False
         self._memmap_prefix = None
@@ -98,7 +98,7 @@ class _NonTensorBase(TensorDictBase):
         if isinstance(target, torch.dtype) or target is None:
             return self
         out = self.clone(recurse=False)
-        out._device = torch.device(target)
+        out._device = parse_device(target)
         return out
 
     def share_memory_(self) -> "_NonTensorBase":

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shared_td.containers.base import TensorDictBase, is_non_tensor, is_tensor_collection
+from shared_td.containers.base import TensorDictBase, is_non_tensor, is_tensor_collection, parse_device
 from shared_td.keys import NestedKey
 from shared_td.memmap_tensor import ReadOnlyMemoryMappedTensor
 
@@ -46,7 +46,7 @@ class TensorMethods:
             return self._map_entries(lambda v: v.to(target), self._batch_size, self.names)
         if isinstance(target, torch.Tensor):
             return self.to(target.device).to(target.dtype)
-        device = torch.device(target)
+        device = parse_device(target)
         if device == self._device:
             return self
         return self._map_entries(
@@ -73,6 +73,9 @@ class TensorMethods:
         """Move every tensor to shared memory (torch's), and every non-tensor value into
         a cell shared between processes, then lock; returns self.
 
+        A tensordict whose device is CUDA is returned as it is, not locked: CUDA tensors
+        are shared between processes already (``is_shared()`` is True), as in tensordict.
+
         As in tensordict, a process that receives the tensordict (fork, spawn, a queue)
         and writes a non-tensor entry in place (``set_``, ``update_``, ``td[i] = ...``)
         is seen by every other: ``td.set_("task", "run")`` in a child changes the
@@ -89,6 +92,8 @@ class TensorMethods:
                 "memmap and shared memory are mutually exclusive features: this "
                 "tensordict is memory-mapped already (its leaves are shared)."
             )
+        if self._device is not None and self._device.type == "cuda":
+            return self
         for key, value in self._tensordict.items():
             if isinstance(value, torch.Tensor):
                 value.share_memory_()

@@ -24,6 +24,7 @@ from shared_td.containers.base import (
     check_write_into,
     is_non_tensor,
     is_tensor_collection,
+    parse_device,
 )
 from shared_td.containers.index_writes import IndexWrites
 from shared_td.containers.keyops import KeyOps
@@ -80,7 +81,7 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, IndexWrites, TensorMetho
     ):
         self._tensordict: dict[str, Any] = {}
         self._batch_size = batch_ops.as_batch_size(batch_size)
-        self._device = None if device is None else torch.device(device)
+        self._device = parse_device(device)
         self._names = None
         self._is_locked = False
         self._is_shared = False

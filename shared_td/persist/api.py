@@ -61,7 +61,7 @@ def memmap(
     if compression is not None:
         raise ValueError("compression is only for an archive: pass archive=True or a prefix "
                          f"ending with {archives.ARCHIVE_SUFFIX!r}.")
-    if inplace and obj.is_shared():
+    if inplace and _put_in_shared_memory(obj):
         raise RuntimeError(
             "memmap and shared memory are mutually exclusive features: this tensordict "
             "is in shared memory (share_memory_()). Use memmap() to make a "
@@ -97,6 +97,13 @@ def memmap(
         return TensorDictFuture(future, f"memmap to {options.prefix or 'shared memory'}")
     return _execute(planner, root, options)
 
+
+def _put_in_shared_memory(obj: Any) -> bool:
+    """Whether share_memory_() moved ``obj``'s leaves to shared memory. A tensordict on a
+    CUDA device counts as shared (``is_shared()``) without that, and memmap_ copies its
+    leaves to the CPU as for any other (tensordict checks the same mark)."""
+    device = obj.device
+    return obj.is_shared() and not (device is not None and device.type == "cuda")
 
 def own_directory(obj: Any) -> str | None:
     """The directory ``obj`` was memory-mapped to or loaded from (None if none)."""

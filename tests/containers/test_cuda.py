@@ -1,0 +1,148 @@
+"""Tensordicts on a CUDA device: sharing, memory mapping, consolidate, device moves.
+
+tensordict 0.15.3's rules: a tensordict whose device is CUDA counts as shared
+(``is_shared()``) and ``share_memory_()`` leaves it as it is, unlocked (CUDA tensors are
+shared between processes already); ``memmap_`` puts its leaves in files or shared memory
+on the CPU and its device becomes ``cpu``; ``"cuda"`` means the current CUDA device
+(``cuda:0``). The first tests need no GPU (an empty tensordict on a CUDA device holds
+no CUDA tensor); the others run where torch sees one (the device checks of the project).
+"""
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+import shared_td
+from shared_td import MemoryMappedTensor, TensorDict
+from tests.reference import needs_tensordict, tensordict
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _libraries() -> list:
+    return [shared_td] + ([tensordict] if tensordict is not None else [])
+
+
+# ------------------------------------------------------------------ no GPU needed
+@pytest.mark.parametrize("lib", _libraries(), ids=lambda lib: lib.__name__)
+def test_a_tensordict_on_a_cuda_device_counts_as_shared_and_share_memory_leaves_it_as_it_is(lib):
+    td = lib.TensorDict({}, batch_size=[], device="cuda:0")
+    assert td.is_shared()
+    assert td.share_memory_() is td
+    assert not td.is_locked  # nothing was shared: it stays open
+    assert td.is_shared()
+    assert not lib.TensorDict({}, batch_size=[]).is_shared()  # a CPU one only once shared
+
+
+@pytest.mark.parametrize("lib", _libraries(), ids=lambda lib: lib.__name__)
+def test_a_tensordict_on_a_cuda_device_can_still_be_memory_mapped(lib, tmp_path):
+    # it counts as shared, but share_memory_() did not mark it: memmap_ is not refused
+    td = lib.TensorDict({}, batch_size=[], device="cuda:0")
+    td.share_memory_()
+    assert td.memmap_(tmp_path / "saved") is td
+    assert td.is_memmap() and td.device == torch.device("cpu") and not td.is_shared()
+
+
+@needs_tensordict
+def test_cuda_sharing_rules_match_tensordict():
+    ours = TensorDict({"nested": TensorDict({}, [], device="cuda:0")}, [], device="cuda:0")
+    theirs = tensordict.TensorDict({"nested": tensordict.TensorDict({}, [], device="cuda:0")}, [], device="cuda:0")
+    for td in (ours, theirs):
+        td.share_memory_()
+    assert (ours.is_shared(), ours.is_locked, ours["nested"].is_shared()) == (
+        theirs.is_shared(), theirs.is_locked, theirs["nested"].is_shared())
+
+
+def test_cuda_of_another_device_type_is_a_runtime_error_naming_the_fix():
+    with pytest.raises(RuntimeError, match=r"a CUDA device is needed; use \.to\('cpu'\)"):
+        TensorDict(a=torch.zeros(2), batch_size=[2]).cuda("cpu")
+
+
+# ------------------------------------------------------------------ on a GPU
+def _cuda_tree(lib):
+    return lib.TensorDict(
+        {"obs": torch.arange(12.0).reshape(4, 3), "nested": {"r": torch.arange(4)}, "task": "walk"},
+        batch_size=[4], device="cuda")
+
+
+@needs_cuda
+@pytest.mark.parametrize("lib", _libraries(), ids=lambda lib: lib.__name__)
+def test_cuda_means_the_current_device_and_cuda_moves_there(lib):
+    td = _cuda_tree(lib)
+    current = torch.device("cuda", torch.cuda.current_device())
+    assert td.device == current and td["obs"].device == current and td["nested", "r"].device == current
+    moved = lib.TensorDict(a=torch.ones(2), batch_size=[2]).cuda()
+    assert moved.device == current and moved["a"].is_cuda
+    assert lib.TensorDict(a=torch.ones(2), batch_size=[2]).cuda(0).device == torch.device("cuda:0")
+    back = td.cpu()
+    assert back.device == torch.device("cpu") and torch.equal(back["obs"], td["obs"].cpu())
+
+
+@needs_cuda
+@pytest.mark.parametrize("lib", _libraries(), ids=lambda lib: lib.__name__)
+def test_share_memory_of_a_cuda_tree_keeps_its_tensors(lib):
+    td = _cuda_tree(lib)
+    obs = td["obs"]
+    assert td.share_memory_() is td and not td.is_locked and td.is_shared()
+    assert td["obs"] is obs and obs.is_cuda
+
+
+@needs_cuda
+@pytest.mark.parametrize("lib", _libraries(), ids=lambda lib: lib.__name__)
+def test_memmap_of_a_cuda_tree_lands_on_the_cpu_and_loads_back_onto_the_gpu(lib, tmp_path):
+    td = _cuda_tree(lib)
+    expected = td["obs"].cpu()
+    td.memmap_(tmp_path / "saved")
+    assert td.device == torch.device("cpu") and td.is_memmap() and not td.is_shared()
+    assert isinstance(td["obs"], lib.MemoryMappedTensor) and torch.equal(td["obs"], expected)
+    assert td["task"] == "walk"
+    loaded = lib.TensorDict.load_memmap(tmp_path / "saved", device="cuda")
+    assert loaded["obs"].is_cuda and torch.equal(loaded["obs"].cpu(), expected)
+    assert loaded["nested", "r"].is_cuda and loaded["task"] == "walk"
+
+
+@needs_cuda
+def test_anonymous_memmap_and_memmap_like_of_a_cuda_tree():
+    td = _cuda_tree(shared_td)
+    like = td.memmap_like()
+    assert like.device == torch.device("cpu") and like.is_memmap()
+    assert torch.equal(like["obs"], torch.zeros(4, 3)) and like["obs"].shape == td["obs"].shape
+    anonymous = _cuda_tree(shared_td).memmap_()
+    assert anonymous.device == torch.device("cpu") and torch.equal(anonymous["obs"], td["obs"].cpu())
+    again = pickle.loads(pickle.dumps(anonymous))  # by reference: the same shared memory
+    anonymous["obs"][0, 0] = 100.0
+    assert again["obs"][0, 0] == 100.0
+
+
+@needs_cuda
+def test_memory_mapped_tensor_from_and_to_the_gpu(tmp_path):
+    source = torch.arange(6.0, device="cuda").reshape(2, 3)
+    mapped = MemoryMappedTensor.from_tensor(source, filename=tmp_path / "t.memmap")
+    assert mapped.device == torch.device("cpu") and torch.equal(mapped, source.cpu())
+    moved = mapped.to("cuda")
+    assert moved.is_cuda and not isinstance(moved, MemoryMappedTensor) and torch.equal(moved, source)
+
+
+@needs_cuda
+@pytest.mark.parametrize("pin", [False, True])
+def test_consolidate_of_a_cuda_tree_is_one_cpu_storage(pin):
+    td = _cuda_tree(shared_td)
+    result = td.consolidate(pin_memory=pin)
+    assert result.is_consolidated() and result.device == torch.device("cpu")
+    assert torch.equal(result["obs"], td["obs"].cpu()) and torch.equal(result["nested", "r"], td["nested", "r"].cpu())
+    assert result["obs"].untyped_storage().data_ptr() == result["nested", "r"].untyped_storage().data_ptr()
+    assert result["obs"].is_pinned() == pin
+    on_gpu = result.to("cuda")
+    assert on_gpu["obs"].is_cuda and torch.equal(on_gpu["obs"], td["obs"])
+
+
+@needs_cuda
+def test_a_cuda_tree_published_is_attached_from_shared_cpu_memory():
+    td = _cuda_tree(shared_td)
+    with shared_td.Coordinator() as coord:
+        coord.publish("policy", td)
+        view = coord.attach("policy")
+        assert view["obs"].device == torch.device("cpu") and torch.equal(view["obs"], td["obs"].cpu())
+        assert torch.equal(view["nested", "r"], td["nested", "r"].cpu()) and view["task"] == "walk"
