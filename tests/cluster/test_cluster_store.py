@@ -443,3 +443,22 @@ def test_a_spare_connecting_when_the_host_dies_ends_soon_and_close_waits_only_fo
     took = time.monotonic() - began
     assert took < 6.0, took  # ... and the connect ended within a stop's bound
     assert signed._spares.qsize() == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_tree_is_published_and_replicated_through_cpu_shared_memory(pair):
+    """Replicas are CPU segments: a tree on the GPU is copied to the owner's segment when
+    it is published, and travels over gloo from there (NCCL would need a GPU per node)."""
+    owner, other = pair
+    td = shared_td.TensorDict(x=torch.arange(4.0, device="cuda"), nested={"y": torch.ones(4, 2, device="cuda")},
+                              batch_size=[4], device="cuda")
+    published = owner.publish("p", td)
+    assert published["x"].device == torch.device("cpu") and torch.equal(published["x"], td["x"].cpu())
+    replica = other.attach("p")
+    assert replica["x"].tolist() == [0.0, 1.0, 2.0, 3.0] and replica["nested", "y"].sum() == 8
+    published["x"].add_(1)
+    assert owner.sync("p").delivered == [1]
+    assert replica["x"].tolist() == [1.0, 2.0, 3.0, 4.0]
+    replica["nested", "y"][2] = 5.0
+    other.push("p", [2])
+    assert published["nested", "y"][2].tolist() == [5.0, 5.0]
