@@ -15,7 +15,8 @@ from typing import Any, Callable, Iterator
 import torch
 
 from shared_td.containers import batch as batch_ops
-from shared_td.containers.consolidation import ConsolidateMethods
+from shared_td.containers import pinning
+from shared_td.containers.consolidation import ConsolidateMethods, stored_leaves
 from shared_td.containers.convenience_ops import ConvenienceOps
 from shared_td.containers.keysview import UNSEEN, KeysView
 from shared_td.containers.locking import LockingOps
@@ -547,6 +548,35 @@ class TensorDictBase(LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, Me
     def cpu(self) -> "TensorDictBase":
         """A copy on the CPU (self if already there)."""
         return self.to("cpu")
+
+    def pin_memory(self, num_threads: int | None = None, inplace: bool = False) -> "TensorDictBase":
+        """A tensordict whose tensor leaves are in pinned (page-locked) memory, for fast
+        and asynchronous copies to an accelerator (``to("cuda", non_blocking=True)``); a
+        DataLoader with ``pin_memory=True`` calls it on each batch.
+
+        Each tensor leaf is copied once (on ``num_threads`` threads when 2 or more); the
+        result has the same structure, classes and non-tensor values, and is locked if
+        this one is. ``inplace=True`` puts the copies in this tensordict's own nodes and
+        returns it, except in nodes that are locked, memory-mapped or shared, whose
+        leaves stay where they are (as in tensordict). Without an accelerator torch
+        cannot pin: RuntimeError that says so.
+
+        Examples:
+            >>> import torch
+            >>> from shared_td import TensorDict
+            >>> td = TensorDict(obs=torch.zeros(1000, 3), batch_size=[1000])
+            >>> pinned = td.pin_memory()  # doctest: +SKIP
+            >>> pinned["obs"].is_pinned()  # doctest: +SKIP
+            True
+        """
+        pinning.check_pinnable("pin_memory()")
+        copies = pinning.pinned_copies(stored_leaves(self), num_threads)
+        return pinning.pinned_node(self, copies, inplace)
+
+    def pin_memory_(self, num_threads: int = 0) -> "TensorDictBase":
+        """``pin_memory(num_threads=num_threads, inplace=True)`` (tensordict 0.15.3 keeps
+        this name, deprecated, for that)."""
+        return self.pin_memory(num_threads=num_threads, inplace=True)
 
     def cuda(self, device: Any = None, **kwargs: Any) -> "TensorDictBase":
         """A copy on a CUDA device (self if already there): ``device`` None (the current

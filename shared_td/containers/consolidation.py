@@ -89,7 +89,9 @@ def _collect(node: Any, leaves: list) -> None:
             _collect(member, leaves)
 
 
-def _sources(obj: Any) -> list[torch.Tensor]:
+def stored_leaves(obj: Any) -> list[torch.Tensor]:
+    """The tensor leaves that ``obj``'s tree holds, in ``apply`` order: the members'
+    own of a lazy stack (not the stacks its ``values()`` makes), a tensorclass's fields."""
     leaves: list[torch.Tensor] = []
     _collect(obj, leaves)
     return leaves
@@ -433,7 +435,7 @@ class ConsolidateMethods:
         _check_pinnable(filename, pin_memory)
         if inplace:
             _check_unlocked(self)
-        sources = _sources(self)
+        sources = stored_leaves(self)
         offsets, small, total = writer.packed_layout(sources)
         metadata = b""
         if filename is not None:
@@ -512,7 +514,7 @@ class ConsolidateMethods:
             False
         """
         layout = _layout_of(self)
-        return layout is not None and all(_offset_in(layout, leaf) is not None for leaf in _sources(self))
+        return layout is not None and all(_offset_in(layout, leaf) is not None for leaf in stored_leaves(self))
 
     def __reduce_ex__(self, protocol: int):
         """A consolidated tree over a plain buffer pickles as the buffer (once) and the
@@ -559,7 +561,7 @@ def _rewrite_own_file(obj: Any, filename: Any) -> bool:
     there (batch sizes and names may have changed), as tensordict does. False if the
     path no longer is the file it maps (then a new file is written)."""
     layout = _layout_of(obj)
-    sources = _sources(obj)
+    sources = stored_leaves(obj)
     places = ((_offset_in(layout, source), source.numel() * source.element_size()) for source in sources)
     path = os.path.abspath(os.fspath(filename))
     metadata = metadata_json(obj, places, _kind_name, os.fspath(filename))

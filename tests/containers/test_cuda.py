@@ -146,3 +146,77 @@ def test_a_cuda_tree_published_is_attached_from_shared_cpu_memory():
         view = coord.attach("policy")
         assert view["obs"].device == torch.device("cpu") and torch.equal(view["obs"], td["obs"].cpu())
         assert torch.equal(view["nested", "r"], td["nested", "r"].cpu()) and view["task"] == "walk"
+
+
+# ------------------------------------------------------------------ pin_memory
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="this machine can pin memory")
+def test_pin_memory_without_an_accelerator_says_why():
+    td = TensorDict(a=torch.zeros(2), batch_size=[2])
+    with pytest.raises(RuntimeError, match=r"pin_memory\(\): pinned memory needs .* accelerator"):
+        td.pin_memory()
+    with pytest.raises(RuntimeError, match="leave it out on this machine"):
+        td.pin_memory(inplace=True)
+    assert not td["a"].is_pinned()
+
+
+def _pin_tree(lib):
+    shared = torch.arange(4.0)
+    stack = lib.lazy_stack([lib.TensorDict(v=torch.zeros(2)), lib.TensorDict(v=torch.ones(2))])
+    return lib.TensorDict({"obs": torch.ones(4, 3), "alias": shared, "again": shared, "task": "walk",
+                           "nested": {"r": torch.arange(4)}, "stack": stack}, batch_size=[])
+
+
+@needs_cuda
+@pytest.mark.parametrize("lib", _libraries(), ids=lambda lib: lib.__name__)
+@pytest.mark.parametrize("num_threads", [None, 2])
+def test_pin_memory_pins_every_leaf_once_and_keeps_the_tree(lib, num_threads):
+    td = _pin_tree(lib)
+    pinned = td.pin_memory(num_threads=num_threads)
+    assert pinned is not td and not td["obs"].is_pinned()
+    for key in ("obs", "alias", ("nested", "r")):
+        assert pinned[key].is_pinned() and torch.equal(pinned[key], td[key])
+    # one copy of one tensor held under two keys (tensordict copies it twice, except inplace)
+    assert (pinned["alias"] is pinned["again"]) == (lib is shared_td)
+    assert pinned["task"] == "walk" and type(pinned["stack"]) is type(td["stack"])
+    assert all(member["v"].is_pinned() for member in pinned["stack"].tensordicts)
+    assert not pinned.is_locked and td.lock_().pin_memory().is_locked
+
+
+@needs_cuda
+@pytest.mark.parametrize("lib", _libraries(), ids=lambda lib: lib.__name__)
+def test_pin_memory_inplace_replaces_the_leaves_of_open_nodes_only(lib, tmp_path):
+    td = _pin_tree(lib)
+    nested = td["nested"]
+    assert td.pin_memory(inplace=True) is td and td["nested"] is nested
+    assert td["obs"].is_pinned() and td["nested", "r"].is_pinned() and td["stack"].tensordicts[0]["v"].is_pinned()
+    mapped = lib.TensorDict(a=torch.zeros(3), batch_size=[3]).memmap_(tmp_path / "m")
+    leaf = mapped["a"]
+    assert mapped.pin_memory(inplace=True) is mapped and mapped["a"] is leaf and not leaf.is_pinned()
+
+
+@needs_cuda
+def test_a_tensorclass_is_pinned_as_its_class():
+    from shared_td import tensorclass
+
+    @tensorclass
+    class Step:
+        obs: torch.Tensor
+        task: str
+
+    step = Step(obs=torch.zeros(3, 2), task="walk", batch_size=[3])
+    pinned = step.pin_memory()
+    assert type(pinned) is Step and pinned.obs.is_pinned() and pinned.task == "walk"
+    assert step.pin_memory(inplace=True) is step and step.obs.is_pinned()
+
+
+@needs_cuda
+def test_a_dataloader_with_pin_memory_pins_tensordict_batches():
+    buffer = TensorDict(obs=torch.arange(64.0).reshape(32, 2), batch_size=[32])
+    loader = torch.utils.data.DataLoader(range(32), batch_size=8, pin_memory=True,
+                                         collate_fn=lambda rows: buffer[torch.tensor(rows)])
+    batches = list(loader)
+    assert len(batches) == 4 and all(isinstance(b, TensorDict) and b["obs"].is_pinned() for b in batches)
+    assert torch.equal(torch.cat([b["obs"] for b in batches]), buffer["obs"])
+    on_gpu = batches[0].to("cuda", non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(on_gpu["obs"].cpu(), buffer["obs"][:8])
