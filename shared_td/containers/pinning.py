@@ -2,9 +2,10 @@
 
 Copies from pinned memory to an accelerator are faster and can run asynchronously
 (``to("cuda", non_blocking=True)``); a DataLoader with ``pin_memory=True`` calls
-``pin_memory()`` on each batch it hands out. As in tensordict 0.15.3: every tensor leaf
-is copied once (a tensor held under two keys gets one copy), on ``num_threads`` threads
-if asked; the new tree has the same structure, classes and non-tensor values, and is
+``pin_memory()`` on each batch it hands out. Every tensor leaf is copied once, on
+``num_threads`` threads if asked (a tensor held under two keys gets one copy, which the
+two keys share; tensordict 0.15.3 makes two, except with ``inplace=True``); as in
+tensordict, the new tree has the same structure, classes and non-tensor values, and is
 locked if the tree was. ``inplace=True`` puts the copies in the tree's own nodes, except
 in a node that is locked, memory-mapped or shared, whose leaves stay where they are
 (tensordict writes the pinned copies back into them: the same values, still pageable).

@@ -88,8 +88,8 @@ def _td_property(name: str, settable: bool = False) -> property:
 
 
 _WRAPPED = (
-    "unbind split chunk to cpu cuda pin_memory pin_memory_ clone contiguous expand reshape view unsqueeze squeeze "
-    "permute apply named_apply update_ set_ lock_ unlock_ share_memory_ select exclude "
+    "unbind split chunk to cpu cuda pin_memory pin_memory_ clone contiguous expand reshape view "
+    "unsqueeze squeeze permute apply named_apply update_ set_ lock_ unlock_ share_memory_ select exclude "
     "empty zero_ fill_ copy_ del_ rename_key_ refine_names auto_batch_size_ __eq__ __ne__ __lt__ __le__ "
     "__gt__ __ge__ __enter__ __exit__"
 ).split()
