@@ -25,3 +25,31 @@ def update_entries(td, done) -> None:
     td.get("s").update_(NonTensorData("new", batch_size=[2]))
     td.get("st").update(NonTensorStack("c", "d"), inplace=True)
     done.put("written")
+
+
+class StepDataset:
+    """A dataset of one tensordict per index (``lib``: shared_td or tensordict), as a
+    DataLoader's workers read it: collated by torch's default_collate."""
+
+    def __init__(self, lib_name: str, rows: int):
+        self.lib_name, self.rows = lib_name, rows
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def __getitem__(self, index: int):
+        import importlib
+
+        import torch
+
+        lib = importlib.import_module(self.lib_name)
+        return lib.TensorDict(obs=torch.full((3,), float(index)), reward=torch.tensor(index), task=f"t{index}")
+
+
+class BatchDataset(StepDataset):
+    """The same, whose ``__getitems__`` reads a whole batch in one index operation."""
+
+    def __getitems__(self, indices: list):
+        import torch
+
+        return torch.stack([self[index] for index in indices])
