@@ -43,8 +43,8 @@ def test_quick_runs_every_case_in_bounded_time():
     assert rows["coord_attach"][:2] == ["floor anonymous", "anonymous, 100 leaves"]
     assert rows["coord_attach"][2:4] == ["floor files", "files, 100 leaves"]
     assert "anonymous, first attach" in rows["coord_attach"]  # a worker's one attach (issue 13)
-    assert rows["consolidate"][:4] == ["memcpy floor (one cat)", "raw torch buffer + views",
-                                       "shared_td", "shared_td share_memory"]
+    assert rows["consolidate"][:5] == ["memcpy floor (one cat)", "raw torch buffer + views",
+                                       "walk + cat (nested dicts)", "shared_td", "shared_td share_memory"]
     assert rows["consol_pickle"][:2] == ["floor (one bytes object)", "shared_td"]
     assert rows["tree_walk"][:3] == ["floor: nested dicts walk", "shared_td keys", "shared_td items"]
     assert_replay_rows(done.stdout, rows)
