@@ -119,10 +119,11 @@ def _locked_path(node: Any, path: tuple = ()) -> tuple | None:
     return None
 
 
-def _build(node: Any, views: Iterator[torch.Tensor], layout: Layout) -> Any:
+def _build(node: Any, views: Iterator[torch.Tensor], layout: Layout, moved_to: torch.device | None = None) -> Any:
     """A new, locked tree like ``node``'s whose tensor leaves are the next ``views``;
     non-tensor values are carried in new wrappers (locking the result must not lock the
-    source's), as tensordict does."""
+    source's), as tensordict does. Its nodes' device: ``moved_to`` for a move (``to``),
+    else theirs, the CPU for one on another device (consolidate: the storage is there)."""
     kind = _KIND_NAMES.get(type(node)) or _kind_name(node)
     if kind == nodes.TENSORDICT:
         entries, children = {}, []
@@ -130,16 +131,19 @@ def _build(node: Any, views: Iterator[torch.Tensor], layout: Layout) -> Any:
             if isinstance(value, _Tensor):
                 entries[key] = next(views)
             else:
-                entries[key] = built = _build(value, views, layout)
+                entries[key] = built = _build(value, views, layout, moved_to)
                 children.append(_inner(built))
-        device = node._device
-        if device is not None and device.type != "cpu":
-            device = _CPU  # the storage is on the CPU
+        if moved_to is not None:
+            device = moved_to
+        else:
+            device = node._device
+            if device is not None and device.type != "cpu":
+                device = _CPU  # consolidate: the storage is on the CPU
         new = type(node)._new_unsafe(entries, node._batch_size, device, node._names)
     elif kind == nodes.TENSORCLASS:
-        return type(node)._from_tensordict(_build(node._tensordict, views, layout))
+        return type(node)._from_tensordict(_build(node._tensordict, views, layout, moved_to))
     elif kind == nodes.LAZY:
-        children = [_build(member, views, layout) for member in node.tensordicts]
+        children = [_build(member, views, layout, moved_to) for member in node.tensordicts]
         new = type(node)(*children, stack_dim=node.stack_dim, batch_size=node.batch_size)
     else:  # non-tensor data: no layout of its own
         new = node.clone(recurse=False)
@@ -517,12 +521,13 @@ class ConsolidateMethods:
         return layout is not None and all(_offset_in(layout, leaf) is not None for leaf in stored_leaves(self))
 
     def __reduce_ex__(self, protocol: int):
-        """A consolidated tree over a plain buffer pickles as the buffer (once) and the
-        pickle of the tree in which each leaf that is a view of the buffer is only its
+        """A consolidated tree over a plain CPU buffer pickles as the buffer (once) and
+        the pickle of the tree in which each leaf that is a view of the buffer is only its
         dtype, shape and byte offset (a leaf no longer in the buffer pickles as itself).
-        Other trees pickle their state (a shared or file buffer by reference)."""
+        Other trees pickle their state (a shared or file buffer by reference, a GPU
+        one as torch pickles GPU tensors)."""
         layout = _layout_of(self)
-        if layout is None or isinstance(layout.buffer, MemoryMappedTensor):
+        if layout is None or isinstance(layout.buffer, MemoryMappedTensor) or not layout.buffer.is_cpu:
             return super().__reduce_ex__(protocol)
         # imported here: they import this module (the same layer)
         from shared_td.containers.tensorclass_members import _TensorClassMembers
@@ -537,6 +542,29 @@ class ConsolidateMethods:
         new = type(self).__new__(type(self))
         new.__setstate__(self.__getstate__())
         return new
+
+
+def moved_consolidated(obj: Any, device: torch.device, non_blocking: bool) -> Any | None:
+    """``obj.to(device)`` for a consolidated ``obj`` whose storage is on another device:
+    ONE copy of its buffer (a tree of 2000 leaves moved leaf by leaf makes 2000), the
+    leaves views of the copy, the result consolidated there and locked, as tensordict
+    does. None when ``obj`` is not consolidated (then each leaf is moved by itself)."""
+    layout = _layout_of(obj)
+    if layout is None or layout.buffer.device == device:
+        return None
+    sources = stored_leaves(obj)
+    offsets = [_offset_in(layout, leaf) for leaf in sources]
+    if None in offsets:
+        return None
+    buffer = layout.buffer.as_subclass(torch.Tensor).to(device, non_blocking=non_blocking)
+    order = sorted(range(len(sources)), key=offsets.__getitem__)
+    views, entries, runs = placed_views(buffer, sources, offsets, order)
+    moved_layout = Layout(buffer)
+    if buffer.is_cpu:  # a plain buffer: it pickles with the tree (consolidated_pickle)
+        moved_layout.record(views, entries=entries, runs=runs)
+    result = _build(obj, iter(views), moved_layout, moved_to=device)
+    _inner(result).__dict__.setdefault("_consolidated", moved_layout)
+    return result
 
 
 def _already_consolidated(obj: Any, filename: Any, share_memory: bool, pin_memory: bool) -> bool:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shared_td.containers.base import TensorDictBase, is_non_tensor, is_tensor_collection, parse_device
+from shared_td.containers.consolidation import moved_consolidated
 from shared_td.keys import NestedKey
 from shared_td.memmap_tensor import ReadOnlyMemoryMappedTensor
 
@@ -40,7 +41,11 @@ class TensorMethods:
         return self._map_entries(_plain_contiguous, self._batch_size, self.names)
 
     def to(self, *args: Any, **kwargs: Any) -> "TensorDict":
-        """Move to a device (``td.to("cpu")``) or cast tensors (``td.to(torch.float16)``)."""
+        """Move to a device (``td.to("cpu")``) or cast tensors (``td.to(torch.float16)``).
+
+        A consolidated tensordict (see ``consolidate()``) moves as ONE copy of its
+        storage, its leaves views of the copy; the result is consolidated there and
+        locked, as in tensordict. Others move leaf by leaf."""
         target = args[0] if args else kwargs.get("device", kwargs.get("dtype"))
         if isinstance(target, torch.dtype):
             return self._map_entries(lambda v: v.to(target), self._batch_size, self.names)
@@ -49,6 +54,9 @@ class TensorMethods:
         device = parse_device(target)
         if device == self._device:
             return self
+        moved = moved_consolidated(self, device, bool(kwargs.get("non_blocking", False)))
+        if moved is not None:
+            return moved
         return self._map_entries(
             lambda v: v.to(device), self._batch_size, self.names, device=device
         )

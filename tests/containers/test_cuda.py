@@ -220,3 +220,40 @@ def test_a_dataloader_with_pin_memory_pins_tensordict_batches():
     on_gpu = batches[0].to("cuda", non_blocking=True)
     torch.cuda.synchronize()
     assert torch.equal(on_gpu["obs"].cpu(), buffer["obs"][:8])
+
+
+# ------------------------------------------------------------------ a consolidated tree's move
+def _consolidated_tree(lib, **options):
+    td = lib.TensorDict({"obs": torch.arange(12.0).reshape(4, 3), "nested": {"r": torch.arange(4)},
+                         "empty": torch.zeros(4, 0), "task": "walk"}, batch_size=[4])
+    return td, td.consolidate(**options)
+
+
+def test_a_consolidated_tree_moves_as_one_storage_even_to_the_meta_device():
+    # no GPU needed: the meta device holds no data, but the move builds the same tree
+    _td, consolidated = _consolidated_tree(shared_td)
+    moved = consolidated.to("meta")
+    assert moved.device == torch.device("meta") and moved["nested"].device == torch.device("meta")
+    assert moved["obs"].is_meta and moved["nested", "r"].dtype == torch.int64 and moved["empty"].shape == (4, 0)
+    assert moved.is_locked and moved["task"] == "walk" and moved.is_consolidated()
+
+
+@needs_cuda
+@pytest.mark.parametrize("lib", _libraries(), ids=lambda lib: lib.__name__)
+@pytest.mark.parametrize("options", [{}, {"share_memory": True}, {"pin_memory": True}],
+                         ids=["plain", "share_memory", "pin_memory"])
+def test_a_consolidated_tree_moves_to_the_gpu_as_one_storage_and_back(lib, options):
+    td, consolidated = _consolidated_tree(lib, **options)
+    moved = consolidated.to("cuda", non_blocking=True)
+    torch.cuda.synchronize()
+    assert moved.device.type == "cuda" and moved["obs"].is_cuda and moved.is_consolidated() and moved.is_locked
+    assert moved["obs"].untyped_storage().data_ptr() == moved["nested", "r"].untyped_storage().data_ptr()
+    assert torch.equal(moved["obs"].cpu(), td["obs"]) and torch.equal(moved["nested", "r"].cpu(), td["nested", "r"])
+    assert moved["task"] == "walk"
+    back = moved.to("cpu")
+    assert back.device == torch.device("cpu") and back.is_consolidated()
+    assert torch.equal(back["obs"], td["obs"]) and back["obs"].untyped_storage().data_ptr() == \
+        back["nested", "r"].untyped_storage().data_ptr()
+    for tree in (moved, back):
+        again = pickle.loads(pickle.dumps(tree))
+        assert torch.equal(again["obs"].cpu(), td["obs"]) and again["task"] == "walk"
