@@ -54,12 +54,21 @@ class TensorMethods:
         device = parse_device(target)
         if device == self._device:
             return self
-        moved = moved_consolidated(self, device, bool(kwargs.get("non_blocking", False)))
+        asked = bool(kwargs.get("non_blocking", False))
+        moved = moved_consolidated(self, device, asked)
         if moved is not None:
             return moved
-        return self._map_entries(
-            lambda v: v.to(device), self._batch_size, self.names, device=device
-        )
+        # To or from a GPU, each leaf's copy is queued (non_blocking) and the GPU waited
+        # for once at the end, as tensordict does: a blocking copy per leaf waits for each
+        # in turn (a 2000-leaf tree took 1.8x tensordict's time). A caller that asked for
+        # non_blocking waits itself.
+        queued = asked or device.type == "cuda" or torch.cuda.is_initialized()
+        result = self._map_entries(
+            lambda v: v.to(device, non_blocking=True) if queued else v.to(device),
+            self._batch_size, self.names, device=device)
+        if queued and not asked:
+            torch.cuda.synchronize(device if device.type == "cuda" else None)
+        return result
 
     # ---------------------------------------------------------------- in-place ops
     def zero_(self) -> "TensorDict":

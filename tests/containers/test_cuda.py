@@ -257,3 +257,18 @@ def test_a_consolidated_tree_moves_to_the_gpu_as_one_storage_and_back(lib, optio
     for tree in (moved, back):
         again = pickle.loads(pickle.dumps(tree))
         assert torch.equal(again["obs"].cpu(), td["obs"]) and again["task"] == "walk"
+
+
+@needs_cuda
+@pytest.mark.parametrize("non_blocking", [False, True])
+def test_a_tree_moved_leaf_by_leaf_is_ready_when_to_returns(non_blocking):
+    # each leaf's copy is queued and the GPU waited for once: the values must be there
+    # when to() returns (unless the caller asked for non_blocking and synchronizes)
+    rows = [torch.full((64, 32), float(i)) for i in range(200)]
+    td = TensorDict({f"k{i}": {"x": row} for i, row in enumerate(rows)}, batch_size=[64])
+    on_gpu = td.to("cuda", non_blocking=non_blocking)
+    back = on_gpu.to("cpu", non_blocking=non_blocking)
+    if non_blocking:
+        torch.cuda.synchronize()
+    assert on_gpu.device.type == "cuda" and back.device == torch.device("cpu")
+    assert all(torch.equal(back[f"k{i}", "x"], row) for i, row in enumerate(rows))
