@@ -61,8 +61,9 @@ class TensorMethods:
         # To or from a GPU, each leaf's copy is queued (non_blocking) and the GPU waited
         # for once at the end, as tensordict does: a blocking copy per leaf waits for each
         # in turn (a 2000-leaf tree took 1.8x tensordict's time). A caller that asked for
-        # non_blocking waits itself.
-        queued = asked or device.type == "cuda" or torch.cuda.is_initialized()
+        # non_blocking waits itself. Only for a move that involves a CUDA device: the
+        # wait is for the whole device, which a move between CPU devices must not do.
+        queued = asked or device.type == "cuda" or (self._device is not None and self._device.type == "cuda")
         result = self._map_entries(
             lambda v: v.to(device, non_blocking=True) if queued else v.to(device),
             self._batch_size, self.names, device=device)
