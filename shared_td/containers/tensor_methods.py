@@ -68,7 +68,7 @@ class TensorMethods:
             lambda v: v.to(device, non_blocking=True) if queued else v.to(device),
             self._batch_size, self.names, device=device)
         if queued and not asked:
-            torch.cuda.synchronize(device if device.type == "cuda" else None)
+            torch.cuda.synchronize(device if device.type == "cuda" else self._device)
         return result
 
     # ---------------------------------------------------------------- in-place ops
