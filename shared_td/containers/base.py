@@ -42,6 +42,11 @@ def parse_device(device: Any) -> torch.device | None:
     return device
 
 
+def on_cuda(device: torch.device | None) -> bool:
+    """Whether ``device`` (None: not one) is a CUDA device."""
+    return device is not None and device.type == "cuda"
+
+
 def is_tensor_collection(value: Any) -> bool:
     """True for tensordicts, tensorclass instances and non-tensor containers."""
     return isinstance(value, TensorDictBase) or getattr(type(value), "_is_tensorclass", False)
@@ -470,10 +475,7 @@ class TensorDictBase(LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, Me
         """True after share_memory_() (until unlock_()), and always for a tensordict whose
         device is CUDA and that is not memory-mapped (CUDA tensors are shared between
         processes as they are, as in tensordict)."""
-        device = self.device
-        if device is not None and not self._is_memmap:
-            return device.type == "cuda" or self._is_shared
-        return self._is_shared
+        return self._is_shared or (on_cuda(self.device) and not self._is_memmap)
 
     def is_memmap(self) -> bool:
         """True when every leaf is a MemoryMappedTensor set by memmap_() (until unlock_())."""
@@ -569,7 +571,8 @@ class TensorDictBase(LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, Me
             >>> pinned["obs"].is_pinned()  # doctest: +SKIP
             True
         """
-        pinning.check_pinnable("pin_memory()")
+        pinning.check_pinnable("pin_memory()", "Pinning only speeds up copies to an accelerator: "
+                               "leave it out on this machine.")
         copies = pinning.pinned_copies(stored_leaves(self), num_threads)
         return pinning.pinned_node(self, copies, inplace)
 

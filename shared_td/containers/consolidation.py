@@ -37,6 +37,7 @@ from shared_td.containers.consolidated_file import NewFile, metadata_json, rewri
 from shared_td.containers.consolidated_layout import Layout, placed_views
 from shared_td.containers.consolidated_pickle import reduce_tree
 from shared_td.containers.locking import lock_built
+from shared_td.containers.pinning import check_pinnable
 from shared_td.errors import LockedTensorDictError
 from shared_td.keys import key_repr
 from shared_td.memmap_tensor import MemoryMappedTensor
@@ -345,16 +346,6 @@ def _check_options(filename: Any, num_threads: Any, device: Any, non_blocking: b
     return threads
 
 
-def _check_pinnable(filename: Any, pin_memory: bool) -> None:
-    if pin_memory and filename is None and not torch.accelerator.is_available():
-        # torch.empty(pin_memory=True) would raise a RuntimeError without saying why
-        raise RuntimeError(
-            "consolidate(pin_memory=True): pinned memory needs a CUDA or other accelerator "
-            "backend, and torch finds none on this machine (torch.accelerator.is_available() "
-            "is False). Call consolidate() without pin_memory=True: pinning only speeds up "
-            "copies to an accelerator.")
-
-
 def _check_unlocked(obj: Any) -> None:
     """inplace=True replaces the leaves of every node: refused if one is locked."""
     path = _locked_path(obj)
@@ -436,7 +427,9 @@ class ConsolidateMethods:
         if _already_consolidated(self, filename, share_memory, pin_memory):
             if filename is None or _rewrite_own_file(self, filename):
                 return self
-        _check_pinnable(filename, pin_memory)
+        if pin_memory and filename is None:  # (a file's mapping is never pinned)
+            check_pinnable("consolidate(pin_memory=True)", "Call consolidate() without pin_memory=True: "
+                           "pinning only speeds up copies to an accelerator.")
         if inplace:
             _check_unlocked(self)
         sources = stored_leaves(self)
@@ -518,7 +511,7 @@ class ConsolidateMethods:
             False
         """
         layout = _layout_of(self)
-        return layout is not None and all(_offset_in(layout, leaf) is not None for leaf in stored_leaves(self))
+        return layout is not None and _leaf_offsets(stored_leaves(self), layout) is not None
 
     def __reduce_ex__(self, protocol: int):
         """A consolidated tree over a plain CPU buffer pickles as the buffer (once) and
@@ -553,8 +546,8 @@ def moved_consolidated(obj: Any, device: torch.device, non_blocking: bool) -> An
     if layout is None or layout.buffer.device == device:
         return None
     sources = stored_leaves(obj)
-    offsets = [_offset_in(layout, leaf) for leaf in sources]
-    if None in offsets:
+    offsets = _leaf_offsets(sources, layout)
+    if offsets is None:
         return None
     buffer = layout.buffer.as_subclass(torch.Tensor).to(device, non_blocking=non_blocking)
     order = sorted(range(len(sources)), key=offsets.__getitem__)
@@ -594,6 +587,18 @@ def _rewrite_own_file(obj: Any, filename: Any) -> bool:
     path = os.path.abspath(os.fspath(filename))
     metadata = metadata_json(obj, places, _kind_name, os.fspath(filename))
     return rewrite_metadata(path, layout.buffer._backing, layout.buffer.numel(), metadata)
+
+
+def _leaf_offsets(leaves: list[torch.Tensor], layout: Layout) -> list[int] | None:
+    """The byte offset of each of a tree's ``leaves`` in ``layout``'s buffer, or None if
+    one is not a contiguous view of it (the tree is no longer consolidated)."""
+    offsets = []
+    for leaf in leaves:
+        offset = _offset_in(layout, leaf)
+        if offset is None:
+            return None
+        offsets.append(offset)
+    return offsets
 
 
 def _offset_in(layout: Layout, leaf: torch.Tensor) -> int | None:

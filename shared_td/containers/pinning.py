@@ -18,13 +18,13 @@ from typing import Any
 import torch
 
 
-def check_pinnable(what: str) -> None:
-    """Pinning needs an accelerator: say so before any copy (torch's own error does not say why)."""
+def check_pinnable(what: str, fix: str) -> None:
+    """Pinning needs an accelerator: say so before any copy (torch's own error, from
+    ``pin_memory()`` or ``torch.empty(pin_memory=True)``, does not say why)."""
     if not torch.accelerator.is_available():
         raise RuntimeError(
             f"{what}: pinned memory needs a CUDA or other accelerator backend, and torch finds "
-            "none on this machine (torch.accelerator.is_available() is False). Pinning only "
-            "speeds up copies to an accelerator: leave it out on this machine.")
+            f"none on this machine (torch.accelerator.is_available() is False). {fix}")
 
 
 def pinned_copies(leaves: list[torch.Tensor], num_threads: int | None) -> dict[int, torch.Tensor]:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shared_td.containers.base import TensorDictBase, is_non_tensor, is_tensor_collection, parse_device
+from shared_td.containers.base import TensorDictBase, is_non_tensor, is_tensor_collection, on_cuda, parse_device
 from shared_td.containers.consolidation import moved_consolidated
 from shared_td.keys import NestedKey
 from shared_td.memmap_tensor import ReadOnlyMemoryMappedTensor
@@ -63,12 +63,12 @@ class TensorMethods:
         # in turn (a 2000-leaf tree took 1.8x tensordict's time). A caller that asked for
         # non_blocking waits itself. Only for a move that involves a CUDA device: the
         # wait is for the whole device, which a move between CPU devices must not do.
-        queued = asked or device.type == "cuda" or (self._device is not None and self._device.type == "cuda")
+        queued = asked or on_cuda(device) or on_cuda(self._device)
         result = self._map_entries(
             lambda v: v.to(device, non_blocking=True) if queued else v.to(device),
             self._batch_size, self.names, device=device)
         if queued and not asked:
-            torch.cuda.synchronize(device if device.type == "cuda" else self._device)
+            torch.cuda.synchronize(device if on_cuda(device) else self._device)
         return result
 
     # ---------------------------------------------------------------- in-place ops
@@ -110,7 +110,7 @@ class TensorMethods:
                 "memmap and shared memory are mutually exclusive features: this "
                 "tensordict is memory-mapped already (its leaves are shared)."
             )
-        if self._device is not None and self._device.type == "cuda":
+        if on_cuda(self._device):
             return self
         for key, value in self._tensordict.items():
             if isinstance(value, torch.Tensor):

@@ -225,10 +225,10 @@ class SignedStore:
 
     def close(self) -> None:
         """Let the spare connections go (each thread's own goes with its thread), once
-        those being connected are made (each connect bounded by _SPARE_CONNECT_WORST_S, and
-        no new try after this): nothing
-        of this store is left running, or opening and closing sockets, after it closed
-        (one left so made a later test's descriptor check see sockets come and go)."""
+        those being connected are made (each connect bounded by _SPARE_CONNECT_WORST_S,
+        and no new try after this): nothing of this store is left running, or opening and
+        closing sockets, after it closed (one left so made a later test's descriptor
+        check see sockets come and go)."""
         self._closed = True
         deadline = time.monotonic() + _SPARE_CONNECT_WORST_S + 0.5
         with self._connecting_lock:
