@@ -5,7 +5,12 @@ This process is node 1 (the replica); the run's worker process (:mod:`~shared_td
 is node 0, the owner of "replay", for the time of the case.
 The reference is made of the same parts between the same two processes: a raw gloo
 ``send`` of the same bytes to a receive that the child has already posted (it loops on
-them), then one ``TCPStore.add`` round trip. The columns take turns (best of each).
+them), then one ``TCPStore.add`` round trip. A second reference shows what any push that
+returns once the owner has the rows costs before it does any work: the same raw send,
+then an answer of ANSWER_BYTES from a thread of the owner's process, which posted its
+next receive first (as the owner of a push keeps one posted), into a receive posted
+beside the send (a ping-pong: the send's wait alone ends once the bytes are written
+locally, before the owner has them). The columns take turns (best of each).
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from shared_td.bench.cases_cluster import _KEY
 from shared_td.bench.timing import best_of_each
 from shared_td.bench.worker import shared_worker
 from shared_td.bench.loopback import loopback_store
+from shared_td.coordinator.cluster_transfer import ANSWER_BYTES, ANSWER_TAG_BIT
 
 _ROWS, _ROW_FLOATS, _PUSHED = 4096, 256, 64  # the buffer, 1 KiB rows, rows per push
 #: Seconds the child may take to start, and any wait of either side.
@@ -40,7 +46,8 @@ def _payload_bytes() -> int:
 
 def _owner_job(connection, port: int) -> None:  # a job of the run's worker
     """Node 0: own "replay", answer "ready", then post the raw receives it is asked for
-    (``(first tag, rounds)``), until None."""
+    (``(first tag, rounds, answered)``; when ``answered``, each received message is
+    answered on its tag + ANSWER_TAG_BIT, the next receive posted first), until None."""
     import shared_td
     from shared_td.coordinator.cluster import Cluster
 
@@ -51,15 +58,21 @@ def _owner_job(connection, port: int) -> None:  # a job of the run's worker
         raw = _raw_rank(port, 1)
         cluster.publish("replay", shared_td.TensorDict(obs=torch.zeros(_ROWS, _ROW_FLOATS), batch_size=[_ROWS]))
         connection.send("ready")
-        buffer = torch.empty(_payload_bytes(), dtype=torch.uint8)
+        buffers = [torch.empty(_payload_bytes(), dtype=torch.uint8) for _ in range(2)]
+        answer, wait = torch.zeros(ANSWER_BYTES, dtype=torch.uint8), datetime.timedelta(seconds=WAIT_S)
         while True:
             if not connection.poll(WAIT_S):  # bounded: the caller stalled or gone
                 raise TimeoutError(f"cluster_push's caller sent nothing within {WAIT_S:g} s")
             if (asked := connection.recv()) is None:
                 return
-            first, rounds = asked
+            first, rounds, answered = asked
+            posted = raw.recv([buffers[0]], 0, first)
             for n in range(rounds):
-                raw.recv([buffer], 0, first + n).wait(datetime.timedelta(seconds=WAIT_S))
+                posted.wait(wait)
+                if n + 1 < rounds:  # the next receive before the answer (two buffers, taking turns)
+                    posted = raw.recv([buffers[(n + 1) % 2]], 0, first + n + 1)
+                if answered:
+                    raw.send([answer], 0, (first + n) | ANSWER_TAG_BIT).wait(wait)
     finally:
         cluster.shutdown()
 
@@ -67,7 +80,8 @@ def _owner_job(connection, port: int) -> None:  # a job of the run's worker
 def case_cluster_push(options, root: str) -> dict:
     """``push`` of 64 rows of 1 KiB from a replica node to the owner node (another
     process), against a raw gloo send of the same bytes to a receive already posted in
-    that process, plus one store round trip."""
+    that process, plus one store round trip, and against the same send answered by that
+    process (see the module's opening)."""
     from shared_td.coordinator.cluster import Cluster
 
     store = loopback_store(WAIT_S)
@@ -88,17 +102,27 @@ def case_cluster_push(options, root: str) -> dict:
         payload = torch.ones(_payload_bytes(), dtype=torch.uint8)
         rounds = max(1, options.rounds // 10)
         tags = iter(range(0, 10**9, rounds))
-        client = store.clone()
+        client, answer = store.clone(), torch.empty(ANSWER_BYTES, dtype=torch.uint8)
+        wait = datetime.timedelta(seconds=WAIT_S)
 
         def raw_rounds(_):
             first = next(tags)
-            owner.send((first, rounds))  # the owner posts its receives, one after another
+            owner.send((first, rounds, False))  # the owner posts its receives, one after another
             for n in range(rounds):
-                raw.send([payload], 1, first + n).wait(datetime.timedelta(seconds=WAIT_S))
+                raw.send([payload], 1, first + n).wait(wait)
                 client.add("bench/rt", 1)
 
-        times = best_of_each(options.repeat, {  # taking turns: a slow phase falls on both
+        def answered_rounds(_):
+            first = next(tags)
+            owner.send((first, rounds, True))
+            for n in range(rounds):
+                answered = raw.recv([answer], 1, (first + n) | ANSWER_TAG_BIT)
+                raw.send([payload], 1, first + n).wait(wait)
+                answered.wait(wait)
+
+        times = best_of_each(options.repeat, {  # taking turns: a slow phase falls on all
             "raw gloo send + 1 store round trip": (lambda: None, raw_rounds),
+            "raw gloo send + answer (no work)": (lambda: None, answered_rounds),
             "shared_td push": (lambda: None, lambda _: [node.push("replay", index) for _ in range(rounds)]),
         })
         return {column: seconds / rounds for column, seconds in times.items()}
