@@ -101,7 +101,8 @@ from shared_td.coordinator.cluster_requests import ClusterRequests
 from shared_td.coordinator.cluster_push import send_answered
 from shared_td.coordinator.cluster_serve import (LISTENER, POP_S, lane_queue, listen, serve_lane, serve_notices,
                                                  watch_pairs)
-from shared_td.coordinator.cluster_store import ClusterAuthError, ClusterCounter, SignedStore, cluster_key, open_store
+from shared_td.coordinator.cluster_store import (ClusterAuthError, ClusterCounter, SignedStore, check_store,
+                                                  cluster_key, open_store)
 from shared_td.coordinator.cluster_transfer import (PairGroups, TransferFailed, stripe_count,
                                                     stripe_ranges, wait_work)
 from shared_td.coordinator.cluster_values import ClusterValues
@@ -197,6 +198,7 @@ class Cluster(ClusterRequests):
             self.nodes = self.nodes if self.nodes is not None else nodes
         else:
             base = self._spec
+        check_store(base)
         if self.node is None or self.nodes is None or not 0 <= self.node < self.nodes:
             raise ValueError(f"A cluster needs node= in [0, nodes) and nodes=, got node={self.node}, nodes={self.nodes}.")
         # spares: the first connections of this node's threads (heartbeat, service, pair

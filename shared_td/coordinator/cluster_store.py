@@ -48,12 +48,13 @@ import threading
 import time
 import urllib.parse
 
+import torch
 import torch.distributed as dist
 
 from shared_td.coordinator.store_host import host_tcp_store
 from shared_td.errors import ClusterAuthError
 
-__all__ = ["ClusterAuthError", "ClusterCounter", "SignedStore", "cluster_key", "open_store"]
+__all__ = ["ClusterAuthError", "ClusterCounter", "SignedStore", "check_store", "cluster_key", "open_store"]
 
 _DIGEST = hashlib.sha256().digest_size
 # The bound on one try of a spare connection's connect. torch retries a refused connect
@@ -97,6 +98,29 @@ def cluster_key(authkey) -> bytes:
             "SHARED_TD_CLUSTER_KEY (e.g. `export SHARED_TD_CLUSTER_KEY=$(openssl rand -hex 32)`)."
         )
     return authkey.encode() if isinstance(authkey, str) else bytes(authkey)
+
+
+def check_store(store) -> None:
+    """Refuse, before a node joins, a Store the cluster cannot run on: requests and
+    notices travel through the store's queues (``queue_push``/``queue_pop``), which torch
+    has since 2.8 and only some stores implement. Without this check a FileStore failed
+    the first request with a bare NotImplementedError, and a TCPStore on the legacy
+    backend (``use_libuv=False``) dropped the connection, which read as "the store's host
+    stopped". RuntimeError for a torch without queues, ValueError for such a store (its
+    class named, with the fix)."""
+    if not hasattr(dist.Store, "queue_push"):
+        raise RuntimeError(f"A shared_td cluster needs torch >= 2.8 (TCPStore queues); this is torch "
+                           f"{torch.__version__}. Upgrade torch on every node.")
+    base = store
+    while isinstance(base, dist.PrefixStore):  # what a PrefixStore queues, its store queues
+        base = base.underlying_store
+    if isinstance(base, dist.FileStore):
+        raise ValueError("A shared_td cluster cannot run on a FileStore (it has no queues): pass "
+                         "cluster='tcp://HOST:PORT' or 'env://', or a torch.distributed.TCPStore.")
+    if isinstance(base, dist.TCPStore) and not getattr(base, "libuvBackend", True):
+        raise ValueError("A shared_td cluster cannot run on a TCPStore made with use_libuv=False (the legacy "
+                         "backend has no queues): make it with the default use_libuv=True, or pass "
+                         "cluster='tcp://HOST:PORT' or 'env://'.")
 
 
 def open_store(url: str, node: int, timeout: float):

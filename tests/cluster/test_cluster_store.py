@@ -277,6 +277,48 @@ def test_cluster_urls_are_checked(monkeypatch):
             open_store(url, 0, 1.0)
 
 
+def _legacy_tcp_store():
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), use_libuv=False)
+
+
+def test_stores_without_queues_are_refused_before_joining(tmp_path):
+    """A FileStore failed the first request with a bare NotImplementedError, and a legacy
+    TCPStore (use_libuv=False) dropped the connection, read as "the store's host stopped"."""
+    import torch.distributed as dist
+
+    legacy = _legacy_tcp_store()
+    cases = [(dist.FileStore(str(tmp_path / "store"), 1), "FileStore"),
+             (legacy, "use_libuv=False"), (dist.PrefixStore("p", legacy), "use_libuv=False")]
+    for store, said in cases:
+        node = Cluster(store, 0, 2, authkey=b"k" * 32, timeout=2.0)
+        with pytest.raises(ValueError, match=said):
+            node.start()
+        assert node._store is None  # nothing joined, nothing to shut down
+    assert not legacy.check(["shared_td/join/0"])  # nothing was written to it
+
+
+def test_a_torch_without_store_queues_is_refused_naming_the_version(monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.delattr(dist.Store, "queue_push")
+    with pytest.raises(RuntimeError, match=r"torch >= 2\.8.*" + torch.__version__.replace("+", r"\+")):
+        Cluster(dist.HashStore(), 0, 1, authkey=b"k" * 32, timeout=2.0).start()
+
+
+def test_a_hash_store_runs_a_one_node_cluster():
+    import torch.distributed as dist
+
+    node = Cluster(dist.HashStore(), 0, 1, authkey=b"k" * 32, timeout=5.0).start()
+    try:
+        assert node.counter("c").fetch_add(2) == 0
+    finally:
+        node.shutdown()
+
+
 def test_a_pair_moved_on_by_one_node_is_followed_by_the_other(pair):
     """Pair generations are cached: the node that fails a pair tells the other (a notice),
     and a request sent on the old generation before the notice came is refused without a
