@@ -230,6 +230,7 @@ class PairGroups:
         self._on_built = on_built  # on_built(peer, generation): stripe 0 of a generation was built
         self._hostname = hostname
         self._groups: dict[int, tuple[int, list]] = {}  # peer -> (generation, its stripes' groups)
+        self._rendezvous: dict[int, object] = {}  # peer -> the store connection its builds use
         self._generations: dict[int, int] = {}  # peer -> the newest generation known here
         self._locks: dict[int, threading.Lock] = {}
         self._guard = threading.Lock()
@@ -317,12 +318,28 @@ class PairGroups:
         else:  # GLOO_SOCKET_IFNAME, else the interface of this host's name
             options._devices = [dist.ProcessGroupGloo.create_default_device()]
         where = f"pair/{self._pair(peer)}/{generation}/" + (f"stripe{stripe}/" if stripe else "")
-        prefix = dist.PrefixStore(where, self._store.raw)
+        prefix = dist.PrefixStore(where, self._rendezvous_store(peer))
         rank = 0 if self.node < peer else 1
         try:
             return dist.ProcessGroupGloo(prefix, rank, 2, options)
         except RuntimeError as err:
             raise TransferFailed(f"no gloo connection with node {peer} ({err})") from err
+
+    def _rendezvous_store(self, peer: int):
+        """The store connection the builds of the pair with ``peer`` rendezvous on: the
+        first build's thread's own (a spare when one is ready), then kept for the next
+        ones. Each build runs in a new thread (:meth:`_build_watched`), whose first store
+        call took a spare or connected: a connect can stall 5 s in a reverse DNS lookup,
+        and a pull that rebuilt a pair while every spare was still connecting took
+        5.0 s. Builds with one peer run one at a time (the per-peer lock); a build given
+        up keeps its connection, and the next build takes a new one."""
+        with self._guard:
+            store = self._rendezvous.get(peer)
+        if store is None:
+            store = self._store.raw  # this build thread's own connection
+            with self._guard:
+                self._rendezvous[peer] = store
+        return store
 
     def _build_watched(self, peer: int, generation: int, stripe: int, timeout: float):
         """:meth:`_build`, given up (TransferFailed) as soon as ``peer`` is found lost.
@@ -360,6 +377,7 @@ class PairGroups:
                 with self._guard:
                     outcome.setdefault("made", TransferFailed(
                         f"node {peer} is lost: it never joined the group of generation {generation}"))
+                    self._rendezvous.pop(peer, None)  # the given-up build still waits on it
                 break
         made = outcome["made"]
         if isinstance(made, TransferFailed):
@@ -445,6 +463,7 @@ class PairGroups:
         """Close every pair (on shutdown): the receives kept posted end."""
         with self._guard:
             pairs, self._groups = list(self._groups.items()), {}
+            self._rendezvous.clear()
         for peer, (_generation, groups) in pairs:
             self._close(peer, groups)
 
