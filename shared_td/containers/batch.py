@@ -54,6 +54,8 @@ def normalize_dim(dim: int, ndim: int, *, what: str = "dim") -> int:
 
 def _as_index_part(part: Any) -> Any:
     """Lists and numpy arrays become tensors; numpy scalars become ints."""
+    if isinstance(part, list) and not part:  # no rows, as torch takes ``x[[]]`` (numpy makes it float)
+        return torch.empty(0, dtype=torch.int64)
     if isinstance(part, (list, np.ndarray)):
         return torch.as_tensor(np.asarray(part) if isinstance(part, list) else part)
     if isinstance(part, np.integer):

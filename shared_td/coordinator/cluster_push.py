@@ -76,17 +76,33 @@ def push(cluster, name: str, index) -> None:
 
 
 def _checked_index(name: str, rep, index) -> torch.Tensor:
-    """``index`` as int64 rows of ``rep`` (negative ones counted from the end, as
-    ``td[-1]``); IndexError naming ``name`` when one is out of range."""
-    index = torch.as_tensor(index, dtype=torch.int64).reshape(-1)
+    """The rows of ``rep``'s first batch dimension that ``td[index]`` selects, as int64:
+    an int, a slice or range, ints in a sequence, tensor or array (negative ones counted
+    from the end, as ``td[-1]``), or a boolean mask as long as that dimension. IndexError
+    naming ``name`` for a row out of range or a mask of another length, ValueError for a
+    slice's step below 1 (as torch's); TypeError for any other index (a float one was truncated and a mask taken as rows 0 and 1 before)."""
     rows = rep.layout["batch_size"][0] if rep.layout["batch_size"] else 0
-    if index.numel():
+    if isinstance(index, slice):
+        if index.step is not None and index.step <= 0:  # as td[::-1]
+            raise ValueError(f"push({name!r}): a slice's step must be greater than zero.")
+        return torch.arange(*index.indices(rows))
+    index = torch.as_tensor(list(index) if isinstance(index, range) else index, device="cpu")
+    if not index.numel():
+        return index.to(torch.int64).reshape(-1)  # [] is a float tensor to torch: no rows
+    if index.dtype == torch.bool:
+        if index.shape != (rows,):
+            raise IndexError(f"push({name!r}): a boolean mask selects rows of the first dimension: it needs "
+                             f"{rows} values, not shape {tuple(index.shape)}.")
+        return index.nonzero().reshape(-1)
+    if index.is_floating_point() or index.is_complex():
+        raise TypeError(f"push({name!r}): rows are ints, a slice or a boolean mask, not {index.dtype} values.")
+    index = index.to(torch.int64).reshape(-1)
+    low, high = (int(end) for end in torch.aminmax(index))
+    if low < 0:  # -1: the last row, as td[-1]
+        index = torch.where(index < 0, index + rows, index)
         low, high = (int(end) for end in torch.aminmax(index))
-        if low < 0:  # -1: the last row, as td[-1]
-            index = torch.where(index < 0, index + rows, index)
-            low, high = (int(end) for end in torch.aminmax(index))
-        if not 0 <= low <= high < rows:
-            raise IndexError(f"push({name!r}): an index is out of range for {rows} rows.")
+    if not 0 <= low <= high < rows:
+        raise IndexError(f"push({name!r}): an index is out of range for {rows} rows.")
     return index
 
 

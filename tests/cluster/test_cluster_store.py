@@ -349,6 +349,37 @@ def test_a_pair_moved_on_by_one_node_is_followed_by_the_other(pair):
     assert other._groups.generation(0) == old + 2
 
 
+def test_rebuilding_a_pair_takes_no_new_store_connection(pair, monkeypatch):
+    """Each build of a pair's group runs in a new thread, whose first store call took a
+    spare or connected itself; a connect can stall 5 s in a reverse DNS lookup (a pull
+    that rebuilt the pair while every spare was still connecting took 5.0 s). The
+    builds with one peer now share one connection: after the first, none is taken."""
+    owner, other = pair
+    td = owner.publish("p", shared_td.TensorDict(x=torch.zeros(4), batch_size=[4]))
+    replica = other.attach("p")  # the first build with the peer, on each node
+    connected = []
+    first_call = SignedStore._store
+
+    def noting_connects(self):
+        fresh = getattr(self._local, "store", None) is None
+        store = first_call(self)
+        if fresh:
+            connected.append(threading.current_thread().name)
+        return store
+
+    monkeypatch.setattr(SignedStore, "_store", noting_connects)
+    for generation in range(3):  # fail the pair, then a push builds the next generation
+        owner._groups.fail(1, owner._groups.generation(1))
+        until = time.monotonic() + 5
+        while other._groups.generation(0) != owner._groups.generation(1):  # the notice
+            assert time.monotonic() < until, "node 1 never heard of the new pair generation"
+            time.sleep(0.01)
+        replica["x"][generation] = 1.0 + generation
+        other.push("p", [generation])
+    assert td["x"].tolist() == [1.0, 2.0, 3.0, 0.0]
+    assert not [name for name in connected if name.startswith("shared_td-cluster-build")], connected
+
+
 def test_push_takes_negative_rows_and_refuses_rows_out_of_range(pair):
     owner, other = pair
     td = owner.publish("p", shared_td.TensorDict(x=torch.zeros(4), flag=torch.zeros(4, dtype=torch.uint8),
@@ -363,6 +394,41 @@ def test_push_takes_negative_rows_and_refuses_rows_out_of_range(pair):
     with pytest.raises(IndexError, match="out of range"):
         other.push("p", [-5])
     assert td["x"].tolist() == [0.0, 0.0, 0.0, 5.0]
+
+
+def test_push_rows_are_what_indexing_selects_masks_and_slices_included():
+    """A boolean mask was taken as rows 0 and 1 (True/False as ints) and a float index was
+    truncated: the wrong rows, silently. Checked against td[index] itself (no network)."""
+    from shared_td.coordinator.cluster_push import _checked_index
+
+    class Replica:
+        layout = {"batch_size": [5]}
+
+    td = shared_td.TensorDict(x=torch.arange(5), batch_size=[5])
+    mask = torch.tensor([False, True, False, True, True])
+    for index in (mask, mask.tolist(), mask.numpy(), slice(1, None, 2), slice(-2, None), slice(7, 9),
+                  range(3), [4, -1, 0], torch.tensor([[3], [1]]), torch.tensor(2, dtype=torch.int16), -2, []):
+        rows = _checked_index("r", Replica, index)
+        assert rows.dtype == torch.int64 and rows.tolist() == td[index]["x"].reshape(-1).tolist(), index
+    with pytest.raises(IndexError, match="'r'.*boolean mask.*5 values, not shape \\(4,\\)"):
+        _checked_index("r", Replica, mask[:4])
+    with pytest.raises(ValueError, match="'r'.*step"):
+        _checked_index("r", Replica, slice(None, None, -1))
+    with pytest.raises(TypeError, match="'r'.*torch.float32"):
+        _checked_index("r", Replica, torch.tensor([1.7]))
+    with pytest.raises(TypeError, match="'r'"):
+        _checked_index("r", Replica, [0.0, 1.0])
+
+
+def test_a_push_by_boolean_mask_writes_the_masked_rows(pair):
+    owner, other = pair
+    td = owner.publish("m", shared_td.TensorDict(x=torch.zeros(4), batch_size=[4]))
+    replica = other.attach("m")
+    replica["x"].copy_(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    other.push("m", torch.tensor([False, True, False, True]))
+    assert td["x"].tolist() == [0.0, 2.0, 0.0, 4.0]
+    other.push("m", slice(0, 1))
+    assert td["x"].tolist() == [1.0, 2.0, 0.0, 4.0]
 
 
 def test_a_quiet_node_that_beats_again_is_not_counted_lost(monkeypatch):

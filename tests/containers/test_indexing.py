@@ -29,7 +29,7 @@ def make_td() -> TensorDict:
         (1, Ellipsis), None, (None, 0), (0, None, slice(1, 3)), torch.tensor([0, 2]), [2, 0],
         np.array([1, 1]), (slice(None), [0, 3]), torch.tensor([True, False, True]),
         torch.ones(3, 4, dtype=torch.bool), (1, torch.tensor([True, False, True, False])),
-        range(0, 3, 2), torch.tensor(1), np.int64(2),
+        range(0, 3, 2), torch.tensor(1), np.int64(2), [], (slice(None), []),
     ],
 )
 def test_index_matches_torch(index):
