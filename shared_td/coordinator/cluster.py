@@ -441,10 +441,13 @@ class Cluster(ClusterRequests):
         """Rows ``index`` (of the first batch dimension) of this node's replica -> the
         same rows of the owner's tree, in place. Returns when the owner wrote them.
 
-        A row is what ``td[i]`` selects: of a tensorclass, row ``i`` of its fields;
-        of a lazy stack along dim 0 (the root's first dimension), its whole member
-        ``i``; of a lazy stack along another dim, row ``i`` of every member. Non-tensor
-        values are not pushed: with ``share_non_tensor=True`` they travel by themselves."""
+        ``index`` selects rows as ``td[index]`` does on the first batch dimension: an
+        int, a slice, ints (negative ones from the end) or a boolean mask of that
+        dimension's length. A row is what ``td[i]`` selects: of a tensorclass, row
+        ``i`` of its fields; of a lazy stack along dim 0 (the root's first dimension),
+        its whole member ``i``; of a lazy stack along another dim, row ``i`` of every
+        member. Non-tensor values are not pushed: with ``share_non_tensor=True`` they
+        travel by themselves."""
         cluster_push.push(self, name, index)  # over the pair when it is built: see cluster_push
 
     def sync(self, name: str, timeout: float | None = None) -> SyncReport:
