@@ -38,6 +38,12 @@ class KeyTypeError(TypeError, KeyError):
     __str__ = BaseException.__str__
 
 
+class IndexTypeError(TypeError, IndexError):
+    """An index of a batch dimension is not an int, a slice, None, Ellipsis or a bool or
+    integer tensor, list or array (a float, a string, an object). torch and tensordict
+    raise ``IndexError``; this is a ``TypeError`` that is also an ``IndexError``."""
+
+
 class FormatError(ValueError, RuntimeError):
     """A saved directory does not hold what its meta.json says (or is not one at all).
 

@@ -34,7 +34,7 @@ def test_every_exception_class_is_defined_in_errors_and_exported():
                if inspect.isclass(value) and issubclass(value, BaseException)}
     assert defined == {
         "AtomicWriteError", "BatchSizeMismatchError", "ClusterAuthError", "CoordinatorTimeoutError",
-        "FileTooShortError", "FormatError", "KeyTypeError", "LockedTensorDictError",
+        "FileTooShortError", "FormatError", "IndexTypeError", "KeyTypeError", "LockedTensorDictError",
         "OwnerLostError", "ReadOnlyError", "SegmentUnavailableError", "StalePair", "StorageFullError", "TransferFailed",
     }
     for name in defined:

@@ -13,6 +13,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from shared_td.errors import IndexTypeError
+
 _BASIC_INDEX_TYPES = (int, slice, type(None), type(Ellipsis))
 
 
@@ -54,10 +56,11 @@ def normalize_dim(dim: int, ndim: int, *, what: str = "dim") -> int:
 
 def _as_index_part(part: Any) -> Any:
     """Lists and numpy arrays become tensors; numpy scalars become ints."""
-    if isinstance(part, list) and not part:  # no rows, as torch takes ``x[[]]`` (numpy makes it float)
-        return torch.empty(0, dtype=torch.int64)
-    if isinstance(part, (list, np.ndarray)):
-        return torch.as_tensor(np.asarray(part) if isinstance(part, list) else part)
+    if isinstance(part, list):
+        array = np.asarray(part)  # numpy makes ``[]`` and ``[[]]`` float: torch takes them as no rows
+        return torch.as_tensor(array.astype(np.int64) if not array.size else array)
+    if isinstance(part, np.ndarray):
+        return torch.as_tensor(part)
     if isinstance(part, np.integer):
         return int(part)
     if isinstance(part, range):
@@ -73,8 +76,9 @@ def normalize_index(index: Any, batch_size: torch.Size) -> tuple:
 
     Raises:
         IndexError: if the index uses more dims than the batch has.
-        TypeError: if a part of the index is not an int, slice, None, Ellipsis, bool
-            or integer tensor, list or array.
+        IndexTypeError: (a TypeError and an IndexError, as torch raises) if a part of
+            the index is not an int, slice, None, Ellipsis, bool or integer tensor, list
+            or array.
     """
     parts = index if isinstance(index, tuple) else (index,)
     parts = tuple(_as_index_part(p) for p in parts)
@@ -84,7 +88,7 @@ def normalize_index(index: Any, batch_size: torch.Size) -> tuple:
             if part.dtype == torch.bool:
                 consumed += max(part.ndim, 1)
             elif part.is_floating_point() or part.is_complex():
-                raise TypeError(
+                raise IndexTypeError(
                     f"Index tensors must be integer or bool, got dtype {part.dtype}."
                 )
             else:
@@ -96,7 +100,7 @@ def normalize_index(index: Any, batch_size: torch.Size) -> tuple:
         elif part is None or part is Ellipsis:
             continue
         else:
-            raise TypeError(
+            raise IndexTypeError(
                 f"Cannot index a tensordict with {part!r} of type {type(part).__name__}: "
                 "use ints, slices, None, Ellipsis, or bool/integer tensors or lists."
             )

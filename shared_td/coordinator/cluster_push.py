@@ -32,6 +32,7 @@ from shared_td.coordinator.cluster_serve import HEADER_BYTES
 from shared_td.coordinator.cluster_store import ClusterAuthError
 from shared_td.coordinator.cluster_transfer import (ANSWER_BYTES, PUSH_TAG, TransferFailed, answer_context, answer_tag,
                                                     decode_signed, encode_signed, push_context, wait_work)
+from shared_td.errors import IndexTypeError
 
 __all__ = ["PushLine", "push", "send_answered"]
 
@@ -80,7 +81,7 @@ def _checked_index(name: str, rep, index) -> torch.Tensor:
     an int, a slice or range, ints in a sequence, tensor or array (negative ones counted
     from the end, as ``td[-1]``), or a boolean mask as long as that dimension. IndexError
     naming ``name`` for a row out of range or a mask of another length, ValueError for a
-    slice's step below 1 (as torch's); TypeError for any other index (a float one was truncated and a mask taken as rows 0 and 1 before)."""
+    slice's step below 1 (as torch's); IndexTypeError for any other index (a float one was truncated and a mask taken as rows 0 and 1 before)."""
     rows = rep.layout["batch_size"][0] if rep.layout["batch_size"] else 0
     if isinstance(index, slice):
         if index.step is not None and index.step <= 0:  # as td[::-1]
@@ -95,7 +96,7 @@ def _checked_index(name: str, rep, index) -> torch.Tensor:
                              f"{rows} values, not shape {tuple(index.shape)}.")
         return index.nonzero().reshape(-1)
     if index.is_floating_point() or index.is_complex():
-        raise TypeError(f"push({name!r}): rows are ints, a slice or a boolean mask, not {index.dtype} values.")
+        raise IndexTypeError(f"push({name!r}): rows are ints, a slice or a boolean mask, not {index.dtype} values.")
     index = index.to(torch.int64).reshape(-1)
     low, high = (int(end) for end in torch.aminmax(index))
     if low < 0:  # -1: the last row, as td[-1]

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from shared_td import NonTensorStack, TensorDict
+from shared_td import IndexTypeError, NonTensorStack, TensorDict
+from tests.reference import needs_tensordict
 
 
 def make_td() -> TensorDict:
@@ -85,15 +86,27 @@ def test_names_follow_basic_indices():
         ((0, 0, 0), IndexError, "[Tt]oo many"),
         ((Ellipsis, 0, Ellipsis), IndexError, "Ellipsis"),
         (torch.ones(3, dtype=torch.bool)[:2], IndexError, "[Ss]hape|match"),
-        (1.5, TypeError, "1.5"),
-        (torch.tensor([0.5]), TypeError, "float"),
-        (object(), TypeError, "object"),
+        (1.5, IndexTypeError, "1.5"),
+        (torch.tensor([0.5]), IndexTypeError, "float"),
+        (object(), IndexTypeError, "object"),
     ],
 )
 def test_bad_indices(index, error, match):
     td = make_td()
     with pytest.raises(error, match=match):
         td[index]
+    with pytest.raises(IndexError):  # what torch and tensordict raise for all of them
+        td[index]
+
+
+@needs_tensordict
+@pytest.mark.parametrize("index", [[[]], [[], []], (slice(None), [[]]), np.zeros((0, 2), dtype=np.int64)])
+def test_empty_list_indices_select_nothing_as_tensordict_does(index):
+    import tensordict
+
+    ours = make_td()[index]
+    theirs = tensordict.TensorDict(obs=make_td()["obs"], batch_size=[3, 4])[index]
+    assert ours.batch_size == theirs.batch_size and ours["obs"].shape == theirs["obs"].shape
 
 
 # ----------------------------------------------------------------------------- writing
