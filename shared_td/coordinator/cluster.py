@@ -94,7 +94,7 @@ from shared_td.coordinator import cluster_layout, cluster_push
 from shared_td.coordinator import cluster_replica as replica
 from shared_td.coordinator import staleness
 from shared_td.coordinator import cluster_liveness
-from shared_td.coordinator.cluster_liveness import HEARTBEAT_S, Liveness
+from shared_td.coordinator.cluster_liveness import HEARTBEAT_S, Liveness, claim_node, release_node
 from shared_td.coordinator.cluster_names import LocalNames
 from shared_td.coordinator.cluster_replica import Owned, Replica
 from shared_td.coordinator.cluster_requests import ClusterRequests
@@ -178,6 +178,7 @@ class Cluster(ClusterRequests):
         self._reply_slots = itertools.count()
         self._local = threading.local()  # each thread's reply queue
         self._stop = threading.Event()
+        self._claim: str | None = None  # this process's token in claim/<node> (cluster_liveness)
         self._threads: list[threading.Thread] = []
         self._push_lines: dict[int, cluster_push.PushLine] = {}  # owner -> this node's pushes to it
         self._senders = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="shared_td-sync")
@@ -187,9 +188,13 @@ class Cluster(ClusterRequests):
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "Cluster":
-        """Join the cluster: wait (at most ``timeout``) for every node's signed join
-        record, refuse with ClusterAuthError one signed with another authkey, then start
-        the heartbeat and the service thread. Returns self."""
+        """Join the cluster: claim this node's number (ValueError while another process
+        runs as that node; a number whose holder crashed is taken over once its
+        heartbeat stood still for LOST_AFTER_S, see
+        :func:`~shared_td.coordinator.cluster_liveness.claim_node`), wait (at most
+        ``timeout``) for every node's signed join record, refuse with ClusterAuthError
+        one signed with another authkey, then start the heartbeat and the service
+        thread. Returns self."""
         if self._store is not None:
             raise RuntimeError("This Cluster is already started.")
         if isinstance(self._spec, str):
@@ -206,6 +211,12 @@ class Cluster(ClusterRequests):
         # background (a connect can stall 5 s in a reverse DNS lookup, see cluster_store)
         self._store = SignedStore(base, self._authkey, timeout=self.timeout,
                                   spares=4 + (self.nodes - 1) + min(self.nodes - 1, 6))
+        try:
+            self._claim = claim_node(self._store, self.node)
+        except BaseException:  # nothing of this node runs yet: no stop request may reach the other
+            self._stop.set()
+            self._store.close()
+            raise
         self._store.set_json(f"join/{self.node}", {"node": self.node, "nodes": self.nodes, "pid": os.getpid(),
                                                    "host": socket.gethostname()})
         self._store.set_json(f"hb/{self.node}", {"beat": 0, "pid": os.getpid()})
@@ -258,6 +269,10 @@ class Cluster(ClusterRequests):
             self._groups.close()  # closes the pairs: the kept push receives end
         for thread in listeners:
             thread.join(2 * HEARTBEAT_S)
+        try:
+            release_node(self._store, self.node, self._claim)
+        except (RuntimeError, OSError):
+            pass  # the store is gone: nobody joins it again
         self._store.close()
 
     def __enter__(self) -> "Cluster":

@@ -5,18 +5,24 @@ Each node writes a signed heartbeat ``hb/<node>`` (a growing number) every
 changed for :data:`LOST_AFTER_S` of its own clock: no clock is compared between
 machines, and a node that is only slow (a heartbeat every few seconds) is never lost.
 A heartbeat with a wrong signature reads as no heartbeat (forged or of another cluster).
+
+One process per node: a node joins by claiming ``claim/<node>`` (:func:`claim_node`), so
+that two processes given the same node number are refused instead of both running as
+that node (their requests, heartbeats and gloo pairs mixed: seen as a gloo connect
+timeout at the first transfer).
 """
 from __future__ import annotations
 
 import itertools
 import os
+import secrets
 import threading
 import time
 from typing import Callable
 
 from shared_td.errors import ClusterAuthError, OwnerLostError
 
-__all__ = ["HEARTBEAT_S", "LOST_AFTER_S", "Liveness"]
+__all__ = ["HEARTBEAT_S", "LOST_AFTER_S", "Liveness", "claim_node", "release_node"]
 
 #: Seconds between two heartbeats of a node.
 HEARTBEAT_S = 0.5
@@ -129,3 +135,43 @@ class Liveness:
             f"Node {peer}, {role} of {name!r}, is lost: its heartbeat stood still for "
             f"{LOST_AFTER_S:g} s. This node's copy stays readable with its last contents."
         )
+
+
+def claim_node(store, node: int) -> str:
+    """Make this process the one that runs node ``node``: ``claim/<node>`` set atomically
+    to a new token, which is returned. A claim another process holds is taken over once
+    that node's heartbeat has stood still for LOST_AFTER_S (the node crashed and is
+    started again: its claim was not released); while that heartbeat moves, ValueError:
+    two processes were given the same node. ``store`` is the node's SignedStore."""
+    key, token = f"claim/{node}", secrets.token_hex(16)
+    held = store.compare_set(key, "", token).decode()
+    if held == token:
+        return token
+    first, end = _heartbeat(store, node), time.monotonic() + LOST_AFTER_S + HEARTBEAT_S
+    while time.monotonic() < end:
+        time.sleep(HEARTBEAT_S / 4)
+        if _heartbeat(store, node) != first:
+            raise ValueError(_same_node(node, "is running in this cluster (its heartbeat moves)"))
+    if store.compare_set(key, held, token).decode() != token:
+        raise ValueError(_same_node(node, "is being started by another process at the same time"))
+    return token
+
+
+def release_node(store, node: int, token: str) -> None:
+    """Let node ``node`` go (a clean shutdown): a process started as that node later
+    claims it at once, without waiting for the heartbeat to stand still."""
+    store.compare_set(f"claim/{node}", token, "")
+
+
+def _heartbeat(store, node: int):
+    """Node ``node``'s heartbeat record; None when missing or not signed with our key."""
+    try:
+        return store.get_json(f"hb/{node}") if store.has(f"hb/{node}") else None
+    except ClusterAuthError:
+        return None
+
+
+def _same_node(node: int, what: str) -> str:
+    return (f"Node {node} {what}: two processes were given node={node}. Give each node of the "
+            "cluster its own number; under torchrun, the process of local rank 0 of each node "
+            "makes the Coordinator (or run --nproc-per-node 1).")

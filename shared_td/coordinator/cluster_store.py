@@ -139,6 +139,10 @@ def open_store(url: str, node: int, timeout: float):
         host, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
         if not host or not port:
             raise ValueError("cluster='env://' needs MASTER_ADDR and MASTER_PORT in the environment.")
+        if env.get("LOCAL_RANK", "0") != "0":  # torchrun's other processes of this node
+            raise ValueError(f"cluster='env://' makes one Coordinator per node, in the process of local rank 0; "
+                             f"this process has LOCAL_RANK={env['LOCAL_RANK']}: attach to your node's "
+                             "Coordinator by address instead (or run torchrun --nproc-per-node 1).")
         rank = env.get("GROUP_RANK") or env.get("NODE_RANK") or env.get("SHARED_TD_NODE")
         found_node = int(rank) if rank is not None else None
         if env.get("NNODES") or env.get("SHARED_TD_NODES"):

@@ -251,6 +251,61 @@ def test_a_member_refused_at_start_shuts_down_cleanly(store):
         member.shutdown()
 
 
+def test_a_second_process_given_a_running_nodes_number_is_refused(store, pair):
+    """Two processes given node=1 both ran as node 1 (their requests and heartbeats mixed;
+    seen as a gloo connect timeout at the first transfer): the second is refused, and
+    the running node keeps serving."""
+    owner, other = pair
+    td = owner.publish("p", shared_td.TensorDict(x=torch.zeros(2), batch_size=[2]))
+    twin = Cluster(f"tcp://127.0.0.1:{store.port}?host=0", 1, 2, authkey=KEY, timeout=10.0, hostname="127.0.0.1")
+    began = time.monotonic()
+    with pytest.raises(ValueError, match="Node 1 is running in this cluster.*node=1"):
+        twin.start()
+    assert time.monotonic() - began < 3  # the heartbeat moves every 0.5 s
+    twin.shutdown()  # nothing to stop
+    replica = other.attach("p")
+    replica["x"][1] = 4.0
+    other.push("p", [1])
+    assert td["x"].tolist() == [0.0, 4.0]
+
+
+def test_a_node_restarted_after_a_crash_takes_its_number_over_once_its_heartbeat_stood_still(store):
+    """A crashed node did not release its claim: its successor waits until the old
+    heartbeat stood still for LOST_AFTER_S, then runs as that node."""
+    from shared_td.coordinator.cluster_liveness import HEARTBEAT_S, LOST_AFTER_S
+
+    crashed = SignedStore(store, KEY, timeout=10.0)
+    crashed.compare_set("claim/1", "", "the crashed process's token")
+    crashed.set_json("hb/1", {"beat": 7, "pid": 1})
+    url = f"tcp://127.0.0.1:{store.port}?host=0"
+    members = [Cluster(url, n, 2, authkey=KEY, timeout=10.0, hostname="127.0.0.1") for n in range(2)]
+    began = time.monotonic()
+    errors = _start_together(members)
+    try:
+        assert not errors, errors
+        assert LOST_AFTER_S <= time.monotonic() - began < LOST_AFTER_S + HEARTBEAT_S + 2
+        members[0].publish("p", shared_td.TensorDict(x=torch.ones(2), batch_size=[2]))
+        assert members[1].attach("p")["x"].tolist() == [1.0, 1.0]
+    finally:
+        for member in members:
+            member.shutdown()
+        crashed.close()
+
+
+def test_a_node_shut_down_cleanly_is_started_again_at_once(store, pair):
+    owner, other = pair
+    owner.publish("p", shared_td.TensorDict(x=torch.ones(2), batch_size=[2]))
+    other.shutdown()
+    again = Cluster(f"tcp://127.0.0.1:{store.port}?host=0", 1, 2, authkey=KEY, timeout=10.0, hostname="127.0.0.1")
+    began = time.monotonic()
+    again.start()
+    try:
+        assert time.monotonic() - began < 2  # its claim was released: no wait for a heartbeat
+        assert again.attach("p")["x"].tolist() == [1.0, 1.0]
+    finally:
+        again.shutdown()
+
+
 def test_env_launch_reads_rank_and_count_as_torchrun_sets_them(store, monkeypatch):
     from shared_td.coordinator.cluster_store import open_store
 
@@ -260,6 +315,10 @@ def test_env_launch_reads_rank_and_count_as_torchrun_sets_them(store, monkeypatc
         monkeypatch.setenv(name, value)
     _store, node, nodes = open_store("env://", None, 15.0)
     assert (node, nodes) == (1, 2)
+    monkeypatch.setenv("LOCAL_RANK", "1")  # the node's second process: one Coordinator per node
+    with pytest.raises(ValueError, match="LOCAL_RANK=1"):
+        open_store("env://", None, 15.0)
+    monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("GROUP_RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     with Cluster("env://", authkey=KEY, timeout=15.0) as single:
