@@ -217,6 +217,8 @@ class Cluster(ClusterRequests):
             self._stop.set()
             self._store.close()
             raise
+        for queue in self._own_queues():  # what waits there was sent to this node's last process
+            self._store.drain(queue)
         self._store.set_json(f"join/{self.node}", {"node": self.node, "nodes": self.nodes, "pid": os.getpid(),
                                                    "host": socket.gethostname()})
         self._store.set_json(f"hb/{self.node}", {"beat": 0, "pid": os.getpid()})
@@ -253,8 +255,7 @@ class Cluster(ClusterRequests):
         self._stop.set()
         atexit.unregister(self.shutdown)
         try:
-            lanes = [lane_queue(self.node, peer) for peer in range(self.nodes) if peer != self.node]
-            for queue in [f"queue/{self.node}", *lanes]:
+            for queue in self._own_queues():
                 self._store.push_json(queue, {"op": "stop", "from": self.node})
         except (RuntimeError, OSError):
             pass  # the store is gone; the pops fail by themselves
@@ -274,6 +275,10 @@ class Cluster(ClusterRequests):
         except (RuntimeError, OSError):
             pass  # the store is gone: nobody joins it again
         self._store.close()
+
+    def _own_queues(self) -> list[str]:
+        """The store queues this node's threads pop: its service queue, a lane per peer."""
+        return [f"queue/{self.node}", *(lane_queue(self.node, peer) for peer in range(self.nodes) if peer != self.node)]
 
     def __enter__(self) -> "Cluster":
         return self if self._store is not None else self.start()

@@ -381,6 +381,16 @@ class SignedStore:
         self._store().queue_push(queue, self.sign(queue, json.dumps(value).encode()))
 
     @_store_call
+    def drain(self, queue: str) -> int:
+        """Drop what waits in ``queue``; returns how many values were dropped."""
+        store = self._store()
+        dropped = 0
+        while store.queue_len(queue):
+            store.queue_pop(queue, False)
+            dropped += 1
+        return dropped
+
+    @_store_call
     def pop_json(self, queue: str, timeout: float):
         """The next value of ``queue``, or None when none came within ``timeout`` s."""
         store = self._store()
