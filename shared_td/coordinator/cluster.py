@@ -217,6 +217,16 @@ class Cluster(ClusterRequests):
             self._stop.set()
             self._store.close()
             raise
+        try:
+            self._join()
+        except BaseException:  # refused, or a node did not join: nothing of this node is left running
+            self.shutdown()
+            raise
+        return self
+
+    def _join(self) -> None:
+        """What :meth:`start` does once this process holds the node's number: join the
+        others, then start this node's threads."""
         for queue in self._own_queues():  # what waits there was sent to this node's last process
             self._store.drain(queue)
         self._store.set_json(f"join/{self.node}", {"node": self.node, "nodes": self.nodes, "pid": os.getpid(),
@@ -244,7 +254,6 @@ class Cluster(ClusterRequests):
             thread = threading.Thread(target=target, args=args, name=f"shared_td-cluster-{name}", daemon=True)
             thread.start()
             self._threads.append(thread)
-        return self
 
     def shutdown(self) -> None:
         """Leave the cluster: stop the threads, abort the gloo groups. Idempotent.

@@ -299,6 +299,16 @@ def test_a_node_restarted_after_a_crash_takes_its_number_over_once_its_heartbeat
         crashed.close()
 
 
+def test_a_start_that_fails_frees_the_number_and_its_connections(store):
+    """A node whose peers never joined kept its store connections (and its claimed
+    number: the next try waited for its heartbeat) until someone called shutdown()."""
+    lone = Cluster(f"tcp://127.0.0.1:{store.port}?host=0", 0, 2, authkey=KEY, timeout=1.0, hostname="127.0.0.1")
+    with pytest.raises(TimeoutError, match="nodes 1 did not join"):
+        lone.start()
+    assert store.get("shared_td/claim/0") == b""  # released
+    assert lone._store._closed  # its spare connections let go
+
+
 def test_a_node_shut_down_cleanly_is_started_again_at_once(store, pair):
     owner, other = pair
     owner.publish("p", shared_td.TensorDict(x=torch.ones(2), batch_size=[2]))
