@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from shared_td.coordinator.store_host import host_tcp_store
+from shared_td.storage.counter import INT64_MAX, INT64_MIN, counter_int
 from shared_td.errors import ClusterAuthError
 
 __all__ = ["ClusterAuthError", "ClusterCounter", "SignedStore", "check_store", "cluster_key", "open_store"]
@@ -423,8 +424,19 @@ class ClusterCounter:
         self._store, self.name, self._key = store, name, f"counter/{name}"
 
     def fetch_add(self, n: int = 1) -> int:
-        """Add ``n`` and return the value before, atomically across the cluster."""
-        return self._store.add(self._key, int(n)) - int(n)
+        """Add ``n`` and return the value before, atomically across the cluster.
+        TypeError if ``n`` is not an integer (a bool counts as none: ``int(1.5)`` was
+        added before); OverflowError if the result leaves int64 (the store wraps it
+        round: the addition is taken back, and a reader in between may see the wrap)."""
+        n = counter_int(n, "n")
+        if not INT64_MIN <= n <= INT64_MAX:
+            raise OverflowError(f"SharedCounter.fetch_add({n}): n is outside the int64 range.")
+        new = self._store.add(self._key, n)
+        old = (new - n - INT64_MIN) % 2**64 + INT64_MIN  # what it held, in int64 as the store
+        if not INT64_MIN <= old + n <= INT64_MAX:
+            self._store.add(self._key, -n)
+            raise OverflowError(f"SharedCounter.fetch_add({n}) on {old} leaves the int64 range.")
+        return old
 
     @property
     def value(self) -> int:

@@ -40,9 +40,10 @@ from shared_td.platform import ByteLock, reopen_description
 from shared_td.storage.anonymous import Segment
 from shared_td.storage.cache import InodeCache
 
-__all__ = ["SharedCounter"]
+__all__ = ["INT64_MAX", "INT64_MIN", "SharedCounter", "counter_int"]
 
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+#: The range of a counter (one int64 word).
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class SharedCounter:
@@ -89,8 +90,8 @@ class SharedCounter:
         return counter(value)  # not a SharedCounter: __init__ is not called
 
     def __init__(self, value: int = 0, *, cluster=None):
-        value = _as_int(value, "value")
-        if not _INT64_MIN <= value <= _INT64_MAX:
+        value = counter_int(value, "value")
+        if not INT64_MIN <= value <= INT64_MAX:
             raise OverflowError(f"A SharedCounter holds an int64; {value} does not fit.")
         segment = Segment.create(8)
         self._adopt(segment)
@@ -123,12 +124,12 @@ class SharedCounter:
             >>> counter.fetch_add(-3), counter.value
             (10, 7)
         """
-        n = _as_int(n, "n")
+        n = counter_int(n, "n")
         self._lock.acquire()
         try:
             old = self._word.value
             new = old + n
-            if not _INT64_MIN <= new <= _INT64_MAX:
+            if not INT64_MIN <= new <= INT64_MAX:
                 raise OverflowError(
                     f"SharedCounter.fetch_add({n}) on {old} leaves the int64 range."
                 )
@@ -168,7 +169,9 @@ def _attach(segment: Segment) -> SharedCounter:
     return _COUNTERS.get_or_create(segment.key, make)
 
 
-def _as_int(value, name: str) -> int:
+def counter_int(value, name: str) -> int:
+    """``value`` as an int for a counter (any integer type; a bool counts as none):
+    TypeError naming ``name`` otherwise."""
     if isinstance(value, bool):
         raise TypeError(f"SharedCounter: {name} must be an int, not a bool.")
     try:

@@ -132,6 +132,29 @@ def test_counter_is_shared_between_stores(store):
     assert cb.value == 4
 
 
+def test_cluster_counter_refuses_what_the_local_counter_refuses(store):
+    """1.5 added 1 and "2" added 2 (int()); past int64 the store wrapped round."""
+    from shared_td.coordinator.cluster_store import ClusterCounter
+
+    counter = ClusterCounter(SignedStore(store, KEY, timeout=5), "checked")
+    local = shared_td.SharedCounter(0)
+    for wrong in (1.5, "2", True, None):
+        for each in (counter, local):
+            with pytest.raises(TypeError, match="n must be an int"):
+                each.fetch_add(wrong)
+    assert counter.value == 0
+    assert counter.fetch_add(torch.tensor(3)) == 0 and counter.fetch_add(-1) == 3  # any integer
+    top = 2**63 - 1
+    assert counter.fetch_add(top - 2) == 2 and counter.value == top
+    for each, old in ((counter, top), (local, 0)):
+        with pytest.raises(OverflowError, match="int64"):
+            each.fetch_add(2**64)
+    with pytest.raises(OverflowError, match=f"on {top} leaves the int64 range"):
+        counter.fetch_add(1)
+    assert counter.value == top  # taken back
+    assert counter.fetch_add(-top) == top and counter.value == 0
+
+
 def _start_together(members) -> list:
     """Start every member in its own thread (each waits for the others); their errors."""
     errors = []
