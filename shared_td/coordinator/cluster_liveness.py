@@ -22,7 +22,7 @@ from typing import Callable
 
 from shared_td.errors import ClusterAuthError, OwnerLostError
 
-__all__ = ["HEARTBEAT_S", "LOST_AFTER_S", "Liveness", "claim_node", "release_node"]
+__all__ = ["HEARTBEAT_S", "LOST_AFTER_S", "Liveness", "claim_node", "heartbeat_moves", "release_node"]
 
 #: Seconds between two heartbeats of a node.
 HEARTBEAT_S = 0.5
@@ -147,14 +147,23 @@ def claim_node(store, node: int) -> str:
     held = store.compare_set(key, "", token).decode()
     if held == token:
         return token
+    if heartbeat_moves(store, node):
+        raise ValueError(_same_node(node, "is running in this cluster (its heartbeat moves)"))
+    if store.compare_set(key, held, token).decode() != token:
+        raise ValueError(_same_node(node, "is being started by another process at the same time"))
+    return token
+
+
+def heartbeat_moves(store, node: int) -> bool:
+    """Whether node ``node``'s heartbeat changes within LOST_AFTER_S + HEARTBEAT_S: True
+    as soon as it does (a running node beats every HEARTBEAT_S), False once it stood
+    still that long (the node is gone, or stopped)."""
     first, end = _heartbeat(store, node), time.monotonic() + LOST_AFTER_S + HEARTBEAT_S
     while time.monotonic() < end:
         time.sleep(HEARTBEAT_S / 4)
         if _heartbeat(store, node) != first:
-            raise ValueError(_same_node(node, "is running in this cluster (its heartbeat moves)"))
-    if store.compare_set(key, held, token).decode() != token:
-        raise ValueError(_same_node(node, "is being started by another process at the same time"))
-    return token
+            return True
+    return False
 
 
 def release_node(store, node: int, token: str) -> None:

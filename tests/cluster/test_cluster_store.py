@@ -332,6 +332,26 @@ def test_a_start_that_fails_frees_the_number_and_its_connections(store):
     assert lone._store._closed  # its spare connections let go
 
 
+def test_a_name_has_one_owner_and_a_lost_owners_name_is_taken_over(pair):
+    """A second node's publish of a name made two owners (each syncing its own copy)."""
+    owner, other = pair
+    td = owner.publish("x", shared_td.TensorDict(v=torch.zeros(2), batch_size=[2]))
+    other.attach("x")
+    began = time.monotonic()
+    with pytest.raises(ValueError, match="'x' is owned by node 0.*one owner"):
+        other.publish("x", shared_td.TensorDict(v=torch.ones(2), batch_size=[2]))
+    assert time.monotonic() - began < 2  # node 0's heartbeat moves within 0.5 s
+    assert other.owner("x") == 0 and "x" not in other._owned
+    td["v"].fill_(5.0)
+    assert owner.sync("x").delivered == [1]
+    owner.publish("x", td)  # its owner publishes it again: a new generation
+    owner.shutdown()  # lost: its heartbeat stands still
+    began = time.monotonic()
+    other.publish("x", shared_td.TensorDict(v=torch.ones(2), batch_size=[2]))
+    assert 2.5 < time.monotonic() - began < 10
+    assert other.owner("x") == 1 and "x" in other._owned
+
+
 def test_a_node_shut_down_cleanly_is_started_again_at_once(store, pair):
     owner, other = pair
     owner.publish("p", shared_td.TensorDict(x=torch.ones(2), batch_size=[2]))
