@@ -507,6 +507,8 @@ class Cluster(ClusterRequests):
             raise KeyError(f"This node (node {self.node}) does not own {name!r}: only its owner syncs it.")
         store = self._checked()
         timeout = self.timeout if timeout is None else timeout
+        if not timeout > 0:  # a zero wait failed every replica's transfer, and so its pair
+            raise ValueError(f"sync({name!r}, timeout={timeout!r}): the timeout is a number of seconds above 0.")
         deadline = time.monotonic() + timeout
         owned.version += 1
         store.set_json(f"version/{name}", {"version": owned.version, "generation": owned.generation})

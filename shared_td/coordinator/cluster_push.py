@@ -82,7 +82,10 @@ def _checked_index(name: str, rep, index) -> torch.Tensor:
     from the end, as ``td[-1]``), or a boolean mask as long as that dimension. IndexError
     naming ``name`` for a row out of range or a mask of another length, ValueError for a
     slice's step below 1 (as torch's); IndexTypeError for any other index (a float one was truncated and a mask taken as rows 0 and 1 before)."""
-    rows = rep.layout["batch_size"][0] if rep.layout["batch_size"] else 0
+    if not rep.layout["batch_size"]:
+        raise IndexError(f"push({name!r}): {name!r} has no batch dimension, so no rows to push "
+                         "(pull and sync move it whole).")
+    rows = rep.layout["batch_size"][0]
     if isinstance(index, slice):
         if index.step is not None and index.step <= 0:  # as td[::-1]
             raise ValueError(f"push({name!r}): a slice's step must be greater than zero.")

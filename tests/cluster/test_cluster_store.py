@@ -352,6 +352,21 @@ def test_a_name_has_one_owner_and_a_lost_owners_name_is_taken_over(pair):
     assert other.owner("x") == 1 and "x" in other._owned
 
 
+def test_a_sync_with_no_time_is_refused_before_it_drops_anyone(pair):
+    """sync(name, timeout=0) made a new version, failed every replica's transfer (and
+    pair) and reported them dropped."""
+    owner, other = pair
+    td = owner.publish("s", shared_td.TensorDict(v=torch.zeros(2), batch_size=[2]))
+    replica = other.attach("s")
+    generation = owner._groups.generation(1)
+    for timeout in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="timeout"):
+            owner.sync("s", timeout=timeout)
+    assert owner.version("s") == 1 and owner._groups.generation(1) == generation
+    td["v"].fill_(2.0)
+    assert owner.sync("s", timeout=5.0).delivered == [1] and replica["v"].tolist() == [2.0, 2.0]
+
+
 def test_a_node_shut_down_cleanly_is_started_again_at_once(store, pair):
     owner, other = pair
     owner.publish("p", shared_td.TensorDict(x=torch.ones(2), batch_size=[2]))
@@ -542,6 +557,9 @@ def test_push_rows_are_what_indexing_selects_masks_and_slices_included():
         _checked_index("r", Replica, torch.tensor([1.7]))
     with pytest.raises(TypeError, match="'r'"):
         _checked_index("r", Replica, [0.0, 1.0])
+    Replica.layout = {"batch_size": []}
+    with pytest.raises(IndexError, match="'r' has no batch dimension"):
+        _checked_index("r", Replica, 0)
 
 
 def test_a_push_by_boolean_mask_writes_the_masked_rows(pair):
