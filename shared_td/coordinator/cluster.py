@@ -94,7 +94,7 @@ from shared_td.coordinator import cluster_layout, cluster_push
 from shared_td.coordinator import cluster_replica as replica
 from shared_td.coordinator import staleness
 from shared_td.coordinator import cluster_liveness
-from shared_td.coordinator.cluster_liveness import HEARTBEAT_S, Liveness, claim_node, release_node
+from shared_td.coordinator.cluster_liveness import HEARTBEAT_S, Liveness, claim_name, claim_node, release_node
 from shared_td.coordinator.cluster_names import LocalNames
 from shared_td.coordinator.cluster_replica import Owned, Replica
 from shared_td.coordinator.cluster_requests import ClusterRequests
@@ -315,10 +315,10 @@ class Cluster(ClusterRequests):
         non-tensor value is refused. Publishing a name again makes a new generation:
         replicas of the old one are stale (:meth:`is_stale`). A name has one owner: one
         another node owns is a ValueError while that node lives, and taken over once it
-        is lost (:meth:`_own_name`)."""
+        is lost (:func:`~shared_td.coordinator.cluster_liveness.claim_name`)."""
         store = self._checked()
         cluster_layout.check_kinds(td, name, share_non_tensor)  # before anything is mapped or published
-        self._own_name(store, name)
+        claim_name(store, self._liveness, self.node, self.nodes, name)
         td = self._memmap_here(name, td, share_non_tensor)
         layout, segment, cells = cluster_layout.describe(td, name, share_non_tensor)
         generation = store.add(f"generation/{name}", 1)
@@ -332,22 +332,6 @@ class Cluster(ClusterRequests):
                                     {"op": "renew", "name": name, "from": self.node, "generation": generation})
         store.set_json(f"version/{name}", {"version": 1, "generation": generation})
         return td
-
-    def _own_name(self, store: SignedStore, name: str) -> None:
-        """Make this node the one owner of ``name``: ``owner/<name>`` set atomically. A
-        name another node owns is refused (ValueError) while that node's heartbeat
-        moves; the name of a lost owner is taken over (a new generation: its replicas
-        renew themselves). Before, a second node's publish made two owners."""
-        mine = str(self.node)
-        held = store.compare_set(f"owner/{name}", "", mine).decode()
-        if held == mine:
-            return
-        owner = int(held) if held.isdigit() and int(held) < self.nodes else None  # None: not a node's
-        if owner is None or self._liveness.known_lost(owner) or not cluster_liveness.heartbeat_moves(store, owner):
-            if store.compare_set(f"owner/{name}", held, mine).decode() == mine:
-                return  # its owner is lost: this node takes the name over
-        raise ValueError(f"{name!r} is owned by node {held}: a name has one owner node (the others hold "
-                         f"replicas and push rows to it). Publish it again on node {held}, or under another name.")
 
     def knows(self, name: str) -> bool:
         """Whether ``name`` is published across the cluster (one store round trip)."""

@@ -9,7 +9,8 @@ A heartbeat with a wrong signature reads as no heartbeat (forged or of another c
 One process per node: a node joins by claiming ``claim/<node>`` (:func:`claim_node`), so
 that two processes given the same node number are refused instead of both running as
 that node (their requests, heartbeats and gloo pairs mixed: seen as a gloo connect
-timeout at the first transfer).
+timeout at the first transfer). One owner per name: a publish claims ``owner/<name>``
+(:func:`claim_name`). A claim held by a node whose heartbeat stands still is taken over.
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from typing import Callable
 
 from shared_td.errors import ClusterAuthError, OwnerLostError
 
-__all__ = ["HEARTBEAT_S", "LOST_AFTER_S", "Liveness", "claim_node", "heartbeat_moves", "release_node"]
+__all__ = ["HEARTBEAT_S", "LOST_AFTER_S", "Liveness", "claim_name", "claim_node", "heartbeat_moves",
+           "release_node"]
 
 #: Seconds between two heartbeats of a node.
 HEARTBEAT_S = 0.5
@@ -164,6 +166,24 @@ def heartbeat_moves(store, node: int) -> bool:
         if _heartbeat(store, node) != first:
             return True
     return False
+
+
+def claim_name(store, liveness: Liveness, node: int, nodes: int, name: str) -> None:
+    """Make node ``node`` (of ``nodes``) the one owner of the published ``name``:
+    ``owner/<name>`` set atomically. A name another node owns is refused (ValueError)
+    while that node's heartbeat moves; the name of a lost owner is taken over (its new
+    generation makes the replicas renew themselves). Before, a second node's publish
+    made two owners."""
+    key, mine = f"owner/{name}", str(node)
+    held = store.compare_set(key, "", mine).decode()
+    if held == mine:
+        return
+    owner = int(held) if held.isdigit() and int(held) < nodes else None  # None: not a node's
+    if owner is None or liveness.known_lost(owner) or not heartbeat_moves(store, owner):
+        if store.compare_set(key, held, mine).decode() == mine:
+            return  # its owner is lost: this node takes the name over
+    raise ValueError(f"{name!r} is owned by node {held}: a name has one owner node (the others hold "
+                     f"replicas and push rows to it). Publish it again on node {held}, or under another name.")
 
 
 def release_node(store, node: int, token: str) -> None:

@@ -1,0 +1,172 @@
+"""Who runs as what in a cluster: the store it can run on, one process per node number
+(claimed at start, released at shutdown, taken over after a crash), one owner node per
+published name, and start() and sync() refusing what would leave a node half made.
+Nodes of a cluster in this process, on a loopback store; every wait bounded.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("torch.distributed")
+
+import shared_td  # noqa: E402
+from shared_td.coordinator.cluster import Cluster  # noqa: E402
+from shared_td.coordinator.cluster_store import SignedStore  # noqa: E402
+from tests.cluster.test_cluster_store import KEY, _start_together, pair, store  # noqa: E402,F401 - fixtures
+
+
+def test_a_second_process_given_a_running_nodes_number_is_refused(store, pair):
+    """Two processes given node=1 both ran as node 1 (their requests and heartbeats mixed;
+    seen as a gloo connect timeout at the first transfer): the second is refused, and
+    the running node keeps serving."""
+    owner, other = pair
+    td = owner.publish("p", shared_td.TensorDict(x=torch.zeros(2), batch_size=[2]))
+    twin = Cluster(f"tcp://127.0.0.1:{store.port}?host=0", 1, 2, authkey=KEY, timeout=10.0, hostname="127.0.0.1")
+    began = time.monotonic()
+    with pytest.raises(ValueError, match="Node 1 is running in this cluster.*node=1"):
+        twin.start()
+    # seen moving within ~0.5 s (HEARTBEAT_S), not after the join timeout (10 s); the
+    # twin's first store connect can stall 5 s in a reverse DNS lookup on this machine
+    assert time.monotonic() - began < 8
+    twin.shutdown()  # nothing to stop
+    replica = other.attach("p")
+    replica["x"][1] = 4.0
+    other.push("p", [1])
+    assert td["x"].tolist() == [0.0, 4.0]
+
+
+def test_a_node_restarted_after_a_crash_takes_its_number_over_once_its_heartbeat_stood_still(store):
+    """A crashed node did not release its claim: its successor waits until the old
+    heartbeat stood still for LOST_AFTER_S, then runs as that node."""
+    from shared_td.coordinator.cluster_liveness import HEARTBEAT_S, LOST_AFTER_S
+
+    crashed = SignedStore(store, KEY, timeout=10.0)
+    crashed.compare_set("claim/1", "", "the crashed process's token")
+    crashed.set_json("hb/1", {"beat": 7, "pid": 1})
+    for queue in ("queue/1", "lane/1/0"):  # left for the crashed process: its successor must not act on them
+        crashed.push_json(queue, {"op": "not for the new process", "from": 0, "name": "p"})
+    url = f"tcp://127.0.0.1:{store.port}?host=0"
+    members = [Cluster(url, n, 2, authkey=KEY, timeout=10.0, hostname="127.0.0.1") for n in range(2)]
+    began = time.monotonic()
+    errors = _start_together(members)
+    try:
+        assert not errors, errors
+        assert LOST_AFTER_S <= time.monotonic() - began < LOST_AFTER_S + HEARTBEAT_S + 2
+        members[0].publish("p", shared_td.TensorDict(x=torch.ones(2), batch_size=[2]))
+        assert members[1].attach("p")["x"].tolist() == [1.0, 1.0]
+        members[1].publish("q", shared_td.TensorDict(y=torch.ones(2), batch_size=[2]))
+        assert members[0].attach("q")["y"].tolist() == [1.0, 1.0]  # node 1's lane serves node 0
+        assert members[1].refused == 0  # the crashed process's messages were dropped, not served
+    finally:
+        for member in members:
+            member.shutdown()
+        crashed.close()
+
+
+def test_a_start_that_fails_frees_the_number_and_its_connections(store):
+    """A node whose peers never joined kept its store connections (and its claimed
+    number: the next try waited for its heartbeat) until someone called shutdown()."""
+    lone = Cluster(f"tcp://127.0.0.1:{store.port}?host=0", 0, 2, authkey=KEY, timeout=1.0, hostname="127.0.0.1")
+    with pytest.raises(TimeoutError, match="nodes 1 did not join"):
+        lone.start()
+    assert store.get("shared_td/claim/0") == b""  # released
+    assert lone._store._closed  # its spare connections let go
+
+
+def test_a_name_has_one_owner_and_a_lost_owners_name_is_taken_over(pair):
+    """A second node's publish of a name made two owners (each syncing its own copy)."""
+    owner, other = pair
+    td = owner.publish("x", shared_td.TensorDict(v=torch.zeros(2), batch_size=[2]))
+    other.attach("x")
+    began = time.monotonic()
+    with pytest.raises(ValueError, match="'x' is owned by node 0.*one owner"):
+        other.publish("x", shared_td.TensorDict(v=torch.ones(2), batch_size=[2]))
+    assert time.monotonic() - began < 2  # node 0's heartbeat moves within 0.5 s
+    assert other.owner("x") == 0 and "x" not in other._owned
+    td["v"].fill_(5.0)
+    assert owner.sync("x").delivered == [1]
+    owner.publish("x", td)  # its owner publishes it again: a new generation
+    owner.shutdown()  # lost: its heartbeat stands still
+    began = time.monotonic()
+    other.publish("x", shared_td.TensorDict(v=torch.ones(2), batch_size=[2]))
+    assert 2.5 < time.monotonic() - began < 10
+    assert other.owner("x") == 1 and "x" in other._owned
+
+
+def test_a_sync_with_no_time_is_refused_before_it_drops_anyone(pair):
+    """sync(name, timeout=0) made a new version, failed every replica's transfer (and
+    pair) and reported them dropped."""
+    owner, other = pair
+    td = owner.publish("s", shared_td.TensorDict(v=torch.zeros(2), batch_size=[2]))
+    replica = other.attach("s")
+    generation = owner._groups.generation(1)
+    for timeout in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="timeout"):
+            owner.sync("s", timeout=timeout)
+    assert owner.version("s") == 1 and owner._groups.generation(1) == generation
+    td["v"].fill_(2.0)
+    assert owner.sync("s", timeout=5.0).delivered == [1] and replica["v"].tolist() == [2.0, 2.0]
+
+
+def test_a_node_shut_down_cleanly_is_started_again_at_once(store, pair):
+    owner, other = pair
+    owner.publish("p", shared_td.TensorDict(x=torch.ones(2), batch_size=[2]))
+    other.shutdown()
+    again = Cluster(f"tcp://127.0.0.1:{store.port}?host=0", 1, 2, authkey=KEY, timeout=10.0, hostname="127.0.0.1")
+    began = time.monotonic()
+    again.start()
+    try:
+        assert time.monotonic() - began < 2  # its claim was released: no wait for a heartbeat
+        assert again.attach("p")["x"].tolist() == [1.0, 1.0]
+        mine = again.publish("q", shared_td.TensorDict(y=torch.full((2,), 3.0), batch_size=[2]), share_non_tensor=False)
+        assert owner.attach("q")["y"].tolist() == [3.0, 3.0]  # the new node's lane serves
+        mine["y"].fill_(4.0)
+        assert again.sync("q").delivered == [0] and owner.attach("q")["y"].tolist() == [4.0, 4.0]
+        assert owner.sync("p").delivered == [1]
+    finally:
+        again.shutdown()
+
+
+def _legacy_tcp_store():
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), use_libuv=False)
+
+
+def test_stores_without_queues_are_refused_before_joining(tmp_path):
+    """A FileStore failed the first request with a bare NotImplementedError, and a legacy
+    TCPStore (use_libuv=False) dropped the connection, read as "the store's host stopped"."""
+    import torch.distributed as dist
+
+    legacy = _legacy_tcp_store()
+    cases = [(dist.FileStore(str(tmp_path / "store"), 1), "FileStore"),
+             (legacy, "use_libuv=False"), (dist.PrefixStore("p", legacy), "use_libuv=False")]
+    for store, said in cases:
+        node = Cluster(store, 0, 2, authkey=b"k" * 32, timeout=2.0)
+        with pytest.raises(ValueError, match=said):
+            node.start()
+        assert node._store is None  # nothing joined, nothing to shut down
+    assert not legacy.check(["shared_td/join/0"])  # nothing was written to it
+
+
+def test_a_torch_without_store_queues_is_refused_naming_the_version(monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.delattr(dist.Store, "queue_push")
+    with pytest.raises(RuntimeError, match=r"torch >= 2\.8.*" + torch.__version__.replace("+", r"\+")):
+        Cluster(dist.HashStore(), 0, 1, authkey=b"k" * 32, timeout=2.0).start()
+
+
+def test_a_hash_store_runs_a_one_node_cluster():
+    import torch.distributed as dist
+
+    node = Cluster(dist.HashStore(), 0, 1, authkey=b"k" * 32, timeout=5.0).start()
+    try:
+        assert node.counter("c").fetch_add(2) == 0
+    finally:
+        node.shutdown()
