@@ -583,7 +583,8 @@ def _rewrite_own_file(obj: Any, filename: Any) -> bool:
     path no longer is the file it maps (then a new file is written)."""
     layout = _layout_of(obj)
     sources = stored_leaves(obj)
-    places = ((_offset_in(layout, source), source.numel() * source.element_size()) for source in sources)
+    offsets = _leaf_offsets(sources, layout)  # every leaf is in it: obj is consolidated
+    places = zip(offsets, (source.numel() * source.element_size() for source in sources))
     path = os.path.abspath(os.fspath(filename))
     metadata = metadata_json(obj, places, _kind_name, os.fspath(filename))
     return rewrite_metadata(path, layout.buffer._backing, layout.buffer.numel(), metadata)

@@ -52,8 +52,8 @@ import torch
 import torch.distributed as dist
 
 from shared_td.coordinator.store_host import host_tcp_store
-from shared_td.storage.counter import INT64_MAX, INT64_MIN, counter_int
 from shared_td.errors import ClusterAuthError
+from shared_td.storage.counter import INT64_MAX, INT64_MIN, counter_int
 
 __all__ = ["ClusterAuthError", "ClusterCounter", "SignedStore", "check_store", "cluster_key", "open_store"]
 

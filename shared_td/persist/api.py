@@ -105,6 +105,7 @@ def _put_in_shared_memory(obj: Any) -> bool:
     device = obj.device
     return obj.is_shared() and not (device is not None and device.type == "cuda")
 
+
 def own_directory(obj: Any) -> str | None:
     """The directory ``obj`` was memory-mapped to or loaded from (None if none)."""
     return nodes.kind_for_object(obj).directory(obj)
