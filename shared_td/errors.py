@@ -119,3 +119,10 @@ class OwnerLostError(ConnectionError):
     """The node that owns a name published across machines stopped answering (no
     heartbeat in the cluster store): ``pull``, ``push`` and ``sync`` of that name fail
     with it, while the replicas stay readable with their last version."""
+
+
+class NodeTakenOverError(ConnectionError):
+    """This process no longer runs its node of a cluster: it was stopped (SIGSTOP, a
+    debugger, a frozen VM) until its heartbeat stood still long enough for another process
+    started with the same node number to take that number over. Every cluster call of
+    this process fails with it; its replicas stay readable. Shut its Coordinator down."""

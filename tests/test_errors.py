@@ -35,7 +35,8 @@ def test_every_exception_class_is_defined_in_errors_and_exported():
     assert defined == {
         "AtomicWriteError", "BatchSizeMismatchError", "ClusterAuthError", "CoordinatorTimeoutError",
         "FileTooShortError", "FormatError", "IndexTypeError", "KeyTypeError", "LockedTensorDictError",
-        "OwnerLostError", "ReadOnlyError", "SegmentUnavailableError", "StalePair", "StorageFullError", "TransferFailed",
+        "NodeTakenOverError", "OwnerLostError", "ReadOnlyError", "SegmentUnavailableError", "StalePair",
+        "StorageFullError", "TransferFailed",
     }
     for name in defined:
         assert getattr(shared_td, name) is getattr(errors, name)

@@ -39,7 +39,8 @@ blocking pop gets one: no poll; an answer that comes after its request gave up i
 skipped by its tag); a push or a sync is answered after its payload over the pair,
 signed for that request, into a receive the sender posted beside its send. A push skips
 the store once its pair is built: it goes into a receive the owner keeps posted for it
-(:mod:`~shared_td.coordinator.cluster_push`). A sender of a payload only sends after the
+(:mod:`~shared_td.coordinator.cluster_push`; a sync's sending half:
+:mod:`~shared_td.coordinator.cluster_sync`). A sender of a payload only sends after the
 receiver's request, promise or kept receive, and every wait is bounded:
 on a failure or a timeout of any stripe, every stripe's operations are ended (no
 receive stays posted), the pair's groups are closed and rebuilt by the next transfer,
@@ -88,21 +89,20 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
 
-from shared_td.coordinator import cluster_layout, cluster_push
+from shared_td.coordinator import cluster_layout, cluster_push, cluster_sync
 from shared_td.coordinator import cluster_replica as replica
 from shared_td.coordinator import staleness
-from shared_td.coordinator import cluster_liveness
-from shared_td.coordinator.cluster_liveness import HEARTBEAT_S, Liveness, claim_name, claim_node, release_node
+from shared_td.coordinator.cluster_liveness import (HEARTBEAT_S, Liveness, claim_name, claim_node, name_holder,
+                                                    release_node)
 from shared_td.coordinator.cluster_names import LocalNames
 from shared_td.coordinator.cluster_replica import Owned, Replica
 from shared_td.coordinator.cluster_requests import ClusterRequests
-from shared_td.coordinator.cluster_push import send_answered
 from shared_td.coordinator.cluster_serve import (LISTENER, POP_S, lane_queue, listen, serve_lane, serve_notices,
                                                  watch_pairs)
 from shared_td.coordinator.cluster_store import (ClusterAuthError, ClusterCounter, SignedStore, check_store,
                                                   cluster_key, open_store)
+from shared_td.coordinator.cluster_sync import SyncReport
 from shared_td.coordinator.cluster_transfer import (PairGroups, TransferFailed, stripe_count,
                                                     stripe_ranges, wait_work)
 from shared_td.coordinator.cluster_values import ClusterValues
@@ -116,16 +116,6 @@ DEFAULT_TIMEOUT = 30.0
 #: 2-core loopback (CPU-bound: 2 or 4 gave no reliable gain for a 100 MB sync); where one
 #: TCP stream is bound by the link or its latency, try more (``--only cluster_sync``).
 DEFAULT_STRIPES = 1
-
-
-@dataclass
-class SyncReport:
-    """What :meth:`Cluster.sync` did: the ``version`` sent, the nodes that have it, and
-    the nodes dropped (node -> why)."""
-
-    version: int
-    delivered: list[int] = field(default_factory=list)
-    dropped: dict[int, str] = field(default_factory=dict)
 
 
 class Cluster(ClusterRequests):
@@ -168,6 +158,8 @@ class Cluster(ClusterRequests):
         self._groups: PairGroups | None = None
         self._values: ClusterValues | None = None
         self._owned: dict[str, Owned] = {}
+        # name -> the node that took it over while this node's heartbeat stood still
+        self._taken_names: dict[str, str] = {}
         self._replicas: dict[str, Replica] = {}
         self._held: set[str] = set()  # names published on this node's Coordinator by us
         # name -> the newest generation its owner announced to this node (a renew notice):
@@ -177,7 +169,9 @@ class Cluster(ClusterRequests):
         self._tags = itertools.count(1)
         self._reply_slots = itertools.count()
         self._local = threading.local()  # each thread's reply queue
-        self._stop = threading.Event()
+        self._stop = threading.Event()  # set: this node's threads end (shutdown, or the number taken over)
+        self._closed = False  # shutdown() ran
+        self._liveness: Liveness | None = None
         self._claim: str | None = None  # this process's token in claim/<node> (cluster_liveness)
         self._threads: list[threading.Thread] = []
         self._push_lines: dict[int, cluster_push.PushLine] = {}  # owner -> this node's pushes to it
@@ -215,6 +209,7 @@ class Cluster(ClusterRequests):
             self._claim = claim_node(self._store, self.node)
         except BaseException:  # nothing of this node runs yet: no stop request may reach the other
             self._stop.set()
+            self._closed = True
             self._store.close()
             raise
         try:
@@ -232,6 +227,11 @@ class Cluster(ClusterRequests):
         self._store.set_json(f"join/{self.node}", {"node": self.node, "nodes": self.nodes, "pid": os.getpid(),
                                                    "host": socket.gethostname()})
         self._store.set_json(f"hb/{self.node}", {"beat": 0, "pid": os.getpid()})
+        # beating from now on: a join that waits long for the others must not look like
+        # a crashed node whose number another process may take over
+        self._liveness = Liveness(self._store, self.node, self._store.get_json, self._claim, self._stop,
+                                  on_confirm=self._give_up_names_taken_over)
+        self._start_thread(self._liveness.beat, (), "beat")
         others = [f"join/{n}" for n in range(self.nodes) if n != self.node]
         if others and not self._store.wait(others, self.timeout):
             missing = [k.split("/")[1] for k in others if not self._store.has(k)]
@@ -244,27 +244,31 @@ class Cluster(ClusterRequests):
         self._groups = PairGroups(self._store, self.node, timeout=self.timeout, hostname=self._hostname,
                                   alive=lambda peer: self._liveness.alive(peer),
                                   on_built=lambda peer, generation: listen(self, peer, generation))
-        self._values = ClusterValues(self._store, self.node, self.nodes, self._stop)
+        self._values = ClusterValues(self._store, self.node, self.nodes, self._stop, self._liveness.still_mine)
         #: this node's records of its unreplicated names (see cluster_names)
         self.local_names = LocalNames(self._store, self.node, self.nodes)
-        self._liveness = Liveness(self._store, self.node, self._store.get_json)
         lanes = [(serve_lane, (self, peer), f"lane-{peer}") for peer in range(self.nodes) if peer != self.node]
-        for target, args, name in [(self._liveness.beat, (self._stop,), "beat"), (serve_notices, (self,), "serve"),
-                                   (watch_pairs, (self,), "watch"), *lanes]:
-            thread = threading.Thread(target=target, args=args, name=f"shared_td-cluster-{name}", daemon=True)
-            thread.start()
-            self._threads.append(thread)
+        for target, args, name in [(serve_notices, (self,), "serve"), (watch_pairs, (self,), "watch"), *lanes]:
+            self._start_thread(target, args, name)
+
+    def _start_thread(self, target, args: tuple, name: str) -> None:
+        thread = threading.Thread(target=target, args=args, name=f"shared_td-cluster-{name}", daemon=True)
+        thread.start()
+        self._threads.append(thread)
 
     def shutdown(self) -> None:
         """Leave the cluster: stop the threads, abort the gloo groups. Idempotent.
         Replicas already attached stay readable. Node 0 usually hosts the store: the
         others lose it when it leaves."""
-        if self._store is None or self._stop.is_set():
+        if self._store is None or self._closed:
             return
+        self._closed = True
         self._stop.set()
         atexit.unregister(self.shutdown)
+        # a process whose number was taken over leaves the queues and the claim to its successor
+        mine = self._liveness is None or self._liveness.taken_over is None
         try:
-            for queue in self._own_queues():
+            for queue in self._own_queues() if mine else ():
                 self._store.push_json(queue, {"op": "stop", "from": self.node})
         except (RuntimeError, OSError):
             pass  # the store is gone; the pops fail by themselves
@@ -280,10 +284,21 @@ class Cluster(ClusterRequests):
         for thread in listeners:
             thread.join(2 * HEARTBEAT_S)
         try:
-            release_node(self._store, self.node, self._claim)
+            if mine:
+                release_node(self._store, self.node, self._claim)
         except (RuntimeError, OSError):
             pass  # the store is gone: nobody joins it again
         self._store.close()
+
+    def _give_up_names_taken_over(self) -> None:
+        """This process was stopped (or starved) past LOST_AFTER_S and still runs its node:
+        the names another node took over meanwhile (``claim_name``) are not this node's
+        any more: not synced, not served (a sync of one says who owns it)."""
+        for name in list(self._owned):
+            holder = name_holder(self._store, name, self.node)
+            if holder != str(self.node):
+                del self._owned[name]
+                self._taken_names[name] = holder
 
     def _own_queues(self) -> list[str]:
         """The store queues this node's threads pop: its service queue, a lane per peer."""
@@ -323,6 +338,7 @@ class Cluster(ClusterRequests):
         layout, segment, cells = cluster_layout.describe(td, name, share_non_tensor)
         generation = store.add(f"generation/{name}", 1)
         self._owned[name] = Owned(td, segment, layout, generation, version=1)
+        self._taken_names.pop(name, None)
         self._values.publish(name, generation, cells)  # before the name: attachers read them
         store.set_json(f"name/{name}", {"owner": self.node, "generation": generation, "layout": layout})
         if generation > 1:  # replicas of the old generation renew themselves
@@ -444,6 +460,7 @@ class Cluster(ClusterRequests):
         OwnerLostError if the owner is lost (the replica keeps what it has)."""
         if name in self._owned:
             return self._owned[name].version
+        self._checked()
         rep = self._replica(name)
         deadline = time.monotonic() + self.timeout
         if not rep.lock.acquire(timeout=self.timeout):
@@ -486,56 +503,7 @@ class Cluster(ClusterRequests):
         """On the owner: send the current contents of ``name`` to every node holding a
         replica, as a new version; returns when all have it (or were dropped: a node
         that fails or does not answer within ``timeout`` seconds)."""
-        owned = self._owned.get(name)
-        if owned is None:
-            raise KeyError(f"This node (node {self.node}) does not own {name!r}: only its owner syncs it.")
-        store = self._checked()
-        timeout = self.timeout if timeout is None else timeout
-        if not timeout > 0:  # a zero wait failed every replica's transfer, and so its pair
-            raise ValueError(f"sync({name!r}, timeout={timeout!r}): the timeout is a number of seconds above 0.")
-        deadline = time.monotonic() + timeout
-        owned.version += 1
-        store.set_json(f"version/{name}", {"version": owned.version, "generation": owned.generation})
-        report = SyncReport(owned.version)
-        targets = [n for n in range(self.nodes) if n != self.node and store.has(f"has/{name}/{n}")]
-        # lost: dropped after one more look at its heartbeat (a node that was only
-        # stopped beats again within HEARTBEAT_S), not waited for until the timeout
-        quiet = [n for n in targets if not self._alive(n)]
-        for node in self._liveness.still_lost(quiet, min(2 * HEARTBEAT_S, max(0.0, deadline - time.monotonic()))):
-            targets.remove(node)
-            report.dropped[node] = f"lost: its heartbeat stood still for {cluster_liveness.LOST_AFTER_S:g} s"
-        if not targets:
-            return report
-        payload = replica.segment_bytes(owned.segment, owned.layout["nbytes"])
-        # one replica: this thread; more: the sender threads, which keep their store
-        # connections from one sync to the next
-        if len(targets) == 1:
-            reasons = {targets[0]: self._sync_one(targets[0], name, owned, payload, deadline)}
-        else:
-            futures = {node: self._senders.submit(self._sync_one, node, name, owned, payload, deadline)
-                       for node in targets}
-            reasons = {node: future.result() for node, future in futures.items()}
-        for node, reason in reasons.items():
-            if reason is None:
-                report.delivered.append(node)
-            else:
-                report.dropped[node] = reason
-        return report
-
-    def _sync_one(self, peer: int, name: str, owned: Owned, payload, deadline: float) -> str | None:
-        try:
-            stripes = stripe_count(owned.layout["nbytes"], self.stripes)
-
-            def send():
-                tag, generation = self._request(peer, "sync", name, owned.generation, version=owned.version,
-                                                nbytes=owned.layout["nbytes"], stripes=stripes)
-                return send_answered(self, peer, generation, tag, payload, deadline,
-                                     f"sync of {name!r} to node {peer}", stripes)
-
-            self._refusal(peer, name, self._retried_if_stale(send))
-        except (TransferFailed, TimeoutError, ConnectionError, RuntimeError) as err:
-            return f"{type(err).__name__}: {err}"
-        return None
+        return cluster_sync.sync(self, name, timeout)  # see cluster_sync
 
     # ------------------------------------------------------------------ liveness
     def _alive(self, peer: int) -> bool:
@@ -577,8 +545,12 @@ class Cluster(ClusterRequests):
             return max(have.generation, self._announced.get(name, 0))
 
     def _checked(self) -> SignedStore:
+        """The store, once this node runs: RuntimeError before start(),
+        NodeTakenOverError once another process took this node's number over."""
         if self._store is None:
             raise RuntimeError("This Cluster is not started (call start()).")
+        if self._liveness is not None:
+            self._liveness.check()
         return self._store
 
 

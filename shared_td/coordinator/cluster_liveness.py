@@ -11,6 +11,15 @@ that two processes given the same node number are refused instead of both runnin
 that node (their requests, heartbeats and gloo pairs mixed: seen as a gloo connect
 timeout at the first transfer). One owner per name: a publish claims ``owner/<name>``
 (:func:`claim_name`). A claim held by a node whose heartbeat stands still is taken over.
+
+A process that was only stopped (SIGSTOP, a debugger, a frozen VM) past LOST_AFTER_S may
+find its number taken over when it runs again: every thread that is about to act as the
+node asks :meth:`Liveness.still_mine` first, which is free while this node's own
+heartbeat was written within LOST_AFTER_S - HEARTBEAT_S (nobody may take the number over
+before its heartbeat stood still that long) and otherwise beats once and reads the claim
+(and the owners of the names it owns: :func:`name_holder`). Before, such a process went
+on serving the requests and pushes meant for its successor, beating under the same
+number, and syncing names another node had taken over.
 """
 from __future__ import annotations
 
@@ -21,10 +30,10 @@ import threading
 import time
 from typing import Callable
 
-from shared_td.errors import ClusterAuthError, OwnerLostError
+from shared_td.errors import ClusterAuthError, NodeTakenOverError, OwnerLostError
 
 __all__ = ["HEARTBEAT_S", "LOST_AFTER_S", "Liveness", "claim_name", "claim_node", "heartbeat_moves",
-           "release_node"]
+           "name_holder", "release_node"]
 
 #: Seconds between two heartbeats of a node.
 HEARTBEAT_S = 0.5
@@ -42,26 +51,100 @@ class Liveness:
         node: this node's number.
         read: ``read(key)`` -> the signed JSON value at ``key`` (the cluster's guarded
             read: a lost store host raises ConnectionError).
+        claim: this process's token in ``claim/<node>`` (:func:`claim_node`).
+        stop: the cluster's stop event: ends :meth:`beat`, and is set when the number
+            was taken over.
+        on_confirm: called when :meth:`still_mine` found the number still this
+            process's after a gap (the names it owns may have been taken over meanwhile).
     """
 
-    def __init__(self, store, node: int, read: Callable[[str], dict]):
+    def __init__(self, store, node: int, read: Callable[[str], dict], claim: str | None = None,
+                 stop: threading.Event | None = None, on_confirm: Callable[[], None] = lambda: None):
         self._store, self._node, self._read = store, node, read
+        self._claim, self._stop, self._on_confirm = claim, stop or threading.Event(), on_confirm
+        self._numbers = itertools.count(1)  # this process's heartbeat numbers
+        self._confirmed_at = time.monotonic()  # see _confirm (made just after the first heartbeat)
+        self._looking = threading.Lock()  # one still_mine look at the store at a time
+        #: why this process no longer runs its node (see :meth:`still_mine`), or None
+        self.taken_over: str | None = None
         self._beats: dict[int, tuple[object, float]] = {}
         # peer -> the heartbeat it stood still at when it was found lost (still_lost, or
         # a call that failed with it: mark_lost): not waited for again until it moves
         self._found_lost: dict[int, object] = {}
         self._lock = threading.Lock()
 
-    def beat(self, stop: threading.Event) -> None:
-        """Write this node's heartbeat until ``stop`` is set or the store is gone (the
-        target of the cluster's heartbeat thread)."""
-        for number in itertools.count(1):
-            if stop.wait(HEARTBEAT_S):
-                return
+    def beat(self) -> None:
+        """Write this node's heartbeat until the stop event is set, the store is gone or
+        the number was taken over (the target of the cluster's heartbeat thread)."""
+        while not self._stop.wait(HEARTBEAT_S):
+            began = time.monotonic()
             try:
-                self._store.set_json(f"hb/{self._node}", {"beat": number, "pid": os.getpid()})
+                if not self.still_mine():
+                    return  # beating on would keep the successor's number alive for us both
+                self._write_beat()
             except (RuntimeError, OSError):
                 return  # the store is gone
+            self._confirm(began)
+
+    def _write_beat(self) -> None:
+        self._store.set_json(f"hb/{self._node}", {"beat": next(self._numbers), "pid": os.getpid()})
+
+    def _confirm(self, at: float) -> None:
+        """This process held its number at ``at`` (its heartbeat was written after, or
+        its claim read): nobody takes it over before ``at`` + LOST_AFTER_S. The time
+        taken *before* the write: a process stopped during it confirms nothing new."""
+        with self._lock:
+            self._confirmed_at = max(self._confirmed_at, at)
+
+    def still_mine(self) -> bool:
+        """Whether this process still runs its node. Free within LOST_AFTER_S -
+        HEARTBEAT_S of the last confirmation (a heartbeat written); after a longer gap
+        (the process was stopped, or starved) it reads ``claim/<node>``, writes a
+        heartbeat and reads the claim again, and if it is still this process's, runs
+        ``on_confirm`` (the cluster checks the names it owns). Once another process
+        holds the number, False for good: :attr:`taken_over` says why and the stop
+        event is set (the node's threads end; :meth:`check` raises). Callers wait while
+        one of them looks. A lost store host raises as any store call."""
+        if self.taken_over is None and time.monotonic() - self._confirmed_at < LOST_AFTER_S - HEARTBEAT_S:
+            return True
+        with self._looking:
+            gap = time.monotonic() - self._confirmed_at
+            if self.taken_over is not None or self._claim is None or gap < LOST_AFTER_S - HEARTBEAT_S:
+                return self.taken_over is None  # another caller looked meanwhile
+            began = time.monotonic()
+            # the claim, then a heartbeat (a process still watching it to take the number
+            # over sees it move and gives up), then the claim again (a takeover that
+            # ended in between): no heartbeat under a number taken over already
+            if self._holds_claim():
+                self._write_beat()
+                if self._holds_claim():
+                    self._on_confirm()
+                    self._confirm(began)
+                    return True
+            self.taken_over = (f"Node {self._node} was taken over by {self._successor()} while this process "
+                               f"(pid {os.getpid()}) was stopped for {gap:.1f} s (its heartbeat stood still past "
+                               f"{LOST_AFTER_S:g} s): this process no longer runs node {self._node}, and its "
+                               "cluster calls fail. Its replicas stay readable; shut its Coordinator down.")
+            self._stop.set()
+            return False
+
+    def _holds_claim(self) -> bool:
+        # a compare-and-set of the token with itself: one round trip that reads the
+        # claim and changes nothing (the key exists from the claim on)
+        return self._store.compare_set(f"claim/{self._node}", self._claim, self._claim).decode() == self._claim
+
+    def check(self) -> None:
+        """NodeTakenOverError unless :meth:`still_mine`."""
+        if not self.still_mine():
+            raise NodeTakenOverError(self.taken_over)
+
+    def _successor(self) -> str:
+        """Who runs this node now, as its join record says."""
+        try:
+            record = self._read(f"join/{self._node}")
+            return f"process {record['pid']} on {record['host']}"
+        except (ClusterAuthError, KeyError, TypeError, RuntimeError, OSError):
+            return "another process"
 
     def _last_beat(self, peer: int):
         """``peer``'s last heartbeat number (None if not signed with our key)."""
@@ -184,6 +267,12 @@ def claim_name(store, liveness: Liveness, node: int, nodes: int, name: str) -> N
             return  # its owner is lost: this node takes the name over
     raise ValueError(f"{name!r} is owned by node {held}: a name has one owner node (the others hold "
                      f"replicas and push rows to it). Publish it again on node {held}, or under another name.")
+
+
+def name_holder(store, name: str, node: int) -> str:
+    """Who holds ``owner/<name>`` (a node number as text): one round trip that changes
+    nothing, for a name node ``node`` claimed (:func:`claim_name`)."""
+    return store.compare_set(f"owner/{name}", str(node), str(node)).decode()
 
 
 def release_node(store, node: int, token: str) -> None:

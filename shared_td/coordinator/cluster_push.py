@@ -52,6 +52,7 @@ def push(cluster, name: str, index) -> None:
     """:meth:`Cluster.push <shared_td.coordinator.cluster.Cluster.push>`."""
     if name in cluster._owned:
         return  # the owner's replica is its own buffer: the rows are already there
+    cluster._checked()  # free, unless this process was stopped for seconds (its number may be taken over)
     rep = cluster._replica(name)
     index = _checked_index(name, rep, index)
     if not rep.leaves:

@@ -70,10 +70,15 @@ def lane_queue(node: int, peer: int) -> str:
 
 def _signed_requests(cluster, queue: str):
     """The signed requests popped from ``queue`` until the cluster stops or the store is
-    gone; a forged one (or another cluster's) is counted in ``refused``, never yielded."""
+    gone; a forged one (or another cluster's) is counted in ``refused``, never yielded.
+    One popped after this process lost its node number (it was stopped meanwhile, see
+    ``Liveness.still_mine``) goes back to the queue, for the process that runs the node now."""
     while not cluster._stop.is_set():
         try:
             request = cluster._store.pop_json(queue, POP_S)
+            if request is not None and not cluster._liveness.still_mine():
+                cluster._store.push_json(queue, request)
+                return
         except ClusterAuthError:
             cluster.refused += 1
             continue
@@ -258,6 +263,9 @@ def serve_pushes(cluster, peer: int, generation: int) -> None:
                 cluster.refused += 1
                 work = cluster._groups.listen(peer, generation, buffer)
                 continue
+            if not cluster._liveness.still_mine():  # the push was meant for this node's successor:
+                cluster._groups.fail(peer, generation)  # unanswered, the pusher retries over a new pair
+                return
             served += 1
             answer = _apply_push(cluster, peer, generation, header, buffer[HEADER_BYTES:])
             size = HEADER_BYTES + header["nbytes"]  # what the pusher expects posted next

@@ -40,6 +40,7 @@ import base64
 import pickle
 import threading
 from dataclasses import dataclass, field
+from typing import Callable
 
 __all__ = ["ClusterValues", "POLL_S"]
 
@@ -82,10 +83,15 @@ class ClusterValues:
         store: the node's :class:`~shared_td.coordinator.cluster_store.SignedStore`.
         node, nodes: this node's number and the number of nodes.
         stop: the cluster's stop event (ends the poller).
+        acting: ``acting()`` -> whether this process still runs the node (checked before
+            each look of the poller: a process whose number was taken over publishes
+            nothing more); default always.
     """
 
-    def __init__(self, store, node: int, nodes: int, stop: threading.Event):
+    def __init__(self, store, node: int, nodes: int, stop: threading.Event,
+                 acting: Callable[[], bool] = lambda: True):
         self._store, self._node, self._nodes, self._stop = store, node, nodes, stop
+        self._acting = acting
         self._tracked: dict[str, _Tracked] = {}
         # one at a time: the poller's publications and the service thread's applications
         self._lock = threading.Lock()
@@ -166,6 +172,8 @@ class ClusterValues:
             return
         while not self._stop.wait(POLL_S):
             try:
+                if not self._acting():
+                    return
                 with self._lock:
                     for name, tracked in list(self._tracked.items()):
                         for index, entry in enumerate(tracked.values):

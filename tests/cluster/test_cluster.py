@@ -295,3 +295,51 @@ def test_killed_and_stopped_nodes_leave_nothing_behind(store):
                 q.join_thread()
             del nodes, q  # a forkserver queue's named semaphores go with the objects
         assert_nothing_left(shm, tempdir, before)
+
+
+def test_a_stopped_node_whose_number_was_taken_over_stands_down_when_it_runs_again(nodes_of, store):
+    """Node 1 is stopped past LOST_AFTER_S and a new process takes its number over. When
+    the old one runs again (SIGCONT), it went on as node 1 before: its calls ran, its
+    threads served requests meant for its successor and it beat under the same number.
+    Now its calls raise NodeTakenOverError naming the successor, it no longer beats, and
+    its shutdown leaves the successor serving."""
+    from shared_td.coordinator.cluster import Cluster
+    from shared_td.coordinator.cluster_store import SignedStore
+
+    nodes = nodes_of(2)
+    nodes.ok(0, "publish", "policy", 64, 1.0)
+    nodes.ok(1, "attach", "policy")
+    old = nodes.procs[1]
+    os.kill(old.pid, signal.SIGSTOP)
+    successor = None
+    try:
+        successor = Cluster(f"tcp://127.0.0.1:{store.port}?host=0", 1, 2, authkey=KEY, timeout=15.0,
+                            hostname="127.0.0.1").start()  # after the old heartbeat stood still
+        assert successor.attach("policy")["w"][:2].tolist() == [1.0, 2.0]
+    finally:
+        os.kill(old.pid, signal.SIGCONT)
+    try:
+        answer = nodes.call(1, "pull", "policy")
+        assert answer[:2] == ("error", "NodeTakenOverError"), answer
+        assert f"process {os.getpid()}" in answer[2] and "shut its Coordinator down" in answer[2]
+        signed = SignedStore(store, KEY, timeout=10.0)
+        try:
+            beats = set()
+            for _ in range(8):  # the old process beats no more: hb/1 is the successor's
+                beats.add(signed.get_json("hb/1")["pid"])
+                time.sleep(0.2)
+        finally:
+            signed.close()
+        assert beats == {os.getpid()}
+        nodes.ok(0, "fill", "policy", 5.0)
+        assert nodes.ok(0, "sync", "policy")[1:] == ([1], [])  # delivered to the successor
+        assert successor.attach("policy")["w"][:2].tolist() == [5.0, 6.0]
+        nodes.commands[1].put(("stop",))  # the old process's shutdown: no stop reaches the successor
+        assert nodes.results[1].get(timeout=WAIT) == ("ok", "stopped")
+        assert store.get("shared_td/claim/1") == successor._claim.encode()
+        nodes.ok(0, "fill", "policy", 9.0)
+        assert nodes.ok(0, "sync", "policy")[1:] == ([1], [])
+        assert successor.attach("policy")["w"][:2].tolist() == [9.0, 10.0]
+    finally:
+        if successor is not None:
+            successor.shutdown()

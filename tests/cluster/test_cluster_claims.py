@@ -180,3 +180,81 @@ def test_a_hash_store_runs_a_one_node_cluster():
         assert node.counter("c").fetch_add(2) == 0
     finally:
         node.shutdown()
+
+
+def test_a_process_stopped_past_the_lost_time_looks_at_its_claim_before_it_acts_again(store):
+    """Nothing told a process stopped (SIGSTOP, a debugger) past LOST_AFTER_S that another
+    process had taken its node number over meanwhile: it acted as that node again. It now
+    looks at its claim first (free while it beats), and stands down if it is gone."""
+    import os
+    import threading
+
+    from shared_td.coordinator.cluster_liveness import LOST_AFTER_S, Liveness, claim_node
+
+    signed = SignedStore(store, KEY, timeout=5.0)
+    try:
+        token = claim_node(signed, 3)
+        signed.set_json("hb/3", {"beat": 0, "pid": os.getpid()})
+        looks, confirmed, stop = [], [], threading.Event()
+        compare_set = signed.compare_set
+        signed.compare_set = lambda *args: looks.append(args[0]) or compare_set(*args)
+        liveness = Liveness(signed, 3, signed.get_json, token, stop, on_confirm=lambda: confirmed.append(1))
+        assert liveness.still_mine() and looks == []  # beating: no store call
+        liveness._confirmed_at -= LOST_AFTER_S  # as after a stop: it looks, beats, looks again
+        assert liveness.still_mine() and looks == ["claim/3", "claim/3"] and confirmed == [1]
+        assert signed.get_json("hb/3")["beat"] == 1
+        assert liveness.still_mine() and len(looks) == 2  # confirmed: free again
+        # another process takes the number over while this one is stopped
+        compare_set("claim/3", token, "the successor's token")
+        signed.set_json("join/3", {"node": 3, "nodes": 4, "pid": 4242, "host": "elsewhere"})
+        signed.set_json("hb/3", {"beat": 9, "pid": 4242})
+        liveness._confirmed_at -= LOST_AFTER_S
+        assert not liveness.still_mine() and stop.is_set()
+        assert signed.get_json("hb/3") == {"beat": 9, "pid": 4242}  # no heartbeat under a number taken over
+        with pytest.raises(shared_td.NodeTakenOverError, match="taken over by process 4242 on elsewhere"):
+            liveness.check()
+        assert confirmed == [1] and len(looks) == 3  # and it stays down without asking again
+        assert not liveness.still_mine() and len(looks) == 3
+    finally:
+        signed.close()
+
+
+def test_a_node_whose_number_was_taken_over_leaves_the_requests_to_its_successor(store, pair):
+    """A request popped from a lane by a process that lost its number goes back to the
+    queue, unserved, and that process's calls fail (they ran before)."""
+    from shared_td.coordinator.cluster_liveness import LOST_AFTER_S
+
+    owner, other = pair
+    owner.publish("p", shared_td.TensorDict(x=torch.zeros(2), batch_size=[2]))
+    replica = other.attach("p")
+    store.compare_set("shared_td/claim/1", other._claim, "a successor's token")
+    other._liveness._confirmed_at -= LOST_AFTER_S  # as if it had been stopped meanwhile
+    owner._store.push_json("lane/1/0", {"op": "pull", "from": 0, "name": "p", "generation": 1, "tag": 7,
+                                        "reply": "reply/0/none", "pair": 0})
+    with pytest.raises(shared_td.NodeTakenOverError, match="Node 1 was taken over"):
+        other.pull("p")
+    deadline = time.monotonic() + 5
+    while any(t.name.endswith("lane-0") and t.is_alive() for t in other._threads) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert store.queue_len("shared_td/lane/1/0") == 1  # left for the successor
+    assert not store.check(["shared_td/reply/0/none"]) and other.refused == 0
+    assert replica["x"].tolist() == [0.0, 0.0]  # still readable
+    with pytest.raises(shared_td.NodeTakenOverError):
+        other.push("p", [0])
+    other.shutdown()
+    assert store.get("shared_td/claim/1") == b"a successor's token"  # not released by the old process
+
+
+def test_an_owner_stopped_past_the_lost_time_gives_up_the_names_taken_over(pair):
+    """A name another node took over while its owner was stopped was still synced by the
+    old owner when it ran again."""
+    from shared_td.coordinator.cluster_liveness import LOST_AFTER_S
+
+    owner, other = pair
+    owner.publish("n", shared_td.TensorDict(x=torch.zeros(2), batch_size=[2]))
+    owner.publish("kept", shared_td.TensorDict(x=torch.zeros(2), batch_size=[2]))
+    owner._store.compare_set("owner/n", "0", "1")  # node 1 took "n" over meanwhile
+    owner._liveness._confirmed_at -= LOST_AFTER_S
+    with pytest.raises(KeyError, match="does not own 'n': node 1 took it over"):
+        owner.sync("n")
+    assert owner.sync("kept").version == 2
