@@ -339,6 +339,7 @@ class Cluster(ClusterRequests):
         generation = store.add(f"generation/{name}", 1)
         self._owned[name] = Owned(td, segment, layout, generation, version=1)
         self._taken_names.pop(name, None)
+        self._replicas.pop(name, None)  # a name taken over from its lost owner: no replica of it any more
         self._values.publish(name, generation, cells)  # before the name: attachers read them
         store.set_json(f"name/{name}", {"owner": self.node, "generation": generation, "layout": layout})
         if generation > 1:  # replicas of the old generation renew themselves

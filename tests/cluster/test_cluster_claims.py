@@ -95,6 +95,8 @@ def test_a_name_has_one_owner_and_a_lost_owners_name_is_taken_over(pair):
     other.publish("x", shared_td.TensorDict(v=torch.ones(2), batch_size=[2]))
     assert 2.5 < time.monotonic() - began < 10
     assert other.owner("x") == 1 and "x" in other._owned
+    # its replica of the old owner's is gone: it counted its own name as stale before
+    assert not other.replicates("x") and not other.is_stale("x")
 
 
 def test_a_sync_with_no_time_is_refused_before_it_drops_anyone(pair):
