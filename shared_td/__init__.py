@@ -40,6 +40,7 @@ from shared_td.errors import (
     StorageFullError,
     StalePair,
     TransferFailed,
+    UnstorableValueError,
 )
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.persist.archive import is_memmap_archive
@@ -84,6 +85,7 @@ __all__ = [
     "TensorDictFuture",
     "StalePair",
     "TransferFailed",
+    "UnstorableValueError",
     "attach",
     "default_is_leaf",
     "from_dataclass",

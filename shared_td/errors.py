@@ -44,6 +44,12 @@ class IndexTypeError(TypeError, IndexError):
     raise ``IndexError``; this is a ``TypeError`` that is also an ``IndexError``."""
 
 
+class UnstorableValueError(TypeError, RuntimeError):
+    """A non-tensor value of a type the chosen format cannot hold (a value that is not
+    JSON, written by ``consolidate(filename=...)``). tensordict raises ``RuntimeError``
+    here; this is a ``TypeError`` that is also a ``RuntimeError``."""
+
+
 class FormatError(ValueError, RuntimeError):
     """A saved directory does not hold what its meta.json says (or is not one at all).
 

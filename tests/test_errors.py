@@ -36,7 +36,7 @@ def test_every_exception_class_is_defined_in_errors_and_exported():
         "AtomicWriteError", "BatchSizeMismatchError", "ClusterAuthError", "CoordinatorTimeoutError",
         "FileTooShortError", "FormatError", "IndexTypeError", "KeyTypeError", "LockedTensorDictError",
         "NodeTakenOverError", "OwnerLostError", "ReadOnlyError", "SegmentUnavailableError", "StalePair",
-        "StorageFullError", "TransferFailed",
+        "StorageFullError", "TransferFailed", "UnstorableValueError",
     }
     for name in defined:
         assert getattr(shared_td, name) is getattr(errors, name)

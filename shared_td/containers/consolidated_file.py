@@ -22,6 +22,7 @@ from typing import Any, Iterator
 
 import torch
 
+from shared_td.errors import UnstorableValueError
 from shared_td.keys import key_repr
 from shared_td.persist import atomic, nodes
 from shared_td.persist.format import dtype_name
@@ -51,11 +52,12 @@ def _json_value(value: Any, where: tuple, filename: str) -> Any:
     try:
         json.dumps(value)
     except (TypeError, ValueError) as error:
-        raise TypeError(
+        raise UnstorableValueError(
             f"consolidate(filename={filename!r}): the non-tensor value at {key_repr(where)} "
             f"(a {type(value).__name__}) cannot be written as JSON ({error}); the consolidated "
             "file keeps non-tensor values as JSON, as tensordict does. Store it as a tensor, "
-            "or save the tree with memmap(..., allow_pickle=True) instead.") from None
+            "or save the tree with memmap(prefix) instead, which pickles it (load it back with "
+            "load_memmap(prefix, allow_pickle=True)).") from None
     return value
 
 

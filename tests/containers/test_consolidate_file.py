@@ -99,6 +99,17 @@ def test_non_json_value_refused_before_anything_is_written(tmp_path):
     assert _ours(path) == []
 
 
+def test_a_value_that_is_not_json_is_the_runtime_error_tensordict_raises_with_advice_that_works(tmp_path):
+    """It was a bare TypeError (tensordict's RuntimeError handlers missed it) and advised
+    memmap(..., allow_pickle=True), a parameter memmap does not have."""
+    td = TensorDict(x=torch.zeros(2), r=b"bytes", batch_size=[2])
+    with pytest.raises(shared_td.UnstorableValueError, match=r"'r'.*memmap\(prefix\).*allow_pickle=True") as caught:
+        td.consolidate(filename=tmp_path / "td.bin")
+    assert isinstance(caught.value, RuntimeError) and isinstance(caught.value, TypeError)
+    td.memmap(tmp_path / "saved")  # the advice, followed
+    assert shared_td.load_memmap(tmp_path / "saved", allow_pickle=True)["r"] == b"bytes"
+
+
 def test_nested_key_named_like_a_metadata_field_refused(tmp_path):
     with pytest.raises(ValueError, match="'leaves'.*Rename"):
         TensorDict(leaves={"x": torch.zeros(1)}).consolidate(filename=tmp_path / "td.bin")

@@ -154,3 +154,12 @@ def test_pickle_of_a_tensordict_file_whose_data_end_inside_an_element(tmp_path):
     again = pickle.loads(pickle.dumps(loaded))
     assert again.is_consolidated()
     same(again, source)
+
+
+@pytest.mark.parametrize("lib_name", sorted(LIBS))
+def test_a_value_that_is_not_json_is_a_runtime_error_in_both(lib_name, tmp_path):
+    """What tensordict raises for a non-tensor value its file cannot hold, shared_td
+    raises too (a TypeError before: ``except RuntimeError`` written for tensordict missed it)."""
+    td = LIBS[lib_name].TensorDict(x=torch.zeros(2), r=b"bytes", batch_size=[2])
+    with pytest.raises(RuntimeError):
+        td.consolidate(filename=tmp_path / "td.bin")
