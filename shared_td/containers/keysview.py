@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 from shared_td.keys import is_nested_key, unravel_key
-from shared_td.tensorclass_protocol import unwrap_tensorclass
+from shared_td.tensorclass_protocol import is_tensorclass
 
 
 #: what KeysView.pairs gives for a value that only ``get(key)`` can give
@@ -13,10 +13,23 @@ UNSEEN = object()
 _MISSING = object()
 
 
+#: type -> whether its instances are read by peeking (see _peeks): asked once per type,
+#: not once per node of every walk (``hasattr`` of a missing name raises and catches an
+#: AttributeError: an eighth of a walk of a 1000-node tree). Cleared past _TYPES_KEPT
+#: types, so that classes made on the fly do not pile up.
+_PEEKING: dict[type, bool] = {}
+_TYPES_KEPT = 4096
+
+
 def _peeks(td: Any) -> bool:
-    """Whether ``td`` is a lazy stack, read by peeking at its members (asked of the
-    class: a failed lookup on the instance raises and catches an AttributeError)."""
-    return hasattr(type(td), "_peek_str")
+    """Whether ``td`` is a lazy stack, read by peeking at its members."""
+    cls = type(td)
+    peeks = _PEEKING.get(cls)
+    if peeks is None:
+        if len(_PEEKING) > _TYPES_KEPT:
+            _PEEKING.clear()
+        peeks = _PEEKING[cls] = hasattr(cls, "_peek_str")
+    return peeks
 
 
 def _first(pair: tuple) -> Any:
@@ -55,17 +68,18 @@ class KeysView:
             pairs = iter(sorted(pairs, key=lambda pair: (pair[0],) if isinstance(pair[0], str) else pair[0]))
         return pairs
 
-    def _kind(self, cls: type, kinds: dict) -> tuple[bool, bool]:
-        """Whether a value of type ``cls`` is listed, and whether the walk goes into it;
-        kept in ``kinds`` for the rest of one walk (``is_leaf`` is given the type only,
-        and a 1000-node tree has two types: asking per value was most of its walk)."""
+    def _kind(self, cls: type, kinds: dict) -> tuple[bool, bool, bool]:
+        """Whether a value of type ``cls`` is listed, whether the walk goes into it, and
+        whether it is a tensorclass (the walk goes into its tensordict); kept in
+        ``kinds`` for the rest of one walk (``is_leaf`` is given the type only, and a
+        1000-node tree has two types: asking per value was most of its walk)."""
         from shared_td.containers.base import default_is_leaf, is_non_tensor_class
 
         leaf = bool((self._is_leaf or default_is_leaf)(cls))
         # a tensor collection (what default_is_leaf is not) other than a non-tensor
         # container, which has no keys to walk into
         walked = not leaf and self._include_nested and not default_is_leaf(cls) and not is_non_tensor_class(cls)
-        kinds[cls] = kind = (leaf or not self._leaves_only, walked)
+        kinds[cls] = kind = (leaf or not self._leaves_only, walked, is_tensorclass(cls))
         return kind
 
     @staticmethod
@@ -80,12 +94,13 @@ class KeysView:
     def _walk(self, td: Any, prefix: tuple, exact: bool, kinds: dict, parents_last: bool) -> Iterator:
         entries, exact = self._entries(td, exact)
         for key, value in entries:
-            listed, walked = kinds.get(type(value)) or self._kind(type(value), kinds)
+            listed, walked, wrapped = kinds.get(type(value)) or self._kind(type(value), kinds)
             pair = (prefix + (key,) if prefix else key), (value if exact else UNSEEN)
             if listed and not (walked and parents_last):
                 yield pair
             if walked:
-                yield from self._walk(unwrap_tensorclass(value), prefix + (key,), exact, kinds, parents_last)
+                yield from self._walk(value._tensordict if wrapped else value, prefix + (key,), exact, kinds,
+                                      parents_last)
                 if listed and parents_last:
                     yield pair
 
@@ -94,10 +109,10 @@ class KeysView:
         asks ``len()`` before it iterates: counting by iterating walked the tree twice)."""
         count = 0
         for _key, value in self._entries(td, True)[0]:
-            listed, walked = kinds.get(type(value)) or self._kind(type(value), kinds)
+            listed, walked, wrapped = kinds.get(type(value)) or self._kind(type(value), kinds)
             count += listed
             if walked:
-                count += self._count(unwrap_tensorclass(value), kinds)
+                count += self._count(value._tensordict if wrapped else value, kinds)
         return count
 
     def __len__(self) -> int:
@@ -118,12 +133,12 @@ class KeysView:
             value = (node._peek_str if _peeks(node) else node._get_str)(part, _MISSING)
             if value is _MISSING:
                 return False
-            listed, walked = kinds.get(type(value)) or self._kind(type(value), kinds)
+            listed, walked, wrapped = kinds.get(type(value)) or self._kind(type(value), kinds)
             if depth == len(path) - 1:
                 return listed
             if not walked:
                 return False
-            node = unwrap_tensorclass(value)
+            node = value._tensordict if wrapped else value
         return False
 
     def __repr__(self) -> str:

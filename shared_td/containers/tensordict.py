@@ -124,7 +124,10 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, IndexWrites, TensorMetho
         return iter(list(self._tensordict))
 
     def _items_str(self):
-        return iter(list(self._tensordict.items()))
+        # over a copy (one C call, as atomic as list(items()) under the GIL): entries
+        # set or deleted meanwhile do not break the iteration; no tuple is made ahead
+        # (a walk of a 1000-node tree spent a third of its time making them)
+        return iter(self._tensordict.copy().items())
 
     def _collection_children(self) -> list:
         """LockingOps's, over the entries themselves: lock_() and unlock_() of a tree

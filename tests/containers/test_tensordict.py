@@ -208,6 +208,22 @@ def test_keys_values_items():
     assert not default_is_leaf(TensorDict) and is_leaf_nontensor(NonTensorData)
 
 
+def test_a_walk_lists_the_entries_as_they_were_when_it_reached_each_node():
+    """Entries set or deleted while the keys, values or items are walked do not break
+    the walk (each node's entries are read as one copy when the walk reaches it)."""
+    td = make_td()
+    seen = []
+    for key, _value in td.items(True, True):
+        seen.append(key)
+        td[f"added_{len(seen)}"] = torch.zeros(3)  # a dict iterated directly raises here
+        td.pop("reward", None)
+    assert seen == ["obs", ("nested", "x"), "reward"]
+    assert {"added_1", "added_2", "added_3"} <= set(td.keys()) and "reward" not in td.keys()
+    for key in td.keys(True):
+        td.pop(key) if isinstance(key, str) else None
+    assert list(td.keys()) == []
+
+
 # ----------------------------------------------------------------------------- update
 def test_update_merges_nested():
     td = make_td()
