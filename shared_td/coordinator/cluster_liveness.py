@@ -131,7 +131,8 @@ class Liveness:
     def _holds_claim(self) -> bool:
         # a compare-and-set of the token with itself: one round trip that reads the
         # claim and changes nothing (the key exists from the claim on)
-        return self._store.compare_set(f"claim/{self._node}", self._claim, self._claim).decode() == self._claim
+        held = self._store.compare_set(f"claim/{self._node}", self._claim, self._claim)
+        return held == self._claim.encode()
 
     def check(self) -> None:
         """NodeTakenOverError unless :meth:`still_mine`."""
@@ -272,7 +273,7 @@ def claim_name(store, liveness: Liveness, node: int, nodes: int, name: str) -> N
 def name_holder(store, name: str, node: int) -> str:
     """Who holds ``owner/<name>`` (a node number as text): one round trip that changes
     nothing, for a name node ``node`` claimed (:func:`claim_name`)."""
-    return store.compare_set(f"owner/{name}", str(node), str(node)).decode()
+    return store.compare_set(f"owner/{name}", str(node), str(node)).decode(errors="replace")
 
 
 def release_node(store, node: int, token: str) -> None:
