@@ -260,3 +260,24 @@ def test_an_owner_stopped_past_the_lost_time_gives_up_the_names_taken_over(pair)
     with pytest.raises(KeyError, match="does not own 'n': node 1 took it over"):
         owner.sync("n")
     assert owner.sync("kept").version == 2
+
+
+def test_a_claim_that_is_not_text_reads_as_another_holder(store):
+    """A claim or an owner record that is not UTF-8 (something else writes to the store)
+    raised UnicodeDecodeError out of the look, which ended the heartbeat thread."""
+    import threading
+
+    from shared_td.coordinator.cluster_liveness import LOST_AFTER_S, Liveness, claim_node, name_holder
+
+    signed = SignedStore(store, KEY, timeout=5.0)
+    try:
+        token = claim_node(signed, 5)
+        signed.set_json("join/5", {"node": 5, "nodes": 6, "pid": 1, "host": "h"})
+        liveness = Liveness(signed, 5, signed.get_json, token, threading.Event())
+        store.set("shared_td/claim/5", b"\xff\xfe")
+        liveness._confirmed_at -= LOST_AFTER_S
+        assert not liveness.still_mine() and "taken over" in liveness.taken_over
+        store.set("shared_td/owner/n", b"\xff")
+        assert name_holder(signed, "n", 5) == "\ufffd"
+    finally:
+        signed.close()
