@@ -13,13 +13,36 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["is_tensorclass", "unwrap_tensorclass"]
+__all__ = ["is_tensorclass", "mark_tensorclass", "unwrap_tensorclass"]
+
+
+#: type -> whether it is a tensorclass (``_marked``): asked once per type, not
+#: once per node of every walk (a class without the mark raises and catches an
+#: AttributeError inside getattr). Cleared past _TYPES_KEPT types, so that classes made
+#: on the fly do not pile up.
+_TENSORCLASS_TYPES: dict[type, bool] = {}
+_TYPES_KEPT = 4096
+
+
+def _marked(cls: type) -> bool:
+    marked = _TENSORCLASS_TYPES.get(cls)
+    if marked is None:
+        if len(_TENSORCLASS_TYPES) > _TYPES_KEPT:
+            _TENSORCLASS_TYPES.clear()
+        marked = _TENSORCLASS_TYPES[cls] = bool(getattr(cls, "_is_tensorclass", False))
+    return marked
 
 
 def is_tensorclass(obj: Any) -> bool:
     """True for a tensorclass (the class or an instance)."""
-    cls = obj if isinstance(obj, type) else type(obj)
-    return bool(getattr(cls, "_is_tensorclass", False))
+    return _marked(obj if isinstance(obj, type) else type(obj))
+
+
+def mark_tensorclass(cls: type) -> None:
+    """Make ``cls`` a tensorclass (the decorator's last step; a class seen before it was
+    decorated is not remembered as a plain class)."""
+    cls._is_tensorclass = True
+    _TENSORCLASS_TYPES[cls] = True
 
 
 def unwrap_tensorclass(value: Any) -> Any:
@@ -39,4 +62,4 @@ def unwrap_tensorclass(value: Any) -> Any:
         >>> unwrap_tensorclass(td) is td
         True
     """
-    return value._tensordict if getattr(type(value), "_is_tensorclass", False) else value
+    return value._tensordict if _marked(type(value)) else value

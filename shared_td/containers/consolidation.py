@@ -45,6 +45,7 @@ from shared_td.persist import nodes, writer
 from shared_td.persist.future import TensorDictFuture
 from shared_td.storage import files
 from shared_td.storage.anonymous import Segment, align
+from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 _BYTE = torch.uint8
 _CPU = torch.device("cpu")
@@ -65,11 +66,6 @@ def _kind_name(node: Any) -> str:
 
 def _is_non_tensor_kind(name: str) -> bool:
     return name in (nodes.NON_TENSOR_DATA, nodes.NON_TENSOR_STACK)
-
-
-def _inner(obj: Any) -> Any:
-    """The object that carries the layout: a tensorclass instance's tensordict, else obj."""
-    return obj._tensordict if getattr(type(obj), "_is_tensorclass", False) else obj
 
 
 # ----------------------------------------------------------------------------- walks
@@ -133,7 +129,7 @@ def _build(node: Any, views: Iterator[torch.Tensor], layout: Layout, moved_to: t
                 entries[key] = next(views)
             else:
                 entries[key] = built = _build(value, views, layout, moved_to)
-                children.append(_inner(built))
+                children.append(unwrap_tensorclass(built))
         if moved_to is not None:
             device = moved_to
         else:
@@ -456,7 +452,7 @@ class ConsolidateMethods:
                 result = self
             else:
                 result = _build(self, iter(leaves), layout)
-            _inner(result).__dict__.setdefault("_consolidated", layout)  # a non-tensor root
+            unwrap_tensorclass(result).__dict__.setdefault("_consolidated", layout)  # a non-tensor root
             return result
 
         if return_early and threads > 1:
@@ -556,7 +552,7 @@ def moved_consolidated(obj: Any, device: torch.device, non_blocking: bool) -> An
     if buffer.is_cpu:  # a plain buffer: it pickles with the tree (consolidated_pickle)
         moved_layout.record(views, entries=entries, runs=runs)
     result = _build(obj, iter(views), moved_layout, moved_to=device)
-    _inner(result).__dict__.setdefault("_consolidated", moved_layout)
+    unwrap_tensorclass(result).__dict__.setdefault("_consolidated", moved_layout)
     return result
 
 
@@ -614,4 +610,4 @@ def _offset_in(layout: Layout, leaf: torch.Tensor) -> int | None:
 
 
 def _layout_of(obj: Any) -> Layout | None:
-    return _inner(obj).__dict__.get("_consolidated")
+    return unwrap_tensorclass(obj).__dict__.get("_consolidated")

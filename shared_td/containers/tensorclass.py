@@ -29,6 +29,7 @@ from shared_td.containers.nontensor import NonTensorData
 from shared_td.containers.tensordict import TensorDict
 from shared_td.containers.tensorclass_members import MEMBERS, _no_field_message, _store, is_tensorclass
 from shared_td.errors import BatchSizeMismatchError
+from shared_td.tensorclass_protocol import mark_tensorclass
 
 __all__ = ["TensorClass", "from_dataclass", "tensorclass", "is_tensorclass", "tensorclass_for_type_string"]
 
@@ -268,7 +269,7 @@ def _make_tensorclass(cls: type, *, frozen, nocast, shadow, skip_post_init, kw_o
         cls.__init__ = _make_init(cls, fields)
     if "__hash__" not in defined:
         cls.__hash__ = None
-    cls._is_tensorclass = True
+    mark_tensorclass(cls)
     cls._tc_fields = fields
     cls._tc_field_names = frozenset(f.name for f in fields)
     cls._frozen, cls._nocast, cls._shadow = frozen, nocast, shadow

@@ -596,3 +596,20 @@ def test_torch_multiprocessing_shares_storage(method):
     proc.join(30)
     assert proc.exitcode == 0
     assert (x.obs == 7).all()
+
+
+def test_a_class_seen_before_it_was_decorated_is_a_tensorclass_after():
+    """Whether a class is a tensorclass is remembered per class (a walk asked it of
+    every node): a class met before the decorator made it one must not stay a plain one."""
+    from shared_td import tensorclass_protocol
+
+    class Late:
+        obs: torch.Tensor
+
+    plain = Late()
+    assert not tensorclass_protocol.is_tensorclass(Late) and tensorclass_protocol.unwrap_tensorclass(plain) is plain
+    decorated = tensorclass(Late)
+    assert decorated is Late and tensorclass_protocol.is_tensorclass(Late)
+    step = Late(obs=torch.zeros(2, 3), batch_size=[2])
+    assert tensorclass_protocol.unwrap_tensorclass(step) is step._tensordict
+    assert list(TensorDict(s=step, batch_size=[2]).keys(True, True)) == [("s", "obs")]
