@@ -1,7 +1,9 @@
 """Benchmark case ``tree_walk``: listing the keys and the items of the N-node tree, as
 ported code does in every loop over a tensordict (``for key, value in
 td.items(True, True)``), against a walk of the same tree as plain nested dicts, which
-yields the same tuple keys (the floor of any tree walk in Python).
+yields the same tuple keys (the floor of any tree walk in Python); and building the
+tree from those nested dicts (``TensorDict(nested, batch_size)``, what code does for
+every new tensordict), per build.
 """
 from __future__ import annotations
 
@@ -45,4 +47,6 @@ def case_tree_walk(options, root: str) -> dict:
                                     _walks(lambda td: list(td.keys(True, True))))
         variants[f"{name} items"] = (lambda lib=lib: build_tree(lib, options.nodes),
                                      _walks(lambda td: list(td.items(True, True))))
+        variants[f"{name} build from dicts"] = (
+            plain, _walks(lambda tree, lib=lib: lib.TensorDict(tree, batch_size=[4])))
     return {column: seconds / _WALKS for column, seconds in best_of_each(options.repeat, variants).items()}

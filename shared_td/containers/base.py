@@ -25,7 +25,7 @@ from shared_td.containers.splitting import BatchSplitOps
 from shared_td.errors import BatchSizeMismatchError
 from shared_td.keys import NestedKey, is_nested_key, key_repr, unravel_key
 from shared_td.containers.memmap_methods import MemmapMethods
-from shared_td.tensorclass_protocol import unwrap_tensorclass
+from shared_td.tensorclass_protocol import is_tensorclass, unwrap_tensorclass
 
 NO_DEFAULT = object()
 
@@ -49,7 +49,7 @@ def on_cuda(device: torch.device | None) -> bool:
 
 def is_tensor_collection(value: Any) -> bool:
     """True for tensordicts, tensorclass instances and non-tensor containers."""
-    return isinstance(value, TensorDictBase) or getattr(type(value), "_is_tensorclass", False)
+    return isinstance(value, TensorDictBase) or is_tensorclass(value)
 
 
 def is_non_tensor(value: Any) -> bool:
@@ -71,7 +71,7 @@ def default_is_leaf(cls: type) -> bool:
         >>> default_is_leaf(torch.Tensor), default_is_leaf(NonTensorData), default_is_leaf(TensorDict)
         (True, False, False)
     """
-    return not (issubclass(cls, TensorDictBase) or getattr(cls, "_is_tensorclass", False))
+    return not (issubclass(cls, TensorDictBase) or is_tensorclass(cls))
 
 
 def is_leaf_nontensor(cls: type) -> bool:
@@ -263,6 +263,9 @@ class TensorDictBase(LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, Me
             BatchSizeMismatchError: (ValueError/RuntimeError) when the value's leading
                 dims differ from the batch size.
         """
+        if isinstance(key, str):  # a key of this node: no path to walk (most calls)
+            self._set_str(key, value, inplace=inplace, validated=False)
+            return self
         path = unravel_key(key)
         parent = self._parent_for_write(path, create=True)
         parent._set_str(path[-1], value, inplace=inplace, validated=False)

@@ -153,7 +153,7 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, IndexWrites, TensorMetho
             _write_into(current, value, key)
             return
         self._check_unlocked((key,), "add" if current is None else "replace")
-        if is_tensor_collection(value):
+        if not isinstance(value, torch.Tensor) and is_tensor_collection(value):
             self._adopt_names(key, value)
         self._tensordict[key] = value
 
@@ -163,9 +163,11 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, IndexWrites, TensorMetho
         ``into`` is the entry an in-place write goes to: a Python value written into a
         non-tensor entry stays Python data (``True`` is not turned into a tensor).
         """
+        if isinstance(value, torch.Tensor):  # most entries: none of the conversions below applies
+            return self._fitted(key, value, value.shape)
         from shared_td.containers.nontensor import NonTensorData, NonTensorStack
 
-        if is_non_tensor(into) and not isinstance(value, torch.Tensor) and not is_tensor_collection(value):
+        if into is not None and is_non_tensor(into) and not is_tensor_collection(value):
             if isinstance(into, NonTensorStack):
                 return value  # per-element values, checked by the stack itself
             return NonTensorData(value, batch_size=self._batch_size, device=self._device)
@@ -184,8 +186,12 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, IndexWrites, TensorMetho
             value = NonTensorData(value, batch_size=self._batch_size, device=self._device)
         if is_non_tensor(value) and value.batch_size != self._batch_size:
             value = value._with_batch_size(self._batch_size, key)
-        shape = value.batch_size if is_tensor_collection(value) else value.shape
-        if shape[: self.batch_dims] != self._batch_size:
+        return self._fitted(key, value, value.batch_size if is_tensor_collection(value) else value.shape)
+
+    def _fitted(self, key: str, value: Any, shape: torch.Size) -> Any:
+        """``value`` (of leading ``shape``) checked against the batch size, on this
+        tensordict's device."""
+        if shape[: len(self._batch_size)] != self._batch_size:
             raise BatchSizeMismatchError(
                 f"Batch dimension mismatch for key {key!r}: the value has shape "
                 f"{list(shape)} but the tensordict has batch_size {list(self._batch_size)}; "
