@@ -540,9 +540,10 @@ class TensorDictBase(LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, Me
     def to_dict(self) -> dict:
         """A nested dict of the entries (non-tensors as their Python values)."""
         out = {}
-        for key in self._keys_str():
-            value = self._get_str(key, None)
-            if is_non_tensor(value):
+        for key, value in self._items_str():
+            if isinstance(value, torch.Tensor):  # most entries: no class to ask about
+                out[key] = value
+            elif is_non_tensor(value):
                 out[key] = value._python_value()
             elif is_tensor_collection(value):
                 out[key] = value.to_dict()

@@ -325,22 +325,21 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, IndexWrites, TensorMetho
         new_batch = self._batch_size if batch_size is None else batch_ops.as_batch_size(batch_size)
         entries = {}
         for key, value in self._tensordict.items():
-            path = _prefix + (key,)
             other_values = [o.get(key) for o in others]
-            if is_non_tensor(value):
+            tensor = isinstance(value, torch.Tensor)  # most entries: no class to ask about
+            if not tensor and is_non_tensor(value):
                 result = value if new_batch == self._batch_size else value._with_batch_size(new_batch, key)
-            elif is_tensor_collection(value):
+            elif not tensor and is_tensor_collection(value):
                 inner = unwrap_tensorclass(value)
                 result = inner.named_apply(
                     fn, *other_values, nested_keys=nested_keys,
                     batch_size=None if batch_size is None else new_batch,
-                    inplace=inplace, _prefix=path,
+                    inplace=inplace, _prefix=_prefix + (key,),
                 )
                 if inner is not value:
                     result = value._from_tensordict(result)
             else:
-                name = path if nested_keys and len(path) > 1 else key
-                result = fn(name, value, *other_values)
+                result = fn(_prefix + (key,) if nested_keys and _prefix else key, value, *other_values)
             if result is not None:
                 entries[key] = result
         if inplace:
