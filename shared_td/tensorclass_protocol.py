@@ -11,26 +11,18 @@ below them use the same two functions.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 __all__ = ["is_tensorclass", "mark_tensorclass", "unwrap_tensorclass"]
 
 
-#: type -> whether it is a tensorclass (``_marked``): asked once per type, not
-#: once per node of every walk (a class without the mark raises and catches an
-#: AttributeError inside getattr). Cleared past _TYPES_KEPT types, so that classes made
-#: on the fly do not pile up.
-_TENSORCLASS_TYPES: dict[type, bool] = {}
-_TYPES_KEPT = 4096
-
-
+# asked once per class, not once per node of every walk (a class without the mark raises
+# and catches an AttributeError inside getattr); bounded, so that classes made on the fly
+# do not pile up
+@functools.lru_cache(maxsize=4096)
 def _marked(cls: type) -> bool:
-    marked = _TENSORCLASS_TYPES.get(cls)
-    if marked is None:
-        if len(_TENSORCLASS_TYPES) > _TYPES_KEPT:
-            _TENSORCLASS_TYPES.clear()
-        marked = _TENSORCLASS_TYPES[cls] = bool(getattr(cls, "_is_tensorclass", False))
-    return marked
+    return bool(getattr(cls, "_is_tensorclass", False))
 
 
 def is_tensorclass(obj: Any) -> bool:
@@ -42,7 +34,7 @@ def mark_tensorclass(cls: type) -> None:
     """Make ``cls`` a tensorclass (the decorator's last step; a class seen before it was
     decorated is not remembered as a plain class)."""
     cls._is_tensorclass = True
-    _TENSORCLASS_TYPES[cls] = True
+    _marked.cache_clear()
 
 
 def unwrap_tensorclass(value: Any) -> Any:

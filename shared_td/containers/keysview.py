@@ -1,6 +1,7 @@
 """The object returned by ``td.keys()``: iterable, sized, and ``in`` understands nested keys."""
 from __future__ import annotations
 
+import functools
 from typing import Any, Iterator
 
 from shared_td.keys import is_nested_key, unravel_key
@@ -13,23 +14,12 @@ UNSEEN = object()
 _MISSING = object()
 
 
-#: type -> whether its instances are read by peeking (see _peeks): asked once per type,
-#: not once per node of every walk (``hasattr`` of a missing name raises and catches an
-#: AttributeError: an eighth of a walk of a 1000-node tree). Cleared past _TYPES_KEPT
-#: types, so that classes made on the fly do not pile up.
-_PEEKING: dict[type, bool] = {}
-_TYPES_KEPT = 4096
-
-
-def _peeks(td: Any) -> bool:
-    """Whether ``td`` is a lazy stack, read by peeking at its members."""
-    cls = type(td)
-    peeks = _PEEKING.get(cls)
-    if peeks is None:
-        if len(_PEEKING) > _TYPES_KEPT:
-            _PEEKING.clear()
-        peeks = _PEEKING[cls] = hasattr(cls, "_peek_str")
-    return peeks
+@functools.lru_cache(maxsize=4096)
+def _peeks(cls: type) -> bool:
+    """Whether instances of ``cls`` are lazy stacks, read by peeking at their members.
+    Asked once per class, not once per node of every walk (``hasattr`` of a missing
+    name raises and catches an AttributeError: an eighth of a walk of a 1000-node tree)."""
+    return hasattr(cls, "_peek_str")
 
 
 def _first(pair: tuple) -> Any:
@@ -87,7 +77,7 @@ class KeysView:
         """``(key, value)`` of node ``td``, and whether the values are what ``get`` gives:
         a lazy stack peeks at its members instead of stacking every value, so what its
         walk finds (and all below it) is not."""
-        if not _peeks(td):
+        if not _peeks(type(td)):
             return td._items_str(), exact
         return ((key, td._peek_str(key, None)) for key in td._keys_str()), False
 
@@ -130,7 +120,7 @@ class KeysView:
             return False
         kinds, node = {}, self._td
         for depth, part in enumerate(path):
-            value = (node._peek_str if _peeks(node) else node._get_str)(part, _MISSING)
+            value = (node._peek_str if _peeks(type(node)) else node._get_str)(part, _MISSING)
             if value is _MISSING:
                 return False
             listed, walked, wrapped = kinds.get(type(value)) or self._kind(type(value), kinds)

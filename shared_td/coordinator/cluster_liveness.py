@@ -129,10 +129,7 @@ class Liveness:
             return False
 
     def _holds_claim(self) -> bool:
-        # a compare-and-set of the token with itself: one round trip that reads the
-        # claim and changes nothing (the key exists from the claim on)
-        held = self._store.compare_set(f"claim/{self._node}", self._claim, self._claim)
-        return held == self._claim.encode()
+        return _holder(self._store, f"claim/{self._node}", self._claim) == self._claim.encode()
 
     def check(self) -> None:
         """NodeTakenOverError unless :meth:`still_mine`."""
@@ -273,7 +270,14 @@ def claim_name(store, liveness: Liveness, node: int, nodes: int, name: str) -> N
 def name_holder(store, name: str, node: int) -> str:
     """Who holds ``owner/<name>`` (a node number as text): one round trip that changes
     nothing, for a name node ``node`` claimed (:func:`claim_name`)."""
-    return store.compare_set(f"owner/{name}", str(node), str(node)).decode(errors="replace")
+    return _holder(store, f"owner/{name}", str(node)).decode(errors="replace")
+
+
+def _holder(store, key: str, mine: str) -> bytes:
+    """What ``key`` holds, read by a compare-and-set of ``mine`` with itself: one round
+    trip that changes nothing (a claim's key exists from the claim on; for a missing
+    key the store answers ``mine``)."""
+    return store.compare_set(key, mine, mine)
 
 
 def release_node(store, node: int, token: str) -> None:

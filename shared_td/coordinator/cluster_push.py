@@ -82,7 +82,8 @@ def _checked_index(name: str, rep, index) -> torch.Tensor:
     an int, a slice or range, ints in a sequence, tensor or array (negative ones counted
     from the end, as ``td[-1]``), or a boolean mask as long as that dimension. IndexError
     naming ``name`` for a row out of range or a mask of another length, ValueError for a
-    slice's step below 1 (as torch's); IndexTypeError for any other index (a float one was truncated and a mask taken as rows 0 and 1 before)."""
+    slice's step below 1 (as torch's); IndexTypeError for any other index (a float one
+    was truncated and a mask taken as rows 0 and 1 before)."""
     if not rep.layout["batch_size"]:
         raise IndexError(f"push({name!r}): {name!r} has no batch dimension, so no rows to push "
                          "(pull and sync move it whole).")
