@@ -182,7 +182,8 @@ def test_threads_copy_every_kind_of_leaf(mode, tmp_path):
 
 
 # ----------------------------------------------------------------------------- pin_memory
-@pytest.mark.skipif(torch.accelerator.is_available(), reason="this machine can pin memory")
+@pytest.mark.skipif(torch.accelerator.is_available(),
+                    reason="checks the error where memory cannot be pinned; this machine has an accelerator and can")
 @pytest.mark.parametrize("lib", _libraries())
 def test_pin_memory_without_an_accelerator_is_a_runtime_error(lib, tmp_path):
     with pytest.raises(RuntimeError, match="accelerator"):
@@ -194,7 +195,8 @@ def test_pin_memory_without_an_accelerator_is_a_runtime_error(lib, tmp_path):
     assert result.is_consolidated()
 
 
-@pytest.mark.skipif(torch.accelerator.is_available(), reason="this machine can pin memory")
+@pytest.mark.skipif(torch.accelerator.is_available(),
+                    reason="checks the error where memory cannot be pinned; this machine has an accelerator and can")
 def test_pin_memory_error_names_the_fix():
     with pytest.raises(RuntimeError, match="without pin_memory=True"):
         _tree(__import__("shared_td")).consolidate(pin_memory=True)
