@@ -195,6 +195,11 @@ class Archive:
         if local_name.decode("utf-8" if flags & 0x800 else "cp437", "replace") != info.orig_filename:
             raise self.error(name, "its local header names another file")
         offset = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+        if info.compress_type == zipfile.ZIP_STORED and info.compress_size != info.file_size:
+            # a stored payload is mapped as file_size bytes: more than it holds would
+            # read whatever follows it (the next member, the central directory)
+            raise self.error(name, f"it is stored uncompressed, yet its sizes disagree ({info.compress_size} "
+                             f"bytes stored, {info.file_size} announced): the archive is damaged")
         if offset + info.compress_size > size:
             raise self.error(name, f"its payload runs past the end of the file ({size} bytes): "
                              "the archive is truncated")

@@ -116,3 +116,28 @@ def test_member_shorter_than_its_shape(tmp_path):
         load_memmap(path)
 
 
+
+
+def _announce_size(path, member: str, size: int) -> None:
+    """Make the local and central headers of ``member`` announce ``size`` uncompressed
+    bytes (its stored bytes and CRC unchanged)."""
+    data = bytearray(path.read_bytes())
+    with zipfile.ZipFile(path) as zf:
+        info, start = zf.getinfo(member), zf.start_dir
+    data[info.header_offset + 22: info.header_offset + 26] = size.to_bytes(4, "little")
+    at = data.index(member.encode(), start) - 46  # its central record
+    assert data[at:at + 4] == b"PK\x01\x02"
+    data[at + 24: at + 28] = size.to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+
+
+def test_stored_member_whose_sizes_disagree(tmp_path):
+    # 8 bytes stored, 16 announced, as the shape asks: mapped as 16 bytes, the leaf read
+    # the central directory after them (and verify passed: the CRC of the 8 matched)
+    path = saved_archive(tmp_path)
+    members = [(i, d[:8] if i.filename == "a.memmap" else d) for i, d in _members(path)]
+    _rezip(path, members)
+    _announce_size(path, "a.memmap", 16)
+    with pytest.raises(FormatError, match=f"{path}: member 'a.memmap'.*8 bytes stored, 16 announced"):
+        load_memmap(path)
+    assert not is_memmap_archive(path)
