@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copyreg
 import io
+import multiprocessing.reduction
 import pickle
 import weakref
 from typing import Any
@@ -207,9 +208,36 @@ def _reduction(obj: Any, tree: tuple | None, skeleton: _Skeleton, layout: Layout
     pickler.dump([obj] if tree is None else tree)
     if pickler.leaves:
         runs = runs + runs_of(pickler.leaves)
-    array = layout.buffer.numpy()
-    payload = pickle.PickleBuffer(array) if protocol >= 5 else array.tobytes()
-    return _unpickle_consolidated, (payload, runs, data.getvalue())
+    return _unpickle_consolidated, (_Payload(layout.buffer), runs, data.getvalue())
+
+
+class _Payload:
+    """The buffer of a consolidated tree in its pickle: its bytes (one ``PickleBuffer``
+    with protocol 5, so a pipe or a file gets them without a copy). Under
+    multiprocessing's ForkingPickler (process arguments, queues, DataLoader workers) it
+    is the buffer tensor itself, which torch's reductions move to shared memory and send
+    as a handle, as they send any tensor: a child's writes reach the parent, as with an
+    unconsolidated tree (by value, the child wrote a copy)."""
+
+    __slots__ = ("buffer",)
+
+    def __init__(self, buffer: torch.Tensor):
+        self.buffer = buffer
+
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        array = self.buffer.numpy()
+        return _as_is, (pickle.PickleBuffer(array) if protocol >= 5 else array.tobytes(),)
+
+
+def _shared_payload(payload: _Payload) -> tuple:
+    return _as_is, (payload.buffer,)
+
+
+def _as_is(value: Any) -> Any:
+    return value
+
+
+multiprocessing.reduction.ForkingPickler.register(_Payload, _shared_payload)
 
 
 class _TreePickler(pickle.Pickler):
@@ -330,9 +358,13 @@ class _Builder:
 
 
 def _unpickle_consolidated(payload: Any, runs: list[tuple], tree: bytes) -> Any:
-    """Rebuild a pickled consolidated tensordict: the payload becomes its one buffer."""
-    data = payload if isinstance(payload, bytearray) else bytearray(payload)
-    buffer = torch.frombuffer(data, dtype=_BYTE) if data else torch.empty(0, dtype=_BYTE)  # len: 64 * n
+    """Rebuild a pickled consolidated tensordict: the payload (its bytes, or the buffer
+    tensor shared by ForkingPickler) becomes its one buffer."""
+    if isinstance(payload, torch.Tensor):
+        buffer = payload
+    else:
+        data = payload if isinstance(payload, bytearray) else bytearray(payload)
+        buffer = torch.frombuffer(data, dtype=_BYTE) if data else torch.empty(0, dtype=_BYTE)  # len: 64 * n
     layout = Layout(buffer)
     layout.record(views_of_runs(buffer, runs), runs=runs)
     skeleton = _TreeUnpickler(io.BytesIO(tree), layout).load()

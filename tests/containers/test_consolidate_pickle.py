@@ -9,7 +9,7 @@ import pickle
 import pytest
 import torch
 
-from tests.containers.consolidate_children import unpickle_and_sum
+from tests.containers.consolidate_children import unpickle_and_sum, write_rows_and_report
 from tests.processes import WAIT, finish
 from shared_td import LazyStackedTensorDict, NonTensorStack, TensorDict
 from shared_td.containers import consolidated_pickle
@@ -184,3 +184,32 @@ def test_wide_tree_to_a_spawned_child():
         assert finish(child) == 0
     assert consolidated
     assert total == pytest.approx(sum(float(v.sum()) for v in source.values(True, True)))
+
+
+# (a forked child's arguments are not pickled: it writes into its copy of memory that
+# is not shared, consolidated or not)
+@pytest.mark.parametrize("method, shared_first", [("spawn", False), ("spawn", True), ("fork", True)])
+def test_a_process_argument_shares_the_buffer_as_a_plain_tree_does(method, shared_first):
+    # multiprocessing sends tensors as handles to shared memory: a child's writes into an
+    # unconsolidated tree reach the parent, and into a consolidated one they did not
+    # (its buffer went by value), not even after share_memory_() said is_shared()
+    consolidated = _wide_tree(3).consolidate()
+    if shared_first:
+        consolidated.share_memory_()
+    ctx = multiprocessing.get_context(method)
+    answers = ctx.Queue()
+    child = ctx.Process(target=write_rows_and_report, args=(consolidated, answers))
+    child.start()
+    try:
+        assert answers.get(timeout=WAIT) is True  # consolidated there too
+    finally:
+        assert finish(child) == 0
+    assert all(bool((leaf == 7).all()) for leaf in consolidated.values(True, True))
+    assert consolidated.is_consolidated()
+
+
+def test_plain_pickle_still_copies_the_buffer():
+    consolidated = _wide_tree(2).consolidate()
+    again = pickle.loads(pickle.dumps(consolidated, protocol=5))
+    again["node0", "obs"].fill_(-1)
+    assert bool((consolidated["node0", "obs"] == 0).all()) and again.is_consolidated()
