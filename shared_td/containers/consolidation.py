@@ -606,6 +606,8 @@ def _offset_in(layout: Layout, leaf: torch.Tensor) -> int | None:
         return 0
     if leaf.untyped_storage().data_ptr() != layout.buffer.untyped_storage().data_ptr() or not leaf.is_contiguous():
         return None
+    if leaf.is_conj() or leaf.is_neg():  # its values are not the bytes it views (conj()/neg view)
+        return None
     return leaf.storage_offset() * leaf.element_size()
 
 

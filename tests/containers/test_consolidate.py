@@ -227,3 +227,17 @@ def test_filename_with_a_size_that_is_not_a_whole_number_of_every_dtype(tmp_path
     out = td.consolidate(filename=tmp_path / "odd.bin")
     assert (out == td).all() and out.is_consolidated()
     assert (pickle.loads(pickle.dumps(out)) == td).all()
+
+
+@pytest.mark.parametrize("view", ["conj", "neg"])
+def test_a_conj_or_neg_view_of_the_buffer_is_not_consolidated(tmp_path, view):
+    # its bytes are the buffer's, its values are not: counted as consolidated, a
+    # consolidate() into the same file only rewrote the metadata, and the file held the
+    # values without the conjugation
+    path = tmp_path / "td.bin"
+    td = TensorDict(z=torch.tensor([1 + 2j, 3 + 4j], dtype=torch.complex64)).consolidate(filename=path)
+    td.unlock_()
+    td["v"] = td["z"].conj() if view == "conj" else td["z"]._neg_view()
+    assert not td.is_consolidated()
+    td.consolidate(filename=path)
+    assert TensorDict.from_consolidated(path)["v"].tolist() == td["v"].tolist()
