@@ -7,8 +7,10 @@ collection: ``leaves`` maps a key to ``[dtype, shape, start, stop, pad]`` (its b
 ``data[start:stop]``, the last ``pad`` of them padding); ``non_tensors`` maps a key to
 ``[value, batch_size, device]``, the value itself in JSON (nothing is pickled: a value
 JSON cannot hold is refused, as tensordict refuses it); a lazy stack or a NonTensorStack
-keeps its members under ``"0"``, ``"1"``, ...; a tensorclass is named by ``str(cls)`` and
-found among the classes this process has defined (never imported).
+keeps its members under ``"0"``, ``"1"``, ... (a NonTensorStack of several dims: one
+NonTensorStack per row); a leaf's dtype must be one the reader knows; a tensorclass is
+named by ``str(cls)`` and found among the classes this process has defined (never
+imported).
 
 The file is written beside its name and renamed over it once complete (NewFile): the
 name holds the old file or the whole new one, and tensordicts that map the old file keep
@@ -25,11 +27,14 @@ import torch
 from shared_td.errors import UnstorableValueError
 from shared_td.keys import key_repr
 from shared_td.persist import atomic, nodes
-from shared_td.persist.format import dtype_name
+from shared_td.persist.format import DTYPE_BY_NAME, dtype_name
 from shared_td.storage import files
 
 # the fields of a node's metadata; every other key names a nested collection
 FIELDS = ("cls", "non_tensors", "leaves", "cls_metadata")
+# names a nested collection cannot have: the fields, and "size", which tensordict's reader
+# (and ours, to read its files alike) drops at every node: it once held the file's size
+RESERVED = FIELDS + ("size",)
 TENSORDICT, LAZY, STACK = "TensorDict", "LazyStackedTensorDict", "NonTensorStack"
 LENGTH = 8  # the int64 after the JSON
 
@@ -68,7 +73,8 @@ def _node_meta(node: Any, places: Iterator, kind_name, where: tuple, filename: s
         meta["cls"] = str(type(node))
         return meta
     if kind == nodes.NON_TENSOR_STACK:
-        return _stack_meta(node.tolist(), _device(node), node.is_locked)
+        return _stack_meta(node._flat_values(), list(node.batch_size), _device(node),
+                           node.is_locked, where, filename)
     if kind == nodes.LAZY:
         names = node.names
         meta = {"cls": LAZY, "non_tensors": {}, "leaves": {}, "cls_metadata": {
@@ -87,34 +93,61 @@ def _node_meta(node: Any, places: Iterator, kind_name, where: tuple, filename: s
         "batch_size": list(node.batch_size), "is_locked": node.is_locked}}
     for key, value in node._tensordict.items():
         if isinstance(value, torch.Tensor):
+            _check_dtype(value.dtype, where + (key,), filename)
             offset, nbytes = next(places)
             meta["leaves"][key] = [dtype_name(value.dtype), list(value.shape), offset, offset + nbytes, 0]
-        elif kind_name(value) == nodes.NON_TENSOR_DATA:
+        elif kind_name(value) == nodes.NON_TENSOR_DATA or _is_0d_stack(value, kind_name):
             meta["non_tensors"][key] = [_json_value(value.data, where + (key,), filename),
                                         list(value.batch_size), _device(value)]
-        elif key in FIELDS:
+        elif key in RESERVED:
             raise ValueError(
                 f"consolidate(filename={filename!r}): the nested collection {key_repr(where + (key,))} "
-                f"is named like a field of the file's metadata ({', '.join(FIELDS)}), which "
-                "tensordict's format cannot tell apart. Rename the key, or save with memmap().")
+                f"is named like a field of the file's metadata ({', '.join(RESERVED)}), which "
+                "tensordict's format cannot tell apart (its reader would lose it). Rename the key, "
+                "or save with memmap().")
         else:
             meta[key] = _node_meta(value, places, kind_name, where + (key,), filename)
     return meta
 
 
-def _stack_meta(values: list, device: str | None, locked: bool) -> dict:
-    """A NonTensorStack stacked along dim 0: one member per element of ``values``."""
+def _is_0d_stack(value: Any, kind_name) -> bool:
+    """A NonTensorStack without dims holds one value, written as a NonTensorData (the
+    format's stacks have a dim 0 to stack along)."""
+    return kind_name(value) == nodes.NON_TENSOR_STACK and not value.batch_dims
+
+
+def _stack_meta(values: list, shape: list, device: str | None, locked: bool,
+                where: tuple, filename: str) -> dict:
+    """A NonTensorStack of ``shape`` (its ``values`` flat, in C order), as tensordict
+    writes one: stacked along dim 0, a value per row (in ``non_tensors``) if it has one
+    dim, else a NonTensorStack per row. The nesting follows the batch dims, never the
+    values: a value may itself be a list, which the reader must not take for a dim."""
+    if not shape:  # (one under a tensordict is written as its value: _is_0d_stack)
+        raise TypeError(f"consolidate(filename={filename!r}): a NonTensorStack without dims has "
+                        "no consolidated file format; consolidate a tensordict that holds it.")
     meta = {"cls": STACK, "non_tensors": {}, "leaves": {},
             "cls_metadata": {"stack_dim": 0, "stack_dim_name": None, "is_locked": locked}}
-    nested = bool(values) and all(isinstance(v, list) for v in values)
-    for index, value in enumerate(values):
-        if nested:
-            meta[str(index)] = _stack_meta(value, device, False)
-        else:
-            meta["non_tensors"][str(index)] = [value, [], device]
+    if len(shape) == 1:
+        for index, value in enumerate(values):
+            meta["non_tensors"][str(index)] = [_json_value(value, where + (index,), filename), [], device]
+        return meta
+    step = len(values) // shape[0] if shape[0] else 0
+    for index in range(shape[0]):
+        # (a row is locked with its stack, as tensordict's rows are)
+        meta[str(index)] = _stack_meta(values[index * step:(index + 1) * step], shape[1:], device,
+                                       locked, where + (index,), filename)
     return meta
 
 
+def _check_dtype(dtype: torch.dtype, where: tuple, filename: str) -> None:
+    """Refuse, before anything is written, a leaf that from_consolidated could not read
+    back (tensordict cannot write nor read these either)."""
+    if DTYPE_BY_NAME.get(dtype_name(dtype)) is not dtype:
+        raise TypeError(
+            f"consolidate(filename={filename!r}): the tensor at {key_repr(where)} is {dtype}, "
+            "a dtype that from_consolidated cannot read back. Store it viewed as one it can "
+            "(e.g. tensor.view(torch.uint8), then .view(dtype) after loading), or consolidate "
+            "without filename=.")
 
 
 def _footer(metadata: bytes) -> bytes:

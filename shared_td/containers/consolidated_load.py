@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from shared_td.containers.consolidated_file import FIELDS, LAZY, LENGTH, STACK, TENSORDICT
+from shared_td.containers.consolidated_file import LAZY, LENGTH, RESERVED, STACK, TENSORDICT
 from shared_td.containers.consolidated_layout import Layout
 from shared_td.containers.lazy import LazyStackedTensorDict
 from shared_td.containers.nontensor import NonTensorData, NonTensorStack
@@ -117,7 +117,8 @@ class _Reader:
         if not all(isinstance(part, dict) for part in parts):
             raise self.fail(where, "'non_tensors', 'leaves' and 'cls_metadata' must be objects.")
         non_tensors, leaves, cls_metadata = parts
-        children = {k: v for k, v in meta.items() if k not in FIELDS and k != "size"}
+        # "size" is dropped as tensordict's reader drops it (our writer refuses it as a key)
+        children = {k: v for k, v in meta.items() if k not in RESERVED}
         cls = meta.get("cls")
         try:
             if cls in (LAZY, STACK):

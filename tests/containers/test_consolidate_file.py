@@ -110,10 +110,82 @@ def test_a_value_that_is_not_json_is_the_runtime_error_tensordict_raises_with_ad
     assert shared_td.load_memmap(tmp_path / "saved", allow_pickle=True)["r"] == b"bytes"
 
 
-def test_nested_key_named_like_a_metadata_field_refused(tmp_path):
-    with pytest.raises(ValueError, match="'leaves'.*Rename"):
-        TensorDict(leaves={"x": torch.zeros(1)}).consolidate(filename=tmp_path / "td.bin")
+# every name the reader takes for a field rather than a nested collection ("size":
+# tensordict's reader drops it at every node, so a collection there was silently lost)
+@pytest.mark.parametrize("name", ["cls", "non_tensors", "leaves", "cls_metadata", "size"])
+def test_nested_key_named_like_a_metadata_field_refused(tmp_path, name):
+    with pytest.raises(ValueError, match=f"'{name}'.*Rename"):
+        TensorDict({name: {"x": torch.zeros(1)}, "b": torch.ones(1)}).consolidate(filename=tmp_path / "td.bin")
+    with pytest.raises(ValueError, match=rf"\('n', '{name}'\).*Rename"):  # at any depth, any kind
+        TensorDict(n={name: NonTensorStack("p", "q")}).consolidate(filename=tmp_path / "td.bin")
     assert _ours(tmp_path / "td.bin") == []
+    TensorDict({name: torch.ones(1)}).consolidate(filename=tmp_path / "td.bin")  # a leaf may be
+    assert from_consolidated(tmp_path / "td.bin")[name].tolist() == [1.0]
+
+
+# ----------------------------------------------------------------------------- NonTensorStack
+@pytest.mark.parametrize("values", [([1, 2], [3, 4]), ([1, 2], [3]), ([], [])])
+def test_stack_of_list_values_keeps_its_batch_size(tmp_path, values):
+    """Values that are lists were taken for a dim: (2, 2) came back, or (ragged) a file
+    that could not be read. The nesting follows the batch dims, as tensordict writes it."""
+    path = tmp_path / "td.bin"
+    td = TensorDict(s=NonTensorStack(*[shared_td.NonTensorData(v) for v in values]), batch_size=[2])
+    td.consolidate(filename=path)
+    assert _split(path)[1]["s"]["non_tensors"]["1"] == [values[1], [], None]
+    loaded = from_consolidated(path)._tensordict["s"]
+    assert loaded.batch_size == torch.Size([2]) and loaded.tolist() == list(values)
+
+
+def test_stack_with_dims_is_a_stack_of_stacks(tmp_path):
+    path = tmp_path / "td.bin"
+    row = lambda *values: NonTensorStack(*[shared_td.NonTensorData(v) for v in values])
+    grid = NonTensorStack(row(["a"], ["b", "c"]), row(["d"], ["e"]))  # 2 x 2 of lists
+    td = TensorDict(s=grid, e=NonTensorStack.from_list([[], []]), batch_size=[2])
+    td.consolidate(filename=path)
+    meta = _split(path)[1]["s"]
+    assert meta["non_tensors"] == {} and meta["1"]["non_tensors"]["0"] == [["d"], [], None]
+    loaded = from_consolidated(path)
+    assert loaded._tensordict["s"].batch_size == torch.Size([2, 2])
+    assert loaded["s"] == grid.tolist() == [[["a"], ["b", "c"]], [["d"], ["e"]]]
+    assert loaded._tensordict["e"].batch_size == torch.Size([2, 0])
+
+
+def test_stack_without_dims_is_written_as_its_value(tmp_path):
+    """A 0-d NonTensorStack (one value) has no stack in the format: its value was
+    iterated as if it were a row (a str came back as its letters)."""
+    TensorDict(s=NonTensorStack.from_list("word")).consolidate(filename=tmp_path / "td.bin")
+    assert from_consolidated(tmp_path / "td.bin")["s"] == "word"
+
+
+@pytest.mark.parametrize("rows,where", [([b"x", "y"], r"\('s', 0\)"),
+                                        ([["a", "b"], ["c", {1, 2}]], r"\('s', 1, 1\)")])
+def test_value_in_a_stack_that_is_not_json_refused_naming_it_and_nothing_written(tmp_path, rows, where):
+    """It was the bare TypeError of json.dumps, naming no key."""
+    path = tmp_path / "td.bin"
+    TensorDict(a=torch.ones(2)).consolidate(filename=path)
+    before = path.read_bytes()
+    td = TensorDict(a=torch.zeros(2), s=NonTensorStack.from_list(rows), batch_size=[2])
+    with pytest.raises(shared_td.UnstorableValueError, match=where + r".*memmap\(prefix\).*allow_pickle=True"):
+        td.consolidate(filename=path)
+    assert path.read_bytes() == before and _ours(path) == ["td.bin"]
+    td.memmap(tmp_path / "saved")  # the advice, followed
+    assert shared_td.load_memmap(tmp_path / "saved", allow_pickle=True)["s"] == rows
+
+
+# ----------------------------------------------------------------------------- dtypes
+@pytest.mark.parametrize("dtype", [torch.float4_e2m1fn_x2, torch.bits8, torch.bits16])
+def test_dtype_the_reader_cannot_read_refused_before_anything_is_written(tmp_path, dtype):
+    """float4 and bits leaves were written, and from_consolidated refused the file."""
+    path = tmp_path / "td.bin"
+    TensorDict(a=torch.ones(2)).consolidate(filename=path)
+    before = path.read_bytes()
+    leaf = torch.arange(4, dtype=torch.uint8).view(dtype)
+    with pytest.raises(TypeError, match=rf"\('n', 'x'\) is {dtype}.*view\(torch.uint8\)"):
+        TensorDict(a=torch.ones(2), n={"x": leaf}).consolidate(filename=path)
+    assert path.read_bytes() == before and _ours(path) == ["td.bin"]
+    TensorDict(x=leaf.view(torch.uint8)).consolidate(filename=path)  # the advice, followed
+    assert from_consolidated(path)["x"].view(dtype).view(torch.uint8).tolist() == [0, 1, 2, 3]
+    assert TensorDict(x=leaf).consolidate()["x"].dtype == dtype  # in memory: any dtype
 
 
 def test_empty_tree_writes_metadata_only(tmp_path):

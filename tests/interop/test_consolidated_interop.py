@@ -163,3 +163,44 @@ def test_a_value_that_is_not_json_is_a_runtime_error_in_both(lib_name, tmp_path)
     td = LIBS[lib_name].TensorDict(x=torch.zeros(2), r=b"bytes", batch_size=[2])
     with pytest.raises(RuntimeError):
         td.consolidate(filename=tmp_path / "td.bin")
+
+
+def list_valued_stacks(lib_name):
+    """A stack whose values are lists (ragged, then equal-length: not a dim) and a 2-D
+    stack of list values, as each library builds them."""
+    lib = LIBS[lib_name]
+
+    def row(*values):
+        return lib.NonTensorStack(*[lib.NonTensorData(v) for v in values])
+
+    return lib.TensorDict(ragged=row([1, 2], [3]), even=row([1, 2], [3, 4]),
+                          grid=lib.NonTensorStack(row(["a"], ["b", "c"]), row(["d"], ["e"])),
+                          batch_size=[2])
+
+
+@pytest.mark.parametrize("writer,reader", DIRECTIONS)
+def test_stack_of_list_values(tmp_path, writer, reader):
+    """shared_td wrote list values as one more dim: (2, 2) came back, or a file that
+    could not be read."""
+    source = list_valued_stacks(writer)
+    source.consolidate(filename=tmp_path / "td.bin")
+    same(from_consolidated(reader, tmp_path / "td.bin"), source)
+
+
+@pytest.mark.parametrize("locked", [False, True])
+def test_same_stack_metadata_as_tensordict(tmp_path, locked):
+    metas = {}
+    for name in LIBS:
+        td = list_valued_stacks(name)
+        (td.lock_() if locked else td).consolidate(filename=tmp_path / f"{name}.bin")
+        metas[name] = file_metadata(tmp_path / f"{name}.bin")
+    assert metas["shared_td"] == metas["tensordict"]
+
+
+def test_a_nested_collection_named_size_is_lost_by_tensordict_refused_by_shared_td(tmp_path):
+    """Why shared_td refuses it: tensordict's reader drops "size" at every node."""
+    td = LIBS["tensordict"].TensorDict(size={"a": torch.ones(2)}, b=torch.zeros(1))
+    td.consolidate(filename=tmp_path / "td.bin")
+    assert list(from_consolidated("tensordict", tmp_path / "td.bin").keys()) == ["b"]
+    with pytest.raises(ValueError, match="'size'.*Rename"):
+        LIBS["shared_td"].TensorDict(size={"a": torch.ones(2)}).consolidate(filename=tmp_path / "ours.bin")
