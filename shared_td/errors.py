@@ -87,6 +87,12 @@ class StorageFullError(OSError):
     """Space for new tensor bytes could not be reserved (disk, tmpfs or memory is full)."""
 
 
+class FileReplacedError(FileNotFoundError):
+    """A pickled memory-mapped tensor names a file that was replaced since (a new save,
+    consolidate or atomic rewrite renamed another file over its path): the receiver
+    cannot map the sender's file, and mapping the new one would read other bytes."""
+
+
 class SegmentUnavailableError(RuntimeError):
     """A pickled segment can no longer be attached: its sender exited or released it."""
 

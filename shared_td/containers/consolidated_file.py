@@ -187,7 +187,7 @@ class NewFile:
                 files.reserve_space(fd, nbytes + len(footer), path)
                 files.pwrite_all(fd, footer, nbytes, where=f"file {path}")
                 # named by its final path: that is what pickles of its leaves will map
-                self.backing = files.backing_from_fd(path, fd, shared=True) if nbytes else None
+                self.backing = files.backing_from_fd(path, fd, shared=True, bound=True) if nbytes else None
             finally:
                 os.close(fd)
         except BaseException:

@@ -272,9 +272,9 @@ class Archive:
         """The one mapping of the whole archive (made on first use)."""
         with self._mapping:
             if self._backing is None:
-                self._backing = files.backing_from_fd(
+                self._backing = files.backing_from_fd(  # (bound: leaves lie at its members' offsets)
                     self.path, self.fd, shared=self.writable,
-                    read_only=None if self.writable else self.read_only_reason)
+                    read_only=None if self.writable else self.read_only_reason, bound=True)
             return self._backing
 
     def close(self) -> None:

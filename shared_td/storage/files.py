@@ -25,7 +25,7 @@ import stat
 
 import torch
 
-from shared_td.errors import FileTooShortError, FormatError, StorageFullError
+from shared_td.errors import FileReplacedError, FileTooShortError, FormatError, StorageFullError
 from shared_td.storage.cache import InodeCache
 from shared_td.storage.removal import remove_tree
 
@@ -132,22 +132,33 @@ class FileBacking:
     for an empty file), ``nbytes`` (bytes mapped), ``shared`` (``False`` for a private
     copy-on-write mapping), ``read_only`` (``None``, or why this process may not write
     the file, e.g. "it is on a read-only file system": tensors over such a backing
-    refuse writes). Pickles as ``(path, shared, read_only)``: the receiver maps the
-    file again, so writes on either side reach the same page cache, and a read-only
-    backing stays read-only.
+    refuse writes), ``inode`` (``(st_dev, st_ino)`` of the file mapped when its
+    tensors are bound to that very file, else None). Pickles as ``(path, shared,
+    read_only, inode, this machine's boot)``: the receiver maps the file again, so
+    writes on either side reach the same page cache, and a read-only backing stays
+    read-only.
+
+    Which file a receiver maps: what the path names then, for a file that holds one
+    leaf (a directory save's: an atomic rewrite of the prefix gives later receivers
+    the new values, as a published prefix promises). A file whose leaves lie at offsets
+    of its own layout (an archive, a consolidated file) is bound to its inode: a
+    receiver on this machine that finds another file there (a new save renamed over
+    it) raises FileReplacedError; it read the new file's bytes at the old offsets.
     """
 
-    __slots__ = ("path", "storage", "nbytes", "shared", "read_only", "__weakref__")
+    __slots__ = ("path", "storage", "nbytes", "shared", "read_only", "inode", "__weakref__")
 
-    def __init__(self, path: str, storage, nbytes: int, shared: bool, read_only: str | None = None):
+    def __init__(self, path: str, storage, nbytes: int, shared: bool, read_only: str | None = None,
+                 inode: tuple[int, int] | None = None):
         self.path = path
         self.storage = storage
         self.nbytes = nbytes
         self.shared = shared
         self.read_only = read_only
+        self.inode = inode
 
     def __reduce__(self):
-        return open_file_backing, (self.path, self.shared, self.read_only)
+        return open_file_backing, (self.path, self.shared, self.read_only, self.inode, boot_id())
 
     def __repr__(self) -> str:
         mode = "shared" if self.shared else "copy-on-write"
@@ -162,7 +173,7 @@ _CACHE = InodeCache()
 
 
 def backing_from_fd(path: str, fd: int, *, shared: bool = True, read_only: str | None = None,
-                    st: os.stat_result | None = None, created: bool = False) -> FileBacking:
+                    st: os.stat_result | None = None, created: bool = False, bound: bool = False) -> FileBacking:
     """Map the whole file open as ``fd`` (or reuse this process's mapping of it).
 
     ``read_only`` (why the file may not be written) needs ``shared=False``: the mapping
@@ -170,6 +181,8 @@ def backing_from_fd(path: str, fd: int, *, shared: bool = True, read_only: str |
     when the caller has just made it (:meth:`Directory.open_regular_stat`). ``created``:
     the caller made the file with ``O_EXCL``, so no mapping of it can be cached (a live
     mapping keeps its inode, whose number a new file cannot get): none is looked for.
+    ``bound``: its tensors lie at offsets of this file's own layout (an archive, a
+    consolidated file): pickled, they name its inode (see FileBacking).
     """
     if read_only and shared:
         raise ValueError(f"A read-only backing of {path} must be mapped copy-on-write (shared=False).")
@@ -180,9 +193,11 @@ def backing_from_fd(path: str, fd: int, *, shared: bool = True, read_only: str |
         cached = _CACHE.get(key)
         # a file that changed size since is mapped again, so sizes are always current
         if cached is not None and cached.nbytes == st.st_size:
+            if bound:
+                cached.inode = key
             return cached
     storage = map_fd(fd, st.st_size, shared=shared) if st.st_size else None
-    backing = FileBacking(path, storage, st.st_size, shared, read_only)
+    backing = FileBacking(path, storage, st.st_size, shared, read_only, key if bound else None)
     if shared:
         # private mappings are never shared: two copy-on-write opens must not see each
         # other's private writes
@@ -252,16 +267,20 @@ def relocated(backing: FileBacking, path: str) -> FileBacking:
     The mapped inode is unchanged, so no byte moves; this process's cache then hands
     out the new name.
     """
-    moved = FileBacking(path, backing.storage, backing.nbytes, backing.shared, backing.read_only)
+    moved = FileBacking(path, backing.storage, backing.nbytes, backing.shared, backing.read_only, backing.inode)
     if backing.shared:
         st = os.stat(path)
         _CACHE.put((st.st_dev, st.st_ino), moved)
     return moved
 
 
-def open_file_backing(path: str, shared: bool = True, read_only: str | None = None) -> FileBacking:
+def open_file_backing(path: str, shared: bool = True, read_only: str | None = None,
+                      inode: tuple[int, int] | None = None, boot: str | None = None) -> FileBacking:
     """Map an existing file by path; a missing file raises ``FileNotFoundError``.
-    ``read_only`` as in :func:`backing_from_fd`.
+    ``read_only`` as in :func:`backing_from_fd`. ``inode``: the ``(st_dev, st_ino)``
+    the file had on the machine booted as ``boot`` (a pickled FileBacking's); this
+    process's mapping of that inode is reused, and on that machine another file at
+    ``path`` is a FileReplacedError.
 
     Example:
         >>> import tempfile
@@ -270,19 +289,47 @@ def open_file_backing(path: str, shared: bool = True, read_only: str | None = No
         ...     open_file_backing(f.name).nbytes
         4
     """
+    checked = inode is not None and boot is not None and boot == boot_id()
     if shared:
         # Unpickling many leaves of files this process maps already (attach, workers)
-        # needs no descriptor: a stat names the inode, and the cache has its mapping.
+        # needs no descriptor: a stat names the inode, and the cache has its mapping
+        # (of the pickled inode: this process's own tensors keep their file when a new
+        # one was renamed over its path)
         st = os.stat(path)
-        cached = _CACHE.get((st.st_dev, st.st_ino))
-        if cached is not None and cached.nbytes == st.st_size:
+        here = (st.st_dev, st.st_ino)
+        cached = _CACHE.get(tuple(inode) if checked else here)
+        # (the size is the path's file's: of no meaning for a mapping of the old inode)
+        if cached is not None and (cached.nbytes == st.st_size or (checked and tuple(inode) != here)):
             return cached
     flags = (os.O_RDWR if shared else os.O_RDONLY) | os.O_CLOEXEC
     fd = os.open(path, flags)
     try:
-        return backing_from_fd(path, fd, shared=shared, read_only=read_only)
+        st = os.fstat(fd)
+        if checked and (st.st_dev, st.st_ino) != tuple(inode):
+            raise FileReplacedError(errno.ENOENT, (
+                f"The file a pickled tensor maps was replaced since it was pickled (a save, "
+                f"consolidate or atomic rewrite put a new file there): {path}. Its old bytes are "
+                "no longer reachable by this path; pickle the tensor again (or load the new file)."))
+        return backing_from_fd(path, fd, shared=shared, read_only=read_only, st=st, bound=inode is not None)
     finally:
         os.close(fd)
+
+
+def boot_id() -> str | None:
+    """This machine's boot id (device and inode numbers mean the same files only within
+    one boot of one machine); None where the kernel does not tell."""
+    global _BOOT_ID
+    if _BOOT_ID is _UNREAD:
+        try:
+            with open("/proc/sys/kernel/random/boot_id") as source:
+                _BOOT_ID = source.read().strip()
+        except OSError:
+            _BOOT_ID = None
+    return _BOOT_ID
+
+
+_UNREAD = object()
+_BOOT_ID: object = _UNREAD
 
 
 def file_kind(mode: int) -> str | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import pickle
 import random
 import signal
 import stat
@@ -485,3 +486,74 @@ def test_loads_and_failed_loads_leave_no_descriptor_open(tmp_path):
         assert is_memmap_archive(path) and not is_memmap_archive(bad)
     assert len(os.listdir("/proc/self/fd")) == before
     assert torch.equal(kept["a"], torch.arange(4.0))
+
+
+def _replaced_in_a_child(data: bytes) -> tuple[str, str]:
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=kids.unpickle_and_report, args=(data, queue))
+    child.start()
+    try:
+        return queue.get(timeout=WAIT)
+    finally:
+        assert finish(child) == 0
+
+
+@pytest.mark.parametrize("mode", [None, "r+"])
+def test_a_pickle_of_a_replaced_archive_is_refused_on_this_machine(tmp_path, mode):
+    # an archive's leaf pickles as the archive's path and its offset in it: a new save
+    # renamed over that path made the receiver map the new file at the old offsets,
+    # reading other bytes (and, with mode="r+", writing into the new zip's headers)
+    path = tmp_path / "t.tdz"
+    shared_td.TensorDict(a=torch.zeros(4), batch_size=[4]).memmap(path)
+    old = shared_td.load_memmap(path, mode=mode)
+    shared_td.TensorDict({"0": torch.full((4, 16), 7.0), "a": torch.full((4,), 5.0)},
+                         batch_size=[4]).memmap(path, existsok=True)
+    assert old["a"].tolist() == [0.0] * 4
+    data = pickle.dumps(old)
+    if mode is None:  # a read-only copy-on-write mapping is this process's alone: mapped again
+        with pytest.raises(shared_td.FileReplacedError, match=str(path)):
+            pickle.loads(data)
+    else:  # this process's shared mapping of the old file
+        assert pickle.loads(data)["a"].tolist() == [0.0] * 4
+    kind, said = _replaced_in_a_child(data)
+    assert kind == "FileReplacedError" and str(path) in said, (kind, said)
+    assert shared_td.load_memmap(path)["a"].tolist() == [5.0] * 4
+
+
+def test_a_pickle_of_a_replaced_consolidated_file_is_refused_on_this_machine(tmp_path):
+    path = tmp_path / "td.bin"
+    old = shared_td.TensorDict(a=torch.zeros(4)).consolidate(filename=path)
+    shared_td.TensorDict(a=torch.full((4,), 7.0)).consolidate(filename=path)
+    data = pickle.dumps(old)
+    assert pickle.loads(data)["a"].tolist() == [0.0] * 4  # this process's mapping of the old file
+    kind, said = _replaced_in_a_child(data)
+    assert kind == "FileReplacedError" and str(path) in said, (kind, said)
+
+
+def test_a_pickle_of_a_directory_save_maps_what_the_prefix_holds(tmp_path):
+    # one leaf per file: an atomic rewrite of the prefix gives later receivers its new
+    # values (as a published prefix promises: tests/coordinator/test_attach_reuse.py)
+    path = tmp_path / "t"
+    old = shared_td.TensorDict(a=torch.zeros(4), batch_size=[4]).memmap(path)
+    shared_td.TensorDict(a=torch.full((4,), 5.0), batch_size=[4]).memmap(path, existsok=True, atomic=True)
+    assert _replaced_in_a_child(pickle.dumps(old)) == ("read", [5.0] * 4)
+
+
+def test_a_pickled_file_from_another_machine_is_mapped_by_its_path(tmp_path):
+    # device and inode numbers name files only within one boot of one machine: a pickle
+    # made elsewhere (a shared file system) maps what the path holds here
+    from shared_td.storage.files import open_file_backing
+
+    path = tmp_path / "t"
+    shared_td.TensorDict(a=torch.ones(2)).memmap(path)
+    leaf = os.path.join(path, "a.memmap")
+    assert open_file_backing(leaf, True, None, (1, 1), "another boot").nbytes == 8
+    with pytest.raises(shared_td.FileReplacedError):
+        open_file_backing(leaf, True, None, (1, 1), files_boot_id())
+
+
+def files_boot_id():
+    from shared_td.storage.files import boot_id
+
+    return boot_id()
