@@ -525,12 +525,11 @@ class ConsolidateMethods:
         return reduce_tree(self, layout, protocol, ConsolidateMethods, TensorDict, _TensorClassMembers)
 
     def __copy__(self) -> Any:
-        """A shallow copy (what ``copy.copy`` makes without ``__reduce_ex__``): the same
-        leaves; defined here because copy.copy would otherwise take the pickling path
-        above, which copies a consolidated tree's buffer."""
-        new = type(self).__new__(type(self))
-        new.__setstate__(self.__getstate__())
-        return new
+        """``copy.copy``: :meth:`copy` (``clone(recurse=False)``), as tensordict: a new
+        structure over the same leaves. Through pickling's state it shared the entry dicts
+        with this tensordict (an entry set or deleted in the copy changed this one, locked
+        or not), and a consolidated tree's pickle copied its buffer."""
+        return self.copy()
 
 
 def moved_consolidated(obj: Any, device: torch.device, non_blocking: bool) -> Any | None:

@@ -190,6 +190,12 @@ class _TensorClassMembers:
     def __getstate__(self) -> dict:
         return {"_tensordict": self._tensordict}
 
+    def __copy__(self) -> Any:
+        """``copy.copy``: a new instance over a shallow copy of its tensordict, as
+        tensordict's (through pickling's state the copy shared this one's tensordict, so
+        setting a field of the copy set this one's)."""
+        return self.copy()
+
     def __setstate__(self, state: dict) -> None:
         object.__setattr__(self, "_tensordict", state["_tensordict"])
 

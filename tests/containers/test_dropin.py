@@ -724,3 +724,53 @@ def test_an_indexed_write_of_an_equal_tensor_value_makes_a_stack_as_tensordict(l
     td.set_non_tensor("v", torch.ones(3))
     td[0] = lib.TensorDict(x=torch.zeros(()), v=lib.NonTensorData(torch.ones(3)))
     assert isinstance(td.get("v"), lib.NonTensorStack)
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("consolidated", [False, True])
+def test_copy_copy_is_a_new_structure_over_the_same_leaves(lib, consolidated):
+    # through pickling's state, the copy shared the original's entry dicts: an entry set
+    # or deleted in the copy changed the original, locked or not
+    import copy
+
+    td = lib.TensorDict(a=torch.zeros(3), s=lib.TensorDict(b=torch.ones(3), batch_size=[3]), batch_size=[3])
+    if consolidated:
+        td = td.consolidate()
+    shallow = copy.copy(td)
+    assert shallow["a"] is td["a"] and shallow["s", "b"] is td["s", "b"]
+    shallow.unlock_()
+    shallow["new"] = torch.zeros(3)
+    shallow["s", "w"] = torch.zeros(3)
+    del shallow["a"]
+    assert set(td.keys(True, True)) == {"a", ("s", "b")}
+    assert td.is_locked == td["s"].is_locked == consolidated
+    stack = lib.LazyStackedTensorDict(lib.TensorDict(k=torch.zeros(2)), lib.TensorDict(k=torch.ones(2)))
+    copy.copy(stack).tensordicts[0]["new"] = torch.zeros(2)
+    assert "new" not in stack.tensordicts[0].keys()
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_copy_copy_of_a_tensorclass_sets_its_own_fields(lib):
+    import copy
+
+    item = _CopiedItem(x=torch.zeros(2), y="a", batch_size=[2]) if lib is shared_td else \
+        _their_copied_item()(x=torch.zeros(2), y="a", batch_size=[2])
+    other = copy.copy(item)
+    other.x, other.y = torch.ones(2), "b"
+    assert item.x.tolist() == [0.0, 0.0] and item.y == "a"
+    assert other.x.tolist() == [1.0, 1.0] and other.y == "b"
+
+
+@shared_td.tensorclass
+class _CopiedItem:
+    x: torch.Tensor
+    y: str
+
+
+def _their_copied_item():
+    @tensordict.tensorclass
+    class Item:
+        x: torch.Tensor
+        y: str
+
+    return Item
