@@ -173,11 +173,13 @@ class _NonTensorBase(TensorDictBase):
         return contextlib.nullcontext() if self._shared_value is None else self._shared_value.updating()
 
     def _after_update(self) -> None:
-        """An in-place write of a memory-mapped entry also rewrites its files."""
-        if self._is_memmap and self._memmap_prefix is not None:
+        """An in-place write of a memory-mapped entry also rewrites its files (those of
+        the entry a view of its shared value was made from, with that entry's batch size)."""
+        entry = self.__dict__.get("_origin", self)
+        if entry._is_memmap and entry._memmap_prefix is not None:
             from shared_td.persist.writer import rewrite_node
 
-            rewrite_node(self, self._memmap_prefix)
+            rewrite_node(entry, entry._memmap_prefix)
 
     def _check_update(self, value: Any) -> None:
         """Raise if ``_update_(value)`` would fail (it writes nothing)."""
@@ -265,17 +267,34 @@ class NonTensorData(NonTensorDataBase):
 
     def _transform(self, op: Callable[[torch.Tensor], torch.Tensor], keep_members: bool = False) -> "NonTensorData":
         size = op(torch.zeros((), dtype=torch.uint8).expand(self._batch_size)).shape
-        return NonTensorData(self.data, batch_size=size, device=self._device)
+        return self._same_value(size)
 
     def _with_batch_size(self, batch_size: torch.Size, key: str) -> "NonTensorData":
         if self._batch_size == batch_size:
             return self
-        return NonTensorData(self.data, batch_size=batch_size, device=self._device)
+        return self._same_value(batch_size)
+
+    def _same_value(self, batch_size: torch.Size) -> "NonTensorData":
+        """This value with another batch size (an indexed, reshaped or unbound view). A
+        shared value stays the one cell, as in tensordict: a ``set_`` through
+        ``td[1]`` reaches every process (and the files of a memory-mapped entry, written
+        by the entry itself); before, the view held a private copy and the write was
+        lost to all but itself."""
+        if self._shared_value is None:
+            return NonTensorData(self.data, batch_size=batch_size, device=self._device)
+        view = NonTensorData(None, batch_size=batch_size, device=self._device)
+        view._shared_value, view._is_shared, view._is_memmap = self._shared_value, self._is_shared, self._is_memmap
+        view.__dict__.pop("_local_payload", None)
+        view._origin = self.__dict__.get("_origin", self)  # whose files a write rewrites (_after_update)
+        return view
 
     def clone(self, recurse: bool = True) -> "NonTensorData":
-        """A new NonTensorData holding the same value (not a copy of it). ``recurse`` is
-        accepted for compatibility with tensordict, and ignored."""
-        return NonTensorData(self.data, batch_size=self._batch_size, device=self._device)
+        """A new NonTensorData holding the same value (not a copy of it); with
+        ``recurse=False`` a shared value stays shared (``td.clone(False)``, ``copy()``),
+        as in tensordict."""
+        if recurse:
+            return NonTensorData(self.data, batch_size=self._batch_size, device=self._device)
+        return self._same_value(self._batch_size)
 
     def _check_update(self, value: Any) -> None:
         if isinstance(value, NonTensorStack):
