@@ -326,14 +326,13 @@ def _check_options(filename: Any, num_threads: Any, device: Any, non_blocking: b
     """Refuse arguments that cannot be honoured, before any byte is copied; the number
     of threads."""
     threads = 0 if num_threads is None else num_threads
-    if not isinstance(threads, int) or threads < 0:
-        raise ValueError(f"consolidate(num_threads={num_threads!r}): an int >= 0 is needed.")
+    if not isinstance(threads, int):
+        raise ValueError(f"consolidate(num_threads={num_threads!r}): an int is needed.")
+    threads = max(threads, 0)  # (as tensordict: below 2, the calling thread copies)
     if device is not None and torch.device(device).type != "cpu":
         raise ValueError(f"consolidate(device={device!r}): shared_td consolidates into CPU "
                          "memory only; call .to(device) on the result instead.")
-    if filename is not None and share_memory:
-        raise ValueError("consolidate(): pass either filename= (one file) or share_memory=True "
-                         "(one anonymous segment), not both.")
+    del share_memory  # with filename=, the file's mapping is the memory processes share (as tensordict)
     if return_early and threads > 1 and (use_buffer or non_blocking):
         name = "use_buffer" if use_buffer else "non_blocking"
         raise NotImplementedError(
@@ -384,7 +383,7 @@ class ConsolidateMethods:
                 values must be JSON values (as in tensordict). A tree consolidated into
                 this very file (still there) only gets its metadata rewritten.
             num_threads: with 2 or more, that many threads copy the leaves (in pieces of
-                about equal bytes); 0 and 1 copy in the calling thread.
+                about equal bytes); below 2 (None, 0, 1, negative) the calling thread copies.
             device: only None or "cpu" (CPU storage is the only one this build of
                 shared_td consolidates into).
             inplace: this tensordict's own leaves become the views, and it is returned
@@ -397,7 +396,8 @@ class ConsolidateMethods:
                 has succeeded (tensordict replaces them at once).
             share_memory: put the bytes in one anonymous shared-memory segment, laid out
                 as ``memmap()`` without a prefix lays it out; the leaves pickle by
-                reference, so another process sees the same memory.
+                reference, so another process sees the same memory. With ``filename``
+                the file's shared mapping is that memory (as in tensordict).
             pin_memory: allocate the plain buffer in pinned memory. Without an
                 accelerator torch cannot pin: RuntimeError (as tensordict). Ignored with
                 ``filename`` (a file mapping) and, as in tensordict, with share_memory

@@ -253,3 +253,18 @@ def test_a_non_tensor_root(lib):
     result = value.consolidate()
     assert result is not value and result.data == "x" and result.is_consolidated()
     assert not value.is_locked
+
+
+@pytest.mark.parametrize("lib", _libraries())
+@pytest.mark.parametrize("num_threads", [-1, None, True, 1])
+def test_num_threads_below_two_copy_in_the_calling_thread(lib, num_threads):
+    result = _tree(lib).consolidate(num_threads=num_threads)  # (-1 was a ValueError)
+    assert result.is_consolidated()
+
+
+@pytest.mark.parametrize("lib", _libraries())
+def test_filename_with_share_memory_is_the_file_shared(lib, tmp_path):
+    # (a ValueError before): the file's mapping is the memory processes share
+    result = _tree(lib).consolidate(filename=tmp_path / "td.bin", share_memory=True)
+    assert result.is_consolidated() and result["a"].is_shared()
+    assert lib.TensorDict.from_consolidated(tmp_path / "td.bin")["a"].tolist() == result["a"].tolist()
