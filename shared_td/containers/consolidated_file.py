@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from typing import Any, Iterator
 
 import torch
@@ -183,6 +184,8 @@ class NewFile:
             self.temp = atomic.temporary_name(self.name)  # what shared_td.gc(path) removes
             fd, _ = files.reserve_file(self.directory, self.temp, existsok=False)
             try:
+                if st is not None:  # the new file keeps the old one's permissions (the rename replaces it)
+                    os.fchmod(fd, stat.S_IMODE(st.st_mode))
                 footer = _footer(metadata)
                 files.reserve_space(fd, nbytes + len(footer), path)
                 files.pwrite_all(fd, footer, nbytes, where=f"file {path}")

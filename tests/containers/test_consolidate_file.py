@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import stat
 import pickle
 import random
 import threading
@@ -398,3 +399,13 @@ def test_locked_in_the_file_is_locked(tmp_path):
     meta["cls_metadata"]["is_locked"] = True
     _write(path, bytes(range(64)), meta)
     assert from_consolidated(path).is_locked
+
+
+def test_a_file_written_again_keeps_its_permissions(tmp_path):
+    # the new file is renamed over the old one: it had the umask's mode (0o644 from 0o640)
+    path = tmp_path / "td.bin"
+    TensorDict(a=torch.zeros(2)).consolidate(filename=path)
+    os.chmod(path, 0o640)
+    TensorDict(a=torch.ones(2)).consolidate(filename=path)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o640
+    assert TensorDict.from_consolidated(path)["a"].tolist() == [1.0, 1.0]
