@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import os
 import pathlib
+import pickle
 from typing import Any
 
 import torch
 
-from shared_td.errors import BatchSizeMismatchError
-from shared_td.keys import NestedKey, encode_key, unravel_key
+from shared_td.errors import BatchSizeMismatchError, ReadOnlyError
+from shared_td.keys import NestedKey, encode_key, key_repr, unravel_key
 from shared_td.memmap_tensor import MemoryMappedTensor, checked_shape
 from shared_td.persist import api, writer
 from shared_td.persist import format as fmt
+from shared_td.persist.functions import check_out_type
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 
@@ -72,6 +74,9 @@ class MemmapMethods:
                 not give to the new version.
             ValueError: atomic=True and there is no directory to write to.
             NotImplementedError: return_early=True with atomic=True.
+            TypeError: a non-tensor value that must be pickled (shared, or saved and
+                not a JSON value) cannot be; the error names its nested key (the type
+                pickle raised is kept when it is not a TypeError).
             TimeoutError: atomic=True and another writer held the prefix's lock longer
                 than SHARED_TD_LOCK_TIMEOUT seconds (default 600).
 
@@ -87,11 +92,16 @@ class MemmapMethods:
             ...     print(out is td, td.is_memmap(), td.is_locked)
             True True True
         """
-        return api.memmap(
-            self, prefix, copy_existing, inplace=True, num_threads=num_threads,
-            return_early=return_early, share_non_tensor=share_non_tensor,
-            existsok=existsok, robust_key=robust_key, atomic=atomic,
-        )
+        if share_non_tensor:
+            # the values are shared node by node after the leaves are written: one that
+            # cannot be would leave the nodes before it changed, so all are checked first
+            _check_picklable(self, "memmap_(share_non_tensor=True)", shared=True)
+        with _naming_unpicklable(self, "memmap_", share_non_tensor):
+            return api.memmap(
+                self, prefix, copy_existing, inplace=True, num_threads=num_threads,
+                return_early=return_early, share_non_tensor=share_non_tensor,
+                existsok=existsok, robust_key=robust_key, atomic=atomic,
+            )
 
     def memmap(
         self, prefix: Any = None, copy_existing: bool = False, *, num_threads: int = 0,
@@ -119,12 +129,13 @@ class MemmapMethods:
             >>> td.memmap("data/copy.tdz")["obs"].shape
             torch.Size([3, 4])
         """
-        return api.memmap(
-            self, prefix, copy_existing, inplace=False, num_threads=num_threads,
-            return_early=return_early, share_non_tensor=share_non_tensor,
-            existsok=existsok, robust_key=robust_key, atomic=atomic, archive=archive,
-            compression=compression,
-        )
+        with _naming_unpicklable(self, "memmap", share_non_tensor):
+            return api.memmap(
+                self, prefix, copy_existing, inplace=False, num_threads=num_threads,
+                return_early=return_early, share_non_tensor=share_non_tensor,
+                existsok=existsok, robust_key=robust_key, atomic=atomic, archive=archive,
+                compression=compression,
+            )
 
     def memmap_like(
         self, prefix: Any = None, copy_existing: bool = False, *, existsok: bool = True,
@@ -143,11 +154,12 @@ class MemmapMethods:
             >>> bool((like["obs"] == 0).all())
             True
         """
-        return api.memmap(
-            self, prefix, copy_existing, inplace=False, like=True, num_threads=num_threads,
-            return_early=return_early, share_non_tensor=share_non_tensor,
-            existsok=existsok, robust_key=robust_key, atomic=atomic, archive=archive,
-        )
+        with _naming_unpicklable(self, "memmap_like", share_non_tensor):
+            return api.memmap(
+                self, prefix, copy_existing, inplace=False, like=True, num_threads=num_threads,
+                return_early=return_early, share_non_tensor=share_non_tensor,
+                existsok=existsok, robust_key=robust_key, atomic=atomic, archive=archive,
+            )
 
     def save(self, prefix: Any = None, copy_existing: bool = False, **kwargs: Any) -> Any:
         """Save to ``prefix`` (a memory-mapped copy, see ``memmap``); returns the copy."""
@@ -207,16 +219,40 @@ class MemmapMethods:
     def load_memmap_(self, prefix: Any, robust_key: bool | None = True, *,
                      allow_pickle: bool | None = None, mode: str | None = None) -> Any:
         """Load ``prefix`` into self: self's entries become those saved there (as in
-        tensordict 0.15.3, entries not on disk are dropped). A memory-mapped self stays
-        memory-mapped. ``mode`` as in ``load_memmap`` ("r": read-only leaves)."""
+        tensordict 0.15.3, entries not on disk are dropped). ``mode`` as in
+        ``load_memmap`` ("r": read-only leaves).
+
+        As in tensordict 0.15.3, a memory-mapped self is memory-mapped again into the
+        loaded directory (and locked); loaded from an archive or with ``mode="r"`` (no
+        directory to write back to) it is left unlocked and no longer memory-mapped.
+        Everything that can fail is done before self changes: on an error self keeps
+        its entries, lock and flags."""
         loaded = api.load_memmap(prefix, robust_key=robust_key, allow_pickle=allow_pickle,
                                  mode=mode)
-        was_memmap = self.is_memmap()
+        was_memmap, was_locked = self.is_memmap(), self.is_locked
         target, source = unwrap_tensorclass(self), unwrap_tensorclass(loaded)
-        with _unlocked(self):
-            _rebind(target, source)
-        if was_memmap:
-            self.memmap_(prefix)
+        # an archive's nodes have no directory; mode="r" ones do, but read-only files
+        remap = was_memmap and mode != "r" and source._memmap_prefix is not None
+        if remap:
+            # memory-mapped here, on the loaded tree and not on self, so that a failure
+            # (a leaf mapped read-only because its file is, a full disk) leaves self as it was
+            try:
+                loaded.memmap_(prefix)
+            except ReadOnlyError as error:
+                raise ReadOnlyError(
+                    f"load_memmap_({os.fspath(prefix)!r}): self is memory-mapped, so it would be "
+                    f"memory-mapped again into that directory, which this process may not "
+                    f"write ({error}). Nothing changed: load it with mode='r' (self is then "
+                    "no longer memory-mapped), or call self.unlock_() first."
+                ) from error
+        if was_locked:
+            target._unlock_tree()  # its old nested tensordicts forget self as a locked parent
+        _rebind(target, source)
+        if remap:
+            target._is_memmap, target._is_shared = True, False
+            target._device = source._device  # the CPU, as memmap_ leaves it
+        if remap or (was_locked and not was_memmap):
+            self.lock_()
         return self
 
     load_ = load_memmap_
@@ -334,29 +370,86 @@ class MemmapMethods:
         return tensor
 
 
-class _unlocked:
-    """Unlock for the duration of a block, re-locking if it was locked."""
+# ------------------------------------------------- non-tensor values that cannot be pickled
+# A non-tensor value not stored as JSON is pickled (other.pickle, or the cell of
+# share_non_tensor=True); pickle's own error names the value's type but not its key, and
+# the engine that pickles it never sees the key, so the key is found here.
+def _non_tensor_entries(obj: Any, path: tuple = ()) -> Any:
+    """(nested key, NonTensorData/NonTensorStack) of every non-tensor entry of ``obj``."""
+    if getattr(obj, "_is_non_tensor", False):
+        yield path, obj
+        return
+    node = unwrap_tensorclass(obj)
+    members = getattr(node, "tensordicts", None)
+    if members is not None:  # a lazy stack: its members hold the entries, under the same keys
+        for member in members:
+            yield from _non_tensor_entries(member, path)
+        return
+    for key, value in getattr(node, "_tensordict", {}).items():
+        if not isinstance(value, torch.Tensor):
+            yield from _non_tensor_entries(value, path + (key,))
 
-    def __init__(self, obj: Any):
-        self.obj = obj
-        self.was_locked = obj.is_locked
+
+def _unpicklable(obj: Any, shared: bool) -> tuple | None:
+    """(key, value, pickle's error) of the first non-tensor value that cannot be pickled
+    (``shared``: of those not in a shared cell yet), or None."""
+    for path, entry in _non_tensor_entries(obj):
+        if shared and getattr(entry, "_shared_value", None) is not None:
+            continue  # in a cell already: shared as it is
+        data = entry.data
+        if not shared and fmt.is_json_value(data):
+            continue  # written in meta.json, never pickled
+        try:
+            pickle.dumps(data)
+        except Exception as error:  # pickle raises TypeError, PicklingError, AttributeError...
+            return path, data, error
+    return None
+
+
+def _unpicklable_error(error_type: type, action: str, found: tuple, shared: bool) -> Exception:
+    path, data, error = found
+    purpose = "shared between processes" if shared else "written to a file"
+    where = f"the non-tensor entry {key_repr(path)}" if path else "this non-tensor value"
+    remedy = f"Remove it (del td[{path!r}]) or replace it" if path else "Replace it"
+    message = (
+        f"{action}: {where} holds a {type(data).__name__}, which cannot be pickled "
+        f"({error}), so it cannot be {purpose}; nothing was done. {remedy} with a "
+        "picklable value first."
+    )
+    try:
+        return error_type(message)
+    except Exception:  # an exception class that takes other arguments
+        return TypeError(message)
+
+
+def _check_picklable(obj: Any, action: str, *, shared: bool) -> None:
+    found = _unpicklable(obj, shared)
+    if found is not None:
+        raise _unpicklable_error(type(found[2]), action, found, shared)
+
+
+class _naming_unpicklable:
+    """Re-raise a pickling error of a memmap call naming the entry at fault (only when
+    one is found whose own error the raised one carries), as the same exception type."""
+
+    def __init__(self, obj: Any, action: str, shared: bool):
+        self.obj, self.action, self.shared = obj, action, shared
 
     def __enter__(self) -> None:
-        if self.was_locked:
-            unwrap_tensorclass(self.obj)._unlock_tree()
+        return None
 
-    def __exit__(self, *exc: Any) -> None:
-        if self.was_locked:
-            self.obj.lock_()
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        if exc is None or not isinstance(exc, (TypeError, pickle.PicklingError, AttributeError)):
+            return False
+        found = _unpicklable(self.obj, self.shared)
+        if found is None or str(found[2]) not in str(exc):
+            return False  # not a pickling error of an entry: left as it is
+        raise _unpicklable_error(type(exc), self.action, found, self.shared) from exc
 
 
 def _check_out(out: Any) -> None:
     """``load_memmap(out=)`` fills an unlocked TensorDict (refused before any change)."""
-    if not hasattr(out, "_keys_str"):
-        raise TypeError(
-            f"load_memmap(out=) takes a TensorDict to load into, got {type(out).__name__}: "
-            "pass a TensorDict, or use the tensordict load_memmap returns."
-        )
+    check_out_type(out)
     if out.is_locked:
         raise RuntimeError(
             "load_memmap(out=) cannot load into a locked tensordict (its entries change): "

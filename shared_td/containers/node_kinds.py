@@ -118,7 +118,7 @@ class LazyStackKind(nodes.NodeKind):
         while is_directory(str(len(names))):  # the first missing member ends the stack
             names.append(str(len(names)))
         if not names:
-            raise FormatError(os.path.dirname(meta.path), "a lazy stack without members (no 0/ directory)")
+            raise FormatError(_node_path(meta), "a lazy stack without members (no 0/ directory)")
         return names
 
     def rebuild(self, meta: NodeMeta, values: dict, *, directory: str, parent_batch, unpickle):
@@ -251,7 +251,17 @@ class TensorClassKind(nodes.NodeKind):
 
     def child_names(self, meta: NodeMeta, is_directory: Callable[[str], bool]) -> list[str]:
         if not is_directory(fmt.TENSORCLASS_CHILD):
-            raise FormatError(os.path.dirname(meta.path), "a tensorclass without its _tensordict/ directory")
+            try:
+                tensorclass_for_type_string(meta.type)
+            except (KeyError, TypeError):
+                # every unknown _type is read as a tensorclass's: say so, as a save of
+                # another library's class (or a damaged _type) lands here
+                raise FormatError(
+                    _node_path(meta), f"its class {meta.type!r} is no known tensordict class "
+                    "(a tensorclass would have a _tensordict/ directory): import the module "
+                    "that defines that tensorclass, or check what wrote this save",
+                ) from None
+            raise FormatError(_node_path(meta), "a tensorclass without its _tensordict/ directory")
         return [fmt.TENSORCLASS_CHILD]
 
     def rebuild(self, meta: NodeMeta, values: dict, *, directory: str, parent_batch, unpickle) -> Any:
@@ -277,6 +287,17 @@ class TensorClassKind(nodes.NodeKind):
         if node.has_file(fmt.OTHER_PICKLE):
             node.entry.children.append(Entry("(other fields)", VALUE, os.path.join(node.entry.path, fmt.OTHER_PICKLE),
                                              "field", value=node.pickled(fmt.OTHER_PICKLE)))
+
+
+def _node_path(meta: NodeMeta) -> str:
+    """The node whose meta.json is ``meta.path``: its directory, or for an archive's
+    member ``"x.tdz::a/meta.json"`` / ``"x.tdz::meta.json"`` the ``"x.tdz::a"`` / the
+    archive itself (os.path.dirname would name the archive's parent directory)."""
+    path = meta.path
+    for separator in (os.sep, "::"):
+        if path.endswith(separator + fmt.META):
+            return path[: -len(separator + fmt.META)] or os.sep
+    return os.path.dirname(path)
 
 
 def _class_name(type_str: str) -> str:

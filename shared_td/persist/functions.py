@@ -34,6 +34,7 @@ def load_memmap(
     its own class's ``load_memmap``).
     """
     if out is not None:
+        check_out_type(out)
         return type(out).load_memmap(
             prefix, device, non_blocking, out=out, robust_key=robust_key, subpath=subpath,
             mode=mode, num_threads=num_threads, allow_pickle=allow_pickle,
@@ -45,3 +46,15 @@ def load_memmap(
 
 
 load = load_memmap
+
+
+def check_out_type(out: Any) -> None:
+    """``load_memmap(out=)`` takes a tensordict of ours: anything else (a dict, a
+    tensorclass, tensordict's own TensorDict) is refused before anything is read, and
+    before ``type(out).load_memmap`` would be looked up on a class that lacks it or
+    means something else by it. Duck-typed: persist does not import the containers."""
+    if not hasattr(out, "_keys_str"):
+        raise TypeError(
+            f"load_memmap(out=) takes a TensorDict to load into, got {type(out).__name__}: "
+            "pass a TensorDict, or use the tensordict load_memmap returns."
+        )

@@ -44,6 +44,7 @@ import errno
 import json
 import os
 import pickle
+import stat
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
@@ -55,7 +56,7 @@ from shared_td.keys import unravel_key
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.persist import format as fmt
 from shared_td.persist import nodes
-from shared_td.persist.archive import Archive, ArchiveNode, looks_like_zip
+from shared_td.persist.archive import Archive, ArchiveNode
 from shared_td.storage import files
 from shared_td.storage.files import Directory, FileTooShortError
 
@@ -71,6 +72,9 @@ READ_ONLY_ERRNOS = {
 #: The values of ``load_memmap(mode=)``: None (writable where allowed), read-only, read-write.
 MODES = (None, "r", "r+")
 MODE_R_REASON = "opened with mode='r'"
+#: How a zip file starts (a local header, or the end record of an empty zip), as
+#: archive.looks_like_zip checks; read here from the descriptor already open.
+_ZIP_STARTS = (b"PK\x03\x04", b"PK\x05\x06")
 
 #: How long a load keeps restarting while atomic writers replace the directory under it.
 RETRY_SECONDS = 60.0
@@ -218,28 +222,60 @@ class Loader:
         return opened[-1], parent_batch
 
     def _open_root(self, path: str) -> Directory | ArchiveNode:
-        if os.path.isfile(path) and looks_like_zip(path):
-            reason = MODE_R_REASON if self.mode == "r" else None
-            try:
-                return ArchiveNode(Archive(path, writable=self.mode == "r+", read_only_reason=reason))
-            except OSError as error:
-                if self.mode != "r+" or error.errno not in READ_ONLY_ERRNOS:
-                    raise
-                raise PermissionError(
-                    error.errno, f"Cannot load the archive {path} with mode='r+': "
-                    f"{READ_ONLY_ERRNOS[error.errno]}. Load it with mode='r' (or None) to map "
-                    "it read-only, or make it writable.") from None
+        """The save at ``path``: a directory or an archive, decided by what one open gave
+        (its fstat), never by a check before it: a writer renaming an archive in between
+        must not make a valid archive look like "a file" (nor a directory a file)."""
         for _ in range(1000):  # the two-renames fallback leaves the path missing briefly
             try:
-                return Directory(os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), path, "load")
-            except NotADirectoryError:
-                raise NotADirectoryError(f"{path} is a file, not a saved tensordict directory nor "
-                                         "an archive (a zip file).") from None
+                # O_NONBLOCK, O_NOCTTY: a FIFO or a terminal in the place is opened without
+                # waiting for a writer or becoming this process's terminal, then refused
+                fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
             except FileNotFoundError:
                 if not os.path.lexists(fmt.lock_path(path)):
                     break
                 time.sleep(0.001)
+                continue
+            try:
+                info = os.fstat(fd)
+                if stat.S_ISDIR(info.st_mode):
+                    root, fd = Directory(fd, path, "load"), None
+                    return root
+                archive = self._open_archive(path, fd, info)
+            finally:
+                if fd is not None:
+                    os.close(fd)
+            if archive is not None:
+                return archive
+            # the file was replaced between the two opens: look again
         raise FileNotFoundError(f"No saved tensordict at {path}: no such directory.")
+
+    def _open_archive(self, path: str, fd: int, info: os.stat_result) -> ArchiveNode | None:
+        """The archive ``fd`` opened (``info``: its fstat), or None if ``path`` names
+        another file by the time the archive opens it by name."""
+        kind = files.file_kind(info.st_mode)
+        if kind is not None:  # a FIFO, socket or device: never read, so never waited on
+            raise NotADirectoryError(f"{path} is {kind}, not a saved tensordict directory nor "
+                                     "an archive (a zip file).")
+        if os.pread(fd, 4, 0) not in _ZIP_STARTS:
+            raise NotADirectoryError(f"{path} is a file, not a saved tensordict directory nor "
+                                     "an archive (a zip file).")
+        reason = MODE_R_REASON if self.mode == "r" else None
+        try:
+            archive = Archive(path, writable=self.mode == "r+", read_only_reason=reason)
+        except FileNotFoundError:
+            return None  # renamed away meanwhile
+        except OSError as error:
+            if self.mode != "r+" or error.errno not in READ_ONLY_ERRNOS:
+                raise
+            raise PermissionError(
+                error.errno, f"Cannot load the archive {path} with mode='r+': "
+                f"{READ_ONLY_ERRNOS[error.errno]}. Load it with mode='r' (or None) to map "
+                "it read-only, or make it writable.") from None
+        opened = os.fstat(archive.fd)
+        if (opened.st_dev, opened.st_ino) != (info.st_dev, info.st_ino):
+            archive.close()
+            return None
+        return ArchiveNode(archive)
 
     def _load(self, directory: Directory, parent_batch: tuple | None) -> Any:
         """Load one node: its keyed entries (from its meta.json), its fixed-name
