@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import os
 import pathlib
-import pickle
 from typing import Any
 
 import torch
 
 from shared_td.errors import BatchSizeMismatchError, ReadOnlyError
-from shared_td.keys import NestedKey, encode_key, key_repr, unravel_key
+from shared_td.keys import NestedKey, encode_key, unravel_key
 from shared_td.memmap_tensor import MemoryMappedTensor, checked_shape
 from shared_td.persist import api, writer
 from shared_td.persist import format as fmt
 from shared_td.persist.functions import check_out_type
+from shared_td.containers.unpicklable import check_picklable, naming_unpicklable
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 
@@ -95,8 +95,8 @@ class MemmapMethods:
         if share_non_tensor:
             # the values are shared node by node after the leaves are written: one that
             # cannot be would leave the nodes before it changed, so all are checked first
-            _check_picklable(self, "memmap_(share_non_tensor=True)", shared=True)
-        with _naming_unpicklable(self, "memmap_", share_non_tensor):
+            check_picklable(self, "memmap_(share_non_tensor=True)", shared=True)
+        with naming_unpicklable(self, "memmap_", share_non_tensor):
             return api.memmap(
                 self, prefix, copy_existing, inplace=True, num_threads=num_threads,
                 return_early=return_early, share_non_tensor=share_non_tensor,
@@ -129,7 +129,7 @@ class MemmapMethods:
             >>> td.memmap("data/copy.tdz")["obs"].shape
             torch.Size([3, 4])
         """
-        with _naming_unpicklable(self, "memmap", share_non_tensor):
+        with naming_unpicklable(self, "memmap", share_non_tensor):
             return api.memmap(
                 self, prefix, copy_existing, inplace=False, num_threads=num_threads,
                 return_early=return_early, share_non_tensor=share_non_tensor,
@@ -154,7 +154,7 @@ class MemmapMethods:
             >>> bool((like["obs"] == 0).all())
             True
         """
-        with _naming_unpicklable(self, "memmap_like", share_non_tensor):
+        with naming_unpicklable(self, "memmap_like", share_non_tensor):
             return api.memmap(
                 self, prefix, copy_existing, inplace=False, like=True, num_threads=num_threads,
                 return_early=return_early, share_non_tensor=share_non_tensor,
@@ -368,83 +368,6 @@ class MemmapMethods:
         if directory is not None:
             writer.rewrite_node(node, node._memmap_prefix)
         return tensor
-
-
-# ------------------------------------------------- non-tensor values that cannot be pickled
-# A non-tensor value not stored as JSON is pickled (other.pickle, or the cell of
-# share_non_tensor=True); pickle's own error names the value's type but not its key, and
-# the engine that pickles it never sees the key, so the key is found here.
-def _non_tensor_entries(obj: Any, path: tuple = ()) -> Any:
-    """(nested key, NonTensorData/NonTensorStack) of every non-tensor entry of ``obj``."""
-    if getattr(obj, "_is_non_tensor", False):
-        yield path, obj
-        return
-    node = unwrap_tensorclass(obj)
-    members = getattr(node, "tensordicts", None)
-    if members is not None:  # a lazy stack: its members hold the entries, under the same keys
-        for member in members:
-            yield from _non_tensor_entries(member, path)
-        return
-    for key, value in getattr(node, "_tensordict", {}).items():
-        if not isinstance(value, torch.Tensor):
-            yield from _non_tensor_entries(value, path + (key,))
-
-
-def _unpicklable(obj: Any, shared: bool) -> tuple | None:
-    """(key, value, pickle's error) of the first non-tensor value that cannot be pickled
-    (``shared``: of those not in a shared cell yet), or None."""
-    for path, entry in _non_tensor_entries(obj):
-        if shared and getattr(entry, "_shared_value", None) is not None:
-            continue  # in a cell already: shared as it is
-        data = entry.data
-        if not shared and fmt.is_json_value(data):
-            continue  # written in meta.json, never pickled
-        try:
-            pickle.dumps(data)
-        except Exception as error:  # pickle raises TypeError, PicklingError, AttributeError...
-            return path, data, error
-    return None
-
-
-def _unpicklable_error(error_type: type, action: str, found: tuple, shared: bool) -> Exception:
-    path, data, error = found
-    purpose = "shared between processes" if shared else "written to a file"
-    where = f"the non-tensor entry {key_repr(path)}" if path else "this non-tensor value"
-    remedy = f"Remove it (del td[{path!r}]) or replace it" if path else "Replace it"
-    message = (
-        f"{action}: {where} holds a {type(data).__name__}, which cannot be pickled "
-        f"({error}), so it cannot be {purpose}; nothing was done. {remedy} with a "
-        "picklable value first."
-    )
-    try:
-        return error_type(message)
-    except Exception:  # an exception class that takes other arguments
-        return TypeError(message)
-
-
-def _check_picklable(obj: Any, action: str, *, shared: bool) -> None:
-    found = _unpicklable(obj, shared)
-    if found is not None:
-        raise _unpicklable_error(type(found[2]), action, found, shared)
-
-
-class _naming_unpicklable:
-    """Re-raise a pickling error of a memmap call naming the entry at fault (only when
-    one is found whose own error the raised one carries), as the same exception type."""
-
-    def __init__(self, obj: Any, action: str, shared: bool):
-        self.obj, self.action, self.shared = obj, action, shared
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
-        if exc is None or not isinstance(exc, (TypeError, pickle.PicklingError, AttributeError)):
-            return False
-        found = _unpicklable(self.obj, self.shared)
-        if found is None or str(found[2]) not in str(exc):
-            return False  # not a pickling error of an entry: left as it is
-        raise _unpicklable_error(type(exc), self.action, found, self.shared) from exc
 
 
 def _check_out(out: Any) -> None:

@@ -11,6 +11,7 @@ import torch
 
 from shared_td.containers.base import TensorDictBase, is_non_tensor, is_tensor_collection, on_cuda, parse_device
 from shared_td.containers.consolidation import moved_consolidated
+from shared_td.containers.unpicklable import check_picklable
 from shared_td.keys import NestedKey
 from shared_td.memmap_tensor import ReadOnlyMemoryMappedTensor
 
@@ -102,8 +103,8 @@ class TensorMethods:
 
         Raises:
             RuntimeError: if the tensordict is memory-mapped (the two are exclusive).
-            TypeError: naming the key, if a non-tensor value cannot be pickled (the
-                entries before it are shared already).
+            TypeError: naming its nested key, if a non-tensor value cannot be pickled
+                (checked before anything is shared).
         """
         if self._is_memmap:
             raise RuntimeError(
@@ -112,14 +113,10 @@ class TensorMethods:
             )
         if on_cuda(self._device):
             return self
-        for key, value in self._tensordict.items():
-            if isinstance(value, torch.Tensor):
+        check_picklable(self, "share_memory_()", shared=True)  # (the nodes are shared one by one)
+        for value in self._tensordict.values():
+            if isinstance(value, torch.Tensor) or is_non_tensor(value):
                 value.share_memory_()
-            elif is_non_tensor(value):
-                try:
-                    value.share_memory_()
-                except TypeError as error:
-                    raise TypeError(f"share_memory_(): cannot share the non-tensor entry {key!r}: {error}") from error
             elif is_tensor_collection(value):
                 value.share_memory_()
         self._is_shared = True

@@ -202,3 +202,13 @@ def test_an_unpicklable_value_saved_on_its_own_is_named_so(tmp_path):
     with pytest.raises(TypeError, match="this non-tensor value holds a lock.*Replace it"):
         value.memmap(tmp_path / "p")
     assert not os.path.lexists(tmp_path / "p")
+
+
+def test_share_memory_names_the_full_key_and_shares_nothing():
+    import threading
+
+    td = shared_td.TensorDict(a="text", nested={"s": threading.Lock()}, x=torch.zeros(2))
+    with pytest.raises(TypeError, match=r"share_memory_\(\): the non-tensor entry \('nested', 's'\)"):
+        td.share_memory_()
+    # checked first: nothing was shared before the entry at fault
+    assert not td.is_shared() and not td["x"].is_shared() and td.get("a")._shared_value is None

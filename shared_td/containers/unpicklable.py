@@ -1,0 +1,94 @@
+"""Naming the non-tensor entry whose value cannot be pickled.
+
+A non-tensor value that is not stored as JSON is pickled (a save's other.pickle, or the
+shared cell of share_memory_() and share_non_tensor=True); pickle's own error names the
+value's type but not its key, and the code that pickles it never sees the key, so the
+key is found here: :func:`check_picklable` before anything is done (a call that shares
+node by node would otherwise leave the nodes before it changed), or
+:func:`naming_unpicklable` around a call, re-raising its pickling error with the key.
+"""
+from __future__ import annotations
+
+import contextlib
+import pickle
+from typing import Any, Iterator
+
+import torch
+
+from shared_td.keys import key_repr
+from shared_td.persist import format as fmt
+from shared_td.tensorclass_protocol import unwrap_tensorclass
+
+__all__ = ["check_picklable", "naming_unpicklable"]
+
+
+def check_picklable(obj: Any, action: str, *, shared: bool) -> None:
+    """Raise, naming its nested key, for the first non-tensor value of ``obj`` that
+    cannot be pickled (``shared``: among those not in a shared cell yet, a TypeError as
+    a shared cell raises; else among those that are not JSON values, as the type pickle
+    raised)."""
+    found = _unpicklable(obj, shared)
+    if found is not None:
+        raise _unpicklable_error(TypeError if shared else type(found[2]), action, found, shared) from found[2]
+
+
+@contextlib.contextmanager
+def naming_unpicklable(obj: Any, action: str, shared: bool) -> Iterator[None]:
+    """Re-raise a pickling error of the block naming the entry at fault, as the same
+    exception type (only when an entry is found whose own error the raised one carries:
+    any other error passes as it is)."""
+    try:
+        yield
+    except (TypeError, pickle.PicklingError, AttributeError) as error:
+        found = _unpicklable(obj, shared)
+        if found is None or str(found[2]) not in str(error):
+            raise
+        raise _unpicklable_error(type(error), action, found, shared) from error
+
+
+def _non_tensor_entries(obj: Any, path: tuple = ()) -> Any:
+    """(nested key, NonTensorData/NonTensorStack) of every non-tensor entry of ``obj``."""
+    if getattr(obj, "_is_non_tensor", False):
+        yield path, obj
+        return
+    node = unwrap_tensorclass(obj)
+    members = getattr(node, "tensordicts", None)
+    if members is not None:  # a lazy stack: its members hold the entries, under the same keys
+        for member in members:
+            yield from _non_tensor_entries(member, path)
+        return
+    for key, value in getattr(node, "_tensordict", {}).items():
+        if not isinstance(value, torch.Tensor):
+            yield from _non_tensor_entries(value, path + (key,))
+
+
+def _unpicklable(obj: Any, shared: bool) -> tuple | None:
+    """(key, value, pickle's error) of the first non-tensor value that cannot be pickled
+    (``shared``: of those not in a shared cell yet), or None."""
+    for path, entry in _non_tensor_entries(obj):
+        if shared and getattr(entry, "_shared_value", None) is not None:
+            continue  # in a cell already: shared as it is
+        data = entry.data
+        if not shared and fmt.is_json_value(data):
+            continue  # written in meta.json, never pickled
+        try:
+            pickle.dumps(data)
+        except Exception as error:  # pickle raises TypeError, PicklingError, AttributeError...
+            return path, data, error
+    return None
+
+
+def _unpicklable_error(error_type: type, action: str, found: tuple, shared: bool) -> Exception:
+    path, data, error = found
+    purpose = "shared between processes" if shared else "written to a file"
+    where = f"the non-tensor entry {key_repr(path)}" if path else "this non-tensor value"
+    remedy = f"Remove it (del td[{path!r}]) or replace it" if path else "Replace it"
+    message = (
+        f"{action}: {where} holds a {type(data).__name__}, which cannot be pickled "
+        f"({error}), so it cannot be {purpose}; nothing was done. {remedy} with a "
+        "picklable value first."
+    )
+    try:
+        return error_type(message)
+    except Exception:  # an exception class that takes other arguments
+        return TypeError(message)
