@@ -297,9 +297,11 @@ def _run_copies(jobs: list[Callable[[], None]], threads: int) -> None:
             done.result()  # the first error of the copies
 
 
-def _copy_in_background(jobs: list, threads: int, result: Callable[[], Any], storage: "_Storage") -> TensorDictFuture:
+def _copy_in_background(jobs: list, threads: int, result: Callable[[], Any], storage: "_Storage",
+                        on_error: Callable[[], Any] = lambda: None) -> TensorDictFuture:
     """Run the copies on a background thread; the future's result is ``result()``,
-    called once they all succeeded (and ``storage`` committed: a file renamed in place)."""
+    called once they all succeeded (and ``storage`` committed: a file renamed in place);
+    ``on_error()`` runs when a copy failed."""
     future: Future = Future()
 
     def run() -> None:
@@ -310,6 +312,7 @@ def _copy_in_background(jobs: list, threads: int, result: Callable[[], Any], sto
                 _run_copies(jobs, threads)
             except BaseException:
                 storage.abort()
+                on_error()
                 raise
             storage.commit()
             future.set_result(result())
@@ -393,7 +396,8 @@ class ConsolidateMethods:
                 while the threads copy; ``result()`` waits and returns the tensordict
                 (or raises the copy's error). Do not write into the new leaves before.
                 With inplace=True this tensordict keeps its own leaves until the copy
-                has succeeded (tensordict replaces them at once).
+                has succeeded (tensordict replaces them at once), and is locked from the
+                call on (unlocked again if the copy fails).
             share_memory: put the bytes in one anonymous shared-memory segment, laid out
                 as ``memmap()`` without a prefix lays it out; the leaves pickle by
                 reference, so another process sees the same memory. With ``filename``
@@ -456,8 +460,11 @@ class ConsolidateMethods:
             return result
 
         if return_early and threads > 1:
-            if inplace:  # this tensordict keeps its leaves until the copy has succeeded
-                return _copy_in_background(jobs, threads, finish, storage)
+            if inplace:  # this tensordict keeps its leaves until the copy has succeeded,
+                # locked meanwhile: the copies' views replace its leaves by position, so an
+                # entry added or deleted before they do mixed up the values
+                self.lock_()
+                return _copy_in_background(jobs, threads, finish, storage, on_error=self.unlock_)
             result = finish()
             return _copy_in_background(jobs, threads, lambda: result, storage)
         try:

@@ -165,12 +165,6 @@ def test_plain_pickle_to_a_child():
     assert total == pytest.approx(sum(float(v.double().sum()) for v in td.values(True, True)))
 
 
-def test_conflicting_arguments_are_named():
-    td = _tree()
-    with pytest.raises(ValueError, match="filename"):
-        td.consolidate(filename="x", share_memory=True)
-
-
 def test_side_by_side_with_tensordict():
     tensordict = pytest.importorskip("tensordict")
     theirs = tensordict.TensorDict(a=torch.arange(3.0), b={"c": torch.ones(3, 2, dtype=torch.int64)},

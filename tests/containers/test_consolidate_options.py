@@ -268,3 +268,15 @@ def test_filename_with_share_memory_is_the_file_shared(lib, tmp_path):
     result = _tree(lib).consolidate(filename=tmp_path / "td.bin", share_memory=True)
     assert result.is_consolidated() and result["a"].is_shared()
     assert lib.TensorDict.from_consolidated(tmp_path / "td.bin")["a"].tolist() == result["a"].tolist()
+
+
+def test_return_early_inplace_locks_the_tree_while_the_copy_runs():
+    # its leaves are replaced by position once the copy ends: an entry deleted meanwhile
+    # gave the next entries the views of others (b read as a's values, c a view of 2M)
+    td = TensorDict(a=torch.full((2_000_000,), 1.0), b=torch.full((2_000_000,), 2.0), c=torch.full((3,), 3.0))
+    future = td.consolidate(inplace=True, num_threads=2, return_early=True)
+    with pytest.raises(LockedTensorDictError):
+        del td["a"]
+    result = future.result(timeout=_FUTURE_WAIT)
+    assert result is td and td.is_consolidated() and td.is_locked
+    assert td["b"][:2].tolist() == [2.0, 2.0] and td["c"].tolist() == [3.0, 3.0, 3.0]
