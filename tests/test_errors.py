@@ -33,8 +33,8 @@ def test_every_exception_class_is_defined_in_errors_and_exported():
     defined = {name for name, value in vars(errors).items()
                if inspect.isclass(value) and issubclass(value, BaseException)}
     assert defined == {
-        "AtomicWriteError", "BatchSizeMismatchError", "ClusterAuthError", "CoordinatorTimeoutError",
-        "FileTooShortError", "FormatError", "IndexTypeError", "KeyTypeError", "LockedTensorDictError",
+        "AtomicWriteError", "BatchSizeMismatchError", "ClusterAuthError", "CoordinatorAuthenticationError",
+        "CoordinatorTimeoutError", "FileReplacedError", "FileTooShortError", "FormatError", "IndexTypeError", "KeyTypeError", "LockedTensorDictError",
         "NodeTakenOverError", "OwnerLostError", "ReadOnlyError", "SegmentUnavailableError", "StalePair",
         "StorageFullError", "TransferFailed", "UnstorableValueError",
     }
