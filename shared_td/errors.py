@@ -1,5 +1,6 @@
 """Exceptions of shared_td: every exception class the library raises is defined here
-(torch-free, importing nothing) and exported from ``shared_td``.
+(torch-free, importing only the two AuthenticationError bases below) and exported from
+``shared_td``.
 
 They subclass the built-in exceptions that tensordict raises in the same situations, so
 code written for tensordict (``except RuntimeError``, ``except KeyError``) keeps working,
@@ -8,6 +9,9 @@ while the type says more precisely what went wrong.
 (The ``shared-td`` command's own exit signals, ``UsageError`` and ``CommandError`` in
 :mod:`shared_td.cli.common`, never leave its ``main`` and are not library errors.)
 """
+import multiprocessing
+
+from multiprocess import context as _dill_context
 
 
 class BatchSizeMismatchError(ValueError, RuntimeError):
@@ -101,6 +105,15 @@ class AtomicWriteError(RuntimeError):
     """An atomic rewrite (``atomic=True``) refused to start because of what the prefix
     holds: a non-empty directory with ``existsok=False``, or a directory that is not a
     saved tensordict. Nothing was written or touched. A ``RuntimeError``, as before."""
+
+
+class CoordinatorAuthenticationError(ConnectionError, _dill_context.AuthenticationError,
+                                     multiprocessing.AuthenticationError):
+    """The coordinator refused the authkey of this process (or answered with another).
+
+    A ConnectionError (the call did not reach the registry), and the
+    ``AuthenticationError`` of both ``multiprocess`` and ``multiprocessing``: what the
+    handshake raised before, so that code catching those still catches it."""
 
 
 class CoordinatorTimeoutError(ConnectionError, TimeoutError):

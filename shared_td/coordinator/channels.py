@@ -26,9 +26,12 @@ import time
 from multiprocess import connection, managers
 
 from shared_td.coordinator.server import DIR_PATTERN, REGISTRY_ID
-from shared_td.errors import CoordinatorTimeoutError
+from shared_td.errors import CoordinatorAuthenticationError, CoordinatorTimeoutError
 
-__all__ = ["CoordinatorTimeoutError", "call", "connect", "drop_channel", "limit_waits", "time_left"]
+__all__ = [
+    "CoordinatorAuthenticationError", "CoordinatorTimeoutError", "call", "connect", "drop_channel",
+    "limit_waits", "time_left",
+]
 
 
 class _Channel:
@@ -75,10 +78,23 @@ def connect(address: str, authkey: bytes, deadline: float) -> connection.Connect
         connection.answer_challenge(conn, authkey)
         limit_waits(conn, deadline)
         connection.deliver_challenge(conn, authkey)
+    except connection.AuthenticationError as err:
+        conn.close()
+        raise _refused(address, authkey, err) from err
     except BaseException:
         conn.close()
         raise
     return conn
+
+
+def _refused(address: str, authkey: bytes, err: BaseException) -> CoordinatorAuthenticationError:
+    # never the key itself in the message: it is a secret; its length tells most mix-ups
+    return CoordinatorAuthenticationError(
+        f"The shared_td coordinator at {address} refused the authkey ({err}): the "
+        f"{len(authkey)}-byte key given does not match the one it was started with. Pass "
+        "that coordinator's Coordinator.authkey (32 bytes, or its 64-character hex), or "
+        "send the Coordinator handle itself to the worker (it pickles with its key)."
+    )
 
 
 def time_left(deadline: float) -> float:
@@ -175,6 +191,8 @@ def call(address: str, authkey: bytes, method: str, *args, timeout: float):
                 raise TimeoutError("another thread's call on this connection did not end")
         except (TimeoutError, BlockingIOError) as err:
             raise _stalled(address, timeout, err) from err
+        except CoordinatorAuthenticationError:
+            raise  # a ConnectionError too, but the coordinator is there: not "gone"
         except (OSError, EOFError) as err:
             raise _gone(address, err) from err
         if not channel.conn.closed:

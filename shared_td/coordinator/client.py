@@ -30,15 +30,17 @@ ConnectionError and a TimeoutError) naming the address after about ``timeout`` s
 from __future__ import annotations
 
 import os
+import time
 import warnings
 import weakref
 
+from shared_td.containers.unpicklable import naming_unpicklable
 from shared_td.coordinator import published, staleness
-from shared_td.coordinator.channels import call, drop_channel
+from shared_td.coordinator.channels import CoordinatorAuthenticationError, call, drop_channel
 from shared_td.coordinator.process import ServerProcess
-from shared_td.errors import CoordinatorTimeoutError
+from shared_td.errors import CoordinatorTimeoutError, SegmentUnavailableError
 
-__all__ = ["Coordinator", "CoordinatorTimeoutError", "attach"]
+__all__ = ["Coordinator", "CoordinatorAuthenticationError", "CoordinatorTimeoutError", "attach"]
 
 #: Seconds a call waits for the manager (connecting, handshake, answer) before giving up
 #: with :class:`CoordinatorTimeoutError`.
@@ -110,8 +112,9 @@ class Coordinator:
     def connect(cls, address: str, authkey: bytes, *, timeout: float = DEFAULT_TIMEOUT) -> "Coordinator":
         """A non-owning handle on the running coordinator at ``address``.
 
-        Raises ConnectionError if it is not running (checked with one round trip), or
-        CoordinatorTimeoutError if it does not answer within ``timeout`` seconds.
+        Raises ConnectionError if it is not running (checked with one round trip),
+        CoordinatorAuthenticationError (also a ConnectionError) if it refuses ``authkey``,
+        or CoordinatorTimeoutError if it does not answer within ``timeout`` seconds.
         """
         handle = cls(timeout=timeout)
         handle._address, handle._authkey = address, _as_key(authkey)
@@ -245,12 +248,14 @@ class Coordinator:
             return self.cluster.publish(name, td, share_non_tensor=share)  # owner: this node; here too
         _IN_USE.append(self)  # adopts the share_non_tensor values this makes
         try:
-            td.memmap_(prefix, **memmap_kwargs)
+            # (an error of a non-tensor value that does not pickle names its key)
+            with naming_unpicklable(td, f"publish({name!r})", shared=True):
+                td.memmap_(prefix, **memmap_kwargs)
+                # by reference: file paths and (pid, fd) of memfds, never the bytes; the
+                # layout as plain data (the manager imports no container)
+                blob, references = published.pickle_by_reference(td)
         finally:
             _leave(self)
-        # by reference: file paths and (pid, fd) of memfds, never the bytes; the layout
-        # as plain data (the manager imports no container)
-        blob, references = published.pickle_by_reference(td)
         layout, stamp = self._call("publish", name, blob, references, published.layout_of(td))
         staleness.remember(td, name, layout["version"], stamp,
                            _Endpoint(self.address, self.authkey, self._timeout))
@@ -351,10 +356,14 @@ def attach(name: str, *, address: str, authkey: bytes, timeout: float = DEFAULT_
 
     Returns a locked tensordict whose leaves map the published memory: writes are seen
     by every process, no bytes are copied. ``authkey`` may be the bytes or their hex.
+    Racing a ``publish`` or ``unpublish`` of ``name``, it returns the old or the new
+    version whole, or raises KeyError once it is unpublished.
 
     Raises:
         KeyError: nothing is published as ``name`` (the message lists what is).
         ConnectionError: the coordinator at ``address`` is gone.
+        CoordinatorAuthenticationError: it refused ``authkey`` (also a ConnectionError).
+        ValueError, TypeError: ``authkey`` is not a key (empty, a str that is not hex).
         CoordinatorTimeoutError: it did not answer within ``timeout`` seconds (its
             manager is stopped or stalled); also a ConnectionError and a TimeoutError.
 
@@ -362,9 +371,24 @@ def attach(name: str, *, address: str, authkey: bytes, timeout: float = DEFAULT_
         >>> td = attach("batch", address=addr, authkey=key)   # doctest: +SKIP
     """
     authkey = _as_key(authkey)
-    blob, references, version, stamp = call(address, authkey, "attach", name, timeout=timeout)
-    # a version this process parsed already (and still holds) is not parsed again
-    td, parsed = published.rebuild((address, name, version), blob, references)
+    deadline = time.monotonic() + timeout
+    failed_version = None
+    while True:
+        blob, references, version, stamp = call(address, authkey, "attach", name,
+                                                timeout=max(deadline - time.monotonic(), 0.001))
+        try:
+            # a version this process parsed already (and still holds) is not parsed again
+            td, parsed = published.rebuild((address, name, version), blob, references)
+            break
+        except SegmentUnavailableError:
+            # The references name the manager's descriptors, which it closes when the
+            # name is published again or unpublished: between its answer and our
+            # opening them through /proc they may be gone (or their numbers reused),
+            # although the manager lives. Ask again: a newer version, or a KeyError.
+            # The same version failing twice is no such race, so that is raised.
+            if version == failed_version or time.monotonic() >= deadline:
+                raise
+            failed_version = version
     staleness.remember(td, name, version, stamp, _Endpoint(address, authkey, timeout), holds=parsed)
     return td
 
@@ -407,6 +431,24 @@ def _release_later(address: str, key: tuple[int, int]) -> None:
 
 
 def _as_key(authkey) -> bytes:
+    """``authkey`` as bytes: bytes-like as is, a str as hex (``Coordinator.authkey.hex()``).
+    A ValueError or TypeError that says what a key looks like otherwise (never showing
+    the key: it is a secret)."""
     if isinstance(authkey, str):
-        return bytes.fromhex(authkey)
-    return bytes(authkey)
+        try:
+            key = bytes.fromhex(authkey)
+        except ValueError:
+            raise ValueError(
+                f"authkey= is a str of {len(authkey)} characters that is not hexadecimal: a "
+                "key is the coordinator's Coordinator.authkey, as bytes (32) or as their hex "
+                "string (64 characters 0-9a-f, Coordinator.authkey.hex())."
+            ) from None
+    elif isinstance(authkey, (bytes, bytearray, memoryview)):
+        key = bytes(authkey)
+    else:  # bytes(5) would be five zero bytes: never a key
+        raise TypeError(f"authkey= must be bytes or their hex str (Coordinator.authkey), got a "
+                        f"{type(authkey).__name__}.")
+    if not key:
+        raise ValueError("authkey= is empty: pass the coordinator's Coordinator.authkey (32 "
+                         "bytes, or its 64-character hex).")
+    return key

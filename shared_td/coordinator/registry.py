@@ -16,7 +16,10 @@ Why the manager opens a descriptor on each reference: a memfd can only be reache
 process holds it (``/proc/<pid>/fd/<fd>``). The manager reopens each one while its
 publisher waits for the reply, keeps the descriptor until the name is replaced or
 unpublished, and hands ``(its pid, its fd, key, how)`` to attaching processes: so attaching
-works after the publisher has exited, and the manager never maps a byte of the data.
+works after the publisher has exited, and the manager never maps a byte of the data. An
+attach that opens them after the name was replaced or unpublished finds them closed (or
+their numbers reused: the inode check says so) and asks again (see
+:func:`shared_td.coordinator.client.attach`): the manager keeps no old version alive.
 
 Besides published tensordicts the registry holds:
 

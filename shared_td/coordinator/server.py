@@ -1,5 +1,9 @@
 """The coordinator's manager process: its private directory, its serving loop, the sweep.
 
+Its private directory is locked (``flock``) by the manager for its whole life, and the
+sweep of dead managers' directories removes only those it can lock
+(:func:`sweep_dead_dirs`): the kernel drops a dead process's lock, whatever killed it.
+
 :class:`~shared_td.coordinator.process.ServerProcess` runs this file as a script in a
 fresh interpreter: the server listens on a Unix socket in a new private directory, serves
 one :class:`~shared_td.coordinator.registry.Registry` to every client over the wire
@@ -58,7 +62,7 @@ platform = _load_torch_free("shared_td.platform", "platform.py")
 _registry = _load_torch_free("shared_td.coordinator.registry", "coordinator", "registry.py")
 Registry, VersionTable = _registry.Registry, _registry.VersionTable
 
-__all__ = ["DIR_PATTERN", "REGISTRY_ID", "serve", "sweep_dead_dirs"]
+__all__ = ["DIR_PATTERN", "REGISTRY_ID", "make_private_dir", "serve", "sweep_dead_dirs"]
 
 #: Name of a coordinator's private directory under ``tempfile.gettempdir()``:
 #: ``shared_td-coord-<manager pid>-<mkdtemp suffix>``. The sweep touches nothing else.
@@ -81,8 +85,14 @@ def sweep_dead_dirs(root: str | None = None) -> list[str]:
     """Remove private directories of coordinators whose manager process is dead.
 
     Only entries of ``root`` (default ``tempfile.gettempdir()``) named exactly like ours
-    (:data:`DIR_PATTERN`), that are real directories owned by this user, are considered;
-    the pid in the name is probed with ``os.kill(pid, 0)``. Returns the removed paths.
+    (:data:`DIR_PATTERN`), that are real directories owned by this user, are considered.
+    A live manager holds the ``flock`` of its directory for its whole life (see
+    :func:`make_private_dir`) and the kernel drops it when that process dies, however it
+    dies: a directory is removed only by a sweeper that takes that lock. The pid in the
+    name alone cannot say: a manager in another pid namespace sharing this temp dir (two
+    containers with one /tmp volume) has a pid that means nothing here. A pid alive here
+    skips the directory at once (never a wrong removal: at worst a reused pid keeps a dead
+    directory until a later sweep). Returns the removed paths.
 
     Example:
         >>> sweep_dead_dirs()  # doctest: +SKIP
@@ -106,9 +116,47 @@ def sweep_dead_dirs(root: str | None = None) -> list[str]:
         # never follow a link, never touch another user's directory
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
             continue
-        shutil.rmtree(path, ignore_errors=True)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            # held while removing: no manager can hold a directory that we hold
+            if not platform.try_flock(fd):
+                continue  # its manager lives, in a pid namespace that we do not see
+            shutil.rmtree(path, ignore_errors=True)
+        finally:
+            os.close(fd)
         removed.append(path)
     return removed
+
+
+def make_private_dir(root: str | None = None) -> tuple[str, int]:
+    """A new 0700 directory ``shared_td-coord-<pid>-<8 characters>`` under ``root``
+    (default ``tempfile.gettempdir()``), and a descriptor on it that holds its ``flock``:
+    the caller keeps it open for its whole life, so that :func:`sweep_dead_dirs` of any
+    process (of any pid namespace) leaves the directory alone while the caller lives.
+
+    The directory is made and locked under a name the sweep ignores, then renamed to
+    its final name: a sweeper never sees it unlocked.
+    """
+    root = root or tempfile.gettempdir()
+    while True:
+        starting = tempfile.mkdtemp(prefix=f"{DIR_PREFIX}new-", dir=root)
+        fd = os.open(starting, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            if not platform.try_flock(fd):  # a new directory: nobody else knows it yet
+                raise OSError(f"cannot lock the new directory {starting}")
+            final = os.path.join(root, f"{DIR_PREFIX}{os.getpid()}-{starting[-8:]}")
+            if not os.path.lexists(final):  # (a rename onto an empty directory replaces it)
+                os.rename(starting, final)  # the lock belongs to the inode: it follows
+                return final, fd
+        except BaseException:
+            os.close(fd)
+            shutil.rmtree(starting, ignore_errors=True)
+            raise
+        os.close(fd)
+        os.rmdir(starting)  # that name is taken: draw another
 
 
 # ----------------------------------------------------------------------------- server
@@ -120,7 +168,7 @@ def serve(authkey: bytes, report) -> None:
     parent = os.getppid()
     _raise_descriptor_limit()
     sweep_dead_dirs()
-    directory = tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-")
+    directory, lock_fd = make_private_dir()  # lock_fd: held until this process ends
     server = None
     try:
         server = managers.Server({}, os.path.join(directory, "sock"), authkey, "pickle")
@@ -140,6 +188,7 @@ def serve(authkey: bytes, report) -> None:
             except OSError:
                 pass
         shutil.rmtree(directory, ignore_errors=True)
+        os.close(lock_fd)
 
 
 def main() -> None:

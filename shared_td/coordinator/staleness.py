@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import ctypes
 import os
+import select
 import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from shared_td.platform import map_shared_bytes, unmap_bytes
+from shared_td.platform import map_shared_bytes, pid_alive, unmap_bytes
 from shared_td.storage.anonymous import attach_peer_fd
 from shared_td.storage.cache import InodeCache
 
@@ -52,13 +53,28 @@ class _Attachment:
 _ATTACHMENTS: dict[int, tuple[weakref.ref, _Attachment]] = {}
 
 class _Table:
-    """A coordinator's version table mapped in this process (no descriptor kept)."""
+    """A coordinator's version table mapped in this process, and how to tell whether its
+    manager (process ``pid``) still lives: a pidfd (``pidfd``, or None where the kernel
+    has none), which, unlike the pid, cannot come to name another process."""
 
-    def __init__(self, fd: int, nbytes: int):
+    def __init__(self, fd: int, nbytes: int, pid: int, pidfd: int | None):
         address = map_shared_bytes(fd, nbytes)
         unmap = weakref.finalize(self, unmap_bytes, address, nbytes)
         unmap.atexit = False  # exit unmaps anyway; a late is_stale must not find it gone
         self.words = (ctypes.c_uint64 * (nbytes // 8)).from_address(address)
+        self.pid, self._exited = pid, None
+        if pidfd is not None:
+            # poll, not select: select refuses descriptors past 1023
+            self._exited = select.poll()
+            self._exited.register(pidfd, select.POLLIN)
+            weakref.finalize(self, os.close, pidfd)  # last: a failure above, the caller closes it
+
+    def manager_alive(self) -> bool:
+        """Whether the manager still runs: no round trip, a poll of its pidfd (readable
+        once it has exited, SIGKILL included), a few microseconds."""
+        if self._exited is None:
+            return pid_alive(self.pid)
+        return not self._exited.poll(0)
 
 
 # (st_dev, st_ino) of a version table -> its mapping here, shared by the attachments of
@@ -84,11 +100,21 @@ def _map_table(pid: int, fd: int, key: tuple[int, int], nbytes: int):
     key = tuple(key)
 
     def open_table() -> _Table:
-        own_fd = attach_peer_fd(pid, fd, key, what="coordinator version table", min_size=nbytes)
+        # the pidfd first: the table opened after it proves that its process is the manager
         try:
-            return _Table(own_fd, nbytes)
-        finally:
-            os.close(own_fd)  # the mapping keeps the memory
+            pidfd = os.pidfd_open(pid)
+        except (AttributeError, OSError):  # no pidfd here (kernel < 5.3), or it just died
+            pidfd = None
+        try:
+            own_fd = attach_peer_fd(pid, fd, key, what="coordinator version table", min_size=nbytes)
+            try:
+                return _Table(own_fd, nbytes, pid, pidfd)
+            finally:
+                os.close(own_fd)  # the mapping keeps the memory
+        except BaseException:
+            if pidfd is not None:
+                os.close(pidfd)
+            raise
 
     return _TABLES.get_or_create(key, open_table)
 
@@ -109,6 +135,11 @@ def is_stale(td: Any) -> bool:
     :data:`~shared_td.coordinator.registry.WITHDRAWN` bit set). No round trip: one read of the coordinator's shared version
     table (a round trip only past its 4096 names).
 
+    It does not check that the manager lives (that would cost a system call per check):
+    once the coordinator is gone, its table stays mapped and answers what was last
+    published (False, unless something newer was published before it went). Call
+    :func:`refresh` to learn that it is gone: it raises ConnectionError then.
+
     Raises:
         ValueError: ``td`` was not returned by ``attach``/``Coordinator.publish``.
         ConnectionError: past 4096 names, when the coordinator is gone.
@@ -128,11 +159,13 @@ def is_stale(td: Any) -> bool:
 def refresh(td: Any) -> Any:
     """The current tensordict published under ``td``'s name (a new object; ``td``
     itself is unchanged and keeps mapping the old memory). Returns ``td`` itself when
-    it is not stale.
+    it is not stale and the coordinator's manager still runs (checked without a round
+    trip: a poll of its pidfd).
 
     Raises:
         KeyError: the name was unpublished.
-        ConnectionError: the coordinator is gone.
+        ConnectionError: the coordinator is gone (its manager exited or was killed),
+            stale or not: naming its address and the manager's pid.
         ValueError: ``td`` was not returned by ``attach``/``Coordinator.publish``.
 
     Example:
@@ -141,5 +174,14 @@ def refresh(td: Any) -> Any:
     """
     attachment = _attachment(td)
     if not is_stale(td):
+        table = attachment.table
+        # a dead manager's table never changes: "not stale" would be returned for ever
+        if table is not None and not table.manager_alive():
+            raise ConnectionError(
+                f"The shared_td coordinator at {attachment.endpoint.address} is gone (its "
+                f"manager process {table.pid} exited): {attachment.name!r} cannot be "
+                "refreshed. Tensordicts already attached stay readable and writable; "
+                "publish again through a new Coordinator."
+            )
         return td
     return attachment.endpoint.attach(attachment.name)

@@ -165,11 +165,15 @@ def find_segment(storage) -> Segment | None:
 
 
 def _unavailable(pid: int, key: tuple[int, int], what: str, reason: str) -> SegmentUnavailableError:
+    # ``what`` may be any user of a segment (tensors, a SharedCounter, the coordinator's
+    # table): the advice covers each, so that none is told what only suits another
     return SegmentUnavailableError(
         f"The {what} (inode {key[1]}) sent by process {pid} is gone ({reason}): that "
-        "process has exited or no longer holds it. Anonymous shared memory can only be "
-        "received while its sender holds it; give tensors a filename for data that must "
-        "outlive the sender."
+        "process has exited or no longer holds it. Anonymous shared memory (tensors "
+        "memory-mapped without a prefix, a SharedCounter, shared non-tensor values) can "
+        "only be received while its sender holds it: keep the sender alive until every "
+        "receiver has unpickled it, or, for tensors, publish them through a Coordinator "
+        "(which holds them for its receivers) or give them a filename (memmap_(prefix))."
     )
 
 
@@ -202,5 +206,7 @@ def _attach(pid: int, fd: int, key: tuple[int, int], nbytes: int) -> Segment:
     segment = _CACHE.get(key)
     if segment is not None:
         return segment
-    what = f"shared-memory segment of {nbytes} bytes"
+    # a SharedCounter pickles as the segment of its 8 bytes: say that it may be one
+    holding = "a SharedCounter or tensors" if nbytes == 8 else "tensors"
+    what = f"anonymous shared-memory segment of {nbytes} bytes (the memory of {holding})"
     return _register(attach_peer_fd(pid, fd, key, what=what, min_size=nbytes), nbytes, key)
