@@ -43,7 +43,10 @@ def naming_unpicklable(obj: Any, action: str, shared: bool) -> Iterator[None]:
         found = _unpicklable(obj, shared)
         if found is None or str(found[2]) not in str(error):
             raise
-        raise _unpicklable_error(type(error), action, found, shared) from error
+        named = _unpicklable_error(type(error), action, found, shared)
+        for note in getattr(error, "__notes__", ()):  # (what a failed clean-up added, say)
+            named.add_note(note)
+        raise named from error
 
 
 def _non_tensor_entries(obj: Any, path: tuple = ()) -> Any:
