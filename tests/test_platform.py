@@ -108,7 +108,7 @@ def test_atomic_leftovers_of_a_zombie_writer_are_found(tmp_path):
     directory for good (the writer's own check said 'alive' before)."""
     zombie = _zombie()
     try:
-        leftover = tmp_path / f".buffer.shared_td-new-{zombie}-k2j5x"
+        leftover = tmp_path / f".buffer.shared_td-new-{zombie}-0123456789ab"
         leftover.mkdir()
         assert atomic.find_leftovers(str(tmp_path / "buffer")) == [str(leftover)]
     finally:
@@ -122,7 +122,7 @@ def test_the_coordinator_sweep_and_atomic_agree_on_a_zombie(tmp_path):
     try:
         directory = tmp_path / f"shared_td-coord-{zombie}-abcd1234"
         directory.mkdir()
-        staging = tmp_path / f".p.shared_td-new-{zombie}-k2j5x"
+        staging = tmp_path / f".p.shared_td-new-{zombie}-0123456789ab"
         staging.mkdir()
         assert server.sweep_dead_dirs(str(tmp_path)) == [str(directory)]
         assert atomic.find_leftovers(str(tmp_path / "p")) == [str(staging)]

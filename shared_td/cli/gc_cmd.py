@@ -33,7 +33,7 @@ EPILOG = """examples:
   shared-td gc /data/buffer          a saved tensordict: also its own leftovers beside it
   shared-td gc --wait 30 /data       wait up to 30 s for each running writer's lock
 
-Leftovers live beside their prefix (/data/.buffer.shared_td-new-4242-x1y2 for
+Leftovers live beside their prefix (/data/.buffer.shared_td-new-4242-3f9a0c1d2e4b for
 /data/buffer), so PATH is usually the parent directory; its subdirectories are searched
 too (symlinks are not followed).
 """

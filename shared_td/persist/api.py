@@ -181,15 +181,21 @@ def _memmap_to_archive(obj: Any, prefix: Any, *, like: bool, return_early: bool,
     if return_early:
         raise NotImplementedError("return_early=True cannot write an archive: the zip is made "
                                   "once every leaf is written. Call it with return_early=False.")
+    # checked early (nothing planned for nothing) and again under the writer lock
     target = archive_write.check_archive_target(prefix, existsok=existsok)
+    # planned before the lock: a key the archive cannot hold leaves nothing on disk.
+    # An archive is always a copy: leaves mapped to files elsewhere are copied too
+    planned = archive_write.plan_tree(obj, like=like, robust_key=robust_key, where=target)
 
     def fill(members: archive_write.Members) -> None:
-        # an archive is always a copy: leaves mapped to files elsewhere are copied too
-        archive_write.add_tree(members, obj, like=like, robust_key=robust_key, where=target)
+        archive_write.add_tree(members, planned)
 
-    archive_write.write_archive(target, fill, compression, like=like)
-    # this process wrote it, from its own objects: its pickles are trusted
-    loaded = load_memmap(target, mode="r+" if like else None, allow_pickle=True)
+    def load() -> Any:
+        # under the lock, right after the rename: the file is the one this call wrote
+        # from its own objects, so its pickles are trusted (another writer's are not)
+        return load_memmap(target, mode="r+" if like else None, allow_pickle=True)
+
+    loaded = archive_write.write_archive(target, fill, compression, existsok=existsok, then=load)
     return loaded.lock_()
 
 

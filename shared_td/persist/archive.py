@@ -132,6 +132,10 @@ def name_problem(name: str) -> str | None:
         return "a drive letter"
     if any(part in ("", ".", "..") for part in parts):
         return "a '.', '..' or empty path part"
+    try:  # zip names are UTF-8: a lone surrogate (an undecodable byte) has no encoding
+        name.encode("utf-8")
+    except UnicodeEncodeError as error:
+        return f"a character UTF-8 cannot encode ({name[error.start:error.end]!r}, a lone surrogate)"
     return None
 
 

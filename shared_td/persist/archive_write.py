@@ -40,21 +40,37 @@ _ZEROS = memoryview(bytes(1 << 20))
 
 class Members:
     """Adds members to a zip being written: payloads (``*.memmap``) aligned and stored,
-    or compressed with ``compress_type``; every other member stored. ``like``: the
-    payloads of a tree are zeros (memmap_like)."""
+    or compressed with ``compress_type``; every other member stored."""
 
-    def __init__(self, zf: zipfile.ZipFile, compress_type: int, *, like: bool = False):
-        self.zf, self.compress_type, self.like = zf, compress_type, like
-        self.written = 0  # bytes added so far (named when the disk is full)
+    def __init__(self, zf: zipfile.ZipFile, compress_type: int):
+        self.zf, self.compress_type = zf, compress_type
+        self.written = 0  # bytes of members added so far
+        self.pending = 0  # bytes of the member being added
+        self.total: int | None = None  # bytes of all members, when known before the first
+
+    def needed(self) -> int:
+        """The bytes the members need (zip headers aside), for a full disk's message:
+        all of them when known, else at least what is written and the current member."""
+        return max(self.total or 0, self.written + self.pending)
 
     def add(self, name: str, size: int, chunks: Iterable) -> None:
-        problem = name_problem(name)
-        if problem is not None:
-            raise ValueError(f"The file {name!r} cannot be a member of an archive: its name has "
-                             f"{problem} (save with robust_key=True).")
+        check_member_name(name)
         payload = name.endswith(fmt.LEAF_SUFFIX)
+        self.pending = size
         _write_member(self.zf, name, size, chunks, self.compress_type if payload else zipfile.ZIP_STORED)
-        self.written += size
+        self.written, self.pending = self.written + size, 0
+
+
+def check_member_name(name: str, key: Any = None) -> None:
+    """A ValueError naming ``name`` (and the key it stores) if it cannot be a member."""
+    problem = name_problem(name)
+    if problem is None:
+        return
+    if key is not None:
+        raise ValueError(f"The key {key!r} cannot be saved in an archive: its file name {name!r} "
+                         f"has {problem}. Rename the key, or save to a directory (archive=False).")
+    raise ValueError(f"The file {name!r} cannot be a member of an archive: its name has "
+                     f"{problem}. Rename it (or save with robust_key=True).")
 
 
 def _padding(header_offset: int, name: str) -> bytes:
@@ -109,36 +125,55 @@ def _zero_chunks(size: int):
 
 
 # ------------------------------------------------------------------ what goes in
-def add_tree(members: Members, obj: Any, *, like: bool, robust_key: bool | None, where: str) -> None:
-    """The members of ``obj`` saved as a directory would be: planned by the engine (keys
-    checked, files named, every meta.json and pickle built before the first byte), then
-    each payload streamed from its tensor (zeros for ``like``). ``where`` names the
-    archive in the planner's messages."""
+def plan_tree(obj: Any, *, like: bool, robust_key: bool | None, where: str) -> list[tuple]:
+    """The members of ``obj`` saved as a directory would be, planned by the engine (keys
+    checked, files named, every meta.json and pickle built) and every member name
+    checked: nothing is written, so a refusal leaves nothing on disk. ``where`` names
+    the archive in the planner's messages. :func:`add_tree` writes them."""
     options = Options(prefix=where, inplace=False, like=like, copy_existing=True,
                       robust_key=True if robust_key is None else bool(robust_key))
     root = Planner(options, fresh_root=True).plan(obj)  # fresh: nothing on disk is looked at
     built = {id(node): node_files(node) for node in root.walk()}
-    _add_node(members, root, built, "")
+    planned = list(_node_members(root, built, "", (), like=like))
+    for name, _, _, key in planned:
+        check_member_name(name, key)
+    return planned
 
 
-def _add_node(members: Members, node: NodePlan, built: dict, at: str) -> None:
+def add_tree(members: Members, planned: list[tuple]) -> None:
+    """Add the members :func:`plan_tree` planned, each payload streamed from its tensor
+    (zeros for ``like``); their total is known first, for a full disk's message."""
+    members.total = members.written + sum(size for _, size, _, _ in planned)
+    for name, size, chunks, _ in planned:
+        members.add(name, size, chunks())
+
+
+def _node_members(node: NodePlan, built: dict, at: str, keys: tuple, *, like: bool):
+    """``(member name, size, chunks factory, key)`` for the node and its descendants, in
+    tensordict's order; the key is the nested key the member stores (its node's for
+    meta.json and pickles)."""
     document, side = built[id(node)]
-    named: dict[str, Any] = dict(side)
-    for leaf in node.leaves.values():
+    node_key = keys if len(keys) != 1 else keys[0]
+    named: dict[str, Any] = {name: (value, node_key) for name, value in side.items()}
+    for key, leaf in node.leaves.items():
         if leaf.source.numel():  # an empty leaf has no file, as in the directory layout
-            named[os.path.basename(leaf.path)] = leaf
-    members.add(at + fmt.META, len(document), [document])
+            named[os.path.basename(leaf.path)] = (leaf, keys + (key,) if keys else key)
+    yield at + fmt.META, len(document), (lambda: [document]), node_key
     for name in sorted(named):
-        value = named[name]
+        value, key = named[name]
         if isinstance(value, bytes):
-            members.add(at + name, len(value), [value])
-            continue
-        source = value.source.cpu()
-        size = source.numel() * source.element_size()
-        chunks = _zero_chunks(size) if members.like else _view_chunks(files.tensor_bytes(source))
-        members.add(at + name, size, chunks)
-    for child in sorted(node.children.values(), key=lambda c: os.path.basename(c.directory)):
-        _add_node(members, child, built, f"{at}{os.path.basename(child.directory)}/")
+            yield at + name, len(value), (lambda value=value: [value]), key
+        else:
+            size = value.source.numel() * value.source.element_size()
+            yield at + name, size, (lambda leaf=value, size=size: _leaf_chunks(leaf, size, like)), key
+    for key, child in sorted(node.children.items(), key=lambda item: os.path.basename(item[1].directory)):
+        yield from _node_members(child, built, f"{at}{os.path.basename(child.directory)}/",
+                                 keys + (key,), like=like)
+
+
+def _leaf_chunks(leaf: Any, size: int, like: bool):
+    # the CPU copy (of a leaf on another device) is made when its member is written
+    return _zero_chunks(size) if like else _view_chunks(files.tensor_bytes(leaf.source.cpu()))
 
 
 def add_directory(members: Members, directory: Directory, at: str = "") -> None:
@@ -157,6 +192,27 @@ def add_directory(members: Members, directory: Directory, at: str = "") -> None:
             members.add(at + name, size, _file_chunks(fd, size))
         finally:
             os.close(fd)
+    for name in _subdirectories(directory, names, kinds):
+        with directory.child(name) as child:
+            add_directory(members, child, f"{at}{name}/")
+
+
+def save_size(directory: Directory) -> int:
+    """The bytes of the files :func:`add_directory` puts in an archive (before the first:
+    what a full disk's message names)."""
+    names = sorted(os.listdir(directory.fd))
+    kinds = {name: directory.lstat(name) for name in names}
+    total = sum(st.st_size for name, st in kinds.items() if st is not None and stat.S_ISREG(st.st_mode)
+                and fmt.temporary_writer_pid(name) is None)
+    for name in _subdirectories(directory, names, kinds):
+        with directory.child(name) as child:
+            total += save_size(child)
+    return total
+
+
+def _subdirectories(directory: Directory, names: list, kinds: dict) -> list[str]:
+    """The sub-directories among ``names``; a symlink or a special file is refused."""
+    found = []
     for name in names:
         st = kinds[name]
         if st is None or stat.S_ISREG(st.st_mode):
@@ -166,8 +222,8 @@ def add_directory(members: Members, directory: Directory, at: str = "") -> None:
         if not stat.S_ISDIR(st.st_mode):
             raise FormatError(directory.join(name), f"{files.file_kind(st.st_mode)} in a save: "
                               "only files and directories can be put in an archive")
-        with directory.child(name) as child:
-            add_directory(members, child, f"{at}{name}/")
+        found.append(name)
+    return found
 
 
 # ------------------------------------------------------------------ atomic write
@@ -181,28 +237,40 @@ def check_archive_target(target: Any, *, existsok: bool) -> str:
     if os.path.isdir(target):
         raise IsADirectoryError(errno.EISDIR, f"Cannot write an archive at {target}: it is a "
                                 "directory (pass archive=False to write a directory save there).")
-    if os.path.lexists(target) and not existsok:
-        raise RuntimeError(f"A file already exists at {target}, cannot save the tensordict there. "
-                           "Set existsok=True to overwrite.")
+    if not existsok:
+        _refuse_existing(target)
     return target
 
 
+def _refuse_existing(target: str) -> None:
+    if os.path.lexists(target):
+        raise RuntimeError(f"A file already exists at {target}, cannot save the tensordict there. "
+                           "Set existsok=True to overwrite.")
+
+
 def write_archive(target: str, fill: Callable[[Members], None], compression: Any = None, *,
-                  like: bool = False) -> None:
+                  existsok: bool = True, then: Callable[[], Any] | None = None) -> Any:
     """Write the archive ``target`` atomically: ``fill(members)`` adds its members to a
     new temporary file beside it, which is then renamed over it, under its writer lock.
     On any failure ``target`` is left as it was and the temporary file removed (after a
-    SIGKILL: by the next writer or gc). The new file keeps an old one's mode."""
+    SIGKILL: by the next writer or gc). The new file keeps an old one's mode.
+
+    ``existsok=False``: an existing ``target`` is a RuntimeError, checked under the lock
+    (another writer may have saved there since the caller's check). ``then()`` runs after
+    the rename, still under the lock, and its value is returned: what it opens is this
+    write's archive, not one a later writer renamed over it."""
     compress_type = check_compression(compression)
     parent, name = os.path.split(target)
     os.makedirs(parent, exist_ok=True)
     with atomic.acquired(target), Directory.open(parent) as directory:
+        if not existsok:
+            _refuse_existing(target)
         _sweep(target)
         temporary, fd = _new_temporary(directory, name)
         members = None
         try:
             with open(fd, "wb") as stream, zipfile.ZipFile(stream, "w", allowZip64=True) as zf:
-                members = Members(zf, compress_type, like=like)
+                members = Members(zf, compress_type)
                 fill(members)
             old = directory.lstat(name)
             if old is not None and stat.S_ISREG(old.st_mode):
@@ -211,9 +279,13 @@ def write_archive(target: str, fill: Callable[[Members], None], compression: Any
         except BaseException as error:
             directory.unlink(temporary)
             if isinstance(error, OSError) and error.errno in NO_SPACE_ERRNOS:
-                written = members.written if members is not None else 0
-                raise storage_full_error(error, written, f"archive {target} (written as {temporary})") from error
+                needed = members.needed() if members is not None else 0
+                compressed = "; before compression" if compress_type != zipfile.ZIP_STORED else ""
+                raise storage_full_error(error, needed, (
+                    f"the archive {target} (the size of its members, zip headers aside{compressed}; "
+                    f"written as {temporary})")) from error
             raise
+        return then() if then is not None else None
 
 
 def _new_temporary(directory: Directory, name: str) -> tuple[str, int]:
@@ -224,6 +296,8 @@ def _new_temporary(directory: Directory, name: str) -> tuple[str, int]:
             return temporary, directory.open_file(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         except FileExistsError:
             continue
+        except PermissionError as error:  # the lock file was there already: a bare EACCES
+            raise atomic.parent_not_writable(error, directory.join(temporary)) from None
     raise FileExistsError(errno.EEXIST, f"No unused temporary name .{name}.shared_td-new-* in {directory.path}")
 
 
@@ -257,6 +331,7 @@ def pack_memmap(prefix: Any, archive: Any = None, compression: Any = None) -> st
 
     def fill(members: Members) -> None:
         with Directory.open(prefix, action="put in an archive") as directory:
+            members.total = save_size(directory)  # what a full disk's message names
             add_directory(members, directory)
 
     write_archive(target, fill, compression)

@@ -33,14 +33,19 @@ as it was or as the new complete version.
   failed because the process ran out of descriptors still cleans up. A clean-up that
   fails anyway is added as a note to the raised error (after a successful swap, a
   RuntimeWarning), naming what is left; gc removes it once the writer has exited.
-* **Leftovers**: temporary directories are named ``.<name>.shared_td-<kind>-<pid>-<rand>``;
-  those of dead writers are removed by the next atomic write (under the lock) and by
-  ``shared_td.gc(prefix)`` (a writer killed between the fallback's two renames leaves
-  ``prefix`` missing until then: the sweep moves the old version back). Nothing outside
-  prefix's parent directory is touched. ``gc`` returns only what it removed and raises
-  an OSError naming a leftover it could not remove. Lock files stay (every writer
-  reuses them); ``gc(prefix, remove_lock=True)`` (``shared-td gc``) removes one no
-  process holds.
+* **Leftovers**: temporary directories are named ``.<name>.shared_td-<kind>-<pid>-<rand>``
+  (``<rand>``: 12 hex digits, mkdtemp's 8 characters for ``old``); only names exactly
+  of this form are ever touched (a user's ``.x.shared_td-new-1-mydata`` is not ours),
+  and an ``-old-`` one only while it holds nothing but ``tree``. Those of dead writers
+  are removed by the next atomic write (under the lock) and by ``shared_td.gc(prefix)``
+  (a writer killed between the fallback's two renames leaves ``prefix`` missing until
+  then: the sweep moves the old version back). Nothing outside prefix's parent
+  directory is touched. ``gc`` returns only what it removed and raises an OSError
+  naming a leftover it could not remove; with nothing to remove and no lock file it
+  takes no lock (creates none: a read-only directory is no error). Writing needs
+  prefix's parent directory writable (lock file, staging directory): a PermissionError
+  says so, naming it. Lock files stay (every writer reuses them);
+  ``gc(prefix, remove_lock=True)`` (``shared-td gc``) removes one no process holds.
 * **Not durable**: files are not synced, so this guards against a killed process, not
   a power failure.
 """
@@ -92,6 +97,11 @@ class acquired:
         while True:
             try:
                 self.lock.acquire()
+            except PermissionError as error:  # an existing lock file we may not open to write
+                raise PermissionError(error.errno, (
+                    f"Cannot lock {self.lock.lock_file}: this process may not open it for writing "
+                    f"({error.strerror}). Every writer of a prefix opens its lock file so: make it "
+                    "writable by them (chmod), or remove it (the next writer makes a new one).")) from None
             except filelock.Timeout:
                 raise TimeoutError(
                     f"Another writer has held the lock {self.lock.lock_file} for more than "
@@ -132,6 +142,8 @@ def create_lock_file(path: str) -> int:
         if error.errno == errno.ELOOP:
             raise OSError(error.errno, f"The lock file {path} is a symlink (to {os.readlink(path)}): "
                           "refusing to follow it. Remove it; the next writer creates a new one.") from None
+        if isinstance(error, PermissionError):
+            raise parent_not_writable(error, path) from None
         raise
     try:
         mode = os.fstat(fd).st_mode
@@ -140,6 +152,17 @@ def create_lock_file(path: str) -> int:
     if not stat.S_ISREG(mode):
         raise OSError(errno.EINVAL, f"The lock file {path} is not a regular file: remove it.")
     return stat.S_IMODE(mode)
+
+
+def parent_not_writable(error: PermissionError, path: str) -> PermissionError:
+    """``error`` (creating ``path``) reworded: the fix is a writable directory, not ``path``."""
+    parent = os.path.dirname(path)
+    return PermissionError(
+        error.errno, f"Cannot create {path}: its directory {parent} is not writable by this "
+        "process. An atomic write (atomic=True, an archive save, unpack_memmap) creates its "
+        f"lock file and its new version beside the prefix, so {parent} must be writable: make "
+        "it writable, or write elsewhere (a directory save in place: atomic=False)."
+    )
 
 
 def resolve(prefix) -> str:
@@ -223,7 +246,11 @@ class Staging:
         self.prefix = prefix
         parent, name = os.path.split(prefix)
         os.makedirs(parent, exist_ok=True)
-        self.path = _new_directory(parent, f".{name}.{_TAG}-new-{os.getpid()}-")
+        start = f".{name}.{_TAG}-new-{os.getpid()}-"
+        try:
+            self.path = _new_directory(parent, start)
+        except PermissionError as error:  # the lock file was there already: a bare EACCES
+            raise parent_not_writable(error, os.path.join(parent, start + "*")) from None
         self.reserved: list[int] = []
         self.replaced: os.stat_result | None = None
         try:
@@ -340,7 +367,7 @@ def find_leftovers(prefix: str) -> list[str]:
     found = []
     for entry in entries:
         pid = _writer_pid(entry, name)
-        if pid is not None and not pid_alive(pid):
+        if pid is not None and not pid_alive(pid) and _is_ours(os.path.join(parent, entry)):
             found.append(os.path.join(parent, entry))
     return found
 
@@ -437,35 +464,60 @@ def _gc_one(prefix: str, timeout: float | None, dry_run: bool, remove_lock: bool
         return found
     existed = os.path.lexists(lock_file)  # else taking the lock creates it: not a leftover
     removed: list[str] = []
-    try:
-        with acquired(prefix, timeout):
-            removed += sweep_leftovers(prefix)
-            for path in stale(prefix):
-                os.unlink(path)
-                removed.append(path)
-    except OSError as error:  # what was removed before it, for the caller to report
-        error.removed = removed + getattr(error, "removed", [])
-        raise
+    # Nothing to remove and no lock file: none is created (a read-only parent is then no
+    # error). An existing lock is taken (a running writer's is waited for, or TimeoutError:
+    # the CLI's "skipped"); what is found is looked up again under it.
+    if existed or find_leftovers(prefix) or stale(prefix):
+        try:
+            with acquired(prefix, timeout):
+                removed += sweep_leftovers(prefix)
+                for path in stale(prefix):
+                    os.unlink(path)
+                    removed.append(path)
+        except OSError as error:  # what was removed before it, for the caller to report
+            error.removed = removed + getattr(error, "removed", [])
+            raise
     if remove_lock and remove_unheld_lock(lock_file) and existed:
         removed.append(lock_file)
     return removed
 
 
-# the random part of mkdtemp's names has no dot, so the last ".shared_td-" is ours
-_LEFTOVER_NAME = re.compile(rf"\.(?P<name>.+)\.{_TAG}-(?:new|old)-(?P<pid>[0-9]+)-", re.DOTALL)
+# Exactly the names our writers make, whole: gc deletes what matches, so a user's
+# ".x.shared_td-new-4194000-mydata" must not. Staging and temporary_name end with 12 hex
+# digits (secrets.token_hex(6)), the fallback's retired directory with tempfile.mkdtemp's
+# 8 characters of [a-z0-9_] (and holds nothing but "tree": _is_ours).
+_LEFTOVER_NAME = re.compile(
+    rf"\.(?P<name>.+)\.{_TAG}-(?:new-(?P<new>[1-9][0-9]*)-[0-9a-f]{{12}}"
+    rf"|old-(?P<old>[1-9][0-9]*)-[a-z0-9_]{{8}})",
+    re.DOTALL,
+)
 
 
 def parse_leftover_name(entry: str) -> tuple[str, int] | None:
-    """``(prefix name, writer pid)`` of a temporary directory's name, else None.
+    """``(prefix name, writer pid)`` of a temporary's name exactly as our writers make
+    it (:func:`temporary_name`, :class:`Staging`, :func:`swap_into_place`), else None.
 
     Examples:
-        >>> parse_leftover_name(".buffer.shared_td-new-4242-k2j5x")
+        >>> parse_leftover_name(".buffer.shared_td-new-4242-0123456789ab")
         ('buffer', 4242)
+        >>> parse_leftover_name(".buffer.shared_td-new-4242-mydata") is None
+        True
     """
-    match = _LEFTOVER_NAME.match(entry)
-    return (match["name"], int(match["pid"])) if match else None
+    match = _LEFTOVER_NAME.fullmatch(entry)
+    return (match["name"], int(match["new"] or match["old"])) if match else None
 
 
 def _writer_pid(entry: str, name: str) -> int | None:
     parsed = parse_leftover_name(entry)
     return parsed[1] if parsed is not None and parsed[0] == name else None
+
+
+def _is_ours(path: str) -> bool:
+    """A retired directory (``-old-``) holds nothing or the moved-away ``tree`` only:
+    anything else in it is not what swap_into_place made, and stays."""
+    if f".{_TAG}-old-" not in os.path.basename(path):
+        return True
+    try:
+        return not os.path.islink(path) and set(os.listdir(path)) <= {"tree"}
+    except OSError:
+        return False

@@ -54,7 +54,7 @@ def test_gc_escapes_paths(tmp_path):
     root = tmp_path / "data\x1b[1m"
     prefix = root / NAME
     shared_td.TensorDict(x=torch.zeros(2)).memmap_(str(prefix), atomic=True)
-    leftover = root / f".{NAME}.shared_td-new-{dead_pid()}-k2j5x"
+    leftover = root / f".{NAME}.shared_td-new-{dead_pid()}-0123456789ab"
     leftover.mkdir()
     code, out, err = run_main("gc", "--dry-run", root)
     assert (code, err) == (0, "")

@@ -335,7 +335,7 @@ def test_gc_cli_finds_a_dead_archive_writers_directory(tmp_path):
     from shared_td.cli.gc_cmd import prefixes_under
 
     path = saved_archive(tmp_path)
-    leftover = tmp_path / ".t.tdz.shared_td-new-999999999-abcdef"
+    leftover = tmp_path / ".t.tdz.shared_td-new-999999999-0123456789ab"
     (leftover / "tree").mkdir(parents=True)
     assert prefixes_under(str(tmp_path)) == [str(path)]
     assert shared_td.gc(path) == [str(leftover)]

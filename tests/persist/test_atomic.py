@@ -350,13 +350,13 @@ def test_gc_removes_only_dead_writers_leftovers_of_that_prefix(tmp_path):
     dead.start()
     dead.join()
     names = {
-        f".p.shared_td-new-{dead.pid}-abc": True, f".p.shared_td-old-{dead.pid}-def": True,
-        f".p.shared_td-new-{os.getpid()}-ghi": False,  # a live writer's
-        f".q.shared_td-new-{dead.pid}-jkl": False,  # another prefix's
+        f".p.shared_td-new-{dead.pid}-0123456789ab": True, f".p.shared_td-old-{dead.pid}-k2j5x_9a": True,
+        f".p.shared_td-new-{os.getpid()}-89abcdef0123": False,  # a live writer's
+        f".q.shared_td-new-{dead.pid}-cdef01234567": False,  # another prefix's
         ".p.shared_td-new-notapid-mno": False, "p2": False,
     }
-    for name in names:
-        (tmp_path / name / "sub").mkdir(parents=True)
+    for name in names:  # a retired (-old-) directory holds the moved-away tree only
+        (tmp_path / name / ("tree" if "-old-" in name else "sub")).mkdir(parents=True)
     removed = shared_td.gc(str(prefix))
     assert sorted(removed) == sorted(str(tmp_path / n) for n, gone in names.items() if gone)
     assert sorted(os.listdir(tmp_path)) == sorted([".p.lock", "p"] + [n for n, g in names.items() if not g])

@@ -7,7 +7,10 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import pathlib
+import shutil
 import stat
+import tempfile
 
 import pytest
 import torch
@@ -211,7 +214,7 @@ def test_gc_removes_what_it_reports_beside_a_symlinked_prefix(tmp_path):
     dead = FORK.Process(target=os._exit, args=(0,))
     dead.start()
     dead.join(30)
-    stale = tmp_path / f".link.shared_td-new-{dead.pid}-abc"
+    stale = tmp_path / f".link.shared_td-new-{dead.pid}-0123456789ab"
     os.symlink(real, stale)
     assert shared_td.gc(link, dry_run=True) == [str(stale)]
     assert shared_td.gc(link) == [str(stale)]
@@ -224,7 +227,7 @@ def test_gc_raises_when_it_cannot_remove_a_leftover(tmp_path, monkeypatch):
     dead = FORK.Process(target=os._exit, args=(0,))
     dead.start()
     dead.join(30)
-    leftover = tmp_path / f".p.shared_td-new-{dead.pid}-abc"
+    leftover = tmp_path / f".p.shared_td-new-{dead.pid}-0123456789ab"
     (leftover / "sub").mkdir(parents=True)
 
     def refuse(path):
@@ -352,3 +355,137 @@ def test_a_symlink_planted_at_the_lock_file_is_never_followed(tmp_path):
         shared_td.gc(prefix)
     assert victim.read_bytes() == b"precious" and dir_state(prefix) == before
     assert os.path.islink(tmp_path / ".p.lock")
+
+
+# ------------------------------------------------- leftovers: our exact names only
+def _dead_pid() -> int:
+    dead = FORK.Process(target=os._exit, args=(0,))
+    dead.start()
+    assert finish(dead) == 0
+    return dead.pid
+
+
+def _look_alikes(parent, pid: int) -> list[str]:
+    """A user's saves, file and directories named like a dead writer's temporaries of
+    prefix ``p`` (pid ``pid``) but not as our writers name them: none is ever ours."""
+    names = [f".p.shared_td-new-{pid}-mydata", f".p.shared_td-old-{pid}-keepme",
+             f".p.shared_td-new-{pid}-0123456789ab-copy", f".p.shared_td-new-{pid}-0123456789AB",
+             f".p.shared_td-old-{pid}-k2j5x_9a"]  # an exact -old- name holding a save, not "tree"
+    for name in names:
+        kids.build(7).memmap(parent / name)
+    (parent / f".p.shared_td-new-{pid}-notes").write_bytes(b"mine")
+    return names + [f".p.shared_td-new-{pid}-notes"]
+
+
+def test_look_alikes_of_temporary_names_are_never_removed(tmp_path):
+    """A writer SIGKILLed between the fallback's two renames leaves a staging and a
+    retired directory (prefix missing): gc removes exactly those and puts the old version
+    back; the look-alikes, also of a dead pid, stay through gc and atomic writes."""
+    prefix = tmp_path / "p"
+    kids.build(1).memmap_(prefix, atomic=True)
+    ready = FORK.Event()
+    child = FORK.Process(target=kids.blocking_writer, args=(str(prefix), 2, 0, "renames", ready))
+    child.start()
+    assert ready.wait(30)
+    child.kill()
+    assert finish(child) == -9
+    real = sorted(kids.leftovers(prefix))
+    assert [n.split("-")[1] for n in real] == ["new", "old"] and not prefix.exists()
+    ours = _look_alikes(tmp_path, child.pid) + _look_alikes(tmp_path, _dead_pid())
+    before = {name: dir_state(tmp_path / name) if (tmp_path / name).is_dir() else (tmp_path / name).read_bytes()
+              for name in ours}
+
+    def unchanged() -> bool:
+        return all((dir_state(tmp_path / n) if (tmp_path / n).is_dir() else (tmp_path / n).read_bytes()) == state
+                   for n, state in before.items())
+
+    assert sorted(shared_td.gc(prefix, dry_run=True)) == [str(tmp_path / n) for n in real]
+    assert sorted(shared_td.gc(prefix)) == [str(tmp_path / n) for n in real]
+    assert kids.check(load_memmap(prefix)) == 1 and unchanged()
+    kids.build(3).memmap_(prefix, atomic=True)
+    kids.build(4).memmap(tmp_path / "p.tdz")  # an archive writer sweeps beside p.tdz only
+    assert unchanged() and kids.check(load_memmap(prefix)) == 3
+    assert sorted(set(kids.leftovers(prefix)) - set(ours)) == []
+    for name in ours:  # still loadable saves, except the user's file
+        if (tmp_path / name).is_dir():
+            assert kids.check(load_memmap(tmp_path / name)) == 7
+
+
+def test_parse_leftover_name_takes_only_whole_names_of_our_writers():
+    pid = os.getpid()
+    assert atomic.parse_leftover_name(atomic.temporary_name("x")) == ("x", pid)
+    assert atomic.parse_leftover_name(f".x.shared_td-new-{pid}-0123456789ab") == ("x", pid)
+    assert atomic.parse_leftover_name(f".x.shared_td-old-{pid}-k2j5x_9a") == ("x", pid)
+    for look_alike in ("mydata", "0123456789ab-1", "0123456789a", "0123456789abc", "k2j5x_9a"):
+        assert atomic.parse_leftover_name(f".x.shared_td-new-{pid}-{look_alike}") is None, look_alike
+    for look_alike in ("keepme", "k2j5x_9a.bak", "k2j5x_9ab"):
+        assert atomic.parse_leftover_name(f".x.shared_td-old-{pid}-{look_alike}") is None, look_alike
+
+
+# ------------------------------------------------- a read-only parent directory
+def _gc_and_write(name: str):
+    """As an unprivileged user in a directory it may not write: gc, then an atomic
+    write and an archive save of ``name``; what each returned or raised."""
+    import shared_td as std
+
+    def outcome(action):
+        try:
+            return ["ok", action()]
+        except Exception as error:  # the report names the type and the message
+            return [type(error).__name__, str(error)]
+
+    return {
+        "gc": outcome(lambda: std.gc(name)),
+        "lock": os.path.lexists(f".{name}.lock"),
+        "atomic": outcome(lambda: kids.build(2).memmap_(name, atomic=True) and None),
+        "archive": outcome(lambda: kids.build(2).memmap(name + ".tdz") and None),
+    }
+
+
+@pytest.mark.parametrize("lock", ["none", "writable", "root's"])
+def test_a_read_only_parent_gc_succeeds_and_writes_say_what_to_fix(tmp_path, lock):
+    """Run as the user nobody (root ignores file modes), in a directory owned by root."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to run the check as the user nobody in a directory it may not write")
+    # gc and the writers use absolute paths: nobody must reach the directory, and
+    # pytest's own are below a 0o700 one
+    place = tempfile.mkdtemp(prefix="shared_td-read-only-", dir="/tmp")
+    try:
+        os.chmod(place, 0o755)
+        _check_read_only_parent(pathlib.Path(place), lock, tmp_path)
+    finally:
+        shutil.rmtree(place)
+
+
+def _check_read_only_parent(place, lock, tmp_path):
+    kids.build(1).memmap(place / "p")
+    kids.build(1).memmap(place / "p.tdz")  # made its lock file, root's, 0o644
+    if lock == "none":
+        os.unlink(place / ".p.tdz.lock")
+    else:  # made by earlier writes while the directory was writable
+        kids.build(1).memmap_(place / "p", atomic=True)
+    if lock == "writable":
+        os.chmod(place / ".p.lock", 0o666)
+        os.chmod(place / ".p.tdz.lock", 0o666)
+    before = sorted(os.listdir(place))
+    found = in_child(kids.as_nobody, _gc_and_write_p, str(place), tmp_path=tmp_path)
+    assert found["error"] is None, found
+    result = found["result"]
+    assert result["lock"] == (lock != "none"), result
+    if lock == "root's":  # gc takes an existing lock: one it may not open is named, with the fix
+        assert result["gc"][0] == "PermissionError" and "make it writable" in result["gc"][1], result
+    else:
+        assert result["gc"] == ["ok", []], result
+    for what in ("atomic", "archive"):
+        kind, message = result[what]
+        assert kind == "PermissionError", result
+        if lock == "root's":
+            assert f"Cannot lock {place}/.p" in message and "make it writable" in message, message
+        else:
+            assert f"its directory {place} is not writable" in message and "must be writable" in message
+    assert sorted(os.listdir(place)) == before
+    assert kids.check(load_memmap(place / "p")) == 1
+
+
+def _gc_and_write_p():
+    return _gc_and_write("p")

@@ -199,7 +199,8 @@ def test_every_lock_and_staging_name_is_documented(tmp_path):
     assert kinds >= {"new"}
     for kind in kinds:
         assert f"`.<name>.shared_td-{kind}-<pid>-<rand>`" in DOC, f"staging kind {kind!r} undocumented"
-        assert atomic.parse_leftover_name(f".buf.shared_td-{kind}-4242-k2j5x_9a") == ("buf", 4242)
+        rand = {"new": "0123456789ab", "old": "k2j5x_9a"}[kind]  # token_hex(6), mkdtemp's
+        assert atomic.parse_leftover_name(f".buf.shared_td-{kind}-4242-{rand}") == ("buf", 4242)
     staging = atomic.Staging(prefix)
     try:
         assert re.fullmatch(rf"\.buf\.shared_td-new-{os.getpid()}-[0-9a-f]{{12}}", os.path.basename(staging.path))
