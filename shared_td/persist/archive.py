@@ -71,6 +71,8 @@ ARCHIVE_SUFFIX = ".tdz"
 ALIGNMENT = 64
 _LOCAL_HEADER = struct.Struct("<4s5H3I2H")
 _LOCAL_SIGNATURE = b"PK\x03\x04"
+#: How a zip file starts: a local header, or the end record of an empty zip.
+ZIP_STARTS = (_LOCAL_SIGNATURE, b"PK\x05\x06")
 #: the largest member read whole (meta.json, pickles): a bigger one is damage or hostile
 _MAX_METADATA = 1 << 30
 
@@ -359,7 +361,7 @@ def looks_like_zip(path: str) -> bool:
     except (OSError, FormatError):
         return False
     try:
-        return os.pread(fd, 4, 0) in (_LOCAL_SIGNATURE, b"PK\x05\x06")
+        return os.pread(fd, 4, 0) in ZIP_STARTS
     finally:
         os.close(fd)
 

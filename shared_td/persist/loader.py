@@ -56,7 +56,7 @@ from shared_td.keys import unravel_key
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.persist import format as fmt
 from shared_td.persist import nodes
-from shared_td.persist.archive import Archive, ArchiveNode
+from shared_td.persist.archive import ZIP_STARTS, Archive, ArchiveNode
 from shared_td.storage import files
 from shared_td.storage.files import Directory, FileTooShortError
 
@@ -72,9 +72,6 @@ READ_ONLY_ERRNOS = {
 #: The values of ``load_memmap(mode=)``: None (writable where allowed), read-only, read-write.
 MODES = (None, "r", "r+")
 MODE_R_REASON = "opened with mode='r'"
-#: How a zip file starts (a local header, or the end record of an empty zip), as
-#: archive.looks_like_zip checks; read here from the descriptor already open.
-_ZIP_STARTS = (b"PK\x03\x04", b"PK\x05\x06")
 
 #: How long a load keeps restarting while atomic writers replace the directory under it.
 RETRY_SECONDS = 60.0
@@ -256,7 +253,7 @@ class Loader:
         if kind is not None:  # a FIFO, socket or device: never read, so never waited on
             raise NotADirectoryError(f"{path} is {kind}, not a saved tensordict directory nor "
                                      "an archive (a zip file).")
-        if os.pread(fd, 4, 0) not in _ZIP_STARTS:
+        if os.pread(fd, 4, 0) not in ZIP_STARTS:  # (read from the descriptor already open)
             raise NotADirectoryError(f"{path} is a file, not a saved tensordict directory nor "
                                      "an archive (a zip file).")
         reason = MODE_R_REASON if self.mode == "r" else None
