@@ -374,8 +374,8 @@ def attach(name: str, *, address: str, authkey: bytes, timeout: float = DEFAULT_
     deadline = time.monotonic() + timeout
     failed_version = None
     while True:
-        blob, references, version, stamp = call(address, authkey, "attach", name,
-                                                timeout=max(deadline - time.monotonic(), 0.001))
+        left = timeout if failed_version is None else max(deadline - time.monotonic(), 0.001)
+        blob, references, version, stamp = call(address, authkey, "attach", name, timeout=left)
         try:
             # a version this process parsed already (and still holds) is not parsed again
             td, parsed = published.rebuild((address, name, version), blob, references)

@@ -224,7 +224,9 @@ def test_repeated_attaches_leave_no_descriptor_or_mapping():
     with shared_td.Coordinator() as coord:
         coord.publish("wide", wide(10))
         coord.publish("other", wide(2))
-        coord.attach("other")  # the connection (one descriptor, kept) is made
+        # the connection (one descriptor, kept) is made, and the version table is mapped
+        # with a pidfd of the manager, kept while an attached tensordict holds the table
+        other = coord.attach("other")
         before = open_descriptors()
         views = [coord.attach("wide")]
         held = open_descriptors()  # the segment's own descriptor, while it is mapped
@@ -236,3 +238,4 @@ def test_repeated_attaches_leave_no_descriptor_or_mapping():
         gc.collect()
         assert opened_since(before) == {}  # the segment's descriptor went with the views
         assert holders_of(inode, [os.getpid()]) == []
+        assert other.is_locked  # (held until here: its table with it)
