@@ -274,10 +274,14 @@ def test_a_claim_that_is_not_text_reads_as_another_holder(store):
         token = claim_node(signed, 5)
         signed.set_json("join/5", {"node": 5, "nodes": 6, "pid": 1, "host": "h"})
         liveness = Liveness(signed, 5, signed.get_json, token, threading.Event())
+        # (a TCPStore set is not answered: the get makes sure the store has it before the
+        # look, which reads on another connection of the store)
         store.set("shared_td/claim/5", b"\xff\xfe")
+        store.get("shared_td/claim/5")
         liveness._confirmed_at -= LOST_AFTER_S
         assert not liveness.still_mine() and "taken over" in liveness.taken_over
         store.set("shared_td/owner/n", b"\xff")
+        store.get("shared_td/owner/n")
         assert name_holder(signed, "n", 5) == "\ufffd"
     finally:
         signed.close()
