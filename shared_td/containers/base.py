@@ -244,7 +244,30 @@ class TensorDictBase(LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, Me
         if isinstance(index, str) or (isinstance(index, tuple) and is_nested_key(index)):
             self.set(index, value)
         else:
-            self._set_at_index(index, value)
+            self._set_at_index(index, self._row_source(index, value))
+
+    def _row_source(self, index: Any, value: Any) -> Any:
+        """What ``self[index] = value`` writes, as tensordict checks it: a dict becomes a
+        tensordict of the indexed rows' batch size (its leaves have those batch dims), and
+        a tensordict's batch size must be theirs. A source's batch dims never broadcast: a
+        batch of 3 written into 2 rows was taken as a feature dim of every row, and a batch
+        of 1 repeated. Numbers and tensors broadcast to every leaf, as before. (Only here,
+        where the user writes: the writes into nested entries are checked leaf by leaf.)"""
+        if is_non_tensor(self) or (not isinstance(value, dict) and (
+                not is_tensor_collection(value) or is_non_tensor(value))):
+            return value  # (a dict written into a non-tensor container is a value)
+        rows = batch_ops.index_and_size(index, self.batch_size)[1]
+        if isinstance(value, dict):
+            from shared_td.containers.tensordict import TensorDict  # (it imports this module)
+
+            return TensorDict(value, batch_size=rows)
+        if value.batch_size != rows:
+            raise BatchSizeMismatchError(
+                f"td[{index!r}] = value: the indexed rows have batch size {list(rows)} (of "
+                f"{list(self.batch_size)}), the source tensordict {list(value.batch_size)}: they "
+                "must be equal (as in tensordict). Index the source to those rows, or write a "
+                "number or tensor, which broadcasts to every leaf.")
+        return value
 
     def __delitem__(self, key: NestedKey) -> None:
         self.del_(key)

@@ -77,7 +77,7 @@ class IndexWrites:
                     inner_batch = target_batch + inner._batch_size[self.batch_dims:]
                     inner._plan_index_writes(index, source, writes, inner_batch)
                 else:  # another container class checks when it writes
-                    writes.append(lambda inner=inner, source=source: inner.__setitem__(index, source))
+                    writes.append(lambda inner=inner, source=source: inner._set_at_index(index, source))
 
 
 def _check_fits(source: torch.Tensor, expected: torch.Size, key: str, index: tuple) -> None:

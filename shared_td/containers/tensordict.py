@@ -436,7 +436,7 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, IndexWrites, TensorMetho
         index, target_batch = batch_ops.index_and_size(index, self._batch_size)
         if type(value) is TensorDict and write_rows(self, index, target_batch, value):
             return  # the same structure as before: leaf by leaf over the cached plan
-        if isinstance(value, dict):  # batch_size [] so that values may broadcast
+        if isinstance(value, dict):  # (td[idx] = dict comes converted: see TensorDictBase.__setitem__)
             value = TensorDict(value, batch_size=[])
         else:
             value = unwrap_tensorclass(value)

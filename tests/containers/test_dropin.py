@@ -814,3 +814,30 @@ def test_a_child_writes_a_shared_non_tensor_value_through_a_row(method):
     td = shared_td.TensorDict(s="a", x=torch.zeros(3), batch_size=[3]).share_memory_()
     run_child(method, kids.write_non_tensor_through_row, td, "s", "from the child")
     assert td["s"] == "from the child"
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("source_batch", [[3], [1], []])
+def test_a_source_of_another_batch_size_than_the_rows_is_refused(lib, source_batch):
+    # its batch dims were broadcast: a batch of 3 written into 2 rows became a feature
+    # dim of every row ([[0, 1, 2], [0, 1, 2]]), a batch of 1 repeated
+    buffer = lib.TensorDict(obs=torch.zeros(10, 3), batch_size=[10])
+    source = lib.TensorDict(obs=torch.arange(3.0).expand(*source_batch, 3), batch_size=source_batch)
+    with pytest.raises(RuntimeError, match="batch size"):
+        buffer[torch.tensor([1, 2])] = source
+    assert not buffer["obs"].any()
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_a_dict_written_at_an_index_has_the_rows_batch_dims(lib):
+    buffer = lib.TensorDict(obs=torch.zeros(10, 3), batch_size=[10])
+    with pytest.raises(RuntimeError, match="obs"):
+        buffer[torch.tensor([1, 5])] = {"obs": torch.tensor([1.0, 2.0, 3.0])}  # was written into both rows
+    assert not buffer["obs"].any()
+    buffer[torch.tensor([1, 5])] = {"obs": torch.ones(2, 3)}
+    buffer[0] = {"obs": torch.full((3,), 2.0)}
+    assert buffer["obs"].sum() == 6 + 6
+    stack = lib.LazyStackedTensorDict(lib.TensorDict(c=torch.zeros(2), batch_size=[2]),
+                                      lib.TensorDict(c=torch.ones(2), batch_size=[2]))
+    stack[:, 0] = {"c": torch.tensor([-1.0, -2.0])}  # (a dict into a lazy stack was refused)
+    assert stack["c"].tolist() == [[-1.0, 0.0], [-2.0, 1.0]]

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from shared_td import IndexTypeError, NonTensorStack, TensorDict
+from shared_td import BatchSizeMismatchError, IndexTypeError, NonTensorStack, TensorDict
 from tests.reference import needs_tensordict
 
 
@@ -125,8 +125,10 @@ def test_write_dict_scalar_and_tensor():
     td = make_td()
     td[0:2] = {"obs": torch.zeros(2, 4, 2)}
     assert not td["obs"][:2].any() and td["obs"][2].sum() == 156
-    td[:, 0] = {"obs": 1.0}  # broadcasts
+    td[:, 0] = 1.0  # a number broadcasts; a dict's values have the rows' batch dims (as tensordict)
     assert bool((td["obs"][:, 0] == 1).all())
+    with pytest.raises(BatchSizeMismatchError, match="obs"):
+        td[:, 0] = {"obs": 1.0}
     td[2] = 5  # a number goes to every tensor leaf
     assert bool((td["obs"][2] == 5).all()) and bool((td["nested", "x"][2] == 5).all())
     td[0] = torch.tensor(3)
@@ -187,18 +189,24 @@ def test_write_non_tensor_at_index():
     [
         (0, TensorDict(obs=torch.zeros(4, 3), batch_size=[4]), ValueError, "'obs'"),
         # 'new' is valid and comes first: it must not be added when 'obs' fails
-        (0, TensorDict(new=torch.zeros(4), obs=torch.zeros(5, 2), batch_size=[]), ValueError, "'obs'"),
+        # (a source of another batch size than the rows: refused first, as tensordict)
+        (0, TensorDict(new=torch.zeros(4), obs=torch.zeros(5, 2), batch_size=[]), ValueError,
+         r"rows have batch size \[4\].*source tensordict \[\]"),
+        (0, TensorDict(new=torch.zeros(4), obs=torch.zeros(4, 5, 2), batch_size=[4]), ValueError, "'obs'"),
         # 'obs' is valid and comes first: it must not be written when nested 'x' fails
         (0, {"obs": torch.zeros(4, 2), "nested": TensorDict(x=torch.zeros(4, 6), batch_size=[4])}, ValueError, "'x'"),
-        (0, {"obs": torch.zeros(4, 2), "nested": TensorDict(new=torch.zeros(4, 5), y=torch.zeros(2), batch_size=[])}, ValueError, "'y'"),
+        (0, {"obs": torch.zeros(4, 2), "nested": TensorDict(new=torch.zeros(4, 5), y=torch.zeros(2), batch_size=[])},
+         ValueError, "'nested'"),
+        (0, {"obs": torch.zeros(4, 2), "nested": TensorDict(new=torch.zeros(4, 5), y=torch.zeros(4, 2), batch_size=[4])},
+         ValueError, "'y'"),
         (0, {"obs": torch.zeros(4, 2), "nested": torch.zeros(4)}, TypeError, "'nested'"),
         (0, {"obs": torch.zeros(4, 2), "task": NotImplemented, "zz": torch.zeros(9, 9)}, ValueError, "'zz'"),
-        (slice(0, 2), TensorDict(obs=torch.zeros(3, 4, 2), batch_size=[3, 4]), ValueError, "'obs'"),
+        (slice(0, 2), TensorDict(obs=torch.zeros(3, 4, 2), batch_size=[3, 4]), ValueError, r"batch size \[2, 4\]"),
         (3, TensorDict(obs=torch.zeros(4, 2), batch_size=[4]), IndexError, "out of bounds"),
         (0, "text", TypeError, "str"),
         (0, torch.zeros(7), ValueError, "leaf"),
         (0, {"obs": "text"}, TypeError, "'obs'"),
-        (slice(0, 2), {"obs": torch.zeros(2, 4, 2), "task": NonTensorStack("a", "b", "c")}, ValueError, "non-tensor"),
+        (slice(0, 2), {"obs": torch.zeros(2, 4, 2), "task": NonTensorStack("a", "b", "c")}, ValueError, "'task'"),
     ],
 )
 def test_failing_write_changes_nothing(unchanged, index, value, error, match):

@@ -385,7 +385,7 @@ class TestWrite:
 
     def test_setitem_heterogeneous(self):
         lazy = hetero()
-        lazy[:, 1] = {"b": torch.tensor(-1.0)}
+        lazy[:, 1] = {"b": torch.full((2,), -1.0)}  # (a dict's values have the rows' batch dims)
         assert lazy.tensordicts[0]["b"][1] == -1 and lazy.tensordicts[1]["b"][1] == -1
 
     def test_setitem_wrong_shape_leaves_members(self, unchanged):

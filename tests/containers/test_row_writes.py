@@ -138,7 +138,10 @@ def test_a_source_broadcast_or_with_non_tensors_still_writes():
     td = buffer()
     warm(td)
     wide = TensorDict({"obs": torch.ones(1, 3), "next": {"obs": torch.full((3,), 6.0)}}, batch_size=[])
-    td[2:4] = wide  # obs broadcasts over the two rows, done is not written
+    with pytest.raises(BatchSizeMismatchError, match=r"batch size \[2\]"):
+        td[2:4] = wide  # a source's batch dims never broadcast (as tensordict)
+    td[2:4] = TensorDict({"obs": torch.ones(2, 3), "next": {"obs": torch.full((2, 3), 6.0)}},
+                         batch_size=[2])  # done is not written
     assert td["obs"][2:4].tolist() == [[1.0] * 3] * 2 and td["done"][2:4].sum() == 0
     with_text = step(5.0)
     with_text["task"] = "walk"

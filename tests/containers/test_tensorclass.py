@@ -321,8 +321,10 @@ def test_setitem():
     x[torch.tensor([False, False, False, True])] = Obs(torch.zeros(1, 2), batch_size=[1])
     assert (x.obs[3] == 0).all()
     before = state(x)
-    with pytest.raises(BatchSizeMismatchError, match="'obs'"):
+    with pytest.raises(BatchSizeMismatchError, match=r"batch size \[2\].*source tensordict \[3\]"):
         x[0:2] = Obs(torch.zeros(3, 5), batch_size=[3])
+    with pytest.raises(BatchSizeMismatchError, match="'obs'"):
+        x[0:2] = Obs(torch.zeros(2, 5), batch_size=[2])
     assert_state(x, before)
 
 

@@ -60,11 +60,11 @@ WITH_TENSORS = ALL[:4]
 # an in-place write into each (one element or row; the str fields keep their value),
 # and what it must have changed
 WRITES = {
-    "lazy0": (lambda o: o.__setitem__(1, {"x": torch.tensor(7.0)}),
+    "lazy0": (lambda o: o.__setitem__(1, {"x": torch.full((3,), 7.0)}),
               lambda o: o.tensordicts[1]["x"].tolist() == [7.0] * 3),
-    "lazy1": (lambda o: o.__setitem__(0, {"x": torch.tensor(7.0)}),  # row 0 of both members
+    "lazy1": (lambda o: o.__setitem__(0, {"x": torch.full((2,), 7.0)}),  # row 0 of both members
               lambda o: [m["x"][0].item() for m in o.tensordicts] == [7.0, 7.0]),
-    "lazy_in_td": (lambda o: o.__setitem__(1, {"top": torch.tensor(7.0), "ls": {"x": torch.tensor(8.0)}}),
+    "lazy_in_td": (lambda o: o.__setitem__(1, {"top": torch.full((4,), 7.0), "ls": {"x": torch.full((3,), 8.0)}}),
                    lambda o: o["top"][1].tolist() == [7.0] * 4 and o["ls"].tensordicts[1]["x"].tolist() == [8.0] * 3),
     "tensorclass": (lambda o: o.__setitem__(1, Sample(obs=torch.full((2,), 7.0), name="hello",
                                                       inner=Inner(z=torch.tensor(8, dtype=torch.int32)))),
