@@ -48,7 +48,11 @@ def on_cuda(device: torch.device | None) -> bool:
 
 
 def is_tensor_collection(value: Any) -> bool:
-    """True for tensordicts, tensorclass instances and non-tensor containers."""
+    """True for tensordicts, tensorclass instances and non-tensor containers, and for
+    their classes (as tensordict's: ``keys(is_leaf=...)`` passes classes, so
+    ``is_leaf=lambda cls: not is_tensor_collection(cls)`` must see them as collections)."""
+    if isinstance(value, type):
+        return issubclass(value, TensorDictBase) or is_tensorclass(value)
     return isinstance(value, TensorDictBase) or is_tensorclass(value)
 
 

@@ -471,8 +471,12 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, IndexWrites, TensorMetho
         """Build a TensorDict from a nested dict.
 
         ``batch_size=None`` gives ``[]`` unless ``auto_batch_size=True``, which uses the
-        longest leading shape that all leaves share.
+        longest leading shape that all leaves share. A Python number under a batch size
+        with dims is a NonTensorData, as in tensordict (a 0-d tensor cannot have those
+        dims), so ``to_dict()`` of a tree holding ``NonTensorData(3)`` comes back.
         """
+        if batch_size is not None and len(batch_size):
+            input_dict = _numbers_as_non_tensor(input_dict, batch_size)
         td = cls(input_dict, batch_size=batch_size, device=device)
         if auto_batch_size and batch_size is None:
             shapes = [v.shape for v in td._leaf_tensors()]
@@ -480,6 +484,21 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, IndexWrites, TensorMetho
         if names is not None:
             td.names = names
         return td
+
+
+def _numbers_as_non_tensor(entries: dict, batch_size: Any) -> dict:
+    """``entries`` with each Python number (nested dicts' too) as a NonTensorData of
+    ``batch_size`` (what from_dict makes of them under a batch size with dims)."""
+    from shared_td.containers.nontensor import NonTensorData  # (it imports this module)
+
+    out = {}
+    for key, value in entries.items():
+        if isinstance(value, dict):
+            value = _numbers_as_non_tensor(value, batch_size)
+        elif isinstance(value, (bool, int, float, complex)):
+            value = NonTensorData(value, batch_size=batch_size)
+        out[key] = value
+    return out
 
 
 def _write_into(current: Any, value: Any, key: str) -> None:

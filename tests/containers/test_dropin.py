@@ -841,3 +841,21 @@ def test_a_dict_written_at_an_index_has_the_rows_batch_dims(lib):
                                       lib.TensorDict(c=torch.ones(2), batch_size=[2]))
     stack[:, 0] = {"c": torch.tensor([-1.0, -2.0])}  # (a dict into a lazy stack was refused)
     assert stack["c"].tolist() == [[-1.0, 0.0], [-2.0, 1.0]]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_from_dict_makes_a_number_under_a_batch_size_a_non_tensor(lib):
+    # (it was a batch-size error: to_dict() of a tree holding NonTensorData(3) did not come back)
+    td = lib.TensorDict.from_dict({"n": 3, "c": {"m": 2.5}, "x": torch.zeros(3)}, batch_size=[3])
+    assert type(td.get("n")).__name__ == "NonTensorData" and td["n"] == 3 and td["c", "m"] == 2.5
+    again = lib.TensorDict.from_dict(td.to_dict(), batch_size=[3])
+    assert again["n"] == 3 and again["x"].shape == (3,)
+    assert isinstance(lib.TensorDict.from_dict({"n": 3})["n"], torch.Tensor)  # no batch dims: a tensor
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_is_tensor_collection_of_a_class_as_keys_is_leaf_passes_them(lib):
+    td = lib.TensorDict(a=torch.zeros(2), n=lib.TensorDict(b=torch.zeros(2)))
+    assert lib.is_tensor_collection(lib.TensorDict) and not lib.is_tensor_collection(torch.Tensor)
+    leaves = list(td.keys(True, True, is_leaf=lambda cls: not lib.is_tensor_collection(cls)))
+    assert set(leaves) == {"a", ("n", "b")}
