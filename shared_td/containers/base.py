@@ -248,9 +248,13 @@ class TensorDictBase(LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, Me
         if isinstance(index, str) or (isinstance(index, tuple) and is_nested_key(index)):
             self.set(index, value)
         else:
-            self._set_at_index(index, self._row_source(index, value))
+            self._set_rows(index, value)
 
-    def _row_source(self, index: Any, value: Any) -> Any:
+    def _set_rows(self, index: Any, value: Any) -> None:
+        """``self[index] = value`` for a batch index (a class may normalize it once)."""
+        self._set_at_index(index, self._row_source(index, value))
+
+    def _row_source(self, index: Any, value: Any, rows: torch.Size | None = None) -> Any:
         """What ``self[index] = value`` writes, as tensordict checks it: a dict becomes a
         tensordict of the indexed rows' batch size (its leaves have those batch dims), and
         a tensordict's batch size must be theirs. A source's batch dims never broadcast: a
@@ -260,7 +264,8 @@ class TensorDictBase(LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, Me
         if is_non_tensor(self) or (not isinstance(value, dict) and (
                 not is_tensor_collection(value) or is_non_tensor(value))):
             return value  # (a dict written into a non-tensor container is a value)
-        rows = batch_ops.index_and_size(index, self.batch_size)[1]
+        if rows is None:
+            rows = batch_ops.index_and_size(index, self.batch_size)[1]
         if isinstance(value, dict):
             from shared_td.containers.tensordict import TensorDict  # (it imports this module)
 

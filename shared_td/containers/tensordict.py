@@ -427,13 +427,21 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, IndexWrites, TensorMetho
             _link_view(out, collections)
         return out
 
-    def _set_at_index(self, index: Any, value: Any) -> None:
-        """``td[index] = value``: write a tensordict, dict or scalar into the indexed rows.
+    def _set_rows(self, index: Any, value: Any) -> None:
+        """``td[index] = value`` (TensorDictBase.__setitem__), the index normalized once:
+        the source checked as ``_row_source`` checks it, then written."""
+        index, target_batch = batch_ops.index_and_size(index, self._batch_size)
+        self._set_at_index(index, self._row_source(index, value, target_batch), target_batch)
+
+    def _set_at_index(self, index: Any, value: Any, target_batch: torch.Size | None = None) -> None:
+        """Write a tensordict, dict or scalar into the indexed rows (``target_batch``:
+        their batch size when ``index`` is normalized already).
 
         Everything is checked before the first byte is written, so a failing write
         leaves self unchanged.
         """
-        index, target_batch = batch_ops.index_and_size(index, self._batch_size)
+        if target_batch is None:
+            index, target_batch = batch_ops.index_and_size(index, self._batch_size)
         if type(value) is TensorDict and write_rows(self, index, target_batch, value):
             return  # the same structure as before: leaf by leaf over the cached plan
         if isinstance(value, dict):  # (td[idx] = dict comes converted: see TensorDictBase.__setitem__)
