@@ -25,6 +25,7 @@ from shared_td.keys import NestedKey
 from shared_td.keys import canonical_key as unravel_key
 from shared_td.errors import (
     AtomicWriteError,
+    BatchDimError,
     BatchSizeMismatchError,
     ClusterAuthError,
     CoordinatorAuthenticationError,
@@ -39,6 +40,7 @@ from shared_td.errors import (
     OwnerLostError,
     ReadOnlyError,
     SegmentUnavailableError,
+    SplitSizeError,
     StorageFullError,
     StalePair,
     TransferFailed,
@@ -60,6 +62,7 @@ lazy_stack = LazyStackedTensorDict.lazy_stack
 
 __all__ = [
     "AtomicWriteError",
+    "BatchDimError",
     "BatchSizeMismatchError",
     "ClusterAuthError",
     "Coordinator",
@@ -81,6 +84,7 @@ __all__ = [
     "OwnerLostError",
     "FileReplacedError",
     "SegmentUnavailableError",
+    "SplitSizeError",
     "SharedCounter",
     "StorageFullError",
     "TensorClass",

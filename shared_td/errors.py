@@ -14,6 +14,12 @@ import multiprocessing
 from multiprocess import context as _dill_context
 
 
+class BatchDimError(IndexError, RuntimeError):
+    """A batch dim out of range. An IndexError as torch raises for a tensor; also a
+    RuntimeError, the class tensordict raises for ``unsqueeze`` (so code written for
+    either library catches it)."""
+
+
 class BatchSizeMismatchError(ValueError, RuntimeError):
     """A value's leading dimensions do not match the batch size of its tensordict.
 
@@ -95,6 +101,11 @@ class FileReplacedError(FileNotFoundError):
     """A pickled memory-mapped tensor names a file that was replaced since (a new save,
     consolidate or atomic rewrite renamed another file over its path): the receiver
     cannot map the sender's file, and mapping the new one would read other bytes."""
+
+
+class SplitSizeError(ValueError, RuntimeError):
+    """``split`` sizes that do not add up to the dim. A RuntimeError as tensordict (and
+    torch.split) raise; also the ValueError this package raised before."""
 
 
 class SegmentUnavailableError(RuntimeError):

@@ -33,9 +33,9 @@ def test_every_exception_class_is_defined_in_errors_and_exported():
     defined = {name for name, value in vars(errors).items()
                if inspect.isclass(value) and issubclass(value, BaseException)}
     assert defined == {
-        "AtomicWriteError", "BatchSizeMismatchError", "ClusterAuthError", "CoordinatorAuthenticationError",
+        "AtomicWriteError", "BatchDimError", "BatchSizeMismatchError", "ClusterAuthError", "CoordinatorAuthenticationError",
         "CoordinatorTimeoutError", "FileReplacedError", "FileTooShortError", "FormatError", "IndexTypeError", "KeyTypeError", "LockedTensorDictError",
-        "NodeTakenOverError", "OwnerLostError", "ReadOnlyError", "SegmentUnavailableError", "StalePair",
+        "NodeTakenOverError", "OwnerLostError", "ReadOnlyError", "SegmentUnavailableError", "SplitSizeError", "StalePair",
         "StorageFullError", "TransferFailed", "UnstorableValueError",
     }
     for name in defined:

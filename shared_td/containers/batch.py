@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from shared_td.errors import IndexTypeError
+from shared_td.errors import BatchDimError, IndexTypeError
 
 _BASIC_INDEX_TYPES = (int, slice, type(None), type(Ellipsis))
 
@@ -45,13 +45,29 @@ def shape_args(shape: tuple) -> torch.Size:
 
 
 def normalize_dim(dim: int, ndim: int, *, what: str = "dim") -> int:
-    """Turn a possibly negative ``dim`` into a non-negative one, checking its range."""
+    """Turn a possibly negative ``dim`` into a non-negative one, checking its range.
+
+    ``ndim`` is the number of valid positions, which callers such as ``unsqueeze`` and
+    ``stack`` pass as batch_dims + 1, so the message states the range, not a count of
+    the tensordict's batch dims (which it cannot know).
+    """
     if not -ndim <= dim < ndim:
-        raise IndexError(
-            f"{what}={dim} is out of range for a tensordict with {ndim} batch "
-            f"dims (expected {-ndim} <= {what} < {ndim})."
+        raise BatchDimError(
+            f"{what}={dim} is out of range: expected {-ndim} <= {what} <= {ndim - 1} "
+            "(a batch dim, counted from 0 or from the end with a negative dim)."
         )
     return dim % ndim
+
+
+def insertion_dim(dim: int, batch_dims: int, op: str = "unsqueeze") -> int:
+    """``dim`` of an op that inserts a batch dim (unsqueeze, stack): it may be any of
+    the ``batch_dims + 1`` positions, from ``-batch_dims - 1`` to ``batch_dims``."""
+    if not -batch_dims - 1 <= dim <= batch_dims:
+        raise BatchDimError(
+            f"{op}(dim={dim}): a tensordict with {batch_dims} batch dims takes "
+            f"{-batch_dims - 1} <= dim <= {batch_dims} (the position of the new dim)."
+        )
+    return dim % (batch_dims + 1)
 
 
 def _as_index_part(part: Any) -> Any:
@@ -195,9 +211,19 @@ def _probe(batch_size: torch.Size) -> torch.Tensor:
 
 
 def indexed_names(names: Sequence[str | None] | None, index: tuple) -> list | None:
-    """Dim names after a basic index: ints drop a dim, None inserts an unnamed one."""
-    if names is None or not is_basic_index(index):
+    """Dim names after indexing with a normalized ``index`` (as tensordict names them).
+
+    Basic parts: ints drop a dim, None inserts an unnamed one, slices keep the name.
+    Advanced parts (index tensors, masks) give torch's block of result dims: a single
+    1-D int tensor or 1-D mask keeps the name of the dim it indexes; any other block
+    (several tensors, a 2-D mask, a 2-D int tensor) has unnamed dims. As in torch, the
+    block sits where the tensors are when they are adjacent (ints do not separate them;
+    slices and None do), else first.
+    """
+    if names is None:
         return None
+    if not is_basic_index(index):
+        return _advanced_indexed_names(names, index)
     out: list = []
     remaining = list(names)
     for part in index:
@@ -208,6 +234,45 @@ def indexed_names(names: Sequence[str | None] | None, index: tuple) -> list | No
         else:
             out.append(remaining.pop(0))
     return out + remaining
+
+
+def _advanced_indexed_names(names: Sequence[str | None], index: tuple) -> list | None:
+    out: list = []
+    remaining = list(names)
+    shapes, taken = [], []  # per index tensor: the shape it broadcasts with, the names it consumes
+    place, separated, after_tensor = None, False, False
+    for part in index:
+        if isinstance(part, torch.Tensor) and part.ndim == 0 and part.dtype != torch.bool:
+            part = 0  # torch selects with a 0-d integer tensor, as with an int
+        if isinstance(part, torch.Tensor):
+            if part.ndim == 0:
+                return None  # a 0-d mask adds a dim whose place we do not model: unnamed
+            consumed = part.ndim if part.dtype == torch.bool else 1
+            shapes.append((1,) if part.dtype == torch.bool else tuple(part.shape))
+            taken.append(remaining[:consumed])
+            del remaining[:consumed]
+            if place is None:
+                place = len(out)
+            elif not after_tensor:
+                separated = True
+            after_tensor = True
+        elif isinstance(part, bool):
+            return None  # torch's dims for a bool beside index tensors: not modelled, unnamed
+        elif isinstance(part, int):
+            remaining.pop(0)  # ints do not separate the tensors (torch selects them first)
+        elif part is None:
+            out.append(None)  # None does separate them (torch puts the block first)
+            after_tensor = False if place is not None else after_tensor
+        else:  # a slice
+            out.append(remaining.pop(0))
+            after_tensor = False if place is not None else after_tensor
+    if place is None:  # only ints, None and bools
+        return out + remaining
+    ndim = len(torch.broadcast_shapes(*shapes))
+    single = len(shapes) == 1 and ndim == 1 and len(taken[0]) == 1
+    block = [taken[0][0]] if single else [None] * ndim
+    position = 0 if separated else place
+    return out[:position] + block + out[position:] + remaining
 
 
 def common_batch_prefix(shapes: Sequence[torch.Size]) -> torch.Size:

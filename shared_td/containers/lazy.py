@@ -291,7 +291,22 @@ class LazyStackedTensorDict(LazyShapeOps, LazyWriteOps, TensorDictBase):
         return self.to_tensordict()
 
     def to_dict(self) -> dict:
-        """A nested dict of stacked values (raises on heterogeneous shapes, as tensordict)."""
+        """A nested dict of stacked values (raises on heterogeneous shapes, as tensordict).
+
+        Raises:
+            RuntimeError: if a key is in only some members (as tensordict): the dict can
+                only hold the keys every member has, so it would silently lose that key.
+        """
+        exclusive = self._exclusive_keys()
+        if exclusive:
+            shown = "; ".join(f"member {i} has {keys}" for i, keys in exclusive.items())
+            first = next(iter(exclusive.values()))[0]
+            raise RuntimeError(
+                f"to_dict() cannot complete when there are exclusive keys (keys that only some "
+                f"stacked tensordicts have): {shown}. A dict of stacked values would drop them. "
+                f"Delete them (del td[{first!r}]), add them to every member, or convert the "
+                "members one by one ([m.to_dict() for m in td.tensordicts])."
+            )
         out = {}
         for key in self._keys_str():
             value = self.get(key)

@@ -185,7 +185,7 @@ class LazyShapeOps:
 
     def unsqueeze(self, dim: int) -> "LazyStackedTensorDict":
         """Insert a batch dim of size 1 in every member; ``stack_dim`` shifts if needed."""
-        dim = batch_ops.normalize_dim(dim, self.batch_dims + 1)
+        dim = batch_ops.insertion_dim(dim, self.batch_dims)
         if dim <= self._stack_dim:
             return self._restack([m.unsqueeze(dim) for m in self.tensordicts], self._stack_dim + 1)
         return self._restack([m.unsqueeze(dim - 1) for m in self.tensordicts])

@@ -81,7 +81,36 @@ class LazyWriteOps:
     def _del_str(self, key: str) -> None:
         self._check_unlocked((key,), "remove")
         for member in self.tensordicts:
-            member._del_str(key)
+            if _peek(member, key) is not None:  # an exclusive key: only some members have it
+                member._del_str(key)
+
+    def del_(self, key) -> "LazyStackedTensorDict":
+        """Remove the entry ``key`` from every member that has it (as tensordict, a key
+        that only some members have is removed from those); returns self.
+
+        Raises:
+            KeyError: if no member has ``key``. LockedTensorDictError: if locked (checked
+                for every member before any is changed).
+        """
+        path = unravel_key(key)
+        holders, seen = [], set()
+        for member in self.tensordicts:
+            # a member stacked twice is one object: delete from it once
+            if id(member) in seen or not _has_path(member, path):
+                continue
+            seen.add(id(member))
+            holders.append(member)
+        if not holders:
+            raise KeyError(self._missing_key_message(path))
+        self._check_unlocked(path, "remove")
+        for member in holders:  # all checks first: a failure leaves every member unchanged
+            if _is_lazy(member):  # (a lazy member checks all its own members in its del_)
+                member._check_unlocked(path, "remove")
+            else:
+                member._parent_for_write(path, create=False)._check_unlocked(path, "remove")
+        for member in holders:
+            member.del_(path)
+        return self
 
     def _empty_child(self) -> "LazyStackedTensorDict":
         return self._restack([m._empty_child() for m in self.tensordicts])
@@ -167,6 +196,14 @@ def _peek(td: TensorDictBase, key: str) -> Any:
     if _is_lazy(td):
         return td._peek_str(key, None)
     return td._get_str(key, None)
+
+
+def _has_path(td: TensorDictBase, path: tuple) -> bool:
+    """True if ``td`` has ``path``; a lazy stack has it if any of its members has it
+    (``_get_path`` of a lazy stack only sees the keys that every member has)."""
+    if _is_lazy(td):
+        return any(_has_path(m, path) for m in td.tensordicts)
+    return td._get_path(path, None) is not None
 
 
 def _is_lazy(value: Any) -> bool:

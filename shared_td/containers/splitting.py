@@ -9,6 +9,7 @@ import math
 from typing import Sequence
 
 from shared_td.containers import batch as batch_ops
+from shared_td.errors import SplitSizeError
 
 
 class BatchSplitOps:
@@ -31,7 +32,11 @@ class BatchSplitOps:
         else:
             sizes = list(split_size)
             if sum(sizes) != length:
-                raise ValueError(f"split sizes {sizes} do not add up to dim {dim} of size {length}.")
+                # tensordict raises a RuntimeError (torch.split's error); the class is both
+                raise SplitSizeError(
+                    f"split sizes {sizes} do not add up to {length}, the size of batch dim {dim} "
+                    f"(they add up to {sum(sizes)}): they must sum exactly to it, as in torch.split."
+                )
         prefix, out, start = (slice(None),) * dim, [], 0
         for n in sizes:
             out.append(self[prefix + (slice(start, start + n),)])

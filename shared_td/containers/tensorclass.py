@@ -267,7 +267,17 @@ def _make_tensorclass(cls: type, *, frozen, nocast, shadow, skip_post_init, kw_o
         cls.__init__ = _wrap_user_init(cls.__init__)
     else:
         cls.__init__ = _make_init(cls, fields)
-    if "__hash__" not in defined:
+    own = vars(cls)
+    # dataclass's rule: a __hash__ the class body writes is kept, unless it is the None
+    # that Python sets on a class whose body defines __eq__
+    explicit_hash = "__hash__" in own and not (own["__hash__"] is None and "__eq__" in own)
+    if frozen and not explicit_hash:
+        # as @dataclass(frozen=True) in tensordict: hash the tuple of the field values
+        # (a tensor hashes by identity), so a frozen instance can be a dict key
+        cls.__hash__ = _frozen_hash
+    elif "__hash__" not in defined or (not explicit_hash and getattr(cls, "__hash__", None) is _frozen_hash):
+        # fields can change: unhashable, as a non-frozen dataclass with eq (also when
+        # the class derives from a frozen tensorclass)
         cls.__hash__ = None
     mark_tensorclass(cls)
     cls._tc_fields = fields
@@ -277,6 +287,13 @@ def _make_tensorclass(cls: type, *, frozen, nocast, shadow, skip_post_init, kw_o
     cls._skip_post_init_on_rebuild = skip_post_init
     _register(cls)
     return cls
+
+
+def _frozen_hash(self) -> int:
+    """The ``__hash__`` of a frozen tensorclass: the hash of the tuple of its field
+    values, the fields dataclass hashes (``hash=True``, or ``hash=None`` and compare)."""
+    fields = type(self)._tc_fields
+    return hash(tuple(getattr(self, f.name) for f in fields if (f.compare if f.hash is None else f.hash)))
 
 
 def _scalar_fields(cls: type, fields: tuple) -> dict:

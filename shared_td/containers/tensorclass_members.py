@@ -7,6 +7,7 @@ decorated class, skipping the names the class already defines.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -149,6 +150,56 @@ class _TensorClassMembers:
                 raise ValueError(_no_field_message(cls, name))
             _store(obj, name, value)
         return obj
+
+    @classmethod
+    def from_dict(cls, input_dict: Any, *, auto_batch_size: bool | None = None, batch_size: Any = None,
+                  device: Any = None, batch_dims: int | None = None) -> Any:
+        """Build an instance from a dict of its fields, as tensordict 0.15.3's
+        ``TensorClass.from_dict``.
+
+        Fields that ``input_dict`` lacks (or gives as None) are None, also those that
+        declare a default: a FutureWarning says so for those, as in tensordict (its
+        0.17 fills the defaults, as the constructor does). Nested dicts become
+        TensorDicts.
+
+        Args:
+            input_dict: the values of the fields (a dict, or a tensordict).
+            auto_batch_size: the batch size is the longest leading shape that all the
+                entries share. None means False, unless ``batch_dims`` is given.
+            batch_size: the batch size of the result (default ``[]``).
+            device: the device of the result.
+            batch_dims: with ``auto_batch_size``, the most batch dims to keep.
+
+        Raises:
+            ValueError: with both ``batch_size`` and ``batch_dims``, or a key that is
+                not a field of the class.
+        """
+        import warnings
+
+        if batch_dims is not None and batch_size is not None:
+            raise ValueError(f"{cls.__name__}.from_dict(): pass batch_size or batch_dims, not both.")
+        if auto_batch_size is None:
+            auto_batch_size = batch_dims is not None  # batch_dims implies it, as in tensordict
+        if isinstance(input_dict, TensorDictBase):
+            input_dict = input_dict.to_dict()
+        # a None value is a missing field (no NonTensorData(None) entry), as in tensordict
+        entries = {k: v for k, v in dict(input_dict).items() if v is not None or k not in cls._tc_field_names}
+        for key in entries:
+            if key not in cls._tc_field_names:
+                raise ValueError(_no_field_message(cls, key))
+        defaulted = [f.name for f in cls._tc_fields if f.name not in entries and f.init and (
+            f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING)]
+        if defaulted:
+            warnings.warn(
+                f"{cls.__name__}.from_dict(): the fields {defaulted} are missing and set to None, "
+                "not to their defaults (as tensordict 0.15.3; its 0.17 uses the defaults). "
+                "Pass them, or call the constructor to get the defaults.",
+                FutureWarning, stacklevel=2)
+        td = TensorDict.from_dict(entries, batch_size=batch_size, device=device,
+                                  auto_batch_size=bool(auto_batch_size))
+        if batch_dims is not None and td.batch_dims > batch_dims:
+            td.batch_size = td.batch_size[:batch_dims]
+        return cls.from_tensordict(td)
 
     @classmethod
     def from_consolidated(cls, filename: Any) -> Any:
