@@ -106,7 +106,17 @@ class ConvenienceOps:
         """
         entry = self.get(key)
         try:
-            entry[index] = value
+            if getattr(entry, "_is_non_tensor", False) and hasattr(entry, "_set_at"):
+                # a NonTensorData holds one value for the batch: written at some rows it
+                # becomes a NonTensorStack, which replaces the entry (as tensordict)
+                from shared_td.containers import batch as batch_ops  # (same layer)
+
+                path = unravel_key(key)
+                parent = unwrap_tensorclass(self.get(path[:-1]) if len(path) > 1 else self)
+                rows = batch_ops.index_and_size(index, entry.batch_size)[0]
+                parent._tensordict[path[-1]] = entry._set_at(rows, value)
+            else:
+                entry[index] = value
         except (RuntimeError, IndexError, TypeError) as err:
             raise type(err)(f"set_at_({key!r}, ..., {index!r}): {err}") from err
         return self

@@ -31,8 +31,10 @@ def _check_members(items: Sequence[Any], what: str) -> list:
 
 
 def _check_same_keys(items: Sequence[TensorDictBase], what: str) -> list[str]:
-    """The top-level keys of the first item; KeyError naming the keys (nested ones
-    included) that some item lacks or adds."""
+    """The top-level keys of the first item. Raises naming the keys (nested ones
+    included) that some item lacks or adds: a KeyError for ``torch.cat`` and a
+    RuntimeError for ``torch.stack``, the exception classes tensordict 0.15.3 raises
+    there (code written for it catches those)."""
     first = set(items[0].keys(include_nested=True))
     for i, item in enumerate(items[1:], start=1):
         other = set(item.keys(include_nested=True))
@@ -41,30 +43,48 @@ def _check_same_keys(items: Sequence[TensorDictBase], what: str) -> list[str]:
             differences = ([f"lacks {missing}"] if missing else []) + (
                 [f"has extra keys {extra}"] if extra else []
             )
-            raise KeyError(
+            error = RuntimeError if what == "stack" else KeyError
+            raise error(
                 f"torch.{what} needs the same keys in every tensordict: item {i} "
                 f"{' and '.join(differences)} compared with item 0. Select or exclude "
-                "keys so that they match."
+                "keys so that they match"
+                + (", or use shared_td.lazy_stack(...) to keep different keys." if what == "stack" else ".")
             )
     return list(items[0]._keys_str())
 
 
-def _leaf_shapes_match(items: Sequence[TensorDictBase]) -> bool:
+def _leaf_shape_mismatch(items: Sequence[TensorDictBase]) -> tuple | None:
+    """``(key, i, shape_0, shape_i)`` for the first leaf whose shape in item ``i``
+    differs from item 0's, or None when every leaf has one shape (the batch sizes and
+    keys are checked before)."""
     first = items[0]
-    if any(item.batch_size != first.batch_size for item in items):
-        return False
     for key in first.keys(True, True, is_leaf_nontensor):
-        shapes = {tuple(getattr(item.get(key), "shape", ())) for item in items}
-        if len(shapes) > 1:
-            return False
-    return True
+        shape = tuple(getattr(first.get(key), "shape", ()))
+        for i, item in enumerate(items[1:], start=1):
+            other = tuple(getattr(item.get(key), "shape", ()))
+            if other != shape:
+                return key, i, shape, other
+    return None
 
 
-def stack(items: Sequence[Any], dim: int = 0, *, out: Any = None) -> Any:
+def _common_names(items: Sequence[TensorDictBase]) -> list | None:
+    """The batch dim names every item has (None unless all have the same ones): as
+    tensordict 0.15.3, a stack of tensordicts named differently is unnamed."""
+    names = getattr(items[0], "_names", None)
+    if names is None or any(getattr(item, "_names", None) != names for item in items[1:]):
+        return None
+    return list(names)
+
+
+def stack(items: Sequence[Any], dim: int = 0, *, out: Any = None, lazy_if_shapes_differ: bool = True) -> Any:
     """Stack tensordicts along a new batch dim ``dim``.
 
-    Members with identical shapes give a dense TensorDict (a copy); members whose
-    shapes differ give a LazyStackedTensorDict that keeps them as they are.
+    Members with identical shapes give a dense TensorDict (a copy), named as they are
+    when all have the same batch dim names (the new dim unnamed). Members whose leaf
+    shapes differ give a LazyStackedTensorDict that keeps them as they are when
+    ``lazy_if_shapes_differ`` (what ``default_collate`` needs, collate.py: tensordict's
+    ``maybe_dense_stack``); ``torch.stack`` passes False and raises instead, as
+    tensordict 0.15.3 does (a RuntimeError naming the key).
     """
     from shared_td.containers.nontensor import stack_non_tensors
     from shared_td.containers.tensordict import TensorDict
@@ -74,7 +94,8 @@ def stack(items: Sequence[Any], dim: int = 0, *, out: Any = None) -> Any:
         return stack_non_tensors(items, dim)
     first = items[0]
     if not isinstance(first, TensorDictBase):  # tensorclass
-        return type(first)._from_tensordict(stack([unwrap_tensorclass(item) for item in items], dim))
+        inner = [unwrap_tensorclass(item) for item in items]
+        return type(first)._from_tensordict(stack(inner, dim, lazy_if_shapes_differ=lazy_if_shapes_differ))
     dim = batch_ops.normalize_dim(dim, first.batch_dims + 1)
     for i, item in enumerate(items):
         if item.batch_size != first.batch_size:
@@ -82,23 +103,43 @@ def stack(items: Sequence[Any], dim: int = 0, *, out: Any = None) -> Any:
                 f"torch.stack needs tensordicts of the same batch_size: item {i} has "
                 f"{list(item.batch_size)} but item 0 has {list(first.batch_size)}."
             )
-    if all(type(item) is TensorDict for item in items):
-        _check_same_keys(items, "stack")  # before comparing shapes key by key
-    if not all(type(item) is TensorDict for item in items) or not _leaf_shapes_match(items):
-        from shared_td.containers.lazy import LazyStackedTensorDict
+    from shared_td.containers.lazy import LazyStackedTensorDict
 
+    if not all(type(item) is TensorDict for item in items):
         return LazyStackedTensorDict.lazy_stack(items, dim)
+    _check_same_keys(items, "stack")  # before comparing shapes key by key
+    mismatch = _leaf_shape_mismatch(items)
+    if mismatch is not None:
+        if lazy_if_shapes_differ:
+            return LazyStackedTensorDict.lazy_stack(items, dim)
+        key, i, shape, other = mismatch
+        # Before, a lazy stack came back silently: code written for tensordict expects
+        # this RuntimeError (and a dense result whenever torch.stack returns).
+        raise RuntimeError(
+            f"torch.stack needs entries of the same shape in every tensordict: entry "
+            f"{key!r} has shape {list(shape)} in item 0 but {list(other)} in item {i}. "
+            "Pad or reshape the entries, or use shared_td.lazy_stack(...) to keep "
+            "entries of different shapes."
+        )
     keys = list(first._keys_str())  # the same in every item, checked above
     entries = {}
     for key in keys:
         values = [item._get_str(key, None) for item in items]
         entries[key] = stack(values, dim) if is_tensor_collection(values[0]) else torch.stack(values, dim)
     size = torch.Size(list(first.batch_size[:dim]) + [len(items)] + list(first.batch_size[dim:]))
-    result = TensorDict._new_unsafe(entries, size, first.device)
+    names = _common_names(items)
+    if names is not None:
+        names.insert(dim, None)  # as tensordict 0.15.3: the new dim is unnamed
+    result = TensorDict._new_unsafe(entries, size, first.device, names)
     if out is not None:
         out.update_(result)
         return out
     return result
+
+
+def _torch_stack(items: Sequence[Any], dim: int = 0, *, out: Any = None) -> Any:
+    """``torch.stack`` of tensordicts: leaves of different shapes raise (see stack)."""
+    return stack(items, dim, out=out, lazy_if_shapes_differ=False)
 
 
 def cat(items: Sequence[Any], dim: int = 0, *, out: Any = None) -> Any:
@@ -135,7 +176,9 @@ def cat(items: Sequence[Any], dim: int = 0, *, out: Any = None) -> Any:
         entries[key] = cat(values, dim) if is_tensor_collection(values[0]) else torch.cat(values, dim)
     size = list(first.batch_size)
     size[dim] = sum(item.batch_size[dim] for item in items)
-    result = TensorDict._new_unsafe(entries, torch.Size(size), first.device)
+    # tensordict 0.15.3 keeps the first item's batch dim names (dim keeps its name)
+    names = getattr(items[0], "_names", None)
+    result = TensorDict._new_unsafe(entries, torch.Size(size), first.device, names)
     if out is not None:
         out.update_(result)
         return out
@@ -143,7 +186,7 @@ def cat(items: Sequence[Any], dim: int = 0, *, out: Any = None) -> Any:
 
 
 TORCH_FUNCTIONS = {
-    torch.stack: stack,
+    torch.stack: _torch_stack,
     torch.cat: cat,
     torch.concat: cat,
     torch.unbind: lambda td, dim=0: td.unbind(dim),

@@ -27,10 +27,12 @@ class IndexWrites:
     """Mixin of TensorDict (it relies on ``_tensordict``, ``_batch_size``, ``batch_dims``,
     ``_leaf_tensors`` and ``_check_unlocked``)."""
 
-    def _plan_index_writes(self, index: tuple, value: Any, writes: list, target_batch: torch.Size) -> None:
+    def _plan_index_writes(self, index: tuple, value: Any, writes: list, target_batch: torch.Size,
+                           *, path: tuple = ()) -> None:
         """Check ``self[index] = value`` and append the closures that perform it to
         ``writes``; nothing is written here. ``target_batch``: the batch size after
-        indexing (``batch_ops.index_and_size``)."""
+        indexing (``batch_ops.index_and_size``). ``path``: where self is in the
+        tensordict written into, so that errors name the full key."""
         # ``index`` names batch dims only (normalized), so an entry's indexed shape is
         # the indexed batch size followed by its own feature dims.
         if not is_tensor_collection(value):  # one tensor or number for every tensor leaf
@@ -39,10 +41,15 @@ class IndexWrites:
                     f"Cannot write a {type(value).__name__} at index {index!r} of a "
                     "tensordict: give a tensordict, a dict, a tensor or a number."
                 )
-            for leaf in self._leaf_tensors():
+            # With their keys, so that a value that does not fit names the entry (it
+            # said "entry a leaf" before).
+            for key, leaf in self.items(include_nested=True, leaves_only=True):
+                if not isinstance(leaf, torch.Tensor):
+                    continue  # non-tensor entries take no tensor or number
                 refuse_read_only(leaf, "td[index] = value")
                 if isinstance(value, torch.Tensor):
-                    _check_fits(value, target_batch + leaf.shape[self.batch_dims:], "a leaf", index)
+                    full_key = path + (key if isinstance(key, tuple) else (key,))
+                    _check_fits(value, target_batch + leaf.shape[self.batch_dims:], full_key, index)
                 writes.append(lambda leaf=leaf: leaf.__setitem__(index, value))
             return
         for key in value._keys_str():
@@ -56,7 +63,7 @@ class IndexWrites:
             if isinstance(current, torch.Tensor):
                 if not isinstance(source, torch.Tensor):
                     raise TypeError(f"Cannot write a {type(source).__name__} into tensor entry {key!r}.")
-                _check_fits(source, target_batch + current.shape[self.batch_dims:], key, index)
+                _check_fits(source, target_batch + current.shape[self.batch_dims:], path + (key,), index)
                 refuse_read_only(current, "td[index] = value")
                 writes.append(lambda current=current, source=source: current.__setitem__(index, source))
             elif is_non_tensor(current):
@@ -67,23 +74,29 @@ class IndexWrites:
                     )
                 )
             else:
-                if not is_tensor_collection(source) or is_non_tensor(source):
+                # A tensor goes into every tensor leaf of the nested tensordict, as in
+                # tensordict 0.15.3 (it was refused before).
+                if not isinstance(source, torch.Tensor) and (
+                    not is_tensor_collection(source) or is_non_tensor(source)
+                ):
                     raise TypeError(
                         f"Cannot write a {type(source).__name__} into the nested tensordict "
-                        f"{key!r}: give a tensordict or dict of its entries."
+                        f"{key!r}: give a tensordict or dict of its entries, or a tensor "
+                        "for every one of its leaves."
                     )
                 inner, source = unwrap_tensorclass(current), unwrap_tensorclass(source)
                 if hasattr(inner, "_plan_index_writes"):
                     inner_batch = target_batch + inner._batch_size[self.batch_dims:]
-                    inner._plan_index_writes(index, source, writes, inner_batch)
+                    inner._plan_index_writes(index, source, writes, inner_batch, path=path + (key,))
                 else:  # another container class checks when it writes
                     writes.append(lambda inner=inner, source=source: inner._set_at_index(index, source))
 
 
-def _check_fits(source: torch.Tensor, expected: torch.Size, key: str, index: tuple) -> None:
-    """Raise unless ``source`` broadcasts to ``expected``, the shape of the indexed entry."""
+def _check_fits(source: torch.Tensor, expected: torch.Size, key: tuple, index: tuple) -> None:
+    """Raise unless ``source`` broadcasts to ``expected``, the shape of the indexed entry
+    ``key`` (its full path: a top-level key is named as a string)."""
     if not batch_ops.broadcasts_to(source.shape, expected):
-        name = key if key == "a leaf" else repr(key)
+        name = repr(key[0] if len(key) == 1 else key)
         raise BatchSizeMismatchError(
             f"Cannot write a value of shape {list(source.shape)} into entry {name} at "
             f"{index!r}: expected shape {list(expected)} (or one that broadcasts to it)."

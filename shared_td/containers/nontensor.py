@@ -325,6 +325,26 @@ class NonTensorData(NonTensorDataBase):
         stack = NonTensorStack._from_flat(self._flat_values(), self._batch_size, self._device)
         return stack._set_at(index, source)
 
+    def _set_at_index(self, index: Any, value: Any) -> None:
+        """``data[index] = value``: refused, as in tensordict 0.15.3 (a ValueError). A
+        NonTensorData holds one value for the whole batch and cannot turn itself into a
+        stack; before, this was an AttributeError ('_set_at_index'). A tensordict that
+        holds the entry can: ``td[index] = ...`` there replaces it with a stack."""
+        raise ValueError(
+            "A NonTensorData holds one value for all its elements, so it cannot take "
+            f"another value at index {index!r}. Call maybe_to_stack() to get a "
+            "NonTensorStack, which holds a value per element, or write through the "
+            "tensordict that holds the entry (td[index] = ...)."
+        )
+
+    def maybe_to_stack(self) -> "_NonTensorBase":
+        """A NonTensorStack holding this value (not a copy) at every element, which
+        takes per-element writes; self when the batch size is empty (as tensordict
+        0.15.3)."""
+        if not self._batch_size:
+            return self
+        return NonTensorStack._from_flat(self._flat_values(), self._batch_size, self._device)
+
     def _stays_one_value(self, index: tuple, source: Any) -> bool:
         """True if ``self[index] = source`` leaves one value for the whole batch: the one
         held written again, or one value written into the only element of a 0-dim entry
@@ -470,6 +490,10 @@ class NonTensorStack(_NonTensorBase):
             self._members = None  # new values: no longer the stacked members
             self._after_update()
         return self
+
+    def maybe_to_stack(self) -> "NonTensorStack":
+        """A new stack of the same values (not copies of them), as tensordict 0.15.3."""
+        return self.clone()
 
     def _set_at_index(self, index: Any, value: Any) -> None:
         """``stack[index] = value``, in place (as tensordict 0.15.3): a memory-mapped

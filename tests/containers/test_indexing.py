@@ -199,12 +199,13 @@ def test_write_non_tensor_at_index():
          ValueError, "'nested'"),
         (0, {"obs": torch.zeros(4, 2), "nested": TensorDict(new=torch.zeros(4, 5), y=torch.zeros(4, 2), batch_size=[4])},
          ValueError, "'y'"),
-        (0, {"obs": torch.zeros(4, 2), "nested": torch.zeros(4)}, TypeError, "'nested'"),
+        # a tensor goes into every leaf of 'nested' (as tensordict): 'x' is [4, 5] there
+        (0, {"obs": torch.zeros(4, 2), "nested": torch.zeros(4)}, ValueError, r"\('nested', 'x'\)"),
         (0, {"obs": torch.zeros(4, 2), "task": NotImplemented, "zz": torch.zeros(9, 9)}, ValueError, "'zz'"),
         (slice(0, 2), TensorDict(obs=torch.zeros(3, 4, 2), batch_size=[3, 4]), ValueError, r"batch size \[2, 4\]"),
         (3, TensorDict(obs=torch.zeros(4, 2), batch_size=[4]), IndexError, "out of bounds"),
         (0, "text", TypeError, "str"),
-        (0, torch.zeros(7), ValueError, "leaf"),
+        (0, torch.zeros(7), ValueError, "entry 'obs'"),  # the first leaf that does not fit
         (0, {"obs": "text"}, TypeError, "'obs'"),
         (slice(0, 2), {"obs": torch.zeros(2, 4, 2), "task": NonTensorStack("a", "b", "c")}, ValueError, "'task'"),
     ],

@@ -86,9 +86,12 @@ class TestConstruction:
         named = [TensorDict(batch_size=[3], names=["x"]) for _ in range(2)]
         assert LazyStackedTensorDict(*named, stack_dim=1).names == ["x", None]
 
-    def test_torch_stack_of_heterogeneous_tensordicts_is_lazy(self):
+    def test_heterogeneous_tensordicts_stack_lazily_only_when_asked(self):
+        # torch.stack raises, as tensordict 0.15.3 (it returned a lazy stack before)
         m0, m1 = td(a=torch.zeros(3, 2)), td(a=torch.zeros(3, 4))
-        lazy = torch.stack([m0, m1], 1)
+        with pytest.raises(RuntimeError, match="'a'"):
+            torch.stack([m0, m1], 1)
+        lazy = LazyStackedTensorDict.lazy_stack([m0, m1], 1)
         assert isinstance(lazy, LazyStackedTensorDict)
         assert lazy.stack_dim == 1 and lazy.tensordicts[0] is m0
 
