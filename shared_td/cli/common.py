@@ -14,17 +14,21 @@ class CommandError(Exception):
 
 
 def shown(text: str) -> str:
-    r"""``text`` safe for a terminal: each non-printable character (newline, carriage
-    return, escape, ...) written as in a Python literal, so that a file or key name
-    cannot forge a line of the report or drive the terminal.
+    r"""``text`` safe for a terminal and unambiguous: each non-printable character
+    (newline, carriage return, escape, ...) written as in a Python literal, and each
+    backslash doubled, so that a file or key name cannot forge a line of the report or
+    drive the terminal, and two different names never print the same (a name holding a
+    backslash and an ``n`` is shown ``a\\nb``, one holding a newline ``a\nb``).
 
     Examples:
         >>> print(shown("a\nb\x1b[31m c"))
         a\nb\x1b[31m c
+        >>> print(shown("a\\nb"))
+        a\\nb
     """
-    if text.isprintable():
+    if text.isprintable() and "\\" not in text:
         return text
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return "".join("\\\\" if c == "\\" else c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def print_lines(lines: list[str]) -> None:

@@ -11,6 +11,10 @@ Two kinds of things, and nothing else:
 * inside a saved tensordict, the temporary files (``meta.json.<pid>.<thread>.tmp``, ...)
   of a writer ``<pid>`` killed while it rewrote the metadata in place.
 
+PATH may be a saved tensordict itself, a directory or a ``.tdz`` archive: its leftovers
+beside it are cleaned (an archive's lock ``.x.tdz.lock`` and the temporary files
+``.x.tdz.shared_td-new-<pid>-<12 hex>`` of its dead writers).
+
 Each prefix is cleaned by ``shared_td.gc(prefix, remove_lock=True)`` under its writer
 lock; a prefix whose lock a running writer holds is skipped (that writer removes dead
 writers' directories itself before it swaps). Only what was removed is listed as removed:
@@ -19,6 +23,8 @@ what could not be is listed as failed (exit code 1), and the other prefixes are 
 from __future__ import annotations
 
 import argparse
+import errno
+import math
 import os
 
 from shared_td.cli.common import CommandError, UsageError, plural, print_json, print_lines
@@ -31,6 +37,7 @@ EPILOG = """examples:
   shared-td gc --dry-run /data       list what would be removed under /data
   shared-td gc /data                 remove it
   shared-td gc /data/buffer          a saved tensordict: also its own leftovers beside it
+  shared-td gc /data/buffer.tdz      an archive: its leftovers beside it (.buffer.tdz.lock, ...)
   shared-td gc --wait 30 /data       wait up to 30 s for each running writer's lock
 
 Leftovers live beside their prefix (/data/.buffer.shared_td-new-4242-3f9a0c1d2e4b for
@@ -40,22 +47,45 @@ too (symlinks are not followed).
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("path", metavar="PATH", help="a directory to search, or a saved tensordict")
+    parser.add_argument("path", metavar="PATH",
+                        help="a directory to search, or a saved tensordict (a directory or an archive)")
     parser.add_argument("--dry-run", action="store_true", help="list what would be removed; remove nothing")
-    parser.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+    parser.add_argument("--wait", type=_seconds, default=0.0, metavar="SECONDS",
                         help="how long to wait for a running writer's lock (default 0: skip its prefix)")
     parser.add_argument("--json", action="store_true",
                         help="print JSON (keys: removed, skipped, failed, dry_run)")
 
 
+def _seconds(text: str) -> float:
+    """--wait's value: a finite number of seconds, 0 or more (else a usage error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds, 0 or more, got {text!r}")
+    return value
+
+
+_seconds.__name__ = "seconds"  # argparse names the type in its error messages
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.wait < 0:
-        raise UsageError(f"--wait must be 0 or more seconds, got {args.wait}")
+    if not math.isfinite(args.wait) or args.wait < 0:  # run() called without the parser
+        raise UsageError(f"--wait must be a finite number of seconds, 0 or more, got {args.wait}")
     root = os.path.abspath(args.path)
-    if not os.path.isdir(root):
-        raise CommandError(f"{root} is not a directory" if os.path.exists(root) else f"No such directory: {root}")
+    if os.path.isdir(root):
+        prefixes = prefixes_under(root)
+    elif os.path.isfile(root) and (
+            # an archive: its leftovers (.x.tdz.lock, .x.tdz.shared_td-new-...) are beside
+            # it; a damaged one's temporaries too (their names say whose they are)
+            (prefixes := [p for p in prefixes_in(os.path.dirname(root)) if p == root])
+            or is_memmap_archive(root)):
+        pass
+    else:
+        raise CommandError(_not_searchable(root))
     removed, skipped, failed = [], [], []
-    for prefix in prefixes_under(root):
+    for prefix in prefixes:
         if args.dry_run:
             if lock_is_held(atomic.lock_path(prefix)):
                 skipped.append(prefix)
@@ -74,6 +104,23 @@ def run(args: argparse.Namespace) -> int:
     else:
         print_lines(report_lines(removed, skipped, dry_run=args.dry_run, root=root, failed=failed))
     return 1 if failed else 0
+
+
+def _not_searchable(root: str) -> str:
+    """Why ``root`` is no PATH for gc, and what to give instead."""
+    fix = "give a directory to search or a saved tensordict (a directory or a .tdz archive)"
+    try:
+        info = os.stat(root)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            return f"{root} is a symlink loop (ELOOP: too many levels of symbolic links): fix or remove the link"
+        if os.path.islink(root):
+            return f"{root} is a symlink to {os.readlink(root)}, which does not exist: fix the link, or {fix}"
+        if error.errno in (errno.ENOENT, errno.ENOTDIR):
+            return f"No such directory: {root}"
+        return f"cannot look at {root}: {error.strerror}"
+    kind = fmt.file_kind(info.st_mode) or "a file but no saved tensordict archive"
+    return f"{root} is {kind}, not a directory: {fix}"
 
 
 def prefixes_under(root: str) -> list[str]:

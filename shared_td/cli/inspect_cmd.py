@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from shared_td.cli.common import human_bytes, plural, print_json, print_lines
+from shared_td.cli.common import human_bytes, plural, print_json, shown
 from shared_td.persist.survey import NODE, TENSOR, Entry, Survey, survey
 
 EPILOG = """examples:
@@ -16,7 +16,9 @@ EPILOG = """examples:
   shared-td inspect --json /data/buffer   the same as JSON (keys: prefix, tree, totals, problems)
 
 Keys are shown as written by the user (file names are percent-encoded on disk); a key
-that is empty or has spaces or control characters is shown quoted. Non-tensor values
+that is empty or has spaces, quotes, backslashes or control characters is shown quoted
+and escaped as a Python literal; paths are shown with control characters and
+backslashes escaped (a backslash is shown doubled). Non-tensor values
 are cut to 60 characters. Exit code 1 if PREFIX holds no saved tensordict.
 """
 
@@ -31,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(as_json(found))
     else:
-        print_lines(tree_lines(found))
+        print("\n".join(tree_lines(found)))
     return 0
 
 
@@ -57,9 +59,13 @@ def _entry_json(entry: Entry) -> dict:
 
 
 def tree_lines(found: Survey) -> list[str]:
-    """The text output: a header, one line per entry, totals, a hint if broken."""
+    """The text output: a header, one line per entry, totals, a hint if broken.
+
+    Each name and class name in it is escaped here, once (:func:`shown`; a key by
+    :func:`_shown_key`, a value is its repr already): the lines are printed as they are.
+    """
     root = found.root
-    header = f"{found.prefix}: {root.class_name}"
+    header = f"{shown(found.prefix)}: {shown(root.class_name)}"
     if root.batch_size is not None:
         header += f", batch size {root.batch_size}"
     rows = list(_rows(root.children, ""))
@@ -74,7 +80,7 @@ def tree_lines(found: Survey) -> list[str]:
     if found.problems:
         lines.append(
             f"{plural(len(found.errors), 'error')}, {plural(len(found.warnings), 'warning')}: "
-            f"run `shared-td verify {found.prefix}` for the list"
+            f"run `shared-td verify {shown(found.prefix)}` for the list"
         )
     return lines
 
@@ -95,12 +101,13 @@ def _describe(entry: Entry) -> str:
         if entry.nbytes is not None and entry.size_on_disk is not None and entry.size_on_disk < entry.nbytes:
             size += f" (needs {human_bytes(entry.nbytes)})"
         if entry.class_name == "nested":  # its shape is that of the sizes: [tensors, dims]
-            return f"{dtype:<9} {'nested':<14} {size}  ({entry.shape[0] if entry.shape else 0} tensors)"
-        return f"{dtype:<9} {_shape(entry.shape):<14} {size}"
+            return f"{shown(dtype):<9} {'nested':<14} {size}  ({entry.shape[0] if entry.shape else 0} tensors)"
+        return f"{shown(dtype):<9} {shown(_shape(entry.shape)):<14} {size}"
     if entry.kind == NODE:
-        batch = "" if entry.batch_size is None else f"  batch size {entry.batch_size}"
-        return f"{entry.class_name}{batch}"
-    return f"{entry.class_name}  {entry.value}"
+        batch = "" if entry.batch_size is None else f"  batch size {shown(str(entry.batch_size))}"
+        return f"{shown(entry.class_name)}{batch}"
+    # the value is a repr (NodeView.shown) or "<pickled, N bytes>": escaped already
+    return f"{shown(entry.class_name)}  {_shown_value(entry.value)}"
 
 
 def _shape(shape) -> str:
@@ -110,5 +117,15 @@ def _shape(shape) -> str:
 
 
 def _shown_key(key: str) -> str:
-    plain = key and key.isprintable() and " " not in key
+    """A key as it is, or quoted and escaped as a Python literal when it is empty or
+    holds a space, a quote, a backslash or a non-printable character (so ``k\\ney``,
+    a backslash and an ``n``, is shown ``'k\\\\ney'`` and never reads as a newline)."""
+    plain = key and key.isprintable() and not any(c in key for c in " '\"\\")
     return key if plain else repr(key)
+
+
+def _shown_value(value) -> str:
+    """A non-tensor value's text: a repr, so its characters are escaped already; any
+    other text (not made by NodeView.shown) is escaped here."""
+    text = str(value)
+    return text if text.isprintable() else shown(text)

@@ -8,7 +8,7 @@ file it lists is a regular file (a FIFO, socket or device is never opened) holdi
 least the bytes its shape and dtype need; no symlink anywhere (a symlink could lead out
 of the directory, and the loader refuses them); files and directories no meta.json names
 are warnings; in an archive, every member's data match its stored CRC-32. Paths and keys
-are printed with control characters escaped.
+are printed with control characters escaped and backslashes doubled (JSON holds them raw).
 """
 from __future__ import annotations
 
@@ -17,11 +17,14 @@ import dataclasses
 import os
 
 from shared_td.cli.common import human_bytes, plural, print_json, print_lines
+from shared_td.errors import FormatError
+from shared_td.persist.saved_tree import Entry, Problem
 from shared_td.persist.survey import Survey, survey
 
 EPILOG = """examples:
   shared-td verify /data/buffer          a report; exit code 0 (ok, maybe warnings) or 1 (errors)
-  shared-td verify --json /data/buffer   the same as JSON (keys: prefix, ok, totals, problems)
+  shared-td verify --json /data/buffer   the same as JSON (keys: prefix, ok, totals, problems);
+                                         also when PREFIX is no save: the reason is its problem
   shared-td verify -q /data/buffer && echo loads   only the exit code and the problems
 
 Errors (exit code 1): what load_memmap refuses: a meta.json that is missing, not JSON
@@ -42,7 +45,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    found = survey(args.prefix)
+    try:
+        found = survey(args.prefix)
+    except (OSError, FormatError) as error:
+        if not args.json:
+            raise  # one line on stderr
+        # no tree to check: the JSON lists why as the one problem (at "meta.json" or ".")
+        found = refused(args.prefix, error)
     if args.json:
         print_json(as_json(found))
     else:
@@ -54,13 +63,22 @@ def run(args: argparse.Namespace) -> int:
     return 1 if found.errors else 0
 
 
+def refused(prefix: str, error: Exception) -> Survey:
+    """The survey of a prefix that ``survey`` refused whole: no tree, one error (the
+    path it concerns, as the survey named it, and the reason)."""
+    message = " ".join(str(error).split()) or type(error).__name__
+    path = getattr(error, "survey_path", os.curdir)
+    root = Entry("", "none", "", class_name="?")  # no node read: all totals 0
+    return Survey(os.path.abspath(os.fspath(prefix)), root, [Problem("error", path, message)])
+
+
 def as_json(found: Survey) -> dict:
     return {
         "prefix": found.prefix,
         "ok": not found.errors,
         "totals": found.totals(),
         "problems": [
-            dict(dataclasses.asdict(p), absolute_path=os.path.join(found.prefix, p.path))
+            dict(dataclasses.asdict(p), absolute_path=os.path.normpath(os.path.join(found.prefix, p.path)))
             for p in found.problems
         ],
     }

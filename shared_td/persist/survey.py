@@ -21,6 +21,7 @@ Examples:
 """
 from __future__ import annotations
 
+import errno
 import math
 import os
 from typing import Any
@@ -42,25 +43,44 @@ def survey(prefix: str) -> Survey:
 
     Raises:
         FileNotFoundError: ``prefix`` does not exist or holds no meta.json.
+        OSError: ``prefix`` is a symlink loop (errno ELOOP) or cannot be looked at.
         NotADirectoryError: ``prefix`` is a file but no zip archive.
         FormatError: its meta.json is not that of a save (format.not_a_save says why),
             or the archive's index is damaged or refused (what a load refuses).
+
+    Each error raised for the root has a ``survey_path``: the path it concerns, relative
+    to the prefix (``"meta.json"``, or ``"."`` for the prefix itself), for a report that
+    lists it as a problem (``shared-td verify --json``).
     """
     root = os.path.abspath(os.fspath(prefix))
+    try:
+        return _survey(root)
+    except (OSError, FormatError) as error:
+        if not hasattr(error, "survey_path"):
+            error.survey_path = os.curdir
+        raise
+
+
+def _survey(root: str) -> Survey:
     if not os.path.exists(root):
-        raise FileNotFoundError(f"No such directory: {root}")
+        _missing(root)
     if os.path.isdir(root):
         files = OnDisk(root)
     elif looks_like_zip(root):
         files = InArchive(root)
     else:
-        raise NotADirectoryError(f"{root} is a file, neither a saved tensordict directory nor an archive.")
+        kind = fmt.file_kind(os.stat(root).st_mode) or "a file"
+        raise NotADirectoryError(f"{root} is {kind}, neither a saved tensordict directory nor an archive.")
     try:
         if files.found(fmt.META) is None:
-            raise FileNotFoundError(f"No saved tensordict at {root}: {fmt.META} is missing.")
+            error = FileNotFoundError(f"No saved tensordict at {root}: {fmt.META} is missing.")
+            error.survey_path = fmt.META
+            raise error
         why = files.not_a_save()
         if why is not None:
-            raise fmt.FormatError(root, f"not a saved tensordict: {why}.")
+            error = fmt.FormatError(root, f"not a saved tensordict: {why}.")
+            error.survey_path = fmt.META
+            raise error
         walker = _Walker(files)
         tree = walker.node("", "")
         walker.check_directories()
@@ -69,6 +89,32 @@ def survey(prefix: str) -> Survey:
         return Survey(root, tree, walker.problems)
     finally:
         files.close()
+
+
+def _missing(root: str) -> None:
+    """Raise why ``root``, which os.path.exists does not see, cannot be surveyed: a
+    symlink loop or a dangling symlink is said to be one (not "no such directory")."""
+    try:
+        os.stat(root)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise _os_error(OSError, errno.ELOOP, f"{root} is a symlink loop (ELOOP: too many levels of "
+                          "symbolic links): fix or remove the link, or give the saved "
+                          "tensordict's real path") from None
+        if os.path.islink(root):
+            raise _os_error(FileNotFoundError, errno.ENOENT, f"{root} is a symlink to {os.readlink(root)}, "
+                                    "which does not exist: fix the link or give the saved "
+                                    "tensordict's real path") from None
+        if error.errno not in (errno.ENOENT, errno.ENOTDIR):
+            raise _os_error(OSError, error.errno, f"cannot look at {root}: {error.strerror}") from None
+    raise FileNotFoundError(f"No such directory: {root}")
+
+
+def _os_error(kind: type, code: int, message: str) -> OSError:
+    """An OSError with ``errno`` ``code`` whose str() is ``message`` alone."""
+    error = kind(message)
+    error.errno = code
+    return error
 
 
 class _Walker:

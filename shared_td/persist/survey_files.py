@@ -105,6 +105,15 @@ class InArchive:
         return read_meta(ArchiveNode(self.archive, name))
 
     def not_a_save(self) -> str | None:
+        """Why the root is no save; a root meta.json whose data do not match its stored
+        checksum is said to be damaged (not "not valid JSON")."""
+        if fmt.META in self.archive.members:
+            try:
+                self.archive.check(fmt.META)
+            except FormatError as error:
+                cause = error.detail.rpartition("checksum: ")[2]  # zipfile's words
+                return (f"its {fmt.META} does not match its stored checksum ({cause}): the "
+                        "archive is damaged; save it again or restore it from a copy")
         return self.archive.not_a_save()
 
     def listing(self) -> Iterator[tuple[str, list[str]]]:

@@ -63,7 +63,7 @@ def save_by(writer: str, path) -> str:
 
 
 def save_lazy_stack(path) -> str:
-    stacked = torch.stack([shared_td.TensorDict(x=torch.zeros(2)), shared_td.TensorDict(x=torch.zeros(3))])
+    stacked = shared_td.lazy_stack([shared_td.TensorDict(x=torch.zeros(2)), shared_td.TensorDict(x=torch.zeros(3))])
     stacked.memmap_(str(path))
     return str(path)
 
