@@ -206,6 +206,7 @@ class Cluster(ClusterRequests):
         self._store = SignedStore(base, self._authkey, timeout=self.timeout,
                                   spares=4 + (self.nodes - 1) + min(self.nodes - 1, 6))
         try:
+            self._check_key()  # before the claim: a process with another key must not touch this node's records
             self._claim = claim_node(self._store, self.node)
         except BaseException:  # nothing of this node runs yet: no stop request may reach the other
             self._stop.set()
@@ -218,6 +219,31 @@ class Cluster(ClusterRequests):
             self.shutdown()
             raise
         return self
+
+    def _check_key(self) -> None:
+        """When another process holds this node's number: ClusterAuthError if the other
+        nodes' join records that exist are all signed with another key. This process
+        then has the wrong authkey, and taking the number over would drain its queues
+        and overwrite its records under a running node. A free number is claimed as
+        before: the join finds the wrong key, and the other nodes see this one's join
+        record refused at once rather than waiting their timeout for it."""
+        if self._store.get_unchecked(f"claim/{self.node}") in (None, b""):
+            return
+        refused = []
+        for key in (f"join/{n}" for n in range(self.nodes) if n != self.node):
+            if not self._store.has(key):
+                continue
+            try:
+                self._store.get_json(key)
+                return  # one node with our key: the records that fail are stale or forged
+            except ClusterAuthError:
+                refused.append(key)
+        if refused:
+            raise ClusterAuthError(
+                f"Cluster node {self.node}: the join records of the cluster ({', '.join(refused)}) have a wrong "
+                "signature for this process's cluster authkey, so it uses another key than the running nodes. Node "
+                f"{self.node}'s number is held: nothing was taken over. Give every node the same authkey= "
+                "(or SHARED_TD_CLUSTER_KEY).")
 
     def _join(self) -> None:
         """What :meth:`start` does once this process holds the node's number: join the
@@ -244,12 +270,17 @@ class Cluster(ClusterRequests):
         self._groups = PairGroups(self._store, self.node, timeout=self.timeout, hostname=self._hostname,
                                   alive=lambda peer: self._liveness.alive(peer),
                                   on_built=lambda peer, generation: listen(self, peer, generation))
-        self._values = ClusterValues(self._store, self.node, self.nodes, self._stop, self._liveness.still_mine)
+        self._values = ClusterValues(self._store, self.node, self.nodes, self._stop, self._liveness.still_mine,
+                                     self._count_refused)
         #: this node's records of its unreplicated names (see cluster_names)
         self.local_names = LocalNames(self._store, self.node, self.nodes)
         lanes = [(serve_lane, (self, peer), f"lane-{peer}") for peer in range(self.nodes) if peer != self.node]
         for target, args, name in [(serve_notices, (self,), "serve"), (watch_pairs, (self,), "watch"), *lanes]:
             self._start_thread(target, args, name)
+
+    def _count_refused(self) -> None:
+        """One more forged record or request, never acted on (see ``refused``)."""
+        self.refused += 1
 
     def _start_thread(self, target, args: tuple, name: str) -> None:
         thread = threading.Thread(target=target, args=args, name=f"shared_td-cluster-{name}", daemon=True)
@@ -332,6 +363,7 @@ class Cluster(ClusterRequests):
         another node owns is a ValueError while that node lives, and taken over once it
         is lost (:func:`~shared_td.coordinator.cluster_liveness.claim_name`)."""
         store = self._checked()
+        cluster_push.check_name(name)  # before anything is claimed: a push of it could never be sent
         cluster_layout.check_kinds(td, name, share_non_tensor)  # before anything is mapped or published
         claim_name(store, self._liveness, self.node, self.nodes, name)
         td = self._memmap_here(name, td, share_non_tensor)
@@ -344,7 +376,7 @@ class Cluster(ClusterRequests):
         store.set_json(f"name/{name}", {"owner": self.node, "generation": generation, "layout": layout})
         if generation > 1:  # replicas of the old generation renew themselves
             for peer in range(self.nodes):
-                if peer != self.node and store.has(f"has/{name}/{peer}"):
+                if peer != self.node and cluster_sync.has_replica(self, store, name, peer):
                     store.push_json(lane_queue(peer, self.node),
                                     {"op": "renew", "name": name, "from": self.node, "generation": generation})
         store.set_json(f"version/{name}", {"version": 1, "generation": generation})
@@ -387,6 +419,7 @@ class Cluster(ClusterRequests):
         ``refresh`` finds the new generation."""
         if name in self._owned:
             return self._owned[name].td
+        cluster_push.check_name(name)  # a replica of it could never push
         if not self._attaching.acquire(timeout=self.timeout):
             raise TimeoutError(f"Another attach on this node did not end within {self.timeout:g} s.")
         try:
@@ -546,10 +579,15 @@ class Cluster(ClusterRequests):
             return max(have.generation, self._announced.get(name, 0))
 
     def _checked(self) -> SignedStore:
-        """The store, once this node runs: RuntimeError before start(),
-        NodeTakenOverError once another process took this node's number over."""
+        """The store, once this node runs: RuntimeError before start() and after
+        shutdown(), NodeTakenOverError once another process took this node's number over."""
         if self._store is None:
             raise RuntimeError("This Cluster is not started (call start()).")
+        if self._closed:
+            # before the liveness check: a node that left stopped beating, and its own
+            # stopped heartbeat read as a takeover (a NodeTakenOverError naming this pid)
+            raise RuntimeError(f"Cluster node {self.node} was shut down (shutdown(), or its start() failed): "
+                               "its threads and store connections are gone. Start a new Cluster to rejoin.")
         if self._liveness is not None:
             self._liveness.check()
         return self._store

@@ -4,7 +4,10 @@ Each node writes a signed heartbeat ``hb/<node>`` (a growing number) every
 :data:`HEARTBEAT_S`. Another node counts it as lost once the number it reads has not
 changed for :data:`LOST_AFTER_S` of its own clock: no clock is compared between
 machines, and a node that is only slow (a heartbeat every few seconds) is never lost.
-A heartbeat with a wrong signature reads as no heartbeat (forged or of another cluster).
+A heartbeat with a wrong signature reads as no heartbeat (forged or of another cluster)
+for :meth:`Liveness.alive`; but whether a claimed number may be taken over
+(:func:`heartbeat_moves`) looks at the stored bytes: a process with another key must not
+read a running node's beating as a crash.
 
 One process per node: a node joins by claiming ``claim/<node>`` (:func:`claim_node`), so
 that two processes given the same node number are refused instead of both running as
@@ -227,12 +230,22 @@ def claim_node(store, node: int) -> str:
     started again: its claim was not released); while that heartbeat moves, ValueError:
     two processes were given the same node. ``store`` is the node's SignedStore."""
     key, token = f"claim/{node}", secrets.token_hex(16)
-    held = store.compare_set(key, "", token).decode()
-    if held == token:
+    # the held claim as bytes: the key is unsigned, and anything that reaches the store
+    # may have written bytes that are not UTF-8 (a bare UnicodeDecodeError before); such
+    # a claim is another holder's, taken over as one once its heartbeat stands still
+    held = store.compare_set(key, "", token)
+    if held == token.encode():
         return token
     if heartbeat_moves(store, node):
         raise ValueError(_same_node(node, "is running in this cluster (its heartbeat moves)"))
-    if store.compare_set(key, held, token).decode() != token:
+    try:  # a heartbeat signed with another key: never take over what this process cannot read
+        store.get_json(f"hb/{node}") if store.has(f"hb/{node}") else None
+    except ClusterAuthError as err:
+        raise ClusterAuthError(
+            f"Node {node}'s claim is held and its heartbeat hb/{node} is not signed with this process's "
+            f"cluster authkey: this process (or the one that ran as node {node}) uses another key. Its number "
+            "was not taken over. Give every node the same authkey= (or SHARED_TD_CLUSTER_KEY).") from err
+    if store.compare_set(key, held, token) != token.encode():
         raise ValueError(_same_node(node, "is being started by another process at the same time"))
     return token
 
@@ -240,7 +253,9 @@ def claim_node(store, node: int) -> str:
 def heartbeat_moves(store, node: int) -> bool:
     """Whether node ``node``'s heartbeat changes within LOST_AFTER_S + HEARTBEAT_S: True
     as soon as it does (a running node beats every HEARTBEAT_S), False once it stood
-    still that long (the node is gone, or stopped)."""
+    still that long (the node is gone, or stopped). Its stored bytes are compared, not
+    its signed value: a process with another authkey read a running node's heartbeat as
+    none at all, found it "standing still" and took its number over."""
     first, end = _heartbeat(store, node), time.monotonic() + LOST_AFTER_S + HEARTBEAT_S
     while time.monotonic() < end:
         time.sleep(HEARTBEAT_S / 4)
@@ -256,13 +271,17 @@ def claim_name(store, liveness: Liveness, node: int, nodes: int, name: str) -> N
     generation makes the replicas renew themselves). Before, a second node's publish
     made two owners."""
     key, mine = f"owner/{name}", str(node)
-    held = store.compare_set(key, "", mine).decode()
+    raw = store.compare_set(key, "", mine)  # compared as bytes: the key is unsigned, maybe not UTF-8
+    held = raw.decode(errors="replace")
     if held == mine:
         return
-    owner = int(held) if held.isdigit() and int(held) < nodes else None  # None: not a node's
+    owner = int(held) if held.isdecimal() and held.isascii() and int(held) < nodes else None  # None: not a node's
     if owner is None or liveness.known_lost(owner) or not heartbeat_moves(store, owner):
-        if store.compare_set(key, held, mine).decode() == mine:
-            return  # its owner is lost: this node takes the name over
+        if store.compare_set(key, raw, mine) == mine.encode():
+            return  # its owner is lost (or was never a node): this node takes the name over
+    if owner is None:  # written meanwhile by something that is not a node of this cluster
+        raise ValueError(f"{name!r} could not be claimed: owner/{name} holds {held!r}, which is not a node of this "
+                         "cluster, and changed while this node took it over. Publish it again, or under another name.")
     raise ValueError(f"{name!r} is owned by node {held}: a name has one owner node (the others hold "
                      f"replicas and push rows to it). Publish it again on node {held}, or under another name.")
 
@@ -286,12 +305,10 @@ def release_node(store, node: int, token: str) -> None:
     store.compare_set(f"claim/{node}", token, "")
 
 
-def _heartbeat(store, node: int):
-    """Node ``node``'s heartbeat record; None when missing or not signed with our key."""
-    try:
-        return store.get_json(f"hb/{node}") if store.has(f"hb/{node}") else None
-    except ClusterAuthError:
-        return None
+def _heartbeat(store, node: int) -> bytes | None:
+    """Node ``node``'s heartbeat as stored (None when missing), signed with our key or
+    not: only compared with itself, to tell whether it moves."""
+    return store.get_unchecked(f"hb/{node}")
 
 
 def _same_node(node: int, what: str) -> str:

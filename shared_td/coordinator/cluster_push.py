@@ -21,6 +21,8 @@ are packed before that lock is taken.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,11 +32,11 @@ import torch
 from shared_td.coordinator import cluster_replica as replica
 from shared_td.coordinator.cluster_serve import HEADER_BYTES
 from shared_td.coordinator.cluster_store import ClusterAuthError
-from shared_td.coordinator.cluster_transfer import (ANSWER_BYTES, PUSH_TAG, TransferFailed, answer_context, answer_tag,
-                                                    decode_signed, encode_signed, push_context, wait_work)
+from shared_td.coordinator.cluster_transfer import (_LENGTH, ANSWER_BYTES, PUSH_TAG, TransferFailed, answer_context,
+                                                    answer_tag, decode_signed, encode_signed, push_context, wait_work)
 from shared_td.errors import IndexTypeError
 
-__all__ = ["PushLine", "push", "send_answered"]
+__all__ = ["MAX_NAME_BYTES", "PushLine", "check_name", "push", "send_answered"]
 
 
 @dataclass
@@ -48,8 +50,29 @@ class PushLine:
     seq: int = 0
 
 
+# The fields of a push header besides the name, each at its largest (an int64): what
+# check_name leaves room for.
+_WORST_HEADER = {"name": "", "generation": 2**63 - 1, "rows": 2**63 - 1, "nbytes": 2**63 - 1,
+                 "tag": 2**63 - 1, "seq": 2**63 - 1}
+#: The most bytes a name takes as JSON (an ASCII character: one; others: 6 or 12) so that
+#: a push of it fits its signed header of HEADER_BYTES (see :func:`check_name`).
+MAX_NAME_BYTES = (HEADER_BYTES - _LENGTH - hashlib.sha256().digest_size
+                  - len(json.dumps(_WORST_HEADER).encode()))
+
+
+def check_name(name: str) -> None:
+    """ValueError naming ``name`` when it is too long for a push's header (checked at
+    publish, attach and push: a push of it could never be sent)."""
+    size = len(json.dumps(name).encode()) - 2  # without its quotes
+    if size > MAX_NAME_BYTES:
+        raise ValueError(f"The name {name[:40]!r}... is too long for a cluster: {size} bytes as JSON, at most "
+                         f"{MAX_NAME_BYTES} (an ASCII character is one byte, others 6 or 12), since each push "
+                         f"carries it in a signed header of {HEADER_BYTES} bytes. Use a shorter name.")
+
+
 def push(cluster, name: str, index) -> None:
     """:meth:`Cluster.push <shared_td.coordinator.cluster.Cluster.push>`."""
+    check_name(name)
     if name in cluster._owned:
         return  # the owner's replica is its own buffer: the rows are already there
     cluster._checked()  # free, unless this process was stopped for seconds (its number may be taken over)
@@ -92,7 +115,14 @@ def _checked_index(name: str, rep, index) -> torch.Tensor:
         if index.step is not None and index.step <= 0:  # as td[::-1]
             raise ValueError(f"push({name!r}): a slice's step must be greater than zero.")
         return torch.arange(*index.indices(rows))
-    index = torch.as_tensor(list(index) if isinstance(index, range) else index, device="cpu")
+    if isinstance(index, (str, bytes)):  # a str is a sequence to list(); never rows
+        raise IndexTypeError(f"push({name!r}): rows are ints, a slice or a boolean mask, not {index!r}.")
+    try:
+        index = torch.as_tensor(list(index) if isinstance(index, range) else index, device="cpu")
+    except (TypeError, ValueError, RuntimeError) as err:  # None, a str among ints, an object: torch
+        # names neither the name nor what a push takes
+        raise IndexTypeError(f"push({name!r}): rows are ints, a slice or a boolean mask, not {index!r} "
+                             f"({str(err).splitlines()[0][:100]}).") from err
     if not index.numel():
         return index.to(torch.int64).reshape(-1)  # [] is a float tensor to torch: no rows
     if index.dtype == torch.bool:
@@ -125,10 +155,13 @@ def _over_pair(cluster, owner: int, generation: int, request: dict, message: tor
     try:
         if line.generation != generation:  # a new pair: its receive is posted for a header
             line.generation, line.posted, line.seq = generation, HEADER_BYTES, 0
-        line.seq += 1
         tag = cluster._next_tag()
+        # encoded before the line moves on: a header that does not fit (ValueError) must
+        # leave seq and posted as the owner's kept receive expects them, or every later
+        # push to this owner is refused as out of order
         header = encode_signed(cluster._store, push_context(cluster.node, owner, generation),
-                               {**request, "tag": tag, "seq": line.seq}, HEADER_BYTES)
+                               {**request, "tag": tag, "seq": line.seq + 1}, HEADER_BYTES)
+        line.seq += 1
         posted, line.posted = line.posted, int(message.numel())  # what the owner posts next
         what = f"push of {request['name']!r}"
         if message.numel() == posted:

@@ -84,6 +84,11 @@ def _signed_requests(cluster, queue: str):
             continue
         except (RuntimeError, OSError):
             return  # the store is gone
+        if request is not None and not isinstance(request, dict):
+            # signed, but not a request (a list, a string): counted, and the thread keeps
+            # serving (an AttributeError here ended it while the node kept beating)
+            cluster.refused += 1
+            continue
         if request is not None and request.get("op") != "stop":
             yield request
 
@@ -108,7 +113,10 @@ def serve_lane(cluster, peer: int) -> None:
         if request.get("from") != peer:
             cluster.refused += 1  # signed, but not in its sender's lane
             continue
-        _handle(cluster, request)
+        try:
+            _handle(cluster, request)
+        except Exception:  # noqa: BLE001 - signed but malformed (a field missing or of another type):
+            cluster.refused += 1  # counted; a lane that ended would leave the peer's later requests unserved
 
 
 def _handle(cluster, request: dict) -> None:

@@ -328,22 +328,41 @@ class SignedStore:
         return json.loads(self.check(key, self._store().get(key)))
 
     @_store_call
-    def set_json_if_newer(self, key: str, value: dict, field: str) -> None:
+    def set_json_if_newer(self, key: str, value: dict, field: str, forged=None) -> None:
         """``set_json(key, value)`` unless ``key`` holds a value whose ``field`` is at
         least ``value[field]``: a compare-and-set loop on the store host, so that of two
         writers at once the higher ``field`` stays. A current value with a wrong
-        signature is refused (ClusterAuthError), never overwritten blindly."""
+        signature is refused (ClusterAuthError), never overwritten blindly -- unless
+        ``forged`` is given: then ``forged()`` is called (the caller counts it) and the
+        forged value, which carries nothing usable, is replaced by ``value`` (still a
+        compare-and-set against exactly those bytes, so an honest writer's value
+        stored meanwhile is compared again, not lost)."""
         store, blob = self._store(), self.sign(key, json.dumps(value).encode())
         current = store.get(key) if store.check([key]) else b""
         while current:
-            if json.loads(self.check(key, current))[field] >= value[field]:
+            try:
+                newer = json.loads(self.check(key, current))[field] >= value[field]
+            except ClusterAuthError:
+                if forged is None:
+                    raise
+                forged()
+                newer = False
+            if newer:
                 return
             answer = store.compare_set(key, current, blob)
             if answer == blob:
                 return
             current = answer
         if store.compare_set(key, b"", blob) != blob:  # another writer created it first
-            self.set_json_if_newer(key, value, field)
+            self.set_json_if_newer(key, value, field, forged)
+
+    @_store_call
+    def get_unchecked(self, key: str) -> bytes | None:
+        """The bytes stored at ``key`` as they are (None when missing), signature NOT
+        checked: only to tell whether they change (a heartbeat written with another
+        key that keeps changing still means a process runs there), never to use them."""
+        store = self._store()
+        return store.get(key) if store.check([key]) else None
 
     @_store_call
     def has(self, key: str) -> bool:

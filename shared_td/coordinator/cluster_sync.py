@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 from shared_td.coordinator import cluster_replica as replica
 from shared_td.coordinator.cluster_liveness import HEARTBEAT_S, LOST_AFTER_S
 from shared_td.coordinator.cluster_push import send_answered
+from shared_td.coordinator.cluster_store import ClusterAuthError
 from shared_td.coordinator.cluster_transfer import TransferFailed, stripe_count
 
-__all__ = ["SyncReport", "sync"]
+__all__ = ["SyncReport", "has_replica", "sync"]
 
 
 @dataclass
@@ -25,6 +26,21 @@ class SyncReport:
     version: int
     delivered: list[int] = field(default_factory=list)
     dropped: dict[int, str] = field(default_factory=dict)
+
+
+def has_replica(cluster, store, name: str, peer: int) -> bool:
+    """Whether node ``peer`` recorded a replica of ``name`` (``has/<name>/<peer>``, read
+    signed): a record with a wrong signature is counted in ``cluster.refused`` and
+    ignored (only its existence was checked before: a forged one made the owner send
+    a sync, or a renew notice, to a node without a replica)."""
+    if not store.has(f"has/{name}/{peer}"):
+        return False
+    try:
+        store.get_json(f"has/{name}/{peer}")
+    except ClusterAuthError:
+        cluster.refused += 1
+        return False
+    return True
 
 
 def sync(cluster, name: str, timeout: float | None) -> SyncReport:
@@ -45,7 +61,7 @@ def sync(cluster, name: str, timeout: float | None) -> SyncReport:
     owned.version += 1
     store.set_json(f"version/{name}", {"version": owned.version, "generation": owned.generation})
     report = SyncReport(owned.version)
-    targets = [n for n in range(cluster.nodes) if n != cluster.node and store.has(f"has/{name}/{n}")]
+    targets = [n for n in range(cluster.nodes) if n != cluster.node and has_replica(cluster, store, name, n)]
     # lost: dropped after one more look at its heartbeat (a node that was only
     # stopped beats again within HEARTBEAT_S), not waited for until the timeout
     quiet = [n for n in targets if not cluster._alive(n)]

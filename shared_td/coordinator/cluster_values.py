@@ -42,6 +42,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
+from shared_td.errors import ClusterAuthError
+
 __all__ = ["ClusterValues", "POLL_S"]
 
 #: Seconds between two looks of the poller at the version words of this node's cells.
@@ -86,12 +88,15 @@ class ClusterValues:
         acting: ``acting()`` -> whether this process still runs the node (checked before
             each look of the poller: a process whose number was taken over publishes
             nothing more); default always.
+        refuse: ``refuse()`` is called for each stored value found with a wrong
+            signature (the Cluster counts it in ``refused``); default nothing.
     """
 
     def __init__(self, store, node: int, nodes: int, stop: threading.Event,
-                 acting: Callable[[], bool] = lambda: True):
+                 acting: Callable[[], bool] = lambda: True, refuse: Callable[[], None] = lambda: None):
         self._store, self._node, self._nodes, self._stop = store, node, nodes, stop
         self._acting = acting
+        self._refuse = refuse
         self._tracked: dict[str, _Tracked] = {}
         # one at a time: the poller's publications and the service thread's applications
         self._lock = threading.Lock()
@@ -179,6 +184,11 @@ class ClusterValues:
                         for index, entry in enumerate(tracked.values):
                             if entry.cell.version != entry.seen:
                                 self._publish_local(name, tracked, index)
+            except ClusterAuthError:
+                # an OSError too, but not a lost store: something forged a record this
+                # thread read. It was not used; counted, and the poller keeps going (ending
+                # here would stop every later value of this node from propagating)
+                self._refuse()
             except (RuntimeError, OSError):
                 return  # the store is gone: values stay as they are on this node
 
@@ -202,4 +212,7 @@ class ClusterValues:
     def _store_latest(self, key: str, version: int, payload: str) -> None:
         """``value/<key>`` <- (version, payload) unless it holds a higher version
         (compare-and-set, so that two nodes writing at once leave the highest)."""
-        self._store.set_json_if_newer(f"value/{key}", {"version": version, "payload": payload}, "version")
+        # a forged latest value (a wrong signature) is counted and replaced: it carries
+        # nothing a node could use, and leaving it would refuse every later value here
+        self._store.set_json_if_newer(f"value/{key}", {"version": version, "payload": payload}, "version",
+                                      self._refuse)
