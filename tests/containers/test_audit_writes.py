@@ -58,25 +58,23 @@ def test_collate_still_makes_a_lazy_stack_of_different_shapes(lib):
 @pytest.mark.parametrize("lib", LIBS)
 def test_stack_of_different_keys_is_a_runtime_error(lib):
     # Before: a KeyError (not a RuntimeError, which code ported from tensordict catches).
-    a = lib.TensorDict(a=torch.ones(2), batch_size=[2])
-    b = lib.TensorDict(b=torch.ones(2), batch_size=[2])
     with pytest.raises(RuntimeError):
-        torch.stack([a, b])
+        torch.stack(_of_keys_a_and_b(lib))
 
 
 def test_stack_keys_error_names_the_keys():
-    a = shared_td.TensorDict(a=torch.ones(2), batch_size=[2])
-    b = shared_td.TensorDict(b=torch.ones(2), batch_size=[2])
     with pytest.raises(RuntimeError, match=r"lacks \['a'\].*extra keys \['b'\]"):
-        torch.stack([a, b])
+        torch.stack(_of_keys_a_and_b(shared_td))
 
 
 @pytest.mark.parametrize("lib", LIBS)
 def test_cat_of_different_keys_stays_a_key_error(lib):
-    a = lib.TensorDict(a=torch.ones(2), batch_size=[2])
-    b = lib.TensorDict(b=torch.ones(2), batch_size=[2])
     with pytest.raises(KeyError):
-        torch.cat([a, b])
+        torch.cat(_of_keys_a_and_b(lib))
+
+
+def _of_keys_a_and_b(lib) -> list:
+    return [lib.TensorDict(a=torch.ones(2), batch_size=[2]), lib.TensorDict(b=torch.ones(2), batch_size=[2])]
 
 
 # ---------------------------------------------------------------- non-tensor indexed writes
