@@ -15,7 +15,7 @@ pytest.importorskip("torch.distributed")
 import shared_td  # noqa: E402
 from shared_td.coordinator.cluster import Cluster  # noqa: E402
 from shared_td.coordinator.cluster_store import SignedStore  # noqa: E402
-from tests.cluster.test_cluster_store import KEY, _start_together, pair, store  # noqa: E402,F401 - fixtures
+from tests.cluster.test_cluster_store import KEY, _pair, pair, store  # noqa: E402,F401 - fixtures
 
 
 def test_a_second_process_given_a_running_nodes_number_is_refused(store, pair):
@@ -48,12 +48,9 @@ def test_a_node_restarted_after_a_crash_takes_its_number_over_once_its_heartbeat
     crashed.set_json("hb/1", {"beat": 7, "pid": 1})
     for queue in ("queue/1", "lane/1/0"):  # left for the crashed process: its successor must not act on them
         crashed.push_json(queue, {"op": "not for the new process", "from": 0, "name": "p"})
-    url = f"tcp://127.0.0.1:{store.port}?host=0"
-    members = [Cluster(url, n, 2, authkey=KEY, timeout=10.0, hostname="127.0.0.1") for n in range(2)]
     began = time.monotonic()
-    errors = _start_together(members)
+    members = _pair(store)
     try:
-        assert not errors, errors
         # (+ 6: a first store connect can stall 5 s in a reverse DNS lookup on this machine)
         assert LOST_AFTER_S <= time.monotonic() - began < LOST_AFTER_S + HEARTBEAT_S + 6
         members[0].publish("p", shared_td.TensorDict(x=torch.ones(2), batch_size=[2]))
