@@ -103,7 +103,8 @@ def _mixed_tree(lib):
 @pytest.mark.parametrize("include_nested", [False, True])
 @pytest.mark.parametrize("leaves_only", [False, True])
 @pytest.mark.parametrize("nontensor_leaves", [False, True])
-def test_keys_view_len_is_what_iteration_lists_as_tensordict(include_nested, leaves_only, nontensor_leaves):
+@pytest.mark.parametrize("sort", [False, True])
+def test_keys_view_len_is_what_iteration_lists_as_tensordict(include_nested, leaves_only, nontensor_leaves, sort):
     import shared_td
 
     libs = [shared_td]
@@ -117,13 +118,13 @@ def test_keys_view_len_is_what_iteration_lists_as_tensordict(include_nested, lea
     for lib in libs:
         is_leaf = (shared_td.is_leaf_nontensor if lib is shared_td else lib.base._is_leaf_nontensor) if nontensor_leaves else None
         td = _mixed_tree(lib)
-        view = td.keys(include_nested, leaves_only, is_leaf)
+        view = td.keys(include_nested, leaves_only, is_leaf, sort=sort)
         keys = list(iter(view))
         assert len(view) == len(keys) and list(view) == keys
         assert all(key in view for key in keys)
         # items() and values() list a nested tensordict before its entries, keys() after
-        items = [(key, type(value).__name__) for key, value in td.items(include_nested, leaves_only, is_leaf)]
-        assert [type(value).__name__ for value in td.values(include_nested, leaves_only, is_leaf)] == [
+        items = [(key, type(value).__name__) for key, value in td.items(include_nested, leaves_only, is_leaf, sort=sort)]
+        assert [type(value).__name__ for value in td.values(include_nested, leaves_only, is_leaf, sort=sort)] == [
             name for _key, name in items]
         assert sorted(map(str, keys)) == sorted(str(key) for key, _name in items)
         listed.append((keys, items))

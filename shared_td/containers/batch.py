@@ -20,6 +20,8 @@ _BASIC_INDEX_TYPES = (int, slice, type(None), type(Ellipsis))
 
 def as_batch_size(batch_size: Any) -> torch.Size:
     """Return ``batch_size`` (None, an int, a sequence of ints or a Size) as a Size."""
+    if type(batch_size) is torch.Size and min(batch_size, default=0) >= 0:
+        return batch_size  # (a nested tensordict made with its parent's: once per node)
     if batch_size is None:
         return torch.Size([])
     if isinstance(batch_size, (int, np.integer)):
@@ -59,13 +61,25 @@ def normalize_dim(dim: int, ndim: int, *, what: str = "dim") -> int:
     return dim % ndim
 
 
-def insertion_dim(dim: int, batch_dims: int, op: str = "unsqueeze") -> int:
-    """``dim`` of an op that inserts a batch dim (unsqueeze, stack): it may be any of
-    the ``batch_dims + 1`` positions, from ``-batch_dims - 1`` to ``batch_dims``."""
+def insertion_dim(dim: int, batch_dims: int, op: str = "unsqueeze", *, what: str = "dim") -> int:
+    """``dim`` of an op that inserts a batch dim (unsqueeze, stack) into tensordicts of
+    ``batch_dims`` batch dims, as a non-negative position: it may be any of the
+    ``batch_dims + 1`` positions, from ``-batch_dims - 1`` to ``batch_dims``.
+
+    Raises:
+        BatchDimError: (an IndexError, as torch raises, and a RuntimeError, as
+            tensordict raises) naming ``op``, its argument ``what`` and the range.
+
+    Example:
+        >>> insertion_dim(-1, 2), insertion_dim(2, 2)
+        (2, 2)
+    """
     if not -batch_dims - 1 <= dim <= batch_dims:
+        plural = "" if batch_dims == 1 else "s"
         raise BatchDimError(
-            f"{op}(dim={dim}): a tensordict with {batch_dims} batch dims takes "
-            f"{-batch_dims - 1} <= dim <= {batch_dims} (the position of the new dim)."
+            f"{op}({what}={dim}) is out of range for tensordicts with {batch_dims} batch "
+            f"dim{plural}: the new dim goes at a position from {-batch_dims - 1} to "
+            f"{batch_dims} (a negative one counts from the end). Pass a {what} in that range."
         )
     return dim % (batch_dims + 1)
 

@@ -93,12 +93,30 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, IndexWrites, TensorMetho
         if source is not None:
             entries.update(source.items() if hasattr(source, "items") else source)
         entries.update(kwargs)
-        for key, value in entries.items():
-            self.set(key, value)
+        self._set_initial(entries)
         if names is not None:
             self.names = names
         if lock:
             self.lock_()
+
+    def _set_initial(self, entries: dict) -> None:
+        """The entries given to ``__init__``: a tensor or a plain dict under a str key (what
+        code builds from nested dicts) is checked and stored here, anything else goes
+        through ``set``. Building the 1000-node tree from dicts was 1.6x tensordict's,
+        mostly ``set``'s general path (lock, in-place and conversion checks that a
+        tensordict being made never needs)."""
+        batch_size, device, stored = self._batch_size, self._device, self._tensordict
+        batch_dims = len(batch_size)
+        for key, value in entries.items():
+            if type(key) is not str:
+                self.set(key, value)
+            elif type(value) is torch.Tensor:
+                fits = value.shape[:batch_dims] == batch_size and device is None
+                stored[key] = value if fits else self._fitted(key, value, value.shape)
+            elif type(value) is dict:
+                stored[key] = TensorDict(value, batch_size, device)
+            else:
+                self.set(key, value)
 
     @classmethod
     def _new_unsafe(
