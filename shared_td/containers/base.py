@@ -9,19 +9,20 @@ for both (see ``TensorDict._map_entries``).
 """
 from __future__ import annotations
 
-import operator
 from typing import Any, Callable, Iterator
 
 import torch
 
 from shared_td.containers import batch as batch_ops
-from shared_td.containers import pinning
-from shared_td.containers.consolidation import ConsolidateMethods, stored_leaves
+from shared_td.containers.comparisons import ComparisonOps
+from shared_td.containers.consolidation import ConsolidateMethods
 from shared_td.containers.convenience_ops import ConvenienceOps
 from shared_td.containers.keysview import UNSEEN, KeysView
 from shared_td.containers.locking import LockingOps
 from shared_td.containers.nontensor_ops import NonTensorOps
+from shared_td.containers.pinning import PinningOps
 from shared_td.containers.splitting import BatchSplitOps
+from shared_td.containers.updates import UpdateOps
 from shared_td.errors import BatchSizeMismatchError
 from shared_td.keys import NestedKey, is_nested_key, key_repr, unravel_key
 from shared_td.containers.memmap_methods import MemmapMethods
@@ -89,7 +90,8 @@ def is_leaf_nontensor(cls: type) -> bool:
     return default_is_leaf(cls) or getattr(cls, "_is_non_tensor", False)
 
 
-class TensorDictBase(LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, MemmapMethods, ConsolidateMethods):
+class TensorDictBase(LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, MemmapMethods, ConsolidateMethods,
+                     ComparisonOps, UpdateOps, PinningOps):
     """Common API of TensorDict, LazyStackedTensorDict and the non-tensor containers."""
 
     _is_non_tensor = False
@@ -409,74 +411,6 @@ class TensorDictBase(LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, Me
         value = self.get(key, default)
         return value._python_value() if is_non_tensor(value) else value
 
-    def update(
-        self, other: Any, *, inplace: bool = False, keys_to_update=None, non_blocking: bool = False
-    ) -> "TensorDictBase":
-        """Set every entry of ``other`` (a dict or tensordict), merging nested ones.
-
-        With ``inplace=True`` existing entries are written in place (allowed on a
-        locked tensordict) and missing ones are added. Every entry is checked before
-        the first one is written, so a failing update leaves self unchanged.
-        """
-        selected = None if keys_to_update is None else [unravel_key(k) for k in keys_to_update]
-        for path, value, in_place in self._plan_update(other, (), inplace, True, selected):
-            if in_place:
-                self.set_(path, value)
-            else:
-                self.set(path, value)
-        return self
-
-    def update_(self, other: Any, *, keys_to_update=None, non_blocking: bool = False) -> "TensorDictBase":
-        """Write every entry of ``other`` into the existing entries, in place.
-
-        Raises KeyError (naming the key) if one is missing; as every entry is checked
-        before the first one is written, a failing update_ leaves self unchanged.
-        """
-        selected = None if keys_to_update is None else [unravel_key(k) for k in keys_to_update]
-        for path, value, _ in self._plan_update(other, (), True, False, selected):
-            self.set_(path, value)
-        return self
-
-    def _plan_update(
-        self, other: Any, prefix: tuple, inplace: bool, add_missing: bool, selected: list | None
-    ) -> list:
-        """The checked ``(path, value, in_place)`` writes of ``update``/``update_``.
-
-        Nothing is written here: every failure (missing key, lock, batch size, shape)
-        is raised before the caller writes the first entry.
-        """
-        plan = []
-        items = other.items() if isinstance(other, (dict, TensorDictBase)) else other
-        for key, value in items:
-            path = prefix + unravel_key(key)
-            is_mapping = isinstance(value, (dict, TensorDictBase)) and not is_non_tensor(value)
-            if selected is not None and not any(path[: len(s)] == s for s in selected):
-                # Only some keys below this one are selected: descend into a mapping.
-                if is_mapping and any(s[: len(path)] == path for s in selected):
-                    plan += self._plan_update(value, path, inplace, add_missing, selected)
-                continue
-            current = self._get_path(path, None)
-            if is_mapping and isinstance(current, TensorDictBase) and not is_non_tensor(current):
-                plan += self._plan_update(value, path, inplace, add_missing, selected)
-            elif current is None and not add_missing:
-                raise KeyError(
-                    f"update_() writes in place, but key {key_repr(path)} does not exist "
-                    f"in {type(self).__name__}. Use update() to add it."
-                )
-            elif inplace and current is not None:
-                plan.append((path, self._checked_set_(path, current, value), True))
-            else:
-                plan.append((path, self._checked_set(path, value), False))
-        return plan
-
-    def copy_(self, other: Any, non_blocking: bool = False) -> "TensorDictBase":
-        """Copy ``other`` into self, in place (same as ``update_``).
-
-        ``non_blocking`` is accepted for compatibility with tensordict, and ignored (every
-        copy here is synchronous).
-        """
-        return self.update_(other)
-
     def rename_key_(self, old_key: NestedKey, new_key: NestedKey, safe: bool = False):
         """Move entry ``old_key`` to ``new_key``; returns self.
 
@@ -516,58 +450,6 @@ class TensorDictBase(LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, Me
         """True when every leaf is a MemoryMappedTensor set by memmap_() (until unlock_())."""
         return self._is_memmap
 
-    # ---------------------------------------------------------------- comparisons
-    def _compare(self, other: Any, op: Callable) -> "TensorDictBase":
-        if isinstance(other, dict):
-            other = type(self)(other, batch_size=self.batch_size)
-        if isinstance(other, TensorDictBase):
-            missing = set(self.keys(True, True, is_leaf_nontensor)) ^ set(other.keys(True, True, is_leaf_nontensor))
-            if missing:
-                raise KeyError(f"Cannot compare tensordicts with different keys: {sorted(map(str, missing))}.")
-            return self._map_leaves(lambda key, value: op(value, other.get(key)))
-        return self._map_leaves(lambda key, value: op(value, other))
-
-    # Comparisons map over the leaves, as tensordict 0.15.3: tensors compare with torch's
-    # operator; a non-tensor entry compares its values with the same entry of another
-    # tensordict (== and !=), and is ignored otherwise (see _equal and _ordered), so
-    # ``(td == 0).all()`` looks at the tensors only.
-    def __eq__(self, other: Any) -> "TensorDictBase":  # type: ignore[override]
-        return self._compare(other, _equal)
-
-    def __ne__(self, other: Any) -> "TensorDictBase":  # type: ignore[override]
-        return self._compare(other, _not_equal)
-
-    def __lt__(self, other: Any) -> "TensorDictBase":
-        return self._compare(other, _ordered(operator.lt))
-
-    def __le__(self, other: Any) -> "TensorDictBase":
-        return self._compare(other, _ordered(operator.le))
-
-    def __gt__(self, other: Any) -> "TensorDictBase":
-        return self._compare(other, _ordered(operator.gt))
-
-    def __ge__(self, other: Any) -> "TensorDictBase":
-        return self._compare(other, _ordered(operator.ge))
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def all(self) -> bool:
-        """True if every element of every leaf is true."""
-        return all(bool(v.all()) for v in self._leaf_tensors())
-
-    def any(self) -> bool:
-        """True if some element of some leaf is true."""
-        return any(bool(v.any()) for v in self._leaf_tensors())
-
-    def _leaf_tensors(self) -> Iterator[torch.Tensor]:
-        for value in self.values(include_nested=True, leaves_only=True):
-            if isinstance(value, torch.Tensor):
-                yield value
-
-    def is_empty(self) -> bool:
-        """True if the tensordict holds no leaf (tensor or non-tensor) at any depth."""
-        return next(iter(self.keys(True, True, is_leaf_nontensor)), None) is None
-
     # ---------------------------------------------------------------- conversions
     def to_dict(self) -> dict:
         """A nested dict of the entries (non-tensors as their Python values)."""
@@ -586,36 +468,6 @@ class TensorDictBase(LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, Me
     def cpu(self) -> "TensorDictBase":
         """A copy on the CPU (self if already there)."""
         return self.to("cpu")
-
-    def pin_memory(self, num_threads: int | None = None, inplace: bool = False) -> "TensorDictBase":
-        """A tensordict whose tensor leaves are in pinned (page-locked) memory, for fast
-        and asynchronous copies to an accelerator (``to("cuda", non_blocking=True)``); a
-        DataLoader with ``pin_memory=True`` calls it on each batch.
-
-        Each tensor leaf is copied once (on ``num_threads`` threads when 2 or more); the
-        result has the same structure, classes and non-tensor values, and is locked if
-        this one is. ``inplace=True`` puts the copies in this tensordict's own nodes and
-        returns it, except in nodes that are locked, memory-mapped or shared, whose
-        leaves stay where they are (as in tensordict). Without an accelerator torch
-        cannot pin: RuntimeError that says so.
-
-        Examples:
-            >>> import torch
-            >>> from shared_td import TensorDict
-            >>> td = TensorDict(obs=torch.zeros(1000, 3), batch_size=[1000])
-            >>> pinned = td.pin_memory()  # doctest: +SKIP
-            >>> pinned["obs"].is_pinned()  # doctest: +SKIP
-            True
-        """
-        pinning.check_pinnable("pin_memory()", "Pinning only speeds up copies to an accelerator: "
-                               "leave it out on this machine.")
-        copies = pinning.pinned_copies(stored_leaves(self), num_threads)
-        return pinning.pinned_node(self, copies, inplace)
-
-    def pin_memory_(self, num_threads: int = 0) -> "TensorDictBase":
-        """``pin_memory(num_threads=num_threads, inplace=True)`` (tensordict 0.15.3 keeps
-        this name, deprecated, for that)."""
-        return self.pin_memory(num_threads=num_threads, inplace=True)
 
     def cuda(self, device: Any = None, **kwargs: Any) -> "TensorDictBase":
         """A copy on a CUDA device (self if already there): ``device`` None (the current
@@ -642,33 +494,6 @@ class TensorDictBase(LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, Me
         if handler is None:
             return NotImplemented
         return handler(*args, **(kwargs or {}))
-
-
-def _equal(value: Any, other: Any) -> Any:
-    if is_non_tensor(value):
-        if is_non_tensor(other):  # the same entry of another tensordict
-            return value._compare_data(other)
-        return _ignored(value)  # a scalar or tensor compares with the tensors only
-    return value == other
-
-
-def _not_equal(value: Any, other: Any) -> Any:
-    result = _equal(value, other)
-    return ~result if isinstance(result, torch.Tensor) else result
-
-
-def _ordered(op: Callable) -> Callable:
-    """``<``, ``<=``, ``>``, ``>=`` on one leaf: non-tensor entries are kept as they
-    are (not compared), as tensordict does."""
-    return lambda value, other: value if is_non_tensor(value) else op(value, other)
-
-
-def _ignored(value: Any) -> "TensorDictBase":
-    """What ``td == 0`` holds at a non-tensor entry: an empty tensordict of the entry's
-    batch size (as tensordict), which ``all()`` and ``any()`` skip."""
-    from shared_td.containers.tensordict import TensorDict
-
-    return TensorDict._new_unsafe({}, value.batch_size, value.device)
 
 
 def check_write_into(current: Any, value: Any, key: str | tuple[str, ...]) -> None:

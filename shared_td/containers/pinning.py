@@ -13,9 +13,12 @@ in a node that is locked, memory-mapped or shared, whose leaves stay where they 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:  # (base imports this module)
+    from shared_td.containers.base import TensorDictBase
 
 
 def check_pinnable(what: str, fix: str) -> None:
@@ -68,3 +71,39 @@ def pinned_node(node: Any, copies: dict[int, torch.Tensor], inplace: bool) -> An
     if node._is_locked:
         out.lock_()
     return out
+
+
+class PinningOps:
+    """The mixin of TensorDictBase for pinning its leaves."""
+
+    def pin_memory(self, num_threads: int | None = None, inplace: bool = False) -> "TensorDictBase":
+        """A tensordict whose tensor leaves are in pinned (page-locked) memory, for fast
+        and asynchronous copies to an accelerator (``to("cuda", non_blocking=True)``); a
+        DataLoader with ``pin_memory=True`` calls it on each batch.
+
+        Each tensor leaf is copied once (on ``num_threads`` threads when 2 or more); the
+        result has the same structure, classes and non-tensor values, and is locked if
+        this one is. ``inplace=True`` puts the copies in this tensordict's own nodes and
+        returns it, except in nodes that are locked, memory-mapped or shared, whose
+        leaves stay where they are (as in tensordict). Without an accelerator torch
+        cannot pin: RuntimeError that says so.
+
+        Examples:
+            >>> import torch
+            >>> from shared_td import TensorDict
+            >>> td = TensorDict(obs=torch.zeros(1000, 3), batch_size=[1000])
+            >>> pinned = td.pin_memory()  # doctest: +SKIP
+            >>> pinned["obs"].is_pinned()  # doctest: +SKIP
+            True
+        """
+        from shared_td.containers.consolidation import stored_leaves
+
+        check_pinnable("pin_memory()", "Pinning only speeds up copies to an accelerator: "
+                               "leave it out on this machine.")
+        copies = pinned_copies(stored_leaves(self), num_threads)
+        return pinned_node(self, copies, inplace)
+
+    def pin_memory_(self, num_threads: int = 0) -> "TensorDictBase":
+        """``pin_memory(num_threads=num_threads, inplace=True)`` (tensordict 0.15.3 keeps
+        this name, deprecated, for that)."""
+        return self.pin_memory(num_threads=num_threads, inplace=True)

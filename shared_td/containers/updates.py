@@ -1,0 +1,84 @@
+"""``update``, ``update_`` and ``copy_``: the mixin UpdateOps of TensorDictBase. Every
+entry is checked before the first one is written, so a failing update changes nothing."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from shared_td.keys import key_repr, unravel_key
+
+if TYPE_CHECKING:  # (base imports this module)
+    from shared_td.containers.base import TensorDictBase
+
+
+class UpdateOps:
+    """Writing the entries of another dict or tensordict into this one."""
+
+    def update(
+        self, other: Any, *, inplace: bool = False, keys_to_update=None, non_blocking: bool = False
+    ) -> "TensorDictBase":
+        """Set every entry of ``other`` (a dict or tensordict), merging nested ones.
+
+        With ``inplace=True`` existing entries are written in place (allowed on a
+        locked tensordict) and missing ones are added. Every entry is checked before
+        the first one is written, so a failing update leaves self unchanged.
+        """
+        selected = None if keys_to_update is None else [unravel_key(k) for k in keys_to_update]
+        for path, value, in_place in self._plan_update(other, (), inplace, True, selected):
+            if in_place:
+                self.set_(path, value)
+            else:
+                self.set(path, value)
+        return self
+
+    def update_(self, other: Any, *, keys_to_update=None, non_blocking: bool = False) -> "TensorDictBase":
+        """Write every entry of ``other`` into the existing entries, in place.
+
+        Raises KeyError (naming the key) if one is missing; as every entry is checked
+        before the first one is written, a failing update_ leaves self unchanged.
+        """
+        selected = None if keys_to_update is None else [unravel_key(k) for k in keys_to_update]
+        for path, value, _ in self._plan_update(other, (), True, False, selected):
+            self.set_(path, value)
+        return self
+
+    def _plan_update(
+        self, other: Any, prefix: tuple, inplace: bool, add_missing: bool, selected: list | None
+    ) -> list:
+        """The checked ``(path, value, in_place)`` writes of ``update``/``update_``.
+
+        Nothing is written here: every failure (missing key, lock, batch size, shape)
+        is raised before the caller writes the first entry.
+        """
+        from shared_td.containers.base import TensorDictBase, is_non_tensor
+
+        plan = []
+        items = other.items() if isinstance(other, (dict, TensorDictBase)) else other
+        for key, value in items:
+            path = prefix + unravel_key(key)
+            is_mapping = isinstance(value, (dict, TensorDictBase)) and not is_non_tensor(value)
+            if selected is not None and not any(path[: len(s)] == s for s in selected):
+                # Only some keys below this one are selected: descend into a mapping.
+                if is_mapping and any(s[: len(path)] == path for s in selected):
+                    plan += self._plan_update(value, path, inplace, add_missing, selected)
+                continue
+            current = self._get_path(path, None)
+            if is_mapping and isinstance(current, TensorDictBase) and not is_non_tensor(current):
+                plan += self._plan_update(value, path, inplace, add_missing, selected)
+            elif current is None and not add_missing:
+                raise KeyError(
+                    f"update_() writes in place, but key {key_repr(path)} does not exist "
+                    f"in {type(self).__name__}. Use update() to add it."
+                )
+            elif inplace and current is not None:
+                plan.append((path, self._checked_set_(path, current, value), True))
+            else:
+                plan.append((path, self._checked_set(path, value), False))
+        return plan
+
+    def copy_(self, other: Any, non_blocking: bool = False) -> "TensorDictBase":
+        """Copy ``other`` into self, in place (same as ``update_``).
+
+        ``non_blocking`` is accepted for compatibility with tensordict, and ignored (every
+        copy here is synchronous).
+        """
+        return self.update_(other)
