@@ -21,7 +21,7 @@ import os
 import sys
 import traceback
 
-from shared_td.cli.common import CommandError, UsageError, shown
+from shared_td.cli.common import CommandError, UsageError, one_line, shown
 
 PROG = "shared-td"
 
@@ -82,7 +82,7 @@ def _failed(command: str | None, error: Exception, debug: bool) -> int:
     if debug:
         traceback.print_exc()
     # one line whatever the error says; names in it cannot drive the terminal
-    message = shown(" ".join(str(error).split())) or type(error).__name__
+    message = shown(one_line(error))
     if not isinstance(error, CommandError) and isinstance(error, (ImportError, AssertionError)):
         message = f"{type(error).__name__}: {message}"  # a bug, not a user's mistake
     print(f"{PROG} {command}: error: {message}", file=sys.stderr)

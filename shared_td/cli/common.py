@@ -31,6 +31,18 @@ def shown(text: str) -> str:
     return "".join("\\\\" if c == "\\" else c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
+def one_line(error: BaseException) -> str:
+    r"""What ``error`` says, on one line (its whitespace collapsed), or its type's name
+    when it says nothing: the words of a failure on stderr and of a refused PATH in a
+    --json document, so that both say the same.
+
+    Examples:
+        >>> one_line(OSError("cannot look at /x:\n  Permission denied")), one_line(KeyError())
+        ('cannot look at /x: Permission denied', 'KeyError')
+    """
+    return " ".join(str(error).split()) or type(error).__name__
+
+
 def print_lines(lines: list[str]) -> None:
     """Print a report, one line each, with every line passed through :func:`shown`."""
     print("\n".join(shown(line) for line in lines))

@@ -27,9 +27,9 @@ import errno
 import math
 import os
 
-from shared_td.cli.common import CommandError, UsageError, plural, print_json, print_lines
-from shared_td.persist import atomic
+from shared_td.cli.common import CommandError, UsageError, one_line, plural, print_json, print_lines
 from shared_td.persist import format as fmt
+from shared_td.persist import leftovers
 from shared_td.persist.archive import is_memmap_archive
 from shared_td.persist.lock_probe import lock_is_held
 
@@ -42,7 +42,9 @@ EPILOG = """examples:
 
 Leftovers live beside their prefix (/data/.buffer.shared_td-new-4242-3f9a0c1d2e4b for
 /data/buffer), so PATH is usually the parent directory; its subdirectories are searched
-too (symlinks are not followed).
+too (symlinks are not followed). When PATH itself is refused (missing, a symlink loop,
+neither a directory nor an archive, permission denied), --json still prints the
+document, with PATH as its one failure (exit code 1).
 """
 
 
@@ -74,36 +76,53 @@ def run(args: argparse.Namespace) -> int:
     if not math.isfinite(args.wait) or args.wait < 0:  # run() called without the parser
         raise UsageError(f"--wait must be a finite number of seconds, 0 or more, got {args.wait}")
     root = os.path.abspath(args.path)
-    if os.path.isdir(root):
-        prefixes = prefixes_under(root)
-    elif os.path.isfile(root) and (
-            # an archive: its leftovers (.x.tdz.lock, .x.tdz.shared_td-new-...) are beside
-            # it; a damaged one's temporaries too (their names say whose they are)
-            (prefixes := [p for p in prefixes_in(os.path.dirname(root)) if p == root])
-            or is_memmap_archive(root)):
-        pass
-    else:
-        raise CommandError(_not_searchable(root))
+    try:
+        prefixes = prefixes_to_clean(root)
+    except CommandError as error:
+        if not args.json:
+            raise  # one line on stderr
+        # the document all the same (a script reading stdout always gets one), PATH
+        # itself its one failure, in the words stderr would have shown; exit code 1
+        _print_json(args.dry_run, [], [], [{"prefix": root, "error": one_line(error)}])
+        return 1
     removed, skipped, failed = [], [], []
     for prefix in prefixes:
         if args.dry_run:
-            if lock_is_held(atomic.lock_path(prefix)):
+            if lock_is_held(fmt.lock_path(prefix)):
                 skipped.append(prefix)
             else:
-                removed += atomic.gc(prefix, dry_run=True, remove_lock=True)
+                removed += leftovers.gc(prefix, dry_run=True, remove_lock=True)
             continue
         try:
-            removed += atomic.gc(prefix, timeout=args.wait, remove_lock=True)
+            removed += leftovers.gc(prefix, timeout=args.wait, remove_lock=True)
         except TimeoutError:
             skipped.append(prefix)
         except OSError as error:  # a leftover that cannot be removed: said, not hidden
             removed += getattr(error, "removed", [])
             failed.append({"prefix": prefix, "error": str(error)})
     if args.json:
-        print_json({"dry_run": args.dry_run, "removed": removed, "skipped": skipped, "failed": failed})
+        _print_json(args.dry_run, removed, skipped, failed)
     else:
         print_lines(report_lines(removed, skipped, dry_run=args.dry_run, root=root, failed=failed))
     return 1 if failed else 0
+
+
+def _print_json(dry_run: bool, removed: list[str], skipped: list[str], failed: list[dict]) -> None:
+    print_json({"dry_run": dry_run, "removed": removed, "skipped": skipped, "failed": failed})
+
+
+def prefixes_to_clean(root: str) -> list[str]:
+    """The prefixes whose leftovers gc of PATH ``root`` (absolute) cleans: those under a
+    directory, or an archive's own; a CommandError saying why for any other ``root``."""
+    if os.path.isdir(root):
+        return prefixes_under(root)
+    if os.path.isfile(root):
+        # an archive: its leftovers (.x.tdz.lock, .x.tdz.shared_td-new-...) are beside
+        # it; a damaged one's temporaries too (their names say whose they are)
+        prefixes = [p for p in prefixes_in(os.path.dirname(root)) if p == root]
+        if prefixes or is_memmap_archive(root):
+            return prefixes
+    raise CommandError(_not_searchable(root))
 
 
 def _not_searchable(root: str) -> str:
@@ -138,7 +157,7 @@ def prefixes_under(root: str) -> list[str]:
         if any(fmt.temporary_writer_pid(name) is not None for name in names):
             # gc of the save that holds it (under that save's lock) finds and checks them
             found.append(_outermost_save(directory, root))
-        dirnames[:] = sorted(d for d in dirnames if atomic.parse_leftover_name(d) is None)
+        dirnames[:] = sorted(d for d in dirnames if leftovers.parse_leftover_name(d) is None)
     return sorted(set(found))
 
 
@@ -167,7 +186,7 @@ def prefixes_in(directory: str) -> list[str]:
         return []
     found = set()
     for entry in entries:
-        parsed = atomic.parse_leftover_name(entry)
+        parsed = leftovers.parse_leftover_name(entry)
         if parsed is not None:
             found.add(os.path.join(directory, parsed[0]))
         elif (name := fmt.prefix_of_lock(entry)) is not None:
@@ -181,7 +200,7 @@ def report_lines(removed: list[str], skipped: list[str], *, dry_run: bool, root:
                  failed: list[dict] = ()) -> list[str]:
     verb = "would remove" if dry_run else "removed"
     lines = [f"{verb}  {path}  ({_what(path)})" for path in removed]
-    lines += [f"skipped {prefix}: a running writer holds its lock {atomic.lock_path(prefix)}"
+    lines += [f"skipped {prefix}: a running writer holds its lock {fmt.lock_path(prefix)}"
               for prefix in skipped]
     lines += [f"failed  {failure['prefix']}: {failure['error']}" for failure in failed]
     count = plural(len(removed), "leftover")
@@ -192,7 +211,7 @@ def report_lines(removed: list[str], skipped: list[str], *, dry_run: bool, root:
 
 
 def _what(path: str) -> str:
-    parsed = atomic.parse_leftover_name(os.path.basename(path))
+    parsed = leftovers.parse_leftover_name(os.path.basename(path))
     if parsed is not None:
         return f"temporary directory of dead writer pid {parsed[1]}"
     writer = fmt.temporary_writer_pid(os.path.basename(path))

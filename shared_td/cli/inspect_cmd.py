@@ -9,7 +9,8 @@ import argparse
 import dataclasses
 
 from shared_td.cli.common import human_bytes, plural, print_json, shown
-from shared_td.persist.survey import NODE, TENSOR, Entry, Survey, survey
+from shared_td.cli.survey_report import survey_for_report
+from shared_td.persist.survey import NODE, TENSOR, Entry, Survey
 
 EPILOG = """examples:
   shared-td inspect /data/buffer          the tree, with sizes and totals
@@ -19,7 +20,8 @@ Keys are shown as written by the user (file names are percent-encoded on disk); 
 that is empty or has spaces, quotes, backslashes or control characters is shown quoted
 and escaped as a Python literal; paths are shown with control characters and
 backslashes escaped (a backslash is shown doubled). Non-tensor values
-are cut to 60 characters. Exit code 1 if PREFIX holds no saved tensordict.
+are cut to 60 characters. Exit code 1 if PREFIX holds no saved tensordict; --json then
+still prints the document: tree null, totals 0 and the reason as its one problem.
 """
 
 
@@ -29,19 +31,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    found = survey(args.prefix)
+    # a PATH refused whole: one line on stderr, or with --json an empty tree and its one
+    # problem; exit code 1 either way
+    found, refused = survey_for_report(args.prefix, as_json=args.json)
     if args.json:
         print_json(as_json(found))
     else:
         print("\n".join(tree_lines(found)))
-    return 0
+    return 1 if refused else 0
 
 
 def as_json(found: Survey) -> dict:
     """The survey as plain JSON types (entries nest under ``children``)."""
     return {
         "prefix": found.prefix,
-        "tree": _entry_json(found.root),
+        # null for a PATH refused whole (survey_report.refused): no node was read
+        "tree": _entry_json(found.root) if found.root.kind == NODE else None,
         "totals": found.totals(),
         "problems": [dataclasses.asdict(p) for p in found.problems],
     }

@@ -17,9 +17,8 @@ import dataclasses
 import os
 
 from shared_td.cli.common import human_bytes, plural, print_json, print_lines
-from shared_td.errors import FormatError
-from shared_td.persist.saved_tree import Entry, Problem
-from shared_td.persist.survey import Survey, survey
+from shared_td.cli.survey_report import survey_for_report
+from shared_td.persist.survey import Survey
 
 EPILOG = """examples:
   shared-td verify /data/buffer          a report; exit code 0 (ok, maybe warnings) or 1 (errors)
@@ -45,13 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        found = survey(args.prefix)
-    except (OSError, FormatError) as error:
-        if not args.json:
-            raise  # one line on stderr
-        # no tree to check: the JSON lists why as the one problem (at "meta.json" or ".")
-        found = refused(args.prefix, error)
+    # a PATH refused whole: one line on stderr, or with --json its one problem
+    found, _ = survey_for_report(args.prefix, as_json=args.json)
     if args.json:
         print_json(as_json(found))
     else:
@@ -61,15 +55,6 @@ def run(args: argparse.Namespace) -> int:
         if lines:
             print_lines(lines)
     return 1 if found.errors else 0
-
-
-def refused(prefix: str, error: Exception) -> Survey:
-    """The survey of a prefix that ``survey`` refused whole: no tree, one error (the
-    path it concerns, as the survey named it, and the reason)."""
-    message = " ".join(str(error).split()) or type(error).__name__
-    path = getattr(error, "survey_path", os.curdir)
-    root = Entry("", "none", "", class_name="?")  # no node read: all totals 0
-    return Survey(os.path.abspath(os.fspath(prefix)), root, [Problem("error", path, message)])
 
 
 def as_json(found: Survey) -> dict:

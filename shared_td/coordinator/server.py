@@ -65,9 +65,18 @@ Registry, VersionTable = _registry.Registry, _registry.VersionTable
 __all__ = ["DIR_PATTERN", "REGISTRY_ID", "make_private_dir", "serve", "sweep_dead_dirs"]
 
 #: Name of a coordinator's private directory under ``tempfile.gettempdir()``:
-#: ``shared_td-coord-<manager pid>-<mkdtemp suffix>``. The sweep touches nothing else.
+#: ``shared_td-coord-<manager pid>-<mkdtemp suffix>``. The sweep touches nothing else
+#: but the directories that :func:`make_private_dir` makes before it renames them.
 DIR_PREFIX = "shared_td-coord-"
 DIR_PATTERN = re.compile(r"^shared_td-coord-(\d+)-[a-z0-9_]{8}$")
+#: A directory :func:`make_private_dir` has made (``tempfile.mkdtemp``: 8 characters of
+#: [a-z0-9_] after the prefix) and not renamed yet; its maker may have been killed.
+NEW_DIR_PATTERN = re.compile(r"^shared_td-coord-new-[a-z0-9_]{8}$")
+#: Seconds since its last change (mtime: its making, nothing changes it after) before an
+#: unlocked ``new-`` directory counts as abandoned. Its live maker holds no lock only
+#: between its mkdtemp and its flock, two system calls apart: a maker stalled longer
+#: than this there (stopped, swapped out) finds its directory taken and makes another.
+NEW_DIR_GRACE_S = 60.0
 
 #: The server-side id of the registry object; fixed, so clients need no ``create`` call.
 REGISTRY_ID = "shared_td-registry"
@@ -82,17 +91,23 @@ EXPOSED = ("publish", "attach", "layout", "names", "unpublish", "info", "version
 # ----------------------------------------------------------------------------- sweep
 
 def sweep_dead_dirs(root: str | None = None) -> list[str]:
-    """Remove private directories of coordinators whose manager process is dead.
+    """Remove private directories of coordinators whose manager process is dead, and
+    the directories of makers killed before they renamed theirs.
 
     Only entries of ``root`` (default ``tempfile.gettempdir()``) named exactly like ours
-    (:data:`DIR_PATTERN`), that are real directories owned by this user, are considered.
-    A live manager holds the ``flock`` of its directory for its whole life (see
-    :func:`make_private_dir`) and the kernel drops it when that process dies, however it
-    dies: a directory is removed only by a sweeper that takes that lock. The pid in the
-    name alone cannot say: a manager in another pid namespace sharing this temp dir (two
-    containers with one /tmp volume) has a pid that means nothing here. A pid alive here
-    skips the directory at once (never a wrong removal: at worst a reused pid keeps a dead
-    directory until a later sweep). Returns the removed paths.
+    (:data:`DIR_PATTERN`, :data:`NEW_DIR_PATTERN`), that are real directories owned by
+    this user, are considered. A live manager holds the ``flock`` of its directory for
+    its whole life (see :func:`make_private_dir`) and the kernel drops it when that
+    process dies, however it dies: a directory is removed only by a sweeper that takes
+    that lock. The pid in the name alone cannot say: a manager in another pid namespace
+    sharing this temp dir (two containers with one /tmp volume) has a pid that means
+    nothing here. A pid alive here skips the directory at once (never a wrong removal: at
+    worst a reused pid keeps a dead directory until a later sweep).
+
+    A ``new-`` directory has no pid: it is removed when nobody holds its lock and it was
+    made over :data:`NEW_DIR_GRACE_S` ago (a younger one may be between the mkdtemp and
+    the flock of a live maker; it is never even locked by the sweep), and only while it is
+    empty, as its maker leaves it. Returns the removed paths.
 
     Example:
         >>> sweep_dead_dirs()  # doctest: +SKIP
@@ -105,30 +120,56 @@ def sweep_dead_dirs(root: str | None = None) -> list[str]:
     except OSError:
         return removed
     for entry in entries:
-        match = DIR_PATTERN.match(entry)
-        if match is None or platform.pid_alive(int(match.group(1))):
-            continue
         path = os.path.join(root, entry)
-        try:
-            st = os.lstat(path)
-        except OSError:
-            continue
-        # never follow a link, never touch another user's directory
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-            continue
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            continue
-        try:
-            # held while removing: no manager can hold a directory that we hold
-            if not platform.try_flock(fd):
-                continue  # its manager lives, in a pid namespace that we do not see
-            shutil.rmtree(path, ignore_errors=True)
-        finally:
-            os.close(fd)
-        removed.append(path)
+        match = DIR_PATTERN.match(entry)
+        if match is not None:
+            if not platform.pid_alive(int(match.group(1))) and _remove_unheld(path, abandoned_before=None):
+                removed.append(path)
+        elif NEW_DIR_PATTERN.match(entry) and _remove_unheld(path, abandoned_before=time.time() - NEW_DIR_GRACE_S):
+            removed.append(path)
     return removed
+
+
+def _remove_unheld(path: str, *, abandoned_before: float | None) -> bool:
+    """Remove the directory ``path`` if it is ours to sweep and we can take its lock;
+    whether it was removed. ``abandoned_before``: for a ``new-`` directory, the time
+    (``time.time()``) it must have been made before; it is then removed only if empty."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    # never follow a link, never touch another user's directory, never lock a new-
+    # directory that a live maker may be about to lock
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or \
+            (abandoned_before is not None and st.st_mtime >= abandoned_before):
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        # the directory judged above, still at path once locked (held while removing:
+        # no manager or maker can hold a directory that we hold)
+        if not os.path.samestat(os.fstat(fd), st) or not platform.try_flock(fd) or not _still_at(fd, path):
+            return False  # replaced, or its manager lives in a pid namespace we do not see
+        if abandoned_before is None:
+            shutil.rmtree(path, ignore_errors=True)
+            return True
+        try:
+            os.rmdir(path)  # a maker leaves it empty: anything in it is not ours
+        except OSError:
+            return False
+        return True
+    finally:
+        os.close(fd)
+
+
+def _still_at(fd: int, path: str) -> bool:
+    """Whether the directory open as ``fd`` is the one at ``path`` now."""
+    try:
+        return os.path.samestat(os.fstat(fd), os.lstat(path))
+    except OSError:
+        return False
 
 
 def make_private_dir(root: str | None = None) -> tuple[str, int]:
@@ -137,16 +178,24 @@ def make_private_dir(root: str | None = None) -> tuple[str, int]:
     the caller keeps it open for its whole life, so that :func:`sweep_dead_dirs` of any
     process (of any pid namespace) leaves the directory alone while the caller lives.
 
-    The directory is made and locked under a name the sweep ignores, then renamed to
-    its final name: a sweeper never sees it unlocked.
+    The directory is made and locked under a ``new-`` name, then renamed to its final
+    name: a sweeper never sees it unlocked under that name. Killed before the rename,
+    this process leaves the ``new-`` directory, which a sweep removes once it is older
+    than :data:`NEW_DIR_GRACE_S` (and unlocked). Stalled longer than that before its
+    flock, this process finds the directory locked or removed by a sweeper: it leaves
+    it to the sweeper and makes another.
     """
     root = root or tempfile.gettempdir()
     while True:
         starting = tempfile.mkdtemp(prefix=f"{DIR_PREFIX}new-", dir=root)
-        fd = os.open(starting, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            if not platform.try_flock(fd):  # a new directory: nobody else knows it yet
-                raise OSError(f"cannot lock the new directory {starting}")
+            fd = os.open(starting, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue  # swept already (see above): the sweeper's, not ours
+        try:
+            if not platform.try_flock(fd) or not _still_at(fd, starting):
+                os.close(fd)  # a sweeper holds it or removed it (see above)
+                continue
             final = os.path.join(root, f"{DIR_PREFIX}{os.getpid()}-{starting[-8:]}")
             if not os.path.lexists(final):  # (a rename onto an empty directory replaces it)
                 os.rename(starting, final)  # the lock belongs to the inode: it follows

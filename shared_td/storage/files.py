@@ -1,4 +1,4 @@
-"""File storage for memory-mapped tensors: create, write, map and size-check files.
+"""File storage for memory-mapped tensors: create and open files, then map them.
 
 Rules this module enforces:
 
@@ -9,12 +9,18 @@ Rules this module enforces:
   that is several times faster than first-touch faults through a fresh mapping.
 * A file only ever grows: an existing longer file keeps its tail, and nothing here
   truncates a file that another process may have mapped (a shrink would SIGBUS it).
-* A mapping covers the whole file and is made through our own descriptor
-  (``/proc/self/fd/N``), so the inode we checked is the inode we map; the descriptor is
-  closed right after mapping, so mapped files cost no file descriptors.
 * Mapping checks sizes first: a missing file is a ``FileNotFoundError`` (never created),
   a short one a :class:`FileTooShortError` -- never a SIGBUS on first access.
 * Zero-byte requests never create or map anything (``mmap`` of 0 bytes is invalid).
+
+The pieces live in three modules; their public names are all importable from here:
+
+* this one: :class:`Directory` (every name resolved relative to an open directory),
+  :func:`create_file` and the creation rules;
+* :mod:`shared_td.storage.writing`: ``pwrite_all``, ``allocate``, ``reserve_space``,
+  :class:`StorageFullError` for "no room";
+* :mod:`shared_td.storage.mapping`: :class:`FileBacking`, one mapping of a whole file
+  per process, and how it pickles.
 """
 
 from __future__ import annotations
@@ -23,11 +29,28 @@ import errno
 import os
 import stat
 
-import torch
-
-from shared_td.errors import FileReplacedError, FileTooShortError, FormatError, StorageFullError
-from shared_td.storage.cache import InodeCache
+from shared_td.errors import FileTooShortError, FormatError, StorageFullError
+from shared_td.storage.mapping import (
+    FileBacking,
+    backing_from_fd,
+    boot_id,
+    find_backing,
+    map_fd,
+    map_path_fd,
+    mapped_backing,
+    open_file_backing,
+    relocated,
+)
 from shared_td.storage.removal import remove_tree
+from shared_td.storage.writing import (
+    NO_SPACE_ERRNOS,
+    allocate,
+    pwrite_all,
+    raw_bytes,
+    reserve_space,
+    storage_full_error,
+    tensor_bytes,
+)
 
 __all__ = [
     "FileBacking",
@@ -41,295 +64,19 @@ __all__ = [
     "open_file_backing",
     "pwrite_all",
     "tensor_bytes",
+    # the rest of what the package imports from here, defined in the modules above
+    "NO_SPACE_ERRNOS",
+    "backing_from_fd",
+    "boot_id",
+    "map_path_fd",
+    "mapped_backing",
+    "raw_bytes",
+    "relocated",
+    "reserve_space",
+    "storage_full_error",
 ]
 
-# One pwrite moves at most ~2 GiB on Linux; smaller calls also keep memory views short.
-_WRITE_CHUNK = 1 << 30
-#: errnos that mean "no room": reported as StorageFullError with the size asked for
-NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM, errno.EFBIG)
-
-
-def _size_text(nbytes: int) -> str:
-    return f"{nbytes} bytes ({nbytes / 2**20:.1f} MiB)"
-
-
-def storage_full_error(err: OSError, nbytes: int, where: str) -> StorageFullError:
-    """Turn an ``ENOSPC``-like ``OSError`` into a :class:`StorageFullError` naming the size."""
-    return StorageFullError(
-        err.errno,
-        f"Could not reserve {_size_text(nbytes)} for {where}: {err.strerror}. "
-        "Free space there, or raise the limit (for containers: --shm-size / memory limit).",
-    )
-
-
-def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """Return the raw C-order bytes of a CPU tensor as a ``memoryview`` (copying only if needed).
-
-    Example:
-        >>> len(tensor_bytes(torch.arange(3, dtype=torch.int16)))
-        6
-    """
-    return memoryview(raw_bytes(tensor).numpy())
-
-
-def raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """The C-order bytes of a CPU tensor as a 1-d uint8 tensor (a view when possible).
-
-    Example:
-        >>> raw_bytes(torch.tensor([1, 2], dtype=torch.int16)).tolist()
-        [1, 0, 2, 0]
-    """
-    # reshape(-1) first: a 0-dim tensor cannot be viewed as another dtype
-    flat = tensor.detach().resolve_conj().resolve_neg().reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
-    return flat.view(torch.uint8)
-
-
-def pwrite_all(fd: int, data, offset: int, *, where: str = "a file") -> None:
-    """Write all of ``data`` at ``offset`` of ``fd``, looping over short writes.
-
-    Example:
-        >>> import tempfile
-        >>> with tempfile.TemporaryFile() as f:
-        ...     pwrite_all(f.fileno(), b"abc", 0)
-        ...     os.pread(f.fileno(), 3, 0)
-        b'abc'
-    """
-    view = memoryview(data).cast("B")
-    done = 0
-    while done < len(view):
-        try:
-            done += os.pwrite(fd, view[done : done + _WRITE_CHUNK], offset + done)
-        except OSError as err:
-            if err.errno in NO_SPACE_ERRNOS:
-                raise storage_full_error(err, len(view), where) from err
-            raise
-
-
-def map_fd(fd: int, nbytes: int, *, shared: bool = True):
-    """Map the first ``nbytes`` of the open file ``fd`` as one uint8 ``UntypedStorage``.
-
-    ``shared=False`` gives a private copy-on-write mapping. torch opens the file again
-    (through ``/proc/self/fd``) and closes that second descriptor once mapped; the caller
-    still owns ``fd``. The caller must have checked that the file holds ``nbytes``.
-
-    Example:
-        >>> import tempfile
-        >>> with tempfile.TemporaryFile() as f:
-        ...     _ = f.write(b"\\x01\\x02"); f.flush()
-        ...     map_fd(f.fileno(), 2).tolist()
-        [1, 2]
-    """
-    mapped = torch.from_file(f"/proc/self/fd/{fd}", shared=shared, size=nbytes, dtype=torch.uint8)
-    return mapped.untyped_storage()
-
-
-class FileBacking:
-    """One mapping of a whole file, shared by every tensor that views that file.
-
-    Attributes: ``path`` (absolute), ``storage`` (uint8 ``UntypedStorage`` or ``None``
-    for an empty file), ``nbytes`` (bytes mapped), ``shared`` (``False`` for a private
-    copy-on-write mapping), ``read_only`` (``None``, or why this process may not write
-    the file, e.g. "it is on a read-only file system": tensors over such a backing
-    refuse writes), ``inode`` (``(st_dev, st_ino)`` of the file mapped when its
-    tensors are bound to that very file, else None). Pickles as ``(path, shared,
-    read_only, inode, this machine's boot)``: the receiver maps the file again, so
-    writes on either side reach the same page cache, and a read-only backing stays
-    read-only.
-
-    Which file a receiver maps: what the path names then, for a file that holds one
-    leaf (a directory save's: an atomic rewrite of the prefix gives later receivers
-    the new values, as a published prefix promises). A file whose leaves lie at offsets
-    of its own layout (an archive, a consolidated file) is bound to its inode: a
-    receiver on this machine that finds another file there (a new save renamed over
-    it) raises FileReplacedError; it read the new file's bytes at the old offsets.
-    """
-
-    __slots__ = ("path", "storage", "nbytes", "shared", "read_only", "inode", "__weakref__")
-
-    def __init__(self, path: str, storage, nbytes: int, shared: bool, read_only: str | None = None,
-                 inode: tuple[int, int] | None = None):
-        self.path = path
-        self.storage = storage
-        self.nbytes = nbytes
-        self.shared = shared
-        self.read_only = read_only
-        self.inode = inode
-
-    def __reduce__(self):
-        return open_file_backing, (self.path, self.shared, self.read_only, self.inode, boot_id())
-
-    def __repr__(self) -> str:
-        mode = "shared" if self.shared else "copy-on-write"
-        if self.read_only:
-            mode += ", read-only"
-        return f"FileBacking({self.path!r}, nbytes={self.nbytes}, {mode})"
-
-
-# (st_dev, st_ino) -> FileBacking, so that unpickling many leaves of one file maps it once.
-# Keyed by inode, not path: a file replaced by rename is a new file and gets a new mapping.
-_CACHE = InodeCache()
-
-
-def backing_from_fd(path: str, fd: int, *, shared: bool = True, read_only: str | None = None,
-                    st: os.stat_result | None = None, created: bool = False, bound: bool = False) -> FileBacking:
-    """Map the whole file open as ``fd`` (or reuse this process's mapping of it).
-
-    ``read_only`` (why the file may not be written) needs ``shared=False``: the mapping
-    is private, and the tensors over it refuse writes. ``st``: the ``fstat`` of ``fd``
-    when the caller has just made it (:meth:`Directory.open_regular_stat`). ``created``:
-    the caller made the file with ``O_EXCL``, so no mapping of it can be cached (a live
-    mapping keeps its inode, whose number a new file cannot get): none is looked for.
-    ``bound``: its tensors lie at offsets of this file's own layout (an archive, a
-    consolidated file): pickled, they name its inode (see FileBacking).
-    """
-    if read_only and shared:
-        raise ValueError(f"A read-only backing of {path} must be mapped copy-on-write (shared=False).")
-    if st is None:
-        st = os.fstat(fd)
-    key = (st.st_dev, st.st_ino)
-    if shared and not created:
-        cached = _CACHE.get(key)
-        # a file that changed size since is mapped again, so sizes are always current
-        if cached is not None and cached.nbytes == st.st_size:
-            if bound:
-                cached.inode = key
-            return cached
-    storage = map_fd(fd, st.st_size, shared=shared) if st.st_size else None
-    backing = FileBacking(path, storage, st.st_size, shared, read_only, key if bound else None)
-    if shared:
-        # private mappings are never shared: two copy-on-write opens must not see each
-        # other's private writes
-        _CACHE.put(key, backing)
-    return backing
-
-
 _PATH_FLAGS = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-def map_path_fd(path: str, fd: int, st: os.stat_result, *, read_only: str | None = None) -> FileBacking:
-    """Map the regular file that the ``O_PATH`` descriptor ``fd`` names
-    (:meth:`Directory.open_path_regular`, ``st`` its ``fstat``): shared and writable, or
-    with ``read_only`` (why it may not be written) privately, as :func:`backing_from_fd`.
-
-    The file is opened for real only by the mapping itself (torch opens
-    ``/proc/self/fd/<fd>``: the inode that was checked), read-write when shared. A file
-    this process may not open so is an ``OSError`` with the errno of that open
-    (EACCES, EROFS, EPERM...) naming ``path``, so the caller can map it read-only. A
-    mapping this process holds already is reused only if the file may still be written.
-    """
-    shared = read_only is None
-    if shared:
-        cached = _CACHE.get((st.st_dev, st.st_ino))
-        if cached is not None and cached.nbytes == st.st_size and \
-                os.access(f"/proc/self/fd/{fd}", os.W_OK, effective_ids=True):
-            return cached
-    try:
-        storage = map_fd(fd, st.st_size, shared=shared) if st.st_size else None
-    except RuntimeError:
-        # torch's error has no errno: open the file as it did to get one (an error path)
-        probe = _reopen(fd, path, os.O_RDWR if shared else os.O_RDONLY)
-        os.close(probe)
-        raise
-    if not st.st_size:  # nothing mapped: the file must still be openable as asked
-        os.close(_reopen(fd, path, os.O_RDWR if shared else os.O_RDONLY))
-    backing = FileBacking(path, storage, st.st_size, shared, read_only)
-    if shared:
-        _CACHE.put((st.st_dev, st.st_ino), backing)
-    return backing
-
-
-def _reopen(fd: int, path: str, flags: int) -> int:
-    """Open again the file of descriptor ``fd`` (through ``/proc/self/fd``) with
-    ``flags``; an error names ``path``."""
-    try:
-        return os.open(f"/proc/self/fd/{fd}", flags | os.O_CLOEXEC)
-    except OSError as error:
-        raise type(error)(error.errno, f"{error.strerror}: {path}") from None
-
-
-def mapped_backing(st: os.stat_result) -> FileBacking | None:
-    """This process's shared mapping of the file that ``st`` describes, if it has one."""
-    return _CACHE.get((st.st_dev, st.st_ino))
-
-
-def find_backing(storage) -> FileBacking | None:
-    """The shared FileBacking of this process whose storage is ``storage``, if any."""
-    backings = _CACHE.values()
-    return next((b for b in backings if b.storage is not None
-                 and b.storage.data_ptr() == storage.data_ptr()), None)
-
-
-def relocated(backing: FileBacking, path: str) -> FileBacking:
-    """The same mapping under the file's new name, after its directory was renamed.
-
-    The mapped inode is unchanged, so no byte moves; this process's cache then hands
-    out the new name.
-    """
-    moved = FileBacking(path, backing.storage, backing.nbytes, backing.shared, backing.read_only, backing.inode)
-    if backing.shared:
-        st = os.stat(path)
-        _CACHE.put((st.st_dev, st.st_ino), moved)
-    return moved
-
-
-def open_file_backing(path: str, shared: bool = True, read_only: str | None = None,
-                      inode: tuple[int, int] | None = None, boot: str | None = None) -> FileBacking:
-    """Map an existing file by path; a missing file raises ``FileNotFoundError``.
-    ``read_only`` as in :func:`backing_from_fd`. ``inode``: the ``(st_dev, st_ino)``
-    the file had on the machine booted as ``boot`` (a pickled FileBacking's); this
-    process's mapping of that inode is reused, and on that machine another file at
-    ``path`` is a FileReplacedError.
-
-    Example:
-        >>> import tempfile
-        >>> with tempfile.NamedTemporaryFile() as f:
-        ...     _ = f.write(b"abcd"); f.flush()
-        ...     open_file_backing(f.name).nbytes
-        4
-    """
-    checked = inode is not None and boot is not None and boot == boot_id()
-    if shared:
-        # Unpickling many leaves of files this process maps already (attach, workers)
-        # needs no descriptor: a stat names the inode, and the cache has its mapping
-        # (of the pickled inode: this process's own tensors keep their file when a new
-        # one was renamed over its path)
-        st = os.stat(path)
-        here = (st.st_dev, st.st_ino)
-        cached = _CACHE.get(tuple(inode) if checked else here)
-        # (the size is the path's file's: of no meaning for a mapping of the old inode)
-        if cached is not None and (cached.nbytes == st.st_size or (checked and tuple(inode) != here)):
-            return cached
-    flags = (os.O_RDWR if shared else os.O_RDONLY) | os.O_CLOEXEC
-    fd = os.open(path, flags)
-    try:
-        st = os.fstat(fd)
-        if checked and (st.st_dev, st.st_ino) != tuple(inode):
-            raise FileReplacedError(errno.ENOENT, (
-                f"The file a pickled tensor maps was replaced since it was pickled (a save, "
-                f"consolidate or atomic rewrite put a new file there): {path}. Its old bytes are "
-                "no longer reachable by this path; pickle the tensor again (or load the new file)."))
-        return backing_from_fd(path, fd, shared=shared, read_only=read_only, st=st, bound=inode is not None)
-    finally:
-        os.close(fd)
-
-
-def boot_id() -> str | None:
-    """This machine's boot id (device and inode numbers mean the same files only within
-    one boot of one machine); None where the kernel does not tell."""
-    global _BOOT_ID
-    if _BOOT_ID is _UNREAD:
-        try:
-            with open("/proc/sys/kernel/random/boot_id") as source:
-                _BOOT_ID = source.read().strip()
-        except OSError:
-            _BOOT_ID = None
-    return _BOOT_ID
-
-
-_UNREAD = object()
-_BOOT_ID: object = _UNREAD
 
 
 def file_kind(mode: int) -> str | None:
@@ -579,32 +326,6 @@ def check_new_empty_file(directory: Directory, name: str, *, existsok: bool) -> 
         raise RuntimeError(f"Refusing to {directory.action} through symlink {directory.join(name)}.")
     if not existsok and st is not None:
         raise RuntimeError(f"The file {directory.join(name)} already exists.")
-
-
-def allocate(fd: int, offset: int, nbytes: int, where: str) -> None:
-    """Reserve bytes ``offset .. offset + nbytes`` of ``fd`` with ``posix_fallocate``
-    (growing it if needed): a full disk or memory is a :class:`StorageFullError` naming
-    the size and ``where`` now, never a SIGBUS when a page is first touched."""
-    try:
-        os.posix_fallocate(fd, offset, nbytes)
-    except OSError as err:
-        if err.errno in NO_SPACE_ERRNOS:
-            raise storage_full_error(err, nbytes, where) from err
-        raise
-
-
-def reserve_space(fd: int, nbytes: int, path: str) -> None:
-    """Grow the file ``fd`` to at least ``nbytes`` (never shrink it), its space reserved
-    (see :func:`allocate`)."""
-    if os.fstat(fd).st_size >= nbytes:
-        return
-    try:
-        allocate(fd, 0, nbytes, f"file {path}")
-    except StorageFullError:
-        raise
-    except OSError:
-        # EOPNOTSUPP/EINVAL: a filesystem without fallocate; grow sparsely
-        os.ftruncate(fd, nbytes)
 
 
 def create_file(path: str, nbytes: int, *, existsok: bool = False, data=None):

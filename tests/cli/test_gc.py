@@ -12,7 +12,7 @@ import torch
 from tests.cli.cli_helpers import dead_pid, run_cli, run_json, run_main
 
 import shared_td
-from shared_td.persist import atomic
+from shared_td.persist import atomic, leftovers, lock_probe
 
 HOLD_LOCK = (
     "import filelock, sys\n"
@@ -174,13 +174,13 @@ def test_the_library_function_dry_run_and_remove_lock(tmp_path, lock_holder):
     assert shared_td.gc(tmp_path / "p", dry_run=True, remove_lock=True) == leftovers + [lock]
     assert sorted(os.listdir(tmp_path)) == sorted([".p.lock", "p", os.path.basename(leftovers[0])])
     holder = lock_holder(lock)
-    assert atomic.lock_is_held(lock)
+    assert lock_probe.lock_is_held(lock)
     assert shared_td.gc(tmp_path / "p", dry_run=True, remove_lock=True) == leftovers
     with pytest.raises(TimeoutError):
         shared_td.gc(tmp_path / "p", timeout=0, remove_lock=True)
     holder.stdin.close()
     holder.wait(timeout=60)
-    assert not atomic.lock_is_held(lock)
+    assert not lock_probe.lock_is_held(lock)
     assert shared_td.gc(tmp_path / "p", timeout=0, remove_lock=True) == leftovers + [lock]
     assert os.listdir(tmp_path) == ["p"]
     # with nothing to remove, gc takes no lock: no lock file is made (a read-only directory works)
@@ -189,10 +189,10 @@ def test_the_library_function_dry_run_and_remove_lock(tmp_path, lock_holder):
 
 def test_a_removed_lock_file_is_recreated_by_the_next_writer(tmp_path):
     _save(tmp_path / "p")
-    assert atomic.remove_unheld_lock(str(tmp_path / ".p.lock"))
+    assert lock_probe.remove_unheld_lock(str(tmp_path / ".p.lock"))
     with atomic.acquired(str(tmp_path / "p")):  # recreated by the next writer
-        assert atomic.lock_is_held(str(tmp_path / ".p.lock"))
-        assert not atomic.remove_unheld_lock(str(tmp_path / ".p.lock"))
+        assert lock_probe.lock_is_held(str(tmp_path / ".p.lock"))
+        assert not lock_probe.remove_unheld_lock(str(tmp_path / ".p.lock"))
     _save(tmp_path / "p")
 
 
@@ -217,7 +217,7 @@ def test_a_writer_whose_lock_file_was_removed_under_it_locks_the_new_one(tmp_pat
         assert len(attempts) == 2  # (the inode number may be reused: not compared)
         assert os.path.samestat(os.fstat(writer.lock._context.lock_file_fd),
                                 os.stat(atomic.lock_path(prefix)))
-        assert atomic.lock_is_held(atomic.lock_path(prefix))
+        assert lock_probe.lock_is_held(atomic.lock_path(prefix))
 
 
 def test_a_leftover_that_cannot_be_removed_is_reported_as_failed(tmp_path, monkeypatch):
@@ -225,14 +225,14 @@ def test_a_leftover_that_cannot_be_removed_is_reported_as_failed(tmp_path, monke
     for name in ("a", "b"):
         _save(tmp_path / name)
         _crashed_writer_leftovers(tmp_path, name, dead)
-    stuck, remove = str(tmp_path / f".a.shared_td-new-{dead}-0123456789ab"), atomic.remove_tree
+    stuck, remove = str(tmp_path / f".a.shared_td-new-{dead}-0123456789ab"), leftovers.remove_tree
 
     def refusing(path):
         if path == stuck:
             raise PermissionError(13, "Permission denied (injected)", path)
         remove(path)
 
-    monkeypatch.setattr(atomic, "remove_tree", refusing)
+    monkeypatch.setattr(leftovers, "remove_tree", refusing)
     code, out, err = run_main("gc", tmp_path)
     lines = out.splitlines()
     assert (code, err) == (1, "") and os.path.isdir(stuck)

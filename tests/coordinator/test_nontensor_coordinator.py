@@ -26,7 +26,7 @@ from tests.processes import WAIT, alive, finish, wait_until
 from tests.coordinator.test_coordinator import assert_nothing_left, open_descriptors
 
 import shared_td
-from shared_td.coordinator import ownership, server
+from shared_td.coordinator import ownership
 
 
 def start(ctx, target, *args, daemon=None):

@@ -21,7 +21,7 @@ from tests.processes import finish
 
 import shared_td
 from shared_td import load_memmap
-from shared_td.persist import atomic
+from shared_td.persist import atomic, leftovers
 from shared_td.persist import format as fmt
 
 pytestmark = pytest.mark.timeout(60)
@@ -233,7 +233,7 @@ def test_gc_raises_when_it_cannot_remove_a_leftover(tmp_path, monkeypatch):
     def refuse(path):
         raise PermissionError(13, "Permission denied (injected)", path)
 
-    monkeypatch.setattr(atomic, "remove_tree", refuse)
+    monkeypatch.setattr(leftovers, "remove_tree", refuse)  # the sweep of gc
     with pytest.raises(OSError, match=f"{leftover}.*injected"):
         shared_td.gc(prefix)
     assert leftover.is_dir()

@@ -1,0 +1,112 @@
+"""Writing bytes into files and reserving room for them, for every kind of storage.
+
+* Bytes are written with ``pwrite`` in chunks of at most 1 GiB (one call moves at most
+  ~2 GiB on Linux), looping over short writes.
+* "No room" (``ENOSPC``, ``EDQUOT``, ``ENOMEM``, ``EFBIG``) is a
+  :class:`~shared_td.errors.StorageFullError` naming the bytes asked for and where,
+  raised at the write or reservation, never a SIGBUS when a mapped page is first touched.
+* Room is reserved with ``posix_fallocate``; a file is only ever grown, never shrunk
+  (another process may have it mapped: a shrink would SIGBUS it).
+
+Files (:mod:`shared_td.storage.files`), anonymous segments and shared values all write
+through here.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import torch
+
+from shared_td.errors import StorageFullError
+
+# One pwrite moves at most ~2 GiB on Linux; smaller calls also keep memory views short.
+_WRITE_CHUNK = 1 << 30
+#: errnos that mean "no room": reported as StorageFullError with the size asked for
+NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM, errno.EFBIG)
+
+
+def _size_text(nbytes: int) -> str:
+    return f"{nbytes} bytes ({nbytes / 2**20:.1f} MiB)"
+
+
+def storage_full_error(err: OSError, nbytes: int, where: str) -> StorageFullError:
+    """Turn an ``ENOSPC``-like ``OSError`` into a :class:`StorageFullError` naming the size."""
+    return StorageFullError(
+        err.errno,
+        f"Could not reserve {_size_text(nbytes)} for {where}: {err.strerror}. "
+        "Free space there, or raise the limit (for containers: --shm-size / memory limit).",
+    )
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """Return the raw C-order bytes of a CPU tensor as a ``memoryview`` (copying only if needed).
+
+    Example:
+        >>> len(tensor_bytes(torch.arange(3, dtype=torch.int16)))
+        6
+    """
+    return memoryview(raw_bytes(tensor).numpy())
+
+
+def raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The C-order bytes of a CPU tensor as a 1-d uint8 tensor (a view when possible).
+
+    Example:
+        >>> raw_bytes(torch.tensor([1, 2], dtype=torch.int16)).tolist()
+        [1, 0, 2, 0]
+    """
+    # reshape(-1) first: a 0-dim tensor cannot be viewed as another dtype
+    flat = tensor.detach().resolve_conj().resolve_neg().reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    return flat.view(torch.uint8)
+
+
+def pwrite_all(fd: int, data, offset: int, *, where: str = "a file") -> None:
+    """Write all of ``data`` at ``offset`` of ``fd``, looping over short writes.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryFile() as f:
+        ...     pwrite_all(f.fileno(), b"abc", 0)
+        ...     os.pread(f.fileno(), 3, 0)
+        b'abc'
+    """
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < len(view):
+        try:
+            done += os.pwrite(fd, view[done : done + _WRITE_CHUNK], offset + done)
+        except OSError as err:
+            if err.errno in NO_SPACE_ERRNOS:
+                raise storage_full_error(err, len(view), where) from err
+            raise
+
+
+
+def allocate(fd: int, offset: int, nbytes: int, where: str) -> None:
+    """Reserve bytes ``offset .. offset + nbytes`` of ``fd`` with ``posix_fallocate``
+    (growing it if needed): a full disk or memory is a :class:`StorageFullError` naming
+    the size and ``where`` now, never a SIGBUS when a page is first touched."""
+    try:
+        os.posix_fallocate(fd, offset, nbytes)
+    except OSError as err:
+        if err.errno in NO_SPACE_ERRNOS:
+            raise storage_full_error(err, nbytes, where) from err
+        raise
+
+
+def reserve_space(fd: int, nbytes: int, path: str) -> None:
+    """Grow the file ``fd`` to at least ``nbytes`` (never shrink it), its space reserved
+    (see :func:`allocate`)."""
+    if os.fstat(fd).st_size >= nbytes:
+        return
+    try:
+        allocate(fd, 0, nbytes, f"file {path}")
+    except StorageFullError:
+        raise
+    except OSError:
+        # EOPNOTSUPP/EINVAL: a filesystem without fallocate; grow sparsely
+        os.ftruncate(fd, nbytes)
