@@ -42,7 +42,8 @@ EPILOG = """examples:
 
 Leftovers live beside their prefix (/data/.buffer.shared_td-new-4242-3f9a0c1d2e4b for
 /data/buffer), so PATH is usually the parent directory; its subdirectories are searched
-too (symlinks are not followed). When PATH itself is refused (missing, a symlink loop,
+too (symlinks are not followed); one that cannot be listed is reported as failed
+(exit code 1): it may hold leftovers. When PATH itself is refused (missing, a symlink loop,
 neither a directory nor an archive, permission denied), --json still prints the
 document, with PATH as its one failure (exit code 1).
 """
@@ -76,8 +77,9 @@ def run(args: argparse.Namespace) -> int:
     if not math.isfinite(args.wait) or args.wait < 0:  # run() called without the parser
         raise UsageError(f"--wait must be a finite number of seconds, 0 or more, got {args.wait}")
     root = os.path.abspath(args.path)
+    unlisted: list[OSError] = []
     try:
-        prefixes = prefixes_to_clean(root)
+        prefixes = prefixes_to_clean(root, unlisted)
     except CommandError as error:
         if not args.json:
             raise  # one line on stderr
@@ -85,7 +87,10 @@ def run(args: argparse.Namespace) -> int:
         # itself its one failure, in the words stderr would have shown; exit code 1
         _print_json(args.dry_run, [], [], [{"prefix": root, "error": one_line(error)}])
         return 1
-    removed, skipped, failed = [], [], []
+    removed, skipped = [], []
+    # a directory gc could not list may hold leftovers: a failure, not "0 removed"
+    failed = [{"prefix": error.filename, "error": f"cannot list {error.filename}: {error.strerror}"}
+              for error in unlisted]
     for prefix in prefixes:
         if args.dry_run:
             if lock_is_held(fmt.lock_path(prefix)):
@@ -111,11 +116,12 @@ def _print_json(dry_run: bool, removed: list[str], skipped: list[str], failed: l
     print_json({"dry_run": dry_run, "removed": removed, "skipped": skipped, "failed": failed})
 
 
-def prefixes_to_clean(root: str) -> list[str]:
+def prefixes_to_clean(root: str, unlisted: list[OSError]) -> list[str]:
     """The prefixes whose leftovers gc of PATH ``root`` (absolute) cleans: those under a
-    directory, or an archive's own; a CommandError saying why for any other ``root``."""
+    directory (the errors of directories that cannot be listed appended to
+    ``unlisted``), or an archive's own; a CommandError saying why for any other ``root``."""
     if os.path.isdir(root):
-        return prefixes_under(root)
+        return prefixes_under(root, unlisted)
     if os.path.isfile(root):
         # an archive: its leftovers (.x.tdz.lock, .x.tdz.shared_td-new-...) are beside
         # it; a damaged one's temporaries too (their names say whose they are)
@@ -142,17 +148,18 @@ def _not_searchable(root: str) -> str:
     return f"{root} is {kind}, not a directory: {fix}"
 
 
-def prefixes_under(root: str) -> list[str]:
+def prefixes_under(root: str, unlisted: list[OSError] | None = None) -> list[str]:
     """Every prefix with leftovers or a lock file beside it, in ``root`` or below it.
 
     ``root`` itself counts when it is a saved tensordict (its leftovers are beside it).
     Temporary directories are not searched (they are copies of a tree) and symlinks
-    are not followed.
+    are not followed. The error of each directory that cannot be listed is appended to
+    ``unlisted`` (os.walk passes over them in silence otherwise).
     """
     found = []
     if os.path.isfile(os.path.join(root, fmt.META)):
         found += [p for p in prefixes_in(os.path.dirname(root)) if p == root]
-    for directory, dirnames, names in os.walk(root):
+    for directory, dirnames, names in os.walk(root, onerror=None if unlisted is None else unlisted.append):
         found += prefixes_in(directory)
         if any(fmt.temporary_writer_pid(name) is not None for name in names):
             # gc of the save that holds it (under that save's lock) finds and checks them

@@ -156,3 +156,44 @@ def test_a_root_that_cannot_be_looked_at_is_described_too(tmp_path):
             assert plain[2] == f"shared-td {command}: error: {check(out, prefix)}\n"
     finally:
         os.chmod(closed, 0o700)
+
+
+def _gc_of_an_unreadable_subdirectory_as_nobody(out) -> None:
+    """As nobody (file modes hold): a directory of its own in the temp dir with a save
+    and a closed subdirectory; ``gc --json`` of it and ``gc`` of it go to ``out``."""
+    import shutil
+    import tempfile
+
+    report = open(out, "w")  # before the drop: nobody cannot reach tmp_path
+    os.setgroups([])
+    os.setgid(65534)
+    os.setuid(65534)
+    area = tempfile.mkdtemp(prefix="shared_td-test-gc-")
+    try:
+        shared_td.TensorDict({"a": torch.zeros(2)}, [2]).memmap_(os.path.join(area, "saved"))
+        closed = os.path.join(area, "closed")
+        os.mkdir(closed)
+        os.chmod(closed, 0)
+        results = [run_main("gc", "--json", area), run_main("gc", area)]
+        os.chmod(closed, 0o700)
+        json.dump({"closed": closed, "results": results}, report)
+    finally:
+        report.close()
+        shutil.rmtree(area, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switches to the user nobody (needs root)")
+def test_gc_of_a_tree_with_a_directory_it_cannot_list_says_so(tmp_path):
+    """A subdirectory gc cannot list could hold leftovers: it is a failure named in
+    the report (exit code 1), not '0 leftovers removed'."""
+    out = str(tmp_path / "report.json")
+    child = FORK.Process(target=_gc_of_an_unreadable_subdirectory_as_nobody, args=(out,))
+    child.start()
+    assert finish(child) == 0
+    with open(out) as report:
+        found = json.load(report)
+    (code, stdout, err), (plain_code, plain_out, plain_err) = found["results"]
+    assert (code, err) == (1, ""), err
+    [failure] = json.loads(stdout)["failed"]
+    assert failure["prefix"] == found["closed"] and "Permission denied" in failure["error"]
+    assert plain_code == 1 and found["closed"] in plain_out and "Permission denied" in plain_out
