@@ -49,9 +49,8 @@ def shape_args(shape: tuple) -> torch.Size:
 def normalize_dim(dim: int, ndim: int, *, what: str = "dim") -> int:
     """Turn a possibly negative ``dim`` into a non-negative one, checking its range.
 
-    ``ndim`` is the number of valid positions, which callers such as ``unsqueeze`` and
-    ``stack`` pass as batch_dims + 1, so the message states the range, not a count of
-    the tensordict's batch dims (which it cannot know).
+    ``ndim`` is the number of valid positions (the batch dims, for an op along one of
+    them); an op that inserts a dim checks it with :func:`insertion_dim` instead.
     """
     if not -ndim <= dim < ndim:
         raise BatchDimError(
@@ -78,8 +77,8 @@ def insertion_dim(dim: int, batch_dims: int, op: str = "unsqueeze", *, what: str
         plural = "" if batch_dims == 1 else "s"
         raise BatchDimError(
             f"{op}({what}={dim}) is out of range for tensordicts with {batch_dims} batch "
-            f"dim{plural}: the new dim goes at a position from {-batch_dims - 1} to "
-            f"{batch_dims} (a negative one counts from the end). Pass a {what} in that range."
+            f"dim{plural}: the new dim goes at {-batch_dims - 1} <= {what} <= {batch_dims} "
+            f"(a negative {what} counts from the end). Pass a {what} in that range."
         )
     return dim % (batch_dims + 1)
 

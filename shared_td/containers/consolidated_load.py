@@ -168,7 +168,10 @@ class _Reader:
             raise self.fail(where, f"stack_dim {stack_dim!r} is not a dim.")
         if cls == STACK:
             return NonTensorStack(*members, stack_dim=stack_dim) if members else NonTensorStack.from_list([])
-        stack = LazyStackedTensorDict(*members, stack_dim=stack_dim)
+        name = cls_metadata.get("stack_dim_name")
+        if name is not None and not isinstance(name, str):
+            raise self.fail(where, f"stack_dim_name {name!r:.80} is not a name (a string or null).")
+        stack = LazyStackedTensorDict(*members, stack_dim=stack_dim, stack_dim_name=name)
         stack.__dict__["_consolidated"] = self.layout
         return stack
 

@@ -138,4 +138,4 @@ class ConvenienceOps:
         """``TensorDict.lazy_stack(tds, dim)``: the same as ``shared_td.lazy_stack``."""
         from shared_td.containers.lazy import LazyStackedTensorDict
 
-        return LazyStackedTensorDict.lazy_stack(input, dim, out=out)
+        return LazyStackedTensorDict.lazy_stack(input, dim, out=out, **kwargs)

@@ -96,7 +96,7 @@ def stack(items: Sequence[Any], dim: int = 0, *, out: Any = None, lazy_if_shapes
     if not isinstance(first, TensorDictBase):  # tensorclass
         inner = [unwrap_tensorclass(item) for item in items]
         return type(first)._from_tensordict(stack(inner, dim, lazy_if_shapes_differ=lazy_if_shapes_differ))
-    dim = batch_ops.normalize_dim(dim, first.batch_dims + 1)
+    dim = batch_ops.insertion_dim(dim, first.batch_dims, "torch.stack")
     for i, item in enumerate(items):
         if item.batch_size != first.batch_size:
             raise BatchSizeMismatchError(

@@ -5,10 +5,11 @@ entries may have different feature shapes; reading a key stacks the members' val
 writing a key splits the value along ``stack_dim`` into the members.
 
 This module holds the class: construction, properties, reads (``get``, ``pop``, keys),
-conversions and repr. The rest comes from two mixins, each in its own module:
-lazy_writes.py (LazyWriteOps: set, update, ``lazy[idx] = ...``, del) and lazy_shape.py
+conversions and repr. The rest comes from three mixins, each in its own module:
+lazy_writes.py (LazyWriteOps: set, update, ``lazy[idx] = ...``, del), lazy_shape.py
 (LazyShapeOps: indexing, shape ops, torch.cat, member-wise maps such as apply and
-clone). They do not import this module; the class is named only here.
+clone) and lazy_names.py (LazyNames: ``names``, its setter and ``stack_dim_name``).
+They do not import this module; the class is named only here.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 
 from shared_td.containers import batch as batch_ops
 from shared_td.containers.base import NO_DEFAULT, TensorDictBase, is_non_tensor, is_tensor_collection
+from shared_td.containers.lazy_names import LazyNames, checked_stack_dim_name
 from shared_td.containers.lazy_shape import LazyShapeOps, _into
 from shared_td.containers.lazy_writes import LazyWriteOps, _is_branch, _peek
 from shared_td.errors import BatchSizeMismatchError
@@ -42,7 +44,7 @@ class _Ragged:
 
 # The mixins come before TensorDictBase so that their methods override its own; their
 # ``super()`` calls (e.g. ``_check_unlocked`` in ``_set_str``) reach TensorDictBase.
-class LazyStackedTensorDict(LazyShapeOps, LazyWriteOps, TensorDictBase):
+class LazyStackedTensorDict(LazyNames, LazyShapeOps, LazyWriteOps, TensorDictBase):
     """Tensordicts stacked along ``stack_dim``, kept as they are (``tensordicts``).
 
     Members share their batch size (unlike tensordict, different ones are refused) but
@@ -65,8 +67,10 @@ class LazyStackedTensorDict(LazyShapeOps, LazyWriteOps, TensorDictBase):
         True
     """
 
-    def __init__(self, *tensordicts: Any, stack_dim: int = 0, batch_size: Any = None):
-        """``batch_size`` is only needed for a stack of no member (e.g. ``lazy[2:2]``)."""
+    def __init__(self, *tensordicts: Any, stack_dim: int = 0, batch_size: Any = None,
+                 stack_dim_name: str | None = None):
+        """``batch_size`` is only needed for a stack of no member (e.g. ``lazy[2:2]``);
+        ``stack_dim_name`` names the batch dim ``stack_dim`` (see ``names``)."""
         members = []
         for i, item in enumerate(tensordicts):
             if not _is_branch(item):
@@ -81,22 +85,34 @@ class LazyStackedTensorDict(LazyShapeOps, LazyWriteOps, TensorDictBase):
         if not members and batch_size is not None and len(batch_size):  # keep the other dims
             dim = batch_ops.normalize_dim(stack_dim, len(batch_size), what="stack_dim")
             member_batch = torch.Size(list(batch_size[:dim]) + list(batch_size[dim + 1 :]))
-        self._stack_dim = batch_ops.normalize_dim(stack_dim, len(member_batch) + 1, what="stack_dim")
+        self._stack_dim = batch_ops.insertion_dim(stack_dim, len(member_batch), "LazyStackedTensorDict", what="stack_dim")
         self.tensordicts: list = members
         self._member_batch = member_batch
+        if stack_dim_name is not None:
+            self._stack_dim_name = checked_stack_dim_name(stack_dim_name, members)
         self._is_locked = self._is_shared = self._is_memmap = False
         self._lock_parents: dict = {}
         self._context_ops: list = []
 
     @classmethod
-    def lazy_stack(cls, items: Sequence[Any], dim: int = 0, *, out: Any = None) -> Any:
-        """Stack ``items`` lazily along ``dim`` (tensors are stacked by ``torch.stack``)."""
+    def lazy_stack(cls, items: Sequence[Any], dim: int = 0, *, out: Any = None,
+                   stack_dim_name: str | None = None) -> Any:
+        """Stack ``items`` lazily along ``dim`` (tensors are stacked by ``torch.stack``);
+        ``stack_dim_name`` names that new batch dim, as in tensordict 0.15.3.
+
+        Example:
+            >>> td = TensorDict(a=torch.zeros(3), batch_size=[3], names=["env"])
+            >>> LazyStackedTensorDict.lazy_stack([td, td.clone()], dim=0, stack_dim_name="time").names
+            ['time', 'env']
+        """
         items = list(items)
         if not items:
             raise RuntimeError("lazy_stack needs at least one tensordict: items cannot be empty.")
         if all(isinstance(item, torch.Tensor) for item in items):
             return torch.stack(items, dim)
-        return _into(out, cls(*items, stack_dim=dim))
+        if is_tensor_collection(items[0]):  # so that an error names lazy_stack's dim, not stack_dim
+            batch_ops.insertion_dim(dim, items[0].batch_dims, "lazy_stack")
+        return _into(out, cls(*items, stack_dim=dim, stack_dim_name=stack_dim_name))
 
     # ---------------------------------------------------------------- properties
     @property
@@ -115,14 +131,6 @@ class LazyStackedTensorDict(LazyShapeOps, LazyWriteOps, TensorDictBase):
         """The members' common device, or None if they differ (or have none)."""
         devices = {member.device for member in self.tensordicts}
         return devices.pop() if len(devices) == 1 else None
-
-    @property
-    def names(self) -> list | None:
-        """The first member's dim names with None at ``stack_dim`` (None if unnamed)."""
-        names = self.tensordicts[0].names if self.tensordicts else None
-        if names is None:
-            return None
-        return list(names[: self._stack_dim]) + [None] + list(names[self._stack_dim :])
 
     @property
     def is_locked(self) -> bool:
@@ -209,7 +217,7 @@ class LazyStackedTensorDict(LazyShapeOps, LazyWriteOps, TensorDictBase):
         if all(is_non_tensor(v) for v in values):
             return stack_non_tensors(values, self._stack_dim)
         if all(_is_branch(v) for v in values):
-            return LazyStackedTensorDict(*values, stack_dim=self._stack_dim)
+            return self._restack(values)
         raise TypeError(
             f"Cannot stack the entry {key_repr(path)}: the members hold "
             f"{sorted({type(v).__name__ for v in values})}."
@@ -222,7 +230,7 @@ class LazyStackedTensorDict(LazyShapeOps, LazyWriteOps, TensorDictBase):
         if not values or any(v is None for v in values):
             return default
         if all(_is_branch(v) for v in values):
-            return LazyStackedTensorDict(*values, stack_dim=self._stack_dim)
+            return self._restack(values)
         return values[0]
 
     def __contains__(self, key: NestedKey) -> bool:
@@ -394,12 +402,15 @@ class LazyStackedTensorDict(LazyShapeOps, LazyWriteOps, TensorDictBase):
 
     # ---------------------------------------------------------------- new stacks
     def _restack(self, members: list, stack_dim: int | None = None,
-                 batch_size: Any = None) -> "LazyStackedTensorDict":
+                 batch_size: Any = None, *, same_stack_dim: bool = True) -> "LazyStackedTensorDict":
         """A new lazy stack of ``members`` (along this one's ``stack_dim`` by default): how
         the mixins build stacks, since they cannot import this module. ``batch_size`` is
-        only needed when ``members`` may be empty (see ``__init__``)."""
+        only needed when ``members`` may be empty (see ``__init__``). The new stack dim
+        is this one's (moved, maybe), so it keeps its name, unless ``same_stack_dim`` is
+        False (a stack of elements along a new dim: a reshape)."""
         sd = self._stack_dim if stack_dim is None else stack_dim
-        return LazyStackedTensorDict(*members, stack_dim=sd, batch_size=batch_size)
+        name = self._stack_dim_name if same_stack_dim else None
+        return LazyStackedTensorDict(*members, stack_dim=sd, batch_size=batch_size, stack_dim_name=name)
 
 
 def _pad_stack(values: list, padding_value: Any, side: str, path: tuple) -> torch.Tensor:

@@ -98,11 +98,13 @@ class LazyShapeOps:
         return self.tensordicts[coords[sd]], tuple(coords[:sd] + coords[sd + 1 :])
 
     def _from_positions(self, positions: torch.Tensor) -> Any:
-        """Nested lazy stacks (along dim 0) of the elements at ``positions`` (views)."""
+        """Nested lazy stacks (along dim 0) of the elements at ``positions`` (views); the
+        dims are new ones, so they have no names (as in tensordict)."""
         if positions.ndim == 0:
             member, sub = self._element(int(positions))
             return member._index(sub) if sub else member
-        return self._restack([self._from_positions(p) for p in positions.unbind(0)], 0, positions.shape)
+        return self._restack([self._from_positions(p) for p in positions.unbind(0)], 0, positions.shape,
+                             same_stack_dim=False)
 
     # ---------------------------------------------------------------- member-wise maps
     def apply(self, fn: Callable, *others: Any, batch_size: Any = None, names: Any = NO_DEFAULT,
@@ -240,8 +242,10 @@ class LazyShapeOps:
     @classmethod
     def _cat(cls, items: Sequence[Any], dim: int, out: Any = None) -> "LazyStackedTensorDict":
         """``torch.cat`` with lazy stacks: along ``stack_dim`` the members are joined, along
-        another dim the i-th members are concatenated."""
-        sd = next(item for item in items if isinstance(item, cls))._stack_dim
+        another dim the i-th members are concatenated. The stack dim keeps the name it
+        has in the first lazy stack (tensordict 0.15.3 loses every name)."""
+        first = next(item for item in items if isinstance(item, cls))
+        sd, name = first._stack_dim, first._stack_dim_name
 
         def parts(item: Any) -> list:
             if isinstance(item, cls) and item._stack_dim == sd:
@@ -249,11 +253,12 @@ class LazyShapeOps:
             return list(item.unbind(sd))
 
         if dim == sd:
-            result = cls(*[m for item in items for m in parts(item)], stack_dim=sd)
+            result = cls(*[m for item in items for m in parts(item)], stack_dim=sd, stack_dim_name=name)
         else:
             member_dim = dim if dim < sd else dim - 1
             groups = zip(*[parts(item) for item in items])
-            result = cls(*[torch.cat(list(group), member_dim) for group in groups], stack_dim=sd)
+            result = cls(*[torch.cat(list(group), member_dim) for group in groups], stack_dim=sd,
+                         stack_dim_name=name)
         return _into(out, result)
 
 

@@ -101,7 +101,7 @@ class LazyStackKind(nodes.NodeKind):
         return fmt.CHILD_TYPE_NAMES[fmt.LAZY_STACK_TYPE]
 
     def metadata(self, lazy: LazyStackedTensorDict, entries: tuple) -> tuple[NodeMeta, dict]:
-        return NodeMeta.for_lazy_stack(lazy.stack_dim), {}
+        return NodeMeta.for_lazy_stack(lazy.stack_dim, lazy._stack_dim_name), {}
 
     def directory(self, lazy: LazyStackedTensorDict) -> str | None:
         return getattr(lazy, "_memmap_prefix", None)  # none if it was never memory-mapped
@@ -111,7 +111,7 @@ class LazyStackKind(nodes.NodeKind):
 
     def copy(self, lazy, values: dict, directory, *, share_non_tensor: bool):
         members = [values[str(index)] for index in range(len(values))]
-        return _mark_written(type(lazy)(*members, stack_dim=lazy.stack_dim), directory)
+        return _mark_written(type(lazy)(*members, stack_dim=lazy.stack_dim, stack_dim_name=lazy._stack_dim_name), directory)
 
     def child_names(self, meta: NodeMeta, is_directory: Callable[[str], bool]) -> list[str]:
         names = []
@@ -122,7 +122,7 @@ class LazyStackKind(nodes.NodeKind):
         return names
 
     def rebuild(self, meta: NodeMeta, values: dict, *, directory: str, parent_batch, unpickle):
-        lazy = LazyStackedTensorDict(*values.values(), stack_dim=meta.stack_dim)
+        lazy = LazyStackedTensorDict(*values.values(), stack_dim=meta.stack_dim, stack_dim_name=meta.stack_dim_name)
         lazy._memmap_prefix = directory
         return lazy
 

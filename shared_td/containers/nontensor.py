@@ -6,221 +6,24 @@ NonTensorData into a NonTensorStack.  Batch-dim operations on a stack are delega
 torch: the same operation is applied to a tensor of element positions, and the values
 are gathered at the resulting positions, so indexing, permute, expand, ... follow
 torch's rules exactly.
+
+The mechanics both classes share are in nontensor_base.py (NonTensorBase), the helpers
+on plain Python values in nontensor_values.py.
 """
 from __future__ import annotations
 
-import contextlib
 import itertools
 from typing import Any, Callable, Sequence
 
 import torch
 
 from shared_td.containers import batch as batch_ops
-from shared_td.containers.base import TensorDictBase, parse_device
+from shared_td.containers.nontensor_base import NonTensorBase
+from shared_td.containers.nontensor_values import nest, nested_shape, one_member, same_value
 from shared_td.errors import BatchSizeMismatchError
 
 
-class _NonTensorBase(TensorDictBase):
-    """Shared mechanics: no keys, batch-dim ops through ``_transform``."""
-
-    _is_non_tensor = True
-
-    def _init_flags(self, batch_size: Any, device: Any) -> None:
-        self._batch_size = batch_ops.as_batch_size(batch_size)
-        self._device = parse_device(device)
-        self._names = None
-        self._is_locked = self._is_shared = self._is_memmap = False
-        self._memmap_prefix = None
-        self._lock_parents: dict = {}
-        self._context_ops: list = []
-
-    @property
-    def batch_size(self) -> torch.Size:
-        """The batch size."""
-        return self._batch_size
-
-    @property
-    def device(self) -> torch.device | None:
-        """The device recorded for the data (non-tensor data itself lives in Python)."""
-        return self._device
-
-    @property
-    def names(self) -> None:
-        """Non-tensor containers carry no dim names."""
-        return None
-
-    def _keys_str(self):
-        return iter(())
-
-    def _get_str(self, key: str, default: Any) -> Any:
-        return default
-
-    def _set_str(self, key: str, value: Any, *, inplace: bool, validated: bool) -> None:
-        raise KeyError(f"{type(self).__name__} holds a value, not keys: cannot set {key!r}.")
-
-    def _del_str(self, key: str) -> None:
-        raise KeyError(key)
-
-    def _transform(self, op: Callable[[torch.Tensor], torch.Tensor], keep_members: bool = False) -> "_NonTensorBase":
-        raise NotImplementedError
-
-    def _index(self, index: Any) -> "_NonTensorBase":
-        index = batch_ops.normalize_index(index, self._batch_size)
-        batch_ops.indexed_batch_size(self._batch_size, index)  # range checks
-        return self._transform(lambda positions: positions[index], keep_members=True)
-
-    def expand(self, *shape: Any) -> "_NonTensorBase":
-        size = batch_ops.shape_args(shape)
-        return self._transform(lambda positions: positions.expand(size))
-
-    def reshape(self, *shape: Any) -> "_NonTensorBase":
-        size = batch_ops.shape_args(shape)
-        return self._transform(lambda positions: positions.reshape(size))
-
-    view = reshape
-
-    def unsqueeze(self, dim: int) -> "_NonTensorBase":
-        return self._transform(lambda positions: positions.unsqueeze(dim), keep_members=True)
-
-    def squeeze(self, dim: int | None = None) -> "_NonTensorBase":
-        return self._transform(lambda p: p.squeeze() if dim is None else p.squeeze(dim))
-
-    def permute(self, *dims: Any) -> "_NonTensorBase":
-        order = batch_ops.shape_args(dims)
-        return self._transform(lambda positions: positions.permute(*order))
-
-    def contiguous(self) -> "_NonTensorBase":
-        return self.clone()
-
-    def to(self, *args: Any, **kwargs: Any) -> "_NonTensorBase":
-        """Record a new device (``to(dtype)`` leaves non-tensor data as it is)."""
-        target = args[0] if args else kwargs.get("device", kwargs.get("dtype"))
-        if isinstance(target, torch.dtype) or target is None:
-            return self
-        out = self.clone(recurse=False)
-        out._device = parse_device(target)
-        return out
-
-    def share_memory_(self) -> "_NonTensorBase":
-        """Move the value into a cell shared between processes (see
-        ``TensorDict.share_memory_``) and lock; returns self."""
-        if self._shared_value is None:
-            self._share()
-        self._is_shared = True
-        return self.lock_()
-
-    def _with_batch_size(self, batch_size: torch.Size, key: str) -> "_NonTensorBase":
-        if self._batch_size[: len(batch_size)] == batch_size:
-            return self
-        raise BatchSizeMismatchError(
-            f"Non-tensor entry {key!r} has batch_size {list(self._batch_size)}, which "
-            f"does not start with the tensordict's batch_size {list(batch_size)}."
-        )
-
-    def _compare_data(self, other: Any) -> torch.Tensor:
-        values = self._flat_values()
-        if isinstance(other, _NonTensorBase):
-            others = other.expand(self._batch_size)._flat_values() if other.batch_size != self._batch_size else other._flat_values()
-        else:
-            others = [other] * len(values)
-        equal = [bool(a == b) for a, b in zip(values, others)]
-        return torch.tensor(equal, dtype=torch.bool).reshape(self._batch_size)
-
-    def __eq__(self, other: Any) -> torch.Tensor:  # type: ignore[override]
-        # A bool tensor of the batch shape, as tensordict gives (no keys to map over).
-        return self._compare_data(other)
-
-    def __ne__(self, other: Any) -> torch.Tensor:  # type: ignore[override]
-        return ~self._compare_data(other)
-
-    def __lt__(self, other: Any) -> Any:
-        return NotImplemented  # no order between Python values of any type
-
-    __le__ = __gt__ = __ge__ = __lt__
-
-    def _flat_values(self) -> list:
-        raise NotImplementedError
-
-    # A SharedValue holding the payload after share_memory_(), or when memory-mapped
-    # with share_non_tensor=True: in-place writes in one process are then seen by all.
-    _shared_value = None
-
-    def _share(self) -> None:
-        """Move the payload into a process-shared cell (share_memory_(),
-        memmap_(share_non_tensor=True))."""
-        from shared_td.storage.shared_value import SharedValue
-
-        payload = self._payload
-        self._shared_value = SharedValue.create(payload)
-        # the cell holds the value now: a stale private copy would be pickled (by value)
-        # with every entry sent to another process
-        self.__dict__.pop("_local_payload", None)
-
-    @property
-    def _payload(self) -> Any:
-        return self._local_payload if self._shared_value is None else self._shared_value.get()
-
-    @_payload.setter
-    def _payload(self, value: Any) -> None:
-        if self._shared_value is None:
-            self._local_payload = value
-        else:
-            self._shared_value.set(value)
-
-    def _updating(self) -> Any:
-        """A block in which an update (read, write, rewrite of the files) of a shared
-        entry is not interleaved with another process's."""
-        return contextlib.nullcontext() if self._shared_value is None else self._shared_value.updating()
-
-    def _after_update(self) -> None:
-        """An in-place write of a memory-mapped entry also rewrites its files (those of
-        the entry a view of its shared value was made from, with that entry's batch size)."""
-        entry = self.__dict__.get("_origin", self)
-        if entry._is_memmap and entry._memmap_prefix is not None:
-            from shared_td.persist.writer import rewrite_node
-
-            rewrite_node(entry, entry._memmap_prefix)
-
-    def _check_update(self, value: Any) -> None:
-        """Raise if ``_update_(value)`` would fail (it writes nothing)."""
-        raise NotImplementedError
-
-    def update_(self, other: Any, *, keys_to_update: Any = None, non_blocking: bool = False, **kwargs: Any) -> "_NonTensorBase":
-        """Write the value(s) of the NonTensorData or NonTensorStack ``other`` into self,
-        in place; returns self. Allowed when locked; a shared entry's write is seen by
-        every process and a memory-mapped one's files are rewritten. (A non-tensor
-        entry has no keys: ``keys_to_update`` is accepted and ignored, as in
-        tensordict.)
-
-        Raises:
-            TypeError: if ``other`` is not a NonTensorData or NonTensorStack.
-            ValueError: if its values do not fit self (a stack into a NonTensorData,
-                a stack of another batch size); self is then unchanged.
-        """
-        if not isinstance(other, _NonTensorBase):
-            raise TypeError(
-                f"{type(self).__name__}.update_() and copy_() need a NonTensorData or "
-                f"NonTensorStack source, got a {type(other).__name__}: wrap the value in "
-                "NonTensorData(value)."
-            )
-        self._update_(other)
-        return self
-
-    def update(self, other: Any, *, inplace: bool = False, keys_to_update: Any = None,
-               non_blocking: bool = False, **kwargs: Any) -> "_NonTensorBase":
-        """Set the value(s) of the NonTensorData or NonTensorStack ``other``; returns self.
-
-        Raises:
-            LockedTensorDictError: (a RuntimeError) when locked and not ``inplace``,
-                as a locked TensorDict refuses ``update``.
-        """
-        if not inplace:
-            self._check_unlocked((), f"replace the value of this locked {type(self).__name__} "
-                                     "(update(other, inplace=True) writes it in place)")
-        return self.update_(other, keys_to_update=keys_to_update)
-
-
-class NonTensorDataBase(_NonTensorBase):
+class NonTensorDataBase(NonTensorBase):
     """The base class of NonTensorData, as in tensordict 0.15.3 (where MetaData derives
     from it too). A NonTensorStack is not one: ``is_non_tensor`` tests for both."""
 
@@ -309,7 +112,7 @@ class NonTensorData(NonTensorDataBase):
             self.data = value.data if isinstance(value, NonTensorData) else value
             self._after_update()
 
-    def _set_at(self, index: tuple, source: Any) -> "_NonTensorBase":
+    def _set_at(self, index: tuple, source: Any) -> "NonTensorBase":
         """``td[index] = ...`` for this entry: returns the entry to store (maybe a stack)."""
         if self._holds_only(index, source):
             return self  # as tensordict: writing the value it holds keeps one value
@@ -337,7 +140,7 @@ class NonTensorData(NonTensorDataBase):
             "tensordict that holds the entry (td[index] = ...)."
         )
 
-    def maybe_to_stack(self) -> "_NonTensorBase":
+    def maybe_to_stack(self) -> "NonTensorBase":
         """A NonTensorStack holding this value (not a copy) at every element, which
         takes per-element writes; self when the batch size is empty (as tensordict
         0.15.3)."""
@@ -353,9 +156,9 @@ class NonTensorData(NonTensorDataBase):
 
     def _holds_only(self, index: tuple, source: Any) -> bool:
         """True if every value that ``self[index] = source`` writes is the one held."""
-        if not isinstance(source, _NonTensorBase):
+        if not isinstance(source, NonTensorBase):
             source = NonTensorData(source, batch_size=[])
-        values = _broadcast_values(source, batch_ops.indexed_batch_size(self._batch_size, index))
+        values = broadcast_values(source, batch_ops.indexed_batch_size(self._batch_size, index))
         current = self.data
         try:
             return all(v is current or (type(v) is type(current) and bool(v == current)) for v in values)
@@ -366,7 +169,7 @@ class NonTensorData(NonTensorDataBase):
         return f"NonTensorData(data={self.data}, batch_size={self._batch_size}, device={self._device})"
 
 
-class NonTensorStack(_NonTensorBase):
+class NonTensorStack(NonTensorBase):
     """One Python value per batch element.
 
     ``NonTensorStack("a", "b")`` stacks values along a new first dim;
@@ -381,7 +184,7 @@ class NonTensorStack(_NonTensorBase):
     """
 
     def __init__(self, *values: Any, stack_dim: int = 0, batch_size: Any = None, device: Any = None):
-        if values and all(isinstance(v, _NonTensorBase) for v in values):
+        if values and all(isinstance(v, NonTensorBase) for v in values):
             stack = stack_non_tensors(values, stack_dim)
         else:
             stack = NonTensorStack.from_list(list(values), device=device)
@@ -411,7 +214,7 @@ class NonTensorStack(_NonTensorBase):
     @classmethod
     def from_list(cls, values: Sequence, device: Any = None) -> "NonTensorStack":
         """Build a stack from nested lists (equal-length inner lists become a dim)."""
-        shape, flat = _nested_shape(values)
+        shape, flat = nested_shape(values)
         return cls._from_flat(flat, torch.Size(shape), device)
 
     @property
@@ -428,7 +231,7 @@ class NonTensorStack(_NonTensorBase):
 
     def tolist(self) -> list:
         """The values as nested lists, one level per batch dim."""
-        return _nest(self._values, list(self._batch_size))
+        return nest(self._values, list(self._batch_size))
 
     @property
     def data(self) -> list:
@@ -438,7 +241,7 @@ class NonTensorStack(_NonTensorBase):
     def _flat_values(self) -> list:
         return list(self._values)
 
-    def _transform(self, op: Callable[[torch.Tensor], torch.Tensor], keep_members: bool = False) -> "_NonTensorBase":
+    def _transform(self, op: Callable[[torch.Tensor], torch.Tensor], keep_members: bool = False) -> "NonTensorBase":
         """``op`` applied to the positions of the values. Only indexing and unsqueeze
         keep the stacked members (as tensordict's lazy stack of them does); a reshape,
         expand or permute gives one value per element."""
@@ -449,7 +252,7 @@ class NonTensorStack(_NonTensorBase):
         if new_positions.ndim == 0:
             return NonTensorData(values[0], batch_size=[], device=self._device)
         members = None if self._members is None or not keep_members else [self._members[i] for i in taken]
-        if _one_member(members, values, new_positions.ndim):
+        if one_member(members, values, new_positions.ndim):
             return NonTensorData(values[0], batch_size=new_positions.shape, device=self._device)
         return NonTensorStack._from_flat(values, new_positions.shape, self._device, members)
 
@@ -462,8 +265,8 @@ class NonTensorStack(_NonTensorBase):
         return NonTensorStack._from_flat(self._values, self._batch_size, self._device, self._members)
 
     def _new_values(self, value: Any) -> list:
-        source = value if isinstance(value, _NonTensorBase) else NonTensorStack.from_list(value)
-        return _broadcast_values(source, self._batch_size)
+        source = value if isinstance(value, NonTensorBase) else NonTensorStack.from_list(value)
+        return broadcast_values(source, self._batch_size)
 
     def _check_update(self, value: Any) -> None:
         self._new_values(value)
@@ -479,9 +282,9 @@ class NonTensorStack(_NonTensorBase):
         """Write ``source`` at ``index``, in place (so a shared stack shares the write)."""
         positions = torch.arange(len(self._values)).reshape(self._batch_size)
         targets = positions[index]
-        if not isinstance(source, _NonTensorBase):
+        if not isinstance(source, NonTensorBase):
             source = NonTensorData(source, batch_size=[])
-        new_values = _broadcast_values(source, targets.shape)
+        new_values = broadcast_values(source, targets.shape)
         with self._updating():  # read-modify-write: no other process's write is lost
             values = list(self._values)
             for position, value in zip(targets.reshape(-1).tolist(), new_values):
@@ -504,35 +307,24 @@ class NonTensorStack(_NonTensorBase):
         return f"NonTensorStack({self.tolist()!r}, batch_size={self._batch_size}, device={self._device})"
 
 
-def stack_non_tensors(items: Sequence[_NonTensorBase], dim: int) -> NonTensorStack:
+def stack_non_tensors(items: Sequence[NonTensorBase], dim: int) -> NonTensorStack:
     """``torch.stack`` of non-tensor entries: one value per element, each NonTensorData
     stacked remembered as a member."""
+    dim = batch_ops.insertion_dim(dim, len(items[0].batch_size), "torch.stack")  # the error of every tensordict's
     return _combine(items, lambda positions: torch.stack(positions, dim), members=True)
 
 
-def cat_non_tensors(items: Sequence[_NonTensorBase], dim: int) -> _NonTensorBase:
+def cat_non_tensors(items: Sequence[NonTensorBase], dim: int) -> NonTensorBase:
     """``torch.cat`` of non-tensor entries: one value per element; a NonTensorData when
     every item is one and their values are equal, as in tensordict 0.15.3."""
     combined = _combine(items, lambda positions: torch.cat(positions, dim), members=False)
     first = items[0]
-    if all(isinstance(item, NonTensorData) and _same_value(item.data, first.data) for item in items):
+    if all(isinstance(item, NonTensorData) and same_value(item.data, first.data) for item in items):
         return NonTensorData(first.data, batch_size=combined.batch_size, device=first.device)
     return combined
 
 
-def _same_value(a: Any, b: Any) -> bool:
-    """Whether two non-tensor values are equal (element-wise ones: everywhere); False
-    when they cannot be compared."""
-    if a is b:
-        return True
-    try:
-        same = a == b
-        return bool(same.all()) if hasattr(same, "all") else bool(same)
-    except Exception:  # noqa: BLE001 - values of foreign types: not equal
-        return False
-
-
-def _combine(items: Sequence[_NonTensorBase], op: Callable, members: bool) -> NonTensorStack:
+def _combine(items: Sequence[NonTensorBase], op: Callable, members: bool) -> NonTensorStack:
     values: list = []
     origins: list = []  # the member of each value (see NonTensorStack._members)
     positions = []
@@ -555,23 +347,9 @@ def _combine(items: Sequence[_NonTensorBase], op: Callable, members: bool) -> No
 _MEMBER_IDS = itertools.count()
 
 
-def _one_member(members: list | None, values: list, ndim: int) -> bool:
-    """True if ``values`` (``ndim`` dims) are all of one stacked NonTensorData, with no
-    dim of the stack left: then they are that NonTensorData (or a part of it). Their
-    values are compared too, so a value written since (e.g. by another process into a
-    shared stack) never hides behind one."""
-    if not members or members[0] is None or any(m != members[0] for m in members):
-        return False
-    if ndim > members[0][1]:
-        return False
-    first = values[0]
-    try:
-        return all(v is first or (type(v) is type(first) and bool(v == first)) for v in values)
-    except Exception:  # an == that gives no bool (arrays): keep them as a stack
-        return False
-
-
-def _broadcast_values(source: _NonTensorBase, shape: torch.Size) -> list:
+def broadcast_values(source: NonTensorBase, shape: torch.Size) -> list:
+    """The values of ``source`` broadcast to ``shape``, flat in C order (what a write of
+    ``source`` into a slot of that shape writes); BatchSizeMismatchError if they do not fit."""
     if isinstance(source, NonTensorData):
         return [source.data] * shape.numel()
     positions = torch.arange(len(source._values)).reshape(source.batch_size)
@@ -582,24 +360,3 @@ def _broadcast_values(source: _NonTensorBase, shape: torch.Size) -> list:
             f"Cannot write {list(source.batch_size)} non-tensor values into a slot of shape {list(shape)}."
         ) from None
     return [source._values[i] for i in positions.reshape(-1).tolist()]
-
-
-def _nested_shape(values: Any) -> tuple[list[int], list]:
-    """Shape and flat values of nested lists; ragged inner lists are kept as values."""
-    if not isinstance(values, (list, tuple)):
-        return [], [values]
-    parts = [_nested_shape(v) for v in values]
-    inner = {tuple(shape) for shape, _ in parts}
-    if len(inner) == 1 and values:
-        shape = [len(values)] + list(next(iter(inner)))
-        return shape, [x for _, flat in parts for x in flat]
-    return [len(values)], list(values)
-
-
-def _nest(flat: list, shape: list[int]) -> Any:
-    if not shape:
-        return flat[0]
-    if len(shape) == 1:
-        return list(flat)
-    step = len(flat) // shape[0] if shape[0] else 0
-    return [_nest(flat[i * step : (i + 1) * step], shape[1:]) for i in range(shape[0])]

@@ -50,7 +50,7 @@ def check_non_tensor_write(current: Any, index: tuple, source: Any, key: str) ->
     """Raise unless ``current._set_at(index, source)`` can write ``source``'s values
     (one, or one per indexed element) into the indexed elements; writes nothing."""
     from shared_td.containers.base import is_non_tensor
-    from shared_td.containers.nontensor import NonTensorData, _broadcast_values
+    from shared_td.containers.nontensor import NonTensorData, broadcast_values
 
     shared_or_files = current._shared_value is not None or current.is_memmap()
     if isinstance(current, NonTensorData) and shared_or_files and not current._stays_one_value(index, source):
@@ -67,7 +67,7 @@ def check_non_tensor_write(current: Any, index: tuple, source: Any, key: str) ->
         source = NonTensorData(source, batch_size=[])
     target = batch_ops.indexed_batch_size(current.batch_size, index)
     try:
-        _broadcast_values(source, target)
+        broadcast_values(source, target)
     except BatchSizeMismatchError as error:
         raise BatchSizeMismatchError(f"Cannot write into non-tensor entry {key!r}: {error}") from None
 

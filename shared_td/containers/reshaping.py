@@ -20,13 +20,15 @@ class BatchShapeOps:
     """Mixin of TensorDict (it relies on ``_map_entries``, ``_batch_size``, ``_names``)."""
 
     def expand(self, *shape: Any) -> "TensorDict":
-        """Expand the batch dims to ``shape`` (new leading dims allowed), as torch does."""
+        """Expand the batch dims to ``shape`` (new leading dims allowed), as torch does;
+        the dims keep their names, the new leading ones are unnamed (as in tensordict)."""
         size = batch_ops.shape_args(shape)
         nb = self.batch_dims
         probe = torch.zeros((), dtype=torch.uint8).expand(self._batch_size)
         size = probe.expand(size).shape
+        names = None if self._names is None else [None] * (len(size) - nb) + self._names
         return self._map_entries(
-            lambda v: v.expand(*size, *v.shape[nb:]), size, None
+            lambda v: v.expand(*size, *v.shape[nb:]), size, names
         )
 
     def reshape(self, *shape: Any) -> "TensorDict":
@@ -47,7 +49,7 @@ class BatchShapeOps:
 
     def unsqueeze(self, dim: int) -> "TensorDict":
         """Insert a batch dim of size 1 at ``dim`` (a view)."""
-        dim = batch_ops.normalize_dim(dim, self.batch_dims + 1)
+        dim = batch_ops.insertion_dim(dim, self.batch_dims)
         size = torch.Size(list(self._batch_size[:dim]) + [1] + list(self._batch_size[dim:]))
         names = None if self._names is None else self._names[:dim] + [None] + self._names[dim:]
         return self._map_entries(lambda v: v.unsqueeze(dim), size, names, is_view=True)

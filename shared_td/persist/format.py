@@ -176,6 +176,7 @@ class NodeMeta:
     device: str | None = None
     names: tuple | None = None
     stack_dim: int = 0
+    stack_dim_name: str | None = None  # a lazy stack's name of its stack_dim
     entries: tuple[LeafMeta | ChildMeta, ...] = ()
     document: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
     compact: bool = field(default=False, compare=False, repr=False)  # written without spaces
@@ -219,11 +220,11 @@ class NodeMeta:
                    entries=tuple(entries), document=document)
 
     @classmethod
-    def for_lazy_stack(cls, stack_dim: int) -> "NodeMeta":
+    def for_lazy_stack(cls, stack_dim: int, stack_dim_name: str | None = None) -> "NodeMeta":
         """A LazyStackedTensorDict node (its members are the directories 0/, 1/, ...)."""
         document = {"_type": LAZY_STACK_TYPE, "_format_version": FORMAT_VERSION,
-                    "_class": CLASS_TAGS[LAZY_STACK_TYPE], "stack_dim": stack_dim, "stack_dim_name": None}
-        return cls(None, LAZY_STACK_TYPE, stack_dim=stack_dim, document=document)
+                    "_class": CLASS_TAGS[LAZY_STACK_TYPE], "stack_dim": stack_dim, "stack_dim_name": stack_dim_name}
+        return cls(None, LAZY_STACK_TYPE, stack_dim=stack_dim, stack_dim_name=stack_dim_name, document=document)
 
     @classmethod
     def for_tensorclass(cls, type_str: str) -> "NodeMeta":
@@ -269,7 +270,10 @@ class NodeMeta:
         stack_dim = document.get("stack_dim", 0)
         if type(stack_dim) is not int or stack_dim < 0:
             raise FormatError(where, f"{_shown(stack_dim)} is not a dimension (an integer >= 0)", field="stack_dim")
-        return cls(where, type_str, None, device, stack_dim=stack_dim, document=document)
+        stack_dim_name = document.get("stack_dim_name")
+        if stack_dim_name is not None and not isinstance(stack_dim_name, str):
+            raise FormatError(where, f"{_shown(stack_dim_name)} is not a name (a string or null)", field="stack_dim_name")
+        return cls(where, type_str, None, device, stack_dim=stack_dim, stack_dim_name=stack_dim_name, document=document)
 
 
 def _entry(key: str, item: dict, where: str) -> LeafMeta | ChildMeta:

@@ -117,7 +117,7 @@ def test_unsqueeze_out_of_range_message():
 def test_lazy_unsqueeze_out_of_range_message():
     td = shared_td.TensorDict({"a": torch.zeros(2, 3)}, [2, 3])
     lazy = shared_td.LazyStackedTensorDict.lazy_stack([td, td], 0)  # 3 batch dims
-    with pytest.raises(RuntimeError, match=r"3 batch dims takes -4 <= dim <= 3"):
+    with pytest.raises(RuntimeError, match=r"3 batch dims: the new dim goes at -4 <= dim <= 3"):
         lazy.unsqueeze(4)
 
 

@@ -235,7 +235,7 @@ def test_failed_copy_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch)
     def fail(jobs, threads):
         raise OSError(28, "No space left on device (simulated)")
 
-    monkeypatch.setattr(shared_td.containers.consolidation, "_run_copies", fail)
+    monkeypatch.setattr(shared_td.containers.consolidation, "run_copies", fail)
     with pytest.raises(OSError, match="simulated"):
         TensorDict(a=torch.zeros(8)).consolidate(filename=path)
     assert path.read_bytes() == before and _ours(path) == ["td.bin"]

@@ -1,0 +1,91 @@
+"""Names of a lazy stack's batch dims, as a mixin of LazyStackedTensorDict (LazyNames).
+
+A lazy stack has one name of its own, that of ``stack_dim`` (``stack_dim_name``, as in
+tensordict 0.15.3); the names of its other dims are its members'. So ``names`` inserts
+the one into the first member's, and setting names gives the one at ``stack_dim`` to the
+stack and the others to every member. Operations that keep the stack dim (indexing along
+it, ``unsqueeze``, ``permute``, ``clone``, ...) keep its name (``_restack``); a stack
+rebuilt along a new dim (``reshape``) has none. memmap, save, ``consolidate(filename=)``
+and pickling keep it, in tensordict's field ``stack_dim_name``.
+
+This module does not import lazy.py (lazy.py imports it).
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from shared_td.containers.naming import NamedBatchDims, check_names
+
+
+class LazyNames:
+    """Mixin of LazyStackedTensorDict (it relies on ``tensordicts``, ``_stack_dim``,
+    ``_member_batch``, ``batch_size`` and ``batch_dims``)."""
+
+    # The name of the batch dim ``stack_dim``: a class default, so that a stack pickled
+    # before it existed unpickles unnamed.
+    _stack_dim_name: str | None = None
+
+    @property
+    def names(self) -> list | None:
+        """The first member's dim names with the stack's own (``stack_dim_name``) at
+        ``stack_dim``; None if no dim is named.
+
+        Set them (``lazy.names = [...]``, or ``refine_names(...)``) and the name at
+        ``stack_dim`` becomes the stack's, the others every member's, as in tensordict
+        0.15.3 (unlike it, the names must be unique, as a TensorDict's); ``None``
+        unnames every dim. Checked in every member before any is renamed.
+
+        Example:
+            >>> lazy = LazyStackedTensorDict(TensorDict(batch_size=[3]), TensorDict(batch_size=[3]))
+            >>> lazy.names = ["time", "env"]
+            >>> lazy.names, lazy.tensordicts[0].names
+            (['time', 'env'], ['env'])
+        """
+        member_names = self.tensordicts[0].names if self.tensordicts else None
+        if member_names is None and self._stack_dim_name is None:
+            return None
+        member_names = [None] * len(self._member_batch) if member_names is None else list(member_names)
+        sd = self._stack_dim
+        return member_names[:sd] + [self._stack_dim_name] + member_names[sd:]
+
+    @names.setter
+    def names(self, names: Sequence[str | None] | None) -> None:
+        leading = [None] * self.batch_dims if names is None else check_names(names, self.batch_size)
+        self._rename_leading(leading, check_only=True)
+        self._rename_leading(leading, check_only=False)
+
+    refine_names = NamedBatchDims.refine_names
+
+    def _rename_leading(self, leading: list, *, check_only: bool) -> None:
+        """Give the first ``len(leading)`` batch dims these names: the one at
+        ``stack_dim`` to the stack, the others to every member (NamedBatchDims's
+        protocol: a parent names its children's leading dims so)."""
+        current = self.names or [None] * self.batch_dims
+        names = list(leading) + current[len(leading):]
+        sd = self._stack_dim
+        stack_dim_name, member_names = names[sd], names[:sd] + names[sd + 1:]
+        if stack_dim_name is not None and stack_dim_name in member_names:
+            raise RuntimeError(
+                f"Cannot name the batch dims of this lazy stack {names}: {stack_dim_name!r}, "
+                f"the name of its stack dim ({sd}), is used twice (the names asked for are "
+                f"{list(leading)}, the stack's {self.names})."
+            )
+        for member in self.tensordicts:  # (each checks the names of its own dims)
+            member._rename_leading(member_names, check_only=check_only)
+        if not check_only:
+            self._stack_dim_name = stack_dim_name
+
+
+def checked_stack_dim_name(name: Any, members: list) -> str:
+    """``stack_dim_name``, refused (before the stack exists) if it is not a str or if the
+    members name one of their dims so: dim names are unique, as a TensorDict's."""
+    if not isinstance(name, str):
+        raise TypeError(f"stack_dim_name must be a str (or None), got {name!r}.")
+    member_names = members[0].names if members else None
+    if member_names is not None and name in member_names:
+        raise ValueError(
+            f"stack_dim_name={name!r} is already the name of a batch dim of the members "
+            f"(their names are {list(member_names)}): dim names must be unique. Choose "
+            "another name, or rename the members' dim first."
+        )
+    return name

@@ -1,0 +1,57 @@
+"""Python values of non-tensor entries, free of any container: whether two are equal,
+whether the values of a stack are one stacked NonTensorData, and the flat C-order list of
+values that a NonTensorStack keeps versus the nested lists its users see.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Whether two non-tensor values are equal (element-wise ones: everywhere); False
+    when they cannot be compared."""
+    if a is b:
+        return True
+    try:
+        same = a == b
+        return bool(same.all()) if hasattr(same, "all") else bool(same)
+    except Exception:  # noqa: BLE001 - values of foreign types: not equal
+        return False
+
+
+def one_member(members: list | None, values: list, ndim: int) -> bool:
+    """True if ``values`` (``ndim`` dims) are all of one stacked NonTensorData, with no
+    dim of the stack left: then they are that NonTensorData (or a part of it). Their
+    values are compared too, so a value written since (e.g. by another process into a
+    shared stack) never hides behind one."""
+    if not members or members[0] is None or any(m != members[0] for m in members):
+        return False
+    if ndim > members[0][1]:
+        return False
+    first = values[0]
+    try:
+        return all(v is first or (type(v) is type(first) and bool(v == first)) for v in values)
+    except Exception:  # an == that gives no bool (arrays): keep them as a stack
+        return False
+
+
+def nested_shape(values: Any) -> tuple[list[int], list]:
+    """Shape and flat values of nested lists; ragged inner lists are kept as values."""
+    if not isinstance(values, (list, tuple)):
+        return [], [values]
+    parts = [nested_shape(v) for v in values]
+    inner = {tuple(shape) for shape, _ in parts}
+    if len(inner) == 1 and values:
+        shape = [len(values)] + list(next(iter(inner)))
+        return shape, [x for _, flat in parts for x in flat]
+    return [len(values)], list(values)
+
+
+def nest(flat: list, shape: list[int]) -> Any:
+    """The nested lists (one level per dim of ``shape``) of the C-order values ``flat``."""
+    if not shape:
+        return flat[0]
+    if len(shape) == 1:
+        return list(flat)
+    step = len(flat) // shape[0] if shape[0] else 0
+    return [nest(flat[i * step : (i + 1) * step], shape[1:]) for i in range(shape[0])]
