@@ -30,6 +30,14 @@ def check_names(names: Sequence[Any], batch_size) -> list:
     return names
 
 
+def carries_names(child: Any) -> bool:
+    """Whether ``child`` (a nested entry, unwrapped) names its batch dims after its
+    parent's: a TensorDict (NamedBatchDims) or a lazy stack (lazy_names.LazyNames), which
+    both take a parent's names through ``_rename_leading`` (the lazy stack is in a module
+    above this one: asked by that method, not by class)."""
+    return hasattr(type(child), "_rename_leading")
+
+
 class NamedBatchDims:
     """Mixin of TensorDict (it relies on ``_names``, ``_batch_size`` and ``_tensordict``)."""
 
@@ -76,7 +84,7 @@ class NamedBatchDims:
         children = []
         for value in self._tensordict.values():
             inner = unwrap_tensorclass(value)
-            if isinstance(inner, NamedBatchDims):
+            if carries_names(inner):
                 children.append(inner)
         return children
 
@@ -87,9 +95,9 @@ class NamedBatchDims:
         for those dims.
         """
         inner = unwrap_tensorclass(child)
-        if self._names is None or not isinstance(inner, NamedBatchDims):
+        if self._names is None or not carries_names(inner):
             return
-        theirs = (inner._names or [None] * len(inner._batch_size))[: len(self._names)]
+        theirs = (inner.names or [None] * inner.batch_dims)[: len(self._names)]
         clash = [(a, b) for a, b in zip(self._names, theirs) if b is not None and a != b]
         if clash:
             raise RuntimeError(

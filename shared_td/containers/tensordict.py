@@ -29,7 +29,7 @@ from shared_td.containers.base import (
 from shared_td.containers.index_writes import IndexWrites
 from shared_td.containers.keyops import KeyOps
 from shared_td.containers.locking import LockingOps
-from shared_td.containers.naming import NamedBatchDims
+from shared_td.containers.naming import NamedBatchDims, check_names
 from shared_td.containers.nontensor_ops import kept_by_empty, list_to_entry, list_to_tensor
 from shared_td.containers.reshaping import BatchShapeOps
 from shared_td.containers.row_writes import write_rows
@@ -93,9 +93,12 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, IndexWrites, TensorMetho
         if source is not None:
             entries.update(source.items() if hasattr(source, "items") else source)
         entries.update(kwargs)
-        self._set_initial(entries)
         if names is not None:
-            self.names = names
+            # named first, as in tensordict: each entry set then takes these names, and
+            # one that names a dim otherwise is an error (not silently renamed)
+            named = check_names(names, self._batch_size)
+            self._names = named if any(name is not None for name in named) else None
+        self._set_initial(entries)
         if lock:
             self.lock_()
 
@@ -108,7 +111,7 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, IndexWrites, TensorMetho
         batch_size, device, stored = self._batch_size, self._device, self._tensordict
         batch_dims = len(batch_size)
         for key, value in entries.items():
-            if type(key) is not str:
+            if type(key) is not str or self._names is not None:  # (named: set() names each child)
                 self.set(key, value)
             elif type(value) is torch.Tensor:
                 fits = value.shape[:batch_dims] == batch_size and device is None

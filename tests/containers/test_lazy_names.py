@@ -232,3 +232,48 @@ def test_bad_stack_dim_name_in_meta_json_is_a_format_error(tmp_path):
     with pytest.raises(FormatError, match="stack_dim_name") as raised:
         TensorDict.load_memmap(tmp_path / "s")
     assert os.fspath(path) in str(raised.value)
+
+
+# ------------------------------------------------------------------ a parent's names
+def _named_parent_cases(lib) -> dict:
+    """What each way of putting a lazy stack (or a named TensorDict) under a named
+    parent gives: the child's names, or the class of the error."""
+    def outcome(make):
+        try:
+            return _unnamed_as_none(make())
+        except Exception as error:  # noqa: BLE001 - the class is what is compared
+            return type(error).__name__
+
+    def renamed_parent():
+        parent = lib.TensorDict(s=_stack(lib, stack_dim_name=None), batch_size=[2])
+        parent.names = ["q"]
+        return parent["s"].names
+
+    def set_into_named(stack_dim_name):
+        parent = lib.TensorDict(batch_size=[2], names=["q"])
+        parent["s"] = _stack(lib, stack_dim_name=stack_dim_name)
+        return parent["s"].names
+
+    return {
+        "parent renamed": outcome(renamed_parent),
+        "unnamed stack set into a named parent": outcome(lambda: set_into_named(None)),
+        "named stack set into a parent named otherwise": outcome(lambda: set_into_named("t")),
+        "named stack given to a parent named otherwise": outcome(
+            lambda: lib.TensorDict(s=_stack(lib), batch_size=[2], names=["q"])["s"].names),
+        "named tensordict given to a parent named otherwise": outcome(
+            lambda: lib.TensorDict(s=_member(lib, ["t"]), batch_size=[3], names=["q"])["s"].names),
+        "unnamed tensordict given to a named parent": outcome(
+            lambda: lib.TensorDict(s=_member(lib), batch_size=[3], names=["q"])["s"].names),
+        "plain dict given to a named parent": outcome(
+            lambda: lib.TensorDict({"s": {"x": torch.zeros(3)}}, batch_size=[3], names=["q"])["s"].names),
+    }
+
+
+def test_a_named_parent_names_a_lazy_stack_as_tensordict(tensordict):
+    """A parent's names reach a lazy-stack child (they did not: the stack kept its own,
+    unnamed or named otherwise), and names given to TensorDict() that clash with a
+    child's are a RuntimeError (they silently renamed the child)."""
+    ours = _named_parent_cases(shared_td)
+    assert ours == _named_parent_cases(tensordict)
+    assert ours["parent renamed"] == ["q", None]
+    assert ours["named stack given to a parent named otherwise"] == "RuntimeError"
