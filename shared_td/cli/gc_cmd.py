@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import functools
 import math
 import os
 
@@ -92,17 +93,16 @@ def run(args: argparse.Namespace) -> int:
     failed = [{"prefix": error.filename, "error": f"cannot list {error.filename}: {error.strerror}"}
               for error in unlisted]
     for prefix in prefixes:
-        if args.dry_run:
-            if lock_is_held(fmt.lock_path(prefix)):
+        try:
+            if not args.dry_run:
+                removed += leftovers.gc(prefix, timeout=args.wait, remove_lock=True)
+            elif lock_is_held(fmt.lock_path(prefix)):
                 skipped.append(prefix)
             else:
                 removed += leftovers.gc(prefix, dry_run=True, remove_lock=True)
-            continue
-        try:
-            removed += leftovers.gc(prefix, timeout=args.wait, remove_lock=True)
         except TimeoutError:
             skipped.append(prefix)
-        except OSError as error:  # a leftover that cannot be removed: said, not hidden
+        except OSError as error:  # a leftover that cannot be removed or looked for: said, not hidden
             removed += getattr(error, "removed", [])
             failed.append({"prefix": prefix, "error": str(error)})
     if args.json:
@@ -125,7 +125,7 @@ def prefixes_to_clean(root: str, unlisted: list[OSError]) -> list[str]:
     if os.path.isfile(root):
         # an archive: its leftovers (.x.tdz.lock, .x.tdz.shared_td-new-...) are beside
         # it; a damaged one's temporaries too (their names say whose they are)
-        prefixes = [p for p in prefixes_in(os.path.dirname(root)) if p == root]
+        prefixes = [p for p in prefixes_in(os.path.dirname(root), unlisted) if p == root]
         if prefixes or is_memmap_archive(root):
             return prefixes
     raise CommandError(_not_searchable(root))
@@ -154,13 +154,16 @@ def prefixes_under(root: str, unlisted: list[OSError] | None = None) -> list[str
     ``root`` itself counts when it is a saved tensordict (its leftovers are beside it).
     Temporary directories are not searched (they are copies of a tree) and symlinks
     are not followed. The error of each directory that cannot be listed is appended to
-    ``unlisted`` (os.walk passes over them in silence otherwise).
+    ``unlisted`` (os.walk passes over them in silence otherwise), root's parent too
+    when root is a save (its leftovers are there); one that vanished meanwhile holds
+    nothing (a concurrent atomic rewrite replaces directories): no error.
     """
     found = []
     if os.path.isfile(os.path.join(root, fmt.META)):
-        found += [p for p in prefixes_in(os.path.dirname(root)) if p == root]
-    for directory, dirnames, names in os.walk(root, onerror=None if unlisted is None else unlisted.append):
-        found += prefixes_in(directory)
+        found += [p for p in prefixes_in(os.path.dirname(root), unlisted) if p == root]
+    onerror = None if unlisted is None else functools.partial(_note_unlisted, unlisted)
+    for directory, dirnames, names in os.walk(root, onerror=onerror):
+        found += prefixes_in(directory, unlisted)
         if any(fmt.temporary_writer_pid(name) is not None for name in names):
             # gc of the save that holds it (under that save's lock) finds and checks them
             found.append(_outermost_save(directory, root))
@@ -180,16 +183,28 @@ def _outermost_save(directory: str, root: str) -> str:
     return top
 
 
-def prefixes_in(directory: str) -> list[str]:
+def _note_unlisted(unlisted: list[OSError], error: OSError) -> None:
+    """Keep the error of a directory that could not be listed, unless it is gone."""
+    if not isinstance(error, (FileNotFoundError, NotADirectoryError)):
+        unlisted.append(error)
+
+
+def prefixes_in(directory: str, unlisted: list[OSError] | None = None) -> list[str]:
     """Prefixes in ``directory`` with atomic writers' directories or a lock file beside them.
 
     Names are parsed only (nothing is checked for being dead or stale). A lock file
     counts only beside a saved tensordict or an archive (a ``.x.lock`` of another program
-    is not ours).
+    is not ours). A ``directory`` that cannot be listed (permission denied) has its error
+    appended to ``unlisted`` (raised without it); one that is gone holds none.
     """
     try:
         entries = os.listdir(directory)
     except (FileNotFoundError, NotADirectoryError):
+        return []
+    except OSError as error:
+        if unlisted is None:
+            raise
+        unlisted.append(error)
         return []
     found = set()
     for entry in entries:

@@ -22,8 +22,15 @@ def _peeks(cls: type) -> bool:
     return hasattr(cls, "_peek_str")
 
 
-def _first(pair: tuple) -> Any:
-    return pair[0]
+def _sort_name(key: Any) -> str:
+    """What ``sort=True`` orders a key by: its parts joined by ".", as tensordict 0.15.3
+    does (``("a", "c")`` sorts as ``"a.c"``: after ``"a-b"``, where ordering the tuples
+    would put it first); keys with the same name keep the walk's order."""
+    return key if isinstance(key, str) else ".".join(key)
+
+
+def _pair_sort_name(pair: tuple) -> str:
+    return _sort_name(pair[0])
 
 
 class KeysView:
@@ -55,7 +62,7 @@ class KeysView:
         them in keys() (``parents_last``)."""
         pairs = self._walk(self._td, (), True, {}, parents_last)
         if self._sort:
-            pairs = iter(sorted(pairs, key=lambda pair: (pair[0],) if isinstance(pair[0], str) else pair[0]))
+            pairs = iter(sorted(pairs, key=_pair_sort_name))
         return pairs
 
     def _kind(self, cls: type, kinds: dict) -> tuple[bool, bool, bool]:
@@ -101,7 +108,7 @@ class KeysView:
         listed: list = []
         self._collect(self._entries(self._td, True)[0], (), {}, listed)
         if self._sort:
-            listed.sort(key=lambda key: (key,) if isinstance(key, str) else key)
+            listed.sort(key=_sort_name)
         return listed
 
     def _listing_kind(self, cls: type, kinds: dict) -> tuple[bool, int]:

@@ -30,6 +30,42 @@ def check_names(names: Sequence[Any], batch_size) -> list:
     return names
 
 
+def refined_names(current: Sequence[str | None] | None, batch_dims: int, names: Sequence[Any]) -> list:
+    """The names ``refine_names(*names)`` gives batch dims now named ``current`` (None:
+    none is named), checked (see :meth:`NamedBatchDims.refine_names`).
+
+    Example:
+        >>> refined_names(["env", None], 2, (..., "time")), refined_names(None, 2, ("a", None))
+        (['env', 'time'], ['a', None])
+    """
+    # (the errors show the call as written)
+    asked = ", ".join("..." if name is Ellipsis else repr(name) for name in names)
+    names = list(names)
+    current = list(current) if current is not None else [None] * batch_dims
+    spread = [i for i, name in enumerate(names) if name is Ellipsis]
+    if len(spread) > 1:
+        raise ValueError(f"refine_names({asked}): at most one '...' can stand for the dims it covers.")
+    if spread:
+        covered = batch_dims - len(names) + 1
+        if covered < 0:
+            raise ValueError(
+                f"refine_names({asked}): {len(names) - 1} names besides '...' for "
+                f"{batch_dims} batch dims: give at most one name per batch dim.")
+        at = spread[0]
+        names = names[:at] + current[at:at + covered] + names[at + 1:]
+    if len(names) != batch_dims:
+        raise ValueError(
+            f"refine_names({asked}): {len(names)} names for {batch_dims} batch dims: give "
+            "one name (or None) per batch dim, or a '...' for those whose names stay.")
+    for dim, (now, given) in enumerate(zip(current, names)):
+        if now is not None and given != now:
+            raise RuntimeError(
+                f"refine_names({asked}): batch dim {dim} is named {now!r}, not {given!r}: "
+                f"refine_names only names unnamed dims and checks the named ones (the names "
+                f"are {current}). Give {now!r} (or '...') there, or rename with td.names = [...].")
+    return names
+
+
 def carries_names(child: Any) -> bool:
     """Whether ``child`` (a nested entry, unwrapped) names its batch dims after its
     parent's: a TensorDict (NamedBatchDims) or a lazy stack (lazy_names.LazyNames), which
@@ -53,15 +89,24 @@ class NamedBatchDims:
         self._rename_leading(leading, check_only=True)
         self._rename_leading(leading, check_only=False)
 
-    def refine_names(self, *names: str | None) -> "NamedBatchDims":
-        """Set the names of the batch dims in place (nested tensordicts follow); returns self.
+    def refine_names(self, *names: Any) -> "NamedBatchDims":
+        """Name the unnamed batch dims and check the named ones, in place (nested
+        tensordicts follow); returns self. As ``torch.Tensor.refine_names`` and tensordict
+        0.15.3: each of ``names`` goes with one batch dim; an unnamed dim takes it (or
+        stays unnamed for None), a named dim must be given its own name; one ``...``
+        stands for the dims it covers and keeps their names. To rename, set ``names``.
+
+        Raises:
+            RuntimeError: a named dim given another name or None (nothing is renamed).
+            ValueError: not one name per batch dim, more than one ``...``, or a name
+                used twice.
 
         Example:
-            >>> td = TensorDict(a={"b": torch.zeros(2, 3)}, batch_size=[2, 3])
-            >>> td.refine_names("env", "time")["a"].names
+            >>> td = TensorDict(a={"b": torch.zeros(2, 3)}, batch_size=[2, 3], names=["env", None])
+            >>> td.refine_names(..., "time")["a"].names
             ['env', 'time']
         """
-        self.names = names
+        self.names = refined_names(self.names, len(self.batch_size), names)
         return self
 
     def _rename_leading(self, leading: list, *, check_only: bool) -> None:
