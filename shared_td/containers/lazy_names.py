@@ -41,6 +41,17 @@ class LazyNames:
             >>> lazy.names, lazy.tensordicts[0].names
             (['time', 'env'], ['env'])
         """
+        first = self.tensordicts[0].names if self.tensordicts else None
+        for member in self.tensordicts[1:]:
+            if member.names != first:
+                raise ValueError(
+                    f"Not all dim names match, got {first} and {member.names}: the members of "
+                    "a lazy stack name their dims alike (as in tensordict). Name them all with "
+                    "lazy.names = [...].")
+        return self._names_of_first()
+
+    def _names_of_first(self) -> list | None:
+        """:attr:`names`, read from the first member alone."""
         member_names = self.tensordicts[0].names if self.tensordicts else None
         if member_names is None and self._stack_dim_name is None:
             return None
@@ -60,7 +71,9 @@ class LazyNames:
         """Give the first ``len(leading)`` batch dims these names: the one at
         ``stack_dim`` to the stack, the others to every member (NamedBatchDims's
         protocol: a parent names its children's leading dims so)."""
-        current = self.names or [None] * self.batch_dims
+        # (the first member's: names setting them all right is how members named
+        # otherwise are mended)
+        current = self._names_of_first() or [None] * self.batch_dims
         names = list(leading) + current[len(leading):]
         sd = self._stack_dim
         stack_dim_name, member_names = names[sd], names[:sd] + names[sd + 1:]

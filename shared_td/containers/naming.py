@@ -134,13 +134,21 @@ class NamedBatchDims:
         return children
 
     def _adopt_names(self, key: str, child: Any) -> None:
-        """Name the leading dims of ``child`` (about to be stored under ``key``) like ours.
+        """Name the leading dims of ``child`` (about to be stored under ``key``) like ours,
+        or, if ours are unnamed, ours (and our other children's) like the child's.
 
         Raises RuntimeError, with nothing renamed, if the child already has other names
-        for those dims.
+        for those dims (or if its names clash with another child's).
         """
         inner = unwrap_tensorclass(child)
-        if self._names is None or not carries_names(inner):
+        if not carries_names(inner):
+            return
+        if self._names is None:
+            # an unnamed tensordict takes a named child's names of its dims (and its other
+            # children with it), as tensordict 0.15.3 does
+            leading = (inner.names or [None] * inner.batch_dims)[: len(self._batch_size)]
+            if any(name is not None for name in leading):
+                self.names = leading
             return
         theirs = (inner.names or [None] * inner.batch_dims)[: len(self._names)]
         clash = [(a, b) for a, b in zip(self._names, theirs) if b is not None and a != b]

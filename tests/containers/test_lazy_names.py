@@ -277,3 +277,44 @@ def test_a_named_parent_names_a_lazy_stack_as_tensordict(tensordict):
     assert ours == _named_parent_cases(tensordict)
     assert ours["parent renamed"] == ["q", None]
     assert ours["named stack given to a parent named otherwise"] == "RuntimeError"
+
+
+def _names_or_error(make):
+    try:
+        return make()
+    except Exception as error:  # noqa: BLE001 - the class is what is compared
+        return type(error).__name__
+
+
+def test_members_named_otherwise_are_an_error_as_tensordict(tensordict):
+    """A lazy stack whose members name their dims differently: ``names`` is a ValueError
+    (it gave the first member's), so a named parent cannot silently rename the others;
+    setting the stack's names mends it."""
+    outcomes = []
+    for lib in (shared_td, tensordict):
+        lazy = lib.lazy_stack([_member(lib, ["e"]), _member(lib, ["f"])], 0)
+        outcomes.append(_names_or_error(lambda: lazy.names))
+        parent = lib.TensorDict(batch_size=[2], names=["q"])
+        outcomes.append(_names_or_error(lambda: parent.set("s", lazy)))
+    assert outcomes[:2] == outcomes[2:] == ["ValueError", "ValueError"]
+    lazy = lazy_stack([_member(shared_td, ["e"]), _member(shared_td, ["f"])], 0)
+    lazy.names = ["t", "env"]
+    assert lazy.names == ["t", "env"] and [m.names for m in lazy.tensordicts] == [["env"], ["env"]]
+
+
+def test_an_unnamed_parent_takes_a_named_childs_names_as_tensordict(tensordict):
+    """Setting a named child into an unnamed tensordict names the tensordict and its
+    other children (it stayed unnamed)."""
+    outcomes = []
+    for lib in (shared_td, tensordict):
+        parent = lib.TensorDict(o=torch.zeros(3), u=lib.TensorDict(batch_size=[3]), batch_size=[3])
+        parent["c"] = lib.TensorDict(x=torch.zeros(3, 2), batch_size=[3, 2], names=["t", "z"])
+        parent["s"] = _stack(lib, dim=1, stack_dim_name=None)
+        unnamed = lib.TensorDict(o=torch.zeros(3), batch_size=[3])
+        unnamed["c"] = lib.TensorDict(x=torch.zeros(3, 2), batch_size=[3, 2], names=[None, "z"])
+        clash = lib.TensorDict(u=lib.TensorDict(batch_size=[3], names=["k"]), batch_size=[3])
+        outcomes.append([parent.names, parent["u"].names, parent["c"].names, parent["s"].names,
+                         _unnamed_as_none(unnamed.names),
+                         _names_or_error(lambda: clash.set("c", lib.TensorDict(batch_size=[3], names=["t"])))])
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[0][:2] == [["t"], ["t"]]
