@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import pathlib
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -47,6 +47,10 @@ class MemmapMethods:
                 leaves are split by byte range over the threads.
             return_early: with num_threads > 1, return a TensorDictFuture at once;
                 ``future.result()`` waits and returns self (or raises the write error).
+                Meanwhile self is locked (entries added or removed would be lost); a
+                failed write leaves the locks as they were. Errors found before any
+                byte is written (existing files, unpicklable values) are raised by
+                the call itself.
             share_non_tensor: non-tensor entries are shared between processes: an
                 in-place write in one process is seen by the others.
             existsok: if False, an existing leaf file is a RuntimeError.
@@ -96,12 +100,24 @@ class MemmapMethods:
             # the values are shared node by node after the leaves are written: one that
             # cannot be would leave the nodes before it changed, so all are checked first
             check_picklable(self, "memmap_(share_non_tensor=True)", shared=True)
-        with naming_unpicklable(self, "memmap_", share_non_tensor):
-            return api.memmap(
-                self, prefix, copy_existing, inplace=True, num_threads=num_threads,
-                return_early=return_early, share_non_tensor=share_non_tensor,
-                existsok=existsok, robust_key=robust_key, atomic=atomic,
-            )
+        # A write that returns early runs while the caller goes on: its tree is locked
+        # for that time (as tensordict's is), since an entry added or removed meanwhile
+        # would be lost when the written leaves are put in. A failed write puts the
+        # locks back as they were.
+        early = return_early and not atomic and isinstance(num_threads, int) and num_threads > 1
+        unlock = _lock_while_written(self) if early else None
+        try:
+            with naming_unpicklable(self, "memmap_", share_non_tensor):
+                return api.memmap(
+                    self, prefix, copy_existing, inplace=True, num_threads=num_threads,
+                    return_early=return_early, share_non_tensor=share_non_tensor,
+                    existsok=existsok, robust_key=robust_key, atomic=atomic,
+                    on_early_failure=unlock,
+                )
+        except BaseException:
+            if unlock is not None:
+                unlock()
+            raise
 
     def memmap(
         self, prefix: Any = None, copy_existing: bool = False, *, num_threads: int = 0,
@@ -368,6 +384,27 @@ class MemmapMethods:
         if directory is not None:
             writer.rewrite_node(node, node._memmap_prefix)
         return tensor
+
+
+def _lock_while_written(obj: Any) -> Callable[[], None]:
+    """Lock ``obj`` and its nested tensordicts; return what puts their locks back as
+    they were (each node's lock flag and locked parents: an unlocked tree may hold a
+    tensordict that was locked on its own, which must stay locked)."""
+    saved = []
+    pending = [unwrap_tensorclass(obj)]
+    while pending:
+        node = pending.pop()
+        saved.append((node, node._is_locked, dict(node._lock_parents), getattr(node, "_last_op", None)))
+        pending.extend(unwrap_tensorclass(child) for child in node._collection_children())
+    obj.lock_()
+
+    def unlock() -> None:
+        for node, locked, parents, last_op in saved:
+            node._is_locked, node._last_op = locked, last_op
+            node._lock_parents.clear()
+            node._lock_parents.update(parents)
+
+    return unlock
 
 
 def _check_out(out: Any) -> None:

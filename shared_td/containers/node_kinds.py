@@ -100,6 +100,14 @@ class LazyStackKind(nodes.NodeKind):
     def child_type_name(self, lazy: LazyStackedTensorDict) -> str:
         return fmt.CHILD_TYPE_NAMES[fmt.LAZY_STACK_TYPE]
 
+    def stale_children(self, lazy: LazyStackedTensorDict, exists: Callable[[str], bool]) -> list[str]:
+        # members are read from 0/ on while the next one exists (in both libraries): the
+        # members of a longer stack saved there before would come back after this one's
+        names = []
+        while exists(str(len(lazy.tensordicts) + len(names))):
+            names.append(str(len(lazy.tensordicts) + len(names)))
+        return names
+
     def metadata(self, lazy: LazyStackedTensorDict, entries: tuple) -> tuple[NodeMeta, dict]:
         return NodeMeta.for_lazy_stack(lazy.stack_dim, lazy._stack_dim_name), {}
 

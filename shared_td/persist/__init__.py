@@ -9,7 +9,7 @@ One engine for every container class, in files and plain data:
   the NodeKind it registers (type string, entries and children, metadata and side
   files, rebuild, adopt, inspect; see that module). The containers package registers
   them (containers/node_kinds.py); this package imports no container module;
-* writer.py (plan, write, commit), atomic.py (a sibling directory swapped in under a
+* planner.py (plan) and writer.py (write, commit), atomic.py (a sibling directory swapped in under a
   lock), loader.py (read, map, rebuild) and survey.py (inspect and verify, from the
   metadata only) dispatch through the kinds;
 * api.py and functions.py: the memmap family as functions (the container methods of

@@ -8,7 +8,7 @@ import os
 import threading
 import warnings
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -21,7 +21,8 @@ from shared_td.storage.files import FileBacking
 from shared_td.storage.shared_value import adopt_new_cells, collecting_new_cells
 from shared_td.persist.future import TensorDictFuture
 from shared_td.persist.loader import Loader
-from shared_td.persist.writer import NodePlan, Options, Planner, write_tree
+from shared_td.persist.planner import NodePlan, Options, Planner
+from shared_td.persist.writer import tree_documents, write_tree
 
 _CPU = torch.device("cpu")
 
@@ -41,13 +42,16 @@ def memmap(
     atomic: bool = False,
     archive: bool | None = None,
     compression: Any = None,
+    on_early_failure: Callable[[], None] | None = None,
 ) -> Any:
     """Write ``obj``'s leaves to memory-mapped files (or anonymous shared memory).
 
     ``inplace=True`` is memmap_ (obj's leaves are replaced), False is memmap (a new
     tree); ``like=True`` writes no data (memmap_like). See TensorDictBase.memmap_.
     ``archive`` (None: a prefix ending with ``.tdz``) writes one zip file instead
-    (``persist.archive``), ``compression`` its payloads.
+    (``persist.archive``), ``compression`` its payloads. ``on_early_failure``: called
+    by the background thread of a ``return_early`` write that failed, before its
+    future is given the error (memmap_ puts back the locks it took for the write).
     """
     if not isinstance(num_threads, int) or num_threads < 0:
         raise ValueError(f"num_threads must be an int >= 0, got {num_threads!r}.")
@@ -85,13 +89,15 @@ def memmap(
     planner = Planner(options)
     root = planner.plan(obj)
     if return_early and num_threads > 1:
+        # made here, as the plan is: an unpicklable value is an error of this call
+        documents = None if root.directory is None else tree_documents(root)
         future: Future = Future()
         # Not a daemon: the interpreter waits for the write at exit. A daemon thread
         # still freeing the replaced leaves during finalization aborts the process
         # ("terminate called without an active exception").
         worker = threading.Thread(
-            target=_run_into_future, args=(future, planner, root, options), daemon=False,
-            name="shared_td-memmap",
+            target=_run_into_future, args=(future, planner, root, options, documents, on_early_failure),
+            daemon=False, name="shared_td-memmap",
         )
         worker.start()
         return TensorDictFuture(future, f"memmap to {options.prefix or 'shared memory'}")
@@ -111,17 +117,24 @@ def own_directory(obj: Any) -> str | None:
     return nodes.kind_for_object(obj).directory(obj)
 
 
-def _run_into_future(future: Future, planner: Planner, root: NodePlan, options: Options) -> None:
+def _run_into_future(future: Future, planner: Planner, root: NodePlan, options: Options,
+                     documents: dict | None, on_failure: Callable[[], None] | None) -> None:
     if not future.set_running_or_notify_cancel():
         return
     try:
-        future.set_result(_execute(planner, root, options))
+        future.set_result(_execute(planner, root, options, documents))
     except BaseException as error:  # delivered by future.result()
+        if on_failure is not None:
+            # before set_exception: result() must not return while it runs
+            try:
+                on_failure()
+            except BaseException as failure:
+                error.add_note(f"The clean-up after this failed write failed too: {failure!r}")
         future.set_exception(error)
 
 
-def _execute(planner: Planner, root: NodePlan, options: Options) -> Any:
-    write_tree(root, planner.leaves, options)
+def _execute(planner: Planner, root: NodePlan, options: Options, documents: dict | None = None) -> Any:
+    write_tree(root, planner.leaves, options, documents=documents)
     return _finish(root, options)
 
 

@@ -27,7 +27,8 @@ from shared_td.persist import format as fmt
 from shared_td.persist.archive import (
     ALIGNMENT, ARCHIVE_SUFFIX, Archive, check_compression, is_memmap_archive, name_problem,
 )
-from shared_td.persist.writer import NodePlan, Options, Planner, node_files
+from shared_td.persist.planner import NodePlan, Options, Planner
+from shared_td.persist.writer import node_files
 from shared_td.storage import files
 from shared_td.storage.files import Directory, NO_SPACE_ERRNOS, storage_full_error
 

@@ -17,7 +17,8 @@ A kind answers:
 * **writing**: its keyed ``entries`` (tensors and sub-nodes, filed under their key) and
   fixed-name ``children`` (sub-directories such as ``0/`` or ``_tensordict/``), the
   ``child_type_name`` its parent records, its ``metadata`` (a format.NodeMeta, whose
-  ``to_json`` is the meta.json, and side files), the ``directory`` it is saved in;
+  ``to_json`` is the meta.json, and side files), the ``directory`` it is saved in, the
+  ``stale_children`` an older save left there that a loader would take as its own;
   then ``adopt`` (memmap_: the object takes the written leaves and sub-nodes) or
   ``copy`` (memmap: a new object over them);
 * **loading**: the fixed-name sub-directories a saved node has (``child_names``), and
@@ -72,6 +73,14 @@ class NodeKind:
         """The node's metadata (``entries``: LeafMeta/ChildMeta of its keyed entries,
         as written) and its side files (name -> bytes)."""
         raise NotImplementedError
+
+    def stale_children(self, obj: Any, exists: Callable[[str], bool]) -> list[str]:
+        """Entries of the node's directory, left by an older save, that a loader would
+        read as children of ``obj`` although this write makes no such child
+        (``exists(name)``: whether the directory holds ``name``). A rewrite removes them
+        once the node's new files are in place. Default: none (keyed entries are read
+        from meta.json only)."""
+        return []
 
     def metadata_key(self, obj: Any) -> Hashable | None:
         """What the node's metadata depends on besides its entries, when that is plain

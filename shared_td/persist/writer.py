@@ -1,8 +1,8 @@
 """The persistence engine: plan, write, commit (memmap_, memmap, memmap_like).
 
-* **plan** walks the tree once and decides, for every leaf, where its bytes go; every
-  check (keys, paths inside the prefix, symlinks, existing files, files elsewhere)
-  happens here, before any byte is written.
+* **plan** (persist/planner.py) walks the tree once and decides, for every leaf, where
+  its bytes go; every check (keys, paths inside the prefix, symlinks, existing files,
+  files elsewhere) happens there, before any byte is written.
 * **write** copies the leaves: into files with ``pwrite`` (big leaves on
   ``num_threads`` threads, one file each), or into ONE anonymous segment for the whole tree
   (so file descriptors do not grow with the number of leaves). Small leaves are copied
@@ -22,17 +22,15 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from shared_td.errors import ReadOnlyError
-from shared_td.keys import encode_key, is_safe_legacy_name
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.persist import format as fmt
 from shared_td.persist import nodes
 from shared_td.persist.packing import copy_all, leaf_nbytes, packed_layout, packed_views, stage_small_leaves
+from shared_td.persist.planner import LeafPlan, NodePlan, Options
 from shared_td.storage import files
 from shared_td.storage.anonymous import Segment, align
 from shared_td.storage.files import Directory, FileBacking
@@ -49,197 +47,18 @@ _POOL_LEAF_BYTES = 1 << 20
 _KEPT_DIRECTORIES = 256
 
 
-@dataclass
-class Options:
-    """The parameters of one memmap call, checked."""
-
-    prefix: str | None
-    inplace: bool
-    like: bool = False
-    copy_existing: bool = False
-    num_threads: int = 0
-    existsok: bool = True
-    robust_key: bool = True
-    share_non_tensor: bool = False
-    atomic_target: str | None = None  # with atomic=True: the prefix being replaced
-
-
-# slots: a tree has a plan per leaf and per node; without a __dict__ each, a big tree
-# allocates half the objects the garbage collector has to walk while the write runs.
-@dataclass(slots=True)
-class LeafPlan:
-    key: str
-    source: torch.Tensor
-    path: str | None  # None: anonymous memory
-    name: str = ""  # the file's name in its directory (with a path)
-    keep: bool = False  # the source already is an MMT at ``path`` (kept by identity)
-    offset: int = 0  # anonymous: byte offset in the tree's segment
-    data: memoryview | None = None  # the bytes to write, when staged with other leaves'
-    result: torch.Tensor | None = None
-
-
-@dataclass(slots=True)
-class NodePlan:
-    obj: Any
-    kind: nodes.NodeKind
-    directory: str | None
-    exists: bool = False  # the directory existed when the write was planned
-    leaves: dict[str, LeafPlan] = field(default_factory=dict)
-    children: dict[str, "NodePlan"] = field(default_factory=dict)
-    order: list[str] = field(default_factory=list)  # entry keys in insertion order
-
-    def walk(self):
-        """Every node of the tree, children before their parent."""
-        for child in self.children.values():
-            yield from child.walk()
-        yield self
-
-
-class Planner:
-    """Walks a tree once and checks every write before any is made."""
-
-    def __init__(self, options: Options, *, fresh_root: bool = False):
-        self.options = options
-        self.fresh_root = fresh_root  # the prefix was just created empty (atomic staging)
-        self.leaves: list[LeafPlan] = []
-        self.root = os.path.abspath(options.prefix) if options.prefix is not None else None
-
-    def plan(self, obj: Any) -> NodePlan:
-        return self._plan(obj, self.root, (), parent_exists=not self.fresh_root)
-
-    def _plan(self, obj: Any, directory: str | None, path: tuple, *, parent_exists: bool) -> NodePlan:
-        kind = nodes.kind_for_object(obj)
-        # Inside a directory that does not exist yet nothing exists either: a new save
-        # skips every per-file check (they cost a system call per file).
-        exists = directory is not None and parent_exists and os.path.lexists(directory)
-        if exists and directory != self.root and os.path.islink(directory):
-            raise RuntimeError(
-                f"Refusing to write a memory-mapped TensorDict through symlink {directory} "
-                f"(key {path})."
-            )
-        node = NodePlan(obj, kind, directory, exists=exists)
-        for name, child in kind.children(obj):
-            node.children[name] = self._plan(
-                child, _join(directory, name), path + (name,), parent_exists=exists
-            )
-        self._plan_entries(node, kind.entries(obj), directory, path)
-        return node
-
-    def _plan_entries(self, node: NodePlan, entries, directory: str | None, path: tuple) -> None:
-        used_names = {fmt.META}
-        for key, value in entries:
-            node.order.append(key)
-            target = name = None  # anonymous memory: no file, so no file name to check
-            if directory is not None:
-                name = self._file_name(key, path, leaf=isinstance(value, torch.Tensor))
-                if name in used_names:
-                    raise ValueError(
-                        f"Key {path + (key,)} would be written to {name!r}, which another "
-                        "entry of the same tensordict (or meta.json) uses: rename one of them."
-                    )
-                used_names.add(name)
-                target = _join(directory, name)
-            if isinstance(value, torch.Tensor):
-                node.leaves[key] = self._plan_leaf(key, value, target, name, path, node.exists)
-            else:
-                node.children[key] = self._plan(
-                    value, target, path + (key,), parent_exists=node.exists
-                )
-
-    def _file_name(self, key: str, path: tuple, *, leaf: bool) -> str:
-        if self.options.robust_key:
-            name = encode_key(key)
-        else:
-            if not is_safe_legacy_name(key, directory=not leaf):
-                raise ValueError(
-                    f"Key {path + (key,)} is not one file name on this system (it holds "
-                    "'/' or NUL, or is ''/'.'/'..' for a nested tensordict), so "
-                    "robust_key=False cannot write it inside the prefix: use "
-                    "robust_key=True (the default), which encodes it."
-                )
-            name = key
-        if leaf:
-            name += fmt.LEAF_SUFFIX  # so a leaf "." is the file "..memmap", inside
-        if os.sep in name or name in ("", ".", ".."):  # never reached by the rules above
-            raise ValueError(f"Key {path + (key,)} would be written outside the prefix.")
-        return name
-
-    def _plan_leaf(
-        self, key: str, tensor: torch.Tensor, target: str | None, name: str | None, path: tuple,
-        in_existing: bool,
-    ) -> LeafPlan:
-        if tensor.requires_grad:
-            tensor = tensor.detach()
-        if tensor.is_nested:
-            raise NotImplementedError(f"Key {path + (key,)}: nested tensors cannot be memory-mapped yet.")
-        leaf = LeafPlan(key, tensor, target, name)
-        if type(tensor) is torch.Tensor:  # the common case: a plain tensor, always written
-            if target is not None and in_existing:
-                self._check_existing(key, target, path)
-            self.leaves.append(leaf)
-            return leaf
-        backing = getattr(tensor, "_backing", None) if isinstance(tensor, MemoryMappedTensor) else None
-        if isinstance(backing, FileBacking) and not backing.shared and not self.options.like:
-            # a private (copy-on-write) mapping: its bytes live in this process only, so
-            # it is never kept as if memory-mapped; it is copied, as a plain tensor is
-            if target is not None and backing.path == target:
-                if backing.read_only:
-                    raise ReadOnlyError(
-                        f"Key {path + (key,)} cannot be memory-mapped to its own file "
-                        f"{target}: that file was loaded read-only because "
-                        f"{backing.read_only}. Write the tensordict to a new prefix "
-                        "(memmap_(new_prefix)), take a writable copy in memory with "
-                        ".clone(), or load the save from a place this process may write."
-                    )
-                leaf.source = tensor.clone()  # the write overwrites the bytes it maps
-        elif isinstance(backing, FileBacking) and not self.options.like:  # like copies no data
-            if target is not None and backing.path == target:
-                if tensor.storage_offset() == 0 and tensor.is_contiguous():
-                    leaf.keep = True
-                else:
-                    # a view (slice, stride) of the very file it is written to: keeping it
-                    # would record a shape that the file's leading bytes do not hold, so
-                    # it is written; copied out first, as the write overlaps its bytes
-                    leaf.source = tensor.clone()
-            elif not self.options.copy_existing and target is not None:
-                if self.options.atomic_target is not None:
-                    raise RuntimeError(
-                        f"Key {path + (key,)} is already memory-mapped to {backing.path}; "
-                        "atomic=True writes a new copy of every leaf (the new version of "
-                        f"{self.options.atomic_target}). Pass copy_existing=True."
-                    )
-                raise RuntimeError(
-                    f"Key {path + (key,)} is already memory-mapped to {backing.path}; "
-                    f"writing it to {target} would copy it. Pass copy_existing=True to "
-                    "copy it, or write to its own prefix."
-                )
-        elif target is None and isinstance(tensor, MemoryMappedTensor) and backing is not None:
-            leaf.keep = not self.options.like  # already anonymous shared memory
-        if target is not None and not leaf.keep and in_existing:
-            self._check_existing(key, target, path)
-        self.leaves.append(leaf)
-        return leaf
-
-    def _check_existing(self, key: str, target: str, path: tuple) -> None:
-        if os.path.islink(target):
-            raise RuntimeError(f"Refusing to write memory-mapped tensor through symlink {target}.")
-        if not self.options.existsok and os.path.lexists(target):
-            raise RuntimeError(
-                f"The file {target} already exists (key {path + (key,)}); pass "
-                "existsok=True to overwrite it."
-            )
-
-
-def _join(directory: str | None, name: str) -> str | None:
-    """os.path.join for an absolute ``directory`` and one checked file name (a third
-    of the planning of a big tree was os.path.join's generality)."""
-    if directory is None:
-        return None
-    return directory + name if directory.endswith(os.sep) else directory + os.sep + name
-
-
 # ------------------------------------------------------------------------------ write
-def write_tree(root: NodePlan, leaves: list[LeafPlan], options: Options, *, clean_up: bool = True) -> None:
+def tree_documents(root: NodePlan) -> dict:
+    """The meta.json bytes and side files (pickles) of every node of a planned tree to
+    files, by node id: made before any byte is written, so an unpicklable value raises
+    here. ``memmap_(return_early=True)`` makes them in the calling thread, so that such
+    an error is raised by the call itself (naming its key), not by ``result()``."""
+    built: dict = {}
+    return {id(node): node_files(node, built) for node in root.walk()}
+
+
+def write_tree(root: NodePlan, leaves: list[LeafPlan], options: Options, *, clean_up: bool = True,
+               documents: dict | None = None) -> None:
     """Write the leaves and every meta.json; on failure remove what this write created
     (``clean_up=False``: the caller removes the whole root, as an atomic write's staging
     directory does with the descriptors it reserved for that).
@@ -256,7 +75,8 @@ def write_tree(root: NodePlan, leaves: list[LeafPlan], options: Options, *, clea
     the root's after every leaf. In a directory this write created they are written
     directly; where files may exist, under temporary names, renamed into place only
     when every node is written: a failure (a full disk) leaves every old meta.json as
-    it was, and no reader ever sees a half-written one.
+    it was, and no reader ever sees a half-written one. ``documents``: the tree's
+    :func:`tree_documents`, if the caller made them already.
     """
     anonymous = [leaf for leaf in leaves if leaf.path is None and not leaf.keep]
     if anonymous:
@@ -268,8 +88,8 @@ def write_tree(root: NodePlan, leaves: list[LeafPlan], options: Options, *, clea
         return  # anonymous memory only: no file, no meta.json
     if not options.like:
         stage_small_leaves([leaf for leaf in leaves if not leaf.keep])
-    built: dict = {}
-    documents = {id(node): node_files(node, built) for node in root.walk()}
+    if documents is None:
+        documents = tree_documents(root)
     pool = ThreadPoolExecutor(options.num_threads) if options.num_threads > 1 else None
     writer = _TreeWriter(options, pool, documents)
     directory = Directory.open(root.directory, create=not root.exists)
@@ -290,6 +110,12 @@ def write_tree(root: NodePlan, leaves: list[LeafPlan], options: Options, *, clea
         if pool is not None:
             pool.shutdown()
     directory.close()
+    if writer.not_removed:
+        raise OSError(
+            f"The save at {root.directory} is written, but what an older save left there "
+            f"could not be removed: {'; '.join(writer.not_removed)}. Loading it would take "
+            "that as part of the new save (an extra lazy-stack member): remove it."
+        )
 
 
 class _TreeWriter:
@@ -312,6 +138,7 @@ class _TreeWriter:
         self.kept: dict[int, Directory] = {}  # node id -> its existing directory, still open
         self.shapes: dict = {}  # one torch.Size per shape of the leaves (MMT._wrap_views)
         self.empty_of: dict = {}  # dtype -> an empty tensor of it
+        self.not_removed: list[str] = []  # stale entries put_in_place could not remove
 
     def close_kept(self) -> None:
         for opened in self.kept.values():
@@ -411,13 +238,19 @@ class _TreeWriter:
 
     def put_in_place(self, node: NodePlan, directory: Directory) -> None:
         """Rename the staged files of ``node`` and of the existing directories below it
-        over the old ones, children first."""
+        over the old ones, children first; then remove what an older save left there
+        that would be read as part of the new one (a longer lazy stack's members)."""
         for child in node.children.values():
             if child.exists:
                 opened = self.kept.pop(id(child), None) or directory.child(os.path.basename(child.directory))
                 with opened:
                     self.put_in_place(child, opened)
         _put_in_place(directory, node.kind, self.documents[id(node)], self.staged[id(node)])
+        for name in node.kind.stale_children(node.obj, directory.exists):
+            try:
+                directory.remove_tree(name)
+            except OSError as error:  # raised once the write is over: nothing to undo
+                self.not_removed.append(f"{directory.join(name)} ({error})")
 
     def remove_what_was_made(self, node: NodePlan, directory: Directory, error: BaseException) -> None:
         """Remove the files, temporaries and directories this write made after ``error``;

@@ -578,7 +578,9 @@ def test_alike_nodes_share_no_metadata_that_differs(tmp_path):
     td = TensorDict({
         "a": TensorDict({"x": torch.zeros(2, 3)}, [2]),
         "b": TensorDict({"x": torch.zeros(2, 3)}, [2, 3]),
-        "c": TensorDict({"x": torch.zeros(2, 3)}, [2], names=["time"]),
+        # (a name of a dim that is not the parent's: a child naming the parent's dim
+        # names the parent and every other child, as in tensordict)
+        "c": TensorDict({"x": torch.zeros(2, 3)}, [2, 3], names=[None, "time"]),
         "d": TensorDict({"x": torch.zeros(2, 3, dtype=torch.int8)}, [2]),
         "e": TensorDict({"x": torch.zeros(2, 4)}, [2]),
         "f": TensorDict({"x": TensorDict({}, [2])}, [2]),

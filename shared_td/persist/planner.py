@@ -1,0 +1,267 @@
+"""The plan step of the persistence engine (see persist/writer.py): walk a tree once and
+decide, for every leaf, where its bytes go.
+
+Every check (keys, paths inside the prefix, symlinks, existing files, files elsewhere,
+files a leaf views that this write overwrites) happens here, before any byte is
+written; a leaf already memory-mapped to its own file, the very file there now, is kept.
+"""
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from shared_td.errors import ReadOnlyError
+from shared_td.keys import encode_key, is_safe_legacy_name
+from shared_td.memmap_tensor import MemoryMappedTensor
+from shared_td.persist import format as fmt
+from shared_td.persist import nodes
+from shared_td.storage import files
+from shared_td.storage.files import FileBacking
+
+
+@dataclass
+class Options:
+    """The parameters of one memmap call, checked."""
+
+    prefix: str | None
+    inplace: bool
+    like: bool = False
+    copy_existing: bool = False
+    num_threads: int = 0
+    existsok: bool = True
+    robust_key: bool = True
+    share_non_tensor: bool = False
+    atomic_target: str | None = None  # with atomic=True: the prefix being replaced
+
+
+# slots: a tree has a plan per leaf and per node; without a __dict__ each, a big tree
+# allocates half the objects the garbage collector has to walk while the write runs.
+@dataclass(slots=True)
+class LeafPlan:
+    key: str
+    source: torch.Tensor
+    path: str | None  # None: anonymous memory
+    name: str = ""  # the file's name in its directory (with a path)
+    keep: bool = False  # the source already is an MMT at ``path`` (kept by identity)
+    offset: int = 0  # anonymous: byte offset in the tree's segment
+    data: memoryview | None = None  # the bytes to write, when staged with other leaves'
+    result: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class NodePlan:
+    obj: Any
+    kind: nodes.NodeKind
+    directory: str | None
+    exists: bool = False  # the directory existed when the write was planned
+    leaves: dict[str, LeafPlan] = field(default_factory=dict)
+    children: dict[str, "NodePlan"] = field(default_factory=dict)
+    order: list[str] = field(default_factory=list)  # entry keys in insertion order
+
+    def walk(self):
+        """Every node of the tree, children before their parent."""
+        for child in self.children.values():
+            yield from child.walk()
+        yield self
+
+
+class Planner:
+    """Walks a tree once and checks every write before any is made."""
+
+    def __init__(self, options: Options, *, fresh_root: bool = False):
+        self.options = options
+        self.fresh_root = fresh_root  # the prefix was just created empty (atomic staging)
+        self.leaves: list[LeafPlan] = []
+        self.root = os.path.abspath(options.prefix) if options.prefix is not None else None
+        # (path, lstat) of the existing files this write overwrites in place
+        self.overwritten: list[tuple[str, os.stat_result]] = []
+
+    def plan(self, obj: Any) -> NodePlan:
+        root = self._plan(obj, self.root, (), parent_exists=not self.fresh_root)
+        if self.overwritten and not self.options.like:
+            self._copy_sources_overwritten()
+        return root
+
+    def _copy_sources_overwritten(self) -> None:
+        """Copy now the source of every leaf that views a file this write overwrites.
+
+        A leaf may read the very file another leaf's bytes go to: two keys whose
+        memory-mapped tensors were swapped, a key given another key's tensor, then
+        ``memmap_(copy_existing=True)`` into their own directory. Unless it is read
+        first, the other file may be written before it and the leaf would get the
+        other's new bytes. (Small leaves are copied out before any write by the
+        staging; bigger ones are read when their own file is written.)
+        """
+        mappings, paths = set(), set()
+        for path, st in self.overwritten:
+            paths.add(path)
+            backing = files.mapped_backing(st)  # this process's shared mapping of it
+            if backing is not None and backing.storage is not None:
+                mappings.add(backing.storage.data_ptr())
+        for leaf in self.leaves:
+            source = leaf.source
+            if leaf.keep or leaf.path is None or not source.is_cpu or not source.numel():
+                continue
+            backing = getattr(source, "_backing", None)
+            # by path too: a copy-on-write mapping is in no cache, yet it reads the
+            # file's new bytes where it was not written to; by storage: any view of a
+            # mapping (a plain tensor too) has the mapping itself as its storage
+            if (isinstance(backing, FileBacking) and backing.path in paths) or \
+                    (mappings and source.untyped_storage().data_ptr() in mappings):
+                leaf.source = source.clone()
+
+    def _plan(self, obj: Any, directory: str | None, path: tuple, *, parent_exists: bool) -> NodePlan:
+        kind = nodes.kind_for_object(obj)
+        # Inside a directory that does not exist yet nothing exists either: a new save
+        # skips every per-file check (they cost a system call per file).
+        exists = directory is not None and parent_exists and os.path.lexists(directory)
+        if exists and directory != self.root and os.path.islink(directory):
+            raise RuntimeError(
+                f"Refusing to write a memory-mapped TensorDict through symlink {directory} "
+                f"(key {path})."
+            )
+        node = NodePlan(obj, kind, directory, exists=exists)
+        for name, child in kind.children(obj):
+            node.children[name] = self._plan(
+                child, _join(directory, name), path + (name,), parent_exists=exists
+            )
+        self._plan_entries(node, kind.entries(obj), directory, path)
+        return node
+
+    def _plan_entries(self, node: NodePlan, entries, directory: str | None, path: tuple) -> None:
+        used_names = {fmt.META}
+        for key, value in entries:
+            node.order.append(key)
+            target = name = None  # anonymous memory: no file, so no file name to check
+            if directory is not None:
+                name = self._file_name(key, path, leaf=isinstance(value, torch.Tensor))
+                if name in used_names:
+                    raise ValueError(
+                        f"Key {path + (key,)} would be written to {name!r}, which another "
+                        "entry of the same tensordict (or meta.json) uses: rename one of them."
+                    )
+                used_names.add(name)
+                target = _join(directory, name)
+            if isinstance(value, torch.Tensor):
+                node.leaves[key] = self._plan_leaf(key, value, target, name, path, node.exists)
+            else:
+                node.children[key] = self._plan(
+                    value, target, path + (key,), parent_exists=node.exists
+                )
+
+    def _file_name(self, key: str, path: tuple, *, leaf: bool) -> str:
+        if self.options.robust_key:
+            name = encode_key(key)
+        else:
+            if not is_safe_legacy_name(key, directory=not leaf):
+                raise ValueError(
+                    f"Key {path + (key,)} is not one file name on this system (it holds "
+                    "'/' or NUL, or is ''/'.'/'..' for a nested tensordict), so "
+                    "robust_key=False cannot write it inside the prefix: use "
+                    "robust_key=True (the default), which encodes it."
+                )
+            name = key
+        if leaf:
+            name += fmt.LEAF_SUFFIX  # so a leaf "." is the file "..memmap", inside
+        if os.sep in name or name in ("", ".", ".."):  # never reached by the rules above
+            raise ValueError(f"Key {path + (key,)} would be written outside the prefix.")
+        return name
+
+    def _plan_leaf(
+        self, key: str, tensor: torch.Tensor, target: str | None, name: str | None, path: tuple,
+        in_existing: bool,
+    ) -> LeafPlan:
+        if tensor.requires_grad:
+            tensor = tensor.detach()
+        if tensor.is_nested:
+            raise NotImplementedError(f"Key {path + (key,)}: nested tensors cannot be memory-mapped yet.")
+        leaf = LeafPlan(key, tensor, target, name)
+        if type(tensor) is torch.Tensor:  # the common case: a plain tensor, always written
+            if target is not None and in_existing:
+                self._check_existing(key, target, path)
+            self.leaves.append(leaf)
+            return leaf
+        backing = getattr(tensor, "_backing", None) if isinstance(tensor, MemoryMappedTensor) else None
+        if isinstance(backing, FileBacking) and not backing.shared and not self.options.like:
+            # a private (copy-on-write) mapping: its bytes live in this process only, so
+            # it is never kept as if memory-mapped; it is copied, as a plain tensor is
+            if target is not None and backing.path == target:
+                if backing.read_only:
+                    raise ReadOnlyError(
+                        f"Key {path + (key,)} cannot be memory-mapped to its own file "
+                        f"{target}: that file was loaded read-only because "
+                        f"{backing.read_only}. Write the tensordict to a new prefix "
+                        "(memmap_(new_prefix)), take a writable copy in memory with "
+                        ".clone(), or load the save from a place this process may write."
+                    )
+                leaf.source = tensor.clone()  # the write overwrites the bytes it maps
+        elif isinstance(backing, FileBacking) and not self.options.like:  # like copies no data
+            if target is not None and backing.path == target and _maps_file_at(backing, target):
+                if tensor.storage_offset() == 0 and tensor.is_contiguous():
+                    leaf.keep = True
+                else:
+                    # a view (slice, stride) of the very file it is written to: keeping it
+                    # would record a shape that the file's leading bytes do not hold, so
+                    # it is written; copied out first, as the write overlaps its bytes
+                    leaf.source = tensor.clone()
+            elif backing.path == target:
+                # its file was deleted or replaced since it was mapped (the directory
+                # removed, another process's atomic rewrite): written again, else the
+                # meta.json would name a file that holds something else, or nothing
+                pass
+            elif not self.options.copy_existing and target is not None:
+                if self.options.atomic_target is not None:
+                    raise RuntimeError(
+                        f"Key {path + (key,)} is already memory-mapped to {backing.path}; "
+                        "atomic=True writes a new copy of every leaf (the new version of "
+                        f"{self.options.atomic_target}). Pass copy_existing=True."
+                    )
+                raise RuntimeError(
+                    f"Key {path + (key,)} is already memory-mapped to {backing.path}; "
+                    f"writing it to {target} would copy it. Pass copy_existing=True to "
+                    "copy it, or write to its own prefix."
+                )
+        elif target is None and isinstance(tensor, MemoryMappedTensor) and backing is not None:
+            leaf.keep = not self.options.like  # already anonymous shared memory
+        if target is not None and not leaf.keep and in_existing:
+            self._check_existing(key, target, path)
+        self.leaves.append(leaf)
+        return leaf
+
+    def _check_existing(self, key: str, target: str, path: tuple) -> None:
+        try:
+            st = os.lstat(target)
+        except OSError:
+            return  # nothing there (or no directory there: the write will say so)
+        if stat.S_ISLNK(st.st_mode):
+            raise RuntimeError(f"Refusing to write memory-mapped tensor through symlink {target}.")
+        if not self.options.existsok:
+            raise RuntimeError(
+                f"The file {target} already exists (key {path + (key,)}); pass "
+                "existsok=True to overwrite it."
+            )
+        self.overwritten.append((target, st))
+
+
+def _maps_file_at(backing: FileBacking, path: str) -> bool:
+    """Whether ``backing`` maps the file that is at ``path`` now: this process's mapping
+    of that inode is ``backing`` itself (one lstat). An empty leaf has no file at all."""
+    if backing.storage is None:
+        return True
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and files.mapped_backing(st) is backing
+
+
+def _join(directory: str | None, name: str) -> str | None:
+    """os.path.join for an absolute ``directory`` and one checked file name (a third
+    of the planning of a big tree was os.path.join's generality)."""
+    if directory is None:
+        return None
+    return directory + name if directory.endswith(os.sep) else directory + os.sep + name
