@@ -25,41 +25,32 @@ signed notice, and the highest store version wins
 the views of that node's processes turn stale (:func:`shared_td.is_stale`) and
 :func:`shared_td.refresh` gives the new one.
 
-Requests travel through the store. Each node has one *lane* per peer node: a thread that
-pops that peer's requests from their own queue ``lane/<node>/<peer>`` and serves them (a
-peer that stops answering holds up only its own lane; no hand-off between threads on the
-way), and a service thread for the small notices of ``queue/<node>`` (non-tensor values,
-new pair generations, stop); both live in :mod:`~shared_td.coordinator.cluster_serve`,
-this module is the calling half (its requests: :mod:`~shared_td.coordinator.cluster_requests`).
-Payloads go over the pair's gloo group with the request's tag (a large one over
-``stripes`` groups of the pair at once, in contiguous byte ranges: see
-:mod:`~shared_td.coordinator.cluster_transfer`). The answer to a pull is a
-signed value pushed to the requesting thread's own queue ``reply/<node>/<slot>`` (one
-blocking pop gets one: no poll; an answer that comes after its request gave up is
-skipped by its tag); a push or a sync is answered after its payload over the pair,
-signed for that request, into a receive the sender posted beside its send. A push skips
-the store once its pair is built: it goes into a receive the owner keeps posted for it
-(:mod:`~shared_td.coordinator.cluster_push`; a sync's sending half:
-:mod:`~shared_td.coordinator.cluster_sync`). A sender of a payload only sends after the
-receiver's request, promise or kept receive, and every wait is bounded:
-on a failure or a timeout of any stripe, every stripe's operations are ended (no
-receive stays posted), the pair's groups are closed and rebuilt by the next transfer,
-and a replica's version is set only once every stripe arrived.
+The class is in three parts, each in its own module: this node's calls (here), joining
+and leaving (:mod:`~shared_td.coordinator.cluster_membership`), and requests to other
+nodes with what their failures mean (:mod:`~shared_td.coordinator.cluster_requests`).
+Requests travel through the store, each node serving its peers from one lane per peer
+(:mod:`~shared_td.coordinator.cluster_serve`); payloads go over the pair's gloo groups
+(:mod:`~shared_td.coordinator.cluster_transfer`; a push, once its pair is built, skips
+the store: :mod:`~shared_td.coordinator.cluster_push`; a sync's sending half:
+:mod:`~shared_td.coordinator.cluster_sync`). Every wait is bounded, and a wait on a
+transfer ends as soon as its peer is found lost
+(:mod:`~shared_td.coordinator.cluster_waits`).
 
 Failure behaviour:
 
 * Each node writes a heartbeat every ``HEARTBEAT_S``; a node whose heartbeat has not
   changed for ``LOST_AFTER_S`` is lost (:mod:`~shared_td.coordinator.cluster_liveness`).
-  ``pull``/``push`` whose owner is lost raise :class:`~shared_td.errors.OwnerLostError`:
-  about ``LOST_AFTER_S`` after the owner died when gloo reports the closed connection
-  (the usual case), at most the bounded gloo wait
-  (:data:`~shared_td.coordinator.cluster_transfer.WAIT_SLACK_S` + bytes / ``MIN_RATE``)
-  later when it does not. The replica stays readable (after an interrupted transfer its
-  version reads None: its rows may mix two versions). A failed transfer with a node that
-  is alive raises a ConnectionError: the call may be retried (a new pair generation).
+  ``pull``/``push`` whose owner is lost raise :class:`~shared_td.errors.OwnerLostError`
+  about ``LOST_AFTER_S`` (plus one look, ``WATCH_S``) after the owner died, whether gloo
+  reports the closed connection or leaves the transfer hanging. The replica stays
+  readable (after an interrupted transfer its version reads None: its rows may mix two
+  versions). A failed transfer with a node that is alive raises a ConnectionError: the
+  call may be retried (a new pair generation).
 * ``sync`` on the owner drops a replica node that fails or does not answer within the
   timeout (or is lost) and reports it in :attr:`SyncReport.dropped`; the others get it.
 * The store host lost: store calls raise :class:`ConnectionError`.
+* A record of the store with a wrong signature is never used and counted in
+  ``refused``; a forged non-tensor value met by ``attach`` is stored again by its owner.
 
 Example: a one-node cluster on a store of a free port (normally one member per machine,
 all started with the same URL and authkey, e.g. ``Cluster("tcp://head:29600", node=i,
@@ -82,29 +73,24 @@ and ``shared_td.wait_version(view, n)`` tell which sync it holds, and
 """
 from __future__ import annotations
 
-import atexit
 import concurrent.futures
 import itertools
 import os
-import socket
+import secrets
 import threading
 import time
 
 from shared_td.coordinator import cluster_layout, cluster_push, cluster_sync
 from shared_td.coordinator import cluster_replica as replica
 from shared_td.coordinator import staleness
-from shared_td.coordinator.cluster_liveness import (HEARTBEAT_S, Liveness, claim_name, claim_node, name_holder,
-                                                    release_node)
-from shared_td.coordinator.cluster_names import LocalNames
+from shared_td.coordinator.cluster_liveness import Liveness, claim_name
+from shared_td.coordinator.cluster_membership import ClusterMembership
 from shared_td.coordinator.cluster_replica import Owned, Replica
 from shared_td.coordinator.cluster_requests import ClusterRequests
-from shared_td.coordinator.cluster_serve import (LISTENER, POP_S, lane_queue, listen, serve_lane, serve_notices,
-                                                 watch_pairs)
-from shared_td.coordinator.cluster_store import (ClusterAuthError, ClusterCounter, SignedStore, check_store,
-                                                  cluster_key, open_store)
+from shared_td.coordinator.cluster_serve import lane_queue
+from shared_td.coordinator.cluster_store import ClusterAuthError, ClusterCounter, SignedStore, cluster_key
 from shared_td.coordinator.cluster_sync import SyncReport
-from shared_td.coordinator.cluster_transfer import (PairGroups, TransferFailed, stripe_count,
-                                                    stripe_ranges, wait_work)
+from shared_td.coordinator.cluster_transfer import PairGroups, TransferFailed, stripe_count, stripe_ranges
 from shared_td.coordinator.cluster_values import ClusterValues
 from shared_td.errors import OwnerLostError
 
@@ -118,7 +104,7 @@ DEFAULT_TIMEOUT = 30.0
 DEFAULT_STRIPES = 1
 
 
-class Cluster(ClusterRequests):
+class Cluster(ClusterMembership, ClusterRequests):
     """This node's membership of a cluster.
 
     Args:
@@ -179,167 +165,9 @@ class Cluster(ClusterRequests):
         self.refused = 0  # requests dropped for a wrong signature
         self.renew_failures = 0  # replicas not renewed after a re-publish (see cluster_serve)
         self._pid = os.getpid()
-
-    # ------------------------------------------------------------------ lifecycle
-    def start(self) -> "Cluster":
-        """Join the cluster: claim this node's number (ValueError while another process
-        runs as that node; a number whose holder crashed is taken over once its
-        heartbeat stood still for LOST_AFTER_S, see
-        :func:`~shared_td.coordinator.cluster_liveness.claim_node`), wait (at most
-        ``timeout``) for every node's signed join record, refuse with ClusterAuthError
-        one signed with another authkey, then start the heartbeat and the service
-        thread. Returns self."""
-        if self._store is not None:
-            raise RuntimeError("This Cluster is already started.")
-        if isinstance(self._spec, str):
-            base, node, nodes = open_store(self._spec, self.node, self.timeout)
-            self.node = self.node if self.node is not None else node
-            self.nodes = self.nodes if self.nodes is not None else nodes
-        else:
-            base = self._spec
-        check_store(base)
-        if self.node is None or self.nodes is None or not 0 <= self.node < self.nodes:
-            raise ValueError(f"A cluster needs node= in [0, nodes) and nodes=, got node={self.node}, nodes={self.nodes}.")
-        # spares: the first connections of this node's threads (heartbeat, service, pair
-        # watch, a lane per peer, the values poller, the sync senders) are made ahead, in the
-        # background (a connect can stall 5 s in a reverse DNS lookup, see cluster_store)
-        self._store = SignedStore(base, self._authkey, timeout=self.timeout,
-                                  spares=4 + (self.nodes - 1) + min(self.nodes - 1, 6))
-        try:
-            self._check_key()  # before the claim: a process with another key must not touch this node's records
-            self._claim = claim_node(self._store, self.node)
-        except BaseException:  # nothing of this node runs yet: no stop request may reach the other
-            self._stop.set()
-            self._closed = True
-            self._store.close()
-            raise
-        try:
-            self._join()
-        except BaseException:  # refused, or a node did not join: nothing of this node is left running
-            self.shutdown()
-            raise
-        return self
-
-    def _check_key(self) -> None:
-        """When another process holds this node's number: ClusterAuthError if the other
-        nodes' join records that exist are all signed with another key. This process
-        then has the wrong authkey, and taking the number over would drain its queues
-        and overwrite its records under a running node. A free number is claimed as
-        before: the join finds the wrong key, and the other nodes see this one's join
-        record refused at once rather than waiting their timeout for it."""
-        if self._store.get_unchecked(f"claim/{self.node}") in (None, b""):
-            return
-        refused = []
-        for key in (f"join/{n}" for n in range(self.nodes) if n != self.node):
-            if not self._store.has(key):
-                continue
-            try:
-                self._store.get_json(key)
-                return  # one node with our key: the records that fail are stale or forged
-            except ClusterAuthError:
-                refused.append(key)
-        if refused:
-            raise ClusterAuthError(
-                f"Cluster node {self.node}: the join records of the cluster ({', '.join(refused)}) have a wrong "
-                "signature for this process's cluster authkey, so it uses another key than the running nodes. Node "
-                f"{self.node}'s number is held: nothing was taken over. Give every node the same authkey= "
-                "(or SHARED_TD_CLUSTER_KEY).")
-
-    def _join(self) -> None:
-        """What :meth:`start` does once this process holds the node's number: join the
-        others, then start this node's threads."""
-        for queue in self._own_queues():  # what waits there was sent to this node's last process
-            self._store.drain(queue)
-        self._store.set_json(f"join/{self.node}", {"node": self.node, "nodes": self.nodes, "pid": os.getpid(),
-                                                   "host": socket.gethostname()})
-        self._store.set_json(f"hb/{self.node}", {"beat": 0, "pid": os.getpid()})
-        # beating from now on: a join that waits long for the others must not look like
-        # a crashed node whose number another process may take over
-        self._liveness = Liveness(self._store, self.node, self._store.get_json, self._claim, self._stop,
-                                  on_confirm=self._give_up_names_taken_over)
-        self._start_thread(self._liveness.beat, (), "beat")
-        others = [f"join/{n}" for n in range(self.nodes) if n != self.node]
-        if others and not self._store.wait(others, self.timeout):
-            missing = [k.split("/")[1] for k in others if not self._store.has(k)]
-            raise TimeoutError(f"Cluster node {self.node}: nodes {', '.join(missing)} did not join "
-                               f"within {self.timeout:g} s.")
-        for key in others:
-            record = self._store.get_json(key)  # ClusterAuthError: another authkey
-            if record["nodes"] != self.nodes:
-                raise ValueError(f"Node {record['node']} joined with nodes={record['nodes']}, this node has {self.nodes}.")
-        self._groups = PairGroups(self._store, self.node, timeout=self.timeout, hostname=self._hostname,
-                                  alive=lambda peer: self._liveness.alive(peer),
-                                  on_built=lambda peer, generation: listen(self, peer, generation))
-        self._values = ClusterValues(self._store, self.node, self.nodes, self._stop, self._liveness.still_mine,
-                                     self._count_refused)
-        #: this node's records of its unreplicated names (see cluster_names)
-        self.local_names = LocalNames(self._store, self.node, self.nodes)
-        lanes = [(serve_lane, (self, peer), f"lane-{peer}") for peer in range(self.nodes) if peer != self.node]
-        for target, args, name in [(serve_notices, (self,), "serve"), (watch_pairs, (self,), "watch"), *lanes]:
-            self._start_thread(target, args, name)
-
-    def _count_refused(self) -> None:
-        """One more forged record or request, never acted on (see ``refused``)."""
-        self.refused += 1
-
-    def _start_thread(self, target, args: tuple, name: str) -> None:
-        thread = threading.Thread(target=target, args=args, name=f"shared_td-cluster-{name}", daemon=True)
-        thread.start()
-        self._threads.append(thread)
-
-    def shutdown(self) -> None:
-        """Leave the cluster: stop the threads, abort the gloo groups. Idempotent.
-        Replicas already attached stay readable. Node 0 usually hosts the store: the
-        others lose it when it leaves."""
-        if self._store is None or self._closed:
-            return
-        self._closed = True
-        self._stop.set()
-        atexit.unregister(self.shutdown)
-        # a process whose number was taken over leaves the queues and the claim to its successor
-        mine = self._liveness is None or self._liveness.taken_over is None
-        try:
-            for queue in self._own_queues() if mine else ():
-                self._store.push_json(queue, {"op": "stop", "from": self.node})
-        except (RuntimeError, OSError):
-            pass  # the store is gone; the pops fail by themselves
-        listeners = [t for t in self._threads if t.name.startswith(LISTENER)]
-        for thread in self._threads:  # a lane in a transfer ends at its bounded wait (daemon)
-            if thread not in listeners:
-                thread.join(POP_S if thread.name.endswith("serve") else 2 * HEARTBEAT_S)
-        if self._values is not None:
-            self._values.join(2 * HEARTBEAT_S)
-        self._senders.shutdown(wait=False, cancel_futures=True)
-        if self._groups is not None:  # None: start() failed before the groups
-            self._groups.close()  # closes the pairs: the kept push receives end
-        for thread in listeners:
-            thread.join(2 * HEARTBEAT_S)
-        try:
-            if mine:
-                release_node(self._store, self.node, self._claim)
-        except (RuntimeError, OSError):
-            pass  # the store is gone: nobody joins it again
-        self._store.close()
-
-    def _give_up_names_taken_over(self) -> None:
-        """This process was stopped (or starved) past LOST_AFTER_S and still runs its node:
-        the names another node took over meanwhile (``claim_name``) are not this node's
-        any more: not synced, not served (a sync of one says who owns it)."""
-        for name in list(self._owned):
-            holder = name_holder(self._store, name, self.node)
-            if holder != str(self.node):
-                del self._owned[name]
-                self._taken_names[name] = holder
-
-    def _own_queues(self) -> list[str]:
-        """The store queues this node's threads pop: its service queue, a lane per peer."""
-        return [f"queue/{self.node}", *(lane_queue(self.node, peer) for peer in range(self.nodes) if peer != self.node)]
-
-    def __enter__(self) -> "Cluster":
-        return self if self._store is not None else self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.shutdown()
+        # this process's run of the node, named in its requests and echoed by their answers
+        # in the store: a restarted node must not take its predecessor's (cluster_requests)
+        self._caller = secrets.token_hex(8)
 
     def counter(self, name: str) -> ClusterCounter:
         """A counter shared by every node (``fetch_add`` is one ``TCPStore.add``)."""
@@ -441,6 +269,8 @@ class Cluster(ClusterRequests):
             return have.td
         layout, generation = info["layout"], info["generation"]
         latest = self._values.latest(name, generation, len(layout.get("values", ())))
+        if None in latest:  # a value's stored record is forged (counted): its owner stores it again
+            latest = self._restored_values(info["owner"], name, generation, len(latest))
         segment = replica.new_segment(layout["nbytes"])
         td = cluster_layout.rebuild(name, layout, [value for _version, value in latest], segment)
         rep = self._replicas[name] = Replica(td, segment, layout, info["owner"], generation)
@@ -457,6 +287,25 @@ class Cluster(ClusterRequests):
         self._values.attach(name, generation, cluster_layout.value_cells(td, layout), [v for v, _value in latest])
         staleness.remember(td, name, generation, {"table": None, "slot": None}, _ClusterEndpoint(self))
         return td
+
+    def _restored_values(self, owner: int, name: str, generation: int, count: int) -> list:
+        """The ``count`` values of ``name`` once its owner stored again, signed, those
+        whose record has a wrong signature (``ClusterValues.restore``, asked in the
+        owner's lane): a forged record carries nothing usable, and the values of a
+        replica can only come from the store, so the owner's current value replaces it,
+        as the next write of any node would. ClusterAuthError naming the records still
+        forged after that (something keeps writing them); OwnerLostError if the owner is
+        lost."""
+        tag, _pair = self._request(owner, "values", name, generation)
+        self._answer(owner, tag, time.monotonic() + self.timeout, name)
+        latest = self._values.latest(name, generation, count)
+        forged = [f"value/{name}/{generation}/{index}" for index, value in enumerate(latest) if value is None]
+        if forged:
+            raise ClusterAuthError(
+                f"attach({name!r}): the stored records {', '.join(forged)} have a wrong signature again after "
+                f"their owner, node {owner}, stored them anew: something other than a node of this cluster keeps "
+                "writing them. Nothing of them was used (counted in refused). Run the cluster on a private network.")
+        return latest
 
     def holds(self, name: str) -> bool:
         """Whether ``name`` on this node's Coordinator is the cluster's (owned or a
@@ -511,7 +360,8 @@ class Cluster(ClusterRequests):
                 replica.set_state(rep.segment, replica.state(rep.segment) | 1)
                 works = self._groups.recv(rep.owner, generation, replica.segment_bytes(rep.segment, nbytes), tag,
                                           deadline, stripes)
-                wait_work(works, deadline, f"pull of {name!r}", nbytes)  # every stripe, before the version
+                # every stripe, before the version; given up once the owner is found lost
+                self._groups.wait(rep.owner, works, deadline, f"pull of {name!r}", nbytes)
             except TransferFailed as err:
                 self._groups.fail(rep.owner, generation)
                 raise self._lost_or(rep.owner, name, err) from err
@@ -538,31 +388,6 @@ class Cluster(ClusterRequests):
         replica, as a new version; returns when all have it (or were dropped: a node
         that fails or does not answer within ``timeout`` seconds)."""
         return cluster_sync.sync(self, name, timeout)  # see cluster_sync
-
-    # ------------------------------------------------------------------ liveness
-    def _alive(self, peer: int) -> bool:
-        return self._liveness.alive(peer)
-
-    def _role(self, peer: int, name: str) -> str:
-        have = self._replicas.get(name)
-        return "the owner" if have is not None and have.owner == peer else "a replica"
-
-    def _lost_or(self, peer: int, name: str, err: BaseException) -> BaseException:
-        error = self._liveness.lost_or(peer, name, err, self._role(peer, name))
-        if isinstance(error, OwnerLostError):
-            self._found(peer)
-        return error
-
-    def _lost(self, peer: int, name: str) -> OwnerLostError:
-        self._found(peer)
-        return self._liveness.lost(peer, name, self._role(peer, name))
-
-    def _found(self, peer: int) -> None:
-        """``peer`` is lost: nothing stays built or posted with it, and requests to it
-        fail at once while its heartbeat stands still (see _request)."""
-        self._liveness.mark_lost(peer)
-        if self._groups is not None:
-            self._groups.forget(peer)
 
     # ------------------------------------------------------------------ helpers
     def generation(self, name: str) -> int:

@@ -4,10 +4,13 @@ Each node writes a signed heartbeat ``hb/<node>`` (a growing number) every
 :data:`HEARTBEAT_S`. Another node counts it as lost once the number it reads has not
 changed for :data:`LOST_AFTER_S` of its own clock: no clock is compared between
 machines, and a node that is only slow (a heartbeat every few seconds) is never lost.
-A heartbeat with a wrong signature reads as no heartbeat (forged or of another cluster)
-for :meth:`Liveness.alive`; but whether a claimed number may be taken over
-(:func:`heartbeat_moves`) looks at the stored bytes: a process with another key must not
-read a running node's beating as a crash.
+Whether a heartbeat moves is read on its stored bytes, signed with our key or not, both
+by :meth:`Liveness.alive` and when a claimed number may be taken over
+(:func:`heartbeat_moves`): a heartbeat with a wrong signature is counted as forged (once
+per value seen), never used, and never read as "no heartbeat". Before, ``alive`` read
+every such heartbeat as the same None: one written by a process with another key read
+as standing still, and that node was lost for this one (its names open to a takeover,
+its replicas dropped from syncs) while it kept beating.
 
 One process per node: a node joins by claiming ``claim/<node>`` (:func:`claim_node`), so
 that two processes given the same node number are refused instead of both running as
@@ -43,7 +46,7 @@ HEARTBEAT_S = 0.5
 #: Seconds without a changed heartbeat after which a node counts as lost.
 LOST_AFTER_S = 3.0
 
-_NOT_FOUND = object()  # equals no heartbeat, None (a wrong signature) included
+_NOT_FOUND = object()  # equal to no heartbeat seen (a missing one, None, included)
 
 
 class Liveness:
@@ -59,12 +62,17 @@ class Liveness:
             was taken over.
         on_confirm: called when :meth:`still_mine` found the number still this
             process's after a gap (the names it owns may have been taken over meanwhile).
+        refuse: called for each forged heartbeat value seen (the cluster counts it in
+            ``refused``).
     """
 
     def __init__(self, store, node: int, read: Callable[[str], dict], claim: str | None = None,
-                 stop: threading.Event | None = None, on_confirm: Callable[[], None] = lambda: None):
+                 stop: threading.Event | None = None, on_confirm: Callable[[], None] = lambda: None,
+                 refuse: Callable[[], None] = lambda: None):
         self._store, self._node, self._read = store, node, read
         self._claim, self._stop, self._on_confirm = claim, stop or threading.Event(), on_confirm
+        self._refuse = refuse
+        self._forged: dict[int, bytes] = {}  # peer -> the forged heartbeat last counted
         self._numbers = itertools.count(1)  # this process's heartbeat numbers
         self._confirmed_at = time.monotonic()  # see _confirm (made just after the first heartbeat)
         self._looking = threading.Lock()  # one still_mine look at the store at a time
@@ -147,16 +155,27 @@ class Liveness:
         except (ClusterAuthError, KeyError, TypeError, RuntimeError, OSError):
             return "another process"
 
-    def _last_beat(self, peer: int):
-        """``peer``'s last heartbeat number (None if not signed with our key)."""
-        try:
-            return self._read(f"hb/{peer}")["beat"]
-        except ClusterAuthError:
-            return None
+    def _last_beat(self, peer: int) -> bytes | None:
+        """``peer``'s heartbeat as stored (None when missing): only compared with itself.
+        One with a wrong signature is counted as forged, once per value (see the
+        module's opening)."""
+        key = f"hb/{peer}"
+        blob = self._store.get_unchecked(key)
+        if blob is not None:
+            try:
+                self._store.check(key, blob)
+            except ClusterAuthError:
+                with self._lock:
+                    counted, self._forged[peer] = self._forged.get(peer), blob
+                if counted != blob:
+                    self._refuse()
+        return blob
 
     def alive(self, peer: int) -> bool:
         """Whether ``peer``'s heartbeat changed within the last LOST_AFTER_S seconds (as
-        seen by this process since it first looked)."""
+        seen by this process since it first looked), on its stored bytes: one that
+        keeps changing with a wrong signature is a process beating there, not a lost
+        node."""
         beat, now = self._last_beat(peer), time.monotonic()
         with self._lock:
             seen = self._beats.get(peer)

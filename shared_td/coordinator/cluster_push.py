@@ -32,8 +32,9 @@ import torch
 from shared_td.coordinator import cluster_replica as replica
 from shared_td.coordinator.cluster_serve import HEADER_BYTES
 from shared_td.coordinator.cluster_store import ClusterAuthError
-from shared_td.coordinator.cluster_transfer import (_LENGTH, ANSWER_BYTES, PUSH_TAG, TransferFailed, answer_context,
-                                                    answer_tag, decode_signed, encode_signed, push_context, wait_work)
+from shared_td.coordinator.cluster_messages import (ANSWER_BYTES, LENGTH_BYTES, answer_context, decode_signed,
+                                                    encode_signed, push_context)
+from shared_td.coordinator.cluster_transfer import PUSH_TAG, TransferFailed, answer_tag
 from shared_td.errors import IndexTypeError
 
 __all__ = ["MAX_NAME_BYTES", "PushLine", "check_name", "push", "send_answered"]
@@ -56,7 +57,7 @@ _WORST_HEADER = {"name": "", "generation": 2**63 - 1, "rows": 2**63 - 1, "nbytes
                  "tag": 2**63 - 1, "seq": 2**63 - 1}
 #: The most bytes a name takes as JSON (an ASCII character: one; others: 6 or 12) so that
 #: a push of it fits its signed header of HEADER_BYTES (see :func:`check_name`).
-MAX_NAME_BYTES = (HEADER_BYTES - _LENGTH - hashlib.sha256().digest_size
+MAX_NAME_BYTES = (HEADER_BYTES - LENGTH_BYTES - hashlib.sha256().digest_size
                   - len(json.dumps(_WORST_HEADER).encode()))
 
 
@@ -196,7 +197,7 @@ def send_answered(cluster, peer: int, generation: int, tag: int, payload: torch.
         if header is not None:
             works += groups.send(peer, generation, header, PUSH_TAG, deadline)
         works += groups.send(peer, generation, payload, tag if send_tag is None else send_tag, deadline, stripes)
-        wait_work(works, deadline, what, int(payload.numel()))
+        groups.wait(peer, works, deadline, what, int(payload.numel()))  # ends once the peer is found lost
         try:
             return decode_signed(cluster._store, answer_context(peer, tag), buffer)
         except ClusterAuthError as err:

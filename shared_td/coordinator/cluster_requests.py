@@ -1,9 +1,18 @@
-"""The requests of a :class:`~shared_td.coordinator.cluster.Cluster` through the store:
-a request is pushed to the peer's lane queue ``lane/<peer>/<node>`` with a tag unique
-among this node's requests in flight, and a pull's answer comes back signed to the
-requesting thread's own queue ``reply/<node>/<slot>`` (one blocking pop gets one: no
-poll; an answer that comes after its request gave up is skipped by its tag). The
-serving half is :mod:`~shared_td.coordinator.cluster_serve`.
+"""The requests of a :class:`~shared_td.coordinator.cluster.Cluster` through the store,
+and what their failures mean: a request is pushed to the peer's lane queue
+``lane/<peer>/<node>`` with a tag unique among this node's requests in flight, and a
+pull's answer comes back signed to the requesting thread's own queue
+``reply/<node>/<slot>`` (one blocking pop gets one: no poll; an answer that comes after
+its request gave up is skipped by its tag). The serving half is
+:mod:`~shared_td.coordinator.cluster_serve`.
+
+Answers are bound to the process that asked: a node restarted under the same number
+reuses the reply queues and its tags start again at the same count, so an answer left
+in a queue for the previous process (it died before reading it) matched the new
+process's first request of that tag (a refusal meant for the old process failed the
+new one's attach). Each request carries the asking process's ``caller`` token, its
+answer echoes it, and an answer for another caller is dropped when it is popped; a
+thread's queue is emptied before its first request.
 """
 from __future__ import annotations
 
@@ -12,14 +21,15 @@ import time
 from shared_td.coordinator.cluster_serve import lane_queue
 from shared_td.coordinator.cluster_store import ClusterAuthError
 from shared_td.coordinator.cluster_transfer import TAG_WRAP, StalePair
+from shared_td.errors import OwnerLostError
 
 __all__ = ["ClusterRequests"]
 
 
 class ClusterRequests:
     """Mixin of Cluster (it relies on ``node``, ``timeout``, ``refused``, ``_checked``,
-    ``_liveness``, ``_groups``, ``_tags``, ``_reply_slots``, ``_local``, ``_alive`` and
-    ``_lost``)."""
+    ``_store``, ``_liveness``, ``_groups``, ``_replicas``, ``_tags``, ``_reply_slots``,
+    ``_local`` and ``_caller``)."""
 
     def _request(self, peer: int, op: str, name: str, generation: int, **extra) -> tuple[int, int]:
         """Put a request in ``peer``'s queue; returns (tag, pair generation)."""
@@ -30,7 +40,7 @@ class ClusterRequests:
         pair = self._groups.generation(peer)  # cached: no round trip
         store.push_json(lane_queue(peer, self.node),
                         {"op": op, "name": name, "generation": generation, "from": self.node,
-                         "tag": tag, "pair": pair, "reply": self._reply_queue(), **extra})
+                         "tag": tag, "pair": pair, "reply": self._reply_queue(), "caller": self._caller, **extra})
         return tag, pair
 
     @staticmethod
@@ -60,7 +70,9 @@ class ClusterRequests:
         answers of this thread's requests only (and the store keeps a bounded number)."""
         queue = getattr(self._local, "replies", None)
         if queue is None:
-            queue = self._local.replies = f"reply/{self.node}/{next(self._reply_slots)}"
+            queue = f"reply/{self.node}/{next(self._reply_slots)}"
+            self._store.drain(queue)  # what waits there was sent to this node's previous process
+            self._local.replies = queue
         return queue
 
     def _answer(self, peer: int, tag: int, deadline: float, name: str) -> dict:
@@ -82,9 +94,36 @@ class ClusterRequests:
             if answer is None:
                 if not self._alive(peer):
                     raise self._lost(peer, name)
-            elif answer.get("tag") == tag:
-                break
+            elif answer.get("tag") == tag and answer.get("caller") == self._caller:
+                break  # (an answer to an earlier request, or to another process: dropped)
         if "stale_pair" in answer:  # nothing was transferred
             self._groups.seen(peer, answer["stale_pair"])
             raise StalePair(f"Node {peer} moved the pair to generation {answer['stale_pair']}: {answer['error']}")
         return self._refusal(peer, name, answer)
+
+    # ------------------------------------------------------------------ liveness
+    def _alive(self, peer: int) -> bool:
+        return self._liveness.alive(peer)
+
+    def _role(self, peer: int, name: str) -> str:
+        have = self._replicas.get(name)
+        return "the owner" if have is not None and have.owner == peer else "a replica"
+
+    def _lost_or(self, peer: int, name: str, err: BaseException) -> BaseException:
+        """After a failed transfer with ``peer``: OwnerLostError once it is found lost
+        (see ``Liveness.lost_or``), else a ConnectionError (the call may be retried)."""
+        error = self._liveness.lost_or(peer, name, err, self._role(peer, name))
+        if isinstance(error, OwnerLostError):
+            self._found(peer)
+        return error
+
+    def _lost(self, peer: int, name: str) -> OwnerLostError:
+        self._found(peer)
+        return self._liveness.lost(peer, name, self._role(peer, name))
+
+    def _found(self, peer: int) -> None:
+        """``peer`` is lost: nothing stays built or posted with it, and requests to it
+        fail at once while its heartbeat stands still (see _request)."""
+        self._liveness.mark_lost(peer)
+        if self._groups is not None:
+            self._groups.forget(peer)

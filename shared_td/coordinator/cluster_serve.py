@@ -6,7 +6,8 @@ peer's requests from their own queue ``lane/<node>/<peer>`` (:func:`lane_queue`)
 serves them one at a time, in the order sent, so that a peer that stops answering holds
 up only its own lane. Requests are ``pull`` (send the owner's contents), ``push`` (receive
 rows into the owner's tensordict), ``sync`` (receive a new version into this node's
-replica) and ``renew`` (the owner published the name again: make the new replica). One
+replica), ``renew`` (the owner published the name again: make the new replica) and
+``values`` (a replica found a value's stored record forged: the owner stores it again). One
 service thread (:func:`serve_notices`) applies the small notices of ``queue/<node>``:
 non-tensor values, new pair generations, stop.
 
@@ -20,7 +21,7 @@ Payloads go over the pair's gloo group with the request's tag, each wait bounded
 cluster's timeout. The answer to a pull (sent before its payload: the version) is a
 signed value pushed to the requester's reply queue; the answer to a push or a sync comes
 after its payload, over the pair, signed for that request
-(:func:`~shared_td.coordinator.cluster_transfer.encode_signed`): no store round trip
+(:func:`~shared_td.coordinator.cluster_messages.encode_signed`): no store round trip
 and no thread of the sender's node in between. A request for what this node does not
 hold is answered with a refusal (after receiving any payload into scratch memory, so
 that the sender's send ends); a failed transfer marks the pair's group failed, so that
@@ -43,9 +44,9 @@ from shared_td.coordinator import cluster_replica as replica
 from shared_td.coordinator.cluster_replica import Owned, Replica
 from shared_td.coordinator.cluster_store import ClusterAuthError
 from shared_td.coordinator.cluster_liveness import HEARTBEAT_S
-from shared_td.coordinator.cluster_transfer import (StalePair, TransferFailed, answer_context, answer_tag,
-                                                    decode_signed, encode_signed, push_context, stripe_ranges,
-                                                    wait_work)
+from shared_td.coordinator.cluster_messages import answer_context, decode_signed, encode_signed, push_context
+from shared_td.coordinator.cluster_transfer import StalePair, TransferFailed, answer_tag, stripe_ranges
+from shared_td.coordinator.cluster_waits import wait_work
 
 # How long a lane or the service thread waits in one queue_pop (a stop request wakes it
 # earlier).
@@ -127,6 +128,8 @@ def _handle(cluster, request: dict) -> None:
     try:
         if op == "pull":
             _serve_pull(cluster, peer, request)
+        elif op == "values":  # a replica found a value's stored record forged
+            _reply(cluster, request, restored=cluster._values.restore(name, request["generation"]))
         elif op == "push":
             _serve_receive(cluster, peer, request, cluster._owned.get(name), _apply_rows)
         elif op == "sync":
@@ -140,7 +143,7 @@ def _handle(cluster, request: dict) -> None:
     except TransferFailed:
         cluster._groups.fail(peer, request["pair"])  # the requester's own wait fails too
     except Exception as err:  # answered, so that the requester does not wait in vain
-        if op != "pull":  # not answered over the pair (a malformed request): end its transfer
+        if op not in _ANSWERED_IN_THE_STORE:  # not answered over the pair (a malformed request): end its transfer
             if isinstance(request.get("pair"), int):
                 cluster._groups.fail(peer, request["pair"])
             return
@@ -150,8 +153,15 @@ def _handle(cluster, request: dict) -> None:
             pass  # the store is gone
 
 
+#: The requests answered in the requester's reply queue (the others over their pair).
+_ANSWERED_IN_THE_STORE = ("pull", "values")
+
+
 def _reply(cluster, request: dict, **answer) -> None:
-    cluster._store.push_json(request["reply"], {"tag": request["tag"], **answer})
+    """Answer ``request`` in its reply queue, for the process that asked (its
+    ``caller``): a node restarted under the same number reuses the queue and the tags,
+    and must not take an answer meant for its previous process."""
+    cluster._store.push_json(request["reply"], {"tag": request["tag"], "caller": request.get("caller"), **answer})
 
 
 def _renew(cluster, name: str, generation: int) -> None:
@@ -180,7 +190,7 @@ def _serve_pull(cluster, peer: int, request: dict) -> None:
     payload = replica.segment_bytes(owned.segment, owned.layout["nbytes"])
     deadline = time.monotonic() + cluster.timeout
     works = cluster._groups.send(peer, group_pair, payload, request["tag"], deadline, stripes)
-    wait_work(works, deadline, "pull", owned.layout["nbytes"])
+    cluster._groups.wait(peer, works, deadline, "pull", owned.layout["nbytes"])
 
 
 def _stripes(request: dict) -> int:
@@ -203,7 +213,7 @@ def _serve_receive(cluster, peer: int, request: dict, entry, apply) -> None:
             scratch = torch.empty(request["nbytes"], dtype=torch.uint8)
             deadline = time.monotonic() + cluster.timeout
             works = cluster._groups.recv(peer, request["pair"], scratch, tag, deadline, stripes)
-            wait_work(works, deadline, request["op"], request["nbytes"])
+            cluster._groups.wait(peer, works, deadline, request["op"], request["nbytes"])
             answer = {"error": f"node {cluster.node} has no generation {request['generation']} of {request['name']!r}"}
         else:
             apply(cluster, peer, entry, request)
@@ -213,6 +223,8 @@ def _serve_receive(cluster, peer: int, request: dict, entry, apply) -> None:
     except Exception as err:  # noqa: BLE001 - answered: the sender raises it
         answer = {"error": f"{type(err).__name__}: {err}"}
     works = _answer_over_pair(cluster, peer, request["pair"], tag, answer)
+    # waited for here: a send of ANSWER_BYTES is written whole into the socket at once,
+    # so gloo ends it even when the peer dies (only a message under way is left hanging)
     wait_work(works, time.monotonic() + cluster.timeout, f"answer to node {peer}")
 
 
@@ -261,6 +273,7 @@ def serve_pushes(cluster, peer: int, generation: int) -> None:
                 work.wait(datetime.timedelta(seconds=LISTEN_S))
             except RuntimeError as err:
                 raise TransferFailed(f"the pair with node {peer} closed: {str(err).splitlines()[0][:300]}") from err
+            # the answers' sends, waited for here: see _serve_receive
             wait_work(answering, time.monotonic() + cluster.timeout, f"answer to node {peer}")
             answering = []  # a gloo work is waited for once: a second wait waits for another send
             try:
@@ -308,7 +321,8 @@ def _apply_push(cluster, peer: int, generation: int, header: dict, inline: torch
     else:  # a second message, on the header's tag
         rows = torch.empty(nbytes, dtype=torch.uint8)
         deadline = time.monotonic() + cluster.timeout
-        wait_work(cluster._groups.recv(peer, generation, rows, header["tag"], deadline), deadline, "push", nbytes)
+        works = cluster._groups.recv(peer, generation, rows, header["tag"], deadline)
+        cluster._groups.wait(peer, works, deadline, "push", nbytes)
     owned = cluster._owned.get(header["name"])
     try:
         if owned is None or owned.generation != header["generation"]:
@@ -341,7 +355,7 @@ def watch_pairs(cluster) -> None:
 def _apply_rows(cluster, peer: int, owned: Owned, request: dict) -> None:
     buffer = torch.empty(request["nbytes"], dtype=torch.uint8)
     works = cluster._groups.recv(peer, request["pair"], buffer, request["tag"])
-    wait_work(works, time.monotonic() + cluster.timeout, "push", request["nbytes"])
+    cluster._groups.wait(peer, works, time.monotonic() + cluster.timeout, "push", request["nbytes"])
     _write_rows(owned, buffer, request["rows"])
 
 
@@ -360,7 +374,9 @@ def _apply_sync(cluster, peer: int, rep: Replica, request: dict) -> None:
         replica.set_state(rep.segment, replica.state(rep.segment) | 1)
         works = cluster._groups.recv(peer, request["pair"], replica.segment_bytes(rep.segment, rep.layout["nbytes"]),
                                      request["tag"], deadline, stripes)
-        wait_work(works, deadline, "sync", request["nbytes"])  # every stripe, before the version
+        # every stripe, before the version; given up once the owner is found lost, so
+        # that this replica's lock does not hold a pull up for the wait's whole bound
+        cluster._groups.wait(peer, works, deadline, "sync", request["nbytes"])
         replica.set_state(rep.segment, 2 * request["version"])
     finally:
         rep.lock.release()

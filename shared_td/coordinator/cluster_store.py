@@ -42,16 +42,15 @@ import functools
 import hashlib
 import hmac
 import json
-import os
 import queue
+import re
 import threading
 import time
-import urllib.parse
 
-import torch
 import torch.distributed as dist
 
-from shared_td.coordinator.store_host import host_tcp_store
+# how a node finds its store, re-exported: defined here before
+from shared_td.coordinator.cluster_launch import check_store, cluster_key, open_store  # noqa: F401
 from shared_td.errors import ClusterAuthError
 from shared_td.storage.counter import INT64_MAX, INT64_MIN, counter_int
 
@@ -84,89 +83,12 @@ def _store_call(method):
     return call
 
 
-def cluster_key(authkey) -> bytes:
-    """The cluster authkey: ``authkey`` (bytes or str) or ``SHARED_TD_CLUSTER_KEY``.
-
-    Example:
-        >>> cluster_key("secret")
-        b'secret'
-    """
-    if authkey is None:
-        authkey = os.environ.get("SHARED_TD_CLUSTER_KEY")
-    if not authkey:
-        raise ValueError(
-            "A cluster needs an authkey, the same on every node: pass authkey= or set "
-            "SHARED_TD_CLUSTER_KEY (e.g. `export SHARED_TD_CLUSTER_KEY=$(openssl rand -hex 32)`)."
-        )
-    return authkey.encode() if isinstance(authkey, str) else bytes(authkey)
-
-
-def check_store(store) -> None:
-    """Refuse, before a node joins, a Store the cluster cannot run on: requests and
-    notices travel through the store's queues (``queue_push``/``queue_pop``), which torch
-    has since 2.8 and only some stores implement. Without this check a FileStore failed
-    the first request with a bare NotImplementedError, and a TCPStore on the legacy
-    backend (``use_libuv=False``) dropped the connection, which read as "the store's host
-    stopped". RuntimeError for a torch without queues, ValueError for such a store (its
-    class named, with the fix)."""
-    if not hasattr(dist.Store, "queue_push"):
-        raise RuntimeError(f"A shared_td cluster needs torch >= 2.8 (TCPStore queues); this is torch "
-                           f"{torch.__version__}. Upgrade torch on every node.")
-    base = store
-    while isinstance(base, dist.PrefixStore):  # what a PrefixStore queues, its store queues
-        base = base.underlying_store
-    if isinstance(base, dist.FileStore):
-        raise ValueError("A shared_td cluster cannot run on a FileStore (it has no queues): pass "
-                         "cluster='tcp://HOST:PORT' or 'env://', or a torch.distributed.TCPStore.")
-    if isinstance(base, dist.TCPStore) and not getattr(base, "libuvBackend", True):
-        raise ValueError("A shared_td cluster cannot run on a TCPStore made with use_libuv=False (the legacy "
-                         "backend has no queues): make it with the default use_libuv=True, or pass "
-                         "cluster='tcp://HOST:PORT' or 'env://'.")
-
-
-def open_store(url: str, node: int, timeout: float):
-    """A Store for ``url``: ``tcp://HOST:PORT`` (node 0 hosts the TCPStore unless the URL
-    says ``?host=0``; ``?host=1`` makes this node host it) or ``env://`` (``MASTER_ADDR``,
-    ``MASTER_PORT``; under torchrun the agent's store is joined, never hosted again).
-
-    Returns ``(store, node, nodes)``; ``node``/``nodes`` are None unless ``env://`` found
-    them (``GROUP_RANK``/``NODE_RANK`` and ``WORLD_SIZE // LOCAL_WORLD_SIZE`` or ``NNODES``).
-    """
-    parsed = urllib.parse.urlparse(url)
-    query = urllib.parse.parse_qs(parsed.query)
-    found_node = found_nodes = None
-    if parsed.scheme == "env":
-        env = os.environ
-        host, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
-        if not host or not port:
-            raise ValueError("cluster='env://' needs MASTER_ADDR and MASTER_PORT in the environment.")
-        if env.get("LOCAL_RANK", "0") != "0":  # torchrun's other processes of this node
-            raise ValueError(f"cluster='env://' makes one Coordinator per node, in the process of local rank 0; "
-                             f"this process has LOCAL_RANK={env['LOCAL_RANK']}: attach to your node's "
-                             "Coordinator by address instead (or run torchrun --nproc-per-node 1).")
-        rank = env.get("GROUP_RANK") or env.get("NODE_RANK") or env.get("SHARED_TD_NODE")
-        found_node = int(rank) if rank is not None else None
-        if env.get("NNODES") or env.get("SHARED_TD_NODES"):
-            found_nodes = int(env.get("NNODES") or env["SHARED_TD_NODES"])
-        elif env.get("WORLD_SIZE"):
-            found_nodes = int(env["WORLD_SIZE"]) // int(env.get("LOCAL_WORLD_SIZE", "1"))
-        agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        hosts = False if agent else None
-        port = int(port)
-    elif parsed.scheme == "tcp":
-        host, port = parsed.hostname, parsed.port
-        if not host or not port:
-            raise ValueError(f"cluster={url!r}: expected tcp://HOST:PORT.")
-        hosts = {"0": False, "1": True}.get(query.get("host", [""])[0])
-    else:
-        raise ValueError(f"cluster={url!r}: expected 'tcp://HOST:PORT', 'env://' or a torch.distributed Store.")
-    node_here = found_node if found_node is not None else node
-    is_master = (node_here == 0) if hosts is None else hosts
-    if is_master:
-        store = host_tcp_store(host, port, timeout=timeout)
-    else:
-        store = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout))
-    return store, found_node, found_nodes
+def _adds_to(value: bytes) -> bool:
+    """Whether the store's host can add to ``value``: it reads an int64 from its start
+    (``std::stoll``: spaces, a sign, digits; what follows is ignored) and closes the
+    connection of an addition it cannot read."""
+    found = re.match(rb"\s*([+-]?\d+)", value)
+    return found is not None and INT64_MIN <= int(found.group(1)) <= INT64_MAX
 
 
 class SignedStore:
@@ -388,8 +310,43 @@ class SignedStore:
 
     @_store_call
     def add(self, key: str, n: int) -> int:
-        """``store.add``: the counter at ``key`` after adding ``n`` (unsigned, see above)."""
-        return self._store().add(key, n)
+        """``store.add``: the counter at ``key`` after adding ``n`` (unsigned, see above).
+        ValueError naming ``key`` when it holds what is not an integer: the store's host
+        answers such an addition by closing the connection, which read as the host being
+        gone (every later call of the node failed, and none reconnected); the thread now
+        takes a new connection and the host is found still there."""
+        try:
+            return self._store().add(key, n)
+        except dist.DistNetworkError as err:
+            self._after_dropped_add(key, err)
+            raise  # the host is gone: ConnectionError (_store_call)
+
+    def _after_dropped_add(self, key: str, err: Exception) -> None:
+        """The connection of this thread dropped during an addition to ``key``: give the
+        thread a new one (a spare if one is ready, else a connect bounded as a spare's)
+        and read ``key`` with it. Returns when the host is gone (DistNetworkError from
+        the new connection: the caller reports it); ValueError when ``key`` holds what
+        the host cannot add to; ConnectionError otherwise (the host is there, the
+        connection dropped: the addition may or may not have been made)."""
+        self._local.store = None
+        try:
+            store = self._spares.get_nowait()
+            self._connect_spares(1)
+        except queue.Empty:
+            store = dist.PrefixStore("shared_td", self._new_connection())
+        value = store.get(key) if store.check([key]) else None
+        self._local.store = store
+        if value is not None and not _adds_to(value):
+            shown = value[:40] + (b"..." if len(value) > 40 else b"")
+            raise ValueError(
+                f"{key!r} in the cluster store is a counter, but it holds {shown!r}, which is not an integer: "
+                "something other than a node of this cluster wrote it. Nothing was added (the store's host refused "
+                "the addition and closed that connection; this node made a new one and goes on). Set it back to an "
+                f"integer on the store (store.set('shared_td/{key}', '0')) or use another name; run the cluster "
+                "on a private network.") from err
+        raise ConnectionError(f"The cluster store closed this node's connection while adding to {key!r} "
+                              f"({str(err).splitlines()[0][:200]}); its host still answers, so the call may be "
+                              "retried (the addition may or may not have been made).") from err
 
     @_store_call
     def compare_set(self, key: str, expected: str, desired: str) -> bytes:

@@ -25,12 +25,15 @@ one (push, sync) fails at its bounded wait, as on any failed transfer.
 Waiting: gloo completes a send or receive only inside ``work.wait()`` (``is_completed()``
 stays False until then, measured), and ``ProcessGroupGloo.abort()`` does not interrupt a
 waiting thread. So each transfer waits once, at most until the call's deadline and
-at most ``WAIT_SLACK_S`` plus its bytes at ``MIN_RATE``: a peer process that dies usually
-makes gloo fail the wait at once ("Connection closed by peer"; but a receive posted just
-as the peer died was seen to wait on); a peer that is stopped (SIGSTOP), unreachable or
-gone silently makes it fail at that bound, which closes the pair, and the group is then
-aborted and replaced.
-A receive is therefore never left posted beyond the deadline of its call.
+at most ``WAIT_SLACK_S`` plus its bytes at ``MIN_RATE`` (``wait_bound``): a peer
+process that dies usually makes gloo fail the wait at once ("Connection closed by
+peer"), but never the operation whose message was under way at that moment; a peer
+that is stopped (SIGSTOP), unreachable or gone silently makes it fail at that bound,
+which closes the pair, and the group is then aborted and replaced. A receive is
+therefore never left posted beyond the deadline of its call, and a caller stops waiting
+as soon as the peer is found lost: :meth:`PairGroups.wait` runs the wait in a waiter
+thread while the caller watches the peer's heartbeat (see
+:mod:`~shared_td.coordinator.cluster_waits`).
 
 Payloads are contiguous CPU tensors; gloo reads and writes their memory directly, so a
 replica segment is received in place.
@@ -43,25 +46,22 @@ least :data:`STRIPE_MIN_BYTES` may go as ``k`` contiguous byte ranges
 :meth:`PairGroups.recv`): views of the same memory, so a striped receive still lands in
 place. The requester names ``k`` in its request; both sides build the missing stripes in
 order, so their rendezvous meet. The stripes are one transfer: they share one bounded
-wait (:func:`wait_work`), a failure of any fails the transfer and ends the operations of
+wait (``wait_work``), a failure of any fails the transfer and ends the operations of
 every stripe (so no receive stays posted on any of them), and :meth:`PairGroups.fail`
 aborts every stripe of the generation and moves the whole pair to the next one.
 
 Answers: the node that received a payload (a push on the owner, a sync on a replica)
 answers over the same pair, with its request's tag + :data:`ANSWER_TAG_BIT`, into a
-buffer of :data:`ANSWER_BYTES` that the sender posted beside its send. gloo is
-unauthenticated, so an answer is signed like a store value (:func:`encode_signed`), for
-that request of that node only (its tag and node are in the signed text: an answer
-recorded earlier does not pass for another), and checked before a byte of it is parsed
-(:func:`decode_signed`). The sender's wait for it is bounded as any transfer's. Every
-message fills its receive exactly (an answer is padded to ANSWER_BYTES): gloo completes
-a receive larger than its message, but 10-40x slower (measured with torch 2.13 on
-loopback: a 64 KiB message into a posted 1 MiB receive took 2-8 ms, into a 64 KiB one
-0.15-0.2 ms).
+buffer of ``ANSWER_BYTES`` that the sender posted beside its send, signed for that
+request of that node only (:mod:`~shared_td.coordinator.cluster_messages`). The
+sender's wait for it is bounded as any transfer's. Every message fills its receive
+exactly (an answer is padded to ANSWER_BYTES): gloo completes a receive larger than its
+message, but 10-40x slower (measured with torch 2.13 on loopback: a 64 KiB message into
+a posted 1 MiB receive took 2-8 ms, into a 64 KiB one 0.15-0.2 ms).
 
 Kept receives: each node keeps one receive posted on stripe 0 of each pair it holds, on
 :data:`PUSH_TAG`, for the peer's next push (a header signed for that pair generation,
-:func:`push_context`; see :mod:`~shared_td.coordinator.cluster_push`). Its thread waits
+``push_context``; see :mod:`~shared_td.coordinator.cluster_push`). Its thread waits
 in gloo, which ``abort()`` does not wake: so a pair is *closed* (:meth:`PairGroups._close`:
 a receive on :data:`CLOSE_TAG`, where nothing is sent, waited for a millisecond, which
 makes gloo close the pair on both nodes) before it is aborted, on a failure
@@ -73,30 +73,37 @@ receive's own wait is bounded by a day
 from __future__ import annotations
 
 import datetime
-import hashlib
-import json
 import threading
 import time
 
 import torch
 import torch.distributed as dist
 
-from shared_td.errors import ClusterAuthError, StalePair, TransferFailed
+# the signed messages of a pair, re-exported: they were defined here before
+from shared_td.coordinator.cluster_messages import (ANSWER_BYTES, answer_context, decode_signed,  # noqa: F401
+                                                    encode_signed, push_context)
+# the bounded gloo waits, re-exported: they were defined here before
+from shared_td.coordinator.cluster_waits import (MIN_RATE, WAIT_SLACK_S, WATCH_S, RendezvousStore,  # noqa: F401
+                                                 WorkWaiters, end_works, wait_bound, wait_work)
+from shared_td.errors import StalePair, TransferFailed
 
-__all__ = ["ANSWER_BYTES", "ANSWER_TAG_BIT", "CLOSE_TAG", "MAX_STRIPES", "PUSH_TAG", "STRIPE_MIN_BYTES", "TAG_WRAP",
-           "PairGroups", "StalePair", "TransferFailed", "answer_context", "answer_tag", "decode_signed",
-           "encode_signed", "end_works", "push_context", "stripe_count", "stripe_ranges", "wait_work"]
+__all__ = ["ANSWER_BYTES", "ANSWER_TAG_BIT", "CLOSE_TAG", "DIRECT_MAX_BYTES", "MAX_STRIPES", "MIN_RATE", "PUSH_TAG",
+           "STRIPE_MIN_BYTES", "TAG_WRAP", "WAIT_SLACK_S", "PairGroups", "StalePair", "TransferFailed",
+           "answer_context", "answer_tag", "decode_signed", "encode_signed", "end_works", "push_context",
+           "stripe_count", "stripe_ranges", "wait_bound", "wait_work"]
 
 
-#: The slowest transfer rate (bytes/s) a wait allows for before it gives up: a gloo wait
-#: cannot be interrupted, so this bounds how long a peer that vanished without closing its
-#: connection can hold a caller (measured: a SIGKILLed owner is usually reported at once
-#: by gloo, but not always).
-MIN_RATE = 20e6
-#: Seconds every wait allows on top of the bytes at MIN_RATE.
-WAIT_SLACK_S = 5.0
-#: Seconds between two looks at a peer's heartbeat while a group is built with it.
-WATCH_S = 0.25
+# How long shutdown waits for a build it gave up to end: one look of its rendezvous
+# (RendezvousStore looks every 50 ms at most) or a connect that was under way.
+_BUILD_END_S = 1.0
+#: Transfers of at most this many bytes are waited for in the calling thread, not
+#: watched (:meth:`PairGroups.wait`): a send that small is written whole into the socket
+#: as it is posted (gloo sizes the socket's buffer to the message; Linux allows 208 KiB
+#: by default), so gloo ends it even if the peer dies, and a receive that small is under
+#: way for a moment only; if a peer ever dies in that moment, the wait still ends at its
+#: bound (WAIT_SLACK_S), within the 10 s the README promises. Handing the wait to a
+#: waiter thread cost a push of 64 rows of 1 KiB 33 us of 490 (~7%, measured A/B).
+DIRECT_MAX_BYTES = 192 << 10
 
 
 #: Payloads smaller than this go over one group whatever the stripes asked for: below it
@@ -125,9 +132,6 @@ def stripe_ranges(nbytes: int, stripes: int) -> list[tuple[int, int]]:
     return list(zip(bounds, bounds[1:]))
 
 
-#: Bytes of the buffer an answer is received into: a 4-byte length, then the signed answer
-#: (an error text too long for it is cut).
-ANSWER_BYTES = 1024
 #: Set in the gloo tag of an answer: its request's tag with this bit. gloo takes a 32-bit
 #: signed tag, so a request's tag (count % TAG_WRAP * 1024 + node) stays below it, and
 #: below the two tags of its top: :data:`PUSH_TAG` and :data:`CLOSE_TAG`.
@@ -137,82 +141,11 @@ TAG_WRAP = ANSWER_TAG_BIT // 1024 - 1
 #: next push (:func:`~shared_td.coordinator.cluster_serve.serve_pushes`), and the tag
 #: nothing is ever sent on, whose receive closes a pair (:meth:`PairGroups._close`).
 PUSH_TAG, CLOSE_TAG = ANSWER_TAG_BIT - 1, ANSWER_TAG_BIT - 2
-_LENGTH = 4
 
 
 def answer_tag(tag: int) -> int:
     """The gloo tag of the answer to request ``tag``."""
     return tag | ANSWER_TAG_BIT
-
-
-def answer_context(node: int, tag: int) -> str:
-    """What an answer is signed for: node ``node``'s answer to request ``tag``."""
-    return f"answer/{node}/{tag}"
-
-
-def push_context(sender: int, receiver: int, generation: int) -> str:
-    """What a push header is signed for: from ``sender`` to ``receiver`` on that pair
-    generation (its ``seq`` orders the pushes of that generation: no replay passes)."""
-    return f"push/{sender}/{receiver}/{generation}"
-
-
-def encode_signed(store, context: str, value: dict, limit: int = ANSWER_BYTES) -> torch.Tensor:
-    """``value`` as JSON signed for ``context`` with ``store``'s authkey (a
-    :class:`~shared_td.coordinator.cluster_store.SignedStore`): a 4-byte length, then the
-    signed bytes, zeros up to ``limit`` bytes (a long ``error`` text is cut; ValueError
-    for anything else that does not fit)."""
-    room = limit - _LENGTH - hashlib.sha256().digest_size
-    payload = json.dumps(value).encode()
-    if len(payload) > room and "error" in value:  # cut (json takes <= 6 bytes a character)
-        payload = json.dumps(dict(value, error=value["error"][: max(0, room - 64) // 6])).encode()
-    if len(payload) > room:
-        raise ValueError(f"a signed message of {len(payload)} bytes does not fit in {limit}")
-    blob = store.sign(context, payload)
-    message = bytearray(limit)  # always ``limit`` bytes: see the module's opening
-    message[: _LENGTH + len(blob)] = len(blob).to_bytes(_LENGTH, "little") + blob
-    return torch.frombuffer(message, dtype=torch.uint8)
-
-
-def decode_signed(store, context: str, buffer: torch.Tensor) -> dict:
-    """The value :func:`encode_signed` wrote at the start of ``buffer`` for ``context``;
-    ClusterAuthError if it is not signed with ``store``'s authkey for ``context`` (its
-    length and its signature are checked before any byte is parsed)."""
-    data = memoryview(buffer.numpy())
-    length = int.from_bytes(data[:_LENGTH], "little")
-    if not 0 < length <= len(data) - _LENGTH:
-        raise ClusterAuthError(f"A message for {context!r} has an impossible length ({length}): something else "
-                               "writes to the cluster's gloo connections. Nothing of it was used.")
-    return json.loads(store.check(context, bytes(data[_LENGTH: _LENGTH + length])))
-
-
-def wait_work(works, deadline: float, what: str = "transfer", nbytes: int = 0) -> None:
-    """Wait until every gloo ``works`` (one transfer: its stripes, an answer's receive)
-    completed; TransferFailed when one failed, or when they did not all end within
-    ``WAIT_SLACK_S + nbytes / MIN_RATE`` seconds together or before ``deadline``
-    (``time.monotonic()``), after which gloo has closed the pair. One bound for all: k
-    stripes waited one after the other never take k times it."""
-    until = min(deadline, time.monotonic() + WAIT_SLACK_S + nbytes / MIN_RATE)
-    for n, work in enumerate(works):
-        left = until - time.monotonic()
-        try:
-            if left <= 0:
-                raise TimeoutError("no time left")
-            work.wait(datetime.timedelta(seconds=left))
-        except (RuntimeError, TimeoutError) as err:
-            end_works(works[n:])  # the other stripes' operations too
-            raise TransferFailed(f"the {what} failed: {str(err).splitlines()[0][:300]}") from err
-
-
-def end_works(works) -> None:
-    """Make sure no operation of ``works`` stays posted: each that has not ended is
-    waited for a millisecond, and gloo closes the pair of a wait that times out, which
-    cancels what is posted on it. (``ProcessGroupGloo.abort()`` does not: measured with
-    torch 2.13, a receive still posted on an aborted group took the peer's later send.)"""
-    for work in works:
-        try:
-            work.wait(datetime.timedelta(milliseconds=1))
-        except RuntimeError:
-            pass  # timed out (its pair now closed) or failed already
 
 
 class PairGroups:
@@ -234,6 +167,9 @@ class PairGroups:
         self._generations: dict[int, int] = {}  # peer -> the newest generation known here
         self._locks: dict[int, threading.Lock] = {}
         self._guard = threading.Lock()
+        self._waiters = WorkWaiters()  # see wait()
+        self._closing = False  # close() ran: waits and builds give up
+        self._builds: set[threading.Thread] = set()  # build threads still running (see _build_watched)
 
     def _pair(self, peer: int) -> str:
         low, high = sorted((self.node, peer))
@@ -310,7 +246,7 @@ class PairGroups:
             return self.timeout
         return max(0.001, min(self.timeout, deadline - time.monotonic()))
 
-    def _build(self, peer: int, generation: int, stripe: int, timeout: float):
+    def _build(self, peer: int, generation: int, stripe: int, timeout: float, given_up=lambda: False):
         options = dist.ProcessGroupGloo._Options()
         options._timeout = datetime.timedelta(seconds=timeout)  # the rendezvous's bound
         if self._hostname:  # a device each: its own connection and I/O thread
@@ -318,12 +254,13 @@ class PairGroups:
         else:  # GLOO_SOCKET_IFNAME, else the interface of this host's name
             options._devices = [dist.ProcessGroupGloo.create_default_device()]
         where = f"pair/{self._pair(peer)}/{generation}/" + (f"stripe{stripe}/" if stripe else "")
-        prefix = dist.PrefixStore(where, self._rendezvous_store(peer))
+        # waited on by looking, so that a build given up ends at once (see cluster_waits)
+        prefix = RendezvousStore(dist.PrefixStore(where, self._rendezvous_store(peer)), given_up)
         rank = 0 if self.node < peer else 1
         try:
             return dist.ProcessGroupGloo(prefix, rank, 2, options)
-        except RuntimeError as err:
-            raise TransferFailed(f"no gloo connection with node {peer} ({err})") from err
+        except RuntimeError as err:  # TransferFailed of a rendezvous given up included
+            raise TransferFailed(f"no gloo connection with node {peer} ({str(err).splitlines()[0][:300]})") from err
 
     def _rendezvous_store(self, peer: int):
         """The store connection the builds of the pair with ``peer`` rendezvous on: the
@@ -348,41 +285,72 @@ class PairGroups:
         a push that had to build a new pair with a SIGKILLed owner waited that long
         before its OwnerLostError), and it cannot be interrupted: it runs in a helper
         thread while this one looks at the peer's heartbeat every WATCH_S. A build given
-        up ends by itself at its timeout, and a group it still makes is aborted, never
-        used: the caller fails the pair (next generation), so no later build meets its
-        rendezvous keys."""
+        up ends with its rendezvous (:class:`~shared_td.coordinator.cluster_waits.RendezvousStore`
+        stops waiting for the peer's keys; a connect already under way ends at its
+        timeout), and :meth:`close` waits for it (a build thread left running past
+        shutdown, inside torch's store wait, aborted the interpreter's exit). A group it
+        still makes is aborted, never used: the caller fails the pair (next
+        generation), so no later build meets its rendezvous keys."""
         if self._alive is None:
-            return self._build(peer, generation, stripe, timeout)
+            return self._build(peer, generation, stripe, timeout, lambda: self._closing)
         outcome: dict = {}
         done = threading.Event()
 
         def build() -> None:
             try:
-                made = self._build(peer, generation, stripe, timeout)
+                made = self._build(peer, generation, stripe, timeout, lambda: "made" in outcome or self._closing)
             except TransferFailed as err:
                 made = err
             with self._guard:
                 given_up = outcome.setdefault("made", made) is not made
+                self._builds.discard(threading.current_thread())
             if given_up and not isinstance(made, TransferFailed):
                 made.abort()
             done.set()
 
-        threading.Thread(target=build, name=f"shared_td-cluster-build-{peer}", daemon=True).start()
+        thread = threading.Thread(target=build, name=f"shared_td-cluster-build-{peer}", daemon=True)
+        with self._guard:
+            if self._closing:
+                raise TransferFailed("this cluster node is shut down")
+            self._builds.add(thread)
+        thread.start()
         while not done.wait(WATCH_S):
-            try:
-                lost = not self._alive(peer)
-            except (RuntimeError, OSError):  # the store is gone: the build ends at its timeout
-                lost = False
-            if lost:
+            why = self._why_lost(peer)
+            if why is not None:
                 with self._guard:
                     outcome.setdefault("made", TransferFailed(
-                        f"node {peer} is lost: it never joined the group of generation {generation}"))
+                        f"{why}: no group of generation {generation} with it was built"))
                     self._rendezvous.pop(peer, None)  # the given-up build still waits on it
                 break
         made = outcome["made"]
         if isinstance(made, TransferFailed):
             raise made
         return made
+
+    def _why_lost(self, peer: int) -> str | None:
+        """Why a wait with ``peer`` is pointless (it is lost, this node closes), or None.
+        A store host lost is no reason: the wait ends at its own bound."""
+        if self._closing:
+            return "this cluster node is shutting down"
+        try:
+            lost = self._alive is not None and not self._alive(peer)
+        except (RuntimeError, OSError):
+            return None
+        return f"node {peer} is lost (its heartbeat stood still)" if lost else None
+
+    def wait(self, peer: int, works: list, deadline: float, what: str = "transfer", nbytes: int = 0) -> None:
+        """:func:`wait_work` of a transfer of ``nbytes`` with ``peer``, given up
+        (TransferFailed) as soon as ``peer`` is found lost or this node closes: the wait
+        runs in a waiter thread (:class:`~shared_td.coordinator.cluster_waits.WorkWaiters`),
+        since gloo never ends an operation whose message was under way when the peer
+        died. One of at most DIRECT_MAX_BYTES is waited for here (see there)."""
+        if not works:
+            return
+        if self._alive is None or nbytes <= DIRECT_MAX_BYTES:
+            wait_work(works, deadline, what, nbytes)
+            return
+        self._waiters.wait(lambda: wait_work(works, deadline, what, nbytes), wait_bound(deadline, nbytes),
+                           lambda: self._why_lost(peer), what)
 
     def fail(self, peer: int, generation: int) -> None:
         """Close every stripe's group with ``peer`` (:meth:`_close`: ends the posted sends
@@ -460,12 +428,20 @@ class PairGroups:
             raise TransferFailed(f"the pair with node {peer} is closed: {str(err).splitlines()[0][:300]}") from err
 
     def close(self) -> None:
-        """Close every pair (on shutdown): the receives kept posted end."""
+        """Close every pair (on shutdown): the receives kept posted end, the waits of
+        :meth:`wait` and the builds under way give up, and the builds' threads have
+        ended (bounded) when this returns."""
         with self._guard:
+            self._closing = True
             pairs, self._groups = list(self._groups.items()), {}
             self._rendezvous.clear()
+            builds = list(self._builds)
+        self._waiters.close()
         for peer, (_generation, groups) in pairs:
             self._close(peer, groups)
+        end = time.monotonic() + _BUILD_END_S
+        for thread in builds:
+            thread.join(max(0.0, end - time.monotonic()))
 
     def _close(self, peer: int, groups: list) -> None:
         """Close the connections of ``groups`` at once, then abort them. ``abort()``

@@ -115,11 +115,39 @@ class ClusterValues:
             tracked.values.append(_Value(cell, seen, version))
         self._track(name, tracked)
 
-    def latest(self, name: str, generation: int, count: int) -> list[tuple[int, object]]:
+    def latest(self, name: str, generation: int, count: int) -> list[tuple[int, object] | None]:
         """``(version, value)`` of the ``count`` values of ``name`` as last stored
-        (signature checked before anything is unpickled)."""
-        records = [self._store.get_json(f"value/{_key(name, generation, i)}") for i in range(count)]
-        return [(record["version"], decode(record["payload"])) for record in records]
+        (signature checked before anything is unpickled); None for a record with a
+        wrong signature, counted with ``refuse``: forged, it carries nothing usable (the
+        owner stores a signed one again: :meth:`restore`)."""
+        found = []
+        for index in range(count):
+            try:
+                record = self._store.get_json(f"value/{_key(name, generation, index)}")
+            except ClusterAuthError:
+                self._refuse()
+                found.append(None)
+                continue
+            found.append((record["version"], decode(record["payload"])))
+        return found
+
+    def restore(self, name: str, generation: int) -> int:
+        """Owner: store again, signed, each value of ``name`` whose stored record has a
+        wrong signature (its current value under a new version, sent to every node as
+        any write: the forged record is counted and replaced, see :meth:`_store_latest`);
+        returns how many. KeyError if this node does not track that generation."""
+        restored = 0
+        with self._lock:
+            tracked = self._tracked.get(name)
+            if tracked is None or tracked.generation != generation:
+                raise KeyError(f"node {self._node} holds no generation {generation} of {name!r}")
+            for index in range(len(tracked.values)):
+                try:
+                    self._store.get_json(f"value/{_key(name, generation, index)}")
+                except ClusterAuthError:
+                    self._publish_local(name, tracked, index)
+                    restored += 1
+        return restored
 
     def attach(self, name: str, generation: int, cells: list, versions: list[int]) -> None:
         """Replica: track ``cells``, filled with ``versions`` of the values; then catch
@@ -127,8 +155,9 @@ class ClusterValues:
         name was ignored, but its value is in the store)."""
         self._track(name, _Tracked(generation, [_Value(cell, cell.version, version)
                                                 for cell, version in zip(cells, versions)]))
-        for index, (version, value) in enumerate(self.latest(name, generation, len(cells))):
-            self._apply(name, generation, index, version, value)
+        for index, latest in enumerate(self.latest(name, generation, len(cells))):
+            if latest is not None:  # forged meanwhile: the owner's next write replaces it
+                self._apply(name, generation, index, *latest)
 
     def forget(self, name: str) -> None:
         """Stop keeping the values of ``name`` (a new generation replaces them)."""
@@ -183,7 +212,7 @@ class ClusterValues:
                     for name, tracked in list(self._tracked.items()):
                         for index, entry in enumerate(tracked.values):
                             if entry.cell.version != entry.seen:
-                                self._publish_local(name, tracked, index)
+                                self._publish_changed(name, tracked, index)
             except ClusterAuthError:
                 # an OSError too, but not a lost store: something forged a record this
                 # thread read. It was not used; counted, and the poller keeps going (ending
@@ -191,6 +220,17 @@ class ClusterValues:
                 self._refuse()
             except (RuntimeError, OSError):
                 return  # the store is gone: values stay as they are on this node
+
+    def _publish_changed(self, name: str, tracked: _Tracked, index: int) -> None:
+        """:meth:`_publish_local`, by the poller: a value whose version counter was
+        overwritten with what is not an integer (``SignedStore.add``'s ValueError) cannot
+        be published; that write is counted as refused and not tried again (each try
+        closed a store connection, every POLL_S), and the poller goes on."""
+        try:
+            self._publish_local(name, tracked, index)
+        except ValueError:
+            tracked.values[index].seen = tracked.values[index].cell.version
+            self._refuse()
 
     def _publish_local(self, name: str, tracked: _Tracked, index: int) -> None:
         """The cell ``index`` changed on this node: give its value the next version,

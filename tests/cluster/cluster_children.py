@@ -153,6 +153,18 @@ def _run(cluster, coord, counters, command, *args):
                 return pushes, type(err).__name__, time.monotonic(), repr(err.__cause__)[:300]
             pushes += 1
         return pushes, None, time.monotonic(), None
+    if command == "push_rows_loop":  # push its first `count` rows at once, in a loop, until an error
+        name, count, seconds = args
+        td = cluster.attach(name)
+        deadline, pushes = time.monotonic() + seconds, 0
+        while time.monotonic() < deadline:
+            td["w"][:count] = float(pushes)
+            try:
+                cluster.push(name, slice(0, count))
+            except Exception as err:
+                return pushes, type(err).__name__, time.monotonic(), repr(err.__cause__)[:300]
+            pushes += 1
+        return pushes, None, time.monotonic(), None
     if command == "version":
         return cluster.version(args[0])
     if command == "wait_version":

@@ -21,6 +21,7 @@ torch_dist = pytest.importorskip("torch.distributed")
 from tests.cluster.stores import loopback_store  # noqa: E402
 
 from tests.cluster import cluster_children as kids  # noqa: E402
+from tests.cluster.kills import loop_through_an_owner_kill  # noqa: E402
 from tests.processes import WAIT, finish  # noqa: E402
 
 KEY = b"cluster test key"
@@ -240,17 +241,7 @@ def pulls_through_an_owner_kill(nodes, name: str) -> None:
     """Node 2 pulls ``name`` in a loop while its owner, node 1, is SIGKILLed at a random
     moment: the loop ends in OwnerLostError within 10 s of the kill, the replica's
     version complete or marked as being written."""
-    import random
-
-    nodes.commands[2].put(("pull_loop", name, 20.0))
-    time.sleep(random.uniform(0.2, 1.0))
-    os.kill(nodes.procs[1].pid, signal.SIGKILL)
-    killed = time.monotonic()  # CLOCK_MONOTONIC: the same clock in every process
-    answer = nodes.results[2].get(timeout=WAIT)
-    assert answer[0] == "ok", answer
-    pulls, error, ended, version, _cause = answer[1]
-    assert pulls > 0 and error == "OwnerLostError", answer
-    assert ended - killed < 10, answer
+    _pulls, _error, _ended, version, _cause = loop_through_an_owner_kill(nodes, ("pull_loop", name, 20.0))
     assert version in (1, None)  # complete, or marked as written when the kill came mid-transfer
 
 

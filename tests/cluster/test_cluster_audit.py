@@ -160,30 +160,16 @@ def test_a_process_with_another_key_cannot_seize_a_running_nodes_number(store, p
 def test_a_heartbeat_signed_with_another_key_is_never_taken_over(store):
     """claim_node read a heartbeat it could not verify as none: one written with another
     key that kept changing (a running node) looked like a crashed one."""
-    import threading
-
     from shared_td.coordinator.cluster_liveness import claim_node
     from shared_td.coordinator.cluster_store import ClusterAuthError, SignedStore
+    from tests.cluster.stores import beating
 
     mine, theirs = SignedStore(store, KEY, timeout=5.0), SignedStore(store, b"their key", timeout=5.0)
     try:
         theirs.compare_set("claim/5", "", "their token")
-        stop = threading.Event()
-
-        def beat():
-            for number in range(10_000):
-                theirs.set_json("hb/5", {"beat": number, "pid": 1})
-                if stop.wait(0.2):
-                    return
-
-        beater = threading.Thread(target=beat, daemon=True)
-        beater.start()
-        try:
+        with beating(theirs, 5, every=0.2):
             with pytest.raises(ValueError, match="Node 5 is running"):
                 claim_node(mine, 5)
-        finally:
-            stop.set()
-            beater.join(5)
         assert store.get("shared_td/claim/5") == b"their token"
         # standing still, but still unreadable with this key: refused, not taken over
         with pytest.raises(ClusterAuthError, match="hb/5 is not signed"):

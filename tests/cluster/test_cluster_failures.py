@@ -24,6 +24,7 @@ torch_dist = pytest.importorskip("torch.distributed")
 import shared_td  # noqa: E402
 from tests.cluster.stores import loopback_store  # noqa: E402
 from tests.cluster import cluster_children as kids  # noqa: E402
+from tests.cluster.kills import loop_through_an_owner_kill  # noqa: E402
 from tests.cluster.test_cluster import KEY, Nodes  # noqa: E402
 from tests.processes import WAIT, finish  # noqa: E402
 
@@ -193,15 +194,7 @@ def test_owner_killed_during_pushes_over_its_kept_receive_raises_owner_lost_with
     with leak_checked_nodes(3) as nodes:
         nodes.ok(1, "publish", "policy", 2000, 3.0)  # owner: node 1 (the store lives on)
         nodes.ok(2, "attach", "policy")
-        nodes.commands[2].put(("push_loop", "policy", 20.0))
-        time.sleep(random.uniform(0.2, 1.0))
-        os.kill(nodes.procs[1].pid, signal.SIGKILL)
-        killed = time.monotonic()  # CLOCK_MONOTONIC: the same clock in every process
-        answer = nodes.results[2].get(timeout=WAIT)
-        assert answer[0] == "ok", answer
-        pushes, error, ended, _cause = answer[1]
-        assert pushes > 0 and error == "OwnerLostError", answer
-        assert ended - killed < 10, answer
+        loop_through_an_owner_kill(nodes, ("push_loop", "policy", 20.0))
         assert finish(nodes.procs[1]) == -signal.SIGKILL
         answer, took = timed_call(nodes, 2, "push", "policy", [0], 9.0)
         assert answer[0] == "error" and answer[1] == "OwnerLostError" and took < 2, (answer, took)

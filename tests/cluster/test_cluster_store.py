@@ -419,6 +419,23 @@ def test_a_push_by_boolean_mask_writes_the_masked_rows(pair):
     assert td["x"].tolist() == [1.0, 2.0, 0.0, 4.0]
 
 
+class _Heartbeats:
+    """The heartbeats of nodes as the store holds them, for a Liveness without a store:
+    ``beats[node]`` is written as its stored bytes, and those of the nodes in ``forged``
+    fail the signature check."""
+
+    def __init__(self, beats: dict, forged=()):
+        self.beats, self.forged = beats, set(forged)
+
+    def get_unchecked(self, key: str) -> bytes:
+        return str(self.beats[int(key.split("/")[1])]).encode()
+
+    def check(self, key: str, blob: bytes) -> bytes:
+        if int(key.split("/")[1]) in self.forged:
+            raise ClusterAuthError(f"{key} forged")
+        return blob
+
+
 def test_a_quiet_node_that_beats_again_is_not_counted_lost(monkeypatch):
     """A node whose heartbeat stood still past LOST_AFTER_S (stopped, then SIGCONT) is
     given one more look before a sync drops it: the race that made a resumed replica
@@ -427,7 +444,7 @@ def test_a_quiet_node_that_beats_again_is_not_counted_lost(monkeypatch):
 
     monkeypatch.setattr(cluster_liveness, "LOST_AFTER_S", 0.2)
     beats = {1: 1, 2: 1}
-    liveness = cluster_liveness.Liveness(None, 0, lambda key: {"beat": beats[int(key.split("/")[1])]})
+    liveness = cluster_liveness.Liveness(_Heartbeats(beats), 0, read=None)
     assert liveness.alive(1) and liveness.alive(2)  # first look
     time.sleep(0.3)  # both quiet for longer than LOST_AFTER_S
     assert not liveness.alive(1) and not liveness.alive(2)
@@ -449,8 +466,11 @@ def test_a_node_found_lost_is_not_waited_for_again_until_it_beats(monkeypatch):
     from shared_td.coordinator import cluster_liveness
 
     monkeypatch.setattr(cluster_liveness, "LOST_AFTER_S", 0.2)
-    beats = {1: 1, 2: None}  # node 2: a heartbeat with a wrong signature reads as None
-    liveness = cluster_liveness.Liveness(None, 0, lambda key: {"beat": beats[int(key.split("/")[1])]})
+    beats = {1: 1, 2: 1}
+    refused = []
+    # node 2's heartbeat has a wrong signature: counted once, and lost as it stands still
+    liveness = cluster_liveness.Liveness(_Heartbeats(beats, forged=[2]), 0, read=None,
+                                         refuse=lambda: refused.append(1))
     assert liveness.alive(1) and liveness.alive(2)
     time.sleep(0.3)
     assert liveness.still_lost([1, 2], wait=0.3) == [1, 2]  # the first time: one more look
@@ -464,6 +484,7 @@ def test_a_node_found_lost_is_not_waited_for_again_until_it_beats(monkeypatch):
     began = time.monotonic()
     assert liveness.still_lost([1], wait=0.3) == [1]
     assert time.monotonic() - began >= 0.3  # its new silence gets the look again
+    assert len(refused) == 1  # node 2's one forged value, however often it was read
 
 
 def test_once_the_store_host_is_lost_no_new_connection_is_tried():

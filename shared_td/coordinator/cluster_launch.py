@@ -1,0 +1,107 @@
+"""How a node of a cluster finds its store: the authkey, the launch URL, and the Store
+kinds a cluster can run on.
+
+A cluster runs on a ``torch.distributed`` Store with queues: ``tcp://HOST:PORT`` (node 0
+hosts the TCPStore, on a listening socket of the address's own family:
+:func:`~shared_td.coordinator.store_host.host_tcp_store`), ``env://`` (torchrun's agent
+store, or one the launcher names), or a Store given as it is, checked by
+:func:`check_store`. The signed store over it:
+:class:`~shared_td.coordinator.cluster_store.SignedStore`.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import urllib.parse
+
+import torch
+import torch.distributed as dist
+
+from shared_td.coordinator.store_host import host_tcp_store
+
+__all__ = ["check_store", "cluster_key", "open_store"]
+
+
+def cluster_key(authkey) -> bytes:
+    """The cluster authkey: ``authkey`` (bytes or str) or ``SHARED_TD_CLUSTER_KEY``.
+
+    Example:
+        >>> cluster_key("secret")
+        b'secret'
+    """
+    if authkey is None:
+        authkey = os.environ.get("SHARED_TD_CLUSTER_KEY")
+    if not authkey:
+        raise ValueError(
+            "A cluster needs an authkey, the same on every node: pass authkey= or set "
+            "SHARED_TD_CLUSTER_KEY (e.g. `export SHARED_TD_CLUSTER_KEY=$(openssl rand -hex 32)`)."
+        )
+    return authkey.encode() if isinstance(authkey, str) else bytes(authkey)
+
+
+def check_store(store) -> None:
+    """Refuse, before a node joins, a Store the cluster cannot run on: requests and
+    notices travel through the store's queues (``queue_push``/``queue_pop``), which torch
+    has since 2.8 and only some stores implement. Without this check a FileStore failed
+    the first request with a bare NotImplementedError, and a TCPStore on the legacy
+    backend (``use_libuv=False``) dropped the connection, which read as "the store's host
+    stopped". RuntimeError for a torch without queues, ValueError for such a store (its
+    class named, with the fix)."""
+    if not hasattr(dist.Store, "queue_push"):
+        raise RuntimeError(f"A shared_td cluster needs torch >= 2.8 (TCPStore queues); this is torch "
+                           f"{torch.__version__}. Upgrade torch on every node.")
+    base = store
+    while isinstance(base, dist.PrefixStore):  # what a PrefixStore queues, its store queues
+        base = base.underlying_store
+    if isinstance(base, dist.FileStore):
+        raise ValueError("A shared_td cluster cannot run on a FileStore (it has no queues): pass "
+                         "cluster='tcp://HOST:PORT' or 'env://', or a torch.distributed.TCPStore.")
+    if isinstance(base, dist.TCPStore) and not getattr(base, "libuvBackend", True):
+        raise ValueError("A shared_td cluster cannot run on a TCPStore made with use_libuv=False (the legacy "
+                         "backend has no queues): make it with the default use_libuv=True, or pass "
+                         "cluster='tcp://HOST:PORT' or 'env://'.")
+
+
+def open_store(url: str, node: int, timeout: float):
+    """A Store for ``url``: ``tcp://HOST:PORT`` (node 0 hosts the TCPStore unless the URL
+    says ``?host=0``; ``?host=1`` makes this node host it) or ``env://`` (``MASTER_ADDR``,
+    ``MASTER_PORT``; under torchrun the agent's store is joined, never hosted again).
+
+    Returns ``(store, node, nodes)``; ``node``/``nodes`` are None unless ``env://`` found
+    them (``GROUP_RANK``/``NODE_RANK`` and ``WORLD_SIZE // LOCAL_WORLD_SIZE`` or ``NNODES``).
+    """
+    parsed = urllib.parse.urlparse(url)
+    query = urllib.parse.parse_qs(parsed.query)
+    found_node = found_nodes = None
+    if parsed.scheme == "env":
+        env = os.environ
+        host, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
+        if not host or not port:
+            raise ValueError("cluster='env://' needs MASTER_ADDR and MASTER_PORT in the environment.")
+        if env.get("LOCAL_RANK", "0") != "0":  # torchrun's other processes of this node
+            raise ValueError(f"cluster='env://' makes one Coordinator per node, in the process of local rank 0; "
+                             f"this process has LOCAL_RANK={env['LOCAL_RANK']}: attach to your node's "
+                             "Coordinator by address instead (or run torchrun --nproc-per-node 1).")
+        rank = env.get("GROUP_RANK") or env.get("NODE_RANK") or env.get("SHARED_TD_NODE")
+        found_node = int(rank) if rank is not None else None
+        if env.get("NNODES") or env.get("SHARED_TD_NODES"):
+            found_nodes = int(env.get("NNODES") or env["SHARED_TD_NODES"])
+        elif env.get("WORLD_SIZE"):
+            found_nodes = int(env["WORLD_SIZE"]) // int(env.get("LOCAL_WORLD_SIZE", "1"))
+        agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        hosts = False if agent else None
+        port = int(port)
+    elif parsed.scheme == "tcp":
+        host, port = parsed.hostname, parsed.port
+        if not host or not port:
+            raise ValueError(f"cluster={url!r}: expected tcp://HOST:PORT.")
+        hosts = {"0": False, "1": True}.get(query.get("host", [""])[0])
+    else:
+        raise ValueError(f"cluster={url!r}: expected 'tcp://HOST:PORT', 'env://' or a torch.distributed Store.")
+    node_here = found_node if found_node is not None else node
+    is_master = (node_here == 0) if hosts is None else hosts
+    if is_master:
+        store = host_tcp_store(host, port, timeout=timeout)
+    else:
+        store = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout))
+    return store, found_node, found_nodes

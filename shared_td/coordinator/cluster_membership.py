@@ -1,0 +1,235 @@
+"""A :class:`~shared_td.coordinator.cluster.Cluster` node joining and leaving: the
+lifecycle half of the class (``start``, ``shutdown``), kept apart from what a running
+node does so that each reads on its own.
+
+Joining (:meth:`ClusterMembership.start`): open the store, claim the node's number
+(:func:`~shared_td.coordinator.cluster_liveness.claim_node`: one process per number),
+drop what waits in the node's queues for its previous process, write the signed join
+record and the first heartbeat, start beating, wait for every other node's join record,
+then start the node's threads (the service thread, the pair watch, one lane per peer:
+:mod:`~shared_td.coordinator.cluster_serve`).
+
+Another authkey is refused as early as it can be seen. Before the claim, the other
+nodes' join records that exist are read: if none verifies with this process's key,
+this process (or all of them) uses another key, and it joins nothing (ClusterAuthError).
+A held number is then left alone entirely (taking it over would drain the running
+node's queues and overwrite its records); a free number is claimed just long enough to
+write this process's own join record, signed with its key, so that the nodes waiting in
+their own ``start()`` refuse it at once instead of waiting out their timeout for it.
+While a node waits for the others, each join record is checked as it appears: a wrong
+one fails the start at once, not after every node joined. (Before, the key was looked at
+only when the number was held, and only after all nodes joined otherwise.)
+
+Leaving (:meth:`ClusterMembership.shutdown`): stop notices in the node's own queues wake
+its threads, the pairs are closed (the receives kept posted end, the watched waits and
+the group builds under way give up, and the build threads have ended:
+:meth:`~shared_td.coordinator.cluster_transfer.PairGroups.close`), and the number is
+released for the next process.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import threading
+import time
+
+from shared_td.coordinator.cluster_launch import check_store, open_store
+from shared_td.coordinator.cluster_liveness import HEARTBEAT_S, Liveness, claim_node, name_holder, release_node
+from shared_td.coordinator.cluster_names import LocalNames
+from shared_td.coordinator.cluster_serve import LISTENER, POP_S, lane_queue, listen, serve_lane, serve_notices, watch_pairs
+from shared_td.coordinator.cluster_store import ClusterAuthError, SignedStore
+from shared_td.coordinator.cluster_transfer import PairGroups
+from shared_td.coordinator.cluster_values import ClusterValues
+
+__all__ = ["ClusterMembership"]
+
+
+class ClusterMembership:
+    """Mixin of Cluster: its lifecycle (it relies on the attributes that
+    ``Cluster.__init__`` sets)."""
+
+    def start(self):
+        """Join the cluster: claim this node's number (ValueError while another process
+        runs as that node; a number whose holder crashed is taken over once its
+        heartbeat stood still for LOST_AFTER_S, see
+        :func:`~shared_td.coordinator.cluster_liveness.claim_node`), wait (at most
+        ``timeout``) for every node's signed join record, refuse with ClusterAuthError
+        one signed with another authkey (as soon as it is seen: see the module's
+        opening), then start the heartbeat and the service thread. Returns self."""
+        if self._store is not None:
+            raise RuntimeError("This Cluster is already started.")
+        if isinstance(self._spec, str):
+            base, node, nodes = open_store(self._spec, self.node, self.timeout)
+            self.node = self.node if self.node is not None else node
+            self.nodes = self.nodes if self.nodes is not None else nodes
+        else:
+            base = self._spec
+        check_store(base)
+        if self.node is None or self.nodes is None or not 0 <= self.node < self.nodes:
+            raise ValueError(f"A cluster needs node= in [0, nodes) and nodes=, got node={self.node}, nodes={self.nodes}.")
+        # spares: the first connections of this node's threads (heartbeat, service, pair
+        # watch, a lane per peer, the values poller, the sync senders) are made ahead, in the
+        # background (a connect can stall 5 s in a reverse DNS lookup, see cluster_store)
+        self._store = SignedStore(base, self._authkey, timeout=self.timeout,
+                                  spares=4 + (self.nodes - 1) + min(self.nodes - 1, 6))
+        try:
+            refused = self._records_of_another_key()  # before the claim: see the module's opening
+            self._claim = claim_node(self._store, self.node)
+            if refused:  # the number was free: say so to the nodes that wait, with our own record
+                self._store.set_json(f"join/{self.node}", self._join_record())
+                raise ClusterAuthError(
+                    f"Cluster node {self.node}: the join records of the cluster ({', '.join(refused)}) have a wrong "
+                    "signature for this process's cluster authkey, so it uses another key than the nodes that "
+                    "joined before it. It did not join. Give every node the same authkey= (or SHARED_TD_CLUSTER_KEY).")
+        except BaseException:  # nothing of this node runs yet: no stop request may reach the other
+            self._stop.set()
+            self._closed = True
+            if self._claim is not None:
+                self._release()
+            self._store.close()
+            raise
+        try:
+            self._join()
+        except BaseException:  # refused, or a node did not join: nothing of this node is left running
+            self.shutdown()
+            raise
+        return self
+
+    def _records_of_another_key(self) -> list[str]:
+        """The other nodes' join records that exist, when none of them verifies with
+        this process's key (they are then another key's, or this process's key is
+        another than theirs); [] when one verifies (the others are stale or forged:
+        the join checks them) or none exists. ClusterAuthError at once when this node's
+        number is held: taking it over would drain the running node's queues and
+        overwrite its records."""
+        refused = []
+        for key in (f"join/{n}" for n in range(self.nodes) if n != self.node):
+            if not self._store.has(key):
+                continue
+            try:
+                self._store.get_json(key)
+                return []  # one node with our key
+            except ClusterAuthError:
+                refused.append(key)
+        if refused and self._store.get_unchecked(f"claim/{self.node}") not in (None, b""):
+            raise ClusterAuthError(
+                f"Cluster node {self.node}: the join records of the cluster ({', '.join(refused)}) have a wrong "
+                "signature for this process's cluster authkey, so it uses another key than the running nodes. Node "
+                f"{self.node}'s number is held: nothing was taken over. Give every node the same authkey= "
+                "(or SHARED_TD_CLUSTER_KEY).")
+        return refused
+
+    def _join_record(self) -> dict:
+        return {"node": self.node, "nodes": self.nodes, "pid": os.getpid(), "host": socket.gethostname()}
+
+    def _join(self) -> None:
+        """What :meth:`start` does once this process holds the node's number: join the
+        others, then start this node's threads."""
+        for queue in self._own_queues():  # what waits there was sent to this node's last process
+            self._store.drain(queue)
+        self._store.set_json(f"join/{self.node}", self._join_record())
+        self._store.set_json(f"hb/{self.node}", {"beat": 0, "pid": os.getpid()})
+        # beating from now on: a join that waits long for the others must not look like
+        # a crashed node whose number another process may take over
+        self._liveness = Liveness(self._store, self.node, self._store.get_json, self._claim, self._stop,
+                                  on_confirm=self._give_up_names_taken_over, refuse=self._count_refused)
+        self._start_thread(self._liveness.beat, (), "beat")
+        self._wait_for_the_others()
+        self._groups = PairGroups(self._store, self.node, timeout=self.timeout, hostname=self._hostname,
+                                  alive=lambda peer: self._liveness.alive(peer),
+                                  on_built=lambda peer, generation: listen(self, peer, generation))
+        self._values = ClusterValues(self._store, self.node, self.nodes, self._stop, self._liveness.still_mine,
+                                     self._count_refused)
+        #: this node's records of its unreplicated names (see cluster_names)
+        self.local_names = LocalNames(self._store, self.node, self.nodes)
+        lanes = [(serve_lane, (self, peer), f"lane-{peer}") for peer in range(self.nodes) if peer != self.node]
+        for target, args, name in [(serve_notices, (self,), "serve"), (watch_pairs, (self,), "watch"), *lanes]:
+            self._start_thread(target, args, name)
+
+    def _wait_for_the_others(self) -> None:
+        """Wait (at most ``timeout``) for every other node's join record, checking each
+        as it appears: ClusterAuthError for one signed with another authkey, at once,
+        and ValueError for one of another cluster size."""
+        waiting = {n: f"join/{n}" for n in range(self.nodes) if n != self.node}
+        deadline, pause = time.monotonic() + self.timeout, 0.001
+        while waiting:
+            for n, key in list(waiting.items()):
+                if self._store.has(key):
+                    record = self._store.get_json(key)  # ClusterAuthError: another authkey
+                    if record["nodes"] != self.nodes:
+                        raise ValueError(f"Node {record['node']} joined with nodes={record['nodes']}, "
+                                         f"this node has {self.nodes}.")
+                    del waiting[n]
+            if waiting and time.monotonic() > deadline:
+                raise TimeoutError(f"Cluster node {self.node}: nodes {', '.join(map(str, waiting))} did not join "
+                                   f"within {self.timeout:g} s.")
+            if waiting:
+                time.sleep(pause)
+                pause = min(2 * pause, 0.05)
+
+    def _count_refused(self) -> None:
+        """One more forged record or request, never acted on (see ``refused``)."""
+        self.refused += 1
+
+    def _start_thread(self, target, args: tuple, name: str) -> None:
+        thread = threading.Thread(target=target, args=args, name=f"shared_td-cluster-{name}", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def shutdown(self) -> None:
+        """Leave the cluster: stop the threads, abort the gloo groups. Idempotent.
+        Replicas already attached stay readable. Node 0 usually hosts the store: the
+        others lose it when it leaves."""
+        if self._store is None or self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        atexit.unregister(self.shutdown)
+        # a process whose number was taken over leaves the queues and the claim to its successor
+        mine = self._liveness is None or self._liveness.taken_over is None
+        try:
+            for queue in self._own_queues() if mine else ():
+                self._store.push_json(queue, {"op": "stop", "from": self.node})
+        except (RuntimeError, OSError):
+            pass  # the store is gone; the pops fail by themselves
+        listeners = [t for t in self._threads if t.name.startswith(LISTENER)]
+        for thread in self._threads:  # a lane in a transfer ends at its bounded wait (daemon)
+            if thread not in listeners:
+                thread.join(POP_S if thread.name.endswith("serve") else 2 * HEARTBEAT_S)
+        if self._values is not None:
+            self._values.join(2 * HEARTBEAT_S)
+        self._senders.shutdown(wait=False, cancel_futures=True)
+        if self._groups is not None:  # None: start() failed before the groups
+            self._groups.close()  # closes the pairs: the kept push receives end, the builds too
+        for thread in listeners:
+            thread.join(2 * HEARTBEAT_S)
+        if mine:
+            self._release()
+        self._store.close()
+
+    def _release(self) -> None:
+        try:
+            release_node(self._store, self.node, self._claim)
+        except (RuntimeError, OSError):
+            pass  # the store is gone: nobody joins it again
+
+    def _give_up_names_taken_over(self) -> None:
+        """This process was stopped (or starved) past LOST_AFTER_S and still runs its node:
+        the names another node took over meanwhile (``claim_name``) are not this node's
+        any more: not synced, not served (a sync of one says who owns it)."""
+        for name in list(self._owned):
+            holder = name_holder(self._store, name, self.node)
+            if holder != str(self.node):
+                del self._owned[name]
+                self._taken_names[name] = holder
+
+    def _own_queues(self) -> list[str]:
+        """The store queues this node's threads pop: its service queue, a lane per peer."""
+        return [f"queue/{self.node}", *(lane_queue(self.node, peer) for peer in range(self.nodes) if peer != self.node)]
+
+    def __enter__(self):
+        return self if self._store is not None else self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
