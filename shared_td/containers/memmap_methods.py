@@ -47,10 +47,10 @@ class MemmapMethods:
                 leaves are split by byte range over the threads.
             return_early: with num_threads > 1, return a TensorDictFuture at once;
                 ``future.result()`` waits and returns self (or raises the write error).
-                Meanwhile self is locked (entries added or removed would be lost); a
-                failed write leaves the locks as they were. Errors found before any
-                byte is written (existing files, unpicklable values) are raised by
-                the call itself.
+                Meanwhile self is locked, as during any memmap_ (entries added or
+                removed would be lost); a failed write leaves the locks as they were.
+                Errors found before any byte is written (existing files, unpicklable
+                values) are raised by the call itself.
             share_non_tensor: non-tensor entries are shared between processes: an
                 in-place write in one process is seen by the others.
             existsok: if False, an existing leaf file is a RuntimeError.
@@ -100,23 +100,24 @@ class MemmapMethods:
             # the values are shared node by node after the leaves are written: one that
             # cannot be would leave the nodes before it changed, so all are checked first
             check_picklable(self, "memmap_(share_non_tensor=True)", shared=True)
-        # A write that returns early runs while the caller goes on: its tree is locked
-        # for that time (as tensordict's is), since an entry added or removed meanwhile
-        # would be lost when the written leaves are put in. A failed write puts the
-        # locks back as they were.
+        # The tree is locked while it is written (a write that returns early runs while
+        # the caller goes on; any other, while the caller's other threads do): an entry
+        # added or removed meanwhile would be silently lost when the written leaves are
+        # put in (tensordict's memmap_ fails on it, or locks it for return_early). A
+        # successful write leaves it locked, as memmap_ always does; a failed one puts
+        # the locks back as they were.
         early = return_early and not atomic and isinstance(num_threads, int) and num_threads > 1
-        unlock = _lock_while_written(self) if early else None
+        unlock = _lock_while_written(self)
         try:
             with naming_unpicklable(self, "memmap_", share_non_tensor):
                 return api.memmap(
                     self, prefix, copy_existing, inplace=True, num_threads=num_threads,
                     return_early=return_early, share_non_tensor=share_non_tensor,
                     existsok=existsok, robust_key=robust_key, atomic=atomic,
-                    on_early_failure=unlock,
+                    on_early_failure=unlock if early else None,
                 )
         except BaseException:
-            if unlock is not None:
-                unlock()
+            unlock()
             raise
 
     def memmap(

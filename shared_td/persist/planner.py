@@ -7,6 +7,7 @@ written; a leaf already memory-mapped to its own file, the very file there now, 
 """
 from __future__ import annotations
 
+import bisect
 import os
 import stat
 from dataclasses import dataclass, field
@@ -96,23 +97,37 @@ class Planner:
         other's new bytes. (Small leaves are copied out before any write by the
         staging; bigger ones are read when their own file is written.)
         """
-        mappings, paths = set(), set()
-        for path, st in self.overwritten:
-            paths.add(path)
-            backing = files.mapped_backing(st)  # this process's shared mapping of it
-            if backing is not None and backing.storage is not None:
-                mappings.add(backing.storage.data_ptr())
+        candidates = []
         for leaf in self.leaves:
             source = leaf.source
-            if leaf.keep or leaf.path is None or not source.is_cpu or not source.numel():
+            if leaf.keep or leaf.path is None or not source.is_cpu or not source.numel() \
+                    or source.layout is not torch.strided:  # (no storage: the write says so)
                 continue
-            backing = getattr(source, "_backing", None)
-            # by path too: a copy-on-write mapping is in no cache, yet it reads the
-            # file's new bytes where it was not written to; by storage: any view of a
-            # mapping (a plain tensor too) has the mapping itself as its storage
+            storage = source.untyped_storage()
+            # memory of torch's own allocator (the resizable kind) maps no file: a tree
+            # built in memory costs no look-up (0.1 us a leaf)
+            if not storage.resizable():
+                candidates.append((leaf, storage))
+        if not candidates:
+            return
+        paths = {path for path, _ in self.overwritten}
+        # every mapping of those files in this process, whoever made it: a plain view
+        # outlives the FileBacking cached for it, and torch.from_file, numpy.memmap or a
+        # hard link map them without any; by inode, so another name of a file counts
+        mapped = _mapped_ranges({(st.st_dev, st.st_ino) for _, st in self.overwritten})
+        if mapped is None:  # no /proc/self/maps: this process's cached mappings only
+            mapped = sorted(_range_of(backing.storage) for _, st in self.overwritten
+                            if (backing := files.mapped_backing(st)) is not None
+                            and backing.storage is not None)
+        starts = [start for start, _ in mapped]
+        for leaf, storage in candidates:
+            backing = getattr(leaf.source, "_backing", None)
+            # by path too: a copy-on-write mapping of the file reads its new bytes where
+            # it was not written to; by address: any view of a mapping (a plain tensor
+            # too) lies inside the mapping
             if (isinstance(backing, FileBacking) and backing.path in paths) or \
-                    (mappings and source.untyped_storage().data_ptr() in mappings):
-                leaf.source = source.clone()
+                    (mapped and _overlaps(_range_of(storage), mapped, starts)):
+                leaf.source = leaf.source.clone()
 
     def _plan(self, obj: Any, directory: str | None, path: tuple, *, parent_exists: bool) -> NodePlan:
         kind = nodes.kind_for_object(obj)
@@ -257,6 +272,45 @@ def _maps_file_at(backing: FileBacking, path: str) -> bool:
     except OSError:
         return False
     return stat.S_ISREG(st.st_mode) and files.mapped_backing(st) is backing
+
+
+def _mapped_ranges(inodes: set[tuple[int, int]]) -> list[tuple[int, int]] | None:
+    """The sorted address ranges where this process maps the files ``inodes``
+    (``(st_dev, st_ino)`` each), read from /proc/self/maps; None where that cannot be
+    read (not Linux). One read for the whole write."""
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            lines = maps.read().splitlines()
+    except OSError:
+        return None
+    numbers = {str(ino).encode() for _, ino in inodes}
+    ranges = []
+    for line in lines:
+        # "start-end perms offset major:minor inode path": the inode is compared first,
+        # as bytes, so the lines of other mappings cost one split each
+        fields = line.split(None, 5)
+        if len(fields) < 5 or fields[4] not in numbers:
+            continue
+        major, minor = fields[3].split(b":")
+        if (os.makedev(int(major, 16), int(minor, 16)), int(fields[4])) in inodes:
+            start, end = fields[0].split(b"-")
+            ranges.append((int(start, 16), int(end, 16)))
+    ranges.sort()
+    return ranges
+
+
+def _range_of(storage: Any) -> tuple[int, int]:
+    start = storage.data_ptr()
+    return start, start + storage.nbytes()
+
+
+def _overlaps(span: tuple[int, int], ranges: list[tuple[int, int]], starts: list[int]) -> bool:
+    """Whether ``span`` meets one of the sorted, disjoint ``ranges`` (``starts``: theirs)."""
+    start, end = span
+    index = bisect.bisect_right(starts, start) - 1  # the last range starting at or before it
+    if index >= 0 and ranges[index][1] > start:
+        return True
+    return index + 1 < len(ranges) and ranges[index + 1][0] < end
 
 
 def _join(directory: str | None, name: str) -> str | None:
