@@ -411,11 +411,16 @@ class Cluster(ClusterMembership, ClusterRequests):
         if self._closed:
             # before the liveness check: a node that left stopped beating, and its own
             # stopped heartbeat read as a takeover (a NodeTakenOverError naming this pid)
-            raise RuntimeError(f"Cluster node {self.node} was shut down (shutdown(), or its start() failed): "
-                               "its threads and store connections are gone. Start a new Cluster to rejoin.")
+            raise self._shut_down()
         if self._liveness is not None:
             self._liveness.check()
         return self._store
+
+    def _shut_down(self, during: str = "") -> RuntimeError:
+        """The error of a call on this node once it was shut down (``during``: the call
+        that was under way then)."""
+        return RuntimeError(f"Cluster node {self.node} was shut down{during} (shutdown(), or its start() failed): "
+                            "its threads and store connections are gone. Start a new Cluster to rejoin.")
 
 
 class _ClusterEndpoint:

@@ -256,6 +256,12 @@ def claim_node(store, node: int) -> str:
     if held == token.encode():
         return token
     if heartbeat_moves(store, node):
+        if not _signed_here(store, node):  # the fix is the key, not the numbers
+            raise ValueError(
+                f"Node {node} is running in this cluster with another authkey: its heartbeat hb/{node} moves and is "
+                f"not signed with this process's cluster authkey. Its number was not taken over. Give every node "
+                "the same authkey= (or SHARED_TD_CLUSTER_KEY), or stop the process that runs as node "
+                f"{node} with the other key.")
         raise ValueError(_same_node(node, "is running in this cluster (its heartbeat moves)"))
     try:  # a heartbeat signed with another key: never take over what this process cannot read
         store.get_json(f"hb/{node}") if store.has(f"hb/{node}") else None
@@ -322,6 +328,20 @@ def release_node(store, node: int, token: str) -> None:
     """Let node ``node`` go (a clean shutdown): a process started as that node later
     claims it at once, without waiting for the heartbeat to stand still."""
     store.compare_set(f"claim/{node}", token, "")
+
+
+def _signed_here(store, node: int) -> bool:
+    """Whether node ``node``'s stored heartbeat verifies with ``store``'s key (True when
+    there is none): a moving heartbeat of another key is a process with another key,
+    which the error must name, not two processes given one number."""
+    blob = _heartbeat(store, node)
+    if blob is None:
+        return True
+    try:
+        store.check(f"hb/{node}", blob)
+    except ClusterAuthError:
+        return False
+    return True
 
 
 def _heartbeat(store, node: int) -> bytes | None:

@@ -128,6 +128,7 @@ class ClusterMembership:
         others, then start this node's threads."""
         for queue in self._own_queues():  # what waits there was sent to this node's last process
             self._store.drain(queue)
+        restarted = self._store.has(f"join/{self.node}")  # this node ran before: see PairGroups.move_on
         self._store.set_json(f"join/{self.node}", self._join_record())
         self._store.set_json(f"hb/{self.node}", {"beat": 0, "pid": os.getpid()})
         # beating from now on: a join that waits long for the others must not look like
@@ -139,6 +140,9 @@ class ClusterMembership:
         self._groups = PairGroups(self._store, self.node, timeout=self.timeout, hostname=self._hostname,
                                   alive=lambda peer: self._liveness.alive(peer),
                                   on_built=lambda peer, generation: listen(self, peer, generation))
+        for peer in range(self.nodes) if restarted else ():  # before this process's first request
+            if peer != self.node:
+                self._groups.move_on(peer)
         self._values = ClusterValues(self._store, self.node, self.nodes, self._stop, self._liveness.still_mine,
                                      self._count_refused)
         #: this node's records of its unreplicated names (see cluster_names)

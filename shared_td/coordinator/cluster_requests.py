@@ -29,7 +29,7 @@ __all__ = ["ClusterRequests"]
 class ClusterRequests:
     """Mixin of Cluster (it relies on ``node``, ``timeout``, ``refused``, ``_checked``,
     ``_store``, ``_liveness``, ``_groups``, ``_replicas``, ``_tags``, ``_reply_slots``,
-    ``_local`` and ``_caller``)."""
+    ``_local``, ``_caller``, ``_closed`` and ``_shut_down``)."""
 
     def _request(self, peer: int, op: str, name: str, generation: int, **extra) -> tuple[int, int]:
         """Put a request in ``peer``'s queue; returns (tag, pair generation)."""
@@ -111,7 +111,12 @@ class ClusterRequests:
 
     def _lost_or(self, peer: int, name: str, err: BaseException) -> BaseException:
         """After a failed transfer with ``peer``: OwnerLostError once it is found lost
-        (see ``Liveness.lost_or``), else a ConnectionError (the call may be retried)."""
+        (see ``Liveness.lost_or``), else a ConnectionError (the call may be retried);
+        RuntimeError at once when this node's own shutdown ended the transfer: no peer
+        was lost and no retry can succeed (it waited LOST_AFTER_S for the peer's
+        heartbeat, then said "that node is alive: the call may be retried")."""
+        if self._closed:
+            return self._shut_down(f" during the transfer of {name!r} with node {peer} ({err})")
         error = self._liveness.lost_or(peer, name, err, self._role(peer, name))
         if isinstance(error, OwnerLostError):
             self._found(peer)

@@ -241,6 +241,13 @@ def listen(cluster, peer: int, generation: int) -> None:
     that keeps a receive posted on it for that peer's pushes (:func:`serve_pushes`)."""
     if cluster._stop.is_set():
         return
+    # the listeners of the generations closed since: each failure makes a new one, and
+    # the list kept every Thread a long-running node ever made (one per pair generation)
+    for ended in [t for t in list(cluster._threads) if t.name.startswith(LISTENER) and not t.is_alive()]:
+        try:
+            cluster._threads.remove(ended)
+        except ValueError:
+            pass  # another pair's listen() removed it meanwhile
     thread = threading.Thread(target=serve_pushes, args=(cluster, peer, generation), daemon=True,
                               name=f"{LISTENER}{peer}-{generation}")
     thread.start()

@@ -315,7 +315,7 @@ class PairGroups:
             self._builds.add(thread)
         thread.start()
         while not done.wait(WATCH_S):
-            why = self._why_lost(peer)
+            why = self._why_lost(peer) or self._why_moved(peer, generation)
             if why is not None:
                 with self._guard:
                     outcome.setdefault("made", TransferFailed(
@@ -326,6 +326,27 @@ class PairGroups:
         if isinstance(made, TransferFailed):
             raise made
         return made
+
+    def _why_moved(self, peer: int, generation: int) -> str | None:
+        """Why a build of ``generation`` with ``peer`` is pointless because the store's
+        pair moved past it (a new process of that node moved it at its start,
+        :meth:`move_on`: it never joins the generation a request of its previous process
+        named, and this build waited for it the cluster's whole timeout), or None."""
+        try:
+            stored = self._stored_generation(peer)
+        except (RuntimeError, OSError, ValueError):
+            return None  # the store is gone: the build ends at its own bound
+        return f"the pair with node {peer} moved to generation {stored}" if stored > generation else None
+
+    def move_on(self, peer: int) -> None:
+        """This process runs a node that ran before (a restart): move the pair with
+        ``peer`` to a new generation and tell the peer. A request the previous process
+        left in the peer's lane names the old generation: served, it built a group this
+        process never joins, which held the peer's lane, and this process's first
+        request, the cluster's whole timeout (TimeoutError); it is now refused as stale,
+        or its build is given up (:meth:`_why_moved`)."""
+        newest = self.seen(peer, self._store.add(f"pairgen/{self._pair(peer)}", 1))
+        self._store.push_json(f"queue/{peer}", {"op": "pair", "from": self.node, "generation": newest})
 
     def _why_lost(self, peer: int) -> str | None:
         """Why a wait with ``peer`` is pointless (it is lost, this node closes), or None.
