@@ -49,6 +49,7 @@ from shared_td.containers.consolidated_tree import (
     locked_path,
     stored_leaves,
 )
+from shared_td.containers.locking import lock_until_restored
 from shared_td.containers.pinning import check_pinnable
 from shared_td.errors import LockedTensorDictError
 from shared_td.keys import key_repr
@@ -200,8 +201,7 @@ class ConsolidateMethods:
             if inplace:  # this tensordict keeps its leaves until the copy has succeeded,
                 # locked meanwhile: the copies' views replace its leaves by position, so an
                 # entry added or deleted before they do mixed up the values
-                self.lock_()
-                return copy_in_background(jobs, threads, finish, storage, on_error=self.unlock_)
+                return copy_in_background(jobs, threads, finish, storage, on_error=lock_until_restored(self))
             result = finish()
             return copy_in_background(jobs, threads, lambda: result, storage)
         try:

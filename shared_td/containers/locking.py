@@ -7,6 +7,7 @@ so that it cannot be unlocked on its own.
 from __future__ import annotations
 
 import weakref
+from typing import Any, Callable
 
 from shared_td.errors import LockedTensorDictError
 from shared_td.keys import key_repr
@@ -21,6 +22,36 @@ def lock_built(node: "LockingOps", children: list) -> None:
     for child in children:
         child._lock_parents[id(node)] = weakref.ref(node)
     node._last_op = "lock_"
+
+
+def lock_until_restored(obj: Any) -> Callable[[], None]:
+    """Lock ``obj`` (a tensordict or tensorclass) and every nested tensordict, as
+    ``lock_()`` does, and return what puts each one's lock back as it was: its flag and
+    its locked parents (an unlocked tree may hold a tensordict locked on its own, which
+    must stay locked). For a write running in the background (memmap_, consolidate
+    with ``return_early``) that must find the entries as it left them, and undo the
+    lock if it fails. One walk that saves and locks each node (a node held twice is
+    saved once)."""
+    saved, seen = [], set()
+    pending = [(unwrap_tensorclass(obj), None)]
+    while pending:
+        node, parent = pending.pop()
+        if id(node) not in seen:
+            seen.add(id(node))
+            saved.append((node, node._is_locked, dict(node._lock_parents), getattr(node, "_last_op", None)))
+            node._is_locked = True
+            node._last_op = "lock_"
+            pending.extend((unwrap_tensorclass(child), node) for child in node._collection_children())
+        if parent is not None:
+            node._lock_parents[id(parent)] = weakref.ref(parent)
+
+    def restore() -> None:
+        for node, locked, parents, last_op in saved:
+            node._is_locked, node._last_op = locked, last_op
+            node._lock_parents.clear()
+            node._lock_parents.update(parents)
+
+    return restore
 
 
 class LockingOps:

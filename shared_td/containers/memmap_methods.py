@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import pathlib
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -18,6 +18,7 @@ from shared_td.memmap_tensor import MemoryMappedTensor, checked_shape
 from shared_td.persist import api, writer
 from shared_td.persist import format as fmt
 from shared_td.persist.functions import check_out_type
+from shared_td.containers.locking import lock_until_restored
 from shared_td.containers.unpicklable import check_picklable, naming_unpicklable
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 
@@ -107,7 +108,7 @@ class MemmapMethods:
         # successful write leaves it locked, as memmap_ always does; a failed one puts
         # the locks back as they were.
         early = return_early and not atomic and isinstance(num_threads, int) and num_threads > 1
-        unlock = _lock_while_written(self)
+        unlock = lock_until_restored(self)
         try:
             with naming_unpicklable(self, "memmap_", share_non_tensor):
                 return api.memmap(
@@ -385,27 +386,6 @@ class MemmapMethods:
         if directory is not None:
             writer.rewrite_node(node, node._memmap_prefix)
         return tensor
-
-
-def _lock_while_written(obj: Any) -> Callable[[], None]:
-    """Lock ``obj`` and its nested tensordicts; return what puts their locks back as
-    they were (each node's lock flag and locked parents: an unlocked tree may hold a
-    tensordict that was locked on its own, which must stay locked)."""
-    saved = []
-    pending = [unwrap_tensorclass(obj)]
-    while pending:
-        node = pending.pop()
-        saved.append((node, node._is_locked, dict(node._lock_parents), getattr(node, "_last_op", None)))
-        pending.extend(unwrap_tensorclass(child) for child in node._collection_children())
-    obj.lock_()
-
-    def unlock() -> None:
-        for node, locked, parents, last_op in saved:
-            node._is_locked, node._last_op = locked, last_op
-            node._lock_parents.clear()
-            node._lock_parents.update(parents)
-
-    return unlock
 
 
 def _check_out(out: Any) -> None:
