@@ -263,13 +263,11 @@ def claim_node(store, node: int) -> str:
                 "the same authkey= (or SHARED_TD_CLUSTER_KEY), or stop the process that runs as node "
                 f"{node} with the other key.")
         raise ValueError(_same_node(node, "is running in this cluster (its heartbeat moves)"))
-    try:  # a heartbeat signed with another key: never take over what this process cannot read
-        store.get_json(f"hb/{node}") if store.has(f"hb/{node}") else None
-    except ClusterAuthError as err:
+    if not _signed_here(store, node):  # never take over what this process cannot read
         raise ClusterAuthError(
             f"Node {node}'s claim is held and its heartbeat hb/{node} is not signed with this process's "
             f"cluster authkey: this process (or the one that ran as node {node}) uses another key. Its number "
-            "was not taken over. Give every node the same authkey= (or SHARED_TD_CLUSTER_KEY).") from err
+            "was not taken over. Give every node the same authkey= (or SHARED_TD_CLUSTER_KEY).")
     if store.compare_set(key, held, token) != token.encode():
         raise ValueError(_same_node(node, "is being started by another process at the same time"))
     return token
