@@ -254,11 +254,12 @@ class MemmapMethods:
         if remap:
             # memory-mapped here, on the loaded tree and not on self, so that a failure
             # (a leaf mapped read-only because its file is, a full disk) leaves self as it was
+            directory = api.own_directory(loaded)  # prefix as a str (it may be bytes)
             try:
-                loaded.memmap_(prefix)
+                loaded.memmap_(directory)
             except ReadOnlyError as error:
                 raise ReadOnlyError(
-                    f"load_memmap_({os.fspath(prefix)!r}): self is memory-mapped, so it would be "
+                    f"load_memmap_({directory!r}): self is memory-mapped, so it would be "
                     f"memory-mapped again into that directory, which this process may not "
                     f"write ({error}). Nothing changed: load it with mode='r' (self is then "
                     "no longer memory-mapped), or call self.unlock_() first."
@@ -288,13 +289,20 @@ class MemmapMethods:
 
     @property
     def saved_path(self) -> pathlib.Path | None:
-        """The directory of a memory-mapped tensordict (None in anonymous memory)."""
+        """The directory of a memory-mapped tensordict (None in anonymous memory).
+
+        A tensorclass's is its tensordict's, ``<directory>/_tensordict`` (where its leaf
+        files are), as in tensordict 0.15.3: ``load_memmap(step.saved_path)`` gives that
+        TensorDict, ``load_memmap(step.saved_path.parent)`` the tensorclass.
+        """
         if not self.is_memmap():
             raise AttributeError(
                 "The tensordict has no saved path: it is not memory-mapped (call "
                 "memmap_(prefix), or memmap_() again after unlock_())."
             )
-        prefix = api.own_directory(self)
+        # a tensorclass's is its tensordict's, <directory>/_tensordict, as in tensordict
+        # 0.15.3: its leaf files are there, and load_memmap of it gives that TensorDict
+        prefix = api.own_directory(unwrap_tensorclass(self))
         return None if prefix is None else pathlib.Path(prefix)
 
     def make_memmap(self, key: NestedKey, shape: Any, *, dtype: torch.dtype | None = None,

@@ -48,7 +48,7 @@ class FromExistingMemory:
         """
         if mode not in (None, "r", "r+"):
             raise ValueError(f"mode must be 'r', 'r+' or None, got {mode!r}.")
-        path = os.path.abspath(filename)
+        path = os.path.abspath(os.fsdecode(filename))
         shape = torch.Size(shape)
         if shape.numel() == 0:
             result = cls._empty_leaf(FileBacking(path, None, 0, True), dtype, shape)

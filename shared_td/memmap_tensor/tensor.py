@@ -11,6 +11,7 @@ MMT is built.
 from __future__ import annotations
 
 import os
+import stat
 
 import numpy as np
 import torch
@@ -22,7 +23,7 @@ from shared_td.storage import files
 from shared_td.storage.anonymous import Segment
 from shared_td.storage.files import FileBacking
 
-__all__ = ["MemoryMappedTensor", "checked_shape"]
+__all__ = ["MemoryMappedTensor", "checked_shape", "maps_file_at"]
 
 # A non-contiguous input up to this size is made contiguous and written with pwrite;
 # bigger ones (e.g. an expanded scalar) are copied through the mapping, with no temporary.
@@ -251,7 +252,7 @@ class MemoryMappedTensor(FromExistingMemory, Factories, torch.Tensor):
             if data is not None:
                 segment.write(0, data)
             return cls._from_backing(segment, 0, dtype, shape), data is None
-        path = os.path.abspath(filename)
+        path = os.path.abspath(os.fsdecode(filename))
         backing, created = files.create_file(path, nbytes, existsok=existsok, data=data)
         if nbytes == 0:
             return cls._empty_leaf(FileBacking(path, None, 0, True), dtype, shape), True
@@ -275,7 +276,9 @@ class MemoryMappedTensor(FromExistingMemory, Factories, torch.Tensor):
         """Return a MemoryMappedTensor holding a copy of ``input``.
 
         An MMT ``input`` is returned as is when ``filename`` is None and it is anonymous,
-        or when ``filename`` is its own file. A file-backed MMT with ``filename=None`` is
+        or when ``filename`` is its own file, the very file it maps: if that file was
+        deleted or replaced since, ``input`` is written to ``filename`` again (over a
+        new file there only with ``existsok=True``). A file-backed MMT with ``filename=None`` is
         copied to anonymous memory; to another file only with ``copy_existing=True``.
         ``copy_data=False`` allocates without copying (zeros for a new file or segment,
         old bytes of a reused file). ``shape`` broadcasts ``input`` to another shape.
@@ -288,6 +291,8 @@ class MemoryMappedTensor(FromExistingMemory, Factories, torch.Tensor):
             >>> t, MemoryMappedTensor.from_tensor(t) is t
             (MemoryMappedTensor([0, 1, 2]), True)
         """
+        if filename is not None:
+            filename = os.fsdecode(filename)  # bytes name the file they name for os.open
         if isinstance(input, MemoryMappedTensor):
             backing = input._backing
             own = backing.path if isinstance(backing, FileBacking) else None
@@ -297,7 +302,18 @@ class MemoryMappedTensor(FromExistingMemory, Factories, torch.Tensor):
                 same = os.path.abspath(filename) == own
                 # a copy-on-write mapping may hold writes that its file lacks
                 if same and backing.shared:
-                    return input
+                    if maps_file_at(backing, own):
+                        return input
+                    # its file was deleted or replaced since it was mapped: returning
+                    # input would leave the file at ``filename`` without its values
+                    if not existsok and os.path.lexists(own):
+                        raise RuntimeError(
+                            f"The file {own} is no longer the file this tensor maps: it was "
+                            "replaced (or resized) since the tensor was mapped. Pass "
+                            "existsok=True to write this tensor's values into the file there "
+                            "now, or map that file with MemoryMappedTensor.from_filename("
+                            f"{own!r}, dtype, shape)."
+                        )
                 if not same and not copy_existing:
                     raise RuntimeError(
                         "A filename was provided but the tensor already has a file "
@@ -500,3 +516,15 @@ def _checked_layout(backing, byte_offset: int, dtype, shape, stride) -> tuple[in
         raise ValueError(f"A {dtype} leaf of shape {tuple(shape)} has no element: a "
                          "published leaf of a segment always has some.")
     return dtype.itemsize, _extent(dtype, shape, stride) * dtype.itemsize
+
+
+def maps_file_at(backing: FileBacking, path: str) -> bool:
+    """Whether ``backing`` maps the file at ``path`` now: this process's mapping of that
+    inode is ``backing`` itself (one lstat). An empty leaf maps no file: always true."""
+    if backing.storage is None:
+        return True
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and files.mapped_backing(st) is backing

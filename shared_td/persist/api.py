@@ -55,6 +55,7 @@ def memmap(
     """
     if not isinstance(num_threads, int) or num_threads < 0:
         raise ValueError(f"num_threads must be an int >= 0, got {num_threads!r}.")
+    prefix = prefix_path(prefix, "memmap_" if inplace else "memmap_like" if like else "memmap (or save)")
     if inplace and archive:
         raise ValueError("memmap_ cannot write an archive: its leaves would have to be the "
                          "archive's, read-only. Use memmap(prefix, archive=True) or save().")
@@ -75,7 +76,7 @@ def memmap(
         # (memmap_like never writes into the source's own files: anonymous memory)
         prefix = own_directory(obj)
     options = Options(
-        prefix=None if prefix is None else os.path.abspath(os.fspath(prefix)),
+        prefix=None if prefix is None else os.path.abspath(prefix),
         inplace=inplace,
         like=like,
         copy_existing=copy_existing,
@@ -100,8 +101,36 @@ def memmap(
             daemon=False, name="shared_td-memmap",
         )
         worker.start()
-        return TensorDictFuture(future, f"memmap to {options.prefix or 'shared memory'}")
+        # memmap_'s result is the source itself, known now (as tensordict's resulting_td)
+        return TensorDictFuture(future, f"memmap to {options.prefix or 'shared memory'}",
+                                **({"resulting_td": obj} if inplace else {}))
     return _execute(planner, root, options)
+
+
+def prefix_path(prefix: Any, call: str) -> str | None:
+    """``prefix`` as a str path (None stays None), for every call that takes one.
+
+    A str or a ``pathlib.Path``, as tensordict 0.15.3 takes, and also bytes (or a
+    PathLike giving bytes), decoded with ``os.fsdecode`` as the ``os`` module does, so
+    that a path from ``os.fsencode`` or ``os.listdir(b".")`` names the same directory
+    (tensordict fails on bytes with a TypeError from deep inside). Anything else is a
+    TypeError naming ``call``'s argument, what was given and the fix.
+
+    Example:
+        >>> import pathlib
+        >>> prefix_path(b"data/saved", "memmap"), prefix_path(pathlib.Path("data"), "memmap")
+        ('data/saved', 'data')
+    """
+    if prefix is None:
+        return None
+    try:
+        return os.fsdecode(prefix)
+    except TypeError:
+        raise TypeError(
+            f"{call}: prefix must be a path (a str, a pathlib.Path or bytes), got "
+            f"{type(prefix).__name__} {prefix!r}. Pass the directory as a string, e.g. "
+            "prefix='data/saved'."
+        ) from None
 
 
 def _put_in_shared_memory(obj: Any) -> bool:
@@ -253,6 +282,10 @@ def load_memmap(
     None, "r" (read-only leaves) or "r+" (writable or an error), ``num_threads`` maps
     the files on that many threads (see ``persist.loader``).
     """
+    prefix = prefix_path(prefix, "load_memmap (or load)")
+    if prefix is None:
+        raise TypeError("load_memmap (or load): prefix is None; pass the directory (or "
+                        "archive) that memmap/save wrote, e.g. load_memmap('data/saved').")
     loader = Loader(robust_key=robust_key, allow_pickle=allow_pickle, mode=mode,
                     num_threads=num_threads)
     result = loader.load(prefix, subpath)

@@ -18,6 +18,7 @@ import torch
 from shared_td.errors import ReadOnlyError
 from shared_td.keys import encode_key, is_safe_legacy_name
 from shared_td.memmap_tensor import MemoryMappedTensor
+from shared_td.memmap_tensor.tensor import maps_file_at
 from shared_td.persist import format as fmt
 from shared_td.persist import nodes
 from shared_td.storage import files
@@ -215,7 +216,7 @@ class Planner:
                     )
                 leaf.source = tensor.clone()  # the write overwrites the bytes it maps
         elif isinstance(backing, FileBacking) and not self.options.like:  # like copies no data
-            if target is not None and backing.path == target and _maps_file_at(backing, target):
+            if target is not None and backing.path == target and maps_file_at(backing, target):
                 if tensor.storage_offset() == 0 and tensor.is_contiguous():
                     leaf.keep = True
                 else:
@@ -260,18 +261,6 @@ class Planner:
                 "existsok=True to overwrite it."
             )
         self.overwritten.append((target, st))
-
-
-def _maps_file_at(backing: FileBacking, path: str) -> bool:
-    """Whether ``backing`` maps the file that is at ``path`` now: this process's mapping
-    of that inode is ``backing`` itself (one lstat). An empty leaf has no file at all."""
-    if backing.storage is None:
-        return True
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return False
-    return stat.S_ISREG(st.st_mode) and files.mapped_backing(st) is backing
 
 
 def _mapped_ranges(inodes: set[tuple[int, int]]) -> list[tuple[int, int]] | None:

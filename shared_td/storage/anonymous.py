@@ -31,7 +31,8 @@ from shared_td.storage.cache import InodeCache
 from shared_td.storage.files import NO_SPACE_ERRNOS, map_fd, pwrite_all, storage_full_error
 
 __all__ = [
-    "ALIGNMENT", "Segment", "SegmentUnavailableError", "align", "attach_peer_fd", "create_memfd",
+    "ALIGNMENT", "Segment", "SegmentUnavailableError", "align", "attach_peer_fd", "attach_segment",
+    "create_memfd",
     "find_segment",
 ]
 
@@ -164,36 +165,44 @@ def find_segment(storage) -> Segment | None:
     return next((s for s in segments if s.storage.data_ptr() == storage.data_ptr()), None)
 
 
-def _unavailable(pid: int, key: tuple[int, int], what: str, reason: str) -> SegmentUnavailableError:
-    # ``what`` may be any user of a segment (tensors, a SharedCounter, the coordinator's
-    # table): the advice covers each, so that none is told what only suits another
+# ``what`` may be any user of a segment (tensors, a SharedCounter, the coordinator's
+# table): this advice covers each, so that none is told what only suits another
+GENERIC_ADVICE = (
+    "Anonymous shared memory (tensors memory-mapped without a prefix, a SharedCounter, "
+    "shared non-tensor values) can only be received while its sender holds it: keep the "
+    "sender alive until every receiver has unpickled it, or, for tensors, publish them "
+    "through a Coordinator (which holds them for its receivers) or give them a filename "
+    "(memmap_(prefix))."
+)
+
+
+def _unavailable(pid: int, key: tuple[int, int], what: str, reason: str,
+                 advice: str = GENERIC_ADVICE) -> SegmentUnavailableError:
     return SegmentUnavailableError(
         f"The {what} (inode {key[1]}) sent by process {pid} is gone ({reason}): that "
-        "process has exited or no longer holds it. Anonymous shared memory (tensors "
-        "memory-mapped without a prefix, a SharedCounter, shared non-tensor values) can "
-        "only be received while its sender holds it: keep the sender alive until every "
-        "receiver has unpickled it, or, for tensors, publish them through a Coordinator "
-        "(which holds them for its receivers) or give them a filename (memmap_(prefix))."
+        f"process has exited or no longer holds it. {advice}"
     )
 
 
-def attach_peer_fd(pid: int, fd: int, key: tuple[int, int], *, what: str, min_size: int = 0) -> int:
+def attach_peer_fd(pid: int, fd: int, key: tuple[int, int], *, what: str, min_size: int = 0,
+                   advice: str = GENERIC_ADVICE) -> int:
     """Our own descriptor on the memfd that process ``pid`` holds as ``fd``
     (:func:`shared_td.platform.reopen_peer_fd`: still the file ``key`` =
     ``(st_dev, st_ino)``), holding at least ``min_size`` bytes; a
-    :class:`SegmentUnavailableError` naming ``what`` otherwise. The caller owns it.
+    :class:`SegmentUnavailableError` naming ``what`` (and giving ``advice``, the fix for
+    that user of the memory) otherwise. The caller owns it.
     """
     if pid == os.getpid():
         # Our own memory is no longer in this process's cache, so its descriptor closed.
-        raise _unavailable(pid, key, what, "it was released in this process")
+        raise _unavailable(pid, key, what, "it was released in this process", advice)
     try:
         new_fd = platform.reopen_peer_fd(pid, fd, key)
     except OSError as err:
-        raise _unavailable(pid, key, what, err.strerror or str(err)) from err
+        raise _unavailable(pid, key, what, err.strerror or str(err), advice) from err
     try:
         st = os.fstat(new_fd)
         if st.st_size < min_size:
-            raise _unavailable(pid, key, what, f"it holds only {st.st_size} bytes")
+            raise _unavailable(pid, key, what, f"it holds only {st.st_size} bytes", advice)
     except BaseException:
         os.close(new_fd)
         raise
@@ -202,11 +211,18 @@ def attach_peer_fd(pid: int, fd: int, key: tuple[int, int], *, what: str, min_si
 
 def _attach(pid: int, fd: int, key: tuple[int, int], nbytes: int) -> Segment:
     """Unpickle a segment: reuse this process's copy, or open the sender's descriptor."""
+    what = f"anonymous shared-memory segment of {nbytes} bytes (the memory of tensors)"
+    return attach_segment(pid, fd, key, nbytes, what=what)
+
+
+def attach_segment(pid: int, fd: int, key: tuple[int, int], nbytes: int, *, what: str,
+                   advice: str = GENERIC_ADVICE) -> Segment:
+    """This process's Segment for the segment ``key`` that process ``pid`` holds as
+    ``fd`` (its own, if it has one): for a user of segments that pickles its own
+    reference (a SharedCounter), so that the error of a sender gone names that user
+    (``what``) and its fix (``advice``); see :func:`attach_peer_fd`."""
     key = tuple(key)
     segment = _CACHE.get(key)
     if segment is not None:
         return segment
-    # a SharedCounter pickles as the segment of its 8 bytes: say that it may be one
-    holding = "a SharedCounter or tensors" if nbytes == 8 else "tensors"
-    what = f"anonymous shared-memory segment of {nbytes} bytes (the memory of {holding})"
-    return _register(attach_peer_fd(pid, fd, key, what=what, min_size=nbytes), nbytes, key)
+    return _register(attach_peer_fd(pid, fd, key, what=what, min_size=nbytes, advice=advice), nbytes, key)

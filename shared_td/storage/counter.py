@@ -35,9 +35,10 @@ from __future__ import annotations
 
 import ctypes
 import operator
+import os
 
 from shared_td.platform import ByteLock, reopen_description
-from shared_td.storage.anonymous import Segment
+from shared_td.storage.anonymous import Segment, attach_segment
 from shared_td.storage.cache import InodeCache
 
 __all__ = ["INT64_MAX", "INT64_MIN", "SharedCounter", "counter_int"]
@@ -145,8 +146,11 @@ class SharedCounter:
         return self._word.value
 
     def __reduce__(self):
-        # the segment pickles as a reference (pid, fd, inode), never the value
-        return _attach, (self._segment,)
+        # a reference (this process, its descriptor of the segment, the inode), never the
+        # value; the counter's own, not the segment's pickle, so that a receiver whose
+        # sender is gone is told about a SharedCounter and what to do
+        segment = self._segment
+        return _attach, (os.getpid(), segment.fd, segment.key)
 
     def __repr__(self) -> str:
         return f"SharedCounter(value={self.value})"
@@ -158,15 +162,34 @@ class SharedCounter:
 _COUNTERS = InodeCache(after_fork="_after_fork")
 
 
-def _attach(segment: Segment) -> SharedCounter:
-    """Unpickle: this process's counter over ``segment``, made once."""
+# why a pickled counter can no longer be attached, and the fix
+_SENDER_GONE_ADVICE = (
+    "A SharedCounter lives in anonymous shared memory, held by the processes that have "
+    "it, so a pickled one can only be unpickled while its sender still holds it: keep "
+    "the sender alive until every receiver has unpickled it (e.g. create the counter in "
+    "the parent process and join the workers before it exits, or have each worker "
+    "acknowledge once it started). A receiver that has unpickled it keeps working after "
+    "the sender exits, and can itself send it on."
+)
+
+
+def _attach(pid: int, fd: int, key: tuple[int, int]) -> SharedCounter:
+    """Unpickle: this process's counter over the segment ``key`` that process ``pid``
+    holds as ``fd``, made once; a SegmentUnavailableError saying what to do if that
+    process is gone."""
+    key = tuple(key)
+    counter = _COUNTERS.get(key)
+    if counter is not None:
+        return counter
+    segment = attach_segment(pid, fd, key, 8, advice=_SENDER_GONE_ADVICE,
+                             what="SharedCounter (8 bytes of anonymous shared memory)")
 
     def make() -> SharedCounter:
         counter = SharedCounter.__new__(SharedCounter)
         counter._adopt(segment)
         return counter
 
-    return _COUNTERS.get_or_create(segment.key, make)
+    return _COUNTERS.get_or_create(key, make)
 
 
 def counter_int(value, name: str) -> int:

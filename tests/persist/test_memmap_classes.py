@@ -155,10 +155,12 @@ def test_memmap_in_place(case, tmp_path):
     assert snapshot(obj) == before
     for path, tensor in tensors(obj).items():
         assert tensor.data_ptr() != pointers[path], path
-    assert obj.saved_path == tmp_path and (tmp_path / "meta.json").is_file()
+    # a tensorclass's is its tensordict's directory, as in tensordict 0.15.3
+    own = tmp_path / "_tensordict" if case == "tensorclass" else tmp_path
+    assert obj.saved_path == own and (tmp_path / "meta.json").is_file()
     assert not obj.is_shared()
     # prefix=None on a memory-mapped instance: its own directory again, not anonymous
-    assert obj.memmap_() is obj and obj.saved_path == tmp_path
+    assert obj.memmap_() is obj and obj.saved_path == own
     assert_memmap_at(obj, str(tmp_path))
     obj.unlock_()
     assert not obj.is_memmap() and not obj.is_locked
@@ -185,8 +187,9 @@ def test_in_place_writes_reach_the_files(name, tmp_path):
 def test_saved_paths_of_nested_instances(tmp_path):
     x = make_sample().memmap_(tmp_path / "tc")
     assert isinstance(x.obs, MemoryMappedTensor) and isinstance(x.inner.z, MemoryMappedTensor)
-    assert x.saved_path == tmp_path / "tc"  # not its _tensordict/ child
-    assert x.inner.saved_path == tmp_path / "tc" / "_tensordict" / "inner"
+    # a tensorclass's is its _tensordict/ child, as in tensordict 0.15.3
+    assert x.saved_path == tmp_path / "tc" / "_tensordict"
+    assert x.inner.saved_path == tmp_path / "tc" / "_tensordict" / "inner" / "_tensordict"
     td = MAKERS["lazy_in_td"]().memmap_(tmp_path / "td")
     assert td.get("ls").saved_path == tmp_path / "td" / "ls"
     assert [m.saved_path for m in td.get("ls").tensordicts] == [tmp_path / "td" / "ls" / "0", tmp_path / "td" / "ls" / "1"]

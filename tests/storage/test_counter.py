@@ -151,5 +151,6 @@ def test_a_fork_child_does_not_share_the_lock_its_parent_holds():
 
 def test_two_handles_in_one_process_share_one_lock():
     counter = SharedCounter()
-    other = counter_module._attach(counter._segment)
+    segment = counter._segment
+    other = counter_module._attach(os.getpid(), segment.fd, segment.key)
     assert other is counter
