@@ -40,11 +40,14 @@ def push_context(sender: int, receiver: int, generation: int) -> str:
     return f"push/{sender}/{receiver}/{generation}"
 
 
-def encode_signed(store, context: str, value: dict, limit: int = ANSWER_BYTES) -> torch.Tensor:
+def encode_signed(store, context: str, value: dict, limit: int = ANSWER_BYTES,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """``value`` as JSON signed for ``context`` with ``store``'s authkey (a
     :class:`~shared_td.coordinator.cluster_store.SignedStore`): a 4-byte length, then the
     signed bytes, zeros up to ``limit`` bytes (a long ``error`` text is cut; ValueError
-    for anything else that does not fit)."""
+    for anything else that does not fit), written into the first ``limit`` bytes of
+    ``out`` (a contiguous uint8 tensor: a push's header goes straight into its message)
+    and returned, or into a new tensor."""
     room = limit - LENGTH_BYTES - hashlib.sha256().digest_size
     payload = json.dumps(value).encode()
     if len(payload) > room and "error" in value:  # cut (json takes <= 6 bytes a character)
@@ -52,9 +55,15 @@ def encode_signed(store, context: str, value: dict, limit: int = ANSWER_BYTES) -
     if len(payload) > room:
         raise ValueError(f"a signed message of {len(payload)} bytes does not fit in {limit}")
     blob = store.sign(context, payload)
-    message = bytearray(limit)  # always ``limit`` bytes: see the module's opening
-    message[: LENGTH_BYTES + len(blob)] = len(blob).to_bytes(LENGTH_BYTES, "little") + blob
-    return torch.frombuffer(message, dtype=torch.uint8)
+    end = LENGTH_BYTES + len(blob)
+    if out is None:
+        message = bytearray(limit)  # always ``limit`` bytes: see the module's opening
+        message[:end] = len(blob).to_bytes(LENGTH_BYTES, "little") + blob
+        return torch.frombuffer(message, dtype=torch.uint8)
+    data = memoryview(out.numpy())
+    data[:end] = len(blob).to_bytes(LENGTH_BYTES, "little") + blob
+    data[end:limit] = bytes(limit - end)  # zeros: never what this memory held before
+    return out[:limit]
 
 
 def decode_signed(store, context: str, buffer: torch.Tensor) -> dict:

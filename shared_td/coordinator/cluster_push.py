@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shared_td.coordinator import cluster_replica as replica
-from shared_td.coordinator.cluster_serve import HEADER_BYTES
+from shared_td.coordinator.cluster_serve import HEADER_BYTES, kept_receive_bytes
 from shared_td.coordinator.cluster_store import ClusterAuthError
 from shared_td.coordinator.cluster_messages import (ANSWER_BYTES, LENGTH_BYTES, answer_context, decode_signed,
                                                     encode_signed, push_context)
@@ -64,6 +64,8 @@ MAX_NAME_BYTES = (HEADER_BYTES - LENGTH_BYTES - hashlib.sha256().digest_size
 def check_name(name: str) -> None:
     """ValueError naming ``name`` when it is too long for a push's header (checked at
     publish, attach and push: a push of it could never be sent)."""
+    if len(name) <= MAX_NAME_BYTES // 12:
+        return  # fits whatever its characters (each at most 12 bytes as JSON): no encoding per push
     size = len(json.dumps(name).encode()) - 2  # without its quotes
     if size > MAX_NAME_BYTES:
         raise ValueError(f"The name {name[:40]!r}... is too long for a cluster: {size} bytes as JSON, at most "
@@ -112,6 +114,8 @@ def _checked_index(name: str, rep, index) -> torch.Tensor:
         raise IndexError(f"push({name!r}): {name!r} has no batch dimension, so no rows to push "
                          "(pull and sync move it whole).")
     rows = rep.layout["batch_size"][0]
+    if type(index) is torch.Tensor and index.dtype is torch.int64 and index.dim() == 1 and index.device.type == "cpu":
+        return _in_range(name, index, rows)  # the usual index: no conversion
     if isinstance(index, slice):
         if index.step is not None and index.step <= 0:  # as td[::-1]
             raise ValueError(f"push({name!r}): a slice's step must be greater than zero.")
@@ -133,7 +137,14 @@ def _checked_index(name: str, rep, index) -> torch.Tensor:
         return index.nonzero().reshape(-1)
     if index.is_floating_point() or index.is_complex():
         raise IndexTypeError(f"push({name!r}): rows are ints, a slice or a boolean mask, not {index.dtype} values.")
-    index = index.to(torch.int64).reshape(-1)
+    return _in_range(name, index.to(torch.int64).reshape(-1), rows)
+
+
+def _in_range(name: str, index: torch.Tensor, rows: int) -> torch.Tensor:
+    """``index`` (int64, one dimension) with negative rows counted from the end, as
+    ``td[-1]``; IndexError naming ``name`` for a row out of range."""
+    if not index.numel():
+        return index
     low, high = (int(end) for end in torch.aminmax(index))
     if low < 0:  # -1: the last row, as td[-1]
         index = torch.where(index < 0, index + rows, index)
@@ -161,16 +172,15 @@ def _over_pair(cluster, owner: int, generation: int, request: dict, message: tor
         # leave seq and posted as the owner's kept receive expects them, or every later
         # push to this owner is refused as out of order
         header = encode_signed(cluster._store, push_context(cluster.node, owner, generation),
-                               {**request, "tag": tag, "seq": line.seq + 1}, HEADER_BYTES)
+                               {**request, "tag": tag, "seq": line.seq + 1}, HEADER_BYTES, out=message)
         line.seq += 1
-        posted, line.posted = line.posted, int(message.numel())  # what the owner posts next
+        rows = message[HEADER_BYTES:]
+        posted, line.posted = line.posted, kept_receive_bytes(int(rows.numel()))  # what the owner posts next
         what = f"push of {request['name']!r}"
         if message.numel() == posted:
-            message[:HEADER_BYTES] = header
             return send_answered(cluster, owner, generation, tag, message, deadline, what, send_tag=PUSH_TAG)
         padded = torch.zeros(posted, dtype=torch.uint8)
         padded[:HEADER_BYTES] = header
-        rows = message[HEADER_BYTES:]
         if not rows.numel():  # no rows: the header alone
             return send_answered(cluster, owner, generation, tag, padded, deadline, what, send_tag=PUSH_TAG)
         return send_answered(cluster, owner, generation, tag, rows, deadline, what, header=padded)

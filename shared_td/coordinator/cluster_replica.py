@@ -72,11 +72,12 @@ def segment_bytes(segment: Segment, nbytes: int) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(segment.storage, 0, (nbytes,))
 
 
-def leaf_views(segment: Segment, layout: dict) -> list[tuple[torch.Tensor, int | None]]:
+def leaf_views(segment: Segment, layout: dict) -> list[tuple[torch.Tensor, int | None, int]]:
     """The tensor leaves of ``layout`` as plain tensors over ``segment`` (in the order of
     ``layout["leaves"]``), each with its row (None: the leaf's first dimension holds the
-    rows; an int: the whole leaf is that row, see the module doc): what a push copies,
-    without the per-call cost of the tree's lookups and of MemoryMappedTensor's dispatch."""
+    rows; an int: the whole leaf is that row, see the module doc) and the bytes a message
+    carries of it per row (None) or whole (an int): what a push copies, without the
+    per-call cost of the tree's lookups and of MemoryMappedTensor's dispatch."""
     data = segment_bytes(segment, layout["nbytes"])
     views = []
     for leaf in layout["leaves"]:
@@ -84,19 +85,20 @@ def leaf_views(segment: Segment, layout: dict) -> list[tuple[torch.Tensor, int |
         count = 1
         for size in leaf["shape"]:
             count *= size
-        start = leaf["offset"]
-        views.append((data[start: start + count * dtype.itemsize].view(dtype).view(leaf["shape"]), leaf.get("row")))
+        start, row = leaf["offset"], leaf.get("row")
+        view = data[start: start + count * dtype.itemsize].view(dtype).view(leaf["shape"])
+        per_row = count // leaf["shape"][0] if row is None and leaf["shape"][0] else count
+        views.append((view, row, per_row * dtype.itemsize))
     return views
 
 
 def _sizes(leaves: list, index: torch.Tensor) -> list[int]:
     """Bytes of each leaf in a message of rows ``index``."""
     rows = int(index.numel())
-    whole = any(row is not None for _leaf, row in leaves)
-    wanted = set(index.tolist()) if whole else ()  # members of a stack along dim 0
-    return [rows * leaf[0].numel() * leaf.element_size() if row is None
-            else (leaf.numel() * leaf.element_size() if row in wanted else 0)
-            for leaf, row in leaves]
+    if all(row is None for _leaf, row, _bytes in leaves):  # no lazy stack along dim 0: every leaf's rows
+        return [rows * nbytes for _leaf, _row, nbytes in leaves]
+    wanted = set(index.tolist())  # members of a stack along dim 0
+    return [rows * nbytes if row is None else (nbytes if row in wanted else 0) for _leaf, row, nbytes in leaves]
 
 
 def pack_rows(leaves: list, index: torch.Tensor, reserve: int = 0) -> torch.Tensor:
@@ -109,7 +111,7 @@ def pack_rows(leaves: list, index: torch.Tensor, reserve: int = 0) -> torch.Tens
     payload = message[reserve:]
     payload[: 8 * rows].view(torch.int64).copy_(index)
     offset = 8 * rows
-    for (leaf, row), size in zip(leaves, sizes):
+    for (leaf, row, _bytes), size in zip(leaves, sizes):
         out = payload[offset: offset + size]
         if not size:
             pass  # a member of a stack along dim 0 that is not pushed
@@ -125,7 +127,7 @@ def unpack_rows(leaves: list, message: torch.Tensor, rows: int) -> None:
     """Write the ``rows`` rows of a :func:`pack_rows` message into ``leaves``."""
     index = message[: 8 * rows].view(torch.int64)
     offset = 8 * rows
-    for (target, row), size in zip(leaves, _sizes(leaves, index)):
+    for (target, row, _bytes), size in zip(leaves, _sizes(leaves, index)):
         chunk, start = message[offset: offset + size], offset
         offset += size
         if not size:

@@ -45,7 +45,8 @@ from shared_td.coordinator.cluster_replica import Owned, Replica
 from shared_td.coordinator.cluster_store import ClusterAuthError
 from shared_td.coordinator.cluster_liveness import HEARTBEAT_S
 from shared_td.coordinator.cluster_messages import answer_context, decode_signed, encode_signed, push_context
-from shared_td.coordinator.cluster_transfer import StalePair, TransferFailed, answer_tag, stripe_ranges
+from shared_td.coordinator.cluster_transfer import (DIRECT_MAX_BYTES, StalePair, TransferFailed, answer_tag,
+                                                    stripe_ranges)
 from shared_td.coordinator.cluster_waits import wait_work
 
 # How long a lane or the service thread waits in one queue_pop (a stop request wakes it
@@ -62,6 +63,20 @@ LISTEN_S = 24 * 3600.0
 
 #: The start of the name of a thread that keeps a receive posted for a peer's pushes.
 LISTENER = "shared_td-cluster-pushes-"
+
+
+def kept_receive_bytes(rows_bytes: int) -> int:
+    """Bytes of the receive kept posted for a peer's next push, after a push of
+    ``rows_bytes`` bytes of rows: its header and rows in one message when that message
+    is at most DIRECT_MAX_BYTES, else the header alone (the rows then come as a second
+    message, on the header's tag). A kept receive is waited for in the listening
+    thread, which cannot watch the peer's heartbeat, and gloo never ends a receive
+    whose message was cut by the sender's death (see cluster_waits): a message of at
+    most DIRECT_MAX_BYTES is written whole as it is posted, so it is never cut, and
+    larger rows are waited for as any transfer, given up once the pusher is found lost
+    (an 11 MB push cut by a SIGKILL left the listening thread waiting LISTEN_S, a day)."""
+    size = HEADER_BYTES + rows_bytes
+    return size if size <= DIRECT_MAX_BYTES else HEADER_BYTES
 
 
 def lane_queue(node: int, peer: int) -> str:
@@ -257,10 +272,9 @@ def listen(cluster, peer: int, generation: int) -> None:
 def serve_pushes(cluster, peer: int, generation: int) -> None:
     """Keep one receive posted on stripe 0 of the pair with ``peer`` (at ``generation``)
     for that peer's next push, and serve each that comes: a signed header of
-    HEADER_BYTES and, in the same message, the rows when they are as many bytes as the
-    last push's (the size of the receive posted for it: the pusher knows it too); other
-    rows come as a second message, on the header's tag. The next receive is posted
-    before the answer is sent, so that the pusher's next push finds it there. A header
+    HEADER_BYTES and, in the same message, the rows when the receive posted for it
+    holds them (:func:`kept_receive_bytes` of the last push: the pusher knows it too);
+    other rows come as a second message, on the header's tag. A header
     that does not verify for this pair generation, or that repeats or skips a push of it
     (its ``seq``), is counted in ``Cluster.refused`` and never acted on. Ends when the
     pair is closed, which ends the posted receive: a failed transfer, shutdown, the peer
@@ -269,9 +283,6 @@ def serve_pushes(cluster, peer: int, generation: int) -> None:
     context = push_context(peer, cluster.node, generation)
     buffer = torch.empty(HEADER_BYTES, dtype=torch.uint8)
     served = 0
-    # the last answer's send: waited for once the next push came (it has ended by then),
-    # so that this thread is not woken once more per push
-    answering: list = []
     try:
         work = cluster._groups.listen(peer, generation, buffer)
         _connect(cluster)
@@ -280,9 +291,6 @@ def serve_pushes(cluster, peer: int, generation: int) -> None:
                 work.wait(datetime.timedelta(seconds=LISTEN_S))
             except RuntimeError as err:
                 raise TransferFailed(f"the pair with node {peer} closed: {str(err).splitlines()[0][:300]}") from err
-            # the answers' sends, waited for here: see _serve_receive
-            wait_work(answering, time.monotonic() + cluster.timeout, f"answer to node {peer}")
-            answering = []  # a gloo work is waited for once: a second wait waits for another send
             try:
                 header = decode_signed(cluster._store, context, buffer[:HEADER_BYTES])
             except ClusterAuthError:
@@ -296,11 +304,17 @@ def serve_pushes(cluster, peer: int, generation: int) -> None:
                 return
             served += 1
             answer = _apply_push(cluster, peer, generation, header, buffer[HEADER_BYTES:])
-            size = HEADER_BYTES + header["nbytes"]  # what the pusher expects posted next
+            answering = _answer_over_pair(cluster, peer, generation, header["tag"], answer)
+            # the rows are written, the buffer is free: the next receive is posted after
+            # the answer, while the pusher reads it (before it, it held the answer up by
+            # the cost of a post, ~25 us of a ~500 us push); the pusher's next send waits
+            # for it in gloo (a send goes once its receive is posted), never in vain
+            size = kept_receive_bytes(header["nbytes"])
             if buffer.numel() != size:
                 buffer = torch.empty(size, dtype=torch.uint8)
-            work = cluster._groups.listen(peer, generation, buffer)  # the rows are written: free
-            answering = _answer_over_pair(cluster, peer, generation, header["tag"], answer)
+            work = cluster._groups.listen(peer, generation, buffer)
+            # the answer's send, waited for here, while the pusher reads it: see _serve_receive
+            wait_work(answering, time.monotonic() + cluster.timeout, f"answer to node {peer}")
     except Exception:  # noqa: BLE001 - a transfer failed (or a node with our key sent a malformed header)
         if not cluster._stop.is_set() and cluster._groups.built(peer, generation):
             cluster._groups.fail(peer, generation)  # ends the pusher's wait; the next transfer builds a new pair

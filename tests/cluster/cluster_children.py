@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import os
 import queue as queues
+import signal
 import tempfile
 import time
 
 import torch
 
 import shared_td
-from shared_td.coordinator import cluster_replica
+from shared_td.coordinator import cluster_replica, cluster_serve
 from shared_td.coordinator.cluster import Cluster
+from shared_td.coordinator.cluster_transfer import PairGroups
 from tests.cluster import stripe_children
 
 IDLE_S = 60  # a node that gets no command for this long exits
@@ -165,6 +167,16 @@ def _run(cluster, coord, counters, command, *args):
                 return pushes, type(err).__name__, time.monotonic(), repr(err.__cause__)[:300]
             pushes += 1
         return pushes, None, time.monotonic(), None
+    if command == "push_cut":  # push the first `count` rows, SIGKILLed `delay` s into their send
+        name, count, delay = args
+        _die_during_big_sends(delay)
+        td = cluster.attach(name)
+        td["w"][:count] = -1.0
+        return cluster.push(name, slice(0, count))
+    if command == "unique_w":  # the distinct values of w
+        return torch.unique(cluster.attach(args[0])["w"]).tolist()
+    if command == "push_listeners":  # this node's threads that keep a receive posted for a peer's pushes
+        return [t.name for t in cluster._threads if t.name.startswith(cluster_serve.LISTENER) and t.is_alive()]
     if command == "version":
         return cluster.version(args[0])
     if command == "wait_version":
@@ -242,6 +254,21 @@ def _run(cluster, coord, counters, command, *args):
     if command in stripe_children.COMMANDS:  # the striped transfers' own
         return stripe_children.COMMANDS[command](cluster, *args)
     raise ValueError(f"unknown command {command!r}")
+
+
+def _die_during_big_sends(delay: float) -> None:
+    """From now on, this process SIGKILLs itself ``delay`` s after it posts a gloo send of
+    over 1 MiB: the message is cut in the middle, as by a machine that dies."""
+    real = PairGroups.send
+
+    def send(self, peer, generation, tensor, tag, deadline=None, stripes=1):
+        works = real(self, peer, generation, tensor, tag, deadline, stripes)
+        if tensor.numel() > 1 << 20:
+            time.sleep(delay)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return works
+
+    PairGroups.send = send
 
 
 def values_td(rows: int, task):
