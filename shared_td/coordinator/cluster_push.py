@@ -8,10 +8,12 @@ main before this module: 0.84-1.1 ms per push of 64 rows of 1 KiB, 4.5-5x a raw 
 send of the same bytes plus one store round trip). So each node keeps one receive posted
 on stripe 0 of each pair it holds, for the peer's next push
 (:func:`~shared_td.coordinator.cluster_serve.serve_pushes`), of the size of that peer's
-last push plus a header: a push is one gloo message (a header signed with the cluster
-key for that pair generation and numbered, then the rows) and the owner's signed answer
-over the same pair. A push of another size than the last sends the header alone, padded
-to the posted size, then the rows on the header's tag. A push with no pair built (the
+last push plus a header while that is at most DIRECT_MAX_BYTES
+(:func:`~shared_td.coordinator.cluster_serve.kept_receive_bytes`): a push is one gloo
+message (a header signed with the cluster key for that pair generation and numbered,
+then the rows) and the owner's signed answer over the same pair. A push of another size
+than the posted receive holds sends the header alone, padded to the posted size, then
+the rows on the header's tag. A push with no pair built (the
 first one, or the first after a failure moved the pair to a new generation) is a
 request in the store, as a pull's, which builds the pair.
 
