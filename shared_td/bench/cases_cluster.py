@@ -17,6 +17,7 @@ registered default gloo group, as a user runs them
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import threading
 
@@ -174,8 +175,9 @@ def _sync_column(options, nbytes: int, Coordinator, before_timing) -> dict:
 
         def refill():  # untimed: new contents, as a learner's step makes them
             value = float(next(fills))
-            for leaf in weights.values(True, True):
-                leaf.fill_(value)
+            with _one_thread():
+                for leaf in weights.values(True, True):
+                    leaf.fill_(value)
             return value
 
         def sync_seen(value):
@@ -200,6 +202,23 @@ def _sync_column(options, nbytes: int, Coordinator, before_timing) -> dict:
         there.close()
         loop.close()
         node1.shutdown()
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """torch on one thread in the block. After a parallel ``fill_`` of the tree, torch's
+    OpenMP workers spin for ~10 ms of CPU (libgomp, measured: 8-10 ms of CPU in a 50 ms
+    sleep after a 100 MB ``fill_``), which on 2 cores took a core from the gloo threads
+    of the timed ``sync`` right after the untimed refill (the raw reference writes
+    nothing between its transfers)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def striped_sync_columns(options, nbytes: int, owner, refill, sync_seen) -> dict:

@@ -399,5 +399,12 @@ def _apply_sync(cluster, peer: int, rep: Replica, request: dict) -> None:
         # that this replica's lock does not hold a pull up for the wait's whole bound
         cluster._groups.wait(peer, works, deadline, "sync", request["nbytes"])
         replica.set_state(rep.segment, 2 * request["version"])
+    except TransferFailed:
+        # the pair is failed before the lock goes (_handle's fail then finds it moved
+        # on and only repeats the notice): a pull that waited for the lock sent its
+        # request for the pair about to be closed and failed with a ConnectionError, the
+        # owner alive. (No half-written replica is marked complete: the state stays odd.)
+        cluster._groups.fail(peer, request["pair"])
+        raise
     finally:
         rep.lock.release()

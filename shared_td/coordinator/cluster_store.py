@@ -83,6 +83,23 @@ def _store_call(method):
     return call
 
 
+# what read_counter expects at a counter's key: never what the store's host writes
+_NO_COUNTER = b"\x00no counter"
+
+
+def _is_counter(value: bytes) -> bool:
+    """Whether ``value`` is an int64 as the store's host writes a counter (``std::to_string``)."""
+    return re.fullmatch(rb"0|-?[1-9][0-9]*", value) is not None and INT64_MIN <= int(value) <= INT64_MAX
+
+
+def _not_a_counter(key: str, value: bytes, outcome: str) -> ValueError:
+    shown = value[:40] + (b"..." if len(value) > 40 else b"")
+    return ValueError(
+        f"{key!r} in the cluster store is a counter, but it holds {shown!r}, which is not an integer: something "
+        f"other than a node of this cluster wrote it. {outcome} Set it back to an integer on the store "
+        f"(store.set('shared_td/{key}', '0')) or use another name; run the cluster on a private network.")
+
+
 def _adds_to(value: bytes) -> bool:
     """Whether the store's host can add to ``value``: it reads an int64 from its start
     (``std::stoll``: spaces, a sign, digits; what follows is ignored) and closes the
@@ -337,13 +354,8 @@ class SignedStore:
         value = store.get(key) if store.check([key]) else None
         self._local.store = store
         if value is not None and not _adds_to(value):
-            shown = value[:40] + (b"..." if len(value) > 40 else b"")
-            raise ValueError(
-                f"{key!r} in the cluster store is a counter, but it holds {shown!r}, which is not an integer: "
-                "something other than a node of this cluster wrote it. Nothing was added (the store's host refused "
-                "the addition and closed that connection; this node made a new one and goes on). Set it back to an "
-                f"integer on the store (store.set('shared_td/{key}', '0')) or use another name; run the cluster "
-                "on a private network.") from err
+            raise _not_a_counter(key, value, "Nothing was added (the store's host refused the addition and closed "
+                                             "that connection; this node made a new one and goes on).") from err
         raise ConnectionError(f"The cluster store closed this node's connection while adding to {key!r} "
                               f"({str(err).splitlines()[0][:200]}); its host still answers, so the call may be "
                               "retried (the addition may or may not have been made).") from err
@@ -351,6 +363,23 @@ class SignedStore:
     @_store_call
     def compare_set(self, key: str, expected: str, desired: str) -> bytes:
         return self._store().compare_set(key, expected, desired)
+
+    @_store_call
+    def read_counter(self, key: str) -> int:
+        """The counter at ``key`` (0 when missing) in one round trip, its bytes checked:
+        ValueError naming ``key`` when they are not an integer as the store's host
+        writes one. An addition (``add``, also of 0) cannot tell: the host adds to the
+        integer the stored bytes start with and writes the sum back whole, so
+        ``b"12abc"`` read as 12 and the rest was gone without a trace. A compare-and-set
+        that expects what no counter holds changes nothing and returns the bytes held
+        (the expected bytes when the key is missing)."""
+        held = self._store().compare_set(key, _NO_COUNTER, _NO_COUNTER)
+        if held == _NO_COUNTER:
+            return 0
+        if not _is_counter(held):
+            raise _not_a_counter(key, held, "Nothing was read or added (an addition would have taken the integer "
+                                            "it starts with, if any, and dropped the rest without a trace).")
+        return int(held)
 
     # --------------------------------------------------------------- queues
     @_store_call
@@ -386,6 +415,11 @@ class SignedStore:
 class ClusterCounter:
     """A counter shared by every node of a cluster: ``fetch_add`` is one ``TCPStore.add``
     (atomic on the store host). The same methods as :class:`shared_td.SharedCounter`.
+    A key that something else set to what is not an integer is a ValueError naming it
+    when the counter is made and at every ``value`` read; a ``fetch_add`` after such a
+    write tells only when the bytes do not start with an integer (the host adds to one
+    they start with, ``b"12abc"``, and writes the sum back whole): checking there
+    would cost each addition a second round trip.
 
     Example:
         >>> import datetime
@@ -398,6 +432,10 @@ class ClusterCounter:
 
     def __init__(self, store: SignedStore, name: str):
         self._store, self.name, self._key = store, name, f"counter/{name}"
+        # checked once, here: what something else wrote there (b"12abc") is a ValueError
+        # naming the key, where each addition would silently use the integer it starts
+        # with (checking at every fetch_add would cost a second round trip)
+        store.read_counter(self._key)
 
     def fetch_add(self, n: int = 1) -> int:
         """Add ``n`` and return the value before, atomically across the cluster.
@@ -416,7 +454,9 @@ class ClusterCounter:
 
     @property
     def value(self) -> int:
-        return self._store.add(self._key, 0)
+        """The counter now (one round trip); ValueError naming the key when it holds
+        what is not an integer (see ``SignedStore.read_counter``)."""
+        return self._store.read_counter(self._key)
 
     def __repr__(self) -> str:
         return f"ClusterCounter({self.name!r})"

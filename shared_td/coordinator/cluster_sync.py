@@ -6,7 +6,9 @@ within the timeout is dropped and reported (:class:`SyncReport`), never waited f
 longer."""
 from __future__ import annotations
 
+import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 from shared_td.coordinator import cluster_replica as replica
@@ -58,10 +60,74 @@ def sync(cluster, name: str, timeout: float | None) -> SyncReport:
     if not timeout > 0:  # a zero wait failed every replica's transfer, and so its pair
         raise ValueError(f"sync({name!r}, timeout={timeout!r}): the timeout is a number of seconds above 0.")
     deadline = time.monotonic() + timeout
+    syncs = _name_syncs(cluster, name)
+    if not syncs.lock.acquire(timeout=timeout):
+        raise TimeoutError(f"Another sync of {name!r} on this node did not end within {timeout:g} s: nothing was "
+                           "sent (retry, or give the sync a longer timeout).")
+    try:
+        return _sync_ordered(cluster, store, name, owned, syncs, deadline)
+    finally:
+        syncs.lock.release()
+
+
+class _NameSyncs:
+    """What the owner keeps of one name from one sync to the next.
+
+    ``lock`` orders the syncs of the name: each takes the next version and delivers it
+    before the next sync takes its own (two syncs at once both took a version, then
+    read ``owned.version`` again for their report and requests: both reported, and
+    sent, the later one, and a replica could apply the later request first and be left
+    at the earlier version). ``holders``: the nodes whose signed ``has/<name>/<node>``
+    record a sync of ``generation`` read; nothing takes such a record back, so it is
+    read once per generation instead of at every sync (two store round trips per
+    replica node, in front of the transfer). A node not among them is looked up
+    again by each sync: it may attach meanwhile."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.generation = 0
+        self.holders: set[int] = set()
+
+
+# Cluster -> name -> its _NameSyncs (weak: a Cluster let go takes its own along)
+_SYNCS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_SYNCS_GUARD = threading.Lock()
+
+
+def _name_syncs(cluster, name: str) -> _NameSyncs:
+    with _SYNCS_GUARD:
+        per_name = _SYNCS.setdefault(cluster, {})
+        syncs = per_name.get(name)
+        if syncs is None:
+            syncs = per_name[name] = _NameSyncs()
+        return syncs
+
+
+def _replica_nodes(cluster, store, name: str, generation: int, syncs: _NameSyncs) -> list[int]:
+    """The nodes holding a replica of ``name`` (see ``_NameSyncs.holders``)."""
+    if syncs.generation != generation:
+        syncs.generation, syncs.holders = generation, set()
+    found = [n for n in range(cluster.nodes)
+             if n != cluster.node and (n in syncs.holders or has_replica(cluster, store, name, n))]
+    syncs.holders.update(found)
+    return found
+
+
+def _sync_ordered(cluster, store, name: str, owned, syncs: _NameSyncs, deadline: float) -> SyncReport:
+    """:func:`sync`, with the name's sync lock held: the version it takes is its own."""
     owned.version += 1
-    store.set_json(f"version/{name}", {"version": owned.version, "generation": owned.generation})
-    report = SyncReport(owned.version)
-    targets = [n for n in range(cluster.nodes) if n != cluster.node and has_replica(cluster, store, name, n)]
+    version = owned.version
+    report = SyncReport(version)
+    recorded = []
+
+    def record_version() -> None:
+        """The ``version/<name>`` record, once (nothing waits for it: it is written
+        while the replica node's lane wakes up for the request, not in front of it)."""
+        if not recorded:
+            store.set_json(f"version/{name}", {"version": version, "generation": owned.generation})
+            recorded.append(version)
+
+    targets = _replica_nodes(cluster, store, name, owned.generation, syncs)
     # lost: dropped after one more look at its heartbeat (a node that was only
     # stopped beats again within HEARTBEAT_S), not waited for until the timeout
     quiet = [n for n in targets if not cluster._alive(n)]
@@ -69,16 +135,20 @@ def sync(cluster, name: str, timeout: float | None) -> SyncReport:
         targets.remove(node)
         report.dropped[node] = f"lost: its heartbeat stood still for {LOST_AFTER_S:g} s"
     if not targets:
+        record_version()
         return report
     payload = replica.segment_bytes(owned.segment, owned.layout["nbytes"])
     # one replica: this thread; more: the sender threads, which keep their store
     # connections from one sync to the next
     if len(targets) == 1:
-        reasons = {targets[0]: _sync_one(cluster, targets[0], name, owned, payload, deadline)}
+        reasons = {targets[0]: _sync_one(cluster, targets[0], name, owned, version, payload, deadline,
+                                         record_version)}
     else:
-        futures = {node: cluster._senders.submit(_sync_one, cluster, node, name, owned, payload, deadline)
+        futures = {node: cluster._senders.submit(_sync_one, cluster, node, name, owned, version, payload, deadline)
                    for node in targets}
+        record_version()
         reasons = {node: future.result() for node, future in futures.items()}
+    record_version()  # (when the request could not be sent: the store gone raises here)
     for node, reason in reasons.items():
         if reason is None:
             report.delivered.append(node)
@@ -86,13 +156,19 @@ def sync(cluster, name: str, timeout: float | None) -> SyncReport:
             report.dropped[node] = reason
     return report
 
-def _sync_one(cluster, peer: int, name: str, owned, payload, deadline: float) -> str | None:
+
+def _sync_one(cluster, peer: int, name: str, owned, version: int, payload, deadline: float,
+              after_request=lambda: None) -> str | None:
     try:
         stripes = stripe_count(owned.layout["nbytes"], cluster.stripes)
 
         def send():
-            tag, generation = cluster._request(peer, "sync", name, owned.generation, version=owned.version,
+            tag, generation = cluster._request(peer, "sync", name, owned.generation, version=version,
                                             nbytes=owned.layout["nbytes"], stripes=stripes)
+            try:
+                after_request()  # while the peer's lane wakes up for the request
+            except (RuntimeError, OSError):
+                pass  # the store is gone: the transfer goes on, and the caller's own record raises it
             return send_answered(cluster, peer, generation, tag, payload, deadline,
                                  f"sync of {name!r} to node {peer}", stripes)
 
