@@ -1,16 +1,16 @@
-"""Benchmark cases across machines, on loopback: two cluster nodes in one process.
+"""Benchmark cases across machines, on loopback.
 
-Both nodes are :class:`~shared_td.coordinator.cluster.Cluster` members of this process
-(their own threads, sockets and gloo pairs). ``cluster_sync`` times ``sync`` until a
-worker process of node 1, attached through node 1's real Coordinator (not the network),
-has seen the new version, unstriped and striped over 2 and 4 gloo groups
-(:func:`striped_sync_columns`); its references -- a raw gloo ``send``/``recv`` (also
-striped, the same way) and tensordict
-0.15.3's ``consolidate()``+``send``/``recv``, ``init_remote``/``from_remote_init`` and
-per-leaf ``send``/``recv`` of the same tree -- run in two spawned processes of a
-registered default gloo group, as a user runs them
-(:mod:`~shared_td.bench.cases_cluster_peers`). ``cluster_counter`` compares with a bare
-``TCPStore.add``; it and ``cluster_value`` share one loopback cluster per run
+``cluster_sync`` times ``sync`` from the owner node (this process) until a worker
+process of node 1, attached through node 1's real Coordinator (not the network), has
+seen the new version, unstriped and striped over 2 and 4 gloo groups
+(:func:`striped_sync_columns`); node 1 runs in the run's worker process
+(:func:`_replica_node_job`), as on another machine. Its references -- a raw gloo
+``send``/``recv`` (also striped, the same way) and tensordict 0.15.3's
+``consolidate()``+``send``/``recv``, ``init_remote``/``from_remote_init`` and per-leaf
+``send``/``recv`` of the same tree -- run in two spawned processes of a registered
+default gloo group, as a user runs them (:mod:`~shared_td.bench.cases_cluster_peers`).
+``cluster_counter`` compares with a bare ``TCPStore.add``; it and ``cluster_value``
+share one loopback cluster of two nodes in this process per run
 (:class:`SharedLoopback`); ``cluster_push`` runs its two nodes in two processes
 (:mod:`~shared_td.bench.cases_cluster_push`). The stores listen on IPv4 127.0.0.1 only
 (:mod:`~shared_td.bench.loopback`).
@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
 import threading
 
 from shared_td.bench.cases_cluster_peers import STRIPED, policy_tree, start_peers
 from shared_td.bench.loopback import HOST, loopback_store
 from shared_td.bench.timing import best_of, paired_medians
+from shared_td.bench.worker import shared_worker
 
 _KEY = b"benchmark key"
 #: Seconds a loopback cluster may take to start (its nodes give up after 60 s).
@@ -126,6 +128,36 @@ def _replica_worker(address: str, authkey: bytes, name: str, conn) -> None:
         conn.send(replica_version(td) >= version and float(first[0]) == value and float(last[-1]) == value)
 
 
+def _replica_node_job(connection, port: int) -> None:  # a job of the run's worker
+    """Node 1, the replica node, in the run's worker: another process, as on another
+    machine (its own interpreter and GIL: with both nodes in one process, the replica's
+    receive waited up to ~3 ms for the GIL the owner held). Its Coordinator, where the
+    case's worker attaches, then its Cluster member; answers ``("ready", address,
+    authkey)`` before it joins the cluster, and "attached" once it holds the replica of
+    each name it is sent, until None."""
+    import shared_td
+    from shared_td.coordinator.cluster import Cluster
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    coord = shared_td.Coordinator().start()
+    cluster = None
+    try:
+        connection.send(("ready", coord.address, coord.authkey))
+        cluster = Cluster(f"tcp://{HOST}:{port}?host=0", 1, 2, authkey=_KEY, timeout=60, hostname=HOST,
+                          coordinator=coord).start()
+        while True:
+            if not connection.poll(_START_S):  # bounded: the caller stalled or gone
+                raise TimeoutError(f"cluster_sync's caller sent nothing within {_START_S:g} s")
+            if (name := connection.recv()) is None:
+                return
+            cluster.attach(name)
+            connection.send("attached")
+    finally:
+        if cluster is not None:
+            cluster.shutdown()
+        coord.shutdown()
+
+
 def sync_peers(options):
     """``cluster_sync``'s two reference ranks for ``options``, started now (forked with
     ``options.fork``; see :func:`~shared_td.bench.cases_cluster_peers.start_peers`)."""
@@ -143,31 +175,41 @@ def case_cluster_sync(options, root: str, peers=None) -> dict:
     (see :mod:`~shared_td.bench.cases_cluster_peers`; its columns are left out without
     tensordict). ``peers``: those ranks if the caller started them already
     (:func:`sync_peers`); the case closes them in any case."""
-    from shared_td import Coordinator
-
     nbytes = _sync_bytes(options)
     if peers is None:
         peers = start_peers(nbytes, options.repeat)  # they get ready while this process does
     try:
-        synced = _sync_column(options, nbytes, Coordinator, peers.ready)
+        synced = _sync_column(options, nbytes, peers.ready)
     except BaseException:
         peers.close()
         raise
     return {**peers.measure(), **synced}
 
 
-def _sync_column(options, nbytes: int, Coordinator, before_timing) -> dict:
-    node1 = Coordinator().start()
-    ctx = multiprocessing.get_context("fork")  # the worker needs no fresh interpreter
-    here, there = ctx.Pipe()
-    worker = ctx.Process(target=_replica_worker, args=(node1.address, node1.authkey, "weights", there),
-                         daemon=True)
-    worker.start()
-    loop = _Loopback(coordinator=node1)
+def _sync_column(options, nbytes: int, before_timing) -> dict:
+    from shared_td.coordinator.cluster import Cluster
+
+    store = loopback_store(_START_S)
+    worker = shared_worker()
+    node1 = worker.start_job(_replica_node_job, store.port)
+    node1_ended, owner, reader = False, None, None
+    here, there = multiprocessing.Pipe()
     try:
-        owner, other = loop.nodes
+        said = _said(node1)
+        if said[0] != "ready":  # the job ended: its answer, an error
+            node1_ended = True
+            raise RuntimeError(f"the replica node did not start: {said[1]}")
+        _, address, authkey = said
+        # forked before this process's node makes its threads; it needs no fresh interpreter
+        reader = multiprocessing.get_context("fork").Process(
+            target=_replica_worker, args=(address, authkey, "weights", there), daemon=True)
+        reader.start()
+        owner = Cluster(store, 0, 2, authkey=_KEY, timeout=60, hostname=HOST).start()  # node 1 waits for it
         weights = owner.publish("weights", policy_tree(nbytes))
-        other.attach("weights")
+        node1.send("weights")
+        if (said := _said(node1)) != "attached":
+            node1_ended = True
+            raise RuntimeError(f"the replica node did not attach: {said[1]}")
         here.send(True)
         if not here.poll(60) or here.recv() != "attached":
             raise RuntimeError("the replica node's worker did not attach")
@@ -190,18 +232,38 @@ def _sync_column(options, nbytes: int, Coordinator, before_timing) -> dict:
         return {"shared_td sync+worker": best_of(options.repeat, refill, sync_seen),
                 **striped_sync_columns(options, nbytes, owner, refill, sync_seen)}
     finally:
-        try:
-            here.send(None)  # the worker leaves
-        except OSError:
-            pass  # it is gone already: joined below
-        worker.join(30)
-        if worker.is_alive():
-            worker.kill()
-            worker.join(5)
-        here.close()
+        _end_sync_processes(worker, node1, node1_ended, reader, here)
         there.close()
-        loop.close()
-        node1.shutdown()
+        if owner is not None:
+            owner.shutdown()
+
+
+def _said(connection):
+    """The next message of the replica node's job (bounded)."""
+    if not connection.poll(_START_S):
+        raise TimeoutError(f"the replica node sent nothing within {_START_S:g} s")
+    return connection.recv()
+
+
+def _end_sync_processes(worker, node1, node1_ended: bool, reader, here) -> None:
+    """End the replica node's worker and job (bounded: a process that does not answer
+    is stopped)."""
+    try:
+        here.send(None)  # the worker leaves
+    except OSError:
+        pass  # it is gone already: joined below
+    if reader is not None:
+        reader.join(30)
+        if reader.is_alive():
+            reader.kill()
+            reader.join(5)
+    here.close()
+    if not node1_ended:
+        try:
+            node1.send(None)
+        except OSError:  # the run's worker is gone: result() says so
+            pass
+        worker.result(_START_S)
 
 
 @contextlib.contextmanager

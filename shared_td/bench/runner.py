@@ -66,7 +66,7 @@ CASES: dict[str, Callable[..., dict]] = {
 }
 
 #: The cases that run jobs in the run's worker process (shared_td/bench/worker.py).
-WORKER_CASES = frozenset({"share_nontensor", "consol_pickle", "replay_worker", "cluster_push"})
+WORKER_CASES = frozenset({"share_nontensor", "consol_pickle", "replay_worker", "cluster_sync", "cluster_push"})
 #: The cases that share the run's loopback cluster (cases_cluster.SharedLoopback).
 LOOPBACK_CASES = frozenset({"cluster_counter", "cluster_value"})
 
