@@ -418,9 +418,11 @@ class TensorDictBase(LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, Me
         """
         old, new = unravel_key(old_key), unravel_key(new_key)
         value = self.get(old)
-        if safe and new in self.keys(include_nested=True):
-            raise KeyError(f"Key {key_repr(new)} already exists; pass safe=False to replace it.")
+        # the lock first, as tensordict: a locked tensordict refuses any rename
         self._parent_for_write(old, create=False)._check_unlocked(old, "rename")
+        if safe and new in self.keys(include_nested=True):
+            raise KeyError(f"Key {key_repr(new)} is already present in TensorDict; pass "
+                           "safe=False to replace it.")
         self.set(new, value)
         if old != new:
             self.del_(old)

@@ -28,6 +28,8 @@ from shared_td.persist.future import TensorDictFuture
 from shared_td.storage import files
 from shared_td.storage.anonymous import Segment, align
 
+_nbytes = operator.attrgetter("nbytes")
+
 _BYTE = torch.uint8
 _dtype_of = operator.attrgetter("dtype")
 
@@ -180,6 +182,23 @@ class Storage:
         else:
             self.buffer = MemoryMappedTensor._from_backing(self.backing, 0, _BYTE, (nbytes,))
             self.plain = self.buffer.as_subclass(torch.Tensor)
+
+    def zero_padding(self, sources: list[torch.Tensor], offsets: list[int], small: list[int]) -> None:
+        """Zero the bytes of a plain buffer that no leaf covers (the alignment gaps before
+        the big leaves, the tail): it is ``torch.empty``, and pickling sends it whole, so
+        they would carry whatever memory it reused (and make two consolidations of one
+        tree differ). A file or a segment starts zeroed. The small leaves lie back to
+        back from byte 0 (see packed_layout): only the big ones leave gaps."""
+        if self.backing is not None or self.file is not None or not self.plain.numel():
+            return
+        covered = set(small)
+        end = sum(_nbytes(sources[i]) for i in small)
+        spans = sorted((offsets[i], offsets[i] + _nbytes(source)) for i, source in enumerate(sources)
+                       if i not in covered and _nbytes(source))
+        for start, stop in spans + [(self.plain.numel(), self.plain.numel())]:
+            if start > end:
+                self.plain[end:start].zero_()
+            end = max(end, stop)
 
     def commit(self) -> None:
         """The copies are done: a new file takes its name (nothing else to do otherwise)."""

@@ -178,6 +178,7 @@ class ConsolidateMethods:
         storage = Storage(total, filename=filename, share_memory=share_memory,
                            pin_memory=pin_memory and filename is None and not share_memory,
                            metadata=metadata)
+        storage.zero_padding(sources, offsets, small)
         others = unpacked(sources, small)
         jobs = copy_jobs(storage.plain, sources, offsets, small, others, threads, storage.write_big,
                          lambda index: leaf_location(self, index))
@@ -193,7 +194,9 @@ class ConsolidateMethods:
                 self.lock_()
                 result = self
             else:
-                result = build_consolidated(self, iter(leaves), layout)
+                # a file's mapping is CPU memory: its tree is on the CPU, as in tensordict
+                on_file = torch.device("cpu") if filename is not None else None
+                result = build_consolidated(self, iter(leaves), layout, moved_to=on_file)
             unwrap_tensorclass(result).__dict__.setdefault("_consolidated", layout)  # a non-tensor root
             return result
 

@@ -150,6 +150,15 @@ class LazyStackedTensorDict(LazyNames, LazyShapeOps, LazyWriteOps, TensorDictBas
     def _collection_children(self) -> list:
         return list(self.tensordicts)
 
+    def _locked_parent(self, ignore: int | None = None):
+        # A stack is a view of its members: ``stack.get("nested")`` of a locked stack
+        # stacks members nested in locked tensordicts, so unlocking it would unlock them.
+        parent = super()._locked_parent(ignore)
+        for member in self.tensordicts:
+            if parent is None:
+                parent = member._locked_parent(ignore=id(self))
+        return parent
+
     def is_shared(self) -> bool:
         """True if every member is shared; mixed members raise a RuntimeError (as tensordict)."""
         shared = [m.is_shared() for m in self.tensordicts]

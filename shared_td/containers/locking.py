@@ -88,33 +88,46 @@ class LockingOps:
     def lock_(self) -> "LockingOps":
         """Lock self and every nested tensordict: entries can then only be written in place.
 
-        Usable as a context manager: ``with td.lock_(): ...`` unlocks at exit.
+        Usable as a context manager: ``with td.lock_(): ...`` unlocks at exit a
+        tensordict that was unlocked before (one already locked stays locked).
         """
+        was_locked = self.is_locked
         self._is_locked = True
         for child in self._collection_children():
             child._lock_parents[id(self)] = weakref.ref(self)
             child.lock_()
-        self._last_op = "lock_"
+        # as tensordict: the ``with`` block undoes only a change of state
+        self._last_op = None if was_locked else "lock_"
         return self
 
     def unlock_(self) -> "LockingOps":
         """Unlock self and every nested tensordict; ``is_memmap()`` and ``is_shared()``
         become False.
 
-        Usable as a context manager: ``with td.unlock_(): ...`` re-locks at exit.
+        Usable as a context manager: ``with td.unlock_(): ...`` re-locks at exit a
+        tensordict that was locked before (one already unlocked stays unlocked).
 
         Raises:
             RuntimeError: if self is nested in a tensordict that is still locked.
         """
-        locked_parents = [p() for p in self._lock_parents.values() if p() is not None]
-        if any(parent._is_locked for parent in locked_parents):
+        if self._locked_parent() is not None:
             raise RuntimeError(
                 "Cannot unlock a tensordict that is part of a locked graph: unlock the "
                 "parent tensordict it belongs to instead."
             )
+        was_locked = self.is_locked
         self._unlock_tree()
-        self._last_op = "unlock_"
+        self._last_op = "unlock_" if was_locked else None
         return self
+
+    def _locked_parent(self, ignore: int | None = None) -> "LockingOps | None":
+        """A locked tensordict that self is nested in, other than the one of id
+        ``ignore``; None if there is none."""
+        for parent_id, ref in self._lock_parents.items():
+            parent = ref()
+            if parent_id != ignore and parent is not None and parent._is_locked:
+                return parent
+        return None
 
     def _unlock_tree(self) -> None:
         self._is_locked = False

@@ -20,7 +20,7 @@ from shared_td.persist import format as fmt
 from shared_td.persist.functions import check_out_type
 from shared_td.containers.locking import lock_until_restored
 from shared_td.containers.unpicklable import check_picklable, naming_unpicklable
-from shared_td.tensorclass_protocol import unwrap_tensorclass
+from shared_td.tensorclass_protocol import is_tensorclass, unwrap_tensorclass
 
 
 class MemmapMethods:
@@ -207,7 +207,9 @@ class MemmapMethods:
         - ``out``: an unlocked TensorDict loaded in place and returned: its entries become
           those saved (entries not on disk are dropped, as in tensordict 0.15.3), its
           nested tensordicts of the same batch size are kept and filled in place, its
-          batch size stays. Checked before anything of it changes.
+          batch size stays. Checked before anything of it changes. Without ``device``,
+          the leaves are loaded on out's device (as in tensordict 0.15.3); a ``device``
+          other than out's is a ValueError.
 
         Examples:
             >>> td = TensorDict(obs=torch.zeros(3, 4), nested=TensorDict(r=torch.ones(3), batch_size=[3]),
@@ -220,6 +222,7 @@ class MemmapMethods:
         """
         if out is not None:
             _check_out(out)
+            device = _device_for_out(out, device)
         loaded = api.load_memmap(
             prefix, device, non_blocking, robust_key=robust_key, subpath=subpath, mode=mode,
             num_threads=num_threads, allow_pickle=allow_pickle,
@@ -247,8 +250,20 @@ class MemmapMethods:
         its entries, lock and flags."""
         loaded = api.load_memmap(prefix, robust_key=robust_key, allow_pickle=allow_pickle,
                                  mode=mode)
+        if is_tensorclass(self) and is_tensorclass(loaded) and str(type(loaded)) != str(type(self)):
+            # as tensordict 0.15.3 (a class redefined under the same name, as in a
+            # notebook, is the same class here)
+            raise ValueError(
+                f"Cannot load a saved {type(loaded).__name__} in place into an instance of "
+                f"{type(self).__name__} ({os.fsdecode(prefix)!r}); nothing changed: load it "
+                f"with {type(loaded).__name__}.load_memmap() instead.")
         was_memmap, was_locked = self.is_memmap(), self.is_locked
         target, source = unwrap_tensorclass(self), unwrap_tensorclass(loaded)
+        if _is_stack(target) != _is_stack(source):
+            kinds = ["a lazy stack" if _is_stack(node) else "a tensordict" for node in (source, target)]
+            raise ValueError(
+                f"Cannot load {kinds[0]} ({os.fsdecode(prefix)!r}) in place into {kinds[1]}; "
+                f"nothing changed: load it with load_memmap() instead.")
         # an archive's nodes have no directory; mode="r" ones do, but read-only files
         remap = was_memmap and mode != "r" and source._memmap_prefix is not None
         if remap:
@@ -269,7 +284,8 @@ class MemmapMethods:
         _rebind(target, source)
         if remap:
             target._is_memmap, target._is_shared = True, False
-            target._device = source._device  # the CPU, as memmap_ leaves it
+            if not _is_stack(target):  # a stack's device is its members'
+                target._device = source._device  # the CPU, as memmap_ leaves it
         if remap or (was_locked and not was_memmap):
             self.lock_()
         return self
@@ -399,11 +415,33 @@ class MemmapMethods:
 def _check_out(out: Any) -> None:
     """``load_memmap(out=)`` fills an unlocked TensorDict (refused before any change)."""
     check_out_type(out)
+    if _is_stack(out):
+        raise TypeError(
+            "load_memmap(out=) takes a TensorDict, got a LazyStackedTensorDict: load into "
+            "a stack with out.load_memmap_(prefix), or use the stack load_memmap returns."
+        )
     if out.is_locked:
         raise RuntimeError(
             "load_memmap(out=) cannot load into a locked tensordict (its entries change): "
             "call out.unlock_() first."
         )
+
+
+def _device_for_out(out: Any, device: Any) -> Any:
+    """The device to load into ``out`` on: ``device``, else out's (its leaves must be
+    there); a ``device`` other than out's is refused before anything is read."""
+    if out.device is None:
+        return device
+    if device is None:
+        return out.device
+    wanted = torch.device(device)
+    same_index = wanted.index is None or out.device.index is None or wanted.index == out.device.index
+    if wanted.type != out.device.type or not same_index:
+        raise ValueError(
+            f"Cannot load a tensordict on device {wanted} into out, a tensordict on device "
+            f"{out.device}: give device={str(out.device)!r} (or none), or an out on {wanted}."
+        )
+    return device
 
 
 def _load_into(out: Any, loaded: Any) -> None:
@@ -435,8 +473,18 @@ def _fill(target: Any, source: Any) -> None:
     target._tensordict = entries
 
 
+def _is_stack(node: Any) -> bool:
+    return hasattr(node, "tensordicts")  # a LazyStackedTensorDict (not imported: it imports us)
+
+
 def _rebind(target: Any, source: Any) -> None:
     """Make target's entries those loaded in source (entries not on disk are dropped,
-    as tensordict 0.15.3's load_memmap_ does)."""
-    target._tensordict = dict(source._tensordict)
+    as tensordict 0.15.3's load_memmap_ does); a lazy stack's members become the loaded
+    ones, so that its in-place writes reach their files."""
+    if _is_stack(target):
+        target.tensordicts = list(source.tensordicts)
+        target._stack_dim, target._member_batch = source._stack_dim, source._member_batch
+        target._stack_dim_name = source._stack_dim_name
+    else:
+        target._tensordict = dict(source._tensordict)
     target._memmap_prefix = source._memmap_prefix

@@ -276,9 +276,13 @@ class TensorClassKind(nodes.NodeKind):
         try:
             cls = tensorclass_for_type_string(meta.type)
         except (KeyError, TypeError):
+            saved_from_main = "'__main__." in meta.type  # a script's or notebook's class
             raise RuntimeError(
                 f"{meta.path} holds a {meta.type!r}, which is no known tensordict class: "
-                "import the module that defines that tensorclass first."
+                "import the module that defines that tensorclass first" + (
+                    "; a class saved from a script or notebook (__main__) loads with "
+                    "<that class>.load_memmap(), where that class has the same qualname."
+                    if saved_from_main else ".")
             ) from None
         return cls._from_tensordict(values[fmt.TENSORCLASS_CHILD])
 

@@ -100,6 +100,7 @@ class NonTensorData(NonTensorDataBase):
         return self._same_value(self._batch_size)
 
     def _check_update(self, value: Any) -> None:
+        self._refuse_copy_write()
         if isinstance(value, NonTensorStack):
             raise ValueError(
                 "Cannot write a NonTensorStack (one value per element) in place into a "
@@ -116,6 +117,7 @@ class NonTensorData(NonTensorDataBase):
         """``td[index] = ...`` for this entry: returns the entry to store (maybe a stack)."""
         if self._holds_only(index, source):
             return self  # as tensordict: writing the value it holds keeps one value
+        self._refuse_copy_write()
         if self._stays_one_value(index, source):  # in place: a shared or mapped entry shares it
             self._update_(source if isinstance(source, NonTensorData) else NonTensorData(source, batch_size=[]))
             return self
@@ -159,11 +161,7 @@ class NonTensorData(NonTensorDataBase):
         if not isinstance(source, NonTensorBase):
             source = NonTensorData(source, batch_size=[])
         values = broadcast_values(source, batch_ops.indexed_batch_size(self._batch_size, index))
-        current = self.data
-        try:
-            return all(v is current or (type(v) is type(current) and bool(v == current)) for v in values)
-        except Exception:  # an == that gives no bool (arrays): not the same
-            return False
+        return all(_same_value(v, self.data) for v in values)
 
     def __repr__(self) -> str:
         return f"NonTensorData(data={self.data}, batch_size={self._batch_size}, device={self._device})"
@@ -249,12 +247,14 @@ class NonTensorStack(NonTensorBase):
         new_positions = op(positions)
         taken = new_positions.reshape(-1).tolist()
         values = [self._values[i] for i in taken]
-        if new_positions.ndim == 0:
-            return NonTensorData(values[0], batch_size=[], device=self._device)
         members = None if self._members is None or not keep_members else [self._members[i] for i in taken]
-        if one_member(members, values, new_positions.ndim):
-            return NonTensorData(values[0], batch_size=new_positions.shape, device=self._device)
-        return NonTensorStack._from_flat(values, new_positions.shape, self._device, members)
+        if new_positions.ndim == 0 or one_member(members, values, new_positions.ndim):
+            piece = NonTensorData(values[0], batch_size=new_positions.shape, device=self._device)
+        else:
+            piece = NonTensorStack._from_flat(values, new_positions.shape, self._device, members)
+        if self._is_memmap or self._is_shared or self._shared_value is not None:
+            piece._copy_of_stored_stack = True  # (see NonTensorBase._refuse_copy_write)
+        return piece
 
     def _flat_members(self) -> list:
         return [None] * len(self._values) if self._members is None else list(self._members)
@@ -269,9 +269,11 @@ class NonTensorStack(NonTensorBase):
         return broadcast_values(source, self._batch_size)
 
     def _check_update(self, value: Any) -> None:
+        self._refuse_copy_write()
         self._new_values(value)
 
     def _update_(self, value: Any) -> None:
+        self._refuse_copy_write()
         values = self._new_values(value)
         with self._updating():
             self._values = values
@@ -285,6 +287,10 @@ class NonTensorStack(NonTensorBase):
         if not isinstance(source, NonTensorBase):
             source = NonTensorData(source, batch_size=[])
         new_values = broadcast_values(source, targets.shape)
+        if self._copy_of_stored_stack:
+            if self._holds_only(index, source):
+                return self  # nothing changes: no write to lose
+            self._refuse_copy_write()
         with self._updating():  # read-modify-write: no other process's write is lost
             values = list(self._values)
             for position, value in zip(targets.reshape(-1).tolist(), new_values):
@@ -293,6 +299,16 @@ class NonTensorStack(NonTensorBase):
             self._members = None  # new values: no longer the stacked members
             self._after_update()
         return self
+
+    def _holds_only(self, index: tuple, source: Any) -> bool:
+        """True if the elements at ``index`` already hold the values that
+        ``self[index] = source`` writes."""
+        if not isinstance(source, NonTensorBase):
+            source = NonTensorData(source, batch_size=[])
+        targets = torch.arange(len(self._values)).reshape(self._batch_size)[index]
+        new_values = broadcast_values(source, targets.shape)
+        values = self._values
+        return all(_same_value(values[p], v) for p, v in zip(targets.reshape(-1).tolist(), new_values))
 
     def maybe_to_stack(self) -> "NonTensorStack":
         """A new stack of the same values (not copies of them), as tensordict 0.15.3."""
@@ -305,6 +321,15 @@ class NonTensorStack(NonTensorBase):
 
     def __repr__(self) -> str:
         return f"NonTensorStack({self.tolist()!r}, batch_size={self._batch_size}, device={self._device})"
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Whether writing ``a`` over ``b`` changes nothing (same object, or equal values of
+    one type; an ``==`` that gives no bool, as arrays', counts as different)."""
+    try:
+        return a is b or (type(a) is type(b) and bool(a == b))
+    except Exception:
+        return False
 
 
 def stack_non_tensors(items: Sequence[NonTensorBase], dim: int) -> NonTensorStack:

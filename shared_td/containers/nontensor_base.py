@@ -188,6 +188,25 @@ class NonTensorBase(TensorDictBase):
         """Raise if ``_update_(value)`` would fail (it writes nothing)."""
         raise NotImplementedError
 
+    # True for a piece (a row, a slice, a reshape...) of a memory-mapped or shared
+    # NonTensorStack: it holds copies of the stack's values, so an in-place write into it
+    # would reach neither the stack, its files nor another process (set by
+    # NonTensorStack._transform).
+    _copy_of_stored_stack = False
+
+    def _refuse_copy_write(self) -> None:
+        """Raise if self is such a copy: the write would be lost silently (tensordict
+        0.15.3 refuses it for a memory-mapped stack too)."""
+        if self._copy_of_stored_stack:
+            raise RuntimeError(
+                "Cannot update a leaf NonTensorDataBase from a memmaped parent "
+                f"NonTensorStack: this {type(self).__name__} is a copy of values of a "
+                "memory-mapped or shared NonTensorStack, so an in-place write would change "
+                "the copy only, never the stack. Write through the stack at the proper "
+                "index instead: stack[index] = value, td[index] = ... or "
+                "td.update_at_(..., index)."
+            )
+
     def update_(self, other: Any, *, keys_to_update: Any = None, non_blocking: bool = False, **kwargs: Any) -> "NonTensorBase":
         """Write the value(s) of the NonTensorData or NonTensorStack ``other`` into self,
         in place; returns self. Allowed when locked; a shared entry's write is seen by

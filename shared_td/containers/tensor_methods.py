@@ -46,7 +46,17 @@ class TensorMethods:
 
         A consolidated tensordict (see ``consolidate()``) moves as ONE copy of its
         storage, its leaves views of the copy; the result is consolidated there and
-        locked, as in tensordict. Others move leaf by leaf."""
+        locked, as in tensordict. Others move leaf by leaf.
+
+        ``inplace=True`` (as in tensordict 0.15.3) makes self's leaves the moved or cast
+        ones and returns self, its nested tensordicts kept; a locked tensordict refuses
+        it (a LockedTensorDictError) unless nothing changes."""
+        if kwargs.pop("inplace", False):
+            converted = self.to(*args, **kwargs)
+            if converted is not self:
+                self._check_unlocked((), "replace its leaves with to(..., inplace=True)")
+                _adopt_entries(self, converted)
+            return self
         target = args[0] if args else kwargs.get("device", kwargs.get("dtype"))
         if isinstance(target, torch.dtype):
             return self._map_entries(lambda v: v.to(target), self._batch_size, self.names)
@@ -122,6 +132,20 @@ class TensorMethods:
         self._is_shared = True
         self.lock_()
         return self
+
+
+def _adopt_entries(target: Any, source: Any) -> None:
+    """Make ``target``'s entries those of ``source`` (``target.to(...)``), keeping each
+    nested tensordict of target's class and filling it in turn."""
+    entries = {}
+    for key, value in source._tensordict.items():
+        mine = target._tensordict.get(key)
+        if type(mine) is type(value) and isinstance(value, TensorMethods):
+            _adopt_entries(mine, value)
+            value = mine
+        entries[key] = value
+    target._tensordict = entries
+    target._device = source._device
 
 
 def _plain_contiguous(value: Any) -> Any:

@@ -14,6 +14,8 @@ define that name already, so user methods win over forwarded ones.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import dataclasses
 import functools
@@ -50,9 +52,27 @@ def _register(cls: type) -> None:
     _REGISTRY[str(cls)] = cls
 
 
+# The tensorclass whose load_memmap/load_memmap_ is running (see loading_as).
+_LOADING_AS: contextvars.ContextVar[type | None] = contextvars.ContextVar("shared_td_loading_as", default=None)
+
+
+@contextlib.contextmanager
+def loading_as(cls: type):
+    """While ``cls.load_memmap`` (or an instance's ``load_memmap_``) runs: a class saved
+    from ``__main__`` under ``cls``'s qualname is ``cls``, as in tensordict 0.15.3. A
+    script or notebook records its classes as ``__main__.<qualname>``, a name another
+    program cannot define; the class the load is called on says which one is meant."""
+    token = _LOADING_AS.set(cls)
+    try:
+        yield
+    finally:
+        _LOADING_AS.reset(token)
+
+
 def tensorclass_for_type_string(type_string: str) -> type:
     """The tensorclass whose ``str(cls)`` is ``type_string`` (e.g. ``"<class 'pkg.mod.X'>"``,
-    as tensordict writes in ``meta.json``).
+    as tensordict writes in ``meta.json``); inside ``loading_as(cls)``, also ``cls`` for
+    ``"<class '__main__.<cls.__qualname__>'>"``.
 
     Only classes already defined in this process are found: loading data never imports
     a module named in a file (that would run code chosen by whoever wrote the file).
@@ -62,6 +82,9 @@ def tensorclass_for_type_string(type_string: str) -> type:
     """
     if type_string in _REGISTRY:
         return _REGISTRY[type_string]
+    loading = _LOADING_AS.get()
+    if loading is not None and type_string == f"<class '__main__.{loading.__qualname__}'>":
+        return loading
     raise KeyError(
         f"No tensorclass {type_string!r} is defined: import (or define) the module that "
         "declares it with @tensorclass before loading the data."
@@ -151,6 +174,9 @@ class TensorClass:
     """
 
     _is_tensorclass = True
+    # cls.load_memmap of a save of a plain tensordict gives a cls (as tensordict 0.15.3
+    # does for TensorClass subclasses only; a @tensorclass gives the TensorDict)
+    _tc_wraps_plain_loads = True
 
     def __init_subclass__(cls, *, autocast: bool = False, frozen: bool | None = None,
                           nocast: bool | None = None, shadow: bool | None = None,

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from shared_td.containers.base import NO_DEFAULT, TensorDictBase, is_non_tensor, is_tensor_collection
+from shared_td.containers.memmap_methods import MemmapMethods
 from shared_td.containers.nontensor import NonTensorData
 from shared_td.containers.tensordict import TensorDict
 from shared_td.keys import is_nested_key, unravel_key
@@ -207,6 +208,38 @@ class _TensorClassMembers:
         ``TensorDict.from_consolidated``: an instance of the class the file names (this
         tensorclass for a file written from one of its instances)."""
         return TensorDictBase.from_consolidated(filename)
+
+    # see TensorClass._tc_wraps_plain_loads
+    _tc_wraps_plain_loads = False
+
+    @classmethod
+    def load_memmap(cls, prefix: Any, *args: Any, **kwargs: Any) -> Any:
+        """``TensorDict.load_memmap`` (the class is the one saved), with tensordict 0.15.3's
+        two rules for a tensorclass: a class saved from ``__main__`` (a script, a
+        notebook) under this class's qualname loads as this class, and a ``TensorClass``
+        subclass wraps the save of a plain tensordict or lazy stack in itself
+        (``from_tensordict``: a key that is no field is a ValueError). ``out=`` takes a
+        TensorDict, as ``TensorDict.load_memmap``'s."""
+        from shared_td.containers.tensorclass import loading_as
+
+        with loading_as(cls):
+            loaded = MemmapMethods.load_memmap.__func__(cls, prefix, *args, **kwargs)
+        if (cls._tc_wraps_plain_loads and kwargs.get("out") is None and not is_tensorclass(loaded)
+                and isinstance(loaded, TensorDictBase) and not is_non_tensor(loaded)):
+            return cls.from_tensordict(loaded)
+        return loaded
+
+    def load_memmap_(self, prefix: Any, *args: Any, **kwargs: Any) -> Any:
+        """``TensorDict.load_memmap_`` into this instance: a class saved from ``__main__``
+        under this class's qualname is this class (see ``load_memmap``); the save of
+        another tensorclass is a ValueError, as in tensordict 0.15.3, and self is then
+        unchanged."""
+        from shared_td.containers.tensorclass import loading_as
+
+        with loading_as(type(self)):
+            return MemmapMethods.load_memmap_(self, prefix, *args, **kwargs)
+
+    load_ = load_memmap_
 
     @classmethod
     def __init_subclass__(cls, **kwargs: Any) -> None:

@@ -431,6 +431,12 @@ class MemoryMappedTensor(FromExistingMemory, Factories, torch.Tensor):
             return _rebuild_empty, (path, self.dtype, tuple(self.shape))
         return _rebuild, self._reference()
 
+    def __reduce__(self):
+        # object.__reduce__ (torch.Tensor has none of its own) fails for a tensor subclass
+        # ("Cannot directly construct TensorBase"); code that calls it directly, as
+        # tensordict's own MemoryMappedTensor.__reduce__ allows, gets what pickle uses
+        return self.__reduce_ex__(2)
+
     def _reference(self) -> tuple:
         """What this (non-empty) tensor pickles as: ``(backing, dtype, shape, stride,
         byte offset, parent shape)``, the arguments of its rebuild. RuntimeError when it

@@ -51,7 +51,7 @@ import warnings
 
 from shared_td.errors import AtomicWriteError
 from shared_td.persist import format as fmt
-from shared_td.persist.format import lock_path
+from shared_td.persist.format import lock_path, sibling_stem
 from shared_td.persist.leftovers import TAG as _TAG
 from shared_td.persist.leftovers import find_leftovers, gc, parse_leftover_name, sweep_leftovers
 from shared_td.persist.writer_lock import acquired, parent_not_writable, prefix_lock
@@ -148,7 +148,7 @@ class Staging:
         self.prefix = prefix
         parent, name = os.path.split(prefix)
         os.makedirs(parent, exist_ok=True)
-        start = f".{name}.{_TAG}-new-{os.getpid()}-"
+        start = f".{sibling_stem(name)}.{_TAG}-new-{os.getpid()}-"
         try:
             self.path = _new_directory(parent, start)
         except PermissionError as error:  # the lock file was there already: a bare EACCES
@@ -230,7 +230,7 @@ def swap_into_place(staging: str, prefix: str) -> None:
         retired = staging  # the old version now lives at the staging name
     else:
         parent, name = os.path.split(prefix)
-        retired = tempfile.mkdtemp(prefix=f".{name}.{_TAG}-old-{os.getpid()}-", dir=parent)
+        retired = tempfile.mkdtemp(prefix=f".{sibling_stem(name)}.{_TAG}-old-{os.getpid()}-", dir=parent)
         os.rename(prefix, os.path.join(retired, "tree"))
         os.rename(staging, prefix)
     try:
@@ -252,4 +252,4 @@ def temporary_name(name: str) -> str:
         >>> parse_leftover_name(temporary_name("td.bin")) == ("td.bin", os.getpid())
         True
     """
-    return f".{name}.{_TAG}-new-{os.getpid()}-{secrets.token_hex(6)}"
+    return f".{sibling_stem(name)}.{_TAG}-new-{os.getpid()}-{secrets.token_hex(6)}"

@@ -12,6 +12,7 @@ ignores, so both libraries still read each other's directories:
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -410,16 +411,42 @@ def nested_sizes_name(leaf_file: str) -> str:
     return leaf_file[: -len(LEAF_SUFFIX)] + ".shape" + LEAF_SUFFIX
 
 
+# The longest sibling name made from a prefix's: ".<stem>.shared_td-new-<pid>-<12 hex>"
+# (pid at most 7 digits) takes 36 bytes more than <stem>; a name is at most 255 bytes.
+_STEM_MAX = 255 - 36
+
+
+def sibling_stem(name: str) -> str:
+    """The part of the names of the files made beside ``name`` (its lock file, the
+    temporaries of atomic writes) that comes from it: ``name`` itself, or, for a name
+    too long to be part of those (up to 255 bytes is a valid name: tensordict 0.15.3
+    saves to it), its start and a hash of the whole, always the same for one name.
+
+    Examples:
+        >>> sibling_stem("buf")
+        'buf'
+        >>> stem = sibling_stem("a" * 250)
+        >>> len(stem.encode()) <= 219 and stem.startswith("a" * 100) and stem == sibling_stem("a" * 250)
+        True
+    """
+    raw = os.fsencode(name)
+    if len(raw) <= _STEM_MAX:
+        return name
+    digest = hashlib.sha256(raw).hexdigest()[:16]
+    start = raw[: _STEM_MAX - len(digest) - 1].decode("utf-8", "ignore")  # whole characters
+    return f"{start}~{digest}"
+
+
 def lock_path(prefix: str) -> str:
     """The lock file of ``prefix``: ``.<name>.lock`` beside it, so that it survives
-    every swap of the directory.
+    every swap of the directory (``<name>``: see :func:`sibling_stem`).
 
     Examples:
         >>> lock_path("/data/buf")
         '/data/.buf.lock'
     """
     parent, name = os.path.split(os.path.abspath(prefix))
-    return os.path.join(parent, f".{name}.lock")
+    return os.path.join(parent, f".{sibling_stem(name)}.lock")
 
 
 def prefix_of_lock(name: str) -> str | None:

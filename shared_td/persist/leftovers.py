@@ -21,7 +21,7 @@ import os
 import re
 
 from shared_td.persist import format as fmt
-from shared_td.persist.format import lock_path
+from shared_td.persist.format import lock_path, sibling_stem
 from shared_td.persist.lock_probe import lock_is_held, remove_unheld_lock
 from shared_td.persist.writer_lock import acquired
 from shared_td.platform import pid_alive
@@ -78,9 +78,14 @@ def sweep_leftovers(prefix: str) -> list[str]:
     for path in find_leftovers(prefix):
         moved_away = os.path.join(path, "tree")
         try:
-            if os.path.basename(path).startswith(f".{name}.{TAG}-old-") \
+            if os.path.basename(path).startswith(f".{sibling_stem(name)}.{TAG}-old-") \
                     and not os.path.lexists(prefix) and os.path.isdir(moved_away):
                 # killed between the two renames of the fallback: the old version goes back
+                if _SHORTENED_STEM.fullmatch(name) and len(os.fsencode(name)) > 200:
+                    # found by a scan from its siblings' names, whose start only is the
+                    # prefix's (see sibling_stem): its name is unknown, so it stays
+                    raise OSError("holds the old version of a prefix whose name is too long to "
+                                  "read from it: run shared_td.gc() with that prefix")
                 os.rename(moved_away, prefix)
             remove_tree(path)
         except OSError as error:
@@ -171,6 +176,10 @@ _LEFTOVER_NAME = re.compile(
 )
 
 
+# What sibling_stem makes of a name too long to be kept whole: its start, "~", 16 hex.
+_SHORTENED_STEM = re.compile(r".+~[0-9a-f]{16}", re.DOTALL)
+
+
 def parse_leftover_name(entry: str) -> tuple[str, int] | None:
     """``(prefix name, writer pid)`` of a temporary's name exactly as our writers make
     it (atomic.py's ``temporary_name``, ``Staging`` and ``swap_into_place``),
@@ -188,7 +197,7 @@ def parse_leftover_name(entry: str) -> tuple[str, int] | None:
 
 def _writer_pid(entry: str, name: str) -> int | None:
     parsed = parse_leftover_name(entry)
-    return parsed[1] if parsed is not None and parsed[0] == name else None
+    return parsed[1] if parsed is not None and parsed[0] == sibling_stem(name) else None
 
 
 def _is_ours(path: str) -> bool:

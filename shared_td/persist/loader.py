@@ -198,21 +198,28 @@ class Loader:
     def _walk(self, opened: list, parts: tuple, subpath: Any) -> tuple[Directory, tuple | None]:
         """Open the directory of the nested key ``parts`` below ``opened[0]``, key by key:
         each part must be a nested tensordict listed in its parent's meta.json, found by
-        its file name (never a path join, so '..' or '/' cannot leave the save).
+        its file name (never a path join, so '..' or '/' cannot leave the save), or the
+        index of a member of a lazy stack.
         Returns it and its parent's batch size; ``opened`` collects what to close."""
         parent_batch = None
         for depth, part in enumerate(parts):
             directory = opened[-1]
             meta = read_meta(directory)
+            if meta.type == fmt.LAZY_STACK_TYPE and part in nodes.kind_for_type_string(
+                    meta.type).child_names(meta, directory.exists):
+                # a member of a lazy stack, by its index ("1"), as tensordict 0.15.3 walks
+                opened.append(directory.child(part))
+                parent_batch = None  # a stack records no batch size of its own
+                continue
             entry = next((e for e in meta.entries if e.key == part), None)
             where = f"subpath {subpath!r}: {directory.path}/{fmt.META}"
             if entry is None:
                 hint = ""
                 if depth == 0 and isinstance(subpath, str) and "/" in subpath:
                     hint = f" (to walk into nested keys, give a tuple: {tuple(subpath.split('/'))!r})"
-                raise ValueError(f"No tensordict under {where} lists no key {part!r}{hint}.")
+                raise ValueError(f"No tensordict found under {where} lists no key {part!r}{hint}.")
             if not isinstance(entry, fmt.ChildMeta):
-                raise ValueError(f"No tensordict under {where} says key {part!r} is a tensor, "
+                raise ValueError(f"No tensordict found under {where} says key {part!r} is a tensor, "
                                  "not a nested tensordict: load its parent and index it.")
             opened.append(self._open_child(directory, part))
             parent_batch = meta.batch_size
