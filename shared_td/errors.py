@@ -54,6 +54,20 @@ class IndexTypeError(TypeError, IndexError):
     raise ``IndexError``; this is a ``TypeError`` that is also an ``IndexError``."""
 
 
+class KeyThroughLeafError(KeyError, ValueError):
+    """A nested key runs through an entry that is not a tensordict (``td["a", "b"]``
+    where ``"a"`` holds a tensor). tensordict raises ``ValueError``; this is also the
+    ``KeyError`` of any other missing key. ``get(key, default)`` returns the default."""
+
+    __str__ = BaseException.__str__
+
+
+class NotASaveError(NotADirectoryError, ValueError):
+    """A path given to load a save names a file that is neither a saved tensordict
+    directory nor an archive (or a FIFO, socket or device). tensordict raises
+    ``ValueError``; this is also the ``NotADirectoryError`` the path calls for."""
+
+
 class UnstorableValueError(TypeError, RuntimeError):
     """A non-tensor value of a type the chosen format cannot hold (a value that is not
     JSON, written by ``consolidate(filename=...)``). tensordict raises ``RuntimeError``
@@ -162,3 +176,13 @@ class NodeTakenOverError(ConnectionError):
     debugger, a frozen VM) until its heartbeat stood still long enough for another process
     started with the same node number to take that number over. Every cluster call of
     this process fails with it; its replicas stay readable. Shut its Coordinator down."""
+
+
+class NameClashError(ValueError, RuntimeError):
+    """A batch dim name used twice once a parent's names reach a nested tensordict: the
+    ValueError tensordict 0.15.3 raises, and the RuntimeError shared_td raised before."""
+
+
+class ArgumentGivenTwiceError(TypeError, ValueError):
+    """A tensorclass field given both by position and by keyword: the TypeError Python
+    raises for a function, and the ValueError tensordict raises."""

@@ -34,8 +34,8 @@ def test_every_exception_class_is_defined_in_errors_and_exported():
                if inspect.isclass(value) and issubclass(value, BaseException)}
     assert defined == {
         "AtomicWriteError", "BatchDimError", "BatchSizeMismatchError", "ClusterAuthError", "CoordinatorAuthenticationError",
-        "CoordinatorTimeoutError", "FileReplacedError", "FileTooShortError", "FormatError", "IndexTypeError", "KeyTypeError", "LockedTensorDictError",
-        "NodeTakenOverError", "OwnerLostError", "ReadOnlyError", "SegmentUnavailableError", "SplitSizeError", "StalePair",
+        "CoordinatorTimeoutError", "FileReplacedError", "FileTooShortError", "FormatError", "IndexTypeError", "KeyThroughLeafError", "KeyTypeError", "LockedTensorDictError",
+        "NameClashError", "ArgumentGivenTwiceError", "NodeTakenOverError", "NotASaveError", "OwnerLostError", "ReadOnlyError", "SegmentUnavailableError", "SplitSizeError", "StalePair",
         "StorageFullError", "TransferFailed", "UnstorableValueError",
     }
     for name in defined:

@@ -23,7 +23,7 @@ from shared_td.containers.nontensor_ops import NonTensorOps
 from shared_td.containers.pinning import PinningOps
 from shared_td.containers.splitting import BatchSplitOps
 from shared_td.containers.updates import UpdateOps
-from shared_td.errors import BatchSizeMismatchError
+from shared_td.errors import BatchSizeMismatchError, KeyThroughLeafError
 from shared_td.keys import NestedKey, is_nested_key, key_repr, unravel_key
 from shared_td.containers.memmap_methods import MemmapMethods
 from shared_td.tensorclass_protocol import is_tensorclass, unwrap_tensorclass
@@ -230,8 +230,27 @@ class TensorDictBase(LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, Me
         if value is NO_DEFAULT:
             if default is not NO_DEFAULT:
                 return default
-            raise KeyError(self._missing_key_message(path))
+            raise self._missing_key_error(path)
         return value
+
+    def _missing_key_error(self, path: tuple[str, ...]) -> KeyError:
+        """The error for the missing ``path``: a KeyThroughLeafError (KeyError and the
+        ValueError tensordict raises) when a part of it holds a tensor or a non-tensor
+        value, so the message says why no deeper key can be there."""
+        for i, part in enumerate(path[:-1]):
+            # by prefix, through _get_path: a lazy stack's ragged leaf is read, not stacked
+            node = self._get_path(path[: i + 1], None)
+            if node is None:
+                break
+            if not is_tensor_collection(node) or is_non_tensor(node):
+                kind = type(node).__name__ if isinstance(node, torch.Tensor) or is_non_tensor(node) else "tensor"
+                rest = path[i + 1] if i + 2 == len(path) else path[i + 1:]
+                return KeyThroughLeafError(
+                    f"Key {key_repr(path)} not found in {type(self).__name__}: {part!r} is a "
+                    f"{kind}, not a tensordict, so it has no entry {rest!r}. "
+                    f"Read {key_repr(path[: i + 1])} itself, or set another key."
+                )
+        return KeyError(self._missing_key_message(path))
 
     def _missing_key_message(self, path: tuple[str, ...]) -> str:
         existing = [k for k in self.keys(include_nested=True)]
@@ -297,6 +316,8 @@ class TensorDictBase(LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, Me
             BatchSizeMismatchError: (ValueError/RuntimeError) when the value's leading
                 dims differ from the batch size.
         """
+        if value is self:  # checked before a nested key's missing parents are added
+            raise self_nesting_error(key)
         if isinstance(key, str):  # a key of this node: no path to walk (most calls)
             self._set_str(key, value, inplace=inplace, validated=False)
             return self
@@ -389,7 +410,7 @@ class TensorDictBase(LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, Me
         """
         path = unravel_key(key)
         if self._get_path(path, None) is None:
-            raise KeyError(self._missing_key_message(path))
+            raise self._missing_key_error(path)
         parent = self._parent_for_write(path, create=False)
         parent._check_unlocked(path, "remove")
         parent._del_str(path[-1])
@@ -401,7 +422,7 @@ class TensorDictBase(LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, Me
         value = self._get_path(path, NO_DEFAULT)
         if value is NO_DEFAULT:
             if default is NO_DEFAULT:
-                raise KeyError(self._missing_key_message(path))
+                raise self._missing_key_error(path)
             return default
         self.del_(path)
         return value
@@ -410,6 +431,11 @@ class TensorDictBase(LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, Me
         """The plain Python value of a non-tensor entry (``td["task"]`` does the same)."""
         value = self.get(key, default)
         return value._python_value() if is_non_tensor(value) else value
+
+    def is_non_tensor(self, key: NestedKey) -> bool:
+        """True if the entry at ``key`` is a NonTensorData or NonTensorStack (the stored
+        entry: a tensorclass's ``get`` gives the value inside). KeyError if missing."""
+        return is_non_tensor(self.get(key))
 
     def rename_key_(self, old_key: NestedKey, new_key: NestedKey, safe: bool = False):
         """Move entry ``old_key`` to ``new_key``; returns self.
@@ -526,3 +552,12 @@ def check_write_into(current: Any, value: Any, key: str | tuple[str, ...]) -> No
 def _shown(key: str | tuple[str, ...]) -> str:
     """How an error message names ``key`` (made only when there is an error)."""
     return key_repr(key) if isinstance(key, tuple) else repr(key)
+
+
+def self_nesting_error(key: NestedKey) -> ValueError:
+    """The ValueError (as in tensordict) for setting a tensordict inside itself, which
+    would make a cycle that every walk of the tree (repr, clone, memmap_) loops on."""
+    return ValueError(
+        f"Cannot set a tensordict inside itself (key {_shown(key)}): a tensordict cannot "
+        "contain itself. Set a copy (td.clone()) or another tensordict instead."
+    )

@@ -115,7 +115,7 @@ def normalize_index(index: Any, batch_size: torch.Size) -> tuple:
     for part in parts:
         if isinstance(part, torch.Tensor):
             if part.dtype == torch.bool:
-                consumed += max(part.ndim, 1)
+                consumed += part.ndim  # a 0-d mask (tensor(True)) uses no dim, as True
             elif part.is_floating_point() or part.is_complex():
                 raise IndexTypeError(
                     f"Index tensors must be integer or bool, got dtype {part.dtype}."
@@ -252,16 +252,22 @@ def indexed_names(names: Sequence[str | None] | None, index: tuple) -> list | No
 def _advanced_indexed_names(names: Sequence[str | None], index: tuple) -> list | None:
     out: list = []
     remaining = list(names)
-    shapes, taken = [], []  # per index tensor: the shape it broadcasts with, the names it consumes
+    # per advanced part (index tensor, mask, bool): the shape it broadcasts with and the
+    # names of the dims it consumes (a bool consumes none: it adds a dim of 1 or 0)
+    shapes, taken = [], []
     place, separated, after_tensor = None, False, False
     for part in index:
-        if isinstance(part, torch.Tensor) and part.ndim == 0 and part.dtype != torch.bool:
-            part = 0  # torch selects with a 0-d integer tensor, as with an int
-        if isinstance(part, torch.Tensor):
-            if part.ndim == 0:
-                return None  # a 0-d mask adds a dim whose place we do not model: unnamed
-            consumed = part.ndim if part.dtype == torch.bool else 1
-            shapes.append((1,) if part.dtype == torch.bool else tuple(part.shape))
+        if isinstance(part, torch.Tensor) and part.ndim == 0:
+            # torch selects with a 0-d integer tensor as with an int; a 0-d mask is a bool
+            part = bool(part) if part.dtype == torch.bool else 0
+        if isinstance(part, (torch.Tensor, bool)):
+            if isinstance(part, bool):
+                consumed, shape = 0, (1,)
+            elif part.dtype == torch.bool:
+                consumed, shape = part.ndim, (int(part.sum()),)
+            else:
+                consumed, shape = 1, tuple(part.shape)
+            shapes.append(shape)
             taken.append(remaining[:consumed])
             del remaining[:consumed]
             if place is None:
@@ -269,23 +275,34 @@ def _advanced_indexed_names(names: Sequence[str | None], index: tuple) -> list |
             elif not after_tensor:
                 separated = True
             after_tensor = True
-        elif isinstance(part, bool):
-            return None  # torch's dims for a bool beside index tensors: not modelled, unnamed
         elif isinstance(part, int):
             remaining.pop(0)  # ints do not separate the tensors (torch selects them first)
-        elif part is None:
-            out.append(None)  # None does separate them (torch puts the block first)
+        else:  # None or a slice: they separate the tensors (torch puts the block first)
+            out.append(None if part is None else remaining.pop(0))
             after_tensor = False if place is not None else after_tensor
-        else:  # a slice
-            out.append(remaining.pop(0))
-            after_tensor = False if place is not None else after_tensor
-    if place is None:  # only ints, None and bools
+    if place is None:
         return out + remaining
-    ndim = len(torch.broadcast_shapes(*shapes))
-    single = len(shapes) == 1 and ndim == 1 and len(taken[0]) == 1
-    block = [taken[0][0]] if single else [None] * ndim
     position = 0 if separated else place
-    return out[:position] + block + out[position:] + remaining
+    return out[:position] + _block_names(shapes, taken) + out[position:] + remaining
+
+
+def _block_names(shapes: list, taken: list) -> list:
+    """Names of the dims of torch's block of advanced-index dims, as tensordict gives
+    them: a block dim along which one part alone varies (size != 1) takes the name of
+    the dim that part consumed, if it consumed one dim and varies along this block dim
+    only (a name cannot be repeated); so does a lone 1-D index (or mask) of size 1. Any
+    other block dim is unnamed."""
+    ndim = len(torch.broadcast_shapes(*[torch.Size(s) for s in shapes]))
+    aligned = [(1,) * (ndim - len(s)) + tuple(s) for s in shapes]
+    varying = [[j for j, n in enumerate(s) if n != 1] for s in aligned]
+    block: list = []
+    for j in range(ndim):
+        parts = [i for i, dims in enumerate(varying) if j in dims]
+        if not parts and len(shapes) == 1 and len(shapes[0]) == 1:  # one 1-D index of size 1
+            parts, varying = [0], [[j]]
+        one = len(parts) == 1 and len(varying[parts[0]]) == 1 and len(taken[parts[0]]) == 1
+        block.append(taken[parts[0]][0] if one else None)
+    return block
 
 
 def common_batch_prefix(shapes: Sequence[torch.Size]) -> torch.Size:

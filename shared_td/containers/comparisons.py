@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
+from shared_td.tensorclass_protocol import unwrap_tensorclass
+
 if TYPE_CHECKING:  # (base imports this module)
     from shared_td.containers.base import TensorDictBase
 
@@ -19,6 +21,7 @@ class ComparisonOps:
 
         if isinstance(other, dict):
             other = type(self)(other, batch_size=self.batch_size)
+        other = unwrap_tensorclass(other)  # td == tc compares entry by entry, as tc == td
         if isinstance(other, TensorDictBase):
             missing = set(self.keys(True, True, is_leaf_nontensor)) ^ set(other.keys(True, True, is_leaf_nontensor))
             if missing:

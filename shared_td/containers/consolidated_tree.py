@@ -155,7 +155,7 @@ def build_consolidated(node: Any, views: Iterator[torch.Tensor], layout: Layout,
         return type(node)._from_tensordict(build_consolidated(node._tensordict, views, layout, moved_to))
     elif kind == nodes.LAZY:
         children = [build_consolidated(member, views, layout, moved_to) for member in node.tensordicts]
-        new = type(node)(*children, stack_dim=node.stack_dim, batch_size=node.batch_size,
+        new = type(node)(*children, stack_dim=node.stack_dim, batch_size=node._member_batch,
                          stack_dim_name=node._stack_dim_name)
     else:  # non-tensor data: no layout of its own
         new = node.clone(recurse=False)

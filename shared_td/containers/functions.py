@@ -9,7 +9,7 @@ from typing import Any, Sequence
 import torch
 
 from shared_td.containers import batch as batch_ops
-from shared_td.containers.base import TensorDictBase, is_leaf_nontensor, is_non_tensor, is_tensor_collection
+from shared_td.containers.base import NO_DEFAULT, TensorDictBase, is_leaf_nontensor, is_non_tensor, is_tensor_collection
 from shared_td.errors import BatchSizeMismatchError
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 
@@ -185,6 +185,20 @@ def cat(items: Sequence[Any], dim: int = 0, *, out: Any = None) -> Any:
     return result
 
 
+def _like(make: Any) -> Any:
+    """``torch.zeros_like(td, ...)`` and friends: ``make`` applied to every tensor leaf
+    with the same arguments (``dtype=``, ``device=``, a fill value), non-tensor entries
+    kept, as in tensordict; a new tensordict of plain tensors (a memory-mapped or shared
+    one gives ordinary memory: use ``memmap_like`` for files)."""
+
+    def like(td: Any, *args: Any, **kwargs: Any) -> Any:
+        device = kwargs.get("device")
+        return td.apply(lambda leaf: make(leaf, *args, **kwargs),
+                        device=NO_DEFAULT if device is None else device)
+
+    return like
+
+
 TORCH_FUNCTIONS = {
     torch.stack: _torch_stack,
     torch.cat: cat,
@@ -197,4 +211,6 @@ TORCH_FUNCTIONS = {
     torch.permute: lambda td, dims: td.permute(*dims),
     torch.reshape: lambda td, shape: td.reshape(shape),
     torch.clone: lambda td: td.clone(),
+    **{fn: _like(fn) for fn in (torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like,
+                                torch.rand_like, torch.randn_like)},
 }

@@ -24,7 +24,7 @@ from shared_td.containers.lazy_shape import LazyShapeOps, _into
 from shared_td.containers.lazy_writes import LazyWriteOps, _is_branch, _peek
 from shared_td.errors import BatchSizeMismatchError
 from shared_td.keys import NestedKey, is_nested_key, key_repr, unravel_key
-from shared_td.tensorclass_protocol import unwrap_tensorclass
+from shared_td.tensorclass_protocol import is_tensorclass, unwrap_tensorclass
 
 
 class _Ragged:
@@ -68,9 +68,16 @@ class LazyStackedTensorDict(LazyNames, LazyShapeOps, LazyWriteOps, TensorDictBas
     """
 
     def __init__(self, *tensordicts: Any, stack_dim: int = 0, batch_size: Any = None,
-                 stack_dim_name: str | None = None):
-        """``batch_size`` is only needed for a stack of no member (e.g. ``lazy[2:2]``);
-        ``stack_dim_name`` names the batch dim ``stack_dim`` (see ``names``)."""
+                 device: Any = None, stack_dim_name: str | None = None, strict_shape: bool = True):
+        """``batch_size`` and ``device`` are those of the members, as in tensordict 0.15.3:
+        only needed for a stack of no member (``LazyStackedTensorDict(stack_dim=1,
+        batch_size=[1, 2])`` has batch size ``[1, 0, 2]``); with members, ``device`` moves
+        those on another device there. ``stack_dim_name`` names the batch dim
+        ``stack_dim`` (see ``names``). ``strict_shape`` is accepted for compatibility:
+        the members' batch sizes must always be equal here."""
+        if device is not None:
+            device = torch.device(device)
+            tensordicts = tuple(td if td.device == device else td.to(device) for td in tensordicts)
         members = []
         for i, item in enumerate(tensordicts):
             if not _is_branch(item):
@@ -82,9 +89,10 @@ class LazyStackedTensorDict(LazyNames, LazyShapeOps, LazyWriteOps, TensorDictBas
                     f"batch_size {list(members[0].batch_size)} but item {i} has {list(members[i].batch_size)}."
                 )
         member_batch = members[0].batch_size if members else torch.Size([])
-        if not members and batch_size is not None and len(batch_size):  # keep the other dims
-            dim = batch_ops.normalize_dim(stack_dim, len(batch_size), what="stack_dim")
-            member_batch = torch.Size(list(batch_size[:dim]) + list(batch_size[dim + 1 :]))
+        if not members and batch_size is not None:
+            member_batch = torch.Size(batch_size)
+        # a stack of no member has no member to tell its device
+        self._empty_device = device if not members else None
         self._stack_dim = batch_ops.insertion_dim(stack_dim, len(member_batch), "LazyStackedTensorDict", what="stack_dim")
         self.tensordicts: list = members
         self._member_batch = member_batch
@@ -96,7 +104,7 @@ class LazyStackedTensorDict(LazyNames, LazyShapeOps, LazyWriteOps, TensorDictBas
 
     @classmethod
     def lazy_stack(cls, items: Sequence[Any], dim: int = 0, *, out: Any = None,
-                   stack_dim_name: str | None = None) -> Any:
+                   stack_dim_name: str | None = None, strict_shape: bool = True) -> Any:
         """Stack ``items`` lazily along ``dim`` (tensors are stacked by ``torch.stack``);
         ``stack_dim_name`` names that new batch dim, as in tensordict 0.15.3.
 
@@ -112,6 +120,11 @@ class LazyStackedTensorDict(LazyNames, LazyShapeOps, LazyWriteOps, TensorDictBas
             return torch.stack(items, dim)
         if is_tensor_collection(items[0]):  # so that an error names lazy_stack's dim, not stack_dim
             batch_ops.insertion_dim(dim, items[0].batch_dims, "lazy_stack")
+        tc_class = type(items[0]) if is_tensorclass(items[0]) else None
+        if out is None and tc_class is not None and all(type(item) is tc_class for item in items):
+            # tensorclasses of one class stack into that class over the lazy stack, as in tensordict
+            inner = cls(*map(unwrap_tensorclass, items), stack_dim=dim, stack_dim_name=stack_dim_name)
+            return tc_class._from_tensordict(inner)
         return _into(out, cls(*items, stack_dim=dim, stack_dim_name=stack_dim_name))
 
     # ---------------------------------------------------------------- properties
@@ -129,6 +142,8 @@ class LazyStackedTensorDict(LazyNames, LazyShapeOps, LazyWriteOps, TensorDictBas
     @property
     def device(self) -> torch.device | None:
         """The members' common device, or None if they differ (or have none)."""
+        if not self.tensordicts:
+            return getattr(self, "_empty_device", None)  # (not set on objects built without __init__)
         devices = {member.device for member in self.tensordicts}
         return devices.pop() if len(devices) == 1 else None
 
@@ -226,6 +241,9 @@ class LazyStackedTensorDict(LazyNames, LazyShapeOps, LazyWriteOps, TensorDictBas
         if all(is_non_tensor(v) for v in values):
             return stack_non_tensors(values, self._stack_dim)
         if all(_is_branch(v) for v in values):
+            if is_tensorclass(values[0]) and all(type(v) is type(values[0]) for v in values):
+                # nested tensorclasses of one class stay that class, as in tensordict
+                return type(values[0])._from_tensordict(self._restack([v._tensordict for v in values]))
             return self._restack(values)
         raise TypeError(
             f"Cannot stack the entry {key_repr(path)}: the members hold "
@@ -269,12 +287,18 @@ class LazyStackedTensorDict(LazyNames, LazyShapeOps, LazyWriteOps, TensorDictBas
         if value is NO_DEFAULT:
             if default is not NO_DEFAULT:
                 return default
-            raise KeyError(self._missing_key_message(path))
+            raise self._missing_key_error(path)
         if not (as_list or as_padded_tensor or as_nested_tensor) or is_non_tensor(value):
             if isinstance(value, _Ragged):
                 raise value.error()
             return value
-        values = [m.get(path) for m in self.tensordicts]
+        # a member that is a lazy stack itself gives its values the same way (a nested
+        # list, or its own padded tensor), since they may be ragged too
+        inner = {"as_list": as_list} if as_list else (
+            {"as_padded_tensor": True, "padding_side": padding_side, "padding_value": padding_value}
+            if as_padded_tensor else {})
+        values = [m.get(path, **inner) if isinstance(m, LazyStackedTensorDict) else m.get(path)
+                  for m in self.tensordicts]
         if as_list:
             return values
         if not all(isinstance(v, torch.Tensor) for v in values):
@@ -282,6 +306,42 @@ class LazyStackedTensorDict(LazyNames, LazyShapeOps, LazyWriteOps, TensorDictBas
         if as_nested_tensor:
             return torch.nested.nested_tensor(values, layout=layout or torch.jagged)
         return _pad_stack(values, padding_value, padding_side, path)
+
+    def __getitems__(self, indices: Sequence[int]) -> Any:
+        """The rows at ``indices`` in one index operation (torch's DataLoader calls it
+        with a batch of indices): ``self[indices]``, as in tensordict."""
+        return self[torch.as_tensor(list(indices), dtype=torch.long)]
+
+    def append(self, tensordict: Any) -> None:
+        """Add ``tensordict`` as the last member (see ``insert``)."""
+        self.insert(len(self.tensordicts), tensordict)
+
+    def insert(self, index: int, tensordict: Any) -> None:
+        """Insert ``tensordict`` as member ``index`` (``list.insert``), as tensordict 0.15.3.
+
+        Raises:
+            TypeError: if it is not a tensordict or tensorclass.
+            ValueError: if its batch size (or its device) is not the members'.
+            LockedTensorDictError: if the stack is locked.
+        """
+        if not _is_branch(tensordict):
+            raise TypeError(
+                f"Expected new value to be TensorDictBase instance but got {type(tensordict).__name__}: "
+                "a lazy stack's members are tensordicts or tensorclasses."
+            )
+        member = unwrap_tensorclass(tensordict)
+        if self.tensordicts and member.device != self.device:
+            raise ValueError(
+                f"Devices differ: the stack is on {self.device}, the new member on {member.device}; "
+                "move it with .to(device) first."
+            )
+        if member.batch_size != self._member_batch:
+            raise ValueError(
+                f"Batch sizes in tensordicts differs: the members have batch_size "
+                f"{list(self._member_batch)}, the new one {list(member.batch_size)}."
+            )
+        super()._check_unlocked((), "insert a member into the lazy stack")
+        self.tensordicts.insert(index, member)
 
     def pop(self, key: NestedKey, default: Any = NO_DEFAULT) -> Any:
         """Remove the entry ``key`` from every member and return its stacked value."""
@@ -419,7 +479,15 @@ class LazyStackedTensorDict(LazyNames, LazyShapeOps, LazyWriteOps, TensorDictBas
         False (a stack of elements along a new dim: a reshape)."""
         sd = self._stack_dim if stack_dim is None else stack_dim
         name = self._stack_dim_name if same_stack_dim else None
-        return LazyStackedTensorDict(*members, stack_dim=sd, batch_size=batch_size, stack_dim_name=name)
+        if members:
+            return LazyStackedTensorDict(*members, stack_dim=sd, stack_dim_name=name)
+        if batch_size is None:  # the same dims as this one
+            member_batch = self._member_batch
+        else:  # ``batch_size`` is the new stack's: its members' lack the stack dim
+            sd = batch_ops.normalize_dim(sd, len(batch_size), what="stack_dim")
+            member_batch = list(batch_size[:sd]) + list(batch_size[sd + 1 :])
+        return LazyStackedTensorDict(stack_dim=sd, batch_size=member_batch, device=self.device,
+                                     stack_dim_name=name)
 
 
 def _pad_stack(values: list, padding_value: Any, side: str, path: tuple) -> torch.Tensor:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from shared_td.containers.naming import NamedBatchDims, check_names
+from shared_td.containers.naming import NameClashError, NamedBatchDims, check_names
 
 
 class LazyNames:
@@ -66,19 +66,24 @@ class LazyNames:
         self._rename_leading(leading, check_only=False)
 
     refine_names = NamedBatchDims.refine_names
+    rename_ = NamedBatchDims.rename_
+    rename = NamedBatchDims.rename
 
     def _rename_leading(self, leading: list, *, check_only: bool) -> None:
         """Give the first ``len(leading)`` batch dims these names: the one at
         ``stack_dim`` to the stack, the others to every member (NamedBatchDims's
         protocol: a parent names its children's leading dims so)."""
+        if not leading:  # a parent without batch dims: nothing of ours is its
+            return
         # (the first member's: names setting them all right is how members named
         # otherwise are mended)
         current = self._names_of_first() or [None] * self.batch_dims
         names = list(leading) + current[len(leading):]
         sd = self._stack_dim
         stack_dim_name, member_names = names[sd], names[:sd] + names[sd + 1:]
-        if stack_dim_name is not None and stack_dim_name in member_names:
-            raise RuntimeError(
+        if stack_dim_name is not None and (stack_dim_name in member_names or any(
+                stack_dim_name in _inner_dim_names(m, len(member_names)) for m in self.tensordicts)):
+            raise NameClashError(
                 f"Cannot name the batch dims of this lazy stack {names}: {stack_dim_name!r}, "
                 f"the name of its stack dim ({sd}), is used twice (the names asked for are "
                 f"{list(leading)}, the stack's {self.names})."
@@ -87,6 +92,21 @@ class LazyNames:
             member._rename_leading(member_names, check_only=check_only)
         if not check_only:
             self._stack_dim_name = stack_dim_name
+
+
+def _inner_dim_names(td: Any, skip: int) -> set:
+    """Names of the dims that tensordicts nested in ``td`` have after its ``skip`` batch
+    dims (a nested lazy stack's read from its first member): a stack dim named so would
+    give a nested entry of the stack that name twice."""
+    names: set = set()
+    for child in getattr(td, "_named_children", lambda: [])():
+        if hasattr(child, "_names_of_first"):  # a lazy stack
+            child_names = child._names_of_first() or []
+        else:
+            child_names = child.names or []
+        names.update(n for n in child_names[skip:] if n is not None)
+        names |= _inner_dim_names(child, skip)
+    return names
 
 
 def checked_stack_dim_name(name: Any, members: list) -> str:

@@ -37,10 +37,7 @@ class LazyShapeOps:
         size, sd = self.batch_size, self._stack_dim
         parts = batch_ops.normalize_index(index, size)
         out_batch = batch_ops.indexed_batch_size(size, parts)
-        parts = tuple(
-            int(p) if isinstance(p, torch.Tensor) and p.ndim == 0 and p.dtype != torch.bool else p
-            for p in parts
-        )
+        parts = tuple(_scalar_to_python(p) for p in parts)
         widths = [_dims(p)[0] for p in parts]
         parts += (slice(None),) * (len(size) - sum(widths))
         widths += [1] * (len(parts) - len(widths))
@@ -72,6 +69,8 @@ class LazyShapeOps:
 
     def _index(self, index: Any) -> Any:
         where = self._locate(index)
+        if self.tensordicts and -1 not in self.batch_size and _selects_no_member(where, self):
+            return self._empty_selection(index)
         if where[0] == "one":
             member = self.tensordicts[where[1]]
             return member if _trivial(where[2]) else member._index(where[2])
@@ -82,6 +81,27 @@ class LazyShapeOps:
                 members = [m._index(rest) for m in members]
             return self._restack(members, out, out_batch)
         return self._from_positions(self._positions(where[1]))
+
+    def _empty_selection(self, index: Any) -> Any:
+        """``lazy[index]`` for an index that keeps no member: an empty TensorDict with the
+        keys that every member has, their shapes those of the first member, as the dense
+        copy would give (tensordict 0.15.3 does the same); non-tensor entries become
+        empty stacks."""
+        from shared_td.containers.base import is_leaf_nontensor, is_non_tensor
+        from shared_td.containers.tensordict import TensorDict
+
+        out_batch = torch.zeros(self.batch_size)[index].shape
+        names = TensorDict({}, batch_size=self.batch_size, names=self.names)[index].names
+        first = self.tensordicts[0]
+        entries = {}
+        for key in self.keys(True, True, is_leaf_nontensor):
+            path = (key,) if isinstance(key, str) else tuple(key)
+            leaf = first.get(path)
+            if is_non_tensor(leaf):
+                entries[path] = self.get(path)[index]
+            else:
+                entries[path] = leaf.new_empty((*out_batch, *leaf.shape[first.batch_dims:]))
+        return TensorDict(entries, batch_size=out_batch, device=self.device, names=names)
 
     def _positions(self, parts: tuple) -> torch.Tensor:
         """The flat positions of the elements that ``parts`` selects (torch's rules)."""
@@ -150,6 +170,33 @@ class LazyShapeOps:
         if all(a is b for a, b in zip(moved, self.tensordicts)):
             return self
         return self._restack(moved)
+
+    def flatten_keys(self, separator: str = ".", inplace: bool = False) -> "LazyStackedTensorDict":
+        """Every member's ``flatten_keys``: nested entries as keys joined by ``separator``
+        (the keys in the first member's order, as ``keys()``)."""
+        return self._keys_renamed("flatten_keys", separator, inplace)
+
+    def unflatten_keys(self, separator: str = ".", inplace: bool = False) -> "LazyStackedTensorDict":
+        """The inverse of ``flatten_keys``, member by member."""
+        return self._keys_renamed("unflatten_keys", separator, inplace)
+
+    def _keys_renamed(self, method: str, separator: str, inplace: bool) -> "LazyStackedTensorDict":
+        if not inplace:
+            return self._restack([getattr(m, method)(separator) for m in self.tensordicts])
+        for member in self.tensordicts:  # a locked member raises before any is changed
+            member._check_unlocked((), f"{method.replace('_', ' ')} in place")
+        for member in self.tensordicts:
+            getattr(member, method)(separator, inplace=True)
+        return self
+
+    def to_lazystack(self, dim: int = 0) -> "LazyStackedTensorDict":
+        """The same data stacked lazily along ``dim`` instead (self when it already is);
+        the members are then lazy stacks along the old stack dim."""
+        dim = batch_ops.normalize_dim(dim, self.batch_dims)
+        if dim == self._stack_dim:
+            return self
+        name = None if self.names is None else self.names[dim]
+        return type(self).lazy_stack(list(self.unbind(dim)), dim, stack_dim_name=name)
 
     def empty(self, recurse: bool = False) -> "LazyStackedTensorDict":
         """A lazy stack of the members' ``empty()``."""
@@ -253,7 +300,10 @@ class LazyShapeOps:
             return list(item.unbind(sd))
 
         if dim == sd:
-            result = cls(*[m for item in items for m in parts(item)], stack_dim=sd, stack_dim_name=name)
+            members = [m for item in items for m in parts(item)]
+            # (batch_size counts only without members; device would move them)
+            result = cls(*members, stack_dim=sd, stack_dim_name=name, batch_size=first._member_batch,
+                         device=None if members else first.device)
         else:
             member_dim = dim if dim < sd else dim - 1
             groups = zip(*[parts(item) for item in items])
@@ -276,6 +326,23 @@ def _dims(part: Any) -> tuple[int, int]:
         return (max(part.ndim, 1), 1) if part.dtype == torch.bool else (1, part.ndim)
     return 1, 0 if isinstance(part, int) else 1
 
+
+
+def _scalar_to_python(part: Any) -> Any:
+    """A 0-d index tensor as the Python int or bool it stands for (a 0-d bool tensor
+    adds a dim as ``True``/``False`` does, and is read the same way)."""
+    if isinstance(part, torch.Tensor) and part.ndim == 0:
+        return bool(part) if part.dtype == torch.bool else int(part)
+    return part
+
+
+def _selects_no_member(where: tuple, lazy: Any) -> bool:
+    """True when the located index keeps no element at all."""
+    if where[0] == "many":
+        return not where[1]
+    if where[0] == "positions":
+        return lazy._positions(where[1]).numel() == 0
+    return False
 
 
 def _trivial(index: tuple) -> bool:

@@ -101,7 +101,7 @@ class LazyWriteOps:
             seen.add(id(member))
             holders.append(member)
         if not holders:
-            raise KeyError(self._missing_key_message(path))
+            raise self._missing_key_error(path)
         self._check_unlocked(path, "remove")
         for member in holders:  # all checks first: a failure leaves every member unchanged
             if _is_lazy(member):  # (a lazy member checks all its own members in its del_)
@@ -151,6 +151,78 @@ class LazyWriteOps:
     def _same_layout(self, other: Any) -> bool:
         same_dim = _is_lazy(other) and other._stack_dim == self._stack_dim
         return same_dim and other.batch_size == self.batch_size
+
+    # ---------------------------------------------------------------- set_at_
+    def set_at_(self, key: Any, value: Any, index: Any, *, non_blocking: bool = False) -> "LazyStackedTensorDict":
+        """Write ``value`` at ``index`` of the existing entry ``key`` in the members, in
+        place (allowed when locked); returns self. ``non_blocking`` is accepted and ignored.
+
+        The index is read on the entry, as torch and tensordict do (an Ellipsis also
+        covers the entry's dims after the batch dims). Only the selected elements are
+        written, so a process writing other elements of a shared stack at the same time
+        keeps its values. An entry whose members' shapes differ, or a non-tensor entry,
+        is indexed along the batch dims only.
+
+        Raises:
+            KeyError: naming the key, when it is missing.
+        """
+        path = unravel_key(key)
+        try:
+            stacked = self.get(path)
+        except RuntimeError:  # shapes differ between members: index member by member
+            stacked = None
+        try:
+            if isinstance(stacked, torch.Tensor):
+                # get() of a lazy stack is a new tensor: write into it with torch's
+                # rules (this raises before any member is touched), then copy the
+                # selected elements back into the members
+                touched = torch.zeros(stacked.shape, dtype=torch.bool)
+                touched[index] = True
+                stacked[index] = value
+                self._write_touched(path, stacked, touched)
+            else:
+                self._set_at_members(path, value, index)
+        except (RuntimeError, IndexError, TypeError) as err:
+            raise type(err)(f"set_at_({key!r}, ..., {index!r}): {err}") from err
+        return self
+
+    def _write_touched(self, path: tuple, stacked: torch.Tensor, touched: torch.Tensor) -> None:
+        """Copy the elements of ``stacked`` that ``touched`` marks into the members."""
+        for member, part, mask in zip(self.tensordicts, stacked.unbind(self._stack_dim),
+                                      touched.unbind(self._stack_dim)):
+            if not mask.any():
+                continue
+            if _is_lazy(member):
+                member._write_touched(path, part, mask)
+            else:
+                member.get(path)[mask] = part[mask].to(member.get(path).device)
+
+    def _set_at_members(self, path: tuple, value: Any, index: Any) -> None:
+        """``set_at_`` of a ragged or non-tensor entry: each member affected by the batch
+        index writes its part (a tensor value split along the stack dim)."""
+        where = self._locate(index)
+        if where[0] == "one":
+            self.tensordicts[where[1]].set_at_(path, value, where[2])
+            return
+        shaped = isinstance(value, torch.Tensor) and value.ndim > 0
+        if where[0] == "many":
+            _, chosen, rest, out, out_batch = where
+            targets = [(self.tensordicts[i], rest) for i in chosen]
+            if shaped:
+                value = value.expand(*out_batch, *value.shape[len(out_batch):]) if value.ndim >= len(out_batch) else value
+                sources = list(value.unbind(out)) if value.ndim >= len(out_batch) else [value] * len(targets)
+            else:
+                sources = [value] * len(targets)
+        else:
+            positions = self._positions(where[1])
+            targets = [self._element(int(f)) for f in positions.flatten().tolist()]
+            if shaped and value.ndim >= positions.ndim:
+                value = value.expand(*positions.shape, *value.shape[positions.ndim:])
+                sources = [value[tuple(c)] for c in np.ndindex(*positions.shape)]
+            else:
+                sources = [value] * len(targets)
+        for (member, sub), source in zip(targets, sources):
+            member.set_at_(path, source, sub)
 
     # ---------------------------------------------------------------- lazy[idx] = value
     def _set_at_index(self, index: Any, value: Any) -> None:

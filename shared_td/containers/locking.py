@@ -115,6 +115,14 @@ class LockingOps:
                 "Cannot unlock a tensordict that is part of a locked graph: unlock the "
                 "parent tensordict it belongs to instead."
             )
+        other_root = self._locked_holder_outside()
+        if other_root is not None:
+            raise RuntimeError(
+                "Cannot unlock a tensordict that is part of a locked graph: a tensordict "
+                "nested in it is also held by another locked tensordict (keys "
+                f"{sorted(map(str, other_root.keys()))}). Drop that tensordict, or unlock both "
+                "through a tensordict that holds them."
+            )
         was_locked = self.is_locked
         self._unlock_tree()
         self._last_op = "unlock_" if was_locked else None
@@ -127,6 +135,24 @@ class LockingOps:
             parent = ref()
             if parent_id != ignore and parent is not None and parent._is_locked:
                 return parent
+        return None
+
+    def _locked_holder_outside(self) -> "LockingOps | None":
+        """A locked tensordict outside self's tree that holds one of the tensordicts
+        nested in self (``other = TensorDict(a=td["a"]).lock_()``): unlocking self would
+        unlock that entry of ``other`` too, as tensordict refuses to. None if none."""
+        inside, pending, nested = {id(self)}, [self], []
+        while pending:
+            for child in pending.pop()._collection_children():
+                if id(child) not in inside:
+                    inside.add(id(child))
+                    nested.append(child)
+                    pending.append(child)
+        for node in nested:
+            for parent_id, ref in node._lock_parents.items():
+                parent = ref()
+                if parent_id not in inside and parent is not None and parent._is_locked:
+                    return parent
         return None
 
     def _unlock_tree(self) -> None:

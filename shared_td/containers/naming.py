@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from shared_td.errors import NameClashError
 from shared_td.tensorclass_protocol import unwrap_tensorclass
-
 
 
 def check_names(names: Sequence[Any], batch_size) -> list:
@@ -66,6 +66,23 @@ def refined_names(current: Sequence[str | None] | None, batch_dims: int, names: 
     return names
 
 
+def renamed(current: Sequence[str | None] | None, batch_dims: int, names: Sequence[Any],
+            rename_map: dict) -> list:
+    """The names ``rename_(*names, **rename_map)`` gives batch dims now named ``current``."""
+    if names and rename_map:
+        raise ValueError("rename_() takes a name list or a name map (old='new'), not both.")
+    if not names and not rename_map:
+        raise ValueError("rename_() needs a name list or a name map (old='new').")
+    if names:
+        return list(names)
+    new = list(current) if current is not None else [None] * batch_dims
+    for old, name in rename_map.items():
+        if old not in new:
+            raise ValueError(f"rename_({old}=...): no batch dim is named {old!r} (the names are {new}).")
+        new[new.index(old)] = name
+    return new
+
+
 def carries_names(child: Any) -> bool:
     """Whether ``child`` (a nested entry, unwrapped) names its batch dims after its
     parent's: a TensorDict (NamedBatchDims) or a lazy stack (lazy_names.LazyNames), which
@@ -109,15 +126,36 @@ class NamedBatchDims:
         self.names = refined_names(self.names, len(self.batch_size), names)
         return self
 
+    def rename_(self, *names: Any, **rename_map: str | None) -> "NamedBatchDims":
+        """Rename the batch dims in place (nested tensordicts follow); returns self.
+        ``rename_("a", None, "c")`` gives every dim its name, as ``names = [...]`` does;
+        ``rename_(old="new")`` renames the dims named so. As tensordict 0.15.3.
+
+        Raises:
+            ValueError: both or neither of a name list and a name map, a name in the map
+                that no dim has, or a name then used twice (nothing is renamed).
+        """
+        self.names = renamed(self.names, len(self.batch_size), names, rename_map)
+        return self
+
+    def rename(self, *names: Any, **rename_map: str | None) -> Any:
+        """A shallow copy (``clone(recurse=False)``: the same tensors) whose batch dims are
+        renamed as ``rename_`` does; this tensordict keeps its names."""
+        new_names = renamed(self.names, len(self.batch_size), names, rename_map)
+        copy = self.clone(recurse=False)
+        copy.names = new_names
+        return copy
+
     def _rename_leading(self, leading: list, *, check_only: bool) -> None:
         """Give the first ``len(leading)`` batch dims these names, here and below."""
         current = self._names or [None] * len(self._batch_size)
         names = list(leading) + current[len(leading):]
         named = [n for n in names if n is not None]
         if len(set(named)) != len(named):
-            raise RuntimeError(
-                f"Cannot name the batch dims {names}: a name is used twice (the parent's "
-                f"names are {list(leading)}, this tensordict's {self.names})."
+            raise NameClashError(
+                f"Cannot name the batch dims {names}: a name is used twice, names would be "
+                f"non-unique (the parent's names are {list(leading)}, this tensordict's "
+                f"{self.names}). Rename this tensordict's dims first."
             )
         for child in self._named_children():
             child._rename_leading(names, check_only=check_only)
@@ -141,8 +179,8 @@ class NamedBatchDims:
         for those dims (or if its names clash with another child's).
         """
         inner = unwrap_tensorclass(child)
-        if not carries_names(inner):
-            return
+        if not carries_names(inner) or not len(self._batch_size):
+            return  # (no batch dim of ours for the child to share)
         if self._names is None:
             # an unnamed tensordict takes a named child's names of its dims (and its other
             # children with it), as tensordict 0.15.3 does

@@ -18,33 +18,21 @@ import contextlib
 import contextvars
 import copy
 import dataclasses
-import functools
 import inspect
 import types
 import typing
 from typing import Any
 
-import torch
-
-from shared_td.containers.base import is_non_tensor, is_tensor_collection
-from shared_td.containers.nontensor import NonTensorData
+from shared_td.containers.base import is_non_tensor
 from shared_td.containers.tensordict import TensorDict
-from shared_td.containers.tensorclass_members import MEMBERS, _no_field_message, _store, is_tensorclass
-from shared_td.errors import BatchSizeMismatchError
+from shared_td.containers.tensorclass_init import in_init, make_init, note_assigned, wrap_user_init
+from shared_td.containers.tensorclass_members import MEMBERS, _store, is_tensorclass
 from shared_td.tensorclass_protocol import mark_tensorclass
 
 __all__ = ["TensorClass", "from_dataclass", "tensorclass", "is_tensorclass", "tensorclass_for_type_string"]
 
 _REGISTRY: dict[str, type] = {}
 _MISSING = dataclasses.MISSING
-
-
-class _Factory:
-    def __repr__(self) -> str:
-        return "<factory>"
-
-
-_FACTORY = _Factory()  # the default shown in __init__'s signature for default_factory fields
 
 
 # ------------------------------------------------------------------------ registry
@@ -174,6 +162,7 @@ class TensorClass:
     """
 
     _is_tensorclass = True
+    _autocast = _nocast = _frozen = False  # the options' defaults, read as in tensordict
     # cls.load_memmap of a save of a plain tensordict gives a cls (as tensordict 0.15.3
     # does for TensorClass subclasses only; a @tensorclass gives the TensorDict)
     _tc_wraps_plain_loads = True
@@ -194,7 +183,10 @@ class TensorClass:
 
     def __class_getitem__(cls, item: Any) -> type:
         flags = item if isinstance(item, tuple) else (item,)
-        unknown = [flag for flag in flags if flag not in _FLAGS]
+        unknown = [flag for flag in flags if not isinstance(flag, str) or flag not in _FLAGS]
+        if unknown and getattr(cls, "__parameters__", ()):
+            # a generic tensorclass (class Base(TensorClass, Generic[T])): Base[int]
+            return super().__class_getitem__(item)
         if unknown:
             raise TypeError(f"TensorClass[...] accepts the flags {_FLAGS}, got {unknown}.")
         tensorclass(**{flag: True for flag in flags})  # refuses what the decorator refuses
@@ -272,6 +264,7 @@ def _drop_generated_methods(cls: type) -> None:
 def _make_tensorclass(cls: type, *, frozen, nocast, shadow, skip_post_init, kw_only) -> type:
     if not isinstance(cls, type):
         raise TypeError(f"@tensorclass decorates a class, got {cls!r}.")
+    _restore_field_declarations(cls)
     dataclasses.dataclass(cls, init=False, repr=False, eq=False, kw_only=kw_only)
     fields = tuple(dataclasses.fields(cls))
     if not shadow:
@@ -290,9 +283,10 @@ def _make_tensorclass(cls: type, *, frozen, nocast, shadow, skip_post_init, kw_o
         if name not in defined:
             setattr(cls, name, member)
     if "__init__" in vars(cls):
-        cls.__init__ = _wrap_user_init(cls.__init__)
-    else:
-        cls.__init__ = _make_init(cls, fields)
+        cls.__init__ = wrap_user_init(cls.__init__, frozenset(f.name for f in fields))
+    elif not getattr(cls.__init__, "_tc_wrapped", False):
+        # (a subclass without an __init__ of its own runs its base's own one, as in tensordict)
+        cls.__init__ = make_init(cls, fields)
     own = vars(cls)
     # dataclass's rule: a __hash__ the class body writes is kept, unless it is the None
     # that Python sets on a class whose body defines __eq__
@@ -309,10 +303,35 @@ def _make_tensorclass(cls: type, *, frozen, nocast, shadow, skip_post_init, kw_o
     cls._tc_fields = fields
     cls._tc_field_names = frozenset(f.name for f in fields)
     cls._frozen, cls._nocast, cls._shadow = frozen, nocast, shadow
+    cls._autocast = False  # read by code written for tensordict; never set here (see tensorclass)
+    # tensordict's name for the set of field names
+    cls.__expected_keys__ = {f.name for f in fields}
     cls._tc_scalar_fields = _scalar_fields(cls, fields)
     cls._skip_post_init_on_rebuild = skip_post_init
     _register(cls)
     return cls
+
+
+def _restore_field_declarations(cls: type) -> None:
+    """Put back the ``field(...)`` of each field that ``cls`` itself declares, when
+    ``cls`` is already a dataclass (``@tensorclass`` over ``@dataclass``, from_dataclass).
+
+    ``@dataclass`` replaces a ``field()`` class attribute by its default, or deletes it
+    when it has a default_factory: decorating the class again would read such a field as
+    required, with repr, metadata and kw_only lost.
+    """
+    declared = vars(cls).get("__dataclass_fields__")
+    if not declared:
+        return
+    for name in vars(cls).get("__annotations__", {}):
+        old = declared.get(name)
+        if old is None or old._field_type is not dataclasses._FIELD:  # ClassVar, InitVar
+            continue
+        setattr(cls, name, dataclasses.field(
+            default=old.default, default_factory=old.default_factory, init=old.init,
+            repr=old.repr, hash=old.hash, compare=old.compare, metadata=old.metadata,
+            kw_only=old.kw_only,
+        ))
 
 
 def _frozen_hash(self) -> int:
@@ -361,107 +380,10 @@ class _FieldAttribute:
         return value._python_value() if is_non_tensor(value) else value
 
     def __set__(self, obj: Any, value: Any) -> None:
-        if type(obj)._frozen:
+        if type(obj)._frozen and not in_init(obj):
             raise dataclasses.FrozenInstanceError(f"cannot assign to field {self.name!r}")
         _store(obj, self.name, value)
+        note_assigned(obj, self.name)
 
     def __delete__(self, obj: Any) -> None:
         self.__set__(obj, None)
-
-
-def _store_default(obj: Any, name: str, value: Any) -> None:
-    """Defaults that do not fit the batch as tensors (``n: int = 3`` with a batch size)
-    are kept as Python values, as tensordict does."""
-    try:
-        _store(obj, name, value)
-    except BatchSizeMismatchError:
-        if isinstance(value, torch.Tensor) or is_tensor_collection(value):
-            raise
-        td = obj._tensordict
-        td.set(name, NonTensorData(value, batch_size=td.batch_size, device=td.device))
-
-
-def _make_init(cls: type, fields: tuple) -> Any:
-    def __init__(self, *args, batch_size=None, device=None, names=None, lock=False, **kwargs):
-        _init_fields(self, args, kwargs, batch_size, device, names, lock)
-
-    kind = inspect.Parameter
-    params = [kind("self", kind.POSITIONAL_OR_KEYWORD)]
-    for f in fields:
-        default = f.default if f.default is not _MISSING else (
-            kind.empty if f.default_factory is _MISSING else _FACTORY
-        )
-        params.append(kind(f.name, kind.KEYWORD_ONLY if f.kw_only else kind.POSITIONAL_OR_KEYWORD,
-                           default=default, annotation=f.type))
-    params += [kind("batch_size", kind.KEYWORD_ONLY, default=None),
-               kind("device", kind.KEYWORD_ONLY, default=None),
-               kind("names", kind.KEYWORD_ONLY, default=None),
-               kind("lock", kind.KEYWORD_ONLY, default=False)]
-    params.sort(key=lambda p: p.kind)  # keyword-only after positional
-    try:
-        __init__.__signature__ = inspect.Signature(params)
-    except ValueError:  # a required field after a defaulted one: no clean signature
-        pass
-    __init__.__qualname__ = f"{cls.__qualname__}.__init__"
-    __init__.__doc__ = f"Build a {cls.__name__} from its fields, batch_size, device and names."
-    return __init__
-
-
-def _wrap_user_init(user_init: Any) -> Any:
-    """A class's own ``__init__`` starts from an empty TensorDict (batch size ``[]``): it
-    sets the fields as attributes and may set ``self.batch_size``."""
-    if getattr(user_init, "_tc_wrapped", False):
-        return user_init
-
-    @functools.wraps(user_init)
-    def __init__(self, *args, **kwargs):
-        if "_tensordict" not in self.__dict__:
-            object.__setattr__(self, "_tensordict", TensorDict())
-        user_init(self, *args, **kwargs)
-
-    __init__._tc_wrapped = True
-    return __init__
-
-
-def _init_fields(self, args, kwargs, batch_size, device, names, lock) -> None:
-    cls = type(self)
-    fields = cls._tc_fields
-    positional = [f for f in fields if not f.kw_only]
-    if len(args) > len(positional):
-        n = len(positional) + 1
-        raise TypeError(
-            f"{cls.__name__}.__init__() takes {n} positional argument{'s' if n > 1 else ''} "
-            f"but {len(args) + 1} were given; pass batch_size, device and names by keyword"
-        )
-    values = {f.name: value for f, value in zip(positional, args)}
-    for name, value in kwargs.items():
-        if name in values:
-            raise TypeError(f"{cls.__name__}.__init__() got multiple values for argument {name!r}")
-        values[name] = value
-    missing = [f.name for f in fields if f.name not in values
-               and f.default is _MISSING and f.default_factory is _MISSING]
-    unknown = [name for name in kwargs if name not in cls._tc_field_names]
-    if missing:
-        message = (f"{cls.__name__}.__init__() missing {len(missing)} required positional "
-                   f"argument{'s' if len(missing) > 1 else ''}: {', '.join(map(repr, missing))}")
-        if unknown:
-            message += f"; it also got unexpected keyword arguments {unknown}"
-        raise TypeError(f"{message}. Its fields are {sorted(cls._tc_field_names)}.")
-    if unknown:
-        raise AttributeError(_no_field_message(cls, unknown[0]))
-    td = TensorDict(batch_size=batch_size, device=device)
-    object.__setattr__(self, "_tensordict", td)
-    for f in fields:
-        if f.name in values:
-            _store(self, f.name, values[f.name])
-        else:
-            default = f.default if f.default_factory is _MISSING else f.default_factory()
-            _store_default(self, f.name, default)
-    if names is not None:
-        td.names = names
-    if hasattr(cls, "__post_init__"):
-        self.__post_init__()
-    if lock or cls._frozen:
-        td.lock_()
-
-

@@ -69,6 +69,12 @@ def _wrap(obj: Any, result: Any) -> Any:
     return result
 
 
+def _field_keywords(obj: Any, kwargs: dict) -> dict:
+    """Take out of ``kwargs`` the keywords that name fields of ``obj``: entries of an
+    update (``tc.update(a=...)``, as in tensordict); the rest are options."""
+    return {name: kwargs.pop(name) for name in list(kwargs) if name in type(obj)._tc_field_names}
+
+
 def _forward(name: str, wrap: bool) -> Any:
     def method(self, *args, **kwargs):
         result = getattr(self._tensordict, name)(*map(unwrap_tensorclass, args), **kwargs)
@@ -89,15 +95,24 @@ def _td_property(name: str, settable: bool = False) -> property:
     return property(fget, fset if settable else None, doc=getattr(TensorDict, name).__doc__)
 
 
+def _refuse_device_assignment(self, value: Any) -> None:
+    # tensordict raises this RuntimeError (its message too): a tensorclass moves with to()
+    raise RuntimeError(
+        f"device cannot be set using tensorclass.device = device ({type(self).__name__}"
+        f".device = {value!r}): the leaves would stay where they are. Use "
+        "tensorclass.to(new_device), which returns a new tensorclass on that device."
+    )
+
+
 _WRAPPED = (
     "unbind split chunk to cpu cuda pin_memory pin_memory_ clone contiguous expand reshape view "
-    "unsqueeze squeeze permute apply named_apply update_ set_ lock_ unlock_ share_memory_ select exclude "
+    "unsqueeze squeeze permute apply named_apply set_ lock_ unlock_ share_memory_ exclude "
     "empty zero_ fill_ copy_ del_ rename_key_ refine_names auto_batch_size_ __eq__ __ne__ __lt__ __le__ "
     "__gt__ __ge__ __enter__ __exit__"
 ).split()
 _PLAIN = (
     "keys values items numel dim size all any is_shared is_memmap is_empty pop "
-    "get_non_tensor __len__ __bool__ __contains__"
+    "get_non_tensor is_non_tensor __len__ __bool__ __contains__"
 ).split()
 
 
@@ -112,7 +127,8 @@ class _TensorClassMembers:
     shape = _td_property("shape")
     batch_dims = _td_property("batch_dims")
     ndim = _td_property("ndim")
-    device = _td_property("device")
+    device = property(_td_property("device").fget, _refuse_device_assignment,
+                      doc=TensorDict.device.__doc__)
 
     __torch_function__ = TensorDictBase.__dict__["__torch_function__"]
 
@@ -284,14 +300,22 @@ class _TensorClassMembers:
         object.__setattr__(self, "_tensordict", state["_tensordict"])
 
     # ------------------------------------------------------------ entries
-    def get(self, key: Any, default: Any = NO_DEFAULT) -> Any:
+    def select(self, *keys: Any, as_tensordict: bool = False, **kwargs: Any) -> Any:
+        """The fields ``keys`` (the others None): an instance of the class, or with
+        ``as_tensordict=True`` a TensorDict of those entries only, as in tensordict."""
+        result = self._tensordict.select(*keys, **kwargs)
+        return result if as_tensordict else _wrap(self, result)
+
+    def get(self, key: Any, default: Any = NO_DEFAULT, **kwargs: Any) -> Any:
         """The field (or nested entry) ``key``: non-tensors as Python values, a field
-        that holds nothing as None (or ``default``)."""
+        that holds nothing as None (or ``default``). Other keywords go to the inner
+        tensordict's ``get`` (``as_list=True``... of a tensorclass over a lazy stack)."""
         path = unravel_key(key)
         if len(path) == 1 and path[0] in type(self)._tc_field_names:
-            if self._tensordict._get_str(path[0], None) is None:
+            # (asked of the keys: reading a ragged entry of a lazy stack without kwargs raises)
+            if path[0] not in self._tensordict.keys():
                 return None if default is NO_DEFAULT else default
-        value = self._tensordict.get(path, default)
+        value = self._tensordict.get(path, default, **kwargs)
         return value._python_value() if is_non_tensor(value) else value
 
     def set(self, key: Any, value: Any, *, inplace: bool = False, **kwargs: Any) -> Any:
@@ -310,13 +334,43 @@ class _TensorClassMembers:
             self._tensordict.set(path, value, inplace=inplace, **kwargs)
         return self
 
-    def update(self, other: Any, *, inplace: bool = False, keys_to_update: Any = None, **kwargs: Any) -> Any:
-        """Set the entries of ``other`` (a dict, tensordict or tensorclass); returns self.
+    def update(self, other: Any = None, *, inplace: bool = False, keys_to_update: Any = None, **kwargs: Any) -> Any:
+        """Set the entries of ``other`` (a dict, tensordict or tensorclass) and the fields
+        given as keywords (``tc.update(other, b=...)``: the keywords win); returns self.
 
         Raises:
             ValueError: (before anything is written) if ``other`` has keys that are not
                 fields.
         """
+        fields = _field_keywords(self, kwargs)
+        if other is not None:
+            self._update_from(other, inplace=inplace, keys_to_update=keys_to_update, **kwargs)
+        if fields:
+            self._update_from(fields, inplace=inplace, keys_to_update=keys_to_update, **kwargs)
+        return self
+
+    def replace(self, *args: Any, **kwargs: Any) -> Any:
+        """A shallow copy (``copy()``) with some fields replaced, written with ``update``
+        (nested tensordicts and tensorclasses are merged); this one does not change.
+        ``tc.replace(other)``, ``tc.replace(obs=...)`` or both (the keywords win). With
+        nothing to write, returns self, as tensordict does."""
+        if len(args) > 1:
+            raise TypeError(f"replace() takes at most one positional argument, got {len(args)}.")
+        if not args and not kwargs:
+            return self
+        out = self.copy()
+        return out.update(args[0] if args else None, **kwargs)
+
+    def update_(self, other: Any = None, **kwargs: Any) -> Any:
+        """Write the entries of ``other`` and the fields given as keywords into the
+        existing entries, in place; returns self."""
+        fields = _field_keywords(self, kwargs)
+        for source in (other, fields):
+            if source is not None and (source or not isinstance(source, dict)):
+                self._tensordict.update_(unwrap_tensorclass(source), **kwargs)
+        return self
+
+    def _update_from(self, other: Any, *, inplace: bool, keys_to_update: Any, **kwargs: Any) -> None:
         other = unwrap_tensorclass(other)
         keys = list(other.keys())
         extra = sorted({unravel_key(k)[0] for k in keys} - type(self)._tc_field_names)
@@ -332,7 +386,6 @@ class _TensorClassMembers:
             if not inplace:  # numbers given to int/float/bool fields, as setattr keeps them
                 other = {k: _kept_number(self, k, v) if isinstance(k, str) else v for k, v in other.items()}
         self._tensordict.update(other, inplace=inplace, keys_to_update=keys_to_update, **kwargs)
-        return self
 
     # ------------------------------------------------------------ batch indexing
     def __getitem__(self, index: Any) -> Any:

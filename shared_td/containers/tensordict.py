@@ -25,6 +25,7 @@ from shared_td.containers.base import (
     is_non_tensor,
     is_tensor_collection,
     parse_device,
+    self_nesting_error,
 )
 from shared_td.containers.index_writes import IndexWrites
 from shared_td.containers.keyops import KeyOps
@@ -38,7 +39,7 @@ from shared_td.errors import BatchSizeMismatchError
 from shared_td.keys import NestedKey, unravel_key
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.memmap_tensor.tensor import basic_views
-from shared_td.tensorclass_protocol import unwrap_tensorclass
+from shared_td.tensorclass_protocol import is_tensorclass, unwrap_tensorclass
 
 
 class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, IndexWrites, TensorMethods, TensorDictBase):
@@ -169,6 +170,8 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, IndexWrites, TensorMetho
             unravel_key(key)  # raises the KeyTypeError
         current = self._tensordict.get(key)
         if not validated:
+            if value is self:  # td["a"].set("x", td["a"]), update({"x": td}), ...
+                raise self_nesting_error(key)
             value = self._convert(key, value, into=current if inplace else None)
         if inplace and current is not None:
             _write_into(current, value, key)
@@ -297,7 +300,9 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, IndexWrites, TensorMetho
         for key, value in self._tensordict.items():
             path = prefix + (key,)
             if is_tensor_collection(value) and not is_non_tensor(value):
-                entries[key] = unwrap_tensorclass(value)._map_leaves(fn, path)
+                mapped = unwrap_tensorclass(value)._map_leaves(fn, path)
+                # a nested tensorclass stays one, as in tensordict: (a == b).obs.x
+                entries[key] = type(value)._from_tensordict(mapped) if is_tensorclass(value) else mapped
             else:
                 entries[key] = fn(path if len(path) > 1 else key, value)
         return TensorDict._new_unsafe(entries, self._batch_size, self._device, self.names)
@@ -355,7 +360,7 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, IndexWrites, TensorMetho
                 result = inner.named_apply(
                     fn, *other_values, nested_keys=nested_keys,
                     batch_size=None if batch_size is None else new_batch,
-                    inplace=inplace, _prefix=_prefix + (key,),
+                    inplace=inplace, device=device, _prefix=_prefix + (key,),
                 )
                 if inner is not value:
                     result = value._from_tensordict(result)
@@ -372,7 +377,7 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, IndexWrites, TensorMetho
             None if names is NO_DEFAULT else names
         )
         out = TensorDict._new_unsafe(
-            entries, new_batch, self._device if device is NO_DEFAULT else device, None
+            entries, new_batch, self._device if device is NO_DEFAULT else parse_device(device), None
         )
         out.names = out_names
         return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from shared_td.keys import key_repr, unravel_key
+from shared_td.tensorclass_protocol import is_tensorclass, unwrap_tensorclass
 
 if TYPE_CHECKING:  # (base imports this module)
     from shared_td.containers.base import TensorDictBase
@@ -64,6 +65,8 @@ class UpdateOps:
             current = self._get_path(path, None)
             if is_mapping and isinstance(current, TensorDictBase) and not is_non_tensor(current):
                 plan += self._plan_update(value, path, inplace, add_missing, selected)
+            elif _merges_into_tensorclass(current, value):
+                plan += self._plan_update(unwrap_tensorclass(value), path, inplace, add_missing, selected)
             elif current is None and not add_missing:
                 raise KeyError(
                     f"update_() writes in place, but key {key_repr(path)} does not exist "
@@ -82,3 +85,17 @@ class UpdateOps:
         copy here is synchronous).
         """
         return self.update_(other)
+
+
+def _merges_into_tensorclass(current: Any, value: Any) -> bool:
+    """True when ``value`` (a dict, tensordict or tensorclass) updates the nested
+    tensorclass ``current`` field by field, as tensordict does, instead of replacing it
+    by a TensorDict; only when every key it names is a field of ``current``."""
+    from shared_td.containers.base import TensorDictBase
+
+    if not is_tensorclass(current) or isinstance(current, type):
+        return False
+    value = unwrap_tensorclass(value)
+    if not isinstance(value, (dict, TensorDictBase)) or getattr(value, "_is_non_tensor", False):
+        return False
+    return {unravel_key(key)[0] for key in value.keys()} <= type(current)._tc_field_names

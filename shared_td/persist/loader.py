@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from shared_td.errors import FormatError
+from shared_td.errors import FormatError, NotASaveError
 from shared_td.keys import unravel_key
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.persist import format as fmt
@@ -258,10 +258,10 @@ class Loader:
         another file by the time the archive opens it by name."""
         kind = files.file_kind(info.st_mode)
         if kind is not None:  # a FIFO, socket or device: never read, so never waited on
-            raise NotADirectoryError(f"{path} is {kind}, not a saved tensordict directory nor "
+            raise NotASaveError(f"{path} is {kind}, not a saved tensordict directory nor "
                                      "an archive (a zip file).")
         if os.pread(fd, 4, 0) not in ZIP_STARTS:  # (read from the descriptor already open)
-            raise NotADirectoryError(f"{path} is a file, not a saved tensordict directory nor "
+            raise NotASaveError(f"{path} is a file, not a saved tensordict directory nor "
                                      "an archive (a zip file).")
         reason = MODE_R_REASON if self.mode == "r" else None
         try:

@@ -26,7 +26,7 @@ import math
 import os
 from typing import Any
 
-from shared_td.errors import FormatError
+from shared_td.errors import FormatError, NotASaveError
 from shared_td.keys import decode_key
 from shared_td.persist import format as fmt
 from shared_td.persist import nodes
@@ -44,7 +44,8 @@ def survey(prefix: str) -> Survey:
     Raises:
         FileNotFoundError: ``prefix`` does not exist or holds no meta.json.
         OSError: ``prefix`` is a symlink loop (errno ELOOP) or cannot be looked at.
-        NotADirectoryError: ``prefix`` is a file but no zip archive.
+        NotASaveError: (a NotADirectoryError and the ValueError tensordict raises)
+            ``prefix`` is a file but no zip archive.
         FormatError: its meta.json is not that of a save (format.not_a_save says why),
             or the archive's index is damaged or refused (what a load refuses).
 
@@ -70,7 +71,7 @@ def _survey(root: str) -> Survey:
         files = InArchive(root)
     else:
         kind = fmt.file_kind(os.stat(root).st_mode) or "a file"
-        raise NotADirectoryError(f"{root} is {kind}, neither a saved tensordict directory nor an archive.")
+        raise NotASaveError(f"{root} is {kind}, neither a saved tensordict directory nor an archive.")
     try:
         if files.found(fmt.META) is None:
             error = FileNotFoundError(f"No saved tensordict at {root}: {fmt.META} is missing.")

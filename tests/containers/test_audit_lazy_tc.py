@@ -239,5 +239,5 @@ def test_advanced_index_keeps_names(lib, name):
 
 def test_bool_beside_index_tensor_gives_no_names():
     td = shared_td.TensorDict({"a": torch.zeros(3, 4, 5)}, [3, 4, 5], names=["x", "y", "z"])
-    out = td[:, t([0, 1]), True]  # torch's dims here are not modelled: unnamed, never wrong
-    assert out.names is None or all(n is None for n in out.names)
+    out = td[:, t([0, 1]), True]  # True varies along no dim: the tensor's dim keeps "y",
+    assert out.names == ["x", "y", "z"]  # as in tensordict 0.15.3 (test_upstream_names_index.py)
