@@ -287,10 +287,9 @@ class NonTensorStack(NonTensorBase):
         if not isinstance(source, NonTensorBase):
             source = NonTensorData(source, batch_size=[])
         new_values = broadcast_values(source, targets.shape)
+        self._refuse_copy_write_at(index, source)
         if self._copy_of_stored_stack:
-            if self._holds_only(index, source):
-                return self  # nothing changes: no write to lose
-            self._refuse_copy_write()
+            return self  # it holds those values already: nothing changes
         with self._updating():  # read-modify-write: no other process's write is lost
             values = list(self._values)
             for position, value in zip(targets.reshape(-1).tolist(), new_values):

@@ -194,6 +194,12 @@ class NonTensorBase(TensorDictBase):
     # NonTensorStack._transform).
     _copy_of_stored_stack = False
 
+    def _refuse_copy_write_at(self, index: tuple, source: Any) -> None:
+        """``self[index] = source`` on such a copy: raise unless the elements already hold
+        those values (then nothing changes and no write is lost)."""
+        if self._copy_of_stored_stack and not self._holds_only(index, source):
+            self._refuse_copy_write()
+
     def _refuse_copy_write(self) -> None:
         """Raise if self is such a copy: the write would be lost silently (tensordict
         0.15.3 refuses it for a memory-mapped stack too)."""

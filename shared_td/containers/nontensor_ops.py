@@ -52,8 +52,7 @@ def check_non_tensor_write(current: Any, index: tuple, source: Any, key: str) ->
     from shared_td.containers.base import is_non_tensor
     from shared_td.containers.nontensor import NonTensorData, broadcast_values
 
-    if current._copy_of_stored_stack and not current._holds_only(index, source):
-        current._refuse_copy_write()  # a piece of a stored stack: the write would be lost
+    current._refuse_copy_write_at(index, source)  # a piece of a stored stack: the write would be lost
     shared_or_files = current._shared_value is not None or current.is_memmap()
     if isinstance(current, NonTensorData) and shared_or_files and not current._stays_one_value(index, source):
         # one value for the whole batch, shared with other processes or kept in files:
