@@ -161,6 +161,7 @@ class Cluster(ClusterMembership, ClusterRequests):
         self._claim: str | None = None  # this process's token in claim/<node> (cluster_liveness)
         self._threads: list[threading.Thread] = []
         self._push_lines: dict[int, cluster_push.PushLine] = {}  # owner -> this node's pushes to it
+        self._name_syncs: dict[str, cluster_sync.NameSyncs] = {}  # owned name -> its syncs' state
         self._senders = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="shared_td-sync")
         self.refused = 0  # requests dropped for a wrong signature
         self.renew_failures = 0  # replicas not renewed after a re-publish (see cluster_serve)

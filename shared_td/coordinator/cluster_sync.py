@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import threading
 import time
-import weakref
 from dataclasses import dataclass, field
 
 from shared_td.coordinator import cluster_replica as replica
@@ -17,7 +16,7 @@ from shared_td.coordinator.cluster_push import send_answered
 from shared_td.coordinator.cluster_store import ClusterAuthError
 from shared_td.coordinator.cluster_transfer import TransferFailed, stripe_count
 
-__all__ = ["SyncReport", "has_replica", "sync"]
+__all__ = ["NameSyncs", "SyncReport", "has_replica", "sync"]
 
 
 @dataclass
@@ -60,7 +59,8 @@ def sync(cluster, name: str, timeout: float | None) -> SyncReport:
     if not timeout > 0:  # a zero wait failed every replica's transfer, and so its pair
         raise ValueError(f"sync({name!r}, timeout={timeout!r}): the timeout is a number of seconds above 0.")
     deadline = time.monotonic() + timeout
-    syncs = _name_syncs(cluster, name)
+    # (setdefault: one object per name, also when two threads sync a new name at once)
+    syncs = cluster._name_syncs.setdefault(name, NameSyncs())
     if not syncs.lock.acquire(timeout=timeout):
         raise TimeoutError(f"Another sync of {name!r} on this node did not end within {timeout:g} s: nothing was "
                            "sent (retry, or give the sync a longer timeout).")
@@ -70,7 +70,7 @@ def sync(cluster, name: str, timeout: float | None) -> SyncReport:
         syncs.lock.release()
 
 
-class _NameSyncs:
+class NameSyncs:
     """What the owner keeps of one name from one sync to the next.
 
     ``lock`` orders the syncs of the name: each takes the next version and delivers it
@@ -89,22 +89,9 @@ class _NameSyncs:
         self.holders: set[int] = set()
 
 
-# Cluster -> name -> its _NameSyncs (weak: a Cluster let go takes its own along)
-_SYNCS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_SYNCS_GUARD = threading.Lock()
 
-
-def _name_syncs(cluster, name: str) -> _NameSyncs:
-    with _SYNCS_GUARD:
-        per_name = _SYNCS.setdefault(cluster, {})
-        syncs = per_name.get(name)
-        if syncs is None:
-            syncs = per_name[name] = _NameSyncs()
-        return syncs
-
-
-def _replica_nodes(cluster, store, name: str, generation: int, syncs: _NameSyncs) -> list[int]:
-    """The nodes holding a replica of ``name`` (see ``_NameSyncs.holders``)."""
+def _replica_nodes(cluster, store, name: str, generation: int, syncs: NameSyncs) -> list[int]:
+    """The nodes holding a replica of ``name`` (see ``NameSyncs.holders``)."""
     if syncs.generation != generation:
         syncs.generation, syncs.holders = generation, set()
     found = [n for n in range(cluster.nodes)
@@ -113,7 +100,7 @@ def _replica_nodes(cluster, store, name: str, generation: int, syncs: _NameSyncs
     return found
 
 
-def _sync_ordered(cluster, store, name: str, owned, syncs: _NameSyncs, deadline: float) -> SyncReport:
+def _sync_ordered(cluster, store, name: str, owned, syncs: NameSyncs, deadline: float) -> SyncReport:
     """:func:`sync`, with the name's sync lock held: the version it takes is its own."""
     owned.version += 1
     version = owned.version
