@@ -109,7 +109,9 @@ class LazyStackKind(nodes.NodeKind):
         return names
 
     def metadata(self, lazy: LazyStackedTensorDict, entries: tuple) -> tuple[NodeMeta, dict]:
-        return NodeMeta.for_lazy_stack(lazy.stack_dim, lazy._stack_dim_name), {}
+        # without members nothing else on disk says the batch size (tensordict skips it)
+        empty_batch = None if lazy.tensordicts else lazy.batch_size
+        return NodeMeta.for_lazy_stack(lazy.stack_dim, lazy._stack_dim_name, empty_batch), {}
 
     def directory(self, lazy: LazyStackedTensorDict) -> str | None:
         return getattr(lazy, "_memmap_prefix", None)  # none if it was never memory-mapped
@@ -119,25 +121,58 @@ class LazyStackKind(nodes.NodeKind):
 
     def copy(self, lazy, values: dict, directory, *, share_non_tensor: bool):
         members = [values[str(index)] for index in range(len(values))]
-        return _mark_written(type(lazy)(*members, stack_dim=lazy.stack_dim, stack_dim_name=lazy._stack_dim_name), directory)
+        # (batch_size counts only without members: then it is all there is of their shape)
+        copy = type(lazy)(*members, stack_dim=lazy.stack_dim, stack_dim_name=lazy._stack_dim_name,
+                          batch_size=lazy._member_batch)
+        return _mark_written(copy, directory)
 
     def child_names(self, meta: NodeMeta, is_directory: Callable[[str], bool]) -> list[str]:
         names = []
         while is_directory(str(len(names))):  # the first missing member ends the stack
             names.append(str(len(names)))
-        if not names:
-            raise FormatError(_node_path(meta), "a lazy stack without members (no 0/ directory)")
-        return names
+        return names  # none: a stack without members, as both libraries save one
 
     def rebuild(self, meta: NodeMeta, values: dict, *, directory: str, parent_batch, unpickle):
-        lazy = LazyStackedTensorDict(*values.values(), stack_dim=meta.stack_dim, stack_dim_name=meta.stack_dim_name)
+        members = list(values.values())
+        stack_dim, member_batch = (meta.stack_dim, None) if members else _empty_stack_shape(meta, parent_batch)
+        lazy = LazyStackedTensorDict(*members, stack_dim=stack_dim, stack_dim_name=meta.stack_dim_name,
+                                     batch_size=member_batch)
         lazy._memmap_prefix = directory
         return lazy
 
     def inspect(self, meta: NodeMeta, node: NodeView) -> None:
         node.entry.class_name = "LazyStackedTensorDict"
         node.entry.children = list(node.children.values())
-        node.entry.batch_size = [len(node.children)]
+        if node.children:
+            node.entry.batch_size = [len(node.children)]
+        elif fmt.EMPTY_STACK_BATCH in meta.document:
+            node.entry.batch_size = list(meta.document[fmt.EMPTY_STACK_BATCH])
+        # else unknown: it depends on the parent's batch size (see _empty_stack_shape)
+
+
+def _empty_stack_shape(meta: NodeMeta, parent_batch) -> tuple[int, list]:
+    """The stack dim and the members' batch size of a saved lazy stack without members.
+
+    shared_td records the stack's batch size (EMPTY_STACK_BATCH); tensordict 0.15.3 does
+    not, and loads such a stack with batch size ``[0]``. Without the record the stack
+    takes the smallest batch size that fits its parent's: ``[0]`` at the top, the
+    parent's own where the parent has a 0 at ``stack_dim``, else the parent's with the
+    stacked 0 inserted at ``stack_dim``, lowered to the parent's dims if beyond them
+    (nothing on disk tells the sizes of the dims in between; a parent with another size
+    than 0 at ``stack_dim`` cannot hold the stack: its rebuild raises a FormatError).
+
+    Example:
+        >>> meta = NodeMeta.for_lazy_stack(1)
+        >>> _empty_stack_shape(meta, (2,)), _empty_stack_shape(meta, None)
+        ((1, [2]), (0, []))
+    """
+    stack_dim, recorded = meta.stack_dim, meta.document.get(fmt.EMPTY_STACK_BATCH)
+    if recorded is not None:
+        return stack_dim, list(recorded[:stack_dim]) + list(recorded[stack_dim + 1:])
+    parent = list(parent_batch or ())
+    if stack_dim < len(parent) and parent[stack_dim] == 0:
+        return stack_dim, parent[:stack_dim] + parent[stack_dim + 1:]
+    return min(stack_dim, len(parent)), parent
 
 
 class _NonTensorKind(nodes.NodeKind):

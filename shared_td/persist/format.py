@@ -8,7 +8,9 @@ ignores, so both libraries still read each other's directories:
 * keys named like node fields (``shape``, ``device``, ``_type``, ...) are listed under
   ``"_shared_td_entries"`` (a dict without ``dtype``/``type``, which tensordict skips);
 * float8 dtypes are written under their torch names (tensordict 0.15.3 cannot load
-  them; we can).
+  them; we can);
+* a lazy stack without members records its batch size under ``"_shared_td_batch_size"``
+  (tensordict reads only ``stack_dim`` and ``stack_dim_name``).
 """
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ STACK_PICKLE = "pickle.pkl"  # non-JSON data of a NonTensorStack
 TENSORCLASS_CHILD = "_tensordict"
 FORMAT_VERSION = 1
 RESERVED_ENTRIES = "_shared_td_entries"
+# The batch size of a lazy stack without members, which nothing else on disk gives.
+EMPTY_STACK_BATCH = "_shared_td_batch_size"
 
 TENSORDICT_TYPE = "<class 'tensordict._td.TensorDict'>"
 LAZY_STACK_TYPE = "<class 'tensordict._lazy.LazyStackedTensorDict'>"
@@ -221,10 +225,15 @@ class NodeMeta:
                    entries=tuple(entries), document=document)
 
     @classmethod
-    def for_lazy_stack(cls, stack_dim: int, stack_dim_name: str | None = None) -> "NodeMeta":
-        """A LazyStackedTensorDict node (its members are the directories 0/, 1/, ...)."""
+    def for_lazy_stack(cls, stack_dim: int, stack_dim_name: str | None = None,
+                       empty_batch: Any = None) -> "NodeMeta":
+        """A LazyStackedTensorDict node (its members are the directories 0/, 1/, ...);
+        ``empty_batch``: the batch size of a stack without members, written under
+        EMPTY_STACK_BATCH (members give it otherwise)."""
         document = {"_type": LAZY_STACK_TYPE, "_format_version": FORMAT_VERSION,
                     "_class": CLASS_TAGS[LAZY_STACK_TYPE], "stack_dim": stack_dim, "stack_dim_name": stack_dim_name}
+        if empty_batch is not None:
+            document[EMPTY_STACK_BATCH] = list(empty_batch)
         return cls(None, LAZY_STACK_TYPE, stack_dim=stack_dim, stack_dim_name=stack_dim_name, document=document)
 
     @classmethod
@@ -274,6 +283,11 @@ class NodeMeta:
         stack_dim_name = document.get("stack_dim_name")
         if stack_dim_name is not None and not isinstance(stack_dim_name, str):
             raise FormatError(where, f"{_shown(stack_dim_name)} is not a name (a string or null)", field="stack_dim_name")
+        if type_str == LAZY_STACK_TYPE and EMPTY_STACK_BATCH in document:  # a 0 at stack_dim
+            empty = _sizes(document[EMPTY_STACK_BATCH], where, EMPTY_STACK_BATCH)
+            if len(empty) <= stack_dim or empty[stack_dim] != 0:
+                raise FormatError(where, f"{list(empty)} is no batch size of an empty stack along "
+                                  f"stack_dim {stack_dim}", field=EMPTY_STACK_BATCH)
         return cls(where, type_str, None, device, stack_dim=stack_dim, stack_dim_name=stack_dim_name, document=document)
 
 

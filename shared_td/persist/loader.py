@@ -309,8 +309,9 @@ class Loader:
         for name in names:
             values[name] = self._load_child(directory, name, meta.batch_size)
         # children found by looking at the directory: if the tree was swapped out
-        # meanwhile, the first missing one may have gone with the old version
-        if names and self._opened is not None and _replaced(*self._opened):
+        # meanwhile, the first missing one may have gone with the old version (all of
+        # them: a lazy stack without members is a save too)
+        if (names or meta.type == fmt.LAZY_STACK_TYPE) and self._opened is not None and _replaced(*self._opened):
             raise FileNotFoundError(f"{directory.path} was replaced while it was loaded.")
         # a node of an archive has no directory of its own to write back to
         own = None if isinstance(directory, ArchiveNode) else directory.path
