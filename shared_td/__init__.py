@@ -26,6 +26,7 @@ from shared_td.keys import canonical_key as unravel_key
 from shared_td.errors import (
     AtomicWriteError,
     BatchDimError,
+    TransposeDimError,
     BatchSizeMismatchError,
     ArgumentGivenTwiceError,
     ClusterAuthError,
@@ -67,6 +68,7 @@ lazy_stack = LazyStackedTensorDict.lazy_stack
 __all__ = [
     "AtomicWriteError",
     "BatchDimError",
+    "TransposeDimError",
     "BatchSizeMismatchError",
     "ClusterAuthError",
     "Coordinator",

@@ -20,6 +20,11 @@ class BatchDimError(IndexError, RuntimeError):
     either library catches it)."""
 
 
+class TransposeDimError(BatchDimError, ValueError):
+    """A ``transpose`` dim outside the batch dims: a BatchDimError (the IndexError torch
+    raises) and the ValueError tensordict 0.15.3 raises."""
+
+
 class BatchSizeMismatchError(ValueError, RuntimeError):
     """A value's leading dimensions do not match the batch size of its tensordict.
 

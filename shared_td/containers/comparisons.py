@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
+from shared_td.errors import BatchDimError
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 if TYPE_CHECKING:  # (base imports this module)
@@ -53,13 +54,49 @@ class ComparisonOps:
 
     __hash__ = None  # type: ignore[assignment]
 
-    def all(self) -> bool:
-        """True if every element of every leaf is true."""
+    def all(self, dim: int | None = None) -> "bool | TensorDictBase":
+        """True if every element of every tensor leaf is true; with ``dim`` (a batch dim,
+        negative counts from the end), a TensorDict of each leaf's ``all(dim)``, whose
+        batch size and names lose that dim (as tensordict 0.15.3).
+
+        Raises:
+            BatchDimError: ``dim`` is not a batch dim (a RuntimeError, as tensordict
+                raises, and an IndexError, as torch does).
+
+        Example:
+            >>> td = TensorDict(a=torch.tensor([[True, False], [True, True]]), batch_size=[2, 2])
+            >>> td.all(), td.all(dim=1)["a"].tolist()
+            (False, [False, True])
+        """
+        if dim is not None:
+            return self._reduced("all", dim)
         return all(bool(v.all()) for v in self._leaf_tensors())
 
-    def any(self) -> bool:
-        """True if some element of some leaf is true."""
+    def any(self, dim: int | None = None) -> "bool | TensorDictBase":
+        """True if some element of some tensor leaf is true; ``dim`` as for :meth:`all`."""
+        if dim is not None:
+            return self._reduced("any", dim)
         return any(bool(v.any()) for v in self._leaf_tensors())
+
+    def _reduced(self, op: str, dim: int) -> "TensorDictBase":
+        """``all(dim)``/``any(dim)``: each entry reduced along the batch dim ``dim``."""
+        from shared_td.containers import batch as batch_ops
+        from shared_td.containers.base import is_non_tensor
+        from shared_td.containers.tensordict import TensorDict
+
+        try:
+            dim = batch_ops.normalize_dim(dim, self.batch_dims)
+        except BatchDimError as error:
+            raise BatchDimError(f"{op}(dim={dim}): {error}") from None
+        size = torch.Size([n for i, n in enumerate(self.batch_size) if i != dim])
+        if is_non_tensor(self):
+            return _reduced_non_tensor(self, dim, size)
+        names = self.names
+        entries = {}
+        for key, value in self.items():  # (a nested tensordict, stack or tensorclass reduces itself)
+            entries[key] = _reduced_non_tensor(value, dim, size) if is_non_tensor(value) else getattr(value, op)(dim)
+        return TensorDict(entries, batch_size=size, device=self.device,
+                          names=None if names is None else names[:dim] + names[dim + 1 :])
 
     def _leaf_tensors(self) -> Iterator[torch.Tensor]:
         for value in self.values(include_nested=True, leaves_only=True):
@@ -102,3 +139,16 @@ def _ignored(value: Any) -> "TensorDictBase":
     from shared_td.containers.tensordict import TensorDict
 
     return TensorDict._new_unsafe({}, value.batch_size, value.device)
+
+
+def _reduced_non_tensor(value: Any, dim: int, size: torch.Size) -> "TensorDictBase":
+    """What ``all(dim)``/``any(dim)`` keep of a non-tensor entry, as tensordict 0.15.3: a
+    NonTensorData keeps its value over the remaining dims; a NonTensorStack, whose
+    values may differ along ``dim``, gives an empty tensordict (skipped by all()/any())."""
+    from shared_td.containers.nontensor import NonTensorData
+    from shared_td.containers.tensordict import TensorDict
+
+    if isinstance(value, NonTensorData):
+        return type(value)(value.data, batch_size=[*size, *value.batch_size[len(size) + 1 :]],
+                           device=value.device)
+    return TensorDict._new_unsafe({}, torch.Size([*size, *value.batch_size[len(size) + 1 :]]), value.device)

@@ -32,14 +32,35 @@ class ConvenienceOps:
         ``keys_to_update`` restricts the write to those keys; ``clone=True`` copies the
         source first. Everything is checked before the first byte is written.
 
+        An index with an Ellipsis before its last part, or with more parts than batch
+        dims, is read as tensordict 0.15.3 reads it (``set_at_`` key by key): on each
+        tensor entry's own dims, so ``update_at_({"a": v}, (..., 0))`` writes
+        ``td["a"][..., 0]`` (a tensordict given as a value is indexed on its batch dims).
+        A source that does not fit so, such as one shaped as the rows ``td[..., 0]``
+        (which tensordict refuses), is written into those rows, as ``td[idx] = source``.
+
+        Example:
+            >>> td = TensorDict(a=torch.zeros(3, 4, 5), batch_size=[3, 4])
+            >>> td.update_at_({"a": torch.ones(3, 4)}, (..., 0))["a"][..., 0].sum().item()
+            12.0
+            >>> td.update_at_({"a": torch.full((3, 5), 2.0)}, (..., 1))["a"][:, 1].sum().item()
+            30.0
+
         Raises:
             KeyError: naming the key, if the source has a key that self lacks.
         """
+        from shared_td.containers import index_writes
         from shared_td.containers.base import TensorDictBase, is_leaf_nontensor
         from shared_td.containers.tensordict import TensorDict
 
         target = self if isinstance(self, TensorDictBase) else self._tensordict  # a tensorclass's
         source = input_dict_or_td
+        if isinstance(target, TensorDict) and index_writes.reads_entry_dims(idx, target.batch_size):
+            # tensordict 0.15.3 writes key by key as set_at_, the index read on each
+            # entry's dims: mirrored where its writes fit (see entry_index_writes)
+            batch_paths = index_writes.tensordict_values(unwrap_tensorclass(source))
+        else:
+            batch_paths = None
         if isinstance(source, dict):
             source = TensorDict(source, batch_size=[])
         elif not isinstance(source, TensorDictBase):  # a tensorclass
@@ -54,7 +75,12 @@ class ConvenienceOps:
                 )
         if clone:
             source = source.clone()
-        target._set_at_index(idx, source)
+        writes = None if batch_paths is None else index_writes.entry_index_writes(target, source, idx, batch_paths)
+        if writes is None:  # (a source shaped as the rows td[idx], which tensordict refuses, too)
+            target._set_at_index(idx, source)
+        else:
+            for write in writes:
+                write()
         return self
 
     def to_tensordict(self, *, retain_none: bool | None = None) -> Any:

@@ -113,3 +113,74 @@ def _zeros_like_entry(source: Any, batch_size: torch.Size, target_batch: torch.S
 
         return NonTensorData(None, batch_size=batch_size)
     return source.empty(batch_size=batch_size) if hasattr(source, "empty") else source
+
+
+def reads_entry_dims(index: Any, batch_size: torch.Size) -> bool:
+    """True when ``index`` means something else on an entry than on the batch dims: an
+    Ellipsis before its last part (on an entry it also covers the entry's own dims) or
+    more parts than there are batch dims (they reach the entries' own dims).
+
+    Example:
+        >>> reads_entry_dims((Ellipsis, 0), torch.Size([3, 4])), reads_entry_dims((0, Ellipsis), torch.Size([3, 4]))
+        (True, False)
+    """
+    parts = index if isinstance(index, tuple) else (index,)
+    if any(part is Ellipsis for part in parts[:-1]):
+        return True
+    try:
+        batch_ops.normalize_index(index, batch_size)
+    except IndexError:
+        return True
+    return False
+
+
+def entry_index_writes(target: Any, source: Any, index: Any, batch_paths: set) -> list | None:
+    """The writes of tensordict 0.15.3's ``target.update_at_(source, index)``, which is
+    ``set_at_`` key by key: a tensor written into a tensor entry goes to ``entry[index]``,
+    the index read on the entry's own dims (``(..., 0)`` is the entry's last dim), and a
+    tensordict at one of ``batch_paths`` (a tensordict given as a value, not made from a
+    nested dict) goes to the nested entry's ``[index]``, read on its batch dims.
+
+    Everything is checked first; returns the closures that write, or None when a value
+    does not fit so (or is not a tensor): the caller then writes as ``td[index] = source``.
+    """
+    writes: list = []
+
+    def plan(node: Any, prefix: tuple) -> None:
+        for key, value in node._items_str():
+            path = prefix + (key,)
+            entry = unwrap_tensorclass(target._get_path(path, None))
+            value = unwrap_tensorclass(value)
+            if path in batch_paths and hasattr(entry, "_plan_index_writes"):
+                rows_index, rows = batch_ops.index_and_size(index, entry.batch_size)
+                entry._plan_index_writes(rows_index, value, writes, rows, path=path)
+            elif isinstance(value, torch.Tensor) and isinstance(entry, torch.Tensor):
+                _check_fits(value, batch_ops.indexed_batch_size(entry.shape, index), path, index)
+                refuse_read_only(entry, "update_at_")
+                writes.append(lambda entry=entry, value=value: entry.__setitem__(index, value))
+            elif hasattr(value, "_items_str") and not is_non_tensor(value) and hasattr(entry, "_plan_index_writes"):
+                plan(value, path)  # a nested dict: its leaves are written as leaves
+            else:
+                raise TypeError("not a tensor")  # (non-tensor values: written as td[index] = ...)
+
+    try:
+        plan(source, ())
+    except (RuntimeError, IndexError, TypeError, ValueError):
+        return None
+    return writes
+
+
+def tensordict_values(given: Any, prefix: tuple = ()) -> set:
+    """The paths of the tensordicts (and tensorclasses) given as values in ``given``, a
+    dict or tensordict passed to ``update_at_``: the paths that tensordict writes along
+    their batch dims (the nested dicts of a dict are walked into; a tensordict's nested
+    entries are not)."""
+    paths = set()
+    items = given.items() if isinstance(given, dict) else given._items_str()
+    for key, value in items:
+        path = prefix + (key,)
+        if isinstance(value, dict):
+            paths |= tensordict_values(value, path)
+        elif is_tensor_collection(value) and not is_non_tensor(value):
+            paths.add(path)
+    return paths

@@ -19,6 +19,7 @@ import torch
 
 from shared_td.containers import batch as batch_ops
 from shared_td.containers.base import NO_DEFAULT, TensorDictBase, is_non_tensor, is_tensor_collection
+from shared_td.containers.batch_dim_ops import LazyBatchDimOps
 from shared_td.containers.lazy_names import LazyNames, checked_stack_dim_name
 from shared_td.containers.lazy_shape import LazyShapeOps, _into
 from shared_td.containers.lazy_writes import LazyWriteOps, _is_branch, _peek
@@ -44,7 +45,7 @@ class _Ragged:
 
 # The mixins come before TensorDictBase so that their methods override its own; their
 # ``super()`` calls (e.g. ``_check_unlocked`` in ``_set_str``) reach TensorDictBase.
-class LazyStackedTensorDict(LazyNames, LazyShapeOps, LazyWriteOps, TensorDictBase):
+class LazyStackedTensorDict(LazyNames, LazyShapeOps, LazyBatchDimOps, LazyWriteOps, TensorDictBase):
     """Tensordicts stacked along ``stack_dim``, kept as they are (``tensordicts``).
 
     Members share their batch size (unlike tensordict, different ones are refused) but
@@ -415,12 +416,17 @@ class LazyStackedTensorDict(LazyNames, LazyShapeOps, LazyWriteOps, TensorDictBas
             parts = [other] * len(self.tensordicts)
         return self._restack([m._compare(o, op) for m, o in zip(self.tensordicts, parts)])
 
-    def all(self) -> bool:
-        """True if every element of every leaf of every member is true."""
+    def all(self, dim: int | None = None) -> Any:
+        """True if every element of every leaf of every member is true; with ``dim``, a
+        TensorDict of the leaves reduced along that batch dim (see ComparisonOps.all)."""
+        if dim is not None:
+            return self._reduced("all", dim)
         return all(m.all() for m in self.tensordicts)
 
-    def any(self) -> bool:
-        """True if some element of some leaf of some member is true."""
+    def any(self, dim: int | None = None) -> Any:
+        """True if some element of some leaf of some member is true; ``dim`` as for all()."""
+        if dim is not None:
+            return self._reduced("any", dim)
         return any(m.any() for m in self.tensordicts)
 
     def __repr__(self) -> str:

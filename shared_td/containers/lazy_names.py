@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from shared_td.containers import batch as batch_ops
 from shared_td.containers.naming import NameClashError, NamedBatchDims, check_names
 
 
@@ -92,6 +93,26 @@ class LazyNames:
             member._rename_leading(member_names, check_only=check_only)
         if not check_only:
             self._stack_dim_name = stack_dim_name
+
+
+def indexed_names(lazy: Any, out: Any, index: tuple) -> None:
+    """Name ``out``, the new stack of views that ``lazy[index]`` gives for a mask, a bool
+    or an N-D or several index tensors (``index`` normalized), as a TensorDict's dims are
+    named after that index (``batch.indexed_names``: tensordict 0.15.3 names a lazy
+    stack's result so too). Left unnamed when the members name their dims differently.
+
+    Example:
+        >>> members = [TensorDict(batch_size=[3], names=["env"]) for _ in range(2)]
+        >>> lazy = LazyStackedTensorDict(*members, stack_dim_name="t")
+        >>> lazy[True].names, lazy[[0, 1], [2, 0]].names
+        ([None, 't', 'env'], None)
+    """
+    try:
+        names = lazy.names
+    except ValueError:  # members named otherwise: no one name per dim to carry
+        return
+    if names is not None:
+        out.names = batch_ops.indexed_names(names, index)
 
 
 def _inner_dim_names(td: Any, skip: int) -> set:

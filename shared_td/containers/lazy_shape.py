@@ -20,6 +20,7 @@ import torch
 
 from shared_td.containers import batch as batch_ops
 from shared_td.containers.base import NO_DEFAULT
+from shared_td.containers.lazy_names import indexed_names
 from shared_td.keys import NestedKey
 
 if TYPE_CHECKING:  # for the annotations only: lazy.py imports this module
@@ -51,12 +52,15 @@ class LazyShapeOps:
                 break
             dim += width
             out += _dims(part)[1]
-        if width != 1 or (tensors and not isinstance(part, (slice, torch.Tensor))):
-            return general
         rest = parts[:i] + parts[i + 1 :]
         count = len(self.tensordicts)
         if isinstance(part, int):
+            # torch selects with ints before it places the block of index tensors, so
+            # an int at the stack dim is one member indexed with the rest, as tensordict
+            # gives it (a copy for an index tensor, named as the member names it)
             return ("one", part % count, rest)
+        if width != 1 or (tensors and not isinstance(part, (slice, torch.Tensor))):
+            return general
         if isinstance(part, slice):
             chosen = list(range(count))[part]
         elif part.dtype == torch.bool:
@@ -80,7 +84,11 @@ class LazyShapeOps:
             if not _trivial(rest):
                 members = [m._index(rest) for m in members]
             return self._restack(members, out, out_batch)
-        return self._from_positions(self._positions(where[1]))
+        positions = self._positions(where[1])
+        out = self._from_positions(positions)
+        if positions.ndim:  # a new stack of views (never a member itself): name it
+            indexed_names(self, out, where[1])
+        return out
 
     def _empty_selection(self, index: Any) -> Any:
         """``lazy[index]`` for an index that keeps no member: an empty TensorDict with the
@@ -119,7 +127,8 @@ class LazyShapeOps:
 
     def _from_positions(self, positions: torch.Tensor) -> Any:
         """Nested lazy stacks (along dim 0) of the elements at ``positions`` (views); the
-        dims are new ones, so they have no names (as in tensordict)."""
+        dims are new ones, unnamed here (``_index`` names them after its index; a
+        reshape's stay unnamed, as in tensordict)."""
         if positions.ndim == 0:
             member, sub = self._element(int(positions))
             return member._index(sub) if sub else member

@@ -162,6 +162,22 @@ class NamedBatchDims:
         if not check_only:
             self._names = None if not named else names
 
+    def _rename_after_resize(self) -> None:
+        """After ``batch_size = ...`` changed the number of batch dims (``_names`` still
+        the old ones): the dims that stay keep their names and new dims are unnamed, in
+        this tensordict and in the leading dims of its nested ones (a nested tensordict
+        that named a new dim loses that name), as tensordict 0.15.3 does.
+
+        Example:
+            >>> td = TensorDict(a=torch.zeros(3, 4), batch_size=[3, 4], names=["x", "y"])
+            >>> td.batch_size = [3]
+            >>> td.names
+            ['x']
+        """
+        old, dims = self._names, len(self._batch_size)
+        self._names = None  # (the setter reads the current names for the dims it is not given)
+        self.names = (list(old) + [None] * dims)[:dims]
+
     def _named_children(self) -> list:
         """The nested TensorDicts (also inside tensorclasses) that carry our names."""
         children = []

@@ -19,10 +19,11 @@ import torch
 
 from shared_td.containers import batch as batch_ops
 from shared_td.containers.base import TensorDictBase, parse_device
+from shared_td.containers.batch_dim_ops import NonTensorBatchDimOps
 from shared_td.errors import BatchSizeMismatchError
 
 
-class NonTensorBase(TensorDictBase):
+class NonTensorBase(NonTensorBatchDimOps, TensorDictBase):
     """Shared mechanics: no keys, batch-dim ops through ``_transform``."""
 
     _is_non_tensor = True

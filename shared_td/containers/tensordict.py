@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from shared_td.containers import batch as batch_ops
+from shared_td.containers.batch_dim_ops import BatchDimOps
 from shared_td.containers.base import (
     NO_DEFAULT,
     TensorDictBase,
@@ -42,7 +43,7 @@ from shared_td.memmap_tensor.tensor import basic_views
 from shared_td.tensorclass_protocol import is_tensorclass, unwrap_tensorclass
 
 
-class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, IndexWrites, TensorMethods, TensorDictBase):
+class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, BatchDimOps, IndexWrites, TensorMethods, TensorDictBase):
     """A nested mapping of str keys to tensors, tensordicts, tensorclasses and non-tensors.
 
     Every entry's leading dims equal ``batch_size``; operations along batch dims
@@ -210,6 +211,8 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, IndexWrites, TensorMetho
             value = NonTensorData(value, batch_size=self._batch_size, device=self._device)
         if is_non_tensor(value) and value.batch_size != self._batch_size:
             value = value._with_batch_size(self._batch_size, key)
+        elif is_tensor_collection(value) and value.batch_size[: len(self._batch_size)] != self._batch_size:
+            value = self._resized_child(value)  # (as tensordict: a copy resized)
         return self._fitted(key, value, value.batch_size if is_tensor_collection(value) else value.shape)
 
     def _fitted(self, key: str, value: Any, shape: torch.Size) -> Any:
@@ -262,7 +265,7 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, IndexWrites, TensorMetho
                 value._apply_batch_size(new_size)
         self._batch_size = new_size
         if self._names is not None and len(self._names) != len(new_size):
-            self._names = None
+            self._rename_after_resize()
 
     @property
     def device(self) -> torch.device | None:

@@ -1,5 +1,6 @@
 """``update``, ``update_`` and ``copy_``: the mixin UpdateOps of TensorDictBase. Every
-entry is checked before the first one is written, so a failing update changes nothing."""
+entry is checked before the first one is written, so a failing update changes nothing.
+Also ``_resized_child``: a tensordict set with another batch size, as tensordict takes it."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
@@ -77,6 +78,34 @@ class UpdateOps:
             else:
                 plan.append((path, self._checked_set(path, value), False))
         return plan
+
+    def _resized_child(self, value: Any) -> Any:
+        """``value``, a tensordict or tensorclass about to be set into this tensordict,
+        whose leading dims are not our batch size, as tensordict 0.15.3 takes it: a
+        shallow copy (``clone(recurse=False)``: the same tensors; ``value`` is not
+        changed) given our batch size, when its entries allow it (an empty
+        ``TensorDict()``, or one whose tensors start with our batch size; the dims of
+        ``value`` past it are dropped). Otherwise ``value`` itself, which the caller then
+        refuses, naming the key: a lazy stack (its batch size is its members'), or
+        entries that do not fit.
+
+        Example:
+            >>> td = TensorDict(a=torch.zeros(3, 4), batch_size=[3])
+            >>> td["empty"] = TensorDict()
+            >>> td["empty"].batch_size
+            torch.Size([3])
+        """
+        from shared_td.errors import BatchSizeMismatchError
+
+        setter = getattr(type(value), "batch_size", None)
+        if not isinstance(setter, property) or setter.fset is None:
+            return value
+        copy = value.clone(recurse=False)
+        try:
+            copy.batch_size = self.batch_size
+        except BatchSizeMismatchError:
+            return value
+        return copy
 
     def copy_(self, other: Any, non_blocking: bool = False) -> "TensorDictBase":
         """Copy ``other`` into self, in place (same as ``update_``).
