@@ -22,6 +22,16 @@ REPO_ROOT = os.path.dirname(TESTS_DIR)
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
+# torch's TCPStore client names each connection it makes by a reverse DNS lookup of the
+# store's address taken as IPv4-mapped IPv6 (::ffff:127.0.0.1), which /etc/hosts does not
+# answer; the CI machine's resolver drops about one such query in 60-100, and glibc waits
+# 5 s for it (strace: one PTR query per connect; measured: one connect in 60-100 to a
+# loopback store took 5.0 s, and the tests waited for those in 28 of their slowest 120
+# phases). The lookup only names the peer in torch's log lines, so one try of 1 s is
+# plenty here. Set before anything resolves; children inherit it; a value already set is
+# kept. (The README's "Across machines" says the same to users.)
+os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
+
 
 @pytest.fixture(autouse=True)
 def child_import_path(monkeypatch):
