@@ -1,7 +1,7 @@
 """``shared-td verify PREFIX``: would this saved tensordict load, completely and safely?
 
 Checked, from the meta.json files only (nothing is mapped or unpickled): every
-meta.json passes the loader's own check (``format.NodeMeta.from_json``: it parses, each
+meta.json passes the loader's own check (``node_meta.NodeMeta.from_json``: it parses, each
 field has the right type, dtypes and devices are known, shapes fit the batch size and
 no file could hold more), so a load refuses exactly what is reported here; every leaf
 file it lists is a regular file (a FIFO, socket or device is never opened) holding at

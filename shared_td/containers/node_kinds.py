@@ -3,7 +3,7 @@
 One class per family, registered once when the containers package is imported. The
 engine (shared_td.persist) finds them by class or by meta.json ``_type`` and never looks
 inside a container itself: every read or write of a container's fields for saving or
-loading is here. The meta.json layouts are format.NodeMeta's ``for_*`` constructors.
+loading is here. The meta.json layouts are node_meta.NodeMeta's ``for_*`` constructors.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from shared_td.containers.tensordict import TensorDict
 from shared_td.errors import FormatError
 from shared_td.persist import format as fmt
 from shared_td.persist import nodes
-from shared_td.persist.format import NodeMeta
+from shared_td.persist.node_meta import NodeMeta
 from shared_td.persist.saved_tree import VALUE, Entry
 from shared_td.persist.survey import NodeView
 

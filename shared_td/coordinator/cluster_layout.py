@@ -50,8 +50,8 @@ import torch
 from shared_td.containers.base import is_tensor_collection
 from shared_td.containers.nontensor import NonTensorData, NonTensorStack
 from shared_td.memmap_tensor import MemoryMappedTensor
-from shared_td.persist import format as fmt
 from shared_td.persist import nodes
+from shared_td.persist.node_meta import ChildMeta, LeafMeta, NodeMeta
 from shared_td.storage.anonymous import Segment
 
 __all__ = ["check_kinds", "describe", "rebuild", "tensor_leaves", "value_cells"]
@@ -89,11 +89,11 @@ def _walk(obj, tree: _Tree, path: tuple = (), row: int | None = None) -> None:
     for key, value in kind.entries(obj):
         if isinstance(value, torch.Tensor):
             if documented:
-                entries.append(fmt.LeafMeta.of(key, value))
+                entries.append(LeafMeta.of(key, value))
             tree.leaves.append((path + (key,), value, row))
             continue
         if documented:
-            entries.append(fmt.ChildMeta(key, nodes.kind_for_object(value).child_type_name(value)))
+            entries.append(ChildMeta(key, nodes.kind_for_object(value).child_type_name(value)))
         if _is_value(value):
             tree.values.append((path + (key,), value))
         else:
@@ -191,12 +191,12 @@ def rebuild(name: str, layout: dict, values: list, segment: Segment):
     def build(path: tuple, parent_batch):
         if path not in documents:
             raise ValueError(f"The layout of {name!r} has no node {list(path)}.")
-        meta = fmt.NodeMeta.from_json(documents[path], where=f"the layout of {name!r}, node {list(path)}")
+        meta = NodeMeta.from_json(documents[path], where=f"the layout of {name!r}, node {list(path)}")
         kind = nodes.kind_for_type_string(meta.type)
         built = {}
         for entry in meta.entries:
             where = path + (entry.key,)
-            if isinstance(entry, fmt.LeafMeta):
+            if isinstance(entry, LeafMeta):
                 built[entry.key] = _leaf(name, segment, leaves.get(where), entry, where)
             else:
                 built[entry.key] = made[where] if where in made else build(where, meta.batch_size)
@@ -207,7 +207,7 @@ def rebuild(name: str, layout: dict, values: list, segment: Segment):
     return build((), None)
 
 
-def _leaf(name: str, segment: Segment, leaf: dict | None, meta: fmt.LeafMeta, key: tuple) -> torch.Tensor:
+def _leaf(name: str, segment: Segment, leaf: dict | None, meta: LeafMeta, key: tuple) -> torch.Tensor:
     if leaf is None or leaf["dtype"] != str(meta.dtype).removeprefix("torch.") or tuple(leaf["shape"]) != meta.shape:
         raise ValueError(f"The layout of {name!r} does not describe its leaf {list(key)} as its node does.")
     return MemoryMappedTensor._from_backing(segment, leaf["offset"], meta.dtype, meta.shape)

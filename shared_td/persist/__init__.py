@@ -3,8 +3,9 @@ anonymous shared memory; load_memmap reads them back (tensordict 0.15.3's format
 
 One engine for every container class, in files and plain data:
 
-* format.py: every name on disk, and the metadata model (frozen NodeMeta, LeafMeta,
-  ChildMeta): ``NodeMeta.from_json`` checks a meta.json, ``to_json`` writes one;
+* format.py: every name on disk and the rules of the format; node_meta.py: the metadata
+  model (frozen NodeMeta, LeafMeta, ChildMeta): ``NodeMeta.from_json`` checks a
+  meta.json, ``to_json`` writes one;
 * nodes.py: the node-kind registry. A container class reaches the engine only through
   the NodeKind it registers (type string, entries and children, metadata and side
   files, rebuild, adopt, inspect; see that module). The containers package registers

@@ -62,7 +62,7 @@ import torch
 from shared_td.errors import FormatError
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.persist import format as fmt
-from shared_td.persist.format import LeafMeta
+from shared_td.persist.node_meta import LeafMeta
 from shared_td.storage import files
 
 #: the suffix that makes ``memmap``/``save`` write an archive (``archive=None``)

@@ -8,7 +8,7 @@ dropped key or a SIGBUS), symlinked leaf files and child directories are refused
 pickled non-tensor data is only read with ``allow_pickle=True`` (refused before
 unpickling).
 
-Untrusted directories: each meta.json is checked by ``format.NodeMeta.from_json`` before
+Untrusted directories: each meta.json is checked by ``node_meta.NodeMeta.from_json`` before
 anything is mapped (a bad field is a :class:`~shared_td.errors.FormatError` naming the
 file and the field; ``shared-td verify`` reports the same errors through
 :func:`read_node_meta`). Only regular files are read or mapped: a FIFO, socket, device
@@ -57,6 +57,7 @@ from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.persist import format as fmt
 from shared_td.persist import nodes
 from shared_td.persist.archive import ZIP_STARTS, Archive, ArchiveNode
+from shared_td.persist.node_meta import ChildMeta, LeafMeta, NodeMeta
 from shared_td.storage import files
 from shared_td.storage.files import Directory, FileTooShortError
 
@@ -111,7 +112,7 @@ PARSED_KEPT = 64
 PARSED_MAX_BYTES = 1 << 14
 
 
-def read_meta(directory: Directory, parsed: dict | None = None) -> fmt.NodeMeta:
+def read_meta(directory: Directory, parsed: dict | None = None) -> NodeMeta:
     """The meta.json of ``directory``, parsed and checked (FormatError naming file and field).
 
     ``parsed`` (bytes -> NodeMeta, kept by one load): the nodes of a tree are often alike
@@ -133,14 +134,14 @@ def read_meta(directory: Directory, parsed: dict | None = None) -> fmt.NodeMeta:
         document = json.loads(data.decode("utf-8"))
     except (ValueError, UnicodeDecodeError, RecursionError) as error:
         raise FormatError(where, f"not valid JSON: {error}") from None
-    meta = fmt.NodeMeta.from_json(document, where=where)
+    meta = NodeMeta.from_json(document, where=where)
     if parsed is not None and meta.type == fmt.TENSORDICT_TYPE and len(data) <= PARSED_MAX_BYTES \
             and len(parsed) < PARSED_KEPT:
         parsed[data] = meta
     return meta
 
 
-def read_node_meta(path: str) -> fmt.NodeMeta:
+def read_node_meta(path: str) -> NodeMeta:
     """The checked meta.json of the node directory ``path``, read as a load reads it.
 
     The one validation of node metadata: ``shared-td verify`` reports what this raises.
@@ -168,7 +169,7 @@ class Loader:
         self._opened: tuple | None = None  # (root directory, its path) of the current load
         self._pool: ThreadPoolExecutor | None = None
         self._names: dict[tuple[str, bool], list[str]] = {}  # (key, leaf) -> its file names
-        self._parsed: dict[bytes, fmt.NodeMeta] = {}  # meta.json bytes -> checked (read_meta)
+        self._parsed: dict[bytes, NodeMeta] = {}  # meta.json bytes -> checked (read_meta)
 
     def load(self, directory: str, subpath: Any = None) -> Any:
         """Load the tree at ``directory`` (or its nested tensordict ``subpath``, a nested
@@ -218,7 +219,7 @@ class Loader:
                 if depth == 0 and isinstance(subpath, str) and "/" in subpath:
                     hint = f" (to walk into nested keys, give a tuple: {tuple(subpath.split('/'))!r})"
                 raise ValueError(f"No tensordict found under {where} lists no key {part!r}{hint}.")
-            if not isinstance(entry, fmt.ChildMeta):
+            if not isinstance(entry, ChildMeta):
                 raise ValueError(f"No tensordict found under {where} says key {part!r} is a tensor, "
                                  "not a nested tensordict: load its parent and index it.")
             opened.append(self._open_child(directory, part))
@@ -290,7 +291,7 @@ class Loader:
         mapping = {}  # key -> future of its leaf, when a pool maps them
         try:
             for entry in meta.entries:
-                if isinstance(entry, fmt.ChildMeta):
+                if isinstance(entry, ChildMeta):
                     child = self._open_child(directory, entry.key)
                     try:
                         values[entry.key] = self._load(child, meta.batch_size)
@@ -325,7 +326,7 @@ class Loader:
         finally:
             child.close()
 
-    def _load_leaf(self, directory: Directory, leaf: fmt.LeafMeta) -> torch.Tensor:
+    def _load_leaf(self, directory: Directory, leaf: LeafMeta) -> torch.Tensor:
         if leaf.is_nested:
             raise NotImplementedError(f"{self._where(directory, leaf.key)}: nested tensors cannot be loaded yet.")
         if 0 in leaf.shape:  # zero-element leaves have no file

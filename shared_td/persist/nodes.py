@@ -16,7 +16,7 @@ A kind answers:
   ``<class 'module.Name'>``), the pickle ``side_files`` a node of it may own;
 * **writing**: its keyed ``entries`` (tensors and sub-nodes, filed under their key) and
   fixed-name ``children`` (sub-directories such as ``0/`` or ``_tensordict/``), the
-  ``child_type_name`` its parent records, its ``metadata`` (a format.NodeMeta, whose
+  ``child_type_name`` its parent records, its ``metadata`` (a node_meta.NodeMeta, whose
   ``to_json`` is the meta.json, and side files), the ``directory`` it is saved in, the
   ``stale_children`` an older save left there that a loader would take as its own;
   then ``adopt`` (memmap_: the object takes the written leaves and sub-nodes) or
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Hashable, Iterable
 
-from shared_td.persist import format as fmt
+from shared_td.persist.node_meta import NodeMeta
 
 # The names of the kinds the containers register (one per container class family).
 TENSORDICT, LAZY, TENSORCLASS, NON_TENSOR_DATA, NON_TENSOR_STACK = (
@@ -69,7 +69,7 @@ class NodeKind:
         """What a parent's meta.json records of ``obj`` (``{"type": ...}``)."""
         raise NotImplementedError
 
-    def metadata(self, obj: Any, entries: tuple) -> tuple[fmt.NodeMeta, dict[str, bytes]]:
+    def metadata(self, obj: Any, entries: tuple) -> tuple[NodeMeta, dict[str, bytes]]:
         """The node's metadata (``entries``: LeafMeta/ChildMeta of its keyed entries,
         as written) and its side files (name -> bytes)."""
         raise NotImplementedError
@@ -103,12 +103,12 @@ class NodeKind:
         raise NotImplementedError
 
     # ---------------------------------------------------------------- loading
-    def child_names(self, meta: fmt.NodeMeta, is_directory: Callable[[str], bool]) -> list[str]:
+    def child_names(self, meta: NodeMeta, is_directory: Callable[[str], bool]) -> list[str]:
         """The fixed-name sub-directories of a saved node, in order (FormatError
         naming the node's directory when one it needs is missing)."""
         return []
 
-    def rebuild(self, meta: fmt.NodeMeta, values: dict, *, directory: str,
+    def rebuild(self, meta: NodeMeta, values: dict, *, directory: str,
                 parent_batch: tuple | None, unpickle: Callable[[str], Any]) -> Any:
         """A new object from ``meta`` and the loaded ``values`` (keyed entries in order,
         then fixed children by name); ``parent_batch``: the parent's batch size when
@@ -116,7 +116,7 @@ class NodeKind:
         raise NotImplementedError
 
     # ---------------------------------------------------------------- inspecting
-    def inspect(self, meta: fmt.NodeMeta, node: Any) -> None:
+    def inspect(self, meta: NodeMeta, node: Any) -> None:
         """Fill ``node`` (a survey.NodeView: the entry shown, its children) for
         ``shared-td inspect``, from metadata and file names only."""
         raise NotImplementedError

@@ -31,7 +31,7 @@ from shared_td.keys import decode_key
 from shared_td.persist import format as fmt
 from shared_td.persist import nodes
 from shared_td.persist.archive import looks_like_zip
-from shared_td.persist.format import NodeMeta
+from shared_td.persist.node_meta import ChildMeta, LeafMeta, NodeMeta
 from shared_td.persist.saved_tree import NODE, TENSOR, VALUE, VALUE_WIDTH, Entry, Problem, Survey
 from shared_td.persist.survey_files import DIRECTORY, FILE, SYMLINK, InArchive, OnDisk
 
@@ -145,7 +145,7 @@ class _Walker:
             return entry
         kind = nodes.kind_for_type_string(meta.type)
         for item in meta.entries:
-            if isinstance(item, fmt.LeafMeta):
+            if isinstance(item, LeafMeta):
                 entry.children.append(self.leaf(entry.path, item))
             else:
                 self.child(entry, meta, item)
@@ -161,7 +161,7 @@ class _Walker:
         kind.inspect(meta, view)
         return entry
 
-    def child(self, entry: Entry, meta: NodeMeta, item: fmt.ChildMeta) -> None:
+    def child(self, entry: Entry, meta: NodeMeta, item: ChildMeta) -> None:
         """A sub-collection listed in ``meta``: found by its key, and its batch size checked."""
         name = self.find(entry.path, item.key, leaf=False)
         if name is None:
@@ -199,7 +199,7 @@ class _Walker:
         return None
 
     # -------------------------------------------------------------------- files
-    def leaf(self, directory: str, leaf: fmt.LeafMeta) -> Entry:
+    def leaf(self, directory: str, leaf: LeafMeta) -> Entry:
         key = leaf.key
         entry = Entry(key, TENSOR, os.path.join(directory, fmt.file_names(key, leaf=True)[0]))
         entry.dtype, entry.shape = fmt.dtype_name(leaf.dtype), list(leaf.shape)

@@ -19,6 +19,7 @@ from shared_td.errors import FormatError
 from shared_td.persist import format as fmt
 from shared_td.persist.archive import Archive, ArchiveNode
 from shared_td.persist.loader import read_meta, read_node_meta
+from shared_td.persist.node_meta import NodeMeta
 
 __all__ = ["Found", "InArchive", "OnDisk"]
 
@@ -56,7 +57,7 @@ class OnDisk:
             return Found(FILE, info.st_size)
         return Found(fmt.file_kind(info.st_mode))
 
-    def read_meta(self, directory: str) -> fmt.NodeMeta:
+    def read_meta(self, directory: str) -> NodeMeta:
         return read_node_meta(os.path.join(self.root, directory))
 
     def not_a_save(self) -> str | None:
@@ -98,7 +99,7 @@ class InArchive:
             return Found(DIRECTORY)
         return None
 
-    def read_meta(self, directory: str) -> fmt.NodeMeta:
+    def read_meta(self, directory: str) -> NodeMeta:
         name = _member(directory)
         if name not in self.archive.directories:
             raise FileNotFoundError(f"No directory {name!r} in the archive {self.root}")

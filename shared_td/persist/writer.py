@@ -29,6 +29,7 @@ import torch
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.persist import format as fmt
 from shared_td.persist import nodes
+from shared_td.persist.node_meta import ChildMeta, LeafMeta
 from shared_td.persist.packing import copy_all, leaf_nbytes, packed_layout, packed_views, stage_small_leaves
 from shared_td.persist.planner import LeafPlan, NodePlan, Options
 from shared_td.storage import files
@@ -375,8 +376,8 @@ def _entries(node: NodePlan) -> tuple:
     """The metadata of a node's keyed entries, as they will be written: built from the
     sources (shape and dtype) before any byte is written."""
     return tuple(
-        fmt.LeafMeta.of(key, node.leaves[key].source) if key in node.leaves
-        else fmt.ChildMeta(key, node.children[key].kind.child_type_name(node.children[key].obj))
+        LeafMeta.of(key, node.leaves[key].source) if key in node.leaves
+        else ChildMeta(key, node.children[key].kind.child_type_name(node.children[key].obj))
         for key in node.order
     )
 
@@ -388,8 +389,8 @@ def rewrite_node(obj: Any, directory: str) -> None:
     old files and no temporary."""
     kind = nodes.kind_for_object(obj)
     entries = tuple(
-        fmt.LeafMeta.of(key, value) if isinstance(value, torch.Tensor)
-        else fmt.ChildMeta(key, nodes.kind_for_object(value).child_type_name(value))
+        LeafMeta.of(key, value) if isinstance(value, torch.Tensor)
+        else ChildMeta(key, nodes.kind_for_object(value).child_type_name(value))
         for key, value in kind.entries(obj)
     )
     built = nodes.node_document(obj, kind, entries)

@@ -13,6 +13,7 @@ import torch
 
 from shared_td.errors import FormatError
 from shared_td.persist import format as fmt
+from shared_td.persist.node_meta import ChildMeta, LeafMeta, NodeMeta
 from shared_td.storage.files import Directory
 
 WHERE = "/d/meta.json"
@@ -26,19 +27,19 @@ def _td_meta(**entries) -> dict:
 
 
 def test_a_tensordict_node_is_read_with_its_leaves_children_and_names_in_file_order():
-    meta = fmt.NodeMeta.from_json(_td_meta(
+    meta = NodeMeta.from_json(_td_meta(
         b={"dtype": "torch.int16", "shape": [2, 5], "device": "cpu", "is_nested": False},
         a={"type": "TensorDict"},
         _names=["time"],
     ), where=WHERE)
     assert (meta.type, meta.batch_size, meta.device, meta.names) == (fmt.TENSORDICT_TYPE, (2,), None, ("time",))
-    assert meta.entries == (fmt.LeafMeta("b", (2, 5), torch.int16), fmt.ChildMeta("a", "TensorDict"))
+    assert meta.entries == (LeafMeta("b", (2, 5), torch.int16), ChildMeta("a", "TensorDict"))
     assert meta.entries[0].nbytes == 20
 
 
 def test_reserved_key_names_are_read_from_their_own_field():
     # a key named like a node field ("shape") is kept under _shared_td_entries
-    meta = fmt.NodeMeta.from_json(_td_meta(**{
+    meta = NodeMeta.from_json(_td_meta(**{
         fmt.RESERVED_ENTRIES: {"shape": {"dtype": "torch.float32", "shape": [2]}},
     }), where=WHERE)
     assert [entry.key for entry in meta.entries] == ["shape"]
@@ -46,7 +47,7 @@ def test_reserved_key_names_are_read_from_their_own_field():
 
 def test_other_node_kinds_keep_their_document_and_stack_dim():
     document = {"_type": fmt.LAZY_STACK_TYPE, "stack_dim": 1}
-    meta = fmt.NodeMeta.from_json(document, where=WHERE)
+    meta = NodeMeta.from_json(document, where=WHERE)
     assert (meta.batch_size, meta.stack_dim, meta.entries, meta.document) == (None, 1, (), document)
 
 
@@ -68,7 +69,7 @@ def test_other_node_kinds_keep_their_document_and_stack_dim():
 ])
 def test_a_wrong_field_is_a_format_error_naming_the_file_and_field(document, field, words):
     with pytest.raises(FormatError) as caught:
-        fmt.NodeMeta.from_json(document, where=WHERE)
+        NodeMeta.from_json(document, where=WHERE)
     error = caught.value
     assert (error.path, error.field) == (WHERE, field)
     assert words in error.reason and str(error).startswith(f"{WHERE}: ")
@@ -76,7 +77,7 @@ def test_a_wrong_field_is_a_format_error_naming_the_file_and_field(document, fie
 
 def test_a_format_error_shows_at_most_80_characters_of_a_bad_value_and_pickles():
     with pytest.raises(FormatError) as caught:
-        fmt.NodeMeta.from_json(_td_meta(shape="x" * 10_000), where=WHERE)
+        NodeMeta.from_json(_td_meta(shape="x" * 10_000), where=WHERE)
     assert len(caught.value.reason) < 200 and "..." in caught.value.reason
     again = pickle.loads(pickle.dumps(caught.value))
     assert (again.path, again.field, again.reason) == (WHERE, "shape", caught.value.reason)
@@ -124,7 +125,7 @@ def test_dumps_writes_tensordicts_separators():
 
 
 def test_leaf_entry_and_node_entries_describe_a_tensor():
-    entry = fmt.LeafMeta.of("x", torch.zeros(2, 3, dtype=torch.bfloat16)).to_json()
+    entry = LeafMeta.of("x", torch.zeros(2, 3, dtype=torch.bfloat16)).to_json()
     assert entry == {"device": "cpu", "shape": [2, 3], "dtype": "torch.bfloat16", "is_nested": False}
     assert fmt.node_entries(_td_meta(x=entry)) == {"x": entry}
 

@@ -14,6 +14,7 @@ import torch
 from shared_td import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDict, tensorclass
 from shared_td.persist import format as fmt
 from shared_td.persist import nodes
+from shared_td.persist.node_meta import NodeMeta
 
 
 @tensorclass
@@ -43,7 +44,7 @@ def test_every_meta_json_written_is_read_back_to_the_same_bytes(tmp_path):
         path = os.path.join(directory, fmt.META)
         with open(path, "rb") as file:
             written = file.read()
-        meta = fmt.NodeMeta.from_json(json.loads(written), where=path)
+        meta = NodeMeta.from_json(json.loads(written), where=path)
         seen.add(nodes.kind_for_type_string(meta.type).name)
         again = meta.to_json()
         assert list(json.loads(again).items()) == list(json.loads(written).items()), path
