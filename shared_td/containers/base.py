@@ -306,18 +306,19 @@ class TensorDictBase(LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, Me
         """Add or replace the entry ``key``; returns self.
 
         ``inplace=True`` writes into the existing entry when there is one (allowed on a
-        locked tensordict). Missing intermediate tensordicts of a nested key are created.
-        ``non_blocking`` is accepted as in tensordict (copies between CPU tensors are
-        synchronous anyway).
+        locked tensordict); into a nested tensordict as ``update(value, inplace=True)``
+        (keys it lacks are added, as in tensordict). Missing parents of a nested key are
+        created; ``non_blocking`` is accepted and ignored.
 
         Raises:
-            LockedTensorDictError: (a RuntimeError) when locked and the entry would be
-                added or replaced.
-            BatchSizeMismatchError: (ValueError/RuntimeError) when the value's leading
-                dims differ from the batch size.
+            LockedTensorDictError: (a RuntimeError) when locked and an entry would be added
+                or replaced. BatchSizeMismatchError: (ValueError/RuntimeError) when the
+                value's leading dims differ from the batch size.
         """
         if value is self:  # checked before a nested key's missing parents are added
             raise self_nesting_error(key)
+        if inplace and self._merged_in_place(key, value):
+            return self
         if isinstance(key, str):  # a key of this node: no path to walk (most calls)
             self._set_str(key, value, inplace=inplace, validated=False)
             return self
@@ -327,12 +328,11 @@ class TensorDictBase(LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, Me
         return self
 
     def set_(self, key: NestedKey, value: Any, *, non_blocking: bool = False) -> "TensorDictBase":
-        """Write ``value`` into the existing entry ``key``, in place; returns self.
-
-        Allowed on a locked (e.g. memory-mapped or shared) tensordict.
+        """Write ``value`` into the existing entry ``key``, in place; returns self (allowed when locked).
 
         Raises:
-            KeyError: if ``key`` does not exist (use ``set`` to add it).
+            KeyError: if ``key``, or a key of a tensordict written into a nested one, is
+                missing (use ``set`` to add it; tensordict 0.15.3 drops the latter).
         """
         path = unravel_key(key)
         if self._get_path(path, None) is None:

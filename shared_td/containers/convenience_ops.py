@@ -35,7 +35,8 @@ class ConvenienceOps:
         An index with an Ellipsis before its last part, or with more parts than batch
         dims, is read as tensordict 0.15.3 reads it (``set_at_`` key by key): on each
         tensor entry's own dims, so ``update_at_({"a": v}, (..., 0))`` writes
-        ``td["a"][..., 0]`` (a tensordict given as a value is indexed on its batch dims).
+        ``td["a"][..., 0]`` (a tensordict given as a value is indexed on its batch dims);
+        on a lazy stack too, the selected elements written into its members.
         A source that does not fit so, such as one shaped as the rows ``td[..., 0]``
         (which tensordict refuses), is written into those rows, as ``td[idx] = source``.
 
@@ -51,11 +52,13 @@ class ConvenienceOps:
         """
         from shared_td.containers import index_writes
         from shared_td.containers.base import TensorDictBase, is_leaf_nontensor
+        from shared_td.containers.lazy import LazyStackedTensorDict
         from shared_td.containers.tensordict import TensorDict
 
         target = self if isinstance(self, TensorDictBase) else self._tensordict  # a tensorclass's
         source = input_dict_or_td
-        if isinstance(target, TensorDict) and index_writes.reads_entry_dims(idx, target.batch_size):
+        dense_or_lazy = isinstance(target, (TensorDict, LazyStackedTensorDict))
+        if dense_or_lazy and index_writes.reads_entry_dims(idx, target.batch_size):
             # tensordict 0.15.3 writes key by key as set_at_, the index read on each
             # entry's dims: mirrored where its writes fit (see entry_index_writes)
             batch_paths = index_writes.tensordict_values(unwrap_tensorclass(source))
@@ -141,8 +144,10 @@ class ConvenienceOps:
                 parent = unwrap_tensorclass(self.get(path[:-1]) if len(path) > 1 else self)
                 rows = batch_ops.index_and_size(index, entry.batch_size)[0]
                 parent._tensordict[path[-1]] = entry._set_at(rows, value)
-            else:
-                entry[index] = value
+            else:  # (below a lazy stack, entry is a new stacked tensor: written through the stack)
+                from shared_td.containers.index_writes import leaf_write
+
+                leaf_write(unwrap_tensorclass(self), unravel_key(key), entry, value, index)()
         except (RuntimeError, IndexError, TypeError) as err:
             raise type(err)(f"set_at_({key!r}, ..., {index!r}): {err}") from err
         return self

@@ -140,34 +140,50 @@ def entry_index_writes(target: Any, source: Any, index: Any, batch_paths: set) -
     the index read on the entry's own dims (``(..., 0)`` is the entry's last dim), and a
     tensordict at one of ``batch_paths`` (a tensordict given as a value, not made from a
     nested dict) goes to the nested entry's ``[index]``, read on its batch dims.
+    ``target`` is a TensorDict or a lazy stack (whose members are written).
 
     Everything is checked first; returns the closures that write, or None when a value
     does not fit so (or is not a tensor): the caller then writes as ``td[index] = source``.
     """
     writes: list = []
 
-    def plan(node: Any, prefix: tuple) -> None:
+    def plan(node: Any, prefix: tuple, index: Any) -> None:
         for key, value in node._items_str():
             path = prefix + (key,)
             entry = unwrap_tensorclass(target._get_path(path, None))
             value = unwrap_tensorclass(value)
+            branch = is_tensor_collection(entry) and not is_non_tensor(entry)
             if path in batch_paths and hasattr(entry, "_plan_index_writes"):
                 rows_index, rows = batch_ops.index_and_size(index, entry.batch_size)
                 entry._plan_index_writes(rows_index, value, writes, rows, path=path)
+            elif path in batch_paths and branch:  # a lazy stack: its leaves, at its rows
+                plan(value, path, batch_ops.index_and_size(index, entry.batch_size)[0])
             elif isinstance(value, torch.Tensor) and isinstance(entry, torch.Tensor):
                 _check_fits(value, batch_ops.indexed_batch_size(entry.shape, index), path, index)
                 refuse_read_only(entry, "update_at_")
-                writes.append(lambda entry=entry, value=value: entry.__setitem__(index, value))
-            elif hasattr(value, "_items_str") and not is_non_tensor(value) and hasattr(entry, "_plan_index_writes"):
-                plan(value, path)  # a nested dict: its leaves are written as leaves
+                writes.append(leaf_write(target, path, entry, value, index))
+            elif hasattr(value, "_items_str") and not is_non_tensor(value) and branch:
+                plan(value, path, index)  # a nested dict: its leaves are written as leaves
             else:
                 raise TypeError("not a tensor")  # (non-tensor values: written as td[index] = ...)
 
     try:
-        plan(source, ())
+        plan(source, (), index)
     except (RuntimeError, IndexError, TypeError, ValueError):
         return None
     return writes
+
+
+def leaf_write(target: Any, path: tuple, entry: torch.Tensor, value: torch.Tensor, index: Any) -> Any:
+    """The closure that writes ``value`` at ``index`` of the tensor entry at ``path``:
+    into ``entry`` itself, or, below a lazy stack (whose ``get`` gives a new stacked
+    tensor), through that stack's ``set_at_``, which writes the selected elements into
+    its members."""
+    for depth in range(len(path)):
+        node = target if depth == 0 else unwrap_tensorclass(target._get_path(path[:depth], None))
+        if not hasattr(node, "_plan_index_writes"):  # not a TensorDict: a lazy stack
+            return lambda: node.set_at_(path[depth:], value, index)
+    return lambda: entry.__setitem__(index, value)
 
 
 def tensordict_values(given: Any, prefix: tuple = ()) -> set:

@@ -43,8 +43,12 @@ class LazyShapeOps:
         parts += (slice(None),) * (len(size) - sum(widths))
         widths += [1] * (len(parts) - len(widths))
         tensors = sum(isinstance(p, torch.Tensor) for p in parts)
+        bools = sum(isinstance(p, bool) for p in parts)
         general = ("positions", parts)
-        if tensors > 1 or any(isinstance(p, bool) for p in parts):
+        if tensors > 1 or (bools and (tensors or bools > 1)):
+            # (a bool is an index tensor to torch: beside another one, or another bool,
+            # it is broadcast with it; alone it adds one dim, of size 1 or 0, as None
+            # does, so the members are indexed with it, as tensordict 0.15.3 does)
             return general
         dim = out = 0
         for i, (part, width) in enumerate(zip(parts, widths)):

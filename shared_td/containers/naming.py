@@ -187,23 +187,32 @@ class NamedBatchDims:
                 children.append(inner)
         return children
 
-    def _adopt_names(self, key: str, child: Any) -> None:
-        """Name the leading dims of ``child`` (about to be stored under ``key``) like ours,
-        or, if ours are unnamed, ours (and our other children's) like the child's.
+    def _adopt_names(self, key: str, child: Any) -> Any:
+        """``child`` (about to be stored under ``key``) with its leading dims named like
+        ours: itself when they are, else a shallow copy (``clone(recurse=False)``: the
+        same tensors) renamed, as tensordict 0.15.3 does, so that the caller's object
+        keeps its names. If ours are unnamed, ours (and our other children's) are named
+        like the child's, which is returned as it is.
 
         Raises RuntimeError, with nothing renamed, if the child already has other names
         for those dims (or if its names clash with another child's).
+
+        Example:
+            >>> child = TensorDict(a=torch.zeros(3), batch_size=[3])
+            >>> parent = TensorDict(c=child, batch_size=[3], names=["time"])
+            >>> parent["c"].names, child.names, parent["c"]["a"] is child["a"]
+            (['time'], None, True)
         """
         inner = unwrap_tensorclass(child)
         if not carries_names(inner) or not len(self._batch_size):
-            return  # (no batch dim of ours for the child to share)
+            return child  # (no batch dim of ours for the child to share)
         if self._names is None:
             # an unnamed tensordict takes a named child's names of its dims (and its other
             # children with it), as tensordict 0.15.3 does
             leading = (inner.names or [None] * inner.batch_dims)[: len(self._batch_size)]
             if any(name is not None for name in leading):
                 self.names = leading
-            return
+            return child
         theirs = (inner.names or [None] * inner.batch_dims)[: len(self._names)]
         clash = [(a, b) for a, b in zip(self._names, theirs) if b is not None and a != b]
         if clash:
@@ -212,5 +221,9 @@ class NamedBatchDims:
                 f"match this tensordict's names {self.names}. Rename one of them first "
                 f"(e.g. value.names = None)."
             )
+        if theirs == self._names:
+            return child
         inner._rename_leading(self._names, check_only=True)
-        inner._rename_leading(self._names, check_only=False)
+        copy = child.clone(recurse=False)
+        unwrap_tensorclass(copy)._rename_leading(self._names, check_only=False)
+        return copy

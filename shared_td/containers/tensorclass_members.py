@@ -229,7 +229,9 @@ class _TensorClassMembers:
     _tc_wraps_plain_loads = False
 
     @classmethod
-    def load_memmap(cls, prefix: Any, *args: Any, **kwargs: Any) -> Any:
+    def load_memmap(cls, prefix: Any, device: Any = None, non_blocking: bool = False, *, out: Any = None,
+                    robust_key: bool | None = True, subpath: Any = None, mode: str | None = None,
+                    num_threads: int = 0, allow_pickle: bool | None = None) -> Any:
         """``TensorDict.load_memmap`` (the class is the one saved), with tensordict 0.15.3's
         two rules for a tensorclass: a class saved from ``__main__`` (a script, a
         notebook) under this class's qualname loads as this class, and a ``TensorClass``
@@ -239,23 +241,29 @@ class _TensorClassMembers:
         from shared_td.containers.tensorclass import loading_as
 
         with loading_as(cls):
-            loaded = MemmapMethods.load_memmap.__func__(cls, prefix, *args, **kwargs)
-        if (cls._tc_wraps_plain_loads and kwargs.get("out") is None and not is_tensorclass(loaded)
+            loaded = MemmapMethods.load_memmap.__func__(
+                cls, prefix, device, non_blocking, out=out, robust_key=robust_key, subpath=subpath,
+                mode=mode, num_threads=num_threads, allow_pickle=allow_pickle)
+        if (cls._tc_wraps_plain_loads and out is None and not is_tensorclass(loaded)
                 and isinstance(loaded, TensorDictBase) and not is_non_tensor(loaded)):
             return cls.from_tensordict(loaded)
         return loaded
 
-    def load_memmap_(self, prefix: Any, *args: Any, **kwargs: Any) -> Any:
-        """``TensorDict.load_memmap_`` into this instance: a class saved from ``__main__``
-        under this class's qualname is this class (see ``load_memmap``); the save of
-        another tensorclass is a ValueError, as in tensordict 0.15.3, and self is then
-        unchanged."""
+    def load_memmap_(self, prefix: Any, robust_key: bool | None = True, *,
+                     allow_pickle: bool | None = None, mode: str | None = None) -> Any:
+        """``TensorDict.load_memmap_`` into this instance (tensordict 0.15.3's signature:
+        the files are mapped in this thread, there is no ``num_threads``): a class saved
+        from ``__main__`` under this class's qualname is this class (see
+        ``load_memmap``); the save of another tensorclass is a ValueError, as in
+        tensordict 0.15.3, and self is then unchanged."""
         from shared_td.containers.tensorclass import loading_as
 
         with loading_as(type(self)):
-            return MemmapMethods.load_memmap_(self, prefix, *args, **kwargs)
+            return MemmapMethods.load_memmap_(self, prefix, robust_key, allow_pickle=allow_pickle, mode=mode)
 
-    load_ = load_memmap_
+    def load_(self, prefix: Any, *args: Any, **kwargs: Any) -> Any:
+        """Same as ``load_memmap_``."""
+        return self.load_memmap_(prefix, *args, **kwargs)
 
     @classmethod
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -366,7 +374,7 @@ class _TensorClassMembers:
         existing entries, in place; returns self."""
         fields = _field_keywords(self, kwargs)
         for source in (other, fields):
-            if source is not None and (source or not isinstance(source, dict)):
+            if source is not None and (not isinstance(source, dict) or source):  # (bool() of a tensorclass raises)
                 self._tensordict.update_(unwrap_tensorclass(source), **kwargs)
         return self
 

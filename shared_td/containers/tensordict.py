@@ -164,7 +164,7 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, BatchDimOps, IndexWrites
         del self._tensordict[key]
 
     def _empty_child(self) -> "TensorDict":
-        return TensorDict._new_unsafe({}, self._batch_size, self._device)
+        return TensorDict._new_unsafe({}, self._batch_size, self._device, self._names)  # (named as set() keeps it)
 
     def _set_str(self, key: str, value: Any, *, inplace: bool, validated: bool) -> None:
         if not isinstance(key, str):
@@ -179,7 +179,7 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, BatchDimOps, IndexWrites
             return
         self._check_unlocked((key,), "add" if current is None else "replace")
         if not isinstance(value, torch.Tensor) and is_tensor_collection(value):
-            self._adopt_names(key, value)
+            value = self._adopt_names(key, value)
         self._tensordict[key] = value
 
     def _convert(self, key: str, value: Any, into: Any = None) -> Any:
@@ -197,7 +197,7 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, BatchDimOps, IndexWrites
                 return value  # per-element values, checked by the stack itself
             return NonTensorData(value, batch_size=self._batch_size, device=self._device)
         if isinstance(value, dict):
-            value = TensorDict(value, batch_size=self._batch_size, device=self._device)
+            value = TensorDict(value, batch_size=self._batch_size, device=self._device, names=self._names)
         elif isinstance(value, np.ndarray) and value.dtype != object:
             value = torch.as_tensor(value)
         elif isinstance(value, (bool, int, float, np.number)):

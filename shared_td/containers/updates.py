@@ -79,6 +79,30 @@ class UpdateOps:
                 plan.append((path, self._checked_set(path, value), False))
         return plan
 
+    def _merged_in_place(self, key: Any, value: Any) -> bool:
+        """``set(key, value, inplace=True)`` when ``key`` holds a nested tensordict (or
+        tensorclass, or lazy stack) and ``value`` is a dict or tensordict: as tensordict
+        0.15.3 does, ``update(value, inplace=True)`` of that entry, whose entries are then
+        written in place and the keys it lacks added (``set_`` refuses those). Returns
+        whether it was written so (everything checked before the first write).
+
+        Example:
+            >>> td = TensorDict(v=TensorDict(a=torch.zeros(2), batch_size=[2]), batch_size=[2])
+            >>> a = td["v", "a"]
+            >>> _ = td.set("v", {"a": torch.ones(2), "b": torch.ones(2)}, inplace=True)
+            >>> sorted(td["v"].keys()), td["v", "a"] is a, a.tolist()
+            (['a', 'b'], True, [1.0, 1.0])
+        """
+        from shared_td.containers.base import TensorDictBase, is_non_tensor, is_tensor_collection
+
+        if not isinstance(value, (dict, TensorDictBase)) and not is_tensorclass(value):
+            return False  # (a tensor, most values: nothing to look up)
+        current = self.get(key, None)
+        if not is_tensor_collection(current) or is_non_tensor(current) or is_non_tensor(value):
+            return False
+        current.update(value, inplace=True)
+        return True
+
     def _resized_child(self, value: Any) -> Any:
         """``value``, a tensordict or tensorclass about to be set into this tensordict,
         whose leading dims are not our batch size, as tensordict 0.15.3 takes it: a
