@@ -17,36 +17,14 @@ tensordict gives a list of None).
 """
 from __future__ import annotations
 
-import warnings
 
 import pytest
 import torch
 
 import shared_td
-from tests.reference import needs_tensordict, tensordict
+from tests.reference import dim_names, needs_tensordict, outcome, side_by_side, tensordict
 
 pytestmark = needs_tensordict
-
-
-def _names(value):
-    names = getattr(value, "names", None)
-    return None if names is None or all(n is None for n in names) else list(names)
-
-
-def _outcome(fn):
-    """What ``fn()`` gives: the error's kind, or a comparable summary of the result."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return fn()
-    except (RuntimeError, ValueError, IndexError, TypeError, KeyError):
-        # (shared_td's errors derive from those tensordict raises)
-        return "error"
-
-
-def _side_by_side(scenario):
-    ours, theirs = _outcome(lambda: scenario(shared_td)), _outcome(lambda: scenario(tensordict))
-    assert ours == theirs
 
 
 # ---------------------------------------------------------------- 1. lazy stacks
@@ -85,9 +63,9 @@ def test_lazy_stack_names_after_advanced_index(index, dim, stack_dim_name):
 
     def scenario(lib):
         out = _lazy(lib, dim, stack_dim_name)[idx]
-        return _names(out), out.batch_size, type(out).__name__
+        return dim_names(out), out.batch_size, type(out).__name__
 
-    _side_by_side(scenario)
+    side_by_side(scenario)
     # and the batch size is torch's
     probe = torch.zeros(_lazy(shared_td, dim, stack_dim_name).batch_size)
     try:
@@ -102,9 +80,9 @@ def test_lazy_stack_index_names_reach_nested_entries():
         members = [lib.TensorDict(n=lib.TensorDict(b=torch.zeros(2, 3, 4), batch_size=[2, 3, 4]),
                                   batch_size=[2, 3], names=["x", "y"]) for _ in range(2)]
         out = lib.lazy_stack(members, 0, stack_dim_name="s")[torch.tensor([[0, 1], [1, 0]]), 1]
-        return _names(out), _names(out["n"]), out["n"].batch_size
+        return dim_names(out), dim_names(out["n"]), out["n"].batch_size
 
-    _side_by_side(scenario)
+    side_by_side(scenario)
 
 
 def test_lazy_stack_advanced_index_leaves_the_members_names():
@@ -122,8 +100,8 @@ def _with_nested(lib, names=("x", "y")):
 
 
 def _tree(td):
-    return _names(td), td.batch_size, {
-        key: (_names(value), value.batch_size) for key, value in td.items(True) if not isinstance(value, torch.Tensor)}
+    return dim_names(td), td.batch_size, {
+        key: (dim_names(value), value.batch_size) for key, value in td.items(True) if not isinstance(value, torch.Tensor)}
 
 
 @pytest.mark.parametrize("new", [[3], [], [3, 4], [3, 4, 5], torch.Size([3])], ids=str)
@@ -134,7 +112,7 @@ def test_batch_size_setter_keeps_the_names_of_the_dims_that_stay(new, names):
         td.batch_size = new
         return _tree(td)
 
-    _side_by_side(scenario)
+    side_by_side(scenario)
 
 
 @pytest.mark.parametrize("steps", [
@@ -150,7 +128,7 @@ def test_batch_size_setter_names_children_as_tensordict(steps, named):
             td.batch_size = new
         return _tree(td)
 
-    _side_by_side(scenario)
+    side_by_side(scenario)
 
 
 def test_batch_size_setter_grows_a_nested_tensordict_with_the_names():
@@ -167,7 +145,7 @@ def test_batch_size_setter_grows_a_nested_tensordict_with_the_names():
         out.append(_tree(td))
         return out
 
-    _side_by_side(scenario)
+    side_by_side(scenario)
 
 
 # ---------------------------------------------------------------- 3. a tensordict of another batch size set
@@ -237,13 +215,13 @@ def _ways(lib):
 def test_a_tensordict_set_takes_the_parents_batch_size(way, value):
     def scenario(lib):
         given = _values(lib)[value]()
-        before = (given.batch_size, _names(given))
+        before = (given.batch_size, dim_names(given))
         td = _ways(lib)[way](given)
         if before[0][:1] != (3,):  # the value given is not changed: a shallow copy is resized
-            assert (given.batch_size, _names(given)) == before
+            assert (given.batch_size, dim_names(given)) == before
         return _tree(td)
 
-    _side_by_side(scenario)
+    side_by_side(scenario)
 
 
 def test_the_copy_set_shares_the_tensors():
@@ -317,7 +295,7 @@ def test_update_at_indexes_entries_as_tensordict(index, source):
         td.update_at_(_sources(lib)[source](), idx)
         return td["a"].tolist(), td["n", "b"].tolist()
 
-    ours, theirs = _outcome(lambda: scenario(shared_td)), _outcome(lambda: scenario(tensordict))
+    ours, theirs = outcome(lambda: scenario(shared_td)), outcome(lambda: scenario(tensordict))
     if theirs == "error":
         return  # (kept: see test_update_at_rows_where_tensordict_refuses)
     assert ours == theirs

@@ -20,36 +20,14 @@ tensordict gives a list of None).
 from __future__ import annotations
 
 import inspect
-import warnings
 
 import pytest
 import torch
 
 import shared_td
-from tests.reference import needs_tensordict, tensordict
+from tests.reference import dim_names, needs_tensordict, side_by_side
 
 pytestmark = needs_tensordict
-
-
-def _names(value):
-    names = getattr(value, "names", None)
-    return None if names is None or all(n is None for n in names) else list(names)
-
-
-def _outcome(fn):
-    """What ``fn()`` gives: the error's kind, or a comparable summary of the result."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return fn()
-    except (RuntimeError, ValueError, IndexError, TypeError, KeyError):
-        # (shared_td's errors derive from those tensordict raises)
-        return "error"
-
-
-def _side_by_side(scenario):
-    ours, theirs = _outcome(lambda: scenario(shared_td)), _outcome(lambda: scenario(tensordict))
-    assert ours == theirs
 
 
 def _keys(td):
@@ -99,10 +77,10 @@ def test_set_child_named_by_parent_leaves_callers_object(how, kind):
     def scenario(lib):
         child = _child(lib, kind)
         stored = _store(lib, how, child)["c"]
-        return (_names(child), _names(stored), stored is child, child.is_locked,
+        return (dim_names(child), dim_names(stored), stored is child, child.is_locked,
                 stored["a"].data_ptr() == child["a"].data_ptr(), type(stored).__name__)
 
-    _side_by_side(scenario)
+    side_by_side(scenario)
 
 
 def test_set_child_named_by_parent_tensorclass():
@@ -114,9 +92,9 @@ def test_set_child_named_by_parent_tensorclass():
         step = Step(x=torch.zeros(3), batch_size=[3])
         parent = lib.TensorDict(batch_size=[3], names=["t"])
         parent["c"] = step
-        return _names(step), _names(parent["c"]), parent["c"] is step, parent["c"].x is step.x
+        return dim_names(step), dim_names(parent["c"]), parent["c"] is step, parent["c"].x is step.x
 
-    _side_by_side(scenario)
+    side_by_side(scenario)
 
 
 def test_set_child_named_by_parent_nested_entries_are_copies():
@@ -129,10 +107,10 @@ def test_set_child_named_by_parent_nested_entries_are_copies():
         parent = lib.TensorDict(batch_size=[3], names=["t"])
         parent["c"] = child
         child["later"] = torch.ones(3)
-        return (_names(inner), parent["c", "n"] is inner, _names(parent["c", "n"]),
+        return (dim_names(inner), parent["c", "n"] is inner, dim_names(parent["c", "n"]),
                 _keys(parent["c"]), parent["c", "n", "b"] is inner["b"])
 
-    _side_by_side(scenario)
+    side_by_side(scenario)
 
 
 # ---------------------------------------------------------------- 2. set(inplace=True) adds keys
@@ -152,9 +130,9 @@ def test_set_inplace_into_nested_adds_missing_keys(names, value_kind):
             value = lib.TensorDict(value, batch_size=[3])
         td.set("v", value, inplace=True)
         return (_keys(td), td["v"] is nested, td["v", "a"] is a, a.tolist(), td["v", "b"] is b,
-                _names(td["v"]), _names(value) if value_kind == "td" else None)
+                dim_names(td["v"]), dim_names(value) if value_kind == "td" else None)
 
-    _side_by_side(scenario)
+    side_by_side(scenario)
 
 
 def test_set_inplace_into_nested_adds_nested_tensordicts():
@@ -164,7 +142,7 @@ def test_set_inplace_into_nested_adds_nested_tensordicts():
         td.set("v", lib.TensorDict(a=torch.ones(3), w=w, batch_size=[3]), inplace=True)
         return _keys(td), td["v", "w"] is w, td["v", "a"].tolist()
 
-    _side_by_side(scenario)
+    side_by_side(scenario)
 
 
 @pytest.mark.parametrize("case", ["locked", "shape"])
@@ -179,7 +157,7 @@ def test_set_inplace_into_nested_refused(case):
         td.set("v", lib.TensorDict(a=torch.ones(a_shape), b=torch.ones(3), batch_size=[3]), inplace=True)
         return _keys(td)
 
-    _side_by_side(scenario)
+    side_by_side(scenario)
     td = _nested_with(shared_td, shared_td.TensorDict(a=torch.zeros(3), batch_size=[3])).lock_()
     with pytest.raises(RuntimeError):
         td.set("v", shared_td.TensorDict(a=torch.ones(3), b=torch.ones(3), batch_size=[3]), inplace=True)
@@ -201,7 +179,7 @@ def test_set_inplace_into_nested_tensorclass_and_lazy_stack():
         return (td["v"].x.tolist(), td["v"].y.tolist(), _keys(td2), type(td2["v"]).__name__,
                 td2["v"] is lazy, lazy.tensordicts[1]["b"].item())
 
-    _side_by_side(scenario)
+    side_by_side(scenario)
 
 
 def test_set_strict_keeps_refusing_missing_nested_keys():
@@ -223,7 +201,7 @@ def test_tensorclass_update_from_tensorclass():
         pair.update_(Pair(x=torch.ones(3), batch_size=[3]))
         return pair.x.tolist()
 
-    _side_by_side(scenario)
+    side_by_side(scenario)
 
 
 # ---------------------------------------------------------------- 3. lazy update_at_
@@ -256,7 +234,7 @@ def test_lazy_update_at_reads_index_on_entries(stack_dim, case):
         lazy.update_at_(source, index)
         return lazy["a"].tolist(), lazy["b", "c"].tolist()
 
-    _side_by_side(scenario)
+    side_by_side(scenario)
 
 
 @pytest.mark.parametrize("write", ["update_at_ dict", "update_at_ tensordict value", "set_at_"])
@@ -274,7 +252,7 @@ def test_writes_at_index_reach_a_nested_lazy_stack(write):
             td.set_at_(("b", "c"), torch.ones(6), (0, 0))
         return td["b", "c"].tolist(), lazy.tensordicts[0]["c"].sum().item()
 
-    _side_by_side(scenario)
+    side_by_side(scenario)
 
 
 def test_lazy_update_at_like_dense():
@@ -322,7 +300,7 @@ def test_lazy_empty_selection_class(stack_dim, case):
             summary += [out.stack_dim, len(out.tensordicts), list(out.tensordicts[0].batch_size)]
         return summary
 
-    _side_by_side(scenario)
+    side_by_side(scenario)
 
 
 def test_lazy_zero_d_bool_write():
@@ -350,7 +328,7 @@ def test_tensorclass_load_signatures(style, method):
                 x: torch.Tensor
         return _parameters(getattr(Step, method))
 
-    _side_by_side(scenario)
+    side_by_side(scenario)
 
 
 @pytest.mark.parametrize("call", ["load_memmap num_threads", "load_memmap_ num_threads", "load_ mode",
@@ -374,4 +352,4 @@ def test_tensorclass_load_keywords(tmp_path, call):
             return empty.load_memmap_(prefix, True, allow_pickle=False).x.tolist()
         return Step.load_memmap(prefix, "cpu", False, robust_key=True).x.tolist()
 
-    _side_by_side(scenario)
+    side_by_side(scenario)
