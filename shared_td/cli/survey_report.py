@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 
 from shared_td.cli.common import one_line
+from shared_td.cli.progress_line import ProgressLine
 from shared_td.errors import FormatError
 from shared_td.persist.saved_tree import Entry, Problem
 from shared_td.persist.survey import Survey, survey
@@ -24,12 +25,15 @@ def survey_for_report(prefix: str, *, as_json: bool) -> tuple[Survey, bool]:
     """``(survey(prefix), False)``; for a --json report, a PATH the survey refuses whole
     gives ``(refused(prefix, error), True)`` (without --json its error is raised, for
     ``main`` to print on stderr)."""
+    progress = ProgressLine("checking the archive's data")  # (on a terminal only)
     try:
-        return survey(prefix), False
+        return survey(prefix, progress), False
     except (OSError, FormatError) as error:
         if not as_json:
             raise
         return refused(prefix, error), True
+    finally:
+        progress.close()
 
 
 def refused(prefix: str, error: Exception) -> Survey:

@@ -55,7 +55,7 @@ import threading
 import zipfile
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -235,13 +235,15 @@ class Archive:
         except (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError, NotImplementedError) as error:
             raise self.error(name, f"cannot be read: {error}") from None
 
-    def check(self, name: str) -> None:
+    def check(self, name: str, advance: Callable[[int], None] | None = None) -> None:
         """Read member ``name`` through in chunks: FormatError if its data do not match
-        its stored CRC or cannot be decompressed (what ``shared-td verify`` checks)."""
+        its stored CRC or cannot be decompressed (what ``shared-td verify`` checks);
+        ``advance(n)`` is called with the bytes of each chunk read (for a progress line)."""
         try:
             with self._zip.open(name) as member:
-                while member.read(1 << 20):
-                    pass
+                while chunk := member.read(1 << 20):
+                    if advance is not None:
+                        advance(len(chunk))
         except (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError, NotImplementedError) as error:
             raise self.error(name, f"its data do not match the archive's checksum: {error}") from None
 

@@ -33,13 +33,15 @@ from shared_td.persist import nodes
 from shared_td.persist.archive import looks_like_zip
 from shared_td.persist.node_meta import ChildMeta, LeafMeta, NodeMeta
 from shared_td.persist.saved_tree import NODE, TENSOR, VALUE, VALUE_WIDTH, Entry, Problem, Survey
-from shared_td.persist.survey_files import DIRECTORY, FILE, SYMLINK, InArchive, OnDisk
+from shared_td.persist.survey_files import DIRECTORY, FILE, SYMLINK, InArchive, OnDisk, Progress
 
 __all__ = ["NODE", "TENSOR", "VALUE", "Entry", "NodeView", "Problem", "Survey", "survey"]
 
-def survey(prefix: str) -> Survey:
+def survey(prefix: str, progress: Progress = None) -> Survey:
     """Read the tree saved at ``prefix`` (a directory or an archive) and check it (see
-    the module docstring).
+    the module docstring). ``progress(done, total)``, if given, is called as an
+    archive's data are read for their checksums (bytes so far, bytes in all): the one
+    part whose time grows with the data (a directory's files are only looked at).
 
     Raises:
         FileNotFoundError: ``prefix`` does not exist or holds no meta.json.
@@ -55,14 +57,14 @@ def survey(prefix: str) -> Survey:
     """
     root = os.path.abspath(os.fspath(prefix))
     try:
-        return _survey(root)
+        return _survey(root, progress)
     except (OSError, FormatError) as error:
         if not hasattr(error, "survey_path"):
             error.survey_path = os.curdir
         raise
 
 
-def _survey(root: str) -> Survey:
+def _survey(root: str, progress: Progress) -> Survey:
     if not os.path.exists(root):
         _missing(root)
     if os.path.isdir(root):
@@ -85,7 +87,7 @@ def _survey(root: str) -> Survey:
         walker = _Walker(files)
         tree = walker.node("", "")
         walker.check_directories()
-        for member, why in files.damaged():
+        for member, why in files.damaged(progress):
             walker.problem("error", member, why)
         return Survey(root, tree, walker.problems)
     finally:

@@ -13,7 +13,7 @@ import os
 import posixpath
 import stat
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator, Optional
 
 from shared_td.errors import FormatError
 from shared_td.persist import format as fmt
@@ -21,7 +21,10 @@ from shared_td.persist.archive import Archive, ArchiveNode
 from shared_td.persist.loader import read_meta, read_node_meta
 from shared_td.persist.node_meta import NodeMeta
 
-__all__ = ["Found", "InArchive", "OnDisk"]
+__all__ = ["Found", "InArchive", "OnDisk", "Progress"]
+
+#: ``progress(done, total)``: bytes checked so far and in all (see ``InArchive.damaged``)
+Progress = Optional[Callable[[int, int], None]]
 
 DIRECTORY, FILE, SYMLINK = "directory", "file", "symlink"
 
@@ -76,8 +79,8 @@ class OnDisk:
         root = os.path.realpath(self.root)
         return not (real == root or real.startswith(root + os.sep))
 
-    def damaged(self) -> list[tuple[str, str]]:
-        return []  # files on disk carry no checksum
+    def damaged(self, progress: Progress = None) -> list[tuple[str, str]]:
+        return []  # files on disk carry no checksum (nothing to read: no progress)
 
     def close(self) -> None:
         pass
@@ -127,15 +130,25 @@ class InArchive:
     def escapes(self, path: str, target: str) -> bool:
         return True  # never asked: an archive holding a symlink is refused when opened
 
-    def damaged(self) -> list[tuple[str, str]]:
+    def damaged(self, progress: Progress = None) -> list[tuple[str, str]]:
         """(member, why) for each member whose data do not match its stored CRC (every
-        member is read through once)."""
+        member is read through once); ``progress(done, total)``, if given, is called
+        with the bytes of data read so far and in all as the reading goes on."""
         problems = []
+        total, done = sum(member.size for member in self.archive.members.values()), 0
+
+        def advance(count: int) -> None:
+            nonlocal done
+            done += count
+            progress(done, total)
+
         for name in sorted(self.archive.members):
             try:
-                self.archive.check(name)
+                self.archive.check(name, None if progress is None else advance)
             except FormatError as error:
                 problems.append((name, error.detail))
+        if progress is not None:
+            progress(total, total)  # (a damaged member was not read to its end)
         return problems
 
     def close(self) -> None:
