@@ -59,8 +59,9 @@ def sync(cluster, name: str, timeout: float | None) -> SyncReport:
     if not timeout > 0:  # a zero wait failed every replica's transfer, and so its pair
         raise ValueError(f"sync({name!r}, timeout={timeout!r}): the timeout is a number of seconds above 0.")
     deadline = time.monotonic() + timeout
-    # (setdefault: one object per name, also when two threads sync a new name at once)
-    syncs = cluster._name_syncs.setdefault(name, NameSyncs())
+    syncs = cluster._name_syncs.get(name)
+    if syncs is None:  # (setdefault: one object per name, also when two threads sync a new name at once)
+        syncs = cluster._name_syncs.setdefault(name, NameSyncs())
     if not syncs.lock.acquire(timeout=timeout):
         raise TimeoutError(f"Another sync of {name!r} on this node did not end within {timeout:g} s: nothing was "
                            "sent (retry, or give the sync a longer timeout).")
@@ -87,7 +88,6 @@ class NameSyncs:
         self.lock = threading.Lock()
         self.generation = 0
         self.holders: set[int] = set()
-
 
 
 def _replica_nodes(cluster, store, name: str, generation: int, syncs: NameSyncs) -> list[int]:
