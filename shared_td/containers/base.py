@@ -157,8 +157,8 @@ class TensorDictBase(LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, Me
     def __bool__(self) -> bool:
         # RuntimeError, as torch and tensordict raise for an ambiguous truth value.
         raise RuntimeError(
-            "The truth value of a tensordict is ambiguous: use .all() or .any(), "
-            "or .is_empty() to test for entries."
+            "Converting a tensordict to boolean value is not permitted (as tensordict): "
+            "its truth value is ambiguous; use .all(), .any() or .is_empty()."
         )
 
     # ---------------------------------------------------------------- keys and values
@@ -278,10 +278,10 @@ class TensorDictBase(LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, Me
     def _row_source(self, index: Any, value: Any, rows: torch.Size | None = None) -> Any:
         """What ``self[index] = value`` writes, as tensordict checks it: a dict becomes a
         tensordict of the indexed rows' batch size (its leaves have those batch dims), and
-        a tensordict's batch size must be theirs. A source's batch dims never broadcast: a
-        batch of 3 written into 2 rows was taken as a feature dim of every row, and a batch
-        of 1 repeated. Numbers and tensors broadcast to every leaf, as before. (Only here,
-        where the user writes: the writes into nested entries are checked leaf by leaf.)"""
+        a tensordict's batch size must be theirs, or their last dims (it is expanded, as
+        tensordict does: ``td[:1] = td[0]``; see batch.rows_source). Numbers and tensors
+        broadcast to every leaf, as before. (Only here, where the user writes: the writes
+        into nested entries are checked leaf by leaf.)"""
         if is_non_tensor(self) or (not isinstance(value, dict) and (
                 not is_tensor_collection(value) or is_non_tensor(value))):
             return value  # (a dict written into a non-tensor container is a value)
@@ -292,11 +292,7 @@ class TensorDictBase(LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, Me
 
             return TensorDict(value, batch_size=rows)
         if value.batch_size != rows:
-            raise BatchSizeMismatchError(
-                f"td[{index!r}] = value: the indexed rows have batch size {list(rows)} (of "
-                f"{list(self.batch_size)}), the source tensordict {list(value.batch_size)}: they "
-                "must be equal (as in tensordict). Index the source to those rows, or write a "
-                "number or tensor, which broadcasts to every leaf.")
+            value = batch_ops.rows_source(index, value, rows, self.batch_size)
         return value
 
     def __delitem__(self, key: NestedKey) -> None:
@@ -338,7 +334,7 @@ class TensorDictBase(LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, Me
         if self._get_path(path, None) is None:
             raise KeyError(
                 f"set_() writes in place into an existing entry, but key {key_repr(path)} "
-                f"does not exist in {type(self).__name__}. Use set() to add it."
+                f"does not exist: not found in {type(self).__name__}. Use set() to add it."
             )
         parent = self._parent_for_write(path, create=False)
         parent._set_str(path[-1], value, inplace=True, validated=False)
@@ -460,6 +456,8 @@ class TensorDictBase(LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, Me
         state["_lock_parents"] = {}
         state.pop("_row_write_plan", None)  # a cache of this process's leaves (see row_writes)
         state["_context_ops"] = []
+        if isinstance(state.get("_last_op"), tuple):  # a with-block write-back (keyops.py)
+            del state["_last_op"]
         return state
 
     def __setstate__(self, state: dict) -> None:

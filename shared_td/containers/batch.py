@@ -39,8 +39,13 @@ def as_batch_size(batch_size: Any) -> torch.Size:
     return size
 
 
-def shape_args(shape: tuple) -> torch.Size:
-    """Accept ``f(2, 3)``, ``f((2, 3))`` and ``f(torch.Size([2, 3]))`` alike."""
+def shape_args(shape: tuple, size: Any = None) -> torch.Size:
+    """Accept ``f(2, 3)``, ``f((2, 3))`` and ``f(torch.Size([2, 3]))`` alike, and
+    ``f(size=(2, 3))`` (the ``size`` keyword of tensordict's reshape and view)."""
+    if size is not None:
+        if shape:
+            raise TypeError(f"Pass the shape either by position or as size=, not both (got {shape} and {size}).")
+        shape = (size,)
     if len(shape) == 1 and not isinstance(shape[0], (int, np.integer)):
         shape = tuple(shape[0])
     return torch.Size([int(d) for d in shape])
@@ -129,8 +134,10 @@ def normalize_index(index: Any, batch_size: torch.Size) -> tuple:
         elif part is None or part is Ellipsis:
             continue
         else:
+            # (np.True_: a NumPy bool scalar, which torch 2.x refuses too, named as tensordict names it)
+            numpy_bool = " (a NumPy bool scalar)" if isinstance(part, np.bool_) else ""
             raise IndexTypeError(
-                f"Cannot index a tensordict with {part!r} of type {type(part).__name__}: "
+                f"Cannot index a tensordict with {part!r} of type {type(part).__name__}{numpy_bool}: "
                 "use ints, slices, None, Ellipsis, or bool/integer tensors or lists."
             )
     if sum(p is Ellipsis for p in parts) > 1:
@@ -316,3 +323,34 @@ def common_batch_prefix(shapes: Sequence[torch.Size]) -> torch.Size:
             n += 1
         prefix = prefix[:n]
     return torch.Size(prefix)
+
+
+def rows_source(index: Any, source: Any, rows: torch.Size, batch_size: torch.Size) -> Any:
+    """The tensordict ``source`` of ``td[index] = source`` fitted to the indexed ``rows``,
+    as tensordict 0.15.3 fits it: a source whose batch size (of one dim or more) is the
+    last dims of ``rows`` is expanded along the leading ones (``td[:1] = td[0]``); one
+    whose entries start with ``rows`` is taken with that batch size (a shallow copy);
+    any other raises (a batch of 1 is not repeated, nor one of 3 written into 2 rows).
+
+    Example:
+        >>> from shared_td import TensorDict
+        >>> src = TensorDict(a=torch.zeros(3, 5), batch_size=[3])
+        >>> rows_source((slice(0, 1),), src, torch.Size([1, 3]), torch.Size([4, 3])).batch_size
+        torch.Size([1, 3])
+    """
+    from shared_td.errors import BatchSizeMismatchError
+
+    size = source.batch_size
+    if 0 < len(size) < len(rows) and rows[len(rows) - len(size):] == size:
+        return source.expand(rows)
+    try:
+        fitted = source.copy()
+        fitted.batch_size = rows
+        return fitted
+    except (RuntimeError, ValueError, AttributeError):  # (the raise below names both sizes)
+        pass
+    raise BatchSizeMismatchError(
+        f"td[{index!r}] = value: the indexed rows have batch size {list(rows)} (of "
+        f"{list(batch_size)}), which differs from the source batch size: the source tensordict "
+        f"{list(size)} must have the rows' batch size, or their last dims (as in tensordict). "
+        "Index the source to those rows, or write a number or tensor, which broadcasts to every leaf.")

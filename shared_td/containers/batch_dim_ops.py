@@ -252,4 +252,6 @@ def _batch_dim(op: str, dim: int, ndim: int, what: str, error: type = BatchDimEr
     try:
         return batch_ops.normalize_dim(dim, ndim, what=what)
     except BatchDimError as out_of_range:
-        raise error(f"{op}: {out_of_range}") from None
+        # (transpose: with tensordict 0.15.3's words too, which ported code may match)
+        also = " dim0 and dim1 must be within the range of the number of dimensions." if op == "transpose" else ""
+        raise error(f"{op}: {out_of_range}{also}") from None

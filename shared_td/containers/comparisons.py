@@ -2,6 +2,7 @@
 the mixin ComparisonOps of TensorDictBase."""
 from __future__ import annotations
 
+import numbers
 import operator
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -17,12 +18,16 @@ if TYPE_CHECKING:  # (base imports this module)
 class ComparisonOps:
     """Element-wise comparisons over the leaves, and the truth of a whole tree."""
 
-    def _compare(self, other: Any, op: Callable) -> "TensorDictBase":
+    def _compare(self, other: Any, op: Callable, other_type: bool = False) -> "TensorDictBase | bool":
         from shared_td.containers.base import TensorDictBase, is_leaf_nontensor
 
         if isinstance(other, dict):
             other = type(self)(other, batch_size=self.batch_size)
         other = unwrap_tensorclass(other)  # td == tc compares entry by entry, as tc == td
+        if not isinstance(other, (TensorDictBase, torch.Tensor, numbers.Number)):
+            # As tensordict 0.15.3: a value of another type (None, a str, a list, an
+            # array) is not compared leaf by leaf: ``td == "z"`` is False, ``!=`` True.
+            return other_type
         if isinstance(other, TensorDictBase):
             missing = set(self.keys(True, True, is_leaf_nontensor)) ^ set(other.keys(True, True, is_leaf_nontensor))
             if missing:
@@ -38,7 +43,7 @@ class ComparisonOps:
         return self._compare(other, _equal)
 
     def __ne__(self, other: Any) -> "TensorDictBase":  # type: ignore[override]
-        return self._compare(other, _not_equal)
+        return self._compare(other, _not_equal, other_type=True)
 
     def __lt__(self, other: Any) -> "TensorDictBase":
         return self._compare(other, _ordered(operator.lt))
@@ -91,12 +96,16 @@ class ComparisonOps:
         size = torch.Size([n for i, n in enumerate(self.batch_size) if i != dim])
         if is_non_tensor(self):
             return _reduced_non_tensor(self, dim, size)
-        names = self.names
+        names = self._reduced_names()
         entries = {}
         for key, value in self.items():  # (a nested tensordict, stack or tensorclass reduces itself)
             entries[key] = _reduced_non_tensor(value, dim, size) if is_non_tensor(value) else getattr(value, op)(dim)
         return TensorDict(entries, batch_size=size, device=self.device,
                           names=None if names is None else names[:dim] + names[dim + 1 :])
+
+    def _reduced_names(self) -> list | None:
+        """The dim names that ``all(dim)``/``any(dim)`` keep (a lazy stack's differ)."""
+        return self.names
 
     def _leaf_tensors(self) -> Iterator[torch.Tensor]:
         for value in self.values(include_nested=True, leaves_only=True):

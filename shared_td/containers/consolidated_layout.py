@@ -35,6 +35,13 @@ class Layout:
         self._runs: list[tuple] | None = []
         self._positions: dict[int, int] | None = None
 
+    def __getitem__(self, key: str) -> torch.Tensor:
+        """``td._consolidated["storage"]``: the buffer, under the name tensordict 0.15.3
+        gives it in its ``_consolidated`` dict (code written for it reads it so)."""
+        if key != "storage":
+            raise KeyError(f"A consolidated layout has only 'storage' (the buffer), not {key!r}.")
+        return self.buffer
+
     def record(self, views: list[torch.Tensor], *, entries: list[tuple] | None = None,
                runs: list[tuple] | None = None) -> None:
         """``views`` of the buffer, described by their entries, their runs, or both."""

@@ -1,7 +1,8 @@
 """Small operations of every tensordict class that ported code uses every day:
 ``detach``, ``update_at_``, ``to_tensordict``, ``copy``, ``get_at``, ``set_at_``,
-``setdefault``, ``sorted_keys`` and the ``TensorDict.lazy_stack`` classmethod (tensordict
-0.15.3's names and signatures)."""
+``setdefault``, ``sorted_keys``, ``clear``, ``popitem``, ``create_nested``, ``entry_class``,
+``ndimension``, ``to_lazystack``, ``copy_at_`` and the ``TensorDict.lazy_stack`` classmethod
+(tensordict 0.15.3's names and signatures)."""
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -145,8 +146,13 @@ class ConvenienceOps:
                 rows = batch_ops.index_and_size(index, entry.batch_size)[0]
                 parent._tensordict[path[-1]] = entry._set_at(rows, value)
             else:  # (below a lazy stack, entry is a new stacked tensor: written through the stack)
+                import numpy as np
+                import torch
+
                 from shared_td.containers.index_writes import leaf_write
 
+                if isinstance(value, np.ndarray):  # as set() takes one: a tensor (tensordict)
+                    value = torch.as_tensor(value, device=getattr(entry, "device", None))
                 leaf_write(unwrap_tensorclass(self), unravel_key(key), entry, value, index)()
         except (RuntimeError, IndexError, TypeError) as err:
             raise type(err)(f"set_at_({key!r}, ..., {index!r}): {err}") from err
@@ -164,9 +170,196 @@ class ConvenienceOps:
         """The keys of this level, sorted."""
         return sorted(self.keys())
 
+    # --- dict methods, as tensordict 0.15.3 has them (a locked tensordict refuses them:
+    # the first ``del`` raises before anything is removed).
+    def clear(self) -> Any:
+        """Remove every entry; returns self.
+
+        Example:
+            >>> TensorDict(a=torch.zeros(2), batch_size=[2]).clear().is_empty()
+            True
+        """
+        for key in list(self.keys()):
+            del self[key]
+        return self
+
+    def popitem(self) -> tuple:
+        """Remove the entry added last and return ``(key, value)``; KeyError if empty.
+
+        Example:
+            >>> TensorDict(a=torch.zeros(2), b=torch.ones(2), batch_size=[2]).popitem()[0]
+            'b'
+        """
+        keys = list(self.keys())
+        if not keys:
+            raise KeyError(f"popitem(): the {type(self).__name__} has no entry.")
+        return keys[-1], self.pop(keys[-1])
+
+    def create_nested(self, key: NestedKey) -> Any:
+        """Set an empty tensordict of this batch size, device and names at ``key``
+        (its missing parents too); returns self.
+
+        Example:
+            >>> td = TensorDict(batch_size=[2]).create_nested(("a", "b"))
+            >>> td["a", "b"].batch_size
+            torch.Size([2])
+        """
+        from shared_td.containers.tensordict import TensorDict
+
+        return self.set(key, TensorDict(batch_size=self.batch_size, device=self.device, names=self.names))
+
+    def entry_class(self, key: NestedKey) -> type:
+        """The class of the entry at ``key`` (``type(td.get(key))``)."""
+        return type(self.get(key))
+
+    def ndimension(self) -> int:
+        """The number of batch dims (``batch_dims``, as ``torch.Tensor.ndimension``)."""
+        return self.batch_dims
+
+    def to_lazystack(self, dim: int = 0) -> Any:
+        """A lazy stack along batch dim ``dim`` of this tensordict's elements (views of
+        it); a lazy stack along ``dim`` already is returned as it is. The dim names are
+        kept (tensordict 0.15.3 drops the name of ``dim``).
+
+        Example:
+            >>> td = TensorDict(a=torch.zeros(2, 3), batch_size=[2, 3], names=["x", "y"])
+            >>> lazy = td.to_lazystack(1)
+            >>> type(lazy).__name__, lazy.stack_dim, lazy.names
+            ('LazyStackedTensorDict', 1, ['x', 'y'])
+        """
+        from shared_td.containers import batch as batch_ops
+        from shared_td.containers.lazy import LazyStackedTensorDict
+
+        dim = batch_ops.normalize_dim(dim, self.batch_dims)
+        if isinstance(self, LazyStackedTensorDict) and self.stack_dim == dim:
+            return self
+        names = self.names
+        return LazyStackedTensorDict.lazy_stack(list(self.unbind(dim)), dim,
+                                                stack_dim_name=None if names is None else names[dim])
+
+    def copy_at_(self, tensordict: Any, idx: Any, non_blocking: bool = False, *, fast: bool = True) -> Any:
+        """``update_at_(tensordict, idx)`` under tensordict 0.15.3's other name.
+        ``non_blocking`` and ``fast`` are accepted and change nothing: non-tensor
+        entries are written too (tensordict raises for them with ``fast=True``)."""
+        return self.update_at_(tensordict, idx)
+
     @classmethod
     def lazy_stack(cls, input: Sequence[Any], dim: int = 0, *, out: Any = None, **kwargs: Any) -> Any:
         """``TensorDict.lazy_stack(tds, dim)``: the same as ``shared_td.lazy_stack``."""
         from shared_td.containers.lazy import LazyStackedTensorDict
 
         return LazyStackedTensorDict.lazy_stack(input, dim, out=out, **kwargs)
+
+    # --- tensordict 0.15.3's tensor-like constructors and copies along the batch dims
+    def stack_tensors(self, *keys: NestedKey, out_key: NestedKey, dim: int = 0,
+                      keep_entries: bool = False) -> Any:
+        """Set ``out_key`` to ``torch.stack`` of the tensors at ``keys`` along ``dim`` (a
+        dim of the tensors, as torch counts it) and remove ``keys`` unless
+        ``keep_entries``; returns self.
+
+        Example:
+            >>> td = TensorDict(a=torch.zeros(2, 3), b=torch.ones(2, 3), batch_size=[2])
+            >>> td.stack_tensors("a", "b", out_key="ab", dim=-1)["ab"].shape, sorted(td.keys())
+            (torch.Size([2, 3, 2]), ['ab'])
+        """
+        import torch
+
+        return self._joined_tensors(torch.stack, keys, out_key, dim, keep_entries)
+
+    def cat_tensors(self, *keys: NestedKey, out_key: NestedKey, dim: int = 0,
+                    keep_entries: bool = False) -> Any:
+        """As :meth:`stack_tensors`, with ``torch.cat``."""
+        import torch
+
+        return self._joined_tensors(torch.cat, keys, out_key, dim, keep_entries)
+
+    def _joined_tensors(self, join: Any, keys: tuple, out_key: NestedKey, dim: int, keep_entries: bool) -> Any:
+        # set first: a locked tensordict raises before anything is removed
+        self.set(out_key, join([self.get(key) for key in keys], dim))
+        if not keep_entries:
+            for key in keys:
+                if unravel_key(key) != unravel_key(out_key):
+                    del self[key]
+        return self
+
+    def new_empty(self, *size: Any, dtype: Any = None, device: Any = None, requires_grad: bool = False,
+                  **ignored: Any) -> Any:
+        """A new tensordict of batch size ``size`` with this one's entries, each an
+        uninitialized tensor of its dtype and feature shape (``dtype``/``device``
+        override them). ``layout``, ``pin_memory`` and ``empty_lazy`` are accepted and
+        ignored; a lazy stack gives a TensorDict."""
+        return self._new_like(size, lambda x, shape, kw: x.new_empty(shape, **kw), dtype, device, requires_grad)
+
+    def new_zeros(self, *size: Any, dtype: Any = None, device: Any = None, requires_grad: bool = False,
+                  **ignored: Any) -> Any:
+        """As :meth:`new_empty`, filled with zeros.
+
+        Example:
+            >>> TensorDict(a=torch.ones(3, 4), batch_size=[3]).new_zeros(2, 5)["a"].shape
+            torch.Size([2, 5, 4])
+        """
+        return self._new_like(size, lambda x, shape, kw: x.new_zeros(shape, **kw), dtype, device, requires_grad)
+
+    def new_ones(self, *size: Any, dtype: Any = None, device: Any = None, requires_grad: bool = False,
+                 **ignored: Any) -> Any:
+        """As :meth:`new_empty`, filled with ones."""
+        return self._new_like(size, lambda x, shape, kw: x.new_ones(shape, **kw), dtype, device, requires_grad)
+
+    def new_full(self, size: Any, fill_value: Any, *, dtype: Any = None, device: Any = None,
+                 requires_grad: bool = False, **ignored: Any) -> Any:
+        """As :meth:`new_empty`, filled with ``fill_value``."""
+        return self._new_like((size,), lambda x, shape, kw: x.new_full(shape, fill_value, **kw),
+                              dtype, device, requires_grad)
+
+    def _new_like(self, size: tuple, make: Any, dtype: Any, device: Any, requires_grad: bool) -> Any:
+        from shared_td.containers import batch as batch_ops
+
+        size = batch_ops.shape_args(size)
+        dense = self._dense_for_copy()
+        nb = dense.batch_dims
+
+        def entry(x: Any) -> Any:
+            kw = {"dtype": dtype or x.dtype, "device": device or x.device, "requires_grad": requires_grad}
+            return make(x, (*size, *x.shape[nb:]), kw)
+
+        return dense.apply(entry, batch_size=size)
+
+    def repeat(self, *repeats: int) -> Any:
+        """Repeat the batch dims as ``torch.Tensor.repeat`` does (one count per batch
+        dim; the feature dims are kept). A lazy stack gives a TensorDict.
+
+        Example:
+            >>> TensorDict(a=torch.arange(2), batch_size=[2]).repeat(3)["a"].tolist()
+            [0, 1, 0, 1, 0, 1]
+        """
+        from shared_td.containers import batch as batch_ops
+
+        repeats = batch_ops.shape_args(repeats)
+        dense = self._dense_for_copy()
+        nb = dense.batch_dims
+        size = batch_ops._probe(dense.batch_size).repeat(*repeats).shape
+        return dense.apply(lambda x: x.repeat(*repeats, *[1] * (x.ndim - nb)), batch_size=size)
+
+    def repeat_interleave(self, repeats: Any, dim: int | None = None, *, output_size: int | None = None) -> Any:
+        """``torch.repeat_interleave`` along batch dim ``dim`` (of the flattened batch
+        dims when ``dim`` is None), as tensordict does. A lazy stack gives a TensorDict.
+
+        Example:
+            >>> TensorDict(a=torch.arange(2), batch_size=[2]).repeat_interleave(2)["a"].tolist()
+            [0, 0, 1, 1]
+        """
+        from shared_td.containers import batch as batch_ops
+
+        dense = self._dense_for_copy()
+        if dim is None:
+            dense, dim = dense.reshape(-1), 0
+        dim = batch_ops.normalize_dim(dim, dense.batch_dims)
+        size = batch_ops._probe(dense.batch_size).repeat_interleave(repeats, dim=dim, output_size=output_size).shape
+        return dense.apply(lambda x: x.repeat_interleave(repeats, dim=dim, output_size=output_size),
+                           batch_size=size)
+
+    def _dense_for_copy(self) -> Any:
+        """Self, or for a lazy stack its dense copy (new-tensor ops give a TensorDict)."""
+        from shared_td.containers.lazy import LazyStackedTensorDict
+
+        return self.contiguous() if isinstance(self, LazyStackedTensorDict) else self

@@ -214,6 +214,7 @@ TORCH_FUNCTIONS = {
     torch.unflatten: lambda td, dim, sizes: td.unflatten(dim, sizes),
     torch.reshape: lambda td, shape: td.reshape(shape),
     torch.clone: lambda td: td.clone(),
+    torch.masked_select: lambda td, mask: td[mask],  # the masked rows, as tensordict
     **{fn: _like(fn) for fn in (torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like,
                                 torch.rand_like, torch.randn_like)},
 }

@@ -109,9 +109,12 @@ def _zeros_like_entry(source: Any, batch_size: torch.Size, target_batch: torch.S
         feature = source.shape[len(target_batch):]
         return torch.zeros(batch_size + feature, dtype=source.dtype, device=source.device)
     if is_non_tensor(source):
-        from shared_td.containers.nontensor import NonTensorData
+        from shared_td.containers.nontensor import NonTensorData, NonTensorStack
 
-        return NonTensorData(None, batch_size=batch_size)
+        # As tensordict 0.15.3: one value (a NonTensorData) fills the new entry's every
+        # row, the rows not written included; a stack's values leave None in the others.
+        value = None if isinstance(source, NonTensorStack) else source.data
+        return NonTensorData(value, batch_size=batch_size)
     return source.empty(batch_size=batch_size) if hasattr(source, "empty") else source
 
 

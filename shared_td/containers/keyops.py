@@ -11,8 +11,10 @@ from shared_td.keys import NestedKey, unravel_key
 class KeyOps:
     """Mixin of TensorDict (it relies on ``_tensordict``, ``empty`` and ``_empty_child``)."""
 
-    def select(self, *keys: NestedKey, inplace: bool = False, strict: bool = True) -> "KeyOps":
-        """A tensordict with only ``keys`` (nested keys select inside nested tensordicts)."""
+    def select(self, *keys: NestedKey, inplace: bool = False, strict: bool = True,
+               as_tensordict: bool = False) -> "KeyOps":
+        """A tensordict with only ``keys`` (nested keys select inside nested tensordicts).
+        ``as_tensordict`` (a tensorclass's option) is accepted and ignored, as in tensordict."""
         out = self.empty()
         for key in keys:
             path = unravel_key(key)
@@ -66,21 +68,73 @@ class KeyOps:
         for key in self.keys(True, True, is_leaf_nontensor):
             name = key if isinstance(key, str) else separator.join(key)
             if name in entries:
-                raise KeyError(f"Flattening gives the key {name!r} twice; choose another separator.")
+                raise KeyError(f"Flattening keys in tensordict causes keys to collide: {name!r} twice; "
+                               "choose another separator.")
             entries[name] = self.get(key)
         if inplace:
             self._check_unlocked((), "flatten its keys")
             self._tensordict = entries
             return self
-        return type(self)._new_unsafe(entries, self._batch_size, self._device, self.names)
+        out = type(self)._new_unsafe(entries, self._batch_size, self._device, self.names)
+        out._last_op = keys_write_back(self, "flatten_keys", separator)
+        return out
 
     def unflatten_keys(self, separator: str = ".", inplace: bool = False) -> "KeyOps":
-        """The inverse of ``flatten_keys``: ``"a.b"`` becomes ``("a", "b")``."""
+        """The inverse of ``flatten_keys``: ``"a.b"`` becomes ``("a", "b")``.
+
+        Raises:
+            KeyError: if two keys give one entry, or an entry below another one
+                (``"a.b"`` beside ``"a"`` holding ``"b"``), as tensordict 0.15.3 raises.
+        """
         out = self.empty()
         for key, value in self._tensordict.items():
-            out.set(tuple(key.split(separator)), value)
+            path = tuple(key.split(separator))
+            if _taken(out, path):
+                raise KeyError(
+                    "Unflattening key(s) in tensordict will override an existing for unflattened key "
+                    f"{path!r} (from {key!r}); choose another separator."
+                )
+            out.set(path, value)
         if inplace:
             self._check_unlocked((), "unflatten its keys")
             self._tensordict = out._tensordict
             return self
+        out._last_op = keys_write_back(self, "unflatten_keys", separator)
         return out
+
+
+def _taken(td: "KeyOps", path: tuple) -> bool:
+    """Whether setting ``path`` in ``td`` would replace an entry, or go through a value
+    that is not a tensordict."""
+    node = td
+    for i, part in enumerate(path):
+        value = node._tensordict.get(part) if hasattr(node, "_tensordict") else None
+        if value is None:
+            return False
+        if i == len(path) - 1 or not isinstance(value, type(td)):
+            return True
+        node = value
+    return False
+
+
+def keys_write_back(source: "KeyOps", method: str, separator: str) -> tuple:
+    """The ``_last_op`` of what ``source.flatten_keys(separator)`` (or ``unflatten_keys``)
+    returns: leaving ``with source.flatten_keys(",") as flat:`` writes ``flat``'s
+    entries back into ``source`` (``update`` of the inverse op's result), as tensordict
+    0.15.3 does, so the keys added or replaced in the block reach ``source``; a locked
+    ``source`` is left as it is. (Removed keys are not removed from ``source``.)
+
+    Example:
+        >>> td = TensorDict(batch_size=[2])
+        >>> with td.flatten_keys(",") as flat:
+        ...     flat["a,b"] = torch.zeros(2)
+        >>> td["a", "b"].shape
+        torch.Size([2])
+    """
+    inverse = "unflatten_keys" if method == "flatten_keys" else "flatten_keys"
+
+    def write_back(result: "KeyOps") -> None:
+        if not source.is_locked:
+            source.update(getattr(result, inverse)(separator))
+
+    return ("write_back", write_back)

@@ -13,6 +13,7 @@ They do not import this module; the class is named only here.
 """
 from __future__ import annotations
 
+import numbers
 from typing import Any, Callable, Sequence
 
 import torch
@@ -20,7 +21,7 @@ import torch
 from shared_td.containers import batch as batch_ops
 from shared_td.containers.base import NO_DEFAULT, TensorDictBase, is_non_tensor, is_tensor_collection
 from shared_td.containers.batch_dim_ops import LazyBatchDimOps
-from shared_td.containers.lazy_names import LazyNames, checked_stack_dim_name
+from shared_td.containers.lazy_names import LazyNames, checked_stack_dim_name, names_members_agree_on
 from shared_td.containers.lazy_shape import LazyShapeOps, _into
 from shared_td.containers.lazy_writes import LazyWriteOps, _is_branch, _peek
 from shared_td.errors import BatchSizeMismatchError
@@ -262,7 +263,11 @@ class LazyStackedTensorDict(LazyNames, LazyShapeOps, LazyBatchDimOps, LazyWriteO
         return values[0]
 
     def __contains__(self, key: NestedKey) -> bool:
+        """``key in lazy``: a key every member has; a tensordict or tensorclass is in
+        the stack if it is one of its members (identity, as tensordict 0.15.3)."""
         if not is_nested_key(key):
+            if is_tensor_collection(key):
+                return any(key is member for member in self.tensordicts)
             return super().__contains__(key)  # raises the TypeError
         if not isinstance(key, str):
             key = unravel_key(key)
@@ -352,8 +357,10 @@ class LazyStackedTensorDict(LazyNames, LazyShapeOps, LazyBatchDimOps, LazyWriteO
         return value
 
     # ---------------------------------------------------------------- conversions
-    def to_tensordict(self) -> Any:
-        """A dense TensorDict (a copy); raises a RuntimeError naming a heterogeneous key."""
+    def to_tensordict(self, *, retain_none: bool | None = None) -> Any:
+        """A dense TensorDict (a copy); raises a RuntimeError naming a heterogeneous key.
+        ``retain_none`` is accepted, as tensordict 0.15.3 takes it, and ignored (no entry
+        holds None here)."""
         from shared_td.containers.tensordict import TensorDict
 
         entries = {}
@@ -407,7 +414,9 @@ class LazyStackedTensorDict(LazyNames, LazyShapeOps, LazyBatchDimOps, LazyWriteO
                 entries[key] = fn(path if len(path) > 1 else key, value)
         return TensorDict._new_unsafe(entries, self.batch_size, self.device)
 
-    def _compare(self, other: Any, op: Callable) -> "LazyStackedTensorDict":
+    def _compare(self, other: Any, op: Callable, other_type: bool = False) -> "LazyStackedTensorDict | bool":
+        if not (isinstance(other, (dict, torch.Tensor, numbers.Number)) or _is_branch(other)):
+            return other_type  # (a str, None, a list: as ComparisonOps._compare)
         if isinstance(other, dict) or _is_branch(other):
             parts = self._split_value("other", other)  # raises on a batch size mismatch
         elif isinstance(other, torch.Tensor) and other.ndim and other.shape[: self.batch_dims] == self.batch_size:
@@ -415,6 +424,11 @@ class LazyStackedTensorDict(LazyNames, LazyShapeOps, LazyBatchDimOps, LazyWriteO
         else:
             parts = [other] * len(self.tensordicts)
         return self._restack([m._compare(o, op) for m, o in zip(self.tensordicts, parts)])
+
+    def _reduced_names(self) -> list | None:
+        # (all(dim)/any(dim): a dim the members name differently is unnamed in the
+        # result, as in tensordict 0.15.3, where reading ``names`` raises)
+        return names_members_agree_on(self)
 
     def all(self, dim: int | None = None) -> Any:
         """True if every element of every leaf of every member is true; with ``dim``, a

@@ -143,3 +143,28 @@ def checked_stack_dim_name(name: Any, members: list) -> str:
             "another name, or rename the members' dim first."
         )
     return name
+
+
+def names_members_agree_on(lazy: Any) -> list | None:
+    """``lazy.names``, except that a dim its members name differently is unnamed (None)
+    where ``names`` raises: what ``all(dim)``/``any(dim)`` keep, as tensordict 0.15.3
+    gives such a dim no name there.
+
+    Example:
+        >>> import torch
+        >>> from shared_td import LazyStackedTensorDict, TensorDict
+        >>> lazy = LazyStackedTensorDict(
+        ...     TensorDict({}, [3, 2], names=["x", "p"]),
+        ...     TensorDict({}, [3, 2], names=["x", "q"]))
+        >>> names_members_agree_on(lazy)
+        [None, 'x', None]
+    """
+    every = [member.names for member in lazy.tensordicts]
+    if all(names == every[0] for names in every):
+        return lazy.names
+    agreed = []
+    for dim in range(len(lazy._member_batch)):
+        seen = {None if names is None else names[dim] for names in every}
+        agreed.append(seen.pop() if len(seen) == 1 else None)
+    agreed.insert(lazy._stack_dim, lazy._stack_dim_name)
+    return None if all(name is None for name in agreed) else agreed

@@ -195,7 +195,11 @@ class LazyShapeOps:
 
     def _keys_renamed(self, method: str, separator: str, inplace: bool) -> "LazyStackedTensorDict":
         if not inplace:
-            return self._restack([getattr(m, method)(separator) for m in self.tensordicts])
+            from shared_td.containers.keyops import keys_write_back
+
+            out = self._restack([getattr(m, method)(separator) for m in self.tensordicts])
+            out._last_op = keys_write_back(self, method, separator)
+            return out
         for member in self.tensordicts:  # a locked member raises before any is changed
             member._check_unlocked((), f"{method.replace('_', ' ')} in place")
         for member in self.tensordicts:
@@ -215,8 +219,9 @@ class LazyShapeOps:
         """A lazy stack of the members' ``empty()``."""
         return self._restack([m.empty(recurse) for m in self.tensordicts])
 
-    def select(self, *keys: NestedKey, inplace: bool = False, strict: bool = True) -> "LazyStackedTensorDict":
-        """A lazy stack of the members' ``select(*keys)``."""
+    def select(self, *keys: NestedKey, inplace: bool = False, strict: bool = True,
+               as_tensordict: bool = False) -> "LazyStackedTensorDict":
+        """A lazy stack of the members' ``select(*keys)`` (``as_tensordict`` is ignored, as in tensordict)."""
         out = [m.select(*keys, inplace=inplace, strict=strict) for m in self.tensordicts]
         return self if inplace else self._restack(out)
 
@@ -288,10 +293,10 @@ class LazyShapeOps:
         member_size = torch.Size(size[:sd] + size[sd + 1 :])
         return self._restack([m.expand(member_size) for m in members], sd)
 
-    def reshape(self, *shape: Any) -> Any:
+    def reshape(self, *shape: Any, size: Any = None) -> Any:
         """Reshape the batch dims: nested lazy stacks of the members' elements (views)."""
         positions = torch.arange(self.numel()).reshape(self.batch_size)
-        positions = positions.reshape(batch_ops.shape_args(shape))
+        positions = positions.reshape(batch_ops.shape_args(shape, size))
         if positions.shape == self.batch_size:
             return self
         return self._from_positions(positions)

@@ -115,7 +115,7 @@ class LazyWriteOps:
     def _empty_child(self) -> "LazyStackedTensorDict":
         return self._restack([m._empty_child() for m in self.tensordicts])
 
-    def update(self, other: Any, *, inplace: bool = False, keys_to_update=None,
+    def update(self, other: Any, clone: bool = False, inplace: bool = False, *, keys_to_update=None,
                non_blocking: bool = False) -> "LazyStackedTensorDict":
         """As TensorDict.update, member by member: ``other`` is split along ``stack_dim``
         (a lazy stack of the same layout gives its members). Checked before writing."""
@@ -123,18 +123,22 @@ class LazyWriteOps:
         for member, part in zip(self.tensordicts, parts):
             _check_write(member, part, replace=not inplace)
         for member, part in zip(self.tensordicts, parts):
-            member.update(part, inplace=inplace, keys_to_update=keys_to_update)
+            member.update(part, clone, inplace=inplace, keys_to_update=keys_to_update)
         return self
 
     def update_(self, other: Any, *, keys_to_update=None, non_blocking: bool = False) -> "LazyStackedTensorDict":
         """As TensorDict.update_, member by member (see ``update``)."""
         parts = self._update_parts(other)
-        for key in parts[0].keys(True, True, is_leaf_nontensor) if parts else ():
-            if key not in self:
-                raise KeyError(
-                    f"update_() writes in place, but key {key_repr(unravel_key(key))} does not "
-                    f"exist in {type(self).__name__}. Use update() to add it."
-                )
+        # (key by member: the members of a heterogeneous stack hold different keys, and
+        # each is written with its own part, as tensordict 0.15.3 does -- torch.cat(...,
+        # out=lazy) writes so)
+        missing = next((key for member, part in zip(self.tensordicts, parts)
+                        for key in part.keys(True, True, is_leaf_nontensor) if key not in member), None)
+        if missing is not None:
+            raise KeyError(
+                f"update_() writes in place, but key {key_repr(unravel_key(missing))} does not "
+                f"exist in {type(self).__name__}. Use update() to add it."
+            )
         for member, part in zip(self.tensordicts, parts):
             _check_write(member, part)
         for member, part in zip(self.tensordicts, parts):

@@ -173,3 +173,5 @@ class LockingOps:
             self.lock_()
         elif op == "lock_":
             self.unlock_()
+        elif isinstance(op, tuple) and op[0] == "write_back":  # (keyops.keys_write_back)
+            op[1](self)

@@ -55,6 +55,11 @@ class NonTensorData(NonTensorDataBase):
     def data(self, value: Any) -> None:
         self._payload = value
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the value (a function held as a non-tensor), as tensordict 0.15.3 does:
+        ``td.apply(lambda x, f: f(x), fns)`` calls each held function."""
+        return self.data(*args, **kwargs)
+
     def _python_value(self) -> Any:
         return self.data
 
@@ -131,10 +136,17 @@ class NonTensorData(NonTensorDataBase):
         return stack._set_at(index, source)
 
     def _set_at_index(self, index: Any, value: Any) -> None:
-        """``data[index] = value``: refused, as in tensordict 0.15.3 (a ValueError). A
+        """``data[index] = value``: refused, as in tensordict 0.15.3 (a ValueError),
+        unless one value is written over the whole of a 0-d entry (then in place). A
         NonTensorData holds one value for the whole batch and cannot turn itself into a
         stack; before, this was an AttributeError ('_set_at_index'). A tensordict that
         holds the entry can: ``td[index] = ...`` there replaces it with a stack."""
+        if not self._batch_size:
+            source = value if isinstance(value, NonTensorBase) else NonTensorData(value, batch_size=[])
+            values = broadcast_values(source, batch_ops.indexed_batch_size(self._batch_size, index))
+            if values and all(_same_value(v, values[0]) for v in values):
+                self._update_(NonTensorData(values[0], batch_size=[]))
+                return
         raise ValueError(
             "A NonTensorData holds one value for all its elements, so it cannot take "
             f"another value at index {index!r}. Call maybe_to_stack() to get a "
@@ -254,7 +266,20 @@ class NonTensorStack(NonTensorBase):
             piece = NonTensorStack._from_flat(values, new_positions.shape, self._device, members)
         if self._is_memmap or self._is_shared or self._shared_value is not None:
             piece._copy_of_stored_stack = True  # (see NonTensorBase._refuse_copy_write)
+        else:  # its in-place writes reach this stack, as tensordict's (whose pieces hold its members)
+            piece._piece_of = (self, taken)
         return piece
+
+    def _write_positions(self, positions: list, values: list) -> None:
+        """Put ``values`` at the flat ``positions``, in place: the write of a piece
+        (``_piece_of``), passed on to the stack this one is a piece of."""
+        with self._updating():
+            stored = list(self._values)
+            for position, value in zip(positions, values):
+                stored[position] = value
+            self._values = stored
+            self._members = None  # new values: no longer the stacked members
+            self._after_update()
 
     def _flat_members(self) -> list:
         return [None] * len(self._values) if self._members is None else list(self._members)

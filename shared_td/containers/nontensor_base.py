@@ -93,6 +93,30 @@ class NonTensorBase(NonTensorBatchDimOps, TensorDictBase):
         order = batch_ops.shape_args(dims)
         return self._transform(lambda positions: positions.permute(*order))
 
+    def repeat(self, *repeats: Any) -> "NonTensorBase":
+        """The batch dims repeated as ``torch.Tensor.repeat`` does: a new entry (a copy,
+        not a view: its writes do not reach self), as in tensordict 0.15.3.
+
+        Example:
+            >>> from shared_td import NonTensorStack
+            >>> NonTensorStack("a", "b").repeat(2).tolist()
+            ['a', 'b', 'a', 'b']
+        """
+        counts = batch_ops.shape_args(repeats)
+        return self._transform(lambda positions: positions.repeat(*counts)).clone()
+
+    def repeat_interleave(self, repeats: Any, dim: int | None = None, *, output_size: int | None = None) -> "NonTensorBase":
+        """``torch.repeat_interleave`` of the batch dims (flattened when ``dim`` is None):
+        a new entry, as ``repeat``.
+
+        Example:
+            >>> from shared_td import NonTensorStack
+            >>> NonTensorStack("a", "b").repeat_interleave(2).tolist()
+            ['a', 'a', 'b', 'b']
+        """
+        return self._transform(
+            lambda positions: positions.repeat_interleave(repeats, dim=dim, output_size=output_size)).clone()
+
     def contiguous(self) -> "NonTensorBase":
         return self.clone()
 
@@ -184,6 +208,17 @@ class NonTensorBase(NonTensorBatchDimOps, TensorDictBase):
             from shared_td.persist.writer import rewrite_node
 
             rewrite_node(entry, entry._memmap_prefix)
+        piece_of = self.__dict__.get("_piece_of")
+        if piece_of is not None:  # a piece of a plain NonTensorStack: the write reaches the stack
+            stack, positions = piece_of
+            stack._write_positions(positions, self._flat_values())
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        # the stack a piece writes into stays here: a pickled row (a DataLoader worker's
+        # td[i]) would carry the whole stack, and a copy's writes reach no stack anyway
+        state.pop("_piece_of", None)
+        return state
 
     def _check_update(self, value: Any) -> None:
         """Raise if ``_update_(value)`` would fail (it writes nothing)."""

@@ -31,20 +31,33 @@ class BatchShapeOps:
             lambda v: v.expand(*size, *v.shape[nb:]), size, names
         )
 
-    def reshape(self, *shape: Any) -> "TensorDict":
-        """Reshape the batch dims (``-1`` allowed); feature dims are kept."""
+    def expand_as(self, other: Any) -> "TensorDict":
+        """Each entry expanded as the same entry of the tensordict ``other``
+        (``torch.Tensor.expand_as`` leaf by leaf); the result has ``other``'s batch size.
+
+        Example:
+            >>> td = TensorDict(a=torch.ones(3, 1, 4), batch_size=[3])
+            >>> td.expand_as(TensorDict(a=torch.zeros(2, 3, 5, 4), batch_size=[2, 3]))["a"].shape
+            torch.Size([2, 3, 5, 4])
+        """
+        return self.apply(lambda value, like: value.expand_as(like), other, batch_size=other.batch_size)
+
+    def reshape(self, *shape: Any, size: Any = None) -> "TensorDict":
+        """Reshape the batch dims (``-1`` allowed); feature dims are kept. The shape may
+        also be given as ``size=`` (as tensordict 0.15.3)."""
         nb = self.batch_dims
         size = torch.zeros((), dtype=torch.uint8).expand(self._batch_size).reshape(
-            batch_ops.shape_args(shape)
+            batch_ops.shape_args(shape, size)
         ).shape
         return self._map_entries(lambda v: v.reshape(*size, *v.shape[nb:]), size)
 
-    def view(self, *shape: Any) -> "TensorDict":
-        """A view with reshaped batch dims (the storage is shared; raises if impossible)."""
+    def view(self, *shape: Any, size: Any = None) -> "TensorDict":
+        """A view with reshaped batch dims (the storage is shared; raises if impossible);
+        the shape may also be given as ``size=``."""
         if len(shape) == 1 and isinstance(shape[0], torch.dtype):
             raise TypeError("TensorDict.view(dtype) is not supported; use .to(dtype).")
         nb = self.batch_dims
-        size = torch.empty(self._batch_size, device="meta").view(batch_ops.shape_args(shape)).shape
+        size = torch.empty(self._batch_size, device="meta").view(batch_ops.shape_args(shape, size)).shape
         return self._map_entries(lambda v: v.view(*size, *v.shape[nb:]), size, is_view=True)
 
     def unsqueeze(self, dim: int) -> "TensorDict":
@@ -102,7 +115,9 @@ class BatchShapeOps:
         shapes = []
         for value in self._tensordict.values():
             if is_non_tensor(value):
-                continue  # follows whatever batch size we choose
+                if value.batch_size:  # as in tensordict 0.15.3, only a 0-d one follows any batch size
+                    shapes.append(value.batch_size)
+                continue
             if isinstance(value, BatchShapeOps):
                 compliant = keep_compliant_size and batch_dims is not None and value.batch_dims >= batch_dims
                 if not compliant:

@@ -181,6 +181,15 @@ class TensorClass:
         tensorclass(autocast=autocast, tensor_only=tensor_only, cast_filter=cast_filter,
                     kw_only=kw_only, **options)(cls)
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # the base (and TensorClass["..."]) has no fields: an instance of it holds nothing,
+        # so it is refused, as in tensordict 0.15.3
+        if cls is TensorClass or cls.__dict__.get("_tc_flags_only"):
+            raise NotImplementedError(
+                f"{cls.__name__} is a base class and cannot be instantiated: subclass it with "
+                "fields (class Step(TensorClass): obs: torch.Tensor) and instantiate the subclass.")
+        return super().__new__(cls)
+
     def __class_getitem__(cls, item: Any) -> type:
         flags = item if isinstance(item, tuple) else (item,)
         unknown = [flag for flag in flags if not isinstance(flag, str) or flag not in _FLAGS]
@@ -188,7 +197,8 @@ class TensorClass:
             # a generic tensorclass (class Base(TensorClass, Generic[T])): Base[int]
             return super().__class_getitem__(item)
         if unknown:
-            raise TypeError(f"TensorClass[...] accepts the flags {_FLAGS}, got {unknown}.")
+            raise TypeError(f"TensorClass is not a generic class, so TensorClass[...] only accepts "
+                            f"the flags {_FLAGS}, got {unknown}.")
         tensorclass(**{flag: True for flag in flags})  # refuses what the decorator refuses
         namespace = {"_tc_flags_only": True, "__module__": cls.__module__}
         namespace.update({_FLAG_ATTRIBUTES[flag]: True for flag in flags if flag in _FLAG_ATTRIBUTES})

@@ -323,6 +323,8 @@ class _TensorClassMembers:
             # (asked of the keys: reading a ragged entry of a lazy stack without kwargs raises)
             if path[0] not in self._tensordict.keys():
                 return None if default is NO_DEFAULT else default
+        elif len(path) == 1 and isinstance(getattr(type(self), path[0], None), property):
+            return getattr(self, path[0])  # tc.get("batch_size") is tc.batch_size, as in tensordict
         value = self._tensordict.get(path, default, **kwargs)
         return value._python_value() if is_non_tensor(value) else value
 

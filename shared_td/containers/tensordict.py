@@ -220,7 +220,7 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, BatchDimOps, IndexWrites
         tensordict's device."""
         if shape[: len(self._batch_size)] != self._batch_size:
             raise BatchSizeMismatchError(
-                f"Batch dimension mismatch for key {key!r}: the value has shape "
+                f"batch dimension mismatch for key {key!r}: the value has shape "
                 f"{list(shape)} but the tensordict has batch_size {list(self._batch_size)}; "
                 "the leading dims of every value must equal the batch size "
                 "(expand, reshape or index the value, or change batch_size)."
@@ -503,21 +503,20 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, BatchDimOps, IndexWrites
     @classmethod
     def from_dict(
         cls, input_dict: dict, batch_size: Any = None, device: Any = None,
-        names: Any = None, auto_batch_size: bool = False,
+        names: Any = None, auto_batch_size: bool = False, batch_dims: int | None = None,
     ) -> "TensorDict":
         """Build a TensorDict from a nested dict.
 
-        ``batch_size=None`` gives ``[]`` unless ``auto_batch_size=True``, which uses the
-        longest leading shape that all leaves share. A Python number under a batch size
+        ``batch_size=None`` gives ``[]`` unless ``auto_batch_size=True`` or ``batch_dims``:
+        ``auto_batch_size_(batch_dims)``, as in tensordict. A Python number under a batch size
         with dims is a NonTensorData, as in tensordict (a 0-d tensor cannot have those
         dims), so ``to_dict()`` of a tree holding ``NonTensorData(3)`` comes back.
         """
         if batch_size is not None and len(batch_size):
             input_dict = _numbers_as_non_tensor(input_dict, batch_size)
         td = cls(input_dict, batch_size=batch_size, device=device)
-        if auto_batch_size and batch_size is None:
-            shapes = [v.shape for v in td._leaf_tensors()]
-            td.batch_size = batch_ops.common_batch_prefix(shapes)
+        if (auto_batch_size or batch_dims is not None) and batch_size is None:
+            td.auto_batch_size_(batch_dims)  # (non-tensors and nested ones too, as tensordict's)
         if names is not None:
             td.names = names
         return td

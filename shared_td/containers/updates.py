@@ -16,20 +16,29 @@ class UpdateOps:
     """Writing the entries of another dict or tensordict into this one."""
 
     def update(
-        self, other: Any, *, inplace: bool = False, keys_to_update=None, non_blocking: bool = False
+        self, other: Any, clone: bool = False, inplace: bool = False, *, keys_to_update=None,
+        non_blocking: bool = False,
     ) -> "TensorDictBase":
         """Set every entry of ``other`` (a dict or tensordict), merging nested ones.
 
-        With ``inplace=True`` existing entries are written in place (allowed on a
-        locked tensordict) and missing ones are added. Every entry is checked before
+        With ``clone=True`` the entries added or replaced are copies of ``other``'s (as
+        tensordict 0.15.3; ``clone`` and ``inplace`` may be passed by position, as
+        there). With ``inplace=True`` existing entries are written in place (allowed on
+        a locked tensordict) and missing ones are added. Every entry is checked before
         the first one is written, so a failing update leaves self unchanged.
+
+        Example:
+            >>> src = TensorDict(a=torch.zeros(2), batch_size=[2])
+            >>> td = TensorDict(batch_size=[2]).update(src, clone=True)
+            >>> td["a"] is src["a"], td["a"].tolist()
+            (False, [0.0, 0.0])
         """
         selected = None if keys_to_update is None else [unravel_key(k) for k in keys_to_update]
         for path, value, in_place in self._plan_update(other, (), inplace, True, selected):
             if in_place:
                 self.set_(path, value)
             else:
-                self.set(path, value)
+                self.set(path, value.clone() if clone and hasattr(value, "clone") else value)
         return self
 
     def update_(self, other: Any, *, keys_to_update=None, non_blocking: bool = False) -> "TensorDictBase":
