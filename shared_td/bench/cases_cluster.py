@@ -8,7 +8,11 @@ seen the new version, unstriped and striped over 2 and 4 gloo groups
 ``send``/``recv`` (also striped, the same way) and tensordict 0.15.3's
 ``consolidate()``+``send``/``recv``, ``init_remote``/``from_remote_init`` and per-leaf
 ``send``/``recv`` of the same tree -- run in two spawned processes of a registered
-default gloo group, as a user runs them (:mod:`~shared_td.bench.cases_cluster_peers`).
+default gloo group, as a user runs them (:mod:`~shared_td.bench.cases_cluster_peers`);
+one more raw ``send``/``recv`` runs between the nodes' own two processes
+(:func:`_raw_between_the_nodes`), the reference that differs from the sync in nothing but
+the sync's own work (the dedicated ranks were up to 1.5x faster than the nodes'
+processes with the same bytes: see the README).
 ``cluster_counter`` compares with a bare ``TCPStore.add``; it and ``cluster_value``
 share one loopback cluster of two nodes in this process per run
 (:class:`SharedLoopback`); ``cluster_push`` runs its two nodes in two processes
@@ -23,7 +27,7 @@ import os
 import threading
 
 from shared_td.bench.cases_cluster_peers import STRIPED, policy_tree, start_peers
-from shared_td.bench.loopback import HOST, loopback_store
+from shared_td.bench.loopback import HOST, loopback_store, raw_gloo_rank
 from shared_td.bench.timing import best_of, paired_medians
 from shared_td.bench.worker import shared_worker
 
@@ -134,13 +138,14 @@ def _replica_node_job(connection, port: int) -> None:  # a job of the run's work
     receive waited up to ~3 ms for the GIL the owner held). Its Coordinator, where the
     case's worker attaches, then its Cluster member; answers ``("ready", address,
     authkey)`` before it joins the cluster, and "attached" once it holds the replica of
-    each name it is sent, until None."""
+    each name it is sent, until None. Asked ``(RAW, nbytes, first tag, rounds)``, it
+    serves the raw reference of this very pair of processes (:func:`_raw_rounds`)."""
     import shared_td
     from shared_td.coordinator.cluster import Cluster
 
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     coord = shared_td.Coordinator().start()
-    cluster = None
+    cluster = raw = None
     try:
         connection.send(("ready", coord.address, coord.authkey))
         cluster = Cluster(f"tcp://{HOST}:{port}?host=0", 1, 2, authkey=_KEY, timeout=60, hostname=HOST,
@@ -148,14 +153,73 @@ def _replica_node_job(connection, port: int) -> None:  # a job of the run's work
         while True:
             if not connection.poll(_START_S):  # bounded: the caller stalled or gone
                 raise TimeoutError(f"cluster_sync's caller sent nothing within {_START_S:g} s")
-            if (name := connection.recv()) is None:
+            if (asked := connection.recv()) is None:
                 return
-            cluster.attach(name)
+            if isinstance(asked, tuple) and asked[0] == _RAW:
+                raw = _raw_rounds(raw, port, *asked[1:])
+                continue
+            cluster.attach(asked)
             connection.send("attached")
     finally:
         if cluster is not None:
             cluster.shutdown()
         coord.shutdown()
+
+
+_RAW = "raw"  # what asks node 1 for the raw reference's receives
+
+
+def _raw_rounds(raw, port: int, nbytes: int, first: int, rounds: int):
+    """Node 1's half of the raw reference between the nodes' own processes: ``rounds``
+    receives of ``nbytes`` on tags ``first``.., each answered with 8 bytes (on the tag +
+    ANSWER_TAG_BIT) once it completed, the next posted first; joins the raw group
+    (``raw``: None the first time) and returns it."""
+    import datetime
+
+    import torch
+
+    from shared_td.coordinator.cluster_transfer import ANSWER_TAG_BIT
+
+    raw = raw or raw_gloo_rank(port, 1, _START_S)
+    wait = datetime.timedelta(seconds=_START_S)
+    buffer, answer = torch.empty(nbytes, dtype=torch.uint8), torch.zeros(8, dtype=torch.uint8)
+    posted = raw.recv([buffer], 0, first)
+    for n in range(rounds):
+        posted.wait(wait)
+        if n + 1 < rounds:
+            posted = raw.recv([buffer], 0, first + n + 1)
+        raw.send([answer], 0, (first + n) | ANSWER_TAG_BIT).wait(wait)
+    return raw
+
+
+def _raw_between_the_nodes(options, nbytes: int, node1, port: int, refill) -> float:
+    """The raw reference in the two processes the nodes run in (this one and node 1's):
+    a gloo send of ``nbytes`` from this process, refilled as the synced tree is, until
+    node 1's answer that it received them (best of ``options.repeat``). The other raw
+    columns run between two processes started for them (cases_cluster_peers), which
+    hold nothing else."""
+    import torch
+
+    from shared_td.coordinator.cluster_transfer import ANSWER_TAG_BIT
+
+    rounds = options.repeat + 1  # the first one untimed
+    node1.send((_RAW, nbytes, 0, rounds))
+    raw = raw_gloo_rank(port, 0, _START_S)
+    payload, answer = torch.empty(nbytes, dtype=torch.uint8), torch.empty(8, dtype=torch.uint8)
+    tags = iter(range(rounds))
+
+    def fill():
+        with _one_thread():
+            payload.fill_(refill())
+
+    def send(_):
+        tag = next(tags)
+        answered = raw.recv([answer], 1, tag | ANSWER_TAG_BIT)
+        raw.send([payload], 1, tag).wait()
+        answered.wait()
+
+    send(fill())
+    return best_of(options.repeat, fill, send)
 
 
 def sync_peers(options):
@@ -230,7 +294,9 @@ def _sync_column(options, nbytes: int, before_timing) -> dict:
 
         before_timing()  # nothing else of the case runs meanwhile
         return {"shared_td sync+worker": best_of(options.repeat, refill, sync_seen),
-                **striped_sync_columns(options, nbytes, owner, refill, sync_seen)}
+                **striped_sync_columns(options, nbytes, owner, refill, sync_seen),
+                "raw gloo send/recv, nodes' processes": _raw_between_the_nodes(
+                    options, nbytes, node1, store.port, refill)}
     finally:
         _end_sync_processes(worker, node1, node1_ended, reader, here)
         there.close()

@@ -18,26 +18,16 @@ import datetime
 import os
 
 import torch
-import torch.distributed as dist
 
 from shared_td.bench.cases_cluster import _KEY
 from shared_td.bench.timing import best_of_each
 from shared_td.bench.worker import shared_worker
-from shared_td.bench.loopback import loopback_store
+from shared_td.bench.loopback import loopback_store, raw_gloo_rank
 from shared_td.coordinator.cluster_transfer import ANSWER_BYTES, ANSWER_TAG_BIT
 
 _ROWS, _ROW_FLOATS, _PUSHED = 4096, 256, 64  # the buffer, 1 KiB rows, rows per push
 #: Seconds the child may take to start, and any wait of either side.
 WAIT_S = 120.0
-
-
-def _raw_rank(port: int, rank: int):
-    """Rank ``rank`` of a raw two-rank gloo group, rendezvous on the store at ``port``."""
-    options = dist.ProcessGroupGloo._Options()
-    options._timeout = datetime.timedelta(seconds=WAIT_S)
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-    store = dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=WAIT_S))
-    return dist.ProcessGroupGloo(dist.PrefixStore("raw", store), rank, 2, options)
 
 
 def _payload_bytes() -> int:
@@ -55,7 +45,7 @@ def _owner_job(connection, port: int) -> None:  # a job of the run's worker
     cluster = Cluster(f"tcp://127.0.0.1:{port}?host=0", 0, 2, authkey=_KEY, timeout=WAIT_S,
                       hostname="127.0.0.1").start()
     try:
-        raw = _raw_rank(port, 1)
+        raw = raw_gloo_rank(port, 1, WAIT_S)
         cluster.publish("replay", shared_td.TensorDict(obs=torch.zeros(_ROWS, _ROW_FLOATS), batch_size=[_ROWS]))
         connection.send("ready")
         buffers = [torch.empty(_payload_bytes(), dtype=torch.uint8) for _ in range(2)]
@@ -91,7 +81,7 @@ def case_cluster_push(options, root: str) -> dict:
     try:
         node = Cluster(f"tcp://127.0.0.1:{store.port}?host=0", 1, 2, authkey=_KEY, timeout=WAIT_S,
                        hostname="127.0.0.1").start()
-        raw = _raw_rank(store.port, 0)
+        raw = raw_gloo_rank(store.port, 0, WAIT_S)
         if not owner.poll(WAIT_S):
             raise RuntimeError(f"the owner node did not start within {WAIT_S:g} s")
         if (said := owner.recv()) != "ready":  # the job ended: its answer, an error
