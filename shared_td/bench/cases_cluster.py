@@ -10,9 +10,9 @@ seen the new version, unstriped and striped over 2 and 4 gloo groups
 ``send``/``recv`` of the same tree -- run in two spawned processes of a registered
 default gloo group, as a user runs them (:mod:`~shared_td.bench.cases_cluster_peers`);
 one more raw ``send``/``recv`` runs between the nodes' own two processes
-(:func:`_raw_between_the_nodes`), the reference that differs from the sync in nothing but
-the sync's own work (the dedicated ranks were up to 1.5x faster than the nodes'
-processes with the same bytes: see the README).
+(:func:`_raw_between_the_nodes`): the reference that differs from the sync in nothing but
+the sync's own work (the dedicated ranks hold nothing else; the nodes' processes hold
+the cluster's threads, node 1's Coordinator and the run's other cases).
 ``cluster_counter`` compares with a bare ``TCPStore.add``; it and ``cluster_value``
 share one loopback cluster of two nodes in this process per run
 (:class:`SharedLoopback`); ``cluster_push`` runs its two nodes in two processes
