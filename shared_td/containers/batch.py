@@ -58,6 +58,8 @@ def normalize_dim(dim: int, ndim: int, *, what: str = "dim") -> int:
     them); an op that inserts a dim checks it with :func:`insertion_dim` instead.
     """
     if not -ndim <= dim < ndim:
+        if not ndim:  # (there is no range to give)
+            raise BatchDimError(f"{what}={dim} is out of range: the tensordict has no batch dims (batch_size=[]).")
         raise BatchDimError(
             f"{what}={dim} is out of range: expected {-ndim} <= {what} <= {ndim - 1} "
             "(a batch dim, counted from 0 or from the end with a negative dim)."
@@ -325,11 +327,14 @@ def common_batch_prefix(shapes: Sequence[torch.Size]) -> torch.Size:
     return torch.Size(prefix)
 
 
-def rows_source(index: Any, source: Any, rows: torch.Size, batch_size: torch.Size) -> Any:
+def rows_source(index: Any, source: Any, rows: torch.Size, batch_size: torch.Size, *,
+                broadcast_unbatched: bool = False) -> Any:
     """The tensordict ``source`` of ``td[index] = source`` fitted to the indexed ``rows``,
     as tensordict 0.15.3 fits it: a source whose batch size (of one dim or more) is the
     last dims of ``rows`` is expanded along the leading ones (``td[:1] = td[0]``); one
     whose entries start with ``rows`` is taken with that batch size (a shallow copy);
+    with ``broadcast_unbatched`` (a lazy stack's rows: tensordict's lazy stack does so,
+    its TensorDict does not) any other of batch size ``[]`` is expanded to the rows;
     any other raises (a batch of 1 is not repeated, nor one of 3 written into 2 rows).
 
     Example:
@@ -349,6 +354,8 @@ def rows_source(index: Any, source: Any, rows: torch.Size, batch_size: torch.Siz
         return fitted
     except (RuntimeError, ValueError, AttributeError):  # (the raise below names both sizes)
         pass
+    if broadcast_unbatched and not size:
+        return source.expand(rows)
     raise BatchSizeMismatchError(
         f"td[{index!r}] = value: the indexed rows have batch size {list(rows)} (of "
         f"{list(batch_size)}), which differs from the source batch size: the source tensordict "

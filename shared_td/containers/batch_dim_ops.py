@@ -54,8 +54,8 @@ class BatchDimOps:
         """
         ndim = self.batch_dims
         order = list(range(ndim))
-        dim0 = _batch_dim("transpose", dim0, ndim, "dim0", TransposeDimError)
-        dim1 = _batch_dim("transpose", dim1, ndim, "dim1", TransposeDimError)
+        dim0 = batch_dim("transpose", dim0, ndim, "dim0", TransposeDimError)
+        dim1 = batch_dim("transpose", dim1, ndim, "dim1", TransposeDimError)
         if dim0 == dim1:
             return self
         order[dim0], order[dim1] = dim1, dim0
@@ -86,8 +86,8 @@ class BatchDimOps:
         ndim = self.batch_dims
         if not ndim and start_dim in (None, 0) and end_dim in (None, -1, 0):
             return self.unsqueeze(0)  # (also for inplace=True, as in tensordict)
-        start = _batch_dim("flatten", 0 if start_dim is None else start_dim, ndim, "start_dim")
-        end = _batch_dim("flatten", -1 if end_dim is None else end_dim, ndim, "end_dim")
+        start = batch_dim("flatten", 0 if start_dim is None else start_dim, ndim, "start_dim")
+        end = batch_dim("flatten", -1 if end_dim is None else end_dim, ndim, "end_dim")
         if end < start:
             raise ValueError(
                 f"flatten(start_dim={start_dim}, end_dim={end_dim}): the end dimension must be "
@@ -95,11 +95,10 @@ class BatchDimOps:
             )
         size = self.batch_size
         new_size = torch.Size([*size[:start], math.prod(size[start : end + 1]), *size[end + 1 :]])
-        names = None if self.names is None else [*self.names[:start], None, *self.names[end + 1 :]]
         return self._batch_dims_changed(
-            "flatten", new_size, names, inplace,
+            "flatten", new_size, lambda names: [*names[:start], None, *names[end + 1 :]], inplace,
             tensor_op=lambda v: torch.flatten(v, start, end),
-            nested_op=lambda v, **kw: v.flatten(start, end, **kw),
+            nested_op=lambda v: v.flatten(start, end),
         )
 
     def unflatten(self, dim: int, unflattened_size: Any, *, inplace: bool = False) -> "TensorDictBase":
@@ -118,59 +117,77 @@ class BatchDimOps:
             (torch.Size([2, 3]), torch.Size([2, 3, 5]), [None, 't'])
         """
         ndim = self.batch_dims
-        dim = _batch_dim("unflatten", dim, ndim, "dim")
+        dim = batch_dim("unflatten", dim, ndim, "dim")
         sizes = list(torch.empty(self.batch_size, device="meta").unflatten(dim, unflattened_size)
                      .shape[dim : dim + len(unflattened_size)])
         size = self.batch_size
         new_size = torch.Size([*size[:dim], *sizes, *size[dim + 1 :]])
-        names = self.names
-        if names is not None:
-            names = [*names[:dim], *[None] * (len(sizes) - 1), *names[dim:]]
         return self._batch_dims_changed(
-            "unflatten", new_size, names, inplace,
+            "unflatten", new_size, lambda names: [*names[:dim], *[None] * (len(sizes) - 1), *names[dim:]], inplace,
             tensor_op=lambda v: v.unflatten(dim, sizes),
-            nested_op=lambda v, **kw: v.unflatten(dim, sizes, **kw),
+            nested_op=lambda v: v.unflatten(dim, sizes),
         )
 
     # ---------------------------------------------------------------- dense helpers
-    def _batch_dims_changed(self, op: str, new_size: torch.Size, names: list | None, inplace: bool, *,
+    def _batch_dims_changed(self, op: str, new_size: torch.Size, rename: Callable, inplace: bool, *,
                             tensor_op: Callable, nested_op: Callable) -> "TensorDictBase":
         """The result of flatten/unflatten: ``tensor_op`` on tensors, ``nested_op`` on
-        nested tensordicts, a reshape on non-tensor entries."""
+        nested tensordicts, a reshape on non-tensor entries; ``rename(names)`` gives the
+        new names of a tensordict's batch dims (of a nested one too) from its own."""
         from shared_td.containers.base import is_non_tensor
 
+        if inplace:
+            self._change_in_place(op, new_size, rename, tensor_op)
+            return self
         nb = self.batch_dims
 
-        def entry(value: Any, **kw: Any) -> Any:
+        def entry(value: Any) -> Any:
             if isinstance(value, torch.Tensor):
                 return tensor_op(value)
             if is_non_tensor(value):  # reshaped: the values follow their positions
                 return value.reshape(*new_size, *value.batch_size[nb:])
-            return nested_op(value, **kw)
+            return nested_op(value)
 
-        if inplace:
-            self._check_inplace(op)
-            for key, value in list(self._tensordict.items()):
-                if isinstance(value, torch.Tensor) or is_non_tensor(value):
-                    self._tensordict[key] = entry(value)
-                else:  # nested tensordicts keep their identity
-                    entry(value, inplace=True)
-            self._batch_size = new_size
-            self._names = None if names is None or all(n is None for n in names) else names
-            return self
+        names = None if self.names is None else rename(self.names)
         out = self._map_entries(entry, new_size, names)
         if self._is_locked:
             out.lock_()  # as tensordict: the lock is kept, the memmap/shared flags are not
         return out
 
-    def _check_inplace(self, op: str) -> None:
-        """Raise before anything changes if an in-place ``op`` cannot run on this tree."""
+    def _change_in_place(self, op: str, new_size: torch.Size, rename: Callable, tensor_op: Callable) -> None:
+        """flatten/unflatten(inplace=True): self and every tensordict nested in it keep
+        their identity; each is changed once, also one held under two keys (tensordict
+        0.15.3 changes it twice and fails halfway), and every new entry is made before
+        the first is stored, so that nothing changes when it raises."""
+        from shared_td.containers.base import is_non_tensor
+
+        nb = self.batch_dims
+        planned = []
+        for node in self._nodes_in_place(op, {}).values():
+            entries = {}
+            for key, value in node._tensordict.items():
+                if isinstance(value, torch.Tensor):
+                    entries[key] = tensor_op(value)
+                elif is_non_tensor(value):  # reshaped: the values follow their positions
+                    entries[key] = value.reshape(*new_size, *value.batch_size[nb:])
+            names = None if node._names is None else rename(node._names)
+            planned.append((node, entries, torch.Size([*new_size, *node.batch_size[nb:]]), names))
+        for node, entries, size, names in planned:
+            node._tensordict.update(entries)
+            node._batch_size = size
+            node._names = None if names is None or all(n is None for n in names) else names
+
+    def _nodes_in_place(self, op: str, nodes: dict) -> dict:
+        """``nodes`` (by id) with self and the tensordicts nested in it (also inside
+        tensorclasses), each once; raises before anything changes if an in-place ``op``
+        cannot run on this tree (a lock, a lazy stack)."""
         from shared_td.containers.base import is_non_tensor
 
         self._check_unlocked((), f"{op} in place")
+        nodes[id(self)] = self
         for key, value in self._tensordict.items():
             value = unwrap_tensorclass(value)
-            if isinstance(value, torch.Tensor) or is_non_tensor(value):
+            if isinstance(value, torch.Tensor) or is_non_tensor(value) or id(value) in nodes:
                 continue
             if not isinstance(value, BatchDimOps) or isinstance(value, LazyBatchDimOps):
                 raise NotImplementedError(
@@ -178,7 +195,8 @@ class BatchDimOps:
                     f"{type(value).__name__} (at key {key!r}). Use inplace=False, or call "
                     "to_tensordict() on it first."
                 )
-            value._check_inplace(op)
+            value._nodes_in_place(op, nodes)
+        return nodes
 
 
 class LazyBatchDimOps(BatchDimOps):
@@ -204,8 +222,8 @@ class LazyBatchDimOps(BatchDimOps):
             )
         ndim = self.batch_dims
         if ndim:
-            start = _batch_dim("flatten", 0 if start_dim is None else start_dim, ndim, "start_dim")
-            end = _batch_dim("flatten", -1 if end_dim is None else end_dim, ndim, "end_dim")
+            start = batch_dim("flatten", 0 if start_dim is None else start_dim, ndim, "start_dim")
+            end = batch_dim("flatten", -1 if end_dim is None else end_dim, ndim, "end_dim")
             if start == end:
                 return self  # as torch.flatten and tensordict: nothing to flatten
         return super().flatten(start_dim, end_dim)
@@ -220,10 +238,11 @@ class LazyBatchDimOps(BatchDimOps):
             )
         return super().unflatten(dim, unflattened_size)
 
-    def _batch_dims_changed(self, op: str, new_size: torch.Size, names: list | None, inplace: bool, *,
+    def _batch_dims_changed(self, op: str, new_size: torch.Size, rename: Callable, inplace: bool, *,
                             tensor_op: Callable, nested_op: Callable) -> "TensorDictBase":
         if new_size == self.batch_size:
             return self
+        names = None if self.names is None else rename(self.names)
         out = self.reshape(new_size)
         if names is not None and any(n is not None for n in names):
             out.names = names
@@ -238,7 +257,7 @@ class NonTensorBatchDimOps(BatchDimOps):
     values), transpose its ``permute``; in place, they raise NotImplementedError as in
     tensordict 0.15.3 (a non-tensor entry of a TensorDict is replaced instead)."""
 
-    def _batch_dims_changed(self, op: str, new_size: torch.Size, names: list | None, inplace: bool, *,
+    def _batch_dims_changed(self, op: str, new_size: torch.Size, rename: Callable, inplace: bool, *,
                             tensor_op: Callable, nested_op: Callable) -> "TensorDictBase":
         if inplace:
             raise NotImplementedError(
@@ -247,7 +266,7 @@ class NonTensorBatchDimOps(BatchDimOps):
         return self.reshape(new_size)
 
 
-def _batch_dim(op: str, dim: int, ndim: int, what: str, error: type = BatchDimError) -> int:
+def batch_dim(op: str, dim: int, ndim: int, what: str, error: type = BatchDimError) -> int:
     """``dim`` as a non-negative batch dim; the error names ``op``."""
     try:
         return batch_ops.normalize_dim(dim, ndim, what=what)

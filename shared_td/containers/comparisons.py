@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
-from shared_td.errors import BatchDimError
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 if TYPE_CHECKING:  # (base imports this module)
@@ -85,14 +84,11 @@ class ComparisonOps:
 
     def _reduced(self, op: str, dim: int) -> "TensorDictBase":
         """``all(dim)``/``any(dim)``: each entry reduced along the batch dim ``dim``."""
-        from shared_td.containers import batch as batch_ops
         from shared_td.containers.base import is_non_tensor
+        from shared_td.containers.batch_dim_ops import batch_dim
         from shared_td.containers.tensordict import TensorDict
 
-        try:
-            dim = batch_ops.normalize_dim(dim, self.batch_dims)
-        except BatchDimError as error:
-            raise BatchDimError(f"{op}(dim={dim}): {error}") from None
+        dim = batch_dim(f"{op}(dim={dim})", dim, self.batch_dims, "dim")
         size = torch.Size([n for i, n in enumerate(self.batch_size) if i != dim])
         if is_non_tensor(self):
             return _reduced_non_tensor(self, dim, size)

@@ -79,9 +79,18 @@ class ConvenienceOps:
                 )
         if clone:
             source = source.clone()
-        writes = None if batch_paths is None else index_writes.entry_index_writes(target, source, idx, batch_paths)
+        writes, error = None, None
+        if batch_paths is not None:
+            writes, error = index_writes.entry_index_writes(target, source, idx, batch_paths)
         if writes is None:  # (a source shaped as the rows td[idx], which tensordict refuses, too)
-            target._set_at_index(idx, source)
+            try:
+                target._set_at_index(idx, source)
+            except (RuntimeError, IndexError, TypeError, ValueError):
+                if error is None:
+                    raise
+                # neither meaning fits: the error of the entry-dims one (tensordict's), which
+                # names the entry at fault (the rows' one named the first entry it tried)
+                raise error from None
         else:
             for write in writes:
                 write()
@@ -135,25 +144,29 @@ class ConvenienceOps:
             KeyError: naming the key, when it is missing.
         """
         entry = self.get(key)
+        path = unravel_key(key)
+        parent = unwrap_tensorclass(self.get(path[:-1]) if len(path) > 1 else self)
         try:
-            if getattr(entry, "_is_non_tensor", False) and hasattr(entry, "_set_at"):
+            if getattr(entry, "_is_non_tensor", False) and hasattr(entry, "_set_at") and hasattr(parent, "_tensordict"):
                 # a NonTensorData holds one value for the batch: written at some rows it
-                # becomes a NonTensorStack, which replaces the entry (as tensordict)
+                # becomes a NonTensorStack, which replaces the entry (as tensordict); below
+                # a lazy stack (no _tensordict) the stack writes it into its members
                 from shared_td.containers import batch as batch_ops  # (same layer)
 
-                path = unravel_key(key)
-                parent = unwrap_tensorclass(self.get(path[:-1]) if len(path) > 1 else self)
                 rows = batch_ops.index_and_size(index, entry.batch_size)[0]
                 parent._tensordict[path[-1]] = entry._set_at(rows, value)
             else:  # (below a lazy stack, entry is a new stacked tensor: written through the stack)
                 import numpy as np
                 import torch
 
-                from shared_td.containers.index_writes import leaf_write
+                from shared_td.containers.index_writes import plan_set_at
 
                 if isinstance(value, np.ndarray):  # as set() takes one: a tensor (tensordict)
                     value = torch.as_tensor(value, device=getattr(entry, "device", None))
-                leaf_write(unwrap_tensorclass(self), unravel_key(key), entry, value, index)()
+                writes: list = []  # checked (below lazy stacks too) before anything is written
+                plan_set_at(unwrap_tensorclass(self), path, value, index, writes)
+                for write in writes:
+                    write()
         except (RuntimeError, IndexError, TypeError) as err:
             raise type(err)(f"set_at_({key!r}, ..., {index!r}): {err}") from err
         return self
@@ -326,11 +339,13 @@ class ConvenienceOps:
 
     def repeat(self, *repeats: int) -> Any:
         """Repeat the batch dims as ``torch.Tensor.repeat`` does (one count per batch
-        dim; the feature dims are kept). A lazy stack gives a TensorDict.
+        dim; the feature dims are kept). Each entry repeats itself: a non-tensor entry
+        moves its values, a nested tensordict keeps its own dims past ours. A lazy
+        stack gives a TensorDict.
 
         Example:
-            >>> TensorDict(a=torch.arange(2), batch_size=[2]).repeat(3)["a"].tolist()
-            [0, 1, 0, 1, 0, 1]
+            >>> TensorDict(a=torch.arange(2), s=NonTensorStack("x", "y"), batch_size=[2]).repeat(2)["s"]
+            ['x', 'y', 'x', 'y']
         """
         from shared_td.containers import batch as batch_ops
 
@@ -338,15 +353,18 @@ class ConvenienceOps:
         dense = self._dense_for_copy()
         nb = dense.batch_dims
         size = batch_ops._probe(dense.batch_size).repeat(*repeats).shape
-        return dense.apply(lambda x: x.repeat(*repeats, *[1] * (x.ndim - nb)), batch_size=size)
+        names = None if dense.names is None else [None] * (len(size) - nb) + dense.names  # (as tensordict)
+        # (a tensor, a non-tensor entry or a nested collection: one count per dim past ours)
+        return dense._map_entries(lambda x: x.repeat(*repeats, *[1] * (_dims(x) - nb)), size, names)
 
     def repeat_interleave(self, repeats: Any, dim: int | None = None, *, output_size: int | None = None) -> Any:
         """``torch.repeat_interleave`` along batch dim ``dim`` (of the flattened batch
-        dims when ``dim`` is None), as tensordict does. A lazy stack gives a TensorDict.
+        dims when ``dim`` is None), as tensordict does; each entry repeats itself, as in
+        :meth:`repeat`. A lazy stack gives a TensorDict.
 
         Example:
-            >>> TensorDict(a=torch.arange(2), batch_size=[2]).repeat_interleave(2)["a"].tolist()
-            [0, 0, 1, 1]
+            >>> TensorDict(a=torch.arange(2), s=NonTensorStack("x", "y"), batch_size=[2]).repeat_interleave(2)["s"]
+            ['x', 'x', 'y', 'y']
         """
         from shared_td.containers import batch as batch_ops
 
@@ -355,11 +373,18 @@ class ConvenienceOps:
             dense, dim = dense.reshape(-1), 0
         dim = batch_ops.normalize_dim(dim, dense.batch_dims)
         size = batch_ops._probe(dense.batch_size).repeat_interleave(repeats, dim=dim, output_size=output_size).shape
-        return dense.apply(lambda x: x.repeat_interleave(repeats, dim=dim, output_size=output_size),
-                           batch_size=size)
+        return dense._map_entries(lambda x: x.repeat_interleave(repeats, dim=dim, output_size=output_size),
+                                  size, dense.names)
 
     def _dense_for_copy(self) -> Any:
         """Self, or for a lazy stack its dense copy (new-tensor ops give a TensorDict)."""
         from shared_td.containers.lazy import LazyStackedTensorDict
 
         return self.contiguous() if isinstance(self, LazyStackedTensorDict) else self
+
+
+def _dims(entry: Any) -> int:
+    """The dims of a tensor, the batch dims of a collection or non-tensor entry."""
+    import torch
+
+    return entry.ndim if isinstance(entry, torch.Tensor) else entry.batch_dims

@@ -19,6 +19,7 @@ from shared_td.containers import batch as batch_ops
 from shared_td.containers.base import is_non_tensor, is_tensor_collection
 from shared_td.containers.nontensor_ops import check_non_tensor_write
 from shared_td.errors import BatchSizeMismatchError
+from shared_td.keys import key_repr
 from shared_td.memmap_tensor import refuse_read_only
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 
@@ -41,16 +42,20 @@ class IndexWrites:
                     f"Cannot write a {type(value).__name__} at index {index!r} of a "
                     "tensordict: give a tensordict, a dict, a tensor or a number."
                 )
-            # With their keys, so that a value that does not fit names the entry (it
-            # said "entry a leaf" before).
-            for key, leaf in self.items(include_nested=True, leaves_only=True):
-                if not isinstance(leaf, torch.Tensor):
-                    continue  # non-tensor entries take no tensor or number
-                refuse_read_only(leaf, "td[index] = value")
-                if isinstance(value, torch.Tensor):
-                    full_key = path + (key if isinstance(key, tuple) else (key,))
-                    _check_fits(value, target_batch + leaf.shape[self.batch_dims:], full_key, index)
-                writes.append(lambda leaf=leaf: leaf.__setitem__(index, value))
+            # Entry by entry, a nested tensordict or lazy stack planning its own (a lazy
+            # stack's leaves read through it are stacked copies: its members are written),
+            # with the keys, so that a value that does not fit names the entry.
+            for key, entry in self._tensordict.items():
+                if isinstance(entry, torch.Tensor):
+                    refuse_read_only(entry, "td[index] = value")
+                    if isinstance(value, torch.Tensor):
+                        _check_fits(value, target_batch + entry.shape[self.batch_dims:], path + (key,), index)
+                    writes.append(lambda entry=entry: entry.__setitem__(index, value))
+                elif is_tensor_collection(entry) and not is_non_tensor(entry):
+                    inner = unwrap_tensorclass(entry)
+                    inner_batch = target_batch + inner.batch_size[self.batch_dims:]
+                    inner._plan_index_writes(index, value, writes, inner_batch, path=path + (key,))
+                # (non-tensor entries take no tensor or number)
             return
         for key in value._keys_str():
             source = value._get_str(key, None)
@@ -84,12 +89,11 @@ class IndexWrites:
                         f"{key!r}: give a tensordict or dict of its entries, or a tensor "
                         "for every one of its leaves."
                     )
+                # (a nested TensorDict or lazy stack: each plans its writes, checked
+                # here, so that one failing below a lazy stack leaves the tree unchanged)
                 inner, source = unwrap_tensorclass(current), unwrap_tensorclass(source)
-                if hasattr(inner, "_plan_index_writes"):
-                    inner_batch = target_batch + inner._batch_size[self.batch_dims:]
-                    inner._plan_index_writes(index, source, writes, inner_batch, path=path + (key,))
-                else:  # another container class checks when it writes
-                    writes.append(lambda inner=inner, source=source: inner._set_at_index(index, source))
+                inner_batch = target_batch + inner.batch_size[self.batch_dims:]
+                inner._plan_index_writes(index, source, writes, inner_batch, path=path + (key,))
 
 
 def _check_fits(source: torch.Tensor, expected: torch.Size, key: tuple, index: tuple) -> None:
@@ -137,7 +141,7 @@ def reads_entry_dims(index: Any, batch_size: torch.Size) -> bool:
     return False
 
 
-def entry_index_writes(target: Any, source: Any, index: Any, batch_paths: set) -> list | None:
+def entry_index_writes(target: Any, source: Any, index: Any, batch_paths: set) -> tuple:
     """The writes of tensordict 0.15.3's ``target.update_at_(source, index)``, which is
     ``set_at_`` key by key: a tensor written into a tensor entry goes to ``entry[index]``,
     the index read on the entry's own dims (``(..., 0)`` is the entry's last dim), and a
@@ -145,8 +149,10 @@ def entry_index_writes(target: Any, source: Any, index: Any, batch_paths: set) -
     nested dict) goes to the nested entry's ``[index]``, read on its batch dims.
     ``target`` is a TensorDict or a lazy stack (whose members are written).
 
-    Everything is checked first; returns the closures that write, or None when a value
-    does not fit so (or is not a tensor): the caller then writes as ``td[index] = source``.
+    Everything is checked first, below lazy stacks and read-only members too; returns
+    ``(writes, None)``, the closures that write, or ``(None, error)`` when a value does not
+    fit so (or is not a tensor): the caller then writes as ``td[index] = source``, and
+    raises ``error`` (which names the entry at fault) if that fails too.
     """
     writes: list = []
 
@@ -156,37 +162,62 @@ def entry_index_writes(target: Any, source: Any, index: Any, batch_paths: set) -
             entry = unwrap_tensorclass(target._get_path(path, None))
             value = unwrap_tensorclass(value)
             branch = is_tensor_collection(entry) and not is_non_tensor(entry)
-            if path in batch_paths and hasattr(entry, "_plan_index_writes"):
+            if path in batch_paths and branch:  # a TensorDict or lazy stack: at its rows
                 rows_index, rows = batch_ops.index_and_size(index, entry.batch_size)
                 entry._plan_index_writes(rows_index, value, writes, rows, path=path)
-            elif path in batch_paths and branch:  # a lazy stack: its leaves, at its rows
-                plan(value, path, batch_ops.index_and_size(index, entry.batch_size)[0])
             elif isinstance(value, torch.Tensor) and isinstance(entry, torch.Tensor):
-                _check_fits(value, batch_ops.indexed_batch_size(entry.shape, index), path, index)
-                refuse_read_only(entry, "update_at_")
-                writes.append(leaf_write(target, path, entry, value, index))
+                plan_set_at(target, path, value, index, writes, "update_at_", entry)
             elif hasattr(value, "_items_str") and not is_non_tensor(value) and branch:
                 plan(value, path, index)  # a nested dict: its leaves are written as leaves
-            else:
-                raise TypeError("not a tensor")  # (non-tensor values: written as td[index] = ...)
+            else:  # (written as td[index] = ..., unless that fails too)
+                kind = "non-tensor value" if is_non_tensor(value) else type(value).__name__
+                raise TypeError(
+                    f"update_at_(..., {index!r}): cannot write a {kind} into "
+                    f"entry {key_repr(path)} with the index read on the entry's own dims: "
+                    "give a tensor."
+                )
 
     try:
         plan(source, (), index)
-    except (RuntimeError, IndexError, TypeError, ValueError):
-        return None
-    return writes
+    except (RuntimeError, IndexError, TypeError, ValueError) as error:
+        return None, error
+    return writes, None
 
 
-def leaf_write(target: Any, path: tuple, entry: torch.Tensor, value: torch.Tensor, index: Any) -> Any:
-    """The closure that writes ``value`` at ``index`` of the tensor entry at ``path``:
-    into ``entry`` itself, or, below a lazy stack (whose ``get`` gives a new stacked
-    tensor), through that stack's ``set_at_``, which writes the selected elements into
-    its members."""
+def plan_set_at(target: Any, path: tuple, value: Any, index: Any, writes: list, op: str = "set_at_",
+                entry: Any = None) -> None:
+    """Check ``target.set_at_(path, value, index)`` (``index`` read on the entry) and
+    append the closure that writes it. Below a lazy stack (whose ``get`` gives a new
+    stacked tensor) the stack plans it: the selected elements go into its members, whose
+    tensors are checked (read-only ones too) here, before anything is written.
+    ``entry``: the tensor at ``path``, when the caller has it already.
+
+    Example:
+        >>> td, writes = TensorDict(a=torch.zeros(3, 4), batch_size=[3]), []
+        >>> plan_set_at(td, ("a",), torch.ones(3), (..., 0), writes)
+        >>> td["a"].sum().item(), [write() for write in writes] and td["a"].sum().item()
+        (0.0, 3.0)
+    """
     for depth in range(len(path)):
         node = target if depth == 0 else unwrap_tensorclass(target._get_path(path[:depth], None))
-        if not hasattr(node, "_plan_index_writes"):  # not a TensorDict: a lazy stack
-            return lambda: node.set_at_(path[depth:], value, index)
-    return lambda: entry.__setitem__(index, value)
+        if hasattr(node, "_plan_set_at"):  # a lazy stack
+            node._plan_set_at(path[depth:], value, index, writes)
+            return
+    if entry is None:
+        entry = unwrap_tensorclass(target.get(path))  # (a KeyError naming a missing key)
+    if is_tensor_collection(entry) and not is_non_tensor(entry):  # a nested tensordict: its rows
+        rows_index, rows = batch_ops.index_and_size(index, entry.batch_size)
+        entry._plan_index_writes(rows_index, entry._row_source(rows_index, value, rows), writes, rows, path=path)
+        return
+    if not isinstance(entry, torch.Tensor):  # a non-tensor: written by its node's set_at_
+        node = unwrap_tensorclass(target.get(path[:-1])) if len(path) > 1 else target
+        check_non_tensor_write(entry, batch_ops.index_and_size(index, entry.batch_size)[0], value, path[-1])
+        writes.append(lambda: node.set_at_(path[-1], value, index))
+        return
+    if isinstance(value, torch.Tensor):
+        _check_fits(value, batch_ops.indexed_batch_size(entry.shape, index), path, index)
+    refuse_read_only(entry, op)
+    writes.append(lambda: entry.__setitem__(index, value))
 
 
 def tensordict_values(given: Any, prefix: tuple = ()) -> set:

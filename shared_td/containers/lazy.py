@@ -14,7 +14,7 @@ They do not import this module; the class is named only here.
 from __future__ import annotations
 
 import numbers
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -430,18 +430,10 @@ class LazyStackedTensorDict(LazyNames, LazyShapeOps, LazyBatchDimOps, LazyWriteO
         # result, as in tensordict 0.15.3, where reading ``names`` raises)
         return names_members_agree_on(self)
 
-    def all(self, dim: int | None = None) -> Any:
-        """True if every element of every leaf of every member is true; with ``dim``, a
-        TensorDict of the leaves reduced along that batch dim (see ComparisonOps.all)."""
-        if dim is not None:
-            return self._reduced("all", dim)
-        return all(m.all() for m in self.tensordicts)
-
-    def any(self, dim: int | None = None) -> Any:
-        """True if some element of some leaf of some member is true; ``dim`` as for all()."""
-        if dim is not None:
-            return self._reduced("any", dim)
-        return any(m.any() for m in self.tensordicts)
+    def _leaf_tensors(self) -> Iterator[torch.Tensor]:
+        # (all()/any() without a dim: the members' leaves, not stacked copies of them)
+        for member in self.tensordicts:
+            yield from unwrap_tensorclass(member)._leaf_tensors()
 
     def __repr__(self) -> str:
         from shared_td.containers.formatting import _entries, _flat, format_collection

@@ -25,6 +25,9 @@ class LazyNames:
     # The name of the batch dim ``stack_dim``: a class default, so that a stack pickled
     # before it existed unpickles unnamed.
     _stack_dim_name: str | None = None
+    # The names of the other dims of a stack without members (a member's otherwise),
+    # which a named parent gives it: a class default, as _stack_dim_name.
+    _empty_names: list | None = None
 
     @property
     def names(self) -> list | None:
@@ -53,7 +56,7 @@ class LazyNames:
 
     def _names_of_first(self) -> list | None:
         """:attr:`names`, read from the first member alone."""
-        member_names = self.tensordicts[0].names if self.tensordicts else None
+        member_names = self.tensordicts[0].names if self.tensordicts else self._empty_names
         if member_names is None and self._stack_dim_name is None:
             return None
         member_names = [None] * len(self._member_batch) if member_names is None else list(member_names)
@@ -93,6 +96,8 @@ class LazyNames:
             member._rename_leading(member_names, check_only=check_only)
         if not check_only:
             self._stack_dim_name = stack_dim_name
+            if not self.tensordicts:  # (kept for the members it has none to give)
+                self._empty_names = None if all(n is None for n in member_names) else member_names
 
 
 def indexed_names(lazy: Any, out: Any, index: tuple) -> None:

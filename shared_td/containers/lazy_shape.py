@@ -21,6 +21,7 @@ import torch
 from shared_td.containers import batch as batch_ops
 from shared_td.containers.base import NO_DEFAULT
 from shared_td.containers.lazy_names import indexed_names
+from shared_td.containers.reshaping import permute_order
 from shared_td.keys import NestedKey
 
 if TYPE_CHECKING:  # for the annotations only: lazy.py imports this module
@@ -274,10 +275,9 @@ class LazyShapeOps:
         return self._restack([m.squeeze(self._member_dim(dim)) for m in self.tensordicts], sd)
 
     def permute(self, *dims: Any) -> "LazyStackedTensorDict":
-        """Reorder the batch dims: each member is permuted and ``stack_dim`` moves."""
-        order = [batch_ops.normalize_dim(d, self.batch_dims) for d in batch_ops.shape_args(dims)]
-        if sorted(order) != list(range(self.batch_dims)):
-            raise ValueError(f"permute needs each of the {self.batch_dims} batch dims once, got {list(dims)}.")
+        """Reorder the batch dims (or only the leading ones, as tensordict: see
+        ``reshaping.permute_order``): each member is permuted and ``stack_dim`` moves."""
+        order = permute_order(dims, self.batch_dims)
         sd = self._stack_dim
         member_order = [self._member_dim(d) for d in order if d != sd]
         return self._restack([m.permute(*member_order) for m in self.tensordicts], order.index(sd))

@@ -17,8 +17,11 @@ import torch
 
 from shared_td.containers import batch as batch_ops
 from shared_td.containers.base import TensorDictBase, is_leaf_nontensor, is_non_tensor, is_tensor_collection
+from shared_td.containers.index_writes import plan_set_at
 from shared_td.errors import BatchSizeMismatchError
 from shared_td.keys import key_repr, unravel_key
+from shared_td.memmap_tensor import refuse_read_only
+from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 if TYPE_CHECKING:  # for the annotations only: lazy.py imports this module
     from shared_td.containers.lazy import LazyStackedTensorDict
@@ -165,101 +168,155 @@ class LazyWriteOps:
         covers the entry's dims after the batch dims). Only the selected elements are
         written, so a process writing other elements of a shared stack at the same time
         keeps its values. An entry whose members' shapes differ, or a non-tensor entry,
-        is indexed along the batch dims only.
+        is indexed along the batch dims only. Everything is checked (read-only members
+        too) before the first member is written.
+
+        Example:
+            >>> import numpy as np
+            >>> lazy = shared_td.lazy_stack([TensorDict(a=torch.zeros(4), batch_size=[4]) for _ in range(3)])
+            >>> lazy.set_at_("a", np.ones(4, dtype=np.float32), 1)["a"].sum().item()
+            4.0
 
         Raises:
             KeyError: naming the key, when it is missing.
         """
-        path = unravel_key(key)
+        writes: list = []
+        try:
+            self._plan_set_at(unravel_key(key), value, index, writes)
+        except (RuntimeError, IndexError, TypeError) as err:
+            raise type(err)(f"set_at_({key!r}, ..., {index!r}): {err}") from err
+        for write in writes:
+            write()
+        return self
+
+    def _plan_set_at(self, path: tuple, value: Any, index: Any, writes: list) -> None:
+        """Check ``set_at_(path, value, index)`` and append the closures that write it
+        (index_writes.plan_set_at calls this for an entry below a lazy stack)."""
+        if isinstance(value, np.ndarray):  # as the dense set_at_ and set() take one
+            value = torch.as_tensor(value)
         try:
             stacked = self.get(path)
         except RuntimeError:  # shapes differ between members: index member by member
             stacked = None
-        try:
-            if isinstance(stacked, torch.Tensor):
-                # get() of a lazy stack is a new tensor: write into it with torch's
-                # rules (this raises before any member is touched), then copy the
-                # selected elements back into the members
-                touched = torch.zeros(stacked.shape, dtype=torch.bool)
-                touched[index] = True
-                stacked[index] = value
-                self._write_touched(path, stacked, touched)
-            else:
-                self._set_at_members(path, value, index)
-        except (RuntimeError, IndexError, TypeError) as err:
-            raise type(err)(f"set_at_({key!r}, ..., {index!r}): {err}") from err
-        return self
+        if isinstance(stacked, torch.Tensor):
+            # get() of a lazy stack is a new tensor: write into it with torch's rules
+            # (this raises before any member is touched); the closure copies the
+            # selected elements back into the members
+            touched = torch.zeros(stacked.shape, dtype=torch.bool)
+            touched[index] = True
+            stacked[index] = value
+            parts = self._touched_parts(path, stacked, touched)
+            refuse_read_only([leaf for leaf, _, _ in parts], "set_at_")
+            writes.append(lambda: _write_parts(parts))
+        else:
+            self._plan_members_set_at(path, value, index, writes)
 
-    def _write_touched(self, path: tuple, stacked: torch.Tensor, touched: torch.Tensor) -> None:
-        """Copy the elements of ``stacked`` that ``touched`` marks into the members."""
+    def _touched_parts(self, path: tuple, stacked: torch.Tensor, touched: torch.Tensor) -> list:
+        """``(member tensor, its part of stacked, its part of touched)`` for each member
+        tensor of ``path`` that ``touched`` marks an element of."""
+        parts = []
         for member, part, mask in zip(self.tensordicts, stacked.unbind(self._stack_dim),
                                       touched.unbind(self._stack_dim)):
             if not mask.any():
                 continue
             if _is_lazy(member):
-                member._write_touched(path, part, mask)
+                parts += member._touched_parts(path, part, mask)
             else:
-                member.get(path)[mask] = part[mask].to(member.get(path).device)
+                parts.append((member.get(path), part, mask))
+        return parts
 
-    def _set_at_members(self, path: tuple, value: Any, index: Any) -> None:
+    def _plan_members_set_at(self, path: tuple, value: Any, index: Any, writes: list) -> None:
         """``set_at_`` of a ragged or non-tensor entry: each member affected by the batch
         index writes its part (a tensor value split along the stack dim)."""
         where = self._locate(index)
+        # (a tensor, or a tensordict written into a nested one, is split along its
+        # leading dims, as the selection's)
+        shape = value.batch_size if _is_branch(value) else getattr(value, "shape", torch.Size([]))
         if where[0] == "one":
-            self.tensordicts[where[1]].set_at_(path, value, where[2])
-            return
-        shaped = isinstance(value, torch.Tensor) and value.ndim > 0
-        if where[0] == "many":
+            targets, sources = [(self.tensordicts[where[1]], where[2])], [value]
+        elif where[0] == "many":
             _, chosen, rest, out, out_batch = where
             targets = [(self.tensordicts[i], rest) for i in chosen]
-            if shaped:
-                value = value.expand(*out_batch, *value.shape[len(out_batch):]) if value.ndim >= len(out_batch) else value
-                sources = list(value.unbind(out)) if value.ndim >= len(out_batch) else [value] * len(targets)
+            if shape and len(shape) >= len(out_batch):
+                sources = list(_expand_lead(value, out_batch, shape).unbind(out))
             else:
                 sources = [value] * len(targets)
         else:
             positions = self._positions(where[1])
             targets = [self._element(int(f)) for f in positions.flatten().tolist()]
-            if shaped and value.ndim >= positions.ndim:
-                value = value.expand(*positions.shape, *value.shape[positions.ndim:])
+            if shape and len(shape) >= positions.ndim:
+                value = _expand_lead(value, positions.shape, shape)
                 sources = [value[tuple(c)] for c in np.ndindex(*positions.shape)]
             else:
                 sources = [value] * len(targets)
         for (member, sub), source in zip(targets, sources):
-            member.set_at_(path, source, sub)
+            plan_set_at(unwrap_tensorclass(member), path, source, sub, writes)
 
     # ---------------------------------------------------------------- lazy[idx] = value
+    def _row_source(self, index: Any, value: Any, rows: torch.Size | None = None) -> Any:
+        """What ``lazy[index] = value`` writes: a tensordict as given (``_plan_index_writes``
+        fits it to the rows), a dict or anything else as TensorDictBase takes it."""
+        if _is_branch(value):
+            return value
+        return super()._row_source(index, value, rows)
+
     def _set_at_index(self, index: Any, value: Any) -> None:
-        """``lazy[index] = value``: write into the affected members (checked first)."""
+        """``lazy[index] = value``: write into the affected members (all checked first)."""
+        writes: list = []
+        self._plan_index_writes(index, value, writes)
+        for write in writes:
+            write()
+
+    def _plan_index_writes(self, index: Any, value: Any, writes: list, target_batch: Any = None, *,
+                           path: tuple = ()) -> None:
+        """Check ``self[index] = value`` and append the closures that write it, member by
+        member, to ``writes`` (as TensorDict._plan_index_writes, which calls this for a
+        nested lazy stack). A tensordict source is fitted to the indexed rows first as
+        batch.rows_source fits it; one of batch size ``[]`` whose entries do not start
+        with the rows is broadcast into every row, as tensordict 0.15.3's lazy stack does."""
         from shared_td.containers.tensordict import TensorDict
 
         if isinstance(value, dict):
             value = TensorDict(value, batch_size=[])
+        value = unwrap_tensorclass(value)
+        rows = batch_ops.index_and_size(index, self.batch_size)[1]
+        if _is_branch(value) and value.batch_size != rows:
+            value = batch_ops.rows_source(index, value, rows, self.batch_size, broadcast_unbatched=True)
         where = self._locate(index)
         if where[0] == "one":
-            member, rest = self.tensordicts[where[1]], where[2]
-            member._set_at_index(rest, value)
-            return
-        if where[0] == "many":
+            targets, sources = [(self.tensordicts[where[1]], where[2])], [value]
+        elif where[0] == "many":
             _, chosen, rest, out, out_batch = where
             targets = [(self.tensordicts[i], rest) for i in chosen]
-            if is_tensor_collection(value):
+            if _is_branch(value):
                 sources = list(_expand_to(value, out_batch).unbind(out))
             else:
                 sources = [value] * len(targets)
         else:
             positions = self._positions(where[1])
             targets = [self._element(int(f)) for f in positions.flatten().tolist()]
-            if is_tensor_collection(value):
+            if _is_branch(value):
                 value = _expand_to(value, positions.shape)
                 sources = [value[tuple(c)] for c in np.ndindex(*positions.shape)]
             else:
                 sources = [value] * len(targets)
         for (member, sub), source in zip(targets, sources):
-            if is_tensor_collection(source):
-                _check_write(member, source, sub)
-        for (member, sub), source in zip(targets, sources):
-            member._set_at_index(sub, source)
+            member = unwrap_tensorclass(member)
+            sub_index, sub_rows = batch_ops.index_and_size(sub, member.batch_size)
+            member._plan_index_writes(sub_index, unwrap_tensorclass(source), writes, sub_rows, path=path)
+
+
+def _expand_lead(value: Any, lead: torch.Size, shape: torch.Size) -> Any:
+    """``value`` (a tensor, or a tensordict of batch size ``shape``) expanded to ``lead``
+    on its leading dims."""
+    size = torch.Size(lead) + shape[len(lead):]
+    return _expand_to(value, size) if _is_branch(value) else value.expand(size)
+
+
+def _write_parts(parts: list) -> None:
+    """Copy the selected elements of each member's part into the member's tensor."""
+    for leaf, part, mask in parts:
+        leaf[mask] = part[mask].to(leaf.device)
 
 
 def _is_branch(value: Any) -> bool:

@@ -206,24 +206,52 @@ class NamedBatchDims:
         inner = unwrap_tensorclass(child)
         if not carries_names(inner) or not len(self._batch_size):
             return child  # (no batch dim of ours for the child to share)
+        names = names_after_set(self._names, len(self._batch_size), key, inner)  # (checks all)
         if self._names is None:
             # an unnamed tensordict takes a named child's names of its dims (and its other
             # children with it), as tensordict 0.15.3 does
-            leading = (inner.names or [None] * inner.batch_dims)[: len(self._batch_size)]
-            if any(name is not None for name in leading):
-                self.names = leading
+            if names is not None:
+                self.names = names
             return child
-        theirs = (inner.names or [None] * inner.batch_dims)[: len(self._names)]
-        clash = [(a, b) for a, b in zip(self._names, theirs) if b is not None and a != b]
-        if clash:
-            raise RuntimeError(
-                f"Cannot set {key!r}: its batch dims are named {inner.names}, which do not "
-                f"match this tensordict's names {self.names}. Rename one of them first "
-                f"(e.g. value.names = None)."
-            )
-        if theirs == self._names:
+        if _leading_names(inner, len(names)) == names:
             return child
-        inner._rename_leading(self._names, check_only=True)
         copy = child.clone(recurse=False)
         unwrap_tensorclass(copy)._rename_leading(self._names, check_only=False)
         return copy
+
+
+def names_after_set(names: list | None, batch_dims: int, key: str, child: Any) -> list | None:
+    """The names of a tensordict's ``batch_dims`` batch dims, now ``names`` (None:
+    unnamed), once ``child`` (unwrapped) is set under ``key`` (see
+    :meth:`NamedBatchDims._adopt_names`). Only checks: nothing is renamed; ``update``
+    plans its writes with it, so that a clash raises before the first write.
+
+    Raises:
+        RuntimeError: the child names those dims otherwise (NameClashError: our names
+            would be used twice in it).
+
+    Example:
+        >>> child = TensorDict(batch_size=[3], names=["env"])
+        >>> names_after_set(None, 1, "c", child), names_after_set(["env"], 1, "c", child)
+        (['env'], ['env'])
+    """
+    if not carries_names(child) or not batch_dims:
+        return names
+    theirs = _leading_names(child, batch_dims)
+    if names is None:
+        return theirs if any(name is not None for name in theirs) else None
+    clash = [(a, b) for a, b in zip(names, theirs) if b is not None and a != b]
+    if clash:
+        raise RuntimeError(
+            f"Cannot set {key!r}: its batch dims are named {child.names}, which do not "
+            f"match this tensordict's names {list(names)}. Rename one of them first "
+            f"(e.g. value.names = None)."
+        )
+    if theirs != list(names):
+        child._rename_leading(list(names), check_only=True)
+    return names
+
+
+def _leading_names(child: Any, dims: int) -> list:
+    """The names of the first ``dims`` batch dims of ``child`` (None for an unnamed one)."""
+    return (child.names or [None] * child.batch_dims)[:dims]

@@ -20,6 +20,7 @@ import torch
 from shared_td.containers import batch as batch_ops
 from shared_td.containers.base import TensorDictBase, parse_device
 from shared_td.containers.batch_dim_ops import NonTensorBatchDimOps
+from shared_td.containers.reshaping import permute_order
 from shared_td.errors import BatchSizeMismatchError
 
 
@@ -90,7 +91,7 @@ class NonTensorBase(NonTensorBatchDimOps, TensorDictBase):
         return self._transform(lambda p: p.squeeze() if dim is None else p.squeeze(dim))
 
     def permute(self, *dims: Any) -> "NonTensorBase":
-        order = batch_ops.shape_args(dims)
+        order = permute_order(dims, len(self._batch_size))  # (the leading dims may do, as a TensorDict's)
         return self._transform(lambda positions: positions.permute(*order))
 
     def repeat(self, *repeats: Any) -> "NonTensorBase":

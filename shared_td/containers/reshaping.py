@@ -82,16 +82,40 @@ class BatchShapeOps:
         return out
 
     def permute(self, *dims: Any) -> "TensorDict":
-        """Reorder the batch dims (a view); feature dims stay last."""
-        order = [batch_ops.normalize_dim(d, self.batch_dims) for d in batch_ops.shape_args(dims)]
-        if sorted(order) != list(range(self.batch_dims)):
-            raise ValueError(f"permute needs each of the {self.batch_dims} batch dims once, got {list(dims)}.")
+        """Reorder the batch dims (a view); feature dims stay last. As in tensordict
+        0.15.3, fewer dims than the batch dims may be given: a reorder of the leading
+        ones (negative dims count from the last batch dim), the others kept.
+
+        Raises:
+            ValueError: the dims are not each of the first ``len(dims)`` batch dims once.
+
+        Example:
+            >>> td = TensorDict(a=torch.zeros(2, 3, 4), batch_size=[2, 3, 4])
+            >>> td.permute(1, 0).batch_size, td.permute(-1, 0, 1).batch_size
+            (torch.Size([3, 2, 4]), torch.Size([4, 2, 3]))
+        """
         nb = self.batch_dims
+        order = permute_order(dims, nb)
         size = torch.Size([self._batch_size[d] for d in order])
         names = None if self._names is None else [self._names[d] for d in order]
         return self._map_entries(
             lambda v: v.permute(*order, *range(nb, v.ndim)), size, names, is_view=True
         )
+
+    @staticmethod
+    def _from_dict_has_batch_dims(batch_size: Any, batch_dims: int | None) -> bool:
+        """Whether ``from_dict(batch_size=...)`` gives the tree batch dims (its Python
+        numbers then become NonTensorData).
+
+        Raises:
+            ValueError: both ``batch_size`` and ``batch_dims`` are given (as tensordict
+                0.15.3 refuses them: one is a size, the other asks to infer it).
+        """
+        if batch_size is not None and batch_dims is not None:
+            raise ValueError(
+                f"from_dict got both batch_size={batch_size} and batch_dims={batch_dims}: give "
+                "batch_size, or batch_dims to infer that many dims from the entries, not both.")
+        return batch_size is not None and len(batch_size) > 0
 
     def auto_batch_size_(self, batch_dims: int | None = None, keep_compliant_size: bool = False):
         """Set the batch size to the longest leading shape that every entry shares
@@ -126,6 +150,26 @@ class BatchShapeOps:
         common = _common_prefix(shapes)
         self.batch_size = common if batch_dims is None else common[:batch_dims]
         return self
+
+
+def permute_order(dims: Any, batch_dims: int) -> list:
+    """The whole order of ``batch_dims`` batch dims that ``permute(*dims)`` asks for: as
+    tensordict 0.15.3, ``dims`` may reorder only the leading ones (negative dims count
+    from the last batch dim), the others stay.
+
+    Raises:
+        ValueError: the dims are not each of the first ``len(dims)`` batch dims once.
+
+    Example:
+        >>> permute_order((1, 0), 3), permute_order(([-1, 0, 1],), 3)
+        ([1, 0, 2], [2, 0, 1])
+    """
+    order = [batch_ops.normalize_dim(d, batch_dims) for d in batch_ops.shape_args(dims)]
+    if sorted(order) != list(range(len(order))):
+        which = (f"each of the {batch_dims} batch dims" if len(order) == batch_dims
+                 else f"each of the first {len(order)} of the {batch_dims} batch dims (the others stay)")
+        raise ValueError(f"permute needs {which} once, got {list(dims)}.")
+    return order + list(range(len(order), batch_dims))
 
 
 def _common_prefix(shapes: list) -> torch.Size:

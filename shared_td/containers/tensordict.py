@@ -212,7 +212,7 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, BatchDimOps, IndexWrites
         if is_non_tensor(value) and value.batch_size != self._batch_size:
             value = value._with_batch_size(self._batch_size, key)
         elif is_tensor_collection(value) and value.batch_size[: len(self._batch_size)] != self._batch_size:
-            value = self._resized_child(value)  # (as tensordict: a copy resized)
+            value = self._resized_child(value, key)  # (as tensordict: a copy resized)
         return self._fitted(key, value, value.batch_size if is_tensor_collection(value) else value.shape)
 
     def _fitted(self, key: str, value: Any, shape: torch.Size) -> Any:
@@ -512,7 +512,7 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, BatchDimOps, IndexWrites
         with dims is a NonTensorData, as in tensordict (a 0-d tensor cannot have those
         dims), so ``to_dict()`` of a tree holding ``NonTensorData(3)`` comes back.
         """
-        if batch_size is not None and len(batch_size):
+        if cls._from_dict_has_batch_dims(batch_size, batch_dims):  # (raises for both)
             input_dict = _numbers_as_non_tensor(input_dict, batch_size)
         td = cls(input_dict, batch_size=batch_size, device=device)
         if (auto_batch_size or batch_dims is not None) and batch_size is None:

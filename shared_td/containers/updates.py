@@ -53,15 +53,19 @@ class UpdateOps:
         return self
 
     def _plan_update(
-        self, other: Any, prefix: tuple, inplace: bool, add_missing: bool, selected: list | None
+        self, other: Any, prefix: tuple, inplace: bool, add_missing: bool, selected: list | None,
+        names_of: dict | None = None,
     ) -> list:
         """The checked ``(path, value, in_place)`` writes of ``update``/``update_``.
 
-        Nothing is written here: every failure (missing key, lock, batch size, shape)
-        is raised before the caller writes the first entry.
+        Nothing is written here: every failure (missing key, lock, batch size, shape,
+        dim names) is raised before the caller writes the first entry. ``names_of``:
+        the names that the tensordicts at some paths will have once the writes planned
+        so far are done (a child set into an unnamed tensordict names it).
         """
         from shared_td.containers.base import TensorDictBase, is_non_tensor
 
+        names_of = {} if names_of is None else names_of
         plan = []
         items = other.items() if isinstance(other, (dict, TensorDictBase)) else other
         for key, value in items:
@@ -70,13 +74,13 @@ class UpdateOps:
             if selected is not None and not any(path[: len(s)] == s for s in selected):
                 # Only some keys below this one are selected: descend into a mapping.
                 if is_mapping and any(s[: len(path)] == path for s in selected):
-                    plan += self._plan_update(value, path, inplace, add_missing, selected)
+                    plan += self._plan_update(value, path, inplace, add_missing, selected, names_of)
                 continue
             current = self._get_path(path, None)
             if is_mapping and isinstance(current, TensorDictBase) and not is_non_tensor(current):
-                plan += self._plan_update(value, path, inplace, add_missing, selected)
+                plan += self._plan_update(value, path, inplace, add_missing, selected, names_of)
             elif _merges_into_tensorclass(current, value):
-                plan += self._plan_update(unwrap_tensorclass(value), path, inplace, add_missing, selected)
+                plan += self._plan_update(unwrap_tensorclass(value), path, inplace, add_missing, selected, names_of)
             elif current is None and not add_missing:
                 raise KeyError(
                     f"update_() writes in place, but key {key_repr(path)} does not exist "
@@ -85,8 +89,50 @@ class UpdateOps:
             elif inplace and current is not None:
                 plan.append((path, self._checked_set_(path, current, value), True))
             else:
-                plan.append((path, self._checked_set(path, value), False))
+                value = self._checked_set(path, value)
+                self._plan_names(path, value, names_of)
+                plan.append((path, value, False))
         return plan
+
+    def _plan_names(self, path: tuple, value: Any, names_of: dict) -> None:
+        """Raise, as ``set(path, value)`` would when it writes, if ``value`` names its
+        dims otherwise than the tensordict it goes into will (``names_of``, updated)."""
+        from shared_td.containers.naming import carries_names, names_after_set
+
+        child = unwrap_tensorclass(value)
+        parent = self._planned_node(path[:-1])
+        if not carries_names(child) or not hasattr(parent, "_adopt_names"):
+            return  # (a leaf, or a lazy stack's key: its members check)
+        names = self._planned_names(path[:-1], names_of)
+        after = names_after_set(names, parent.batch_dims, path[-1], child)
+        exists = not path[:-1] or self._get_path(path[:-1], None) is not None
+        if names is None and after is not None and exists:
+            parent._rename_leading(after, check_only=True)  # (its other children follow)
+        names_of[path[:-1]] = after
+
+    def _planned_node(self, path: tuple) -> Any:
+        """The tensordict at ``path``, or the nearest one above it (which a write would
+        give the missing ones, of its batch size and names)."""
+        node = unwrap_tensorclass(self._get_path(path, None)) if path else self
+        return self._planned_node(path[:-1]) if node is None else node
+
+    def _planned_names(self, path: tuple, names_of: dict) -> list | None:
+        """The names the tensordict at ``path`` will have (see _plan_update)."""
+        if path in names_of:
+            return names_of[path]
+        node = unwrap_tensorclass(self._get_path(path, None)) if path else self
+        if not path:
+            return self.names
+        above = self._planned_names(path[:-1], names_of)
+        if node is None:  # missing: made with the names of the one above
+            return above
+        try:
+            own = node.names
+        except ValueError:  # (a lazy stack whose members name their dims otherwise)
+            own = None
+        if above is None:
+            return own
+        return above + (own or [None] * node.batch_dims)[len(above):]
 
     def _merged_in_place(self, key: Any, value: Any) -> bool:
         """``set(key, value, inplace=True)`` when ``key`` holds a nested tensordict (or
@@ -112,7 +158,7 @@ class UpdateOps:
         current.update(value, inplace=True)
         return True
 
-    def _resized_child(self, value: Any) -> Any:
+    def _resized_child(self, value: Any, key: str | None = None) -> Any:
         """``value``, a tensordict or tensorclass about to be set into this tensordict,
         whose leading dims are not our batch size, as tensordict 0.15.3 takes it: a
         shallow copy (``clone(recurse=False)``: the same tensors; ``value`` is not
@@ -120,7 +166,12 @@ class UpdateOps:
         ``TensorDict()``, or one whose tensors start with our batch size; the dims of
         ``value`` past it are dropped). Otherwise ``value`` itself, which the caller then
         refuses, naming the key: a lazy stack (its batch size is its members'), or
-        entries that do not fit.
+        entries that do not fit. Given the ``key``, those raise here instead, naming the
+        key and the entry at fault (as tensordict names the entry).
+
+        Raises:
+            BatchSizeMismatchError: (a ValueError and a RuntimeError) with ``key``: an
+                entry of ``value`` does not start with our batch size.
 
         Example:
             >>> td = TensorDict(a=torch.zeros(3, 4), batch_size=[3])
@@ -136,8 +187,14 @@ class UpdateOps:
         copy = value.clone(recurse=False)
         try:
             copy.batch_size = self.batch_size
-        except BatchSizeMismatchError:
-            return value
+        except BatchSizeMismatchError as error:
+            if key is None:
+                return value
+            raise BatchSizeMismatchError(
+                f"batch dimension mismatch for key {key!r}: the {type(value).__name__} set there "
+                f"(batch_size {list(value.batch_size)}) cannot take this tensordict's batch_size "
+                f"{list(self.batch_size)}, as tensordict 0.15.3 would give it: {error}"
+            ) from None
         return copy
 
     def copy_(self, other: Any, non_blocking: bool = False) -> "TensorDictBase":
