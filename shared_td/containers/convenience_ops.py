@@ -355,7 +355,8 @@ class ConvenienceOps:
         size = batch_ops._probe(dense.batch_size).repeat(*repeats).shape
         names = None if dense.names is None else [None] * (len(size) - nb) + dense.names  # (as tensordict)
         # (a tensor, a non-tensor entry or a nested collection: one count per dim past ours)
-        return dense._map_entries(lambda x: x.repeat(*repeats, *[1] * (_dims(x) - nb)), size, names)
+        out = dense._map_entries(lambda x: x.repeat(*repeats, *[1] * (_dims(x) - nb)), size, names)
+        return out.lock_() if self.is_locked else out  # (locked as self, as in tensordict)
 
     def repeat_interleave(self, repeats: Any, dim: int | None = None, *, output_size: int | None = None) -> Any:
         """``torch.repeat_interleave`` along batch dim ``dim`` (of the flattened batch
@@ -373,8 +374,9 @@ class ConvenienceOps:
             dense, dim = dense.reshape(-1), 0
         dim = batch_ops.normalize_dim(dim, dense.batch_dims)
         size = batch_ops._probe(dense.batch_size).repeat_interleave(repeats, dim=dim, output_size=output_size).shape
-        return dense._map_entries(lambda x: x.repeat_interleave(repeats, dim=dim, output_size=output_size),
-                                  size, dense.names)
+        out = dense._map_entries(lambda x: x.repeat_interleave(repeats, dim=dim, output_size=output_size),
+                                 size, dense.names)
+        return out.lock_() if self.is_locked else out
 
     def _dense_for_copy(self) -> Any:
         """Self, or for a lazy stack its dense copy (new-tensor ops give a TensorDict)."""

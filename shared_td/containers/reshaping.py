@@ -34,12 +34,17 @@ class BatchShapeOps:
     def expand_as(self, other: Any) -> "TensorDict":
         """Each entry expanded as the same entry of the tensordict ``other``
         (``torch.Tensor.expand_as`` leaf by leaf); the result has ``other``'s batch size.
+        A tensor ``other`` gives ``expand(other.shape)``, as in tensordict 0.15.3.
 
         Example:
             >>> td = TensorDict(a=torch.ones(3, 1, 4), batch_size=[3])
             >>> td.expand_as(TensorDict(a=torch.zeros(2, 3, 5, 4), batch_size=[2, 3]))["a"].shape
             torch.Size([2, 3, 5, 4])
+            >>> td.expand_as(torch.zeros(2, 3)).batch_size
+            torch.Size([2, 3])
         """
+        if isinstance(other, torch.Tensor):
+            return self.expand(other.shape)
         return self.apply(lambda value, like: value.expand_as(like), other, batch_size=other.batch_size)
 
     def reshape(self, *shape: Any, size: Any = None) -> "TensorDict":

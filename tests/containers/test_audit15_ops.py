@@ -234,3 +234,17 @@ def test_permute_of_the_leading_dims_of_a_lazy_stack(lib):
     out = lazy.permute(1, 0)
     assert out.batch_size == torch.Size([2, 4, 3])
     assert torch.equal(out["a"], lazy["a"].permute(1, 0, 2))
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("op", ["repeat", "repeat_interleave"])
+def test_repeat_of_a_locked_tensordict_is_locked(lib, op):
+    td = lib.TensorDict(a=torch.zeros(3, 2), batch_size=[3]).lock_()
+    assert getattr(td, op)(2).is_locked
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_expand_as_a_tensor_expands_to_its_shape(lib):
+    td = lib.TensorDict(a=torch.arange(3.0), batch_size=[3])
+    out = td.expand_as(torch.zeros(2, 3))
+    assert out.batch_size == torch.Size([2, 3]) and torch.equal(out["a"], torch.arange(3.0).expand(2, 3))
