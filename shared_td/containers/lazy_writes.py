@@ -280,6 +280,8 @@ class LazyWriteOps:
             value = TensorDict(value, batch_size=[])
         value = unwrap_tensorclass(value)
         rows = batch_ops.index_and_size(index, self.batch_size)[1]
+        if isinstance(value, torch.Tensor) and value.dim():
+            value = self._tensor_rows(index, value)  # split between the members as the rows are
         if _is_branch(value) and value.batch_size != rows:
             value = batch_ops.rows_source(index, value, rows, self.batch_size, broadcast_unbatched=True)
         where = self._locate(index)
@@ -304,6 +306,30 @@ class LazyWriteOps:
             member = unwrap_tensorclass(member)
             sub_index, sub_rows = batch_ops.index_and_size(sub, member.batch_size)
             member._plan_index_writes(sub_index, unwrap_tensorclass(source), writes, sub_rows, path=path)
+
+
+    def _tensor_rows(self, index: Any, value: torch.Tensor) -> Any:
+        """``lazy[index] = tensor`` as on the dense stack: the tensor broadcast to each
+        entry's part ``entry[index]`` (from the right, as torch assigns), as a
+        tensordict of the rows whose members' parts ``_plan_index_writes`` then writes
+        (given whole to each member, a tensor as long as the rows along the stack dim
+        met a member's part without that dim: tensordict 0.15.3 writes it)."""
+        def broadcast(key: Any, part: torch.Tensor) -> torch.Tensor:
+            try:
+                return torch.broadcast_to(value, part.shape)
+            except RuntimeError as err:
+                raise BatchSizeMismatchError(
+                    f"Cannot write a value of shape {list(value.shape)} into entry {key!r} at {index!r}: "
+                    f"its part there has shape {list(part.shape)} ({str(err).splitlines()[0]}).") from None
+
+        from shared_td.containers.tensordict import TensorDict
+
+        view = self[index]  # (its leaves read stacked: only their shapes are used)
+        source = TensorDict(batch_size=view.batch_size)
+        for key, part in view.items(include_nested=True, leaves_only=True):
+            if isinstance(part, torch.Tensor):  # (non-tensor entries take no tensor)
+                source.set(key, broadcast(key, part))
+        return source
 
 
 def _expand_lead(value: Any, lead: torch.Size, shape: torch.Size) -> Any:

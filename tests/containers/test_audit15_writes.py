@@ -239,3 +239,24 @@ def test_number_written_at_rows_with_a_read_only_lazy_member_writes_nothing(tmp_
     with pytest.raises(ReadOnlyError):
         p[:, 0] = 1.0
     assert p["x"].sum().item() == 0.0 and free["a"].sum().item() == 0.0
+
+
+@pytest.mark.parametrize("lib", [pytest.param(shared_td, id="shared_td"),
+                                 pytest.param(tensordict, id="tensordict", marks=needs_tensordict)])
+@pytest.mark.parametrize("stack_dim, index, value", [
+    (0, (slice(None), 0), torch.arange(3.0)),
+    (0, (slice(None), slice(0, 2)), torch.arange(6.0).reshape(3, 2)),
+    (1, (0, slice(None)), torch.arange(3.0)),
+    (1, (slice(None), 1), torch.arange(4.0)),
+], ids=["rows-of-dim-0", "block", "stack-dim-1", "one-member"])
+def test_a_tensor_written_at_rows_of_a_lazy_stack_is_split_between_its_members(lib, stack_dim, index, value):
+    # as on the dense stack: the tensor broadcast to each entry's part, then each member
+    # its own slice (before: the whole tensor went to each member and the write raised)
+    members = [lib.TensorDict(a=torch.zeros(4), n=lib.TensorDict(c=torch.zeros(4), batch_size=[4]), batch_size=[4])
+               for _ in range(3)]
+    lazy = lib.lazy_stack(members, stack_dim)
+    dense = lazy.to_tensordict()
+    lazy[index] = value
+    dense[index] = value
+    assert torch.equal(lazy["a"], dense["a"]) and torch.equal(lazy["n", "c"], dense["n", "c"])
+    assert not torch.equal(dense["a"], torch.zeros_like(dense["a"]))
