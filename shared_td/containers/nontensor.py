@@ -266,7 +266,11 @@ class NonTensorStack(NonTensorBase):
             piece = NonTensorStack._from_flat(values, new_positions.shape, self._device, members)
         if self._is_memmap or self._is_shared or self._shared_value is not None:
             piece._copy_of_stored_stack = True  # (see NonTensorBase._refuse_copy_write)
-        else:  # its in-place writes reach this stack, as tensordict's (whose pieces hold its members)
+        elif new_positions.numel() and new_positions.untyped_storage().data_ptr() == positions.untyped_storage().data_ptr():
+            # a view (an int or slice index, a reshape, permute, unsqueeze...): its in-place
+            # writes reach this stack, as tensordict's pieces, which hold its members; an
+            # index list, tensor or mask gives a copy there as here (a sample of a buffer
+            # edited in place must not write into the buffer)
             piece._piece_of = (self, taken)
         return piece
 
@@ -279,7 +283,7 @@ class NonTensorStack(NonTensorBase):
                 stored[position] = value
             self._values = stored
             self._members = None  # new values: no longer the stacked members
-            self._after_update()
+            self._after_update(positions)
 
     def _flat_members(self) -> list:
         return [None] * len(self._values) if self._members is None else list(self._members)
@@ -317,11 +321,12 @@ class NonTensorStack(NonTensorBase):
             return self  # it holds those values already: nothing changes
         with self._updating():  # read-modify-write: no other process's write is lost
             values = list(self._values)
-            for position, value in zip(targets.reshape(-1).tolist(), new_values):
+            touched = targets.reshape(-1).tolist()
+            for position, value in zip(touched, new_values):
                 values[position] = value
             self._values = values
             self._members = None  # new values: no longer the stacked members
-            self._after_update()
+            self._after_update(touched)
         return self
 
     def _holds_only(self, index: tuple, source: Any) -> bool:

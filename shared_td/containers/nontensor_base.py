@@ -201,9 +201,12 @@ class NonTensorBase(NonTensorBatchDimOps, TensorDictBase):
         entry is not interleaved with another process's."""
         return contextlib.nullcontext() if self._shared_value is None else self._shared_value.updating()
 
-    def _after_update(self) -> None:
+    def _after_update(self, touched: list | None = None) -> None:
         """An in-place write of a memory-mapped entry also rewrites its files (those of
-        the entry a view of its shared value was made from, with that entry's batch size)."""
+        the entry a view of its shared value was made from, with that entry's batch size);
+        that of a view of a plain NonTensorStack reaches the stack: the flat positions
+        ``touched`` (None: all), never the others, which the view holds as they were
+        when it was made (another write may have changed them in the stack since)."""
         entry = self.__dict__.get("_origin", self)
         if entry._is_memmap and entry._memmap_prefix is not None:
             from shared_td.persist.writer import rewrite_node
@@ -211,8 +214,10 @@ class NonTensorBase(NonTensorBatchDimOps, TensorDictBase):
             rewrite_node(entry, entry._memmap_prefix)
         piece_of = self.__dict__.get("_piece_of")
         if piece_of is not None:  # a piece of a plain NonTensorStack: the write reaches the stack
-            stack, positions = piece_of
-            stack._write_positions(positions, self._flat_values())
+            stack, taken = piece_of
+            values = self._flat_values()
+            written = range(len(taken)) if touched is None else touched
+            stack._write_positions([taken[i] for i in written], [values[i] for i in written])
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()

@@ -186,3 +186,26 @@ def test_a_repeated_stack_is_a_copy():
     tiled[0] = "z"
     tiled[1].update_(shared_td.NonTensorData("y"))
     assert (stack.tolist(), tiled.tolist()) == (["a", "b"], ["z", "y", "a", "b"])
+
+
+@pytest.mark.parametrize("lib", [pytest.param(shared_td, id="shared_td"),
+                                 pytest.param(tensordict, id="tensordict", marks=needs_tensordict)])
+def test_a_write_through_a_view_changes_only_the_rows_it_writes(lib):
+    # a view's one-row write forwarded every row of the view, old values included: a
+    # write made through the tensordict since was silently undone
+    td = lib.TensorDict(text=lib.NonTensorStack("a", "b", "c"), batch_size=[3])
+    first_two = td[:2]
+    td[1] = lib.TensorDict(text="Z", batch_size=[])
+    first_two.set_at_("text", "X", 0)
+    assert td.get("text").tolist() == ["X", "Z", "c"]
+
+
+@pytest.mark.parametrize("lib", [pytest.param(shared_td, id="shared_td"),
+                                 pytest.param(tensordict, id="tensordict", marks=needs_tensordict)])
+@pytest.mark.parametrize("index", [[0, 2], torch.tensor([True, False, True])], ids=["list", "mask"])
+def test_a_sample_by_index_list_or_mask_is_a_copy_for_its_non_tensor_entries_too(lib, index):
+    # a replay sample edited in place must not write into the buffer (its tensors do not)
+    td = lib.TensorDict(text=lib.NonTensorStack("a", "b", "c"), x=torch.zeros(3), batch_size=[3])
+    sample = td[index]
+    sample.update_({"x": torch.ones(2), "text": lib.NonTensorStack("P", "Q")})
+    assert td.get("text").tolist() == ["a", "b", "c"] and td["x"].tolist() == [0.0, 0.0, 0.0]
