@@ -327,15 +327,26 @@ class ConvenienceOps:
     def _new_like(self, size: tuple, make: Any, dtype: Any, device: Any, requires_grad: bool) -> Any:
         from shared_td.containers import batch as batch_ops
 
-        size = batch_ops.shape_args(size)
+        import torch
+
+        from shared_td.containers.base import is_non_tensor
+        from shared_td.containers.tensordict import TensorDict
+
+        size = tuple(batch_ops.shape_args(size))
         dense = self._dense_for_copy()
         nb = dense.batch_dims
+        # the names stay with the last dims, as tensordict 0.15.3 keeps them
+        names = None if dense.names is None or len(size) < nb else [None] * (len(size) - nb) + dense.names
 
         def entry(x: Any) -> Any:
-            kw = {"dtype": dtype or x.dtype, "device": device or x.device, "requires_grad": requires_grad}
-            return make(x, (*size, *x.shape[nb:]), kw)
+            if isinstance(x, torch.Tensor):
+                kw = {"dtype": dtype or x.dtype, "device": device or x.device, "requires_grad": requires_grad}
+                return make(x, (*size, *x.shape[nb:]), kw)
+            if is_non_tensor(x):  # no value to make: an empty tensordict in its place, as tensordict
+                return TensorDict._new_unsafe({}, torch.Size([*size, *x.batch_size[nb:]]), x.device)
+            return x._new_like((*size, *x.batch_size[nb:]), make, dtype, device, requires_grad)  # nested
 
-        return dense.apply(entry, batch_size=size)
+        return dense._map_entries(entry, torch.Size(size), names)
 
     def repeat(self, *repeats: int) -> Any:
         """Repeat the batch dims as ``torch.Tensor.repeat`` does (one count per batch

@@ -108,7 +108,8 @@ _WRAPPED = (
     "unbind split chunk to cpu cuda pin_memory pin_memory_ clone contiguous expand reshape view "
     "unsqueeze squeeze permute transpose flatten unflatten apply named_apply set_ lock_ unlock_ "
     "share_memory_ exclude empty zero_ fill_ copy_ del_ rename_key_ refine_names auto_batch_size_ "
-    "__eq__ __ne__ __lt__ __le__ __gt__ __ge__ __enter__ __exit__ all any"  # (all(dim) is a tensordict)
+    "__eq__ __ne__ __lt__ __le__ __gt__ __ge__ __enter__ __exit__ all any "  # (all(dim) is a tensordict)
+    "repeat repeat_interleave"
 ).split()
 _PLAIN = (
     "keys values items numel dim size is_shared is_memmap is_empty pop "

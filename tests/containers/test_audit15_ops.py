@@ -248,3 +248,38 @@ def test_expand_as_a_tensor_expands_to_its_shape(lib):
     td = lib.TensorDict(a=torch.arange(3.0), batch_size=[3])
     out = td.expand_as(torch.zeros(2, 3))
     assert out.batch_size == torch.Size([2, 3]) and torch.equal(out["a"], torch.arange(3.0).expand(2, 3))
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("size", [(2,), (2, 5)], ids=["one-dim", "two-dims"])
+def test_new_zeros_of_a_tree_with_text_nested_dims_and_names(lib, size):
+    # before: a NonTensorStack entry raised BatchSizeMismatchError, a nested tensordict
+    # lost its own dims past ours, and the names were dropped
+    td = lib.TensorDict(a=torch.ones(3, 2), s=lib.NonTensorStack("a", "b", "c"),
+                        n=lib.TensorDict(c=torch.ones(3, 4), batch_size=[3, 4]), batch_size=[3], names=["x"])
+    out = td.new_zeros(*size)
+    assert out.batch_size == torch.Size(size) and dim_names(out) == [None] * (len(size) - 1) + ["x"]
+    assert out["a"].shape == torch.Size([*size, 2]) and not out["a"].any()
+    assert out["n"].batch_size == torch.Size([*size, 4]) and out["n", "c"].shape == torch.Size([*size, 4])
+    assert out.get("s").batch_size == torch.Size(size)
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("op", ["repeat", "repeat_interleave"])
+def test_repeat_of_a_tensorclass_keeps_its_class(lib, op):
+    @lib.tensorclass
+    class Step:
+        x: torch.Tensor
+
+    out = getattr(Step(x=torch.arange(3.0), batch_size=[3]), op)(2)
+    assert type(out) is Step and out.batch_size == torch.Size([6])
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_a_flatten_keys_block_that_raises_writes_nothing_back(lib):
+    td = lib.TensorDict(a=lib.TensorDict(b=torch.zeros(3), batch_size=[3]), batch_size=[3])
+    with pytest.raises(ValueError, match="stop"):
+        with td.flatten_keys(".") as flat:
+            flat["x.y"] = torch.ones(3)
+            raise ValueError("stop")
+    assert ("x", "y") not in td.keys(include_nested=True)
