@@ -24,6 +24,10 @@ from shared_td.persist import nodes
 from shared_td.storage import files
 from shared_td.storage.files import FileBacking
 
+# tensordict's own words for a leaf that already has a file and is asked into another
+# prefix: code written for tensordict matches this text (pytest.raises(match=...))
+_HAS_FILE = "A filename was provided but the tensor already has a file associated"
+
 
 @dataclass
 class Options:
@@ -232,14 +236,14 @@ class Planner:
             elif not self.options.copy_existing and target is not None:
                 if self.options.atomic_target is not None:
                     raise RuntimeError(
-                        f"Key {path + (key,)} is already memory-mapped to {backing.path}; "
-                        "atomic=True writes a new copy of every leaf (the new version of "
-                        f"{self.options.atomic_target}). Pass copy_existing=True."
+                        f"{_HAS_FILE} (key {path + (key,)} is already memory-mapped to "
+                        f"{backing.path}); atomic=True writes a new copy of every leaf (the "
+                        f"new version of {self.options.atomic_target}). Pass copy_existing=True."
                     )
                 raise RuntimeError(
-                    f"Key {path + (key,)} is already memory-mapped to {backing.path}; "
-                    f"writing it to {target} would copy it. Pass copy_existing=True to "
-                    "copy it, or write to its own prefix."
+                    f"{_HAS_FILE} (key {path + (key,)} is already memory-mapped to "
+                    f"{backing.path}); writing it to {target} would copy it. Pass "
+                    "copy_existing=True to copy it, or write to its own prefix."
                 )
         elif target is None and isinstance(tensor, MemoryMappedTensor) and backing is not None:
             leaf.keep = not self.options.like  # already anonymous shared memory
