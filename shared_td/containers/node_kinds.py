@@ -66,7 +66,7 @@ class TensorDictKind(nodes.NodeKind):
     def copy(self, td: TensorDict, values: dict, directory, *, share_non_tensor: bool) -> TensorDict:
         return _mark_written(TensorDict._new_unsafe(values, td.batch_size, _CPU, td.names), directory)
 
-    def rebuild(self, meta: NodeMeta, values: dict, *, directory: str, parent_batch, unpickle) -> TensorDict:
+    def rebuild(self, meta: NodeMeta, values: dict, *, directory: str, parent_batch, unpickle, read_only=None) -> TensorDict:
         batch_size = torch.Size(meta.batch_size)
         for key, value in values.items():
             if isinstance(value, torch.Tensor):
@@ -132,7 +132,7 @@ class LazyStackKind(nodes.NodeKind):
             names.append(str(len(names)))
         return names  # none: a stack without members, as both libraries save one
 
-    def rebuild(self, meta: NodeMeta, values: dict, *, directory: str, parent_batch, unpickle):
+    def rebuild(self, meta: NodeMeta, values: dict, *, directory: str, parent_batch, unpickle, read_only=None):
         members = list(values.values())
         stack_dim, member_batch = (meta.stack_dim, None) if members else _empty_stack_shape(meta, parent_batch)
         lazy = LazyStackedTensorDict(*members, stack_dim=stack_dim, stack_dim_name=meta.stack_dim_name,
@@ -207,10 +207,10 @@ class NonTensorDataKind(_NonTensorKind):
         side = {fmt.OTHER_PICKLE: pickle.dumps({"data": data})}
         return NodeMeta.for_non_tensor_data(data, in_json=False), side
 
-    def rebuild(self, meta: NodeMeta, values: dict, *, directory: str, parent_batch, unpickle):
+    def rebuild(self, meta: NodeMeta, values: dict, *, directory: str, parent_batch, unpickle, read_only=None):
         data = meta.document["data"] if "data" in meta.document else unpickle(fmt.OTHER_PICKLE)["data"]
         value = NonTensorData(data, batch_size=parent_batch or [])
-        value._memmap_prefix = directory
+        value._memmap_prefix, value._read_only_reason = directory, read_only
         return value
 
     def inspect(self, meta: NodeMeta, node: NodeView) -> None:
@@ -238,12 +238,12 @@ class NonTensorStackKind(_NonTensorKind):
         side = {fmt.STACK_PICKLE: pickle.dumps(values)}
         return NodeMeta.for_non_tensor_stack(stack.device, values, in_json=False), side
 
-    def rebuild(self, meta: NodeMeta, values: dict, *, directory: str, parent_batch, unpickle):
+    def rebuild(self, meta: NodeMeta, values: dict, *, directory: str, parent_batch, unpickle, read_only=None):
         data = meta.document.get("data")
         if data == fmt.STACK_PICKLE:
             data = unpickle(fmt.STACK_PICKLE)
         stack = NonTensorStack.from_list(data)
-        stack._memmap_prefix = directory
+        stack._memmap_prefix, stack._read_only_reason = directory, read_only
         return stack
 
     def inspect(self, meta: NodeMeta, node: NodeView) -> None:
@@ -307,7 +307,7 @@ class TensorClassKind(nodes.NodeKind):
             raise FormatError(_node_path(meta), "a tensorclass without its _tensordict/ directory")
         return [fmt.TENSORCLASS_CHILD]
 
-    def rebuild(self, meta: NodeMeta, values: dict, *, directory: str, parent_batch, unpickle) -> Any:
+    def rebuild(self, meta: NodeMeta, values: dict, *, directory: str, parent_batch, unpickle, read_only=None) -> Any:
         try:
             cls = tensorclass_for_type_string(meta.type)
         except (KeyError, TypeError):

@@ -21,7 +21,7 @@ from shared_td.containers import batch as batch_ops
 from shared_td.containers.base import TensorDictBase, parse_device
 from shared_td.containers.batch_dim_ops import NonTensorBatchDimOps
 from shared_td.containers.reshaping import permute_order
-from shared_td.errors import BatchSizeMismatchError
+from shared_td.errors import BatchSizeMismatchError, ReadOnlyError
 
 
 class NonTensorBase(NonTensorBatchDimOps, TensorDictBase):
@@ -236,15 +236,26 @@ class NonTensorBase(NonTensorBatchDimOps, TensorDictBase):
     # NonTensorStack._transform).
     _copy_of_stored_stack = False
 
+    # Why this entry may not be written in place: it was loaded with mode="r" or from an
+    # archive, whose files a write does not reach (set by its NodeKind's rebuild); None
+    # when writable. (Its tensors' ReadOnlyError said so; a non-tensor write changed this
+    # process's copy only, silently.)
+    _read_only_reason: str | None = None
+
     def _refuse_copy_write_at(self, index: tuple, source: Any) -> None:
-        """``self[index] = source`` on such a copy: raise unless the elements already hold
-        those values (then nothing changes and no write is lost)."""
-        if self._copy_of_stored_stack and not self._holds_only(index, source):
+        """``self[index] = source`` on such a copy, or on a read-only entry: raise unless
+        the elements already hold those values (then nothing changes and no write is lost)."""
+        if (self._copy_of_stored_stack or self._read_only_reason) and not self._holds_only(index, source):
             self._refuse_copy_write()
 
     def _refuse_copy_write(self) -> None:
-        """Raise if self is such a copy: the write would be lost silently (tensordict
-        0.15.3 refuses it for a memory-mapped stack too)."""
+        """Raise if self is such a copy, or read-only: the write would be lost silently
+        (tensordict 0.15.3 refuses it for a memory-mapped stack too)."""
+        if self._read_only_reason:
+            raise ReadOnlyError(
+                f"Cannot write into this {type(self).__name__} in place: {self._read_only_reason}, so "
+                "a write would change this process's copy only, never the save. Load it with "
+                "mode='r+' (an archive: unpack_memmap it first), or set() a new value.")
         if self._copy_of_stored_stack:
             raise RuntimeError(
                 "Cannot update a leaf NonTensorDataBase from a memmaped parent "

@@ -317,7 +317,17 @@ class Loader:
         # a node of an archive has no directory of its own to write back to
         own = None if isinstance(directory, ArchiveNode) else directory.path
         return kind.rebuild(meta, values, directory=own, parent_batch=parent_batch,
-                            unpickle=lambda name: self._unpickle(directory, name))
+                            unpickle=lambda name: self._unpickle(directory, name),
+                            read_only=self._read_only_reason(directory))
+
+    def _read_only_reason(self, directory: Directory) -> str | None:
+        """Why a node loaded from ``directory`` may not be written in place (its files,
+        or its archive, are not written back: a write would change this process's copy
+        only), as its tensors say it; None when writable."""
+        if isinstance(directory, ArchiveNode):
+            archive = directory.archive
+            return None if archive.writable else archive.read_only_reason
+        return MODE_R_REASON if self.mode == "r" else None
 
     def _load_child(self, directory: Directory, name: str, batch_size=None) -> Any:
         child = directory.child(name)

@@ -109,10 +109,12 @@ class NodeKind:
         return []
 
     def rebuild(self, meta: NodeMeta, values: dict, *, directory: str,
-                parent_batch: tuple | None, unpickle: Callable[[str], Any]) -> Any:
+                parent_batch: tuple | None, unpickle: Callable[[str], Any], read_only: str | None = None) -> Any:
         """A new object from ``meta`` and the loaded ``values`` (keyed entries in order,
         then fixed children by name); ``parent_batch``: the parent's batch size when
-        it records one; ``unpickle(name)`` reads a side file (refused unless allowed)."""
+        it records one; ``unpickle(name)`` reads a side file (refused unless allowed);
+        ``read_only``: why the node may not be written in place (mode="r", an archive),
+        for the values that are not tensors (the tensors carry their own), else None."""
         raise NotImplementedError
 
     # ---------------------------------------------------------------- inspecting
