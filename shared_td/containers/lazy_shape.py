@@ -274,10 +274,10 @@ class LazyShapeOps:
         sd = self._stack_dim - (dim < self._stack_dim)
         return self._restack([m.squeeze(self._member_dim(dim)) for m in self.tensordicts], sd)
 
-    def permute(self, *dims: Any) -> "LazyStackedTensorDict":
+    def permute(self, *dims_list: Any, dims: Any = None) -> "LazyStackedTensorDict":
         """Reorder the batch dims (or only the leading ones, as tensordict: see
         ``reshaping.permute_order``): each member is permuted and ``stack_dim`` moves."""
-        order = permute_order(dims, self.batch_dims)
+        order = permute_order(dims_list, self.batch_dims, dims)
         sd = self._stack_dim
         member_order = [self._member_dim(d) for d in order if d != sd]
         return self._restack([m.permute(*member_order) for m in self.tensordicts], order.index(sd))

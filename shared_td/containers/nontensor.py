@@ -54,6 +54,8 @@ class NonTensorData(NonTensorDataBase):
     @data.setter
     def data(self, value: Any) -> None:
         self._payload = value
+        if "_piece_of" in self.__dict__:  # a view of a plain NonTensorStack: the stack takes it too,
+            self._after_update()  # as tensordict's, whose views hold the stack's members
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Call the value (a function held as a non-tensor), as tensordict 0.15.3 does:
@@ -115,7 +117,7 @@ class NonTensorData(NonTensorDataBase):
     def _update_(self, value: Any) -> None:
         self._check_update(value)
         with self._updating():  # so that the files end with the last value written
-            self.data = value.data if isinstance(value, NonTensorData) else value
+            self._payload = value.data if isinstance(value, NonTensorData) else value
             self._after_update()
 
     def _set_at(self, index: tuple, source: Any) -> "NonTensorBase":

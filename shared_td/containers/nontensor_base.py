@@ -90,8 +90,8 @@ class NonTensorBase(NonTensorBatchDimOps, TensorDictBase):
     def squeeze(self, dim: int | None = None) -> "NonTensorBase":
         return self._transform(lambda p: p.squeeze() if dim is None else p.squeeze(dim))
 
-    def permute(self, *dims: Any) -> "NonTensorBase":
-        order = permute_order(dims, len(self._batch_size))  # (the leading dims may do, as a TensorDict's)
+    def permute(self, *dims_list: Any, dims: Any = None) -> "NonTensorBase":
+        order = permute_order(dims_list, len(self._batch_size), dims)  # (the leading dims may do, as a TensorDict's)
         return self._transform(lambda positions: positions.permute(*order))
 
     def repeat(self, *repeats: Any) -> "NonTensorBase":

@@ -86,10 +86,11 @@ class BatchShapeOps:
             out = out._map_entries(lambda v, d=d: v.squeeze(d), size, names, is_view=True)
         return out
 
-    def permute(self, *dims: Any) -> "TensorDict":
+    def permute(self, *dims_list: Any, dims: Any = None) -> "TensorDict":
         """Reorder the batch dims (a view); feature dims stay last. As in tensordict
         0.15.3, fewer dims than the batch dims may be given: a reorder of the leading
-        ones (negative dims count from the last batch dim), the others kept.
+        ones (negative dims count from the last batch dim), the others kept; the dims
+        may also be given as ``dims=[...]``.
 
         Raises:
             ValueError: the dims are not each of the first ``len(dims)`` batch dims once.
@@ -100,7 +101,7 @@ class BatchShapeOps:
             (torch.Size([3, 2, 4]), torch.Size([4, 2, 3]))
         """
         nb = self.batch_dims
-        order = permute_order(dims, nb)
+        order = permute_order(dims_list, nb, dims)
         size = torch.Size([self._batch_size[d] for d in order])
         names = None if self._names is None else [self._names[d] for d in order]
         return self._map_entries(
@@ -157,18 +158,22 @@ class BatchShapeOps:
         return self
 
 
-def permute_order(dims: Any, batch_dims: int) -> list:
-    """The whole order of ``batch_dims`` batch dims that ``permute(*dims)`` asks for: as
-    tensordict 0.15.3, ``dims`` may reorder only the leading ones (negative dims count
-    from the last batch dim), the others stay.
+def permute_order(dims_list: Any, batch_dims: int, dims: Any = None) -> list:
+    """The whole order of ``batch_dims`` batch dims that ``permute(*dims_list)`` (or
+    ``permute(dims=dims)``) asks for: as tensordict 0.15.3, the dims may reorder only the
+    leading ones (negative dims count from the last batch dim), the others stay.
 
     Raises:
         ValueError: the dims are not each of the first ``len(dims)`` batch dims once.
+        TypeError: dims given both ways.
 
     Example:
-        >>> permute_order((1, 0), 3), permute_order(([-1, 0, 1],), 3)
-        ([1, 0, 2], [2, 0, 1])
+        >>> permute_order((1, 0), 3), permute_order(([-1, 0, 1],), 3), permute_order((), 2, [1, 0])
+        ([1, 0, 2], [2, 0, 1], [1, 0])
     """
+    if dims is not None and dims_list:
+        raise TypeError(f"permute takes its dims once: {list(dims_list)} and dims={list(dims)} were given.")
+    dims = dims_list if dims is None else (dims,)
     order = [batch_ops.normalize_dim(d, batch_dims) for d in batch_ops.shape_args(dims)]
     if sorted(order) != list(range(len(order))):
         which = (f"each of the {batch_dims} batch dims" if len(order) == batch_dims

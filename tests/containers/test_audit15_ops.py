@@ -283,3 +283,13 @@ def test_a_flatten_keys_block_that_raises_writes_nothing_back(lib):
             flat["x.y"] = torch.ones(3)
             raise ValueError("stop")
     assert ("x", "y") not in td.keys(include_nested=True)
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("kind", ["dense", "lazy"])
+def test_permute_takes_its_dims_as_a_keyword_too(lib, kind):
+    td = lib.TensorDict(a=torch.arange(6.0).reshape(2, 3), batch_size=[2, 3], names=["x", "y"])
+    if kind == "lazy":
+        td = lib.lazy_stack(list(td.unbind(0)), 0)
+    out = td.permute(dims=[1, 0])
+    assert out.batch_size == torch.Size([3, 2]) and torch.equal(out["a"], td["a"].permute(1, 0))

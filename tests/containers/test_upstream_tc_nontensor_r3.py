@@ -209,3 +209,11 @@ def test_a_sample_by_index_list_or_mask_is_a_copy_for_its_non_tensor_entries_too
     sample = td[index]
     sample.update_({"x": torch.ones(2), "text": lib.NonTensorStack("P", "Q")})
     assert td.get("text").tolist() == ["a", "b", "c"] and td["x"].tolist() == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("lib", [pytest.param(shared_td, id="shared_td"),
+                                 pytest.param(tensordict, id="tensordict", marks=needs_tensordict)])
+def test_setting_the_data_of_an_element_of_a_stack_reaches_the_stack(lib):
+    td = lib.TensorDict(text=lib.NonTensorStack("a", "b", "c"), batch_size=[3])
+    td.get("text")[0].data = "Z"
+    assert td.get("text").tolist() == ["Z", "b", "c"]
