@@ -133,7 +133,7 @@ def _run(cluster, coord, counters, command, *args):
         td["w"][rows] = value
         return cluster.push(name, rows)
     if command == "pull_loop":  # pull until an error (the owner killed meanwhile)
-        name, seconds = args
+        name, seconds, started = args
         deadline, pulls = time.monotonic() + seconds, 0
         while time.monotonic() < deadline:
             try:
@@ -141,9 +141,10 @@ def _run(cluster, coord, counters, command, *args):
             except Exception as err:
                 return pulls, type(err).__name__, time.monotonic(), cluster.version(name), repr(err.__cause__)[:300]
             pulls += 1
+            _say_started(started, pulls)
         return pulls, None, time.monotonic(), cluster.version(name), None
     if command == "push_loop":  # push one row at a time until an error (the owner killed meanwhile)
-        name, seconds = args
+        name, seconds, started = args
         td = cluster.attach(name)
         deadline, pushes = time.monotonic() + seconds, 0
         while time.monotonic() < deadline:
@@ -154,9 +155,10 @@ def _run(cluster, coord, counters, command, *args):
             except Exception as err:
                 return pushes, type(err).__name__, time.monotonic(), repr(err.__cause__)[:300]
             pushes += 1
+            _say_started(started, pushes)
         return pushes, None, time.monotonic(), None
     if command == "push_rows_loop":  # push its first `count` rows at once, in a loop, until an error
-        name, count, seconds = args
+        name, count, seconds, started = args
         td = cluster.attach(name)
         deadline, pushes = time.monotonic() + seconds, 0
         while time.monotonic() < deadline:
@@ -166,6 +168,7 @@ def _run(cluster, coord, counters, command, *args):
             except Exception as err:
                 return pushes, type(err).__name__, time.monotonic(), repr(err.__cause__)[:300]
             pushes += 1
+            _say_started(started, pushes)
         return pushes, None, time.monotonic(), None
     if command == "push_cut":  # push the first `count` rows, SIGKILLed `delay` s into their send
         name, count, delay = args
@@ -254,6 +257,14 @@ def _run(cluster, coord, counters, command, *args):
     if command in stripe_children.COMMANDS:  # the striped transfers' own
         return stripe_children.COMMANDS[command](cluster, *args)
     raise ValueError(f"unknown command {command!r}")
+
+
+def _say_started(path: str, calls: int) -> None:
+    """After a loop's first call came back: create ``path``, which the test waits for
+    before it kills the owner (a fixed pause could end before a 100 MB push did, on a
+    loaded machine, and the loop then had no call to show)."""
+    if calls == 1:
+        open(path, "x").close()
 
 
 def _die_during_big_sends(delay: float) -> None:

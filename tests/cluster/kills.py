@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
+import tempfile
 import time
 
 from tests.processes import WAIT
@@ -15,9 +17,19 @@ __all__ = ["loop_through_an_owner_kill"]
 def loop_through_an_owner_kill(nodes, command: tuple, within: float = 10.0, pause=(0.2, 1.0)) -> tuple:
     """Node 2 runs ``command`` (a loop of cluster_children that calls until an error and
     answers its count, the error's class and the CLOCK_MONOTONIC time it ended, first)
-    while its owner, node 1, is SIGKILLed after a random pause: checks the loop ended in
-    OwnerLostError within ``within`` seconds of the kill. Returns the loop's answer."""
-    nodes.commands[2].put(command)
+    while its owner, node 1, is SIGKILLed a random pause after the loop's first call
+    came back: checks the loop ended in OwnerLostError within ``within`` seconds of the
+    kill. Returns the loop's answer."""
+    started = os.path.join(tempfile.mkdtemp(prefix="shared_td-loop-"), "started")
+    try:
+        nodes.commands[2].put((*command, started))
+        deadline = time.monotonic() + WAIT
+        while not os.path.exists(started):  # bounded: the loop's answer says why it ended
+            if time.monotonic() > deadline or not nodes.results[2].empty():
+                raise AssertionError(f"the loop made no call: {nodes.results[2].get(timeout=WAIT)}")
+            time.sleep(0.01)
+    finally:
+        shutil.rmtree(os.path.dirname(started), ignore_errors=True)
     time.sleep(random.uniform(*pause))
     os.kill(nodes.procs[1].pid, signal.SIGKILL)
     killed = time.monotonic()  # CLOCK_MONOTONIC: the same clock in every process
