@@ -92,7 +92,7 @@ import threading  # noqa: E402
 from typing import Iterator  # noqa: E402
 
 __all__ = [
-    "ByteLock", "map_shared_bytes", "new_memfd", "pid_alive", "rename_exchange",
+    "ByteLock", "creator_pid", "map_shared_bytes", "new_memfd", "pid_alive", "rename_exchange",
     "reopen_description", "reopen_peer_fd", "try_flock", "unmap_bytes",
 ]
 
@@ -332,6 +332,31 @@ def rename_exchange(first: str, second: str) -> bool:
 
 
 # --------------------------------------------------------------------- processes
+
+
+def creator_pid() -> int:
+    """The pid of the process that started this one, as that process gave it: the
+    pid a child watches (``os.getppid() != creator_pid()``) to leave once its creator
+    is gone, even by SIGKILL.
+
+    Why not ``os.getppid()`` read when the child starts: a creator killed before the
+    child ran that line has already handed the child to the reaper (init, or a
+    subreaper), whose pid the child would then take for its creator's and watch for
+    ever. A child of multiprocessing (or of multiprocess) gets the pid its creator
+    recorded when it made the Process; any other process, ``os.getppid()`` (a child
+    run by :mod:`subprocess` gets its creator's pid on its command line instead, see
+    ``shared_td.coordinator.server``).
+
+    Example:
+        >>> creator_pid() == os.getppid()  # not a multiprocessing child
+        True
+    """
+    for name in ("multiprocessing", "multiprocess"):  # whichever made this process
+        module = sys.modules.get(name)
+        parent = module.parent_process() if module is not None else None
+        if parent is not None:
+            return parent.pid
+    return os.getppid()
 
 
 def pid_alive(pid: int) -> bool:

@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from shared_td.bench.libraries import tensordict_module
 from shared_td.bench.loopback import HOST, loopback_store
+from shared_td.platform import creator_pid
 
 #: Seconds the children may take to start (imports, joining the group), and any gloo
 #: call of theirs.
@@ -65,7 +66,7 @@ def _peer_main(rank: int, ports, nbytes: int, repeat: int, with_tensordict: bool
     """One rank: get the store's port from ``ports``, join the group, tell ``results`` it
     is ready, wait for ``go``, then time each column ``repeat`` times (rank 1 reports the
     best of each)."""
-    caller = os.getppid()
+    caller = creator_pid()  # not os.getppid() now: the caller may be gone already
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     tensordict = tensordict_module() if with_tensordict else None
     timeout = datetime.timedelta(seconds=START_S + nbytes / 20e6)

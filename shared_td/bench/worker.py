@@ -28,6 +28,8 @@ import multiprocessing
 import os
 from typing import Any, Callable
 
+from shared_td.platform import creator_pid
+
 #: Seconds a job may take (the first one includes the worker's imports).
 TIMEOUT = 120.0
 #: Seconds between two looks, by an idle worker, at whether its caller still runs.
@@ -43,7 +45,7 @@ def _serve(connection) -> None:
     result)`` or ``("error", text)``; stop at None, or within a second once the caller is
     gone (its end of the connection may live on in processes forked after this one, and
     in this one when it is a fork, so no EOF need come)."""
-    caller = os.getppid()
+    caller = creator_pid()  # not os.getppid() now: the caller may be gone already
     while True:
         try:
             while not connection.poll(_LOOK_S):

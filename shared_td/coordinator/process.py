@@ -63,14 +63,8 @@ class ServerProcess:
         Its private directory is made under this process's ``tempfile.gettempdir()``.
         RuntimeError if it does not listen within ``timeout`` seconds (it is killed).
         """
-        popen = subprocess.Popen(
-            [sys.executable, "-c", _BOOT, server.__file__],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True,
-            env=dict(os.environ, TMPDIR=tempfile.gettempdir()),
-        )
+        popen = cls._launch(authkey)
         try:
-            popen.stdin.write(authkey)
-            popen.stdin.close()
             ready, _, _ = select.select([popen.stdout], [], [], timeout)
             address = popen.stdout.readline().decode().strip() if ready else ""
             popen.stdout.close()
@@ -84,6 +78,24 @@ class ServerProcess:
             popen.wait()
             raise
         return cls(popen, address, authkey)
+
+    @staticmethod
+    def _launch(authkey: bytes) -> subprocess.Popen:
+        """Run server.py, give it ``authkey`` and return (it reports its address on its
+        stdout). Its last argument is this process's pid, the owner it watches."""
+        popen = subprocess.Popen(
+            [sys.executable, "-c", _BOOT, server.__file__, str(os.getpid())],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True,
+            env=dict(os.environ, TMPDIR=tempfile.gettempdir()),
+        )
+        try:
+            popen.stdin.write(authkey)
+            popen.stdin.close()
+        except BaseException:
+            popen.kill()
+            popen.wait()
+            raise
+        return popen
 
     def owned_here(self) -> bool:
         """Whether this process started it (a fork child's copy is not the owner)."""

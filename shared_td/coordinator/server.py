@@ -210,11 +210,11 @@ def make_private_dir(root: str | None = None) -> tuple[str, int]:
 
 # ----------------------------------------------------------------------------- server
 
-def serve(authkey: bytes, report) -> None:
+def serve(authkey: bytes, report, parent: int) -> None:
     """Run the coordinator server in this process until it is shut down or its parent
-    dies; ``report(address)`` is called once it listens."""
+    (the process of pid ``parent``, which started it) dies; ``report(address)`` is
+    called once it listens."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the parent
-    parent = os.getppid()
     _raise_descriptor_limit()
     sweep_dead_dirs()
     directory, lock_fd = make_private_dir()  # lock_fd: held until this process ends
@@ -241,8 +241,12 @@ def serve(authkey: bytes, report) -> None:
 
 
 def main() -> None:
-    """Entry point of this file run as a script: the authkey comes on stdin, the address
-    goes to stdout as one line."""
+    """Entry point of this file run as a script: the authkey comes on stdin, the pid of
+    the process that started it is the last argument, the address goes to stdout as one
+    line. That pid is not ``os.getppid()`` read here: a parent killed before this line
+    ran has handed this process to the reaper already, whose pid a watch would then
+    compare with for ever (the server outlived its killed parent)."""
+    parent = int(sys.argv[-1])
     authkey = sys.stdin.buffer.read(32)
     sys.stdin.close()
 
@@ -251,7 +255,7 @@ def main() -> None:
         sys.stdout.flush()
 
     try:
-        serve(authkey, report)
+        serve(authkey, report, parent)
     except SystemExit:
         pass
 

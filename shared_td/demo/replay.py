@@ -21,6 +21,7 @@ import time
 import torch
 
 from shared_td import NonTensorData, TensorDict
+from shared_td.platform import creator_pid
 
 __all__ = [
     "NUM_ACTIONS", "OBS_SIZE", "Env", "backing_inode", "check_in", "expected_indices", "greedy_actions",
@@ -158,7 +159,7 @@ def check_in(state: TensorDict, slot: int, buffer: TensorDict) -> int:
     """Report this worker ready (with the inode it maps the buffer from) and wait for
     the parent to start the run (``phase`` leaves 0). Returns the parent's pid, for
     :func:`running`."""
-    parent = os.getppid()
+    parent = creator_pid()  # not os.getppid() now: the parent may be gone already
     state["inode"][slot] = backing_inode(buffer["obs"])
     state["ready"][slot] = True
     while int(state["phase"]) == 0 and os.getppid() == parent:

@@ -220,3 +220,37 @@ def test_the_forked_processes_leave_when_the_run_is_killed():
         runner.kill()
         runner.wait(WAIT)
         runner.stdout.close()
+
+
+def test_a_worker_whose_runner_died_before_the_worker_ran_leaves_too():
+    """The runner was SIGKILLed before its new worker ran a line (a loaded machine): the
+    worker's own ``os.getppid()`` then named the reaper, which it took for its runner
+    and watched for ever (it held the runner's end of their connection too, as a fork:
+    no EOF). Here the worker's first ``os.getppid()`` is made to come a second late,
+    after the kill; the worker leaves within seconds all the same (CI saw one outlive
+    its runner by more than 30 s)."""
+    import signal
+
+    from tests.processes import WAIT, alive, wait_until
+
+    body = ("import os, time\n"
+            "real = os.getppid\n"
+            "def late():\n"
+            "    time.sleep(1.0)  # as a child scheduled late\n"
+            "    return real()\n"
+            "os.getppid = late  # the fork below inherits it\n"
+            "from shared_td.bench.worker import JobWorker\n"
+            "print(JobWorker('fork').start()._process.pid, flush=True)\n"
+            "time.sleep(600)\n")
+    runner = subprocess.Popen([sys.executable, "-c", body], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    pid = None
+    try:
+        pid = int(runner.stdout.readline())
+        runner.send_signal(signal.SIGKILL)  # at once: the worker's first getppid() is still a second away
+        assert wait_until(lambda: not alive(pid), WAIT), "the worker outlived its runner"
+    finally:
+        if pid is not None and alive(pid):
+            os.kill(pid, signal.SIGKILL)  # not left behind when the test fails
+        runner.kill()
+        runner.wait(WAIT)
+        runner.stdout.close()

@@ -122,6 +122,41 @@ def test_a_process_that_exits_stops_the_manager_it_started():
     assert not alive(int(pid)) and not os.path.exists(os.path.dirname(address))
 
 
+@pytest.mark.timeout(120)
+def test_a_manager_whose_parent_died_before_it_ran_stops_too(tmp_path):
+    """The parent was SIGKILLed right after starting the manager, before the manager's
+    interpreter ran its first line, while another process held the read end of the
+    manager's stdout (a fork made meanwhile by another thread of the parent): the
+    manager's own ``os.getppid()`` named the reaper, which it watched for ever, keeping
+    the parent's memory. It stops within seconds and removes its private directory."""
+    body = textwrap.dedent("""
+        import os, sys, time
+        from shared_td.coordinator.process import ServerProcess
+        popen = ServerProcess._launch(os.urandom(32))
+        holder = os.fork()
+        if holder == 0:  # holds the manager's stdout open, as a fork of the parent would
+            time.sleep(60)
+            os._exit(0)
+        print(popen.pid, holder, flush=True)
+        os._exit(0)  # at once: the manager's interpreter is still starting
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", body], stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, TMPDIR=str(tmp_path)))
+    pid = holder = None
+    try:
+        pid, holder = (int(number) for number in parent.stdout.readline().split())
+        assert parent.wait(WAIT) == 0
+        assert wait_until(lambda: not alive(pid), WAIT), "the manager outlived its parent"
+        assert wait_until(lambda: not os.listdir(tmp_path), WAIT), os.listdir(tmp_path)
+    finally:
+        for left in (pid, holder):
+            if left is not None and alive(left):
+                os.kill(left, signal.SIGKILL)  # the holder, and the manager when the test fails
+        parent.kill()
+        parent.wait(WAIT)
+        parent.stdout.close()
+
+
 def test_context_is_deprecated_and_ignored():
     with pytest.warns(DeprecationWarning, match=r"context=.*ignored"):
         coord = shared_td.Coordinator(context="fork")

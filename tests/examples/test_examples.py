@@ -136,3 +136,46 @@ def test_readme_actor_learner_snippet_runs(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.split() == ["320", "320"]  # 2 actors x 10 x 16 rows, all written
     assert_nothing_left(tmp_path, marker, shm)
+
+
+def test_a_demo_worker_whose_parent_died_before_it_checked_in_leaves():
+    """The demo's parent was SIGKILLed before a worker checked in (still attaching on a
+    loaded machine): the worker's own ``os.getppid()`` named the reaper, which it took
+    for its parent, and it waited for a start that would never come, for ever. Here the
+    worker's first ``os.getppid()`` comes a second late, after its parent is gone: it
+    leaves within seconds all the same."""
+    from tests.processes import WAIT, alive, wait_until
+
+    body = """
+import multiprocessing, os, time
+import torch
+from shared_td import TensorDict
+from shared_td.demo.replay import check_in, running
+state = TensorDict(inode=torch.zeros(1, dtype=torch.int64), ready=torch.zeros(1, dtype=torch.bool),
+                   phase=torch.zeros((), dtype=torch.int64), batch_size=[])
+buffer = TensorDict(obs=torch.zeros(4), batch_size=[4]).memmap_()
+def worker():
+    parent = check_in(state, 0, buffer)
+    while running(state, parent):
+        time.sleep(0.01)
+real = os.getppid
+def late():
+    time.sleep(1.0)  # as a worker scheduled late
+    return real()
+os.getppid = late  # the fork below inherits it
+child = multiprocessing.get_context("fork").Process(target=worker)
+child.start()
+print(child.pid, flush=True)
+os._exit(0)  # at once, as a SIGKILL: the worker's first getppid() is still a second away
+"""
+    parent = subprocess.Popen([sys.executable, "-c", body], stdout=subprocess.PIPE, text=True)
+    pid = None
+    try:
+        pid = int(parent.stdout.readline())
+        assert wait_until(lambda: not alive(pid), WAIT), "the demo worker outlived its parent"
+    finally:
+        if pid is not None and alive(pid):
+            os.kill(pid, 9)  # not left behind when the test fails
+        parent.kill()
+        parent.wait(WAIT)
+        parent.stdout.close()
