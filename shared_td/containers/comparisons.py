@@ -32,7 +32,34 @@ class ComparisonOps:
             if missing:
                 raise KeyError(f"Cannot compare tensordicts with different keys: {sorted(map(str, missing))}.")
             return self._map_leaves(lambda key, value: op(value, other.get(key)))
+        if isinstance(other, torch.Tensor) and other.ndim:
+            return self._compare_batch_tensor(other, op)
         return self._map_leaves(lambda key, value: op(value, other))
+
+    def _compare_batch_tensor(self, other: torch.Tensor, op: Callable) -> "TensorDictBase":
+        """``td == t`` for a tensor with dims, as tensordict 0.15.3: ``t``'s dims line up
+        with the batch dims (from the right among them; the batch broadcasts with them,
+        as ``expand``), and every leaf sees ``t`` over its own trailing dims: ``td ==
+        torch.tensor([0., 1., 0.])`` of batch [3] compares row ``i`` of each leaf with
+        ``t[i]`` (torch alone would line ``t`` up with a leaf's last dim)."""
+        from shared_td.containers.base import is_non_tensor
+        from shared_td.errors import BatchSizeMismatchError
+
+        try:
+            size = torch.broadcast_shapes(self.batch_size, other.shape)
+        except RuntimeError as err:
+            raise BatchSizeMismatchError(
+                f"Cannot compare a tensordict of batch size {list(self.batch_size)} with a tensor of shape "
+                f"{list(other.shape)}: the tensor's dims line up with the batch dims (from the right) and must "
+                "broadcast with them. Index the tensordict, or reshape the tensor.") from err
+        source = self if size == self.batch_size else self.expand(size)
+        dims = len(size)
+
+        def leaf(key: Any, value: Any) -> Any:
+            feature_dims = 0 if is_non_tensor(value) else value.ndim - dims
+            return op(value, other.reshape(*other.shape, *[1] * feature_dims) if feature_dims else other)
+
+        return source._map_leaves(leaf)
 
     # Comparisons map over the leaves, as tensordict 0.15.3: tensors compare with torch's
     # operator; a non-tensor entry compares its values with the same entry of another
