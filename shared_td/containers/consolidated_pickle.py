@@ -307,22 +307,29 @@ class _TreeUnpickler(pickle.Unpickler):
 class _Builder:
     """Makes the nodes of a skeleton (known to be valid: nothing is checked again), the
     skeleton's leaves taken from ``views`` in order, each node locked as it is built
-    (what ``lock_()`` of the root does, once per node)."""
+    (what ``lock_()`` of the root does, once per node) when ``keep_locks``, else every
+    node unlocked (see :func:`_unpickle_consolidated`)."""
 
-    def __init__(self, layout: Layout):
+    def __init__(self, layout: Layout, keep_locks: bool):
         self.layout = layout
+        self.keep_locks = keep_locks
         self.next_views = iter(layout.views)
         self.sizes: dict[tuple, torch.Size] = {}  # one torch.Size per batch size
 
     def build(self, record: Any) -> Any:
         if type(record) is list:
-            return record[0]
+            value = record[0]  # pickled as itself: a collection comes back with its own lock
+            collection = unwrap_tensorclass(value)
+            if not self.keep_locks and isinstance(collection, LockingOps) and collection._is_locked:
+                collection.unlock_()
+            return value
         if len(record) == 2:  # a tensorclass around its tensordict
             cls, inner = record
             obj = cls.__new__(cls)
             object.__setattr__(obj, "_tensordict", self.build(inner))
             return obj
         cls, size, device, names, locked, keys, items = record
+        locked = locked and self.keep_locks
         children = []
         if items is None:
             entries = dict(zip(keys, self.next_views))  # (zip stops at the keys' end)
@@ -368,4 +375,17 @@ def _unpickle_consolidated(payload: Any, runs: list[tuple], tree: bytes) -> Any:
     layout = Layout(buffer)
     layout.record(views_of_runs(buffer, runs), runs=runs)
     skeleton = _TreeUnpickler(io.BytesIO(tree), layout).load()
-    return _Builder(layout).build(skeleton)
+    # As tensordict 0.15.3: a tree locked as a whole (as consolidate() leaves it) comes
+    # back unlocked, root and nested, so that a receiver may add keys at once; in a tree
+    # whose root was unlocked, a node locked on its own stays locked (tensordict pickles
+    # such a tree node by node, its locks with it).
+    return _Builder(layout, keep_locks=not _root_locked(skeleton)).build(skeleton)
+
+
+def _root_locked(record: Any) -> bool:
+    """Whether the root of a skeleton was locked when pickled."""
+    if type(record) is list:  # pickled as itself
+        return bool(getattr(unwrap_tensorclass(record[0]), "_is_locked", False))
+    if len(record) == 2:  # a tensorclass around its tensordict
+        return _root_locked(record[1])
+    return bool(record[4])

@@ -108,9 +108,10 @@ class ConsolidateMethods:
         is copied once into one buffer and replaced by a view of it; non-tensor values
         are carried along (in new wrappers). The result is locked (entries are fixed;
         leaves can be written in place). Pickling a consolidated tensordict sends one
-        buffer plus a small skeleton. A tensordict that is already consolidated is
-        returned as it is, unless it is asked for a storage it does not have (another
-        file, shared memory, pinned memory): then a new one is made.
+        buffer plus a small skeleton; the receiver's copy is unlocked, as in
+        tensordict. A tensordict that is already consolidated is returned as it is,
+        unless it is asked for a storage it does not have (another file, shared memory,
+        pinned memory): then a new one is made.
 
         Args:
             filename: write the bytes to one file at this path, in tensordict's format

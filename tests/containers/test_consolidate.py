@@ -98,15 +98,13 @@ def test_pickle_is_one_buffer():
         data = pickle.dumps(out, protocol=protocol)
         assert payload <= len(data) < payload + 8000, (protocol, len(data))
         again = pickle.loads(data)
-        assert (again == td).all() and again.is_consolidated() and again.is_locked
+        assert (again == td).all() and again.is_consolidated() and not again.is_locked  # as tensordict
         assert len(_storages(again)) == 1
         again["k0"][0] = 5.0  # its buffer is writable and its own
         assert out["k0"][0] != 5.0 or td["k0"][0] == 5.0
-    # the nested nodes come back locked by their root, as they were
+    # the nested nodes come back unlocked too (tensordict 0.15.3: the same)
     again = pickle.loads(pickle.dumps(out))
-    assert again["nested"].is_locked
-    with pytest.raises(RuntimeError, match="locked graph"):
-        again["nested"].unlock_()
+    assert not again["nested"].is_locked
     unlocked = pickle.loads(pickle.dumps(out.unlock_()))
     assert not unlocked.is_locked and not unlocked["nested"].is_locked
     # a sub-tree and a single leaf's tree carry the buffer once, not once per leaf

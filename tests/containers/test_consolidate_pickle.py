@@ -38,30 +38,29 @@ def _storages(td) -> set:
     return {leaf.untyped_storage().data_ptr() for leaf in td.values(True, True) if leaf.numel()}
 
 
-def _assert_locked_graph(td) -> None:
-    """Every nested tensordict of ``td`` is locked and refuses to be unlocked alone."""
-    for key, child in td.items():
+def _assert_unlocked_tree(td) -> None:
+    """``td`` and every nested tensordict are unlocked (a consolidated tree locked as a
+    whole unpickles so, as in tensordict 0.15.3)."""
+    assert not td.is_locked
+    for key, child in td.items(True):
         if isinstance(child, TensorDict):
-            assert child.is_locked, key
-            with pytest.raises(RuntimeError, match="locked graph"):
-                child.unlock_()
-            _assert_locked_graph(child)
+            assert not child.is_locked, key
 
 
 def test_wide_tree_round_trip_keeps_everything():
     source = _wide_tree(300)
     out = source.consolidate()
     again = pickle.loads(pickle.dumps(out))
-    assert (again == source).all() and again.is_consolidated() and again.is_locked
+    assert (again == source).all() and again.is_consolidated() and out.is_locked
     assert again.names == ["time"] and again["node7"].names == ["time"]
     assert again["node7"].batch_size == torch.Size([4]) and again.device is None
     assert len(_storages(again)) == 1
-    _assert_locked_graph(again)
+    _assert_unlocked_tree(again)  # as tensordict 0.15.3: a receiver may add keys at once
+    again["node3", "new"] = torch.zeros(4)
+    del again["node3", "new"]
     twice = pickle.loads(pickle.dumps(again, protocol=5))  # a loaded tree sends on as one run
     assert (twice == source).all() and twice.is_consolidated() and len(pickle.dumps(twice)) == len(pickle.dumps(out))
-    # the root unlocks its whole tree, and the buffer is writable and its own
-    again.unlock_()
-    assert not again["node3"].is_locked
+    # the buffer is writable and its own
     again["node3", "obs"][0] = -1.0
     assert out["node3", "obs"][0] == 3.0
     # a leaf keeps the loaded buffer alive without its tree
@@ -95,7 +94,7 @@ def test_pickle_calls_back_into_python_a_constant_number_of_times(monkeypatch):
     assert calls["reduce"] <= 5, calls
     again = pickle.loads(data)
     assert calls["lock"] == 0, calls
-    assert again.is_locked and again["node199"].is_locked and (again["node199", "obs"] == 199).all()
+    assert not again.is_locked and not again["node199"].is_locked and (again["node199", "obs"] == 199).all()
     # and the skeleton is small: well under tensordict's metadata per node
     payload = out["node0", "obs"].untyped_storage().nbytes()
     assert len(data) - payload < 200 * 60
@@ -142,12 +141,9 @@ def test_tensorclasses_non_tensors_and_lazy_stacks_inside_the_tree():
         # (values() of a lazy stack stacks its members: a new tensor; look at each member)
         parts = [again["obs"]._tensordict, again["plain"], *again["stack"].tensordicts]
         assert again.is_consolidated() and len(set().union(*map(_storages, parts))) == 1
-        for nested in (again["obs"]._tensordict, again["stack"], again["stack"].tensordicts[0], again["plain"]):
-            assert nested.is_locked
-            with pytest.raises(RuntimeError, match="locked graph"):
-                nested.unlock_()
-        again.unlock_()
-        assert not again["stack"].is_locked and not again["obs"]._tensordict.is_locked
+        for nested in (again, again["obs"]._tensordict, again["stack"], again["stack"].tensordicts[0],
+                       again["plain"]):
+            assert not nested.is_locked  # a tree locked as a whole comes back unlocked, as in tensordict
 
 
 def test_nodes_of_their_own_class_and_partial_locks():
@@ -164,10 +160,10 @@ def test_nodes_of_their_own_class_and_partial_locks():
     assert type(again["tagged"]) is TaggedDict and again["tagged"].tag == "mine"
     assert (again["n", "m", "c"] == torch.arange(2)).all() and (again["tagged", "u", "v"] == torch.arange(3)).all()
     assert again.is_consolidated() and len(_storages(again)) == 1
-    # locked, the whole tree comes back locked, the node pickled as itself too
+    # locked as a whole, the tree comes back unlocked, the node pickled as itself too
     again = pickle.loads(pickle.dumps(out.lock_()))
-    _assert_locked_graph(again)
-    assert again["tagged"].tag == "mine" and again["tagged", "u"].is_locked
+    _assert_unlocked_tree(again)
+    assert again["tagged"].tag == "mine" and not again["tagged"].is_locked
 
 
 def test_wide_tree_to_a_spawned_child():

@@ -9,6 +9,7 @@ shared_td and on tensordict and compares what comes out:
 from __future__ import annotations
 
 import operator
+import pickle
 
 import pytest
 import torch
@@ -57,5 +58,32 @@ def test_a_lazy_stack_compares_with_a_tensor_of_its_batch_shape():
         stack = lib.lazy_stack([lib.TensorDict(a=torch.full((4,), float(i)), batch_size=[]) for i in range(3)])
         result = stack == torch.tensor([0., 5., 2.])
         return list(result.batch_size), result["a"].tolist()
+
+    side_by_side(scenario)
+
+
+# ------------------------------------------------------------------ 2. unpickled consolidated
+
+def _consolidated(lib):
+    return lib.TensorDict(a=torch.zeros(2), n={"b": torch.ones(2), "m": {"c": torch.arange(2)}}, s="text",
+                          stack=lib.lazy_stack([lib.TensorDict(z=torch.zeros(2)) for _ in range(3)])).consolidate()
+
+
+def test_an_unpickled_consolidated_tensordict_is_unlocked():
+    def scenario(lib):
+        again = pickle.loads(pickle.dumps(_consolidated(lib)))
+        locks = [again.is_locked, again["n"].is_locked, again["n", "m"].is_locked, again["stack"].is_locked]
+        again["n", "new"] = torch.zeros(2)  # a receiver adds keys at once
+        return locks, sorted(again["n"].keys())
+
+    side_by_side(scenario)
+
+
+def test_a_node_locked_on_its_own_in_an_unlocked_consolidated_tree_stays_locked():
+    def scenario(lib):
+        out = _consolidated(lib).unlock_()
+        out["n"].lock_()
+        again = pickle.loads(pickle.dumps(out))
+        return again.is_locked, again["n"].is_locked, again["n", "m"].is_locked
 
     side_by_side(scenario)

@@ -128,6 +128,8 @@ def test_a_read_after_pickling_reads_the_same_rows(tmp_path):
     consolidated = TensorDict(a=torch.arange(4), batch_size=[4]).consolidate().lock_()
     consolidated[0]
     again = pickle.loads(pickle.dumps(consolidated))
+    assert again[1]["a"].item() == 1 and not again[1].is_locked  # unpickled unlocked, as in tensordict
+    again.lock_()
     assert again[1]["a"].item() == 1 and again[1].is_locked
 
 
