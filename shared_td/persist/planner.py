@@ -67,6 +67,7 @@ class NodePlan:
     leaves: dict[str, LeafPlan] = field(default_factory=dict)
     children: dict[str, "NodePlan"] = field(default_factory=dict)
     order: list[str] = field(default_factory=list)  # entry keys in insertion order
+    stale: list[str] = field(default_factory=list)  # what an older save left, removed once in place
 
     def walk(self):
         """Every node of the tree, children before their parent."""
@@ -145,6 +146,8 @@ class Planner:
                 f"(key {path})."
             )
         node = NodePlan(obj, kind, directory, exists=exists)
+        if exists:
+            node.stale = _stale_entries(kind, obj, directory, path)
         for name, child in kind.children(obj):
             node.children[name] = self._plan(
                 child, _join(directory, name), path + (name,), parent_exists=exists
@@ -265,6 +268,37 @@ class Planner:
                 "existsok=True to overwrite it."
             )
         self.overwritten.append((target, st))
+
+
+def _stale_entries(kind: nodes.NodeKind, obj: Any, directory: str, path: tuple) -> list[str]:
+    """The entries of ``directory`` that a load would read as children of ``obj``
+    although this write makes none such (the members of a longer lazy stack saved there
+    before), which the write removes once its files are in place. RuntimeError, before
+    anything is written, for one that is not part of an older save there: the user's
+    own directory or file named so (a save's ``2/`` removed a directory of results in an
+    experiment folder; kept, it would be read as a member and break the load)."""
+    stale = kind.stale_children(obj, lambda name: os.path.lexists(_join(directory, name)))
+    if not stale:
+        return stale
+    not_a_save = fmt.not_a_save(directory)
+    for name in stale:
+        entry = _join(directory, name)
+        if not_a_save is not None:
+            why = f"{directory} is not a save: {not_a_save}"
+        elif os.path.islink(entry):
+            why = f"{entry} is a symlink"
+        else:
+            why = fmt.not_a_save(entry)
+            why = why and f"{entry} is not a save: {why}"
+        if why is not None:
+            where = f" (key {path})" if path else ""
+            raise RuntimeError(
+                f"Refusing to write a memory-mapped tensordict at {directory}{where}: it holds {name!r}, "
+                f"which a load would read as a member of this stack of {len(kind.children(obj))}, and which is "
+                f"not part of an earlier save there ({why}), so it is not removed. Nothing was written. Move "
+                "it away, or write to another prefix."
+            )
+    return stale
 
 
 def _mapped_ranges(inodes: set[tuple[int, int]]) -> list[tuple[int, int]] | None:

@@ -240,14 +240,15 @@ class _TreeWriter:
     def put_in_place(self, node: NodePlan, directory: Directory) -> None:
         """Rename the staged files of ``node`` and of the existing directories below it
         over the old ones, children first; then remove what an older save left there
-        that would be read as part of the new one (a longer lazy stack's members)."""
+        that would be read as part of the new one (a longer lazy stack's members, each
+        checked to be part of that save when the write was planned)."""
         for child in node.children.values():
             if child.exists:
                 opened = self.kept.pop(id(child), None) or directory.child(os.path.basename(child.directory))
                 with opened:
                     self.put_in_place(child, opened)
         _put_in_place(directory, node.kind, self.documents[id(node)], self.staged[id(node)])
-        for name in node.kind.stale_children(node.obj, directory.exists):
+        for name in node.stale:  # found and checked when planned (planner._stale_entries)
             try:
                 directory.remove_tree(name)
             except OSError as error:  # raised once the write is over: nothing to undo
