@@ -122,6 +122,14 @@ class FileReplacedError(FileNotFoundError):
     cannot map the sender's file, and mapping the new one would read other bytes."""
 
 
+class SaveChangedError(RuntimeError):
+    """A memory-mapped tensordict would rewrite the ``meta.json`` of its save
+    (``make_memmap``), but that file no longer describes it: another process changed
+    the save since this tensordict was loaded or written (added an entry, rewrote it
+    with ``atomic=True``). Nothing was written; reload the save (``load_memmap``) and
+    try again. A ``RuntimeError``."""
+
+
 class SplitSizeError(ValueError, RuntimeError):
     """``split`` sizes that do not add up to the dim. A RuntimeError as tensordict (and
     torch.split) raise; also the ValueError this package raised before."""

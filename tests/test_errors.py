@@ -35,7 +35,7 @@ def test_every_exception_class_is_defined_in_errors_and_exported():
     assert defined == {
         "AtomicWriteError", "BatchDimError", "BatchSizeMismatchError", "ClusterAuthError", "CoordinatorAuthenticationError",
         "CoordinatorTimeoutError", "FileReplacedError", "FileTooShortError", "FormatError", "IndexTypeError", "KeyThroughLeafError", "KeyTypeError", "LockedTensorDictError",
-        "NameClashError", "ArgumentGivenTwiceError", "NodeTakenOverError", "NotASaveError", "OwnerLostError", "ReadOnlyError", "SegmentUnavailableError", "SplitSizeError", "StalePair",
+        "NameClashError", "ArgumentGivenTwiceError", "NodeTakenOverError", "NotASaveError", "OwnerLostError", "ReadOnlyError", "SaveChangedError", "SegmentUnavailableError", "SplitSizeError", "StalePair",
         "StorageFullError", "TransferFailed", "TransposeDimError", "UnstorableValueError",
     }
     for name in defined:

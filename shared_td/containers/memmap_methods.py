@@ -6,6 +6,7 @@ the containers through their node kinds (containers/node_kinds.py).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 from typing import Any
@@ -390,26 +391,40 @@ class MemmapMethods:
                 f"make_memmap of key {path}: shape {list(expected)} does not start with "
                 f"the batch size {list(batch)}."
             )
-        for part in path[depth:-1]:
-            child = node._empty_child()
-            directory = None if node._memmap_prefix is None else os.path.join(node._memmap_prefix, encode_key(part))
-            child.memmap_(directory) if directory else child.memmap_()
-            node._tensordict[part] = child
-            if directory is not None:  # an anonymous tensordict has no meta.json
-                writer.rewrite_node(node, node._memmap_prefix)
-            node = unwrap_tensorclass(child)
-        directory = node._memmap_prefix
-        filename = None if directory is None else os.path.join(directory, encode_key(path[-1]) + fmt.LEAF_SUFFIX)
-        tensor = make(filename)
-        if tensor.shape[: len(batch)] != batch:
-            raise BatchSizeMismatchError(
-                f"make_memmap of key {path}: shape {list(tensor.shape)} does not start with "
-                f"the batch size {list(batch)}."
-            )
-        node._tensordict[path[-1]] = tensor
-        if directory is not None:
-            writer.rewrite_node(node, node._memmap_prefix)
+        # the existing node that gains an entry: its meta.json, rewritten, must not drop
+        # what another process added meanwhile (node_rewrite: locked, and checked first)
+        top = node._memmap_prefix
+        with writer.node_rewrite(node, top) if top is not None else contextlib.nullcontext() as rewrite_top:
+            for part in path[depth:-1]:
+                child = node._empty_child()
+                directory = None if node._memmap_prefix is None else os.path.join(node._memmap_prefix,
+                                                                                  encode_key(part))
+                child.memmap_(directory) if directory else child.memmap_()
+                node._tensordict[part] = child
+                if directory is not None:  # an anonymous tensordict has no meta.json
+                    _rewrite(node, rewrite_top, top)
+                node = unwrap_tensorclass(child)
+            directory = node._memmap_prefix
+            filename = None if directory is None else os.path.join(directory, encode_key(path[-1]) + fmt.LEAF_SUFFIX)
+            tensor = make(filename)
+            if tensor.shape[: len(batch)] != batch:
+                raise BatchSizeMismatchError(
+                    f"make_memmap of key {path}: shape {list(tensor.shape)} does not start with "
+                    f"the batch size {list(batch)}."
+                )
+            node._tensordict[path[-1]] = tensor
+            if directory is not None:
+                _rewrite(node, rewrite_top, top)
         return tensor
+
+
+def _rewrite(node: Any, rewrite_top: Any, top: str) -> None:
+    """Rewrite ``node``'s meta.json: through ``rewrite_top`` for the existing node the
+    entry is added to (locked and checked), directly for one made just now below it."""
+    if node._memmap_prefix == top:
+        rewrite_top()
+    else:
+        writer.rewrite_node(node, node._memmap_prefix)
 
 
 def _check_out(out: Any) -> None:
