@@ -192,8 +192,9 @@ class ConvenienceOps:
             >>> TensorDict(a=torch.zeros(2), batch_size=[2]).clear().is_empty()
             True
         """
-        for key in list(self.keys()):
-            del self[key]
+        entries = unwrap_tensorclass(self)  # a tensorclass: its fields' tensordict (no __delitem__ of its own)
+        for key in list(entries.keys()):
+            del entries[key]
         return self
 
     def popitem(self) -> tuple:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import shared_td
-from tests.reference import needs_tensordict, side_by_side
+from tests.reference import needs_tensordict, outcome, side_by_side
 
 pytestmark = needs_tensordict
 
@@ -85,5 +85,23 @@ def test_a_node_locked_on_its_own_in_an_unlocked_consolidated_tree_stays_locked(
         out["n"].lock_()
         again = pickle.loads(pickle.dumps(out))
         return again.is_locked, again["n"].is_locked, again["n", "m"].is_locked
+
+    side_by_side(scenario)
+
+
+# ------------------------------------------------------------------ 3. tensorclass clear()
+
+def test_clear_of_a_tensorclass_empties_its_fields():
+    def scenario(lib):
+        @lib.tensorclass
+        class Step:
+            obs: torch.Tensor
+            label: str = "a"
+
+        step = Step(obs=torch.zeros(3), label="t", batch_size=[3])
+        same = step.clear() is step
+        locked = Step(obs=torch.zeros(3), label="t", batch_size=[3]).lock_()
+        refused = outcome(locked.clear)
+        return same, step.obs, step.label, step.is_empty(), refused, locked.obs.tolist()
 
     side_by_side(scenario)
