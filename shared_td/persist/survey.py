@@ -5,11 +5,14 @@ survey_files.py) written by shared_td or tensordict 0.15.3 the way the loader wo
 without mapping a leaf or unpickling a value, and returns the tree
 (keys, classes, shapes, dtypes, sizes on disk, non-tensor values shown as short text)
 with every problem found: a meta.json that the loader would refuse (read and checked
-by the loader's own ``read_node_meta``), a batch size that does not fit a child, a
+by the loader's own ``read_meta``), a batch size that does not fit a child, a
 missing, short or special (FIFO, socket, device) leaf file, a symlink (never followed:
 it could lead out of the directory), a file that no meta.json names; in an archive, a
 member whose data do not match its stored checksum. ``shared-td inspect`` prints the
 tree, ``shared-td verify`` the problems.
+A directory is read through its root opened once, as a load reads it: a survey that
+races an atomic rewrite reports the one version it opened, or starts again on the new
+one if that was swapped in meanwhile (never a tree mixed from two versions).
 The tree's types are in saved_tree.py.
 
 Examples:
@@ -50,6 +53,8 @@ def survey(prefix: str, progress: Progress = None) -> Survey:
             ``prefix`` is a file but no zip archive.
         FormatError: its meta.json is not that of a save (format.not_a_save says why),
             or the archive's index is damaged or refused (what a load refuses).
+        OSError: (errno EAGAIN) the directory was replaced by an atomic rewrite during
+            each of :data:`TRIES` surveys: it is being rewritten continually.
 
     Each error raised for the root has a ``survey_path``: the path it concerns, relative
     to the prefix (``"meta.json"``, or ``"."`` for the prefix itself), for a report that
@@ -64,34 +69,70 @@ def survey(prefix: str, progress: Progress = None) -> Survey:
         raise
 
 
+#: How many times a survey starts again when the directory it read was replaced (an
+#: atomic rewrite swapped a new version in, and may have been removing the one read)
+#: before it says that the prefix is being rewritten instead of reporting a mix.
+TRIES = 20
+
+
 def _survey(root: str, progress: Progress) -> Survey:
+    """One version of the save at ``root``, read whole: a directory's survey is read
+    through the root opened once (survey_files.OnDisk) and starts again if the root
+    was replaced meanwhile (as a load does), at most :data:`TRIES` times."""
+    for _ in range(TRIES):
+        files = _open(root)
+        if files is None:
+            continue  # replaced between the look and the open
+        try:
+            try:
+                found = _read(root, files, progress)
+            except (OSError, FormatError):
+                if not files.replaced():
+                    raise
+                continue
+            if not files.replaced():
+                return found
+        finally:
+            files.close()
+    raise _os_error(OSError, errno.EAGAIN, f"{root} was replaced by a new version during each of "
+                    f"{TRIES} surveys: it is being rewritten (atomic=True) continually; run "
+                    "again when its writers pause")
+
+
+def _open(root: str) -> OnDisk | InArchive | None:
+    """The save at ``root``, opened; None if a directory there was gone by the time
+    it was opened (a rewrite's two renames)."""
     if not os.path.exists(root):
         _missing(root)
-    if os.path.isdir(root):
-        files = OnDisk(root)
-    elif looks_like_zip(root):
-        files = InArchive(root)
-    else:
+    if not os.path.isdir(root):
+        if looks_like_zip(root):
+            return InArchive(root)  # read through one descriptor: one version
         kind = fmt.file_kind(os.stat(root).st_mode) or "a file"
         raise NotASaveError(f"{root} is {kind}, neither a saved tensordict directory nor an archive.")
     try:
-        if files.found(fmt.META) is None:
-            error = FileNotFoundError(f"No saved tensordict at {root}: {fmt.META} is missing.")
-            error.survey_path = fmt.META
-            raise error
-        why = files.not_a_save()
-        if why is not None:
-            error = fmt.FormatError(root, f"not a saved tensordict: {why}.")
-            error.survey_path = fmt.META
-            raise error
-        walker = _Walker(files)
-        tree = walker.node("", "")
-        walker.check_directories()
-        for member, why in files.damaged(progress):
-            walker.problem("error", member, why)
-        return Survey(root, tree, walker.problems)
-    finally:
-        files.close()
+        return OnDisk(root)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as error:
+        raise _os_error(type(error), error.errno, f"cannot look at {root}: {error.strerror}") from None
+
+
+def _read(root: str, files: OnDisk | InArchive, progress: Progress) -> Survey:
+    if files.found(fmt.META) is None:
+        error = FileNotFoundError(f"No saved tensordict at {root}: {fmt.META} is missing.")
+        error.survey_path = fmt.META
+        raise error
+    why = files.not_a_save()
+    if why is not None:
+        error = fmt.FormatError(root, f"not a saved tensordict: {why}.")
+        error.survey_path = fmt.META
+        raise error
+    walker = _Walker(files)
+    tree = walker.node("", "")
+    walker.check_directories()
+    for member, why in files.damaged(progress):
+        walker.problem("error", member, why)
+    return Survey(root, tree, walker.problems)
 
 
 def _missing(root: str) -> None:

@@ -18,8 +18,9 @@ from typing import Callable, Iterator, Optional
 from shared_td.errors import FormatError
 from shared_td.persist import format as fmt
 from shared_td.persist.archive import Archive, ArchiveNode
-from shared_td.persist.loader import read_meta, read_node_meta
+from shared_td.persist.loader import read_meta
 from shared_td.persist.node_meta import NodeMeta
+from shared_td.storage.files import Directory
 
 __all__ = ["Found", "InArchive", "OnDisk", "Progress"]
 
@@ -41,19 +42,38 @@ class Found:
 
 
 class OnDisk:
-    """The save as the directory ``root`` (symlinks are reported, never followed)."""
+    """The save as the directory ``root`` (symlinks are reported, never followed).
+
+    The root is opened once, and every look below it goes through that descriptor and
+    the sub-directories opened from it (``O_NOFOLLOW``), as the loader reads: an atomic
+    rewrite that swaps a new version in at ``root`` meanwhile cannot mix the two. What
+    was read is the version opened, whole, unless the writer has begun removing it:
+    :meth:`replaced` says whether that may have happened (the survey starts again then).
+    """
 
     def __init__(self, root: str):
         self.root = root
+        # (a symlink given as root is followed: it names the save, like os.path.isdir)
+        self._root = Directory(os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), root, "load")
+        # the sub-directories open now, one per level below the root, and their names:
+        # the walk is depth first, so keeping the last path's chain opens each one about
+        # once, and no more descriptors than the tree is deep are ever held
+        self._chain: list[Directory] = []
+        self._names: list[str] = []
 
     def found(self, path: str) -> Found | None:
-        absolute = os.path.join(self.root, path)
+        parent, name = os.path.split(path)
         try:
-            info = os.lstat(absolute)
-        except FileNotFoundError:
+            directory = self._directory(parent)
+        except (FileNotFoundError, NotADirectoryError, RuntimeError):
+            return None  # a parent missing, or a symlink: nothing of the save lies below
+        if not name:
+            return Found(DIRECTORY)
+        info = directory.lstat(name)
+        if info is None:
             return None
         if stat.S_ISLNK(info.st_mode):
-            return Found(SYMLINK, target=os.readlink(absolute))
+            return Found(SYMLINK, target=os.readlink(name, dir_fd=directory.fd))
         if stat.S_ISDIR(info.st_mode):
             return Found(DIRECTORY)
         if stat.S_ISREG(info.st_mode):
@@ -61,16 +81,24 @@ class OnDisk:
         return Found(fmt.file_kind(info.st_mode))
 
     def read_meta(self, directory: str) -> NodeMeta:
-        return read_node_meta(os.path.join(self.root, directory))
+        """The checked meta.json of ``directory``, read by the loader's own code with
+        the errors of ``loader.read_node_meta`` (a symlinked directory: RuntimeError)."""
+        return read_meta(self._directory(directory))
 
     def not_a_save(self) -> str | None:
-        """Why the root is no save (the words atomic=True uses to refuse replacing it)."""
+        """Why the root is no save (the words atomic=True uses to refuse replacing it).
+
+        The one look by path, so that format.not_a_save stays the only reader of those
+        words: should it read another version than the one opened, the root was
+        replaced meanwhile, which :meth:`replaced` then says (atomic=True only ever
+        swaps a save in, and the survey starts again anyway)."""
         return fmt.not_a_save(self.root)
 
     def listing(self) -> Iterator[tuple[str, list[str]]]:
-        """(directory relative to the root, the names in it) for every directory."""
-        for directory, dirnames, filenames in os.walk(self.root):
-            relative = os.path.relpath(directory, self.root)
+        """(directory relative to the root, the names in it) for every directory below
+        the opened root (symlinks not followed; one that cannot be listed is skipped)."""
+        for directory, dirnames, filenames, _ in os.fwalk(os.curdir, dir_fd=self._root.fd):
+            relative = os.path.normpath(directory)
             yield ("" if relative == os.curdir else relative), sorted(dirnames + filenames)
 
     def escapes(self, path: str, target: str) -> bool:
@@ -79,11 +107,37 @@ class OnDisk:
         root = os.path.realpath(self.root)
         return not (real == root or real.startswith(root + os.sep))
 
+    def replaced(self) -> bool:
+        """Whether ``root`` names another directory than the one opened (an atomic
+        rewrite swapped a new version in, and may be removing the one read)."""
+        try:
+            current = os.stat(self.root)
+        except (FileNotFoundError, NotADirectoryError):
+            return True
+        opened = os.fstat(self._root.fd)
+        return (current.st_dev, current.st_ino) != (opened.st_dev, opened.st_ino)
+
     def damaged(self, progress: Progress = None) -> list[tuple[str, str]]:
         return []  # files on disk carry no checksum (nothing to read: no progress)
 
     def close(self) -> None:
-        pass
+        self._directory("")
+        self._root.close()
+
+    def _directory(self, relative: str) -> Directory:
+        """The sub-directory ``relative`` of the root, opened name by name (a symlink is
+        a RuntimeError, a missing one a FileNotFoundError)."""
+        names = relative.split(os.sep) if relative else []
+        keep = 0
+        while keep < min(len(names), len(self._names)) and names[keep] == self._names[keep]:
+            keep += 1
+        for directory in reversed(self._chain[keep:]):
+            directory.close()
+        del self._chain[keep:], self._names[keep:]
+        for name in names[keep:]:
+            self._chain.append((self._chain[-1] if self._chain else self._root).child(name))
+            self._names.append(name)
+        return self._chain[-1] if self._chain else self._root
 
 
 class InArchive:
@@ -129,6 +183,9 @@ class InArchive:
 
     def escapes(self, path: str, target: str) -> bool:
         return True  # never asked: an archive holding a symlink is refused when opened
+
+    def replaced(self) -> bool:
+        return False  # read through the one descriptor opened: one version, even if renamed over
 
     def damaged(self, progress: Progress = None) -> list[tuple[str, str]]:
         """(member, why) for each member whose data do not match its stored CRC (every
