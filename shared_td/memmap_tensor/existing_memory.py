@@ -39,6 +39,14 @@ class FromExistingMemory:
         files and ``"r"`` otherwise. ``index`` is applied to the result. A zero-element
         shape maps nothing and does not need the file.
 
+        Symlinks in ``filename`` are followed once, here: the tensor records the resolved
+        path (``os.path.realpath``; tensordict records the path as given), so that its
+        path never ends in a link. A FIFO, socket, device or directory is an ``OSError``
+        naming it (``IsADirectoryError`` for a directory), found without opening it, and
+        a pickled tensor whose file was replaced by one of them, or by a symlink, is a
+        :class:`~shared_td.errors.FileReplacedError` in the receiver: mapping any of
+        them by path maps a regular file only.
+
         Example:
             >>> import tempfile
             >>> path = os.path.join(tempfile.mkdtemp(), "x.memmap")
@@ -48,7 +56,9 @@ class FromExistingMemory:
         """
         if mode not in (None, "r", "r+"):
             raise ValueError(f"mode must be 'r', 'r+' or None, got {mode!r}.")
-        path = os.path.abspath(os.fsdecode(filename))
+        # realpath: the user's own path may run through links (a link to a data disk);
+        # what it names now is what the tensor maps, and pickles, from now on
+        path = os.path.realpath(os.fsdecode(filename))
         shape = torch.Size(shape)
         if shape.numel() == 0:
             result = cls._empty_leaf(FileBacking(path, None, 0, True), dtype, shape)

@@ -223,9 +223,10 @@ class MemoryMappedTensor(FromExistingMemory, Factories, torch.Tensor):
         return self.storage_offset() * self.element_size()
 
     def _is_file_backed_at(self, path) -> bool:
-        """Whether this tensor lives in the file ``path`` (compared as absolute paths)."""
+        """Whether this tensor lives in the file ``path`` (compared as absolute paths, or
+        resolved ones: ``from_filename`` records the resolved path)."""
         backing = self._backing
-        return isinstance(backing, FileBacking) and backing.path == os.path.abspath(path)
+        return isinstance(backing, FileBacking) and _names_path(path, backing.path)
 
     def _wrap(self, tensor: torch.Tensor):
         # a result that still views our storage is an MMT of the same backing; a copy
@@ -299,7 +300,7 @@ class MemoryMappedTensor(FromExistingMemory, Factories, torch.Tensor):
             if filename is None and own is None:
                 return input
             if filename is not None and own is not None:
-                same = os.path.abspath(filename) == own
+                same = _names_path(filename, own)
                 # a copy-on-write mapping may hold writes that its file lacks
                 if same and backing.shared:
                     if maps_file_at(backing, own):
@@ -522,6 +523,14 @@ def _checked_layout(backing, byte_offset: int, dtype, shape, stride) -> tuple[in
         raise ValueError(f"A {dtype} leaf of shape {tuple(shape)} has no element: a "
                          "published leaf of a segment always has some.")
     return dtype.itemsize, _extent(dtype, shape, stride) * dtype.itemsize
+
+
+def _names_path(path, own: str) -> bool:
+    """Whether the user's ``path`` names the recorded path ``own``: as an absolute path
+    (the loader and ``from_tensor`` record those), or resolved (``from_filename``
+    records the ``realpath``, which is computed only if the first test fails)."""
+    path = os.path.abspath(os.fsdecode(path))
+    return path == own or os.path.realpath(path) == own
 
 
 def maps_file_at(backing: FileBacking, path: str) -> bool:

@@ -8,6 +8,10 @@
   leaves of one file maps it once; a file whose size changed is mapped again.
 * A :class:`FileBacking` pickles by reference (the path, and for a file with its own
   layout its inode and this machine's boot), never by value.
+* Mapping by path (unpickling, ``MemoryMappedTensor.from_filename``) maps a regular file
+  only: a symlink put at the path is refused, never followed, and a FIFO, socket,
+  device or directory there is refused without being opened (nothing blocks): see
+  :func:`open_file_backing`.
 
 Creating and opening the files themselves is :mod:`shared_td.storage.files`.
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 
 import torch
 
@@ -74,7 +79,7 @@ class FileBacking:
         self.inode = inode
 
     def __reduce__(self):
-        return open_file_backing, (self.path, self.shared, self.read_only, self.inode, boot_id())
+        return _unpickle_backing, (self.path, self.shared, self.read_only, self.inode, boot_id())
 
     def __repr__(self) -> str:
         mode = "shared" if self.shared else "copy-on-write"
@@ -121,10 +126,13 @@ def backing_from_fd(path: str, fd: int, *, shared: bool = True, read_only: str |
     return backing
 
 
-def map_path_fd(path: str, fd: int, st: os.stat_result, *, read_only: str | None = None) -> FileBacking:
+def map_path_fd(path: str, fd: int, st: os.stat_result, *, read_only: str | None = None,
+                shared: bool | None = None, bound: bool = False) -> FileBacking:
     """Map the regular file that the ``O_PATH`` descriptor ``fd`` names
     (:meth:`Directory.open_path_regular`, ``st`` its ``fstat``): shared and writable, or
     with ``read_only`` (why it may not be written) privately, as :func:`backing_from_fd`.
+    ``shared=False`` without ``read_only`` is a private mapping this process may write
+    (``from_filename(mode="r")``); ``bound`` as in :func:`backing_from_fd`.
 
     The file is opened for real only by the mapping itself (torch opens
     ``/proc/self/fd/<fd>``: the inode that was checked), read-write when shared. A file
@@ -132,24 +140,30 @@ def map_path_fd(path: str, fd: int, st: os.stat_result, *, read_only: str | None
     (EACCES, EROFS, EPERM...) naming ``path``, so the caller can map it read-only. A
     mapping this process holds already is reused only if the file may still be written.
     """
-    shared = read_only is None
+    if shared is None:
+        shared = read_only is None
+    if read_only and shared:
+        raise ValueError(f"A read-only backing of {path} must be mapped copy-on-write (shared=False).")
+    key = (st.st_dev, st.st_ino)
     if shared:
-        cached = _CACHE.get((st.st_dev, st.st_ino))
+        cached = _CACHE.get(key)
         if cached is not None and cached.nbytes == st.st_size and \
                 os.access(f"/proc/self/fd/{fd}", os.W_OK, effective_ids=True):
+            if bound:
+                cached.inode = key
             return cached
+    flags = os.O_RDWR if shared else os.O_RDONLY
     try:
         storage = map_fd(fd, st.st_size, shared=shared) if st.st_size else None
     except RuntimeError:
         # torch's error has no errno: open the file as it did to get one (an error path)
-        probe = _reopen(fd, path, os.O_RDWR if shared else os.O_RDONLY)
-        os.close(probe)
+        os.close(_reopen(fd, path, flags))
         raise
     if not st.st_size:  # nothing mapped: the file must still be openable as asked
-        os.close(_reopen(fd, path, os.O_RDWR if shared else os.O_RDONLY))
-    backing = FileBacking(path, storage, st.st_size, shared, read_only)
+        os.close(_reopen(fd, path, flags))
+    backing = FileBacking(path, storage, st.st_size, shared, read_only, key if bound else None)
     if shared:
-        _CACHE.put((st.st_dev, st.st_ino), backing)
+        _CACHE.put(key, backing)
     return backing
 
 
@@ -189,11 +203,15 @@ def relocated(backing: FileBacking, path: str) -> FileBacking:
 
 def open_file_backing(path: str, shared: bool = True, read_only: str | None = None,
                       inode: tuple[int, int] | None = None, boot: str | None = None) -> FileBacking:
-    """Map an existing file by path; a missing file raises ``FileNotFoundError``.
+    """Map the regular file at ``path``; a missing file raises ``FileNotFoundError``.
     ``read_only`` as in :func:`backing_from_fd`. ``inode``: the ``(st_dev, st_ino)``
     the file had on the machine booted as ``boot`` (a pickled FileBacking's); this
     process's mapping of that inode is reused, and on that machine another file at
     ``path`` is a FileReplacedError.
+
+    Anything but a regular file at ``path`` is an ``OSError`` naming it and what it is
+    (a symlink: ``ELOOP``, a directory: ``IsADirectoryError``, a FIFO, socket or device:
+    ``ENODEV``, as mmap says), found without opening it: see :func:`_open_regular_path`.
 
     Example:
         >>> import tempfile
@@ -202,30 +220,90 @@ def open_file_backing(path: str, shared: bool = True, read_only: str | None = No
         ...     open_file_backing(f.name).nbytes
         4
     """
+    return _open_backing(path, shared, read_only, inode, boot, pickled=False)
+
+
+def _unpickle_backing(path: str, shared: bool, read_only: str | None,
+                      inode: tuple[int, int] | None, boot: str | None) -> FileBacking:
+    """A pickled :class:`FileBacking` in the receiving process: :func:`open_file_backing`,
+    where anything but a regular file at ``path`` is a :class:`FileReplacedError` (the
+    sender mapped a regular file there, so someone put this in its place)."""
+    return _open_backing(path, shared, read_only, inode, boot, pickled=True)
+
+
+def _open_backing(path, shared, read_only, inode, boot, *, pickled: bool) -> FileBacking:
     checked = inode is not None and boot is not None and boot == boot_id()
     if shared:
         # Unpickling many leaves of files this process maps already (attach, workers)
         # needs no descriptor: a stat names the inode, and the cache has its mapping
         # (of the pickled inode: this process's own tensors keep their file when a new
-        # one was renamed over its path)
-        st = os.stat(path)
+        # one was renamed over its path). lstat, not stat: a symlink put at ``path``
+        # must not lead to this process's mapping of the file it points to.
+        st = os.lstat(path)
         here = (st.st_dev, st.st_ino)
         cached = _CACHE.get(tuple(inode) if checked else here)
         # (the size is the path's file's: of no meaning for a mapping of the old inode)
         if cached is not None and (cached.nbytes == st.st_size or (checked and tuple(inode) != here)):
             return cached
-    flags = (os.O_RDWR if shared else os.O_RDONLY) | os.O_CLOEXEC
-    fd = os.open(path, flags)
+    fd, st = _open_regular_path(path, pickled)
     try:
-        st = os.fstat(fd)
         if checked and (st.st_dev, st.st_ino) != tuple(inode):
             raise FileReplacedError(errno.ENOENT, (
                 f"The file a pickled tensor maps was replaced since it was pickled (a save, "
                 f"consolidate or atomic rewrite put a new file there): {path}. Its old bytes are "
                 "no longer reachable by this path; pickle the tensor again (or load the new file)."))
-        return backing_from_fd(path, fd, shared=shared, read_only=read_only, st=st, bound=inode is not None)
+        return map_path_fd(path, fd, st, read_only=read_only, shared=shared, bound=inode is not None)
     finally:
         os.close(fd)
+
+
+# O_PATH opens nothing for reading or writing: no FIFO waits for a writer, no device's
+# driver runs its open; the mapping opens /proc/self/fd/<fd> (the inode checked here).
+_PATH_FLAGS = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _open_regular_path(path: str, pickled: bool) -> tuple[int, os.stat_result]:
+    """An ``O_PATH`` descriptor of the regular file ``path`` and its ``fstat``; the
+    caller closes it. Anything else is refused without being opened: a FIFO, socket or
+    device (mapping it could block for ever, or run a driver), a directory, and a
+    symlink as the last component of ``path``.
+
+    Only the last component must not be a link (``O_NOFOLLOW``): the directories above
+    are the user's own path, which may legitimately run through a symlink (a prefix
+    that is a link to a data disk, ``/tmp`` on some systems; a loaded leaf records the
+    prefix as the user gave it), so a link there cannot be told from a legitimate one.
+    ``MemoryMappedTensor.from_filename`` records the resolved path (``realpath``), so
+    that its path never ends in a link.
+    """
+    fd = os.open(path, _PATH_FLAGS)  # (its errors name the path)
+    try:
+        st = os.fstat(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    if stat.S_ISREG(st.st_mode):
+        return fd, st
+    os.close(fd)
+    raise _not_regular_error(path, st.st_mode, pickled)
+
+
+def _not_regular_error(path: str, mode: int, pickled: bool) -> OSError:
+    """The error for ``path``, which holds ``mode``'s kind of file and not a regular file."""
+    # files.py imports this module at its top: its file_kind is imported here, on the
+    # error path, once both modules are loaded
+    from shared_td.storage.files import file_kind
+
+    kind = file_kind(mode)
+    if pickled:
+        return FileReplacedError(errno.ENOENT, (
+            f"The file a pickled tensor maps is now {kind}, not a regular file: {path}. "
+            "Refused without being opened (a symlink would send this process's writes into "
+            "the file it names, a FIFO or device could block): whoever can write that "
+            "directory put it there. Remove it and save the tensor again."))
+    code = {"a symlink": errno.ELOOP, "a directory": errno.EISDIR}.get(kind, errno.ENODEV)
+    # OSError(code, ...) is the errno's subclass (IsADirectoryError for EISDIR)
+    return OSError(code, f"Cannot map {path}: it is {kind}, not a regular file (only a "
+                         "regular file can be memory-mapped; refused without opening it).")
 
 
 def boot_id() -> str | None:

@@ -7,6 +7,8 @@
   raised at the write or reservation, never a SIGBUS when a mapped page is first touched.
 * Room is reserved with ``posix_fallocate``; a file is only ever grown, never shrunk
   (another process may have it mapped: a shrink would SIGBUS it).
+* A write that fails names where it went; one into something that is not a regular file
+  (a FIFO put where a leaf file was) says what it is, not only "Illegal seek".
 
 Files (:mod:`shared_td.storage.files`), anonymous segments and shared values all write
 through here.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 
 import torch
 
@@ -82,8 +85,30 @@ def pwrite_all(fd: int, data, offset: int, *, where: str = "a file") -> None:
         except OSError as err:
             if err.errno in NO_SPACE_ERRNOS:
                 raise storage_full_error(err, len(view), where) from err
-            raise
+            raise _named_write_error(err, fd, where) from err
 
+
+def _named_write_error(err: OSError, fd: int, where: str) -> OSError:
+    """``err`` (a failed write into ``fd``) naming ``where``; if ``fd`` is not a regular
+    file (pwrite into a FIFO or socket is "Illegal seek"), saying what it is instead."""
+    try:
+        mode = os.fstat(fd).st_mode
+    except OSError:
+        mode = stat.S_IFREG  # nothing more to tell
+    if stat.S_ISREG(mode):
+        return type(err)(err.errno, f"{err.strerror}: {where}")
+    return not_regular_error(err.errno, where, mode)
+
+
+def not_regular_error(code: int, where: str, mode: int) -> OSError:
+    """The ``OSError`` (errno ``code``) for writing ``where``, which is not a regular file
+    but what ``mode`` says (a FIFO, a socket...)."""
+    # files.py imports this module at its top: its file_kind is imported here, on the
+    # error path, once both modules are loaded
+    from shared_td.storage.files import file_kind
+
+    return OSError(code, f"Cannot write {where}: it is {file_kind(mode)}, not a regular file. "
+                         "Remove it (or write to another path) and write again.")
 
 
 def allocate(fd: int, offset: int, nbytes: int, where: str) -> None:
@@ -100,8 +125,12 @@ def allocate(fd: int, offset: int, nbytes: int, where: str) -> None:
 
 def reserve_space(fd: int, nbytes: int, path: str) -> None:
     """Grow the file ``fd`` to at least ``nbytes`` (never shrink it), its space reserved
-    (see :func:`allocate`)."""
-    if os.fstat(fd).st_size >= nbytes:
+    (see :func:`allocate`); ``fd`` must be a regular file (``EINVAL`` naming ``path`` and
+    what it is, as ``ftruncate`` of a FIFO)."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise not_regular_error(errno.EINVAL, f"file {path}", st.st_mode)
+    if st.st_size >= nbytes:
         return
     try:
         allocate(fd, 0, nbytes, f"file {path}")
