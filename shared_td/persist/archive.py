@@ -9,7 +9,8 @@ the directory save, and tensordict 0.15.3 reads ours as we read its. Payloads
 as tensordict pads it), so that a load maps the archive once and every leaf is a view
 into that mapping: no copy, pages read when touched. ``compression=`` ("deflate",
 "bzip2", "lzma" or a ``zipfile.ZIP_*`` constant) compresses the payloads; such a leaf
-is decompressed into memory when it is loaded. Other entries are always stored.
+is decompressed into memory when it is loaded: into a buffer of exactly the size its
+meta.json gives, never more (persist.bounded_reads). Other entries are always stored.
 
 **Writes into a loaded archive.** By default (and with ``mode="r"``) the archive is
 mapped privately and its leaves are read-only tensors: a write raises
@@ -28,9 +29,18 @@ directory (a truncated file has none), every member's name (no absolute path, ``
 or ``.`` part, backslash, drive or NUL), its kind (a symlink or other non-regular
 member is refused), duplicates, encryption, the local header matching the central
 one, the payload lying inside the file; a leaf member shorter than its meta.json's
-shape is refused when loaded. CRCs are checked for every member read whole (meta.json,
-pickles, compressed payloads). Each is a :class:`~shared_td.errors.FormatError` naming
-the archive and the member.
+shape is refused when loaded, and so is a compressed one whose header announces another
+size than the shape's (before anything is decompressed). CRCs are checked for every
+member read whole (meta.json, pickles, compressed payloads). Each is a
+:class:`~shared_td.errors.FormatError` naming the archive and the member.
+
+**Sizes are not trusted.** Members are read through our own decompressors
+(persist.bounded_reads), in pieces of at most 1 MiB, and never past the size their header
+announces: data that hold more are refused as soon as one byte too many comes out (a
+1 kB bzip2 member announcing 4 bytes costs 5 bytes of output, not its 800 MB). A
+compressed leaf is decompressed only if its header announces exactly its shape's bytes,
+a ``meta.json`` only up to ``bounded_reads.MAX_META_BYTES``, a pickle up to
+``MAX_PICKLE_BYTES``: more is refused unread.
 
 **Atomic.** An archive is always written to a new file beside its target
 (``.<name>.shared_td-new-<pid>-<random>``), zipped straight from the tree in memory
@@ -53,15 +63,14 @@ import stat
 import struct
 import threading
 import zipfile
-import zlib
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 from shared_td.errors import FormatError
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.persist import format as fmt
+from shared_td.persist.bounded_reads import MAX_META_BYTES, MemberData, member_pieces, read_member
 from shared_td.persist.node_meta import LeafMeta
 from shared_td.storage import files
 
@@ -73,8 +82,6 @@ _LOCAL_HEADER = struct.Struct("<4s5H3I2H")
 _LOCAL_SIGNATURE = b"PK\x03\x04"
 #: How a zip file starts: a local header, or the end record of an empty zip.
 ZIP_STARTS = (_LOCAL_SIGNATURE, b"PK\x05\x06")
-#: the largest member read whole (meta.json, pickles): a bigger one is damage or hostile
-_MAX_METADATA = 1 << 30
 
 COMPRESSIONS = {
     "stored": zipfile.ZIP_STORED,
@@ -111,14 +118,8 @@ def wants_archive(prefix: Any, archive: bool | None) -> bool:
 
 
 # ------------------------------------------------------------------------ reading
-@dataclass(frozen=True)
-class Member:
-    """Where one member's payload lies in the archive file."""
-
-    offset: int
-    size: int
-    compress_type: int
-    compress_size: int
+#: Where one member's payload lies in the archive file, and what its header says of it.
+Member = MemberData
 
 
 def name_problem(name: str) -> str | None:
@@ -209,7 +210,7 @@ class Archive:
         if offset + info.compress_size > size:
             raise self.error(name, f"its payload runs past the end of the file ({size} bytes): "
                              "the archive is truncated")
-        return Member(offset, info.file_size, info.compress_type, info.compress_size)
+        return Member(offset, info.file_size, info.compress_type, info.compress_size, info.CRC)
 
     def infos(self) -> list[zipfile.ZipInfo]:
         """The central directory's entries, in its order."""
@@ -223,34 +224,54 @@ class Archive:
     def error(self, member: str, reason: str) -> FormatError:
         return FormatError(self.path, f"member {member!r}: {reason}")
 
-    def read(self, name: str, *, metadata: bool = True) -> bytes:
+    def read(self, name: str, *, limit: int) -> bytes:
         """The content of member ``name``, its CRC checked; FileNotFoundError if missing.
-        A ``metadata`` member bigger than _MAX_METADATA is refused."""
+        A member announcing more than ``limit`` bytes is refused before it is read
+        (``bounded_reads.MAX_META_BYTES``, ``MAX_PICKLE_BYTES``), and so are data that hold
+        more (or fewer) bytes than announced."""
         if name not in self.members:
             raise FileNotFoundError(errno.ENOENT, f"No member {name!r} in the archive {self.path}")
-        if metadata and self.members[name].size > _MAX_METADATA:
-            raise self.error(name, f"{self.members[name].size} bytes is too big to be read whole")
-        try:
-            return self._zip.read(name)
-        except (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError, NotImplementedError) as error:
-            raise self.error(name, f"cannot be read: {error}") from None
+        member = self.members[name]
+        if member.size > limit:
+            raise self.error(name, files.too_big(member.size, limit))
+        return read_member(self.fd, member, self._refusal(name))
+
+    def pieces(self, name: str, chunk: int | None = None) -> Iterator[bytes]:
+        """The data of member ``name`` in pieces of at most ``chunk`` bytes (1 MiB by
+        default), exactly as many bytes as its header announces, their CRC checked after
+        the last (persist.bounded_reads); each damage is a FormatError naming the member."""
+        member, refuse = self.members[name], self._refusal(name)
+        if chunk is None:
+            return member_pieces(self.fd, member, refuse)
+        return member_pieces(self.fd, member, refuse, chunk=chunk)
+
+    def _refusal(self, name: str) -> Callable[[str], FormatError]:
+        return lambda reason: self.error(name, reason)
 
     def check(self, name: str, advance: Callable[[int], None] | None = None) -> None:
-        """Read member ``name`` through in chunks: FormatError if its data do not match
-        its stored CRC or cannot be decompressed (what ``shared-td verify`` checks);
-        ``advance(n)`` is called with the bytes of each chunk read (for a progress line)."""
-        try:
-            with self._zip.open(name) as member:
-                while chunk := member.read(1 << 20):
-                    if advance is not None:
-                        advance(len(chunk))
-        except (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError, NotImplementedError) as error:
-            raise self.error(name, f"its data do not match the archive's checksum: {error}") from None
+        """Read member ``name`` through in bounded pieces (:meth:`pieces`): FormatError
+        if its data do not match its stored CRC or size, or cannot be decompressed (what
+        ``shared-td verify`` checks); ``advance(n)`` is called with the bytes of each
+        piece read (for a progress line)."""
+        for piece in self.pieces(name):
+            if advance is not None:
+                advance(len(piece))
+
+    def size_problem(self, name: str, nbytes: int) -> str | None:
+        """Why member ``name`` cannot hold a leaf of ``nbytes`` bytes, else None: it holds
+        fewer, or it is compressed and announces another size (then it is never
+        decompressed: what comes out must be exactly the leaf)."""
+        member = self.members[name]
+        if member.size < nbytes:
+            return f"holds {member.size} bytes"
+        if member.size != nbytes and member.compress_type != zipfile.ZIP_STORED:
+            return f"is compressed and announces {member.size} bytes once decompressed"
+        return None
 
     def not_a_save(self) -> str | None:
         """Why the archive's root is no save (format.not_a_save's words), else None."""
         try:
-            meta = json.loads(self.read(fmt.META).decode("utf-8"))
+            meta = json.loads(self.read(fmt.META, limit=MAX_META_BYTES).decode("utf-8"))
         except FileNotFoundError:
             return f"it holds no {fmt.META} at its root"
         except (ValueError, UnicodeDecodeError, RecursionError) as error:
@@ -260,11 +281,15 @@ class Archive:
 
     def leaf(self, name: str, leaf: LeafMeta, *, where: str) -> torch.Tensor:
         """The tensor of leaf ``leaf`` stored as member ``name``: a view into the mapping
-        of the archive, or (compressed or unaligned) a copy in memory."""
+        of the archive, or (compressed or unaligned) a copy in memory, decompressed
+        straight into a buffer of the leaf's size."""
         member, shape = self.members[name], torch.Size(leaf.shape)
-        if member.size < leaf.nbytes:
-            raise self.error(name, f"holds {member.size} bytes, but {where} says a {leaf.dtype} "
-                             f"tensor of shape {tuple(shape)} ({leaf.nbytes} bytes)")
+        problem = self.size_problem(name, leaf.nbytes)
+        if problem is not None:
+            unread = "" if member.compress_type == zipfile.ZIP_STORED else \
+                ": refused before decompressing it (a damaged or hostile archive)"
+            raise self.error(name, f"{problem}, but {where} says a {leaf.dtype} "
+                             f"tensor of shape {tuple(shape)} ({leaf.nbytes} bytes){unread}")
         if member.compress_type == zipfile.ZIP_STORED and member.offset % leaf.dtype.itemsize == 0:
             return MemoryMappedTensor._from_backing(self.backing(), member.offset, leaf.dtype, shape)
         why = "compressed" if member.compress_type != zipfile.ZIP_STORED else "not aligned"
@@ -273,8 +298,13 @@ class Archive:
                              "can only be copied into memory, and writes would never reach the "
                              "archive. Load it without mode='r+', or save the archive again "
                              "without compression.")
-        data = self.read(name, metadata=False)
-        return torch.frombuffer(bytearray(data[: leaf.nbytes]), dtype=leaf.dtype).view(shape)
+        buffer = bytearray(leaf.nbytes)
+        view, at = memoryview(buffer), 0
+        for piece in self.pieces(name):  # (a stored member may hold more: read for its CRC)
+            taken = min(len(piece), leaf.nbytes - at)
+            view[at:at + taken] = memoryview(piece)[:taken]
+            at += taken
+        return torch.frombuffer(buffer, dtype=leaf.dtype).view(shape)
 
     def backing(self) -> files.FileBacking:
         """The one mapping of the whole archive (made on first use)."""
@@ -325,8 +355,8 @@ class ArchiveNode:
         member = self._member(name)
         return member in self.archive.members or member in self.archive.directories
 
-    def read(self, name: str) -> bytes:
-        return self.archive.read(self._member(name))
+    def read(self, name: str, *, limit: int) -> bytes:
+        return self.archive.read(self._member(name), limit=limit)
 
     def child(self, name: str) -> "ArchiveNode":
         member = self._member(name)

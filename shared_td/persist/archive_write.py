@@ -18,7 +18,6 @@ import struct
 import time
 import warnings
 import zipfile
-import zlib
 from typing import Any, Callable, Iterable
 
 from shared_td.errors import FormatError
@@ -391,13 +390,12 @@ def _extract(archive: Archive, member: str, root: Directory) -> None:
             opened.append(directory)
         fd = directory.open_file(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         try:
+            # in bounded pieces, never past the size its header announces (a member that
+            # holds more is a FormatError at the first byte too many), its CRC checked
             offset = 0
-            with archive._zip.open(member) as stream:
-                while chunk := stream.read(_CHUNK):
-                    files.pwrite_all(fd, chunk, offset, where=f"file {directory.join(name)}")
-                    offset += len(chunk)
-        except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError) as error:
-            raise archive.error(member, f"cannot be read: {error}") from None
+            for chunk in archive.pieces(member, _CHUNK):
+                files.pwrite_all(fd, chunk, offset, where=f"file {directory.join(name)}")
+                offset += len(chunk)
         finally:
             os.close(fd)
     finally:

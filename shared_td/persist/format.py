@@ -32,7 +32,8 @@ import torch
 
 from shared_td.errors import FormatError
 from shared_td.keys import encode_key, is_safe_legacy_name
-from shared_td.storage.files import Directory, file_kind
+from shared_td.persist import bounded_reads
+from shared_td.storage.files import Directory, file_kind, read_whole
 
 META = "meta.json"
 LEAF_SUFFIX = ".memmap"
@@ -278,8 +279,9 @@ def not_a_save(directory: str) -> str | None:
     shared_td), in words; None when it is one.
 
     Only "is this a save at all": its meta.json is a regular file (a symlink is not
-    followed) holding a JSON object whose ``_type`` is known and which has the fields
-    that type always has (:data:`REQUIRED_FIELDS`). Whether its shapes, dtypes and files
+    followed) of at most ``bounded_reads.MAX_META_BYTES`` (a bigger one is not read)
+    holding a JSON object whose ``_type`` is known and which has the fields that type
+    always has (:data:`REQUIRED_FIELDS`). Whether its shapes, dtypes and files
     make sense is for the loader and ``shared-td verify``. atomic=True replaces only a
     save; verify and inspect refuse the same directories with the same words.
 
@@ -304,10 +306,16 @@ def not_a_save(directory: str) -> str | None:
         return f"its {META} is a symlink (not followed)"
     if kind is not None:
         return f"its {META} is {kind}, not a regular file"
-    with os.fdopen(fd, "rb") as file:
-        data = file.read()
     try:
-        meta = json.loads(data.decode("utf-8"))
+        data = read_whole(fd, os.fstat(fd).st_size, path, bounded_reads.MAX_META_BYTES)
+    except FormatError as error:
+        return f"its {META} is too big: {error.reason}"
+    except OSError as error:
+        return f"its {META} cannot be read: {error.strerror}"
+    finally:
+        os.close(fd)
+    try:
+        meta = json.loads(data.decode("utf-8"))  # (loader.read_meta says why it decodes)
     except (ValueError, UnicodeDecodeError, RecursionError) as error:
         return f"its {META} is not valid JSON ({error})"
     child = os.path.join(directory, TENSORCLASS_CHILD)

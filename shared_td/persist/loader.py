@@ -12,8 +12,10 @@ Untrusted directories: each meta.json is checked by ``node_meta.NodeMeta.from_js
 anything is mapped (a bad field is a :class:`~shared_td.errors.FormatError` naming the
 file and the field; ``shared-td verify`` reports the same errors through
 :func:`read_node_meta`). Only regular files are read or mapped: a FIFO, socket, device
-or directory in the place of a file is refused. A meta.json (or pickle) is checked with
-``lstat`` before it is opened, then opened ``O_NONBLOCK`` and checked again with
+or directory in the place of a file is refused, and so is a meta.json of more than
+``bounded_reads.MAX_META_BYTES`` (a pickle: ``MAX_PICKLE_BYTES``), before it is read:
+a sparse file may announce any size at no cost on disk. A meta.json (or pickle) is
+checked with ``lstat`` before it is opened, then opened ``O_NONBLOCK`` and checked again with
 ``fstat``, so a swap between the two cannot make a load block. A leaf file is found
 with an ``O_PATH`` open and checked with its ``fstat``; only its mapping opens it, through
 that descriptor, so whatever is put in its place and whenever, nothing but the regular
@@ -57,6 +59,7 @@ from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.persist import format as fmt
 from shared_td.persist import nodes
 from shared_td.persist.archive import ZIP_STARTS, Archive, ArchiveNode
+from shared_td.persist.bounded_reads import MAX_META_BYTES, MAX_PICKLE_BYTES
 from shared_td.persist.node_meta import ChildMeta, LeafMeta, NodeMeta
 from shared_td.storage import files
 from shared_td.storage.files import Directory, FileTooShortError
@@ -123,7 +126,7 @@ def read_meta(directory: Directory, parsed: dict | None = None) -> NodeMeta:
     """
     where = directory.join(fmt.META)
     try:
-        data = directory.read(fmt.META)
+        data = directory.read(fmt.META, limit=MAX_META_BYTES)  # (bigger: refused unread)
     except FileNotFoundError:
         raise FileNotFoundError(f"No saved tensordict at {directory.path!r}: {fmt.META} is missing.") from None
     if parsed is not None:
@@ -131,6 +134,8 @@ def read_meta(directory: Directory, parsed: dict | None = None) -> NodeMeta:
         if known is not None:
             return known.read_at(where)
     try:
+        # json.loads(bytes) would make the same str copy itself (its scanner reads str),
+        # and would also take UTF-16 and UTF-32: decoding here keeps meta.json UTF-8
         document = json.loads(data.decode("utf-8"))
     except (ValueError, UnicodeDecodeError, RecursionError) as error:
         raise FormatError(where, f"not valid JSON: {error}") from None
@@ -428,7 +433,7 @@ class Loader:
                 f"Refusing to load pickled non-tensor data from {path}: unpickling can run "
                 "arbitrary code. Pass allow_pickle=True if you trust this directory."
             )
-        return pickle.loads(directory.read(name))
+        return pickle.loads(directory.read(name, limit=MAX_PICKLE_BYTES))
 
 
 def _replaced(root: Directory, path: str) -> bool:

@@ -28,6 +28,13 @@ from shared_td.persist.format import (
 
 #: No file holds more bytes than this; a larger shape is a damaged or hostile meta.json.
 _MAX_BYTES = sys.maxsize
+#: How deep the lists of a NonTensorStack's ``data`` may nest: one level per dimension of
+#: its batch size (and one per level of nested list values). A load walks them
+#: recursively, two frames a level, so a few hundred levels (~490 under Python's default
+#: limit) ended in a RecursionError instead of an error naming the file. 100 is far more
+#: dims than any batch has (tensordict 0.15.3 takes seconds to load a stack 25 deep);
+#: refused here, in the one check of meta.json, ``shared-td verify`` refuses it too.
+MAX_STACK_DEPTH = 100
 
 
 @dataclass(frozen=True)
@@ -198,6 +205,9 @@ class NodeMeta:
         stack_dim_name = document.get("stack_dim_name")
         if stack_dim_name is not None and not isinstance(stack_dim_name, str):
             raise FormatError(where, f"{shown_value(stack_dim_name)} is not a name (a string or null)", field="stack_dim_name")
+        if type_str == NON_TENSOR_STACK_TYPE and _nests_deeper(document.get("data"), MAX_STACK_DEPTH):
+            raise FormatError(where, f"its lists nest more than {MAX_STACK_DEPTH} deep (one level per "
+                              "batch dimension): a damaged or hostile meta.json", field="data")
         if type_str == LAZY_STACK_TYPE and EMPTY_STACK_BATCH in document:  # a 0 at stack_dim
             empty = _sizes(document[EMPTY_STACK_BATCH], where, EMPTY_STACK_BATCH)
             if len(empty) <= stack_dim or empty[stack_dim] != 0:
@@ -227,6 +237,23 @@ def _entry(key: str, item: dict, where: str) -> LeafMeta | ChildMeta:
         raise FormatError(where, f"shape {list(shape)} of {dtype} needs more bytes than any "
                           "file can hold", field=f"{key}.shape")
     return LeafMeta(key, shape, dtype, is_nested)
+
+
+def _nests_deeper(value: Any, depth: int) -> bool:
+    """Whether lists nest more than ``depth`` deep in ``value`` (JSON: lists are lists).
+    Level by level, without recursion, and stopping below ``depth``: a hostile file may
+    nest them as deep as the JSON parser went.
+
+    Examples:
+        >>> _nests_deeper([[1, [2]], 3], 2), _nests_deeper([[1, [2]], 3], 3), _nests_deeper("x", 0)
+        (True, False, False)
+    """
+    level = [value] if type(value) is list else []
+    for _ in range(depth):
+        # (the set of types first: a stack of a million strings is looked at in C)
+        level = [item for items in level if list in set(map(type, items)) for item in items
+                 if type(item) is list]
+    return bool(level)
 
 
 def _sizes(value: Any, where: str, name: str, key: str | None = None) -> tuple[int, ...]:

@@ -12,6 +12,9 @@ Rules this module enforces:
 * Mapping checks sizes first: a missing file is a ``FileNotFoundError`` (never created),
   a short one a :class:`FileTooShortError` -- never a SIGBUS on first access.
 * Zero-byte requests never create or map anything (``mmap`` of 0 bytes is invalid).
+* A file read whole (:meth:`Directory.read`: a meta.json, a pickle) is read only up to
+  the cap its caller gives, checked on its ``fstat`` size before a byte is read: a
+  sparse file announces any size at no cost on disk.
 
 The pieces live in three modules; their public names are all importable from here:
 
@@ -223,19 +226,12 @@ class Directory:
             return RuntimeError(f"Refusing to {self.action} through symlink {self.join(name)}.")
         return FormatError(self.join(name), f"{kind}, not a regular file: refused (reading it could block or never end)")
 
-    def read(self, name: str) -> bytes:
-        """All the bytes of the regular file ``name``, read to its end."""
+    def read(self, name: str, *, limit: int) -> bytes:
+        """All the bytes of the regular file ``name``, read to its end (:func:`read_whole`:
+        more than ``limit`` bytes is a FormatError naming it, raised before reading)."""
         fd, st = self.open_regular_stat(name)
         try:
-            # one read for a file that kept its fstat size: a read that stops at that
-            # size when asked for one byte more stopped at the end
-            first = os.read(fd, st.st_size + 1)
-            if len(first) == st.st_size:
-                return first
-            chunks = [first]
-            while chunk := os.read(fd, 1 << 20):
-                chunks.append(chunk)
-            return b"".join(chunks)
+            return read_whole(fd, st.st_size, self.join(name), limit)
         finally:
             os.close(fd)
 
@@ -293,6 +289,52 @@ class Directory:
         if error.errno == errno.ELOOP or (error.errno == errno.ENOTDIR and self.is_symlink(name)):
             return RuntimeError(f"Refusing to {self.action} through symlink {path}.")
         return type(error)(error.errno, f"{error.strerror}: {path}")
+
+
+def too_big(size: int, limit: int) -> str:
+    """Why a file (or archive member) of ``size`` bytes is not read whole: the words of
+    :func:`read_whole`'s error, for a caller that names the file its own way."""
+    mib = f" ({limit >> 20} MiB)" if limit >= 1 << 20 and not limit % (1 << 20) else ""
+    return (f"{size} bytes, more than the {limit} bytes{mib} such a file is read to at most: "
+            "refused unread (a damaged or hostile save)")
+
+
+def read_whole(fd: int, size: int, path: str, limit: int) -> bytes:
+    """All the bytes of the open regular file ``fd`` of ``fstat`` size ``size``, read to
+    its end; ``path`` names it in errors.
+
+    A file of more than ``limit`` bytes is a FormatError naming it, its size and the
+    limit, before a byte is read: its size may lie about its content (a sparse file of
+    1 GiB takes no disk, yet reading it costs 1 GiB of memory), and a reader that needs
+    the whole file in memory caps what it accepts (persist.bounded_reads.MAX_META_BYTES).
+    A file that grows past ``limit`` while read is refused too.
+
+    Examples (:meth:`Directory.read` reads through it):
+        >>> with Directory.open(".") as here:
+        ...     here.write_new_file("small", b"abc")
+        ...     here.read("small", limit=1 << 10)
+        b'abc'
+        >>> with Directory.open(".") as here:
+        ...     here.read("small", limit=2)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        shared_td.errors.FormatError: ./small: 3 bytes, more than the 2 bytes such a file is read to at most: ...
+    """
+    if size > limit:
+        raise FormatError(path, too_big(size, limit))
+    # one read for a file that kept its fstat size: a read that stops at that size when
+    # asked for one byte more stopped at the end (and the result is the buffer: no copy)
+    first = os.read(fd, size + 1)
+    if len(first) == size:
+        return first
+    chunks, total = [first], len(first)
+    while total <= limit and (chunk := os.read(fd, min(1 << 20, limit + 1 - total))):
+        chunks.append(chunk)
+        total += len(chunk)
+    if total > limit:
+        raise FormatError(path, f"grew past {limit} bytes while it was read: refused (a damaged or "
+                          "hostile save, or a file still being written)")
+    return b"".join(chunks)
 
 
 def reserve_file(directory: Directory, name: str, *, existsok: bool) -> tuple[int, bool]:
