@@ -274,6 +274,10 @@ class _Walker:
         if size is not None and size < needed:
             self.problem("error", path, f"{size} bytes, but shape {entry.shape} of "
                          f"{entry.dtype} needs {needed}: the file is truncated")
+        elif size is not None and (why := self.files.refused_leaf(path, needed)) is not None:
+            # (a compressed member announcing another size: a load refuses it unread)
+            self.problem("error", path, f"shape {entry.shape} of {entry.dtype} needs {needed} bytes, but "
+                         f"the member {why}: a load refuses it")
 
     def regular_file_size(self, path: str) -> int | None:
         """Its size; None (and a problem) when missing or not a regular file."""

@@ -107,6 +107,9 @@ class OnDisk:
         root = os.path.realpath(self.root)
         return not (real == root or real.startswith(root + os.sep))
 
+    def refused_leaf(self, path: str, nbytes: int) -> str | None:
+        return None  # a file's size says it all (checked by the caller)
+
     def replaced(self) -> bool:
         """Whether ``root`` names another directory than the one opened (an atomic
         rewrite swapped a new version in, and may be removing the one read)."""
@@ -147,6 +150,7 @@ class InArchive:
     def __init__(self, root: str):
         self.root = root
         self.archive = Archive(root)
+        self._refused: set[str] = set()  # members refused as leaves: not read through
 
     def found(self, path: str) -> Found | None:
         name = _member(path)
@@ -187,19 +191,31 @@ class InArchive:
     def replaced(self) -> bool:
         return False  # read through the one descriptor opened: one version, even if renamed over
 
+    def refused_leaf(self, path: str, nbytes: int) -> str | None:
+        """Why the member at ``path`` cannot hold a leaf of ``nbytes`` bytes (what a load
+        says before reading it), else None; such a member is not read for its CRC
+        (:meth:`damaged`): it may decompress to any size."""
+        name = _member(path)
+        why = self.archive.size_problem(name, nbytes)
+        if why is not None:
+            self._refused.add(name)
+        return why
+
     def damaged(self, progress: Progress = None) -> list[tuple[str, str]]:
         """(member, why) for each member whose data do not match its stored CRC (every
-        member is read through once); ``progress(done, total)``, if given, is called
-        with the bytes of data read so far and in all as the reading goes on."""
+        member is read through once, except those :meth:`refused_leaf` refused);
+        ``progress(done, total)``, if given, is called with the bytes of data read so
+        far and in all as the reading goes on."""
         problems = []
-        total, done = sum(member.size for member in self.archive.members.values()), 0
+        members = {name: member for name, member in self.archive.members.items() if name not in self._refused}
+        total, done = sum(member.size for member in members.values()), 0
 
         def advance(count: int) -> None:
             nonlocal done
             done += count
             progress(done, total)
 
-        for name in sorted(self.archive.members):
+        for name in sorted(members):
             try:
                 self.archive.check(name, None if progress is None else advance)
             except FormatError as error:

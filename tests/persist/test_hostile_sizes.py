@@ -104,6 +104,15 @@ def test_a_compressed_leaf_announcing_another_size_is_refused_before_decompressi
         load_memmap(path)
 
 
+def test_verify_reports_what_a_load_refuses_without_reading_it(tmp_path):
+    """verify said "ok" on the archive above, which a load refuses, after reading all of
+    the member for its checksum (7 s for an 800 MB one)."""
+    path = _bomb(tmp_path / "bomb.tdz", honest=True)
+    assert [(p.path, p.message) for p in survey(str(path)).errors] == [(
+        "a.memmap", "shape [1] of torch.float32 needs 4 bytes, but the member is compressed and announces "
+        f"{BOMB} bytes once decompressed: a load refuses it")]
+
+
 def test_data_holding_more_than_announced_are_refused_at_the_first_byte_too_many(tmp_path):
     path = _bomb(tmp_path / "bomb.tdz", honest=False)
     too_many = (f"^{re.escape(str(path))}: member 'a.memmap': its compressed data hold more than the 4 "
