@@ -357,8 +357,16 @@ def reserve_file(directory: Directory, name: str, *, existsok: bool) -> tuple[in
         if directory.is_symlink(name):
             raise RuntimeError(f"Refusing to {directory.action} through symlink {directory.join(name)}.")
         raise RuntimeError(f"The file {directory.join(name)} already exists.")
-    # O_NOFOLLOW: a symlink put there since is refused, never followed
-    return directory.open_file(name, os.O_RDWR), False
+    # O_NOFOLLOW: a symlink put there since is refused, never followed; O_NONBLOCK and
+    # O_NOCTTY: a FIFO or device put there is opened without waiting for a peer or
+    # taking a terminal, then refused (a device's bytes must never be written over)
+    fd = directory.open_file(name, os.O_RDWR | os.O_NONBLOCK | os.O_NOCTTY)
+    kind = file_kind(os.fstat(fd).st_mode)
+    if kind is None:
+        return fd, False
+    os.close(fd)
+    raise OSError(errno.EINVAL, f"Cannot write file {directory.join(name)}: it is {kind}, not a regular file "
+                                "(refused before a byte is written to it). Remove it, or write to another prefix.")
 
 
 def check_new_empty_file(directory: Directory, name: str, *, existsok: bool) -> None:
