@@ -170,6 +170,7 @@ class PairGroups:
         self._waiters = WorkWaiters()  # see wait()
         self._closing = False  # close() ran: waits and builds give up
         self._builds: set[threading.Thread] = set()  # build threads still running (see _build_watched)
+        self._in_flight: dict[int, int] = {}  # peer -> bytes of the transfers waited for now (see wait)
 
     def _pair(self, peer: int) -> str:
         low, high = sorted((self.node, peer))
@@ -364,14 +365,27 @@ class PairGroups:
         (TransferFailed) as soon as ``peer`` is found lost or this node closes: the wait
         runs in a waiter thread (:class:`~shared_td.coordinator.cluster_waits.WorkWaiters`),
         since gloo never ends an operation whose message was under way when the peer
-        died. One of at most DIRECT_MAX_BYTES is waited for here (see there)."""
+        died. One of at most DIRECT_MAX_BYTES, with those waited for before it, is
+        waited for here (see there). Its bound (:func:`wait_bound`) allows for the bytes
+        of the transfers with ``peer`` waited for when it starts."""
         if not works:
             return
-        if self._alive is None or nbytes <= DIRECT_MAX_BYTES:
-            wait_work(works, deadline, what, nbytes)
-            return
-        self._waiters.wait(lambda: wait_work(works, deadline, what, nbytes), wait_bound(deadline, nbytes),
-                           lambda: self._why_lost(peer), what)
+        # The peer serves this node's requests one at a time (its lane), so a transfer
+        # may wait for those posted before it: its bound allows for their bytes too (a
+        # 1 KB sync queued behind a 6 s one timed out at its own 5 s bound and failed
+        # the pair, which dropped the long one as well).
+        with self._guard:
+            queued = self._in_flight.get(peer, 0) + nbytes
+            self._in_flight[peer] = queued
+        try:
+            if self._alive is None or queued <= DIRECT_MAX_BYTES:  # (behind a long one: watched)
+                wait_work(works, deadline, what, queued)
+                return
+            self._waiters.wait(lambda: wait_work(works, deadline, what, queued), wait_bound(deadline, queued),
+                               lambda: self._why_lost(peer), what)
+        finally:
+            with self._guard:
+                self._in_flight[peer] -= nbytes
 
     def fail(self, peer: int, generation: int) -> None:
         """Close every stripe's group with ``peer`` (:meth:`_close`: ends the posted sends
