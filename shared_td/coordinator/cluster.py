@@ -21,9 +21,11 @@ Non-tensor values published with ``share_non_tensor=True`` are shared by every n
 node keeps them in its own shared cells, a write on any node is sent to the others as a
 signed notice, and the highest store version wins
 (:mod:`~shared_td.coordinator.cluster_values`). Publishing a name again makes a new
-*generation*: each node that holds a replica renews it by itself (one full transfer), so
-the views of that node's processes turn stale (:func:`shared_td.is_stale`) and
-:func:`shared_td.refresh` gives the new one.
+*generation*: each node that holds a replica renews it by itself (one full transfer into
+a new segment, which replaces the old replica once filled), so the views of that node's
+processes turn stale (:func:`shared_td.is_stale`) and :func:`shared_td.refresh` gives the
+new one; a push of rows written into a view of the old generation is refused (see
+:meth:`Cluster.push`).
 
 The class is in three parts, each in its own module: this node's calls (here), joining
 and leaving (:mod:`~shared_td.coordinator.cluster_membership`), and requests to other
@@ -147,6 +149,9 @@ class Cluster(ClusterMembership, ClusterRequests):
         # name -> the node that took it over while this node's heartbeat stood still
         self._taken_names: dict[str, str] = {}
         self._replicas: dict[str, Replica] = {}
+        # name -> a replica being filled by attach, not yet in _replicas (see _attach): a
+        # sync of its generation that comes meanwhile is received into it (_receiving)
+        self._filling: dict[str, Replica] = {}
         self._held: set[str] = set()  # names published on this node's Coordinator by us
         # name -> the newest generation its owner announced to this node (a renew notice):
         # what is_stale can still tell once the store host is lost
@@ -165,6 +170,7 @@ class Cluster(ClusterMembership, ClusterRequests):
         self._senders = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="shared_td-sync")
         self.refused = 0  # requests dropped for a wrong signature
         self.renew_failures = 0  # replicas not renewed after a re-publish (see cluster_serve)
+        self.serve_errors = 0  # errors a serving thread met and served on past (cluster_serve)
         self._pid = os.getpid()
         # this process's run of the node, named in its requests and echoed by their answers
         # in the store: a restarted node must not take its predecessor's (cluster_requests)
@@ -242,10 +248,11 @@ class Cluster(ClusterMembership, ClusterRequests):
         A replica is remembered for :func:`shared_td.is_stale` and
         :func:`shared_td.refresh`: it is stale once the owner published ``name`` again,
         and ``refresh`` attaches the new generation (one full transfer). When the owner
-        publishes again, a node that holds a replica makes the new one by itself (the
-        owner's notice, handled in that owner's lane) and publishes it on its
+        publishes again, a node that holds a replica makes the new one by itself (on the
+        owner's notice, in a thread of its own) and publishes it on its
         Coordinator, so that the views of the node's other processes turn stale and their
-        ``refresh`` finds the new generation."""
+        ``refresh`` finds the new generation. A name this node owned in a previous process
+        (it ended, and nothing published it again) is a KeyError saying so, at once."""
         if name in self._owned:
             return self._owned[name].td
         cluster_push.check_name(name)  # a replica of it could never push
@@ -265,29 +272,78 @@ class Cluster(ClusterMembership, ClusterRequests):
                 raise
             # the store host is lost: this node's replica stays readable (and no newer
             # generation can be published without the store)
-            return have.td
+            return self._handed(have)
         if have is not None and have.generation == info["generation"]:
-            return have.td
+            return self._handed(have)
+        if info["owner"] == self.node:  # (a name this process owns was returned by attach)
+            # its request would wait in this node's own lane, which no thread serves, for
+            # the whole timeout, and leave it there with a has/ record
+            raise KeyError(f"{name!r} is owned by this node (node {self.node}), but by its previous process, "
+                           "which ended: this process holds no data of it. Publish it again on this node "
+                           "(its replicas on the other nodes then renew).")
         layout, generation = info["layout"], info["generation"]
         latest = self._values.latest(name, generation, len(layout.get("values", ())))
         if None in latest:  # a value's stored record is forged (counted): its owner stores it again
             latest = self._restored_values(info["owner"], name, generation, len(latest))
         segment = replica.new_segment(layout["nbytes"])
         td = cluster_layout.rebuild(name, layout, [value for _version, value in latest], segment)
-        rep = self._replicas[name] = Replica(td, segment, layout, info["owner"], generation)
-        self._checked().set_json(f"has/{name}/{self.node}", {"generation": generation})
+        # made on the owner's renew notice (a thread of the node), not by the user: the user's
+        # rows are in views of the old generation (see Replica.renewed_from), or of an
+        # older one still if the user attached none of those renewed since
+        renewed_from = (have.renewed_from or have.generation) if have is not None and self._serving() else 0
+        rep = Replica(td, segment, layout, info["owner"], generation, renewed_from=renewed_from)
+        cluster_sync.record_replica(self, self._checked(), name, generation)  # (with this process's claim)
+        # filled aside and registered only once filled and published: registered first, a
+        # push during the transfer read its zeros (state 0) and the owner, whose
+        # generation they matched, wrote them into its new data. Until then pushes,
+        # pulls and version() see the old replica (its pushes refused as stale) or none.
+        self._filling[name] = rep
         try:
-            self.pull(name)  # filled before this node's processes can attach it
-        except BaseException:  # a later attach starts again; the old replica stays
-            if have is None:
-                del self._replicas[name]
-            else:
-                self._replicas[name] = have
+            self._fill(name, rep)  # a failure leaves the old replica (if any) as it was
+            rep.td = td = self._memmap_here(name, td, bool(latest))
+            self._replicas[name] = rep
+        except BaseException:
+            if have is None:  # no replica here: the record would draw every sync's payload
+                try:
+                    cluster_sync.forget_replica(self, self._store, name)
+                except (RuntimeError, OSError):
+                    pass  # the store is gone: no sync to draw
             raise
-        rep.td = td = self._memmap_here(name, td, bool(latest))
+        finally:
+            if self._filling.get(name) is rep:
+                del self._filling[name]
         self._values.attach(name, generation, cluster_layout.value_cells(td, layout), [v for v, _value in latest])
         staleness.remember(td, name, generation, {"table": None, "slot": None}, _ClusterEndpoint(self))
         return td
+
+    def _handed(self, rep: Replica):
+        """``rep.td``, returned by attach: a call of the user's has now been given the
+        renewed generation, so its pushes go again (see Replica.renewed_from)."""
+        if rep.renewed_from and not self._serving():
+            rep.renewed_from = 0
+        return rep.td
+
+    def _serving(self) -> bool:
+        """Whether this thread is one of this node's own (``_threads``: the one that
+        renews a replica on its owner's notice), not a call of the user."""
+        return threading.current_thread() in self._threads
+
+    def _receiving(self, name: str, generation: int) -> Replica | None:
+        """The replica a sync of ``name`` at ``generation`` is received into: the one an
+        attach is filling when it is of that generation (the sync then waits for its
+        lock, as it did when the replica was registered before its fill), else the one
+        registered."""
+        filling = self._filling.get(name)
+        if filling is not None and filling.generation == generation:
+            return filling
+        return self._replicas.get(name)
+
+    def _role(self, peer: int, name: str) -> str:
+        # an owner lost during the first attach's fill is "the owner" (not yet registered)
+        filling = self._filling.get(name)
+        if filling is not None and filling.owner == peer:
+            return "the owner"
+        return super()._role(peer, name)
 
     def _restored_values(self, owner: int, name: str, generation: int, count: int) -> list:
         """The ``count`` values of ``name`` once its owner stored again, signed, those
@@ -345,7 +401,10 @@ class Cluster(ClusterMembership, ClusterRequests):
         if name in self._owned:
             return self._owned[name].version
         self._checked()
-        rep = self._replica(name)
+        return self._fill(name, self._replica(name))
+
+    def _fill(self, name: str, rep: Replica) -> int:
+        """:meth:`pull` into ``rep`` (registered or not: see _attach); returns the version."""
         deadline = time.monotonic() + self.timeout
         if not rep.lock.acquire(timeout=self.timeout):
             raise TimeoutError(f"Another transfer of {name!r} on this node did not end within {self.timeout:g} s.")
@@ -367,6 +426,7 @@ class Cluster(ClusterMembership, ClusterRequests):
                 self._groups.fail(rep.owner, generation)
                 raise self._lost_or(rep.owner, name, err) from err
             replica.set_state(rep.segment, 2 * answer["version"])
+            rep.filled = True
             return answer["version"]
         finally:
             rep.lock.release()
@@ -381,7 +441,15 @@ class Cluster(ClusterMembership, ClusterRequests):
         ``i`` of its fields; of a lazy stack along dim 0 (the root's first dimension),
         its whole member ``i``; of a lazy stack along another dim, row ``i`` of every
         member. Non-tensor values are not pushed: with ``share_non_tensor=True`` they
-        travel by themselves."""
+        travel by themselves.
+
+        The rows are read from this node's replica once no transfer writes it (a sync or
+        pull under way is waited for, within the timeout). Once the owner published
+        ``name`` again, the rows written into views of the old generation cannot be
+        pushed: the push raises a RuntimeError saying so and sends nothing, both while
+        this node renews its replica and after (the new replica holds the owner's own
+        values, not the user's rows), until ``attach(name)`` in this process (or
+        ``shared_td.refresh`` of its view) returns the new generation."""
         cluster_push.push(self, name, index)  # over the pair when it is built: see cluster_push
 
     def sync(self, name: str, timeout: float | None = None) -> SyncReport:

@@ -19,7 +19,19 @@ request in the store, as a pull's, which builds the pair.
 
 Only one push per owner travels at a time from this node (the owner keeps one receive
 posted per pair, and the headers of a pair generation are numbered in order); the rows
-are packed before that lock is taken.
+are packed before that lock is taken, under the replica's own lock: a sync or pull that
+writes the replica is waited for (within the timeout), so a push never sends rows a
+transfer is half-way through.
+
+A push is of the generation of the replica it reads, and the owner writes only rows of
+its current one. Once the owner published the name again, the rows the user wrote are
+in views of the old generation: while this node renews its replica, the old replica's
+push is refused by the owner, and once the new one replaced it (on the owner's notice),
+a push of it is refused here, before anything is sent: it would send the owner's own
+new values in place of the user's rows (before, it did, and succeeded). Either way a
+RuntimeError says that the name was published again and to refresh the views; a call
+of ``attach`` in this process that returns the new generation (``shared_td.refresh``
+of its view) lets pushes go again.
 """
 from __future__ import annotations
 
@@ -82,12 +94,12 @@ def push(cluster, name: str, index) -> None:
         return  # the owner's replica is its own buffer: the rows are already there
     cluster._checked()  # free, unless this process was stopped for seconds (its number may be taken over)
     rep = cluster._replica(name)
+    if rep.renewed_from:  # renewed on the owner's notice: the user's rows are in the old views
+        raise _republished(name, rep.generation, rep.renewed_from, renewed=True)
     index = _checked_index(name, rep, index)
-    if not rep.leaves:
-        rep.leaves = replica.leaf_views(rep.segment, rep.layout)
-    message = replica.pack_rows(rep.leaves, index, reserve=HEADER_BYTES)
-    payload = message[HEADER_BYTES:]
     deadline = time.monotonic() + cluster.timeout
+    message = _packed(cluster, name, rep, index, deadline)
+    payload = message[HEADER_BYTES:]
     request = {"name": name, "generation": rep.generation, "rows": int(index.numel()),
                "nbytes": int(payload.numel())}
     try:
@@ -102,7 +114,58 @@ def push(cluster, name: str, index) -> None:
             answer = cluster._retried_if_stale(send)
     except TransferFailed as err:
         raise cluster._lost_or(rep.owner, name, err) from err
-    cluster._refusal(rep.owner, name, answer)
+    try:
+        cluster._refusal(rep.owner, name, answer)
+    except RuntimeError as refusal:
+        current = _current_generation(cluster, name)  # a round trip, on a refusal only
+        if current is not None and current > rep.generation:
+            raise _republished(name, current, rep.generation, renewed=False) from refusal
+        raise
+
+
+def _packed(cluster, name: str, rep, index: torch.Tensor, deadline: float) -> torch.Tensor:
+    """The push message of rows ``index`` of ``rep`` (HEADER_BYTES left free in front),
+    read once no transfer writes the replica: TimeoutError if one does not end by
+    ``deadline``; RuntimeError for a replica no transfer ever filled (the Cluster
+    registers none: its zeros, pushed, were written into the owner's data)."""
+    if not rep.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+        raise TimeoutError(f"push({name!r}): a transfer into this node's replica of {name!r} did not end within "
+                           f"{cluster.timeout:g} s: nothing was sent (retry).")
+    try:
+        if not rep.filled:
+            raise RuntimeError(f"push({name!r}): this node's replica of {name!r} was never filled by a transfer, so "
+                               f"none of its rows were written here: nothing was sent. Attach {name!r} again, write "
+                               "the rows into it, then push.")
+        if not rep.leaves:
+            rep.leaves = replica.leaf_views(rep.segment, rep.layout)
+        return replica.pack_rows(rep.leaves, index, reserve=HEADER_BYTES)
+    finally:
+        rep.lock.release()
+
+
+def _current_generation(cluster, name: str) -> int | None:
+    """The generation of ``name`` in the store, None if it cannot be read (the refusal
+    that asked is raised as it was)."""
+    try:
+        return cluster.generation(name)
+    except (KeyError, ConnectionError, RuntimeError, PermissionError):  # (a forged record: ClusterAuthError)
+        return None
+
+
+def _republished(name: str, current: int, held: int, renewed: bool) -> RuntimeError:
+    """The error of a push of ``name`` whose user's rows are in views of generation
+    ``held`` while the owner published generation ``current``: ``renewed``, this node's
+    replica was renewed meanwhile (refused here), else the owner refused it."""
+    if renewed:
+        what = (f"this node renewed its replica on the owner's notice, and the rows written into views of generation "
+                f"{held} are not in the new one (a push would send the owner's own values in their place): "
+                "nothing was sent")
+    else:
+        what = (f"this node's replica is still of generation {held} (it is being renewed), and the owner wrote none "
+                "of its rows")
+    return RuntimeError(f"push({name!r}): {name!r} was published again (generation {current}) and {what}. Refresh "
+                        f"the views (shared_td.refresh(view); in the pushing process, attach({name!r}) again), write "
+                        "the rows into them, then push.")
 
 
 def _checked_index(name: str, rep, index) -> torch.Tensor:

@@ -3,7 +3,8 @@ and what their failures mean: a request is pushed to the peer's lane queue
 ``lane/<peer>/<node>`` with a tag unique among this node's requests in flight, and a
 pull's answer comes back signed to the requesting thread's own queue
 ``reply/<node>/<slot>`` (one blocking pop gets one: no poll; an answer that comes after
-its request gave up is skipped by its tag). The serving half is
+its request gave up is skipped by its tag), popped on a store connection that pops
+nothing else (see :mod:`~shared_td.coordinator.cluster_store`). The serving half is
 :mod:`~shared_td.coordinator.cluster_serve`.
 
 Answers are bound to the process that asked: a node restarted under the same number
@@ -79,10 +80,13 @@ class ClusterRequests:
         """The peer's signed answer to request ``tag`` (sent from this thread), waited
         for in slices while the peer's heartbeat lives; OwnerLostError/TimeoutError
         otherwise; a refusal raises. Answers to this thread's earlier requests that gave
-        up before them, and values with a wrong signature, are skipped."""
+        up before them, and values with a wrong signature, are skipped. RuntimeError
+        once this node was shut down meanwhile (no answer can be used any more)."""
         store = self._checked()
         queue = self._reply_queue()
         while True:
+            if self._closed:
+                raise self._shut_down(f" while it waited for node {peer}'s answer about {name!r}")
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"Node {peer} did not answer about {name!r} within {self.timeout:g} s.")

@@ -11,6 +11,13 @@ replica), ``renew`` (the owner published the name again: make the new replica) a
 service thread (:func:`serve_notices`) applies the small notices of ``queue/<node>``:
 non-tensor values, new pair generations, stop.
 
+A lane never waits for a peer: a renew (a pull from the owner) is made by the node's
+renew thread (:class:`Renewals`); made in the lanes, two nodes that re-published at once
+each waited out the timeout for the other's lane, busy renewing too. A serving thread
+ends only when the node stops, the store's host is lost (``ConnectionError``) or its
+number was taken over; any other error is counted in ``Cluster.serve_errors`` and it
+serves on (a store error ended a lane in silence: the node beat on, that peer unserved).
+
 Pushes skip the lanes once a pair is built: for each pair it holds, a node keeps one
 receive posted on the pair's stripe 0 for the peer's next push, in a thread of its own
 (:func:`serve_pushes`, started by :func:`listen` when the pair is built), and a watch
@@ -34,6 +41,7 @@ calling half (:mod:`~shared_td.coordinator.cluster`) so that each reads on its o
 """
 from __future__ import annotations
 
+import collections
 import datetime
 import threading
 import time
@@ -63,6 +71,15 @@ LISTEN_S = 24 * 3600.0
 
 #: The start of the name of a thread that keeps a receive posted for a peer's pushes.
 LISTENER = "shared_td-cluster-pushes-"
+#: The name of the thread that renews this node's replicas (see :class:`Renewals`).
+RENEWER = "shared_td-cluster-renew"
+#: The largest payload for what this node does not hold that it still receives (into
+#: scratch, then refused): a larger one fails the pair, which ends the sender's send (a
+#: node restarted without a replica got every sync of a 256 MB name: its memory doubled).
+UNHELD_SCRATCH_BYTES = 1 << 20
+#: Seconds a serving thread pauses after an error it serves on: an error that repeats
+#: (a store that refuses every pop) does not become a busy loop.
+ERROR_PAUSE_S = 0.05
 
 
 def kept_receive_bytes(rows_bytes: int) -> int:
@@ -85,21 +102,30 @@ def lane_queue(node: int, peer: int) -> str:
 
 
 def _signed_requests(cluster, queue: str):
-    """The signed requests popped from ``queue`` until the cluster stops or the store is
-    gone; a forged one (or another cluster's) is counted in ``refused``, never yielded.
-    One popped after this process lost its node number (it was stopped meanwhile, see
-    ``Liveness.still_mine``) goes back to the queue, for the process that runs the node now."""
+    """The signed requests popped from ``queue`` until the cluster stops or the store's
+    host is lost; a forged one (or another cluster's) is counted in ``refused``, never
+    yielded, and any other error of the store (a ``QueueEmptyError``, a value that does
+    not parse) in ``serve_errors``: the thread pops again. One popped after this process
+    lost its node number (it was stopped meanwhile, see ``Liveness.still_mine``) goes
+    back to the queue, for the process that runs the node now."""
+    def ended() -> bool:  # (woken for nothing: a resumed process looks at its number)
+        return cluster._stop.is_set() or not cluster._liveness.still_mine()
+
     while not cluster._stop.is_set():
         try:
-            request = cluster._store.pop_json(queue, POP_S)
+            request = cluster._store.pop_json(queue, POP_S, ended)
             if request is not None and not cluster._liveness.still_mine():
                 cluster._store.push_json(queue, request)
                 return
         except ClusterAuthError:
             cluster.refused += 1
             continue
-        except (RuntimeError, OSError):
-            return  # the store is gone
+        except ConnectionError:  # the store's host is lost (see cluster_store._store_call)
+            return
+        except Exception:  # noqa: BLE001 - the store is there: counted, served on
+            if _served_on(cluster):
+                continue
+            return
         if request is not None and not isinstance(request, dict):
             # signed, but not a request (a list, a string): counted, and the thread keeps
             # serving (an AttributeError here ended it while the node kept beating)
@@ -109,8 +135,32 @@ def _signed_requests(cluster, queue: str):
             yield request
 
 
+def _served_on(cluster) -> bool:
+    """Count an error a serving thread met (``Cluster.serve_errors``) and pause; False
+    when the thread ends instead: the node stops, or the store's host is lost."""
+    cluster.serve_errors = getattr(cluster, "serve_errors", 0) + 1
+    return not cluster._stop.wait(ERROR_PAUSE_S) and not cluster._store._host_lost
+
+
+def _serving(cluster, serve) -> None:
+    """Run ``serve()`` (a loop over :func:`_signed_requests`) until it ends as one ends;
+    an error that escapes it is counted and ``serve()`` starts again, so that a serving
+    thread never ends in silence while its node beats."""
+    while True:
+        try:
+            serve()
+            return
+        except Exception:  # noqa: BLE001 - served on (see _served_on)
+            if not _served_on(cluster):
+                return
+
+
 def serve_notices(cluster) -> None:
     """The service thread: apply the notices of ``queue/<node>`` until stopped."""
+    _serving(cluster, lambda: _serve_notices(cluster))
+
+
+def _serve_notices(cluster) -> None:
     for request in _signed_requests(cluster, f"queue/{cluster.node}"):
         try:
             if request.get("op") == "pair":  # the peer moved our pair to a new generation
@@ -125,6 +175,10 @@ def serve_notices(cluster) -> None:
 
 def serve_lane(cluster, peer: int) -> None:
     """Serve ``peer``'s requests, one at a time, in the order sent, until stopped."""
+    _serving(cluster, lambda: _serve_lane(cluster, peer))
+
+
+def _serve_lane(cluster, peer: int) -> None:
     for request in _signed_requests(cluster, lane_queue(cluster.node, peer)):
         if request.get("from") != peer:
             cluster.refused += 1  # signed, but not in its sender's lane
@@ -147,8 +201,8 @@ def _handle(cluster, request: dict) -> None:
             _reply(cluster, request, restored=cluster._values.restore(name, request["generation"]))
         elif op == "push":
             _serve_receive(cluster, peer, request, cluster._owned.get(name), _apply_rows)
-        elif op == "sync":
-            _serve_receive(cluster, peer, request, cluster._replicas.get(name), _apply_sync)
+        elif op == "sync":  # (the replica an attach is filling, when of that generation)
+            _serve_receive(cluster, peer, request, cluster._receiving(name, request["generation"]), _apply_sync)
     except StalePair as err:  # nothing transferred: a pull may retry at once
         if op == "pull":  # (a push or sync sender waits over the pair: its bounded wait ends it)
             try:
@@ -180,16 +234,84 @@ def _reply(cluster, request: dict, **answer) -> None:
 
 
 def _renew(cluster, name: str, generation: int) -> None:
-    """The owner published ``name`` again: replace this node's older replica. On a
-    failure the old one stays (stale); the next attach or refresh tries again."""
+    """The owner published ``name`` again: have this node's older replica replaced, by
+    the node's renew thread (:class:`Renewals`), not in the lane."""
     cluster._announced[name] = max(generation, cluster._announced.get(name, 0))
     have = cluster._replicas.get(name)
     if have is None or have.generation >= generation:
         return
-    try:
-        cluster.attach(name)
-    except Exception:  # noqa: BLE001 - nobody waits for this answer; counted
-        cluster.renew_failures += 1
+    renewals = cluster.__dict__.get("_renewals")
+    if renewals is None:  # (setdefault: one per node, also when two lanes get a notice at once)
+        renewals = cluster.__dict__.setdefault("_renewals", Renewals(cluster))
+    renewals.add(name, generation)
+
+
+class Renewals:
+    """The renews of a node's replicas, one after another, by a thread (:data:`RENEWER`)
+    started when one is queued and ended when none waits. It is one of the node's
+    (``Cluster._threads``): shutdown waits for it, and its attach is the node's, not the
+    user's. A failed renew leaves the old replica (stale), counted in ``renew_failures``.
+
+    Example (a stand-in for a node: ``attach`` is what a renew calls)::
+
+        >>> import threading, types
+        >>> made = []
+        >>> node = types.SimpleNamespace(_replicas={"p": types.SimpleNamespace(generation=1)}, _threads=[],
+        ...                              _stop=threading.Event(), _closed=False, renew_failures=0,
+        ...                              attach=made.append)
+        >>> renewals = Renewals(node)
+        >>> renewals.add("p", 2)
+        >>> renewals.join(5.0)
+        >>> made
+        ['p']
+    """
+
+    def __init__(self, cluster):
+        self._cluster = cluster
+        self._waiting: collections.deque = collections.deque()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def add(self, name: str, generation: int) -> None:
+        """Queue the renew of ``name`` to ``generation``; returns at once."""
+        cluster = self._cluster
+        with self._lock:
+            self._waiting.append((name, generation))
+            if self._thread is not None:
+                return  # the running thread takes it
+            # the threads of the renews before (ended) leave the node's list
+            for ended in [t for t in list(cluster._threads) if t.name == RENEWER and not t.is_alive()]:
+                try:
+                    cluster._threads.remove(ended)
+                except ValueError:
+                    pass
+            self._thread = threading.Thread(target=self._run, name=RENEWER, daemon=True)
+            cluster._threads.append(self._thread)  # before it runs: its attach is the node's
+            self._thread.start()
+
+    def join(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` s) for the renews queued so far to end."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+
+    def _run(self) -> None:
+        cluster = self._cluster
+        while True:
+            with self._lock:
+                if not self._waiting or cluster._stop.is_set():
+                    self._waiting.clear()
+                    self._thread = None
+                    return
+                name, generation = self._waiting.popleft()
+            have = cluster._replicas.get(name)
+            if have is None or have.generation >= generation:
+                continue  # renewed meanwhile (by an attach, or a notice before), or let go
+            try:
+                cluster.attach(name)
+            except Exception:  # noqa: BLE001 - nobody waits for this answer; counted
+                if not cluster._closed:
+                    cluster.renew_failures += 1
 
 
 def _serve_pull(cluster, peer: int, request: dict) -> None:
@@ -218,18 +340,25 @@ def _stripes(request: dict) -> int:
 
 def _serve_receive(cluster, peer: int, request: dict, entry, apply) -> None:
     """Receive a push (on the owner) or a sync (on a replica), and answer over the pair.
-    A request for what this node does not hold is still received, into scratch memory,
-    so that the sender's send ends, and answered with a refusal; an error after the
-    payload came is answered too. A failed transfer raises TransferFailed."""
+    A request for what this node does not hold is refused: its payload, when at most
+    UNHELD_SCRATCH_BYTES, is received into scratch memory, so that the sender's send
+    ends, and answered with the refusal; a larger one raises TransferFailed (the pair
+    is failed: the sender's send ends, nothing of its size is made here). An error
+    after the payload came is answered too. A failed transfer raises TransferFailed."""
     tag = request["tag"]
     stripes = _stripes(request)  # a count refused here fails the pair (see _handle): the sender's wait ends
     try:
         if entry is None or entry.generation != request["generation"]:
+            refusal = f"node {cluster.node} has no generation {request['generation']} of {request['name']!r}"
+            if request["op"] == "sync" and entry is None:
+                _take_record_back(cluster, request["name"])
+            if request["nbytes"] > UNHELD_SCRATCH_BYTES:
+                raise TransferFailed(f"{refusal}: its {request['nbytes']} bytes were not received")
             scratch = torch.empty(request["nbytes"], dtype=torch.uint8)
             deadline = time.monotonic() + cluster.timeout
             works = cluster._groups.recv(peer, request["pair"], scratch, tag, deadline, stripes)
             cluster._groups.wait(peer, works, deadline, request["op"], request["nbytes"])
-            answer = {"error": f"node {cluster.node} has no generation {request['generation']} of {request['name']!r}"}
+            answer = {"error": refusal}
         else:
             apply(cluster, peer, entry, request)
             answer = {"ok": True}
@@ -241,6 +370,22 @@ def _serve_receive(cluster, peer: int, request: dict, entry, apply) -> None:
     # waited for here: a send of ANSWER_BYTES is written whole into the socket at once,
     # so gloo ends it even when the peer dies (only a message under way is left hanging)
     wait_work(works, time.monotonic() + cluster.timeout, f"answer to node {peer}")
+
+
+def _take_record_back(cluster, name: str) -> None:
+    """A sync came for ``name``, of which this node holds no replica: the record that
+    sent it here (``has/<name>/<node>``: a previous process's, or of a first attach that
+    failed) is deleted, so the owner's next sync finds none. Only while no attach runs
+    (each holds the attach lock and writes the record)."""
+    if not cluster._attaching.acquire(blocking=False):
+        return
+    try:
+        if cluster._replicas.get(name) is None:
+            cluster._store.delete(f"has/{name}/{cluster.node}")
+    except (RuntimeError, OSError):
+        pass  # the store is gone: no sync comes any more
+    finally:
+        cluster._attaching.release()
 
 
 def _answer_over_pair(cluster, peer: int, generation: int, tag: int, answer: dict) -> list:

@@ -3,7 +3,18 @@ the current contents of a name -> every node that holds a replica of it, as a ne
 version, each over its pair (one replica from the calling thread, more from the
 cluster's sender threads at once); a replica node that is lost, fails or does not answer
 within the timeout is dropped and reported (:class:`SyncReport`), never waited for
-longer."""
+longer. A sync under way when its node is shut down raises the RuntimeError of every call
+after ``shutdown()`` (it returned a report that dropped the replica nodes for a transfer
+that the shutdown ended).
+
+Which nodes hold a replica: each writes a signed record ``has/<name>/<node>`` when it
+attaches (:func:`record_replica`), of the generation it attached and of the process that
+holds it (the token of its claim of the node number, ``claim/<node>``). A sync sends to
+the nodes whose record is of the name's current generation and whose process still
+holds the number (:func:`has_replica`); a record of a process that no longer does (it
+crashed, was restarted under the same number, or left) is taken back. Before, a record
+stayed for good: every sync sent the whole payload to a node restarted without a
+replica, which received it into scratch memory of its size and refused it."""
 from __future__ import annotations
 
 import threading
@@ -16,7 +27,7 @@ from shared_td.coordinator.cluster_push import send_answered
 from shared_td.coordinator.cluster_store import ClusterAuthError
 from shared_td.coordinator.cluster_transfer import TransferFailed, stripe_count
 
-__all__ = ["NameSyncs", "SyncReport", "has_replica", "sync"]
+__all__ = ["NameSyncs", "SyncReport", "forget_replica", "has_replica", "record_replica", "sync"]
 
 
 @dataclass
@@ -29,19 +40,46 @@ class SyncReport:
     dropped: dict[int, str] = field(default_factory=dict)
 
 
-def has_replica(cluster, store, name: str, peer: int) -> bool:
-    """Whether node ``peer`` recorded a replica of ``name`` (``has/<name>/<peer>``, read
-    signed): a record with a wrong signature is counted in ``cluster.refused`` and
-    ignored (only its existence was checked before: a forged one made the owner send
-    a sync, or a renew notice, to a node without a replica)."""
-    if not store.has(f"has/{name}/{peer}"):
+def record_replica(cluster, store, name: str, generation: int) -> None:
+    """Record that this process holds a replica of ``name`` at ``generation``
+    (``has/<name>/<node>``, signed): with the token of its claim of the node number, so
+    that the record stops counting once another process runs as the node (see
+    :func:`has_replica`)."""
+    store.set_json(f"has/{name}/{cluster.node}", {"generation": generation, "claim": cluster._claim})
+
+
+def forget_replica(cluster, store, name: str) -> None:
+    """Take this node's record of ``name`` back (its first attach failed: no replica)."""
+    store.delete(f"has/{name}/{cluster.node}")
+
+
+def has_replica(cluster, store, name: str, peer: int, generation: int | None = None) -> bool:
+    """Whether node ``peer`` holds a replica of ``name`` (of ``generation``; of any one
+    when None: a re-publish tells every holder) by its ``has/<name>/<peer>`` record, read
+    signed: a record with a wrong signature is counted in ``cluster.refused`` and
+    ignored (only its existence was checked before: a forged one made the owner send a
+    sync, or a renew notice, to a node without a replica). A record written by a process
+    that no longer holds the node's number (``claim/<peer>`` holds another token, or none
+    after a clean shutdown) is ignored and taken back: emptied by a compare-and-set
+    against the bytes read, so that a record written meanwhile by the node's new process
+    stays. A record without a claim (an older writer) counts as its node's current
+    process's; the sync it misleads is refused by that node without its payload being
+    received (see ``cluster_serve``), which then takes the record back itself."""
+    key = f"has/{name}/{peer}"
+    if not store.has(key):
         return False
     try:
-        store.get_json(f"has/{name}/{peer}")
+        record, blob = store.get_signed(key)
     except ClusterAuthError:
         cluster.refused += 1
         return False
-    return True
+    if not isinstance(record, dict):
+        return False  # taken back (emptied), or signed but not a record
+    claim = record.get("claim")
+    if claim is not None and (store.get_unchecked(f"claim/{peer}") or b"") != str(claim).encode():
+        store.compare_set(key, blob, b"")  # the holder's process is gone
+        return False
+    return generation is None or record.get("generation") == generation
 
 
 def sync(cluster, name: str, timeout: float | None) -> SyncReport:
@@ -66,9 +104,16 @@ def sync(cluster, name: str, timeout: float | None) -> SyncReport:
         raise TimeoutError(f"Another sync of {name!r} on this node did not end within {timeout:g} s: nothing was "
                            "sent (retry, or give the sync a longer timeout).")
     try:
-        return _sync_ordered(cluster, store, name, owned, syncs, deadline)
+        report = _sync_ordered(cluster, store, name, owned, syncs, deadline)
+    except Exception as err:
+        if cluster._closed:  # this node's shutdown ended it (a cancelled sender, its pairs closed)
+            raise cluster._shut_down(f" during the sync of {name!r}") from err
+        raise
     finally:
         syncs.lock.release()
+    if cluster._closed and report.dropped:  # dropped for a transfer the shutdown ended
+        raise cluster._shut_down(f" during the sync of {name!r} (it reached {report.delivered or 'no node'})")
+    return report
 
 
 class NameSyncs:
@@ -82,7 +127,9 @@ class NameSyncs:
     record a sync of ``generation`` read; nothing takes such a record back, so it is
     read once per generation instead of at every sync (two store round trips per
     replica node, in front of the transfer). A node not among them is looked up
-    again by each sync: it may attach meanwhile."""
+    again by each sync: it may attach meanwhile; a node a sync dropped is taken out of
+    them and looked up again (its process may have been restarted without a replica:
+    its record then no longer counts)."""
 
     def __init__(self):
         self.lock = threading.Lock()
@@ -95,7 +142,7 @@ def _replica_nodes(cluster, store, name: str, generation: int, syncs: NameSyncs)
     if syncs.generation != generation:
         syncs.generation, syncs.holders = generation, set()
     found = [n for n in range(cluster.nodes)
-             if n != cluster.node and (n in syncs.holders or has_replica(cluster, store, name, n))]
+             if n != cluster.node and (n in syncs.holders or has_replica(cluster, store, name, n, generation))]
     syncs.holders.update(found)
     return found
 
@@ -123,6 +170,7 @@ def _sync_ordered(cluster, store, name: str, owned, syncs: NameSyncs, deadline: 
         report.dropped[node] = f"lost: its heartbeat stood still for {LOST_AFTER_S:g} s"
     if not targets:
         record_version()
+        syncs.holders.difference_update(report.dropped)
         return report
     payload = replica.segment_bytes(owned.segment, owned.layout["nbytes"])
     # one replica: this thread; more: the sender threads, which keep their store
@@ -141,6 +189,7 @@ def _sync_ordered(cluster, store, name: str, owned, syncs: NameSyncs, deadline: 
             report.delivered.append(node)
         else:
             report.dropped[node] = reason
+    syncs.holders.difference_update(report.dropped)  # looked up again by the next sync
     return report
 
 
@@ -161,5 +210,7 @@ def _sync_one(cluster, peer: int, name: str, owned, version: int, payload, deadl
 
         cluster._refusal(peer, name, cluster._retried_if_stale(send))
     except (TransferFailed, TimeoutError, ConnectionError, RuntimeError) as err:
+        if cluster._closed:  # not the replica node's failure: this node's shutdown ended it
+            raise cluster._shut_down(f" during the sync of {name!r} to node {peer}") from err
         return f"{type(err).__name__}: {err}"
     return None
