@@ -3,8 +3,9 @@
 gloo is unauthenticated, so what a node acts on from a gloo connection is signed with
 the cluster authkey like a store value
 (:class:`~shared_td.coordinator.cluster_store.SignedStore`), for one *context*: an
-answer for that request of that node only (:func:`answer_context`: its tag and node are
-in the signed text, so an answer recorded earlier does not pass for another), a push
+answer for that request of that node only (:func:`answer_context`: its tag, both nodes
+and the pair generation are in the signed text, so an answer recorded earlier does not
+pass for another, not even one of a restarted node's tags), a push
 header for one pair generation and direction (:func:`push_context`; its ``seq`` orders
 the pushes of that generation). A message is a 4-byte length, then the signed bytes,
 zeros up to a fixed size (:func:`encode_signed`: every message fills its receive
@@ -29,9 +30,13 @@ ANSWER_BYTES = 1024
 LENGTH_BYTES = 4
 
 
-def answer_context(node: int, tag: int) -> str:
-    """What an answer is signed for: node ``node``'s answer to request ``tag``."""
-    return f"answer/{node}/{tag}"
+def answer_context(node: int, requester: int, generation: int, tag: int) -> str:
+    """What an answer is signed for: node ``node``'s answer to request ``tag`` of node
+    ``requester``, over their pair of ``generation``. The pair generation binds it to
+    the requester's process: tags start again in a restarted node, which moves each of
+    its pairs to a new generation first, so an answer recorded for its predecessor's
+    request of the same tag does not pass for its own."""
+    return f"answer/{node}/{requester}/{generation}/{tag}"
 
 
 def push_context(sender: int, receiver: int, generation: int) -> str:

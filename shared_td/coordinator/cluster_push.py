@@ -274,7 +274,7 @@ def send_answered(cluster, peer: int, generation: int, tag: int, payload: torch.
         works += groups.send(peer, generation, payload, tag if send_tag is None else send_tag, deadline, stripes)
         groups.wait(peer, works, deadline, what, int(payload.numel()))  # ends once the peer is found lost
         try:
-            return decode_signed(cluster._store, answer_context(peer, tag), buffer)
+            return decode_signed(cluster._store, answer_context(peer, cluster.node, generation, tag), buffer)
         except ClusterAuthError as err:
             cluster.refused += 1  # forged: never acted on, and the pair is not trusted further
             raise TransferFailed(f"the answer to the {what} is not signed with this cluster's key") from err

@@ -392,7 +392,7 @@ def _answer_over_pair(cluster, peer: int, generation: int, tag: int, answer: dic
     """Post the send of ``answer`` to ``peer``'s request ``tag``, signed for it, into the
     receive the requester posted beside its send; returns its works (the message lives
     as long as they are held)."""
-    message = encode_signed(cluster._store, answer_context(cluster.node, tag), answer)
+    message = encode_signed(cluster._store, answer_context(cluster.node, peer, generation, tag), answer)
     return cluster._groups.send(peer, generation, message, answer_tag(tag))
 
 

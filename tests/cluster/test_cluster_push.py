@@ -86,27 +86,31 @@ def test_a_sync_is_answered_over_the_pair(pair, monkeypatch):
 def test_answers_are_signed_for_their_request_and_cut_to_fit():
     raw = loopback_store(5)
     store, forger = SignedStore(raw, KEY, timeout=1), SignedStore(raw, b"another key", timeout=1)
-    message = encode_signed(store, answer_context(0, 7 * 1024 + 1), {"ok": True})
+    message = encode_signed(store, answer_context(0, 1, 3, 7 * 1024 + 1), {"ok": True})
     buffer = torch.zeros(ANSWER_BYTES, dtype=torch.uint8)
     buffer[: message.numel()] = message
-    assert decode_signed(store, answer_context(0, 7 * 1024 + 1), buffer) == {"ok": True}
+    assert decode_signed(store, answer_context(0, 1, 3, 7 * 1024 + 1), buffer) == {"ok": True}
     with pytest.raises(ClusterAuthError):  # the answer to another request (a replay)
-        decode_signed(store, answer_context(0, 8 * 1024 + 1), buffer)
+        decode_signed(store, answer_context(0, 1, 3, 8 * 1024 + 1), buffer)
     with pytest.raises(ClusterAuthError):  # from another node
-        decode_signed(store, answer_context(2, 7 * 1024 + 1), buffer)
+        decode_signed(store, answer_context(2, 1, 3, 7 * 1024 + 1), buffer)
+    with pytest.raises(ClusterAuthError):  # to another node
+        decode_signed(store, answer_context(0, 2, 3, 7 * 1024 + 1), buffer)
+    with pytest.raises(ClusterAuthError):  # over another pair generation: a restarted node's same tag
+        decode_signed(store, answer_context(0, 1, 4, 7 * 1024 + 1), buffer)
     with pytest.raises(ClusterAuthError):  # another key
-        decode_signed(forger, answer_context(0, 7 * 1024 + 1), buffer)
+        decode_signed(forger, answer_context(0, 1, 3, 7 * 1024 + 1), buffer)
     with pytest.raises(ClusterAuthError):  # a push header is not an answer
         decode_signed(store, push_context(0, 1, 1), buffer)
     for length in (0, 3, ANSWER_BYTES):  # a length that does not fit: refused, not parsed
         buffer[:4] = torch.tensor([length], dtype=torch.int32).view(torch.uint8)
         with pytest.raises(ClusterAuthError):
-            decode_signed(store, answer_context(0, 7 * 1024 + 1), buffer)
-    long = encode_signed(store, answer_context(0, 1), {"error": "x" * (4 * ANSWER_BYTES)})
+            decode_signed(store, answer_context(0, 1, 3, 7 * 1024 + 1), buffer)
+    long = encode_signed(store, answer_context(0, 1, 3, 1), {"error": "x" * (4 * ANSWER_BYTES)})
     # every answer fills its receive exactly: gloo completes a larger receive 10-40x slower
     assert long.numel() == ANSWER_BYTES == message.numel()
     buffer[: long.numel()] = long
-    assert decode_signed(store, answer_context(0, 1), buffer)["error"].startswith("xxx")
+    assert decode_signed(store, answer_context(0, 1, 3, 1), buffer)["error"].startswith("xxx")
     with pytest.raises(ValueError, match="does not fit"):  # only an error text is cut
         encode_signed(store, push_context(0, 1, 1), {"name": "n" * HEADER_BYTES}, HEADER_BYTES)
 
