@@ -62,7 +62,7 @@ class Coordinator:
     Pickling a handle (e.g. as a worker's argument) sends ``address`` and ``authkey``;
     the receiver gets a non-owning handle (its :meth:`shutdown` only disconnects). A
     started handle that is garbage-collected, or still running when this process exits,
-    stops its manager.
+    stops its manager (and first shuts its cluster node down).
 
     Inside ``with coord:`` (and during :meth:`publish`) this coordinator is the one
     that adopts the values of ``memmap_(share_non_tensor=True)`` in this process, so
@@ -128,19 +128,22 @@ class Coordinator:
             raise RuntimeError("This Coordinator is already started or connected.")
         process = ServerProcess.start(os.urandom(32))
         self._process, self._address, self._authkey = process, process.address, process.authkey
-        # collected, or still running at exit: stop it (in the owner only, see ServerProcess)
-        weakref.finalize(self, process.stop, min(self._timeout, SHUTDOWN_TIMEOUT))
+        # collected, or still running at exit: stop it (in the owner only, see ServerProcess),
+        # its cluster node first (a weak reference: the node refers to this handle)
+        member: list = []
+        weakref.finalize(self, _stop_manager, process, member, min(self._timeout, SHUTDOWN_TIMEOUT))
         if self._cluster_args is not None:
-            self._join_cluster()
+            self._join_cluster(member)
         return self
 
-    def _join_cluster(self) -> None:
+    def _join_cluster(self, member: list) -> None:
         from shared_td.coordinator.cluster import Cluster
 
         spec, node, nodes, cluster_key, stripes = self._cluster_args
         try:
             self.cluster = Cluster(spec, node, nodes, authkey=cluster_key, timeout=self._timeout,
                                    coordinator=self, stripes=stripes).start()
+            member.append(weakref.ref(self.cluster))
         except BaseException:
             self.shutdown()
             raise
@@ -411,6 +414,17 @@ class _Endpoint:
 _IN_USE: list[Coordinator] = []
 # address -> keys of cells this process dropped, released with its next adopt_cells
 _RELEASED: dict[str, list] = {}
+
+
+def _stop_manager(process: ServerProcess, member: list, timeout: float) -> None:
+    """The finalizer of a started Coordinator (collected, or still running at exit): its
+    cluster node first, then its manager; both only in the process that started them.
+    The node goes first: its threads serve the replicas published on the manager, and a
+    node left running at exit aborted the process (see ``cluster_membership``)."""
+    node = member[0]() if member else None
+    if node is not None and process.owned_here():
+        node.shutdown()
+    process.stop(timeout)
 
 
 def innermost() -> Coordinator | None:

@@ -25,6 +25,19 @@ its threads, the pairs are closed (the receives kept posted end, the watched wai
 the group builds under way give up, and the build threads have ended:
 :meth:`~shared_td.coordinator.cluster_transfer.PairGroups.close`), and the number is
 released for the next process.
+
+Leaving at the interpreter's exit: a node still running when its process ends (the
+script ended, or an exception escaped it, without ``shutdown()``) is shut down by an
+``atexit`` hook, which then waits for the node's threads to end (each of their waits is
+bounded by the cluster's timeout; they end within milliseconds of the shutdown as a
+rule). The threads are daemons, and a daemon thread that comes back from a torch call
+(a ``queue_pop`` of its lane, a gloo wait) into an interpreter that is finalizing is
+ended by ``pthread_exit`` inside pybind11's GIL guard, a C++ destructor: the process
+aborted ("terminate called without an active exception", SIGABRT) whenever a replica
+node's script ended while its owner synced to it. The hook is registered once a node's
+first thread runs and dropped by ``shutdown()``; a fork child's copy of a node is not
+its node (its threads and connections are the parent's), so the child's exit, and its
+``shutdown()``, leave the parent's node alone.
 """
 from __future__ import annotations
 
@@ -44,6 +57,17 @@ from shared_td.coordinator.cluster_values import ClusterValues
 
 __all__ = ["ClusterMembership"]
 
+# The nodes this process started and did not shut down yet: shut down at exit (see the
+# module's opening). A fork child runs none of them: it starts with none.
+_RUNNING: set = set()
+os.register_at_fork(after_in_child=_RUNNING.clear)
+# The longest timeout of the nodes this process started: the bound on the wait for
+# their threads at exit (every wait of theirs ends within it).
+_EXIT_WAIT_S = [0.0]
+# The threads of a node (its lanes, service, heartbeat, pair watch, push listeners,
+# values poller, gloo waiters and builds) are named so: see _start_thread.
+_THREAD_PREFIX = "shared_td-cluster-"
+
 
 class ClusterMembership:
     """Mixin of Cluster: its lifecycle (it relies on the attributes that
@@ -59,6 +83,7 @@ class ClusterMembership:
         opening), then start the heartbeat and the service thread. Returns self."""
         if self._store is not None:
             raise RuntimeError("This Cluster is already started.")
+        self._started_in = os.getpid()  # a fork child's copy is not this node: see shutdown()
         if isinstance(self._spec, str):
             base, node, nodes = open_store(self._spec, self.node, self.timeout)
             self.node = self.node if self.node is not None else node
@@ -131,6 +156,7 @@ class ClusterMembership:
         restarted = self._store.has(f"join/{self.node}")  # this node ran before: see PairGroups.move_on
         self._store.set_json(f"join/{self.node}", self._join_record())
         self._store.set_json(f"hb/{self.node}", {"beat": 0, "pid": os.getpid()})
+        _leave_at_exit_too(self)  # its threads start now: see the module's opening
         # beating from now on: a join that waits long for the others must not look like
         # a crashed node whose number another process may take over
         self._liveness = Liveness(self._store, self.node, self._store.get_json, self._claim, self._stop,
@@ -177,19 +203,23 @@ class ClusterMembership:
         self.refused += 1
 
     def _start_thread(self, target, args: tuple, name: str) -> None:
-        thread = threading.Thread(target=target, args=args, name=f"shared_td-cluster-{name}", daemon=True)
+        thread = threading.Thread(target=target, args=args, name=f"{_THREAD_PREFIX}{name}", daemon=True)
         thread.start()
         self._threads.append(thread)
 
     def shutdown(self) -> None:
         """Leave the cluster: stop the threads, abort the gloo groups. Idempotent.
         Replicas already attached stay readable. Node 0 usually hosts the store: the
-        others lose it when it leaves."""
+        others lose it when it leaves. In a fork child of the process that started it,
+        only this copy is marked shut down: the node, its threads, its connections and
+        its number stay the parent's."""
         if self._store is None or self._closed:
             return
         self._closed = True
+        if os.getpid() != self._started_in:
+            return  # a fork child: a stop notice or a closed pair would end the parent's node
         self._stop.set()
-        atexit.unregister(self.shutdown)
+        _RUNNING.discard(self)
         # a process whose number was taken over leaves the queues and the claim to its successor
         mine = self._liveness is None or self._liveness.taken_over is None
         try:
@@ -237,3 +267,34 @@ class ClusterMembership:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _leave_at_exit_too(node: ClusterMembership) -> None:
+    """Shut ``node`` down at the interpreter's exit unless ``shutdown()`` ran before.
+    The hook is moved to the end of the ``atexit`` list at each node's start, so it
+    runs before the hooks registered earlier (the Coordinator's, which stops the
+    manager that the node's replicas are published on) and after the user's
+    registered later (which may still use the node)."""
+    _RUNNING.add(node)
+    _EXIT_WAIT_S[0] = max(_EXIT_WAIT_S[0], node.timeout)
+    atexit.unregister(_leave_at_exit)
+    atexit.register(_leave_at_exit)
+
+
+def _leave_at_exit() -> None:
+    """The ``atexit`` hook: shut down the nodes this process still runs, then wait for
+    every thread of a node of this process to end (bounded by the longest cluster
+    timeout: each of their waits ends within it), also those of a node that another
+    hook shut down just before (a Coordinator's). A thread still inside a torch call
+    when the interpreter finalizes aborts the process as it comes back (see the
+    module's opening)."""
+    for node in list(_RUNNING):
+        try:
+            node.shutdown()
+        except Exception:  # noqa: BLE001 - the other nodes are shut down all the same
+            _RUNNING.discard(node)
+    deadline = time.monotonic() + _EXIT_WAIT_S[0] + 1.0
+    me = threading.current_thread()
+    for thread in threading.enumerate():
+        if thread is not me and thread.daemon and thread.name.startswith(_THREAD_PREFIX):
+            thread.join(max(0.0, deadline - time.monotonic()))

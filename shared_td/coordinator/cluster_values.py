@@ -33,10 +33,32 @@ A remote value is written into the cell only if no process of the node wrote it 
 the poller last looked (a compare-and-set under the cell's write lock,
 :meth:`~shared_td.storage.shared_value.SharedValue.set_if_version`): a local write is
 never lost; it is published with a higher version instead, and wins everywhere.
+
+**Old generations.** A publish of a new generation deletes the records of the one it
+replaces (``value/`` and ``valver/`` of each value): before, every re-publish left two
+keys per value in the store for good. Nothing still needs them: the owner tracks only
+the new generation from then on (its poller writes no old value after the switch), a
+pull of the old generation is refused by the owner, and every replica renews to the
+new one. What may still touch them, and what it does now:
+
+* an attach that read the name just before the publish reads the old records after
+  they were deleted: a read here never waits for a missing record (a blocking ``get``
+  waited the whole store timeout, holding the replica node's lane, and with it the
+  renewal to the new generation queued behind it): :meth:`ClusterValues.latest` raises
+  at once (the attach fails as its pull would, and is made again for the new
+  generation); the catch-up after a pull that was served skips them (the replica is
+  already stale, and renewed);
+* a replica that has not renewed yet writes one of its values: that write creates the
+  two records again. After it, the replica reads the name's generation counter; once
+  it moved past its generation, it deletes what it wrote. (Store operations are
+  ordered: either the replica sees the new generation, or the owner's deletion comes
+  after the write.) The write reaches only the nodes still at the old generation, as
+  before.
 """
 from __future__ import annotations
 
 import base64
+import json
 import pickle
 import threading
 from dataclasses import dataclass, field
@@ -61,6 +83,14 @@ class _Value:
 class _Tracked:
     generation: int
     values: list[_Value] = field(default_factory=list)
+    owned: bool = False  # published by this node (else a replica's)
+
+
+# What a compare-and-set that expects it returns for a missing key (no signed record is
+# this short): a read that does not wait for the key (see _read)
+_MISSING = b"\x00missing"
+# A value record found missing: its generation was replaced (see the module's opening)
+_GONE = object()
 
 
 def _key(name: str, generation: int, index: int) -> str:
@@ -106,30 +136,72 @@ class ClusterValues:
     # ------------------------------------------------------------------ names
     def publish(self, name: str, generation: int, cells: list) -> None:
         """Owner: store the current values of ``cells`` as version 1.. of a new
-        generation of ``name`` and keep them equal with the replicas from now on."""
-        tracked = _Tracked(generation)
+        generation of ``name`` and keep them equal with the replicas from now on; then
+        delete the records of the generation it replaces (the one this node tracked, and
+        the one the name's record announces: after a takeover, the lost owner's). Called
+        before the name's record names the new generation (attachers read the values
+        first)."""
+        tracked = _Tracked(generation, owned=True)
         for index, cell in enumerate(cells):
             seen = cell.version
             version = self._store.add(f"valver/{_key(name, generation, index)}", 1)
             self._store_latest(_key(name, generation, index), version, encode(cell.get()))
             tracked.values.append(_Value(cell, seen, version))
-        self._track(name, tracked)
+        replaced = self._track(name, tracked)  # the poller writes none of the old ones after this
+        old = {} if replaced is None else {replaced.generation: len(replaced.values)}
+        try:
+            announced = self._read(f"name/{name}")
+        except ClusterAuthError:
+            announced = None  # forged: counted where the name is read; nothing to learn from it
+        if announced is not None:
+            old.setdefault(announced["generation"], len(announced["layout"].get("values", ())))
+        for older, count in old.items():
+            if older < generation:
+                for index in range(count):
+                    self._delete(_key(name, older, index))
 
     def latest(self, name: str, generation: int, count: int) -> list[tuple[int, object] | None]:
         """``(version, value)`` of the ``count`` values of ``name`` as last stored
         (signature checked before anything is unpickled); None for a record with a
         wrong signature, counted with ``refuse``: forged, it carries nothing usable (the
-        owner stores a signed one again: :meth:`restore`)."""
+        owner stores a signed one again: :meth:`restore`). RuntimeError at once when a
+        record is missing: a newer publish of ``name`` replaced ``generation`` and
+        deleted its records (see the module's opening)."""
+        found = self._latest(name, generation, count)
+        if _GONE in found:
+            key = f"value/{_key(name, generation, found.index(_GONE))}"
+            raise RuntimeError(
+                f"Generation {generation} of {name!r} was replaced by a newer publish of its owner while this "
+                f"node read it ({key!r} is deleted with it): attach {name!r} again for the new generation.")
+        return found
+
+    def _latest(self, name: str, generation: int, count: int) -> list:
+        """:meth:`latest`, with _GONE for a missing record."""
         found = []
         for index in range(count):
             try:
-                record = self._store.get_json(f"value/{_key(name, generation, index)}")
+                record = self._read(f"value/{_key(name, generation, index)}")
             except ClusterAuthError:
                 self._refuse()
                 found.append(None)
                 continue
-            found.append((record["version"], decode(record["payload"])))
+            found.append(_GONE if record is None else (record["version"], decode(record["payload"])))
         return found
+
+    def _read(self, key: str):
+        """The signed JSON record at ``key``, None when it is missing, in one round trip
+        that never waits (a ``get`` waits the store's timeout for a missing key): a
+        compare-and-set that expects what no record holds changes nothing and returns
+        what is there. ClusterAuthError for a wrong signature."""
+        held = self._store.compare_set(key, _MISSING, _MISSING)
+        if held == _MISSING:
+            return None
+        return json.loads(self._store.check(key, held))
+
+    def _delete(self, key: str) -> None:
+        """Delete the two records of value ``key`` (``name/generation/index``)."""
+        self._store.delete(f"value/{key}")
+        self._store.delete(f"valver/{key}")
 
     def restore(self, name: str, generation: int) -> int:
         """Owner: store again, signed, each value of ``name`` whose stored record has a
@@ -155,8 +227,10 @@ class ClusterValues:
         name was ignored, but its value is in the store)."""
         self._track(name, _Tracked(generation, [_Value(cell, cell.version, version)
                                                 for cell, version in zip(cells, versions)]))
-        for index, latest in enumerate(self.latest(name, generation, len(cells))):
-            if latest is not None:  # forged meanwhile: the owner's next write replaces it
+        for index, latest in enumerate(self._latest(name, generation, len(cells))):
+            # None: forged meanwhile, the owner's next write replaces it; _GONE: the
+            # generation was replaced meanwhile, this replica is stale (and renewed)
+            if latest is not None and latest is not _GONE:
                 self._apply(name, generation, index, *latest)
 
     def forget(self, name: str) -> None:
@@ -164,12 +238,14 @@ class ClusterValues:
         with self._lock:
             self._tracked.pop(name, None)
 
-    def _track(self, name: str, tracked: _Tracked) -> None:
+    def _track(self, name: str, tracked: _Tracked) -> _Tracked | None:
+        """Track ``tracked`` for ``name``; returns what it replaces."""
         with self._lock:
-            self._tracked[name] = tracked
+            replaced, self._tracked[name] = self._tracked.get(name), tracked
         if tracked.values and self._poller is None:
             self._poller = threading.Thread(target=self._poll, name="shared_td-cluster-values", daemon=True)
             self._poller.start()
+        return replaced
 
     def join(self, timeout: float) -> None:
         if self._poller is not None:
@@ -248,6 +324,19 @@ class ClusterValues:
             if peer != self._node:
                 self._store.push_json(f"queue/{peer}", notice)
         self.published += 1
+        if not tracked.owned:  # after the notices: the check costs the other nodes nothing
+            self._unless_replaced(name, tracked.generation, key)
+
+    def _unless_replaced(self, name: str, generation: int, key: str) -> None:
+        """A replica wrote the records of ``key``: delete them if a newer publish of
+        ``name`` replaced ``generation`` (its owner may have deleted that generation's
+        records before this write made them again: see the module's opening)."""
+        try:
+            current = self._store.read_counter(f"generation/{name}")
+        except ValueError:
+            return  # the counter was overwritten (the name's publish says so): left as it is
+        if current > generation:
+            self._delete(key)
 
     def _store_latest(self, key: str, version: int, payload: str) -> None:
         """``value/<key>`` <- (version, payload) unless it holds a higher version
