@@ -18,24 +18,10 @@ pytest.importorskip("torch.distributed")
 import shared_td  # noqa: E402
 from shared_td.coordinator.cluster import Cluster  # noqa: E402
 from shared_td.coordinator.cluster_store import SignedStore  # noqa: E402
-from tests.cluster.stores import loopback_store  # noqa: E402
-from tests.cluster.test_cluster_store import KEY, _pair  # noqa: E402
+from tests.cluster.test_cluster_store import KEY, pair, store  # noqa: E402,F401 - fixtures: two members of this process
 from tests.processes import wait_until  # noqa: E402
 
 N, WIDTH = 8, 3  # 96 bytes of data, a segment of 128: no other receive of the pair has that size
-
-
-@pytest.fixture
-def store():
-    return loopback_store(10)
-
-
-@pytest.fixture
-def pair(store):
-    members = _pair(store)
-    yield members
-    for member in members:
-        member.shutdown()
 
 
 def _buffer(value: float):
