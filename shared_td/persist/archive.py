@@ -274,6 +274,8 @@ class Archive:
             meta = json.loads(self.read(fmt.META, limit=MAX_META_BYTES).decode("utf-8"))
         except FileNotFoundError:
             return f"it holds no {fmt.META} at its root"
+        except FormatError as error:  # (too big: refused unread)
+            return f"its {fmt.META} cannot be read: {error.detail}"
         except (ValueError, UnicodeDecodeError, RecursionError) as error:
             return f"its {fmt.META} is not valid JSON: {error}"
         tensorclass = f"{fmt.TENSORCLASS_CHILD}/{fmt.META}" in self.members

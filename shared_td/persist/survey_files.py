@@ -18,6 +18,7 @@ from typing import Callable, Iterator, Optional
 from shared_td.errors import FormatError
 from shared_td.persist import format as fmt
 from shared_td.persist.archive import Archive, ArchiveNode
+from shared_td.persist.bounded_reads import MAX_META_BYTES
 from shared_td.persist.loader import read_meta
 from shared_td.persist.node_meta import NodeMeta
 from shared_td.storage.files import Directory
@@ -169,7 +170,8 @@ class InArchive:
     def not_a_save(self) -> str | None:
         """Why the root is no save; a root meta.json whose data do not match its stored
         checksum is said to be damaged (not "not valid JSON")."""
-        if fmt.META in self.archive.members:
+        member = self.archive.members.get(fmt.META)
+        if member is not None and member.size <= MAX_META_BYTES:  # (a bigger one is refused unread below)
             try:
                 self.archive.check(fmt.META)
             except FormatError as error:
