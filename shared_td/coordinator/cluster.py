@@ -292,7 +292,7 @@ class Cluster(ClusterMembership, ClusterRequests):
         # older one still if the user attached none of those renewed since
         renewed_from = (have.renewed_from or have.generation) if have is not None and self._serving() else 0
         rep = Replica(td, segment, layout, info["owner"], generation, renewed_from=renewed_from)
-        cluster_sync.record_replica(self, self._checked(), name, generation)  # (with this process's claim)
+        replica.record_replica(self, self._checked(), name, generation)  # (with this process's claim)
         # filled aside and registered only once filled and published: registered first, a
         # push during the transfer read its zeros (state 0) and the owner, whose
         # generation they matched, wrote them into its new data. Until then pushes,
@@ -303,11 +303,15 @@ class Cluster(ClusterMembership, ClusterRequests):
             rep.td = td = self._memmap_here(name, td, bool(latest))
             self._replicas[name] = rep
         except BaseException:
-            if have is None:  # no replica here: the record would draw every sync's payload
-                try:
-                    cluster_sync.forget_replica(self, self._store, name)
-                except (RuntimeError, OSError):
-                    pass  # the store is gone: no sync to draw
+            # the record names the generation this attach did not get: it would draw every
+            # sync of it (refused here, each one failing the pair): back to what is held
+            try:
+                if have is None:
+                    replica.forget_replica(self, self._store, name)
+                else:
+                    replica.record_replica(self, self._store, name, have.generation)
+            except (RuntimeError, OSError):
+                pass  # the store is gone: no sync to draw
             raise
         finally:
             if self._filling.get(name) is rep:

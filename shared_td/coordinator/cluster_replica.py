@@ -28,8 +28,8 @@ import torch
 from shared_td.coordinator.cluster_layout import tensor_leaves
 from shared_td.storage.anonymous import Segment
 
-__all__ = ["Owned", "Replica", "leaf_views", "new_segment", "pack_rows", "replica_version",
-           "segment_bytes", "unpack_rows", "version", "wait_version"]
+__all__ = ["Owned", "Replica", "forget_replica", "leaf_views", "new_segment", "pack_rows", "record_replica",
+           "replica_version", "segment_bytes", "unpack_rows", "version", "wait_version"]
 
 _TRAILER = 64
 _MAGIC = 0x5348545F5245504C  # "SHT_REPL"
@@ -220,3 +220,16 @@ def wait_version(td, version: int, timeout: float = 10.0) -> int:
                                f"(it holds {state // 2}{', being written' if state % 2 else ''}).")
         time.sleep(pause)
         pause = min(pause * 2, 0.005)
+
+
+def record_replica(cluster, store, name: str, generation: int) -> None:
+    """Record that this process holds a replica of ``name`` at ``generation``
+    (``has/<name>/<node>``, signed): with the token of its claim of the node number, so
+    that the record stops counting once another process runs as the node (see
+    :func:`~shared_td.coordinator.cluster_sync.has_replica`)."""
+    store.set_json(f"has/{name}/{cluster.node}", {"generation": generation, "claim": cluster._claim})
+
+
+def forget_replica(cluster, store, name: str) -> None:
+    """Take this node's record of ``name`` back (it holds no replica: its first attach failed)."""
+    store.delete(f"has/{name}/{cluster.node}")

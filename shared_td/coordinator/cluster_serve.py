@@ -237,13 +237,20 @@ def _renew(cluster, name: str, generation: int) -> None:
     """The owner published ``name`` again: have this node's older replica replaced, by
     the node's renew thread (:class:`Renewals`), not in the lane."""
     cluster._announced[name] = max(generation, cluster._announced.get(name, 0))
-    have = cluster._replicas.get(name)
+    have = _held(cluster, name)
     if have is None or have.generation >= generation:
         return
     renewals = cluster.__dict__.get("_renewals")
     if renewals is None:  # (setdefault: one per node, also when two lanes get a notice at once)
         renewals = cluster.__dict__.setdefault("_renewals", Renewals(cluster))
     renewals.add(name, generation)
+
+
+def _held(cluster, name: str):
+    """The replica of ``name`` this node holds, or the one its first attach is filling
+    (a notice that came meanwhile renews it once that attach is done: the renew's attach
+    waits for it), else None."""
+    return cluster._replicas.get(name) or cluster._filling.get(name)
 
 
 class Renewals:
@@ -256,7 +263,7 @@ class Renewals:
 
         >>> import threading, types
         >>> made = []
-        >>> node = types.SimpleNamespace(_replicas={"p": types.SimpleNamespace(generation=1)}, _threads=[],
+        >>> node = types.SimpleNamespace(_replicas={"p": types.SimpleNamespace(generation=1)}, _filling={}, _threads=[],
         ...                              _stop=threading.Event(), _closed=False, renew_failures=0,
         ...                              attach=made.append)
         >>> renewals = Renewals(node)
@@ -304,7 +311,7 @@ class Renewals:
                     self._thread = None
                     return
                 name, generation = self._waiting.popleft()
-            have = cluster._replicas.get(name)
+            have = _held(cluster, name)
             if have is None or have.generation >= generation:
                 continue  # renewed meanwhile (by an attach, or a notice before), or let go
             try:
@@ -350,8 +357,8 @@ def _serve_receive(cluster, peer: int, request: dict, entry, apply) -> None:
     try:
         if entry is None or entry.generation != request["generation"]:
             refusal = f"node {cluster.node} has no generation {request['generation']} of {request['name']!r}"
-            if request["op"] == "sync" and entry is None:
-                _take_record_back(cluster, request["name"])
+            if request["op"] == "sync":
+                _correct_record(cluster, request["name"])
             if request["nbytes"] > UNHELD_SCRATCH_BYTES:
                 raise TransferFailed(f"{refusal}: its {request['nbytes']} bytes were not received")
             scratch = torch.empty(request["nbytes"], dtype=torch.uint8)
@@ -372,16 +379,20 @@ def _serve_receive(cluster, peer: int, request: dict, entry, apply) -> None:
     wait_work(works, time.monotonic() + cluster.timeout, f"answer to node {peer}")
 
 
-def _take_record_back(cluster, name: str) -> None:
-    """A sync came for ``name``, of which this node holds no replica: the record that
-    sent it here (``has/<name>/<node>``: a previous process's, or of a first attach that
-    failed) is deleted, so the owner's next sync finds none. Only while no attach runs
-    (each holds the attach lock and writes the record)."""
+def _correct_record(cluster, name: str) -> None:
+    """A sync came for a generation of ``name`` that this node does not hold: the record
+    that sent it here (``has/<name>/<node>``: a previous process's, or of an attach that
+    failed) is corrected, so the owner's next sync does not come: deleted when no
+    replica is held, else naming the generation held. Only while no attach runs (each
+    holds the attach lock and writes the record)."""
     if not cluster._attaching.acquire(blocking=False):
         return
     try:
-        if cluster._replicas.get(name) is None:
+        held = cluster._replicas.get(name)
+        if held is None:
             cluster._store.delete(f"has/{name}/{cluster.node}")
+        else:
+            replica.record_replica(cluster, cluster._store, name, held.generation)
     except (RuntimeError, OSError):
         pass  # the store is gone: no sync comes any more
     finally:

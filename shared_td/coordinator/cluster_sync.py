@@ -8,7 +8,7 @@ after ``shutdown()`` (it returned a report that dropped the replica nodes for a 
 that the shutdown ended).
 
 Which nodes hold a replica: each writes a signed record ``has/<name>/<node>`` when it
-attaches (:func:`record_replica`), of the generation it attached and of the process that
+attaches (:func:`~shared_td.coordinator.cluster_replica.record_replica`), of the generation it attached and of the process that
 holds it (the token of its claim of the node number, ``claim/<node>``). A sync sends to
 the nodes whose record is of the name's current generation and whose process still
 holds the number (:func:`has_replica`); a record of a process that no longer does (it
@@ -27,7 +27,7 @@ from shared_td.coordinator.cluster_push import send_answered
 from shared_td.coordinator.cluster_store import ClusterAuthError
 from shared_td.coordinator.cluster_transfer import TransferFailed, stripe_count
 
-__all__ = ["NameSyncs", "SyncReport", "forget_replica", "has_replica", "record_replica", "sync"]
+__all__ = ["NameSyncs", "SyncReport", "has_replica", "sync"]
 
 
 @dataclass
@@ -38,19 +38,6 @@ class SyncReport:
     version: int
     delivered: list[int] = field(default_factory=list)
     dropped: dict[int, str] = field(default_factory=dict)
-
-
-def record_replica(cluster, store, name: str, generation: int) -> None:
-    """Record that this process holds a replica of ``name`` at ``generation``
-    (``has/<name>/<node>``, signed): with the token of its claim of the node number, so
-    that the record stops counting once another process runs as the node (see
-    :func:`has_replica`)."""
-    store.set_json(f"has/{name}/{cluster.node}", {"generation": generation, "claim": cluster._claim})
-
-
-def forget_replica(cluster, store, name: str) -> None:
-    """Take this node's record of ``name`` back (its first attach failed: no replica)."""
-    store.delete(f"has/{name}/{cluster.node}")
 
 
 def has_replica(cluster, store, name: str, peer: int, generation: int | None = None) -> bool:

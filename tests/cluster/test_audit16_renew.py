@@ -146,3 +146,58 @@ def test_attach_of_a_name_owned_by_this_nodes_previous_process_says_so_at_once(s
     finally:
         restarted.shutdown()
         signed.close()
+
+
+def test_a_failed_renew_puts_the_replica_record_back_to_the_generation_held(pair):
+    """The renew wrote has/ for the new generation before its fill, which failed: the
+    record stayed, and every later sync of that generation came to this node, was
+    refused unreceived (over 1 MiB) and failed the pair, each time."""
+    owner, other = pair
+    big = lambda value: shared_td.TensorDict(w=torch.full((512, 1024), value), batch_size=[512])  # 2 MiB
+    owner.publish("buf", big(1.0))
+    other.attach("buf")
+    real_fill = other._fill
+
+    def failing_fill(name, rep):
+        if other._serving():  # the renew's, not the user's
+            raise ConnectionError("the renew's transfer failed")
+        return real_fill(name, rep)
+
+    other._fill = failing_fill
+    owner.publish("buf", big(5.0))
+    assert wait_until(lambda: other.renew_failures == 1, 10)
+    assert other._replicas["buf"].generation == 1
+    assert owner._store.get_json("has/buf/1")["generation"] == 1
+    pairs = owner._groups.generation(1)
+    for _ in range(3):  # the replica holds an older generation: not sent to, no pair failed
+        assert owner.sync("buf").delivered == []
+    assert owner._groups.generation(1) == pairs
+
+
+def test_a_renew_notice_during_a_first_attach_renews_it_once_done(pair):
+    """The owner published again while this node's first attach was between its fill and
+    its registration: the notice found no replica and was dropped, and the node held
+    generation 1 for good (its processes never saw generation 2)."""
+    owner, other = pair
+    owner.publish("buf", _buffer(1.0))
+    filled, release = threading.Event(), threading.Event()
+    real = other._memmap_here
+
+    def held(name, td, has_values):  # the fill is done; its registration waits
+        filled.set()
+        release.wait(10)
+        return real(name, td, has_values)
+
+    other._memmap_here = held
+    out = {}
+    first = threading.Thread(target=lambda: out.setdefault("td", other.attach("buf")))
+    first.start()
+    try:
+        assert filled.wait(10)
+        owner.publish("buf", _buffer(5.0))  # generation 2: a renew notice to node 1
+        assert wait_until(lambda: other._announced.get("buf") == 2, 10)
+    finally:
+        release.set()
+        first.join(10)
+    assert wait_until(lambda: other._replicas["buf"].generation == 2, 10), other.renew_failures
+    assert (other.attach("buf")["w"] == 5.0).all()
