@@ -87,12 +87,13 @@ import ctypes  # noqa: E402
 import errno  # noqa: E402
 import fcntl  # noqa: E402
 import mmap  # noqa: E402
+import select  # noqa: E402
 import struct  # noqa: E402
 import threading  # noqa: E402
 from typing import Iterator  # noqa: E402
 
 __all__ = [
-    "ByteLock", "creator_pid", "map_shared_bytes", "new_memfd", "pid_alive", "rename_exchange",
+    "ByteLock", "CreatorWatch", "creator_pid", "map_shared_bytes", "new_memfd", "pid_alive", "rename_exchange",
     "reopen_description", "reopen_peer_fd", "try_flock", "unmap_bytes",
 ]
 
@@ -335,9 +336,8 @@ def rename_exchange(first: str, second: str) -> bool:
 
 
 def creator_pid() -> int:
-    """The pid of the process that started this one, as that process gave it: the
-    pid a child watches (``os.getppid() != creator_pid()``) to leave once its creator
-    is gone, even by SIGKILL.
+    """The pid of the process that started this one, as that process gave it (watch it
+    with :class:`CreatorWatch`).
 
     Why not ``os.getppid()`` read when the child starts: a creator killed before the
     child ran that line has already handed the child to the reaper (init, or a
@@ -357,6 +357,54 @@ def creator_pid() -> int:
         if parent is not None:
             return parent.pid
     return os.getppid()
+
+
+class CreatorWatch:
+    """Whether the process that started this one (:func:`creator_pid`, or ``pid``) has
+    ended: :meth:`gone`, for a child that must not outlive it (even by SIGKILL).
+
+    A pidfd of the creator, opened once (Linux 5.3), becomes readable when that very
+    process ends, whoever this process's parent is: a child started through a fork
+    server (multiprocessing's "forkserver", the default from Python 3.14) has the server
+    as its parent, so comparing ``os.getppid()`` with the creator's pid said "gone" at
+    once. Without pidfds the parent pid is compared (the creator must then be the
+    parent, as with fork and spawn). A creator already gone when the watch is made is
+    gone.
+
+    Example:
+        >>> CreatorWatch(os.getpid()).gone(), CreatorWatch(0).gone()
+        (False, True)
+    """
+
+    def __init__(self, pid: int | None = None):
+        self.pid = creator_pid() if pid is None else pid
+        self._fd: int | None = None
+        self._gone = self.pid <= 0
+        if not self._gone:
+            try:
+                self._fd = os.pidfd_open(self.pid)  # (close-on-exec)
+            except ProcessLookupError:
+                self._gone = True
+            except (AttributeError, OSError):
+                pass  # no pidfds here: the parent pid is compared
+
+    def gone(self) -> bool:
+        if not self._gone:
+            if self._fd is not None:
+                self._gone = bool(select.select([self._fd], [], [], 0)[0])
+            else:
+                self._gone = os.getppid() != self.pid
+            if self._gone:
+                self.close()
+        return self._gone
+
+    def close(self) -> None:
+        """Let go of the pidfd (also done when the creator is found gone, or at collection)."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    __del__ = close
 
 
 def pid_alive(pid: int) -> bool:

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from shared_td.bench.libraries import tensordict_module
 from shared_td.bench.loopback import HOST, loopback_store
-from shared_td.platform import creator_pid
+from shared_td.platform import CreatorWatch
 
 #: Seconds the children may take to start (imports, joining the group), and any gloo
 #: call of theirs.
@@ -66,7 +66,7 @@ def _peer_main(rank: int, ports, nbytes: int, repeat: int, with_tensordict: bool
     """One rank: get the store's port from ``ports``, join the group, tell ``results`` it
     is ready, wait for ``go``, then time each column ``repeat`` times (rank 1 reports the
     best of each)."""
-    caller = creator_pid()  # not os.getppid() now: the caller may be gone already
+    caller = CreatorWatch()  # (not os.getppid() now: the caller may be gone already)
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     tensordict = tensordict_module() if with_tensordict else None
     timeout = datetime.timedelta(seconds=START_S + nbytes / 20e6)
@@ -75,7 +75,7 @@ def _peer_main(rank: int, ports, nbytes: int, repeat: int, with_tensordict: bool
     try:
         results.put(("ready", rank))
         while not go.wait(1.0):  # the caller may run other cases first (see start_peers)
-            if os.getppid() != caller:
+            if caller.gone():
                 # orphaned: the caller went away (its sentinel pipe may live on in
                 # processes it forked later, so parent_process().is_alive() need not see it)
                 return

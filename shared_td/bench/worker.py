@@ -28,7 +28,7 @@ import multiprocessing
 import os
 from typing import Any, Callable
 
-from shared_td.platform import creator_pid
+from shared_td.platform import CreatorWatch
 
 #: Seconds a job may take (the first one includes the worker's imports).
 TIMEOUT = 120.0
@@ -45,11 +45,11 @@ def _serve(connection) -> None:
     result)`` or ``("error", text)``; stop at None, or within a second once the caller is
     gone (its end of the connection may live on in processes forked after this one, and
     in this one when it is a fork, so no EOF need come)."""
-    caller = creator_pid()  # not os.getppid() now: the caller may be gone already
+    caller = CreatorWatch()  # (not os.getppid() now: the caller may be gone already)
     while True:
         try:
             while not connection.poll(_LOOK_S):
-                if os.getppid() != caller:  # orphaned: the caller died (a SIGKILL)
+                if caller.gone():  # orphaned: the caller died (a SIGKILL)
                     return
             job = connection.recv()
         except EOFError:  # the caller is gone

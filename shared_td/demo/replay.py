@@ -21,7 +21,7 @@ import time
 import torch
 
 from shared_td import NonTensorData, TensorDict
-from shared_td.platform import creator_pid
+from shared_td.platform import CreatorWatch
 
 __all__ = [
     "NUM_ACTIONS", "OBS_SIZE", "Env", "backing_inode", "check_in", "expected_indices", "greedy_actions",
@@ -155,19 +155,19 @@ def backing_inode(tensor: torch.Tensor) -> int:
     raise LookupError(f"address {address:#x} is not mapped in process {os.getpid()}")
 
 
-def check_in(state: TensorDict, slot: int, buffer: TensorDict) -> int:
+def check_in(state: TensorDict, slot: int, buffer: TensorDict) -> CreatorWatch:
     """Report this worker ready (with the inode it maps the buffer from) and wait for
-    the parent to start the run (``phase`` leaves 0). Returns the parent's pid, for
-    :func:`running`."""
-    parent = creator_pid()  # not os.getppid() now: the parent may be gone already
+    the parent to start the run (``phase`` leaves 0). Returns the watch of the parent,
+    for :func:`running`."""
+    parent = CreatorWatch()  # (not os.getppid() now: the parent may be gone already)
     state["inode"][slot] = backing_inode(buffer["obs"])
     state["ready"][slot] = True
-    while int(state["phase"]) == 0 and os.getppid() == parent:
+    while int(state["phase"]) == 0 and not parent.gone():
         time.sleep(0.01)
     return parent
 
 
-def running(state: TensorDict, parent: int) -> bool:
+def running(state: TensorDict, parent: CreatorWatch) -> bool:
     """Whether the run goes on: ``phase`` is 1 and the parent that would end it is alive
     (a SIGKILLed parent never sets phase 2: its workers must not outlive it)."""
-    return int(state["phase"]) == 1 and os.getppid() == parent
+    return int(state["phase"]) == 1 and not parent.gone()

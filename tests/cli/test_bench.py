@@ -254,3 +254,22 @@ def test_a_worker_whose_runner_died_before_the_worker_ran_leaves_too():
         runner.kill()
         runner.wait(WAIT)
         runner.stdout.close()
+
+
+def _pid(connection):
+    return os.getpid()
+
+
+def test_a_worker_started_through_a_fork_server_waits_for_its_jobs():
+    """A forkserver child's parent is the fork server: comparing its parent pid with its
+    creator's said the creator was gone, so the worker left after its first idle second."""
+    import time
+
+    from shared_td.bench.worker import JobWorker
+
+    worker = JobWorker("forkserver").start()
+    try:
+        time.sleep(2.5)  # idle past two looks at its caller
+        assert worker.call(_pid, timeout=60) == worker._process.pid
+    finally:
+        worker.close()

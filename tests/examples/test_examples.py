@@ -179,3 +179,34 @@ os._exit(0)  # at once, as a SIGKILL: the worker's first getppid() is still a se
         parent.kill()
         parent.wait(WAIT)
         parent.stdout.close()
+
+
+def _forkserver_worker(results) -> None:  # a forkserver child: its parent is the server
+    import torch
+
+    from shared_td import TensorDict
+    from shared_td.demo.replay import check_in, running
+
+    state = TensorDict(inode=torch.zeros(1, dtype=torch.int64), ready=torch.zeros(1, dtype=torch.bool),
+                       phase=torch.ones((), dtype=torch.int64), batch_size=[])
+    buffer = TensorDict(obs=torch.zeros(4), batch_size=[4]).memmap_()
+    parent = check_in(state, 0, buffer)
+    results.put(running(state, parent))
+
+
+def test_a_demo_worker_started_through_a_fork_server_runs_while_its_parent_does():
+    """A forkserver child's parent is the fork server: comparing its parent pid with its
+    creator's said the creator was gone at once, and the worker stopped before it began
+    (forkserver is Linux's default start method from Python 3.14)."""
+    import multiprocessing
+
+    from tests.processes import WAIT, finish
+
+    ctx = multiprocessing.get_context("forkserver")
+    results = ctx.Queue()
+    child = ctx.Process(target=_forkserver_worker, args=(results,))
+    child.start()
+    try:
+        assert results.get(timeout=4 * WAIT) is True
+    finally:
+        assert finish(child) == 0
