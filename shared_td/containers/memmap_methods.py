@@ -363,6 +363,10 @@ class MemmapMethods:
         )
 
     def _add_memmap_leaf(self, key: NestedKey, make: Any, shape: Any = None) -> torch.Tensor:
+        if _is_stack(self):  # (tensordict's words; it raised AttributeError: _tensordict)
+            raise RuntimeError(
+                "Cannot call `make_memmap` on a LazyStackedTensorDict. Only a memory-mapped TensorDict "
+                "supports it: add the entry to a member (stack.tensordicts[i].make_memmap(...)).")
         if not self.is_memmap():
             raise RuntimeError(
                 "Can only make a memmap tensor within a memory-mapped tensordict: call "

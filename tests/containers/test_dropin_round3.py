@@ -105,3 +105,17 @@ def test_clear_of_a_tensorclass_empties_its_fields():
         return same, step.obs, step.label, step.is_empty(), refused, locked.obs.tolist()
 
     side_by_side(scenario)
+
+
+# ------------------------------------------------------------------ 4. make_memmap of a lazy stack
+
+def test_make_memmap_of_a_lazy_stack_is_refused_as_tensordict_refuses_it(tmp_path):
+    def scenario(lib):
+        stack = lib.LazyStackedTensorDict(lib.TensorDict(a=torch.zeros(2)), lib.TensorDict(a=torch.ones(2)),
+                                          stack_dim=0)
+        stack.memmap_(tmp_path / lib.__name__)
+        with pytest.raises(RuntimeError, match="Cannot call `make_memmap` on a LazyStackedTensorDict"):
+            stack.make_memmap("x", (2,))
+        return sorted(stack.keys())
+
+    side_by_side(scenario)
