@@ -34,8 +34,10 @@ import stat
 
 from shared_td.errors import FileTooShortError, FormatError, StorageFullError
 from shared_td.storage.mapping import (
+    PATH_FLAGS,
     FileBacking,
     backing_from_fd,
+    file_kind,
     boot_id,
     find_backing,
     map_fd,
@@ -48,6 +50,7 @@ from shared_td.storage.removal import remove_tree
 from shared_td.storage.writing import (
     NO_SPACE_ERRNOS,
     allocate,
+    not_regular_error,
     pwrite_all,
     raw_bytes,
     reserve_space,
@@ -78,18 +81,6 @@ __all__ = [
     "reserve_space",
     "storage_full_error",
 ]
-
-_PATH_FLAGS = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-def file_kind(mode: int) -> str | None:
-    """None for a regular file, else what it is ("a FIFO", "a directory", ...)."""
-    if stat.S_ISREG(mode):
-        return None
-    kinds = {stat.S_ISLNK: "a symlink", stat.S_ISDIR: "a directory", stat.S_ISFIFO: "a FIFO",
-             stat.S_ISSOCK: "a socket", stat.S_ISCHR: "a character device", stat.S_ISBLK: "a block device"}
-    return next((name for test, name in kinds.items() if test(mode)), "not a regular file")
-
 
 def _join(directory: str, name: str) -> str:
     """``os.path.join`` of a directory path and one file name (no separator in it), at
@@ -184,7 +175,7 @@ class Directory:
         no driver's open, no writer of a FIFO let through. A symlink is refused too
         (``O_PATH | O_NOFOLLOW`` gives the link itself)."""
         try:
-            fd = os.open(name, _PATH_FLAGS, dir_fd=self.fd)
+            fd = os.open(name, PATH_FLAGS, dir_fd=self.fd)
         except OSError as error:
             raise self._open_error(error, name) from None
         try:
@@ -361,12 +352,11 @@ def reserve_file(directory: Directory, name: str, *, existsok: bool) -> tuple[in
     # O_NOCTTY: a FIFO or device put there is opened without waiting for a peer or
     # taking a terminal, then refused (a device's bytes must never be written over)
     fd = directory.open_file(name, os.O_RDWR | os.O_NONBLOCK | os.O_NOCTTY)
-    kind = file_kind(os.fstat(fd).st_mode)
-    if kind is None:
+    mode = os.fstat(fd).st_mode
+    if stat.S_ISREG(mode):
         return fd, False
     os.close(fd)
-    raise OSError(errno.EINVAL, f"Cannot write file {directory.join(name)}: it is {kind}, not a regular file "
-                                "(refused before a byte is written to it). Remove it, or write to another prefix.")
+    raise not_regular_error(errno.EINVAL, f"file {directory.join(name)}", mode)  # before a byte is written
 
 
 def check_new_empty_file(directory: Directory, name: str, *, existsok: bool) -> None:

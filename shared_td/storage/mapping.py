@@ -27,6 +27,19 @@ import torch
 from shared_td.errors import FileReplacedError
 from shared_td.storage.cache import InodeCache
 
+# O_PATH opens nothing for reading or writing: no FIFO waits for a writer, no device's
+# driver runs its open; a mapping opens /proc/self/fd/<fd> (the inode checked through it).
+PATH_FLAGS = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def file_kind(mode: int) -> str | None:
+    """None for a regular file, else what it is ("a FIFO", "a directory", ...)."""
+    if stat.S_ISREG(mode):
+        return None
+    kinds = {stat.S_ISLNK: "a symlink", stat.S_ISDIR: "a directory", stat.S_ISFIFO: "a FIFO",
+             stat.S_ISSOCK: "a socket", stat.S_ISCHR: "a character device", stat.S_ISBLK: "a block device"}
+    return next((name for test, name in kinds.items() if test(mode)), "not a regular file")
+
 
 def map_fd(fd: int, nbytes: int, *, shared: bool = True):
     """Map the first ``nbytes`` of the open file ``fd`` as one uint8 ``UntypedStorage``.
@@ -257,11 +270,6 @@ def _open_backing(path, shared, read_only, inode, boot, *, pickled: bool) -> Fil
         os.close(fd)
 
 
-# O_PATH opens nothing for reading or writing: no FIFO waits for a writer, no device's
-# driver runs its open; the mapping opens /proc/self/fd/<fd> (the inode checked here).
-_PATH_FLAGS = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
 def _open_regular_path(path: str, pickled: bool) -> tuple[int, os.stat_result]:
     """An ``O_PATH`` descriptor of the regular file ``path`` and its ``fstat``; the
     caller closes it. Anything else is refused without being opened: a FIFO, socket or
@@ -275,7 +283,7 @@ def _open_regular_path(path: str, pickled: bool) -> tuple[int, os.stat_result]:
     ``MemoryMappedTensor.from_filename`` records the resolved path (``realpath``), so
     that its path never ends in a link.
     """
-    fd = os.open(path, _PATH_FLAGS)  # (its errors name the path)
+    fd = os.open(path, PATH_FLAGS)  # (its errors name the path)
     try:
         st = os.fstat(fd)
     except BaseException:
@@ -289,10 +297,6 @@ def _open_regular_path(path: str, pickled: bool) -> tuple[int, os.stat_result]:
 
 def _not_regular_error(path: str, mode: int, pickled: bool) -> OSError:
     """The error for ``path``, which holds ``mode``'s kind of file and not a regular file."""
-    # files.py imports this module at its top: its file_kind is imported here, on the
-    # error path, once both modules are loaded
-    from shared_td.storage.files import file_kind
-
     kind = file_kind(mode)
     if pickled:
         return FileReplacedError(errno.ENOENT, (

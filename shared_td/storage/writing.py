@@ -23,6 +23,7 @@ import stat
 import torch
 
 from shared_td.errors import StorageFullError
+from shared_td.storage.mapping import file_kind
 
 # One pwrite moves at most ~2 GiB on Linux; smaller calls also keep memory views short.
 _WRITE_CHUNK = 1 << 30
@@ -103,10 +104,6 @@ def _named_write_error(err: OSError, fd: int, where: str) -> OSError:
 def not_regular_error(code: int, where: str, mode: int) -> OSError:
     """The ``OSError`` (errno ``code``) for writing ``where``, which is not a regular file
     but what ``mode`` says (a FIFO, a socket...)."""
-    # files.py imports this module at its top: its file_kind is imported here, on the
-    # error path, once both modules are loaded
-    from shared_td.storage.files import file_kind
-
     return OSError(code, f"Cannot write {where}: it is {file_kind(mode)}, not a regular file. "
                          "Remove it (or write to another path) and write again.")
 
