@@ -430,7 +430,6 @@ class Cluster(ClusterMembership, ClusterRequests):
                 self._groups.fail(rep.owner, generation)
                 raise self._lost_or(rep.owner, name, err) from err
             replica.set_state(rep.segment, 2 * answer["version"])
-            rep.filled = True
             return answer["version"]
         finally:
             rep.lock.release()

@@ -132,7 +132,7 @@ def _packed(cluster, name: str, rep, index: torch.Tensor, deadline: float) -> to
         raise TimeoutError(f"push({name!r}): a transfer into this node's replica of {name!r} did not end within "
                            f"{cluster.timeout:g} s: nothing was sent (retry).")
     try:
-        if not rep.filled:
+        if not replica.state(rep.segment):  # (0: no transfer ever wrote it)
             raise RuntimeError(f"push({name!r}): this node's replica of {name!r} was never filled by a transfer, so "
                                f"none of its rows were written here: nothing was sent. Attach {name!r} again, write "
                                "the rows into it, then push.")

@@ -52,8 +52,9 @@ class Replica:
     """This node's replica of a name another node owns; ``lock`` orders its transfers
     and a push's reading of its rows.
 
-    ``filled``: a transfer has filled it once (the Cluster registers a replica only
-    then: a push of an unfilled one sent zeros nobody wrote into the owner's data).
+    Its segment's state word is 0 until a transfer filled it once (the Cluster
+    registers a replica only then: a push of an unfilled one sent zeros nobody wrote
+    into the owner's data).
     ``renewed_from``: the generation of the replica this one replaced on its owner's
     renew notice, until a call of ``attach`` in this process returns it (0: none): the
     rows the user wrote are in views of that generation, so a push of this one is
@@ -66,7 +67,6 @@ class Replica:
     generation: int
     lock: threading.Lock = field(default_factory=threading.Lock)
     leaves: list = field(default_factory=list)  # leaf_views(segment, layout), made by the first push
-    filled: bool = False
     renewed_from: int = 0
 
 

@@ -429,7 +429,8 @@ def node_rewrite(obj: Any, directory: str) -> Iterator[Callable[[], None]]:
     save with ``atomic=True`` (ours would name files the new version does not have,
     and it would no longer load). After the block, SaveChangedError if ``directory``
     was replaced meanwhile (what the block wrote went to the old version)."""
-    expected = nodes.kind_for_object(obj).metadata(obj, _entries_now(nodes.kind_for_object(obj), obj))[0]
+    kind = nodes.kind_for_object(obj)
+    expected = kind.metadata(obj, _entries_now(kind, obj))[0]
     with Directory.open(directory) as opened:
         _lock_node(opened)
         on_disk = read_meta(opened)
