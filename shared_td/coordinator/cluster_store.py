@@ -83,6 +83,11 @@ _SPARE_CONNECT_WORST_S = 2 * SPARE_CONNECT_S + 1.0
 POP_CONNECTIONS = 4
 
 
+# What a compare-and-set that expects it returns for a missing key (no value of the
+# cluster is this: a signed one starts with its 32-byte digest): see get_unchecked
+_ABSENT = b"\x00absent"
+
+
 def _store_call(method):
     """A SignedStore method whose lost store host raises ConnectionError (torch raises
     DistNetworkError, a RuntimeError), whichever caller uses it: the Cluster, a counter."""
@@ -331,22 +336,25 @@ class SignedStore:
             self.set_json_if_newer(key, value, field, forged)
 
     @_store_call
-    def get_signed(self, key: str) -> tuple[object, bytes]:
-        """The value at ``key`` (which exists: look first) and the bytes stored there, to
-        replace exactly those with ``compare_set``; ``(None, b"")`` for a key emptied so
-        (a record taken back, see ``cluster_sync``). ClusterAuthError for a wrong signature."""
-        blob = self._store().get(key)
+    def get_signed(self, key: str) -> tuple[object, bytes | None]:
+        """The value at ``key`` and the bytes stored there, to replace exactly those with
+        ``compare_set`` (:meth:`get_unchecked`: never waits); ``(None, None)`` when
+        missing, ``(None, b"")`` for a key emptied (a record taken back, see
+        ``cluster_sync``). ClusterAuthError for a wrong signature."""
+        blob = self.get_unchecked(key)
         if not blob:
-            return None, b""
+            return None, blob
         return json.loads(self.check(key, blob)), blob
 
     @_store_call
     def get_unchecked(self, key: str) -> bytes | None:
         """The bytes stored at ``key`` as they are (None when missing), signature NOT
-        checked: only to tell whether they change (a heartbeat written with another
-        key that keeps changing still means a process runs there), never to use them."""
-        store = self._store()
-        return store.get(key) if store.check([key]) else None
+        checked (:meth:`get_signed` checks it), in one round trip that never waits: a
+        compare-and-set that expects what no value holds changes nothing and returns
+        what is there (a ``get`` after a look waited the store's whole timeout for a key
+        deleted between the two)."""
+        held = self._store().compare_set(key, _ABSENT, _ABSENT)
+        return None if held == _ABSENT else held
 
     @_store_call
     def has(self, key: str) -> bool:

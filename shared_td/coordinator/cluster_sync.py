@@ -53,7 +53,7 @@ def has_replica(cluster, store, name: str, peer: int, generation: int | None = N
     process's; the sync it misleads is refused by that node without its payload being
     received (see ``cluster_serve``), which then takes the record back itself."""
     key = f"has/{name}/{peer}"
-    if not store.has(key):
+    if not store.has(key):  # (the usual answer for a node without a replica: one look)
         return False
     try:
         record, blob = store.get_signed(key)
@@ -61,7 +61,7 @@ def has_replica(cluster, store, name: str, peer: int, generation: int | None = N
         cluster.refused += 1
         return False
     if not isinstance(record, dict):
-        return False  # taken back (emptied), or signed but not a record
+        return False  # taken back (emptied, or deleted since the look), or signed but not a record
     claim = record.get("claim")
     if claim is not None and (store.get_unchecked(f"claim/{peer}") or b"") != str(claim).encode():
         store.compare_set(key, blob, b"")  # the holder's process is gone

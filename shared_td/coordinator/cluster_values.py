@@ -58,7 +58,6 @@ new one. What may still touch them, and what it does now:
 from __future__ import annotations
 
 import base64
-import json
 import pickle
 import threading
 from dataclasses import dataclass, field
@@ -86,9 +85,6 @@ class _Tracked:
     owned: bool = False  # published by this node (else a replica's)
 
 
-# What a compare-and-set that expects it returns for a missing key (no signed record is
-# this short): a read that does not wait for the key (see _read)
-_MISSING = b"\x00missing"
 # A value record found missing: its generation was replaced (see the module's opening)
 _GONE = object()
 
@@ -190,13 +186,9 @@ class ClusterValues:
 
     def _read(self, key: str):
         """The signed JSON record at ``key``, None when it is missing, in one round trip
-        that never waits (a ``get`` waits the store's timeout for a missing key): a
-        compare-and-set that expects what no record holds changes nothing and returns
-        what is there. ClusterAuthError for a wrong signature."""
-        held = self._store.compare_set(key, _MISSING, _MISSING)
-        if held == _MISSING:
-            return None
-        return json.loads(self._store.check(key, held))
+        that never waits (a ``get`` waits the store's timeout for a missing key).
+        ClusterAuthError for a wrong signature."""
+        return self._store.get_signed(key)[0]
 
     def _delete(self, key: str) -> None:
         """Delete the two records of value ``key`` (``name/generation/index``)."""
