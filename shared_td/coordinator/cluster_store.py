@@ -102,10 +102,6 @@ def _store_call(method):
     return call
 
 
-# what read_counter expects at a counter's key: never what the store's host writes
-_NO_COUNTER = b"\x00no counter"
-
-
 def _is_counter(value: bytes) -> bool:
     """Whether ``value`` is an int64 as the store's host writes a counter (``std::to_string``)."""
     return re.fullmatch(rb"0|-?[1-9][0-9]*", value) is not None and INT64_MIN <= int(value) <= INT64_MAX
@@ -423,11 +419,10 @@ class SignedStore:
         ValueError naming ``key`` when they are not an integer as the store's host
         writes one. An addition (``add``, also of 0) cannot tell: the host adds to the
         integer the stored bytes start with and writes the sum back whole, so
-        ``b"12abc"`` read as 12 and the rest was gone without a trace. A compare-and-set
-        that expects what no counter holds changes nothing and returns the bytes held
-        (the expected bytes when the key is missing)."""
-        held = self._store().compare_set(key, _NO_COUNTER, _NO_COUNTER)
-        if held == _NO_COUNTER:
+        ``b"12abc"`` read as 12 and the rest was gone without a trace (read as
+        :meth:`get_unchecked` reads)."""
+        held = self.get_unchecked(key)
+        if held is None:
             return 0
         if not _is_counter(held):
             raise _not_a_counter(key, held, "Nothing was read or added (an addition would have taken the integer "
