@@ -12,8 +12,7 @@ service thread (:func:`serve_notices`) applies the small notices of ``queue/<nod
 non-tensor values, new pair generations, stop.
 
 A lane never waits for a peer: a renew (a pull from the owner) is made by the node's
-renew thread (:class:`Renewals`); made in the lanes, two nodes that re-published at once
-each waited out the timeout for the other's lane, busy renewing too. A serving thread
+renew thread (:mod:`~shared_td.coordinator.cluster_renewals`). A serving thread
 ends only when the node stops, the store's host is lost (``ConnectionError``) or its
 number was taken over; any other error is counted in ``Cluster.serve_errors`` and it
 serves on (a store error ended a lane in silence: the node beat on, that peer unserved).
@@ -41,7 +40,6 @@ calling half (:mod:`~shared_td.coordinator.cluster`) so that each reads on its o
 """
 from __future__ import annotations
 
-import collections
 import datetime
 import threading
 import time
@@ -49,6 +47,7 @@ import time
 import torch
 
 from shared_td.coordinator import cluster_replica as replica
+from shared_td.coordinator.cluster_renewals import renew
 from shared_td.coordinator.cluster_replica import Owned, Replica
 from shared_td.coordinator.cluster_store import ClusterAuthError
 from shared_td.coordinator.cluster_liveness import HEARTBEAT_S
@@ -71,8 +70,6 @@ LISTEN_S = 24 * 3600.0
 
 #: The start of the name of a thread that keeps a receive posted for a peer's pushes.
 LISTENER = "shared_td-cluster-pushes-"
-#: The name of the thread that renews this node's replicas (see :class:`Renewals`).
-RENEWER = "shared_td-cluster-renew"
 #: The largest payload for what this node does not hold that it still receives (into
 #: scratch, then refused): a larger one fails the pair, which ends the sender's send (a
 #: node restarted without a replica got every sync of a 256 MB name: its memory doubled).
@@ -192,7 +189,7 @@ def _serve_lane(cluster, peer: int) -> None:
 def _handle(cluster, request: dict) -> None:
     peer, op, name = request["from"], request["op"], request["name"]
     if op == "renew":
-        _renew(cluster, name, request["generation"])
+        renew(cluster, name, request["generation"])
         return
     try:
         if op == "pull":
@@ -231,94 +228,6 @@ def _reply(cluster, request: dict, **answer) -> None:
     ``caller``): a node restarted under the same number reuses the queue and the tags,
     and must not take an answer meant for its previous process."""
     cluster._store.push_json(request["reply"], {"tag": request["tag"], "caller": request.get("caller"), **answer})
-
-
-def _renew(cluster, name: str, generation: int) -> None:
-    """The owner published ``name`` again: have this node's older replica replaced, by
-    the node's renew thread (:class:`Renewals`), not in the lane."""
-    cluster._announced[name] = max(generation, cluster._announced.get(name, 0))
-    have = _held(cluster, name)
-    if have is None or have.generation >= generation:
-        return
-    renewals = cluster.__dict__.get("_renewals")
-    if renewals is None:  # (setdefault: one per node, also when two lanes get a notice at once)
-        renewals = cluster.__dict__.setdefault("_renewals", Renewals(cluster))
-    renewals.add(name, generation)
-
-
-def _held(cluster, name: str):
-    """The replica of ``name`` this node holds, or the one its first attach is filling
-    (a notice that came meanwhile renews it once that attach is done: the renew's attach
-    waits for it), else None."""
-    return cluster._replicas.get(name) or cluster._filling.get(name)
-
-
-class Renewals:
-    """The renews of a node's replicas, one after another, by a thread (:data:`RENEWER`)
-    started when one is queued and ended when none waits. It is one of the node's
-    (``Cluster._threads``): shutdown waits for it, and its attach is the node's, not the
-    user's. A failed renew leaves the old replica (stale), counted in ``renew_failures``.
-
-    Example (a stand-in for a node: ``attach`` is what a renew calls)::
-
-        >>> import threading, types
-        >>> made = []
-        >>> node = types.SimpleNamespace(_replicas={"p": types.SimpleNamespace(generation=1)}, _filling={}, _threads=[],
-        ...                              _stop=threading.Event(), _closed=False, renew_failures=0,
-        ...                              attach=made.append)
-        >>> renewals = Renewals(node)
-        >>> renewals.add("p", 2)
-        >>> renewals.join(5.0)
-        >>> made
-        ['p']
-    """
-
-    def __init__(self, cluster):
-        self._cluster = cluster
-        self._waiting: collections.deque = collections.deque()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-
-    def add(self, name: str, generation: int) -> None:
-        """Queue the renew of ``name`` to ``generation``; returns at once."""
-        cluster = self._cluster
-        with self._lock:
-            self._waiting.append((name, generation))
-            if self._thread is not None:
-                return  # the running thread takes it
-            # the threads of the renews before (ended) leave the node's list
-            for ended in [t for t in list(cluster._threads) if t.name == RENEWER and not t.is_alive()]:
-                try:
-                    cluster._threads.remove(ended)
-                except ValueError:
-                    pass
-            self._thread = threading.Thread(target=self._run, name=RENEWER, daemon=True)
-            cluster._threads.append(self._thread)  # before it runs: its attach is the node's
-            self._thread.start()
-
-    def join(self, timeout: float) -> None:
-        """Wait (at most ``timeout`` s) for the renews queued so far to end."""
-        thread = self._thread
-        if thread is not None:
-            thread.join(timeout)
-
-    def _run(self) -> None:
-        cluster = self._cluster
-        while True:
-            with self._lock:
-                if not self._waiting or cluster._stop.is_set():
-                    self._waiting.clear()
-                    self._thread = None
-                    return
-                name, generation = self._waiting.popleft()
-            have = _held(cluster, name)
-            if have is None or have.generation >= generation:
-                continue  # renewed meanwhile (by an attach, or a notice before), or let go
-            try:
-                cluster.attach(name)
-            except Exception:  # noqa: BLE001 - nobody waits for this answer; counted
-                if not cluster._closed:
-                    cluster.renew_failures += 1
 
 
 def _serve_pull(cluster, peer: int, request: dict) -> None:
