@@ -104,6 +104,13 @@ DEFAULT_TIMEOUT = 30.0
 #: 2-core loopback (CPU-bound: 2 or 4 gave no reliable gain for a 100 MB sync); where one
 #: TCP stream is bound by the link or its latency, try more (``--only cluster_sync``).
 DEFAULT_STRIPES = 1
+#: Times an attach is made in all while its owner publishes the name again (each time,
+#: the generation it began with is gone; the newer one is what the caller wants).
+ATTACH_TRIES = 3
+
+
+class _PublishedAgain(RuntimeError):
+    """An attach's generation was replaced by a newer publish while it ran."""
 
 
 class Cluster(ClusterMembership, ClusterRequests):
@@ -251,7 +258,9 @@ class Cluster(ClusterMembership, ClusterRequests):
         publishes again, a node that holds a replica makes the new one by itself (on the
         owner's notice, in a thread of its own) and publishes it on its
         Coordinator, so that the views of the node's other processes turn stale and their
-        ``refresh`` finds the new generation. A name this node owned in a previous process
+        ``refresh`` finds the new generation. An attach that the owner's new publish
+        overtakes (the generation it began with is gone) is made again for the new one,
+        :data:`ATTACH_TRIES` times in all. A name this node owned in a previous process
         (it ended, and nothing published it again) is a KeyError saying so, at once."""
         if name in self._owned:
             return self._owned[name].td
@@ -259,7 +268,12 @@ class Cluster(ClusterMembership, ClusterRequests):
         if not self._attaching.acquire(timeout=self.timeout):
             raise TimeoutError(f"Another attach on this node did not end within {self.timeout:g} s.")
         try:
-            return self._attach(name)
+            for tries_left in reversed(range(ATTACH_TRIES)):
+                try:
+                    return self._attach(name)
+                except _PublishedAgain:
+                    if not tries_left:
+                        raise
         finally:
             self._attaching.release()
 
@@ -281,6 +295,23 @@ class Cluster(ClusterMembership, ClusterRequests):
             raise KeyError(f"{name!r} is owned by this node (node {self.node}), but by its previous process, "
                            "which ended: this process holds no data of it. Publish it again on this node "
                            "(its replicas on the other nodes then renew).")
+        try:
+            return self._attach_generation(name, info, have)
+        except RuntimeError as err:
+            # the owner published it again meanwhile: its pull of this generation was
+            # refused, or the generation's value records were deleted
+            if isinstance(err, _PublishedAgain) or not self._published_since(name, info["generation"]):
+                raise
+            raise _PublishedAgain(f"attach({name!r}): {name!r} was published again {ATTACH_TRIES} times while this "
+                                  f"node attached it ({err}). Attach it again.") from err
+
+    def _published_since(self, name: str, generation: int) -> bool:
+        try:
+            return self._info(name)["generation"] > generation
+        except Exception:  # noqa: BLE001 - cannot tell: the attach's own error is raised
+            return False
+
+    def _attach_generation(self, name: str, info: dict, have: Replica | None):
         layout, generation = info["layout"], info["generation"]
         latest = self._values.latest(name, generation, len(layout.get("values", ())))
         if None in latest:  # a value's stored record is forged (counted): its owner stores it again
