@@ -16,6 +16,7 @@ from shared_td.containers.base import (
     is_tensor_collection,
 )
 from shared_td.containers.consolidated_load import from_consolidated
+from shared_td.containers.extra_constructors import cat, fromkeys, maybe_dense_stack, stack
 from shared_td.containers.lazy import LazyStackedTensorDict
 from shared_td.containers.nontensor import NonTensorData, NonTensorDataBase, NonTensorStack
 from shared_td.containers.tensorclass import TensorClass, from_dataclass, is_tensorclass, tensorclass
@@ -107,8 +108,10 @@ __all__ = [
     "TransferFailed",
     "UnstorableValueError",
     "attach",
+    "cat",
     "default_is_leaf",
     "from_dataclass",
+    "fromkeys",
     "gc",
     "is_leaf_nontensor",
     "is_memmap_archive",
@@ -117,6 +120,7 @@ __all__ = [
     "is_tensor_collection",
     "is_tensorclass",
     "lazy_stack",
+    "maybe_dense_stack",
     "from_consolidated",
     "load",
     "load_memmap",
@@ -125,6 +129,7 @@ __all__ = [
     "refresh",
     "refresh_archive_checksums",
     "save",
+    "stack",
     "tensorclass",
     "unpack_memmap",
     "unravel_key",

@@ -17,6 +17,7 @@ from shared_td.containers import batch as batch_ops
 from shared_td.containers.comparisons import ComparisonOps
 from shared_td.containers.consolidation import ConsolidateMethods
 from shared_td.containers.convenience_ops import ConvenienceOps
+from shared_td.containers.extra_names import ExtraNameOps
 from shared_td.containers.keysview import UNSEEN, KeysView
 from shared_td.containers.locking import LockingOps
 from shared_td.containers.nontensor_ops import NonTensorOps
@@ -91,7 +92,7 @@ def is_leaf_nontensor(cls: type) -> bool:
 
 
 class TensorDictBase(LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, MemmapMethods, ConsolidateMethods,
-                     ComparisonOps, UpdateOps, PinningOps):
+                     ComparisonOps, UpdateOps, PinningOps, ExtraNameOps):
     """Common API of TensorDict, LazyStackedTensorDict and the non-tensor containers."""
 
     _is_non_tensor = False

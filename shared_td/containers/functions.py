@@ -205,6 +205,7 @@ TORCH_FUNCTIONS = {
     torch.concat: cat,
     torch.unbind: lambda td, dim=0: td.unbind(dim),
     torch.split: lambda td, split_size_or_sections, dim=0: td.split(split_size_or_sections, dim),
+    torch.tensor_split: lambda td, indices_or_sections, dim=0: td.tensor_split(indices_or_sections, dim),
     torch.chunk: lambda td, chunks, dim=0: td.chunk(chunks, dim),
     torch.unsqueeze: lambda td, dim: td.unsqueeze(dim),
     torch.squeeze: lambda td, dim=None: td.squeeze(dim),

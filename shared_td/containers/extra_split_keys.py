@@ -1,0 +1,82 @@
+"""``split_keys``: a tensordict split into one tensordict per set of keys, plus one of
+the entries no set took (tensordict 0.15.3's method; ExtraNameOps calls
+:func:`split_keys`). The values are not copied: every part holds the same tensors.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from shared_td.tensorclass_protocol import unwrap_tensorclass
+
+#: split_keys's ``default`` when none is given
+NO_DEFAULT = object()
+
+
+def split_keys(td: Any, key_sets: tuple, *, inplace: bool, default: Any, strict: bool,
+               reproduce_struct: bool) -> tuple:
+    """The parts of the tensordict ``td`` (see ``ExtraNameOps.split_keys``).
+
+    A set is a list of keys, a dict ``{key: new key}`` (the entry is renamed in its
+    part) or a callable ``fn(key, value) -> bool`` called on every tensor leaf that no
+    earlier set took (``key`` as a tuple; ``fn`` is not called on nested tensordicts or
+    non-tensor entries). Each set takes from what the earlier ones left.
+
+    Every set is read, and every missing key raises, before ``td`` changes: with
+    ``inplace=True`` the taken entries are removed from ``td`` at the end only (as in
+    tensordict, so a KeyError leaves it whole).
+    """
+    if strict:
+        default = NO_DEFAULT  # (a missing key raises; default is ignored, as in tensordict)
+    elif default is NO_DEFAULT:
+        default = None  # (a missing key is skipped)
+    rest = td.copy()  # (a new tree over the same tensors: taking from it leaves td alone)
+    parts, taken = [], []
+    for key_set in key_sets:
+        part = td.empty(recurse=reproduce_struct)
+        if reproduce_struct:  # the tree of nested tensordicts, without td's non-tensor values
+            _drop_non_tensors(part)
+        if callable(key_set) and not isinstance(key_set, Iterable):
+            chosen = key_set
+            key_set = [key for key, value in rest.items(True, True)
+                       if chosen(key if isinstance(key, tuple) else (key,), value)]
+        if not isinstance(key_set, dict):
+            key_set = {key: key for key in key_set}
+        for key, new_key in key_set.items():
+            value = rest.pop(key) if default is NO_DEFAULT else rest.pop(key, default)
+            if value is not None:
+                part.set(new_key, value)
+            taken.append(key)
+        parts.append(part)
+    if inplace:
+        for key in taken:
+            td.pop(key, None)
+        rest = td
+    if not reproduce_struct:
+        _drop_empty(rest)
+    return (*parts, rest)
+
+
+def _drop_non_tensors(td: Any) -> None:
+    """Remove every non-tensor entry of ``td``, at every depth (in place)."""
+    from shared_td.containers.base import is_non_tensor, is_tensor_collection
+
+    for key, value in list(td.items()):
+        if is_non_tensor(value):
+            td.del_(key)
+        elif is_tensor_collection(value):
+            _drop_non_tensors(unwrap_tensorclass(value))
+
+
+def _drop_empty(td: Any) -> None:
+    """Remove the nested tensordicts of ``td`` that hold no leaf, at every depth (in
+    place; tensordict's ``filter_empty_``)."""
+    from shared_td.containers.base import is_non_tensor, is_tensor_collection
+
+    for key, value in list(td.items()):
+        if not is_tensor_collection(value) or is_non_tensor(value):
+            continue
+        if value.is_empty():
+            td.del_(key)
+        else:
+            _drop_empty(unwrap_tensorclass(value))
