@@ -109,10 +109,6 @@ DEFAULT_STRIPES = 1
 ATTACH_TRIES = 3
 
 
-class _PublishedAgain(RuntimeError):
-    """An attach's generation was replaced by a newer publish while it ran."""
-
-
 class Cluster(ClusterMembership, ClusterRequests):
     """This node's membership of a cluster.
 
@@ -269,15 +265,16 @@ class Cluster(ClusterMembership, ClusterRequests):
             raise TimeoutError(f"Another attach on this node did not end within {self.timeout:g} s.")
         try:
             for tries_left in reversed(range(ATTACH_TRIES)):
-                try:
-                    return self._attach(name)
-                except _PublishedAgain:
-                    if not tries_left:
-                        raise
+                td = self._attach(name, last_try=not tries_left)
+                if td is not None:
+                    return td
         finally:
             self._attaching.release()
 
-    def _attach(self, name: str):
+    def _attach(self, name: str, last_try: bool):
+        """``attach``'s work, once; None when the owner published ``name`` again
+        meanwhile (unless ``last_try``): its pull of this generation was refused, or the
+        generation's value records were deleted."""
         have = self._replicas.get(name)
         try:
             info = self._info(name)
@@ -298,12 +295,12 @@ class Cluster(ClusterMembership, ClusterRequests):
         try:
             return self._attach_generation(name, info, have)
         except RuntimeError as err:
-            # the owner published it again meanwhile: its pull of this generation was
-            # refused, or the generation's value records were deleted
-            if isinstance(err, _PublishedAgain) or not self._published_since(name, info["generation"]):
+            if not self._published_since(name, info["generation"]):
                 raise
-            raise _PublishedAgain(f"attach({name!r}): {name!r} was published again {ATTACH_TRIES} times while this "
-                                  f"node attached it ({err}). Attach it again.") from err
+            if not last_try:
+                return None  # overtaken: the caller attaches the new generation
+            raise RuntimeError(f"attach({name!r}): {name!r} was published again {ATTACH_TRIES} times while this "
+                               f"node attached it ({err}). Attach it again.") from err
 
     def _published_since(self, name: str, generation: int) -> bool:
         try:
