@@ -122,6 +122,14 @@ class FileReplacedError(FileNotFoundError):
     cannot map the sender's file, and mapping the new one would read other bytes."""
 
 
+class MappingError(OSError, RuntimeError):
+    """A file or anonymous segment could not be memory-mapped: a limit of this process
+    (``errno`` ENOMEM: ``RLIMIT_AS``, ``vm.max_map_count``, the memory commit) or no file
+    descriptor left to open it (EMFILE, ENFILE); the message names the file or segment,
+    its size and the limits. Nothing is left open. An ``OSError``, and the
+    ``RuntimeError`` torch and tensordict raise there ("unable to mmap ...")."""
+
+
 class SaveChangedError(RuntimeError):
     """A memory-mapped tensordict would rewrite the ``meta.json`` of its save
     (``make_memmap``), but that file no longer describes it: another process changed

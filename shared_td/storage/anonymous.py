@@ -22,13 +22,15 @@ a resource tracker; we need neither):
 
 from __future__ import annotations
 
+import errno
 import os
 import weakref
 
 from shared_td import platform
-from shared_td.errors import SegmentUnavailableError
+from shared_td.errors import MappingError, SegmentUnavailableError
 from shared_td.storage.cache import InodeCache
 from shared_td.storage.files import NO_SPACE_ERRNOS, map_fd, pwrite_all, storage_full_error
+from shared_td.storage.mapping import descriptor_limits
 
 __all__ = [
     "ALIGNMENT", "Segment", "SegmentUnavailableError", "align", "attach_peer_fd", "attach_segment",
@@ -102,7 +104,8 @@ class Segment:
         try:
             # Mapped eagerly: mapping costs nothing until touched, and one fixed storage
             # per segment is what lets a tensor prove which segment it views.
-            self.storage = map_fd(fd, nbytes, shared=True)
+            self.storage = map_fd(fd, nbytes, shared=True,
+                                  what=f"an anonymous shared-memory segment (inode {key[1]})")
         except BaseException:
             self._finalizer()
             raise
@@ -184,6 +187,11 @@ def _unavailable(pid: int, key: tuple[int, int], what: str, reason: str,
     )
 
 
+#: errnos of an open of ``/proc/<pid>/fd/<fd>`` that are this process's (or this
+#: machine's) shortage, not the sender's absence: no descriptor, no file table entry, no memory
+OWN_SHORTAGE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
+
+
 def attach_peer_fd(pid: int, fd: int, key: tuple[int, int], *, what: str, min_size: int = 0,
                    advice: str = GENERIC_ADVICE) -> int:
     """Our own descriptor on the memfd that process ``pid`` holds as ``fd``
@@ -191,6 +199,10 @@ def attach_peer_fd(pid: int, fd: int, key: tuple[int, int], *, what: str, min_si
     ``(st_dev, st_ino)``), holding at least ``min_size`` bytes; a
     :class:`SegmentUnavailableError` naming ``what`` (and giving ``advice``, the fix for
     that user of the memory) otherwise. The caller owns it.
+
+    An open refused for this process's own shortage (:data:`OWN_SHORTAGE_ERRNOS`: out
+    of descriptors, ``RLIMIT_NOFILE``) is an ``OSError`` with that errno saying so, not
+    a SegmentUnavailableError: the sender is not to blame, and attaching again does not help.
     """
     if pid == os.getpid():
         # Our own memory is no longer in this process's cache, so its descriptor closed.
@@ -198,6 +210,15 @@ def attach_peer_fd(pid: int, fd: int, key: tuple[int, int], *, what: str, min_si
     try:
         new_fd = platform.reopen_peer_fd(pid, fd, key)
     except OSError as err:
+        if err.errno in OWN_SHORTAGE_ERRNOS:
+            # this process (or the system) is short of descriptors or memory: the sender
+            # may well hold the segment, and trying again would fail the same way
+            limits = descriptor_limits(err.errno) if err.errno != errno.ENOMEM else \
+                "The kernel is out of memory for a new open file."
+            raise MappingError(err.errno, f"Cannot attach the {what} (inode {key[1]}) that process {pid} "
+                                          f"holds: {err.strerror}. {limits}") from err
+        # ENOENT, ESRCH: the process or its descriptor is gone; ESTALE: the number now
+        # names another file (see reopen_peer_fd)
         raise _unavailable(pid, key, what, err.strerror or str(err), advice) from err
     try:
         st = os.fstat(new_fd)
