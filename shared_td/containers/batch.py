@@ -8,6 +8,7 @@ into the explicit form that can be applied to leaves with more trailing dims.
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any, Sequence
 
 import numpy as np
@@ -91,16 +92,23 @@ def insertion_dim(dim: int, batch_dims: int, op: str = "unsqueeze", *, what: str
 
 
 def _as_index_part(part: Any) -> Any:
-    """Lists and numpy arrays become tensors; numpy scalars become ints."""
+    """Lists and numpy arrays become tensors (a uint8 one a bool mask, as torch takes
+    it); numpy scalars become ints."""
     if isinstance(part, list):
         array = np.asarray(part)  # numpy makes ``[]`` and ``[[]]`` float: torch takes them as no rows
         return torch.as_tensor(array.astype(np.int64) if not array.size else array)
     if isinstance(part, np.ndarray):
-        return torch.as_tensor(part)
+        part = torch.as_tensor(part)
     if isinstance(part, np.integer):
         return int(part)
     if isinstance(part, range):
         return torch.arange(part.start, part.stop, part.step)
+    if isinstance(part, torch.Tensor) and part.dtype == torch.uint8:
+        # torch takes a uint8 index tensor as a mask (deprecated, with this warning): so
+        # does every leaf, and the batch dims and names must count it so
+        warnings.warn("indexing with dtype torch.uint8 is now deprecated, please use a dtype torch.bool instead.",
+                      UserWarning, stacklevel=4)
+        return part.bool()
     return part
 
 

@@ -7,17 +7,21 @@ same structure as the last one (row_writes.py); anything else comes here:
 key and the shapes) at the first entry that cannot take its value, and otherwise
 appends one closure per write to the caller's list, which runs them once all are planned.
 A key that the destination lacks gets a new zero entry of the destination's batch size,
-added by its own closure, so that a failing write adds no key either.
+added by its own closure, so that a failing write adds no key either. What torch itself
+would refuse inside a closure is settled here too (``row_writes.fit_source``): a source
+of another dtype is cast to the entry's, as torch casts it into a slice (its
+``index_put_`` refuses it), and a write that torch refuses for memory overlap raises.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from shared_td.containers import batch as batch_ops
 from shared_td.containers.base import is_non_tensor, is_tensor_collection
 from shared_td.containers.nontensor_ops import check_non_tensor_write
+from shared_td.containers.row_writes import fit_source
 from shared_td.errors import BatchSizeMismatchError
 from shared_td.keys import key_repr
 from shared_td.memmap_tensor import refuse_read_only
@@ -50,7 +54,8 @@ class IndexWrites:
                     refuse_read_only(entry, "td[index] = value")
                     if isinstance(value, torch.Tensor):
                         _check_fits(value, target_batch + entry.shape[self.batch_dims:], path + (key,), index)
-                    writes.append(lambda entry=entry: entry.__setitem__(index, value))
+                    fitted = fit_source(entry, index, value, path + (key,))  # (cast to its dtype)
+                    writes.append(lambda entry=entry, fitted=fitted: entry.__setitem__(index, fitted))
                 elif is_tensor_collection(entry) and not is_non_tensor(entry):
                     inner = unwrap_tensorclass(entry)
                     inner_batch = target_batch + inner.batch_size[self.batch_dims:]
@@ -60,7 +65,8 @@ class IndexWrites:
         for key in value._keys_str():
             source = value._get_str(key, None)
             current = self._tensordict.get(key)
-            if current is None:
+            added = current is None
+            if added:
                 self._check_unlocked((key,), "add")
                 # A new, detached entry: filled by the closures planned below.
                 current = _zeros_like_entry(source, self._batch_size, target_batch)
@@ -70,14 +76,18 @@ class IndexWrites:
                     raise TypeError(f"Cannot write a {type(source).__name__} into tensor entry {key!r}.")
                 _check_fits(source, target_batch + current.shape[self.batch_dims:], path + (key,), index)
                 refuse_read_only(current, "td[index] = value")
+                # (cast to the entry's dtype, and torch's overlap refusals checked: see row_writes)
+                source = fit_source(current, index, source, path + (key,))
                 writes.append(lambda current=current, source=source: current.__setitem__(index, source))
             elif is_non_tensor(current):
                 check_non_tensor_write(current, index, source, key)
-                writes.append(
-                    lambda key=key, current=current, source=source: self._tensordict.__setitem__(
-                        key, current._set_at(index, source)
-                    )
+                write = lambda key=key, current=current, source=source: self._tensordict.__setitem__(  # noqa: E731
+                    key, current._set_at(index, source)
                 )
+                if added:  # (a new key: filled after the closure that adds it)
+                    writes.append(write)
+                else:
+                    store_first(writes, write)
             else:
                 # A tensor goes into every tensor leaf of the nested tensordict, as in
                 # tensordict 0.15.3 (it was refused before).
@@ -94,6 +104,26 @@ class IndexWrites:
                 inner, source = unwrap_tensorclass(current), unwrap_tensorclass(source)
                 inner_batch = target_batch + inner.batch_size[self.batch_dims:]
                 inner._plan_index_writes(index, source, writes, inner_batch, path=path + (key,))
+
+
+def store_first(writes: list, write: Callable[[], None]) -> None:
+    """Put ``write``, a store of new values into an existing non-tensor entry, before
+    the tensor writes planned so far, after the other such stores. A store may fail in a
+    way no plan can check (a shared cell's memory or a memory-mapped entry's disk is
+    full): run first, it then fails before any tensor leaf is written. (The entries are
+    distinct: no write reads what another one writes.)
+
+    Example:
+        >>> writes = [lambda: "tensor a"]
+        >>> store_first(writes, lambda: "text s"); store_first(writes, lambda: "text t")
+        >>> [write() for write in writes]
+        ['text s', 'text t', 'tensor a']
+    """
+    write.stores_first = True
+    at = 0
+    while at < len(writes) and getattr(writes[at], "stores_first", False):
+        at += 1
+    writes.insert(at, write)
 
 
 def _check_fits(source: torch.Tensor, expected: torch.Size, key: tuple, index: tuple) -> None:
@@ -212,11 +242,13 @@ def plan_set_at(target: Any, path: tuple, value: Any, index: Any, writes: list, 
     if not isinstance(entry, torch.Tensor):  # a non-tensor: written by its node's set_at_
         node = unwrap_tensorclass(target.get(path[:-1])) if len(path) > 1 else target
         check_non_tensor_write(entry, batch_ops.index_and_size(index, entry.batch_size)[0], value, path[-1])
-        writes.append(lambda: node.set_at_(path[-1], value, index))
+        store_first(writes, lambda: node.set_at_(path[-1], value, index))
         return
     if isinstance(value, torch.Tensor):
         _check_fits(value, batch_ops.indexed_batch_size(entry.shape, index), path, index)
     refuse_read_only(entry, op)
+    # (cast to the entry's dtype, and torch's overlap refusals checked: see row_writes)
+    value = fit_source(entry, index, value, path, normalized=False)
     writes.append(lambda: entry.__setitem__(index, value))
 
 

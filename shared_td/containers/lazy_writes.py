@@ -204,6 +204,8 @@ class LazyWriteOps:
             # selected elements back into the members
             touched = torch.zeros(stacked.shape, dtype=torch.bool)
             touched[index] = True
+            if isinstance(value, torch.Tensor) and value.dtype != stacked.dtype:
+                value = value.to(stacked.dtype)  # as tensordict casts it (index_put_ would refuse)
             stacked[index] = value
             parts = self._touched_parts(path, stacked, touched)
             refuse_read_only([leaf for leaf, _, _ in parts], "set_at_")
@@ -342,7 +344,8 @@ def _expand_lead(value: Any, lead: torch.Size, shape: torch.Size) -> Any:
 def _write_parts(parts: list) -> None:
     """Copy the selected elements of each member's part into the member's tensor."""
     for leaf, part, mask in parts:
-        leaf[mask] = part[mask].to(leaf.device)
+        # (the dtype too: a member of another dtype than the stack's, which index_put_ refuses)
+        leaf[mask] = part[mask].to(leaf.device, leaf.dtype)
 
 
 def _is_branch(value: Any) -> bool:

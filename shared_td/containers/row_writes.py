@@ -11,19 +11,27 @@ indexed rows) and then writes leaf by leaf.
 
 Correctness of the cache: the plan is never trusted, it is *checked* at each write, by
 identity, against the destination as it is now (the leaves in the same pass as the
-shapes of the source): every dict on the way to a leaf is
-still its node's dict and still holds the same child, and every planned leaf is still
-the same tensor object with the same shape. So any structural change, made by any code
-path (set of a new key, del, rename, replacing a nested tensordict or a leaf, memmap_
-swapping the leaves, resize_ of a leaf), makes the check fail and the plan is rebuilt.
-Lock state does not matter: the fast lane writes existing tensors in place, which a
-locked tensordict allows. Anything the fast lane does not cover (a new key, a
-non-tensor, another container class, a shape that does not broadcast) goes to the
-general write, which raises the same errors, naming the key and the shapes, before any
-byte is written.
+shapes of the source): the way to each leaf is walked through the destination's dicts as
+they are now, every nested tensordict on it is still the planned one, and every planned
+leaf is still the same tensor object with the same shape. So any structural change, made
+by any code path (set of a new key, del, rename, replacing a nested tensordict or a leaf,
+memmap_ swapping the leaves, resize_ of a leaf), makes the check fail and the plan is
+rebuilt. The plan holds its nodes and leaves by weak reference only: a leaf that was
+deleted, replaced or swapped by memmap_ is freed (its memory, its mapping) at once, not
+at the next write. Lock state does not matter: the fast lane writes existing tensors in
+place, which a locked tensordict allows. A source leaf of another dtype is cast to the
+leaf's (torch casts for a slice, but its ``index_put_`` refuses another dtype, which would
+fail the write halfway). Anything the fast lane does not cover (a new key, a non-tensor,
+another container class, a shape that does not broadcast, a source leaf in the memory of
+its destination leaf, an expanded leaf) goes to the general write, which raises the
+same errors, naming the key and the shapes, before any byte is written.
+
+:func:`fit_source` (also used by the general write, index_writes.py) is that cast and
+the check, before writing, of what torch would refuse halfway for memory overlap.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -36,43 +44,53 @@ from shared_td.memmap_tensor import MemoryMappedTensor, refuse_read_only
 # ``leaf.shape`` and ``leaf[index] = value``, ~0.5k instructions each, unless told not to
 _NO_OVERRIDES = frozenset({torch.Tensor, MemoryMappedTensor})
 _NO_SUBCLASS_DISPATCH = torch._C.DisableTorchFunctionSubclass
+_MISSING = object()  # what a dict gives for a planned key it no longer has (never a leaf)
 
 
 class RowWritePlan:
     """Where the leaves of a source with the leaf paths ``paths`` go in one destination."""
 
-    __slots__ = ("paths", "root_entries", "nodes", "places", "leaves", "shapes", "expected", "expected_for",
-                 "no_overrides")
+    __slots__ = ("paths", "nodes", "rows", "expected", "expected_for", "no_overrides")
 
-    def __init__(self, paths: list, root_entries: dict, nodes: list, places: list, leaves: list):
+    def __init__(self, paths: list, nodes: list, places: list, leaves: list):
         self.paths = paths  # the source's leaf paths, in its iteration order
-        self.root_entries = root_entries  # the destination's own dict
-        self.nodes = nodes  # (parent dict, key, nested tensordict, its dict) on the way
-        self.places = places  # (dict, key) holding each leaf
-        self.leaves = leaves  # the destination's tensors, one per path
-        self.shapes = [leaf.shape for leaf in leaves]
+        # (dict number of the parent, key, weak reference to a nested tensordict) on the
+        # way to the leaves, parents first: dict 0 is the destination's own, dict i + 1
+        # that of nodes[i] (weak references: the plan keeps nothing alive, see above)
+        self.nodes = nodes
+        # per leaf, in the order of paths: (dict number, key, weak reference to the leaf,
+        # its shape, its dtype, the byte range of its storage: a source leaf starting in
+        # it may overlap what is written, which the general write checks)
+        self.rows = [(at, key, weakref.ref(leaf), leaf.shape, leaf.dtype, *_storage_span(leaf))
+                     for (at, key), leaf in zip(places, leaves)]
         # the leaves are of classes whose torch behaviour is torch's own (see write_rows)
         self.no_overrides = {type(leaf) for leaf in leaves} <= _NO_OVERRIDES
         self.expected: list = []  # the indexed shape of each leaf ...
         self.expected_for: Any = None  # ... for this (indexed batch size, batch dims)
 
-    def holds_nodes(self, dest: Any) -> bool:
-        """True if ``dest`` still has the nodes the plan was made on (its leaves are
-        checked by ``write_rows``, in its one pass over them)."""
-        if dest._tensordict is not self.root_entries:
-            return False
-        for parent, key, node, entries in self.nodes:
-            if parent.get(key) is not node or node._tensordict is not entries:
-                return False
-        return True
+    def entries(self, dest: Any) -> list | None:
+        """The dicts of ``dest`` and of the planned nested tensordicts as they are now,
+        in the plan's numbering; None if a nested tensordict is not the planned one."""
+        dicts = [dest._tensordict]
+        for at, key, ref in self.nodes:
+            node = dicts[at].get(key)
+            if node is None or node is not ref():
+                return None
+            dicts.append(node._tensordict)
+        return dicts
 
     def expected_shapes(self, target_batch: torch.Size, batch_dims: int) -> list:
         """The shape of ``leaf[index]`` for each leaf, for an index that leaves the
         batch dims as ``target_batch`` (the feature dims follow)."""
         if self.expected_for != (target_batch, batch_dims):
-            self.expected = [target_batch + shape[batch_dims:] for shape in self.shapes]
+            self.expected = [target_batch + row[3][batch_dims:] for row in self.rows]
             self.expected_for = (target_batch, batch_dims)
         return self.expected
+
+
+def _storage_span(leaf: torch.Tensor) -> tuple:
+    start = leaf.untyped_storage().data_ptr()
+    return start, start + leaf.untyped_storage().nbytes()
 
 
 def source_leaves(source: Any, kind: type, prefix: tuple, paths: list, leaves: list) -> bool:
@@ -92,27 +110,28 @@ def source_leaves(source: Any, kind: type, prefix: tuple, paths: list, leaves: l
 
 def make_plan(dest: Any, paths: list) -> RowWritePlan | None:
     """The plan of ``dest`` for a source with leaf ``paths``; None when a path does not
-    lead, through tensordicts of ``dest``'s class, to an existing tensor."""
+    lead, through tensordicts of ``dest``'s class, to an existing tensor, or leads to an
+    expanded one (the general write checks each write into it)."""
     kind = type(dest)
-    nodes, places, leaves, seen = [], [], [], set()
+    nodes, places, leaves, numbers = [], [], [], {id(dest): 0}
     for path in paths:
         node = dest
         for part in path[:-1]:
             child = node._tensordict.get(part)
             if type(child) is not kind:
                 return None
-            if id(child) not in seen:
-                seen.add(id(child))
-                nodes.append((node._tensordict, part, child, child._tensordict))
+            if id(child) not in numbers:
+                numbers[id(child)] = len(nodes) + 1
+                nodes.append((numbers[id(node)], part, weakref.ref(child)))
             node = child
         leaf = node._tensordict.get(path[-1])
-        if not isinstance(leaf, torch.Tensor):
+        if not isinstance(leaf, torch.Tensor) or is_expanded(leaf):
             return None
-        places.append((node._tensordict, path[-1]))
+        places.append((numbers[id(node)], path[-1]))
         leaves.append(leaf)
     # checked once per plan, not per write: a refused leaf fails before any is written
     refuse_read_only(leaves, "td[index] = value")
-    return RowWritePlan(paths, dest._tensordict, nodes, places, leaves)
+    return RowWritePlan(paths, nodes, places, leaves)
 
 
 def write_rows(dest: Any, index: tuple, target_batch: torch.Size, source: Any) -> bool:
@@ -127,12 +146,12 @@ def write_rows(dest: Any, index: tuple, target_batch: torch.Size, source: Any) -
     if not source_leaves(source, type(dest), (), paths, sources):
         return False
     plan = dest._row_write_plan
-    if plan is None or plan.paths != paths or not plan.holds_nodes(dest):
+    if plan is None or plan.paths != paths:
         plan = _new_plan(dest, paths)
         if plan is None:
             return False
     written = _write(plan, dest, index, target_batch, sources)
-    if written is None:  # a planned leaf is no longer there or changed shape: plan again
+    if written is None:  # a planned node or leaf is no longer there or changed shape: plan again
         plan = _new_plan(dest, paths)
         if plan is None:
             return False
@@ -153,31 +172,169 @@ def _write(plan: RowWritePlan, dest: Any, index: tuple, target_batch: torch.Size
 
 def _fit_and_write(plan: RowWritePlan, dest: Any, index: tuple, target_batch: torch.Size,
                    sources: list) -> bool | None:
-    fits = _fits(plan, dest, target_batch, sources)
+    leaves: list = []
+    fits = _fits(plan, dest, target_batch, sources, leaves)
     if not fits:
         return fits
-    for leaf, value in zip(plan.leaves, sources):
+    for leaf, value in zip(leaves, sources):
         leaf[index] = value
     return True
 
 
 def _new_plan(dest: Any, paths: list) -> RowWritePlan | None:
     plan = make_plan(dest, paths)
-    if plan is not None:
-        dest._row_write_plan = plan
+    dest._row_write_plan = plan  # (None: a stale plan is dropped, and what it referred to)
     return plan
 
 
-def _fits(plan: RowWritePlan, dest: Any, target_batch: torch.Size, sources: list) -> bool | None:
-    """In one pass over the planned leaves: None if one is no longer the entry at its
-    place or changed shape (``resize_``), else whether each source leaf broadcasts to
-    its leaf's indexed rows."""
+def _fits(plan: RowWritePlan, dest: Any, target_batch: torch.Size, sources: list, leaves: list) -> bool | None:
+    """In one pass over the planned leaves (appended to ``leaves``): None if one is no
+    longer the entry at its place or changed shape (``resize_``), else whether each
+    source leaf broadcasts to its leaf's indexed rows and does not start in its leaf's
+    storage; a source leaf of another dtype is replaced in ``sources`` by its cast."""
+    dicts = plan.entries(dest)
+    if dicts is None:
+        return None
     expected = plan.expected_shapes(target_batch, len(dest._batch_size))
-    fits = True
-    for (entries, key), leaf, shape, value, want in zip(plan.places, plan.leaves, plan.shapes, sources, expected):
-        if entries.get(key) is not leaf or leaf.shape != shape:
+    fits, cast, missing, keep = True, False, _MISSING, leaves.append
+    for (at, key, ref, shape, dtype, low, high), value, want in zip(plan.rows, sources, expected):
+        leaf = dicts[at].get(key, missing)
+        if leaf is not ref() or leaf.shape != shape:  # (ref() is None once the leaf is gone)
             return None
+        keep(leaf)
+        if value.dtype is not dtype:
+            cast = True
+        elif low <= value.data_ptr() < high:
+            fits = False  # perhaps in the memory written: the general write checks it
         have = value.shape
         if have != want and not batch_ops.broadcasts_to(have, want):
             fits = False  # the other leaves are still checked: a stale plan comes first
+    if cast and fits:  # (new tensors: they overlap nothing)
+        sources[:] = [value if value.dtype is row[4] else value.to(row[4]) for value, row in zip(sources, plan.rows)]
     return fits
+
+
+# ---------------------------------------------------------------- torch's refusals
+def fit_source(leaf: torch.Tensor, index: Any, source: Any, key: Any, *, normalized: bool = True) -> Any:
+    """``source`` as ``leaf[index] = source`` writes it: a tensor of another dtype is
+    cast to the leaf's, as torch casts one written into a slice (its ``index_put_``, the
+    write through an index tensor, list or mask, refuses another dtype). Raises a
+    RuntimeError naming ``key`` where torch would refuse the write for memory overlap:
+    an expanded leaf written through a slice or an int, a source in the memory written.
+    Called before the first leaf is written, so that such a write changes nothing rather
+    than failing halfway. ``index``: normalized on the leaf's dims
+    (``batch.normalize_index``), or as given to ``leaf[index]`` if not ``normalized``.
+
+    Example:
+        >>> leaf = torch.zeros(4)
+        >>> fit_source(leaf, (torch.tensor([0, 2]),), torch.ones(2, dtype=torch.float64), "r").dtype
+        torch.float32
+        >>> fit_source(leaf, (slice(0, 2),), leaf[1:3], "r")
+        Traceback (most recent call last):
+        RuntimeError: Cannot write entry 'r' at (slice(0, 2, None),): the value is in the memory written (a view of the entry); write a copy (value.clone()). Nothing was written.
+    """
+    # (the common case costs three cheap calls: another dtype, one storage, contiguous)
+    if isinstance(source, torch.Tensor):
+        if source.dtype is not leaf.dtype:
+            source = source.to(leaf.dtype)  # (a new tensor: it overlaps nothing)
+        elif _same_storage(leaf, source):
+            return _refuse(leaf, index, source, key, normalized)
+    if not leaf.is_contiguous() and is_expanded(leaf):
+        return _refuse(leaf, index, source, key, normalized)
+    return source
+
+
+def is_expanded(tensor: torch.Tensor) -> bool:
+    """True if elements of ``tensor`` share memory (a dim of stride 0 and size > 1, as
+    ``expand`` gives): torch refuses to copy into it."""
+    return 0 in tensor.stride() and tensor.numel() > 0 and any(
+        stride == 0 and size > 1 for size, stride in zip(tensor.shape, tensor.stride()))
+
+
+def _refuse(leaf: torch.Tensor, index: Any, source: Any, key: Any, normalized: bool) -> Any:
+    if not normalized or not isinstance(index, tuple):
+        index = batch_ops.normalize_index(index, leaf.shape)
+    problem = _overlap_refused(leaf, index, source)
+    if problem is None:
+        return source
+    name = repr(key[0] if isinstance(key, tuple) and len(key) == 1 else key)
+    raise RuntimeError(f"Cannot write entry {name} at {index!r}: {problem}. Nothing was written.")
+
+
+_EXPANDED = ("the entry is an expanded tensor (several of the elements written are one memory "
+             "location, which torch refuses to write); give the tensordict a copy of it (entry.clone())")
+_IN_DESTINATION = "the value is in the memory written (a view of the entry); write a copy (value.clone())"
+_IN_ENTRY = ("the value is a view of the entry, which torch refuses to write into it through an index "
+             "tensor, list or mask; write a copy (value.clone())")
+
+
+def _overlap_refused(leaf: torch.Tensor, index: tuple, source: Any) -> str | None:
+    """Why torch refuses ``leaf[index] = source`` for memory overlap, or None: its rules
+    (torch/csrc/autograd/python_variable_indexing.cpp, aten's MemoryOverlap), in Python."""
+    # (a 0-d integer tensor selects as an int does)
+    parts = tuple(int(p) if isinstance(p, torch.Tensor) and not p.ndim and p.dtype != torch.bool else p
+                  for p in index)
+    if all(not isinstance(p, (torch.Tensor, bool)) for p in parts):  # a view, copied into
+        dest = leaf[parts]
+        if not isinstance(source, torch.Tensor) or (
+                not source.ndim and source.shape != dest.shape and source.device.type == "cpu"):
+            return _EXPANDED if is_expanded(dest) else None  # filled with one value
+        if source.shape != dest.shape:  # (torch drops the leading 1s, then expands)
+            lead = next((i for i, size in enumerate(source.shape) if size != 1), source.ndim)
+            source = source[(0,) * lead].expand(dest.shape)
+        if _same_data(dest, source):
+            return None  # (copy_ returns at once)
+        if is_expanded(dest):
+            return _EXPANDED
+        status = _overlap(dest, source)
+        return _IN_DESTINATION if status == "partial" else None
+    if not isinstance(source, torch.Tensor):
+        return None  # (a number: a new tensor; an expanded leaf only makes torch warn)
+    advanced = [p for p in parts if isinstance(p, (torch.Tensor, bool))]
+    one_mask = len(advanced) == 1 and isinstance(advanced[0], torch.Tensor) and advanced[0].dtype == torch.bool
+    if one_mask and advanced[0].ndim and source.numel() == 1 and source.device.type == "cpu":
+        return None  # torch fills the masked elements with the one value (masked_fill_)
+    # index_put_ into the view that the basic parts give: any overlap with the value is refused
+    basic: list = []
+    for part in parts:
+        if isinstance(part, bool) or (isinstance(part, torch.Tensor) and not part.ndim):
+            basic.append(None)  # (a bool adds a dim, indexed then)
+        elif isinstance(part, torch.Tensor):
+            basic += [slice(None)] * (part.ndim if part.dtype == torch.bool else 1)
+        else:
+            basic.append(part)
+    return _IN_ENTRY if _overlap(leaf[tuple(basic)], source) else None
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _same_data(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (_same_storage(a, b) and a.storage_offset() == b.storage_offset() and a.stride() == b.stride()
+            and a.shape == b.shape and a.dtype == b.dtype and a.is_conj() == b.is_conj()
+            and a.is_neg() == b.is_neg())
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> str | None:
+    """"full", "partial" or None, as aten's get_overlap_status: only two dense tensors
+    in one storage are compared (torch checks nothing else)."""
+    if not a.numel() or not b.numel() or not _dense(a) or not _dense(b) or not _same_storage(a, b):
+        return None
+    a_start, b_start = a.data_ptr(), b.data_ptr()
+    a_end, b_end = a_start + a.numel() * a.element_size(), b_start + b.numel() * b.element_size()
+    if a_start == b_start and a_end == b_end:
+        return "full" if a.stride() == b.stride() else "partial"
+    return "partial" if a_start < b_end and b_start < a_end else None
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense (its elements fill its memory range), as torch's flag."""
+    if t.ndim == 1:
+        return t.shape[0] < 2 or t.stride(0) == 1
+    expected = 1
+    for stride, size in sorted((stride, size) for size, stride in zip(t.shape, t.stride()) if size != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True

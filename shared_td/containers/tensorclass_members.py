@@ -407,6 +407,8 @@ class _TensorClassMembers:
             )
         return _wrap(self, self._tensordict[index])
 
+    __getitems__ = __getitem__  # a DataLoader's batch of indices in one index, as tensordict
+
     def __setitem__(self, index: Any, value: Any) -> None:
         if isinstance(index, str) or (isinstance(index, tuple) and index and is_nested_key(index)):
             raise ValueError(

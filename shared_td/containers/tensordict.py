@@ -395,6 +395,8 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, BatchDimOps, IndexWrites
                 return self._index_rows((index,), size[1:], True)
         return TensorDictBase.__getitem__(self, index)
 
+    __getitems__ = __getitem__  # a DataLoader's batch of indices (a list) in one index, as tensordict
+
     def _index(self, index: Any) -> "TensorDict":
         index, new_size = batch_ops.index_and_size(index, self._batch_size)
         return self._index_rows(index, new_size, batch_ops.is_basic_index(index))
