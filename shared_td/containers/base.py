@@ -539,7 +539,7 @@ def check_write_into(current: Any, value: Any, key: str | tuple[str, ...]) -> No
     elif is_non_tensor(current):
         try:
             current._check_update(value)
-        except ValueError as error:  # BatchSizeMismatchError too: name the key
+        except (ValueError, TypeError) as error:  # BatchSizeMismatchError too: name the key
             raise type(error)(f"Cannot write into the non-tensor entry {_shown(key)}: {error}") from None
     elif is_tensor_collection(current) and (not is_tensor_collection(value) or is_non_tensor(value)):
         raise TypeError(

@@ -366,6 +366,7 @@ def rows_source(index: Any, source: Any, rows: torch.Size, batch_size: torch.Siz
         return source.expand(rows)
     raise BatchSizeMismatchError(
         f"td[{index!r}] = value: the indexed rows have batch size {list(rows)} (of "
-        f"{list(batch_size)}), which differs from the source batch size: the source tensordict "
+        f"{list(batch_size)}; the indexed destination TensorDict batch size is the one a source "
+        "must have), which differs from the source batch size: the source tensordict "
         f"{list(size)} must have the rows' batch size, or their last dims (as in tensordict). "
         "Index the source to those rows, or write a number or tensor, which broadcasts to every leaf.")

@@ -93,7 +93,7 @@ def format_collection(td: Any, name: str | None = None) -> str:
     header = [f"batch_size=[{','.join(str(d) for d in td.batch_size)}]"]
     if getattr(td, "device", None) is not None:
         header.append(f"device={td.device}")
-    if getattr(inner, "_stack_dim", None) is not None:
+    if inner is td and getattr(inner, "_stack_dim", None) is not None:  # (a tensorclass: not shown)
         header.append(f"stack_dim={inner._stack_dim}")
     head = f"{name}(" + "".join(f"{h}, " for h in header) + "fields="
     return head + _render(("", _entries(td)), "", len(head), 1) + ")"

@@ -26,7 +26,10 @@ def _check_members(items: Sequence[Any], what: str) -> list:
             )
     kinds = {type(item) for item in items if not is_non_tensor(item)}
     if len(kinds) > 1 and not all(issubclass(k, TensorDictBase) for k in kinds):
-        raise TypeError(f"torch.{what} cannot mix {sorted(k.__name__ for k in kinds)}.")
+        raise TypeError(  # (torch's own wording for this case starts the message)
+            f"torch.{what}: no implementation found for a mix of {sorted(k.__name__ for k in kinds)}: "
+            "give items of one class (to_tensordict() converts a tensorclass)."
+        )
     return items
 
 

@@ -205,7 +205,7 @@ class MemmapMethods:
           saying so, the files stay intact), ``"r+"`` read-write (a file this process
           may not write is a PermissionError); None: read-write where allowed.
         - ``num_threads``: map the files on that many threads (0: in this thread).
-        - ``out``: an unlocked TensorDict loaded in place and returned: its entries become
+        - ``out``: an unlocked TensorDict (or tensorclass) loaded in place and returned: its entries become
           those saved (entries not on disk are dropped, as in tensordict 0.15.3), its
           nested tensordicts of the same batch size are kept and filled in place, its
           batch size stays. Checked before anything of it changes. Without ``device``,
@@ -221,8 +221,8 @@ class MemmapMethods:
             >>> TensorDict.load_memmap("data/saved", subpath="nested", mode="r")["r"].tolist()
             [1.0, 1.0, 1.0]
         """
-        if out is not None:
-            _check_out(out)
+        if out is not None:  # (a tensorclass out: its tensordict is loaded, as in tensordict)
+            _check_out(unwrap_tensorclass(out))
             device = _device_for_out(out, device)
         loaded = api.load_memmap(
             prefix, device, non_blocking, robust_key=robust_key, subpath=subpath, mode=mode,
@@ -230,7 +230,7 @@ class MemmapMethods:
         )
         if out is None:
             return loaded
-        _load_into(out, loaded)
+        _load_into(unwrap_tensorclass(out), loaded)
         return out
 
     @classmethod
@@ -484,7 +484,8 @@ def _fill(target: Any, source: Any) -> None:
     entries = {}
     for key, value in source._tensordict.items():
         mine = target._tensordict.get(key)
-        if (type(mine) is type(value) and hasattr(value, "_keys_str") and not mine.is_locked
+        if (type(mine) is type(value) and hasattr(value, "_tensordict")  # (not a non-tensor)
+                and hasattr(value, "_keys_str") and not mine.is_locked
                 and mine.batch_size == value.batch_size):
             _fill(mine, value)
             value = mine

@@ -13,6 +13,7 @@ on plain Python values in nontensor_values.py.
 from __future__ import annotations
 
 import itertools
+import textwrap
 from typing import Any, Callable, Sequence
 
 import torch
@@ -26,6 +27,8 @@ from shared_td.errors import BatchSizeMismatchError
 class NonTensorDataBase(NonTensorBase):
     """The base class of NonTensorData, as in tensordict 0.15.3 (where MetaData derives
     from it too). A NonTensorStack is not one: ``is_non_tensor`` tests for both."""
+
+    _one_value = True
 
 
 class NonTensorData(NonTensorDataBase):
@@ -108,6 +111,7 @@ class NonTensorData(NonTensorDataBase):
 
     def _check_update(self, value: Any) -> None:
         self._refuse_copy_write()
+        self._refuse_tensor_value(value)
         if isinstance(value, NonTensorStack):
             raise ValueError(
                 "Cannot write a NonTensorStack (one value per element) in place into a "
@@ -117,8 +121,7 @@ class NonTensorData(NonTensorDataBase):
     def _update_(self, value: Any) -> None:
         self._check_update(value)
         with self._updating():  # so that the files end with the last value written
-            self._payload = value.data if isinstance(value, NonTensorData) else value
-            self._after_update()
+            self._store(value.data if isinstance(value, NonTensorData) else value)  # (files first)
 
     def _set_at(self, index: tuple, source: Any) -> "NonTensorBase":
         """``td[index] = ...`` for this entry: returns the entry to store (maybe a stack)."""
@@ -178,7 +181,10 @@ class NonTensorData(NonTensorDataBase):
         return all(_same_value(v, self.data) for v in values)
 
     def __repr__(self) -> str:
-        return f"NonTensorData(data={self.data}, batch_size={self._batch_size}, device={self._device})"
+        shown = str(self.data)
+        if len(shown) > 200:  # as tensordict: a long value is cut in its middle
+            shown = f"{shown[:20]}  ...  {shown[-20:]}"
+        return f"NonTensorData(data={shown}, batch_size={self._batch_size}, device={self._device})"
 
 
 class NonTensorStack(NonTensorBase):
@@ -283,9 +289,8 @@ class NonTensorStack(NonTensorBase):
             stored = list(self._values)
             for position, value in zip(positions, values):
                 stored[position] = value
-            self._values = stored
+            self._store(stored, positions)  # (a memory-mapped stack's files first)
             self._members = None  # new values: no longer the stacked members
-            self._after_update(positions)
 
     def _flat_members(self) -> list:
         return [None] * len(self._values) if self._members is None else list(self._members)
@@ -301,15 +306,16 @@ class NonTensorStack(NonTensorBase):
 
     def _check_update(self, value: Any) -> None:
         self._refuse_copy_write()
+        self._refuse_tensor_value(value)
         self._new_values(value)
 
     def _update_(self, value: Any) -> None:
         self._refuse_copy_write()
+        self._refuse_tensor_value(value)
         values = self._new_values(value)
         with self._updating():
-            self._values = values
+            self._store(values)  # (a memory-mapped stack's files first: a failure changes nothing)
             self._members = None  # new values: no longer the stacked members
-            self._after_update()
 
     def _set_at(self, index: tuple, source: Any) -> "NonTensorStack":
         """Write ``source`` at ``index``, in place (so a shared stack shares the write)."""
@@ -326,9 +332,8 @@ class NonTensorStack(NonTensorBase):
             touched = targets.reshape(-1).tolist()
             for position, value in zip(touched, new_values):
                 values[position] = value
-            self._values = values
+            self._store(values, touched)  # (a memory-mapped stack's files first)
             self._members = None  # new values: no longer the stacked members
-            self._after_update(touched)
         return self
 
     def _holds_only(self, index: tuple, source: Any) -> bool:
@@ -351,7 +356,12 @@ class NonTensorStack(NonTensorBase):
         self._set_at(batch_ops.normalize_index(index, self._batch_size), value)
 
     def __repr__(self) -> str:
-        return f"NonTensorStack({self.tolist()!r}, batch_size={self._batch_size}, device={self._device})"
+        # tensordict 0.15.3's layout: one part a line, the values cut after 50 characters
+        shown = str(self.tolist())
+        if len(shown) > 50:
+            shown = f"{shown[:50]}..."
+        parts = (shown, f"batch_size={self._batch_size}", f"device={self._device}")
+        return "NonTensorStack(\n" + ",\n".join(textwrap.indent(part, "    ") for part in parts) + ")"
 
 
 def _same_value(a: Any, b: Any) -> bool:

@@ -8,26 +8,30 @@ the operation applied to a tensor of element positions), what its values are
 ``_update_``). The payload is ``_payload``: a private attribute, or a SharedValue after
 ``share_memory_()`` or a memmap with ``share_non_tensor=True``, so that an in-place write
 in one process is seen by all (``_updating`` keeps such a write whole, and
-``_after_update`` rewrites the files of a memory-mapped entry).
+``_store`` rewrites the files of a memory-mapped entry first).
 """
 from __future__ import annotations
 
 import contextlib
+import pickle
 from typing import Any, Callable
 
 import torch
 
 from shared_td.containers import batch as batch_ops
-from shared_td.containers.base import TensorDictBase, parse_device
+from shared_td.containers.base import TensorDictBase, is_non_tensor, is_tensor_collection, parse_device
 from shared_td.containers.batch_dim_ops import NonTensorBatchDimOps
+from shared_td.containers.nontensor_values import same_value
 from shared_td.containers.reshaping import permute_order
 from shared_td.errors import BatchSizeMismatchError, ReadOnlyError
+from shared_td.keys import key_repr
 
 
 class NonTensorBase(NonTensorBatchDimOps, TensorDictBase):
     """Shared mechanics: no keys, batch-dim ops through ``_transform``."""
 
     _is_non_tensor = True
+    _one_value = False  # a NonTensorData: one value for the whole batch
 
     def _init_flags(self, batch_size: Any, device: Any) -> None:
         self._batch_size = batch_ops.as_batch_size(batch_size)
@@ -40,8 +44,27 @@ class NonTensorBase(NonTensorBatchDimOps, TensorDictBase):
 
     @property
     def batch_size(self) -> torch.Size:
-        """The batch size."""
+        """The batch size. Settable, as in tensordict 0.15.3: a NonTensorData (one value)
+        takes any batch size; a NonTensorStack only its own (its values are laid out so).
+
+        Examples:
+            >>> value = NonTensorData("walk", batch_size=[3])
+            >>> value.batch_size = [2, 5]
+            >>> value.batch_size
+            torch.Size([2, 5])
+        """
         return self._batch_size
+
+    @batch_size.setter
+    def batch_size(self, new_size: Any) -> None:
+        new_size = batch_ops.as_batch_size(new_size)
+        if new_size != self._batch_size and not self._one_value:
+            raise BatchSizeMismatchError(
+                f"Cannot set the batch_size of a {type(self).__name__} of batch_size "
+                f"{list(self._batch_size)} to {list(new_size)}: it holds one value per element. "
+                "Reshape it (reshape, unsqueeze...), or make a new stack."
+            )
+        self._batch_size = new_size
 
     @property
     def device(self) -> torch.device | None:
@@ -141,9 +164,11 @@ class NonTensorBase(NonTensorBatchDimOps, TensorDictBase):
     def _with_batch_size(self, batch_size: torch.Size, key: str) -> "NonTensorBase":
         if self._batch_size[: len(batch_size)] == batch_size:
             return self
+        # Worded as tensordict's error starts, so handlers matching on it still match.
         raise BatchSizeMismatchError(
-            f"Non-tensor entry {key!r} has batch_size {list(self._batch_size)}, which "
-            f"does not start with the tensordict's batch_size {list(batch_size)}."
+            f"batch dimension mismatch for key {key!r}: the non-tensor entry has batch_size "
+            f"{list(self._batch_size)}, which does not start with the tensordict's batch_size "
+            f"{list(batch_size)}."
         )
 
     def _compare_data(self, other: Any) -> torch.Tensor:
@@ -152,7 +177,9 @@ class NonTensorBase(NonTensorBatchDimOps, TensorDictBase):
             others = other.expand(self._batch_size)._flat_values() if other.batch_size != self._batch_size else other._flat_values()
         else:
             others = [other] * len(values)
-        equal = [bool(a == b) for a, b in zip(values, others)]
+        # (same_value: a value whose == is element-wise, a tensor or an array, is equal
+        # where it is equal everywhere; bool() of it raised)
+        equal = [same_value(a, b) for a, b in zip(values, others)]
         return torch.tensor(equal, dtype=torch.bool).reshape(self._batch_size)
 
     def __eq__(self, other: Any) -> torch.Tensor:  # type: ignore[override]
@@ -201,17 +228,87 @@ class NonTensorBase(NonTensorBatchDimOps, TensorDictBase):
         entry is not interleaved with another process's."""
         return contextlib.nullcontext() if self._shared_value is None else self._shared_value.updating()
 
-    def _after_update(self, touched: list | None = None) -> None:
-        """An in-place write of a memory-mapped entry also rewrites its files (those of
-        the entry a view of its shared value was made from, with that entry's batch size);
-        that of a view of a plain NonTensorStack reaches the stack: the flat positions
-        ``touched`` (None: all), never the others, which the view holds as they were
-        when it was made (another write may have changed them in the stack since)."""
+    def _check_storable(self, values: list, key: Any) -> None:
+        """Raise, naming the entry ``key``, unless ``values`` (the new values of a planned
+        in-place write) can be stored where this entry keeps them: a shared cell holds
+        them pickled, a memory-mapped entry's files as JSON, else pickled, so what pickles
+        is stored. A multi-entry write (``td[idx] = ...``, ``update_``, ``update_at_``)
+        checks it when planned, so a lambda or a lock fails before any entry is written.
+        An entry in memory takes any object (no check, no cost). (Pickling 64 short
+        strings takes ~2 us: less than walking them to see whether they are JSON.)
+
+        Example:
+            >>> shared = NonTensorStack("a", "b").share_memory_()
+            >>> shared._check_storable(["c"], "s")  # fine: nothing raised
+            >>> try:
+            ...     shared._check_storable(["c", lambda: 1], "s")
+            ... except TypeError as error:
+            ...     print(str(error).split(":")[0])
+            Cannot write a function into the non-tensor entry 's'
+        """
         entry = self.__dict__.get("_origin", self)
-        if entry._is_memmap and entry._memmap_prefix is not None:
+        shared = self._shared_value is not None
+        if not shared and not (entry._is_memmap and entry._memmap_prefix is not None):
+            return
+        try:
+            pickle.dumps(values)  # (a value given for many elements is pickled once: memo)
+        except Exception:
+            for value in values:  # (the failure path only: name the value at fault)
+                try:
+                    pickle.dumps(value)
+                except Exception as error:
+                    where = ("shared between processes (share_memory_(), share_non_tensor=True): its cell "
+                             "holds its values pickled" if shared else
+                             "memory-mapped: its files hold its values as JSON, else pickled")
+                    raise TypeError(
+                        f"Cannot write a {type(value).__name__} into the non-tensor entry "
+                        f"{key_repr(key) if isinstance(key, tuple) else repr(key)}: the entry is {where}, "
+                        f"and this value cannot be pickled "
+                        f"({error}). Nothing was written. Write a picklable value (a function "
+                        "defined at module level, not a lambda; no lock or open file), or keep "
+                        "such values in a tensordict that is neither shared nor memory-mapped."
+                    ) from error
+            raise
+
+    def _store(self, payload: Any, touched: list | None = None) -> None:
+        """Store ``payload``, the new values of an in-place write (called inside
+        ``_updating()``), then pass the write on (``_after_update``). A memory-mapped
+        entry's files (those of the entry a view of its shared value was made from) are
+        rewritten first, from a private copy holding ``payload``: a write that they
+        cannot take (a full disk) changes neither them nor the values in memory (nor the
+        shared cell), so memory and files agree after a failure; should the cell then
+        refuse the value (a full memory), the files are put back."""
+        entry = self.__dict__.get("_origin", self)
+        if not (entry._is_memmap and entry._memmap_prefix is not None):
+            self._payload = payload
+        else:
             from shared_td.persist.writer import rewrite_node
 
-            rewrite_node(entry, entry._memmap_prefix)
+            before = self._payload if self._shared_value is not None else None
+            rewrite_node(entry._holding(payload), entry._memmap_prefix)
+            try:
+                self._payload = payload  # (an attribute, or the shared cell)
+            except BaseException:
+                with contextlib.suppress(Exception):  # the cell's error is the one to raise
+                    rewrite_node(entry._holding(before), entry._memmap_prefix)
+                raise
+        self._after_update(touched)
+
+    def _holding(self, payload: Any) -> "NonTensorBase":
+        """A private copy of this entry (its class, batch size, device; no shared cell,
+        no view links) holding ``payload``: what ``_store`` writes the files from."""
+        copy = object.__new__(type(self))
+        copy.__dict__.update(self.__dict__)
+        for link in ("_shared_value", "_origin", "_piece_of"):
+            copy.__dict__.pop(link, None)
+        copy._local_payload = payload
+        return copy
+
+    def _after_update(self, touched: list | None = None) -> None:
+        """After ``_store``: the in-place write of a view of a plain NonTensorStack
+        reaches the stack: the flat positions ``touched`` (None: all), never the others,
+        which the view holds as they were when it was made (another write may have
+        changed them in the stack since)."""
         piece_of = self.__dict__.get("_piece_of")
         if piece_of is not None:  # a piece of a plain NonTensorStack: the write reaches the stack
             stack, taken = piece_of
@@ -229,6 +326,19 @@ class NonTensorBase(NonTensorBatchDimOps, TensorDictBase):
     def _check_update(self, value: Any) -> None:
         """Raise if ``_update_(value)`` would fail (it writes nothing)."""
         raise NotImplementedError
+
+    def _refuse_tensor_value(self, value: Any) -> None:
+        """A tensor or tensordict written in place into a non-tensor entry
+        (``td.set_("text", torch.ones(3))``, ``set(..., inplace=True)``, ``update_``) is
+        refused, as tensordict 0.15.3 refuses it: it would become the entry's Python value
+        (a stack: one row per element), hiding a write meant for a tensor entry. A
+        ``NonTensorData`` holding a tensor is a value, and is written."""
+        if isinstance(value, torch.Tensor) or (is_tensor_collection(value) and not is_non_tensor(value)):
+            raise TypeError(
+                f"Cannot write a {type(value).__name__} in place into a {type(self).__name__} "
+                "(a non-tensor entry): replace the entry with set() (not in place), or wrap "
+                "a value meant as Python data in NonTensorData(value)."
+            )
 
     # True for a piece (a row, a slice, a reshape...) of a memory-mapped or shared
     # NonTensorStack: it holds copies of the stack's values, so an in-place write into it

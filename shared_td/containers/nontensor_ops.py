@@ -48,7 +48,8 @@ class NonTensorOps:
 # ------------------------------------------------- what a Python value becomes
 def check_non_tensor_write(current: Any, index: tuple, source: Any, key: str) -> None:
     """Raise unless ``current._set_at(index, source)`` can write ``source``'s values
-    (one, or one per indexed element) into the indexed elements; writes nothing."""
+    (one, or one per indexed element) into the indexed elements, and store them where
+    ``current`` keeps its values (a shared cell, files: ``_check_storable``); writes nothing."""
     from shared_td.containers.base import is_non_tensor
     from shared_td.containers.nontensor import NonTensorData, broadcast_values
 
@@ -68,9 +69,10 @@ def check_non_tensor_write(current: Any, index: tuple, source: Any, key: str) ->
         source = NonTensorData(source, batch_size=[])
     target = batch_ops.indexed_batch_size(current.batch_size, index)
     try:
-        broadcast_values(source, target)
+        values = broadcast_values(source, target)
     except BatchSizeMismatchError as error:
         raise BatchSizeMismatchError(f"Cannot write into non-tensor entry {key!r}: {error}") from None
+    current._check_storable(values, key)
 
 
 def list_to_tensor(value: list | tuple) -> Any:

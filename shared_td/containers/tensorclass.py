@@ -282,9 +282,9 @@ def _make_tensorclass(cls: type, *, frozen, nocast, shadow, skip_post_init, kw_o
         for field in fields:
             if field.name in reserved:
                 raise AttributeError(
-                    f"Field name {field.name!r} of {cls.__name__} can't be used with "
-                    "@tensorclass, as tensorclasses have a member of that name: rename the "
-                    "field, or pass shadow=True to let the field hide the member."
+                    f"Attribute name {field.name} can't be used with @tensorclass (field "
+                    f"{field.name!r} of {cls.__name__}): tensorclasses have a member of that "
+                    "name; rename the field, or pass shadow=True to let the field hide the member."
                 )
     for field in fields:
         setattr(cls, field.name, _FieldAttribute(field))

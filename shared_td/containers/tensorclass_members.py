@@ -238,13 +238,16 @@ class _TensorClassMembers:
         notebook) under this class's qualname loads as this class, and a ``TensorClass``
         subclass wraps the save of a plain tensordict or lazy stack in itself
         (``from_tensordict``: a key that is no field is a ValueError). ``out=`` takes a
-        TensorDict, as ``TensorDict.load_memmap``'s."""
+        TensorDict, as ``TensorDict.load_memmap``'s, or an instance of a tensorclass, as in
+        tensordict 0.15.3: loaded in place (its fields become those saved) and returned."""
         from shared_td.containers.tensorclass import loading_as
 
         with loading_as(cls):
             loaded = MemmapMethods.load_memmap.__func__(
-                cls, prefix, device, non_blocking, out=out, robust_key=robust_key, subpath=subpath,
-                mode=mode, num_threads=num_threads, allow_pickle=allow_pickle)
+                cls, prefix, device, non_blocking, out=unwrap_tensorclass(out), robust_key=robust_key,
+                subpath=subpath, mode=mode, num_threads=num_threads, allow_pickle=allow_pickle)
+        if is_tensorclass(out):
+            return out  # (its tensordict was loaded in place)
         if (cls._tc_wraps_plain_loads and out is None and not is_tensorclass(loaded)
                 and isinstance(loaded, TensorDictBase) and not is_non_tensor(loaded)):
             return cls.from_tensordict(loaded)
@@ -420,9 +423,10 @@ class _TensorClassMembers:
             if mine != theirs:  # as tensordict: another class only with the same members
                 raise ValueError(
                     f"Cannot write a {type(value).__name__} into the rows of a "
-                    f"{type(self).__name__}: an indexed write takes the same class, a class "
-                    f"with the same fields, or a tensordict. {type(self).__name__} has fields "
-                    f"{sorted(mine)}, {type(value).__name__} has {sorted(theirs)}."
+                    f"{type(self).__name__}: __setitem__ is only allowed for same-class or "
+                    "compatible class (same fields) assignment, or a tensordict. "
+                    f"{type(self).__name__} has fields {sorted(mine)}, "
+                    f"{type(value).__name__} has {sorted(theirs)}."
                 )
         self._tensordict[index] = unwrap_tensorclass(value)
 
@@ -432,9 +436,19 @@ class _TensorClassMembers:
     # ------------------------------------------------------------ conversions
     def to_tensordict(self, *, retain_none: bool | None = None) -> TensorDict:
         """A TensorDict copy of the entries (nested tensorclasses become TensorDicts,
-        non-tensors stay NonTensorData); fields that hold nothing are left out.
-        ``retain_none`` is accepted for compatibility with tensordict, and ignored."""
-        return _plain_copy(self._tensordict)
+        non-tensors stay NonTensorData). Fields that hold nothing are left out, or with
+        ``retain_none=True`` kept as ``NonTensorData(None)`` (nested tensorclasses' too),
+        as in tensordict 0.15.3.
+
+        Examples:
+            >>> @tensorclass
+            ... class Step:
+            ...     obs: torch.Tensor
+            ...     note: str = None
+            >>> sorted(Step(obs=torch.zeros(2), batch_size=[2]).to_tensordict(retain_none=True).keys())
+            ['note', 'obs']
+        """
+        return _plain_copy(self._tensordict, type(self)._tc_fields if retain_none else None)
 
     def to_dict(self, *, retain_none: bool = True) -> dict:
         """A nested dict of the fields (non-tensors as Python values, empty fields as None)."""
@@ -453,17 +467,24 @@ class _TensorClassMembers:
         return [f.name for f in type(self)._tc_fields if self._tensordict._get_str(f.name, None) is None]
 
 
-def _plain_copy(td: TensorDictBase) -> TensorDictBase:
+def _plain_copy(td: TensorDictBase, fields: Any = None) -> TensorDictBase:
+    """A copy of ``td`` whose tensorclasses are TensorDicts. ``fields``: those of the
+    tensorclass ``td`` is the storage of, when its empty ones (and those of the nested
+    tensorclasses) are kept as ``NonTensorData(None)`` (``retain_none=True``)."""
     if not isinstance(td, TensorDict):
         return td.clone()
     out = td.clone(recurse=False)
     for key, value in list(out._tensordict.items()):
         if is_tensorclass(value):
-            out._tensordict[key] = _plain_copy(value._tensordict)
+            nested_fields = type(value)._tc_fields if fields is not None else None
+            out._tensordict[key] = _plain_copy(value._tensordict, nested_fields)
         elif isinstance(value, TensorDict):
             out._tensordict[key] = _plain_copy(value)
         else:
             out._tensordict[key] = value.clone()
+    for field in fields or ():
+        if field.name not in out._tensordict:
+            out._tensordict[field.name] = NonTensorData(None, batch_size=out.batch_size, device=out.device)
     return out
 
 

@@ -198,7 +198,7 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, BatchDimOps, IndexWrites
             return NonTensorData(value, batch_size=self._batch_size, device=self._device)
         if isinstance(value, dict):
             value = TensorDict(value, batch_size=self._batch_size, device=self._device, names=self._names)
-        elif isinstance(value, np.ndarray) and value.dtype != object:
+        elif isinstance(value, np.ndarray) and value.dtype.kind in "biufc":  # (str, bytes, dates: data)
             value = torch.as_tensor(value)
         elif isinstance(value, (bool, int, float, np.number)):
             # a Python complex stays a Python value, as in tensordict
@@ -253,8 +253,8 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, BatchDimOps, IndexWrites
             shape = value.batch_size if is_tensor_collection(value) else value.shape
             if shape[: len(new_size)] != new_size:
                 raise BatchSizeMismatchError(
-                    f"Cannot set batch_size to {list(new_size)}: key {key!r} has shape "
-                    f"{list(shape)}."
+                    f"Cannot set batch_size to {list(new_size)}: key {key!r} has shape {list(shape)} (the "
+                    f"{type(value).__name__} {key} has shape {torch.Size(shape)!r} which does not start with it)."
                 )
 
     def _apply_batch_size(self, new_size: torch.Size) -> None:

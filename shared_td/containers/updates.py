@@ -34,7 +34,7 @@ class UpdateOps:
             (False, [0.0, 0.0])
         """
         selected = None if keys_to_update is None else [unravel_key(k) for k in keys_to_update]
-        for path, value, in_place in self._plan_update(other, (), inplace, True, selected):
+        for path, value, in_place, _ in _stores_first(self._plan_update(other, (), inplace, True, selected)):
             if in_place:
                 self.set_(path, value)
             else:
@@ -45,10 +45,13 @@ class UpdateOps:
         """Write every entry of ``other`` into the existing entries, in place.
 
         Raises KeyError (naming the key) if one is missing; as every entry is checked
-        before the first one is written, a failing update_ leaves self unchanged.
+        before the first one is written, a failing update_ leaves self unchanged. (A
+        non-tensor entry that is shared or memory-mapped stores its new values where the
+        plan cannot check everything -- a full disk --: such entries are written first,
+        so that this fails before any tensor is written.)
         """
         selected = None if keys_to_update is None else [unravel_key(k) for k in keys_to_update]
-        for path, value, _ in self._plan_update(other, (), True, False, selected):
+        for path, value, _, _ in _stores_first(self._plan_update(other, (), True, False, selected)):
             self.set_(path, value)
         return self
 
@@ -56,10 +59,12 @@ class UpdateOps:
         self, other: Any, prefix: tuple, inplace: bool, add_missing: bool, selected: list | None,
         names_of: dict | None = None,
     ) -> list:
-        """The checked ``(path, value, in_place)`` writes of ``update``/``update_``.
+        """The checked ``(path, value, in_place, store)`` writes of ``update``/``update_``
+        (``store``: an in-place write into a non-tensor entry, see :func:`_stores_first`).
 
         Nothing is written here: every failure (missing key, lock, batch size, shape,
-        dim names) is raised before the caller writes the first entry. ``names_of``:
+        dim names, a value that a shared or memory-mapped non-tensor entry cannot store)
+        is raised before the caller writes the first entry. ``names_of``:
         the names that the tensordicts at some paths will have once the writes planned
         so far are done (a child set into an unnamed tensordict names it).
         """
@@ -87,11 +92,15 @@ class UpdateOps:
                     f"in {type(self).__name__}. Use update() to add it."
                 )
             elif inplace and current is not None:
-                plan.append((path, self._checked_set_(path, current, value), True))
+                value = self._checked_set_(path, current, value)
+                store = is_non_tensor(current)
+                if store:  # (a shared cell, files: pickled or JSON)
+                    current._check_storable(value._flat_values() if is_non_tensor(value) else [value], path)
+                plan.append((path, value, True, store))
             else:
                 value = self._checked_set(path, value)
                 self._plan_names(path, value, names_of)
-                plan.append((path, value, False))
+                plan.append((path, value, False, False))
         return plan
 
     def _plan_names(self, path: tuple, value: Any, names_of: dict) -> None:
@@ -204,6 +213,20 @@ class UpdateOps:
         copy here is synchronous).
         """
         return self.update_(other)
+
+
+def _stores_first(plan: list) -> list:
+    """``plan`` (of ``_plan_update``) with the in-place writes into non-tensor entries
+    first, in their order: a shared or memory-mapped one may fail in a way no plan can
+    check (a full memory or disk), which then happens before any tensor is written.
+    (The entries are distinct: no write reads what another one writes.)
+
+    Example:
+        >>> [w[0] for w in _stores_first([(("a",), 1, True, False), (("s",), "x", True, True)])]
+        [('s',), ('a',)]
+    """
+    stores = [write for write in plan if write[3]]
+    return plan if not stores else stores + [write for write in plan if not write[3]]
 
 
 def _merges_into_tensorclass(current: Any, value: Any) -> bool:

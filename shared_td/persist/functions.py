@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from shared_td.persist import api
+from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 
 def save(data: Any, prefix: Any = None, copy_existing: bool = False, **kwargs: Any) -> Any:
@@ -49,12 +50,13 @@ load = load_memmap
 
 
 def check_out_type(out: Any) -> None:
-    """``load_memmap(out=)`` takes a tensordict of ours: anything else (a dict, a
-    tensorclass, tensordict's own TensorDict) is refused before anything is read, and
-    before ``type(out).load_memmap`` would be looked up on a class that lacks it or
-    means something else by it. Duck-typed: persist does not import the containers."""
-    if not hasattr(out, "_keys_str"):
+    """``load_memmap(out=)`` takes a tensordict or tensorclass of ours (a tensorclass's
+    tensordict is loaded, as in tensordict 0.15.3): anything else (a dict, tensordict's
+    own TensorDict) is refused before anything is read, and before
+    ``type(out).load_memmap`` would be looked up on a class that lacks it or means
+    something else by it. Duck-typed: persist does not import the containers."""
+    if not hasattr(unwrap_tensorclass(out), "_keys_str"):
         raise TypeError(
-            f"load_memmap(out=) takes a TensorDict to load into, got {type(out).__name__}: "
-            "pass a TensorDict, or use the tensordict load_memmap returns."
+            f"load_memmap(out=) takes a TensorDict (or tensorclass) to load into, got "
+            f"{type(out).__name__}: pass a TensorDict, or use the tensordict load_memmap returns."
         )

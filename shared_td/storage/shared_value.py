@@ -187,9 +187,12 @@ class SharedValue:
         try:
             payload = pickle.dumps(value)
         except Exception as error:
+            # (the cell is unchanged; a tensordict's write checks its values before
+            # writing any entry, and names the entry: NonTensorBase._check_storable)
             raise TypeError(
                 f"A shared non-tensor value must be picklable; {type(value).__name__} is "
-                f"not ({error})."
+                f"not ({error}). Nothing was written: write a picklable value (a function "
+                "defined at module level, not a lambda; no lock or open file)."
             ) from error
         length = len(payload)
         self._write_lock.acquire()
