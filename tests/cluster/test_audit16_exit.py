@@ -160,7 +160,7 @@ def test_the_old_generations_records_go_also_when_a_replica_that_did_not_renew_y
     owner, other = pair
     owner.publish("cfg", _values_td("first"), share_non_tensor=True)
     replica = other.attach("cfg")
-    monkeypatch.setattr(cluster_serve, "_renew", lambda *args: None)  # node 1 stays at generation 1 for now
+    monkeypatch.setattr(cluster_serve, "renew", lambda *args: None)  # node 1 stays at generation 1 for now
     owner.publish("cfg", _values_td("second"), share_non_tensor=True)
     old = ["shared_td/value/cfg/1/0", "shared_td/valver/cfg/1/0"]
     assert not any(store.check([key]) for key in old)

@@ -208,7 +208,7 @@ def test_a_record_of_a_process_that_left_the_node_is_ignored_and_taken_back(stor
 def test_a_sync_goes_to_the_replicas_of_the_current_generation_only(pair, monkeypatch):
     """The record's generation was not read: a sync of a re-published name went to a
     node that still held the old generation, which refused it (dropped)."""
-    monkeypatch.setattr(cluster_serve, "_renew", lambda *args: None)  # node 1 does not renew
+    monkeypatch.setattr(cluster_serve, "renew", lambda *args: None)  # node 1 does not renew
     owner, other = pair
     owner.publish("p", shared_td.TensorDict(x=torch.zeros(4), batch_size=[4]))
     other.attach("p")
