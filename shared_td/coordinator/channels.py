@@ -6,9 +6,12 @@ shared with the parent), so after the first call a call is one round trip. Every
 a call is bounded by its ``timeout`` (one deadline for the whole call): connecting, the
 authkey handshake of a new connection, sending, and the answer. A manager that is stopped
 (SIGSTOP, a debugger) or stalled makes the call raise :class:`CoordinatorTimeoutError`
-naming the address after about ``timeout`` seconds, and the connection is dropped. No
-process-wide lock is held while talking to a manager: a thread waiting for a stalled
-coordinator never holds up calls to another one.
+naming the address after about ``timeout`` seconds, and the connection is dropped: so
+is it after any exception between the request's first byte and its answer's last (a
+Ctrl-C, an exception from a signal handler), whose answer would otherwise be read by
+the next call. A process out of file descriptors gets an OSError saying so (EMFILE),
+never "the coordinator is gone". No process-wide lock is held while talking to a
+manager: a thread waiting for a stalled coordinator never holds up calls to another one.
 
 The wire protocol is the one of ``multiprocess.managers`` (what the manager's server
 speaks), spoken here directly to the one registry object the server holds under
@@ -16,6 +19,7 @@ speaks), spoken here directly to the one registry object the server holds under
 """
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import socket
@@ -27,6 +31,7 @@ from multiprocess import connection, managers
 
 from shared_td.coordinator.server import DIR_PATTERN, REGISTRY_ID
 from shared_td.errors import CoordinatorAuthenticationError, CoordinatorTimeoutError
+from shared_td.storage.mapping import descriptor_limits
 
 __all__ = [
     "CoordinatorAuthenticationError", "CoordinatorTimeoutError", "call", "connect", "drop_channel",
@@ -183,6 +188,10 @@ def call(address: str, authkey: bytes, method: str, *args, timeout: float):
     if not address or authkey is None:
         raise ValueError("Both address= and authkey= of a running Coordinator are needed.")
     deadline = time.monotonic() + timeout
+    # pickled in C before anything is sent: requests are plain data (the Connection's
+    # own pickler, dill in Python, took ~16 us of CPU per request here), and a value
+    # that does not pickle fails here, with the connection untouched
+    request = pickle.dumps((REGISTRY_ID, method, args, {}), pickle.HIGHEST_PROTOCOL)
     while True:
         try:
             channel = _channel(address, authkey, deadline)
@@ -194,29 +203,69 @@ def call(address: str, authkey: bytes, method: str, *args, timeout: float):
         except CoordinatorAuthenticationError:
             raise  # a ConnectionError too, but the coordinator is there: not "gone"
         except (OSError, EOFError) as err:
-            raise _gone(address, err) from err
-        if not channel.conn.closed:
+            raise _connect_error(address, err) from err
+        # From here the lock is ours: released on every way out (the finally below)
+        try:
+            if channel.conn.closed:
+                continue  # another thread's call failed and closed it: connect anew
+            limit_waits(channel.conn, deadline)
+            channel.conn.send_bytes(request)
+            if not channel.conn.poll(time_left(deadline)):
+                raise TimeoutError("no answer")
+            kind, result = channel.conn.recv()
             break
-        channel.lock.release()  # another thread's call failed and closed it: connect anew
-    try:
-        limit_waits(channel.conn, deadline)
-        # pickled in C: requests are plain data, and the Connection's own pickler
-        # (dill, in Python) took ~16 us of CPU per request here
-        channel.conn.send_bytes(pickle.dumps((REGISTRY_ID, method, args, {}), pickle.HIGHEST_PROTOCOL))
-        if not channel.conn.poll(time_left(deadline)):
-            raise TimeoutError("no answer")
-        kind, result = channel.conn.recv()
-    except (TimeoutError, BlockingIOError) as err:  # the deadline passed (EAGAIN: a read/write's)
-        _forget(channel)  # an answer may still come: never read it as the next call's
-        raise _stalled(address, timeout, err) from err
-    except (OSError, EOFError) as err:  # ConnectionError, BrokenPipe...
-        _forget(channel)
-        raise _gone(address, err) from err
-    finally:
-        channel.lock.release()
+        except BaseException as err:
+            # From the first byte sent until the whole answer is read, the connection
+            # is out of step on ANY exception: a timeout, a dead peer, but also a
+            # KeyboardInterrupt or an exception raised by a signal handler (SIGALRM test
+            # timeouts), SystemExit, a MemoryError, an answer that fails to unpickle.
+            # Its answer may still come, and the next call on this connection would
+            # read it as its own (attach("y") returning the tensordict of "x"): never
+            # use it again.
+            _forget(channel)
+            if isinstance(err, (TimeoutError, BlockingIOError)):  # the deadline passed (EAGAIN)
+                raise _stalled(address, timeout, err) from err
+            if isinstance(err, (OSError, EOFError)):  # ConnectionError, BrokenPipe...
+                raise _gone(address, err) from err
+            raise
+        finally:
+            channel.lock.release()
     if kind == "#RETURN":
         return result
     raise managers.convert_to_error(kind, result)
+
+
+#: errno values of a connection that this process could not make for want of its own
+#: resources: the coordinator may be fine, so never "gone" (a caller that replaces a gone
+#: coordinator would start a second one and split the ownership of its values).
+RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+
+
+def _connect_error(address: str, err: BaseException) -> OSError:
+    """What a failure to reach the manager at ``address`` means: this process out of
+    descriptors or memory (an OSError with that errno, not a ConnectionError), else the
+    coordinator is gone (ENOENT: its socket was removed; ECONNREFUSED: nothing listens;
+    a reset or EOF in the handshake: it died)."""
+    if isinstance(err, OSError) and err.errno in RESOURCE_ERRNOS:
+        return out_of_resources(err, f"to connect to the shared_td coordinator at {address}")
+    return _gone(address, err)
+
+
+def out_of_resources(err: OSError, doing: str) -> OSError:
+    """An OSError with ``err``'s errno saying that THIS process (not the coordinator)
+    ran out of descriptors or memory while ``doing``, with its RLIMIT_NOFILE.
+
+    Example:
+        >>> err = out_of_resources(OSError(errno.EMFILE, "Too many open files"), "to connect")
+        >>> err.errno == errno.EMFILE, "RLIMIT_NOFILE soft/hard" in str(err)
+        (True, True)
+    """
+    if err.errno in (errno.EMFILE, errno.ENFILE):
+        what = descriptor_limits(err.errno)
+    else:
+        what = "This process is out of memory: free memory, then try again."
+    return OSError(err.errno, f"Could not open a descriptor {doing} ({err}); the coordinator itself may be "
+                              f"fine. {what}")
 
 
 def _gone(address: str, err: BaseException) -> ConnectionError:
@@ -233,8 +282,9 @@ def _stalled(address: str, timeout: float, err: BaseException) -> CoordinatorTim
     return CoordinatorTimeoutError(
         f"The shared_td coordinator at {address} did not answer within {timeout:g} s "
         f"({err}): its manager process {pid} is stopped (SIGSTOP, Ctrl-Z, a debugger) or "
-        f"stalled. Check it with `ps -o pid,stat,cmd -p {pid}` (state T: stopped; "
-        f"`kill -CONT {pid}` resumes it), or pass a longer timeout=. Tensordicts already "
+        f"stalled, or (for a new connection) out of file descriptors. Check it with "
+        f"`ps -o pid,stat,cmd -p {pid}` (state T: stopped; `kill -CONT {pid}` resumes it) and "
+        f"`ls /proc/{pid}/fd | wc -l`, or pass a longer timeout=. Tensordicts already "
         "attached stay readable and writable."
     )
 

@@ -59,10 +59,10 @@ class Coordinator:
     only processes given ``address`` and ``authkey`` can connect, and nothing listens on
     the network. It also stops by itself when the process that started it dies.
 
-    Pickling a handle (e.g. as a worker's argument) sends ``address`` and ``authkey``;
-    the receiver gets a non-owning handle (its :meth:`shutdown` only disconnects). A
-    started handle that is garbage-collected, or still running when this process exits,
-    stops its manager (and first shuts its cluster node down).
+    Pickling a handle (e.g. as a worker's argument) sends ``address``, ``authkey`` and
+    ``timeout``; the receiver gets a non-owning handle (its :meth:`shutdown` only
+    disconnects). A started handle that is garbage-collected, or still running when this
+    process exits, stops its manager (and first shuts its cluster node down).
 
     Inside ``with coord:`` (and during :meth:`publish`) this coordinator is the one
     that adopts the values of ``memmap_(share_non_tensor=True)`` in this process, so
@@ -197,7 +197,8 @@ class Coordinator:
         return ownership.embedded_coordinator(start=False)
 
     def __reduce__(self):
-        return Coordinator.connect, (self.address, self.authkey)
+        # with its timeout=: a worker's calls wait as long as its sender's would
+        return _connected, (self.address, self.authkey, self._timeout)
 
     def __repr__(self) -> str:
         if self._address is None:
@@ -394,6 +395,12 @@ def attach(name: str, *, address: str, authkey: bytes, timeout: float = DEFAULT_
             failed_version = version
     staleness.remember(td, name, version, stamp, _Endpoint(address, authkey, timeout), holds=parsed)
     return td
+
+
+def _connected(address: str, authkey: bytes, timeout: float) -> Coordinator:
+    """What an unpickled Coordinator handle is: :meth:`Coordinator.connect` with the
+    sender's ``timeout`` (a keyword argument, which a ``__reduce__`` cannot pass)."""
+    return Coordinator.connect(address, authkey, timeout=timeout)
 
 
 class _Endpoint:

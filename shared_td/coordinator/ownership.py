@@ -70,6 +70,7 @@ import multiprocess
 import multiprocessing
 
 from shared_td.coordinator import client
+from shared_td.coordinator.channels import RESOURCE_ERRNOS
 from shared_td.coordinator.process import START_TIMEOUT
 from shared_td.storage.shared_value import set_cell_adopter
 
@@ -298,7 +299,9 @@ def _from_environment() -> client.Coordinator | None:
         return client.Coordinator.connect(address, bytes.fromhex(key), timeout=TIMEOUT)
     except client.CoordinatorTimeoutError:
         raise  # alive but not answering: a new coordinator would split the ownership
-    except (ConnectionError, ValueError, OSError, multiprocess.AuthenticationError):
+    except (ConnectionError, ValueError, OSError, multiprocess.AuthenticationError) as err:
+        if isinstance(err, OSError) and err.errno in RESOURCE_ERRNOS:
+            raise  # this process is out of descriptors or memory: the coordinator may live
         if os.environ.get(ENV_VAR) == announced:  # not one another thread started since
             del os.environ[ENV_VAR]  # a dead ancestor's: do not hand it to our children
         return None

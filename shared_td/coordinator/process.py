@@ -22,6 +22,7 @@ Example:
 """
 from __future__ import annotations
 
+import errno
 import os
 import select
 import shutil
@@ -47,6 +48,40 @@ EXIT_TIMEOUT = 5.0
 _BOOT = "import runpy, sys; del sys.path[0]; runpy.run_path(sys.argv[1], run_name='__main__')"
 
 
+#: The longest path a Unix socket may be bound to on Linux, in bytes (``sun_path`` is
+#: 108 bytes, with a terminating NUL).
+MAX_SOCKET_PATH = 107
+
+
+def _check_socket_path(root: str) -> None:
+    """OSError (ENAMETOOLONG) naming ``TMPDIR`` if the socket of a manager's private
+    directory under ``root`` (``<root>/shared_td-coord-<pid>-<8 characters>/sock``)
+    could pass :data:`MAX_SOCKET_PATH` bytes: the manager would fail to bind it, so it
+    is checked before one is launched.
+
+    Example:
+        >>> _check_socket_path("/tmp")
+        >>> _check_socket_path("/" + "x" * 90)
+        Traceback (most recent call last):
+        ...
+        OSError: [Errno 36] ...
+    """
+    try:
+        with open("/proc/sys/kernel/pid_max") as pid_max:  # the manager's pid is in the name
+            digits = len(str(int(pid_max.read()) - 1))
+    except (OSError, ValueError):
+        digits = 7  # pid_max is at most 2**22
+    length = len(os.fsencode(os.path.join(root, f"{server.DIR_PREFIX}{'9' * digits}-{'x' * 8}", "sock")))
+    if length > MAX_SOCKET_PATH:
+        spare = length - MAX_SOCKET_PATH
+        raise OSError(errno.ENAMETOOLONG,
+                      f"The shared_td coordinator's socket would be {root}/{server.DIR_PREFIX}<pid>-"
+                      f"<8 characters>/sock, {length} bytes: over the {MAX_SOCKET_PATH} bytes a Unix "
+                      f"socket's path may have. The temporary directory ({root}, from TMPDIR) is "
+                      f"{len(os.fsencode(root))} bytes long: set TMPDIR to a directory at least "
+                      f"{spare} bytes shorter (e.g. /tmp) for the process that starts it.")
+
+
 class ServerProcess:
     """A coordinator server running in a child interpreter of this process."""
 
@@ -61,17 +96,25 @@ class ServerProcess:
         """Start a server that accepts ``authkey``; returns once it listens.
 
         Its private directory is made under this process's ``tempfile.gettempdir()``.
-        RuntimeError if it does not listen within ``timeout`` seconds (it is killed).
+        RuntimeError if it does not listen within ``timeout`` seconds (it is killed), or
+        exits before it listens (its exit code, and its error output above); OSError if
+        its socket's path would be too long for a Unix socket (a long ``TMPDIR``).
         """
+        _check_socket_path(tempfile.gettempdir())
         popen = cls._launch(authkey)
         try:
             ready, _, _ = select.select([popen.stdout], [], [], timeout)
             address = popen.stdout.readline().decode().strip() if ready else ""
             popen.stdout.close()
             if not address:
+                try:  # an end of its output without an address: it is exiting
+                    code = popen.wait(EXIT_TIMEOUT) if ready else popen.poll()
+                except subprocess.TimeoutExpired:
+                    code = None
                 raise RuntimeError(
-                    f"The shared_td coordinator did not start within {timeout:g} s "
-                    f"(exit code {popen.poll()}); see its error output above."
+                    f"The shared_td coordinator exited with code {code} before listening; see "
+                    "its error output above." if code is not None else
+                    f"The shared_td coordinator did not start within {timeout:g} s."
                 )
         except BaseException:
             popen.kill()

@@ -43,8 +43,10 @@ Example (what a client call amounts to, in the manager)::
 """
 from __future__ import annotations
 
+import errno
 import mmap
 import os
+import resource
 import struct
 import sys
 import threading
@@ -97,7 +99,7 @@ class Registry:
         fds: list[int] = []
         try:
             for pid, fd, key, _how in references:
-                fds.append(platform.reopen_peer_fd(pid, fd, key))
+                fds.append(_reopen(pid, fd, key))
         except BaseException:
             for fd in fds:
                 os.close(fd)
@@ -148,14 +150,17 @@ class Registry:
             for fd, key in cells:
                 key = tuple(key)
                 if key not in self._cells:
-                    self._cells[key] = platform.reopen_peer_fd(pid, fd, key)
+                    self._cells[key] = _reopen(pid, fd, key)
                 fds.append(self._cells[key])
             return os.getpid(), fds
 
     def _store_version(self, name: str, value: int) -> None:
         if name not in self._slots:
             if self._table is None:
-                self._table = VersionTable(VERSION_SLOTS)
+                try:
+                    self._table = VersionTable(VERSION_SLOTS)
+                except OSError as err:
+                    raise _manager_short_of(err) from err
             taken = len(self._slots)
             self._slots[name] = taken if taken < self._table.slots else None
         slot = self._slots[name]
@@ -199,6 +204,29 @@ class Registry:
                 f"No tensordict is published as {name!r}; published names: "
                 f"{sorted(self._entries)}."
             ) from None
+
+
+def _reopen(pid: int, fd: int, key) -> int:
+    """The manager's own descriptor on descriptor ``fd`` of process ``pid``."""
+    try:
+        return platform.reopen_peer_fd(pid, fd, key)
+    except OSError as err:
+        raise _manager_short_of(err) from err
+
+
+def _manager_short_of(err: OSError) -> OSError:
+    """``err``, or, when the manager is out of descriptors (EMFILE, ENFILE), an OSError
+    that says so, naming the manager and its limit: the raw "Too many open files:
+    '/proc/<pid>/fd/4'" reaches the client, where it reads like the caller's own."""
+    if err.errno not in (errno.EMFILE, errno.ENFILE):
+        return err
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return OSError(err.errno, (
+        f"The shared_td coordinator's manager process {os.getpid()} is out of file descriptors "
+        f"(its RLIMIT_NOFILE soft/hard = {soft}/{hard}; it holds one per anonymous leaf and "
+        f"shared non-tensor value published or adopted): {err}. Unpublish names no longer "
+        "needed, or start the coordinator from a process with a higher hard limit "
+        "(`ulimit -Hn`): the manager raises its soft limit to the hard one it inherits."))
 
 
 def _close_references(entry: dict) -> None:

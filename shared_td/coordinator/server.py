@@ -7,7 +7,8 @@ sweep of dead managers' directories removes only those it can lock
 :class:`~shared_td.coordinator.process.ServerProcess` runs this file as a script in a
 fresh interpreter: the server listens on a Unix socket in a new private directory, serves
 one :class:`~shared_td.coordinator.registry.Registry` to every client over the wire
-protocol of ``multiprocess.managers`` (under the fixed id :data:`REGISTRY_ID`), and stops
+protocol of ``multiprocess.managers`` (under the fixed id :data:`REGISTRY_ID`; its accept
+loop and handshake are ours, see :mod:`shared_td.coordinator.accepting`), and stops
 on a shutdown request or once the process that started it is gone (even by SIGKILL),
 removing its directory.
 
@@ -38,8 +39,6 @@ import tempfile
 import threading
 import time
 
-from multiprocess import managers
-
 
 def _load_torch_free(full_name: str, *path_parts: str):
     """The torch-free module ``full_name`` of the package, at ``path_parts`` below it:
@@ -61,6 +60,8 @@ def _load_torch_free(full_name: str, *path_parts: str):
 platform = _load_torch_free("shared_td.platform", "platform.py")
 _registry = _load_torch_free("shared_td.coordinator.registry", "coordinator", "registry.py")
 Registry, VersionTable = _registry.Registry, _registry.VersionTable
+# multiprocess's server with our accept loop and handshake (see accepting.py)
+_accepting = _load_torch_free("shared_td.coordinator.accepting", "coordinator", "accepting.py")
 
 __all__ = ["DIR_PATTERN", "REGISTRY_ID", "make_private_dir", "serve", "sweep_dead_dirs"]
 
@@ -220,7 +221,7 @@ def serve(authkey: bytes, report, parent: int) -> None:
     directory, lock_fd = make_private_dir()  # lock_fd: held until this process ends
     server = None
     try:
-        server = managers.Server({}, os.path.join(directory, "sock"), authkey, "pickle")
+        server = _accepting.Server({}, os.path.join(directory, "sock"), authkey, "pickle")
         # Pin the registry under a fixed id with a refcount no client ever drops:
         # clients then need no create/incref/decref, and a forked client that
         # inherited a connection can never unbalance a refcount.
@@ -251,8 +252,14 @@ def main() -> None:
     sys.stdin.close()
 
     def report(address: str) -> None:
-        sys.stdout.write(address + "\n")
-        sys.stdout.flush()
+        try:
+            sys.stdout.write(address + "\n")
+            sys.stdout.flush()
+        except BrokenPipeError:
+            # the owner was killed before it read the address: stop quietly (no
+            # traceback, nor one at exit when Python flushes stdout again)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise SystemExit(0) from None
 
     try:
         serve(authkey, report, parent)

@@ -1,0 +1,136 @@
+"""The manager's accept loop and the authkey handshake of each new connection.
+
+``multiprocess.managers.Server`` accepts connections in one thread that, as written there:
+
+* spins a core at 100% once the manager is out of descriptors (``accept`` fails with
+  EMFILE at once, again and again: the pending peer stays in the backlog);
+* dies for good the first time a thread cannot be started for a new connection
+  (``RuntimeError: can't start new thread`` under a memory or thread limit): the manager
+  lives on, its old connections work, and no new client ever gets in;
+* waits for ever on a peer that connects and says nothing: each one holds a thread and a
+  descriptor of the manager until it goes away;
+* answers a peer that fails the handshake (a bad length header, garbage) with a
+  pickled traceback, naming the server's files, before it proved it holds the authkey.
+
+:class:`Server` is that server with its own accept loop and handshake: out of
+descriptors it waits (a few ms, doubling up to :data:`BACKOFF_MAX_S`) and accepts again;
+a thread that cannot be started closes that one connection (its peer sees the
+connection closed) and the loop goes on; a peer has :data:`HANDSHAKE_S` seconds to
+complete the handshake and send its first request, else its connection is closed; a
+peer that fails the handshake gets nothing but the closing (and the standard failure
+message of a wrong key). Once authenticated, a connection waits for requests as long as
+its client keeps it (a client idles between calls).
+
+Like ``server.py``, this module imports only the standard library and ``multiprocess``
+(the manager never imports torch or the ``shared_td`` package).
+
+Example:
+    >>> import os, tempfile
+    >>> with tempfile.TemporaryDirectory() as directory:
+    ...     server = Server({}, os.path.join(directory, "sock"), os.urandom(32), "pickle")
+    ...     server.listener.close()
+    >>> HANDSHAKE_S
+    5.0
+"""
+from __future__ import annotations
+
+import errno
+import socket
+import struct
+import threading
+import time
+from traceback import format_exc
+
+from multiprocess import connection, managers
+
+__all__ = ["BACKOFF_MAX_S", "HANDSHAKE_S", "Server"]
+
+#: Seconds a new peer has to pass the authkey handshake and send its first request.
+HANDSHAKE_S = 5.0
+#: The longest pause, in seconds, of the accept loop while the manager is out of
+#: descriptors or memory (it starts at 5 ms and doubles).
+BACKOFF_MAX_S = 0.25
+# accept() errors that mean the listener was closed (the manager is stopping)
+_CLOSED = frozenset({errno.EBADF, errno.EINVAL, errno.ENOTSOCK})
+
+
+class Server(managers.Server):
+    """``multiprocess.managers.Server`` with the accept loop and handshake above."""
+
+    def accepter(self) -> None:
+        pause = 0.0
+        while True:
+            try:
+                conn = self.listener.accept()
+            except OSError as err:
+                if err.errno in _CLOSED or getattr(self.listener, "_listener", True) is None:
+                    return  # closed: the manager is stopping
+                # EMFILE, ENFILE, ENOMEM: the peer stays in the backlog, and retrying at
+                # once would spin a core until descriptors are freed (any other error,
+                # ECONNABORTED say, gets a short pause too)
+                pause = min(max(2 * pause, 0.005), BACKOFF_MAX_S)
+                time.sleep(pause)
+                continue
+            pause = 0.0
+            try:
+                threading.Thread(target=self.handle_request, args=(conn,), daemon=True).start()
+            except BaseException:  # noqa: B036 - can't start new thread, MemoryError: keep accepting
+                conn.close()
+                time.sleep(0.005)  # short of memory or threads: let some be freed
+
+    def handle_request(self, conn) -> None:
+        try:
+            request = self._authenticated_request(conn)
+            if request is not None:
+                self._answer(conn, request)
+        except SystemExit:  # serve_client() ends with sys.exit(0) at the peer's EOF
+            pass
+        finally:
+            conn.close()
+
+    def _authenticated_request(self, conn):
+        """The first request of a peer that passed the handshake within
+        :data:`HANDSHAKE_S` seconds; None (nothing said to it) for any other peer."""
+        try:
+            _limit_waits(conn, HANDSHAKE_S)
+            connection.deliver_challenge(conn, self.authkey)
+            connection.answer_challenge(conn, self.authkey)
+            request = conn.recv()
+            _limit_waits(conn, 0)  # authenticated: it may idle between its calls
+            return request
+        except Exception:  # silent, slow, wrong key, garbage: no traceback for strangers
+            return None
+
+    def _answer(self, conn, request) -> None:
+        """What ``managers.Server._handle_request`` does after its handshake: run the
+        server method the authenticated peer asked for (``accept_connection`` then
+        serves its calls until it closes) and send the result."""
+        try:
+            _, funcname, args, kwds = request
+            if funcname not in self.public:
+                raise AttributeError(f"{funcname!r} unrecognized")
+            func = getattr(self, funcname)
+        except Exception:
+            msg = ("#TRACEBACK", format_exc())
+        else:
+            try:
+                msg = ("#RETURN", func(conn, *args, **kwds))
+            except Exception:
+                msg = ("#TRACEBACK", format_exc())
+        try:
+            conn.send(msg)
+        except Exception:  # the peer left
+            pass
+
+
+def _limit_waits(conn, seconds: float) -> None:
+    """Make each blocking read and write on ``conn`` fail with EAGAIN after ``seconds``
+    (0: wait for ever)."""
+    whole = int(seconds)
+    timeval = struct.pack("@ll", whole, int((seconds - whole) * 1e6))
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, 0, conn.fileno())
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+    finally:
+        sock.detach()  # the descriptor stays the Connection's
