@@ -4,19 +4,32 @@ or by tensordict 0.15.3 (the format: consolidated_file.py).
 Reading trusts nothing in the file: the length, the JSON, every offset, shape and dtype
 are checked against the file before a view is made, and every error is a FormatError
 naming the file. The data are mapped copy-on-write, as tensordict maps them: in-place
-writes into the loaded leaves stay in this process (and a pickle of the result carries
-its bytes, not the file's name). The result is consolidated (its leaves are views of
-the one mapping) and locked only if the file says its tree was.
+writes into the loaded leaves stay in this process. The result is consolidated (its
+leaves are views of the one mapping) and locked only if the file says its tree was.
+
+Sent to another process, the tree goes as a plain consolidated tree does (its one
+buffer, then the skeleton: consolidated_pickle.py): a pickle carries its bytes, and
+multiprocessing (a Queue, a DataLoader worker) moves the buffer into shared memory once,
+as torch moves any tensor (from then on the receiver's writes reach the sender). Never
+by the file's name: the receiver must get the values the sender holds, and the sender's
+in-place writes are in its private copy only (the file may also have been replaced).
+The mapping is therefore our own (libc's ``mmap``), viewed by ``torch.frombuffer``:
+``torch.from_file(shared=False)`` makes a storage that torch takes for shared but has
+no descriptor to send, so its pickle failed in the queue's feeder thread (EBADF) and
+the receiver waited for ever (tensordict 0.15.3 fails the same way).
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
+import weakref
 from typing import Any
 
 import torch
 
+from shared_td import platform
 from shared_td.containers.consolidated_file import LAZY, LENGTH, RESERVED, STACK, TENSORDICT
 from shared_td.containers.consolidated_layout import Layout
 from shared_td.containers.lazy import LazyStackedTensorDict
@@ -27,6 +40,7 @@ from shared_td.errors import FormatError
 from shared_td.keys import key_repr
 from shared_td.persist.format import dtype_from_name
 from shared_td.storage import files
+from shared_td.storage.mapping import map_error
 
 
 def from_consolidated(filename: Any) -> Any:
@@ -62,19 +76,66 @@ def from_consolidated(filename: Any) -> Any:
                                     f"does not fit in its {size} bytes: truncated, or not written "
                                     "by consolidate(filename=).")
         data_size = size - LENGTH - length
+        # the JSON starts with "{": a file cut inside its data ends with a data value, read
+        # as a length of up to the file's size; one byte tells before that much is read
+        # (a short one is read whole: its errors say more)
+        if length > _PEEK_ABOVE and _pread(fd, 1, data_size) != b"{":
+            raise FormatError(path, f"its metadata is not valid JSON: its last 8 bytes give a length "
+                                    f"of {length}, but the byte at {data_size}, where that JSON would "
+                                    "start, is not '{': truncated, or not written by consolidate(filename=).")
         try:
             meta = json.loads(_pread(fd, length, data_size))
         except (ValueError, RecursionError) as error:  # (UnicodeDecodeError is a ValueError)
             raise FormatError(path, f"its metadata is not valid JSON ({error}).") from None
         if not isinstance(meta, dict):
             raise FormatError(path, f"its metadata is a JSON {type(meta).__name__}, not an object.")
-        if data_size:
-            buffer = torch.empty(0, dtype=torch.uint8).set_(files.map_fd(fd, data_size, shared=False))
+        extent = _extent(meta, data_size)
+        if extent:
+            buffer = _map_private(fd, extent, path)
         else:
             buffer = torch.empty(0, dtype=torch.uint8)
     finally:
         os.close(fd)
     return _Reader(path, buffer).tree(meta)
+
+
+def _map_private(fd: int, nbytes: int, path: str) -> torch.Tensor:
+    """The first ``nbytes`` of the file ``fd``, mapped copy-on-write, as a byte tensor
+    that pickles (and moves to shared memory) as any plain tensor (see the module's
+    opening). The mapping lives as long as the tensor's storage (torch.frombuffer holds
+    the ctypes array; the array's finalizer unmaps); no descriptor is kept (Python's
+    mmap.mmap would keep one per loaded tree)."""
+    try:
+        address = platform.map_private_bytes(fd, nbytes)
+    except OSError as error:
+        raise map_error(error.errno, fd, nbytes, False, f"file {path}") from None
+    array = (ctypes.c_uint8 * nbytes).from_address(address)
+    # not at exit: an exit handler that runs later may still read the tree (the
+    # process's end unmaps it anyway)
+    weakref.finalize(array, platform.unmap_bytes, address, nbytes).atexit = False
+    return torch.frombuffer(array, dtype=torch.uint8)
+
+
+_PEEK_ABOVE = 4096  # a metadata length above which its first byte is checked first
+
+
+def _extent(meta: dict, data_size: int) -> int:
+    """How many of the ``data_size`` bytes of data to map: up to the end of the last
+    leaf (its ``stop``), rounded up to 64 bytes. The data may end with the room a file
+    keeps for rewrites (consolidated_file.py), which a rewrite cuts off the file; a
+    mapped page past the end of a file cannot be read (SIGBUS), and multiprocessing
+    copies the whole mapping into shared memory. The specs are checked later (_Reader):
+    what is not a leaf spec here is skipped."""
+    extent, pending = 0, [meta]
+    while pending:
+        node = pending.pop()
+        leaves = node.get("leaves")
+        if isinstance(leaves, dict):
+            for spec in leaves.values():
+                if isinstance(spec, list) and len(spec) >= 4 and _is_count(spec[3]):
+                    extent = max(extent, spec[3])
+        pending.extend(child for key, child in node.items() if key not in RESERVED and isinstance(child, dict))
+    return min(-(-extent // 64) * 64, data_size)
 
 
 def _pread(fd: int, count: int, offset: int) -> bytes:
@@ -90,6 +151,11 @@ def _pread(fd: int, count: int, offset: int) -> bytes:
 
 def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_size(value: Any) -> bool:
+    """A batch size torch can hold: a list of counts below 2**63."""
+    return isinstance(value, list) and all(_is_count(dim) and dim < 2**63 for dim in value)
 
 
 class _Reader:
@@ -131,7 +197,7 @@ class _Reader:
             raise
         except KeyError as error:  # a tensorclass that is not defined here
             raise FormatError(self.path, error.args[0]) from None
-        except (TypeError, ValueError, RuntimeError, IndexError) as error:
+        except (TypeError, ValueError, RuntimeError, IndexError, OverflowError) as error:
             raise self.fail(where, f"cannot be rebuilt: {error}") from None
         if cls_metadata.get("is_locked") is True:
             node.lock_()
@@ -139,6 +205,10 @@ class _Reader:
 
     def tensordict(self, cls: str, non_tensors: dict, leaves: dict, children: dict,
                    cls_metadata: dict, where: tuple) -> Any:
+        twice = (non_tensors.keys() & leaves.keys()) | ((non_tensors.keys() | leaves.keys()) & children.keys())
+        if twice:
+            raise self.fail(where, f"the key {sorted(twice)[0]!r:.80} is listed twice (as a leaf, a "
+                                   "non-tensor or a nested node): which one is meant?")
         entries: dict[str, Any] = {}  # in tensordict's order: non-tensors, leaves, nested
         for key, spec in non_tensors.items():
             entries[key] = self.non_tensor(spec, where + (key,))
@@ -149,9 +219,14 @@ class _Reader:
         names = cls_metadata.get("names")
         if isinstance(names, list) and all(n is None for n in names):
             names = None
+        batch_size = cls_metadata.get("batch_size", [])
+        if not _is_size(batch_size):
+            raise self.fail(where, f"batch_size {batch_size!r:.80} is not a list of counts below 2**63.")
         device = cls_metadata.get("device")
-        td = TensorDict(entries, batch_size=cls_metadata.get("batch_size", []),
-                        device=device, names=names)
+        try:
+            td = TensorDict(entries, batch_size=batch_size, device=device, names=names)
+        except AssertionError as error:  # (torch's answer to a CUDA device in a CPU-only build)
+            raise self.fail(where, f"device {device!r:.80} cannot be used here: {error}") from None
         td.__dict__["_consolidated"] = self.layout
         if cls == TENSORDICT:
             return td
@@ -179,7 +254,12 @@ class _Reader:
         if not (isinstance(spec, list) and len(spec) == 3):
             raise self.fail(where, f"a non-tensor value must be [value, batch_size, device], not {spec!r:.80}.")
         value, batch_size, device = spec
-        return NonTensorData(value, batch_size=batch_size, device=device)
+        if not _is_size(batch_size):
+            raise self.fail(where, f"batch_size {batch_size!r:.80} is not a list of counts below 2**63.")
+        try:
+            return NonTensorData(value, batch_size=batch_size, device=device)
+        except AssertionError as error:  # (as in tensordict())
+            raise self.fail(where, f"device {device!r:.80} cannot be used here: {error}") from None
 
     def leaf(self, spec: Any, where: tuple) -> torch.Tensor:
         if not (isinstance(spec, list) and len(spec) in (5, 6)):

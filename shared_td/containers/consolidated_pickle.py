@@ -17,6 +17,9 @@ itself, its own views of the buffer as ``_leaf(index)`` and its nodes of this tr
 their state. A tree whose one node appears twice is pickled that way as a whole, so
 that it comes back as one object. The classes named are those a pickle of the nodes
 themselves names; loading resolves nothing else.
+
+A tree over shared memory or a file pickles node by node (its leaves by reference);
+:func:`unlocked_on_arrival` makes it arrive unlocked by the same rule as a plain one.
 """
 from __future__ import annotations
 
@@ -389,3 +392,63 @@ def _root_locked(record: Any) -> bool:
     if len(record) == 2:  # a tensorclass around its tensordict
         return _root_locked(record[1])
     return bool(record[4])
+
+
+def unlocked_on_arrival(obj: Any, reduced: tuple, protocol: int) -> tuple:
+    """``reduced`` (the reduction of the node ``obj`` of a consolidated tree whose
+    buffer is shared memory or a file: its state, the leaves by reference), made to
+    arrive as _unpickle_consolidated makes a plain one arrive: a tree locked as a whole
+    (its root ``obj`` locked on its own, as consolidate() leaves it) comes back
+    unlocked, root and nested, so that a receiver may add keys (as in tensordict
+    0.15.3). A node locked only by a locked parent keeps its reduction: that parent's
+    arrival unlocks it. An unlocked node keeps the locks of the nodes nested in it that
+    were locked on their own (their reductions are taken here, unchanged, so that they
+    do not take themselves for the root of a tree locked as a whole)."""
+    if obj._is_locked:
+        return reduced if obj._locked_parent() is not None else (_unlock_arrived, (_Reduced(reduced),))
+    state = reduced[2] if len(reduced) > 2 else None
+    entries = state.get("_tensordict") if isinstance(state, dict) else None
+    if not isinstance(entries, dict):
+        return reduced
+    layout = obj.__dict__.get("_consolidated")
+    kept = {key: value for key, value in entries.items()
+            if isinstance(value, LockingOps) and value._is_locked and value._locked_parent() is None
+            and value.__dict__.get("_consolidated") is layout}
+    if kept:
+        state["_tensordict"] = {key: _Reduced(object.__reduce_ex__(kept[key], protocol)) if key in kept
+                                else value for key, value in entries.items()}
+    return reduced
+
+
+class _Reduced:
+    """A reduction kept to be pickled as it is (inside another one)."""
+
+    __slots__ = ("reduction",)
+
+    def __init__(self, reduction: tuple):
+        self.reduction = reduction
+
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        # (the pickler allows copyreg.__newobj__ only for an object of the class named)
+        function, args, *rest = self.reduction
+        if function is copyreg.__newobj__:
+            function = _new
+        return (function, args, *rest)
+
+
+def _new(cls: type, *args: Any) -> Any:
+    return cls.__new__(cls, *args)
+
+
+def _unlock_arrived(obj: Any) -> Any:
+    """Unlock an unpickled tree, root and nested; its sharing flags stay (unlock_()
+    would clear them: they still hold, the leaves are those of the same memory)."""
+    pending = [unwrap_tensorclass(obj)]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, LockingOps) and node._is_locked:
+            node._is_locked = False
+            for child in node._collection_children():
+                child._lock_parents.pop(id(node), None)
+                pending.append(child)
+    return obj

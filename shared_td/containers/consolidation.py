@@ -38,7 +38,7 @@ import torch
 from shared_td.containers.consolidated_copy import Storage, copy_in_background, copy_jobs, run_copies, unpacked
 from shared_td.containers.consolidated_file import metadata_json, rewrite_metadata
 from shared_td.containers.consolidated_layout import Layout, placed_views
-from shared_td.containers.consolidated_pickle import reduce_tree
+from shared_td.containers.consolidated_pickle import reduce_tree, unlocked_on_arrival
 from shared_td.containers.consolidated_tree import (
     adopt_views,
     build_consolidated,
@@ -122,7 +122,10 @@ class ConsolidateMethods:
                 it once complete, so the path never holds a partial file and the
                 tensordicts mapping an old file there keep their data. Non-tensor
                 values must be JSON values (as in tensordict). A tree consolidated into
-                this very file (still there) only gets its metadata rewritten.
+                this very file (still there) only gets its metadata rewritten (and is
+                returned), in the room the file keeps after its data for that, so that
+                the file reads as the old tree or the new one at every moment; once that
+                room is used up, a new file is written and a new tree returned.
             num_threads: with 2 or more, that many threads copy the leaves (in pieces of
                 about equal bytes); below 2 (None, 0, 1, negative) the calling thread copies.
             device: only None or "cpu" (CPU storage is the only one this build of
@@ -264,8 +267,10 @@ class ConsolidateMethods:
         Other trees pickle their state (a shared or file buffer by reference, a GPU
         one as torch pickles GPU tensors)."""
         layout = layout_of(self)
-        if layout is None or isinstance(layout.buffer, MemoryMappedTensor) or not layout.buffer.is_cpu:
+        if layout is None or not layout.buffer.is_cpu:
             return super().__reduce_ex__(protocol)
+        if isinstance(layout.buffer, MemoryMappedTensor):  # arrives unlocked as a plain one
+            return unlocked_on_arrival(self, super().__reduce_ex__(protocol), protocol)
         # imported here: they import this module (the same layer)
         from shared_td.containers.tensorclass_members import _TensorClassMembers
         from shared_td.containers.tensordict import TensorDict
@@ -284,14 +289,21 @@ def moved_consolidated(obj: Any, device: torch.device, non_blocking: bool) -> An
     """``obj.to(device)`` for a consolidated ``obj`` whose storage is on another device:
     ONE copy of its buffer (a tree of 2000 leaves moved leaf by leaf makes 2000), the
     leaves views of the copy, the result consolidated there and locked, as tensordict
-    does. None when ``obj`` is not consolidated (then each leaf is moved by itself)."""
+    does. Where the storage is on ``device`` already (``to("cpu")`` of a tree whose
+    device is None), a new tree over the same leaves and storage, consolidated and
+    locked, as tensordict gives. None when ``obj`` is not consolidated (then each leaf
+    is moved by itself)."""
     layout = layout_of(obj)
-    if layout is None or layout.buffer.device == device:
+    if layout is None:
         return None
     sources = stored_leaves(obj)
     offsets = leaf_offsets(sources, layout)
     if offsets is None:
         return None
+    if layout.buffer.device == device:  # no copy: the leaves are views of it already
+        result = build_consolidated(obj, iter(sources), layout, moved_to=device)
+        unwrap_tensorclass(result).__dict__.setdefault("_consolidated", layout)
+        return result
     buffer = layout.buffer.as_subclass(torch.Tensor).to(device, non_blocking=non_blocking)
     order = sorted(range(len(sources)), key=offsets.__getitem__)
     views, entries, runs = placed_views(buffer, sources, offsets, order)
