@@ -332,11 +332,13 @@ class TensorDictBase(LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, Me
                 missing (use ``set`` to add it; tensordict 0.15.3 drops the latter).
         """
         path = unravel_key(key)
-        if self._get_path(path, None) is None:
+        current = self._get_path(path, None)
+        if current is None:
             raise KeyError(
                 f"set_() writes in place into an existing entry, but key {key_repr(path)} "
                 f"does not exist: not found in {type(self).__name__}. Use set() to add it."
             )
+        self._check_set_(path, current, value)  # (named by the full key, as set_)
         parent = self._parent_for_write(path, create=False)
         parent._set_str(path[-1], value, inplace=True, validated=False)
         return self

@@ -272,7 +272,7 @@ def _advanced_indexed_names(names: Sequence[str | None], index: tuple) -> list |
     # per advanced part (index tensor, mask, bool): the shape it broadcasts with and the
     # names of the dims it consumes (a bool consumes none: it adds a dim of 1 or 0)
     shapes, taken = [], []
-    place, separated, after_tensor = None, False, False
+    place, separated, after_tensor, masks = None, False, False, 0
     for part in index:
         if isinstance(part, torch.Tensor) and part.ndim == 0:
             # torch selects with a 0-d integer tensor as with an int; a 0-d mask is a bool
@@ -282,6 +282,7 @@ def _advanced_indexed_names(names: Sequence[str | None], index: tuple) -> list |
                 consumed, shape = 0, (1,)
             elif part.dtype == torch.bool:
                 consumed, shape = part.ndim, (int(part.sum()),)
+                masks += 1
             else:
                 consumed, shape = 1, tuple(part.shape)
             shapes.append(shape)
@@ -300,16 +301,24 @@ def _advanced_indexed_names(names: Sequence[str | None], index: tuple) -> list |
     if place is None:
         return out + remaining
     position = 0 if separated else place
-    return out[:position] + _block_names(shapes, taken) + out[position:] + remaining
+    return out[:position] + _block_names(shapes, taken, masks) + out[position:] + remaining
 
 
-def _block_names(shapes: list, taken: list) -> list:
+def _block_names(shapes: list, taken: list, masks: int = 0) -> list:
     """Names of the dims of torch's block of advanced-index dims, as tensordict gives
     them: a block dim along which one part alone varies (size != 1) takes the name of
     the dim that part consumed, if it consumed one dim and varies along this block dim
     only (a name cannot be repeated); so does a lone 1-D index (or mask) of size 1. Any
-    other block dim is unnamed."""
+    other block dim is unnamed, and so is every dim of a block of two or more masks
+    (``masks``: tensordict 0.15.3 names none, whatever the number of True each holds).
+
+    Example:
+        >>> _block_names([(2,), (1,)], [["d0"], ["d1"]]), _block_names([(2,), (1,)], [["d0"], ["d1"]], masks=2)
+        (['d0'], [None])
+    """
     ndim = len(torch.broadcast_shapes(*[torch.Size(s) for s in shapes]))
+    if masks > 1:
+        return [None] * ndim
     aligned = [(1,) * (ndim - len(s)) + tuple(s) for s in shapes]
     varying = [[j for j, n in enumerate(s) if n != 1] for s in aligned]
     block: list = []

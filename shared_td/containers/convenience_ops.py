@@ -140,6 +140,21 @@ class ConvenienceOps:
         (allowed when locked); returns self. ``non_blocking`` is accepted for
         compatibility, and ignored (the write is done on return).
 
+        A non-tensor entry is written as ``td[index] = ...`` writes it, checked first:
+        a memory-mapped or shared NonTensorData (one value for the batch) refuses
+        per-element values, a value its files or shared cell cannot store is a
+        TypeError naming the key, and a memory-mapped entry's files are written first.
+
+        Example:
+            >>> td = TensorDict(text=NonTensorData("x"), batch_size=[2]).memmap_()
+            >>> try:
+            ...     td.set_at_("text", "y", 0)
+            ... except RuntimeError as error:
+            ...     print(str(error).split(" into")[0])
+            set_at_('text', ..., 0): Cannot write per-element values
+            >>> TensorDict(text=NonTensorData("x"), batch_size=[2]).set_at_("text", "y", 0)["text"]
+            ['y', 'x']
+
         Raises:
             KeyError: naming the key, when it is missing.
         """
@@ -150,11 +165,16 @@ class ConvenienceOps:
             if getattr(entry, "_is_non_tensor", False) and hasattr(entry, "_set_at") and hasattr(parent, "_tensordict"):
                 # a NonTensorData holds one value for the batch: written at some rows it
                 # becomes a NonTensorStack, which replaces the entry (as tensordict); below
-                # a lazy stack (no _tensordict) the stack writes it into its members
+                # a lazy stack (no _tensordict) the stack writes it into its members.
+                # Checked as td[index] = ... checks it (index_writes): this assignment
+                # skips the lock, so a memory-mapped NonTensorData must refuse to become
+                # a stack in memory, which its files would never see
                 from shared_td.containers import batch as batch_ops  # (same layer)
+                from shared_td.containers.nontensor_ops import check_non_tensor_write
 
                 rows = batch_ops.index_and_size(index, entry.batch_size)[0]
-                parent._tensordict[path[-1]] = entry._set_at(rows, value)
+                check_non_tensor_write(entry, rows, value, path)
+                parent._tensordict[path[-1]] = entry._set_at(rows, value)  # (files first: _store)
             else:  # (below a lazy stack, entry is a new stacked tensor: written through the stack)
                 import numpy as np
                 import torch

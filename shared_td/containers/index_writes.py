@@ -80,7 +80,7 @@ class IndexWrites:
                 source = fit_source(current, index, source, path + (key,))
                 writes.append(lambda current=current, source=source: current.__setitem__(index, source))
             elif is_non_tensor(current):
-                check_non_tensor_write(current, index, source, key)
+                check_non_tensor_write(current, index, source, path + (key,))
                 write = lambda key=key, current=current, source=source: self._tensordict.__setitem__(  # noqa: E731
                     key, current._set_at(index, source)
                 )
@@ -241,7 +241,7 @@ def plan_set_at(target: Any, path: tuple, value: Any, index: Any, writes: list, 
         return
     if not isinstance(entry, torch.Tensor):  # a non-tensor: written by its node's set_at_
         node = unwrap_tensorclass(target.get(path[:-1])) if len(path) > 1 else target
-        check_non_tensor_write(entry, batch_ops.index_and_size(index, entry.batch_size)[0], value, path[-1])
+        check_non_tensor_write(entry, batch_ops.index_and_size(index, entry.batch_size)[0], value, path)
         store_first(writes, lambda: node.set_at_(path[-1], value, index))
         return
     if isinstance(value, torch.Tensor):

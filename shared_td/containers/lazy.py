@@ -107,8 +107,9 @@ class LazyStackedTensorDict(LazyNames, LazyShapeOps, LazyBatchDimOps, LazyWriteO
     @classmethod
     def lazy_stack(cls, items: Sequence[Any], dim: int = 0, *, out: Any = None,
                    stack_dim_name: str | None = None, strict_shape: bool = True) -> Any:
-        """Stack ``items`` lazily along ``dim`` (tensors are stacked by ``torch.stack``);
-        ``stack_dim_name`` names that new batch dim, as in tensordict 0.15.3.
+        """Stack ``items`` lazily along ``dim`` (tensors, and non-tensor items, are stacked
+        by ``torch.stack``: a NonTensorStack for the latter); ``stack_dim_name`` names
+        that new batch dim, as in tensordict 0.15.3.
 
         Example:
             >>> td = TensorDict(a=torch.zeros(3), batch_size=[3], names=["env"])
@@ -120,6 +121,10 @@ class LazyStackedTensorDict(LazyNames, LazyShapeOps, LazyBatchDimOps, LazyWriteO
             raise RuntimeError("lazy_stack needs at least one tensordict: items cannot be empty.")
         if all(isinstance(item, torch.Tensor) for item in items):
             return torch.stack(items, dim)
+        if all(is_non_tensor(item) for item in items):
+            # NonTensorData / NonTensorStack items: their NonTensorStack, as tensordict
+            # 0.15.3 gives (a lazy stack holds tensordicts only)
+            return torch.stack(items, dim) if out is None else torch.stack(items, dim, out=out)
         if is_tensor_collection(items[0]):  # so that an error names lazy_stack's dim, not stack_dim
             batch_ops.insertion_dim(dim, items[0].batch_dims, "lazy_stack")
         tc_class = type(items[0]) if is_tensorclass(items[0]) else None
@@ -191,12 +196,30 @@ class LazyStackedTensorDict(LazyNames, LazyShapeOps, LazyBatchDimOps, LazyWriteO
         return bool(self.tensordicts) and all(m.is_memmap() for m in self.tensordicts)
 
     def share_memory_(self) -> "LazyStackedTensorDict":
-        """Move every member to shared memory and lock; returns self."""
-        if any(m.is_memmap() for m in self.tensordicts):
-            raise RuntimeError(
-                "memmap and shared memory are mutually exclusive features: a member of "
-                "this stack is memory-mapped already."
-            )
+        """Move every member to shared memory and lock; returns self.
+
+        Everything is checked before the first member is shared (the members are shared
+        one by one: a failure in member 1 left member 0 shared and locked, and
+        ``is_shared()`` then raised a "shared status mismatch").
+
+        Raises:
+            RuntimeError: if a member, or a tensordict nested in one, is memory-mapped.
+            TypeError: naming its key, if a non-tensor value cannot be pickled.
+        """
+        from shared_td.containers.unpicklable import check_picklable
+
+        pending = list(self.tensordicts)
+        while pending:  # (every nested node: a member's share_memory_ refuses any mapped one)
+            node = unwrap_tensorclass(pending.pop())
+            if is_non_tensor(node):
+                continue
+            if getattr(node, "_is_memmap", False):
+                raise RuntimeError(
+                    "memmap and shared memory are mutually exclusive features: a member of "
+                    "this stack, or a tensordict in one, is memory-mapped already."
+                )
+            pending += node._collection_children()
+        check_picklable(self, "share_memory_()", shared=True)
         for member in self.tensordicts:
             member.share_memory_()
         self._is_shared = True
@@ -251,6 +274,14 @@ class LazyStackedTensorDict(LazyNames, LazyShapeOps, LazyBatchDimOps, LazyWriteO
             f"Cannot stack the entry {key_repr(path)}: the members hold "
             f"{sorted({type(v).__name__ for v in values})}."
         )
+
+    def _has_ragged_leaf(self) -> bool:
+        """True when the members' tensors under some key differ in shape (reading that
+        key stacked raises; LazyShapeOps._empty_selection asks)."""
+        from shared_td.containers.base import is_leaf_nontensor
+
+        return any(isinstance(self._get_path(unravel_key(key), None), _Ragged)
+                   for key in self.keys(True, True, is_leaf_nontensor))
 
     def _peek_str(self, key: str, default: Any) -> Any:
         """The entry ``key`` without stacking tensors: the first member's leaf, or a lazy

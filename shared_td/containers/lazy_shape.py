@@ -79,7 +79,7 @@ class LazyShapeOps:
     def _index(self, index: Any) -> Any:
         where = self._locate(index)
         if self.tensordicts and -1 not in self.batch_size and _selects_no_member(where, self):
-            return self._empty_selection(index)
+            return self._empty_selection(index, where)
         if where[0] == "one":
             member = self.tensordicts[where[1]]
             return member if _trivial(where[2]) else member._index(where[2])
@@ -95,17 +95,34 @@ class LazyShapeOps:
             indexed_names(self, out, where[1])
         return out
 
-    def _empty_selection(self, index: Any) -> Any:
+    def _empty_selection(self, index: Any, where: tuple) -> Any:
         """``lazy[index]`` for an index that keeps no member: an empty TensorDict with the
         keys that every member has, their shapes those of the first member, as the dense
         copy would give (tensordict 0.15.3 does the same); non-tensor entries become
-        empty stacks."""
+        empty stacks. A first member that is a lazy stack whose entries differ in shape
+        gives instead its own selection by the rest of the index, with an empty dim
+        where the stack dim goes: a lazy stack, as tensordict's (a dense copy of it
+        raised "Failed to stack tensors").
+
+        Example:
+            >>> inner = shared_td.lazy_stack([TensorDict(h=torch.zeros(1)), TensorDict(h=torch.zeros(2))])
+            >>> shared_td.lazy_stack([inner, inner.clone()])[2:].batch_size
+            torch.Size([0, 2])
+        """
         from shared_td.containers.base import is_leaf_nontensor, is_non_tensor
+        from shared_td.containers.lazy_writes import _is_lazy
         from shared_td.containers.tensordict import TensorDict
 
         out_batch = torch.zeros(self.batch_size)[index].shape
         names = TensorDict({}, batch_size=self.batch_size, names=self.names)[index].names
         first = self.tensordicts[0]
+        if where[0] == "many" and _is_lazy(first) and first._has_ragged_leaf():
+            _, _, rest, out, _ = where
+            part = first if _trivial(rest) else first._index(rest)
+            empty = part.unsqueeze(out).expand(out_batch)  # (new members: naming them names no member)
+            if names is not None and any(name is not None for name in names):
+                empty.names = names
+            return empty
         entries = {}
         for key in self.keys(True, True, is_leaf_nontensor):
             path = (key,) if isinstance(key, str) else tuple(key)
@@ -280,7 +297,8 @@ class LazyShapeOps:
         order = permute_order(dims_list, self.batch_dims, dims)
         sd = self._stack_dim
         member_order = [self._member_dim(d) for d in order if d != sd]
-        return self._restack([m.permute(*member_order) for m in self.tensordicts], order.index(sd))
+        # (dims=: members without batch dims take [], where permute(*[]) gives no dims at all)
+        return self._restack([m.permute(dims=member_order) for m in self.tensordicts], order.index(sd))
 
     def expand(self, *shape: Any) -> "LazyStackedTensorDict":
         """Expand the batch dims (each member is expanded: views, no copy)."""

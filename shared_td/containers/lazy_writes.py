@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from shared_td.containers import batch as batch_ops
-from shared_td.containers.base import TensorDictBase, is_leaf_nontensor, is_non_tensor, is_tensor_collection
+from shared_td.containers.base import (TensorDictBase, check_write_into, is_leaf_nontensor, is_non_tensor,
+                                       is_tensor_collection)
 from shared_td.containers.index_writes import plan_set_at
 from shared_td.errors import BatchSizeMismatchError
 from shared_td.keys import key_repr, unravel_key
@@ -38,15 +39,28 @@ class LazyWriteOps:
             unravel_key(key)  # raises the KeyTypeError
         parts = self._split_value(key, value)
         for member, part in zip(self.tensordicts, parts):  # check everything first
-            current = _peek(member, key)
-            if current is None or not inplace:
-                action = "add" if current is None else "replace"
-                super()._check_unlocked((key,), action)
-                member._check_unlocked((key,), action)
-            elif isinstance(current, torch.Tensor) and not _is_lazy(member):
-                _check_fits(part, current.shape, repr(key))
+            self._check_part(member, key, part, inplace)
         for member, part in zip(self.tensordicts, parts):
             member._set_str(key, part, inplace=inplace, validated=False)
+
+    def _check_part(self, member: TensorDictBase, key: str, part: Any, inplace: bool) -> None:
+        """Raise if ``member._set_str(key, part, inplace=inplace)`` would fail; writes
+        nothing. A member that is a lazy stack, or a nested tensordict written in place,
+        is checked all the way down (``check_write``): checking its first level only let
+        a stack of stacks write its first inner stack before the second one raised."""
+        current = _peek(member, key)
+        if current is None or not inplace:
+            action = "add" if current is None else "replace"
+            super()._check_unlocked((key,), action)
+            member._check_unlocked((key,), action)
+        elif _is_lazy(member) or _is_branch(current):
+            check_write(member, {key: part}, inplace=True, add_missing=False)
+        elif isinstance(current, torch.Tensor):
+            _check_fits(part, current.shape, repr(key))
+            refuse_read_only(current, "set_")  # (a member loaded with mode="r")
+        elif is_non_tensor(current):  # a shared or memory-mapped one: what it cannot store, named
+            current._check_storable_write(part, (key,))
+            check_write_into(current, part, (key,))  # (a read-only one too)
 
     def _split_value(self, key: str, value: Any) -> list:
         """``value`` as one part per member (split along ``stack_dim``)."""
@@ -71,8 +85,12 @@ class LazyWriteOps:
 
     def _convert(self, key: str, value: Any, into: Any = None) -> Any:
         """Check ``value`` for ``key`` (the base class's update planning calls it); the
-        value is split into the members when it is written."""
-        self._split_value(key, value)
+        value is split into the members when it is written. An in-place write (``into``,
+        the entry now: a parent's ``update_`` plans it) is checked in every member."""
+        parts = self._split_value(key, value)
+        if into is not None:
+            for member, part in zip(self.tensordicts, parts):
+                self._check_part(member, key, part, inplace=True)
         return value
 
     def _unbind_like(self, other: Any) -> list:
@@ -123,8 +141,9 @@ class LazyWriteOps:
         """As TensorDict.update, member by member: ``other`` is split along ``stack_dim``
         (a lazy stack of the same layout gives its members). Checked before writing."""
         parts = self._update_parts(other)
+        selected = None if keys_to_update is None else [unravel_key(k) for k in keys_to_update]
         for member, part in zip(self.tensordicts, parts):
-            _check_write(member, part, replace=not inplace)
+            check_write(member, part, inplace=inplace, add_missing=True, selected=selected)
         for member, part in zip(self.tensordicts, parts):
             member.update(part, clone, inplace=inplace, keys_to_update=keys_to_update)
         return self
@@ -142,8 +161,9 @@ class LazyWriteOps:
                 f"update_() writes in place, but key {key_repr(unravel_key(missing))} does not "
                 f"exist in {type(self).__name__}. Use update() to add it."
             )
+        selected = None if keys_to_update is None else [unravel_key(k) for k in keys_to_update]
         for member, part in zip(self.tensordicts, parts):
-            _check_write(member, part)
+            check_write(member, part, inplace=True, add_missing=False, selected=selected)
         for member, part in zip(self.tensordicts, parts):
             member.update_(part, keys_to_update=keys_to_update)
         return self
@@ -391,20 +411,27 @@ def _check_fits(part: Any, shape: torch.Size, name: str) -> None:
         )
 
 
-def _check_write(member: TensorDictBase, source: Any, index: tuple = (), replace: bool = False) -> None:
-    """Raise if writing ``source`` into ``member[index]`` (in place, or replacing the
-    entries when ``replace``) would fail; checked for plain TensorDicts before writing."""
-    from shared_td.containers.tensordict import TensorDict
+def check_write(target: Any, source: Any, *, inplace: bool, add_missing: bool,
+                selected: list | None = None) -> None:
+    """Raise if ``target.update(source, inplace=inplace)`` (``add_missing``) or
+    ``target.update_(source)`` (not ``add_missing``) would fail; writes nothing. A lazy
+    stack checks each member with its part of ``source`` (a lazy member its own members
+    in turn); any other tensordict checks with the plan of its own update, which reaches
+    a lazy stack nested in it through the stack's ``_convert``. ``selected``: the keys
+    of ``keys_to_update``, unravelled.
 
-    if not isinstance(member, TensorDict) or not isinstance(source, TensorDict):
-        return
-    target = batch_ops.indexed_batch_size(member.batch_size, batch_ops.normalize_index(index, member.batch_size))
-    for key in source.keys(True, True, is_leaf_nontensor):
-        path = unravel_key(key)
-        current = member._get_path(path, None)
-        if current is None or replace:
-            if member.is_locked:
-                member._check_unlocked(path, "add" if current is None else "replace")
-        elif isinstance(current, torch.Tensor):
-            _check_fits(source.get(key), torch.Size(target + current.shape[member.batch_dims :]), key_repr(path))
-
+    Example:
+        >>> lazy = shared_td.lazy_stack
+        >>> outer = lazy([lazy([TensorDict(x=torch.zeros(2))] * 2), lazy([TensorDict(x=torch.zeros(3))] * 2)])
+        >>> try:
+        ...     check_write(outer, {"x": torch.ones(2, 2, 2)}, inplace=True, add_missing=False)
+        ... except RuntimeError as error:
+        ...     print(type(error).__name__)
+        BatchSizeMismatchError
+    """
+    target = unwrap_tensorclass(target)
+    if _is_lazy(target):
+        for member, part in zip(target.tensordicts, target._update_parts(unwrap_tensorclass(source))):
+            check_write(member, part, inplace=inplace, add_missing=add_missing, selected=selected)
+    elif _is_branch(target):
+        target._plan_update(unwrap_tensorclass(source), (), inplace, add_missing, selected)

@@ -115,7 +115,7 @@ class NonTensorBase(NonTensorBatchDimOps, TensorDictBase):
 
     def permute(self, *dims_list: Any, dims: Any = None) -> "NonTensorBase":
         order = permute_order(dims_list, len(self._batch_size), dims)  # (the leading dims may do, as a TensorDict's)
-        return self._transform(lambda positions: positions.permute(*order))
+        return self._transform(lambda positions: positions.permute(tuple(order)))  # (one tuple: () for 0 dims)
 
     def repeat(self, *repeats: Any) -> "NonTensorBase":
         """The batch dims repeated as ``torch.Tensor.repeat`` does: a new entry (a copy,
@@ -250,9 +250,10 @@ class NonTensorBase(NonTensorBatchDimOps, TensorDictBase):
         shared = self._shared_value is not None
         if not shared and not (entry._is_memmap and entry._memmap_prefix is not None):
             return
+        name = key_repr(key) if isinstance(key, tuple) else repr(key)
         try:
             pickle.dumps(values)  # (a value given for many elements is pickled once: memo)
-        except Exception:
+        except Exception as whole:
             for value in values:  # (the failure path only: name the value at fault)
                 try:
                     pickle.dumps(value)
@@ -262,13 +263,45 @@ class NonTensorBase(NonTensorBatchDimOps, TensorDictBase):
                              "memory-mapped: its files hold its values as JSON, else pickled")
                     raise TypeError(
                         f"Cannot write a {type(value).__name__} into the non-tensor entry "
-                        f"{key_repr(key) if isinstance(key, tuple) else repr(key)}: the entry is {where}, "
+                        f"{name}: the entry is {where}, "
                         f"and this value cannot be pickled "
                         f"({error}). Nothing was written. Write a picklable value (a function "
                         "defined at module level, not a lambda; no lock or open file), or keep "
                         "such values in a tensordict that is neither shared nor memory-mapped."
                     ) from error
-            raise
+            raise TypeError(  # (each pickles alone, not together: still the one rule, a TypeError)
+                f"Cannot write these values into the non-tensor entry {name}: they cannot be "
+                f"pickled together ({whole}). Nothing was written.") from whole
+
+    def _check_storable_write(self, value: Any, key: Any) -> None:
+        """``_check_storable`` for an in-place write of the whole entry (``set_``,
+        ``set(..., inplace=True)``) of ``value``: a NonTensorData or NonTensorStack, or
+        the Python value (a stack: the per-element values) given. Nothing to check for an
+        entry in memory, or for a tensor (which the write refuses: _refuse_tensor_value).
+
+        Example:
+            >>> td = TensorDict(s=NonTensorData("x"), batch_size=[]).share_memory_()
+            >>> try:
+            ...     td.set_("s", lambda: 1)
+            ... except TypeError as error:
+            ...     print(str(error).split(":")[0])
+            Cannot write a function into the non-tensor entry 's'
+        """
+        entry = self.__dict__.get("_origin", self)
+        if self._shared_value is None and not (entry._is_memmap and entry._memmap_prefix is not None):
+            return
+        if isinstance(value, NonTensorBase):
+            values = value._flat_values()
+        elif isinstance(value, torch.Tensor) or is_tensor_collection(value):
+            return
+        elif self._one_value:
+            values = [value]
+        else:
+            try:
+                values = self._new_values(value)
+            except Exception:  # (values that do not fit: the write raises its own error)
+                values = [value]
+        self._check_storable(values, key)
 
     def _store(self, payload: Any, touched: list | None = None) -> None:
         """Store ``payload``, the new values of an in-place write (called inside

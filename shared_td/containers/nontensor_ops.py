@@ -46,12 +46,16 @@ class NonTensorOps:
 
 
 # ------------------------------------------------- what a Python value becomes
-def check_non_tensor_write(current: Any, index: tuple, source: Any, key: str) -> None:
+def check_non_tensor_write(current: Any, index: tuple, source: Any, key: str | tuple) -> None:
     """Raise unless ``current._set_at(index, source)`` can write ``source``'s values
     (one, or one per indexed element) into the indexed elements, and store them where
-    ``current`` keeps its values (a shared cell, files: ``_check_storable``); writes nothing."""
+    ``current`` keeps its values (a shared cell, files: ``_check_storable``); writes
+    nothing. ``key``: the entry's key (a tuple: its full nested key), for the errors."""
     from shared_td.containers.base import is_non_tensor
     from shared_td.containers.nontensor import NonTensorData, broadcast_values
+    from shared_td.keys import key_repr
+
+    name = key_repr(key) if isinstance(key, tuple) else repr(key)
 
     current._refuse_copy_write_at(index, source)  # a piece of a stored stack: the write would be lost
     shared_or_files = current._shared_value is not None or current.is_memmap()
@@ -59,7 +63,7 @@ def check_non_tensor_write(current: Any, index: tuple, source: Any, key: str) ->
         # one value for the whole batch, shared with other processes or kept in files:
         # per-element values would turn it into a private in-memory stack
         raise RuntimeError(
-            f"Cannot write per-element values into the non-tensor entry {key!r}: it is a "
+            f"Cannot write per-element values into the non-tensor entry {name}: it is a "
             "NonTensorData (one value for the whole batch) that is "
             + ("shared with share_non_tensor=True: write the whole value with set_() or update_()."
                if current._shared_value is not None else
@@ -71,7 +75,7 @@ def check_non_tensor_write(current: Any, index: tuple, source: Any, key: str) ->
     try:
         values = broadcast_values(source, target)
     except BatchSizeMismatchError as error:
-        raise BatchSizeMismatchError(f"Cannot write into non-tensor entry {key!r}: {error}") from None
+        raise BatchSizeMismatchError(f"Cannot write into non-tensor entry {name}: {error}") from None
     current._check_storable(values, key)
 
 

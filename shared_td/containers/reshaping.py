@@ -105,7 +105,8 @@ class BatchShapeOps:
         size = torch.Size([self._batch_size[d] for d in order])
         names = None if self._names is None else [self._names[d] for d in order]
         return self._map_entries(
-            lambda v: v.permute(*order, *range(nb, v.ndim)), size, names, is_view=True
+            # (one tuple: ``v.permute(*())`` of a 0-dim leaf is a TypeError, ``v.permute(())`` is not)
+            lambda v: v.permute((*order, *range(nb, v.ndim))), size, names, is_view=True
         )
 
     @staticmethod

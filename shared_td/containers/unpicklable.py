@@ -6,6 +6,12 @@ value's type but not its key, and the code that pickles it never sees the key, s
 key is found here: :func:`check_picklable` before anything is done (a call that shares
 node by node would otherwise leave the nodes before it changed), or
 :func:`naming_unpicklable` around a call, re-raising its pickling error with the key.
+
+One rule, whatever pickle raised (a TypeError for a lock, a PicklingError or an
+AttributeError for a lambda, by Python version): the error is a TypeError naming the full
+key, pickle's own error chained as its ``__cause__``, so that one ``except TypeError``
+catches every such value (an in-place write into a shared or memory-mapped entry raises
+the same, from NonTensorBase._check_storable).
 """
 from __future__ import annotations
 
@@ -23,27 +29,36 @@ __all__ = ["check_picklable", "naming_unpicklable"]
 
 
 def check_picklable(obj: Any, action: str, *, shared: bool) -> None:
-    """Raise, naming its nested key, for the first non-tensor value of ``obj`` that
-    cannot be pickled (``shared``: among those not in a shared cell yet, a TypeError as
-    a shared cell raises; else among those that are not JSON values, as the type pickle
-    raised)."""
+    """Raise a TypeError, naming its nested key, for the first non-tensor value of
+    ``obj`` that cannot be pickled (``shared``: among those not in a shared cell yet;
+    else among those that are not JSON values).
+
+    Example:
+        >>> td = TensorDict(batch_size=[])
+        >>> td["f"] = NonTensorData(lambda: 1)
+        >>> try:
+        ...     check_picklable(td, "save", shared=False)
+        ... except TypeError as error:
+        ...     print(str(error)[:42], type(error.__cause__).__name__ in ("AttributeError", "PicklingError"))
+        save: the non-tensor entry 'f' holds a fun True
+    """
     found = _unpicklable(obj, shared)
     if found is not None:
-        raise _unpicklable_error(TypeError if shared else type(found[2]), action, found, shared) from found[2]
+        raise _unpicklable_error(action, found, shared) from found[2]
 
 
 @contextlib.contextmanager
 def naming_unpicklable(obj: Any, action: str, shared: bool) -> Iterator[None]:
-    """Re-raise a pickling error of the block naming the entry at fault, as the same
-    exception type (only when an entry is found whose own error the raised one carries:
-    any other error passes as it is)."""
+    """Re-raise a pickling error of the block as a TypeError naming the entry at fault,
+    the error chained (only when an entry is found whose own error the raised one
+    carries: any other error passes as it is)."""
     try:
         yield
     except (TypeError, pickle.PicklingError, AttributeError) as error:
         found = _unpicklable(obj, shared)
         if found is None or str(found[2]) not in str(error):
             raise
-        named = _unpicklable_error(type(error), action, found, shared)
+        named = _unpicklable_error(action, found, shared)
         for note in getattr(error, "__notes__", ()):  # (what a failed clean-up added, say)
             named.add_note(note)
         raise named from error
@@ -81,7 +96,7 @@ def _unpicklable(obj: Any, shared: bool) -> tuple | None:
     return None
 
 
-def _unpicklable_error(error_type: type, action: str, found: tuple, shared: bool) -> Exception:
+def _unpicklable_error(action: str, found: tuple, shared: bool) -> TypeError:
     path, data, error = found
     purpose = "shared between processes" if shared else "written to a file"
     where = f"the non-tensor entry {key_repr(path)}" if path else "this non-tensor value"
@@ -91,7 +106,4 @@ def _unpicklable_error(error_type: type, action: str, found: tuple, shared: bool
         f"({error}), so it cannot be {purpose}; nothing was done. {remedy} with a "
         "picklable value first."
     )
-    try:
-        return error_type(message)
-    except Exception:  # an exception class that takes other arguments
-        return TypeError(message)
+    return TypeError(message)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from shared_td.keys import key_repr, unravel_key
+from shared_td.memmap_tensor import refuse_read_only
 from shared_td.tensorclass_protocol import is_tensorclass, unwrap_tensorclass
 
 if TYPE_CHECKING:  # (base imports this module)
@@ -93,6 +94,7 @@ class UpdateOps:
                 )
             elif inplace and current is not None:
                 value = self._checked_set_(path, current, value)
+                refuse_read_only(current, "update_")  # (mode="r": before any entry is written)
                 store = is_non_tensor(current)
                 if store:  # (a shared cell, files: pickled or JSON)
                     current._check_storable(value._flat_values() if is_non_tensor(value) else [value], path)
@@ -157,15 +159,49 @@ class UpdateOps:
             >>> sorted(td["v"].keys()), td["v", "a"] is a, a.tolist()
             (['a', 'b'], True, [1.0, 1.0])
         """
+        import torch
+
         from shared_td.containers.base import TensorDictBase, is_non_tensor, is_tensor_collection
 
-        if not isinstance(value, (dict, TensorDictBase)) and not is_tensorclass(value):
-            return False  # (a tensor, most values: nothing to look up)
+        if isinstance(value, torch.Tensor):
+            return False  # (most values: nothing to look up)
         current = self.get(key, None)
-        if not is_tensor_collection(current) or is_non_tensor(current) or is_non_tensor(value):
+        if is_non_tensor(current):  # a shared or memory-mapped one: what it cannot store, named (as set_)
+            current._check_storable_write(value, unravel_key(key))
+            return False
+        if not isinstance(value, (dict, TensorDictBase)) and not is_tensorclass(value):
+            return False
+        if not is_tensor_collection(current) or is_non_tensor(value):
             return False
         current.update(value, inplace=True)
         return True
+
+    def _check_set_(self, path: tuple, current: Any, value: Any) -> None:
+        """What ``set_(path, value)`` checks before it writes, each error naming the full
+        key and ``set_``: a value that ``current``, a shared or memory-mapped non-tensor
+        entry, cannot store (a TypeError), or a key that the nested tensordict
+        ``current`` lacks (a KeyError; ``update_``, which writes it, would name itself).
+
+        Example:
+            >>> td = TensorDict(next=TensorDict(a=torch.zeros(2), batch_size=[2]), batch_size=[2])
+            >>> try:
+            ...     td.set_("next", {"a": torch.ones(2), "b": torch.ones(2)})
+            ... except KeyError as error:
+            ...     print(error.args[0][:60])
+            set_() writes in place, but key ('next', 'b') does not exist
+        """
+        from shared_td.containers.base import is_non_tensor, is_tensor_collection
+
+        if is_non_tensor(current):
+            current._check_storable_write(value, path)
+        elif is_tensor_collection(current):
+            missing = _missing_key(current, value, path)
+            if missing is not None:
+                raise KeyError(
+                    f"set_() writes in place, but key {key_repr(missing)} does not exist in "
+                    f"{type(self).__name__}. Use set({key_repr(path)}, ..., inplace=True) or "
+                    "update(..., inplace=True) to add it."
+                )
 
     def _resized_child(self, value: Any, key: str | None = None) -> Any:
         """``value``, a tensordict or tensorclass about to be set into this tensordict,
@@ -227,6 +263,30 @@ def _stores_first(plan: list) -> list:
     """
     stores = [write for write in plan if write[3]]
     return plan if not stores else stores + [write for write in plan if not write[3]]
+
+
+def _missing_key(node: Any, value: Any, prefix: tuple) -> tuple | None:
+    """The full key of the first entry of ``value`` (a dict, tensordict or tensorclass
+    written in place into the collection ``node`` at ``prefix``) that ``node`` lacks;
+    None when there is none, or when ``value`` is not such a mapping."""
+    from shared_td.containers.base import TensorDictBase, is_non_tensor, is_tensor_collection
+
+    node, value = unwrap_tensorclass(node), unwrap_tensorclass(value)
+    if not isinstance(value, (dict, TensorDictBase)) or is_non_tensor(value) or is_non_tensor(node):
+        return None
+    for key, sub in value.items():
+        path = unravel_key(key)
+        try:
+            entry = node._get_path(path, None)
+        except Exception:  # (a lazy stack whose members differ: its update_ checks member by member)
+            continue
+        if entry is None:
+            return prefix + path
+        if is_tensor_collection(entry):
+            found = _missing_key(entry, sub, prefix + path)
+            if found is not None:
+                return found
+    return None
 
 
 def _merges_into_tensorclass(current: Any, value: Any) -> bool:
