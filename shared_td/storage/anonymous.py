@@ -10,12 +10,28 @@ a resource tracker; we need neither):
   when the object dies. Mappings outlive the descriptor; the memory is freed by the
   kernel when the last descriptor *and* the last mapping in any process are gone.
   Nothing is ever named in ``/dev/shm``, so a SIGKILL leaks nothing.
-* A pickled segment is ``(pid, fd, (st_dev, st_ino), nbytes)`` of the pickling process.
-  The receiver opens ``/proc/<pid>/fd/<fd>`` -- allowed for processes of the same user --
-  checks the inode, and owns the new descriptor. This works with every pickler and start
-  method, as long as the sending process still holds the segment when the receiver
-  unpickles (:class:`SegmentUnavailableError` otherwise). Fork children inherit the
-  descriptor and this module's cache, so they need no ``/proc`` at all.
+* Plain ``pickle`` sends a segment as ``(pid, fd, (st_dev, st_ino), nbytes)`` of the
+  pickling process. The receiver opens ``/proc/<pid>/fd/<fd>`` -- allowed for processes
+  of the same user -- checks the inode, and owns the new descriptor. This works with
+  every pickler and start method, as long as the sending process still holds the segment
+  when the receiver unpickles (:class:`SegmentUnavailableError` otherwise). Fork
+  children inherit the descriptor and this module's cache, so they need no ``/proc``.
+* multiprocessing's ``ForkingPickler`` (queues, pipes, process arguments, DataLoader
+  workers) sends a *duplicate descriptor* instead, as torch sends its storages:
+  ``multiprocessing.reduction.DupFd(fd)`` with the key, size, pid and fd. A spawn or
+  forkserver child's arguments pass it at the child's start; otherwise the sender's
+  ``resource_sharer`` thread holds the duplicate until the receiver connects and takes it
+  (SCM_RIGHTS). So a segment put on a queue and dropped by its sender, or returned by a
+  DataLoader worker, still reaches the receiver while the sender *process* lives. The
+  receiver checks the descriptor's inode and size (a mismatch is refused, never mapped),
+  and keeps it as its Segment or closes it if it has that segment already. Costs, as in
+  torch: one descriptor per segment per pickle in the sender until it is received, and a
+  pickle never received (or a pickling that fails half-way) holds it, and so the memory,
+  until the sender exits. If the duplicate cannot be taken (the sender exited, or the
+  receiver is not of the sender's family: another ``authkey``), the receiver tries the
+  ``/proc`` route above. The Coordinator pickles its segments itself (plain pickles of
+  ``Segment.__reduce__``) and ``multiprocess`` (dill) has its own pickler: both keep the
+  ``/proc`` route.
 * Many leaves can share one segment (at :data:`ALIGNMENT`-byte offsets): descriptors grow
   with the number of segments, not of tensors (user-issues row 15).
 """
@@ -23,6 +39,8 @@ a resource tracker; we need neither):
 from __future__ import annotations
 
 import errno
+import multiprocessing
+import multiprocessing.reduction
 import os
 import weakref
 
@@ -146,7 +164,14 @@ class Segment:
         pwrite_all(self.fd, data, offset, where="an anonymous shared-memory segment")
 
     def __reduce__(self):
+        # plain pickle, and the Coordinator's own pickling (which calls this): by /proc
         return _attach, (os.getpid(), self.fd, self.key, self.nbytes)
+
+    def _reduce_with_duplicate(self):
+        # multiprocessing's ForkingPickler (registered below): a duplicate descriptor
+        # that outlives this object, so that the receiver needs only the sender process
+        return _receive, (multiprocessing.reduction.DupFd(self.fd), self.key, self.nbytes,
+                          os.getpid(), self.fd)
 
     def __repr__(self) -> str:
         return f"Segment(nbytes={self.nbytes}, fd={self.fd}, inode={self.key[1]})"
@@ -247,3 +272,55 @@ def attach_segment(pid: int, fd: int, key: tuple[int, int], nbytes: int, *, what
     if segment is not None:
         return segment
     return _register(attach_peer_fd(pid, fd, key, what=what, min_size=nbytes, advice=advice), nbytes, key)
+
+
+multiprocessing.reduction.ForkingPickler.register(Segment, Segment._reduce_with_duplicate)
+
+# what taking the sender's duplicate raises when that is not possible: its process (and
+# resource sharer) gone, or the receiver not of its family (another authkey)
+_DUPLICATE_LOST = (OSError, EOFError, multiprocessing.AuthenticationError)
+
+
+def _receive(duplicate, key: tuple[int, int], nbytes: int, pid: int, fd: int) -> Segment:
+    """Unpickle a segment sent by ForkingPickler: take the sender's duplicate descriptor
+    (always, so that the sender's resource sharer lets it go), check that it is the memory
+    ``key`` with ``nbytes`` bytes, and keep it as this process's Segment, or close it if
+    this process has that segment already. The ``/proc`` route when it cannot be taken.
+
+    Example:
+        >>> from multiprocessing.reduction import ForkingPickler
+        >>> seg = Segment.create(64)
+        >>> ForkingPickler.loads(ForkingPickler.dumps(seg)) is seg
+        True
+    """
+    key = tuple(key)
+    try:
+        new_fd = duplicate.detach()
+    except _DUPLICATE_LOST as err:
+        segment = _CACHE.get(key)
+        if segment is not None:
+            return segment
+        try:
+            return _attach(pid, fd, key, nbytes)
+        except SegmentUnavailableError as gone:
+            raise gone from err
+    segment = _CACHE.get(key)
+    if segment is not None:
+        os.close(new_fd)
+        return segment
+    try:
+        os.set_inheritable(new_fd, False)  # as our own memfds and /proc opens: close-on-exec
+        st = os.fstat(new_fd)
+        if (st.st_dev, st.st_ino) != key or st.st_size < nbytes:
+            raise SegmentUnavailableError(
+                f"The descriptor received for the anonymous shared-memory segment of "
+                f"{nbytes} bytes (inode {key[1]}) sent by process {pid} names another file "
+                f"(inode {st.st_ino}, {st.st_size} bytes): refused. The sender's resource "
+                "sharer answered for another object (was the sender forked without "
+                "multiprocessing?); send it from a multiprocessing process, or publish it "
+                "through a Coordinator."
+            )
+    except BaseException:
+        os.close(new_fd)
+        raise
+    return _register(new_fd, nbytes, key)
