@@ -8,7 +8,10 @@ How it is built, and why:
 
 * The 8 bytes live in an anonymous :class:`~shared_td.storage.anonymous.Segment` (a
   memfd), so the counter pickles *by reference* exactly like anonymous tensors do: under
-  fork, spawn and ``multiprocess``, while the sending process still holds it. Nothing
+  fork, spawn and ``multiprocess``, while the sending process still holds it; through
+  multiprocessing's queues, process arguments and DataLoader workers (its
+  ``ForkingPickler``) as a duplicate descriptor, so while the sending process lives,
+  even once it dropped the counter (see :mod:`~shared_td.storage.anonymous`). Nothing
   is named in ``/dev/shm``; the memory is freed with the last holder.
 * The value is one aligned 8-byte word of the segment's mapping. ``fetch_add`` loads
   and stores it while holding an exclusive :class:`~shared_td.platform.ByteLock` (a
@@ -34,6 +37,7 @@ How it is built, and why:
 from __future__ import annotations
 
 import ctypes
+import multiprocessing.reduction
 import operator
 import os
 
@@ -152,6 +156,12 @@ class SharedCounter:
         segment = self._segment
         return _attach, (os.getpid(), segment.fd, segment.key)
 
+    def _reduce_with_duplicate(self):
+        # multiprocessing's ForkingPickler (registered below): its segment, which that
+        # pickler sends as a duplicate descriptor (storage/anonymous.py), so that a queue's
+        # receiver needs only the sending process alive, not its counter
+        return _adopt_received, (self._segment,)
+
     def __repr__(self) -> str:
         return f"SharedCounter(value={self.value})"
 
@@ -190,6 +200,21 @@ def _attach(pid: int, fd: int, key: tuple[int, int]) -> SharedCounter:
         return counter
 
     return _COUNTERS.get_or_create(key, make)
+
+
+def _adopt_received(segment) -> SharedCounter:
+    """Unpickle a counter sent by ForkingPickler: this process's counter over ``segment``
+    (received as a duplicate descriptor), made once."""
+
+    def make() -> SharedCounter:
+        counter = SharedCounter.__new__(SharedCounter)
+        counter._adopt(segment)
+        return counter
+
+    return _COUNTERS.get_or_create(tuple(segment.key), make)
+
+
+multiprocessing.reduction.ForkingPickler.register(SharedCounter, SharedCounter._reduce_with_duplicate)
 
 
 def counter_int(value, name: str) -> int:

@@ -106,3 +106,19 @@ class AnonymousSamples(torch.utils.data.Dataset):
 def first(samples: list):
     """A collate_fn that keeps the worker's own sample (no copy into a new batch)."""
     return samples[0]
+
+
+def send_counter_and_drop(queue, events, done) -> None:
+    """Put a SharedCounter at 5 on ``queue``, drop it once pickled, say so on ``events``,
+    stay alive until ``done`` says go."""
+    import shared_td
+
+    counter = shared_td.SharedCounter()
+    counter.fetch_add(5)
+    queue.put(counter)
+    del counter
+    queue.close()
+    queue.join_thread()
+    gc.collect()
+    events.put("dropped")
+    done.get(timeout=WAIT)

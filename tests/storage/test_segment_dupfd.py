@@ -163,3 +163,20 @@ def test_dataloader_workers_return_anonymous_trees(method, kind):
     assert type(leaf._backing) is Segment  # still the worker's shared memory, writable
     leaf[0] = -1.0
     assert batches[0]["a"][0] == -1.0
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_counter_is_received_after_the_sender_dropped_it(method):
+    """A SharedCounter put on a queue by a process that then dropped it: its own pickle
+    named the sender's descriptor, gone by then (SegmentUnavailableError)."""
+    context = multiprocessing.get_context(method)
+    queue, events, done = context.Queue(), context.Queue(), context.Queue()
+    process = context.Process(target=kids.send_counter_and_drop, args=(queue, events, done))
+    process.start()
+    try:
+        assert events.get(timeout=WAIT) == "dropped"
+        counter = queue.get(timeout=WAIT)
+        assert counter.fetch_add(1) == 5 and counter.value == 6
+    finally:
+        done.put(1)
+        assert finish(process) == 0
