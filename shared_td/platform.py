@@ -285,11 +285,7 @@ def map_shared_bytes(fd: int, nbytes: int) -> int:
         b'\\x07'
         >>> unmap_bytes(address, 8); os.close(fd)
     """
-    address = _LIBC.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
-    if address in (None, _MAP_FAILED):
-        code = ctypes.get_errno()
-        raise OSError(code, f"cannot map {nbytes} bytes of descriptor {fd}: {os.strerror(code)}")
-    return address
+    return _map_bytes(fd, nbytes, mmap.MAP_SHARED)
 
 
 def map_private_bytes(fd: int, nbytes: int) -> int:
@@ -304,7 +300,11 @@ def map_private_bytes(fd: int, nbytes: int) -> int:
         b'\\x00'
         >>> unmap_bytes(address, 8); os.close(fd)
     """
-    address = _LIBC.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, fd, 0)
+    return _map_bytes(fd, nbytes, mmap.MAP_PRIVATE)
+
+
+def _map_bytes(fd: int, nbytes: int, flags: int) -> int:
+    address = _LIBC.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
     if address in (None, _MAP_FAILED):
         code = ctypes.get_errno()
         raise OSError(code, f"cannot map {nbytes} bytes of descriptor {fd}: {os.strerror(code)}")

@@ -14,10 +14,11 @@
 
 :class:`Server` is that server with its own accept loop and handshake: out of
 descriptors it waits (a few ms, doubling up to :data:`BACKOFF_MAX_S`) and accepts again;
-a thread that cannot be started closes that one connection (its peer sees the
-connection closed) and the loop goes on; a peer has :data:`HANDSHAKE_S` seconds to
-complete the handshake and send its first request, else its connection is closed; a
-peer that fails the handshake gets nothing but the closing (and the standard failure
+a thread that cannot be started is tried again with pauses for :data:`HANDSHAKE_S`
+seconds, then that one connection is closed, and the loop goes on; a peer has
+:data:`HANDSHAKE_S` seconds in all to complete the handshake and send its first request,
+else its connection is shut down (one thread watches the deadlines of the handshakes
+under way: a receive timeout bounds each read only); a peer that fails the handshake gets nothing but the closing (and the standard failure
 message of a wrong key). Once authenticated, a connection waits for requests as long as
 its client keeps it (a client idles between calls).
 
@@ -54,8 +55,62 @@ BACKOFF_MAX_S = 0.25
 _CLOSED = frozenset({errno.EBADF, errno.EINVAL, errno.ENOTSOCK})
 
 
+class _Deadlines:
+    """The handshakes under way, each with its deadline, and one thread that shuts down
+    the socket of each that outlives it: that ends the reads of the thread serving it.
+    (A receive timeout bounds each read, not the handshake: a peer that sends a byte now
+    and then would hold a thread and a descriptor for minutes.)"""
+
+    def __init__(self) -> None:
+        self._pending: dict[int, tuple[float, object]] = {}
+        self._changed = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def begin(self, conn) -> None:
+        with self._changed:
+            if self._thread is None:  # started with the first handshake (short of threads:
+                # the next one tries again; meanwhile each read is bounded on its own)
+                thread = threading.Thread(target=self._run, name="shared_td-handshakes", daemon=True)
+                try:
+                    thread.start()
+                    self._thread = thread
+                except RuntimeError:
+                    pass
+            self._pending[id(conn)] = (time.monotonic() + HANDSHAKE_S, conn)
+            self._changed.notify()
+
+    def end(self, conn) -> None:
+        with self._changed:
+            self._pending.pop(id(conn), None)
+
+    def _run(self) -> None:
+        with self._changed:
+            while True:
+                now = time.monotonic()
+                for key, (deadline, conn) in list(self._pending.items()):
+                    if deadline <= now:
+                        del self._pending[key]
+                        _shut_down(conn)  # (still open: end() had not run; the fd is its)
+                soonest = min((deadline for deadline, _ in self._pending.values()), default=now + 60.0)
+                self._changed.wait(max(soonest - now, 0.01))
+
+
+def _shut_down(conn) -> None:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, 0, conn.fileno())
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:  # the peer left meanwhile
+        pass
+    finally:
+        sock.detach()
+
+
 class Server(managers.Server):
     """``multiprocess.managers.Server`` with the accept loop and handshake above."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._deadlines = _Deadlines()
 
     def accepter(self) -> None:
         pause = 0.0
@@ -72,11 +127,24 @@ class Server(managers.Server):
                 time.sleep(pause)
                 continue
             pause = 0.0
+            self._serve_in_thread(conn)
+
+    def _serve_in_thread(self, conn) -> None:
+        """Serve ``conn`` in a thread of its own; short of threads or memory ("can't
+        start new thread"), try again with pauses for :data:`HANDSHAKE_S` seconds, then
+        close it. (Closed at once, the client read an end of file and took the manager
+        for dead: a caller that replaces a dead coordinator started a second one.)"""
+        deadline, pause = time.monotonic() + HANDSHAKE_S, 0.0
+        while True:
             try:
                 threading.Thread(target=self.handle_request, args=(conn,), daemon=True).start()
-            except BaseException:  # noqa: B036 - can't start new thread, MemoryError: keep accepting
-                conn.close()
-                time.sleep(0.005)  # short of memory or threads: let some be freed
+                return
+            except BaseException:  # noqa: B036 - can't start new thread, MemoryError
+                if time.monotonic() >= deadline:
+                    conn.close()
+                    return
+                pause = min(max(2 * pause, 0.005), BACKOFF_MAX_S)
+                time.sleep(pause)  # let threads or memory be freed
 
     def handle_request(self, conn) -> None:
         try:
@@ -91,6 +159,8 @@ class Server(managers.Server):
     def _authenticated_request(self, conn):
         """The first request of a peer that passed the handshake within
         :data:`HANDSHAKE_S` seconds; None (nothing said to it) for any other peer."""
+        deadlines = self._deadlines
+        deadlines.begin(conn)
         try:
             _limit_waits(conn, HANDSHAKE_S)
             connection.deliver_challenge(conn, self.authkey)
@@ -100,6 +170,8 @@ class Server(managers.Server):
             return request
         except Exception:  # silent, slow, wrong key, garbage: no traceback for strangers
             return None
+        finally:
+            deadlines.end(conn)
 
     def _answer(self, conn, request) -> None:
         """What ``managers.Server._handle_request`` does after its handshake: run the

@@ -29,6 +29,7 @@ import time
 
 from multiprocess import connection, managers
 
+from shared_td import platform
 from shared_td.coordinator.server import DIR_PATTERN, REGISTRY_ID
 from shared_td.errors import CoordinatorAuthenticationError, CoordinatorTimeoutError
 from shared_td.storage.mapping import descriptor_limits
@@ -243,12 +244,27 @@ RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENO
 
 def _connect_error(address: str, err: BaseException) -> OSError:
     """What a failure to reach the manager at ``address`` means: this process out of
-    descriptors or memory (an OSError with that errno, not a ConnectionError), else the
-    coordinator is gone (ENOENT: its socket was removed; ECONNREFUSED: nothing listens;
-    a reset or EOF in the handshake: it died)."""
+    descriptors or memory (an OSError with that errno, not a ConnectionError); a manager
+    that is alive but closed the connection in the handshake (short of threads or
+    memory, it serves no new connection: CoordinatorTimeoutError, as a stalled one);
+    else the coordinator is gone (ENOENT: its socket was removed; ECONNREFUSED: nothing
+    listens; a reset or EOF in the handshake from a manager that died)."""
     if isinstance(err, OSError) and err.errno in RESOURCE_ERRNOS:
         return out_of_resources(err, f"to connect to the shared_td coordinator at {address}")
+    pid = _manager_pid(address)
+    if isinstance(err, (EOFError, ConnectionResetError, BrokenPipeError)) and pid and platform.pid_alive(pid):
+        return CoordinatorTimeoutError(
+            f"The shared_td coordinator at {address} closed a new connection before the handshake ended "
+            f"({type(err).__name__}: {err}), and its manager process {pid} is alive: it is short of threads or "
+            f"memory (or this process was stopped past the 5 s a handshake may take). Check `ps -o pid,stat,rss,nlwp -p {pid}`; "
+            "tensordicts already attached stay readable and writable.")
     return _gone(address, err)
+
+
+def _manager_pid(address: str) -> int | None:
+    """The manager's pid, from the name of its socket's directory (None if not ours)."""
+    match = DIR_PATTERN.match(os.path.basename(os.path.dirname(address)))
+    return int(match.group(1)) if match else None
 
 
 def out_of_resources(err: OSError, doing: str) -> OSError:
@@ -277,8 +293,7 @@ def _gone(address: str, err: BaseException) -> ConnectionError:
 
 
 def _stalled(address: str, timeout: float, err: BaseException) -> CoordinatorTimeoutError:
-    match = DIR_PATTERN.match(os.path.basename(os.path.dirname(address)))
-    pid = match.group(1) if match else "PID"  # the manager's pid is in its directory name
+    pid = _manager_pid(address) or "PID"  # the manager's pid is in its directory name
     return CoordinatorTimeoutError(
         f"The shared_td coordinator at {address} did not answer within {timeout:g} s "
         f"({err}): its manager process {pid} is stopped (SIGSTOP, Ctrl-Z, a debugger) or "

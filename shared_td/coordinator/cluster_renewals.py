@@ -74,9 +74,15 @@ class Renewals:
                     cluster._threads.remove(ended)
                 except ValueError:
                     pass
-            self._thread = threading.Thread(target=self._run, name=RENEWER, daemon=True)
-            cluster._threads.append(self._thread)  # before it runs: its attach is the node's
-            self._thread.start()
+            thread = threading.Thread(target=self._run, name=RENEWER, daemon=True)
+            cluster._threads.append(thread)  # before it runs: its attach is the node's
+            try:
+                thread.start()
+            except RuntimeError:  # "can't start new thread": the renew waits for the next add
+                cluster._threads.remove(thread)  # (never started: shutdown cannot join it)
+                cluster.renew_failures += 1
+                return
+            self._thread = thread
 
     def join(self, timeout: float) -> None:
         """Wait (at most ``timeout`` s) for the renews queued so far to end."""

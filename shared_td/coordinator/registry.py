@@ -139,20 +139,28 @@ class Registry:
         manager stops; first drop those whose keys are in ``released``.
 
         Returns this process's pid and its descriptor for each cell, which the creator
-        records as a fallback holder. A cell already adopted keeps its descriptor.
+        records as a fallback holder. A cell already adopted keeps its descriptor. All or
+        nothing: a failed reopen (the manager out of descriptors) keeps none of the new.
         """
         with self._lock:
             for key in released:
                 fd = self._cells.pop(tuple(key), None)
                 if fd is not None:
                     os.close(fd)
-            fds = []
-            for fd, key in cells:
-                key = tuple(key)
-                if key not in self._cells:
-                    self._cells[key] = _reopen(pid, fd, key)
-                fds.append(self._cells[key])
-            return os.getpid(), fds
+            # reopened aside, kept only once all are: a cell the creator does not record
+            # as held (this call failed) would be held here, unreleased, until the end
+            new: dict = {}
+            try:
+                for fd, key in cells:
+                    key = tuple(key)
+                    if key not in self._cells and key not in new:
+                        new[key] = _reopen(pid, fd, key)
+            except BaseException:
+                for fd in new.values():
+                    os.close(fd)
+                raise
+            self._cells.update(new)
+            return os.getpid(), [self._cells[tuple(key)] for _fd, key in cells]
 
     def _store_version(self, name: str, value: int) -> None:
         if name not in self._slots:

@@ -82,8 +82,9 @@ def map_fd(fd: int, nbytes: int, *, shared: bool = True, what: str | None = None
     try:
         mapped = torch.from_file(f"/proc/self/fd/{fd}", shared=shared, size=nbytes, dtype=torch.uint8)
     except RuntimeError as error:
-        # torch's message names /proc/self/fd/<n> and ends with "(errno)"
-        found = re.search(r"\((\d+)\)\s*$", str(error))
+        # torch's message names /proc/self/fd/<n> (no parenthesis), then "(errno)"; with
+        # TORCH_SHOW_CPP_STACKTRACES=1 a stack trace follows it: the first one is the errno
+        found = re.search(r"\((\d+)\)", str(error))
         if found is None:
             raise
         raise map_error(int(found.group(1)), fd, nbytes, shared, what,

@@ -58,3 +58,32 @@ def test_an_attach_overtaken_at_each_try_says_so(pair):
                                            r"Attach it again"):
         other.attach("buf")
     assert not other.replicates("buf")
+
+
+def test_a_renew_thread_that_cannot_start_leaves_the_renews_for_the_next_notice(monkeypatch):
+    """A failed start of the renew thread ("can't start new thread") left Renewals
+    waiting for a thread that never ran: no later renew was made, and the node's
+    shutdown (which joins its threads) raised on it. A stand-in node, as in the
+    Renewals docstring."""
+    import threading
+    import types
+
+    from shared_td.coordinator.cluster_renewals import Renewals
+
+    made = []
+    node = types.SimpleNamespace(_replicas={"p": types.SimpleNamespace(generation=1)}, _filling={}, _threads=[],
+                                 _stop=threading.Event(), _closed=False, renew_failures=0, attach=made.append)
+    renewals = Renewals(node)
+
+    def cannot_start(thread):
+        raise RuntimeError("can't start new thread")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(threading.Thread, "start", cannot_start)
+        renewals.add("p", 2)  # nothing raised to the lane that got the notice
+    assert node.renew_failures == 1 and node._threads == []
+    renewals.add("p", 3)  # the next notice: both renews are made
+    renewals.join(5.0)
+    assert made == ["p", "p"]  # both queued renews (the stand-in's attach only records the call)
+    for thread in node._threads:
+        thread.join(5.0)  # what shutdown does: no thread that never started

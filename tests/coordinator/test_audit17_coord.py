@@ -29,22 +29,13 @@ from tests.coordinator import audit17_children as kids
 from tests.processes import WAIT, finish, wait_until
 
 import shared_td
+from shared_td.errors import CoordinatorTimeoutError
 from shared_td.coordinator import accepting, channels, process, server
+from tests.coordinator.test_stalled import all_threads_stopped
 
 
 class Interrupted(Exception):
     """What a signal handler raises in the middle of a call (a test-timeout plugin)."""
-
-
-def all_threads_stopped(pid: int) -> bool:
-    states = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{task}/stat", "rb") as stat:
-                states.append(stat.read().rsplit(b")", 1)[1].split()[0])
-        except OSError:  # a thread that ended meanwhile
-            pass
-    return all(state in (b"T", b"t") for state in states)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -161,7 +152,9 @@ def test_manager_out_of_descriptors_backs_off_and_accepts_again():
 
 def test_manager_that_cannot_start_a_thread_keeps_accepting():
     """A failed thread start for one new connection killed the accept loop for good:
-    the manager lived on and accepted nobody."""
+    the manager lived on and accepted nobody. Under a real memory limit, with silent
+    peers holding the threads it allows: a client meanwhile gets CoordinatorTimeoutError
+    within its timeout (never "gone"), and once the limit is lifted it is served."""
     with shared_td.Coordinator(timeout=3) as coord:
         pid = coord.pid
         coord.names()
@@ -169,26 +162,90 @@ def test_manager_that_cannot_start_a_thread_keeps_accepting():
             vm = int(next(line for line in status if line.startswith("VmSize")).split()[1]) * 1024
         peers = []
         try:
-            # room for a few 8 MiB thread stacks, not for eight
+            # room for a few 8 MiB thread stacks, not for eight: silent peers take them
             with soft_limit(pid, resource.RLIMIT_AS, vm + 20 * 2**20):
                 for _ in range(8):
                     peer = socket.socket(socket.AF_UNIX)
                     peer.connect(coord.address)
                     peers.append(peer)
                     time.sleep(0.05)
-                closed = 0
-                for peer in peers:  # challenged (a thread serves it), or closed (none could start)
-                    peer.settimeout(5)
-                    try:
-                        closed += peer.recv(4) == b""
-                    except ConnectionResetError:
-                        closed += 1
-                assert closed  # the limit did stop a thread start (else this tests nothing)
+                channels.drop_channel(coord.address)  # a new connection, not the one kept
+                began = time.monotonic()
+                with pytest.raises(CoordinatorTimeoutError) as caught:
+                    shared_td.Coordinator.connect(coord.address, coord.authkey, timeout=1.5).names()
+                assert "is gone" not in str(caught.value) and time.monotonic() - began < 4
         finally:
             for peer in peers:
                 peer.close()
-        channels.drop_channel(coord.address)  # a new connection, not the one kept
-        assert shared_td.Coordinator.connect(coord.address, coord.authkey, timeout=3).names() == []
+        channels.drop_channel(coord.address)
+        assert shared_td.Coordinator.connect(coord.address, coord.authkey, timeout=10).names() == []
+
+
+def test_a_thread_that_cannot_start_for_a_while_still_serves_the_connection(monkeypatch, tmp_path):
+    """The session's own audit: a failed thread start closed the connection at once,
+    and its client read an end of file from a live manager ("gone"). Now the start is
+    tried again (an in-process server whose first three starts fail)."""
+    failures = []
+
+    class Flaky(threading.Thread):
+        def start(self):
+            if len(failures) < 3:
+                failures.append(1)
+                raise RuntimeError("can't start new thread")
+            super().start()
+
+    srv = accepting.Server({}, str(tmp_path / "sock"), b"k" * 32, "pickle")
+    srv.stop_event = threading.Event()
+    loop = threading.Thread(target=srv.accepter, daemon=True)
+    loop.start()
+    monkeypatch.setattr(accepting.threading, "Thread", Flaky)
+    try:
+        challenged_peer(srv.address).close()  # challenged, not closed
+        assert len(failures) == 3
+    finally:
+        monkeypatch.undo()
+        srv.listener._listener._socket.shutdown(socket.SHUT_RDWR)
+        srv.listener.close()
+        loop.join(5)
+
+
+def test_a_peer_that_dribbles_its_handshake_is_cut_off_at_the_deadline(monkeypatch, tmp_path):
+    """The handshake's bound was each read's (a receive timeout): a peer that sent a byte
+    of its answer now and then held a manager thread and descriptor for minutes."""
+    monkeypatch.setattr(accepting, "HANDSHAKE_S", 0.6)
+    srv = accepting.Server({}, str(tmp_path / "sock"), b"k" * 32, "pickle")
+    srv.stop_event = threading.Event()
+    loop = threading.Thread(target=srv.accepter, daemon=True)
+    loop.start()
+    try:
+        peer = challenged_peer(srv.address)
+        peer.sendall(struct.pack("!i", 200))  # a 200-byte answer announced, then dribbled
+        began, cut = time.monotonic(), False
+        while time.monotonic() - began < 3 and not cut:
+            time.sleep(0.15)  # (each byte well within the per-read bound)
+            try:
+                peer.sendall(b"x")
+            except OSError:
+                cut = True
+        assert cut and time.monotonic() - began < 2
+        peer.close()
+    finally:
+        srv.listener._listener._socket.shutdown(socket.SHUT_RDWR)
+        srv.listener.close()
+        loop.join(5)
+
+
+def test_an_end_of_file_from_a_live_manager_is_not_a_gone_coordinator(tmp_path):
+    """A live manager that closes a new connection in its handshake (it could start no
+    thread for it) was reported gone, and ownership replaced it with a second one."""
+    live = str(tmp_path / f"shared_td-coord-{os.getpid()}-abcdefgh" / "sock")
+    err = channels._connect_error(live, EOFError())
+    assert isinstance(err, CoordinatorTimeoutError) and f"manager process {os.getpid()} is alive" in str(err)
+    exited = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                            text=True, timeout=60)
+    dead = str(tmp_path / f"shared_td-coord-{int(exited.stdout)}-abcdefgh" / "sock")
+    err = channels._connect_error(dead, EOFError())
+    assert type(err) is ConnectionError and "is gone" in str(err)
 
 
 def test_unauthenticated_peers_get_no_traceback_and_a_deadline(monkeypatch, tmp_path):
@@ -234,6 +291,26 @@ def test_manager_out_of_descriptors_names_itself():
         assert f"manager process {pid}" in str(caught.value) and "RLIMIT_NOFILE" in str(caught.value)
         coord.publish("x", shared_td.TensorDict(a=torch.zeros(2)))  # once descriptors are free
         assert coord.names() == ["x"]
+
+
+def test_manager_out_of_descriptors_in_an_adoption_keeps_none_of_its_cells():
+    """adopt_cells kept each cell it had reopened before the one that failed; the
+    creator records none of them as held (the call failed), so they were never released:
+    each failed adoption deepened the shortage that failed it."""
+    from shared_td.storage.shared_value import SharedValue
+
+    with shared_td.Coordinator(timeout=5) as coord:
+        pid = coord.pid
+        coord.names()
+        base = open_fds(pid)
+        cells = [SharedValue.create(f"value {i}") for i in range(5)]
+        with soft_limit(pid, resource.RLIMIT_NOFILE, base + 3):  # room for some of the 5
+            with pytest.raises(OSError) as caught:
+                coord.adopt_cells(cells)
+        assert caught.value.errno == errno.EMFILE
+        assert open_fds(pid) == base
+        coord.adopt_cells(cells)  # once descriptors are free: all five
+        assert open_fds(pid) == base + 5
 
 
 # ----------------------------------------------------------------------------- 3: the client's own EMFILE

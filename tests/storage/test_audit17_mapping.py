@@ -42,14 +42,17 @@ def fds():
     gc.collect()
     return set(os.listdir("/proc/self/fd"))
 
-def run(name, call):
-    before = fds()
+def attempt(name, call):
     try:
         call()
         out[name] = {"type": None}
     except Exception as err:
         out[name] = {"type": type(err).__name__, "errno": getattr(err, "errno", None), "message": str(err),
                      "runtime": isinstance(err, RuntimeError)}
+
+def run(name, call):
+    before = fds()
+    attempt(name, call)
     out[name]["left"] = sorted(fds() - before, key=int)
 
 def vm():
@@ -73,13 +76,6 @@ try:
         hog.append(os.open("/dev/null", os.O_RDONLY))
 except OSError:
     pass
-def attempt(name, call):
-    try:
-        call()
-        out[name] = {"type": None}
-    except Exception as err:
-        out[name] = {"type": type(err).__name__, "errno": getattr(err, "errno", None), "message": str(err),
-                     "runtime": isinstance(err, RuntimeError)}
 attempt("attach_emfile", lambda: pickle.loads(peer))
 attempt("map_emfile", lambda: map_fd(memfd, 4096, what="the example memfd"))
 for fd in hog:
@@ -159,5 +155,24 @@ def test_torch_mmap_failure_after_the_trial_is_the_same_error(monkeypatch):
         with pytest.raises(OSError, match=r"Cannot map 8 bytes \(0.0 MiB\) of the file /memfd:audit17") as info:
             mapping.map_fd(fd, 8)
         assert info.value.errno == errno.ENOMEM and "vm.max_map_count" in str(info.value)
+    finally:
+        os.close(fd)
+
+
+def test_torch_error_with_a_cpp_stack_trace_after_its_errno_is_still_read(monkeypatch):
+    """With TORCH_SHOW_CPP_STACKTRACES=1 torch's message goes on after "(13)": the errno
+    was looked for at its end only, so a read-only save's EACCES (which the loader turns
+    into a copy-on-write mapping) came out as torch's RuntimeError and the load failed."""
+    def refuse(*args, **kwargs):
+        raise RuntimeError("unable to open file </proc/self/fd/3> in read-write mode: Permission denied (13)"
+                           "[W1205 symbolizing C++ stack trace for exception]\nframe #0: c10::Error (0x1 in x.so)")
+
+    monkeypatch.setattr(torch, "from_file", refuse)
+    fd = os.memfd_create("audit17", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, 8)
+        with pytest.raises(OSError, match=r"Cannot open the file /memfd:audit17") as info:
+            mapping.map_fd(fd, 8)
+        assert info.value.errno == errno.EACCES
     finally:
         os.close(fd)
