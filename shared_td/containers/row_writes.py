@@ -13,18 +13,21 @@ Correctness of the cache: the plan is never trusted, it is *checked* at each wri
 identity, against the destination as it is now (the leaves in the same pass as the
 shapes of the source): the way to each leaf is walked through the destination's dicts as
 they are now, every nested tensordict on it is still the planned one, and every planned
-leaf is still the same tensor object with the same shape. So any structural change, made
-by any code path (set of a new key, del, rename, replacing a nested tensordict or a leaf,
-memmap_ swapping the leaves, resize_ of a leaf), makes the check fail and the plan is
-rebuilt. The plan holds its nodes and leaves by weak reference only: a leaf that was
-deleted, replaced or swapped by memmap_ is freed (its memory, its mapping) at once, not
-at the next write. Lock state does not matter: the fast lane writes existing tensors in
-place, which a locked tensordict allows. A source leaf of another dtype is cast to the
-leaf's (torch casts for a slice, but its ``index_put_`` refuses another dtype, which would
-fail the write halfway). Anything the fast lane does not cover (a new key, a non-tensor,
-another container class, a shape that does not broadcast, a source leaf in the memory of
-its destination leaf, an expanded leaf) goes to the general write, which raises the
-same errors, naming the key and the shapes, before any byte is written.
+leaf is still the same tensor object with the same shape, dtype and storage. So any
+structural change, made by any code path (set of a new key, del, rename, replacing a
+nested tensordict or a leaf, memmap_ swapping the leaves, resize_ of a leaf), and any
+change of a leaf's memory or dtype in place (``share_memory_``, a put on a
+multiprocessing queue, which moves the storage to shared memory, ``set_``,
+``leaf.data = ...``) makes the check fail and the plan is rebuilt. The plan holds its
+nodes and leaves by weak reference only: a leaf that was deleted, replaced or swapped by
+memmap_ is freed (its memory, its mapping) at once, not at the next write. Lock state
+does not matter: the fast lane writes existing tensors in place, which a locked
+tensordict allows. A source leaf of another dtype is cast to the leaf's (torch casts
+for a slice, but its ``index_put_`` refuses another dtype, which would fail the write
+halfway). Anything the fast lane does not cover (a new key, a non-tensor, another
+container class, a shape that does not broadcast, a source leaf in the memory of its
+destination leaf, an expanded leaf) goes to the general write, which raises the same
+errors, naming the key and the shapes, before any byte is written.
 
 :func:`fit_source` (also used by the general write, index_writes.py) is that cast and
 the check, before writing, of what torch would refuse halfway for memory overlap.
@@ -151,7 +154,7 @@ def write_rows(dest: Any, index: tuple, target_batch: torch.Size, source: Any) -
         if plan is None:
             return False
     written = _write(plan, dest, index, target_batch, sources)
-    if written is None:  # a planned node or leaf is no longer there or changed shape: plan again
+    if written is None:  # a planned node or leaf is no longer there or changed: plan again
         plan = _new_plan(dest, paths)
         if plan is None:
             return False
@@ -189,7 +192,8 @@ def _new_plan(dest: Any, paths: list) -> RowWritePlan | None:
 
 def _fits(plan: RowWritePlan, dest: Any, target_batch: torch.Size, sources: list, leaves: list) -> bool | None:
     """In one pass over the planned leaves (appended to ``leaves``): None if one is no
-    longer the entry at its place or changed shape (``resize_``), else whether each
+    longer the entry at its place or changed shape (``resize_``), dtype or storage (in
+    place: ``share_memory_``, ``set_``, ``leaf.data = ...``), else whether each
     source leaf broadcasts to its leaf's indexed rows and does not start in its leaf's
     storage; a source leaf of another dtype is replaced in ``sources`` by its cast."""
     dicts = plan.entries(dest)
@@ -199,7 +203,11 @@ def _fits(plan: RowWritePlan, dest: Any, target_batch: torch.Size, sources: list
     fits, cast, missing, keep = True, False, _MISSING, leaves.append
     for (at, key, ref, shape, dtype, low, high), value, want in zip(plan.rows, sources, expected):
         leaf = dicts[at].get(key, missing)
-        if leaf is not ref() or leaf.shape != shape:  # (ref() is None once the leaf is gone)
+        # (ref() is None once the leaf is gone.) The dtype and storage are the leaf's as it
+        # is now: share_memory_, a multiprocessing put, set_ or `leaf.data =` change them
+        # in the same object, and a stale cast or overlap range would fail halfway in torch
+        if (leaf is not ref() or leaf.shape != shape or leaf.dtype is not dtype
+                or leaf.untyped_storage().data_ptr() != low):
             return None
         keep(leaf)
         if value.dtype is not dtype:

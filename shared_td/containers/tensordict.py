@@ -1,11 +1,11 @@
 """TensorDict: a dict of tensors (and nested collections) that share leading batch dims.
 
 This module holds what builds TensorDicts and reads their entries: construction, the
-conversion and check of each value set, the batch size, ``apply``, ``empty`` and indexing,
+conversion and check of each value set, the batch size, ``empty`` and indexing,
 with the replay buffer's hot paths (the row read ``td[i]``, the entry of the row write
 ``td[i] = step``), which build TensorDicts directly with no call between. The mixins add
 the rest: names of batch dims (naming.py), key operations (keyops.py), batch reshaping
-(reshaping.py), the general, checked write of ``td[index] = value`` (index_writes.py;
+(reshaping.py), ``apply`` (tensordict_apply.py), the general, checked write of ``td[index] = value`` (index_writes.py;
 its fast lane is row_writes.py) and torch's tensor methods applied to every leaf
 (tensor_methods.py).
 """
@@ -36,14 +36,16 @@ from shared_td.containers.nontensor_ops import kept_by_empty, list_to_entry, lis
 from shared_td.containers.reshaping import BatchShapeOps
 from shared_td.containers.row_writes import write_rows
 from shared_td.containers.tensor_methods import TensorMethods
+from shared_td.containers.tensordict_apply import LeafMapping
 from shared_td.errors import BatchSizeMismatchError
-from shared_td.keys import NestedKey, unravel_key
+from shared_td.keys import unravel_key
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.memmap_tensor.tensor import basic_views
-from shared_td.tensorclass_protocol import is_tensorclass, unwrap_tensorclass
+from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 
-class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, BatchDimOps, IndexWrites, TensorMethods, TensorDictBase):
+class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, BatchDimOps, IndexWrites, TensorMethods, LeafMapping,
+                 TensorDictBase):
     """A nested mapping of str keys to tensors, tensordicts, tensorclasses and non-tensors.
 
     Every entry's leading dims equal ``batch_size``; operations along batch dims
@@ -295,94 +297,6 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, BatchDimOps, IndexWrites
             out._memmap_prefix = self._memmap_prefix
             if self._is_locked:
                 out.lock_()
-        return out
-
-    def _map_leaves(self, fn: Callable[[NestedKey, Any], Any], prefix: tuple = ()) -> "TensorDict":
-        """Same structure, ``fn(key, leaf)`` on tensor and non-tensor leaves."""
-        entries = {}
-        for key, value in self._tensordict.items():
-            path = prefix + (key,)
-            if is_tensor_collection(value) and not is_non_tensor(value):
-                mapped = unwrap_tensorclass(value)._map_leaves(fn, path)
-                # a nested tensorclass stays one, as in tensordict: (a == b).obs.x
-                entries[key] = type(value)._from_tensordict(mapped) if is_tensorclass(value) else mapped
-            else:
-                entries[key] = fn(path if len(path) > 1 else key, value)
-        return TensorDict._new_unsafe(entries, self._batch_size, self._device, self.names)
-
-    def apply(
-        self,
-        fn: Callable,
-        *others: TensorDictBase,
-        batch_size: Any = None,
-        names: Any = NO_DEFAULT,
-        inplace: bool = False,
-        device: Any = NO_DEFAULT,
-    ) -> "TensorDict":
-        """Apply ``fn`` to every tensor leaf and return the results as a new TensorDict.
-
-        ``fn`` receives the leaf (and the same key of each of ``others``); a None
-        result drops the key. Non-tensor leaves are kept as they are. ``inplace=True``
-        writes the results into self instead.
-
-        Examples:
-            >>> td = TensorDict(a=torch.ones(2), b={"c": torch.arange(2)}, batch_size=[2])
-            >>> doubled = td.apply(lambda x: x * 2)
-            >>> doubled["a"].tolist(), doubled["b", "c"].tolist()
-            ([2.0, 2.0], [0, 2])
-        """
-        return self.named_apply(
-            lambda key, *values: fn(*values), *others, batch_size=batch_size,
-            names=names, inplace=inplace, device=device,
-        )
-
-    def named_apply(
-        self,
-        fn: Callable,
-        *others: TensorDictBase,
-        nested_keys: bool = False,
-        batch_size: Any = None,
-        names: Any = NO_DEFAULT,
-        inplace: bool = False,
-        device: Any = NO_DEFAULT,
-        _prefix: tuple = (),
-    ) -> "TensorDict":
-        """Like ``apply``, but ``fn(key, leaf, *others_leaves)`` also gets the key.
-
-        The key is the leaf's own name, or its full nested tuple if ``nested_keys``.
-        """
-        new_batch = self._batch_size if batch_size is None else batch_ops.as_batch_size(batch_size)
-        entries = {}
-        for key, value in self._tensordict.items():
-            other_values = [o.get(key) for o in others]
-            tensor = isinstance(value, torch.Tensor)  # most entries: no class to ask about
-            if not tensor and is_non_tensor(value):
-                result = value if new_batch == self._batch_size else value._with_batch_size(new_batch, key)
-            elif not tensor and is_tensor_collection(value):
-                inner = unwrap_tensorclass(value)
-                result = inner.named_apply(
-                    fn, *other_values, nested_keys=nested_keys,
-                    batch_size=None if batch_size is None else new_batch,
-                    inplace=inplace, device=device, _prefix=_prefix + (key,),
-                )
-                if inner is not value:
-                    result = value._from_tensordict(result)
-            else:
-                result = fn(_prefix + (key,) if nested_keys and _prefix else key, value, *other_values)
-            if result is not None:
-                entries[key] = result
-        if inplace:
-            for key, result in entries.items():
-                if isinstance(result, torch.Tensor):
-                    self._tensordict[key].copy_(result)
-            return self
-        out_names = self.names if names is NO_DEFAULT and new_batch == self._batch_size else (
-            None if names is NO_DEFAULT else names
-        )
-        out = TensorDict._new_unsafe(
-            entries, new_batch, self._device if device is NO_DEFAULT else parse_device(device), None
-        )
-        out.names = out_names
         return out
 
     # ---------------------------------------------------------------- indexing

@@ -297,3 +297,68 @@ def test_a_dataloader_over_a_tensorclass_reads_each_batch_in_one_index():
     batches = list(DataLoader(data, batch_size=4, collate_fn=lambda batch: batch))
     assert [type(b) for b in batches] == [Rows, Rows]
     assert batches[1].obs.tolist() == [4.0, 5.0, 6.0, 7.0]
+
+
+# ---------------------------------------------------------------- 6. a leaf changed in place
+def _move_storage(leaf, how):
+    """Change ``leaf``'s storage in place: the same tensor object, the same shape."""
+    if how == "share_memory_":
+        leaf.share_memory_()
+    elif how == "pickler":  # what every multiprocessing Queue.put of the leaf does to it
+        import importlib
+        import io
+        from multiprocessing.reduction import ForkingPickler
+
+        importlib.import_module("torch.multiprocessing")  # (which registers torch's reductions)
+        ForkingPickler(io.BytesIO()).dump(leaf)
+    elif how == "set_":
+        leaf.set_(leaf.clone())
+    else:
+        leaf.data = leaf.clone()
+
+
+MOVES = ["share_memory_", "pickler", "set_", "data"]
+
+
+@pytest.mark.parametrize("how", MOVES)
+@pytest.mark.parametrize("rows", [slice(2, 4), torch.tensor([2, 3])], ids=["slice", "tensor"])
+def test_a_source_in_a_leaf_whose_storage_moved_is_refused_before_anything_is_written(how, rows):
+    """The plan kept the leaf's old storage range: the view of the moved leaf passed the
+    fast lane's overlap check, and torch refused it after 'a' was written."""
+    td = TensorDict(a=torch.zeros(6), b=torch.arange(6.0), batch_size=[6])
+    td[0:2] = TensorDict(a=torch.ones(2), b=torch.ones(2), batch_size=[2])  # plans the fast lane
+    _move_storage(td["b"], how)
+    before = plain(td)
+    with pytest.raises(RuntimeError, match="'b'"):
+        td[rows] = TensorDict(a=torch.full((2,), 7.0), b=td["b"][1:3], batch_size=[2])
+    after = plain(td)
+    assert all(torch.equal(before[key], after[key]) for key in before)  # nothing written
+
+
+@pytest.mark.parametrize("how", MOVES)
+def test_the_fast_lane_writes_into_a_leaf_whose_storage_moved(how):
+    td = TensorDict(a=torch.zeros(6), b=torch.zeros(6), batch_size=[6])
+    td[0:2] = TensorDict(a=torch.ones(2), b=torch.ones(2), batch_size=[2])
+    old_plan = td._row_write_plan
+    _move_storage(td["b"], how)
+    td[2:4] = TensorDict(a=torch.full((2,), 7.0), b=td["a"][2:4] + 3, batch_size=[2])
+    assert td["a"].tolist() == [1, 1, 7, 7, 0, 0] and td["b"].tolist() == [1, 1, 3, 3, 0, 0]
+    assert td._row_write_plan is not None and td._row_write_plan is not old_plan  # planned again
+
+
+@pytest.mark.parametrize("rows", [torch.tensor([2, 3]), [2, 3], slice(2, 4)], ids=["tensor", "list", "slice"])
+@pytest.mark.parametrize("new_dtype", [torch.float64, torch.int32], ids=["float64", "int32 view"])
+def test_a_leaf_whose_dtype_changed_in_place_is_written_as_tensordict_writes_it(rows, new_dtype):
+    """``leaf.data = ...`` of another dtype (a new storage, or a view of the same one):
+    the plan cast the source to the old dtype, and torch's index_put_ refused it after
+    'a' was written. Now as tensordict (which plans nothing)."""
+    results = []
+    for lib in (shared_td, tensordict):
+        td = lib.TensorDict(a=torch.zeros(6), b=torch.zeros(6), batch_size=[6])
+        td[torch.tensor([0, 1])] = lib.TensorDict(a=torch.ones(2), b=torch.ones(2), batch_size=[2])
+        leaf = td["b"]
+        leaf.data = leaf.to(torch.float64) if new_dtype == torch.float64 else leaf.view(torch.int32)
+        td[rows] = lib.TensorDict(a=torch.full((2,), 7.0), b=torch.ones(2, dtype=new_dtype), batch_size=[2])
+        results.append(td)
+    assert results[0]["b"].dtype == new_dtype
+    assert_same(*results)
