@@ -16,17 +16,12 @@ The file is written beside its name and renamed over it once complete (NewFile):
 name holds the old file or the whole new one, and tensordicts that map the old file keep
 their data. Reading: consolidated_load.py.
 
-A tree consolidated again into its own file gets its metadata rewritten there, and the
-file must read as the old tree or the new one at every moment (a full disk, a file-size
-limit or a SIGKILL may stop the writer anywhere). A reader takes the length from the
-last 8 bytes and the JSON just before them, so the old and new metadata cannot both end
-the file: the switch is a change of its size, and only a shrink (``ftruncate``) is one
-step that cannot fail for lack of space nor be cut in two. So NewFile leaves room
-(*slack*, zeros the readers take for data after the leaves) between the data and the
-metadata; a rewrite puts the new metadata and length at the end of the slack, just
-before the old metadata (nothing reads those bytes yet), then cuts the file after the
-new length. Where the slack is too small (a file written by tensordict, or used up by
-earlier rewrites), a new file is written and renamed over the name (NewFile).
+A tree consolidated again into its own file (its batch sizes or names changed) gets a
+new file the same way: the file it maps is never written nor resized in place. Other
+processes map it whole (tensordict 0.15.3's from_consolidated maps the file's size, and
+so does every process that unpickled the tree's leaves): cutting it made their reads
+past the new end a SIGBUS, and a reader saw a half-written tail. Under the rename they
+keep the old inode, and a reader opens the old file or the new one, whole.
 """
 from __future__ import annotations
 
@@ -167,19 +162,6 @@ def _footer(metadata: bytes) -> bytes:
     return metadata + len(metadata).to_bytes(LENGTH, "little")
 
 
-def _slack(nbytes: int, footer: int) -> int:
-    """The room NewFile leaves between ``nbytes`` of data and a ``footer`` of that many
-    bytes: enough for two rewrites of a footer up to 256 bytes longer (see the module's
-    opening), the file then ending at a page boundary (the disk allocates whole blocks).
-
-    Example:
-        >>> _slack(100, 50), (100 + _slack(100, 50) + 50) % 4096
-        (3946, 0)
-    """
-    room = 2 * (footer + 256)
-    return -(nbytes + room + footer) % 4096 + room
-
-
 class NewFile:
     """The file of one ``consolidate(filename=path)``: made beside ``path`` under a
     hidden name, the metadata written after its ``nbytes`` of data (which the caller
@@ -212,10 +194,8 @@ class NewFile:
                 if st is not None:  # the new file keeps the old one's permissions (the rename replaces it)
                     os.fchmod(fd, stat.S_IMODE(st.st_mode))
                 footer = _footer(metadata)
-                # the slack's zeros are made by reserve_space (room for later rewrites)
-                start = nbytes + _slack(nbytes, len(footer))
-                files.reserve_space(fd, start + len(footer), path)
-                files.pwrite_all(fd, footer, start, where=f"file {path}")
+                files.reserve_space(fd, nbytes + len(footer), path)
+                files.pwrite_all(fd, footer, nbytes, where=f"file {path}")
                 # named by its final path: that is what pickles of its leaves will map
                 self.backing = files.backing_from_fd(path, fd, shared=True, bound=True) if nbytes else None
             finally:
@@ -246,30 +226,48 @@ class NewFile:
             self.directory.close()
 
 
-def rewrite_metadata(path: str, backing: Any, data_size: int, metadata: bytes) -> bool:
-    """Write ``metadata`` after the data of the file at ``path`` that ``backing`` maps
-    (a consolidated tree consolidated again into its own file: its batch sizes or names
-    may have changed), so that the file reads as the old tree or the new one at every
-    moment: the new metadata and length go into the slack just before the old metadata,
-    then the file is cut after them (see the module's opening). Returns False (writing
-    nothing) if ``path`` no longer is that file, or if its slack is too small: then the
-    caller writes a new file."""
+def holds_metadata(path: str, backing: Any, data_size: int, metadata: bytes) -> bool:
+    """Whether the file at ``path`` is the one ``backing`` maps and holds the tree of
+    ``metadata`` after its ``data_size`` bytes of data: a tree consolidated into it again,
+    unchanged, is then returned as it is (nothing to write). The lock flags and devices
+    are not compared: the file records the tree that was consolidated (unlocked, its
+    device None, as tensordict writes it), the result is locked and on the CPU, and
+    tensordict's rewrite changes only batch sizes and names. Only reads.
+
+    Example:
+        >>> import tempfile, torch
+        >>> from shared_td import TensorDict
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     c = TensorDict(a=torch.ones(2)).consolidate(filename=f"{d}/td.bin")
+        ...     c.consolidate(filename=f"{d}/td.bin") is c
+        True
+    """
     try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
         return False
     try:
         st = os.fstat(fd)
         if files.file_kind(st.st_mode) is not None or files.mapped_backing(st) is not backing:
             return False
-        size = st.st_size
-        old = int.from_bytes(os.pread(fd, LENGTH, size - LENGTH), "little", signed=True) if size >= LENGTH else -1
-        end = size - LENGTH - old  # where the old metadata starts: the new file's size
-        footer = _footer(metadata)
-        if not 0 <= old <= size - LENGTH or end - len(footer) < data_size:
+        length = st.st_size - data_size - LENGTH
+        if length <= 0 or os.pread(fd, LENGTH, st.st_size - LENGTH) != length.to_bytes(LENGTH, "little"):
             return False
-        files.pwrite_all(fd, footer, end - len(footer), where=f"file {path}")
-        os.ftruncate(fd, end)  # the switch: the file now ends with the new length
-        return True
+        old = os.pread(fd, length, data_size)
     finally:
         os.close(fd)
+    try:
+        return _settled(json.loads(old)) == _settled(json.loads(metadata))
+    except ValueError:  # (not ours to judge here: a new file replaces it)
+        return False
+
+
+def _settled(meta: Any) -> Any:
+    """``meta`` without the lock flags and devices of its nodes (see holds_metadata)."""
+    if not isinstance(meta, dict):
+        return meta
+    settled = {key: _settled(value) for key, value in meta.items() if key != "cls_metadata"}
+    if isinstance(meta.get("cls_metadata"), dict):
+        settled["cls_metadata"] = {key: value for key, value in meta["cls_metadata"].items()
+                                   if key not in ("is_locked", "device")}
+    return settled

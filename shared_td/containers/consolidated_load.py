@@ -89,9 +89,8 @@ def from_consolidated(filename: Any) -> Any:
             raise FormatError(path, f"its metadata is not valid JSON ({error}).") from None
         if not isinstance(meta, dict):
             raise FormatError(path, f"its metadata is a JSON {type(meta).__name__}, not an object.")
-        extent = _extent(meta, data_size)
-        if extent:
-            buffer = _map_private(fd, extent, path)
+        if data_size:
+            buffer = _map_private(fd, data_size, path)
         else:
             buffer = torch.empty(0, dtype=torch.uint8)
     finally:
@@ -117,25 +116,6 @@ def _map_private(fd: int, nbytes: int, path: str) -> torch.Tensor:
 
 
 _PEEK_ABOVE = 4096  # a metadata length above which its first byte is checked first
-
-
-def _extent(meta: dict, data_size: int) -> int:
-    """How many of the ``data_size`` bytes of data to map: up to the end of the last
-    leaf (its ``stop``), rounded up to 64 bytes. The data may end with the room a file
-    keeps for rewrites (consolidated_file.py), which a rewrite cuts off the file; a
-    mapped page past the end of a file cannot be read (SIGBUS), and multiprocessing
-    copies the whole mapping into shared memory. The specs are checked later (_Reader):
-    what is not a leaf spec here is skipped."""
-    extent, pending = 0, [meta]
-    while pending:
-        node = pending.pop()
-        leaves = node.get("leaves")
-        if isinstance(leaves, dict):
-            for spec in leaves.values():
-                if isinstance(spec, list) and len(spec) >= 4 and _is_count(spec[3]):
-                    extent = max(extent, spec[3])
-        pending.extend(child for key, child in node.items() if key not in RESERVED and isinstance(child, dict))
-    return min(-(-extent // 64) * 64, data_size)
 
 
 def _pread(fd: int, count: int, offset: int) -> bytes:

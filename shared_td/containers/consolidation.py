@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from shared_td.containers.consolidated_copy import Storage, copy_in_background, copy_jobs, run_copies, unpacked
-from shared_td.containers.consolidated_file import metadata_json, rewrite_metadata
+from shared_td.containers.consolidated_file import holds_metadata, metadata_json
 from shared_td.containers.consolidated_layout import Layout, placed_views
 from shared_td.containers.consolidated_pickle import reduce_tree, unlocked_on_arrival
 from shared_td.containers.consolidated_tree import (
@@ -122,17 +122,22 @@ class ConsolidateMethods:
                 it once complete, so the path never holds a partial file and the
                 tensordicts mapping an old file there keep their data. Non-tensor
                 values must be JSON values (as in tensordict). A tree consolidated into
-                this very file (still there) only gets its metadata rewritten (and is
-                returned), in the room the file keeps after its data for that, so that
-                the file reads as the old tree or the new one at every moment; once that
-                room is used up, a new file is written and a new tree returned.
+                this very file again is returned as it is if the file holds its tree;
+                if its batch sizes or names changed, it gets a new file too, renamed over
+                the old one, and a new tree over that file is returned (with inplace=True:
+                this tree, its leaves now views of the new file, locked or not: its
+                entries stay as they are). The file it maps is never written, cut nor
+                grown: other processes that map it (tensordict's from_consolidated maps
+                the whole file) keep reading it, and a reader sees the old file or the
+                new one, whole.
             num_threads: with 2 or more, that many threads copy the leaves (in pieces of
                 about equal bytes); below 2 (None, 0, 1, negative) the calling thread copies.
             device: only None or "cpu" (CPU storage is the only one this build of
                 shared_td consolidates into).
             inplace: this tensordict's own leaves become the views, and it is returned
                 (locked). Refused (LockedTensorDictError, a RuntimeError) when it or a
-                nested tensordict is locked.
+                nested tensordict is locked, unless it is consolidated into ``filename``
+                already (see filename).
             return_early: with ``num_threads > 1``, return a TensorDictFuture at once
                 while the threads copy; ``result()`` waits and returns the tensordict
                 (or raises the copy's error). Do not write into the new leaves before.
@@ -165,13 +170,14 @@ class ConsolidateMethods:
         del metadata  # see the docstring
         threads = _check_options(filename, num_threads, device, non_blocking,
                                  return_early, use_buffer, share_memory, pin_memory)
-        if _already_consolidated(self, filename, share_memory, pin_memory):
-            if filename is None or _rewrite_own_file(self, filename):
-                return self
+        # with filename: consolidated into the file at that path already (see the docstring)
+        again = _already_consolidated(self, filename, share_memory, pin_memory)
+        if again and (filename is None or _file_holds_it(self, filename)):
+            return self
         if pin_memory and filename is None:  # (a file's mapping is never pinned)
             check_pinnable("consolidate(pin_memory=True)", "Call consolidate() without pin_memory=True: "
                            "pinning only speeds up copies to an accelerator.")
-        if inplace:
+        if inplace and not again:  # (again: its entries stay as they are, only the leaves move)
             _check_unlocked(self)
         sources = stored_leaves(self)
         offsets, small, total = packed_layout(sources)
@@ -332,14 +338,14 @@ def _already_consolidated(obj: Any, filename: Any, share_memory: bool, pin_memor
     return True
 
 
-def _rewrite_own_file(obj: Any, filename: Any) -> bool:
-    """``obj`` is consolidated into the file at ``filename``: write its current metadata
-    there (batch sizes and names may have changed), as tensordict does. False if the
-    path no longer is the file it maps (then a new file is written)."""
+def _file_holds_it(obj: Any, filename: Any) -> bool:
+    """``obj`` is consolidated into the file at ``filename``: whether that file (still
+    the one it maps) holds its current metadata (batch sizes and names may have changed
+    since; then a new file is written: the mapped one is never written in place)."""
     layout = layout_of(obj)
     sources = stored_leaves(obj)
     offsets = leaf_offsets(sources, layout)  # every leaf is in it: obj is consolidated
     places = zip(offsets, (source.numel() * source.element_size() for source in sources))
-    path = os.path.abspath(os.fspath(filename))
     metadata = metadata_json(obj, places, kind_name, os.fspath(filename))
-    return rewrite_metadata(path, layout.buffer._backing, layout.buffer.numel(), metadata)
+    path = os.path.abspath(os.fspath(filename))
+    return holds_metadata(path, layout.buffer._backing, layout.buffer.numel(), metadata)

@@ -80,3 +80,67 @@ def rewrite_forever(path: str, ready) -> None:
         new = "a" * (1 + (step * 977) % 3000)
         td.rename_key_(key, new)
         key = new
+
+
+def _big_tree(TensorDict, torch):
+    """A tree whose metadata span several pages (200 keys): a file cut after its data
+    leaves whole mapped pages past its end."""
+    return TensorDict({f"key_number_{i:04d}": torch.arange(12.0).reshape(3, 4) for i in range(200)}, [])
+
+
+def owner_reads_after_rewrite(path: str) -> None:
+    """Consolidate a tree into ``path``, change its batch size, consolidate it into
+    ``path`` again, then read the last byte of the first tree's leaf storage (the whole
+    file it mapped). Exits 0 if that reads, 3 if the values are wrong (a SIGBUS: -7)."""
+    import torch
+
+    from shared_td import TensorDict
+
+    torch.set_num_threads(1)  # (see consolidate_limited)
+    c = _big_tree(TensorDict, torch).consolidate(filename=path)
+    leaf = c["key_number_0000"]
+    c.unlock_()
+    c.batch_size = [3]
+    c.consolidate(filename=path)
+    storage = leaf.untyped_storage()
+    storage[storage.nbytes() - 1]  # (before: past the cut file's end)
+    os._exit(0 if leaf.sum().item() == 66.0 else 3)
+
+
+def tensordict_maps_then_pickles(path: str, ready, go) -> None:
+    """Load ``path`` with tensordict 0.15.3 (it maps the whole file), wait for ``go``
+    (the parent consolidates into ``path`` again meanwhile), then pickle the tree, which
+    reads its whole storage. Exits 0 if the values are right, 3 if not (SIGBUS: -7)."""
+    import pickle
+
+    import tensordict
+    import torch
+
+    torch.set_num_threads(1)  # (see consolidate_limited)
+    t = tensordict.TensorDict.from_consolidated(path)
+    ready.set()
+    if not go.wait(timeout=30):
+        os._exit(4)
+    back = pickle.loads(pickle.dumps(t))
+    os._exit(0 if back["key_number_0199"].sum().item() == 66.0 else 3)
+
+
+def read_in_a_loop(path: str, seconds: float, answers) -> None:
+    """Load ``path`` with from_consolidated again and again for ``seconds`` (the parent
+    consolidates into it meanwhile); answer (loads, [the first few errors])."""
+    import time
+
+    import torch
+
+    from shared_td import from_consolidated
+
+    torch.set_num_threads(1)  # (see consolidate_limited)
+    loads, errors, until = 0, [], time.monotonic() + seconds
+    while time.monotonic() < until:
+        try:
+            td = from_consolidated(path)
+            assert td["a"].tolist() == [0.0, 1.0, 2.0, 3.0] and tuple(td.batch_size) in ((), (4,))
+        except Exception as error:  # (what the test looks at)
+            errors.append(f"{type(error).__name__}: {error}"[:200])
+        loads += 1
+    answers.put((loads, errors[:3], len(errors)))

@@ -7,6 +7,7 @@ consolidated and locked; damaged metadata is a FormatError naming the field."""
 from __future__ import annotations
 
 import multiprocessing
+import os
 import queue
 from multiprocessing.reduction import ForkingPickler
 
@@ -99,8 +100,8 @@ def _run_child(target, *args, timeout: float = 60) -> None:
 def test_rewrite_under_a_file_size_limit_leaves_a_readable_file(tmp_path, key_length):
     # before: the longer metadata were written over the old ones in place; the file-size
     # limit (as a full disk) cut that write short and neither library read the file.
-    # Now 100 more bytes fit in the room NewFile leaves (rewritten there: the new tree),
-    # 20000 do not (a new file, which the limit refuses: the old tree)
+    # Now a new file is written beside it: 100 more bytes fit under the limit (the new
+    # tree), 20000 do not (the limit refuses the new file: the old tree)
     path = tmp_path / "td.bin"
     TensorDict({"a": torch.arange(4.0), "n": {"b": torch.ones(2)}}, []).consolidate(filename=path)
     _run_child(kids.consolidate_limited, str(path), key_length, 1000)
@@ -129,22 +130,115 @@ def test_rewrite_killed_at_random_moments_leaves_a_readable_file(tmp_path):
         assert ours == theirs
 
 
-def test_rewrites_cut_the_room_but_an_older_loaded_tree_still_pickles(tmp_path):
-    import pickle
+def _exitcode(target, *args, timeout: float = 60) -> int:
+    ctx = multiprocessing.get_context("fork")
+    child = ctx.Process(target=target, args=args)
+    child.start()
+    child.join(timeout=timeout)
+    if child.is_alive():
+        child.kill()
+        child.join()
+        pytest.fail(f"{target.__name__} did not finish")
+    return child.exitcode
 
+
+def test_consolidating_again_never_changes_the_mapped_file(tmp_path):
+    # before: the new metadata went into the mapped file and ftruncate cut it (by pages:
+    # every process mapping it whole got SIGBUS reading there)
     path = tmp_path / "td.bin"
-    out = TensorDict({"a" * 3000: torch.arange(4.0), "n": {"b": torch.ones(2)}}, []).consolidate(filename=path)
-    before = path.stat().st_size
-    older = from_consolidated(path)  # maps the data and the room after them (pages)
-    for old, key in (("a" * 3000, "b" * 3000), ("b" * 3000, "a" * 3000)):
-        out.unlock_().rename_key_(old, key)
-        assert out.consolidate(filename=path) is out  # in place, in the room
-    assert path.stat().st_size < before - 4096
-    assert list(tensordict.TensorDict.from_consolidated(str(path)).keys()) == list(from_consolidated(path).keys())
-    back = pickle.loads(pickle.dumps(older))  # reads no page past the file's new end
-    assert back["a" * 3000].tolist() == [0.0, 1.0, 2.0, 3.0]
-    shared = ForkingPickler.loads(ForkingPickler.dumps(older))  # (copies its mapping to shared memory)
-    assert shared["a" * 3000].tolist() == [0.0, 1.0, 2.0, 3.0]
+    c = kids._big_tree(TensorDict, torch).consolidate(filename=path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size, content = os.fstat(fd).st_size, os.pread(fd, 10**7, 0)
+        c.unlock_()
+        c.batch_size = [3]
+        again = c.consolidate(filename=path)
+        assert (os.fstat(fd).st_size, os.pread(fd, 10**7, 0)) == (size, content)
+    finally:
+        os.close(fd)
+    assert from_consolidated(path).batch_size == tensordict.TensorDict.from_consolidated(str(path)).batch_size == (3,)
+    assert again is not c and again.is_consolidated() and again.is_locked and again.batch_size == (3,)
+    assert c["key_number_0000"].sum().item() == 66.0  # the old tree reads its old file
+    assert [p.name for p in tmp_path.iterdir()] == ["td.bin"]
+
+
+def test_owner_reads_its_whole_leaf_storage_after_consolidating_again(tmp_path):
+    # before: the owner itself died of SIGBUS (exit code -7)
+    assert _exitcode(kids.owner_reads_after_rewrite, str(tmp_path / "td.bin")) == 0
+
+
+def test_tensordict_reader_of_the_file_pickles_after_it_is_consolidated_again(tmp_path):
+    # tensordict 0.15.3's from_consolidated maps the whole file; its pickle reads all of
+    # it. Before: SIGBUS in that process (exit code -7) once the file was cut
+    path = tmp_path / "td.bin"
+    c = kids._big_tree(TensorDict, torch).consolidate(filename=path)
+    ctx = multiprocessing.get_context("fork")
+    ready, go = ctx.Event(), ctx.Event()
+    child = ctx.Process(target=kids.tensordict_maps_then_pickles, args=(str(path), ready, go))
+    child.start()
+    try:
+        assert ready.wait(timeout=30)
+        c.unlock_()
+        c.batch_size = [3]
+        c.consolidate(filename=path)
+        go.set()
+        child.join(timeout=30)
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join()
+    assert child.exitcode == 0
+
+
+def test_a_reader_never_fails_while_the_file_is_consolidated_again(tmp_path):
+    import time
+
+    # before: about 1 load in 100 raised a FormatError (the metadata half-written, or
+    # the file cut under the read)
+    path = tmp_path / "td.bin"
+    owner = TensorDict({"a": torch.arange(4.0)}, []).consolidate(filename=path)
+    ctx = multiprocessing.get_context("fork")
+    answers = ctx.Queue()
+    child = ctx.Process(target=kids.read_in_a_loop, args=(str(path), 1.0, answers))
+    child.start()
+    try:
+        step, until = 0, time.monotonic() + 30
+        while child.is_alive() and time.monotonic() < until:
+            owner.unlock_()
+            owner.batch_size = [4] if step % 2 == 0 else []
+            owner = owner.consolidate(filename=path)
+            step += 1
+        loads, errors, failed = answers.get(timeout=30)
+    finally:
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
+            child.join()
+    assert loads > 20 and step > 20 and failed == 0, errors
+
+
+@pytest.mark.parametrize("lib", ["tensordict", "shared_td"])
+def test_consolidating_again_returns_the_tree_of_the_file(tmp_path, lib):
+    module = tensordict if lib == "tensordict" else shared_td
+    path = str(tmp_path / "td.bin")
+    c = module.TensorDict({"a": torch.arange(4.0), "n": {"b": torch.ones(4)}}, []).consolidate(filename=path)
+    assert c.consolidate(filename=path) is c  # the file holds it: as it is (both)
+    c.batch_size = [4]  # (a locked tree's batch size may change; tensordict's unlock_()
+    # would end its consolidation)
+    again = c.consolidate(filename=path)
+    # tensordict rewrites the mapped file and returns c; ours writes a new file and
+    # returns a new tree over it (c keeps the old file)
+    assert (again is c) == (lib == "tensordict")
+    assert again.is_consolidated() and again.batch_size == (4,) and again.is_locked
+    assert from_consolidated(path).batch_size == (4,)
+    # inplace=True on the locked tree: c itself (both), its leaves views of the file
+    again.batch_size = []
+    assert again.consolidate(filename=path, inplace=True) is again
+    assert again.is_locked and again.is_consolidated()
+    again["n", "b"][0] = 7.0
+    if lib == "shared_td":  # (tensordict's leaves are no views of its file's shared mapping)
+        assert from_consolidated(path)["n", "b"].tolist() == [7.0, 1.0, 1.0, 1.0]
+    assert from_consolidated(path).batch_size == tensordict.TensorDict.from_consolidated(path).batch_size == ()
 
 
 # ------------------------------------------------ locks of pickled shared and file trees

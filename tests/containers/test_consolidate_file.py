@@ -205,13 +205,16 @@ def test_new_file_renamed_in_place_old_mappings_keep_their_data(tmp_path):
     assert (from_consolidated(path)["a"] == 2.0).all()
 
 
-def test_consolidating_again_into_its_own_file_rewrites_the_metadata(tmp_path):
+def test_consolidating_again_into_its_own_file_writes_a_new_one(tmp_path):
     path = tmp_path / "td.bin"
     out = TensorDict(a=torch.zeros(3, 2), b={"c": torch.ones(3)}, batch_size=[3]).consolidate(filename=path)
     inode = path.stat().st_ino
+    assert out.consolidate(filename=path) is out and path.stat().st_ino == inode  # unchanged: as it is
     out.names = ["time"]
-    assert out.consolidate(filename=path) is out and path.stat().st_ino == inode
-    assert from_consolidated(path).names == ["time"]
+    renamed = out.consolidate(filename=path)  # the mapped file is never written: a new one
+    assert renamed is not out and renamed.names == ["time"] and path.stat().st_ino != inode
+    assert from_consolidated(path).names == ["time"] and _ours(path) == ["td.bin"]
+    out = renamed
     # the name now holds another file: that file is not touched, a new one is written
     TensorDict(z=torch.zeros(1)).consolidate(filename=path)
     again = out.consolidate(filename=path)
