@@ -60,6 +60,23 @@ def soft_limit(pid: int, which: int, soft: int):
         resource.prlimit(pid, which, old)
 
 
+@contextlib.contextmanager
+def in_process_server(tmp_path):
+    """A manager's server in this process (so that its deadline can be short): its
+    accept loop runs in a thread, ended (and checked ended: no spin) on leaving."""
+    srv = accepting.Server({}, str(tmp_path / "sock"), b"k" * 32, "pickle")
+    srv.stop_event = threading.Event()
+    loop = threading.Thread(target=srv.accepter, daemon=True)
+    loop.start()
+    try:
+        yield srv
+    finally:
+        srv.listener._listener._socket.shutdown(socket.SHUT_RDWR)  # wakes its accept()
+        srv.listener.close()
+        loop.join(5)
+    assert not loop.is_alive()  # a closed listener ends the loop
+
+
 def challenged_peer(address: str) -> socket.socket:
     """A raw connection to the manager at ``address`` that read its challenge and says
     nothing (an unauthenticated peer)."""
@@ -194,30 +211,18 @@ def test_a_thread_that_cannot_start_for_a_while_still_serves_the_connection(monk
                 raise RuntimeError("can't start new thread")
             super().start()
 
-    srv = accepting.Server({}, str(tmp_path / "sock"), b"k" * 32, "pickle")
-    srv.stop_event = threading.Event()
-    loop = threading.Thread(target=srv.accepter, daemon=True)
-    loop.start()
-    monkeypatch.setattr(accepting.threading, "Thread", Flaky)
-    try:
-        challenged_peer(srv.address).close()  # challenged, not closed
+    with in_process_server(tmp_path) as srv:
+        with monkeypatch.context() as patched:
+            patched.setattr(accepting.threading, "Thread", Flaky)
+            challenged_peer(srv.address).close()  # challenged, not closed
         assert len(failures) == 3
-    finally:
-        monkeypatch.undo()
-        srv.listener._listener._socket.shutdown(socket.SHUT_RDWR)
-        srv.listener.close()
-        loop.join(5)
 
 
 def test_a_peer_that_dribbles_its_handshake_is_cut_off_at_the_deadline(monkeypatch, tmp_path):
     """The handshake's bound was each read's (a receive timeout): a peer that sent a byte
     of its answer now and then held a manager thread and descriptor for minutes."""
     monkeypatch.setattr(accepting, "HANDSHAKE_S", 0.6)
-    srv = accepting.Server({}, str(tmp_path / "sock"), b"k" * 32, "pickle")
-    srv.stop_event = threading.Event()
-    loop = threading.Thread(target=srv.accepter, daemon=True)
-    loop.start()
-    try:
+    with in_process_server(tmp_path) as srv:
         peer = challenged_peer(srv.address)
         peer.sendall(struct.pack("!i", 200))  # a 200-byte answer announced, then dribbled
         began, cut = time.monotonic(), False
@@ -229,10 +234,6 @@ def test_a_peer_that_dribbles_its_handshake_is_cut_off_at_the_deadline(monkeypat
                 cut = True
         assert cut and time.monotonic() - began < 2
         peer.close()
-    finally:
-        srv.listener._listener._socket.shutdown(socket.SHUT_RDWR)
-        srv.listener.close()
-        loop.join(5)
 
 
 def test_an_end_of_file_from_a_live_manager_is_not_a_gone_coordinator(tmp_path):
@@ -253,11 +254,7 @@ def test_unauthenticated_peers_get_no_traceback_and_a_deadline(monkeypatch, tmp_
     manager for ever; one that sent a bad length header got a pickled traceback naming
     the server's files. (An in-process server, so that the deadline can be short.)"""
     monkeypatch.setattr(accepting, "HANDSHAKE_S", 0.3)
-    srv = accepting.Server({}, str(tmp_path / "sock"), b"k" * 32, "pickle")
-    srv.stop_event = threading.Event()
-    loop = threading.Thread(target=srv.accepter, daemon=True)
-    loop.start()
-    try:
+    with in_process_server(tmp_path) as srv:
         silent = challenged_peer(srv.address)
         started = time.monotonic()
         assert silent.recv(100) == b""  # closed by the manager
@@ -271,11 +268,6 @@ def test_unauthenticated_peers_get_no_traceback_and_a_deadline(monkeypatch, tmp_
             said = b""
         assert said == b""  # closed, nothing said (was: '#TRACEBACK', ...)
         bad.close()
-    finally:
-        srv.listener._listener._socket.shutdown(socket.SHUT_RDWR)  # wakes its accept()
-        srv.listener.close()
-        loop.join(5)
-    assert not loop.is_alive()  # a closed listener ends the loop (no spin)
 
 
 def test_manager_out_of_descriptors_names_itself():
