@@ -320,6 +320,10 @@ def _receive(duplicate, key: tuple[int, int], nbytes: int, pid: int, fd: int) ->
                 "multiprocessing?); send it from a multiprocessing process, or publish it "
                 "through a Coordinator."
             )
+        # this process's own open file description, as the /proc route opens: the duplicate
+        # shares the sender's, and a lock on an open file description (a SharedCounter's
+        # ByteLock) does not exclude another holder of the same description
+        platform.reopen_description(new_fd)
     except BaseException:
         os.close(new_fd)
         raise

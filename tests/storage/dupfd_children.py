@@ -122,3 +122,13 @@ def send_counter_and_drop(queue, events, done) -> None:
     gc.collect()
     events.put("dropped")
     done.get(timeout=WAIT)
+
+
+def add_many(counter, times: int, events, go) -> None:
+    """Once ``go`` says so, ``times`` fetch_add(1) on ``counter`` (received as a spawn
+    argument), then say so."""
+    events.put("ready")
+    go.get(timeout=WAIT)
+    for _ in range(times):
+        counter.fetch_add(1)
+    events.put("done")

@@ -180,3 +180,30 @@ def test_a_counter_is_received_after_the_sender_dropped_it(method):
     finally:
         done.put(1)
         assert finish(process) == 0
+
+
+def test_a_counter_received_as_a_duplicate_still_excludes_its_sender():
+    """A duplicated descriptor shares the sender's open file description, and a lock
+    on an open file description does not exclude another holder of the same one: a
+    counter sent to a spawn child (a process argument) lost additions racing its
+    sender's (the actor/learner example: the cursor reserved 64 slots fewer than the
+    actors wrote). The received segment now opens its own description."""
+    import shared_td
+
+    counter, times = shared_td.SharedCounter(), 20000
+    context = multiprocessing.get_context("spawn")
+    events, go = context.Queue(), context.Queue()
+    children = [context.Process(target=kids.add_many, args=(counter, times, events, go)) for _ in range(2)]
+    for child in children:
+        child.start()
+    try:
+        assert [events.get(timeout=WAIT) for _ in children] == ["ready", "ready"]
+        for _ in children:
+            go.put(1)  # all three add at once
+        for _ in range(times):
+            counter.fetch_add(1)
+        assert [events.get(timeout=WAIT) for _ in children] == ["done", "done"]
+    finally:
+        for child in children:
+            assert finish(child) == 0
+    assert counter.value == 3 * times
