@@ -62,9 +62,10 @@ class RowWritePlan:
         # that of nodes[i] (weak references: the plan keeps nothing alive, see above)
         self.nodes = nodes
         # per leaf, in the order of paths: (dict number, key, weak reference to the leaf,
-        # its shape, its dtype, the byte range of its storage: a source leaf starting in
-        # it may overlap what is written, which the general write checks)
-        self.rows = [(at, key, weakref.ref(leaf), leaf.shape, leaf.dtype, *_storage_span(leaf))
+        # its shape, its dtype, its data pointer, which moves with its storage, and the
+        # byte range of its storage: a source leaf starting in it may overlap what is
+        # written, which the general write checks)
+        self.rows = [(at, key, weakref.ref(leaf), leaf.shape, leaf.dtype, leaf.data_ptr(), *_storage_span(leaf))
                      for (at, key), leaf in zip(places, leaves)]
         # the leaves are of classes whose torch behaviour is torch's own (see write_rows)
         self.no_overrides = {type(leaf) for leaf in leaves} <= _NO_OVERRIDES
@@ -201,13 +202,14 @@ def _fits(plan: RowWritePlan, dest: Any, target_batch: torch.Size, sources: list
         return None
     expected = plan.expected_shapes(target_batch, len(dest._batch_size))
     fits, cast, missing, keep = True, False, _MISSING, leaves.append
-    for (at, key, ref, shape, dtype, low, high), value, want in zip(plan.rows, sources, expected):
+    for (at, key, ref, shape, dtype, ptr, low, high), value, want in zip(plan.rows, sources, expected):
         leaf = dicts[at].get(key, missing)
-        # (ref() is None once the leaf is gone.) The dtype and storage are the leaf's as it
-        # is now: share_memory_, a multiprocessing put, set_ or `leaf.data =` change them
-        # in the same object, and a stale cast or overlap range would fail halfway in torch
+        # (ref() is None once the leaf is gone.) The dtype and data pointer are the leaf's
+        # as it is now: share_memory_, a multiprocessing put, set_ or `leaf.data =` change
+        # them in the same object, and a stale cast or overlap range would fail halfway in
+        # torch (the pointer moves with the storage; the tensor's is cheaper to read)
         if (leaf is not ref() or leaf.shape != shape or leaf.dtype is not dtype
-                or leaf.untyped_storage().data_ptr() != low):
+                or leaf.data_ptr() != ptr):
             return None
         keep(leaf)
         if value.dtype is not dtype:
