@@ -85,7 +85,8 @@ def _loads_in_both(path) -> tuple[list, list]:
     return sorted(len(key) for key in ours.keys()), sorted(len(key) for key in theirs.keys())
 
 
-def _run_child(target, *args, timeout: float = 60) -> None:
+def _exitcode(target, *args, timeout: float = 60) -> int:
+    """Run ``target(*args)`` in a fork child (bounded) and return its exit code."""
     ctx = multiprocessing.get_context("fork")
     child = ctx.Process(target=target, args=args)
     child.start()
@@ -94,6 +95,7 @@ def _run_child(target, *args, timeout: float = 60) -> None:
         child.kill()
         child.join()
         pytest.fail(f"{target.__name__} did not finish")
+    return child.exitcode
 
 
 @pytest.mark.parametrize("key_length", [100, 20_000])
@@ -104,7 +106,7 @@ def test_rewrite_under_a_file_size_limit_leaves_a_readable_file(tmp_path, key_le
     # tree), 20000 do not (the limit refuses the new file: the old tree)
     path = tmp_path / "td.bin"
     TensorDict({"a": torch.arange(4.0), "n": {"b": torch.ones(2)}}, []).consolidate(filename=path)
-    _run_child(kids.consolidate_limited, str(path), key_length, 1000)
+    _exitcode(kids.consolidate_limited, str(path), key_length, 1000)
     ours, theirs = _loads_in_both(path)
     assert ours == theirs == ([1, 1] if key_length > 1000 else [1, key_length])
     assert [name for name in (p.name for p in tmp_path.iterdir())] == ["td.bin"]
@@ -128,18 +130,6 @@ def test_rewrite_killed_at_random_moments_leaves_a_readable_file(tmp_path):
             child.join(timeout=30)
         ours, theirs = _loads_in_both(path)
         assert ours == theirs
-
-
-def _exitcode(target, *args, timeout: float = 60) -> int:
-    ctx = multiprocessing.get_context("fork")
-    child = ctx.Process(target=target, args=args)
-    child.start()
-    child.join(timeout=timeout)
-    if child.is_alive():
-        child.kill()
-        child.join()
-        pytest.fail(f"{target.__name__} did not finish")
-    return child.exitcode
 
 
 def test_consolidating_again_never_changes_the_mapped_file(tmp_path):
