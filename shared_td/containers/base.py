@@ -339,8 +339,11 @@ class TensorDictBase(LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, Me
                 f"does not exist: not found in {type(self).__name__}. Use set() to add it."
             )
         self._check_set_(path, current, value)  # (named by the full key, as set_)
-        parent = self._parent_for_write(path, create=False)
-        parent._set_str(path[-1], value, inplace=True, validated=False)
+        return self._write_in_place(path, value)
+
+    def _write_in_place(self, path: tuple, value: Any) -> "TensorDictBase":
+        """``set_``'s write, for one checked already (an update's plan: no check twice)."""
+        self._parent_for_write(path, create=False)._set_str(path[-1], value, inplace=True, validated=False)
         return self
 
     def _deepest_existing_parent(self, path: tuple[str, ...]) -> tuple["TensorDictBase", int]:

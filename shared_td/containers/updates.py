@@ -37,7 +37,7 @@ class UpdateOps:
         selected = None if keys_to_update is None else [unravel_key(k) for k in keys_to_update]
         for path, value, in_place, _ in _stores_first(self._plan_update(other, (), inplace, True, selected)):
             if in_place:
-                self.set_(path, value)
+                self._write_in_place(path, value)  # (checked by the plan)
             else:
                 self.set(path, value.clone() if clone and hasattr(value, "clone") else value)
         return self
@@ -53,7 +53,7 @@ class UpdateOps:
         """
         selected = None if keys_to_update is None else [unravel_key(k) for k in keys_to_update]
         for path, value, _, _ in _stores_first(self._plan_update(other, (), True, False, selected)):
-            self.set_(path, value)
+            self._write_in_place(path, value)  # (checked by the plan)
         return self
 
     def _plan_update(
