@@ -93,8 +93,9 @@ class RowWritePlan:
 
 
 def _storage_span(leaf: torch.Tensor) -> tuple:
-    start = leaf.untyped_storage().data_ptr()
-    return start, start + leaf.untyped_storage().nbytes()
+    storage = leaf.untyped_storage()
+    start = storage.data_ptr()
+    return start, start + storage.nbytes()
 
 
 def source_leaves(source: Any, kind: type, prefix: tuple, paths: list, leaves: list) -> bool:

@@ -309,7 +309,6 @@ def _receive(duplicate, key: tuple[int, int], nbytes: int, pid: int, fd: int) ->
         os.close(new_fd)
         return segment
     try:
-        os.set_inheritable(new_fd, False)  # as our own memfds and /proc opens: close-on-exec
         st = os.fstat(new_fd)
         if (st.st_dev, st.st_ino) != key or st.st_size < nbytes:
             raise SegmentUnavailableError(
@@ -320,9 +319,9 @@ def _receive(duplicate, key: tuple[int, int], nbytes: int, pid: int, fd: int) ->
                 "multiprocessing?); send it from a multiprocessing process, or publish it "
                 "through a Coordinator."
             )
-        # this process's own open file description, as the /proc route opens: the duplicate
-        # shares the sender's, and a lock on an open file description (a SharedCounter's
-        # ByteLock) does not exclude another holder of the same description
+        # this process's own open file description (close-on-exec), as the /proc route
+        # opens: the duplicate shares the sender's, and a lock on an open file description
+        # (a SharedCounter's ByteLock) does not exclude another holder of the same one
         platform.reopen_description(new_fd)
     except BaseException:
         os.close(new_fd)
