@@ -15,8 +15,17 @@ tensorclass) or ``[value]`` for any other value (a non-tensor, a lazy stack, a t
 no longer in the buffer, a node of an unusual class or state), which is pickled as
 itself, its own views of the buffer as ``_leaf(index)`` and its nodes of this tree by
 their state. A tree whose one node appears twice is pickled that way as a whole, so
-that it comes back as one object. The classes named are those a pickle of the nodes
-themselves names; loading resolves nothing else.
+that it comes back as one object.
+
+The skeleton is a pickle inside the pickle, and it names no global of its own: every
+object in it that is not a tuple, list, dict, str, number, a view of the buffer or a
+container of shared_td (a class, a device, a tensor outside the buffer, a
+MemoryMappedTensor, a shared value, any user object) is one of its ``extras``, a list
+that the OUTER pickler pickles with the tree's reduction, so with its own rules:
+multiprocessing's ForkingPickler shares such a tensor and sends a segment or a shared
+value as a duplicate descriptor, exactly as in a tree that is not consolidated, and an
+unpickler that restricts the globals it loads restricts them here too (the skeleton's
+loader resolves only ``_leaf``, ``_layout`` and ``_extra``, never an import).
 
 A tree over shared memory or a file pickles node by node (its leaves by reference);
 :func:`unlocked_on_arrival` makes it arrive unlocked by the same rule as a plain one.
@@ -211,7 +220,13 @@ def _reduction(obj: Any, tree: tuple | None, skeleton: _Skeleton, layout: Layout
     pickler.dump([obj] if tree is None else tree)
     if pickler.leaves:
         runs = runs + runs_of(pickler.leaves)
-    return _unpickle_consolidated, (_Payload(layout.buffer), runs, data.getvalue())
+    args = (_Payload(layout.buffer), runs, data.getvalue())
+    # a node locked only by its locked parent (td["n"] of a consolidated tree) arrives
+    # locked, as in tensordict 0.15.3: only a tree locked as a whole arrives unlocked
+    by_parent = obj.is_locked and unwrap_tensorclass(obj)._locked_parent() is not None
+    if by_parent:
+        return _unpickle_consolidated, (*args, pickler.extras, True)
+    return _unpickle_consolidated, (*args, pickler.extras) if pickler.extras else args
 
 
 class _Payload:
@@ -248,8 +263,12 @@ class _TreePickler(pickle.Pickler):
     buffer written as ``_leaf(index)`` (their entries listed in ``leaves``; the
     skeleton's own leaves come first) and their nodes of this tree by their state, the
     layout as ``_layout()``: names that _TreeUnpickler resolves to its own views and
-    layout. (``reducer_override``, unlike ``persistent_id``, is not called for the
-    tuples, lists, str and int that make the skeleton.)"""
+    layout. The containers of shared_td (nodes, lazy stacks, tensorclasses) are pickled
+    here by their own reduction, since they may hold views of the buffer; any other
+    object (and the classes and functions those reductions name) is ``_extra(index)``,
+    listed in ``extras`` for the outer pickler. (``reducer_override``, unlike
+    ``persistent_id``, is not called for the tuples, lists, str and int that make the
+    skeleton, nor for an object already memoised: once per class.)"""
 
     def __init__(self, file: Any, protocol: int, layout: Layout, locked_root: Any, node_class: type,
                  first_index: int, in_skeleton: set[int]):
@@ -258,6 +277,7 @@ class _TreePickler(pickle.Pickler):
         self.layout = layout
         self.node_class = node_class
         self.leaves: list[tuple] = []
+        self.extras: list[Any] = []
         self.first_index = first_index
         self.locked_root = locked_root
 
@@ -265,10 +285,12 @@ class _TreePickler(pickle.Pickler):
         if isinstance(obj, torch.Tensor):
             entry = place(self.layout, obj)
             if entry is None:
-                return NotImplemented  # no longer a view of the buffer: pickled as itself
+                return self._extra(obj)  # no longer a view of the buffer: the outer pickler's
             self.leaves.append(entry)
             return _leaf, (self.first_index + len(self.leaves) - 1,)
-        elif isinstance(obj, self.node_class) and obj.__dict__.get("_consolidated") is self.layout:
+        elif isinstance(obj, self.node_class):
+            if obj.__dict__.get("_consolidated") is not self.layout:
+                return NotImplemented  # a container: its own reduction, here
             # a node of this tree: its state, as object.__reduce_ex__ gives it (not
             # through its own __reduce_ex__, which would start another tree pickle)
             if id(obj) in self.in_skeleton:
@@ -281,7 +303,14 @@ class _TreePickler(pickle.Pickler):
             return copyreg.__newobj__, (type(obj),), state
         elif obj is self.layout:
             return _layout, ()
-        return NotImplemented
+        elif obj is _leaf or obj is _layout or obj is _extra or getattr(type(obj), "_is_tensorclass", False):
+            return NotImplemented  # a name _TreeUnpickler resolves; a tensorclass: a container
+        return self._extra(obj)
+
+    def _extra(self, obj: Any) -> tuple:
+        # (the pickler's memo makes a second meeting of obj this same item)
+        self.extras.append(obj)
+        return _extra, (len(self.extras) - 1,)
 
 
 def _leaf(index: int) -> torch.Tensor:
@@ -292,19 +321,28 @@ def _layout() -> Layout:
     raise pickle.UnpicklingError("a consolidated layout can only be read by _TreeUnpickler")
 
 
-class _TreeUnpickler(pickle.Unpickler):
-    """Reads what _TreePickler wrote; the views are made before (from their runs)."""
+def _extra(index: int) -> Any:
+    raise pickle.UnpicklingError("a consolidated tree's value can only be read by _TreeUnpickler")
 
-    def __init__(self, file: Any, layout: Layout):
+
+class _TreeUnpickler(pickle.Unpickler):
+    """Reads what _TreePickler wrote; the views are made before (from their runs), the
+    extras are what the outer unpickler loaded. It resolves no other global: a forged
+    skeleton can call nothing that the outer unpickler did not let through."""
+
+    def __init__(self, file: Any, layout: Layout, extras: Any):
         super().__init__(file)
-        self.layout = layout
+        self.names = {"_leaf": layout.views.__getitem__, "_layout": lambda: layout,
+                      "_extra": extras.__getitem__}
 
     def find_class(self, module: str, name: str) -> Any:
-        if module == __name__ and name == "_leaf":
-            return self.layout.views.__getitem__
-        if module == __name__ and name == "_layout":
-            return lambda: self.layout
-        return super().find_class(module, name)
+        found = self.names.get(name) if module == __name__ else None
+        if found is None:
+            raise pickle.UnpicklingError(
+                f"A consolidated tree's skeleton names {module}.{name}: refused (it names only "
+                "its own leaves, layout and values, which the outer pickle carries). The pickle "
+                "was not made by shared_td's consolidate(), or was altered.")
+        return found
 
 
 class _Builder:
@@ -367,9 +405,11 @@ class _Builder:
         return node
 
 
-def _unpickle_consolidated(payload: Any, runs: list[tuple], tree: bytes) -> Any:
+def _unpickle_consolidated(payload: Any, runs: list[tuple], tree: bytes, extras: Any = (),
+                           locked_by_parent: bool = False) -> Any:
     """Rebuild a pickled consolidated tensordict: the payload (its bytes, or the buffer
-    tensor shared by ForkingPickler) becomes its one buffer."""
+    tensor shared by ForkingPickler) becomes its one buffer; ``extras`` are the values
+    its skeleton names by index (see _TreePickler)."""
     if isinstance(payload, torch.Tensor):
         buffer = payload
     else:
@@ -377,12 +417,13 @@ def _unpickle_consolidated(payload: Any, runs: list[tuple], tree: bytes) -> Any:
         buffer = torch.frombuffer(data, dtype=_BYTE) if data else torch.empty(0, dtype=_BYTE)  # len: 64 * n
     layout = Layout(buffer)
     layout.record(views_of_runs(buffer, runs), runs=runs)
-    skeleton = _TreeUnpickler(io.BytesIO(tree), layout).load()
+    skeleton = _TreeUnpickler(io.BytesIO(tree), layout, extras).load()
     # As tensordict 0.15.3: a tree locked as a whole (as consolidate() leaves it) comes
     # back unlocked, root and nested, so that a receiver may add keys at once; in a tree
     # whose root was unlocked, a node locked on its own stays locked (tensordict pickles
-    # such a tree node by node, its locks with it).
-    return _Builder(layout, keep_locks=not _root_locked(skeleton)).build(skeleton)
+    # such a tree node by node, its locks with it), and so does a sub-tree sent alone
+    # that was locked by its parent.
+    return _Builder(layout, keep_locks=locked_by_parent or not _root_locked(skeleton)).build(skeleton)
 
 
 def _root_locked(record: Any) -> bool:

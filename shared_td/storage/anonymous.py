@@ -29,9 +29,11 @@ a resource tracker; we need neither):
   pickle never received (or a pickling that fails half-way) holds it, and so the memory,
   until the sender exits. If the duplicate cannot be taken (the sender exited, or the
   receiver is not of the sender's family: another ``authkey``), the receiver tries the
-  ``/proc`` route above. The Coordinator pickles its segments itself (plain pickles of
-  ``Segment.__reduce__``) and ``multiprocess`` (dill) has its own pickler: both keep the
-  ``/proc`` route.
+  ``/proc`` route above. A SharedCounter and a shared non-tensor value (SharedValue),
+  also memfds, are sent the same way (:func:`receive_duplicate`), each with its own
+  words when it cannot be received. The Coordinator pickles its segments itself (plain
+  pickles of ``Segment.__reduce__``) and ``multiprocess`` (dill) has its own pickler:
+  both keep the ``/proc`` route.
 * Many leaves can share one segment (at :data:`ALIGNMENT`-byte offsets): descriptors grow
   with the number of segments, not of tensors (user-issues row 15).
 """
@@ -43,6 +45,7 @@ import multiprocessing
 import multiprocessing.reduction
 import os
 import weakref
+from typing import Any, Callable
 
 from shared_td import platform
 from shared_td.errors import MappingError, SegmentUnavailableError
@@ -53,7 +56,7 @@ from shared_td.storage.mapping import descriptor_limits
 __all__ = [
     "ALIGNMENT", "Segment", "SegmentUnavailableError", "align", "attach_peer_fd", "attach_segment",
     "create_memfd",
-    "find_segment",
+    "find_segment", "receive_duplicate", "receive_segment",
 ]
 
 #: Offsets of leaves packed into one segment: a multiple of every dtype's size and of
@@ -282,10 +285,8 @@ _DUPLICATE_LOST = (OSError, EOFError, multiprocessing.AuthenticationError)
 
 
 def _receive(duplicate, key: tuple[int, int], nbytes: int, pid: int, fd: int) -> Segment:
-    """Unpickle a segment sent by ForkingPickler: take the sender's duplicate descriptor
-    (always, so that the sender's resource sharer lets it go), check that it is the memory
-    ``key`` with ``nbytes`` bytes, and keep it as this process's Segment, or close it if
-    this process has that segment already. The ``/proc`` route when it cannot be taken.
+    """Unpickle a segment sent by ForkingPickler (see :func:`receive_duplicate`): this
+    process's Segment, or the received descriptor kept as it.
 
     Example:
         >>> from multiprocessing.reduction import ForkingPickler
@@ -293,37 +294,59 @@ def _receive(duplicate, key: tuple[int, int], nbytes: int, pid: int, fd: int) ->
         >>> ForkingPickler.loads(ForkingPickler.dumps(seg)) is seg
         True
     """
+    what = f"anonymous shared-memory segment of {nbytes} bytes (the memory of tensors)"
+    return receive_segment(duplicate, key, nbytes, pid, fd, what=what)
+
+
+def receive_segment(duplicate, key: tuple[int, int], nbytes: int, pid: int, fd: int, *, what: str,
+                    advice: str = GENERIC_ADVICE) -> Segment:
+    """This process's Segment for a segment sent by ForkingPickler
+    (:func:`receive_duplicate`; ``pid`` holds it as ``fd``): for a user of segments that
+    pickles its own reference (a SharedCounter), so that the error of a sender gone names
+    that user (``what``) and its fix (``advice``), as :func:`attach_segment`."""
     key = tuple(key)
+    return receive_duplicate(
+        duplicate, key, nbytes, pid, what=what, cached=_CACHE.get,
+        adopt=lambda new_fd: _register(new_fd, nbytes, key),
+        fallback=lambda: attach_segment(pid, fd, key, nbytes, what=what, advice=advice))
+
+
+def receive_duplicate(duplicate, key: tuple[int, int], nbytes: int, pid: int, *, what: str,
+                      cached: Callable[[tuple], Any], adopt: Callable[[int], Any],
+                      fallback: Callable[[], Any]) -> Any:
+    """Unpickle a memfd that process ``pid`` sent through ForkingPickler as
+    ``multiprocessing.reduction.DupFd``: take the duplicate (always, so that the sender's
+    resource sharer lets it go); ``cached(key)`` if this process has that memory already
+    (the duplicate closed), else check that it is the memory ``key`` with at least
+    ``nbytes`` bytes, give it this process's own open file description (close-on-exec,
+    as the ``/proc`` route opens: the duplicate shares the sender's, and a lock on an
+    open file description, a ByteLock, does not exclude another holder of the same one)
+    and return ``adopt(fd)``, which owns it. ``fallback()`` (the ``/proc`` route, which
+    names the user ``what`` and its fix) when the duplicate cannot be taken. For every
+    user of memfds sent so (segments, SharedCounter, SharedValue)."""
     try:
         new_fd = duplicate.detach()
     except _DUPLICATE_LOST as err:
-        segment = _CACHE.get(key)
-        if segment is not None:
-            return segment
         try:
-            return _attach(pid, fd, key, nbytes)
+            return fallback()
         except SegmentUnavailableError as gone:
             raise gone from err
-    segment = _CACHE.get(key)
-    if segment is not None:
+    found = cached(key)
+    if found is not None:
         os.close(new_fd)
-        return segment
+        return found
     try:
         st = os.fstat(new_fd)
         if (st.st_dev, st.st_ino) != key or st.st_size < nbytes:
             raise SegmentUnavailableError(
-                f"The descriptor received for the anonymous shared-memory segment of "
-                f"{nbytes} bytes (inode {key[1]}) sent by process {pid} names another file "
-                f"(inode {st.st_ino}, {st.st_size} bytes): refused. The sender's resource "
-                "sharer answered for another object (was the sender forked without "
-                "multiprocessing?); send it from a multiprocessing process, or publish it "
+                f"The descriptor received for the {what} (inode {key[1]}) sent by process {pid} "
+                f"names another file (inode {st.st_ino}, {st.st_size} bytes): refused. The "
+                "sender's resource sharer answered for another object (was the sender forked "
+                "without multiprocessing?); send it from a multiprocessing process, or publish it "
                 "through a Coordinator."
             )
-        # this process's own open file description (close-on-exec), as the /proc route
-        # opens: the duplicate shares the sender's, and a lock on an open file description
-        # (a SharedCounter's ByteLock) does not exclude another holder of the same one
         platform.reopen_description(new_fd)
     except BaseException:
         os.close(new_fd)
         raise
-    return _register(new_fd, nbytes, key)
+    return adopt(new_fd)

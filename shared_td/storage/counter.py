@@ -42,7 +42,7 @@ import operator
 import os
 
 from shared_td.platform import ByteLock, reopen_description
-from shared_td.storage.anonymous import Segment, attach_segment
+from shared_td.storage.anonymous import Segment, attach_segment, receive_segment
 from shared_td.storage.cache import InodeCache
 
 __all__ = ["INT64_MAX", "INT64_MIN", "SharedCounter", "counter_int"]
@@ -157,10 +157,12 @@ class SharedCounter:
         return _attach, (os.getpid(), segment.fd, segment.key)
 
     def _reduce_with_duplicate(self):
-        # multiprocessing's ForkingPickler (registered below): its segment, which that
-        # pickler sends as a duplicate descriptor (storage/anonymous.py), so that a queue's
-        # receiver needs only the sending process alive, not its counter
-        return _adopt_received, (self._segment,)
+        # multiprocessing's ForkingPickler (registered below): a duplicate descriptor of its
+        # segment (storage/anonymous.py), so that a queue's receiver needs only the sending
+        # process alive, not its counter; the counter's own, so that a receiver whose
+        # sender is gone is told about a SharedCounter
+        segment = self._segment
+        return _receive, (multiprocessing.reduction.DupFd(segment.fd), segment.key, os.getpid(), segment.fd)
 
     def __repr__(self) -> str:
         return f"SharedCounter(value={self.value})"
@@ -183,6 +185,9 @@ _SENDER_GONE_ADVICE = (
 )
 
 
+_WHAT = "SharedCounter (8 bytes of anonymous shared memory)"
+
+
 def _attach(pid: int, fd: int, key: tuple[int, int]) -> SharedCounter:
     """Unpickle: this process's counter over the segment ``key`` that process ``pid``
     holds as ``fd``, made once; a SegmentUnavailableError saying what to do if that
@@ -191,20 +196,24 @@ def _attach(pid: int, fd: int, key: tuple[int, int]) -> SharedCounter:
     counter = _COUNTERS.get(key)
     if counter is not None:
         return counter
-    segment = attach_segment(pid, fd, key, 8, advice=_SENDER_GONE_ADVICE,
-                             what="SharedCounter (8 bytes of anonymous shared memory)")
+    return _adopt_received(attach_segment(pid, fd, key, 8, advice=_SENDER_GONE_ADVICE, what=_WHAT))
 
-    def make() -> SharedCounter:
-        counter = SharedCounter.__new__(SharedCounter)
-        counter._adopt(segment)
-        return counter
 
-    return _COUNTERS.get_or_create(key, make)
+def _receive(duplicate, key: tuple[int, int], pid: int, fd: int) -> SharedCounter:
+    """Unpickle a counter sent by ForkingPickler: its segment received as a duplicate
+    descriptor (the ``/proc`` route, :func:`_attach`, if that cannot be taken).
+
+    Example:
+        >>> from multiprocessing.reduction import ForkingPickler
+        >>> cursor = SharedCounter(5)
+        >>> ForkingPickler.loads(ForkingPickler.dumps(cursor)) is cursor
+        True
+    """
+    return _adopt_received(receive_segment(duplicate, key, 8, pid, fd, what=_WHAT, advice=_SENDER_GONE_ADVICE))
 
 
 def _adopt_received(segment) -> SharedCounter:
-    """Unpickle a counter sent by ForkingPickler: this process's counter over ``segment``
-    (received as a duplicate descriptor), made once."""
+    """This process's counter over ``segment``, made once."""
 
     def make() -> SharedCounter:
         counter = SharedCounter.__new__(SharedCounter)

@@ -43,14 +43,20 @@ Holders: the memfd travels to other processes like an anonymous segment, by reop
 ``/proc/<pid>/fd/<fd>`` of a process that holds it. A pickled cell names the pickling
 process first, then its *fallback holders*: the coordinators that adopted the cell (see
 :mod:`shared_td.coordinator.ownership`), so a cell stays attachable after the process
-that created it exited, for as long as such a coordinator lives. A fork child inherits
-the descriptor and reopens its own open file description (the cache's at-fork hook), so
-its locks exclude its parent's.
+that created it exited, for as long as such a coordinator lives. multiprocessing's
+ForkingPickler (queues, process arguments, DataLoader workers) sends a *duplicate
+descriptor* instead, as for segments
+(:func:`~shared_td.storage.anonymous.receive_duplicate`): such a cell is received while
+the sending process lives, even once it dropped the cell, and through the ``/proc``
+route and the holders above if the duplicate cannot be taken.
+A fork child inherits the descriptor and reopens its own open file description (the
+cache's at-fork hook), so its locks exclude its parent's.
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import multiprocessing.reduction
 import os
 import pickle
 import threading
@@ -59,7 +65,7 @@ from typing import Any, Callable, Iterator
 
 from shared_td.errors import SegmentUnavailableError
 from shared_td.platform import ByteLock, map_shared_bytes, reopen_description, unmap_bytes
-from shared_td.storage.anonymous import attach_peer_fd, create_memfd
+from shared_td.storage.anonymous import attach_peer_fd, create_memfd, receive_duplicate
 from shared_td.storage.cache import InodeCache
 from shared_td.storage.files import allocate, pwrite_all
 
@@ -276,6 +282,11 @@ class SharedValue:
     def __reduce__(self):
         return _attach, (os.getpid(), self.fd, self.key, self.holders)
 
+    def _reduce_with_duplicate(self):
+        # multiprocessing's ForkingPickler (registered below): a duplicate descriptor that
+        # outlives this object, so that the receiver needs only the sender process
+        return _receive, (multiprocessing.reduction.DupFd(self.fd), self.key, os.getpid(), self.fd, self.holders)
+
     def __repr__(self) -> str:
         return f"SharedValue(fd={self.fd}, inode={self.key[1]}, holders={list(self._holders)})"
 
@@ -300,6 +311,32 @@ def _reopen_from_any(key: tuple[int, int], candidates) -> int:
         except SegmentUnavailableError as err:
             first_error = first_error or err
     raise first_error
+
+
+def _receive(duplicate, key: tuple[int, int], pid: int, fd: int, holders: tuple = ()) -> SharedValue:
+    """Unpickle a cell sent by ForkingPickler: this process's copy, else the duplicate
+    descriptor received, else (it cannot be taken) :func:`_attach`'s routes.
+
+    Example:
+        >>> from multiprocessing.reduction import ForkingPickler
+        >>> cell = SharedValue.create("walk")
+        >>> ForkingPickler.loads(ForkingPickler.dumps(cell)) is cell
+        True
+    """
+    key = tuple(key)
+
+    def adopt(new_fd: int) -> SharedValue:
+        cell = SharedValue(new_fd, holders)
+        stored = _CACHE.put_if_absent(key, cell)
+        if stored is not cell:  # another thread attached it meanwhile: one per process
+            cell._finalizer()
+        return stored
+
+    return receive_duplicate(duplicate, key, _PAYLOAD, pid, what="shared non-tensor value", cached=_CACHE.get,
+                             adopt=adopt, fallback=lambda: _attach(pid, fd, key, holders))
+
+
+multiprocessing.reduction.ForkingPickler.register(SharedValue, SharedValue._reduce_with_duplicate)
 
 
 # ----------------------------------------------------------------- new-cell batches
