@@ -325,9 +325,18 @@ class Coordinator:
 
     def unpublish(self, name: str) -> None:
         """Forget ``name``. Attached processes keep their mappings; anonymous memory is
-        freed when the last one drops it. KeyError if unknown."""
+        freed when the last one drops it. KeyError if unknown. ValueError for a name
+        the cluster holds here (``replicate=True``, or a replica): it would be gone on
+        this node only, while the cluster went on syncing and serving it."""
+        if self.cluster is not None and self.cluster.holds(name):
+            held = "owned here" if name in self.cluster._owned else "a replica"
+            raise ValueError(
+                f"{name!r} is held by this node's cluster ({held}): unpublish forgets a name on this node "
+                "only, so it is refused (the cluster would go on syncing "
+                f"and serving {name!r}). Publish {name!r} again (on its owner node) to replace its contents, or "
+                "publish under another name; shutting this node's cluster down lets it go.")
         self._call("unpublish", name)
-        if self.cluster is not None and not self.cluster.holds(name):
+        if self.cluster is not None:
             self.cluster.local_names.forget(name)
 
     def adopt_cells(self, cells: list) -> None:

@@ -82,6 +82,7 @@ import secrets
 import threading
 import time
 
+from shared_td.coordinator import cluster_generations as generations
 from shared_td.coordinator import cluster_layout, cluster_push, cluster_sync
 from shared_td.coordinator import cluster_replica as replica
 from shared_td.coordinator import staleness
@@ -203,21 +204,23 @@ class Cluster(ClusterMembership, ClusterRequests):
         store = self._checked()
         cluster_push.check_name(name)  # before anything is claimed: a push of it could never be sent
         cluster_layout.check_kinds(td, name, share_non_tensor)  # before anything is mapped or published
-        claim_name(store, self._liveness, self.node, self.nodes, name)
-        td = self._memmap_here(name, td, share_non_tensor)
-        layout, segment, cells = cluster_layout.describe(td, name, share_non_tensor)
-        generation = store.add(f"generation/{name}", 1)
-        self._owned[name] = Owned(td, segment, layout, generation, version=1)
-        self._taken_names.pop(name, None)
-        self._replicas.pop(name, None)  # a name taken over from its lost owner: no replica of it any more
-        self._values.publish(name, generation, cells)  # before the name: attachers read them
-        store.set_json(f"name/{name}", {"owner": self.node, "generation": generation, "layout": layout})
-        if generation > 1:  # replicas of the old generation renew themselves
-            for peer in range(self.nodes):
-                if peer != self.node and cluster_sync.has_replica(self, store, name, peer):
-                    store.push_json(lane_queue(peer, self.node),
-                                    {"op": "renew", "name": name, "from": self.node, "generation": generation})
-        store.set_json(f"version/{name}", {"version": 1, "generation": generation})
+        with generations.publish_lock(self, name):  # claim to record: see cluster_generations
+            claim_name(store, self._liveness, self.node, self.nodes, name)
+            td = self._memmap_here(name, td, share_non_tensor)
+            layout, segment, cells = cluster_layout.describe(td, name, share_non_tensor)
+            generation, digest = generations.next_generation(self, store, name), generations.layout_digest(layout)
+            self._owned[name] = Owned(td, segment, layout, generation, version=1, digest=digest)  # (a higher one)
+            self._taken_names.pop(name, None)
+            self._replicas.pop(name, None)  # a name taken over from its lost owner: no replica of it any more
+            self._values.publish(name, generation, cells, digest)  # before the name: attachers read them
+            generations.record_name(self, store, name, {"owner": self.node, "generation": generation,
+                                                        "digest": digest, "layout": layout})
+            if generation > 1:  # replicas of the old generation renew themselves
+                for peer in range(self.nodes):
+                    if peer != self.node and cluster_sync.has_replica(self, store, name, peer):
+                        store.push_json(lane_queue(peer, self.node), {"op": "renew", "name": name, "from": self.node,
+                                                                      "generation": generation})
+            store.set_json(f"version/{name}", {"version": 1, "generation": generation})
         return td
 
     def knows(self, name: str) -> bool:
@@ -284,7 +287,7 @@ class Cluster(ClusterMembership, ClusterRequests):
             # the store host is lost: this node's replica stays readable (and no newer
             # generation can be published without the store)
             return self._handed(have)
-        if have is not None and have.generation == info["generation"]:
+        if generations.same(have, info["generation"], info.get("digest")):
             return self._handed(have)
         if info["owner"] == self.node:  # (a name this process owns was returned by attach)
             # its request would wait in this node's own lane, which no thread serves, for
@@ -310,7 +313,7 @@ class Cluster(ClusterMembership, ClusterRequests):
 
     def _attach_generation(self, name: str, info: dict, have: Replica | None):
         layout, generation = info["layout"], info["generation"]
-        latest = self._values.latest(name, generation, len(layout.get("values", ())))
+        latest = self._values.latest(name, generation, len(layout.get("values", ())), info.get("digest", ""))
         if None in latest:  # a value's stored record is forged (counted): its owner stores it again
             latest = self._restored_values(info["owner"], name, generation, len(latest))
         segment = replica.new_segment(layout["nbytes"])
@@ -319,8 +322,9 @@ class Cluster(ClusterMembership, ClusterRequests):
         # rows are in views of the old generation (see Replica.renewed_from), or of an
         # older one still if the user attached none of those renewed since
         renewed_from = (have.renewed_from or have.generation) if have is not None and self._serving() else 0
-        rep = Replica(td, segment, layout, info["owner"], generation, renewed_from=renewed_from)
-        replica.record_replica(self, self._checked(), name, generation)  # (with this process's claim)
+        rep = Replica(td, segment, layout, info["owner"], generation, renewed_from=renewed_from,
+                      digest=info.get("digest", ""))
+        replica.record_replica(self, self._checked(), name, generation, rep.digest)  # (with this process's claim)
         # filled aside and registered only once filled and published: registered first, a
         # push during the transfer read its zeros (state 0) and the owner, whose
         # generation they matched, wrote them into its new data. Until then pushes,
@@ -337,15 +341,17 @@ class Cluster(ClusterMembership, ClusterRequests):
                 if have is None:
                     replica.forget_replica(self, self._store, name)
                 else:
-                    replica.record_replica(self, self._store, name, have.generation)
+                    replica.record_replica(self, self._store, name, have.generation, have.digest)
             except (RuntimeError, OSError):
                 pass  # the store is gone: no sync to draw
             raise
         finally:
             if self._filling.get(name) is rep:
                 del self._filling[name]
-        self._values.attach(name, generation, cluster_layout.value_cells(td, layout), [v for v, _value in latest])
-        staleness.remember(td, name, generation, {"table": None, "slot": None}, _ClusterEndpoint(self))
+        self._values.attach(name, generation, cluster_layout.value_cells(td, layout), [v for v, _value in latest],
+                            rep.digest)
+        staleness.remember(td, name, (generation, rep.digest), {"table": None, "slot": None},
+                           generations.Endpoint(self))
         return td
 
     def _handed(self, rep: Replica):
@@ -360,13 +366,13 @@ class Cluster(ClusterMembership, ClusterRequests):
         renews a replica on its owner's notice), not a call of the user."""
         return threading.current_thread() in self._threads
 
-    def _receiving(self, name: str, generation: int) -> Replica | None:
+    def _receiving(self, name: str, generation: int, digest: str | None) -> Replica | None:
         """The replica a sync of ``name`` at ``generation`` is received into: the one an
         attach is filling when it is of that generation (the sync then waits for its
         lock, as it did when the replica was registered before its fill), else the one
         registered."""
         filling = self._filling.get(name)
-        if filling is not None and filling.generation == generation:
+        if generations.same(filling, generation, digest):
             return filling
         return self._replicas.get(name)
 
@@ -399,7 +405,7 @@ class Cluster(ClusterMembership, ClusterRequests):
     def holds(self, name: str) -> bool:
         """Whether ``name`` on this node's Coordinator is the cluster's (owned or a
         replica); the others are recorded in :attr:`local_names`."""
-        return name in self._held
+        return name in self._held and not self._closed  # (shut down: the names are left to the Coordinator)
 
     def replicates(self, name: str) -> bool:
         """Whether this node holds a replica of ``name`` (no round trip)."""
@@ -412,7 +418,7 @@ class Cluster(ClusterMembership, ClusterRequests):
         have = self._replicas.get(name)
         if have is None:
             return False
-        return self.generation(name) != have.generation
+        return self._identity(name) != (have.generation, have.digest)
 
     def version(self, name: str) -> int | None:
         """The version this node holds of ``name`` (the owner's: its current one)."""
@@ -444,7 +450,8 @@ class Cluster(ClusterMembership, ClusterRequests):
             nbytes = rep.layout["nbytes"]
             stripes = stripe_count(nbytes, self.stripes)
             def ask():
-                tag, generation = self._request(rep.owner, "pull", name, rep.generation, stripes=stripes)
+                tag, generation = self._request(rep.owner, "pull", name, rep.generation, stripes=stripes,
+                                                digest=rep.digest)
                 return tag, generation, self._answer(rep.owner, tag, deadline, name)
 
             tag, generation, answer = self._retried_if_stale(ask)
@@ -495,13 +502,20 @@ class Cluster(ClusterMembership, ClusterRequests):
         every publish of ``name`` on its owner. Once the store host is lost, for a name
         this node replicates: the newest generation it knows of (its replica's, or one
         the owner announced since); ConnectionError for the others."""
+        return self._identity(name)[0]
+
+    def _identity(self, name: str) -> tuple[int, str | None]:
+        """(generation, digest) of ``name`` (see :meth:`generation`; the digest is None
+        once the store host is lost and the owner announced a newer generation)."""
         try:
-            return self._info(name)["generation"]
+            info = self._info(name)
+            return info["generation"], info.get("digest", "")
         except ConnectionError:
             have = self._replicas.get(name)
             if have is None:
                 raise
-            return max(have.generation, self._announced.get(name, 0))
+            announced = self._announced.get(name, 0)
+            return (have.generation, have.digest) if announced <= have.generation else (announced, None)
 
     def _checked(self) -> SignedStore:
         """The store, once this node runs: RuntimeError before start() and after
@@ -522,16 +536,3 @@ class Cluster(ClusterMembership, ClusterRequests):
         return RuntimeError(f"Cluster node {self.node} was shut down{during} (shutdown(), or its start() failed): "
                             "its threads and store connections are gone. Start a new Cluster to rejoin.")
 
-
-class _ClusterEndpoint:
-    """Where a replica came from, for :func:`shared_td.is_stale` and
-    :func:`shared_td.refresh`: its version is the name's generation in the store."""
-
-    def __init__(self, cluster: Cluster):
-        self._cluster = cluster
-
-    def attach(self, name: str):
-        return self._cluster.attach(name)
-
-    def version(self, name: str) -> int:
-        return self._cluster.generation(name)

@@ -18,6 +18,16 @@ that node (their requests, heartbeats and gloo pairs mixed: seen as a gloo conne
 timeout at the first transfer). One owner per name: a publish claims ``owner/<name>``
 (:func:`claim_name`). A claim held by a node whose heartbeat stands still is taken over.
 
+A claim's key is a plain compare-and-set target (no signature can ride on it), so its
+token carries its own: a nonce and its HMAC with the cluster authkey
+(:func:`claim_token`), and a clean shutdown's emptied claim is backed by a signed
+``left/<node>`` (:func:`release_node`). Only a token of the key means another process
+runs the node: anything else found there (bytes written by something reaching the
+store, an emptied key without its ``left/`` record) is counted as forged and ignored --
+the process that holds the number writes its own back, and a sync keeps the node's
+replica records (before, one raw write cut a node out of every sync in silence, and at
+its next pause it stopped itself as "taken over" by its own pid).
+
 A process that was only stopped (SIGSTOP, a debugger, a frozen VM) past LOST_AFTER_S may
 find its number taken over when it runs again: every thread that is about to act as the
 node asks :meth:`Liveness.still_mine` first, which is free while this node's own
@@ -29,6 +39,7 @@ number, and syncing names another node had taken over.
 """
 from __future__ import annotations
 
+import hmac
 import itertools
 import os
 import secrets
@@ -39,7 +50,7 @@ from typing import Callable
 from shared_td.errors import ClusterAuthError, NodeTakenOverError, OwnerLostError
 
 __all__ = ["HEARTBEAT_S", "LOST_AFTER_S", "Liveness", "claim_name", "claim_node", "heartbeat_moves",
-           "name_holder", "release_node"]
+           "claim_token", "claim_verifies", "name_holder", "release_node", "released"]
 
 #: Seconds between two heartbeats of a node.
 HEARTBEAT_S = 0.5
@@ -140,7 +151,19 @@ class Liveness:
             return False
 
     def _holds_claim(self) -> bool:
-        return _holder(self._store, f"claim/{self._node}", self._claim) == self._claim.encode()
+        """Whether ``claim/<node>`` is still this process's. Only a successor's token
+        (:func:`claim_verifies`) means a takeover: anything else there (bytes written
+        without the key, an emptied key) is counted as forged and this process's token
+        written back (before, such a write stopped the node as "taken over by itself")."""
+        key = f"claim/{self._node}"
+        held = _holder(self._store, key, self._claim)
+        if held == self._claim.encode():
+            return True
+        if held and claim_verifies(self._store, self._node, held):
+            return False  # a successor's
+        self._refuse()
+        self._store.compare_set(key, held, self._claim)  # (a successor's written meanwhile stays)
+        return _holder(self._store, key, self._claim) == self._claim.encode()
 
     def check(self) -> None:
         """NodeTakenOverError unless :meth:`still_mine`."""
@@ -248,7 +271,7 @@ def claim_node(store, node: int) -> str:
     that node's heartbeat has stood still for LOST_AFTER_S (the node crashed and is
     started again: its claim was not released); while that heartbeat moves, ValueError:
     two processes were given the same node. ``store`` is the node's SignedStore."""
-    key, token = f"claim/{node}", secrets.token_hex(16)
+    key, token = f"claim/{node}", claim_token(store, node)
     # the held claim as bytes: the key is unsigned, and anything that reaches the store
     # may have written bytes that are not UTF-8 (a bare UnicodeDecodeError before); such
     # a claim is another holder's, taken over as one once its heartbeat stands still
@@ -324,8 +347,39 @@ def _holder(store, key: str, mine: str) -> bytes:
 
 def release_node(store, node: int, token: str) -> None:
     """Let node ``node`` go (a clean shutdown): a process started as that node later
-    claims it at once, without waiting for the heartbeat to stand still."""
+    claims it at once, without waiting for the heartbeat to stand still. The emptied
+    claim is backed by the signed ``left/<node>`` (naming ``token``): an empty claim
+    without it is a forgery (:func:`released`)."""
+    store.set_json(f"left/{node}", {"claim": token})
     store.compare_set(f"claim/{node}", token, "")
+
+
+def claim_token(store, node: int) -> str:
+    """A new token for ``claim/<node>``: a random nonce and its HMAC with the cluster
+    authkey (bound to the key ``claim/<node>``), as ASCII: the claim's key stays a plain
+    compare-and-set target, and who reads it can tell a node's token from a forgery."""
+    nonce = secrets.token_hex(16)
+    return f"{nonce}.{store.sign(f'claim/{node}', nonce.encode())[:16].hex()}"
+
+
+def claim_verifies(store, node: int, held: bytes) -> bool:
+    """Whether ``held`` (the bytes of ``claim/<node>``) is a token of :func:`claim_token`
+    made with this cluster's authkey."""
+    nonce, _dot, mac = held.partition(b".")
+    return bool(mac) and hmac.compare_digest(mac, store.sign(f"claim/{node}", nonce)[:16].hex().encode())
+
+
+def released(store, node: int, held: bytes | None, token: str) -> bool:
+    """Whether ``claim/<node>`` holding ``held`` means the process of ``token`` let the
+    number go (:func:`release_node`): emptied, and ``left/<node>`` signed, naming it.
+    One round trip, only for an emptied claim."""
+    if held:
+        return False
+    try:
+        left, _blob = store.get_signed(f"left/{node}")
+    except ClusterAuthError:
+        return False
+    return isinstance(left, dict) and left.get("claim") == token
 
 
 def _signed_here(store, node: int) -> bool:

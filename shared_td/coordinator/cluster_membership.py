@@ -238,6 +238,11 @@ class ClusterMembership:
             self._groups.close()  # closes the pairs: the kept push receives end, the builds too
         for thread in listeners:
             thread.join(2 * HEARTBEAT_S)
+        # what the node held goes with it (the users' tensordicts keep their own memory): a
+        # Cluster kept alive by anything (a staleness entry did) kept every replica mapped
+        self._replicas.clear()
+        self._filling.clear()
+        self._owned.clear()
         if mine:
             self._release()
         self._store.close()

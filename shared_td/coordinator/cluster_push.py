@@ -68,7 +68,7 @@ class PushLine:
 # The fields of a push header besides the name, each at its largest (an int64): what
 # check_name leaves room for.
 _WORST_HEADER = {"name": "", "generation": 2**63 - 1, "rows": 2**63 - 1, "nbytes": 2**63 - 1,
-                 "tag": 2**63 - 1, "seq": 2**63 - 1}
+                 "tag": 2**63 - 1, "seq": 2**63 - 1, "digest": "0" * 32}
 #: The most bytes a name takes as JSON (an ASCII character: one; others: 6 or 12) so that
 #: a push of it fits its signed header of HEADER_BYTES (see :func:`check_name`).
 MAX_NAME_BYTES = (HEADER_BYTES - LENGTH_BYTES - hashlib.sha256().digest_size
@@ -100,7 +100,7 @@ def push(cluster, name: str, index) -> None:
     deadline = time.monotonic() + cluster.timeout
     message = _packed(cluster, name, rep, index, deadline)
     payload = message[HEADER_BYTES:]
-    request = {"name": name, "generation": rep.generation, "rows": int(index.numel()),
+    request = {"name": name, "generation": rep.generation, "digest": rep.digest, "rows": int(index.numel()),
                "nbytes": int(payload.numel())}
     try:
         generation = cluster._groups.generation(rep.owner)  # cached: no round trip
@@ -171,7 +171,7 @@ def _republished(name: str, current: int, held: int, renewed: bool) -> RuntimeEr
 def _checked_index(name: str, rep, index) -> torch.Tensor:
     """The rows of ``rep``'s first batch dimension that ``td[index]`` selects, as int64:
     an int, a slice or range, ints in a sequence, tensor or array (negative ones counted
-    from the end, as ``td[-1]``), or a boolean mask as long as that dimension. IndexError
+    from the end, as ``td[-1]``), or a boolean (or uint8) mask as long as that dimension. IndexError
     naming ``name`` for a row out of range or a mask of another length, ValueError for a
     slice's step below 1 (as torch's); IndexTypeError for any other index (a float one
     was truncated and a mask taken as rows 0 and 1 before)."""
@@ -195,11 +195,11 @@ def _checked_index(name: str, rep, index) -> torch.Tensor:
                              f"({str(err).splitlines()[0][:100]}).") from err
     if not index.numel():
         return index.to(torch.int64).reshape(-1)  # [] is a float tensor to torch: no rows
-    if index.dtype == torch.bool:
+    if index.dtype in (torch.bool, torch.uint8):  # a uint8 one too, as torch reads it (and shared_td)
         if index.shape != (rows,):
             raise IndexError(f"push({name!r}): a boolean mask selects rows of the first dimension: it needs "
                              f"{rows} values, not shape {tuple(index.shape)}.")
-        return index.nonzero().reshape(-1)
+        return index.bool().nonzero().reshape(-1)
     if index.is_floating_point() or index.is_complex():
         raise IndexTypeError(f"push({name!r}): rows are ints, a slice or a boolean mask, not {index.dtype} values.")
     return _in_range(name, index.to(torch.int64).reshape(-1), rows)

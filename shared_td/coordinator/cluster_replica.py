@@ -45,6 +45,7 @@ class Owned:
     generation: int
     version: int
     leaves: list = field(default_factory=list)  # leaf_views(segment, layout), made by the first push
+    digest: str = ""  # the publish's identity, with the generation (see cluster_generations)
 
 
 @dataclass
@@ -68,6 +69,7 @@ class Replica:
     lock: threading.Lock = field(default_factory=threading.Lock)
     leaves: list = field(default_factory=list)  # leaf_views(segment, layout), made by the first push
     renewed_from: int = 0
+    digest: str = ""  # the publish's identity, with the generation (see cluster_generations)
 
 
 def new_segment(nbytes: int) -> Segment:
@@ -222,12 +224,13 @@ def wait_version(td, version: int, timeout: float = 10.0) -> int:
         pause = min(pause * 2, 0.005)
 
 
-def record_replica(cluster, store, name: str, generation: int) -> None:
-    """Record that this process holds a replica of ``name`` at ``generation``
-    (``has/<name>/<node>``, signed): with the token of its claim of the node number, so
-    that the record stops counting once another process runs as the node (see
+def record_replica(cluster, store, name: str, generation: int, digest: str) -> None:
+    """Record that this process holds a replica of ``name`` at ``generation`` of
+    ``digest`` (``has/<name>/<node>``, signed): with the token of its claim of the node
+    number, so that the record stops counting once another process runs as the node (see
     :func:`~shared_td.coordinator.cluster_sync.has_replica`)."""
-    store.set_json(f"has/{name}/{cluster.node}", {"generation": generation, "claim": cluster._claim})
+    store.set_json(f"has/{name}/{cluster.node}", {"generation": generation, "digest": digest,
+                                                   "claim": cluster._claim})
 
 
 def forget_replica(cluster, store, name: str) -> None:

@@ -49,6 +49,7 @@ import torch
 from shared_td.coordinator import cluster_replica as replica
 from shared_td.coordinator.cluster_renewals import renew
 from shared_td.coordinator.cluster_replica import Owned, Replica
+from shared_td.coordinator.cluster_generations import same
 from shared_td.coordinator.cluster_store import ClusterAuthError
 from shared_td.coordinator.cluster_liveness import HEARTBEAT_S
 from shared_td.coordinator.cluster_messages import answer_context, decode_signed, encode_signed, push_context
@@ -199,7 +200,8 @@ def _handle(cluster, request: dict) -> None:
         elif op == "push":
             _serve_receive(cluster, peer, request, cluster._owned.get(name), _apply_rows)
         elif op == "sync":  # (the replica an attach is filling, when of that generation)
-            _serve_receive(cluster, peer, request, cluster._receiving(name, request["generation"]), _apply_sync)
+            _serve_receive(cluster, peer, request, cluster._receiving(name, request["generation"],
+                                                                     request.get("digest")), _apply_sync)
     except StalePair as err:  # nothing transferred: a pull may retry at once
         if op == "pull":  # (a push or sync sender waits over the pair: its bounded wait ends it)
             try:
@@ -232,7 +234,7 @@ def _reply(cluster, request: dict, **answer) -> None:
 
 def _serve_pull(cluster, peer: int, request: dict) -> None:
     owned = cluster._owned.get(request["name"])
-    if owned is None or owned.generation != request["generation"]:
+    if not same(owned, request["generation"], request.get("digest")):  # (a digest: of this publish's layout)
         _reply(cluster, request,
                error=f"node {cluster.node} has no generation {request['generation']} of {request['name']!r}")
         return
@@ -264,7 +266,7 @@ def _serve_receive(cluster, peer: int, request: dict, entry, apply) -> None:
     tag = request["tag"]
     stripes = _stripes(request)  # a count refused here fails the pair (see _handle): the sender's wait ends
     try:
-        if entry is None or entry.generation != request["generation"]:
+        if not same(entry, request["generation"], request.get("digest")):
             refusal = f"node {cluster.node} has no generation {request['generation']} of {request['name']!r}"
             if request["op"] == "sync":
                 _correct_record(cluster, request["name"])
@@ -301,7 +303,7 @@ def _correct_record(cluster, name: str) -> None:
         if held is None:
             cluster._store.delete(f"has/{name}/{cluster.node}")
         else:
-            replica.record_replica(cluster, cluster._store, name, held.generation)
+            replica.record_replica(cluster, cluster._store, name, held.generation, held.digest)
     except (RuntimeError, OSError):
         pass  # the store is gone: no sync comes any more
     finally:
@@ -411,7 +413,7 @@ def _apply_push(cluster, peer: int, generation: int, header: dict, inline: torch
         cluster._groups.wait(peer, works, deadline, "push", nbytes)
     owned = cluster._owned.get(header["name"])
     try:
-        if owned is None or owned.generation != header["generation"]:
+        if not same(owned, header["generation"], header.get("digest")):
             return {"error": f"node {cluster.node} has no generation {header['generation']} of {header['name']!r}"}
         _write_rows(owned, rows, header["rows"])
         return {"ok": True}

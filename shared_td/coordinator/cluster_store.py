@@ -10,8 +10,13 @@ unpickled only after that record's signature was checked. The two integer facili
 cannot carry a signature -- ``add`` counters (:class:`ClusterCounter`, the pair generations
 of :mod:`~shared_td.coordinator.cluster_transfer`) and gloo's own rendezvous keys -- are
 only ever read as integers or by gloo: a forger can disturb them (a denial of service),
-never make a node run code. A signed value can still be *replayed* by someone who recorded
-it: the cluster must run on a private network.
+never make a node run code, and no decision about what a node sends, receives or keeps
+is taken on them: generations come from the signed name record and a publish's identity
+is a digest in it (:mod:`~shared_td.coordinator.cluster_generations`), value versions
+from the signed value records (:mod:`~shared_td.coordinator.cluster_values`), and a
+claim's token carries its own HMAC (:mod:`~shared_td.coordinator.cluster_liveness`). A
+signed value can still be *replayed* by someone who recorded it: the cluster must run
+on a private network.
 
 Each thread talks to the store over its own connection (``Store.clone()``): a TCPStore
 client serialises its calls, so one thread blocked in ``queue_pop`` or ``wait`` would

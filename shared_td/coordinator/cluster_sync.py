@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 from shared_td.coordinator import cluster_replica as replica
-from shared_td.coordinator.cluster_liveness import HEARTBEAT_S, LOST_AFTER_S
+from shared_td.coordinator.cluster_liveness import HEARTBEAT_S, LOST_AFTER_S, claim_verifies, released
 from shared_td.coordinator.cluster_push import send_answered
 from shared_td.coordinator.cluster_store import ClusterAuthError
 from shared_td.coordinator.cluster_transfer import TransferFailed, stripe_count
@@ -40,16 +40,18 @@ class SyncReport:
     dropped: dict[int, str] = field(default_factory=dict)
 
 
-def has_replica(cluster, store, name: str, peer: int, generation: int | None = None) -> bool:
+def has_replica(cluster, store, name: str, peer: int, generation: int | None = None, digest: str = "") -> bool:
     """Whether node ``peer`` holds a replica of ``name`` (of ``generation``; of any one
     when None: a re-publish tells every holder) by its ``has/<name>/<peer>`` record, read
     signed: a record with a wrong signature is counted in ``cluster.refused`` and
     ignored (only its existence was checked before: a forged one made the owner send a
     sync, or a renew notice, to a node without a replica). A record written by a process
-    that no longer holds the node's number (``claim/<peer>`` holds another token, or none
-    after a clean shutdown) is ignored and taken back: emptied by a compare-and-set
-    against the bytes read, so that a record written meanwhile by the node's new process
-    stays. A record without a claim (an older writer) counts as its node's current
+    that no longer holds the node's number (``claim/<peer>`` holds another token of the
+    cluster's key, or none after a clean shutdown, see
+    :func:`~shared_td.coordinator.cluster_liveness.released`) is ignored and taken back:
+    emptied by a compare-and-set against the bytes read, so that a record written
+    meanwhile by the node's new process stays; a forged claim is counted in ``refused``
+    and changes nothing. The record's ``(generation, digest)`` must be the name's. A record without a claim (an older writer) counts as its node's current
     process's; the sync it misleads is refused by that node without its payload being
     received (see ``cluster_serve``), which then takes the record back itself."""
     key = f"has/{name}/{peer}"
@@ -63,10 +65,14 @@ def has_replica(cluster, store, name: str, peer: int, generation: int | None = N
     if not isinstance(record, dict):
         return False  # taken back (emptied, or deleted since the look), or signed but not a record
     claim = record.get("claim")
-    if claim is not None and (store.get_unchecked(f"claim/{peer}") or b"") != str(claim).encode():
-        store.compare_set(key, blob, b"")  # the holder's process is gone
-        return False
-    return generation is None or record.get("generation") == generation
+    held = None if claim is None else store.get_unchecked(f"claim/{peer}")
+    if claim is not None and held != str(claim).encode():
+        if not (held and claim_verifies(store, peer, held)) and not released(store, peer, held, str(claim)):
+            cluster.refused += 1  # forged (or emptied without its signed left/ record): ignored
+        else:
+            store.compare_set(key, blob, b"")  # the holder's process is gone
+            return False
+    return generation is None or (record.get("generation"), record.get("digest", "")) == (generation, digest)
 
 
 def sync(cluster, name: str, timeout: float | None) -> SyncReport:
@@ -124,12 +130,12 @@ class NameSyncs:
         self.holders: set[int] = set()
 
 
-def _replica_nodes(cluster, store, name: str, generation: int, syncs: NameSyncs) -> list[int]:
+def _replica_nodes(cluster, store, name: str, owned, syncs: NameSyncs) -> list[int]:
     """The nodes holding a replica of ``name`` (see ``NameSyncs.holders``)."""
-    if syncs.generation != generation:
-        syncs.generation, syncs.holders = generation, set()
-    found = [n for n in range(cluster.nodes)
-             if n != cluster.node and (n in syncs.holders or has_replica(cluster, store, name, n, generation))]
+    if syncs.generation != (owned.generation, owned.digest):
+        syncs.generation, syncs.holders = (owned.generation, owned.digest), set()
+    found = [n for n in range(cluster.nodes) if n != cluster.node and (
+        n in syncs.holders or has_replica(cluster, store, name, n, owned.generation, owned.digest))]
     syncs.holders.update(found)
     return found
 
@@ -148,7 +154,7 @@ def _sync_ordered(cluster, store, name: str, owned, syncs: NameSyncs, deadline: 
             store.set_json(f"version/{name}", {"version": version, "generation": owned.generation})
             recorded.append(version)
 
-    targets = _replica_nodes(cluster, store, name, owned.generation, syncs)
+    targets = _replica_nodes(cluster, store, name, owned, syncs)
     # lost: dropped after one more look at its heartbeat (a node that was only
     # stopped beats again within HEARTBEAT_S), not waited for until the timeout
     quiet = [n for n in targets if not cluster._alive(n)]
@@ -187,7 +193,7 @@ def _sync_one(cluster, peer: int, name: str, owned, version: int, payload, deadl
 
         def send():
             tag, generation = cluster._request(peer, "sync", name, owned.generation, version=version,
-                                            nbytes=owned.layout["nbytes"], stripes=stripes)
+                                               nbytes=owned.layout["nbytes"], stripes=stripes, digest=owned.digest)
             try:
                 after_request()  # while the peer's lane wakes up for the request
             except (RuntimeError, OSError):

@@ -6,18 +6,22 @@ any process is seen by every other, and an unchanged value reads with one 8-byte
 Across nodes, each node keeps its own cell per value, and this module keeps the cells of
 all nodes equal:
 
-* **Versions.** Every value ``i`` of generation ``g`` of a name has a counter
-  ``valver/<name>/<g>/<i>`` in the store: a node that publishes a value takes the next
-  version with one ``TCPStore.add``, so versions are totally ordered across the cluster.
+* **Versions.** Every value ``i`` of generation ``g`` of a name has a signed record
+  ``value/<name>/<g>/<i>`` in the store, its latest value and version: a node that
+  publishes a value writes the record's version + 1 by a compare-and-set against the
+  bytes it read (two round trips), so versions are totally ordered across the cluster.
   Every node applies a value only if its version is above the last one it applied:
   **the highest version wins** (the last writer in store order), and every node converges
-  to it whatever the order in which notices arrive.
+  to it whatever the order in which notices arrive. (An unsigned ``add`` counter took the
+  versions before: set back by anything reaching the store, every later write was
+  dropped by the other nodes as old.) Records and notices carry the publish's digest
+  (:mod:`~shared_td.coordinator.cluster_generations`): those of another publish under a
+  reused number are never applied, read or overwritten by a replica.
 * **Local writes.** One thread per node (started with the first value it tracks) looks at
   each cell's version word every :data:`POLL_S` (one 8-byte load per value: the same read
   as an unchanged ``get``). A changed word means a process of this node wrote the value:
-  the thread takes a version, stores the value as the latest (``value/<name>/<g>/<i>``,
-  replaced only by a higher version: ``compare_set``) and pushes a notice carrying the
-  value to every other node's request queue.
+  the thread stores the value as the latest under the next version (above) and pushes
+  a notice carrying the value to every other node's request queue.
 * **Remote writes.** The node's service thread pops a notice, and :meth:`ClusterValues.receive`
   writes the value into the local cell if its version is the highest seen. Readers of the
   node then see it at their next read; a value that did not change is never fetched
@@ -35,8 +39,8 @@ the poller last looked (a compare-and-set under the cell's write lock,
 never lost; it is published with a higher version instead, and wins everywhere.
 
 **Old generations.** A publish of a new generation deletes the records of the one it
-replaces (``value/`` and ``valver/`` of each value): before, every re-publish left two
-keys per value in the store for good. Nothing still needs them: the owner tracks only
+replaces (``value/`` of each value): before, every re-publish left its keys in the
+store for good. Nothing still needs them: the owner tracks only
 the new generation from then on (its poller writes no old value after the switch), a
 pull of the old generation is refused by the owner, and every replica renews to the
 new one. What may still touch them, and what it does now:
@@ -49,8 +53,8 @@ new one. What may still touch them, and what it does now:
   generation); the catch-up after a pull that was served skips them (the replica is
   already stale, and renewed);
 * a replica that has not renewed yet writes one of its values: that write creates the
-  two records again. After it, the replica reads the name's generation counter; once
-  it moved past its generation, it deletes what it wrote. (Store operations are
+  record again. After it, the replica reads the name's signed record; once it moved
+  past its generation, it deletes what it wrote. (Store operations are
   ordered: either the replica sees the new generation, or the owner's deletion comes
   after the write.) The write reaches only the nodes still at the old generation, as
   before.
@@ -58,6 +62,7 @@ new one. What may still touch them, and what it does now:
 from __future__ import annotations
 
 import base64
+import json
 import pickle
 import threading
 from dataclasses import dataclass, field
@@ -69,6 +74,8 @@ __all__ = ["ClusterValues", "POLL_S"]
 
 #: Seconds between two looks of the poller at the version words of this node's cells.
 POLL_S = 0.001
+# Compare-and-set tries of one value's new version (each lost to another writer's)
+_CAS_TRIES = 1000
 
 
 @dataclass
@@ -83,6 +90,7 @@ class _Tracked:
     generation: int
     values: list[_Value] = field(default_factory=list)
     owned: bool = False  # published by this node (else a replica's)
+    digest: str = ""  # the publish's identity with the generation (cluster_generations)
 
 
 # A value record found missing: its generation was replaced (see the module's opening)
@@ -130,18 +138,17 @@ class ClusterValues:
         self.published = 0  # values this node sent (tests and benchmarks count them)
 
     # ------------------------------------------------------------------ names
-    def publish(self, name: str, generation: int, cells: list) -> None:
+    def publish(self, name: str, generation: int, cells: list, digest: str = "") -> None:
         """Owner: store the current values of ``cells`` as version 1.. of a new
         generation of ``name`` and keep them equal with the replicas from now on; then
         delete the records of the generation it replaces (the one this node tracked, and
         the one the name's record announces: after a takeover, the lost owner's). Called
         before the name's record names the new generation (attachers read the values
         first)."""
-        tracked = _Tracked(generation, owned=True)
+        tracked = _Tracked(generation, owned=True, digest=digest)
         for index, cell in enumerate(cells):
             seen = cell.version
-            version = self._store.add(f"valver/{_key(name, generation, index)}", 1)
-            self._store_latest(_key(name, generation, index), version, encode(cell.get()))
+            version = self._store_next(_key(name, generation, index), encode(cell.get()), 0, digest, True)
             tracked.values.append(_Value(cell, seen, version))
         replaced = self._track(name, tracked)  # the poller writes none of the old ones after this
         old = {} if replaced is None else {replaced.generation: len(replaced.values)}
@@ -156,14 +163,15 @@ class ClusterValues:
                 for index in range(count):
                     self._delete(_key(name, older, index))
 
-    def latest(self, name: str, generation: int, count: int) -> list[tuple[int, object] | None]:
+    def latest(self, name: str, generation: int, count: int,
+               digest: str | None = None) -> list[tuple[int, object] | None]:
         """``(version, value)`` of the ``count`` values of ``name`` as last stored
         (signature checked before anything is unpickled); None for a record with a
         wrong signature, counted with ``refuse``: forged, it carries nothing usable (the
         owner stores a signed one again: :meth:`restore`). RuntimeError at once when a
         record is missing: a newer publish of ``name`` replaced ``generation`` and
         deleted its records (see the module's opening)."""
-        found = self._latest(name, generation, count)
+        found = self._latest(name, generation, count, digest)
         if _GONE in found:
             key = f"value/{_key(name, generation, found.index(_GONE))}"
             raise RuntimeError(
@@ -171,8 +179,9 @@ class ClusterValues:
                 f"node read it ({key!r} is deleted with it): attach {name!r} again for the new generation.")
         return found
 
-    def _latest(self, name: str, generation: int, count: int) -> list:
-        """:meth:`latest`, with _GONE for a missing record."""
+    def _latest(self, name: str, generation: int, count: int, digest: str | None = None) -> list:
+        """:meth:`latest`, with _GONE for a missing record, or one of another publish
+        than ``digest`` (when given: a number reused, see cluster_generations)."""
         found = []
         for index in range(count):
             try:
@@ -181,7 +190,10 @@ class ClusterValues:
                 self._refuse()
                 found.append(None)
                 continue
-            found.append(_GONE if record is None else (record["version"], decode(record["payload"])))
+            if record is None or (digest is not None and record.get("digest", "") != digest):
+                found.append(_GONE)  # (never unpickled)
+            else:
+                found.append((record["version"], decode(record["payload"])))
         return found
 
     def _read(self, key: str):
@@ -191,14 +203,13 @@ class ClusterValues:
         return self._store.get_signed(key)[0]
 
     def _delete(self, key: str) -> None:
-        """Delete the two records of value ``key`` (``name/generation/index``)."""
+        """Delete the record of value ``key`` (``name/generation/index``)."""
         self._store.delete(f"value/{key}")
-        self._store.delete(f"valver/{key}")
 
     def restore(self, name: str, generation: int) -> int:
         """Owner: store again, signed, each value of ``name`` whose stored record has a
         wrong signature (its current value under a new version, sent to every node as
-        any write: the forged record is counted and replaced, see :meth:`_store_latest`);
+        any write: the forged record is counted and replaced, see :meth:`_store_next`);
         returns how many. KeyError if this node does not track that generation."""
         restored = 0
         with self._lock:
@@ -213,17 +224,17 @@ class ClusterValues:
                     restored += 1
         return restored
 
-    def attach(self, name: str, generation: int, cells: list, versions: list[int]) -> None:
+    def attach(self, name: str, generation: int, cells: list, versions: list[int], digest: str = "") -> None:
         """Replica: track ``cells``, filled with ``versions`` of the values; then catch
         up with any value stored meanwhile (a notice sent before this node tracked the
         name was ignored, but its value is in the store)."""
         self._track(name, _Tracked(generation, [_Value(cell, cell.version, version)
-                                                for cell, version in zip(cells, versions)]))
-        for index, latest in enumerate(self._latest(name, generation, len(cells))):
+                                                for cell, version in zip(cells, versions)], digest=digest))
+        for index, latest in enumerate(self._latest(name, generation, len(cells), digest)):
             # None: forged meanwhile, the owner's next write replaces it; _GONE: the
             # generation was replaced meanwhile, this replica is stale (and renewed)
             if latest is not None and latest is not _GONE:
-                self._apply(name, generation, index, *latest)
+                self._apply(name, generation, index, *latest, digest)
 
     def forget(self, name: str) -> None:
         """Stop keeping the values of ``name`` (a new generation replaces them)."""
@@ -247,13 +258,14 @@ class ClusterValues:
     def receive(self, notice: dict) -> None:
         """A value published by another node (a signed notice from the request queue)."""
         self._apply(notice["name"], notice["generation"], notice["index"], notice["version"],
-                    decode(notice["payload"]))
+                    decode(notice["payload"]), notice.get("digest", ""))
 
-    def _apply(self, name: str, generation: int, index: int, version: int, value) -> None:
+    def _apply(self, name: str, generation: int, index: int, version: int, value, digest: str) -> None:
         with self._lock:
             tracked = self._tracked.get(name)
-            if tracked is None or tracked.generation != generation or index >= len(tracked.values):
-                return  # a name this node does not hold (or an older generation of it)
+            if (tracked is None or (tracked.generation, tracked.digest) != (generation, digest)
+                    or index >= len(tracked.values)):
+                return  # a name this node does not hold (or another generation of it)
             entry = tracked.values[index]
             if version <= entry.applied:
                 return  # an older write: a higher version is already here
@@ -290,10 +302,9 @@ class ClusterValues:
                 return  # the store is gone: values stay as they are on this node
 
     def _publish_changed(self, name: str, tracked: _Tracked, index: int) -> None:
-        """:meth:`_publish_local`, by the poller: a value whose version counter was
-        overwritten with what is not an integer (``SignedStore.add``'s ValueError) cannot
-        be published; that write is counted as refused and not tried again (each try
-        closed a store connection, every POLL_S), and the poller goes on."""
+        """:meth:`_publish_local`, by the poller: a value that cannot be published (a
+        ValueError) is counted as refused and not tried again (each try closed a store
+        connection, every POLL_S), and the poller goes on."""
         try:
             self._publish_local(name, tracked, index)
         except ValueError:
@@ -307,11 +318,13 @@ class ClusterValues:
         seen = entry.cell.version
         payload = encode(entry.cell.get())  # the value at ``seen`` or a later one
         key = _key(name, tracked.generation, index)
-        version = self._store.add(f"valver/{key}", 1)
+        version = self._store_next(key, payload, entry.applied, tracked.digest)
+        if version is None:  # the record is another publish's (the number reused): this one is replaced
+            entry.seen = seen
+            return
         entry.seen, entry.applied = seen, version
-        self._store_latest(key, version, payload)
         notice = {"op": "value", "from": self._node, "name": name, "generation": tracked.generation,
-                  "index": index, "version": version, "payload": payload}
+                  "digest": tracked.digest, "index": index, "version": version, "payload": payload}
         for peer in range(self._nodes):
             if peer != self._node:
                 self._store.push_json(f"queue/{peer}", notice)
@@ -324,16 +337,38 @@ class ClusterValues:
         ``name`` replaced ``generation`` (its owner may have deleted that generation's
         records before this write made them again: see the module's opening)."""
         try:
-            current = self._store.read_counter(f"generation/{name}")
-        except ValueError:
-            return  # the counter was overwritten (the name's publish says so): left as it is
-        if current > generation:
+            record = self._read(f"name/{name}")  # signed: an unsigned counter could be set back
+        except ClusterAuthError:
+            self._refuse()
+            return  # forged: nothing to learn from it, left as it is
+        if record is not None and record["generation"] > generation:
             self._delete(key)
 
-    def _store_latest(self, key: str, version: int, payload: str) -> None:
-        """``value/<key>`` <- (version, payload) unless it holds a higher version
-        (compare-and-set, so that two nodes writing at once leave the highest)."""
-        # a forged latest value (a wrong signature) is counted and replaced: it carries
-        # nothing a node could use, and leaving it would refuse every later value here
-        self._store.set_json_if_newer(f"value/{key}", {"version": version, "payload": payload}, "version",
-                                      self._refuse)
+    def _store_next(self, key: str, payload: str, floor: int, digest: str, publishing: bool = False) -> int | None:
+        """Store ``payload`` as the latest value of ``key`` (of the publish ``digest``)
+        under the next version, and return it: the stored record's version (or ``floor``,
+        this node's highest seen, when higher: a replayed older record) + 1, written by a
+        compare-and-set against the bytes read, again until no other writer came in
+        between. Taken from the signed record itself: the unsigned counter used before
+        could be set back by anything reaching the store, and every node then dropped the
+        writes as old. A forged record is counted and replaced (it carries nothing a node
+        could use). None, nothing written, when the record is of another publish (unless
+        ``publishing``: the owner's new one replaces it)."""
+        full = f"value/{key}"
+        for _ in range(_CAS_TRIES):
+            held = self._store.get_unchecked(full)
+            version = floor
+            if held:
+                try:
+                    record = json.loads(self._store.check(full, held))
+                    if record.get("digest", "") != digest and not publishing:
+                        return None
+                    version = max(version, record["version"])
+                except ClusterAuthError:
+                    self._refuse()
+            signed = self._store.sign(full, json.dumps({"version": version + 1, "payload": payload,
+                                                        "digest": digest}).encode())
+            if self._store.compare_set(full, held or b"", signed) == signed:
+                return version + 1
+        raise ClusterAuthError(f"The value record {full!r} changed at each of {_CAS_TRIES} tries to store a new "
+                               "version of it: something keeps writing it. Run the cluster on a private network.")

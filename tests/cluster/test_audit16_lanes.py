@@ -195,11 +195,12 @@ def test_a_record_of_a_process_that_left_the_node_is_ignored_and_taken_back(stor
     owner, other = pair
     td = owner.publish("p", shared_td.TensorDict(x=torch.zeros(4), batch_size=[4]))
     other.attach("p")
-    owner._store.set_json("has/p/1", {"generation": 1, "claim": "a process before this one"})
+    digest = owner._owned["p"].digest  # (a record names the publish it holds: see audit 18)
+    owner._store.set_json("has/p/1", {"generation": 1, "digest": digest, "claim": "a process before this one"})
     report = owner.sync("p")
     assert report.delivered == [] and report.dropped == {}, report
     assert store.get("shared_td/has/p/1") == b""  # taken back
-    owner._store.set_json("has/p/1", {"generation": 1, "claim": other._claim})  # the holder's own
+    owner._store.set_json("has/p/1", {"generation": 1, "digest": digest, "claim": other._claim})  # the holder's own
     td["x"].fill_(3.0)
     assert owner.sync("p").delivered == [1]
     assert other.attach("p")["x"].tolist() == [3.0] * 4

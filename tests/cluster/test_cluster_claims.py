@@ -188,7 +188,7 @@ def test_a_process_stopped_past_the_lost_time_looks_at_its_claim_before_it_acts_
     import os
     import threading
 
-    from shared_td.coordinator.cluster_liveness import LOST_AFTER_S, Liveness, claim_node
+    from shared_td.coordinator.cluster_liveness import LOST_AFTER_S, Liveness, claim_node, claim_token
 
     signed = SignedStore(store, KEY, timeout=5.0)
     try:
@@ -204,7 +204,7 @@ def test_a_process_stopped_past_the_lost_time_looks_at_its_claim_before_it_acts_
         assert signed.get_json("hb/3")["beat"] == 1
         assert liveness.still_mine() and len(looks) == 2  # confirmed: free again
         # another process takes the number over while this one is stopped
-        compare_set("claim/3", token, "the successor's token")
+        compare_set("claim/3", token, claim_token(signed, 3))  # (a token of the cluster's key: see audit 18)
         signed.set_json("join/3", {"node": 3, "nodes": 4, "pid": 4242, "host": "elsewhere"})
         signed.set_json("hb/3", {"beat": 9, "pid": 4242})
         liveness._confirmed_at -= LOST_AFTER_S
@@ -221,12 +221,13 @@ def test_a_process_stopped_past_the_lost_time_looks_at_its_claim_before_it_acts_
 def test_a_node_whose_number_was_taken_over_leaves_the_requests_to_its_successor(store, pair):
     """A request popped from a lane by a process that lost its number goes back to the
     queue, unserved, and that process's calls fail (they ran before)."""
-    from shared_td.coordinator.cluster_liveness import LOST_AFTER_S
+    from shared_td.coordinator.cluster_liveness import LOST_AFTER_S, claim_token
 
     owner, other = pair
     owner.publish("p", shared_td.TensorDict(x=torch.zeros(2), batch_size=[2]))
     replica = other.attach("p")
-    store.compare_set("shared_td/claim/1", other._claim, "a successor's token")
+    successor = claim_token(other._store, 1)  # (a token of the cluster's key: a forged one is ignored, audit 18)
+    store.compare_set("shared_td/claim/1", other._claim, successor)
     other._liveness._confirmed_at -= LOST_AFTER_S  # as if it had been stopped meanwhile
     owner._store.push_json("lane/1/0", {"op": "pull", "from": 0, "name": "p", "generation": 1, "tag": 7,
                                         "reply": "reply/0/none", "pair": 0})
@@ -241,7 +242,7 @@ def test_a_node_whose_number_was_taken_over_leaves_the_requests_to_its_successor
     with pytest.raises(shared_td.NodeTakenOverError):
         other.push("p", [0])
     other.shutdown()
-    assert store.get("shared_td/claim/1") == b"a successor's token"  # not released by the old process
+    assert store.get("shared_td/claim/1") == successor.encode()  # not released by the old process
 
 
 def test_an_owner_stopped_past_the_lost_time_gives_up_the_names_taken_over(pair):
@@ -259,9 +260,11 @@ def test_an_owner_stopped_past_the_lost_time_gives_up_the_names_taken_over(pair)
     assert owner.sync("kept").version == 2
 
 
-def test_a_claim_that_is_not_text_reads_as_another_holder(store):
+def test_a_claim_that_is_not_text_reads_as_a_forgery(store):
     """A claim or an owner record that is not UTF-8 (something else writes to the store)
-    raised UnicodeDecodeError out of the look, which ended the heartbeat thread."""
+    raised UnicodeDecodeError out of the look, which ended the heartbeat thread. Such a
+    claim is no token of the cluster's key: counted as forged, this process's written
+    back (audit 18: it was taken for a takeover, and the node stopped)."""
     import threading
 
     from shared_td.coordinator.cluster_liveness import LOST_AFTER_S, Liveness, claim_node, name_holder
@@ -270,13 +273,15 @@ def test_a_claim_that_is_not_text_reads_as_another_holder(store):
     try:
         token = claim_node(signed, 5)
         signed.set_json("join/5", {"node": 5, "nodes": 6, "pid": 1, "host": "h"})
-        liveness = Liveness(signed, 5, signed.get_json, token, threading.Event())
+        refused = []
+        liveness = Liveness(signed, 5, signed.get_json, token, threading.Event(), refuse=lambda: refused.append(1))
         # (a TCPStore set is not answered: the get makes sure the store has it before the
         # look, which reads on another connection of the store)
         store.set("shared_td/claim/5", b"\xff\xfe")
         store.get("shared_td/claim/5")
         liveness._confirmed_at -= LOST_AFTER_S
-        assert not liveness.still_mine() and "taken over" in liveness.taken_over
+        assert liveness.still_mine() and liveness.taken_over is None and refused == [1]
+        assert store.get("shared_td/claim/5") == token.encode()
         store.set("shared_td/owner/n", b"\xff")
         store.get("shared_td/owner/n")
         assert name_holder(signed, "n", 5) == "\ufffd"

@@ -1,0 +1,124 @@
+"""Generations of a replicated name: how a publish numbers one, and what identifies it.
+
+Every decision about a generation is taken on signed values only. The store's ``add``
+counters carry no signature: anything that reaches the store can set one back (a
+generation counter set to 0 made the next publish reuse the number a replica held,
+with another layout: the replica then received the bytes of the new layout as its
+own). So:
+
+* **Numbers.** A publish takes ``max(counter + 1, signed record's + 1, this process's
+  + 1)`` (:func:`next_generation`): the counter only ever helps (it knows of a record
+  deleted meanwhile), a rewound one never gives a number a signed record already had.
+  The record ``name/<name>`` is then written by a compare-and-set that never goes
+  backwards (:func:`record_name`); the owner's publishes of one name run one at a time
+  (:func:`publish_lock`), so its record and its own state (``Cluster._owned``) agree.
+* **Identity.** The signed record carries a *digest*: SHA-256 of the layout's JSON and
+  of a random nonce of that publish (:func:`layout_digest`). Replicas, ``has/``
+  records, pull/sync/push requests and push headers carry ``(generation, digest)``,
+  and both sides compare both (:func:`same`): a replica never receives the bytes of
+  another publish, even under a number reused (a deleted record).
+
+Example:
+    >>> from types import SimpleNamespace
+    >>> a, b = layout_digest({"nbytes": 16}), layout_digest({"nbytes": 16})
+    >>> len(a), a != b     # one per publish, even of one layout
+    (32, True)
+    >>> same(SimpleNamespace(generation=2, digest=a), 2, a), same(SimpleNamespace(generation=2, digest=a), 2, b)
+    (True, False)
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import secrets
+import threading
+import weakref
+
+from shared_td.coordinator.cluster_store import ClusterAuthError
+
+__all__ = ["Endpoint", "layout_digest", "next_generation", "publish_lock", "read_name", "record_name", "same"]
+
+
+def layout_digest(layout: dict) -> str:
+    """The identity of one publish of ``layout``: 32 hex digits of SHA-256 over the
+    layout's JSON and a random nonce (a reused number with the same layout still differs)."""
+    text = json.dumps(layout, sort_keys=True).encode()
+    return hashlib.sha256(secrets.token_bytes(16) + b"\0" + text).hexdigest()[:32]
+
+
+def same(entry, generation, digest) -> bool:
+    """Whether ``entry`` (an Owned, a Replica, or None) is of ``generation`` and ``digest``."""
+    return entry is not None and entry.generation == generation and entry.digest == digest
+
+
+@contextlib.contextmanager
+def publish_lock(cluster, name: str):
+    """The owner's publishes of ``name``, one at a time (claim to record): two at once
+    left the record naming a generation the owner no longer held. TimeoutError after
+    the cluster's timeout."""
+    locks = cluster.__dict__.setdefault("_publish_locks", {})
+    lock = locks.get(name) or locks.setdefault(name, threading.Lock())
+    if not lock.acquire(timeout=cluster.timeout):
+        raise TimeoutError(f"publish({name!r}): another publish of {name!r} on this node did not end within "
+                           f"{cluster.timeout:g} s: nothing was published (retry).")
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _refused(cluster) -> None:
+    cluster.refused += 1
+
+
+def read_name(cluster, store, name: str) -> dict | None:
+    """The signed record ``name/<name>``; None when missing or forged (counted in ``refused``)."""
+    try:
+        record, _blob = store.get_signed(f"name/{name}")
+    except ClusterAuthError:
+        _refused(cluster)
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def next_generation(cluster, store, name: str) -> int:
+    """The generation of a new publish of ``name`` (see the module's opening)."""
+    try:
+        counted = store.add(f"generation/{name}", 1)
+    except ValueError:  # overwritten with what is not an integer: nothing to learn from it
+        _refused(cluster)
+        counted = 0
+    record = read_name(cluster, store, name)
+    owned = cluster._owned.get(name)
+    return max(counted, 1 + (record["generation"] if record else 0), 1 + (owned.generation if owned else 0))
+
+
+def record_name(cluster, store, name: str, record: dict) -> None:
+    """Write the signed ``name/<name>`` unless it holds a newer generation (a
+    compare-and-set: never backwards); a forged one there is counted and replaced."""
+    store.set_json_if_newer(f"name/{name}", record, "generation", lambda: _refused(cluster))
+
+
+class Endpoint:
+    """Where a replica came from, for :func:`shared_td.is_stale` and
+    :func:`shared_td.refresh`: its version is the name's (generation, digest) in the
+    store. It holds its Cluster weakly: staleness keeps endpoints for as long as their
+    tensordicts live, and a strong one kept a shut down node, its replicas and store
+    connections, for good (so that the tensordicts' own entries never went either)."""
+
+    def __init__(self, cluster):
+        self._cluster = weakref.ref(cluster)
+
+    def _live(self):
+        cluster = self._cluster()
+        if cluster is None:
+            raise RuntimeError("The Cluster node this replica was attached from is gone (shut down and freed): "
+                               "start a new Cluster to attach it again.")
+        return cluster
+
+    def attach(self, name: str):
+        return self._live().attach(name)
+
+    def version(self, name: str) -> tuple[int, str | None]:
+        return self._live()._identity(name)
