@@ -36,7 +36,7 @@ from shared_td.errors import UnstorableValueError
 from shared_td.keys import key_repr
 from shared_td.persist import atomic, nodes
 from shared_td.persist.format import DTYPE_BY_NAME, dtype_name
-from shared_td.storage import files
+from shared_td.storage import files, mapping
 
 # the fields of a node's metadata; every other key names a nested collection
 FIELDS = ("cls", "non_tensors", "leaves", "cls_metadata")
@@ -248,7 +248,7 @@ def holds_metadata(path: str, backing: Any, data_size: int, metadata: bytes) -> 
         return False
     try:
         st = os.fstat(fd)
-        if files.file_kind(st.st_mode) is not None or files.mapped_backing(st) is not backing:
+        if files.file_kind(st.st_mode) is not None or not mapping.same_mapping(files.mapped_backing(st), backing):
             return False
         length = st.st_size - data_size - LENGTH
         if length <= 0 or os.pread(fd, LENGTH, st.st_size - LENGTH) != length.to_bytes(LENGTH, "little"):

@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from shared_td.memmap_tensor.shapes import _contiguous_strides, checked_shape
+from shared_td.memmap_tensor.shapes import _contiguous_strides, _extent, checked_shape
 from shared_td.storage import anonymous, files
 from shared_td.storage.anonymous import Segment
 from shared_td.storage.files import FileBacking
@@ -98,11 +98,15 @@ class FromExistingMemory:
             storage = storage.untyped()
         dtype = torch.int64 if dtype is None else dtype
         numel = storage.nbytes() // dtype.itemsize
-        shape = torch.Size([numel] if shape is None else shape)
+        shape = torch.Size([numel]) if shape is None else checked_shape(shape)
         backing = _storage_backing(storage, filename, handler)
         if backing is not None:
             result = cls._from_backing(backing, 0, dtype, shape)
         else:
+            if _extent(dtype, shape) * dtype.itemsize > storage.nbytes():
+                # set_ would grow (reallocate) the caller's storage: its data moves
+                raise RuntimeError(f"shape '{list(shape)}' is invalid for input of size {numel}: "
+                                   f"the storage holds {storage.nbytes()} bytes.")
             tensor = torch.empty(0, dtype=dtype).set_(storage, 0, shape,
                                                       _contiguous_strides(shape))
             result = tensor.as_subclass(cls)

@@ -3,9 +3,30 @@
 ``_new_filled(shape, dtype, device, filename, existsok, fill_value)`` (tensor.py)."""
 from __future__ import annotations
 
+import math
+
 from shared_td.memmap_tensor.shapes import _parse_shape
 
-__all__ = ["Factories"]
+__all__ = ["Factories", "zero_bytes"]
+
+
+def zero_bytes(value) -> bool:
+    """Whether filling with ``value`` writes zero bytes only, as a new file or segment
+    holds already (so the fill can be skipped): ``0``, ``False``, ``0.0``, ``0j``; not
+    ``-0.0`` (its sign bit is set), nor a value of another type (a tensor: it is filled).
+
+    Example:
+        >>> zero_bytes(0), zero_bytes(0.0), zero_bytes(-0.0), zero_bytes(complex(0.0, -0.0))
+        (True, True, False, False)
+    """
+    kind = type(value)
+    if kind is int or kind is bool:
+        return value == 0
+    if kind is float:
+        return value == 0 and math.copysign(1.0, value) > 0
+    if kind is complex:
+        return zero_bytes(value.real) and zero_bytes(value.imag)
+    return False
 
 
 class Factories:

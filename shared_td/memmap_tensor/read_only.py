@@ -30,7 +30,8 @@ class ReadOnlyMemoryMappedTensor(MemoryMappedTensor):
     not write, gives these. The file is mapped privately (copy-on-write), so a write would
     change this process's copy only and be lost without a word; instead every torch write
     into it raises :class:`~shared_td.errors.ReadOnlyError` naming the file and why: an
-    in-place op (``add_``, ``t += 1``, ``copy_``, ``fill_``...), ``t[i] = x``, ``out=t``,
+    in-place op (``add_``, ``t += 1``, ``copy_``, ``fill_``..., and the aten overloads
+    that write, ``torch.ops.aten.add_.Tensor``), ``t[i] = x``, ``out=t``,
     ``t.data = x``, and with them every in-place method of the tensordicts holding it.
     Views (indexing, ``view``, ``reshape``, ``unbind``, ``detach``...) stay read-only,
     also after pickling to another process; ``clone()`` and other ops give ordinary
@@ -65,6 +66,9 @@ class ReadOnlyMemoryMappedTensor(MemoryMappedTensor):
         out = kwargs.get("out")
         if out is not None:
             refuse_read_only(out, name)
+        if type(func) is _OP_OVERLOAD:  # torch.ops.aten.add_.Tensor: named "add_.Tensor"
+            for position, keyword in _written_arguments(func):
+                refuse_read_only(args[position] if position < len(args) else kwargs.get(keyword), name)
         with torch._C.DisableTorchFunctionSubclass():
             result = func(*args, **kwargs)
         if name in _NOT_REWRAPPED:
@@ -94,6 +98,26 @@ def refuse_read_only(target, operation: str) -> None:
     if isinstance(target, (list, tuple)):
         for item in target:
             refuse_read_only(item, operation)
+
+
+_OP_OVERLOAD = torch._ops.OpOverload
+_WRITTEN: dict = {}  # OpOverload -> its written arguments (see _written_arguments)
+
+
+def _written_arguments(func) -> tuple[tuple[int, str], ...]:
+    """``(position, name)`` of each argument that the aten op ``func`` writes into, by
+    its schema (``Tensor(a!) self``, ``Tensor(a!) out``): its name may not end in "_".
+
+    Example:
+        >>> _written_arguments(torch.ops.aten.add_.Tensor), _written_arguments(torch.ops.aten.add.Tensor)
+        (((0, 'self'),), ())
+    """
+    written = _WRITTEN.get(func)
+    if written is None:
+        written = _WRITTEN[func] = tuple(
+            (position, argument.name) for position, argument in enumerate(func._schema.arguments)
+            if argument.alias_info is not None and argument.alias_info.is_write)
+    return written
 
 
 def _keep_read_only(result, source: ReadOnlyMemoryMappedTensor):

@@ -2,6 +2,8 @@
 where such a tensor starts in its backing, checked to lie within it."""
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from shared_td.storage.files import FileBacking, FileTooShortError
@@ -27,6 +29,35 @@ def checked_shape(shape) -> torch.Size:
     if any(n < 0 for n in size):
         raise ValueError(f"Shape {list(size)} has a negative size: sizes must be 0 or more.")
     return size
+
+
+# dtypes whose bytes alone are not the tensor (a scale and zero point go with them)
+_QUANTIZED = frozenset(getattr(torch, name) for name in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
+                       if hasattr(torch, name))
+
+
+def checked_nbytes(shape: torch.Size, dtype: torch.dtype) -> int:
+    """The bytes of a new ``dtype`` tensor of ``shape``, checked before any file or
+    segment is made for it: ``ValueError`` for a negative size or more bytes than a file
+    or a mapping can hold (``sys.maxsize``), ``NotImplementedError`` for a quantized
+    dtype (its scale and zero point are no bytes of the tensor).
+
+    Example:
+        >>> checked_nbytes(torch.Size([2, 3]), torch.float32)
+        24
+        >>> checked_nbytes(torch.Size([2**61]), torch.int64)
+        Traceback (most recent call last):
+        ...
+        ValueError: A torch.int64 tensor of shape (2305843009213693952,) needs 18446744073709551616 bytes, ...
+    """
+    if dtype in _QUANTIZED:
+        raise NotImplementedError(f"MemoryMappedTensor cannot store a quantized tensor ({dtype}): "
+                                  "dequantize it first (tensor.dequantize()) or store its int_repr().")
+    nbytes = _extent(dtype, shape) * dtype.itemsize
+    if nbytes > sys.maxsize:
+        raise ValueError(f"A {dtype} tensor of shape {tuple(shape)} needs {nbytes} bytes, more "
+                         f"than a file or a mapping can hold ({sys.maxsize} bytes).")
+    return nbytes
 
 
 def _parse_shape(size: tuple, shape) -> torch.Size:

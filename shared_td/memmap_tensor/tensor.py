@@ -17,11 +17,12 @@ import numpy as np
 import torch
 
 from shared_td.memmap_tensor.existing_memory import FromExistingMemory
-from shared_td.memmap_tensor.factories import Factories
-from shared_td.memmap_tensor.shapes import _check_cpu, _element_offset, _extent, checked_shape
+from shared_td.memmap_tensor.factories import Factories, zero_bytes
+from shared_td.memmap_tensor.shapes import _check_cpu, _element_offset, _extent, checked_nbytes, checked_shape
 from shared_td.storage import files
 from shared_td.storage.anonymous import Segment
 from shared_td.storage.files import FileBacking
+from shared_td.storage.mapping import same_mapping
 
 __all__ = ["MemoryMappedTensor", "checked_shape", "maps_file_at"]
 
@@ -245,7 +246,7 @@ class MemoryMappedTensor(FromExistingMemory, Factories, torch.Tensor):
         Returns ``(tensor, fresh)``; ``fresh`` means the bytes are known to be zero (a
         new file or segment and no data written).
         """
-        nbytes = shape.numel() * dtype.itemsize
+        nbytes = checked_nbytes(shape, dtype)  # (its errors come before any file exists)
         if filename is None:
             if nbytes == 0:
                 return cls._empty_leaf(None, dtype, shape), True
@@ -265,7 +266,7 @@ class MemoryMappedTensor(FromExistingMemory, Factories, torch.Tensor):
         dtype = torch.get_default_dtype() if dtype is None else dtype
         result, fresh = cls._allocate(shape, dtype, filename, existsok)
         # a fresh file or segment is already zero: skip touching every page
-        if fill_value is not None and result.numel() and not (fresh and fill_value == 0):
+        if fill_value is not None and result.numel() and not (fresh and zero_bytes(fill_value)):
             result.fill_(fill_value)
         return result
 
@@ -333,8 +334,10 @@ class MemoryMappedTensor(FromExistingMemory, Factories, torch.Tensor):
             raise NotImplementedError("MemoryMappedTensor stores strided dense tensors only.")
         if hasattr(input, "full_tensor"):  # a DTensor: gather it first
             input = input.full_tensor()
-        shape = input.shape if shape is None else torch.Size(shape)
-        nbytes = shape.numel() * input.dtype.itemsize
+        shape = input.shape if shape is None else checked_shape(shape)
+        if copy_data and shape != input.shape:
+            input.expand(shape)  # not broadcastable: copy_'s error, before any file exists
+        nbytes = checked_nbytes(shape, input.dtype)
         data = None
         if copy_data and nbytes and input.shape == shape and (
             input.is_contiguous() or nbytes <= _CONTIGUOUS_COPY_LIMIT
@@ -535,11 +538,14 @@ def _names_path(path, own: str) -> bool:
 
 def maps_file_at(backing: FileBacking, path: str) -> bool:
     """Whether ``backing`` maps the file at ``path`` now: this process's mapping of that
-    inode is ``backing`` itself (one lstat). An empty leaf maps no file: always true."""
+    inode is ``backing``'s (itself, or the one it shares under another name), and the
+    file still holds all the bytes mapped (one lstat; reading past a shrunk file's end
+    is a SIGBUS). An empty leaf maps no file: always true."""
     if backing.storage is None:
         return True
     try:
         st = os.lstat(path)
     except OSError:
         return False
-    return stat.S_ISREG(st.st_mode) and files.mapped_backing(st) is backing
+    return (stat.S_ISREG(st.st_mode) and st.st_size >= backing.nbytes
+            and same_mapping(files.mapped_backing(st), backing))

@@ -394,11 +394,22 @@ def create_file(path: str, nbytes: int, *, existsok: bool = False, data=None):
             check_new_empty_file(directory, name, existsok=existsok)
             return None, False
         fd, created = reserve_file(directory, name, existsok=existsok)
-    try:
-        if data is not None:
-            pwrite_all(fd, data, 0, where=f"file {path}")
-        else:
-            reserve_space(fd, nbytes, path)
-        return backing_from_fd(path, fd, shared=True), created
-    finally:
-        os.close(fd)
+        try:
+            if data is not None:
+                pwrite_all(fd, data, 0, where=f"file {path}")
+            else:
+                reserve_space(fd, nbytes, path)
+            return backing_from_fd(path, fd, shared=True), created
+        except BaseException:
+            # a failed create leaves no file (a retry would find it "already exists"):
+            # only the inode this call made, not a file put at the name since
+            if created:
+                try:
+                    mine, there = os.fstat(fd), directory.lstat(name)
+                    if there is not None and os.path.samestat(mine, there):
+                        os.unlink(name, dir_fd=directory.fd)
+                except OSError:
+                    pass  # (the error to raise is the one that failed the create)
+            raise
+        finally:
+            os.close(fd)

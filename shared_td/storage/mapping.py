@@ -8,7 +8,9 @@
   segment, its size and the limits that may be at fault: see :func:`map_fd`.
 * This process keeps one shared mapping per inode (``(st_dev, st_ino)``, never per path:
   a file replaced by rename is a new file and gets a new mapping), so unpickling many
-  leaves of one file maps it once; a file whose size changed is mapped again.
+  leaves of one file maps it once; a file whose size changed is mapped again. A file
+  opened under another name than the one it was first mapped by (moved, hard-linked)
+  gets a backing of the name asked for that shares the mapping (:func:`named`).
 * A :class:`FileBacking` pickles by reference (the path, and for a file with its own
   layout its inode and this machine's boot), never by value.
 * Mapping by path (unpickling, ``MemoryMappedTensor.from_filename``) maps a regular file
@@ -228,7 +230,7 @@ class FileBacking:
     it) raises FileReplacedError; it read the new file's bytes at the old offsets.
     """
 
-    __slots__ = ("path", "storage", "nbytes", "shared", "read_only", "inode", "__weakref__")
+    __slots__ = ("path", "storage", "nbytes", "shared", "read_only", "inode", "origin", "__weakref__")
 
     def __init__(self, path: str, storage, nbytes: int, shared: bool, read_only: str | None = None,
                  inode: tuple[int, int] | None = None):
@@ -238,6 +240,9 @@ class FileBacking:
         self.shared = shared
         self.read_only = read_only
         self.inode = inode
+        #: the cached backing whose mapping this one shares under another name (see
+        #: :func:`named`): held, so this process's cache keeps that mapping; else None
+        self.origin = None
 
     def __reduce__(self):
         return _unpickle_backing, (self.path, self.shared, self.read_only, self.inode, boot_id())
@@ -252,6 +257,32 @@ class FileBacking:
 # (st_dev, st_ino) -> FileBacking, so that unpickling many leaves of one file maps it once.
 # Keyed by inode, not path: a file replaced by rename is a new file and gets a new mapping.
 _CACHE = InodeCache()
+
+
+def named(cached: FileBacking, path: str) -> FileBacking:
+    """``cached`` (this process's mapping of a file) for a file opened as ``path``:
+    itself when it was mapped under that name, else a backing named ``path`` that
+    shares its mapping. A file moved or hard-linked since it was mapped must get the
+    name asked for: a tensor records it and pickles it, and a receiver maps what that
+    name holds (the old name may hold another file by then).
+
+    Example:
+        >>> first = FileBacking("/data/a.memmap", None, 0, True)
+        >>> moved = named(first, "/data/c.memmap")
+        >>> moved.path, moved.origin is first, named(first, "/data/a.memmap") is first
+        ('/data/c.memmap', True, True)
+    """
+    if cached.path == path:
+        return cached
+    alias = FileBacking(path, cached.storage, cached.nbytes, cached.shared, cached.read_only, cached.inode)
+    alias.origin = cached.origin or cached
+    return alias
+
+
+def same_mapping(first: FileBacking | None, second: FileBacking) -> bool:
+    """Whether two backings share one mapping (one is the other, or an alias of it
+    made by :func:`named` or :func:`relocated`)."""
+    return first is not None and (first is second or first.storage is second.storage is not None)
 
 
 def backing_from_fd(path: str, fd: int, *, shared: bool = True, read_only: str | None = None,
@@ -277,7 +308,7 @@ def backing_from_fd(path: str, fd: int, *, shared: bool = True, read_only: str |
         if cached is not None and cached.nbytes == st.st_size:
             if bound:
                 cached.inode = key
-            return cached
+            return named(cached, path)
     storage = map_fd(fd, st.st_size, shared=shared, what=path) if st.st_size else None
     backing = FileBacking(path, storage, st.st_size, shared, read_only, key if bound else None)
     if shared:
@@ -313,7 +344,7 @@ def map_path_fd(path: str, fd: int, st: os.stat_result, *, read_only: str | None
                 os.access(f"/proc/self/fd/{fd}", os.W_OK, effective_ids=True):
             if bound:
                 cached.inode = key
-            return cached
+            return named(cached, path)
     if st.st_size:
         storage = map_fd(fd, st.st_size, shared=shared, what=path)
     else:  # nothing mapped: the file must still be openable as asked
@@ -402,7 +433,7 @@ def _open_backing(path, shared, read_only, inode, boot, *, pickled: bool) -> Fil
         cached = _CACHE.get(tuple(inode) if checked else here)
         # (the size is the path's file's: of no meaning for a mapping of the old inode)
         if cached is not None and (cached.nbytes == st.st_size or (checked and tuple(inode) != here)):
-            return cached
+            return named(cached, path)
     fd, st = _open_regular_path(path, pickled)
     try:
         if checked and (st.st_dev, st.st_ino) != tuple(inode):

@@ -63,7 +63,11 @@ def raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """
     # reshape(-1) first: a 0-dim tensor cannot be viewed as another dtype
     flat = tensor.detach().resolve_conj().resolve_neg().reshape(-1)
-    if not flat.is_contiguous():
+    if flat.numel() == 1 and flat.stride(0) != 1:
+        # torch calls one element contiguous whatever its stride (``x[:, k]`` of a batch
+        # of one, ``z.conj().imag``): reshape and contiguous keep it, and view refuses it
+        flat = flat.as_strided((1,), (1,))
+    elif not flat.is_contiguous():
         flat = flat.contiguous()
     return flat.view(torch.uint8)
 
