@@ -155,7 +155,8 @@ def normalize_index(index: Any, batch_size: torch.Size) -> tuple:
     if consumed > len(batch_size):
         raise IndexError(
             f"Too many indices for a tensordict with batch size {list(batch_size)}: "
-            f"{index!r} indexes {consumed} dims but there are {len(batch_size)}."
+            f"{index!r} indexes {consumed} dims but there are {len(batch_size)} (as torch says: "
+            f"too many indices for tensor of dimension {len(batch_size)})."
         )
     if Ellipsis in [p for p in parts if not isinstance(p, torch.Tensor)]:
         position = next(
@@ -345,14 +346,16 @@ def common_batch_prefix(shapes: Sequence[torch.Size]) -> torch.Size:
 
 
 def rows_source(index: Any, source: Any, rows: torch.Size, batch_size: torch.Size, *,
-                broadcast_unbatched: bool = False) -> Any:
+                broadcast: bool = False) -> Any:
     """The tensordict ``source`` of ``td[index] = source`` fitted to the indexed ``rows``,
     as tensordict 0.15.3 fits it: a source whose batch size (of one dim or more) is the
     last dims of ``rows`` is expanded along the leading ones (``td[:1] = td[0]``); one
     whose entries start with ``rows`` is taken with that batch size (a shallow copy);
-    with ``broadcast_unbatched`` (a lazy stack's rows: tensordict's lazy stack does so,
-    its TensorDict does not) any other of batch size ``[]`` is expanded to the rows;
-    any other raises (a batch of 1 is not repeated, nor one of 3 written into 2 rows).
+    with ``broadcast`` (a lazy stack's rows: tensordict's lazy stack does so, its
+    TensorDict does not) any other whose batch size broadcasts to the rows, as torch
+    broadcasts shapes (``[]``, ``[1, 3]`` or ``[2, 1]`` into rows ``[2, 3]``, anything
+    of 1s into no rows), is expanded to them; any other raises (without ``broadcast``
+    a batch of 1 is not repeated; never is one of 3 written into 2 rows).
 
     Example:
         >>> from shared_td import TensorDict
@@ -371,7 +374,8 @@ def rows_source(index: Any, source: Any, rows: torch.Size, batch_size: torch.Siz
         return fitted
     except (RuntimeError, ValueError, AttributeError):  # (the raise below names both sizes)
         pass
-    if broadcast_unbatched and not size:
+    if broadcast and len(size) <= len(rows) and all(
+            n in (1, r) for n, r in zip(reversed(size), reversed(rows))):
         return source.expand(rows)
     raise BatchSizeMismatchError(
         f"td[{index!r}] = value: the indexed rows have batch size {list(rows)} (of "

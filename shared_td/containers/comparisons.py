@@ -22,16 +22,19 @@ class ComparisonOps:
 
         if isinstance(other, dict):
             other = type(self)(other, batch_size=self.batch_size)
+        given = other
         other = unwrap_tensorclass(other)  # td == tc compares entry by entry, as tc == td
         if not isinstance(other, (TensorDictBase, torch.Tensor, numbers.Number)):
             # As tensordict 0.15.3: a value of another type (None, a str, a list, an
             # array) is not compared leaf by leaf: ``td == "z"`` is False, ``!=`` True.
             return other_type
         if isinstance(other, TensorDictBase):
-            missing = set(self.keys(True, True, is_leaf_nontensor)) ^ set(other.keys(True, True, is_leaf_nontensor))
-            if missing:
-                raise KeyError(f"Cannot compare tensordicts with different keys: {sorted(map(str, missing))}.")
-            return self._map_leaves(lambda key, value: op(value, other.get(key)))
+            mine = set(self.keys(True, True, is_leaf_nontensor))
+            missing = mine ^ set(other.keys(True, True, is_leaf_nontensor))
+            excused = _none_field_entries(self, given, mine, missing) if missing else set()
+            if missing - excused:
+                raise KeyError(f"Cannot compare tensordicts with different keys: {sorted(map(str, missing - excused))}.")
+            return self._map_leaves(lambda key, value: _ignored(value) if key in excused else op(value, other.get(key)))
         if isinstance(other, torch.Tensor) and other.ndim:
             return self._compare_batch_tensor(other, op)
         return self._map_leaves(lambda key, value: op(value, other))
@@ -163,6 +166,43 @@ def _ordered(op: Callable) -> Callable:
     from shared_td.containers.base import is_non_tensor
 
     return lambda value, other: value if is_non_tensor(value) else op(value, other)
+
+
+def _none_field_entries(mine: Any, theirs: Any, my_keys: set, missing: set) -> set:
+    """The keys of ``missing`` (on one side only) that are a tensorclass field set to
+    None on the side without them and a None entry (``NonTensorData(None)``) on the
+    other: a tensorclass holds no entry for a None field, while ``to_dict()`` gives it as
+    None and a tensordict built from that dict holds it; tensordict 0.15.3 compares the
+    two as equal (``td == td.to_dict()`` of a tree holding ``MyClass(y=None)``)."""
+    from shared_td.containers.nontensor import NonTensorData
+
+    fields = _none_fields(mine) | _none_fields(theirs)
+
+    def none_entry(key: Any) -> bool:
+        value = (mine if key in my_keys else unwrap_tensorclass(theirs)).get(key)
+        return isinstance(value, NonTensorData) and value.data is None
+
+    return {key for key in missing if key in fields and none_entry(key)}
+
+
+def _none_fields(value: Any, prefix: tuple = ()) -> set:
+    """The keys (as ``keys(True)`` gives them) of the tensorclass fields set to None in
+    ``value``, a tensorclass or a tensordict holding some at any depth."""
+    from shared_td.containers.base import is_non_tensor, is_tensor_collection
+    from shared_td.tensorclass_protocol import is_tensorclass
+
+    keys = set()
+    if is_tensorclass(value):
+        held = set(value._tensordict.keys())
+        keys = {prefix + (name,) for name in type(value)._tc_field_names
+                if name not in held and getattr(value, name) is None}
+        value = value._tensordict
+    if not is_tensor_collection(value) or is_non_tensor(value):
+        return keys
+    for key, entry in value.items():
+        if is_tensor_collection(entry) and not is_non_tensor(entry):
+            keys |= _none_fields(entry, prefix + (key,))
+    return {key[0] if len(key) == 1 else key for key in keys}
 
 
 def _ignored(value: Any) -> "TensorDictBase":

@@ -354,6 +354,8 @@ class ConvenienceOps:
         from shared_td.containers.tensordict import TensorDict
 
         size = tuple(batch_ops.shape_args(size))
+        if getattr(self, "_is_tensorclass", False):  # its tensordict's, wrapped again (no _map_entries)
+            return _tensorclass_new_like(self, self._tensordict._new_like(size, make, dtype, device, requires_grad))
         dense = self._dense_for_copy()
         nb = dense.batch_dims
         # the names stay with the last dims, as tensordict 0.15.3 keeps them
@@ -415,6 +417,29 @@ class ConvenienceOps:
         from shared_td.containers.lazy import LazyStackedTensorDict
 
         return self.contiguous() if isinstance(self, LazyStackedTensorDict) else self
+
+
+def _tensorclass_new_like(tc: Any, out: Any) -> Any:
+    """``out`` (the new_* copy of ``tc``'s tensordict) as a ``type(tc)``; the non-tensor
+    fields (``z: str``) keep their values, as in tensordict 0.15.3, where a copy of a
+    tensorclass has the same Python fields.
+
+    >>> import torch
+    >>> from shared_td import tensorclass
+    >>> @tensorclass
+    ... class Point:
+    ...     x: torch.Tensor
+    ...     label: str
+    >>> p = Point(x=torch.ones(3), label="a", batch_size=[3]).new_zeros(2)
+    >>> type(p).__name__, p.x.tolist(), p.label
+    ('Point', [0.0, 0.0], 'a')
+    """
+    from shared_td.containers.base import is_non_tensor
+
+    for key, value in tc._tensordict.items():
+        if is_non_tensor(value):  # (out holds an empty tensordict there)
+            out.set_non_tensor(key, tc._tensordict.get_non_tensor(key))
+    return type(tc)._from_tensordict(out)
 
 
 def _dims(entry: Any) -> int:

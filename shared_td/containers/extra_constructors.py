@@ -40,7 +40,9 @@ def cat(items: Sequence[Any], dim: int = 0, *, out: Any = None) -> Any:
 
 def maybe_dense_stack(items: Sequence[Any], dim: int = 0, *, out: Any = None, strict: bool = False) -> Any:
     """Stack ``items`` densely (``torch.stack``) when they have the same batch size,
-    keys and entry shapes, else lazily (``lazy_stack``), as tensordict 0.15.3.
+    keys and entry shapes, else lazily (``lazy_stack``), as tensordict 0.15.3; TensorDicts
+    with the same keys whose nested tensordicts differ give a TensorDict holding lazy
+    stacks of those only (tensordict's "best intention" stack).
 
     ``out``: a tensordict the result is written into (``strict=True``: it must have the
     items' keys, no more, or a RuntimeError). Tensors give ``torch.stack`` of them.
@@ -60,9 +62,43 @@ def maybe_dense_stack(items: Sequence[Any], dim: int = 0, *, out: Any = None, st
         return torch.stack(items, dim, out=out)
     if out is not None and strict:
         _check_out_keys(items[0], out)
+    if out is None and _same_keys_here(items):
+        return _dense_here(items, dim)
     if _same_layout(items):  # (shapes that differ give a lazy stack there too)
         return stack_collections(items, dim, out=out, lazy_if_shapes_differ=True)
     return LazyStackedTensorDict.lazy_stack(items, dim, out=out)
+
+
+def _same_keys_here(items: list) -> bool:
+    """Whether the items are TensorDicts of one batch size with the same keys at this
+    level (their nested ones may differ)."""
+    from shared_td.containers.tensordict import TensorDict
+
+    first = items[0]
+    return all(type(item) is TensorDict and item.batch_size == first.batch_size
+               and set(item._keys_str()) == set(first._keys_str()) for item in items)
+
+
+def _dense_here(items: list, dim: int) -> Any:
+    """maybe_dense_stack of TensorDicts with the same keys at this level: a TensorDict
+    here, each nested tensordict stacked by maybe_dense_stack in turn (lazily only where
+    their keys or shapes differ), as tensordict 0.15.3's "best intention" stack; entries
+    of different shapes at this level make the whole stack lazy, as there."""
+    from shared_td.containers.functions import stack as stack_collections
+    from shared_td.containers.lazy import LazyStackedTensorDict
+    from shared_td.containers.tensordict import TensorDict
+
+    first = items[0]
+    nested = [key for key in first._keys_str()
+              if all(type(item._get_str(key, None)) is TensorDict for item in items)]
+    if not nested:
+        return stack_collections(items, dim, lazy_if_shapes_differ=True)
+    dense = stack_collections([item.exclude(*nested) for item in items], dim, lazy_if_shapes_differ=True)
+    if isinstance(dense, LazyStackedTensorDict):
+        return LazyStackedTensorDict.lazy_stack(items, dim)
+    stacked = {key: maybe_dense_stack([item._get_str(key, None) for item in items], dim) for key in nested}
+    entries = {key: stacked[key] if key in stacked else dense._get_str(key, None) for key in first._keys_str()}
+    return TensorDict._new_unsafe(entries, dense.batch_size, dense.device, dense.names)
 
 
 def _same_layout(items: list) -> bool:

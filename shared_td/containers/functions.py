@@ -134,10 +134,9 @@ def stack(items: Sequence[Any], dim: int = 0, *, out: Any = None, lazy_if_shapes
     if names is not None:
         names.insert(dim, None)  # as tensordict 0.15.3: the new dim is unnamed
     result = TensorDict._new_unsafe(entries, size, first.device, names)
-    if out is not None:
-        out.update_(result)
-        return out
-    return result
+    from shared_td.containers.lazy_shape import stacked_into  # (non-tensor entries replaced)
+
+    return stacked_into(out, result)
 
 
 def _torch_stack(items: Sequence[Any], dim: int = 0, *, out: Any = None) -> Any:

@@ -22,7 +22,7 @@ from shared_td.containers import batch as batch_ops
 from shared_td.containers.base import NO_DEFAULT, TensorDictBase, is_non_tensor, is_tensor_collection
 from shared_td.containers.batch_dim_ops import LazyBatchDimOps
 from shared_td.containers.lazy_names import LazyNames, checked_stack_dim_name, names_members_agree_on
-from shared_td.containers.lazy_shape import LazyShapeOps, _into
+from shared_td.containers.lazy_shape import LazyShapeOps, set_batch_size, stacked_into
 from shared_td.containers.lazy_writes import LazyWriteOps, _is_branch, _peek
 from shared_td.errors import BatchSizeMismatchError
 from shared_td.keys import NestedKey, is_nested_key, key_repr, unravel_key
@@ -132,7 +132,7 @@ class LazyStackedTensorDict(LazyNames, LazyShapeOps, LazyBatchDimOps, LazyWriteO
             # tensorclasses of one class stack into that class over the lazy stack, as in tensordict
             inner = cls(*map(unwrap_tensorclass, items), stack_dim=dim, stack_dim_name=stack_dim_name)
             return tc_class._from_tensordict(inner)
-        return _into(out, cls(*items, stack_dim=dim, stack_dim_name=stack_dim_name))
+        return stacked_into(out, cls(*items, stack_dim=dim, stack_dim_name=stack_dim_name))
 
     # ---------------------------------------------------------------- properties
     @property
@@ -145,6 +145,8 @@ class LazyStackedTensorDict(LazyNames, LazyShapeOps, LazyBatchDimOps, LazyWriteO
         """The members' batch size with ``len(tensordicts)`` inserted at ``stack_dim``."""
         mb, sd = list(self._member_batch), self._stack_dim
         return torch.Size(mb[:sd] + [len(self.tensordicts)] + mb[sd:])
+
+    batch_size = batch_size.setter(set_batch_size)  # (its own size only, as in tensordict)
 
     @property
     def device(self) -> torch.device | None:

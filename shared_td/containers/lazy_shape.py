@@ -348,9 +348,61 @@ class LazyShapeOps:
         return _into(out, result)
 
 
+def set_batch_size(lazy: Any, value: Any) -> None:
+    """``lazy.batch_size = value``: its own batch size changes nothing; another is refused,
+    as in tensordict 0.15.3 (a stack's batch size is its members' and their count).
+
+    Raises:
+        BatchSizeMismatchError: ``value`` is another batch size (a RuntimeError, as
+            tensordict raises).
+
+    Example:
+        >>> from shared_td import TensorDict, lazy_stack
+        >>> lazy = lazy_stack([TensorDict(a=torch.zeros(3), batch_size=[3])] * 2)
+        >>> lazy.batch_size = [2, 3]
+        >>> lazy.batch_size = [6]
+        Traceback (most recent call last):
+        ...
+        shared_td.errors.BatchSizeMismatchError: Received a new batch size [6] ...
+    """
+    from shared_td.errors import BatchSizeMismatchError
+
+    if torch.Size(value) != lazy.batch_size:
+        raise BatchSizeMismatchError(
+            f"Received a new batch size {list(value)} with an existing batch_size {lazy.batch_size!r} in a lazy "
+            "TD. Modifying the batch size of a lazy representation of a tensordict is not permitted. Consider "
+            "instantiating the tensordict first by calling `td = td.to_tensordict()` before resetting the "
+            "batch size.")
+
+
 def _into(out: Any, result: Any) -> Any:
     """``result``, or ``out`` updated in place with it (the ``out=`` of torch functions)."""
     return result if out is None else out.update_(result)
+
+
+def stacked_into(out: Any, result: Any) -> Any:
+    """``result``, or ``out`` written with it (the ``out=`` of torch.stack and lazy_stack):
+    its tensors in place (``out`` keeps its storage), its non-tensor entries replaced by
+    the result's, as in tensordict 0.15.3 (a NonTensorStack of the stacked values cannot
+    be written in place into ``out``'s NonTensorData); a locked ``out`` holding some
+    refuses, as there, before anything is written. (torch.cat's ``out=`` writes them in
+    place, as tensordict's does: see _into.)"""
+    from shared_td.containers.base import is_leaf_nontensor, is_non_tensor
+
+    if out is None:
+        return result
+    # (a key that out lacks is left to update_, which refuses it before writing)
+    leaves = dict(result.items(True, True, is_leaf_nontensor))
+    replaced = [key for key, value in leaves.items() if is_non_tensor(value) and is_non_tensor(out.get(key, None))]
+    if not replaced:
+        return out.update_(result)
+    if out.is_locked:
+        out.set(replaced[0], leaves[replaced[0]])  # (raises the locked error)
+    # (keys_to_update, not exclude: exclude keeps the fields of a nested tensorclass)
+    out.update_(result, keys_to_update=[key for key in leaves if key not in replaced])
+    for key in replaced:
+        out.set(key, leaves[key])
+    return out
 
 
 def _dims(part: Any) -> tuple[int, int]:

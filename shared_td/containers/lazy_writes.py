@@ -294,8 +294,9 @@ class LazyWriteOps:
         """Check ``self[index] = value`` and append the closures that write it, member by
         member, to ``writes`` (as TensorDict._plan_index_writes, which calls this for a
         nested lazy stack). A tensordict source is fitted to the indexed rows first as
-        batch.rows_source fits it; one of batch size ``[]`` whose entries do not start
-        with the rows is broadcast into every row, as tensordict 0.15.3's lazy stack does."""
+        batch.rows_source fits it; one whose batch size broadcasts to the rows (``[]``,
+        ``[1, 3]`` into rows ``[2, 3]``) and whose entries do not start with them is
+        expanded into them, as tensordict 0.15.3's lazy stack does."""
         from shared_td.containers.tensordict import TensorDict
 
         if isinstance(value, dict):
@@ -305,7 +306,7 @@ class LazyWriteOps:
         if isinstance(value, torch.Tensor) and value.dim():
             value = self._tensor_rows(index, value)  # split between the members as the rows are
         if _is_branch(value) and value.batch_size != rows:
-            value = batch_ops.rows_source(index, value, rows, self.batch_size, broadcast_unbatched=True)
+            value = batch_ops.rows_source(index, value, rows, self.batch_size, broadcast=True)
         where = self._locate(index)
         if where[0] == "one":
             targets, sources = [(self.tensordicts[where[1]], where[2])], [value]

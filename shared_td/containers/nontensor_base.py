@@ -172,9 +172,20 @@ class NonTensorBase(NonTensorBatchDimOps, TensorDictBase):
         )
 
     def _compare_data(self, other: Any) -> torch.Tensor:
+        if isinstance(other, NonTensorBase) and other.batch_size != self._batch_size:
+            # another batch size (a ``from_dict(auto_batch_size=False)`` copy's [] beside
+            # its source's [2]): one value compares with each of ours, in our batch shape,
+            # as in tensordict 0.15.3; a stack's values broadcast with ours
+            from shared_td.containers.nontensor import NonTensorData
+
+            if isinstance(other, NonTensorData):
+                other = other.data
+            else:
+                size = torch.broadcast_shapes(self._batch_size, other.batch_size)
+                return self.expand(size)._compare_data(other.expand(size))
         values = self._flat_values()
         if isinstance(other, NonTensorBase):
-            others = other.expand(self._batch_size)._flat_values() if other.batch_size != self._batch_size else other._flat_values()
+            others = other._flat_values()
         else:
             others = [other] * len(values)
         # (same_value: a value whose == is element-wise, a tensor or an array, is equal

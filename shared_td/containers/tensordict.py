@@ -221,11 +221,10 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, BatchDimOps, IndexWrites
         """``value`` (of leading ``shape``) checked against the batch size, on this
         tensordict's device."""
         if shape[: len(self._batch_size)] != self._batch_size:
-            raise BatchSizeMismatchError(
-                f"batch dimension mismatch for key {key!r}: the value has shape "
-                f"{list(shape)} but the tensordict has batch_size {list(self._batch_size)}; "
-                "the leading dims of every value must equal the batch size "
-                "(expand, reshape or index the value, or change batch_size)."
+            raise BatchSizeMismatchError(  # (its start worded as tensordict's, which handlers match)
+                f"batch dimension mismatch, got self.batch_size={self._batch_size!r} and value.shape="
+                f"{torch.Size(shape)!r} for key {key!r}: its shape {list(shape)} must start with the "
+                f"batch size {list(self._batch_size)} (expand, reshape or index the value, or change batch_size)."
             )
         if self._device is not None and value.device != self._device:
             value = value.to(self._device)
@@ -254,9 +253,10 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, BatchDimOps, IndexWrites
                 continue
             shape = value.batch_size if is_tensor_collection(value) else value.shape
             if shape[: len(new_size)] != new_size:
-                raise BatchSizeMismatchError(
-                    f"Cannot set batch_size to {list(new_size)}: key {key!r} has shape {list(shape)} (the "
-                    f"{type(value).__name__} {key} has shape {torch.Size(shape)!r} which does not start with it)."
+                raise BatchSizeMismatchError(  # (its end worded as tensordict's, which handlers match)
+                    f"Cannot set batch_size to {list(new_size)}: key {key!r} has shape {list(shape)}, which "
+                    f"does not start with it: the {type(value).__name__} {key} has shape {torch.Size(shape)!r} "
+                    f"which is incompatible with the batch-size {torch.Size(new_size)!r}."
                 )
 
     def _apply_batch_size(self, new_size: torch.Size) -> None:
