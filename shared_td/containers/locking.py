@@ -6,6 +6,7 @@ so that it cannot be unlocked on its own.
 """
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any, Callable
 
@@ -24,6 +25,30 @@ def lock_built(node: "LockingOps", children: list) -> None:
     node._last_op = "lock_"
 
 
+# id(node) -> (weakref to the node, the token of the last lock_until_restored that
+# locked it; see there). Kept outside the node, whose __dict__ is its pickled state.
+# An entry whose node is gone is ignored (its id may be another node's now) and
+# dropped when the table has doubled since it was last pruned.
+_lock_tokens: dict[int, tuple[weakref.ref, object]] = {}
+_tokens_guard = threading.Lock()
+_prune_at = 1024
+
+
+def _token_of(node: Any) -> object:
+    entry = _lock_tokens.get(id(node))
+    return entry[1] if entry is not None and entry[0]() is node else None
+
+
+def _mark(node: Any, token: object) -> None:
+    """Call with ``_tokens_guard`` held."""
+    global _prune_at
+    _lock_tokens[id(node)] = (weakref.ref(node), token)
+    if len(_lock_tokens) > _prune_at:
+        for key in [key for key, (ref, _) in _lock_tokens.items() if ref() is None]:
+            del _lock_tokens[key]
+        _prune_at = max(1024, 2 * len(_lock_tokens))
+
+
 def lock_until_restored(obj: Any) -> Callable[[], None]:
     """Lock ``obj`` (a tensordict or tensorclass) and every nested tensordict, as
     ``lock_()`` does, and return what puts each one's lock back as it was: its flag and
@@ -31,25 +56,37 @@ def lock_until_restored(obj: Any) -> Callable[[], None]:
     must stay locked). For a write running in the background (memmap_, consolidate
     with ``return_early``) that must find the entries as it left them, and undo the
     lock if it fails. One walk that saves and locks each node (a node held twice is
-    saved once)."""
+    saved once; the restore is a no-op for a node that a later call locked again)."""
     saved, seen = [], set()
+    # Each call marks the nodes with a token of its own: restore() puts back only the
+    # nodes that still carry it. A later write of the same nodes (which locked them
+    # again, with its own token) finished since would otherwise be undone by an earlier
+    # write that fails after it (its "unlocked" would unlock a completed memmap_).
+    token = object()
     pending = [(unwrap_tensorclass(obj), None)]
-    while pending:
-        node, parent = pending.pop()
-        if id(node) not in seen:
-            seen.add(id(node))
-            saved.append((node, node._is_locked, dict(node._lock_parents), getattr(node, "_last_op", None)))
-            node._is_locked = True
-            node._last_op = "lock_"
-            pending.extend((unwrap_tensorclass(child), node) for child in node._collection_children())
-        if parent is not None:
-            node._lock_parents[id(parent)] = weakref.ref(parent)
+    with _tokens_guard:
+        while pending:
+            node, parent = pending.pop()
+            if id(node) not in seen:
+                seen.add(id(node))
+                saved.append((node, node._is_locked, dict(node._lock_parents), getattr(node, "_last_op", None),
+                              _token_of(node)))
+                node._is_locked = True
+                node._last_op = "lock_"
+                _mark(node, token)
+                pending.extend((unwrap_tensorclass(child), node) for child in node._collection_children())
+            if parent is not None:
+                node._lock_parents[id(parent)] = weakref.ref(parent)
 
     def restore() -> None:
-        for node, locked, parents, last_op in saved:
-            node._is_locked, node._last_op = locked, last_op
-            node._lock_parents.clear()
-            node._lock_parents.update(parents)
+        with _tokens_guard:
+            for node, locked, parents, last_op, earlier in saved:
+                if _token_of(node) is not token:
+                    continue  # a later write locked it again: its state is that write's
+                node._is_locked, node._last_op = locked, last_op
+                _mark(node, earlier)
+                node._lock_parents.clear()
+                node._lock_parents.update(parents)
 
     return restore
 

@@ -109,6 +109,9 @@ class MemmapMethods:
         # successful write leaves it locked, as memmap_ always does; a failed one puts
         # the locks back as they were.
         early = return_early and not atomic and isinstance(num_threads, int) and num_threads > 1
+        # an earlier return_early write of this tree (or prefix) ends first: it holds
+        # the tree locked, a state this write would save and put back if it failed
+        api.wait_for_background_writes(self, prefix)
         unlock = lock_until_restored(self)
         try:
             with naming_unpicklable(self, "memmap_", share_non_tensor):

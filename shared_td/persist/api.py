@@ -15,13 +15,14 @@ import torch
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.persist import archive as archives
 from shared_td.persist import archive_write
-from shared_td.persist import atomic, nodes
+from shared_td.persist import atomic, in_flight, nodes
 from shared_td.storage import files
 from shared_td.storage.files import FileBacking
 from shared_td.storage.shared_value import adopt_new_cells, collecting_new_cells
 from shared_td.persist.future import TensorDictFuture
 from shared_td.persist.loader import Loader
 from shared_td.persist.planner import NodePlan, Options, Planner
+from shared_td.persist.leaf_checks import check_leaf_layouts
 from shared_td.persist.writer import tree_documents, write_tree
 
 _CPU = torch.device("cpu")
@@ -75,6 +76,8 @@ def memmap(
     if prefix is None and not like:
         # (memmap_like never writes into the source's own files: anonymous memory)
         prefix = own_directory(obj)
+    # an earlier return_early write of this tree or to this directory ends first
+    in_flight.wait_for(obj, None if prefix is None else os.path.abspath(prefix))
     options = Options(
         prefix=None if prefix is None else os.path.abspath(prefix),
         inplace=inplace,
@@ -89,22 +92,38 @@ def memmap(
         return _memmap_atomically(obj, options, return_early)
     planner = Planner(options)
     root = planner.plan(obj)
+    check_leaf_layouts(root)
     if return_early and num_threads > 1:
         # made here, as the plan is: an unpicklable value is an error of this call
         documents = None if root.directory is None else tree_documents(root)
         future: Future = Future()
-        # Not a daemon: the interpreter waits for the write at exit. A daemon thread
-        # still freeing the replaced leaves during finalization aborts the process
-        # ("terminate called without an active exception").
+        description = f"memmap to {options.prefix or 'shared memory'}"
+        in_flight.started(future, options.prefix, (node.obj for node in root.walk()), description)
+        # Not a daemon: the interpreter waits for the write at exit (in_flight makes
+        # sure it can still use its thread pool then). A daemon thread still freeing
+        # the replaced leaves during finalization aborts the process ("terminate
+        # called without an active exception").
         worker = threading.Thread(
             target=_run_into_future, args=(future, planner, root, options, documents, on_early_failure),
             daemon=False, name="shared_td-memmap",
         )
-        worker.start()
+        try:
+            worker.start()
+        except BaseException:
+            in_flight.ended(future)
+            raise
         # memmap_'s result is the source itself, known now (as tensordict's resulting_td)
-        return TensorDictFuture(future, f"memmap to {options.prefix or 'shared memory'}",
+        return TensorDictFuture(future, description,
                                 **({"resulting_td": obj} if inplace else {}))
     return _execute(planner, root, options)
+
+
+def wait_for_background_writes(obj: Any, prefix: Any) -> None:
+    """Wait for the ``return_early`` writes still running of ``obj``'s tree or to
+    ``prefix`` (see ``persist.in_flight``): memmap_ calls it before it locks the tree,
+    which such a write holds locked until it ends."""
+    prefix = prefix_path(prefix, "memmap_")
+    in_flight.wait_for(obj, None if prefix is None else os.path.abspath(prefix))
 
 
 def prefix_path(prefix: Any, call: str) -> str | None:
@@ -149,9 +168,10 @@ def own_directory(obj: Any) -> str | None:
 def _run_into_future(future: Future, planner: Planner, root: NodePlan, options: Options,
                      documents: dict | None, on_failure: Callable[[], None] | None) -> None:
     if not future.set_running_or_notify_cancel():
+        in_flight.ended(future)
         return
     try:
-        future.set_result(_execute(planner, root, options, documents))
+        result = _execute(planner, root, options, documents)
     except BaseException as error:  # delivered by future.result()
         if on_failure is not None:
             # before set_exception: result() must not return while it runs
@@ -159,7 +179,11 @@ def _run_into_future(future: Future, planner: Planner, root: NodePlan, options: 
                 on_failure()
             except BaseException as failure:
                 error.add_note(f"The clean-up after this failed write failed too: {failure!r}")
+        in_flight.ended(future)
         future.set_exception(error)
+    else:
+        in_flight.ended(future)
+        future.set_result(result)
 
 
 def _execute(planner: Planner, root: NodePlan, options: Options, documents: dict | None = None) -> Any:
@@ -201,6 +225,7 @@ def _memmap_atomically(obj: Any, options: Options, return_early: bool) -> Any:
             options.prefix, options.atomic_target = staging.path, target
             planner = Planner(options, fresh_root=True)
             root = planner.plan(obj)
+            check_leaf_layouts(root)
             write_tree(root, planner.leaves, options, clean_up=False)
             staging.finish()
             atomic.swap_into_place(staging.path, target)

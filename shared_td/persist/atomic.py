@@ -30,6 +30,9 @@ as it was or as the new complete version.
   failed because the process ran out of descriptors still cleans up. A clean-up that
   fails anyway is added as a note to the raised error (after a successful swap, a
   RuntimeWarning), naming what is left; gc removes it once the writer has exited.
+  These trees are shared_td's own: one that is read-only (the retired version of a
+  read-only save, whose mode the new version also takes) gets owner ``rwx`` on its
+  directories of this user to be emptied (``storage.removal.remove_own_tree``).
 * **Leftovers**: temporary directories and files are named
   ``.<name>.shared_td-<kind>-<pid>-<rand>``: ``new`` for a :class:`Staging` directory
   and a :func:`temporary_name` file, ``old`` for the fallback's retired directory
@@ -56,7 +59,8 @@ from shared_td.persist.leftovers import TAG as _TAG
 from shared_td.persist.leftovers import find_leftovers, gc, parse_leftover_name, sweep_leftovers
 from shared_td.persist.writer_lock import acquired, parent_not_writable, prefix_lock
 from shared_td.platform import rename_exchange
-from shared_td.storage.removal import remove_tree
+# every tree this module removes is its own (staging, retired versions): see remove_own_tree
+from shared_td.storage.removal import remove_own_tree as remove_tree
 
 __all__ = [
     "Staging", "check_target", "resolve", "swap_into_place", "temporary_name",
@@ -190,7 +194,7 @@ class Staging:
         """Remove the staging tree after ``error``; a failure to do so becomes a note on it."""
         self._release()
         try:
-            remove_tree(self.path)
+            remove_tree(self.path)  # (finish() may have made it read-only)
         except OSError as failure:
             error.add_note(
                 f"The staging directory {self.path} could not be removed: {failure}. Remove it, "
@@ -234,6 +238,9 @@ def swap_into_place(staging: str, prefix: str) -> None:
         os.rename(prefix, os.path.join(retired, "tree"))
         os.rename(staging, prefix)
     try:
+        # our own directory now, holding the old version with its modes: a read-only
+        # save's directories are made writable to be emptied (else each rewrite of it
+        # left a whole copy behind, which gc could not remove either)
         remove_tree(retired)
     except OSError as error:
         warnings.warn(

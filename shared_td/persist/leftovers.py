@@ -25,7 +25,8 @@ from shared_td.persist.format import lock_path, sibling_stem
 from shared_td.persist.lock_probe import lock_is_held, remove_unheld_lock
 from shared_td.persist.writer_lock import acquired
 from shared_td.platform import pid_alive
-from shared_td.storage.removal import remove_tree
+# every tree this module removes is an atomic writer's own: see remove_own_tree
+from shared_td.storage.removal import remove_own_tree as remove_tree
 
 #: The word in the name of every temporary of ours (see the module docstring).
 TAG = "shared_td"
@@ -87,7 +88,7 @@ def sweep_leftovers(prefix: str) -> list[str]:
                     raise OSError("holds the old version of a prefix whose name is too long to "
                                   "read from it: run shared_td.gc() with that prefix")
                 os.rename(moved_away, prefix)
-            remove_tree(path)
+            remove_tree(path)  # ours: a retired read-only save too
         except OSError as error:
             failed.append(f"{path} ({error})")
             continue

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import os
 import threading
 import time
@@ -41,7 +42,6 @@ from shared_td import platform
 from shared_td.storage import files
 from shared_td.storage.anonymous import Segment, align
 from shared_td.storage.files import Directory, FileBacking
-from shared_td.storage.removal import remove_tree
 
 # With num_threads > 1, leaves at least this big are written by the pool, one leaf per
 # task: pwrite releases the GIL, and distinct files do not share an inode lock. One leaf
@@ -66,9 +66,14 @@ def tree_documents(root: NodePlan) -> dict:
 
 def write_tree(root: NodePlan, leaves: list[LeafPlan], options: Options, *, clean_up: bool = True,
                documents: dict | None = None) -> None:
-    """Write the leaves and every meta.json; on failure remove what this write created
-    (``clean_up=False``: the caller removes the whole root, as an atomic write's staging
-    directory does with the descriptors it reserved for that).
+    """Write the leaves and every meta.json; on failure remove what this write created,
+    and only that: the files and directories it made (``clean_up=False``: the caller
+    made the root and removes it whole, as an atomic write's staging directory does
+    with the descriptors it reserved for that).
+
+    A root missing when the write was planned is made here with a plain ``mkdir``: if
+    it appeared meanwhile (another writer, thread or process, made it), that is a
+    FileExistsError before anything is written, never a write among its files.
 
     Every directory below the prefix is made with ``mkdirat`` and opened with
     ``O_NOFOLLOW`` relative to its parent's descriptor, every file with ``openat`` in
@@ -82,8 +87,10 @@ def write_tree(root: NodePlan, leaves: list[LeafPlan], options: Options, *, clea
     the root's after every leaf. In a directory this write created they are written
     directly; where files may exist, under temporary names, renamed into place only
     when every node is written: a failure (a full disk) leaves every old meta.json as
-    it was, and no reader ever sees a half-written one. ``documents``: the tree's
-    :func:`tree_documents`, if the caller made them already.
+    it was, and no reader ever sees a half-written one. Those temporaries are made
+    before any leaf's bytes, so that a directory that cannot take them (read-only)
+    fails the write before a byte of an old leaf file changes. ``documents``: the
+    tree's :func:`tree_documents`, if the caller made them already.
     """
     anonymous = [leaf for leaf in leaves if leaf.path is None and not leaf.keep]
     if anonymous:
@@ -97,9 +104,10 @@ def write_tree(root: NodePlan, leaves: list[LeafPlan], options: Options, *, clea
         stage_small_leaves([leaf for leaf in leaves if not leaf.keep])
     if documents is None:
         documents = tree_documents(root)
+    made_root = clean_up and not root.exists
+    directory = _make_root(root.directory) if made_root else Directory.open(root.directory)
     pool = ThreadPoolExecutor(options.num_threads) if options.num_threads > 1 else None
     writer = _TreeWriter(options, pool, documents)
-    directory = Directory.open(root.directory, create=not root.exists)
     try:
         writer.write(root, directory)
         if root.exists:
@@ -109,8 +117,8 @@ def write_tree(root: NodePlan, leaves: list[LeafPlan], options: Options, *, clea
         if clean_up:
             writer.remove_what_was_made(root, directory, error)
         directory.close()
-        if clean_up and not root.exists:  # the whole prefix is this write's
-            _note_failure(error, root.directory, remove_tree, root.directory)
+        if made_root:  # emptied above: what is left there is not this write's
+            _note_failure(error, root.directory, os.rmdir, root.directory)
         raise
     finally:
         writer.close_kept()
@@ -154,13 +162,31 @@ class _TreeWriter:
 
     def write(self, root: NodePlan, directory: Directory) -> None:
         """Write every file below ``root``; raise the first error once all writes
-        ended (so that the files made are all known, for the clean-up)."""
+        ended (so that the files made are all known, for the clean-up). The files of
+        existing directories are staged first, before any leaf's bytes."""
         try:
+            if root.exists:
+                self._stage_existing(root, directory)
             self._write_node(root, directory, root=True)
         except BaseException:
             for _, future in self.futures:
                 future.exception()  # wait; the first error is the one raised
             raise
+
+    def _stage_existing(self, node: NodePlan, directory: Directory) -> None:
+        """Write the meta.json (and side files) of ``node``, an existing directory, and
+        of the existing directories below it, as temporaries (renamed by put_in_place)."""
+        self.staged[id(node)] = _stage_node_files(directory, node.kind, True, self.documents[id(node)])
+        for child in node.children.values():
+            if child.exists:
+                opened = directory.child(os.path.basename(child.directory))
+                try:
+                    self._stage_existing(child, opened)
+                finally:
+                    if len(self.kept) < _KEPT_DIRECTORIES:
+                        self.kept[id(child)] = opened  # for _write_node, without a new open
+                    else:
+                        opened.close()
 
     def _write_node(self, node: NodePlan, directory: Directory, root: bool = False) -> None:
         for leaf in node.leaves.values():
@@ -171,7 +197,7 @@ class _TreeWriter:
             if not child.exists:
                 directory.mkdir(name)
                 self.made_directories.add(id(child))
-            opened = directory.child(name)
+            opened = self.kept.pop(id(child), None) or directory.child(name)
             try:
                 self._write_node(child, opened)
             finally:
@@ -186,7 +212,10 @@ class _TreeWriter:
             # existing one are renamed into place only at the end.)
             for leaf, future in self.futures:
                 leaf.result = future.result()
-        self.staged[id(node)] = _stage_node_files(directory, node.kind, node.exists, self.documents[id(node)])
+        if id(node) not in self.staged:  # a new directory (an existing one's are staged)
+            made = self.made_files.setdefault(id(node), [])
+            self.staged[id(node)] = _stage_node_files(directory, node.kind, node.exists,
+                                                      self.documents[id(node)], made)
 
     def _write_leaf(self, leaf: LeafPlan, node: NodePlan, directory: Directory) -> None:
         options, source, name = self.options, leaf.source, leaf.name
@@ -270,15 +299,35 @@ class _TreeWriter:
             _note_failure(error, directory.join(temporary), directory.unlink, temporary)
         for child in node.children.values():
             name = os.path.basename(child.directory)
-            if id(child) in self.made_directories:
-                # it holds only what this write put there
-                _note_failure(error, directory.join(name), directory.remove_tree, name)
-            elif child.exists:
-                try:
-                    with directory.child(name) as opened:
-                        self.remove_what_was_made(child, opened, error)
-                except (OSError, RuntimeError) as failure:
-                    error.add_note(f"What this write made in {directory.join(name)} was not removed: {failure}")
+            made = id(child) in self.made_directories
+            if not (made or child.exists):
+                continue  # not reached by the write
+            try:
+                with directory.child(name) as opened:
+                    self.remove_what_was_made(child, opened, error)
+            except (OSError, RuntimeError) as failure:
+                error.add_note(f"What this write made in {directory.join(name)} was not removed: {failure}")
+                continue
+            if made:  # emptied of what this write put there; anything else stays, and it with it
+                _note_failure(error, directory.join(name), directory.rmdir, name)
+
+
+def _make_root(path: str) -> Directory:
+    """Make the directory ``path`` (a prefix missing when the write was planned; its
+    parents too) and open it. One that exists now was made by another writer since:
+    its files are not this write's to write among, nor to remove if it fails."""
+    parent, name = os.path.split(path)
+    with Directory.open(parent, create=True) as above:
+        try:
+            above.mkdir(name)
+        except FileExistsError:
+            raise FileExistsError(
+                errno.EEXIST,
+                f"{path} did not exist when this write was planned, but it does now: another "
+                "writer (a thread or a process) made it meanwhile. Nothing was written. Write "
+                "again (that write rewrites what is there), or make the writers take turns "
+                "with atomic=True.", path) from None
+        return above.child(name)
 
 
 def _note_failure(error: BaseException, shown: str, remove, *args) -> None:
@@ -320,10 +369,12 @@ def _write_anonymous(leaves: list[LeafPlan], options: Options) -> None:
 
 
 # ----------------------------------------------------------------------------- commit
-def _stage_node_files(directory: Directory, kind: nodes.NodeKind, existed: bool, built: tuple) -> list[tuple[str, str]]:
+def _stage_node_files(directory: Directory, kind: nodes.NodeKind, existed: bool, built: tuple,
+                      made: list[str] | None = None) -> list[tuple[str, str]]:
     """Write one node's ``built`` files (``(meta.json bytes, side files)``) into its
-    directory: directly in a new one, else as temporaries, returned as
-    ``(temporary, final name)`` for :func:`_put_in_place`. On failure none is left."""
+    directory: directly in a new one (each name added to ``made`` once written, for the
+    clean-up), else as temporaries, returned as ``(temporary, final name)`` for
+    :func:`_put_in_place`. On failure no temporary is left."""
     document, side = built
     staged: list[tuple[str, str]] = []
     try:
@@ -332,6 +383,8 @@ def _stage_node_files(directory: Directory, kind: nodes.NodeKind, existed: bool,
                 staged.append((fmt.write_temporary(directory, name, data), name))
             else:
                 directory.write_new_file(name, data)
+                if made is not None:
+                    made.append(name)
     except BaseException:
         for temporary, _ in staged:
             directory.unlink(temporary)

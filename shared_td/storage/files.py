@@ -255,6 +255,16 @@ class Directory:
         except FileNotFoundError:
             pass
 
+    def rmdir(self, name: str) -> None:
+        """Remove the empty sub-directory ``name`` (one that holds anything stays: an
+        OSError naming it); a missing one is not an error."""
+        try:
+            os.rmdir(name, dir_fd=self.fd)
+        except FileNotFoundError:
+            pass
+        except OSError as error:
+            raise self._open_error(error, name) from None
+
     def replace(self, source: str, target: str) -> None:
         """Rename ``source`` over ``target``, both in this directory (atomic)."""
         os.replace(source, target, src_dir_fd=self.fd, dst_dir_fd=self.fd)

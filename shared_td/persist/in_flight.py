@@ -1,0 +1,111 @@
+"""The writes running in the background (``memmap_(..., return_early=True)``).
+
+Two things need to know them:
+
+* **Another write of the same tree or prefix** waits for them (:func:`wait_for`, at
+  most ``SHARED_TD_LOCK_TIMEOUT`` seconds, then a TimeoutError naming both). Two writes
+  of one prefix running at once would undo each other: the later one plans against a
+  directory the earlier one is still filling, and a failure of the earlier one would
+  remove what the later one wrote. In sequence, the last write wins, as in tensordict.
+* **The end of the program**: a background write still running when the main thread
+  ends must complete. Its thread is not a daemon (the interpreter joins it), but
+  ``concurrent.futures`` refuses every ``submit`` once its own exit hook has run, which
+  happens before the interpreter joins the threads: the write's pool would then fail
+  and the save be removed, silently. :func:`_wait_at_exit`, registered after that hook
+  (``threading``'s exit hooks run last registered first), waits for every running
+  write before it; one that failed says so on stderr, as nobody can read its future.
+
+Example:
+    >>> import tempfile, torch, shared_td
+    >>> td = shared_td.TensorDict(a=torch.ones(3), batch_size=[3])
+    >>> with tempfile.TemporaryDirectory() as path:
+    ...     future = td.memmap_(path, num_threads=2, return_early=True)
+    ...     _ = td.memmap_(path)  # waits for the first write, then writes again
+    ...     print(future.done(), td.is_memmap())
+    True True
+"""
+from __future__ import annotations
+
+import concurrent.futures.thread  # noqa: F401  (its exit hook first: ours, registered after, runs before it)
+import os
+import sys
+import threading
+import traceback
+from concurrent.futures import Future
+from typing import Any, Iterable
+
+from shared_td.persist.writer_lock import DEFAULT_LOCK_TIMEOUT
+
+
+class _Write:
+    __slots__ = ("future", "prefix", "nodes", "description")
+
+    def __init__(self, future: Future, prefix: str | None, nodes: set[int], description: str):
+        self.future, self.prefix, self.nodes, self.description = future, prefix, nodes, description
+
+
+_guard = threading.Lock()
+_running: dict[int, _Write] = {}  # id(future) -> the write
+
+
+def started(future: Future, prefix: str | None, nodes: Iterable[Any], description: str) -> None:
+    """Record a background write of ``nodes`` (the objects of its tree) to ``prefix``
+    (None: anonymous memory), until :func:`ended`."""
+    write = _Write(future, prefix, {id(node) for node in nodes}, description)
+    with _guard:
+        _running[id(future)] = write
+
+
+def ended(future: Future) -> None:
+    """The write of ``future`` is over (called by its thread, before it sets the future)."""
+    with _guard:
+        _running.pop(id(future), None)
+
+
+def _overlaps(first: str, second: str) -> bool:
+    """One of the two directories is the other or inside it."""
+    return first == second or first.startswith(second.rstrip("/") + "/") or second.startswith(first.rstrip("/") + "/")
+
+
+def wait_for(obj: Any, prefix: str | None) -> None:
+    """Wait for the background writes of ``obj`` (a node of their tree) or of a
+    directory that is ``prefix``, inside it or holds it (an absolute path; None: none).
+    A failed one is not this call's error (its own future raises it).
+
+    Raises:
+        TimeoutError: one still runs after ``SHARED_TD_LOCK_TIMEOUT`` seconds (600).
+    """
+    if not _running:  # the common case: nothing runs in the background
+        return
+    with _guard:
+        writes = [write for write in _running.values()
+                  if id(obj) in write.nodes or (prefix is not None and write.prefix is not None
+                                                and _overlaps(prefix, write.prefix))]
+    if not writes:
+        return
+    timeout = float(os.environ.get("SHARED_TD_LOCK_TIMEOUT", DEFAULT_LOCK_TIMEOUT))
+    done, pending = concurrent.futures.wait([write.future for write in writes], timeout)
+    if pending:
+        names = ", ".join(write.description for write in writes if write.future in pending)
+        raise TimeoutError(
+            f"A write to {prefix or 'shared memory'} waited {timeout:g} s for an earlier "
+            f"memmap_(..., return_early=True) of the same tensordict or directory ({names}), "
+            "which still runs. Nothing was written. Wait for that write (future.result()) "
+            "before writing again, or raise SHARED_TD_LOCK_TIMEOUT."
+        )
+
+
+def _wait_at_exit() -> None:
+    """Let every background write complete before ``concurrent.futures`` stops its
+    pools; report those that failed (their futures will never be read)."""
+    with _guard:
+        writes = list(_running.values())
+    for write in writes:
+        error = write.future.exception()  # waits
+        if error is not None:
+            print(f"shared_td: the background write ({write.description}) running when the "
+                  "program ended failed; nothing of it was kept:", file=sys.stderr)
+            traceback.print_exception(error, file=sys.stderr)
+
+
+threading._register_atexit(_wait_at_exit)
