@@ -24,6 +24,7 @@ import torch
 
 from shared_td.containers.consolidated_file import NewFile
 from shared_td.memmap_tensor import MemoryMappedTensor
+from shared_td.persist import in_flight
 from shared_td.persist.future import TensorDictFuture
 from shared_td.storage import files
 from shared_td.storage.anonymous import Segment, align
@@ -260,10 +261,22 @@ def copy_in_background(jobs: list, threads: int, result: Callable[[], Any], stor
                 on_error()
                 raise
             storage.commit()
-            future.set_result(result())
+            value = result()
         except BaseException as error:  # delivered by future.result()
+            in_flight.ended(future)
             future.set_exception(error)
+        else:
+            in_flight.ended(future)
+            future.set_result(value)
 
-    # Not a daemon, as memmap_'s: the interpreter waits for the copy at exit.
-    threading.Thread(target=run, name="shared_td-consolidate", daemon=False).start()
+    # Not a daemon, as memmap_'s: the interpreter waits for the copy at exit, and
+    # in_flight makes it wait before concurrent.futures refuses the copies' pool (the
+    # copy then failed, its file removed, silently). No tree or prefix to wait for:
+    # the tree stays locked while it copies.
+    in_flight.started(future, None, (), "consolidate")
+    try:
+        threading.Thread(target=run, name="shared_td-consolidate", daemon=False).start()
+    except BaseException:
+        in_flight.ended(future)
+        raise
     return TensorDictFuture(future, "consolidate")
