@@ -107,11 +107,11 @@ class LockingOps:
     def _check_unlocked(self, path: tuple[str, ...], action: str) -> None:
         if self._is_locked:
             target = f" key {key_repr(path)}" if path else ""  # () for whole-tensordict ops
-            raise LockedTensorDictError(
-                f"Cannot modify locked TensorDict: cannot {action}{target}. "
-                "For in-place modification, consider using the `set_()` method and make "
-                "sure the key is present (or update_()), or unlock it first with "
-                "`with td.unlock_(): ...`."
+            raise LockedTensorDictError(  # (its first sentence is tensordict's: handlers match it)
+                "Cannot modify locked TensorDict. For in-place modification, consider using "
+                f"the `set_()` method and make sure the key is present. (Here: cannot {action}"
+                f"{target}; update_() writes in place too, or unlock it first with "
+                "`with td.unlock_(): ...`.)"
             )
 
     def _collection_children(self) -> list:

@@ -274,7 +274,7 @@ def test_lock_refuses_replacement_allows_in_place():
     x = make()
     assert x.lock_() is x and x.is_locked
     before = state(x)
-    with pytest.raises(LockedTensorDictError, match="Cannot modify locked TensorDict: cannot replace key 'obs'"):
+    with pytest.raises(LockedTensorDictError, match="Here: cannot replace key 'obs'"):
         x.obs = torch.ones(3, 2)
     with pytest.raises(RuntimeError, match="Cannot modify locked"):
         x.extra = torch.ones(3)

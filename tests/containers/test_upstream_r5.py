@@ -299,3 +299,20 @@ def test_stack_into_out_holding_a_tensorclass_with_a_text_field(lib, how):
     stacker = torch.stack if how == "torch.stack" else lib.LazyStackedTensorDict.lazy_stack
     assert stacker([first, second], 0, out=out) is out
     assert out["a"][:, 0].tolist() == [0.0, 1.0] and out["ep"].obs.data_ptr() == storage
+
+
+@pytest.mark.parametrize("write", [
+    lambda td: td.set("b", torch.zeros(2)),
+    lambda td: td.__delitem__("a"),
+    lambda td: td.rename_key_("a", "c"),
+    lambda td: td.update({"b": torch.zeros(2)}),
+], ids=["set", "del", "rename", "update"])
+def test_a_locked_write_is_refused_with_tensordicts_first_sentence(write):
+    # code written for tensordict matches its sentence (its own tests do, with match=)
+    sentence = "Cannot modify locked TensorDict. For in-place modification, consider using the `set_()` method"
+    libraries = [shared_td] + ([tensordict] if tensordict is not None else [])
+    for lib in libraries:
+        td = lib.TensorDict(a=torch.zeros(2), batch_size=[2]).lock_()
+        with pytest.raises(RuntimeError) as raised:
+            write(td)
+        assert str(raised.value).startswith(sentence), (lib.__name__, str(raised.value))
