@@ -89,6 +89,8 @@ def _dense_here(items: list, dim: int) -> Any:
     from shared_td.containers.tensordict import TensorDict
 
     first = items[0]
+    if dim < 0:  # counted from the items' own batch: a nested one's is longer
+        dim += first.batch_dims + 1
     nested = [key for key in first._keys_str()
               if all(type(item._get_str(key, None)) is TensorDict for item in items)]
     if not nested:

@@ -316,3 +316,21 @@ def test_a_locked_write_is_refused_with_tensordicts_first_sentence(write):
         with pytest.raises(RuntimeError) as raised:
             write(td)
         assert str(raised.value).startswith(sentence), (lib.__name__, str(raised.value))
+
+
+@pytest.mark.parametrize("dim", [0, 1, -1, -2])
+def test_maybe_dense_stack_with_a_negative_dim_stacks_nested_tensordicts_at_the_same_dim(dim):
+    # a negative dim counts from the items' batch; a nested tensordict's batch is longer
+    def items(lib):
+        return [lib.TensorDict({"x": torch.full((3,), float(i)),
+                                "n": lib.TensorDict({key: torch.full((3, 4), float(i))}, [3, 4])}, [3])
+                for i, key in enumerate("pq")]
+
+    libraries = [shared_td] + ([tensordict] if tensordict is not None else [])
+    for lib in libraries:
+        stacked = lib.maybe_dense_stack(items(lib), dim)
+        expected = [2, 3] if dim in (0, -2) else [3, 2]
+        assert list(stacked.batch_size) == expected, lib.__name__
+        assert list(stacked["n"].batch_size[:2]) == expected, lib.__name__
+        row = stacked[1] if dim in (0, -2) else stacked[:, 1]
+        assert bool((row["n", "q"] == 1).all()) and bool((row["x"] == 1).all()), lib.__name__
