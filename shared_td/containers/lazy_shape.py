@@ -384,8 +384,9 @@ def stacked_into(out: Any, result: Any) -> Any:
     """``result``, or ``out`` written with it (the ``out=`` of torch.stack and lazy_stack):
     its tensors in place (``out`` keeps its storage), its non-tensor entries replaced by
     the result's, as in tensordict 0.15.3 (a NonTensorStack of the stacked values cannot
-    be written in place into ``out``'s NonTensorData); a locked ``out`` holding some
-    refuses, as there, before anything is written. (torch.cat's ``out=`` writes them in
+    be written in place into ``out``'s NonTensorData); a locked ``out`` (or nested
+    node) holding some refuses before anything is written (tensordict writes the
+    tensors first). (torch.cat's ``out=`` writes them in
     place, as tensordict's does: see _into.)"""
     from shared_td.containers.base import is_leaf_nontensor, is_non_tensor
 
@@ -396,8 +397,11 @@ def stacked_into(out: Any, result: Any) -> Any:
     replaced = [key for key, value in leaves.items() if is_non_tensor(value) and is_non_tensor(out.get(key, None))]
     if not replaced:
         return out.update_(result)
-    if out.is_locked:
-        out.set(replaced[0], leaves[replaced[0]])  # (raises the locked error)
+    for key in replaced:  # every node whose entry is replaced, before any write
+        path = key if isinstance(key, tuple) else (key,)
+        parent = out.get(path[:-1]) if len(path) > 1 else out
+        if parent.is_locked:
+            parent.set(path[-1], leaves[key])  # (raises the locked error, naming the key)
     # (keys_to_update, not exclude: exclude keeps the fields of a nested tensorclass)
     out.update_(result, keys_to_update=[key for key in leaves if key not in replaced])
     for key in replaced:

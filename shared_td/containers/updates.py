@@ -210,8 +210,8 @@ class UpdateOps:
         changed) given our batch size, when its entries allow it (an empty
         ``TensorDict()``, or one whose tensors start with our batch size; the dims of
         ``value`` past it are dropped). Otherwise ``value`` itself, which the caller then
-        refuses, naming the key: a lazy stack (its batch size is its members'), or
-        entries that do not fit. Given the ``key``, those raise here instead, naming the
+        refuses, naming the key: a lazy stack (its batch_size setter takes only its
+        own size, as tensordict's), or entries that do not fit. Given the ``key``, those raise here instead, naming the
         key and the entry at fault (as tensordict names the entry).
 
         Raises:

@@ -229,6 +229,19 @@ def test_stack_into_a_locked_out_writes_nothing_when_refused():
     assert (out["a"] == 0).all() and out["tag"] == "walk"
 
 
+def test_stack_into_an_out_with_a_locked_nested_node_writes_nothing_when_refused():
+    # the locked node holding the replaced entry may be nested in an unlocked out
+    lib = shared_td
+    items = [lib.TensorDict(a=torch.ones(3), n=lib.TensorDict(tag="run", batch_size=[3]), batch_size=[3])
+             for _ in range(2)]
+    out = lib.TensorDict(a=torch.zeros(2, 3), n=lib.TensorDict(tag=lib.NonTensorData("walk", batch_size=[2, 3]),
+                                                               batch_size=[2, 3]), batch_size=[2, 3])
+    out["n"].lock_()
+    with pytest.raises(RuntimeError, match="Cannot modify locked TensorDict"):
+        torch.stack(items, 0, out=out)
+    assert (out["a"] == 0).all() and out["n", "tag"] == "walk"
+
+
 @pytest.mark.parametrize("lib", LIBS)
 def test_cat_into_out_still_writes_a_non_tensor_entry_in_place(lib):
     # (torch.cat's out= writes the entry, as tensordict's does: one same value fits)
