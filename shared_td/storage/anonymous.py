@@ -245,6 +245,15 @@ def attach_peer_fd(pid: int, fd: int, key: tuple[int, int], *, what: str, min_si
                 "The kernel is out of memory for a new open file."
             raise MappingError(err.errno, f"Cannot attach the {what} (inode {key[1]}) that process {pid} "
                                           f"holds: {err.strerror}. {limits}") from err
+        if err.errno in (errno.EACCES, errno.EPERM):
+            # the sender lives and may hold it: this process may not open its descriptors
+            raise SegmentUnavailableError(
+                f"The {what} (inode {key[1]}) sent by process {pid} cannot be attached "
+                f"({err.strerror}): this process may not open the descriptors of process {pid} "
+                f"(/proc/{pid}/fd: another user's process, a process that is not dumpable such as a "
+                "setuid program, or a ptrace restriction such as kernel.yama.ptrace_scope or a "
+                f"container's policy). Run both as one user without that restriction. {advice}"
+            ) from err
         # ENOENT, ESRCH: the process or its descriptor is gone; ESTALE: the number now
         # names another file (see reopen_peer_fd)
         raise _unavailable(pid, key, what, err.strerror or str(err), advice) from err
