@@ -215,8 +215,8 @@ def new_memfd(name: str, nbytes: int) -> int:
     """A new memfd (close-on-exec; ``name`` shows in ``/proc/<pid>/fd``, never in
     ``/dev/shm``) of ``nbytes`` bytes, all reserved with ``posix_fallocate``: touching
     them never raises SIGBUS. A full memory is the OSError of ``posix_fallocate``
-    (``ENOSPC``, ``ENOMEM``) or of :func:`check_memory_room`, raised with the new
-    descriptor closed (what was reserved is freed). The caller owns it. A memfd has no
+    (``ENOSPC``, ``ENOMEM``) or of :func:`shared_td.memory_check.check_memory_room`,
+    raised with the new descriptor closed (what was reserved is freed). The caller owns it. A memfd has no
     size limit of its own (reserving more than the memory fills RAM until the OOM killer
     ends some process): a big size is checked first, and reserved in chunks, checked
     again before each (memory taken by others meanwhile stops it too).
@@ -227,14 +227,13 @@ def new_memfd(name: str, nbytes: int) -> int:
         64
         >>> os.close(fd)
     """
-    if nbytes >= _CHECKED_SIZE:
-        check_memory_room(nbytes)  # before anything exists
+    _memory_check.check_growth(nbytes)  # before anything exists
     fd = os.memfd_create(name, os.MFD_CLOEXEC)
     try:
         for start in range(0, nbytes, _ALLOCATE_CHUNK):
             left = nbytes - start
-            if start and left >= _CHECKED_SIZE:
-                check_memory_room(left)
+            if start:
+                _memory_check.check_growth(left)
             os.posix_fallocate(fd, start, min(left, _ALLOCATE_CHUNK))
     except BaseException:
         os.close(fd)
@@ -242,92 +241,28 @@ def new_memfd(name: str, nbytes: int) -> int:
     return fd
 
 
-# Smaller reservations are not checked (reading /proc costs ~20 us a segment): they ask
-# no more than any allocation of the process does.
-_CHECKED_SIZE = 1 << 24
+# Reserved in chunks of this size, the memory checked again before each
 _ALLOCATE_CHUNK = 1 << 28
 
 
-def check_memory_room(nbytes: int) -> None:
-    """An ``OSError`` ``ENOMEM`` naming ``nbytes`` and the memory available when ``nbytes``
-    more bytes cannot be had without the OOM killer: more than :func:`memory_room`.
-
-    Example:
-        >>> check_memory_room(1)
-        >>> check_memory_room(1 << 62)
-        Traceback (most recent call last):
-        ...
-        OSError: [Errno 12] Not enough memory for 4611686018427387904 bytes (4294967296.0 GiB) ...
-    """
-    room, why = memory_room()
-    if nbytes > room:
-        raise OSError(errno.ENOMEM, (
-            f"Not enough memory for {nbytes} bytes ({nbytes / 2**30:.1f} GiB) of shared memory: "
-            f"{room} bytes ({room / 2**30:.1f} GiB) are available ({why})"))
-
-
-def memory_room() -> tuple[int, str]:
-    """``(bytes, how they were found)``: how much more memory this process can take:
-    ``MemAvailable + SwapFree`` of ``/proc/meminfo``, or less under a cgroup's limit.
-
-    Example:
-        >>> room, why = memory_room(); room > 0, why.startswith("MemAvailable ")
-        (True, True)
-    """
-    fields = {}
-    with open("/proc/meminfo") as source:
-        for line in source:
-            name, _, value = line.partition(":")
-            fields[name] = int(value.split()[0]) * 1024
-    available, swap = fields.get("MemAvailable", fields.get("MemFree", 0)), fields.get("SwapFree", 0)
-    room, why = available + swap, f"MemAvailable {available} + SwapFree {swap}"
-    limited = _cgroup_room()
-    if limited is not None and limited[0] < room:
-        return limited[0], f"{why}; {limited[1]}"
-    return room, why
+def _load_sibling(name: str):
+    """The torch-free module ``shared_td.<name>`` (a file beside this one): the one
+    imported already, else loaded by its path, as this module may be (the coordinator's
+    manager process loads it alone: importing the package would import torch)."""
+    import importlib.util
+    full_name = f"shared_td.{name}"
+    if "shared_td" in sys.modules:  # imported through the package
+        return importlib.import_module(full_name)
+    if full_name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            full_name, os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[full_name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[full_name]
 
 
-def _cgroup_room() -> tuple[int, str] | None:
-    """``(bytes, text)``: the room under the tightest memory limit of this process's
-    cgroup and its ancestors (v2 ``memory.max``, v1 ``memory.limit_in_bytes``), usage
-    less the file cache the kernel can reclaim; None without a limit."""
-    try:
-        with open("/proc/self/cgroup") as source:
-            lines = [line.split(":", 2) for line in source.read().splitlines()]
-    except OSError:
-        return None
-    tightest = None
-    for _, controllers, path in lines:
-        if controllers == "":  # v2
-            base, names = "/sys/fs/cgroup", ("memory.max", "memory.current", "")
-        elif "memory" in controllers.split(","):
-            base, names = "/sys/fs/cgroup/memory", ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_")
-        else:
-            continue
-        directory = os.path.normpath(base + path)
-        while directory.startswith(base):
-            found = _cgroup_level(directory, *names)
-            if found is not None and (tightest is None or found < tightest[0]):
-                tightest = (found, f"the memory limit of cgroup {directory}")
-            directory = "" if directory == base else os.path.dirname(directory)
-    return tightest
-
-
-def _cgroup_level(directory: str, limit_name: str, usage_name: str, prefix: str) -> int | None:
-    """Room under the memory limit of one cgroup ``directory``; None without one."""
-    try:
-        with open(os.path.join(directory, limit_name)) as source:
-            limit = source.read().strip()
-        if limit == "max" or int(limit) >= 1 << 62:  # v1 writes "no limit" as ~2**63
-            return None
-        with open(os.path.join(directory, usage_name)) as source:
-            usage = int(source.read())
-        with open(os.path.join(directory, "memory.stat")) as source:
-            cache = sum(int(line.split()[1]) for line in source
-                        if line.split()[0] in (prefix + "active_file", prefix + "inactive_file"))
-    except (OSError, ValueError, IndexError):
-        return None
-    return max(int(limit) - usage + cache, 0)
+_memory_check = _load_sibling("memory_check")
 
 
 def reopen_peer_fd(pid: int, fd: int, key: tuple[int, int]) -> int:

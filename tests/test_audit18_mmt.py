@@ -7,16 +7,20 @@ sense."""
 from __future__ import annotations
 
 import errno
+import io
 import os
 import pickle
+from multiprocessing.reduction import ForkingPickler
 
 import pytest
 import torch
 
-from shared_td import MemoryMappedTensor, TensorDict, platform
-from shared_td.errors import ReadOnlyError, StorageFullError
+from shared_td import MemoryMappedTensor, TensorDict, memory_check, platform
+from shared_td.errors import FileReplacedError, ReadOnlyError, StorageFullError
+from shared_td.memmap_tensor import tensor as tensor_module
 from shared_td.storage import files
 from shared_td.storage.anonymous import Segment
+from shared_td.storage.shared_value import SharedValue
 
 
 def _reference():
@@ -67,10 +71,10 @@ def test_an_anonymous_tensor_bigger_than_the_memory_is_refused(recorded_fallocat
 
 
 def test_memory_taken_while_reserving_stops_it_and_frees_what_was_reserved(monkeypatch):
-    monkeypatch.setattr(platform, "_CHECKED_SIZE", 4096, raising=False)
+    monkeypatch.setattr(memory_check, "_CHECKED_SIZE", 4096, raising=False)
     monkeypatch.setattr(platform, "_ALLOCATE_CHUNK", 4096, raising=False)
     rooms = iter([1 << 30, 1 << 30, 4096])  # the third check finds the memory gone
-    monkeypatch.setattr(platform, "memory_room", lambda: (next(rooms), "MemAvailable (test)"), raising=False)
+    monkeypatch.setattr(memory_check, "memory_room", lambda: (next(rooms), "MemAvailable (test)"), raising=False)
     reserved = []
     real = os.posix_fallocate
     monkeypatch.setattr(os, "posix_fallocate", lambda fd, offset, n: (reserved.append(n), real(fd, offset, n)))
@@ -337,15 +341,204 @@ def _fake_cgroup(tmp_path, names, limit, usage, stat):
 def test_the_room_under_a_cgroup_limit_counts_its_file_cache_as_free(tmp_path, names, prefix):
     stat = f"anon 5\n{prefix}active_file 100\n{prefix}inactive_file 50\n"
     directory = _fake_cgroup(tmp_path, names, "1000000\n", "600000\n", stat)
-    assert platform._cgroup_level(directory, names[0], names[1], prefix) == 1000000 - 600000 + 150
+    assert memory_check._cgroup_level(directory, names[0], names[1], prefix) == 1000000 - 600000 + 150
     unlimited = "max\n" if prefix == "" else f"{2**63 - 4096}\n"
     directory = _fake_cgroup(tmp_path, names, unlimited, "600000\n", stat)
-    assert platform._cgroup_level(directory, names[0], names[1], prefix) is None
+    assert memory_check._cgroup_level(directory, names[0], names[1], prefix) is None
 
 
 def test_a_tighter_cgroup_limit_is_the_room_and_is_named(monkeypatch, recorded_fallocate):
-    monkeypatch.setattr(platform, "_cgroup_room", lambda: (1 << 25, "the memory limit of cgroup /test"))
-    assert platform.memory_room()[0] == 1 << 25
+    monkeypatch.setattr(memory_check, "_cgroup_room", lambda swap_free=0: (1 << 25, "the memory limit of cgroup /test"))
+    assert memory_check.memory_room()[0] == 1 << 25
     with pytest.raises(StorageFullError, match="cgroup /test"):
         Segment.create(1 << 26)
     assert recorded_fallocate == []
+
+
+# ------------------------------------------------ second round: from_storage of a moved file
+
+
+def test_from_storage_of_a_moved_file_records_its_name_now(tmp_path):
+    a, c = str(tmp_path / "a.memmap"), str(tmp_path / "c.memmap")
+    first = MemoryMappedTensor.from_tensor(torch.zeros(4), filename=a)  # (alive: its mapping is reused)
+    os.rename(a, c)
+    opened = MemoryMappedTensor.from_filename(c, dtype=torch.float32, shape=(4,))
+    viewed = MemoryMappedTensor.from_storage(opened.untyped_storage(), dtype=torch.float32)
+    assert viewed.filename == c
+    named = MemoryMappedTensor.from_storage(opened.untyped_storage(), dtype=torch.float32, filename=c)
+    assert named.filename == c
+    MemoryMappedTensor.from_tensor(torch.ones(4), filename=a)  # another file at the old name
+    received = pickle.loads(pickle.dumps(viewed))
+    received.fill_(-1.0)
+    assert opened.tolist() == first.tolist() == [-1.0] * 4  # the file it maps, not the new one at a
+    assert MemoryMappedTensor.from_filename(a, dtype=torch.float32, shape=(4,)).tolist() == [1.0] * 4
+    # tensordict records the name it was opened by too
+    ref = _reference()
+    theirs = ref.from_filename(c, dtype=torch.float32, shape=(4,))
+    assert ref.from_storage(theirs.untyped_storage(), dtype=torch.float32).filename == c
+
+
+def test_from_storage_with_no_name_of_the_moved_file_asks_for_filename(tmp_path):
+    a, c = str(tmp_path / "a.memmap"), str(tmp_path / "c.memmap")
+    first = MemoryMappedTensor.from_tensor(torch.zeros(4), filename=a)
+    os.rename(a, c)
+    MemoryMappedTensor.from_tensor(torch.ones(4), filename=a)  # another file at the old name
+    with pytest.raises(FileReplacedError, match="pass filename="):
+        MemoryMappedTensor.from_storage(first.untyped_storage(), dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="differs"):
+        MemoryMappedTensor.from_storage(first.untyped_storage(), dtype=torch.float32, filename=a)
+    named = MemoryMappedTensor.from_storage(first.untyped_storage(), dtype=torch.float32, filename=c)
+    assert named.filename == c
+    pickle.loads(pickle.dumps(named)).fill_(2.0)
+    assert first.tolist() == [2.0] * 4
+
+
+# ------------------------------------------------ second round: a failed fill leaves no file
+
+
+@pytest.mark.parametrize("fill_value, dtype", [(300, torch.uint8), ("x", torch.float32),
+                                               (1.5 + 2j, torch.int64)])
+def test_a_fill_value_the_dtype_cannot_hold_leaves_no_file(tmp_path, fill_value, dtype):
+    kinds = []
+    for cls, path in ((MemoryMappedTensor, tmp_path / "ours.memmap"), (_reference(), tmp_path / "theirs.memmap")):
+        with pytest.raises((RuntimeError, TypeError)) as raised:
+            cls.full(3, fill_value=fill_value, dtype=dtype, filename=path)
+        kinds.append(type(raised.value))
+        assert not path.exists()
+        assert cls.full(3, fill_value=3, dtype=torch.uint8, filename=path).tolist() == [3] * 3  # a retry
+    assert kinds[0] is kinds[1]  # the same exception as tensordict's
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
+def test_full_of_a_quantized_dtype_is_refused_as_before(tmp_path):
+    with pytest.raises(NotImplementedError, match="quantized"):
+        MemoryMappedTensor.full(3, fill_value=1, dtype=torch.qint8, filename=tmp_path / "x.memmap")
+    assert not (tmp_path / "x.memmap").exists()
+
+
+def _failing(monkeypatch, name, then=None):
+    def fail(self, *args, **kwargs):
+        if then is not None:
+            then()
+        raise RuntimeError(f"{name} failed (test)")
+    monkeypatch.setattr(MemoryMappedTensor, name, fail)
+
+
+@pytest.mark.parametrize("make", ["full", "copy"])
+def test_a_fill_or_copy_that_fails_after_the_file_was_made_removes_it(tmp_path, monkeypatch, make):
+    path = tmp_path / "x.memmap"
+    if make == "full":
+        _failing(monkeypatch, "fill_")
+        call = lambda: MemoryMappedTensor.full(3, fill_value=2.0, filename=path)  # noqa: E731
+    else:  # a non-contiguous input copied through the mapping
+        monkeypatch.setattr(tensor_module, "_CONTIGUOUS_COPY_LIMIT", 0)
+        _failing(monkeypatch, "copy_")
+        call = lambda: MemoryMappedTensor.from_tensor(torch.ones(6)[::2], filename=path)  # noqa: E731
+    with pytest.raises(RuntimeError, match="failed \\(test\\)"):
+        call()
+    assert not path.exists()
+    monkeypatch.undo()
+    assert call().tolist() in ([2.0] * 3, [1.0] * 3)  # the retry works
+
+
+def test_a_failed_fill_keeps_a_file_put_there_since_and_a_reused_one(tmp_path, monkeypatch):
+    path = tmp_path / "x.memmap"
+
+    def replace():
+        (tmp_path / "other").write_bytes(b"theirs")
+        os.replace(tmp_path / "other", path)
+
+    _failing(monkeypatch, "fill_", replace)
+    with pytest.raises(RuntimeError, match="test"):
+        MemoryMappedTensor.full(3, fill_value=2.0, filename=path)
+    assert path.read_bytes() == b"theirs"
+    reused = tmp_path / "reused.memmap"
+    reused.write_bytes(b"\0" * 12)
+    _failing(monkeypatch, "fill_")
+    with pytest.raises(RuntimeError, match="test"):
+        MemoryMappedTensor.full(3, fill_value=2.0, filename=reused, existsok=True)
+    assert reused.exists()
+
+
+# ------------------------------------------------ second round: a cgroup's swap room
+
+_G = 1 << 30
+
+
+def _fake_level(tmp_path, files_and_values):
+    for name, value in files_and_values.items():
+        (tmp_path / name).write_text(value)
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("swap_files, swap_room", [
+    ({}, 16 * _G),  # no swap accounting: the system's swap
+    ({"memory.swap.max": "max\n", "memory.swap.current": "0\n"}, 16 * _G),
+    ({"memory.swap.max": f"{2 * _G}\n", "memory.swap.current": f"{_G // 2}\n"}, 3 * _G // 2),
+    ({"memory.swap.max": "0\n", "memory.swap.current": "0\n"}, 0),
+    ({"memory.swap.max": f"{64 * _G}\n", "memory.swap.current": "0\n"}, 16 * _G),  # capped
+])
+def test_a_cgroup_v2_counts_its_swap_room(tmp_path, swap_files, swap_room):
+    directory = _fake_level(tmp_path, {"memory.max": f"{4 * _G}\n", "memory.current": f"{_G}\n",
+                                       "memory.stat": "anon 1\nactive_file 0\ninactive_file 0\n",
+                                       **swap_files})
+    found = memory_check._cgroup_level(directory, "memory.max", "memory.current", "", swap_free=16 * _G)
+    assert found == 3 * _G + swap_room
+
+
+def test_a_cgroup_v1_counts_its_memsw_room_less_the_memory_part(tmp_path):
+    directory = _fake_level(tmp_path, {
+        "memory.limit_in_bytes": f"{4 * _G}\n", "memory.usage_in_bytes": f"{_G}\n",
+        "memory.stat": "total_active_file 0\ntotal_inactive_file 0\n",
+        "memory.memsw.limit_in_bytes": f"{6 * _G}\n",
+        "memory.memsw.usage_in_bytes": f"{3 * _G // 2}\n"})  # 1 GiB of memory, 0.5 of swap
+    found = memory_check._cgroup_level(directory, "memory.limit_in_bytes", "memory.usage_in_bytes", "total_",
+                                   swap_free=16 * _G)
+    assert found == 3 * _G + 3 * _G // 2  # memsw room 4.5 GiB: 3 of memory, 1.5 of swap
+
+
+def test_a_segment_that_fits_in_a_cgroups_swap_is_not_refused(monkeypatch):
+    fake = {"/proc/meminfo": f"MemAvailable: {40 * _G // 1024} kB\nSwapFree: {16 * _G // 1024} kB\n",
+            "/proc/self/cgroup": "0::/test\n",
+            "/sys/fs/cgroup/test/memory.max": str(4 * _G), "/sys/fs/cgroup/test/memory.current": str(_G),
+            "/sys/fs/cgroup/test/memory.swap.max": "max",
+            "/sys/fs/cgroup/test/memory.stat": "anon 1\n"}
+
+    def fake_open(path, *args, **kwargs):
+        if path in fake:
+            return io.StringIO(fake[path])
+        raise FileNotFoundError(path)
+
+    monkeypatch.setattr(memory_check, "open", fake_open, raising=False)
+    memory_check.check_memory_room(5 * _G)  # 3 GiB of memory left under the limit, 16 of swap
+    with pytest.raises(OSError, match="cgroup /sys/fs/cgroup/test"):
+        memory_check.check_memory_room(20 * _G)
+
+
+# ------------------------------------------------ second round: shared values
+
+
+def test_a_failed_forking_pickle_of_a_shared_value_leaks_no_descriptor():
+    ForkingPickler.dumps(SharedValue.create(0))  # the resource sharer started once
+    cell = SharedValue.create(1)
+
+    def failed():
+        raise TimeoutError("hand-over to the coordinator timed out (test)")
+
+    before = _open_fds()
+    cell.handing_over(failed)
+    with pytest.raises(TimeoutError):
+        ForkingPickler.dumps(cell)
+    assert _open_fds() == before
+
+
+def test_a_shared_value_grows_only_with_room_in_the_memory(monkeypatch):
+    cell = SharedValue.create(0)
+    size = os.fstat(cell.fd).st_size
+    monkeypatch.setattr(memory_check, "_CHECKED_SIZE", 4096)
+    monkeypatch.setattr(memory_check, "memory_room", lambda: (8192, "MemAvailable (test)"))
+    with pytest.raises(StorageFullError, match="Not enough memory"):
+        cell.set(b"x" * 100_000)
+    assert cell.get() == 0 and os.fstat(cell.fd).st_size == size
+    cell.set(b"y" * 2000)  # a small growth is not checked
+    assert cell.get() == b"y" * 2000

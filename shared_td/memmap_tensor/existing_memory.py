@@ -81,7 +81,10 @@ class FromExistingMemory:
         it is assumed to be a shared mapping. The storage of an existing MMT, or of a
         :class:`Segment` passed as ``handler``, keeps that MMT's backing. Other storages
         give a tensor that cannot be pickled. ``dtype`` defaults to the storage's (``int64`` for an untyped one, as
-        in tensordict) and ``shape`` to 1-D.
+        in tensordict) and ``shape`` to 1-D. A file moved since this process mapped it
+        is recorded by a name it has now (its old name may hold another file): the
+        name it was opened by, or ``filename`` (which must name that file); with no such
+        name known, a :class:`~shared_td.errors.FileReplacedError` asks for ``filename``.
 
         Example:
             >>> import tempfile
@@ -153,7 +156,8 @@ def _storage_backing(storage, filename, handler):
         if storage.data_ptr() != handler.storage.data_ptr():
             raise ValueError("The storage is not the mapping of the given handler.")
         return handler
-    backing = files.find_backing(storage) or anonymous.find_segment(storage)
+    # (a file moved since it was mapped is recorded by a name it has now: find_backing)
+    backing = files.find_backing(storage, filename) or anonymous.find_segment(storage)
     own_file = getattr(storage, "filename", None)
     # our own mappings are made through /proc/self/fd paths, which name nothing later
     if backing is None and own_file is not None and not own_file.startswith("/proc/"):

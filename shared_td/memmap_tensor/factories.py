@@ -1,13 +1,57 @@
 """The constructors of MemoryMappedTensor named as torch's (``empty``, ``zeros``, ``ones``,
 ``full`` and their ``*_like``), a mixin of the class: each is one call of the class's
-``_new_filled(shape, dtype, device, filename, existsok, fill_value)`` (tensor.py)."""
+``_new_filled(shape, dtype, device, filename, existsok, fill_value)``, which allocates
+with the class's ``_allocate`` (tensor.py).
+
+A constructor that fails leaves no file behind: a fill value that the dtype cannot hold
+is refused before the file exists, and a file this call made is removed when any later
+step fails (:func:`removed_on_failure`), so a retry does not find it "already exists"."""
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 
-from shared_td.memmap_tensor.shapes import _parse_shape
+import torch
 
-__all__ = ["Factories", "zero_bytes"]
+from shared_td.memmap_tensor.shapes import _check_cpu, _parse_shape, checked_nbytes
+from shared_td.storage.files import FileBacking
+from shared_td.storage.mapping import mapped_backing, same_mapping
+
+__all__ = ["Factories", "removed_on_failure", "zero_bytes"]
+
+
+@contextlib.contextmanager
+def removed_on_failure(result, created: bool):
+    """Run the block that fills ``result`` (a new MMT); if it raises and ``created`` (the
+    constructor made ``result``'s file), remove that file: only if its path still names
+    the inode that ``result`` maps (this process's mapping of the inode at the path is
+    ``result``'s), never a file put there since.
+
+    Example:
+        >>> import tempfile
+        >>> from shared_td import MemoryMappedTensor
+        >>> path = os.path.join(tempfile.mkdtemp(), "x.memmap")
+        >>> t = MemoryMappedTensor.empty(2, filename=path)
+        >>> with removed_on_failure(t, True):
+        ...     raise ValueError("a failed fill")
+        Traceback (most recent call last):
+        ...
+        ValueError: a failed fill
+        >>> os.path.exists(path)
+        False
+    """
+    try:
+        yield
+    except BaseException:
+        backing = getattr(result, "_backing", None)
+        if created and isinstance(backing, FileBacking) and backing.storage is not None:
+            try:
+                if same_mapping(mapped_backing(os.lstat(backing.path)), backing):
+                    os.unlink(backing.path)
+            except OSError:
+                pass  # (the error to raise is the one that failed the constructor)
+        raise
 
 
 def zero_bytes(value) -> bool:
@@ -122,3 +166,18 @@ class Factories:
             MemoryMappedTensor([7, 7])
         """
         return cls._new_filled(input.shape, input.dtype, None, filename, False, fill_value)
+
+    @classmethod
+    def _new_filled(cls, shape, dtype, device, filename, existsok, fill_value):
+        _check_cpu(device)
+        dtype = torch.get_default_dtype() if dtype is None else dtype
+        # (checked_nbytes first: a quantized dtype gets its own error)
+        if fill_value is not None and checked_nbytes(shape, dtype):
+            # a value the dtype cannot hold (300 for uint8, "x") fails here, before the file exists
+            torch.empty((), dtype=dtype).fill_(fill_value)
+        result, fresh = cls._allocate(shape, dtype, filename, existsok)
+        # a fresh file or segment is already zero: skip touching every page
+        if fill_value is not None and result.numel() and not (fresh and zero_bytes(fill_value)):
+            with removed_on_failure(result, fresh):
+                result.fill_(fill_value)
+        return result

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from shared_td.memmap_tensor.existing_memory import FromExistingMemory
-from shared_td.memmap_tensor.factories import Factories, zero_bytes
-from shared_td.memmap_tensor.shapes import _check_cpu, _element_offset, _extent, checked_nbytes, checked_shape
+from shared_td.memmap_tensor.factories import Factories, removed_on_failure
+from shared_td.memmap_tensor.shapes import _element_offset, _extent, checked_nbytes, checked_shape
 from shared_td.storage import files
 from shared_td.storage.anonymous import Segment
 from shared_td.storage.files import FileBacking
@@ -260,16 +260,6 @@ class MemoryMappedTensor(FromExistingMemory, Factories, torch.Tensor):
             return cls._empty_leaf(FileBacking(path, None, 0, True), dtype, shape), True
         return cls._from_backing(backing, 0, dtype, shape), created and data is None
 
-    @classmethod
-    def _new_filled(cls, shape, dtype, device, filename, existsok, fill_value):
-        _check_cpu(device)
-        dtype = torch.get_default_dtype() if dtype is None else dtype
-        result, fresh = cls._allocate(shape, dtype, filename, existsok)
-        # a fresh file or segment is already zero: skip touching every page
-        if fill_value is not None and result.numel() and not (fresh and zero_bytes(fill_value)):
-            result.fill_(fill_value)
-        return result
-
     # ------------------------------------------------------------------- constructors
 
     @classmethod
@@ -344,9 +334,10 @@ class MemoryMappedTensor(FromExistingMemory, Factories, torch.Tensor):
         ):
             # bytes go in with pwrite before mapping: the fast path for big leaves
             data = files.tensor_bytes(input.cpu())
-        result, _ = cls._allocate(shape, input.dtype, filename, existsok, data)
+        result, fresh = cls._allocate(shape, input.dtype, filename, existsok, data)
         if copy_data and nbytes and data is None:
-            result.copy_(input)
+            with removed_on_failure(result, fresh):  # (fresh: a file this call made)
+                result.copy_(input)
         return result
 
     # ---------------------------------------------------------------- tensor protocol

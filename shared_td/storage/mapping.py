@@ -29,6 +29,7 @@ import os
 import re
 import resource
 import stat
+import weakref
 
 import torch
 
@@ -230,7 +231,8 @@ class FileBacking:
     it) raises FileReplacedError; it read the new file's bytes at the old offsets.
     """
 
-    __slots__ = ("path", "storage", "nbytes", "shared", "read_only", "inode", "origin", "__weakref__")
+    __slots__ = ("path", "storage", "nbytes", "shared", "read_only", "inode", "origin", "aliases",
+                 "__weakref__")
 
     def __init__(self, path: str, storage, nbytes: int, shared: bool, read_only: str | None = None,
                  inode: tuple[int, int] | None = None):
@@ -243,6 +245,9 @@ class FileBacking:
         #: the cached backing whose mapping this one shares under another name (see
         #: :func:`named`): held, so this process's cache keeps that mapping; else None
         self.origin = None
+        #: the live backings made by :func:`named` that share this one's mapping under
+        #: other names (a weakref.WeakSet, made with the first), for :func:`find_backing`
+        self.aliases = None
 
     def __reduce__(self):
         return _unpickle_backing, (self.path, self.shared, self.read_only, self.inode, boot_id())
@@ -275,7 +280,10 @@ def named(cached: FileBacking, path: str) -> FileBacking:
     if cached.path == path:
         return cached
     alias = FileBacking(path, cached.storage, cached.nbytes, cached.shared, cached.read_only, cached.inode)
-    alias.origin = cached.origin or cached
+    origin = alias.origin = cached.origin or cached
+    if origin.aliases is None:
+        origin.aliases = weakref.WeakSet()
+    origin.aliases.add(alias)
     return alias
 
 
@@ -370,11 +378,46 @@ def mapped_backing(st: os.stat_result) -> FileBacking | None:
     return _CACHE.get((st.st_dev, st.st_ino))
 
 
-def find_backing(storage) -> FileBacking | None:
-    """The shared FileBacking of this process whose storage is ``storage``, if any."""
-    backings = _CACHE.values()
-    return next((b for b in backings if b.storage is not None
-                 and b.storage.data_ptr() == storage.data_ptr()), None)
+def find_backing(storage, filename: str | None = None) -> FileBacking | None:
+    """A backing of this process's shared mapping whose storage is ``storage``, named by
+    a path that names the mapped file now; None when ``storage`` is no such mapping.
+
+    The file may have been moved since it was mapped, and its first name may hold
+    another file by now: a backing is returned only if its path names the mapped inode
+    (the mapping's own, or a live one that :func:`named` made), else, with no
+    ``filename``, a :class:`FileReplacedError` asks for it. ``filename``: the name to
+    record; it must name the mapped file (else the ``RuntimeError`` "differs").
+    """
+    origin = next((b for b in _CACHE.values() if b.storage is not None
+                   and b.storage.data_ptr() == storage.data_ptr()), None)
+    if origin is None:
+        return None
+    if filename is not None:
+        path = os.path.abspath(filename)
+        if _names_mapping(path, origin):
+            return named(origin, path)
+        raise RuntimeError(
+            "Providing a storage with an associated filename that differs from the filename "
+            f"argument is not permitted unless filename=None. Got filename={filename}, "
+            f"storage.filename={origin.path} ({path} is not the file this storage maps).")
+    for candidate in (origin, *(origin.aliases or ())):
+        if _names_mapping(candidate.path, origin):
+            return candidate
+    raise FileReplacedError(errno.ENOENT, (
+        f"The file this storage maps is no longer at {origin.path} (it was moved, deleted or "
+        "replaced since it was mapped), and no name of it is known: pass filename= with "
+        "its path now (MemoryMappedTensor.from_storage(storage, filename=...))."))
+
+
+def _names_mapping(path: str, backing: FileBacking) -> bool:
+    """Whether ``path`` names the file that ``backing`` maps: this process's mapping of
+    the inode there is ``backing``'s (a live mapping keeps its inode, so its number is
+    never another file's meanwhile). A symlink at ``path`` is not that file."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return same_mapping(_CACHE.get((st.st_dev, st.st_ino)), backing)
 
 
 def relocated(backing: FileBacking, path: str) -> FileBacking:

@@ -215,7 +215,7 @@ class SharedValue:
                 offset = max(_PAYLOAD, -(-(live_offset + live_length) // 8) * 8)
             if offset + length > self._reserved:
                 # reserve first: a full memory fails here, before anything is published
-                allocate(self.fd, 0, offset + length, _WHAT)
+                allocate(self.fd, 0, offset + length, _WHAT, anonymous=True)
                 self._reserved = offset + length
             pwrite_all(self.fd, payload, offset, where=_WHAT)
             other = 2 - live
@@ -284,8 +284,12 @@ class SharedValue:
 
     def _reduce_with_duplicate(self):
         # multiprocessing's ForkingPickler (registered below): a duplicate descriptor that
-        # outlives this object, so that the receiver needs only the sender process
-        return _receive, (multiprocessing.reduction.DupFd(self.fd), self.key, os.getpid(), self.fd, self.holders)
+        # outlives this object, so that the receiver needs only the sender process. The
+        # holders first: reading them can raise (a failed hand-over), and a DupFd made
+        # before would stay registered with the resource sharer (an fd and the memfd's
+        # memory) until this process exits
+        holders = self.holders
+        return _receive, (multiprocessing.reduction.DupFd(self.fd), self.key, os.getpid(), self.fd, holders)
 
     def __repr__(self) -> str:
         return f"SharedValue(fd={self.fd}, inode={self.key[1]}, holders={list(self._holders)})"

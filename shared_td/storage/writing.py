@@ -22,6 +22,7 @@ import stat
 
 import torch
 
+from shared_td import memory_check
 from shared_td.errors import StorageFullError
 from shared_td.storage.mapping import file_kind
 
@@ -112,11 +113,18 @@ def not_regular_error(code: int, where: str, mode: int) -> OSError:
                          "Remove it (or write to another path) and write again.")
 
 
-def allocate(fd: int, offset: int, nbytes: int, where: str) -> None:
+def allocate(fd: int, offset: int, nbytes: int, where: str, *, anonymous: bool = False) -> None:
     """Reserve bytes ``offset .. offset + nbytes`` of ``fd`` with ``posix_fallocate``
     (growing it if needed): a full disk or memory is a :class:`StorageFullError` naming
-    the size and ``where`` now, never a SIGBUS when a page is first touched."""
+    the size and ``where`` now, never a SIGBUS when a page is first touched.
+
+    ``anonymous``: ``fd`` is a memfd, which no size limit of its own stops (growing it
+    past the memory fills RAM until the OOM killer ends some process): a big growth is
+    checked first against the memory available (:func:`shared_td.memory_check.check_growth`),
+    as a new segment is."""
     try:
+        if anonymous:
+            memory_check.check_growth(offset + nbytes - os.fstat(fd).st_size)
         os.posix_fallocate(fd, offset, nbytes)
     except OSError as err:
         if err.errno in NO_SPACE_ERRNOS:
