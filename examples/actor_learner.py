@@ -131,21 +131,28 @@ def main(argv=None) -> int:
                             f"sampled {rate(sampled, elapsed)}  policy v{state['policy_version']}")
                 time.sleep(0.2)
             line.close()
+            # the timed window ends here: what the workers do while stopping is not in it
+            elapsed = time.monotonic() - started
+            written_now = int(state["written"].sum()) - written0
+            sampled_now = int(state["sampled"]) - sampled0
         finally:
             state["stop"].fill_(True)
+            deadline = time.monotonic() + 30  # one deadline for all of them, then kill
             for worker in workers:
-                worker.join(30)
+                worker.join(max(deadline - time.monotonic(), 0))
+            for worker in workers:
                 if worker.exitcode is None:
-                    worker.kill()
-        elapsed = time.monotonic() - started
+                    worker.kill()  # SIGKILL: a stuck worker too
+                    worker.join(10)
         written = int(state["written"].sum())
         ok, message = slots_check(buffer, cursor.value, written)
-        written_now, sampled_now = written - written0, int(state["sampled"]) - sampled0
         print(f"throughput: {args.actors} actors wrote {written_now:,} transitions "
               f"({rate(written_now, elapsed)}), the learner sampled {sampled_now:,} "
               f"({rate(sampled_now, elapsed)}); loss {float(state['loss']):.4f}, "
               f"policy version {state['policy_version']}")
-        print(f"cursor: {message}")
+        # the cursor counts every write of the run, the timed ones and the others
+        print(f"cursor: {message} ({written:,} = {written_now:,} in the {elapsed:.1f} s timed "
+              f"above + {written - written_now:,} while the workers started and stopped)")
     return 0 if ok and all(w.exitcode == 0 for w in workers) else 1
 
 

@@ -199,6 +199,18 @@ class NodeTakenOverError(ConnectionError):
     this process fails with it; its replicas stay readable. Shut its Coordinator down."""
 
 
+class DemoNodeStoppedError(RuntimeError):
+    """``python -m shared_td demo --nodes 2``: the other node aborted the run; it failed,
+    or (``interrupted``) its user pressed Ctrl-C, and this node stopped its processes."""
+
+    def __init__(self, other: str, what: str, interrupted: bool):
+        self.other, self.what, self.interrupted = other, what, interrupted
+        super().__init__(f"{other} {'was interrupted' if interrupted else 'failed'} {what}")
+
+    def __reduce__(self):  # (its arguments are not its message: pickled as made)
+        return type(self), (self.other, self.what, self.interrupted)
+
+
 class NameClashError(ValueError, RuntimeError):
     """A batch dim name used twice once a parent's names reach a nested tensordict: the
     ValueError tensordict 0.15.3 raises, and the RuntimeError shared_td raised before."""

@@ -11,13 +11,13 @@ stores straight into the memory every process of its node maps.
 """
 from __future__ import annotations
 
-import signal
 import time
 
 import torch
 
 from shared_td import Coordinator, SharedCounter, TensorDict
 from shared_td.demo.replay import Env, check_in, greedy_actions, ring_rows, running
+from shared_td.demo.supervise import ignore_ctrl_c
 
 EPSILON = 0.2  # exploration rate
 
@@ -53,7 +53,7 @@ def run_actor(coord: Coordinator, cursor: SharedCounter, actor_id: int, batch_si
     Spawn-safe: everything arrives by reference (the coordinator handle is its address
     and key; the cursor a memfd reference) and the buffer is attached by name.
     """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the parent stops us via phase
+    ignore_ctrl_c()  # Ctrl-C: the parent stops us via phase
     buffer = coord.attach("replay")
     state = coord.attach("state")
     env = Env(batch_size, seed=1 + actor_id)
@@ -76,7 +76,7 @@ def run_node_actor(coord: Coordinator, actor_id: int, batch_size: int, pause: fl
     network), then, until ``phase`` is 2, writes ``batch_size`` transitions at each
     cursor position ``grant[actor_id]`` the node's agent hands it and reports the
     position done in ``filled[actor_id]``."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the agent stops us via phase
+    ignore_ctrl_c()  # Ctrl-C: the agent stops us via phase
     buffer = coord.attach("replay")
     policy = coord.attach("policy")
     state = coord.attach("actors")

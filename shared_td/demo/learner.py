@@ -4,13 +4,13 @@ replay buffer, fits a linear reward model, and publishes new weights and a new
 """
 from __future__ import annotations
 
-import signal
 import time
 
 import torch
 
 from shared_td import Coordinator, SharedCounter
 from shared_td.demo.replay import NUM_ACTIONS, OBS_SIZE, check_in, running
+from shared_td.demo.supervise import ignore_ctrl_c
 
 LEARNING_RATE = 0.05
 
@@ -19,7 +19,7 @@ def run_learner(coord: Coordinator, cursor: SharedCounter, learner_slot: int, ba
                 publish_every: int, pause: float) -> None:
     """Train until the parent sets ``phase`` to 2; ``learner_slot`` is this process's
     index in ``state["ready"]`` and ``state["inode"]``."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the parent stops us via phase
+    ignore_ctrl_c()  # Ctrl-C: the parent stops us via phase
     buffer = coord.attach("replay")
     state = coord.attach("state")
     capacity = len(buffer)

@@ -25,19 +25,20 @@ from __future__ import annotations
 import multiprocessing
 import os
 import secrets
-import signal
+import sys
 import time
 from contextlib import contextmanager
 
 import torch
 
-from shared_td import Coordinator, SharedCounter, TensorDict
+from shared_td import Coordinator, DemoNodeStoppedError, SharedCounter, TensorDict
 from shared_td.coordinator.store_host import host_tcp_store
 from shared_td.demo.actor import run_node_actor
 from shared_td.demo.learner import run_learner
 from shared_td.demo.replay import NUM_ACTIONS, OBS_SIZE, backing_inode, replay_layout, slots_check, state_layout
 from shared_td.demo.session import START_TIMEOUT, DemoResult, run_with_progress
-from shared_td.demo.supervise import STOP_TIMEOUT, check_alive, stop, wait_for
+from shared_td.demo.supervise import (STOP_TIMEOUT, check_alive, ignore_ctrl_c, manager_answers, start_all, stop,
+                                      wait_for)
 
 __all__ = ["actors_layout", "node1_main", "policy_layout", "run_two_nodes"]
 
@@ -92,9 +93,11 @@ class NodeStages:
     """The stage counter both nodes step through, and the abort flag; every wait is
     bounded and gives up when the other node aborted or (``alive``) died."""
 
-    def __init__(self, coord: Coordinator):
+    def __init__(self, coord: Coordinator, other: str = "the other node"):
+        self._other = other  # its name, in the errors
         self._stage = coord.counter("demo/stage")
         self._abort = coord.counter("demo/abort")
+        self._interrupted = coord.counter("demo/interrupted")
 
     def reach(self, stage: int) -> None:
         """Announce ``stage`` (each stage is announced once, by one node)."""
@@ -104,17 +107,24 @@ class NodeStages:
     def now(self) -> int:
         return self._stage.value
 
-    def abort(self) -> None:
+    def abort(self, interrupted: bool = False) -> None:
+        """Stop both nodes; ``interrupted``: by the user's Ctrl-C, not a failure."""
+        if interrupted:  # before the abort: the other node reads it once it sees the abort
+            self._interrupted.fetch_add(1)
         self._abort.fetch_add(1)
 
     def aborted(self) -> bool:
         return self._abort.value > 0
 
+    def check_abort(self, what: str) -> None:
+        """:class:`DemoNodeStoppedError` if the other node aborted."""
+        if self.aborted():
+            raise DemoNodeStoppedError(self._other, what, interrupted=self._interrupted.value > 0)
+
     def wait(self, stage: int, timeout: float, what: str, alive=lambda: None) -> None:
         deadline = time.monotonic() + timeout
         while self._stage.value < stage:
-            if self.aborted():
-                raise RuntimeError(f"the other node failed while this one waited for {what}")
+            self.check_abort(f"while this one waited for {what}")
             alive()
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{what} did not happen within {timeout:g} s")
@@ -123,23 +133,34 @@ class NodeStages:
 
 def node1_main(url: str, authkey: bytes, actors: int, batch_size: int, pause: float) -> None:
     """Node 1 (a spawned process): its own Coordinator, its actors and the agent loop.
-    Exits 0 after a complete run; on any failure it announces the abort, stops its
-    actors and exits 1."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: node 0 stops us via the stages
+    Exits 0 after a complete run; on a failure of its own it announces the abort, stops
+    its actors and exits 1 (with the traceback); when node 0 aborts, it stops its actors,
+    prints one line and exits 1, or 130 when node 0 was interrupted (Ctrl-C)."""
+    ignore_ctrl_c()  # Ctrl-C: node 0 stops us via the stages
     coord = Coordinator(cluster=url, node=1, nodes=2, authkey=authkey, timeout=CLUSTER_TIMEOUT)
     processes = []
+    try:
+        _node1_run(coord, processes, actors, batch_size, pause)
+    except DemoNodeStoppedError as error:
+        # node 0 reports its own failure, or the interrupt: one line here, no traceback
+        print(f"shared_td demo (node 1): {error}; node 1 stopped its actors", file=sys.stderr, flush=True)
+        raise SystemExit(130 if error.interrupted else 1) from None
+
+
+def _node1_run(coord: Coordinator, processes: list, actors: int, batch_size: int, pause: float) -> None:
+    """Node 1's run (``processes``: filled with its actors, stopped before this returns
+    or raises)."""
     with coord:
-        stages = NodeStages(coord)
+        stages = NodeStages(coord, other="node 0")
         try:
             stages.wait(PUBLISHED, START_TIMEOUT, "node 0's publishing")
             buffer = coord.attach("replay")          # node 1's replica: one full transfer
             coord.attach("policy")
             state = coord.publish("actors", actors_layout(actors), replicate=True)
             ctx = multiprocessing.get_context("spawn")
-            processes = [ctx.Process(target=run_node_actor, args=(coord, i, batch_size, pause),
-                                     name=f"actor-{i} (node 1)") for i in range(actors)]
-            for process in processes:
-                process.start()
+            processes += [ctx.Process(target=run_node_actor, args=(coord, i, batch_size, pause),
+                                      name=f"actor-{i} (node 1)") for i in range(actors)]
+            start_all(processes)
             wait_for(lambda: bool(state["ready"].all()), processes, START_TIMEOUT, "start")
             stages.reach(NODE1_READY)
             stages.wait(RUN, START_TIMEOUT, "node 0's start", lambda: check_alive(processes, "start"))
@@ -150,18 +171,20 @@ def node1_main(url: str, authkey: bytes, actors: int, batch_size: int, pause: fl
             state["same_memory"].fill_(bool((state["inode"] == backing_inode(buffer["obs"])).all()))
             stages.reach(DRAINED)
             stages.wait(DONE, CLUSTER_TIMEOUT, "node 0's checks")  # node 0 pulls our state
-        except BaseException:
-            stages_failed(coord)
+        except BaseException as error:
+            if not isinstance(error, DemoNodeStoppedError):
+                stages_failed(coord, error)
             if processes:
                 state["phase"].fill_(2)
                 stop(processes, report=False)  # the error in flight says what went wrong
             raise
 
 
-def stages_failed(coord: Coordinator) -> None:
-    """Tell the other node that this one failed (if the store is still there)."""
+def stages_failed(coord: Coordinator, error: BaseException) -> None:
+    """Tell the other node that this one failed or was interrupted (``error``), if the
+    store is still there."""
     try:
-        NodeStages(coord).abort()
+        NodeStages(coord).abort(interrupted=isinstance(error, KeyboardInterrupt))
     except (RuntimeError, OSError):
         pass  # the store is gone: the other node sees ConnectionError by itself
 
@@ -195,8 +218,7 @@ def _agent(coord, stages: NodeStages, state, processes, batch_size: int, capacit
                 return
         if time.monotonic() >= next_look:  # the stage is a store round trip: not every step
             check_alive(processes, "run")
-            if stages.aborted():
-                raise RuntimeError("node 0 failed during the run")
+            stages.check_abort("during the run")
             granting = stages.now < STOP
             next_look = time.monotonic() + 0.05
         if not done:
@@ -211,7 +233,7 @@ def run_two_nodes(seconds: float, actors: int, capacity: int, batch_size: int, s
         url = f"tcp://127.0.0.1:{store.port}?host=0"  # node 1 joins the store this process hosts
         authkey = secrets.token_bytes(32)  # one run's cluster key, handed over the spawn pipe
         node1 = ctx.Process(target=node1_main, args=(url, authkey, actors, batch_size, 0.002), name="node 1")
-        node1.start()
+        start_all([node1])
         try:
             coord = Coordinator(cluster=store, node=0, nodes=2, authkey=authkey, timeout=CLUSTER_TIMEOUT)
             with coord:  # waits (bounded) for node 1 to join
@@ -219,8 +241,9 @@ def run_two_nodes(seconds: float, actors: int, capacity: int, batch_size: int, s
                       f"node 1 (spawn), a cluster on 127.0.0.1:{store.port}", file=stream, flush=True)
                 found = _run_node0(coord, node1, actors, capacity, batch_size, seconds, stream)
             stop([node1], report=True)  # node 1 left after node 0's checks: its exit code counts
-        except BaseException:
-            stop([node1], report=False)  # it sees the abort (or the store gone) and stops
+        except BaseException as error:
+            # it sees the abort (or the store gone) and stops
+            stop([node1], report=False, announce=isinstance(error, KeyboardInterrupt))
             raise
     buffer, actors_state = found["buffer"], found["actors_state"]
     slots_ok, slots_message = slots_check(buffer, found["reserved"], found["written"])
@@ -235,7 +258,7 @@ def run_two_nodes(seconds: float, actors: int, capacity: int, batch_size: int, s
         sampled=found["sampled"], updates=found["updates"], policy_version=found["policy_version"],
         loss=found["loss"], mean_reward=float(actors_state["mean_reward"].mean()),
         same_memory=found["same_memory"], slots_ok=slots_ok, slots_message=slots_message,
-        nodes=2, pushes=found["pushes"], syncs=found["syncs"],
+        nodes=2, pushes=found["pushes"], syncs=found["syncs"], synced_version=found["synced_version"],
     )
 
 
@@ -243,7 +266,7 @@ def _run_node0(coord: Coordinator, node1, actors: int, capacity: int, batch_size
                seconds: float, stream) -> dict:
     """Publish, start the learner, keep node 1's policy current while the progress line
     runs, stop, pull node 1's state. Returns what the result needs."""
-    stages = NodeStages(coord)
+    stages = NodeStages(coord, other="node 1")
     buffer = coord.publish("replay", replay_layout(capacity), replicate=True)
     policy = coord.publish("policy", policy_layout(), replicate=True)
     state = coord.publish("state", state_layout(0), share_non_tensor=True)
@@ -254,7 +277,7 @@ def _run_node0(coord: Coordinator, node1, actors: int, capacity: int, batch_size
     processes = [learner]
     node1_alive = lambda: check_alive([node1], "the run")  # noqa: E731
     try:
-        learner.start()
+        start_all([learner])
         wait_for(lambda: bool(state["ready"].all()), [learner, node1], START_TIMEOUT, "start")
         stages.wait(NODE1_READY, START_TIMEOUT, "node 1's start", node1_alive)
         actors_state = coord.attach("actors")  # node 1's state: this node's replica of it
@@ -266,8 +289,7 @@ def _run_node0(coord: Coordinator, node1, actors: int, capacity: int, batch_size
             """Keep the learner's sample range and node 1's policy current; returns the
             rows that reached this node."""
             check_alive([learner, node1], "run")
-            if stages.aborted():
-                raise RuntimeError("node 1 failed during the run")
+            stages.check_abort("during the run")
             arrived = written.value
             landed.fetch_add(arrived - landed.value)
             version = state["policy_version"]
@@ -286,19 +308,22 @@ def _run_node0(coord: Coordinator, node1, actors: int, capacity: int, batch_size
         stages.wait(DRAINED, STOP_TIMEOUT, "node 1's last pushes", node1_alive)
         state["phase"].fill_(2)
         stop(processes, report=True)
+        manager_answers(coord)
         coord.pull("actors")
         stages.reach(DONE)  # node 1 may leave
         return dict(
             elapsed=elapsed, buffer=buffer, actors_state=actors_state,
             reserved=coord.counter("demo/cursor").value, written=written.value,
             pushes=coord.counter("demo/pushes").value, syncs=synced["syncs"],
+            synced_version=synced["version"],
             sampled=int(state["sampled"]), updates=int(state["updates"]),
             policy_version=state["policy_version"], loss=float(state["loss"]),
             same_memory=bool(state["inode"][0] == backing_inode(buffer["obs"]))
             and bool(actors_state["same_memory"]),
         )
-    except BaseException:
-        stages_failed(coord)
+    except BaseException as error:
+        stages_failed(coord, error)
         state["phase"].fill_(2)
-        stop(processes, report=False)
+        # node 1 too: it saw the abort; one wait, one deadline, one notice for all
+        stop(processes + [node1], report=False, announce=isinstance(error, KeyboardInterrupt))
         raise

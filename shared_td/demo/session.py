@@ -11,6 +11,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 import multiprocessing
 import pickle
 import sys
@@ -22,7 +23,7 @@ from shared_td.demo.actor import run_actor
 from shared_td.demo.learner import run_learner
 from shared_td.demo.progress import ProgressLine, count, rate, size
 from shared_td.demo.replay import backing_inode, replay_layout, slots_check, state_layout
-from shared_td.demo.supervise import check_alive, stop, wait_for
+from shared_td.demo.supervise import check_alive, manager_answers, start_all, stop, wait_for
 
 __all__ = ["DemoResult", "run_demo"]
 
@@ -51,6 +52,7 @@ class DemoResult:
     nodes: int = 1
     pushes: int = 0     # across nodes: push calls that carried the actors' rows to node 0
     syncs: int = 0      # across nodes: policy versions synced to node 1
+    synced_version: int = 0  # across nodes: the last version synced, what node 1's actors read
 
     @property
     def ok(self) -> bool:
@@ -80,8 +82,11 @@ class DemoResult:
             f"{size(self.buffer_bytes)} shared ring buffer of {self.capacity:,} rows",
             f"  sampled  {self.sampled:,} transitions ({rate(self.sampled, self.seconds)}) in "
             f"{self.updates:,} learner updates; loss {self.loss:.4f}",
-            f"  policy   version {self.policy_version} read by the actors from "
-            + ("shared non-tensor state" if self.nodes == 1 else "node 1's replica of the policy")
+            (f"  policy   version {self.policy_version} read by the actors from shared non-tensor state"
+             if self.nodes == 1 else
+             f"  policy   version {self.policy_version} made by the learner on node 0 (it trains until "
+             f"the end); node 1's actors read up to version {self.synced_version}, the last synced "
+             "to its replica")
             + f"; their mean reward {self.mean_reward:+.3f}",
             f"  cursor   {self.slots_message}",
             f"  copies   {copies}",
@@ -97,8 +102,8 @@ def run_demo(seconds: float = 20.0, actors: int = 2, capacity: int = 1 << 18,
     actors on node 1, a cluster over loopback. Raises RuntimeError if a process fails or
     hangs.
     """
-    if actors < 1 or capacity < batch_size or seconds <= 0 or nodes not in (1, 2):
-        raise ValueError(f"need actors >= 1, capacity >= {batch_size} rows, seconds > 0 and nodes "
+    if actors < 1 or capacity < batch_size or not 0 < seconds < math.inf or nodes not in (1, 2):
+        raise ValueError(f"need actors >= 1, capacity >= {batch_size} rows, finite seconds > 0 and nodes "
                          f"1 or 2; got {actors}, {capacity}, {seconds} and {nodes}")
     stream = stream if stream is not None else sys.stdout
     if nodes == 2:
@@ -120,8 +125,7 @@ def run_demo(seconds: float = 20.0, actors: int = 2, capacity: int = 1 << 18,
         processes.append(ctx.Process(
             target=run_learner, args=(coord, cursor, actors, 256, 20, 0.001), name="learner"))
         try:
-            for process in processes:
-                process.start()
+            start_all(processes)
             print(f"shared_td demo: starting {actors} actor processes and 1 learner (spawn) "
                   f"on coordinator {coord.address}", file=stream, flush=True)
             wait_for(lambda: bool(state["ready"].all()), processes, START_TIMEOUT, "start")
@@ -132,12 +136,14 @@ def run_demo(seconds: float = 20.0, actors: int = 2, capacity: int = 1 << 18,
                 return int(state["written"].sum())
 
             elapsed = run_with_progress(state, seconds, row_bytes, stream, step)
-        except BaseException:
+        except BaseException as error:
             state["phase"].fill_(2)
-            stop(processes, report=False)  # the error in flight says what went wrong
+            # the error in flight says what went wrong; after a Ctrl-C, say what we wait for
+            stop(processes, report=False, announce=isinstance(error, KeyboardInterrupt))
             raise
         state["phase"].fill_(2)  # every process leaves its loop after this step
         stop(processes, report=True)
+        manager_answers(coord)
         written = int(state["written"].sum())
         slots_ok, slots_message = slots_check(buffer, cursor.value, written)
         result = DemoResult(
