@@ -275,16 +275,19 @@ class Coordinator:
         and filled on first attach); a name published without ``replicate=True`` on
         another node raises a KeyError that names that node.
         """
+        # a shut-down cluster is skipped: its names are left to this Coordinator (a name
+        # published here with replicate=True stays attachable; asking the closed cluster
+        # raised its RuntimeError, audit 18)
+        cluster = self.cluster if self.cluster is not None and not self.cluster._closed else None
         # a replica this node holds: no store round trip (it stays readable without the store)
-        if self.cluster is not None and name not in self.cluster._owned and (
-                self.cluster.replicates(name) or self.cluster.knows(name)):
-            return self.cluster.attach(name)
+        if cluster is not None and name not in cluster._owned and (cluster.replicates(name) or cluster.knows(name)):
+            return cluster.attach(name)
         try:
             return attach(name, address=self.address, authkey=self.authkey, timeout=self._timeout)
         except KeyError as err:
-            if self.cluster is None:
+            if cluster is None:
                 raise
-            raise self.cluster.local_names.error(name, err) from err
+            raise cluster.local_names.error(name, err) from err
 
     # ------------------------------------------------------------------ across machines
     def pull(self, name: str) -> int:
@@ -328,8 +331,11 @@ class Coordinator:
         freed when the last one drops it. KeyError if unknown. ValueError for a name
         the cluster holds here (``replicate=True``, or a replica): it would be gone on
         this node only, while the cluster went on syncing and serving it."""
-        if self.cluster is not None and self.cluster.holds(name):
-            held = "owned here" if name in self.cluster._owned else "a replica"
+        # keyed on what the cluster holds now (a name it gave up, taken over while this
+        # node was stopped, was refused for good: audit 18)
+        cluster = self.cluster
+        if cluster is not None and cluster.holds(name) and (name in cluster._owned or cluster.replicates(name)):
+            held = "owned here" if name in cluster._owned else "a replica"
             raise ValueError(
                 f"{name!r} is held by this node's cluster ({held}): unpublish forgets a name on this node "
                 "only, so it is refused (the cluster would go on syncing "

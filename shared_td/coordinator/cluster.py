@@ -86,7 +86,8 @@ from shared_td.coordinator import cluster_generations as generations
 from shared_td.coordinator import cluster_layout, cluster_push, cluster_sync
 from shared_td.coordinator import cluster_replica as replica
 from shared_td.coordinator import staleness
-from shared_td.coordinator.cluster_liveness import Liveness, claim_name
+from shared_td.coordinator.cluster_liveness import Liveness
+from shared_td.coordinator.cluster_owners import claim_name
 from shared_td.coordinator.cluster_membership import ClusterMembership
 from shared_td.coordinator.cluster_replica import Owned, Replica
 from shared_td.coordinator.cluster_requests import ClusterRequests
@@ -168,6 +169,7 @@ class Cluster(ClusterMembership, ClusterRequests):
         self._closed = False  # shutdown() ran
         self._liveness: Liveness | None = None
         self._claim: str | None = None  # this process's token in claim/<node> (cluster_liveness)
+        self._run = ""  # the cluster's run, which claim tokens are bound to (cluster_liveness.run_id)
         self._threads: list[threading.Thread] = []
         self._push_lines: dict[int, cluster_push.PushLine] = {}  # owner -> this node's pushes to it
         self._name_syncs: dict[str, cluster_sync.NameSyncs] = {}  # owned name -> its syncs' state
@@ -200,12 +202,13 @@ class Cluster(ClusterMembership, ClusterRequests):
         non-tensor value is refused. Publishing a name again makes a new generation:
         replicas of the old one are stale (:meth:`is_stale`). A name has one owner: one
         another node owns is a ValueError while that node lives, and taken over once it
-        is lost (:func:`~shared_td.coordinator.cluster_liveness.claim_name`)."""
+        is lost (:func:`~shared_td.coordinator.cluster_owners.claim_name`)."""
         store = self._checked()
         cluster_push.check_name(name)  # before anything is claimed: a push of it could never be sent
         cluster_layout.check_kinds(td, name, share_non_tensor)  # before anything is mapped or published
         with generations.publish_lock(self, name):  # claim to record: see cluster_generations
-            claim_name(store, self._liveness, self.node, self.nodes, name)
+            claim_name(store, self._liveness, self.node, self.nodes, name, refuse=self._count_refused, run=self._run,
+                       recorded_owner=lambda: (generations.read_name(self, store, name) or {}).get("owner"))
             td = self._memmap_here(name, td, share_non_tensor)
             layout, segment, cells = cluster_layout.describe(td, name, share_non_tensor)
             generation, digest = generations.next_generation(self, store, name), generations.layout_digest(layout)
@@ -213,8 +216,9 @@ class Cluster(ClusterMembership, ClusterRequests):
             self._taken_names.pop(name, None)
             self._replicas.pop(name, None)  # a name taken over from its lost owner: no replica of it any more
             self._values.publish(name, generation, cells, digest)  # before the name: attachers read them
-            generations.record_name(self, store, name, {"owner": self.node, "generation": generation,
-                                                        "digest": digest, "layout": layout})
+            if not generations.record_name(self, store, name, {"owner": self.node, "generation": generation,
+                                                               "digest": digest, "layout": layout}):
+                raise generations.overtaken(self, store, name)
             if generation > 1:  # replicas of the old generation renew themselves
                 for peer in range(self.nodes):
                     if peer != self.node and cluster_sync.has_replica(self, store, name, peer):
@@ -507,9 +511,11 @@ class Cluster(ClusterMembership, ClusterRequests):
     def _identity(self, name: str) -> tuple[int, str | None]:
         """(generation, digest) of ``name`` (see :meth:`generation`; the digest is None
         once the store host is lost and the owner announced a newer generation)."""
-        try:
-            info = self._info(name)
-            return info["generation"], info.get("digest", "")
+        try:  # the small gen/<name> record, not the whole layout (cluster_generations.read_identity)
+            current = generations.read_identity(self._checked(), name, self._count_refused)
+            if current is None:
+                self._info(name)  # its KeyError
+            return current
         except ConnectionError:
             have = self._replicas.get(name)
             if have is None:

@@ -17,12 +17,18 @@ own). So:
   records, pull/sync/push requests and push headers carry ``(generation, digest)``,
   and both sides compare both (:func:`same`): a replica never receives the bytes of
   another publish, even under a number reused (a deleted record).
+* **Cheap looks.** ``name/<name>`` carries the whole layout (a tree of 10,000 leaves:
+  about a megabyte). What only asks "which publish is current" (a replica's value
+  write, ``is_stale``) reads the small signed ``gen/<name>`` instead
+  (:func:`read_identity`), written just after the record by :func:`record_name`,
+  never backwards either (a replica's value write read, checked and parsed the whole
+  record: 133 ms for 10,000 leaves, audit 18).
 
 Example:
     >>> from types import SimpleNamespace
     >>> a, b = layout_digest({"nbytes": 16}), layout_digest({"nbytes": 16})
     >>> len(a), a != b     # one per publish, even of one layout
-    (32, True)
+    (16, True)
     >>> same(SimpleNamespace(generation=2, digest=a), 2, a), same(SimpleNamespace(generation=2, digest=a), 2, b)
     (True, False)
 """
@@ -37,14 +43,21 @@ import weakref
 
 from shared_td.coordinator.cluster_store import ClusterAuthError
 
-__all__ = ["Endpoint", "layout_digest", "next_generation", "publish_lock", "read_name", "record_name", "same"]
+__all__ = ["Endpoint", "layout_digest", "next_generation", "overtaken", "publish_lock", "read_identity", "read_name",
+           "record_name", "same"]
+
+
+_DIGEST_HEX = 16  # hex digits of a publish's digest (see layout_digest)
 
 
 def layout_digest(layout: dict) -> str:
-    """The identity of one publish of ``layout``: 32 hex digits of SHA-256 over the
-    layout's JSON and a random nonce (a reused number with the same layout still differs)."""
+    """The identity of one publish of ``layout``: 16 hex digits of SHA-256 over the
+    layout's JSON and a random nonce (a reused number with the same layout still
+    differs). 64 bits tell publishes apart (no one chooses the nonce, and the records
+    that carry it are signed); each push header carries it, and 32 digits took 16
+    bytes more of the name's room there (the longest name went from 313 to 267 bytes)."""
     text = json.dumps(layout, sort_keys=True).encode()
-    return hashlib.sha256(secrets.token_bytes(16) + b"\0" + text).hexdigest()[:32]
+    return hashlib.sha256(secrets.token_bytes(16) + b"\0" + text).hexdigest()[:_DIGEST_HEX]
 
 
 def same(entry, generation, digest) -> bool:
@@ -94,10 +107,50 @@ def next_generation(cluster, store, name: str) -> int:
     return max(counted, 1 + (record["generation"] if record else 0), 1 + (owned.generation if owned else 0))
 
 
-def record_name(cluster, store, name: str, record: dict) -> None:
+def record_name(cluster, store, name: str, record: dict) -> bool:
     """Write the signed ``name/<name>`` unless it holds a newer generation (a
-    compare-and-set: never backwards); a forged one there is counted and replaced."""
-    store.set_json_if_newer(f"name/{name}", record, "generation", lambda: _refused(cluster))
+    compare-and-set: never backwards); a forged one there is counted and replaced.
+    Then ``gen/<name>`` (its generation, digest and owner: see :func:`read_identity`),
+    the same way, except that one of the same generation is replaced (a number reused
+    after the record was deleted: the digest is this publish's). False, nothing more
+    written, when a newer record was found (this publish was overtaken: its caller
+    says so)."""
+    if not store.set_json_if_newer(f"name/{name}", record, "generation", lambda: _refused(cluster)):
+        return False
+    small = {key: record[key] for key in ("generation", "digest", "owner")}
+    store.set_json_if_newer(f"gen/{name}", small, "generation", lambda: _refused(cluster), True)  # (ties: replaced)
+    return True
+
+
+def overtaken(cluster, store, name: str) -> ValueError:
+    """A newer publish of ``name`` reached its record while ``cluster`` published it
+    (this process was stopped past LOST_AFTER_S inside, and another node took the name
+    over): the name is not this node's any more; the error to raise. Before, the
+    publish returned as if it had succeeded, the node holding a generation no record
+    named."""
+    record = read_name(cluster, store, name) or {}
+    taken = record.get("owner", "another node")
+    cluster._owned.pop(name, None)
+    cluster._values.forget(name)  # its values are of a generation no record names
+    cluster._taken_names[name] = str(taken)
+    return ValueError(f"publish({name!r}) was taken over by node {taken} while it ran (this node's heartbeat "
+                      f"stood still): {name!r} is owned by node {taken} now (generation "
+                      f"{record.get('generation', '?')}). Publish it again on node {taken}, or under another name.")
+
+
+def read_identity(store, name: str, refuse) -> tuple[int, str] | None:
+    """``(generation, digest)`` of the current publish of ``name``, from the small signed
+    ``gen/<name>`` (one short round trip); from ``name/<name>`` when that is missing or
+    forged (``refuse()`` called for each forged one). None when nothing is published."""
+    for key in (f"gen/{name}", f"name/{name}"):
+        try:
+            record, _blob = store.get_signed(key)
+        except ClusterAuthError:
+            refuse()
+            continue
+        if isinstance(record, dict):
+            return record["generation"], record.get("digest", "")
+    return None
 
 
 class Endpoint:

@@ -16,24 +16,35 @@ One process per node: a node joins by claiming ``claim/<node>`` (:func:`claim_no
 that two processes given the same node number are refused instead of both running as
 that node (their requests, heartbeats and gloo pairs mixed: seen as a gloo connect
 timeout at the first transfer). One owner per name: a publish claims ``owner/<name>``
-(:func:`claim_name`). A claim held by a node whose heartbeat stands still is taken over.
+(:mod:`~shared_td.coordinator.cluster_owners`). A claim held by a node whose heartbeat
+stands still is taken over.
 
 A claim's key is a plain compare-and-set target (no signature can ride on it), so its
-token carries its own: a nonce and its HMAC with the cluster authkey
-(:func:`claim_token`), and a clean shutdown's emptied claim is backed by a signed
-``left/<node>`` (:func:`release_node`). Only a token of the key means another process
-runs the node: anything else found there (bytes written by something reaching the
-store, an emptied key without its ``left/`` record) is counted as forged and ignored --
-the process that holds the number writes its own back, and a sync keeps the node's
-replica records (before, one raw write cut a node out of every sync in silence, and at
-its next pause it stopped itself as "taken over" by its own pid).
+token carries its own: a sequence number, a nonce and their HMAC with the cluster
+authkey, bound to the cluster's run (:func:`claim_token`, :func:`run_id`). Each process of
+a node takes a higher sequence number than the last. A clean shutdown leaves a
+released token there, signed the same way (:func:`release_node`), which the next
+:func:`claim_node` takes as free. A token of the key and run of a later process (or the
+released token of a process itself) means that process is gone (left, or taken over):
+it no longer runs the node, and a sync takes its replica records back
+(:func:`supersedes`). Anything else found there (bytes written by something reaching
+the store, an emptied key, a recorded token of an earlier process or of an earlier run
+written back) is counted as forged and ignored -- the process that holds the number
+writes its own back, and a sync keeps the node's replica records (before, one raw
+write, or one replayed token, cut a node out of every sync in silence, and at its next
+pause it stopped itself as "taken over"). The clean shutdown emptied the claim before,
+backed by a signed ``left/<node>`` record naming the last leaver only: a process stopped
+past LOST_AFTER_S whose successor then left read the emptied claim as a forgery, wrote
+its own token back and ran on as the node; and a record of an earlier process of the
+node was kept for good (audit 18).
 
 A process that was only stopped (SIGSTOP, a debugger, a frozen VM) past LOST_AFTER_S may
 find its number taken over when it runs again: every thread that is about to act as the
 node asks :meth:`Liveness.still_mine` first, which is free while this node's own
 heartbeat was written within LOST_AFTER_S - HEARTBEAT_S (nobody may take the number over
 before its heartbeat stood still that long) and otherwise beats once and reads the claim
-(and the owners of the names it owns: :func:`name_holder`). Before, such a process went
+(and the owners of the names it owns:
+:func:`~shared_td.coordinator.cluster_owners.names_taken_over`). Before, such a process went
 on serving the requests and pushes meant for its successor, beating under the same
 number, and syncing names another node had taken over.
 """
@@ -45,12 +56,12 @@ import os
 import secrets
 import threading
 import time
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from shared_td.errors import ClusterAuthError, NodeTakenOverError, OwnerLostError
 
-__all__ = ["HEARTBEAT_S", "LOST_AFTER_S", "Liveness", "claim_name", "claim_node", "heartbeat_moves",
-           "claim_token", "claim_verifies", "name_holder", "release_node", "released"]
+__all__ = ["HEARTBEAT_S", "LOST_AFTER_S", "Liveness", "claim_node", "heartbeat_moves",
+           "claim_free", "claim_token", "release_node", "released_token", "run_id", "supersedes"]
 
 #: Seconds between two heartbeats of a node.
 HEARTBEAT_S = 0.5
@@ -58,6 +69,7 @@ HEARTBEAT_S = 0.5
 LOST_AFTER_S = 3.0
 
 _NOT_FOUND = object()  # equal to no heartbeat seen (a missing one, None, included)
+_LEFT = "left."  # how a released claim token starts (release_node)
 
 
 class Liveness:
@@ -75,12 +87,13 @@ class Liveness:
             process's after a gap (the names it owns may have been taken over meanwhile).
         refuse: called for each forged heartbeat value seen (the cluster counts it in
             ``refused``).
+        run: the cluster's run (:func:`run_id`), which claim tokens are bound to.
     """
 
     def __init__(self, store, node: int, read: Callable[[str], dict], claim: str | None = None,
                  stop: threading.Event | None = None, on_confirm: Callable[[], None] = lambda: None,
-                 refuse: Callable[[], None] = lambda: None):
-        self._store, self._node, self._read = store, node, read
+                 refuse: Callable[[], None] = lambda: None, run: str = ""):
+        self._store, self._node, self._read, self._run = store, node, read, run
         self._claim, self._stop, self._on_confirm = claim, stop or threading.Event(), on_confirm
         self._refuse = refuse
         self._forged: dict[int, bytes] = {}  # peer -> the forged heartbeat last counted
@@ -151,16 +164,18 @@ class Liveness:
             return False
 
     def _holds_claim(self) -> bool:
-        """Whether ``claim/<node>`` is still this process's. Only a successor's token
-        (:func:`claim_verifies`) means a takeover: anything else there (bytes written
-        without the key, an emptied key) is counted as forged and this process's token
-        written back (before, such a write stopped the node as "taken over by itself")."""
+        """Whether ``claim/<node>`` is still this process's. A later process's token of
+        the key and run (:func:`supersedes`: a successor's, or the released token a
+        successor left at its clean shutdown) means a takeover: anything else there
+        (bytes written without the key, an emptied key, an older token written back)
+        is counted as forged and this process's token written back (before, such a
+        write stopped the node as "taken over by itself")."""
         key = f"claim/{self._node}"
         held = _holder(self._store, key, self._claim)
         if held == self._claim.encode():
             return True
-        if held and claim_verifies(self._store, self._node, held):
-            return False  # a successor's
+        if supersedes(self._store, self._node, self._run, held, self._claim):
+            return False  # a successor's (or its released one)
         self._refuse()
         self._store.compare_set(key, held, self._claim)  # (a successor's written meanwhile stays)
         return _holder(self._store, key, self._claim) == self._claim.encode()
@@ -265,19 +280,23 @@ class Liveness:
         )
 
 
-def claim_node(store, node: int) -> str:
+def claim_node(store, node: int, run: str = "") -> str:
     """Make this process the one that runs node ``node``: ``claim/<node>`` set atomically
     to a new token, which is returned. A claim another process holds is taken over once
     that node's heartbeat has stood still for LOST_AFTER_S (the node crashed and is
     started again: its claim was not released); while that heartbeat moves, ValueError:
-    two processes were given the same node. ``store`` is the node's SignedStore."""
-    key, token = f"claim/{node}", claim_token(store, node)
+    two processes were given the same node. ``store`` is the node's SignedStore, ``run``
+    the cluster's (:func:`run_id`)."""
     # the held claim as bytes: the key is unsigned, and anything that reaches the store
     # may have written bytes that are not UTF-8 (a bare UnicodeDecodeError before); such
     # a claim is another holder's, taken over as one once its heartbeat stands still
-    held = store.compare_set(key, "", token)
-    if held == token.encode():
-        return token
+    key, held = f"claim/{node}", store.get_unchecked(f"claim/{node}")
+    before = _parsed(store, node, run, held)
+    token = claim_token(store, node, run, floor=before.seq if before else 0)
+    if claim_free(store, node, held, run):  # none, or a clean shutdown's released token
+        if store.compare_set(key, held or "", token) == token.encode():
+            return token
+        raise ValueError(_same_node(node, "is being started by another process at the same time"))
     if heartbeat_moves(store, node):
         if not _signed_here(store, node):  # the fix is the key, not the numbers
             raise ValueError(
@@ -310,34 +329,6 @@ def heartbeat_moves(store, node: int) -> bool:
     return False
 
 
-def claim_name(store, liveness: Liveness, node: int, nodes: int, name: str) -> None:
-    """Make node ``node`` (of ``nodes``) the one owner of the published ``name``:
-    ``owner/<name>`` set atomically. A name another node owns is refused (ValueError)
-    while that node's heartbeat moves; the name of a lost owner is taken over (its new
-    generation makes the replicas renew themselves). Before, a second node's publish
-    made two owners."""
-    key, mine = f"owner/{name}", str(node)
-    raw = store.compare_set(key, "", mine)  # compared as bytes: the key is unsigned, maybe not UTF-8
-    held = raw.decode(errors="replace")
-    if held == mine:
-        return
-    owner = int(held) if held.isdecimal() and held.isascii() and int(held) < nodes else None  # None: not a node's
-    if owner is None or liveness.known_lost(owner) or not heartbeat_moves(store, owner):
-        if store.compare_set(key, raw, mine) == mine.encode():
-            return  # its owner is lost (or was never a node): this node takes the name over
-    if owner is None:  # written meanwhile by something that is not a node of this cluster
-        raise ValueError(f"{name!r} could not be claimed: owner/{name} holds {held!r}, which is not a node of this "
-                         "cluster, and changed while this node took it over. Publish it again, or under another name.")
-    raise ValueError(f"{name!r} is owned by node {held}: a name has one owner node (the others hold "
-                     f"replicas and push rows to it). Publish it again on node {held}, or under another name.")
-
-
-def name_holder(store, name: str, node: int) -> str:
-    """Who holds ``owner/<name>`` (a node number as text): one round trip that changes
-    nothing, for a name node ``node`` claimed (:func:`claim_name`)."""
-    return _holder(store, f"owner/{name}", str(node)).decode(errors="replace")
-
-
 def _holder(store, key: str, mine: str) -> bytes:
     """What ``key`` holds, read by a compare-and-set of ``mine`` with itself: one round
     trip that changes nothing (a claim's key exists from the claim on; for a missing
@@ -345,41 +336,105 @@ def _holder(store, key: str, mine: str) -> bytes:
     return store.compare_set(key, mine, mine)
 
 
-def release_node(store, node: int, token: str) -> None:
-    """Let node ``node`` go (a clean shutdown): a process started as that node later
-    claims it at once, without waiting for the heartbeat to stand still. The emptied
-    claim is backed by the signed ``left/<node>`` (naming ``token``): an empty claim
-    without it is a forgery (:func:`released`)."""
-    store.set_json(f"left/{node}", {"claim": token})
-    store.compare_set(f"claim/{node}", token, "")
+def run_id(store) -> str:
+    """The run of the cluster that ``store`` serves: a random id set once, signed, by the
+    first process that starts (a compare-and-set of ``run/<key id>``), read by every
+    later one. Claim tokens are bound to it: a token recorded in an earlier run with
+    the same authkey verifies in no other. The key's name is derived from the authkey
+    (an HMAC of a fixed text): a process started with another key by mistake sets its
+    own, and the nodes with the right key go on (one key for all made such a process,
+    started first, shut the store to them for good). ClusterAuthError when the key
+    holds what is not signed with this process's key (something else wrote it)."""
+    key = f"run/{store.sign('run', b'')[:8].hex()}"
+    blob = store.sign(key, secrets.token_hex(8).encode())
+    return store.check(key, store.compare_set(key, "", blob)).decode()
 
 
-def claim_token(store, node: int) -> str:
-    """A new token for ``claim/<node>``: a random nonce and its HMAC with the cluster
-    authkey (bound to the key ``claim/<node>``), as ASCII: the claim's key stays a plain
-    compare-and-set target, and who reads it can tell a node's token from a forgery."""
-    nonce = secrets.token_hex(16)
-    return f"{nonce}.{store.sign(f'claim/{node}', nonce.encode())[:16].hex()}"
+def release_node(store, node: int, token: str, joined: bool = True, run: str = "") -> None:
+    """Let node ``node`` go (a clean shutdown): ``claim/<node>`` := the released token of
+    ``token`` (:func:`released_token`), so that a process started as that node later
+    claims it at once (:func:`claim_node`), without waiting for the heartbeat to stand
+    still, and any process or record of ``token`` reads it as gone. A process whose
+    start failed before it ``joined`` empties the claim instead: no record names its
+    token, and one with another authkey must leave nothing the key's nodes read as
+    held."""
+    store.compare_set(f"claim/{node}", token, released_token(store, node, token, run) if joined else "")
 
 
-def claim_verifies(store, node: int, held: bytes) -> bool:
-    """Whether ``held`` (the bytes of ``claim/<node>``) is a token of :func:`claim_token`
-    made with this cluster's authkey."""
-    nonce, _dot, mac = held.partition(b".")
-    return bool(mac) and hmac.compare_digest(mac, store.sign(f"claim/{node}", nonce)[:16].hex().encode())
-
-
-def released(store, node: int, held: bytes | None, token: str) -> bool:
-    """Whether ``claim/<node>`` holding ``held`` means the process of ``token`` let the
-    number go (:func:`release_node`): emptied, and ``left/<node>`` signed, naming it.
-    One round trip, only for an emptied claim."""
-    if held:
-        return False
+def claim_token(store, node: int, run: str = "", floor: int = 0) -> str:
+    """A new token for ``claim/<node>``: ``<seq>.<nonce>`` and its HMAC with the cluster
+    authkey, bound to the key ``claim/<node>`` and to the cluster's ``run``, as ASCII:
+    the claim's key stays a plain compare-and-set target, and who reads it can tell a
+    node's token from a forgery. ``seq`` grows with each process of the node (above
+    ``floor``, the held claim's, and a store counter): only a token of a higher one is
+    a successor's (:func:`supersedes`), so a recorded older token written back is a
+    forgery."""
     try:
-        left, _blob = store.get_signed(f"left/{node}")
-    except ClusterAuthError:
-        return False
-    return isinstance(left, dict) and left.get("claim") == token
+        counted = store.add(f"claimseq/{node}", 1)
+    except ValueError:  # not an integer there: the floor decides
+        counted = 0
+    return _signed_token(store, node, run, f"{max(counted, floor + 1)}.{secrets.token_hex(12)}")
+
+
+def released_token(store, node: int, token: str, run: str = "") -> str:
+    """The token a clean shutdown of the process of ``token`` leaves in ``claim/<node>``:
+    ``left.<its seq>.<its nonce>`` and the HMAC of that, as :func:`claim_token`'s."""
+    return _signed_token(store, node, run, f"{_LEFT}{token.rpartition('.')[0]}")
+
+
+def _signed_token(store, node: int, run: str, body: str) -> str:
+    return f"{body}.{_token_mac(store, node, run, body.encode())}"
+
+
+def _token_mac(store, node: int, run: str, body: bytes) -> str:
+    return store.sign(f"claim/{node}", run.encode() + b"/" + body)[:16].hex()
+
+
+class _Token(NamedTuple):
+    left: bool  # a released token (release_node)
+    seq: int
+    nonce: str
+
+
+def _parsed(store, node: int, run: str, held: bytes | str | None) -> _Token | None:
+    """What the token ``held`` says, None unless it is one of this cluster's key and run."""
+    held = held.encode() if isinstance(held, str) else held or b""
+    body, _dot, mac = held.rpartition(b".")
+    if not body or not hmac.compare_digest(mac, _token_mac(store, node, run, body).encode()):
+        return None
+    parts = body.decode().split(".")
+    left = parts[0] == _LEFT[:-1]
+    try:
+        seq, nonce = parts[left:]
+        return _Token(left, int(seq), nonce)
+    except ValueError:
+        return None
+
+
+def supersedes(store, node: int, run: str, held: bytes | None, token: str) -> bool:
+    """Whether ``claim/<node>`` holding ``held`` means that the process of ``token`` no
+    longer runs the node: a token of the key and run of a later process (a higher
+    seq: a successor's, or its released one), or the released token of ``token``
+    itself (a clean shutdown); any token of the key and run, when ``token`` is none
+    (a record naming a process by something else). Anything else (bytes without the
+    key, an emptied key, an older token written back) is not."""
+    other, mine = _parsed(store, node, run, held), _parsed(store, node, run, token)
+    if other is None or mine is None:
+        return other is not None
+    return other.seq > mine.seq or (other.left and (other.seq, other.nonce) == (mine.seq, mine.nonce))
+
+
+def claim_free(store, node: int, held: bytes | None, run: str | None = "") -> bool:
+    """Whether ``claim/<node>`` holding ``held`` lets a new process claim the number at
+    once: missing, emptied (a start that failed early), or released by a clean
+    shutdown (verified against ``run``; with None, only its form: a process with
+    another key can tell a released claim, never verify it)."""
+    if not held:
+        return True
+    if run is None:
+        return held.startswith(_LEFT.encode())
+    token = _parsed(store, node, run, held)
+    return token is not None and token.left
 
 
 def _signed_here(store, node: int) -> bool:

@@ -48,7 +48,8 @@ import threading
 import time
 
 from shared_td.coordinator.cluster_launch import check_store, open_store
-from shared_td.coordinator.cluster_liveness import HEARTBEAT_S, Liveness, claim_node, name_holder, release_node
+from shared_td.coordinator.cluster_liveness import HEARTBEAT_S, Liveness, claim_free, claim_node, release_node, run_id
+from shared_td.coordinator.cluster_owners import names_taken_over
 from shared_td.coordinator.cluster_names import LocalNames
 from shared_td.coordinator.cluster_serve import LISTENER, POP_S, lane_queue, listen, serve_lane, serve_notices, watch_pairs
 from shared_td.coordinator.cluster_store import ClusterAuthError, SignedStore
@@ -100,7 +101,13 @@ class ClusterMembership:
                                   spares=4 + (self.nodes - 1) + min(self.nodes - 1, 6))
         try:
             refused = self._records_of_another_key()  # before the claim: see the module's opening
-            self._claim = claim_node(self._store, self.node)
+            try:
+                self._run = run_id(self._store)  # claim tokens are bound to it
+            except ClusterAuthError:
+                if not refused:
+                    raise
+                # (another key's run: this process does not join, below)
+            self._claim = claim_node(self._store, self.node, self._run)
             if refused:  # the number was free: say so to the nodes that wait, with our own record
                 self._store.set_json(f"join/{self.node}", self._join_record())
                 raise ClusterAuthError(
@@ -111,7 +118,7 @@ class ClusterMembership:
             self._stop.set()
             self._closed = True
             if self._claim is not None:
-                self._release()
+                self._release(joined=False)
             self._store.close()
             raise
         try:
@@ -137,7 +144,7 @@ class ClusterMembership:
                 return []  # one node with our key
             except ClusterAuthError:
                 refused.append(key)
-        if refused and self._store.get_unchecked(f"claim/{self.node}") not in (None, b""):
+        if refused and not claim_free(self._store, self.node, self._store.get_unchecked(f"claim/{self.node}"), None):
             raise ClusterAuthError(
                 f"Cluster node {self.node}: the join records of the cluster ({', '.join(refused)}) have a wrong "
                 "signature for this process's cluster authkey, so it uses another key than the running nodes. Node "
@@ -160,7 +167,7 @@ class ClusterMembership:
         # beating from now on: a join that waits long for the others must not look like
         # a crashed node whose number another process may take over
         self._liveness = Liveness(self._store, self.node, self._store.get_json, self._claim, self._stop,
-                                  on_confirm=self._give_up_names_taken_over, refuse=self._count_refused)
+                                  on_confirm=self._give_up_names_taken_over, refuse=self._count_refused, run=self._run)
         self._start_thread(self._liveness.beat, (), "beat")
         self._wait_for_the_others()
         self._groups = PairGroups(self._store, self.node, timeout=self.timeout, hostname=self._hostname,
@@ -247,9 +254,9 @@ class ClusterMembership:
             self._release()
         self._store.close()
 
-    def _release(self) -> None:
+    def _release(self, joined: bool = True) -> None:
         try:
-            release_node(self._store, self.node, self._claim)
+            release_node(self._store, self.node, self._claim, joined, self._run)
         except (RuntimeError, OSError):
             pass  # the store is gone: nobody joins it again
 
@@ -257,11 +264,10 @@ class ClusterMembership:
         """This process was stopped (or starved) past LOST_AFTER_S and still runs its node:
         the names another node took over meanwhile (``claim_name``) are not this node's
         any more: not synced, not served (a sync of one says who owns it)."""
-        for name in list(self._owned):
-            holder = name_holder(self._store, name, self.node)
-            if holder != str(self.node):
-                del self._owned[name]
-                self._taken_names[name] = holder
+        for name, holder in names_taken_over(self._store, self.node, list(self._owned), self._count_refused,
+                                              self._run).items():
+            self._owned.pop(name, None)
+            self._taken_names[name] = holder
 
     def _own_queues(self) -> list[str]:
         """The store queues this node's threads pop: its service queue, a lane per peer."""

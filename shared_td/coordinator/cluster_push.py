@@ -68,7 +68,7 @@ class PushLine:
 # The fields of a push header besides the name, each at its largest (an int64): what
 # check_name leaves room for.
 _WORST_HEADER = {"name": "", "generation": 2**63 - 1, "rows": 2**63 - 1, "nbytes": 2**63 - 1,
-                 "tag": 2**63 - 1, "seq": 2**63 - 1, "digest": "0" * 32}
+                 "tag": 2**63 - 1, "seq": 2**63 - 1, "digest": "0" * 16}  # (cluster_generations.layout_digest)
 #: The most bytes a name takes as JSON (an ASCII character: one; others: 6 or 12) so that
 #: a push of it fits its signed header of HEADER_BYTES (see :func:`check_name`).
 MAX_NAME_BYTES = (HEADER_BYTES - LENGTH_BYTES - hashlib.sha256().digest_size

@@ -91,6 +91,8 @@ POP_CONNECTIONS = 4
 # What a compare-and-set that expects it returns for a missing key (no value of the
 # cluster is this: a signed one starts with its 32-byte digest): see get_unchecked
 _ABSENT = b"\x00absent"
+#: The most compare-and-set tries of one write that other writers keep overtaking.
+CAS_TRIES = 1000
 
 
 def _store_call(method):
@@ -308,33 +310,37 @@ class SignedStore:
         return json.loads(self.check(key, self._store().get(key)))
 
     @_store_call
-    def set_json_if_newer(self, key: str, value: dict, field: str, forged=None) -> None:
+    def set_json_if_newer(self, key: str, value: dict, field: str, forged=None, ties: bool = False) -> bool:
         """``set_json(key, value)`` unless ``key`` holds a value whose ``field`` is at
         least ``value[field]``: a compare-and-set loop on the store host, so that of two
-        writers at once the higher ``field`` stays. A current value with a wrong
+        writers at once the higher ``field`` stays. True when ``value`` was written,
+        False when a newer value was found (and kept). A current value with a wrong
         signature is refused (ClusterAuthError), never overwritten blindly -- unless
         ``forged`` is given: then ``forged()`` is called (the caller counts it) and the
         forged value, which carries nothing usable, is replaced by ``value`` (still a
         compare-and-set against exactly those bytes, so an honest writer's value
-        stored meanwhile is compared again, not lost)."""
+        stored meanwhile is compared again, not lost). After a failed compare-and-set
+        the key is read again (for a key deleted in between, TCPStore answers the
+        expected bytes, not what is there: the loop spun on them for good, audit 18),
+        at most :data:`CAS_TRIES` times: then ClusterAuthError naming the key. With
+        ``ties``, a value whose ``field`` equals ``value[field]`` is replaced too."""
         store, blob = self._store(), self.sign(key, json.dumps(value).encode())
-        current = store.get(key) if store.check([key]) else b""
-        while current:
-            try:
-                newer = json.loads(self.check(key, current))[field] >= value[field]
-            except ClusterAuthError:
-                if forged is None:
-                    raise
-                forged()
-                newer = False
-            if newer:
-                return
-            answer = store.compare_set(key, current, blob)
-            if answer == blob:
-                return
-            current = answer
-        if store.compare_set(key, b"", blob) != blob:  # another writer created it first
-            self.set_json_if_newer(key, value, field, forged)
+        for _ in range(CAS_TRIES):
+            current = self.get_unchecked(key)
+            if current:
+                try:
+                    held = json.loads(self.check(key, current))[field]
+                    if held > value[field] or (held == value[field] and not ties):
+                        return False
+                except ClusterAuthError:
+                    if forged is None:
+                        raise
+                    forged()
+            # (a missing or emptied key: b"" expected; TCPStore then creates it)
+            if store.compare_set(key, current or b"", blob) == blob:
+                return True
+        raise ClusterAuthError(f"{key!r} changed at each of {CAS_TRIES} tries to store a newer {field} in it: "
+                               "something keeps writing (or deleting) it. Run the cluster on a private network.")
 
     @_store_call
     def get_signed(self, key: str) -> tuple[object, bytes | None]:

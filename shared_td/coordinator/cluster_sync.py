@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 from shared_td.coordinator import cluster_replica as replica
-from shared_td.coordinator.cluster_liveness import HEARTBEAT_S, LOST_AFTER_S, claim_verifies, released
+from shared_td.coordinator.cluster_liveness import HEARTBEAT_S, LOST_AFTER_S, supersedes
 from shared_td.coordinator.cluster_push import send_answered
 from shared_td.coordinator.cluster_store import ClusterAuthError
 from shared_td.coordinator.cluster_transfer import TransferFailed, stripe_count
@@ -46,9 +46,9 @@ def has_replica(cluster, store, name: str, peer: int, generation: int | None = N
     signed: a record with a wrong signature is counted in ``cluster.refused`` and
     ignored (only its existence was checked before: a forged one made the owner send a
     sync, or a renew notice, to a node without a replica). A record written by a process
-    that no longer holds the node's number (``claim/<peer>`` holds another token of the
-    cluster's key, or none after a clean shutdown, see
-    :func:`~shared_td.coordinator.cluster_liveness.released`) is ignored and taken back:
+    that no longer holds the node's number (``claim/<peer>`` holds a later process's
+    token of the cluster's key and run, or the released token of its clean shutdown, see
+    :func:`~shared_td.coordinator.cluster_liveness.supersedes`) is ignored and taken back:
     emptied by a compare-and-set against the bytes read, so that a record written
     meanwhile by the node's new process stays; a forged claim is counted in ``refused``
     and changes nothing. The record's ``(generation, digest)`` must be the name's. A record without a claim (an older writer) counts as its node's current
@@ -67,8 +67,8 @@ def has_replica(cluster, store, name: str, peer: int, generation: int | None = N
     claim = record.get("claim")
     held = None if claim is None else store.get_unchecked(f"claim/{peer}")
     if claim is not None and held != str(claim).encode():
-        if not (held and claim_verifies(store, peer, held)) and not released(store, peer, held, str(claim)):
-            cluster.refused += 1  # forged (or emptied without its signed left/ record): ignored
+        if not supersedes(store, peer, cluster._run, held, str(claim)):
+            cluster.refused += 1  # forged (or emptied, or an older token written back): ignored
         else:
             store.compare_set(key, blob, b"")  # the holder's process is gone
             return False

@@ -68,6 +68,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
+from shared_td.coordinator.cluster_generations import read_identity
 from shared_td.errors import ClusterAuthError
 
 __all__ = ["ClusterValues", "POLL_S"]
@@ -336,12 +337,10 @@ class ClusterValues:
         """A replica wrote the records of ``key``: delete them if a newer publish of
         ``name`` replaced ``generation`` (its owner may have deleted that generation's
         records before this write made them again: see the module's opening)."""
-        try:
-            record = self._read(f"name/{name}")  # signed: an unsigned counter could be set back
-        except ClusterAuthError:
-            self._refuse()
-            return  # forged: nothing to learn from it, left as it is
-        if record is not None and record["generation"] > generation:
+        # signed (an unsigned counter could be set back), and small: the record gen/<name>,
+        # not name/<name> with the whole layout (cluster_generations.read_identity)
+        current = read_identity(self._store, name, self._refuse)
+        if current is not None and current[0] > generation:
             self._delete(key)
 
     def _store_next(self, key: str, payload: str, floor: int, digest: str, publishing: bool = False) -> int | None:

@@ -21,6 +21,7 @@ torch_dist = pytest.importorskip("torch.distributed")
 
 import shared_td  # noqa: E402
 from shared_td.coordinator.cluster import Cluster  # noqa: E402
+from tests.cluster.stores import loopback_store  # noqa: E402
 from tests.cluster.test_cluster_store import KEY, _pair, _start_together, pair, store  # noqa: E402,F401 - fixtures
 from tests.processes import wait_until  # noqa: E402
 
@@ -196,14 +197,16 @@ def test_a_forged_claim_is_refused_and_never_taken_for_a_takeover(store, pair, f
 
 
 def test_a_clean_shutdown_still_lets_the_number_and_the_records_go(store):
-    """The emptied claim of a clean shutdown (with its signed left/ record) still takes
-    a node's has/ record back (it is not a forgery)."""
+    """The released claim of a clean shutdown (a token of the key, see the second
+    round below) still takes a node's has/ record back (it is not a forgery)."""
+    from shared_td.coordinator.cluster_liveness import claim_free
+
     owner, other = _pair(store)
     try:
         owner.publish("p", shared_td.TensorDict(x=torch.zeros(4), batch_size=[4]))
         other.attach("p")
         other.shutdown()
-        assert store.get("shared_td/claim/1") == b""
+        assert claim_free(owner._store, 1, store.get("shared_td/claim/1"), owner._run)
         report = owner.sync("p", timeout=5)
         assert report.delivered == [] and report.dropped == {} and owner.refused == 0
         assert store.get("shared_td/has/p/1") == b""  # taken back
@@ -289,3 +292,273 @@ def test_a_uint8_push_index_is_a_mask_as_torch_reads_it(store, pair):
     assert td["x"].tolist() == [0.0, 2.0, 0.0, 4.0] == torch.where(mask.bool(), view["x"], 0.0).tolist()
     with pytest.raises(IndexError, match="needs 4 values"):
         other.push("p", torch.tensor([1, 1], dtype=torch.uint8))
+
+
+# ======================================================= session 18, second round
+def _coordinated(store):
+    """Two Coordinators, each with its node of a cluster on ``store``, started."""
+    coords = [shared_td.Coordinator().start() for _ in range(2)]
+    url = f"tcp://127.0.0.1:{store.port}?host=0"
+    members = [Cluster(url, i, 2, authkey=KEY, timeout=8, coordinator=coords[i], hostname="127.0.0.1")
+               for i in range(2)]
+    for coord, member in zip(coords, members):
+        coord.cluster = member
+    errors = _start_together(members)
+    if errors:
+        for member in members:
+            member.shutdown()
+        for coord in coords:
+            coord.shutdown()
+        raise errors[0]
+    return coords, members
+
+
+def test_coordinator_attach_of_a_replicated_name_after_its_cluster_shut_down(store):
+    """After shutdown() the names are left to the Coordinator: attach of a name
+    published here with replicate=True asked the shut-down cluster and raised its
+    RuntimeError (a regression of ea760c9, which cleared the cluster's owned names)."""
+    coords, members = _coordinated(store)
+    try:
+        coords[0].publish("p", shared_td.TensorDict(x=torch.arange(4.0), batch_size=[4]), replicate=True)
+        coords[1].attach("p")
+        for member in (members[1], members[0]):
+            member.shutdown()
+        for coord in coords:  # (node 1's replica is published on its Coordinator too)
+            assert coord.attach("p")["x"].tolist() == [0.0, 1.0, 2.0, 3.0]
+        coords[0].unpublish("p")
+        with pytest.raises(KeyError, match="'p'"):  # a closed cluster is not asked (a RuntimeError)
+            coords[0].attach("p")
+    finally:
+        for member in members:
+            member.shutdown()
+        for coord in coords:
+            coord.shutdown()
+
+
+def test_a_newer_only_write_whose_key_is_deleted_meanwhile_ends(store):
+    """name/<name> deleted between the read and the compare-and-set of
+    set_json_if_newer: TCPStore answers the expected bytes for a missing key, and the
+    loop spun on them for good (inside the publish lock). Now it reads again."""
+    from shared_td.coordinator.cluster_store import SignedStore
+
+    signed = SignedStore(store, KEY, timeout=5)
+    signed.set_json("name/p", {"generation": 1})
+    attacker, real_check, looks = _attacker(store), signed.check, []
+
+    def check(key, blob):  # the delete lands just after the first read
+        looks.append(key)
+        if len(looks) == 1:
+            attacker.delete_key("shared_td/name/p")
+        return real_check(key, blob)
+
+    signed.check = check
+    done = []
+    writer = threading.Thread(target=lambda: done.append(signed.set_json_if_newer("name/p", {"generation": 2},
+                                                                                  "generation")), daemon=True)
+    writer.start()
+    writer.join(5)
+    assert done == [True] and len(looks) < 10, len(looks)
+    assert SignedStore(store, KEY, timeout=5).get_json("name/p") == {"generation": 2}
+    assert signed.set_json_if_newer("name/p", {"generation": 1}, "generation") is False  # kept the newer
+
+
+def test_a_stopped_process_whose_successor_left_cleanly_does_not_come_back(store, pair):
+    """Process A runs node 1, is stopped past LOST_AFTER_S; B takes node 1 over, then
+    leaves cleanly. The emptied claim read as a forgery: A wrote its token back and ran
+    on as node 1 with stale state. Now the released token B leaves is of the key: A
+    is taken over."""
+    from shared_td.coordinator.cluster_liveness import LOST_AFTER_S, claim_free, claim_token, release_node
+
+    owner, a = pair
+    owner.publish("p", shared_td.TensorDict(x=torch.zeros(4), batch_size=[4]))
+    a.attach("p")
+    b_token = claim_token(a._store, 1, a._run)  # B's takeover while A is stopped
+    assert store.compare_set("shared_td/claim/1", a._claim, b_token) == b_token.encode()
+    release_node(owner._store, 1, b_token, True, a._run)  # B's clean shutdown
+    held = store.get("shared_td/claim/1")
+    assert claim_free(owner._store, 1, held, a._run)  # the next process claims it at once
+    a._liveness._confirmed_at -= LOST_AFTER_S + 1  # A runs again
+    assert not a._liveness.still_mine() and "was taken over" in a._liveness.taken_over
+    assert store.get("shared_td/claim/1") == held and a.refused == 0  # nothing written back
+
+
+def test_leave_rejoin_leave_takes_the_first_processs_replica_record_back(store):
+    """T1 (node 1) attaches, leaves; T2 runs as node 1, attaches nothing, leaves. T1's
+    has/ record was counted as a forgery and kept at every sync (the first one waited
+    3 s for node 1 to be lost). The released claim is of the key: the record is taken
+    back, nothing refused, nothing waited for."""
+    owner, t1 = _pair(store)
+    t2 = None
+    try:
+        td = owner.publish("p", shared_td.TensorDict(x=torch.zeros(4), batch_size=[4]))
+        t1.attach("p")
+        t1.shutdown()
+        t2 = Cluster(f"tcp://127.0.0.1:{store.port}?host=0", 1, 2, authkey=KEY, timeout=8, hostname="127.0.0.1")
+        t2.start()  # claims the released number at once
+        t2.shutdown()
+        td["x"].fill_(1.0)
+        began = time.monotonic()
+        report = owner.sync("p", timeout=5)
+        assert time.monotonic() - began < 2.5  # (before: 3 s, waiting for node 1 to be lost)
+        assert report.delivered == [] and report.dropped == {} and owner.refused == 0
+        assert store.get("shared_td/has/p/1") == b""  # taken back
+    finally:
+        for member in (owner, t1, t2):
+            if member is not None:
+                member.shutdown()
+
+
+def test_a_replicas_value_write_reads_the_small_generation_record(store, pair):
+    """After each value write a replica node checks whether a newer publish replaced
+    the generation: it read, checked and parsed the whole signed name record (the
+    layout: 133 ms a write for 10,000 leaves). It reads gen/<name> now, whatever the
+    size of the layout; is_stale too."""
+    owner, other = pair
+    owner.publish("p", shared_td.TensorDict({f"leaf{i:04d}": torch.zeros(2) for i in range(2000)}, task="a",
+                                            batch_size=[2]), share_non_tensor=True)
+    view = other.attach("p")
+    read = []
+    real = other._store.get_signed
+
+    def get_signed(key):
+        read.append(key)
+        return real(key)
+
+    other._store.get_signed = get_signed
+    other._values._unless_replaced("p", 1, "p/1/0")
+    assert not other.is_stale("p") and not shared_td.is_stale(view)
+    assert read and "name/p" not in read and set(read) == {"gen/p"}
+    other._store.get_signed = real
+    # a forged gen/ record: counted, and the signed name record decides
+    refused = other.refused
+    _attacker(store).set("shared_td/gen/p", b"forged")
+    assert not other.is_stale("p") and other.refused == refused + 1
+    owner.publish("p", shared_td.TensorDict(x=torch.zeros(2), batch_size=[2]))
+    assert other.is_stale("p") and owner._store.get_json("gen/p")["generation"] == 2
+
+
+def test_a_publish_overtaken_inside_says_so(store, pair):
+    """Node 0 stopped inside its publish while node 1 took the name over and published
+    a newer generation: node 0's publish returned as if it had published, holding a
+    generation no record named."""
+    owner, other = pair
+    owner.publish("p", shared_td.TensorDict(x=torch.zeros(4), batch_size=[4]))
+    real = owner._values.publish
+
+    def paused(*args):  # node 0 stopped here; node 1 takes p over meanwhile
+        from shared_td.coordinator.cluster_owners import owner_token
+
+        mine, theirs = (owner_token(owner._store, "p", node, owner._run) for node in (0, 1))
+        assert store.compare_set("shared_td/owner/p", mine, theirs) == theirs.encode()
+        other.publish("p", shared_td.TensorDict(y=torch.ones(2), batch_size=[2]))
+        return real(*args)
+
+    owner._values.publish = paused
+    with pytest.raises(ValueError, match=r"publish\('p'\) was taken over by node 1.*generation 3"):
+        owner.publish("p", shared_td.TensorDict(z=torch.full((3,), 5.0), batch_size=[3]))
+    assert "p" not in owner._owned and owner._taken_names["p"] == "1"
+    with pytest.raises(KeyError, match="node 1 took it over"):
+        owner.sync("p", timeout=5)
+    assert list(other.attach("p").keys()) == ["y"]
+
+
+def test_the_name_limit_leaves_room_for_the_publish_digest_in_a_push_header():
+    """The digest a push header carries (32 hex digits) lowered the longest name from
+    313 to 267 bytes; 16 digits tell publishes apart: 283 now, and still what fits."""
+    from shared_td.coordinator.cluster_generations import layout_digest
+    from shared_td.coordinator.cluster_push import _WORST_HEADER, MAX_NAME_BYTES, check_name
+
+    assert len(layout_digest({"nbytes": 8})) == len(_WORST_HEADER["digest"]) == 16
+    assert MAX_NAME_BYTES == 283
+    check_name("n" * 283)
+    with pytest.raises(ValueError, match="too long"):
+        check_name("n" * 284)
+
+
+def test_unpublish_of_a_name_this_node_gave_up_is_not_refused(store):
+    """The refusal keyed on every name the cluster ever published here: a name taken
+    over by another node while this one was stopped (so given up) stayed refused as
+    "a replica" for good."""
+    from shared_td.coordinator.cluster_liveness import LOST_AFTER_S
+
+    coords, members = _coordinated(store)
+    try:
+        coords[0].publish("p", shared_td.TensorDict(x=torch.zeros(4), batch_size=[4]), replicate=True)
+        coords[1].attach("p")
+        from shared_td.coordinator.cluster_owners import owner_token
+
+        # node 1 took p over while node 0 was stopped
+        store.set("shared_td/owner/p", owner_token(members[1]._store, "p", 1, members[1]._run))
+        members[0]._liveness._confirmed_at -= LOST_AFTER_S + 1
+        assert members[0]._liveness.still_mine() and "p" not in members[0]._owned
+        coords[0].unpublish("p")  # (before: "held by this node's cluster (a replica)")
+        with pytest.raises(ValueError, match=r"\(a replica\)"):  # node 1's replica: still refused
+            coords[1].unpublish("p")
+    finally:
+        for member in members:
+            member.shutdown()
+        for coord in coords:
+            coord.shutdown()
+
+
+@pytest.mark.parametrize("junk", [b"1", b"junk"])
+def test_a_forged_owner_claim_neither_makes_two_owners_nor_takes_a_name_away(store, pair, junk):
+    """owner/<name> held a bare node number, unsigned: junk there let node 1 take a
+    live owner's name (two owners), and "1" there made node 0 give its name up at its
+    next pause. Now it holds a signed token: a forged one is counted and ignored."""
+    from shared_td.coordinator.cluster_liveness import LOST_AFTER_S
+
+    owner, other = pair
+    td = owner.publish("p", shared_td.TensorDict(x=torch.zeros(4), batch_size=[4]))
+    other.attach("p")
+    attacker = _attacker(store)
+    attacker.set("shared_td/owner/p", junk)
+    with pytest.raises(ValueError, match="'p' is owned by node 0"):  # the signed record names node 0
+        other.publish("p", shared_td.TensorDict(y=torch.ones(4), batch_size=[4]))
+    assert other.refused == 1 and "p" in owner._owned
+    attacker.set("shared_td/owner/p", junk)
+    attacker.get("shared_td/owner/p")
+    owner._liveness._confirmed_at -= LOST_AFTER_S + 1  # as after a pause: it looks at its names
+    td["x"].fill_(3.0)
+    assert owner.sync("p", timeout=5).delivered == [1] and "p" in owner._owned and owner.refused >= 1
+    assert other.attach("p")["x"].tolist() == [3.0] * 4
+
+
+def test_a_replayed_claim_token_is_a_forgery_not_a_takeover(store):
+    """Any token of the key counted as a successor's: node 1's claim recorded in an
+    earlier run with the same authkey, or an earlier process's token of this run (read
+    in clear in its has/ record), written back cut node 1 out of every sync, nothing
+    counted, and at its next pause node 1 stopped itself as "taken over". Tokens are
+    bound to the run and carry a growing sequence now."""
+    from shared_td.coordinator.cluster_liveness import LOST_AFTER_S
+
+    earlier = loopback_store(10)
+    members = _pair(earlier)
+    recorded = earlier.get("shared_td/claim/1")  # an earlier run's token of node 1
+    for member in members:
+        member.shutdown()
+    owner, first = _pair(store)
+    other = None
+    try:
+        td = owner.publish("p", shared_td.TensorDict(x=torch.zeros(4), batch_size=[4]))
+        first.attach("p")
+        first.shutdown()  # node 1's first process leaves: its token and its released one are known
+        replays = [recorded, first._claim.encode(), store.get("shared_td/claim/1")]
+        other = Cluster(f"tcp://127.0.0.1:{store.port}?host=0", 1, 2, authkey=KEY, timeout=8, hostname="127.0.0.1")
+        other.start()
+        view = other.attach("p")
+        for replay in replays:
+            _attacker(store).set("shared_td/claim/1", replay)
+            td["x"].add_(1.0)
+            refused = other.refused
+            report = owner.sync("p", timeout=5)
+            assert report.delivered == [1] and view["x"].tolist() == td["x"].tolist()
+            other._liveness._confirmed_at -= LOST_AFTER_S + 1  # node 1's next pause
+            assert other._liveness.still_mine() and other._liveness.taken_over is None
+            assert store.get("shared_td/claim/1") == other._claim.encode()  # written back
+            assert other.refused == refused + 1
+        assert owner.refused >= 1  # (a has/ record's claim is looked at once per generation)
+    finally:
+        for member in (owner, first, other):
+            if member is not None:
+                member.shutdown()

@@ -193,7 +193,10 @@ def test_claims_that_are_not_utf8_are_another_holders_not_a_decode_error(store):
     try:
         assert time.monotonic() - began >= LOST_AFTER_S  # taken over once it stood still, as a crashed node's
         td = members[0].publish("p", shared_td.TensorDict(w=torch.arange(6.0), batch_size=[6]))
-        assert store.get("shared_td/owner/p") == b"0"
+        from shared_td.coordinator.cluster_owners import owner_of
+
+        assert owner_of(members[0]._store, "p", store.get("shared_td/owner/p"), members[0]._run) == 0
+        assert members[0].refused == 1  # the junk: a forged claim (audit 18)
         assert members[1].attach("p")["w"].tolist() == td["w"].tolist()
     finally:
         for member in members:

@@ -14,6 +14,7 @@ pytest.importorskip("torch.distributed")
 
 import shared_td  # noqa: E402
 from shared_td.coordinator.cluster import Cluster  # noqa: E402
+from shared_td.coordinator.cluster_liveness import claim_free  # noqa: E402
 from shared_td.coordinator.cluster_store import SignedStore  # noqa: E402
 from tests.cluster.test_cluster_store import KEY, _pair, pair, store  # noqa: E402,F401 - fixtures
 
@@ -70,7 +71,7 @@ def test_a_start_that_fails_frees_the_number_and_its_connections(store):
     lone = Cluster(f"tcp://127.0.0.1:{store.port}?host=0", 0, 2, authkey=KEY, timeout=1.0, hostname="127.0.0.1")
     with pytest.raises(TimeoutError, match="nodes 1 did not join"):
         lone.start()
-    assert store.get("shared_td/claim/0") == b""  # released
+    assert claim_free(SignedStore(store, KEY, timeout=5), 0, store.get("shared_td/claim/0"), lone._run)  # (audit 18)
     assert lone._store._closed  # its spare connections let go
 
 
@@ -119,7 +120,7 @@ def test_a_node_shut_down_cleanly_is_started_again_at_once(store, pair, monkeypa
     owner, other = pair
     owner.publish("p", shared_td.TensorDict(x=torch.ones(2), batch_size=[2]))
     other.shutdown()
-    assert store.get("shared_td/claim/1") == b""
+    assert claim_free(owner._store, 1, store.get("shared_td/claim/1"), owner._run)  # a released token (audit 18)
 
     def no_wait(*args):
         raise AssertionError("a released number was claimed by watching its heartbeat")
@@ -226,7 +227,7 @@ def test_a_node_whose_number_was_taken_over_leaves_the_requests_to_its_successor
     owner, other = pair
     owner.publish("p", shared_td.TensorDict(x=torch.zeros(2), batch_size=[2]))
     replica = other.attach("p")
-    successor = claim_token(other._store, 1)  # (a token of the cluster's key: a forged one is ignored, audit 18)
+    successor = claim_token(other._store, 1, other._run)  # (a later token of the key and run: audit 18)
     store.compare_set("shared_td/claim/1", other._claim, successor)
     other._liveness._confirmed_at -= LOST_AFTER_S  # as if it had been stopped meanwhile
     owner._store.push_json("lane/1/0", {"op": "pull", "from": 0, "name": "p", "generation": 1, "tag": 7,
@@ -253,7 +254,10 @@ def test_an_owner_stopped_past_the_lost_time_gives_up_the_names_taken_over(pair)
     owner, other = pair
     owner.publish("n", shared_td.TensorDict(x=torch.zeros(2), batch_size=[2]))
     owner.publish("kept", shared_td.TensorDict(x=torch.zeros(2), batch_size=[2]))
-    owner._store.compare_set("owner/n", "0", "1")  # node 1 took "n" over meanwhile
+    from shared_td.coordinator.cluster_owners import owner_token
+
+    mine, theirs = (owner_token(owner._store, "n", node, owner._run) for node in (0, 1))  # (signed: audit 18)
+    assert owner._store.compare_set("owner/n", mine, theirs) == theirs.encode()  # node 1 took "n" over meanwhile
     owner._liveness._confirmed_at -= LOST_AFTER_S
     with pytest.raises(KeyError, match="does not own 'n': node 1 took it over"):
         owner.sync("n")
@@ -267,7 +271,8 @@ def test_a_claim_that_is_not_text_reads_as_a_forgery(store):
     back (audit 18: it was taken for a takeover, and the node stopped)."""
     import threading
 
-    from shared_td.coordinator.cluster_liveness import LOST_AFTER_S, Liveness, claim_node, name_holder
+    from shared_td.coordinator.cluster_liveness import LOST_AFTER_S, Liveness, claim_node
+    from shared_td.coordinator.cluster_owners import names_taken_over, owner_token
 
     signed = SignedStore(store, KEY, timeout=5.0)
     try:
@@ -284,6 +289,7 @@ def test_a_claim_that_is_not_text_reads_as_a_forgery(store):
         assert store.get("shared_td/claim/5") == token.encode()
         store.set("shared_td/owner/n", b"\xff")
         store.get("shared_td/owner/n")
-        assert name_holder(signed, "n", 5) == "\ufffd"
+        assert names_taken_over(signed, 5, ["n"], lambda: refused.append(1)) == {}  # a forgery (audit 18)
+        assert refused == [1, 1] and store.get("shared_td/owner/n") == owner_token(signed, "n", 5).encode()
     finally:
         signed.close()

@@ -115,6 +115,7 @@ def test_a_heartbeat_signed_with_another_key_is_a_beating_node_counted_as_forged
     that a process with another key kept writing stood still for it, so a node it had
     found lost once stayed lost, and a name that node held could be taken over."""
     from shared_td.coordinator import cluster_liveness
+    from shared_td.coordinator.cluster_owners import claim_name, owner_of, owner_token
 
     monkeypatch.setattr(cluster_liveness, "LOST_AFTER_S", 0.6)  # keeps the test short
     mine, theirs = SignedStore(store, KEY, timeout=5.0), SignedStore(store, b"their key", timeout=5.0)
@@ -123,21 +124,21 @@ def test_a_heartbeat_signed_with_another_key_is_a_beating_node_counted_as_forged
     try:
         with beating(theirs, 5, every=0.1):  # a process with another key runs as node 5
             liveness.mark_lost(5)  # a request to it failed once
-            mine.compare_set("owner/q", "", "5")  # node 5 holds the name q
+            mine.compare_set("owner/q", "", owner_token(mine, "q", 5))  # node 5 holds the name q (signed: audit 18)
             end = time.monotonic() + 1.5
             while time.monotonic() < end:
                 assert liveness.alive(5)
                 time.sleep(0.1)
             assert not liveness.known_lost(5)
             with pytest.raises(ValueError, match="'q' is owned by node 5"):
-                cluster_liveness.claim_name(mine, liveness, 0, 6, "q")
+                claim_name(mine, liveness, 0, 6, "q", lambda: None, lambda: refused.append(1))
             assert len(refused) >= 5  # each forged value seen, once
         liveness.alive(5)  # its last value, seen
         seen = len(refused)
         time.sleep(0.8)  # it stands still now: lost, as any node whose heartbeat stands still
         assert not liveness.alive(5) and len(refused) == seen
-        cluster_liveness.claim_name(mine, liveness, 0, 6, "q")
-        assert store.get("shared_td/owner/q") == b"0"
+        claim_name(mine, liveness, 0, 6, "q", lambda: None, lambda: refused.append(1))
+        assert owner_of(mine, "q", store.get("shared_td/owner/q")) == 0
     finally:
         mine.close()
         theirs.close()

@@ -1,0 +1,107 @@
+"""One owner node per published name: ``owner/<name>``, claimed by a signed token.
+
+A publish claims ``owner/<name>`` (:func:`claim_name`) by a compare-and-set, so that a
+second node's publish of a name is refused while its owner lives (it made two owners
+before), and the name of a lost owner is taken over. The key is a plain
+compare-and-set target (no signature can ride on it), so what it holds carries its
+own: the owner's node number and its HMAC with the cluster authkey, bound to the key
+and to the cluster's run (:func:`owner_token`; the run: see
+:func:`~shared_td.coordinator.cluster_liveness.run_id`). Anything else found there (bytes written by something reaching
+the store) is counted in ``refused`` and ignored: a publish of the name then goes by
+the owner its signed record ``name/<name>`` names, and an owner that looks at its
+names after a pause (:func:`names_taken_over`) writes its own token back. Before, the
+key held a bare node number: junk there let another node take a live owner's name
+(two owners), and a forged ``"1"`` made the owner give its name up at its next pause
+(audit 18).
+
+What it does not stop: a replay within one run. The token of a node for a name is the
+same at every claim of this run (no nonce): a token of node 1 for ``p`` recorded
+earlier in the run and written back later reads as node 1's claim of ``p`` (the owner
+then gives ``p`` up at its next pause; another node's publish of ``p`` is refused while
+node 1 lives). A token of an earlier run verifies in no other.
+
+Example:
+    >>> import datetime
+    >>> from torch.distributed import TCPStore
+    >>> from shared_td.coordinator.cluster_store import SignedStore
+    >>> raw = TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
+    >>> store = SignedStore(raw, b"k" * 32, timeout=5.0)
+    >>> token = owner_token(store, "p", 1)
+    >>> owner_of(store, "p", token.encode()), owner_of(store, "q", token.encode()), owner_of(store, "p", b"1")
+    (1, None, None)
+"""
+from __future__ import annotations
+
+import hmac
+from typing import Callable
+
+from shared_td.coordinator.cluster_liveness import Liveness, heartbeat_moves
+
+__all__ = ["claim_name", "names_taken_over", "owner_of", "owner_token"]
+
+
+def owner_token(store, name: str, node: int, run: str = "") -> str:
+    """What ``owner/<name>`` holds while node ``node`` owns ``name``: ``<node>.<mac>``,
+    the HMAC (16 bytes, as hex) of the node number with the cluster authkey, bound to
+    the key ``owner/<name>`` and to the cluster's ``run``."""
+    return f"{node}.{_mac(store, name, run, str(node).encode())}"
+
+
+def owner_of(store, name: str, held: bytes | None, run: str = "") -> int | None:
+    """The node whose token (:func:`owner_token`) ``held`` is, None when it is none
+    (missing, or not signed with this cluster's key and ``run``: a forgery)."""
+    number, _dot, mac = (held or b"").partition(b".")
+    if not (number.isdigit() and mac) or not hmac.compare_digest(mac, _mac(store, name, run, number).encode()):
+        return None
+    return int(number)
+
+
+def _mac(store, name: str, run: str, number: bytes) -> str:
+    return store.sign(f"owner/{name}", run.encode() + b"/" + number)[:16].hex()
+
+
+def claim_name(store, liveness: Liveness, node: int, nodes: int, name: str,
+               recorded_owner: Callable[[], int | None], refuse: Callable[[], None], run: str = "") -> None:
+    """Make node ``node`` (of ``nodes``) the one owner of the published ``name``:
+    ``owner/<name>`` set atomically to its token. A name another node owns is refused
+    (ValueError) while that node's heartbeat moves; the name of a lost owner is taken
+    over (its new generation makes the replicas renew themselves). A forged claim is
+    counted (``refuse()``) and the owner the name's signed record names
+    (``recorded_owner()``, None when none) decides instead. ``run``: the cluster's."""
+    key, mine = f"owner/{name}", owner_token(store, name, node, run)
+    raw = store.compare_set(key, "", mine)  # compared as bytes: the key is unsigned, maybe not UTF-8
+    if raw == mine.encode():
+        return
+    owner = owner_of(store, name, raw, run)
+    if owner is None:
+        refuse()
+        owner = recorded_owner()
+    if owner is not None and not (isinstance(owner, int) and 0 <= owner < nodes):
+        owner = None  # not a node of this cluster
+    if owner is None or owner == node or liveness.known_lost(owner) or not heartbeat_moves(store, owner):
+        if store.compare_set(key, raw, mine) == mine.encode():
+            return  # its owner is lost (or there is none): this node takes the name over
+        raise ValueError(f"{name!r} could not be claimed: owner/{name} changed while this node took it over "
+                         "(another node claimed it at the same time). Publish it again, or under another name.")
+    raise ValueError(f"{name!r} is owned by node {owner}: a name has one owner node (the others hold "
+                     f"replicas and push rows to it). Publish it again on node {owner}, or under another name.")
+
+
+def names_taken_over(store, node: int, names: list[str], refuse: Callable[[], None], run: str = "") -> dict[str, str]:
+    """Of ``names`` (node ``node`` claimed each), those another node holds now, each
+    with that node's number as text: one round trip a name that changes nothing, unless
+    a forged claim is found: counted (``refuse()``) and this node's token written back
+    (by a compare-and-set against the forged bytes: a real takeover meanwhile stays)."""
+    taken = {}
+    for name in names:
+        key, mine = f"owner/{name}", owner_token(store, name, node, run)
+        held = store.compare_set(key, mine, mine)  # (a missing key answers ``mine``)
+        if held == mine.encode():
+            continue
+        owner = owner_of(store, name, held, run)
+        if owner is None:
+            refuse()
+            store.compare_set(key, held, mine)
+        else:
+            taken[name] = str(owner)
+    return taken
