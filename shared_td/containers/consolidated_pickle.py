@@ -25,7 +25,10 @@ that the OUTER pickler pickles with the tree's reduction, so with its own rules:
 multiprocessing's ForkingPickler shares such a tensor and sends a segment or a shared
 value as a duplicate descriptor, exactly as in a tree that is not consolidated, and an
 unpickler that restricts the globals it loads restricts them here too (the skeleton's
-loader resolves only ``_leaf``, ``_layout`` and ``_extra``, never an import).
+loader resolves only ``_leaf``, ``_layout``, ``_extra`` and ``_value``, never an import).
+Such an object may hold a node or a leaf of the tree: then the values are pickled after
+the tree (``_value(index)`` in the skeleton), so that those come back as the rebuilt
+tree's, with the buffer once (consolidated_extras.py).
 
 A tree over shared memory or a file pickles node by node (its leaves by reference);
 :func:`unlocked_on_arrival` makes it arrive unlocked by the same rule as a plain one.
@@ -41,11 +44,13 @@ from typing import Any
 
 import torch
 
+from shared_td.containers import consolidated_extras as extras_
 from shared_td.containers.consolidated_layout import Layout, runs_of, views_of_runs
 from shared_td.containers.locking import LockingOps
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 _BYTE = torch.uint8
+_Pending = extras_.Pending
 _Tensor = torch.Tensor
 # The attributes of a tensordict node that its skeleton rebuilds (the others are caches
 # of this process or what pickling resets); a node with any other is pickled as itself.
@@ -62,6 +67,9 @@ _PICKLING = ("__reduce_ex__", "__reduce__", "__getstate__", "__setstate__")
 # the pickler's callback must stop the dump; no class of its own: every exception class
 # of the package is a public one of errors.py), caught in this module only.
 _ALIASED = object()
+# An extra that may hold a node or a leaf of the tree (a user object): the same for the
+# tree's values, then pickled after it (consolidated_extras.py).
+_HOLDER = object()
 
 
 def _is_aliased(error: LookupError) -> bool:
@@ -106,6 +114,7 @@ class _Skeleton:
         self.listed: list[tuple] | None = None  # the entries, once not in order
         self.seen_nodes: set[int] = set()
         self.seen_leaves: set[int] = set()
+        self.value_ids: set[int] = set()  # the values ([value] items), loaded after the tree
 
     def runs(self) -> tuple[list[tuple], int]:
         """The runs of the leaves met, and their number."""
@@ -147,7 +156,10 @@ class _Skeleton:
                 if isinstance(value, _Tensor):
                     item = self._leaf(value)
                 else:
-                    item = self.record(value) or [value]
+                    item = self.record(value)
+                    if item is None:  # a value
+                        self.value_ids.add(id(value))
+                        item = [value]
                 cursor = self.cursor
             if item is not None and items is None:
                 items = [None] * index
@@ -174,7 +186,8 @@ class _Skeleton:
             raise LookupError(_ALIASED)
         entry = place(self.layout, value)
         if entry is None:
-            return [value]  # no longer a view of the buffer: pickled as itself
+            self.value_ids.add(id(value))
+            return [value]  # no longer a view of the buffer: a value, pickled as itself
         self.seen_leaves.add(id(value))
         self.listed.append(entry)
         return None
@@ -200,6 +213,9 @@ def reduce_tree(obj: Any, layout: Layout, protocol: int, node_class: type,
     """``obj.__reduce_ex__(protocol)`` for a consolidated ``obj`` over a plain buffer.
     ``node_class``: the class of the tree's nodes (TensorDictBase's consolidate mixin);
     ``tensordict`` and ``tensorclass``: the classes whose pickling the skeleton mirrors."""
+    reduced = extras_.reference(obj, layout)  # (a node of a tree whose values are being saved)
+    if reduced is not None:
+        return reduced
     skeleton = _Skeleton(layout, tensordict, tensorclass)
     try:
         tree = skeleton.record(obj)
@@ -214,19 +230,31 @@ def reduce_tree(obj: Any, layout: Layout, protocol: int, node_class: type,
 def _reduction(obj: Any, tree: tuple | None, skeleton: _Skeleton, layout: Layout, protocol: int,
                node_class: type) -> tuple:
     runs, count = skeleton.runs() if tree is not None else ([], 0)
-    data = io.BytesIO()
-    pickler = _TreePickler(data, protocol, layout, obj if obj.is_locked else None, node_class, count,
-                           skeleton.seen_nodes)
-    pickler.dump([obj] if tree is None else tree)
-    if pickler.leaves:
-        runs = runs + runs_of(pickler.leaves)
-    args = (_Payload(layout.buffer), runs, data.getvalue())
+    locked_root = obj if obj.is_locked else None
     # a node locked only by its locked parent (td["n"] of a consolidated tree) arrives
     # locked, as in tensordict 0.15.3: only a tree locked as a whole arrives unlocked
     by_parent = obj.is_locked and unwrap_tensorclass(obj)._locked_parent() is not None
+
+    def pickler(value_ids: set[int], first: int = count) -> _TreePickler:
+        return _TreePickler(io.BytesIO(), protocol, layout, locked_root, node_class, first, skeleton.seen_nodes,
+                            value_ids)
+
+    whole = pickler(set())
+    whole.probe = tree is not None
+    try:
+        whole.dump([obj] if tree is None else tree)
+    except LookupError as error:
+        if error.args != (_HOLDER,):
+            raise
+        # a value holds an object the outer pickler pickles, which may hold a node or a
+        # leaf of this tree: the values pickled after it (consolidated_extras.py)
+        return extras_.values_after(obj, tree, skeleton, (_Payload(layout.buffer), runs), by_parent, pickler)
+    if whole.leaves:
+        runs = runs + runs_of(whole.leaves)
+    args = (_Payload(layout.buffer), runs, whole.file.getvalue())
     if by_parent:
-        return _unpickle_consolidated, (*args, pickler.extras, True)
-    return _unpickle_consolidated, (*args, pickler.extras) if pickler.extras else args
+        return _unpickle_consolidated, (*args, whole.extras, True)
+    return _unpickle_consolidated, (*args, whole.extras) if whole.extras else args
 
 
 class _Payload:
@@ -266,14 +294,20 @@ class _TreePickler(pickle.Pickler):
     layout. The containers of shared_td (nodes, lazy stacks, tensorclasses) are pickled
     here by their own reduction, since they may hold views of the buffer; any other
     object (and the classes and functions those reductions name) is ``_extra(index)``,
-    listed in ``extras`` for the outer pickler. (``reducer_override``, unlike
+    listed in ``extras`` for the outer pickler. With ``value_ids``, the skeleton's
+    values are ``_value(index)`` instead, listed in ``values`` (pickled after the tree
+    by another _TreePickler). (``reducer_override``, unlike
     ``persistent_id``, is not called for the tuples, lists, str and int that make the
     skeleton, nor for an object already memoised: once per class.)"""
 
     def __init__(self, file: Any, protocol: int, layout: Layout, locked_root: Any, node_class: type,
-                 first_index: int, in_skeleton: set[int]):
+                 first_index: int, in_skeleton: set[int], value_ids: set[int]):
         super().__init__(file, protocol)
+        self.file = file
         self.in_skeleton = in_skeleton
+        self.value_ids = value_ids  # the skeleton's values: placeholders, listed in values
+        self.values: list[Any] = []
+        self.probe = False  # whether an extra that may hold a part of the tree stops the dump
         self.layout = layout
         self.node_class = node_class
         self.leaves: list[tuple] = []
@@ -282,6 +316,9 @@ class _TreePickler(pickle.Pickler):
         self.locked_root = locked_root
 
     def reducer_override(self, obj: Any) -> Any:
+        if self.value_ids and id(obj) in self.value_ids:  # (the memo: once per value)
+            self.values.append(obj)
+            return _value, (len(self.values) - 1,)
         if isinstance(obj, torch.Tensor):
             entry = place(self.layout, obj)
             if entry is None:
@@ -303,11 +340,14 @@ class _TreePickler(pickle.Pickler):
             return copyreg.__newobj__, (type(obj),), state
         elif obj is self.layout:
             return _layout, ()
-        elif obj is _leaf or obj is _layout or obj is _extra or getattr(type(obj), "_is_tensorclass", False):
+        elif obj is _leaf or obj is _layout or obj is _extra or obj is _value \
+                or getattr(type(obj), "_is_tensorclass", False):
             return NotImplemented  # a name _TreeUnpickler resolves; a tensorclass: a container
         return self._extra(obj)
 
     def _extra(self, obj: Any) -> tuple:
+        if self.probe and not extras_.holds_nothing(obj):
+            raise LookupError(_HOLDER)  # (stops the dump at once)
         # (the pickler's memo makes a second meeting of obj this same item)
         self.extras.append(obj)
         return _extra, (len(self.extras) - 1,)
@@ -325,6 +365,10 @@ def _extra(index: int) -> Any:
     raise pickle.UnpicklingError("a consolidated tree's value can only be read by _TreeUnpickler")
 
 
+def _value(index: int) -> Any:
+    raise pickle.UnpicklingError("a consolidated tree's value can only be read by _TreeUnpickler")
+
+
 class _TreeUnpickler(pickle.Unpickler):
     """Reads what _TreePickler wrote; the views are made before (from their runs), the
     extras are what the outer unpickler loaded. It resolves no other global: a forged
@@ -333,7 +377,7 @@ class _TreeUnpickler(pickle.Unpickler):
     def __init__(self, file: Any, layout: Layout, extras: Any):
         super().__init__(file)
         self.names = {"_leaf": layout.views.__getitem__, "_layout": lambda: layout,
-                      "_extra": extras.__getitem__}
+                      "_extra": extras.__getitem__, "_value": _Pending}
 
     def find_class(self, module: str, name: str) -> Any:
         found = self.names.get(name) if module == __name__ else None
@@ -356,6 +400,7 @@ class _Builder:
         self.keep_locks = keep_locks
         self.next_views = iter(layout.views)
         self.sizes: dict[tuple, torch.Size] = {}  # one torch.Size per batch size
+        self.pending: list[tuple] = []  # (entries, key, value index, locked node or None)
 
     def build(self, record: Any) -> Any:
         if type(record) is list:
@@ -371,7 +416,7 @@ class _Builder:
             return obj
         cls, size, device, names, locked, keys, items = record
         locked = locked and self.keep_locks
-        children = []
+        children, pending = [], None
         if items is None:
             entries = dict(zip(keys, self.next_views))  # (zip stops at the keys' end)
         else:
@@ -382,6 +427,10 @@ class _Builder:
                     continue
                 entries[key] = child = self.build(item)
                 if type(item) is list:  # a value pickled as itself: a collection?
+                    if type(child) is _Pending:  # a value loaded after the tree (extras_.finish)
+                        pending = pending or []
+                        pending.append((entries, key, child.index))
+                        continue
                     child = unwrap_tensorclass(child)
                     if not isinstance(child, LockingOps):
                         continue
@@ -402,6 +451,8 @@ class _Builder:
                 if not child._is_locked:
                     child.lock_()
                 child._lock_parents[id(node)] = weakref.ref(node)
+        if pending:
+            self.pending.extend((*spot, node if locked else None) for spot in pending)
         return node
 
 
@@ -410,13 +461,7 @@ def _unpickle_consolidated(payload: Any, runs: list[tuple], tree: bytes, extras:
     """Rebuild a pickled consolidated tensordict: the payload (its bytes, or the buffer
     tensor shared by ForkingPickler) becomes its one buffer; ``extras`` are the values
     its skeleton names by index (see _TreePickler)."""
-    if isinstance(payload, torch.Tensor):
-        buffer = payload
-    else:
-        data = payload if isinstance(payload, bytearray) else bytearray(payload)
-        buffer = torch.frombuffer(data, dtype=_BYTE) if data else torch.empty(0, dtype=_BYTE)  # len: 64 * n
-    layout = Layout(buffer)
-    layout.record(views_of_runs(buffer, runs), runs=runs)
+    layout = _arrived_layout(payload, runs)
     skeleton = _TreeUnpickler(io.BytesIO(tree), layout, extras).load()
     # As tensordict 0.15.3: a tree locked as a whole (as consolidate() leaves it) comes
     # back unlocked, root and nested, so that a receiver may add keys at once; in a tree
@@ -424,6 +469,18 @@ def _unpickle_consolidated(payload: Any, runs: list[tuple], tree: bytes, extras:
     # such a tree node by node, its locks with it), and so does a sub-tree sent alone
     # that was locked by its parent.
     return _Builder(layout, keep_locks=locked_by_parent or not _root_locked(skeleton)).build(skeleton)
+
+
+def _arrived_layout(payload: Any, runs: list[tuple]) -> Layout:
+    """The layout of an arrived tree: its payload as buffer, its views made from runs."""
+    if isinstance(payload, torch.Tensor):
+        buffer = payload
+    else:
+        data = payload if isinstance(payload, bytearray) else bytearray(payload)
+        buffer = torch.frombuffer(data, dtype=_BYTE) if data else torch.empty(0, dtype=_BYTE)  # len: 64 * n
+    layout = Layout(buffer)
+    layout.record(views_of_runs(buffer, runs), runs=runs)
+    return layout
 
 
 def _root_locked(record: Any) -> bool:

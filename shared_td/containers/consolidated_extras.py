@@ -1,0 +1,322 @@
+"""The values of a consolidated tree's pickle that may point back into the tree.
+
+A value of a consolidated tree outside its buffer (a non-tensor's object, a tensor no
+longer in the buffer) goes through the OUTER pickler (consolidated_pickle.py), which
+knows nothing of the tree: an object of the value that holds one of the tree's nodes
+(``h.ref = td["n"]``) or leaves (``h.t = td["a"]``) would pickle that node as a new
+tree and that leaf with its whole storage, so the buffer twice, and come back as a
+private copy. So a tree with such values pickles in two steps, ``finish(tree,
+values)``: ``tree`` (a :class:`Tree`) rebuilds the buffer, the nodes and the leaves,
+its values left as placeholders; ``values`` (a :class:`Values`) then carries them.
+While the outer pickler saves ``values``, this thread knows the tree being pickled
+(:func:`reference`): a node or leaf of it reduces to ``_node_at(tree, path)`` and
+another view of the buffer to ``_view_at(tree, entry)``, so that they come back as
+those of the rebuilt tree (the outer memo has ``tree`` by then), with the buffer once.
+A node finds it through its own ``__reduce_ex__``; a plain tensor through a reducer
+registered in ``copyreg.dispatch_table`` only while such values are being saved (a
+plain pickler has no other hook for a tensor; multiprocessing's ForkingPickler uses
+torch's own, which shares the one buffer's memory). ``copy.deepcopy`` goes through
+:meth:`Values.__deepcopy__`, which maps the tree's nodes, leaves and storage to the
+copy's in its memo.
+
+Example (``pickle.loads(pickle.dumps(td))`` gives the same, for a class it can name):
+    >>> import copy, types
+    >>> td = TensorDict(a=torch.zeros(3), n={"b": torch.ones(2)}).consolidate().unlock_()
+    >>> td["h"] = NonTensorData(types.SimpleNamespace(node=td["n"], leaf=td["a"]))
+    >>> out = copy.deepcopy(td)
+    >>> out["h"].node is out["n"], out["h"].leaf is out["a"]
+    (True, True)
+"""
+from __future__ import annotations
+
+import copy
+import copyreg
+import io
+import threading
+import types
+import weakref
+from typing import Any
+
+import torch
+
+from shared_td.containers.consolidated_layout import runs_of, views_of_runs
+from shared_td.containers.locking import LockingOps
+from shared_td.tensorclass_protocol import unwrap_tensorclass
+
+_Tensor = torch.Tensor
+_local = threading.local()
+_hook = threading.Lock()
+_users = 0  # the contexts open in all threads, while the tensor reducer is registered
+_previous: Any = None  # what copyreg.dispatch_table held for torch.Tensor before
+
+
+class Context:
+    """The tree whose values are being saved: ``root`` (pickled), ``handle`` (its
+    :class:`Tree`), ``layout``, the ids of its values (not rebuilt by ``handle``: they
+    come back through the outer memo) and its nodes' and leaves' paths (made when first
+    asked for)."""
+
+    __slots__ = ("root", "handle", "layout", "value_ids", "described", "_paths", "guard")
+
+    def __init__(self, root: Any, layout: Any, value_ids: set[int], described: set[int]):
+        self.root, self.layout, self.value_ids, self.described = root, layout, value_ids, described
+        self.handle = Tree(self)
+        self._paths: dict[int, tuple] | None = None
+        self.guard: Any = None
+
+    @property
+    def paths(self) -> dict[int, tuple]:
+        """``{id: path}`` of the rebuilt nodes and leaves (a path: keys; None for the
+        tensordict of a tensorclass)."""
+        if self._paths is None:
+            self._paths = paths = {}
+            pending = [(self.root, ())]
+            while pending:
+                obj, path = pending.pop()
+                if id(obj) in paths or id(obj) in self.value_ids:
+                    continue
+                if isinstance(obj, _Tensor):
+                    paths[id(obj)] = path
+                    continue
+                inner = obj.__dict__.get("_tensordict")
+                if getattr(type(obj), "_is_tensorclass", False):
+                    if id(inner) in self.described:  # a tensorclass the skeleton describes
+                        paths[id(obj)] = path
+                        pending.append((inner, path + (None,)))
+                elif id(obj) in self.described:
+                    paths[id(obj)] = path
+                    pending.extend((value, path + (key,)) for key, value in inner.items())
+        return self._paths
+
+    def reduce(self, obj: Any) -> tuple | None:
+        """The reduction of ``obj`` as a part of the rebuilt tree, or None."""
+        path = self.paths.get(id(obj))
+        if path is not None:
+            return _node_at, (self.handle, path)
+        # (the buffer's storage asked now: ForkingPickler moves it to shared memory)
+        if isinstance(obj, _Tensor) and \
+                obj.untyped_storage().data_ptr() == self.layout.buffer.untyped_storage().data_ptr():
+            from shared_td.containers.consolidated_pickle import place
+
+            entry = place(self.layout, obj)
+            if entry is not None:
+                return _view_at, (self.handle, entry)
+        return None
+
+
+# What a value's extras may be without holding anything (so a tree's values pickle with
+# it in one step): names and plain data. (A tensor outside the buffer holds none of it.)
+_INERT = (type, _Tensor, torch.Size, torch.device, torch.dtype, str, bytes, int, float, type(None),
+          types.FunctionType, types.BuiltinFunctionType)
+_EXACTLY = frozenset((type, torch.Size, torch.device, torch.dtype, str, type(None)))  # (most, at once)
+
+
+def holds_nothing(extra: Any) -> bool:
+    """Whether ``extra`` (an object a skeleton leaves to the outer pickler) cannot hold a
+    node or a leaf of the tree."""
+    return type(extra) in _EXACTLY or isinstance(extra, _INERT)
+
+
+def values_after(root: Any, tree: tuple, skeleton: Any, start: tuple, by_parent: bool, pickler: Any) -> tuple:
+    """The reduction of ``root`` in two steps: ``tree`` (its skeleton, described by
+    ``skeleton``), its values as placeholders, then its values. ``start``: its payload
+    and runs; ``pickler(value_ids, first leaf index)`` makes a _TreePickler
+    (consolidated_pickle.py)."""
+    whole = pickler(skeleton.value_ids)
+    whole.dump(tree)  # (the values met listed in whole.values)
+    values = pickler(set(), whole.first_index + len(whole.leaves))
+    values.dump(whole.values)
+    payload, runs = start
+    leaves = whole.leaves + values.leaves
+    if leaves:
+        runs = runs + runs_of(leaves)
+    context = Context(root, skeleton.layout, skeleton.value_ids, skeleton.seen_nodes)
+    context.handle.reduction = (rebuild, (payload, runs, whole.file.getvalue(), whole.extras, by_parent))
+    return finish, (context.handle, Values(context, values.file.getvalue(), values.extras))
+
+
+def reference(obj: Any, layout: Any) -> tuple | None:
+    """``obj.__reduce_ex__`` for a node of ``layout`` while a tree over it has its
+    values saved in this thread (one of its nodes: a reference to the rebuilt one)."""
+    stack = getattr(_local, "stack", None)
+    if stack:
+        for context in reversed(stack):
+            if context.layout is layout:
+                return context.reduce(obj)
+    return None
+
+
+def _reduce_tensor(tensor: torch.Tensor) -> tuple:
+    # registered for torch.Tensor while values are saved (all threads see it: those
+    # with no context get torch's own reduction; its protocol argument is unused)
+    stack = getattr(_local, "stack", None)
+    if stack:
+        for context in reversed(stack):
+            reduced = context.reduce(tensor)
+            if reduced is not None:
+                return reduced
+    return _previous(tensor) if _previous is not None else tensor.__reduce_ex__(2)
+
+
+def _open(context: Context) -> None:
+    global _users, _previous
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    stack.append(context)
+    with _hook:
+        if _users == 0:
+            _previous = copyreg.dispatch_table.get(_Tensor)
+            copyreg.dispatch_table[_Tensor] = _reduce_tensor
+        _users += 1
+
+
+def _close(context: Context) -> None:
+    stack = getattr(_local, "stack", None)
+    if stack and context in stack:  # (and the contexts a failed nested pickle left open)
+        while stack.pop() is not context:
+            _release()
+        _release()
+
+
+def _release() -> None:
+    global _users, _previous
+    with _hook:
+        _users -= 1
+        if _users == 0:
+            if _previous is None:
+                copyreg.dispatch_table.pop(_Tensor, None)
+            else:
+                copyreg.dispatch_table[_Tensor] = _previous
+            _previous = None
+
+
+class Tree:
+    """The first argument of :func:`finish`: pickles as the reduction that rebuilds the
+    tree (set by consolidated_pickle.py), its values as placeholders."""
+
+    __slots__ = ("context", "reduction")
+
+    def __init__(self, context: Context):
+        self.context, self.reduction = context, None
+
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        return self.reduction
+
+
+class Values:
+    """The second argument of :func:`finish`: the pickle of the tree's values and the
+    objects it names (pickled by the outer pickler, this tree's context open)."""
+
+    __slots__ = ("context", "data", "extras", "__weakref__")
+
+    def __init__(self, context: Context, data: bytes, extras: list):
+        self.context, self.data, self.extras = context, data, extras
+
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        # open until _Close, saved after the extras, is reduced, or (the pickler failed
+        # on an extra) until the pickler drops this object unsaved: a context left open
+        # would make a later pickle of this tree name a rebuilt tree it does not carry
+        self.context.guard = weakref.ref(self, lambda _, context=self.context: _close(context))
+        _open(self.context)
+        return _values_of, (self.data, self.extras, _Close(self.context))
+
+    def __deepcopy__(self, memo: dict) -> tuple:
+        context = self.context
+        copied = memo.get(id(context.handle))  # (copied first: finish's first argument)
+        if copied is not None:
+            for key, path in context.paths.items():
+                memo.setdefault(key, _node_at(copied, path))
+            buffer = context.layout.buffer
+            if buffer.storage_offset() == 0:  # other views: views of the copy's one buffer
+                memo.setdefault("torch", {})[buffer.untyped_storage()._cdata] = \
+                    copied.layout.buffer.untyped_storage()
+        _open(context)
+        try:
+            return self.data, copy.deepcopy(self.extras, memo)
+        finally:
+            _close(context)
+
+
+class _Close:
+    __slots__ = ("context",)
+
+    def __init__(self, context: Context):
+        self.context = context
+
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        _close(self.context)
+        return _none, ()
+
+
+def _none() -> None:
+    return None
+
+
+def _values_of(data: bytes, extras: list, closed: None) -> tuple:
+    return data, extras
+
+
+def _node_at(tree: Any, path: tuple) -> Any:
+    """The node or leaf at ``path`` of the rebuilt ``tree`` (a Rebuilt)."""
+    obj = tree.root
+    for key in path:
+        obj = obj._tensordict if key is None else obj.__dict__["_tensordict"][key]
+    return obj
+
+
+def _view_at(tree: Any, entry: tuple) -> torch.Tensor:
+    """The view ``(dtype, shape, byte offset)`` of the rebuilt ``tree``'s buffer."""
+    return views_of_runs(tree.layout.buffer, [(*entry, 1)])[0]
+
+
+class Pending:
+    """Where a skeleton has a value loaded after the tree (its index in the values)."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+class Rebuilt:
+    """A tree rebuilt but for its values (what :class:`Tree` pickles as): its root,
+    layout and builder (consolidated_pickle's, which lists the values' places)."""
+
+    __slots__ = ("root", "layout", "builder")
+
+    def __init__(self, root: Any, layout: Any, builder: Any):
+        self.root, self.layout, self.builder = root, layout, builder
+
+
+def rebuild(payload: Any, runs: list[tuple], tree: bytes, extras: Any, locked_by_parent: bool) -> Rebuilt:
+    """consolidated_pickle's ``_unpickle_consolidated`` for a tree whose values come
+    after it (:func:`finish`): its skeleton's values are left as :class:`Pending`."""
+    from shared_td.containers import consolidated_pickle as pickled
+
+    layout = pickled._arrived_layout(payload, runs)
+    skeleton = pickled._TreeUnpickler(io.BytesIO(tree), layout, extras).load()
+    builder = pickled._Builder(layout, keep_locks=locked_by_parent or not pickled._root_locked(skeleton))
+    return Rebuilt(builder.build(skeleton), layout, builder)
+
+
+def finish(rebuilt: Rebuilt, values: tuple) -> Any:
+    """The tree of ``rebuilt`` with its ``values`` (their pickle, the objects it names),
+    each put in its place and locked or unlocked as the builder does those it meets."""
+    from shared_td.containers.consolidated_pickle import _TreeUnpickler
+
+    data, extras = values
+    loaded = _TreeUnpickler(io.BytesIO(data), rebuilt.layout, extras).load()
+    builder = rebuilt.builder
+    for entries, key, index, locked_node in builder.pending:
+        entries[key] = value = loaded[index]
+        collection = unwrap_tensorclass(value)
+        if not isinstance(collection, LockingOps):
+            continue
+        if not builder.keep_locks and collection._is_locked:
+            collection.unlock_()
+        if locked_node is not None:
+            if not collection._is_locked:
+                collection.lock_()
+            collection._lock_parents[id(locked_node)] = weakref.ref(locked_node)
+    return rebuilt.root
