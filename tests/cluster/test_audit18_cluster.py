@@ -7,6 +7,7 @@ the store's port can: each must be refused or harmless.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import os
@@ -258,14 +259,7 @@ def test_unpublish_of_a_cluster_held_name_is_refused_with_what_to_do(store):
     """unpublish of a replicated name forgot it on the owner's Coordinator only, while
     the cluster went on syncing and serving it (and a local re-publish then was never
     synced)."""
-    coords = [shared_td.Coordinator().start() for _ in range(2)]
-    url = f"tcp://127.0.0.1:{store.port}?host=0"
-    members = [Cluster(url, i, 2, authkey=KEY, timeout=8, coordinator=coords[i], hostname="127.0.0.1")
-               for i in range(2)]
-    for coord, member in zip(coords, members):
-        coord.cluster = member
-    try:
-        assert not _start_together(members)
+    with _coordinated(store) as (coords, members):
         coords[0].publish("p", shared_td.TensorDict(x=torch.zeros(4), batch_size=[4]), replicate=True)
         coords[1].attach("p")
         for coord, held in ((coords[0], "owned here"), (coords[1], "a replica")):
@@ -274,11 +268,6 @@ def test_unpublish_of_a_cluster_held_name_is_refused_with_what_to_do(store):
         assert coords[0].attach("p")["x"].tolist() == [0.0] * 4 and members[0].sync("p").delivered == [1]
         coords[0].publish("local", shared_td.TensorDict(x=torch.zeros(2), batch_size=[2]))
         coords[0].unpublish("local")  # a name of this node only: as before
-    finally:
-        for member in members:
-            member.shutdown()
-        for coord in coords:
-            coord.shutdown()
 
 
 # ---------------------------------------------------------------- nit
@@ -295,30 +284,33 @@ def test_a_uint8_push_index_is_a_mask_as_torch_reads_it(store, pair):
 
 
 # ======================================================= session 18, second round
+@contextlib.contextmanager
 def _coordinated(store):
-    """Two Coordinators, each with its node of a cluster on ``store``, started."""
+    """Two Coordinators, each with its node of a cluster on ``store``, started; both
+    shut down (clusters first) on leaving."""
     coords = [shared_td.Coordinator().start() for _ in range(2)]
     url = f"tcp://127.0.0.1:{store.port}?host=0"
     members = [Cluster(url, i, 2, authkey=KEY, timeout=8, coordinator=coords[i], hostname="127.0.0.1")
                for i in range(2)]
     for coord, member in zip(coords, members):
         coord.cluster = member
-    errors = _start_together(members)
-    if errors:
+    try:
+        errors = _start_together(members)
+        if errors:
+            raise errors[0]
+        yield coords, members
+    finally:
         for member in members:
             member.shutdown()
         for coord in coords:
             coord.shutdown()
-        raise errors[0]
-    return coords, members
 
 
 def test_coordinator_attach_of_a_replicated_name_after_its_cluster_shut_down(store):
     """After shutdown() the names are left to the Coordinator: attach of a name
     published here with replicate=True asked the shut-down cluster and raised its
     RuntimeError (a regression of ea760c9, which cleared the cluster's owned names)."""
-    coords, members = _coordinated(store)
-    try:
+    with _coordinated(store) as (coords, members):
         coords[0].publish("p", shared_td.TensorDict(x=torch.arange(4.0), batch_size=[4]), replicate=True)
         coords[1].attach("p")
         for member in (members[1], members[0]):
@@ -328,11 +320,6 @@ def test_coordinator_attach_of_a_replicated_name_after_its_cluster_shut_down(sto
         coords[0].unpublish("p")
         with pytest.raises(KeyError, match="'p'"):  # a closed cluster is not asked (a RuntimeError)
             coords[0].attach("p")
-    finally:
-        for member in members:
-            member.shutdown()
-        for coord in coords:
-            coord.shutdown()
 
 
 def test_a_newer_only_write_whose_key_is_deleted_meanwhile_ends(store):
@@ -481,8 +468,7 @@ def test_unpublish_of_a_name_this_node_gave_up_is_not_refused(store):
     "a replica" for good."""
     from shared_td.coordinator.cluster_liveness import LOST_AFTER_S
 
-    coords, members = _coordinated(store)
-    try:
+    with _coordinated(store) as (coords, members):
         coords[0].publish("p", shared_td.TensorDict(x=torch.zeros(4), batch_size=[4]), replicate=True)
         coords[1].attach("p")
         from shared_td.coordinator.cluster_owners import owner_token
@@ -494,11 +480,6 @@ def test_unpublish_of_a_name_this_node_gave_up_is_not_refused(store):
         coords[0].unpublish("p")  # (before: "held by this node's cluster (a replica)")
         with pytest.raises(ValueError, match=r"\(a replica\)"):  # node 1's replica: still refused
             coords[1].unpublish("p")
-    finally:
-        for member in members:
-            member.shutdown()
-        for coord in coords:
-            coord.shutdown()
 
 
 @pytest.mark.parametrize("junk", [b"1", b"junk"])

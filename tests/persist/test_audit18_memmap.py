@@ -36,10 +36,32 @@ from shared_td.storage import files
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+# Prepended to a script run without capabilities: where permission bits still do not
+# apply to it, it prints the skip (read by _json_child) instead of running.
+_UNLESS_PERMISSIONS_APPLY = """
+import json as _json, os as _os, shutil as _shutil, sys as _sys, tempfile as _tempfile
+_probe = _tempfile.mkdtemp()
+_os.chmod(_probe, 0o555)
+try:
+    open(_os.path.join(_probe, "x"), "w").close()
+    print(_json.dumps({"skip": "permission bits do not apply to this process"}))
+    _sys.exit(0)
+except PermissionError:
+    pass
+finally:
+    _os.chmod(_probe, 0o755)
+    _shutil.rmtree(_probe, ignore_errors=True)
+"""
+
+
 def _child(script: str, *, drop_capabilities: bool = False, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run ``script`` in a new interpreter (the repository importable); as root with
-    ``drop_capabilities``, without capabilities (skipped where that is not possible)."""
-    command = [sys.executable, "-c", textwrap.dedent(script)]
+    ``drop_capabilities``, without capabilities (skipped where that is not possible,
+    or where permission bits do not apply even then)."""
+    script = textwrap.dedent(script)
+    if drop_capabilities:
+        script = _UNLESS_PERMISSIONS_APPLY + script
+    command = [sys.executable, "-c", script]
     if drop_capabilities and os.geteuid() == 0:
         setpriv = shutil.which("setpriv")
         if setpriv is None:
@@ -211,14 +233,6 @@ def test_atomic_rewrite_and_gc_remove_read_only_old_versions(tmp_path):
         from shared_td import TensorDict
         base = {str(tmp_path)!r}
         p = os.path.join(base, "p")
-        os.makedirs(os.path.join(base, "probe"))
-        os.chmod(os.path.join(base, "probe"), 0o555)
-        try:
-            open(os.path.join(base, "probe", "x"), "w").close()
-            print(json.dumps({{"skip": "permission bits do not apply to this process"}}))
-            sys.exit(0)
-        except PermissionError:
-            pass
         TensorDict(a=torch.full((3,), 1.0), n=TensorDict(b=torch.ones(2))).memmap(p)
         os.chmod(os.path.join(p, "n"), 0o555)
         os.chmod(p, 0o555)
@@ -245,7 +259,7 @@ def test_atomic_rewrite_and_gc_remove_read_only_old_versions(tmp_path):
     """, drop_capabilities=True)
     assert result["exchange"] == [] and result["again"] == []
     assert result["gc"] == [f".p.shared_td-new-{_only_pid(result)}-0123456789ab"]
-    assert result["entries"] == [".p.lock", "p", "probe"]
+    assert result["entries"] == [".p.lock", "p"]
     assert result["a"] == [3.0] * 3
 
 
@@ -259,14 +273,6 @@ def test_rewrite_into_read_only_directory_changes_no_leaf(tmp_path):
         import json, os, sys, torch
         from shared_td import TensorDict
         base = {str(tmp_path)!r}
-        os.makedirs(os.path.join(base, "probe"))
-        os.chmod(os.path.join(base, "probe"), 0o555)
-        try:
-            open(os.path.join(base, "probe", "x"), "w").close()
-            print(json.dumps({{"skip": "permission bits do not apply to this process"}}))
-            sys.exit(0)
-        except PermissionError:
-            pass
         out = {{}}
         for read_only in ("root", "nested"):
             p = os.path.join(base, read_only)
