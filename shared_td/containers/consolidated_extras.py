@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import copyreg
+import functools
 import io
 import threading
 import types
@@ -56,13 +57,14 @@ class Context:
     come back through the outer memo) and its nodes' and leaves' paths (made when first
     asked for)."""
 
-    __slots__ = ("root", "handle", "layout", "value_ids", "described", "_paths", "guard")
+    __slots__ = ("root", "handle", "layout", "value_ids", "described", "_paths", "guard", "stack")
 
     def __init__(self, root: Any, layout: Any, value_ids: set[int], described: set[int]):
         self.root, self.layout, self.value_ids, self.described = root, layout, value_ids, described
         self.handle = Tree(self)
         self._paths: dict[int, tuple] | None = None
         self.guard: Any = None
+        self.stack: list | None = None  # the stack of the thread that opened it
 
     @property
     def paths(self) -> dict[int, tuple]:
@@ -93,8 +95,10 @@ class Context:
         path = self.paths.get(id(obj))
         if path is not None:
             return _node_at, (self.handle, path)
-        # (the buffer's storage asked now: ForkingPickler moves it to shared memory)
-        if isinstance(obj, _Tensor) and \
+        # (the buffer's storage asked now: ForkingPickler moves it to shared memory; a
+        # tensor with no storage of its own, sparse or nested, cannot view it)
+        if isinstance(obj, _Tensor) and obj.layout is torch.strided and not obj.is_nested and \
+                obj.device == self.layout.buffer.device and \
                 obj.untyped_storage().data_ptr() == self.layout.buffer.untyped_storage().data_ptr():
             from shared_td.containers.consolidated_pickle import place
 
@@ -164,6 +168,7 @@ def _open(context: Context) -> None:
     if stack is None:
         stack = _local.stack = []
     stack.append(context)
+    context.stack = stack
     with _hook:
         if _users == 0:
             _previous = copyreg.dispatch_table.get(_Tensor)
@@ -172,11 +177,21 @@ def _open(context: Context) -> None:
 
 
 def _close(context: Context) -> None:
-    stack = getattr(_local, "stack", None)
+    # (the stack it was opened on: a guard may fire in another thread, from the cyclic GC)
+    stack = context.stack
     if stack and context in stack:  # (and the contexts a failed nested pickle left open)
         while stack.pop() is not context:
             _release()
         _release()
+
+
+def _close_dropped(context: Context, _ref: Any) -> None:
+    """The guard of a Values object freed unsaved: close its context (quietly at
+    interpreter exit, when the module's names may be gone)."""
+    try:
+        _close(context)
+    except Exception:  # (exit: _close or the hook's lock already None)
+        pass
 
 
 def _release() -> None:
@@ -217,7 +232,7 @@ class Values:
         # open until _Close, saved after the extras, is reduced, or (the pickler failed
         # on an extra) until the pickler drops this object unsaved: a context left open
         # would make a later pickle of this tree name a rebuilt tree it does not carry
-        self.context.guard = weakref.ref(self, lambda _, context=self.context: _close(context))
+        self.context.guard = weakref.ref(self, functools.partial(_close_dropped, self.context))
         _open(self.context)
         return _values_of, (self.data, self.extras, _Close(self.context))
 

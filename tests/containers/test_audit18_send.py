@@ -308,3 +308,46 @@ def test_a_failed_pickle_of_such_a_tree_leaves_no_hook_behind():
     assert out["h"].node is out["n"] and out["h"].leaf is out["a"]
     alone = pickle.loads(pickle.dumps(td["n"]))
     assert (alone["b"] == 1).all() and alone.is_consolidated()
+
+
+def test_a_failed_pickle_whose_guard_fires_in_another_thread_leaves_no_hook_behind():
+    # a pure-Python pickler keeps the failed pickle's objects in its traceback's frames;
+    # with the traceback in a cycle, the cyclic GC may free them in another thread: the
+    # guard closed the context in THAT thread's stack (none), leaving this thread's
+    # context and the copyreg hook for good (later pickles of the tree: placeholders)
+    import threading
+
+    td = _pointing_into_itself(shared_td)
+    td["h"].bad = lambda: None  # not picklable
+
+    def attempt():
+        try:
+            pickle._Pickler(io.BytesIO(), 4).dump(td)
+        except Exception as error:  # noqa: F841 - kept: error -> traceback -> frame -> error
+            kept = error  # noqa: F841
+
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        attempt()
+        collector = threading.Thread(target=gc.collect)
+        collector.start()
+        collector.join(timeout=WAIT)
+    finally:
+        if enabled:
+            gc.enable()
+    assert copyreg.dispatch_table.get(torch.Tensor) is None
+    del td["h"].bad
+    out = pickle.loads(pickle.dumps(td))
+    assert out["h"].node is out["n"] and out["h"].leaf is out["a"]
+
+
+@pytest.mark.parametrize("copier", ["pickle", "deepcopy"])
+def test_a_value_holding_a_sparse_tensor_beside_parts_of_its_tree_pickles(copier):
+    # a tensor with no storage of its own (sparse) failed the two-step path's look at
+    # storages ("Cannot access storage of SparseTensorImpl"): it cannot view the buffer
+    td = _pointing_into_itself(shared_td)
+    td["h"].sparse = torch.sparse_coo_tensor([[0, 1]], [1.0, 2.0], (3,))
+    out = pickle.loads(pickle.dumps(td)) if copier == "pickle" else copy.deepcopy(td)
+    assert out["h"].sparse.to_dense().tolist() == [1.0, 2.0, 0.0]
+    assert out["h"].node is out["n"]
