@@ -321,10 +321,11 @@ def test_a_failed_pickle_whose_guard_fires_in_another_thread_leaves_no_hook_behi
     td["h"].bad = lambda: None  # not picklable
 
     def attempt():
+        kept = []  # error -> traceback -> this frame -> kept -> error: a cycle
         try:
             pickle._Pickler(io.BytesIO(), 4).dump(td)
-        except Exception as error:  # noqa: F841 - kept: error -> traceback -> frame -> error
-            kept = error  # noqa: F841
+        except Exception as error:
+            kept.append(error)
 
     enabled = gc.isenabled()
     gc.disable()
