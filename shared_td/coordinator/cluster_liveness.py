@@ -383,11 +383,28 @@ def released_token(store, node: int, token: str, run: str = "") -> str:
 
 
 def _signed_token(store, node: int, run: str, body: str) -> str:
-    return f"{body}.{_token_mac(store, node, run, body.encode())}"
+    return signed_token(store, f"claim/{node}", run, body)
 
 
-def _token_mac(store, node: int, run: str, body: bytes) -> str:
-    return store.sign(f"claim/{node}", run.encode() + b"/" + body)[:16].hex()
+def signed_token(store, key: str, run: str, body: str) -> str:
+    """``<body>.<mac>``: what a compare-and-set key (``claim/<node>``, ``owner/<name>``)
+    holds, as ASCII, the HMAC (16 bytes, as hex) of ``body`` with the cluster authkey
+    bound to ``key`` and to the cluster's ``run``."""
+    return f"{body}.{_token_mac(store, key, run, body.encode())}"
+
+
+def token_body(store, key: str, run: str, held: bytes | str | None) -> str | None:
+    """The body of ``held`` if it is a :func:`signed_token` of ``key`` and ``run``, else
+    None (missing, or not signed with this cluster's key and run: a forgery)."""
+    held = held.encode() if isinstance(held, str) else held or b""
+    body, _dot, mac = held.rpartition(b".")
+    if not body or not hmac.compare_digest(mac, _token_mac(store, key, run, body).encode()):
+        return None
+    return body.decode()
+
+
+def _token_mac(store, key: str, run: str, body: bytes) -> str:
+    return store.sign(key, run.encode() + b"/" + body)[:16].hex()
 
 
 class _Token(NamedTuple):
@@ -398,11 +415,10 @@ class _Token(NamedTuple):
 
 def _parsed(store, node: int, run: str, held: bytes | str | None) -> _Token | None:
     """What the token ``held`` says, None unless it is one of this cluster's key and run."""
-    held = held.encode() if isinstance(held, str) else held or b""
-    body, _dot, mac = held.rpartition(b".")
-    if not body or not hmac.compare_digest(mac, _token_mac(store, node, run, body).encode()):
+    body = token_body(store, f"claim/{node}", run, held)
+    if body is None:
         return None
-    parts = body.decode().split(".")
+    parts = body.split(".")
     left = parts[0] == _LEFT[:-1]
     try:
         seq, nonce = parts[left:]

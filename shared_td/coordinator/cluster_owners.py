@@ -32,10 +32,9 @@ Example:
 """
 from __future__ import annotations
 
-import hmac
 from typing import Callable
 
-from shared_td.coordinator.cluster_liveness import Liveness, heartbeat_moves
+from shared_td.coordinator.cluster_liveness import Liveness, heartbeat_moves, signed_token, token_body
 
 __all__ = ["claim_name", "names_taken_over", "owner_of", "owner_token"]
 
@@ -44,20 +43,14 @@ def owner_token(store, name: str, node: int, run: str = "") -> str:
     """What ``owner/<name>`` holds while node ``node`` owns ``name``: ``<node>.<mac>``,
     the HMAC (16 bytes, as hex) of the node number with the cluster authkey, bound to
     the key ``owner/<name>`` and to the cluster's ``run``."""
-    return f"{node}.{_mac(store, name, run, str(node).encode())}"
+    return signed_token(store, f"owner/{name}", run, str(node))
 
 
 def owner_of(store, name: str, held: bytes | None, run: str = "") -> int | None:
     """The node whose token (:func:`owner_token`) ``held`` is, None when it is none
     (missing, or not signed with this cluster's key and ``run``: a forgery)."""
-    number, _dot, mac = (held or b"").partition(b".")
-    if not (number.isdigit() and mac) or not hmac.compare_digest(mac, _mac(store, name, run, number).encode()):
-        return None
-    return int(number)
-
-
-def _mac(store, name: str, run: str, number: bytes) -> str:
-    return store.sign(f"owner/{name}", run.encode() + b"/" + number)[:16].hex()
+    number = token_body(store, f"owner/{name}", run, held)
+    return int(number) if number is not None and number.isdigit() else None
 
 
 def claim_name(store, liveness: Liveness, node: int, nodes: int, name: str,
