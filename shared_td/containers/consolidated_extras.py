@@ -7,7 +7,7 @@ knows nothing of the tree: an object of the value that holds one of the tree's n
 tree and that leaf with its whole storage, so the buffer twice, and come back as a
 private copy. So a tree with such values pickles in two steps, ``finish(tree,
 values)``: ``tree`` (a :class:`Tree`) rebuilds the buffer, the nodes and the leaves,
-its values left as placeholders; ``values`` (a :class:`Values`) then carries them.
+its values left as stand-ins (:class:`Pending`); ``values`` (a :class:`Values`) then carries them.
 While the outer pickler saves ``values``, this thread knows the tree being pickled
 (:func:`reference`): a node or leaf of it reduces to ``_node_at(tree, path)`` and
 another view of the buffer to ``_view_at(tree, entry)``, so that they come back as
@@ -123,7 +123,7 @@ def holds_nothing(extra: Any) -> bool:
 
 def values_after(root: Any, tree: tuple, skeleton: Any, start: tuple, by_parent: bool, pickler: Any) -> tuple:
     """The reduction of ``root`` in two steps: ``tree`` (its skeleton, described by
-    ``skeleton``), its values as placeholders, then its values. ``start``: its payload
+    ``skeleton``), its values as stand-ins, then its values. ``start``: its payload
     and runs; ``pickler(value_ids, first leaf index)`` makes a _TreePickler
     (consolidated_pickle.py)."""
     whole = pickler(skeleton.value_ids)
@@ -208,7 +208,7 @@ def _release() -> None:
 
 class Tree:
     """The first argument of :func:`finish`: pickles as the reduction that rebuilds the
-    tree (set by consolidated_pickle.py), its values as placeholders."""
+    tree (set by consolidated_pickle.py), its values as stand-ins."""
 
     __slots__ = ("context", "reduction")
 

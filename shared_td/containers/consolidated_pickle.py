@@ -305,7 +305,7 @@ class _TreePickler(pickle.Pickler):
         super().__init__(file, protocol)
         self.file = file
         self.in_skeleton = in_skeleton
-        self.value_ids = value_ids  # the skeleton's values: placeholders, listed in values
+        self.value_ids = value_ids  # the skeleton's values: stand-ins, listed in values
         self.values: list[Any] = []
         self.probe = False  # whether an extra that may hold a part of the tree stops the dump
         self.layout = layout
