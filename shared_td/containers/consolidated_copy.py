@@ -16,8 +16,7 @@ from __future__ import annotations
 import functools
 import operator
 import os
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import torch
@@ -248,35 +247,16 @@ def copy_in_background(jobs: list, threads: int, result: Callable[[], Any], stor
     """Run the copies on a background thread; the future's result is ``result()``,
     called once they all succeeded (and ``storage`` committed: a file renamed in place);
     ``on_error()`` runs when a copy failed."""
-    future: Future = Future()
-
-    def run() -> None:
-        if not future.set_running_or_notify_cancel():
-            return
+    def copy() -> Any:
         try:
-            try:
-                run_copies(jobs, threads)
-            except BaseException:
-                storage.abort()
-                on_error()
-                raise
-            storage.commit()
-            value = result()
-        except BaseException as error:  # delivered by future.result()
-            in_flight.ended(future)
-            future.set_exception(error)
-        else:
-            in_flight.ended(future)
-            future.set_result(value)
+            run_copies(jobs, threads)
+        except BaseException:
+            storage.abort()
+            on_error()
+            raise
+        storage.commit()
+        return result()
 
-    # Not a daemon, as memmap_'s: the interpreter waits for the copy at exit, and
-    # in_flight makes it wait before concurrent.futures refuses the copies' pool (the
-    # copy then failed, its file removed, silently). No tree or prefix to wait for:
-    # the tree stays locked while it copies.
-    in_flight.started(future, None, (), "consolidate")
-    try:
-        threading.Thread(target=run, name="shared_td-consolidate", daemon=False).start()
-    except BaseException:
-        in_flight.ended(future)
-        raise
-    return TensorDictFuture(future, "consolidate")
+    # (as memmap_'s: the interpreter waits for the copy at exit, before concurrent.futures
+    # refuses the copies' pool; no tree or prefix to wait for: the tree stays locked)
+    return TensorDictFuture(in_flight.run_in_background(copy, "consolidate", "shared_td-consolidate"), "consolidate")

@@ -5,9 +5,7 @@ The container methods of the same names call these functions.
 from __future__ import annotations
 
 import os
-import threading
 import warnings
-from concurrent.futures import Future
 from typing import Any, Callable
 
 import torch
@@ -96,22 +94,10 @@ def memmap(
     if return_early and num_threads > 1:
         # made here, as the plan is: an unpicklable value is an error of this call
         documents = None if root.directory is None else tree_documents(root)
-        future: Future = Future()
         description = f"memmap to {options.prefix or 'shared memory'}"
-        in_flight.started(future, options.prefix, (node.obj for node in root.walk()), description)
-        # Not a daemon: the interpreter waits for the write at exit (in_flight makes
-        # sure it can still use its thread pool then). A daemon thread still freeing
-        # the replaced leaves during finalization aborts the process ("terminate
-        # called without an active exception").
-        worker = threading.Thread(
-            target=_run_into_future, args=(future, planner, root, options, documents, on_early_failure),
-            daemon=False, name="shared_td-memmap",
-        )
-        try:
-            worker.start()
-        except BaseException:
-            in_flight.ended(future)
-            raise
+        future = in_flight.run_in_background(
+            lambda: _execute(planner, root, options, documents), description, "shared_td-memmap",
+            prefix=options.prefix, nodes=(node.obj for node in root.walk()), on_failure=on_early_failure)
         # memmap_'s result is the source itself, known now (as tensordict's resulting_td)
         return TensorDictFuture(future, description,
                                 **({"resulting_td": obj} if inplace else {}))
@@ -163,27 +149,6 @@ def _put_in_shared_memory(obj: Any) -> bool:
 def own_directory(obj: Any) -> str | None:
     """The directory ``obj`` was memory-mapped to or loaded from (None if none)."""
     return nodes.kind_for_object(obj).directory(obj)
-
-
-def _run_into_future(future: Future, planner: Planner, root: NodePlan, options: Options,
-                     documents: dict | None, on_failure: Callable[[], None] | None) -> None:
-    if not future.set_running_or_notify_cancel():
-        in_flight.ended(future)
-        return
-    try:
-        result = _execute(planner, root, options, documents)
-    except BaseException as error:  # delivered by future.result()
-        if on_failure is not None:
-            # before set_exception: result() must not return while it runs
-            try:
-                on_failure()
-            except BaseException as failure:
-                error.add_note(f"The clean-up after this failed write failed too: {failure!r}")
-        in_flight.ended(future)
-        future.set_exception(error)
-    else:
-        in_flight.ended(future)
-        future.set_result(result)
 
 
 def _execute(planner: Planner, root: NodePlan, options: Options, documents: dict | None = None) -> Any:

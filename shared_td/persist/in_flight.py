@@ -32,7 +32,7 @@ import sys
 import threading
 import traceback
 from concurrent.futures import Future
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from shared_td.persist.writer_lock import DEFAULT_LOCK_TIMEOUT
 
@@ -60,6 +60,48 @@ def ended(future: Future) -> None:
     """The write of ``future`` is over (called by its thread, before it sets the future)."""
     with _guard:
         _running.pop(id(future), None)
+
+
+def run_in_background(work: Callable[[], Any], description: str, thread_name: str, *,
+                      prefix: str | None = None, nodes: Iterable[Any] = (),
+                      on_failure: Callable[[], None] | None = None) -> Future:
+    """The future of ``work()`` run on a thread of its own, recorded here (see the module
+    doc) from now until just before the future is set. ``on_failure()`` runs when
+    ``work`` raised, before the future is set (``result()`` must not return while it
+    runs); an error of its own is added to work's as a note.
+
+    The thread is not a daemon: the interpreter waits for it at exit (and this module
+    makes sure it can still use a thread pool then). A daemon thread still freeing a
+    write's replaced leaves during finalization aborts the process ("terminate called
+    without an active exception").
+    """
+    future: Future = Future()
+
+    def run() -> None:
+        if not future.set_running_or_notify_cancel():
+            ended(future)
+            return
+        try:
+            result = work()
+        except BaseException as error:  # delivered by future.result()
+            if on_failure is not None:
+                try:
+                    on_failure()
+                except BaseException as failure:
+                    error.add_note(f"The clean-up after this failed write failed too: {failure!r}")
+            ended(future)
+            future.set_exception(error)
+        else:
+            ended(future)
+            future.set_result(result)
+
+    started(future, prefix, nodes, description)
+    try:
+        threading.Thread(target=run, daemon=False, name=thread_name).start()
+    except BaseException:
+        ended(future)
+        raise
+    return future
 
 
 def _overlaps(first: str, second: str) -> bool:
