@@ -17,7 +17,12 @@ registered in ``copyreg.dispatch_table`` only while such values are being saved 
 plain pickler has no other hook for a tensor; multiprocessing's ForkingPickler uses
 torch's own, which shares the one buffer's memory). ``copy.deepcopy`` goes through
 :meth:`Values.__deepcopy__`, which maps the tree's nodes, leaves and storage to the
-copy's in its memo.
+copy's in its memo. Only the pickler that saves ``values`` is answered so (see
+:func:`_asker`): another pickle started meanwhile in this thread (inside a value's own
+``__getstate__``, or after a failed pickle whose error keeps ``values`` alive) has no
+``tree`` in its memo, and pickles the node as a tree of its own. A node of the same
+buffer outside the tree (the root, held by a value of a sub-tree pickled alone) is
+pickled node by node, as tensordict 0.15.3 pickles it: the arrived sub-tree is in it.
 
 Example (``pickle.loads(pickle.dumps(td))`` gives the same, for a class it can name):
     >>> import copy, types
@@ -33,6 +38,8 @@ import copy
 import copyreg
 import functools
 import io
+import pickle
+import sys
 import threading
 import types
 import weakref
@@ -57,7 +64,8 @@ class Context:
     come back through the outer memo) and its nodes' and leaves' paths (made when first
     asked for)."""
 
-    __slots__ = ("root", "handle", "layout", "value_ids", "described", "_paths", "guard", "stack")
+    __slots__ = ("root", "handle", "layout", "value_ids", "described", "_paths", "guard", "stack", "owner",
+                 "_layout_ref")
 
     def __init__(self, root: Any, layout: Any, value_ids: set[int], described: set[int]):
         self.root, self.layout, self.value_ids, self.described = root, layout, value_ids, described
@@ -65,6 +73,8 @@ class Context:
         self._paths: dict[int, tuple] | None = None
         self.guard: Any = None
         self.stack: list | None = None  # the stack of the thread that opened it
+        self.owner: Any = None  # who saves its values (see _asker): the only one it answers
+        self._layout_ref: Any = None
 
     @property
     def paths(self) -> dict[int, tuple]:
@@ -95,12 +105,22 @@ class Context:
         path = self.paths.get(id(obj))
         if path is not None:
             return _node_at, (self.handle, path)
+        if not isinstance(obj, _Tensor):
+            # a node of the same buffer outside the tree (an ancestor of a sub-tree pickled
+            # alone, held by one of its values): node by node, as tensordict 0.15.3 pickles
+            # it, so that the arrived sub-tree is in it and its leaves view the one buffer
+            state = obj.__getstate__()
+            if "_consolidated" in state:  # (a tensorclass: in its tensordict's state)
+                if self._layout_ref is None:
+                    self._layout_ref = _LayoutOf(self.handle)
+                state["_consolidated"] = self._layout_ref
+            return _new, (type(obj),), state
         # (the buffer's storage asked now: ForkingPickler moves it to shared memory; a
         # tensor with no storage of its own, sparse or nested, cannot view it)
         if isinstance(obj, _Tensor) and obj.layout is torch.strided and not obj.is_nested and \
                 obj.device == self.layout.buffer.device and \
                 obj.untyped_storage().data_ptr() == self.layout.buffer.untyped_storage().data_ptr():
-            from shared_td.containers.consolidated_pickle import place
+            from shared_td.containers.consolidated_skeleton import place
 
             entry = place(self.layout, obj)
             if entry is not None:
@@ -144,8 +164,9 @@ def reference(obj: Any, layout: Any) -> tuple | None:
     values saved in this thread (one of its nodes: a reference to the rebuilt one)."""
     stack = getattr(_local, "stack", None)
     if stack:
+        asker = _asker()
         for context in reversed(stack):
-            if context.layout is layout:
+            if context.layout is layout and context.owner is asker:
                 return context.reduce(obj)
     return None
 
@@ -155,11 +176,42 @@ def _reduce_tensor(tensor: torch.Tensor) -> tuple:
     # with no context get torch's own reduction; its protocol argument is unused)
     stack = getattr(_local, "stack", None)
     if stack:
+        asker = _asker()
         for context in reversed(stack):
-            reduced = context.reduce(tensor)
-            if reduced is not None:
-                return reduced
+            if context.owner is asker:
+                reduced = context.reduce(tensor)
+                if reduced is not None:
+                    return reduced
     return _previous(tensor) if _previous is not None else tensor.__reduce_ex__(2)
+
+
+# The modules between a pickler and _asker: the node's __reduce_ex__, reduce_tree, this one.
+_OURS = frozenset({__name__, "shared_td.containers.consolidation", "shared_td.containers.consolidated_pickle"})
+_PICKLE_GLOBALS = vars(pickle)
+_COPY_GLOBALS = vars(copy)
+_COPYING = object()  # the owner of a context that copy.deepcopy opened
+
+
+def _asker() -> Any:
+    """Who calls a reduction of ours now: a context answers only the pickler that saves
+    its values, never another pickle started in the meantime in this thread (inside a
+    value's own ``__getstate__`` or ``__reduce__``; after a failed pickle whose error,
+    with the pure-Python pickler's frames, is kept). It is the pure-Python pickler
+    (``pickle._Pickler``, dill) whose ``save`` calls us; for the C pickler (which has no
+    frame) the frame that runs it, the same for all its calls: a pickle started inside a
+    value runs in that value's frame; ``_COPYING`` for ``copy.deepcopy``."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__") in _OURS:
+        frame = frame.f_back
+    if frame is None:
+        return None
+    if frame.f_globals is _PICKLE_GLOBALS:
+        pickler = frame.f_locals.get("self")
+        if isinstance(pickler, pickle._Pickler):
+            return pickler
+    elif frame.f_globals is _COPY_GLOBALS:
+        return _COPYING
+    return frame
 
 
 def _open(context: Context) -> None:
@@ -177,11 +229,12 @@ def _open(context: Context) -> None:
 
 
 def _close(context: Context) -> None:
-    # (the stack it was opened on: a guard may fire in another thread, from the cyclic GC)
+    # (the stack it was opened on: a guard may fire in another thread, from the cyclic
+    # GC, also while another context is open above it: that one stays, it closes itself)
     stack = context.stack
-    if stack and context in stack:  # (and the contexts a failed nested pickle left open)
-        while stack.pop() is not context:
-            _release()
+    context.owner = None  # (a frame or a pickler: not kept alive by a closed context)
+    if stack and context in stack:
+        stack.remove(context)
         _release()
 
 
@@ -233,6 +286,7 @@ class Values:
         # on an extra) until the pickler drops this object unsaved: a context left open
         # would make a later pickle of this tree name a rebuilt tree it does not carry
         self.context.guard = weakref.ref(self, functools.partial(_close_dropped, self.context))
+        self.context.owner = _asker()
         _open(self.context)
         return _values_of, (self.data, self.extras, _Close(self.context))
 
@@ -246,6 +300,7 @@ class Values:
             if buffer.storage_offset() == 0:  # other views: views of the copy's one buffer
                 memo.setdefault("torch", {})[buffer.untyped_storage()._cdata] = \
                     copied.layout.buffer.untyped_storage()
+        context.owner = _COPYING
         _open(context)
         try:
             return self.data, copy.deepcopy(self.extras, memo)
@@ -278,6 +333,26 @@ def _node_at(tree: Any, path: tuple) -> Any:
     for key in path:
         obj = obj._tensordict if key is None else obj.__dict__["_tensordict"][key]
     return obj
+
+
+class _LayoutOf:
+    """The layout of the rebuilt tree (a node outside it, pickled node by node, names it)."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: Tree):
+        self.handle = handle
+
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        return _layout_of, (self.handle,)
+
+
+def _layout_of(tree: Any) -> Any:
+    return tree.layout
+
+
+def _new(cls: type) -> Any:
+    return cls.__new__(cls)
 
 
 def _view_at(tree: Any, entry: tuple) -> torch.Tensor:
