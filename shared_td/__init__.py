@@ -8,6 +8,9 @@ Linux only: importing shared_td on any other system, or on a Linux without what 
 what is missing (see :mod:`shared_td.platform`).
 """
 import shared_td.platform  # noqa: F401  (first: the one check of the platform)
+from shared_td.cli.startup import quiet_interrupt_while_starting
+
+quiet_interrupt_while_starting()  # (before torch: a Ctrl-C of `shared-td ...` while it loads is one line)
 from shared_td.containers.base import (
     TensorDictBase,
     default_is_leaf,

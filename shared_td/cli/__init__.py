@@ -5,7 +5,7 @@ and an ``EPILOG`` of examples. A command's module is imported only when that com
 runs (so ``shared-td --help`` is quick and one broken command cannot break the others).
 
 Exit codes: 0 success, 1 failure (one line on stderr, the traceback only with
-``--debug``), 2 usage error.
+``--debug``), 2 usage error, 130 interrupted (Ctrl-C, also while starting: one line).
 
 Examples:
     >>> from shared_td.cli import main
@@ -22,6 +22,7 @@ import sys
 import traceback
 
 from shared_td.cli.common import CommandError, UsageError, one_line, shown
+from shared_td.cli.startup import INTERRUPTED, started
 
 PROG = "shared-td"
 
@@ -50,6 +51,7 @@ class DemoUnavailable(Exception):
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; returns its exit code (never raises, except with ``--debug``)."""
+    started()  # a Ctrl-C is a KeyboardInterrupt again, caught below (see cli.startup)
     argv = sys.argv[1:] if argv is None else list(argv)
     command = _command_of(argv)
     debug = "--debug" in argv
@@ -60,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     except DemoUnavailable:
         print(f"{PROG} demo: the demo is not available in this build", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # while the command's module (torch with it) is imported
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return INTERRUPTED
     except Exception as error:  # a command module that fails to import
         return _failed(command, error, debug)
     try:
@@ -69,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         print(f"{PROG} {args.command}: interrupted", file=sys.stderr)
-        return 130
+        return INTERRUPTED
     except BrokenPipeError:  # `shared-td inspect x | head`: the reader left, not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from shared_td.errors import KeyThroughLeafError, KeyTypeError
 from shared_td.keys import NestedKey, unravel_key
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 
@@ -243,8 +244,21 @@ class ConvenienceOps:
         return self.set(key, TensorDict(batch_size=self.batch_size, device=self.device, names=self.names))
 
     def entry_class(self, key: NestedKey) -> type:
-        """The class of the entry at ``key`` (``type(td.get(key))``)."""
-        return type(self.get(key))
+        """The class of the entry at ``key``: ``NoneType`` when there is none, as
+        tensordict 0.15.3 (whose ``get(key)`` returns None for a missing key); a key
+        that is not one or that runs through a leaf still raises.
+
+        Example:
+            >>> td = TensorDict(a=torch.zeros(2), batch_size=[2])
+            >>> td.entry_class("a"), td.entry_class("missing")
+            (<class 'torch.Tensor'>, <class 'NoneType'>)
+        """
+        try:
+            return type(self.get(key))
+        except (KeyTypeError, KeyThroughLeafError):
+            raise  # both are KeyErrors too: not a missing key but a wrong one
+        except KeyError:
+            return type(None)
 
     def ndimension(self) -> int:
         """The number of batch dims (``batch_dims``, as ``torch.Tensor.ndimension``)."""

@@ -45,8 +45,9 @@ class MemmapMethods:
                 shared memory (no file name; it lasts while some process holds it).
             copy_existing: a leaf already mapped to a file at another path is copied
                 if True; if False (default) that is a RuntimeError.
-            num_threads: threads writing the files; 0 and 1 write sequentially. Big
-                leaves are split by byte range over the threads.
+            num_threads: threads writing the files; 0, 1 and a negative count (-1:
+                tensordict 0.15.3 accepts it and writes in the calling thread too)
+                write sequentially. Big leaves are split by byte range over the threads.
             return_early: with num_threads > 1, return a TensorDictFuture at once;
                 ``future.result()`` waits and returns self (or raises the write error).
                 Meanwhile self is locked, as during any memmap_ (entries added or
@@ -207,7 +208,8 @@ class MemmapMethods:
         - ``mode``: ``"r"`` maps every file read-only (writes raise a ReadOnlyError
           saying so, the files stay intact), ``"r+"`` read-write (a file this process
           may not write is a PermissionError); None: read-write where allowed.
-        - ``num_threads``: map the files on that many threads (0: in this thread).
+        - ``num_threads``: map the files on that many threads (0 or a negative count,
+          which tensordict 0.15.3 accepts too: in this thread).
         - ``out``: an unlocked TensorDict (or tensorclass) loaded in place and returned: its entries become
           those saved (entries not on disk are dropped, as in tensordict 0.15.3), its
           nested tensordicts of the same batch size are kept and filled in place, its

@@ -95,7 +95,8 @@ def adopt(cells: list) -> None:
     wrong in an earlier background hand-over, and
     :class:`~shared_td.coordinator.client.CoordinatorTimeoutError` if the coordinator
     announced in the environment does not answer within its timeout (stopped or
-    stalled, not gone: never replaced).
+    stalled, not gone: never replaced), ``CoordinatorAuthenticationError`` if it
+    refuses the authkey announced with it (there, not gone: never replaced either).
     """
     if not cells:
         return
@@ -156,8 +157,9 @@ def _hand_over(cells: list) -> None:
         coord.adopt_cells(cells)
     except ConnectionError as err:
         # only a coordinator that is gone is replaced (a stalled one is not: a new one
-        # would split the ownership)
-        if isinstance(err, TimeoutError):
+        # would split the ownership; one that refuses our authkey is there too, and its
+        # CoordinatorAuthenticationError names its address and says the key differs)
+        if isinstance(err, (TimeoutError, client.CoordinatorAuthenticationError)):
             raise
         _forget_embedded(coord)
         (_known_embedded() or _started_embedded()).adopt_cells(cells)
@@ -299,6 +301,12 @@ def _from_environment() -> client.Coordinator | None:
         return client.Coordinator.connect(address, bytes.fromhex(key), timeout=TIMEOUT)
     except client.CoordinatorTimeoutError:
         raise  # alive but not answering: a new coordinator would split the ownership
+    except client.CoordinatorAuthenticationError as err:
+        # alive, with another key: a mistake to say (not a dead ancestor's to replace)
+        err.add_note(f"(the coordinator announced in {ENV_VAR}, which this process inherited "
+                     "or was given: set it to that coordinator's address;authkey-hex, or "
+                     "unset it to start an embedded coordinator of this process)")
+        raise
     except (ConnectionError, ValueError, OSError, multiprocess.AuthenticationError) as err:
         if isinstance(err, OSError) and err.errno in RESOURCE_ERRNOS:
             raise  # this process is out of descriptors or memory: the coordinator may live

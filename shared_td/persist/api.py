@@ -52,8 +52,10 @@ def memmap(
     by the background thread of a ``return_early`` write that failed, before its
     future is given the error (memmap_ puts back the locks it took for the write).
     """
-    if not isinstance(num_threads, int) or num_threads < 0:
-        raise ValueError(f"num_threads must be an int >= 0, got {num_threads!r}.")
+    if not isinstance(num_threads, int):
+        raise ValueError(f"num_threads must be an int, got {num_threads!r}.")
+    # as in tensordict 0.15.3, a count below 2 (-1 too) writes in the calling thread
+    num_threads = max(num_threads, 0)
     prefix = prefix_path(prefix, "memmap_" if inplace else "memmap_like" if like else "memmap (or save)")
     if inplace and archive:
         raise ValueError("memmap_ cannot write an archive: its leaves would have to be the "

@@ -14,7 +14,10 @@ class TensorDictFuture:
     ``memmap_``, ``memmap``, ``memmap_like``, ``save`` and ``consolidate`` return one
     when called with ``return_early=True`` and ``num_threads > 1``. ``result()`` waits
     for every file to be written and returns the tensordict; if a write failed it
-    raises that error (nothing is half-converted: see ``memmap_``).
+    raises that error (nothing is half-converted: see ``memmap_``). A failed write
+    whose error nobody read (``result()``, ``exception()``, ``resulting_td``, or the
+    ``result()`` of one of ``futures``) gives a RuntimeWarning naming it when its future
+    is freed, as asyncio's "Future exception was never retrieved".
 
     Attributes (as tensordict 0.15.3's ``TensorDictFuture``):
         futures: the list of ``concurrent.futures.Future`` to wait for, e.g. with

@@ -15,6 +15,11 @@ Two things need to know them:
   (``threading``'s exit hooks run last registered first), waits for every running
   write before it; one that failed says so on stderr, as nobody can read its future.
 
+A failed write whose future is dropped without its error being read (``result()``,
+``exception()``) warns (a RuntimeWarning naming the write and its error) when the future
+is freed, as asyncio's "Future exception was never retrieved": else the caller that
+never looks at the future would not learn that the save is missing.
+
 Example:
     >>> import tempfile, torch, shared_td
     >>> td = shared_td.TensorDict(a=torch.ones(3), batch_size=[3])
@@ -31,6 +36,7 @@ import os
 import sys
 import threading
 import traceback
+import warnings
 from concurrent.futures import Future
 from typing import Any, Callable, Iterable
 
@@ -46,6 +52,47 @@ class _Write:
 
 _guard = threading.Lock()
 _running: dict[int, _Write] = {}  # id(future) -> the write
+
+
+class _WriteFuture(Future):
+    """The future of one background write: one whose error was set and never read
+    warns once when it is freed (see the module doc)."""
+
+    def __init__(self, description: str):
+        super().__init__()
+        self.description = description
+        self.unread_error = False  # set before the error is, cleared by a read of it
+
+    def set_exception(self, exception: BaseException | None) -> None:
+        self.unread_error = True
+        super().set_exception(exception)
+
+    def result(self, timeout: float | None = None) -> Any:
+        try:
+            return super().result(timeout)
+        finally:
+            self._read()
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        try:
+            return super().exception(timeout)
+        finally:
+            self._read()
+
+    def _read(self) -> None:
+        if self.done():  # (not a read when the wait timed out)
+            self.unread_error = False
+
+    def __del__(self) -> None:
+        if not self.unread_error:
+            return
+        self.unread_error = False
+        # (a warning turned into an error is reported as any error of a __del__)
+        warnings.warn(
+            f"shared_td: the background write ({self.description}) failed and its future "
+            f"was never read, so nothing reported it: {super().exception(0)!r}. Nothing of "
+            "that write was kept; call future.result() to get such an error.",
+            RuntimeWarning, stacklevel=2)
 
 
 def started(future: Future, prefix: str | None, nodes: Iterable[Any], description: str) -> None:
@@ -75,7 +122,7 @@ def run_in_background(work: Callable[[], Any], description: str, thread_name: st
     write's replaced leaves during finalization aborts the process ("terminate called
     without an active exception").
     """
-    future: Future = Future()
+    future = _WriteFuture(description)
 
     def run() -> None:
         if not future.set_running_or_notify_cancel():

@@ -101,12 +101,11 @@ def check_mode(mode: Any) -> str | None:
 
 
 def check_num_threads(num_threads: Any) -> int:
-    """``num_threads`` is a count of threads, 0 for none (TypeError/ValueError otherwise)."""
+    """``num_threads`` is a count of threads, 0 for none; a negative count is 0, as
+    tensordict 0.15.3 accepts -1 and uses no thread for it (TypeError if not an int)."""
     if type(num_threads) is not int:
         raise TypeError(f"num_threads must be an int, got {num_threads!r} of type {type(num_threads).__name__}.")
-    if num_threads < 0:
-        raise ValueError(f"num_threads must be 0 (no thread pool) or more, got {num_threads}.")
-    return num_threads
+    return max(num_threads, 0)
 
 
 #: A load keeps the checked metadata of this many distinct meta.json files of a

@@ -240,7 +240,7 @@ def test_num_threads_error_names_the_key_and_leaves_no_thread(tmp_path):
     assert threading.active_count() == before
 
 
-@pytest.mark.parametrize("bad", [-1, 1.5, "2", True])
+@pytest.mark.parametrize("bad", [1.5, "2", True])  # (-1 is 0, as in tensordict: test_audit19_small)
 def test_num_threads_must_be_a_count(tmp_path, bad):
     path = saved_tree(__import__("shared_td"), tmp_path / "p")
     with pytest.raises((TypeError, ValueError), match="num_threads"):
