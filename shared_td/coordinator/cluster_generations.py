@@ -20,9 +20,14 @@ own). So:
 * **Cheap looks.** ``name/<name>`` carries the whole layout (a tree of 10,000 leaves:
   about a megabyte). What only asks "which publish is current" (a replica's value
   write, ``is_stale``) reads the small signed ``gen/<name>`` instead
-  (:func:`read_identity`), written just after the record by :func:`record_name`,
-  never backwards either (a replica's value write read, checked and parsed the whole
-  record: 133 ms for 10,000 leaves, audit 18).
+  (:func:`read_identity`), never backwards either (a replica's value write read,
+  checked and parsed the whole record: 133 ms for 10,000 leaves, audit 18).
+* **One commit point.** ``name/<name>`` is the publish's commit point; ``gen/<name>``
+  is written twice around it by :func:`record_name`: marked *pending* before, plain
+  after. A reader that finds it pending goes by ``name/<name>`` (and writes the plain
+  record for a committed publish). Before, ``gen/`` was written only after the record:
+  an owner killed between the two left it one generation behind, and ``is_stale`` said
+  False for the newer publish until the next one (audit 19).
 
 Example:
     >>> from types import SimpleNamespace
@@ -110,15 +115,19 @@ def next_generation(cluster, store, name: str) -> int:
 def record_name(cluster, store, name: str, record: dict) -> bool:
     """Write the signed ``name/<name>`` unless it holds a newer generation (a
     compare-and-set: never backwards); a forged one there is counted and replaced.
-    Then ``gen/<name>`` (its generation, digest and owner: see :func:`read_identity`),
-    the same way, except that one of the same generation is replaced (a number reused
-    after the record was deleted: the digest is this publish's). False, nothing more
-    written, when a newer record was found (this publish was overtaken: its caller
-    says so)."""
-    if not store.set_json_if_newer(f"name/{name}", record, "generation", lambda: _refused(cluster)):
-        return False
+    Around it ``gen/<name>`` (its generation, digest and owner: see
+    :func:`read_identity`), the same way, except that one of the same generation is
+    replaced (a number reused after the record was deleted: the digest is this
+    publish's): before it marked pending, after it plain, so that the name record is
+    the one commit point (see the module's opening). False, nothing more written, when
+    a newer record was found (this publish was overtaken: its caller says so; a
+    pending mark of its own left behind is read as the name record says)."""
     small = {key: record[key] for key in ("generation", "digest", "owner")}
-    store.set_json_if_newer(f"gen/{name}", small, "generation", lambda: _refused(cluster), True)  # (ties: replaced)
+    refuse = lambda: _refused(cluster)  # noqa: E731
+    store.set_json_if_newer(f"gen/{name}", {**small, "pending": True}, "generation", refuse, True)
+    if not store.set_json_if_newer(f"name/{name}", record, "generation", refuse):
+        return False
+    store.set_json_if_newer(f"gen/{name}", small, "generation", refuse, True)  # (ties: the pending one replaced)
     return True
 
 
@@ -140,17 +149,29 @@ def overtaken(cluster, store, name: str) -> ValueError:
 
 def read_identity(store, name: str, refuse) -> tuple[int, str] | None:
     """``(generation, digest)`` of the current publish of ``name``, from the small signed
-    ``gen/<name>`` (one short round trip); from ``name/<name>`` when that is missing or
-    forged (``refuse()`` called for each forged one). None when nothing is published."""
-    for key in (f"gen/{name}", f"name/{name}"):
-        try:
-            record, _blob = store.get_signed(key)
-        except ClusterAuthError:
-            refuse()
-            continue
-        if isinstance(record, dict):
-            return record["generation"], record.get("digest", "")
-    return None
+    ``gen/<name>`` (one short round trip); from ``name/<name>``, the commit point, when
+    that is missing, forged (``refuse()`` called for each forged one) or pending (a
+    publish under way, or one whose owner died before it wrote ``gen/`` again: then
+    the plain record of the committed publish is written here, by a compare-and-set
+    against the pending bytes). None when nothing is published."""
+    try:
+        small, blob = store.get_signed(f"gen/{name}")
+    except ClusterAuthError:
+        refuse()
+        small = blob = None
+    if isinstance(small, dict) and not small.get("pending"):
+        return small["generation"], small.get("digest", "")
+    try:
+        record, _blob = store.get_signed(f"name/{name}")
+    except ClusterAuthError:
+        refuse()
+        return None
+    if not isinstance(record, dict):
+        return None
+    if isinstance(small, dict) and record["generation"] >= small["generation"]:  # committed: no more name reads
+        plain = {key: record.get(key) for key in ("generation", "digest", "owner")}
+        store.compare_set(f"gen/{name}", blob, store.sign(f"gen/{name}", json.dumps(plain).encode()))
+    return record["generation"], record.get("digest", "")
 
 
 class Endpoint:

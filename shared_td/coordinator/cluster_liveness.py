@@ -4,6 +4,8 @@ Each node writes a signed heartbeat ``hb/<node>`` (a growing number) every
 :data:`HEARTBEAT_S`. Another node counts it as lost once the number it reads has not
 changed for :data:`LOST_AFTER_S` of its own clock: no clock is compared between
 machines, and a node that is only slow (a heartbeat every few seconds) is never lost.
+A heartbeat also carries the cluster's run (and writes its record back if deleted:
+:func:`keep_run`); the last one of a clean shutdown says ``"left"`` (:meth:`Liveness.left`).
 Whether a heartbeat moves is read on its stored bytes, signed with our key or not, both
 by :meth:`Liveness.alive` and when a claimed number may be taken over
 (:func:`heartbeat_moves`): a heartbeat with a wrong signature is counted as forged (once
@@ -52,6 +54,7 @@ from __future__ import annotations
 
 import hmac
 import itertools
+import json
 import os
 import secrets
 import threading
@@ -61,7 +64,8 @@ from typing import Callable, NamedTuple
 from shared_td.errors import ClusterAuthError, NodeTakenOverError, OwnerLostError
 
 __all__ = ["HEARTBEAT_S", "LOST_AFTER_S", "Liveness", "claim_node", "heartbeat_moves",
-           "claim_free", "claim_token", "release_node", "released_token", "run_id", "supersedes"]
+           "claim_free", "claim_token", "release_node", "released_token", "keep_run", "run_id", "run_key",
+           "supersedes"]
 
 #: Seconds between two heartbeats of a node.
 HEARTBEAT_S = 0.5
@@ -97,6 +101,7 @@ class Liveness:
         self._claim, self._stop, self._on_confirm = claim, stop or threading.Event(), on_confirm
         self._refuse = refuse
         self._forged: dict[int, bytes] = {}  # peer -> the forged heartbeat last counted
+        self._left: set[int] = set()  # peers whose heartbeat last read is a clean shutdown's (see left)
         self._numbers = itertools.count(1)  # this process's heartbeat numbers
         self._confirmed_at = time.monotonic()  # see _confirm (made just after the first heartbeat)
         self._looking = threading.Lock()  # one still_mine look at the store at a time
@@ -117,12 +122,15 @@ class Liveness:
                 if not self.still_mine():
                     return  # beating on would keep the successor's number alive for us both
                 self._write_beat()
+                if self._run:  # deleted: written back before a newcomer sets a run of its own
+                    keep_run(self._store, self._run)
             except (RuntimeError, OSError):
                 return  # the store is gone
             self._confirm(began)
 
     def _write_beat(self) -> None:
-        self._store.set_json(f"hb/{self._node}", {"beat": next(self._numbers), "pid": os.getpid()})
+        # the run: a newcomer that finds the run record gone follows the live nodes' (cluster_membership)
+        self._store.set_json(f"hb/{self._node}", {"beat": next(self._numbers), "pid": os.getpid(), "run": self._run})
 
     def _confirm(self, at: float) -> None:
         """This process held its number at ``at`` (its heartbeat was written after, or
@@ -199,15 +207,27 @@ class Liveness:
         module's opening)."""
         key = f"hb/{peer}"
         blob = self._store.get_unchecked(key)
+        left = False
         if blob is not None:
             try:
-                self._store.check(key, blob)
+                left = _says_left(self._store.check(key, blob))
             except ClusterAuthError:
                 with self._lock:
                     counted, self._forged[peer] = self._forged.get(peer), blob
                 if counted != blob:
                     self._refuse()
+        with self._lock:
+            (self._left.add if left else self._left.discard)(peer)
         return blob
+
+    def left(self, peer: int) -> bool:
+        """Whether ``peer``'s heartbeat, as :meth:`alive` last read it, is the one its
+        process writes as it leaves cleanly (see ``ClusterMembership.shutdown``): the
+        owner then looks at the node's replica records again (a clean leave seen on the
+        first sync after it, not waited for as a lost node). Only a reason to look: a
+        recorded one written back decides nothing."""
+        with self._lock:
+            return peer in self._left
 
     def alive(self, peer: int) -> bool:
         """Whether ``peer``'s heartbeat changed within the last LOST_AFTER_S seconds (as
@@ -336,6 +356,22 @@ def _holder(store, key: str, mine: str) -> bytes:
     return store.compare_set(key, mine, mine)
 
 
+def run_key(store) -> str:
+    """The key of the cluster's run record (see :func:`run_id`)."""
+    return f"run/{store.sign('run', b'')[:8].hex()}"
+
+
+def keep_run(store, run: str) -> None:
+    """Write the signed record of ``run`` back if its key is missing or emptied (a
+    compare-and-set that changes nothing otherwise): every heartbeat does, so that a
+    deleted record is back within HEARTBEAT_S, before a newcomer sets a run of its own
+    (which split the nodes into two runs that read each other's tokens as forgeries,
+    audit 19). Another run found there is left alone: the newcomer that set it follows
+    the live nodes' (``cluster_membership.settled_run``)."""
+    key = run_key(store)
+    store.compare_set(key, "", store.sign(key, run.encode()))
+
+
 def run_id(store) -> str:
     """The run of the cluster that ``store`` serves: a random id set once, signed, by the
     first process that starts (a compare-and-set of ``run/<key id>``), read by every
@@ -344,8 +380,11 @@ def run_id(store) -> str:
     (an HMAC of a fixed text): a process started with another key by mistake sets its
     own, and the nodes with the right key go on (one key for all made such a process,
     started first, shut the store to them for good). ClusterAuthError when the key
-    holds what is not signed with this process's key (something else wrote it)."""
-    key = f"run/{store.sign('run', b'')[:8].hex()}"
+    holds what is not signed with this process's key (something else wrote it). A
+    record deleted while nodes run is written back by their heartbeats
+    (:func:`keep_run`), and a process starting meanwhile follows the run of their
+    heartbeats (``cluster_membership.settled_run``)."""
+    key = run_key(store)
     blob = store.sign(key, secrets.token_hex(8).encode())
     return store.check(key, store.compare_set(key, "", blob)).decode()
 
@@ -465,6 +504,14 @@ def _signed_here(store, node: int) -> bool:
     except ClusterAuthError:
         return False
     return True
+
+
+def _says_left(payload: bytes) -> bool:
+    """Whether a signed heartbeat's payload is a clean shutdown's (``"left": true``)."""
+    try:
+        return json.loads(payload).get("left") is True
+    except (ValueError, AttributeError):
+        return False
 
 
 def _heartbeat(store, node: int) -> bytes | None:

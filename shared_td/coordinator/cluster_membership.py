@@ -20,11 +20,24 @@ While a node waits for the others, each join record is checked as it appears: a 
 one fails the start at once, not after every node joined. (Before, the key was looked at
 only when the number was held, and only after all nodes joined otherwise.)
 
+The run (audit 19). Claim and owner tokens are bound to the cluster's run, one signed
+record read at start (:func:`~shared_td.coordinator.cluster_liveness.run_id`). Deleted
+while nodes live (by anything that reaches the store), a newcomer set a run of its own,
+and the nodes split into two runs that read each other's genuine tokens as forgeries:
+records never taken back, a restarted node's start waiting 3.5 s to "take over" its own
+released number. Now every heartbeat carries the run and writes the record back when it
+is missing (:func:`~shared_td.coordinator.cluster_liveness.keep_run`), and a newcomer
+whose run differs from the one the other nodes' signed heartbeats carry follows theirs
+once they move (:func:`settled_run`); live heartbeats of two runs are a genuine split,
+refused with a ValueError naming the record's key.
+
 Leaving (:meth:`ClusterMembership.shutdown`): stop notices in the node's own queues wake
 its threads, the pairs are closed (the receives kept posted end, the watched waits and
 the group builds under way give up, and the build threads have ended:
 :meth:`~shared_td.coordinator.cluster_transfer.PairGroups.close`), and the number is
-released for the next process.
+released for the next process; then a last heartbeat that says so (``"left": true``),
+so that an owner's next sync looks at the node's replica records again (and takes them
+back) instead of waiting LOST_AFTER_S for the node to be lost.
 
 Leaving at the interpreter's exit: a node still running when its process ends (the
 script ended, or an exception escaped it, without ``shutdown()``) is shut down by an
@@ -42,13 +55,15 @@ its node (its threads and connections are the parent's), so the child's exit, an
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import socket
 import threading
 import time
 
 from shared_td.coordinator.cluster_launch import check_store, open_store
-from shared_td.coordinator.cluster_liveness import HEARTBEAT_S, Liveness, claim_free, claim_node, release_node, run_id
+from shared_td.coordinator.cluster_liveness import (HEARTBEAT_S, LOST_AFTER_S, Liveness, claim_free, claim_node,
+                                                    release_node, run_id, run_key)
 from shared_td.coordinator.cluster_owners import names_taken_over
 from shared_td.coordinator.cluster_names import LocalNames
 from shared_td.coordinator.cluster_serve import LISTENER, POP_S, lane_queue, listen, serve_lane, serve_notices, watch_pairs
@@ -56,7 +71,7 @@ from shared_td.coordinator.cluster_store import ClusterAuthError, SignedStore
 from shared_td.coordinator.cluster_transfer import PairGroups
 from shared_td.coordinator.cluster_values import ClusterValues
 
-__all__ = ["ClusterMembership"]
+__all__ = ["ClusterMembership", "settled_run"]
 
 # The nodes this process started and did not shut down yet: shut down at exit (see the
 # module's opening). A fork child runs none of them: it starts with none.
@@ -102,7 +117,7 @@ class ClusterMembership:
         try:
             refused = self._records_of_another_key()  # before the claim: see the module's opening
             try:
-                self._run = run_id(self._store)  # claim tokens are bound to it
+                self._run = settled_run(self._store, self.node, self.nodes)  # claim tokens are bound to it
             except ClusterAuthError:
                 if not refused:
                     raise
@@ -162,7 +177,7 @@ class ClusterMembership:
             self._store.drain(queue)
         restarted = self._store.has(f"join/{self.node}")  # this node ran before: see PairGroups.move_on
         self._store.set_json(f"join/{self.node}", self._join_record())
-        self._store.set_json(f"hb/{self.node}", {"beat": 0, "pid": os.getpid()})
+        self._store.set_json(f"hb/{self.node}", {"beat": 0, "pid": os.getpid(), "run": self._run})
         _leave_at_exit_too(self)  # its threads start now: see the module's opening
         # beating from now on: a join that waits long for the others must not look like
         # a crashed node whose number another process may take over
@@ -252,6 +267,7 @@ class ClusterMembership:
         self._owned.clear()
         if mine:
             self._release()
+            self._say_left()
         self._store.close()
 
     def _release(self, joined: bool = True) -> None:
@@ -259,6 +275,14 @@ class ClusterMembership:
             release_node(self._store, self.node, self._claim, joined, self._run)
         except (RuntimeError, OSError):
             pass  # the store is gone: nobody joins it again
+
+    def _say_left(self) -> None:
+        """The last heartbeat, after the claim was released: this process left cleanly
+        (see the module's opening; ``Liveness.left``)."""
+        try:
+            self._store.set_json(f"hb/{self.node}", {"left": True, "pid": os.getpid(), "run": self._run})
+        except (RuntimeError, OSError):
+            pass  # the store is gone
 
     def _give_up_names_taken_over(self) -> None:
         """This process was stopped (or starved) past LOST_AFTER_S and still runs its node:
@@ -278,6 +302,64 @@ class ClusterMembership:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def settled_run(store, node: int, nodes: int) -> str:
+    """The cluster's run for a process starting as node ``node`` of ``nodes``: the run
+    record's (:func:`~shared_td.coordinator.cluster_liveness.run_id`, set when missing),
+    unless the other nodes' heartbeats, signed with this process's key, carry another
+    run and move (within LOST_AFTER_S + HEARTBEAT_S): then theirs, written back into the
+    record (the record was deleted and set again by a newcomer before a heartbeat wrote
+    it back). Heartbeats that stand still (an earlier run's) are not followed; moving
+    ones of two runs are a genuine split: ValueError naming the record's key. Free when
+    every heartbeat carries the record's run (the usual start).
+
+    Example:
+        >>> import datetime
+        >>> from torch.distributed import TCPStore
+        >>> from shared_td.coordinator.cluster_store import SignedStore
+        >>> raw = TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
+        >>> store = SignedStore(raw, b"k" * 32, timeout=5.0)
+        >>> store.set_json("hb/0", {"beat": 3, "pid": 1, "run": run_id(store)})  # node 0 runs
+        >>> settled_run(store, 1, 2) == run_id(store)  # no other run: at once
+        True
+    """
+    run, key = run_id(store), run_key(store)
+    beats = {peer: _beat_run(store, peer) for peer in range(nodes) if peer != node}
+    beats = {peer: seen for peer, seen in beats.items() if seen is not None}  # (signed, with a run)
+    if all(seen[0] == run for seen in beats.values()):
+        return run
+    live, end = {}, time.monotonic() + LOST_AFTER_S + HEARTBEAT_S
+    while len(live) < len(beats) and time.monotonic() < end:  # which of them move (a live node's does)
+        time.sleep(HEARTBEAT_S / 4)
+        for peer, (_run, blob) in beats.items():
+            now = _beat_run(store, peer)
+            if peer not in live and now is not None and now[1] != blob:
+                live[peer] = now[0]
+    runs = set(live.values())
+    if len(runs) > 1:
+        raise ValueError(
+            f"Cluster node {node}: the running nodes belong to two runs ({', '.join(sorted(runs))}: " +
+            ", ".join(f"node {peer} {live[peer]}" for peer in sorted(live)) + f"): the run record {key} was "
+            "deleted while nodes ran, and a node set a new run meanwhile. This process "
+            "did not join. Restart the nodes of one of the runs.")
+    if not runs or runs == {run}:
+        return run  # (the other heartbeats are an earlier run's, standing still)
+    adopted = runs.pop()
+    store.compare_set(key, store.get_unchecked(key) or "", store.sign(key, adopted.encode()))
+    return adopted
+
+
+def _beat_run(store, peer: int) -> tuple[str, bytes] | None:
+    """(the run, the stored bytes) of node ``peer``'s heartbeat; None when missing, not
+    signed with this process's key, or without a run."""
+    blob = store.get_unchecked(f"hb/{peer}")
+    try:
+        beat = json.loads(store.check(f"hb/{peer}", blob)) if blob else None
+    except (ClusterAuthError, ValueError):
+        return None
+    run = beat.get("run") if isinstance(beat, dict) else None
+    return (run, blob) if isinstance(run, str) and run else None
 
 
 def _leave_at_exit_too(node: ClusterMembership) -> None:

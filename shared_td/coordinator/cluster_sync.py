@@ -117,9 +117,12 @@ class NameSyncs:
     read ``owned.version`` again for their report and requests: both reported, and
     sent, the later one, and a replica could apply the later request first and be left
     at the earlier version). ``holders``: the nodes whose signed ``has/<name>/<node>``
-    record a sync of ``generation`` read; nothing takes such a record back, so it is
-    read once per generation instead of at every sync (two store round trips per
-    replica node, in front of the transfer). A node not among them is looked up
+    record a sync of ``generation`` read; within a generation only the node's process
+    leaving (or losing its number) takes such a record back, so it is read once per
+    generation instead of at every sync (two store round trips per
+    replica node, in front of the transfer), except for a node whose heartbeat says it
+    left cleanly (the last one its process writes, read anyway to tell a lost node:
+    ``Liveness.left``), whose record is read again. A node not among them is looked up
     again by each sync: it may attach meanwhile; a node a sync dropped is taken out of
     them and looked up again (its process may have been restarted without a replica:
     its record then no longer counts)."""
@@ -158,6 +161,14 @@ def _sync_ordered(cluster, store, name: str, owned, syncs: NameSyncs, deadline: 
     # lost: dropped after one more look at its heartbeat (a node that was only
     # stopped beats again within HEARTBEAT_S), not waited for until the timeout
     quiet = [n for n in targets if not cluster._alive(n)]
+    # a node whose heartbeat (just read) says its process left cleanly: its record is read
+    # again, and taken back (see NameSyncs): before, this sync sent it the request and
+    # waited LOST_AFTER_S for it to be lost, and reported it so
+    for node in [n for n in targets if cluster._liveness.left(n)]:
+        if not has_replica(cluster, store, name, node, owned.generation, owned.digest):
+            targets.remove(node)
+            syncs.holders.discard(node)
+            quiet = [n for n in quiet if n != node]
     for node in cluster._liveness.still_lost(quiet, min(2 * HEARTBEAT_S, max(0.0, deadline - time.monotonic()))):
         targets.remove(node)
         report.dropped[node] = f"lost: its heartbeat stood still for {LOST_AFTER_S:g} s"
