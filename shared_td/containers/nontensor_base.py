@@ -408,8 +408,8 @@ class NonTensorBase(NonTensorBatchDimOps, TensorDictBase):
         if self._read_only_reason:
             raise ReadOnlyError(
                 f"Cannot write into this {type(self).__name__} in place: {self._read_only_reason}, so "
-                "a write would change this process's copy only, never the save. Load it with "
-                "mode='r+' (an archive: unpack_memmap it first), or set() a new value.")
+                "a write would change this process's copy only, never the save. Replace the "
+                "value in memory with set() (not in place), and save the tree again to keep it.")
         if self._copy_of_stored_stack:
             raise RuntimeError(
                 "Cannot update a leaf NonTensorDataBase from a memmaped parent "

@@ -18,7 +18,7 @@ from shared_td.storage import files
 from shared_td.storage.files import FileBacking
 from shared_td.storage.shared_value import adopt_new_cells, collecting_new_cells
 from shared_td.persist.future import TensorDictFuture
-from shared_td.persist.loader import Loader
+from shared_td.persist.loader import Loader, load_written_archive
 from shared_td.persist.planner import NodePlan, Options, Planner
 from shared_td.persist.leaf_checks import check_leaf_layouts
 from shared_td.persist.writer import tree_documents, write_tree
@@ -224,10 +224,12 @@ def _memmap_to_archive(obj: Any, prefix: Any, *, like: bool, return_early: bool,
     def fill(members: archive_write.Members) -> None:
         archive_write.add_tree(members, planned)
 
-    def load() -> Any:
-        # under the lock, right after the rename: the file is the one this call wrote
-        # from its own objects, so its pickles are trusted (another writer's are not)
-        return load_memmap(target, mode="r+" if like else None, allow_pickle=True)
+    def load(fd: int) -> Any:
+        # through the descriptor of the file this call wrote, never by the name: any
+        # process may have renamed its own file over it since (the lock only orders
+        # shared_td's writers); the pickles are this call's own bytes, not the file's
+        return load_written_archive(target, fd, writable=like,
+                                    pickles=archive_write.planned_pickles(planned))
 
     loaded = archive_write.write_archive(target, fill, compression, existsok=existsok, then=load)
     return loaded.lock_()

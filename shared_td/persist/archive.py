@@ -10,7 +10,9 @@ as tensordict pads it), so that a load maps the archive once and every leaf is a
 into that mapping: no copy, pages read when touched. ``compression=`` ("deflate",
 "bzip2", "lzma" or a ``zipfile.ZIP_*`` constant) compresses the payloads; such a leaf
 is decompressed into memory when it is loaded: into a buffer of exactly the size its
-meta.json gives, never more (persist.bounded_reads). Other entries are always stored.
+meta.json gives, never more (persist.bounded_reads), of anonymous pages committed as the
+data fill them, and refused (StorageFullError) if the memory has no room for that size.
+Other entries are always stored.
 
 **Writes into a loaded archive.** By default (and with ``mode="r"``) the archive is
 mapped privately and its leaves are read-only tensors: a write raises
@@ -22,13 +24,18 @@ the members' CRC-32, which a load does not check for mapped payloads (that would
 the whole archive at every load, defeating lazy mapping); ``zipfile``/``unzip`` would:
 ``refresh_archive_checksums`` (persist.archive_checksums) makes them true again.
 A compressed (or, in a foreign zip, unaligned) leaf loaded without ``"r+"`` is a copy
-in memory: writable, and its writes never reach the archive.
+in memory: writable, and its writes never reach the archive. Non-tensor values (in
+meta.json or pickle members, never rewritten in place) are read-only in every mode: an
+in-place write raises ReadOnlyError (``set()`` replaces one in memory).
 
 **Damage.** Opening checks what is cheap before anything is mapped: the central
 directory (a truncated file has none), every member's name (no absolute path, ``..``
 or ``.`` part, backslash, drive or NUL), its kind (a symlink or other non-regular
 member is refused), duplicates, encryption, the local header matching the central
-one, the payload lying inside the file; a leaf member shorter than its meta.json's
+one, the payload lying inside the file and overlapping no other member's local header
+and payload nor the central directory, a path of at most ``MAX_PATH_PARTS`` parts (a
+save nested deeper than a load can follow is a FormatError too, persist.loader); a leaf
+member shorter than its meta.json's
 shape is refused when loaded, and so is a compressed one whose header announces another
 size than the shape's (before anything is decompressed). CRCs are checked for every
 member read whole (meta.json, pickles, compressed payloads). Each is a
@@ -56,6 +63,7 @@ from __future__ import annotations
 
 import errno
 import json
+import mmap
 import os
 import posixpath
 import re
@@ -67,7 +75,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from shared_td.errors import FormatError
+from shared_td import memory_check
+from shared_td.errors import FormatError, StorageFullError
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.persist import format as fmt
 from shared_td.persist.bounded_reads import MAX_META_BYTES, MemberData, member_pieces, read_member
@@ -93,6 +102,11 @@ COMPRESSIONS = {
 _READ_ONLY_REASON = ("it was loaded from an archive, which is mapped read-only unless "
                      "loaded with mode='r+'")
 _DRIVE = re.compile(r"[A-Za-z]:")
+#: Member paths have at most this many parts: shared_td and tensordict write ~500 nested
+#: tensordicts (~650 parts for tensorclasses) before Python's recursion limit stops them.
+MAX_PATH_PARTS = 1024
+#: a compressed leaf at least this big is decompressed only if the memory has room for it
+_CHECKED_SIZE = 1 << 24
 
 
 def check_compression(compression: Any) -> int:
@@ -144,13 +158,18 @@ def name_problem(name: str) -> str | None:
 
 class Archive:
     """An archive opened for a load: its checked member index and (once needed) one
-    mapping of the whole file. ``writable``: opened read-write, mapped shared."""
+    mapping of the whole file. ``writable``: opened read-write, mapped shared. ``fd``: a
+    descriptor of the archive already open (opened read-write if ``writable``), which the
+    Archive then owns; ``path`` only names it in messages and mapped tensors. A caller
+    that must read the very file it opened or wrote passes it: ``path`` may name another
+    file by now (a rename over it)."""
 
-    def __init__(self, path: str, *, writable: bool = False, read_only_reason: str | None = None):
+    def __init__(self, path: str, *, writable: bool = False, read_only_reason: str | None = None,
+                 fd: int | None = None):
         self.path = path
         self.writable = writable
         self.read_only_reason = read_only_reason or _READ_ONLY_REASON
-        self.fd = open_regular_file(path, os.O_RDWR if writable else os.O_RDONLY)
+        self.fd = open_regular_file(path, os.O_RDWR if writable else os.O_RDONLY) if fd is None else fd
         self._backing = None
         self._mapping = threading.Lock()  # leaves may be loaded on a thread pool
         try:
@@ -168,6 +187,7 @@ class Archive:
         size = os.fstat(self.fd).st_size
         members: dict[str, Member] = {}
         directories = {""}
+        spans: list[tuple[int, int, str]] = []  # (local header's offset, payload's end, name)
         for info in self._zip.infolist():
             name = info.filename
             problem = name_problem(name)
@@ -178,17 +198,35 @@ class Archive:
                 problem = f"it is {files.file_kind(kind)}, not a regular file"
             if problem is None and name in members:
                 problem = "it appears twice"
+            if problem is None and name.rstrip("/").count("/") >= MAX_PATH_PARTS:
+                problem = (f"its path has more than {MAX_PATH_PARTS} parts, deeper than any "
+                           "save is nested (a damaged or hostile archive)")
             if problem is not None:
                 raise self.error(name, f"refused: {problem}")
             if name.endswith("/"):
                 _add_parents(directories, name.rstrip("/") + "/x")
                 continue
-            members[name] = self._locate(info, size)
+            members[name] = member = self._locate(info, size)
+            spans.append((info.header_offset, member.offset + member.compress_size, name))
             _add_parents(directories, name)
         clash = set(members) & directories
         if clash:
             raise self.error(sorted(clash)[0], "refused: it is both a file and a directory")
+        self._check_apart(spans)
         return members, directories
+
+    def _check_apart(self, spans: list[tuple[int, int, str]]) -> None:
+        """Refuse members whose local headers and payloads overlap one another or the
+        central directory: two leaves would be views of the same bytes (with
+        mode="r+", a write into one would change the other, or the zip's own records)."""
+        spans.sort()
+        for (_, end, name), (start, _, after) in zip(spans, spans[1:]):
+            if start < end:
+                raise self.error(name, f"refused: its payload overlaps member {after!r} (bytes "
+                                 f"{start} to {end} of the file): a damaged or hostile archive")
+        if spans and spans[-1][1] > self.central_directory:
+            raise self.error(spans[-1][2], "refused: its payload overlaps the central directory "
+                             f"(from byte {self.central_directory}): a damaged or hostile archive")
 
     def _locate(self, info: zipfile.ZipInfo, size: int) -> Member:
         """The payload of ``info``, after checking its local header against the central one."""
@@ -300,13 +338,30 @@ class Archive:
                              "can only be copied into memory, and writes would never reach the "
                              "archive. Load it without mode='r+', or save the archive again "
                              "without compression.")
-        buffer = bytearray(leaf.nbytes)
-        view, at = memoryview(buffer), 0
-        for piece in self.pieces(name):  # (a stored member may hold more: read for its CRC)
-            taken = min(len(piece), leaf.nbytes - at)
-            view[at:at + taken] = memoryview(piece)[:taken]
-            at += taken
+        buffer = self._buffer(name, leaf.nbytes)
+        with memoryview(buffer) as view:
+            at = 0
+            for piece in self.pieces(name):  # (a stored member may hold more: read for its CRC)
+                taken = min(len(piece), leaf.nbytes - at)
+                view[at:at + taken] = memoryview(piece)[:taken]
+                at += taken
         return torch.frombuffer(buffer, dtype=leaf.dtype).view(shape)
+
+    def _buffer(self, name: str, nbytes: int) -> mmap.mmap:
+        """Memory for the ``nbytes`` of member ``name`` once decompressed: anonymous
+        pages, committed only as the data arriving fill them (a header may declare any
+        size: a bytearray would be zero-filled, all of it, before the first byte is
+        read). A size beyond the memory available is refused before it is reserved."""
+        if nbytes >= _CHECKED_SIZE:
+            room, why = memory_check.memory_room()
+            if nbytes > room:
+                raise StorageFullError(errno.ENOMEM, (
+                    f"Cannot load member {name!r} of the archive {self.path}: it is compressed, "
+                    f"and its {nbytes} bytes ({nbytes / 2**30:.1f} GiB) once decompressed must be "
+                    f"held in memory, where {room} bytes are available ({why}). Load it where "
+                    "there is more memory, or save it without compression (leaves are then "
+                    "mapped, not copied)."))
+        return mmap.mmap(-1, nbytes)
 
     def backing(self) -> files.FileBacking:
         """The one mapping of the whole archive (made on first use)."""

@@ -24,8 +24,9 @@ from shared_td.errors import FormatError
 from shared_td.persist import atomic
 from shared_td.persist import format as fmt
 from shared_td.persist.archive import (
-    ALIGNMENT, ARCHIVE_SUFFIX, Archive, check_compression, is_memmap_archive, name_problem,
+    ALIGNMENT, ARCHIVE_SUFFIX, ZIP_STARTS, Archive, check_compression, name_problem, open_regular_file,
 )
+from shared_td.persist.bounded_reads import MAX_META_BYTES
 from shared_td.persist.planner import NodePlan, Options, Planner
 from shared_td.persist.writer import node_files
 from shared_td.storage import files
@@ -140,6 +141,15 @@ def plan_tree(obj: Any, *, like: bool, robust_key: bool | None, where: str) -> l
     return planned
 
 
+def planned_pickles(planned: list[tuple]) -> dict[str, bytes]:
+    """The side files (pickles) among the members :func:`plan_tree` planned, by member
+    name: the bytes this call made from the caller's own objects, which a load of the
+    archive just written takes instead of the archive's (never unpickled from a file)."""
+    side = (fmt.OTHER_PICKLE, fmt.STACK_PICKLE)
+    return {name: b"".join(chunks()) for name, _, chunks, _ in planned
+            if name.rpartition("/")[2] in side}
+
+
 def add_tree(members: Members, planned: list[tuple]) -> None:
     """Add the members :func:`plan_tree` planned, each payload streamed from its tensor
     (zeros for ``like``); their total is known first, for a full disk's message."""
@@ -249,7 +259,7 @@ def _refuse_existing(target: str) -> None:
 
 
 def write_archive(target: str, fill: Callable[[Members], None], compression: Any = None, *,
-                  existsok: bool = True, then: Callable[[], Any] | None = None) -> Any:
+                  existsok: bool = True, then: Callable[[int], Any] | None = None) -> Any:
     """Write the archive ``target`` atomically: ``fill(members)`` adds its members to a
     new temporary file beside it, which is then renamed over it, under its writer lock.
     On any failure ``target`` is left as it was and the temporary file removed (after a
@@ -257,8 +267,10 @@ def write_archive(target: str, fill: Callable[[Members], None], compression: Any
 
     ``existsok=False``: an existing ``target`` is a RuntimeError, checked under the lock
     (another writer may have saved there since the caller's check). ``then()`` runs after
-    the rename, still under the lock, and its value is returned: what it opens is this
-    write's archive, not one a later writer renamed over it."""
+    the rename, still under the lock, and its value is returned: ``then(fd)`` gets the
+    written file still open (read-write), and must read it through ``fd``, never by
+    ``target``'s name: the lock only orders shared_td's writers, and any other process
+    (tensordict, ``mv``, ``cp``) may have renamed its own file over ``target`` since."""
     compress_type = check_compression(compression)
     parent, name = os.path.split(target)
     os.makedirs(parent, exist_ok=True)
@@ -269,23 +281,27 @@ def write_archive(target: str, fill: Callable[[Members], None], compression: Any
         temporary, fd = _new_temporary(directory, name)
         members = None
         try:
-            with open(fd, "wb") as stream, zipfile.ZipFile(stream, "w", allowZip64=True) as zf:
-                members = Members(zf, compress_type)
-                fill(members)
-            old = directory.lstat(name)
-            if old is not None and stat.S_ISREG(old.st_mode):
-                os.chmod(temporary, stat.S_IMODE(old.st_mode), dir_fd=directory.fd)
-            directory.replace(temporary, name)
-        except BaseException as error:
-            directory.unlink(temporary)
-            if isinstance(error, OSError) and error.errno in NO_SPACE_ERRNOS:
-                needed = members.needed() if members is not None else 0
-                compressed = "; before compression" if compress_type != zipfile.ZIP_STORED else ""
-                raise storage_full_error(error, needed, (
-                    f"the archive {target} (the size of its members, zip headers aside{compressed}; "
-                    f"written as {temporary})")) from error
-            raise
-        return then() if then is not None else None
+            try:
+                with open(fd, "wb", closefd=False) as stream, \
+                        zipfile.ZipFile(stream, "w", allowZip64=True) as zf:
+                    members = Members(zf, compress_type)
+                    fill(members)
+                old = directory.lstat(name)
+                if old is not None and stat.S_ISREG(old.st_mode):
+                    os.fchmod(fd, stat.S_IMODE(old.st_mode))
+                directory.replace(temporary, name)
+            except BaseException as error:
+                directory.unlink(temporary)
+                if isinstance(error, OSError) and error.errno in NO_SPACE_ERRNOS:
+                    needed = members.needed() if members is not None else 0
+                    compressed = "; before compression" if compress_type != zipfile.ZIP_STORED else ""
+                    raise storage_full_error(error, needed, (
+                        f"the archive {target} (the size of its members, zip headers aside{compressed}; "
+                        f"written as {temporary})")) from error
+                raise
+            return then(fd) if then is not None else None
+        finally:
+            os.close(fd)
 
 
 def _new_temporary(directory: Directory, name: str) -> tuple[str, int]:
@@ -293,7 +309,8 @@ def _new_temporary(directory: Directory, name: str) -> tuple[str, int]:
     for _ in range(100):
         temporary = atomic.temporary_name(name)
         try:
-            return temporary, directory.open_file(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+            # read-write: the caller's then(fd) loads the archive through this descriptor
+            return temporary, directory.open_file(temporary, os.O_RDWR | os.O_CREAT | os.O_EXCL)
         except FileExistsError:
             continue
         except PermissionError as error:  # the lock file was there already: a bare EACCES
@@ -345,8 +362,9 @@ def unpack_memmap(archive: Any, prefix: Any) -> str:
     ``openat``/``O_NOFOLLOW``, every CRC checked) into a new directory beside
     ``prefix``, which is then swapped in; only a missing or empty directory or an
     existing save is replaced (anything else is an AtomicWriteError and nothing is
-    touched). A damaged archive is a FormatError naming the member, and nothing is
-    written outside that new directory.
+    touched), and never the directory holding the archive itself (a ValueError). The
+    archive is opened once: a damaged one is a FormatError naming the member (as
+    load_memmap's), and nothing is written outside that new directory.
 
     Examples:
         >>> _ = shared_td.TensorDict(a=torch.zeros(3)).save("data/td.tdz")
@@ -354,12 +372,15 @@ def unpack_memmap(archive: Any, prefix: Any) -> str:
         ['a.memmap', 'meta.json']
     """
     source = os.path.abspath(os.fspath(archive))
-    if not is_memmap_archive(source):
-        raise ValueError(f"{source} is not a memory-mapped tensordict archive (a zip file "
-                         f"with a saved tensordict's {fmt.META} at its root).")
-    target = atomic.check_target(prefix, existsok=True)
-    opened = Archive(source)
+    opened = _open_save_archive(source)  # opened once: what is checked is what is extracted
     try:
+        target = atomic.check_target(prefix, existsok=True)
+        real, into = os.path.realpath(source), os.path.realpath(target)
+        if real == into or real.startswith(into + os.sep):
+            # the swap would replace (delete) the directory holding the archive it extracts
+            raise ValueError(f"Cannot unpack {source} into {target}: the archive lies inside "
+                             "that directory, which the extraction replaces. Unpack it elsewhere, "
+                             "or move the archive out first.")
         with atomic.acquired(target):
             _sweep(target)
             staging = atomic.Staging(target)
@@ -375,6 +396,39 @@ def unpack_memmap(archive: Any, prefix: Any) -> str:
     finally:
         opened.close()
     return target
+
+
+def _open_save_archive(source: str) -> Archive:
+    """The archive ``source``, opened once and checked: a ValueError if it is no zip
+    file holding a save at its root; a damaged archive's FormatError (naming the member)
+    as it is."""
+    def not_one(why: str) -> ValueError:
+        return ValueError(f"{source} is not a memory-mapped tensordict archive (a zip file "
+                          f"with a saved tensordict's {fmt.META} at its root): {why}.")
+
+    try:
+        fd = open_regular_file(source, os.O_RDONLY)
+    except FormatError as error:  # a directory, FIFO, device...
+        raise not_one(error.detail) from None
+    except FileNotFoundError:
+        raise not_one("there is no such file") from None
+    try:
+        if os.pread(fd, 4, 0) not in ZIP_STARTS:
+            raise not_one("it is not a zip file")
+    except BaseException:
+        os.close(fd)
+        raise
+    opened = Archive(source, fd=fd)  # a damaged index: FormatError naming the member
+    try:
+        if fmt.META in opened.members:  # damaged (its CRC) or too big: FormatError, not "no save"
+            opened.read(fmt.META, limit=MAX_META_BYTES)
+        why = opened.not_a_save()
+        if why is not None:
+            raise not_one(why)
+    except BaseException:
+        opened.close()
+        raise
+    return opened
 
 
 def _extract(archive: Archive, member: str, root: Directory) -> None:

@@ -47,6 +47,7 @@ import json
 import os
 import pickle
 import stat
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
@@ -76,6 +77,10 @@ READ_ONLY_ERRNOS = {
 #: The values of ``load_memmap(mode=)``: None (writable where allowed), read-only, read-write.
 MODES = (None, "r", "r+")
 MODE_R_REASON = "opened with mode='r'"
+#: Why a non-tensor value of an archive loaded with mode="r+" is read-only all the same.
+ARCHIVE_VALUE_REASON = ("it was loaded from an archive, where a non-tensor value lives in a "
+                        "meta.json or pickle member that is never rewritten in place (mode='r+' "
+                        "writes into its tensors only)")
 
 #: How long a load keeps restarting while atomic writers replace the directory under it.
 RETRY_SECONDS = 60.0
@@ -168,6 +173,9 @@ class Loader:
                  mode: str | None = None, num_threads: int = 0):
         self.robust_key = True if robust_key is None else robust_key
         self.allow_pickle = check_allow_pickle(allow_pickle)
+        # member name -> pickle bytes made by this process (load_written_archive): read
+        # from here, never from the file; None: side files are read (if allow_pickle)
+        self.pickles: dict[str, bytes] | None = None
         self.mode = check_mode(mode)
         self.num_threads = check_num_threads(num_threads)
         self._opened: tuple | None = None  # (root directory, its path) of the current load
@@ -192,6 +200,8 @@ class Loader:
                 with ThreadPoolExecutor(self.num_threads, thread_name_prefix="shared_td-load") as pool:
                     self._pool = pool
                     return self._load(node, parent_batch)
+            except RecursionError:
+                raise too_deep(path) from None
             except (FileNotFoundError, FormatError, FileTooShortError):
                 if not _replaced(root, path) or time.monotonic() > deadline:
                     raise
@@ -199,6 +209,16 @@ class Loader:
                 self._pool = None
                 for each in reversed(opened):
                     each.close()
+
+    def load_opened(self, root: ArchiveNode) -> Any:
+        """Load the whole tree of the archive ``root`` opened by the caller (who knows it
+        is the file meant: no path is opened, no retry); closes it."""
+        try:
+            return self._load(root, None)
+        except RecursionError:
+            raise too_deep(root.path) from None
+        finally:
+            root.close()
 
     def _walk(self, opened: list, parts: tuple, subpath: Any) -> tuple[Directory, tuple | None]:
         """Open the directory of the nested key ``parts`` below ``opened[0]``, key by key:
@@ -329,8 +349,10 @@ class Loader:
         or its archive, are not written back: a write would change this process's copy
         only), as its tensors say it; None when writable."""
         if isinstance(directory, ArchiveNode):
+            # whatever the mode: mode="r+" writes tensors into the file, but a non-tensor
+            # value lives in a meta.json or pickle member, never rewritten in place
             archive = directory.archive
-            return None if archive.writable else archive.read_only_reason
+            return ARCHIVE_VALUE_REASON if archive.writable else archive.read_only_reason
         return MODE_R_REASON if self.mode == "r" else None
 
     def _load_child(self, directory: Directory, name: str, batch_size=None) -> Any:
@@ -426,6 +448,10 @@ class Loader:
         return f"key {key!r} listed in {directory.path}/{fmt.META}"
 
     def _unpickle(self, directory: Directory, name: str) -> Any:
+        if self.pickles is not None and isinstance(directory, ArchiveNode):
+            own = self.pickles.get(directory._member(name))
+            if own is not None:  # bytes this process pickled from its own objects
+                return pickle.loads(own)
         path = os.path.join(directory.path, name)
         if not self.allow_pickle:
             raise RuntimeError(
@@ -433,6 +459,29 @@ class Loader:
                 "arbitrary code. Pass allow_pickle=True if you trust this directory."
             )
         return pickle.loads(directory.read(name, limit=MAX_PICKLE_BYTES))
+
+
+def too_deep(path: str) -> FormatError:
+    """The error of a save nested deeper than a load can follow (each level of nesting
+    is a level of recursion: a hostile save may have thousands)."""
+    return FormatError(path, f"nested too deep to load: more levels than Python's recursion limit "
+                       f"({sys.getrecursionlimit()}) lets a load follow (shared_td and tensordict "
+                       "write ~500 at most under the default limit): a damaged or hostile save, or "
+                       "one written under a raised limit (sys.setrecursionlimit) that this load "
+                       "needs too")
+
+
+def load_written_archive(path: str, fd: int, *, writable: bool, pickles: dict[str, bytes]) -> Any:
+    """The archive a writer just wrote to the file open as ``fd`` (read-write), loaded
+    through a duplicate of ``fd``, never by ``path``: a rename over ``path`` by any other
+    process since the write cannot give the caller that file's data, or run its
+    pickles. ``path`` names the archive in messages and mapped tensors; ``writable``
+    maps it shared (``mode="r+"``); ``pickles`` are the side files the writer made
+    (member name -> bytes), unpickled instead of the archive's (no other is read)."""
+    archive = Archive(path, writable=writable, fd=os.dup(fd))
+    loader = Loader(mode="r+" if writable else None)
+    loader.pickles = pickles
+    return loader.load_opened(ArchiveNode(archive))
 
 
 def _replaced(root: Directory, path: str) -> bool:

@@ -114,8 +114,15 @@ class Directory:
     @property
     def path(self) -> str:
         if self._path is None:
-            self._path = _join(self._parent.path, self._name)
-            self._parent = None
+            # iteratively, not through parent.path: a chain of directories opened one
+            # below the other may be deeper than Python's recursion limit
+            chain, top = [], self
+            while top._path is None:
+                chain.append(top)
+                top = top._parent
+            for each in reversed(chain):
+                each._path, each._parent = _join(top._path, each._name), None
+                top = each
         return self._path
 
     @classmethod

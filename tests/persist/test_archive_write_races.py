@@ -31,7 +31,7 @@ RACE_WAIT = 3  # seconds the racing writer is given; it finishes in well under o
 
 
 # the forked writer undoes the test's monkeypatching, which it inherits
-_UNPATCHED = {(api, "load_memmap"): api.load_memmap, (archive_write, "write_archive"): archive_write.write_archive}
+_UNPATCHED = {(api, "load_written_archive"): api.load_written_archive, (archive_write, "write_archive"): archive_write.write_archive}
 
 
 def _save_other(path, existsok) -> None:
@@ -54,13 +54,13 @@ def test_memmap_to_an_archive_returns_what_this_call_wrote(tmp_path, monkeypatch
     """Another process saves while this call loads its result: it waits for the lock,
     and this call returns its own tree (not the other's, nor its pickles)."""
     path, raced = tmp_path / "x.tdz", []
-    load = api.load_memmap
+    load = api.load_written_archive
 
     def load_while_another_saves(*args, **kwargs):
         raced.append(_race(path))
         return load(*args, **kwargs)
 
-    monkeypatch.setattr(api, "load_memmap", load_while_another_saves)
+    monkeypatch.setattr(api, "load_written_archive", load_while_another_saves)
     out = TensorDict(a=torch.full((3,), 1.0)).memmap(path)
     assert sorted(out.keys()) == ["a"] and out["a"].tolist() == [1.0] * 3
     assert finish(raced[0]) == 0  # then it saved, after this call let go of the lock
