@@ -43,7 +43,7 @@ Locks between processes *and* threads -- :class:`ByteLock`:
   cache's at-fork hook, before any code of the child runs): the child then has its own
   description under the same descriptor number, and :meth:`ByteLock.renew_after_fork`
   gives it fresh thread locks (a thread of the parent may have held one at the fork).
-  Should the reopen fail (out of descriptors, say), every later acquire raises a
+  Should the reopen fail (out of descriptors, say), every later take raises a
   RuntimeError that says so instead of silently sharing the parent's locks.
 
 One aligned 8-byte word: shared memory structures publish with a single aligned 8-byte
@@ -86,6 +86,7 @@ import contextlib  # noqa: E402  (after the check: fcntl does not exist everywhe
 import ctypes  # noqa: E402
 import errno  # noqa: E402
 import fcntl  # noqa: E402
+import functools  # noqa: E402
 import mmap  # noqa: E402
 import select  # noqa: E402
 import struct  # noqa: E402
@@ -108,66 +109,93 @@ def _request(kind: int, byte: int) -> bytes:
 
 class ByteLock:
     """Byte ``byte`` of the file open as ``fd`` locked between processes (an OFD lock)
-    and between this process's threads (a thread lock, taken first).
+    and between this process's threads (a thread lock, :attr:`threads`, taken first).
 
-    Shared (``exclusive=False``) holders exclude exclusive ones, as a reader-writer lock.
-    The descriptor must stay open for the lock's life; the lock does not own it.
+    Shared (:meth:`take_shared`) holders exclude exclusive ones (:meth:`take`), as a
+    reader-writer lock. The descriptor must stay open for the lock's life; the lock does
+    not own it.
+
+    Hold it with this exact pattern (or :meth:`hold`, which wraps it)::
+
+        with lock.threads:
+            try:
+                lock.take()        # or lock.take_shared()
+                ...                # the locked section
+            finally:
+                lock.give_back()
+
+    Why this shape: an exception raised by a signal handler (Ctrl-C's
+    KeyboardInterrupt, a test-timeout alarm) surfaces at the next point where CPython
+    checks for pending signals: right after any call returns and at the entry of any
+    Python function. A lock taken by a call that *returns*, then protected by a
+    ``try`` (or released by a Python ``__exit__``), can so be left held for ever by a
+    process that caught the exception, and every other process then waits on it. Here
+    no Python frame runs between taking and protecting, nor between the section and
+    giving back: ``with`` on a thread lock enters and exits in C; :meth:`take`,
+    :meth:`take_shared` and :meth:`give_back` are C calls (``functools.partial`` of
+    ``fcntl``), each inside the ``try``; and giving back a byte not taken (``take``
+    interrupted) is a no-op, as no other thread of this process can hold it on this
+    description (we hold :attr:`threads`).
 
     Example:
         >>> import tempfile
         >>> with tempfile.TemporaryFile() as f:
         ...     lock = ByteLock(f.fileno(), 0)
+        ...     with lock.threads:
+        ...         try:
+        ...             _ = lock.take_shared()  # (fcntl's answer: the request's bytes)
+        ...         finally:
+        ...             _ = lock.give_back()
         ...     with lock.hold(exclusive=True):
         ...         pass
     """
 
-    __slots__ = ("fd", "byte", "_thread_lock", "_shared", "_exclusive", "_unlock", "_broken")
+    __slots__ = ("fd", "byte", "threads", "take", "take_shared", "give_back")
 
     def __init__(self, fd: int, byte: int):
         self.fd = fd
         self.byte = byte
-        self._thread_lock = threading.Lock()
-        self._shared = _request(fcntl.F_RDLCK, byte)
-        self._exclusive = _request(fcntl.F_WRLCK, byte)
-        self._unlock = _request(fcntl.F_UNLCK, byte)
-        self._broken: str | None = None
-
-    def acquire(self, exclusive: bool = True) -> None:
-        """Wait for the lock (fcntl retries on EINTR and releases the GIL meanwhile)."""
-        if self._broken is not None:
-            raise RuntimeError(self._broken)
-        self._thread_lock.acquire()
-        try:
-            fcntl.fcntl(self.fd, fcntl.F_OFD_SETLKW, self._exclusive if exclusive else self._shared)
-        except BaseException:
-            self._thread_lock.release()
-            raise
-
-    def release(self) -> None:
-        try:
-            fcntl.fcntl(self.fd, fcntl.F_OFD_SETLK, self._unlock)
-        finally:
-            self._thread_lock.release()
+        self.threads = threading.Lock()
+        self.take = functools.partial(fcntl.fcntl, fd, fcntl.F_OFD_SETLKW, _request(fcntl.F_WRLCK, byte))
+        self.take_shared = functools.partial(fcntl.fcntl, fd, fcntl.F_OFD_SETLKW, _request(fcntl.F_RDLCK, byte))
+        self.give_back = functools.partial(fcntl.fcntl, fd, fcntl.F_OFD_SETLK, _request(fcntl.F_UNLCK, byte))
 
     @contextlib.contextmanager
     def hold(self, exclusive: bool = True) -> Iterator[None]:
-        self.acquire(exclusive)
-        try:
-            yield
-        finally:
-            self.release()
+        """The pattern above as a context manager, for code that is not on a hot path.
+        Its own entry and exit are Python frames: an exception that a signal handler
+        raises exactly there leaves the lock held until that exception is discarded
+        (the generator is then closed, which gives the lock back)."""
+        take = self.take if exclusive else self.take_shared
+        with self.threads:
+            try:
+                take()
+                yield
+            finally:
+                self.give_back()
 
     def renew_after_fork(self, reopen_error: OSError | None = None) -> None:
         """In a fork child, after :func:`reopen_description` of ``fd``: a fresh thread
-        lock; if the reopen failed (``reopen_error``), refuse every later acquire."""
-        self._thread_lock = threading.Lock()
+        lock; if the reopen failed (``reopen_error``), refuse every later take (and
+        never give back: the description is still the parent's, with its locks)."""
+        self.threads = threading.Lock()
         if reopen_error is not None:
-            self._broken = (
+            message = (
                 f"This fork child could not open its own description of descriptor "
                 f"{self.fd} ({reopen_error}), so it cannot take locks that exclude its "
                 "parent's. Start the process with the 'spawn' method, or pass the object "
                 "to it pickled."
             )
+
+            def refuse():
+                raise RuntimeError(message)
+
+            self.take = self.take_shared = refuse
+            self.give_back = _nothing
+
+
+def _nothing() -> None:
+    pass
 
 
 def reopen_description(fd: int) -> None:

@@ -44,7 +44,9 @@ class _Channel:
     """One connection to one manager, used by one thread at a time, in one process."""
 
     def __init__(self, address: str, authkey: bytes, deadline: float):
-        self.lock = threading.Lock()
+        # an RLock for the ownership it checks in C: call() can give it back after an
+        # exception without knowing whether its acquire had returned (see call)
+        self.lock = threading.RLock()
         self.conn = connect(address, authkey, deadline)
         try:
             # Serve this connection from the registry object (see server.REGISTRY_ID).
@@ -196,15 +198,35 @@ def call(address: str, authkey: bytes, method: str, *args, timeout: float):
     while True:
         try:
             channel = _channel(address, authkey, deadline)
-            # queued behind another thread's call: wait no longer than our own deadline
-            if not channel.lock.acquire(timeout=time_left(deadline)):
-                raise TimeoutError("another thread's call on this connection did not end")
         except (TimeoutError, BlockingIOError) as err:
             raise _stalled(address, timeout, err) from err
         except CoordinatorAuthenticationError:
             raise  # a ConnectionError too, but the coordinator is there: not "gone"
         except (OSError, EOFError) as err:
             raise _connect_error(address, err) from err
+        if channel.lock._is_owned():
+            # this very thread is inside a call on this connection (a signal handler or a
+            # finalizer calling the coordinator mid-call): it would wait for itself
+            raise _stalled(address, timeout, TimeoutError(
+                "this thread's own call on this connection has not ended: a signal handler or "
+                "finalizer called the coordinator in the middle of a call"))
+        try:
+            # queued behind another thread's call: wait no longer than our own deadline
+            if not channel.lock.acquire(timeout=time_left(deadline)):
+                raise TimeoutError("another thread's call on this connection did not end")
+        except BaseException as err:
+            # An exception raised by a signal handler (Ctrl-C) right after acquire
+            # returned would leave the lock held, and every later call on this
+            # connection waiting for it. release() checks in C that the lock is ours
+            # (RuntimeError if not), with no Python code in between that a handler
+            # could interrupt.
+            try:
+                channel.lock.release()
+            except RuntimeError:
+                pass  # not taken: the wait timed out or was interrupted
+            if isinstance(err, (TimeoutError, BlockingIOError)):
+                raise _stalled(address, timeout, err) from err
+            raise
         # From here the lock is ours: released on every way out (the finally below)
         try:
             if channel.conn.closed:

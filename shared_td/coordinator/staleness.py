@@ -28,10 +28,12 @@ from __future__ import annotations
 import ctypes
 import os
 import select
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any
 
+from shared_td.errors import SegmentUnavailableError
 from shared_td.platform import map_shared_bytes, pid_alive, unmap_bytes
 from shared_td.storage.anonymous import attach_peer_fd
 from shared_td.storage.cache import InodeCache
@@ -85,7 +87,7 @@ _TABLES = InodeCache()
 def remember(td: Any, name: str, version: int, stamp: dict, endpoint: Any, holds: Any = None) -> None:
     """Record that ``td`` is version ``version`` of ``name`` (called by attach/publish);
     ``holds`` lives as long as ``td`` does."""
-    table = None if stamp["table"] is None else _map_table(*stamp["table"])
+    table = None if stamp["table"] is None else _map_table(*stamp["table"], address=endpoint.address)
     attachment = _Attachment(name, version, endpoint, table, stamp["slot"], holds)
     key = id(td)
 
@@ -96,8 +98,11 @@ def remember(td: Any, name: str, version: int, stamp: dict, endpoint: Any, holds
     _ATTACHMENTS[key] = (weakref.ref(td, forget), attachment)
 
 
-def _map_table(pid: int, fd: int, key: tuple[int, int], nbytes: int):
+def _map_table(pid: int, fd: int, key: tuple[int, int], nbytes: int, *, address: str | None = None):
+    """The version table that manager ``pid`` holds as ``fd``, mapped here (shared by
+    this process's attachments); ``address`` names the coordinator in errors."""
     key = tuple(key)
+    where = f" at {address}" if address else ""
 
     def open_table() -> _Table:
         # the pidfd first: the table opened after it proves that its process is the manager
@@ -106,7 +111,20 @@ def _map_table(pid: int, fd: int, key: tuple[int, int], nbytes: int):
         except (AttributeError, OSError):  # no pidfd here (kernel < 5.3), or it just died
             pidfd = None
         try:
-            own_fd = attach_peer_fd(pid, fd, key, what="coordinator version table", min_size=nbytes)
+            try:
+                own_fd = attach_peer_fd(pid, fd, key, what="coordinator version table", min_size=nbytes)
+            except SegmentUnavailableError as err:
+                # The manager answered, then died before we opened its table (the
+                # answer's other references may all be files): the coordinator is
+                # gone, as channels.call says when it dies before answering.
+                if _exited(pid, pidfd):
+                    raise ConnectionError(
+                        f"The shared_td coordinator{where} is gone (its manager process "
+                        f"{pid} exited right after answering): it was shut down or its process "
+                        "died. Tensordicts already attached stay readable and writable; publish "
+                        "again through a new Coordinator."
+                    ) from err
+                raise  # the manager lives: the table itself is the trouble
             try:
                 return _Table(own_fd, nbytes, pid, pidfd)
             finally:
@@ -117,6 +135,25 @@ def _map_table(pid: int, fd: int, key: tuple[int, int], nbytes: int):
             raise
 
     return _TABLES.get_or_create(key, open_table)
+
+
+# How long a manager whose table just vanished may take to be seen exited: a process
+# closes its descriptors in the kernel before its exit shows (pidfd, /proc state)
+_EXIT_SHOWS_S = 0.5
+
+
+def _exited(pid: int, pidfd: int | None) -> bool:
+    """Whether the manager ``pid`` has exited, or does within :data:`_EXIT_SHOWS_S`."""
+    if pidfd is not None:
+        exited = select.poll()
+        exited.register(pidfd, select.POLLIN)  # readable once it has exited
+        return bool(exited.poll(_EXIT_SHOWS_S * 1000))
+    deadline = time.monotonic() + _EXIT_SHOWS_S
+    while pid_alive(pid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def _attachment(td: Any) -> _Attachment:

@@ -130,18 +130,21 @@ class SharedCounter:
             (10, 7)
         """
         n = counter_int(n, "n")
-        self._lock.acquire()
-        try:
-            old = self._word.value
-            new = old + n
-            if not INT64_MIN <= new <= INT64_MAX:
-                raise OverflowError(
-                    f"SharedCounter.fetch_add({n}) on {old} leaves the int64 range."
-                )
-            self._word.value = new  # one aligned 8-byte store
-            return old
-        finally:
-            self._lock.release()
+        lock = self._lock
+        # this shape exactly: a Ctrl-C here never leaves the lock held (see ByteLock)
+        with lock.threads:
+            try:
+                lock.take()
+                old = self._word.value
+                new = old + n
+                if not INT64_MIN <= new <= INT64_MAX:
+                    raise OverflowError(
+                        f"SharedCounter.fetch_add({n}) on {old} leaves the int64 range."
+                    )
+                self._word.value = new  # one aligned 8-byte store
+                return old
+            finally:
+                lock.give_back()
 
     @property
     def value(self) -> int:

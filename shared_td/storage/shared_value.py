@@ -61,7 +61,7 @@ import os
 import pickle
 import threading
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ContextManager, Iterator
 
 from shared_td.errors import SegmentUnavailableError
 from shared_td.platform import ByteLock, map_shared_bytes, reopen_description, unmap_bytes
@@ -156,15 +156,18 @@ class SharedValue:
         version, value = self._cached
         if self._version_word.value == version:
             return value  # unchanged: no lock, no system call
-        self._value_lock.acquire(exclusive=False)
-        try:
-            version = self._version_word.value  # no store to it while we hold the lock
-            if version == self._cached[0]:
-                return self._cached[1]  # another thread of ours read it meanwhile
-            slot = 2 * (version & 1)
-            payload = _pread_all(self.fd, self._slots[slot + 1], self._slots[slot])
-        finally:
-            self._value_lock.release()
+        lock = self._value_lock
+        # this shape exactly: a Ctrl-C here never leaves the lock held (see ByteLock)
+        with lock.threads:
+            try:
+                lock.take_shared()
+                version = self._version_word.value  # no store to it while we hold the lock
+                if version == self._cached[0]:
+                    return self._cached[1]  # another thread of ours read it meanwhile
+                slot = 2 * (version & 1)
+                payload = _pread_all(self.fd, self._slots[slot + 1], self._slots[slot])
+            finally:
+                lock.give_back()
         value = pickle.loads(payload)  # ours now: no lock needed
         if version > self._cached[0]:
             self._cached = (version, value)
@@ -201,45 +204,56 @@ class SharedValue:
                 "defined at module level, not a lambda; no lock or open file)."
             ) from error
         length = len(payload)
-        self._write_lock.acquire()
-        try:
-            version = self._version_word.value  # only writers store it, and we are the one
-            if expected is not None and version != expected:
-                return False
-            live = 2 * (version & 1)
-            live_offset, live_length = self._slots[live], self._slots[live + 1]
-            # a region no reader looks at: before the live value if it fits, else after
-            if _PAYLOAD + length <= live_offset:
-                offset = _PAYLOAD
-            else:
-                offset = max(_PAYLOAD, -(-(live_offset + live_length) // 8) * 8)
-            if offset + length > self._reserved:
-                # reserve first: a full memory fails here, before anything is published
-                allocate(self.fd, 0, offset + length, _WHAT, anonymous=True)
-                self._reserved = offset + length
-            pwrite_all(self.fd, payload, offset, where=_WHAT)
-            other = 2 - live
-            self._slots[other] = offset
-            self._slots[other + 1] = length
-            # publish: one aligned 8-byte store, made once no reader is inside the
-            # region that the next write may reuse
-            self._value_lock.acquire()
+        write_lock, value_lock = self._write_lock, self._value_lock
+        # this shape exactly: a Ctrl-C here never leaves a lock held (see ByteLock)
+        with write_lock.threads:
             try:
-                self._version_word.value = version + 1
+                write_lock.take()
+                version = self._version_word.value  # only writers store it, and we are the one
+                if expected is not None and version != expected:
+                    return False
+                live = 2 * (version & 1)
+                live_offset, live_length = self._slots[live], self._slots[live + 1]
+                # a region no reader looks at: before the live value if it fits, else after
+                if _PAYLOAD + length <= live_offset:
+                    offset = _PAYLOAD
+                else:
+                    offset = max(_PAYLOAD, -(-(live_offset + live_length) // 8) * 8)
+                if offset + length > self._reserved:
+                    # reserve first: a full memory fails here, before anything is published
+                    allocate(self.fd, 0, offset + length, _WHAT, anonymous=True)
+                    self._reserved = offset + length
+                pwrite_all(self.fd, payload, offset, where=_WHAT)
+                other = 2 - live
+                self._slots[other] = offset
+                self._slots[other + 1] = length
+                # publish: one aligned 8-byte store, made once no reader is inside the
+                # region that the next write may reuse
+                with value_lock.threads:
+                    try:
+                        value_lock.take()
+                        self._version_word.value = version + 1
+                    finally:
+                        value_lock.give_back()
             finally:
-                self._value_lock.release()
-        finally:
-            self._write_lock.release()
+                write_lock.give_back()
         return True
 
-    @contextlib.contextmanager
-    def updating(self) -> Iterator[None]:
+    def updating(self) -> ContextManager[None]:
         """Serialise whole updates between every process and thread: a
         read-modify-write (``set(f(get()))``) in the block loses no other update, and
         what the block does after ``set`` (rewriting files) happens in write order.
+
+        Example:
+            >>> cell = SharedValue.create(1)
+            >>> with cell.updating():
+            ...     cell.set(cell.get() + 1)
+            >>> cell.get()
+            2
         """
-        with self._update_lock.hold():
-            yield
+        # the lock's own context manager, not one wrapped in another: one Python
+        # entry and exit fewer where a Ctrl-C could land (see ByteLock.hold)
+        return self._update_lock.hold()
 
     @property
     def holders(self) -> tuple[tuple[int, int], ...]:

@@ -125,7 +125,7 @@ def test_concurrent_processes_get_every_slot_exactly_once(ctx):
 def test_fork_while_another_thread_holds_the_lock():
     counter = SharedCounter()
     queue = multiprocessing.get_context("fork").Queue()
-    with counter._lock._thread_lock:  # as if a thread were entering fetch_add at the fork
+    with counter._lock.threads:  # as if a thread were entering fetch_add at the fork
         child = multiprocessing.get_context("fork").Process(target=kids.add_one, args=(counter, queue))
         child.start()
         assert queue.get(timeout=WAIT) == 0

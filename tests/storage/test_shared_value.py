@@ -45,7 +45,7 @@ def test_fork_while_another_thread_holds_the_cell_locks():
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
     # as if a thread were about to take the cell's locks when the fork happens
-    locks = [cell._value_lock._thread_lock, cell._write_lock._thread_lock, cell._update_lock._thread_lock]
+    locks = [cell._value_lock.threads, cell._write_lock.threads, cell._update_lock.threads]
     with locks[0], locks[1], locks[2]:
         child = ctx.Process(target=_set_in_child, args=(cell, queue))
         child.start()
