@@ -21,10 +21,23 @@ class ConvenienceOps:
 
     def detach(self) -> Any:
         """A tensordict of the tensors detached from the autograd graph (sharing their
-        storage, as ``torch.Tensor.detach``); non-tensors are kept, a locked tensordict
-        gives a locked one."""
+        storage, as ``torch.Tensor.detach``); its non-tensor entries are new ones
+        holding the same values (as ``apply``), a locked tensordict gives a locked one."""
         out = self.apply(lambda tensor: tensor.detach())
         return out.lock_() if self.is_locked else out
+
+    def detach_(self) -> Any:
+        """Detach every tensor from the autograd graph in place
+        (``torch.Tensor.detach_``), the members of lazy stacks too; returns self. A
+        locked tensordict allows it (its leaves stay the same objects), as tensordict's.
+
+        Example:
+            >>> td = TensorDict(a=torch.ones(2, requires_grad=True) * 2, batch_size=[2])
+            >>> td.detach_() is td, td["a"].requires_grad
+            (True, False)
+        """
+        _detach_leaves(self)
+        return self
 
     def update_at_(self, input_dict_or_td: Any, idx: Any, clone: bool = False, *,
                    non_blocking: bool = False, keys_to_update: Sequence[NestedKey] | None = None) -> Any:
@@ -74,6 +87,8 @@ class ConvenienceOps:
             source = source.select(*keys_to_update, strict=False)
         for key in source.keys(True, True, is_leaf_nontensor):
             if target._get_path(unravel_key(key), None) is None:
+                if isinstance(target, TensorDict):  # (the cause, as in tensordict: ValueError)
+                    _refuse_other_tensorclass(target, source, unravel_key(key))
                 raise KeyError(
                     f"update_at_() writes into existing entries, but key {key!r} does not "
                     f"exist in {type(self).__name__}; add it with set() first."
@@ -461,3 +476,38 @@ def _dims(entry: Any) -> int:
     import torch
 
     return entry.ndim if isinstance(entry, torch.Tensor) else entry.batch_dims
+
+
+def _refuse_other_tensorclass(target: Any, source: Any, path: tuple) -> None:
+    """Raise the ValueError of ``td[idx] = source`` when the key ``path`` of ``source``
+    is missing from ``target`` because a tensorclass on its way is of another class with
+    other fields there (tensordict's ``update_at_`` raises it; below a lazy stack, whose
+    members take such a write, nothing is raised here)."""
+    from shared_td.containers.lazy import LazyStackedTensorDict
+    from shared_td.containers.tensorclass_compat import check_row_write
+
+    for depth in range(1, len(path)):
+        entry = target._get_path(path[:depth], None)
+        if entry is None or isinstance(entry, LazyStackedTensorDict):
+            return
+        check_row_write(entry, source._get_path(path[:depth], None), path[:depth])
+
+
+def _detach_leaves(node: Any) -> None:
+    """``detach_()`` of every tensor of ``node`` (a tensordict, lazy stack or
+    tensorclass), at every depth: a lazy stack's own members (its ``get`` gives copies)."""
+    import torch
+
+    from shared_td.containers.base import is_non_tensor, is_tensor_collection
+    from shared_td.containers.lazy import LazyStackedTensorDict
+
+    node = unwrap_tensorclass(node)
+    if isinstance(node, LazyStackedTensorDict):
+        for member in node.tensordicts:
+            _detach_leaves(member)
+        return
+    for value in node._tensordict.values():
+        if isinstance(value, torch.Tensor):
+            value.detach_()
+        elif is_tensor_collection(value) and not is_non_tensor(value):
+            _detach_leaves(value)

@@ -287,9 +287,10 @@ def _split_spec(indices_or_sections: Any) -> int | list[int]:
 def _without_non_tensors(results: "TensorDictBase", source: "TensorDictBase") -> "TensorDictBase":
     """``results`` (a tensordict that ``source.apply`` just made, which no one else
     holds) without the non-tensor entries that ``apply`` passed through from ``source``
-    as they are, removed in place: writing one back into itself would write a shared
-    value over what another process may have written since. (A non-tensor that ``fn``
-    returned for a tensor leaf stays, and ``update_`` refuses it.)"""
+    (new ones holding the same values: ``fn`` never sees a non-tensor), removed in
+    place: writing one back into itself would write a shared value over what another
+    process may have written since. (A non-tensor that ``fn`` returned for a tensor
+    leaf stays, and ``update_`` refuses it.)"""
     from shared_td.containers.base import is_tensor_collection
     from shared_td.containers.lazy import LazyStackedTensorDict
 
@@ -299,7 +300,7 @@ def _without_non_tensors(results: "TensorDictBase", source: "TensorDictBase") ->
         return results
     for key, value in list(results._items_str()):
         origin = source._get_str(key, None)
-        if value is origin and getattr(value, "_is_non_tensor", False):
+        if getattr(value, "_is_non_tensor", False) and getattr(origin, "_is_non_tensor", False):
             results._del_str(key)
         elif is_tensor_collection(value) and is_tensor_collection(origin):
             _without_non_tensors(unwrap_tensorclass(value), unwrap_tensorclass(origin))

@@ -22,6 +22,7 @@ from shared_td.containers import batch as batch_ops
 from shared_td.containers.base import is_non_tensor, is_tensor_collection
 from shared_td.containers.nontensor_ops import check_non_tensor_write
 from shared_td.containers.row_writes import fit_source
+from shared_td.containers.tensorclass_compat import check_row_write
 from shared_td.errors import BatchSizeMismatchError
 from shared_td.keys import key_repr
 from shared_td.memmap_tensor import refuse_read_only
@@ -33,11 +34,14 @@ class IndexWrites:
     ``_leaf_tensors`` and ``_check_unlocked``)."""
 
     def _plan_index_writes(self, index: tuple, value: Any, writes: list, target_batch: torch.Size,
-                           *, path: tuple = ()) -> None:
+                           *, path: tuple = (), check_classes: bool = False) -> None:
         """Check ``self[index] = value`` and append the closures that perform it to
         ``writes``; nothing is written here. ``target_batch``: the batch size after
         indexing (``batch_ops.index_and_size``). ``path``: where self is in the
-        tensordict written into, so that errors name the full key."""
+        tensordict written into, so that errors name the full key. ``check_classes``:
+        refuse a tensorclass of another class with other fields written into a nested
+        tensorclass, at every depth (``td[idx] = src``, as tensordict's __setitem__),
+        but not below a lazy stack, whose members take it in tensordict too."""
         # ``index`` names batch dims only (normalized), so an entry's indexed shape is
         # the indexed batch size followed by its own feature dims.
         if not is_tensor_collection(value):  # one tensor or number for every tensor leaf
@@ -100,10 +104,18 @@ class IndexWrites:
                         "for every one of its leaves."
                     )
                 # (a nested TensorDict or lazy stack: each plans its writes, checked
-                # here, so that one failing below a lazy stack leaves the tree unchanged)
-                inner, source = unwrap_tensorclass(current), unwrap_tensorclass(source)
+                # here, so that one failing below a lazy stack leaves the tree unchanged;
+                # a nested tensorclass takes another class only with the same fields, as
+                # tensordict's __setitem__ at every depth)
+                inner = unwrap_tensorclass(current)
                 inner_batch = target_batch + inner.batch_size[self.batch_dims:]
-                inner._plan_index_writes(index, source, writes, inner_batch, path=path + (key,))
+                checks = {}
+                if check_classes:
+                    check_row_write(current, source, path + (key,))
+                    if type(inner) is type(self):  # (a lazy stack's members are not checked)
+                        checks = {"check_classes": True}
+                inner._plan_index_writes(index, unwrap_tensorclass(source), writes, inner_batch,
+                                         path=path + (key,), **checks)
 
 
 def store_first(writes: list, write: Callable[[], None]) -> None:

@@ -330,7 +330,7 @@ class LazyStackedTensorDict(LazyNames, LazyShapeOps, LazyBatchDimOps, LazyWriteO
         if not (as_list or as_padded_tensor or as_nested_tensor) or is_non_tensor(value):
             if isinstance(value, _Ragged):
                 raise value.error()
-            return value
+            return self._written_through(path, value)  # (a non-tensor: its writes reach the members)
         # a member that is a lazy stack itself gives its values the same way (a nested
         # list, or its own padded tensor), since they may be ragged too
         inner = {"as_list": as_list} if as_list else (

@@ -19,6 +19,9 @@ from shared_td.containers import batch as batch_ops
 from shared_td.containers.base import (TensorDictBase, check_write_into, is_leaf_nontensor, is_non_tensor,
                                        is_tensor_collection)
 from shared_td.containers.index_writes import plan_set_at
+from shared_td.containers.lazy_nontensor import written_through
+from shared_td.containers.nontensor import as_non_tensor
+from shared_td.containers.nontensor_ops import list_to_entry
 from shared_td.errors import BatchSizeMismatchError
 from shared_td.keys import key_repr, unravel_key
 from shared_td.memmap_tensor import refuse_read_only
@@ -32,6 +35,9 @@ class LazyWriteOps:
     """Mixin of LazyStackedTensorDict (it relies on ``tensordicts``, ``_stack_dim``,
     ``batch_size``, ``_restack`` and, for ``lazy[idx] = ...``, LazyShapeOps's
     ``_locate``, ``_positions`` and ``_element``)."""
+
+    # what ``get(key)`` gives for a non-tensor key: a NonTensorStack whose writes reach the members
+    _written_through = written_through
 
     # ---------------------------------------------------------------- set, del, update
     def _set_str(self, key: str, value: Any, *, inplace: bool, validated: bool) -> None:
@@ -68,7 +74,9 @@ class LazyWriteOps:
 
         if isinstance(value, dict):
             value = TensorDict(value, batch_size=self.batch_size)
-        elif isinstance(value, (list, tuple, np.ndarray, numbers.Number)) and not is_tensor_collection(value):
+        elif isinstance(value, list):  # as TensorDict.set takes it: numbers a tensor, else one value per element
+            value = list_to_entry(value, self.device)
+        elif isinstance(value, (tuple, np.ndarray, numbers.Number)) and not is_tensor_collection(value):
             try:
                 value = torch.as_tensor(value)
             except (TypeError, ValueError, RuntimeError):
@@ -80,8 +88,10 @@ class LazyWriteOps:
                     f"Batch dimension mismatch for key {key!r}: the value has shape "
                     f"{list(shape)} but the lazy stack has batch_size {list(self.batch_size)}."
                 )
+            if is_non_tensor(value):  # new objects: unbound pieces would write into this (temporary) stack
+                return [part.clone() for part in self._unbind_like(value)]
             return self._unbind_like(value)
-        return [value] * len(self.tensordicts)  # a non-tensor: every member gets it
+        return [value] * len(self.tensordicts)  # one Python value: every member gets it
 
     def _convert(self, key: str, value: Any, into: Any = None) -> Any:
         """Check ``value`` for ``key`` (the base class's update planning calls it); the
@@ -218,6 +228,8 @@ class LazyWriteOps:
             stacked = self.get(path)
         except RuntimeError:  # shapes differ between members: index member by member
             stacked = None
+        if is_non_tensor(stacked) and isinstance(value, list):
+            value = as_non_tensor(value)  # one value per selected element, split as a tensor is
         if isinstance(stacked, torch.Tensor):
             # get() of a lazy stack is a new tensor: write into it with torch's rules
             # (this raises before any member is touched); the closure copies the

@@ -114,8 +114,9 @@ class NonTensorData(NonTensorDataBase):
         self._refuse_tensor_value(value)
         if isinstance(value, NonTensorStack):
             raise ValueError(
-                "Cannot write a NonTensorStack (one value per element) in place into a "
-                "NonTensorData (one value); replace the entry with set() instead."
+                "Cannot write a NonTensorStack or a list (one value per element) in place into a "
+                "NonTensorData (one value for the batch); replace the entry with set() instead, "
+                "or write NonTensorData(the_list) to keep a list as one value."
             )
 
     def _update_(self, value: Any) -> None:
@@ -125,11 +126,12 @@ class NonTensorData(NonTensorDataBase):
 
     def _set_at(self, index: tuple, source: Any) -> "NonTensorBase":
         """``td[index] = ...`` for this entry: returns the entry to store (maybe a stack)."""
+        source = as_non_tensor(source)  # (a list: one value per indexed element)
         if self._holds_only(index, source):
             return self  # as tensordict: writing the value it holds keeps one value
         self._refuse_copy_write()
         if self._stays_one_value(index, source):  # in place: a shared or mapped entry shares it
-            self._update_(source if isinstance(source, NonTensorData) else NonTensorData(source, batch_size=[]))
+            self._update_(source)
             return self
         if self._shared_value is not None:
             raise RuntimeError(
@@ -147,7 +149,7 @@ class NonTensorData(NonTensorDataBase):
         stack; before, this was an AttributeError ('_set_at_index'). A tensordict that
         holds the entry can: ``td[index] = ...`` there replaces it with a stack."""
         if not self._batch_size:
-            source = value if isinstance(value, NonTensorBase) else NonTensorData(value, batch_size=[])
+            source = as_non_tensor(value)
             values = broadcast_values(source, batch_ops.indexed_batch_size(self._batch_size, index))
             if values and all(_same_value(v, values[0]) for v in values):
                 self._update_(NonTensorData(values[0], batch_size=[]))
@@ -175,8 +177,7 @@ class NonTensorData(NonTensorDataBase):
 
     def _holds_only(self, index: tuple, source: Any) -> bool:
         """True if every value that ``self[index] = source`` writes is the one held."""
-        if not isinstance(source, NonTensorBase):
-            source = NonTensorData(source, batch_size=[])
+        source = as_non_tensor(source)
         values = broadcast_values(source, batch_ops.indexed_batch_size(self._batch_size, index))
         return all(_same_value(v, self.data) for v in values)
 
@@ -292,6 +293,22 @@ class NonTensorStack(NonTensorBase):
             self._store(stored, positions)  # (a memory-mapped stack's files first)
             self._members = None  # new values: no longer the stacked members
 
+    # Set on what ``lazy.get(key)`` gives (lazy_nontensor.written_through): called with
+    # the new flat values and the positions written, it writes them into the lazy
+    # stack's members (all checked first), before ``_store`` changes this stack.
+    _through_members: Callable[[list, list | None], None] | None = None
+
+    def _store(self, payload: Any, touched: list | None = None) -> None:
+        if self._through_members is not None:
+            self._through_members(payload, touched)
+        super()._store(payload, touched)
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        if state.pop("_through_members", None) is not None:  # a pickled one is a copy of the values
+            state.update(_is_shared=False, _is_memmap=False, _is_locked=False)
+        return state
+
     def _flat_members(self) -> list:
         return [None] * len(self._values) if self._members is None else list(self._members)
 
@@ -321,8 +338,7 @@ class NonTensorStack(NonTensorBase):
         """Write ``source`` at ``index``, in place (so a shared stack shares the write)."""
         positions = torch.arange(len(self._values)).reshape(self._batch_size)
         targets = positions[index]
-        if not isinstance(source, NonTensorBase):
-            source = NonTensorData(source, batch_size=[])
+        source = as_non_tensor(source)  # (a list: one value per indexed element, as tensordict)
         new_values = broadcast_values(source, targets.shape)
         self._refuse_copy_write_at(index, source)
         if self._copy_of_stored_stack:
@@ -339,8 +355,7 @@ class NonTensorStack(NonTensorBase):
     def _holds_only(self, index: tuple, source: Any) -> bool:
         """True if the elements at ``index`` already hold the values that
         ``self[index] = source`` writes."""
-        if not isinstance(source, NonTensorBase):
-            source = NonTensorData(source, batch_size=[])
+        source = as_non_tensor(source)
         targets = torch.arange(len(self._values)).reshape(self._batch_size)[index]
         new_values = broadcast_values(source, targets.shape)
         values = self._values
@@ -411,6 +426,34 @@ def _combine(items: Sequence[NonTensorBase], op: Callable, members: bool) -> Non
 
 
 _MEMBER_IDS = itertools.count()
+
+
+def as_non_tensor(value: Any, batch_size: Any = None, key: Any = None, device: Any = None) -> NonTensorBase:
+    """``value`` as non-tensor data written into a tensordict of batch size
+    ``batch_size`` under ``key``: the list rule of every write path (``set``, ``set_``,
+    ``update_``, ``set_at_``, ``td[idx] = ...``, a lazy stack's members, a ``nocast``
+    tensorclass field). A list holds one value per element (nested lists of equal
+    length a dim each), so its shape must start with ``batch_size`` (a
+    BatchSizeMismatchError naming ``key`` otherwise, as ``TensorDict.set`` raises); a
+    NonTensorData or NonTensorStack is kept; anything else is one value for the batch.
+    ``batch_size=None``: the rows of an indexed write, to which a list broadcasts as
+    torch broadcasts (``broadcast_values``).
+
+    Example:
+        >>> as_non_tensor(["a", "b"], torch.Size([2]), "s").tolist()
+        ['a', 'b']
+        >>> try:
+        ...     as_non_tensor(["a", "b"], torch.Size([3]), "s")
+        ... except BatchSizeMismatchError as error:
+        ...     print(str(error).split(":")[0])
+        batch dimension mismatch for key 's'
+    """
+    if isinstance(value, NonTensorBase):
+        return value
+    if isinstance(value, list):
+        stack = NonTensorStack.from_list(value, device=device)
+        return stack if batch_size is None else stack._with_batch_size(batch_ops.as_batch_size(batch_size), key)
+    return NonTensorData(value, batch_size=[] if batch_size is None else batch_size, device=device)
 
 
 def broadcast_values(source: NonTensorBase, shape: torch.Size) -> list:

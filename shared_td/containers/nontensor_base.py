@@ -13,6 +13,7 @@ in one process is seen by all (``_updating`` keeps such a write whole, and
 from __future__ import annotations
 
 import contextlib
+import numbers
 import pickle
 from typing import Any, Callable
 
@@ -145,10 +146,14 @@ class NonTensorBase(NonTensorBatchDimOps, TensorDictBase):
         return self.clone()
 
     def to(self, *args: Any, **kwargs: Any) -> "NonTensorBase":
-        """Record a new device (``to(dtype)`` leaves non-tensor data as it is)."""
+        """Record a new device. ``to(dtype)`` casts nothing: it gives a new entry
+        holding the same values (as ``clone()``), as tensordict's, so that a write into
+        ``td.to(torch.float64)`` does not reach ``td``."""
         target = args[0] if args else kwargs.get("device", kwargs.get("dtype"))
-        if isinstance(target, torch.dtype) or target is None:
+        if target is None:
             return self
+        if isinstance(target, torch.dtype):
+            return self.clone()
         out = self.clone(recurse=False)
         out._device = parse_device(target)
         return out
@@ -193,12 +198,31 @@ class NonTensorBase(NonTensorBatchDimOps, TensorDictBase):
         equal = [same_value(a, b) for a, b in zip(values, others)]
         return torch.tensor(equal, dtype=torch.bool).reshape(self._batch_size)
 
-    def __eq__(self, other: Any) -> torch.Tensor:  # type: ignore[override]
-        # A bool tensor of the batch shape, as tensordict gives (no keys to map over).
+    def __eq__(self, other: Any) -> Any:  # type: ignore[override]
+        # Another value: a bool tensor of the batch shape, as tensordict gives for two
+        # non-tensors. A number or a tensor compares with tensors only, as in a
+        # TensorDict (whose non-tensor entries it ignores): an empty TensorDict of our
+        # batch size, as tensordict 0.15.3 gives, so ``(nt == 0).all()`` is True.
+        if isinstance(other, (numbers.Number, torch.Tensor)):
+            return self._no_tensors()
         return self._compare_data(other)
 
-    def __ne__(self, other: Any) -> torch.Tensor:  # type: ignore[override]
+    def __ne__(self, other: Any) -> Any:  # type: ignore[override]
+        if isinstance(other, (numbers.Number, torch.Tensor)):
+            return self._no_tensors()
         return ~self._compare_data(other)
+
+    def _no_tensors(self) -> TensorDictBase:
+        """The result of comparing with a number or tensor (see ``__eq__``).
+
+        Example:
+            >>> nt = NonTensorData("a", batch_size=[2])
+            >>> (nt == 0).batch_size, list((nt == 0).keys()), (nt == 0).all()
+            (torch.Size([2]), [], True)
+        """
+        from shared_td.containers.tensordict import TensorDict
+
+        return TensorDict(batch_size=self._batch_size, device=self._device)
 
     def __lt__(self, other: Any) -> Any:
         return NotImplemented  # no order between Python values of any type

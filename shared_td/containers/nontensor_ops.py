@@ -51,12 +51,11 @@ def check_non_tensor_write(current: Any, index: tuple, source: Any, key: str | t
     (one, or one per indexed element) into the indexed elements, and store them where
     ``current`` keeps its values (a shared cell, files: ``_check_storable``); writes
     nothing. ``key``: the entry's key (a tuple: its full nested key), for the errors."""
-    from shared_td.containers.base import is_non_tensor
-    from shared_td.containers.nontensor import NonTensorData, broadcast_values
+    from shared_td.containers.nontensor import NonTensorData, as_non_tensor, broadcast_values
     from shared_td.keys import key_repr
 
     name = key_repr(key) if isinstance(key, tuple) else repr(key)
-
+    source = as_non_tensor(source)  # (a list: one value per indexed element)
     current._refuse_copy_write_at(index, source)  # a piece of a stored stack: the write would be lost
     shared_or_files = current._shared_value is not None or current.is_memmap()
     if isinstance(current, NonTensorData) and shared_or_files and not current._stays_one_value(index, source):
@@ -69,8 +68,6 @@ def check_non_tensor_write(current: Any, index: tuple, source: Any, key: str | t
                if current._shared_value is not None else
                "memory-mapped: write the whole value with set_() or update_(), or unlock_() first.")
         )
-    if not is_non_tensor(source):
-        source = NonTensorData(source, batch_size=[])
     target = batch_ops.indexed_batch_size(current.batch_size, index)
     try:
         values = broadcast_values(source, target)

@@ -14,7 +14,8 @@ import torch
 
 from shared_td.containers.base import NO_DEFAULT, TensorDictBase, is_non_tensor, is_tensor_collection
 from shared_td.containers.memmap_methods import MemmapMethods
-from shared_td.containers.nontensor import NonTensorData
+from shared_td.containers.nontensor import NonTensorData, as_non_tensor
+from shared_td.containers.tensorclass_compat import check_row_write
 from shared_td.containers.tensordict import TensorDict
 from shared_td.keys import is_nested_key, unravel_key
 from shared_td.tensorclass_protocol import is_tensorclass, unwrap_tensorclass
@@ -22,7 +23,9 @@ from shared_td.tensorclass_protocol import is_tensorclass, unwrap_tensorclass
 
 def _store(obj: Any, name: str, value: Any) -> None:
     """Set field ``name``: None removes the entry; dicts (and with ``nocast`` every
-    non-tensor) are kept as NonTensorData, the rest is converted as TensorDict.set does.
+    non-tensor) are kept as NonTensorData (with ``nocast``, a list as a NonTensorStack
+    of one value per element, as tensordict 0.15.3), the rest is converted as
+    TensorDict.set does.
 
     As tensordict 0.15.3: a number given to a field annotated ``int``, ``float`` or
     ``bool`` (or Optional of them) of a batched instance stays a Python number, since a
@@ -34,8 +37,8 @@ def _store(obj: Any, name: str, value: Any) -> None:
             td.del_(name)
         return
     plain = not isinstance(value, torch.Tensor) and not is_tensor_collection(value)
-    if isinstance(value, dict) or (plain and type(obj)._nocast):
-        value = NonTensorData(value, batch_size=td.batch_size, device=td.device)
+    if isinstance(value, dict) or (plain and type(obj)._nocast):  # (a list: one value per element)
+        value = as_non_tensor(value, td.batch_size, name, td.device)
     value = _kept_number(obj, name, value)
     td.set(name, value)
 
@@ -418,16 +421,7 @@ class _TensorClassMembers:
                 f"Invalid indexing arguments: {index!r}. A tensorclass is indexed along its "
                 f"batch dimensions; to write a field, use the attribute or set({index!r}, value)."
             )
-        if is_tensorclass(value) and not isinstance(value, type(self)):
-            mine, theirs = type(self)._tc_field_names, type(value)._tc_field_names
-            if mine != theirs:  # as tensordict: another class only with the same members
-                raise ValueError(
-                    f"Cannot write a {type(value).__name__} into the rows of a "
-                    f"{type(self).__name__}: __setitem__ is only allowed for same-class or "
-                    "compatible class (same fields) assignment, or a tensordict. "
-                    f"{type(self).__name__} has fields {sorted(mine)}, "
-                    f"{type(value).__name__} has {sorted(theirs)}."
-                )
+        check_row_write(self, value)  # (nested tensorclasses: by the TensorDict's write)
         self._tensordict[index] = unwrap_tensorclass(value)
 
     def __iter__(self):

@@ -192,9 +192,11 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, BatchDimOps, IndexWrites
         """
         if isinstance(value, torch.Tensor):  # most entries: none of the conversions below applies
             return self._fitted(key, value, value.shape)
-        from shared_td.containers.nontensor import NonTensorData, NonTensorStack
+        from shared_td.containers.nontensor import NonTensorData, NonTensorStack, as_non_tensor
 
         if into is not None and is_non_tensor(into) and not is_tensor_collection(value):
+            if isinstance(value, list):  # one value per element, as set() takes it (a NonTensorData refuses it)
+                return as_non_tensor(value, self._batch_size, key, self._device)
             if isinstance(into, NonTensorStack):
                 return value  # per-element values, checked by the stack itself
             return NonTensorData(value, batch_size=self._batch_size, device=self._device)
@@ -394,7 +396,7 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, BatchDimOps, IndexWrites
         else:
             value = unwrap_tensorclass(value)
         writes: list[Callable[[], None]] = []
-        self._plan_index_writes(index, value, writes, target_batch)
+        self._plan_index_writes(index, value, writes, target_batch, check_classes=True)
         for write in writes:
             write()
 

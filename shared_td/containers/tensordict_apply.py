@@ -43,14 +43,20 @@ class LeafMapping:
         """Apply ``fn`` to every tensor leaf and return the results as a new TensorDict.
 
         ``fn`` receives the leaf (and the same key of each of ``others``); a None
-        result drops the key. Non-tensor leaves are kept as they are. ``inplace=True``
-        writes the results into self instead.
+        result drops the key. Non-tensor entries are new ones holding the same values
+        (as ``clone()``: a plain copy of a shared or memory-mapped one), so a write into
+        the result never reaches self. ``inplace=True`` writes the results into self
+        instead.
 
         Examples:
             >>> td = TensorDict(a=torch.ones(2), b={"c": torch.arange(2)}, batch_size=[2])
             >>> doubled = td.apply(lambda x: x * 2)
             >>> doubled["a"].tolist(), doubled["b", "c"].tolist()
             ([2.0, 2.0], [0, 2])
+            >>> td["task"] = "walk"
+            >>> out = td.apply(lambda x: x + 1)
+            >>> out.get("task") is td.get("task"), out["task"]
+            (False, 'walk')
         """
         return self.named_apply(
             lambda key, *values: fn(*values), *others, batch_size=batch_size,
@@ -78,7 +84,16 @@ class LeafMapping:
             other_values = [o.get(key) for o in others]
             tensor = isinstance(value, torch.Tensor)  # most entries: no class to ask about
             if not tensor and is_non_tensor(value):
-                result = value if new_batch == self._batch_size else value._with_batch_size(new_batch, key)
+                if inplace:
+                    continue  # (only tensors are written in place)
+                # A new entry holding the same values (as clone()), as tensordict's: a
+                # write into the result must not reach the source (nor, for a shared or
+                # memory-mapped source, the other processes or its files), and the
+                # README's ``td.apply(MemoryMappedTensor.from_tensor).lock_()`` must not
+                # lock td's own entries.
+                result = value.clone()
+                if new_batch != self._batch_size:
+                    result = result._with_batch_size(new_batch, key)
             elif not tensor and is_tensor_collection(value):
                 inner = unwrap_tensorclass(value)
                 result = inner.named_apply(

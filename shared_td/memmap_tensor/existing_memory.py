@@ -128,7 +128,11 @@ class FromExistingMemory:
         ``dtype`` may reinterpret the bytes. A shape smaller than the handler uses its
         leading bytes (*ours*: tensordict requires the exact size); a larger one raises
         :class:`~shared_td.storage.files.FileTooShortError` (a ``ValueError``).
-        ``index`` is applied to the result, whose :attr:`parent_shape` is ``shape``.
+        ``index`` is applied to the result, whose :attr:`parent_shape` is ``shape``: a
+        view of the handler's memory for a basic index (ints, slices); for an advanced
+        one (an index tensor, list or mask), which copies as in torch, a
+        MemoryMappedTensor holding the copy in a new anonymous segment (tensordict 0.15.3
+        gives a MemoryMappedTensor too, not a plain tensor), which the handler does not see.
 
         Example:
             >>> t = MemoryMappedTensor.zeros(4, 3)
@@ -136,6 +140,9 @@ class FromExistingMemory:
             >>> _ = u.fill_(2.0)
             >>> t[1].tolist(), u.parent_shape
             ([2.0, 2.0, 2.0], torch.Size([4, 3]))
+            >>> rows = MemoryMappedTensor.from_handler(t._handler, torch.float32, (4, 3), index=torch.tensor([1, 3]))
+            >>> type(rows).__name__, rows.shape, rows.parent_shape
+            ('MemoryMappedTensor', torch.Size([2, 3]), torch.Size([4, 3]))
         """
         if not isinstance(handler, (Segment, FileBacking)):
             raise TypeError(
@@ -146,8 +153,16 @@ class FromExistingMemory:
         if isinstance(shape, torch.Tensor):
             raise NotImplementedError("from_handler: nested shapes (a tensor of shapes) are "
                                       "not supported: nested tensors cannot be memory-mapped yet.")
-        result = cls._from_backing(handler, 0, dtype, checked_shape(shape))
-        return result if index is None else result[index]
+        shape = checked_shape(shape)
+        result = cls._from_backing(handler, 0, dtype, shape)
+        if index is None:
+            return result
+        indexed = result[index]
+        if isinstance(indexed, cls):
+            return indexed
+        copy = cls.from_tensor(indexed)  # (advanced indexing copied: see above)
+        copy._parent_shape = shape
+        return copy
 
 
 def _storage_backing(storage, filename, handler):

@@ -58,8 +58,8 @@ def write_all(tds) -> None:
             td.set_(key, new[key])
         td.set("by", new["by"], inplace=True)
         td.set_("obj", NonTensorData(new["obj"], batch_size=[3]))
-        td.update_({"i": new["i"], "b": new["b"], "l": new["l"]})
-        td.update_({"d": NonTensorData(new["d"])})
+        td.update_({"i": new["i"], "b": new["b"]})
+        td.update_({"d": NonTensorData(new["d"]), "l": NonTensorData(new["l"])})  # (a list alone: one value per element)
         td.set_(("sub", "task"), "inner, rewritten")
         td[1] = {"st": STACK_AFTER[1]}  # one element of the stack
         td["obs"][0] = 1.0
