@@ -32,7 +32,9 @@ once they move (:func:`settled_run`); live heartbeats of two runs are a genuine 
 refused with a ValueError naming the record's key.
 
 Leaving (:meth:`ClusterMembership.shutdown`): stop notices in the node's own queues wake
-its threads, the pairs are closed (the receives kept posted end, the watched waits and
+its threads (a process whose number was taken over leaves the queues to its successor
+and wakes its pops without a notice: :func:`~shared_td.coordinator.cluster_serve.wake_pops`;
+its shutdown waited 60 s), the pairs are closed (the receives kept posted end, the watched waits and
 the group builds under way give up, and the build threads have ended:
 :meth:`~shared_td.coordinator.cluster_transfer.PairGroups.close`), and the number is
 released for the next process; then a last heartbeat that says so (``"left": true``),
@@ -66,7 +68,8 @@ from shared_td.coordinator.cluster_liveness import (HEARTBEAT_S, LOST_AFTER_S, L
                                                     release_node, run_id, run_key)
 from shared_td.coordinator.cluster_owners import names_taken_over
 from shared_td.coordinator.cluster_names import LocalNames
-from shared_td.coordinator.cluster_serve import LISTENER, POP_S, lane_queue, listen, serve_lane, serve_notices, watch_pairs
+from shared_td.coordinator.cluster_serve import (LISTENER, POP_S, lane_queue, listen, serve_lane, serve_notices,
+                                                 wake_pops, watch_pairs)
 from shared_td.coordinator.cluster_store import ClusterAuthError, SignedStore
 from shared_td.coordinator.cluster_transfer import PairGroups
 from shared_td.coordinator.cluster_values import ClusterValues
@@ -250,6 +253,8 @@ class ClusterMembership:
         except (RuntimeError, OSError):
             pass  # the store is gone; the pops fail by themselves
         listeners = [t for t in self._threads if t.name.startswith(LISTENER)]
+        if not mine:  # no stop notice reaches its pops: woken without one (the service's was waited POP_S for)
+            wake_pops(self, self._own_queues(), [t for t in self._threads if t not in listeners], 2 * HEARTBEAT_S)
         for thread in self._threads:  # a lane in a transfer ends at its bounded wait (daemon)
             if thread not in listeners:
                 thread.join(POP_S if thread.name.endswith("serve") else 2 * HEARTBEAT_S)
