@@ -44,10 +44,12 @@ def _is_command_line() -> bool:
 
 
 def _interrupted(signum: int, frame) -> None:
-    # a second Ctrl-C while this one unwinds gets Python's own KeyboardInterrupt
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     os.write(2, b"shared-td: interrupted\n")  # (not sys.stderr: it may be mid-write)
-    raise SystemExit(INTERRUPTED)  # unwinds the import; the interpreter prints nothing
+    # Exit at once, unwinding nothing: an exception raised into the import under way can
+    # be swallowed by C code (torch's import of numpy drops it, and the command then ran
+    # to its end with exit 0, or failed re-importing a half-imported numpy). Before
+    # ``main`` nothing of ours is live: no child, no file, no output to flush.
+    os._exit(INTERRUPTED)
 
 
 def quiet_interrupt_while_starting() -> None:

@@ -361,7 +361,9 @@ class Archive:
                     f"held in memory, where {room} bytes are available ({why}). Load it where "
                     "there is more memory, or save it without compression (leaves are then "
                     "mapped, not copied)."))
-        return mmap.mmap(-1, nbytes)
+        # private: after a fork each process writes its own copy (a shared mapping, the
+        # default, let a DataLoader worker's write reach the parent's "copy")
+        return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
     def backing(self) -> files.FileBacking:
         """The one mapping of the whole archive (made on first use)."""

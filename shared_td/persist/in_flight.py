@@ -37,6 +37,7 @@ import sys
 import threading
 import traceback
 import warnings
+import weakref
 from concurrent.futures import Future
 from typing import Any, Callable, Iterable
 
@@ -52,6 +53,9 @@ class _Write:
 
 _guard = threading.Lock()
 _running: dict[int, _Write] = {}  # id(future) -> the write
+# futures of failed writes whose error no one read yet: reported at exit when still held
+# then (a module-level future is never freed before the last collection that warns)
+_unread: "weakref.WeakSet[_WriteFuture]" = weakref.WeakSet()
 
 
 class _WriteFuture(Future):
@@ -65,6 +69,7 @@ class _WriteFuture(Future):
 
     def set_exception(self, exception: BaseException | None) -> None:
         self.unread_error = True
+        _unread.add(self)
         super().set_exception(exception)
 
     def result(self, timeout: float | None = None) -> Any:
@@ -82,6 +87,7 @@ class _WriteFuture(Future):
     def _read(self) -> None:
         if self.done():  # (not a read when the wait timed out)
             self.unread_error = False
+            _unread.discard(self)
 
     def __del__(self) -> None:
         if not self.unread_error:
@@ -194,6 +200,12 @@ def _wait_at_exit() -> None:
         if error is not None:
             print(f"shared_td: the background write ({write.description}) running when the "
                   "program ended failed; nothing of it was kept:", file=sys.stderr)
+            traceback.print_exception(error, file=sys.stderr)
+    for future in list(_unread):  # failed before the end, its future held and never read
+        if future.unread_error:
+            error = future.exception()  # (a read: it will not warn again when freed)
+            print(f"shared_td: the background write ({future.description}) failed and its "
+                  "future was never read; nothing of it was kept:", file=sys.stderr)
             traceback.print_exception(error, file=sys.stderr)
 
 

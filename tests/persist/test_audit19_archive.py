@@ -288,3 +288,21 @@ def test_members_whose_payloads_overlap_are_refused_naming_both(tmp_path):
         with pytest.raises(FormatError, match="member 'a.memmap': refused: its payload overlaps "
                                               "member 'b.memmap'"):
             load_memmap(path, mode=mode)
+
+
+def test_a_compressed_leaf_is_a_private_copy_after_a_fork(tmp_path):
+    # before: decompressed into a shared anonymous mapping, so a forked child's (a
+    # DataLoader worker's) write into its "copy" reached the parent's
+    path = str(tmp_path / "x.tdz")
+    TensorDict(a=torch.zeros(4), b=torch.zeros(4)).save(path, compression="deflate")
+    loaded = load_memmap(path)
+    loaded["a"].fill_(1.0)  # a writable copy in memory, as documented
+    pid = os.fork()
+    if pid == 0:  # the child: write into its copy, then leave without cleaning up
+        try:
+            loaded["a"].fill_(7.0)
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert loaded["a"].tolist() == [1.0] * 4
