@@ -44,8 +44,10 @@ import hashlib
 import json
 import secrets
 import threading
+import time
 import weakref
 
+from shared_td.coordinator.cluster_liveness import LOST_AFTER_S
 from shared_td.coordinator.cluster_store import ClusterAuthError
 
 __all__ = ["Endpoint", "layout_digest", "next_generation", "overtaken", "publish_lock", "read_identity", "read_name",
@@ -118,17 +120,36 @@ def record_name(cluster, store, name: str, record: dict) -> bool:
     Around it ``gen/<name>`` (its generation, digest and owner: see
     :func:`read_identity`), the same way, except that one of the same generation is
     replaced (a number reused after the record was deleted: the digest is this
-    publish's): before it marked pending, after it plain, so that the name record is
-    the one commit point (see the module's opening). False, nothing more written, when
-    a newer record was found (this publish was overtaken: its caller says so; a
-    pending mark of its own left behind is read as the name record says)."""
+    publish's): before it marked pending (with the owner's claim token), after it
+    plain, so that the name record is the one commit point (see the module's opening).
+    False, nothing more written, when a newer record was found (this publish was
+    overtaken: its caller says so). When the name record is not written (overtaken, or
+    an exception: a store timeout, CAS tries run out), the pending mark is taken back:
+    ``gen/`` as it was before, by a compare-and-set against the mark's own bytes (left
+    pending, every look read and parsed the whole name record again until the name was
+    published again, audit 19, second round; a mark of a process killed there is taken
+    back by the readers: :func:`read_identity`)."""
     small = {key: record[key] for key in ("generation", "digest", "owner")}
-    refuse = lambda: _refused(cluster)  # noqa: E731
-    store.set_json_if_newer(f"gen/{name}", {**small, "pending": True}, "generation", refuse, True)
-    if not store.set_json_if_newer(f"name/{name}", record, "generation", refuse):
-        return False
-    store.set_json_if_newer(f"gen/{name}", small, "generation", refuse, True)  # (ties: the pending one replaced)
-    return True
+    refuse, key = lambda: _refused(cluster), f"gen/{name}"  # noqa: E731
+    before, pending = store.get_unchecked(key), {**small, "pending": True, "claim": getattr(cluster, "_claim", None)}
+    store.set_json_if_newer(key, pending, "generation", refuse, True)
+    written = False
+    try:
+        written = store.set_json_if_newer(f"name/{name}", record, "generation", refuse)
+    finally:
+        if not written:  # (never committed: "never backwards" holds)
+            _take_back(store, key, store.sign(key, json.dumps(pending).encode()), before or b"")
+    if written:
+        store.set_json_if_newer(key, small, "generation", refuse, True)  # (ties: the pending one replaced)
+    return written
+
+
+def _take_back(store, key: str, mark: bytes, to: bytes) -> None:
+    """``key`` := ``to`` if it still holds ``mark`` (a compare-and-set); the store gone: nothing."""
+    try:
+        store.compare_set(key, mark, to)
+    except (RuntimeError, OSError, ValueError):
+        pass  # (a store gone: nobody reads it again; a reader takes the mark back otherwise)
 
 
 def overtaken(cluster, store, name: str) -> ValueError:
@@ -153,7 +174,11 @@ def read_identity(store, name: str, refuse) -> tuple[int, str] | None:
     that is missing, forged (``refuse()`` called for each forged one) or pending (a
     publish under way, or one whose owner died before it wrote ``gen/`` again: then
     the plain record of the committed publish is written here, by a compare-and-set
-    against the pending bytes). None when nothing is published."""
+    against the pending bytes). A pending mark above the name record whose owner's
+    process is gone (its claim is not the token the mark names, or its heartbeat stood
+    still for LOST_AFTER_S as seen here) is taken back the same way: a publish killed
+    between its two writes left every look reading the whole name record for good.
+    None when nothing is published."""
     try:
         small, blob = store.get_signed(f"gen/{name}")
     except ClusterAuthError:
@@ -168,10 +193,39 @@ def read_identity(store, name: str, refuse) -> tuple[int, str] | None:
         return None
     if not isinstance(record, dict):
         return None
-    if isinstance(small, dict) and record["generation"] >= small["generation"]:  # committed: no more name reads
+    # committed (no more name reads), or a mark never to be committed
+    if isinstance(small, dict) and (record["generation"] >= small["generation"] or _owner_gone(store, small, blob)):
         plain = {key: record.get(key) for key in ("generation", "digest", "owner")}
         store.compare_set(f"gen/{name}", blob, store.sign(f"gen/{name}", json.dumps(plain).encode()))
+        with _LOCK:
+            _MARKS.pop(blob, None)
     return record["generation"], record.get("digest", "")
+
+
+_LOCK = threading.Lock()
+# a pending gen/ mark above its name record, as stored -> (its owner's heartbeat as first
+# seen with it, when): a mark whose owner's heartbeat stands still is taken back
+_MARKS: dict[bytes, tuple[bytes | None, float]] = {}
+
+
+def _owner_gone(store, small: dict, blob: bytes) -> bool:
+    """Whether the process that wrote the pending mark ``small`` (stored as ``blob``) no
+    longer runs its node: its claim holds another token now (it left, or a successor
+    runs), or its heartbeat has not moved for LOST_AFTER_S since this process first saw
+    the mark. Only ever a reason to read the committed name record as current (the mark
+    was never committed): a slow owner still writes its record, and ``gen/`` after it."""
+    owner, claim = small.get("owner"), small.get("claim")
+    if isinstance(claim, str) and store.get_unchecked(f"claim/{owner}") != claim.encode():
+        return True
+    beat, now = store.get_unchecked(f"hb/{owner}"), time.monotonic()
+    with _LOCK:
+        seen = _MARKS.get(blob)
+        if seen is None or seen[0] != beat:
+            if len(_MARKS) > 256:  # (marks of names never looked at again)
+                _MARKS.clear()
+            _MARKS[blob] = (beat, now)
+            return False
+        return now - seen[1] >= LOST_AFTER_S
 
 
 class Endpoint:

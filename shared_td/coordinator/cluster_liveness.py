@@ -4,8 +4,8 @@ Each node writes a signed heartbeat ``hb/<node>`` (a growing number) every
 :data:`HEARTBEAT_S`. Another node counts it as lost once the number it reads has not
 changed for :data:`LOST_AFTER_S` of its own clock: no clock is compared between
 machines, and a node that is only slow (a heartbeat every few seconds) is never lost.
-A heartbeat also carries the cluster's run (and writes its record back if deleted:
-:func:`keep_run`); the last one of a clean shutdown says ``"left"`` (:meth:`Liveness.left`).
+A heartbeat also carries the cluster's run (every third writes its record back if deleted:
+:func:`keep_run`); the last one of a clean shutdown says ``"left"`` (:meth:`Liveness.say_left`).
 Whether a heartbeat moves is read on its stored bytes, signed with our key or not, both
 by :meth:`Liveness.alive` and when a claimed number may be taken over
 (:func:`heartbeat_moves`): a heartbeat with a wrong signature is counted as forged (once
@@ -61,6 +61,7 @@ import threading
 import time
 from typing import Callable, NamedTuple
 
+from shared_td.coordinator.cluster_runs import keep_run, run_id, run_key  # noqa: F401 - (moved there: still here)
 from shared_td.errors import ClusterAuthError, NodeTakenOverError, OwnerLostError
 
 __all__ = ["HEARTBEAT_S", "LOST_AFTER_S", "Liveness", "claim_node", "heartbeat_moves",
@@ -72,6 +73,9 @@ HEARTBEAT_S = 0.5
 #: Seconds without a changed heartbeat after which a node counts as lost.
 LOST_AFTER_S = 3.0
 
+#: Every how many heartbeats the run record is written back if deleted (``Liveness.beat``):
+#: within LOST_AFTER_S / 2 (a newcomer of the window follows the live nodes' run anyway).
+_KEEP_RUN_EVERY = max(1, round(LOST_AFTER_S / 2 / HEARTBEAT_S))
 _NOT_FOUND = object()  # equal to no heartbeat seen (a missing one, None, included)
 _LEFT = "left."  # how a released claim token starts (release_node)
 
@@ -103,6 +107,7 @@ class Liveness:
         self._forged: dict[int, bytes] = {}  # peer -> the forged heartbeat last counted
         self._left: set[int] = set()  # peers whose heartbeat last read is a clean shutdown's (see left)
         self._numbers = itertools.count(1)  # this process's heartbeat numbers
+        self._written: bytes | None = None  # the heartbeat this process stored last (see say_left)
         self._confirmed_at = time.monotonic()  # see _confirm (made just after the first heartbeat)
         self._looking = threading.Lock()  # one still_mine look at the store at a time
         #: why this process no longer runs its node (see :meth:`still_mine`), or None
@@ -115,22 +120,49 @@ class Liveness:
 
     def beat(self) -> None:
         """Write this node's heartbeat until the stop event is set, the store is gone or
-        the number was taken over (the target of the cluster's heartbeat thread)."""
-        while not self._stop.wait(HEARTBEAT_S):
+        the number was taken over (the target of the cluster's heartbeat thread). One
+        beat every HEARTBEAT_S from the start of the last (the wait shortened by the
+        time the writes took), and the run record's :func:`keep_run` on every
+        :data:`_KEEP_RUN_EVERY` th only: on every beat, with the wait after both, a store
+        of ~1 s a round trip spaced the beats past LOST_AFTER_S - HEARTBEAT_S (then
+        still_mine's three more round trips) and live nodes were declared lost (audit
+        19, second round)."""
+        began = time.monotonic()
+        for number in itertools.count(1):
+            if self._stop.wait(max(0.0, began + HEARTBEAT_S - time.monotonic())):
+                return
             began = time.monotonic()
             try:
                 if not self.still_mine():
                     return  # beating on would keep the successor's number alive for us both
                 self._write_beat()
-                if self._run:  # deleted: written back before a newcomer sets a run of its own
+                self._confirm(began)
+                if self._run and number % _KEEP_RUN_EVERY == 0:  # deleted: back before a newcomer sets its own
                     keep_run(self._store, self._run)
             except (RuntimeError, OSError):
                 return  # the store is gone
-            self._confirm(began)
 
-    def _write_beat(self) -> None:
+    def _write_beat(self, number: int | None = None) -> None:
+        """One heartbeat, the next number unless ``number`` (the node's join writes 0)."""
         # the run: a newcomer that finds the run record gone follows the live nodes' (cluster_membership)
-        self._store.set_json(f"hb/{self._node}", {"beat": next(self._numbers), "pid": os.getpid(), "run": self._run})
+        beat = {"beat": next(self._numbers) if number is None else number, "pid": os.getpid(), "run": self._run}
+        self._store.set_json(f"hb/{self._node}", beat)
+        with self._lock:  # (the bytes set_json stored: what say_left expects there)
+            self._written = self._store.sign(f"hb/{self._node}", json.dumps(beat).encode())
+
+    def say_left(self) -> None:
+        """Write the heartbeat of a clean shutdown (``"left": true``, see :meth:`left`),
+        before the claim is released, by a compare-and-set against this process's own
+        last heartbeat: written unconditionally after the release, it overwrote the
+        heartbeat of a successor that had taken the number over (or of a process
+        started at once after the leave), which its owner read as left (audit 19,
+        second round)."""
+        key = f"hb/{self._node}"
+        with self._lock:
+            written = self._written
+        if written is not None:
+            left = {"left": True, "pid": os.getpid(), "run": self._run}
+            self._store.compare_set(key, written, self._store.sign(key, json.dumps(left).encode()))
 
     def _confirm(self, at: float) -> None:
         """This process held its number at ``at`` (its heartbeat was written after, or
@@ -354,39 +386,6 @@ def _holder(store, key: str, mine: str) -> bytes:
     trip that changes nothing (a claim's key exists from the claim on; for a missing
     key the store answers ``mine``)."""
     return store.compare_set(key, mine, mine)
-
-
-def run_key(store) -> str:
-    """The key of the cluster's run record (see :func:`run_id`)."""
-    return f"run/{store.sign('run', b'')[:8].hex()}"
-
-
-def keep_run(store, run: str) -> None:
-    """Write the signed record of ``run`` back if its key is missing or emptied (a
-    compare-and-set that changes nothing otherwise): every heartbeat does, so that a
-    deleted record is back within HEARTBEAT_S, before a newcomer sets a run of its own
-    (which split the nodes into two runs that read each other's tokens as forgeries,
-    audit 19). Another run found there is left alone: the newcomer that set it follows
-    the live nodes' (``cluster_membership.settled_run``)."""
-    key = run_key(store)
-    store.compare_set(key, "", store.sign(key, run.encode()))
-
-
-def run_id(store) -> str:
-    """The run of the cluster that ``store`` serves: a random id set once, signed, by the
-    first process that starts (a compare-and-set of ``run/<key id>``), read by every
-    later one. Claim tokens are bound to it: a token recorded in an earlier run with
-    the same authkey verifies in no other. The key's name is derived from the authkey
-    (an HMAC of a fixed text): a process started with another key by mistake sets its
-    own, and the nodes with the right key go on (one key for all made such a process,
-    started first, shut the store to them for good). ClusterAuthError when the key
-    holds what is not signed with this process's key (something else wrote it). A
-    record deleted while nodes run is written back by their heartbeats
-    (:func:`keep_run`), and a process starting meanwhile follows the run of their
-    heartbeats (``cluster_membership.settled_run``)."""
-    key = run_key(store)
-    blob = store.sign(key, secrets.token_hex(8).encode())
-    return store.check(key, store.compare_set(key, "", blob)).decode()
 
 
 def release_node(store, node: int, token: str, joined: bool = True, run: str = "") -> None:

@@ -21,25 +21,29 @@ one fails the start at once, not after every node joined. (Before, the key was l
 only when the number was held, and only after all nodes joined otherwise.)
 
 The run (audit 19). Claim and owner tokens are bound to the cluster's run, one signed
-record read at start (:func:`~shared_td.coordinator.cluster_liveness.run_id`). Deleted
+record read at start (:mod:`~shared_td.coordinator.cluster_runs`). Deleted
 while nodes live (by anything that reaches the store), a newcomer set a run of its own,
 and the nodes split into two runs that read each other's genuine tokens as forgeries:
 records never taken back, a restarted node's start waiting 3.5 s to "take over" its own
-released number. Now every heartbeat carries the run and writes the record back when it
-is missing (:func:`~shared_td.coordinator.cluster_liveness.keep_run`), and a newcomer
-whose run differs from the one the other nodes' signed heartbeats carry follows theirs
-once they move (:func:`settled_run`); live heartbeats of two runs are a genuine split,
-refused with a ValueError naming the record's key.
+released number. Now the heartbeats carry the run and write the record back when it
+is missing (:func:`~shared_td.coordinator.cluster_runs.keep_run`), and a newcomer that
+set the record itself, with a run other than the one the other nodes' signed heartbeats
+carry, follows theirs once they move (:func:`settled_run`); live heartbeats of two runs
+are then a genuine split, refused with a ValueError naming the record's key. A record
+found at start is the cluster's, whatever heartbeats say (replayed ones of an earlier
+run were followed, and overwrote it: audit 19, second round).
 
 Leaving (:meth:`ClusterMembership.shutdown`): stop notices in the node's own queues wake
 its threads (a process whose number was taken over leaves the queues to its successor
 and wakes its pops without a notice: :func:`~shared_td.coordinator.cluster_serve.wake_pops`;
 its shutdown waited 60 s), the pairs are closed (the receives kept posted end, the watched waits and
 the group builds under way give up, and the build threads have ended:
-:meth:`~shared_td.coordinator.cluster_transfer.PairGroups.close`), and the number is
-released for the next process; then a last heartbeat that says so (``"left": true``),
-so that an owner's next sync looks at the node's replica records again (and takes them
-back) instead of waiting LOST_AFTER_S for the node to be lost.
+:meth:`~shared_td.coordinator.cluster_transfer.PairGroups.close`), a last heartbeat says
+so (``"left": true``), so that an owner's next sync looks at the node's replica records
+again (and takes them back) instead of waiting LOST_AFTER_S for the node to be lost, and
+the number is released for the next process. That heartbeat replaces only this
+process's own last one (a compare-and-set: written after the release, unconditionally,
+it overwrote the heartbeat of a successor that had taken the number over).
 
 Leaving at the interpreter's exit: a node still running when its process ends (the
 script ended, or an exception escaped it, without ``shutdown()``) is shut down by an
@@ -65,7 +69,8 @@ import time
 
 from shared_td.coordinator.cluster_launch import check_store, open_store
 from shared_td.coordinator.cluster_liveness import (HEARTBEAT_S, LOST_AFTER_S, Liveness, claim_free, claim_node,
-                                                    release_node, run_id, run_key)
+                                                    release_node)
+from shared_td.coordinator.cluster_runs import open_run, run_key
 from shared_td.coordinator.cluster_owners import names_taken_over
 from shared_td.coordinator.cluster_names import LocalNames
 from shared_td.coordinator.cluster_serve import (LISTENER, POP_S, lane_queue, listen, serve_lane, serve_notices,
@@ -180,12 +185,12 @@ class ClusterMembership:
             self._store.drain(queue)
         restarted = self._store.has(f"join/{self.node}")  # this node ran before: see PairGroups.move_on
         self._store.set_json(f"join/{self.node}", self._join_record())
-        self._store.set_json(f"hb/{self.node}", {"beat": 0, "pid": os.getpid(), "run": self._run})
         _leave_at_exit_too(self)  # its threads start now: see the module's opening
         # beating from now on: a join that waits long for the others must not look like
         # a crashed node whose number another process may take over
         self._liveness = Liveness(self._store, self.node, self._store.get_json, self._claim, self._stop,
                                   on_confirm=self._give_up_names_taken_over, refuse=self._count_refused, run=self._run)
+        self._liveness._write_beat(0)  # number 0 (its bytes: what the last one, say_left, expects there)
         self._start_thread(self._liveness.beat, (), "beat")
         self._wait_for_the_others()
         self._groups = PairGroups(self._store, self.node, timeout=self.timeout, hostname=self._hostname,
@@ -271,8 +276,8 @@ class ClusterMembership:
         self._filling.clear()
         self._owned.clear()
         if mine:
-            self._release()
             self._say_left()
+            self._release()
         self._store.close()
 
     def _release(self, joined: bool = True) -> None:
@@ -282,10 +287,11 @@ class ClusterMembership:
             pass  # the store is gone: nobody joins it again
 
     def _say_left(self) -> None:
-        """The last heartbeat, after the claim was released: this process left cleanly
-        (see the module's opening; ``Liveness.left``)."""
+        """The last heartbeat, before the claim is released: this process leaves cleanly
+        (see the module's opening; ``Liveness.say_left``: unless a successor's is there)."""
         try:
-            self._store.set_json(f"hb/{self.node}", {"left": True, "pid": os.getpid(), "run": self._run})
+            if self._liveness is not None:  # (None: start() failed before it beat)
+                self._liveness.say_left()
         except (RuntimeError, OSError):
             pass  # the store is gone
 
@@ -311,17 +317,25 @@ class ClusterMembership:
 
 def settled_run(store, node: int, nodes: int) -> str:
     """The cluster's run for a process starting as node ``node`` of ``nodes``: the run
-    record's (:func:`~shared_td.coordinator.cluster_liveness.run_id`, set when missing),
-    unless the other nodes' heartbeats, signed with this process's key, carry another
-    run and move (within LOST_AFTER_S + HEARTBEAT_S): then theirs, written back into the
-    record (the record was deleted and set again by a newcomer before a heartbeat wrote
-    it back). Heartbeats that stand still (an earlier run's) are not followed; moving
-    ones of two runs are a genuine split: ValueError naming the record's key. Free when
-    every heartbeat carries the record's run (the usual start).
+    record's (:func:`~shared_td.coordinator.cluster_runs.open_run`, set when missing).
+    When this process set it (the record was deleted, and no heartbeat wrote it back
+    yet) and the other nodes' heartbeats, signed with this process's key, carry another
+    run and move (within LOST_AFTER_S + HEARTBEAT_S): theirs, written over the record
+    this process set; moving ones of two runs are a genuine split: ValueError naming the
+    record's key (and the record this process set emptied again). A record found there
+    is the cluster's, never written: recorded heartbeats of an earlier run written back
+    by anything that reaches the store made a starting node follow that run and
+    overwrite the live record (audit 19, second round). A process that found one of
+    another run than the live heartbeats' reads it again until the process that set it
+    follows them (at most the watch above). Heartbeats that stand still (an earlier
+    run's), or whose slot shows two runs while watched (a live node's beats and replayed
+    ones), are not followed. Free when every heartbeat carries the record's run (the
+    usual start).
 
     Example:
         >>> import datetime
         >>> from torch.distributed import TCPStore
+        >>> from shared_td.coordinator.cluster_runs import run_id
         >>> from shared_td.coordinator.cluster_store import SignedStore
         >>> raw = TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
         >>> store = SignedStore(raw, b"k" * 32, timeout=5.0)
@@ -329,30 +343,35 @@ def settled_run(store, node: int, nodes: int) -> str:
         >>> settled_run(store, 1, 2) == run_id(store)  # no other run: at once
         True
     """
-    run, key = run_id(store), run_key(store)
+    (run, mine), key = open_run(store), run_key(store)
     beats = {peer: _beat_run(store, peer) for peer in range(nodes) if peer != node}
     beats = {peer: seen for peer, seen in beats.items() if seen is not None}  # (signed, with a run)
     if all(seen[0] == run for seen in beats.values()):
         return run
+    seen_runs = {peer: {seen[0]} for peer, seen in beats.items()}
     live, end = {}, time.monotonic() + LOST_AFTER_S + HEARTBEAT_S
     while len(live) < len(beats) and time.monotonic() < end:  # which of them move (a live node's does)
         time.sleep(HEARTBEAT_S / 4)
         for peer, (_run, blob) in beats.items():
             now = _beat_run(store, peer)
+            seen_runs[peer].update([now[0]] if now is not None else [])
             if peer not in live and now is not None and now[1] != blob:
                 live[peer] = now[0]
-    runs = set(live.values())
+    # a slot showing two runs: a live node's own beats and replayed ones (one process beats one run)
+    runs = {seen for peer, seen in live.items() if len(seen_runs[peer]) == 1}
+    while mine is None and runs and run not in runs and time.monotonic() < end + HEARTBEAT_S:  # (it began first)
+        time.sleep(HEARTBEAT_S / 4)  # found, never replaced: the process that set it follows the live nodes
+        run, mine = open_run(store)
+    if mine is None or not runs:  # the record found (replays beside it); or standing still: an earlier run's
+        return run
     if len(runs) > 1:
+        store.compare_set(key, mine, "")  # (not left as the cluster's: the live nodes write theirs back)
         raise ValueError(
             f"Cluster node {node}: the running nodes belong to two runs ({', '.join(sorted(runs))}: " +
             ", ".join(f"node {peer} {live[peer]}" for peer in sorted(live)) + f"): the run record {key} was "
             "deleted while nodes ran, and a node set a new run meanwhile. This process "
             "did not join. Restart the nodes of one of the runs.")
-    if not runs or runs == {run}:
-        return run  # (the other heartbeats are an earlier run's, standing still)
-    adopted = runs.pop()
-    store.compare_set(key, store.get_unchecked(key) or "", store.sign(key, adopted.encode()))
-    return adopted
+    return store.check(key, store.compare_set(key, mine, store.sign(key, runs.pop().encode()))).decode()
 
 
 def _beat_run(store, peer: int) -> tuple[str, bytes] | None:
