@@ -452,7 +452,14 @@ def as_non_tensor(value: Any, batch_size: Any = None, key: Any = None, device: A
         return value
     if isinstance(value, list):
         stack = NonTensorStack.from_list(value, device=device)
-        return stack if batch_size is None else stack._with_batch_size(batch_ops.as_batch_size(batch_size), key)
+        if batch_size is None:
+            return stack
+        try:
+            return stack._with_batch_size(batch_ops.as_batch_size(batch_size), key)
+        except BatchSizeMismatchError as error:  # say how to keep the list whole, as the ValueError does
+            raise BatchSizeMismatchError(
+                f"{error} A list is one value per element: write NonTensorData(the_list) to keep "
+                "a list as one value.") from None
     return NonTensorData(value, batch_size=[] if batch_size is None else batch_size, device=device)
 
 

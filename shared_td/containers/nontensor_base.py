@@ -24,6 +24,7 @@ from shared_td.containers.base import TensorDictBase, is_non_tensor, is_tensor_c
 from shared_td.containers.batch_dim_ops import NonTensorBatchDimOps
 from shared_td.containers.nontensor_values import same_value
 from shared_td.containers.reshaping import permute_order
+from shared_td.containers.to_args import parse_to
 from shared_td.errors import BatchSizeMismatchError, ReadOnlyError
 from shared_td.keys import key_repr
 
@@ -146,16 +147,23 @@ class NonTensorBase(NonTensorBatchDimOps, TensorDictBase):
         return self.clone()
 
     def to(self, *args: Any, **kwargs: Any) -> "NonTensorBase":
-        """Record a new device. ``to(dtype)`` casts nothing: it gives a new entry
-        holding the same values (as ``clone()``), as tensordict's, so that a write into
-        ``td.to(torch.float64)`` does not reach ``td``."""
-        target = args[0] if args else kwargs.get("device", kwargs.get("dtype"))
-        if target is None:
+        """A new entry holding the same values (as ``clone()``) on the device asked;
+        a dtype casts nothing. As tensordict's, the result has its own values, never the
+        shared cell or files of self: a write into ``td.to(device)`` or
+        ``td.to(torch.float64)`` reaches neither ``td`` nor another process.
+
+        Example:
+            >>> shared = NonTensorData("a", batch_size=[2]).share_memory_()
+            >>> moved = shared.to("cpu", torch.float64)
+            >>> moved.update_(NonTensorData("b")).data, shared.data, moved.device
+            ('b', 'a', device(type='cpu'))
+        """
+        device, dtype, _ = parse_to(args, kwargs)
+        if device is None and dtype is None:
             return self
-        if isinstance(target, torch.dtype):
-            return self.clone()
-        out = self.clone(recurse=False)
-        out._device = parse_device(target)
+        out = self.clone()
+        if device is not None:
+            out._device = device
         return out
 
     def share_memory_(self) -> "NonTensorBase":

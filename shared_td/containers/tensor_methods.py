@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shared_td.containers.base import TensorDictBase, is_non_tensor, is_tensor_collection, on_cuda, parse_device
+from shared_td.containers.base import TensorDictBase, is_non_tensor, is_tensor_collection, on_cuda
 from shared_td.containers.consolidation import moved_consolidated
+from shared_td.containers.to_args import parse_to
 from shared_td.containers.unpicklable import check_picklable
 from shared_td.keys import NestedKey
 from shared_td.memmap_tensor import ReadOnlyMemoryMappedTensor
@@ -42,7 +43,9 @@ class TensorMethods:
         return self._map_entries(_plain_contiguous, self._batch_size, self.names)
 
     def to(self, *args: Any, **kwargs: Any) -> "TensorDict":
-        """Move to a device (``td.to("cpu")``) or cast tensors (``td.to(torch.float16)``).
+        """Move to a device (``td.to("cpu")``), cast tensors (``td.to(torch.float16)``),
+        or both (``td.to("cpu", torch.float16)``, ``td.to(device=..., dtype=...)``): the
+        arguments of ``torch.Tensor.to``, read as torch reads them (one it refuses raises).
 
         A consolidated tensordict (see ``consolidate()``) moves as ONE copy of its
         storage, its leaves views of the copy; the result is consolidated there and
@@ -57,15 +60,16 @@ class TensorMethods:
                 self._check_unlocked((), "replace its leaves with to(..., inplace=True)")
                 _adopt_entries(self, converted)
             return self
-        target = args[0] if args else kwargs.get("device", kwargs.get("dtype"))
-        if isinstance(target, torch.dtype):
-            return self._map_entries(lambda v: v.to(target), self._batch_size, self.names)
-        if isinstance(target, torch.Tensor):
-            return self.to(target.device).to(target.dtype)
-        device = parse_device(target)
+        device, dtype, asked = parse_to(args, kwargs)  # (both of to(device, dtype), as torch reads them)
+        moved = self if device is None else self._moved(device, asked)
+        if dtype is None:
+            return moved
+        return moved._map_entries(lambda v: v.to(dtype), moved._batch_size, moved.names)
+
+    def _moved(self, device: torch.device, asked: bool) -> "TensorDict":
+        """``to(device)`` (``asked``: non_blocking was given)."""
         if device == self._device:
             return self
-        asked = bool(kwargs.get("non_blocking", False))
         moved = moved_consolidated(self, device, asked)
         if moved is not None:
             return moved

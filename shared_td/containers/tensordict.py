@@ -33,12 +33,13 @@ from shared_td.containers.keyops import KeyOps
 from shared_td.containers.locking import LockingOps
 from shared_td.containers.naming import NamedBatchDims, check_names
 from shared_td.containers.nontensor_ops import kept_by_empty, list_to_entry, list_to_tensor
+from shared_td.containers.nontensor_values import same_value
 from shared_td.containers.reshaping import BatchShapeOps
 from shared_td.containers.row_writes import write_rows
 from shared_td.containers.tensor_methods import TensorMethods
 from shared_td.containers.tensordict_apply import LeafMapping
 from shared_td.errors import BatchSizeMismatchError
-from shared_td.keys import unravel_key
+from shared_td.keys import NestedKey, unravel_key
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.memmap_tensor.tensor import basic_views
 from shared_td.tensorclass_protocol import unwrap_tensorclass
@@ -141,6 +142,22 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, BatchDimOps, IndexWrites
         td._context_ops = []
         return td
 
+    def get(self, key: NestedKey, default: Any = NO_DEFAULT) -> Any:
+        """The entry at ``key`` (non-tensors as NonTensorData), or ``default``.
+
+        Raises:
+            KeyError: naming the key and the existing ones, when it is missing and no
+                default is given.
+        """
+        value = super().get(key, default)
+        if isinstance(key, str) or not isinstance(value, TensorDictBase) or not value._is_non_tensor:
+            return value
+        from shared_td.containers.lazy_nontensor import through_nested_lazy  # (a rare case: imported here)
+
+        # a lazy stack's non-tensor entry found through this tensordict writes into its
+        # members, as the stack's own get() gives it
+        return through_nested_lazy(self, unravel_key(key), value)
+
     # ---------------------------------------------------------------- storage hooks
     def _get_str(self, key: str, default: Any) -> Any:
         return self._tensordict.get(key, default)
@@ -196,6 +213,9 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, BatchDimOps, IndexWrites
 
         if into is not None and is_non_tensor(into) and not is_tensor_collection(value):
             if isinstance(value, list):  # one value per element, as set() takes it (a NonTensorData refuses it)
+                if isinstance(into, NonTensorData) and same_value(value, into.data):
+                    # the list it holds, written again (td.update_(td.to_dict())): one value, as tensordict takes it
+                    return NonTensorData(value, batch_size=self._batch_size, device=self._device)
                 return as_non_tensor(value, self._batch_size, key, self._device)
             if isinstance(into, NonTensorStack):
                 return value  # per-element values, checked by the stack itself
