@@ -107,6 +107,17 @@ def _request(kind: int, byte: int) -> bytes:
     return _FLOCK.pack(kind, os.SEEK_SET, byte, 1, 0)
 
 
+class _ThreadLock(threading.RLock().__class__):
+    """A C ``RLock`` (``with`` enters and exits in C, ``_is_owned()`` is a C check) that
+    also answers :meth:`locked`, as a ``threading.Lock`` does: held by any thread."""
+
+    def locked(self) -> bool:
+        if self._is_owned() or not self.acquire(False):
+            return True
+        self.release()
+        return False
+
+
 class ByteLock:
     """Byte ``byte`` of the file open as ``fd`` locked between processes (an OFD lock)
     and between this process's threads (a thread lock, :attr:`threads`, taken first).
@@ -117,6 +128,8 @@ class ByteLock:
 
     Hold it with this exact pattern (or :meth:`hold`, which wraps it)::
 
+        if lock.threads._is_owned():
+            raise lock.reentered("what is being done")
         with lock.threads:
             try:
                 lock.take()        # or lock.take_shared()
@@ -137,6 +150,11 @@ class ByteLock:
     interrupted) is a no-op, as no other thread of this process can hold it on this
     description (we hold :attr:`threads`).
 
+    Re-entry: :attr:`threads` is an ``RLock`` for its ``_is_owned()``, a C check only
+    the owning thread can pass: a signal handler or finalizer using the lock while the
+    frame it interrupted holds it would wait for ever on itself; the check makes it a
+    RuntimeError (:meth:`reentered`) instead.
+
     Example:
         >>> import tempfile
         >>> with tempfile.TemporaryFile() as f:
@@ -155,7 +173,7 @@ class ByteLock:
     def __init__(self, fd: int, byte: int):
         self.fd = fd
         self.byte = byte
-        self.threads = threading.Lock()
+        self.threads = _ThreadLock()  # for _is_owned(): see "Re-entry" above
         self.take = functools.partial(fcntl.fcntl, fd, fcntl.F_OFD_SETLKW, _request(fcntl.F_WRLCK, byte))
         self.take_shared = functools.partial(fcntl.fcntl, fd, fcntl.F_OFD_SETLKW, _request(fcntl.F_RDLCK, byte))
         self.give_back = functools.partial(fcntl.fcntl, fd, fcntl.F_OFD_SETLK, _request(fcntl.F_UNLCK, byte))
@@ -167,6 +185,8 @@ class ByteLock:
         raises exactly there leaves the lock held until that exception is discarded
         (the generator is then closed, which gives the lock back)."""
         take = self.take if exclusive else self.take_shared
+        if self.threads._is_owned():
+            raise self.reentered("a nested hold() of the same lock")
         with self.threads:
             try:
                 take()
@@ -174,11 +194,27 @@ class ByteLock:
             finally:
                 self.give_back()
 
+    def reentered(self, what: str) -> RuntimeError:
+        """The error for this thread taking the lock it already holds (``what``: the
+        operation), which waiting would turn into a hang. Example:
+
+            >>> import tempfile
+            >>> with tempfile.TemporaryFile() as f:
+            ...     print("signal handler" in str(ByteLock(f.fileno(), 0).reentered("x")))
+            True
+        """
+        return RuntimeError(
+            f"{what}: this thread is in the middle of an operation on the same lock (byte "
+            f"{self.byte} of descriptor {self.fd}): a signal handler or finalizer (__del__, weakref "
+            "callback) used it while the code it interrupted held it, or a block was nested. Waiting "
+            "would hang for ever: do that work outside the handler (set a flag there, act on it later)."
+        )
+
     def renew_after_fork(self, reopen_error: OSError | None = None) -> None:
         """In a fork child, after :func:`reopen_description` of ``fd``: a fresh thread
         lock; if the reopen failed (``reopen_error``), refuse every later take (and
         never give back: the description is still the parent's, with its locks)."""
-        self.threads = threading.Lock()
+        self.threads = _ThreadLock()
         if reopen_error is not None:
             message = (
                 f"This fork child could not open its own description of descriptor "

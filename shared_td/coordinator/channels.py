@@ -19,11 +19,11 @@ speaks), spoken here directly to the one registry object the server holds under
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import pickle
 import socket
-import struct
 import threading
 import time
 
@@ -47,6 +47,12 @@ class _Channel:
         # an RLock for the ownership it checks in C: call() can give it back after an
         # exception without knowing whether its acquire had returned (see call)
         self.lock = threading.RLock()
+        # True from just before a request is sent until its whole answer is read: set
+        # and cleared by plain attribute stores (no Python call, so no point where a
+        # signal handler's exception can land in between), so a connection left out of
+        # step is known as such even when the cleanup after an interruption was itself
+        # interrupted (a second Ctrl-C at _forget's entry): the next call drops it
+        self.in_flight = False
         self.conn = connect(address, authkey, deadline)
         try:
             # Serve this connection from the registry object (see server.REGISTRY_ID).
@@ -117,19 +123,40 @@ def limit_waits(conn: connection.Connection, deadline: float) -> None:
     """Make each blocking read and write on ``conn`` wait at most the time left now until
     ``deadline``, then fail with EAGAIN (BlockingIOError), so that a peer that stops
     answering, even in the middle of a message, cannot block us for ever. Two socket
-    options, a few microseconds."""
+    options, a few microseconds.
+
+    Example:
+        >>> a, b = connection.Pipe()
+        >>> limit_waits(a, time.monotonic() + 0.05)
+        >>> try:
+        ...     a.recv_bytes()
+        ... except BlockingIOError:
+        ...     print("no answer within 0.05 s")
+        no answer within 0.05 s
+        >>> a.close(); b.close()
+    """
     left = time_left(deadline)
     seconds = int(left)
     # a zero timeval would mean "wait for ever": at least one microsecond
-    timeval = struct.pack("@ll", seconds, max(1, int((left - seconds) * 1e6)))
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, 0, conn.fileno())
-    try:
-        if socket.getdefaulttimeout() is not None:
-            sock.setblocking(True)  # a socket object made the descriptor non-blocking
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
-    finally:
-        sock.detach()  # the descriptor stays the Connection's
+    timeval = _TIMEVAL(seconds, max(1, int((left - seconds) * 1e6)))
+    # setsockopt(2) on the Connection's own descriptor number, through the C library:
+    # never a socket object over it (one would own the descriptor: an exception raised
+    # by a signal handler before it was detached left it to close that number again
+    # later, by then maybe another thread's file)
+    fd = conn.fileno()
+    for option in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
+        if _LIBC.setsockopt(fd, socket.SOL_SOCKET, option, ctypes.byref(timeval), ctypes.sizeof(timeval)):
+            code = ctypes.get_errno()
+            raise OSError(code, f"setsockopt on descriptor {fd}: {os.strerror(code)}")
+
+
+class _TIMEVAL(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_usec", ctypes.c_long)]
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.setsockopt.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_uint32]
+_LIBC.setsockopt.restype = ctypes.c_int
 
 
 # (pid, address, authkey) -> channel: a wrong key must never ride on a right key's connection
@@ -166,7 +193,9 @@ def _channel(address: str, authkey: bytes, deadline: float) -> _Channel:
 
 
 def _forget(channel: _Channel) -> None:
-    """Close ``channel`` (whose lock the caller holds) and stop handing it out."""
+    """Close ``channel`` (whose lock the caller holds) and stop handing it out. Cleanup
+    only: an interrupted call's connection is never reused whether or not this ran to
+    the end (its ``in_flight`` mark stays set, and the next call drops it)."""
     with _CHANNELS_LOCK:
         for key in [k for k, c in _CHANNELS.items() if c is channel]:
             del _CHANNELS[key]
@@ -181,12 +210,26 @@ def drop_channel(address: str) -> None:
         channel.conn.close()
 
 
+def _reach(address: str, authkey: bytes, deadline: float, timeout: float, make) -> _Channel:
+    """``make(address, authkey, deadline)``'s channel, its failures said as call() says them."""
+    try:
+        return make(address, authkey, deadline)
+    except (TimeoutError, BlockingIOError) as err:
+        raise _stalled(address, timeout, err) from err
+    except CoordinatorAuthenticationError:
+        raise  # a ConnectionError too, but the coordinator is there: not "gone"
+    except (OSError, EOFError) as err:
+        raise _connect_error(address, err) from err
+
+
 def call(address: str, authkey: bytes, method: str, *args, timeout: float):
     """Call ``method`` of the manager's registry; server exceptions are re-raised here.
 
     Everything (connecting if needed, waiting for another thread's call on the same
     connection, sending, the answer) happens within ``timeout`` seconds, else
-    CoordinatorTimeoutError.
+    CoordinatorTimeoutError. A call made by a thread that is itself in the middle of a
+    call on the same connection (a signal handler or a finalizer that runs mid-call)
+    goes over a connection of its own, closed after it.
     """
     if not address or authkey is None:
         raise ValueError("Both address= and authkey= of a running Coordinator are needed.")
@@ -196,20 +239,13 @@ def call(address: str, authkey: bytes, method: str, *args, timeout: float):
     # that does not pickle fails here, with the connection untouched
     request = pickle.dumps((REGISTRY_ID, method, args, {}), pickle.HIGHEST_PROTOCOL)
     while True:
-        try:
-            channel = _channel(address, authkey, deadline)
-        except (TimeoutError, BlockingIOError) as err:
-            raise _stalled(address, timeout, err) from err
-        except CoordinatorAuthenticationError:
-            raise  # a ConnectionError too, but the coordinator is there: not "gone"
-        except (OSError, EOFError) as err:
-            raise _connect_error(address, err) from err
+        channel = _reach(address, authkey, deadline, timeout, _channel)
         if channel.lock._is_owned():
-            # this very thread is inside a call on this connection (a signal handler or a
-            # finalizer calling the coordinator mid-call): it would wait for itself
-            raise _stalled(address, timeout, TimeoutError(
-                "this thread's own call on this connection has not ended: a signal handler or "
-                "finalizer called the coordinator in the middle of a call"))
+            # this very thread is inside a call on this connection (a signal handler or
+            # a finalizer calling the coordinator mid-call): waiting for the lock would
+            # wait for itself, and taking it again would interleave two requests
+            kind, result = _side_call(address, authkey, request, deadline, timeout)
+            break
         try:
             # queued behind another thread's call: wait no longer than our own deadline
             if not channel.lock.acquire(timeout=time_left(deadline)):
@@ -229,13 +265,19 @@ def call(address: str, authkey: bytes, method: str, *args, timeout: float):
             raise
         # From here the lock is ours: released on every way out (the finally below)
         try:
-            if channel.conn.closed:
-                continue  # another thread's call failed and closed it: connect anew
+            if channel.in_flight or channel.conn.closed:
+                # an earlier call was interrupted between its request and the end of its
+                # answer (and maybe its cleanup too), or failed and closed it: the answer
+                # may still come, so never talk on it again; connect anew
+                _forget(channel)
+                continue
             limit_waits(channel.conn, deadline)
+            channel.in_flight = True  # a plain store: see _Channel
             channel.conn.send_bytes(request)
             if not channel.conn.poll(time_left(deadline)):
                 raise TimeoutError("no answer")
             kind, result = channel.conn.recv()
+            channel.in_flight = False
             break
         except BaseException as err:
             # From the first byte sent until the whole answer is read, the connection
@@ -243,8 +285,9 @@ def call(address: str, authkey: bytes, method: str, *args, timeout: float):
             # KeyboardInterrupt or an exception raised by a signal handler (SIGALRM test
             # timeouts), SystemExit, a MemoryError, an answer that fails to unpickle.
             # Its answer may still come, and the next call on this connection would
-            # read it as its own (attach("y") returning the tensordict of "x"): never
-            # use it again.
+            # read it as its own (attach("y") returning the tensordict of "x"): the
+            # in_flight mark already keeps it from being used again; closing it now
+            # frees its descriptor at once.
             _forget(channel)
             if isinstance(err, (TimeoutError, BlockingIOError)):  # the deadline passed (EAGAIN)
                 raise _stalled(address, timeout, err) from err
@@ -256,6 +299,24 @@ def call(address: str, authkey: bytes, method: str, *args, timeout: float):
     if kind == "#RETURN":
         return result
     raise managers.convert_to_error(kind, result)
+
+
+def _side_call(address: str, authkey: bytes, request: bytes, deadline: float, timeout: float):
+    """One request over a one-off connection (never handed out, closed after), within
+    the same deadline: for a call nested in this thread's own call on its connection."""
+    side = _reach(address, authkey, deadline, timeout, _Channel)
+    try:
+        limit_waits(side.conn, deadline)
+        side.conn.send_bytes(request)
+        if not side.conn.poll(time_left(deadline)):
+            raise TimeoutError("no answer")
+        return side.conn.recv()
+    except (TimeoutError, BlockingIOError) as err:
+        raise _stalled(address, timeout, err) from err
+    except (OSError, EOFError) as err:
+        raise _gone(address, err) from err
+    finally:
+        side.conn.close()
 
 
 #: errno values of a connection that this process could not make for want of its own

@@ -87,7 +87,11 @@ _TABLES = InodeCache()
 def remember(td: Any, name: str, version: int, stamp: dict, endpoint: Any, holds: Any = None) -> None:
     """Record that ``td`` is version ``version`` of ``name`` (called by attach/publish);
     ``holds`` lives as long as ``td`` does."""
-    table = None if stamp["table"] is None else _map_table(*stamp["table"], address=endpoint.address)
+    table = None
+    if stamp["table"] is not None:
+        # how long to watch for the manager's exit is bounded by the call's own timeout
+        wait = min(_EXIT_SHOWS_S, getattr(endpoint, "_timeout", _EXIT_SHOWS_S))
+        table = _map_table(*stamp["table"], address=endpoint.address, wait=wait)
     attachment = _Attachment(name, version, endpoint, table, stamp["slot"], holds)
     key = id(td)
 
@@ -98,14 +102,25 @@ def remember(td: Any, name: str, version: int, stamp: dict, endpoint: Any, holds
     _ATTACHMENTS[key] = (weakref.ref(td, forget), attachment)
 
 
-def _map_table(pid: int, fd: int, key: tuple[int, int], nbytes: int, *, address: str | None = None):
+# How long a manager whose table just vanished may take to be seen exited: a process
+# closes its descriptors in the kernel before its exit shows (pidfd, /proc state)
+_EXIT_SHOWS_S = 0.5
+
+
+def _map_table(pid: int, fd: int, key: tuple[int, int], nbytes: int, *, address: str | None = None,
+               wait: float = _EXIT_SHOWS_S):
     """The version table that manager ``pid`` holds as ``fd``, mapped here (shared by
-    this process's attachments); ``address`` names the coordinator in errors."""
+    this process's attachments); ``address`` names the coordinator in errors. If the
+    table cannot be opened, whether the manager has exited is watched for up to
+    ``wait`` seconds: then the coordinator is gone (ConnectionError)."""
     key = tuple(key)
-    where = f" at {address}" if address else ""
+    failed = []  # (error, pidfd) of an attempt that found the table missing
 
     def open_table() -> _Table:
-        # the pidfd first: the table opened after it proves that its process is the manager
+        # Only an attempt, under the cache's process-wide lock: the wait that tells a
+        # dead manager from a live one happens below, after the lock is released, so
+        # that other threads' attach and publish calls never wait on it.
+        # The pidfd first: the table opened after it proves that its process is the manager.
         try:
             pidfd = os.pidfd_open(pid)
         except (AttributeError, OSError):  # no pidfd here (kernel < 5.3), or it just died
@@ -114,41 +129,44 @@ def _map_table(pid: int, fd: int, key: tuple[int, int], nbytes: int, *, address:
             try:
                 own_fd = attach_peer_fd(pid, fd, key, what="coordinator version table", min_size=nbytes)
             except SegmentUnavailableError as err:
-                # The manager answered, then died before we opened its table (the
-                # answer's other references may all be files): the coordinator is
-                # gone, as channels.call says when it dies before answering.
-                if _exited(pid, pidfd):
-                    raise ConnectionError(
-                        f"The shared_td coordinator{where} is gone (its manager process "
-                        f"{pid} exited right after answering): it was shut down or its process "
-                        "died. Tensordicts already attached stay readable and writable; publish "
-                        "again through a new Coordinator."
-                    ) from err
-                raise  # the manager lives: the table itself is the trouble
+                failed.append((err, pidfd))  # from here the pidfd is closed below
+                raise
             try:
                 return _Table(own_fd, nbytes, pid, pidfd)
             finally:
                 os.close(own_fd)  # the mapping keeps the memory
         except BaseException:
-            if pidfd is not None:
+            if pidfd is not None and not failed:
                 os.close(pidfd)
             raise
 
-    return _TABLES.get_or_create(key, open_table)
+    try:
+        return _TABLES.get_or_create(key, open_table)
+    except SegmentUnavailableError as err:
+        # The manager answered, then died before we opened its table (the answer's other
+        # references may all be files): the coordinator is gone, as channels.call says
+        # when it dies before answering. If it lives, the table itself is the trouble.
+        if not failed or failed[0][0] is not err or not _exited(pid, failed[0][1], wait):
+            raise
+        where = f" at {address}" if address else ""
+        raise ConnectionError(
+            f"The shared_td coordinator{where} is gone (its manager process "
+            f"{pid} exited right after answering): it was shut down or its process "
+            "died. Tensordicts already attached stay readable and writable; publish "
+            "again through a new Coordinator."
+        ) from err
+    finally:
+        if failed and failed[0][1] is not None:
+            os.close(failed[0][1])
 
 
-# How long a manager whose table just vanished may take to be seen exited: a process
-# closes its descriptors in the kernel before its exit shows (pidfd, /proc state)
-_EXIT_SHOWS_S = 0.5
-
-
-def _exited(pid: int, pidfd: int | None) -> bool:
-    """Whether the manager ``pid`` has exited, or does within :data:`_EXIT_SHOWS_S`."""
+def _exited(pid: int, pidfd: int | None, wait: float = _EXIT_SHOWS_S) -> bool:
+    """Whether the manager ``pid`` has exited, or does within ``wait`` seconds."""
     if pidfd is not None:
         exited = select.poll()
         exited.register(pidfd, select.POLLIN)  # readable once it has exited
-        return bool(exited.poll(_EXIT_SHOWS_S * 1000))
-    deadline = time.monotonic() + _EXIT_SHOWS_S
+        return bool(exited.poll(max(0.0, wait) * 1000))
+    deadline = time.monotonic() + wait
     while pid_alive(pid):
         if time.monotonic() >= deadline:
             return False

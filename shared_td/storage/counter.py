@@ -131,7 +131,10 @@ class SharedCounter:
         """
         n = counter_int(n, "n")
         lock = self._lock
-        # this shape exactly: a Ctrl-C here never leaves the lock held (see ByteLock)
+        # this shape exactly: a Ctrl-C here never leaves the lock held (see ByteLock); a
+        # signal handler using this counter mid-operation is refused, never a hang
+        if lock.threads._is_owned():
+            raise lock.reentered(f"SharedCounter.fetch_add({n})")
         with lock.threads:
             try:
                 lock.take()

@@ -157,7 +157,10 @@ class SharedValue:
         if self._version_word.value == version:
             return value  # unchanged: no lock, no system call
         lock = self._value_lock
-        # this shape exactly: a Ctrl-C here never leaves the lock held (see ByteLock)
+        # this shape exactly: a Ctrl-C here never leaves the lock held (see ByteLock); a
+        # signal handler reading this value mid-write is refused, never a hang
+        if lock.threads._is_owned():
+            raise lock.reentered("Reading a shared non-tensor value")
         with lock.threads:
             try:
                 lock.take_shared()
@@ -205,7 +208,10 @@ class SharedValue:
             ) from error
         length = len(payload)
         write_lock, value_lock = self._write_lock, self._value_lock
-        # this shape exactly: a Ctrl-C here never leaves a lock held (see ByteLock)
+        # this shape exactly: a Ctrl-C here never leaves a lock held (see ByteLock); a
+        # signal handler writing this value mid-operation is refused, never a hang
+        if write_lock.threads._is_owned() or value_lock.threads._is_owned():
+            raise write_lock.reentered("Writing a shared non-tensor value")
         with write_lock.threads:
             try:
                 write_lock.take()
