@@ -17,10 +17,16 @@ registered in ``copyreg.dispatch_table`` only while such values are being saved 
 plain pickler has no other hook for a tensor; multiprocessing's ForkingPickler uses
 torch's own, which shares the one buffer's memory). ``copy.deepcopy`` goes through
 :meth:`Values.__deepcopy__`, which maps the tree's nodes, leaves and storage to the
-copy's in its memo. Only the pickler that saves ``values`` is answered so (see
-:func:`_asker`): another pickle started meanwhile in this thread (inside a value's own
-``__getstate__``, or after a failed pickle whose error keeps ``values`` alive) has no
-``tree`` in its memo, and pickles the node as a tree of its own. A node of the same
+copy's in its memo. A node of the tree that only the values' pickle makes (a value that
+is a node of unusual state, its leaves) is made with the tree, an empty shell that the
+values' pickle fills (``Rebuilt.late``), so that an object holding it gets that one.
+Only the pickler that saves ``values`` is answered so (see :func:`_asker`; a deepcopy:
+its memo): another pickle or deepcopy started meanwhile in this thread (inside a value's
+own ``__getstate__`` or ``__deepcopy__``, or after a failed pickle whose error keeps
+``values`` alive) has no ``tree`` in its memo, and pickles the node as a tree of its
+own. Where a pickler is taken for the owner wrongly (no memo: ``fast``; a pickle started
+with no frame of its own), ``tree`` pickles as the whole tree (see :class:`Tree`): it
+costs identity and size, never a stand-in left in a value. A node of the same
 buffer outside the tree (the root, held by a value of a sub-tree pickled alone) is
 pickled node by node, as tensordict 0.15.3 pickles it: the arrived sub-tree is in it.
 
@@ -65,7 +71,7 @@ class Context:
     asked for)."""
 
     __slots__ = ("root", "handle", "layout", "value_ids", "described", "_paths", "guard", "stack", "owner",
-                 "_layout_ref")
+                 "_layout_ref", "suspended", "late", "late_index")
 
     def __init__(self, root: Any, layout: Any, value_ids: set[int], described: set[int]):
         self.root, self.layout, self.value_ids, self.described = root, layout, value_ids, described
@@ -73,8 +79,13 @@ class Context:
         self._paths: dict[int, tuple] | None = None
         self.guard: Any = None
         self.stack: list | None = None  # the stack of the thread that opened it
-        self.owner: Any = None  # who saves its values (see _asker): the only one it answers
+        self.owner: tuple = ()  # who saves its values (see _asker): the only one it answers
         self._layout_ref: Any = None
+        self.suspended = 0  # answers no one while its tree is pickled whole (Tree.__reduce_ex__)
+        # the nodes and leaves that only the values' pickle makes (a value that is a node
+        # of the tree, its leaves): made with the tree, ``Rebuilt.late``; id -> index
+        self.late: list = []
+        self.late_index: dict[int, int] = {}
 
     @property
     def paths(self) -> dict[int, tuple]:
@@ -105,6 +116,9 @@ class Context:
         path = self.paths.get(id(obj))
         if path is not None:
             return _node_at, (self.handle, path)
+        index = self.late_index.get(id(obj))
+        if index is not None:
+            return _late_at, (self.handle, index)
         if not isinstance(obj, _Tensor):
             # a node of the same buffer outside the tree (an ancestor of a sub-tree pickled
             # alone, held by one of its values): node by node, as tensordict 0.15.3 pickles
@@ -141,21 +155,31 @@ def holds_nothing(extra: Any) -> bool:
     return type(extra) in _EXACTLY or isinstance(extra, _INERT)
 
 
-def values_after(root: Any, tree: tuple, skeleton: Any, start: tuple, by_parent: bool, pickler: Any) -> tuple:
+def values_after(root: Any, tree: tuple, skeleton: Any, start: tuple, by_parent: bool, pickler: Any,
+                 whole: Any) -> tuple:
     """The reduction of ``root`` in two steps: ``tree`` (its skeleton, described by
     ``skeleton``), its values as stand-ins, then its values. ``start``: its payload
     and runs; ``pickler(value_ids, first leaf index)`` makes a _TreePickler
-    (consolidated_pickle.py)."""
-    whole = pickler(skeleton.value_ids)
-    whole.dump(tree)  # (the values met listed in whole.values)
-    values = pickler(set(), whole.first_index + len(whole.leaves))
-    values.dump(whole.values)
+    (consolidated_pickle.py); ``whole(protocol)``: ``root``'s reduction in one step,
+    its values in its skeleton (see :class:`Tree`)."""
+    first = pickler(skeleton.value_ids)
+    first.dump(tree)  # (the values met listed in first.values)
+    values = pickler(set(), first.first_index + len(first.leaves))
+    values.shells = []
+    values.dump(first.values)
     payload, runs = start
-    leaves = whole.leaves + values.leaves
+    leaves = first.leaves + values.leaves
     if leaves:
         runs = runs + runs_of(leaves)
     context = Context(root, skeleton.layout, skeleton.value_ids, skeleton.seen_nodes)
-    context.handle.reduction = (rebuild, (payload, runs, whole.file.getvalue(), whole.extras, by_parent))
+    # what the values' pickle alone makes, made with the tree (Rebuilt.late): a node, as
+    # a shell of its class that the values' pickle fills; a leaf, the view _leaf names
+    context.late = [*values.shells, *(leaf for leaf, _ in values.met_leaves)]
+    context.late_index = {id(obj): index for index, obj in enumerate(context.late)}
+    late = [*(type(node) for node in values.shells), *(index for _, index in values.met_leaves)]
+    args = (payload, runs, first.file.getvalue(), first.extras, by_parent)
+    context.handle.reduction = (rebuild, (*args, late) if late else args)
+    context.handle.whole = whole
     return finish, (context.handle, Values(context, values.file.getvalue(), values.extras))
 
 
@@ -166,7 +190,7 @@ def reference(obj: Any, layout: Any) -> tuple | None:
     if stack:
         asker = _asker()
         for context in reversed(stack):
-            if context.layout is layout and context.owner is asker:
+            if context.layout is layout and _answers(context, asker):
                 return context.reduce(obj)
     return None
 
@@ -178,40 +202,75 @@ def _reduce_tensor(tensor: torch.Tensor) -> tuple:
     if stack:
         asker = _asker()
         for context in reversed(stack):
-            if context.owner is asker:
+            if _answers(context, asker):
                 reduced = context.reduce(tensor)
                 if reduced is not None:
                     return reduced
-    return _previous(tensor) if _previous is not None else tensor.__reduce_ex__(2)
+    previous = copyreg.dispatch_table.get(_Tensor)
+    if previous is _reduce_tensor:
+        previous = _previous
+    return previous(tensor) if previous is not None else tensor.__reduce_ex__(2)
+
+
+# multiprocess's (dill's) ForkingPickler, which the coordinator's connections use, copies
+# copyreg.dispatch_table when it is made, before a tree's values are saved: the reducer is
+# registered with it for good (with no context open: torch's own reduction, as before)
+try:
+    from multiprocess.reduction import ForkingPickler as _MultiprocessPickler
+except ImportError:  # (a dependency of shared_td's coordinator only)
+    pass
+else:
+    _MultiprocessPickler.register(_Tensor, _reduce_tensor)
 
 
 # The modules between a pickler and _asker: the node's __reduce_ex__, reduce_tree, this one.
 _OURS = frozenset({__name__, "shared_td.containers.consolidation", "shared_td.containers.consolidated_pickle"})
 _PICKLE_GLOBALS = vars(pickle)
 _COPY_GLOBALS = vars(copy)
-_COPYING = object()  # the owner of a context that copy.deepcopy opened
+_PICKLERS = (pickle.Pickler, pickle._Pickler)
+_NOBODY = (object(),)  # an asker no context answers
 
 
-def _asker() -> Any:
-    """Who calls a reduction of ours now: a context answers only the pickler that saves
-    its values, never another pickle started in the meantime in this thread (inside a
-    value's own ``__getstate__`` or ``__reduce__``; after a failed pickle whose error,
-    with the pure-Python pickler's frames, is kept). It is the pure-Python pickler
-    (``pickle._Pickler``, dill) whose ``save`` calls us; for the C pickler (which has no
-    frame) the frame that runs it, the same for all its calls: a pickle started inside a
-    value runs in that value's frame; ``_COPYING`` for ``copy.deepcopy``."""
+def _asker() -> tuple:
+    """Who calls a reduction of ours now (one or two names of it): a context answers
+    only the pickler that saves its values (:func:`_answers`), never another pickle or
+    copy started in the meantime in this thread (inside a value's own ``__getstate__``,
+    ``__reduce__`` or ``__deepcopy__``; after a failed pickle whose error, with the
+    pure-Python pickler's frames, is kept). It is the pure-Python pickler
+    (``pickle._Pickler``, dill) whose ``save`` calls us; a pickler's own method that
+    makes reductions itself (a ``reducer_override`` returning ``obj.__reduce_ex__``):
+    that pickler, and the frame that runs it; for the C pickler (which has no frame) the
+    frame that runs it, the same for all its calls (a pickle started inside a value runs
+    in that value's frame); for ``copy.deepcopy`` its memo (each deepcopy has its own)."""
     frame = sys._getframe(1)
     while frame is not None and frame.f_globals.get("__name__") in _OURS:
         frame = frame.f_back
     if frame is None:
-        return None
-    if frame.f_globals is _PICKLE_GLOBALS:
+        return _NOBODY
+    globals_ = frame.f_globals
+    if globals_ is _COPY_GLOBALS:
+        memo = frame.f_locals.get("memo")
+        return _NOBODY if memo is None else (memo,)
+    code = frame.f_code
+    # (f_locals costs a dict per call: asked only of a method's frame)
+    if code.co_argcount and code.co_varnames[0] == "self":
         pickler = frame.f_locals.get("self")
-        if isinstance(pickler, pickle._Pickler):
-            return pickler
-    elif frame.f_globals is _COPY_GLOBALS:
-        return _COPYING
-    return frame
+        if isinstance(pickler, _PICKLERS):
+            return (pickler,) if globals_ is _PICKLE_GLOBALS else (pickler, frame.f_back)
+    return (frame,)
+
+
+def _answers(context: Context, asker: tuple) -> bool:
+    """Whether ``context`` answers ``asker`` (:func:`_asker`): the one that opened it
+    (a name in common: a C pickler's ``reducer_override`` that reduces some objects
+    itself and leaves the others to the pickler is the pickler and the frame running it)."""
+    if context.suspended:
+        return False
+    for mine in context.owner:
+        for theirs in asker:
+            if mine is theirs:
+                return True
+    return False
 
 
 def _open(context: Context) -> None:
@@ -232,7 +291,7 @@ def _close(context: Context) -> None:
     # (the stack it was opened on: a guard may fire in another thread, from the cyclic
     # GC, also while another context is open above it: that one stays, it closes itself)
     stack = context.stack
-    context.owner = None  # (a frame or a pickler: not kept alive by a closed context)
+    context.owner = ()  # (a frame, a pickler or a memo: not kept alive by a closed context)
     if stack and context in stack:
         stack.remove(context)
         _release()
@@ -261,15 +320,33 @@ def _release() -> None:
 
 class Tree:
     """The first argument of :func:`finish`: pickles as the reduction that rebuilds the
-    tree (set by consolidated_pickle.py), its values as stand-ins."""
+    tree (set by consolidated_pickle.py), its values as stand-ins, ONCE: that is the
+    reduction of finish's own argument, whose values finish() puts in place. Any later
+    reduction (or deepcopy) of it is another pickler's (one that :func:`_asker` took
+    for the owner: it has no memo, ``fast``; or a pickle started with no frame of its
+    own) or a second meeting without a memo: there, stand-ins would stay so. It pickles
+    then as the whole tree, in one step (its values in its skeleton), its context
+    answering no one meanwhile (a node of it held by a value: a tree of its own), so
+    that such a pickler costs identity and size, never a value."""
 
-    __slots__ = ("context", "reduction")
+    __slots__ = ("context", "reduction", "whole")
 
     def __init__(self, context: Context):
-        self.context, self.reduction = context, None
+        self.context, self.reduction, self.whole = context, None, None
 
     def __reduce_ex__(self, protocol: int) -> tuple:
-        return self.reduction
+        reduction, self.reduction = self.reduction, None
+        if reduction is not None:
+            return reduction
+        context = self.context
+        stack = getattr(_local, "stack", None)
+        _local.stack = None  # (the root's own __reduce_ex__ would name this tree again)
+        try:
+            reduced = self.whole(protocol)
+        finally:
+            _local.stack = stack
+        # (saved in order: the context suspended while the pickler saves the tree's values)
+        return _whole, (_Suspend(context, 1), _Reduced(reduced), context.late, _Suspend(context, -1))
 
 
 class Values:
@@ -296,16 +373,54 @@ class Values:
         if copied is not None:
             for key, path in context.paths.items():
                 memo.setdefault(key, _node_at(copied, path))
+            for obj, made in zip(context.late, copied.late):
+                memo.setdefault(id(obj), made)
             buffer = context.layout.buffer
             if buffer.storage_offset() == 0:  # other views: views of the copy's one buffer
                 memo.setdefault("torch", {})[buffer.untyped_storage()._cdata] = \
                     copied.layout.buffer.untyped_storage()
-        context.owner = _COPYING
+        context.owner = (memo,)  # (only this deepcopy: one started inside a value has its own memo)
         _open(context)
         try:
             return self.data, copy.deepcopy(self.extras, memo)
         finally:
             _close(context)
+
+
+class _Suspend:
+    """Suspends (``step`` 1) or resumes (-1) ``context`` when the pickler reaches it."""
+
+    __slots__ = ("context", "step")
+
+    def __init__(self, context: Context, step: int):
+        self.context, self.step = context, step
+
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        self.context.suspended += self.step
+        return _none, ()
+
+
+class _Reduced:
+    """A reduction pickled as it is."""
+
+    __slots__ = ("reduction",)
+
+    def __init__(self, reduction: tuple):
+        self.reduction = reduction
+
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        return self.reduction
+
+
+def _whole(suspended: None, root: Any, late: list, resumed: None) -> Rebuilt:
+    """A tree pickled whole where its :class:`Tree` was asked again: as a Rebuilt (its
+    ``late`` each pickled on its own)."""
+    return Rebuilt(root, unwrap_tensorclass(root).__dict__["_consolidated"], None, late)
+
+
+def _late_at(tree: Rebuilt, index: int) -> Any:
+    """A node or leaf that the values' pickle of the rebuilt ``tree`` makes."""
+    return tree.late[index]
 
 
 class _Close:
@@ -373,21 +488,25 @@ class Rebuilt:
     """A tree rebuilt but for its values (what :class:`Tree` pickles as): its root,
     layout and builder (consolidated_pickle's, which lists the values' places)."""
 
-    __slots__ = ("root", "layout", "builder")
+    __slots__ = ("root", "layout", "builder", "late")
 
-    def __init__(self, root: Any, layout: Any, builder: Any):
-        self.root, self.layout, self.builder = root, layout, builder
+    def __init__(self, root: Any, layout: Any, builder: Any, late: list):
+        self.root, self.layout, self.builder, self.late = root, layout, builder, late
 
 
-def rebuild(payload: Any, runs: list[tuple], tree: bytes, extras: Any, locked_by_parent: bool) -> Rebuilt:
+def rebuild(payload: Any, runs: list[tuple], tree: bytes, extras: Any, locked_by_parent: bool,
+            late: list = ()) -> Rebuilt:
     """consolidated_pickle's ``_unpickle_consolidated`` for a tree whose values come
-    after it (:func:`finish`): its skeleton's values are left as :class:`Pending`."""
+    after it (:func:`finish`): its skeleton's values are left as :class:`Pending`;
+    ``late``: what only the values' pickle makes, a node (its class: an empty shell,
+    filled then) or a leaf (its index in the views), made now (see :meth:`Context.reduce`)."""
     from shared_td.containers import consolidated_pickle as pickled
 
     layout = pickled._arrived_layout(payload, runs)
     skeleton = pickled._TreeUnpickler(io.BytesIO(tree), layout, extras).load()
     builder = pickled._Builder(layout, keep_locks=locked_by_parent or not pickled._root_locked(skeleton))
-    return Rebuilt(builder.build(skeleton), layout, builder)
+    made = [layout.views[spec] if type(spec) is int else spec.__new__(spec) for spec in late]
+    return Rebuilt(builder.build(skeleton), layout, builder, made)
 
 
 def finish(rebuilt: Rebuilt, values: tuple) -> Any:
@@ -396,7 +515,7 @@ def finish(rebuilt: Rebuilt, values: tuple) -> Any:
     from shared_td.containers.consolidated_pickle import _TreeUnpickler
 
     data, extras = values
-    loaded = _TreeUnpickler(io.BytesIO(data), rebuilt.layout, extras).load()
+    loaded = _TreeUnpickler(io.BytesIO(data), rebuilt.layout, extras, rebuilt.late).load()
     builder = rebuilt.builder
     for entries, key, index, locked_node in builder.pending:
         entries[key] = value = loaded[index]

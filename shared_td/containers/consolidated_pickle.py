@@ -38,6 +38,7 @@ A tree over shared memory or a file pickles node by node (its leaves by referenc
 from __future__ import annotations
 
 import copyreg
+import functools
 import io
 import multiprocessing.reduction
 import pickle
@@ -62,26 +63,30 @@ _HOLDER = object()
 
 
 def reduce_tree(obj: Any, layout: Layout, protocol: int, node_class: type,
-                tensordict: type, tensorclass: type) -> tuple:
+                tensordict: type, tensorclass: type, one_step: bool = False) -> tuple:
     """``obj.__reduce_ex__(protocol)`` for a consolidated ``obj`` over a plain buffer.
     ``node_class``: the class of the tree's nodes (TensorDictBase's consolidate mixin);
-    ``tensordict`` and ``tensorclass``: the classes whose pickling the skeleton mirrors."""
-    reduced = extras_.reference(obj, layout)  # (a node of a tree whose values are being saved)
-    if reduced is not None:
-        return reduced
+    ``tensordict`` and ``tensorclass``: the classes whose pickling the skeleton mirrors;
+    ``one_step``: its values in its skeleton, never after it (consolidated_extras.Tree)."""
+    if not one_step:
+        reduced = extras_.reference(obj, layout)  # (a node of a tree whose values are being saved)
+        if reduced is not None:
+            return reduced
+    classes = (node_class, tensordict, tensorclass, one_step)
     skeleton = Skeleton(layout, tensordict, tensorclass)
     try:
         tree = skeleton.record(obj)
         if tree is not None:
-            return _reduction(obj, tree, skeleton, layout, protocol, node_class)
+            return _reduction(obj, tree, skeleton, layout, protocol, classes)
     except LookupError as error:  # (also raised by the pickler: a node of the skeleton in a value)
         if not is_aliased(error):
             raise
-    return _reduction(obj, None, Skeleton(layout, tensordict, tensorclass), layout, protocol, node_class)
+    return _reduction(obj, None, Skeleton(layout, tensordict, tensorclass), layout, protocol, classes)
 
 
 def _reduction(obj: Any, tree: tuple | None, skeleton: Skeleton, layout: Layout, protocol: int,
-               node_class: type) -> tuple:
+               classes: tuple) -> tuple:
+    node_class, tensordict, tensorclass, one_step = classes
     runs, count = skeleton.runs() if tree is not None else ([], 0)
     locked_root = obj if obj.is_locked else None
     # a node locked only by its locked parent (td["n"] of a consolidated tree) arrives
@@ -93,7 +98,7 @@ def _reduction(obj: Any, tree: tuple | None, skeleton: Skeleton, layout: Layout,
                             value_ids)
 
     whole = pickler(set())
-    whole.probe = tree is not None
+    whole.probe = tree is not None and not one_step
     try:
         whole.dump([obj] if tree is None else tree)
     except LookupError as error:
@@ -101,7 +106,10 @@ def _reduction(obj: Any, tree: tuple | None, skeleton: Skeleton, layout: Layout,
             raise
         # a value holds an object the outer pickler pickles, which may hold a node or a
         # leaf of this tree: the values pickled after it (consolidated_extras.py)
-        return extras_.values_after(obj, tree, skeleton, (_Payload(layout.buffer), runs), by_parent, pickler)
+        whole_tree = functools.partial(reduce_tree, obj, layout, node_class=node_class, tensordict=tensordict,
+                                       tensorclass=tensorclass, one_step=True)
+        return extras_.values_after(obj, tree, skeleton, (_Payload(layout.buffer), runs), by_parent, pickler,
+                                    whole_tree)
     if whole.leaves:
         runs = runs + runs_of(whole.leaves)
     args = (_Payload(layout.buffer), runs, whole.file.getvalue())
@@ -167,6 +175,11 @@ class _TreePickler(pickle.Pickler):
         self.extras: list[Any] = []
         self.first_index = first_index
         self.locked_root = locked_root
+        # (the values' pickle of a two-step tree: the nodes of this tree it meets, made
+        # with the tree as empty shells that it fills, so that an object of a value
+        # holding one gets that node; consolidated_extras.py)
+        self.shells: list[Any] | None = None
+        self.met_leaves: list[tuple] = []  # (tensor, _leaf's index) of those met, then
 
     def reducer_override(self, obj: Any) -> Any:
         if self.value_ids and id(obj) in self.value_ids:  # (the memo: once per value)
@@ -177,7 +190,10 @@ class _TreePickler(pickle.Pickler):
             if entry is None:
                 return self._extra(obj)  # no longer a view of the buffer: the outer pickler's
             self.leaves.append(entry)
-            return _leaf, (self.first_index + len(self.leaves) - 1,)
+            index = self.first_index + len(self.leaves) - 1
+            if self.shells is not None:
+                self.met_leaves.append((obj, index))
+            return _leaf, (index,)
         elif isinstance(obj, self.node_class):
             if obj.__dict__.get("_consolidated") is not self.layout:
                 return NotImplemented  # a container: its own reduction, here
@@ -190,10 +206,13 @@ class _TreePickler(pickle.Pickler):
                 # the root's lock (on loading) locks its whole tree once; each node
                 # locking its own sub-tree as well cost O(nodes x depth)
                 state["_is_locked"] = False
+            if self.shells is not None:
+                self.shells.append(obj)
+                return _shell, (len(self.shells) - 1,), state
             return copyreg.__newobj__, (type(obj),), state
         elif obj is self.layout:
             return _layout, ()
-        elif obj is _leaf or obj is _layout or obj is _extra or obj is _value \
+        elif obj is _leaf or obj is _layout or obj is _extra or obj is _value or obj is _shell \
                 or getattr(type(obj), "_is_tensorclass", False):
             return NotImplemented  # a name _TreeUnpickler resolves; a tensorclass: a container
         return self._extra(obj)
@@ -222,15 +241,19 @@ def _value(index: int) -> Any:
     raise pickle.UnpicklingError("a consolidated tree's value can only be read by _TreeUnpickler")
 
 
+def _shell(index: int) -> Any:
+    raise pickle.UnpicklingError("a consolidated tree's node can only be read by _TreeUnpickler")
+
+
 class _TreeUnpickler(pickle.Unpickler):
     """Reads what _TreePickler wrote; the views are made before (from their runs), the
     extras are what the outer unpickler loaded. It resolves no other global: a forged
     skeleton can call nothing that the outer unpickler did not let through."""
 
-    def __init__(self, file: Any, layout: Layout, extras: Any):
+    def __init__(self, file: Any, layout: Layout, extras: Any, shells: Any = ()):
         super().__init__(file)
         self.names = {"_leaf": layout.views.__getitem__, "_layout": lambda: layout,
-                      "_extra": extras.__getitem__, "_value": _Pending}
+                      "_extra": extras.__getitem__, "_value": _Pending, "_shell": shells.__getitem__}
 
     def find_class(self, module: str, name: str) -> Any:
         found = self.names.get(name) if module == __name__ else None

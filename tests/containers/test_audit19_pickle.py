@@ -3,7 +3,11 @@ findings of the session-18 audit, side by side with tensordict 0.15.3: a pickle 
 inside a value's own pickling, and a later pickle after a failed pure-Python one whose
 error is kept, are separate pickles (complete trees, never stand-ins for values); a
 sub-tree pickled alone whose value holds the root gets the root with the arrived
-sub-tree in it."""
+sub-tree in it. Then the session-19 audit of that change: a pickler that makes the
+reductions itself keeps the node; a pickler taken for the owner (no memo, or started in
+the owner's reducer_override) gets complete trees; a deepcopy inside a value's copying
+is its own; a node kept as a value is the one another value holds; multiprocess's
+ForkingPickler sends the buffer once."""
 from __future__ import annotations
 
 import copy
@@ -161,4 +165,182 @@ def test_a_failed_pickles_context_closed_during_another_pickle_leaves_that_one_o
     out = pickle.loads(pickle.dumps(td))
     assert not kept
     assert out["h"].first is out["a"] and out["h"].node is out["n"]
+    assert copyreg.dispatch_table.get(torch.Tensor) is None
+
+
+# --- session 19 audit of the consolidated pickle's owner (_asker) ---------------------------
+
+
+def _two_step(T, size=10):
+    """A tree whose root value holds its nested node and first leaf (two-step pickle)."""
+    td = T.TensorDict({"a": torch.zeros(size), "n": {"b": torch.ones(3)}}, batch_size=[]).consolidate().unlock_()
+    td["h"] = T.NonTensorData(Holder(node=td["n"], leaf=td["a"]))
+    return td
+
+
+_SKIPPED = (type, type(len), type(_library))
+
+
+class _Delegating(pickle.Pickler):
+    """Makes the reductions itself (as a logging or patching pickler does)."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, _SKIPPED) or type(obj).__module__ == "builtins":
+            return NotImplemented
+        return obj.__reduce_ex__(4)
+
+
+class _PyDelegating(pickle._Pickler):
+    def reducer_override(self, obj):
+        if isinstance(obj, _SKIPPED) or type(obj).__module__ == "builtins":
+            return NotImplemented
+        return obj.__reduce_ex__(4)
+
+
+@pytest.mark.parametrize("pickler", [_Delegating, _PyDelegating])
+@pytest.mark.parametrize("lib", ["shared_td", "tensordict"])
+def test_a_pickler_that_makes_the_reductions_itself_keeps_the_node(lib, pickler):
+    # before (2246da6): each call came from a new reducer_override frame, which the
+    # context did not take for its pickler: the node went as a new tree (buffer twice)
+    T = _library(lib)
+    td = _two_step(T, 1000)
+    data = io.BytesIO()
+    pickler(data, 4).dump(td)
+    out = pickle.loads(data.getvalue())
+    assert out["h"].node is out["n"] and (out["n", "b"] == 1).all()
+    # (the leaf: torch's own reduction, called by the pickler itself: the buffer once more)
+    assert len(data.getvalue()) < 4000 * 2.5
+    assert copyreg.dispatch_table.get(torch.Tensor) is None
+
+
+class _Blob:
+    def __init__(self, node):
+        self.node = node
+
+
+class _PicklesBlobs(pickle.Pickler):
+    """Pickles a _Blob's node by a pickle of its own, started in its reducer_override
+    (so from the outer pickler's own frame)."""
+
+    def reducer_override(self, obj):
+        if type(obj) is _Blob:
+            return _load_node, (pickle.dumps(obj.node),)
+        return NotImplemented
+
+
+def _fast(td):
+    data = io.BytesIO()
+    pickler = pickle.Pickler(data, 4)
+    pickler.fast = True  # (no memo)
+    pickler.dump(td)
+    return pickle.loads(data.getvalue())
+
+
+def _nested_in_reducer_override(td):
+    data = io.BytesIO()
+    _PicklesBlobs(data, 4).dump(td)
+    return pickle.loads(data.getvalue())
+
+
+@pytest.mark.parametrize("how", ["fast", "reducer_override"])
+@pytest.mark.parametrize("lib", ["shared_td", "tensordict"])
+def test_a_pickler_taken_for_the_owner_gets_complete_trees(lib, how):
+    # before: the tree's Tree handle gave its stand-in form to every pickler that asked:
+    # a pickler with no memo, or one started in the owner's reducer_override (which the
+    # context cannot tell from the owner), got values that stayed Pending
+    T = _library(lib)
+    td = T.TensorDict({"a": torch.zeros(10), "n": {"b": torch.ones(3)}}, batch_size=[]).consolidate().unlock_()
+    td["n"]["v"] = T.NonTensorData(Holder(leaf=td["n"]["b"]))
+    if how == "fast":
+        td["h"] = T.NonTensorData(Holder(node=td["n"]))
+        out = _fast(td)
+        inner = out["h"].node
+    else:
+        td["h"] = T.NonTensorData(_Blob(td["n"]))
+        out = _nested_in_reducer_override(td)
+        inner = out["h"].node
+        assert out["n", "v"].leaf is out["n", "b"]  # the outer pickle keeps its identities
+    assert isinstance(inner["v"], Holder) and isinstance(out["n", "v"], Holder)
+    assert (inner["v"].leaf == 1).all() and (inner["b"] == 1).all()
+    assert copyreg.dispatch_table.get(torch.Tensor) is None
+
+
+class _CopiesAlone:
+    """Deep-copies its node by a deepcopy of its own (no memo passed)."""
+
+    def __init__(self, node):
+        self.node = node
+
+    def __deepcopy__(self, memo):
+        return _CopiesAlone(copy.deepcopy(self.node))
+
+
+class _CopiesInState:
+    """Deep-copies its node in its ``__getstate__`` (a deepcopy inside a deepcopy)."""
+
+    def __init__(self, node):
+        self.node = node
+
+    def __getstate__(self):
+        return {"node": copy.deepcopy(self.node)}
+
+
+@pytest.mark.parametrize("how", [_CopiesAlone, _CopiesInState])
+@pytest.mark.parametrize("lib", ["shared_td", "tensordict"])
+def test_a_deepcopy_started_inside_a_values_copying_is_a_complete_tree(lib, how):
+    # before: every deepcopy had the same owner: a deepcopy started inside a value's own
+    # copying took the outer one's open context and got stand-ins (Pending), or broke
+    # on one in the middle of its walk (AttributeError)
+    T = _library(lib)
+    td = _with_values(T)
+    td["blob"] = T.NonTensorData(how(td["n"]))
+    out = copy.deepcopy(td)
+    inner = out["blob"].node
+    assert isinstance(inner["h"], Holder) and (inner["h"].leaf == 1).all()
+    if lib == "shared_td":  # (tensordict 0.15.3 gives the value a private copy of the leaf)
+        assert inner["h"].leaf is inner["b"] and out["n", "h"].leaf is out["n", "b"]
+    assert copyreg.dispatch_table.get(torch.Tensor) is None
+
+
+def _python_pickle(obj):
+    data = io.BytesIO()
+    pickle._Pickler(data, 4).dump(obj)
+    return pickle.loads(data.getvalue())
+
+
+@pytest.mark.parametrize("how", ["pickle", "python", "deepcopy"])
+@pytest.mark.parametrize("lib", ["shared_td", "tensordict"])
+def test_a_node_kept_as_a_value_is_the_one_another_value_holds(lib, how):
+    # before: a node the skeleton keeps as a value (one of unusual state) came back
+    # twice: once in its place, once (node by node) in the object holding it
+    if lib == "tensordict" and how == "deepcopy":
+        pytest.skip("tensordict 0.15.3: copy.deepcopy gives the value a copy of its own")
+    T = _library(lib)
+    td = T.TensorDict({"a": torch.zeros(10), "m": {"c": torch.ones(2)}}, batch_size=[]).consolidate().unlock_()
+    td["m"].__dict__["_custom"] = 1  # (an attribute the skeleton does not rebuild)
+    td["h"] = T.NonTensorData(Holder(m=td["m"], c=td["m", "c"]))
+    out = {"pickle": lambda o: pickle.loads(pickle.dumps(o)), "python": _python_pickle,
+           "deepcopy": copy.deepcopy}[how](td)
+    assert out["h"].m is out["m"] and out["h"].c is out["m", "c"]
+    assert out["m"].__dict__.get("_custom") == 1 and (out["m", "c"] == 1).all()
+    if lib == "shared_td":
+        assert out["m", "c"].untyped_storage().data_ptr() == out["a"].untyped_storage().data_ptr()
+    assert copyreg.dispatch_table.get(torch.Tensor) is None
+
+
+@pytest.mark.parametrize("lib", ["shared_td", "tensordict"])
+def test_multiprocess_forking_pickler_keeps_the_leaf_and_sends_the_buffer_once(lib):
+    # before: multiprocess's ForkingPickler copies copyreg.dispatch_table when made, before
+    # the tensor reducer was registered (only while values are saved): the leaf held by a
+    # value went with its whole storage (the buffer twice) and came back a copy
+    reduction = pytest.importorskip("multiprocess.reduction")
+    T = _library(lib)
+    td = _two_step(T, 1000)
+    data = bytes(reduction.ForkingPickler.dumps(td))
+    out = pickle.loads(data)
+    assert out["h"].leaf is out["a"] and out["h"].node is out["n"]
+    if lib == "shared_td":  # (tensordict 0.15.3 sends it twice here: 9229 bytes)
+        assert len(data) < 4000 * 1.5
+    plain = torch.arange(3.0)  # (no tree: torch's own reduction, as before)
+    assert torch.equal(pickle.loads(bytes(reduction.ForkingPickler.dumps(plain))), plain)
     assert copyreg.dispatch_table.get(torch.Tensor) is None
