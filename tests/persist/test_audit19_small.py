@@ -222,8 +222,15 @@ def _command(how: str) -> list[str]:
 @pytest.mark.parametrize("how", ["-m", "shared-td"])
 def test_ctrl_c_while_the_command_line_imports_torch_is_one_line_and_130(how, tmp_path):
     # before: Python's traceback of the interrupted import, and the exit of a SIGINT
-    (tmp_path / "sitecustomize.py").write_text(_BLOCK_IN_TORCH_IMPORT)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), REPO])}
+    assert _interrupted_while_importing_torch(_BLOCK_IN_TORCH_IMPORT, how, tmp_path) == (
+        130, "shared-td: interrupted\n")
+
+
+def _interrupted_while_importing_torch(site_code: str, how: str, site) -> tuple[int, str]:
+    """Run the command line with ``site_code`` as its sitecustomize (in ``site``), send
+    it SIGINT once it says IMPORTING-TORCH; its exit code and stderr (bounded)."""
+    (site / "sitecustomize.py").write_text(site_code)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), REPO])}
     child = subprocess.Popen(_command(how), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True)
     try:
@@ -234,7 +241,7 @@ def test_ctrl_c_while_the_command_line_imports_torch_is_one_line_and_130(how, tm
         if child.poll() is None:
             child.kill()
             child.wait(10)
-    assert (child.returncode, err) == (130, "shared-td: interrupted\n")
+    return child.returncode, err
 
 
 def test_ctrl_c_while_a_command_module_is_imported_is_one_line_and_130(monkeypatch, capsys):
@@ -296,26 +303,11 @@ sys.meta_path.insert(0, _Block())
 """
 
 
-def test_ctrl_c_swallowed_by_the_import_still_stops_the_command():
+def test_ctrl_c_swallowed_by_the_import_still_stops_the_command(tmp_path):
     # before: the SystemExit raised into the import was swallowed, "interrupted" printed,
     # and the command ran to its end with exit 0 (the audit saw 4 of 8 demo runs do so)
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as site:
-        with open(os.path.join(site, "sitecustomize.py"), "w") as file:
-            file.write(_SWALLOW_IN_TORCH_IMPORT)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([site, REPO])}
-        child = subprocess.Popen(_command("-m"), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.PIPE, text=True)
-        try:
-            assert child.stderr.readline() == "IMPORTING-TORCH\n"
-            child.send_signal(signal.SIGINT)
-            _, err = child.communicate(timeout=60)
-        finally:
-            if child.poll() is None:
-                child.kill()
-                child.wait(10)
-    assert (child.returncode, err) == (130, "shared-td: interrupted\n")
+    assert _interrupted_while_importing_torch(_SWALLOW_IN_TORCH_IMPORT, "-m", tmp_path) == (
+        130, "shared-td: interrupted\n")
 
 
 _HELD_FUTURE_SCRIPT = """
