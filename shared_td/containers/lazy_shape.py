@@ -197,6 +197,10 @@ class LazyShapeOps:
 
     def to(self, *args: Any, **kwargs: Any) -> "LazyStackedTensorDict":
         """Every member moved or cast (self when nothing changes)."""
+        from shared_td.containers.to_args import parse_to
+
+        parse_to(args, kwargs, self.batch_size)  # (the stack's batch_size= checked here, once)
+        kwargs.pop("batch_size", None)
         moved = [m.to(*args, **kwargs) for m in self.tensordicts]
         if all(a is b for a, b in zip(moved, self.tensordicts)):
             return self

@@ -60,7 +60,7 @@ class TensorMethods:
                 self._check_unlocked((), "replace its leaves with to(..., inplace=True)")
                 _adopt_entries(self, converted)
             return self
-        device, dtype, asked = parse_to(args, kwargs)  # (both of to(device, dtype), as torch reads them)
+        device, dtype, asked = parse_to(args, kwargs, self._batch_size)  # (both of to(device, dtype), as torch reads them)
         moved = self if device is None else self._moved(device, asked)
         if dtype is None:
             return moved

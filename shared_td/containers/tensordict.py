@@ -143,20 +143,27 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, BatchDimOps, IndexWrites
         return td
 
     def get(self, key: NestedKey, default: Any = NO_DEFAULT) -> Any:
-        """The entry at ``key`` (non-tensors as NonTensorData), or ``default``.
+        """The entry at ``key`` (non-tensors as NonTensorData), or ``default`` (returned
+        as it is).
 
         Raises:
             KeyError: naming the key and the existing ones, when it is missing and no
                 default is given.
         """
-        value = super().get(key, default)
-        if isinstance(key, str) or not isinstance(value, TensorDictBase) or not value._is_non_tensor:
-            return value
-        from shared_td.containers.lazy_nontensor import through_nested_lazy  # (a rare case: imported here)
+        # (TensorDictBase.get's body, not a call of it: this is the hot path of reads)
+        path = unravel_key(key)
+        value = self._get_path(path, NO_DEFAULT)
+        if value is NO_DEFAULT:
+            if default is not NO_DEFAULT:
+                return default
+            raise self._missing_key_error(path)
+        if len(path) > 1 and getattr(value, "_is_non_tensor", False):
+            # a lazy stack's non-tensor entry found through this tensordict writes into
+            # its members, as the stack's own get() gives it (a rare case: imported here)
+            from shared_td.containers.lazy_nontensor import through_nested_lazy
 
-        # a lazy stack's non-tensor entry found through this tensordict writes into its
-        # members, as the stack's own get() gives it
-        return through_nested_lazy(self, unravel_key(key), value)
+            return through_nested_lazy(self, path, value)
+        return value
 
     # ---------------------------------------------------------------- storage hooks
     def _get_str(self, key: str, default: Any) -> Any:

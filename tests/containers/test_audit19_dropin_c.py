@@ -193,3 +193,42 @@ def test_a_list_of_another_length_written_into_a_non_tensor_data_says_how_to_kee
     with pytest.raises(RuntimeError, match=r"NonTensorData\(the_list\)"):
         td.update_({"cfg": [7, 8, 9]})
     assert td.get("cfg").tolist() == [[1, 2, 3], [1, 2, 3]]
+
+
+# ------------------------------------------------ final audit of b566bfb: to()'s keywords
+
+
+@pytest.mark.parametrize("kwargs", [{"non_blocking_pin": False}, {"num_threads": 2}],
+                         ids=["non_blocking_pin", "num_threads"])
+def test_to_accepts_tensordicts_own_keywords_that_change_nothing(kwargs):
+    # before: torch's parser refused them ("invalid combination of arguments")
+    td = shared_td.TensorDict(a=torch.zeros(2), s="x", batch_size=[2], device="cpu")
+    assert td.to("cpu", **kwargs) is td
+    assert td.to(torch.float64, **kwargs)["a"].dtype == torch.float64
+
+
+def test_to_another_tensordict_takes_its_device():
+    td = shared_td.TensorDict(a=torch.zeros(2), batch_size=[2])
+    other = shared_td.TensorDict(b=torch.zeros(2), batch_size=[2], device="cpu")
+    for moved in (td.to(other), td.to(other=other)):
+        assert moved.device == torch.device("cpu") and moved["a"].dtype == torch.float32
+
+
+def test_to_batch_size_is_checked_not_ignored():
+    td = shared_td.TensorDict(a=torch.zeros(2), batch_size=[2], device="cpu")
+    assert td.to(batch_size=[2]) is td
+    with pytest.raises(ValueError, match=r"batch_size=\[\]"):
+        td.to(batch_size=[])
+    lazy = shared_td.lazy_stack([td, td])
+    assert lazy.to(batch_size=[2, 2]) is lazy
+    assert shared_td.NonTensorData("a", batch_size=[2]).to(batch_size=[2]).batch_size == (2,)
+
+
+def test_a_default_returned_through_a_lazy_stack_is_left_as_it_is():
+    # before: the caller's default was linked to the stack's members (flags overwritten)
+    default = shared_td.NonTensorStack.from_list(["q", "v"]).share_memory_()
+    td = shared_td.TensorDict(l=shared_td.lazy_stack([shared_td.TensorDict(s="a"), shared_td.TensorDict(s="b")]))
+    assert td.get(("l", "missing"), default) is default
+    assert default.is_shared()
+    default[0] = "z"
+    assert default.tolist() == ["z", "v"]
