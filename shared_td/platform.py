@@ -168,12 +168,16 @@ class ByteLock:
         ...         pass
     """
 
-    __slots__ = ("fd", "byte", "threads", "take", "take_shared", "give_back")
+    __slots__ = ("fd", "byte", "threads", "holder", "take", "take_shared", "give_back")
 
-    def __init__(self, fd: int, byte: int):
+    def __init__(self, fd: int, byte: int, *, for_blocks: bool = False):
         self.fd = fd
         self.byte = byte
-        self.threads = _ThreadLock()  # for _is_owned(): see "Re-entry" above
+        # for _is_owned() (see "Re-entry" above); a lock held only by hold() blocks
+        # (``for_blocks``) is a plain Lock, released by whichever thread leaves the block
+        # (a generator resumed or closed on another thread), its holder noted for re-entry
+        self.threads = threading.Lock() if for_blocks else _ThreadLock()
+        self.holder: int | None = None  # the thread inside a hold() block
         self.take = functools.partial(fcntl.fcntl, fd, fcntl.F_OFD_SETLKW, _request(fcntl.F_WRLCK, byte))
         self.take_shared = functools.partial(fcntl.fcntl, fd, fcntl.F_OFD_SETLKW, _request(fcntl.F_RDLCK, byte))
         self.give_back = functools.partial(fcntl.fcntl, fd, fcntl.F_OFD_SETLK, _request(fcntl.F_UNLCK, byte))
@@ -185,13 +189,16 @@ class ByteLock:
         raises exactly there leaves the lock held until that exception is discarded
         (the generator is then closed, which gives the lock back)."""
         take = self.take if exclusive else self.take_shared
-        if self.threads._is_owned():
+        me = threading.get_ident()
+        if self.holder == me or (isinstance(self.threads, _ThreadLock) and self.threads._is_owned()):
             raise self.reentered("a nested hold() of the same lock")
         with self.threads:
+            self.holder = me
             try:
                 take()
                 yield
             finally:
+                self.holder = None
                 self.give_back()
 
     def reentered(self, what: str) -> RuntimeError:
@@ -214,7 +221,8 @@ class ByteLock:
         """In a fork child, after :func:`reopen_description` of ``fd``: a fresh thread
         lock; if the reopen failed (``reopen_error``), refuse every later take (and
         never give back: the description is still the parent's, with its locks)."""
-        self.threads = _ThreadLock()
+        self.threads = _ThreadLock() if isinstance(self.threads, _ThreadLock) else threading.Lock()
+        self.holder = None
         if reopen_error is not None:
             message = (
                 f"This fork child could not open its own description of descriptor "

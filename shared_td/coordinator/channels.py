@@ -162,15 +162,17 @@ _LIBC.setsockopt.restype = ctypes.c_int
 # (pid, address, authkey) -> channel: a wrong key must never ride on a right key's connection
 _CHANNELS: dict[tuple[int, str, bytes], _Channel] = {}
 # Guards _CHANNELS only, never held while talking to a manager: a thread connecting to a
-# stalled coordinator must not hold up threads calling other coordinators.
-_CHANNELS_LOCK = threading.Lock()
+# stalled coordinator must not hold up threads calling other coordinators. An RLock for
+# its C ``_is_owned()``: a signal handler or finalizer that runs while its own thread holds
+# it (mid-lookup) must not wait for itself (call() takes a side connection then).
+_CHANNELS_LOCK = threading.RLock()
 
 
 def _after_fork_in_child() -> None:
     # Never talk over a socket the parent also uses: forget the inherited ones (their
     # descriptors close with the objects, in this process only) and a possibly held lock.
     global _CHANNELS_LOCK
-    _CHANNELS_LOCK = threading.Lock()
+    _CHANNELS_LOCK = threading.RLock()
     _CHANNELS.clear()
 
 
@@ -239,6 +241,11 @@ def call(address: str, authkey: bytes, method: str, *args, timeout: float):
     # that does not pickle fails here, with the connection untouched
     request = pickle.dumps((REGISTRY_ID, method, args, {}), pickle.HIGHEST_PROTOCOL)
     while True:
+        if _CHANNELS_LOCK._is_owned():
+            # this thread was interrupted while it looked up or dropped a connection (a
+            # signal handler or finalizer mid-call): the table is not ours to use now
+            kind, result = _side_call(address, authkey, request, deadline, timeout)
+            break
         channel = _reach(address, authkey, deadline, timeout, _channel)
         if channel.lock._is_owned():
             # this very thread is inside a call on this connection (a signal handler or

@@ -122,7 +122,7 @@ class SharedValue:
         self._slots = (ctypes.c_uint64 * (_HEADER_WORDS - 1)).from_address(address + 8)
         self._value_lock = ByteLock(fd, _VALUE)
         self._write_lock = ByteLock(fd, _WRITE)
-        self._update_lock = ByteLock(fd, _UPDATE)
+        self._update_lock = ByteLock(fd, _UPDATE, for_blocks=True)  # (held by updating() blocks only)
         # bytes of the memfd known to be reserved (it never shrinks): set() skips the
         # fallocate call below that
         self._reserved = stat.st_size

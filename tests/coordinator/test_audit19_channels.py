@@ -212,3 +212,20 @@ def test_a_table_failure_with_a_live_manager_holds_up_no_other_attach(coord, mon
         bad_thread.join(10)
     assert isinstance(failure.get("error"), SegmentUnavailableError), failure
     assert not isinstance(failure["error"], ConnectionError)  # the manager lives: not "gone"
+
+
+def test_a_call_made_while_this_thread_holds_the_connection_table_is_answered(coord):
+    # final audit of f386d0b: a signal handler (or a finalizer) that calls the coordinator
+    # while the call it interrupted holds the table's lock (mid-lookup) waited for itself
+    # for ever (the lock was a plain Lock); it now goes over a side connection
+    answers = []
+
+    def interrupted_mid_lookup():
+        with channels._CHANNELS_LOCK:  # as if a handler ran inside _channel's lookup
+            answers.append(_version(coord, "b"))
+
+    thread = threading.Thread(target=interrupted_mid_lookup, daemon=True)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive(), "the nested call waited on its own thread's table lock"
+    assert answers == [_version(coord, "b")]

@@ -121,3 +121,29 @@ def test_a_nested_updating_block_is_refused_not_a_hang(bounded):
                 pass
         cell.set(2)
     assert cell.get() == 2
+
+
+def test_an_updating_block_left_on_another_thread_frees_its_lock():
+    # final audit of f386d0b: with the thread lock an RLock, a block whose generator was
+    # resumed or closed on another thread could not release it ("cannot release
+    # un-acquired lock"): other threads then hung and this one was refused as nested
+    cell = SharedValue.create(1)
+    block = cell.updating()
+    block.__enter__()
+    leaving = threading.Thread(target=block.__exit__, args=(None, None, None))
+    leaving.start()
+    leaving.join(10)
+    assert not cell._update_lock.threads.locked()
+    entered = []
+
+    def other():
+        with cell.updating():
+            entered.append(True)
+
+    thread = threading.Thread(target=other, daemon=True)
+    thread.start()
+    thread.join(10)
+    assert entered == [True], "another thread's updating() waited for a lock no one holds"
+    with cell.updating():  # nor is this thread refused as nested
+        cell.set(3)
+    assert cell.get() == 3
