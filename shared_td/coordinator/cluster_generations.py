@@ -27,7 +27,9 @@ own). So:
   after. A reader that finds it pending goes by ``name/<name>`` (and writes the plain
   record for a committed publish). Before, ``gen/`` was written only after the record:
   an owner killed between the two left it one generation behind, and ``is_stale`` said
-  False for the newer publish until the next one (audit 19).
+  False for the newer publish until the next one (audit 19). A publish that raised
+  takes its mark back to what ``name/`` holds then, not to the ``gen/`` read before:
+  the exception may come after the host applied the name record (audit 19, final round).
 
 Example:
     >>> from types import SimpleNamespace
@@ -125,31 +127,41 @@ def record_name(cluster, store, name: str, record: dict) -> bool:
     False, nothing more written, when a newer record was found (this publish was
     overtaken: its caller says so). When the name record is not written (overtaken, or
     an exception: a store timeout, CAS tries run out), the pending mark is taken back:
-    ``gen/`` as it was before, by a compare-and-set against the mark's own bytes (left
-    pending, every look read and parsed the whole name record again until the name was
-    published again, audit 19, second round; a mark of a process killed there is taken
-    back by the readers: :func:`read_identity`)."""
+    the plain record of whatever ``name/`` holds then (:func:`_take_back`), by a
+    compare-and-set against the mark's own bytes (left pending, every look read and
+    parsed the whole name record again until the name was published again, audit 19,
+    second round; a mark of a process killed there is taken back by the readers:
+    :func:`read_identity`)."""
     small = {key: record[key] for key in ("generation", "digest", "owner")}
     refuse, key = lambda: _refused(cluster), f"gen/{name}"  # noqa: E731
-    before, pending = store.get_unchecked(key), {**small, "pending": True, "claim": getattr(cluster, "_claim", None)}
+    pending = {**small, "pending": True, "claim": getattr(cluster, "_claim", None)}
     store.set_json_if_newer(key, pending, "generation", refuse, True)
     written = False
     try:
         written = store.set_json_if_newer(f"name/{name}", record, "generation", refuse)
     finally:
-        if not written:  # (never committed: "never backwards" holds)
-            _take_back(store, key, store.sign(key, json.dumps(pending).encode()), before or b"")
+        if not written:  # (an exception may come after the host applied the write: name/ says)
+            _take_back(cluster, store, name, store.sign(key, json.dumps(pending).encode()))
     if written:
         store.set_json_if_newer(key, small, "generation", refuse, True)  # (ties: the pending one replaced)
     return written
 
 
-def _take_back(store, key: str, mark: bytes, to: bytes) -> None:
-    """``key`` := ``to`` if it still holds ``mark`` (a compare-and-set); the store gone: nothing."""
+def _take_back(cluster, store, name: str, mark: bytes) -> None:
+    """``gen/<name>`` := the plain record of what ``name/<name>`` holds now (emptied when
+    nothing), if it still holds ``mark`` (a compare-and-set), as a reader does. Not the
+    ``gen/`` read before the publish: an exception does not say the name record was not
+    written (a reply after the store timeout, a Ctrl-C after the host applied it), and
+    the record of the publish before, left plain above the newer name record, was
+    trusted by every reader for good (audit 19, final round). The store gone: nothing
+    (a reader takes the mark back otherwise)."""
+    key = f"gen/{name}"
     try:
-        store.compare_set(key, mark, to)
+        record = read_name(cluster, store, name)
+        plain = {field: record.get(field) for field in ("generation", "digest", "owner")} if record else None
+        store.compare_set(key, mark, store.sign(key, json.dumps(plain).encode()) if plain else b"")
     except (RuntimeError, OSError, ValueError):
-        pass  # (a store gone: nobody reads it again; a reader takes the mark back otherwise)
+        pass
 
 
 def overtaken(cluster, store, name: str) -> ValueError:
@@ -194,9 +206,11 @@ def read_identity(store, name: str, refuse) -> tuple[int, str] | None:
     if not isinstance(record, dict):
         return None
     # committed (no more name reads), or a mark never to be committed
-    if isinstance(small, dict) and (record["generation"] >= small["generation"] or _owner_gone(store, small, blob)):
+    # gen/ emptied or missing (a first publish taken back): written plain once, not
+    # every look parsing the whole name record for good
+    if not isinstance(small, dict) or record["generation"] >= small["generation"] or _owner_gone(store, small, blob):
         plain = {key: record.get(key) for key in ("generation", "digest", "owner")}
-        store.compare_set(f"gen/{name}", blob, store.sign(f"gen/{name}", json.dumps(plain).encode()))
+        store.compare_set(f"gen/{name}", blob or b"", store.sign(f"gen/{name}", json.dumps(plain).encode()))
         with _LOCK:
             _MARKS.pop(blob, None)
     return record["generation"], record.get("digest", "")

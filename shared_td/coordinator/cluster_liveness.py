@@ -61,7 +61,7 @@ import threading
 import time
 from typing import Callable, NamedTuple
 
-from shared_td.coordinator.cluster_runs import keep_run, run_id, run_key  # noqa: F401 - (moved there: still here)
+from shared_td.coordinator.cluster_runs import RunWatch, keep_run, run_id, run_key  # noqa: F401 - (moved there)
 from shared_td.errors import ClusterAuthError, NodeTakenOverError, OwnerLostError
 
 __all__ = ["HEARTBEAT_S", "LOST_AFTER_S", "Liveness", "claim_node", "heartbeat_moves",
@@ -100,8 +100,9 @@ class Liveness:
 
     def __init__(self, store, node: int, read: Callable[[str], dict], claim: str | None = None,
                  stop: threading.Event | None = None, on_confirm: Callable[[], None] = lambda: None,
-                 refuse: Callable[[], None] = lambda: None, run: str = ""):
+                 refuse: Callable[[], None] = lambda: None, run: str = "", nodes: int = 0):
         self._store, self._node, self._read, self._run = store, node, read, run
+        self._run_watch = RunWatch(nodes, LOST_AFTER_S + HEARTBEAT_S)  # a record of another run (keep_run)
         self._claim, self._stop, self._on_confirm = claim, stop or threading.Event(), on_confirm
         self._refuse = refuse
         self._forged: dict[int, bytes] = {}  # peer -> the forged heartbeat last counted
@@ -137,8 +138,9 @@ class Liveness:
                     return  # beating on would keep the successor's number alive for us both
                 self._write_beat()
                 self._confirm(began)
-                if self._run and number % _KEEP_RUN_EVERY == 0:  # deleted: back before a newcomer sets its own
-                    keep_run(self._store, self._run)
+                # deleted: back before a newcomer sets its own; another run watched: every beat
+                if self._run and (number % _KEEP_RUN_EVERY == 0 or self._run_watch.seen is not None):
+                    keep_run(self._store, self._run, self._run_watch)
             except (RuntimeError, OSError):
                 return  # the store is gone
 

@@ -31,7 +31,9 @@ set the record itself, with a run other than the one the other nodes' signed hea
 carry, follows theirs once they move (:func:`settled_run`); live heartbeats of two runs
 are then a genuine split, refused with a ValueError naming the record's key. A record
 found at start is the cluster's, whatever heartbeats say (replayed ones of an earlier
-run were followed, and overwrote it: audit 19, second round).
+run were followed, and overwrote it: audit 19, second round); one of a run no heartbeat
+carrying moves (its creator died before it followed the live nodes) is replaced by the
+live nodes (``keep_run``), and a starter that found it waits for that.
 
 Leaving (:meth:`ClusterMembership.shutdown`): stop notices in the node's own queues wake
 its threads (a process whose number was taken over leaves the queues to its successor
@@ -189,7 +191,8 @@ class ClusterMembership:
         # beating from now on: a join that waits long for the others must not look like
         # a crashed node whose number another process may take over
         self._liveness = Liveness(self._store, self.node, self._store.get_json, self._claim, self._stop,
-                                  on_confirm=self._give_up_names_taken_over, refuse=self._count_refused, run=self._run)
+                                  on_confirm=self._give_up_names_taken_over, refuse=self._count_refused, run=self._run,
+                                  nodes=self.nodes)
         self._liveness._write_beat(0)  # number 0 (its bytes: what the last one, say_left, expects there)
         self._start_thread(self._liveness.beat, (), "beat")
         self._wait_for_the_others()
@@ -327,7 +330,8 @@ def settled_run(store, node: int, nodes: int) -> str:
     by anything that reaches the store made a starting node follow that run and
     overwrite the live record (audit 19, second round). A process that found one of
     another run than the live heartbeats' reads it again until the process that set it
-    follows them (at most the watch above). Heartbeats that stand still (an earlier
+    follows them, or the live nodes replace it (it died first: ``keep_run``, within
+    LOST_AFTER_S / 2 + 2 * HEARTBEAT_S more). Heartbeats that stand still (an earlier
     run's), or whose slot shows two runs while watched (a live node's beats and replayed
     ones), are not followed. Free when every heartbeat carries the record's run (the
     usual start).
@@ -359,7 +363,9 @@ def settled_run(store, node: int, nodes: int) -> str:
                 live[peer] = now[0]
     # a slot showing two runs: a live node's own beats and replayed ones (one process beats one run)
     runs = {seen for peer, seen in live.items() if len(seen_runs[peer]) == 1}
-    while mine is None and runs and run not in runs and time.monotonic() < end + HEARTBEAT_S:  # (it began first)
+    # (it began first; or it died, and the live nodes replace the record: keep_run, within
+    # LOST_AFTER_S + HEARTBEAT_S after their next look, every LOST_AFTER_S / 2)
+    while mine is None and runs and run not in runs and time.monotonic() < end + LOST_AFTER_S / 2 + 2 * HEARTBEAT_S:
         time.sleep(HEARTBEAT_S / 4)  # found, never replaced: the process that set it follows the live nodes
         run, mine = open_run(store)
     if mine is None or not runs:  # the record found (replays beside it); or standing still: an earlier run's
