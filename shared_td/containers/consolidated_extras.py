@@ -18,9 +18,9 @@ plain pickler has no other hook for a tensor; multiprocessing's ForkingPickler u
 torch's own, which shares the one buffer's memory). ``copy.deepcopy`` goes through
 :meth:`Values.__deepcopy__`, which maps the tree's nodes, leaves and storage to the
 copy's in its memo. A node of the tree that only the values' pickle makes (a value that
-is a node of unusual state, its leaves) is made with the tree, an empty shell that the
-values' pickle fills (``Rebuilt.late``), so that an object holding it gets that one.
-Only the pickler that saves ``values`` is answered so (see :func:`_asker`; a deepcopy:
+is a node of unusual state) arrives complete, but as a node of its own: an object of
+another value holding it gets a separate copy (an empty shell made with the tree would
+be seen, unfilled, by that object's ``__setstate__``). Only the pickler that saves ``values`` is answered so (see :func:`_asker`; a deepcopy:
 its memo): another pickle or deepcopy started meanwhile in this thread (inside a value's
 own ``__getstate__`` or ``__deepcopy__``, or after a failed pickle whose error keeps
 ``values`` alive) has no ``tree`` in its memo, and pickles the node as a tree of its
@@ -71,7 +71,7 @@ class Context:
     asked for)."""
 
     __slots__ = ("root", "handle", "layout", "value_ids", "described", "_paths", "guard", "stack", "owner",
-                 "_layout_ref", "suspended", "late", "late_index")
+                 "_layout_ref", "suspended")
 
     def __init__(self, root: Any, layout: Any, value_ids: set[int], described: set[int]):
         self.root, self.layout, self.value_ids, self.described = root, layout, value_ids, described
@@ -82,10 +82,6 @@ class Context:
         self.owner: tuple = ()  # who saves its values (see _asker): the only one it answers
         self._layout_ref: Any = None
         self.suspended = 0  # answers no one while its tree is pickled whole (Tree.__reduce_ex__)
-        # the nodes and leaves that only the values' pickle makes (a value that is a node
-        # of the tree, its leaves): made with the tree, ``Rebuilt.late``; id -> index
-        self.late: list = []
-        self.late_index: dict[int, int] = {}
 
     @property
     def paths(self) -> dict[int, tuple]:
@@ -116,9 +112,6 @@ class Context:
         path = self.paths.get(id(obj))
         if path is not None:
             return _node_at, (self.handle, path)
-        index = self.late_index.get(id(obj))
-        if index is not None:
-            return _late_at, (self.handle, index)
         if not isinstance(obj, _Tensor):
             # a node of the same buffer outside the tree (an ancestor of a sub-tree pickled
             # alone, held by one of its values): node by node, as tensordict 0.15.3 pickles
@@ -165,20 +158,13 @@ def values_after(root: Any, tree: tuple, skeleton: Any, start: tuple, by_parent:
     first = pickler(skeleton.value_ids)
     first.dump(tree)  # (the values met listed in first.values)
     values = pickler(set(), first.first_index + len(first.leaves))
-    values.shells = []
     values.dump(first.values)
     payload, runs = start
     leaves = first.leaves + values.leaves
     if leaves:
         runs = runs + runs_of(leaves)
     context = Context(root, skeleton.layout, skeleton.value_ids, skeleton.seen_nodes)
-    # what the values' pickle alone makes, made with the tree (Rebuilt.late): a node, as
-    # a shell of its class that the values' pickle fills; a leaf, the view _leaf names
-    context.late = [*values.shells, *(leaf for leaf, _ in values.met_leaves)]
-    context.late_index = {id(obj): index for index, obj in enumerate(context.late)}
-    late = [*(type(node) for node in values.shells), *(index for _, index in values.met_leaves)]
-    args = (payload, runs, first.file.getvalue(), first.extras, by_parent)
-    context.handle.reduction = (rebuild, (*args, late) if late else args)
+    context.handle.reduction = (rebuild, (payload, runs, first.file.getvalue(), first.extras, by_parent))
     context.handle.whole = whole
     return finish, (context.handle, Values(context, values.file.getvalue(), values.extras))
 
@@ -195,9 +181,10 @@ def reference(obj: Any, layout: Any) -> tuple | None:
     return None
 
 
-def _reduce_tensor(tensor: torch.Tensor) -> tuple:
+def _reduce_tensor(tensor: torch.Tensor, fallback: Any = None) -> tuple:
     # registered for torch.Tensor while values are saved (all threads see it: those
-    # with no context get torch's own reduction; its protocol argument is unused)
+    # with no context get torch's own reduction; its protocol argument is unused);
+    # ``fallback``: what the pickler had registered before (multiprocess's, below)
     stack = getattr(_local, "stack", None)
     if stack:
         asker = _asker()
@@ -206,6 +193,8 @@ def _reduce_tensor(tensor: torch.Tensor) -> tuple:
                 reduced = context.reduce(tensor)
                 if reduced is not None:
                     return reduced
+    if fallback is not None:
+        return fallback(tensor)
     previous = copyreg.dispatch_table.get(_Tensor)
     if previous is _reduce_tensor:
         previous = _previous
@@ -214,13 +203,20 @@ def _reduce_tensor(tensor: torch.Tensor) -> tuple:
 
 # multiprocess's (dill's) ForkingPickler, which the coordinator's connections use, copies
 # copyreg.dispatch_table when it is made, before a tree's values are saved: the reducer is
-# registered with it for good (with no context open: torch's own reduction, as before)
+# registered with it for good (with no context open: the reducer registered there before,
+# a user's (torch.multiprocessing's reduce_tensor, to share memory); else as before)
 try:
     from multiprocess.reduction import ForkingPickler as _MultiprocessPickler
 except ImportError:  # (a dependency of shared_td's coordinator only)
     pass
 else:
-    _MultiprocessPickler.register(_Tensor, _reduce_tensor)
+    _multiprocess_previous = getattr(_MultiprocessPickler, "_extra_reducers", {}).get(_Tensor)
+
+    def _reduce_tensor_multiprocess(tensor: torch.Tensor) -> tuple:
+        return _reduce_tensor(tensor, _multiprocess_previous)
+
+    _MultiprocessPickler.register(_Tensor, _reduce_tensor if _multiprocess_previous is None
+                                  else _reduce_tensor_multiprocess)
 
 
 # The modules between a pickler and _asker: the node's __reduce_ex__, reduce_tree, this one.
@@ -256,7 +252,15 @@ def _asker() -> tuple:
     if code.co_argcount and code.co_varnames[0] == "self":
         pickler = frame.f_locals.get("self")
         if isinstance(pickler, _PICKLERS):
-            return (pickler,) if globals_ is _PICKLE_GLOBALS else (pickler, frame.f_back)
+            if globals_ is _PICKLE_GLOBALS:
+                return (pickler,)
+            # a reducer_override making reductions itself: also the frame running the
+            # C pickler (the owner's name for it); never for another method (a
+            # persistent_id starting a side pickle: f_back is the outer dump's frame)
+            override = getattr(type(pickler), "reducer_override", None)
+            if getattr(override, "__code__", None) is code:
+                return (pickler, frame.f_back)
+            return (pickler,)
     return (frame,)
 
 
@@ -324,10 +328,12 @@ class Tree:
     reduction of finish's own argument, whose values finish() puts in place. Any later
     reduction (or deepcopy) of it is another pickler's (one that :func:`_asker` took
     for the owner: it has no memo, ``fast``; or a pickle started with no frame of its
-    own) or a second meeting without a memo: there, stand-ins would stay so. It pickles
-    then as the whole tree, in one step (its values in its skeleton), its context
-    answering no one meanwhile (a node of it held by a value: a tree of its own), so
-    that such a pickler costs identity and size, never a value."""
+    own) or a second meeting without a memo: there, stand-ins would stay so; or the
+    owner's own, after a ``reducer_override`` took the first one only to look at it.
+    It pickles then as the whole tree, in one step (its values in its skeleton), its
+    context answering no one meanwhile (a node of it held by a value: a tree of its
+    own), and :func:`finish` takes it as it is, so that such a pickler costs identity
+    and size, never a value."""
 
     __slots__ = ("context", "reduction", "whole")
 
@@ -346,7 +352,7 @@ class Tree:
         finally:
             _local.stack = stack
         # (saved in order: the context suspended while the pickler saves the tree's values)
-        return _whole, (_Suspend(context, 1), _Reduced(reduced), context.late, _Suspend(context, -1))
+        return _whole, (_Suspend(context, 1), _Reduced(reduced), _Suspend(context, -1))
 
 
 class Values:
@@ -373,8 +379,6 @@ class Values:
         if copied is not None:
             for key, path in context.paths.items():
                 memo.setdefault(key, _node_at(copied, path))
-            for obj, made in zip(context.late, copied.late):
-                memo.setdefault(id(obj), made)
             buffer = context.layout.buffer
             if buffer.storage_offset() == 0:  # other views: views of the copy's one buffer
                 memo.setdefault("torch", {})[buffer.untyped_storage()._cdata] = \
@@ -412,15 +416,10 @@ class _Reduced:
         return self.reduction
 
 
-def _whole(suspended: None, root: Any, late: list, resumed: None) -> Rebuilt:
-    """A tree pickled whole where its :class:`Tree` was asked again: as a Rebuilt (its
-    ``late`` each pickled on its own)."""
-    return Rebuilt(root, unwrap_tensorclass(root).__dict__["_consolidated"], None, late)
-
-
-def _late_at(tree: Rebuilt, index: int) -> Any:
-    """A node or leaf that the values' pickle of the rebuilt ``tree`` makes."""
-    return tree.late[index]
+def _whole(suspended: None, root: Any, resumed: None) -> Rebuilt:
+    """A tree pickled whole where its :class:`Tree` was asked again: as a Rebuilt with
+    no builder (its values are in place; :func:`finish` takes it as it is)."""
+    return Rebuilt(root, unwrap_tensorclass(root).__dict__["_consolidated"], None)
 
 
 class _Close:
@@ -488,25 +487,21 @@ class Rebuilt:
     """A tree rebuilt but for its values (what :class:`Tree` pickles as): its root,
     layout and builder (consolidated_pickle's, which lists the values' places)."""
 
-    __slots__ = ("root", "layout", "builder", "late")
+    __slots__ = ("root", "layout", "builder")
 
-    def __init__(self, root: Any, layout: Any, builder: Any, late: list):
-        self.root, self.layout, self.builder, self.late = root, layout, builder, late
+    def __init__(self, root: Any, layout: Any, builder: Any):
+        self.root, self.layout, self.builder = root, layout, builder
 
 
-def rebuild(payload: Any, runs: list[tuple], tree: bytes, extras: Any, locked_by_parent: bool,
-            late: list = ()) -> Rebuilt:
+def rebuild(payload: Any, runs: list[tuple], tree: bytes, extras: Any, locked_by_parent: bool) -> Rebuilt:
     """consolidated_pickle's ``_unpickle_consolidated`` for a tree whose values come
-    after it (:func:`finish`): its skeleton's values are left as :class:`Pending`;
-    ``late``: what only the values' pickle makes, a node (its class: an empty shell,
-    filled then) or a leaf (its index in the views), made now (see :meth:`Context.reduce`)."""
+    after it (:func:`finish`): its skeleton's values are left as :class:`Pending`."""
     from shared_td.containers import consolidated_pickle as pickled
 
     layout = pickled._arrived_layout(payload, runs)
     skeleton = pickled._TreeUnpickler(io.BytesIO(tree), layout, extras).load()
     builder = pickled._Builder(layout, keep_locks=locked_by_parent or not pickled._root_locked(skeleton))
-    made = [layout.views[spec] if type(spec) is int else spec.__new__(spec) for spec in late]
-    return Rebuilt(builder.build(skeleton), layout, builder, made)
+    return Rebuilt(builder.build(skeleton), layout, builder)
 
 
 def finish(rebuilt: Rebuilt, values: tuple) -> Any:
@@ -514,9 +509,13 @@ def finish(rebuilt: Rebuilt, values: tuple) -> Any:
     each put in its place and locked or unlocked as the builder does those it meets."""
     from shared_td.containers.consolidated_pickle import _TreeUnpickler
 
-    data, extras = values
-    loaded = _TreeUnpickler(io.BytesIO(data), rebuilt.layout, extras, rebuilt.late).load()
     builder = rebuilt.builder
+    if builder is None:
+        # the tree pickled whole (:func:`_whole`: its Tree's reduction was taken before,
+        # by a reducer_override that only looked at it): its values are in place already
+        return rebuilt.root
+    data, extras = values
+    loaded = _TreeUnpickler(io.BytesIO(data), rebuilt.layout, extras).load()
     for entries, key, index, locked_node in builder.pending:
         entries[key] = value = loaded[index]
         collection = unwrap_tensorclass(value)

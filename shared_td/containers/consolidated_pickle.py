@@ -175,11 +175,6 @@ class _TreePickler(pickle.Pickler):
         self.extras: list[Any] = []
         self.first_index = first_index
         self.locked_root = locked_root
-        # (the values' pickle of a two-step tree: the nodes of this tree it meets, made
-        # with the tree as empty shells that it fills, so that an object of a value
-        # holding one gets that node; consolidated_extras.py)
-        self.shells: list[Any] | None = None
-        self.met_leaves: list[tuple] = []  # (tensor, _leaf's index) of those met, then
 
     def reducer_override(self, obj: Any) -> Any:
         if self.value_ids and id(obj) in self.value_ids:  # (the memo: once per value)
@@ -190,10 +185,7 @@ class _TreePickler(pickle.Pickler):
             if entry is None:
                 return self._extra(obj)  # no longer a view of the buffer: the outer pickler's
             self.leaves.append(entry)
-            index = self.first_index + len(self.leaves) - 1
-            if self.shells is not None:
-                self.met_leaves.append((obj, index))
-            return _leaf, (index,)
+            return _leaf, (self.first_index + len(self.leaves) - 1,)
         elif isinstance(obj, self.node_class):
             if obj.__dict__.get("_consolidated") is not self.layout:
                 return NotImplemented  # a container: its own reduction, here
@@ -206,13 +198,10 @@ class _TreePickler(pickle.Pickler):
                 # the root's lock (on loading) locks its whole tree once; each node
                 # locking its own sub-tree as well cost O(nodes x depth)
                 state["_is_locked"] = False
-            if self.shells is not None:
-                self.shells.append(obj)
-                return _shell, (len(self.shells) - 1,), state
             return copyreg.__newobj__, (type(obj),), state
         elif obj is self.layout:
             return _layout, ()
-        elif obj is _leaf or obj is _layout or obj is _extra or obj is _value or obj is _shell \
+        elif obj is _leaf or obj is _layout or obj is _extra or obj is _value \
                 or getattr(type(obj), "_is_tensorclass", False):
             return NotImplemented  # a name _TreeUnpickler resolves; a tensorclass: a container
         return self._extra(obj)
@@ -241,19 +230,15 @@ def _value(index: int) -> Any:
     raise pickle.UnpicklingError("a consolidated tree's value can only be read by _TreeUnpickler")
 
 
-def _shell(index: int) -> Any:
-    raise pickle.UnpicklingError("a consolidated tree's node can only be read by _TreeUnpickler")
-
-
 class _TreeUnpickler(pickle.Unpickler):
     """Reads what _TreePickler wrote; the views are made before (from their runs), the
     extras are what the outer unpickler loaded. It resolves no other global: a forged
     skeleton can call nothing that the outer unpickler did not let through."""
 
-    def __init__(self, file: Any, layout: Layout, extras: Any, shells: Any = ()):
+    def __init__(self, file: Any, layout: Layout, extras: Any):
         super().__init__(file)
         self.names = {"_leaf": layout.views.__getitem__, "_layout": lambda: layout,
-                      "_extra": extras.__getitem__, "_value": _Pending, "_shell": shells.__getitem__}
+                      "_extra": extras.__getitem__, "_value": _Pending}
 
     def find_class(self, module: str, name: str) -> Any:
         found = self.names.get(name) if module == __name__ else None
