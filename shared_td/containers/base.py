@@ -232,6 +232,13 @@ class TensorDictBase(LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, Me
             if default is not NO_DEFAULT:
                 return default
             raise self._missing_key_error(path)
+        if len(path) > 1 and getattr(value, "_is_non_tensor", False):
+            return self._non_tensor_through(path, value)  # (a rare case: a nested non-tensor)
+        return value
+
+    def _non_tensor_through(self, path: tuple[str, ...], value: Any) -> Any:
+        """The non-tensor entry ``value`` found at the nested ``path``, as ``get`` gives it
+        (a TensorDict links one found through a lazy stack to the stack's members)."""
         return value
 
     def _missing_key_error(self, path: tuple[str, ...]) -> KeyError:

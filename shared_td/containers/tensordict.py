@@ -39,7 +39,7 @@ from shared_td.containers.row_writes import write_rows
 from shared_td.containers.tensor_methods import TensorMethods
 from shared_td.containers.tensordict_apply import LeafMapping
 from shared_td.errors import BatchSizeMismatchError
-from shared_td.keys import NestedKey, unravel_key
+from shared_td.keys import unravel_key
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.memmap_tensor.tensor import basic_views
 from shared_td.tensorclass_protocol import unwrap_tensorclass
@@ -142,28 +142,13 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, BatchDimOps, IndexWrites
         td._context_ops = []
         return td
 
-    def get(self, key: NestedKey, default: Any = NO_DEFAULT) -> Any:
-        """The entry at ``key`` (non-tensors as NonTensorData), or ``default`` (returned
-        as it is).
+    def _non_tensor_through(self, path: tuple[str, ...], value: Any) -> Any:
+        # a lazy stack's non-tensor entry found through this tensordict writes into its
+        # members, as the stack's own get() gives it (imported here: a rare case, and
+        # lazy_nontensor sits above this module)
+        from shared_td.containers.lazy_nontensor import through_nested_lazy
 
-        Raises:
-            KeyError: naming the key and the existing ones, when it is missing and no
-                default is given.
-        """
-        # (TensorDictBase.get's body, not a call of it: this is the hot path of reads)
-        path = unravel_key(key)
-        value = self._get_path(path, NO_DEFAULT)
-        if value is NO_DEFAULT:
-            if default is not NO_DEFAULT:
-                return default
-            raise self._missing_key_error(path)
-        if len(path) > 1 and getattr(value, "_is_non_tensor", False):
-            # a lazy stack's non-tensor entry found through this tensordict writes into
-            # its members, as the stack's own get() gives it (a rare case: imported here)
-            from shared_td.containers.lazy_nontensor import through_nested_lazy
-
-            return through_nested_lazy(self, path, value)
-        return value
+        return through_nested_lazy(self, path, value)
 
     # ---------------------------------------------------------------- storage hooks
     def _get_str(self, key: str, default: Any) -> Any:
