@@ -169,7 +169,7 @@ class Cluster(ClusterMembership, ClusterRequests):
         self._closed = False  # shutdown() ran
         self._liveness: Liveness | None = None
         self._claim: str | None = None  # this process's token in claim/<node> (cluster_liveness)
-        self._run = ""  # the cluster's run, which claim tokens are bound to (cluster_liveness.run_id)
+        self._run = ""  # the cluster's run, which claim tokens are bound to (cluster_runs.run_id)
         self._threads: list[threading.Thread] = []
         self._push_lines: dict[int, cluster_push.PushLine] = {}  # owner -> this node's pushes to it
         self._name_syncs: dict[str, cluster_sync.NameSyncs] = {}  # owned name -> its syncs' state

@@ -23,7 +23,7 @@ stands still is taken over.
 
 A claim's key is a plain compare-and-set target (no signature can ride on it), so its
 token carries its own: a sequence number, a nonce and their HMAC with the cluster
-authkey, bound to the cluster's run (:func:`claim_token`, :func:`run_id`). Each process of
+authkey, bound to the cluster's run (:func:`claim_token`, :func:`~shared_td.coordinator.cluster_runs.run_id`). Each process of
 a node takes a higher sequence number than the last. A clean shutdown leaves a
 released token there, signed the same way (:func:`release_node`), which the next
 :func:`claim_node` takes as free. A token of the key and run of a later process (or the
@@ -61,12 +61,11 @@ import threading
 import time
 from typing import Callable, NamedTuple
 
-from shared_td.coordinator.cluster_runs import RunWatch, keep_run, run_id, run_key  # noqa: F401 - (moved there)
+from shared_td.coordinator.cluster_runs import RunWatch, keep_run
 from shared_td.errors import ClusterAuthError, NodeTakenOverError, OwnerLostError
 
 __all__ = ["HEARTBEAT_S", "LOST_AFTER_S", "Liveness", "claim_node", "heartbeat_moves",
-           "claim_free", "claim_token", "release_node", "released_token", "keep_run", "run_id", "run_key",
-           "supersedes"]
+           "claim_free", "claim_token", "release_node", "released_token", "supersedes"]
 
 #: Seconds between two heartbeats of a node.
 HEARTBEAT_S = 0.5
@@ -95,7 +94,7 @@ class Liveness:
             process's after a gap (the names it owns may have been taken over meanwhile).
         refuse: called for each forged heartbeat value seen (the cluster counts it in
             ``refused``).
-        run: the cluster's run (:func:`run_id`), which claim tokens are bound to.
+        run: the cluster's run (:func:`~shared_td.coordinator.cluster_runs.run_id`), which claim tokens are bound to.
     """
 
     def __init__(self, store, node: int, read: Callable[[str], dict], claim: str | None = None,
@@ -340,7 +339,7 @@ def claim_node(store, node: int, run: str = "") -> str:
     that node's heartbeat has stood still for LOST_AFTER_S (the node crashed and is
     started again: its claim was not released); while that heartbeat moves, ValueError:
     two processes were given the same node. ``store`` is the node's SignedStore, ``run``
-    the cluster's (:func:`run_id`)."""
+    the cluster's (:func:`~shared_td.coordinator.cluster_runs.run_id`)."""
     # the held claim as bytes: the key is unsigned, and anything that reaches the store
     # may have written bytes that are not UTF-8 (a bare UnicodeDecodeError before); such
     # a claim is another holder's, taken over as one once its heartbeat stands still

@@ -6,7 +6,7 @@ before), and the name of a lost owner is taken over. The key is a plain
 compare-and-set target (no signature can ride on it), so what it holds carries its
 own: the owner's node number and its HMAC with the cluster authkey, bound to the key
 and to the cluster's run (:func:`owner_token`; the run: see
-:func:`~shared_td.coordinator.cluster_liveness.run_id`). Anything else found there (bytes written by something reaching
+:func:`~shared_td.coordinator.cluster_runs.run_id`). Anything else found there (bytes written by something reaching
 the store) is counted in ``refused`` and ignored: a publish of the name then goes by
 the owner its signed record ``name/<name>`` names, and an owner that looks at its
 names after a pause (:func:`names_taken_over`) writes its own token back. Before, the

@@ -91,7 +91,7 @@ def test_the_first_sync_after_a_clean_leave_takes_the_record_back_at_once(store)
 
 # ---------------------------------------------------------------- finding 1
 def _run_record(store) -> bytes:
-    from shared_td.coordinator.cluster_liveness import run_key
+    from shared_td.coordinator.cluster_runs import run_key
     from shared_td.coordinator.cluster_store import SignedStore
 
     return store.get("shared_td/" + run_key(SignedStore(store, KEY, timeout=5)))
@@ -107,7 +107,7 @@ def test_a_node_restarted_after_the_run_record_went_joins_the_running_nodes_run(
     itself while the live nodes' signed heartbeats carry another run follows theirs
     ("set by the newcomer": no heartbeat wrote the record back before it started)."""
     from shared_td.coordinator import cluster_liveness
-    from shared_td.coordinator.cluster_liveness import run_key
+    from shared_td.coordinator.cluster_runs import run_key
     from shared_td.coordinator.cluster_store import SignedStore
 
     if record != "deleted":  # the window before a heartbeat writes the record back, held open
@@ -145,7 +145,7 @@ def test_a_node_restarted_after_the_run_record_went_joins_the_running_nodes_run(
 def test_the_heartbeats_write_a_deleted_run_record_back(store, pair):
     """Every heartbeat writes the run record back when it is missing: a newcomer
     then finds the running nodes' run, within HEARTBEAT_S of a delete."""
-    from shared_td.coordinator.cluster_liveness import run_key
+    from shared_td.coordinator.cluster_runs import run_key
     from shared_td.coordinator.cluster_store import SignedStore
     from tests.processes import wait_until
 
@@ -161,7 +161,7 @@ def test_live_nodes_of_two_runs_are_a_split_refused_with_the_key(store, monkeypa
     the run record's key."""
     import threading
 
-    from shared_td.coordinator.cluster_liveness import run_id, run_key
+    from shared_td.coordinator.cluster_runs import run_id, run_key
     from shared_td.coordinator import cluster_membership
     from shared_td.coordinator.cluster_membership import settled_run
     from shared_td.coordinator.cluster_store import SignedStore
@@ -212,7 +212,7 @@ def test_replayed_heartbeats_of_an_earlier_run_leave_the_run_record_alone(store,
 
     from shared_td.coordinator import cluster_membership
     from shared_td.coordinator.cluster_membership import settled_run
-    from shared_td.coordinator.cluster_liveness import run_id
+    from shared_td.coordinator.cluster_runs import run_id
     from shared_td.coordinator.cluster_store import SignedStore
 
     monkeypatch.setattr(cluster_membership, "LOST_AFTER_S", 0.5)  # how long a heartbeat is watched
