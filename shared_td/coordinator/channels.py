@@ -299,7 +299,7 @@ def call(address: str, authkey: bytes, method: str, *args, timeout: float):
             if isinstance(err, (TimeoutError, BlockingIOError)):  # the deadline passed (EAGAIN)
                 raise _stalled(address, timeout, err) from err
             if isinstance(err, (OSError, EOFError)):  # ConnectionError, BrokenPipe...
-                raise _gone(address, err) from err
+                raise gone(address, err) from err
             raise
         finally:
             channel.lock.release()
@@ -321,7 +321,7 @@ def _side_call(address: str, authkey: bytes, request: bytes, deadline: float, ti
     except (TimeoutError, BlockingIOError) as err:
         raise _stalled(address, timeout, err) from err
     except (OSError, EOFError) as err:
-        raise _gone(address, err) from err
+        raise gone(address, err) from err
     finally:
         side.conn.close()
 
@@ -348,7 +348,7 @@ def _connect_error(address: str, err: BaseException) -> OSError:
             f"({type(err).__name__}: {err}), and its manager process {pid} is alive: it is short of threads or "
             f"memory (or this process was stopped past the 5 s a handshake may take). Check `ps -o pid,stat,rss,nlwp -p {pid}`; "
             "tensordicts already attached stay readable and writable.")
-    return _gone(address, err)
+    return gone(address, err)
 
 
 def _manager_pid(address: str) -> int | None:
@@ -374,7 +374,8 @@ def out_of_resources(err: OSError, doing: str) -> OSError:
                               f"fine. {what}")
 
 
-def _gone(address: str, err: BaseException) -> ConnectionError:
+def gone(address: str, err: BaseException) -> ConnectionError:
+    """The error for a coordinator whose manager is gone (``err``: how it showed)."""
     return ConnectionError(
         f"The shared_td coordinator at {address} is gone ({type(err).__name__}: {err}): "
         "it was shut down or its process died. Tensordicts already attached stay readable "

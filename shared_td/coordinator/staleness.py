@@ -33,6 +33,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+from shared_td.coordinator import channels
 from shared_td.errors import SegmentUnavailableError
 from shared_td.platform import map_shared_bytes, pid_alive, unmap_bytes
 from shared_td.storage.anonymous import attach_peer_fd
@@ -148,13 +149,8 @@ def _map_table(pid: int, fd: int, key: tuple[int, int], nbytes: int, *, address:
         # when it dies before answering. If it lives, the table itself is the trouble.
         if not failed or failed[0][0] is not err or not _exited(pid, failed[0][1], wait):
             raise
-        where = f" at {address}" if address else ""
-        raise ConnectionError(
-            f"The shared_td coordinator{where} is gone (its manager process "
-            f"{pid} exited right after answering): it was shut down or its process "
-            "died. Tensordicts already attached stay readable and writable; publish "
-            "again through a new Coordinator."
-        ) from err
+        exited = ProcessLookupError(f"its manager process {pid} exited right after answering")
+        raise channels.gone(address or "(address not given)", exited) from err
     finally:
         if failed and failed[0][1] is not None:
             os.close(failed[0][1])
