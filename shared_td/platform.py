@@ -1,5 +1,6 @@
 """Platform primitives: the operating-system facilities that shared_td's shared memory
-stands on, in one place (torch-free; imports nothing of shared_td, so that the
+stands on, in one place (torch-free; of shared_td it loads only its torch-free siblings
+memory_check.py and platform_locks.py, by path when it is loaded alone, so that the
 coordinator's manager process can load this file alone, see
 :mod:`shared_td.coordinator.server`).
 
@@ -12,7 +13,9 @@ imports it first), with one ImportError naming what is missing:
 * ``/proc/<pid>/fd``: a process opens its own descriptor on a peer's memfd
   (:func:`reopen_peer_fd`), on its own descriptor (:func:`reopen_description`), and
   maps a file through the descriptor it checked;
-* open-file-description locks (``F_OFD_SETLKW``, kernel 3.15): :class:`ByteLock`.
+* open-file-description locks (``F_OFD_SETLKW``, kernel 3.15): :class:`ByteLock`
+  (in :mod:`shared_td.platform_locks`, with how it locks between processes *and*
+  threads, and across a fork; re-exported here).
 
 ``renameat2(RENAME_EXCHANGE)`` (kernel 3.15, glibc 2.28) swaps a directory into place
 without the path ever going missing (:func:`rename_exchange`); where the C library lacks
@@ -21,30 +24,6 @@ it or the filesystem refuses it, atomic writes fall back to two renames.
 Other primitives: liveness of a process by pid (:func:`pid_alive`: a zombie is dead),
 raw ``mmap`` of a descriptor's bytes that keeps no descriptor (:func:`map_shared_bytes`)
 and a non-blocking ``flock`` probe (:func:`try_flock`).
-
-Locks between processes *and* threads -- :class:`ByteLock`:
-
-* The lock that processes see is an *open file description* (OFD) lock on one byte of
-  a file (Linux ``F_OFD_SETLKW``). It belongs to the open file description, not to the
-  process: POSIX ``lockf``/``fcntl`` record locks belong to the process, so two threads
-  of one process that wait on two locks look to the kernel like one owner waiting on
-  itself, and it answers ``EDEADLK`` ("Resource deadlock avoided") to a thread of
-  another process that closes the false cycle. The kernel does no deadlock detection on
-  OFD locks; our lock order (documented by each user) prevents real cycles.
-* Threads of one process share that description, so an OFD lock does not separate
-  them: each ByteLock holds a thread lock, always taken *before* the OFD lock and
-  released after it.
-* A process killed while holding the lock loses it when its last descriptor on that
-  description closes, i.e. at its death.
-* Fork: a fork child inherits the *same* description, so parent and child would hold
-  each other's locks (a lock held by the parent at the fork would look held by the
-  child too, and either one's unlock would drop both). The objects that own a
-  descriptor therefore call :func:`reopen_description` in a fork child (through their
-  cache's at-fork hook, before any code of the child runs): the child then has its own
-  description under the same descriptor number, and :meth:`ByteLock.renew_after_fork`
-  gives it fresh thread locks (a thread of the parent may have held one at the fork).
-  Should the reopen fail (out of descriptors, say), every later take raises a
-  RuntimeError that says so instead of silently sharing the parent's locks.
 
 One aligned 8-byte word: shared memory structures publish with a single aligned 8-byte
 store through a mapping (a ``ctypes`` 64-bit integer at an 8-byte-aligned address, which
@@ -82,202 +61,39 @@ if _MISSING:
         f"{', '.join(_MISSING)}."
     )
 
-import contextlib  # noqa: E402  (after the check: fcntl does not exist everywhere)
-import ctypes  # noqa: E402
+import ctypes  # noqa: E402  (after the check: what follows needs what it checks)
 import errno  # noqa: E402
-import fcntl  # noqa: E402
-import functools  # noqa: E402
 import mmap  # noqa: E402
 import select  # noqa: E402
-import struct  # noqa: E402
-import threading  # noqa: E402
-from typing import Iterator  # noqa: E402
 
 __all__ = [
     "ByteLock", "CreatorWatch", "creator_pid", "map_shared_bytes", "new_memfd", "pid_alive", "rename_exchange",
     "reopen_description", "reopen_peer_fd", "try_flock", "unmap_bytes",
 ]
 
-# struct flock on Linux: l_type, l_whence (short); l_start, l_len (off_t); l_pid (0 for
-# OFD locks), padded to 32 bytes
-_FLOCK = struct.Struct("@hhqqi4x")
+
+def _load_sibling(name: str):
+    """The torch-free module ``shared_td.<name>`` (``name`` may be dotted:
+    ``coordinator.registry``): the one imported already, else loaded by its path below
+    this file's folder, as this module may be (the coordinator's manager process loads
+    them alone: importing the package would import torch)."""
+    import importlib.util
+    full_name = f"shared_td.{name}"
+    if "shared_td" in sys.modules:  # imported through the package
+        return importlib.import_module(full_name)
+    if full_name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            full_name, os.path.join(os.path.dirname(os.path.abspath(__file__)), *name.split(".")) + ".py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[full_name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[full_name]
 
 
-def _request(kind: int, byte: int) -> bytes:
-    return _FLOCK.pack(kind, os.SEEK_SET, byte, 1, 0)
-
-
-class _ThreadLock(threading.RLock().__class__):
-    """A C ``RLock`` (``with`` enters and exits in C, ``_is_owned()`` is a C check) that
-    also answers :meth:`locked`, as a ``threading.Lock`` does: held by any thread."""
-
-    def locked(self) -> bool:
-        if self._is_owned() or not self.acquire(False):
-            return True
-        self.release()
-        return False
-
-
-class ByteLock:
-    """Byte ``byte`` of the file open as ``fd`` locked between processes (an OFD lock)
-    and between this process's threads (a thread lock, :attr:`threads`, taken first).
-
-    Shared (:meth:`take_shared`) holders exclude exclusive ones (:meth:`take`), as a
-    reader-writer lock. The descriptor must stay open for the lock's life; the lock does
-    not own it.
-
-    Hold it with this exact pattern (or :meth:`hold`, which wraps it)::
-
-        if lock.threads._is_owned():
-            raise lock.reentered("what is being done")
-        with lock.threads:
-            try:
-                lock.take()        # or lock.take_shared()
-                ...                # the locked section
-            finally:
-                lock.give_back()
-
-    Why this shape: an exception raised by a signal handler (Ctrl-C's
-    KeyboardInterrupt, a test-timeout alarm) surfaces at the next point where CPython
-    checks for pending signals: right after any call returns and at the entry of any
-    Python function. A lock taken by a call that *returns*, then protected by a
-    ``try`` (or released by a Python ``__exit__``), can so be left held for ever by a
-    process that caught the exception, and every other process then waits on it. Here
-    no Python frame runs between taking and protecting, nor between the section and
-    giving back: ``with`` on a thread lock enters and exits in C; :meth:`take`,
-    :meth:`take_shared` and :meth:`give_back` are C calls (``functools.partial`` of
-    ``fcntl``), each inside the ``try``; and giving back a byte not taken (``take``
-    interrupted) is a no-op, as no other thread of this process can hold it on this
-    description (we hold :attr:`threads`).
-
-    Re-entry: :attr:`threads` is an ``RLock`` for its ``_is_owned()``, a C check only
-    the owning thread can pass: a signal handler or finalizer using the lock while the
-    frame it interrupted holds it would wait for ever on itself; the check makes it a
-    RuntimeError (:meth:`reentered`) instead.
-
-    Example:
-        >>> import tempfile
-        >>> with tempfile.TemporaryFile() as f:
-        ...     lock = ByteLock(f.fileno(), 0)
-        ...     with lock.threads:
-        ...         try:
-        ...             _ = lock.take_shared()  # (fcntl's answer: the request's bytes)
-        ...         finally:
-        ...             _ = lock.give_back()
-        ...     with lock.hold(exclusive=True):
-        ...         pass
-    """
-
-    __slots__ = ("fd", "byte", "threads", "holder", "take", "take_shared", "give_back")
-
-    def __init__(self, fd: int, byte: int, *, for_blocks: bool = False):
-        self.fd = fd
-        self.byte = byte
-        # for _is_owned() (see "Re-entry" above); a lock held only by hold() blocks
-        # (``for_blocks``) is a plain Lock, released by whichever thread leaves the block
-        # (a generator resumed or closed on another thread), its holder noted for re-entry
-        self.threads = threading.Lock() if for_blocks else _ThreadLock()
-        self.holder: int | None = None  # the thread inside a hold() block
-        self.take = functools.partial(fcntl.fcntl, fd, fcntl.F_OFD_SETLKW, _request(fcntl.F_WRLCK, byte))
-        self.take_shared = functools.partial(fcntl.fcntl, fd, fcntl.F_OFD_SETLKW, _request(fcntl.F_RDLCK, byte))
-        self.give_back = functools.partial(fcntl.fcntl, fd, fcntl.F_OFD_SETLK, _request(fcntl.F_UNLCK, byte))
-
-    @contextlib.contextmanager
-    def hold(self, exclusive: bool = True) -> Iterator[None]:
-        """The pattern above as a context manager, for code that is not on a hot path.
-        Its own entry and exit are Python frames: an exception that a signal handler
-        raises exactly there leaves the lock held until that exception is discarded
-        (the generator is then closed, which gives the lock back)."""
-        take = self.take if exclusive else self.take_shared
-        me = threading.get_ident()
-        if self.holder == me or (isinstance(self.threads, _ThreadLock) and self.threads._is_owned()):
-            raise self.reentered("a nested hold() of the same lock")
-        with self.threads:
-            self.holder = me
-            try:
-                take()
-                yield
-            finally:
-                self.holder = None
-                self.give_back()
-
-    def reentered(self, what: str) -> RuntimeError:
-        """The error for this thread taking the lock it already holds (``what``: the
-        operation), which waiting would turn into a hang. Example:
-
-            >>> import tempfile
-            >>> with tempfile.TemporaryFile() as f:
-            ...     print("signal handler" in str(ByteLock(f.fileno(), 0).reentered("x")))
-            True
-        """
-        return RuntimeError(
-            f"{what}: this thread is in the middle of an operation on the same lock (byte "
-            f"{self.byte} of descriptor {self.fd}): a signal handler or finalizer (__del__, weakref "
-            "callback) used it while the code it interrupted held it, or a block was nested. Waiting "
-            "would hang for ever: do that work outside the handler (set a flag there, act on it later)."
-        )
-
-    def renew_after_fork(self, reopen_error: OSError | None = None) -> None:
-        """In a fork child, after :func:`reopen_description` of ``fd``: a fresh thread
-        lock; if the reopen failed (``reopen_error``), refuse every later take (and
-        never give back: the description is still the parent's, with its locks)."""
-        self.threads = _ThreadLock() if isinstance(self.threads, _ThreadLock) else threading.Lock()
-        self.holder = None
-        if reopen_error is not None:
-            message = (
-                f"This fork child could not open its own description of descriptor "
-                f"{self.fd} ({reopen_error}), so it cannot take locks that exclude its "
-                "parent's. Start the process with the 'spawn' method, or pass the object "
-                "to it pickled."
-            )
-
-            def refuse():
-                raise RuntimeError(message)
-
-            self.take = self.take_shared = refuse
-            self.give_back = _nothing
-
-
-def _nothing() -> None:
-    pass
-
-
-def reopen_description(fd: int) -> None:
-    """Make ``fd`` refer to a new open file description of the same file, with the same
-    access mode, close-on-exec (through ``/proc/self/fd``); the old description stays
-    with whoever else refers to it (the fork parent). OSError if it cannot.
-
-    Example:
-        >>> fd = os.memfd_create("example")
-        >>> reopen_description(fd); os.fstat(fd).st_size
-        0
-        >>> os.close(fd)
-    """
-    flags = fcntl.fcntl(fd, fcntl.F_GETFL) & (os.O_ACCMODE | os.O_APPEND)
-    new_fd = os.open(f"/proc/self/fd/{fd}", flags | os.O_CLOEXEC)
-    try:
-        os.dup2(new_fd, fd, inheritable=False)
-    finally:
-        os.close(new_fd)
-
-
-def try_flock(fd: int) -> bool:
-    """Take the exclusive ``flock`` of ``fd`` without waiting; False if another open
-    file description holds it. Closing ``fd`` (its last descriptor) drops it.
-
-    Example:
-        >>> import tempfile
-        >>> with tempfile.NamedTemporaryFile() as f:
-        ...     other = os.open(f.name, os.O_RDONLY)
-        ...     try_flock(f.fileno()), try_flock(other)
-        ...     os.close(other)
-        (True, False)
-    """
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    return True
+_memory_check = _load_sibling("memory_check")
+# the lock primitives, in a module of their own (see there); their home for importers is here
+_locks = _load_sibling("platform_locks")
+ByteLock, reopen_description, try_flock = _locks.ByteLock, _locks.reopen_description, _locks.try_flock
 
 
 # --------------------------------------------------------------------- memfds
@@ -315,26 +131,6 @@ def new_memfd(name: str, nbytes: int) -> int:
 
 # Reserved in chunks of this size, the memory checked again before each
 _ALLOCATE_CHUNK = 1 << 28
-
-
-def _load_sibling(name: str):
-    """The torch-free module ``shared_td.<name>`` (a file beside this one): the one
-    imported already, else loaded by its path, as this module may be (the coordinator's
-    manager process loads it alone: importing the package would import torch)."""
-    import importlib.util
-    full_name = f"shared_td.{name}"
-    if "shared_td" in sys.modules:  # imported through the package
-        return importlib.import_module(full_name)
-    if full_name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            full_name, os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[full_name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[full_name]
-
-
-_memory_check = _load_sibling("memory_check")
 
 
 def reopen_peer_fd(pid: int, fd: int, key: tuple[int, int]) -> int:

@@ -15,6 +15,7 @@ from tests.leakcheck import this_process_in_shm
 
 import shared_td.memmap_tensor as memmap_tensor
 from shared_td.memmap_tensor import MemoryMappedTensor
+from shared_td.memmap_tensor.tensor import maps_file_at
 from shared_td.storage.anonymous import Segment
 from shared_td.storage.files import FileTooShortError
 
@@ -244,9 +245,9 @@ def test_filename_is_absolute(tmp_path, monkeypatch):
     tensor = MemoryMappedTensor.zeros(2, filename="rel.memmap")
     assert tensor.filename == str(tmp_path / "rel.memmap")
     assert tensor[0].filename == tensor.filename
-    assert tensor._is_file_backed_at("rel.memmap")
-    assert not tensor._is_file_backed_at(tmp_path / "other.memmap")
-    assert not MemoryMappedTensor.zeros(2)._is_file_backed_at("rel.memmap")
+    assert maps_file_at(tensor._backing, "rel.memmap")
+    assert not maps_file_at(tensor._backing, tmp_path / "other.memmap")
+    assert not maps_file_at(MemoryMappedTensor.zeros(2)._backing, "rel.memmap")
 
 
 def test_existsok_and_files_only_grow(tmp_path):

@@ -24,75 +24,26 @@ from shared_td.containers.nontensor_ops import NonTensorOps
 from shared_td.containers.pinning import PinningOps
 from shared_td.containers.splitting import BatchSplitOps
 from shared_td.containers.updates import UpdateOps
-from shared_td.errors import BatchSizeMismatchError, KeyThroughLeafError
+# the value kinds live below this module; also importable from here, where code
+# outside the package has always found them (__all__)
+from shared_td.containers.value_kinds import (
+    TensorDictRoot, check_write_into, default_is_leaf, is_leaf_nontensor, is_non_tensor, is_non_tensor_class,
+    is_tensor_collection, on_cuda, parse_device, self_nesting_error)
+from shared_td.errors import KeyThroughLeafError
 from shared_td.keys import NestedKey, is_nested_key, key_repr, unravel_key
 from shared_td.containers.memmap_methods import MemmapMethods
-from shared_td.tensorclass_protocol import is_tensorclass, unwrap_tensorclass
+from shared_td.tensorclass_protocol import unwrap_tensorclass
+
+__all__ = [
+    "NO_DEFAULT", "TensorDictBase", "check_write_into", "default_is_leaf", "is_leaf_nontensor", "is_non_tensor",
+    "is_non_tensor_class", "is_tensor_collection", "on_cuda", "parse_device", "self_nesting_error",
+]
 
 NO_DEFAULT = object()
 
 
-def parse_device(device: Any) -> torch.device | None:
-    """``device`` as a torch.device (None stays None); a CUDA device without an index is
-    the current CUDA device, as tensordict makes it (``TensorDict(..., device="cuda")``
-    has the device ``cuda:0``, and its leaves compare equal to it)."""
-    if device is None:
-        return None
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def on_cuda(device: torch.device | None) -> bool:
-    """Whether ``device`` (None: not one) is a CUDA device."""
-    return device is not None and device.type == "cuda"
-
-
-def is_tensor_collection(value: Any) -> bool:
-    """True for tensordicts, tensorclass instances and non-tensor containers, and for
-    their classes (as tensordict's: ``keys(is_leaf=...)`` passes classes, so
-    ``is_leaf=lambda cls: not is_tensor_collection(cls)`` must see them as collections)."""
-    if isinstance(value, type):
-        return issubclass(value, TensorDictBase) or is_tensorclass(value)
-    return isinstance(value, TensorDictBase) or is_tensorclass(value)
-
-
-def is_non_tensor(value: Any) -> bool:
-    """True for NonTensorData and NonTensorStack."""
-    return is_non_tensor_class(type(value))
-
-
-def is_non_tensor_class(cls: type) -> bool:
-    """True for the classes NonTensorData and NonTensorStack (and their subclasses)."""
-    return getattr(cls, "_is_non_tensor", False)
-
-
-def default_is_leaf(cls: type) -> bool:
-    """The default ``is_leaf`` of ``keys``/``values``/``items`` (as tensordict 0.15.3):
-    anything but a tensordict, a tensorclass or a non-tensor container, so
-    ``leaves_only=True`` lists tensors only.
-
-    Example:
-        >>> default_is_leaf(torch.Tensor), default_is_leaf(NonTensorData), default_is_leaf(TensorDict)
-        (True, False, False)
-    """
-    return not (issubclass(cls, TensorDictBase) or is_tensorclass(cls))
-
-
-def is_leaf_nontensor(cls: type) -> bool:
-    """An ``is_leaf`` that also counts NonTensorData and NonTensorStack as leaves.
-
-    Example:
-        >>> td = TensorDict(a=torch.zeros(()), task="walk")
-        >>> list(td.keys(leaves_only=True)), list(td.keys(leaves_only=True, is_leaf=is_leaf_nontensor))
-        (['a'], ['a', 'task'])
-    """
-    return default_is_leaf(cls) or getattr(cls, "_is_non_tensor", False)
-
-
-class TensorDictBase(LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, MemmapMethods, ConsolidateMethods,
-                     ComparisonOps, UpdateOps, PinningOps, ExtraNameOps):
+class TensorDictBase(TensorDictRoot, LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, MemmapMethods,
+                     ConsolidateMethods, ComparisonOps, UpdateOps, PinningOps, ExtraNameOps):
     """Common API of TensorDict, LazyStackedTensorDict and the non-tensor containers."""
 
     _is_non_tensor = False
@@ -229,9 +180,7 @@ class TensorDictBase(LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, Me
         path = unravel_key(key)
         value = self._get_path(path, NO_DEFAULT)
         if value is NO_DEFAULT:
-            if default is not NO_DEFAULT:
-                return default
-            raise self._missing_key_error(path)
+            return self._default_for_missing(path, default)
         if len(path) > 1 and getattr(value, "_is_non_tensor", False):
             return self._non_tensor_through(path, value)  # (a rare case: a nested non-tensor)
         return value
@@ -240,6 +189,13 @@ class TensorDictBase(LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, Me
         """The non-tensor entry ``value`` found at the nested ``path``, as ``get`` gives it
         (a TensorDict links one found through a lazy stack to the stack's members)."""
         return value
+
+    def _default_for_missing(self, path: tuple[str, ...], default: Any) -> Any:
+        """What ``get`` of the missing ``path`` gives: ``default``, else (none given) the
+        KeyError of :meth:`_missing_key_error` raised."""
+        if default is NO_DEFAULT:
+            raise self._missing_key_error(path)
+        return default
 
     def _missing_key_error(self, path: tuple[str, ...]) -> KeyError:
         """The error for the missing ``path``: a KeyThroughLeafError (KeyError and the
@@ -533,42 +489,3 @@ class TensorDictBase(LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, Me
         if handler is None:
             return NotImplemented
         return handler(*args, **(kwargs or {}))
-
-
-def check_write_into(current: Any, value: Any, key: str | tuple[str, ...]) -> None:
-    """Raise, naming the key, if the converted ``value`` cannot be written in place into
-    the entry ``current``; writes nothing (update_ checks every entry before writing)."""
-    if isinstance(current, torch.Tensor):
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(
-                f"Cannot write a {type(value).__name__} in place into tensor entry {_shown(key)}."
-            )
-        if not batch_ops.broadcasts_to(value.shape, current.shape):
-            raise BatchSizeMismatchError(
-                f"Cannot write a value of shape {list(value.shape)} in place into entry "
-                f"{_shown(key)} of shape {list(current.shape)}."
-            )
-    elif is_non_tensor(current):
-        try:
-            current._check_update(value)
-        except (ValueError, TypeError) as error:  # BatchSizeMismatchError too: name the key
-            raise type(error)(f"Cannot write into the non-tensor entry {_shown(key)}: {error}") from None
-    elif is_tensor_collection(current) and (not is_tensor_collection(value) or is_non_tensor(value)):
-        raise TypeError(
-            f"Cannot write a {type(value).__name__} in place into the nested tensordict "
-            f"{_shown(key)}: give a dict or tensordict of its entries."
-        )
-
-
-def _shown(key: str | tuple[str, ...]) -> str:
-    """How an error message names ``key`` (made only when there is an error)."""
-    return key_repr(key) if isinstance(key, tuple) else repr(key)
-
-
-def self_nesting_error(key: NestedKey) -> ValueError:
-    """The ValueError (as in tensordict) for setting a tensordict inside itself, which
-    would make a cycle that every walk of the tree (repr, clone, memmap_) loops on."""
-    return ValueError(
-        f"Cannot set a tensordict inside itself (key {_shown(key)}): a tensordict cannot "
-        "contain itself. Set a copy (td.clone()) or another tensordict instead."
-    )

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from shared_td.errors import BatchDimError, IndexTypeError
+from shared_td.errors import BatchDimError, BatchSizeMismatchError, IndexTypeError
 
 _BASIC_INDEX_TYPES = (int, slice, type(None), type(Ellipsis))
 
@@ -332,19 +332,6 @@ def _block_names(shapes: list, taken: list, masks: int = 0) -> list:
     return block
 
 
-def common_batch_prefix(shapes: Sequence[torch.Size]) -> torch.Size:
-    """The longest leading shape shared by all ``shapes`` (for automatic batch sizes)."""
-    if not shapes:
-        return torch.Size([])
-    prefix = list(shapes[0])
-    for shape in shapes[1:]:
-        n = 0
-        while n < min(len(prefix), len(shape)) and prefix[n] == shape[n]:
-            n += 1
-        prefix = prefix[:n]
-    return torch.Size(prefix)
-
-
 def rows_source(index: Any, source: Any, rows: torch.Size, batch_size: torch.Size, *,
                 broadcast: bool = False) -> Any:
     """The tensordict ``source`` of ``td[index] = source`` fitted to the indexed ``rows``,
@@ -363,8 +350,6 @@ def rows_source(index: Any, source: Any, rows: torch.Size, batch_size: torch.Siz
         >>> rows_source((slice(0, 1),), src, torch.Size([1, 3]), torch.Size([4, 3])).batch_size
         torch.Size([1, 3])
     """
-    from shared_td.errors import BatchSizeMismatchError
-
     size = source.batch_size
     if 0 < len(size) < len(rows) and rows[len(rows) - len(size):] == size:
         return source.expand(rows)

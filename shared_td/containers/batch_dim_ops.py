@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from shared_td.containers import batch as batch_ops
+from shared_td.containers.value_kinds import is_non_tensor
 from shared_td.errors import BatchDimError, TransposeDimError
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 
@@ -134,8 +135,6 @@ class BatchDimOps:
         """The result of flatten/unflatten: ``tensor_op`` on tensors, ``nested_op`` on
         nested tensordicts, a reshape on non-tensor entries; ``rename(names)`` gives the
         new names of a tensordict's batch dims (of a nested one too) from its own."""
-        from shared_td.containers.base import is_non_tensor
-
         if inplace:
             self._change_in_place(op, new_size, rename, tensor_op)
             return self
@@ -159,8 +158,6 @@ class BatchDimOps:
         their identity; each is changed once, also one held under two keys (tensordict
         0.15.3 changes it twice and fails halfway), and every new entry is made before
         the first is stored, so that nothing changes when it raises."""
-        from shared_td.containers.base import is_non_tensor
-
         nb = self.batch_dims
         planned = []
         for node in self._nodes_in_place(op, {}).values():
@@ -181,8 +178,6 @@ class BatchDimOps:
         """``nodes`` (by id) with self and the tensordicts nested in it (also inside
         tensorclasses), each once; raises before anything changes if an in-place ``op``
         cannot run on this tree (a lock, a lazy stack)."""
-        from shared_td.containers.base import is_non_tensor
-
         self._check_unlocked((), f"{op} in place")
         nodes[id(self)] = self
         for key, value in self._tensordict.items():

@@ -8,7 +8,9 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
-from shared_td.tensorclass_protocol import unwrap_tensorclass
+from shared_td.containers.value_kinds import is_leaf_nontensor, is_non_tensor, is_tensor_collection
+from shared_td.errors import BatchSizeMismatchError
+from shared_td.tensorclass_protocol import is_tensorclass, unwrap_tensorclass
 
 if TYPE_CHECKING:  # (base imports this module)
     from shared_td.containers.base import TensorDictBase
@@ -18,7 +20,7 @@ class ComparisonOps:
     """Element-wise comparisons over the leaves, and the truth of a whole tree."""
 
     def _compare(self, other: Any, op: Callable, other_type: bool = False) -> "TensorDictBase | bool":
-        from shared_td.containers.base import TensorDictBase, is_leaf_nontensor
+        from shared_td.containers.base import TensorDictBase  # (base imports this module)
 
         if isinstance(other, dict):
             other = type(self)(other, batch_size=self.batch_size)
@@ -45,9 +47,6 @@ class ComparisonOps:
         as ``expand``), and every leaf sees ``t`` over its own trailing dims: ``td ==
         torch.tensor([0., 1., 0.])`` of batch [3] compares row ``i`` of each leaf with
         ``t[i]`` (torch alone would line ``t`` up with a leaf's last dim)."""
-        from shared_td.containers.base import is_non_tensor
-        from shared_td.errors import BatchSizeMismatchError
-
         try:
             size = torch.broadcast_shapes(self.batch_size, other.shape)
         except RuntimeError as err:
@@ -114,7 +113,6 @@ class ComparisonOps:
 
     def _reduced(self, op: str, dim: int) -> "TensorDictBase":
         """``all(dim)``/``any(dim)``: each entry reduced along the batch dim ``dim``."""
-        from shared_td.containers.base import is_non_tensor
         from shared_td.containers.batch_dim_ops import batch_dim
         from shared_td.containers.tensordict import TensorDict
 
@@ -140,14 +138,10 @@ class ComparisonOps:
 
     def is_empty(self) -> bool:
         """True if the tensordict holds no leaf (tensor or non-tensor) at any depth."""
-        from shared_td.containers.base import is_leaf_nontensor
-
         return next(iter(self.keys(True, True, is_leaf_nontensor)), None) is None
 
 
 def _equal(value: Any, other: Any) -> Any:
-    from shared_td.containers.base import is_non_tensor
-
     if is_non_tensor(value):
         if is_non_tensor(other):  # the same entry of another tensordict
             return value._compare_data(other)
@@ -163,8 +157,6 @@ def _not_equal(value: Any, other: Any) -> Any:
 def _ordered(op: Callable) -> Callable:
     """``<``, ``<=``, ``>``, ``>=`` on one leaf: non-tensor entries are kept as they
     are (not compared), as tensordict does."""
-    from shared_td.containers.base import is_non_tensor
-
     return lambda value, other: value if is_non_tensor(value) else op(value, other)
 
 
@@ -188,9 +180,6 @@ def _none_field_entries(mine: Any, theirs: Any, my_keys: set, missing: set) -> s
 def _none_fields(value: Any, prefix: tuple = ()) -> set:
     """The keys (as ``keys(True)`` gives them) of the tensorclass fields set to None in
     ``value``, a tensorclass or a tensordict holding some at any depth."""
-    from shared_td.containers.base import is_non_tensor, is_tensor_collection
-    from shared_td.tensorclass_protocol import is_tensorclass
-
     keys = set()
     if is_tensorclass(value):
         held = set(value._tensordict.keys())

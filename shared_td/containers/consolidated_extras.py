@@ -405,7 +405,8 @@ class _Suspend:
 
 
 class _Reduced:
-    """A reduction pickled as it is."""
+    """A reduction kept to be pickled as it is (inside another one; also
+    consolidated_pickle.py's)."""
 
     __slots__ = ("reduction",)
 
@@ -413,7 +414,11 @@ class _Reduced:
         self.reduction = reduction
 
     def __reduce_ex__(self, protocol: int) -> tuple:
-        return self.reduction
+        # (the pickler allows copyreg.__newobj__ only for an object of the class named)
+        function, args, *rest = self.reduction
+        if function is copyreg.__newobj__:
+            function = _new
+        return (function, args, *rest)
 
 
 def _whole(suspended: None, root: Any, resumed: None) -> Rebuilt:
@@ -465,8 +470,8 @@ def _layout_of(tree: Any) -> Any:
     return tree.layout
 
 
-def _new(cls: type) -> Any:
-    return cls.__new__(cls)
+def _new(cls: type, *args: Any) -> Any:
+    return cls.__new__(cls, *args)
 
 
 def _view_at(tree: Any, entry: tuple) -> torch.Tensor:

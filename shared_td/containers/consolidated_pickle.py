@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from shared_td.containers import consolidated_extras as extras_
+from shared_td.containers.consolidated_extras import _Reduced
 from shared_td.containers.consolidated_layout import Layout, runs_of, views_of_runs
 from shared_td.containers.consolidated_skeleton import ALIASED, Skeleton, is_aliased, place
 from shared_td.containers.locking import LockingOps
@@ -379,24 +380,8 @@ def unlocked_on_arrival(obj: Any, reduced: tuple, protocol: int) -> tuple:
     return reduced
 
 
-class _Reduced:
-    """A reduction kept to be pickled as it is (inside another one)."""
-
-    __slots__ = ("reduction",)
-
-    def __init__(self, reduction: tuple):
-        self.reduction = reduction
-
-    def __reduce_ex__(self, protocol: int) -> tuple:
-        # (the pickler allows copyreg.__newobj__ only for an object of the class named)
-        function, args, *rest = self.reduction
-        if function is copyreg.__newobj__:
-            function = _new
-        return (function, args, *rest)
-
-
-def _new(cls: type, *args: Any) -> Any:
-    return cls.__new__(cls, *args)
+# a pickle made before consolidated_extras took over _Reduced names its _new here
+_new = extras_._new
 
 
 def _unlock_arrived(obj: Any) -> Any:

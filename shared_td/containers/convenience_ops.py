@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from shared_td.containers.value_kinds import is_leaf_nontensor, is_non_tensor, is_tensor_collection
 from shared_td.errors import KeyThroughLeafError, KeyTypeError
 from shared_td.keys import NestedKey, unravel_key
 from shared_td.tensorclass_protocol import unwrap_tensorclass
@@ -66,7 +67,7 @@ class ConvenienceOps:
             KeyError: naming the key, if the source has a key that self lacks.
         """
         from shared_td.containers import index_writes
-        from shared_td.containers.base import TensorDictBase, is_leaf_nontensor
+        from shared_td.containers.base import TensorDictBase  # (base imports this module)
         from shared_td.containers.lazy import LazyStackedTensorDict
         from shared_td.containers.tensordict import TensorDict
 
@@ -127,7 +128,6 @@ class ConvenienceOps:
             >>> plain.is_locked, type(plain["a"]).__name__, plain["a"].data_ptr() != td["a"].data_ptr()
             (False, 'Tensor', True)
         """
-        from shared_td.containers.base import is_non_tensor, is_tensor_collection
         from shared_td.containers.lazy import LazyStackedTensorDict
         from shared_td.containers.tensordict import TensorDict
 
@@ -379,7 +379,6 @@ class ConvenienceOps:
 
         import torch
 
-        from shared_td.containers.base import is_non_tensor
         from shared_td.containers.tensordict import TensorDict
 
         size = tuple(batch_ops.shape_args(size))
@@ -463,8 +462,6 @@ def _tensorclass_new_like(tc: Any, out: Any) -> Any:
     >>> type(p).__name__, p.x.tolist(), p.label
     ('Point', [0.0, 0.0], 'a')
     """
-    from shared_td.containers.base import is_non_tensor
-
     for key, value in tc._tensordict.items():
         if is_non_tensor(value):  # (out holds an empty tensordict there)
             out.set_non_tensor(key, tc._tensordict.get_non_tensor(key))
@@ -498,7 +495,6 @@ def _detach_leaves(node: Any) -> None:
     tensorclass), at every depth: a lazy stack's own members (its ``get`` gives copies)."""
     import torch
 
-    from shared_td.containers.base import is_non_tensor, is_tensor_collection
     from shared_td.containers.lazy import LazyStackedTensorDict
 
     node = unwrap_tensorclass(node)

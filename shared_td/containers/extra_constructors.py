@@ -11,6 +11,7 @@ from typing import Any, Sequence
 
 import torch
 
+from shared_td.containers.value_kinds import is_tensor_collection
 from shared_td.tensorclass_protocol import is_tensorclass, unwrap_tensorclass
 
 
@@ -205,7 +206,6 @@ def _from_dicts(items: list, *, auto_batch_size: bool | None, batch_size: torch.
                 batch_dims: int | None, names: Any) -> list:
     """Each dict of ``items`` as a TensorDict of the result's sizes and names without
     their first (list) dim; tensor collections as they are."""
-    from shared_td.containers.base import is_tensor_collection
     from shared_td.containers.tensordict import TensorDict
 
     options = dict(

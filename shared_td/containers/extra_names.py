@@ -20,6 +20,7 @@ import torch
 from shared_td.containers import batch as batch_ops
 from shared_td.containers import extra_constructors as build
 from shared_td.containers import extra_split_keys as split_key_parts
+from shared_td.containers.value_kinds import is_leaf_nontensor, is_tensor_collection
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 if TYPE_CHECKING:  # (base imports this module)
@@ -99,8 +100,6 @@ class ExtraNameOps:
             >>> TensorDict(a=0).depth, TensorDict(a={"b": {"c": 0}}).depth, TensorDict(a={}).depth
             (0, 2, 0)
         """
-        from shared_td.containers.base import is_leaf_nontensor
-
         keys = self.keys(include_nested=True, leaves_only=True, is_leaf=is_leaf_nontensor)
         return max((len(key) - 1 for key in keys if isinstance(key, tuple)), default=0)
 
@@ -291,7 +290,6 @@ def _without_non_tensors(results: "TensorDictBase", source: "TensorDictBase") ->
     place: writing one back into itself would write a shared value over what another
     process may have written since. (A non-tensor that ``fn`` returned for a tensor
     leaf stays, and ``update_`` refuses it.)"""
-    from shared_td.containers.base import is_tensor_collection
     from shared_td.containers.lazy import LazyStackedTensorDict
 
     if isinstance(results, LazyStackedTensorDict):  # (made member by member from source's)

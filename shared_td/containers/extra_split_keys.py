@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from shared_td.containers.value_kinds import is_non_tensor, is_tensor_collection
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 #: split_keys's ``default`` when none is given
@@ -59,8 +60,6 @@ def split_keys(td: Any, key_sets: tuple, *, inplace: bool, default: Any, strict:
 
 def _drop_non_tensors(td: Any) -> None:
     """Remove every non-tensor entry of ``td``, at every depth (in place)."""
-    from shared_td.containers.base import is_non_tensor, is_tensor_collection
-
     for key, value in list(td.items()):
         if is_non_tensor(value):
             td.del_(key)
@@ -71,8 +70,6 @@ def _drop_non_tensors(td: Any) -> None:
 def _drop_empty(td: Any) -> None:
     """Remove the nested tensordicts of ``td`` that hold no leaf, at every depth (in
     place; tensordict's ``filter_empty_``)."""
-    from shared_td.containers.base import is_non_tensor, is_tensor_collection
-
     for key, value in list(td.items()):
         if not is_tensor_collection(value) or is_non_tensor(value):
             continue

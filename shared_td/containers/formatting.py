@@ -11,6 +11,7 @@ from typing import Any, Union
 
 import torch
 
+from shared_td.containers.value_kinds import is_non_tensor, is_tensor_collection
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 
@@ -31,8 +32,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _entry(value: Any, owner: Any) -> Entry:
-    from shared_td.containers.base import is_non_tensor, is_tensor_collection
-
     if isinstance(value, torch.Tensor):
         feature = ",".join(str(d) for d in value.shape[owner.batch_dims :])
         token = f"{_dtype_name(value.dtype)}[{feature}]"

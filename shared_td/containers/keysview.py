@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Iterator
 
+from shared_td.containers.value_kinds import default_is_leaf, is_non_tensor_class
 from shared_td.keys import is_nested_key, unravel_key
 from shared_td.tensorclass_protocol import is_tensorclass
 
@@ -54,13 +55,13 @@ class KeysView:
             return self._td._keys_str()  # every key is listed: no value is looked at
         return iter(self._listed())
 
-    def pairs(self, parents_last: bool = False) -> Iterator[tuple]:
+    def pairs(self) -> Iterator[tuple]:
         """``(key, value)`` in the order of values() and items(), the value as the walk
         found it, or UNSEEN where only ``get(key)`` gives it (below a lazy stack, whose
         walk peeks at its members): they need no second walk from the root per key.
-        tensordict 0.15.3 lists a nested tensordict before its keys there, and after
-        them in keys() (``parents_last``)."""
-        pairs = self._walk(self._td, (), True, {}, parents_last)
+        tensordict 0.15.3 lists a nested tensordict before its keys there (and after
+        them in keys(), see :meth:`_collect`)."""
+        pairs = self._walk(self._td, (), True, {})
         if self._sort:
             pairs = iter(sorted(pairs, key=_pair_sort_name))
         return pairs
@@ -70,8 +71,6 @@ class KeysView:
         whether it is a tensorclass (the walk goes into its tensordict); kept in
         ``kinds`` for the rest of one walk (``is_leaf`` is given the type only, and a
         1000-node tree has two types: asking per value was most of its walk)."""
-        from shared_td.containers.base import default_is_leaf, is_non_tensor_class
-
         leaf = bool((self._is_leaf or default_is_leaf)(cls))
         # a tensor collection (what default_is_leaf is not) other than a non-tensor
         # container, which has no keys to walk into
@@ -88,18 +87,14 @@ class KeysView:
             return td._items_str(), exact
         return ((key, td._peek_str(key, None)) for key in td._keys_str()), False
 
-    def _walk(self, td: Any, prefix: tuple, exact: bool, kinds: dict, parents_last: bool) -> Iterator:
+    def _walk(self, td: Any, prefix: tuple, exact: bool, kinds: dict) -> Iterator:
         entries, exact = self._entries(td, exact)
         for key, value in entries:
             listed, walked, wrapped = kinds.get(type(value)) or self._kind(type(value), kinds)
-            pair = (prefix + (key,) if prefix else key), (value if exact else UNSEEN)
-            if listed and not (walked and parents_last):
-                yield pair
+            if listed:
+                yield (prefix + (key,) if prefix else key), (value if exact else UNSEEN)
             if walked:
-                yield from self._walk(value._tensordict if wrapped else value, prefix + (key,), exact, kinds,
-                                      parents_last)
-                if listed and parents_last:
-                    yield pair
+                yield from self._walk(value._tensordict if wrapped else value, prefix + (key,), exact, kinds)
 
     def _listed(self) -> list:
         """The keys :meth:`__iter__` gives, made at once into a list: appending from one

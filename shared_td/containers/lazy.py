@@ -4,12 +4,14 @@ The members are kept as they are (``lazy.tensordicts`` holds the very objects), 
 entries may have different feature shapes; reading a key stacks the members' values,
 writing a key splits the value along ``stack_dim`` into the members.
 
-This module holds the class: construction, properties, reads (``get``, ``pop``, keys),
-conversions and repr. The rest comes from three mixins, each in its own module:
+This module holds the class: construction, properties, reads (``get``, ``pop``, keys;
+the reads of entries whose shapes differ across members are in lazy_ragged.py),
+conversions and repr. The rest comes from four mixins, each in its own module:
 lazy_writes.py (LazyWriteOps: set, update, ``lazy[idx] = ...``, del), lazy_shape.py
 (LazyShapeOps: indexing, shape ops, torch.cat, member-wise maps such as apply and
-clone) and lazy_names.py (LazyNames: ``names``, its setter and ``stack_dim_name``).
-They do not import this module; the class is named only here.
+clone), lazy_names.py (LazyNames: ``names``, its setter and ``stack_dim_name``) and
+batch_dim_ops.py (LazyBatchDimOps: transpose, flatten, unflatten). They do not import
+this module; the class is named only here.
 """
 from __future__ import annotations
 
@@ -19,29 +21,16 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from shared_td.containers import batch as batch_ops
-from shared_td.containers.base import NO_DEFAULT, TensorDictBase, is_non_tensor, is_tensor_collection
+from shared_td.containers.base import NO_DEFAULT, TensorDictBase
 from shared_td.containers.batch_dim_ops import LazyBatchDimOps
+from shared_td.containers.lazy_ragged import Ragged, has_ragged_leaf, members_values, stacked
 from shared_td.containers.lazy_names import LazyNames, checked_stack_dim_name, names_members_agree_on
 from shared_td.containers.lazy_shape import LazyShapeOps, set_batch_size, stacked_into
 from shared_td.containers.lazy_writes import LazyWriteOps, _is_branch, _peek
+from shared_td.containers.value_kinds import is_non_tensor, is_tensor_collection
 from shared_td.errors import BatchSizeMismatchError
-from shared_td.keys import NestedKey, is_nested_key, key_repr, unravel_key
+from shared_td.keys import NestedKey, is_nested_key, unravel_key
 from shared_td.tensorclass_protocol import is_tensorclass, unwrap_tensorclass
-
-
-class _Ragged:
-    """What ``_get_path`` finds under a key whose tensors differ in shape across members."""
-
-    def __init__(self, path: tuple, values: list):
-        self.path, self.values = path, values
-
-    def error(self) -> RuntimeError:
-        shapes = [getattr(v, "shape", "ragged") for v in self.values]
-        return RuntimeError(
-            f"Failed to stack tensors within a tensordict under the key {key_repr(self.path)}: "
-            f"their shapes are {shapes}. To read them, pass as_padded_tensor=True, "
-            "as_nested_tensor=True or as_list=True to get()."
-        )
 
 
 # The mixins come before TensorDictBase so that their methods override its own; their
@@ -241,7 +230,7 @@ class LazyStackedTensorDict(LazyNames, LazyShapeOps, LazyBatchDimOps, LazyWriteO
 
     def _get_str(self, key: str, default: Any) -> Any:
         value = self._get_path((key,), default)
-        if isinstance(value, _Ragged):  # read through a parent: the same error as get()
+        if isinstance(value, Ragged):  # read through a parent: the same error as get()
             raise value.error()
         return value
 
@@ -254,36 +243,13 @@ class LazyStackedTensorDict(LazyNames, LazyShapeOps, LazyBatchDimOps, LazyWriteO
             values.append(value)
         if not values:
             return default
-        return self._combine(path, values)
-
-    def _combine(self, path: tuple, values: list) -> Any:
-        from shared_td.containers.nontensor import stack_non_tensors
-
-        if any(isinstance(v, _Ragged) for v in values):
-            return _Ragged(path, values)
-        if all(isinstance(v, torch.Tensor) for v in values):
-            if len({v.shape for v in values}) > 1:
-                return _Ragged(path, values)
-            return torch.stack(values, self._stack_dim)
-        if all(is_non_tensor(v) for v in values):
-            return stack_non_tensors(values, self._stack_dim)
-        if all(_is_branch(v) for v in values):
-            if is_tensorclass(values[0]) and all(type(v) is type(values[0]) for v in values):
-                # nested tensorclasses of one class stay that class, as in tensordict
-                return type(values[0])._from_tensordict(self._restack([v._tensordict for v in values]))
-            return self._restack(values)
-        raise TypeError(
-            f"Cannot stack the entry {key_repr(path)}: the members hold "
-            f"{sorted({type(v).__name__ for v in values})}."
-        )
+        return stacked(self, path, values)
 
     def _has_ragged_leaf(self) -> bool:
         """True when the members' tensors under some key differ in shape (reading that
         key stacked raises; LazyShapeOps._empty_selection asks)."""
-        from shared_td.containers.base import is_leaf_nontensor
+        return has_ragged_leaf(self)
 
-        return any(isinstance(self._get_path(unravel_key(key), None), _Ragged)
-                   for key in self.keys(True, True, is_leaf_nontensor))
 
     def _peek_str(self, key: str, default: Any) -> Any:
         """The entry ``key`` without stacking tensors: the first member's leaf, or a lazy
@@ -324,27 +290,13 @@ class LazyStackedTensorDict(LazyNames, LazyShapeOps, LazyBatchDimOps, LazyWriteO
         path = unravel_key(key)
         value = self._get_path(path, NO_DEFAULT)
         if value is NO_DEFAULT:
-            if default is not NO_DEFAULT:
-                return default
-            raise self._missing_key_error(path)
+            return self._default_for_missing(path, default)
         if not (as_list or as_padded_tensor or as_nested_tensor) or is_non_tensor(value):
-            if isinstance(value, _Ragged):
+            if isinstance(value, Ragged):
                 raise value.error()
             return self._written_through(path, value)  # (a non-tensor: its writes reach the members)
-        # a member that is a lazy stack itself gives its values the same way (a nested
-        # list, or its own padded tensor), since they may be ragged too
-        inner = {"as_list": as_list} if as_list else (
-            {"as_padded_tensor": True, "padding_side": padding_side, "padding_value": padding_value}
-            if as_padded_tensor else {})
-        values = [m.get(path, **inner) if isinstance(m, LazyStackedTensorDict) else m.get(path)
-                  for m in self.tensordicts]
-        if as_list:
-            return values
-        if not all(isinstance(v, torch.Tensor) for v in values):
-            raise TypeError(f"as_padded_tensor/as_nested_tensor need tensors under {key_repr(path)}.")
-        if as_nested_tensor:
-            return torch.nested.nested_tensor(values, layout=layout or torch.jagged)
-        return _pad_stack(values, padding_value, padding_side, path)
+        return members_values(self, path, as_list, as_padded_tensor, as_nested_tensor, padding_side, padding_value,
+                              layout)
 
     def __getitems__(self, indices: Sequence[int]) -> Any:
         """The rows at ``indices`` in one index operation (torch's DataLoader calls it
@@ -533,20 +485,3 @@ class LazyStackedTensorDict(LazyNames, LazyShapeOps, LazyBatchDimOps, LazyWriteO
             member_batch = list(batch_size[:sd]) + list(batch_size[sd + 1 :])
         return LazyStackedTensorDict(stack_dim=sd, batch_size=member_batch, device=self.device,
                                      stack_dim_name=name)
-
-
-def _pad_stack(values: list, padding_value: Any, side: str, path: tuple) -> torch.Tensor:
-    """Pad ``values`` to their largest shape and stack them along dim 0."""
-    if len({v.ndim for v in values}) > 1:
-        raise ValueError(f"Cannot pad the tensors under {key_repr(path)}: their numbers of dims differ.")
-    if side not in ("left", "right"):
-        raise ValueError(f"padding_side must be 'left' or 'right', got {side!r}.")
-    shape = [max(sizes) for sizes in zip(*[v.shape for v in values])]
-    out = torch.full([len(values), *shape], padding_value, dtype=values[0].dtype, device=values[0].device)
-    for i, value in enumerate(values):
-        if side == "right":
-            region = tuple(slice(0, n) for n in value.shape)
-        else:
-            region = tuple(slice(m - n, m) for n, m in zip(value.shape, shape))
-        out[i][region] = value
-    return out

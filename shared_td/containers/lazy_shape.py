@@ -22,6 +22,7 @@ from shared_td.containers import batch as batch_ops
 from shared_td.containers.base import NO_DEFAULT
 from shared_td.containers.lazy_names import indexed_names
 from shared_td.containers.reshaping import permute_order
+from shared_td.containers.value_kinds import is_leaf_nontensor, is_non_tensor
 from shared_td.keys import NestedKey
 
 if TYPE_CHECKING:  # for the annotations only: lazy.py imports this module
@@ -109,7 +110,6 @@ class LazyShapeOps:
             >>> shared_td.lazy_stack([inner, inner.clone()])[2:].batch_size
             torch.Size([0, 2])
         """
-        from shared_td.containers.base import is_leaf_nontensor, is_non_tensor
         from shared_td.containers.lazy_writes import _is_lazy
         from shared_td.containers.tensordict import TensorDict
 
@@ -392,8 +392,6 @@ def stacked_into(out: Any, result: Any) -> Any:
     node) holding some refuses before anything is written (tensordict writes the
     tensors first). (torch.cat's ``out=`` writes them in
     place, as tensordict's does: see _into.)"""
-    from shared_td.containers.base import is_leaf_nontensor, is_non_tensor
-
     if out is None:
         return result
     # (a key that out lacks is left to update_, which refuses it before writing)

@@ -11,8 +11,9 @@ from typing import Any, Iterator
 import torch
 
 from shared_td.containers import batch as batch_ops
+from shared_td.containers.value_kinds import is_leaf_nontensor, is_non_tensor
 from shared_td.errors import BatchSizeMismatchError
-from shared_td.keys import NestedKey
+from shared_td.keys import NestedKey, key_repr
 
 
 class NonTensorOps:
@@ -33,8 +34,6 @@ class NonTensorOps:
     def non_tensor_items(self, include_nested: bool = False) -> Iterator[tuple[NestedKey, Any]]:
         """``(key, entry)`` of every NonTensorData and NonTensorStack entry (nested ones
         too, as tuple keys, with ``include_nested``); the entries, not their values."""
-        from shared_td.containers.base import is_leaf_nontensor, is_non_tensor
-
         for key, value in self.items(include_nested, True, is_leaf_nontensor):
             if is_non_tensor(value):
                 yield key, value
@@ -52,7 +51,6 @@ def check_non_tensor_write(current: Any, index: tuple, source: Any, key: str | t
     ``current`` keeps its values (a shared cell, files: ``_check_storable``); writes
     nothing. ``key``: the entry's key (a tuple: its full nested key), for the errors."""
     from shared_td.containers.nontensor import NonTensorData, as_non_tensor, broadcast_values
-    from shared_td.keys import key_repr
 
     name = key_repr(key) if isinstance(key, tuple) else repr(key)
     source = as_non_tensor(source)  # (a list: one value per indexed element)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shared_td.containers import batch as batch_ops
+from shared_td.containers.value_kinds import is_non_tensor, is_tensor_collection
 
 if TYPE_CHECKING:  # for the annotations only: tensordict.py imports this module
     from shared_td.containers.tensordict import TensorDict
@@ -138,8 +139,6 @@ class BatchShapeOps:
             >>> td.auto_batch_size_().batch_size, td["b"].batch_size
             (torch.Size([3, 4]), torch.Size([3, 4, 6]))
         """
-        from shared_td.containers.base import is_non_tensor, is_tensor_collection
-
         valid = batch_dims is None or (type(batch_dims) is int and batch_dims >= 0)
         if not valid:
             raise ValueError(f"batch_dims must be None or an int >= 0, got {batch_dims!r}.")

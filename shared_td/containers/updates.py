@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from shared_td.containers.value_kinds import is_non_tensor, is_tensor_collection
 from shared_td.keys import key_repr, unravel_key
 from shared_td.memmap_tensor import refuse_read_only
 from shared_td.tensorclass_protocol import is_tensorclass, unwrap_tensorclass
@@ -69,7 +70,7 @@ class UpdateOps:
         the names that the tensordicts at some paths will have once the writes planned
         so far are done (a child set into an unnamed tensordict names it).
         """
-        from shared_td.containers.base import TensorDictBase, is_non_tensor
+        from shared_td.containers.base import TensorDictBase  # (base imports this module)
 
         names_of = {} if names_of is None else names_of
         plan = []
@@ -161,7 +162,7 @@ class UpdateOps:
         """
         import torch
 
-        from shared_td.containers.base import TensorDictBase, is_non_tensor, is_tensor_collection
+        from shared_td.containers.base import TensorDictBase  # (base imports this module)
 
         if isinstance(value, torch.Tensor):
             return False  # (most values: nothing to look up)
@@ -190,8 +191,6 @@ class UpdateOps:
             ...     print(error.args[0][:60])
             set_() writes in place, but key ('next', 'b') does not exist
         """
-        from shared_td.containers.base import is_non_tensor, is_tensor_collection
-
         if is_non_tensor(current):
             current._check_storable_write(value, path)
         elif is_tensor_collection(current):
@@ -269,7 +268,7 @@ def _missing_key(node: Any, value: Any, prefix: tuple) -> tuple | None:
     """The full key of the first entry of ``value`` (a dict, tensordict or tensorclass
     written in place into the collection ``node`` at ``prefix``) that ``node`` lacks;
     None when there is none, or when ``value`` is not such a mapping."""
-    from shared_td.containers.base import TensorDictBase, is_non_tensor, is_tensor_collection
+    from shared_td.containers.base import TensorDictBase  # (base imports this module)
 
     node, value = unwrap_tensorclass(node), unwrap_tensorclass(value)
     if not isinstance(value, (dict, TensorDictBase)) or is_non_tensor(value) or is_non_tensor(node):
@@ -293,7 +292,7 @@ def _merges_into_tensorclass(current: Any, value: Any) -> bool:
     """True when ``value`` (a dict, tensordict or tensorclass) updates the nested
     tensorclass ``current`` field by field, as tensordict does, instead of replacing it
     by a TensorDict; only when every key it names is a field of ``current``."""
-    from shared_td.containers.base import TensorDictBase
+    from shared_td.containers.base import TensorDictBase  # (base imports this module)
 
     if not is_tensorclass(current) or isinstance(current, type):
         return False

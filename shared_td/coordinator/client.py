@@ -240,8 +240,11 @@ class Coordinator:
         NonTensorData values with every process of every node.
 
         Example:
-            >>> with Coordinator() as coord:                     # doctest: +SKIP
-            ...     coord.publish("weights", td, prefix="/data/weights")
+            >>> import tempfile
+            >>> with tempfile.TemporaryDirectory() as d, Coordinator() as coord:
+            ...     td = coord.publish("weights", TensorDict(w=torch.zeros(3)), prefix=os.path.join(d, "weights"))
+            ...     td.is_memmap(), coord.names()
+            (True, ['weights'])
         """
         if replicate:
             share = memmap_kwargs.pop("share_non_tensor", False)
@@ -387,7 +390,11 @@ def attach(name: str, *, address: str, authkey: bytes, timeout: float = DEFAULT_
             manager is stopped or stalled); also a ConnectionError and a TimeoutError.
 
     Example:
-        >>> td = attach("batch", address=addr, authkey=key)   # doctest: +SKIP
+        >>> with Coordinator() as coord:
+        ...     _ = coord.publish("batch", TensorDict(x=torch.ones(2)))
+        ...     td = attach("batch", address=coord.address, authkey=coord.authkey)
+        ...     td["x"].tolist(), td.is_locked
+        ([1.0, 1.0], True)
     """
     authkey = _as_key(authkey)
     deadline = time.monotonic() + timeout

@@ -22,8 +22,10 @@ torch (~2.5 s). This module and the registry import only the standard library an
 ``multiprocess`` (never torch, never the ``shared_td`` package, never a container: what
 is published reaches the manager as plain data), so the interpreter starts in ~0.1 s.
 
-The registry is loaded from its file beside this one (:func:`_load_sibling`): importing
-it through the package would import ``shared_td``, hence torch.
+The platform module is loaded from its file (:func:`_load_torch_free`), and the
+registry and the accept loop from theirs beside this one by the platform module's own
+loader (``platform._load_sibling``): importing them through the package would import
+``shared_td``, hence torch.
 """
 from __future__ import annotations
 
@@ -43,7 +45,8 @@ import time
 def _load_torch_free(full_name: str, *path_parts: str):
     """The torch-free module ``full_name`` of the package, at ``path_parts`` below it:
     through the package when this module was imported through it, else (this file runs
-    as a script) loaded alone from its path."""
+    as a script) loaded alone from its path. Only for the platform module, which then
+    loads the others (its ``_load_sibling``): it cannot load itself."""
     if __package__:
         return importlib.import_module(full_name)
     package_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,10 +61,10 @@ def _load_torch_free(full_name: str, *path_parts: str):
 # registry's names that the manager process uses (VersionTable: also what tests of the
 # table under a killed writer build).
 platform = _load_torch_free("shared_td.platform", "platform.py")
-_registry = _load_torch_free("shared_td.coordinator.registry", "coordinator", "registry.py")
+_registry = platform._load_sibling("coordinator.registry")
 Registry, VersionTable = _registry.Registry, _registry.VersionTable
 # multiprocess's server with our accept loop and handshake (see accepting.py)
-_accepting = _load_torch_free("shared_td.coordinator.accepting", "coordinator", "accepting.py")
+_accepting = platform._load_sibling("coordinator.accepting")
 
 __all__ = ["DIR_PATTERN", "REGISTRY_ID", "make_private_dir", "serve", "sweep_dead_dirs"]
 

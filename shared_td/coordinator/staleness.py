@@ -196,8 +196,12 @@ def is_stale(td: Any) -> bool:
         ConnectionError: past 4096 names, when the coordinator is gone.
 
     Example:
-        >>> shared_td.is_stale(view)          # doctest: +SKIP
-        False
+        >>> with shared_td.Coordinator() as coord:
+        ...     view = coord.publish("weights", TensorDict(w=torch.zeros(3)))
+        ...     before = shared_td.is_stale(view)
+        ...     _ = coord.publish("weights", TensorDict(w=torch.ones(3)))
+        ...     before, shared_td.is_stale(view)
+        (False, True)
     """
     attachment = _attachment(td)
     if attachment.table is not None:
@@ -220,8 +224,13 @@ def refresh(td: Any) -> Any:
         ValueError: ``td`` was not returned by ``attach``/``Coordinator.publish``.
 
     Example:
-        >>> if shared_td.is_stale(td):        # doctest: +SKIP
-        ...     td = shared_td.refresh(td)
+        >>> with shared_td.Coordinator() as coord:
+        ...     td = coord.publish("weights", TensorDict(w=torch.zeros(3)))
+        ...     _ = coord.publish("weights", TensorDict(w=torch.ones(3)))
+        ...     if shared_td.is_stale(td):
+        ...         td = shared_td.refresh(td)
+        ...     td["w"].tolist()
+        [1.0, 1.0, 1.0]
     """
     attachment = _attachment(td)
     if not is_stale(td):

@@ -172,7 +172,7 @@ class MemoryMappedTensor(FromExistingMemory, Factories, torch.Tensor):
     @staticmethod
     def _make_leaves(specs: list) -> list:
         """New MMTs over the ``specs`` of :meth:`_leaf_specs`, one ``as_strided`` each, made
-        an MMT by assigning its class (as :meth:`_basic_view` does; ``as_subclass`` would
+        an MMT by assigning its class (as :func:`basic_views` does; ``as_subclass`` would
         make a second tensor). Made below torch's ADInplaceOrView dispatch key, each is a
         tensor of its own, as ``set_`` makes one (bounds still checked), not a view of
         the base: a view shares its base's version counter, so an in-place write to one
@@ -222,12 +222,6 @@ class MemoryMappedTensor(FromExistingMemory, Factories, torch.Tensor):
     def _byte_offset(self) -> int:
         """Byte offset of this tensor's first element in its backing's storage."""
         return self.storage_offset() * self.element_size()
-
-    def _is_file_backed_at(self, path) -> bool:
-        """Whether this tensor lives in the file ``path`` (compared as absolute paths, or
-        resolved ones: ``from_filename`` records the resolved path)."""
-        backing = self._backing
-        return isinstance(backing, FileBacking) and _names_path(path, backing.path)
 
     def _wrap(self, tensor: torch.Tensor):
         # a result that still views our storage is an MMT of the same backing; a copy
@@ -375,23 +369,6 @@ class MemoryMappedTensor(FromExistingMemory, Factories, torch.Tensor):
     def __getitem__(self, item):
         return self._wrap(super().__getitem__(item))
 
-    def _basic_view(self, index) -> "MemoryMappedTensor":
-        """``self[index]`` for an ``index`` of ints, slices, None and Ellipsis only (a
-        tensordict's row read): always a view of our storage, so ``_wrap``'s check of the
-        storage is skipped. Only for this exact class (a read-only tensor's views go
-        through its ``__torch_function__``).
-
-        Torch returns a new tensor object for every index, even ``t[...]`` (an alias),
-        that no one else holds yet, so it is made an MMT by assigning its class: the same
-        object ``as_subclass`` would give, without the second alias tensor that
-        ``as_subclass`` makes (as costly as the indexing itself, ~1 µs a leaf).
-        ``basic_views`` does the same for many leaves at once."""
-        result = _TENSOR_GETITEM(self, index)
-        result.__class__ = MemoryMappedTensor
-        result._backing = self._backing
-        result._parent_shape = self._parent_shape
-        return result
-
     def unbind(self, dim=0):
         """Views along ``dim``, as :meth:`torch.Tensor.unbind`, each an MMT.
 
@@ -463,9 +440,17 @@ _NO_SUBCLASS_DISPATCH = torch._C.DisableTorchFunctionSubclass
 
 
 def basic_views(leaves: list, index, out: dict) -> None:
-    """``out[key] = leaf._basic_view(index)`` for each ``(key, leaf)`` of ``leaves``
-    (exact MemoryMappedTensors): the memory-mapped leaves of a tensordict's row read, in
-    one call instead of one method call per leaf.
+    """``out[key] = leaf[index]`` for each ``(key, leaf)`` of ``leaves`` (exact
+    MemoryMappedTensors) and an ``index`` of ints, slices, None and Ellipsis only: the
+    memory-mapped leaves of a tensordict's row read, in one call instead of one method
+    call per leaf. Each is always a view of its leaf's storage, so ``_wrap``'s check of
+    the storage is skipped (only for this exact class: a read-only tensor's views go
+    through its ``__torch_function__``).
+
+    Torch returns a new tensor object for every index, even ``t[...]`` (an alias), that
+    no one else holds yet, so it is made an MMT by assigning its class: the same object
+    ``as_subclass`` would give, without the second alias tensor that ``as_subclass``
+    makes (as costly as the indexing itself, ~1 µs a leaf).
 
     Torch looks up ``__torch_function__`` on every subclass it indexes, even this class
     that disables it (~350 instructions a leaf; entering the dispatch-off context costs

@@ -11,7 +11,7 @@ unpickling).
 Untrusted directories: each meta.json is checked by ``node_meta.NodeMeta.from_json`` before
 anything is mapped (a bad field is a :class:`~shared_td.errors.FormatError` naming the
 file and the field; ``shared-td verify`` reports the same errors through
-:func:`read_node_meta`). Only regular files are read or mapped: a FIFO, socket, device
+:func:`read_meta`). Only regular files are read or mapped: a FIFO, socket, device
 or directory in the place of a file is refused, and so is a meta.json of more than
 ``bounded_reads.MAX_META_BYTES`` (a pickle: ``MAX_PICKLE_BYTES``), before it is read:
 a sparse file may announce any size at no cost on disk. A meta.json (or pickle) is
@@ -148,21 +148,6 @@ def read_meta(directory: Directory, parsed: dict | None = None) -> NodeMeta:
             and len(parsed) < PARSED_KEPT:
         parsed[data] = meta
     return meta
-
-
-def read_node_meta(path: str) -> NodeMeta:
-    """The checked meta.json of the node directory ``path``, read as a load reads it.
-
-    The one validation of node metadata: ``shared-td verify`` reports what this raises.
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as error:
-        if error.errno == errno.ELOOP or (error.errno == errno.ENOTDIR and os.path.islink(path)):
-            raise RuntimeError(f"Refusing to load through symlink {path}.") from None
-        raise type(error)(error.errno, f"{error.strerror}: {path}") from None
-    with Directory(fd, path, "load") as directory:
-        return read_meta(directory)
 
 
 class Loader:

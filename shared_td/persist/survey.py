@@ -367,5 +367,4 @@ class NodeView:
     @staticmethod
     def shown(value: Any, width: int = VALUE_WIDTH) -> str:
         """A value as inspect shows it: its repr, cut to ``width`` characters."""
-        text = repr(value)
-        return text if len(text) <= width else text[: width - 3] + "..."
+        return fmt.shown_value(value, width)

@@ -82,8 +82,8 @@ class OnDisk:
         return Found(fmt.file_kind(info.st_mode))
 
     def read_meta(self, directory: str) -> NodeMeta:
-        """The checked meta.json of ``directory``, read by the loader's own code with
-        the errors of ``loader.read_node_meta`` (a symlinked directory: RuntimeError)."""
+        """The checked meta.json of ``directory``, read by the loader's own
+        ``loader.read_meta`` (a symlinked directory: RuntimeError)."""
         return read_meta(self._directory(directory))
 
     def not_a_save(self) -> str | None:

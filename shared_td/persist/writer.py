@@ -14,8 +14,10 @@
   one name at a time, never through a symlink: what the plan checked by path is not
   trusted to still hold when the bytes go out (another process may have swapped a
   directory since).
-* **commit** writes every meta.json (children first, the root's last, each through a
-  rename) and only then puts the new leaves into the tensordict (or a new one).
+* **commit** writes every meta.json (children first, the root's last) and only then
+  puts the new leaves into the tensordict (or a new one). A node directory that existed
+  gets its files as temporaries renamed into place; a new one (this save made it) gets
+  them written directly, each created with ``O_EXCL``.
 """
 from __future__ import annotations
 
