@@ -26,9 +26,9 @@ __all__ = [
 
 class TensorDictRoot:
     """The root of every tensordict class: TensorDictBase's first base and nothing else's,
-    so ``isinstance(value, TensorDictRoot)`` is ``isinstance(value, TensorDictBase)``."""
-
-    __slots__ = ()
+    so ``isinstance(value, TensorDictRoot)`` is ``isinstance(value, TensorDictBase)``. No
+    ``__slots__`` (its subclasses have a ``__dict__``): a class that seems to have slots
+    looks stateless to code that reads an object's state from them."""
 
 
 def parse_device(device: Any) -> torch.device | None:

@@ -34,7 +34,7 @@ WAIT = 20  # seconds: every join and queue read is bounded by this
 STORM_S = 0.6  # seconds of SIGINT storm per case (before the fix a lock leaked within ~10 interrupts)
 OTHER_S = 5.0  # seconds another process may take for one operation (it takes microseconds)
 
-_FLOCK = struct.Struct("@hhqqi4x")  # struct flock, as shared_td.platform packs it
+_FLOCK = struct.Struct("@hhqqi4x")  # struct flock, as shared_td.platform_locks packs it
 _CELL_BYTES = (shared_value_module._VALUE, shared_value_module._WRITE, shared_value_module._UPDATE)
 
 
