@@ -70,7 +70,8 @@ nodes=n, authkey=key)``, each waiting in ``start()`` for the others)::
     (0, 2, 0, 8)
 
 On another node, ``cluster.attach("policy")`` makes its replica, ``shared_td.version(view)``
-and ``shared_td.wait_version(view, n)`` tell which sync it holds, and
+and ``shared_td.wait_version(view, n)`` tell which delivery it holds (each sync and each
+pull, a first attach or renew included, takes the owner's next version), and
 ``shared_td.is_stale(view)``/``shared_td.refresh(view)`` follow a re-publish.
 """
 from __future__ import annotations
@@ -90,7 +91,7 @@ from shared_td.coordinator.cluster_liveness import Liveness
 from shared_td.coordinator.cluster_owners import claim_name
 from shared_td.coordinator.cluster_membership import ClusterMembership
 from shared_td.coordinator.cluster_replica import Owned, Replica
-from shared_td.coordinator.cluster_requests import ClusterRequests
+from shared_td.coordinator.cluster_requests import ClusterRequests, Refused
 from shared_td.coordinator.cluster_serve import lane_queue
 from shared_td.coordinator.cluster_store import ClusterAuthError, ClusterCounter, SignedStore, cluster_key
 from shared_td.coordinator.cluster_sync import SyncReport
@@ -302,14 +303,16 @@ class Cluster(ClusterMembership, ClusterRequests):
         try:
             return self._attach_generation(name, info, have)
         except RuntimeError as err:
-            if not self._published_since(name, info["generation"]):
+            if not self._published_since(name, info["generation"], err):
                 raise
             if not last_try:
                 return None  # overtaken: the caller attaches the new generation
             raise RuntimeError(f"attach({name!r}): {name!r} was published again {ATTACH_TRIES} times while this "
                                f"node attached it ({err}). Attach it again.") from err
 
-    def _published_since(self, name: str, generation: int) -> bool:
+    def _published_since(self, name: str, generation: int, err: BaseException | None = None) -> bool:
+        if (getattr(err, "current", None) or 0) > generation:  # the owner's refusal said so (cluster_serve.refusal)
+            return True
         try:
             return self._info(name)["generation"] > generation
         except Exception:  # noqa: BLE001 - cannot tell: the attach's own error is raised
@@ -425,7 +428,7 @@ class Cluster(ClusterMembership, ClusterRequests):
         return self._identity(name) != (have.generation, have.digest)
 
     def version(self, name: str) -> int | None:
-        """The version this node holds of ``name`` (the owner's: its current one)."""
+        """The version this node holds of ``name`` (the owner's: the last it delivered)."""
         if name in self._owned:
             return self._owned[name].version
         return replica.replica_version(self._replica(name).td)
@@ -446,19 +449,24 @@ class Cluster(ClusterMembership, ClusterRequests):
         return self._fill(name, self._replica(name))
 
     def _fill(self, name: str, rep: Replica) -> int:
-        """:meth:`pull` into ``rep`` (registered or not: see _attach); returns the version."""
+        """:meth:`pull` into ``rep`` (registered or not: see _attach; asked without its lock: see
+        cluster_serve._serve_pull); returns the version."""
         deadline = time.monotonic() + self.timeout
-        if not rep.lock.acquire(timeout=self.timeout):
+        nbytes = rep.layout["nbytes"]
+        stripes = stripe_count(nbytes, self.stripes)
+        def ask():
+            tag, generation = self._request(rep.owner, "pull", name, rep.generation, stripes=stripes, digest=rep.digest)
+            return tag, generation, self._answer(rep.owner, tag, deadline, name)
+
+        try:
+            tag, generation, answer = self._retried_if_stale(ask)
+        except Refused as refusal:  # of the old generation: "published again" when it was
+            cluster_push.raise_if_republished(self, name, rep, refusal, "pull")
+            raise
+        if not rep.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            self._groups.fail(rep.owner, generation)  # the owner's send ends
             raise TimeoutError(f"Another transfer of {name!r} on this node did not end within {self.timeout:g} s.")
         try:
-            nbytes = rep.layout["nbytes"]
-            stripes = stripe_count(nbytes, self.stripes)
-            def ask():
-                tag, generation = self._request(rep.owner, "pull", name, rep.generation, stripes=stripes,
-                                                digest=rep.digest)
-                return tag, generation, self._answer(rep.owner, tag, deadline, name)
-
-            tag, generation, answer = self._retried_if_stale(ask)
             try:
                 replica.set_state(rep.segment, replica.state(rep.segment) | 1)
                 works = self._groups.recv(rep.owner, generation, replica.segment_bytes(rep.segment, nbytes), tag,

@@ -105,7 +105,9 @@ class Liveness:
         self._claim, self._stop, self._on_confirm = claim, stop or threading.Event(), on_confirm
         self._refuse = refuse
         self._forged: dict[int, bytes] = {}  # peer -> the forged heartbeat last counted
-        self._left: set[int] = set()  # peers whose heartbeat last read is a clean shutdown's (see left)
+        # peer -> the claim token its heartbeat last read names, when that heartbeat is a
+        # clean shutdown's (see left, departed; "" for one of an older writer, naming none)
+        self._left: dict[int, str] = {}
         self._numbers = itertools.count(1)  # this process's heartbeat numbers
         self._written: bytes | None = None  # the heartbeat this process stored last (see say_left)
         self._confirmed_at = time.monotonic()  # see _confirm (made just after the first heartbeat)
@@ -162,7 +164,9 @@ class Liveness:
         with self._lock:
             written = self._written
         if written is not None:
-            left = {"left": True, "pid": os.getpid(), "run": self._run}
+            # the claim it releases next: a peer whose transfer with this node fails tells a
+            # clean leave from a crash by both (departed), not by this beat alone
+            left = {"left": True, "pid": os.getpid(), "run": self._run, "claim": self._claim}
             self._store.compare_set(key, written, self._store.sign(key, json.dumps(left).encode()))
 
     def _confirm(self, at: float) -> None:
@@ -240,7 +244,7 @@ class Liveness:
         module's opening)."""
         key = f"hb/{peer}"
         blob = self._store.get_unchecked(key)
-        left = False
+        left = None
         if blob is not None:
             try:
                 left = _says_left(self._store.check(key, blob))
@@ -250,7 +254,10 @@ class Liveness:
                 if counted != blob:
                     self._refuse()
         with self._lock:
-            (self._left.add if left else self._left.discard)(peer)
+            if left is None:
+                self._left.pop(peer, None)
+            else:
+                self._left[peer] = left
         return blob
 
     def left(self, peer: int) -> bool:
@@ -261,6 +268,27 @@ class Liveness:
         recorded one written back decides nothing."""
         with self._lock:
             return peer in self._left
+
+    def departed(self, peer: int) -> bool:
+        """Whether ``peer``'s process left cleanly, by the heartbeat :meth:`alive` last
+        read: a "left" one (signed) naming a claim token, and ``claim/<peer>`` holding
+        the released token of exactly that claim (:func:`release_node`, signed, bound to
+        the run). One store read, only once the heartbeat says "left". A transfer or a
+        wait with such a node ends at once (``ClusterRequests._alive``): its shutdown
+        writes both before it closes its pairs, so a transfer that its shutdown cut finds
+        them (before, the peer waited LOST_AFTER_S for the "left" beat to stand still
+        and reported the node lost). A recorded pair of them written back while the
+        node's process runs makes only a transfer that fails meanwhile end at once:
+        the process beats again within HEARTBEAT_S (see README, Security)."""
+        with self._lock:
+            claim = self._left.get(peer)
+        if not claim:
+            return False
+        try:
+            held = self._store.get_unchecked(f"claim/{peer}")
+            return held == released_token(self._store, peer, claim, self._run).encode()
+        except (ValueError, TypeError):
+            return False  # a claim that is not a token (signed, but not one of ours)
 
     def alive(self, peer: int) -> bool:
         """Whether ``peer``'s heartbeat changed within the last LOST_AFTER_S seconds (as
@@ -307,7 +335,7 @@ class Liveness:
         with self._lock:
             if peer not in self._found_lost:
                 return False
-        if not self.alive(peer):
+        if not self.alive(peer) or self.departed(peer):
             return True
         with self._lock:
             self._found_lost.pop(peer, None)
@@ -319,6 +347,8 @@ class Liveness:
         transfer may be retried)."""
         end = time.monotonic() + LOST_AFTER_S + HEARTBEAT_S
         while self.alive(peer):
+            if self.departed(peer):  # it shut down (its shutdown cut the transfer): not waited for
+                return self.lost(peer, name, role, departed=True)
             if time.monotonic() > end:
                 return ConnectionError(f"The transfer of {name!r} with node {peer} failed ({err}); "
                                        "that node is alive: the call may be retried.")
@@ -326,11 +356,13 @@ class Liveness:
         return self.lost(peer, name, role)
 
     @staticmethod
-    def lost(peer: int, name: str, role: str) -> OwnerLostError:
-        return OwnerLostError(
-            f"Node {peer}, {role} of {name!r}, is lost: its heartbeat stood still for "
-            f"{LOST_AFTER_S:g} s. This node's copy stays readable with its last contents."
-        )
+    def lost(peer: int, name: str, role: str, departed: bool = False) -> OwnerLostError:
+        """The error of a call whose ``peer`` is gone: lost, or ``departed`` (left by its
+        shutdown, see :meth:`departed`)."""
+        why = ("left the cluster (shutdown): its last heartbeat says so and its node number is released"
+               if departed else f"is lost: its heartbeat stood still for {LOST_AFTER_S:g} s")
+        return OwnerLostError(f"Node {peer}, {role} of {name!r}, {why}. This node's copy stays readable with "
+                              "its last contents.")
 
 
 def claim_node(store, node: int, run: str = "") -> str:
@@ -506,12 +538,17 @@ def _signed_here(store, node: int) -> bool:
     return True
 
 
-def _says_left(payload: bytes) -> bool:
-    """Whether a signed heartbeat's payload is a clean shutdown's (``"left": true``)."""
+def _says_left(payload: bytes) -> str | None:
+    """The claim token a signed heartbeat's payload names when it is a clean shutdown's
+    (``"left": true``; "" when it names none: an older writer's), else None."""
     try:
-        return json.loads(payload).get("left") is True
+        beat = json.loads(payload)
+        if beat.get("left") is not True:
+            return None
+        claim = beat.get("claim")
+        return claim if isinstance(claim, str) else ""
     except (ValueError, AttributeError):
-        return False
+        return None
 
 
 def _heartbeat(store, node: int) -> bytes | None:

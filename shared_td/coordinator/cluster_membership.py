@@ -37,15 +37,19 @@ live nodes (``keep_run``), and a starter that found it waits for that.
 
 Leaving (:meth:`ClusterMembership.shutdown`): stop notices in the node's own queues wake
 its threads (a process whose number was taken over leaves the queues to its successor
-and wakes its pops without a notice: :func:`~shared_td.coordinator.cluster_serve.wake_pops`;
-its shutdown waited 60 s), the pairs are closed (the receives kept posted end, the watched waits and
-the group builds under way give up, and the build threads have ended:
-:meth:`~shared_td.coordinator.cluster_transfer.PairGroups.close`), a last heartbeat says
-so (``"left": true``), so that an owner's next sync looks at the node's replica records
-again (and takes them back) instead of waiting LOST_AFTER_S for the node to be lost, and
-the number is released for the next process. That heartbeat replaces only this
-process's own last one (a compare-and-set: written after the release, unconditionally,
-it overwrote the heartbeat of a successor that had taken the number over).
+and wakes its pops without a notice: :func:`~shared_td.coordinator.cluster_wake.wake_pops`;
+its shutdown waited 60 s), a last heartbeat says so (``"left": true``, naming the claim it
+releases), so that an owner's next sync looks at the node's replica records again (and
+takes them back) instead of waiting LOST_AFTER_S for the node to be lost, the number is
+released for the next process, and then the pairs are closed (the receives kept posted
+end, the watched waits and the group builds under way give up, and the build threads
+have ended: :meth:`~shared_td.coordinator.cluster_transfer.PairGroups.close`). In that
+order: a peer whose transfer the close cuts finds the "left" beat and the released claim
+(``Liveness.departed``) and takes the node as gone at once, "left (shutdown)" (closed
+first, the peer waited ~3.5 s and reported the node lost, or the owner lost). That
+heartbeat replaces only this process's own last one (a compare-and-set: written after
+the release, unconditionally, it overwrote the heartbeat of a successor that had taken
+the number over).
 
 Leaving at the interpreter's exit: a node still running when its process ends (the
 script ended, or an exception escaped it, without ``shutdown()``) is shut down by an
@@ -76,9 +80,10 @@ from shared_td.coordinator.cluster_runs import open_run, run_key
 from shared_td.coordinator.cluster_owners import names_taken_over
 from shared_td.coordinator.cluster_names import LocalNames
 from shared_td.coordinator.cluster_serve import (LISTENER, POP_S, lane_queue, listen, serve_lane, serve_notices,
-                                                 wake_pops, watch_pairs)
+                                                 watch_pairs)
 from shared_td.coordinator.cluster_store import ClusterAuthError, SignedStore
 from shared_td.coordinator.cluster_transfer import PairGroups
+from shared_td.coordinator.cluster_wake import wake_pops
 from shared_td.coordinator.cluster_values import ClusterValues
 
 __all__ = ["ClusterMembership", "settled_run"]
@@ -197,7 +202,7 @@ class ClusterMembership:
         self._start_thread(self._liveness.beat, (), "beat")
         self._wait_for_the_others()
         self._groups = PairGroups(self._store, self.node, timeout=self.timeout, hostname=self._hostname,
-                                  alive=lambda peer: self._liveness.alive(peer),
+                                  alive=lambda peer: self._alive(peer),
                                   on_built=lambda peer, generation: listen(self, peer, generation))
         for peer in range(self.nodes) if restarted else ():  # before this process's first request
             if peer != self.node:
@@ -269,6 +274,11 @@ class ClusterMembership:
         if self._values is not None:
             self._values.join(2 * HEARTBEAT_S)
         self._senders.shutdown(wait=False, cancel_futures=True)
+        if mine:  # before the pairs close: a peer whose transfer that cuts finds them at once
+            # (Liveness.departed; after the close, it waited 3 s for the "left" beat to
+            # stand still, then reported this node lost)
+            self._say_left()
+            self._release()
         if self._groups is not None:  # None: start() failed before the groups
             self._groups.close()  # closes the pairs: the kept push receives end, the builds too
         for thread in listeners:
@@ -278,9 +288,6 @@ class ClusterMembership:
         self._replicas.clear()
         self._filling.clear()
         self._owned.clear()
-        if mine:
-            self._say_left()
-            self._release()
         self._store.close()
 
     def _release(self, joined: bool = True) -> None:

@@ -51,7 +51,7 @@ from shared_td.coordinator.cluster_messages import (ANSWER_BYTES, LENGTH_BYTES, 
 from shared_td.coordinator.cluster_transfer import PUSH_TAG, TransferFailed, answer_tag
 from shared_td.errors import IndexTypeError
 
-__all__ = ["MAX_NAME_BYTES", "PushLine", "check_name", "push", "send_answered"]
+__all__ = ["MAX_NAME_BYTES", "PushLine", "check_name", "push", "raise_if_republished", "send_answered"]
 
 
 @dataclass
@@ -117,10 +117,24 @@ def push(cluster, name: str, index) -> None:
     try:
         cluster._refusal(rep.owner, name, answer)
     except RuntimeError as refusal:
-        current = _current_generation(cluster, name)  # a round trip, on a refusal only
-        if current is not None and current > rep.generation:
-            raise _republished(name, current, rep.generation, renewed=False) from refusal
+        raise_if_republished(cluster, name, rep, refusal, "push")
         raise
+
+
+def raise_if_republished(cluster, name: str, rep, refusal: RuntimeError, op: str) -> None:
+    """After the owner refused a ``op`` ("push", "pull") of ``rep`` (``refusal``): raise
+    the error saying ``name`` was published again when it was (else the caller raises
+    ``refusal``). The owner's signed refusal names the generation it owns (``current``,
+    see ``cluster_serve.refusal``): it holds a new one before the store names it (the
+    name record is a publish's commit point), so a look at the store alone found none
+    newer in that window and the bare refusal was raised (audit 20: a quarter of the
+    refusals of a push racing re-publishes). The store is looked at (a round trip, on a
+    refusal only) when the answer names none."""
+    current = getattr(refusal, "current", None)
+    if current is None or current <= rep.generation:
+        current = _current_generation(cluster, name)
+    if current is not None and current > rep.generation:
+        raise _republished(name, current, rep.generation, renewed=False, op=op) from refusal
 
 
 def _packed(cluster, name: str, rep, index: torch.Tensor, deadline: float) -> torch.Tensor:
@@ -152,20 +166,26 @@ def _current_generation(cluster, name: str) -> int | None:
         return None
 
 
-def _republished(name: str, current: int, held: int, renewed: bool) -> RuntimeError:
+def _republished(name: str, current: int, held: int, renewed: bool, op: str = "push") -> RuntimeError:
     """The error of a push of ``name`` whose user's rows are in views of generation
     ``held`` while the owner published generation ``current``: ``renewed``, this node's
-    replica was renewed meanwhile (refused here), else the owner refused it."""
+    replica was renewed meanwhile (refused here), else the owner refused it (a push or,
+    ``op="pull"``, a pull: it sent nothing). A RuntimeError, its ``current`` the generation."""
     if renewed:
         what = (f"this node renewed its replica on the owner's notice, and the rows written into views of generation "
                 f"{held} are not in the new one (a push would send the owner's own values in their place): "
                 "nothing was sent")
+    elif op == "pull":
+        what = (f"this node's replica is still of generation {held} (it is being renewed): the owner sent nothing")
     else:
         what = (f"this node's replica is still of generation {held} (it is being renewed), and the owner wrote none "
                 "of its rows")
-    return RuntimeError(f"push({name!r}): {name!r} was published again (generation {current}) and {what}. Refresh "
-                        f"the views (shared_td.refresh(view); in the pushing process, attach({name!r}) again), write "
-                        "the rows into them, then push.")
+    then = "write the rows into them, then push" if op == "push" else "then pull"
+    error = RuntimeError(f"{op}({name!r}): {name!r} was published again (generation {current}) and {what}. "
+                         f"Refresh the views (shared_td.refresh(view); in the {op}ing process, attach({name!r}) "
+                         f"again), {then}.")
+    error.current = current  # (an attach that met it tries the new generation: Cluster._published_since)
+    return error
 
 
 def _checked_index(name: str, rep, index) -> torch.Tensor:

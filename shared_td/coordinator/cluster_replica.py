@@ -7,7 +7,10 @@ the same tree over a segment of its own, so a transfer is one contiguous copy of
 
 A replica segment is ``nbytes`` data bytes followed by a 64-byte trailer: a magic word and
 a *state* word, ``2 * version`` when the data is one complete version, odd while a
-transfer writes it. Every process of the node that attached the replica reads the version
+transfer writes it. A version counts the owner's deliveries of the name: the publish is
+1, and each sync and each pull it serves (a replica's ``pull``, first attach or renew)
+takes the next one, so each number a replica holds labels one delivery and only grows
+(``cluster_sync.NameSyncs``). Every process of the node that attached the replica reads the version
 from its own mapping (:func:`version`, :func:`wait_version`, exported as
 ``shared_td.version`` and ``shared_td.wait_version``), without asking anyone.
 
@@ -37,7 +40,8 @@ _MAGIC = 0x5348545F5245504C  # "SHT_REPL"
 
 @dataclass
 class Owned:
-    """A name this node owns: its tensordict, segment, layout, generation and sync count."""
+    """A name this node owns: its tensordict, segment, layout, generation and the version of
+    its last delivery (see the module's opening)."""
 
     td: object
     segment: Segment
@@ -173,12 +177,13 @@ def _replica_segment(td) -> Segment:
             return backing
     raise ValueError("This tensordict is not a replica of a name published on another node "
                      "(on the owner's node the data is written in place: there is no version to "
-                     "wait for; coord.version(name) gives the owner's sync count).")
+                     "wait for; coord.version(name) gives the version it last delivered).")
 
 
 def version(td) -> int | None:
     """The version of the contents of the replica ``td`` (exported as
-    ``shared_td.version``): the owner's ``sync`` count, read from the replica's own
+    ``shared_td.version``): the owner's number of the delivery that wrote them (each
+    sync and each pull takes the next one), read from the replica's own
     memory by any process of its node (no round trip); None while a transfer writes it
     (its rows may then mix two versions) or before the first one.
 

@@ -21,16 +21,26 @@ import time
 
 from shared_td.coordinator.cluster_serve import lane_queue
 from shared_td.coordinator.cluster_store import ClusterAuthError
+from shared_td.coordinator.cluster_sync import NameSyncs, name_syncs
 from shared_td.coordinator.cluster_transfer import TAG_WRAP, StalePair
 from shared_td.errors import OwnerLostError
 
-__all__ = ["ClusterRequests"]
+__all__ = ["ClusterRequests", "Refused"]
+
+
+class Refused(RuntimeError):
+    """A peer refused a transfer; ``current``: the generation of the name it owns now,
+    when its signed answer says (``cluster_serve.refusal``), else None."""
+
+    def __init__(self, message: str, current: int | None = None):
+        super().__init__(message)
+        self.current = current if isinstance(current, int) else None
 
 
 class ClusterRequests:
     """Mixin of Cluster (it relies on ``node``, ``timeout``, ``refused``, ``_checked``,
     ``_store``, ``_liveness``, ``_groups``, ``_replicas``, ``_tags``, ``_reply_slots``,
-    ``_local``, ``_caller``, ``_closed`` and ``_shut_down``)."""
+    ``_local``, ``_caller``, ``_closed``, ``_name_syncs`` and ``_shut_down``)."""
 
     def _request(self, peer: int, op: str, name: str, generation: int, **extra) -> tuple[int, int]:
         """Put a request in ``peer``'s queue; returns (tag, pair generation)."""
@@ -56,9 +66,9 @@ class ClusterRequests:
 
     @staticmethod
     def _refusal(peer: int, name: str, answer: dict) -> dict:
-        """``answer``, unless it is a refusal: RuntimeError naming the peer and the name."""
+        """``answer``, unless it is a refusal: :class:`Refused` naming the peer and the name."""
         if "error" in answer:
-            raise RuntimeError(f"Node {peer} refused the transfer of {name!r}: {answer['error']}")
+            raise Refused(f"Node {peer} refused the transfer of {name!r}: {answer['error']}", answer.get("current"))
         return answer
 
     def _next_tag(self) -> int:
@@ -106,8 +116,16 @@ class ClusterRequests:
         return self._refusal(peer, name, answer)
 
     # ------------------------------------------------------------------ liveness
+    def _syncs(self, name: str) -> NameSyncs:
+        """The deliveries of the owned ``name``: a pull served takes its lock, as a sync
+        does (see ``cluster_serve._serve_pull``)."""
+        return name_syncs(self, name)
+
     def _alive(self, peer: int) -> bool:
-        return self._liveness.alive(peer)
+        """Whether ``peer`` may still answer: its heartbeat moves (``Liveness.alive``) and
+        its process did not leave cleanly (``Liveness.departed``: a shutdown's "left"
+        beat and released claim, one more read only once the beat says "left")."""
+        return self._liveness.alive(peer) and not self._liveness.departed(peer)
 
     def _role(self, peer: int, name: str) -> str:
         have = self._replicas.get(name)
@@ -128,7 +146,7 @@ class ClusterRequests:
 
     def _lost(self, peer: int, name: str) -> OwnerLostError:
         self._found(peer)
-        return self._liveness.lost(peer, name, self._role(peer, name))
+        return self._liveness.lost(peer, name, self._role(peer, name), departed=self._liveness.departed(peer))
 
     def _found(self, peer: int) -> None:
         """``peer`` is lost: nothing stays built or posted with it, and requests to it

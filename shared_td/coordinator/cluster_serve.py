@@ -100,59 +100,6 @@ def lane_queue(node: int, peer: int) -> str:
     return f"lane/{node}/{peer}"
 
 
-#: What :func:`wake_pops` compares a queue's key with: the queue's name holds no plain
-#: value, so the compare never matches and nothing is ever set.
-_WAKE = "\0shared_td-wake"
-#: The longest pause between two wake-ups of :func:`wake_pops`.
-WAKE_EVERY_S = 0.2
-
-
-def wake_pops(cluster, queues: list[str], threads: list, bound: float) -> None:
-    """Wake the blocking pops of ``queues`` until ``threads`` ended (at most ``bound``
-    s), putting nothing in the queues: for a process whose number was taken over, whose
-    shutdown must leave the queues to its successor (a stop notice pushed there would
-    be the successor's to pop, and a push wakes only the first waiter of a queue,
-    maybe the successor's pop). A ``compare_set`` of a queue's name that never matches
-    is the wake-up: the store's host (torch 2.13, libuv) wakes every wait on a key it
-    is asked to compare, and a queue's key holds no plain value, so nothing is written
-    (a host that stopped waking there would leave the shutdown as slow as before, not
-    wrong). Each pop
-    woken finds the queue empty (``QueueEmptyError``), sees the stop (``ended``) and
-    ends; one that finds a value puts it back for the successor, as it does at any
-    pop after the takeover (see :func:`_signed_requests`). The successor's own pops
-    are woken with it and wait again (a wake-up in vain is "nothing yet"). Repeated,
-    so that a thread entering its pop as the first wake-up goes is woken too (a thread
-    busy past ``bound``, in a transfer, sees the stop before its next pop). Before,
-    nothing woke them: the shutdown waited POP_S (60 s) for the service thread, and
-    the lanes were left inside torch at the interpreter's exit.
-
-    Example:
-        >>> import datetime, threading
-        >>> from types import SimpleNamespace
-        >>> from torch.distributed import TCPStore
-        >>> from shared_td.coordinator.cluster_store import SignedStore
-        >>> raw = TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
-        >>> store = SignedStore(raw, b"k" * 32, timeout=5.0)
-        >>> stop = threading.Event()
-        >>> popper = threading.Thread(target=store.pop_json, args=("queue/1", 30.0, stop.is_set))
-        >>> popper.start(); stop.set()
-        >>> wake_pops(SimpleNamespace(_store=store), ["queue/1"], [popper], 5.0)
-        >>> popper.is_alive(), raw.queue_len("shared_td/queue/1"), raw.check(["shared_td/queue/1"])
-        (False, 0, False)
-    """
-    deadline, pause = time.monotonic() + bound, 0.01
-    while any(thread.is_alive() for thread in threads) and time.monotonic() < deadline:
-        try:
-            for queue in queues:
-                cluster._store.compare_set(queue, _WAKE, _WAKE)
-        except (RuntimeError, OSError):
-            return  # the store is gone: the pops fail by themselves
-        alive = [thread for thread in threads if thread.is_alive()]
-        if alive:
-            alive[0].join(max(0.0, min(pause, deadline - time.monotonic())))
-        pause = min(2 * pause, WAKE_EVERY_S)
-
-
 def _signed_requests(cluster, queue: str):
     """The signed requests popped from ``queue`` until the cluster stops or the store's
     host is lost; a forged one (or another cluster's) is counted in ``refused``, never
@@ -287,19 +234,55 @@ def _reply(cluster, request: dict, **answer) -> None:
 
 
 def _serve_pull(cluster, peer: int, request: dict) -> None:
-    owned = cluster._owned.get(request["name"])
-    if not same(owned, request["generation"], request.get("digest")):  # (a digest: of this publish's layout)
-        _reply(cluster, request,
-               error=f"node {cluster.node} has no generation {request['generation']} of {request['name']!r}")
+    """Send the owner's contents for a pull (a replica's ``pull``, first attach or renew)
+    as a delivery of their own: under the name's sync lock, with the next version (see
+    ``cluster_sync.NameSyncs``), so that no sync overtakes it and each version a replica
+    holds labels one delivery. The requester waits for the answer without its replica's
+    lock, so a sync under way to it ends meanwhile (holding that lock, it waited for the
+    sync, which waited for it)."""
+    name = request["name"]
+    if _refused(cluster, request, cluster._owned.get(name)):
         return
-    group_pair = request["pair"]
-    cluster._groups.check(peer, group_pair)  # before the answer: the requester's receive follows it
-    stripes = _stripes(request)  # before the answer: a bad count is refused, nothing posted
-    _reply(cluster, request, version=owned.version)
-    payload = replica.segment_bytes(owned.segment, owned.layout["nbytes"])
-    deadline = time.monotonic() + cluster.timeout
-    works = cluster._groups.send(peer, group_pair, payload, request["tag"], deadline, stripes)
-    cluster._groups.wait(peer, works, deadline, "pull", owned.layout["nbytes"])
+    syncs = cluster._syncs(name)
+    if not syncs.lock.acquire(timeout=cluster.timeout):  # (answered: see _handle)
+        raise TimeoutError(f"a sync of {name!r} on node {cluster.node} did not end within {cluster.timeout:g} s")
+    try:
+        owned = cluster._owned.get(name)  # (published again while this waited: refused)
+        if _refused(cluster, request, owned):
+            return
+        group_pair = request["pair"]
+        cluster._groups.check(peer, group_pair)  # before the answer: the requester's receive follows it
+        stripes = _stripes(request)  # before the answer: a bad count is refused, nothing posted
+        owned.version += 1
+        _reply(cluster, request, version=owned.version)
+        payload = replica.segment_bytes(owned.segment, owned.layout["nbytes"])
+        deadline = time.monotonic() + cluster.timeout
+        works = cluster._groups.send(peer, group_pair, payload, request["tag"], deadline, stripes)
+        cluster._groups.wait(peer, works, deadline, "pull", owned.layout["nbytes"])
+    finally:
+        syncs.lock.release()
+
+
+def _refused(cluster, request: dict, owned) -> bool:
+    """Refuse a pull of what this node does not hold (answered; True), naming the
+    generation it holds now (see :func:`refusal`)."""
+    if same(owned, request["generation"], request.get("digest")):  # (a digest: of this publish's layout)
+        return False
+    _reply(cluster, request, **refusal(cluster, request))
+    return True
+
+
+def refusal(cluster, request: dict) -> dict:
+    """The answer refusing ``request`` for a generation of its name this node does not
+    hold: the error, and the generation it owns now (``current``, signed with the
+    answer), by which the requester tells a re-publish (the rows or the pull were of the
+    old one: "published again, refresh the views") from other refusals. The owner
+    holds a new generation before the store names it (the name record is its commit
+    point), so the requester's look at the store alone found no newer one in between
+    and raised the bare refusal (audit 20)."""
+    owned = cluster._owned.get(request["name"])
+    return {"error": f"node {cluster.node} has no generation {request['generation']} of {request['name']!r}",
+            "current": owned.generation if owned is not None else None}
 
 
 def _stripes(request: dict) -> int:
@@ -321,16 +304,16 @@ def _serve_receive(cluster, peer: int, request: dict, entry, apply) -> None:
     stripes = _stripes(request)  # a count refused here fails the pair (see _handle): the sender's wait ends
     try:
         if not same(entry, request["generation"], request.get("digest")):
-            refusal = f"node {cluster.node} has no generation {request['generation']} of {request['name']!r}"
             if request["op"] == "sync":
                 _correct_record(cluster, request["name"])
+            answer = refusal(cluster, request) if request["op"] == "push" else {
+                "error": f"node {cluster.node} has no generation {request['generation']} of {request['name']!r}"}
             if request["nbytes"] > UNHELD_SCRATCH_BYTES:
-                raise TransferFailed(f"{refusal}: its {request['nbytes']} bytes were not received")
+                raise TransferFailed(f"{answer['error']}: its {request['nbytes']} bytes were not received")
             scratch = torch.empty(request["nbytes"], dtype=torch.uint8)
             deadline = time.monotonic() + cluster.timeout
             works = cluster._groups.recv(peer, request["pair"], scratch, tag, deadline, stripes)
             cluster._groups.wait(peer, works, deadline, request["op"], request["nbytes"])
-            answer = {"error": refusal}
         else:
             apply(cluster, peer, entry, request)
             answer = {"ok": True}
@@ -468,7 +451,7 @@ def _apply_push(cluster, peer: int, generation: int, header: dict, inline: torch
     owned = cluster._owned.get(header["name"])
     try:
         if not same(owned, header["generation"], header.get("digest")):
-            return {"error": f"node {cluster.node} has no generation {header['generation']} of {header['name']!r}"}
+            return refusal(cluster, header)
         _write_rows(owned, rows, header["rows"])
         return {"ok": True}
     except Exception as err:  # noqa: BLE001 - answered: the pusher raises it

@@ -27,7 +27,7 @@ from shared_td.coordinator.cluster_push import send_answered
 from shared_td.coordinator.cluster_store import ClusterAuthError
 from shared_td.coordinator.cluster_transfer import TransferFailed, stripe_count
 
-__all__ = ["NameSyncs", "SyncReport", "has_replica", "sync"]
+__all__ = ["NameSyncs", "SyncReport", "has_replica", "name_syncs", "sync"]
 
 
 @dataclass
@@ -90,9 +90,7 @@ def sync(cluster, name: str, timeout: float | None) -> SyncReport:
     if not timeout > 0:  # a zero wait failed every replica's transfer, and so its pair
         raise ValueError(f"sync({name!r}, timeout={timeout!r}): the timeout is a number of seconds above 0.")
     deadline = time.monotonic() + timeout
-    syncs = cluster._name_syncs.get(name)
-    if syncs is None:  # (setdefault: one object per name, also when two threads sync a new name at once)
-        syncs = cluster._name_syncs.setdefault(name, NameSyncs())
+    syncs = name_syncs(cluster, name)
     if not syncs.lock.acquire(timeout=timeout):
         raise TimeoutError(f"Another sync of {name!r} on this node did not end within {timeout:g} s: nothing was "
                            "sent (retry, or give the sync a longer timeout).")
@@ -109,14 +107,26 @@ def sync(cluster, name: str, timeout: float | None) -> SyncReport:
     return report
 
 
+def name_syncs(cluster, name: str) -> "NameSyncs":
+    """The :class:`NameSyncs` of ``name`` (an owned name), made at its first use."""
+    syncs = cluster._name_syncs.get(name)
+    if syncs is None:  # (setdefault: one object per name, also when two threads sync a new name at once)
+        syncs = cluster._name_syncs.setdefault(name, NameSyncs())
+    return syncs
+
+
 class NameSyncs:
     """What the owner keeps of one name from one sync to the next.
 
-    ``lock`` orders the syncs of the name: each takes the next version and delivers it
-    before the next sync takes its own (two syncs at once both took a version, then
-    read ``owned.version`` again for their report and requests: both reported, and
-    sent, the later one, and a replica could apply the later request first and be left
-    at the earlier version). ``holders``: the nodes whose signed ``has/<name>/<node>``
+    ``lock`` orders the deliveries of the name: each sync, and each pull it serves (a
+    replica's ``pull``, first attach or renew: ``cluster_serve``), takes the next version
+    and delivers it before the next one takes its own (two syncs at once both took a
+    version, then read ``owned.version`` again for their report and requests: both
+    reported, and sent, the later one, and a replica could apply the later request first
+    and be left at the earlier version). So a version number counts the deliveries of
+    the owner's contents, and each labels one delivery: a pull labelled its contents
+    with the last sync's number, and a reader that compared a replica's version before
+    and after a read missed the pull that rewrote it under the same number (audit 20). ``holders``: the nodes whose signed ``has/<name>/<node>``
     record a sync of ``generation`` read; within a generation only the node's process
     leaving (or losing its number) takes such a record back, so it is read once per
     generation instead of at every sync (two store round trips per
@@ -216,5 +226,17 @@ def _sync_one(cluster, peer: int, name: str, owned, version: int, payload, deadl
     except (TransferFailed, TimeoutError, ConnectionError, RuntimeError) as err:
         if cluster._closed:  # not the replica node's failure: this node's shutdown ended it
             raise cluster._shut_down(f" during the sync of {name!r} to node {peer}") from err
+        if _departed(cluster, peer):  # its shutdown cut the transfer: no crash, nothing waited for
+            return f"left (shutdown): node {peer} left the cluster during the sync ({type(err).__name__})"
         return f"{type(err).__name__}: {err}"
     return None
+
+
+def _departed(cluster, peer: int) -> bool:
+    """Whether ``peer`` left cleanly (``Liveness.departed``), read now; False when the
+    store cannot tell."""
+    try:
+        cluster._liveness.alive(peer)  # reads its heartbeat now: departed goes by the last one read
+        return cluster._liveness.departed(peer)
+    except (RuntimeError, OSError):
+        return False

@@ -4,7 +4,7 @@ Such a process leaves its queues to its successor, so no stop notice woke its se
 thread's and its lanes' blocking pops: its ``shutdown()`` waited POP_S (60 s) for the
 service thread, and the lanes were left inside torch at the interpreter's exit. Its pops
 are now woken without putting anything in the successor's queues
-(``cluster_serve.wake_pops``).
+(``cluster_wake.wake_pops``).
 """
 from __future__ import annotations
 

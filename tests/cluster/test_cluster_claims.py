@@ -107,7 +107,7 @@ def test_a_sync_with_no_time_is_refused_before_it_drops_anyone(pair):
     for timeout in (0, -1.0, float("nan")):
         with pytest.raises(ValueError, match="timeout"):
             owner.sync("s", timeout=timeout)
-    assert owner.version("s") == 1 and owner._groups.generation(1) == generation
+    assert owner.version("s") == 2 and owner._groups.generation(1) == generation  # (the attach's pull: 2)
     td["v"].fill_(2.0)
     assert owner.sync("s", timeout=5.0).delivered == [1] and replica["v"].tolist() == [2.0, 2.0]
 

@@ -27,5 +27,6 @@ def test_coordinator_cluster_api(store):
     finally:
         for proc in procs:
             assert finish(proc) == 0
-    assert owner == ("ok", [1], [-1.0, -1.0, 5.0], 2), owner
-    assert other == ("ok", [2.0, 3.0], ([5.0, 5.0], 2), True, ["policy"]), other
+    # version 3: the attach's pull was delivery 2, the sync 3
+    assert owner == ("ok", [1], [-1.0, -1.0, 5.0], 3), owner
+    assert other == ("ok", [2.0, 3.0], ([5.0, 5.0], 3), True, ["policy"]), other

@@ -116,7 +116,7 @@ def test_store_host_killed_gives_connection_error_and_nodes_stop_cleanly():
             assert took < 10, (command, took)
         # attach of the replica this node holds needs no store: the same replica, not
         # stale (no newer generation can be published without the store) ...
-        assert nodes.ok(2, "attach", "policy") == (held, 1)
+        assert nodes.ok(2, "attach", "policy") == (held, 2)  # (the first attach's pull was delivery 2)
         key, stale, refreshed, cluster_stale, values = nodes.ok(2, "coord_attach", "policy")
         assert (key, stale, refreshed, cluster_stale, values) == (held, False, held, False, [2.0, 3.0])
         # ... while a name it does not hold still needs the store
@@ -124,7 +124,7 @@ def test_store_host_killed_gives_connection_error_and_nodes_stop_cleanly():
         assert answer[0] == "error" and answer[1] == "ConnectionError" and took < 10, answer
         # the replica stays readable by the node's workers (through its own coordinator)
         values, _segment, version = nodes.ok(2, "worker_read", "policy", timeout=90)
-        assert values[:2] == [2.0, 3.0] and version == 1
+        assert values[:2] == [2.0, 3.0] and version == 2
         for n in (1, 2):  # a clean stop, in bounded time, without the store
             began = time.monotonic()
             nodes.commands[n].put(("stop",))
@@ -183,7 +183,7 @@ def test_owner_killed_pull_push_raise_owner_lost_and_replica_stays_readable_by_w
             assert answer[0] == "error" and answer[1] == "OwnerLostError", answer
             assert took < 10, took
         values, _segment, version = nodes.ok(2, "worker_read", "policy", timeout=90)
-        assert values[0] == 9.0 and values[1:3] == [4.0, 5.0] and version == 1
+        assert values[0] == 9.0 and values[1:3] == [4.0, 5.0] and version == 2  # (the attach's pull)
 
 
 def test_owner_killed_during_pushes_over_its_kept_receive_raises_owner_lost_within_10s():

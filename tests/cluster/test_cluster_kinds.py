@@ -70,9 +70,9 @@ def test_a_tensorclass_replicates_at_the_top_level_with_its_non_tensor_fields(pa
     assert _segment(view) != _segment(step)  # the node's own segment
     step.obs.add_(100)
     assert owner.sync("step").delivered == [1]
-    assert view.obs[0].tolist() == [100.0, 101.0, 102.0] and shared_td.version(view) == 2
+    assert view.obs[0].tolist() == [100.0, 101.0, 102.0] and shared_td.version(view) == 3  # (attach: 2)
     step.reward.fill_(3.0)
-    assert other.pull("step") == 2 and view.reward[:, 0].tolist() == [3.0] * 4
+    assert other.pull("step") == 4 and view.reward[:, 0].tolist() == [3.0] * 4
     # push of rows: rows of the tensorclass's batch, as step[index] selects them
     view.obs[1:3] = -1.0
     other.push("step", [1, 2])
@@ -146,7 +146,7 @@ def test_coordinators_replicate_a_lazy_stack_and_a_local_attach_by_address_sees_
     assert _segment(local) == _segment(replica) != _segment(lazy)  # the node's one replica
     lazy.tensordicts[1]["v"].fill_(6.0)
     owner.sync("lazy")
-    assert shared_td.wait_version(local, 2, timeout=5) == 2
+    assert shared_td.wait_version(local, 3, timeout=5) == 3  # (the attach's pull was 2)
     assert local.tensordicts[1]["v"].unique().tolist() == [6.0]
 
 

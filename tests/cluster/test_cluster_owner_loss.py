@@ -45,7 +45,8 @@ def test_owner_killed_during_large_pulls_raises_owner_lost_within_seconds():
     with leak_checked_nodes(3) as nodes:
         _owner_and_replica(nodes)
         answer = loop_through_an_owner_kill(nodes, ("pull_loop", "big", 60.0), WITHIN_S, pause=(0.5, 1.5))
-        assert answer[3] in (1, None)  # the replica's version: complete, or marked as being written
+        # the replica's version: complete (each pull took the next: the attach's was 2), or marked as being written
+        assert answer[3] is None or answer[3] >= 2
         assert finish(nodes.procs[1]) == -signal.SIGKILL
 
 

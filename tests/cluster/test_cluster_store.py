@@ -205,7 +205,8 @@ def test_forged_request_is_dropped_and_the_node_keeps_serving(store, pair):
     td["x"].add_(1)
     assert owner.sync("p").delivered == [1]
     assert replica["x"].tolist() == [1.0, 2.0, 3.0, 4.0]
-    assert cluster_replica.replica_version(replica) == 2 == other.version("p")
+    # (the attach's pull was delivery 2: each sync and each pull takes the next version)
+    assert cluster_replica.replica_version(replica) == 3 == other.version("p")
 
 
 def test_republish_makes_replica_stale(pair):
@@ -235,15 +236,15 @@ def test_unknown_and_unreplicable_names_are_clear_errors(pair, tmp_path):
 def test_wait_version_is_bounded(pair):
     owner, other = pair
     owner.publish("p", shared_td.TensorDict(x=torch.zeros(3), batch_size=[3]))
-    replica = other.attach("p")
-    assert cluster_replica.wait_version(replica, 1, timeout=1) == 1
+    replica = other.attach("p")  # (its pull: version 2)
+    assert cluster_replica.wait_version(replica, 1, timeout=1) == 2
     began = time.monotonic()
-    with pytest.raises(TimeoutError, match="version 2"):
-        cluster_replica.wait_version(replica, 2, timeout=0.3)
+    with pytest.raises(TimeoutError, match="version 3"):
+        cluster_replica.wait_version(replica, 3, timeout=0.3)
     assert time.monotonic() - began < 2
     waiter = threading.Thread(target=owner.sync, args=("p",))
     waiter.start()
-    assert cluster_replica.wait_version(replica, 2, timeout=10) == 2
+    assert cluster_replica.wait_version(replica, 3, timeout=10) == 3
     waiter.join(10)
 
 

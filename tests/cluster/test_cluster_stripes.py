@@ -74,24 +74,24 @@ def test_striped_attach_sync_and_pull_give_the_owner_bytes(stores, stripes):
         # first attach: one pull, over the replica node's stripes
         nodes.ok(1, "attach_dtypes", "weights")
         digest, version, segment = nodes.ok(1, "digest", "weights")
-        assert (digest, version) == (owner_digest, 1)
+        assert (digest, version) == (owner_digest, 2)  # (the publish is version 1, the attach's pull 2)
         assert nodes.ok(1, "stripes", 0)[1] == replica_k
         # sync: over the owner's stripes, into the same replica segment (in place)
         nodes.ok(0, "fill_dtypes", "weights", 5)
-        assert nodes.ok(0, "sync", "weights") == (2, [1], [])
+        assert nodes.ok(0, "sync", "weights") == (3, [1], [])
         owner_digest = nodes.ok(0, "digest", "weights")[0]
-        assert nodes.ok(1, "digest", "weights") == (owner_digest, 2, segment)
+        assert nodes.ok(1, "digest", "weights") == (owner_digest, 3, segment)
         assert nodes.ok(0, "stripes", 1)[1] == max(owner_k, replica_k)  # built once, reused
         # pull: the owner's current contents
         nodes.ok(0, "fill_dtypes", "weights", 9)
-        assert nodes.ok(1, "pull", "weights") == 2
+        assert nodes.ok(1, "pull", "weights") == 4  # a delivery: the next version
         owner_digest = nodes.ok(0, "digest", "weights")[0]
-        assert nodes.ok(1, "digest", "weights") == (owner_digest, 2, segment)
+        assert nodes.ok(1, "digest", "weights") == (owner_digest, 4, segment)
         for _ in range(3):  # back to back, both ways, on the same groups
             nodes.ok(0, "fill_dtypes", "weights", random.randrange(250))
             version = nodes.ok(0, "sync", "weights")[0]
             assert nodes.ok(1, "digest", "weights") == (nodes.ok(0, "digest", "weights")[0], version, segment)
-            assert nodes.ok(1, "pull", "weights") == version
+            assert nodes.ok(1, "pull", "weights") == version + 1
         generation, built = nodes.ok(1, "stripes", 0)
         assert built == max(owner_k, replica_k) and nodes.ok(0, "stripes", 1) == (generation, built)
     finally:
@@ -104,7 +104,7 @@ def test_a_payload_under_the_threshold_goes_over_one_group(stores):
         nodes.ok(0, "publish", "small", 1000, 1.0)
         nodes.ok(1, "attach", "small")
         nodes.ok(0, "fill", "small", 3.0)
-        assert nodes.ok(0, "sync", "small") == (2, [1], [])
+        assert nodes.ok(0, "sync", "small") == (3, [1], [])  # (the attach's pull was 2)
         assert nodes.ok(1, "read", "small") == nodes.ok(0, "read", "small")
         assert nodes.ok(0, "stripes", 1)[1] == 1 and nodes.ok(1, "stripes", 0)[1] == 1
     finally:
