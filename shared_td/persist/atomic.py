@@ -59,6 +59,7 @@ from shared_td.persist.leftovers import TAG as _TAG
 from shared_td.persist.leftovers import find_leftovers, gc, parse_leftover_name, sweep_leftovers
 from shared_td.persist.writer_lock import acquired, parent_not_writable, prefix_lock
 from shared_td.platform import rename_exchange
+from shared_td.storage.mapping import descriptor_limits
 # every tree this module removes is its own (staging, retired versions): see remove_own_tree
 from shared_td.storage.removal import remove_own_tree as remove_tree
 
@@ -160,8 +161,16 @@ class Staging:
         self.reserved: list[int] = []
         self.replaced: os.stat_result | None = None
         try:
-            self.reserved.append(os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC))
-            self.reserved.append(os.dup(self.reserved[0]))
+            try:
+                self.reserved.append(os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC))
+                self.reserved.append(os.dup(self.reserved[0]))
+            except OSError as error:  # (os.dup's error names nothing)
+                if error.errno not in (errno.EMFILE, errno.ENFILE):
+                    raise
+                raise OSError(error.errno, (
+                    f"atomic=True: cannot reserve the two descriptors that a write into {self.path} "
+                    f"(the new version of {prefix}) keeps until it ends: {error.strerror}. "
+                    f"{descriptor_limits(error.errno)}")) from None
             if os.path.isdir(prefix):
                 self.replaced = os.lstat(prefix)
                 self._take_group_and_setgid()

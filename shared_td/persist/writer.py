@@ -107,7 +107,7 @@ def write_tree(root: NodePlan, leaves: list[LeafPlan], options: Options, *, clea
     if documents is None:
         documents = tree_documents(root)
     made_root = clean_up and not root.exists
-    directory = _make_root(root.directory) if made_root else Directory.open(root.directory)
+    directory, made = _make_root(root.directory) if made_root else (Directory.open(root.directory), [])
     pool = ThreadPoolExecutor(options.num_threads) if options.num_threads > 1 else None
     writer = _TreeWriter(options, pool, documents)
     try:
@@ -119,8 +119,8 @@ def write_tree(root: NodePlan, leaves: list[LeafPlan], options: Options, *, clea
         if clean_up:
             writer.remove_what_was_made(root, directory, error)
         directory.close()
-        if made_root:  # emptied above: what is left there is not this write's
-            _note_failure(error, root.directory, os.rmdir, root.directory)
+        # the root, emptied above, and the parents made for it: what is left there is not this write's
+        _remove_made(made, error)
         raise
     finally:
         writer.close_kept()
@@ -314,22 +314,48 @@ class _TreeWriter:
                 _note_failure(error, directory.join(name), directory.rmdir, name)
 
 
-def _make_root(path: str) -> Directory:
-    """Make the directory ``path`` (a prefix missing when the write was planned; its
-    parents too) and open it. One that exists now was made by another writer since:
-    its files are not this write's to write among, nor to remove if it fails."""
+def _make_root(path: str) -> tuple[Directory, list[str]]:
+    """Make the directory ``path`` (a prefix missing when the write was planned) and its
+    missing parents one by one, and open it; returns it and the directories it made,
+    outermost first (a failure here removes them: :func:`_remove_made`). One that
+    exists now was made by another writer since: its files are not this write's to
+    write among, nor to remove if it fails (nor is a parent made by another meanwhile)."""
     parent, name = os.path.split(path)
-    with Directory.open(parent, create=True) as above:
+    missing, made = [], []
+    while parent and not os.path.isdir(parent):
+        missing.append(parent)
+        parent = os.path.dirname(parent)
+    try:
+        for each in reversed(missing):
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(each, 0o777)
+                made.append(each)
+        with Directory.open(os.path.dirname(path)) as above:
+            try:
+                above.mkdir(name)
+            except FileExistsError:
+                raise FileExistsError(
+                    errno.EEXIST,
+                    f"{path} did not exist when this write was planned, but it does now: another "
+                    "writer (a thread or a process) made it meanwhile. Nothing was written. Write "
+                    "again (that write rewrites what is there), or make the writers take turns "
+                    "with atomic=True.", path) from None
+            made.append(path)
+            return above.child(name), made
+    except BaseException as error:  # (opening it needs a descriptor: there may be none)
+        _remove_made(made, error)
+        raise
+
+
+def _remove_made(made: list[str], error: BaseException) -> None:
+    """Remove the emptied directories a failed write ``made``, innermost first; the
+    first that cannot be (something not this write's is in it) stops it, in a note."""
+    for path in reversed(made):
         try:
-            above.mkdir(name)
-        except FileExistsError:
-            raise FileExistsError(
-                errno.EEXIST,
-                f"{path} did not exist when this write was planned, but it does now: another "
-                "writer (a thread or a process) made it meanwhile. Nothing was written. Write "
-                "again (that write rewrites what is there), or make the writers take turns "
-                "with atomic=True.", path) from None
-        return above.child(name)
+            os.rmdir(path)
+        except OSError as failure:
+            error.add_note(f"{path}, made by this write, could not be removed: {failure}")
+            return
 
 
 def _note_failure(error: BaseException, shown: str, remove, *args) -> None:

@@ -9,5 +9,9 @@ Two kinds of backing, one module each:
 
 Both expose the same small surface that :class:`shared_td.MemoryMappedTensor` relies on:
 ``storage`` (one ``torch.UntypedStorage`` of uint8 over all the bytes), ``nbytes``, and a
-``__reduce__`` that pickles a *reference* (a path, or a pid/fd/inode triple), never data.
+``__reduce__`` that pickles a *reference* (a path, or a pid/fd/inode triple), never data;
+:mod:`shared_td.storage.sending` sends plain tensors over either kind the same way.
 """
+
+# registers how ForkingPicklers send plain tensors over either kind: by reference
+from shared_td.storage import sending  # noqa: F401,E402

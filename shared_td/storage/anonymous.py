@@ -5,11 +5,15 @@ a resource tracker; we need neither):
 
 * ``Segment.create`` makes a ``memfd`` (name ``shared_td-<pid>``) and reserves all its
   bytes with ``posix_fallocate``, so a full tmpfs or memory limit is a
-  :class:`~shared_td.storage.files.StorageFullError` at creation, never a SIGBUS later.
-* The :class:`Segment` object owns exactly one descriptor, closed by ``weakref.finalize``
-  when the object dies. Mappings outlive the descriptor; the memory is freed by the
-  kernel when the last descriptor *and* the last mapping in any process are gone.
-  Nothing is ever named in ``/dev/shm``, so a SIGKILL leaks nothing.
+  :class:`~shared_td.storage.files.StorageFullError` at creation, never a SIGBUS later;
+  a mapping that this process's limits refuse (``RLIMIT_AS``) is refused first.
+* The :class:`Segment` object owns exactly one descriptor and one mapping (its
+  ``storage``). The descriptor is closed by ``weakref.finalize`` when that storage dies:
+  when the Segment and every tensor viewing it are gone, plain views too (``detach()``,
+  ``view()``, ``.data``), as torch keeps the descriptor of its shared storages, so that
+  such a view can still be sent (below). The memory is freed by the kernel when the last
+  descriptor *and* the last mapping in any process are gone. Nothing is ever named in
+  ``/dev/shm``, so a SIGKILL leaks nothing.
 * Plain ``pickle`` sends a segment as ``(pid, fd, (st_dev, st_ino), nbytes)`` of the
   pickling process. The receiver opens ``/proc/<pid>/fd/<fd>`` -- allowed for processes
   of the same user -- checks the inode, and owns the new descriptor. This works with
@@ -33,7 +37,15 @@ a resource tracker; we need neither):
   also memfds, are sent the same way (:func:`receive_duplicate`), each with its own
   words when it cannot be received. The Coordinator pickles its segments itself (plain
   pickles of ``Segment.__reduce__``) and ``multiprocess`` (dill) has its own pickler:
-  both keep the ``/proc`` route.
+  both keep the ``/proc`` route. A receiver out of descriptors (``RLIMIT_NOFILE``) gets
+  a :class:`~shared_td.errors.MappingError` naming the segment and that limit.
+* A plain ``torch.Tensor`` over a segment or a mapped file (a view that is not a
+  MemoryMappedTensor: ``detach()``, ``view()``, ``.data``, the leaves of ``td.detach()``,
+  ``td.view()``, ``td.apply(...)``) is sent by ForkingPickler (multiprocessing's and
+  multiprocess's) as a view of the same memory: its storage as its Segment (as above)
+  or FileBacking (the path), by a reducer for ``torch.UntypedStorage`` registered over
+  torch's (:mod:`shared_td.storage.sending`, which gives torch's every other storage). Torch's
+  own sent ``DupFd(-1)``: it keeps no descriptor of a mapping made by ``torch.from_file``.
 * Many leaves can share one segment (at :data:`ALIGNMENT`-byte offsets): descriptors grow
   with the number of segments, not of tensors (user-issues row 15).
 """
@@ -41,6 +53,7 @@ a resource tracker; we need neither):
 from __future__ import annotations
 
 import errno
+import mmap
 import multiprocessing
 import multiprocessing.reduction
 import os
@@ -51,7 +64,7 @@ from shared_td import platform
 from shared_td.errors import MappingError, SegmentUnavailableError
 from shared_td.storage.cache import InodeCache
 from shared_td.storage.files import NO_SPACE_ERRNOS, map_fd, pwrite_all, storage_full_error
-from shared_td.storage.mapping import descriptor_limits
+from shared_td.storage.mapping import descriptor_limits, map_error
 
 __all__ = [
     "ALIGNMENT", "Segment", "SegmentUnavailableError", "align", "attach_peer_fd", "attach_segment",
@@ -121,15 +134,22 @@ class Segment:
         self.fd = fd
         self.nbytes = nbytes
         self.key = key
-        self._finalizer = weakref.finalize(self, os.close, fd)
         try:
             # Mapped eagerly: mapping costs nothing until touched, and one fixed storage
             # per segment is what lets a tensor prove which segment it views.
-            self.storage = map_fd(fd, nbytes, shared=True,
-                                  what=f"an anonymous shared-memory segment (inode {key[1]})")
+            storage = map_fd(fd, nbytes, shared=True,
+                             what=f"an anonymous shared-memory segment (inode {key[1]})")
         except BaseException:
-            self._finalizer()
+            os.close(fd)
             raise
+        self.storage = storage
+        # The descriptor lives as long as the mapping's storage, which this object holds
+        # and so does every tensor viewing it, plain ones too (detach(), view(), .data):
+        # such a view sent by ForkingPickler after this object died goes as a duplicate
+        # of it (see _reduce_storage). The storage's Python object is one per mapping
+        # (torch keeps it while any tensor views it), so it can say what it maps.
+        self._finalizer = weakref.finalize(storage, os.close, fd)
+        setattr(storage, _SEGMENT_ATTRIBUTE, (fd, nbytes, key))
 
     @classmethod
     def create(cls, nbytes: int) -> Segment:
@@ -145,6 +165,14 @@ class Segment:
         """
         if nbytes <= 0:
             raise ValueError(f"A segment needs a positive size, got {nbytes} bytes.")
+        # map_fd's trial mapping (PROT_NONE: address space and a mapping, no memory),
+        # made before the memory is reserved: a mapping that RLIMIT_AS or
+        # vm.max_map_count refuses must not first reserve (and zero) all its bytes
+        try:
+            mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE, prot=0).close()
+        except OSError as error:
+            raise map_error(error.errno, -1, nbytes, True, "a new anonymous shared-memory segment "
+                            "(inode none yet: refused before any byte was reserved)") from None
         fd = create_memfd(f"shared_td-{os.getpid()}", nbytes, "an anonymous shared-memory segment")
         st = os.fstat(fd)
         return _register(fd, nbytes, (st.st_dev, st.st_ino))
@@ -190,10 +218,37 @@ def _register(fd: int, nbytes: int, key: tuple[int, int]) -> Segment:
     return stored
 
 
+#: the attribute of a segment's storage that holds ``(fd, nbytes, key)``: what a view
+#: of it pickles by when its Segment object is gone (the descriptor lives as long as it)
+_SEGMENT_ATTRIBUTE = "_shared_td_segment"
+
+
 def find_segment(storage) -> Segment | None:
-    """The Segment of this process whose mapping is ``storage``, if any."""
-    segments = _CACHE.values()
-    return next((s for s in segments if s.storage.data_ptr() == storage.data_ptr()), None)
+    """The Segment of this process whose mapping is ``storage``, if any: also when the
+    object that made it is gone but tensors still view its mapping (a new object over
+    the same descriptor and storage, not kept: the tensors hold the memory).
+
+    Example:
+        >>> seg = Segment.create(64)
+        >>> find_segment(seg.storage) is seg, find_segment(torch.zeros(2).untyped_storage())
+        (True, None)
+        >>> view = torch.empty(0, dtype=torch.uint8).set_(seg.storage)
+        >>> key = seg.key; del seg  # only a plain view holds the mapping now
+        >>> find_segment(view.untyped_storage()).key == key
+        True
+    """
+    held = getattr(storage, _SEGMENT_ATTRIBUTE, None)
+    if held is None:  # (a TypedStorage, or a storage that is no mapping's own object)
+        segments = _CACHE.values()
+        return next((s for s in segments if s.storage.data_ptr() == storage.data_ptr()), None)
+    cached = _CACHE.get(held[2])
+    if cached is not None and cached.storage is storage:
+        return cached
+    segment = Segment.__new__(Segment)
+    segment.fd, segment.nbytes, segment.key = held
+    segment.storage = storage
+    segment._finalizer = None  # (the storage's finalizer closes the descriptor)
+    return segment
 
 
 # ``what`` may be any user of a segment (tensors, a SharedCounter, the coordinator's
@@ -288,6 +343,7 @@ def attach_segment(pid: int, fd: int, key: tuple[int, int], nbytes: int, *, what
 
 multiprocessing.reduction.ForkingPickler.register(Segment, Segment._reduce_with_duplicate)
 
+
 # what taking the sender's duplicate raises when that is not possible: its process (and
 # resource sharer) gone, or the receiver not of its family (another authkey)
 _DUPLICATE_LOST = (OSError, EOFError, multiprocessing.AuthenticationError)
@@ -340,6 +396,20 @@ def receive_duplicate(duplicate, key: tuple[int, int], nbytes: int, pid: int, *,
             return fallback()
         except SegmentUnavailableError as gone:
             raise gone from err
+    except RuntimeError as err:
+        if "ancdata" not in str(err):
+            raise
+        # recvfds: the kernel dropped the descriptor sent, as this process could take
+        # no more (RLIMIT_NOFILE): the shortage is ours. The /proc route may still work
+        # (the receiving socket is closed by now); if the sender no longer holds it, the
+        # fault is still this process's limit, not the sender's exit
+        try:
+            return fallback()
+        except SegmentUnavailableError:
+            raise MappingError(errno.EMFILE, (
+                f"Cannot receive the {what} (inode {key[1]}) that process {pid} sent: the "
+                f"descriptor it sent was dropped, this process could take no more. "
+                f"{descriptor_limits(errno.EMFILE)}")) from err
     found = cached(key)
     if found is not None:
         os.close(new_fd)

@@ -39,6 +39,7 @@ from shared_td.storage.mapping import (
     backing_from_fd,
     file_kind,
     boot_id,
+    descriptor_limits,
     find_backing,
     map_fd,
     map_path_fd,
@@ -131,7 +132,12 @@ class Directory:
         creating it and its parents first when ``create``."""
         if create:
             os.makedirs(path, mode=0o777, exist_ok=True)
-        return cls(os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), path, action)
+        try:
+            return cls(os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), path, action)
+        except OSError as error:
+            if error.errno not in (errno.EMFILE, errno.ENFILE):
+                raise
+            raise _named_error(error, path) from None
 
     def join(self, name: str) -> str:
         """The path of ``name`` (one file name) in this directory."""
@@ -296,7 +302,14 @@ class Directory:
         path = self.join(name)
         if error.errno == errno.ELOOP or (error.errno == errno.ENOTDIR and self.is_symlink(name)):
             return RuntimeError(f"Refusing to {self.action} through symlink {path}.")
-        return type(error)(error.errno, f"{error.strerror}: {path}")
+        return _named_error(error, path)
+
+
+def _named_error(error: OSError, path: str) -> OSError:
+    """``error`` (of an open or mkdir) naming ``path``; out of descriptors, also this
+    process's limit and the fix."""
+    limits = f". {descriptor_limits(error.errno)}" if error.errno in (errno.EMFILE, errno.ENFILE) else ""
+    return type(error)(error.errno, f"{error.strerror}: {path}{limits}")
 
 
 def too_big(size: int, limit: int) -> str:

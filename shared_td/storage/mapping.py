@@ -242,6 +242,8 @@ class FileBacking:
         self.shared = shared
         self.read_only = read_only
         self.inode = inode
+        if storage is not None:  # what a plain view pickles by when no backing of it is left
+            setattr(storage, FILE_ATTRIBUTE, (path, nbytes, shared, read_only, inode))
         #: the cached backing whose mapping this one shares under another name (see
         #: :func:`named`): held, so this process's cache keeps that mapping; else None
         self.origin = None
@@ -258,6 +260,10 @@ class FileBacking:
             mode += ", read-only"
         return f"FileBacking({self.path!r}, nbytes={self.nbytes}, {mode})"
 
+
+#: the attribute of a mapped file's storage that holds the arguments of its last
+#: FileBacking but the storage (see :func:`shared_td.storage.sending.mapped_memory`)
+FILE_ATTRIBUTE = "_shared_td_file"
 
 # (st_dev, st_ino) -> FileBacking, so that unpickling many leaves of one file maps it once.
 # Keyed by inode, not path: a file replaced by rename is a new file and gets a new mapping.

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import os
+import resource
 import stat
 
 import torch
@@ -37,12 +38,23 @@ def _size_text(nbytes: int) -> str:
 
 
 def storage_full_error(err: OSError, nbytes: int, where: str) -> StorageFullError:
-    """Turn an ``ENOSPC``-like ``OSError`` into a :class:`StorageFullError` naming the size."""
-    return StorageFullError(
-        err.errno,
-        f"Could not reserve {_size_text(nbytes)} for {where}: {err.strerror}. "
-        "Free space there, or raise the limit (for containers: --shm-size / memory limit).",
-    )
+    """Turn an ``ENOSPC``-like ``OSError`` into a :class:`StorageFullError` naming the
+    size and the fix: for ``EFBIG`` (a file grown past this process's ``RLIMIT_FSIZE``,
+    or the file system's largest file) that limit, not the room left.
+
+    Example:
+        >>> print(storage_full_error(OSError(errno.EFBIG, "File too large"), 2**20, "x"))  # doctest: +ELLIPSIS
+        [Errno 27] Could not reserve 1048576 bytes (1.0 MiB) for x: File too large. ... RLIMIT_FSIZE ...
+    """
+    if err.errno == errno.EFBIG:
+        soft, hard = (("unlimited" if value == resource.RLIM_INFINITY else str(value))
+                      for value in resource.getrlimit(resource.RLIMIT_FSIZE))
+        fix = (f"A file may not grow past this process's RLIMIT_FSIZE (soft/hard = {soft}/{hard} "
+               "bytes) nor the largest file of its file system: raise the limit (`ulimit -f`, "
+               "resource.setrlimit(resource.RLIMIT_FSIZE, ...)) or write less.")
+    else:
+        fix = "Free space there, or raise the limit (for containers: --shm-size / memory limit)."
+    return StorageFullError(err.errno, f"Could not reserve {_size_text(nbytes)} for {where}: {err.strerror}. {fix}")
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:

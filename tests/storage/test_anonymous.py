@@ -47,7 +47,7 @@ def test_zero_bytes_make_no_segment():
     assert fd_count() == before
 
 
-def test_one_descriptor_per_segment_named_and_closed_on_collection():
+def test_one_descriptor_per_segment_named_and_closed_with_its_mapping():
     before = fd_count()
     shm_before = this_process_in_shm()
     segment = Segment.create(4096)
@@ -58,9 +58,12 @@ def test_one_descriptor_per_segment_named_and_closed_on_collection():
     storage = segment.storage
     del segment
     gc.collect()
-    assert fd_count() == before
-    storage[0] = 5  # the mapping outlives the descriptor
+    assert fd_count() == before + 1  # the mapping (any view of it) holds the descriptor: views can be sent
+    storage[0] = 5
     assert storage[0] == 5
+    del storage
+    gc.collect()
+    assert fd_count() == before  # closed with the last view of the mapping
 
 
 def test_reservation_failure_is_a_clear_error(monkeypatch):
