@@ -507,3 +507,24 @@ def _detach_leaves(node: Any) -> None:
             value.detach_()
         elif is_tensor_collection(value) and not is_non_tensor(value):
             _detach_leaves(value)
+
+
+class TensorData:
+    """``td.data`` of a TensorDict or a lazy stack (tensordict 0.15.3's property): not a
+    mixin of TensorDictBase, so that a tensorclass field or a non-tensor's value may be
+    named ``data`` (as in tensordict, ``NonTensorData.data`` is its value)."""
+
+    @property
+    def data(self) -> Any:
+        """A tensordict of each tensor's ``.data`` (the same storage, outside autograd:
+        a memory-mapped leaf's is a plain tensor over the same memory); non-tensor
+        entries are new ones holding the same values, and a locked tensordict gives a
+        locked one, as tensordict's.
+
+        Example:
+            >>> td = TensorDict(x=torch.ones(2, requires_grad=True), batch_size=[2])
+            >>> td.data["x"].requires_grad, td.data["x"].data_ptr() == td["x"].data_ptr()
+            (False, True)
+        """
+        out = self.apply(lambda tensor: tensor.data)
+        return out.lock_() if self.is_locked else out

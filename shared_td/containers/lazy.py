@@ -23,6 +23,7 @@ import torch
 from shared_td.containers import batch as batch_ops
 from shared_td.containers.base import NO_DEFAULT, TensorDictBase
 from shared_td.containers.batch_dim_ops import LazyBatchDimOps
+from shared_td.containers.convenience_ops import TensorData
 from shared_td.containers.lazy_ragged import Ragged, has_ragged_leaf, members_values, stacked
 from shared_td.containers.lazy_names import LazyNames, checked_stack_dim_name, names_members_agree_on
 from shared_td.containers.lazy_shape import LazyShapeOps, set_batch_size, stacked_into
@@ -35,7 +36,7 @@ from shared_td.tensorclass_protocol import is_tensorclass, unwrap_tensorclass
 
 # The mixins come before TensorDictBase so that their methods override its own; their
 # ``super()`` calls (e.g. ``_check_unlocked`` in ``_set_str``) reach TensorDictBase.
-class LazyStackedTensorDict(LazyNames, LazyShapeOps, LazyBatchDimOps, LazyWriteOps, TensorDictBase):
+class LazyStackedTensorDict(LazyNames, LazyShapeOps, LazyBatchDimOps, LazyWriteOps, TensorData, TensorDictBase):
     """Tensordicts stacked along ``stack_dim``, kept as they are (``tensordicts``).
 
     Members share their batch size (unlike tensordict, different ones are refused) but

@@ -370,7 +370,9 @@ def _scalar_fields(cls: type, fields: tuple) -> dict:
 
 
 def _reserved_names() -> set:
-    names = {n for n in dir(TensorDict) if not n.startswith("_")}
+    # (``data`` is TensorDict's but no tensorclass member: a field may be named so, as
+    # in tensordict, where NonTensorData's value is its field ``data``)
+    names = {n for n in dir(TensorDict) if not n.startswith("_")} - {"data"}
     return names | {n for n in MEMBERS if not n.startswith("__")} | {"_tensordict"}
 
 

@@ -28,6 +28,7 @@ from shared_td.containers.base import (
     parse_device,
     self_nesting_error,
 )
+from shared_td.containers.convenience_ops import TensorData
 from shared_td.containers.index_writes import IndexWrites
 from shared_td.containers.keyops import KeyOps
 from shared_td.containers.locking import LockingOps
@@ -46,7 +47,7 @@ from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 
 class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, BatchDimOps, IndexWrites, TensorMethods, LeafMapping,
-                 TensorDictBase):
+                 TensorData, TensorDictBase):
     """A nested mapping of str keys to tensors, tensordicts, tensorclasses and non-tensors.
 
     Every entry's leading dims equal ``batch_size``; operations along batch dims
