@@ -56,6 +56,7 @@ from shared_td.errors import (
     StorageFullError,
     StalePair,
     TransferFailed,
+    TransferRefused,
     UnstorableValueError,
 )
 from shared_td.memmap_tensor import MemoryMappedTensor
@@ -113,6 +114,7 @@ __all__ = [
     "TensorDictFuture",
     "StalePair",
     "TransferFailed",
+    "TransferRefused",
     "UnstorableValueError",
     "attach",
     "cat",

@@ -180,6 +180,16 @@ class TransferFailed(RuntimeError):
     """A gloo transfer between two nodes failed, or did not end before its deadline."""
 
 
+class TransferRefused(RuntimeError):
+    """A peer node refused a cluster transfer (a name or generation it does not hold);
+    ``current``: the generation of the name it owns now, when its signed answer says,
+    else None (a push or pull then tells "published again" from it)."""
+
+    def __init__(self, message: str, current: int | None = None):
+        super().__init__(message)
+        self.current = current if isinstance(current, int) else None
+
+
 class StalePair(TransferFailed):
     """A cluster request named a generation of a node pair's gloo group that the other
     node already left (it rebuilt the group after a failure): nothing was transferred,

@@ -305,8 +305,9 @@ class Cluster(ClusterMembership, ClusterRequests):
         except RuntimeError as err:
             if not self._published_since(name, info["generation"], err):
                 raise
-            if not last_try:
-                return None  # overtaken: the caller attaches the new generation
+            if not last_try:  # overtaken: the caller attaches the new generation, once the store names it
+                generations.wait_named(self, name, getattr(err, "current", None))
+                return None
             raise RuntimeError(f"attach({name!r}): {name!r} was published again {ATTACH_TRIES} times while this "
                                f"node attached it ({err}). Attach it again.") from err
 
@@ -454,9 +455,10 @@ class Cluster(ClusterMembership, ClusterRequests):
         deadline = time.monotonic() + self.timeout
         nbytes = rep.layout["nbytes"]
         stripes = stripe_count(nbytes, self.stripes)
-        def ask():
-            tag, generation = self._request(rep.owner, "pull", name, rep.generation, stripes=stripes, digest=rep.digest)
-            return tag, generation, self._answer(rep.owner, tag, deadline, name)
+        def ask():  # (its budget: the owner serves it no later, see cluster_deliveries)
+            tag, generation = self._request(rep.owner, "pull", name, rep.generation, stripes=stripes, digest=rep.digest,
+                                            budget=round(max(0.0, deadline - time.monotonic()), 3))
+            return tag, generation, self._answer(rep.owner, tag, deadline, name, pair=generation)
 
         try:
             tag, generation, answer = self._retried_if_stale(ask)

@@ -53,7 +53,7 @@ from shared_td.coordinator.cluster_liveness import LOST_AFTER_S
 from shared_td.coordinator.cluster_store import ClusterAuthError
 
 __all__ = ["Endpoint", "layout_digest", "next_generation", "overtaken", "publish_lock", "read_identity", "read_name",
-           "record_name", "same"]
+           "record_name", "same", "wait_named"]
 
 
 _DIGEST_HEX = 16  # hex digits of a publish's digest (see layout_digest)
@@ -214,6 +214,40 @@ def read_identity(store, name: str, refuse) -> tuple[int, str] | None:
         with _LOCK:
             _MARKS.pop(blob, None)
     return record["generation"], record.get("digest", "")
+
+
+def wait_named(cluster, name: str, generation, bound: float = LOST_AFTER_S) -> bool:
+    """Wait until the store names ``generation`` of ``name`` or a later one (short looks
+    at :func:`read_identity`, at most ``bound`` s and the cluster's timeout); whether it
+    does (False at once for a ``generation`` that is not a number). An owner's refusal
+    names the generation it holds before its name record, the commit point, does
+    (:func:`~shared_td.coordinator.cluster_serve.refusal`): an attach refused for that
+    reason tried again at once, read the old generation, was refused again, and said
+    the name was "published again 3 times" after one re-publish (audit of 33f6eb6);
+    so does the deletion of the old generation's value records (``ClusterValues.latest``).
+
+    Example (a stand-in for a node whose store names generation 3)::
+
+        >>> import types
+        >>> gen = types.SimpleNamespace(get_signed=lambda key: ({"generation": 3, "digest": "d"}, b""))
+        >>> node = types.SimpleNamespace(timeout=1.0, _checked=lambda: gen, _count_refused=lambda: None)
+        >>> wait_named(node, "p", 3), wait_named(node, "p", 4, bound=0.01), wait_named(node, "p", None)
+        (True, False, False)
+    """
+    if not isinstance(generation, int):
+        return False
+    deadline, pause = time.monotonic() + min(bound, cluster.timeout), 0.002
+    while True:
+        try:
+            current = read_identity(cluster._checked(), name, cluster._count_refused)
+        except (RuntimeError, OSError, ValueError):  # the store is gone, or this node: the next try says so
+            return False
+        if current is not None and current[0] >= generation:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(pause)
+        pause = min(2 * pause, 0.05)
 
 
 _LOCK = threading.Lock()

@@ -73,6 +73,7 @@ import socket
 import threading
 import time
 
+from shared_td.coordinator.cluster_deliveries import stop as stop_deliveries
 from shared_td.coordinator.cluster_launch import check_store, open_store
 from shared_td.coordinator.cluster_liveness import (HEARTBEAT_S, LOST_AFTER_S, Liveness, claim_free, claim_node,
                                                     release_node)
@@ -257,6 +258,7 @@ class ClusterMembership:
         if os.getpid() != self._started_in:
             return  # a fork child: a stop notice or a closed pair would end the parent's node
         self._stop.set()
+        stop_deliveries(self)  # (their idle waits)
         _RUNNING.discard(self)
         # a process whose number was taken over leaves the queues and the claim to its successor
         mine = self._liveness is None or self._liveness.taken_over is None

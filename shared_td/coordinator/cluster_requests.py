@@ -21,26 +21,20 @@ import time
 
 from shared_td.coordinator.cluster_serve import lane_queue
 from shared_td.coordinator.cluster_store import ClusterAuthError
-from shared_td.coordinator.cluster_sync import NameSyncs, name_syncs
 from shared_td.coordinator.cluster_transfer import TAG_WRAP, StalePair
-from shared_td.errors import OwnerLostError
+from shared_td.errors import OwnerLostError, TransferRefused
 
 __all__ = ["ClusterRequests", "Refused"]
 
 
-class Refused(RuntimeError):
-    """A peer refused a transfer; ``current``: the generation of the name it owns now,
-    when its signed answer says (``cluster_serve.refusal``), else None."""
-
-    def __init__(self, message: str, current: int | None = None):
-        super().__init__(message)
-        self.current = current if isinstance(current, int) else None
+#: a peer's refusal of a transfer (its generation: ``cluster_serve.refusal``)
+Refused = TransferRefused
 
 
 class ClusterRequests:
     """Mixin of Cluster (it relies on ``node``, ``timeout``, ``refused``, ``_checked``,
     ``_store``, ``_liveness``, ``_groups``, ``_replicas``, ``_tags``, ``_reply_slots``,
-    ``_local``, ``_caller``, ``_closed``, ``_name_syncs`` and ``_shut_down``)."""
+    ``_local``, ``_caller``, ``_closed`` and ``_shut_down``)."""
 
     def _request(self, peer: int, op: str, name: str, generation: int, **extra) -> tuple[int, int]:
         """Put a request in ``peer``'s queue; returns (tag, pair generation)."""
@@ -86,12 +80,25 @@ class ClusterRequests:
             self._local.replies = queue
         return queue
 
-    def _answer(self, peer: int, tag: int, deadline: float, name: str) -> dict:
+    def _answer(self, peer: int, tag: int, deadline: float, name: str, pair: int | None = None) -> dict:
         """The peer's signed answer to request ``tag`` (sent from this thread), waited
         for in slices while the peer's heartbeat lives; OwnerLostError/TimeoutError
         otherwise; a refusal raises. Answers to this thread's earlier requests that gave
         up before them, and values with a wrong signature, are skipped. RuntimeError
-        once this node was shut down meanwhile (no answer can be used any more)."""
+        once this node was shut down meanwhile (no answer can be used any more).
+        ``pair``: the pair generation the answer's payload would come over (a pull),
+        failed when the wait times out, so that a send the peer posts for this request
+        in that moment ends at once (it waited for nobody the peer's whole timeout,
+        holding the name's deliveries: audit of 33f6eb6); the peer serves no request
+        past its ``budget`` (``cluster_deliveries``)."""
+        try:
+            return self._answer_waited(peer, tag, deadline, name)
+        except TimeoutError:
+            if pair is not None:
+                self._groups.fail(peer, pair)
+            raise
+
+    def _answer_waited(self, peer: int, tag: int, deadline: float, name: str) -> dict:
         store = self._checked()
         queue = self._reply_queue()
         while True:
@@ -116,11 +123,6 @@ class ClusterRequests:
         return self._refusal(peer, name, answer)
 
     # ------------------------------------------------------------------ liveness
-    def _syncs(self, name: str) -> NameSyncs:
-        """The deliveries of the owned ``name``: a pull served takes its lock, as a sync
-        does (see ``cluster_serve._serve_pull``)."""
-        return name_syncs(self, name)
-
     def _alive(self, peer: int) -> bool:
         """Whether ``peer`` may still answer: its heartbeat moves (``Liveness.alive``) and
         its process did not leave cleanly (``Liveness.departed``: a shutdown's "left"

@@ -12,7 +12,11 @@ service thread (:func:`serve_notices`) applies the small notices of ``queue/<nod
 non-tensor values, new pair generations, stop.
 
 A lane never waits for a peer: a renew (a pull from the owner) is made by the node's
-renew thread (:mod:`~shared_td.coordinator.cluster_renewals`). A serving thread
+renew thread (:mod:`~shared_td.coordinator.cluster_renewals`). Nor for a lock whose
+holder may wait for a lane: a pull that finds a delivery of its name under way (a sync
+waits for the replica nodes' lanes) waits in the name's delivery thread
+(:mod:`~shared_td.coordinator.cluster_deliveries`), and is not served once its
+requester gave up (its ``budget``). A serving thread
 ends only when the node stops, the store's host is lost (``ConnectionError``) or its
 number was taken over; any other error is counted in ``Cluster.serve_errors`` and it
 serves on (a store error ended a lane in silence: the node beat on, that peer unserved).
@@ -47,6 +51,7 @@ import time
 import torch
 
 from shared_td.coordinator import cluster_replica as replica
+from shared_td.coordinator.cluster_deliveries import deliver
 from shared_td.coordinator.cluster_renewals import renew
 from shared_td.coordinator.cluster_replica import Owned, Replica
 from shared_td.coordinator.cluster_generations import same
@@ -193,16 +198,29 @@ def _handle(cluster, request: dict) -> None:
     if op == "renew":
         renew(cluster, name, request["generation"])
         return
+    _answered(cluster, request, lambda: _serve(cluster, peer, op, name, request))
+
+
+def _serve(cluster, peer: int, op: str, name: str, request: dict) -> None:
+    if op == "pull":  # (off the lane while the name's deliveries are busy: see cluster_deliveries)
+        if not _refused(cluster, request, cluster._owned.get(name)):
+            deliver(cluster, name, request, lambda until: _answered(
+                cluster, request, lambda: _serve_pull(cluster, peer, request, until)))
+    elif op == "values":  # a replica found a value's stored record forged
+        _reply(cluster, request, restored=cluster._values.restore(name, request["generation"]))
+    elif op == "push":
+        _serve_receive(cluster, peer, request, cluster._owned.get(name), _apply_rows)
+    elif op == "sync":  # (the replica an attach is filling, when of that generation)
+        _serve_receive(cluster, peer, request, cluster._receiving(name, request["generation"],
+                                                                 request.get("digest")), _apply_sync)
+
+
+def _answered(cluster, request: dict, serve) -> None:
+    """``serve()``, its failure answered as the requester expects it (a pull, in the
+    store; a transfer over a pair, by failing the pair)."""
+    peer, op = request["from"], request["op"]
     try:
-        if op == "pull":
-            _serve_pull(cluster, peer, request)
-        elif op == "values":  # a replica found a value's stored record forged
-            _reply(cluster, request, restored=cluster._values.restore(name, request["generation"]))
-        elif op == "push":
-            _serve_receive(cluster, peer, request, cluster._owned.get(name), _apply_rows)
-        elif op == "sync":  # (the replica an attach is filling, when of that generation)
-            _serve_receive(cluster, peer, request, cluster._receiving(name, request["generation"],
-                                                                     request.get("digest")), _apply_sync)
+        serve()
     except StalePair as err:  # nothing transferred: a pull may retry at once
         if op == "pull":  # (a push or sync sender waits over the pair: its bounded wait ends it)
             try:
@@ -233,34 +251,26 @@ def _reply(cluster, request: dict, **answer) -> None:
     cluster._store.push_json(request["reply"], {"tag": request["tag"], "caller": request.get("caller"), **answer})
 
 
-def _serve_pull(cluster, peer: int, request: dict) -> None:
+def _serve_pull(cluster, peer: int, request: dict, until: float) -> None:
     """Send the owner's contents for a pull (a replica's ``pull``, first attach or renew)
-    as a delivery of their own: under the name's sync lock, with the next version (see
-    ``cluster_sync.NameSyncs``), so that no sync overtakes it and each version a replica
-    holds labels one delivery. The requester waits for the answer without its replica's
-    lock, so a sync under way to it ends meanwhile (holding that lock, it waited for the
-    sync, which waited for it)."""
-    name = request["name"]
-    if _refused(cluster, request, cluster._owned.get(name)):
+    as a delivery of their own: with the name's delivery lock held (taken by
+    :func:`~shared_td.coordinator.cluster_deliveries.deliver`, in the lane only when it
+    was free at once) and the next version (see ``cluster_sync.NameSyncs``), so that no
+    sync overtakes it and each version a replica holds labels one delivery; its send
+    waits at most until ``until``, when its requester gave up. The requester waits for
+    the answer without its replica's lock, so a sync under way to it ends meanwhile
+    (holding that lock, it waited for the sync, which waited for it)."""
+    owned = cluster._owned.get(request["name"])  # (published again while this waited: refused)
+    if _refused(cluster, request, owned):
         return
-    syncs = cluster._syncs(name)
-    if not syncs.lock.acquire(timeout=cluster.timeout):  # (answered: see _handle)
-        raise TimeoutError(f"a sync of {name!r} on node {cluster.node} did not end within {cluster.timeout:g} s")
-    try:
-        owned = cluster._owned.get(name)  # (published again while this waited: refused)
-        if _refused(cluster, request, owned):
-            return
-        group_pair = request["pair"]
-        cluster._groups.check(peer, group_pair)  # before the answer: the requester's receive follows it
-        stripes = _stripes(request)  # before the answer: a bad count is refused, nothing posted
-        owned.version += 1
-        _reply(cluster, request, version=owned.version)
-        payload = replica.segment_bytes(owned.segment, owned.layout["nbytes"])
-        deadline = time.monotonic() + cluster.timeout
-        works = cluster._groups.send(peer, group_pair, payload, request["tag"], deadline, stripes)
-        cluster._groups.wait(peer, works, deadline, "pull", owned.layout["nbytes"])
-    finally:
-        syncs.lock.release()
+    group_pair = request["pair"]
+    cluster._groups.check(peer, group_pair)  # before the answer: the requester's receive follows it
+    stripes = _stripes(request)  # before the answer: a bad count is refused, nothing posted
+    owned.version += 1
+    _reply(cluster, request, version=owned.version)
+    payload = replica.segment_bytes(owned.segment, owned.layout["nbytes"])
+    works = cluster._groups.send(peer, group_pair, payload, request["tag"], until, stripes)
+    cluster._groups.wait(peer, works, until, "pull", owned.layout["nbytes"])
 
 
 def _refused(cluster, request: dict, owned) -> bool:

@@ -17,11 +17,12 @@ stayed for good: every sync sent the whole payload to a node restarted without a
 replica, which received it into scratch memory of its size and refused it."""
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass, field
 
 from shared_td.coordinator import cluster_replica as replica
+# the state of a name's deliveries, defined there (the pulls served, below cluster_serve) and re-exported
+from shared_td.coordinator.cluster_deliveries import NameSyncs, name_syncs
 from shared_td.coordinator.cluster_liveness import HEARTBEAT_S, LOST_AFTER_S, supersedes
 from shared_td.coordinator.cluster_push import send_answered
 from shared_td.coordinator.cluster_store import ClusterAuthError
@@ -105,42 +106,6 @@ def sync(cluster, name: str, timeout: float | None) -> SyncReport:
     if cluster._closed and report.dropped:  # dropped for a transfer the shutdown ended
         raise cluster._shut_down(f" during the sync of {name!r} (it reached {report.delivered or 'no node'})")
     return report
-
-
-def name_syncs(cluster, name: str) -> "NameSyncs":
-    """The :class:`NameSyncs` of ``name`` (an owned name), made at its first use."""
-    syncs = cluster._name_syncs.get(name)
-    if syncs is None:  # (setdefault: one object per name, also when two threads sync a new name at once)
-        syncs = cluster._name_syncs.setdefault(name, NameSyncs())
-    return syncs
-
-
-class NameSyncs:
-    """What the owner keeps of one name from one sync to the next.
-
-    ``lock`` orders the deliveries of the name: each sync, and each pull it serves (a
-    replica's ``pull``, first attach or renew: ``cluster_serve``), takes the next version
-    and delivers it before the next one takes its own (two syncs at once both took a
-    version, then read ``owned.version`` again for their report and requests: both
-    reported, and sent, the later one, and a replica could apply the later request first
-    and be left at the earlier version). So a version number counts the deliveries of
-    the owner's contents, and each labels one delivery: a pull labelled its contents
-    with the last sync's number, and a reader that compared a replica's version before
-    and after a read missed the pull that rewrote it under the same number (audit 20). ``holders``: the nodes whose signed ``has/<name>/<node>``
-    record a sync of ``generation`` read; within a generation only the node's process
-    leaving (or losing its number) takes such a record back, so it is read once per
-    generation instead of at every sync (two store round trips per
-    replica node, in front of the transfer), except for a node whose heartbeat says it
-    left cleanly (the last one its process writes, read anyway to tell a lost node:
-    ``Liveness.left``), whose record is read again. A node not among them is looked up
-    again by each sync: it may attach meanwhile; a node a sync dropped is taken out of
-    them and looked up again (its process may have been restarted without a replica:
-    its record then no longer counts)."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.generation = 0
-        self.holders: set[int] = set()
 
 
 def _replica_nodes(cluster, store, name: str, owned, syncs: NameSyncs) -> list[int]:

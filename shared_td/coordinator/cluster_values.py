@@ -175,9 +175,13 @@ class ClusterValues:
         found = self._latest(name, generation, count, digest)
         if _GONE in found:
             key = f"value/{_key(name, generation, found.index(_GONE))}"
-            raise RuntimeError(
+            error = RuntimeError(
                 f"Generation {generation} of {name!r} was replaced by a newer publish of its owner while this "
                 f"node read it ({key!r} is deleted with it): attach {name!r} again for the new generation.")
+            # a newer one at least: the owner deletes these records before its name record
+            # names it, and an attach waits for that before it tries again (Cluster._attach)
+            error.current = generation + 1
+            raise error
         return found
 
     def _latest(self, name: str, generation: int, count: int, digest: str | None = None) -> list:

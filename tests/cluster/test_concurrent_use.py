@@ -13,6 +13,19 @@ two nodes in one process (see test_cluster_store.py):
 3. a push or pull refused during a re-publish says the name was published again, by
    the generation the owner's signed refusal names (before, a quarter of them said only
    "node 0 has no generation N", while the store still named the old generation).
+
+And the audit of that fix (33f6eb6):
+
+4. a lane never waits for a name's delivery lock: a pull that finds a sync of its name
+   under way waits off the lane, so the puller's other requests go on, and is not
+   served once its requester gave up (its send waited for nobody, holding the lock:
+   the next sync waited the owner's whole timeout);
+5. two owners each syncing its own name and pulling the other's make progress (each
+   lane served a pull waiting for a lock whose sync waited for the other node's lane:
+   every op waited out the timeout);
+6. an attach that meets one re-publish waits for the store to name the new generation
+   before it tries again (its three tries were spent within milliseconds on the old
+   one: "published again 3 times").
 """
 from __future__ import annotations
 
@@ -25,10 +38,11 @@ import torch
 torch_dist = pytest.importorskip("torch.distributed")
 
 import shared_td  # noqa: E402
-from shared_td.coordinator import cluster_generations, cluster_sync  # noqa: E402
+from shared_td.coordinator import cluster_generations, cluster_serve, cluster_sync  # noqa: E402
+from shared_td.coordinator.cluster import Cluster  # noqa: E402
 from shared_td.coordinator.cluster_liveness import LOST_AFTER_S, claim_free  # noqa: E402
 from shared_td.coordinator.cluster_transfer import TransferFailed  # noqa: E402
-from tests.cluster.test_cluster_store import pair, store  # noqa: E402,F401 - fixtures
+from tests.cluster.test_cluster_store import KEY, _start_together, pair, store  # noqa: E402,F401 - fixtures
 
 WAIT = 10.0
 
@@ -256,3 +270,180 @@ def test_a_transfer_refused_inside_a_republish_says_it_was_published_again(pair,
         go.set()
         publisher.join(WAIT)
     assert not publisher.is_alive()
+
+
+# ---------------------------------------------------------------- audit of 33f6eb6
+def _members(store, timeouts):
+    """Nodes 0..n-1 of a cluster on ``store``, each with its own timeout, started together."""
+    url = f"tcp://127.0.0.1:{store.port}?host=0"
+    members = [Cluster(url, n, len(timeouts), authkey=KEY, timeout=timeout, hostname="127.0.0.1")
+               for n, timeout in enumerate(timeouts)]
+    errors = _start_together(members)
+    if errors:
+        for member in members:
+            member.shutdown()
+        raise errors[0]
+    return members
+
+
+@pytest.fixture
+def trio(store):
+    """Three nodes; node 1 gives up a call after 1 s (d7_slow_replica.py's node 1)."""
+    members = _members(store, (5.0, 1.0, 5.0))
+    yield members
+    for member in members:
+        member.shutdown()
+
+
+def test_a_sync_waiting_for_a_slow_replica_holds_up_neither_the_lane_nor_the_next_sync(trio, monkeypatch):
+    """Node 0 syncs "p" to nodes 1 and 2; node 2 is slow to receive (held here). Node 1's
+    pull of "p" waits for that sync (fair: it times out after node 1's 1 s), but it
+    waited in node 0's lane for node 1: node 1's pull of another name, queued behind it,
+    timed out too; and node 0 served the abandoned pull once the sync ended, its send
+    waiting for nobody the owner's 5 s while it held "p": the next sync took 5 s."""
+    owner, other, slow = trio
+    td = owner.publish("p", _td(1.0))
+    owner.publish("q", _td(2.0))
+    other.attach("p")
+    other.attach("q")
+    slow.attach("p")
+    inside, go = threading.Event(), threading.Event()
+    real = cluster_serve._apply_sync
+
+    def held(cluster, *args):
+        if cluster is slow:
+            inside.set()
+            go.wait(WAIT)
+        return real(cluster, *args)
+
+    monkeypatch.setattr(cluster_serve, "_apply_sync", held)
+    syncing = threading.Thread(target=lambda: owner.sync("p", timeout=WAIT), daemon=True)
+    outcome = []
+    puller = threading.Thread(target=lambda: outcome.append(_error_of(lambda: other.pull("p"))), daemon=True)
+    try:
+        syncing.start()
+        assert inside.wait(WAIT)  # the sync holds "p" while node 2 receives nothing
+        puller.start()
+        time.sleep(0.2)  # its request reached node 0
+        began = time.monotonic()
+        assert other.pull("q") == owner.version("q")  # (before: TimeoutError, behind the pull of "p")
+        assert time.monotonic() - began < 0.5
+        puller.join(WAIT)
+        assert isinstance(outcome[0], TimeoutError), outcome  # it waited for the sync: fair
+        time.sleep(0.2)
+    finally:
+        go.set()
+        syncing.join(WAIT)
+    assert not syncing.is_alive()
+    td["x"].fill_(3.0)
+    began = time.monotonic()
+    report = owner.sync("p", timeout=WAIT)
+    assert time.monotonic() - began < 1.0  # (before: ~5 s, the owner's timeout)
+    assert sorted(report.delivered) == [1, 2], report
+    # 1 the publish, 2 and 3 the attaches, 4 the slow sync: the abandoned pull took none
+    assert report.version == 5
+    assert other.pull("p") == 6 == shared_td.version(other.attach("p"))
+
+
+def test_owners_syncing_their_own_and_pulling_each_others_names_make_progress(store):
+    """Node 0 owns "a", node 1 owns "b", each replicates the other's; each syncs its own
+    and pulls the other's, at once, in a loop (d2_cross.py): each lane served a pull that
+    waited for the name's lock, held by a sync waiting for the other node's lane, busy
+    the same way: ops waited out the 3 s timeout, syncs dropped the other node."""
+    members = _members(store, (3.0, 3.0))
+    try:
+        owner0, owner1 = members
+        owner0.publish("a", _td(0.0, rows=1 << 16))
+        owner1.publish("b", _td(0.0, rows=1 << 16))
+        owner0.attach("b")
+        owner1.attach("a")
+        until, errors, worst = time.monotonic() + 1.5, [], []
+
+        def loop(call):
+            slowest = 0.0
+            try:
+                while time.monotonic() < until:
+                    began = time.monotonic()
+                    report = call()
+                    if getattr(report, "dropped", None):
+                        errors.append(report.dropped)
+                    slowest = max(slowest, time.monotonic() - began)
+            except BaseException as err:  # noqa: BLE001 - handed to the test
+                errors.append(err)
+            worst.append(slowest)
+
+        calls = (lambda: owner0.sync("a", timeout=3.0), lambda: owner0.pull("b"),
+                 lambda: owner1.sync("b", timeout=3.0), lambda: owner1.pull("a"))
+        threads = [threading.Thread(target=loop, args=(call,), daemon=True) for call in calls]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(WAIT)
+        assert not any(thread.is_alive() for thread in threads)
+        assert not errors, errors[:3]
+        assert max(worst) < 2.0, worst  # (a call blocked in the cycle waited out the 3 s timeout)
+    finally:
+        for member in members:
+            member.shutdown()
+
+
+@pytest.mark.parametrize("share_non_tensor", [False, True])
+def test_an_attach_inside_one_republish_waits_for_the_store_to_name_it(pair, monkeypatch, share_non_tensor):
+    """Node 1's first attach while node 0 re-publishes (held between the owner taking
+    the new generation and its name record naming it): the pull of the old generation
+    is refused naming the new one (or, with non-tensor values, the old generation's
+    value records are deleted already); the attach tried again at once, read the old
+    generation from the store, and spent its three tries within milliseconds:
+    "published again 3 times" after one re-publish (d3_attach_window.py)."""
+    owner, other = pair
+    td = _td(1.0)
+    if share_non_tensor:
+        td["mode"] = "train"
+    owner.publish("p", td, share_non_tensor=share_non_tensor)
+    inside, go, refused = threading.Event(), threading.Event(), threading.Event()
+    real_record, real_latest = cluster_generations.record_name, other._values.latest
+
+    def held(*args, **kwargs):
+        inside.set()
+        assert go.wait(WAIT)
+        return real_record(*args, **kwargs)
+
+    def latest(*args, **kwargs):
+        try:
+            return real_latest(*args, **kwargs)
+        except RuntimeError:
+            refused.set()
+            raise
+
+    real_refusal = cluster_serve.refusal
+
+    def refusal(*args):
+        refused.set()
+        return real_refusal(*args)
+
+    monkeypatch.setattr(cluster_generations, "record_name", held)
+    monkeypatch.setattr(other._values, "latest", latest)
+    monkeypatch.setattr(cluster_serve, "refusal", refusal)
+    new = _td(2.0)
+    if share_non_tensor:
+        new["mode"] = "eval"
+    publisher = threading.Thread(target=lambda: owner.publish("p", new, share_non_tensor=share_non_tensor),
+                                 daemon=True)
+    outcome = []
+    attacher = threading.Thread(target=lambda: outcome.append(_error_of(lambda: outcome.append(other.attach("p")))),
+                                daemon=True)
+    publisher.start()
+    try:
+        assert inside.wait(WAIT)
+        attacher.start()
+        assert refused.wait(WAIT)  # its first try met the re-publish
+        time.sleep(0.05)
+    finally:
+        go.set()
+        publisher.join(WAIT)
+        attacher.join(WAIT)
+    assert outcome[-1] is None, outcome  # (before: RuntimeError "published again 3 times")
+    assert outcome[0]["x"].tolist() == [2.0] * 4
+    if share_non_tensor:
+        assert outcome[0]["mode"] == "eval"
+    assert other.generation("p") == 2
