@@ -319,29 +319,42 @@ def _make_root(path: str) -> tuple[Directory, list[str]]:
     missing parents one by one, and open it; returns it and the directories it made,
     outermost first (a failure here removes them: :func:`_remove_made`). One that
     exists now was made by another writer since: its files are not this write's to
-    write among, nor to remove if it fails (nor is a parent made by another meanwhile)."""
-    parent, name = os.path.split(path)
-    missing, made = [], []
-    while parent and not os.path.isdir(parent):
-        missing.append(parent)
-        parent = os.path.dirname(parent)
+    write among, nor to remove if it fails (nor is a parent made by another meanwhile).
+    Such a parent vanishes again when that writer fails and removes it (still empty):
+    the missing parents are then found and made again (a few times at most)."""
+    name, made = os.path.basename(path), []
     try:
-        for each in reversed(missing):
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(each, 0o777)
-                made.append(each)
-        with Directory.open(os.path.dirname(path)) as above:
+        for tries_left in reversed(range(8)):
+            missing, parent = [], os.path.dirname(path)
+            while parent and not os.path.isdir(parent):
+                missing.append(parent)
+                parent = os.path.dirname(parent)
             try:
-                above.mkdir(name)
-            except FileExistsError:
-                raise FileExistsError(
-                    errno.EEXIST,
-                    f"{path} did not exist when this write was planned, but it does now: another "
-                    "writer (a thread or a process) made it meanwhile. Nothing was written. Write "
-                    "again (that write rewrites what is there), or make the writers take turns "
-                    "with atomic=True.", path) from None
-            made.append(path)
-            return above.child(name), made
+                for each in reversed(missing):
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(each, 0o777)
+                        made.append(each)  # (this write's: no other writer removes it)
+                above = Directory.open(os.path.dirname(path))
+            except FileNotFoundError:
+                if tries_left:
+                    continue
+                raise
+            with above:
+                try:
+                    above.mkdir(name)
+                except FileExistsError:
+                    raise FileExistsError(
+                        errno.EEXIST,
+                        f"{path} did not exist when this write was planned, but it does now: another "
+                        "writer (a thread or a process) made it meanwhile. Nothing was written. Write "
+                        "again (that write rewrites what is there), or make the writers take turns "
+                        "with atomic=True.", path) from None
+                except FileNotFoundError:  # (the directory opened was removed since)
+                    if tries_left:
+                        continue
+                    raise
+                made.append(path)
+                return above.child(name), made
     except BaseException as error:  # (opening it needs a descriptor: there may be none)
         _remove_made(made, error)
         raise

@@ -11,7 +11,9 @@ a resource tracker; we need neither):
   ``storage``). The descriptor is closed by ``weakref.finalize`` when that storage dies:
   when the Segment and every tensor viewing it are gone, plain views too (``detach()``,
   ``view()``, ``.data``), as torch keeps the descriptor of its shared storages, so that
-  such a view can still be sent (below). The memory is freed by the kernel when the last
+  such a view can still be sent (below); not at interpreter exit (the kernel closes it
+  then), so that a view put on a queue as ``main`` returns is still sent by the queue's
+  feeder thread, which runs after the ``atexit`` hooks. The memory is freed by the kernel when the last
   descriptor *and* the last mapping in any process are gone. Nothing is ever named in
   ``/dev/shm``, so a SIGKILL leaks nothing.
 * Plain ``pickle`` sends a segment as ``(pid, fd, (st_dev, st_ino), nbytes)`` of the
@@ -46,6 +48,9 @@ a resource tracker; we need neither):
   or FileBacking (the path), by a reducer for ``torch.UntypedStorage`` registered over
   torch's (:mod:`shared_td.storage.sending`, which gives torch's every other storage). Torch's
   own sent ``DupFd(-1)``: it keeps no descriptor of a mapping made by ``torch.from_file``.
+  Ours are told by an attribute of their storage (a copy-on-write mapping's too), never
+  by ``filename``. A receiver keeps one mapping (and, for a segment, one descriptor) of
+  what it receives while any view of it lives, however many views it receives.
 * Many leaves can share one segment (at :data:`ALIGNMENT`-byte offsets): descriptors grow
   with the number of segments, not of tensors (user-issues row 15).
 """
@@ -62,14 +67,14 @@ from typing import Any, Callable
 
 from shared_td import platform
 from shared_td.errors import MappingError, SegmentUnavailableError
-from shared_td.storage.cache import InodeCache
 from shared_td.storage.files import NO_SPACE_ERRNOS, map_fd, pwrite_all, storage_full_error
+from shared_td.storage.cache import MappingCache
 from shared_td.storage.mapping import descriptor_limits, map_error
 
 __all__ = [
     "ALIGNMENT", "Segment", "SegmentUnavailableError", "align", "attach_peer_fd", "attach_segment",
     "create_memfd",
-    "find_segment", "receive_duplicate", "receive_segment",
+    "cached_segment", "find_segment", "receive_duplicate", "receive_segment",
 ]
 
 #: Offsets of leaves packed into one segment: a multiple of every dtype's size and of
@@ -107,7 +112,10 @@ def create_memfd(name: str, nbytes: int, what: str) -> int:
 # (st_dev, st_ino) -> Segment: one descriptor and one mapping per segment per process,
 # however many leaves of it are unpickled. Weak, so a dead segment leaves no entry; a
 # live entry keeps its descriptor open, so its inode number cannot be reused meanwhile.
-_CACHE = InodeCache()
+# It holds each segment's storage too, while any tensor views it: a plain view (detach(),
+# .data) keeps the mapping and its descriptor after the Segment object is gone, and a
+# segment received again reuses them (see MappingCache).
+_CACHE = MappingCache()
 
 
 class Segment:
@@ -149,7 +157,11 @@ class Segment:
         # of it (see _reduce_storage). The storage's Python object is one per mapping
         # (torch keeps it while any tensor views it), so it can say what it maps.
         self._finalizer = weakref.finalize(storage, os.close, fd)
-        setattr(storage, _SEGMENT_ATTRIBUTE, (fd, nbytes, key))
+        # Not at interpreter exit: a view put on a queue just before main returns is
+        # pickled by the queue's feeder thread after atexit hooks run (os.dup(fd): EBADF,
+        # the receiver waits for ever); the kernel closes the descriptor at exit anyway.
+        self._finalizer.atexit = False
+        setattr(storage, SEGMENT_ATTRIBUTE, (fd, nbytes, key))
 
     @classmethod
     def create(cls, nbytes: int) -> Segment:
@@ -209,18 +221,38 @@ class Segment:
 
 
 def _register(fd: int, nbytes: int, key: tuple[int, int]) -> Segment:
-    """Wrap ``fd`` as this process's Segment for ``key``, unless another thread won."""
+    """Wrap ``fd`` as this process's Segment for ``key``, unless this process maps that
+    segment already (another thread won, or plain views keep its mapping): then ``fd``
+    is closed and that one returned."""
+    existing = cached_segment(key)
+    if existing is not None:
+        os.close(fd)
+        return existing
     segment = Segment(fd, nbytes, key)
     stored = _CACHE.put_if_absent(key, segment)
     if stored is not segment:
         # Another thread attached the same memory meanwhile: keep one per process.
         segment._finalizer()
+    else:
+        _CACHE.keep_storage(key, segment.storage)
     return stored
 
 
 #: the attribute of a segment's storage that holds ``(fd, nbytes, key)``: what a view
 #: of it pickles by when its Segment object is gone (the descriptor lives as long as it)
-_SEGMENT_ATTRIBUTE = "_shared_td_segment"
+SEGMENT_ATTRIBUTE = "_shared_td_segment"
+
+
+def cached_segment(key: tuple[int, int]) -> Segment | None:
+    """This process's Segment for ``key``: its object, or one rebuilt over the mapping
+    that tensors still view (:func:`find_segment`), kept in the cache while held."""
+    segment = _CACHE.get(key)
+    if segment is not None:
+        return segment
+    storage = _CACHE.storage(key)
+    if storage is None:
+        return None
+    return _CACHE.put_if_absent(key, find_segment(storage))
 
 
 def find_segment(storage) -> Segment | None:
@@ -237,7 +269,7 @@ def find_segment(storage) -> Segment | None:
         >>> find_segment(view.untyped_storage()).key == key
         True
     """
-    held = getattr(storage, _SEGMENT_ATTRIBUTE, None)
+    held = getattr(storage, SEGMENT_ATTRIBUTE, None)
     if held is None:  # (a TypedStorage, or a storage that is no mapping's own object)
         segments = _CACHE.values()
         return next((s for s in segments if s.storage.data_ptr() == storage.data_ptr()), None)
@@ -287,9 +319,8 @@ def attach_peer_fd(pid: int, fd: int, key: tuple[int, int], *, what: str, min_si
     of descriptors, ``RLIMIT_NOFILE``) is an ``OSError`` with that errno saying so, not
     a SegmentUnavailableError: the sender is not to blame, and attaching again does not help.
     """
-    if pid == os.getpid():
-        # Our own memory is no longer in this process's cache, so its descriptor closed.
-        raise _unavailable(pid, key, what, "it was released in this process", advice)
+    # (our own pid too: a reference pickled here and unpickled here, e.g. by
+    # multiprocess's pickler; the inode check refuses a descriptor number reused since)
     try:
         new_fd = platform.reopen_peer_fd(pid, fd, key)
     except OSError as err:
@@ -311,7 +342,8 @@ def attach_peer_fd(pid: int, fd: int, key: tuple[int, int], *, what: str, min_si
             ) from err
         # ENOENT, ESRCH: the process or its descriptor is gone; ESTALE: the number now
         # names another file (see reopen_peer_fd)
-        raise _unavailable(pid, key, what, err.strerror or str(err), advice) from err
+        reason = "it was released in this process" if pid == os.getpid() else err.strerror or str(err)
+        raise _unavailable(pid, key, what, reason, advice) from err
     try:
         st = os.fstat(new_fd)
         if st.st_size < min_size:
@@ -335,7 +367,7 @@ def attach_segment(pid: int, fd: int, key: tuple[int, int], nbytes: int, *, what
     reference (a SharedCounter), so that the error of a sender gone names that user
     (``what``) and its fix (``advice``); see :func:`attach_peer_fd`."""
     key = tuple(key)
-    segment = _CACHE.get(key)
+    segment = cached_segment(key)
     if segment is not None:
         return segment
     return _register(attach_peer_fd(pid, fd, key, what=what, min_size=nbytes, advice=advice), nbytes, key)
@@ -371,7 +403,7 @@ def receive_segment(duplicate, key: tuple[int, int], nbytes: int, pid: int, fd: 
     that user (``what``) and its fix (``advice``), as :func:`attach_segment`."""
     key = tuple(key)
     return receive_duplicate(
-        duplicate, key, nbytes, pid, what=what, cached=_CACHE.get,
+        duplicate, key, nbytes, pid, what=what, cached=cached_segment,
         adopt=lambda new_fd: _register(new_fd, nbytes, key),
         fallback=lambda: attach_segment(pid, fd, key, nbytes, what=what, advice=advice))
 

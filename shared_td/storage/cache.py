@@ -1,4 +1,5 @@
-"""InodeCache: one object per file or memfd per process, keyed by ``(st_dev, st_ino)``.
+"""InodeCache: one object per file or memfd per process, keyed by ``(st_dev, st_ino)``;
+MappingCache: the same for mappings, with the storage of each.
 
 Mapping a file once however many leaves of it are unpickled, and keeping a single
 descriptor per segment, both need such a table. Values are held weakly, so a dead
@@ -75,3 +76,35 @@ class InodeCache:
     def clear(self) -> None:
         with self._lock:
             self._items.clear()
+
+
+class MappingCache(InodeCache):
+    """An :class:`InodeCache` of this process's mappings (a FileBacking, a Segment per
+    inode) that also holds, weakly, the storage of each: plain views (``detach()``,
+    ``.data``) keep a mapping after every object of it is gone, and the same file or
+    segment received again must reuse that mapping (one mapping, one descriptor per
+    segment), not be mapped once more per tensor received. ``clear()`` forgets both.
+
+    Example:
+        >>> cache, storage = MappingCache(), torch.zeros(1).untyped_storage()
+        >>> cache.keep_storage((1, 2), storage); cache.storage((1, 2)) is storage
+        True
+        >>> del storage; cache.storage((1, 2)) is None
+        True
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._storages: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+    def keep_storage(self, key: tuple, storage) -> None:
+        if storage is not None:
+            self._storages[key] = storage
+
+    def storage(self, key: tuple):
+        """The live storage of this process's mapping of ``key``, or None."""
+        return self._storages.get(key)
+
+    def clear(self) -> None:
+        super().clear()
+        self._storages.clear()

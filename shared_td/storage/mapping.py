@@ -34,7 +34,7 @@ import weakref
 import torch
 
 from shared_td.errors import FileReplacedError, MappingError
-from shared_td.storage.cache import InodeCache
+from shared_td.storage.cache import MappingCache
 
 # O_PATH opens nothing for reading or writing: no FIFO waits for a writer, no device's
 # driver runs its open; a mapping opens /proc/self/fd/<fd> (the inode checked through it).
@@ -218,7 +218,10 @@ class FileBacking:
     copy-on-write mapping), ``read_only`` (``None``, or why this process may not write
     the file, e.g. "it is on a read-only file system": tensors over such a backing
     refuse writes), ``inode`` (``(st_dev, st_ino)`` of the file mapped when its
-    tensors are bound to that very file, else None). Pickles as ``(path, shared,
+    tensors are bound to that very file, else None). ``mapped``: the ``(st_dev,
+    st_ino)`` of the file mapped, always (kept on the storage for
+    :func:`shared_td.storage.sending.mapped_memory`; default: the storage's, else what
+    ``path`` names now). Pickles as ``(path, shared,
     read_only, inode, this machine's boot)``: the receiver maps the file again, so
     writes on either side reach the same page cache, and a read-only backing stays
     read-only.
@@ -235,15 +238,17 @@ class FileBacking:
                  "__weakref__")
 
     def __init__(self, path: str, storage, nbytes: int, shared: bool, read_only: str | None = None,
-                 inode: tuple[int, int] | None = None):
+                 inode: tuple[int, int] | None = None, *, mapped: tuple[int, int] | None = None):
         self.path = path
         self.storage = storage
         self.nbytes = nbytes
         self.shared = shared
         self.read_only = read_only
         self.inode = inode
-        if storage is not None:  # what a plain view pickles by when no backing of it is left
-            setattr(storage, FILE_ATTRIBUTE, (path, nbytes, shared, read_only, inode))
+        if storage is not None:  # what a plain view pickles by (see sending.mapped_memory)
+            if mapped is None:  # (a backing of a mapping made before: it has its inode)
+                mapped = getattr(storage, FILE_ATTRIBUTE, (None,) * 6)[5] or inode_at(path)
+            setattr(storage, FILE_ATTRIBUTE, (path, nbytes, shared, read_only, inode, mapped))
         #: the cached backing whose mapping this one shares under another name (see
         #: :func:`named`): held, so this process's cache keeps that mapping; else None
         self.origin = None
@@ -261,13 +266,44 @@ class FileBacking:
         return f"FileBacking({self.path!r}, nbytes={self.nbytes}, {mode})"
 
 
-#: the attribute of a mapped file's storage that holds the arguments of its last
-#: FileBacking but the storage (see :func:`shared_td.storage.sending.mapped_memory`)
+#: the attribute of a mapped file's storage: ``(path, nbytes, shared, read_only, inode,
+#: mapped)`` of its last FileBacking (see :func:`shared_td.storage.sending.mapped_memory`)
 FILE_ATTRIBUTE = "_shared_td_file"
+
 
 # (st_dev, st_ino) -> FileBacking, so that unpickling many leaves of one file maps it once.
 # Keyed by inode, not path: a file replaced by rename is a new file and gets a new mapping.
-_CACHE = InodeCache()
+_CACHE = MappingCache()
+
+
+def cached_backing(key: tuple[int, int]) -> FileBacking | None:
+    """This process's shared mapping of the file ``key`` = ``(st_dev, st_ino)``: its
+    FileBacking, or one rebuilt over the storage that only plain views hold now (kept in
+    the cache while held); None if it has none."""
+    backing = _CACHE.get(key)
+    if backing is not None:
+        return backing
+    storage = _CACHE.storage(key)
+    held = getattr(storage, FILE_ATTRIBUTE, None)
+    if held is None:
+        return None
+    path, nbytes, shared, read_only, inode, mapped = held
+    return _CACHE.put_if_absent(key, FileBacking(path, storage, nbytes, shared, read_only, inode, mapped=mapped))
+
+
+def _keep(key: tuple[int, int], backing: FileBacking) -> None:
+    """Make ``backing`` this process's shared mapping of the file ``key``."""
+    _CACHE.put(key, backing)
+    _CACHE.keep_storage(key, backing.storage)
+
+
+def inode_at(path: str) -> tuple[int, int] | None:
+    """``(st_dev, st_ino)`` of what ``path`` names (a link itself, not followed), or None."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def named(cached: FileBacking, path: str) -> FileBacking:
@@ -317,18 +353,18 @@ def backing_from_fd(path: str, fd: int, *, shared: bool = True, read_only: str |
         st = os.fstat(fd)
     key = (st.st_dev, st.st_ino)
     if shared and not created:
-        cached = _CACHE.get(key)
+        cached = cached_backing(key)
         # a file that changed size since is mapped again, so sizes are always current
         if cached is not None and cached.nbytes == st.st_size:
             if bound:
                 cached.inode = key
             return named(cached, path)
     storage = map_fd(fd, st.st_size, shared=shared, what=path) if st.st_size else None
-    backing = FileBacking(path, storage, st.st_size, shared, read_only, key if bound else None)
+    backing = FileBacking(path, storage, st.st_size, shared, read_only, key if bound else None, mapped=key)
     if shared:
         # private mappings are never shared: two copy-on-write opens must not see each
         # other's private writes
-        _CACHE.put(key, backing)
+        _keep(key, backing)
     return backing
 
 
@@ -353,7 +389,7 @@ def map_path_fd(path: str, fd: int, st: os.stat_result, *, read_only: str | None
         raise ValueError(f"A read-only backing of {path} must be mapped copy-on-write (shared=False).")
     key = (st.st_dev, st.st_ino)
     if shared:
-        cached = _CACHE.get(key)
+        cached = cached_backing(key)
         if cached is not None and cached.nbytes == st.st_size and \
                 os.access(f"/proc/self/fd/{fd}", os.W_OK, effective_ids=True):
             if bound:
@@ -364,9 +400,9 @@ def map_path_fd(path: str, fd: int, st: os.stat_result, *, read_only: str | None
     else:  # nothing mapped: the file must still be openable as asked
         storage = None
         os.close(_reopen(fd, path, os.O_RDWR if shared else os.O_RDONLY))
-    backing = FileBacking(path, storage, st.st_size, shared, read_only, key if bound else None)
+    backing = FileBacking(path, storage, st.st_size, shared, read_only, key if bound else None, mapped=key)
     if shared:
-        _CACHE.put(key, backing)
+        _keep(key, backing)
     return backing
 
 
@@ -381,7 +417,7 @@ def _reopen(fd: int, path: str, flags: int) -> int:
 
 def mapped_backing(st: os.stat_result) -> FileBacking | None:
     """This process's shared mapping of the file that ``st`` describes, if it has one."""
-    return _CACHE.get((st.st_dev, st.st_ino))
+    return cached_backing((st.st_dev, st.st_ino))
 
 
 def find_backing(storage, filename: str | None = None) -> FileBacking | None:
@@ -423,7 +459,7 @@ def _names_mapping(path: str, backing: FileBacking) -> bool:
         st = os.lstat(path)
     except OSError:
         return False
-    return same_mapping(_CACHE.get((st.st_dev, st.st_ino)), backing)
+    return same_mapping(cached_backing((st.st_dev, st.st_ino)), backing)
 
 
 def relocated(backing: FileBacking, path: str) -> FileBacking:
@@ -435,7 +471,7 @@ def relocated(backing: FileBacking, path: str) -> FileBacking:
     moved = FileBacking(path, backing.storage, backing.nbytes, backing.shared, backing.read_only, backing.inode)
     if backing.shared:
         st = os.stat(path)
-        _CACHE.put((st.st_dev, st.st_ino), moved)
+        _keep((st.st_dev, st.st_ino), moved)
     return moved
 
 
@@ -479,7 +515,7 @@ def _open_backing(path, shared, read_only, inode, boot, *, pickled: bool) -> Fil
         # must not lead to this process's mapping of the file it points to.
         st = os.lstat(path)
         here = (st.st_dev, st.st_ino)
-        cached = _CACHE.get(tuple(inode) if checked else here)
+        cached = cached_backing(tuple(inode) if checked else here)
         # (the size is the path's file's: of no meaning for a mapping of the old inode)
         if cached is not None and (cached.nbytes == st.st_size or (checked and tuple(inode) != here)):
             return named(cached, path)

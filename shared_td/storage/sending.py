@@ -10,44 +10,75 @@ mapping made by ``torch.from_file``) and the receiver waited for ever. Importing
 """
 from __future__ import annotations
 
+import errno
 import functools
 import multiprocessing.reduction
 from typing import Any, Callable
 
 import torch
 
-from shared_td.storage.anonymous import Segment, find_segment
-from shared_td.storage.mapping import FILE_ATTRIBUTE, FileBacking, find_backing
+from shared_td.storage.anonymous import SEGMENT_ATTRIBUTE, Segment, find_segment
+from shared_td.errors import FileReplacedError
+from shared_td.storage.mapping import FILE_ATTRIBUTE, FileBacking, cached_backing, find_backing, inode_at
 
-__all__ = ["mapped_memory"]
+__all__ = ["backing_to_send", "mapped_memory"]
 
 def mapped_memory(storage) -> Segment | FileBacking | None:
     """What ``storage`` (a ``torch.UntypedStorage``) maps of ours, so that a plain tensor
     over it (``detach()``, ``view()``, ``.data`` of a MemoryMappedTensor, the leaves of
     ``td.detach()``) can be sent by reference: its Segment (:func:`find_segment`), or a
-    FileBacking naming the file (:func:`~shared_td.storage.mapping.find_backing`, else
-    the name it was last mapped under); None for any other storage.
+    FileBacking naming the file by a path that names it now (:func:`backing_to_send`:
+    a FileReplacedError when none does); None for any other storage.
 
     Example:
         >>> seg = Segment.create(64)
         >>> mapped_memory(seg.storage) is seg, mapped_memory(torch.zeros(1).untyped_storage())
         (True, None)
     """
-    # None for every storage that torch allocated itself: they cost one attribute read
-    if getattr(storage, "filename", None) is None:
+    # Ours by our own attributes only (never by ``filename``: a private mapping has
+    # none, a user's torch.from_file has one): any other storage costs two attribute
+    # reads, no search of this process's segments and files
+    if getattr(storage, SEGMENT_ATTRIBUTE, None) is not None:
+        return find_segment(storage)
+    return backing_to_send(storage)
+
+
+def backing_to_send(storage) -> FileBacking | None:
+    """A backing naming the file that ``storage`` maps, by a path that names that very
+    file now, for sending a plain view of it by reference; None when ``storage`` is no
+    mapping of ours (it carries no ``FILE_ATTRIBUTE``: no search). A private
+    (copy-on-write) mapping's too: the receiver maps the file privately, as for a
+    MemoryMappedTensor. A file moved, deleted or replaced since it was mapped, with no
+    live name of it known, is a :class:`FileReplacedError`, as
+    :func:`~shared_td.storage.mapping.find_backing` says (its path names other bytes now).
+
+    Example:
+        >>> import tempfile
+        >>> from shared_td.storage.mapping import open_file_backing
+        >>> with tempfile.NamedTemporaryFile() as f:
+        ...     _ = f.write(b"abcd"); f.flush()
+        ...     backing = open_file_backing(f.name)
+        ...     backing_to_send(backing.storage) is backing, backing_to_send(torch.zeros(1).untyped_storage())
+        (True, None)
+    """
+    held = getattr(storage, FILE_ATTRIBUTE, None)
+    if held is None:
         return None
-    segment = find_segment(storage)
-    if segment is not None:
-        return segment
-    backing = find_backing(storage)
-    if backing is None:
-        # every backing of the file is gone, and plain views keep its mapping: one by
-        # the name it was last mapped under (a file renamed since is not found there)
-        held = getattr(storage, FILE_ATTRIBUTE, None)
-        if held is not None:
-            path, nbytes, shared, read_only, inode = held
-            backing = FileBacking(path, storage, nbytes, shared, read_only, inode)
-    return backing
+    path, nbytes, shared, read_only, inode, mapped = held
+    if mapped is None:  # (the file was gone when it was recorded: what find_backing finds)
+        return find_backing(storage)
+    cached = cached_backing(mapped) if shared else None
+    origin = None if cached is None else cached.origin or cached
+    if origin is not None and origin.storage is storage:
+        for candidate in (cached, origin, *(origin.aliases or ())):
+            if inode_at(candidate.path) == mapped:
+                return candidate
+    if inode_at(path) == mapped:  # (a live mapping keeps its inode: never reused meanwhile)
+        return FileBacking(path, storage, nbytes, shared, read_only, inode, mapped=mapped)
+    raise FileReplacedError(errno.ENOENT, (
+        f"The file this tensor maps is no longer at {path} (it was moved, deleted or replaced "
+        "since it was mapped), and no name of it is known: it cannot be sent by reference. "
+        "Send a copy (tensor.clone()), or map the file again by its new name."))
 
 
 def _reduce_storage(storage, fallback: Callable) -> tuple:

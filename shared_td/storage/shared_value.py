@@ -109,6 +109,10 @@ class SharedValue:
         # call that returns once it is done (raising what went wrong); see holders
         self._handing_over: Callable[[], None] | None = None
         self._finalizer = weakref.finalize(self, os.close, fd)
+        # not at interpreter exit: a cell put on a queue just before main returns is
+        # pickled by the feeder thread after atexit hooks (os.dup(fd) would be EBADF);
+        # the kernel closes it at exit
+        self._finalizer.atexit = False
         # Mapped once: the header read by every get(). Its bytes were reserved at
         # creation, so touching them can never raise SIGBUS.
         try:

@@ -143,3 +143,31 @@ def test_a_segment_that_rlimit_as_refuses_reserves_nothing_first():
     kind, message = in_child(_create_under_rlimit_as, 1 << 30)
     assert kind == "MappingError", message
     assert "RLIMIT_AS" in message and "anonymous shared-memory segment" in message
+
+
+@pytest.mark.parametrize("when", ["before it is opened", "once it is opened"])
+def test_parents_removed_by_a_failed_writer_meanwhile_are_made_again(when, tmp_path, monkeypatch):
+    """Two writers make the same missing parents; one fails and removes the (empty)
+    parents it made while the other has found them: the other makes them again, no
+    FileNotFoundError (before: 8 of 40 racing runs failed so)."""
+    from shared_td.persist import writer
+
+    parents = [tmp_path / "x" / "y" / "z", tmp_path / "x" / "y", tmp_path / "x"]
+    os.makedirs(parents[0])  # made by the writer that is about to fail
+    real_open = writer.Directory.open
+    removed = []
+
+    def open_directory(path, *args, **kwargs):
+        if path != str(parents[0]) or removed:
+            return real_open(path, *args, **kwargs)
+        if when == "once it is opened":
+            opened = real_open(path, *args, **kwargs)
+        removed.extend(str(each) for each in parents)
+        for each in parents:  # the failed writer's clean-up (_remove_made)
+            os.rmdir(each)
+        return opened if when == "once it is opened" else real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(writer.Directory, "open", staticmethod(open_directory))
+    td = shared_td.TensorDict({"a": torch.ones(3)}, batch_size=[]).memmap_(str(parents[0] / "B"))
+    assert removed and td["a"].tolist() == [1.0] * 3
+    assert shared_td.load_memmap(str(parents[0] / "B"))["a"].tolist() == [1.0] * 3

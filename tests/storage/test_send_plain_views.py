@@ -13,9 +13,12 @@ Also here: a receiver out of descriptors gets a MappingError naming RLIMIT_NOFIL
 """
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import resource
+import subprocess
+import sys
 from multiprocessing.reduction import ForkingPickler
 
 import pytest
@@ -24,8 +27,8 @@ import torch
 from tests.processes import WAIT, finish
 
 import shared_td
-from shared_td.errors import MappingError
-from shared_td.storage import anonymous, sending
+from shared_td.errors import FileReplacedError, MappingError
+from shared_td.storage import anonymous, mapping, sending
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -267,3 +270,140 @@ def test_a_truncated_receive_goes_to_the_proc_route():
     with pytest.raises(MappingError, match="RLIMIT_NOFILE") as caught:
         receive(gone)
     assert f"test memory (inode {segment.key[1]})" in str(caught.value)
+
+
+# -- audit of 09d2a09: private mappings, one mapping per receiver, exit, replaced files ------
+
+def private_views(tmp_path) -> dict:
+    """Plain views over copy-on-write (private) mappings: their storage has no filename."""
+    path = str(tmp_path / "a.memmap")
+    shared_td.MemoryMappedTensor.from_tensor(torch.arange(4.0), filename=path)
+    shared_td.TensorDict({"x": torch.arange(4.0)}, batch_size=[4]).memmap_(str(tmp_path / "saved"))
+    shared_td.TensorDict({"x": torch.arange(4.0)}, batch_size=[4]).memmap(str(tmp_path / "arch.tdz"))
+    return {
+        "from_filename(mode=r)": lambda: shared_td.MemoryMappedTensor.from_filename(
+            path, dtype=torch.float32, shape=(4,), mode="r").detach(),
+        "load_memmap(mode=r)": lambda: shared_td.TensorDict.load_memmap(
+            str(tmp_path / "saved"), mode="r")["x"].as_subclass(torch.Tensor),
+        "archive": lambda: shared_td.TensorDict.load_memmap(str(tmp_path / "arch.tdz"))["x"].as_subclass(torch.Tensor),
+    }
+
+
+@pytest.mark.parametrize("case", ["from_filename(mode=r)", "load_memmap(mode=r)", "archive"])
+def test_a_plain_view_of_a_private_mapping_goes_by_reference(case, tmp_path):
+    """Ours by our own attribute, not by ``filename`` (None for a private mapping):
+    torch's reducer sent DupFd(-1) for it (EBADF; the receiver waited for ever)."""
+    view = private_views(tmp_path)[case]()
+    assert view.untyped_storage().filename is None
+    blob = ForkingPickler.dumps(view)
+    assert str(tmp_path) in bytes(blob).decode("latin-1")  # the path, never the bytes
+    assert ForkingPickler.loads(blob).tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_a_storage_not_ours_is_told_without_a_search(monkeypatch, tmp_path):
+    """A user's torch.from_file storage (it has a filename) is not ours: no scan of this
+    process's segments and files (that cost O(segments + files) per storage pickled)."""
+    path = tmp_path / "user.bin"
+    path.write_bytes(bytes(16))
+    users = torch.from_file(str(path), shared=True, size=4, dtype=torch.float32)
+    keep = [shared_td.MemoryMappedTensor.zeros(4), shared_td.MemoryMappedTensor.zeros(4, filename=tmp_path / "f")]
+
+    def no_scan():
+        raise AssertionError("searched every mapping of this process")
+    monkeypatch.setattr(anonymous._CACHE, "values", no_scan)
+    monkeypatch.setattr(mapping._CACHE, "values", no_scan)
+    assert sending.mapped_memory(users.untyped_storage()) is None
+    assert all(sending.mapped_memory(t.detach().untyped_storage()) is not None for t in keep)
+
+
+def receive_rows(queue, events, count: int) -> None:
+    """Keep ``count`` tensors off ``queue``; say how many descriptors this process opened
+    and how many distinct mappings they view."""
+    try:
+        before = len(os.listdir("/proc/self/fd"))
+        kept = [queue.get(timeout=WAIT) for _ in range(count)]
+        events.put((len(os.listdir("/proc/self/fd")) - before,
+                    len({t.untyped_storage().data_ptr() for t in kept})))
+    except Exception as error:  # (the test shows it)
+        events.put(("error", repr(error)))
+
+
+@pytest.mark.parametrize("where", ["segment", "file"])
+def test_a_receiver_keeps_one_mapping_of_what_it_receives_many_views_of(where, tmp_path):
+    """Many rows of one buffer sent as plain views: the receiver maps the segment (one
+    descriptor) or the file once, as for MemoryMappedTensor rows (before: one mapping,
+    and for a segment one descriptor, per row received; EMFILE after ~1000 rows)."""
+    count = 40
+    context = multiprocessing.get_context("fork")
+    queue, events = context.Queue(), context.Queue()
+    process = context.Process(target=receive_rows, args=(queue, events, count))
+    process.start()  # before the buffer: the receiver does not inherit its mapping
+    buffer = shared_td.MemoryMappedTensor.zeros((count, 1024), filename=(
+        tmp_path / "rows.memmap" if where == "file" else None))
+    for row in range(count):
+        queue.put(buffer.detach()[row])
+    opened, mappings = events.get(timeout=WAIT)
+    assert finish(process) == 0
+    assert (opened, mappings) == ((1 if where == "segment" else 0), 1)
+
+
+EXIT_PUT = """
+import multiprocessing, sys
+import torch
+from shared_td import MemoryMappedTensor
+from shared_td.storage.shared_value import SharedValue
+
+def receive(queue, started):
+    started.set()
+    try:
+        views, cell = queue.get(timeout=20)
+        print("received", [float(v.sum()) for v in views], cell.get(), flush=True)
+    except Exception as error:
+        print("failed", repr(error), flush=True)
+
+if __name__ == "__main__":
+    context = multiprocessing.get_context(sys.argv[1])
+    queue, started = context.Queue(), context.Event()
+    context.Process(target=receive, args=(queue, started)).start()
+    started.wait(60)  # (a spawn child still starting would find the queue's semaphores gone)
+    views = [MemoryMappedTensor.full((4,), fill_value=1.0).detach() for _ in range(3)]
+    queue.put((views, SharedValue.create("walk")))
+    # main returns at once: the queue's feeder thread pickles after the atexit hooks
+"""
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_view_put_on_a_queue_as_main_returns_arrives(method, tmp_path):
+    """The descriptors are not closed at interpreter exit (the kernel closes them):
+    the feeder thread, which pickles after atexit hooks, duplicated a closed descriptor
+    (EBADF) and the receiver got nothing (with a plain get(), the program hung)."""
+    script = tmp_path / "exit_put.py"
+    script.write_text(EXIT_PUT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run([sys.executable, str(script), method], capture_output=True, text=True,
+                            timeout=90, env=env)
+    assert "received [4.0, 4.0, 4.0] walk" in result.stdout, result.stdout + result.stderr[-2000:]
+
+
+def test_a_plain_view_of_a_replaced_file_is_refused(tmp_path):
+    """Every tensor of the file gone but a plain view, and a new file renamed over its
+    path: sending it by that path would give the receiver other bytes (silently)."""
+    tree = make_tree(shared_td, "file", tmp_path / "saved")
+    view, path = tree["a"].detach(), tree["a"].filename
+    del tree
+    gc.collect()
+    shared_td.MemoryMappedTensor.from_tensor(torch.full((4, 2), 7.0), filename=path + ".new")
+    os.rename(path + ".new", path)
+    with pytest.raises(FileReplacedError, match="no longer at"):
+        ForkingPickler.dumps(view)
+
+
+def test_a_plain_view_unpickled_by_multiprocess_in_its_own_process():
+    """multiprocess's pickler sends a segment by /proc: in its own process, with only a
+    plain view left, the descriptor is still open (before: 'released in this process')."""
+    mp_reduction = pytest.importorskip("multiprocess.reduction")
+    view = shared_td.MemoryMappedTensor.full((4,), fill_value=2.0).detach()
+    gc.collect()
+    received = mp_reduction.ForkingPickler.loads(mp_reduction.ForkingPickler.dumps(view))
+    received[0] = 9.0
+    assert view.tolist() == [9.0, 2.0, 2.0, 2.0]
