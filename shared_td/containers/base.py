@@ -15,6 +15,7 @@ import torch
 
 from shared_td.containers import batch as batch_ops
 from shared_td.containers.comparisons import ComparisonOps
+from shared_td.containers.consolidated_pickle import deepcopy_collection
 from shared_td.containers.consolidation import ConsolidateMethods
 from shared_td.containers.convenience_ops import ConvenienceOps
 from shared_td.containers.extra_names import ExtraNameOps
@@ -433,6 +434,10 @@ class TensorDictBase(TensorDictRoot, LockingOps, BatchSplitOps, NonTensorOps, Co
         self.__dict__.update(state)
         if self._is_locked:
             self.lock_()
+
+    # copy.deepcopy: clone()'s semantics, the memo kept (a function of consolidated_pickle,
+    # whose frame consolidated_extras skips to find the memo of a consolidated tree's copy)
+    __deepcopy__ = deepcopy_collection
 
     # ---------------------------------------------------------------- sharing flags
     def is_shared(self) -> bool:

@@ -37,6 +37,7 @@ A tree over shared memory or a file pickles node by node (its leaves by referenc
 """
 from __future__ import annotations
 
+import copy
 import copyreg
 import functools
 import io
@@ -51,7 +52,9 @@ from shared_td.containers import consolidated_extras as extras_
 from shared_td.containers.consolidated_extras import _Reduced
 from shared_td.containers.consolidated_layout import Layout, runs_of, views_of_runs
 from shared_td.containers.consolidated_skeleton import ALIASED, Skeleton, is_aliased, place
+from shared_td.containers.deep_copy import copied_collection
 from shared_td.containers.locking import LockingOps
+from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 _BYTE = torch.uint8
@@ -119,13 +122,40 @@ def _reduction(obj: Any, tree: tuple | None, skeleton: Skeleton, layout: Layout,
     return _unpickle_consolidated, (*args, whole.extras) if whole.extras else args
 
 
+def deepcopy_collection(obj: Any, memo: dict) -> Any:
+    """``copy.deepcopy`` of a container (``TensorDictBase.__deepcopy__``): ``clone()``'s
+    semantics, as tensordict 0.15.3's, the memo kept (deep_copy.py). A consolidated tree
+    over a plain CPU buffer (every leaf still a view of it) is copied through its
+    reduction (:func:`reduce_tree`): a new buffer once, the leaves views of it, its
+    values' nodes and leaves the copy's; then unlocked, root and nested (a sub-tree
+    locked by its parent came back locked).
+    Defined in this module because consolidated_extras looks for the deepcopy's memo in
+    the first frame outside this module and its own (see its ``_asker``)."""
+    layout = obj.__dict__.get("_consolidated")
+    if layout is None or not layout.buffer.is_cpu or isinstance(layout.buffer, MemoryMappedTensor) \
+            or not obj.is_consolidated():  # (a leaf replaced since: memory-mapped, with a history...)
+        return copied_collection(obj, memo)
+    function, args, *rest = obj.__reduce_ex__(4)
+    out = function(*copy.deepcopy(args, memo))
+    memo[id(obj)] = out  # (before the state: a value in it may hold obj; kept alive by deepcopy)
+    if rest and rest[0] is not None:
+        out.__setstate__(copy.deepcopy(rest[0], memo))
+    if function is _unpickle_consolidated or function is extras_.finish:  # (the tree itself)
+        _unlock_arrived(out)
+    return out
+
+
 class _Payload:
-    """The buffer of a consolidated tree in its pickle: its bytes (one ``PickleBuffer``
-    with protocol 5, so a pipe or a file gets them without a copy). Under
-    multiprocessing's ForkingPickler (process arguments, queues, DataLoader workers) it
-    is the buffer tensor itself, which torch's reductions move to shared memory and send
-    as a handle, as they send any tensor: a child's writes reach the parent, as with an
-    unconsolidated tree (by value, the child wrote a copy)."""
+    """The buffer of a consolidated tree in its pickle: with protocol 5 its bytes, one
+    ``PickleBuffer`` (so a pipe or a file gets them without a copy); below, the buffer
+    tensor itself, which torch reduces as any tensor: ``torch.save`` (protocol 2) writes
+    it as one storage record, which ``torch.load(mmap=True)`` maps (as bytes it was a
+    string inside data.pkl: the file 1.5x its size, held in memory twice on saving and
+    loading); plain pickle and ``copy.deepcopy`` as torch pickles and copies a tensor.
+    Under multiprocessing's ForkingPickler (process arguments, queues, DataLoader
+    workers) it is the buffer tensor too, which torch's reductions move to shared memory
+    and send as a handle, as they send any tensor: a child's writes reach the parent, as
+    with an unconsolidated tree (by value, the child wrote a copy)."""
 
     __slots__ = ("buffer",)
 
@@ -133,8 +163,12 @@ class _Payload:
         self.buffer = buffer
 
     def __reduce_ex__(self, protocol: int) -> tuple:
-        array = self.buffer.numpy()
-        return _as_is, (pickle.PickleBuffer(array) if protocol >= 5 else array.tobytes(),)
+        buffer = self.buffer
+        if protocol >= 5:
+            return _as_is, (pickle.PickleBuffer(buffer.numpy()),)
+        if buffer.untyped_storage().nbytes() != buffer.nbytes:
+            buffer = buffer.clone()  # (torch pickles a tensor's whole storage: only the buffer's bytes)
+        return _as_is, (buffer,)
 
 
 def _shared_payload(payload: _Payload) -> tuple:

@@ -162,6 +162,11 @@ class SharedCounter:
         segment = self._segment
         return _attach, (os.getpid(), segment.fd, segment.key)
 
+    def __deepcopy__(self, memo: dict) -> "SharedCounter":
+        # a new counter starting at the current value: a deep copy is not tied to this one
+        # (by __reduce__ it came back as this same counter, this process's from the cache)
+        return SharedCounter(self.value)
+
     def _reduce_with_duplicate(self):
         # multiprocessing's ForkingPickler (registered below): a duplicate descriptor of its
         # segment (storage/anonymous.py), so that a queue's receiver needs only the sending

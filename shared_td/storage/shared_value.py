@@ -306,6 +306,11 @@ class SharedValue:
     def __reduce__(self):
         return _attach, (os.getpid(), self.fd, self.key, self.holders)
 
+    def __deepcopy__(self, memo: dict) -> "SharedValue":
+        # a new cell holding the current value: a deep copy is not tied to this cell (by
+        # __reduce__ it came back as this same cell, this process's from the cache)
+        return SharedValue.create(self.get())
+
     def _reduce_with_duplicate(self):
         # multiprocessing's ForkingPickler (registered below): a duplicate descriptor that
         # outlives this object, so that the receiver needs only the sender process. The
