@@ -42,18 +42,18 @@ def copied_collection(obj: Any, memo: dict) -> Any:
 
     if isinstance(obj, TensorDict):
         entries: dict = {}
-        out = TensorDict._new_unsafe(entries, obj._batch_size, obj._device, obj.names)
+        out = type(obj)._new_unsafe(entries, obj._batch_size, obj._device, obj.names)  # (a subclass stays one)
         _remember(obj, out, memo)
         for key, value in obj._tensordict.items():
             entries[key] = copied_value(value, memo)
         return out
     if isinstance(obj, NonTensorData):
-        out = NonTensorData(None, batch_size=obj._batch_size, device=obj._device)
+        out = type(obj)(None, batch_size=obj._batch_size, device=obj._device)
         _remember(obj, out, memo)
         out.data = copy.deepcopy(obj.data, memo)  # (a shared one: the value it holds now)
         return out
     if isinstance(obj, NonTensorStack):
-        out = NonTensorStack._from_flat([], obj._batch_size, obj._device, obj._members)
+        out = type(obj)._from_flat([], obj._batch_size, obj._device, obj._members)
         _remember(obj, out, memo)
         out._values = copy.deepcopy(list(obj._values), memo)
         return out
@@ -69,14 +69,30 @@ def copied_value(value: Any, memo: dict) -> Any:
     if not isinstance(value, torch.Tensor):
         return copy.deepcopy(value, memo)
     found = memo.get(id(value))
+    if found is not None:  # (also a Parameter that a module copied earlier made anew)
+        return found
+    # A leaf of autograd (a Parameter, a leaf that requires grad) is cloned into a memo of
+    # this tree's copies only: in the caller's memo its clone (a non-leaf tied to the
+    # original's graph) would stand for it in a module copied later in the same deepcopy
+    # (its weight then no Parameter, refused by optimizers), where torch makes a new leaf.
+    grad_leaf = isinstance(value, torch.nn.Parameter) or (value.is_leaf and value.requires_grad)
+    own = memo.setdefault(_GRAD_LEAVES, {}) if grad_leaf else memo
+    found = own.get(id(value))
     if found is None:
         found = value.clone()
-        _remember(value, found, memo)
+        own[id(value)] = found
+        _remember(value, None if grad_leaf else found, memo)
     return found
 
 
+#: the memo key of the clones of autograd leaves (see copied_value)
+_GRAD_LEAVES = ("shared_td.deep_copy", "grad leaves")
+
+
 def _remember(obj: Any, out: Any, memo: dict) -> None:
-    memo[id(obj)] = out
+    """``out`` as the copy of ``obj`` in ``memo`` (None: only keep ``obj`` alive)."""
+    if out is not None:
+        memo[id(obj)] = out
     # kept alive for as long as the memo, as copy.deepcopy keeps what it copies: a freed
     # object's id could be reused by another one met later in the same deepcopy
     memo.setdefault(id(memo), []).append(obj)

@@ -4,14 +4,17 @@ Since torch 2.6, ``torch.load(path)`` unpickles with a restricted unpickler that
 only tensors, plain data and the globals listed with
 ``torch.serialization.add_safe_globals``. tensordict 0.15.3 lists its containers when it
 is imported; this module lists ours, the smallest set that a saved TensorDict, lazy
-stack, non-tensor entry or consolidated tree names:
+stack or non-tensor entry names: the classes TensorDict, LazyStackedTensorDict,
+NonTensorData and NonTensorStack, which are rebuilt from their state (``__setstate__``
+sets attributes and re-locks: no file, no import, no call of anything the pickle names).
 
-* the classes TensorDict, LazyStackedTensorDict, NonTensorData and NonTensorStack, which
-  are rebuilt from their state (``__setstate__`` sets attributes and re-locks: no file,
-  no import, no call of anything the pickle names);
-* ``_unpickle_consolidated`` and ``_as_is`` (consolidated_pickle.py): a consolidated
-  tree is its buffer (a tensor) and a skeleton whose own unpickler resolves no global,
-  only the values that the restricted unpickler let through.
+Not a consolidated tree: its pickle names ``_unpickle_consolidated``, which unpickles
+the tree's skeleton with an unpickler of its own that resolves no global but does
+build objects (BUILD, REDUCE) as any unpickler does; allowlisted, it let a crafted file
+set attributes on any class that the outer unpickler let through (a file setting
+``torch.UntypedStorage.nbytes`` broke every later ``torch.save`` of the process), which
+``weights_only=True`` promises cannot happen. Load a consolidated tree with
+``weights_only=False`` (a file you trust) or save it with ``memmap()``/``save()``.
 
 Left off, as tensordict leaves its own off: MemoryMappedTensor, its file backing and
 anonymous segments, shared non-tensor values and SharedCounter, which open files or
@@ -33,11 +36,10 @@ from __future__ import annotations
 
 import torch
 
-from shared_td.containers.consolidated_pickle import _as_is, _unpickle_consolidated
 from shared_td.containers.lazy import LazyStackedTensorDict
 from shared_td.containers.nontensor import NonTensorData, NonTensorStack
 from shared_td.containers.tensordict import TensorDict
 
-SAFE_GLOBALS = (TensorDict, LazyStackedTensorDict, NonTensorData, NonTensorStack, _unpickle_consolidated, _as_is)
+SAFE_GLOBALS = (TensorDict, LazyStackedTensorDict, NonTensorData, NonTensorStack)
 
 torch.serialization.add_safe_globals(list(SAFE_GLOBALS))
