@@ -458,7 +458,7 @@ class Cluster(ClusterMembership, ClusterRequests):
         def ask():  # (its budget: the owner serves it no later, see cluster_deliveries)
             tag, generation = self._request(rep.owner, "pull", name, rep.generation, stripes=stripes, digest=rep.digest,
                                             budget=round(max(0.0, deadline - time.monotonic()), 3))
-            return tag, generation, self._answer(rep.owner, tag, deadline, name, pair=generation)
+            return tag, generation, self._answer(rep.owner, tag, deadline, name)
 
         try:
             tag, generation, answer = self._retried_if_stale(ask)

@@ -101,9 +101,17 @@ def served_until(cluster, request: dict) -> float:
     served: its ``budget`` from now (the requester gave up by then: it waited in the
     queue before), at most the cluster's timeout."""
     budget = request.get("budget")
-    if not isinstance(budget, (int, float)) or isinstance(budget, bool) or not budget >= 0:
+    if budget is None:
         budget = cluster.timeout  # (a request without one: the owner's timeout, as before)
+    elif not isinstance(budget, (int, float)) or isinstance(budget, bool) or not budget >= 0:
+        budget = 0.0  # (negative, NaN, not a number: never served)
     return time.monotonic() + min(float(budget), cluster.timeout)
+
+
+#: seconds a pull's requester must still wait for the owner to start serving it: a send
+#: started with less is all but sure to time out, and a failed send fails the whole pair
+#: (every transfer between the two nodes), so such a pull is dropped instead
+SERVE_FLOOR_S = 0.25
 
 
 def deliver(cluster, name: str, request: dict, serve) -> None:
@@ -112,7 +120,7 @@ def deliver(cluster, name: str, request: dict, serve) -> None:
     of the name waits before it, else by the name's delivery thread, in order; never once
     ``until`` passed (the lock still held elsewhere: not served, not answered)."""
     until = served_until(cluster, request)
-    if not request.get("budget", 1):  # its requester had no time left when it asked: gone already
+    if until - time.monotonic() < SERVE_FLOOR_S:  # its requester gives up before a send could end
         return
     syncs = name_syncs(cluster, name)
     with syncs.guard:
@@ -188,9 +196,10 @@ def _serve_queued(cluster, syncs: NameSyncs) -> None:
 
 
 def _acquire(cluster, lock: threading.Lock, until: float) -> bool:
-    """``lock``, waited for until ``until`` (False then, or once the node stops)."""
+    """``lock``, waited for until SERVE_FLOOR_S before ``until`` (False then, or once the
+    node stops)."""
     while not cluster._stop.is_set():
-        left = until - time.monotonic()
+        left = until - SERVE_FLOOR_S - time.monotonic()
         if left <= 0:
             return False
         if lock.acquire(timeout=min(left, _SLICE_S)):

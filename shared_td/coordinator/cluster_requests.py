@@ -80,25 +80,16 @@ class ClusterRequests:
             self._local.replies = queue
         return queue
 
-    def _answer(self, peer: int, tag: int, deadline: float, name: str, pair: int | None = None) -> dict:
+    def _answer(self, peer: int, tag: int, deadline: float, name: str) -> dict:
         """The peer's signed answer to request ``tag`` (sent from this thread), waited
         for in slices while the peer's heartbeat lives; OwnerLostError/TimeoutError
         otherwise; a refusal raises. Answers to this thread's earlier requests that gave
         up before them, and values with a wrong signature, are skipped. RuntimeError
         once this node was shut down meanwhile (no answer can be used any more).
-        ``pair``: the pair generation the answer's payload would come over (a pull),
-        failed when the wait times out, so that a send the peer posts for this request
-        in that moment ends at once (it waited for nobody the peer's whole timeout,
-        holding the name's deliveries: audit of 33f6eb6); the peer serves no request
-        past its ``budget`` (``cluster_deliveries``)."""
-        try:
-            return self._answer_waited(peer, tag, deadline, name)
-        except TimeoutError:
-            if pair is not None:
-                self._groups.fail(peer, pair)
-            raise
-
-    def _answer_waited(self, peer: int, tag: int, deadline: float, name: str) -> dict:
+        A pull's owner serves it no later than its ``budget`` allows (a send that its
+        requester stopped waiting for ends by then: ``cluster_deliveries``); a timed-out
+        wait does not fail the pair, which would cut every other transfer between the
+        two nodes (a sync of another name, another thread's pull)."""
         store = self._checked()
         queue = self._reply_queue()
         while True:
