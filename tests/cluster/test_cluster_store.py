@@ -175,8 +175,15 @@ def _start_together(members) -> list:
 
 def _pair(store, timeout=10.0):
     """Nodes 0 and 1 of a cluster on ``store``, started together (each waits for the other)."""
+    return _members(store, (timeout, timeout))
+
+
+def _members(store, timeouts):
+    """Nodes 0..n-1 of a cluster on ``store``, node i with timeout ``timeouts[i]``, started
+    together."""
     url = f"tcp://127.0.0.1:{store.port}?host=0"
-    members = [Cluster(url, n, 2, authkey=KEY, timeout=timeout, hostname="127.0.0.1") for n in range(2)]
+    members = [Cluster(url, n, len(timeouts), authkey=KEY, timeout=timeout, hostname="127.0.0.1")
+               for n, timeout in enumerate(timeouts)]
     errors = _start_together(members)
     if errors:
         for member in members:

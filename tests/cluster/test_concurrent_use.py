@@ -39,10 +39,9 @@ torch_dist = pytest.importorskip("torch.distributed")
 
 import shared_td  # noqa: E402
 from shared_td.coordinator import cluster_generations, cluster_serve, cluster_sync  # noqa: E402
-from shared_td.coordinator.cluster import Cluster  # noqa: E402
 from shared_td.coordinator.cluster_liveness import LOST_AFTER_S, claim_free  # noqa: E402
 from shared_td.coordinator.cluster_transfer import TransferFailed  # noqa: E402
-from tests.cluster.test_cluster_store import KEY, _start_together, pair, store  # noqa: E402,F401 - fixtures
+from tests.cluster.test_cluster_store import _members, pair, store  # noqa: E402,F401 - fixtures
 
 WAIT = 10.0
 
@@ -273,19 +272,6 @@ def test_a_transfer_refused_inside_a_republish_says_it_was_published_again(pair,
 
 
 # ---------------------------------------------------------------- audit of 33f6eb6
-def _members(store, timeouts):
-    """Nodes 0..n-1 of a cluster on ``store``, each with its own timeout, started together."""
-    url = f"tcp://127.0.0.1:{store.port}?host=0"
-    members = [Cluster(url, n, len(timeouts), authkey=KEY, timeout=timeout, hostname="127.0.0.1")
-               for n, timeout in enumerate(timeouts)]
-    errors = _start_together(members)
-    if errors:
-        for member in members:
-            member.shutdown()
-        raise errors[0]
-    return members
-
-
 @pytest.fixture
 def trio(store):
     """Three nodes; node 1 gives up a call after 1 s (d7_slow_replica.py's node 1)."""
