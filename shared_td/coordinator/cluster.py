@@ -91,13 +91,13 @@ from shared_td.coordinator.cluster_liveness import Liveness
 from shared_td.coordinator.cluster_owners import claim_name
 from shared_td.coordinator.cluster_membership import ClusterMembership
 from shared_td.coordinator.cluster_replica import Owned, Replica
-from shared_td.coordinator.cluster_requests import ClusterRequests, Refused
+from shared_td.coordinator.cluster_requests import ClusterRequests
 from shared_td.coordinator.cluster_serve import lane_queue
 from shared_td.coordinator.cluster_store import ClusterAuthError, ClusterCounter, SignedStore, cluster_key
 from shared_td.coordinator.cluster_sync import SyncReport
 from shared_td.coordinator.cluster_transfer import PairGroups, TransferFailed, stripe_count, stripe_ranges
 from shared_td.coordinator.cluster_values import ClusterValues
-from shared_td.errors import OwnerLostError
+from shared_td.errors import OwnerLostError, TransferRefused
 
 __all__ = ["Cluster", "ClusterAuthError", "OwnerLostError", "SyncReport"]
 
@@ -462,7 +462,7 @@ class Cluster(ClusterMembership, ClusterRequests):
 
         try:
             tag, generation, answer = self._retried_if_stale(ask)
-        except Refused as refusal:  # of the old generation: "published again" when it was
+        except TransferRefused as refusal:  # of the old generation: "published again" when it was
             cluster_push.raise_if_republished(self, name, rep, refusal, "pull")
             raise
         if not rep.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):

@@ -24,11 +24,7 @@ from shared_td.coordinator.cluster_store import ClusterAuthError
 from shared_td.coordinator.cluster_transfer import TAG_WRAP, StalePair
 from shared_td.errors import OwnerLostError, TransferRefused
 
-__all__ = ["ClusterRequests", "Refused"]
-
-
-#: a peer's refusal of a transfer (its generation: ``cluster_serve.refusal``)
-Refused = TransferRefused
+__all__ = ["ClusterRequests"]
 
 
 class ClusterRequests:
@@ -60,9 +56,10 @@ class ClusterRequests:
 
     @staticmethod
     def _refusal(peer: int, name: str, answer: dict) -> dict:
-        """``answer``, unless it is a refusal: :class:`Refused` naming the peer and the name."""
+        """``answer``, unless it is a refusal: :class:`~shared_td.errors.TransferRefused` naming the peer and
+        the name (its generation: ``cluster_serve.refusal``)."""
         if "error" in answer:
-            raise Refused(f"Node {peer} refused the transfer of {name!r}: {answer['error']}", answer.get("current"))
+            raise TransferRefused(f"Node {peer} refused the transfer of {name!r}: {answer['error']}", answer.get("current"))
         return answer
 
     def _next_tag(self) -> int:
