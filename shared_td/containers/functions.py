@@ -108,7 +108,7 @@ def stack(items: Sequence[Any], dim: int = 0, *, out: Any = None, lazy_if_shapes
             )
     from shared_td.containers.lazy import LazyStackedTensorDict
 
-    if not all(type(item) is TensorDict for item in items):
+    if not all(isinstance(item, TensorDict) for item in items):  # (a subclass stacks densely too)
         return LazyStackedTensorDict.lazy_stack(items, dim)
     _check_same_keys(items, "stack")  # before comparing shapes key by key
     mismatch = _leaf_shape_mismatch(items)
@@ -133,7 +133,7 @@ def stack(items: Sequence[Any], dim: int = 0, *, out: Any = None, lazy_if_shapes
     names = _common_names(items)
     if names is not None:
         names.insert(dim, None)  # as tensordict 0.15.3: the new dim is unnamed
-    result = TensorDict._new_unsafe(entries, size, first.device, names)
+    result = type(first)._new_unsafe(entries, size, first.device, names)  # (the first's class, as tensordict)
     from shared_td.containers.lazy_shape import stacked_into  # (non-tensor entries replaced)
 
     return stacked_into(out, result)
@@ -180,7 +180,7 @@ def cat(items: Sequence[Any], dim: int = 0, *, out: Any = None) -> Any:
     size[dim] = sum(item.batch_size[dim] for item in items)
     # tensordict 0.15.3 keeps the first item's batch dim names (dim keeps its name)
     names = getattr(items[0], "_names", None)
-    result = TensorDict._new_unsafe(entries, torch.Size(size), first.device, names)
+    result = type(first)._new_unsafe(entries, torch.Size(size), first.device, names)
     if out is not None:
         out.update_(result)
         return out

@@ -229,12 +229,15 @@ class MemmapMethods:
         if out is not None:  # (a tensorclass out: its tensordict is loaded, as in tensordict)
             _check_out(unwrap_tensorclass(out))
             device = _device_for_out(out, device)
-        loaded = api.load_memmap(
-            prefix, device, non_blocking, robust_key=robust_key, subpath=subpath, mode=mode,
-            num_threads=num_threads, allow_pickle=allow_pickle,
-        )
+        from shared_td.containers.tensorclass import loading_as  # (tensorclass imports this module)
+
+        with loading_as(cls):  # (a subclass saved from __main__ is cls, as in tensordict)
+            loaded = api.load_memmap(
+                prefix, device, non_blocking, robust_key=robust_key, subpath=subpath, mode=mode,
+                num_threads=num_threads, allow_pickle=allow_pickle,
+            )
         if out is None:
-            return loaded
+            return _as_subclass(loaded, cls)
         _load_into(unwrap_tensorclass(out), loaded)
         return out
 
@@ -466,6 +469,16 @@ def _device_for_out(out: Any, device: Any) -> Any:
             f"{out.device}: give device={str(out.device)!r} (or none), or an out on {wanted}."
         )
     return device
+
+
+def _as_subclass(loaded: Any, cls: type) -> Any:
+    """``loaded`` as an instance of ``cls`` when ``cls`` is a subclass of the class on
+    disk (``MyTD.load_memmap(prefix)`` of a TensorDict save gives a ``MyTD``, as in
+    tensordict); anything else as it was loaded ("the class is the one on disk")."""
+    if type(loaded) is not cls and issubclass(cls, type(loaded)):
+        with contextlib.suppress(TypeError):  # (a subclass with slots of its own: as on disk)
+            loaded.__class__ = cls
+    return loaded
 
 
 def _load_into(out: Any, loaded: Any) -> None:

@@ -15,7 +15,7 @@ import torch
 
 from shared_td.containers.lazy import LazyStackedTensorDict
 from shared_td.containers.nontensor import NonTensorData, NonTensorStack
-from shared_td.containers.tensorclass import tensorclass_for_type_string
+from shared_td.containers.tensorclass import loading_class, tensorclass_for_type_string
 from shared_td.containers.tensordict import TensorDict
 from shared_td.errors import FormatError
 from shared_td.persist import format as fmt
@@ -42,6 +42,9 @@ class TensorDictKind(nodes.NodeKind):
     name = nodes.TENSORDICT
     type_strings = (fmt.TENSORDICT_TYPE,)
 
+    def matches(self, type_str: str) -> bool:
+        return tensordict_subclass(type_str) is not None
+
     def entries(self, td: TensorDict):
         return list(td._tensordict.items())
 
@@ -64,7 +67,7 @@ class TensorDictKind(nodes.NodeKind):
         return _mark_written(td, directory)
 
     def copy(self, td: TensorDict, values: dict, directory, *, share_non_tensor: bool) -> TensorDict:
-        return _mark_written(TensorDict._new_unsafe(values, td.batch_size, _CPU, td.names), directory)
+        return _mark_written(type(td)._new_unsafe(values, td.batch_size, _CPU, td.names), directory)  # (a subclass kept)
 
     def rebuild(self, meta: NodeMeta, values: dict, *, directory: str, parent_batch, unpickle, read_only=None) -> TensorDict:
         batch_size = torch.Size(meta.batch_size)
@@ -77,7 +80,9 @@ class TensorDictKind(nodes.NodeKind):
             else:
                 fmt.check_batch_fits(meta.path, key, batch_size, value.batch_size)
         device = None if meta.device is None else torch.device(meta.device)
-        td = TensorDict._new_unsafe(values, batch_size, device)
+        saved_type = meta.document.get("_type", fmt.TENSORDICT_TYPE)  # (a subclass's, see NodeMeta.from_json)
+        cls = TensorDict if saved_type == fmt.TENSORDICT_TYPE else tensordict_subclass(saved_type) or TensorDict
+        td = cls._new_unsafe(values, batch_size, device)
         if meta.names is not None:
             td.names = list(meta.names)
         td._memmap_prefix = directory
@@ -86,6 +91,34 @@ class TensorDictKind(nodes.NodeKind):
     def inspect(self, meta: NodeMeta, node: NodeView) -> None:
         node.entry.class_name = "TensorDict"
         node.entry.batch_size = list(meta.batch_size)
+
+
+def tensordict_subclass(type_str: str) -> type | None:
+    """The subclass of TensorDict defined in this process whose ``str()`` is ``type_str``
+    (tensordict 0.15.3 writes a subclass's own ``_type``); while ``Sub.load_memmap`` runs,
+    also ``Sub`` for a class saved from ``__main__`` under its qualname, as for
+    tensorclasses. Never imports a module named in a file (that would run code chosen by
+    whoever wrote it). None if there is no such class.
+
+    Example:
+        >>> class Steps(TensorDict):
+        ...     pass
+        >>> tensordict_subclass(str(Steps)) is Steps, tensordict_subclass("<class 'x.Y'>")
+        (True, None)
+    """
+    if not type_str.startswith("<class '"):
+        return None
+    pending = TensorDict.__subclasses__()
+    while pending:  # (only for a _type that no kind names: rare, and a few classes)
+        cls = pending.pop()
+        if str(cls) == type_str:
+            return cls
+        pending.extend(cls.__subclasses__())
+    loading = loading_class()
+    if (isinstance(loading, type) and issubclass(loading, TensorDict)
+            and type_str == f"<class '__main__.{loading.__qualname__}'>"):
+        return loading
+    return None
 
 
 class LazyStackKind(nodes.NodeKind):
@@ -302,7 +335,9 @@ class TensorClassKind(nodes.NodeKind):
                 raise FormatError(
                     _node_path(meta), f"its class {meta.type!r} is no known tensordict class "
                     "(a tensorclass would have a _tensordict/ directory): import the module "
-                    "that defines that tensorclass, or check what wrote this save",
+                    "that defines that TensorDict subclass or tensorclass (one saved from a "
+                    "script or notebook, __main__, loads with <that class>.load_memmap()), "
+                    "or check what wrote this save",
                 ) from None
             raise FormatError(_node_path(meta), "a tensorclass without its _tensordict/ directory")
         return [fmt.TENSORCLASS_CHILD]

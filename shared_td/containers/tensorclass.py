@@ -57,6 +57,11 @@ def loading_as(cls: type):
         _LOADING_AS.reset(token)
 
 
+def loading_class() -> type | None:
+    """The class whose ``load_memmap`` runs now (see :func:`loading_as`), or None."""
+    return _LOADING_AS.get()
+
+
 def tensorclass_for_type_string(type_string: str) -> type:
     """The tensorclass whose ``str(cls)`` is ``type_string`` (e.g. ``"<class 'pkg.mod.X'>"``,
     as tensordict writes in ``meta.json``); inside ``loading_as(cls)``, also ``cls`` for

@@ -304,7 +304,7 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, BatchDimOps, IndexWrites
         ``is_view`` keeps the lock and memmap/shared flags, as the result shares storage.
         """
         entries = {key: op(value) for key, value in self._tensordict.items()}
-        out = TensorDict._new_unsafe(
+        out = type(self)._new_unsafe(  # (a subclass's results are of its class, as in tensordict)
             entries, batch_size, self._device if device is NO_DEFAULT else device, names
         )
         if is_view:
@@ -364,14 +364,14 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, BatchDimOps, IndexWrites
             basic_views(mapped, leaf_index, entries)
         names = None if self._names is None else batch_ops.indexed_names(self._names, index)
         if not (is_view and self._is_locked):
-            out = TensorDict._new_unsafe(entries, new_size, self._device, names)
+            out = type(self)._new_unsafe(entries, new_size, self._device, names)
             if is_view:
                 out._is_memmap, out._is_shared = self._is_memmap, self._is_shared
                 out._memmap_prefix = self._memmap_prefix
             return out
         # a locked view: _new_unsafe's attributes in its order (the instances share one
         # table of attribute names), then the view's flags and lock, set once
-        out = _NEW(TensorDict)
+        out = _NEW(type(self))
         out._tensordict = entries
         out._batch_size = new_size
         out._device = self._device
@@ -427,7 +427,7 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, BatchDimOps, IndexWrites
                 elif is_non_tensor(value) and (kept := kept_by_empty(value, size)) is not None:
                     entries[key] = kept
         names = self.names if size == self._batch_size else None  # names fit the old dims only
-        return TensorDict._new_unsafe(
+        return type(self)._new_unsafe(
             entries, size, self._device if device is NO_DEFAULT else device, names
         )
 

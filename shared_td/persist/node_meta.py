@@ -191,7 +191,8 @@ class NodeMeta:
         if not isinstance(type_str, str):
             raise FormatError(where, f"{shown_value(type_str)} is not a class name", field="_type")
         device = _device(document.get("device"), where, "device")
-        if type_str == TENSORDICT_TYPE:
+        if type_str == TENSORDICT_TYPE or _names_tensordict_subclass(type_str):
+            type_str = TENSORDICT_TYPE  # (a subclass's own _type stays in document)
             batch_size = _sizes(document.get("shape", []), where, "shape")
             entries = tuple(_entry(key, item, where) for key, item in node_entries(document).items())
             for leaf in entries:
@@ -214,6 +215,18 @@ class NodeMeta:
                 raise FormatError(where, f"{list(empty)} is no batch size of an empty stack along "
                                   f"stack_dim {stack_dim}", field=EMPTY_STACK_BATCH)
         return cls(where, type_str, None, device, stack_dim=stack_dim, stack_dim_name=stack_dim_name, document=document)
+
+
+def _names_tensordict_subclass(type_str: str) -> bool:
+    """Whether ``type_str`` names a subclass of TensorDict defined in this process (the
+    node kinds decide: tensordict 0.15.3 writes a subclass's own ``_type`` over the
+    TensorDict layout)."""
+    from shared_td.persist import nodes  # (nodes builds on this module)
+
+    try:
+        return nodes.kind_for_type_string(type_str).name == nodes.TENSORDICT
+    except RuntimeError:  # no kind reads it: the loader says so
+        return False
 
 
 def _entry(key: str, item: dict, where: str) -> LeafMeta | ChildMeta:
