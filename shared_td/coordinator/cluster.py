@@ -84,7 +84,7 @@ import threading
 import time
 
 from shared_td.coordinator import cluster_generations as generations
-from shared_td.coordinator import cluster_layout, cluster_push, cluster_sync
+from shared_td.coordinator import cluster_drain, cluster_layout, cluster_push, cluster_sync
 from shared_td.coordinator import cluster_replica as replica
 from shared_td.coordinator import staleness
 from shared_td.coordinator.cluster_liveness import Liveness
@@ -456,25 +456,27 @@ class Cluster(ClusterMembership, ClusterRequests):
         nbytes = rep.layout["nbytes"]
         stripes = stripe_count(nbytes, self.stripes)
         def ask():  # (its budget: the owner serves it no later, see cluster_deliveries)
-            tag, generation = self._request(rep.owner, "pull", name, rep.generation, stripes=stripes, digest=rep.digest,
-                                            budget=round(max(0.0, deadline - time.monotonic()), 3))
-            return tag, generation, self._answer(rep.owner, tag, deadline, name)
+            asked[:] = self._request(rep.owner, "pull", name, rep.generation, stripes=stripes, digest=rep.digest,
+                                     budget=round(max(0.0, deadline - time.monotonic()), 3))
+            return (*asked, cluster_drain.answer(self, rep.owner, name, asked, deadline, nbytes, stripes))
 
+        asked = []  # (tag, pair): a pull given up is still received when served (cluster_drain)
         try:
             tag, generation, answer = self._retried_if_stale(ask)
         except TransferRefused as refusal:  # of the old generation: "published again" when it was
             cluster_push.raise_if_republished(self, name, rep, refusal, "pull")
             raise
+        bound = cluster_drain.receive_bound(self)  # (announced: its send is bounded so)
         if not rep.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            self._groups.fail(rep.owner, generation)  # the owner's send ends
+            cluster_drain.into_scratch(self, rep.owner, generation, tag, nbytes, stripes, f"pull of {name!r}")
             raise TimeoutError(f"Another transfer of {name!r} on this node did not end within {self.timeout:g} s.")
         try:
             try:
                 replica.set_state(rep.segment, replica.state(rep.segment) | 1)
                 works = self._groups.recv(rep.owner, generation, replica.segment_bytes(rep.segment, nbytes), tag,
-                                          deadline, stripes)
+                                          bound, stripes)
                 # every stripe, before the version; given up once the owner is found lost
-                self._groups.wait(rep.owner, works, deadline, f"pull of {name!r}", nbytes)
+                self._groups.wait(rep.owner, works, bound, f"pull of {name!r}", nbytes)
             except TransferFailed as err:
                 self._groups.fail(rep.owner, generation)
                 raise self._lost_or(rep.owner, name, err) from err

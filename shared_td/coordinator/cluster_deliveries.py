@@ -1,5 +1,5 @@
-"""The pulls an owner serves, off its lanes: each waits for its name's deliveries in a
-thread of the name's own, never in the lane of the peer that asked.
+"""The pulls an owner serves, off its lanes: each waits for its name's deliveries in one
+of a few delivery threads of the node, never in the lane of the peer that asked.
 
 Why: every delivery of a name (a sync, a pull served) takes the name's lock and the
 next version (``cluster_sync.NameSyncs``), so that no sync overtakes a pull. A lane that
@@ -8,17 +8,23 @@ node held up the puller's later requests of any name, and two owners each syncin
 own name and pulling the other's deadlocked until the timeouts (each lane served a pull
 waiting for a lock whose sync waited for the other node's lane; audit of 33f6eb6). So a
 lane serves a pull itself only when the name's lock is free at once (the usual case: no
-thread hand-off in front of a pull); else the pull joins the name's queue, served in
-order by the name's delivery thread (made at the name's first queued pull, gone after
-IDLE_S without one, or when the node stops), and the lane serves its next request.
+thread hand-off in front of a pull); else the pull joins the name's queue, and the name
+joins the node's queue of names with pulls waiting, served by at most MAX_DELIVERERS
+threads shared by all names (made when a name is queued and none is idle, gone after
+IDLE_S without work, or when the node stops). A name is served by one thread at a time,
+its pulls in order, one by one; a thread waits for a name's lock in slices and, while
+other names wait, passes to the next between slices (a name whose sync is slow does not
+hold up the pulls of other names). Before, each contended name had a thread of its own,
+kept 60 s: a node serving pulls of 150 names, each during a sync of it, held 26 threads.
 
 A pull carries the requester's ``budget``: the seconds it still waits for the answer.
 The owner serves it only until that time after it was popped (later than the requester
 gives up: the request waited in the queue before), never after: a pull whose requester
 gave up was served anyway, once the lock came, and its send waited for nobody for the
-owner's whole timeout, holding the name's lock (the next sync waited as long). The
-requester fails the pair when its wait for the answer ends (``ClusterRequests._answer``),
-so that a send the owner posted in that moment ends at once too.
+owner's whole timeout, holding the name's lock (the next sync waited as long). A
+requester that gives up asks the owner to :func:`cancel` the pull and receives what the
+owner announced before (``cluster_drain``): a gloo send never waits out its bound, which
+closes the pair (every transfer between the two nodes failed).
 
 Example (a stand-in for an owner: ``serve`` is called with the lock held)::
 
@@ -32,8 +38,8 @@ Example (a stand-in for an owner: ``serve`` is called with the lock held)::
     ...     waiting = list(served)
     >>> done.wait(5.0), waiting, served    # served once the sync was done, the lock held
     (True, [], [True])
-    >>> thread = syncs.worker
-    >>> node._stop.set(); stop(node); thread.join(5.0); thread.is_alive()
+    >>> threads = list(node._threads)
+    >>> node._stop.set(); stop(node); [t.join(5.0) for t in threads] and any(t.is_alive() for t in threads)
     False
 """
 from __future__ import annotations
@@ -42,15 +48,27 @@ import collections
 import threading
 import time
 
-__all__ = ["DELIVERER", "IDLE_S", "NameSyncs", "deliver", "name_syncs", "served_until", "stop"]
+__all__ = ["DELIVERER", "IDLE_S", "MAX_DELIVERERS", "NameSyncs", "cancel", "deliver", "name_syncs", "served_until",
+           "stop"]
 
-#: The start of the name of a thread that serves a name's queued pulls.
+#: The start of the name of a thread that serves queued pulls.
 DELIVERER = "shared_td-cluster-deliver-"
-#: Seconds a delivery thread waits for its name's next queued pull before it ends.
-IDLE_S = 60.0
-#: The longest a delivery thread waits for its name's lock in one go: it looks at the
-#: node's stop between (shutdown joins it within a second).
+#: The most delivery threads a node runs at once, whatever the number of names with
+#: pulls waiting: each waits for one name's lock, and a handful covers the names whose
+#: deliveries overlap in practice (each thread costs a store connection and a stack; a
+#: thread per name made 26 for 150 names). More names wait their turn in order: a
+#: thread passes to the next name between lock waits of _SLICE_S.
+MAX_DELIVERERS = 4
+#: Seconds a delivery thread waits for the next queued pull before it ends: long enough
+#: to serve a busy spell's pulls in one thread (its first store call takes a store
+#: connection, and a thread per spell used up the spares: a 1 s stall in every crossing
+#: loop, measured), short enough that a node that served a burst drops its threads soon.
+IDLE_S = 2.0
+#: The longest a delivery thread waits for a name's lock in one go: it looks at the
+#: node's stop and at the other names waiting between (shutdown joins it within a second).
 _SLICE_S = 0.05
+# makes each node's _Deliverers once (two lanes may queue the first pulls at once)
+_MADE = threading.Lock()
 
 
 def name_syncs(cluster, name: str) -> "NameSyncs":
@@ -88,12 +106,12 @@ class NameSyncs:
         self.lock = threading.Lock()
         self.generation = 0
         self.holders: set[int] = set()
-        # the pulls waiting for ``lock``, served by the name's delivery thread (``worker``),
-        # never in a lane (see deliver); ``guard`` orders the two
-        self.guard = threading.Lock()
-        self.wake = threading.Condition(self.guard)  # a pull queued, or the node stops
+        # the pulls waiting for ``lock``, [until, serve, key, cancelled] in order, served by the node's
+        # delivery threads, never in a lane (see deliver); ``queued``: the name is in the
+        # node's queue or a thread serves it (one at a time). Both under the node's
+        # ``_Deliverers.ready`` lock.
         self.pulls: collections.deque = collections.deque()
-        self.worker: threading.Thread | None = None
+        self.queued = False
 
 
 def served_until(cluster, request: dict) -> float:
@@ -117,20 +135,21 @@ SERVE_FLOOR_S = 0.25
 def deliver(cluster, name: str, request: dict, serve) -> None:
     """Have ``serve(until)`` called with ``name``'s delivery lock held, ``until`` the
     request's :func:`served_until`: in this thread when the lock is free now and no pull
-    of the name waits before it, else by the name's delivery thread, in order; never once
+    of the name waits before it, else by a delivery thread, in order; never once
     ``until`` passed (the lock still held elsewhere: not served, not answered)."""
     until = served_until(cluster, request)
     if until - time.monotonic() < SERVE_FLOOR_S:  # its requester gives up before a send could end
         return
     syncs = name_syncs(cluster, name)
-    with syncs.guard:
+    pool = _deliverers(cluster)
+    with pool.ready:
         now = not syncs.pulls and syncs.lock.acquire(blocking=False)
         if not now:
-            syncs.pulls.append((until, serve))
-            if syncs.worker is None:
-                syncs.worker = _start(cluster, name, syncs)
-            else:
-                syncs.wake.notify()
+            syncs.pulls.append([until, serve, _key(request), False])  # (False: not cancelled)
+            if not syncs.queued:
+                syncs.queued = True
+                pool.names.append(syncs)
+                pool.want()
     if now:
         try:
             serve(until)
@@ -140,68 +159,155 @@ def deliver(cluster, name: str, request: dict, serve) -> None:
 
 def stop(cluster) -> None:
     """Wake every delivery thread of ``cluster``, which stops (shutdown: its ``_stop`` is set)."""
-    for syncs in list(cluster._name_syncs.values()):
-        with syncs.guard:
-            syncs.wake.notify_all()
+    pool = getattr(cluster, "_deliverers", None)
+    if pool is not None:
+        with pool.ready:
+            pool.ready.notify_all()
 
 
-def _start(cluster, name: str, syncs: NameSyncs) -> threading.Thread:
-    # the delivery threads of the names before, ended, leave the node's list (shutdown
-    # joins the others)
-    for ended in [t for t in list(cluster._threads) if t.name.startswith(DELIVERER) and not t.is_alive()]:
-        try:
-            cluster._threads.remove(ended)
-        except ValueError:
-            pass  # another name's start removed it meanwhile
-    thread = threading.Thread(target=_serve_queued, args=(cluster, syncs), daemon=True,
-                              name=f"{DELIVERER}{name[:40]}/pulls")  # (a name may end as a lane's)
-    cluster._threads.append(thread)
-    thread.start()
-    return thread
+def cancel(cluster, name: str, request: dict) -> str:
+    """A requester gave up pull ``request`` (its ``tag``, from its ``caller``; popped in
+    its lane after the pull, so the pull was served there, dropped or queued here):
+    "dropped" when it waits in ``name``'s queue (never served now), "serving" when a
+    delivery thread serves it (its answer comes: the requester's drain receives what it
+    announces, see ``cluster_drain``), else "none" (an answer it got came before this one)."""
+    pool, syncs = getattr(cluster, "_deliverers", None), cluster._name_syncs.get(name)
+    if pool is None or syncs is None:
+        return "none"
+    key = _key(request)
+    with pool.ready:
+        if key in pool.serving:
+            return "serving"
+        for entry in syncs.pulls:
+            if entry[2] == key and not entry[3]:
+                entry[3] = True  # (left queued: the thread waiting for it takes it out)
+                return "dropped"
+    return "none"
 
 
-def _serve_queued(cluster, syncs: NameSyncs) -> None:
-    """The name's delivery thread: its queued pulls, in order, each once the name's lock
-    is free and while its requester may still wait. It stays for the name's next pulls
-    until IDLE_S pass without one: a thread's first store call takes a store connection
-    (a new one can stall seconds in a reverse DNS lookup), and a thread per busy spell
-    used up the spares (a 1 s stall in every crossing loop, measured)."""
-    store = getattr(cluster, "_store", None)
-    if store is not None:
-        try:
-            store.connect(spare_only=True)  # (see cluster_serve._connect)
-        except (RuntimeError, OSError):
-            pass  # the store is gone: the answers fail, as every thread's calls
-    while True:
-        with syncs.guard:
+def _key(request: dict) -> tuple:
+    return request.get("from"), request.get("caller"), request.get("tag")
+
+
+def _deliverers(cluster) -> "_Deliverers":
+    pool = getattr(cluster, "_deliverers", None)
+    if pool is None:
+        with _MADE:
+            pool = getattr(cluster, "_deliverers", None)
+            if pool is None:
+                pool = cluster._deliverers = _Deliverers(cluster)
+    return pool
+
+
+class _Deliverers:
+    """A node's delivery threads: ``names``, the names with pulls waiting and no thread
+    on them, in the order they came; ``ready`` (a condition) guards them, each name's
+    ``pulls`` and ``queued``, and the counts."""
+
+    def __init__(self, cluster):
+        self.cluster = cluster
+        self.ready = threading.Condition(threading.Lock())
+        self.names: collections.deque = collections.deque()
+        self.threads = 0  # alive (started, not yet ending)
+        self.idle = 0  # waiting in ``ready`` for a name
+        self.made = 0  # (numbers the threads' names)
+        self.serving: set[tuple] = set()  # the keys of the pulls a thread serves now (see cancel)
+
+    def want(self) -> None:
+        """A name was queued (``ready`` held): wake an idle thread, or start one while
+        fewer than MAX_DELIVERERS run and the names waiting outnumber the idle ones."""
+        if self.idle:
+            self.ready.notify()
+        if len(self.names) > self.idle and self.threads < MAX_DELIVERERS:
+            self.threads += 1
+            self.made += 1
+            cluster = self.cluster
+            # the delivery threads ended before leave the node's list (shutdown joins the others)
+            for ended in [t for t in list(cluster._threads) if t.name.startswith(DELIVERER) and not t.is_alive()]:
+                try:
+                    cluster._threads.remove(ended)
+                except ValueError:
+                    pass  # another start removed it meanwhile
+            thread = threading.Thread(target=self._run, daemon=True,
+                                      name=f"{DELIVERER}{getattr(cluster, 'node', '')}/{self.made}")
+            cluster._threads.append(thread)
+            thread.start()
+
+    def _next(self):
+        """The next name to serve (taken out of ``names``), None when the thread ends:
+        the node stops, or IDLE_S passed without a name."""
+        cluster = self.cluster
+        with self.ready:
             idle_until = time.monotonic() + IDLE_S
-            while not syncs.pulls and not cluster._stop.is_set() and time.monotonic() < idle_until:
-                syncs.wake.wait(max(0.0, idle_until - time.monotonic()))
-            if not syncs.pulls or cluster._stop.is_set():
-                syncs.pulls.clear()
-                syncs.worker = None
+            while not self.names and not cluster._stop.is_set() and time.monotonic() < idle_until:
+                self.idle += 1
+                try:
+                    self.ready.wait(max(0.0, idle_until - time.monotonic()))
+                finally:
+                    self.idle -= 1
+            if cluster._stop.is_set() or not self.names:
+                self.threads -= 1
+                if cluster._stop.is_set():  # (not served: the node stops)
+                    for syncs in self.names:
+                        syncs.pulls.clear()
+                        syncs.queued = False
+                    self.names.clear()
+                return None
+            return self.names.popleft()
+
+    def _run(self) -> None:
+        """A delivery thread: the waiting names in turn, each name's pulls in order, each
+        once the name's lock is free and while its requester may still wait."""
+        cluster = self.cluster
+        store = getattr(cluster, "_store", None)
+        if store is not None:
+            try:
+                store.connect(spare_only=True)  # (see cluster_serve._connect)
+            except (RuntimeError, OSError):
+                pass  # the store is gone: the answers fail, as every thread's calls
+        while True:
+            syncs = self._next()
+            if syncs is None:
                 return
-            until, serve = syncs.pulls[0]
-        locked = _acquire(cluster, syncs.lock, until)
-        with syncs.guard:
-            syncs.pulls.popleft()
-        if not locked:
-            continue  # its requester gave up: not served (its send would wait for nobody)
-        try:
-            serve(until)
-        except Exception:  # noqa: BLE001 - serve answers what it can; the next pull is served
-            cluster.serve_errors = getattr(cluster, "serve_errors", 0) + 1
-        finally:
-            syncs.lock.release()
+            with self.ready:
+                entry = syncs.pulls[0]  # (left queued while waited for: no later pull overtakes it)
+            until, serve, key, _ = entry
+            locked = False if entry[3] else _acquire(cluster, syncs.lock, until, lambda: bool(self.names))
+            if locked is not None:
+                with self.ready:
+                    syncs.pulls.popleft()  # served now, or its requester gave up (not served)
+                    if locked and entry[3]:  # cancelled while the lock came
+                        syncs.lock.release()
+                        locked = False
+                    elif locked:
+                        self.serving.add(key)
+            if locked:
+                try:
+                    serve(until)
+                except Exception:  # noqa: BLE001 - serve answers what it can; the next pull is served
+                    cluster.serve_errors = getattr(cluster, "serve_errors", 0) + 1
+                finally:
+                    syncs.lock.release()
+                    with self.ready:
+                        self.serving.discard(key)
+            with self.ready:  # its next pull after the names that waited meanwhile
+                if syncs.pulls and not cluster._stop.is_set():
+                    self.names.append(syncs)
+                else:
+                    syncs.pulls.clear()  # (the node stops: not served)
+                    syncs.queued = False
 
 
-def _acquire(cluster, lock: threading.Lock, until: float) -> bool:
+def _acquire(cluster, lock: threading.Lock, until: float, others) -> bool | None:
     """``lock``, waited for until SERVE_FLOOR_S before ``until`` (False then, or once the
-    node stops)."""
+    node stops); None after a slice of _SLICE_S while ``others()`` says that other names
+    wait (the caller serves them first, then comes back)."""
     while not cluster._stop.is_set():
         left = until - SERVE_FLOOR_S - time.monotonic()
         if left <= 0:
             return False
         if lock.acquire(timeout=min(left, _SLICE_S)):
             return True
+        if others():
+            return None
     return False

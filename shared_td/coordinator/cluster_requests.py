@@ -83,10 +83,11 @@ class ClusterRequests:
         otherwise; a refusal raises. Answers to this thread's earlier requests that gave
         up before them, and values with a wrong signature, are skipped. RuntimeError
         once this node was shut down meanwhile (no answer can be used any more).
-        A pull's owner serves it no later than its ``budget`` allows (a send that its
-        requester stopped waiting for ends by then: ``cluster_deliveries``); a timed-out
-        wait does not fail the pair, which would cut every other transfer between the
-        two nodes (a sync of another name, another thread's pull)."""
+        A pull's owner serves it no later than its ``budget`` allows
+        (``cluster_deliveries``); a timed-out wait does not fail the pair, which would
+        cut every other transfer between the two nodes (a sync of another name, another
+        thread's pull): a pull given up is cancelled, and what its owner announced
+        before is received anyway (``cluster_drain``)."""
         store = self._checked()
         queue = self._reply_queue()
         while True:

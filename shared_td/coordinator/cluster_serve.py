@@ -6,15 +6,16 @@ peer's requests from their own queue ``lane/<node>/<peer>`` (:func:`lane_queue`)
 serves them one at a time, in the order sent, so that a peer that stops answering holds
 up only its own lane. Requests are ``pull`` (send the owner's contents), ``push`` (receive
 rows into the owner's tensordict), ``sync`` (receive a new version into this node's
-replica), ``renew`` (the owner published the name again: make the new replica) and
-``values`` (a replica found a value's stored record forged: the owner stores it again). One
+replica), ``renew`` (the owner published the name again: make the new replica),
+``values`` (a replica found a value's stored record forged: the owner stores it again) and
+``cancel`` (a pull given up: ``cluster_deliveries.cancel``, ``cluster_drain``). One
 service thread (:func:`serve_notices`) applies the small notices of ``queue/<node>``:
 non-tensor values, new pair generations, stop.
 
 A lane never waits for a peer: a renew (a pull from the owner) is made by the node's
 renew thread (:mod:`~shared_td.coordinator.cluster_renewals`). Nor for a lock whose
 holder may wait for a lane: a pull that finds a delivery of its name under way (a sync
-waits for the replica nodes' lanes) waits in the name's delivery thread
+waits for the replica nodes' lanes) waits for one of the node's few delivery threads
 (:mod:`~shared_td.coordinator.cluster_deliveries`), and is not served once its
 requester gave up (its ``budget``). A serving thread
 ends only when the node stops, the store's host is lost (``ConnectionError``) or its
@@ -51,7 +52,7 @@ import time
 import torch
 
 from shared_td.coordinator import cluster_replica as replica
-from shared_td.coordinator.cluster_deliveries import deliver
+from shared_td.coordinator.cluster_deliveries import cancel, deliver
 from shared_td.coordinator.cluster_renewals import renew
 from shared_td.coordinator.cluster_replica import Owned, Replica
 from shared_td.coordinator.cluster_generations import same
@@ -198,6 +199,9 @@ def _handle(cluster, request: dict) -> None:
     if op == "renew":
         renew(cluster, name, request["generation"])
         return
+    if op == "cancel":  # a pull given up by its requester (see cluster_drain)
+        _reply(cluster, request, cancel=cancel(cluster, name, request))
+        return
     _answered(cluster, request, lambda: _serve(cluster, peer, op, name, request))
 
 
@@ -256,8 +260,12 @@ def _serve_pull(cluster, peer: int, request: dict, until: float) -> None:
     as a delivery of their own: with the name's delivery lock held (taken by
     :func:`~shared_td.coordinator.cluster_deliveries.deliver`, in the lane only when it
     was free at once) and the next version (see ``cluster_sync.NameSyncs``), so that no
-    sync overtakes it and each version a replica holds labels one delivery; its send
-    waits at most until ``until``, when its requester gave up. The requester waits for
+    sync overtakes it and each version a replica holds labels one delivery. It starts
+    only before ``until``, when its requester gives up; once answered, its send is
+    bounded as any transfer's (``wait_bound``): a requester that gave up meanwhile
+    still receives it, into scratch (``cluster_drain``; before, the send waited for
+    nobody until ``until``, then gloo closed the pair: every transfer between the two
+    nodes failed). The requester waits for
     the answer without its replica's lock, so a sync under way to it ends meanwhile
     (holding that lock, it waited for the sync, which waited for it)."""
     owned = cluster._owned.get(request["name"])  # (published again while this waited: refused)
@@ -269,8 +277,9 @@ def _serve_pull(cluster, peer: int, request: dict, until: float) -> None:
     owned.version += 1
     _reply(cluster, request, version=owned.version)
     payload = replica.segment_bytes(owned.segment, owned.layout["nbytes"])
-    works = cluster._groups.send(peer, group_pair, payload, request["tag"], until, stripes)
-    cluster._groups.wait(peer, works, until, "pull", owned.layout["nbytes"])
+    bound = time.monotonic() + cluster.timeout  # (and WAIT_SLACK_S + its bytes at MIN_RATE: wait_bound)
+    works = cluster._groups.send(peer, group_pair, payload, request["tag"], bound, stripes)
+    cluster._groups.wait(peer, works, bound, "pull", owned.layout["nbytes"])
 
 
 def _refused(cluster, request: dict, owned) -> bool:

@@ -1,0 +1,137 @@
+"""A pull given up by its requester, received anyway: the owner's send always finds its
+receive, so that no gloo wait of the pair times out.
+
+Why: a gloo send whose receive never comes waits out its bound, and gloo then closes the
+pair: the owner failed it, and every other transfer between the two nodes (a sync of
+another name, other threads' pulls) failed with it. A requester gives up a pull in two
+places, each handled here:
+
+- waiting for the owner's answer (``ClusterRequests._answer``: its timeout passed while
+  the pull waited on the owner, in its lane or for the name's delivery): the owner may
+  still answer it and send. :func:`abandoned` hands the thread's reply queue to a drain
+  thread (the thread takes a new one) and asks the owner to ``cancel`` the pull, in the
+  same lane, so after it: the owner's answer to the cancel says whether the pull was
+  dropped, is served, or was answered before (``cluster_deliveries.cancel``). The drain
+  pops the old queue until that answer, bounded: an announce (a version) met on the
+  way is received into scratch at once (:func:`into_scratch`);
+- after the answer, waiting for its replica's lock (another transfer of the name on this
+  node): the payload is received into scratch, then TimeoutError. A pull that got its
+  answer receives into its replica within the transfer's own bound (:func:`receive_bound`)
+  rather than its caller's deadline: the owner's send is bounded the same way.
+
+Every wait is bounded: the drain by twice the node's timeout (the lane may be busy with
+earlier requests), each receive by ``wait_bound``; both end when the owner is found lost
+or this node shuts down.
+
+Example (the bound of an announced pull's receive, for a stand-in node)::
+
+    >>> import types
+    >>> 0 < receive_bound(types.SimpleNamespace(timeout=2.0)) - time.monotonic() <= 2.0
+    True
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from shared_td.coordinator.cluster_serve import lane_queue
+from shared_td.coordinator.cluster_store import ClusterAuthError
+from shared_td.errors import StalePair, TransferFailed
+
+__all__ = ["DRAINER", "abandoned", "answer", "into_scratch", "receive_bound"]
+
+#: The name of a thread that drains a pull given up.
+DRAINER = "shared_td-cluster-drain"
+
+
+def receive_bound(cluster) -> float:
+    """The deadline of an announced pull's receive (and the owner's send): the node's
+    timeout from now, within which ``wait_bound`` allows WAIT_SLACK_S plus the bytes at
+    MIN_RATE."""
+    return time.monotonic() + cluster.timeout
+
+
+def into_scratch(cluster, owner: int, pair: int, tag: int, nbytes: int, stripes: int, what: str) -> bool:
+    """Receive the payload that ``owner`` announced for request ``tag`` into scratch
+    memory (nobody wants it: the owner's send ends); True once received. A failure fails
+    the pair (gloo closed it, the owner's send failed with it)."""
+    deadline = receive_bound(cluster)
+    try:
+        works = cluster._groups.recv(owner, pair, torch.empty(nbytes, dtype=torch.uint8), tag, deadline, stripes)
+        cluster._groups.wait(owner, works, deadline, what, nbytes)
+        return True
+    except StalePair:
+        return False  # the pair moved on: the owner's send failed with the old one
+    except TransferFailed:
+        cluster._groups.fail(owner, pair)
+        return False
+
+
+def answer(cluster, owner: int, name: str, asked: list, deadline: float, nbytes: int, stripes: int) -> dict:
+    """``cluster._answer`` to the pull ``asked`` (its tag and pair generation) of
+    ``name`` from ``owner``; when it times out, the pull is :func:`abandoned` first."""
+    try:
+        return cluster._answer(owner, asked[0], deadline, name)
+    except TimeoutError:
+        abandoned(cluster, owner, name, *asked, nbytes, stripes)
+        raise
+
+
+def abandoned(cluster, owner: int, name: str, tag: int, pair: int, nbytes: int, stripes: int) -> None:
+    """The calling thread gave up waiting for the answer to pull ``tag`` of ``name``
+    from ``owner`` (on pair generation ``pair``): drain it (see the module's opening)."""
+    queue = getattr(cluster._local, "replies", None)
+    if queue is None or cluster._closed:
+        return
+    cluster._local.replies = None  # the thread's next requests are answered in a new queue
+    try:
+        cluster._store.push_json(lane_queue(owner, cluster.node),
+                                 {"op": "cancel", "name": name, "generation": 0, "from": cluster.node, "tag": tag,
+                                  "pair": pair, "reply": queue, "caller": cluster._caller})
+    except (RuntimeError, OSError):
+        return  # the store is gone: no answer can come either
+    for ended in [t for t in list(cluster._threads) if t.name == DRAINER and not t.is_alive()]:
+        try:
+            cluster._threads.remove(ended)
+        except ValueError:
+            pass  # another drain removed it meanwhile
+    thread = threading.Thread(target=_drain, args=(cluster, owner, name, tag, pair, nbytes, stripes, queue),
+                              name=DRAINER, daemon=True)
+    cluster._threads.append(thread)  # (shutdown joins it: it looks at _closed every 0.25 s)
+    thread.start()
+
+
+def _drain(cluster, owner: int, name: str, tag: int, pair: int, nbytes: int, stripes: int, queue: str) -> None:
+    store = cluster._store
+    end = time.monotonic() + 2 * cluster.timeout
+    answered = serving = False  # the pull's own answer came; the owner said it serves it
+    try:
+        store.connect(spare_only=True)  # (see cluster_serve._connect)
+        while not cluster._closed:
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            try:
+                answer = store.pop_json(queue, min(left, 0.25))
+            except ClusterAuthError:
+                cluster.refused += 1  # forged: never acted on
+                continue
+            if answer is None:
+                if not cluster._alive(owner):
+                    return  # nothing comes from a lost owner (its pair is failed: see Liveness)
+            elif answer.get("tag") != tag or answer.get("caller") != cluster._caller:
+                continue  # (an answer to an earlier request of the thread)
+            elif "cancel" in answer:
+                serving = answer["cancel"] == "serving"
+                if answered or not serving:
+                    return  # dropped, or its answer came before this one
+            else:
+                answered = True
+                if "version" in answer:  # announced: the owner sends now
+                    into_scratch(cluster, owner, pair, tag, nbytes, stripes, f"drain of the pull of {name!r}")
+                if serving:
+                    return  # (else the cancel's answer follows: popped, the queue left empty)
+    except (RuntimeError, OSError):
+        return  # the store is gone: the owner's send ends at its bound
