@@ -39,6 +39,7 @@ from shared_td.coordinator import published, staleness
 from shared_td.coordinator.channels import CoordinatorAuthenticationError, call, drop_channel
 from shared_td.coordinator.process import ServerProcess
 from shared_td.errors import CoordinatorTimeoutError, SegmentUnavailableError
+from shared_td.storage.anonymous import add_segment_holders
 
 __all__ = ["Coordinator", "CoordinatorAuthenticationError", "CoordinatorTimeoutError", "attach"]
 
@@ -415,6 +416,10 @@ def attach(name: str, *, address: str, authkey: bytes, timeout: float = DEFAULT_
             if version == failed_version or time.monotonic() >= deadline:
                 raise
             failed_version = version
+    for pid, fd, key, _how in references:
+        # the manager holds each segment while the name is published: a segment (or a
+        # view of it) this process sends on is received from it once this process exited
+        add_segment_holders(key, [(pid, fd)])
     staleness.remember(td, name, version, stamp, _Endpoint(address, authkey, timeout), holds=parsed)
     return td
 

@@ -22,6 +22,12 @@ a resource tracker; we need neither):
   every pickler and start method, as long as the sending process still holds the segment
   when the receiver unpickles (:class:`SegmentUnavailableError` otherwise). Fork
   children inherit the descriptor and this module's cache, so they need no ``/proc``.
+  A segment attached from a Coordinator also names the ``(pid, fd)`` of the manager
+  that holds it, as a *fallback holder* (:mod:`shared_td.storage.holders`): a receiver
+  that cannot reach the sender opens the manager's descriptor, with the same checks,
+  so a tree a worker attached (or a plain view of it) and sent on is received after
+  that worker exited, while the name stays published; the error when no route works
+  names each one tried.
 * multiprocessing's ``ForkingPickler`` (queues, pipes, process arguments, DataLoader
   workers) sends a *duplicate descriptor* instead, as torch sends its storages:
   ``multiprocessing.reduction.DupFd(fd)`` with the key, size, pid and fd. A spawn or
@@ -35,7 +41,7 @@ a resource tracker; we need neither):
   pickle never received (or a pickling that fails half-way) holds it, and so the memory,
   until the sender exits. If the duplicate cannot be taken (the sender exited, or the
   receiver is not of the sender's family: another ``authkey``), the receiver tries the
-  ``/proc`` route above. A SharedCounter and a shared non-tensor value (SharedValue),
+  ``/proc`` route above, then the holders. A SharedCounter and a shared non-tensor value (SharedValue),
   also memfds, are sent the same way (:func:`receive_duplicate`), each with its own
   words when it cannot be received. The Coordinator pickles its segments itself (plain
   pickles of ``Segment.__reduce__``) and ``multiprocess`` (dill) has its own pickler:
@@ -69,11 +75,12 @@ from shared_td import platform
 from shared_td.errors import MappingError, SegmentUnavailableError
 from shared_td.storage.files import NO_SPACE_ERRNOS, map_fd, pwrite_all, storage_full_error
 from shared_td.storage.cache import MappingCache
+from shared_td.storage.holders import add_holders, holders_of, open_first
 from shared_td.storage.mapping import descriptor_limits, map_error
 
 __all__ = [
-    "ALIGNMENT", "Segment", "SegmentUnavailableError", "align", "attach_peer_fd", "attach_segment",
-    "create_memfd",
+    "ALIGNMENT", "Segment", "SegmentUnavailableError", "add_segment_holders", "align", "attach_peer_fd",
+    "attach_segment", "create_memfd",
     "cached_segment", "find_segment", "receive_duplicate", "receive_segment",
 ]
 
@@ -206,15 +213,31 @@ class Segment:
             )
         pwrite_all(self.fd, data, offset, where="an anonymous shared-memory segment")
 
+    @property
+    def holders(self) -> tuple[tuple[int, int], ...]:
+        """``(pid, fd)`` of the coordinators known to hold this segment (it was attached
+        from them), tried by a receiver when this process is gone; see
+        :mod:`shared_td.storage.holders`."""
+        return holders_of(self.storage)
+
+    def add_holders(self, holders) -> None:
+        """Record processes that hold this segment for as long as they live (coordinators)."""
+        add_holders(self.storage, holders)
+
     def __reduce__(self):
-        # plain pickle, and the Coordinator's own pickling (which calls this): by /proc
-        return _attach, (os.getpid(), self.fd, self.key, self.nbytes)
+        # plain pickle, and the Coordinator's own pickling (which calls this): by /proc,
+        # then by the holders (only named when there are some: a segment no coordinator
+        # holds pickles as it always did)
+        holders = self.holders
+        return _attach, (os.getpid(), self.fd, self.key, self.nbytes, *((holders,) if holders else ()))
 
     def _reduce_with_duplicate(self):
         # multiprocessing's ForkingPickler (registered below): a duplicate descriptor
         # that outlives this object, so that the receiver needs only the sender process
+        # (and, once that is gone, a holder)
+        holders = self.holders
         return _receive, (multiprocessing.reduction.DupFd(self.fd), self.key, self.nbytes,
-                          os.getpid(), self.fd)
+                          os.getpid(), self.fd, *((holders,) if holders else ()))
 
     def __repr__(self) -> str:
         return f"Segment(nbytes={self.nbytes}, fd={self.fd}, inode={self.key[1]})"
@@ -354,23 +377,48 @@ def attach_peer_fd(pid: int, fd: int, key: tuple[int, int], *, what: str, min_si
     return new_fd
 
 
-def _attach(pid: int, fd: int, key: tuple[int, int], nbytes: int) -> Segment:
-    """Unpickle a segment: reuse this process's copy, or open the sender's descriptor."""
+def _attach(pid: int, fd: int, key: tuple[int, int], nbytes: int, holders: tuple = ()) -> Segment:
+    """Unpickle a segment: reuse this process's copy, or open the sender's descriptor,
+    else a holder's."""
     what = f"anonymous shared-memory segment of {nbytes} bytes (the memory of tensors)"
-    return attach_segment(pid, fd, key, nbytes, what=what)
+    return attach_segment(pid, fd, key, nbytes, what=what, holders=holders)
 
 
 def attach_segment(pid: int, fd: int, key: tuple[int, int], nbytes: int, *, what: str,
-                   advice: str = GENERIC_ADVICE) -> Segment:
+                   advice: str = GENERIC_ADVICE, holders: tuple = ()) -> Segment:
     """This process's Segment for the segment ``key`` that process ``pid`` holds as
-    ``fd`` (its own, if it has one): for a user of segments that pickles its own
-    reference (a SharedCounter), so that the error of a sender gone names that user
-    (``what``) and its fix (``advice``); see :func:`attach_peer_fd`."""
+    ``fd`` (its own, if it has one), else that one of the ``holders`` (``(pid, fd)`` of
+    coordinators holding it) holds, tried in turn: for a user of segments that pickles
+    its own reference (a SharedCounter), so that the error of a sender gone names that
+    user (``what``) and its fix (``advice``); see :func:`attach_peer_fd` and
+    :func:`~shared_td.storage.holders.open_first`. The holders are recorded on the
+    segment, so that it is sent on with them."""
     key = tuple(key)
     segment = cached_segment(key)
+    if segment is None:
+        def open_route(route_pid: int, route_fd: int, advice: str) -> int:
+            return attach_peer_fd(route_pid, route_fd, key, what=what, min_size=nbytes, advice=advice)
+
+        new_fd = open_first((pid, fd), holders, open_route, what=what, key=key, advice=advice)
+        segment = _register(new_fd, nbytes, key)
+    if holders:
+        segment.add_holders(holders)
+    return segment
+
+
+def add_segment_holders(key: tuple[int, int], holders) -> None:
+    """Record ``holders`` (``(pid, fd)`` of coordinators) of the segment ``key``, if this
+    process maps it: what an attach from a coordinator learns (the manager's descriptor),
+    so that the segment, sent on by this process, is received after it exited.
+
+    Example:
+        >>> seg = Segment.create(64)
+        >>> add_segment_holders(seg.key, [(1, 3)]); seg.holders
+        ((1, 3),)
+    """
+    segment = cached_segment(tuple(key))
     if segment is not None:
-        return segment
-    return _register(attach_peer_fd(pid, fd, key, what=what, min_size=nbytes, advice=advice), nbytes, key)
+        segment.add_holders(holders)
 
 
 multiprocessing.reduction.ForkingPickler.register(Segment, Segment._reduce_with_duplicate)
@@ -381,7 +429,7 @@ multiprocessing.reduction.ForkingPickler.register(Segment, Segment._reduce_with_
 _DUPLICATE_LOST = (OSError, EOFError, multiprocessing.AuthenticationError)
 
 
-def _receive(duplicate, key: tuple[int, int], nbytes: int, pid: int, fd: int) -> Segment:
+def _receive(duplicate, key: tuple[int, int], nbytes: int, pid: int, fd: int, holders: tuple = ()) -> Segment:
     """Unpickle a segment sent by ForkingPickler (see :func:`receive_duplicate`): this
     process's Segment, or the received descriptor kept as it.
 
@@ -392,20 +440,34 @@ def _receive(duplicate, key: tuple[int, int], nbytes: int, pid: int, fd: int) ->
         True
     """
     what = f"anonymous shared-memory segment of {nbytes} bytes (the memory of tensors)"
-    return receive_segment(duplicate, key, nbytes, pid, fd, what=what)
+    return receive_segment(duplicate, key, nbytes, pid, fd, what=what, holders=holders)
 
 
 def receive_segment(duplicate, key: tuple[int, int], nbytes: int, pid: int, fd: int, *, what: str,
-                    advice: str = GENERIC_ADVICE) -> Segment:
+                    advice: str = GENERIC_ADVICE, holders: tuple = ()) -> Segment:
     """This process's Segment for a segment sent by ForkingPickler
     (:func:`receive_duplicate`; ``pid`` holds it as ``fd``): for a user of segments that
     pickles its own reference (a SharedCounter), so that the error of a sender gone names
-    that user (``what``) and its fix (``advice``), as :func:`attach_segment`."""
+    that user (``what``) and its fix (``advice``), as :func:`attach_segment`, whose
+    routes (the sender's ``/proc``, then the ``holders``) are tried when the duplicate
+    cannot be taken."""
     key = tuple(key)
+
+    def adopt(new_fd: int) -> Segment:
+        segment = _register(new_fd, nbytes, key)
+        if holders:
+            segment.add_holders(holders)
+        return segment
+
+    def cached(found_key: tuple) -> Segment | None:
+        segment = cached_segment(found_key)
+        if segment is not None and holders:
+            segment.add_holders(holders)
+        return segment
+
     return receive_duplicate(
-        duplicate, key, nbytes, pid, what=what, cached=cached_segment,
-        adopt=lambda new_fd: _register(new_fd, nbytes, key),
-        fallback=lambda: attach_segment(pid, fd, key, nbytes, what=what, advice=advice))
+        duplicate, key, nbytes, pid, what=what, cached=cached, adopt=adopt,
+        fallback=lambda: attach_segment(pid, fd, key, nbytes, what=what, advice=advice, holders=holders))
 
 
 def receive_duplicate(duplicate, key: tuple[int, int], nbytes: int, pid: int, *, what: str,

@@ -35,6 +35,7 @@ import torch
 
 from shared_td.errors import FileReplacedError, MappingError
 from shared_td.storage.cache import MappingCache
+from shared_td.storage.replaced import replaced_since_pickled
 
 # O_PATH opens nothing for reading or writing: no FIFO waits for a writer, no device's
 # driver runs its open; a mapping opens /proc/self/fd/<fd> (the inode checked through it).
@@ -229,9 +230,9 @@ class FileBacking:
     Which file a receiver maps: what the path names then, for a file that holds one
     leaf (a directory save's: an atomic rewrite of the prefix gives later receivers
     the new values, as a published prefix promises). A file whose leaves lie at offsets
-    of its own layout (an archive, a consolidated file) is bound to its inode: a
-    receiver on this machine that finds another file there (a new save renamed over
-    it) raises FileReplacedError; it read the new file's bytes at the old offsets.
+    of its own layout (an archive, a consolidated file), or any private mapping's, is
+    bound to its inode: a receiver on this machine that finds another file there (a new
+    save renamed over it) raises FileReplacedError (:mod:`shared_td.storage.replaced`).
     """
 
     __slots__ = ("path", "storage", "nbytes", "shared", "read_only", "inode", "origin", "aliases",
@@ -257,7 +258,10 @@ class FileBacking:
         self.aliases = None
 
     def __reduce__(self):
-        return _unpickle_backing, (self.path, self.shared, self.read_only, self.inode, boot_id())
+        inode = self.inode
+        if not self.shared and self.storage is not None:  # a copy of that file: bound to it (see replaced)
+            inode = inode or getattr(self.storage, FILE_ATTRIBUTE)[5]
+        return _unpickle_backing, (self.path, self.shared, self.read_only, inode, boot_id())
 
     def __repr__(self) -> str:
         mode = "shared" if self.shared else "copy-on-write"
@@ -522,10 +526,7 @@ def _open_backing(path, shared, read_only, inode, boot, *, pickled: bool) -> Fil
     fd, st = _open_regular_path(path, pickled)
     try:
         if checked and (st.st_dev, st.st_ino) != tuple(inode):
-            raise FileReplacedError(errno.ENOENT, (
-                f"The file a pickled tensor maps was replaced since it was pickled (a save, "
-                f"consolidate or atomic rewrite put a new file there): {path}. Its old bytes are "
-                "no longer reachable by this path; pickle the tensor again (or load the new file)."))
+            raise replaced_since_pickled(path, shared)
         return map_path_fd(path, fd, st, read_only=read_only, shared=shared, bound=inode is not None)
     finally:
         os.close(fd)

@@ -87,14 +87,18 @@ def test_a_leaf_under_a_symlinked_prefix_still_pickles(tmp_path):
     (tmp_path / "real").mkdir()
     os.symlink(tmp_path / "real", tmp_path / "link")
     TensorDict(obs=torch.arange(4), batch_size=[4]).memmap(tmp_path / "link" / "buf")
+    leaves = {}
     for mode in (None, "r"):  # "r": a private mapping, made anew by the unpickling
-        leaf = load_memmap(tmp_path / "link" / "buf", mode=mode)["obs"]
+        leaf = leaves[mode] = load_memmap(tmp_path / "link" / "buf", mode=mode)["obs"]
         again = pickle.loads(pickle.dumps(leaf))
         assert again.filename == str(tmp_path / "link" / "buf" / "obs.memmap")
         assert again.tolist() == [0, 1, 2, 3]
     TensorDict(obs=torch.ones(4, dtype=torch.int64), batch_size=[4]).memmap(
         tmp_path / "link" / "buf", existsok=True, atomic=True)
-    assert pickle.loads(pickle.dumps(leaf)).tolist() == [1, 1, 1, 1]
+    # a shared leaf maps what the prefix holds now; a private one is a copy of the file it loaded
+    assert pickle.loads(pickle.dumps(leaves[None])).tolist() == [1, 1, 1, 1]
+    with pytest.raises(FileReplacedError, match="obs.memmap"):
+        pickle.loads(pickle.dumps(leaves["r"]))
 
 
 # ------------------------------------------------ a receiver in a fresh process
