@@ -301,7 +301,8 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, BatchDimOps, IndexWrites
     ) -> "TensorDict":
         """A new TensorDict with ``op`` applied to every entry (tensor or collection).
 
-        ``is_view`` keeps the lock and memmap/shared flags, as the result shares storage.
+        ``is_view`` keeps the lock and memmap/shared flags, as the result shares storage,
+        but not the directory: a view is not memory-mapped there (see ``_index_rows``).
         """
         entries = {key: op(value) for key, value in self._tensordict.items()}
         out = type(self)._new_unsafe(  # (a subclass's results are of its class, as in tensordict)
@@ -309,7 +310,6 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, BatchDimOps, IndexWrites
         )
         if is_view:
             out._is_memmap, out._is_shared = self._is_memmap, self._is_shared
-            out._memmap_prefix = self._memmap_prefix
             if self._is_locked:
                 out.lock_()
         return out
@@ -335,7 +335,11 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, BatchDimOps, IndexWrites
 
         Nested tensordicts are indexed by this method too: the index is normalised and
         checked once per call, at the top. A view (basic index) keeps the lock and the
-        memmap/shared flags. This is the row read of a replay buffer: the memory-mapped
+        memmap/shared flags, as in tensordict 0.15.3, but never the parent's directory:
+        its shape is not the save's, so memmap_() with no prefix, saved_path,
+        memmap_refresh_ and make_memmap treat it as a tree with no directory (a save
+        there would overwrite the parent's meta.json and the leading bytes of its
+        files). This is the row read of a replay buffer: the memory-mapped
         leaves are viewed at once without re-checking their storage (``basic_views``),
         and a locked view is built locked, with no second walk of its entries.
         """
@@ -367,7 +371,6 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, BatchDimOps, IndexWrites
             out = type(self)._new_unsafe(entries, new_size, self._device, names)
             if is_view:
                 out._is_memmap, out._is_shared = self._is_memmap, self._is_shared
-                out._memmap_prefix = self._memmap_prefix
             return out
         # a locked view: _new_unsafe's attributes in its order (the instances share one
         # table of attribute names), then the view's flags and lock, set once
@@ -379,7 +382,7 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, BatchDimOps, IndexWrites
         out._is_locked = True
         out._is_shared = self._is_shared
         out._is_memmap = self._is_memmap
-        out._memmap_prefix = self._memmap_prefix
+        out._memmap_prefix = None  # (set all the same: the attribute order is the table's)
         out._lock_parents = {}
         out._context_ops = []
         out._last_op = "lock_"

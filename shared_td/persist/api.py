@@ -19,7 +19,7 @@ from shared_td.storage.files import FileBacking
 from shared_td.storage.shared_value import adopt_new_cells, collecting_new_cells
 from shared_td.persist.future import TensorDictFuture
 from shared_td.persist.loader import Loader, load_written_archive
-from shared_td.persist.planner import NodePlan, Options, Planner
+from shared_td.persist.planner import VALUE_KINDS, NodePlan, Options, Planner
 from shared_td.persist.leaf_checks import check_leaf_layouts
 from shared_td.persist.writer import tree_documents, write_tree
 
@@ -67,12 +67,6 @@ def memmap(
     if compression is not None:
         raise ValueError("compression is only for an archive: pass archive=True or a prefix "
                          f"ending with {archives.ARCHIVE_SUFFIX!r}.")
-    if inplace and _put_in_shared_memory(obj):
-        raise RuntimeError(
-            "memmap and shared memory are mutually exclusive features: this tensordict "
-            "is in shared memory (share_memory_()). Use memmap() to make a "
-            "memory-mapped copy, or unlock_() it first."
-        )
     if prefix is None and not like:
         # (memmap_like never writes into the source's own files: anonymous memory)
         prefix = own_directory(obj)
@@ -93,17 +87,23 @@ def memmap(
     planner = Planner(options)
     root = planner.plan(obj)
     check_leaf_layouts(root)
+    undo = _share_values_first(root, options)
     if return_early and num_threads > 1:
-        # made here, as the plan is: an unpicklable value is an error of this call
-        documents = None if root.directory is None else tree_documents(root)
-        description = f"memmap to {options.prefix or 'shared memory'}"
-        future = in_flight.run_in_background(
-            lambda: _execute(planner, root, options, documents), description, "shared_td-memmap",
-            prefix=options.prefix, nodes=(node.obj for node in root.walk()), on_failure=on_early_failure)
+        try:
+            # made here, as the plan is: an unpicklable value is an error of this call
+            documents = None if root.directory is None else tree_documents(root)
+            description = f"memmap to {options.prefix or 'shared memory'}"
+            future = in_flight.run_in_background(
+                lambda: _execute(planner, root, options, documents, undo), description,
+                "shared_td-memmap", prefix=options.prefix, nodes=(node.obj for node in root.walk()),
+                on_failure=on_early_failure)
+        except BaseException:
+            undo()
+            raise
         # memmap_'s result is the source itself, known now (as tensordict's resulting_td)
         return TensorDictFuture(future, description,
                                 **({"resulting_td": obj} if inplace else {}))
-    return _execute(planner, root, options)
+    return _execute(planner, root, options, undo=undo)
 
 
 def wait_for_background_writes(obj: Any, prefix: Any) -> None:
@@ -140,22 +140,55 @@ def prefix_path(prefix: Any, call: str) -> str | None:
         ) from None
 
 
-def _put_in_shared_memory(obj: Any) -> bool:
-    """Whether share_memory_() moved ``obj``'s leaves to shared memory. A tensordict on a
-    CUDA device counts as shared (``is_shared()``) without that, and memmap_ copies its
-    leaves to the CPU as for any other (tensordict checks the same mark)."""
-    device = obj.device
-    return obj.is_shared() and not (device is not None and device.type == "cuda")
-
-
 def own_directory(obj: Any) -> str | None:
     """The directory ``obj`` was memory-mapped to or loaded from (None if none)."""
     return nodes.kind_for_object(obj).directory(obj)
 
 
-def _execute(planner: Planner, root: NodePlan, options: Options, documents: dict | None = None) -> Any:
-    write_tree(root, planner.leaves, options, documents=documents)
-    return _finish(root, options)
+def _nothing() -> None:
+    pass
+
+
+def _execute(planner: Planner, root: NodePlan, options: Options, documents: dict | None = None,
+             undo: Callable[[], None] = _nothing) -> Any:
+    try:
+        write_tree(root, planner.leaves, options, documents=documents)
+        return _finish(root, options)
+    except BaseException:
+        undo()  # (write_tree removed what it made)
+        raise
+
+
+def _share_values_first(root: NodePlan, options: Options) -> Callable[[], None]:
+    """memmap_(share_non_tensor=True): share the tree's non-tensor values before any byte
+    is written; returns what puts them back as they were, for a write that fails later.
+
+    Sharing hands the new cells to a coordinator (``adopt_new_cells``: a round trip,
+    which fails when it is gone or reports an earlier hand-over error). Done after the
+    write, as _build shares them, that failure came once the leaves were adopted and
+    the files written: a half-converted tree. Here it comes first, and leaves the values
+    as they were; _build then finds them shared and makes no new cell. Their state is
+    copied whole, as the kinds' ``adopt`` (which shares them) sets their fields.
+    """
+    if not (options.inplace and options.share_non_tensor):
+        return _nothing
+    values = [node for node in root.walk() if node.kind.name in VALUE_KINDS]
+    states = [(node.obj, dict(vars(node.obj))) for node in values]
+
+    def undo() -> None:
+        for obj, state in states:
+            vars(obj).clear()
+            vars(obj).update(state)
+
+    try:
+        with collecting_new_cells() as cells:
+            for node in values:
+                node.kind.adopt(node.obj, {}, node.directory, share_non_tensor=True)
+        adopt_new_cells(cells)
+    except BaseException:
+        undo()
+        raise
+    return undo
 
 
 def _finish(root: NodePlan, options: Options) -> Any:
@@ -188,16 +221,19 @@ def _memmap_atomically(obj: Any, options: Options, return_early: bool) -> Any:
             raise RuntimeError(f"atomic=True: {target} became a symlink while this writer waited "
                                "for its lock; nothing was written. Try again.")
         staging = atomic.Staging(target)
+        undo = _nothing
         try:
             options.prefix, options.atomic_target = staging.path, target
             planner = Planner(options, fresh_root=True)
             root = planner.plan(obj)
             check_leaf_layouts(root)
+            undo = _share_values_first(root, options)
             write_tree(root, planner.leaves, options, clean_up=False)
             staging.finish()
             atomic.swap_into_place(staging.path, target)
         except BaseException as error:
             staging.discard(error)
+            undo()
             raise
         # still under the lock: _relocate looks the files up by name, and once the lock
         # is released another writer may already have put its own files there

@@ -86,6 +86,9 @@ class Planner:
         self.root = os.path.abspath(options.prefix) if options.prefix is not None else None
         # (path, lstat) of the existing files this write overwrites in place
         self.overwritten: list[tuple[str, os.stat_result]] = []
+        # memmap_ to a directory: id of each container planned -> its path (one at two
+        # places of the tree would be adopted twice, its first place's files orphaned)
+        self.placed: dict[int, tuple] | None = {} if options.inplace else None
 
     def plan(self, obj: Any) -> NodePlan:
         root = self._plan(obj, self.root, (), parent_exists=not self.fresh_root)
@@ -137,6 +140,8 @@ class Planner:
 
     def _plan(self, obj: Any, directory: str | None, path: tuple, *, parent_exists: bool) -> NodePlan:
         kind = nodes.kind_for_object(obj)
+        if self.placed is not None:
+            self._check_in_place(obj, kind, directory, path)
         # Inside a directory that does not exist yet nothing exists either: a new save
         # skips every per-file check (they cost a system call per file).
         exists = directory is not None and parent_exists and os.path.lexists(directory)
@@ -154,6 +159,32 @@ class Planner:
             )
         self._plan_entries(node, kind.entries(obj), directory, path)
         return node
+
+    def _check_in_place(self, obj: Any, kind: nodes.NodeKind, directory: str | None, path: tuple) -> None:
+        """memmap_: RuntimeError, before anything is written, for a node it cannot make
+        memory-mapped in place: one in torch shared memory (share_memory_() of it or of
+        a tree it was in; processes that received it would no longer see its writes), or
+        a container found at a second place of a tree saved to a directory."""
+        # every tensordict, and a root of any kind but a lazy stack (its members are
+        # checked: its is_shared() raises for a mix, naming neither memmap nor a fix)
+        checked = kind.name == nodes.TENSORDICT or (not path and kind.name != nodes.LAZY)
+        if checked and _in_shared_memory(obj):
+            where = "this tensordict" if not path else f"the tensordict at {path}"
+            raise RuntimeError(
+                f"memmap and shared memory are mutually exclusive features: {where} is in "
+                "shared memory (share_memory_()). Use memmap() to make a memory-mapped copy, "
+                f"or unlock_() {where} first."
+            )
+        if directory is None or kind.name in VALUE_KINDS:
+            return  # anonymous memory: the two places stay one object (as in tensordict)
+        first = self.placed.setdefault(id(obj), path)
+        if first is not path:
+            raise RuntimeError(
+                f"memmap_: the same {type(obj).__name__} is at {first} and at {path} of this "
+                "tree; written in place, each place would get its own files and a write through "
+                "one would not reach the other's. Nothing was written. clone() one of them, or "
+                "use memmap() for a copy (each place then is a copy of its own)."
+            )
 
     def _plan_entries(self, node: NodePlan, entries, directory: str | None, path: tuple) -> None:
         used_names = {fmt.META}
@@ -268,6 +299,19 @@ class Planner:
                 "existsok=True to overwrite it."
             )
         self.overwritten.append((target, st))
+
+
+# the kinds of non-tensor values: a value object may sit at several places (views of
+# one shared cell), which its own writes handle
+VALUE_KINDS = (nodes.NON_TENSOR_DATA, nodes.NON_TENSOR_STACK)
+
+
+def _in_shared_memory(obj: Any) -> bool:
+    """Whether share_memory_() moved ``obj``'s leaves to shared memory. A tensordict on a
+    CUDA device counts as shared (``is_shared()``) without that, and memmap_ copies its
+    leaves to the CPU as for any other (tensordict checks the same mark)."""
+    device = obj.device
+    return obj.is_shared() and not (device is not None and device.type == "cuda")
 
 
 def _stale_entries(kind: nodes.NodeKind, obj: Any, directory: str, path: tuple) -> list[str]:
