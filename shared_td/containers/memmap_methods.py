@@ -472,12 +472,21 @@ def _device_for_out(out: Any, device: Any) -> Any:
 
 
 def _as_subclass(loaded: Any, cls: type) -> Any:
-    """``loaded`` as an instance of ``cls`` when ``cls`` is a subclass of the class on
-    disk (``MyTD.load_memmap(prefix)`` of a TensorDict save gives a ``MyTD``, as in
-    tensordict); anything else as it was loaded ("the class is the one on disk")."""
-    if type(loaded) is not cls and issubclass(cls, type(loaded)):
-        with contextlib.suppress(TypeError):  # (a subclass with slots of its own: as on disk)
-            loaded.__class__ = cls
+    """A TensorDict save loaded by ``Sub.load_memmap`` (``Sub`` a TensorDict subclass) as a
+    ``Sub``: shared_td saves a subclass under TensorDict's class, so its own save comes
+    back as one. Anything else stays as loaded ("the class is the one on disk"): a
+    tensorclass or lazy-stack subclass is never made up from a save of its base class
+    (the fields the subclass adds would be missing)."""
+    from shared_td.containers.tensordict import TensorDict  # (tensordict imports this module)
+
+    if type(loaded) is not TensorDict or cls is TensorDict or not issubclass(cls, TensorDict):
+        return loaded
+    try:
+        loaded.__class__ = cls
+    except TypeError:  # slots of its own: another layout, the same attributes (an unlocked root)
+        converted = cls.__new__(cls)
+        converted.__dict__.update(loaded.__dict__)
+        return converted
     return loaded
 
 
