@@ -97,6 +97,7 @@ from shared_td.coordinator.cluster_store import ClusterAuthError, ClusterCounter
 from shared_td.coordinator.cluster_sync import SyncReport
 from shared_td.coordinator.cluster_transfer import PairGroups, TransferFailed, stripe_count, stripe_ranges
 from shared_td.coordinator.cluster_values import ClusterValues
+from shared_td.coordinator.cluster_wake import AnswerWaits
 from shared_td.errors import OwnerLostError, TransferRefused
 
 __all__ = ["Cluster", "ClusterAuthError", "OwnerLostError", "SyncReport"]
@@ -166,6 +167,7 @@ class Cluster(ClusterMembership, ClusterRequests):
         self._tags = itertools.count(1)
         self._reply_slots = itertools.count()
         self._local = threading.local()  # each thread's reply queue
+        self._waits = AnswerWaits()  # the threads waiting in their reply queue, woken by the watch thread
         self._stop = threading.Event()  # set: this node's threads end (shutdown, or the number taken over)
         self._closed = False  # shutdown() ran
         self._liveness: Liveness | None = None

@@ -9,9 +9,10 @@ own name and pulling the other's deadlocked until the timeouts (each lane served
 waiting for a lock whose sync waited for the other node's lane; audit of 33f6eb6). So a
 lane serves a pull itself only when the name's lock is free at once (the usual case: no
 thread hand-off in front of a pull); else the pull joins the name's queue, and the name
-joins the node's queue of names with pulls waiting, served by at most MAX_DELIVERERS
-threads shared by all names (made when a name is queued and none is idle, gone after
-IDLE_S without work, or when the node stops). A name is served by one thread at a time,
+joins the node's queue of names with pulls waiting, taken by at most MAX_DELIVERERS
+waiting threads shared by all names (made when a name is queued and none is idle, gone
+after IDLE_S without work, or when the node stops; a thread that serves a pull, its
+send, leaves that count meanwhile: see _Deliverers). A name is served by one thread at a time,
 its pulls in order, one by one; a thread waits for a name's lock in slices and, while
 other names wait, passes to the next between slices (a name whose sync is slow does not
 hold up the pulls of other names). Before, each contended name had a thread of its own,
@@ -53,8 +54,9 @@ __all__ = ["DELIVERER", "IDLE_S", "MAX_DELIVERERS", "NameSyncs", "cancel", "deli
 
 #: The start of the name of a thread that serves queued pulls.
 DELIVERER = "shared_td-cluster-deliver-"
-#: The most delivery threads a node runs at once, whatever the number of names with
-#: pulls waiting: each waits for one name's lock, and a handful covers the names whose
+#: The most delivery threads of a node that wait at once (for a name, or a name's lock),
+#: whatever the number of names with pulls waiting (those that send a pull do not count:
+#: see _Deliverers): each waits for one name's lock, and a handful covers the names whose
 #: deliveries overlap in practice (each thread costs a store connection and a stack; a
 #: thread per name made 26 for 150 names). More names wait their turn in order: a
 #: thread passes to the next name between lock waits of _SLICE_S.
@@ -136,7 +138,9 @@ def deliver(cluster, name: str, request: dict, serve) -> None:
     """Have ``serve(until)`` called with ``name``'s delivery lock held, ``until`` the
     request's :func:`served_until`: in this thread when the lock is free now and no pull
     of the name waits before it, else by a delivery thread, in order; never once
-    ``until`` passed (the lock still held elsewhere: not served, not answered)."""
+    ``until`` passed (the lock still held elsewhere: not served, not answered).
+    RuntimeError, nothing queued, when no delivery thread runs and none can be started
+    (the lane answers it: a refusal)."""
     until = served_until(cluster, request)
     if until - time.monotonic() < SERVE_FLOOR_S:  # its requester gives up before a send could end
         return
@@ -149,7 +153,14 @@ def deliver(cluster, name: str, request: dict, serve) -> None:
             if not syncs.queued:
                 syncs.queued = True
                 pool.names.append(syncs)
-                pool.want()
+                if not pool.want() and not pool.threads and not pool.serving:
+                    # no thread runs to take it (none could be started: the thread limit):
+                    # not queued, so that the name's next pulls are not stuck behind it, and
+                    # refused in the lane (answered: the requester does not wait in vain)
+                    pool.names.remove(syncs)
+                    syncs.pulls.clear()
+                    syncs.queued = False
+                    raise RuntimeError(f"No delivery thread could be started for {name!r} (the thread limit?).")
     if now:
         try:
             serve(until)
@@ -202,36 +213,60 @@ def _deliverers(cluster) -> "_Deliverers":
 class _Deliverers:
     """A node's delivery threads: ``names``, the names with pulls waiting and no thread
     on them, in the order they came; ``ready`` (a condition) guards them, each name's
-    ``pulls`` and ``queued``, and the counts."""
+    ``pulls`` and ``queued``, and the counts.
+
+    Only the threads that wait (for a name, or for a name's lock) count toward
+    MAX_DELIVERERS (``threads``): one that got a name's lock and serves its pull (a
+    send, bounded by the owner's timeout plus its bytes) leaves the count while it
+    serves, and another thread takes the names still waiting. Before, the cap counted
+    the threads that sent too: four slow sends held every thread, and a pull of any
+    other name was not served at all although its lock was free (audit of b7822d2).
+    A thread is started only while fewer than MAX_DELIVERERS count, when a name is
+    queued, or when the last thread counted starts serving while names wait (then
+    one: those waiting always have a thread, which passes between them; more are
+    started as more names come; starting one at every serve made a thread per pull
+    served, each ending when it came back to a full count). So a node runs at most
+    MAX_DELIVERERS threads plus one per name whose pull it sends (one delivery of a
+    name at a time: as many as the names with a thread each before); a thread done
+    serving goes back to the names while fewer than MAX_DELIVERERS count, else it
+    ends."""
 
     def __init__(self, cluster):
         self.cluster = cluster
         self.ready = threading.Condition(threading.Lock())
         self.names: collections.deque = collections.deque()
-        self.threads = 0  # alive (started, not yet ending)
+        self.threads = 0  # alive and not serving a pull (waiting for a name or a name's lock)
         self.idle = 0  # waiting in ``ready`` for a name
         self.made = 0  # (numbers the threads' names)
         self.serving: set[tuple] = set()  # the keys of the pulls a thread serves now (see cancel)
 
-    def want(self) -> None:
-        """A name was queued (``ready`` held): wake an idle thread, or start one while
-        fewer than MAX_DELIVERERS run and the names waiting outnumber the idle ones."""
+    def want(self) -> bool:
+        """A name was queued, or a thread left the count to serve (``ready`` held):
+        wake an idle thread, or start one while fewer than MAX_DELIVERERS count and the
+        names waiting outnumber the idle ones. False when a start failed ("can't start
+        new thread": nothing was counted or registered, the caller decides)."""
         if self.idle:
             self.ready.notify()
-        if len(self.names) > self.idle and self.threads < MAX_DELIVERERS:
-            self.threads += 1
-            self.made += 1
-            cluster = self.cluster
-            # the delivery threads ended before leave the node's list (shutdown joins the others)
-            for ended in [t for t in list(cluster._threads) if t.name.startswith(DELIVERER) and not t.is_alive()]:
-                try:
-                    cluster._threads.remove(ended)
-                except ValueError:
-                    pass  # another start removed it meanwhile
-            thread = threading.Thread(target=self._run, daemon=True,
-                                      name=f"{DELIVERER}{getattr(cluster, 'node', '')}/{self.made}")
-            cluster._threads.append(thread)
+        if len(self.names) <= self.idle or self.threads >= MAX_DELIVERERS:
+            return True
+        cluster = self.cluster
+        # the delivery threads ended before leave the node's list (shutdown joins the others)
+        for ended in [t for t in list(cluster._threads) if t.name.startswith(DELIVERER) and t.ident is not None
+                      and not t.is_alive()]:
+            try:
+                cluster._threads.remove(ended)
+            except ValueError:
+                pass  # another start removed it meanwhile
+        self.made += 1
+        thread = threading.Thread(target=self._run, daemon=True,
+                                  name=f"{DELIVERER}{getattr(cluster, 'node', '')}/{self.made}")
+        try:  # started first, then counted and registered (it takes ``ready``, held here, before any count)
             thread.start()
+        except RuntimeError:  # the thread limit: counted in nothing, never joined by shutdown
+            return False
+        self.threads += 1
+        cluster._threads.append(thread)
+        return True
 
     def _next(self):
         """The next name to serve (taken out of ``names``), None when the thread ends:
@@ -281,6 +316,10 @@ class _Deliverers:
                         locked = False
                     elif locked:
                         self.serving.add(key)
+                        self.threads -= 1  # serving: out of the count
+                        if self.names and not self.threads:  # nobody left for the names waiting: one more
+                            self.want()  # (a failed start: the names wait for this thread's return)
+            back = True
             if locked:
                 try:
                     serve(until)
@@ -290,12 +329,19 @@ class _Deliverers:
                     syncs.lock.release()
                     with self.ready:
                         self.serving.discard(key)
+                        back = self.threads < MAX_DELIVERERS
+                        if back:
+                            self.threads += 1  # (_next takes it off when the thread ends)
             with self.ready:  # its next pull after the names that waited meanwhile
                 if syncs.pulls and not cluster._stop.is_set():
                     self.names.append(syncs)
+                    if not back:
+                        self.want()  # (the threads counted take it: wakes an idle one)
                 else:
                     syncs.pulls.clear()  # (the node stops: not served)
                     syncs.queued = False
+            if not back:
+                return  # MAX_DELIVERERS others wait already
 
 
 def _acquire(cluster, lock: threading.Lock, until: float, others) -> bool | None:

@@ -19,9 +19,12 @@ places, each handled here:
   answer receives into its replica within the transfer's own bound (:func:`receive_bound`)
   rather than its caller's deadline: the owner's send is bounded the same way.
 
-Every wait is bounded: the drain by twice the node's timeout (the lane may be busy with
-earlier requests), each receive by ``wait_bound``; both end when the owner is found lost
-or this node shuts down.
+Every wait is bounded: the drain by the owner's answer to the cancel (its lane may be
+busy with earlier requests: it waits for them, as long as the owner lives), each receive
+by ``wait_bound``; both end when the owner is found lost (the pair is failed then, as
+for any wait on a lost peer) or this node shuts down. A drain that cannot start (the
+thread limit) fails the pair instead, as before the drain, and the pull's TimeoutError
+goes on.
 
 Example (the bound of an announced pull's receive, for a stand-in node)::
 
@@ -38,6 +41,7 @@ import torch
 
 from shared_td.coordinator.cluster_serve import lane_queue
 from shared_td.coordinator.cluster_store import ClusterAuthError
+from shared_td.coordinator.cluster_wake import WAKE_KEY
 from shared_td.errors import StalePair, TransferFailed
 
 __all__ = ["DRAINER", "abandoned", "answer", "into_scratch", "receive_bound"]
@@ -99,39 +103,57 @@ def abandoned(cluster, owner: int, name: str, tag: int, pair: int, nbytes: int, 
             pass  # another drain removed it meanwhile
     thread = threading.Thread(target=_drain, args=(cluster, owner, name, tag, pair, nbytes, stripes, queue),
                               name=DRAINER, daemon=True)
-    cluster._threads.append(thread)  # (shutdown joins it: it looks at _closed every 0.25 s)
-    thread.start()
+    try:  # started first, then registered: shutdown never joins a thread that did not start
+        thread.start()
+    except RuntimeError:  # "can't start new thread": as before the drain, the pair is failed (the
+        cluster._groups.fail(owner, pair)  # owner's send ends at once), and the caller's TimeoutError goes on
+        return
+    cluster._threads.append(thread)  # (shutdown joins it: its pop is woken then, see AnswerWaits.wake_all)
 
 
 def _drain(cluster, owner: int, name: str, tag: int, pair: int, nbytes: int, stripes: int, queue: str) -> None:
     store = cluster._store
-    end = time.monotonic() + 2 * cluster.timeout
-    answered = serving = False  # the pull's own answer came; the owner said it serves it
     try:
         store.connect(spare_only=True)  # (see cluster_serve._connect)
-        while not cluster._closed:
-            left = end - time.monotonic()
-            if left <= 0:
-                return
-            try:
-                answer = store.pop_json(queue, min(left, 0.25))
-            except ClusterAuthError:
-                cluster.refused += 1  # forged: never acted on
-                continue
-            if answer is None:
-                if not cluster._alive(owner):
-                    return  # nothing comes from a lost owner (its pair is failed: see Liveness)
-            elif answer.get("tag") != tag or answer.get("caller") != cluster._caller:
-                continue  # (an answer to an earlier request of the thread)
-            elif "cancel" in answer:
-                serving = answer["cancel"] == "serving"
-                if answered or not serving:
-                    return  # dropped, or its answer came before this one
-            else:
-                answered = True
-                if "version" in answer:  # announced: the owner sends now
-                    into_scratch(cluster, owner, pair, tag, nbytes, stripes, f"drain of the pull of {name!r}")
-                if serving:
-                    return  # (else the cancel's answer follows: popped, the queue left empty)
+        with cluster._waits.waiting(queue, owner) as wait:
+            _drained(cluster, owner, name, tag, pair, nbytes, stripes, queue, wait)
     except (RuntimeError, OSError):
         return  # the store is gone: the owner's send ends at its bound
+
+
+def _drained(cluster, owner: int, name: str, tag: int, pair: int, nbytes: int, stripes: int, queue: str,
+             wait) -> None:
+    """Pop ``queue`` until the pull's cancel is answered (see :func:`_drain`), each pop
+    for the node's timeout, woken by a notice once ``owner`` is found lost or the node
+    shuts down (``cluster_wake.AnswerWaits``: no 0.25 s slices, each logged by torch as
+    it timed out). No clock ends it: the cancel's answer comes after the owner's lane
+    handled the pull (one lane, in order), however late (a lane busy with earlier
+    requests); a drain that ended at twice the timeout left a pull served after it to
+    a send for nobody, and the pair failed (audit of b7822d2). An owner found lost
+    ends it as any wait for that owner: the pair is failed (``_found``), so a send it
+    makes on resuming fails at once."""
+    store = cluster._store
+    answered = serving = False  # the pull's own answer came; the owner said it serves it
+    while not cluster._closed:
+        try:
+            answer = store.pop_json(queue, cluster.timeout, lambda: cluster._closed)
+        except ClusterAuthError:
+            cluster.refused += 1  # forged: never acted on
+            continue
+        if answer is None or WAKE_KEY in answer:
+            wait.woken = False
+            if not cluster._alive(owner):
+                cluster._found(owner)  # nothing comes from a lost owner: the lost-peer path
+                return
+        elif answer.get("tag") != tag or answer.get("caller") != cluster._caller:
+            continue  # (an answer to an earlier request of the thread)
+        elif "cancel" in answer:
+            serving = answer["cancel"] == "serving"
+            if answered or not serving:
+                return  # dropped, or its answer came before this one
+        else:
+            answered = True
+            if "version" in answer:  # announced: the owner sends now
+                into_scratch(cluster, owner, pair, tag, nbytes, stripes, f"drain of the pull of {name!r}")
+            if serving:
+                return  # (else the cancel's answer follows: popped, the queue left empty)

@@ -262,6 +262,7 @@ class ClusterMembership:
         _RUNNING.discard(self)
         # a process whose number was taken over leaves the queues and the claim to its successor
         mine = self._liveness is None or self._liveness.taken_over is None
+        self._waits.wake_all(self._store, notice=mine)  # the threads waiting for an answer: see AnswerWaits
         try:
             for queue in self._own_queues() if mine else ():
                 self._store.push_json(queue, {"op": "stop", "from": self.node})
@@ -271,7 +272,7 @@ class ClusterMembership:
         if not mine:  # no stop notice reaches its pops: woken without one (the service's was waited POP_S for)
             wake_pops(self, self._own_queues(), [t for t in self._threads if t not in listeners], 2 * HEARTBEAT_S)
         for thread in self._threads:  # a lane in a transfer ends at its bounded wait (daemon)
-            if thread not in listeners:
+            if thread not in listeners and thread.ident is not None:  # (never started: nothing to join)
                 thread.join(POP_S if thread.name.endswith("serve") else 2 * HEARTBEAT_S)
         if self._values is not None:
             self._values.join(2 * HEARTBEAT_S)

@@ -22,6 +22,7 @@ import time
 from shared_td.coordinator.cluster_serve import lane_queue
 from shared_td.coordinator.cluster_store import ClusterAuthError
 from shared_td.coordinator.cluster_transfer import TAG_WRAP, StalePair
+from shared_td.coordinator.cluster_wake import WAKE_KEY
 from shared_td.errors import OwnerLostError, TransferRefused
 
 __all__ = ["ClusterRequests"]
@@ -30,7 +31,7 @@ __all__ = ["ClusterRequests"]
 class ClusterRequests:
     """Mixin of Cluster (it relies on ``node``, ``timeout``, ``refused``, ``_checked``,
     ``_store``, ``_liveness``, ``_groups``, ``_replicas``, ``_tags``, ``_reply_slots``,
-    ``_local``, ``_caller``, ``_closed`` and ``_shut_down``)."""
+    ``_local``, ``_caller``, ``_waits``, ``_closed`` and ``_shut_down``)."""
 
     def _request(self, peer: int, op: str, name: str, generation: int, **extra) -> tuple[int, int]:
         """Put a request in ``peer``'s queue; returns (tag, pair generation)."""
@@ -79,8 +80,9 @@ class ClusterRequests:
 
     def _answer(self, peer: int, tag: int, deadline: float, name: str) -> dict:
         """The peer's signed answer to request ``tag`` (sent from this thread), waited
-        for in slices while the peer's heartbeat lives; OwnerLostError/TimeoutError
-        otherwise; a refusal raises. Answers to this thread's earlier requests that gave
+        for in one pop that the node's watch thread wakes once the peer is found lost
+        (:class:`~shared_td.coordinator.cluster_wake.AnswerWaits`): OwnerLostError, or
+        TimeoutError at ``deadline``; a refusal raises. Answers to this thread's earlier requests that gave
         up before them, and values with a wrong signature, are skipped. RuntimeError
         once this node was shut down meanwhile (no answer can be used any more).
         A pull's owner serves it no later than its ``budget`` allows
@@ -90,22 +92,24 @@ class ClusterRequests:
         before is received anyway (``cluster_drain``)."""
         store = self._checked()
         queue = self._reply_queue()
-        while True:
-            if self._closed:
-                raise self._shut_down(f" while it waited for node {peer}'s answer about {name!r}")
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"Node {peer} did not answer about {name!r} within {self.timeout:g} s.")
-            try:
-                answer = store.pop_json(queue, min(left, 0.25))
-            except ClusterAuthError:
-                self.refused += 1  # forged: never acted on
-                continue
-            if answer is None:
-                if not self._alive(peer):
-                    raise self._lost(peer, name)
-            elif answer.get("tag") == tag and answer.get("caller") == self._caller:
-                break  # (an answer to an earlier request, or to another process: dropped)
+        with self._waits.waiting(queue, peer) as wait:  # (registered before _closed is read: see wake_all)
+            while True:
+                if self._closed:
+                    raise self._shut_down(f" while it waited for node {peer}'s answer about {name!r}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"Node {peer} did not answer about {name!r} within {self.timeout:g} s.")
+                try:  # one pop for all that is left (see AnswerWaits: no slices, each logged by torch)
+                    answer = store.pop_json(queue, left, lambda: self._closed)
+                except ClusterAuthError:
+                    self.refused += 1  # forged: never acted on
+                    continue
+                if answer is None or WAKE_KEY in answer:  # timed out, or woken: the peer found lost?
+                    wait.woken = False
+                    if not self._alive(peer):
+                        raise self._lost(peer, name)
+                elif answer.get("tag") == tag and answer.get("caller") == self._caller:
+                    break  # (an answer to an earlier request, or to another process: dropped)
         if "stale_pair" in answer:  # nothing was transferred
             self._groups.seen(peer, answer["stale_pair"])
             raise StalePair(f"Node {peer} moved the pair to generation {answer['stale_pair']}: {answer['error']}")

@@ -46,6 +46,7 @@ calling half (:mod:`~shared_td.coordinator.cluster`) so that each reads on its o
 from __future__ import annotations
 
 import datetime
+import itertools
 import threading
 import time
 
@@ -62,6 +63,7 @@ from shared_td.coordinator.cluster_messages import answer_context, decode_signed
 from shared_td.coordinator.cluster_transfer import (DIRECT_MAX_BYTES, StalePair, TransferFailed, answer_tag,
                                                     stripe_ranges)
 from shared_td.coordinator.cluster_waits import wait_work
+from shared_td.coordinator.cluster_wake import WATCH_S
 
 # How long a lane or the service thread waits in one queue_pop (a stop request wakes it
 # earlier; a process whose number was taken over is woken by wake_pops). One long pop,
@@ -480,20 +482,30 @@ def _apply_push(cluster, peer: int, generation: int, header: dict, inline: torch
 def watch_pairs(cluster) -> None:
     """Close the pairs with peers whose heartbeat stands still, so that the receives
     kept posted for their pushes end (gloo does not always end a receive whose peer
-    died), until stopped. The peer is not marked lost for the calls: a node that was
+    died), and wake the threads that wait for such a peer's answer
+    (:class:`~shared_td.coordinator.cluster_wake.AnswerWaits`), until stopped: a
+    paired peer every HEARTBEAT_S, one waited for every WATCH_S (as its waiting
+    thread looked before). The peer is not marked lost for the calls: a node that was
     only stopped gets its second look there (``Liveness.still_lost``), and its next
     transfer builds a new pair."""
     _connect(cluster)
-    while not cluster._stop.wait(HEARTBEAT_S):
+    every = max(1, round(HEARTBEAT_S / WATCH_S))
+    for tick in itertools.count():
+        if cluster._stop.wait(WATCH_S):
+            return
+        waited = cluster._waits.peers()
         for peer in range(cluster.nodes):
-            if peer == cluster.node or cluster._groups.stripes(peer) is None:
+            paired = tick % every == 0 and peer != cluster.node and cluster._groups.stripes(peer) is not None
+            if not paired and peer not in waited:
                 continue
             try:
-                lost = not cluster._alive(peer)
+                if cluster._alive(peer):
+                    continue
+                if paired:
+                    cluster._groups.forget(peer)
+                cluster._waits.wake(cluster._store, peer)
             except (RuntimeError, OSError):
-                return  # the store is gone: shutdown closes the pairs
-            if lost:
-                cluster._groups.forget(peer)
+                return  # the store is gone: shutdown closes the pairs, the waits' pops fail
 
 
 def _apply_rows(cluster, peer: int, owned: Owned, request: dict) -> None:

@@ -1,18 +1,29 @@
-"""Waking the blocking store pops of a node's serving threads without a message
+"""Waking blocking store pops: those of a node's serving threads without a message
 (:func:`wake_pops`), for a process whose node number was taken over: its shutdown must
 leave its queues to its successor (kept apart from
-:mod:`~shared_td.coordinator.cluster_serve`, whose threads it wakes)."""
+:mod:`~shared_td.coordinator.cluster_serve`, whose threads it wakes); and a thread's
+wait for a peer's answer, with a signed notice, once that peer is found lost or the
+node shuts down (:class:`AnswerWaits`).
+"""
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 
-__all__ = ["WAKE_EVERY_S", "wake_pops"]
+from shared_td.coordinator.cluster_liveness import HEARTBEAT_S
+
+__all__ = ["WAKE_EVERY_S", "WAKE_KEY", "WATCH_S", "AnswerWaits", "wake_pops"]
 
 #: What :func:`wake_pops` compares a queue's key with: the queue's name holds no plain
 #: value, so the compare never matches and nothing is ever set.
 _WAKE = "\0shared_td-wake"
 #: The longest pause between two wake-ups of :func:`wake_pops`.
 WAKE_EVERY_S = 0.2
+#: Seconds between two looks at the heartbeats of the peers that threads of this node
+#: wait for (``cluster_serve.watch_pairs``): what a wait's slice was before
+#: (:class:`AnswerWaits`).
+WATCH_S = HEARTBEAT_S / 2
 
 
 def wake_pops(cluster, queues: list[str], threads: list, bound: float) -> None:
@@ -59,3 +70,104 @@ def wake_pops(cluster, queues: list[str], threads: list, bound: float) -> None:
         if alive:
             alive[0].join(max(0.0, min(pause, deadline - time.monotonic())))
         pause = min(2 * pause, WAKE_EVERY_S)
+
+
+#: What a wake-up notice holds (:meth:`AnswerWaits.wake`): its key tells it from an
+#: answer, which a waiting thread would otherwise pop only at its deadline.
+WAKE_KEY = "wake"
+
+
+class _Wait:
+    """One thread's wait for ``peer``'s answer in its reply ``queue``; ``woken``: a
+    notice was pushed for it and not popped yet (one is enough)."""
+
+    __slots__ = ("queue", "peer", "woken")
+
+    def __init__(self, queue: str, peer: int):
+        self.queue, self.peer, self.woken = queue, peer, False
+
+
+class AnswerWaits:
+    """The reply queues in which this node's threads wait for a peer's answer, and their
+    wake-up when that peer is found lost or the node shuts down.
+
+    Why: a thread that waited for an answer popped its queue in 0.25 s slices, to look
+    at the peer's heartbeat between two; each slice that found nothing was a
+    ``queue_pop`` that timed out, which torch (2.13) logs at WARNING on stderr, two
+    lines each time (``[c10d] waitForInput: poll ... returned 0, likely a timeout``):
+    26 lines for one pull whose owner was SIGKILLed (audit 21). Now the thread pops once
+    for its whole deadline inside :meth:`waiting`, and the node's watch thread, which
+    looks at the heartbeats of the peers waited for every :data:`WATCH_S`
+    (``cluster_serve.watch_pairs``), pushes a signed notice ``{"wake": peer}`` into its
+    queue once that peer is not alive: the thread pops it, looks at the heartbeat itself
+    and raises OwnerLostError (or waits on, for a peer that beats again). Shutdown
+    wakes every wait (:meth:`wake_all`). A notice that comes after the answer it was
+    meant to cut short stays in the queue: the thread's next wait pops it as any
+    notice, and a look at its peer's heartbeat later waits on.
+
+    Example:
+        >>> import datetime, threading
+        >>> from torch.distributed import TCPStore
+        >>> from shared_td.coordinator.cluster_store import SignedStore
+        >>> raw = TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
+        >>> store, waits, got = SignedStore(raw, b"k" * 32, timeout=5.0), AnswerWaits(), []
+        >>> def wait():
+        ...     with waits.waiting("reply/0/0", peer=1):
+        ...         got.append(store.pop_json("reply/0/0", 30.0))
+        >>> waiter = threading.Thread(target=wait); waiter.start()
+        >>> while not waits.peers(): time.sleep(0.01)
+        >>> waits.peers(), waits.wake(store, 1), waits.wake(store, 1)  # one notice per wait
+        ({1}, 1, 0)
+        >>> waiter.join(5); got
+        [{'wake': 1}]
+    """
+
+    def __init__(self):
+        self._waits: set[_Wait] = set()
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def waiting(self, queue: str, peer: int):
+        """The calling thread waits in ``queue`` for ``peer``'s answer during the block;
+        yields its :class:`_Wait` (set ``woken`` back to False on popping a notice)."""
+        wait = _Wait(queue, peer)
+        with self._lock:
+            self._waits.add(wait)
+        try:
+            yield wait
+        finally:
+            with self._lock:
+                self._waits.discard(wait)
+
+    def peers(self) -> set[int]:
+        """The peers some thread waits for."""
+        with self._lock:
+            return {wait.peer for wait in self._waits}
+
+    def wake(self, store, peer: int | None) -> int:
+        """Push a wake-up notice into the queue of each wait for ``peer`` (for every
+        peer: None) that has none pending; returns how many were pushed. A store error
+        is the caller's (the pops fail with it too)."""
+        with self._lock:
+            woken = [wait for wait in self._waits if not wait.woken and peer in (None, wait.peer)]
+            for wait in woken:
+                wait.woken = True
+        for wait in woken:
+            store.push_json(wait.queue, {WAKE_KEY: wait.peer})
+        return len(woken)
+
+    def wake_all(self, store, notice: bool = True) -> None:
+        """Wake every wait (shutdown: each thread then sees the node closed), with a
+        notice, or, when the queues are a successor's (``notice=False``: this
+        process's number was taken over), by the compare of :func:`wake_pops`, which
+        puts nothing there (the pops then end by their ``ended``)."""
+        try:
+            if notice:
+                self.wake(store, None)
+                return
+            with self._lock:
+                queues = sorted({wait.queue for wait in self._waits})
+            for queue in queues:
+                store.compare_set(queue, _WAKE, _WAKE)
+        except (RuntimeError, OSError):
+            pass  # the store is gone: the pops fail by themselves

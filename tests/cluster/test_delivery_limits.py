@@ -37,11 +37,13 @@ def test_pulls_of_many_contended_names_share_a_few_delivery_threads_that_end(pai
         assert lock.acquire(timeout=WAIT)
     for i, name in enumerate(names):  # (the owner's contents change: the pulls bring them)
         owner._owned[name].td["x"].fill_(100.0 + i)
-    most, watching, outcome = [0], threading.Event(), {}
+    most, counted, watching, outcome = [0], [0], threading.Event(), {}
 
     def watch():
         while not watching.is_set():
             most[0] = max(most[0], len(_deliverers()))
+            pool = getattr(owner, "_deliverers", None)
+            counted[0] = max(counted[0], pool.threads if pool is not None else 0)
             time.sleep(0.002)
 
     def puller(name):
@@ -78,7 +80,9 @@ def test_pulls_of_many_contended_names_share_a_few_delivery_threads_that_end(pai
     for i, name in enumerate(names):
         assert outcome[name] == owner.version(name), outcome
         assert other.attach(name)["x"].tolist() == [100.0 + i] * 4
-    assert 1 <= most[0] <= cluster_deliveries.MAX_DELIVERERS, most  # (before: one per name)
+    # at most the cap wait (for a name or its lock); those that send besides, one per name served at once
+    assert 1 <= counted[0] <= cluster_deliveries.MAX_DELIVERERS, counted
+    assert 1 <= most[0] <= NAMES + cluster_deliveries.MAX_DELIVERERS, most
     deadline = time.monotonic() + cluster_deliveries.IDLE_S + 2.0
     while _deliverers() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -88,7 +92,8 @@ def test_pulls_of_many_contended_names_share_a_few_delivery_threads_that_end(pai
 def test_each_names_pulls_are_served_in_order_one_at_a_time():
     """A stand-in owner (no process): pulls of 10 names, 5 each, queued while each name's
     lock is held; once freed, each name's pulls come in the order they were queued,
-    never two of one name at once, by at most MAX_DELIVERERS threads."""
+    never two of one name at once, by at most MAX_DELIVERERS threads waiting (and one
+    per name sending, besides: here each serve is short), never a thread per pull."""
     import types
 
     node = types.SimpleNamespace(timeout=5.0, _stop=threading.Event(), _threads=[], _name_syncs={}, node=7)
@@ -104,7 +109,7 @@ def test_each_names_pulls_are_served_in_order_one_at_a_time():
             with guard:
                 inside[name] += 1
                 overlaps.append(inside[name] > 1)
-                most[0] = max(most[0], len(_deliverers()))
+                most[0] = max(most[0], node._deliverers.threads)
             time.sleep(0.001)
             with guard:
                 inside[name] -= 1
@@ -123,7 +128,8 @@ def test_each_names_pulls_are_served_in_order_one_at_a_time():
         while len(done) < 50 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert all(order == list(range(5)) for order in served.values()), served
-        assert not any(overlaps) and 1 <= most[0] <= cluster_deliveries.MAX_DELIVERERS, most
+        assert not any(overlaps) and 0 <= most[0] <= cluster_deliveries.MAX_DELIVERERS, most
+        assert node._deliverers.made <= len(names) + cluster_deliveries.MAX_DELIVERERS, node._deliverers.made
     finally:
         node._stop.set()
         cluster_deliveries.stop(node)
@@ -234,3 +240,169 @@ def test_a_cancel_drops_a_queued_pull_and_says_when_one_is_served():
         cluster_deliveries.stop(node)
         for thread in list(node._threads):
             thread.join(WAIT)
+
+
+# ------------------------------------------------------------ audit of b7822d2
+@pytest.fixture
+def hasty(store):
+    """Node 0 (timeout 5 s) owns; node 1 gives up a call after 0.5 s."""
+    members = _members(store, (5.0, 0.5))
+    yield members
+    for member in members:
+        member.shutdown()
+
+
+#: When node 0's lane reaches node 1's pull of "p": past node 1's give-up (0.5 s) plus
+#: twice its timeout, where the drain ended before (a lane busy with earlier requests)
+LATE = 1.7
+
+
+def _late_pulls(monkeypatch, owner, serve: bool = True) -> None:
+    """The owner's lane reaches each pull of "p" LATE s after it came; ``serve`` False:
+    then drops it (never answered)."""
+    real_serve = cluster_serve._serve
+
+    def late_serve(cluster, peer, op, name, request):
+        if cluster is owner and name == "p" and op == "pull":
+            time.sleep(LATE)
+            if not serve:
+                return None
+        return real_serve(cluster, peer, op, name, request)
+
+    monkeypatch.setattr(cluster_serve, "_serve", late_serve)
+
+
+def _drains() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == cluster_drain.DRAINER]
+
+
+def _drained(by: float) -> None:
+    while _drains() and time.monotonic() < by:
+        time.sleep(0.02)
+    assert not _drains()
+
+
+def test_a_pull_given_up_long_before_its_owners_lane_reaches_it_fails_no_pair(hasty, monkeypatch):
+    """The drain ends on the owner's answer to the cancel (it comes after the pull, in
+    the same lane), not at twice the timeout: before, the lane served the pull after the
+    drain ended and sent to nobody, the next pull of another name waited behind that
+    send and timed out, and the owner failed the pair."""
+    owner, other = hasty
+    owner.publish("p", shared_td.TensorDict(x=torch.arange(1 << 14, dtype=torch.float32), batch_size=[1 << 14]))
+    owner.publish("q", shared_td.TensorDict(x=torch.zeros(4), batch_size=[4]))
+    other.attach("p")
+    other.attach("q")
+    before = _generations(owner, other)
+    _late_pulls(monkeypatch, owner)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError):
+        other.pull("p")
+    _drained(start + WAIT)
+    assert time.monotonic() - start >= LATE  # (it received what the lane sent then)
+    assert other.pull("q") == owner.version("q")  # the lane is free, the pair the same
+    assert _generations(owner, other) == before
+
+
+def test_a_drain_ends_once_its_owner_is_found_lost_and_fails_the_pair(hasty, monkeypatch):
+    """An owner found lost (its heartbeat stands still: a paused process) ends the drain
+    as any wait for it, by the lost-peer path (``_found``: the pair failed, so a send it
+    makes on resuming fails at once); before, the drain just returned."""
+    owner, other = hasty
+    owner.publish("p", shared_td.TensorDict(x=torch.zeros(4), batch_size=[4]))
+    other.attach("p")
+    _late_pulls(monkeypatch, owner, serve=False)
+    found, real_found = [], other._found
+    monkeypatch.setattr(other, "_found", lambda peer: (found.append(peer), real_found(peer)))
+    start = time.monotonic()
+    with pytest.raises(TimeoutError):
+        other.pull("p")
+    monkeypatch.setattr(other, "_alive", lambda peer: peer != owner.node)
+    _drained(start + LATE)  # (woken by the watch thread: before the lane's answer could come)
+    assert owner.node in found
+
+
+def test_slow_sends_of_four_names_do_not_hold_up_another_names_pull():
+    """A stand-in owner: MAX_DELIVERERS names' queued pulls are served and each send
+    lasts; a pull of another name queued behind a short sync is served once its lock is
+    free (a thread that sends leaves the cap's count). Before, the four senders held
+    every thread and it was not served within its requester's budget."""
+    import types
+
+    node = types.SimpleNamespace(timeout=5.0, _stop=threading.Event(), _threads=[], _name_syncs={}, node=4)
+    go, started, served = threading.Event(), [], threading.Event()
+    big = [f"big{i}" for i in range(cluster_deliveries.MAX_DELIVERERS)]
+    try:
+        for i, name in enumerate(big):
+            syncs = cluster_deliveries.name_syncs(node, name)
+            with syncs.lock:  # a sync under way: queued
+                cluster_deliveries.deliver(node, name, {"budget": 5.0, "from": 1, "caller": "c", "tag": i},
+                                           lambda until, n=name: (started.append(n), go.wait(WAIT)))
+        deadline = time.monotonic() + WAIT
+        while len(started) < len(big) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sorted(started) == big  # every send under way
+        small = cluster_deliveries.name_syncs(node, "small")
+        with small.lock:  # a short sync of "small"
+            cluster_deliveries.deliver(node, "small", {"budget": 5.0, "from": 1, "caller": "c", "tag": 99},
+                                       lambda until: served.set())
+            time.sleep(0.05)
+        assert served.wait(2.0)
+        assert node._deliverers.threads <= cluster_deliveries.MAX_DELIVERERS
+    finally:
+        go.set()
+        node._stop.set()
+        cluster_deliveries.stop(node)
+        for thread in list(node._threads):
+            thread.join(WAIT)
+
+
+def _failing_starts(monkeypatch, prefix: str) -> None:
+    """Thread starts of threads named ``prefix``... fail, as at the thread limit."""
+    real_start = threading.Thread.start
+
+    def start(self):
+        if self.name.startswith(prefix):
+            raise RuntimeError("can't start new thread")
+        return real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+
+
+def test_a_delivery_thread_that_cannot_start_leaves_no_pull_queued(monkeypatch):
+    """The pull is refused (deliver raises: the lane answers it) and nothing stays
+    queued or counted; the name's next pull, its lock free, is served. Before, the name
+    stayed queued behind the dead entry (never served again) and the thread stayed
+    counted and in the node's list (shutdown's join raised)."""
+    import types
+
+    _failing_starts(monkeypatch, cluster_deliveries.DELIVERER)
+    node = types.SimpleNamespace(timeout=5.0, _stop=threading.Event(), _threads=[], _name_syncs={}, node=5)
+    syncs, served = cluster_deliveries.name_syncs(node, "a"), []
+    with syncs.lock:
+        with pytest.raises(RuntimeError):
+            cluster_deliveries.deliver(node, "a", {"budget": 5.0, "from": 1, "caller": "c", "tag": 1},
+                                       lambda until: served.append(1))
+    assert not syncs.pulls and not syncs.queued and node._deliverers.threads == 0 and not node._threads
+    cluster_deliveries.deliver(node, "a", {"budget": 5.0, "from": 1, "caller": "c", "tag": 2},
+                               lambda until: served.append(2))
+    assert served == [2]
+
+
+def test_a_drain_that_cannot_start_fails_the_pair_and_the_pull_times_out(hasty, monkeypatch):
+    """As before the drain: the pair is failed (the owner's send ends) and the caller
+    gets its TimeoutError, not the thread start's RuntimeError; no never-started thread
+    is left for shutdown, whose join skips one anyway (it raised "cannot join thread
+    before it is started": the node never said it left nor closed its store)."""
+    owner, other = hasty
+    owner.publish("p", shared_td.TensorDict(x=torch.zeros(4), batch_size=[4]))
+    other.attach("p")
+    _late_pulls(monkeypatch, owner, serve=False)
+    _failing_starts(monkeypatch, cluster_drain.DRAINER)
+    before = other._groups.generation(owner.node)
+    with pytest.raises(TimeoutError):
+        other.pull("p")
+    assert other._groups.generation(owner.node) > before
+    assert all(thread.ident is not None for thread in other._threads)
+    other._threads.append(threading.Thread(target=print, name="never-started"))  # (as a failed start could leave)
+    other.shutdown()
+    assert other._store._closed
