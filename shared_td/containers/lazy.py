@@ -70,16 +70,23 @@ class LazyStackedTensorDict(LazyNames, LazyShapeOps, LazyBatchDimOps, LazyWriteO
         if device is not None:
             device = torch.device(device)
             tensordicts = tuple(td if td.device == device else td.to(device) for td in tensordicts)
-        members = []
+        members, wrappers = [], None
         for i, item in enumerate(tensordicts):
             if not _is_branch(item):
                 raise TypeError(f"LazyStackedTensorDict stacks tensordicts, but item {i} is a {type(item).__name__}.")
             members.append(unwrap_tensorclass(item))
+            if members[i] is not item:  # a tensorclass
+                wrappers = wrappers or {}
+                wrappers[id(members[i])] = item
             if members[i].batch_size != members[0].batch_size:
                 raise BatchSizeMismatchError(
                     f"Cannot lazily stack tensordicts of different batch sizes: item 0 has "
                     f"batch_size {list(members[0].batch_size)} but item {i} has {list(members[i].batch_size)}."
                 )
+        # the tensorclass members as given, by id() of their tensordict (None: none): the
+        # stack works on the tensordicts, and a save writes each member that is still one
+        # of these as its class, as tensordict 0.15.3 does (node_kinds._members_as_given)
+        self._tensorclass_members = wrappers
         member_batch = members[0].batch_size if members else torch.Size([])
         if not members and batch_size is not None:
             member_batch = torch.Size(batch_size)

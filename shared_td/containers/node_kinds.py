@@ -128,7 +128,7 @@ class LazyStackKind(nodes.NodeKind):
     type_strings = (fmt.LAZY_STACK_TYPE,)
 
     def children(self, lazy: LazyStackedTensorDict):
-        return [(str(index), member) for index, member in enumerate(lazy.tensordicts)]
+        return [(str(index), member) for index, member in enumerate(_members_as_given(lazy))]
 
     def child_type_name(self, lazy: LazyStackedTensorDict) -> str:
         return fmt.CHILD_TYPE_NAMES[fmt.LAZY_STACK_TYPE]
@@ -144,7 +144,8 @@ class LazyStackKind(nodes.NodeKind):
     def metadata(self, lazy: LazyStackedTensorDict, entries: tuple) -> tuple[NodeMeta, dict]:
         # without members nothing else on disk says the batch size (tensordict skips it)
         empty_batch = None if lazy.tensordicts else lazy.batch_size
-        return NodeMeta.for_lazy_stack(lazy.stack_dim, lazy._stack_dim_name, empty_batch), {}
+        return NodeMeta.for_lazy_stack(lazy.stack_dim, lazy._stack_dim_name, empty_batch,
+                                       members=len(lazy.tensordicts)), {}
 
     def directory(self, lazy: LazyStackedTensorDict) -> str | None:
         return getattr(lazy, "_memmap_prefix", None)  # none if it was never memory-mapped
@@ -160,9 +161,23 @@ class LazyStackKind(nodes.NodeKind):
         return _mark_written(copy, directory)
 
     def child_names(self, meta: NodeMeta, is_directory: Callable[[str], bool]) -> list[str]:
-        names = []
+        count = meta.document.get(fmt.STACK_MEMBERS)
+        if count is not None:  # shared_td's save: every member must be there
+            for index in range(count):
+                if not is_directory(str(index)):
+                    raise FormatError(meta.path, f"member {index} of {count} of this lazy stack is "
+                                      f"missing: no directory {os.path.join(_node_path(meta), str(index))}; "
+                                      "the save is incomplete (restore that directory or save the stack again)",
+                                      field=fmt.STACK_MEMBERS)
+            return [str(index) for index in range(count)]
+        names = []  # (a save of tensordict's, or of an older shared_td: no count)
         while is_directory(str(len(names))):  # the first missing member ends the stack
             names.append(str(len(names)))
+        if is_directory(str(len(names) + 1)):  # a gap, not the end: a member was lost
+            missing = os.path.join(_node_path(meta), str(len(names)))
+            raise FormatError(meta.path, f"member {len(names)} of this lazy stack is missing: no "
+                              f"directory {missing}, but member {len(names) + 1} is there; the save "
+                              "is incomplete (restore that directory or save the stack again)")
         return names  # none: a stack without members, as both libraries save one
 
     def rebuild(self, meta: NodeMeta, values: dict, *, directory: str, parent_batch, unpickle, read_only=None):
@@ -181,6 +196,27 @@ class LazyStackKind(nodes.NodeKind):
         elif fmt.EMPTY_STACK_BATCH in meta.document:
             node.entry.batch_size = list(meta.document[fmt.EMPTY_STACK_BATCH])
         # else unknown: it depends on the parent's batch size (see _empty_stack_shape)
+
+
+def _members_as_given(lazy: LazyStackedTensorDict) -> list:
+    """The members of ``lazy``, each tensorclass given to its constructor as that
+    tensorclass (written as a tensorclass node, as tensordict 0.15.3 writes it; a load
+    gives it back so), while it still wraps that very member (wherever it is now): a
+    member replaced since is written as it is.
+
+    Example:
+        >>> @shared_td.tensorclass
+        ... class Pt:
+        ...     x: torch.Tensor
+        >>> lazy = LazyStackedTensorDict(Pt(x=torch.zeros(2), batch_size=[2]), TensorDict(x=torch.ones(2), batch_size=[2]))
+        >>> [type(member).__name__ for member in _members_as_given(lazy)], type(lazy.tensordicts[0]).__name__
+        (['Pt', 'TensorDict'], 'TensorDict')
+    """
+    members, given = lazy.tensordicts, getattr(lazy, "_tensorclass_members", None)
+    if not given:
+        return members
+    return [wrapper if (wrapper := given.get(id(member))) is not None and wrapper._tensordict is member
+            else member for member in members]
 
 
 def _empty_stack_shape(meta: NodeMeta, parent_batch) -> tuple[int, list]:

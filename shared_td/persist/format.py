@@ -9,8 +9,9 @@ ignores, so both libraries still read each other's directories:
   ``"_shared_td_entries"`` (a dict without ``dtype``/``type``, which tensordict skips);
 * float8 dtypes are written under their torch names (tensordict 0.15.3 cannot load
   them; we can);
-* a lazy stack without members records its batch size under ``"_shared_td_batch_size"``
-  (tensordict reads only ``stack_dim`` and ``stack_dim_name``).
+* a lazy stack without members records its batch size under ``"_shared_td_batch_size"``,
+  and every lazy stack its member count under ``"_shared_td_members"`` (tensordict reads
+  only ``stack_dim`` and ``stack_dim_name``).
 
 This module holds the names and rules of the format: file and node-type names, dtype
 names, the entries of a node (``node_entries``, ``check_batch_fits``), the file names of
@@ -44,6 +45,9 @@ FORMAT_VERSION = 1
 RESERVED_ENTRIES = "_shared_td_entries"
 # The batch size of a lazy stack without members, which nothing else on disk gives.
 EMPTY_STACK_BATCH = "_shared_td_batch_size"
+# A lazy stack's member count: its members are the directories 0/, 1/, ... and a loader
+# stops at the first missing one, so without it a lost member is a shorter stack.
+STACK_MEMBERS = "_shared_td_members"
 
 TENSORDICT_TYPE = "<class 'tensordict._td.TensorDict'>"
 LAZY_STACK_TYPE = "<class 'tensordict._lazy.LazyStackedTensorDict'>"

@@ -32,7 +32,6 @@ Example:
 from __future__ import annotations
 
 import concurrent.futures.thread  # noqa: F401  (its exit hook first: ours, registered after, runs before it)
-import os
 import sys
 import threading
 import traceback
@@ -41,7 +40,7 @@ import weakref
 from concurrent.futures import Future
 from typing import Any, Callable, Iterable
 
-from shared_td.persist.writer_lock import DEFAULT_LOCK_TIMEOUT
+from shared_td.persist.writer_lock import lock_timeout
 
 
 class _Write:
@@ -178,7 +177,7 @@ def wait_for(obj: Any, prefix: str | None) -> None:
                                                 and _overlaps(prefix, write.prefix))]
     if not writes:
         return
-    timeout = float(os.environ.get("SHARED_TD_LOCK_TIMEOUT", DEFAULT_LOCK_TIMEOUT))
+    timeout = lock_timeout()
     done, pending = concurrent.futures.wait([write.future for write in writes], timeout)
     if pending:
         names = ", ".join(write.description for write in writes if write.future in pending)

@@ -20,7 +20,7 @@ import torch
 
 from shared_td.errors import FormatError
 from shared_td.persist.format import (
-    CLASS_TAGS, DTYPE_BY_NAME, EMPTY_STACK_BATCH, FORMAT_VERSION, LAZY_STACK_TYPE, NODE_FIELDS,
+    CLASS_TAGS, DTYPE_BY_NAME, EMPTY_STACK_BATCH, FORMAT_VERSION, LAZY_STACK_TYPE, NODE_FIELDS, STACK_MEMBERS,
     NON_TENSOR_DATA_TYPE, NON_TENSOR_STACK_TYPE, RESERVED_ENTRIES, STACK_PICKLE, TENSORDICT_TYPE,
     check_batch_fits, dtype_from_name, dtype_name, dumps, node_entries, shown_value,
 )
@@ -148,12 +148,15 @@ class NodeMeta:
 
     @classmethod
     def for_lazy_stack(cls, stack_dim: int, stack_dim_name: str | None = None,
-                       empty_batch: Any = None) -> "NodeMeta":
+                       empty_batch: Any = None, members: int | None = None) -> "NodeMeta":
         """A LazyStackedTensorDict node (its members are the directories 0/, 1/, ...);
-        ``empty_batch``: the batch size of a stack without members, written under
+        ``members``: how many, written under STACK_MEMBERS (a load checks that each is
+        there); ``empty_batch``: the batch size of a stack without members, written under
         EMPTY_STACK_BATCH (members give it otherwise)."""
         document = {"_type": LAZY_STACK_TYPE, "_format_version": FORMAT_VERSION,
                     "_class": CLASS_TAGS[LAZY_STACK_TYPE], "stack_dim": stack_dim, "stack_dim_name": stack_dim_name}
+        if members is not None:
+            document[STACK_MEMBERS] = members
         if empty_batch is not None:
             document[EMPTY_STACK_BATCH] = list(empty_batch)
         return cls(None, LAZY_STACK_TYPE, stack_dim=stack_dim, stack_dim_name=stack_dim_name, document=document)
@@ -209,12 +212,26 @@ class NodeMeta:
         if type_str == NON_TENSOR_STACK_TYPE and _nests_deeper(document.get("data"), MAX_STACK_DEPTH):
             raise FormatError(where, f"its lists nest more than {MAX_STACK_DEPTH} deep (one level per "
                               "batch dimension): a damaged or hostile meta.json", field="data")
-        if type_str == LAZY_STACK_TYPE and EMPTY_STACK_BATCH in document:  # a 0 at stack_dim
-            empty = _sizes(document[EMPTY_STACK_BATCH], where, EMPTY_STACK_BATCH)
-            if len(empty) <= stack_dim or empty[stack_dim] != 0:
-                raise FormatError(where, f"{list(empty)} is no batch size of an empty stack along "
-                                  f"stack_dim {stack_dim}", field=EMPTY_STACK_BATCH)
+        if type_str == LAZY_STACK_TYPE:
+            _check_stack_fields(document, stack_dim, where)
         return cls(where, type_str, None, device, stack_dim=stack_dim, stack_dim_name=stack_dim_name, document=document)
+
+
+def _check_stack_fields(document: dict, stack_dim: int, where: str) -> None:
+    """shared_td's fields of a lazy stack's meta.json: EMPTY_STACK_BATCH has a 0 at
+    ``stack_dim``, STACK_MEMBERS is a count (0 beside EMPTY_STACK_BATCH)."""
+    members = document.get(STACK_MEMBERS)
+    if members is not None and (type(members) is not int or members < 0):
+        raise FormatError(where, f"{shown_value(members)} is not a member count (an integer >= 0)",
+                          field=STACK_MEMBERS)
+    if EMPTY_STACK_BATCH in document:  # a 0 at stack_dim
+        empty = _sizes(document[EMPTY_STACK_BATCH], where, EMPTY_STACK_BATCH)
+        if len(empty) <= stack_dim or empty[stack_dim] != 0:
+            raise FormatError(where, f"{list(empty)} is no batch size of an empty stack along "
+                              f"stack_dim {stack_dim}", field=EMPTY_STACK_BATCH)
+        if members:
+            raise FormatError(where, f"{members} members, but {EMPTY_STACK_BATCH} is written only for a "
+                              "stack without members", field=STACK_MEMBERS)
 
 
 def _names_tensordict_subclass(type_str: str) -> bool:

@@ -236,7 +236,12 @@ class _TreeWriter:
             # a "like" file must read as zeros: a new file replaces the old one, whose
             # mappings (maybe the source's own) keep the old bytes; nothing is truncated
             directory.unlink(name)
-        fd, is_new = files.reserve_file(directory, name, existsok=options.existsok)
+        try:
+            fd, is_new = files.reserve_file(directory, name, existsok=options.existsok)
+        except IsADirectoryError as error:  # (a FIFO, socket or device there: its own message)
+            raise IsADirectoryError(error.errno, f"Cannot write key {leaf.key!r} to {leaf.path}: it is a "
+                                    "directory, not a file. Remove that directory (or write to another "
+                                    "prefix) and write again.") from None
         if is_new:
             self.made_files.setdefault(id(node), []).append(name)
         if self.pool is None or nbytes < _POOL_LEAF_BYTES:

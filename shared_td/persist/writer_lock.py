@@ -14,6 +14,7 @@ naming it (:func:`parent_not_writable`).
 from __future__ import annotations
 
 import errno
+import math
 import os
 import stat
 
@@ -24,13 +25,46 @@ from shared_td.persist.format import lock_path
 #: Seconds a writer waits for another writer of the same prefix before TimeoutError.
 #: Override per process with the environment variable SHARED_TD_LOCK_TIMEOUT.
 DEFAULT_LOCK_TIMEOUT = 600.0
+LOCK_TIMEOUT_VARIABLE = "SHARED_TD_LOCK_TIMEOUT"
+
+
+def lock_timeout() -> float:
+    """The seconds a writer waits for another (the lock of a prefix, an earlier
+    background write): ``SHARED_TD_LOCK_TIMEOUT`` if set, else DEFAULT_LOCK_TIMEOUT.
+
+    Read at each wait, so a process may change it. A finite number >= 0 only: filelock
+    takes a negative timeout as "wait for ever", the opposite of a bound, and NaN or
+    text would fail later without naming the variable (ValueError naming it and the value).
+
+    Example:
+        >>> os.environ["SHARED_TD_LOCK_TIMEOUT"] = "1.5"; lock_timeout()
+        1.5
+        >>> os.environ["SHARED_TD_LOCK_TIMEOUT"] = "-5"; lock_timeout()
+        Traceback (most recent call last):
+        ...
+        ValueError: SHARED_TD_LOCK_TIMEOUT='-5' is not a number of seconds >= 0 (a finite number such as 600 or 2.5).
+        >>> del os.environ["SHARED_TD_LOCK_TIMEOUT"]; lock_timeout()
+        600.0
+    """
+    text = os.environ.get(LOCK_TIMEOUT_VARIABLE)
+    if text is None:
+        return DEFAULT_LOCK_TIMEOUT
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise ValueError(f"{LOCK_TIMEOUT_VARIABLE}={text!r} is not a number of seconds >= 0 "
+                         "(a finite number such as 600 or 2.5).")
+    return seconds
 
 
 def prefix_lock(prefix: str, timeout: float | None = None) -> filelock.BaseFileLock:
     """The inter-process lock that orders atomic writers of ``prefix``; its file is
-    created now if missing (:func:`create_lock_file`)."""
+    created now if missing (:func:`create_lock_file`). ``timeout``: seconds to wait
+    for it (None: :func:`lock_timeout`)."""
     if timeout is None:
-        timeout = float(os.environ.get("SHARED_TD_LOCK_TIMEOUT", DEFAULT_LOCK_TIMEOUT))
+        timeout = lock_timeout()
     path = lock_path(prefix)
     # filelock 3.x (3.22 still) sets the file's mode to its ``mode`` argument (0o644 by
     # default) at every acquire, taking away the group write of a 0o002 umask: given
@@ -56,7 +90,7 @@ class acquired:
             except filelock.Timeout:
                 raise TimeoutError(
                     f"Another writer has held the lock {self.lock.lock_file} for more than "
-                    f"{self.lock.timeout:.0f} s: an atomic write of the same prefix is still "
+                    f"{self.lock.timeout:g} s: an atomic write of the same prefix is still "
                     "running. Wait for it, or raise SHARED_TD_LOCK_TIMEOUT."
                 ) from None
             if self._holds_the_file_at_its_path():

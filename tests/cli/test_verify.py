@@ -24,13 +24,14 @@ def test_a_sound_save_passes(tmp_path, writer):
     assert (code, document["ok"], document["problems"]) == (0, True, [])
 
 
-def test_lazy_stack_passes_and_a_gap_is_a_warning(tmp_path):
+def test_lazy_stack_passes_and_a_gap_is_an_error(tmp_path):
     prefix = save_lazy_stack(tmp_path / "lazy")
     assert main(["verify", "-q", prefix]) == 0
     os.rename(os.path.join(prefix, "1"), os.path.join(prefix, "2"))  # member 1 missing
     code, document = run_json("verify", prefix)
-    assert code == 0
-    assert problems_by_path(document)["2"] == [("warning", "an unknown directory: no meta.json names it")]
+    assert code == 1
+    (severity, message), = problems_by_path(document)["."]
+    assert severity == "error" and "member 1 of 2 of this lazy stack is missing" in message
 
 
 def _damaged(tmp_path, damage):

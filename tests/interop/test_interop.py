@@ -427,7 +427,10 @@ def test_lazy_stack_files_equal_tensordict(tmp_path):
     ours, theirs = write_both(tmp_path, lambda lib: lazy_stack(lib, 1))
     assert files(ours) == files(theirs)
     assert {"meta.json", "0/meta.json", "1/only_b/c.memmap", "1/label/meta.json"} <= files(ours)
-    assert parsed_metas(ours) == parsed_metas(theirs)
+    mine = parsed_metas(ours)
+    assert mine["meta.json"][-1] == ("_shared_td_members", 2)  # shared_td's member count (docs/format.md §2.2)
+    mine["meta.json"] = mine["meta.json"][:-1]
+    assert mine == parsed_metas(theirs)
 
 
 # ----------------------------------------------------------------------------- odd leaves
