@@ -65,6 +65,7 @@ import ctypes  # noqa: E402  (after the check: what follows needs what it checks
 import errno  # noqa: E402
 import mmap  # noqa: E402
 import select  # noqa: E402
+import stat  # noqa: E402
 
 __all__ = [
     "ByteLock", "CreatorWatch", "creator_pid", "map_shared_bytes", "new_memfd", "pid_alive", "rename_exchange",
@@ -141,7 +142,12 @@ def reopen_peer_fd(pid: int, fd: int, key: tuple[int, int]) -> int:
 
     Raises the OSError of the open when the process or its descriptor is gone
     (``ENOENT``) or is not ours to open (``EACCES``), and an OSError ``ESTALE`` when the
-    descriptor number now names another file.
+    descriptor number now names another file. That file is never opened for reading or
+    writing: a stale number may name a FIFO (opening it would release a writer waiting
+    for a reader) or a device (opening it runs its driver). So the path is first opened
+    ``O_PATH`` (no open of the file itself), checked to be a regular file (a memfd is
+    one) with inode ``key``, and only that checked inode is opened read-write, through
+    ``/proc/self/fd``.
 
     Example:
         >>> fd = new_memfd("example", 8)
@@ -151,15 +157,17 @@ def reopen_peer_fd(pid: int, fd: int, key: tuple[int, int]) -> int:
         (True, True)
         >>> os.close(mine); os.close(fd)
     """
-    new_fd = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+    if type(pid) is not int or type(fd) is not int:  # a path built from anything else names anything
+        raise TypeError(f"a peer descriptor is two ints (pid, fd), got {pid!r}, {fd!r}")
+    path_fd = os.open(f"/proc/{pid}/fd/{fd}", os.O_PATH | os.O_CLOEXEC)
     try:
-        st = os.fstat(new_fd)
-        if (st.st_dev, st.st_ino) != tuple(key):
+        st = os.fstat(path_fd)
+        if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != tuple(key):
             raise OSError(errno.ESTALE, f"descriptor {fd} now names another file (process {pid})")
-    except BaseException:
-        os.close(new_fd)
-        raise
-    return new_fd
+        # the inode just checked, never whatever /proc/<pid>/fd/<fd> names by now
+        return os.open(f"/proc/self/fd/{path_fd}", os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY)
+    finally:
+        os.close(path_fd)
 
 
 # mmap through libc: Python's mmap.mmap keeps a second descriptor per mapping. libc is

@@ -15,6 +15,7 @@ import torch
 
 from shared_td.containers.lazy import LazyStackedTensorDict
 from shared_td.containers.nontensor import NonTensorData, NonTensorStack
+from shared_td.containers.nontensor_base import record_node
 from shared_td.containers.tensorclass import loading_class, tensorclass_for_type_string
 from shared_td.containers.tensordict import TensorDict
 from shared_td.errors import FormatError
@@ -253,7 +254,9 @@ class _NonTensorKind(nodes.NodeKind):
     def adopt(self, value, values: dict, directory, *, share_non_tensor: bool):
         if share_non_tensor and value._shared_value is None:
             value._share()
-        return _mark_written(value, directory)
+        _mark_written(value, directory)
+        record_node(value, directory)  # which directory: a stale view's write is refused (audit 21)
+        return value
 
     def copy(self, value, values: dict, directory, *, share_non_tensor: bool):
         return self.adopt(value.clone(), values, directory, share_non_tensor=share_non_tensor)
@@ -279,7 +282,8 @@ class NonTensorDataKind(_NonTensorKind):
     def rebuild(self, meta: NodeMeta, values: dict, *, directory: str, parent_batch, unpickle, read_only=None):
         data = meta.document["data"] if "data" in meta.document else unpickle(fmt.OTHER_PICKLE)["data"]
         value = NonTensorData(data, batch_size=parent_batch or [])
-        value._memmap_prefix, value._read_only_reason = directory, read_only
+        value._read_only_reason = read_only
+        record_node(value, directory)
         return value
 
     def inspect(self, meta: NodeMeta, node: NodeView) -> None:
@@ -312,7 +316,8 @@ class NonTensorStackKind(_NonTensorKind):
         if data == fmt.STACK_PICKLE:
             data = unpickle(fmt.STACK_PICKLE)
         stack = NonTensorStack.from_list(data)
-        stack._memmap_prefix, stack._read_only_reason = directory, read_only
+        stack._read_only_reason = read_only
+        record_node(stack, directory)
         return stack
 
     def inspect(self, meta: NodeMeta, node: NodeView) -> None:

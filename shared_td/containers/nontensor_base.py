@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import numbers
+import os
 import pickle
 from typing import Any, Callable
 
@@ -27,6 +28,30 @@ from shared_td.containers.reshaping import permute_order
 from shared_td.containers.to_args import parse_to
 from shared_td.errors import BatchSizeMismatchError, ReadOnlyError
 from shared_td.keys import key_repr
+
+
+def record_node(value: "NonTensorBase", directory: str | None) -> None:
+    """``value`` lives in the node directory ``directory`` (None: in memory), as mapped
+    or loaded now: its path, and which directory that is (``(st_dev, st_ino)``), which an
+    in-place write checks before it rewrites the files (see ``_store``).
+
+    Example:
+        >>> import tempfile
+        >>> value = NonTensorData("x")
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     record_node(value, d)
+        ...     value._memmap_prefix == d, value._memmap_node == (os.stat(d).st_dev, os.stat(d).st_ino)
+        (True, True)
+    """
+    value._memmap_prefix = directory
+    node = None
+    if directory is not None:
+        try:
+            st = os.stat(directory)
+            node = (st.st_dev, st.st_ino)
+        except OSError:
+            pass  # (nothing to check against: a write finds the path as it finds it)
+    value._memmap_node = node
 
 
 class NonTensorBase(NonTensorBatchDimOps, TensorDictBase):
@@ -361,12 +386,15 @@ class NonTensorBase(NonTensorBatchDimOps, TensorDictBase):
             from shared_td.persist.writer import rewrite_node
 
             before = self._payload if self._shared_value is not None else None
-            rewrite_node(entry._holding(payload), entry._memmap_prefix)
+            # the directory it was mapped from or loaded from (see record_node): a stale
+            # view's write must never rewrite a newer save's files at the same path
+            expected = entry.__dict__.get("_memmap_node")
+            rewrite_node(entry._holding(payload), entry._memmap_prefix, expected)
             try:
                 self._payload = payload  # (an attribute, or the shared cell)
             except BaseException:
                 with contextlib.suppress(Exception):  # the cell's error is the one to raise
-                    rewrite_node(entry._holding(before), entry._memmap_prefix)
+                    rewrite_node(entry._holding(before), entry._memmap_prefix, expected)
                 raise
         self._after_update(touched)
 

@@ -53,6 +53,9 @@ class _Channel:
         # step is known as such even when the cleanup after an interruption was itself
         # interrupted (a second Ctrl-C at _forget's entry): the next call drops it
         self.in_flight = False
+        # True once out of the table (drop_channel): closed by whichever thread holds
+        # ``lock`` then (see _close_retired), never under another thread's call
+        self.retired = False
         self.conn = connect(address, authkey, deadline)
         try:
             # Serve this connection from the registry object (see server.REGISTRY_ID).
@@ -201,15 +204,46 @@ def _forget(channel: _Channel) -> None:
     with _CHANNELS_LOCK:
         for key in [k for k, c in _CHANNELS.items() if c is channel]:
             del _CHANNELS[key]
+    channel.retired = True
     channel.conn.close()
 
 
 def drop_channel(address: str) -> None:
+    """Stop handing out this process's connections to ``address`` and close them, each
+    by the thread that holds its lock: this one if no call is on it, else the thread
+    whose call is, when that call ends.
+
+    A connection's descriptor is closed under its lock only: ``Connection.close`` is not
+    thread-safe, and a close racing another thread's call (or its own close) closed the
+    number twice; by then it might name another thread's new file or socket (audit 21).
+
+    Example:
+        >>> drop_channel("/nonexistent/sock")  # no connection: nothing to do
+    """
     pid = os.getpid()
     with _CHANNELS_LOCK:
         dropped = [_CHANNELS.pop(k) for k in list(_CHANNELS) if k[:2] == (pid, address)]
     for channel in dropped:
-        channel.conn.close()
+        channel.retired = True  # before the try below: see _close_retired
+        _close_retired(channel)
+
+
+def _close_retired(channel: _Channel) -> None:
+    """Close retired ``channel`` if its lock is free now; else its holder will.
+
+    Every thread that takes a channel's lock closes it if it is retired, and every
+    thread that gives the lock back looks again once it is free (``call``'s finally):
+    whichever thread last sees it retired with the lock free closes it; two threads
+    never close it together. A thread inside a call on it (this function run by a
+    signal handler or finalizer mid-call) leaves it to that call.
+    """
+    if channel.lock._is_owned() or not channel.lock.acquire(blocking=False):
+        return
+    try:
+        if not channel.conn.closed:
+            channel.conn.close()
+    finally:
+        channel.lock.release()
 
 
 def _reach(address: str, authkey: bytes, deadline: float, timeout: float, make) -> _Channel:
@@ -272,10 +306,11 @@ def call(address: str, authkey: bytes, method: str, *args, timeout: float):
             raise
         # From here the lock is ours: released on every way out (the finally below)
         try:
-            if channel.in_flight or channel.conn.closed:
+            if channel.in_flight or channel.retired or channel.conn.closed:
                 # an earlier call was interrupted between its request and the end of its
                 # answer (and maybe its cleanup too), or failed and closed it: the answer
-                # may still come, so never talk on it again; connect anew
+                # may still come, so never talk on it again; connect anew. Or it was
+                # dropped while this call waited for it: closed here, under its lock.
                 _forget(channel)
                 continue
             limit_waits(channel.conn, deadline)
@@ -303,6 +338,8 @@ def call(address: str, authkey: bytes, method: str, *args, timeout: float):
             raise
         finally:
             channel.lock.release()
+            if channel.retired:  # dropped meanwhile (drop_channel): closed by the lock's holder
+                _close_retired(channel)
     if kind == "#RETURN":
         return result
     raise managers.convert_to_error(kind, result)

@@ -62,7 +62,7 @@ class Coordinator:
 
     Pickling a handle (e.g. as a worker's argument) sends ``address``, ``authkey`` and
     ``timeout``; the receiver gets a non-owning handle (its :meth:`shutdown` only
-    disconnects). A started handle that is garbage-collected, or still running when this
+    retires the handle). A started handle that is garbage-collected, or still running when this
     process exits, stops its manager (and first shuts its cluster node down).
 
     Inside ``with coord:`` (and during :meth:`publish`) this coordinator is the one
@@ -150,7 +150,8 @@ class Coordinator:
             raise
 
     def shutdown(self) -> None:
-        """Stop the manager (owner) or just disconnect (non-owner). Idempotent.
+        """Stop the manager (owner), or make this handle unusable (non-owner: the
+        process's connection, shared by its other handles and threads, stays). Idempotent.
 
         Attached processes keep their mappings: anonymous memory is freed by the kernel
         once the last of them is gone. Works after the manager was killed too: then it
@@ -162,7 +163,11 @@ class Coordinator:
             return
         if self.cluster is not None and self._process is not None and self._process.owned_here():
             self.cluster.shutdown()
-        drop_channel(address)
+        if self._process is not None:
+            # the manager stops: this process's connection to it goes. A non-owning handle
+            # only forgets its address: the connection is per process, and other handles
+            # and threads of this process are using it (audit 21)
+            drop_channel(address)
         self._address = None
         if self._process is not None:  # stops it in the owning process only
             self._process.stop(min(self._timeout, SHUTDOWN_TIMEOUT))
@@ -358,12 +363,20 @@ class Coordinator:
         """
         address = self.address
         released = _RELEASED.pop(address, [])
-        pid, fds = self._call("adopt_cells", os.getpid(), [(c.fd, c.key) for c in cells], released)
+        adopter = os.getpid()
+        try:
+            pid, fds = self._call("adopt_cells", adopter, [(c.fd, c.key) for c in cells], released)
+        except BaseException:
+            # not told (or not known to be): told with the next adoption instead (telling
+            # twice is harmless), else the manager held them until it stopped
+            _RELEASED.setdefault(address, [])[:0] = released
+            raise
         for cell, fd in zip(cells, fds):
             cell.add_holders([(pid, fd)])
             # once this process drops the cell, the manager may drop it too (told with
-            # the next adoption: a finalizer must not make a round trip)
-            weakref.finalize(cell, _release_later, address, cell.key)
+            # the next adoption: a finalizer must not make a round trip); only this
+            # process's drop: a fork child's inherited copy is not the adopter's
+            weakref.finalize(cell, _release_later, address, cell.key, adopter)
 
     def _call(self, method: str, *args):
         self._check()
@@ -474,8 +487,15 @@ def _leave(coord: Coordinator) -> None:
             return
 
 
-def _release_later(address: str, key: tuple[int, int]) -> None:
-    _RELEASED.setdefault(address, []).append(key)
+def _release_later(address: str, key: tuple[int, int], adopter: int) -> None:
+    # a fork child runs its parent's finalizers on its inherited copies: not its release
+    # to make (the manager would refuse it anyway, see Registry.adopt_cells)
+    if os.getpid() == adopter:
+        _RELEASED.setdefault(address, []).append(key)
+
+
+# the parent's drops are the parent's to tell, never a fork child's
+os.register_at_fork(after_in_child=_RELEASED.clear)
 
 
 def _as_key(authkey) -> bytes:

@@ -81,7 +81,9 @@ class Registry:
         self._versions: dict[str, int] = {}
         self._slots: dict[str, int | None] = {}  # name -> its slot in the version table
         self._table: VersionTable | None = None  # made on the first publish
-        self._cells: dict[tuple[int, int], int] = {}  # (st_dev, st_ino) -> our descriptor
+        # (adopter pid, (st_dev, st_ino)) -> our descriptor: released by its adopter only
+        # (a fork child inherits the adopter's copies, not its holds)
+        self._cells: dict[tuple[int, tuple[int, int]], int] = {}
 
     def publish(self, name: str, blob: bytes, references: list, layout: dict) -> tuple[dict, dict]:
         """Hold the tensordict pickled as ``blob`` under ``name``.
@@ -139,12 +141,16 @@ class Registry:
         manager stops; first drop those whose keys are in ``released``.
 
         Returns this process's pid and its descriptor for each cell, which the creator
-        records as a fallback holder. A cell already adopted keeps its descriptor. All or
-        nothing: a failed reopen (the manager out of descriptors) keeps none of the new.
+        records as a fallback holder. A cell already adopted by ``pid`` keeps its
+        descriptor. All or nothing: a failed reopen (the manager out of descriptors) keeps
+        none of the new. A release is honoured only from the process that adopted the
+        cell: a fork child that drops its inherited copy never releases its parent's.
         """
+        if type(pid) is not int:
+            raise TypeError(f"adopt_cells takes the adopting process's pid (an int), got {pid!r}")
         with self._lock:
             for key in released:
-                fd = self._cells.pop(tuple(key), None)
+                fd = self._cells.pop((pid, tuple(key)), None)
                 if fd is not None:
                     os.close(fd)
             # reopened aside, kept only once all are: a cell the creator does not record
@@ -152,15 +158,15 @@ class Registry:
             new: dict = {}
             try:
                 for fd, key in cells:
-                    key = tuple(key)
-                    if key not in self._cells and key not in new:
-                        new[key] = _reopen(pid, fd, key)
+                    held = (pid, tuple(key))
+                    if held not in self._cells and held not in new:
+                        new[held] = _reopen(pid, fd, key)
             except BaseException:
                 for fd in new.values():
                     os.close(fd)
                 raise
             self._cells.update(new)
-            return os.getpid(), [self._cells[tuple(key)] for _fd, key in cells]
+            return os.getpid(), [self._cells[(pid, tuple(key))] for _fd, key in cells]
 
     def _store_version(self, name: str, value: int) -> None:
         if name not in self._slots:

@@ -488,11 +488,23 @@ def _entries(node: NodePlan) -> tuple:
     )
 
 
-def rewrite_node(obj: Any, directory: str) -> None:
+def rewrite_node(obj: Any, directory: str, expected: tuple[int, int] | None = None) -> None:
     """Rewrite the files of ``obj``'s existing node ``directory`` from what ``obj``
     holds now (after an in-place write of non-tensor data): through a temporary each,
-    renamed over the old file; a failure leaves the old files and no temporary."""
+    renamed over the old file; a failure leaves the old files and no temporary. Under
+    the node's flock, SaveChangedError (nothing written) if ``directory`` is no longer
+    the ``expected`` ``(st_dev, st_ino)`` it was mapped from: a stale view's write never
+    reaches a newer save's files (written through the descriptor checked)."""
     with Directory.open(directory) as opened:
+        if expected is not None:
+            _lock_node(opened)
+            st = os.fstat(opened.fd)
+            if (st.st_dev, st.st_ino) != tuple(expected):
+                raise SaveChangedError(
+                    f"The non-tensor entry in {directory} was written through a stale view: the directory was "
+                    "replaced since this value was mapped or loaded (an atomic rewrite, or a new save at that "
+                    "prefix). Nothing was written. Refresh the view (shared_td.refresh, or attach / load_memmap "
+                    "again) and write through the new one.")
         _rewrite_in(obj, opened)
 
 
