@@ -24,6 +24,7 @@ from shared_td.containers.locking import LockingOps
 from shared_td.containers.nontensor_ops import NonTensorOps
 from shared_td.containers.pinning import PinningOps
 from shared_td.containers.splitting import BatchSplitOps
+from shared_td.containers.tree_resets import TreeResets
 from shared_td.containers.updates import UpdateOps
 # the value kinds live below this module; also importable from here, where code
 # outside the package has always found them (__all__)
@@ -44,7 +45,7 @@ NO_DEFAULT = object()
 
 
 class TensorDictBase(TensorDictRoot, LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, MemmapMethods,
-                     ConsolidateMethods, ComparisonOps, UpdateOps, PinningOps, ExtraNameOps):
+                     ConsolidateMethods, ComparisonOps, UpdateOps, PinningOps, ExtraNameOps, TreeResets):
     """Common API of TensorDict, LazyStackedTensorDict and the non-tensor containers."""
 
     _is_non_tensor = False
@@ -263,13 +264,13 @@ class TensorDictBase(TensorDictRoot, LockingOps, BatchSplitOps, NonTensorOps, Co
     def __delitem__(self, key: NestedKey) -> None:
         self.del_(key)
 
-    def set(self, key: NestedKey, value: Any, *, inplace: bool = False, non_blocking: bool = False) -> "TensorDictBase":
+    def set(self, key: NestedKey, value: Any, inplace: bool = False, *, non_blocking: bool = False) -> "TensorDictBase":
         """Add or replace the entry ``key``; returns self.
 
-        ``inplace=True`` writes into the existing entry when there is one (allowed on a
-        locked tensordict); into a nested tensordict as ``update(value, inplace=True)``
-        (keys it lacks are added, as in tensordict). Missing parents of a nested key are
-        created; ``non_blocking`` is accepted and ignored.
+        ``inplace=True`` (also by position: ``set(key, value, True)``) writes into the
+        existing entry when there is one (allowed on a locked tensordict); into a nested
+        tensordict as ``update(value, inplace=True)`` (keys it lacks are added, as in
+        tensordict). Missing parents are created; ``non_blocking`` is ignored.
 
         Raises:
             LockedTensorDictError: (a RuntimeError) when locked and an entry would be added
@@ -491,6 +492,7 @@ class TensorDictBase(TensorDictRoot, LockingOps, BatchSplitOps, NonTensorOps, Co
         from shared_td.containers.functions import TORCH_FUNCTIONS
 
         handler = TORCH_FUNCTIONS.get(func)
-        if handler is None:
-            return NotImplemented
+        if handler is None:  # named here (torch would say "Multiple dispatch failed"); no cost above
+            from shared_td.containers.unsupported_options import unsupported_torch_function
+            raise unsupported_torch_function(func, cls)
         return handler(*args, **(kwargs or {}))

@@ -4,6 +4,8 @@ They build new tensordicts that share the entries (no tensor is copied).
 """
 from __future__ import annotations
 
+from typing import Any
+
 from shared_td.containers.base import NO_DEFAULT, is_leaf_nontensor
 from shared_td.keys import NestedKey, unravel_key
 
@@ -62,10 +64,21 @@ class KeyOps:
                 parent._tensordict.pop(path[-1], None)
         return out
 
-    def flatten_keys(self, separator: str = ".", inplace: bool = False) -> "KeyOps":
-        """Nested entries as top-level keys joined by ``separator`` (``("a", "b")`` -> ``"a.b"``)."""
+    def flatten_keys(self, separator: str = ".", inplace: bool = False, is_leaf: Any = None) -> "KeyOps":
+        """Nested entries as top-level keys joined by ``separator`` (``("a", "b")`` -> ``"a.b"``).
+
+        ``is_leaf`` (as tensordict's: called with a class) tells which values are kept
+        whole under their joined key; by default tensors and non-tensor entries
+        (:func:`is_leaf_nontensor`); the others are flattened, or left out if they are
+        not tensordicts.
+
+        Example:
+            >>> td = TensorDict(a=torch.zeros(2), n={"b": {"c": torch.ones(2)}}, batch_size=[2])
+            >>> list(td.flatten_keys().keys()), list(td.flatten_keys("/", is_leaf=lambda cls: True).keys())
+            (['a', 'n.b.c'], ['a', 'n'])
+        """
         entries = {}
-        for key in self.keys(True, True, is_leaf_nontensor):
+        for key in self.keys(True, True, is_leaf_nontensor if is_leaf is None else is_leaf):
             name = key if isinstance(key, str) else separator.join(key)
             if name in entries:
                 raise KeyError(f"Flattening keys in tensordict causes keys to collide: {name!r} twice; "

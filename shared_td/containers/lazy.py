@@ -315,6 +315,17 @@ class LazyStackedTensorDict(LazyNames, LazyShapeOps, LazyBatchDimOps, LazyWriteO
         """Add ``tensordict`` as the last member (see ``insert``)."""
         self.insert(len(self.tensordicts), tensordict)
 
+    def extend(self, tensordicts: Any) -> None:
+        """Append each of ``tensordicts`` (see ``insert``); all or none: one that
+        ``insert`` refuses leaves the stack as it was."""
+        members = list(self.tensordicts)
+        try:
+            for tensordict in tensordicts:
+                self.append(tensordict)
+        except BaseException:
+            self.tensordicts[:] = members
+            raise
+
     def insert(self, index: int, tensordict: Any) -> None:
         """Insert ``tensordict`` as member ``index`` (``list.insert``), as tensordict 0.15.3.
 

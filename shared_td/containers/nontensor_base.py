@@ -23,6 +23,7 @@ import torch
 from shared_td.containers import batch as batch_ops
 from shared_td.containers.base import TensorDictBase, is_non_tensor, is_tensor_collection, parse_device
 from shared_td.containers.batch_dim_ops import NonTensorBatchDimOps
+from shared_td.containers.nontensor_maps import NonTensorMaps
 from shared_td.containers.nontensor_values import same_value
 from shared_td.containers.reshaping import permute_order
 from shared_td.containers.to_args import parse_to
@@ -54,7 +55,7 @@ def record_node(value: "NonTensorBase", directory: str | None) -> None:
     value._memmap_node = node
 
 
-class NonTensorBase(NonTensorBatchDimOps, TensorDictBase):
+class NonTensorBase(NonTensorMaps, NonTensorBatchDimOps, TensorDictBase):
     """Shared mechanics: no keys, batch-dim ops through ``_transform``."""
 
     _is_non_tensor = True
@@ -124,23 +125,41 @@ class NonTensorBase(NonTensorBatchDimOps, TensorDictBase):
         return self._transform(lambda positions: positions[index], keep_members=True)
 
     def expand(self, *shape: Any) -> "NonTensorBase":
+        """The values broadcast to ``shape``, as ``reshape``: a NonTensorData stays one
+        (tensordict 0.15.3 gives a NonTensorStack of the value)."""
         size = batch_ops.shape_args(shape)
         return self._transform(lambda positions: positions.expand(size))
 
     def reshape(self, *shape: Any) -> "NonTensorBase":
+        """The values in the batch shape ``shape`` (``view`` is the same). A stack's
+        result is a view, as tensordict's: its in-place writes (``set_``, index writes)
+        reach self; a NonTensorData's holds the same value (the same cell when shared).
+        reshape, view, expand and permute give one value per element, not the stacked
+        members; the other methods of this kind say how they differ from tensordict's.
+
+        Example:
+            >>> from shared_td import NonTensorStack
+            >>> NonTensorStack("a", "b", "c", "d").reshape(2, 2).tolist()
+            [['a', 'b'], ['c', 'd']]
+        """
         size = batch_ops.shape_args(shape)
         return self._transform(lambda positions: positions.reshape(size))
 
     view = reshape
 
     def unsqueeze(self, dim: int) -> "NonTensorBase":
+        """A new batch dim of size 1 at ``dim``, as ``reshape`` (a stack's members are
+        kept); a NonTensorData stays one (tensordict 0.15.3: a NonTensorStack)."""
         dim = batch_ops.insertion_dim(dim, len(self._batch_size))  # the error of every tensordict's
         return self._transform(lambda positions: positions.unsqueeze(dim), keep_members=True)
 
     def squeeze(self, dim: int | None = None) -> "NonTensorBase":
+        """The batch dims of size 1 (or ``dim``) removed, as ``reshape``; always a new
+        container (tensordict 0.15.3 returns self when nothing is removed)."""
         return self._transform(lambda p: p.squeeze() if dim is None else p.squeeze(dim))
 
     def permute(self, *dims_list: Any, dims: Any = None) -> "NonTensorBase":
+        """The batch dims in the order ``dims_list`` (or ``dims``), as ``reshape``."""
         order = permute_order(dims_list, len(self._batch_size), dims)  # (the leading dims may do, as a TensorDict's)
         return self._transform(lambda positions: positions.permute(tuple(order)))  # (one tuple: () for 0 dims)
 
@@ -169,6 +188,8 @@ class NonTensorBase(NonTensorBatchDimOps, TensorDictBase):
             lambda positions: positions.repeat_interleave(repeats, dim=dim, output_size=output_size)).clone()
 
     def contiguous(self) -> "NonTensorBase":
+        """A new container holding the same values (as ``clone()``: a write into it never
+        reaches self); tensordict 0.15.3 returns a NonTensorStack itself."""
         return self.clone()
 
     def to(self, *args: Any, **kwargs: Any) -> "NonTensorBase":

@@ -112,7 +112,7 @@ _WRAPPED = (
     "unsqueeze squeeze permute transpose flatten unflatten apply named_apply set_ lock_ unlock_ "
     "share_memory_ exclude empty zero_ fill_ copy_ del_ rename_key_ refine_names auto_batch_size_ "
     "__eq__ __ne__ __lt__ __le__ __gt__ __ge__ __enter__ __exit__ all any "  # (all(dim) is a tensordict)
-    "repeat repeat_interleave"
+    "repeat repeat_interleave clear_device_ auto_device_ filter_empty_"
 ).split()
 _PLAIN = (
     "keys values items numel dim size is_shared is_memmap is_empty pop "
@@ -335,7 +335,7 @@ class _TensorClassMembers:
         value = self._tensordict.get(path, default, **kwargs)
         return value._python_value() if is_non_tensor(value) else value
 
-    def set(self, key: Any, value: Any, *, inplace: bool = False, **kwargs: Any) -> Any:
+    def set(self, key: Any, value: Any, inplace: bool = False, **kwargs: Any) -> Any:
         """Set the field (or nested entry) ``key``; returns self.
 
         Raises:

@@ -10,9 +10,17 @@ from typing import Any, Callable
 import torch
 
 from shared_td.containers import batch as batch_ops
+from shared_td.containers.apply_nested import nested_calls
 from shared_td.containers.base import NO_DEFAULT, TensorDictBase, is_non_tensor, is_tensor_collection, parse_device
+from shared_td.containers.unsupported_options import refuse_options
 from shared_td.keys import NestedKey
 from shared_td.tensorclass_protocol import is_tensorclass, unwrap_tensorclass
+
+
+# apply's keywords (named_apply's but nested_keys), and tensordict's that are not built here
+_APPLY_OPTIONS = frozenset(("batch_size", "names", "inplace", "device", "default", "filter_empty",
+                            "call_on_nested", "out", "propagate_lock"))
+_NOT_BUILT = ("is_leaf",)
 
 
 class LeafMapping:
@@ -31,22 +39,17 @@ class LeafMapping:
                 entries[key] = fn(path if len(path) > 1 else key, value)
         return self._new_unsafe(entries, self._batch_size, self._device, self.names)
 
-    def apply(
-        self,
-        fn: Callable,
-        *others: TensorDictBase,
-        batch_size: Any = None,
-        names: Any = NO_DEFAULT,
-        inplace: bool = False,
-        device: Any = NO_DEFAULT,
-    ) -> Any:
+    def apply(self, fn: Callable, *others: TensorDictBase, **options: Any) -> Any:
         """Apply ``fn`` to every tensor leaf and return the results as a new TensorDict.
 
         ``fn`` receives the leaf (and the same key of each of ``others``); a None
         result drops the key. Non-tensor entries are new ones holding the same values
         (as ``clone()``: a plain copy of a shared or memory-mapped one), so a write into
-        the result never reaches self. ``inplace=True`` writes the results into self
-        instead.
+        the result never reaches self. The keywords are those of :meth:`named_apply`,
+        which are tensordict 0.15.3's: ``batch_size``, ``names``, ``device``,
+        ``inplace=True`` (writes the results into self instead), ``default``,
+        ``filter_empty``, ``call_on_nested``, ``out`` and ``propagate_lock``
+        (``is_leaf`` is not supported: a TypeError says so).
 
         Examples:
             >>> td = TensorDict(a=torch.ones(2), b={"c": torch.arange(2)}, batch_size=[2])
@@ -57,11 +60,13 @@ class LeafMapping:
             >>> out = td.apply(lambda x: x + 1)
             >>> out.get("task") is td.get("task"), out["task"]
             (False, 'walk')
+            >>> td.apply(lambda x, y: x + y, TensorDict(a=torch.ones(2), batch_size=[2]), default=10)["b", "c"].tolist()
+            [10, 11]
         """
-        return self.named_apply(
-            lambda key, *values: fn(*values), *others, batch_size=batch_size,
-            names=names, inplace=inplace, device=device,
-        )
+        # refused here, not by named_apply, so that the error names apply
+        refuse_options(self, "apply", {k: v for k, v in options.items() if k not in _APPLY_OPTIONS},
+                       known=_NOT_BUILT)
+        return self.named_apply(lambda key, *values: fn(*values), *others, **options)
 
     def named_apply(
         self,
@@ -72,16 +77,70 @@ class LeafMapping:
         names: Any = NO_DEFAULT,
         inplace: bool = False,
         device: Any = NO_DEFAULT,
-        _prefix: tuple = (),
+        default: Any = NO_DEFAULT,
+        filter_empty: bool | None = None,
+        call_on_nested: bool = False,
+        out: Any = None,
+        propagate_lock: bool = False,
+        _prefix: tuple | None = None,
+        **unsupported: Any,
     ) -> Any:
         """Like ``apply``, but ``fn(key, leaf, *others_leaves)`` also gets the key.
 
         The key is the leaf's own name, or its full nested tuple if ``nested_keys``.
+        The keywords are tensordict 0.15.3's:
+
+        - ``default``: given to ``fn`` for an entry that one of ``others`` lacks (a
+          nested tensordict that one lacks gives ``default`` for each of its leaves);
+          without it, a missing entry raises KeyError.
+        - ``filter_empty``: True leaves out the nested tensordicts with no entry in the
+          result, False keeps them; None (the default) leaves out those that ``fn``
+          emptied and keeps those that were empty already. The result is None when
+          ``fn`` returned None for every leaf (and ``filter_empty`` is not False).
+        - ``call_on_nested=True``: ``fn`` is called on each top-level entry (nested
+          tensordicts and non-tensor entries included) and goes into them itself.
+        - ``out``: a tensordict the results are written into (as ``out.update``),
+          returned instead of a new one.
+        - ``propagate_lock=True``: the result of a locked tensordict is locked.
+
+        ``is_leaf`` and other keywords of tensordict's raise a TypeError naming them.
+
+        Example:
+            >>> td = TensorDict(a=torch.ones(2), n={"b": torch.zeros(2, 3)}, batch_size=[2])
+            >>> sorted(td.named_apply(lambda key, x: x if key == "a" else None).keys())
+            ['a']
+            >>> td.named_apply(lambda key, x: x, call_on_nested=True)["n", "b"].shape
+            torch.Size([2, 3])
         """
+        refuse_options(self, "named_apply", unsupported, known=_NOT_BUILT)
+        if call_on_nested:
+            result = nested_calls(self, fn, others, default, batch_size, device)
+        else:
+            result = self._named_apply(fn, others, nested_keys, batch_size, names, inplace, device,
+                                       default, filter_empty, _prefix or ())
+            if result is None and _prefix is not None:
+                # a lazy stack's member (lazy_shape.named_apply passes its _prefix): the
+                # stack is restacked from its members' results, which must be tensordicts
+                result = self._new_unsafe({}, self._batch_size, self._device, None)
+        if inplace:
+            return self
+        if result is not None and propagate_lock and self.is_locked:
+            result.lock_()
+        if out is not None:
+            return out if result is None else out.update(result)
+        return result
+
+    def _named_apply(self, fn: Callable, others: tuple, nested_keys: bool, batch_size: Any, names: Any,
+                     inplace: bool, device: Any, default: Any, filter_empty: bool | None,
+                     _prefix: tuple) -> Any:
+        """named_apply's walk: the new TensorDict (None once emptied, see filter_empty)."""
         new_batch = self._batch_size if batch_size is None else batch_ops.as_batch_size(batch_size)
         entries = {}
         for key, value in self._tensordict.items():
-            other_values = [o.get(key) for o in others]
+            if default is NO_DEFAULT:
+                other_values = [o.get(key) for o in others]
+            else:  # (an other that is not a tensordict is a default given for a whole subtree)
+                other_values = [o.get(key, default) if is_tensor_collection(o) else o for o in others]
             tensor = isinstance(value, torch.Tensor)  # most entries: no class to ask about
             if not tensor and is_non_tensor(value):
                 if inplace:
@@ -96,12 +155,18 @@ class LeafMapping:
                     result = result._with_batch_size(new_batch, key)
             elif not tensor and is_tensor_collection(value):
                 inner = unwrap_tensorclass(value)
-                result = inner.named_apply(
-                    fn, *other_values, nested_keys=nested_keys,
-                    batch_size=None if batch_size is None else new_batch,
-                    inplace=inplace, device=device, _prefix=_prefix + (key,),
-                )
-                if inner is not value:
+                if isinstance(inner, LeafMapping):
+                    result = inner._named_apply(
+                        fn, other_values, nested_keys, None if batch_size is None else new_batch, NO_DEFAULT,
+                        inplace, device, default, filter_empty, _prefix + (key,),
+                    )
+                else:  # a lazy stack: its own named_apply (without default and filter_empty)
+                    result = inner.named_apply(
+                        fn, *other_values, nested_keys=nested_keys,
+                        batch_size=None if batch_size is None else new_batch,
+                        inplace=inplace, device=device, _prefix=_prefix + (key,),
+                    )
+                if result is not None and inner is not value:
                     result = value._from_tensordict(result)
             else:
                 result = fn(_prefix + (key,) if nested_keys and _prefix else key, value, *other_values)
@@ -112,6 +177,8 @@ class LeafMapping:
                 if isinstance(result, torch.Tensor):
                     self._tensordict[key].copy_(result)
             return self
+        if not entries and filter_empty is not False and (filter_empty or self._tensordict):
+            return None  # (emptied by fn, or empty and filter_empty=True: left out, as tensordict)
         out_names = self.names if names is NO_DEFAULT and new_batch == self._batch_size else (
             None if names is NO_DEFAULT else names
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from shared_td.containers.update_options import update_source
 from shared_td.containers.value_kinds import is_non_tensor, is_tensor_collection
 from shared_td.keys import key_repr, unravel_key
 from shared_td.memmap_tensor import refuse_read_only
@@ -18,10 +19,16 @@ class UpdateOps:
     """Writing the entries of another dict or tensordict into this one."""
 
     def update(
-        self, other: Any, clone: bool = False, inplace: bool = False, *, keys_to_update=None,
-        non_blocking: bool = False,
+        self, other: Any = None, clone: bool = False, inplace: bool = False, *, keys_to_update=None,
+        non_blocking: bool = False, ignore_lock: bool = False, **entries: Any,
     ) -> "TensorDictBase":
         """Set every entry of ``other`` (a dict or tensordict), merging nested ones.
+
+        Keywords that are not options are top-level entries, as in tensordict:
+        ``td.update(a=x)`` writes ``x`` at ``"a"`` (and wins over an ``"a"`` of
+        ``other``). ``ignore_lock=True`` warns (a DeprecationWarning, as tensordict
+        0.15.3's) and, as there, does not lift the lock; tensordict's ``is_leaf`` and
+        ``update_batch_size`` raise a TypeError saying shared_td does not support them.
 
         With ``clone=True`` the entries added or replaced are copies of ``other``'s (as
         tensordict 0.15.3; ``clone`` and ``inplace`` may be passed by position, as
@@ -35,6 +42,7 @@ class UpdateOps:
             >>> td["a"] is src["a"], td["a"].tolist()
             (False, [0.0, 0.0])
         """
+        other = update_source(self, other, entries, ignore_lock)
         selected = None if keys_to_update is None else [unravel_key(k) for k in keys_to_update]
         for path, value, in_place, _ in _stores_first(self._plan_update(other, (), inplace, True, selected)):
             if in_place:

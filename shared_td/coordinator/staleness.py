@@ -181,10 +181,11 @@ def _attachment(td: Any) -> _Attachment:
 
 
 def is_stale(td: Any) -> bool:
-    """True if the name ``td`` was attached (or published) as has been published again
-    or unpublished since (an unpublished name's slot keeps its version with the
-    :data:`~shared_td.coordinator.registry.WITHDRAWN` bit set). No round trip: one read of the coordinator's shared version
-    table (a round trip only past its 4096 names).
+    """True if the name that ``td`` was attached (or published) as has been published
+    again, or unpublished, since then (an unpublished name's slot keeps its version
+    with the :data:`~shared_td.coordinator.registry.WITHDRAWN` bit set). No round trip:
+    one read of the coordinator's shared version table (a round trip only past its
+    4096 names).
 
     It does not check that the manager lives (that would cost a system call per check):
     once the coordinator is gone, its table stays mapped and answers what was last

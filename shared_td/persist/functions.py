@@ -8,7 +8,8 @@ from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 
 def save(data: Any, prefix: Any = None, copy_existing: bool = False, **kwargs: Any) -> Any:
-    """Save ``data`` (any tensordict or tensorclass) to ``prefix``; see ``memmap``.
+    """Save ``data`` (any tensordict or tensorclass) to ``prefix``: ``shared_td.memmap``
+    (the same keywords), returning the memory-mapped copy.
 
     Examples:
         >>> td = shared_td.TensorDict(obs=torch.zeros(3, 4), batch_size=[3])
@@ -20,7 +21,23 @@ def save(data: Any, prefix: Any = None, copy_existing: bool = False, **kwargs: A
 
 
 def memmap(data: Any, prefix: Any = None, copy_existing: bool = False, **kwargs: Any) -> Any:
-    """A memory-mapped copy of ``data`` at ``prefix`` (anonymous memory if None)."""
+    """A memory-mapped copy of ``data`` (a tensordict or tensorclass) at ``prefix``, in
+    anonymous shared memory if None: ``data.memmap(prefix, copy_existing, **kwargs)``,
+    as ``tensordict.memmap``; ``data`` itself is unchanged.
+
+    The keywords are those of ``TensorDict.memmap``: ``num_threads``, ``return_early``
+    (a TensorDictFuture), ``share_non_tensor``, ``existsok``, ``robust_key``,
+    ``atomic`` (a new directory swapped in), ``archive`` and ``compression`` (one zip
+    file, e.g. a prefix ending with ``".tdz"``); see ``TensorDict.memmap_`` for each.
+
+    Examples:
+        >>> td = shared_td.TensorDict(obs=torch.zeros(3, 4), batch_size=[3])
+        >>> copy = shared_td.memmap(td, "data/mapped", num_threads=2)
+        >>> copy.is_memmap(), td.is_memmap(), str(copy.saved_path).endswith("mapped")
+        (True, False, True)
+        >>> shared_td.memmap(td).is_memmap()  # anonymous shared memory: no file
+        True
+    """
     return data.memmap(prefix, copy_existing, **kwargs)
 
 
@@ -29,10 +46,26 @@ def load_memmap(
     robust_key: bool | None = True, subpath: Any = None, mode: str | None = None,
     num_threads: int = 0, allow_pickle: bool | None = None,
 ) -> Any:
-    """Load a directory saved by shared_td or tensordict 0.15.3 (the class on disk).
+    """Load a directory (or ``.tdz`` archive) saved by shared_td or tensordict 0.15.3,
+    as the class on disk; ``shared_td.load`` is the same function, as in tensordict.
 
-    The options are those of ``TensorDict.load_memmap`` (``out`` is loaded in place by
-    its own class's ``load_memmap``).
+    The leaves map the files (nothing is copied). The options are those of
+    ``TensorDict.load_memmap``: ``device`` (the leaves are moved there: a copy),
+    ``non_blocking`` (ignored), ``out`` (a tensordict or tensorclass of ours loaded in
+    place by its own class's ``load_memmap``), ``robust_key`` (the key encoding of the
+    file names, as written), ``subpath`` (load only that nested key), ``mode`` (``"r"``:
+    read-only, ``"r+"``: read-write), ``num_threads`` and ``allow_pickle`` (pickled
+    non-tensor data is refused unless True).
+
+    Examples:
+        >>> _ = shared_td.TensorDict(obs=torch.ones(3), n={"x": torch.zeros(3)}, batch_size=[3]).save("data/run")
+        >>> loaded = shared_td.load_memmap("data/run")
+        >>> type(loaded).__name__, type(loaded["obs"]).__name__, loaded["obs"].tolist()
+        ('TensorDict', 'MemoryMappedTensor', [1.0, 1.0, 1.0])
+        >>> shared_td.load("data/run", subpath="n")["x"].tolist()
+        [0.0, 0.0, 0.0]
+        >>> type(shared_td.load_memmap("data/run", mode="r")["obs"]).__name__  # writes raise
+        'ReadOnlyMemoryMappedTensor'
     """
     if out is not None:
         check_out_type(out)
