@@ -45,7 +45,8 @@ After a Ctrl-C the processes get up to 30 s to stop; a second Ctrl-C kills them 
 
 
 #: The fewest rows --buffer-size may give: one actor's batch (``run_demo``'s ``batch_size``;
-#: not imported from there, which would import torch for ``--help``).
+#: not imported from there, which would import torch for ``--help``). With ``--actors``
+#: it must be at least ``2 x actors x`` this (``session.min_capacity``), checked by ``run``.
 MIN_BUFFER_ROWS = 128
 
 #: Actor processes per CPU at most: each imports torch (~250 MiB), and past a few per
@@ -93,7 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"number of actor processes (default 2; at most {ACTORS_PER_CPU} per CPU)")
     parser.add_argument("--buffer-size", type=_positive(int, least=MIN_BUFFER_ROWS), default=1 << 18,
                         help=f"rows of the shared ring buffer (default 262144, ~23 MiB; at least "
-                             f"{MIN_BUFFER_ROWS})")
+                             f"2 x actors x {MIN_BUFFER_ROWS})")
     parser.add_argument("--nodes", type=int, choices=(1, 2), default=1,
                         help="1 (default): one machine; 2: the learner on node 0 and the actors "
                              "on node 1 of a cluster over loopback (127.0.0.1 only)")
@@ -104,6 +105,12 @@ def run(args: argparse.Namespace) -> int:
     # imported here so that `python -m shared_td --help` does not pay for torch
     from shared_td.demo import run_demo
 
+    least = 2 * args.actors * MIN_BUFFER_ROWS  # (session.min_capacity, without importing torch)
+    if args.buffer_size < least:  # a usage error, as argparse's own (it checks one option at a time)
+        print(f"shared-td demo: error: argument --buffer-size: must be at least {least} with "
+              f"{args.actors} actors (2 x actors x {MIN_BUFFER_ROWS} rows per actor step), got "
+              f"{args.buffer_size}", file=sys.stderr)
+        return 2
     try:
         result = run_demo(seconds=args.seconds, actors=args.actors, capacity=args.buffer_size,
                           nodes=args.nodes)

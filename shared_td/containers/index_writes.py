@@ -44,6 +44,8 @@ class IndexWrites:
         but not below a lazy stack, whose members take it in tensordict too."""
         # ``index`` names batch dims only (normalized), so an entry's indexed shape is
         # the indexed batch size followed by its own feature dims.
+        if not path:  # (the top of the write: nested tensordicts get the index owned here)
+            index = own_index(index, self)
         if not is_tensor_collection(value):  # one tensor or number for every tensor leaf
             if not isinstance(value, (torch.Tensor, bool, int, float, complex)):
                 raise TypeError(
@@ -197,6 +199,7 @@ def entry_index_writes(target: Any, source: Any, index: Any, batch_paths: set) -
     raises ``error`` (which names the entry at fault) if that fails too.
     """
     writes: list = []
+    index = own_index(index, target)
 
     def plan(node: Any, prefix: tuple, index: Any) -> None:
         for key, value in node._items_str():
@@ -240,6 +243,7 @@ def plan_set_at(target: Any, path: tuple, value: Any, index: Any, writes: list, 
         >>> td["a"].sum().item(), [write() for write in writes] and td["a"].sum().item()
         (0.0, 3.0)
     """
+    index = own_index(index, target)
     for depth in range(len(path)):
         node = target if depth == 0 else unwrap_tensorclass(target._get_path(path[:depth], None))
         if hasattr(node, "_plan_set_at"):  # a lazy stack
@@ -262,6 +266,56 @@ def plan_set_at(target: Any, path: tuple, value: Any, index: Any, writes: list, 
     # (cast to the entry's dtype, and torch's overlap refusals checked: see row_writes)
     value = fit_source(entry, index, value, path, normalized=False)
     writes.append(lambda: entry.__setitem__(index, value))
+
+
+def own_index(index: Any, root: Any) -> Any:
+    """``index`` with each tensor in it that lies in the memory of a tensor of ``root``
+    (its leaves, those of its nested tensordicts and of the members of its lazy stacks)
+    replaced by a copy, read before anything is written: the mask that is the buffer's
+    own "done" leaf (``env[env["done"]] = reset``) selects for every entry the rows it
+    selected before the write, whatever the order of the entries, and torch's refusal of
+    an index in the memory it writes (which would fail the write halfway) cannot happen.
+
+    Example:
+        >>> from shared_td import TensorDict
+        >>> env = TensorDict(done=torch.tensor([True, False]), obs=torch.ones(2), batch_size=[2])
+        >>> env[env["done"]] = 0
+        >>> env["done"].tolist(), env["obs"].tolist()
+        ([False, False], [0.0, 1.0])
+    """
+    parts = index if isinstance(index, tuple) else (index,)
+    tensors = [at for at, part in enumerate(parts) if isinstance(part, torch.Tensor)]
+    if not tensors:
+        return index
+    spans = [_span(leaf) for leaf in _tree_tensors(root)]
+    parts = list(parts)
+    for at in tensors:
+        low, high = _span(parts[at])
+        if any(low < end and start < high for start, end in spans):
+            parts[at] = parts[at].clone()
+    return tuple(parts) if isinstance(index, tuple) else parts[0]
+
+
+def _span(tensor: torch.Tensor) -> tuple:
+    storage = tensor.untyped_storage()
+    start = storage.data_ptr()
+    return start, start + storage.nbytes()
+
+
+def _tree_tensors(node: Any) -> Any:
+    """The tensors that a write into ``node`` may write: its leaves, nested ones and the
+    members' of its lazy stacks (whose own reads give new stacked tensors)."""
+    node = unwrap_tensorclass(node)
+    members = getattr(node, "tensordicts", None)
+    if members is not None:
+        for member in members:
+            yield from _tree_tensors(member)
+        return
+    for value in getattr(node, "_tensordict", {}).values():
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif is_tensor_collection(value) and not is_non_tensor(value):
+            yield from _tree_tensors(value)
 
 
 def tensordict_values(given: Any, prefix: tuple = ()) -> set:

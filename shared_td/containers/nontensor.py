@@ -12,6 +12,7 @@ on plain Python values in nontensor_values.py.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import textwrap
 from typing import Any, Callable, Sequence
@@ -335,17 +336,26 @@ class NonTensorStack(NonTensorBase):
             self._members = None  # new values: no longer the stacked members
 
     def _set_at(self, index: tuple, source: Any) -> "NonTensorStack":
-        """Write ``source`` at ``index``, in place (so a shared stack shares the write)."""
-        positions = torch.arange(len(self._values)).reshape(self._batch_size)
-        targets = positions[index]
+        """Write ``source`` at ``index``, in place (so a shared stack shares the write).
+
+        The replay buffer's row write: the positions come from the index (``flat_positions``),
+        and a stack in this process's memory changes its list in place, so one row costs
+        O(1), not O(rows). A shared or memory-mapped stack stores a new list (its cell
+        pickles the whole list, its files hold the whole column: O(rows) per write)."""
+        touched, shape = flat_positions(index, self._batch_size)
         source = as_non_tensor(source)  # (a list: one value per indexed element, as tensordict)
-        new_values = broadcast_values(source, targets.shape)
+        new_values = broadcast_values(source, shape)
         self._refuse_copy_write_at(index, source)
         if self._copy_of_stored_stack:
             return self  # it holds those values already: nothing changes
         with self._updating():  # read-modify-write: no other process's write is lost
-            values = list(self._values)
-            touched = targets.reshape(-1).tolist()
+            values = self._values
+            # the list itself only when nothing can fail after it changed and nothing else
+            # holds it: not a shared cell's cached value (its write may fail: memory full),
+            # nor one whose files or lazy stack's members are written first (may refuse)
+            if not (self._shared_value is None and self._through_members is None and "_origin" not in
+                    self.__dict__ and not (self._is_memmap and self._memmap_prefix is not None)):
+                values = list(values)
             for position, value in zip(touched, new_values):
                 values[position] = value
             self._store(values, touched)  # (a memory-mapped stack's files first)
@@ -356,10 +366,10 @@ class NonTensorStack(NonTensorBase):
         """True if the elements at ``index`` already hold the values that
         ``self[index] = source`` writes."""
         source = as_non_tensor(source)
-        targets = torch.arange(len(self._values)).reshape(self._batch_size)[index]
-        new_values = broadcast_values(source, targets.shape)
+        touched, shape = flat_positions(index, self._batch_size)
+        new_values = broadcast_values(source, shape)
         values = self._values
-        return all(_same_value(values[p], v) for p, v in zip(targets.reshape(-1).tolist(), new_values))
+        return all(_same_value(values[p], v) for p, v in zip(touched, new_values))
 
     def maybe_to_stack(self) -> "NonTensorStack":
         """A new stack of the same values (not copies of them), as tensordict 0.15.3."""
@@ -377,6 +387,47 @@ class NonTensorStack(NonTensorBase):
             shown = f"{shown[:50]}..."
         parts = (shown, f"batch_size={self._batch_size}", f"device={self._device}")
         return "NonTensorStack(\n" + ",\n".join(textwrap.indent(part, "    ") for part in parts) + ")"
+
+
+def flat_positions(index: tuple, batch_size: torch.Size) -> tuple[list, torch.Size]:
+    """The flat (C-order) positions that the normalized ``index`` selects in a batch of
+    ``batch_size``, and the indexed shape. The replay buffer's indices on one batch dim
+    (an int, a slice, an integer tensor: its values are the positions) are computed
+    without a tensor of every position; anything else indexes one read-only tensor of
+    the positions, made once per batch size (``_all_positions``).
+
+    Example:
+        >>> flat_positions((-1,), torch.Size([5])), flat_positions((slice(1, 5, 2),), torch.Size([5]))
+        (([4], torch.Size([])), ([1, 3], torch.Size([2])))
+        >>> flat_positions((torch.tensor([0, -1]),), torch.Size([5]))
+        ([0, 4], torch.Size([2]))
+        >>> flat_positions((1,), torch.Size([2, 3]))
+        ([3, 4, 5], torch.Size([3]))
+    """
+    if len(batch_size) == 1 and len(index) == 1:
+        part, rows = index[0], batch_size[0]
+        kind = type(part)
+        if kind is int and -rows <= part < rows:
+            return [part + rows if part < 0 else part], torch.Size([])
+        if kind is slice and (part.step is None or (type(part.step) is int and part.step > 0)):
+            taken = range(*part.indices(rows))
+            return list(taken), torch.Size([len(taken)])
+        if isinstance(part, torch.Tensor) and part.dtype in _POSITION_DTYPES:
+            flat = part.reshape(-1).tolist()
+            if all(-rows <= p < rows for p in flat):  # (else torch's IndexError, below)
+                return [p + rows if p < 0 else p for p in flat], part.shape
+    targets = _all_positions(batch_size)[index]
+    return targets.reshape(-1).tolist(), targets.shape
+
+
+_POSITION_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8})  # (uint8: a mask)
+
+
+@functools.lru_cache(maxsize=8)
+def _all_positions(batch_size: torch.Size) -> torch.Tensor:
+    """``arange(numel).reshape(batch_size)``, made once per batch size (making it costs
+    O(numel) at each write otherwise). Only ever read (indexed)."""
+    return torch.arange(batch_size.numel()).reshape(batch_size)
 
 
 def _same_value(a: Any, b: Any) -> bool:

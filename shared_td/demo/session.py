@@ -94,17 +94,34 @@ class DemoResult:
         ])
 
 
+def min_capacity(actors: int, batch_size: int = 128) -> int:
+    """The fewest rows the demo's ring takes: ``2 x actors x batch_size``. The actors
+    write concurrently, one batch each in flight: in a ring not much larger than those
+    batches two actors write the same rows at once at every lap, the slower overwriting
+    the next lap's newer rows, and the late writes that ``slots_check`` accepts (at most
+    one batch per actor, half the ring) would hide a lost one.
+
+    Example:
+        >>> min_capacity(actors=2)
+        512
+    """
+    return 2 * actors * batch_size
+
+
 def run_demo(seconds: float = 20.0, actors: int = 2, capacity: int = 1 << 18,
              batch_size: int = 128, stream: TextIO | None = None, nodes: int = 1) -> DemoResult:
     """Run the actor/learner demo for ``seconds`` (once every process is up) with
     ``actors`` actor processes and a buffer of ``capacity`` rows; live progress goes to
     ``stream`` (default stdout). ``nodes=2``: the learner on node 0 (this process), the
     actors on node 1, a cluster over loopback. Raises RuntimeError if a process fails or
-    hangs.
+    hangs; ValueError for a ``capacity`` under :func:`min_capacity`.
     """
-    if actors < 1 or capacity < batch_size or not 0 < seconds < math.inf or nodes not in (1, 2):
-        raise ValueError(f"need actors >= 1, capacity >= {batch_size} rows, finite seconds > 0 and nodes "
-                         f"1 or 2; got {actors}, {capacity}, {seconds} and {nodes}")
+    if actors < 1 or not 0 < seconds < math.inf or nodes not in (1, 2):
+        raise ValueError(f"need actors >= 1, finite seconds > 0 and nodes 1 or 2; got {actors}, "
+                         f"{seconds} and {nodes}")
+    if capacity < min_capacity(actors, batch_size):
+        raise ValueError(f"capacity (--buffer-size) must be at least {min_capacity(actors, batch_size):,} rows "
+                         f"(2 x {actors} actors x {batch_size} rows per actor step), got {capacity:,}")
     stream = stream if stream is not None else sys.stdout
     if nodes == 2:
         from shared_td.demo.nodes import run_two_nodes  # the cluster's imports only when asked
@@ -145,7 +162,7 @@ def run_demo(seconds: float = 20.0, actors: int = 2, capacity: int = 1 << 18,
         stop(processes, report=True)
         manager_answers(coord)
         written = int(state["written"].sum())
-        slots_ok, slots_message = slots_check(buffer, cursor.value, written)
+        slots_ok, slots_message = slots_check(buffer, cursor.value, written, late_rows=actors * batch_size)
         result = DemoResult(
             seconds=elapsed,
             actors=actors,
