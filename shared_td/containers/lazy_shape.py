@@ -22,8 +22,12 @@ from shared_td.containers import batch as batch_ops
 from shared_td.containers.base import NO_DEFAULT
 from shared_td.containers.lazy_names import indexed_names
 from shared_td.containers.reshaping import permute_order
+from shared_td.containers.unsupported_options import refuse_options
 from shared_td.containers.value_kinds import is_leaf_nontensor, is_non_tensor
 from shared_td.keys import NestedKey
+
+# tensordict 0.15.3's apply keywords that lazy stacks here do not take (TensorDict does)
+_APPLY_NOT_BUILT = ("default", "filter_empty", "call_on_nested", "out", "propagate_lock", "is_leaf")
 
 if TYPE_CHECKING:  # for the annotations only: lazy.py imports this module
     from shared_td.containers.lazy import LazyStackedTensorDict
@@ -159,8 +163,11 @@ class LazyShapeOps:
 
     # ---------------------------------------------------------------- member-wise maps
     def apply(self, fn: Callable, *others: Any, batch_size: Any = None, names: Any = NO_DEFAULT,
-              inplace: bool = False, device: Any = NO_DEFAULT) -> Any:
-        """Apply ``fn`` to every tensor leaf of every member; the results are stacked lazily."""
+              inplace: bool = False, device: Any = NO_DEFAULT, **options: Any) -> Any:
+        """Apply ``fn`` to every tensor leaf of every member; the results are stacked lazily.
+        tensordict's other keywords (``default``, ``filter_empty``, ``out``...) are not
+        built for lazy stacks: a TypeError names them."""
+        refuse_options(self, "apply", options, known=_APPLY_NOT_BUILT)
         return self.named_apply(
             lambda key, *values: fn(*values), *others, batch_size=batch_size, names=names,
             inplace=inplace, device=device,
@@ -168,12 +175,13 @@ class LazyShapeOps:
 
     def named_apply(self, fn: Callable, *others: Any, nested_keys: bool = False,
                     batch_size: Any = None, names: Any = NO_DEFAULT, inplace: bool = False,
-                    device: Any = NO_DEFAULT, _prefix: tuple = ()) -> Any:
+                    device: Any = NO_DEFAULT, _prefix: tuple = (), **options: Any) -> Any:
         """Like ``apply`` with the key: ``fn(key, leaf, *others_leaves)`` per member.
 
         With ``batch_size`` the stack is made dense first (``to_tensordict()``) and the
         result is a TensorDict, as in tensordict.
         """
+        refuse_options(self, "named_apply", options, known=_APPLY_NOT_BUILT)
         if batch_size is not None:
             if inplace:
                 raise ValueError("named_apply on a lazy stack cannot combine batch_size and inplace=True.")

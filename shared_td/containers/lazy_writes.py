@@ -22,6 +22,7 @@ from shared_td.containers.index_writes import plan_set_at
 from shared_td.containers.lazy_nontensor import written_through
 from shared_td.containers.nontensor import as_non_tensor
 from shared_td.containers.nontensor_ops import list_to_entry
+from shared_td.containers.update_options import update_source
 from shared_td.errors import BatchSizeMismatchError
 from shared_td.keys import key_repr, unravel_key
 from shared_td.memmap_tensor import refuse_read_only
@@ -146,10 +147,12 @@ class LazyWriteOps:
     def _empty_child(self) -> "LazyStackedTensorDict":
         return self._restack([m._empty_child() for m in self.tensordicts])
 
-    def update(self, other: Any, clone: bool = False, inplace: bool = False, *, keys_to_update=None,
-               non_blocking: bool = False) -> "LazyStackedTensorDict":
-        """As TensorDict.update, member by member: ``other`` is split along ``stack_dim``
-        (a lazy stack of the same layout gives its members). Checked before writing."""
+    def update(self, other: Any = None, clone: bool = False, inplace: bool = False, *, keys_to_update=None,
+               non_blocking: bool = False, ignore_lock: bool = False, **entries: Any) -> "LazyStackedTensorDict":
+        """As TensorDict.update, member by member: ``other`` (and entries given as keywords,
+        ``lazy.update(a=x)``) is split along ``stack_dim`` (a lazy stack of the same layout
+        gives its members). Checked before writing."""
+        other = update_source(self, other, entries, ignore_lock)
         parts = self._update_parts(other)
         selected = None if keys_to_update is None else [unravel_key(k) for k in keys_to_update]
         for member, part in zip(self.tensordicts, parts):

@@ -27,7 +27,10 @@ class LeafMapping:
     """Mixin of TensorDict: functions mapped over its leaves."""
 
     def _map_leaves(self, fn: Callable[[NestedKey, Any], Any], prefix: tuple = ()) -> Any:
-        """Same structure, ``fn(key, leaf)`` on tensor and non-tensor leaves."""
+        """Same structure, ``fn(key, leaf)`` on tensor and non-tensor leaves: a comparison's
+        result, a TensorDict for a subclass of one too (as in tensordict 0.15.3)."""
+        from shared_td.containers.tensordict import TensorDict  # (it imports this module)
+
         entries = {}
         for key, value in self._tensordict.items():
             path = prefix + (key,)
@@ -37,7 +40,7 @@ class LeafMapping:
                 entries[key] = type(value)._from_tensordict(mapped) if is_tensorclass(value) else mapped
             else:
                 entries[key] = fn(path if len(path) > 1 else key, value)
-        return self._new_unsafe(entries, self._batch_size, self._device, self.names)
+        return TensorDict._new_unsafe(entries, self._batch_size, self._device, self.names)
 
     def apply(self, fn: Callable, *others: TensorDictBase, **options: Any) -> Any:
         """Apply ``fn`` to every tensor leaf and return the results as a new TensorDict.

@@ -107,3 +107,44 @@ def test_no_subclass_is_made_up_from_a_save_of_its_base(tmp_path):
     assert type(Extended.load_memmap(tmp_path / "tc")) is Base
     shared_td.lazy_stack([shared_td.TensorDict(a=torch.zeros(1), batch_size=[1])] * 2).memmap(tmp_path / "lazy")
     assert type(Stack.load_memmap(tmp_path / "lazy")) is shared_td.LazyStackedTensorDict
+
+
+@pytest.mark.parametrize("lib", ["shared_td", "tensordict"])
+def test_comparisons_of_a_subclass_are_tensordicts(lib):
+    if lib == "tensordict" and tensordict is None:
+        pytest.skip("tensordict is not installed")
+    sub = _subclass(shared_td if lib == "shared_td" else tensordict)
+    tree = sub(a=torch.zeros(3), batch_size=[3])
+    assert type(tree == 0).__name__ == type(tree != 0).__name__ == "TensorDict"
+
+
+_TENSORDICT_SAVES_A_SUBCLASS = """
+import sys, torch, tensordict
+class Sub(tensordict.TensorDict):
+    pass
+Sub(a=torch.arange(3), n={"b": torch.ones(3)}, batch_size=[3]).memmap(sys.argv[1])
+"""
+
+
+def test_tensordict_save_of_a_subclass_loads(tmp_path):
+    """tensordict 0.15.3 writes a subclass's own class in meta.json: shared_td read it as
+    an unknown tensorclass (FormatError). It loads as that subclass where one of that
+    name is defined (Sub.load_memmap for a script's class), else the error names the fix."""
+    pytest.importorskip("tensordict")
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-c", _TENSORDICT_SAVES_A_SUBCLASS, str(tmp_path / "saved")],
+                   check=True, timeout=120)
+    loaded = Sub.load_memmap(tmp_path / "saved")
+    assert type(loaded) is Sub and loaded["a"].tolist() == [0, 1, 2] and loaded["n", "b"].tolist() == [1.0] * 3
+    with pytest.raises(shared_td.FormatError, match=r"__main__\.Sub.*TensorDict subclass.*load_memmap"):
+        shared_td.TensorDict.load_memmap(tmp_path / "saved")
+
+
+def test_subclass_save_loads_in_tensordict(tmp_path):
+    if tensordict is None:
+        pytest.skip("tensordict is not installed")
+    Sub(a=torch.arange(3), n={"b": torch.ones(3)}, batch_size=[3]).memmap(tmp_path / "saved")
+    loaded = tensordict.TensorDict.load_memmap(tmp_path / "saved")
+    assert type(loaded) is tensordict.TensorDict and loaded["a"].tolist() == [0, 1, 2]
