@@ -235,10 +235,12 @@ def _memmap_atomically(obj: Any, options: Options, return_early: bool) -> Any:
             staging.discard(error)
             undo()
             raise
-        # still under the lock: _relocate looks the files up by name, and once the lock
-        # is released another writer may already have put its own files there
+        # still under the lock: _relocate looks the files up by name, and _finish records
+        # which directories the values live in (a stale view's write is checked against
+        # them): once the lock is released another writer may already have swapped its own
+        # save in there (audit 21: a writer then took the other save's directory for its own)
         _relocate(root, staging.path, target)
-    return _finish(root, options)
+        return _finish(root, options)
 
 
 def _memmap_to_archive(obj: Any, prefix: Any, *, like: bool, return_early: bool,
