@@ -17,6 +17,7 @@ def nested_calls(td: Any, fn: Callable, others: tuple, default: Any, batch_size:
     entry that one of ``others`` lacks (else that raises KeyError).
 
     Example:
+        >>> from shared_td.containers.base import NO_DEFAULT
         >>> td = TensorDict(a=torch.zeros(2), n={"b": torch.ones(2)}, batch_size=[2])
         >>> seen = []
         >>> _ = nested_calls(td, lambda key, value: seen.append((key, type(value).__name__)), (),

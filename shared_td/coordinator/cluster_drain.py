@@ -20,7 +20,9 @@ places, each handled here:
   rather than its caller's deadline: the owner's send is bounded the same way.
 
 Every wait is bounded: the drain by the owner's answer to the cancel (its lane may be
-busy with earlier requests: it waits for them, as long as the owner lives), each receive
+busy with earlier requests: it waits for them, asking again after each node timeout, up
+to UNANSWERED_ASKS timeouts in a row: then the pair is failed, as before the drain,
+unless the pull's payload was received already), each receive
 by ``wait_bound``; both end when the owner is found lost (the pair is failed then, as
 for any wait on a lost peer) or this node shuts down. A drain that cannot start (the
 thread limit) fails the pair instead, as before the drain, and the pull's TimeoutError
@@ -91,9 +93,7 @@ def abandoned(cluster, owner: int, name: str, tag: int, pair: int, nbytes: int, 
         return
     cluster._local.replies = None  # the thread's next requests are answered in a new queue
     try:
-        cluster._store.push_json(lane_queue(owner, cluster.node),
-                                 {"op": "cancel", "name": name, "generation": 0, "from": cluster.node, "tag": tag,
-                                  "pair": pair, "reply": queue, "caller": cluster._caller})
+        _ask_cancel(cluster, owner, name, tag, pair, queue)
     except (RuntimeError, OSError):
         return  # the store is gone: no answer can come either
     for ended in [t for t in list(cluster._threads) if t.name == DRAINER and not t.is_alive()]:
@@ -109,6 +109,21 @@ def abandoned(cluster, owner: int, name: str, tag: int, pair: int, nbytes: int, 
         cluster._groups.fail(owner, pair)  # owner's send ends at once), and the caller's TimeoutError goes on
         return
     cluster._threads.append(thread)  # (shutdown joins it: its pop is woken then, see AnswerWaits.wake_all)
+
+
+def _ask_cancel(cluster, owner: int, name: str, tag: int, pair: int, queue: str) -> None:
+    """Ask ``owner`` to cancel pull ``tag``, in the lane the pull went by (after it), with
+    the answer in ``queue``. Asking again is harmless: a pull already answered or dropped
+    is answered "none"."""
+    cluster._store.push_json(lane_queue(owner, cluster.node),
+                             {"op": "cancel", "name": name, "generation": 0, "from": cluster.node, "tag": tag,
+                              "pair": pair, "reply": queue, "caller": cluster._caller})
+
+
+#: How many node timeouts in a row a drain waits for a live owner's answer to its cancel,
+#: asking again after each: an owner that never answers (one that predates the cancel, a
+#: store error on its answer) would otherwise hold the drain for as long as it lives.
+UNANSWERED_ASKS = 3
 
 
 def _drain(cluster, owner: int, name: str, tag: int, pair: int, nbytes: int, stripes: int, queue: str) -> None:
@@ -134,6 +149,7 @@ def _drained(cluster, owner: int, name: str, tag: int, pair: int, nbytes: int, s
     makes on resuming fails at once."""
     store = cluster._store
     answered = serving = False  # the pull's own answer came; the owner said it serves it
+    unanswered = 0  # node timeouts in a row without any answer from a live owner
     while not cluster._closed:
         try:
             answer = store.pop_json(queue, cluster.timeout, lambda: cluster._closed)
@@ -145,9 +161,20 @@ def _drained(cluster, owner: int, name: str, tag: int, pair: int, nbytes: int, s
             if not cluster._alive(owner):
                 cluster._found(owner)  # nothing comes from a lost owner: the lost-peer path
                 return
-        elif answer.get("tag") != tag or answer.get("caller") != cluster._caller:
+            if answer is None:
+                unanswered += 1
+                if unanswered >= UNANSWERED_ASKS:
+                    # bounded after all (audit 21): a send the owner still makes for this
+                    # pull fails at once on a failed pair, as before the drain
+                    if not answered:
+                        cluster._groups.fail(owner, pair)
+                    return
+                _ask_cancel(cluster, owner, name, tag, pair, queue)
+            continue
+        unanswered = 0
+        if answer.get("tag") != tag or answer.get("caller") != cluster._caller:
             continue  # (an answer to an earlier request of the thread)
-        elif "cancel" in answer:
+        if "cancel" in answer:
             serving = answer["cancel"] == "serving"
             if answered or not serving:
                 return  # dropped, or its answer came before this one
