@@ -92,7 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how long the actors and the learner run, once started (default 20)")
     parser.add_argument("--actors", type=_positive(int, most=max_actors), default=2,
                         help=f"number of actor processes (default 2; at most {ACTORS_PER_CPU} per CPU)")
-    parser.add_argument("--buffer-size", type=_positive(int, least=MIN_BUFFER_ROWS), default=1 << 18,
+    # (positive here; its least, 2 x actors x MIN_BUFFER_ROWS, depends on --actors: run
+    # checks it, so that `--buffer-size 100` names the 512 the default 2 actors need)
+    parser.add_argument("--buffer-size", type=_positive(int), default=1 << 18,
                         help=f"rows of the shared ring buffer (default 262144, ~23 MiB; at least "
                              f"2 x actors x {MIN_BUFFER_ROWS})")
     parser.add_argument("--nodes", type=int, choices=(1, 2), default=1,

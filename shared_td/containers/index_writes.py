@@ -199,7 +199,7 @@ def entry_index_writes(target: Any, source: Any, index: Any, batch_paths: set) -
     raises ``error`` (which names the entry at fault) if that fails too.
     """
     writes: list = []
-    index = own_index(index, target)
+    index = own_index(index, target, [(key,) for key, _ in source._items_str()])
 
     def plan(node: Any, prefix: tuple, index: Any) -> None:
         for key, value in node._items_str():
@@ -243,7 +243,7 @@ def plan_set_at(target: Any, path: tuple, value: Any, index: Any, writes: list, 
         >>> td["a"].sum().item(), [write() for write in writes] and td["a"].sum().item()
         (0.0, 3.0)
     """
-    index = own_index(index, target)
+    index = own_index(index, target, [path])
     for depth in range(len(path)):
         node = target if depth == 0 else unwrap_tensorclass(target._get_path(path[:depth], None))
         if hasattr(node, "_plan_set_at"):  # a lazy stack
@@ -268,10 +268,10 @@ def plan_set_at(target: Any, path: tuple, value: Any, index: Any, writes: list, 
     writes.append(lambda: entry.__setitem__(index, value))
 
 
-def own_index(index: Any, root: Any) -> Any:
+def own_index(index: Any, root: Any, paths: Any = None) -> Any:
     """``index`` with each tensor in it that lies in the memory of a tensor of ``root``
-    (its leaves, those of its nested tensordicts and of the members of its lazy stacks)
-    replaced by a copy, read before anything is written: the mask that is the buffer's
+    (its leaves, those of its nested tensordicts and of the members of its lazy stacks;
+    only those at or below ``paths``, the keys written, when given) replaced by a copy, read before anything is written: the mask that is the buffer's
     own "done" leaf (``env[env["done"]] = reset``) selects for every entry the rows it
     selected before the write, whatever the order of the entries, and torch's refusal of
     an index in the memory it writes (which would fail the write halfway) cannot happen.
@@ -287,7 +287,11 @@ def own_index(index: Any, root: Any) -> Any:
     tensors = [at for at, part in enumerate(parts) if isinstance(part, torch.Tensor)]
     if not tensors:
         return index
-    spans = [_span(leaf) for leaf in _tree_tensors(root)]
+    leaves = _tree_tensors(root) if paths is None else (
+        leaf for path in paths for leaf in _tree_tensors(root, path))
+    # (a sparse or other non-strided leaf has no storage to compare, and a write never
+    # reads its index from one: torch refuses such an index)
+    spans = [_span(leaf) for leaf in leaves if leaf.layout == torch.strided]
     parts = list(parts)
     for at in tensors:
         low, high = _span(parts[at])
@@ -302,20 +306,23 @@ def _span(tensor: torch.Tensor) -> tuple:
     return start, start + storage.nbytes()
 
 
-def _tree_tensors(node: Any) -> Any:
-    """The tensors that a write into ``node`` may write: its leaves, nested ones and the
-    members' of its lazy stacks (whose own reads give new stacked tensors)."""
+def _tree_tensors(node: Any, path: tuple = ()) -> Any:
+    """The tensors that a write into ``node`` (at ``path`` in it, when given) may write:
+    its leaves, nested ones and the members' of its lazy stacks (whose own reads give
+    new stacked tensors)."""
     node = unwrap_tensorclass(node)
     members = getattr(node, "tensordicts", None)
     if members is not None:
         for member in members:
-            yield from _tree_tensors(member)
+            yield from _tree_tensors(member, path)
         return
-    for value in getattr(node, "_tensordict", {}).values():
+    entries = getattr(node, "_tensordict", {})
+    values = entries.values() if not path else [entries[path[0]]] if path[0] in entries else []
+    for value in values:
         if isinstance(value, torch.Tensor):
             yield value
         elif is_tensor_collection(value) and not is_non_tensor(value):
-            yield from _tree_tensors(value)
+            yield from _tree_tensors(value, path[1:])
 
 
 def tensordict_values(given: Any, prefix: tuple = ()) -> set:

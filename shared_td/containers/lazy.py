@@ -16,6 +16,7 @@ this module; the class is named only here.
 from __future__ import annotations
 
 import numbers
+import weakref
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -70,23 +71,23 @@ class LazyStackedTensorDict(LazyNames, LazyShapeOps, LazyBatchDimOps, LazyWriteO
         if device is not None:
             device = torch.device(device)
             tensordicts = tuple(td if td.device == device else td.to(device) for td in tensordicts)
-        members, wrappers = [], None
+        members = []
         for i, item in enumerate(tensordicts):
             if not _is_branch(item):
                 raise TypeError(f"LazyStackedTensorDict stacks tensordicts, but item {i} is a {type(item).__name__}.")
             members.append(unwrap_tensorclass(item))
-            if members[i] is not item:  # a tensorclass
-                wrappers = wrappers or {}
-                wrappers[id(members[i])] = item
             if members[i].batch_size != members[0].batch_size:
                 raise BatchSizeMismatchError(
                     f"Cannot lazily stack tensordicts of different batch sizes: item 0 has "
                     f"batch_size {list(members[0].batch_size)} but item {i} has {list(members[i].batch_size)}."
                 )
-        # the tensorclass members as given, by id() of their tensordict (None: none): the
-        # stack works on the tensordicts, and a save writes each member that is still one
-        # of these as its class, as tensordict 0.15.3 does (node_kinds._members_as_given)
-        self._tensorclass_members = wrappers
+        # the class of each member given as a tensorclass, by id() of its tensordict (None:
+        # none): the stack works on the tensordicts, and a save writes such a member as its
+        # class, as tensordict 0.15.3 does (node_kinds._members_as_given)
+        self._tensorclass_members: dict | None = None
+        for item, member in zip(tensordicts, members):
+            if member is not item:
+                self._record_class(member, type(item))
         member_batch = members[0].batch_size if members else torch.Size([])
         if not members and batch_size is not None:
             member_batch = torch.Size(batch_size)
@@ -316,15 +317,15 @@ class LazyStackedTensorDict(LazyNames, LazyShapeOps, LazyBatchDimOps, LazyWriteO
         self.insert(len(self.tensordicts), tensordict)
 
     def extend(self, tensordicts: Any) -> None:
-        """Append each of ``tensordicts`` (see ``insert``); all or none: one that
-        ``insert`` refuses leaves the stack as it was."""
-        members = list(self.tensordicts)
-        try:
-            for tensordict in tensordicts:
-                self.append(tensordict)
-        except BaseException:
-            self.tensordicts[:] = members
-            raise
+        """Append each of ``tensordicts`` (see ``insert``); all or none: every item is
+        checked before the first is added. ``lazy.extend(lazy.tensordicts)`` appends the
+        members as they were (the items are read once, before any append)."""
+        items = list(tensordicts)  # (iterating the growing member list itself never ended)
+        members = [self._checked_member(item) for item in items]
+        if len({member.device for member in members}) > 1:  # (an empty stack checks none of them)
+            raise ValueError(f"Devices differ: the new members are on {[str(m.device) for m in members]}.")
+        for item, member in zip(items, members):
+            self._add_member(len(self.tensordicts), item, member)
 
     def insert(self, index: int, tensordict: Any) -> None:
         """Insert ``tensordict`` as member ``index`` (``list.insert``), as tensordict 0.15.3.
@@ -334,6 +335,10 @@ class LazyStackedTensorDict(LazyNames, LazyShapeOps, LazyBatchDimOps, LazyWriteO
             ValueError: if its batch size (or its device) is not the members'.
             LockedTensorDictError: if the stack is locked.
         """
+        self._add_member(index, tensordict, self._checked_member(tensordict))
+
+    def _checked_member(self, tensordict: Any) -> Any:
+        """The tensordict that ``tensordict`` adds as a member; raises as ``insert`` says."""
         if not _is_branch(tensordict):
             raise TypeError(
                 f"Expected new value to be TensorDictBase instance but got {type(tensordict).__name__}: "
@@ -351,7 +356,42 @@ class LazyStackedTensorDict(LazyNames, LazyShapeOps, LazyBatchDimOps, LazyWriteO
                 f"{list(self._member_batch)}, the new one {list(member.batch_size)}."
             )
         super()._check_unlocked((), "insert a member into the lazy stack")
+        return member
+
+    def _add_member(self, index: int, given: Any, member: Any) -> None:
         self.tensordicts.insert(index, member)
+        if member is not given:  # a tensorclass: saved as one (see __init__)
+            self._record_class(member, type(given))
+
+    def _record_class(self, member: Any, cls: type) -> None:
+        """Record that ``member`` is written as the tensorclass ``cls``. The record holds
+        a weak reference to the member, so that one removed from the stack is not kept
+        alive by it (its entry goes with it, before its id() can be reused)."""
+        record = self._tensorclass_members
+        if record is None:
+            record = self._tensorclass_members = {}
+        key = id(member)
+        record[key] = (weakref.ref(member, lambda _, record=record, key=key: record.pop(key, None)), cls)
+
+    def _tensorclass_of(self, member: Any) -> type | None:
+        """The tensorclass ``member`` was given as (``_record_class``), or None (an
+        example: node_kinds._members_as_given)."""
+        entry = (getattr(self, "_tensorclass_members", None) or {}).get(id(member))
+        return entry[1] if entry is not None and entry[0]() is member else None
+
+    def __getstate__(self) -> dict:
+        # (weak references do not pickle: the classes go as a list beside the members)
+        state = super().__getstate__()
+        state["_tensorclass_members"] = [self._tensorclass_of(m) for m in self.tensordicts] \
+            if state.get("_tensorclass_members") else None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        classes = state.pop("_tensorclass_members", None)
+        super().__setstate__(dict(state, _tensorclass_members=None))
+        for member, cls in zip(self.tensordicts, classes or ()):
+            if cls is not None:
+                self._record_class(member, cls)
 
     def pop(self, key: NestedKey, default: Any = NO_DEFAULT) -> Any:
         """Remove the entry ``key`` from every member and return its stacked value."""
@@ -496,7 +536,15 @@ class LazyStackedTensorDict(LazyNames, LazyShapeOps, LazyBatchDimOps, LazyWriteO
         sd = self._stack_dim if stack_dim is None else stack_dim
         name = self._stack_dim_name if same_stack_dim else None
         if members:
-            return LazyStackedTensorDict(*members, stack_dim=sd, stack_dim_name=name)
+            out = LazyStackedTensorDict(*members, stack_dim=sd, stack_dim_name=name)
+            if getattr(self, "_tensorclass_members", None):  # the members given as tensorclasses
+                # stay so: the same objects (a slice), or the members' results, one each
+                aligned = same_stack_dim and len(members) == len(self.tensordicts)
+                for at, member in enumerate(members):
+                    cls = self._tensorclass_of(member) or (aligned and self._tensorclass_of(self.tensordicts[at]))
+                    if cls:
+                        out._record_class(member, cls)
+            return out
         if batch_size is None:  # the same dims as this one
             member_batch = self._member_batch
         else:  # ``batch_size`` is the new stack's: its members' lack the stack dim

@@ -23,7 +23,7 @@ from shared_td.containers.base import NO_DEFAULT
 from shared_td.containers.lazy_names import indexed_names
 from shared_td.containers.reshaping import permute_order
 from shared_td.containers.unsupported_options import refuse_options
-from shared_td.containers.value_kinds import is_leaf_nontensor, is_non_tensor
+from shared_td.containers.value_kinds import is_leaf_nontensor, is_non_tensor, is_tensor_collection
 from shared_td.keys import NestedKey
 
 # tensordict 0.15.3's apply keywords that lazy stacks here do not take (TensorDict does)
@@ -175,11 +175,16 @@ class LazyShapeOps:
 
     def named_apply(self, fn: Callable, *others: Any, nested_keys: bool = False,
                     batch_size: Any = None, names: Any = NO_DEFAULT, inplace: bool = False,
-                    device: Any = NO_DEFAULT, _prefix: tuple = (), **options: Any) -> Any:
+                    device: Any = NO_DEFAULT, _prefix: tuple = (), _default: Any = NO_DEFAULT,
+                    _filter_empty: bool | None = None, **options: Any) -> Any:
         """Like ``apply`` with the key: ``fn(key, leaf, *others_leaves)`` per member.
 
         With ``batch_size`` the stack is made dense first (``to_tensordict()``) and the
-        result is a TensorDict, as in tensordict.
+        result is a TensorDict, as in tensordict. ``_default`` and ``_filter_empty``: the
+        ``default`` and ``filter_empty`` of a TensorDict's apply that holds this stack
+        (``_prefix``: its key there), which go to the members; then an ``other`` may be
+        that default (the other lacked this key), and a stack that ``fn`` emptied is
+        None (left out of the result, as tensordict 0.15.3 leaves it).
         """
         refuse_options(self, "named_apply", options, known=_APPLY_NOT_BUILT)
         if batch_size is not None:
@@ -189,15 +194,25 @@ class LazyShapeOps:
                 fn, *others, nested_keys=nested_keys, batch_size=batch_size, names=names,
                 device=device, _prefix=_prefix,
             )
-        split = [self._unbind_like(other) for other in others]
-        results = [
-            member.named_apply(
+        count = len(self.tensordicts)
+        # (an other that is not a tensordict is the default of an apply that holds this
+        # stack, given for its whole subtree: each member gets it)
+        split = [self._unbind_like(other) if is_tensor_collection(other) or _default is NO_DEFAULT
+                 else [other] * count for other in others]
+        results = []
+        for i, member in enumerate(self.tensordicts):
+            nested = ({"_default": _default, "_filter_empty": _filter_empty} if hasattr(member, "tensordicts")
+                      else {"default": _default, "filter_empty": _filter_empty})
+            results.append(member.named_apply(
                 fn, *[parts[i] for parts in split], nested_keys=nested_keys,
-                inplace=inplace, device=device, _prefix=_prefix,
-            )
-            for i, member in enumerate(self.tensordicts)
-        ]
-        return self if inplace else self._restack(results)
+                inplace=inplace, device=device, _prefix=_prefix, **(nested if _prefix else {}),
+            ))
+        if inplace:
+            return self
+        if _prefix and _filter_empty is not False and not any(result.keys() for result in results):
+            if _filter_empty or any(member.keys() for member in self.tensordicts):
+                return None  # emptied by fn (or empty and filter_empty=True): left out, as in a TensorDict
+        return self._restack(results)
 
     def clone(self, recurse: bool = True) -> "LazyStackedTensorDict":
         """A lazy stack of clones of the members (``recurse=False`` shares the tensors)."""
@@ -214,26 +229,31 @@ class LazyShapeOps:
             return self
         return self._restack(moved)
 
-    def flatten_keys(self, separator: str = ".", inplace: bool = False) -> "LazyStackedTensorDict":
+    def flatten_keys(self, separator: str = ".", inplace: bool = False,
+                     is_leaf: Any = None) -> "LazyStackedTensorDict":
         """Every member's ``flatten_keys``: nested entries as keys joined by ``separator``
-        (the keys in the first member's order, as ``keys()``)."""
-        return self._keys_renamed("flatten_keys", separator, inplace)
+        (the keys in the first member's order, as ``keys()``); ``is_leaf`` as
+        TensorDict.flatten_keys's."""
+        return self._keys_renamed("flatten_keys", separator, inplace,
+                                  {} if is_leaf is None else {"is_leaf": is_leaf})
 
     def unflatten_keys(self, separator: str = ".", inplace: bool = False) -> "LazyStackedTensorDict":
         """The inverse of ``flatten_keys``, member by member."""
         return self._keys_renamed("unflatten_keys", separator, inplace)
 
-    def _keys_renamed(self, method: str, separator: str, inplace: bool) -> "LazyStackedTensorDict":
+    def _keys_renamed(self, method: str, separator: str, inplace: bool,
+                      options: dict | None = None) -> "LazyStackedTensorDict":
+        options = options or {}
         if not inplace:
             from shared_td.containers.keyops import keys_write_back
 
-            out = self._restack([getattr(m, method)(separator) for m in self.tensordicts])
+            out = self._restack([getattr(m, method)(separator, **options) for m in self.tensordicts])
             out._last_op = keys_write_back(self, method, separator)
             return out
         for member in self.tensordicts:  # a locked member raises before any is changed
             member._check_unlocked((), f"{method.replace('_', ' ')} in place")
         for member in self.tensordicts:
-            getattr(member, method)(separator, inplace=True)
+            getattr(member, method)(separator, inplace=True, **options)
         return self
 
     def to_lazystack(self, dim: int = 0) -> "LazyStackedTensorDict":

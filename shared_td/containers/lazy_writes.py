@@ -147,12 +147,13 @@ class LazyWriteOps:
     def _empty_child(self) -> "LazyStackedTensorDict":
         return self._restack([m._empty_child() for m in self.tensordicts])
 
-    def update(self, other: Any = None, clone: bool = False, inplace: bool = False, *, keys_to_update=None,
-               non_blocking: bool = False, ignore_lock: bool = False, **entries: Any) -> "LazyStackedTensorDict":
-        """As TensorDict.update, member by member: ``other`` (and entries given as keywords,
-        ``lazy.update(a=x)``) is split along ``stack_dim`` (a lazy stack of the same layout
-        gives its members). Checked before writing."""
-        other = update_source(self, other, entries, ignore_lock)
+    def update(self, input_dict_or_td: Any = None, clone: bool = False, inplace: bool = False, *,
+               keys_to_update=None, non_blocking: bool = False, ignore_lock: bool = False,
+               **entries: Any) -> "LazyStackedTensorDict":
+        """As TensorDict.update, member by member: ``input_dict_or_td`` (and entries given
+        as keywords, ``lazy.update(a=x)``) is split along ``stack_dim`` (a lazy stack of the
+        same layout gives its members). Checked before writing."""
+        other = update_source(self, input_dict_or_td, entries, ignore_lock)
         parts = self._update_parts(other)
         selected = None if keys_to_update is None else [unravel_key(k) for k in keys_to_update]
         for member, part in zip(self.tensordicts, parts):

@@ -24,6 +24,7 @@ from shared_td.persist import nodes
 from shared_td.persist.node_meta import NodeMeta
 from shared_td.persist.saved_tree import VALUE, Entry
 from shared_td.persist.survey import NodeView
+from shared_td.tensorclass_protocol import is_tensorclass
 
 _CPU = torch.device("cpu")
 
@@ -140,6 +141,13 @@ class LazyStackKind(nodes.NodeKind):
         names = []
         while exists(str(len(lazy.tensordicts) + len(names))):
             names.append(str(len(lazy.tensordicts) + len(names)))
+        # a member saved as a tensorclass there before and written as a tensordict now:
+        # its old fields (i/_tensordict/) would stay beside the new ones
+        for index, member in enumerate(_members_as_given(lazy)):
+            inner = f"{index}/{fmt.TENSORCLASS_CHILD}"
+            if (not is_tensorclass(member) and fmt.TENSORCLASS_CHILD not in getattr(member, "_tensordict", {})
+                    and exists(inner)):
+                names.append(inner)
         return names
 
     def metadata(self, lazy: LazyStackedTensorDict, entries: tuple) -> tuple[NodeMeta, dict]:
@@ -200,10 +208,10 @@ class LazyStackKind(nodes.NodeKind):
 
 
 def _members_as_given(lazy: LazyStackedTensorDict) -> list:
-    """The members of ``lazy``, each tensorclass given to its constructor as that
+    """The members of ``lazy``, each given as a tensorclass (to its constructor,
+    ``append``, ``insert``, ``extend``; kept by ``clone``, pickling, slicing) as that
     tensorclass (written as a tensorclass node, as tensordict 0.15.3 writes it; a load
-    gives it back so), while it still wraps that very member (wherever it is now): a
-    member replaced since is written as it is.
+    gives it back so): a member replaced since is written as it is.
 
     Example:
         >>> @shared_td.tensorclass
@@ -213,11 +221,12 @@ def _members_as_given(lazy: LazyStackedTensorDict) -> list:
         >>> [type(member).__name__ for member in _members_as_given(lazy)], type(lazy.tensordicts[0]).__name__
         (['Pt', 'TensorDict'], 'TensorDict')
     """
-    members, given = lazy.tensordicts, getattr(lazy, "_tensorclass_members", None)
-    if not given:
+    members = lazy.tensordicts
+    if not getattr(lazy, "_tensorclass_members", None):
         return members
-    return [wrapper if (wrapper := given.get(id(member))) is not None and wrapper._tensordict is member
-            else member for member in members]
+    # (the class is recorded, not the tensorclass object, which would keep a removed member alive)
+    return [member if (cls := lazy._tensorclass_of(member)) is None else cls._from_tensordict(member)
+            for member in members]
 
 
 def _empty_stack_shape(meta: NodeMeta, parent_batch) -> tuple[int, list]:

@@ -163,11 +163,12 @@ class LeafMapping:
                         fn, other_values, nested_keys, None if batch_size is None else new_batch, NO_DEFAULT,
                         inplace, device, default, filter_empty, _prefix + (key,),
                     )
-                else:  # a lazy stack: its own named_apply (without default and filter_empty)
+                else:  # a lazy stack: its own named_apply, which hands default and filter_empty on
                     result = inner.named_apply(
                         fn, *other_values, nested_keys=nested_keys,
                         batch_size=None if batch_size is None else new_batch,
                         inplace=inplace, device=device, _prefix=_prefix + (key,),
+                        _default=default, _filter_empty=filter_empty,
                     )
                 if result is not None and inner is not value:
                     result = value._from_tensordict(result)

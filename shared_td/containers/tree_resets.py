@@ -88,8 +88,11 @@ def _holds_entries(node: Any) -> bool:
 
 def _nodes(td: Any):
     """``td`` and every tensordict nested in it (lazy stacks: their members), not the
-    non-tensor entries."""
+    non-tensor entries (but ``td`` itself when it is one)."""
     node = unwrap_tensorclass(td)
+    if is_non_tensor(node):  # a NonTensorData/NonTensorStack reset itself: its own device only
+        yield node
+        return
     members = getattr(node, "tensordicts", None)
     if members is not None:
         for member in members:

@@ -46,5 +46,23 @@ def unsupported_torch_function(func: Any, cls: type) -> TypeError:
         name = f"torch.{name}"
     elif getattr(torch.Tensor, name, None) is func:
         name = f"Tensor.{name}"
-    return TypeError(f"{name}(...) of a {cls.__name__} is not supported by shared_td (tensordict 0.15.3 has "
-                     f"it): apply it leaf by leaf, e.g. td.apply(lambda x: {name}(...)).")
+    # (only tensordict's own torch functions are said to be there: torch.eq, numel, isclose...
+    # are in neither library)
+    there = " (tensordict 0.15.3 has it)" if name.split(".")[-1] in _TENSORDICT_TORCH_FUNCTIONS else ""
+    return TypeError(f"{name}(...) of a {cls.__name__} is not supported by shared_td{there}: apply it "
+                     f"leaf by leaf, e.g. td.apply(lambda x: {name}(...)).")
+
+
+# the torch functions that tensordict 0.15.3 runs on a TensorDict (its pointwise maths,
+# reductions and shape functions), by name
+_TENSORDICT_TORCH_FUNCTIONS = frozenset("""
+abs abs_ acos acos_ add addcdiv addcmul asin asin_ atan atan_ atleast_1d atleast_2d atleast_3d
+bitwise_and broadcast_to cat ceil ceil_ chunk clamp clamp_max clamp_max_ clamp_min clamp_min_ clone
+cos cos_ cosh cosh_ div empty_like erf erf_ erfc erfc_ exp exp_ expm1 expm1_ flatten flip fliplr
+flipud floor floor_ frac frac_ full_like gather grad isfinite isnan isneginf isposinf isreal lerp
+lgamma log log10 log10_ log1p log1p_ log2 log2_ log_ logical_and masked_select maximum mean minimum
+moveaxis movedim mul narrow neg neg_ l1_loss mse_loss smooth_l1_loss ones_like permute pow rand_like
+randn_like reciprocal reciprocal_ repeat_interleave reshape roll rot90 round round_ rsub sigmoid
+sigmoid_ sign sin sin_ sinh sinh_ split sqrt sqrt_ squeeze stack std sub sum swapaxes swapdims tan
+tan_ tanh tanh_ tensor_split tile transpose trunc trunc_ unbind unflatten unsqueeze var where zeros_like
+""".split())

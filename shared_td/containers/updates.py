@@ -19,14 +19,15 @@ class UpdateOps:
     """Writing the entries of another dict or tensordict into this one."""
 
     def update(
-        self, other: Any = None, clone: bool = False, inplace: bool = False, *, keys_to_update=None,
-        non_blocking: bool = False, ignore_lock: bool = False, **entries: Any,
+        self, input_dict_or_td: Any = None, clone: bool = False, inplace: bool = False, *,
+        keys_to_update=None, non_blocking: bool = False, ignore_lock: bool = False, **entries: Any,
     ) -> "TensorDictBase":
-        """Set every entry of ``other`` (a dict or tensordict), merging nested ones.
+        """Set every entry of ``input_dict_or_td`` (a dict or tensordict; tensordict's
+        name, so that ``td.update(other=x)`` is an entry, as there), merging nested ones.
 
         Keywords that are not options are top-level entries, as in tensordict:
-        ``td.update(a=x)`` writes ``x`` at ``"a"`` (and wins over an ``"a"`` of
-        ``other``). ``ignore_lock=True`` warns (a DeprecationWarning, as tensordict
+        ``td.update(a=x)`` writes ``x`` at ``"a"`` (written after a tensordict's entries,
+        so merged into a nested one of the same key; it replaces a dict's). ``ignore_lock=True`` warns (a DeprecationWarning, as tensordict
         0.15.3's) and, as there, does not lift the lock; tensordict's ``is_leaf`` and
         ``update_batch_size`` raise a TypeError saying shared_td does not support them.
 
@@ -42,7 +43,7 @@ class UpdateOps:
             >>> td["a"] is src["a"], td["a"].tolist()
             (False, [0.0, 0.0])
         """
-        other = update_source(self, other, entries, ignore_lock)
+        other = update_source(self, input_dict_or_td, entries, ignore_lock)
         selected = None if keys_to_update is None else [unravel_key(k) for k in keys_to_update]
         for path, value, in_place, _ in _stores_first(self._plan_update(other, (), inplace, True, selected)):
             if in_place:

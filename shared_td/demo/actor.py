@@ -47,11 +47,16 @@ def write_step(buffer, env: Env, weights, version: int, start: int) -> float:
 
 
 def run_actor(coord: Coordinator, cursor: SharedCounter, actor_id: int, batch_size: int,
-              pause: float) -> None:
+              pause: float, tickets: SharedCounter | None = None) -> None:
     """Write ``batch_size`` transitions per step until the parent sets ``phase`` to 2.
 
+    With ``tickets`` (and the state's ``batches``), each batch takes a ticket before its
+    write and one after, recorded with its cursor start: the order of the writes, which
+    the cursor (the order of the reservations) does not give, so that the slot check
+    tells a late write from a lost one.
+
     Spawn-safe: everything arrives by reference (the coordinator handle is its address
-    and key; the cursor a memfd reference) and the buffer is attached by name.
+    and key; the counters memfd references) and the buffer is attached by name.
     """
     ignore_ctrl_c()  # Ctrl-C: the parent stops us via phase
     buffer = coord.attach("replay")
@@ -60,10 +65,16 @@ def run_actor(coord: Coordinator, cursor: SharedCounter, actor_id: int, batch_si
     _warm_up(buffer, batch_size)
     parent = check_in(state, actor_id, buffer)
     mean_reward = 0.0
+    history = state["batches"][actor_id] if tickets is not None and "batches" in state.keys() else None
+    steps = 0
     while running(state, parent):
         version = state["policy_version"]  # a shared non-tensor value
         start = cursor.fetch_add(batch_size)  # these positions are ours alone
+        begun = tickets.fetch_add(1) if history is not None else -1
         reward = write_step(buffer, env, state["weights"], version, start)
+        if history is not None:  # (before ``written``: a counted batch is recorded)
+            history[steps % len(history)] = torch.tensor([start, begun, tickets.fetch_add(1)])
+            steps += 1
         state["written"][actor_id] += batch_size
         mean_reward = 0.95 * mean_reward + 0.05 * reward
         state["mean_reward"][actor_id] = mean_reward

@@ -24,8 +24,8 @@ from shared_td import NonTensorData, TensorDict
 from shared_td.platform import CreatorWatch
 
 __all__ = [
-    "NUM_ACTIONS", "OBS_SIZE", "Env", "backing_inode", "check_in", "expected_indices", "greedy_actions",
-    "replay_layout", "ring_rows", "running", "slots_check", "state_layout",
+    "NUM_ACTIONS", "OBS_SIZE", "Env", "backing_inode", "batch_history", "check_in", "expected_indices",
+    "greedy_actions", "replay_layout", "ring_rows", "running", "slots_check", "state_layout",
 ]
 
 OBS_SIZE = 8
@@ -48,7 +48,7 @@ def replay_layout(capacity: int) -> TensorDict:
     )
 
 
-def state_layout(num_actors: int) -> TensorDict:
+def state_layout(num_actors: int, history: int = 0) -> TensorDict:
     """What the processes share besides the buffer, to be published with
     ``share_non_tensor=True``.
 
@@ -56,9 +56,13 @@ def state_layout(num_actors: int) -> TensorDict:
     non-tensor mechanism); the rest are small tensors each written by one process only:
     ``phase`` (0 starting, 1 running, 2 stop; written by the parent), ``ready`` and
     ``inode`` (one slot per actor, then the learner's), ``written``/``mean_reward`` (one
-    per actor), the learner's ``weights``, ``sampled``, ``updates`` and ``loss``.
+    per actor), the learner's ``weights``, ``sampled``, ``updates`` and ``loss``. With
+    ``history`` (:func:`batch_history`), ``batches``: each actor's last ``history``
+    batches as (cursor start, ticket taken before its write, ticket after), -1 unused,
+    for :func:`slots_check`.
     """
     processes = num_actors + 1
+    extra = {"batches": torch.full((num_actors, history, 3), -1, dtype=torch.int64)} if history else {}
     return TensorDict(
         {
             "policy_version": NonTensorData(0),
@@ -71,9 +75,22 @@ def state_layout(num_actors: int) -> TensorDict:
             "sampled": torch.zeros((), dtype=torch.int64),
             "updates": torch.zeros((), dtype=torch.int64),
             "loss": torch.zeros(()),
+            **extra,
         },
         batch_size=[],
     )
+
+
+def batch_history(capacity: int, batch_size: int) -> int:
+    """How many of an actor's last batches ``slots_check`` needs: every batch with a
+    position in the last two laps of the ring (those a row can still hold), plus one
+    that straddles their start.
+
+    Example:
+        >>> batch_history(capacity=512, batch_size=128)
+        10
+    """
+    return 2 * capacity // batch_size + 2
 
 
 def ring_rows(start: int, n: int, capacity: int) -> torch.Tensor:
@@ -125,7 +142,8 @@ def expected_indices(reserved: int, capacity: int) -> torch.Tensor:
     return torch.where(rows < reserved, last, torch.full_like(rows, -1))
 
 
-def slots_check(buffer: TensorDict, reserved: int, written: int, late_rows: int | None = None) -> tuple[bool, str]:
+def slots_check(buffer: TensorDict, reserved: int, written: int, late_rows: int | None = None,
+                batches: torch.Tensor | None = None, batch_size: int | None = None) -> tuple[bool, str]:
     """Whether every reserved slot was written exactly once, and a sentence saying so.
 
     A slot handed out twice would make the actors' ``written`` counts exceed the cursor;
@@ -139,6 +157,13 @@ def slots_check(buffer: TensorDict, reserved: int, written: int, late_rows: int 
     half the buffer, the most ``run_demo``'s ``capacity >= 2 x actors x batch_size``
     allows). Anything else (a row never written, one from two laps back or of another
     row, more late rows than that) fails.
+
+    ``batches`` (rows of (cursor start, ticket before the write, ticket after), -1
+    unused: the actors' ``batches`` of :func:`state_layout`, ``batch_size`` rows each)
+    tells a late write from a lost one: a row holding position ``p`` where ``p +
+    capacity`` was expected is accepted only if the write of ``p`` finished after the
+    write of ``p + capacity`` began. Without them, a batch of the last lap whose write
+    never landed leaves its rows holding the previous lap's positions, as late writes do.
 
     Example:
         >>> buffer = replay_layout(capacity=4)
@@ -157,6 +182,11 @@ def slots_check(buffer: TensorDict, reserved: int, written: int, late_rows: int 
     wrong = int((held != expected).sum()) - late
     if wrong:
         return False, f"{wrong:,} rows do not hold the last position the cursor gave them"
+    if late and batches is not None:
+        lost = _lost_rows(held, expected, capacity, batches, batch_size)
+        if lost:
+            return False, (f"{lost:,} rows hold the position one lap before the last one the cursor gave "
+                           "them, but that earlier write had finished before the later one began: a lost write")
     allowed = capacity // 2 if late_rows is None else late_rows
     if late > allowed:
         return False, (f"{late:,} rows hold the position one lap before the last one the cursor gave "
@@ -166,6 +196,28 @@ def slots_check(buffer: TensorDict, reserved: int, written: int, late_rows: int 
         message += (f" ({late:,} rows kept a write that finished after the next lap's: the cursor "
                     "orders reservations, not writes)")
     return True, message
+
+
+def _lost_rows(held: torch.Tensor, expected: torch.Tensor, capacity: int, batches: torch.Tensor,
+               batch_size: int) -> int:
+    """How many rows hold the previous lap's position ``p`` (``expected - capacity``)
+    though the batch that wrote ``p`` finished before the batch of ``expected`` began
+    (or either batch is not in ``batches``)."""
+    late = (held == expected - capacity) & (expected >= capacity)
+    known = batches[batches[:, 0] >= 0]
+    order = known[:, 0].argsort()
+    starts, begun, done = known[order, 0], known[order, 1], known[order, 2]
+
+    def batch_of(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        at = (torch.searchsorted(starts, positions, right=True) - 1).clamp(min=0)
+        return at, (starts[at] <= positions) & (positions < starts[at] + batch_size)
+
+    if not len(starts):
+        return int(late.sum())
+    at_later, later_found = batch_of(expected[late])
+    at_earlier, earlier_found = batch_of(held[late])
+    accepted = later_found & earlier_found & (done[at_earlier] > begun[at_later])
+    return int((~accepted).sum())
 
 
 def backing_inode(tensor: torch.Tensor) -> int:

@@ -22,7 +22,7 @@ from shared_td import Coordinator, SharedCounter
 from shared_td.demo.actor import run_actor
 from shared_td.demo.learner import run_learner
 from shared_td.demo.progress import ProgressLine, count, rate, size
-from shared_td.demo.replay import backing_inode, replay_layout, slots_check, state_layout
+from shared_td.demo.replay import backing_inode, batch_history, replay_layout, slots_check, state_layout
 from shared_td.demo.supervise import check_alive, manager_answers, start_all, stop, wait_for
 
 __all__ = ["DemoResult", "run_demo"]
@@ -131,11 +131,13 @@ def run_demo(seconds: float = 20.0, actors: int = 2, capacity: int = 1 << 18,
         return result
     with Coordinator() as coord:
         buffer = coord.publish("replay", replay_layout(capacity))
-        state = coord.publish("state", state_layout(actors), share_non_tensor=True)
+        state = coord.publish("state", state_layout(actors, batch_history(capacity, batch_size)),
+                              share_non_tensor=True)
         cursor = SharedCounter()
+        tickets = SharedCounter()  # the order of the writes (see run_actor)
         ctx = multiprocessing.get_context("spawn")  # the strictest start method
         processes = [
-            ctx.Process(target=run_actor, args=(coord, cursor, i, batch_size, 0.002),
+            ctx.Process(target=run_actor, args=(coord, cursor, i, batch_size, 0.002, tickets),
                         name=f"actor-{i}")
             for i in range(actors)
         ]
@@ -162,7 +164,8 @@ def run_demo(seconds: float = 20.0, actors: int = 2, capacity: int = 1 << 18,
         stop(processes, report=True)
         manager_answers(coord)
         written = int(state["written"].sum())
-        slots_ok, slots_message = slots_check(buffer, cursor.value, written, late_rows=actors * batch_size)
+        slots_ok, slots_message = slots_check(buffer, cursor.value, written, late_rows=actors * batch_size,
+                                              batches=state["batches"].reshape(-1, 3), batch_size=batch_size)
         result = DemoResult(
             seconds=elapsed,
             actors=actors,

@@ -43,7 +43,8 @@ def no_run(monkeypatch):
     (["--seconds", "nan"], "argument --seconds: must be positive and finite, got nan"),
     (["--seconds", "inf"], "argument --seconds: must be positive and finite, got inf"),
     (["--seconds=-inf"], "argument --seconds: must be positive and finite, got -inf"),
-    (["--buffer-size", "100"], "argument --buffer-size: must be at least 128, got 100"),
+    (["--buffer-size", "100"], "argument --buffer-size: must be at least 512 with 2 actors"),
+    (["--buffer-size", "0"], "argument --buffer-size: must be positive and finite, got 0"),
     (["--actors", "5000"], "argument --actors: at most "),
 ])
 def test_bad_arguments_are_usage_errors_naming_the_option(no_run, argv, words):

@@ -95,3 +95,55 @@ def test_a_planted_lost_or_duplicated_write_still_fails(plant):
         written -= BATCH
     ok, message = slots_check(buffer, reserved, written, late_rows=2 * BATCH)
     assert not ok, message
+
+
+def _ticketed_ring(capacity: int, lose: bool):
+    """As the demo's actors with write tickets (run_actor): three laps written in order,
+    then either one batch of the last lap that never lands (``lose``: its ticket taken,
+    its rows keep the previous lap's positions) or A's batch reserved and begun, lapped
+    by B, and written last (a late write). Returns the ring, the cursor and the batches."""
+    buffer, cursor, tickets, batches = replay_layout(capacity), SharedCounter(), SharedCounter(), []
+    envs, weights = [Env(BATCH, seed=1), Env(BATCH, seed=2)], torch.zeros(4, 8)
+
+    def step(env, start, begun=None, lands=True):
+        begun = tickets.fetch_add(1) if begun is None else begun
+        if lands:
+            write_step(buffer, env, weights, 0, start)
+        batches.append([start, begun, tickets.fetch_add(1)])
+
+    for _ in range(3 * capacity // BATCH - 1):
+        step(envs[1], cursor.fetch_add(BATCH))
+    if lose:
+        for at in range(capacity // BATCH):
+            step(envs[1], cursor.fetch_add(BATCH), lands=at != 1)
+    else:
+        a_start, a_begun = cursor.fetch_add(BATCH), tickets.fetch_add(1)  # A begins, is held up
+        for _ in range(capacity // BATCH):
+            step(envs[1], cursor.fetch_add(BATCH))  # B laps A's rows
+        step(envs[0], a_start, begun=a_begun)  # A's write lands last
+    return buffer, cursor.value, torch.tensor(batches)
+
+
+def test_a_lost_write_in_a_wrapped_ring_is_caught_by_the_write_tickets():
+    # before (final containers audit, finding 1): the batch of the last lap whose write
+    # never landed left its rows holding the previous lap's positions, accepted as a late write
+    buffer, reserved, batches = _ticketed_ring(512, lose=True)
+    assert slots_check(buffer, reserved, reserved, late_rows=2 * BATCH)[0]  # (positions alone: not seen)
+    ok, message = slots_check(buffer, reserved, reserved, late_rows=2 * BATCH, batches=batches, batch_size=BATCH)
+    assert not ok and message.startswith("128 rows hold the position one lap before") and "a lost write" in message
+
+
+def test_a_late_write_with_tickets_is_still_accepted():
+    buffer, reserved, batches = _ticketed_ring(512, lose=False)
+    ok, message = slots_check(buffer, reserved, reserved, late_rows=2 * BATCH, batches=batches, batch_size=BATCH)
+    assert ok and "(128 rows kept a write that finished after the next lap's" in message, message
+    ok, message = slots_check(buffer, reserved, reserved, late_rows=2 * BATCH, batches=batches[:0], batch_size=BATCH)
+    assert not ok  # (a late row whose batches are not recorded is not taken on trust)
+
+
+def test_the_demo_state_records_each_actors_last_batches():
+    from shared_td.demo.replay import batch_history, state_layout
+
+    assert batch_history(512, BATCH) == 10
+    assert state_layout(2, batch_history(512, BATCH))["batches"].shape == (2, 10, 3)
+    assert "batches" not in state_layout(2).keys()
