@@ -182,10 +182,11 @@ class LazyStackKind(nodes.NodeKind):
         names = []  # (a save of tensordict's, or of an older shared_td: no count)
         while is_directory(str(len(names))):  # the first missing member ends the stack
             names.append(str(len(names)))
-        if is_directory(str(len(names) + 1)):  # a gap, not the end: a member was lost
+        later = _member_after(len(names), is_directory)
+        if later is not None:  # a gap, not the end: a member was lost
             missing = os.path.join(_node_path(meta), str(len(names)))
             raise FormatError(meta.path, f"member {len(names)} of this lazy stack is missing: no "
-                              f"directory {missing}, but member {len(names) + 1} is there; the save "
+                              f"directory {missing}, but member {later} is there; the save "
                               "is incomplete (restore that directory or save the stack again)")
         return names  # none: a stack without members, as both libraries save one
 
@@ -419,6 +420,34 @@ class TensorClassKind(nodes.NodeKind):
         if node.has_file(fmt.OTHER_PICKLE):
             node.entry.children.append(Entry("(other fields)", VALUE, os.path.join(node.entry.path, fmt.OTHER_PICKLE),
                                              "field", value=node.pickled(fmt.OTHER_PICKLE)))
+
+
+def _member_after(missing: int, is_directory: Callable[[str], bool]) -> int | None:
+    """The lowest member index above ``missing`` (the first absent one) whose directory
+    is there, or None: one lost member or a hundred (a save without a member count).
+    The node is listed once, through what ``is_directory`` is bound to: the loader's
+    ``Directory`` (by its descriptor) or an archive's node; for any other callable only
+    the next index is looked at (looking one index ahead, 1 and 2 lost loaded 1 member).
+
+    Example:
+        >>> _member_after(1, {"0", "3"}.__contains__) is None  # (a set: next index only)
+        True
+    """
+    holder = getattr(is_directory, "__self__", None)
+    if hasattr(holder, "archive") and hasattr(holder, "at"):  # persist.archive.ArchiveNode
+        inside = holder.at + "/" if holder.at else ""
+        names = [name[len(inside):] for name in holder.archive.directories
+                 if name.startswith(inside) and "/" not in name[len(inside):]]
+    elif isinstance(getattr(holder, "fd", None), int):  # storage.files.Directory
+        try:
+            names = os.listdir(holder.fd)
+        except OSError:
+            names = [str(missing + 1)]
+    else:
+        names = [str(missing + 1)]
+    found = [int(name) for name in names
+             if name.isascii() and name.isdigit() and str(int(name)) == name and int(name) > missing]
+    return next((index for index in sorted(found) if is_directory(str(index))), None)
 
 
 def _node_path(meta: NodeMeta) -> str:

@@ -94,12 +94,16 @@ class NonTensorData(NonTensorDataBase):
         ``td[1]`` reaches every process (and the files of a memory-mapped entry, written
         by the entry itself); before, the view held a private copy and the write was
         lost to all but itself."""
-        if self._shared_value is None:
+        origin = self.__dict__.get("_origin", self)
+        if self._shared_value is None and not (origin._is_memmap and origin._memmap_prefix is not None):
             return NonTensorData(self.data, batch_size=batch_size, device=self._device)
+        # a memory-mapped value (not shared) is one value too: the view reads and writes
+        # the entry's own payload (the _payload property), so td[1].set_ reaches the parent
+        # and its files; a private copy lost the write silently (td[1] = ... raises instead)
         view = NonTensorData(None, batch_size=batch_size, device=self._device)
         view._shared_value, view._is_shared, view._is_memmap = self._shared_value, self._is_shared, self._is_memmap
         view.__dict__.pop("_local_payload", None)
-        view._origin = self.__dict__.get("_origin", self)  # whose files a write rewrites (_after_update)
+        view._origin = origin  # whose files a write rewrites (_store), whose payload it holds
         return view
 
     def clone(self, recurse: bool = True) -> "NonTensorData":

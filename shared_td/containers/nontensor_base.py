@@ -44,6 +44,11 @@ def record_node(value: "NonTensorBase", directory: str | None) -> None:
         ...     value._memmap_prefix == d, value._memmap_node == (os.stat(d).st_dev, os.stat(d).st_ino)
         (True, True)
     """
+    state = value.__dict__
+    if value._shared_value is None and "_origin" in state and "_local_payload" not in state:
+        # a view of a memory-mapped value (_same_value) saved on its own: its value lives
+        # here now, no longer in the entry it was made from (whose files its set_ rewrote)
+        state["_local_payload"] = state.pop("_origin")._payload
     value._memmap_prefix = directory
     node = None
     if directory is not None:
@@ -303,14 +308,22 @@ class NonTensorBase(NonTensorMaps, NonTensorBatchDimOps, TensorDictBase):
 
     @property
     def _payload(self) -> Any:
-        return self._local_payload if self._shared_value is None else self._shared_value.get()
+        if self._shared_value is not None:
+            return self._shared_value.get()
+        state = self.__dict__
+        if "_local_payload" not in state and "_origin" in state:
+            return state["_origin"]._payload  # a view of a memory-mapped value (_same_value)
+        return self._local_payload
 
     @_payload.setter
     def _payload(self, value: Any) -> None:
-        if self._shared_value is None:
-            self._local_payload = value
-        else:
+        state = self.__dict__
+        if self._shared_value is not None:
             self._shared_value.set(value)
+        elif "_local_payload" not in state and "_origin" in state:
+            state["_origin"]._payload = value  # the entry's one value: the parent sees the write
+        else:
+            self._local_payload = value
 
     def _updating(self) -> Any:
         """A block in which an update (read, write, rewrite of the files) of a shared

@@ -170,9 +170,12 @@ def _share_values_first(root: NodePlan, options: Options) -> Callable[[], None]:
     as they were; _build then finds them shared and makes no new cell. Their state is
     copied whole, as the kinds' ``adopt`` (which shares them) sets their fields.
     """
-    if not (options.inplace and options.share_non_tensor):
+    if not options.share_non_tensor:
         return _nothing
     values = [node for node in root.walk() if node.kind.name in VALUE_KINDS]
+    if not options.inplace:
+        _share_copies_first(values)
+        return _nothing
     states = [(node.obj, dict(vars(node.obj))) for node in values]
 
     def undo() -> None:
@@ -189,6 +192,20 @@ def _share_values_first(root: NodePlan, options: Options) -> Callable[[], None]:
         undo()
         raise
     return undo
+
+
+def _share_copies_first(values: list[NodePlan]) -> None:
+    """memmap()/memmap_like(share_non_tensor=True): the copy's values, made and shared
+    (handed to the coordinator) before any byte is written, as memmap_ shares its own:
+    a hand-over that fails then leaves nothing on disk (made by _build after the write,
+    it left a complete save behind a ConnectionError). _build adopts them as they are."""
+    copies = [node.obj.clone() for node in values]
+    with collecting_new_cells() as cells:
+        for copy in copies:
+            copy._share()
+    adopt_new_cells(cells)  # (the source's values are left alone: nothing to undo)
+    for node, copy in zip(values, copies):
+        node.obj, node.premade = copy, True
 
 
 def _finish(root: NodePlan, options: Options) -> Any:
@@ -297,7 +314,7 @@ def _build(node: NodePlan, options: Options) -> Any:
     built = {name: _build(child, options) for name, child in node.children.items()}
     values = {key: node.leaves[key].result if key in node.leaves else built[key]
               for key in node.order} if node.order else built
-    put = node.kind.adopt if options.inplace else node.kind.copy
+    put = node.kind.adopt if options.inplace or node.premade else node.kind.copy
     return put(node.obj, values, node.directory, share_non_tensor=options.share_non_tensor)
 
 

@@ -53,6 +53,7 @@ class LeafPlan:
     path: str | None  # None: anonymous memory
     name: str = ""  # the file's name in its directory (with a path)
     keep: bool = False  # the source already is an MMT at ``path`` (kept by identity)
+    replace: bool = False  # write a new file (inode) at ``path``: the old one's mappings keep its bytes
     offset: int = 0  # anonymous: byte offset in the tree's segment
     data: memoryview | None = None  # the bytes to write, when staged with other leaves'
     result: torch.Tensor | None = None
@@ -68,6 +69,7 @@ class NodePlan:
     children: dict[str, "NodePlan"] = field(default_factory=dict)
     order: list[str] = field(default_factory=list)  # entry keys in insertion order
     stale: list[str] = field(default_factory=list)  # what an older save left, removed once in place
+    premade: bool = False  # obj is a copy's value made and shared before the write (api)
 
     def walk(self):
         """Every node of the tree, children before their parent."""
@@ -166,8 +168,11 @@ class Planner:
         a tree it was in; processes that received it would no longer see its writes), or
         a container found at a second place of a tree saved to a directory."""
         # every tensordict, and a root of any kind but a lazy stack (its members are
-        # checked: its is_shared() raises for a mix, naming neither memmap nor a fix)
-        checked = kind.name == nodes.TENSORDICT or (not path and kind.name != nodes.LAZY)
+        # checked: its is_shared() raises for a mix, naming neither memmap nor a fix) or
+        # a non-tensor value (a shared one is memory-mapped and stays shared, as nested
+        # and as in tensordict 0.15.3)
+        checked = kind.name == nodes.TENSORDICT or (
+            not path and kind.name != nodes.LAZY and kind.name not in VALUE_KINDS)
         if checked and _in_shared_memory(obj):
             where = "this tensordict" if not path else f"the tensordict at {path}"
             raise RuntimeError(
@@ -175,8 +180,10 @@ class Planner:
                 "shared memory (share_memory_()). Use memmap() to make a memory-mapped copy, "
                 f"or unlock_() {where} first."
             )
-        if directory is None or kind.name in VALUE_KINDS:
+        if directory is None:
             return  # anonymous memory: the two places stay one object (as in tensordict)
+        # a non-tensor value too: it records one directory, so a set_ rewrote the files of
+        # one place only and a reload gave two values (tensordict 0.15.3 does the same)
         first = self.placed.setdefault(id(obj), path)
         if first is not path:
             raise RuntimeError(
@@ -260,8 +267,11 @@ class Planner:
                 else:
                     # a view (slice, stride) of the very file it is written to: keeping it
                     # would record a shape that the file's leading bytes do not hold, so
-                    # it is written; copied out first, as the write overlaps its bytes
-                    leaf.source = tensor.clone()
+                    # it is written; copied out first, as the write overlaps its bytes,
+                    # into a new file: the tensor it views (td in td[1].memmap_(td's
+                    # directory)) keeps the old one, and its bytes (written over, they
+                    # read as the view's)
+                    leaf.source, leaf.replace = tensor.clone(), True
             elif backing.path == target:
                 # its file was deleted or replaced since it was mapped (the directory
                 # removed, another process's atomic rewrite): written again, else the
@@ -301,8 +311,9 @@ class Planner:
         self.overwritten.append((target, st))
 
 
-# the kinds of non-tensor values: a value object may sit at several places (views of
-# one shared cell), which its own writes handle
+# the kinds of non-tensor values: views of one value (one shared cell, or the payload
+# of a memory-mapped entry: _same_value) may sit at several places, which its own
+# writes handle; one value object at two places of a directory save is refused
 VALUE_KINDS = (nodes.NON_TENSOR_DATA, nodes.NON_TENSOR_STACK)
 
 

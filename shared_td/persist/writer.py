@@ -232,9 +232,10 @@ class _TreeWriter:
                 FileBacking(leaf.path, None, 0, True), source.dtype, source.shape
             )
             return
-        if options.like and directory.exists(name):
+        if (options.like or leaf.replace) and directory.exists(name):
             # a "like" file must read as zeros: a new file replaces the old one, whose
             # mappings (maybe the source's own) keep the old bytes; nothing is truncated
+            # (leaf.replace: a view of the very file it is written to, see the planner)
             directory.unlink(name)
         try:
             fd, is_new = files.reserve_file(directory, name, existsok=options.existsok)

@@ -30,7 +30,7 @@ LOCK_TIMEOUT_VARIABLE = "SHARED_TD_LOCK_TIMEOUT"
 
 def lock_timeout() -> float:
     """The seconds a writer waits for another (the lock of a prefix, an earlier
-    background write): ``SHARED_TD_LOCK_TIMEOUT`` if set, else DEFAULT_LOCK_TIMEOUT.
+    background write): ``SHARED_TD_LOCK_TIMEOUT`` if set (not blank), else DEFAULT_LOCK_TIMEOUT.
 
     Read at each wait, so a process may change it. A finite number >= 0 only: filelock
     takes a negative timeout as "wait for ever", the opposite of a bound, and NaN or
@@ -43,11 +43,13 @@ def lock_timeout() -> float:
         Traceback (most recent call last):
         ...
         ValueError: SHARED_TD_LOCK_TIMEOUT='-5' is not a number of seconds >= 0 (a finite number such as 600 or 2.5).
+        >>> os.environ["SHARED_TD_LOCK_TIMEOUT"] = " "; lock_timeout()  # blank: unset
+        600.0
         >>> del os.environ["SHARED_TD_LOCK_TIMEOUT"]; lock_timeout()
         600.0
     """
     text = os.environ.get(LOCK_TIMEOUT_VARIABLE)
-    if text is None:
+    if text is None or not text.strip():  # blank (VAR= in a shell, an env file) means unset
         return DEFAULT_LOCK_TIMEOUT
     try:
         seconds = float(text)

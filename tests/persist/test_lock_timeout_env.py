@@ -28,7 +28,7 @@ def test_lock_timeout_reads_the_variable(value, seconds, monkeypatch):
     assert writer_lock.lock_timeout() == seconds
 
 
-@pytest.mark.parametrize("value", ["abc", "-5", "-0.1", "nan", "inf", "-inf", ""])
+@pytest.mark.parametrize("value", ["abc", "-5", "-0.1", "nan", "inf", "-inf"])  # (blank: unset)
 def test_lock_timeout_refuses_what_is_no_bound(value, monkeypatch):
     monkeypatch.setenv(VARIABLE, value)
     with pytest.raises(ValueError, match=f"{VARIABLE}={value!r} is not a number of seconds >= 0"):

@@ -326,6 +326,8 @@ def test_robust_key_false_with_plain_names_is_the_same_layout(name, tmp_path):
 
 
 def test_shared_memory_instance_is_refused(case, tmp_path):
+    if case.startswith("non_tensor"):  # accepted (as nested, as tensordict): test_final21_persist
+        pytest.skip("a shared non-tensor value is memory-mapped and stays shared")
     obj = MAKERS[case]().share_memory_()
     before = snapshot(obj)
     with pytest.raises(RuntimeError, match="shared memory"):
