@@ -139,13 +139,17 @@ def test_each_names_pulls_are_served_in_order_one_at_a_time():
 
 
 # ------------------------------------------------------------ a pull given up
-@pytest.fixture
-def impatient(store):
-    """Node 0 (timeout 5 s) owns; node 1 gives up a call after 1 s."""
-    members = _members(store, (5.0, 1.0))
+def _owner_and_impatient(store, give_up_s: float):
+    """Node 0 (timeout 5 s) owns; node 1 gives up a call after ``give_up_s``."""
+    members = _members(store, (5.0, give_up_s))
     yield members
     for member in members:
         member.shutdown()
+
+
+@pytest.fixture
+def impatient(store):
+    yield from _owner_and_impatient(store, 1.0)
 
 
 def _generations(owner, other) -> tuple[int, int]:
@@ -245,11 +249,7 @@ def test_a_cancel_drops_a_queued_pull_and_says_when_one_is_served():
 # ------------------------------------------------------------ audit of b7822d2
 @pytest.fixture
 def hasty(store):
-    """Node 0 (timeout 5 s) owns; node 1 gives up a call after 0.5 s."""
-    members = _members(store, (5.0, 0.5))
-    yield members
-    for member in members:
-        member.shutdown()
+    yield from _owner_and_impatient(store, 0.5)
 
 
 #: When node 0's lane reaches node 1's pull of "p": past node 1's give-up (0.5 s) plus
