@@ -58,7 +58,7 @@ def copied_collection(obj: Any, memo: dict) -> Any:
         out._values = copy.deepcopy(list(obj._values), memo)
         return out
     if isinstance(obj, LazyStackedTensorDict):
-        return obj._restack([copy.deepcopy(member, memo) for member in obj.tensordicts])
+        return obj._restack([copy.deepcopy(member, memo) for member in obj.tensordicts], member_wise=True)
     return obj.clone()
 
 

@@ -527,19 +527,24 @@ class LazyStackedTensorDict(LazyNames, LazyShapeOps, LazyBatchDimOps, LazyWriteO
 
     # ---------------------------------------------------------------- new stacks
     def _restack(self, members: list, stack_dim: int | None = None,
-                 batch_size: Any = None, *, same_stack_dim: bool = True) -> "LazyStackedTensorDict":
+                 batch_size: Any = None, *, same_stack_dim: bool = True,
+                 member_wise: bool = False) -> "LazyStackedTensorDict":
         """A new lazy stack of ``members`` (along this one's ``stack_dim`` by default): how
         the mixins build stacks, since they cannot import this module. ``batch_size`` is
         only needed when ``members`` may be empty (see ``__init__``). The new stack dim
         is this one's (moved, maybe), so it keeps its name, unless ``same_stack_dim`` is
-        False (a stack of elements along a new dim: a reshape)."""
+        False (a stack of elements along a new dim: a reshape). ``member_wise``: member i
+        of ``members`` is a result of this stack's member i with the same fields (clone,
+        to, a shape op), so a member given as a tensorclass stays one; else only the very
+        same member objects do (a slice): never by position (audit 21: a reordering index
+        or a nested branch saved members as another member's tensorclass)."""
         sd = self._stack_dim if stack_dim is None else stack_dim
         name = self._stack_dim_name if same_stack_dim else None
         if members:
             out = LazyStackedTensorDict(*members, stack_dim=sd, stack_dim_name=name)
             if getattr(self, "_tensorclass_members", None):  # the members given as tensorclasses
                 # stay so: the same objects (a slice), or the members' results, one each
-                aligned = same_stack_dim and len(members) == len(self.tensordicts)
+                aligned = member_wise and same_stack_dim and len(members) == len(self.tensordicts)
                 for at, member in enumerate(members):
                     cls = self._tensorclass_of(member) or (aligned and self._tensorclass_of(self.tensordicts[at]))
                     if cls:

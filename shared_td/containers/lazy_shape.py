@@ -212,11 +212,11 @@ class LazyShapeOps:
         if _prefix and _filter_empty is not False and not any(result.keys() for result in results):
             if _filter_empty or any(member.keys() for member in self.tensordicts):
                 return None  # emptied by fn (or empty and filter_empty=True): left out, as in a TensorDict
-        return self._restack(results)
+        return self._restack(results, member_wise=True)
 
     def clone(self, recurse: bool = True) -> "LazyStackedTensorDict":
         """A lazy stack of clones of the members (``recurse=False`` shares the tensors)."""
-        return self._restack([m.clone(recurse) for m in self.tensordicts])
+        return self._restack([m.clone(recurse) for m in self.tensordicts], member_wise=True)
 
     def to(self, *args: Any, **kwargs: Any) -> "LazyStackedTensorDict":
         """Every member moved or cast (self when nothing changes)."""
@@ -227,7 +227,7 @@ class LazyShapeOps:
         moved = [m.to(*args, **kwargs) for m in self.tensordicts]
         if all(a is b for a, b in zip(moved, self.tensordicts)):
             return self
-        return self._restack(moved)
+        return self._restack(moved, member_wise=True)
 
     def flatten_keys(self, separator: str = ".", inplace: bool = False,
                      is_leaf: Any = None) -> "LazyStackedTensorDict":
@@ -267,7 +267,7 @@ class LazyShapeOps:
 
     def empty(self, recurse: bool = False) -> "LazyStackedTensorDict":
         """A lazy stack of the members' ``empty()``."""
-        return self._restack([m.empty(recurse) for m in self.tensordicts])
+        return self._restack([m.empty(recurse) for m in self.tensordicts], member_wise=True)
 
     def select(self, *keys: NestedKey, inplace: bool = False, strict: bool = True,
                as_tensordict: bool = False) -> "LazyStackedTensorDict":
@@ -304,8 +304,8 @@ class LazyShapeOps:
         """Insert a batch dim of size 1 in every member; ``stack_dim`` shifts if needed."""
         dim = batch_ops.insertion_dim(dim, self.batch_dims)
         if dim <= self._stack_dim:
-            return self._restack([m.unsqueeze(dim) for m in self.tensordicts], self._stack_dim + 1)
-        return self._restack([m.unsqueeze(dim - 1) for m in self.tensordicts])
+            return self._restack([m.unsqueeze(dim) for m in self.tensordicts], self._stack_dim + 1, member_wise=True)
+        return self._restack([m.unsqueeze(dim - 1) for m in self.tensordicts], member_wise=True)
 
     def squeeze(self, dim: int | None = None) -> Any:
         """Remove batch dims of size 1; squeezing ``stack_dim`` gives the single member."""
@@ -321,7 +321,7 @@ class LazyShapeOps:
         if dim == self._stack_dim:
             return self.tensordicts[0]
         sd = self._stack_dim - (dim < self._stack_dim)
-        return self._restack([m.squeeze(self._member_dim(dim)) for m in self.tensordicts], sd)
+        return self._restack([m.squeeze(self._member_dim(dim)) for m in self.tensordicts], sd, member_wise=True)
 
     def permute(self, *dims_list: Any, dims: Any = None) -> "LazyStackedTensorDict":
         """Reorder the batch dims (or only the leading ones, as tensordict: see
@@ -330,7 +330,8 @@ class LazyShapeOps:
         sd = self._stack_dim
         member_order = [self._member_dim(d) for d in order if d != sd]
         # (dims=: members without batch dims take [], where permute(*[]) gives no dims at all)
-        return self._restack([m.permute(dims=member_order) for m in self.tensordicts], order.index(sd))
+        return self._restack([m.permute(dims=member_order) for m in self.tensordicts], order.index(sd),
+                             member_wise=True)
 
     def expand(self, *shape: Any) -> "LazyStackedTensorDict":
         """Expand the batch dims (each member is expanded: views, no copy)."""
@@ -341,7 +342,7 @@ class LazyShapeOps:
         if size[sd] != len(members):  # only possible from a single member
             members = members * size[sd]
         member_size = torch.Size(size[:sd] + size[sd + 1 :])
-        return self._restack([m.expand(member_size) for m in members], sd)
+        return self._restack([m.expand(member_size) for m in members], sd, member_wise=True)
 
     def reshape(self, *shape: Any, size: Any = None) -> Any:
         """Reshape the batch dims: nested lazy stacks of the members' elements (views)."""

@@ -303,8 +303,11 @@ class NonTensorBase(NonTensorMaps, NonTensorBatchDimOps, TensorDictBase):
         payload = self._payload
         self._shared_value = SharedValue.create(payload)
         # the cell holds the value now: a stale private copy would be pickled (by value)
-        # with every entry sent to another process
+        # with every entry sent to another process; a view of a memory-mapped value
+        # (_same_value) no longer writes through the entry it was made from (audit 21: a
+        # row saved with share_non_tensor=True rewrote its parent's files)
         self.__dict__.pop("_local_payload", None)
+        self.__dict__.pop("_origin", None)
 
     @property
     def _payload(self) -> Any:

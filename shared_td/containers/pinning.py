@@ -54,7 +54,7 @@ def pinned_node(node: Any, copies: dict[int, torch.Tensor], inplace: bool) -> An
     members = getattr(node, "tensordicts", None)
     if members is not None:  # a lazy stack: its members, stacked again
         pinned = [pinned_node(member, copies, inplace) for member in members]
-        return node if inplace else node._restack(pinned)
+        return node if inplace else node._restack(pinned, member_wise=True)
     entries = node._tensordict
     if inplace:
         if not (node._is_locked or node._is_memmap or node._is_shared):

@@ -351,14 +351,17 @@ class _TensorClassMembers:
             self._tensordict.set(path, value, inplace=inplace, **kwargs)
         return self
 
-    def update(self, other: Any = None, *, inplace: bool = False, keys_to_update: Any = None, **kwargs: Any) -> Any:
-        """Set the entries of ``other`` (a dict, tensordict or tensorclass) and the fields
-        given as keywords (``tc.update(other, b=...)``: the keywords win); returns self.
+    def update(self, input_dict_or_td: Any = None, *, inplace: bool = False, keys_to_update: Any = None,
+               **kwargs: Any) -> Any:
+        """Set the entries of ``input_dict_or_td`` (a dict, tensordict or tensorclass) and
+        the fields given as keywords (``tc.update(other, b=...)``: the keywords win; a field
+        may be named ``other``, as tensordict's parameter name leaves it free); returns self.
 
         Raises:
-            ValueError: (before anything is written) if ``other`` has keys that are not
-                fields.
+            ValueError: (before anything is written) if ``input_dict_or_td`` has keys that
+                are not fields.
         """
+        other = input_dict_or_td
         fields = _field_keywords(self, kwargs)
         if other is not None:
             self._update_from(other, inplace=inplace, keys_to_update=keys_to_update, **kwargs)
@@ -378,9 +381,10 @@ class _TensorClassMembers:
         out = self.copy()
         return out.update(args[0] if args else None, **kwargs)
 
-    def update_(self, other: Any = None, **kwargs: Any) -> Any:
-        """Write the entries of ``other`` and the fields given as keywords into the
-        existing entries, in place; returns self."""
+    def update_(self, input_dict_or_td: Any = None, **kwargs: Any) -> Any:
+        """Write the entries of ``input_dict_or_td`` and the fields given as keywords into
+        the existing entries, in place; returns self."""
+        other = input_dict_or_td
         fields = _field_keywords(self, kwargs)
         for source in (other, fields):
             if source is not None and (not isinstance(source, dict) or source):  # (bool() of a tensorclass raises)

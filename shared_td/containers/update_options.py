@@ -9,6 +9,7 @@ import warnings
 from typing import Any
 
 from shared_td.containers.unsupported_options import refuse_options
+from shared_td.tensorclass_protocol import unwrap_tensorclass
 from shared_td.containers.value_kinds import is_non_tensor, is_tensor_collection
 
 __all__ = ["update_source"]
@@ -28,7 +29,7 @@ def update_source(td: Any, other: Any, entries: dict, ignore_lock: bool) -> Any:
         >>> sorted(dict(update_source(td, {"a": 1, "b": 2}, {"a": 3}, False)).items())
         [('a', 3), ('b', 2)]
         >>> other = TensorDict(n={"q": 1}, batch_size=[])
-        >>> sorted(dict(update_source(td, other, {"n": {"r": 2}}, False))["n"])
+        >>> sorted(update_source(td, other, {"n": {"r": 2}}, False)["n"].keys())
         ['q', 'r']
     """
     for name in _NOT_BUILT:
@@ -45,22 +46,26 @@ def update_source(td: Any, other: Any, entries: dict, ignore_lock: bool) -> Any:
         return list(entries.items())
     if isinstance(other, dict) or not _branch(other):
         return [(k, v) for k, v in other.items() if k not in entries] + list(entries.items())
-    merged = dict(other.items())
+    # a shallow copy of other (its batch size, names, a lazy stack's members and their own
+    # keys kept: a dict of its items lost them, audit 21) with the keywords written over it
+    merged = unwrap_tensorclass(other).copy()
     for key, value in entries.items():
-        merged[key] = _merged(merged[key], value) if key in merged else value
-    return list(merged.items())
+        _write_over(merged, key, value)
+    return merged
 
 
 def _branch(value: Any) -> bool:
     return isinstance(value, dict) or (is_tensor_collection(value) and not is_non_tensor(value))
 
 
-def _merged(first: Any, second: Any) -> Any:
-    """``second`` written over ``first`` as ``update`` writes it: nested dicts and
-    tensordicts key by key (a plain dict of both, so that neither is changed)."""
-    if not (_branch(first) and _branch(second)):
-        return second
-    merged = dict(first.items())
-    for key, value in second.items():
-        merged[key] = _merged(merged[key], value) if key in merged else value
-    return merged
+def _write_over(node: Any, key: str, value: Any) -> None:
+    """Set ``key`` of ``node`` (a copy, see update_source) to ``value`` as ``update``
+    writes it: a nested tensordict of both is merged key by key, in a copy of the nested
+    one (so that neither input changes)."""
+    current = node.get(key, None) if key in node.keys() else None
+    if current is not None and _branch(value) and is_tensor_collection(current) and not is_non_tensor(current):
+        current = unwrap_tensorclass(current).copy()
+        for nested, item in value.items():
+            _write_over(current, nested, item)
+        value = current
+    node.set(key, value)

@@ -118,6 +118,11 @@ def write_tree(root: NodePlan, leaves: list[LeafPlan], options: Options, *, clea
         writer.close_kept()
         if clean_up:
             writer.remove_what_was_made(root, directory, error)
+        for aside, own in writer.set_aside:  # (the new file, made by this write, is gone)
+            try:
+                os.replace(aside, own)
+            except OSError as failure:
+                error.add_note(f"{own} was set aside as {aside} for this write and could not be put back: {failure}")
         directory.close()
         # the root, emptied above, and the parents made for it: what is left there is not this write's
         _remove_made(made, error)
@@ -127,6 +132,9 @@ def write_tree(root: NodePlan, leaves: list[LeafPlan], options: Options, *, clea
         if pool is not None:
             pool.shutdown()
     directory.close()
+    for aside, _ in writer.set_aside:  # written: the old files live on in their mappings only
+        with contextlib.suppress(OSError):  # (a hidden leftover at worst)
+            os.unlink(aside)
     if writer.not_removed:
         raise OSError(
             f"The save at {root.directory} is written, but what an older save left there "
@@ -151,6 +159,7 @@ class _TreeWriter:
         self.futures: list = []  # (leaf, future) of every leaf handed to the pool
         self.made_directories: set[int] = set()  # id() of the nodes whose directory this made
         self.made_files: dict[int, list[str]] = {}  # node id -> names of the files this made
+        self.set_aside: list[tuple[str, str]] = []  # (aside path, its own path): see _write_leaf
         self.staged: dict[int, list[tuple[str, str]]] = {}  # node id -> (temporary, final)
         self.kept: dict[int, Directory] = {}  # node id -> its existing directory, still open
         self.shapes: dict = {}  # one torch.Size per shape of the leaves (MMT._wrap_views)
@@ -232,10 +241,15 @@ class _TreeWriter:
                 FileBacking(leaf.path, None, 0, True), source.dtype, source.shape
             )
             return
-        if (options.like or leaf.replace) and directory.exists(name):
+        if leaf.replace and directory.exists(name):
+            # a view of the very file it is written to (see the planner): a new file, the old
+            # one set aside (its mappings keep its bytes), put back if the write fails (audit 21)
+            aside = f".{name}.viewed-{os.getpid()}-{len(self.set_aside)}"
+            directory.replace(name, aside)
+            self.set_aside.append((directory.join(aside), directory.join(name)))
+        elif options.like and directory.exists(name):
             # a "like" file must read as zeros: a new file replaces the old one, whose
             # mappings (maybe the source's own) keep the old bytes; nothing is truncated
-            # (leaf.replace: a view of the very file it is written to, see the planner)
             directory.unlink(name)
         try:
             fd, is_new = files.reserve_file(directory, name, existsok=options.existsok)

@@ -234,3 +234,58 @@ def test_update_other_keyword_is_an_entry(lib, lazy):
     td = lib.LazyStackedTensorDict(_base(lib), _base(lib)) if lazy else _base(lib)
     value = torch.ones(2, 2) if lazy else torch.ones(2)
     assert "other" in td.update(other=value).keys()
+
+
+# ------------------------------------------------ last audit of a41884b
+@pytest.mark.parametrize("lib", ["shared_td", "tensordict"])
+def test_update_keywords_keep_a_tensordict_others_structure(lib):
+    """update(other_td, **entries): the entries are written after other, which keeps its
+    nested batch sizes and names and a lazy stack's exclusive keys (a dict of its items
+    lost them)."""
+    mod = pytest.importorskip(lib)
+    td = mod.TensorDict(batch_size=[3])
+    other = mod.TensorDict(n=mod.TensorDict(q=torch.zeros(3, 2), batch_size=[3, 2], names=["a", "b"]), batch_size=[3])
+    td.update(other, n={"r": torch.ones(3, 2)})
+    assert td["n"].batch_size == torch.Size([3, 2]) and td["n"].names == ["a", "b"]
+    assert sorted(td["n"].keys()) == ["q", "r"]
+    members = [mod.TensorDict(a=torch.zeros(()), x=torch.zeros(())), mod.TensorDict(a=torch.zeros(()))]
+    lazy = mod.LazyStackedTensorDict(*[m.clone() for m in members])
+    lazy.update(mod.LazyStackedTensorDict(*members), b=torch.ones(2))
+    assert [sorted(m.keys()) for m in lazy.tensordicts] == [["a", "b", "x"], ["a", "b"]]
+
+
+@pytest.mark.parametrize("lib", ["shared_td", "tensordict"])
+def test_a_tensorclass_field_named_other_updates_by_keyword(lib):
+    mod = pytest.importorskip(lib)
+
+    @mod.tensorclass
+    class Holder:
+        other: torch.Tensor
+
+    tc = Holder(other=torch.zeros(1), batch_size=[1])
+    assert tc.update(other=torch.ones(1)).other.tolist() == [1.0]
+    assert tc.update_(other=torch.full((1,), 2.0)).other.tolist() == [2.0]
+    assert tc.replace(other=torch.full((1,), 3.0)).other.tolist() == [3.0]
+
+
+def test_a_reordered_or_nested_stack_never_takes_another_members_tensorclass(tmp_path):
+    @shared_td.tensorclass
+    class Pt:
+        x: torch.Tensor
+
+    lazy = shared_td.LazyStackedTensorDict(Pt(x=torch.zeros(3), batch_size=[3]),
+                                           shared_td.TensorDict(y=torch.zeros(3), batch_size=[3]))
+    reordered = lazy[[1, 0], 0:2]
+    reordered.memmap(tmp_path / "r")
+    loaded = shared_td.load_memmap(tmp_path / "r")
+    assert sorted(loaded.tensordicts[0].keys()) == ["y"]  # never saved as a Pt
+
+    @shared_td.tensorclass
+    class Q:
+        n: shared_td.TensorDict
+
+    nested = shared_td.LazyStackedTensorDict(Q(n=shared_td.TensorDict(z=torch.zeros(3), batch_size=[3]), batch_size=[3]),
+                                             Q(n=shared_td.TensorDict(z=torch.ones(3), batch_size=[3]), batch_size=[3]))
+    nested["n"].memmap(tmp_path / "n")
+    import json
+    assert "Q" not in json.loads((tmp_path / "n" / "0" / "meta.json").read_text()).get("_type", "")

@@ -4,6 +4,7 @@ member count, one value at two places, a shared value as the root, a view writte
 its parent's directory, a blank SHARED_TD_LOCK_TIMEOUT."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -15,6 +16,7 @@ import shared_td.storage.shared_value as shared_value
 from shared_td import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDict
 from shared_td.errors import FormatError
 from shared_td.persist import writer_lock
+from shared_td.storage import files
 
 VIEWS = {
     "row": lambda td: td[1],
@@ -167,6 +169,24 @@ def test_view_written_into_its_parents_directory_keeps_the_parents_bytes(tmp_pat
     view(td).memmap_(tmp_path / "t")
     assert td["a"].tolist() == [0.0, 1.0, 2.0, 3.0]
     assert TensorDict.load_memmap(tmp_path / "t")["a"].tolist() == values  # (tensordict: [0, 1])
+    assert sorted(os.listdir(tmp_path / "t")) == ["a.memmap", "meta.json"]  # the old file set aside is gone
+
+
+def test_a_failed_write_of_a_view_into_its_parents_directory_keeps_the_save(tmp_path, monkeypatch):
+    """The old file is set aside, not unlinked, and put back when the write fails (last
+    audit of 0b84365: a failed write left a meta.json naming a missing file)."""
+    td = TensorDict(a=torch.arange(4.), batch_size=[4]).memmap_(tmp_path / "t")
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(files, "pwrite_all", full)
+    with pytest.raises(OSError):
+        td[1:3].memmap_(tmp_path / "t")
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path / "t")) == ["a.memmap", "meta.json"]
+    assert TensorDict.load_memmap(tmp_path / "t")["a"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert td["a"].tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
 def test_view_written_into_its_parents_directory_against_tensordict(tmp_path):
@@ -191,3 +211,18 @@ def test_view_saved_on_its_own_writes_its_own_files(tmp_path, view):
     made.set_("s", "Z")
     assert td["s"] == "whole" and TensorDict.load_memmap(tmp_path / "p")["s"] == "whole"
     assert made["s"] == "Z" and TensorDict.load_memmap(tmp_path / "q")["s"] == "Z"
+
+
+def test_a_row_saved_with_shared_values_writes_its_own_save(tmp_path):
+    """A row of a memory-mapped value, saved on its own with share_non_tensor=True (or
+    share_memory_()), writes its own cell and files, never the parent's (last audit of
+    0b84365: it rewrote the parent's files through the entry it was made from)."""
+    td = TensorDict(a=torch.zeros(3), s=NonTensorData("whole"), batch_size=[3]).memmap_(tmp_path / "p")
+    row = td[1]
+    row.memmap_(tmp_path / "q", share_non_tensor=True, copy_existing=True)
+    row.set_("s", "X")
+    assert (td["s"], TensorDict.load_memmap(tmp_path / "p")["s"]) == ("whole", "whole")
+    assert TensorDict.load_memmap(tmp_path / "q")["s"] == "X"
+    other = td[2].unlock_().share_memory_()
+    other.set_("s", "Y")
+    assert (td["s"], TensorDict.load_memmap(tmp_path / "p")["s"]) == ("whole", "whole")
