@@ -49,7 +49,9 @@ def test_a_drain_ends_when_its_live_owner_never_answers_the_cancel(store, monkey
         while _drains() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert _drains() == 0
-        assert len(cancels) == cluster_drain.UNANSWERED_ASKS  # asked again after each timeout
+        # asked again after each timeout without an answer (the pull's own answer, when it
+        # comes in between, starts the count again: at most one more round)
+        assert cluster_drain.UNANSWERED_ASKS <= len(cancels) <= 2 * cluster_drain.UNANSWERED_ASKS - 1
         monkeypatch.setattr(cluster_serve, "_handle", handle)
         monkeypatch.setattr(cluster_serve, "_serve", serve)
         assert requester.pull("p") >= 1  # the payload was drained: the pair is intact
