@@ -156,6 +156,16 @@ def _generations(owner, other) -> tuple[int, int]:
     return owner._groups.generation(other.node), other._groups.generation(owner.node)
 
 
+def _published_p_and_q(owner, other, rows: int) -> tuple[int, int]:
+    """Node 0 publishes "p" (``rows`` floats) and a small "q", node 1 attaches both; the
+    pair generations before the test's pull."""
+    owner.publish("p", shared_td.TensorDict(x=torch.arange(rows, dtype=torch.float32), batch_size=[rows]))
+    owner.publish("q", shared_td.TensorDict(x=torch.zeros(4), batch_size=[4]))
+    other.attach("p")
+    other.attach("q")
+    return _generations(owner, other)
+
+
 @pytest.mark.parametrize("where", ["answer", "lock", "receive"])
 def test_a_pull_given_up_after_its_owner_served_it_fails_no_pair(impatient, monkeypatch, where):
     """Node 1's pull of "p" gives up (its 1 s) while node 0 serves it: "answer", the
@@ -167,11 +177,7 @@ def test_a_pull_given_up_after_its_owner_served_it_fails_no_pair(impatient, monk
     when the pull still waits), and the pair stays: a pull and a sync of "q" right after
     go through on the same pair generation."""
     owner, other = impatient
-    owner.publish("p", shared_td.TensorDict(x=torch.arange(1 << 16, dtype=torch.float32), batch_size=[1 << 16]))
-    owner.publish("q", shared_td.TensorDict(x=torch.zeros(4), batch_size=[4]))
-    other.attach("p")
-    other.attach("q")
-    before = _generations(owner, other)
+    before = _published_p_and_q(owner, other, 1 << 16)
     delays = {"answer": (1.05, 0.0), "lock": (0.0, 0.0), "receive": (0.6, 0.6)}[where]
     real_serve, real_send = cluster_serve._serve, owner._groups.send
 
@@ -288,11 +294,7 @@ def test_a_pull_given_up_long_before_its_owners_lane_reaches_it_fails_no_pair(ha
     drain ended and sent to nobody, the next pull of another name waited behind that
     send and timed out, and the owner failed the pair."""
     owner, other = hasty
-    owner.publish("p", shared_td.TensorDict(x=torch.arange(1 << 14, dtype=torch.float32), batch_size=[1 << 14]))
-    owner.publish("q", shared_td.TensorDict(x=torch.zeros(4), batch_size=[4]))
-    other.attach("p")
-    other.attach("q")
-    before = _generations(owner, other)
+    before = _published_p_and_q(owner, other, 1 << 14)
     _late_pulls(monkeypatch, owner)
     start = time.monotonic()
     with pytest.raises(TimeoutError):

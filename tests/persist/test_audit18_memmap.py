@@ -316,9 +316,9 @@ def test_meta_and_sparse_leaves_are_refused_naming_the_key(tmp_path, bad, error,
         tensordict.TensorDict(a=torch.zeros(3), z=tensordict.TensorDict(m=bad())).memmap_(tmp_path / "td")
 
 
-def test_wait_for_a_return_early_write_is_bounded(tmp_path, monkeypatch):
-    """A write that would wait longer than SHARED_TD_LOCK_TIMEOUT for an earlier
-    return_early write of the same directory raises, naming both and the fix."""
+def hold_background_writes(monkeypatch) -> threading.Event:
+    """Hold every file write of a worker thread (a return_early or num_threads write)
+    until the returned event is set (within 30 s); the calling thread's writes go on."""
     release = threading.Event()
     real = files.pwrite_all
 
@@ -328,6 +328,13 @@ def test_wait_for_a_return_early_write_is_bounded(tmp_path, monkeypatch):
         return real(fd, data, offset, where=where)
 
     monkeypatch.setattr(files, "pwrite_all", held)
+    return release
+
+
+def test_wait_for_a_return_early_write_is_bounded(tmp_path, monkeypatch):
+    """A write that would wait longer than SHARED_TD_LOCK_TIMEOUT for an earlier
+    return_early write of the same directory raises, naming both and the fix."""
+    release = hold_background_writes(monkeypatch)
     monkeypatch.setenv("SHARED_TD_LOCK_TIMEOUT", "0.1")
     prefix = tmp_path / "p"
     future = TensorDict(a=torch.ones(1 << 18)).memmap_(prefix, num_threads=2, return_early=True)

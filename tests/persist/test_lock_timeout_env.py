@@ -5,7 +5,6 @@ and the value, before any wait (a negative one made filelock wait for ever); mes
 show the value as given (``1.5 s``, not ``2 s``)."""
 from __future__ import annotations
 
-import threading
 import time
 
 import filelock
@@ -14,7 +13,7 @@ import torch
 
 import shared_td
 from shared_td.persist import writer_lock
-from shared_td.storage import files
+from tests.persist.test_audit18_memmap import hold_background_writes
 
 VARIABLE = "SHARED_TD_LOCK_TIMEOUT"
 
@@ -59,15 +58,7 @@ def test_the_timeout_message_shows_the_value_given(held_lock, monkeypatch):
 
 
 def test_the_wait_for_a_background_write_reads_it_too(tmp_path, monkeypatch):
-    release = threading.Event()
-    real = files.pwrite_all
-
-    def held(fd, data, offset, where=""):
-        if threading.current_thread() is not threading.main_thread():
-            release.wait(30)
-        return real(fd, data, offset, where=where)
-
-    monkeypatch.setattr(files, "pwrite_all", held)
+    release = hold_background_writes(monkeypatch)
     prefix = tmp_path / "p"
     future = shared_td.TensorDict(a=torch.ones(1 << 18)).memmap_(prefix, num_threads=2, return_early=True)
     try:
