@@ -9,7 +9,9 @@ Two kinds of things, and nothing else:
   directories (an archive writer's temporary directory is one of them). A lock file of
   a prefix that no longer exists is left alone: nothing says it is ours;
 * inside a saved tensordict, the temporary files (``meta.json.<pid>.<thread>.tmp``, ...)
-  of a writer ``<pid>`` killed while it rewrote the metadata in place.
+  of a writer ``<pid>`` killed while it rewrote the metadata in place, and the leaf files
+  ``.<NAME>.viewed-<pid>-<n>`` it set aside (one is put back as ``NAME`` where that is
+  missing: persist/set_aside.py).
 
 PATH may be a saved tensordict itself, a directory or a ``.tdz`` archive: its leftovers
 beside it are cleaned (an archive's lock ``.x.tdz.lock`` and the temporary files
@@ -33,6 +35,7 @@ from shared_td.persist import format as fmt
 from shared_td.persist import leftovers
 from shared_td.persist.archive import is_memmap_archive
 from shared_td.persist.lock_probe import lock_is_held
+from shared_td.persist.set_aside import parse_set_aside_name
 
 EPILOG = """examples:
   shared-td gc --dry-run /data       list what would be removed under /data
@@ -164,7 +167,8 @@ def prefixes_under(root: str, unlisted: list[OSError] | None = None) -> list[str
     onerror = None if unlisted is None else functools.partial(_note_unlisted, unlisted)
     for directory, dirnames, names in os.walk(root, onerror=onerror):
         found += prefixes_in(directory, unlisted)
-        if any(fmt.temporary_writer_pid(name) is not None for name in names):
+        if any(fmt.temporary_writer_pid(name) is not None or parse_set_aside_name(name) is not None
+               for name in names):
             # gc of the save that holds it (under that save's lock) finds and checks them
             found.append(_outermost_save(directory, root))
         dirnames[:] = sorted(d for d in dirnames if leftovers.parse_leftover_name(d) is None)
@@ -239,4 +243,7 @@ def _what(path: str) -> str:
     writer = fmt.temporary_writer_pid(os.path.basename(path))
     if writer is not None:
         return f"temporary file of dead writer pid {writer}"
+    aside = parse_set_aside_name(os.path.basename(path))
+    if aside is not None:
+        return f"{aside[0]} set aside by dead writer pid {aside[1]}, put back where {aside[0]} was missing"
     return "lock file no process holds"

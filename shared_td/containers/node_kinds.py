@@ -23,6 +23,7 @@ from shared_td.persist import format as fmt
 from shared_td.persist import nodes
 from shared_td.persist.node_meta import NodeMeta
 from shared_td.persist.saved_tree import VALUE, Entry
+from shared_td.persist.sub_directories import SubDirectories
 from shared_td.persist.survey import NodeView
 from shared_td.tensorclass_protocol import is_tensorclass
 
@@ -425,16 +426,21 @@ class TensorClassKind(nodes.NodeKind):
 def _member_after(missing: int, is_directory: Callable[[str], bool]) -> int | None:
     """The lowest member index above ``missing`` (the first absent one) whose directory
     is there, or None: one lost member or a hundred (a save without a member count).
-    The node is listed once, through what ``is_directory`` is bound to: the loader's
-    ``Directory`` (by its descriptor) or an archive's node; for any other callable only
-    the next index is looked at (looking one index ahead, 1 and 2 lost loaded 1 member).
+    The node is listed once: by a ``SubDirectories``'s ``names`` (the survey behind
+    ``shared-td verify``, a cluster layout), or through what ``is_directory`` is bound
+    to: the loader's ``Directory`` (by its descriptor) or an archive's node; for any
+    other callable only the next index is looked at.
 
     Example:
         >>> _member_after(1, {"0", "3"}.__contains__) is None  # (a set: next index only)
         True
+        >>> _member_after(1, SubDirectories({"0", "3"}.__contains__, lambda: ["0", "3"]))
+        3
     """
     holder = getattr(is_directory, "__self__", None)
-    if hasattr(holder, "archive") and hasattr(holder, "at"):  # persist.archive.ArchiveNode
+    if isinstance(is_directory, SubDirectories):
+        names = list(is_directory.names())
+    elif hasattr(holder, "archive") and hasattr(holder, "at"):  # persist.archive.ArchiveNode
         inside = holder.at + "/" if holder.at else ""
         names = [name[len(inside):] for name in holder.archive.directories
                  if name.startswith(inside) and "/" not in name[len(inside):]]

@@ -415,12 +415,20 @@ class NonTensorBase(NonTensorMaps, NonTensorBatchDimOps, TensorDictBase):
         rewritten first, from a private copy holding ``payload``: a write that they
         cannot take (a full disk) changes neither them nor the values in memory (nor the
         shared cell), so memory and files agree after a failure; should the cell then
-        refuse the value (a full memory), the files are put back."""
+        refuse the value (a full memory), the files are put back.
+
+        A writer killed (SIGKILL) before the files' renames leaves the old files and cell;
+        between files and cell, the files hold the new value, the cell the old one (the
+        cell wins while it exists: sharing processes read it, a fresh load_memmap the
+        files, as a killed tensor write leaves its bytes; the next write rewrites both).
+        Files first, because then every error a write raises (a full disk, a stale view's
+        SaveChangedError) changes nothing any process can read: with the cell first it
+        would take back a value other processes may have read (lock-free)."""
         entry = self.__dict__.get("_origin", self)
         if not (entry._is_memmap and entry._memmap_prefix is not None):
             self._payload = payload
         else:
-            from shared_td.persist.writer import rewrite_node
+            from shared_td.persist.node_rewrite import rewrite_node
 
             before = self._payload if self._shared_value is not None else None
             # the directory it was mapped from or loaded from (see record_node): a stale

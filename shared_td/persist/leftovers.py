@@ -21,6 +21,7 @@ import os
 import re
 
 from shared_td.persist import format as fmt
+from shared_td.persist import set_aside
 from shared_td.persist.format import lock_path, sibling_stem
 from shared_td.persist.lock_probe import lock_is_held, remove_unheld_lock
 from shared_td.persist.writer_lock import acquired
@@ -53,16 +54,26 @@ def find_leftovers(prefix: str) -> list[str]:
 
 def find_stale_temporaries(prefix: str) -> list[str]:
     """Temporary files a killed (non-atomic) writer left inside the saved tree at
-    ``prefix``: ``meta.json.<pid>.<thread>.tmp`` and the like, whose pid is gone.
-    Symlinks are not followed; nothing is removed."""
+    ``prefix``: ``meta.json.<pid>.<thread>.tmp`` and the like, and the leaf files it
+    set aside (``.<NAME>.viewed-<pid>-<n>``, persist/set_aside.py), whose pid is gone.
+    Symlinks are not followed; nothing is removed (:func:`remove_stale_temporary`)."""
     found = []
     for directory, subdirectories, names in os.walk(prefix):
         subdirectories.sort()
         for name in sorted(names):
             pid = fmt.temporary_writer_pid(name)
-            if pid is not None and not pid_alive(pid):
+            if (pid is not None and not pid_alive(pid)) or set_aside.is_dead_writers(directory, name):
                 found.append(os.path.join(directory, name))
     return found
+
+
+def remove_stale_temporary(path: str) -> None:
+    """Remove one of :func:`find_stale_temporaries`; a leaf file set aside goes back to
+    its own name instead when that name is missing (the only copy of its bytes)."""
+    if set_aside.parse_set_aside_name(os.path.basename(path)) is not None:
+        set_aside.put_back_or_remove(path)
+    else:
+        os.unlink(path)
 
 
 def sweep_leftovers(prefix: str) -> list[str]:
@@ -106,7 +117,8 @@ def gc(prefix: str, timeout: float | None = None, *, dry_run: bool = False,
 
     The temporary directories of dead atomic writers (beside ``prefix``) and the
     temporary files of dead writers inside it (:func:`find_stale_temporaries`) are
-    removed under the prefix lock (waiting at most ``timeout`` seconds for a running
+    removed under the prefix lock (a leaf file a dead writer set aside is put back
+    where its own file is missing, and listed all the same) (waiting at most ``timeout`` seconds for a running
     writer, then TimeoutError). With ``remove_lock=True`` the lock file ``.<name>.lock``
     goes too when no process holds it. ``dry_run=True`` removes nothing, takes no lock
     and returns what would go. A leftover that cannot be removed is an OSError naming it.
@@ -156,7 +168,7 @@ def _gc_one(prefix: str, timeout: float | None, dry_run: bool, remove_lock: bool
             with acquired(prefix, timeout):
                 removed += sweep_leftovers(prefix)
                 for path in stale(prefix):
-                    os.unlink(path)
+                    remove_stale_temporary(path)
                     removed.append(path)
         except OSError as error:  # what was removed before it, for the caller to report
             error.removed = removed + getattr(error, "removed", [])

@@ -36,6 +36,7 @@ from shared_td.persist import nodes
 from shared_td.persist.archive import looks_like_zip
 from shared_td.persist.node_meta import ChildMeta, LeafMeta, NodeMeta
 from shared_td.persist.saved_tree import NODE, TENSOR, VALUE, VALUE_WIDTH, Entry, Problem, Survey
+from shared_td.persist.sub_directories import SubDirectories
 from shared_td.persist.survey_files import DIRECTORY, FILE, SYMLINK, InArchive, OnDisk, Progress
 
 __all__ = ["NODE", "TENSOR", "VALUE", "Entry", "NodeView", "Problem", "Survey", "survey"]
@@ -194,7 +195,10 @@ class _Walker:
                 self.child(entry, meta, item)
         view = NodeView(self, entry)
         try:
-            names = kind.child_names(meta, lambda name: self.is_directory(os.path.join(directory, name)))
+            # (with its names: a lazy stack's member lost however far before the next one)
+            found = SubDirectories(lambda name: self.is_directory(os.path.join(directory, name)),
+                                   lambda: self.files.names_in(directory))
+            names = kind.child_names(meta, found)
         except FormatError as error:
             self.problem("error", directory, error.detail)
             names = []

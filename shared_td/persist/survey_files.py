@@ -111,6 +111,14 @@ class OnDisk:
     def refused_leaf(self, path: str, nbytes: int) -> str | None:
         return None  # a file's size says it all (checked by the caller)
 
+    def names_in(self, directory: str) -> list[str]:
+        """The names in ``directory`` (none if it cannot be listed: what it holds is
+        then looked at name by name)."""
+        try:
+            return os.listdir(self._directory(directory).fd)
+        except (OSError, RuntimeError):
+            return []
+
     def replaced(self) -> bool:
         """Whether ``root`` names another directory than the one opened (an atomic
         rewrite swapped a new version in, and may be removing the one read)."""
@@ -189,6 +197,13 @@ class InArchive:
 
     def escapes(self, path: str, target: str) -> bool:
         return True  # never asked: an archive holding a symlink is refused when opened
+
+    def names_in(self, directory: str) -> list[str]:
+        """The names of the sub-directories of ``directory`` (those a node may own)."""
+        name = _member(directory)
+        inside = name + "/" if name else ""
+        return [d[len(inside):] for d in self.archive.directories
+                if d.startswith(inside) and d != inside[:-1] and "/" not in d[len(inside):]]
 
     def replaced(self) -> bool:
         return False  # read through the one descriptor opened: one version, even if renamed over

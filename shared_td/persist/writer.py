@@ -17,33 +17,35 @@
 * **commit** writes every meta.json (children first, the root's last) and only then
   puts the new leaves into the tensordict (or a new one). A node directory that existed
   gets its files as temporaries renamed into place; a new one (this save made it) gets
-  them written directly, each created with ``O_EXCL``.
+  them written directly, each created with ``O_EXCL`` (persist/node_commit.py).
+
+Rewrites of one existing node after an in-place change are persist/node_rewrite.py's.
 """
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import os
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterator
 
 import torch
 
-from shared_td.errors import SaveChangedError
 from shared_td.memmap_tensor import MemoryMappedTensor
-from shared_td.persist import format as fmt
-from shared_td.persist import nodes
-from shared_td.persist.loader import read_meta
-from shared_td.persist.node_meta import ChildMeta, LeafMeta, NodeMeta
+from shared_td.persist.node_commit import node_files, put_node_in_place, stage_node_files
+from shared_td.persist.node_rewrite import NODE_LOCK_S, node_rewrite, rewrite_node
 from shared_td.persist.packing import copy_all, leaf_nbytes, packed_layout, packed_views, stage_small_leaves
 from shared_td.persist.planner import LeafPlan, NodePlan, Options
-from shared_td import platform
+from shared_td.persist.set_aside import set_aside_name
 from shared_td.storage import files
 from shared_td.storage.anonymous import Segment, align
 from shared_td.storage.files import Directory, FileBacking
+
+# The engine's writes, as one module for its callers: the node rewrites (non-tensor writes,
+# added entries) live in node_rewrite.py and a node's own files in node_commit.py, and are
+# reached through here too (containers/memmap_methods.py: writer.node_rewrite).
+__all__ = ["NODE_LOCK_S", "node_files", "node_rewrite", "packed_layout", "rewrite_node", "tree_documents",
+           "write_tree"]
 
 # With num_threads > 1, leaves at least this big are written by the pool, one leaf per
 # task: pwrite releases the GIL, and distinct files do not share an inode lock. One leaf
@@ -187,7 +189,7 @@ class _TreeWriter:
     def _stage_existing(self, node: NodePlan, directory: Directory) -> None:
         """Write the meta.json (and side files) of ``node``, an existing directory, and
         of the existing directories below it, as temporaries (renamed by put_in_place)."""
-        self.staged[id(node)] = _stage_node_files(directory, node.kind, True, self.documents[id(node)])
+        self.staged[id(node)] = stage_node_files(directory, node.kind, True, self.documents[id(node)])
         for child in node.children.values():
             if child.exists:
                 opened = directory.child(os.path.basename(child.directory))
@@ -225,8 +227,8 @@ class _TreeWriter:
                 leaf.result = future.result()
         if id(node) not in self.staged:  # a new directory (an existing one's are staged)
             made = self.made_files.setdefault(id(node), [])
-            self.staged[id(node)] = _stage_node_files(directory, node.kind, node.exists,
-                                                      self.documents[id(node)], made)
+            self.staged[id(node)] = stage_node_files(directory, node.kind, node.exists,
+                                                     self.documents[id(node)], made)
 
     def _write_leaf(self, leaf: LeafPlan, node: NodePlan, directory: Directory) -> None:
         options, source, name = self.options, leaf.source, leaf.name
@@ -244,7 +246,8 @@ class _TreeWriter:
         if leaf.replace and directory.exists(name):
             # a view of the very file it is written to (see the planner): a new file, the old
             # one set aside (its mappings keep its bytes), put back if the write fails (audit 21)
-            aside = f".{name}.viewed-{os.getpid()}-{len(self.set_aside)}"
+            # (a writer killed meanwhile leaves it: shared_td.gc puts it back, persist/set_aside.py)
+            aside = set_aside_name(name, len(self.set_aside))
             directory.replace(name, aside)
             self.set_aside.append((directory.join(aside), directory.join(name)))
         elif options.like and directory.exists(name):
@@ -304,7 +307,7 @@ class _TreeWriter:
                 opened = self.kept.pop(id(child), None) or directory.child(os.path.basename(child.directory))
                 with opened:
                     self.put_in_place(child, opened)
-        _put_in_place(directory, node.kind, self.documents[id(node)], self.staged[id(node)])
+        put_node_in_place(directory, node.kind, self.documents[id(node)], self.staged[id(node)])
         for name in node.stale:  # found and checked when planned (planner._stale_entries)
             try:
                 directory.remove_tree(name)
@@ -427,174 +430,3 @@ def _write_anonymous(leaves: list[LeafPlan], options: Options) -> None:
         if not options.like:
             segment.write(offset, files.tensor_bytes(source.cpu()))
         leaf.result = MemoryMappedTensor._from_backing(segment, offset, source.dtype, source.shape)
-
-
-# ----------------------------------------------------------------------------- commit
-def _stage_node_files(directory: Directory, kind: nodes.NodeKind, existed: bool, built: tuple,
-                      made: list[str] | None = None) -> list[tuple[str, str]]:
-    """Write one node's ``built`` files (``(meta.json bytes, side files)``) into its
-    directory: directly in a new one (each name added to ``made`` once written, for the
-    clean-up), else as temporaries, returned as ``(temporary, final name)`` for
-    :func:`_put_in_place`. On failure no temporary is left."""
-    document, side = built
-    staged: list[tuple[str, str]] = []
-    try:
-        for name, data in [*side.items(), (fmt.META, document)]:
-            if existed:
-                staged.append((fmt.write_temporary(directory, name, data), name))
-            else:
-                directory.write_new_file(name, data)
-                if made is not None:
-                    made.append(name)
-    except BaseException:
-        for temporary, _ in staged:
-            directory.unlink(temporary)
-        raise
-    return staged
-
-
-def _put_in_place(directory: Directory, kind: nodes.NodeKind, built: tuple, staged: list[tuple[str, str]]) -> None:
-    """Rename the staged files of one node over the old ones; then remove the pickle
-    side files the node no longer needs."""
-    for temporary, final in staged:
-        directory.replace(temporary, final)
-    if staged:  # the node existed: old side files may remain
-        for name in kind.side_files:
-            if name not in built[1]:
-                directory.unlink(name)
-
-
-def node_files(node: NodePlan, built: dict | None = None) -> tuple[bytes, dict[str, bytes]]:
-    """The meta.json bytes of a planned node and its side files (pickles), built from
-    the plan before any byte is written (an unpicklable value writes nothing).
-
-    ``built`` (a dict the caller keeps for one tree) holds the documents made so far, by
-    what they are made of: a node whose kind has a ``metadata_key`` and whose entries
-    are alike (keys, shapes, dtypes, child types) gets the same bytes without building
-    them again (building one cost more than writing it)."""
-    if built is not None:
-        base = node.kind.metadata_key(node.obj)
-        if base is not None:
-            key = (node.kind, base, _entry_signature(node))
-            document = built.get(key)
-            if document is None:
-                document = built[key] = nodes.node_document(node.obj, node.kind, _entries(node))
-            return document
-    return nodes.node_document(node.obj, node.kind, _entries(node))
-
-
-def _entry_signature(node: NodePlan) -> tuple:
-    """What :func:`_entries` records of a node's entries, as a key."""
-    leaves, children = node.leaves, node.children
-    return tuple(
-        (key, leaf.source.shape, leaf.source.dtype) if (leaf := leaves.get(key)) is not None
-        else (key, (child := children[key]).kind.child_type_name(child.obj))
-        for key in node.order
-    )
-
-
-def _entries(node: NodePlan) -> tuple:
-    """The metadata of a node's keyed entries, as they will be written: built from the
-    sources (shape and dtype) before any byte is written."""
-    return tuple(
-        LeafMeta.of(key, node.leaves[key].source) if key in node.leaves
-        else ChildMeta(key, node.children[key].kind.child_type_name(node.children[key].obj))
-        for key in node.order
-    )
-
-
-def rewrite_node(obj: Any, directory: str, expected: tuple[int, int] | None = None) -> None:
-    """Rewrite the files of ``obj``'s existing node ``directory`` from what ``obj``
-    holds now (after an in-place write of non-tensor data): through a temporary each,
-    renamed over the old file; a failure leaves the old files and no temporary. Under
-    the node's flock, SaveChangedError (nothing written) if ``directory`` is no longer
-    the ``expected`` ``(st_dev, st_ino)`` it was mapped from: a stale view's write never
-    reaches a newer save's files (written through the descriptor checked)."""
-    with Directory.open(directory) as opened:
-        if expected is not None:
-            _lock_node(opened)
-            st = os.fstat(opened.fd)
-            if (st.st_dev, st.st_ino) != tuple(expected):
-                raise SaveChangedError(
-                    f"The non-tensor entry in {directory} was written through a stale view: the directory was "
-                    "replaced since this value was mapped or loaded (an atomic rewrite, or a new save at that "
-                    "prefix). Nothing was written. Refresh the view (shared_td.refresh, or attach / load_memmap "
-                    "again) and write through the new one.")
-        _rewrite_in(obj, opened)
-
-
-def _rewrite_in(obj: Any, opened: Directory) -> None:
-    kind = nodes.kind_for_object(obj)
-    built = nodes.node_document(obj, kind, _entries_now(kind, obj))
-    _put_in_place(opened, kind, built, _stage_node_files(opened, kind, True, built))
-
-
-def _entries_now(kind: nodes.NodeKind, obj: Any) -> tuple:
-    return tuple(
-        LeafMeta.of(key, value) if isinstance(value, torch.Tensor)
-        else ChildMeta(key, nodes.kind_for_object(value).child_type_name(value))
-        for key, value in kind.entries(obj)
-    )
-
-
-#: Seconds a node rewrite (:func:`node_rewrite`) waits for another process's rewrite of
-#: the same node directory to end (each takes milliseconds: a longer wait is a stalled
-#: or stopped process).
-NODE_LOCK_S = 30.0
-
-
-@contextlib.contextmanager
-def node_rewrite(obj: Any, directory: str) -> Iterator[Callable[[], None]]:
-    """``with node_rewrite(node, directory) as rewrite:`` add entries to ``node`` (their
-    files too), then ``rewrite()`` its meta.json, with no lost update between processes.
-
-    On entry the node directory's ``flock`` is taken (other rewrites of it wait, at
-    most NODE_LOCK_S) and its meta.json must describe ``node`` as it is now, else
-    SaveChangedError before anything is written: another process added an entry since
-    this tensordict was loaded (its rewrite would be dropped by ours), or rewrote the
-    save with ``atomic=True`` (ours would name files the new version does not have,
-    and it would no longer load). After the block, SaveChangedError if ``directory``
-    was replaced meanwhile (what the block wrote went to the old version)."""
-    kind = nodes.kind_for_object(obj)
-    expected = kind.metadata(obj, _entries_now(kind, obj))[0]
-    with Directory.open(directory) as opened:
-        _lock_node(opened)
-        on_disk = read_meta(opened)
-        if not _same_layout(on_disk, expected):
-            raise SaveChangedError(
-                f"{opened.join(fmt.META)} no longer describes this memory-mapped tensordict: the save was "
-                "changed since it was loaded or written (by another process: an entry added, an atomic "
-                "rewrite), or this tensordict was changed in memory (an entry set, deleted or renamed "
-                "without writing it). Nothing was written (its meta.json would drop the other change, or "
-                "name files the save does not have). Load the save again (load_memmap) and retry, or "
-                "write the whole tensordict with memmap_().")
-        yield lambda: _rewrite_in(obj, opened)
-        if not _still_at(opened, directory):
-            raise SaveChangedError(
-                f"{directory} was replaced (an atomic rewrite) while an entry was added to it: the entry "
-                "went to the old version, which is gone. Load the save again (load_memmap) and retry.")
-
-
-def _lock_node(opened: Directory) -> None:
-    """Take the ``flock`` of ``opened`` (dropped when it is closed), waiting at most
-    NODE_LOCK_S."""
-    deadline = time.monotonic() + NODE_LOCK_S
-    pause = 0.001
-    while not platform.try_flock(opened.fd):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"Another process has been rewriting {opened.path} for more than {NODE_LOCK_S:g} s "
-                               "(it holds the directory's flock): it is stalled or stopped.")
-        time.sleep(pause)
-        pause = min(2 * pause, 0.05)
-
-
-def _same_layout(first: NodeMeta, second: NodeMeta) -> bool:
-    """Whether two meta.json documents describe the same node (whoever wrote them)."""
-    return dataclasses.replace(first, path=None) == dataclasses.replace(second, path=None)
-
-
-def _still_at(opened: Directory, path: str) -> bool:
-    try:
-        return os.path.samestat(os.fstat(opened.fd), os.stat(path))
-    except OSError:
-        return False
