@@ -40,7 +40,7 @@ from shared_td.errors import FormatError
 from shared_td.keys import key_repr
 from shared_td.persist.format import dtype_from_name
 from shared_td.storage import files
-from shared_td.storage.mapping import map_error
+from shared_td.storage.fd_mapping import map_error
 
 
 def from_consolidated(filename: Any) -> Any:

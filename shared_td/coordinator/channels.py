@@ -32,7 +32,7 @@ from multiprocess import connection, managers
 from shared_td import platform
 from shared_td.coordinator.server import DIR_PATTERN, REGISTRY_ID
 from shared_td.errors import CoordinatorAuthenticationError, CoordinatorTimeoutError
-from shared_td.storage.mapping import descriptor_limits
+from shared_td.storage.fd_mapping import descriptor_limits
 
 __all__ = [
     "CoordinatorAuthenticationError", "CoordinatorTimeoutError", "call", "connect", "drop_channel",

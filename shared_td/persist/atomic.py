@@ -59,7 +59,7 @@ from shared_td.persist.leftovers import TAG as _TAG
 from shared_td.persist.leftovers import find_leftovers, gc, parse_leftover_name, sweep_leftovers
 from shared_td.persist.writer_lock import acquired, parent_not_writable, prefix_lock
 from shared_td.platform import rename_exchange
-from shared_td.storage.mapping import descriptor_limits
+from shared_td.storage.fd_mapping import descriptor_limits
 # every tree this module removes is its own (staging, retired versions): see remove_own_tree
 from shared_td.storage.removal import remove_own_tree as remove_tree
 

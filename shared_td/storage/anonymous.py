@@ -40,9 +40,11 @@ a resource tracker; we need neither):
   torch: one descriptor per segment per pickle in the sender until it is received, and a
   pickle never received (or a pickling that fails half-way) holds it, and so the memory,
   until the sender exits. If the duplicate cannot be taken (the sender exited, or the
-  receiver is not of the sender's family: another ``authkey``), the receiver tries the
-  ``/proc`` route above, then the holders. A SharedCounter and a shared non-tensor value (SharedValue),
-  also memfds, are sent the same way (:func:`receive_duplicate`), each with its own
+  receiver is not of the sender's family: another ``authkey``), or the sender does not
+  hand it over within a bound (it is stopped or hung), the receiver tries the ``/proc``
+  route above, then the holders (:mod:`shared_td.storage.duplicates`). A SharedCounter
+  and a shared non-tensor value (SharedValue), also memfds, are sent the same way
+  (:func:`~shared_td.storage.duplicates.receive_duplicate`), each with its own
   words when it cannot be received. The Coordinator pickles its segments itself (plain
   pickles of ``Segment.__reduce__``) and ``multiprocess`` (dill) has its own pickler:
   both keep the ``/proc`` route. A receiver out of descriptors (``RLIMIT_NOFILE``) gets
@@ -69,19 +71,19 @@ import multiprocessing
 import multiprocessing.reduction
 import os
 import weakref
-from typing import Any, Callable
 
 from shared_td import platform
 from shared_td.errors import MappingError, SegmentUnavailableError
 from shared_td.storage.files import NO_SPACE_ERRNOS, map_fd, pwrite_all, storage_full_error
 from shared_td.storage.cache import MappingCache
 from shared_td.storage.holders import add_holders, holders_of, open_first
-from shared_td.storage.mapping import descriptor_limits, map_error
+from shared_td.storage.duplicates import receive_duplicate
+from shared_td.storage.fd_mapping import descriptor_limits, map_error
 
 __all__ = [
     "ALIGNMENT", "Segment", "SegmentUnavailableError", "add_segment_holders", "align", "attach_peer_fd",
     "attach_segment", "create_memfd",
-    "cached_segment", "find_segment", "receive_duplicate", "receive_segment",
+    "cached_segment", "find_segment", "receive_segment",
 ]
 
 #: Offsets of leaves packed into one segment: a multiple of every dtype's size and of
@@ -424,11 +426,6 @@ def add_segment_holders(key: tuple[int, int], holders) -> None:
 multiprocessing.reduction.ForkingPickler.register(Segment, Segment._reduce_with_duplicate)
 
 
-# what taking the sender's duplicate raises when that is not possible: its process (and
-# resource sharer) gone, or the receiver not of its family (another authkey)
-_DUPLICATE_LOST = (OSError, EOFError, multiprocessing.AuthenticationError)
-
-
 def _receive(duplicate, key: tuple[int, int], nbytes: int, pid: int, fd: int, holders: tuple = ()) -> Segment:
     """Unpickle a segment sent by ForkingPickler (see :func:`receive_duplicate`): this
     process's Segment, or the received descriptor kept as it.
@@ -468,58 +465,3 @@ def receive_segment(duplicate, key: tuple[int, int], nbytes: int, pid: int, fd: 
     return receive_duplicate(
         duplicate, key, nbytes, pid, what=what, cached=cached, adopt=adopt,
         fallback=lambda: attach_segment(pid, fd, key, nbytes, what=what, advice=advice, holders=holders))
-
-
-def receive_duplicate(duplicate, key: tuple[int, int], nbytes: int, pid: int, *, what: str,
-                      cached: Callable[[tuple], Any], adopt: Callable[[int], Any],
-                      fallback: Callable[[], Any]) -> Any:
-    """Unpickle a memfd that process ``pid`` sent through ForkingPickler as
-    ``multiprocessing.reduction.DupFd``: take the duplicate (always, so that the sender's
-    resource sharer lets it go); ``cached(key)`` if this process has that memory already
-    (the duplicate closed), else check that it is the memory ``key`` with at least
-    ``nbytes`` bytes, give it this process's own open file description (close-on-exec,
-    as the ``/proc`` route opens: the duplicate shares the sender's, and a lock on an
-    open file description, a ByteLock, does not exclude another holder of the same one)
-    and return ``adopt(fd)``, which owns it. ``fallback()`` (the ``/proc`` route, which
-    names the user ``what`` and its fix) when the duplicate cannot be taken. For every
-    user of memfds sent so (segments, SharedCounter, SharedValue)."""
-    try:
-        new_fd = duplicate.detach()
-    except _DUPLICATE_LOST as err:
-        try:
-            return fallback()
-        except SegmentUnavailableError as gone:
-            raise gone from err
-    except RuntimeError as err:
-        if "ancdata" not in str(err):
-            raise
-        # recvfds: the kernel dropped the descriptor sent, as this process could take
-        # no more (RLIMIT_NOFILE): the shortage is ours. The /proc route may still work
-        # (the receiving socket is closed by now); if the sender no longer holds it, the
-        # fault is still this process's limit, not the sender's exit
-        try:
-            return fallback()
-        except SegmentUnavailableError:
-            raise MappingError(errno.EMFILE, (
-                f"Cannot receive the {what} (inode {key[1]}) that process {pid} sent: the "
-                f"descriptor it sent was dropped, this process could take no more. "
-                f"{descriptor_limits(errno.EMFILE)}")) from err
-    found = cached(key)
-    if found is not None:
-        os.close(new_fd)
-        return found
-    try:
-        st = os.fstat(new_fd)
-        if (st.st_dev, st.st_ino) != key or st.st_size < nbytes:
-            raise SegmentUnavailableError(
-                f"The descriptor received for the {what} (inode {key[1]}) sent by process {pid} "
-                f"names another file (inode {st.st_ino}, {st.st_size} bytes): refused. The "
-                "sender's resource sharer answered for another object (was the sender forked "
-                "without multiprocessing?); send it from a multiprocessing process, or publish it "
-                "through a Coordinator."
-            )
-        platform.reopen_description(new_fd)
-    except BaseException:
-        os.close(new_fd)
-        raise
-    return adopt(new_fd)

@@ -16,14 +16,16 @@ Rules this module enforces:
   the cap its caller gives, checked on its ``fstat`` size before a byte is read: a
   sparse file announces any size at no cost on disk.
 
-The pieces live in three modules; their public names are all importable from here:
+The pieces live in four modules; their public names are all importable from here:
 
 * this one: :class:`Directory` (every name resolved relative to an open directory),
   :func:`create_file` and the creation rules;
 * :mod:`shared_td.storage.writing`: ``pwrite_all``, ``allocate``, ``reserve_space``,
   :class:`StorageFullError` for "no room";
 * :mod:`shared_td.storage.mapping`: :class:`FileBacking`, one mapping of a whole file
-  per process, and how it pickles.
+  per process, and how it pickles;
+* :mod:`shared_td.storage.fd_mapping`: ``map_fd`` and the errors that name the limit
+  that refused a mapping or an open.
 """
 
 from __future__ import annotations
@@ -33,15 +35,14 @@ import os
 import stat
 
 from shared_td.errors import FileTooShortError, FormatError, StorageFullError
+from shared_td.storage.fd_mapping import descriptor_limits, map_fd
 from shared_td.storage.mapping import (
     PATH_FLAGS,
     FileBacking,
     backing_from_fd,
     file_kind,
     boot_id,
-    descriptor_limits,
     find_backing,
-    map_fd,
     map_path_fd,
     mapped_backing,
     open_file_backing,

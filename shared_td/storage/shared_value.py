@@ -46,7 +46,7 @@ process first, then its *fallback holders*: the coordinators that adopted the ce
 that created it exited, for as long as such a coordinator lives. multiprocessing's
 ForkingPickler (queues, process arguments, DataLoader workers) sends a *duplicate
 descriptor* instead, as for segments
-(:func:`~shared_td.storage.anonymous.receive_duplicate`): such a cell is received while
+(:func:`~shared_td.storage.duplicates.receive_duplicate`): such a cell is received while
 the sending process lives, even once it dropped the cell, and through the ``/proc``
 route and the holders above if the duplicate cannot be taken.
 A fork child inherits the descriptor and reopens its own open file description (the
@@ -65,7 +65,8 @@ from typing import Any, Callable, ContextManager, Iterator
 
 from shared_td.errors import SegmentUnavailableError
 from shared_td.platform import ByteLock, map_shared_bytes, reopen_description, unmap_bytes
-from shared_td.storage.anonymous import attach_peer_fd, create_memfd, receive_duplicate
+from shared_td.storage.anonymous import attach_peer_fd, create_memfd
+from shared_td.storage.duplicates import receive_duplicate
 from shared_td.storage.cache import InodeCache
 from shared_td.storage.files import allocate, pwrite_all
 

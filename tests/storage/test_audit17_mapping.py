@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from shared_td.storage import anonymous, mapping
+from shared_td.storage import anonymous, fd_mapping
 from shared_td.storage.anonymous import Segment, SegmentUnavailableError
 
 pytestmark = pytest.mark.timeout(60)
@@ -32,7 +32,7 @@ import shared_td
 from shared_td import TensorDict
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.storage.anonymous import Segment
-from shared_td.storage.mapping import map_fd
+from shared_td.storage.fd_mapping import map_fd
 
 BIG = 64 * 2**20
 peer, path = bytes.fromhex(sys.argv[1]), sys.argv[2]
@@ -154,7 +154,7 @@ def _map_fd_refused_by_torch(monkeypatch, message: str) -> OSError:
     try:
         os.ftruncate(fd, 8)
         with pytest.raises(OSError) as info:
-            mapping.map_fd(fd, 8)
+            fd_mapping.map_fd(fd, 8)
         return info.value
     finally:
         os.close(fd)
