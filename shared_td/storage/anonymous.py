@@ -77,7 +77,7 @@ from shared_td.errors import MappingError, SegmentUnavailableError
 from shared_td.storage.files import NO_SPACE_ERRNOS, map_fd, pwrite_all, storage_full_error
 from shared_td.storage.cache import MappingCache
 from shared_td.storage.holders import add_holders, holders_of, open_first
-from shared_td.storage.duplicates import receive_duplicate
+from shared_td.storage.duplicates import held_duplicate, receive_duplicate
 from shared_td.storage.fd_mapping import descriptor_limits, map_error
 
 __all__ = [
@@ -237,9 +237,10 @@ class Segment:
         # multiprocessing's ForkingPickler (registered below): a duplicate descriptor
         # that outlives this object, so that the receiver needs only the sender process
         # (and, once that is gone, a holder)
+        # (/proc route: the duplicate's own number, see held_duplicate)
         holders = self.holders
-        return _receive, (multiprocessing.reduction.DupFd(self.fd), self.key, self.nbytes,
-                          os.getpid(), self.fd, *((holders,) if holders else ()))
+        duplicate, held = held_duplicate(self.fd)
+        return _receive, (duplicate, self.key, self.nbytes, os.getpid(), held, *((holders,) if holders else ()))
 
     def __repr__(self) -> str:
         return f"Segment(nbytes={self.nbytes}, fd={self.fd}, inode={self.key[1]})"

@@ -44,6 +44,7 @@ import os
 from shared_td.platform import ByteLock, reopen_description
 from shared_td.storage.anonymous import Segment, attach_segment, receive_segment
 from shared_td.storage.cache import InodeCache
+from shared_td.storage.duplicates import held_duplicate
 
 __all__ = ["INT64_MAX", "INT64_MIN", "SharedCounter", "counter_int"]
 
@@ -172,8 +173,9 @@ class SharedCounter:
         # segment (storage/anonymous.py), so that a queue's receiver needs only the sending
         # process alive, not its counter; the counter's own, so that a receiver whose
         # sender is gone is told about a SharedCounter
-        segment = self._segment
-        return _receive, (multiprocessing.reduction.DupFd(segment.fd), segment.key, os.getpid(), segment.fd)
+        # (/proc route: the duplicate's own number, see held_duplicate)
+        duplicate, held = held_duplicate(self._segment.fd)
+        return _receive, (duplicate, self._segment.key, os.getpid(), held)
 
     def __repr__(self) -> str:
         return f"SharedCounter(value={self.value})"

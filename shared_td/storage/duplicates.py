@@ -35,7 +35,7 @@ from shared_td import platform
 from shared_td.errors import MappingError, SegmentUnavailableError
 from shared_td.storage.fd_mapping import descriptor_limits
 
-__all__ = ["DUPLICATE_TIMEOUT", "receive_duplicate", "take_duplicate"]
+__all__ = ["DUPLICATE_TIMEOUT", "held_duplicate", "receive_duplicate", "take_duplicate"]
 
 #: Seconds a receiver waits, in all, for a sender's resource sharer to hand over a
 #: duplicate descriptor (connect, handshake, the descriptor): the bound of a coordinator
@@ -52,6 +52,34 @@ _CONNECT_RETRY = 0.01
 # resource sharer address -> monotonic time until which that sender is not asked again
 # (it went silent: see the module doc)
 _SILENT: dict[Any, float] = {}
+
+
+def held_duplicate(fd: int) -> tuple[Any, int]:
+    """``multiprocessing.reduction.DupFd(fd)``, and the number of the descriptor that it
+    holds in this process until a receiver takes it: the one a receiver opens through
+    ``/proc/<pid>/fd`` when it cannot reach the resource sharer. Python unlinks the
+    sharer's socket when it starts to exit (a ``Finalize`` of priority 0), before a
+    queue's feeder thread has sent what was put last, and the object that owned ``fd``
+    (a cell put on the queue and dropped) may have closed it by then: the duplicate stays
+    open until it is taken or this process exits. For a spawning child's arguments (which
+    carry the descriptor itself) it is ``fd``.
+
+    Example:
+        >>> fd = os.memfd_create("example")
+        >>> duplicate, held = held_duplicate(fd)
+        >>> os.path.samestat(os.fstat(held), os.fstat(fd)), held != fd
+        (True, True)
+        >>> mine = take_duplicate(duplicate)  # (taken: the held one is closed)
+        >>> os.close(mine); os.close(fd)
+    """
+    if multiprocessing.context.get_spawning_popen() is not None:
+        return multiprocessing.reduction.DupFd(fd), fd
+    held = os.dup(fd)
+    duplicate = resource_sharer.DupFd.__new__(resource_sharer.DupFd)
+    # what DupFd.__init__ registers, with the number of its duplicate known to us
+    duplicate._id = resource_sharer._resource_sharer.register(
+        lambda conn, pid: multiprocessing.reduction.send_handle(conn, held, pid), lambda: os.close(held))
+    return duplicate, held
 
 
 def take_duplicate(duplicate) -> int:

@@ -66,7 +66,7 @@ from typing import Any, Callable, ContextManager, Iterator
 from shared_td.errors import SegmentUnavailableError
 from shared_td.platform import ByteLock, map_shared_bytes, reopen_description, unmap_bytes
 from shared_td.storage.anonymous import attach_peer_fd, create_memfd
-from shared_td.storage.duplicates import receive_duplicate
+from shared_td.storage.duplicates import held_duplicate, receive_duplicate
 from shared_td.storage.cache import InodeCache
 from shared_td.storage.files import allocate, pwrite_all
 
@@ -318,8 +318,10 @@ class SharedValue:
         # holders first: reading them can raise (a failed hand-over), and a DupFd made
         # before would stay registered with the resource sharer (an fd and the memfd's
         # memory) until this process exits
+        # (/proc route: the duplicate's own number, see held_duplicate)
         holders = self.holders
-        return _receive, (multiprocessing.reduction.DupFd(self.fd), self.key, os.getpid(), self.fd, holders)
+        duplicate, held = held_duplicate(self.fd)
+        return _receive, (duplicate, self.key, os.getpid(), held, holders)
 
     def __repr__(self) -> str:
         return f"SharedValue(fd={self.fd}, inode={self.key[1]}, holders={list(self._holders)})"

@@ -16,6 +16,8 @@ import gc
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -177,3 +179,45 @@ def test_a_live_sender_still_hands_over_its_duplicate(monkeypatch):
         sender.kill()
         sender.join(WAIT)
         ours.close()
+
+
+SOCKET_GONE = """
+import gc, multiprocessing, os, sys
+from multiprocessing import resource_sharer
+from multiprocessing.reduction import ForkingPickler
+import torch
+from shared_td import MemoryMappedTensor, SharedCounter
+from shared_td.storage.shared_value import SharedValue
+
+kind = sys.argv[1]
+made = {"cell": lambda: SharedValue.create("walk"), "counter": lambda: SharedCounter(7),
+        "view": lambda: MemoryMappedTensor.full((4,), fill_value=2.0).detach()}[kind]()
+data = ForkingPickler.dumps(made)
+del made
+gc.collect()  # the sender's own object and its descriptor are gone: the duplicate is left
+# what Python does when it starts to exit (a Finalize of priority 0), before a queue's
+# feeder thread has sent what was put last
+os.unlink(resource_sharer._resource_sharer._address)
+reader, writer = multiprocessing.Pipe(duplex=False)
+child = multiprocessing.get_context("fork").Process(target=lambda: writer.send(repr(
+    (lambda got: got.get() if kind == "cell" else got.value if kind == "counter" else got.tolist())(
+        ForkingPickler.loads(data)))))
+child.start()
+print("received", reader.recv() if reader.poll(60) else "nothing", flush=True)
+child.join(60)
+"""
+
+
+@pytest.mark.parametrize("kind", ["cell", "counter", "view"])
+def test_a_duplicate_is_received_once_the_sharer_socket_is_gone_and_the_object_dropped(kind, tmp_path):
+    """The receiver's /proc route names the duplicate the sender still holds, not the
+    dropped object's descriptor: a cell put on a queue as main returned was lost about
+    half the time (Python unlinks the resource sharer's socket as it starts to exit, and
+    the cell, dropped once pickled, had closed its descriptor)."""
+    script = tmp_path / "socket_gone.py"
+    script.write_text(SOCKET_GONE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run([sys.executable, str(script), kind], capture_output=True, text=True,
+                            timeout=90, env=env)
+    expected = {"cell": "'walk'", "counter": "7", "view": "[2.0, 2.0, 2.0, 2.0]"}[kind]
+    assert f"received {expected}" in result.stdout, result.stdout + result.stderr[-2000:]
