@@ -5,19 +5,20 @@ entries may have different feature shapes; reading a key stacks the members' val
 writing a key splits the value along ``stack_dim`` into the members.
 
 This module holds the class: construction, properties, reads (``get``, ``pop``, keys;
-the reads of entries whose shapes differ across members are in lazy_ragged.py),
-conversions and repr. The rest comes from four mixins, each in its own module:
-lazy_writes.py (LazyWriteOps: set, update, ``lazy[idx] = ...``, del), lazy_shape.py
-(LazyShapeOps: indexing, shape ops, torch.cat, member-wise maps such as apply and
-clone), lazy_names.py (LazyNames: ``names``, its setter and ``stack_dim_name``) and
-batch_dim_ops.py (LazyBatchDimOps: transpose, flatten, unflatten). They do not import
-this module; the class is named only here.
+the reads of entries whose shapes differ across members are in lazy_ragged.py) and
+``_restack``, which builds new stacks. The rest comes from mixins, each in its own
+module: lazy_members.py (LazyMembers: append, insert, extend, the members given as
+tensorclasses), lazy_convert.py (LazyConversions: to_tensordict, to_dict, comparisons,
+repr), lazy_writes.py (LazyWriteOps: set, update, ``lazy[idx] = ...``, del),
+lazy_apply.py (LazyApplyOps: apply, named_apply), lazy_shape.py (LazyShapeOps:
+indexing, shape ops, torch.cat, member-wise maps such as clone), lazy_names.py
+(LazyNames: ``names``, its setter and ``stack_dim_name``) and batch_dim_ops.py
+(LazyBatchDimOps: transpose, flatten, unflatten). They do not import this module; the
+class is named only here.
 """
 from __future__ import annotations
 
-import numbers
-import weakref
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -26,7 +27,10 @@ from shared_td.containers.base import NO_DEFAULT, TensorDictBase
 from shared_td.containers.batch_dim_ops import LazyBatchDimOps
 from shared_td.containers.convenience_ops import TensorData
 from shared_td.containers.lazy_ragged import Ragged, has_ragged_leaf, members_values, stacked
-from shared_td.containers.lazy_names import LazyNames, checked_stack_dim_name, names_members_agree_on
+from shared_td.containers.lazy_apply import LazyApplyOps
+from shared_td.containers.lazy_convert import LazyConversions
+from shared_td.containers.lazy_members import LazyMembers
+from shared_td.containers.lazy_names import LazyNames, checked_stack_dim_name
 from shared_td.containers.lazy_shape import LazyShapeOps, set_batch_size, stacked_into
 from shared_td.containers.lazy_writes import LazyWriteOps, _is_branch, _peek
 from shared_td.containers.value_kinds import is_non_tensor, is_tensor_collection
@@ -37,7 +41,8 @@ from shared_td.tensorclass_protocol import is_tensorclass, unwrap_tensorclass
 
 # The mixins come before TensorDictBase so that their methods override its own; their
 # ``super()`` calls (e.g. ``_check_unlocked`` in ``_set_str``) reach TensorDictBase.
-class LazyStackedTensorDict(LazyNames, LazyShapeOps, LazyBatchDimOps, LazyWriteOps, TensorData, TensorDictBase):
+class LazyStackedTensorDict(LazyMembers, LazyConversions, LazyApplyOps, LazyNames, LazyShapeOps, LazyBatchDimOps,
+                            LazyWriteOps, TensorData, TensorDictBase):
     """Tensordicts stacked along ``stack_dim``, kept as they are (``tensordicts``).
 
     Members share their batch size (unlike tensordict, different ones are refused) but
@@ -48,7 +53,9 @@ class LazyStackedTensorDict(LazyNames, LazyShapeOps, LazyBatchDimOps, LazyWriteO
     the members' children. Tensors of different shapes raise a RuntimeError unless
     ``as_list``, ``as_padded_tensor`` or ``as_nested_tensor`` is given. Writes (``set``,
     ``set_``, ``update_``, ``lazy[idx] = ...``, ``del``) split the value along
-    ``stack_dim`` into the members.
+    ``stack_dim`` into the members. A member given as a tensorclass is held as its
+    tensordict (in ``tensordicts``); ``lazy[i]``, iteration and ``unbind`` give it back
+    as that tensorclass and a save writes it so, as in tensordict 0.15.3.
 
     Examples:
         >>> lazy = LazyStackedTensorDict(TensorDict(a=torch.zeros(2)), TensorDict(a=torch.ones(3)))
@@ -312,87 +319,6 @@ class LazyStackedTensorDict(LazyNames, LazyShapeOps, LazyBatchDimOps, LazyWriteO
         with a batch of indices): ``self[indices]``, as in tensordict."""
         return self[torch.as_tensor(list(indices), dtype=torch.long)]
 
-    def append(self, tensordict: Any) -> None:
-        """Add ``tensordict`` as the last member (see ``insert``)."""
-        self.insert(len(self.tensordicts), tensordict)
-
-    def extend(self, tensordicts: Any) -> None:
-        """Append each of ``tensordicts`` (see ``insert``); all or none: every item is
-        checked before the first is added. ``lazy.extend(lazy.tensordicts)`` appends the
-        members as they were (the items are read once, before any append)."""
-        items = list(tensordicts)  # (iterating the growing member list itself never ended)
-        members = [self._checked_member(item) for item in items]
-        if len({member.device for member in members}) > 1:  # (an empty stack checks none of them)
-            raise ValueError(f"Devices differ: the new members are on {[str(m.device) for m in members]}.")
-        for item, member in zip(items, members):
-            self._add_member(len(self.tensordicts), item, member)
-
-    def insert(self, index: int, tensordict: Any) -> None:
-        """Insert ``tensordict`` as member ``index`` (``list.insert``), as tensordict 0.15.3.
-
-        Raises:
-            TypeError: if it is not a tensordict or tensorclass.
-            ValueError: if its batch size (or its device) is not the members'.
-            LockedTensorDictError: if the stack is locked.
-        """
-        self._add_member(index, tensordict, self._checked_member(tensordict))
-
-    def _checked_member(self, tensordict: Any) -> Any:
-        """The tensordict that ``tensordict`` adds as a member; raises as ``insert`` says."""
-        if not _is_branch(tensordict):
-            raise TypeError(
-                f"Expected new value to be TensorDictBase instance but got {type(tensordict).__name__}: "
-                "a lazy stack's members are tensordicts or tensorclasses."
-            )
-        member = unwrap_tensorclass(tensordict)
-        if self.tensordicts and member.device != self.device:
-            raise ValueError(
-                f"Devices differ: the stack is on {self.device}, the new member on {member.device}; "
-                "move it with .to(device) first."
-            )
-        if member.batch_size != self._member_batch:
-            raise ValueError(
-                f"Batch sizes in tensordicts differs: the members have batch_size "
-                f"{list(self._member_batch)}, the new one {list(member.batch_size)}."
-            )
-        super()._check_unlocked((), "insert a member into the lazy stack")
-        return member
-
-    def _add_member(self, index: int, given: Any, member: Any) -> None:
-        self.tensordicts.insert(index, member)
-        if member is not given:  # a tensorclass: saved as one (see __init__)
-            self._record_class(member, type(given))
-
-    def _record_class(self, member: Any, cls: type) -> None:
-        """Record that ``member`` is written as the tensorclass ``cls``. The record holds
-        a weak reference to the member, so that one removed from the stack is not kept
-        alive by it (its entry goes with it, before its id() can be reused)."""
-        record = self._tensorclass_members
-        if record is None:
-            record = self._tensorclass_members = {}
-        key = id(member)
-        record[key] = (weakref.ref(member, lambda _, record=record, key=key: record.pop(key, None)), cls)
-
-    def _tensorclass_of(self, member: Any) -> type | None:
-        """The tensorclass ``member`` was given as (``_record_class``), or None (an
-        example: node_kinds._members_as_given)."""
-        entry = (getattr(self, "_tensorclass_members", None) or {}).get(id(member))
-        return entry[1] if entry is not None and entry[0]() is member else None
-
-    def __getstate__(self) -> dict:
-        # (weak references do not pickle: the classes go as a list beside the members)
-        state = super().__getstate__()
-        state["_tensorclass_members"] = [self._tensorclass_of(m) for m in self.tensordicts] \
-            if state.get("_tensorclass_members") else None
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        classes = state.pop("_tensorclass_members", None)
-        super().__setstate__(dict(state, _tensorclass_members=None))
-        for member, cls in zip(self.tensordicts, classes or ()):
-            if cls is not None:
-                self._record_class(member, cls)
-
     def pop(self, key: NestedKey, default: Any = NO_DEFAULT) -> Any:
         """Remove the entry ``key`` from every member and return its stacked value."""
         value = self.get(key, default)
@@ -400,135 +326,10 @@ class LazyStackedTensorDict(LazyNames, LazyShapeOps, LazyBatchDimOps, LazyWriteO
             self.del_(key)
         return value
 
-    # ---------------------------------------------------------------- conversions
-    def to_tensordict(self, *, retain_none: bool | None = None) -> Any:
-        """A dense TensorDict (a copy); raises a RuntimeError naming a heterogeneous key.
-        ``retain_none`` is accepted, as tensordict 0.15.3 takes it, and ignored (no entry
-        holds None here)."""
-        from shared_td.containers.tensordict import TensorDict
-
-        entries = {}
-        for key in self._keys_str():
-            value = self._get_str(key, None)  # raises on a heterogeneous key
-            if isinstance(value, LazyStackedTensorDict):
-                value = value.to_tensordict()
-            entries[key] = value
-        return TensorDict._new_unsafe(entries, self.batch_size, self.device, self.names)
-
-    def contiguous(self) -> Any:
-        """Same as ``to_tensordict()``: a dense TensorDict."""
-        return self.to_tensordict()
-
-    def to_dict(self) -> dict:
-        """A nested dict of stacked values (raises on heterogeneous shapes, as tensordict).
-
-        Raises:
-            RuntimeError: if a key is in only some members (as tensordict): the dict can
-                only hold the keys every member has, so it would silently lose that key.
-        """
-        exclusive = self._exclusive_keys()
-        if exclusive:
-            shown = "; ".join(f"member {i} has {keys}" for i, keys in exclusive.items())
-            first = next(iter(exclusive.values()))[0]
-            raise RuntimeError(
-                f"to_dict() cannot complete when there are exclusive keys (keys that only some "
-                f"stacked tensordicts have): {shown}. A dict of stacked values would drop them. "
-                f"Delete them (del td[{first!r}]), add them to every member, or convert the "
-                "members one by one ([m.to_dict() for m in td.tensordicts])."
-            )
-        out = {}
-        for key in self._keys_str():
-            value = self.get(key)
-            if is_non_tensor(value):
-                out[key] = value._python_value()
-            else:
-                out[key] = value.to_dict() if is_tensor_collection(value) else value
-        return out
-
-    def _map_leaves(self, fn: Callable, prefix: tuple = ()) -> Any:
-        """Dense: ``fn(key, stacked leaf)`` for every leaf (used inside a parent TensorDict)."""
-        from shared_td.containers.tensordict import TensorDict
-
-        entries = {}
-        for key in self._keys_str():
-            path, value = prefix + (key,), self.get(key)
-            if _is_branch(value):
-                entries[key] = unwrap_tensorclass(value)._map_leaves(fn, path)
-            else:
-                entries[key] = fn(path if len(path) > 1 else key, value)
-        return TensorDict._new_unsafe(entries, self.batch_size, self.device)
-
-    def _compare(self, other: Any, op: Callable, other_type: bool = False) -> "LazyStackedTensorDict | bool":
-        if not (isinstance(other, (dict, torch.Tensor, numbers.Number)) or _is_branch(other)):
-            return other_type  # (a str, None, a list: as ComparisonOps._compare)
-        if isinstance(other, dict) or _is_branch(other):
-            parts = self._split_value("other", other)  # raises on a batch size mismatch
-        elif isinstance(other, torch.Tensor) and other.ndim and other.shape[: self.batch_dims] == self.batch_size:
-            parts = list(other.unbind(self._stack_dim))
-        else:
-            parts = [other] * len(self.tensordicts)
-        return self._restack([m._compare(o, op) for m, o in zip(self.tensordicts, parts)])
-
-    def _reduced_names(self) -> list | None:
-        # (all(dim)/any(dim): a dim the members name differently is unnamed in the
-        # result, as in tensordict 0.15.3, where reading ``names`` raises)
-        return names_members_agree_on(self)
-
-    def _leaf_tensors(self) -> Iterator[torch.Tensor]:
-        # (all()/any() without a dim: the members' leaves, not stacked copies of them)
-        for member in self.tensordicts:
-            yield from unwrap_tensorclass(member)._leaf_tensors()
-
-    def __repr__(self) -> str:
-        from shared_td.containers.formatting import _entries, _flat, format_collection
-
-        text = format_collection(self)
-        exclusive = self._exclusive_keys()
-        if exclusive:  # the keys that only some members have, as tensordict shows them
-            shown = []
-            for i, keys in exclusive.items():
-                member = self.tensordicts[i]
-                only = member.exclude(*[k for k in member._keys_str() if k not in keys])
-                shown.append(f"{i}: {_flat(('', _entries(only)))}")
-            text = text[:-1] + ", exclusive_fields={" + ", ".join(shown) + "})"
-        return text
-
-    def _repr_entry(self, key: str) -> Any:
-        """How the repr shows ``key`` (a formatting hook): the dims of a tensor that differ
-        across members as -1, e.g. ``f32[-1]``."""
-        from shared_td.containers.formatting import _dtype_name, _entries, _entry
-
-        signature = self._leaf_signature(key)
-        if signature is not None:
-            dtype, feature = signature
-            return f"{_dtype_name(dtype)}[{','.join(str(d) for d in feature)}]"
-        value = self._peek_str(key, None)
-        if isinstance(value, LazyStackedTensorDict):
-            return "", _entries(value)
-        return _entry(value, self.tensordicts[0])
-
-    def _leaf_signature(self, key: str) -> tuple | None:
-        """(dtype, feature dims with -1 where members differ) of a tensor leaf, or None."""
-        signatures = []
-        for member in self.tensordicts:
-            if isinstance(member, LazyStackedTensorDict):
-                signature = member._leaf_signature(key)
-            else:
-                value = member._get_str(key, None)
-                is_tensor = isinstance(value, torch.Tensor)
-                signature = (value.dtype, list(value.shape[member.batch_dims :])) if is_tensor else None
-            if signature is None:
-                return None
-            signatures.append(signature)
-        dims = [s[1] for s in signatures]
-        if not dims or len({len(d) for d in dims}) > 1:
-            return (signatures[0][0], [-1]) if dims else None
-        return signatures[0][0], [col[0] if len(set(col)) == 1 else -1 for col in zip(*dims)]
-
     # ---------------------------------------------------------------- new stacks
     def _restack(self, members: list, stack_dim: int | None = None,
                  batch_size: Any = None, *, same_stack_dim: bool = True,
-                 member_wise: bool = False) -> "LazyStackedTensorDict":
+                 member_wise: bool = False, sources: list | None = None) -> "LazyStackedTensorDict":
         """A new lazy stack of ``members`` (along this one's ``stack_dim`` by default): how
         the mixins build stacks, since they cannot import this module. ``batch_size`` is
         only needed when ``members`` may be empty (see ``__init__``). The new stack dim
@@ -537,16 +338,20 @@ class LazyStackedTensorDict(LazyNames, LazyShapeOps, LazyBatchDimOps, LazyWriteO
         of ``members`` is a result of this stack's member i with the same fields (clone,
         to, a shape op), so a member given as a tensorclass stays one; else only the very
         same member objects do (a slice): never by position (audit 21: a reordering index
-        or a nested branch saved members as another member's tensorclass)."""
+        or a nested branch saved members as another member's tensorclass). ``sources``:
+        for each of ``members``, the member of this stack it was taken from (an index
+        that selects whole members, maybe indexing inside them: ``lazy[[1, 0]]``,
+        ``lazy[None, [1, 0]]``), whose tensorclass it keeps, as in tensordict 0.15.3."""
         sd = self._stack_dim if stack_dim is None else stack_dim
         name = self._stack_dim_name if same_stack_dim else None
         if members:
             out = LazyStackedTensorDict(*members, stack_dim=sd, stack_dim_name=name)
             if getattr(self, "_tensorclass_members", None):  # the members given as tensorclasses
                 # stay so: the same objects (a slice), or the members' results, one each
-                aligned = member_wise and same_stack_dim and len(members) == len(self.tensordicts)
+                if sources is None and member_wise and same_stack_dim and len(members) == len(self.tensordicts):
+                    sources = self.tensordicts
                 for at, member in enumerate(members):
-                    cls = self._tensorclass_of(member) or (aligned and self._tensorclass_of(self.tensordicts[at]))
+                    cls = self._tensorclass_of(member) or (sources is not None and self._tensorclass_of(sources[at]))
                     if cls:
                         out._record_class(member, cls)
             return out

@@ -1,6 +1,6 @@
 """New lazy stacks built member by member, as a mixin of LazyStackedTensorDict
-(LazyShapeOps): indexing, shape ops, torch.cat and the member-wise maps (apply, clone,
-to, select, ...).
+(LazyShapeOps): indexing, shape ops, torch.cat and the member-wise maps (clone, to,
+select, ...; apply is in lazy_apply.py).
 
 Indexing and shape ops answer one question: which members (and which elements inside
 them) a batch position maps to. ``_locate`` sends an index that stays inside single
@@ -14,20 +14,15 @@ This module does not import lazy.py (lazy.py imports it): new stacks are built w
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
 from shared_td.containers import batch as batch_ops
-from shared_td.containers.base import NO_DEFAULT
 from shared_td.containers.lazy_names import indexed_names
 from shared_td.containers.reshaping import permute_order
-from shared_td.containers.unsupported_options import refuse_options
-from shared_td.containers.value_kinds import is_leaf_nontensor, is_non_tensor, is_tensor_collection
-from shared_td.keys import NestedKey
-
-# tensordict 0.15.3's apply keywords that lazy stacks here do not take (TensorDict does)
-_APPLY_NOT_BUILT = ("default", "filter_empty", "call_on_nested", "out", "propagate_lock", "is_leaf")
+from shared_td.containers.value_kinds import is_leaf_nontensor, is_non_tensor
+from shared_td.keys import NestedKey, is_nested_key
 
 if TYPE_CHECKING:  # for the annotations only: lazy.py imports this module
     from shared_td.containers.lazy import LazyStackedTensorDict
@@ -42,7 +37,7 @@ class LazyShapeOps:
         """Where ``index`` goes: ``("one", i, rest)`` for one member, ``("many", members,
         rest, stack_dim, batch_size)`` for several, or ``("positions", positions)``."""
         size, sd = self.batch_size, self._stack_dim
-        parts = batch_ops.normalize_index(index, size)
+        parts = _reversed_members(batch_ops.normalize_index(index, size), sd, len(self.tensordicts))
         out_batch = batch_ops.indexed_batch_size(size, parts)
         parts = tuple(_scalar_to_python(p) for p in parts)
         widths = [_dims(p)[0] for p in parts]
@@ -81,24 +76,38 @@ class LazyShapeOps:
             return general
         return ("many", chosen, rest, out, out_batch)
 
-    def _index(self, index: Any) -> Any:
+    def __getitem__(self, index: Any) -> Any:
+        """``lazy[key]``: the entry (see ``get``); ``lazy[index]``: the rows, with the
+        members given as tensorclasses given back so, as tensordict 0.15.3 gives them
+        (``_index(index, as_given=True)``)."""
+        if isinstance(index, str) or (isinstance(index, tuple) and is_nested_key(index)):
+            return super().__getitem__(index)
+        return self._index(index, as_given=True)
+
+    def _index(self, index: Any, as_given: bool = False) -> Any:
+        """The rows at ``index``: members, and new stacks of (indexed) members, as
+        tensordicts. ``as_given`` (``lazy[index]``): a member given as a tensorclass is
+        that tensorclass (``lazy[0]``, ``lazy[0, 1:]``), and a new stack whose members
+        were all given as one tensorclass is that class over the stack of their
+        tensordicts (``lazy[::2]``), as in tensordict 0.15.3 (as ``lazy_stack`` gives)."""
         where = self._locate(index)
         if self.tensordicts and -1 not in self.batch_size and _selects_no_member(where, self):
             return self._empty_selection(index, where)
         if where[0] == "one":
             member = self.tensordicts[where[1]]
-            return member if _trivial(where[2]) else member._index(where[2])
+            out = member if _trivial(where[2]) else member._index(where[2])
+            return self._member_as_given(member, out) if as_given else out
         if where[0] == "many":
             _, chosen, rest, out, out_batch = where
-            members = [self.tensordicts[i] for i in chosen]
-            if not _trivial(rest):
-                members = [m._index(rest) for m in members]
-            return self._restack(members, out, out_batch)
-        positions = self._positions(where[1])
-        out = self._from_positions(positions)
-        if positions.ndim:  # a new stack of views (never a member itself): name it
-            indexed_names(self, out, where[1])
-        return out
+            sources = [self.tensordicts[i] for i in chosen]
+            members = sources if _trivial(rest) else [m._index(rest) for m in sources]
+            stacked = self._restack(members, out, out_batch, sources=sources)
+        else:
+            positions = self._positions(where[1])
+            stacked = self._from_positions(positions)
+            if positions.ndim:  # a new stack of views (never a member itself): name it
+                indexed_names(self, stacked, where[1])
+        return self._one_class_view(stacked) if as_given else stacked
 
     def _empty_selection(self, index: Any, where: tuple) -> Any:
         """``lazy[index]`` for an index that keeps no member: an empty TensorDict with the
@@ -158,62 +167,12 @@ class LazyShapeOps:
         if positions.ndim == 0:
             member, sub = self._element(int(positions))
             return member._index(sub) if sub else member
+        # (the elements of a member keep its tensorclass, as tensordict's do)
+        sources = [self._element(int(p))[0] for p in positions] if positions.ndim == 1 else None
         return self._restack([self._from_positions(p) for p in positions.unbind(0)], 0, positions.shape,
-                             same_stack_dim=False)
+                             same_stack_dim=False, sources=sources)
 
     # ---------------------------------------------------------------- member-wise maps
-    def apply(self, fn: Callable, *others: Any, batch_size: Any = None, names: Any = NO_DEFAULT,
-              inplace: bool = False, device: Any = NO_DEFAULT, **options: Any) -> Any:
-        """Apply ``fn`` to every tensor leaf of every member; the results are stacked lazily.
-        tensordict's other keywords (``default``, ``filter_empty``, ``out``...) are not
-        built for lazy stacks: a TypeError names them."""
-        refuse_options(self, "apply", options, known=_APPLY_NOT_BUILT)
-        return self.named_apply(
-            lambda key, *values: fn(*values), *others, batch_size=batch_size, names=names,
-            inplace=inplace, device=device,
-        )
-
-    def named_apply(self, fn: Callable, *others: Any, nested_keys: bool = False,
-                    batch_size: Any = None, names: Any = NO_DEFAULT, inplace: bool = False,
-                    device: Any = NO_DEFAULT, _prefix: tuple = (), _default: Any = NO_DEFAULT,
-                    _filter_empty: bool | None = None, **options: Any) -> Any:
-        """Like ``apply`` with the key: ``fn(key, leaf, *others_leaves)`` per member.
-
-        With ``batch_size`` the stack is made dense first (``to_tensordict()``) and the
-        result is a TensorDict, as in tensordict. ``_default`` and ``_filter_empty``: the
-        ``default`` and ``filter_empty`` of a TensorDict's apply that holds this stack
-        (``_prefix``: its key there), which go to the members; then an ``other`` may be
-        that default (the other lacked this key), and a stack that ``fn`` emptied is
-        None (left out of the result, as tensordict 0.15.3 leaves it).
-        """
-        refuse_options(self, "named_apply", options, known=_APPLY_NOT_BUILT)
-        if batch_size is not None:
-            if inplace:
-                raise ValueError("named_apply on a lazy stack cannot combine batch_size and inplace=True.")
-            return self.to_tensordict().named_apply(
-                fn, *others, nested_keys=nested_keys, batch_size=batch_size, names=names,
-                device=device, _prefix=_prefix,
-            )
-        count = len(self.tensordicts)
-        # (an other that is not a tensordict is the default of an apply that holds this
-        # stack, given for its whole subtree: each member gets it)
-        split = [self._unbind_like(other) if is_tensor_collection(other) or _default is NO_DEFAULT
-                 else [other] * count for other in others]
-        results = []
-        for i, member in enumerate(self.tensordicts):
-            nested = ({"_default": _default, "_filter_empty": _filter_empty} if hasattr(member, "tensordicts")
-                      else {"default": _default, "filter_empty": _filter_empty})
-            results.append(member.named_apply(
-                fn, *[parts[i] for parts in split], nested_keys=nested_keys,
-                inplace=inplace, device=device, _prefix=_prefix, **(nested if _prefix else {}),
-            ))
-        if inplace:
-            return self
-        if _prefix and _filter_empty is not False and not any(result.keys() for result in results):
-            if _filter_empty or any(member.keys() for member in self.tensordicts):
-                return None  # emptied by fn (or empty and filter_empty=True): left out, as in a TensorDict
-        return self._restack(results, member_wise=True)
-
     def clone(self, recurse: bool = True) -> "LazyStackedTensorDict":
         """A lazy stack of clones of the members (``recurse=False`` shares the tensors)."""
         return self._restack([m.clone(recurse) for m in self.tensordicts], member_wise=True)
@@ -293,10 +252,11 @@ class LazyShapeOps:
     # Overrides BatchSplitOps.unbind (split and chunk stay generic: they index, and
     # ``_index`` keeps the members of a slice along ``stack_dim``).
     def unbind(self, dim: int = 0) -> tuple:
-        """The members themselves along ``stack_dim``; lazy stacks of views otherwise."""
+        """The members themselves along ``stack_dim`` (one given as a tensorclass as that
+        tensorclass, as tensordict 0.15.3 gives it); lazy stacks of views otherwise."""
         dim = batch_ops.normalize_dim(dim, self.batch_dims)
         if dim == self._stack_dim:
-            return tuple(self.tensordicts)
+            return tuple(self._member_as_given(member) for member in self.tensordicts)
         prefix = (slice(None),) * dim
         return tuple(self._index(prefix + (i,)) for i in range(self.batch_size[dim]))
 
@@ -449,6 +409,25 @@ def _dims(part: Any) -> tuple[int, int]:
         return (max(part.ndim, 1), 1) if part.dtype == torch.bool else (1, part.ndim)
     return 1, 0 if isinstance(part, int) else 1
 
+
+
+def _reversed_members(parts: tuple, stack_dim: int, count: int) -> tuple:
+    """``parts`` with a slice of negative step at the stack dim (``lazy[::-1]``) as the
+    index tensor of the members it selects, as tensordict 0.15.3 takes it (it slices
+    its list of members); torch refuses such a slice, so at any other dim, or beside
+    another index tensor (which it would be broadcast with), it is left to refuse."""
+    if any(isinstance(p, (torch.Tensor, bool)) for p in parts):
+        return parts
+    dim = 0
+    for i, part in enumerate(parts):
+        width = _dims(part)[0]
+        if width and dim <= stack_dim < dim + width:
+            if isinstance(part, slice) and isinstance(part.step, int) and part.step < 0:
+                chosen = torch.tensor(list(range(count))[part], dtype=torch.long)
+                return parts[:i] + (chosen,) + parts[i + 1 :]
+            return parts
+        dim += width
+    return parts
 
 
 def _scalar_to_python(part: Any) -> Any:

@@ -1,0 +1,122 @@
+"""The members of a LazyStackedTensorDict, as a mixin (LazyMembers): adding members
+(``append``, ``insert``, ``extend``) and the record of the members given as tensorclasses
+(a save writes such a member as its class, as tensordict 0.15.3 does; see
+node_kinds._members_as_given), which pickling carries.
+
+This module does not import lazy.py (lazy.py imports it).
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from shared_td.containers.lazy_writes import _is_branch
+from shared_td.tensorclass_protocol import unwrap_tensorclass
+
+
+class LazyMembers:
+    """Mixin of LazyStackedTensorDict (it relies on ``tensordicts``, ``_member_batch``,
+    ``device`` and ``_tensorclass_members``, set by its ``__init__``)."""
+
+    def append(self, tensordict: Any) -> None:
+        """Add ``tensordict`` as the last member (see ``insert``)."""
+        self.insert(len(self.tensordicts), tensordict)
+
+    def extend(self, tensordicts: Any) -> None:
+        """Append each of ``tensordicts`` (see ``insert``); all or none: every item is
+        checked before the first is added. ``lazy.extend(lazy.tensordicts)`` appends the
+        members as they were (the items are read once, before any append)."""
+        items = list(tensordicts)  # (iterating the growing member list itself never ended)
+        members = [self._checked_member(item) for item in items]
+        if len({member.device for member in members}) > 1:  # (an empty stack checks none of them)
+            raise ValueError(f"Devices differ: the new members are on {[str(m.device) for m in members]}.")
+        for item, member in zip(items, members):
+            self._add_member(len(self.tensordicts), item, member)
+
+    def insert(self, index: int, tensordict: Any) -> None:
+        """Insert ``tensordict`` as member ``index`` (``list.insert``), as tensordict 0.15.3.
+
+        Raises:
+            TypeError: if it is not a tensordict or tensorclass.
+            ValueError: if its batch size (or its device) is not the members'.
+            LockedTensorDictError: if the stack is locked.
+        """
+        self._add_member(index, tensordict, self._checked_member(tensordict))
+
+    def _checked_member(self, tensordict: Any) -> Any:
+        """The tensordict that ``tensordict`` adds as a member; raises as ``insert`` says."""
+        if not _is_branch(tensordict):
+            raise TypeError(
+                f"Expected new value to be TensorDictBase instance but got {type(tensordict).__name__}: "
+                "a lazy stack's members are tensordicts or tensorclasses."
+            )
+        member = unwrap_tensorclass(tensordict)
+        if self.tensordicts and member.device != self.device:
+            raise ValueError(
+                f"Devices differ: the stack is on {self.device}, the new member on {member.device}; "
+                "move it with .to(device) first."
+            )
+        if member.batch_size != self._member_batch:
+            raise ValueError(
+                f"Batch sizes in tensordicts differs: the members have batch_size "
+                f"{list(self._member_batch)}, the new one {list(member.batch_size)}."
+            )
+        super()._check_unlocked((), "insert a member into the lazy stack")
+        return member
+
+    def _add_member(self, index: int, given: Any, member: Any) -> None:
+        self.tensordicts.insert(index, member)
+        if member is not given:  # a tensorclass: saved as one (see __init__)
+            self._record_class(member, type(given))
+
+    def _record_class(self, member: Any, cls: type) -> None:
+        """Record that ``member`` is written as the tensorclass ``cls``. The record holds
+        a weak reference to the member, so that one removed from the stack is not kept
+        alive by it (its entry goes with it, before its id() can be reused)."""
+        record = self._tensorclass_members
+        if record is None:
+            record = self._tensorclass_members = {}
+        key = id(member)
+        record[key] = (weakref.ref(member, lambda _, record=record, key=key: record.pop(key, None)), cls)
+
+    def _tensorclass_of(self, member: Any) -> type | None:
+        """The tensorclass ``member`` was given as (``_record_class``), or None (an
+        example: node_kinds._members_as_given)."""
+        entry = (getattr(self, "_tensorclass_members", None) or {}).get(id(member))
+        return entry[1] if entry is not None and entry[0]() is member else None
+
+    def __getstate__(self) -> dict:
+        # (weak references do not pickle: the classes go as a list beside the members)
+        state = super().__getstate__()
+        state["_tensorclass_members"] = [self._tensorclass_of(m) for m in self.tensordicts] \
+            if state.get("_tensorclass_members") else None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        classes = state.pop("_tensorclass_members", None)
+        super().__setstate__(dict(state, _tensorclass_members=None))
+        for member, cls in zip(self.tensordicts, classes or ()):
+            if cls is not None:
+                self._record_class(member, cls)
+
+    def _member_as_given(self, member: Any, value: Any = None) -> Any:
+        """``value`` (``member`` itself by default, or a part of it: ``lazy[0, 1:]``) as
+        the tensorclass ``member`` was given as, if any, as tensordict 0.15.3 gives it;
+        a view of the member either way (a write through it reaches the stack)."""
+        value = member if value is None else value
+        cls = self._tensorclass_of(member)
+        return value if cls is None else cls._from_tensordict(value)
+
+    def _one_class_view(self, stack: Any) -> Any:
+        """``stack`` (a new stack that indexing this one built) as tensordict 0.15.3 gives
+        it: when every member of it was given as one tensorclass, that class over the
+        stack of their tensordicts, as ``lazy_stack([tc1, tc2])`` gives (its save is
+        that class around a lazy stack, as tensordict's); else ``stack`` itself, whose
+        members given as tensorclasses are saved so."""
+        if stack is self or not getattr(stack, "_tensorclass_members", None) or not stack.tensordicts:
+            return stack
+        classes = {stack._tensorclass_of(member) for member in stack.tensordicts}
+        if len(classes) != 1 or None in classes:
+            return stack
+        stack._tensorclass_members = None  # (the class is around the stack now, not on its members)
+        return classes.pop()._from_tensordict(stack)

@@ -1,0 +1,292 @@
+"""Session 22, side by side with tensordict 0.15.3: a lazy stack of tensorclasses keeps
+its members' classes through any index that selects whole members (what ``lazy[idx]``
+gives and what its save writes), and a lazy stack's apply/named_apply take tensordict's
+``default``, ``filter_empty``, ``out``, ``call_on_nested``, ``propagate_lock`` and
+``names``."""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import pytest
+import torch
+
+import shared_td
+from tests.reference import needs_tensordict, tensordict
+
+LIBS = [
+    pytest.param(shared_td, id="shared_td"),
+    pytest.param(tensordict, id="tensordict", marks=needs_tensordict),
+]
+
+
+@shared_td.tensorclass
+class OursA:
+    x: torch.Tensor
+
+
+@shared_td.tensorclass
+class OursB:
+    x: torch.Tensor
+    y: torch.Tensor = None
+
+
+if tensordict is not None:
+    @tensordict.tensorclass
+    class TheirsA:
+        x: torch.Tensor
+
+    @tensordict.tensorclass
+    class TheirsB:
+        x: torch.Tensor
+        y: torch.Tensor = None
+
+
+def _classes(lib):
+    return (OursA, OursB) if lib is shared_td else (TheirsA, TheirsB)
+
+
+def _class_name(value):
+    return type(value).__name__.replace("Ours", "").replace("Theirs", "")
+
+
+def _tc_stack(lib):
+    """A lazy stack of tensorclasses A, B, A (member i holds i)."""
+    a_cls, b_cls = _classes(lib)
+    return lib.LazyStackedTensorDict(
+        a_cls(x=torch.zeros(3), batch_size=[3]),
+        b_cls(x=torch.ones(3), y=torch.ones(3), batch_size=[3]),
+        a_cls(x=torch.full((3,), 2.0), batch_size=[3]),
+    )
+
+
+def _saved_types(path):
+    """{directory: its class} of a save, the class names without Ours/Theirs."""
+    found = {}
+    for root, _, files in os.walk(path):
+        if "meta.json" in files:
+            with open(os.path.join(root, "meta.json")) as f:
+                kind = json.load(f).get("_type", "?")
+            found[os.path.relpath(root, path)] = kind.split(".")[-1].strip("'>").replace("Ours", "").replace(
+                "Theirs", "")
+    return found
+
+
+# ------------------------------------------------------------ 1. indexing a stack of tensorclasses
+WHOLE_MEMBERS = {
+    "list": [1, 0],
+    "tensor": torch.tensor([2, 0]),
+    "mask": torch.tensor([True, True, False]),
+    "mask_one_class": torch.tensor([True, False, True]),
+    "twice": [0, 0],
+    "twice_b": [1, 1],
+    "step": slice(None, None, 2),
+    "slice": slice(1, None),
+    "full": slice(None),
+    "reversed": slice(None, None, -1),
+    "inside": (slice(None), 0),
+    "inside_slice": (slice(None), slice(0, 2)),
+    "new_dim": (None, [1, 0]),
+}
+
+
+def _index_outcome(lib, index, tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = _tc_stack(lib)[index]
+        result.memmap(tmp_path)
+        loaded = lib.TensorDict.load_memmap(tmp_path)
+    return _class_name(result), _saved_types(tmp_path), _class_name(loaded), result.batch_size
+
+
+@needs_tensordict
+@pytest.mark.parametrize("index", list(WHOLE_MEMBERS.values()), ids=list(WHOLE_MEMBERS))
+def test_an_index_of_whole_members_keeps_their_tensorclasses_as_tensordict(index, tmp_path):
+    ours = _index_outcome(shared_td, index, tmp_path / "ours")
+    theirs = _index_outcome(tensordict, index, tmp_path / "theirs")
+    assert ours == theirs
+    assert any(kind in ("A", "B") for kind in ours[1].values())  # (the classes are there)
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_a_mixed_reordering_saves_each_member_as_its_own_class(lib, tmp_path):
+    reordered = _tc_stack(lib)[[1, 0]]
+    reordered.memmap(tmp_path)
+    assert _saved_types(tmp_path) == {".": "LazyStackedTensorDict", "0": "B", "0/_tensordict": "TensorDict",
+                                      "1": "A", "1/_tensordict": "TensorDict"}
+    loaded = lib.TensorDict.load_memmap(tmp_path)
+    assert loaded["x"].tolist() == [[1.0] * 3, [0.0] * 3]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_members_of_one_class_selected_give_that_class_over_the_stack(lib):
+    a_cls, _ = _classes(lib)
+    for index in ([0, 0], slice(None, None, 2), torch.tensor([2, 0])):
+        selected = _tc_stack(lib)[index]
+        assert type(selected) is a_cls and isinstance(selected._tensordict, lib.LazyStackedTensorDict)
+    assert _tc_stack(lib)[[2, 0]].x[:, 0].tolist() == [2.0, 0.0]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_lazy_i_gives_the_member_as_its_tensorclass(lib):
+    a_cls, b_cls = _classes(lib)
+    lazy = _tc_stack(lib)
+    assert type(lazy[0]) is a_cls and type(lazy[1]) is b_cls and type(lazy[0, 1:]) is a_cls
+    assert lazy[0, 1:].batch_size == torch.Size([2])
+    lazy[1].x[0] = 7.0  # a view of the member: the write reaches the stack
+    assert lazy["x"][1, 0].item() == 7.0
+    assert [type(m) for m in lazy] == [a_cls, b_cls, a_cls]
+    assert [type(m) for m in lazy.unbind(0)] == [a_cls, b_cls, a_cls]
+    assert [type(m) for m in torch.unbind(lazy, 0)] == [a_cls, b_cls, a_cls]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_a_negative_step_at_the_stack_dim_reverses_the_members(lib):
+    lazy = lib.LazyStackedTensorDict(*[lib.TensorDict(a=torch.full((2,), float(i)), batch_size=[2])
+                                       for i in range(3)])
+    assert lazy[::-1]["a"][:, 0].tolist() == [2.0, 1.0, 0.0]
+    assert lazy[1::-1]["a"][:, 0].tolist() == [1.0, 0.0]
+    assert lazy[::-2]["a"][:, 0].tolist() == [2.0, 0.0]
+    with pytest.raises(ValueError, match="step must be greater than zero"):
+        lazy[:, ::-1]  # (another dim: refused, as torch and tensordict refuse it)
+
+
+def test_a_plain_stack_still_gives_its_members_themselves():
+    lazy = shared_td.lazy_stack([shared_td.TensorDict(a=torch.zeros(2), batch_size=[2])] * 2)
+    assert lazy[0] is lazy.tensordicts[0]
+    assert type(lazy[0:1]) is shared_td.LazyStackedTensorDict
+
+
+# ------------------------------------------------------------ 2. apply's options on a lazy stack
+def _ragged(lib):
+    """Members with different keys: member 0 has a and b, member 1 a only."""
+    return lib.LazyStackedTensorDict(lib.TensorDict(a=torch.zeros(2), b=torch.ones(2), batch_size=[2]),
+                                     lib.TensorDict(a=torch.ones(2), batch_size=[2]))
+
+
+def _other(lib):
+    return lib.LazyStackedTensorDict(lib.TensorDict(a=torch.full((2,), 5.0), batch_size=[2]),
+                                     lib.TensorDict(a=torch.full((2,), 7.0), b=torch.full((2,), 9.0),
+                                                    batch_size=[2]))
+
+
+def _members(result):
+    if result is None:
+        return None
+    return [{"/".join(k) if isinstance(k, tuple) else k: v.tolist() for k, v in m.items(True, True)}
+            for m in result.tensordicts]
+
+
+APPLY_CASES = {
+    "default": lambda lib: lib.apply(lambda x, y: x + y, _other_of(lib), default=100),
+    "named_default": lambda lib: lib.named_apply(lambda k, x, y: x + y, _other_of(lib), default=100),
+    "all_none": lambda lib: lib.apply(lambda x: None),
+    "all_none_keep": lambda lib: lib.apply(lambda x: None, filter_empty=False),
+    "all_none_filter": lambda lib: lib.apply(lambda x: None, filter_empty=True),
+    "some_none": lambda lib: lib.apply(lambda x: None if x.sum() == 0 else x),
+    "member_none": lambda lib: lib.apply(lambda x: x if x.sum() == 0 else None),
+    "member_none_filter": lambda lib: lib.apply(lambda x: x if x.sum() == 0 else None, filter_empty=True),
+    "call_on_nested": lambda lib: lib.apply(lambda x: x * 2, call_on_nested=True),
+}
+
+
+def _other_of(lazy):
+    return _other(shared_td if isinstance(lazy, shared_td.LazyStackedTensorDict) else tensordict)
+
+
+@needs_tensordict
+@pytest.mark.parametrize("case", list(APPLY_CASES.values()), ids=list(APPLY_CASES))
+def test_apply_options_as_tensordict(case):
+    assert _members(case(_ragged(shared_td))) == _members(case(_ragged(tensordict)))
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_apply_default_fills_the_key_a_member_of_other_lacks(lib):
+    result = _ragged(lib).apply(lambda x, y: x + y, _other(lib), default=100)
+    assert _members(result) == [{"a": [5.0, 5.0], "b": [101.0, 101.0]}, {"a": [8.0, 8.0]}]
+    with pytest.raises(KeyError):
+        _ragged(lib).apply(lambda x, y: x + y, _other(lib))
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_apply_of_a_stack_that_fn_empties_is_none(lib):
+    assert _ragged(lib).apply(lambda x: None) is None
+    assert _members(_ragged(lib).apply(lambda x: None, filter_empty=False)) == [{}, {}]
+    # a member empty already is no member that fn emptied: an empty member, as with False
+    partly = lib.LazyStackedTensorDict(lib.TensorDict(batch_size=[2]), lib.TensorDict(a=torch.ones(2), batch_size=[2]))
+    assert _members(partly.apply(lambda x: None)) == [{}, {}]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_apply_out_writes_into_the_members_of_out(lib):
+    out = _ragged(lib).clone().zero_()
+    members = list(out.tensordicts)
+    result = _ragged(lib).apply(lambda x: x + 1, out=out)
+    assert list(result.tensordicts) == members and all(a is b for a, b in zip(result.tensordicts, members))
+    assert _members(out) == [{"a": [1.0, 1.0], "b": [2.0, 2.0]}, {"a": [2.0, 2.0]}]
+    with pytest.raises(ValueError, match="out must be a LazyStackedTensorDict"):
+        _ragged(lib).apply(lambda x: x, out=lib.TensorDict(a=torch.zeros(2, 2), batch_size=[2, 2]))
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_apply_out_stacked_along_another_dim_is_updated(lib):
+    out = lib.LazyStackedTensorDict(*[lib.TensorDict(a=torch.zeros(2), batch_size=[2]) for _ in range(2)],
+                                    stack_dim=1)
+    assert _ragged(lib).select("a").apply(lambda x: x + 1, out=out) is out
+    assert out["a"].tolist() == [[1.0, 1.0], [2.0, 2.0]]
+
+
+def test_apply_out_returns_out_itself():
+    # (tensordict 0.15.3 returns a new stack of out's members; the dense apply returns out)
+    out = _ragged(shared_td).clone()
+    assert _ragged(shared_td).apply(lambda x: x + 1, out=out) is out
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_apply_call_on_nested_gives_fn_the_nested_tensordicts(lib):
+    lazy = lib.LazyStackedTensorDict(
+        lib.TensorDict(n=lib.TensorDict(a=torch.zeros(2), batch_size=[2]), batch_size=[2]),
+        lib.TensorDict(n=lib.TensorDict(a=torch.ones(2), c=torch.ones(2), batch_size=[2]), batch_size=[2]))
+    result = lazy.named_apply(lambda key, x: x.select("a") if key == "n" else x, call_on_nested=True)
+    assert _members(result) == [{"n/a": [0.0, 0.0]}, {"n/a": [1.0, 1.0]}]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_apply_propagate_lock_and_names(lib):
+    lazy = _ragged(lib).lock_()
+    assert lazy.apply(lambda x: x + 1, propagate_lock=True).is_locked
+    assert not lazy.apply(lambda x: x + 1).is_locked
+    assert _ragged(lib).apply(lambda x: x, names=["s", "t"]).names == ["s", "t"]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("option", [{"names": ["s", "t"]}, {"device": "cpu"}, {"batch_size": [2, 2]}])
+def test_apply_inplace_takes_no_batch_size_names_or_device(lib, option):
+    with pytest.raises(ValueError, match="inplace=True"):
+        _ragged(lib).apply(lambda x: x, inplace=True, **option)
+
+
+@pytest.mark.parametrize("method", ["apply", "named_apply"])
+def test_is_leaf_is_still_refused_by_name(method):
+    fn = (lambda x: x) if method == "apply" else (lambda key, x: x)
+    with pytest.raises(TypeError, match=rf"^LazyStackedTensorDict\.{method}\(is_leaf=\.\.\.\)"):
+        getattr(_ragged(shared_td), method)(fn, is_leaf=lambda cls: True)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'bogus'"):
+        getattr(_ragged(shared_td), method)(fn, bogus=1)
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_apply_of_a_stack_of_no_member_is_none(lib):
+    assert lib.LazyStackedTensorDict(stack_dim=0, batch_size=[2]).apply(lambda x: x + 1) is None
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_a_nested_stack_with_a_member_empty_already_is_kept_as_tensordict_keeps_it(lib):
+    # (only a stack every member of which fn emptied is left out: one was empty already)
+    partly = lib.LazyStackedTensorDict(lib.TensorDict(batch_size=[2]), lib.TensorDict(a=torch.ones(2), batch_size=[2]))
+    emptied = lib.LazyStackedTensorDict(*[lib.TensorDict(a=torch.ones(2), batch_size=[2]) for _ in range(2)])
+    keep_2d = lambda x: x if x.ndim == 2 and x.shape[1] == 2 else None  # noqa: E731
+    for stack, expected in ((partly, ["b", "ls"]), (emptied, ["b"])):
+        result = lib.TensorDict(ls=stack, b=torch.ones(2, 2), batch_size=[2]).apply(keep_2d)
+        assert sorted(result.keys()) == expected
