@@ -31,7 +31,7 @@ from shared_td.bench.loopback import HOST, loopback_store, raw_gloo_rank
 from shared_td.bench.timing import best_of, paired_medians
 from shared_td.bench.worker import shared_worker
 
-_KEY = b"benchmark key"
+_KEY = b"shared_td benchmark key"  # (16 bytes at least)
 #: Seconds a loopback cluster may take to start (its nodes give up after 60 s).
 _START_S = 130.0
 

@@ -9,7 +9,8 @@ places, each handled here:
 - waiting for the owner's answer (``ClusterRequests._answer``: its timeout passed while
   the pull waited on the owner, in its lane or for the name's delivery): the owner may
   still answer it and send. :func:`abandoned` hands the thread's reply queue to a drain
-  thread (the thread takes a new one) and asks the owner to ``cancel`` the pull, in the
+  thread (the thread takes a new one; the drain hands the old one back when it ends,
+  for reuse: the store's host keeps every queue it met) and asks the owner to ``cancel`` the pull, in the
   same lane, so after it: the owner's answer to the cancel says whether the pull was
   dropped, is served, or was answered before (``cluster_deliveries.cancel``). The drain
   pops the old queue until that answer, bounded: an announce (a version) met on the
@@ -43,7 +44,7 @@ import torch
 
 from shared_td.coordinator.cluster_serve import lane_queue
 from shared_td.coordinator.cluster_store import ClusterAuthError
-from shared_td.coordinator.cluster_wake import WAKE_KEY
+from shared_td.coordinator.cluster_wake import WAKE_KEY, pop_bound
 from shared_td.errors import StalePair, TransferFailed
 
 __all__ = ["DRAINER", "abandoned", "answer", "into_scratch", "receive_bound"]
@@ -107,6 +108,7 @@ def abandoned(cluster, owner: int, name: str, tag: int, pair: int, nbytes: int, 
         thread.start()
     except RuntimeError:  # "can't start new thread": as before the drain, the pair is failed (the
         cluster._groups.fail(owner, pair)  # owner's send ends at once), and the caller's TimeoutError goes on
+        cluster._free_replies.append(queue)
         return
     cluster._threads.append(thread)  # (shutdown joins it: its pop is woken then, see AnswerWaits.wake_all)
 
@@ -134,14 +136,19 @@ def _drain(cluster, owner: int, name: str, tag: int, pair: int, nbytes: int, str
             _drained(cluster, owner, name, tag, pair, nbytes, stripes, queue, wait)
     except (RuntimeError, OSError):
         return  # the store is gone: the owner's send ends at its bound
+    finally:
+        # back for the node's next thread that needs a reply queue (ClusterRequests._reply_queue):
+        # the store's host never forgets a queue, so each drain's own new one stayed there for good
+        cluster._free_replies.append(queue)
 
 
 def _drained(cluster, owner: int, name: str, tag: int, pair: int, nbytes: int, stripes: int, queue: str,
              wait) -> None:
-    """Pop ``queue`` until the pull's cancel is answered (see :func:`_drain`), each pop
+    """Pop ``queue`` until the pull's cancel is answered (see :func:`_drain`), each wait
     for the node's timeout, woken by a notice once ``owner`` is found lost or the node
     shuts down (``cluster_wake.AnswerWaits``: no 0.25 s slices, each logged by torch as
-    it timed out). No clock ends it: the cancel's answer comes after the owner's lane
+    it timed out; no pop far past the liveness deadline, after which it looks
+    at the owner's heartbeat itself: ``cluster_wake.pop_bound``). No clock ends it: the cancel's answer comes after the owner's lane
     handled the pull (one lane, in order), however late (a lane busy with earlier
     requests); a drain that ended at twice the timeout left a pull served after it to
     a send for nobody, and the pair failed (audit of b7822d2). An owner found lost
@@ -150,18 +157,26 @@ def _drained(cluster, owner: int, name: str, tag: int, pair: int, nbytes: int, s
     store = cluster._store
     answered = serving = False  # the pull's own answer came; the owner said it serves it
     unanswered = 0  # node timeouts in a row without any answer from a live owner
+    timeout_at = time.monotonic() + cluster.timeout  # the end of this node timeout's wait
     while not cluster._closed:
+        left = max(0.0, timeout_at - time.monotonic())
+        bound = pop_bound(left)  # (as ClusterRequests._answer's: a notice may be late)
+        last = bound >= left  # this pop ends the node timeout's wait
         try:
-            answer = store.pop_json(queue, cluster.timeout, lambda: cluster._closed)
+            answer = store.pop_json(queue, bound, lambda: cluster._closed)
         except ClusterAuthError:
             cluster.refused += 1  # forged: never acted on
             continue
         if answer is None or WAKE_KEY in answer:
-            wait.woken = False
+            if answer is not None:
+                wait.woken = False
             if not cluster._alive(owner):
                 cluster._found(owner)  # nothing comes from a lost owner: the lost-peer path
                 return
-            if answer is None:
+            if answer is not None:
+                timeout_at = time.monotonic() + cluster.timeout  # (a fresh wait, as after any pop that ended early)
+            elif last:
+                timeout_at = time.monotonic() + cluster.timeout
                 unanswered += 1
                 if unanswered >= UNANSWERED_ASKS:
                     # bounded after all (audit 21): a send the owner still makes for this
@@ -171,7 +186,7 @@ def _drained(cluster, owner: int, name: str, tag: int, pair: int, nbytes: int, s
                     return
                 _ask_cancel(cluster, owner, name, tag, pair, queue)
             continue
-        unanswered = 0
+        unanswered, timeout_at = 0, time.monotonic() + cluster.timeout
         if answer.get("tag") != tag or answer.get("caller") != cluster._caller:
             continue  # (an answer to an earlier request of the thread)
         if "cancel" in answer:

@@ -11,6 +11,7 @@ store, or one the launcher names), or a Store given as it is, checked by
 from __future__ import annotations
 
 import datetime
+import hashlib
 import os
 import urllib.parse
 
@@ -19,24 +20,62 @@ import torch.distributed as dist
 
 from shared_td.coordinator.store_host import host_tcp_store
 
-__all__ = ["check_store", "cluster_key", "open_store"]
+__all__ = ["MIN_KEY_BYTES", "check_store", "cluster_key", "open_store", "signing_key"]
+
+
+#: the fewest bytes a cluster authkey may have: a short key is found from one signed
+#: value read off the store (a 4-digit key took 16 ms), offline, without a trace
+MIN_KEY_BYTES = 16
+_MAKE_ONE = ('make one with `python -c "import secrets; print(secrets.token_hex(16))"` and give the same to '
+             "every node (authkey= or SHARED_TD_CLUSTER_KEY)")
 
 
 def cluster_key(authkey) -> bytes:
-    """The cluster authkey: ``authkey`` (bytes or str) or ``SHARED_TD_CLUSTER_KEY``.
+    """The cluster authkey: ``authkey`` (bytes-like or str, as UTF-8) or
+    ``SHARED_TD_CLUSTER_KEY``, checked: TypeError for anything else (``bytes(32)`` of
+    an int would be 32 zero bytes, which HMAC pads to the empty key: anyone could sign),
+    ValueError for a key under :data:`MIN_KEY_BYTES` bytes or of zero bytes only. The
+    errors never show the key. What signs the store's values is :func:`signing_key` of it.
 
     Example:
-        >>> cluster_key("secret")
-        b'secret'
+        >>> cluster_key("0123456789abcdef")
+        b'0123456789abcdef'
+        >>> cluster_key(16)
+        Traceback (most recent call last):
+        ...
+        TypeError: The cluster authkey must be bytes or a str, got a value of type int: ...
     """
     if authkey is None:
         authkey = os.environ.get("SHARED_TD_CLUSTER_KEY")
-    if not authkey:
-        raise ValueError(
-            "A cluster needs an authkey, the same on every node: pass authkey= or set "
-            "SHARED_TD_CLUSTER_KEY (e.g. `export SHARED_TD_CLUSTER_KEY=$(openssl rand -hex 32)`)."
-        )
-    return authkey.encode() if isinstance(authkey, str) else bytes(authkey)
+        if authkey is None:
+            raise ValueError(f"A cluster needs an authkey, the same on every node: pass authkey= or set "
+                             f"SHARED_TD_CLUSTER_KEY; {_MAKE_ONE}.")
+    if isinstance(authkey, str):
+        key = authkey.encode()
+    elif isinstance(authkey, (bytes, bytearray, memoryview)):
+        key = bytes(authkey)
+    else:  # an int (or True) was read by bytes() as that many zero bytes
+        raise TypeError(f"The cluster authkey must be bytes or a str, got a value of type "
+                        f"{type(authkey).__name__}: {_MAKE_ONE}.")
+    if len(key) < MIN_KEY_BYTES:
+        raise ValueError(f"The cluster authkey has {len(key)} bytes, fewer than {MIN_KEY_BYTES}: a short key is "
+                         f"found offline from one value signed with it; {_MAKE_ONE}.")
+    if not key.strip(b"\0"):
+        raise ValueError(f"The cluster authkey is zero bytes only, the same as the empty key to HMAC: {_MAKE_ONE}.")
+    return key
+
+
+def signing_key(authkey: bytes) -> bytes:
+    """The HMAC key that signs the cluster's values: SHA-256 of ``authkey`` after a label
+    of its own. HMAC pads a key shorter than its block with zero bytes, so ``b"k"`` and
+    ``b"k\\0"`` signed alike (and ``b"\\0" * n`` as the empty key); the hash of the
+    key makes every authkey its own 32-byte key.
+
+    Example:
+        >>> signing_key(b"k" * 16) == signing_key(b"k" * 16 + b"\\0")
+        False
+    """
+    return hashlib.sha256(b"shared_td-cluster\0" + bytes(authkey)).digest()
 
 
 def check_store(store) -> None:

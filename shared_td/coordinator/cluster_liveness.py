@@ -77,6 +77,7 @@ LOST_AFTER_S = 3.0
 _KEEP_RUN_EVERY = max(1, round(LOST_AFTER_S / 2 / HEARTBEAT_S))
 _NOT_FOUND = object()  # equal to no heartbeat seen (a missing one, None, included)
 _LEFT = "left."  # how a released claim token starts (release_node)
+_UNHELD = "\0unheld"  # what _holder's look expects: no token (ASCII, with a dot) is this
 
 
 class Liveness:
@@ -142,6 +143,8 @@ class Liveness:
                 # deleted: back before a newcomer sets its own; another run watched: every beat
                 if self._run and (number % _KEEP_RUN_EVERY == 0 or self._run_watch.seen is not None):
                     keep_run(self._store, self._run, self._run_watch)
+                if number % _KEEP_RUN_EVERY == 0 and self._claim is not None:
+                    self._keep_keys()
             except (RuntimeError, OSError):
                 return  # the store is gone
 
@@ -224,6 +227,17 @@ class Liveness:
         self._refuse()
         self._store.compare_set(key, held, self._claim)  # (a successor's written meanwhile stays)
         return _holder(self._store, key, self._claim) == self._claim.encode()
+
+    def _keep_keys(self) -> None:
+        """Every few beats (as the run record): this process's ``claim/<node>`` written
+        back when something deleted or emptied it, counted as forged (a newcomer read
+        such a claim as free: two processes ran node 1, audit 22), and the names it
+        owns looked at (``on_confirm``: an ``owner/<name>`` deleted is written back)."""
+        key = f"claim/{self._node}"
+        if not self._store.get_unchecked(key):
+            self._refuse()
+            self._store.compare_set(key, "", self._claim)  # (a newcomer's written meanwhile stays)
+        self._on_confirm()
 
     def check(self) -> None:
         """NodeTakenOverError unless :meth:`still_mine`."""
@@ -378,7 +392,9 @@ def claim_node(store, node: int, run: str = "") -> str:
     key, held = f"claim/{node}", store.get_unchecked(f"claim/{node}")
     before = _parsed(store, node, run, held)
     token = claim_token(store, node, run, floor=before.seq if before else 0)
-    if claim_free(store, node, held, run):  # none, or a clean shutdown's released token
+    # none, or a clean shutdown's released token; a claim deleted or emptied under a
+    # running node is not (its live heartbeat says so: a second process ran as it)
+    if claim_free(store, node, held, run) and (held or not _beats_unclaimed(store, node)):
         if store.compare_set(key, held or "", token) == token.encode():
             return token
         raise ValueError(_same_node(node, "is being started by another process at the same time"))
@@ -395,9 +411,23 @@ def claim_node(store, node: int, run: str = "") -> str:
             f"Node {node}'s claim is held and its heartbeat hb/{node} is not signed with this process's "
             f"cluster authkey: this process (or the one that ran as node {node}) uses another key. Its number "
             "was not taken over. Give every node the same authkey= (or SHARED_TD_CLUSTER_KEY).")
-    if store.compare_set(key, held, token) != token.encode():
+    if store.compare_set(key, held or "", token) != token.encode():
         raise ValueError(_same_node(node, "is being started by another process at the same time"))
     return token
+
+
+def _beats_unclaimed(store, node: int) -> bool:
+    """Whether node ``node``, its claim missing or emptied, still has a heartbeat that
+    moves: none there (a new cluster) and a signed clean shutdown's are not waited for."""
+    blob = _heartbeat(store, node)
+    if blob is None:
+        return False
+    try:
+        if _says_left(store.check(f"hb/{node}", blob)) is not None:
+            return False
+    except ClusterAuthError:
+        pass  # another key's, or junk: whether it moves decides
+    return heartbeat_moves(store, node)
 
 
 def heartbeat_moves(store, node: int) -> bool:
@@ -415,10 +445,11 @@ def heartbeat_moves(store, node: int) -> bool:
 
 
 def _holder(store, key: str, mine: str) -> bytes:
-    """What ``key`` holds, read by a compare-and-set of ``mine`` with itself: one round
-    trip that changes nothing (a claim's key exists from the claim on; for a missing
-    key the store answers ``mine``)."""
-    return store.compare_set(key, mine, mine)
+    """What ``key`` holds (b"" when missing), read by a compare-and-set that expects what
+    no claim holds: one round trip that changes nothing (one of ``mine`` with itself
+    read a deleted key as ``mine``, and the claim was never written back)."""
+    held = store.compare_set(key, _UNHELD, _UNHELD)
+    return b"" if held == _UNHELD.encode() else held
 
 
 def release_node(store, node: int, token: str, joined: bool = True, run: str = "") -> None:

@@ -189,8 +189,12 @@ class ClusterMembership:
     def _join(self) -> None:
         """What :meth:`start` does once this process holds the node's number: join the
         others, then start this node's threads."""
+        # a bounded drain (one deadline for all: a queue flooded by anyone reaching the store
+        # kept the join here for good, its heartbeat not yet written); what it leaves is
+        # read by the lanes as any request (checked: signature, pair generation, replays)
+        drained_by = time.monotonic() + self.timeout / 4
         for queue in self._own_queues():  # what waits there was sent to this node's last process
-            self._store.drain(queue)
+            self._store.drain(queue, drained_by)
         restarted = self._store.has(f"join/{self.node}")  # this node ran before: see PairGroups.move_on
         self._store.set_json(f"join/{self.node}", self._join_record())
         _leave_at_exit_too(self)  # its threads start now: see the module's opening

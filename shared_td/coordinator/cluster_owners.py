@@ -62,6 +62,8 @@ def claim_name(store, liveness: Liveness, node: int, nodes: int, name: str,
     counted (``refuse()``) and the owner the name's signed record names
     (``recorded_owner()``, None when none) decides instead. ``run``: the cluster's."""
     key, mine = f"owner/{name}", owner_token(store, name, node, run)
+    if not store.get_unchecked(key):  # looked at before this node's token is there (see below)
+        _unless_owned_elsewhere(store, liveness, node, nodes, name, recorded_owner, refuse, run)
     raw = store.compare_set(key, "", mine)  # compared as bytes: the key is unsigned, maybe not UTF-8
     if raw == mine.encode():
         return
@@ -80,21 +82,43 @@ def claim_name(store, liveness: Liveness, node: int, nodes: int, name: str,
                      f"replicas and push rows to it). Publish it again on node {owner}, or under another name.")
 
 
+def _unless_owned_elsewhere(store, liveness: Liveness, node: int, nodes: int, name: str,
+                            recorded_owner: Callable[[], int | None], refuse: Callable[[], None], run: str) -> None:
+    """``owner/<name>`` is missing (or emptied): a first publish, or the key deleted
+    under a live owner (two owners, audit 22). The owner the signed record
+    ``name/<name>`` names decides, as for a forged key: while its heartbeat moves its
+    token is written back (counted as refused) and the publish is a ValueError naming
+    it. Looked at before this node's token is written: for the heartbeat's look, the
+    live owner would have read that token as a takeover and given its name up."""
+    owner = recorded_owner()
+    if not isinstance(owner, int) or not 0 <= owner < nodes or owner == node:
+        return  # none, or this node's own
+    if liveness.known_lost(owner) or not heartbeat_moves(store, owner):
+        return  # its owner is lost: taken over (its new generation renews the replicas)
+    refuse()
+    store.compare_set(f"owner/{name}", "", owner_token(store, name, owner, run))
+    raise ValueError(f"{name!r} is owned by node {owner}: a name has one owner node (the others hold "
+                     f"replicas and push rows to it). Publish it again on node {owner}, or under another name.")
+
+
 def names_taken_over(store, node: int, names: list[str], refuse: Callable[[], None], run: str = "") -> dict[str, str]:
     """Of ``names`` (node ``node`` claimed each), those another node holds now, each
     with that node's number as text: one round trip a name that changes nothing, unless
     a forged claim is found: counted (``refuse()``) and this node's token written back
-    (by a compare-and-set against the forged bytes: a real takeover meanwhile stays)."""
+    (by a compare-and-set against the forged bytes: a real takeover meanwhile stays).
+    A deleted or emptied key is one too (a compare-and-set of ``mine`` with itself read
+    a missing key as ``mine``: it was never written back, and another node's publish
+    then took the name of its live owner)."""
     taken = {}
     for name in names:
         key, mine = f"owner/{name}", owner_token(store, name, node, run)
-        held = store.compare_set(key, mine, mine)  # (a missing key answers ``mine``)
+        held = store.get_unchecked(key)  # one round trip; None when missing
         if held == mine.encode():
             continue
         owner = owner_of(store, name, held, run)
         if owner is None:
             refuse()
-            store.compare_set(key, held, mine)
+            store.compare_set(key, held or "", mine)
         else:
             taken[name] = str(owner)
     return taken

@@ -22,7 +22,7 @@ import time
 from shared_td.coordinator.cluster_serve import lane_queue
 from shared_td.coordinator.cluster_store import ClusterAuthError
 from shared_td.coordinator.cluster_transfer import TAG_WRAP, StalePair
-from shared_td.coordinator.cluster_wake import WAKE_KEY
+from shared_td.coordinator.cluster_wake import WAKE_KEY, pop_bound
 from shared_td.errors import OwnerLostError, TransferRefused
 
 __all__ = ["ClusterRequests"]
@@ -70,18 +70,29 @@ class ClusterRequests:
 
     def _reply_queue(self) -> str:
         """This thread's answer queue: one per thread, so that one pop waits for the
-        answers of this thread's requests only (and the store keeps a bounded number)."""
+        answers of this thread's requests only (and the store keeps a bounded number).
+        A queue that a drain handed back (``_free_replies``: its pull given up, see
+        ``cluster_drain``) is taken before a new slot: the store's host keeps every queue
+        it met, emptied or not (torch 2.13's libuv host: ``delete_key`` erases no queue),
+        so a new slot per pull given up grew the host's queues for good. An answer left
+        there for the pull given up is skipped by its tag, as any late answer."""
         queue = getattr(self._local, "replies", None)
         if queue is None:
-            queue = f"reply/{self.node}/{next(self._reply_slots)}"
-            self._store.drain(queue)  # what waits there was sent to this node's previous process
+            try:
+                queue = self._free_replies.pop()
+            except IndexError:
+                queue = f"reply/{self.node}/{next(self._reply_slots)}"
+            # what waits there was sent to this node's previous process, or for a pull given up
+            self._store.drain(queue)
             self._local.replies = queue
         return queue
 
     def _answer(self, peer: int, tag: int, deadline: float, name: str) -> dict:
         """The peer's signed answer to request ``tag`` (sent from this thread), waited
         for in one pop that the node's watch thread wakes once the peer is found lost
-        (:class:`~shared_td.coordinator.cluster_wake.AnswerWaits`): OwnerLostError, or
+        (:class:`~shared_td.coordinator.cluster_wake.AnswerWaits`; a pop never waits
+        far past the liveness deadline, after which the thread looks itself:
+        ``cluster_wake.pop_bound``): OwnerLostError, or
         TimeoutError at ``deadline``; a refusal raises. Answers to this thread's earlier requests that gave
         up before them, and values with a wrong signature, are skipped. RuntimeError
         once this node was shut down meanwhile (no answer can be used any more).
@@ -99,13 +110,15 @@ class ClusterRequests:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"Node {peer} did not answer about {name!r} within {self.timeout:g} s.")
-                try:  # one pop for all that is left (see AnswerWaits: no slices, each logged by torch)
-                    answer = store.pop_json(queue, left, lambda: self._closed)
+                try:  # one pop for all that is left (see AnswerWaits: no slices, each logged by torch),
+                    # not past the peer's liveness deadline: a lost peer is found even when its notice is late
+                    answer = store.pop_json(queue, pop_bound(left), lambda: self._closed)
                 except ClusterAuthError:
                     self.refused += 1  # forged: never acted on
                     continue
                 if answer is None or WAKE_KEY in answer:  # timed out, or woken: the peer found lost?
-                    wait.woken = False
+                    if answer is not None:
+                        wait.woken = False  # (a notice still pending after a backstop stays counted)
                     if not self._alive(peer):
                         raise self._lost(peer, name)
                 elif answer.get("tag") == tag and answer.get("caller") == self._caller:

@@ -45,6 +45,7 @@ calling half (:mod:`~shared_td.coordinator.cluster`) so that each reads on its o
 """
 from __future__ import annotations
 
+import collections
 import datetime
 import itertools
 import threading
@@ -185,12 +186,42 @@ def serve_lane(cluster, peer: int) -> None:
     _serving(cluster, lambda: _serve_lane(cluster, peer))
 
 
+#: How many of its latest requests a lane remembers, to refuse them again (:class:`_Served`).
+SERVED_WINDOW = 4096
+
+
+class _Served:
+    """A lane's latest :data:`SERVED_WINDOW` requests, by caller, op, tag and pair (one
+    request each). A signed request read off the store and pushed again replayed a sync
+    into a live replica (left "being written") or a pull that failed the pair (audit
+    22): a repeat is refused and counted. One older than the window is not caught."""
+
+    def __init__(self):
+        self._order, self._seen = collections.deque(), set()
+
+    def first(self, request: dict) -> bool:
+        if request.get("op") not in ("pull", "push", "sync", "values"):
+            return True  # (a cancel is asked again by design, a renew has no tag: neither moves data)
+        key = (request.get("caller"), request.get("op"), request["tag"], request.get("pair"))
+        if key in self._seen:  # (unhashable: a malformed request, counted by the caller)
+            return False
+        self._seen.add(key)
+        self._order.append(key)
+        if len(self._order) > SERVED_WINDOW:
+            self._seen.discard(self._order.popleft())
+        return True
+
+
 def _serve_lane(cluster, peer: int) -> None:
+    served = _Served()
     for request in _signed_requests(cluster, lane_queue(cluster.node, peer)):
         if request.get("from") != peer:
             cluster.refused += 1  # signed, but not in its sender's lane
             continue
         try:
+            if not served.first(request):
+                cluster.refused += 1  # a replay of a request this lane took
+                continue
             _handle(cluster, request)
         except Exception:  # noqa: BLE001 - signed but malformed (a field missing or of another type):
             cluster.refused += 1  # counted; a lane that ended would leave the peer's later requests unserved

@@ -67,6 +67,7 @@ import torch.distributed as dist
 
 # how a node finds its store, re-exported: defined here before
 from shared_td.coordinator.cluster_launch import check_store, cluster_key, open_store  # noqa: F401
+from shared_td.coordinator.cluster_launch import signing_key
 from shared_td.errors import ClusterAuthError
 from shared_td.storage.counter import INT64_MAX, INT64_MIN, counter_int
 
@@ -138,7 +139,7 @@ class SignedStore:
     def __init__(self, base, authkey: bytes, *, timeout: float, spares: int = 0):
         self._base = dist.PrefixStore("shared_td", base)
         self._raw = base
-        self._authkey = authkey
+        self._authkey = signing_key(authkey)  # (its hash: see signing_key)
         self.timeout = timeout
         self._local = threading.local()
         self._spares: queue.SimpleQueue = queue.SimpleQueue()
@@ -446,12 +447,21 @@ class SignedStore:
         self._store().queue_push(queue, self.sign(queue, json.dumps(value).encode()))
 
     @_store_call
-    def drain(self, queue: str) -> int:
-        """Drop what waits in ``queue``; returns how many values were dropped."""
+    def drain(self, queue: str, deadline: float | None = None) -> int:
+        """Drop what waits in ``queue``, at most as many values as it held when this
+        began and not past ``deadline`` (``time.monotonic()``; default: the store's
+        timeout from now); returns how many values were dropped. Draining "until empty"
+        never ended while anyone reaching the store kept pushing there (a pull hung
+        > 60 s, its timeout 4 s); what a bounded drain leaves is skipped by its readers
+        anyway (an answer by its tag and caller, a request by its signature and pair)."""
         store = self._store()
-        dropped = 0
-        while store.queue_len(queue):
-            store.queue_pop(queue, False)
+        deadline = time.monotonic() + self.timeout if deadline is None else deadline
+        dropped, waiting = 0, store.queue_len(queue)
+        while dropped < waiting and time.monotonic() < deadline:
+            try:
+                store.queue_pop(queue, False)
+            except dist.QueueEmptyError:
+                break  # another reader of the queue took the rest
             dropped += 1
         return dropped
 

@@ -213,21 +213,30 @@ class ClusterValues:
 
     def restore(self, name: str, generation: int) -> int:
         """Owner: store again, signed, each value of ``name`` whose stored record has a
-        wrong signature (its current value under a new version, sent to every node as
-        any write: the forged record is counted and replaced, see :meth:`_store_next`);
-        returns how many. KeyError if this node does not track that generation."""
-        restored = 0
+        wrong signature, or none (its current value under a new version, sent to every
+        node as any write: the forged record is counted and replaced, see
+        :meth:`_store_next`); returns how many. KeyError if this node does not track
+        that generation."""
         with self._lock:
             tracked = self._tracked.get(name)
             if tracked is None or tracked.generation != generation:
                 raise KeyError(f"node {self._node} holds no generation {generation} of {name!r}")
-            for index in range(len(tracked.values)):
-                try:
-                    self._store.get_json(f"value/{_key(name, generation, index)}")
-                except ClusterAuthError:
-                    self._publish_local(name, tracked, index)
-                    restored += 1
-        return restored
+        # read without the lock and without waiting (a blocking get of a record deleted
+        # meanwhile held the lock, and every write of this node's values, for the store's
+        # whole timeout); a deleted record is stored again too: it is this node's value
+        bad = []
+        for index in range(len(tracked.values)):
+            try:
+                if self._read(f"value/{_key(name, generation, index)}") is None:
+                    bad.append(index)
+            except ClusterAuthError:
+                bad.append(index)
+        with self._lock:
+            if self._tracked.get(name) is not tracked:
+                return 0  # replaced meanwhile: the new generation's records are its own
+            for index in bad:
+                self._publish_local(name, tracked, index)
+        return len(bad)
 
     def attach(self, name: str, generation: int, cells: list, versions: list[int], digest: str = "") -> None:
         """Replica: track ``cells``, filled with ``versions`` of the values; then catch
@@ -261,19 +270,32 @@ class ClusterValues:
 
     # ------------------------------------------------------------------ remote writes
     def receive(self, notice: dict) -> None:
-        """A value published by another node (a signed notice from the request queue)."""
-        self._apply(notice["name"], notice["generation"], notice["index"], notice["version"],
-                    decode(notice["payload"]), notice.get("digest", ""))
+        """A value published by another node (a signed notice from the request queue);
+        its payload is unpickled only for a value this node holds (name, generation,
+        digest, index) at a newer version: nothing else of a notice is ever decoded."""
+        name, generation, index = notice["name"], notice["generation"], notice["index"]
+        version, digest = notice["version"], notice.get("digest", "")
+        with self._lock:
+            if self._entry(name, generation, index, version, digest) is None:
+                return
+        self._apply(name, generation, index, version, decode(notice["payload"]), digest)
+
+    def _entry(self, name: str, generation: int, index: int, version: int, digest: str):
+        """The tracked value that a write of ``version`` would replace, or None when it
+        would not (called holding the lock)."""
+        tracked = self._tracked.get(name)
+        if (tracked is None or (tracked.generation, tracked.digest) != (generation, digest)
+                or not isinstance(index, int) or not 0 <= index < len(tracked.values)):
+            return None  # a name this node does not hold (or another generation of it)
+        entry = tracked.values[index]
+        return None if version <= entry.applied else entry  # older: a higher version is here
 
     def _apply(self, name: str, generation: int, index: int, version: int, value, digest: str) -> None:
         with self._lock:
-            tracked = self._tracked.get(name)
-            if (tracked is None or (tracked.generation, tracked.digest) != (generation, digest)
-                    or index >= len(tracked.values)):
-                return  # a name this node does not hold (or another generation of it)
-            entry = tracked.values[index]
-            if version <= entry.applied:
-                return  # an older write: a higher version is already here
+            entry = self._entry(name, generation, index, version, digest)
+            if entry is None:
+                return  # another generation, or an older write
+            tracked = self._tracked[name]
             # unless a process of this node wrote the cell since we last looked (checked
             # under the cell's write lock): that write is published next, with a higher
             # version, and wins

@@ -11,9 +11,10 @@ import contextlib
 import threading
 import time
 
+from shared_td.coordinator import cluster_liveness
 from shared_td.coordinator.cluster_liveness import HEARTBEAT_S
 
-__all__ = ["WAKE_EVERY_S", "WAKE_KEY", "WATCH_S", "AnswerWaits", "wake_pops"]
+__all__ = ["BACKSTOP_SLACK_S", "WAKE_EVERY_S", "WAKE_KEY", "WATCH_S", "AnswerWaits", "pop_bound", "wake_pops"]
 
 #: What :func:`wake_pops` compares a queue's key with: the queue's name holds no plain
 #: value, so the compare never matches and nothing is ever set.
@@ -24,6 +25,36 @@ WAKE_EVERY_S = 0.2
 #: wait for (``cluster_serve.watch_pairs``): what a wait's slice was before
 #: (:class:`AnswerWaits`).
 WATCH_S = HEARTBEAT_S / 2
+#: Seconds past the liveness deadline (LOST_AFTER_S) that one pop of a wait for a peer's
+#: answer still waits for the watch thread's notice (:func:`pop_bound`): the notice may
+#: rest on a heartbeat seen after the pop began (one HEARTBEAT_S later), comes at the
+#: watch thread's next look, and its push takes a moment, more on a loaded machine
+#: (a WATCH_S of margin); with less, a wait cut short by a SIGKILL could time out first,
+#: and torch logs that (tests/cluster/test_quiet_waits.py).
+BACKSTOP_SLACK_S = HEARTBEAT_S + 4 * WATCH_S
+
+
+def pop_bound(left: float) -> float:
+    """How long one blocking pop of a wait for a peer's answer may wait, of the ``left``
+    seconds of its call: the liveness deadline (LOST_AFTER_S) plus BACKSTOP_SLACK_S;
+    the waiting thread then looks at the peer's heartbeat itself, and pops again while
+    the peer lives.
+
+    The backstop of :class:`AnswerWaits`: the watch thread's notice ends the pop about
+    LOST_AFTER_S + WATCH_S after the peer's last beat, before this bound. When the
+    notice is held up (a store stall: the watch thread's reads and its push wait behind
+    every call in flight; OwnerLostError came 7.5-7.8 s after an owner's SIGKILL), the
+    thread looks by itself after this bound (4.5 s) and finds the peer lost, as the
+    watch thread saw its heartbeat stand still; when nothing looked at the heartbeat
+    meanwhile, after one more bound. Before, such a pop waited out the call's whole
+    timeout (30 s by default). The price: a wait for a live peer that answers later
+    than the bound logs torch's two timeout lines each time.
+
+    Example:
+        >>> pop_bound(30.0) == cluster_liveness.LOST_AFTER_S + BACKSTOP_SLACK_S == 4.5, pop_bound(1.0)
+        (True, 1.0)
+    """
+    return max(0.0, min(left, cluster_liveness.LOST_AFTER_S + BACKSTOP_SLACK_S))
 
 
 def wake_pops(cluster, queues: list[str], threads: list, bound: float) -> None:
@@ -103,7 +134,10 @@ class AnswerWaits:
     and raises OwnerLostError (or waits on, for a peer that beats again). Shutdown
     wakes every wait (:meth:`wake_all`). A notice that comes after the answer it was
     meant to cut short stays in the queue: the thread's next wait pops it as any
-    notice, and a look at its peer's heartbeat later waits on.
+    notice, and a look at its peer's heartbeat later waits on. No single pop outlives
+    the liveness deadline by more than :data:`BACKSTOP_SLACK_S` (:func:`pop_bound`):
+    a notice held up (the watch thread in a stalled store) no longer holds the wait
+    to its end.
 
     Example:
         >>> import datetime, threading

@@ -13,7 +13,10 @@ loopback: the learner on node 0, the actors on node 1, each node its own process
   runs the *agent* loop: it reserves each actor's next rows from the cluster-wide cursor
   (``coord.counter("demo/cursor")``, one ``TCPStore.add``), and once an actor wrote them
   into node 1's replica, ``push``\\ es those rows to node 0's buffer and counts them in
-  ``coord.counter("demo/written")``. The actors never talk to the network.
+  ``coord.counter("demo/written")``; each push takes a ticket from a cluster-wide counter
+  before and after, recorded with every batch it carried in ``actors["batches"]``, so
+  that the end-of-run check tells a late push from a lost one. The actors never talk to
+  the network.
 * The two nodes step through stages on a cluster counter (``demo/stage``: published,
   node 1 ready, run, stop, node 1 drained, done); every wait is bounded, and a failure on
   either side (``demo/abort``) stops both. At the end node 0 pulls node 1's ``actors``
@@ -35,12 +38,13 @@ from shared_td import Coordinator, DemoNodeStoppedError, SharedCounter, TensorDi
 from shared_td.coordinator.store_host import host_tcp_store
 from shared_td.demo.actor import run_node_actor
 from shared_td.demo.learner import run_learner
-from shared_td.demo.replay import NUM_ACTIONS, OBS_SIZE, backing_inode, replay_layout, slots_check, state_layout
+from shared_td.demo.replay import (NUM_ACTIONS, OBS_SIZE, backing_inode, batch_history, replay_layout, slots_check,
+                                   state_layout)
 from shared_td.demo.session import START_TIMEOUT, DemoResult, run_with_progress
 from shared_td.demo.supervise import (STOP_TIMEOUT, check_alive, ignore_ctrl_c, manager_answers, start_all, stop,
                                       wait_for)
 
-__all__ = ["actors_layout", "node1_main", "policy_layout", "run_two_nodes"]
+__all__ = ["actors_layout", "node1_main", "node_slots_check", "policy_layout", "run_two_nodes"]
 
 #: Seconds any cluster call, and any wait for the other node, may take.
 CLUSTER_TIMEOUT = 60.0
@@ -55,12 +59,16 @@ def policy_layout() -> TensorDict:
                       version=torch.zeros((), dtype=torch.int64), batch_size=[])
 
 
-def actors_layout(actors: int) -> TensorDict:
+def actors_layout(actors: int, history: int = 0) -> TensorDict:
     """Node 1's state, replicated to node 0 for the end-of-run checks: ``phase`` (0
     starting, 1 running, 2 stop), ``ready``/``inode`` per actor, the agent's ``grant``
     (cursor position handed to each actor, -1 none) and the actors' ``filled`` (the last
     granted position written), rows ``written`` (pushed) and ``mean_reward`` per actor,
-    and ``same_memory`` (node 1's actors all map its replica of the buffer)."""
+    and ``same_memory`` (node 1's actors all map its replica of the buffer). With
+    ``history`` (``replay.batch_history``), ``batches``: each actor's last ``history``
+    batches as (cursor start, ticket before the push that carried it, ticket after), -1
+    unused, as ``state_layout``'s on one node (:func:`node_slots_check`)."""
+    extra = {"batches": torch.full((actors, history, 3), -1, dtype=torch.int64)} if history else {}
     return TensorDict(
         phase=torch.zeros((), dtype=torch.int64),
         ready=torch.zeros(actors, dtype=torch.bool),
@@ -70,8 +78,37 @@ def actors_layout(actors: int) -> TensorDict:
         written=torch.zeros(actors, dtype=torch.int64),
         mean_reward=torch.zeros(actors),
         same_memory=torch.zeros((), dtype=torch.bool),
+        **extra,
         batch_size=[],
     )
+
+
+def node_slots_check(buffer: TensorDict, reserved: int, written: int, actors_state: TensorDict,
+                     batch_size: int) -> tuple[bool, str]:
+    """The end-of-run check of a two-node run, as ``replay.slots_check`` on one node:
+    every slot the cluster cursor handed out reached node 0's ``buffer`` exactly once,
+    with node 1's batch history (``actors_state["batches"]``: the tickets of the push
+    that carried each batch) telling a late push (one that node 0 wrote after the next
+    lap's) from a lost one (a push that returned but whose rows never landed: before,
+    the rows kept the previous lap's positions and passed as late writes), at most one
+    late batch per actor; and node 1's count of rows pushed equal to node 0's.
+
+    Example (two laps of a 4-row ring in 2-row batches, each pushed at once)::
+
+        >>> ring, state = replay_layout(capacity=4), actors_layout(actors=1, history=4)
+        >>> ring["index"][:] = torch.tensor([4, 5, 6, 7])
+        >>> state["batches"][0] = torch.tensor([[0, 0, 1], [2, 2, 3], [4, 4, 5], [6, 6, 7]])
+        >>> state["written"][0] = 8
+        >>> node_slots_check(ring, reserved=8, written=8, actors_state=state, batch_size=2)
+        (True, 'reserved 8 slots = written 8; every slot written exactly once')
+    """
+    batches = actors_state["batches"] if "batches" in actors_state.keys() else None
+    ok, message = slots_check(buffer, reserved, written, late_rows=len(actors_state["written"]) * batch_size,
+                              batches=None if batches is None else batches.reshape(-1, 3), batch_size=batch_size)
+    pushed = int(actors_state["written"].sum())
+    if pushed != written:
+        return False, f"node 1 counted {pushed:,} rows pushed, node 0 received {written:,}"
+    return ok, message
 
 
 @contextmanager
@@ -156,7 +193,8 @@ def _node1_run(coord: Coordinator, processes: list, actors: int, batch_size: int
             stages.wait(PUBLISHED, START_TIMEOUT, "node 0's publishing")
             buffer = coord.attach("replay")          # node 1's replica: one full transfer
             coord.attach("policy")
-            state = coord.publish("actors", actors_layout(actors), replicate=True)
+            history = batch_history(len(buffer), batch_size)  # (node_slots_check)
+            state = coord.publish("actors", actors_layout(actors, history), replicate=True)
             ctx = multiprocessing.get_context("spawn")
             processes += [ctx.Process(target=run_node_actor, args=(coord, i, batch_size, pause),
                                       name=f"actor-{i} (node 1)") for i in range(actors)]
@@ -195,6 +233,11 @@ def _agent(coord, stages: NodeStages, state, processes, batch_size: int, capacit
     then stop granting, wait for the rows granted last, push them, and return."""
     cursor, written = coord.counter("demo/cursor"), coord.counter("demo/written")
     pushes = coord.counter("demo/pushes")
+    # the order of the writes into node 0's buffer (the pushes), which the cursor (the
+    # order of the grants) does not give: one ticket before a push, one after it
+    tickets = SharedCounter("demo/tickets", cluster=coord)
+    history = state["batches"] if "batches" in state.keys() else None
+    recorded = [0] * len(state["grant"])  # batches recorded per actor
     grant, filled = state["grant"], state["filled"]
     granting, next_look = True, 0.0
     while True:
@@ -202,7 +245,13 @@ def _agent(coord, stages: NodeStages, state, processes, batch_size: int, capacit
         rows = [torch.arange(int(grant[a]), int(grant[a]) + batch_size) for a in done if int(grant[a]) >= 0]
         if rows:
             positions = torch.cat(rows)
+            begun = tickets.fetch_add(1) if history is not None else -1
             coord.push("replay", positions % capacity)  # returns once node 0 wrote them
+            ended = tickets.fetch_add(1) if history is not None else -1
+            for a in done:
+                if int(grant[a]) >= 0 and history is not None:  # (before the counts: a counted batch is recorded)
+                    history[a][recorded[a] % history.shape[1]] = torch.tensor([int(grant[a]), begun, ended])
+                    recorded[a] += 1
             written.fetch_add(len(positions))
             pushes.fetch_add(1)
             for a in done:
@@ -246,11 +295,7 @@ def run_two_nodes(seconds: float, actors: int, capacity: int, batch_size: int, s
             stop([node1], report=False, announce=isinstance(error, KeyboardInterrupt))
             raise
     buffer, actors_state = found["buffer"], found["actors_state"]
-    slots_ok, slots_message = slots_check(buffer, found["reserved"], found["written"])
-    pushed = int(actors_state["written"].sum())
-    if pushed != found["written"]:
-        slots_ok, slots_message = False, (f"node 1 counted {pushed:,} rows pushed, node 0 received "
-                                          f"{found['written']:,}")
+    slots_ok, slots_message = node_slots_check(buffer, found["reserved"], found["written"], actors_state, batch_size)
     return DemoResult(
         seconds=found["elapsed"], actors=actors, capacity=capacity,
         buffer_bytes=sum(leaf.nbytes for leaf in buffer.values(True, True)),

@@ -54,9 +54,9 @@ _NODE = textwrap.dedent("""
             time.sleep(0.01)
 
     if node == 1:
-        cluster = Cluster(url, 1, 3, authkey=b"audit16-exit", timeout=15.0, hostname="127.0.0.1").start()
+        cluster = Cluster(url, 1, 3, authkey=b"audit16-exit test key", timeout=15.0, hostname="127.0.0.1").start()
     else:
-        coord = shared_td.Coordinator(cluster=url, node=node, nodes=3, authkey=b"audit16-exit", timeout=15.0).start()
+        coord = shared_td.Coordinator(cluster=url, node=node, nodes=3, authkey=b"audit16-exit test key", timeout=15.0).start()
         cluster = coord.cluster
     if node == 0:
         coord.publish("x", shared_td.TensorDict(w=torch.zeros(256), batch_size=[256]), replicate=True)

@@ -200,7 +200,7 @@ def test_lost_replica_does_not_block_sync(nodes_of):
 
 
 def test_wrong_authkey_is_refused(nodes_of):
-    nodes = nodes_of(2, keys=[KEY, b"another key"])
+    nodes = nodes_of(2, keys=[KEY, b"another key of 16 bytes"])
     kinds = sorted(answer[1] if answer[0] == "error" else "ok" for answer in nodes.started)
     assert kinds == ["ClusterAuthError", "ClusterAuthError"], nodes.started
     assert "wrong signature" in nodes.started[1][2]

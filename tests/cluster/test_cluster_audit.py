@@ -144,7 +144,7 @@ def test_a_process_with_another_key_cannot_seize_a_running_nodes_number(store, p
     other.attach("p")
     claim = store.get("shared_td/claim/1")
     url = f"tcp://127.0.0.1:{store.port}?host=0"
-    wrong = Cluster(url, 1, 2, authkey=b"another key", timeout=5.0, hostname="127.0.0.1")
+    wrong = Cluster(url, 1, 2, authkey=b"another key of 16 bytes", timeout=5.0, hostname="127.0.0.1")
     began = time.monotonic()
     with pytest.raises(ClusterAuthError, match="join/0.*wrong signature.*nothing was taken over"):
         wrong.start()

@@ -87,7 +87,7 @@ _BUILD_GIVEN_UP = textwrap.dedent("""
     cluster_liveness.LOST_AFTER_S = 0.6  # keeps the test short
     store = loopback_store(20)  # this process hosts the store: its server closes at exit
     url = f"tcp://127.0.0.1:{store.port}?host=0"
-    nodes = [Cluster(url, n, 2, authkey=b"k", timeout=20.0, hostname="127.0.0.1") for n in range(2)]
+    nodes = [Cluster(url, n, 2, authkey=b"k" * 16, timeout=20.0, hostname="127.0.0.1") for n in range(2)]
     starting = threading.Thread(target=nodes[1].start)
     starting.start()
     nodes[0].start()

@@ -162,7 +162,7 @@ def test_a_process_with_another_key_is_refused_at_once_when_its_number_is_free(s
     starting.start()
     try:
         assert wait_until(lambda: store.check(["shared_td/join/0"]), 10)
-        wrong = Cluster(url, 2, 3, authkey=b"another key", timeout=8.0, hostname="127.0.0.1")
+        wrong = Cluster(url, 2, 3, authkey=b"another key of 16 bytes", timeout=8.0, hostname="127.0.0.1")
         began = time.monotonic()
         with pytest.raises(ClusterAuthError, match=r"node 2: the join records of the cluster \(join/0\) have a "
                                                    "wrong signature.*did not join"):

@@ -21,7 +21,7 @@ from shared_td.coordinator import cluster_replica  # noqa: E402
 from shared_td.coordinator.cluster import Cluster  # noqa: E402
 from shared_td.coordinator.cluster_store import ClusterAuthError, SignedStore  # noqa: E402
 
-KEY = b"in-process key"
+KEY = b"in-process test key"  # (16 bytes at least: cluster_launch.MIN_KEY_BYTES)
 
 
 @pytest.fixture
@@ -274,7 +274,7 @@ def test_store_host_lost_gives_connection_error():
 
 def test_a_member_refused_at_start_shuts_down_cleanly(store):
     url = f"tcp://127.0.0.1:{store.port}?host=0"
-    members = [Cluster(url, 0, 2, authkey=KEY, timeout=10), Cluster(url, 1, 2, authkey=b"wrong", timeout=10)]
+    members = [Cluster(url, 0, 2, authkey=KEY, timeout=10), Cluster(url, 1, 2, authkey=b"wrong key, 16 bytes+", timeout=10)]
     errors = _start_together(members)
     assert len(errors) == 2 and all(isinstance(e, ClusterAuthError) and "wrong signature" in str(e) for e in errors)
     for member in members:

@@ -43,7 +43,7 @@ def test_stripe_ranges_cover_the_payload_in_order(nbytes, stripes):
 @pytest.mark.parametrize("stripes", [0, -1, MAX_STRIPES + 1, 2.0, "2"])
 def test_a_stripe_count_out_of_range_is_refused_when_the_cluster_is_made(stripes):
     with pytest.raises(ValueError, match="stripes"):
-        Cluster("tcp://127.0.0.1:1", 0, 1, authkey=b"k", stripes=stripes)
+        Cluster("tcp://127.0.0.1:1", 0, 1, authkey=b"k" * 16, stripes=stripes)
 
 
 def _nodes(store, stripes):

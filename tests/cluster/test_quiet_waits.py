@@ -58,7 +58,7 @@ _NODE = textwrap.dedent("""
             f.write(text)
         os.rename(os.path.join(folder, name + ".tmp"), os.path.join(folder, name))
 
-    cluster = Cluster(url, node, 2, authkey=b"quiet-waits", timeout=15.0, hostname="127.0.0.1").start()
+    cluster = Cluster(url, node, 2, authkey=b"quiet-waits test key", timeout=15.0, hostname="127.0.0.1").start()
     if node == 0:
         cluster.publish("x", shared_td.TensorDict(w=torch.zeros(64), batch_size=[64]))
         mark("published", str(os.getpid()))

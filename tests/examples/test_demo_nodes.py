@@ -21,6 +21,7 @@ from tests.examples.test_examples import REPO_ROOT, TIMEOUT, assert_nothing_left
 from tests.leakcheck import ShmWatch
 
 pytest.importorskip("torch.distributed")
+import torch  # noqa: E402
 pytestmark = pytest.mark.timeout(TIMEOUT + 60)
 
 
@@ -41,6 +42,55 @@ def test_two_node_demo_runs_reports_and_leaves_nothing_behind(tmp_path):
     assert "the processes of each node map its one copy of the buffer" in out, out
     assert out.rstrip().endswith("result   OK"), out
     assert_nothing_left(tmp_path, marker, shm)
+
+
+def _pushed_ring(lose: bool, capacity: int = 8, batch: int = 2, actors: int = 2):
+    """Node 0's ring and node 1's state as the two-node demo leaves them (fabricated: no
+    processes), three laps pushed one after the other with their tickets, then either
+    one push of the last lap that returned but never landed (``lose``: its rows keep the
+    previous lap's positions) or actor 0's batch of the second lap pushed only after the
+    next lap's batch of the same rows (a late push)."""
+    from shared_td.demo.nodes import actors_layout
+    from shared_td.demo.replay import batch_history, replay_layout, ring_rows
+
+    ring, state = replay_layout(capacity), actors_layout(actors, batch_history(capacity, batch))
+    tickets, recorded, held_up = iter(range(1_000)), [0] * actors, capacity + batch
+
+    def push(actor: int, start: int, lands: bool = True) -> None:
+        begun = next(tickets)
+        if lands:
+            ring["index"][ring_rows(start, batch, capacity)] = torch.arange(start, start + batch)
+        history = state["batches"][actor]
+        history[recorded[actor] % len(history)] = torch.tensor([start, begun, next(tickets)])
+        recorded[actor] += 1
+        state["written"][actor] += batch
+
+    for start in range(0, 3 * capacity, batch):
+        if not lose and start == held_up:
+            continue  # actor 0's rows, written into node 1's replica, not pushed yet
+        push(1 if not lose and start != held_up else start // batch % actors, start,
+             lands=not (lose and start == 2 * capacity + batch))
+        if not lose and start == held_up + capacity:
+            push(0, held_up)  # after the next lap's push of the same rows
+    return ring, 3 * capacity, state
+
+
+def test_the_two_node_check_tells_a_lost_push_from_a_late_one():
+    # before (session 22): node 1 recorded no tickets and node 0 checked positions alone, so
+    # a push of the last lap that never landed passed as a late write
+    from shared_td.demo.nodes import node_slots_check
+    from shared_td.demo.replay import slots_check
+
+    ring, reserved, state = _pushed_ring(lose=True)
+    assert slots_check(ring, reserved, reserved)[0]  # (positions alone: not seen)
+    ok, message = node_slots_check(ring, reserved, reserved, state, batch_size=2)
+    assert not ok and message.startswith("2 rows hold the position one lap before") and "a lost write" in message
+    ring, reserved, state = _pushed_ring(lose=False)
+    ok, message = node_slots_check(ring, reserved, reserved, state, batch_size=2)
+    assert ok and "(2 rows kept a write that finished after the next lap's" in message, message
+    state["written"][0] += 2  # node 1 counted rows that node 0 never received
+    assert node_slots_check(ring, reserved, reserved, state, batch_size=2) == (
+        False, "node 1 counted 26 rows pushed, node 0 received 24")
 
 
 def _children(pid: int) -> list[int]:
