@@ -10,8 +10,11 @@ Two kinds of things, and nothing else:
   a prefix that no longer exists is left alone: nothing says it is ours;
 * inside a saved tensordict, the temporary files (``meta.json.<pid>.<thread>.tmp``, ...)
   of a writer ``<pid>`` killed while it rewrote the metadata in place, and the leaf files
-  ``.<NAME>.viewed-<pid>-<n>`` it set aside (one is put back as ``NAME`` where that is
-  missing: persist/set_aside.py).
+  ``.<NAME>.viewed-<pid>-<n>`` it set aside: put back over ``NAME`` where that writer's
+  staged meta.json is still there (it never committed), removed where it is not
+  (persist/set_aside.py). A directory whose flock a running writer holds is skipped;
+  set-aside files gc cannot decide on (two dead writers' for one ``NAME``, a ``NAME``
+  that is not a regular file) are left and listed as failed.
 
 PATH may be a saved tensordict itself, a directory or a ``.tdz`` archive: its leftovers
 beside it are cleaned (an archive's lock ``.x.tdz.lock`` and the temporary files
@@ -103,7 +106,8 @@ def run(args: argparse.Namespace) -> int:
                 skipped.append(prefix)
             else:
                 removed += leftovers.gc(prefix, dry_run=True, remove_lock=True)
-        except TimeoutError:
+        except TimeoutError as error:  # (what was removed before a busy directory was met, listed)
+            removed += getattr(error, "removed", [])
             skipped.append(prefix)
         except OSError as error:  # a leftover that cannot be removed or looked for: said, not hidden
             removed += getattr(error, "removed", [])
@@ -167,9 +171,11 @@ def prefixes_under(root: str, unlisted: list[OSError] | None = None) -> list[str
     onerror = None if unlisted is None else functools.partial(_note_unlisted, unlisted)
     for directory, dirnames, names in os.walk(root, onerror=onerror):
         found += prefixes_in(directory, unlisted)
-        if any(fmt.temporary_writer_pid(name) is not None or parse_set_aside_name(name) is not None
-               for name in names):
-            # gc of the save that holds it (under that save's lock) finds and checks them
+        if fmt.META in names and any(fmt.temporary_writer_pid(name) is not None
+                                     or parse_set_aside_name(name) is not None for name in names):
+            # gc of the save that holds it (under that save's lock) finds and checks them;
+            # only in a node directory (a meta.json there): look-alike names elsewhere are
+            # no writer's of ours (our writers stage and set aside only in existing nodes)
             found.append(_outermost_save(directory, root))
         dirnames[:] = sorted(d for d in dirnames if leftovers.parse_leftover_name(d) is None)
     return sorted(set(found))
@@ -245,5 +251,6 @@ def _what(path: str) -> str:
         return f"temporary file of dead writer pid {writer}"
     aside = parse_set_aside_name(os.path.basename(path))
     if aside is not None:
-        return f"{aside[0]} set aside by dead writer pid {aside[1]}, put back where {aside[0]} was missing"
+        return (f"{aside[0]} set aside by dead writer pid {aside[1]}: put back over {aside[0]} if that "
+                "writer never committed, else removed")
     return "lock file no process holds"

@@ -427,19 +427,22 @@ def _member_after(missing: int, is_directory: Callable[[str], bool]) -> int | No
     """The lowest member index above ``missing`` (the first absent one) whose directory
     is there, or None: one lost member or a hundred (a save without a member count).
     The node is listed once: by a ``SubDirectories``'s ``names`` (the survey behind
-    ``shared-td verify``, a cluster layout), or through what ``is_directory`` is bound
-    to: the loader's ``Directory`` (by its descriptor) or an archive's node; for any
-    other callable only the next index is looked at.
+    ``shared-td verify``), or through what ``is_directory`` is bound to: the loader's
+    ``Directory`` (by its descriptor) or an archive's node; for any other callable, or
+    a node that cannot be listed, only the next index is looked at.
 
     Example:
         >>> _member_after(1, {"0", "3"}.__contains__) is None  # (a set: next index only)
         True
         >>> _member_after(1, SubDirectories({"0", "3"}.__contains__, lambda: ["0", "3"]))
         3
+        >>> _member_after(1, SubDirectories(lambda name: True, lambda: ["9" * 5000, "03", "10", "7"]))
+        7
     """
     holder = getattr(is_directory, "__self__", None)
     if isinstance(is_directory, SubDirectories):
-        names = list(is_directory.names())
+        listed = is_directory.names()
+        names = [str(missing + 1)] if listed is None else list(listed)
     elif hasattr(holder, "archive") and hasattr(holder, "at"):  # persist.archive.ArchiveNode
         inside = holder.at + "/" if holder.at else ""
         names = [name[len(inside):] for name in holder.archive.directories
@@ -451,9 +454,17 @@ def _member_after(missing: int, is_directory: Callable[[str], bool]) -> int | No
             names = [str(missing + 1)]
     else:
         names = [str(missing + 1)]
-    found = [int(name) for name in names
-             if name.isascii() and name.isdigit() and str(int(name)) == name and int(name) > missing]
-    return next((index for index in sorted(found) if is_directory(str(index))), None)
+    # canonical indices above ``missing``, compared as digit strings ((length, text): no
+    # int() of an unbounded one, which Python refuses past 4300 digits: a crafted
+    # archive's name); none is longer than 19 digits (a stack has fewer members)
+    after = str(missing)
+    found = sorted((len(name), name) for name in names
+                   if name.isascii() and name.isdigit() and len(name) <= _MAX_INDEX_DIGITS
+                   and (name == "0" or name[0] != "0") and (len(name), name) > (len(after), after))
+    return next((int(name) for _, name in found if is_directory(name)), None)
+
+
+_MAX_INDEX_DIGITS = 19  # (2**63 has 19 digits)
 
 
 def _node_path(meta: NodeMeta) -> str:

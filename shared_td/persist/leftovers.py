@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import os
 import re
+from typing import Iterator
 
-from shared_td.persist import format as fmt
 from shared_td.persist import set_aside
 from shared_td.persist.format import lock_path, sibling_stem
 from shared_td.persist.lock_probe import lock_is_held, remove_unheld_lock
@@ -55,25 +55,51 @@ def find_leftovers(prefix: str) -> list[str]:
 def find_stale_temporaries(prefix: str) -> list[str]:
     """Temporary files a killed (non-atomic) writer left inside the saved tree at
     ``prefix``: ``meta.json.<pid>.<thread>.tmp`` and the like, and the leaf files it
-    set aside (``.<NAME>.viewed-<pid>-<n>``, persist/set_aside.py), whose pid is gone.
-    Symlinks are not followed; nothing is removed (:func:`remove_stale_temporary`)."""
+    set aside (``.<NAME>.viewed-<pid>-<n>``, persist/set_aside.py), whose pid is gone:
+    those gc would remove or put back now. Symlinks are not followed; nothing is
+    removed; a directory a live writer holds (its flock) is not looked into."""
     found = []
-    for directory, subdirectories, names in os.walk(prefix):
-        subdirectories.sort()
-        for name in sorted(names):
-            pid = fmt.temporary_writer_pid(name)
-            if (pid is not None and not pid_alive(pid)) or set_aside.is_dead_writers(directory, name):
-                found.append(os.path.join(directory, name))
+    for node in _dead_writers_nodes(prefix):
+        with set_aside.locked_chain(node.directory, prefix) as free:
+            if free:
+                found += node.acted_on()
     return found
 
 
-def remove_stale_temporary(path: str) -> None:
-    """Remove one of :func:`find_stale_temporaries`; a leaf file set aside goes back to
-    its own name instead when that name is missing (the only copy of its bytes)."""
-    if set_aside.parse_set_aside_name(os.path.basename(path)) is not None:
-        set_aside.put_back_or_remove(path)
-    else:
-        os.unlink(path)
+def _dead_writers_nodes(prefix: str) -> Iterator[set_aside.NodeLeftovers]:
+    """What dead writers left in each directory of the tree at ``prefix`` (decided by
+    set_aside.node_leftovers; directories with nothing skipped)."""
+    for directory, subdirectories, names in os.walk(prefix):
+        subdirectories.sort()
+        node = set_aside.node_leftovers(directory, names)
+        if node:
+            yield node
+
+
+def _clean_inside(prefix: str, removed: list[str]) -> None:
+    """Put back and remove what dead writers left inside the tree at ``prefix``, one node
+    directory at a time under its flocks (set_aside.locked_chain), decided again under
+    them; paths acted on are appended to ``removed``. Then an OSError naming what was
+    left (two dead writers' files for one name, a name that is not a regular file), or
+    else a TimeoutError naming the directories a live writer holds (skipped: busy)."""
+    left, busy = [], []
+    for listed in _dead_writers_nodes(prefix):
+        with set_aside.locked_chain(listed.directory, prefix) as free:
+            if not free:
+                busy.append(listed.directory)
+                continue
+            try:
+                node = set_aside.node_leftovers(listed.directory, os.listdir(listed.directory))
+            except FileNotFoundError:
+                continue
+            set_aside.act(node, removed)
+            left += node.left
+    if left:
+        raise OSError(f"Left inside {prefix}, to be looked at by hand: {'; '.join(left)}"
+                      + (f"; busy (a running writer holds them): {', '.join(busy)}" if busy else ""))
+    if busy:
+        raise TimeoutError(f"A running writer holds {', '.join(busy)} (the flock of the directory or of one "
+                           f"above it): what is left there is that writer's; skipped.")
 
 
 def sweep_leftovers(prefix: str) -> list[str]:
@@ -117,11 +143,16 @@ def gc(prefix: str, timeout: float | None = None, *, dry_run: bool = False,
 
     The temporary directories of dead atomic writers (beside ``prefix``) and the
     temporary files of dead writers inside it (:func:`find_stale_temporaries`) are
-    removed under the prefix lock (a leaf file a dead writer set aside is put back
-    where its own file is missing, and listed all the same) (waiting at most ``timeout`` seconds for a running
-    writer, then TimeoutError). With ``remove_lock=True`` the lock file ``.<name>.lock``
-    goes too when no process holds it. ``dry_run=True`` removes nothing, takes no lock
-    and returns what would go. A leftover that cannot be removed is an OSError naming it.
+    removed under the prefix lock (waiting at most ``timeout`` seconds for a running
+    writer, then TimeoutError); a leaf file a dead writer set aside is put back over its
+    own file where that writer never committed (persist/set_aside.py), and listed all the
+    same. A node directory a live writer holds (its flock, never waited for) is skipped:
+    TimeoutError once the rest is done; what is left for a person to look at (two dead
+    writers' files for one leaf, a leaf's name that is not a regular file) an OSError.
+    With ``remove_lock=True`` the lock file ``.<name>.lock`` goes too when no process
+    holds it. ``dry_run=True`` removes nothing, takes no prefix lock (only probes node
+    directories' flocks) and returns what would go. A leftover that cannot be removed is
+    an OSError naming it (with ``removed``: what was removed before, TimeoutError too).
     For a symlinked prefix, both the link's and its target's neighbours are cleaned (an
     atomic write works beside the target; older versions worked beside the link).
 
@@ -163,14 +194,13 @@ def _gc_one(prefix: str, timeout: float | None, dry_run: bool, remove_lock: bool
     # Nothing to remove and no lock file: none is created (a read-only parent is then no
     # error). An existing lock is taken (a running writer's is waited for, or TimeoutError:
     # the CLI's "skipped"); what is found is looked up again under it.
-    if existed or find_leftovers(prefix) or stale(prefix):
+    if existed or find_leftovers(prefix) or (inside and any(_dead_writers_nodes(prefix))):
         try:
             with acquired(prefix, timeout):
                 removed += sweep_leftovers(prefix)
-                for path in stale(prefix):
-                    remove_stale_temporary(path)
-                    removed.append(path)
-        except OSError as error:  # what was removed before it, for the caller to report
+                if inside:
+                    _clean_inside(prefix, removed)
+        except OSError as error:  # what was removed before it (TimeoutError too), for the caller to report
             error.removed = removed + getattr(error, "removed", [])
             raise
     if remove_lock and remove_unheld_lock(lock_file) and existed:

@@ -30,12 +30,13 @@ def rewrite_node(obj: Any, directory: str, expected: tuple[int, int] | None = No
     """Rewrite the files of ``obj``'s existing node ``directory`` from what ``obj``
     holds now (after an in-place write of non-tensor data): through a temporary each,
     renamed over the old file; a failure leaves the old files and no temporary. Under
-    the node's flock, SaveChangedError (nothing written) if ``directory`` is no longer
-    the ``expected`` ``(st_dev, st_ino)`` it was mapped from: a stale view's write never
-    reaches a newer save's files (written through the descriptor checked)."""
+    the node's flock (held while its temporaries are staged: gc leaves them alone,
+    persist/set_aside.py), SaveChangedError (nothing written) if ``directory`` is no
+    longer the ``expected`` ``(st_dev, st_ino)`` it was mapped from: a stale view's write
+    never reaches a newer save's files (written through the descriptor checked)."""
     with Directory.open(directory) as opened:
+        lock_node(opened)
         if expected is not None:
-            _lock_node(opened)
             st = os.fstat(opened.fd)
             if (st.st_dev, st.st_ino) != tuple(expected):
                 raise SaveChangedError(
@@ -81,7 +82,7 @@ def node_rewrite(obj: Any, directory: str) -> Iterator[Callable[[], None]]:
     kind = nodes.kind_for_object(obj)
     expected = kind.metadata(obj, _entries_now(kind, obj))[0]
     with Directory.open(directory) as opened:
-        _lock_node(opened)
+        lock_node(opened)
         on_disk = read_meta(opened)
         if not _same_layout(on_disk, expected):
             raise SaveChangedError(
@@ -98,9 +99,13 @@ def node_rewrite(obj: Any, directory: str) -> Iterator[Callable[[], None]]:
                 "went to the old version, which is gone. Load the save again (load_memmap) and retry.")
 
 
-def _lock_node(opened: Directory) -> None:
+def lock_node(opened: Directory) -> None:
     """Take the ``flock`` of ``opened`` (dropped when it is closed), waiting at most
-    NODE_LOCK_S."""
+    NODE_LOCK_S. Also taken by a tree write into an existing directory (its root's:
+    persist/writer.py) and, without waiting, by gc (persist/set_aside.py). Locks are
+    waited for top-down only (an entry added holds its node's while a new child below
+    is written), gc never waits for one (the prefix lock it takes first is no writer's
+    of an existing directory), and every wait is bounded."""
     deadline = time.monotonic() + NODE_LOCK_S
     pause = 0.001
     while not platform.try_flock(opened.fd):

@@ -1,7 +1,7 @@
 """What :meth:`NodeKind.child_names <shared_td.persist.nodes.NodeKind.child_names>` looks
 at in one node directory, for a caller that reads the save through its own lookups (the
-survey behind ``shared-td verify``, a cluster layout's documents) rather than a
-``Directory``: whether a sub-directory is there, and every name the node holds.
+survey behind ``shared-td verify``) rather than a ``Directory``: whether a sub-directory
+is there, and every name the node holds (None: it cannot be listed).
 
 The names let a kind find what lies beyond a missing fixed-name child: a lazy stack saved
 without a member count (as tensordict saves one) that lost members 1 and 2 of 0..3 has a
@@ -14,7 +14,8 @@ from typing import Callable, Iterable
 
 class SubDirectories:
     """``is_directory`` for ``child_names``: call it with a name; ``names()`` lists the
-    node's entries (what ``os.listdir`` of the node directory gives, or more).
+    node's entries (what ``os.listdir`` of the node directory gives, or more), or is
+    None where the node cannot be listed (then only the next index is looked at).
 
     Example:
         >>> found = SubDirectories({"0", "3"}.__contains__, lambda: ["0", "3", "meta.json"])

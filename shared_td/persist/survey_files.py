@@ -111,13 +111,13 @@ class OnDisk:
     def refused_leaf(self, path: str, nbytes: int) -> str | None:
         return None  # a file's size says it all (checked by the caller)
 
-    def names_in(self, directory: str) -> list[str]:
-        """The names in ``directory`` (none if it cannot be listed: what it holds is
-        then looked at name by name)."""
+    def names_in(self, directory: str) -> list[str] | None:
+        """The names in ``directory``; None if it cannot be listed (what it holds is then
+        looked at name by name: a lazy stack's next member index only, as the loader)."""
         try:
             return os.listdir(self._directory(directory).fd)
         except (OSError, RuntimeError):
-            return []
+            return None
 
     def replaced(self) -> bool:
         """Whether ``root`` names another directory than the one opened (an atomic

@@ -33,7 +33,7 @@ import torch
 
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.persist.node_commit import node_files, put_node_in_place, stage_node_files
-from shared_td.persist.node_rewrite import NODE_LOCK_S, node_rewrite, rewrite_node
+from shared_td.persist.node_rewrite import NODE_LOCK_S, lock_node, node_rewrite, rewrite_node
 from shared_td.persist.packing import copy_all, leaf_nbytes, packed_layout, packed_views, stage_small_leaves
 from shared_td.persist.planner import LeafPlan, NodePlan, Options
 from shared_td.persist.set_aside import set_aside_name
@@ -110,6 +110,17 @@ def write_tree(root: NodePlan, leaves: list[LeafPlan], options: Options, *, clea
         documents = tree_documents(root)
     made_root = clean_up and not root.exists
     directory, made = _make_root(root.directory) if made_root else (Directory.open(root.directory), [])
+    if root.exists:
+        # Held (the root's flock) while this write has temporaries staged or old files set
+        # aside, in the root or below it: gc (persist/set_aside.py) leaves what a writer
+        # holding it left, whatever its pid says (in another pid namespace, a live writer's
+        # pid may be dead here). One lock for the whole tree: a tree of many nodes would
+        # need a descriptor per node to hold each node's. Released when it is closed.
+        try:
+            lock_node(directory)
+        except BaseException:
+            directory.close()
+            raise
     pool = ThreadPoolExecutor(options.num_threads) if options.num_threads > 1 else None
     writer = _TreeWriter(options, pool, documents)
     try:
@@ -133,10 +144,10 @@ def write_tree(root: NodePlan, leaves: list[LeafPlan], options: Options, *, clea
         writer.close_kept()
         if pool is not None:
             pool.shutdown()
-    directory.close()
     for aside, _ in writer.set_aside:  # written: the old files live on in their mappings only
         with contextlib.suppress(OSError):  # (a hidden leftover at worst)
             os.unlink(aside)
+    directory.close()  # (the lock: held until no file set aside is left)
     if writer.not_removed:
         raise OSError(
             f"The save at {root.directory} is written, but what an older save left there "
@@ -232,6 +243,7 @@ class _TreeWriter:
 
     def _write_leaf(self, leaf: LeafPlan, node: NodePlan, directory: Directory) -> None:
         options, source, name = self.options, leaf.source, leaf.name
+        existsok = options.existsok
         if leaf.data is None:
             source = source.cpu()
             nbytes = leaf_nbytes(source)
@@ -250,12 +262,13 @@ class _TreeWriter:
             aside = set_aside_name(name, len(self.set_aside))
             directory.replace(name, aside)
             self.set_aside.append((directory.join(aside), directory.join(name)))
+            existsok = False  # its new file: a file that appears there meanwhile is not written into
         elif options.like and directory.exists(name):
             # a "like" file must read as zeros: a new file replaces the old one, whose
             # mappings (maybe the source's own) keep the old bytes; nothing is truncated
             directory.unlink(name)
         try:
-            fd, is_new = files.reserve_file(directory, name, existsok=options.existsok)
+            fd, is_new = files.reserve_file(directory, name, existsok=existsok)
         except IsADirectoryError as error:  # (a FIFO, socket or device there: its own message)
             raise IsADirectoryError(error.errno, f"Cannot write key {leaf.key!r} to {leaf.path}: it is a "
                                     "directory, not a file. Remove that directory (or write to another "
