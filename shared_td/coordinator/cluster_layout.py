@@ -52,6 +52,7 @@ from shared_td.containers.nontensor import NonTensorData, NonTensorStack
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.persist import nodes
 from shared_td.persist.node_meta import ChildMeta, LeafMeta, NodeMeta
+from shared_td.persist.sub_directories import SubDirectories
 from shared_td.storage.anonymous import Segment
 
 __all__ = ["check_kinds", "describe", "rebuild", "tensor_leaves", "value_cells"]
@@ -200,7 +201,11 @@ def rebuild(name: str, layout: dict, values: list, segment: Segment):
                 built[entry.key] = _leaf(name, segment, leaves.get(where), entry, where)
             else:
                 built[entry.key] = made[where] if where in made else build(where, meta.batch_size)
-        for child in kind.child_names(meta, lambda part: path + (part,) in documents):
+        # (with the node's names: a lazy stack's member lost however far before the next one)
+        listing = SubDirectories(lambda part: path + (part,) in documents,
+                                 lambda: [key[-1] for key in documents
+                                          if len(key) == len(path) + 1 and key[:-1] == path])
+        for child in kind.child_names(meta, listing):
             built[child] = build(path + (child,), meta.batch_size)
         return kind.rebuild(meta, built, directory=None, parent_batch=parent_batch, unpickle=no_pickle)
 

@@ -232,3 +232,21 @@ def test_rows_of_a_push_are_what_indexing_selects_for_every_kind_and_dtype():
     for got, want in zip(cluster_layout.tensor_leaves(target), cluster_layout.tensor_leaves(expected)):
         assert torch.equal(got, want)
     assert target["a"].tensordicts[1]["big"].unique().tolist() == [0.0]  # not pushed
+
+
+@pytest.mark.parametrize("lost", [("1",), ("1", "2")])
+def test_a_layout_whose_lazy_stack_lost_members_is_refused_however_far_the_gap(lost):
+    """A layout without the member count (tensordict's saves have none) whose lazy stack
+    lacks member 1, or members 1 and 2: an error naming member 1 (with 1 and 2 lost, the
+    check looked one index ahead only and rebuilt a stack of one member, silently)."""
+    from shared_td.coordinator import cluster_layout
+    from shared_td.errors import FormatError
+
+    stack = shared_td.lazy_stack([shared_td.TensorDict(a=torch.full((2,), float(i)), batch_size=[2])
+                                  for i in range(4)]).memmap_()
+    layout, segment, cells = cluster_layout.describe(stack, "t")
+    layout["nodes"][0]["meta"].pop("_shared_td_members")
+    layout["nodes"] = [node for node in layout["nodes"] if tuple(node["path"][:1]) not in {(m,) for m in lost}]
+    layout["leaves"] = [leaf for leaf in layout["leaves"] if leaf["key"][0] not in lost]
+    with pytest.raises(FormatError, match=r"member 1\b|1/"):
+        cluster_layout.rebuild("t", layout, cells, segment)
