@@ -5,28 +5,35 @@ segment, a SharedCounter, a SharedValue) as ``multiprocessing.reduction.DupFd``:
 a spawning child's arguments carry it, the sender's *resource sharer* thread holds a
 duplicate until the receiver connects to it (a Unix socket), passes the authkey
 handshake and takes it (SCM_RIGHTS). ``DupFd.detach()`` waits for ever on a sender that
-lives but does not answer: one stopped (SIGSTOP, Ctrl-Z, a debugger) or hung. The
-kernel queues the connection of a stopped listener, so the receiver then waits in the
-handshake's first read. :func:`take_duplicate` makes the same exchange with every step
-(connect, each read and write) bounded by :data:`DUPLICATE_TIMEOUT` in all, and
-:func:`receive_duplicate` then tries the other routes (the sender's ``/proc``, the
-holders) before it says which process did not answer and what to do.
+lives but does not answer: one stopped (SIGSTOP, Ctrl-Z, a debugger) or hung, or one
+whose resource sharer waits on another receiver that stopped mid-handshake (CPython's
+sharer serves one peer at a time, with no timeout). The kernel queues the connection of
+a stopped listener, so the receiver then waits in the handshake's first read.
+:func:`take_duplicate` makes the same exchange with every step (connect, each read and
+write) bounded by :data:`DUPLICATE_TIMEOUT` in all, and :func:`receive_duplicate` then
+tries the other routes (the sender's ``/proc``, the holders) before it says which
+process did not answer, why, and what to do.
 
-A sender that went silent is not asked again for :data:`DUPLICATE_TIMEOUT` seconds: the
-other segments of one unpickled tree go to the other routes at once, instead of each
-waiting the full bound. The duplicates it holds stay in it until it exits (as for any
-pickle never received); its resource sharer, once resumed, finds our connection closed
-and prints that error (a ``BrokenPipeError`` traceback) on the sender's stderr, then
-serves the next receiver as before.
+A duplicate not taken in time stays held by the sender: it goes to this process's
+*releaser* thread, which takes it (and closes it) once the sender answers again, so that
+a stopped sender, once resumed, lets go of what it sent meanwhile. While that sender is
+still stopped, or the releaser still waits on it, it is not asked again: the other
+segments of one unpickled tree go to the other routes at once, instead of each waiting
+the full bound. Its resource sharer, once resumed, finds each connection we gave up
+closed and prints that error (a ``BrokenPipeError`` traceback) on the sender's stderr,
+then serves the next receiver as before.
 """
 from __future__ import annotations
 
 import errno
+import math
 import multiprocessing
 import multiprocessing.reduction
 import os
+import queue
 import socket
 import struct
+import threading
 import time
 from multiprocessing import connection, resource_sharer
 from typing import Any, Callable
@@ -41,17 +48,41 @@ __all__ = ["DUPLICATE_TIMEOUT", "held_duplicate", "receive_duplicate", "take_dup
 #: duplicate descriptor (connect, handshake, the descriptor): the bound of a coordinator
 #: call (``shared_td.coordinator.client.DEFAULT_TIMEOUT``, which this layer may not
 #: import). A live sender answers in well under a millisecond; one silent this long is
-#: stopped or hung. Set this attribute to wait longer or shorter.
+#: stopped or hung. Set this attribute to wait longer or shorter (``float("inf")``: as
+#: long as the socket options allow, about 31 years).
 DUPLICATE_TIMEOUT = 60.0
+
+# the longest wait that the socket options (a timeval of C longs) take: the bound used for
+# a DUPLICATE_TIMEOUT of inf or more
+_LONGEST = 1e9
 
 # A Unix socket whose listen backlog is full refuses a non-blocking connect at once
 # (EAGAIN) instead of waiting: we ask again after this many seconds (as the coordinator's
 # connect does), until the bound.
 _CONNECT_RETRY = 0.01
 
-# resource sharer address -> monotonic time until which that sender is not asked again
-# (it went silent: see the module doc)
-_SILENT: dict[Any, float] = {}
+# how often the releaser looks whether a stopped sender was resumed (seconds)
+_STOPPED_POLL = 0.05
+
+# resource sharer address -> pid (or None) of the sender that did not answer in time and
+# has not answered since: not asked again while it is stopped (see the module doc)
+_SILENT: dict[Any, Any] = {}
+# resource sharer address -> duplicates of that sender that the releaser has yet to take
+_RELEASING: dict[Any, int] = {}
+_LOCK = threading.Lock()
+_RELEASER: list = []  # [the releaser's queue] once its thread started in this process
+
+
+def _forget_in_child() -> None:
+    # a forked child has neither the releaser thread nor its parent's takes in flight
+    global _LOCK
+    _LOCK = threading.Lock()
+    _SILENT.clear()
+    _RELEASING.clear()
+    _RELEASER.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def held_duplicate(fd: int) -> tuple[Any, int]:
@@ -82,11 +113,13 @@ def held_duplicate(fd: int) -> tuple[Any, int]:
     return duplicate, held
 
 
-def take_duplicate(duplicate) -> int:
-    """The descriptor that ``duplicate`` (a ``DupFd`` unpickled here) stands for; the
-    caller owns it. A ``resource_sharer.DupFd`` is taken from its sender within
-    :data:`DUPLICATE_TIMEOUT` seconds, else ``TimeoutError``; any other kind (a spawning
-    child's, whose descriptor came with its arguments) is detached as it is.
+def take_duplicate(duplicate, pid: int | None = None) -> int:
+    """The descriptor that ``duplicate`` (a ``DupFd`` unpickled here; sent by process
+    ``pid`` if known) stands for; the caller owns it. A ``resource_sharer.DupFd`` is
+    taken from its sender within :data:`DUPLICATE_TIMEOUT` seconds, else
+    ``TimeoutError`` (at once if that sender did not answer in time before and is still
+    stopped, or the releaser still waits on it); any other kind (a spawning child's,
+    whose descriptor came with its arguments) is detached as it is.
 
     Example:
         >>> from multiprocessing import resource_sharer
@@ -99,14 +132,74 @@ def take_duplicate(duplicate) -> int:
     if not isinstance(duplicate, resource_sharer.DupFd):
         return duplicate.detach()
     address, key = duplicate._id  # (what DupFd.detach() connects to and asks for)
-    now = time.monotonic()
-    if _SILENT.get(address, 0.0) > now:
-        raise TimeoutError(f"it did not answer for {DUPLICATE_TIMEOUT:g} s a moment ago (not asked again)")
+    timeout = _timeout()
+    with _LOCK:
+        waiting = _RELEASING.get(address, 0)
+    if waiting:
+        raise TimeoutError(f"it did not hand over a descriptor within {timeout:g} s and has not since "
+                           "(not asked again)")
+    if address in _SILENT and sender_stopped(_SILENT[address]):
+        raise TimeoutError(f"it did not hand over a descriptor within {timeout:g} s and is still stopped "
+                           "(not asked again)")
+    deadline = time.monotonic() + timeout
     try:
-        return _take(address, key, now + DUPLICATE_TIMEOUT)
-    except (TimeoutError, BlockingIOError) as err:  # (BlockingIOError: a read or write timed out)
-        _SILENT[address] = time.monotonic() + DUPLICATE_TIMEOUT
-        raise TimeoutError(f"it did not hand over the descriptor within {DUPLICATE_TIMEOUT:g} s") from err
+        fd = _take(address, key, deadline)
+    except BlockingIOError as err:  # (a read or write waited until its socket option's bound)
+        if time.monotonic() < deadline - _CONNECT_RETRY:
+            # not the bound: a read failed at once (a non-blocking socket): not a silence
+            raise OSError(errno.EAGAIN, f"the exchange with its resource sharer failed: {err}") from err
+        _SILENT[address] = pid
+        raise TimeoutError(f"it did not hand over the descriptor within {timeout:g} s") from err
+    except TimeoutError as err:
+        _SILENT[address] = pid
+        raise TimeoutError(f"it did not hand over the descriptor within {timeout:g} s") from err
+    _SILENT.pop(address, None)
+    return fd
+
+
+def sender_stopped(pid) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP, Ctrl-Z: state T) or stopped by a
+    debugger (t); false if gone or ``None``.
+
+    Example:
+        >>> sender_stopped(os.getpid()), sender_stopped(None)
+        (False, False)
+    """
+    if pid is None:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            # (the name, in parentheses, may hold spaces and parentheses: the state follows the last)
+            return stat.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
+    except (OSError, IndexError):
+        return False
+
+
+def _timeout() -> float:
+    """:data:`DUPLICATE_TIMEOUT`, checked: a number of seconds > 0, at most :data:`_LONGEST`."""
+    try:
+        timeout = float(DUPLICATE_TIMEOUT)
+    except (TypeError, ValueError):
+        timeout = math.nan
+    if not timeout > 0:  # (NaN too)
+        raise ValueError("shared_td.storage.duplicates.DUPLICATE_TIMEOUT is the number of seconds a receiver "
+                         "waits for a sender's resource sharer: a number > 0 (float('inf') for as long as "
+                         f"possible), not {DUPLICATE_TIMEOUT!r}")
+    return min(timeout, _LONGEST)
+
+
+class _BoundedConnection(connection.Connection):
+    """A Connection whose every read and write first calls ``limit()`` (which bounds the
+    socket's wait by the time left, see :func:`_bound`): the handshake's messages take
+    two reads each, and one bound per message let a slow sender take twice the time."""
+
+    limit: Callable[[], None]
+
+    def _send(self, buf, write=None):
+        super()._send(buf, lambda handle, data: (self.limit(), os.write(handle, data))[1])
+
+    def _recv(self, size, read=None):
+        return super()._recv(size, lambda handle, wanted: (self.limit(), os.read(handle, wanted))[1])
 
 
 def _take(address, key: int, deadline: float) -> int:
@@ -121,21 +214,75 @@ def _take(address, key: int, deadline: float) -> int:
             except BlockingIOError:
                 time.sleep(min(_CONNECT_RETRY, _time_left(deadline)))
         sock.setblocking(True)  # the Connection reads and writes the descriptor itself
-        conn = connection.Connection(sock.detach())
+        conn = _BoundedConnection(sock.detach())
     finally:
         sock.close()
     # the socket options go through a duplicate descriptor of our own (the options are
     # the socket's, shared by both), never through a socket object over conn's number
     with conn, socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as options:
+        # fromfd's socket object takes socket.getdefaulttimeout(): one set (an application's
+        # socket.setdefaulttimeout) makes it non-blocking, and O_NONBLOCK is the open file
+        # description's, which conn shares: every read would fail at once. Blocking reads,
+        # bounded by the socket options instead:
+        options.setblocking(True)
+        conn.limit = lambda: _bound(options, deadline)
         authkey = multiprocessing.current_process().authkey
-        _bound(options, deadline)
         connection.answer_challenge(conn, authkey)
-        _bound(options, deadline)
         connection.deliver_challenge(conn, authkey)
-        _bound(options, deadline)
         conn.send((key, os.getpid()))
         _bound(options, deadline)
         return multiprocessing.reduction.recvfds(options, 1)[0]
+
+
+def _release_later(duplicate, pid) -> None:
+    """Give ``duplicate``, not taken in time from process ``pid``, to this process's
+    releaser thread: it takes it once the sender answers, and closes it."""
+    address = duplicate._id[0]
+    with _LOCK:
+        _RELEASING[address] = _RELEASING.get(address, 0) + 1
+        if not _RELEASER:
+            _RELEASER.append(queue.SimpleQueue())
+            threading.Thread(target=_releaser, args=(_RELEASER[0],), name="shared_td duplicate releaser",
+                             daemon=True).start()
+        _RELEASER[0].put((duplicate, pid))
+
+
+def _releaser(pending: queue.SimpleQueue) -> None:
+    lock = _LOCK  # (a child forked meanwhile has its own; this thread is not in it)
+    while True:
+        duplicate, pid = pending.get()
+        address, key = duplicate._id
+        try:
+            _release(address, key, pid)
+        except BaseException:  # (a daemon thread: nothing to report it to; the sender keeps it)
+            pass
+        finally:
+            with lock:
+                left = _RELEASING.get(address, 1) - 1
+                if left > 0:
+                    _RELEASING[address] = left
+                else:
+                    _RELEASING.pop(address, None)
+
+
+def _release(address, key: int, pid) -> None:
+    """Take the duplicate ``key`` from the resource sharer at ``address`` (process
+    ``pid``) and close it: waiting while that process is stopped, trying again (each try
+    bounded) while it lives and does not answer; given up once it is gone (its sharer
+    refuses the connection: nothing is held any more) or the answer is not ours."""
+    while True:
+        while sender_stopped(pid):
+            time.sleep(_STOPPED_POLL)
+        try:
+            fd = _take(address, key, time.monotonic() + _timeout())
+        except (TimeoutError, BlockingIOError):
+            time.sleep(_STOPPED_POLL)  # (never a busy loop, whatever failed at once)
+            continue
+        except _DUPLICATE_LOST:
+            return
+        os.close(fd)
+        _SILENT.pop(address, None)
+        return
 
 
 def _time_left(deadline: float) -> float:
@@ -156,6 +303,17 @@ def _bound(sock: socket.socket, deadline: float) -> None:
         sock.setsockopt(socket.SOL_SOCKET, option, timeval)
 
 
+def _why_silent(pid: int) -> str:
+    """Why process ``pid``, which lives, did not hand over a duplicate, and what to do."""
+    if sender_stopped(pid):
+        return (f"it is stopped (SIGSTOP, Ctrl-Z, a debugger). Resume it (`kill -CONT {pid}`) before its "
+                "receivers read what it sent.")
+    # (CPython's resource sharer serves one peer at a time and waits on it for ever)
+    return ("it is running, so its resource sharer thread is hung, or waits on another receiver that "
+            "connected to it and stopped answering (a stopped or hung process that unpickles what "
+            f"process {pid} sent). Resume or end that receiver, or send through a Coordinator.")
+
+
 # what taking the sender's duplicate raises when that is not possible: its process (and
 # resource sharer) gone, or the receiver not of its family (another authkey)
 _DUPLICATE_LOST = (OSError, EOFError, multiprocessing.AuthenticationError)
@@ -174,19 +332,21 @@ def receive_duplicate(duplicate, key: tuple[int, int], nbytes: int, pid: int, *,
     and return ``adopt(fd)``, which owns it. ``fallback()`` (the ``/proc`` route, which
     names the user ``what`` and its fix) when the duplicate cannot be taken; a sender
     that does not answer within :data:`DUPLICATE_TIMEOUT` (stopped, hung) is a
-    :class:`SegmentUnavailableError` naming it when the fallback fails too. For every
-    user of memfds sent so (segments, SharedCounter, SharedValue)."""
+    :class:`SegmentUnavailableError` naming it, and why, when the fallback fails too;
+    its duplicate goes to the releaser thread (taken and closed once the sender answers),
+    so that it is not held by the sender until it exits. For every user of memfds sent
+    so (segments, SharedCounter, SharedValue)."""
     try:
-        new_fd = take_duplicate(duplicate)
+        new_fd = take_duplicate(duplicate, pid)
     except TimeoutError as err:  # (before _DUPLICATE_LOST: an OSError too)
+        _release_later(duplicate, pid)
         try:
             return fallback()
         except SegmentUnavailableError as gone:
             raise SegmentUnavailableError(
                 f"The {what} (inode {key[1]}) sent by process {pid} could not be received: process "
-                f"{pid} lives but {err} (shared_td.storage.duplicates.DUPLICATE_TIMEOUT): it is "
-                "stopped (SIGSTOP, Ctrl-Z, a debugger) or hung. Resume it (`kill -CONT "
-                f"{pid}`) before its receivers read what it sent. The other routes failed too: {gone}"
+                f"{pid} lives but {err} (shared_td.storage.duplicates.DUPLICATE_TIMEOUT): "
+                f"{_why_silent(pid)} The other routes failed too: {gone}"
             ) from err
     except _DUPLICATE_LOST as err:
         try:

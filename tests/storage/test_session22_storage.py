@@ -16,10 +16,12 @@ import gc
 import multiprocessing
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from multiprocessing import connection
 
 import pytest
 import torch
@@ -50,19 +52,24 @@ def _make(kind: str):
     return SharedValue.create("walk")
 
 
-def _send(kind: str, conn, ready, drop: bool, holder: bool) -> None:
-    """Send ``kind`` on ``conn`` (ForkingPickler: duplicates held by this process's
-    resource sharer), drop it if ``drop`` (keeping a descriptor of its segment as a
-    holder of it if ``holder``), say so on ``ready``, then wait to be stopped."""
-    sent = _make(kind)
-    if holder:
-        segment = sent["a"]._backing
-        segment.add_holders([(os.getpid(), os.dup(segment.fd))])
-    conn.send(sent)
+def _send(kind: str, conn, ready, drop: bool, made=None, holders=(), stuck: bool = False, count: int = 1) -> None:
+    """Send ``kind`` (or ``made[0]``, with these extra ``holders`` of its segment) on
+    ``conn``, ``count`` times (ForkingPickler: duplicates held by this process's resource
+    sharer), drop it if ``drop``, block this process's own resource sharer if ``stuck``
+    (a receiver that connected to it and stopped answering), say so on ``ready``, then
+    wait to be stopped."""
+    sent = [_make(kind) if made is None else made[0] for _ in range(count)]
+    if holders:
+        sent[0]["a"]._backing.add_holders(holders)
+    for each in sent:
+        conn.send(each)
     if drop:
-        del sent
-        segment = None
+        del sent, made, each
         gc.collect()
+    if stuck:
+        from multiprocessing import resource_sharer
+        blocker = socket.socket(socket.AF_UNIX)
+        blocker.connect(resource_sharer._resource_sharer._address)  # (its challenge never answered)
     ready.set()
     time.sleep(WAIT)
 
@@ -72,35 +79,65 @@ def _stopped(pid: int) -> bool:
         return stat.read().rsplit(")", 1)[1].split()[0] in "Tt"
 
 
-def _receive_from_stopped(monkeypatch, kind: str, *, drop: bool = False, holder: bool = False):
-    """(the sender's pid, {"value" or "error", "seconds"}) of receiving ``kind`` from a
-    forked sender stopped with SIGSTOP once it sent it."""
-    monkeypatch.setattr(duplicates, "DUPLICATE_TIMEOUT", TIMEOUT)
+def _refuse_sender(monkeypatch, error: OSError) -> list:
+    """Make the /proc route of the sender (the pid stored in the list returned, [0])
+    fail with ``error``; every other reopen_peer_fd works. The list then records the
+    (pid, fd) of each reopen_peer_fd call."""
+    original = platform.reopen_peer_fd
+    calls = [None]
+
+    def reopen(pid, fd, key):
+        calls.append((pid, fd))
+        if pid == calls[0]:
+            raise error
+        return original(pid, fd, key)
+
+    monkeypatch.setattr(platform, "reopen_peer_fd", reopen)
+    return calls
+
+
+def _receive_from_stopped(monkeypatch, kind: str, *, drop: bool = False, made=None, holders=(), calls=None,
+                          stop: bool = True, stuck: bool = False, count: int = 1, receive=None, then=None,
+                          timeout: float = TIMEOUT):
+    """(the sender's pid, {"value" or "error", "seconds"}) of receiving ``kind`` (or
+    ``receive(connection)``) from a forked sender stopped with SIGSTOP once it sent it
+    (running, if not ``stop``); ``then(pid, result)`` before the sender is killed."""
+    monkeypatch.setattr(duplicates, "DUPLICATE_TIMEOUT", timeout)
     monkeypatch.setattr(duplicates, "_SILENT", {})
+    monkeypatch.setattr(duplicates, "_RELEASING", {}, raising=False)
     context = multiprocessing.get_context("fork")
     ours, theirs = context.Pipe()
     ready = context.Event()
-    sender = context.Process(target=_send, args=(kind, theirs, ready, drop, holder), daemon=True)
+    sender = context.Process(target=_send, args=(kind, theirs, ready, drop, made, holders, stuck, count),
+                             daemon=True)
     sender.start()
     theirs.close()
+    if made is not None:  # (the sender has it now; this process no longer)
+        made.clear()
+        gc.collect()
+    if calls is not None:
+        calls[0] = sender.pid
     result = {}
 
-    def receive():
+    def receiving():
         start = time.monotonic()
         try:
-            result["value"] = ours.recv()
+            result["value"] = receive(ours) if receive else ours.recv()
         except BaseException as err:  # (reported to the test below)
             result["error"] = err
         result["seconds"] = time.monotonic() - start
 
-    thread = threading.Thread(target=receive, daemon=True)
+    thread = threading.Thread(target=receiving, daemon=True)
     try:
         assert ready.wait(WAIT), "the sender sent nothing"
-        os.kill(sender.pid, signal.SIGSTOP)
-        assert wait_until(lambda: _stopped(sender.pid)), "the sender did not stop"
+        if stop:
+            os.kill(sender.pid, signal.SIGSTOP)
+            assert wait_until(lambda: _stopped(sender.pid)), "the sender did not stop"
         thread.start()
-        thread.join(8 * TIMEOUT + 5)
+        thread.join(8 * timeout + 5)
         assert not thread.is_alive(), "the receive from a stopped sender did not return"
+        if then is not None:
+            then(sender.pid, result)
         return sender.pid, result
     finally:
         sender.kill()  # (SIGKILL ends a stopped process too; its sockets close)
@@ -125,34 +162,52 @@ def test_a_stopped_sender_that_holds_it_is_received_by_proc_after_the_bound(monk
         assert received.get() == "walk"
 
 
-def test_a_stopped_sender_that_dropped_it_is_an_error_naming_it(monkeypatch):
+def test_a_stopped_sender_that_dropped_it_is_received_by_the_duplicate_it_holds(monkeypatch):
+    """The sender dropped the tree (its own descriptor closed) and is stopped: the
+    /proc route opens the duplicate its resource sharer holds until it is taken."""
     pid, result = _receive_from_stopped(monkeypatch, "tree", drop=True)
+    assert "error" not in result, result
+    assert result["seconds"] >= TIMEOUT * 0.9  # (the /proc route, after the bound)
+    assert result["value"]["a"].tolist() == [7.0] * 4 and result["value"]["n", "b"].tolist() == [7.0] * 2
+
+
+def test_a_stopped_sender_whose_proc_route_fails_is_an_error_naming_it(monkeypatch):
+    calls = _refuse_sender(monkeypatch, FileNotFoundError(2, "No such file or directory (for this test)"))
+    pid, result = _receive_from_stopped(monkeypatch, "tree", drop=True, calls=calls)
     error = result.get("error")
     assert isinstance(error, SegmentUnavailableError), result
     message = str(error)
     assert f"sent by process {pid} could not be received" in message
     assert f"did not hand over the descriptor within {TIMEOUT:g} s" in message
     assert f"kill -CONT {pid}" in message and "stopped (SIGSTOP" in message
-    assert "The other routes failed too" in message  # (the /proc route's own words follow)
+    assert "The other routes failed too" in message and "for this test" in message
+    assert {call[0] for call in calls[1:]} == {pid}  # (the /proc route was tried, and failed)
 
 
 def test_a_stopped_sender_whose_proc_route_is_refused_is_an_error_naming_it(monkeypatch):
-    def refused(pid, fd, key):
-        raise PermissionError(13, "refused for this test")
-
-    monkeypatch.setattr(platform, "reopen_peer_fd", refused)
-    pid, result = _receive_from_stopped(monkeypatch, "counter")
+    calls = _refuse_sender(monkeypatch, PermissionError(13, "refused for this test"))
+    pid, result = _receive_from_stopped(monkeypatch, "counter", calls=calls)
     error = result.get("error")
     assert isinstance(error, SegmentUnavailableError), result
     assert f"kill -CONT {pid}" in str(error) and "may not open the descriptors" in str(error)
 
 
-def test_after_the_bound_the_next_holder_is_tried(monkeypatch):
-    """The sender dropped the tree; a holder of its segment (here a descriptor the same
-    process kept, as a coordinator's would be) still gives it."""
-    pid, result = _receive_from_stopped(monkeypatch, "tree", drop=True, holder=True)
-    assert "error" not in result, result
-    assert result["value"]["a"].tolist() == [7.0] * 4
+def test_after_the_bound_and_the_proc_route_the_next_holder_is_tried(monkeypatch):
+    """The sender is stopped and its /proc route fails; a holder of the tree's segment
+    (here this process keeps a descriptor of it, as a coordinator would) gives it."""
+    made = [_tree(7.0)]
+    kept = os.dup(made[0]["a"]._backing.fd)
+    calls = _refuse_sender(monkeypatch, FileNotFoundError(2, "gone for this test"))
+    try:
+        # (the forked sender has the tree; this process keeps only the descriptor, so
+        # that the tree is not found here already)
+        pid, result = _receive_from_stopped(
+            monkeypatch, "tree", drop=True, made=made, holders=[(os.getpid(), kept)], calls=calls)
+        assert "error" not in result, result
+        assert result["value"]["a"].tolist() == [7.0] * 4
+        assert calls[1][0] == pid and calls[-1] == (os.getpid(), kept)  # (the sender's route, then the holder)
+    finally:
+        os.close(kept)
 
 
 def test_a_silent_sender_is_waited_for_once_per_bound_not_once_per_segment(monkeypatch):
@@ -169,7 +224,7 @@ def test_a_live_sender_still_hands_over_its_duplicate(monkeypatch):
     context = multiprocessing.get_context("fork")
     ours, theirs = context.Pipe()
     ready = context.Event()
-    sender = context.Process(target=_send, args=("tree", theirs, ready, True, False), daemon=True)
+    sender = context.Process(target=_send, args=("tree", theirs, ready, True), daemon=True)
     sender.start()
     theirs.close()
     try:
@@ -189,35 +244,191 @@ import torch
 from shared_td import MemoryMappedTensor, SharedCounter
 from shared_td.storage.shared_value import SharedValue
 
-kind = sys.argv[1]
-made = {"cell": lambda: SharedValue.create("walk"), "counter": lambda: SharedCounter(7),
-        "view": lambda: MemoryMappedTensor.full((4,), fill_value=2.0).detach()}[kind]()
+made = [SharedValue.create("walk"), SharedCounter(7), MemoryMappedTensor.full((4,), fill_value=2.0).detach()]
 data = ForkingPickler.dumps(made)
 del made
-gc.collect()  # the sender's own object and its descriptor are gone: the duplicate is left
+gc.collect()  # the sender's own objects and their descriptors are gone: the duplicates are left
 # what Python does when it starts to exit (a Finalize of priority 0), before a queue's
 # feeder thread has sent what was put last
 os.unlink(resource_sharer._resource_sharer._address)
 reader, writer = multiprocessing.Pipe(duplex=False)
-child = multiprocessing.get_context("fork").Process(target=lambda: writer.send(repr(
-    (lambda got: got.get() if kind == "cell" else got.value if kind == "counter" else got.tolist())(
-        ForkingPickler.loads(data)))))
+
+def receive():
+    cell, counter, view = ForkingPickler.loads(data)
+    writer.send(repr((cell.get(), counter.value, view.tolist())))
+
+child = multiprocessing.get_context("fork").Process(target=receive)
 child.start()
 print("received", reader.recv() if reader.poll(60) else "nothing", flush=True)
 child.join(60)
 """
 
 
-@pytest.mark.parametrize("kind", ["cell", "counter", "view"])
-def test_a_duplicate_is_received_once_the_sharer_socket_is_gone_and_the_object_dropped(kind, tmp_path):
+def test_a_duplicate_is_received_once_the_sharer_socket_is_gone_and_the_object_dropped(tmp_path):
     """The receiver's /proc route names the duplicate the sender still holds, not the
-    dropped object's descriptor: a cell put on a queue as main returned was lost about
-    half the time (Python unlinks the resource sharer's socket as it starts to exit, and
-    the cell, dropped once pickled, had closed its descriptor)."""
+    dropped object's descriptor (a cell, a counter, a plain view of a segment): a cell put
+    on a queue as main returned was lost about half the time (Python unlinks the resource
+    sharer's socket as it starts to exit, and the cell, dropped once pickled, had closed
+    its descriptor)."""
     script = tmp_path / "socket_gone.py"
     script.write_text(SOCKET_GONE)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
-    result = subprocess.run([sys.executable, str(script), kind], capture_output=True, text=True,
-                            timeout=90, env=env)
-    expected = {"cell": "'walk'", "counter": "7", "view": "[2.0, 2.0, 2.0, 2.0]"}[kind]
-    assert f"received {expected}" in result.stdout, result.stdout + result.stderr[-2000:]
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90, env=env)
+    assert "received ('walk', 7, [2.0, 2.0, 2.0, 2.0])" in result.stdout, result.stdout + result.stderr[-2000:]
+
+
+# -- audit 22 (storage): a default socket timeout, the bound per read, the timeout's
+# value, the releaser and the skip of a silent sender
+
+
+def _memfd_fds(pid: int, key: tuple[int, int]) -> list[int]:
+    """The descriptors of process ``pid`` that name the file ``key``."""
+    found = []
+    for name in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            st = os.stat(f"/proc/{pid}/fd/{name}")
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) == key:
+            found.append(int(name))
+    return found
+
+
+def test_a_default_socket_timeout_does_not_make_a_live_sender_silent(monkeypatch):
+    """socket.setdefaulttimeout() (set by many applications) made the options socket,
+    which shares conn's open file description, non-blocking: the handshake's first read
+    failed at once, taken for the bound (the sender marked silent, its duplicate left)."""
+    from multiprocessing import resource_sharer
+    monkeypatch.setattr(duplicates, "_SILENT", {})
+    monkeypatch.setattr(duplicates, "_RELEASING", {}, raising=False)
+    fd = os.memfd_create("default-timeout")
+    previous = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(5.0)
+    try:
+        start = time.monotonic()
+        mine = duplicates.take_duplicate(resource_sharer.DupFd(fd))  # (our own resource sharer)
+        assert os.path.samestat(os.fstat(mine), os.fstat(fd)) and time.monotonic() - start < 1
+        os.close(mine)
+        assert duplicates._SILENT == {}
+    finally:
+        socket.setdefaulttimeout(previous)
+        os.close(fd)
+
+
+def _fake_sharer(tmp_path, delay: float):
+    """The address of a resource sharer (a thread here) that answers each handshake
+    message ``delay`` seconds late, and a DupFd naming it."""
+    from multiprocessing import resource_sharer
+    from multiprocessing.process import current_process
+    address = str(tmp_path / "sharer")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(address)
+    listener.listen(1)
+
+    def serve():
+        with listener:
+            sock, _ = listener.accept()
+        with connection.Connection(sock.detach()) as conn:
+            try:
+                time.sleep(delay)
+                conn.send_bytes(connection.CHALLENGE + os.urandom(40))
+                conn.recv_bytes(256)
+                time.sleep(delay)
+                conn.send_bytes(connection.WELCOME)
+                conn.poll(WAIT)  # (then never hands over anything)
+            except OSError:  # (the receiver gave up, as it should)
+                pass
+
+    assert current_process().authkey  # (the handshake's key)
+    threading.Thread(target=serve, daemon=True).start()
+    duplicate = resource_sharer.DupFd.__new__(resource_sharer.DupFd)
+    duplicate._id = (address, 1)
+    return duplicate
+
+
+def test_a_slow_sender_is_waited_for_at_most_the_bound_in_all(monkeypatch, tmp_path):
+    """Each read is bounded by the time left: two reads of one handshake step each
+    waited up to the step's bound (here 0.6 s for a bound of 0.4 s)."""
+    monkeypatch.setattr(duplicates, "DUPLICATE_TIMEOUT", 0.4)
+    monkeypatch.setattr(duplicates, "_SILENT", {})
+    monkeypatch.setattr(duplicates, "_RELEASING", {}, raising=False)
+    duplicate = _fake_sharer(tmp_path, 0.3)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="within 0.4 s"):
+        duplicates.take_duplicate(duplicate)
+    assert time.monotonic() - start < 0.5
+
+
+@pytest.mark.parametrize("value", [float("inf"), 1e300])
+def test_an_infinite_duplicate_timeout_waits_as_long_as_possible(monkeypatch, value):
+    from multiprocessing import resource_sharer
+    monkeypatch.setattr(duplicates, "DUPLICATE_TIMEOUT", value)
+    monkeypatch.setattr(duplicates, "_SILENT", {})
+    fd = os.memfd_create("infinite")
+    try:
+        mine = duplicates.take_duplicate(resource_sharer.DupFd(fd))
+        assert os.path.samestat(os.fstat(mine), os.fstat(fd))
+        os.close(mine)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("value", [float("nan"), 0, -1.0])
+def test_a_duplicate_timeout_that_is_no_bound_is_refused_naming_it(monkeypatch, value):
+    from multiprocessing import resource_sharer
+    monkeypatch.setattr(duplicates, "DUPLICATE_TIMEOUT", value)
+    fd = os.memfd_create("no-bound")
+    duplicate = resource_sharer.DupFd(fd)
+    try:
+        with pytest.raises(ValueError, match="DUPLICATE_TIMEOUT .* a number > 0"):
+            duplicates.take_duplicate(duplicate)
+    finally:
+        monkeypatch.setattr(duplicates, "DUPLICATE_TIMEOUT", 5.0)
+        os.close(duplicates.take_duplicate(duplicate))  # (not left registered in our sharer)
+        os.close(fd)
+
+
+def test_a_resumed_sender_lets_go_of_the_duplicate_received_by_proc(monkeypatch):
+    """The duplicate of a tree received through /proc from a stopped sender was held by
+    it until it exited; the releaser takes it once the sender is resumed."""
+    def resume(pid, result):
+        key = result["value"]["a"]._backing.key
+        assert _memfd_fds(pid, key), "the stopped sender holds the duplicate"
+        os.kill(pid, signal.SIGCONT)
+        assert wait_until(lambda: not _memfd_fds(pid, key), 5), "the resumed sender still holds it"
+        assert duplicates._SILENT == {} and duplicates._RELEASING == {}
+
+    pid, result = _receive_from_stopped(monkeypatch, "tree", drop=True, then=resume)
+    assert "error" not in result, result
+
+
+def test_a_sender_still_stopped_after_the_bound_is_not_asked_again(monkeypatch):
+    """A sender that stays stopped longer than the bound is skipped for the next
+    segment too (it was asked again once a fixed window of one bound had passed)."""
+    timeout = 0.3
+
+    def receive_twice(ours):
+        first = ours.recv()  # (the bound, then /proc)
+        time.sleep(timeout * 1.5)
+        start = time.monotonic()
+        second = ours.recv()
+        return first, second, time.monotonic() - start
+
+    pid, result = _receive_from_stopped(monkeypatch, "tree", drop=True, count=2, receive=receive_twice,
+                                        timeout=timeout)
+    assert "error" not in result, result
+    first, second, seconds = result["value"]
+    assert second["a"].tolist() == [7.0] * 4 and seconds < timeout / 2
+
+
+def test_a_running_sender_whose_sharer_is_stuck_is_an_error_naming_the_cause(monkeypatch):
+    """A running sender whose resource sharer waits on another receiver (connected and
+    silent) is not told to be resumed with kill -CONT: the error names the stuck peer."""
+    calls = _refuse_sender(monkeypatch, FileNotFoundError(2, "gone for this test"))
+    pid, result = _receive_from_stopped(monkeypatch, "counter", calls=calls, stop=False, stuck=True)
+    error = result.get("error")
+    assert isinstance(error, SegmentUnavailableError), result
+    message = str(error)
+    assert f"process {pid} lives but it did not hand over the descriptor within {TIMEOUT:g} s" in message
+    assert "kill -CONT" not in message and "it is running" in message
+    assert "waits on another receiver" in message
