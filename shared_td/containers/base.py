@@ -405,17 +405,17 @@ class TensorDictBase(TensorDictRoot, LockingOps, BatchSplitOps, NonTensorOps, Co
         return is_non_tensor(self.get(key))
 
     def rename_key_(self, old_key: NestedKey, new_key: NestedKey, safe: bool = False):
-        """Move entry ``old_key`` to ``new_key``; returns self.
-
-        ``safe=True`` refuses to overwrite an existing ``new_key`` (KeyError).
-        """
+        """Move entry ``old_key`` to ``new_key``; returns self. ``safe=True`` refuses to
+        overwrite an existing ``new_key`` (KeyError). A lazy stack renames in each member."""
+        from shared_td.containers.keyops import renamed_in_members  # (it imports this module)
         old, new = unravel_key(old_key), unravel_key(new_key)
+        if renamed_in_members(self, old, new, safe):  # (its get() would give a stacked copy)
+            return self
         value = self.get(old)
         # the lock first, as tensordict: a locked tensordict refuses any rename
         self._parent_for_write(old, create=False)._check_unlocked(old, "rename")
         if safe and new in self.keys(include_nested=True):
-            raise KeyError(f"Key {key_repr(new)} is already present in TensorDict; pass "
-                           "safe=False to replace it.")
+            raise KeyError(f"Key {key_repr(new)} is already present in TensorDict; pass safe=False to replace it.")
         self.set(new, value)
         if old != new:
             self.del_(old)

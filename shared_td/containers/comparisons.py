@@ -36,10 +36,11 @@ class ComparisonOps:
             excused = _none_field_entries(self, given, mine, missing) if missing else set()
             if missing - excused:
                 raise KeyError(f"Cannot compare tensordicts with different keys: {sorted(map(str, missing - excused))}.")
-            return self._map_leaves(lambda key, value: _ignored(value) if key in excused else op(value, other.get(key)))
+            return self._map_leaves(lambda key, value, theirs: _ignored(value) if key in excused else op(value, theirs),
+                                    (), other)
         if isinstance(other, torch.Tensor) and other.ndim:
             return self._compare_batch_tensor(other, op)
-        return self._map_leaves(lambda key, value: op(value, other))
+        return self._map_leaves(lambda key, value, theirs: op(value, theirs), (), other)
 
     def _compare_batch_tensor(self, other: torch.Tensor, op: Callable) -> "TensorDictBase":
         """``td == t`` for a tensor with dims, as tensordict 0.15.3: ``t``'s dims line up
@@ -55,13 +56,13 @@ class ComparisonOps:
                 f"{list(other.shape)}: the tensor's dims line up with the batch dims (from the right) and must "
                 "broadcast with them. Index the tensordict, or reshape the tensor.") from err
         source = self if size == self.batch_size else self.expand(size)
-        dims = len(size)
 
-        def leaf(key: Any, value: Any) -> Any:
-            feature_dims = 0 if is_non_tensor(value) else value.ndim - dims
-            return op(value, other.reshape(*other.shape, *[1] * feature_dims) if feature_dims else other)
+        def leaf(key: Any, value: Any, theirs: torch.Tensor) -> Any:
+            # (theirs: ``other`` over the batch dims of the node holding ``value``)
+            feature_dims = 0 if is_non_tensor(value) else value.ndim - theirs.ndim
+            return op(value, theirs.reshape(*theirs.shape, *[1] * feature_dims) if feature_dims else theirs)
 
-        return source._map_leaves(leaf)
+        return source._map_leaves(leaf, (), other.expand(size))
 
     # Comparisons map over the leaves, as tensordict 0.15.3: tensors compare with torch's
     # operator; a non-tensor entry compares its values with the same entry of another
@@ -132,13 +133,39 @@ class ComparisonOps:
         return self.names
 
     def _leaf_tensors(self) -> Iterator[torch.Tensor]:
-        for value in self.values(include_nested=True, leaves_only=True):
+        """The tensors held, node by node: a nested collection gives its own (a lazy
+        stack its members' tensors, not stacked copies of them, which zero_() and
+        fill_() would write into for nothing)."""
+        for _, value in self._items_str():
             if isinstance(value, torch.Tensor):
                 yield value
+            elif is_tensor_collection(value) and not is_non_tensor(value):
+                yield from unwrap_tensorclass(value)._leaf_tensors()
 
     def is_empty(self) -> bool:
         """True if the tensordict holds no leaf (tensor or non-tensor) at any depth."""
         return next(iter(self.keys(True, True, is_leaf_nontensor)), None) is None
+
+
+def part_of(other: Any, key: str, entry: Any) -> Any:
+    """The part of ``other`` (what a node is compared with, in ``_map_leaves``) that
+    lines up with the node's entry ``key`` holding ``entry``: a tensordict's (or
+    tensorclass's) own entry ``key``; a tensor over the node's batch dims, over the
+    batch dims of ``entry`` when it is a collection (its extra dims broadcast, as
+    ``expand``); anything else (a number, None) as it is.
+
+    Example:
+        >>> part_of(torch.zeros(2), "n", TensorDict(batch_size=[2, 3])).shape
+        torch.Size([2, 3])
+    """
+    if isinstance(other, torch.Tensor):
+        if other.ndim and is_tensor_collection(entry) and not is_non_tensor(entry):
+            size = entry.batch_size
+            return other.reshape(*other.shape, *[1] * (len(size) - other.ndim)).expand(size)
+        return other
+    if is_tensor_collection(other):
+        return unwrap_tensorclass(other)._get_str(key, None)
+    return other
 
 
 def _equal(value: Any, other: Any) -> Any:

@@ -9,7 +9,8 @@ from typing import Any, Sequence
 import torch
 
 from shared_td.containers import batch as batch_ops
-from shared_td.containers.base import NO_DEFAULT, TensorDictBase, is_leaf_nontensor, is_non_tensor, is_tensor_collection
+from shared_td.containers.base import NO_DEFAULT, TensorDictBase, is_non_tensor, is_tensor_collection
+from shared_td.containers.lazy_writes import _is_lazy
 from shared_td.errors import BatchSizeMismatchError
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 
@@ -56,17 +57,25 @@ def _check_same_keys(items: Sequence[TensorDictBase], what: str) -> list[str]:
     return list(items[0]._keys_str())
 
 
-def _leaf_shape_mismatch(items: Sequence[TensorDictBase]) -> tuple | None:
+def _leaf_shape_mismatch(items: Sequence[Any], prefix: tuple = ()) -> tuple | None:
     """``(key, i, shape_0, shape_i)`` for the first leaf whose shape in item ``i``
     differs from item 0's, or None when every leaf has one shape (the batch sizes and
-    keys are checked before)."""
-    first = items[0]
-    for key in first.keys(True, True, is_leaf_nontensor):
-        shape = tuple(getattr(first.get(key), "shape", ()))
-        for i, item in enumerate(items[1:], start=1):
-            other = tuple(getattr(item.get(key), "shape", ()))
-            if other != shape:
-                return key, i, shape, other
+    keys are checked before). Read node by node: the entries of nested lazy stacks are
+    not compared (``stack`` stacks those lazily, whatever their members' shapes)."""
+    first = unwrap_tensorclass(items[0])
+    for key, value in first._items_str():
+        path, values = prefix + (key,), [unwrap_tensorclass(item)._get_str(key, None) for item in items]
+        if any(_is_lazy(unwrap_tensorclass(v)) for v in values):
+            continue
+        if is_tensor_collection(value) and not is_non_tensor(value):
+            found = _leaf_shape_mismatch(values, path)
+            if found is not None:
+                return found
+            continue
+        shape = tuple(getattr(value, "shape", ()))
+        for i, other in enumerate(values[1:], start=1):
+            if tuple(getattr(other, "shape", ())) != shape:
+                return path[0] if len(path) == 1 else path, i, shape, tuple(getattr(other, "shape", ()))
     return None
 
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared_td.containers.base import NO_DEFAULT, is_leaf_nontensor
-from shared_td.keys import NestedKey, unravel_key
+from shared_td.containers.base import is_leaf_nontensor
+from shared_td.containers.lazy_writes import _is_branch, _is_lazy
+from shared_td.keys import NestedKey, key_repr, unravel_key
+from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 
 class KeyOps:
@@ -15,25 +17,23 @@ class KeyOps:
 
     def select(self, *keys: NestedKey, inplace: bool = False, strict: bool = True,
                as_tensordict: bool = False) -> "KeyOps":
-        """A tensordict with only ``keys`` (nested keys select inside nested tensordicts).
-        ``as_tensordict`` (a tensorclass's option) is accepted and ignored, as in tensordict."""
+        """A tensordict with only ``keys``, sharing the entries (no tensor is copied).
+        ``as_tensordict`` (a tensorclass's option) is accepted and ignored, as in tensordict.
+
+        A nested key is selected by the nested collection's own ``select``, so a lazy
+        stack gives a lazy stack of its members' selections (sharing their tensors,
+        members of different shapes too) and a tensorclass an instance of its class.
+
+        Example:
+            >>> td = TensorDict(a=torch.zeros(2), n={"b": torch.ones(2), "c": torch.ones(2)}, batch_size=[2])
+            >>> out = td.select(("n", "b"))
+            >>> list(out.keys(True, True)), out["n", "b"] is td["n", "b"]
+            ([('n', 'b')], True)
+        """
         out = self.empty()
-        for key in keys:
-            path = unravel_key(key)
-            value = self._get_path(path, NO_DEFAULT)
-            if value is NO_DEFAULT:
-                if strict:
-                    raise KeyError(self._missing_key_message(path))
-                continue
-            node = out
-            for i, part in enumerate(path[:-1]):
-                child = node._tensordict.get(part)
-                if child is None:
-                    source = self._get_path(path[: i + 1], None)
-                    child = source.empty() if isinstance(source, type(self)) else node._empty_child()
-                    node._tensordict[part] = child
-                node = child
-            node._tensordict[path[-1]] = value
+        for part, rests in _by_first_part(self, keys, strict).items():
+            entry = self._tensordict[part]
+            out._tensordict[part] = entry if rests is None else entry.select(*rests, strict=strict)
         if inplace:
             # Name a key that goes (or the first one, replaced by its selected part).
             removed = [k for k in self._tensordict if k not in out._tensordict] or list(self._tensordict)
@@ -44,24 +44,25 @@ class KeyOps:
         return out
 
     def exclude(self, *keys: NestedKey, inplace: bool = False) -> "KeyOps":
-        """A tensordict without ``keys`` (missing keys are ignored)."""
-        out = self if inplace else self.clone(recurse=False)
+        """A tensordict without ``keys`` (missing keys are ignored).
+
+        A nested key is removed by the nested collection's own ``exclude`` (a lazy
+        stack's from each member, a tensorclass's keeping its class), whatever the
+        classes of self and of its nested tensordicts.
+
+        Example:
+            >>> td = TensorDict(a=torch.zeros(2), n={"b": torch.ones(2), "c": torch.ones(2)}, batch_size=[2])
+            >>> list(td.exclude(("n", "b")).keys(True, True))
+            ['a', ('n', 'c')]
+        """
+        out = self if inplace else self.clone(recurse=False)  # (its nested collections are new ones)
         if inplace and keys:
             self._check_unlocked(unravel_key(keys[0]), "remove")
-        for key in keys:
-            path = unravel_key(key)
-            parent = out
-            for part in path[:-1]:
-                child = parent._tensordict.get(part)
-                if not isinstance(child, type(self)):
-                    parent = None
-                    break
-                if not inplace:
-                    child = child.clone(recurse=False)
-                    parent._tensordict[part] = child
-                parent = child
-            if parent is not None:
-                parent._tensordict.pop(path[-1], None)
+        for part, rests in _by_first_part(out, keys, strict=False).items():
+            if rests is None:
+                out._tensordict.pop(part)
+            else:  # (in place: out's entry is self's, or a copy of it made above)
+                out._tensordict[part].exclude(*rests, inplace=True)
         return out
 
     def flatten_keys(self, separator: str = ".", inplace: bool = False, is_leaf: Any = None) -> "KeyOps":
@@ -114,6 +115,62 @@ class KeyOps:
             return self
         out._last_op = keys_write_back(self, "unflatten_keys", separator)
         return out
+
+
+def _by_first_part(td: "KeyOps", keys: tuple, strict: bool) -> dict:
+    """``keys`` of ``td`` grouped by their first part: ``{part: None}`` for the whole
+    entry, ``{part: [rest, ...]}`` for keys inside the nested collection at ``part``,
+    in the order of the keys. A key that ``td`` lacks raises (a KeyError naming it)
+    when ``strict``, and is skipped otherwise; a lazy stack on the way checks the rest
+    of the key itself (each member)."""
+    groups: dict = {}
+    for key in keys:
+        path = unravel_key(key)
+        if not _holds(td, path):
+            if strict:
+                raise KeyError(td._missing_key_message(path))
+            continue
+        if groups.get(path[0], ()) is not None:  # (None: the whole entry is in already)
+            groups[path[0]] = None if len(path) == 1 else [*groups.get(path[0], []), path[1:]]
+    return groups
+
+
+def _holds(node: Any, path: tuple) -> bool:
+    """Whether ``node`` holds ``path``, read node by node without stacking anything:
+    a lazy stack on the way is taken to hold the rest (it checks it, member by member)."""
+    for part in path:
+        if _is_lazy(node):
+            return True
+        node = unwrap_tensorclass(node)._get_str(part, None) if _is_branch(node) else None
+        if node is None:
+            return False
+    return True
+
+
+def renamed_in_members(td: Any, old: tuple, new: tuple, safe: bool) -> bool:
+    """``td.rename_key_(old, new, safe)`` when a lazy stack holds both keys (``td``
+    itself, or a node on their common path): done by each member on its own entry,
+    which keeps sharing it (the stack's ``get`` gives a stacked copy, which raises when
+    the members' shapes differ). Returns False, doing nothing, when no lazy stack does.
+
+    Raises:
+        KeyError: before the first member renames, if a member lacks ``old`` or, with
+            ``safe``, holds ``new`` (as tensordict 0.15.3 names them).
+    """
+    node, depth = td, 0
+    while not _is_lazy(node):
+        if depth >= min(len(old), len(new)) - 1 or old[depth] != new[depth] or not _is_branch(node):
+            return False
+        node, depth = unwrap_tensorclass(node)._get_str(old[depth], None), depth + 1
+    inner_old, inner_new = old[depth:], new[depth:]
+    for member in node.tensordicts:
+        if not _holds(member, inner_old):
+            raise KeyError(td._missing_key_message(old))
+        if safe and _holds(member, inner_new):
+            raise KeyError(f"Key {key_repr(new)} is already present in TensorDict; pass safe=False to replace it.")
+    for member in node.tensordicts:
+        member.rename_key_(inner_old, inner_new, safe)
+    return True
 
 
 def _taken(td: "KeyOps", path: tuple) -> bool:

@@ -1,7 +1,7 @@
 """Conversions, comparisons and the repr of a LazyStackedTensorDict, as a mixin
-(LazyConversions): ``to_tensordict``, ``to_dict``, the dense leaf map a parent TensorDict
-uses, element-wise comparisons (``==``...), and how the repr shows the entries whose
-shapes differ across members.
+(LazyConversions): ``to_tensordict``, ``to_dict``, the leaf map a parent TensorDict
+uses (member by member), element-wise comparisons (``==``...), and how the repr shows
+the entries whose shapes differ across members.
 
 This module does not import lazy.py (lazy.py imports it): a lazy stack is recognised by
 ``_is_lazy``, new stacks are built with ``self._restack``.
@@ -67,18 +67,19 @@ class LazyConversions:
                 out[key] = value.to_dict() if is_tensor_collection(value) else value
         return out
 
-    def _map_leaves(self, fn: Callable, prefix: tuple = ()) -> Any:
-        """Dense: ``fn(key, stacked leaf)`` for every leaf (used inside a parent TensorDict)."""
-        from shared_td.containers.tensordict import TensorDict
-
-        entries = {}
-        for key in self._keys_str():
-            path, value = prefix + (key,), self.get(key)
-            if _is_branch(value):
-                entries[key] = unwrap_tensorclass(value)._map_leaves(fn, path)
-            else:
-                entries[key] = fn(path if len(path) > 1 else key, value)
-        return TensorDict._new_unsafe(entries, self.batch_size, self.device)
+    def _map_leaves(self, fn: Callable, prefix: tuple = (), other: Any = None) -> Any:
+        """TensorDict._map_leaves inside a parent TensorDict, member by member: a lazy
+        stack of the members' results, as tensordict 0.15.3 gives ``td == td`` there (the
+        members' shapes may differ). ``other``, the part of what the parent is compared
+        with at this stack (see :func:`part_of`), is split along ``stack_dim``."""
+        if isinstance(other, torch.Tensor) and other.ndim:  # (of this stack's batch size)
+            parts = list(other.unbind(self._stack_dim))
+        elif isinstance(other, dict) or _is_branch(other):
+            parts = self._update_parts(unwrap_tensorclass(other))  # (a lazy stack alike: its members)
+        else:
+            parts = [other] * len(self.tensordicts)
+        return self._restack([unwrap_tensorclass(member)._map_leaves(fn, prefix, part)
+                              for member, part in zip(self.tensordicts, parts)])
 
     def _compare(self, other: Any, op: Callable, other_type: bool = False) -> "Any":
         if not (isinstance(other, (dict, torch.Tensor, numbers.Number)) or _is_branch(other)):

@@ -5,16 +5,18 @@ collections answer the same methods) and the in-place ``zero_``, ``fill_`` and
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
 from shared_td.containers.base import TensorDictBase, is_non_tensor, is_tensor_collection, on_cuda
 from shared_td.containers.consolidation import moved_consolidated
+from shared_td.containers.lazy_writes import _is_lazy
 from shared_td.containers.to_args import parse_to
 from shared_td.containers.unpicklable import check_picklable
-from shared_td.keys import NestedKey
+from shared_td.keys import NestedKey, unravel_key
 from shared_td.memmap_tensor import ReadOnlyMemoryMappedTensor
+from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 if TYPE_CHECKING:  # for the annotations only: tensordict.py imports this module
     from shared_td.containers.tensordict import TensorDict
@@ -96,8 +98,11 @@ class TensorMethods:
     def fill_(self, key: NestedKey, value: Any) -> "TensorDict":
         """Fill the entry ``key`` (a tensor, or every tensor of a nested tensordict) with
         ``value``, in place; returns self."""
-        entry = self.get(key)
-        targets = entry._leaf_tensors() if isinstance(entry, TensorDictBase) else [entry]
+        path = unravel_key(key)
+        try:
+            targets = list(_tensors_at(self, path))
+        except KeyError:
+            raise KeyError(self._missing_key_message(path)) from None
         for leaf in targets:
             leaf.fill_(value)
         return self
@@ -136,6 +141,20 @@ class TensorMethods:
         self._is_shared = True
         self.lock_()
         return self
+
+
+def _tensors_at(node: Any, path: tuple) -> Iterator[torch.Tensor]:
+    """The tensors that ``fill_(path, v)`` writes: the entry at ``path`` of ``node``,
+    or every tensor of the collection there, read node by node: through a lazy stack,
+    in each member (a lazy stack's ``get`` gives a stacked copy, filled for nothing)."""
+    node = unwrap_tensorclass(node)
+    if _is_lazy(node):
+        for member in node.tensordicts:
+            yield from _tensors_at(member, path)
+    elif not path:
+        yield from node._leaf_tensors() if isinstance(node, TensorDictBase) else [node]
+    else:
+        yield from _tensors_at(node.get(path[:1]), path[1:])
 
 
 def _adopt_entries(target: Any, source: Any) -> None:

@@ -12,6 +12,7 @@ import torch
 from shared_td.containers import batch as batch_ops
 from shared_td.containers.apply_nested import nested_calls
 from shared_td.containers.base import NO_DEFAULT, TensorDictBase, is_non_tensor, is_tensor_collection, parse_device
+from shared_td.containers.comparisons import part_of
 from shared_td.containers.unsupported_options import refuse_options
 from shared_td.keys import NestedKey
 from shared_td.tensorclass_protocol import is_tensorclass, unwrap_tensorclass
@@ -26,20 +27,22 @@ _NOT_BUILT = ("is_leaf",)
 class LeafMapping:
     """Mixin of TensorDict: functions mapped over its leaves."""
 
-    def _map_leaves(self, fn: Callable[[NestedKey, Any], Any], prefix: tuple = ()) -> Any:
-        """Same structure, ``fn(key, leaf)`` on tensor and non-tensor leaves: a comparison's
-        result, a TensorDict for a subclass of one too (as in tensordict 0.15.3)."""
+    def _map_leaves(self, fn: Callable[[NestedKey, Any, Any], Any], prefix: tuple = (), other: Any = None) -> Any:
+        """Same structure, ``fn(key, leaf, theirs)`` on tensor and non-tensor leaves,
+        ``theirs`` being the part of ``other`` at that leaf (see :func:`part_of`): a
+        comparison's result, a TensorDict for a subclass of one too (as in tensordict
+        0.15.3). A nested collection maps its own leaves (a lazy stack member by member)."""
         from shared_td.containers.tensordict import TensorDict  # (it imports this module)
 
         entries = {}
         for key, value in self._tensordict.items():
-            path = prefix + (key,)
+            path, theirs = prefix + (key,), part_of(other, key, value)
             if is_tensor_collection(value) and not is_non_tensor(value):
-                mapped = unwrap_tensorclass(value)._map_leaves(fn, path)
+                mapped = unwrap_tensorclass(value)._map_leaves(fn, path, theirs)
                 # a nested tensorclass stays one, as in tensordict: (a == b).obs.x
                 entries[key] = type(value)._from_tensordict(mapped) if is_tensorclass(value) else mapped
             else:
-                entries[key] = fn(path if len(path) > 1 else key, value)
+                entries[key] = fn(path if len(path) > 1 else key, value, theirs)
         return TensorDict._new_unsafe(entries, self._batch_size, self._device, self.names)
 
     def apply(self, fn: Callable, *others: TensorDictBase, **options: Any) -> Any:

@@ -46,7 +46,9 @@ class UpdateOps:
         other = update_source(self, input_dict_or_td, entries, ignore_lock)
         selected = None if keys_to_update is None else [unravel_key(k) for k in keys_to_update]
         for path, value, in_place, _ in _stores_first(self._plan_update(other, (), inplace, True, selected)):
-            if in_place:
+            if isinstance(value, _NestedUpdate):
+                value.write(clone)
+            elif in_place:
                 self._write_in_place(path, value)  # (checked by the plan)
             else:
                 self.set(path, value.clone() if clone and hasattr(value, "clone") else value)
@@ -63,7 +65,10 @@ class UpdateOps:
         """
         selected = None if keys_to_update is None else [unravel_key(k) for k in keys_to_update]
         for path, value, _, _ in _stores_first(self._plan_update(other, (), True, False, selected)):
-            self._write_in_place(path, value)  # (checked by the plan)
+            if isinstance(value, _NestedUpdate):
+                value.write(False)
+            else:
+                self._write_in_place(path, value)  # (checked by the plan)
         return self
 
     def _plan_update(
@@ -90,13 +95,13 @@ class UpdateOps:
             if selected is not None and not any(path[: len(s)] == s for s in selected):
                 # Only some keys below this one are selected: descend into a mapping.
                 if is_mapping and any(s[: len(path)] == path for s in selected):
-                    plan += self._plan_update(value, path, inplace, add_missing, selected, names_of)
+                    plan += self._plan_nested(value, path, inplace, add_missing, selected, names_of)
                 continue
             current = self._get_path(path, None)
             if is_mapping and isinstance(current, TensorDictBase) and not is_non_tensor(current):
-                plan += self._plan_update(value, path, inplace, add_missing, selected, names_of)
+                plan += self._plan_nested(value, path, inplace, add_missing, selected, names_of)
             elif _merges_into_tensorclass(current, value):
-                plan += self._plan_update(unwrap_tensorclass(value), path, inplace, add_missing, selected, names_of)
+                plan += self._plan_nested(unwrap_tensorclass(value), path, inplace, add_missing, selected, names_of)
             elif current is None and not add_missing:
                 raise KeyError(
                     f"update_() writes in place, but key {key_repr(path)} does not exist "
@@ -114,6 +119,27 @@ class UpdateOps:
                 self._plan_names(path, value, names_of)
                 plan.append((path, value, False, False))
         return plan
+
+    def _plan_nested(self, value: Any, path: tuple, inplace: bool, add_missing: bool, selected: list | None,
+                     names_of: dict) -> list:
+        """The plan of the mapping ``value`` merged into the collection at ``path``:
+        entry by entry, or, for a lazy stack there and a tensordict ``value`` of its batch
+        size, one ``_NestedUpdate`` that the stack does itself, member by member (its
+        entries read from here would be stacked copies, which raise when the members'
+        shapes differ). (A dict, or a tensordict of fewer batch dims, a parent's
+        ``to_dict()`` made into a tensordict, is written entry by entry, each split.)"""
+        from shared_td.containers.base import TensorDictBase  # (base imports this module)
+        from shared_td.containers.lazy_writes import _is_lazy
+
+        target, value = unwrap_tensorclass(self._get_path(path, None)), unwrap_tensorclass(value)
+        if not (_is_lazy(target) and isinstance(value, TensorDictBase)
+                and value.batch_size[: target.batch_dims] == target.batch_size):
+            return self._plan_update(value, path, inplace, add_missing, selected, names_of)
+        if selected is not None and not any(path[: len(s)] == s for s in selected):
+            selected = [s[len(path):] for s in selected if s[: len(path)] == path]
+        else:
+            selected = None
+        return [(path, _NestedUpdate(target, value, inplace, add_missing, selected), True, False)]
 
     def _plan_names(self, path: tuple, value: Any, names_of: dict) -> None:
         """Raise, as ``set(path, value)`` would when it writes, if ``value`` names its
@@ -257,6 +283,24 @@ class UpdateOps:
         copy here is synchronous).
         """
         return self.update_(other)
+
+
+class _NestedUpdate:
+    """A planned ``update``/``update_`` of a nested lazy stack by its own method (member
+    by member), checked when planned (as every write of the plan)."""
+
+    def __init__(self, target: Any, source: Any, inplace: bool, add_missing: bool, selected: list | None):
+        from shared_td.containers.lazy_writes import check_write  # (base imports this module)
+
+        check_write(target, source, inplace=inplace, add_missing=add_missing, selected=selected)
+        self.target, self.source, self.inplace, self.add_missing, self.selected = (
+            target, source, inplace, add_missing, selected)
+
+    def write(self, clone: bool) -> None:
+        if self.add_missing:
+            self.target.update(self.source, clone, inplace=self.inplace, keys_to_update=self.selected)
+        else:
+            self.target.update_(self.source, keys_to_update=self.selected)
 
 
 def _stores_first(plan: list) -> list:

@@ -1,0 +1,236 @@
+"""Session 22, side by side with tensordict 0.15.3: walks over a tree go node by node and
+hand the rest of the work to a nested collection's own method, so that a lazy stack
+nested in a TensorDict (members alike or of different shapes), a tensorclass, or a
+TensorDict subclass at the root are written, selected and compared as tensordict does:
+``zero_``/``fill_`` reach a nested lazy stack's members, ``exclude``/``select`` of a key
+through a lazy stack, a tensorclass or below a subclass root, and ``update``,
+``update_``, ``copy_``, ``==``, ``torch.stack`` and ``rename_key_`` with a lazy stack
+whose members' shapes differ."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shared_td
+from tests.reference import needs_tensordict, tensordict
+
+LIBS = [
+    pytest.param(shared_td, id="shared_td"),
+    pytest.param(tensordict, id="tensordict", marks=needs_tensordict),
+]
+
+
+@shared_td.tensorclass
+class OursTC:
+    a: torch.Tensor
+    s: str
+
+
+if tensordict is not None:
+    @tensordict.tensorclass
+    class TheirsTC:
+        a: torch.Tensor
+        s: str
+
+
+def _tc(lib):
+    return OursTC if lib is shared_td else TheirsTC
+
+
+def _lazy(lib, *shapes, **extra):
+    """A lazy stack (stack_dim 0) of one member per shape, each holding ``c`` of that shape."""
+    members = [lib.TensorDict({"c": torch.full(shape, 3.0), **extra}, batch_size=[]) for shape in shapes]
+    return lib.LazyStackedTensorDict(*members, stack_dim=0)
+
+
+def _members(lazy, key="c"):
+    return [m[key].tolist() for m in lazy.tensordicts]
+
+
+# ---------------------------------------------------------------- zero_ / fill_ (finding 2)
+@pytest.mark.parametrize("lib", LIBS)
+def test_zero_reaches_the_members_of_a_nested_lazy_stack(lib):
+    lz = _lazy(lib, (2,), (2,))
+    td = lib.TensorDict({"x": torch.ones(2), "lz": lz}, batch_size=[2])
+    td.zero_()
+    assert td["x"].tolist() == [0.0, 0.0]
+    assert _members(lz) == [[0.0, 0.0], [0.0, 0.0]]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_zero_with_a_ragged_nested_lazy_stack(lib):
+    lz = _lazy(lib, (1,), (2,))
+    td = lib.TensorDict({"x": torch.ones(2), "lz": lz}, batch_size=[2])
+    td.zero_()
+    assert _members(lz) == [[0.0], [0.0, 0.0]]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_fill_of_a_tensordict_holding_a_lazy_stack(lib):
+    lz = _lazy(lib, (2,), (2,))
+    td = lib.TensorDict({"outer": lib.TensorDict({"lz": lz, "y": torch.zeros(2)}, batch_size=[2])}, batch_size=[2])
+    td.fill_("outer", 7)
+    assert td["outer", "y"].tolist() == [7.0, 7.0]
+    assert _members(lz) == [[7.0, 7.0], [7.0, 7.0]]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_fill_of_a_key_inside_a_lazy_stack(lib):
+    lz = _lazy(lib, (1,), (1,))
+    td = lib.TensorDict({"lz": lz}, batch_size=[2])
+    td.fill_(("lz", "c"), 7)
+    assert _members(lz) == [[7.0], [7.0]]
+
+
+def test_fill_of_a_missing_key_names_it():
+    td = shared_td.TensorDict({"lz": _lazy(shared_td, (1,), (1,))}, batch_size=[2])
+    with pytest.raises(KeyError, match="'lz', 'zz'"):
+        td.fill_(("lz", "zz"), 7)
+
+
+# ---------------------------------------------------------------- exclude / select (finding 3)
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("inplace", [False, True])
+def test_exclude_below_a_subclass_root(lib, inplace):
+    class MyTD(lib.TensorDict):
+        pass
+
+    nxt = lib.TensorDict(obs=torch.ones(2), reward=torch.ones(2), batch_size=[2])
+    td = MyTD({"obs": torch.zeros(2), "next": nxt}, batch_size=[2])
+    out = td.exclude(("next", "reward"), inplace=inplace)
+    assert sorted(map(str, out.keys(True, True))) == ["('next', 'obs')", "obs"]
+    assert type(out) is MyTD and (out is td) == inplace
+    assert ("next", "reward") in td.keys(True) or inplace  # (a copy leaves self as it is)
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_exclude_through_a_lazy_stack(lib):
+    lz = _lazy(lib, (1,), (2,), b=torch.ones(()))
+    td = lib.TensorDict({"x": torch.zeros(2), "lz": lz}, batch_size=[2])
+    out = td.exclude(("lz", "b"))
+    assert type(out["lz"]).__name__ == "LazyStackedTensorDict"
+    assert sorted(map(str, out.keys(True, True))) == ["('lz', 'c')", "x"]
+    assert [sorted(m.keys()) for m in lz.tensordicts] == [["b", "c"], ["b", "c"]]  # self kept
+    td.exclude(("lz", "b"), inplace=True)
+    assert [sorted(m.keys()) for m in lz.tensordicts] == [["c"], ["c"]]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_select_through_a_lazy_stack_shares_the_members_entries(lib):
+    lz = _lazy(lib, (1,), (2,), b=torch.ones(()))
+    td = lib.TensorDict({"x": torch.ones(2), "lz": lz}, batch_size=[2])
+    ragged = td.select(("lz", "c"))  # (members of different shapes: no stacking)
+    assert type(ragged["lz"]).__name__ == "LazyStackedTensorDict"
+    assert list(ragged.keys(True, True)) == [("lz", "c")]
+    selected = td.select("x", ("lz", "b"))
+    selected["lz"].zero_()
+    assert [m["b"].item() for m in lz.tensordicts] == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_exclude_and_select_through_a_tensorclass_keep_its_class(lib):
+    tc = _tc(lib)(a=torch.ones(2, 2), s="q", batch_size=[2])
+    td = lib.TensorDict({"x": torch.zeros(2), "tc": tc}, batch_size=[2])
+    excluded = td.exclude(("tc", "a"))
+    assert type(excluded["tc"]) is _tc(lib) and excluded["tc"].a is None and excluded["tc"].s == "q"
+    assert tc.a is not None
+    selected = td.select(("tc", "a"))
+    assert type(selected["tc"]) is _tc(lib)
+    assert selected["tc"].a is tc.a
+
+
+def test_select_of_a_missing_nested_key_names_the_whole_key():
+    td = shared_td.TensorDict({"n": {"y": torch.zeros(2)}}, batch_size=[2])
+    with pytest.raises(KeyError, match="'n', 'q'"):
+        td.select(("n", "q"))
+    assert list(td.select(("n", "q"), "n", strict=False).keys(True, True)) == [("n", "y")]
+
+
+# ---------------------------------------------------------------- a ragged nested lazy stack (finding 5)
+def _holding_ragged(lib):
+    lz = _lazy(lib, (1,), (2,))
+    return lib.TensorDict({"x": torch.zeros(2), "lz": lz}, batch_size=[2]), lz
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("method", ["update", "update_", "copy_"])
+def test_update_with_a_ragged_nested_lazy_stack(lib, method):
+    td, lz = _holding_ragged(lib)
+    kept = lz.tensordicts[1]["c"]
+    getattr(td, method)(td.clone().apply(lambda t: t + 1))
+    assert td["x"].tolist() == [1.0, 1.0]
+    assert _members(lz) == [[4.0], [4.0, 4.0]]
+    assert (lz.tensordicts[1]["c"] is kept) == (method != "update")  # (update replaces, update_ writes in place)
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_update_of_selected_keys_inside_a_ragged_nested_lazy_stack(lib):
+    td, lz = _holding_ragged(lib)
+    td.update(td.clone().apply(lambda t: t + 5), keys_to_update=[("lz", "c")])
+    assert td["x"].tolist() == [0.0, 0.0] and _members(lz) == [[8.0], [8.0, 8.0]]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_apply__with_a_ragged_nested_lazy_stack(lib):
+    td, lz = _holding_ragged(lib)
+    td.apply_(lambda t: t.add_(1))
+    assert _members(lz) == [[4.0], [4.0, 4.0]]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_eq_with_a_ragged_nested_lazy_stack(lib):
+    td, _ = _holding_ragged(lib)
+    result = td == td.clone()
+    assert type(result["lz"]).__name__ == "LazyStackedTensorDict" and result["lz"].batch_size == torch.Size([2])
+    assert result.all()
+    assert not (td != td.clone()).any()
+    assert type((td == 3)["lz"]).__name__ == "LazyStackedTensorDict" and (td == 3)["lz"].all()
+
+
+def test_eq_with_a_batch_tensor_lines_it_up_with_each_members_rows():
+    """(tensordict 0.15.3 raises for a ragged stack: each member compares with its row)"""
+    lz = shared_td.LazyStackedTensorDict(shared_td.TensorDict(c=torch.zeros(3)), shared_td.TensorDict(c=torch.ones(3)),
+                                         stack_dim=0)
+    td = shared_td.TensorDict({"lz": shared_td.lazy_stack([lz, lz.clone()], 1), "x": torch.zeros(2, 3)}, batch_size=[2])
+    result = td == torch.tensor([0.0, 1.0])
+    assert result["x"].tolist() == [[True] * 3, [False] * 3]
+    assert result["lz"].batch_size == torch.Size([2, 2]) and result["lz"].all()
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_torch_stack_of_tensordicts_holding_a_ragged_lazy_stack(lib):
+    td, lz = _holding_ragged(lib)
+    out = torch.stack([td, td.clone()], 0)
+    assert type(out).__name__ == "TensorDict" and out.batch_size == torch.Size([2, 2])
+    assert type(out["lz"]).__name__ == "LazyStackedTensorDict" and out["lz"].batch_size == torch.Size([2, 2])
+    assert out["x"].shape == torch.Size([2, 2])
+
+
+def test_torch_stack_still_names_a_dense_leaf_of_another_shape():
+    td, _ = _holding_ragged(shared_td)
+    td["n"] = shared_td.TensorDict(y=torch.zeros(2, 3), batch_size=[2])
+    other = td.clone()
+    other["n", "y"] = torch.zeros(2, 4)
+    with pytest.raises(RuntimeError, match=r"\('n', 'y'\)"):
+        torch.stack([td, other], 0)
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_rename_key_of_a_ragged_lazy_stack(lib):
+    lz = _lazy(lib, (1,), (2,), d=torch.zeros(()))
+    kept = lz.tensordicts[1]["c"]
+    lz.rename_key_("c", "r")
+    assert [sorted(m.keys()) for m in lz.tensordicts] == [["d", "r"], ["d", "r"]]
+    assert lz.tensordicts[1]["r"] is kept
+
+
+def test_rename_key_through_a_nested_ragged_lazy_stack():
+    """(tensordict 0.15.3 raises here: it stacks the entry)"""
+    td, lz = _holding_ragged(shared_td)
+    td.rename_key_(("lz", "c"), ("lz", "r"))
+    assert [sorted(m.keys()) for m in lz.tensordicts] == [["r"], ["r"]]
+    with pytest.raises(KeyError, match="already present"):
+        td.rename_key_(("lz", "r"), ("lz", "r"), safe=True)
+    with pytest.raises(KeyError, match="'lz', 'q'"):
+        td.rename_key_(("lz", "q"), ("lz", "s"))
+    assert [sorted(m.keys()) for m in lz.tensordicts] == [["r"], ["r"]]
