@@ -78,8 +78,9 @@ class ConvenienceOps:
             # tensordict 0.15.3 writes key by key as set_at_, the index read on each
             # entry's dims: mirrored where its writes fit (see entry_index_writes)
             batch_paths = index_writes.tensordict_values(unwrap_tensorclass(source))
+            python_paths = index_writes.python_values(source)
         else:
-            batch_paths = None
+            batch_paths = python_paths = None
         if isinstance(source, dict):
             source = TensorDict(source, batch_size=[])
         elif not isinstance(source, TensorDictBase):  # a tensorclass
@@ -98,7 +99,7 @@ class ConvenienceOps:
             source = source.clone()
         writes, error = None, None
         if batch_paths is not None:
-            writes, error = index_writes.entry_index_writes(target, source, idx, batch_paths)
+            writes, error = index_writes.entry_index_writes(target, source, idx, batch_paths, python_paths)
         if writes is None:  # (a source shaped as the rows td[idx], which tensordict refuses, too)
             try:
                 target._set_at_index(idx, source)

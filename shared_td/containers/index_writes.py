@@ -185,13 +185,16 @@ def reads_entry_dims(index: Any, batch_size: torch.Size) -> bool:
     return False
 
 
-def entry_index_writes(target: Any, source: Any, index: Any, batch_paths: set) -> tuple:
+def entry_index_writes(target: Any, source: Any, index: Any, batch_paths: set, python_paths: Any = ()) -> tuple:
     """The writes of tensordict 0.15.3's ``target.update_at_(source, index)``, which is
     ``set_at_`` key by key: a tensor written into a tensor entry goes to ``entry[index]``,
     the index read on the entry's own dims (``(..., 0)`` is the entry's last dim), and a
     tensordict at one of ``batch_paths`` (a tensordict given as a value, not made from a
-    nested dict) goes to the nested entry's ``[index]``, read on its batch dims.
-    ``target`` is a TensorDict or a lazy stack (whose members are written).
+    nested dict) goes to the nested entry's ``[index]``, read on its batch dims; a
+    NonTensorData goes into a non-tensor entry at ``[index]`` read on its batch dims (as
+    set_at_ writes it), unless it was a plain Python value of the dict given (one of
+    ``python_paths``), which tensordict refuses there. ``target`` is a TensorDict or a
+    lazy stack (whose members are written).
 
     Everything is checked first, below lazy stacks and read-only members too; returns
     ``(writes, None)``, the closures that write, or ``(None, error)`` when a value does not
@@ -212,14 +215,21 @@ def entry_index_writes(target: Any, source: Any, index: Any, batch_paths: set) -
                 entry._plan_index_writes(rows_index, value, writes, rows, path=path)
             elif isinstance(value, torch.Tensor) and isinstance(entry, torch.Tensor):
                 plan_set_at(target, path, value, index, writes, "update_at_", entry)
+            elif is_non_tensor(value) and is_non_tensor(entry) and path not in python_paths:
+                # decided entry by entry: a non-tensor entry is written at the index read
+                # on its batch dims (tensordict's set_at_), and the tensor entries beside
+                # it keep the entry-dims meaning (refusing it wrote the whole source as rows)
+                plan_set_at(target, path, value, index, writes, "update_at_")
             elif hasattr(value, "_items_str") and not is_non_tensor(value) and branch:
                 plan(value, path, index)  # a nested dict: its leaves are written as leaves
             else:  # (written as td[index] = ..., unless that fails too)
                 kind = "non-tensor value" if is_non_tensor(value) else type(value).__name__
+                hint = ("give a tensor, or NonTensorData(value) for a non-tensor entry (a plain "
+                        "Python value is refused there, as in tensordict 0.15.3)." if path in python_paths
+                        else "give a tensor.")
                 raise TypeError(
                     f"update_at_(..., {index!r}): cannot write a {kind} into "
-                    f"entry {key_repr(path)} with the index read on the entry's own dims: "
-                    "give a tensor."
+                    f"entry {key_repr(path)} with the index read on the entry's own dims: {hint}"
                 )
 
     try:
@@ -323,6 +333,28 @@ def _tree_tensors(node: Any, path: tuple = ()) -> Any:
             yield value
         elif is_tensor_collection(value) and not is_non_tensor(value):
             yield from _tree_tensors(value, path[1:])
+
+
+def python_values(given: Any, prefix: tuple = ()) -> set:
+    """The paths of the plain Python values (a str, an object: neither a tensor nor a
+    tensordict nor non-tensor data) in ``given``, a dict passed to ``update_at_``, its
+    nested dicts walked into: tensordict 0.15.3 refuses them with an index read on the
+    entries' dims (a TypeError), and writes a NonTensorData given there.
+
+    Example:
+        >>> sorted(python_values({"a": torch.ones(2), "s": "y", "n": {"t": "z"}}))
+        [('n', 't'), ('s',)]
+    """
+    if not isinstance(given, dict):
+        return set()
+    paths = set()
+    for key, value in given.items():
+        path = prefix + (key,)
+        if isinstance(value, dict):
+            paths |= python_values(value, path)
+        elif not isinstance(value, torch.Tensor) and not is_tensor_collection(value):
+            paths.add(path)
+    return paths
 
 
 def tensordict_values(given: Any, prefix: tuple = ()) -> set:

@@ -20,13 +20,13 @@ from shared_td.containers.base import (TensorDictBase, check_write_into, is_leaf
                                        is_tensor_collection)
 from shared_td.containers.index_writes import plan_set_at
 from shared_td.containers.lazy_nontensor import written_through
-from shared_td.containers.nontensor import as_non_tensor
-from shared_td.containers.nontensor_ops import list_to_entry
+from shared_td.containers.nontensor import NonTensorData, as_non_tensor
+from shared_td.containers.nontensor_ops import list_to_entry, one_value_into
 from shared_td.containers.update_options import update_source
 from shared_td.errors import BatchSizeMismatchError
 from shared_td.keys import key_repr, unravel_key
 from shared_td.memmap_tensor import refuse_read_only
-from shared_td.tensorclass_protocol import unwrap_tensorclass
+from shared_td.tensorclass_protocol import is_tensorclass, unwrap_tensorclass
 
 if TYPE_CHECKING:  # for the annotations only: lazy.py imports this module
     from shared_td.containers.lazy import LazyStackedTensorDict
@@ -45,6 +45,8 @@ class LazyWriteOps:
         if not isinstance(key, str):
             unravel_key(key)  # raises the KeyTypeError
         parts = self._split_value(key, value)
+        if inplace:
+            parts = [_fit_in_place(_peek(member, key), part) for member, part in zip(self.tensordicts, parts)]
         for member, part in zip(self.tensordicts, parts):  # check everything first
             self._check_part(member, key, part, inplace)
         for member, part in zip(self.tensordicts, parts):
@@ -82,6 +84,11 @@ class LazyWriteOps:
                 value = torch.as_tensor(value)
             except (TypeError, ValueError, RuntimeError):
                 pass
+        if isinstance(value, NonTensorData) and value.batch_size[: self.batch_dims] != self.batch_size:
+            # one value for any batch: given the stack's, as TensorDict.set re-batches it
+            # (lazy.set_non_tensor(("sub", "k"), v) makes one of the root's batch size,
+            # which a nested stack with more batch dims refused)
+            value = value._with_batch_size(self.batch_size, key)
         if isinstance(value, torch.Tensor) or is_tensor_collection(value):
             shape = value.batch_size if is_tensor_collection(value) else value.shape
             if shape[: self.batch_dims] != self.batch_size:
@@ -101,7 +108,7 @@ class LazyWriteOps:
         parts = self._split_value(key, value)
         if into is not None:
             for member, part in zip(self.tensordicts, parts):
-                self._check_part(member, key, part, inplace=True)
+                self._check_part(member, key, _fit_in_place(_peek(member, key), part), inplace=True)
         return value
 
     def _unbind_like(self, other: Any) -> list:
@@ -154,7 +161,7 @@ class LazyWriteOps:
         as keywords, ``lazy.update(a=x)``) is split along ``stack_dim`` (a lazy stack of the
         same layout gives its members). Checked before writing."""
         other = update_source(self, input_dict_or_td, entries, ignore_lock)
-        parts = self._update_parts(other)
+        parts = self._update_parts(other, inplace)
         selected = None if keys_to_update is None else [unravel_key(k) for k in keys_to_update]
         for member, part in zip(self.tensordicts, parts):
             check_write(member, part, inplace=inplace, add_missing=True, selected=selected)
@@ -164,7 +171,7 @@ class LazyWriteOps:
 
     def update_(self, other: Any, *, keys_to_update=None, non_blocking: bool = False) -> "LazyStackedTensorDict":
         """As TensorDict.update_, member by member (see ``update``)."""
-        parts = self._update_parts(other)
+        parts = self._update_parts(other, inplace=True)
         # (key by member: the members of a heterogeneous stack hold different keys, and
         # each is written with its own part, as tensordict 0.15.3 does -- torch.cat(...,
         # out=lazy) writes so)
@@ -182,12 +189,23 @@ class LazyWriteOps:
             member.update_(part, keys_to_update=keys_to_update)
         return self
 
-    def _update_parts(self, other: Any) -> list:
+    def _update_parts(self, other: Any, inplace: bool = False) -> list:
+        """``other`` as one part per member; written ``inplace``, each part fitted to the
+        member's entries (``_fit_in_place``)."""
         if self._same_layout(other):
-            return list(other.tensordicts)
-        if not isinstance(other, dict) and not _is_branch(other):
-            other = dict(other)
-        return self._split_value("update", other)
+            parts = list(other.tensordicts)
+        else:
+            if not isinstance(other, dict) and not _is_branch(other):
+                other = dict(other)
+            elif _is_branch(other) and other.batch_size[: self.batch_dims] != self.batch_size:
+                # fewer batch dims than the stack (a TensorDict of batch []): its entries
+                # split as a dict's, as TensorDict.update takes any batch size (and a
+                # TensorDict's update hands a nested lazy stack its mapping so)
+                other = _entries_as_dict(other)
+            parts = self._split_value("update", other)
+        if inplace:
+            parts = [_fit_in_place(member, part) for member, part in zip(self.tensordicts, parts)]
+        return parts
 
     def _same_layout(self, other: Any) -> bool:
         same_dim = _is_lazy(other) and other._stack_dim == self._stack_dim
@@ -255,12 +273,8 @@ class LazyWriteOps:
         parts = []
         for member, part, mask in zip(self.tensordicts, stacked.unbind(self._stack_dim),
                                       touched.unbind(self._stack_dim)):
-            if not mask.any():
-                continue
-            if _is_lazy(member):
-                parts += member._touched_parts(path, part, mask)
-            else:
-                parts.append((member.get(path), part, mask))
+            if mask.any():
+                parts += _member_parts(member, path, part, mask)
         return parts
 
     def _plan_members_set_at(self, path: tuple, value: Any, index: Any, writes: list) -> None:
@@ -378,6 +392,63 @@ def _expand_lead(value: Any, lead: torch.Size, shape: torch.Size) -> Any:
     return _expand_to(value, size) if _is_branch(value) else value.expand(size)
 
 
+def _member_parts(member: Any, path: tuple, part: torch.Tensor, mask: torch.Tensor) -> list:
+    """``LazyWriteOps._touched_parts`` of one member: ``[(tensor, part, mask)]`` for its
+    own tensor at ``path``, walked node by node. The first lazy stack met on the way
+    (the member itself, or one nested in it) gets the rest of the path: its ``get`` would
+    give a new stacked tensor, and a write into that copy reaches no member."""
+    node = unwrap_tensorclass(member)
+    for depth, key in enumerate(path):
+        if _is_lazy(node):
+            return node._touched_parts(path[depth:], part, mask)
+        node = unwrap_tensorclass(node._get_str(key, None))
+    return [(node, part, mask)]
+
+
+def _fit_in_place(current: Any, part: Any) -> Any:
+    """``part``, a member's part of a value written in place into the member's entry
+    ``current``, with the values that it gives a NonTensorData one per element, all the
+    same, as that one value (nontensor_ops.one_value_into): splitting a value along the
+    stack dim gives each member's NonTensorData one value per element, which it refuses,
+    so ``lazy.update_(lazy.to_dict())`` raised. A tensordict part is walked with the
+    member's tensordict (a new one returned, the source's own left as it is); a lazy
+    stack met on the way fits its own members' parts when it is written.
+
+    Example:
+        >>> member = TensorDict(a=torch.zeros(2), batch_size=[2]).set_non_tensor("n", 6)
+        >>> _fit_in_place(member, TensorDict(a=torch.ones(2), n=torch.tensor([6, 6]), batch_size=[2]))["n"]
+        6
+    """
+    if current is None or isinstance(current, torch.Tensor):  # (most entries: nothing to fit)
+        return part
+    current = unwrap_tensorclass(current)
+    if _is_lazy(current):
+        return part
+    if is_non_tensor(current):
+        return one_value_into(current, part)
+    source = unwrap_tensorclass(part)
+    if not _is_branch(current) or not _is_branch(source) or _is_lazy(source):
+        return part
+    fitted = {}
+    for key, value in source._items_str():
+        new = _fit_in_place(current._get_str(key, None), value)
+        if new is not value:
+            fitted[key] = new
+    if not fitted:
+        return part
+    copy = source.clone(recurse=False)  # (new nested tensordicts, the same leaves)
+    for key, new in fitted.items():
+        copy._set_str(key, new, inplace=False, validated=True)
+    return copy
+
+
+def _entries_as_dict(td: Any) -> dict:
+    """The entries of the tensordict ``td`` as a nested dict (its nested TensorDicts as
+    dicts; lazy stacks, tensorclasses and leaves as they are)."""
+    return {key: _entries_as_dict(value) if _is_branch(value) and not _is_lazy(value) and not is_tensorclass(value)
+            else value for key, value in unwrap_tensorclass(td)._items_str()}
+
+
 def _write_parts(parts: list) -> None:
     """Copy the selected elements of each member's part into the member's tensor."""
     for leaf, part, mask in parts:
@@ -448,7 +519,7 @@ def check_write(target: Any, source: Any, *, inplace: bool, add_missing: bool,
     """
     target = unwrap_tensorclass(target)
     if _is_lazy(target):
-        for member, part in zip(target.tensordicts, target._update_parts(unwrap_tensorclass(source))):
+        for member, part in zip(target.tensordicts, target._update_parts(unwrap_tensorclass(source), inplace)):
             check_write(member, part, inplace=inplace, add_missing=add_missing, selected=selected)
     elif _is_branch(target):
         target._plan_update(unwrap_tensorclass(source), (), inplace, add_missing, selected)

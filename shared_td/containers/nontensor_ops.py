@@ -6,11 +6,13 @@ list becomes in a tensordict, and the check of an indexed write into non-tensor 
 """
 from __future__ import annotations
 
+import numbers
 from typing import Any, Iterator
 
 import torch
 
 from shared_td.containers import batch as batch_ops
+from shared_td.containers.nontensor_values import same_value
 from shared_td.containers.value_kinds import is_leaf_nontensor, is_non_tensor
 from shared_td.errors import BatchSizeMismatchError
 from shared_td.keys import NestedKey, key_repr
@@ -72,6 +74,41 @@ def check_non_tensor_write(current: Any, index: tuple, source: Any, key: str | t
     except BatchSizeMismatchError as error:
         raise BatchSizeMismatchError(f"Cannot write into non-tensor entry {name}: {error}") from None
     current._check_storable(values, key)
+
+
+def one_value_into(current: Any, value: Any) -> Any:
+    """``value`` as one value when it is written in place into ``current``, a
+    NonTensorData (one value for its batch), and holds one value per element that are
+    all the same: a NonTensorStack of equal values, or (written again) a tensor whose
+    elements all equal the number ``current`` holds. Anything else is returned as it is
+    (the write's own check then refuses what it must).
+
+    A lazy stack splits a value along its stack dim, so ``lazy.update_(lazy.to_dict())``
+    gives each member's NonTensorData one value per element: taken so, that round trip
+    works as it does for a TensorDict. Any other tensor stays refused (it would hide a
+    write meant for a tensor entry), and so do values that differ.
+
+    Example:
+        >>> from shared_td.containers.nontensor import NonTensorData, NonTensorStack
+        >>> one_value_into(NonTensorData("walk", batch_size=[2]), NonTensorStack.from_list(["run", "run"])).data
+        'run'
+        >>> one_value_into(NonTensorData(6, batch_size=[2]), torch.tensor([6, 6])).data
+        6
+        >>> type(one_value_into(NonTensorData("walk", batch_size=[2]), NonTensorStack.from_list(["a", "b"]))).__name__
+        'NonTensorStack'
+    """
+    from shared_td.containers.nontensor import NonTensorData, NonTensorStack
+
+    if not isinstance(current, NonTensorData):
+        return value
+    if isinstance(value, NonTensorStack) and value.batch_size == current.batch_size:
+        values = value._flat_values()
+        if values and all(same_value(v, values[0]) for v in values[1:]):
+            return NonTensorData(values[0], batch_size=current.batch_size, device=current.device)
+    elif (isinstance(value, torch.Tensor) and value.shape == current.batch_size and value.numel()
+          and isinstance(current.data, numbers.Number) and same_value(value, current.data)):
+        return NonTensorData(current.data, batch_size=current.batch_size, device=current.device)
+    return value
 
 
 def list_to_tensor(value: list | tuple) -> Any:
