@@ -64,9 +64,10 @@ class TensorMethods:
             return self
         device, dtype, asked = parse_to(args, kwargs, self._batch_size)  # (both of to(device, dtype), as torch reads them)
         moved = self if device is None else self._moved(device, asked)
-        if dtype is None:
-            return moved
-        return moved._map_entries(lambda v: v.to(dtype), moved._batch_size, moved.names)
+        result = moved if dtype is None else moved._map_entries(lambda v: v.to(dtype), moved._batch_size, moved.names)
+        if result is not self and self.is_locked and not result.is_locked:
+            result.lock_()  # a locked tree's copy is locked too, as in tensordict 0.15.3
+        return result
 
     def _moved(self, device: torch.device, asked: bool) -> "TensorDict":
         """``to(device)`` (``asked``: non_blocking was given)."""

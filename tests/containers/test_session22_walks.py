@@ -234,3 +234,17 @@ def test_rename_key_through_a_nested_ragged_lazy_stack():
     with pytest.raises(KeyError, match="'lz', 'q'"):
         td.rename_key_(("lz", "q"), ("lz", "s"))
     assert [sorted(m.keys()) for m in lz.tensordicts] == [["r"], ["r"]]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("args", [(torch.float64,), ("cpu",), ("cpu", torch.float16)])
+@pytest.mark.parametrize("lazy", [False, True])
+def test_to_of_a_locked_tensordict_gives_a_locked_copy(lib, args, lazy):
+    """to(dtype) / to(device) of a locked tree (without a device: a new copy) is locked,
+    its nested tensordicts too, as in tensordict 0.15.3 (ours came back unlocked)."""
+    make = lambda: lib.TensorDict(a=torch.zeros(2), n=lib.TensorDict(b=torch.zeros(2), batch_size=[2]),
+                                  batch_size=[2])
+    td = (lib.lazy_stack([make(), make()]) if lazy else make()).lock_()
+    moved = td.to(*args)
+    assert moved is not td and moved.is_locked and moved["n"].is_locked
+    assert not make().to(*args).is_locked
