@@ -26,9 +26,8 @@ from shared_td.coordinator.cluster import Cluster  # noqa: E402
 from shared_td.coordinator.cluster_attach import ATTACH_TRIES, ClusterAttach  # noqa: E402
 from shared_td.coordinator.cluster_wake import WAKE_KEY  # noqa: E402
 from tests.cluster.stores import loopback_store  # noqa: E402
-from tests.cluster.test_cluster_store import _start_together  # noqa: E402
+from tests.cluster.test_cluster_store import _members  # noqa: E402
 
-KEY = b"session 22: the cluster's test key"
 
 #: Node 1 gives a pull up after this; node 0's lane reaches it after LATE.
 GIVE_UP = 0.4
@@ -38,19 +37,6 @@ LATE = 0.6
 @pytest.fixture
 def store():
     return loopback_store(10)
-
-
-def _members(store, timeouts):
-    """Nodes 0..n-1 on ``store``, node i with timeout ``timeouts[i]``, started together."""
-    url = f"tcp://127.0.0.1:{store.port}?host=0"
-    members = [Cluster(url, n, len(timeouts), authkey=KEY, timeout=timeout, hostname="127.0.0.1")
-               for n, timeout in enumerate(timeouts)]
-    errors = _start_together(members)
-    if errors:
-        for member in members:
-            member.shutdown()
-        raise errors[0]
-    return members
 
 
 def _drains() -> list[threading.Thread]:
