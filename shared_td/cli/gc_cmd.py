@@ -10,11 +10,13 @@ Two kinds of things, and nothing else:
   a prefix that no longer exists is left alone: nothing says it is ours;
 * inside a saved tensordict, the temporary files (``meta.json.<pid>.<thread>.tmp``, ...)
   of a writer ``<pid>`` killed while it rewrote the metadata in place, and the leaf files
-  ``.<NAME>.viewed-<pid>-<n>`` it set aside: put back over ``NAME`` where that writer's
-  staged meta.json is still there (it never committed), removed where it is not
-  (persist/set_aside.py). A directory whose flock a running writer holds is skipped;
+  ``.<NAME>.viewed-<pid>-<n>-<ino>`` it set aside: put back over ``NAME`` where the
+  node's meta.json is still the inode ``<ino>`` it had then (nothing committed since),
+  removed where it is not (persist/set_aside.py). A directory whose flock a running
+  writer holds is skipped (the lock alone says a writer runs, whatever its pid);
   set-aside files gc cannot decide on (two dead writers' for one ``NAME``, a ``NAME``
-  that is not a regular file) are left and listed as failed.
+  that is not a regular file, a tree committed below but not above) are left and listed
+  as failed. ``--dry-run`` lists the same skipped and failed prefixes.
 
 PATH may be a saved tensordict itself, a directory or a ``.tdz`` archive: its leftovers
 beside it are cleaned (an archive's lock ``.x.tdz.lock`` and the temporary files
@@ -251,6 +253,6 @@ def _what(path: str) -> str:
         return f"temporary file of dead writer pid {writer}"
     aside = parse_set_aside_name(os.path.basename(path))
     if aside is not None:
-        return (f"{aside[0]} set aside by dead writer pid {aside[1]}: put back over {aside[0]} if that "
-                "writer never committed, else removed")
+        return (f"{aside[0]} set aside by dead writer pid {aside[1]}: put back over {aside[0]} if meta.json "
+                "is unchanged since, else removed")
     return "lock file no process holds"

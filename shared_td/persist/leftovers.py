@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Iterator
 
 from shared_td.persist import set_aside
 from shared_td.persist.format import lock_path, sibling_stem
@@ -54,34 +53,38 @@ def find_leftovers(prefix: str) -> list[str]:
 
 def find_stale_temporaries(prefix: str) -> list[str]:
     """Temporary files a killed (non-atomic) writer left inside the saved tree at
-    ``prefix``: ``meta.json.<pid>.<thread>.tmp`` and the like, and the leaf files it
-    set aside (``.<NAME>.viewed-<pid>-<n>``, persist/set_aside.py), whose pid is gone:
-    those gc would remove or put back now. Symlinks are not followed; nothing is
-    removed; a directory a live writer holds (its flock) is not looked into."""
-    found = []
-    for node in _dead_writers_nodes(prefix):
-        with set_aside.locked_chain(node.directory, prefix) as free:
-            if free:
-                found += node.acted_on()
-    return found
+    ``prefix``: ``meta.json.<pid>.<thread>.tmp`` and the like, whose pid is gone, and
+    the leaf files it set aside (``.<NAME>.viewed-<pid>-<n>-<ino>``, persist/set_aside.py)
+    where no writer holds the flocks: those gc would remove or put back now. Symlinks
+    are not followed; nothing is removed; a directory a live writer holds is not
+    looked into."""
+    return _clean_inside(prefix, [], act=False)[0]
 
 
-def _dead_writers_nodes(prefix: str) -> Iterator[set_aside.NodeLeftovers]:
+def _dead_writers_nodes(prefix: str) -> list[set_aside.NodeLeftovers]:
     """What dead writers left in each directory of the tree at ``prefix`` (decided by
-    set_aside.node_leftovers; directories with nothing skipped)."""
+    set_aside.node_leftovers; directories with nothing skipped), and the writers killed
+    between two commits of one tree (set_aside.half_committed), whose files all stay."""
+    listed = []
     for directory, subdirectories, names in os.walk(prefix):
         subdirectories.sort()
-        node = set_aside.node_leftovers(directory, names)
-        if node:
-            yield node
+        listed.append((directory, names))
+    nodes = [node for directory, names in listed if (node := set_aside.node_leftovers(directory, names))]
+    half = set_aside.half_committed(nodes, prefix)
+    if half:
+        nodes = [node for directory, names in listed if (node := set_aside.node_leftovers(directory, names, half))]
+    for node in nodes:
+        node.half = half
+    return nodes
 
 
-def _clean_inside(prefix: str, removed: list[str]) -> None:
+def _clean_inside(prefix: str, removed: list[str], *, act: bool = True) -> tuple[list[str], list[str], list[str]]:
     """Put back and remove what dead writers left inside the tree at ``prefix``, one node
     directory at a time under its flocks (set_aside.locked_chain), decided again under
-    them; paths acted on are appended to ``removed``. Then an OSError naming what was
-    left (two dead writers' files for one name, a name that is not a regular file), or
-    else a TimeoutError naming the directories a live writer holds (skipped: busy)."""
+    them; paths acted on (``act=False``: those that would be) are appended to
+    ``removed``. Returns ``(removed, left, busy)``: what is left for a person (two dead
+    writers' files for one name, a name that is not a regular file, a half-committed
+    tree) and the directories a live writer holds (skipped)."""
     left, busy = [], []
     for listed in _dead_writers_nodes(prefix):
         with set_aside.locked_chain(listed.directory, prefix) as free:
@@ -89,11 +92,20 @@ def _clean_inside(prefix: str, removed: list[str]) -> None:
                 busy.append(listed.directory)
                 continue
             try:
-                node = set_aside.node_leftovers(listed.directory, os.listdir(listed.directory))
+                node = set_aside.node_leftovers(listed.directory, os.listdir(listed.directory), listed.half)
             except FileNotFoundError:
                 continue
-            set_aside.act(node, removed)
+            if act:
+                set_aside.act(node, removed)
+            else:
+                removed += node.acted_on()
             left += node.left
+    return removed, left, busy
+
+
+def _raise_left_or_busy(prefix: str, left: list[str], busy: list[str]) -> None:
+    """An OSError naming what was left (the CLI's "failed"), else a TimeoutError naming
+    the directories a live writer holds (its "skipped"), else nothing."""
     if left:
         raise OSError(f"Left inside {prefix}, to be looked at by hand: {'; '.join(left)}"
                       + (f"; busy (a running writer holds them): {', '.join(busy)}" if busy else ""))
@@ -148,10 +160,12 @@ def gc(prefix: str, timeout: float | None = None, *, dry_run: bool = False,
     own file where that writer never committed (persist/set_aside.py), and listed all the
     same. A node directory a live writer holds (its flock, never waited for) is skipped:
     TimeoutError once the rest is done; what is left for a person to look at (two dead
-    writers' files for one leaf, a leaf's name that is not a regular file) an OSError.
+    writers' files for one leaf, a leaf's name that is not a regular file, a tree whose
+    writer was killed between two nodes' commits) an OSError.
     With ``remove_lock=True`` the lock file ``.<name>.lock`` goes too when no process
     holds it. ``dry_run=True`` removes nothing, takes no prefix lock (only probes node
-    directories' flocks) and returns what would go. A leftover that cannot be removed is
+    directories' flocks) and returns what would go; what gc would leave or skip is the
+    same OSError or TimeoutError (its ``removed``: what would go). A leftover that cannot be removed is
     an OSError naming it (with ``removed``: what was removed before, TimeoutError too).
     For a symlinked prefix, both the link's and its target's neighbours are cleaned (an
     atomic write works beside the target; older versions worked beside the link).
@@ -183,11 +197,16 @@ def _gc_one(prefix: str, timeout: float | None, dry_run: bool, remove_lock: bool
             *, inside: bool) -> list[str]:
     """gc of one real path (``inside``: the temporary files within it too)."""
     lock_file = lock_path(prefix)
-    stale = find_stale_temporaries if inside else (lambda _: [])
-    if dry_run:
-        found = find_leftovers(prefix) + stale(prefix)
+    if dry_run:  # what gc would do, and leave or skip, reported as gc reports it
+        found = find_leftovers(prefix)
+        left, busy = _clean_inside(prefix, found, act=False)[1:] if inside else ([], [])
         if remove_lock and os.path.lexists(lock_file) and not lock_is_held(lock_file):
             found.append(lock_file)
+        try:
+            _raise_left_or_busy(prefix, left, busy)
+        except OSError as error:
+            error.removed = found
+            raise
         return found
     existed = os.path.lexists(lock_file)  # else taking the lock creates it: not a leftover
     removed: list[str] = []
@@ -199,7 +218,7 @@ def _gc_one(prefix: str, timeout: float | None, dry_run: bool, remove_lock: bool
             with acquired(prefix, timeout):
                 removed += sweep_leftovers(prefix)
                 if inside:
-                    _clean_inside(prefix, removed)
+                    _raise_left_or_busy(prefix, *_clean_inside(prefix, removed)[1:])
         except OSError as error:  # what was removed before it (TimeoutError too), for the caller to report
             error.removed = removed + getattr(error, "removed", [])
             raise

@@ -30,13 +30,12 @@ def rewrite_node(obj: Any, directory: str, expected: tuple[int, int] | None = No
     """Rewrite the files of ``obj``'s existing node ``directory`` from what ``obj``
     holds now (after an in-place write of non-tensor data): through a temporary each,
     renamed over the old file; a failure leaves the old files and no temporary. Under
-    the node's flock (held while its temporaries are staged: gc leaves them alone,
-    persist/set_aside.py), SaveChangedError (nothing written) if ``directory`` is no
-    longer the ``expected`` ``(st_dev, st_ino)`` it was mapped from: a stale view's write
-    never reaches a newer save's files (written through the descriptor checked)."""
+    the node's flock, SaveChangedError (nothing written) if ``directory`` is no longer
+    the ``expected`` ``(st_dev, st_ino)`` it was mapped from: a stale view's write never
+    reaches a newer save's files (written through the descriptor checked)."""
     with Directory.open(directory) as opened:
-        lock_node(opened)
         if expected is not None:
+            _lock_node(opened)
             st = os.fstat(opened.fd)
             if (st.st_dev, st.st_ino) != tuple(expected):
                 raise SaveChangedError(
@@ -82,7 +81,7 @@ def node_rewrite(obj: Any, directory: str) -> Iterator[Callable[[], None]]:
     kind = nodes.kind_for_object(obj)
     expected = kind.metadata(obj, _entries_now(kind, obj))[0]
     with Directory.open(directory) as opened:
-        lock_node(opened)
+        _lock_node(opened)
         on_disk = read_meta(opened)
         if not _same_layout(on_disk, expected):
             raise SaveChangedError(
@@ -99,19 +98,16 @@ def node_rewrite(obj: Any, directory: str) -> Iterator[Callable[[], None]]:
                 "went to the old version, which is gone. Load the save again (load_memmap) and retry.")
 
 
-def lock_node(opened: Directory) -> None:
+def _lock_node(opened: Directory) -> None:
     """Take the ``flock`` of ``opened`` (dropped when it is closed), waiting at most
-    NODE_LOCK_S. Also taken by a tree write into an existing directory (its root's:
-    persist/writer.py) and, without waiting, by gc (persist/set_aside.py). Locks are
-    waited for top-down only (an entry added holds its node's while a new child below
-    is written), gc never waits for one (the prefix lock it takes first is no writer's
-    of an existing directory), and every wait is bounded."""
+    NODE_LOCK_S."""
     deadline = time.monotonic() + NODE_LOCK_S
     pause = 0.001
     while not platform.try_flock(opened.fd):
         if time.monotonic() > deadline:
-            raise TimeoutError(f"Another process has been rewriting {opened.path} for more than {NODE_LOCK_S:g} s "
-                               "(it holds the directory's flock): it is stalled or stopped.")
+            raise TimeoutError(f"{opened.path} has been locked for more than {NODE_LOCK_S:g} s (its flock, held by "
+                               "another rewrite of it, or by a memmap_ of a view into its own directory that "
+                               "set a file aside there): that writer is slow, stalled or stopped.")
         time.sleep(pause)
         pause = min(2 * pause, 0.05)
 

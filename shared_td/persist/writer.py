@@ -33,10 +33,10 @@ import torch
 
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.persist.node_commit import node_files, put_node_in_place, stage_node_files
-from shared_td.persist.node_rewrite import NODE_LOCK_S, lock_node, node_rewrite, rewrite_node
+from shared_td.persist.node_rewrite import NODE_LOCK_S, node_rewrite, rewrite_node
 from shared_td.persist.packing import copy_all, leaf_nbytes, packed_layout, packed_views, stage_small_leaves
 from shared_td.persist.planner import LeafPlan, NodePlan, Options
-from shared_td.persist.set_aside import set_aside_name
+from shared_td.persist.set_aside import hold_root, meta_inode, release_root, set_aside_name
 from shared_td.storage import files
 from shared_td.storage.anonymous import Segment, align
 from shared_td.storage.files import Directory, FileBacking
@@ -110,32 +110,26 @@ def write_tree(root: NodePlan, leaves: list[LeafPlan], options: Options, *, clea
         documents = tree_documents(root)
     made_root = clean_up and not root.exists
     directory, made = _make_root(root.directory) if made_root else (Directory.open(root.directory), [])
-    if root.exists:
-        # Held (the root's flock) while this write has temporaries staged or old files set
-        # aside, in the root or below it: gc (persist/set_aside.py) leaves what a writer
-        # holding it left, whatever its pid says (in another pid namespace, a live writer's
-        # pid may be dead here). One lock for the whole tree: a tree of many nodes would
-        # need a descriptor per node to hold each node's. Released when it is closed.
-        try:
-            lock_node(directory)
-        except BaseException:
-            directory.close()
-            raise
     pool = ThreadPoolExecutor(options.num_threads) if options.num_threads > 1 else None
     writer = _TreeWriter(options, pool, documents)
+    writer.root = directory
     try:
         writer.write(root, directory)
         if root.exists:
             writer.put_in_place(root, directory)
     except BaseException as error:
         writer.close_kept()
-        if clean_up:
-            writer.remove_what_was_made(root, directory, error)
-        for aside, own in writer.set_aside:  # (the new file, made by this write, is gone)
-            try:
-                os.replace(aside, own)
-            except OSError as failure:
-                error.add_note(f"{own} was set aside as {aside} for this write and could not be put back: {failure}")
+        try:
+            if clean_up:
+                writer.remove_what_was_made(root, directory, error)
+            for aside, own in writer.set_aside:  # (the new file, made by this write, is gone)
+                try:
+                    os.replace(aside, own)
+                except OSError as failure:
+                    error.add_note(f"{own} was set aside as {aside} for this write and could not be put back: "
+                                   f"{failure}")
+        finally:
+            writer.release_root()  # (never held past the write: gc then decides on what is left)
         directory.close()
         # the root, emptied above, and the parents made for it: what is left there is not this write's
         _remove_made(made, error)
@@ -147,7 +141,8 @@ def write_tree(root: NodePlan, leaves: list[LeafPlan], options: Options, *, clea
     for aside, _ in writer.set_aside:  # written: the old files live on in their mappings only
         with contextlib.suppress(OSError):  # (a hidden leftover at worst)
             os.unlink(aside)
-    directory.close()  # (the lock: held until no file set aside is left)
+    writer.release_root()  # (held while a file was set aside)
+    directory.close()
     if writer.not_removed:
         raise OSError(
             f"The save at {root.directory} is written, but what an older save left there "
@@ -178,6 +173,13 @@ class _TreeWriter:
         self.shapes: dict = {}  # one torch.Size per shape of the leaves (MMT._wrap_views)
         self.empty_of: dict = {}  # dtype -> an empty tensor of it
         self.not_removed: list[str] = []  # stale entries put_in_place could not remove
+        self.root: Directory | None = None  # the tree's root (write_tree)
+        self.root_lock: int | None = None  # its shared flock, while a file is set aside: see _write_leaf
+
+    def release_root(self) -> None:
+        if self.root_lock is not None:
+            release_root(self.root_lock)
+            self.root_lock = None
 
     def close_kept(self) -> None:
         for opened in self.kept.values():
@@ -258,8 +260,13 @@ class _TreeWriter:
         if leaf.replace and directory.exists(name):
             # a view of the very file it is written to (see the planner): a new file, the old
             # one set aside (its mappings keep its bytes), put back if the write fails (audit 21)
-            # (a writer killed meanwhile leaves it: shared_td.gc puts it back, persist/set_aside.py)
-            aside = set_aside_name(name, len(self.set_aside))
+            # (a writer killed meanwhile leaves it: shared_td.gc puts it back or removes it, as
+            # the node's meta.json is still the inode named in it or not, persist/set_aside.py).
+            # The root's shared flock, held from now until no file is set aside, says to gc that
+            # this writer lives (writers share it: each still wins over the last); taken once.
+            if self.root_lock is None:
+                self.root_lock = hold_root(self.root.fd, self.root.path)
+            aside = set_aside_name(name, meta_inode(directory.fd))
             directory.replace(name, aside)
             self.set_aside.append((directory.join(aside), directory.join(name)))
             existsok = False  # its new file: a file that appears there meanwhile is not written into

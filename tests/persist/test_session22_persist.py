@@ -42,6 +42,20 @@ def _killed_in(target, *args) -> int:
     return child.pid
 
 
+def _aside(directory, leaf, pid, n=0, *, committed=False) -> str:
+    """The name writer ``pid`` gives the file ``leaf`` of ``directory`` it sets aside (its
+    ``n``-th), with the inode of the node's meta.json then: the present one (nothing
+    committed since), or another (``committed``)."""
+    ino = os.stat(os.path.join(directory, "meta.json")).st_ino
+    return f".{leaf}.viewed-{pid}-{n}-{ino + 1 if committed else ino}"
+
+
+def _found(directory, leaf, pid) -> str:
+    """The path of the one file writer ``pid`` set aside for ``leaf`` in ``directory``."""
+    [name] = [n for n in os.listdir(directory) if n.startswith(f".{leaf}.viewed-{pid}-")]
+    return os.path.join(directory, name)
+
+
 def _block(ready):
     def blocked(*args, **kwargs):
         ready.set()
@@ -64,7 +78,7 @@ def test_leaf_file_set_aside_by_a_killed_writer_is_put_back_or_removed(tmp_path,
     prefix = str(tmp_path / "t")
     TensorDict(a=torch.arange(4.0), batch_size=[4]).memmap_(prefix)
     pid = _killed_in(_write_view_into_own_directory, prefix, stop_at)
-    aside = os.path.join(prefix, f".a.memmap.viewed-{pid}-0")
+    aside = _found(prefix, "a.memmap", pid)
     assert os.path.isfile(aside)
     assert os.path.exists(os.path.join(prefix, "a.memmap")) == (stop_at == "new file")
 
@@ -84,10 +98,11 @@ def test_shared_td_gc_cli_puts_back_a_set_aside_leaf_file(tmp_path):
     prefix = tmp_path / "data" / "t"
     TensorDict(a=torch.arange(4.0), batch_size=[4]).memmap_(prefix)  # (no lock file beside it)
     pid = dead_pid()
-    (prefix / "a.memmap").rename(prefix / f".a.memmap.viewed-{pid}-0")
+    aside = prefix / _aside(prefix, "a.memmap", pid)
+    (prefix / "a.memmap").rename(aside)
     staged = prefix / f"meta.json.{pid}.7.tmp"  # (its commit never happened)
     staged.write_bytes(b"{}")
-    gone = [str(prefix / f".a.memmap.viewed-{pid}-0"), str(staged)]
+    gone = [str(aside), str(staged)]
     code, document = run_json("gc", "--dry-run", tmp_path)
     assert code == 0 and document["removed"] == gone
     assert not (prefix / "a.memmap").exists()
@@ -102,7 +117,7 @@ def test_name_only_set_aside_leftover(tmp_path, own_file, committed):
     prefix = tmp_path / "t"
     TensorDict(a=torch.arange(4.0), nested=TensorDict(b=torch.ones(2)), batch_size=[]).memmap_(prefix)
     pid = dead_pid()
-    aside = prefix / "nested" / f".b.memmap.viewed-{pid}-3"
+    aside = prefix / "nested" / _aside(prefix / "nested", "b.memmap", pid, 3, committed=committed)
     aside.write_bytes(b"old bytes")
     staged = prefix / "nested" / f"meta.json.{pid}.1.tmp"
     if not committed:
@@ -110,7 +125,7 @@ def test_name_only_set_aside_leftover(tmp_path, own_file, committed):
     if not own_file:
         (prefix / "nested" / "b.memmap").unlink()
     if committed and not own_file:  # no name to put it back as: the only copy of bytes there, left
-        with pytest.raises(OSError, match="is missing although the writer committed") as caught:
+        with pytest.raises(OSError, match="is missing although meta.json changed") as caught:
             shared_td.gc(str(prefix))
         assert caught.value.removed == [] and aside.read_bytes() == b"old bytes"
         return
@@ -124,28 +139,30 @@ def test_what_only_looks_like_a_set_aside_file_is_left(tmp_path):
     prefix = tmp_path / "t"
     pid = dead_pid()
     # a user's keys: files end with .memmap, a nested key is a directory
-    td = TensorDict({f".a.memmap.viewed-{pid}-0": torch.ones(2),
-                     f".c.memmap.viewed-{pid}-1": TensorDict(x=torch.zeros(1))})
+    td = TensorDict({f".a.memmap.viewed-{pid}-0-5": torch.ones(2),
+                     f".c.memmap.viewed-{pid}-1-5": TensorDict(x=torch.zeros(1))})
     td.memmap_(prefix)
-    (prefix / f".b.memmap.viewed-{os.getpid()}-0").write_bytes(b"ours")  # a live writer's (this one)
-    (prefix / f"b.memmap.viewed-{pid}-0").write_bytes(b"")  # not hidden
-    (prefix / f".b.memmap.viewed-{pid}-01").write_bytes(b"")  # not a number we write
-    (prefix / f".b.json.viewed-{pid}-0").write_bytes(b"")  # not a leaf file
+    (prefix / f".b.memmap.viewed-{pid}-0").write_bytes(b"")  # no meta.json inode in it
+    (prefix / f"b.memmap.viewed-{pid}-0-5").write_bytes(b"")  # not hidden
+    (prefix / f".b.memmap.viewed-{pid}-01-5").write_bytes(b"")  # not a number we write
+    (prefix / f".b.json.viewed-{pid}-0-5").write_bytes(b"")  # not a leaf file
     before = sorted(os.listdir(prefix))
     assert shared_td.gc(str(prefix)) == []
     assert sorted(os.listdir(prefix)) == before
     loaded = TensorDict.load_memmap(prefix)
-    assert loaded[f".a.memmap.viewed-{pid}-0"].tolist() == [1.0, 1.0]
+    assert loaded[f".a.memmap.viewed-{pid}-0-5"].tolist() == [1.0, 1.0]
     assert leftovers.find_stale_temporaries(str(prefix)) == []
 
 
 def test_set_aside_names_parse_whole_names_only():
     from shared_td.persist.set_aside import parse_set_aside_name
 
-    assert parse_set_aside_name(".a.memmap.viewed-42-0") == ("a.memmap", 42)
-    assert parse_set_aside_name(".x.y.shape.memmap.viewed-42-17") == ("x.y.shape.memmap", 42)
-    for look_alike in [".a.memmap.viewed-42-0.memmap", "a.memmap.viewed-42-0", ".a.memmap.viewed-042-0",
-                       ".a.memmap.viewed-42-", ".a.viewed-42-0", "..memmap.viewed-42-0x", ".a.memmap.viewed-0-0"]:
+    assert parse_set_aside_name(".a.memmap.viewed-42-0-0") == ("a.memmap", 42, 0)
+    assert parse_set_aside_name(".x.y.shape.memmap.viewed-42-17-99") == ("x.y.shape.memmap", 42, 99)
+    for look_alike in [".a.memmap.viewed-42-0-1.memmap", "a.memmap.viewed-42-0-1", ".a.memmap.viewed-042-0-1",
+                       ".a.memmap.viewed-42--1", ".a.viewed-42-0-1", "..memmap.viewed-42-0-1x",
+                       ".a.memmap.viewed-0-0-1", ".a.memmap.viewed-42-0", ".a.memmap.viewed-42-0-01",
+                       ".a.memmap.viewed-42-0-"]:
         assert parse_set_aside_name(look_alike) is None, look_alike
 
 
@@ -255,10 +272,10 @@ def test_gc_after_a_real_kill_loads_the_save(tmp_path, killed):
     TensorDict(a=torch.arange(4.0), b=torch.arange(4.0) * 10, batch_size=[4]).memmap_(prefix)
     pid = _killed_in(_second_leaf_set_aside if killed != "committed" else _committed_then_blocked, prefix)
     names = sorted(os.listdir(prefix))
-    assert f".a.memmap.viewed-{pid}-0" in names and f".b.memmap.viewed-{pid}-1" in names
+    asides = {_found(prefix, "a.memmap", pid), _found(prefix, "b.memmap", pid)}
     assert any(n.startswith(f"meta.json.{pid}.") for n in names) == (killed != "committed")
     removed = shared_td.gc(prefix)
-    assert {os.path.basename(p) for p in removed} >= {f".a.memmap.viewed-{pid}-0", f".b.memmap.viewed-{pid}-1"}
+    assert set(removed) >= asides
     assert sorted(os.listdir(prefix)) == ["a.memmap", "b.memmap", "meta.json"]
     loaded = {k: v.tolist() for k, v in TensorDict.load_memmap(prefix).items()}
     if killed == "committed":  # the view's save, whole
@@ -268,8 +285,8 @@ def test_gc_after_a_real_kill_loads_the_save(tmp_path, killed):
 
 
 def _two_writers_files(prefix, pids):
-    os.rename(os.path.join(prefix, "a.memmap"), os.path.join(prefix, f".a.memmap.viewed-{pids[0]}-0"))
-    with open(os.path.join(prefix, f".a.memmap.viewed-{pids[1]}-0"), "wb") as f:
+    os.rename(os.path.join(prefix, "a.memmap"), os.path.join(prefix, _aside(prefix, "a.memmap", pids[0])))
+    with open(os.path.join(prefix, _aside(prefix, "a.memmap", pids[1])), "wb") as f:
         f.write(b"\xff" * 16)
     for pid in pids:
         with open(os.path.join(prefix, f"meta.json.{pid}.1.tmp"), "wb") as f:
@@ -298,10 +315,13 @@ def test_a_set_aside_file_is_never_dropped_while_its_name_is_no_regular_file(tmp
     prefix = str(tmp_path / "t")
     TensorDict(a=torch.arange(4.0), batch_size=[4]).memmap_(prefix)
     pid = dead_pid()
-    own, aside = os.path.join(prefix, "a.memmap"), os.path.join(prefix, f".a.memmap.viewed-{pid}-0")
-    os.rename(own, aside)
-    {"directory": os.mkdir, "fifo": os.mkfifo, "symlink": lambda p: os.symlink(aside, p)}[what](own)
+    own, first = os.path.join(prefix, "a.memmap"), os.path.join(prefix, _aside(prefix, "a.memmap", pid))
+    os.rename(own, first)
+    {"directory": os.mkdir, "fifo": os.mkfifo, "symlink": lambda p: os.symlink(first, p)}[what](own)
     for committed in (True, False):  # removed (committed) or put back (not): neither
+        aside = os.path.join(prefix, _aside(prefix, "a.memmap", pid, committed=committed))
+        os.rename(first, aside)
+        first = aside
         staged = os.path.join(prefix, f"meta.json.{pid}.1.tmp")
         if not committed:
             with open(staged, "wb") as f:
@@ -316,7 +336,7 @@ def test_no_hard_links_leaves_the_file_and_says_how(tmp_path, monkeypatch):
     prefix = str(tmp_path / "t")
     TensorDict(a=torch.arange(4.0), batch_size=[4]).memmap_(prefix)
     pid = dead_pid()
-    aside = os.path.join(prefix, f".a.memmap.viewed-{pid}-0")
+    aside = os.path.join(prefix, _aside(prefix, "a.memmap", pid))
     os.rename(os.path.join(prefix, "a.memmap"), aside)
     with open(os.path.join(prefix, f"meta.json.{pid}.1.tmp"), "wb") as f:
         f.write(b"{}")
@@ -359,7 +379,9 @@ def test_gc_leaves_a_live_writer_whose_pid_looks_dead(tmp_path, monkeypatch):
         monkeypatch.setattr(set_aside, "pid_alive", lambda pid: False)  # as seen from another namespace
         before = sorted(os.listdir(prefix))
         assert any(".viewed-" in n for n in before) and "a.memmap" not in before
-        assert shared_td.gc(prefix, dry_run=True) == []
+        with pytest.raises(TimeoutError, match="running writer holds") as caught:
+            shared_td.gc(prefix, dry_run=True)  # (as gc says it: skipped)
+        assert caught.value.removed == []
         with pytest.raises(TimeoutError, match="running writer holds") as caught:
             shared_td.gc(prefix)
         assert caught.value.removed == [] and sorted(os.listdir(prefix)) == before
@@ -381,7 +403,7 @@ def test_a_file_reappearing_after_the_set_aside_is_not_written_into(tmp_path, mo
     real = files.reserve_file
 
     def reappearing(directory, name, **kwargs):  # (as gc put a copy back once)
-        shutil.copyfile(os.path.join(prefix, f".a.memmap.viewed-{os.getpid()}-0"), os.path.join(prefix, name))
+        shutil.copyfile(_found(prefix, "a.memmap", os.getpid()), os.path.join(prefix, name))
         return real(directory, name, **kwargs)
 
     monkeypatch.setattr(files, "reserve_file", reappearing)
@@ -434,9 +456,184 @@ def test_gc_cli_leaves_look_alike_names_outside_any_save(tmp_path):
     # before: a directory without a meta.json was taken for a save: its files renamed
     pid = dead_pid()
     (tmp_path / "notes").mkdir()
-    for name in (f".a.memmap.viewed-{pid}-0", f"meta.json.{pid}.1.tmp"):
+    for name in (f".a.memmap.viewed-{pid}-0-1", f"meta.json.{pid}.1.tmp"):
         (tmp_path / "notes" / name).write_bytes(b"mine")
     before = sorted(os.listdir(tmp_path / "notes"))
     code, document = run_json("gc", tmp_path)
     assert code == 0 and document["removed"] == [] and document["failed"] == []
     assert sorted(os.listdir(tmp_path / "notes")) == before
+
+
+# ------------------------- round c: put back only over the meta.json it was set aside from
+def _killed_before_its_commit(ready, prefix):
+    from shared_td.storage import files
+    files.pwrite_all = _block(ready)  # a.memmap set aside, the new one made, no byte in it
+    TensorDict.load_memmap(prefix)[1:3].memmap_(prefix)
+
+
+@pytest.mark.parametrize("length", [4, 6])
+def test_gc_never_puts_a_dead_writers_file_back_over_a_later_save(tmp_path, length):
+    # before: A's staged meta.json temporary said "never committed": gc put A's old bytes
+    # back over the a.memmap of B's later save (stale data, or a file too short to load)
+    prefix = str(tmp_path / "t")
+    TensorDict(a=torch.arange(4.0), batch_size=[4]).memmap_(prefix)
+    pid = _killed_in(_killed_before_its_commit, prefix)
+    aside = _found(prefix, "a.memmap", pid)
+    TensorDict(a=torch.full((length,), 7.0), batch_size=[length]).memmap_(prefix)  # B, committed
+    staged = [os.path.join(prefix, n) for n in sorted(os.listdir(prefix)) if n.startswith(f"meta.json.{pid}.")]
+    assert shared_td.gc(prefix, dry_run=True) == [aside, *staged]
+    assert shared_td.gc(prefix) == [aside, *staged]
+    assert TensorDict.load_memmap(prefix)["a"].tolist() == [7.0] * length
+    assert sorted(os.listdir(prefix)) == ["a.memmap", "meta.json"]
+
+
+def test_a_free_lock_is_a_dead_writer_whatever_its_pid(tmp_path):
+    # before: its pid reused by a live process, gc and its dry run said nothing at all
+    # while the save did not load (the new, empty a.memmap under the old meta.json)
+    prefix = str(tmp_path / "t")
+    TensorDict(a=torch.arange(4.0), batch_size=[4]).memmap_(prefix)
+    pid, live = _killed_in(_killed_before_its_commit, prefix), os.getppid()
+    for name in os.listdir(prefix):
+        if str(pid) in name:
+            os.rename(os.path.join(prefix, name), os.path.join(prefix, name.replace(str(pid), str(live))))
+    found = shared_td.gc(prefix, dry_run=True)
+    assert len(found) == 2 and shared_td.gc(prefix) == found
+    assert TensorDict.load_memmap(prefix)["a"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_a_dry_run_says_what_gc_would_leave(tmp_path):
+    # before: the dry run listed nothing and exited 0; gc then failed on those files
+    prefix = str(tmp_path / "t")
+    TensorDict(a=torch.arange(4.0), batch_size=[4]).memmap_(prefix)
+    _two_writers_files(prefix, (900000, 1000000))
+    with pytest.raises(OSError, match="each set a file aside for a.memmap") as caught:
+        shared_td.gc(prefix, dry_run=True)
+    assert caught.value.removed == []
+    code, document = run_json("gc", "--dry-run", tmp_path)
+    assert code == 1 and [f["prefix"] for f in document["failed"]] == [prefix]
+
+
+def _nested_view_blocked(ready, prefix, stop):
+    from shared_td.persist import writer
+    from shared_td.storage import files
+    module, name = (files, "pwrite_all") if stop == "leaf" else (writer, "put_node_in_place")
+    real, calls = getattr(module, name), []
+
+    def second_blocks(*args, **kwargs):  # the 2nd leaf's bytes, or the root's commit (sub's done)
+        calls.append(1)
+        if len(calls) == 2:
+            _block(ready)()
+        return real(*args, **kwargs)
+
+    setattr(module, name, second_blocks)
+    TensorDict.load_memmap(prefix)[1:3].memmap_(prefix)
+
+
+@pytest.mark.parametrize("stop", ["leaf", "between commits"])
+def test_a_tree_half_committed_is_left_whole(tmp_path, stop):
+    # before: killed between sub's commit and the root's, gc removed sub's set-aside file
+    # and put the root's back: neither version of the tree was left whole
+    prefix = str(tmp_path / "t")
+    sub = TensorDict(b=torch.arange(4.0) * 10, batch_size=[4])
+    TensorDict(a=torch.arange(4.0), sub=sub, batch_size=[4]).memmap_(prefix)
+    pid = _killed_in(_nested_view_blocked, prefix, stop)
+    before = {d: sorted(os.listdir(d)) for d in (prefix, os.path.join(prefix, "sub"))}
+    if stop == "leaf":  # nothing committed: both go back, the old tree whole
+        assert len(shared_td.gc(prefix)) == 4
+        loaded = TensorDict.load_memmap(prefix)
+        assert loaded["a"].tolist() == [0.0, 1.0, 2.0, 3.0] and loaded["sub", "b"].tolist()[-1] == 30.0
+        return
+    for gc in (lambda: shared_td.gc(prefix, dry_run=True), lambda: shared_td.gc(prefix),
+               lambda: shared_td.gc(os.path.join(prefix, "sub"))):  # (a gc of sub alone looks above)
+        with pytest.raises(OSError, match=f"half-committed tree: writer pid {pid}") as caught:
+            gc()
+        assert caught.value.removed == []
+        assert {d: sorted(n for n in os.listdir(d) if n != ".sub.lock") for d in before} == before  # (gc's lock)
+
+
+# ------------------------------------------- the writer's lock: scoped, shared, not forked
+def test_an_ordinary_write_holds_no_lock_others_wait_for(tmp_path, monkeypatch):
+    # before: a memmap_ into an existing save held its root's flock for the whole write:
+    # another writer, or make_memmap, waited NODE_LOCK_S then TimeoutError "stalled"
+    import threading
+    from shared_td.persist import node_rewrite
+    from shared_td.storage import files
+    monkeypatch.setattr(node_rewrite, "NODE_LOCK_S", 0.3)
+    prefix = str(tmp_path / "t")
+    saved = TensorDict(a=torch.arange(4.0), batch_size=[4]).memmap_(prefix)
+    real, started, go = files.pwrite_all, threading.Event(), threading.Event()
+
+    def slow(*args, **kwargs):
+        if threading.current_thread() is not threading.main_thread():
+            started.set()
+            assert go.wait(10)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(files, "pwrite_all", slow)
+    failures = []
+    thread = threading.Thread(target=lambda: _record(failures, TensorDict(a=torch.ones(4), batch_size=[4]).memmap_,
+                                                     prefix))
+    thread.start()
+    try:
+        assert started.wait(10)
+        saved.make_memmap("new", shape=[4])  # (no wait)
+        TensorDict(a=torch.full((4,), 2.0), batch_size=[4]).memmap_(prefix)  # last writer wins, no wait
+    finally:
+        go.set()
+        thread.join(10)
+    assert failures == []
+
+
+def _record(failures, call, *args):
+    try:
+        call(*args)
+    except Exception as error:  # noqa: BLE001 (the test's assertion shows it)
+        failures.append(error)
+
+
+def _wait_for(running, stop):
+    running.set()  # (its fork hooks have run)
+    stop.wait(10)
+
+
+def test_a_worker_forked_during_a_write_does_not_hold_its_lock(tmp_path, monkeypatch):
+    # before: the child held the root directory's descriptor, so its flock, for its life:
+    # gc called the save busy, other writers waited then failed, long after the write
+    import threading
+    import warnings
+    from shared_td.persist import set_aside
+    from shared_td.storage import files
+    prefix = str(tmp_path / "t")
+    TensorDict(a=torch.arange(4.0), batch_size=[4]).memmap_(prefix)
+    real, started, go = files.pwrite_all, threading.Event(), threading.Event()
+
+    def slow(*args, **kwargs):
+        started.set()
+        assert go.wait(10)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(files, "pwrite_all", slow)
+    failures = []
+    thread = threading.Thread(target=lambda: _record(failures, TensorDict.load_memmap(prefix)[1:3].memmap_, prefix))
+    thread.start()
+    worker, running, stop = None, FORK.Event(), FORK.Event()
+    try:
+        assert started.wait(10)
+        with set_aside.locked_chain(prefix, prefix) as free:
+            assert not free  # the writer's, while a file is set aside
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # (fork with a thread running: the point)
+            worker = FORK.Process(target=_wait_for, args=(running, stop))
+            worker.start()
+        assert running.wait(10)
+        go.set()
+        thread.join(10)
+        assert failures == [] and worker.is_alive()
+        with set_aside.locked_chain(prefix, prefix) as free:
+            assert free
+    finally:
+        go.set()
+        stop.set()
+        if worker is not None:
+            worker.join(10)
+    assert TensorDict.load_memmap(prefix)["a"].tolist() == [1.0, 2.0]
