@@ -133,8 +133,11 @@ class ExtraNameOps:
         bounds = [0] + [min(max(i + size if i < 0 else i, 0), size) for i in spec] + [size]
         prefix = (slice(None),) * dim
         # each piece by its own slice: a decreasing index gives an empty piece and an
-        # overlapping one, which split (consecutive pieces) cannot express
-        return tuple(self[prefix + (slice(start, max(start, stop)),)] for start, stop in zip(bounds, bounds[1:]))
+        # overlapping one, which split (consecutive pieces) cannot express; a tensordict's
+        # read with _index as split reads them (see splitting.py: a lazy stack's pieces are
+        # tensordicts), a tensorclass's with its own indexing (its pieces are instances)
+        rows = self._index if unwrap_tensorclass(self) is self else self.__getitem__
+        return tuple(rows(prefix + (slice(start, max(start, stop)),)) for start, stop in zip(bounds, bounds[1:]))
 
     # ------------------------------------------------------------ split_keys
     def split_keys(self, *key_sets: Any, inplace: bool = False, default: Any = split_key_parts.NO_DEFAULT,

@@ -279,10 +279,13 @@ class LazyStackedTensorDict(LazyMembers, LazyConversions, LazyApplyOps, LazyName
 
     def __contains__(self, key: NestedKey) -> bool:
         """``key in lazy``: a key every member has; a tensordict or tensorclass is in
-        the stack if it is one of its members (identity, as tensordict 0.15.3)."""
+        the stack if it is one of its members (identity, as tensordict 0.15.3): a
+        tensorclass by its tensordict (the stack holds that), so that the one given and
+        ``lazy[0]`` are in the stack."""
         if not is_nested_key(key):
             if is_tensor_collection(key):
-                return any(key is member for member in self.tensordicts)
+                inner = unwrap_tensorclass(key)
+                return any(inner is member for member in self.tensordicts)
             return super().__contains__(key)  # raises the TypeError
         if not isinstance(key, str):
             key = unravel_key(key)

@@ -21,6 +21,7 @@ from shared_td.containers.lazy_writes import _is_lazy
 from shared_td.containers.tensordict_apply import _APPLY_OPTIONS, _NOT_BUILT as _APPLY_NOT_BUILT
 from shared_td.containers.unsupported_options import refuse_options
 from shared_td.containers.value_kinds import is_tensor_collection
+from shared_td.errors import BatchSizeMismatchError
 
 
 class LazyApplyOps:
@@ -80,7 +81,8 @@ class LazyApplyOps:
             default = _default
         if _filter_empty is not None:
             filter_empty = _filter_empty
-        if inplace and (batch_size is not None or names is not NO_DEFAULT or device is not NO_DEFAULT):
+        # (None for names or device asks for nothing: tensordict takes it with inplace=True)
+        if inplace and (batch_size is not None or names not in (NO_DEFAULT, None) or device not in (NO_DEFAULT, None)):
             raise ValueError(
                 "named_apply on a lazy stack with inplace=True takes no batch_size, names or device (as "
                 "tensordict 0.15.3): the members are written in place and keep theirs."
@@ -100,11 +102,12 @@ class LazyApplyOps:
                     f"out must be a LazyStackedTensorDict in lazy_stack.apply(..., out=out) (as tensordict "
                     f"0.15.3), not a {type(out).__name__}: its members receive the members' results."
                 )
+            _check_out(self, out)
             if out._stack_dim != self._stack_dim:  # other slices than this stack's members
                 result = self.named_apply(fn, *others, names=names, device=device, _prefix=_prefix, **common)
                 if result is not None:
                     out.update(result)
-                return out
+                return _locked_as(self, out, propagate_lock)
             out_members = out.tensordicts
         count = len(self.tensordicts)
         # (an other that is not a tensordict is the default of an apply that holds this
@@ -120,7 +123,9 @@ class LazyApplyOps:
         if inplace:
             return self
         if out is not None:
-            return out
+            if names is not NO_DEFAULT:  # (tensordict names the result it builds of out's members)
+                out.names = names
+            return _locked_as(self, out, propagate_lock)
         emptied = [_emptied(member, result, filter_empty) for member, result in zip(self.tensordicts, results)]
         if filter_empty is not False and all(emptied):
             return None  # (every member emptied by fn, or none at all: as tensordict 0.15.3)
@@ -135,10 +140,31 @@ def _emptied(member: Any, result: Any, filter_empty: bool | None) -> bool:
     """True when a member's result counts as None for ``filter_empty``, as a TensorDict's
     apply gives None: no entry left, and ``fn`` emptied it (it had entries) or
     ``filter_empty=True``. (Members are called with ``_prefix``, so a TensorDict member
-    answers an empty tensordict rather than None; a nested lazy stack answers None.)"""
+    answers an empty tensordict rather than None; a nested lazy stack answers None.)
+
+    A nested lazy stack's result is never emptied when it is not None: its own
+    ``named_apply`` already gives None when every one of its members was emptied, and its
+    keys are only those all its members share (members holding different keys counted as
+    emptied and were dropped)."""
     if result is None:
         return True
+    if _is_lazy(member):
+        return False
     return filter_empty is not False and not list(result.keys()) and bool(filter_empty or list(member.keys()))
+
+
+def _check_out(source: Any, out: Any) -> None:
+    """Refuse an ``out`` that cannot take ``source``'s result, before anything is written
+    into it (one with fewer members was half-written, then a bare IndexError; one with
+    more was returned with a batch size that is not the result's)."""
+    if out.batch_size != source.batch_size or (
+            out._stack_dim == source._stack_dim and len(out.tensordicts) != len(source.tensordicts)):
+        raise BatchSizeMismatchError(
+            f"out has batch size {list(out.batch_size)} ({len(out.tensordicts)} members along dim "
+            f"{out._stack_dim}) but the lazy stack applied has {list(source.batch_size)} "
+            f"({len(source.tensordicts)} members along dim {source._stack_dim}): out receives the "
+            "result, which has the stack's batch size."
+        )
 
 
 def _locked_as(source: Any, result: Any, propagate_lock: bool) -> Any:

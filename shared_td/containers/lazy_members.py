@@ -102,10 +102,30 @@ class LazyMembers:
     def _member_as_given(self, member: Any, value: Any = None) -> Any:
         """``value`` (``member`` itself by default, or a part of it: ``lazy[0, 1:]``) as
         the tensorclass ``member`` was given as, if any, as tensordict 0.15.3 gives it;
-        a view of the member either way (a write through it reaches the stack)."""
-        value = member if value is None else value
+        a view of the member either way (a write through it reaches the stack).
+
+        The whole member is the instance the stack holds, given back without running
+        ``__post_init__`` or a frozen class's lock (tensordict returns the stored object):
+        a read of a locked (shared, memory-mapped) stack whose class's ``__post_init__``
+        assigns a field raised, and reading one of a frozen class locked the member. A
+        part of it is rebuilt, as tensordict rebuilds it (``__post_init__`` runs).
+
+        Example:
+            >>> @shared_td.tensorclass
+            ... class Obs:
+            ...     x: torch.Tensor
+            ...     def __post_init__(self):
+            ...         self.x = self.x.float()
+            >>> lazy = LazyStackedTensorDict(Obs(x=torch.zeros(2, dtype=torch.long), batch_size=[2]))
+            >>> type(lazy.share_memory_()[0]).__name__, lazy[0]._tensordict is lazy.tensordicts[0]
+            ('Obs', True)
+        """
         cls = self._tensorclass_of(member)
-        return value if cls is None else cls._from_tensordict(value)
+        if cls is None:
+            return member if value is None else value
+        if value is None or value is member:
+            return cls._from_tensordict(member, _stored=True)
+        return cls._from_tensordict(value)
 
     def _one_class_view(self, stack: Any) -> Any:
         """``stack`` (a new stack that indexing this one built) as tensordict 0.15.3 gives
@@ -119,4 +139,5 @@ class LazyMembers:
         if len(classes) != 1 or None in classes:
             return stack
         stack._tensorclass_members = None  # (the class is around the stack now, not on its members)
-        return classes.pop()._from_tensordict(stack)
+        # (a frozen class does not lock the new stack: that locked the members it shares)
+        return classes.pop()._from_tensordict(stack, _lock=False)

@@ -90,6 +90,9 @@ class LazyShapeOps:
         that tensorclass (``lazy[0]``, ``lazy[0, 1:]``), and a new stack whose members
         were all given as one tensorclass is that class over the stack of their
         tensordicts (``lazy[::2]``), as in tensordict 0.15.3 (as ``lazy_stack`` gives)."""
+        staged = self._reversal(index, with_tensors_only=True)
+        if staged is not None:  # (lazy[::-1, [1, 0]]: the members reversed, then the rest)
+            return self._index(staged[0])._index(staged[1], as_given)
         where = self._locate(index)
         if self.tensordicts and -1 not in self.batch_size and _selects_no_member(where, self):
             return self._empty_selection(index, where)
@@ -108,6 +111,49 @@ class LazyShapeOps:
             if positions.ndim:  # a new stack of views (never a member itself): name it
                 indexed_names(self, stacked, where[1])
         return self._one_class_view(stacked) if as_given else stacked
+
+    def _reversal(self, index: Any, with_tensors_only: bool = False) -> tuple | None:
+        """``(members, rest)`` for an index with a slice of negative step at the stack dim
+        (None for any other): ``lazy[index]`` is ``lazy[members][rest]``, the members
+        reversed (as tensordict 0.15.3 slices its list of members) and then the rest of
+        the index with ``:`` there, which torch takes (it refuses a negative step).
+        ``with_tensors_only``: only beside an index tensor, which ``_locate`` leaves to
+        refuse (it would be broadcast with the members' one).
+
+        Example:
+            >>> lazy = LazyStackedTensorDict(*[TensorDict(a=torch.full((2,), float(i)), batch_size=[2])
+            ...                                for i in range(3)])
+            >>> lazy[::-1, [1, 0]]["a"].tolist(), lazy._reversal((slice(None, None, -1), 0))[1]
+            ([[2.0, 2.0], [1.0, 1.0], [0.0, 0.0]], (slice(None, None, None), 0))
+        """
+        if isinstance(index, str) or (isinstance(index, tuple) and is_nested_key(index)):
+            return None
+        try:
+            parts = batch_ops.normalize_index(index, self.batch_size)
+        except (IndexError, TypeError):
+            return None  # (left to the index itself to refuse, with its own error)
+        if with_tensors_only and not any(isinstance(p, (torch.Tensor, bool)) for p in parts):
+            return None
+        dim = 0
+        for i, part in enumerate(parts):
+            width = _dims(part)[0]
+            if width and dim <= self._stack_dim < dim + width:
+                if not (isinstance(part, slice) and isinstance(part.step, int) and part.step < 0):
+                    return None
+                chosen = torch.tensor(list(range(len(self.tensordicts)))[part], dtype=torch.long)
+                return (slice(None),) * dim + (chosen,), parts[:i] + (slice(None),) + parts[i + 1:]
+            dim += width
+        return None
+
+    def _set_rows(self, index: Any, value: Any) -> None:
+        """``lazy[index] = value``; at a slice of negative step at the stack dim
+        (``lazy[::-1] = value``), written into the stack of the reversed members (the
+        members themselves, so that the writes reach them) at the rest of the index:
+        torch refused the slice (tensordict 0.15.3 writes it)."""
+        staged = self._reversal(index)
+        if staged is None:
+            return super()._set_rows(index, value)
+        self._index(staged[0])._set_rows(staged[1], value)
 
     def _empty_selection(self, index: Any, where: tuple) -> Any:
         """``lazy[index]`` for an index that keeps no member: an empty TensorDict with the

@@ -377,7 +377,7 @@ class LazyWriteOps:
 
         from shared_td.containers.tensordict import TensorDict
 
-        view = self[index]  # (its leaves read stacked: only their shapes are used)
+        view = self._index(index)  # (leaves read stacked: only their shapes are used; no member rebuilt)
         source = TensorDict(batch_size=view.batch_size)
         for key, part in view.items(include_nested=True, leaves_only=True):
             if isinstance(part, torch.Tensor):  # (non-tensor entries take no tensor)

@@ -226,8 +226,10 @@ def _members_as_given(lazy: LazyStackedTensorDict) -> list:
     members = lazy.tensordicts
     if not getattr(lazy, "_tensorclass_members", None):
         return members
-    # (the class is recorded, not the tensorclass object, which would keep a removed member alive)
-    return [member if (cls := lazy._tensorclass_of(member)) is None else cls._from_tensordict(member)
+    # (the class is recorded, not the tensorclass object, which would keep a removed member
+    # alive; the object is given back as the stack gives lazy[i]: no __post_init__, no lock,
+    # which raised in a save of a locked stack whose class's __post_init__ assigns a field)
+    return [member if (cls := lazy._tensorclass_of(member)) is None else cls._from_tensordict(member, _stored=True)
             for member in members]
 
 

@@ -1,7 +1,10 @@
 """unbind, split and chunk along a batch dim, for every tensordict class.
 
 They only index: each piece is ``td[..., i]`` or ``td[..., a:b]``, so a class that
-supports basic indexing gets them as views that share storage.
+supports basic indexing gets them as views that share storage. They read the rows with
+``_index`` (what ``td[index]`` calls), not ``td[index]``: a lazy stack's ``td[index]``
+gives members given as tensorclasses as their classes, and a piece is a tensordict, as
+tensordict 0.15.3 gives it (``torch.cat(lazy.split(1))`` then works).
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ class BatchSplitOps:
         """Views of each element along batch dim ``dim``."""
         dim = batch_ops.normalize_dim(dim, self.batch_dims)
         prefix = (slice(None),) * dim
-        return tuple(self[prefix + (i,)] for i in range(self.batch_size[dim]))
+        return tuple(self._index(prefix + (i,)) for i in range(self.batch_size[dim]))
 
     def split(self, split_size: int | Sequence[int], dim: int = 0) -> tuple:
         """Views of consecutive chunks along batch dim ``dim``, as ``torch.split``."""
@@ -39,7 +42,7 @@ class BatchSplitOps:
                 )
         prefix, out, start = (slice(None),) * dim, [], 0
         for n in sizes:
-            out.append(self[prefix + (slice(start, start + n),)])
+            out.append(self._index(prefix + (slice(start, start + n),)))
             start += n
         return tuple(out)
 

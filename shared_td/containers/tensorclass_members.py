@@ -137,13 +137,20 @@ class _TensorClassMembers:
     __torch_function__ = TensorDictBase.__dict__["__torch_function__"]
 
     @classmethod
-    def _from_tensordict(cls, tensordict: TensorDictBase, *, _rebuild: bool = True) -> Any:
-        """An instance around ``tensordict`` (shared, not copied), without checks."""
+    def _from_tensordict(cls, tensordict: TensorDictBase, *, _rebuild: bool = True,
+                         _stored: bool = False, _lock: bool = True) -> Any:
+        """An instance around ``tensordict`` (shared, not copied), without checks.
+        ``_stored``: the instance a container holds given back (a lazy stack's member,
+        where tensordict 0.15.3 returns the stored object): no ``__post_init__`` and no
+        lock, which a read must not run. ``_lock=False``: a frozen class does not lock
+        ``tensordict`` (a lazy stack's members, which it shares)."""
         obj = cls.__new__(cls)
         object.__setattr__(obj, "_tensordict", tensordict)
+        if _stored:
+            return obj
         if hasattr(cls, "__post_init__") and not (_rebuild and cls._skip_post_init_on_rebuild):
             obj.__post_init__()
-        if cls._frozen and not tensordict.is_locked:
+        if _lock and cls._frozen and not tensordict.is_locked:
             tensordict.lock_()
         return obj
 

@@ -121,6 +121,10 @@ class LeafMapping:
         refuse_options(self, "named_apply", unsupported, known=_NOT_BUILT)
         if call_on_nested:
             result = nested_calls(self, fn, others, default, batch_size, device)
+            if inplace and result is not None:
+                # fn's results written into the entries, as tensordict 0.15.3 writes them
+                # (a tensor copied in, a nested tensordict updated in place): they were lost
+                self.update_(result)
         else:
             result = self._named_apply(fn, others, nested_keys, batch_size, names, inplace, device,
                                        default, filter_empty, _prefix or ())

@@ -290,3 +290,218 @@ def test_a_nested_stack_with_a_member_empty_already_is_kept_as_tensordict_keeps_
     for stack, expected in ((partly, ["b", "ls"]), (emptied, ["b"])):
         result = lib.TensorDict(ls=stack, b=torch.ones(2, 2), batch_size=[2]).apply(keep_2d)
         assert sorted(result.keys()) == expected
+
+
+# ---------------------------------------------------------------- audit of 1b88c44 (round c)
+def _post_init_class(lib, calls):
+    @lib.tensorclass
+    class Obs:
+        x: torch.Tensor
+
+        def __post_init__(self):
+            calls.append(1)
+            self.x = self.x.float()  # a __post_init__ that assigns a field
+    return Obs
+
+
+def _post_init_stack(lib, calls):
+    Obs = _post_init_class(lib, calls)
+    return lib.LazyStackedTensorDict(Obs(x=torch.zeros(3, dtype=torch.int64), batch_size=[3]),
+                                     Obs(x=torch.ones(3, dtype=torch.int64), batch_size=[3]))
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_reading_whole_members_runs_no_post_init(lib):
+    # (1) tensordict gives the stored member back: its __post_init__ does not run again
+    calls = []
+    lazy = _post_init_stack(lib, calls)
+    before = len(calls)
+    lazy[0], list(lazy), lazy.unbind(0)
+    assert len(calls) == before
+    assert type(lazy[1]).__name__ == "Obs" and lazy[1].x.tolist() == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("what", ["lazy[0]", "iter", "unbind", "split", "write", "write rows", "write part"])
+def test_a_locked_stack_whose_post_init_assigns_a_field_is_read_and_written(lib, what):
+    # (1) share_memory_ locks the stack: a rebuilt member re-ran __post_init__, which raised
+    lazy = _post_init_stack(lib, [])
+    lazy.share_memory_()
+    if what == "lazy[0]":
+        assert lazy[0].x.tolist() == [0.0, 0.0, 0.0]
+    elif what == "iter":
+        assert [type(m).__name__ for m in lazy] == ["Obs", "Obs"]
+    elif what == "unbind":
+        assert len(lazy.unbind(0)) == 2
+    elif what == "split":
+        assert len(lazy.split(1)) == 2
+    elif what == "write":
+        lazy[0] = torch.full((3,), 5.0)
+        assert lazy[0].x.tolist() == [5.0, 5.0, 5.0]
+    elif what == "write rows":  # (the shapes of the rows written were read by lazy[0:2])
+        lazy[0:2] = torch.full((2, 3), 6.0)
+        assert lazy[1].x.tolist() == [6.0, 6.0, 6.0]
+    else:
+        lazy[0, 1:] = torch.full((2,), 7.0)
+        assert lazy[0].x.tolist() == [0.0, 7.0, 7.0]
+
+
+def test_a_locked_stack_whose_post_init_assigns_a_field_is_memmapped(tmp_path):
+    # (1) memmap_ wrote each member as its class, rebuilt with __post_init__: it raised
+    lazy = _post_init_stack(shared_td, [])
+    lazy.memmap_(tmp_path / "saved")
+    assert lazy.is_locked and lazy[1].x.tolist() == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("read", ["lazy[0]", "lazy[::1]", "list"])
+def test_reading_a_frozen_member_does_not_lock_the_stack(lib, read):
+    # (1) a frozen class's rebuild locked the member a read gave (a read had a side effect)
+    @lib.tensorclass(frozen=True)
+    class F:
+        x: torch.Tensor
+    lazy = lib.LazyStackedTensorDict(F(x=torch.zeros(3), batch_size=[3]), F(x=torch.ones(3), batch_size=[3]))
+    for member in lazy.tensordicts:
+        member.unlock_()
+    {"lazy[0]": lambda: lazy[0], "lazy[::1]": lambda: lazy[::1], "list": lambda: list(lazy)}[read]()
+    assert [member.is_locked for member in lazy.tensordicts] == [False, False]
+    lazy["y"] = torch.zeros(2, 3)  # raised LockedTensorDictError
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("pieces", ["split(1)", "split([2, 1])", "chunk(3)", "tensor_split(3)"])
+def test_split_pieces_of_a_tensorclass_stack_are_lazy_stacks_that_cat(lib, pieces):
+    # (3) each piece was the members' tensorclass over a stack: torch.cat refused the mix
+    A, B = _classes(lib)
+    lazy = lib.LazyStackedTensorDict(A(x=torch.zeros(3), batch_size=[3]), B(x=torch.ones(3), batch_size=[3]),
+                                     A(x=torch.full((3,), 2.0), batch_size=[3]))
+    parts = {"split(1)": lambda: lazy.split(1), "split([2, 1])": lambda: lazy.split([2, 1]),
+             "chunk(3)": lambda: lazy.chunk(3), "tensor_split(3)": lambda: lazy.tensor_split(3)}[pieces]()
+    assert {type(part).__name__ for part in parts} == {"LazyStackedTensorDict"}
+    assert parts[0]["x"][0].tolist() == [0.0, 0.0, 0.0]
+    assert torch.cat(parts)["x"][:, 0].tolist() == [0.0, 1.0, 2.0]
+
+
+def _stack_of_stacks(lib, inner_keys):
+    def inner():
+        return lib.LazyStackedTensorDict(*[lib.TensorDict({k: torch.ones(2) for k in keys}, batch_size=[2])
+                                           for keys in inner_keys])
+    return lib.LazyStackedTensorDict(inner(), inner())
+
+
+def _nested_keys(result):
+    return None if result is None else [[sorted(m.keys()) for m in member.tensordicts] for member in result.tensordicts]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_apply_keeps_nested_stacks_whose_members_hold_different_keys(lib):
+    # (2) a nested stack's result (only the keys all its members share: none) counted as
+    # emptied: its members' "b" and "c" were dropped, or the whole result was None
+    lazy = _stack_of_stacks(lib, [("a", "b"), ("a", "c")])
+    result = lazy.named_apply(lambda key, x: None if key == "a" else x)
+    assert _nested_keys(result) == [[["b"], ["c"]], [["b"], ["c"]]]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_identity_apply_filter_empty_keeps_nested_stacks_of_disjoint_keys(lib):
+    # (2) nothing emptied at all: the result was None
+    lazy = _stack_of_stacks(lib, [("b",), ("c",)])
+    assert _nested_keys(lazy.apply(lambda x: x, filter_empty=True)) == [[["b"], ["c"]], [["b"], ["c"]]]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_apply_emptying_every_nested_member_is_still_none(lib):
+    lazy = _stack_of_stacks(lib, [("b",), ("c",)])
+    assert lazy.apply(lambda x: None) is None
+
+
+def test_a_tensorclass_member_and_what_lazy_i_gives_are_in_the_stack():
+    # (7) `member in lazy` is identity with a member (lazy.py's documented difference:
+    # tensordict 0.15.3 raises its NestedKey RuntimeError for any tensorclass operand):
+    # the tensorclass given and what lazy[0] gives were not found
+    given = OursA(x=torch.zeros(2), batch_size=[2])
+    lazy = shared_td.LazyStackedTensorDict(given, OursA(x=torch.ones(2), batch_size=[2]))
+    assert given in lazy and lazy[0] in lazy and all(member in lazy for member in lazy)
+    assert lazy.tensordicts[1] in lazy and OursA(x=torch.zeros(2), batch_size=[2]) not in lazy
+
+
+def _plus_one(value):
+    return value.apply(lambda leaf: leaf + 1) if hasattr(value, "batch_size") else value + 1
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("kind", ["TensorDict", "lazy", "locked"])
+def test_apply_inplace_call_on_nested_writes_fn_results_into_self(lib, kind):
+    # (4) the results were built and dropped: self came back unchanged
+    def td():
+        return lib.TensorDict(a=torch.zeros(2), n=lib.TensorDict(b=torch.zeros(2), batch_size=[2]), batch_size=[2])
+    target = lib.LazyStackedTensorDict(td(), td()) if kind == "lazy" else td()
+    if kind == "locked":
+        target.lock_()
+    a, nested = target["a"], target["n"]
+    assert target.apply(_plus_one, inplace=True, call_on_nested=True) is target
+    assert target["a"].flatten().tolist() == [1.0] * target["a"].numel()
+    assert target["n", "b"].flatten().tolist() == [1.0] * target["n", "b"].numel()
+    if kind != "lazy":  # written in place: the tensors and the nested tensordict held before
+        assert a.tolist() == [1.0, 1.0] and target["n"] is nested
+
+
+def _numbered(lib, count, stack_dim=0, size=2):
+    return lib.LazyStackedTensorDict(*[lib.TensorDict(a=torch.full((size,), float(i)), batch_size=[size])
+                                       for i in range(count)], stack_dim=stack_dim)
+
+
+@pytest.mark.parametrize("out_count, out_dim, out_size", [(1, 0, 2), (3, 0, 2), (2, 1, 7)])
+def test_apply_out_that_cannot_take_the_result_is_refused_before_any_write(out_count, out_dim, out_size):
+    # (5) fewer members: out's first member written, then a bare IndexError (tensordict's
+    # too); more: out returned with a batch size that is not the result's (tensordict
+    # gives a stack of out's first members): a BatchSizeMismatchError (a ValueError) now
+    out = _numbered(shared_td, out_count, out_dim, out_size)
+    before = out["a"].clone()
+    with pytest.raises(ValueError, match="out has batch size"):
+        _numbered(shared_td, 2).apply(lambda x: x + 10, out=out)
+    assert torch.equal(out["a"], before)
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_apply_out_takes_names_and_propagate_lock(lib):
+    # (5) names= and propagate_lock= were ignored when out= was given
+    out = _numbered(lib, 2).clone()
+    result = _numbered(lib, 2).apply(lambda x: x + 1, out=out, names=["s", "t"])
+    assert result.names == ["s", "t"]
+    locked = _numbered(lib, 2).lock_()
+    assert locked.apply(lambda x: x + 1, out=_numbered(lib, 2).clone(), propagate_lock=True).is_locked
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("option", ["names", "device"])
+def test_apply_inplace_takes_names_or_device_none(lib, option):
+    # (5) None asks for nothing: tensordict takes it with inplace=True, shared_td raised
+    lazy = _numbered(lib, 2)
+    assert lazy.apply(lambda x: x + 1, inplace=True, **{option: None}) is lazy
+    assert lazy["a"][:, 0].tolist() == [1.0, 2.0]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("case", ["read [::-1, [1, 0]]", "write tensor", "write number", "write [::-1, [1, 0]]",
+                                  "write stack_dim=1"])
+def test_a_negative_step_at_the_stack_dim_in_writes_and_beside_an_index_tensor(lib, case):
+    # (6) only a read of lazy[::-1] alone took it: these raised "step must be greater than zero"
+    stack_dim = 1 if case == "write stack_dim=1" else 0
+    lazy = lib.LazyStackedTensorDict(*[lib.TensorDict(a=torch.full((2,), float(i)), batch_size=[2]) for i in range(3)],
+                                     stack_dim=stack_dim)
+    if case == "read [::-1, [1, 0]]":
+        assert lazy[::-1, [1, 0]]["a"].tolist() == [[2.0, 2.0], [1.0, 1.0], [0.0, 0.0]]
+        return
+    if case == "write tensor":
+        lazy[::-1] = torch.tensor([[5.0], [6.0], [7.0]])
+    elif case == "write number":
+        lazy[::-1] = 0.0
+    elif case == "write [::-1, [1, 0]]":
+        lazy[::-1, [1, 0]] = torch.tensor([[5.0, 6.0], [7.0, 8.0], [9.0, 10.0]])
+    else:
+        lazy[:, ::-1] = torch.tensor([5.0, 6.0, 7.0])
+    expected = {"write tensor": [[7.0, 7.0], [6.0, 6.0], [5.0, 5.0]], "write number": [[0.0, 0.0]] * 3,
+                "write [::-1, [1, 0]]": [[10.0, 9.0], [8.0, 7.0], [6.0, 5.0]],
+                "write stack_dim=1": [[7.0, 6.0, 5.0], [7.0, 6.0, 5.0]]}[case]
+    assert lazy["a"].tolist() == expected
