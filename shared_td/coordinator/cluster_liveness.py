@@ -21,24 +21,8 @@ timeout at the first transfer). One owner per name: a publish claims ``owner/<na
 (:mod:`~shared_td.coordinator.cluster_owners`). A claim held by a node whose heartbeat
 stands still is taken over.
 
-A claim's key is a plain compare-and-set target (no signature can ride on it), so its
-token carries its own: a sequence number, a nonce and their HMAC with the cluster
-authkey, bound to the cluster's run (:func:`claim_token`, :func:`~shared_td.coordinator.cluster_runs.run_id`). Each process of
-a node takes a higher sequence number than the last. A clean shutdown leaves a
-released token there, signed the same way (:func:`release_node`), which the next
-:func:`claim_node` takes as free. A token of the key and run of a later process (or the
-released token of a process itself) means that process is gone (left, or taken over):
-it no longer runs the node, and a sync takes its replica records back
-(:func:`supersedes`). Anything else found there (bytes written by something reaching
-the store, an emptied key, a recorded token of an earlier process or of an earlier run
-written back) is counted as forged and ignored -- the process that holds the number
-writes its own back, and a sync keeps the node's replica records (before, one raw
-write, or one replayed token, cut a node out of every sync in silence, and at its next
-pause it stopped itself as "taken over"). The clean shutdown emptied the claim before,
-backed by a signed ``left/<node>`` record naming the last leaver only: a process stopped
-past LOST_AFTER_S whose successor then left read the emptied claim as a forgery, wrote
-its own token back and ran on as the node; and a record of an earlier process of the
-node was kept for good (audit 18).
+The tokens a claim holds, their signature and what a held one means (a successor's, a
+released one, a forgery): :mod:`~shared_td.coordinator.cluster_claims`.
 
 A process that was only stopped (SIGSTOP, a debugger, a frozen VM) past LOST_AFTER_S may
 find its number taken over when it runs again: every thread that is about to act as the
@@ -49,21 +33,32 @@ before its heartbeat stood still that long) and otherwise beats once and reads t
 :func:`~shared_td.coordinator.cluster_owners.names_taken_over`). Before, such a process went
 on serving the requests and pushes meant for its successor, beating under the same
 number, and syncing names another node had taken over.
+
+Nothing the heartbeat thread does grows with the names a node owns: a beat is one
+write, and every :data:`_KEEP_RUN_EVERY` th also reads the claim back (one round trip).
+The names' owner keys are looked at elsewhere: the names taken over during a pause by
+the first other thread that asks :meth:`Liveness.still_mine` after it (the beat only
+marks them due), and deleted owner keys by the watch thread
+(:mod:`~shared_td.coordinator.cluster_owner_keys`). Before, every third beat looked at
+each owned name's key (a round trip each) before the next beat: 400 names on a store
+10 ms away spaced the beats 4.3 s apart, past LOST_AFTER_S, and the live node's names
+were taken over by another node's publish (audit 22).
 """
 from __future__ import annotations
 
-import hmac
 import itertools
 import json
 import os
-import secrets
 import threading
 import time
-from typing import Callable, NamedTuple
+from typing import Callable
 
+from shared_td.coordinator.cluster_claims import (claim_free, claim_token, held_claim, parsed_claim, release_node,
+                                                  released_token, supersedes)
 from shared_td.coordinator.cluster_runs import RunWatch, keep_run
 from shared_td.errors import ClusterAuthError, NodeTakenOverError, OwnerLostError
 
+# (claim_free .. supersedes: cluster_claims's, named here too for the modules that import them from here)
 __all__ = ["HEARTBEAT_S", "LOST_AFTER_S", "Liveness", "claim_node", "heartbeat_moves",
            "claim_free", "claim_token", "release_node", "released_token", "supersedes"]
 
@@ -76,8 +71,6 @@ LOST_AFTER_S = 3.0
 #: within LOST_AFTER_S / 2 (a newcomer of the window follows the live nodes' run anyway).
 _KEEP_RUN_EVERY = max(1, round(LOST_AFTER_S / 2 / HEARTBEAT_S))
 _NOT_FOUND = object()  # equal to no heartbeat seen (a missing one, None, included)
-_LEFT = "left."  # how a released claim token starts (release_node)
-_UNHELD = "\0unheld"  # what _holder's look expects: no token (ASCII, with a dot) is this
 
 
 class Liveness:
@@ -92,7 +85,8 @@ class Liveness:
         stop: the cluster's stop event: ends :meth:`beat`, and is set when the number
             was taken over.
         on_confirm: called when :meth:`still_mine` found the number still this
-            process's after a gap (the names it owns may have been taken over meanwhile).
+            process's after a gap (the names it owns may have been taken over meanwhile),
+            in a caller of still_mine other than the heartbeat thread.
         refuse: called for each forged heartbeat value seen (the cluster counts it in
             ``refused``).
         run: the cluster's run (:func:`~shared_td.coordinator.cluster_runs.run_id`), which claim tokens are bound to.
@@ -113,6 +107,10 @@ class Liveness:
         self._written: bytes | None = None  # the heartbeat this process stored last (see say_left)
         self._confirmed_at = time.monotonic()  # see _confirm (made just after the first heartbeat)
         self._looking = threading.Lock()  # one still_mine look at the store at a time
+        # the looks after a gap that found the number still this process's, and how many
+        # of them on_confirm ran after (by a thread other than the heartbeat's: see still_mine)
+        self._gaps, self._names_looked = 0, 0
+        self._naming = threading.Lock()  # one on_confirm at a time
         #: why this process no longer runs its node (see :meth:`still_mine`), or None
         self.taken_over: str | None = None
         self._beats: dict[int, tuple[object, float]] = {}
@@ -136,7 +134,7 @@ class Liveness:
                 return
             began = time.monotonic()
             try:
-                if not self.still_mine():
+                if not self._holds_number():  # (on_confirm after a gap: left to the other threads)
                     return  # beating on would keep the successor's number alive for us both
                 self._write_beat()
                 self._confirm(began)
@@ -184,10 +182,25 @@ class Liveness:
         HEARTBEAT_S of the last confirmation (a heartbeat written); after a longer gap
         (the process was stopped, or starved) it reads ``claim/<node>``, writes a
         heartbeat and reads the claim again, and if it is still this process's, runs
-        ``on_confirm`` (the cluster checks the names it owns). Once another process
-        holds the number, False for good: :attr:`taken_over` says why and the stop
-        event is set (the node's threads end; :meth:`check` raises). Callers wait while
-        one of them looks. A lost store host raises as any store call."""
+        ``on_confirm`` (the cluster checks the names it owns) before it returns. Once
+        another process holds the number, False for good: :attr:`taken_over` says why
+        and the stop event is set (the node's threads end; :meth:`check` raises).
+        Callers wait while one of them looks. A lost store host raises as any store
+        call. The heartbeat thread's own look leaves ``on_confirm`` (a round trip per
+        owned name) to the next caller here: the beats go on meanwhile."""
+        if not self._holds_number():
+            return False
+        if self._names_looked != self._gaps:  # a gap confirmed: the names, before acting as the node
+            with self._naming:
+                gaps = self._gaps
+                if self._names_looked != gaps:  # (not looked at by another caller meanwhile)
+                    self._on_confirm()
+                    self._names_looked = gaps
+        return True
+
+    def _holds_number(self) -> bool:
+        """:meth:`still_mine` without ``on_confirm``: a gap confirmed is counted in
+        ``_gaps``, for a caller of still_mine to look at the names."""
         if self.taken_over is None and time.monotonic() - self._confirmed_at < LOST_AFTER_S - HEARTBEAT_S:
             return True
         with self._looking:
@@ -201,7 +214,7 @@ class Liveness:
             if self._holds_claim():
                 self._write_beat()
                 if self._holds_claim():
-                    self._on_confirm()
+                    self._gaps += 1  # (before the confirmation: no caller acts unlooked-at)
                     self._confirm(began)
                     return True
             self.taken_over = (f"Node {self._node} was taken over by {self._successor()} while this process "
@@ -219,25 +232,25 @@ class Liveness:
         is counted as forged and this process's token written back (before, such a
         write stopped the node as "taken over by itself")."""
         key = f"claim/{self._node}"
-        held = _holder(self._store, key, self._claim)
+        held = held_claim(self._store, key, self._claim)
         if held == self._claim.encode():
             return True
         if supersedes(self._store, self._node, self._run, held, self._claim):
             return False  # a successor's (or its released one)
         self._refuse()
         self._store.compare_set(key, held, self._claim)  # (a successor's written meanwhile stays)
-        return _holder(self._store, key, self._claim) == self._claim.encode()
+        return held_claim(self._store, key, self._claim) == self._claim.encode()
 
     def _keep_keys(self) -> None:
         """Every few beats (as the run record): this process's ``claim/<node>`` written
         back when something deleted or emptied it, counted as forged (a newcomer read
-        such a claim as free: two processes ran node 1, audit 22), and the names it
-        owns looked at (``on_confirm``: an ``owner/<name>`` deleted is written back)."""
+        such a claim as free: two processes ran node 1, audit 22). One round trip: the
+        owner keys of its names are the watch thread's
+        (:mod:`~shared_td.coordinator.cluster_owner_keys`; see the module's opening)."""
         key = f"claim/{self._node}"
         if not self._store.get_unchecked(key):
             self._refuse()
             self._store.compare_set(key, "", self._claim)  # (a newcomer's written meanwhile stays)
-        self._on_confirm()
 
     def check(self) -> None:
         """NodeTakenOverError unless :meth:`still_mine`."""
@@ -390,7 +403,7 @@ def claim_node(store, node: int, run: str = "") -> str:
     # may have written bytes that are not UTF-8 (a bare UnicodeDecodeError before); such
     # a claim is another holder's, taken over as one once its heartbeat stands still
     key, held = f"claim/{node}", store.get_unchecked(f"claim/{node}")
-    before = _parsed(store, node, run, held)
+    before = parsed_claim(store, node, run, held)
     token = claim_token(store, node, run, floor=before.seq if before else 0)
     # none, or a clean shutdown's released token; a claim deleted or emptied under a
     # running node is not (its live heartbeat says so: a second process ran as it)
@@ -443,116 +456,6 @@ def heartbeat_moves(store, node: int) -> bool:
             return True
     return False
 
-
-def _holder(store, key: str, mine: str) -> bytes:
-    """What ``key`` holds (b"" when missing), read by a compare-and-set that expects what
-    no claim holds: one round trip that changes nothing (one of ``mine`` with itself
-    read a deleted key as ``mine``, and the claim was never written back)."""
-    held = store.compare_set(key, _UNHELD, _UNHELD)
-    return b"" if held == _UNHELD.encode() else held
-
-
-def release_node(store, node: int, token: str, joined: bool = True, run: str = "") -> None:
-    """Let node ``node`` go (a clean shutdown): ``claim/<node>`` := the released token of
-    ``token`` (:func:`released_token`), so that a process started as that node later
-    claims it at once (:func:`claim_node`), without waiting for the heartbeat to stand
-    still, and any process or record of ``token`` reads it as gone. A process whose
-    start failed before it ``joined`` empties the claim instead: no record names its
-    token, and one with another authkey must leave nothing the key's nodes read as
-    held."""
-    store.compare_set(f"claim/{node}", token, released_token(store, node, token, run) if joined else "")
-
-
-def claim_token(store, node: int, run: str = "", floor: int = 0) -> str:
-    """A new token for ``claim/<node>``: ``<seq>.<nonce>`` and its HMAC with the cluster
-    authkey, bound to the key ``claim/<node>`` and to the cluster's ``run``, as ASCII:
-    the claim's key stays a plain compare-and-set target, and who reads it can tell a
-    node's token from a forgery. ``seq`` grows with each process of the node (above
-    ``floor``, the held claim's, and a store counter): only a token of a higher one is
-    a successor's (:func:`supersedes`), so a recorded older token written back is a
-    forgery."""
-    try:
-        counted = store.add(f"claimseq/{node}", 1)
-    except ValueError:  # not an integer there: the floor decides
-        counted = 0
-    return _signed_token(store, node, run, f"{max(counted, floor + 1)}.{secrets.token_hex(12)}")
-
-
-def released_token(store, node: int, token: str, run: str = "") -> str:
-    """The token a clean shutdown of the process of ``token`` leaves in ``claim/<node>``:
-    ``left.<its seq>.<its nonce>`` and the HMAC of that, as :func:`claim_token`'s."""
-    return _signed_token(store, node, run, f"{_LEFT}{token.rpartition('.')[0]}")
-
-
-def _signed_token(store, node: int, run: str, body: str) -> str:
-    return signed_token(store, f"claim/{node}", run, body)
-
-
-def signed_token(store, key: str, run: str, body: str) -> str:
-    """``<body>.<mac>``: what a compare-and-set key (``claim/<node>``, ``owner/<name>``)
-    holds, as ASCII, the HMAC (16 bytes, as hex) of ``body`` with the cluster authkey
-    bound to ``key`` and to the cluster's ``run``."""
-    return f"{body}.{_token_mac(store, key, run, body.encode())}"
-
-
-def token_body(store, key: str, run: str, held: bytes | str | None) -> str | None:
-    """The body of ``held`` if it is a :func:`signed_token` of ``key`` and ``run``, else
-    None (missing, or not signed with this cluster's key and run: a forgery)."""
-    held = held.encode() if isinstance(held, str) else held or b""
-    body, _dot, mac = held.rpartition(b".")
-    if not body or not hmac.compare_digest(mac, _token_mac(store, key, run, body).encode()):
-        return None
-    return body.decode()
-
-
-def _token_mac(store, key: str, run: str, body: bytes) -> str:
-    return store.sign(key, run.encode() + b"/" + body)[:16].hex()
-
-
-class _Token(NamedTuple):
-    left: bool  # a released token (release_node)
-    seq: int
-    nonce: str
-
-
-def _parsed(store, node: int, run: str, held: bytes | str | None) -> _Token | None:
-    """What the token ``held`` says, None unless it is one of this cluster's key and run."""
-    body = token_body(store, f"claim/{node}", run, held)
-    if body is None:
-        return None
-    parts = body.split(".")
-    left = parts[0] == _LEFT[:-1]
-    try:
-        seq, nonce = parts[left:]
-        return _Token(left, int(seq), nonce)
-    except ValueError:
-        return None
-
-
-def supersedes(store, node: int, run: str, held: bytes | None, token: str) -> bool:
-    """Whether ``claim/<node>`` holding ``held`` means that the process of ``token`` no
-    longer runs the node: a token of the key and run of a later process (a higher
-    seq: a successor's, or its released one), or the released token of ``token``
-    itself (a clean shutdown); any token of the key and run, when ``token`` is none
-    (a record naming a process by something else). Anything else (bytes without the
-    key, an emptied key, an older token written back) is not."""
-    other, mine = _parsed(store, node, run, held), _parsed(store, node, run, token)
-    if other is None or mine is None:
-        return other is not None
-    return other.seq > mine.seq or (other.left and (other.seq, other.nonce) == (mine.seq, mine.nonce))
-
-
-def claim_free(store, node: int, held: bytes | None, run: str | None = "") -> bool:
-    """Whether ``claim/<node>`` holding ``held`` lets a new process claim the number at
-    once: missing, emptied (a start that failed early), or released by a clean
-    shutdown (verified against ``run``; with None, only its form: a process with
-    another key can tell a released claim, never verify it)."""
-    if not held:
-        return True
-    if run is None:
-        return held.startswith(_LEFT.encode())
-    token = _parsed(store, node, run, held)
-    return token is not None and token.left
 
 
 def _signed_here(store, node: int) -> bool:

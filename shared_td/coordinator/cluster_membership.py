@@ -78,7 +78,7 @@ from shared_td.coordinator.cluster_launch import check_store, open_store
 from shared_td.coordinator.cluster_liveness import (HEARTBEAT_S, LOST_AFTER_S, Liveness, claim_free, claim_node,
                                                     release_node)
 from shared_td.coordinator.cluster_runs import open_run, run_key
-from shared_td.coordinator.cluster_owners import names_taken_over
+from shared_td.coordinator.cluster_owner_keys import give_up_names_taken_over
 from shared_td.coordinator.cluster_names import LocalNames
 from shared_td.coordinator.cluster_serve import (LISTENER, POP_S, lane_queue, listen, serve_lane, serve_notices,
                                                  watch_pairs)
@@ -315,11 +315,9 @@ class ClusterMembership:
     def _give_up_names_taken_over(self) -> None:
         """This process was stopped (or starved) past LOST_AFTER_S and still runs its node:
         the names another node took over meanwhile (``claim_name``) are not this node's
-        any more: not synced, not served (a sync of one says who owns it)."""
-        for name, holder in names_taken_over(self._store, self.node, list(self._owned), self._count_refused,
-                                              self._run).items():
-            self._owned.pop(name, None)
-            self._taken_names[name] = holder
+        any more: not synced, not served (a sync of one says who owns it); see
+        :func:`~shared_td.coordinator.cluster_owner_keys.give_up_names_taken_over`."""
+        give_up_names_taken_over(self)
 
     def _own_queues(self) -> list[str]:
         """The store queues this node's threads pop: its service queue, a lane per peer."""

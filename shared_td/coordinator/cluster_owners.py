@@ -34,9 +34,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-from shared_td.coordinator.cluster_liveness import Liveness, heartbeat_moves, signed_token, token_body
+from shared_td.coordinator.cluster_claims import signed_token, token_body
+from shared_td.coordinator.cluster_liveness import Liveness, heartbeat_moves
 
-__all__ = ["claim_name", "names_taken_over", "owner_of", "owner_token"]
+__all__ = ["claim_name", "keep_owner_key", "names_taken_over", "owner_keys_there", "owner_of", "owner_token"]
 
 
 def owner_token(store, name: str, node: int, run: str = "") -> str:
@@ -122,3 +123,23 @@ def names_taken_over(store, node: int, names: list[str], refuse: Callable[[], No
         else:
             taken[name] = str(owner)
     return taken
+
+
+def owner_keys_there(store, names: list[str]) -> bool:
+    """Whether ``owner/<name>`` exists for each of ``names``: one round trip (the store's
+    ``check`` of all their keys, on the calling thread's connection), whatever their
+    number. What a key holds is not read (:func:`names_taken_over` does that)."""
+    return not names or store.raw.check([f"owner/{name}" for name in names])
+
+
+def keep_owner_key(store, node: int, name: str, refuse: Callable[[], None], run: str = "") -> bool:
+    """Write node ``node``'s token back into ``owner/<name>`` when the key is missing or
+    emptied (counted as forged: ``refuse()``), by a compare-and-set against the empty
+    key, so that a claim written meanwhile stays; True when it was written back. One
+    round trip when the key is there."""
+    key = f"owner/{name}"
+    if store.get_unchecked(key):
+        return False
+    refuse()
+    mine = owner_token(store, name, node, run)
+    return store.compare_set(key, "", mine) == mine.encode()

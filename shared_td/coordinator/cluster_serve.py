@@ -17,10 +17,9 @@ renew thread (:mod:`~shared_td.coordinator.cluster_renewals`). Nor for a lock wh
 holder may wait for a lane: a pull that finds a delivery of its name under way (a sync
 waits for the replica nodes' lanes) waits for one of the node's few delivery threads
 (:mod:`~shared_td.coordinator.cluster_deliveries`), and is not served once its
-requester gave up (its ``budget``). A serving thread
-ends only when the node stops, the store's host is lost (``ConnectionError``) or its
-number was taken over; any other error is counted in ``Cluster.serve_errors`` and it
-serves on (a store error ended a lane in silence: the node beat on, that peer unserved).
+requester gave up (its ``budget``). How a serving thread reads its queue, and why it
+ends only when the node stops, the store's host is lost or its number was taken over:
+:mod:`~shared_td.coordinator.cluster_inbox`.
 
 Pushes skip the lanes once a pair is built: for each pair it holds, a node keeps one
 receive posted on the pair's stripe 0 for the peer's next push, in a thread of its own
@@ -36,16 +35,14 @@ after its payload, over the pair, signed for that request
 and no thread of the sender's node in between. A request for what this node does not
 hold is answered with a refusal (after receiving any payload into scratch memory, so
 that the sender's send ends); a failed transfer marks the pair's group failed, so that
-the requester's own wait fails too. Requests that do not verify (another authkey, a
-forgery) or that arrive in another sender's lane are counted in ``Cluster.refused`` and
-never acted on.
+the requester's own wait fails too. Requests that arrive in another sender's lane, or
+that repeat one the lane took, are counted in ``Cluster.refused`` and never acted on.
 
 These functions take the Cluster they serve: they are its methods, kept apart from the
 calling half (:mod:`~shared_td.coordinator.cluster`) so that each reads on its own.
 """
 from __future__ import annotations
 
-import collections
 import datetime
 import itertools
 import threading
@@ -58,18 +55,20 @@ from shared_td.coordinator.cluster_deliveries import cancel, deliver
 from shared_td.coordinator.cluster_renewals import renew
 from shared_td.coordinator.cluster_replica import Owned, Replica
 from shared_td.coordinator.cluster_generations import same
+from shared_td.coordinator.cluster_inbox import POP_S, Served, serving, signed_requests
 from shared_td.coordinator.cluster_store import ClusterAuthError
 from shared_td.coordinator.cluster_liveness import HEARTBEAT_S
+from shared_td.coordinator.cluster_owner_keys import OwnerKeys
 from shared_td.coordinator.cluster_messages import answer_context, decode_signed, encode_signed, push_context
 from shared_td.coordinator.cluster_transfer import (DIRECT_MAX_BYTES, StalePair, TransferFailed, answer_tag,
                                                     stripe_ranges)
 from shared_td.coordinator.cluster_waits import wait_work
 from shared_td.coordinator.cluster_wake import WATCH_S
 
-# How long a lane or the service thread waits in one queue_pop (a stop request wakes it
-# earlier; a process whose number was taken over is woken by wake_pops). One long pop,
-# not short ones: torch logs two warning lines at each pop that times out.
-POP_S = 60.0
+# (POP_S: cluster_inbox's, named here for the node's shutdown; the rest: used by other modules)
+__all__ = ["HEADER_BYTES", "LISTENER", "POP_S", "kept_receive_bytes", "lane_queue", "listen", "refusal",
+           "serve_lane", "serve_notices", "serve_pushes", "watch_pairs"]
+
 #: Bytes of a push header, the start of the receive kept posted per pair for the peer's
 #: next push (signed JSON: name, generation, tag, seq, rows, nbytes).
 HEADER_BYTES = 512
@@ -85,9 +84,6 @@ LISTENER = "shared_td-cluster-pushes-"
 #: scratch, then refused): a larger one fails the pair, which ends the sender's send (a
 #: node restarted without a replica got every sync of a 256 MB name: its memory doubled).
 UNHELD_SCRATCH_BYTES = 1 << 20
-#: Seconds a serving thread pauses after an error it serves on: an error that repeats
-#: (a store that refuses every pop) does not become a busy loop.
-ERROR_PAUSE_S = 0.05
 
 
 def kept_receive_bytes(rows_bytes: int) -> int:
@@ -109,67 +105,13 @@ def lane_queue(node: int, peer: int) -> str:
     return f"lane/{node}/{peer}"
 
 
-def _signed_requests(cluster, queue: str):
-    """The signed requests popped from ``queue`` until the cluster stops or the store's
-    host is lost; a forged one (or another cluster's) is counted in ``refused``, never
-    yielded, and any other error of the store (a ``QueueEmptyError``, a value that does
-    not parse) in ``serve_errors``: the thread pops again. One popped after this process
-    lost its node number (it was stopped meanwhile, see ``Liveness.still_mine``) goes
-    back to the queue, for the process that runs the node now."""
-    def ended() -> bool:  # (woken for nothing: a resumed process looks at its number)
-        return cluster._stop.is_set() or not cluster._liveness.still_mine()
-
-    while not cluster._stop.is_set():
-        try:
-            request = cluster._store.pop_json(queue, POP_S, ended)
-            if request is not None and not cluster._liveness.still_mine():
-                cluster._store.push_json(queue, request)
-                return
-        except ClusterAuthError:
-            cluster.refused += 1
-            continue
-        except ConnectionError:  # the store's host is lost (see cluster_store._store_call)
-            return
-        except Exception:  # noqa: BLE001 - the store is there: counted, served on
-            if _served_on(cluster):
-                continue
-            return
-        if request is not None and not isinstance(request, dict):
-            # signed, but not a request (a list, a string): counted, and the thread keeps
-            # serving (an AttributeError here ended it while the node kept beating)
-            cluster.refused += 1
-            continue
-        if request is not None and request.get("op") != "stop":
-            yield request
-
-
-def _served_on(cluster) -> bool:
-    """Count an error a serving thread met (``Cluster.serve_errors``) and pause; False
-    when the thread ends instead: the node stops, or the store's host is lost."""
-    cluster.serve_errors = getattr(cluster, "serve_errors", 0) + 1
-    return not cluster._stop.wait(ERROR_PAUSE_S) and not cluster._store._host_lost
-
-
-def _serving(cluster, serve) -> None:
-    """Run ``serve()`` (a loop over :func:`_signed_requests`) until it ends as one ends;
-    an error that escapes it is counted and ``serve()`` starts again, so that a serving
-    thread never ends in silence while its node beats."""
-    while True:
-        try:
-            serve()
-            return
-        except Exception:  # noqa: BLE001 - served on (see _served_on)
-            if not _served_on(cluster):
-                return
-
-
 def serve_notices(cluster) -> None:
     """The service thread: apply the notices of ``queue/<node>`` until stopped."""
-    _serving(cluster, lambda: _serve_notices(cluster))
+    serving(cluster, lambda: _serve_notices(cluster))
 
 
 def _serve_notices(cluster) -> None:
-    for request in _signed_requests(cluster, f"queue/{cluster.node}"):
+    for request in signed_requests(cluster, f"queue/{cluster.node}"):
         try:
             if request.get("op") == "pair":  # the peer moved our pair to a new generation
                 cluster._groups.seen(request["from"], request["generation"])
@@ -183,38 +125,12 @@ def _serve_notices(cluster) -> None:
 
 def serve_lane(cluster, peer: int) -> None:
     """Serve ``peer``'s requests, one at a time, in the order sent, until stopped."""
-    _serving(cluster, lambda: _serve_lane(cluster, peer))
-
-
-#: How many of its latest requests a lane remembers, to refuse them again (:class:`_Served`).
-SERVED_WINDOW = 4096
-
-
-class _Served:
-    """A lane's latest :data:`SERVED_WINDOW` requests, by caller, op, tag and pair (one
-    request each). A signed request read off the store and pushed again replayed a sync
-    into a live replica (left "being written") or a pull that failed the pair (audit
-    22): a repeat is refused and counted. One older than the window is not caught."""
-
-    def __init__(self):
-        self._order, self._seen = collections.deque(), set()
-
-    def first(self, request: dict) -> bool:
-        if request.get("op") not in ("pull", "push", "sync", "values"):
-            return True  # (a cancel is asked again by design, a renew has no tag: neither moves data)
-        key = (request.get("caller"), request.get("op"), request["tag"], request.get("pair"))
-        if key in self._seen:  # (unhashable: a malformed request, counted by the caller)
-            return False
-        self._seen.add(key)
-        self._order.append(key)
-        if len(self._order) > SERVED_WINDOW:
-            self._seen.discard(self._order.popleft())
-        return True
+    serving(cluster, lambda: _serve_lane(cluster, peer))
 
 
 def _serve_lane(cluster, peer: int) -> None:
-    served = _Served()
-    for request in _signed_requests(cluster, lane_queue(cluster.node, peer)):
+    served = Served()
+    for request in signed_requests(cluster, lane_queue(cluster.node, peer)):
         if request.get("from") != peer:
             cluster.refused += 1  # signed, but not in its sender's lane
             continue
@@ -518,12 +434,20 @@ def watch_pairs(cluster) -> None:
     paired peer every HEARTBEAT_S, one waited for every WATCH_S (as its waiting
     thread looked before). The peer is not marked lost for the calls: a node that was
     only stopped gets its second look there (``Liveness.still_lost``), and its next
-    transfer builds a new pair."""
+    transfer builds a new pair. It keeps the node's owner keys too (off the heartbeat
+    thread: :class:`~shared_td.coordinator.cluster_owner_keys.OwnerKeys`)."""
     _connect(cluster)
     every = max(1, round(HEARTBEAT_S / WATCH_S))
+    keys = OwnerKeys(cluster)
     for tick in itertools.count():
         if cluster._stop.wait(WATCH_S):
             return
+        try:
+            keys.keep()
+        except ConnectionError:
+            return  # the store is gone
+        except Exception:  # noqa: BLE001 - (a publish lock held past the timeout): looked at next round
+            cluster.serve_errors += 1
         waited = cluster._waits.peers()
         for peer in range(cluster.nodes):
             paired = tick % every == 0 and peer != cluster.node and cluster._groups.stripes(peer) is not None

@@ -69,7 +69,7 @@ def wake_pops(cluster, queues: list[str], threads: list, bound: float) -> None:
     wrong). Each pop
     woken finds the queue empty (``QueueEmptyError``), sees the stop (``ended``) and
     ends; one that finds a value puts it back for the successor, as it does at any
-    pop after the takeover (see ``cluster_serve._signed_requests``). The successor's own pops
+    pop after the takeover (see ``cluster_inbox.signed_requests``). The successor's own pops
     are woken with it and wait again (a wake-up in vain is "nothing yet"). Repeated,
     so that a thread entering its pop as the first wake-up goes is woken too (a thread
     busy past ``bound``, in a transfer, sees the stop before its next pop). Before,
