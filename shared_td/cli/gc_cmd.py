@@ -9,14 +9,10 @@ Two kinds of things, and nothing else:
   directories (an archive writer's temporary directory is one of them). A lock file of
   a prefix that no longer exists is left alone: nothing says it is ours;
 * inside a saved tensordict, the temporary files (``meta.json.<pid>.<thread>.tmp``, ...)
-  of a writer ``<pid>`` killed while it rewrote the metadata in place, and the leaf files
-  ``.<NAME>.viewed-<pid>-<n>-<ino>`` it set aside: put back over ``NAME`` where the
-  node's meta.json is still the inode ``<ino>`` it had then (nothing committed since),
-  removed where it is not (persist/set_aside.py). A directory whose flock a running
-  writer holds is skipped (the lock alone says a writer runs, whatever its pid);
-  set-aside files gc cannot decide on (two dead writers' for one ``NAME``, a ``NAME``
-  that is not a regular file, a tree committed below but not above) are left and listed
-  as failed. ``--dry-run`` lists the same skipped and failed prefixes.
+  of a writer ``<pid>`` killed while it rewrote the metadata in place, and the new bytes
+  ``.<NAME>.shared_td.<pid>.<thread>.tmp`` it staged for a leaf ``NAME`` (a view written
+  into its parent's own directory): renamed over ``NAME`` only at the commit, so nothing
+  of the save names them.
 
 PATH may be a saved tensordict itself, a directory or a ``.tdz`` archive: its leftovers
 beside it are cleaned (an archive's lock ``.x.tdz.lock`` and the temporary files
@@ -40,7 +36,6 @@ from shared_td.persist import format as fmt
 from shared_td.persist import leftovers
 from shared_td.persist.archive import is_memmap_archive
 from shared_td.persist.lock_probe import lock_is_held
-from shared_td.persist.set_aside import parse_set_aside_name
 
 EPILOG = """examples:
   shared-td gc --dry-run /data       list what would be removed under /data
@@ -108,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
                 skipped.append(prefix)
             else:
                 removed += leftovers.gc(prefix, dry_run=True, remove_lock=True)
-        except TimeoutError as error:  # (what was removed before a busy directory was met, listed)
+        except TimeoutError as error:  # (what was removed before it, listed)
             removed += getattr(error, "removed", [])
             skipped.append(prefix)
         except OSError as error:  # a leftover that cannot be removed or looked for: said, not hidden
@@ -173,11 +168,10 @@ def prefixes_under(root: str, unlisted: list[OSError] | None = None) -> list[str
     onerror = None if unlisted is None else functools.partial(_note_unlisted, unlisted)
     for directory, dirnames, names in os.walk(root, onerror=onerror):
         found += prefixes_in(directory, unlisted)
-        if fmt.META in names and any(fmt.temporary_writer_pid(name) is not None
-                                     or parse_set_aside_name(name) is not None for name in names):
+        if fmt.META in names and any(fmt.temporary_writer_pid(name) is not None for name in names):
             # gc of the save that holds it (under that save's lock) finds and checks them;
             # only in a node directory (a meta.json there): look-alike names elsewhere are
-            # no writer's of ours (our writers stage and set aside only in existing nodes)
+            # no writer's of ours (our writers stage only in existing nodes)
             found.append(_outermost_save(directory, root))
         dirnames[:] = sorted(d for d in dirnames if leftovers.parse_leftover_name(d) is None)
     return sorted(set(found))
@@ -251,8 +245,4 @@ def _what(path: str) -> str:
     writer = fmt.temporary_writer_pid(os.path.basename(path))
     if writer is not None:
         return f"temporary file of dead writer pid {writer}"
-    aside = parse_set_aside_name(os.path.basename(path))
-    if aside is not None:
-        return (f"{aside[0]} set aside by dead writer pid {aside[1]}: put back over {aside[0]} if meta.json "
-                "is unchanged since, else removed")
     return "lock file no process holds"

@@ -253,16 +253,37 @@ def write_temporary(directory: Directory, name: str, data: bytes) -> str:
 _TEMPORARY_NAME = re.compile(
     "(?:" + "|".join(re.escape(n) for n in (META, OTHER_PICKLE, STACK_PICKLE)) + r")\.(?P<pid>[0-9]+)\.[0-9]+\.tmp"
 )
+# staged_leaf_name's: hidden and tagged, as a leaf's own name is any key's (a user's file
+# "x.memmap.1.2.tmp" beside the save is not ours); a key's file always ends with LEAF_SUFFIX
+_STAGED_LEAF_NAME = re.compile(
+    rf"\.(?:.+{re.escape(LEAF_SUFFIX)})\.shared_td\.(?P<pid>[0-9]+)\.[0-9]+\.tmp", re.DOTALL
+)
+
+
+def staged_leaf_name(name: str) -> str:
+    """The temporary a writer stages the new bytes of the existing leaf file ``name`` in
+    (renamed over ``name`` at its node's commit, just before its meta.json): unique to
+    this process and thread, like :func:`write_temporary`'s, and a dead writer's is
+    removed by gc as theirs are (:func:`temporary_writer_pid`).
+
+    Example:
+        >>> temporary_writer_pid(staged_leaf_name("a.memmap")) == os.getpid()
+        True
+    """
+    return f".{name}.shared_td.{os.getpid()}.{threading.get_ident()}.tmp"
 
 
 def temporary_writer_pid(name: str) -> int | None:
-    """The pid of the writer that made ``name`` with :func:`write_temporary`, else None.
+    """The pid of the writer that made ``name`` with :func:`write_temporary` or
+    :func:`staged_leaf_name`, else None.
 
     Examples:
         >>> temporary_writer_pid("meta.json.4242.1399.tmp"), temporary_writer_pid("notes.tmp")
         (4242, None)
+        >>> temporary_writer_pid(".a.memmap.shared_td.4242.1399.tmp"), temporary_writer_pid("a.memmap.4242.1.tmp")
+        (4242, None)
     """
-    match = _TEMPORARY_NAME.fullmatch(name)
+    match = _TEMPORARY_NAME.fullmatch(name) or _STAGED_LEAF_NAME.fullmatch(name)
     return int(match["pid"]) if match else None
 
 

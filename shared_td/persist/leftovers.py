@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 
-from shared_td.persist import set_aside
+from shared_td.persist import format as fmt
 from shared_td.persist.format import lock_path, sibling_stem
 from shared_td.persist.lock_probe import lock_is_held, remove_unheld_lock
 from shared_td.persist.writer_lock import acquired
@@ -53,65 +54,26 @@ def find_leftovers(prefix: str) -> list[str]:
 
 def find_stale_temporaries(prefix: str) -> list[str]:
     """Temporary files a killed (non-atomic) writer left inside the saved tree at
-    ``prefix``: ``meta.json.<pid>.<thread>.tmp`` and the like, whose pid is gone, and
-    the leaf files it set aside (``.<NAME>.viewed-<pid>-<n>-<ino>``, persist/set_aside.py)
-    where no writer holds the flocks: those gc would remove or put back now. Symlinks
-    are not followed; nothing is removed; a directory a live writer holds is not
-    looked into."""
-    return _clean_inside(prefix, [], act=False)[0]
-
-
-def _dead_writers_nodes(prefix: str) -> list[set_aside.NodeLeftovers]:
-    """What dead writers left in each directory of the tree at ``prefix`` (decided by
-    set_aside.node_leftovers; directories with nothing skipped), and the writers killed
-    between two commits of one tree (set_aside.half_committed), whose files all stay."""
-    listed = []
+    ``prefix``: ``meta.json.<pid>.<thread>.tmp`` and the like, and the new bytes of a
+    leaf it staged (``.<NAME>.shared_td.<pid>.<thread>.tmp``, persist/writer.py), whose
+    pid is gone (nothing of the save names them: its files are renamed over the old
+    ones only at the commit). Only regular files; symlinks are not followed; nothing is
+    removed."""
+    found = []
     for directory, subdirectories, names in os.walk(prefix):
         subdirectories.sort()
-        listed.append((directory, names))
-    nodes = [node for directory, names in listed if (node := set_aside.node_leftovers(directory, names))]
-    half = set_aside.half_committed(nodes, prefix)
-    if half:
-        nodes = [node for directory, names in listed if (node := set_aside.node_leftovers(directory, names, half))]
-    for node in nodes:
-        node.half = half
-    return nodes
+        for name in sorted(names):
+            pid = fmt.temporary_writer_pid(name)
+            if pid is not None and not pid_alive(pid) and _is_regular(os.path.join(directory, name)):
+                found.append(os.path.join(directory, name))
+    return found
 
 
-def _clean_inside(prefix: str, removed: list[str], *, act: bool = True) -> tuple[list[str], list[str], list[str]]:
-    """Put back and remove what dead writers left inside the tree at ``prefix``, one node
-    directory at a time under its flocks (set_aside.locked_chain), decided again under
-    them; paths acted on (``act=False``: those that would be) are appended to
-    ``removed``. Returns ``(removed, left, busy)``: what is left for a person (two dead
-    writers' files for one name, a name that is not a regular file, a half-committed
-    tree) and the directories a live writer holds (skipped)."""
-    left, busy = [], []
-    for listed in _dead_writers_nodes(prefix):
-        with set_aside.locked_chain(listed.directory, prefix) as free:
-            if not free:
-                busy.append(listed.directory)
-                continue
-            try:
-                node = set_aside.node_leftovers(listed.directory, os.listdir(listed.directory), listed.half)
-            except FileNotFoundError:
-                continue
-            if act:
-                set_aside.act(node, removed)
-            else:
-                removed += node.acted_on()
-            left += node.left
-    return removed, left, busy
-
-
-def _raise_left_or_busy(prefix: str, left: list[str], busy: list[str]) -> None:
-    """An OSError naming what was left (the CLI's "failed"), else a TimeoutError naming
-    the directories a live writer holds (its "skipped"), else nothing."""
-    if left:
-        raise OSError(f"Left inside {prefix}, to be looked at by hand: {'; '.join(left)}"
-                      + (f"; busy (a running writer holds them): {', '.join(busy)}" if busy else ""))
-    if busy:
-        raise TimeoutError(f"A running writer holds {', '.join(busy)} (the flock of the directory or of one "
-                           f"above it): what is left there is that writer's; skipped.")
+def _is_regular(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False
 
 
 def sweep_leftovers(prefix: str) -> list[str]:
@@ -156,17 +118,10 @@ def gc(prefix: str, timeout: float | None = None, *, dry_run: bool = False,
     The temporary directories of dead atomic writers (beside ``prefix``) and the
     temporary files of dead writers inside it (:func:`find_stale_temporaries`) are
     removed under the prefix lock (waiting at most ``timeout`` seconds for a running
-    writer, then TimeoutError); a leaf file a dead writer set aside is put back over its
-    own file where that writer never committed (persist/set_aside.py), and listed all the
-    same. A node directory a live writer holds (its flock, never waited for) is skipped:
-    TimeoutError once the rest is done; what is left for a person to look at (two dead
-    writers' files for one leaf, a leaf's name that is not a regular file, a tree whose
-    writer was killed between two nodes' commits) an OSError.
-    With ``remove_lock=True`` the lock file ``.<name>.lock`` goes too when no process
-    holds it. ``dry_run=True`` removes nothing, takes no prefix lock (only probes node
-    directories' flocks) and returns what would go; what gc would leave or skip is the
-    same OSError or TimeoutError (its ``removed``: what would go). A leftover that cannot be removed is
-    an OSError naming it (with ``removed``: what was removed before, TimeoutError too).
+    writer, then TimeoutError). With ``remove_lock=True`` the lock file ``.<name>.lock``
+    goes too when no process holds it. ``dry_run=True`` removes nothing, takes no lock
+    and returns what would go. A leftover that cannot be removed is an OSError naming it
+    (with ``removed``: what was removed before it).
     For a symlinked prefix, both the link's and its target's neighbours are cleaned (an
     atomic write works beside the target; older versions worked beside the link).
 
@@ -197,29 +152,28 @@ def _gc_one(prefix: str, timeout: float | None, dry_run: bool, remove_lock: bool
             *, inside: bool) -> list[str]:
     """gc of one real path (``inside``: the temporary files within it too)."""
     lock_file = lock_path(prefix)
-    if dry_run:  # what gc would do, and leave or skip, reported as gc reports it
-        found = find_leftovers(prefix)
-        left, busy = _clean_inside(prefix, found, act=False)[1:] if inside else ([], [])
+    stale = find_stale_temporaries if inside else (lambda _: [])
+    if dry_run:
+        found = find_leftovers(prefix) + stale(prefix)
         if remove_lock and os.path.lexists(lock_file) and not lock_is_held(lock_file):
             found.append(lock_file)
-        try:
-            _raise_left_or_busy(prefix, left, busy)
-        except OSError as error:
-            error.removed = found
-            raise
         return found
     existed = os.path.lexists(lock_file)  # else taking the lock creates it: not a leftover
     removed: list[str] = []
     # Nothing to remove and no lock file: none is created (a read-only parent is then no
     # error). An existing lock is taken (a running writer's is waited for, or TimeoutError:
     # the CLI's "skipped"); what is found is looked up again under it.
-    if existed or find_leftovers(prefix) or (inside and any(_dead_writers_nodes(prefix))):
+    if existed or find_leftovers(prefix) or stale(prefix):
         try:
             with acquired(prefix, timeout):
                 removed += sweep_leftovers(prefix)
-                if inside:
-                    _raise_left_or_busy(prefix, *_clean_inside(prefix, removed)[1:])
-        except OSError as error:  # what was removed before it (TimeoutError too), for the caller to report
+                for path in stale(prefix):
+                    try:
+                        os.unlink(path)
+                    except FileNotFoundError:  # (gone meanwhile: another gc's)
+                        continue
+                    removed.append(path)
+        except OSError as error:  # what was removed before it, for the caller to report
             error.removed = removed + getattr(error, "removed", [])
             raise
     if remove_lock and remove_unheld_lock(lock_file) and existed:

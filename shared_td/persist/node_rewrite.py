@@ -105,9 +105,8 @@ def _lock_node(opened: Directory) -> None:
     pause = 0.001
     while not platform.try_flock(opened.fd):
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{opened.path} has been locked for more than {NODE_LOCK_S:g} s (its flock, held by "
-                               "another rewrite of it, or by a memmap_ of a view into its own directory that "
-                               "set a file aside there): that writer is slow, stalled or stopped.")
+            raise TimeoutError(f"Another process has been rewriting {opened.path} for more than {NODE_LOCK_S:g} s "
+                               "(it holds the directory's flock): it is stalled or stopped.")
         time.sleep(pause)
         pause = min(2 * pause, 0.05)
 

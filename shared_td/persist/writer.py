@@ -17,7 +17,11 @@
 * **commit** writes every meta.json (children first, the root's last) and only then
   puts the new leaves into the tensordict (or a new one). A node directory that existed
   gets its files as temporaries renamed into place; a new one (this save made it) gets
-  them written directly, each created with ``O_EXCL`` (persist/node_commit.py).
+  them written directly, each created with ``O_EXCL`` (persist/node_commit.py). A view
+  written into its parent's own directory (the files its leaves map) stages each such
+  leaf as ``.<NAME>.shared_td.<pid>.<tid>.tmp``, renamed over ``NAME`` just before its
+  node's meta.json: until then the old file, and its mappings, keep their bytes (a
+  killed writer leaves only a dead writer's temporary, which ``shared_td.gc`` removes).
 
 Rewrites of one existing node after an in-place change are persist/node_rewrite.py's.
 """
@@ -32,11 +36,11 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from shared_td.memmap_tensor import MemoryMappedTensor
+from shared_td.persist import format as fmt
 from shared_td.persist.node_commit import node_files, put_node_in_place, stage_node_files
 from shared_td.persist.node_rewrite import NODE_LOCK_S, node_rewrite, rewrite_node
 from shared_td.persist.packing import copy_all, leaf_nbytes, packed_layout, packed_views, stage_small_leaves
 from shared_td.persist.planner import LeafPlan, NodePlan, Options
-from shared_td.persist.set_aside import hold_root, meta_inode, release_root, set_aside_name
 from shared_td.storage import files
 from shared_td.storage.anonymous import Segment, align
 from shared_td.storage.files import Directory, FileBacking
@@ -112,24 +116,14 @@ def write_tree(root: NodePlan, leaves: list[LeafPlan], options: Options, *, clea
     directory, made = _make_root(root.directory) if made_root else (Directory.open(root.directory), [])
     pool = ThreadPoolExecutor(options.num_threads) if options.num_threads > 1 else None
     writer = _TreeWriter(options, pool, documents)
-    writer.root = directory
     try:
         writer.write(root, directory)
         if root.exists:
             writer.put_in_place(root, directory)
     except BaseException as error:
         writer.close_kept()
-        try:
-            if clean_up:
-                writer.remove_what_was_made(root, directory, error)
-            for aside, own in writer.set_aside:  # (the new file, made by this write, is gone)
-                try:
-                    os.replace(aside, own)
-                except OSError as failure:
-                    error.add_note(f"{own} was set aside as {aside} for this write and could not be put back: "
-                                   f"{failure}")
-        finally:
-            writer.release_root()  # (never held past the write: gc then decides on what is left)
+        if clean_up:
+            writer.remove_what_was_made(root, directory, error)
         directory.close()
         # the root, emptied above, and the parents made for it: what is left there is not this write's
         _remove_made(made, error)
@@ -138,10 +132,6 @@ def write_tree(root: NodePlan, leaves: list[LeafPlan], options: Options, *, clea
         writer.close_kept()
         if pool is not None:
             pool.shutdown()
-    for aside, _ in writer.set_aside:  # written: the old files live on in their mappings only
-        with contextlib.suppress(OSError):  # (a hidden leftover at worst)
-            os.unlink(aside)
-    writer.release_root()  # (held while a file was set aside)
     directory.close()
     if writer.not_removed:
         raise OSError(
@@ -167,19 +157,12 @@ class _TreeWriter:
         self.futures: list = []  # (leaf, future) of every leaf handed to the pool
         self.made_directories: set[int] = set()  # id() of the nodes whose directory this made
         self.made_files: dict[int, list[str]] = {}  # node id -> names of the files this made
-        self.set_aside: list[tuple[str, str]] = []  # (aside path, its own path): see _write_leaf
         self.staged: dict[int, list[tuple[str, str]]] = {}  # node id -> (temporary, final)
+        self.staged_leaves: dict[int, list[tuple[str, str]]] = {}  # the same, of existing leaf files
         self.kept: dict[int, Directory] = {}  # node id -> its existing directory, still open
         self.shapes: dict = {}  # one torch.Size per shape of the leaves (MMT._wrap_views)
         self.empty_of: dict = {}  # dtype -> an empty tensor of it
         self.not_removed: list[str] = []  # stale entries put_in_place could not remove
-        self.root: Directory | None = None  # the tree's root (write_tree)
-        self.root_lock: int | None = None  # its shared flock, while a file is set aside: see _write_leaf
-
-    def release_root(self) -> None:
-        if self.root_lock is not None:
-            release_root(self.root_lock)
-            self.root_lock = None
 
     def close_kept(self) -> None:
         for opened in self.kept.values():
@@ -245,7 +228,6 @@ class _TreeWriter:
 
     def _write_leaf(self, leaf: LeafPlan, node: NodePlan, directory: Directory) -> None:
         options, source, name = self.options, leaf.source, leaf.name
-        existsok = options.existsok
         if leaf.data is None:
             source = source.cpu()
             nbytes = leaf_nbytes(source)
@@ -258,30 +240,33 @@ class _TreeWriter:
             )
             return
         if leaf.replace and directory.exists(name):
-            # a view of the very file it is written to (see the planner): a new file, the old
-            # one set aside (its mappings keep its bytes), put back if the write fails (audit 21)
-            # (a writer killed meanwhile leaves it: shared_td.gc puts it back or removes it, as
-            # the node's meta.json is still the inode named in it or not, persist/set_aside.py).
-            # The root's shared flock, held from now until no file is set aside, says to gc that
-            # this writer lives (writers share it: each still wins over the last); taken once.
-            if self.root_lock is None:
-                self.root_lock = hold_root(self.root.fd, self.root.path)
-            aside = set_aside_name(name, meta_inode(directory.fd))
-            directory.replace(name, aside)
-            self.set_aside.append((directory.join(aside), directory.join(name)))
-            existsok = False  # its new file: a file that appears there meanwhile is not written into
-        elif options.like and directory.exists(name):
+            # a view of the very file it is written to (see the planner): its bytes go to a new
+            # file, staged under a temporary name and renamed over NAME at the node's commit,
+            # just before its meta.json (put_in_place). Until then NAME, and the mappings of
+            # it (the source's own), keep the old bytes: a failure unlinks the temporary, and a
+            # writer killed meanwhile leaves only a dead writer's temporary, which gc removes.
+            staged = fmt.staged_leaf_name(name)
+            directory.unlink(staged)  # left by a killed writer of the same pid and thread id
+            fd, _ = files.reserve_file(directory, staged, existsok=False)
+            self.staged_leaves.setdefault(id(node), []).append((staged, name))
+            self._hand_over(leaf, fd, source, nbytes, True)
+            return
+        if options.like and directory.exists(name):
             # a "like" file must read as zeros: a new file replaces the old one, whose
             # mappings (maybe the source's own) keep the old bytes; nothing is truncated
             directory.unlink(name)
         try:
-            fd, is_new = files.reserve_file(directory, name, existsok=existsok)
+            fd, is_new = files.reserve_file(directory, name, existsok=options.existsok)
         except IsADirectoryError as error:  # (a FIFO, socket or device there: its own message)
             raise IsADirectoryError(error.errno, f"Cannot write key {leaf.key!r} to {leaf.path}: it is a "
                                     "directory, not a file. Remove that directory (or write to another "
                                     "prefix) and write again.") from None
         if is_new:
             self.made_files.setdefault(id(node), []).append(name)
+        self._hand_over(leaf, fd, source, nbytes, is_new)
+
+    def _hand_over(self, leaf: LeafPlan, fd: int, source: torch.Tensor, nbytes: int, is_new: bool) -> None:
+        """Fill ``fd`` with ``leaf``'s bytes here, or, for a big leaf, on the pool."""
         if self.pool is None or nbytes < _POOL_LEAF_BYTES:
             leaf.result = self._fill(leaf, fd, source, is_new)
             return
@@ -327,7 +312,11 @@ class _TreeWriter:
                 opened = self.kept.pop(id(child), None) or directory.child(os.path.basename(child.directory))
                 with opened:
                     self.put_in_place(child, opened)
-        put_node_in_place(directory, node.kind, self.documents[id(node)], self.staged[id(node)])
+        # the new leaf files just before the meta.json that names them (the old ones' mappings
+        # keep their bytes): a reader sees the old save or the new one, but for a writer killed
+        # between these renames (the leaves' new bytes under the node's old meta.json)
+        put_node_in_place(directory, node.kind, self.documents[id(node)],
+                          self.staged_leaves.get(id(node), []) + self.staged[id(node)])
         for name in node.stale:  # found and checked when planned (planner._stale_entries)
             try:
                 directory.remove_tree(name)
@@ -340,7 +329,7 @@ class _TreeWriter:
         symlink meanwhile is left alone, never followed)."""
         for name in self.made_files.get(id(node), ()):
             _note_failure(error, directory.join(name), directory.unlink, name)
-        for temporary, _ in self.staged.get(id(node), ()):
+        for temporary, _ in (*self.staged_leaves.get(id(node), ()), *self.staged.get(id(node), ())):
             _note_failure(error, directory.join(temporary), directory.unlink, temporary)
         for child in node.children.values():
             name = os.path.basename(child.directory)
