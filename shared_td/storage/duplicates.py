@@ -14,14 +14,20 @@ write) bounded by :data:`DUPLICATE_TIMEOUT` in all, and :func:`receive_duplicate
 tries the other routes (the sender's ``/proc``, the holders) before it says which
 process did not answer, why, and what to do.
 
-A duplicate not taken in time stays held by the sender: it goes to this process's
-*releaser* thread, which takes it (and closes it) once the sender answers again, so that
-a stopped sender, once resumed, lets go of what it sent meanwhile. While that sender is
-still stopped, or the releaser still waits on it, it is not asked again: the other
-segments of one unpickled tree go to the other routes at once, instead of each waiting
-the full bound. Its resource sharer, once resumed, finds each connection we gave up
-closed and prints that error (a ``BrokenPipeError`` traceback) on the sender's stderr,
-then serves the next receiver as before.
+A sender that did not answer in time is not asked again while it stays stopped: the
+same process (the start time in ``/proc/<pid>/stat`` recorded then), in state T or t,
+looked at on each receive. The other segments of one unpickled tree go to the other
+routes at once, instead of each waiting the full bound. A sender that runs again (or a
+running one whose resource sharer is stuck) is asked again; one that exited refuses the
+connection at once; a pid that now names another process is not skipped. A duplicate
+not taken stays held by its sender until the sender exits (as for any pickle never
+received); its resource sharer, once resumed, finds our connection closed and prints
+that error (a ``BrokenPipeError`` traceback) on the sender's stderr, then serves the
+next receiver as before.
+
+A child forked while a take is in flight (a DataLoader worker started by another thread)
+closes its copies of that take's descriptors: the sender's resource sharer would
+otherwise wait on the connection, which we gave up, for as long as the child lives.
 """
 from __future__ import annotations
 
@@ -30,7 +36,6 @@ import math
 import multiprocessing
 import multiprocessing.reduction
 import os
-import queue
 import socket
 import struct
 import threading
@@ -61,28 +66,37 @@ _LONGEST = 1e9
 # connect does), until the bound.
 _CONNECT_RETRY = 0.01
 
-# how often the releaser looks whether a stopped sender was resumed (seconds)
-_STOPPED_POLL = 0.05
+# Each read and write is bounded by the time left, but setting the socket options costs
+# two system calls: they are set again only once more than this many seconds (at most a
+# hundredth of the bound) passed since they were last set, the most a read may overrun.
+_REARM = 0.01
 
-# resource sharer address -> pid (or None) of the sender that did not answer in time and
-# has not answered since: not asked again while it is stopped (see the module doc)
-_SILENT: dict[Any, Any] = {}
-# resource sharer address -> duplicates of that sender that the releaser has yet to take
-_RELEASING: dict[Any, int] = {}
-_LOCK = threading.Lock()
-_RELEASER: list = []  # [the releaser's queue] once its thread started in this process
+# resource sharer address -> (pid, start time) of the sender that did not answer in time:
+# not asked again while that process is stopped (see the module doc)
+_SILENT: dict[Any, tuple[int, int]] = {}
 
-
-def _forget_in_child() -> None:
-    # a forked child has neither the releaser thread nor its parent's takes in flight
-    global _LOCK
-    _LOCK = threading.Lock()
-    _SILENT.clear()
-    _RELEASING.clear()
-    _RELEASER.clear()
+# The descriptors of the takes in flight in this process (a connection to a sender's
+# resource sharer, the duplicate of it that sets the socket options): a child forked
+# meanwhile closes its copies. Each is opened and registered, and unregistered and
+# closed, under _FDS_LOCK, which a fork waits for, so that no child gets one that is not
+# registered. (Re-entrant: a signal handler that forks inside the lock does not hang.)
+_IN_FLIGHT: set[int] = set()
+_FDS_LOCK = threading.RLock()
 
 
-os.register_at_fork(after_in_child=_forget_in_child)
+def _close_in_child() -> None:
+    global _FDS_LOCK
+    for fd in _IN_FLIGHT:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _IN_FLIGHT.clear()
+    _FDS_LOCK = threading.RLock()  # (held by the forking thread: not ours to release)
+
+
+os.register_at_fork(before=lambda: _FDS_LOCK.acquire(), after_in_parent=lambda: _FDS_LOCK.release(),
+                    after_in_child=_close_in_child)
 
 
 def held_duplicate(fd: int) -> tuple[Any, int]:
@@ -118,8 +132,8 @@ def take_duplicate(duplicate, pid: int | None = None) -> int:
     ``pid`` if known) stands for; the caller owns it. A ``resource_sharer.DupFd`` is
     taken from its sender within :data:`DUPLICATE_TIMEOUT` seconds, else
     ``TimeoutError`` (at once if that sender did not answer in time before and is still
-    stopped, or the releaser still waits on it); any other kind (a spawning child's,
-    whose descriptor came with its arguments) is detached as it is.
+    stopped); any other kind (a spawning child's, whose descriptor came with its
+    arguments) is detached as it is.
 
     Example:
         >>> from multiprocessing import resource_sharer
@@ -133,28 +147,24 @@ def take_duplicate(duplicate, pid: int | None = None) -> int:
         return duplicate.detach()
     address, key = duplicate._id  # (what DupFd.detach() connects to and asks for)
     timeout = _timeout()
-    with _LOCK:
-        waiting = _RELEASING.get(address, 0)
-    if waiting:
-        raise TimeoutError(f"it did not hand over a descriptor within {timeout:g} s and has not since "
-                           "(not asked again)")
-    if address in _SILENT and sender_stopped(_SILENT[address]):
-        raise TimeoutError(f"it did not hand over a descriptor within {timeout:g} s and is still stopped "
-                           "(not asked again)")
+    silent = _SILENT.get(address)
+    if silent is not None:
+        if _still_stopped(*silent):
+            raise TimeoutError(f"it did not hand over a descriptor within {timeout:g} s and is still stopped "
+                               "(not asked again)")
+        _SILENT.pop(address, None)  # (resumed, exited, or its pid names another process now)
     deadline = time.monotonic() + timeout
     try:
-        fd = _take(address, key, deadline)
+        return _take(address, key, deadline, timeout)
     except BlockingIOError as err:  # (a read or write waited until its socket option's bound)
         if time.monotonic() < deadline - _CONNECT_RETRY:
             # not the bound: a read failed at once (a non-blocking socket): not a silence
             raise OSError(errno.EAGAIN, f"the exchange with its resource sharer failed: {err}") from err
-        _SILENT[address] = pid
+        _remember_silent(address, pid)
         raise TimeoutError(f"it did not hand over the descriptor within {timeout:g} s") from err
     except TimeoutError as err:
-        _SILENT[address] = pid
+        _remember_silent(address, pid)
         raise TimeoutError(f"it did not hand over the descriptor within {timeout:g} s") from err
-    _SILENT.pop(address, None)
-    return fd
 
 
 def sender_stopped(pid) -> bool:
@@ -165,14 +175,37 @@ def sender_stopped(pid) -> bool:
         >>> sender_stopped(os.getpid()), sender_stopped(None)
         (False, False)
     """
-    if pid is None:
-        return False
+    stat = _proc_stat(pid)
+    return stat is not None and stat[0] in (b"T", b"t")
+
+
+def _proc_stat(pid) -> tuple[bytes, int] | None:
+    """(state, start time) of process ``pid`` from ``/proc/<pid>/stat`` (fields 3 and 22;
+    the start time in clock ticks after boot tells a reused pid), None if there is none."""
+    if not isinstance(pid, int):
+        return None
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat:
             # (the name, in parentheses, may hold spaces and parentheses: the state follows the last)
-            return stat.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
-    except (OSError, IndexError):
-        return False
+            fields = stat.read().rsplit(b")", 1)[1].split()
+        return fields[0], int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _remember_silent(address, pid) -> None:
+    """Process ``pid``, whose resource sharer at ``address`` did not answer in time, is not
+    asked again while it stays stopped (see :func:`_still_stopped`)."""
+    stat = _proc_stat(pid)
+    if stat is not None:  # (none: gone, or not known: nothing to skip)
+        _SILENT[address] = (pid, stat[1])
+
+
+def _still_stopped(pid: int, started: int) -> bool:
+    """Whether process ``pid``, which started at ``started``, still lives and is stopped:
+    false for another process that now has its pid."""
+    stat = _proc_stat(pid)
+    return stat is not None and stat[0] in (b"T", b"t") and stat[1] == started
 
 
 def _timeout() -> float:
@@ -202,9 +235,13 @@ class _BoundedConnection(connection.Connection):
         return super()._recv(size, lambda handle, wanted: (self.limit(), os.read(handle, wanted))[1])
 
 
-def _take(address, key: int, deadline: float) -> int:
-    """``resource_sharer.DupFd.detach()``'s exchange, each step bounded by ``deadline``."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+def _take(address, key: int, deadline: float, timeout: float) -> int:
+    """``resource_sharer.DupFd.detach()``'s exchange, each step bounded by ``deadline``
+    (``timeout`` seconds after it began); its descriptors registered in :data:`_IN_FLIGHT`."""
+    with _FDS_LOCK:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        _IN_FLIGHT.add(sock.fileno())
+    fds, opened = [sock.fileno()], [sock]  # (what to unregister and close at the end)
     try:
         while True:
             sock.settimeout(_time_left(deadline))
@@ -214,75 +251,40 @@ def _take(address, key: int, deadline: float) -> int:
             except BlockingIOError:
                 time.sleep(min(_CONNECT_RETRY, _time_left(deadline)))
         sock.setblocking(True)  # the Connection reads and writes the descriptor itself
-        conn = _BoundedConnection(sock.detach())
-    finally:
-        sock.close()
-    # the socket options go through a duplicate descriptor of our own (the options are
-    # the socket's, shared by both), never through a socket object over conn's number
-    with conn, socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as options:
+        # the socket options go through a duplicate descriptor of our own (the options are
+        # the socket's, shared by both), never through a socket object over conn's number
+        with _FDS_LOCK:
+            options = socket.fromfd(sock.fileno(), socket.AF_UNIX, socket.SOCK_STREAM)
+            _IN_FLIGHT.add(options.fileno())
+        fds.append(options.fileno())
+        opened.append(options)
         # fromfd's socket object takes socket.getdefaulttimeout(): one set (an application's
         # socket.setdefaulttimeout) makes it non-blocking, and O_NONBLOCK is the open file
         # description's, which conn shares: every read would fail at once. Blocking reads,
         # bounded by the socket options instead:
         options.setblocking(True)
-        conn.limit = lambda: _bound(options, deadline)
+        conn = _BoundedConnection(sock.detach())
+        opened[0] = conn
+        slack, armed = min(_REARM, timeout / 100), [-math.inf]
+
+        def limit() -> None:
+            now = time.monotonic()
+            if now - armed[0] > slack:
+                _bound(options, deadline)
+                armed[0] = now
+
+        conn.limit = limit
         authkey = multiprocessing.current_process().authkey
         connection.answer_challenge(conn, authkey)
         connection.deliver_challenge(conn, authkey)
         conn.send((key, os.getpid()))
-        _bound(options, deadline)
+        limit()
         return multiprocessing.reduction.recvfds(options, 1)[0]
-
-
-def _release_later(duplicate, pid) -> None:
-    """Give ``duplicate``, not taken in time from process ``pid``, to this process's
-    releaser thread: it takes it once the sender answers, and closes it."""
-    address = duplicate._id[0]
-    with _LOCK:
-        _RELEASING[address] = _RELEASING.get(address, 0) + 1
-        if not _RELEASER:
-            _RELEASER.append(queue.SimpleQueue())
-            threading.Thread(target=_releaser, args=(_RELEASER[0],), name="shared_td duplicate releaser",
-                             daemon=True).start()
-        _RELEASER[0].put((duplicate, pid))
-
-
-def _releaser(pending: queue.SimpleQueue) -> None:
-    lock = _LOCK  # (a child forked meanwhile has its own; this thread is not in it)
-    while True:
-        duplicate, pid = pending.get()
-        address, key = duplicate._id
-        try:
-            _release(address, key, pid)
-        except BaseException:  # (a daemon thread: nothing to report it to; the sender keeps it)
-            pass
-        finally:
-            with lock:
-                left = _RELEASING.get(address, 1) - 1
-                if left > 0:
-                    _RELEASING[address] = left
-                else:
-                    _RELEASING.pop(address, None)
-
-
-def _release(address, key: int, pid) -> None:
-    """Take the duplicate ``key`` from the resource sharer at ``address`` (process
-    ``pid``) and close it: waiting while that process is stopped, trying again (each try
-    bounded) while it lives and does not answer; given up once it is gone (its sharer
-    refuses the connection: nothing is held any more) or the answer is not ours."""
-    while True:
-        while sender_stopped(pid):
-            time.sleep(_STOPPED_POLL)
-        try:
-            fd = _take(address, key, time.monotonic() + _timeout())
-        except (TimeoutError, BlockingIOError):
-            time.sleep(_STOPPED_POLL)  # (never a busy loop, whatever failed at once)
-            continue
-        except _DUPLICATE_LOST:
-            return
-        os.close(fd)
-        _SILENT.pop(address, None)
-        return
+    finally:
+        with _FDS_LOCK:
+            _IN_FLIGHT.difference_update(fds)
+            for each in opened:
+                each.close()
 
 
 def _time_left(deadline: float) -> float:
@@ -333,13 +335,11 @@ def receive_duplicate(duplicate, key: tuple[int, int], nbytes: int, pid: int, *,
     names the user ``what`` and its fix) when the duplicate cannot be taken; a sender
     that does not answer within :data:`DUPLICATE_TIMEOUT` (stopped, hung) is a
     :class:`SegmentUnavailableError` naming it, and why, when the fallback fails too;
-    its duplicate goes to the releaser thread (taken and closed once the sender answers),
-    so that it is not held by the sender until it exits. For every user of memfds sent
-    so (segments, SharedCounter, SharedValue)."""
+    its duplicate stays held by the sender until it exits (as any pickle never
+    received). For every user of memfds sent so (segments, SharedCounter, SharedValue)."""
     try:
         new_fd = take_duplicate(duplicate, pid)
     except TimeoutError as err:  # (before _DUPLICATE_LOST: an OSError too)
-        _release_later(duplicate, pid)
         try:
             return fallback()
         except SegmentUnavailableError as gone:
