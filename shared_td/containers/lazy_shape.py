@@ -225,14 +225,15 @@ class LazyShapeOps:
 
     def to(self, *args: Any, **kwargs: Any) -> "LazyStackedTensorDict":
         """Every member moved or cast (self when nothing changes)."""
-        from shared_td.containers.to_args import parse_to
+        from shared_td.containers.to_args import copied_as_root, parse_to
 
         parse_to(args, kwargs, self.batch_size)  # (the stack's batch_size= checked here, once)
         kwargs.pop("batch_size", None)
-        moved = [m.to(*args, **kwargs) for m in self.tensordicts]
-        if all(a is b for a, b in zip(moved, self.tensordicts)):
-            return self
-        return self._restack(moved, member_wise=True)
+        with copied_as_root(self, []) as result:  # (locked as the stack: see copied_as_root)
+            moved = [m.to(*args, **kwargs) for m in self.tensordicts]
+            result.append(self if all(a is b for a, b in zip(moved, self.tensordicts))
+                          else self._restack(moved, member_wise=True))
+        return result[0]
 
     def flatten_keys(self, separator: str = ".", inplace: bool = False,
                      is_leaf: Any = None) -> "LazyStackedTensorDict":

@@ -12,7 +12,7 @@ import torch
 from shared_td.containers.base import TensorDictBase, is_non_tensor, is_tensor_collection, on_cuda
 from shared_td.containers.consolidation import moved_consolidated
 from shared_td.containers.lazy_writes import _is_lazy
-from shared_td.containers.to_args import parse_to
+from shared_td.containers.to_args import copied_as_root, parse_to
 from shared_td.containers.unpicklable import check_picklable
 from shared_td.keys import NestedKey, unravel_key
 from shared_td.memmap_tensor import ReadOnlyMemoryMappedTensor
@@ -63,11 +63,11 @@ class TensorMethods:
                 _adopt_entries(self, converted)
             return self
         device, dtype, asked = parse_to(args, kwargs, self._batch_size)  # (both of to(device, dtype), as torch reads them)
-        moved = self if device is None else self._moved(device, asked)
-        result = moved if dtype is None else moved._map_entries(lambda v: v.to(dtype), moved._batch_size, moved.names)
-        if result is not self and self.is_locked and not result.is_locked:
-            result.lock_()  # a locked tree's copy is locked too, as in tensordict 0.15.3
-        return result
+        with copied_as_root(self, []) as result:  # (locked as self: see copied_as_root)
+            moved = self if device is None else self._moved(device, asked)
+            result.append(moved if dtype is None else
+                          moved._map_entries(lambda v: v.to(dtype), moved._batch_size, moved.names))
+        return result[0]
 
     def _moved(self, device: torch.device, asked: bool) -> "TensorDict":
         """``to(device)`` (``asked``: non_blocking was given)."""

@@ -5,6 +5,8 @@ only the first argument dropped the dtype of ``to(device, dtype)`` silently.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Any
 
 import torch
@@ -55,3 +57,34 @@ def parse_to(args: tuple, kwargs: dict, batch_size: Any = None) -> tuple[torch.d
 
 def _is_tensordict(value: Any) -> bool:
     return hasattr(value, "batch_size") and hasattr(value, "device") and not isinstance(value, torch.Tensor)
+
+
+# True inside a ``to()`` call: the copies that a tree's nodes and a lazy stack's members
+# make of themselves for it are left unlocked; only the outermost call locks its result,
+# as its own tree was (tensordict 0.15.3 locks a copy as its root, whatever the nodes)
+_INSIDE_TO: contextvars.ContextVar[bool] = contextvars.ContextVar("shared_td_inside_to", default=False)
+
+
+@contextlib.contextmanager
+def copied_as_root(source: Any, result: list):
+    """Around the body of a ``to()``: ``result[0]``, set by the body, is locked when
+    ``source`` is and this is the outermost ``to()`` (a new tree only: ``source`` itself,
+    unchanged, is never touched).
+
+    Example:
+        >>> from shared_td import TensorDict
+        >>> td = TensorDict(a=torch.zeros(2), n=TensorDict(b=torch.zeros(2), batch_size=[2]), batch_size=[2])
+        >>> td["n"].lock_().is_locked, td.to(torch.float64)["n"].is_locked  # (a locked node, an unlocked root)
+        (True, False)
+        >>> td.lock_().to(torch.float64)["n"].is_locked
+        True
+    """
+    outermost = not _INSIDE_TO.get()
+    token = _INSIDE_TO.set(True)
+    try:
+        yield result
+    finally:
+        _INSIDE_TO.reset(token)
+    moved = result[0] if result else None
+    if outermost and moved is not None and moved is not source and source.is_locked and not moved.is_locked:
+        moved.lock_()

@@ -248,3 +248,18 @@ def test_to_of_a_locked_tensordict_gives_a_locked_copy(lib, args, lazy):
     moved = td.to(*args)
     assert moved is not td and moved.is_locked and moved["n"].is_locked
     assert not make().to(*args).is_locked
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("lazy", [False, True])
+def test_to_of_an_unlocked_tree_with_a_locked_node_gives_an_unlocked_copy(lib, lazy):
+    """Only the root decides the copy's lock, as in tensordict 0.15.3: a locked member of
+    an unlocked lazy stack, or a locked nested tensordict of an unlocked root, was locked
+    in the copy (its update raised)."""
+    locked = lib.TensorDict(a=torch.zeros(2), batch_size=[2]).lock_()
+    tree = (lib.lazy_stack([locked, lib.TensorDict(a=torch.zeros(2), batch_size=[2])]) if lazy
+            else lib.TensorDict(n=locked, batch_size=[2]))
+    moved = tree.to(torch.float64)
+    nodes = moved.tensordicts if lazy else [moved["n"]]
+    assert not moved.is_locked and not any(node.is_locked for node in nodes)
+    moved.update({"a" if lazy else ("n", "a"): torch.ones(2, 2) if lazy else torch.ones(2)})
