@@ -151,26 +151,63 @@ def renamed_in_members(td: Any, old: tuple, new: tuple, safe: bool) -> bool:
     """``td.rename_key_(old, new, safe)`` when a lazy stack holds both keys (``td``
     itself, or a node on their common path): done by each member on its own entry,
     which keeps sharing it (the stack's ``get`` gives a stacked copy, which raises when
-    the members' shapes differ). Returns False, doing nothing, when no lazy stack does.
+    the members' shapes differ). A member stacked twice (``lazy_stack([m, m])``), here
+    or in a nested stack, renames once. Returns False, doing nothing, when no lazy
+    stack does.
 
     Raises:
-        KeyError: before the first member renames, if a member lacks ``old`` or, with
-            ``safe``, holds ``new`` (as tensordict 0.15.3 names them).
+        KeyError: if a member lacks ``old`` or, with ``safe``, holds ``new`` (as
+            tensordict 0.15.3 names them). LockedTensorDictError: if a member's entry
+            cannot be renamed. Both before the first member renames: all or nothing.
+
+    Example:
+        >>> m = TensorDict(a=torch.zeros(()))
+        >>> _ = shared_td.lazy_stack([m, m]).rename_key_("a", "b")
+        >>> list(m.keys())
+        ['b']
     """
     node, depth = td, 0
     while not _is_lazy(node):
         if depth >= min(len(old), len(new)) - 1 or old[depth] != new[depth] or not _is_branch(node):
             return False
         node, depth = unwrap_tensorclass(node)._get_str(old[depth], None), depth + 1
-    inner_old, inner_new = old[depth:], new[depth:]
-    for member in node.tensordicts:
+    targets: dict = {}
+    _rename_targets(node, old[depth:], new[depth:], targets)
+    for member, inner_old, inner_new in targets.values():  # every check before the first change
         if not _holds(member, inner_old):
             raise KeyError(td._missing_key_message(old))
         if safe and _holds(member, inner_new):
             raise KeyError(f"Key {key_repr(new)} is already present in TensorDict; pass safe=False to replace it.")
-    for member in node.tensordicts:
+        _check_renamable(unwrap_tensorclass(member), inner_old, inner_new)
+    for member, inner_old, inner_new in targets.values():
         member.rename_key_(inner_old, inner_new, safe)
     return True
+
+
+def _rename_targets(node: Any, old: tuple, new: tuple, targets: dict) -> None:
+    """Fill ``targets`` with ``{(id, old, new): (member, old, new)}``: the members of
+    lazy stack ``node`` that rename, each met once (a member stacked twice is one
+    object: renaming it twice raised after the first), looking through the lazy stacks
+    among them or on their part of the common path."""
+    for member in node.tensordicts:
+        inner, depth = member, 0
+        while not _is_lazy(inner) and depth < min(len(old), len(new)) - 1 and old[depth] == new[depth]:
+            inner = unwrap_tensorclass(inner)._get_str(old[depth], None) if _is_branch(inner) else None
+            depth += 1
+        if _is_lazy(inner):
+            _rename_targets(inner, old[depth:], new[depth:], targets)
+        else:  # (a missing key: the member is checked, and named, by the caller)
+            targets.setdefault((id(member), old, new), (member, old, new))
+
+
+def _check_renamable(member: Any, old: tuple, new: tuple) -> None:
+    """Raise as ``member.rename_key_(old, new)`` would for a lock, without changing
+    anything: ``old``'s tensordict must be unlocked (the entry leaves it), and so must
+    the one ``new`` is written into (or the deepest existing one on its way, which
+    gets the missing tensordicts)."""
+    member._parent_for_write(old, create=False)._check_unlocked(old, "rename")
+    parent, depth = member._deepest_existing_parent(new)
+    parent._check_unlocked(new[: depth + 1], "rename")
 
 
 def _taken(td: "KeyOps", path: tuple) -> bool:

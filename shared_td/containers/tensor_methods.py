@@ -15,7 +15,7 @@ from shared_td.containers.lazy_writes import _is_lazy
 from shared_td.containers.to_args import copied_as_root, parse_to
 from shared_td.containers.unpicklable import check_picklable
 from shared_td.keys import NestedKey, unravel_key
-from shared_td.memmap_tensor import ReadOnlyMemoryMappedTensor
+from shared_td.memmap_tensor import ReadOnlyMemoryMappedTensor, refuse_read_only
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 if TYPE_CHECKING:  # for the annotations only: tensordict.py imports this module
@@ -91,19 +91,33 @@ class TensorMethods:
 
     # ---------------------------------------------------------------- in-place ops
     def zero_(self) -> "TensorDict":
-        """Fill every tensor with zeros, in place; returns self."""
-        for leaf in self._leaf_tensors():
+        """Fill every tensor with zeros, in place; returns self.
+
+        Raises:
+            ReadOnlyError: if a tensor is mapped read-only (``load_memmap(..., mode="r")``,
+                a nested lazy stack's member too), before any tensor is written.
+        """
+        leaves = list(self._leaf_tensors())
+        refuse_read_only(leaves, "zero_")  # (all before the first write, as set_at_)
+        for leaf in leaves:
             leaf.zero_()
         return self
 
     def fill_(self, key: NestedKey, value: Any) -> "TensorDict":
         """Fill the entry ``key`` (a tensor, or every tensor of a nested tensordict) with
-        ``value``, in place; returns self."""
+        ``value``, in place; returns self.
+
+        Raises:
+            KeyError: if ``key`` is missing (a KeyThroughLeafError when a part of it holds
+                a tensor or non-tensor value, as tensordict). ReadOnlyError: if a tensor
+                to fill is mapped read-only, before any is written.
+        """
         path = unravel_key(key)
         try:
             targets = list(_tensors_at(self, path))
         except KeyError:
-            raise KeyError(self._missing_key_message(path)) from None
+            raise self._missing_key_error(path) from None
+        refuse_read_only(targets, "fill_")
         for leaf in targets:
             leaf.fill_(value)
         return self
@@ -154,6 +168,8 @@ def _tensors_at(node: Any, path: tuple) -> Iterator[torch.Tensor]:
             yield from _tensors_at(member, path)
     elif not path:
         yield from node._leaf_tensors() if isinstance(node, TensorDictBase) else [node]
+    elif not isinstance(node, TensorDictBase):  # a tensor on the way: fill_ names the key
+        raise KeyError(path)
     else:
         yield from _tensors_at(node.get(path[:1]), path[1:])
 

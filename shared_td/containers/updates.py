@@ -46,7 +46,7 @@ class UpdateOps:
         other = update_source(self, input_dict_or_td, entries, ignore_lock)
         selected = None if keys_to_update is None else [unravel_key(k) for k in keys_to_update]
         for path, value, in_place, _ in _stores_first(self._plan_update(other, (), inplace, True, selected)):
-            if isinstance(value, _NestedUpdate):
+            if isinstance(value, (_NestedUpdate, _EmptyField)):
                 value.write(clone)
             elif in_place:
                 self._write_in_place(path, value)  # (checked by the plan)
@@ -98,7 +98,16 @@ class UpdateOps:
                     plan += self._plan_nested(value, path, inplace, add_missing, selected, names_of)
                 continue
             current = self._get_path(path, None)
-            if is_mapping and isinstance(current, TensorDictBase) and not is_non_tensor(current):
+            owner = _field_owner(self, path) if value is None else None
+            if owner is not None and (current is None or add_missing):
+                # None for a declared field of a tensorclass is "no value" (what to_dict()
+                # gives for an empty field), as tensordict 0.15.3 takes it: update empties
+                # the field (no NonTensorData(None) entry), update_ leaves an empty one be
+                # (one that holds a value is written in place, below, as there)
+                if current is not None:
+                    unwrap_tensorclass(owner)._check_unlocked(path, "remove")
+                    plan.append((path, _EmptyField(owner, path[-1]), True, False))
+            elif is_mapping and isinstance(current, TensorDictBase) and not is_non_tensor(current):
                 plan += self._plan_nested(value, path, inplace, add_missing, selected, names_of)
             elif _merges_into_tensorclass(current, value):
                 plan += self._plan_nested(unwrap_tensorclass(value), path, inplace, add_missing, selected, names_of)
@@ -301,6 +310,26 @@ class _NestedUpdate:
             self.target.update(self.source, clone, inplace=self.inplace, keys_to_update=self.selected)
         else:
             self.target.update_(self.source, keys_to_update=self.selected)
+
+
+class _EmptyField:
+    """A planned ``update`` that empties the field ``name`` of the tensorclass ``owner``
+    (given None); its lock is checked when planned."""
+
+    def __init__(self, owner: Any, name: str):
+        self.owner, self.name = owner, name
+
+    def write(self, clone: bool) -> None:
+        setattr(self.owner, self.name, None)  # (the tensorclass removes the entry)
+
+
+def _field_owner(td: Any, path: tuple) -> Any:
+    """The tensorclass instance in ``td`` of which ``path`` names a declared field, or
+    None."""
+    owner = td._get_path(path[:-1], None) if len(path) > 1 else None
+    if is_tensorclass(owner) and not isinstance(owner, type) and path[-1] in type(owner)._tc_field_names:
+        return owner
+    return None
 
 
 def _stores_first(plan: list) -> list:

@@ -263,3 +263,121 @@ def test_to_of_an_unlocked_tree_with_a_locked_node_gives_an_unlocked_copy(lib, l
     nodes = moved.tensordicts if lazy else [moved["n"]]
     assert not moved.is_locked and not any(node.is_locked for node in nodes)
     moved.update({"a" if lazy else ("n", "a"): torch.ones(2, 2) if lazy else torch.ones(2)})
+
+
+# ---------------------------------------------------------------- re-fuzz audit (session 22, round e)
+def _alias_stacks(lib):
+    """Lazy stacks that hold one member object twice: ``[m, m]``, ``[m, m, n]`` and a
+    stack of two stacks of ``[m, n]``; returns ``(stack, [its distinct members])``."""
+    m, n = (lib.TensorDict(t0=torch.zeros(()), t1=torch.ones(())) for _ in range(2))
+    yield lib.lazy_stack([m, m]), [m]
+    m, n = (lib.TensorDict(t0=torch.zeros(()), t1=torch.ones(())) for _ in range(2))
+    yield lib.lazy_stack([m, m, n]), [m, n]
+    m, n = (lib.TensorDict(t0=torch.zeros(()), t1=torch.ones(())) for _ in range(2))
+    yield lib.lazy_stack([lib.lazy_stack([m, n]), lib.lazy_stack([m, n])]), [m, n]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("nested", [False, True])
+def test_rename_key_of_a_lazy_stack_holding_a_member_twice(lib, nested):
+    """A member stacked twice renames once (ours renamed it, then raised a KeyError for
+    the second time, leaving the members after it unrenamed)."""
+    for lz, members in _alias_stacks(lib):
+        if nested:
+            lib.TensorDict(lz=lz, batch_size=lz.batch_size[:1]).rename_key_(("lz", "t0"), ("lz", "r"), safe=True)
+        else:
+            lz.rename_key_("t0", "r", safe=True)
+        assert [sorted(m.keys()) for m in members] == [["r", "t1"]] * len(members)
+
+
+@pytest.mark.parametrize("key", [("t0",), ("n", "t0")])
+@pytest.mark.parametrize("alias", [False, True])
+def test_rename_key_through_a_lazy_stack_with_a_locked_member_changes_nothing(key, alias):
+    """(tensordict 0.15.3 raises too, after renaming in the members before the locked one;
+    ours did the same: now every member's lock is checked first)"""
+    a, b = (shared_td.TensorDict(t0=torch.zeros(()), n=shared_td.TensorDict(t0=torch.zeros(()))) for _ in range(2))
+    (b["n"] if len(key) == 2 else b).lock_()
+    root = shared_td.TensorDict(lz=shared_td.lazy_stack([a, a, b] if alias else [a, b]), batch_size=[3 if alias else 2])
+    with pytest.raises(shared_td.LockedTensorDictError):
+        root.rename_key_(("lz", *key), ("lz", *key[:-1], "r"))
+    assert sorted(a.keys(True, True), key=str) == sorted(b.keys(True, True), key=str) == [("n", "t0"), "t0"]
+
+
+def test_rename_key_into_a_locked_nested_tensordict_of_a_member_changes_nothing():
+    """The tensordict that receives the new key is checked before any member renames
+    (the first member renamed, then the second one's set raised)."""
+    members = [shared_td.TensorDict(a=shared_td.TensorDict(x=torch.zeros(())), b=shared_td.TensorDict())
+               for _ in range(2)]
+    members[1]["b"].lock_()
+    with pytest.raises(shared_td.LockedTensorDictError):
+        shared_td.lazy_stack(members).rename_key_(("a", "x"), ("b", "x"))
+    assert [list(m.keys(True, True)) for m in members] == [[("a", "x")]] * 2
+
+
+def _field_s(tc):
+    """What the tensorclass's field ``s`` holds: its value, and whether an entry stores it."""
+    inner = tc._tensordict
+    return tc.s, "s" in inner.keys()
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("how", ["update", "update_", "update_inplace"])
+@pytest.mark.parametrize("held", ["p", None])
+def test_update_with_none_for_a_tensorclass_field(lib, how, held):
+    """None for a declared field (what to_dict() gives for an empty one): update empties
+    the field, update_ leaves an empty one empty and writes one that holds a value, as
+    tensordict 0.15.3 (ours: update_ raised a KeyError, update stored NonTensorData(None))."""
+    td = lib.TensorDict(t0=torch.zeros(2), tc=_tc(lib)(a=torch.zeros(2, 2), s=held, batch_size=[2]), batch_size=[2])
+    source = {"t0": torch.ones(2), "tc": {"a": torch.ones(2, 2), "s": None}}
+    if how == "update_inplace":
+        td.update(source, inplace=True)
+    else:
+        getattr(td, how)(source)
+    assert td["t0"].tolist() == [1.0, 1.0] and td["tc"].a.tolist() == [[1.0, 1.0]] * 2
+    assert _field_s(td["tc"]) == (None, how == "update_" and held is not None)
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("method", ["update", "update_"])
+def test_to_dict_of_a_selection_of_a_tensorclass_updates_back(lib, method):
+    td = lib.TensorDict(t0=torch.zeros(2), tc=_tc(lib)(a=torch.zeros(2, 2), s="p", batch_size=[2]), batch_size=[2])
+    for part in (td.select(("tc", "a")), td.exclude(("tc", "s"))):
+        copy = part.clone()
+        getattr(copy, method)(part.to_dict())
+        assert _field_s(copy["tc"]) == (None, False)
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_update_emptying_a_field_of_a_locked_tensorclass_changes_nothing(lib):
+    td = lib.TensorDict(tc=_tc(lib)(a=torch.zeros(2), s="p", batch_size=[2]), batch_size=[2]).lock_()
+    with pytest.raises(RuntimeError, match="Cannot modify locked TensorDict"):
+        td.update({"tc": {"a": torch.ones(2), "s": None}})
+    assert td["tc"].a.tolist() == [0.0, 0.0] and td["tc"].s == "p"
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("key", [("a", "x"), ("lz", "c", "z")])
+def test_fill_of_a_key_through_a_tensor_is_a_key_error(lib, key):
+    """A ValueError as tensordict 0.15.3's (ours a KeyThroughLeafError, a KeyError too);
+    ours raised an AttributeError: 'Tensor' object has no attribute 'get'."""
+    td = lib.TensorDict(a=torch.zeros(2), lz=lib.lazy_stack([lib.TensorDict(c=torch.zeros(())) for _ in range(2)]),
+                        batch_size=[2])
+    with pytest.raises(KeyError if lib is shared_td else ValueError, match="is a Tensor, not a tensordict"):
+        td.fill_(key, 1)
+    if lib is shared_td:
+        with pytest.raises(ValueError):
+            td.fill_(key, 1)
+    assert td["a"].tolist() == [0.0, 0.0] and td["lz", "c"].tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("op", ["zero_", "fill_"])
+def test_zero_and_fill_refuse_a_read_only_member_before_writing(tmp_path, op):
+    """A read-only (mode="r") member of a nested lazy stack is refused before any tensor
+    is written (the tensors before it were written, then it raised)."""
+    shared_td.TensorDict(c=torch.ones(3)).memmap(tmp_path / "m")
+    writable = shared_td.TensorDict(c=torch.ones(3))
+    read_only = shared_td.TensorDict.load_memmap(tmp_path / "m", mode="r")
+    root = shared_td.TensorDict(a=torch.ones(2), lz=shared_td.lazy_stack([writable, read_only]))
+    with pytest.raises(shared_td.ReadOnlyError, match=op):
+        root.zero_() if op == "zero_" else root.fill_("lz", 0)
+    assert root["a"].tolist() == [1.0, 1.0] and writable["c"].tolist() == [1.0] * 3
