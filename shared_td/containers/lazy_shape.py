@@ -287,9 +287,14 @@ class LazyShapeOps:
         return self if inplace else self._restack(out)
 
     def zero_(self) -> "LazyStackedTensorDict":
-        """Fill every tensor of every member with zeros; returns self."""
-        for member in self.tensordicts:
-            member.zero_()
+        """Fill every tensor of every member with zeros; returns self (a read-only leaf
+        anywhere is refused before the first is written, as TensorDict.zero_)."""
+        from shared_td.memmap_tensor import refuse_read_only
+
+        leaves = list(self._leaf_tensors())
+        refuse_read_only(leaves, "zero_")
+        for leaf in leaves:
+            leaf.zero_()
         return self
 
     # ---------------------------------------------------------------- shape ops

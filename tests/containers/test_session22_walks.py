@@ -381,3 +381,16 @@ def test_zero_and_fill_refuse_a_read_only_member_before_writing(tmp_path, op):
     with pytest.raises(shared_td.ReadOnlyError, match=op):
         root.zero_() if op == "zero_" else root.fill_("lz", 0)
     assert root["a"].tolist() == [1.0, 1.0] and writable["c"].tolist() == [1.0] * 3
+
+
+def test_zero_of_a_lazy_stack_refuses_a_read_only_member_before_writing(tmp_path):
+    """The lazy stack's own zero_ (at the top): member by member, it zeroed the members
+    before a read-only one, then raised."""
+    shared_td.TensorDict(c=torch.ones(3)).memmap(tmp_path / "m")
+    writable = shared_td.TensorDict(c=torch.ones(3))
+    stack = shared_td.lazy_stack([writable, shared_td.TensorDict.load_memmap(tmp_path / "m", mode="r")])
+    with pytest.raises(shared_td.ReadOnlyError, match="zero_"):
+        stack.zero_()
+    assert writable["c"].tolist() == [1.0] * 3
+    shared_td.lazy_stack([writable, shared_td.TensorDict(c=torch.ones(3))]).zero_()
+    assert writable["c"].tolist() == [0.0] * 3
