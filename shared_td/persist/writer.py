@@ -246,8 +246,13 @@ class _TreeWriter:
             # it (the source's own), keep the old bytes: a failure unlinks the temporary, and a
             # writer killed meanwhile leaves only a dead writer's temporary, which gc removes.
             staged = fmt.staged_leaf_name(name)
-            directory.unlink(staged)  # left by a killed writer of the same pid and thread id
-            fd, _ = files.reserve_file(directory, staged, existsok=False)
+            try:
+                directory.unlink(staged)  # left by a killed writer of the same pid and thread id
+                fd, _ = files.reserve_file(directory, staged, existsok=False)
+            except (IsADirectoryError, PermissionError, FileExistsError) as error:  # (not a file there)
+                raise type(error)(error.errno, f"Cannot write key {leaf.key!r}: its new bytes are staged as "
+                                  f"{directory.join(staged)}, where something other than a file is (left by "
+                                  "a writer of the same process id?). Remove it and write again.") from None
             self.staged_leaves.setdefault(id(node), []).append((staged, name))
             self._hand_over(leaf, fd, source, nbytes, True)
             return

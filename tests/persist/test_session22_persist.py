@@ -455,3 +455,15 @@ def _record(failures, call, *args):
         call(*args)
     except Exception as error:  # noqa: BLE001 (the test's assertion shows it)
         failures.append(error)
+
+
+def test_a_directory_where_a_view_stages_its_leaf_is_a_clear_error(tmp_path):
+    """A directory left under this process's staged name (a reused pid and thread id): an
+    error naming the key, the full path and the fix (it was a bare IsADirectoryError with a
+    relative name), and the save keeps its bytes."""
+    prefix = str(tmp_path / "t")
+    TensorDict(a=torch.arange(4.0), batch_size=[4]).memmap_(prefix)
+    os.mkdir(os.path.join(prefix, fmt.staged_leaf_name("a.memmap")))
+    with pytest.raises(IsADirectoryError, match=r"key 'a'.*" + str(tmp_path) + r".*Remove it and write again"):
+        TensorDict.load_memmap(prefix)[1:].memmap_(prefix)
+    assert TensorDict.load_memmap(prefix)["a"].tolist() == [0.0, 1.0, 2.0, 3.0]
