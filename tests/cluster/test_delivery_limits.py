@@ -129,7 +129,10 @@ def test_each_names_pulls_are_served_in_order_one_at_a_time():
             time.sleep(0.01)
         assert all(order == list(range(5)) for order in served.values()), served
         assert not any(overlaps) and 0 <= most[0] <= cluster_deliveries.MAX_DELIVERERS, most
-        assert node._deliverers.made <= len(names) + cluster_deliveries.MAX_DELIVERERS, node._deliverers.made
+        # never a thread per pull (50 here): a thread done serving ends while MAX_DELIVERERS
+        # others count, so how many were made in all depends on the scheduling (17 seen
+        # under load for 10 names); the bound allows each name's thread to be made twice
+        assert node._deliverers.made <= 2 * (len(names) + cluster_deliveries.MAX_DELIVERERS), node._deliverers.made
     finally:
         node._stop.set()
         cluster_deliveries.stop(node)
