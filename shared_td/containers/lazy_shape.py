@@ -297,6 +297,13 @@ class LazyShapeOps:
             leaf.zero_()
         return self
 
+    def fill_(self, key: NestedKey, value: Any) -> "LazyStackedTensorDict":
+        """Fill the entry ``key`` of every member with ``value``, in place; returns self
+        (as TensorDict.fill_: a missing key is a KeyError, a read-only tensor refused first)."""
+        from shared_td.containers.tensor_methods import fill_entry
+
+        return fill_entry(self, key, value)
+
     # ---------------------------------------------------------------- shape ops
     def _member_dim(self, dim: int) -> int:
         return dim if dim < self._stack_dim else dim - 1

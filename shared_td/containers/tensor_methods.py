@@ -112,15 +112,7 @@ class TensorMethods:
                 a tensor or non-tensor value, as tensordict). ReadOnlyError: if a tensor
                 to fill is mapped read-only, before any is written.
         """
-        path = unravel_key(key)
-        try:
-            targets = list(_tensors_at(self, path))
-        except KeyError:
-            raise self._missing_key_error(path) from None
-        refuse_read_only(targets, "fill_")
-        for leaf in targets:
-            leaf.fill_(value)
-        return self
+        return fill_entry(self, key, value)
 
     def share_memory_(self) -> "TensorDict":
         """Move every tensor to shared memory (torch's), and every non-tensor value into
@@ -156,6 +148,20 @@ class TensorMethods:
         self._is_shared = True
         self.lock_()
         return self
+
+
+def fill_entry(td: Any, key: NestedKey, value: Any) -> Any:
+    """``td.fill_(key, value)`` of a TensorDict or a lazy stack (see TensorDict.fill_):
+    every tensor to fill found first, a read-only one refused before any is written."""
+    path = unravel_key(key)
+    try:
+        targets = list(_tensors_at(td, path))
+    except KeyError:
+        raise td._missing_key_error(path) from None
+    refuse_read_only(targets, "fill_")
+    for leaf in targets:
+        leaf.fill_(value)
+    return td
 
 
 def _tensors_at(node: Any, path: tuple) -> Iterator[torch.Tensor]:

@@ -394,3 +394,17 @@ def test_zero_of_a_lazy_stack_refuses_a_read_only_member_before_writing(tmp_path
     assert writable["c"].tolist() == [1.0] * 3
     shared_td.lazy_stack([writable, shared_td.TensorDict(c=torch.ones(3))]).zero_()
     assert writable["c"].tolist() == [0.0] * 3
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_fill_of_a_lazy_stack(lib):
+    """A lazy stack has fill_, as in tensordict 0.15.3 (it was an AttributeError): each
+    member's tensor, or every tensor of a nested tensordict, filled; a missing key a KeyError."""
+    members = [lib.TensorDict(c=torch.zeros(2), n=lib.TensorDict(x=torch.zeros(2), batch_size=[2]), batch_size=[2])
+               for _ in range(2)]
+    stack = lib.lazy_stack(members)
+    assert stack.fill_("c", 1) is stack and stack.fill_("n", 3) is stack
+    assert [m["c"].tolist() for m in members] == [[1.0, 1.0]] * 2
+    assert [m["n", "x"].tolist() for m in members] == [[3.0, 3.0]] * 2
+    with pytest.raises(KeyError):
+        stack.fill_("zz", 1)
