@@ -68,8 +68,8 @@ import select  # noqa: E402
 import stat  # noqa: E402
 
 __all__ = [
-    "ByteLock", "CreatorWatch", "creator_pid", "map_shared_bytes", "new_memfd", "pid_alive", "rename_exchange",
-    "reopen_description", "reopen_peer_fd", "try_flock", "unmap_bytes",
+    "ByteLock", "CreatorWatch", "creator_pid", "map_shared_bytes", "new_memfd", "pid_alive", "process_stat",
+    "rename_exchange", "reopen_description", "reopen_peer_fd", "try_flock", "unmap_bytes",
 ]
 
 
@@ -334,6 +334,22 @@ class CreatorWatch:
     __del__ = close
 
 
+def process_stat(pid: int) -> list[bytes]:
+    """The fields of ``/proc/<pid>/stat`` after the process name: ``[0]`` its state
+    (``b"R"``, ``b"T"`` stopped, ``b"Z"`` zombie, ...), ``[19]`` its start time in clock
+    ticks after boot (which tells a reused pid). OSError if there is no such process,
+    IndexError if the file cannot be parsed.
+
+    Example:
+        >>> process_stat(os.getpid())[0] in (b"R", b"S")
+        True
+    """
+    with open(f"/proc/{pid}/stat", "rb") as stat_file:
+        # "pid (comm) state ...": comm may hold spaces and parentheses, so the fields are
+        # those after the last ")"
+        return stat_file.read().rsplit(b")", 1)[1].split()
+
+
 def pid_alive(pid: int) -> bool:
     """Whether process ``pid`` exists and can still act.
 
@@ -356,10 +372,7 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         pass  # it exists, another user's: its state below says whether it can act
     try:
-        with open(f"/proc/{pid}/stat", "rb") as stat_file:
-            # "pid (comm) state ...": comm may hold spaces and parentheses, so the state
-            # is the first field after the last ")"
-            state = stat_file.read().rsplit(b")", 1)[1].split()[0]
+        state = process_stat(pid)[0]
     except FileNotFoundError:
         return False  # reaped since the kill
     except (OSError, IndexError):

@@ -185,9 +185,7 @@ def _proc_stat(pid) -> tuple[bytes, int] | None:
     if not isinstance(pid, int):
         return None
     try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            # (the name, in parentheses, may hold spaces and parentheses: the state follows the last)
-            fields = stat.read().rsplit(b")", 1)[1].split()
+        fields = platform.process_stat(pid)
         return fields[0], int(fields[19])
     except (OSError, IndexError, ValueError):
         return None
