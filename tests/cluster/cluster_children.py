@@ -16,7 +16,7 @@ import time
 import torch
 
 import shared_td
-from shared_td.coordinator import cluster_replica, cluster_serve
+from shared_td.coordinator import cluster_replica, cluster_serve, cluster_waits
 from shared_td.coordinator.cluster import Cluster
 from shared_td.coordinator.cluster_transfer import PairGroups
 from tests.cluster import stripe_children
@@ -65,12 +65,17 @@ def _as_test_says(tmpdir):
 
 
 def node_main(url, node, nodes, authkey, commands, results, tmpdir, options=None):
-    """``options``: more keyword arguments of this node's Cluster (e.g. ``stripes``)."""
+    """``options``: more keyword arguments of this node's Cluster (e.g. ``stripes``), and
+    ``min_rate``: this node's ``cluster_waits.MIN_RATE`` (a lower one makes a wait that
+    only its bound ends last long enough to be told from one ended by the heartbeat)."""
     _as_test_says(tmpdir)
+    options = dict(options or {})
+    if "min_rate" in options:
+        cluster_waits.MIN_RATE = options.pop("min_rate")
     coord = shared_td.Coordinator().start()
     try:
         cluster = Cluster(url, node, nodes, authkey=authkey, timeout=15.0, coordinator=coord,
-                          hostname="127.0.0.1", **(options or {})).start()
+                          hostname="127.0.0.1", **options).start()
     except BaseException as err:
         coord.shutdown()
         results.put(("error", type(err).__name__, str(err)))

@@ -7,7 +7,9 @@ gloo fails the operations queued on a pair whose peer died, but not the one whos
 message was under way: a pull of 100 MB whose owner was killed mid-message waited out
 its whole bound (5 s + 100 MB at 20 MB/s) before its OwnerLostError, and a sync cut off
 that way held the replica's lock, and with it the node's next pull, as long. Each
-payload here is 100 MB, so that most random kill moments fall inside a message.
+payload here is 10 MB (100 MB with SHARED_TD_STRESS=1), sent back to back, so that most
+random kill moments fall inside a message; the nodes' ``min_rate`` makes a wait that only
+its bound ended last 9 s, past WITHIN_S.
 """
 from __future__ import annotations
 
@@ -29,7 +31,11 @@ from tests.processes import WAIT, finish  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 
-ROWS = 3_600_000  # make_td: 28 bytes a row, 100 MB
+STRESS = bool(os.environ.get("SHARED_TD_STRESS"))
+ROWS = 3_600_000 if STRESS else 360_000  # make_td: 28 bytes a row, 100 MB or 10 MB
+#: Each node's slowest transfer rate (cluster_waits.MIN_RATE: 20 MB/s), set so that a
+#: wait left to its bound (5 s + the payload's 4 s = 9 s) is told from one the heartbeat ended.
+NODE_OPTIONS = [{"min_rate": ROWS * 28 / 4.0}] * 3
 #: The bound these tests hold the calls to: LOST_AFTER_S (3 s) for the heartbeat to
 #: stand still, plus a beat, a look and a loaded 2-core machine; well under the README's
 #: 10 s, and under the 10-15 s a transfer cut off mid-message waited before.
@@ -42,7 +48,7 @@ def _owner_and_replica(nodes):
 
 
 def test_owner_killed_during_large_pulls_raises_owner_lost_within_seconds():
-    with leak_checked_nodes(3) as nodes:
+    with leak_checked_nodes(3, options=NODE_OPTIONS) as nodes:
         _owner_and_replica(nodes)
         answer = loop_through_an_owner_kill(nodes, ("pull_loop", "big", 60.0), WITHIN_S, pause=(0.5, 1.5))
         # the replica's version: complete (each pull took the next: the attach's was 2), or marked as being written
@@ -51,7 +57,7 @@ def test_owner_killed_during_large_pulls_raises_owner_lost_within_seconds():
 
 
 def test_owner_killed_during_large_pushes_raises_owner_lost_within_seconds():
-    with leak_checked_nodes(3) as nodes:
+    with leak_checked_nodes(3, options=NODE_OPTIONS) as nodes:
         _owner_and_replica(nodes)
         # every row at once: 100 MB a push
         loop_through_an_owner_kill(nodes, ("push_rows_loop", "big", ROWS, 60.0), WITHIN_S, pause=(0.5, 1.5))
@@ -61,7 +67,7 @@ def test_owner_killed_during_large_pushes_raises_owner_lost_within_seconds():
 def test_owner_killed_during_large_syncs_lets_the_replicas_pull_fail_within_seconds():
     """The replica node's lane receives each sync holding the replica's lock: cut off
     mid-message, it held the node's next pull until the wait's whole bound."""
-    with leak_checked_nodes(3) as nodes:
+    with leak_checked_nodes(3, options=NODE_OPTIONS) as nodes:
         _owner_and_replica(nodes)
         for _ in range(300):
             nodes.commands[1].put(("sync", "big"))
