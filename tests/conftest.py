@@ -12,7 +12,10 @@ that same name (it is what gets pickled) and find it through ``PYTHONPATH``.
 from __future__ import annotations
 
 import os
+import pathlib
+import shutil
 import sys
+import tempfile
 
 import pytest
 
@@ -38,3 +41,15 @@ def child_import_path(monkeypatch):
     """Children find the test packages and the repository's shared_td."""
     path = os.pathsep.join([REPO_ROOT, os.environ.get("PYTHONPATH", "")])
     monkeypatch.setenv("PYTHONPATH", path.rstrip(os.pathsep))
+
+
+@pytest.fixture
+def short_tmp_path():
+    """A private directory directly in the system's temp directory, for a test that gives
+    it to processes as their TMPDIR: a coordinator's Unix socket lives there and its path
+    may have 107 bytes, which pytest's ``tmp_path`` can exceed (under pytest-xdist its
+    worker's ``popen-gwN/`` level made 9 tests fail with ENAMETOOLONG). Removed after the
+    test."""
+    path = tempfile.mkdtemp(prefix="std-test-")
+    yield pathlib.Path(path)
+    shutil.rmtree(path, ignore_errors=True)

@@ -213,11 +213,11 @@ class Demo:
 
 
 @pytest.fixture
-def demo(tmp_path):
+def demo(short_tmp_path):
     runs = []
 
     def start(*args):
-        runs.append(Demo(tmp_path, *args))
+        runs.append(Demo(short_tmp_path, *args))
         return runs[-1]
     yield start
     for run in runs:

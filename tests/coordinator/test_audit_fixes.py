@@ -213,7 +213,7 @@ coord.shutdown()
 
 
 @pytest.mark.timeout(120)
-def test_sweep_spares_a_live_coordinator_in_another_pid_namespace(tmp_path):
+def test_sweep_spares_a_live_coordinator_in_another_pid_namespace(short_tmp_path):
     if shutil.which("unshare") is None:
         pytest.skip("needs unshare(1) to make a pid namespace")
     probe = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"],
@@ -224,7 +224,7 @@ def test_sweep_spares_a_live_coordinator_in_another_pid_namespace(tmp_path):
     inner = subprocess.Popen(
         ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", _INNER, str(target)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        env=dict(os.environ, TMPDIR=str(tmp_path)),
+        env=dict(os.environ, TMPDIR=str(short_tmp_path)),
     )
     try:
         ready, _, _ = select.select([inner.stdout], [], [], 90)
@@ -234,7 +234,7 @@ def test_sweep_spares_a_live_coordinator_in_another_pid_namespace(tmp_path):
         pid = int(server.DIR_PATTERN.match(os.path.basename(directory)).group(1))
         if alive(pid):
             pytest.skip(f"the other namespace's manager pid {pid} is alive here too")
-        assert server.sweep_dead_dirs(str(tmp_path)) == []
+        assert server.sweep_dead_dirs(str(short_tmp_path)) == []
         assert os.path.exists(address)
         assert shared_td.Coordinator.connect(address, key, timeout=WAIT).names() == ["x"]
         inner.stdin.write("\n")

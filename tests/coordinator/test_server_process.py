@@ -123,7 +123,7 @@ def test_a_process_that_exits_stops_the_manager_it_started():
 
 
 @pytest.mark.timeout(120)
-def test_a_manager_whose_parent_died_before_it_ran_stops_too(tmp_path):
+def test_a_manager_whose_parent_died_before_it_ran_stops_too(short_tmp_path):
     """The parent was SIGKILLed right after starting the manager, before the manager's
     interpreter ran its first line, while another process held the read end of the
     manager's stdout (a fork made meanwhile by another thread of the parent): the
@@ -141,13 +141,13 @@ def test_a_manager_whose_parent_died_before_it_ran_stops_too(tmp_path):
         os._exit(0)  # at once: the manager's interpreter is still starting
     """)
     parent = subprocess.Popen([sys.executable, "-c", body], stdout=subprocess.PIPE, text=True,
-                              env=dict(os.environ, TMPDIR=str(tmp_path)))
+                              env=dict(os.environ, TMPDIR=str(short_tmp_path)))
     pid = holder = None
     try:
         pid, holder = (int(number) for number in parent.stdout.readline().split())
         assert parent.wait(WAIT) == 0
         assert wait_until(lambda: not alive(pid), WAIT), "the manager outlived its parent"
-        assert wait_until(lambda: not os.listdir(tmp_path), WAIT), os.listdir(tmp_path)
+        assert wait_until(lambda: not os.listdir(short_tmp_path), WAIT), os.listdir(short_tmp_path)
     finally:
         for left in (pid, holder):
             if left is not None and alive(left):

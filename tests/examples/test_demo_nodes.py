@@ -4,6 +4,7 @@ the same checks as the one-node demo and nothing left behind by either node's pr
 tree (see tests/examples/test_examples.py for how the leftovers are counted)."""
 from __future__ import annotations
 
+import itertools
 import os
 import queue
 import random
@@ -25,9 +26,9 @@ import torch  # noqa: E402
 pytestmark = pytest.mark.timeout(TIMEOUT + 60)
 
 
-def test_two_node_demo_runs_reports_and_leaves_nothing_behind(tmp_path):
+def test_two_node_demo_runs_reports_and_leaves_nothing_behind(short_tmp_path):
     result, marker, shm = run_python(
-        ["-m", "shared_td", "demo", "--nodes", "2", "--seconds", "4", "--buffer-size", "8192"], tmp_path)
+        ["-m", "shared_td", "demo", "--nodes", "2", "--seconds", "4", "--buffer-size", "8192"], short_tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     assert "1 learner on node 0 and 2 actor processes on node 1 (spawn), a cluster on 127.0.0.1:" in out, out
@@ -41,7 +42,7 @@ def test_two_node_demo_runs_reports_and_leaves_nothing_behind(tmp_path):
     assert int(pushes.replace(",", "")) > 0 and int(syncs.replace(",", "")) > 0, out
     assert "the processes of each node map its one copy of the buffer" in out, out
     assert out.rstrip().endswith("result   OK"), out
-    assert_nothing_left(tmp_path, marker, shm)
+    assert_nothing_left(short_tmp_path, marker, shm)
 
 
 def _pushed_ring(lose: bool, capacity: int = 8, batch: int = 2, actors: int = 2):
@@ -101,8 +102,8 @@ def _children(pid: int) -> list[int]:
         return []
 
 
-def test_node1_killed_mid_run_fails_the_demo_in_bounded_time_and_leaves_nothing(tmp_path):
-    private_tmp = tmp_path / "tmp"
+def test_node1_killed_mid_run_fails_the_demo_in_bounded_time_and_leaves_nothing(short_tmp_path):
+    private_tmp = short_tmp_path / "tmp"
     private_tmp.mkdir()
     marker = f"shared_td-test-{uuid.uuid4().hex}"
     env = dict(os.environ, TMPDIR=str(private_tmp), SHARED_TD_TEST_MARKER=marker)
@@ -112,10 +113,14 @@ def test_node1_killed_mid_run_fails_the_demo_in_bounded_time_and_leaves_nothing(
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         try:
             lines = queue.Queue()
-            threading.Thread(target=lambda: [lines.put(line) for line in demo.stdout], daemon=True).start()
-            seen = ""
+            threading.Thread(target=lambda: [lines.put(line) for line in itertools.chain(demo.stdout, [None])],
+                             daemon=True).start()
+            seen, before = "", []
             while " written " not in seen:  # the run is under way (bounded by the queue's timeout)
                 seen = lines.get(timeout=TIMEOUT)
+                # a demo that ended before its run began fails here, with what it said
+                assert seen is not None, ("the demo ended before its run began", "".join(before))
+                before.append(seen)
             # node 1: the demo's child with children of its own (its actors and manager)
             node1 = [pid for pid in _children(demo.pid) if len(_children(pid)) >= 2]
             assert len(node1) == 1, (node1, [(pid, _children(pid)) for pid in _children(demo.pid)])
@@ -128,9 +133,9 @@ def test_node1_killed_mid_run_fails_the_demo_in_bounded_time_and_leaves_nothing(
             if demo.poll() is None:
                 demo.kill()
                 demo.wait(30)
-    out = "".join(iter(lambda: _get(lines), None))
+    out = "".join(before + list(iter(lambda: _get(lines), None)))
     assert "shared_td demo failed: " in out and "node 1" in out, out
-    assert_nothing_left(tmp_path, marker, shm)  # node 1's actors and manager stopped too
+    assert_nothing_left(short_tmp_path, marker, shm)  # node 1's actors and manager stopped too
 
 
 def _get(lines):

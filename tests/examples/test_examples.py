@@ -42,12 +42,12 @@ def processes_with(marker: str) -> list[int]:
     return found
 
 
-def run_python(args: list[str], tmp_path) -> tuple[subprocess.CompletedProcess, str, ShmWatch]:
+def run_python(args: list[str], short_tmp_path) -> tuple[subprocess.CompletedProcess, str, ShmWatch]:
     """Run ``python <args>`` from the repository root with a private TMPDIR and a
     marker in its environment, beside another program that churns /dev/shm and the
     temp directory; returns the result, the marker and what its processes held in
     /dev/shm."""
-    private_tmp = tmp_path / "tmp"
+    private_tmp = short_tmp_path / "tmp"
     private_tmp.mkdir()
     marker = f"shared_td-test-{uuid.uuid4().hex}"
     env = dict(os.environ, TMPDIR=str(private_tmp), SHARED_TD_TEST_MARKER=marker)
@@ -57,20 +57,20 @@ def run_python(args: list[str], tmp_path) -> tuple[subprocess.CompletedProcess, 
     return result, marker, shm
 
 
-def assert_nothing_left(tmp_path, marker: str, shm: ShmWatch) -> None:
+def assert_nothing_left(short_tmp_path, marker: str, shm: ShmWatch) -> None:
     # the multiprocessing resource tracker leaves when its parent has exited (unlinking
     # what that left): give it a moment
     deadline = time.monotonic() + 15
     while processes_with(marker) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert processes_with(marker) == []
-    assert os.listdir(tmp_path / "tmp") == []
+    assert os.listdir(short_tmp_path / "tmp") == []
     assert shm.leftovers() == []
 
 
-def test_actor_learner_example(tmp_path):
+def test_actor_learner_example(short_tmp_path):
     result, marker, shm = run_python(
-        [os.path.join(EXAMPLES, "actor_learner.py"), "--seconds", "3", "--actors", "2"], tmp_path)
+        [os.path.join(EXAMPLES, "actor_learner.py"), "--seconds", "3", "--actors", "2"], short_tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     throughput = re.search(r"throughput: 2 actors wrote ([\d,]+) transitions \(([\d.]+[kMG]?)/s\), "
                            r"the learner sampled ([\d,]+)", result.stdout)
@@ -80,21 +80,21 @@ def test_actor_learner_example(tmp_path):
                        r"every slot written exactly once", result.stdout)
     assert cursor, result.stdout
     assert cursor[1] == cursor[2] and int(cursor[1].replace(",", "")) > 0
-    assert_nothing_left(tmp_path, marker, shm)
+    assert_nothing_left(short_tmp_path, marker, shm)
 
 
-def test_multiprocess_test_example_passes_under_pytest(tmp_path):
+def test_multiprocess_test_example_passes_under_pytest(short_tmp_path):
     result, marker, shm = run_python(
         ["-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.join(EXAMPLES, "multiprocess_test.py")],
-        tmp_path)
+        short_tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert re.search(r"\b2 passed\b", result.stdout), result.stdout
-    assert_nothing_left(tmp_path, marker, shm)
+    assert_nothing_left(short_tmp_path, marker, shm)
 
 
-def test_demo_runs_reports_and_leaves_nothing_behind(tmp_path):
+def test_demo_runs_reports_and_leaves_nothing_behind(short_tmp_path):
     # the README's main job, as CI runs it (issue 6: --seconds 5)
-    result, marker, shm = run_python(["-m", "shared_td", "demo", "--seconds", "5"], tmp_path)
+    result, marker, shm = run_python(["-m", "shared_td", "demo", "--seconds", "5"], short_tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     assert "shared_td demo: 2 actor processes and 1 learner for 5." in out, out
@@ -103,7 +103,7 @@ def test_demo_runs_reports_and_leaves_nothing_behind(tmp_path):
     assert re.search(r"reserved ([\d,]+) slots = written \1; every slot written exactly once", out), out
     assert "all 4 processes map the same memory" in out, out
     assert out.rstrip().endswith("result   OK"), out
-    assert_nothing_left(tmp_path, marker, shm)
+    assert_nothing_left(short_tmp_path, marker, shm)
 
 
 def test_demo_refuses_bad_options():
@@ -115,27 +115,27 @@ def test_demo_refuses_bad_options():
 
 
 @pytest.mark.parametrize("script", ["shared_buffer.py", "dataloader_workers.py"])
-def test_older_examples_run(tmp_path, script):
-    result, marker, shm = run_python([os.path.join(EXAMPLES, script)], tmp_path)
+def test_older_examples_run(short_tmp_path, script):
+    result, marker, shm = run_python([os.path.join(EXAMPLES, script)], short_tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     expected = {"shared_buffer.py": "actors wrote 128 rows into shared memory",
                 "dataloader_workers.py": "every sample was marked seen in the shared files: True"}
     assert expected[script] in result.stdout, result.stdout
-    assert_nothing_left(tmp_path, marker, shm)
+    assert_nothing_left(short_tmp_path, marker, shm)
 
 
-def test_readme_actor_learner_snippet_runs(tmp_path):
+def test_readme_actor_learner_snippet_runs(short_tmp_path):
     with open(os.path.join(REPO_ROOT, "README.md")) as readme:
         text = readme.read()
     section = text[text.index("### Actor/learner: a shared replay buffer"):]
     snippet = re.search(r"```python\n(.*?)```", section, re.S)[1]
     assert len(snippet.splitlines()) <= 25
-    script = tmp_path / "snippet.py"
+    script = short_tmp_path / "snippet.py"
     script.write_text(snippet)
-    result, marker, shm = run_python([str(script)], tmp_path)
+    result, marker, shm = run_python([str(script)], short_tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.split() == ["320", "320"]  # 2 actors x 10 x 16 rows, all written
-    assert_nothing_left(tmp_path, marker, shm)
+    assert_nothing_left(short_tmp_path, marker, shm)
 
 
 def test_a_demo_worker_whose_parent_died_before_it_checked_in_leaves():
