@@ -96,7 +96,8 @@ def stack(items: Sequence[Any], dim: int = 0, *, out: Any = None, lazy_if_shapes
     shapes differ give a LazyStackedTensorDict that keeps them as they are when
     ``lazy_if_shapes_differ`` (what ``default_collate`` needs, collate.py: tensordict's
     ``maybe_dense_stack``); ``torch.stack`` passes False and raises instead, as
-    tensordict 0.15.3 does (a RuntimeError naming the key).
+    tensordict 0.15.3 does (a RuntimeError naming the key). Lazy stacks among the items
+    are copied too (see ``_stack_with_lazy``); only ``lazy_stack`` keeps its items.
     """
     from shared_td.containers.nontensor import stack_non_tensors
     from shared_td.containers.tensordict import TensorDict
@@ -118,6 +119,10 @@ def stack(items: Sequence[Any], dim: int = 0, *, out: Any = None, lazy_if_shapes
     from shared_td.containers.lazy import LazyStackedTensorDict
 
     if not all(isinstance(item, TensorDict) for item in items):  # (a subclass stacks densely too)
+        if any(_is_lazy(item) for item in items):
+            from shared_td.containers.lazy_shape import stacked_into
+
+            return stacked_into(out, _stack_with_lazy(items, dim, lazy_if_shapes_differ))
         return LazyStackedTensorDict.lazy_stack(items, dim)
     _check_same_keys(items, "stack")  # before comparing shapes key by key
     mismatch = _leaf_shape_mismatch(items)
@@ -137,7 +142,8 @@ def stack(items: Sequence[Any], dim: int = 0, *, out: Any = None, lazy_if_shapes
     entries = {}
     for key in keys:
         values = [item._get_str(key, None) for item in items]
-        entries[key] = stack(values, dim) if is_tensor_collection(values[0]) else torch.stack(values, dim)
+        entries[key] = (stack(values, dim, lazy_if_shapes_differ=lazy_if_shapes_differ)
+                        if is_tensor_collection(values[0]) else torch.stack(values, dim))
     size = torch.Size(list(first.batch_size[:dim]) + [len(items)] + list(first.batch_size[dim:]))
     names = _common_names(items)
     if names is not None:
@@ -146,6 +152,48 @@ def stack(items: Sequence[Any], dim: int = 0, *, out: Any = None, lazy_if_shapes
     from shared_td.containers.lazy_shape import stacked_into  # (non-tensor entries replaced)
 
     return stacked_into(out, result)
+
+
+def _stack_with_lazy(items: list, dim: int, lazy_if_shapes_differ: bool) -> Any:
+    """``stack`` of items of one batch size, some of them lazy stacks: a copy, as
+    ``torch.stack`` of tensors and tensordict 0.15.3 give (a lazy stack of the items
+    themselves shared them: a write into the result reached the inputs, twice for an
+    item given twice). With dense items too, the lazy ones are made dense first when
+    that loses nothing, so the result is dense (as tensordict's); otherwise the result
+    is a lazy stack along the first lazy item's stack dim whose member i stacks (copies)
+    the items' elements i along it, as tensordict stacks lazy stacks member by member.
+    Elements that differ in keys raise as ``torch.stack`` does, or with
+    ``lazy_if_shapes_differ`` are stacked lazily (kept, as tensordict's maybe_dense_stack)."""
+    from shared_td.containers.lazy import LazyStackedTensorDict
+
+    lazies = [item for item in items if _is_lazy(item)]
+    if len(lazies) < len(items) and all(_dense_loses_nothing(item) for item in lazies):
+        dense = [item.to_tensordict() if _is_lazy(item) else item for item in items]
+        return stack(dense, dim, lazy_if_shapes_differ=lazy_if_shapes_differ)
+    sd = lazies[0].stack_dim
+    if not lazies[0].tensordicts:  # (no member holds data: nothing to copy or share)
+        return LazyStackedTensorDict.lazy_stack(items, dim)
+    elements = [item.tensordicts if _is_lazy(item) and item.stack_dim == sd else item.unbind(sd) for item in items]
+    member_dim = dim if dim <= sd else dim - 1  # (dim among the batch dims of a member)
+
+    def stack_elements(parts: list) -> Any:
+        if lazy_if_shapes_differ and len({frozenset(part.keys(True)) for part in parts}) > 1:
+            return LazyStackedTensorDict.lazy_stack(parts, member_dim)  # (as maybe_dense_stack keeps them)
+        return stack(parts, member_dim, lazy_if_shapes_differ=lazy_if_shapes_differ)
+
+    members = [stack_elements([parts[i] for parts in elements]) for i in range(len(elements[0]))]
+    result = LazyStackedTensorDict.lazy_stack(members, sd + 1 if dim <= sd else sd)
+    names = items[0].names  # (the items' stack dim names kept, as the README says)
+    if names is not None and any(name is not None for name in names) and all(i.names == names for i in items):
+        result.names = list(names[:dim]) + [None] + list(names[dim:])
+    return result
+
+
+def _dense_loses_nothing(lazy: Any) -> bool:
+    """Whether ``lazy.to_tensordict()`` keeps every entry: no key in only some members
+    and no key whose members' shapes differ."""
+    keys = set(lazy.keys(True))
+    return not lazy._has_ragged_leaf() and all(set(m.keys(True)) == keys for m in lazy.tensordicts)
 
 
 def _torch_stack(items: Sequence[Any], dim: int = 0, *, out: Any = None) -> Any:

@@ -21,8 +21,9 @@ import torch
 from shared_td.containers import batch as batch_ops
 from shared_td.containers.lazy_names import indexed_names
 from shared_td.containers.reshaping import permute_order
-from shared_td.containers.value_kinds import is_leaf_nontensor, is_non_tensor
+from shared_td.containers.value_kinds import is_leaf_nontensor, is_non_tensor, is_tensor_collection
 from shared_td.keys import NestedKey, is_nested_key
+from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 if TYPE_CHECKING:  # for the annotations only: lazy.py imports this module
     from shared_td.containers.lazy import LazyStackedTensorDict
@@ -182,14 +183,7 @@ class LazyShapeOps:
             if names is not None and any(name is not None for name in names):
                 empty.names = names
             return empty
-        entries = {}
-        for key in self.keys(True, True, is_leaf_nontensor):
-            path = (key,) if isinstance(key, str) else tuple(key)
-            leaf = first.get(path)
-            if is_non_tensor(leaf):
-                entries[path] = self.get(path)[index]
-            else:
-                entries[path] = leaf.new_empty((*out_batch, *leaf.shape[first.batch_dims:]))
+        entries = _empty_entries(self, first, index, out_batch, first.batch_dims)
         return TensorDict(entries, batch_size=out_batch, device=self.device, names=names)
 
     def _positions(self, parts: tuple) -> torch.Tensor:
@@ -457,6 +451,29 @@ def stacked_into(out: Any, result: Any) -> Any:
     for key in replaced:
         out.set(key, leaves[key])
     return out
+
+
+def _empty_entries(stacked: Any, first: Any, index: Any, out_batch: torch.Size, member_dims: int) -> dict:
+    """The entries of ``stacked[index]`` for an index that keeps no member (see
+    ``_empty_selection``), node by node: ``first`` is the first member's node at the
+    same place, ``member_dims`` that member's batch dims. Nested tensordicts stay even
+    when they hold no leaf, and tensorclasses keep their class, as in tensordict 0.15.3
+    (a walk over the leaves alone lost both)."""
+    from shared_td.containers.tensordict import TensorDict
+
+    entries = {}
+    for key in stacked._keys_str():  # (the keys that every member has)
+        value = first._get_str(key, None)
+        if is_non_tensor(value):
+            entries[key] = stacked._get_str(key, None)[index]
+        elif is_tensor_collection(value):
+            node = unwrap_tensorclass(value)
+            inner = _empty_entries(unwrap_tensorclass(stacked._get_str(key, None)), node, index, out_batch, member_dims)
+            empty = TensorDict(inner, batch_size=(*out_batch, *node.batch_size[member_dims:]))
+            entries[key] = empty if node is value else type(value)._from_tensordict(empty)
+        else:
+            entries[key] = value.new_empty((*out_batch, *value.shape[member_dims:]))
+    return entries
 
 
 def _dims(part: Any) -> tuple[int, int]:

@@ -28,8 +28,8 @@ class BatchShapeOps:
         probe = torch.zeros((), dtype=torch.uint8).expand(self._batch_size)
         size = probe.expand(size).shape
         names = None if self._names is None else [None] * (len(size) - nb) + self._names
-        return self._map_entries(
-            lambda v: v.expand(*size, *v.shape[nb:]), size, names
+        return self._map_entries(  # (one tuple: ``v.expand()`` of a 0-d leaf to () is a TypeError)
+            lambda v: v.expand((*size, *v.shape[nb:])), size, names
         )
 
     def expand_as(self, other: Any) -> "TensorDict":
@@ -55,7 +55,7 @@ class BatchShapeOps:
         size = torch.zeros((), dtype=torch.uint8).expand(self._batch_size).reshape(
             batch_ops.shape_args(shape, size)
         ).shape
-        return self._map_entries(lambda v: v.reshape(*size, *v.shape[nb:]), size)
+        return self._map_entries(lambda v: v.reshape((*size, *v.shape[nb:])), size)
 
     def view(self, *shape: Any, size: Any = None) -> "TensorDict":
         """A view with reshaped batch dims (the storage is shared; raises if impossible);
@@ -64,7 +64,7 @@ class BatchShapeOps:
             raise TypeError("TensorDict.view(dtype) is not supported; use .to(dtype).")
         nb = self.batch_dims
         size = torch.empty(self._batch_size, device="meta").view(batch_ops.shape_args(shape, size)).shape
-        return self._map_entries(lambda v: v.view(*size, *v.shape[nb:]), size, is_view=True)
+        return self._map_entries(lambda v: v.view((*size, *v.shape[nb:])), size, is_view=True)
 
     def unsqueeze(self, dim: int) -> "TensorDict":
         """Insert a batch dim of size 1 at ``dim`` (a view)."""

@@ -31,7 +31,8 @@ class BatchSplitOps:
         if isinstance(split_size, int):
             if split_size <= 0:
                 raise ValueError(f"split_size must be positive, got {split_size}.")
-            sizes = [min(split_size, length - s) for s in range(0, length, split_size)]
+            # (an empty dim still gives one empty piece, as torch.split)
+            sizes = [min(split_size, length - s) for s in range(0, length, split_size)] or [0]
         else:
             sizes = list(split_size)
             if sum(sizes) != length:
@@ -52,4 +53,6 @@ class BatchSplitOps:
             raise ValueError(f"chunks must be positive, got {chunks}.")
         dim = batch_ops.normalize_dim(dim, self.batch_dims)
         length = self.batch_size[dim]
-        return self.split(max(1, math.ceil(length / chunks)), dim) if length else (self,)
+        if not length:  # torch.chunk of an empty dim gives ``chunks`` empty pieces
+            return self.split([0] * chunks, dim)
+        return self.split(math.ceil(length / chunks), dim)
