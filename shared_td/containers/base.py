@@ -452,16 +452,24 @@ class TensorDictBase(TensorDictRoot, LockingOps, BatchSplitOps, NonTensorOps, Co
         return self._is_memmap
 
     # ---------------------------------------------------------------- conversions
-    def to_dict(self) -> dict:
-        """A nested dict of the entries (non-tensors as their Python values)."""
+    def to_dict(self, *, retain_none: bool = True) -> dict:
+        """A nested dict of the entries (non-tensors as their Python values; a
+        non-tensor entry itself gives its value, a stack its nested lists).
+
+        ``retain_none=False`` leaves out, as tensordict 0.15.3, the non-tensor entries
+        that hold None (a stack: only None), nested ones too, and so the empty fields
+        of nested tensorclasses (which ``retain_none=True`` gives as None)."""
+        if is_non_tensor(self):
+            return self._python_value()
         out = {}
         for key, value in self._items_str():
             if isinstance(value, torch.Tensor):  # most entries: no class to ask about
                 out[key] = value
             elif is_non_tensor(value):
-                out[key] = value._python_value()
+                if retain_none or not holds_only_none(value):
+                    out[key] = value._python_value()
             elif is_tensor_collection(value):
-                out[key] = value.to_dict()
+                out[key] = value.to_dict(retain_none=retain_none)
             else:
                 out[key] = value
         return out
@@ -496,3 +504,10 @@ class TensorDictBase(TensorDictRoot, LockingOps, BatchSplitOps, NonTensorOps, Co
             from shared_td.containers.unsupported_options import unsupported_torch_function
             raise unsupported_torch_function(func, cls)
         return handler(*args, **(kwargs or {}))
+
+
+def holds_only_none(entry: Any) -> bool:
+    """Whether the non-tensor ``entry`` holds None only (what ``to_dict(retain_none=False)``
+    leaves out): a NonTensorData of None, or a non-empty stack of None values."""
+    values = entry._flat_values()
+    return entry.data is None if not values else all(value is None for value in values)

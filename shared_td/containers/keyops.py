@@ -31,7 +31,7 @@ class KeyOps:
             ([('n', 'b')], True)
         """
         out = self.empty()
-        for part, rests in _by_first_part(self, keys, strict).items():
+        for part, rests in _by_first_part(self, keys, strict, whole_wins=False).items():
             entry = self._tensordict[part]
             out._tensordict[part] = entry if rests is None else entry.select(*rests, strict=strict)
         if inplace:
@@ -58,7 +58,7 @@ class KeyOps:
         out = self if inplace else self.clone(recurse=False)  # (its nested collections are new ones)
         if inplace and keys:
             self._check_unlocked(unravel_key(keys[0]), "remove")
-        for part, rests in _by_first_part(out, keys, strict=False).items():
+        for part, rests in _by_first_part(out, keys, strict=False, whole_wins=True).items():
             if rests is None:
                 out._tensordict.pop(part)
             else:  # (in place: out's entry is self's, or a copy of it made above)
@@ -117,12 +117,19 @@ class KeyOps:
         return out
 
 
-def _by_first_part(td: "KeyOps", keys: tuple, strict: bool) -> dict:
+def _by_first_part(td: "KeyOps", keys: tuple, strict: bool, whole_wins: bool) -> dict:
     """``keys`` of ``td`` grouped by their first part: ``{part: None}`` for the whole
     entry, ``{part: [rest, ...]}`` for keys inside the nested collection at ``part``,
-    in the order of the keys. A key that ``td`` lacks raises (a KeyError naming it)
-    when ``strict``, and is skipped otherwise; a lazy stack on the way checks the rest
-    of the key itself (each member)."""
+    in the order of the keys.
+
+    When a whole entry and keys inside it are both named, ``whole_wins`` picks: exclude
+    removes the whole entry, select keeps only the keys inside it (the more specific
+    key wins, whatever the order, as tensordict 0.15.3's ``select("b", ("b", "a"))``).
+
+    A key that ``td`` lacks raises (a KeyError naming it) when ``strict``, and is
+    skipped otherwise (tensordict 0.15.3's ``select(strict=False)`` instead keeps the
+    nested tensordict of a missing nested key, emptied); a lazy stack on the way checks
+    the rest of the key itself (each member)."""
     groups: dict = {}
     for key in keys:
         path = unravel_key(key)
@@ -130,8 +137,11 @@ def _by_first_part(td: "KeyOps", keys: tuple, strict: bool) -> dict:
             if strict:
                 raise KeyError(td._missing_key_message(path))
             continue
-        if groups.get(path[0], ()) is not None:  # (None: the whole entry is in already)
-            groups[path[0]] = None if len(path) == 1 else [*groups.get(path[0], []), path[1:]]
+        rests = groups.get(path[0], ())
+        if len(path) == 1:
+            groups[path[0]] = None if whole_wins or not rests else rests
+        elif rests is not None or not whole_wins:
+            groups[path[0]] = [*(rests or ()), path[1:]]
     return groups
 
 

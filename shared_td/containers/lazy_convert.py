@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from shared_td.containers.base import holds_only_none
 from shared_td.containers.lazy_names import names_members_agree_on
 from shared_td.containers.lazy_writes import _is_branch, _is_lazy
 from shared_td.containers.value_kinds import is_non_tensor, is_tensor_collection
@@ -41,8 +42,10 @@ class LazyConversions:
         """Same as ``to_tensordict()``: a dense TensorDict."""
         return self.to_tensordict()
 
-    def to_dict(self) -> dict:
+    def to_dict(self, *, retain_none: bool = True) -> dict:
         """A nested dict of stacked values (raises on heterogeneous shapes, as tensordict).
+        ``retain_none=False`` leaves out the non-tensor entries that hold None only, as
+        TensorDict.to_dict does.
 
         Raises:
             RuntimeError: if a key is in only some members (as tensordict): the dict can
@@ -62,9 +65,10 @@ class LazyConversions:
         for key in self._keys_str():
             value = self.get(key)
             if is_non_tensor(value):
-                out[key] = value._python_value()
+                if retain_none or not holds_only_none(value):
+                    out[key] = value._python_value()
             else:
-                out[key] = value.to_dict() if is_tensor_collection(value) else value
+                out[key] = value.to_dict(retain_none=retain_none) if is_tensor_collection(value) else value
         return out
 
     def _map_leaves(self, fn: Callable, prefix: tuple = (), other: Any = None) -> Any:

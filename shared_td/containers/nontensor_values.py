@@ -36,10 +36,19 @@ def one_member(members: list | None, values: list, ndim: int) -> bool:
 
 
 def nested_shape(values: Any) -> tuple[list[int], list]:
-    """Shape and flat values of nested lists; ragged inner lists are kept as values."""
+    """Shape and flat values of nested lists; ragged inner lists are kept as values.
+
+    Only lists nest: a tuple inside is one value (``[("a", 1), ("b", 2)]`` has shape
+    ``[2]``), as tensordict 0.15.3 keeps it; the outer sequence may be either."""
     if not isinstance(values, (list, tuple)):
         return [], [values]
-    parts = [nested_shape(v) for v in values]
+    return _list_shape(list(values))
+
+
+def _list_shape(values: Any) -> tuple[list[int], list]:
+    if not isinstance(values, list):
+        return [], [values]
+    parts = [_list_shape(v) for v in values]
     inner = {tuple(shape) for shape, _ in parts}
     if len(inner) == 1 and values:
         shape = [len(values)] + list(next(iter(inner)))

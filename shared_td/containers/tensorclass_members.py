@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from shared_td.containers.base import NO_DEFAULT, TensorDictBase, is_non_tensor, is_tensor_collection
+from shared_td.containers.lazy_writes import _is_branch, _peek
 from shared_td.containers.memmap_methods import MemmapMethods
 from shared_td.containers.nontensor import NonTensorData, as_non_tensor
 from shared_td.containers.tensorclass_compat import check_row_write
@@ -329,8 +330,11 @@ class _TensorClassMembers:
         return result if as_tensordict else _wrap(self, result)
 
     def get(self, key: Any, default: Any = NO_DEFAULT, **kwargs: Any) -> Any:
-        """The field (or nested entry) ``key``: non-tensors as Python values, a field
-        that holds nothing as None (or ``default``). Other keywords go to the inner
+        """The field (or nested entry) ``key``: a non-tensor field as its Python value, a
+        field that holds nothing as None (or ``default``). A non-tensor below a field is
+        given as its NonTensorData/NonTensorStack, as tensordict 0.15.3 gives it (so
+        ``get_at`` can index it); one that is a field of a nested tensorclass, as that
+        class's ``get`` gives it (its Python value). Other keywords go to the inner
         tensordict's ``get`` (``as_list=True``... of a tensorclass over a lazy stack)."""
         path = unravel_key(key)
         if len(path) == 1 and path[0] in type(self)._tc_field_names:
@@ -339,8 +343,15 @@ class _TensorClassMembers:
                 return None if default is NO_DEFAULT else default
         elif len(path) == 1 and isinstance(getattr(type(self), path[0], None), property):
             return getattr(self, path[0])  # tc.get("batch_size") is tc.batch_size, as in tensordict
+        else:
+            # (a branch only: reading a leaf of a lazy stack would stack it; a lazy
+            # stack's get gives its members' tensorclass, its _peek_str does not)
+            head = _peek(self._tensordict, path[0])
+            head = self._tensordict.get(path[0]) if _is_branch(head) else None
+            if is_tensorclass(head):  # (its own get gives its non-tensor fields as values)
+                return head.get(path[1:], default, **kwargs)
         value = self._tensordict.get(path, default, **kwargs)
-        return value._python_value() if is_non_tensor(value) else value
+        return value._python_value() if len(path) == 1 and is_non_tensor(value) else value
 
     def set(self, key: Any, value: Any, inplace: bool = False, **kwargs: Any) -> Any:
         """Set the field (or nested entry) ``key``; returns self.
@@ -456,8 +467,10 @@ class _TensorClassMembers:
         return _plain_copy(self._tensordict, type(self)._tc_fields if retain_none else None)
 
     def to_dict(self, *, retain_none: bool = True) -> dict:
-        """A nested dict of the fields (non-tensors as Python values, empty fields as None)."""
-        out = self._tensordict.to_dict()
+        """A nested dict of the fields (non-tensors as Python values, empty fields as None;
+        with ``retain_none=False``, as tensordict 0.15.3, neither these nor entries
+        holding None, nested ones too)."""
+        out = self._tensordict.to_dict(retain_none=retain_none)
         if retain_none:
             out.update({f.name: None for f in type(self)._tc_fields if f.name not in out})
         return out

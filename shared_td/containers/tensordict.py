@@ -418,17 +418,25 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, BatchDimOps, IndexWrites
 
     # ---------------------------------------------------------------- new tensordicts
     def empty(self, recurse: bool = False, *, batch_size: Any = None, device: Any = NO_DEFAULT) -> "TensorDict":
-        """A tensordict with the same batch size and device but no entries
-        (``recurse=True`` keeps the nested tensordicts, empty, and the non-tensor
-        entries, as tensordict 0.15.3: see :func:`kept_by_empty`)."""
+        """A tensordict with the same batch size and device but no entries.
+
+        ``recurse=True`` keeps, as tensordict 0.15.3, the nested collections emptied
+        (tensordicts, tensorclasses of their class, lazy stacks of their members
+        emptied) and the non-tensor entries (see :func:`kept_by_empty`). With another
+        ``batch_size``, as in tensordict, every nested collection must agree with it on
+        the dims they both have (a RuntimeError names the first that does not), and a
+        shorter nested tensordict or tensorclass gets it (a lazy stack cannot)."""
         size = self._batch_size if batch_size is None else batch_ops.as_batch_size(batch_size)
         entries = {}
         if recurse:
+            if size != self._batch_size:
+                _refuse_misfit(self, size, ())
             for key, value in self._tensordict.items():
-                if isinstance(value, TensorDict):
-                    entries[key] = value.empty(recurse=True)
-                elif is_non_tensor(value) and (kept := kept_by_empty(value, size)) is not None:
-                    entries[key] = kept
+                if is_non_tensor(value):
+                    if (kept := kept_by_empty(value, size)) is not None:
+                        entries[key] = kept
+                elif is_tensor_collection(value):
+                    entries[key] = _emptied_for(value, size, key)
         names = self.names if size == self._batch_size else None  # names fit the old dims only
         return type(self)._new_unsafe(
             entries, size, self._device if device is NO_DEFAULT else device, names
@@ -454,6 +462,40 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, BatchDimOps, IndexWrites
         if names is not None:
             td.names = names
         return td
+
+
+def _refuse_misfit(td: TensorDict, size: torch.Size, prefix: tuple) -> None:
+    """Raise (RuntimeError, as tensordict 0.15.3) if a nested collection that
+    ``td.empty(True, batch_size=size)`` keeps, nested ones too, disagrees with ``size``
+    on the dims that both have: the tree would be invalid. (A non-tensor entry is
+    re-batched or left out instead: see :func:`kept_by_empty`.)"""
+    for key, value in td._tensordict.items():
+        if not is_tensor_collection(value) or is_non_tensor(value):
+            continue
+        common = min(len(value.batch_size), len(size))
+        if tuple(value.batch_size[:common]) != tuple(size[:common]):
+            raise _misfit_error(size, prefix + (key,), value, "they differ on the dims both have")
+        inner = unwrap_tensorclass(value)
+        if isinstance(inner, TensorDict):
+            _refuse_misfit(inner, size, prefix + (key,))
+
+
+def _emptied_for(value: Any, size: torch.Size, key: str) -> Any:
+    """``value.empty(recurse=True)``, given ``size`` if its batch size is shorter (a
+    lazy stack cannot take more dims: RuntimeError, as in tensordict 0.15.3)."""
+    if len(value.batch_size) >= len(size):
+        return value.empty(recurse=True)
+    if not isinstance(unwrap_tensorclass(value), TensorDict):
+        raise _misfit_error(size, (key,), value, "a lazy stack cannot take more batch dims")
+    return value.empty(recurse=True, batch_size=size)
+
+
+def _misfit_error(size: torch.Size, path: tuple, value: Any, why: str) -> RuntimeError:
+    name = path[0] if len(path) == 1 else path
+    return RuntimeError(
+        f"empty(recurse=True) cannot give the batch size {list(size)} to the entry {name!r} "
+        f"(a {type(value).__name__} of batch size {list(value.batch_size)}): {why}."
+    )
 
 
 def _numbers_as_non_tensor(entries: dict, batch_size: Any) -> dict:
