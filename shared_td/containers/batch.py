@@ -212,6 +212,24 @@ def broadcasts_to(shape: torch.Size, target: torch.Size) -> bool:
     )
 
 
+def fits_indexed_write(shape: torch.Size, target: torch.Size) -> bool:
+    """True if a tensor of ``shape`` can be written by ``leaf[index] = value`` where
+    ``leaf[index]`` has shape ``target``: torch drops the value's leading size-1 dims
+    beyond the target's (``x[0] = ones(1, 2)`` into a row of 2), then broadcasts.
+    (``copy_``, an in-place ``set_``, drops none: use :func:`broadcasts_to` there.)
+
+    Examples:
+        >>> fits_indexed_write(torch.Size([1, 1, 2]), torch.Size([2]))
+        True
+        >>> fits_indexed_write(torch.Size([2, 1]), torch.Size([2]))  # (torch refuses it too)
+        False
+    """
+    extra = len(shape) - len(target)
+    if extra > 0 and all(size == 1 for size in shape[:extra]):
+        shape = shape[extra:]
+    return broadcasts_to(shape, target)
+
+
 def is_basic_index(index: tuple) -> bool:
     """True if indexing with ``index`` gives a view (no copy), as in torch."""
     if len(index) == 1 and type(index[0]) is int:

@@ -404,7 +404,8 @@ class ConvenienceOps:
         """Repeat the batch dims as ``torch.Tensor.repeat`` does (one count per batch
         dim; the feature dims are kept). Each entry repeats itself: a non-tensor entry
         moves its values, a nested tensordict keeps its own dims past ours. A lazy
-        stack gives a TensorDict.
+        stack gives a TensorDict, unless that would lose entries (its members differ in
+        keys or shapes): then a lazy stack of the members repeated, as tensordict's.
 
         Example:
             >>> TensorDict(a=torch.arange(2), s=NonTensorStack("x", "y"), batch_size=[2]).repeat(2)["s"]
@@ -413,32 +414,50 @@ class ConvenienceOps:
         from shared_td.containers import batch as batch_ops
 
         repeats = batch_ops.shape_args(repeats)
-        dense = self._dense_for_copy()
-        nb = dense.batch_dims
-        size = batch_ops._probe(dense.batch_size).repeat(*repeats).shape
-        names = None if dense.names is None else [None] * (len(size) - nb) + dense.names  # (as tensordict)
-        # (a tensor, a non-tensor entry or a nested collection: one count per dim past ours)
-        out = dense._map_entries(lambda x: x.repeat(*repeats, *[1] * (_dims(x) - nb)), size, names)
+        size = batch_ops._probe(self.batch_size).repeat(*repeats).shape  # (torch's checks of the counts)
+        if _keeps_members(self):  # the stack dim tiles the members; each repeats along the others
+            counts = list(repeats)
+            dim = self.stack_dim + len(counts) - self.batch_dims  # (counts past ours add leading dims)
+            order = list(range(len(self.tensordicts))) * counts.pop(dim)
+            out = _restacked(self, order, lambda m: m.repeat(*counts) if counts else m.clone(), dim, size)
+        else:
+            dense = self._dense_for_copy()
+            nb = dense.batch_dims
+            names = None if dense.names is None else [None] * (len(size) - nb) + dense.names  # (as tensordict)
+            # (a tensor, a non-tensor entry or a nested collection: one count per dim past ours)
+            out = dense._map_entries(lambda x: x.repeat(*repeats, *[1] * (_dims(x) - nb)), size, names)
         return out.lock_() if self.is_locked else out  # (locked as self, as in tensordict)
 
     def repeat_interleave(self, repeats: Any, dim: int | None = None, *, output_size: int | None = None) -> Any:
         """``torch.repeat_interleave`` along batch dim ``dim`` (of the flattened batch
         dims when ``dim`` is None), as tensordict does; each entry repeats itself, as in
-        :meth:`repeat`. A lazy stack gives a TensorDict.
+        :meth:`repeat`. A lazy stack gives a TensorDict, or a lazy stack as ``repeat``.
 
         Example:
             >>> TensorDict(a=torch.arange(2), s=NonTensorStack("x", "y"), batch_size=[2]).repeat_interleave(2)["s"]
             ['x', 'x', 'y', 'y']
         """
+        import torch
+
         from shared_td.containers import batch as batch_ops
 
-        dense = self._dense_for_copy()
+        lazy = _keeps_members(self)
+        node = self if lazy else self._dense_for_copy()
         if dim is None:
-            dense, dim = dense.reshape(-1), 0
-        dim = batch_ops.normalize_dim(dim, dense.batch_dims)
-        size = batch_ops._probe(dense.batch_size).repeat_interleave(repeats, dim=dim, output_size=output_size).shape
-        out = dense._map_entries(lambda x: x.repeat_interleave(repeats, dim=dim, output_size=output_size),
-                                 size, dense.names)
+            node, dim = node.reshape(-1), 0  # (a lazy stack's along its members: one still)
+        dim = batch_ops.normalize_dim(dim, node.batch_dims)
+        size = batch_ops._probe(node.batch_size).repeat_interleave(repeats, dim=dim, output_size=output_size).shape
+        if not lazy:
+            out = node._map_entries(lambda x: x.repeat_interleave(repeats, dim=dim, output_size=output_size),
+                                    size, node.names)
+        elif dim == node.stack_dim:  # each member taken as many times as its count, in place
+            counts = torch.as_tensor(repeats).expand(len(node.tensordicts)).tolist()
+            order = [at for at, count in enumerate(counts) for _ in range(count)]
+            out = _restacked(node, order, lambda m: m.clone(), dim, size)
+        else:  # each member along its own dim
+            inner = dim - (dim > node.stack_dim)
+            out = _restacked(node, range(len(node.tensordicts)), lambda m: m.repeat_interleave(
+                repeats, dim=inner, output_size=output_size), node.stack_dim, size)
         return out.lock_() if self.is_locked else out
 
     def _dense_for_copy(self) -> Any:
@@ -446,6 +465,25 @@ class ConvenienceOps:
         from shared_td.containers.lazy import LazyStackedTensorDict
 
         return self.contiguous() if isinstance(self, LazyStackedTensorDict) else self
+
+
+def _keeps_members(node: Any) -> bool:
+    """True for a lazy stack whose dense copy would lose entries (its repeats stay lazy):
+    its members, or those of a lazy stack inside it, differ in keys or in shapes."""
+    from shared_td.containers.lazy import LazyStackedTensorDict
+
+    def loses_keys(lazy: Any) -> bool:  # (its nested entries peeked: no tensor is stacked)
+        inner = [unwrap_tensorclass(m) for m in lazy.tensordicts] + [lazy._peek_str(k, None) for k in lazy._keys_str()]
+        return bool(lazy._exclusive_keys()) or any(
+            isinstance(entry, LazyStackedTensorDict) and loses_keys(entry) for entry in inner)
+
+    return isinstance(node, LazyStackedTensorDict) and (loses_keys(node) or node._has_ragged_leaf())
+
+
+def _restacked(lazy: Any, order: Sequence[int], make: Any, dim: int, size: Any) -> Any:
+    """A lazy stack along ``dim`` of ``make(member)`` (a new copy) for each member at ``order``."""
+    sources = [lazy.tensordicts[at] for at in order]
+    return lazy._restack([make(member) for member in sources], dim, size, sources=sources)
 
 
 def _tensorclass_new_like(tc: Any, out: Any) -> Any:

@@ -141,9 +141,10 @@ def store_first(writes: list, write: Callable[[], None]) -> None:
 
 
 def _check_fits(source: torch.Tensor, expected: torch.Size, key: tuple, index: tuple) -> None:
-    """Raise unless ``source`` broadcasts to ``expected``, the shape of the indexed entry
-    ``key`` (its full path: a top-level key is named as a string)."""
-    if not batch_ops.broadcasts_to(source.shape, expected):
+    """Raise unless ``source`` fits ``expected``, the shape of the indexed entry ``key``
+    (its full path: a top-level key is named as a string), as torch's ``leaf[index] =
+    source`` takes it: extra leading size-1 dims dropped, then broadcast."""
+    if not batch_ops.fits_indexed_write(source.shape, expected):
         name = repr(key[0] if len(key) == 1 else key)
         raise BatchSizeMismatchError(
             f"Cannot write a value of shape {list(source.shape)} into entry {name} at "
