@@ -9,6 +9,8 @@ import warnings
 
 import pytest
 
+import shared_td
+
 try:
     import tensordict
 except ImportError:
@@ -19,6 +21,13 @@ needs_tensordict = pytest.mark.skipif(
     reason="compares with tensordict 0.15.3, which is not installed: "
     "pip install 'tensordict==0.15.3' (the test extra)",
 )
+
+#: Both libraries as pytest parameters, for a test run once with each: shared_td, and
+#: tensordict 0.15.3 where it is installed.
+LIBS = [
+    pytest.param(shared_td, id="shared_td"),
+    pytest.param(tensordict, id="tensordict", marks=needs_tensordict),
+]
 
 
 def dim_names(value):

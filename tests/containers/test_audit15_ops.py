@@ -13,13 +13,7 @@ import pytest
 import torch
 
 import shared_td
-from tests.reference import dim_names, needs_tensordict, tensordict
-
-LIBS = [
-    pytest.param(shared_td, id="shared_td"),
-    pytest.param(tensordict, id="tensordict", marks=needs_tensordict),
-]
-
+from tests.reference import LIBS, dim_names, needs_tensordict, tensordict
 
 # ---------------------------------------------------------------- flatten/unflatten in place
 def _aliased(lib=shared_td):

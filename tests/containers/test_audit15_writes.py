@@ -14,13 +14,7 @@ import torch
 
 import shared_td
 from shared_td.errors import ReadOnlyError
-from tests.reference import needs_tensordict, outcome, tensordict
-
-LIBS = [
-    pytest.param(shared_td, id="shared_td"),
-    pytest.param(tensordict, id="tensordict", marks=needs_tensordict),
-]
-
+from tests.reference import LIBS, needs_tensordict, outcome, tensordict
 
 def _lazy(lib, n=3):
     return lib.lazy_stack([lib.TensorDict(a=torch.zeros(4, 5), batch_size=[4]) for _ in range(n)])

@@ -21,12 +21,8 @@ import torch
 
 import shared_td
 from shared_td.errors import StorageFullError
-from tests.reference import needs_tensordict, tensordict
+from tests.reference import LIBS
 
-LIBS = [
-    pytest.param(shared_td, id="shared_td"),
-    pytest.param(tensordict, id="tensordict", marks=needs_tensordict),
-]
 BAD = {"lambda": lambda: 1, "lock": threading.Lock()}
 
 

@@ -18,12 +18,8 @@ import pytest
 import torch
 
 import shared_td
-from tests.reference import needs_tensordict, tensordict
+from tests.reference import LIBS
 
-LIBS = [
-    pytest.param(shared_td, id="shared_td"),
-    pytest.param(tensordict, id="tensordict", marks=needs_tensordict),
-]
 HOW = ["plain", "share", "memmap"]
 
 

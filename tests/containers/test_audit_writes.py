@@ -12,13 +12,7 @@ import torch
 from torch.utils.data import default_collate
 
 import shared_td
-from tests.reference import needs_tensordict, tensordict
-
-LIBS = [
-    pytest.param(shared_td, id="shared_td"),
-    pytest.param(tensordict, id="tensordict", marks=needs_tensordict),
-]
-
+from tests.reference import LIBS
 
 # ---------------------------------------------------------------- torch.stack: leaf shapes
 @pytest.mark.parametrize("lib", LIBS)

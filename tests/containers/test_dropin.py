@@ -18,13 +18,7 @@ from tests.containers import dropin_children as kids
 import shared_td
 from tests.processes import WAIT, finish
 
-from tests.reference import needs_tensordict, tensordict
-LIBS = [
-    pytest.param(shared_td, id="shared_td"),
-    pytest.param(tensordict, id="tensordict", marks=needs_tensordict),
-]
-
-
+from tests.reference import LIBS, needs_tensordict, tensordict
 def run_child(method: str, target, *args) -> None:
     """Run ``target(*args, done)`` in a child process (bounded waits)."""
     ctx = multiprocessing.get_context(method)

@@ -16,13 +16,7 @@ import torch
 
 import shared_td
 from shared_td.containers.node_kinds import _members_as_given
-from tests.reference import needs_tensordict, tensordict
-
-LIBS = [
-    pytest.param(shared_td, id="shared_td"),
-    pytest.param(tensordict, id="tensordict", marks=needs_tensordict),
-]
-
+from tests.reference import LIBS
 
 @shared_td.tensorclass
 class Pt:  # (module level: a pickle finds it)

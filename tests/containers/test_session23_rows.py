@@ -20,13 +20,7 @@ import torch
 import shared_td
 from shared_td.errors import BatchSizeMismatchError
 from tests.containers.conftest import assert_same_state, td_state
-from tests.reference import needs_tensordict, tensordict
-
-LIBS = [
-    pytest.param(shared_td, id="shared_td"),
-    pytest.param(tensordict, id="tensordict", marks=needs_tensordict),
-]
-
+from tests.reference import LIBS
 
 @pytest.fixture(autouse=True)
 def _quiet():

@@ -7,12 +7,7 @@ import pytest
 import torch
 
 import shared_td
-from tests.reference import needs_tensordict, tensordict
-
-LIBS = [
-    pytest.param(shared_td, id="shared_td"),
-    pytest.param(tensordict, id="tensordict", marks=needs_tensordict),
-]
+from tests.reference import LIBS
 
 INDICES = {
     "(..., tensor(True))": (Ellipsis, torch.tensor(True)),

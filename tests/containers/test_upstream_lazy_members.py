@@ -10,13 +10,7 @@ import torch
 
 import shared_td
 from shared_td.errors import LockedTensorDictError
-from tests.reference import needs_tensordict, tensordict
-
-LIBS = [
-    pytest.param(shared_td, id="shared_td"),
-    pytest.param(tensordict, id="tensordict", marks=needs_tensordict),
-]
-
+from tests.reference import LIBS
 
 @pytest.mark.parametrize("lib", LIBS)
 def test_empty_stack_takes_the_members_batch_size_and_device(lib):

@@ -13,14 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import shared_td
-from tests.reference import needs_tensordict, tensordict
-
-LIBS = [
-    pytest.param(shared_td, id="shared_td"),
-    pytest.param(tensordict, id="tensordict", marks=needs_tensordict),
-]
-
+from tests.reference import LIBS
 
 def episode_stack(lib, stack_dim):
     """Three rows of [4, 2] observations, stacked lazily along ``stack_dim``."""

@@ -7,13 +7,7 @@ import pytest
 import torch
 
 import shared_td
-from tests.reference import needs_tensordict, tensordict
-
-LIBS = [
-    pytest.param(shared_td, id="shared_td"),
-    pytest.param(tensordict, id="tensordict", marks=needs_tensordict),
-]
-
+from tests.reference import LIBS
 
 def with_leaves(lib):
     return lib.TensorDict(obs=torch.zeros(2), task="walk", nested={"x": torch.ones(2)}, batch_size=[2])

@@ -9,12 +9,8 @@ import pytest
 import torch
 
 import shared_td
-from tests.reference import needs_tensordict, tensordict
+from tests.reference import LIBS
 
-LIBS = [
-    pytest.param(shared_td, id="shared_td"),
-    pytest.param(tensordict, id="tensordict", marks=needs_tensordict),
-]
 LOCKED_GRAPH = "Cannot unlock a tensordict that is part of a locked graph"
 
 

@@ -8,13 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import shared_td
-from tests.reference import needs_tensordict, tensordict
-
-LIBS = [
-    pytest.param(shared_td, id="shared_td"),
-    pytest.param(tensordict, id="tensordict", marks=needs_tensordict),
-]
+from tests.reference import LIBS
 
 ROWS, COLS = torch.tensor([0, 2]), torch.tensor([1, 3])
 CASES = {

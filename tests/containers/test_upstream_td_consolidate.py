@@ -7,13 +7,7 @@ import pytest
 import torch
 
 import shared_td
-from tests.reference import needs_tensordict, tensordict
-
-LIBS = [
-    pytest.param(shared_td, id="shared_td"),
-    pytest.param(tensordict, id="tensordict", marks=needs_tensordict),
-]
-
+from tests.reference import LIBS
 
 def deviceless(lib):
     return lib.TensorDict({"a": torch.zeros(2), "b": {"c": torch.ones(2)}, "d": "text"}, batch_size=[2])

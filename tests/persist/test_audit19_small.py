@@ -17,15 +17,9 @@ import torch
 
 import shared_td
 from shared_td.persist import api
-from tests.reference import needs_tensordict, tensordict
+from tests.reference import LIBS
 
 WAIT = 30  # seconds: the bound on every wait for a background write
-
-LIBS = [
-    pytest.param(shared_td, id="shared_td"),
-    pytest.param(tensordict, id="tensordict", marks=needs_tensordict),
-]
-
 
 def _tree(lib):
     return lib.TensorDict(a=torch.arange(3.0), n=lib.TensorDict(b=torch.ones(3, 2), batch_size=[3]),

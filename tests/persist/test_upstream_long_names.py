@@ -13,12 +13,8 @@ import torch
 import shared_td
 from shared_td.persist import atomic
 from shared_td.persist import format as fmt
-from tests.reference import needs_tensordict, tensordict
+from tests.reference import LIBS
 
-LIBS = [
-    pytest.param(shared_td, id="shared_td"),
-    pytest.param(tensordict, id="tensordict", marks=needs_tensordict),
-]
 LENGTHS = [220, 246, 255]
 
 
