@@ -130,8 +130,9 @@ class LazyConversions:
             dtype, feature = signature
             return f"{_dtype_name(dtype)}[{','.join(str(d) for d in feature)}]"
         value = self._peek_str(key, None)
-        if _is_lazy(value):
-            return "", _entries(value)
+        if _is_lazy(value):  # named by its first member's tensorclass, if any, as tensordict 0.15.3 shows it
+            cls = value._tensorclass_of(value.tensordicts[0]) if value.tensordicts else None
+            return ("" if cls is None else cls.__name__), _entries(value)
         return _entry(value, self.tensordicts[0])
 
     def _leaf_signature(self, key: str) -> tuple | None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared_td import NonTensorData, NonTensorStack, TensorDict
+from shared_td import NonTensorData, NonTensorStack, TensorDict, lazy_stack, tensorclass
 
 
 def cases():
@@ -70,3 +70,20 @@ def test_repr_of_non_tensor_classes():
     assert repr(NonTensorStack("a", "b")) == (  # tensordict 0.15.3's layout
         "NonTensorStack(\n    ['a', 'b'],\n    batch_size=torch.Size([2]),\n    device=None)"
     )
+
+
+@tensorclass
+class Pose:
+    x: torch.Tensor
+
+
+def test_repr_of_a_lazy_stack_names_its_members_tensorclass():
+    """A tensorclass entry of a lazy stack's members is shown by its class name, as in a
+    TensorDict (it showed as a plain ``{...}``); printed by tensordict 0.15.3 for the
+    same stacks of its own class of this name (the first member's class names it)."""
+    members = [TensorDict(b=Pose(x=torch.zeros(2), batch_size=[2]), batch_size=[2]) for _ in range(2)]
+    assert repr(lazy_stack(members)) == "LazyStackedTensorDict(batch_size=[2,2], stack_dim=0, fields={b: Pose{x: f32[]}})"
+    mixed = [TensorDict(b=Pose(x=torch.zeros(2), batch_size=[2]), batch_size=[2]),
+             TensorDict(b=TensorDict(x=torch.zeros(2), batch_size=[2]), batch_size=[2])]
+    assert repr(lazy_stack(mixed)) == "LazyStackedTensorDict(batch_size=[2,2], stack_dim=0, fields={b: Pose{x: f32[]}})"
+    assert repr(lazy_stack(mixed[::-1])) == "LazyStackedTensorDict(batch_size=[2,2], stack_dim=0, fields={b: {x: f32[]}})"
