@@ -233,3 +233,17 @@ def test_stack_of_lazy_stacks_keeps_their_dim_names():
                              stack_dim_name="s")
     assert torch.stack([a, a.clone()], 0).names == [None, "s", "x"]
     assert torch.stack([a, a.clone()], 2).names == ["s", "x", None]
+
+
+@pytest.mark.parametrize("L", LIBS)
+@pytest.mark.parametrize("reshape", [lambda lz: lz.reshape(-1), lambda lz: lz.view(0, 2), lambda lz: lz.flatten(),
+                                     lambda lz: lz.reshape(0, 5)], ids=["reshape-1", "view", "flatten", "reshape0x5"])
+def test_a_reshape_of_a_lazy_stack_with_no_element_keeps_its_entries(L, reshape):
+    """A lazy stack whose batch holds a 0, reshaped (view, flatten): an empty TensorDict
+    with the entries every member has, as an index that keeps no member gives (it was a
+    lazy stack with no key, silently; found by the fuzzer's second round)."""
+    lz = L.lazy_stack([L.TensorDict(a=torch.zeros(0, 2), n=L.TensorDict(b=torch.zeros(0), batch_size=[0]), s="x",
+                                    batch_size=[0]) for _ in range(2)])
+    out = reshape(lz)
+    assert sorted(map(str, out.keys(True))) == ["('n', 'b')", "a", "n", "s"]
+    assert out["a"].shape == (*out.batch_size, 2) and out["n", "b"].shape == out.batch_size
