@@ -414,7 +414,7 @@ class TensorDictBase(TensorDictRoot, LockingOps, BatchSplitOps, NonTensorOps, Co
         value = self.get(old)
         # the lock first, as tensordict: a locked tensordict refuses any rename
         self._parent_for_write(old, create=False)._check_unlocked(old, "rename")
-        if safe and new in self.keys(include_nested=True):
+        if safe and new != old and new in self.keys(include_nested=True):  # (a key renamed to itself: nothing)
             raise KeyError(f"Key {key_repr(new)} is already present in TensorDict; pass safe=False to replace it.")
         self.set(new, value)
         if old != new:

@@ -298,3 +298,23 @@ def test_to_dict_of_a_nontensor_entry_is_its_value(lib):
     assert lib.NonTensorData("x", batch_size=[2]).to_dict() == "x"
     assert lib.NonTensorData(None).to_dict(retain_none=False) is None
     assert lib.NonTensorStack(None, "a").to_dict() == [None, "a"]
+
+
+@pytest.mark.parametrize("L", LIBS)
+@pytest.mark.parametrize("kind", ["td", "lazy", "nested"])
+def test_rename_key_to_itself_with_safe_changes_nothing(L, kind):
+    """``rename_key_(k, k, safe=True)`` leaves the tree as it is, as tensordict 0.15.3
+    (it raised KeyError "already present"; found by the fuzzer's second round); a locked
+    tree still refuses it."""
+    leaf = torch.arange(2.0)
+    if kind == "lazy":
+        td, key = L.lazy_stack([L.TensorDict(a=leaf.clone(), batch_size=[2]) for _ in range(2)]), "a"
+    elif kind == "nested":
+        td, key = L.TensorDict(n=L.TensorDict(a=leaf.clone(), batch_size=[2]), batch_size=[2]), ("n", "a")
+    else:
+        td, key = L.TensorDict(a=leaf.clone(), batch_size=[2]), "a"
+    assert td.rename_key_(key, key, safe=True) is td
+    assert td.get(key).tolist() == ([[0.0, 1.0]] * 2 if kind == "lazy" else [0.0, 1.0])
+    assert sorted(map(str, td.keys(True, True))) == [str(key)]
+    with pytest.raises(RuntimeError):
+        L.TensorDict(a=leaf.clone(), batch_size=[2]).lock_().rename_key_("a", "a", safe=True)
