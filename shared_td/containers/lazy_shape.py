@@ -108,7 +108,10 @@ class LazyShapeOps:
             stacked = self._restack(members, out, out_batch, sources=sources)
         else:
             positions = self._positions(where[1])
-            stacked = self._from_positions(positions)
+            # an index tensor or mask across the stack dim copies, as torch's advanced
+            # indexing (and tensordict 0.15.3) does: no view of the members' memory
+            advanced = any(isinstance(p, torch.Tensor) for p in where[1])
+            stacked = self._from_positions(positions, copies=advanced)
             if positions.ndim:  # a new stack of views (never a member itself): name it
                 indexed_names(self, stacked, where[1])
         return self._one_class_view(stacked) if as_given else stacked
@@ -200,16 +203,17 @@ class LazyShapeOps:
         sd = self._stack_dim
         return self.tensordicts[coords[sd]], tuple(coords[:sd] + coords[sd + 1 :])
 
-    def _from_positions(self, positions: torch.Tensor) -> Any:
-        """Nested lazy stacks (along dim 0) of the elements at ``positions`` (views); the
-        dims are new ones, unnamed here (``_index`` names them after its index; a
-        reshape's stay unnamed, as in tensordict)."""
+    def _from_positions(self, positions: torch.Tensor, copies: bool = False) -> Any:
+        """Nested lazy stacks (along dim 0) of the elements at ``positions`` (views, or
+        copies with ``copies``); the dims are new ones, unnamed here (``_index`` names
+        them after its index; a reshape's stay unnamed, as in tensordict)."""
         if positions.ndim == 0:
             member, sub = self._element(int(positions))
-            return member._index(sub) if sub else member
+            element = member._index(sub) if sub else member
+            return element.clone() if copies else element
         # (the elements of a member keep its tensorclass, as tensordict's do)
         sources = [self._element(int(p))[0] for p in positions] if positions.ndim == 1 else None
-        return self._restack([self._from_positions(p) for p in positions.unbind(0)], 0, positions.shape,
+        return self._restack([self._from_positions(p, copies) for p in positions.unbind(0)], 0, positions.shape,
                              same_stack_dim=False, sources=sources)
 
     # ---------------------------------------------------------------- member-wise maps

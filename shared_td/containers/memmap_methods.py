@@ -281,6 +281,8 @@ class MemmapMethods:
             raise ValueError(
                 f"Cannot load {kinds[0]} ({os.fsdecode(prefix)!r}) in place into {kinds[1]}; "
                 f"nothing changed: load it with load_memmap() instead.")
+        if not _is_stack(target):
+            _check_entries_fit(target.batch_size, source, prefix)
         # an archive's nodes have no directory; mode="r" ones do, but read-only files
         remap = was_memmap and mode != "r" and source._memmap_prefix is not None
         if remap:
@@ -530,6 +532,19 @@ def _fill(target: Any, source: Any) -> None:
 
 def _is_stack(node: Any) -> bool:
     return hasattr(node, "tensordicts")  # a LazyStackedTensorDict (not imported: it imports us)
+
+
+def _check_entries_fit(batch_size: torch.Size, source: Any, prefix: Any) -> None:
+    """Refuse a load_memmap_ whose entries do not start with self's batch size (a [3, 2]
+    save into a [1, 6] tensordict): tensordict 0.15.3 loads them, and its tree then
+    holds entries its batch size does not fit."""
+    for key, value in source._tensordict.items():
+        shape = value.shape if isinstance(value, torch.Tensor) else value.batch_size
+        if tuple(shape[: len(batch_size)]) != tuple(batch_size):
+            raise BatchSizeMismatchError(
+                f"Cannot load {os.fsdecode(prefix)!r} in place: its entry {key!r} of shape "
+                f"{list(shape)} does not fit this tensordict's batch size {list(batch_size)}; "
+                "nothing changed: load it with load_memmap() instead.")
 
 
 def _rebind(target: Any, source: Any) -> None:

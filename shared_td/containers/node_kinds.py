@@ -329,6 +329,11 @@ class NonTensorStackKind(_NonTensorKind):
         if data == fmt.STACK_PICKLE:
             data = unpickle(fmt.STACK_PICKLE)
         stack = NonTensorStack.from_list(data)
+        parent = torch.Size(parent_batch or ())
+        if stack.numel() == 0 and len(parent) > stack.batch_dims and parent[: stack.batch_dims] == stack.batch_size:
+            # nested lists record no dim after a 0 (a [0, 1] stack saves as []): such
+            # an empty stack takes its parent's batch size, which it was saved with
+            stack = NonTensorStack._from_flat([], parent)
         stack._read_only_reason = read_only
         record_node(stack, directory)
         return stack
