@@ -343,7 +343,7 @@ class _TensorClassMembers:
                 return None if default is NO_DEFAULT else default
         elif len(path) == 1 and isinstance(getattr(type(self), path[0], None), property):
             return getattr(self, path[0])  # tc.get("batch_size") is tc.batch_size, as in tensordict
-        else:
+        elif len(path) > 1:
             # (a branch only: reading a leaf of a lazy stack would stack it; a lazy
             # stack's get gives its members' tensorclass, its _peek_str does not)
             head = _peek(self._tensordict, path[0])
