@@ -468,16 +468,10 @@ class ConvenienceOps:
 
 
 def _keeps_members(node: Any) -> bool:
-    """True for a lazy stack whose dense copy would lose entries (its repeats stay lazy):
-    its members, or those of a lazy stack inside it, differ in keys or in shapes."""
+    """True for a lazy stack whose dense copy would lose entries (its repeats stay lazy)."""
     from shared_td.containers.lazy import LazyStackedTensorDict
 
-    def loses_keys(lazy: Any) -> bool:  # (its nested entries peeked: no tensor is stacked)
-        inner = [unwrap_tensorclass(m) for m in lazy.tensordicts] + [lazy._peek_str(k, None) for k in lazy._keys_str()]
-        return bool(lazy._exclusive_keys()) or any(
-            isinstance(entry, LazyStackedTensorDict) and loses_keys(entry) for entry in inner)
-
-    return isinstance(node, LazyStackedTensorDict) and (loses_keys(node) or node._has_ragged_leaf())
+    return isinstance(node, LazyStackedTensorDict) and node._dense_copy_loses_entries()
 
 
 def _restacked(lazy: Any, order: Sequence[int], make: Any, dim: int, size: Any) -> Any:

@@ -167,7 +167,7 @@ def _stack_with_lazy(items: list, dim: int, lazy_if_shapes_differ: bool) -> Any:
     from shared_td.containers.lazy import LazyStackedTensorDict
 
     lazies = [item for item in items if _is_lazy(item)]
-    if len(lazies) < len(items) and all(_dense_loses_nothing(item) for item in lazies):
+    if len(lazies) < len(items) and not any(item._dense_copy_loses_entries() for item in lazies):
         dense = [item.to_tensordict() if _is_lazy(item) else item for item in items]
         return stack(dense, dim, lazy_if_shapes_differ=lazy_if_shapes_differ)
     sd = lazies[0].stack_dim
@@ -187,13 +187,6 @@ def _stack_with_lazy(items: list, dim: int, lazy_if_shapes_differ: bool) -> Any:
     if names is not None and any(name is not None for name in names) and all(i.names == names for i in items):
         result.names = list(names[:dim]) + [None] + list(names[dim:])
     return result
-
-
-def _dense_loses_nothing(lazy: Any) -> bool:
-    """Whether ``lazy.to_tensordict()`` keeps every entry: no key in only some members
-    and no key whose members' shapes differ."""
-    keys = set(lazy.keys(True))
-    return not lazy._has_ragged_leaf() and all(set(m.keys(True)) == keys for m in lazy.tensordicts)
 
 
 def _torch_stack(items: Sequence[Any], dim: int = 0, *, out: Any = None) -> Any:

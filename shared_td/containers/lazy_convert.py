@@ -38,6 +38,16 @@ class LazyConversions:
             entries[key] = value
         return TensorDict._new_unsafe(entries, self.batch_size, self.device, self.names)
 
+    def _dense_copy_loses_entries(self) -> bool:
+        """Whether ``to_tensordict()`` would lose entries: the members, or those of a lazy
+        stack inside them, differ in keys, or the members' tensors under a key differ in
+        shape. Nested entries are peeked, so no tensor is stacked to answer."""
+        def loses_keys(lazy: Any) -> bool:
+            inner = [unwrap_tensorclass(m) for m in lazy.tensordicts] + [lazy._peek_str(k, None) for k in lazy._keys_str()]
+            return bool(lazy._exclusive_keys()) or any(_is_lazy(entry) and loses_keys(entry) for entry in inner)
+
+        return loses_keys(self) or self._has_ragged_leaf()
+
     def contiguous(self) -> Any:
         """Same as ``to_tensordict()``: a dense TensorDict."""
         return self.to_tensordict()

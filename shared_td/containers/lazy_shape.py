@@ -370,8 +370,10 @@ class LazyShapeOps:
         if positions.numel() == 0 and self.tensordicts:
             # no element: as an index that keeps no member, the entries every member has,
             # empty (nested stacks of no element held no key: tensordict keeps them)
+            from shared_td.containers.lazy_writes import _is_lazy
+
             empty = self[(slice(None),) * self.stack_dim + (slice(0, 0),)]
-            if not _is_lazy_stack(empty):
+            if not _is_lazy(empty):
                 return empty.reshape(positions.shape)
         return self._from_positions(positions)
 
@@ -461,12 +463,6 @@ def stacked_into(out: Any, result: Any) -> Any:
     for key in replaced:
         out.set(key, leaves[key])
     return out
-
-
-def _is_lazy_stack(value: Any) -> bool:
-    from shared_td.containers.lazy import LazyStackedTensorDict
-
-    return isinstance(value, LazyStackedTensorDict)
 
 
 def _empty_entries(stacked: Any, first: Any, index: Any, out_batch: torch.Size, member_dims: int) -> dict:
