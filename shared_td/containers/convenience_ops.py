@@ -82,7 +82,7 @@ class ConvenienceOps:
         else:
             batch_paths = python_paths = None
         if isinstance(source, dict):
-            source = TensorDict(source, batch_size=[])
+            source = TensorDict(index_writes.numbers_kept(source, target), batch_size=[])
         elif not isinstance(source, TensorDictBase):  # a tensorclass
             source = source._tensordict
         if keys_to_update is not None:

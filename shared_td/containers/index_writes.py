@@ -14,12 +14,14 @@ of another dtype is cast to the entry's, as torch casts it into a slice (its
 """
 from __future__ import annotations
 
+import numbers
 from typing import Any, Callable
 
 import torch
 
 from shared_td.containers import batch as batch_ops
 from shared_td.containers.base import is_non_tensor, is_tensor_collection
+from shared_td.containers.nontensor import NonTensorData, NonTensorStack
 from shared_td.containers.nontensor_ops import check_non_tensor_write
 from shared_td.containers.row_writes import fit_source
 from shared_td.containers.tensorclass_compat import check_row_write
@@ -158,8 +160,6 @@ def _zeros_like_entry(source: Any, batch_size: torch.Size, target_batch: torch.S
         feature = source.shape[len(target_batch):]
         return torch.zeros(batch_size + feature, dtype=source.dtype, device=source.device)
     if is_non_tensor(source):
-        from shared_td.containers.nontensor import NonTensorData, NonTensorStack
-
         # As tensordict 0.15.3: one value (a NonTensorData) fills the new entry's every
         # row, the rows not written included; a stack's values leave None in the others.
         value = None if isinstance(source, NonTensorStack) else source.data
@@ -356,6 +356,27 @@ def python_values(given: Any, prefix: tuple = ()) -> set:
         elif not isinstance(value, torch.Tensor) and not is_tensor_collection(value):
             paths.add(path)
     return paths
+
+
+def numbers_kept(given: dict, target: Any, prefix: tuple = ()) -> dict:
+    """``given``, a dict passed to ``update_at_``, with each Python number whose entry in
+    ``target`` is non-tensor data wrapped in a NonTensorData: it stays the number written
+    (made a tensordict first, it was stored as ``tensor(0)``), as ``set_at_`` keeps it.
+
+    Example:
+        >>> td = TensorDict(x=torch.zeros(2), s=["a", "b"], batch_size=[2])
+        >>> numbers_kept({"x": 1, "s": 0}, td)["s"].data
+        0
+    """
+    kept = {}
+    for key, value in given.items():
+        path = prefix + (key,)
+        if isinstance(value, dict):
+            value = numbers_kept(value, target, path)
+        elif isinstance(value, numbers.Number) and is_non_tensor(target._get_path(path, None)):
+            value = NonTensorData(value)
+        kept[key] = value
+    return kept
 
 
 def tensordict_values(given: Any, prefix: tuple = ()) -> set:

@@ -127,16 +127,19 @@ def _by_first_part(td: "KeyOps", keys: tuple, strict: bool, whole_wins: bool) ->
     key wins, whatever the order, as tensordict 0.15.3's ``select("b", ("b", "a"))``).
 
     A key that ``td`` lacks raises (a KeyError naming it) when ``strict``, and is
-    skipped otherwise (tensordict 0.15.3's ``select(strict=False)`` instead keeps the
-    nested tensordict of a missing nested key, emptied); a lazy stack on the way checks
-    the rest of the key itself (each member)."""
+    skipped otherwise, but for select the nested collections on its way are kept, emptied
+    (``select(("b", "zz"), strict=False)`` gives ``{"b": {}}``, as tensordict 0.15.3); a
+    lazy stack on the way checks the rest of the key itself (each member)."""
     groups: dict = {}
     for key in keys:
         path = unravel_key(key)
         if not _holds(td, path):
             if strict:
                 raise KeyError(td._missing_key_message(path))
-            continue
+            if whole_wins or len(path) == 1 or not _is_branch(td._get_str(path[0], None)):
+                continue
+            # select keeps the nested collection on the way, emptied (its own select
+            # skips the rest), as tensordict 0.15.3's select(strict=False)
         rests = groups.get(path[0], ())
         if len(path) == 1:
             groups[path[0]] = None if whole_wins or not rests else rests

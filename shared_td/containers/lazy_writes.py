@@ -335,6 +335,11 @@ class LazyWriteOps:
         rows = batch_ops.index_and_size(index, self.batch_size)[1]
         if isinstance(value, torch.Tensor) and value.dim():
             value = self._tensor_rows(index, value)  # split between the members as the rows are
+        elif _is_branch(value) and value.batch_size != rows and not value.batch_size:
+            # a dict (or 0-d source) of tensors: each broadcast to its part, as the dense
+            # TensorDict writes them (expanded to the rows, [2] would be [*rows, 2])
+            rows_value = self._tensor_rows(index, value)
+            value = value if rows_value is None else rows_value
         if _is_branch(value) and value.batch_size != rows:
             value = batch_ops.rows_source(index, value, rows, self.batch_size, broadcast=True)
         where = self._locate(index)
@@ -361,27 +366,36 @@ class LazyWriteOps:
             member._plan_index_writes(sub_index, unwrap_tensorclass(source), writes, sub_rows, path=path)
 
 
-    def _tensor_rows(self, index: Any, value: torch.Tensor) -> Any:
-        """``lazy[index] = tensor`` as on the dense stack: the tensor broadcast to each
-        entry's part ``entry[index]`` (from the right, as torch assigns), as a
-        tensordict of the rows whose members' parts ``_plan_index_writes`` then writes
-        (given whole to each member, a tensor as long as the rows along the stack dim
-        met a member's part without that dim: tensordict 0.15.3 writes it)."""
-        def broadcast(key: Any, part: torch.Tensor) -> torch.Tensor:
+    def _tensor_rows(self, index: Any, value: Any) -> Any:
+        """``lazy[index] = value`` as on the dense stack, for a tensor or a tensordict of
+        batch size ``[]`` holding tensors only: each tensor broadcast to its entry's part
+        ``entry[index]`` (from the right, as torch assigns), as a tensordict of the rows
+        whose members' parts ``_plan_index_writes`` then writes (given whole to each
+        member, a tensor as long as the rows along the stack dim met a member's part
+        without that dim: tensordict 0.15.3 writes it). None for a tensordict with an
+        entry that is no tensor, or no tensor in self (it is fitted as a tensordict)."""
+        def broadcast(key: Any, leaf: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
             try:
-                return torch.broadcast_to(value, part.shape)
+                return torch.broadcast_to(leaf, part.shape)
             except RuntimeError as err:
                 raise BatchSizeMismatchError(
-                    f"Cannot write a value of shape {list(value.shape)} into entry {key!r} at {index!r}: "
+                    f"Cannot write a value of shape {list(leaf.shape)} into entry {key!r} at {index!r}: "
                     f"its part there has shape {list(part.shape)} ({str(err).splitlines()[0]}).") from None
 
         from shared_td.containers.tensordict import TensorDict
 
         view = self._index(index)  # (leaves read stacked: only their shapes are used; no member rebuilt)
+        parts = {key: part for key, part in view.items(include_nested=True, leaves_only=True)
+                 if isinstance(part, torch.Tensor)}  # (non-tensor entries take no tensor)
+        if isinstance(value, torch.Tensor):
+            leaves = dict.fromkeys(parts, value)
+        else:
+            leaves = dict(value.items(include_nested=True, leaves_only=True, is_leaf=is_leaf_nontensor))
+            if not all(isinstance(leaf, torch.Tensor) and key in parts for key, leaf in leaves.items()):
+                return None
         source = TensorDict(batch_size=view.batch_size)
-        for key, part in view.items(include_nested=True, leaves_only=True):
-            if isinstance(part, torch.Tensor):  # (non-tensor entries take no tensor)
-                source.set(key, broadcast(key, part))
+        for key, leaf in leaves.items():
+            source.set(key, broadcast(key, leaf, parts[key]))
         return source
 
 

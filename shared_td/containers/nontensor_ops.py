@@ -148,3 +148,52 @@ def kept_by_empty(entry: Any, batch_size: torch.Size) -> Any:
     if isinstance(entry, NonTensorData):
         return NonTensorData(entry.data, batch_size=batch_size, device=entry.device)
     return None
+
+
+def from_dict_values(entries: dict, device: Any = None) -> dict:
+    """``entries`` (nested dicts too) with lists and tuples read as tensordict 0.15.3's
+    ``from_dict`` reads them (its ``from_any``), which is stricter than the constructor:
+    a list becomes a tensor only when its numbers (nested lists' too, of one length)
+    are all of one Python type, else a NonTensorStack (``[True, 1.5]``, ``[1, 2.5]``,
+    ``[tensor, tensor]``); a tuple becomes a nested dict keyed ``"0"``, ``"1"``, ...
+    (a named tuple: by its fields).
+
+    Example:
+        >>> type(from_dict_values({"a": [1, 2.5]})["a"]).__name__
+        'NonTensorStack'
+        >>> from_dict_values({"a": [1, 2], "t": (3, "x")})
+        {'a': [1, 2], 't': {'0': 3, '1': 'x'}}
+    """
+    from shared_td.containers.nontensor import NonTensorStack
+
+    out = {}
+    for key, value in entries.items():
+        if isinstance(value, tuple):
+            fields = getattr(value, "_fields", None)  # a named tuple
+            value = dict(zip(fields, value)) if fields else {str(i): v for i, v in enumerate(value)}
+        if isinstance(value, dict):
+            value = from_dict_values(value, device)
+        elif isinstance(value, list) and _number_list_shape(value) is None:
+            value = NonTensorStack.from_list(value, device=device)
+        out[key] = value
+    return out
+
+
+def _number_list_shape(value: list) -> tuple | None:
+    """(shape, {its one Python number type}) of a list of numbers (nested lists of one
+    shape too; an empty list has no type), or None if it is anything else."""
+    kinds, shapes = set(), set()
+    for item in value:
+        if isinstance(item, list):
+            inner = _number_list_shape(item)
+            if inner is None:
+                return None
+            shapes.add(inner[0])
+            kinds.update(inner[1])
+        elif isinstance(item, numbers.Number) and not isinstance(item, torch.Tensor):
+            kinds.add(type(item))
+        else:
+            return None
+        if len(kinds) > 1 or len(shapes) > 1:
+            return None
+    return ((len(value), *next(iter(shapes), ())), kinds)

@@ -452,8 +452,14 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, BatchDimOps, IndexWrites
         ``batch_size=None`` gives ``[]`` unless ``auto_batch_size=True`` or ``batch_dims``:
         ``auto_batch_size_(batch_dims)``, as in tensordict. A Python number under a batch size
         with dims is a NonTensorData, as in tensordict (a 0-d tensor cannot have those
-        dims), so ``to_dict()`` of a tree holding ``NonTensorData(3)`` comes back.
+        dims), so ``to_dict()`` of a tree holding ``NonTensorData(3)`` comes back. Lists
+        and tuples are read as tensordict's ``from_dict`` reads them (stricter than the
+        constructor, see :func:`~shared_td.containers.nontensor_ops.from_dict_values`):
+        ``[1, 2.5]`` is a NonTensorStack, ``(1, "x")`` a nested TensorDict.
         """
+        from shared_td.containers.nontensor_ops import from_dict_values
+
+        input_dict = from_dict_values(input_dict, device)
         if cls._from_dict_has_batch_dims(batch_size, batch_dims):  # (raises for both)
             input_dict = _numbers_as_non_tensor(input_dict, batch_size)
         td = cls(input_dict, batch_size=batch_size, device=device)

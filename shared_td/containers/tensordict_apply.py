@@ -13,6 +13,7 @@ from shared_td.containers import batch as batch_ops
 from shared_td.containers.apply_nested import nested_calls
 from shared_td.containers.base import NO_DEFAULT, TensorDictBase, is_non_tensor, is_tensor_collection, parse_device
 from shared_td.containers.comparisons import part_of
+from shared_td.containers.nontensor import NonTensorStack
 from shared_td.containers.unsupported_options import refuse_options
 from shared_td.keys import NestedKey
 from shared_td.tensorclass_protocol import is_tensorclass, unwrap_tensorclass
@@ -155,6 +156,8 @@ class LeafMapping:
             if not tensor and is_non_tensor(value):
                 if inplace:
                     continue  # (only tensors are written in place)
+                if filter_empty is not False and _holds_no_value(value):
+                    continue  # (as tensordict's, whose NonTensorStack is a lazy stack of no member)
                 # A new entry holding the same values (as clone()), as tensordict's: a
                 # write into the result must not reach the source (nor, for a shared or
                 # memory-mapped source, the other processes or its files), and the
@@ -198,3 +201,9 @@ class LeafMapping:
         )
         out.names = out_names
         return out
+
+
+def _holds_no_value(entry: Any) -> bool:
+    """True for a NonTensorStack with a 0 in its batch size, which ``apply`` leaves out
+    unless ``filter_empty=False``, as tensordict 0.15.3 (a NonTensorData is kept)."""
+    return isinstance(entry, NonTensorStack) and entry.batch_size.numel() == 0

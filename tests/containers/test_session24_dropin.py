@@ -1,0 +1,160 @@
+"""Session 24, side by side with tensordict 0.15.3 (divergences a differential fuzzer
+found): how ``from_dict`` reads lists and tuples, ``apply`` of an empty NonTensorStack,
+``select(strict=False)`` of a missing key inside a selected branch, ``update_at_`` of a
+dict into a lazy stack nested under a 0-d TensorDict."""
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+import torch
+
+from tests.reference import LIBS
+
+Pair = collections.namedtuple("Pair", "p q")
+
+
+def kind(value):
+    return type(value).__name__
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("value, expected", [
+    ([True, 1.5], "NonTensorStack"),  # numbers of two Python types: one value per element
+    ([1, 2.5], "NonTensorStack"),
+    ([[1, 2], [3, 4.0]], "NonTensorStack"),
+    ([np.float32(1), 2.0], "NonTensorStack"),
+    ([torch.tensor(1), 2], "NonTensorStack"),
+    ([torch.zeros(2), torch.ones(2)], "NonTensorStack"),  # (the constructor stacks them)
+    ([1 + 2j, 2], "NonTensorStack"),
+    ([True, False], "Tensor"),
+    ([[1, 2], [3, 4]], "Tensor"),
+    ([[], []], "Tensor"),
+    ([], "Tensor"),
+])
+def test_from_dict_makes_a_tensor_only_of_numbers_of_one_type(lib, value, expected):
+    td = lib.TensorDict.from_dict({"a": value, "n": {"a": value}})
+    assert kind(td.get("a")) == kind(td.get(("n", "a"))) == expected
+    if expected == "NonTensorStack":
+        assert td.get("a").batch_size[0] == len(value)
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_from_dict_makes_a_tuple_a_nested_tensordict(lib):
+    td = lib.TensorDict.from_dict({"t": (1, "x"), "p": Pair(torch.zeros(2), 3)})
+    assert sorted(td.get("t").keys()) == ["0", "1"]
+    assert td.get(("t", "0")).item() == 1 and td.get_non_tensor(("t", "1")) == "x"
+    assert sorted(td.get("p").keys()) == ["p", "q"]
+    assert torch.equal(td.get(("p", "p")), torch.zeros(2))
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_from_dict_keeps_a_mixed_list_under_a_batch_size(lib):
+    td = lib.TensorDict.from_dict({"a": [True, 1.5], "x": torch.zeros(2)}, batch_size=[2])
+    assert td.get("a").tolist() == [True, 1.5]
+    assert td[1]["a"] == 1.5
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("apply", ["apply", "named_apply"])
+def test_apply_leaves_out_a_non_tensor_stack_of_no_value(lib, apply):
+    empty = lib.NonTensorStack.from_list([])
+    td = lib.TensorDict({"x": torch.zeros(0), "l": empty, "s": "kept", "n": {"l": empty}}, batch_size=[0])
+    fn = (lambda t: t + 1) if apply == "apply" else (lambda key, t: t + 1)
+    out = getattr(td, apply)(fn)
+    assert sorted(out.keys(True)) == ["s", "x"]  # ("n" held it only: emptied, so left out)
+    kept = getattr(td, apply)(fn, filter_empty=False)
+    assert sorted(kept.keys(True), key=str) == [("n", "l"), "l", "n", "s", "x"]
+    assert "l" in td.apply_(lambda t: t + 1).keys()  # (in place: nothing is removed)
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_apply_leaves_out_a_non_tensor_stack_of_a_zero_inner_dim(lib):
+    td = lib.TensorDict({"x": torch.zeros(2, 0), "l": lib.NonTensorStack.from_list([[], []])}, batch_size=[2, 0])
+    assert list(td.apply(lambda t: t + 1).keys()) == ["x"]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("keys, expected", [
+    ([("b", "zz")], {"b": {}}),
+    (["b", ("b", "zz")], {"b": {}}),  # (the more specific key wins)
+    ([("b", "c", "zz")], {"b": {"c": {}}}),
+    ([("b", "a", "zz")], {"b": {}}),  # ("a" is a tensor: no branch to keep)
+    ([("q", "zz")], {}),
+    ([("x", "zz")], {}),
+    ([("b", "zz"), ("b", "a")], {"b": {"a": [0.0, 0.0]}}),
+])
+def test_select_not_strict_keeps_the_branches_of_a_missing_key_emptied(lib, keys, expected):
+    td = lib.TensorDict({"b": {"a": torch.zeros(2), "c": {"d": torch.zeros(2)}}, "x": torch.zeros(2)}, batch_size=[2])
+    out = td.select(*keys, strict=False).to_dict()
+    assert _as_lists(out) == expected
+    members = [lib.TensorDict({"b": {"a": torch.zeros(())}}), lib.TensorDict({"b": {"a": torch.zeros(())}})]
+    assert list(lib.lazy_stack(members).select(("b", "zz"), strict=False).keys(True)) == ["b"]
+
+
+def _as_lists(tree):
+    return {k: _as_lists(v) if isinstance(v, dict) else v.tolist() for k, v in tree.items()}
+
+
+def _nested_lazy(lib):
+    members = [lib.TensorDict({"a": torch.zeros(())}), lib.TensorDict({"a": torch.zeros(())})]
+    return lib.TensorDict({"lz": lib.lazy_stack(members), "d": lib.TensorDict({"a": torch.zeros(2)}, [2])}, [])
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("key", ["lz", "d"])
+def test_update_at_new_dim_of_a_0d_tensordict_broadcasts_into_a_nested_lazy_stack(lib, key):
+    root = _nested_lazy(lib)
+    root.update_at_({key: {"a": torch.tensor([5.0, 6.0])}}, None)
+    assert root.get((key, "a")).tolist() == [5.0, 6.0]
+
+
+def test_a_0d_tensordict_written_into_lazy_rows_broadcasts_each_leaf_to_its_part():
+    # each leaf broadcast as torch assigns (trailing dims first), as the dense TensorDict
+    # does; expanded to the rows instead, [2] became [*rows, 2] and raised
+    import shared_td
+
+    members = [shared_td.TensorDict({"a": torch.zeros(3, 2)}, [3]) for _ in range(2)]
+    lz = shared_td.lazy_stack(members)
+    lz[:, :2] = shared_td.TensorDict({"a": torch.arange(2.0)}, [])
+    assert lz.get("a").tolist() == [[[0.0, 1.0], [0.0, 1.0], [0.0, 0.0]]] * 2
+    with pytest.raises(shared_td.BatchSizeMismatchError, match="'a'.*part there has shape"):
+        lz[:, :2] = shared_td.TensorDict({"a": torch.arange(3.0)}, [])
+    assert lz.get("a").tolist() == [[[0.0, 1.0], [0.0, 1.0], [0.0, 0.0]]] * 2  # (nothing written)
+
+
+@pytest.mark.parametrize("value, idx, expected", [
+    (0, 1, ["a", 0, "c"]),
+    (2.5, slice(0, 2), [2.5, 2.5, "c"]),
+    (True, (), [True, True, True]),
+    (None, 1, ["a", None, "c"]),
+])
+def test_update_at_of_a_number_into_a_non_tensor_entry_keeps_the_number(value, idx, expected):
+    # (tensordict 0.15.3 raises TypeError; stored as tensor(0) before, a silent type change)
+    import shared_td
+
+    td = shared_td.TensorDict({"x": torch.zeros(3), "s": ["a", "b", "c"], "n": {"s": ["a", "b", "c"]}}, [3])
+    td.update_at_({"s": value, "n": {"s": value}, "x": 1.0}, idx)
+    for key in ("s", ("n", "s")):
+        got = td.get(key).tolist()
+        assert got == expected and [type(v) for v in got] == [type(v) for v in expected]
+    written = torch.zeros(3)
+    written[idx] = 1.0
+    assert torch.equal(td.get("x"), written)
+
+
+def test_a_tensorclass_update_at_of_a_number_into_an_any_field_keeps_the_number():
+    from typing import Any
+
+    import shared_td
+
+    @shared_td.tensorclass
+    class Step:
+        obs: torch.Tensor
+        info: Any
+
+    step = Step(obs=torch.zeros(3), info="x", batch_size=[3])
+    step.update_at_({"info": 0, "obs": torch.ones(())}, 1)
+    assert step.info == ["x", 0, "x"] and type(step.info[1]) is int
+    assert step.obs.tolist() == [0.0, 1.0, 0.0]
