@@ -24,7 +24,7 @@ class ConvenienceOps:
         """A tensordict of the tensors detached from the autograd graph (sharing their
         storage, as ``torch.Tensor.detach``); its non-tensor entries are new ones
         holding the same values (as ``apply``), a locked tensordict gives a locked one."""
-        out = self.apply(lambda tensor: tensor.detach())
+        out = self.apply(lambda tensor: tensor.detach(), filter_empty=False)  # (all kept, as tensordict's)
         return out.lock_() if self.is_locked else out
 
     def detach_(self) -> Any:
@@ -559,5 +559,5 @@ class TensorData:
             >>> td.data["x"].requires_grad, td.data["x"].data_ptr() == td["x"].data_ptr()
             (False, True)
         """
-        out = self.apply(lambda tensor: tensor.data)
+        out = self.apply(lambda tensor: tensor.data, filter_empty=False)
         return out.lock_() if self.is_locked else out

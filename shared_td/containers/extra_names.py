@@ -65,8 +65,9 @@ class ExtraNameOps:
                             "apply(fn, inplace=...) to choose.")
         target = unwrap_tensorclass(self)
         results = target.apply(fn, *map(unwrap_tensorclass, others), **kwargs)
-        # update_ checks every write before the first one (see updates.py)
-        target.update_(_without_non_tensors(unwrap_tensorclass(results), target))
+        if results is not None:  # (None: nothing to write, e.g. only empty non-tensor stacks)
+            # update_ checks every write before the first one (see updates.py)
+            target.update_(_without_non_tensors(unwrap_tensorclass(results), target))
         return self
 
     # ------------------------------------------------------------ dtype, depth

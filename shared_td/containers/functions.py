@@ -245,7 +245,7 @@ def _like(make: Any) -> Any:
 
     def like(td: Any, *args: Any, **kwargs: Any) -> Any:
         device = kwargs.get("device")
-        return td.apply(lambda leaf: make(leaf, *args, **kwargs),
+        return td.apply(lambda leaf: make(leaf, *args, **kwargs), filter_empty=False,
                         device=NO_DEFAULT if device is None else device)
 
     return like

@@ -158,3 +158,29 @@ def test_a_tensorclass_update_at_of_a_number_into_an_any_field_keeps_the_number(
     step.update_at_({"info": 0, "obs": torch.ones(())}, 1)
     assert step.info == ["x", 0, "x"] and type(step.info[1]) is int
     assert step.obs.tolist() == [0.0, 1.0, 0.0]
+
+
+def _only_an_empty_stack(lib):
+    return lib.TensorDict({"s": lib.NonTensorStack.from_list([])}, [0])
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("lazy", [False, True])
+def test_apply_in_place_of_a_tree_holding_only_an_empty_stack(lib, lazy):
+    # apply() gives None there (every entry left out): apply_ has nothing to write
+    td = _only_an_empty_stack(lib)
+    if lazy:
+        td = lib.lazy_stack([td, td.clone()])
+    assert td.apply(lambda t: t + 1) is None
+    assert td.apply_(lambda t: t + 1) is td
+    assert "s" in td.keys(True)
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("make", ["detach", "data", "zeros_like", "ones_like", "expand_as"])
+def test_structure_keeping_ops_keep_an_empty_stack(lib, make):
+    td = lib.TensorDict({"s": lib.NonTensorStack.from_list([]), "x": torch.zeros(0), "e": lib.TensorDict({}, [0])}, [0])
+    out = {"detach": lambda: td.detach(), "data": lambda: td.data, "zeros_like": lambda: torch.zeros_like(td),
+           "ones_like": lambda: torch.ones_like(td), "expand_as": lambda: td.expand_as(td)}[make]()
+    # (expand_as is an apply, as in tensordict 0.15.3: the empty stack is left out)
+    assert sorted(out.keys()) == (["e", "x"] if make == "expand_as" else ["e", "s", "x"])
