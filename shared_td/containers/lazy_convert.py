@@ -25,18 +25,11 @@ class LazyConversions:
     ``_exclusive_keys``, ``_split_value`` and ``_restack``)."""
 
     def to_tensordict(self, *, retain_none: bool | None = None) -> Any:
-        """A dense TensorDict (a copy); raises a RuntimeError naming a heterogeneous key.
-        ``retain_none`` is accepted, as tensordict 0.15.3 takes it, and ignored (no entry
-        holds None here)."""
-        from shared_td.containers.tensordict import TensorDict
-
-        entries = {}
-        for key in self._keys_str():
-            value = self._get_str(key, None)  # raises on a heterogeneous key
-            if _is_lazy(value):
-                value = value.to_tensordict()
-            entries[key] = value
-        return TensorDict._new_unsafe(entries, self.batch_size, self.device, self.names)
+        """A dense TensorDict (a copy) whose nested tensorclasses are TensorDicts, as
+        tensordict 0.15.3's and TensorDict.to_tensordict; raises a RuntimeError naming a
+        heterogeneous key. ``retain_none`` is accepted, as tensordict 0.15.3 takes it,
+        and ignored (no entry holds None here)."""
+        return _tensorclasses_unwrapped(self.contiguous())
 
     def _dense_copy_loses_entries(self) -> bool:
         """Whether ``to_tensordict()`` would lose entries: the members, or those of a lazy
@@ -49,8 +42,21 @@ class LazyConversions:
         return loses_keys(self) or self._has_ragged_leaf()
 
     def contiguous(self) -> Any:
-        """Same as ``to_tensordict()``: a dense TensorDict."""
-        return self.to_tensordict()
+        """A dense TensorDict (a copy: a write into it never reaches the members): the
+        members' entries stacked, nested lazy stacks made dense, nested tensorclasses
+        kept as such, as tensordict 0.15.3; raises a RuntimeError naming a heterogeneous
+        key."""
+        from shared_td.containers.tensordict import TensorDict
+
+        entries = {}
+        for key in self._keys_str():
+            value = self._get_str(key, None)  # raises on a heterogeneous key
+            inner = unwrap_tensorclass(value)
+            if _is_lazy(inner):  # (a tensorclass of members' entries: they would be written)
+                dense = inner.contiguous()
+                value = dense if inner is value else type(value)._from_tensordict(dense)
+            entries[key] = value
+        return TensorDict._new_unsafe(entries, self.batch_size, self.device, self.names)
 
     def to_dict(self, *, retain_none: bool = True) -> dict:
         """A nested dict of stacked values (raises on heterogeneous shapes, as tensordict).
@@ -162,3 +168,13 @@ class LazyConversions:
         if not dims or len({len(d) for d in dims}) > 1:
             return (signatures[0][0], [-1]) if dims else None
         return signatures[0][0], [col[0] if len(set(col)) == 1 else -1 for col in zip(*dims)]
+
+
+def _tensorclasses_unwrapped(td: Any) -> Any:
+    """``td``, a new dense tree, with each nested tensorclass replaced by the TensorDict
+    it wraps (at every depth; nothing is copied)."""
+    for key, value in td._tensordict.items():
+        inner = unwrap_tensorclass(value)
+        if inner is not value or (_is_branch(inner) and not is_non_tensor(inner)):
+            td._tensordict[key] = _tensorclasses_unwrapped(inner)
+    return td

@@ -184,3 +184,28 @@ def test_structure_keeping_ops_keep_an_empty_stack(lib, make):
            "ones_like": lambda: torch.ones_like(td), "expand_as": lambda: td.expand_as(td)}[make]()
     # (expand_as is an apply, as in tensordict 0.15.3: the empty stack is left out)
     assert sorted(out.keys()) == (["e", "x"] if make == "expand_as" else ["e", "s", "x"])
+
+
+def _stack_holding_tensorclasses(lib, cls):
+    td = lib.TensorDict({"c": cls(obs=torch.zeros(2), batch_size=[2]),
+                         "n": {"c": cls(obs=torch.zeros(2), batch_size=[2])}}, [2])
+    return td, lib.lazy_stack([td, td.clone()])
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("how", ["contiguous", "to_tensordict", "clone"])
+def test_a_dense_copy_of_a_lazy_stack_never_writes_into_its_members_tensorclasses(lib, how):
+    @lib.tensorclass
+    class Obs:
+        obs: torch.Tensor
+
+    member, stack = _stack_holding_tensorclasses(lib, Obs)
+    out = getattr(stack, how)()
+    out.get("c")[0] = Obs(obs=torch.ones(2), batch_size=[2])
+    out.get(("n", "c"))[0] = Obs(obs=torch.ones(2), batch_size=[2])
+    assert member.get("c").obs.tolist() == member.get(("n", "c")).obs.tolist() == [0.0, 0.0]
+    assert out.get(("c", "obs"))[0].tolist() == [1.0, 1.0]
+    # to_tensordict gives TensorDicts all the way down, as TensorDict.to_tensordict;
+    # contiguous and clone keep the tensorclasses
+    kind = "TensorDict" if how == "to_tensordict" else "Obs"
+    assert type(out.get("c")).__name__ == type(out.get(("n", "c"))).__name__ == kind
