@@ -26,7 +26,7 @@ from shared_td.containers.nontensor_ops import check_non_tensor_write
 from shared_td.containers.row_writes import fit_source
 from shared_td.containers.tensorclass_compat import check_row_write
 from shared_td.errors import BatchSizeMismatchError
-from shared_td.keys import key_repr
+from shared_td.keys import key_repr, unravel_key
 from shared_td.memmap_tensor import refuse_read_only
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 
@@ -359,9 +359,11 @@ def python_values(given: Any, prefix: tuple = ()) -> set:
 
 
 def numbers_kept(given: dict, target: Any, prefix: tuple = ()) -> dict:
-    """``given``, a dict passed to ``update_at_``, with each Python number whose entry in
-    ``target`` is non-tensor data wrapped in a NonTensorData: it stays the number written
-    (made a tensordict first, it was stored as ``tensor(0)``), as ``set_at_`` keeps it.
+    """``given``, a dict passed to ``update_at_`` (or a lazy stack's ``update_``), with
+    each Python number whose entry in ``target`` is non-tensor data wrapped in a
+    NonTensorData: it stays the number written (made a tensordict first, it was stored as
+    ``tensor(0)``, or refused for its batch size), as ``set_at_`` and TensorDict's
+    ``update_`` keep it.
 
     Example:
         >>> td = TensorDict(x=torch.zeros(2), s=["a", "b"], batch_size=[2])
@@ -370,7 +372,7 @@ def numbers_kept(given: dict, target: Any, prefix: tuple = ()) -> dict:
     """
     kept = {}
     for key, value in given.items():
-        path = prefix + (key,)
+        path = prefix + unravel_key(key)
         if isinstance(value, dict):
             value = numbers_kept(value, target, path)
         elif isinstance(value, numbers.Number) and is_non_tensor(target._get_path(path, None)):

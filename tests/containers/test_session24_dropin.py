@@ -209,3 +209,21 @@ def test_a_dense_copy_of_a_lazy_stack_never_writes_into_its_members_tensorclasse
     # contiguous and clone keep the tensorclasses
     kind = "TensorDict" if how == "to_tensordict" else "Obs"
     assert type(out.get("c")).__name__ == type(out.get(("n", "c"))).__name__ == kind
+
+
+@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.parametrize("how", ["update_", "update_inplace"])
+def test_a_lazy_stacks_update_in_place_writes_a_number_into_a_non_tensor_entry(nested, how):
+    # as TensorDict.update_ does (the README's differences: tensordict 0.15.3 keeps the
+    # old value); the lazy stack raised a batch-size error instead
+    import shared_td
+
+    stack = shared_td.lazy_stack([shared_td.TensorDict(obs=torch.zeros(1), batch_size=[1]) for _ in range(3)])
+    for member in stack.tensordicts:
+        member.set_non_tensor("done", "x")
+    root = shared_td.TensorDict({"b": stack}, [3]) if nested else stack
+    prefix = ("b",) if nested else ()
+    source = {prefix + ("done",): 3, prefix + ("obs",): torch.ones(3, 1)}
+    root.update_(source) if how == "update_" else root.update(source, inplace=True)
+    assert [member.get_non_tensor("done") for member in stack.tensordicts] == [3, 3, 3]
+    assert stack.get("obs").flatten().tolist() == [1.0, 1.0, 1.0]
