@@ -55,10 +55,12 @@ class KeyOps:
             >>> list(td.exclude(("n", "b")).keys(True, True))
             ['a', ('n', 'c')]
         """
+        groups = _by_first_part(self, keys, strict=False, whole_wins=True)
+        if inplace and groups:  # (a locked tensordict excludes missing keys, as tensordict 0.15.3)
+            part, rests = next(iter(groups.items()))
+            self._check_unlocked((part,) if rests is None else (part, *rests[0]), "remove")
         out = self if inplace else self.clone(recurse=False)  # (its nested collections are new ones)
-        if inplace and keys:
-            self._check_unlocked(unravel_key(keys[0]), "remove")
-        for part, rests in _by_first_part(out, keys, strict=False, whole_wins=True).items():
+        for part, rests in groups.items():
             if rests is None:
                 out._tensordict.pop(part)
             else:  # (in place: out's entry is self's, or a copy of it made above)

@@ -227,3 +227,23 @@ def test_a_lazy_stacks_update_in_place_writes_a_number_into_a_non_tensor_entry(n
     root.update_(source) if how == "update_" else root.update(source, inplace=True)
     assert [member.get_non_tensor("done") for member in stack.tensordicts] == [3, 3, 3]
     assert stack.get("obs").flatten().tolist() == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("keys, removes", [
+    (["missing"], False), ([("n", "missing")], False), ([("q", "r")], False), (["a"], True), ([("n", "b")], True),
+])
+def test_exclude_in_place_on_a_locked_tensordict_refuses_only_a_real_removal(lib, keys, removes):
+    td = lib.TensorDict(a=torch.zeros(2), n={"b": torch.zeros(2)}, batch_size=[2]).lock_()
+    if removes:
+        with pytest.raises(RuntimeError, match="locked"):
+            td.exclude(*keys, inplace=True)
+    else:
+        assert td.exclude(*keys, inplace=True) is td
+    assert sorted(td.keys(True), key=str) == [("n", "b"), "a", "n"]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_apply_in_place_of_a_function_giving_none_writes_nothing(lib):
+    td = lib.TensorDict(a=torch.zeros(2), batch_size=[2])
+    assert td.apply_(lambda t: None) is td and td["a"].tolist() == [0.0, 0.0]
