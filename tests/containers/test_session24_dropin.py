@@ -247,3 +247,15 @@ def test_exclude_in_place_on_a_locked_tensordict_refuses_only_a_real_removal(lib
 def test_apply_in_place_of_a_function_giving_none_writes_nothing(lib):
     td = lib.TensorDict(a=torch.zeros(2), batch_size=[2])
     assert td.apply_(lambda t: None) is td and td["a"].tolist() == [0.0, 0.0]
+
+
+def test_memmap_and_memmap_like_keep_an_empty_non_tensor_stack(short_tmp_path):
+    # (tensordict 0.15.3: memmap raises "items cannot be empty", memmap_like drops it)
+    import shared_td
+
+    td = shared_td.TensorDict({"x": torch.zeros(0), "s": shared_td.NonTensorStack.from_list([])}, [0])
+    for how in ("memmap", "memmap_like"):
+        out = getattr(td, how)(str(short_tmp_path / how))
+        assert sorted(out.keys()) == ["s", "x"]
+        back = shared_td.load_memmap(str(short_tmp_path / how))
+        assert type(back.get("s")).__name__ == "NonTensorStack" and back.get("s").batch_size == torch.Size([0])
