@@ -15,6 +15,7 @@ from shared_td.containers.base import NO_DEFAULT, TensorDictBase, is_non_tensor,
 from shared_td.containers.comparisons import part_of
 from shared_td.containers.nontensor import NonTensorStack
 from shared_td.containers.unsupported_options import refuse_options
+from shared_td.errors import BatchSizeMismatchError
 from shared_td.keys import NestedKey
 from shared_td.tensorclass_protocol import is_tensorclass, unwrap_tensorclass
 
@@ -184,6 +185,8 @@ class LeafMapping:
                     result = value._from_tensordict(result)
             else:
                 result = fn(_prefix + (key,) if nested_keys and _prefix else key, value, *other_values)
+                if isinstance(result, torch.Tensor) and result.shape[: len(new_batch)] != new_batch:
+                    raise _misfit_result(_prefix + (key,), result, new_batch)
             if result is not None:
                 entries[key] = result
         if inplace:
@@ -207,3 +210,14 @@ def _holds_no_value(entry: Any) -> bool:
     """True for a NonTensorStack with a 0 in its batch size, which ``apply`` leaves out
     unless ``filter_empty=False``, as tensordict 0.15.3 (a NonTensorData is kept)."""
     return isinstance(entry, NonTensorStack) and entry.batch_size.numel() == 0
+
+
+def _misfit_result(path: tuple, result: torch.Tensor, batch_size: torch.Size) -> BatchSizeMismatchError:
+    """The error of a result of ``fn`` whose shape does not start with the batch size
+    (kept, it made an invalid tree; tensordict 0.15.3 raises too)."""
+    key = path[0] if len(path) == 1 else path
+    return BatchSizeMismatchError(
+        f"batch dimension mismatch, got self.batch_size={batch_size!r} and value.shape={result.shape!r} "
+        f"for key {key!r}: apply's function returned a tensor of shape {list(result.shape)}, which must "
+        f"start with the batch size {list(batch_size)} (pass batch_size= to apply for another one)."
+    )

@@ -259,3 +259,17 @@ def test_memmap_and_memmap_like_keep_an_empty_non_tensor_stack(short_tmp_path):
         assert sorted(out.keys()) == ["s", "x"]
         back = shared_td.load_memmap(str(short_tmp_path / how))
         assert type(back.get("s")).__name__ == "NonTensorStack" and back.get("s").batch_size == torch.Size([0])
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("how", ["apply", "apply_inplace", "apply_", "lazy"])
+def test_apply_refuses_a_result_that_does_not_start_with_the_batch_size(lib, how):
+    # (a 0-d result under batch [2] made an invalid tree; in place, it was broadcast)
+    td = lib.TensorDict(a=torch.arange(4.0).reshape(2, 2), n={"b": torch.ones(2)}, batch_size=[2])
+    run = {"apply": lambda: td.apply(torch.sum), "apply_inplace": lambda: td.apply(torch.sum, inplace=True),
+           "apply_": lambda: td.apply_(torch.sum),
+           "lazy": lambda: lib.lazy_stack([td, td.clone()]).apply(lambda t: t.sum())}[how]
+    with pytest.raises(RuntimeError, match="batch dimension mismatch"):
+        run()
+    assert td["a"].tolist() == [[0.0, 1.0], [2.0, 3.0]]
+    assert td.apply(torch.sum, batch_size=[])["a"].item() == 6.0
