@@ -13,18 +13,15 @@ gets the methods of TensorDictBase's mixins as they are (tensorclass_members.py)
 from __future__ import annotations
 
 import operator
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from shared_td.containers import batch as batch_ops
 from shared_td.containers import extra_constructors as build
 from shared_td.containers import extra_split_keys as split_key_parts
-from shared_td.containers.value_kinds import is_leaf_nontensor, is_tensor_collection
+from shared_td.containers.value_kinds import is_leaf_nontensor
 from shared_td.tensorclass_protocol import unwrap_tensorclass
-
-if TYPE_CHECKING:  # (base imports this module)
-    from shared_td.containers.base import TensorDictBase
 
 
 class ExtraNameOps:
@@ -63,11 +60,8 @@ class ExtraNameOps:
         if "inplace" in kwargs:  # (tensordict: apply() got multiple values for 'inplace')
             raise TypeError("apply_() writes in place: it takes no inplace= argument; use "
                             "apply(fn, inplace=...) to choose.")
-        target = unwrap_tensorclass(self)
-        results = target.apply(fn, *map(unwrap_tensorclass, others), **kwargs)
-        if results is not None:  # (None: nothing to write, e.g. only empty non-tensor stacks)
-            # update_ checks every write before the first one (see updates.py)
-            target.update_(_without_non_tensors(unwrap_tensorclass(results), target))
+        # (every result is made and checked before the first is written: see apply)
+        unwrap_tensorclass(self).apply(fn, *map(unwrap_tensorclass, others), inplace=True, **kwargs)
         return self
 
     # ------------------------------------------------------------ dtype, depth
@@ -285,25 +279,3 @@ def _split_spec(indices_or_sections: Any) -> int | list[int]:
             f"0-d or 1-d long tensor, got a {type(indices_or_sections).__name__}."
         )
     return [operator.index(i) for i in spec]
-
-
-def _without_non_tensors(results: "TensorDictBase", source: "TensorDictBase") -> "TensorDictBase":
-    """``results`` (a tensordict that ``source.apply`` just made, which no one else
-    holds) without the non-tensor entries that ``apply`` passed through from ``source``
-    (new ones holding the same values: ``fn`` never sees a non-tensor), removed in
-    place: writing one back into itself would write a shared value over what another
-    process may have written since. (A non-tensor that ``fn`` returned for a tensor
-    leaf stays, and ``update_`` refuses it.)"""
-    from shared_td.containers.lazy import LazyStackedTensorDict
-
-    if isinstance(results, LazyStackedTensorDict):  # (made member by member from source's)
-        for member, origin in zip(results.tensordicts, source.tensordicts):
-            _without_non_tensors(unwrap_tensorclass(member), unwrap_tensorclass(origin))
-        return results
-    for key, value in list(results._items_str()):
-        origin = source._get_str(key, None)
-        if getattr(value, "_is_non_tensor", False) and getattr(origin, "_is_non_tensor", False):
-            results._del_str(key)
-        elif is_tensor_collection(value) and is_tensor_collection(origin):
-            _without_non_tensors(unwrap_tensorclass(value), unwrap_tensorclass(origin))
-    return results

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from shared_td.containers.base import NO_DEFAULT
 from shared_td.containers.lazy_writes import _is_lazy
-from shared_td.containers.tensordict_apply import _APPLY_OPTIONS, _NOT_BUILT as _APPLY_NOT_BUILT
+from shared_td.containers.tensordict_apply import _APPLY_OPTIONS, _NOT_BUILT as _APPLY_NOT_BUILT, write_results
 from shared_td.containers.unsupported_options import refuse_options
 from shared_td.containers.value_kinds import is_tensor_collection
 from shared_td.errors import BatchSizeMismatchError
@@ -89,6 +89,9 @@ class LazyApplyOps:
             )
         common = {"nested_keys": nested_keys, "default": default, "filter_empty": filter_empty,
                   "call_on_nested": call_on_nested}
+        if inplace:  # every member's results made and checked before the first is written
+            write_results(self, self.named_apply(fn, *others, _prefix=_prefix, **common))
+            return self
         if batch_size is not None:
             result = self.to_tensordict().named_apply(
                 fn, *others, batch_size=batch_size, names=names, device=device, out=out,
@@ -117,11 +120,9 @@ class LazyApplyOps:
         results = []
         for i, member in enumerate(self.tensordicts):
             results.append(member.named_apply(
-                fn, *[parts[i] for parts in split], inplace=inplace, device=device,
+                fn, *[parts[i] for parts in split], device=device,
                 out=None if out_members is None else out_members[i], _prefix=_prefix, **common,
             ))
-        if inplace:
-            return self
         if out is not None:
             if names is not NO_DEFAULT:  # (tensordict names the result it builds of out's members)
                 out.names = names

@@ -123,18 +123,18 @@ class LeafMapping:
         refuse_options(self, "named_apply", unsupported, known=_NOT_BUILT)
         if call_on_nested:
             result = nested_calls(self, fn, others, default, batch_size, device)
-            if inplace and result is not None:
-                # fn's results written into the entries, as tensordict 0.15.3 writes them
-                # (a tensor copied in, a nested tensordict updated in place): they were lost
-                self.update_(result)
         else:
-            result = self._named_apply(fn, others, nested_keys, batch_size, names, inplace, device,
+            # (in place too: every result is made and checked before the first is written)
+            result = self._named_apply(fn, others, nested_keys, batch_size, names, device,
                                        default, filter_empty, _prefix or ())
             if result is None and _prefix is not None:
                 # a lazy stack's member (lazy_shape.named_apply passes its _prefix): the
                 # stack is restacked from its members' results, which must be tensordicts
                 result = self._new_unsafe({}, self._batch_size, self._device, None)
         if inplace:
+            # fn's results written into the entries, as tensordict 0.15.3 writes them (a
+            # tensor copied in, a nested tensordict updated in place)
+            write_results(self, result)
             return self
         if result is not None and propagate_lock and self.is_locked:
             result.lock_()
@@ -143,8 +143,7 @@ class LeafMapping:
         return result
 
     def _named_apply(self, fn: Callable, others: tuple, nested_keys: bool, batch_size: Any, names: Any,
-                     inplace: bool, device: Any, default: Any, filter_empty: bool | None,
-                     _prefix: tuple) -> Any:
+                     device: Any, default: Any, filter_empty: bool | None, _prefix: tuple) -> Any:
         """named_apply's walk: the new TensorDict (None once emptied, see filter_empty)."""
         new_batch = self._batch_size if batch_size is None else batch_ops.as_batch_size(batch_size)
         entries = {}
@@ -155,8 +154,6 @@ class LeafMapping:
                 other_values = [o.get(key, default) if is_tensor_collection(o) else o for o in others]
             tensor = isinstance(value, torch.Tensor)  # most entries: no class to ask about
             if not tensor and is_non_tensor(value):
-                if inplace:
-                    continue  # (only tensors are written in place)
                 if filter_empty is not False and _holds_no_value(value):
                     continue  # (as tensordict's, whose NonTensorStack is a lazy stack of no member)
                 # A new entry holding the same values (as clone()), as tensordict's: a
@@ -172,13 +169,13 @@ class LeafMapping:
                 if isinstance(inner, LeafMapping):
                     result = inner._named_apply(
                         fn, other_values, nested_keys, None if batch_size is None else new_batch, NO_DEFAULT,
-                        inplace, device, default, filter_empty, _prefix + (key,),
+                        device, default, filter_empty, _prefix + (key,),
                     )
                 else:  # a lazy stack: its own named_apply, which hands default and filter_empty on
                     result = inner.named_apply(
                         fn, *other_values, nested_keys=nested_keys,
                         batch_size=None if batch_size is None else new_batch,
-                        inplace=inplace, device=device, _prefix=_prefix + (key,),
+                        device=device, _prefix=_prefix + (key,),
                         _default=default, _filter_empty=filter_empty,
                     )
                 if result is not None and inner is not value:
@@ -189,11 +186,6 @@ class LeafMapping:
                     raise _misfit_result(_prefix + (key,), result, new_batch)
             if result is not None:
                 entries[key] = result
-        if inplace:
-            for key, result in entries.items():
-                if isinstance(result, torch.Tensor):
-                    self._tensordict[key].copy_(result)
-            return self
         if not entries and filter_empty is not False and (filter_empty or self._tensordict):
             return None  # (emptied by fn, or empty and filter_empty=True: left out, as tensordict)
         out_names = self.names if names is NO_DEFAULT and new_batch == self._batch_size else (
@@ -221,3 +213,35 @@ def _misfit_result(path: tuple, result: torch.Tensor, batch_size: torch.Size) ->
         f"for key {key!r}: apply's function returned a tensor of shape {list(result.shape)}, which must "
         f"start with the batch size {list(batch_size)} (pass batch_size= to apply for another one)."
     )
+
+
+def write_results(target: Any, results: Any) -> None:
+    """``apply(..., inplace=True)``: the tensors of ``results`` (what ``target``'s apply
+    made, which no one else holds; None: nothing) written into ``target``'s entries.
+    ``update_`` checks every write before the first one (see updates.py), so a result
+    that does not fit leaves ``target`` unchanged (written key by key, the keys before
+    it were written already)."""
+    if results is not None:
+        target.update_(_without_non_tensors(unwrap_tensorclass(results), target))
+
+
+def _without_non_tensors(results: Any, source: Any) -> Any:
+    """``results`` (a tensordict that ``source.apply`` just made, which no one else
+    holds) without the non-tensor entries that ``apply`` passed through from ``source``
+    (new ones holding the same values: ``fn`` never sees a non-tensor), removed in
+    place: writing one back into itself would write a shared value over what another
+    process may have written since. (A non-tensor that ``fn`` returned for a tensor
+    leaf stays, and ``update_`` refuses it.)"""
+    from shared_td.containers.lazy import LazyStackedTensorDict  # (lazy.py imports this module)
+
+    if isinstance(results, LazyStackedTensorDict):  # (made member by member from source's)
+        for member, origin in zip(results.tensordicts, source.tensordicts):
+            _without_non_tensors(unwrap_tensorclass(member), unwrap_tensorclass(origin))
+        return results
+    for key, value in list(results._items_str()):
+        origin = source._get_str(key, None)
+        if getattr(value, "_is_non_tensor", False) and getattr(origin, "_is_non_tensor", False):
+            results._del_str(key)
+        elif is_tensor_collection(value) and is_tensor_collection(origin):
+            _without_non_tensors(unwrap_tensorclass(value), unwrap_tensorclass(origin))
+    return results

@@ -273,3 +273,30 @@ def test_apply_refuses_a_result_that_does_not_start_with_the_batch_size(lib, how
         run()
     assert td["a"].tolist() == [[0.0, 1.0], [2.0, 3.0]]
     assert td.apply(torch.sum, batch_size=[])["a"].item() == 6.0
+
+
+@pytest.mark.parametrize("how", ["td", "nested", "lazy", "tensorclass"])
+def test_apply_in_place_writes_nothing_when_one_result_does_not_fit(how):
+    # every result is made and checked before the first is written (key by key, the
+    # keys before the misfit were written; tensordict 0.15.3 half-writes a lazy stack)
+    import shared_td
+
+    @shared_td.tensorclass
+    class Pair:
+        a: torch.Tensor
+        b: torch.Tensor
+
+    def fn(v):
+        return v * 5 if v.dim() == 1 else v.sum(-1)  # b's [2] does not fit its [2, 3]
+
+    members = [shared_td.TensorDict(a=torch.ones(2), b=torch.ones(2, 3), batch_size=[2]) for _ in range(2)]
+    target = {"td": lambda: members[0], "nested": lambda: shared_td.TensorDict(n=members[0], batch_size=[2]),
+              "lazy": lambda: shared_td.lazy_stack(members),
+              "tensorclass": lambda: Pair(a=members[0]["a"], b=members[0]["b"], batch_size=[2])}[how]()
+    with pytest.raises(shared_td.BatchSizeMismatchError):
+        target.apply(fn, inplace=True)
+    with pytest.raises(shared_td.BatchSizeMismatchError):
+        target.apply_(fn)
+    assert [m["a"].tolist() for m in members] == [[1.0, 1.0]] * 2
+    target.apply(lambda v: v * 2, inplace=True)
+    assert members[0]["a"].tolist() == [2.0, 2.0] and members[0]["b"].sum().item() == 12.0
