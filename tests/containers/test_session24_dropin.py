@@ -300,3 +300,20 @@ def test_apply_in_place_writes_nothing_when_one_result_does_not_fit(how):
     assert [m["a"].tolist() for m in members] == [[1.0, 1.0]] * 2
     target.apply(lambda v: v * 2, inplace=True)
     assert members[0]["a"].tolist() == [2.0, 2.0] and members[0]["b"].sum().item() == 12.0
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("lazy", [False, True])
+def test_unflatten_keys_gives_new_nested_tensordicts_holding_the_same_tensors(lib, lazy):
+    # self's own nested tensordicts were put in the result: "n_q" unflattened into the
+    # result's "n" was added to self's "n", and the result's lock locked self's "n"
+    td = lib.TensorDict({"a_b": torch.zeros(2), "n": {"c": torch.zeros(2), "m": {"z": torch.zeros(2)}},
+                         "n_q": torch.ones(2)}, batch_size=[2])
+    source = lib.lazy_stack([td, td.clone()]) if lazy else td
+    out = source.unflatten_keys("_")
+    assert sorted(td["n"].keys()) == ["c", "m"]
+    assert out.get(("n", "q")).tolist() == source.get("n_q").tolist()
+    out.lock_()
+    assert not td["n"].is_locked and not td["n", "m"].is_locked
+    if not lazy:
+        assert out["n"] is not td["n"] and out["n", "m"] is not td["n", "m"] and out["n", "c"] is td["n", "c"]
