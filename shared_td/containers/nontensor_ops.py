@@ -121,14 +121,19 @@ def list_to_tensor(value: list | tuple) -> Any:
 
 def list_to_entry(value: list, device: Any) -> Any:
     """A list as tensordict 0.15.3 stores it: numbers (nested lists of numbers) become a
-    tensor, tensors of one shape are stacked, anything else is a NonTensorStack with
-    one value per element (equal-length inner lists are more dims), whose batch size is
-    then checked like a tensor's: ``["a", "b", "c"]`` fits a batch size of ``[3]``."""
+    tensor (numpy scalars and complex numbers too, where tensordict keeps them as
+    values), tensors of one shape are stacked, anything else (tensors beside numbers
+    too) is a NonTensorStack with one value per element (equal-length inner lists are
+    more dims), whose batch size is then checked like a tensor's: ``["a", "b", "c"]``
+    fits a batch size of ``[3]``."""
     from shared_td.containers.nontensor import NonTensorStack
 
-    if value and all(isinstance(v, torch.Tensor) for v in value):
+    tensors = [isinstance(v, torch.Tensor) for v in value]
+    if value and all(tensors):
         if len({v.shape for v in value}) == 1:
             return torch.stack(value)
+        return NonTensorStack._from_flat(value, torch.Size([len(value)]), device)
+    if any(tensors):  # tensors beside other values: one value each, as tensordict keeps them
         return NonTensorStack._from_flat(value, torch.Size([len(value)]), device)
     converted = list_to_tensor(value)
     if isinstance(converted, torch.Tensor):

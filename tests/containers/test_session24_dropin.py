@@ -317,3 +317,13 @@ def test_unflatten_keys_gives_new_nested_tensordicts_holding_the_same_tensors(li
     assert not td["n"].is_locked and not td["n", "m"].is_locked
     if not lazy:
         assert out["n"] is not td["n"] and out["n", "m"] is not td["n", "m"] and out["n", "c"] is td["n", "c"]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_a_list_mixing_tensors_and_numbers_is_one_value_per_element(lib):
+    # (to_dict of such a NonTensorStack, given back to the constructor, made a tensor)
+    values = [torch.tensor(1 + 2j), 3, 3]
+    td = lib.TensorDict({"a": values}, batch_size=[3])
+    assert type(td.get("a")).__name__ == "NonTensorStack"
+    again = lib.TensorDict(td.to_dict(), batch_size=[3])
+    assert type(again.get("a")).__name__ == "NonTensorStack" and again.get("a").tolist()[1:] == [3, 3]
