@@ -149,15 +149,18 @@ class NonTensorData(NonTensorDataBase):
 
     def _set_at_index(self, index: Any, value: Any) -> None:
         """``data[index] = value``: refused, as in tensordict 0.15.3 (a ValueError),
-        unless one value is written over the whole of a 0-d entry (then in place). A
-        NonTensorData holds one value for the whole batch and cannot turn itself into a
-        stack; before, this was an AttributeError ('_set_at_index'). A tensordict that
-        holds the entry can: ``td[index] = ...`` there replaces it with a stack."""
-        if not self._batch_size:
-            source = as_non_tensor(value)
-            values = broadcast_values(source, batch_ops.indexed_batch_size(self._batch_size, index))
-            if values and all(_same_value(v, values[0]) for v in values):
+        unless one value is written over the whole of a 0-d entry (then in place) or the
+        value held is written again (nothing changes; tensordict 0.15.3 takes it as a
+        NonTensorData). A NonTensorData holds one value for the whole batch and cannot
+        turn itself into a stack; before, this was an AttributeError ('_set_at_index'). A
+        tensordict that holds the entry can: ``td[index] = ...`` there replaces it with a
+        stack."""
+        values = broadcast_values(as_non_tensor(value), batch_ops.indexed_batch_size(self._batch_size, index))
+        if values and all(_same_value(v, values[0]) for v in values):
+            if not self._batch_size:
                 self._update_(NonTensorData(values[0], batch_size=[]))
+                return
+            if _same_value(values[0], self.data):
                 return
         raise ValueError(
             "A NonTensorData holds one value for all its elements, so it cannot take "

@@ -327,3 +327,14 @@ def test_a_list_mixing_tensors_and_numbers_is_one_value_per_element(lib):
     assert type(td.get("a")).__name__ == "NonTensorStack"
     again = lib.TensorDict(td.to_dict(), batch_size=[3])
     assert type(again.get("a")).__name__ == "NonTensorStack" and again.get("a").tolist()[1:] == [3, 3]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_a_non_tensor_data_takes_its_own_value_written_at_an_index(lib):
+    td = lib.TensorDict(batch_size=[2])
+    td["a"] = "run"
+    held = td.get("a")
+    held[-1] = lib.NonTensorData("run")  # nothing changes (it raised in shared_td)
+    assert type(held).__name__ == "NonTensorData" and td["a"] == "run"
+    with pytest.raises(ValueError, match="one value for all its elements"):
+        held[-1] = lib.NonTensorData("walk")
