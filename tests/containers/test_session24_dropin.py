@@ -338,3 +338,17 @@ def test_a_non_tensor_data_takes_its_own_value_written_at_an_index(lib):
     assert type(held).__name__ == "NonTensorData" and td["a"] == "run"
     with pytest.raises(ValueError, match="one value for all its elements"):
         held[-1] = lib.NonTensorData("walk")
+
+
+@pytest.mark.parametrize("how", ["set_", "update_"])
+def test_an_in_place_write_of_keys_the_entry_lacks_raises_before_writing(how):
+    # (tensordict 0.15.3 writes "c" and drops "z" silently)
+    import shared_td
+
+    td = shared_td.TensorDict({"n": {"c": torch.zeros(2)}}, [2])
+    source = shared_td.TensorDict({"c": torch.ones(2), "z": torch.ones(2)}, [2])
+    with pytest.raises(KeyError, match="'n', 'z'"):
+        td.set_("n", source) if how == "set_" else td.update_({"n": source})
+    assert td["n", "c"].tolist() == [0.0, 0.0] and sorted(td["n"].keys()) == ["c"]
+    td.set("n", source, inplace=True)
+    assert sorted(td["n"].keys()) == ["c", "z"]
