@@ -389,13 +389,18 @@ class LazyWriteOps:
         from shared_td.containers.tensordict import TensorDict
 
         view = self._index(index)  # (leaves read stacked: only their shapes are used; no member rebuilt)
-        parts = {key: part for key, part in view.items(include_nested=True, leaves_only=True)
-                 if isinstance(part, torch.Tensor)}  # (non-tensor entries take no tensor)
         if isinstance(value, torch.Tensor):
+            parts = {key: part for key, part in view.items(include_nested=True, leaves_only=True)
+                     if isinstance(part, torch.Tensor)}  # (non-tensor entries take no tensor)
             leaves = dict.fromkeys(parts, value)
-        else:
+        else:  # (only the source's keys are read: another one may differ in shape across members)
             leaves = dict(value.items(include_nested=True, leaves_only=True, is_leaf=is_leaf_nontensor))
-            if not all(isinstance(leaf, torch.Tensor) and key in parts for key, leaf in leaves.items()):
+            try:
+                parts = {key: view.get(key, None) for key in leaves}
+            except RuntimeError:  # (its members' shapes differ: written member by member)
+                return None
+            if not all(isinstance(leaf, torch.Tensor) and isinstance(parts[key], torch.Tensor)
+                       for key, leaf in leaves.items()):
                 return None
         source = TensorDict(batch_size=view.batch_size)
         for key, leaf in leaves.items():

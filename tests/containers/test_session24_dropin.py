@@ -352,3 +352,16 @@ def test_an_in_place_write_of_keys_the_entry_lacks_raises_before_writing(how):
     assert td["n", "c"].tolist() == [0.0, 0.0] and sorted(td["n"].keys()) == ["c"]
     td.set("n", source, inplace=True)
     assert sorted(td["n"].keys()) == ["c", "z"]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_a_row_write_into_a_ragged_lazy_stack_reads_only_the_keys_written(lib):
+    # a dict written into rows of a lazy stack read every key of the rows (stacking
+    # "b", whose members differ in shape: RuntimeError), since this session's broadcast
+    members = [lib.TensorDict(done=torch.zeros(3, dtype=torch.bool), b=torch.zeros(3, 4), batch_size=[3]),
+               lib.TensorDict(done=torch.zeros(3, dtype=torch.bool), b=torch.zeros(3), batch_size=[3])]
+    stack = lib.lazy_stack(members, 1)
+    stack.update_at_({"done": torch.tensor([True, False])}, 0)
+    stack[1] = {"b": torch.ones(2)}
+    assert stack.get("done").tolist() == [[True, False], [False, False], [False, False]]
+    assert [m["b"].sum().item() for m in members] == [4.0, 1.0]
