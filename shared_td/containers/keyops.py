@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared_td.containers.base import is_leaf_nontensor, is_non_tensor, is_tensor_collection
+from shared_td.containers.base import is_leaf_nontensor, is_tensor_collection
 from shared_td.containers.lazy_writes import _is_branch, _is_lazy
 from shared_td.keys import NestedKey, key_repr, unravel_key
 from shared_td.tensorclass_protocol import unwrap_tensorclass
@@ -110,10 +110,10 @@ class KeyOps:
                     "Unflattening key(s) in tensordict will override an existing for unflattened key "
                     f"{path!r} (from {key!r}); choose another separator."
                 )
-            if is_tensor_collection(value) and not is_non_tensor(value):
-                # a new one holding the same tensors, as tensordict's: self's own would get
-                # the keys unflattened into it, and the result's lock (keys added to the
-                # result's "n" were added to self's)
+            if is_tensor_collection(value):
+                # a new one holding the same tensors (values), as tensordict's: self's own
+                # would get the keys unflattened into it, the result's lock and its
+                # non-tensor writes (keys added to the result's "n" were added to self's)
                 value = value.clone(recurse=False)
             out.set(path, value)
         if inplace:

@@ -365,3 +365,20 @@ def test_a_row_write_into_a_ragged_lazy_stack_reads_only_the_keys_written(lib):
     stack[1] = {"b": torch.ones(2)}
     assert stack.get("done").tolist() == [[True, False], [False, False], [False, False]]
     assert [m["b"].sum().item() for m in members] == [4.0, 1.0]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("lazy", [False, True])
+def test_unflatten_keys_gives_new_non_tensor_entries(lib, lazy):
+    # (the source's own NonTensorData and NonTensorStack were put in the result: an
+    # element, a set_at_, a set_ or the lock on the result reached the source)
+    td = lib.TensorDict({"a.b": torch.zeros(3)}, batch_size=[3])
+    td["obs"] = lib.NonTensorStack(True, None, 3)
+    td["txt"] = "walk"
+    source = lib.lazy_stack([td, td.clone()]) if lazy else td
+    out = source.unflatten_keys(".")
+    out.set_at_("obs", "q", 0 if not lazy else (0, 0))
+    out.set_("txt", "run")
+    out.lock_()
+    assert td.get("obs").tolist() == [True, None, 3] and td.get("txt").data == "walk"
+    assert not td.get("obs").is_locked
