@@ -165,8 +165,9 @@ class LazyShapeOps:
         copy would give (tensordict 0.15.3 does the same); non-tensor entries become
         empty stacks. A first member that is a lazy stack whose entries differ in shape
         gives instead its own selection by the rest of the index, with an empty dim
-        where the stack dim goes: a lazy stack, as tensordict's (a dense copy of it
-        raised "Failed to stack tensors").
+        where the stack dim goes (or, for an index tensor or mask across the stack dim,
+        the selection of it standing for every member): a lazy stack, as tensordict's (a
+        dense copy of it raised "Failed to stack tensors").
 
         Example:
             >>> inner = shared_td.lazy_stack([TensorDict(h=torch.zeros(1)), TensorDict(h=torch.zeros(2))])
@@ -179,10 +180,13 @@ class LazyShapeOps:
         out_batch = torch.zeros(self.batch_size)[index].shape
         names = TensorDict({}, batch_size=self.batch_size, names=self.names)[index].names
         first = self.tensordicts[0]
-        if where[0] == "many" and _is_lazy(first) and first._has_ragged_leaf():
-            _, _, rest, out, _ = where
-            part = first if _trivial(rest) else first._index(rest)
-            empty = part.unsqueeze(out).expand(out_batch)  # (new members: naming them names no member)
+        if _is_lazy(first) and first._has_ragged_leaf():
+            if where[0] == "many":
+                _, _, rest, out, _ = where
+                part = first if _trivial(rest) else first._index(rest)
+                empty = part.unsqueeze(out).expand(out_batch)  # (new members: naming them names no member)
+            else:  # (an index tensor or mask across the stack dim: first stands for every member)
+                empty = first.unsqueeze(self._stack_dim).expand(self.batch_size)[index]
             if names is not None and any(name is not None for name in names):
                 empty.names = names
             return empty

@@ -382,3 +382,14 @@ def test_unflatten_keys_gives_new_non_tensor_entries(lib, lazy):
     out.lock_()
     assert td.get("obs").tolist() == [True, None, 3] and td.get("txt").data == "walk"
     assert not td.get("obs").is_locked
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_a_mask_selecting_nothing_from_a_stack_of_a_ragged_lazy_stack(lib):
+    # (the empty selection stacked the first member's entries: "Failed to stack tensors")
+    ragged = lib.lazy_stack([lib.TensorDict(a=torch.zeros(1, 3, 4), batch_size=[1, 3]),
+                             lib.TensorDict(a=torch.zeros(1, 3), batch_size=[1, 3])], 2)
+    outer = lib.lazy_stack([ragged], 1)
+    empty = outer[torch.zeros(1, 1, 3, dtype=torch.bool)]
+    assert empty.batch_size == torch.Size([0, 2]) and sorted(empty.keys()) == ["a"]
+    assert outer[torch.tensor([[[True, False, True]]])].batch_size == torch.Size([2, 2])
