@@ -372,12 +372,14 @@ class LazyWriteOps:
 
     def _tensor_rows(self, index: Any, value: Any) -> Any:
         """``lazy[index] = value`` as on the dense stack, for a tensor or a tensordict of
-        batch size ``[]`` holding tensors only: each tensor broadcast to its entry's part
-        ``entry[index]`` (from the right, as torch assigns), as a tensordict of the rows
-        whose members' parts ``_plan_index_writes`` then writes (given whole to each
-        member, a tensor as long as the rows along the stack dim met a member's part
-        without that dim: tensordict 0.15.3 writes it). None for a tensordict with an
-        entry that is no tensor, or no tensor in self (it is fitted as a tensordict)."""
+        batch size ``[]`` of tensors and NonTensorData: each tensor broadcast to its
+        entry's part ``entry[index]`` (from the right, as torch assigns), as a tensordict
+        of the rows whose members' parts ``_plan_index_writes`` then writes (given whole
+        to each member, a tensor as long as the rows along the stack dim met a member's
+        part without that dim: tensordict 0.15.3 writes it); a NonTensorData fills every
+        row. None for a tensordict with another entry, or one self lacks or holds
+        otherwise (it is then fitted as a tensordict; a leaf that happened to start with
+        the rows' size was taken as of their batch size there)."""
         def broadcast(key: Any, leaf: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
             try:
                 return torch.broadcast_to(leaf, part.shape)
@@ -399,12 +401,15 @@ class LazyWriteOps:
                 parts = {key: view.get(key, None) for key in leaves}
             except RuntimeError:  # (its members' shapes differ: written member by member)
                 return None
-            if not all(isinstance(leaf, torch.Tensor) and isinstance(parts[key], torch.Tensor)
-                       for key, leaf in leaves.items()):
-                return None
         source = TensorDict(batch_size=view.batch_size)
         for key, leaf in leaves.items():
-            source.set(key, broadcast(key, leaf, parts[key]))
+            part = parts[key]
+            if isinstance(leaf, torch.Tensor) and isinstance(part, torch.Tensor):
+                source.set(key, broadcast(key, leaf, part))
+            elif isinstance(leaf, NonTensorData) and not leaf.batch_size and is_non_tensor(part):
+                source.set(key, NonTensorData(leaf.data, batch_size=view.batch_size))  # (one value: every row)
+            else:
+                return None
         return source
 
 

@@ -393,3 +393,19 @@ def test_a_mask_selecting_nothing_from_a_stack_of_a_ragged_lazy_stack(lib):
     empty = outer[torch.zeros(1, 1, 3, dtype=torch.bool)]
     assert empty.batch_size == torch.Size([0, 2]) and sorted(empty.keys()) == ["a"]
     assert outer[torch.tensor([[[True, False, True]]])].batch_size == torch.Size([2, 2])
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("rows", [[1, 1], [1, 0], 1])
+def test_a_0d_tensordict_written_into_lazy_rows_beside_a_non_tensor_entry(lib, rows):
+    # a source of batch [] whose leaf happened to start with the rows' size ([2] into 2
+    # rows) was taken as of the rows' batch size when a non-tensor entry was beside it:
+    # row 1 got next[1] = [0, 0] instead of the whole [4, 0], silently (found by the fuzzer)
+    members = [lib.TensorDict({"next": torch.tensor([4, 0], dtype=torch.uint8)}, []),
+               lib.TensorDict({"next": torch.tensor([3, 3], dtype=torch.uint8)}, [])]
+    for member, text in zip(members, ("", "x")):
+        member.set_non_tensor("a", text)
+    stack = lib.lazy_stack(members)
+    stack[rows] = stack[0].clone()
+    assert [m["next"].tolist() for m in members] == [[4, 0], [4, 0]]
+    assert stack.get("a").tolist() == ["", ""]
