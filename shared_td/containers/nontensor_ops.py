@@ -155,13 +155,15 @@ def kept_by_empty(entry: Any, batch_size: torch.Size) -> Any:
     return None
 
 
-def from_dict_values(entries: dict, device: Any = None) -> dict:
+def from_dict_values(entries: dict, device: Any = None, numbers_batch: Any = None) -> dict:
     """``entries`` (nested dicts too) with lists and tuples read as tensordict 0.15.3's
     ``from_dict`` reads them (its ``from_any``), which is stricter than the constructor:
     a list becomes a tensor only when its numbers (nested lists' too, of one length)
     are all of one Python type, else a NonTensorStack (``[True, 1.5]``, ``[1, 2.5]``,
     ``[tensor, tensor]``); a tuple becomes a nested dict keyed ``"0"``, ``"1"``, ...
-    (a named tuple: by its fields).
+    (a named tuple: by its fields). With ``numbers_batch`` (a batch size with dims),
+    each Python number is a NonTensorData of it, as tensordict's from_dict makes it (a
+    0-d tensor cannot have those dims).
 
     Example:
         >>> type(from_dict_values({"a": [1, 2.5]})["a"]).__name__
@@ -169,7 +171,7 @@ def from_dict_values(entries: dict, device: Any = None) -> dict:
         >>> from_dict_values({"a": [1, 2], "t": (3, "x")})
         {'a': [1, 2], 't': {'0': 3, '1': 'x'}}
     """
-    from shared_td.containers.nontensor import NonTensorStack
+    from shared_td.containers.nontensor import NonTensorData, NonTensorStack
 
     out = {}
     for key, value in entries.items():
@@ -177,9 +179,11 @@ def from_dict_values(entries: dict, device: Any = None) -> dict:
             fields = getattr(value, "_fields", None)  # a named tuple
             value = dict(zip(fields, value)) if fields else {str(i): v for i, v in enumerate(value)}
         if isinstance(value, dict):
-            value = from_dict_values(value, device)
+            value = from_dict_values(value, device, numbers_batch)
         elif isinstance(value, list) and _number_list_shape(value) is None:
             value = NonTensorStack.from_list(value, device=device)
+        elif numbers_batch is not None and isinstance(value, (bool, int, float, complex)):
+            value = NonTensorData(value, batch_size=numbers_batch)
         out[key] = value
     return out
 

@@ -459,10 +459,9 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, BatchDimOps, IndexWrites
         """
         from shared_td.containers.nontensor_ops import from_dict_values
 
-        input_dict = from_dict_values(input_dict, device)
-        if cls._from_dict_has_batch_dims(batch_size, batch_dims):  # (raises for both)
-            input_dict = _numbers_as_non_tensor(input_dict, batch_size)
-        td = cls(input_dict, batch_size=batch_size, device=device)
+        with_dims = cls._from_dict_has_batch_dims(batch_size, batch_dims)  # (raises for both)
+        entries = from_dict_values(input_dict, device, batch_size if with_dims else None)
+        td = cls(entries, batch_size=batch_size, device=device)
         if (auto_batch_size or batch_dims is not None) and batch_size is None:
             td.auto_batch_size_(batch_dims)  # (non-tensors and nested ones too, as tensordict's)
         if names is not None:
@@ -502,21 +501,6 @@ def _misfit_error(size: torch.Size, path: tuple, value: Any, why: str) -> Runtim
         f"empty(recurse=True) cannot give the batch size {list(size)} to the entry {name!r} "
         f"(a {type(value).__name__} of batch size {list(value.batch_size)}): {why}."
     )
-
-
-def _numbers_as_non_tensor(entries: dict, batch_size: Any) -> dict:
-    """``entries`` with each Python number (nested dicts' too) as a NonTensorData of
-    ``batch_size`` (what from_dict makes of them under a batch size with dims)."""
-    from shared_td.containers.nontensor import NonTensorData  # (it imports this module)
-
-    out = {}
-    for key, value in entries.items():
-        if isinstance(value, dict):
-            value = _numbers_as_non_tensor(value, batch_size)
-        elif isinstance(value, (bool, int, float, complex)):
-            value = NonTensorData(value, batch_size=batch_size)
-        out[key] = value
-    return out
 
 
 def _write_into(current: Any, value: Any, key: str) -> None:
