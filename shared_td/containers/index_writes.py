@@ -375,10 +375,18 @@ def numbers_kept(given: dict, target: Any, prefix: tuple = ()) -> dict:
         path = prefix + unravel_key(key)
         if isinstance(value, dict):
             value = numbers_kept(value, target, path)
-        elif isinstance(value, numbers.Number) and is_non_tensor(target._get_path(path, None)):
-            value = NonTensorData(value)
+        elif isinstance(value, numbers.Number):  # (only then is the entry looked up)
+            value = number_kept(value, target._get_path(path, None))
         kept[key] = value
     return kept
+
+
+def number_kept(value: Any, entry: Any) -> Any:
+    """``value`` written in place into ``entry``: a Python number into non-tensor data
+    as a NonTensorData holding that number (see :func:`numbers_kept`), else as it is."""
+    if isinstance(value, numbers.Number) and is_non_tensor(entry):
+        return NonTensorData(value)
+    return value
 
 
 def tensordict_values(given: Any, prefix: tuple = ()) -> set:

@@ -18,7 +18,7 @@ import torch
 from shared_td.containers import batch as batch_ops
 from shared_td.containers.base import (TensorDictBase, check_write_into, is_leaf_nontensor, is_non_tensor,
                                        is_tensor_collection)
-from shared_td.containers.index_writes import numbers_kept, plan_set_at
+from shared_td.containers.index_writes import number_kept, numbers_kept, plan_set_at
 from shared_td.containers.lazy_nontensor import written_through
 from shared_td.containers.nontensor import NonTensorData, as_non_tensor
 from shared_td.containers.nontensor_ops import list_to_entry, one_value_into
@@ -105,8 +105,8 @@ class LazyWriteOps:
         """Check ``value`` for ``key`` (the base class's update planning calls it); the
         value is split into the members when it is written. An in-place write (``into``,
         the entry now: a parent's ``update_`` plans it) is checked in every member."""
-        if into is not None and is_non_tensor(into) and isinstance(value, numbers.Number):
-            value = NonTensorData(value)  # (the number itself, as a TensorDict writes it in place)
+        if into is not None:
+            value = number_kept(value, into)  # (the number itself, as a TensorDict writes it in place)
         parts = self._split_value(key, value)
         if into is not None:
             for member, part in zip(self.tensordicts, parts):
