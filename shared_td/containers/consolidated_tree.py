@@ -20,6 +20,7 @@ from shared_td.containers.consolidated_layout import Layout
 from shared_td.containers.locking import lock_built
 from shared_td.keys import key_repr
 from shared_td.persist import nodes
+from shared_td.storage.slices import whole_storage
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 _CPU = torch.device("cpu")
@@ -211,11 +212,20 @@ def _offset_in(layout: Layout, leaf: torch.Tensor) -> int | None:
     bytes: offset 0."""
     if leaf.numel() == 0:
         return 0
-    if leaf.untyped_storage().data_ptr() != layout.buffer.untyped_storage().data_ptr() or not leaf.is_contiguous():
-        return None
-    if leaf.is_conj() or leaf.is_neg():  # its values are not the bytes it views (conj()/neg view)
-        return None
-    return leaf.storage_offset() * leaf.element_size()
+    storage = leaf.untyped_storage()
+    buffer = layout.buffer.untyped_storage()
+    if storage.data_ptr() == buffer.data_ptr():
+        start = 0
+    else:  # a leaf of a shared or file buffer rebuilt on its own (unpickled): the bytes of
+        # the buffer's mapping that its own storage holds (see shared_td.storage.slices)
+        whole, start = whole_storage(storage)
+        buffer_whole, buffer_start = whole_storage(buffer)
+        start -= buffer_start
+        if whole.data_ptr() != buffer_whole.data_ptr() or not 0 <= start <= buffer.nbytes() - storage.nbytes():
+            return None
+    if not leaf.is_contiguous() or leaf.is_conj() or leaf.is_neg():  # (conj()/neg views: their
+        return None  # values are not the bytes they view)
+    return start + leaf.storage_offset() * leaf.element_size()
 
 
 def layout_of(obj: Any) -> Layout | None:

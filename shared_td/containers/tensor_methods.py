@@ -16,6 +16,7 @@ from shared_td.containers.to_args import copied_as_root, parse_to
 from shared_td.containers.unpicklable import check_picklable
 from shared_td.keys import NestedKey, unravel_key
 from shared_td.memmap_tensor import ReadOnlyMemoryMappedTensor, refuse_read_only
+from shared_td.storage.slices import in_shared_mapping
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 if TYPE_CHECKING:  # for the annotations only: tensordict.py imports this module
@@ -141,6 +142,9 @@ class TensorMethods:
             return self
         check_picklable(self, "share_memory_()", shared=True)  # (the nodes are shared one by one)
         for value in self._tensordict.values():
+            if isinstance(value, torch.Tensor) and value.layout is torch.strided and \
+                    in_shared_mapping(value.untyped_storage()):
+                continue  # a plain view of a segment or shared file: shared already (torch would copy it)
             if isinstance(value, torch.Tensor) or is_non_tensor(value):
                 value.share_memory_()
             elif is_tensor_collection(value):

@@ -18,6 +18,7 @@ from shared_td.memmap_tensor.shapes import _contiguous_strides, _extent, checked
 from shared_td.storage import anonymous, files
 from shared_td.storage.anonymous import Segment
 from shared_td.storage.files import FileBacking
+from shared_td.storage.slices import whole_storage
 
 __all__ = ["FromExistingMemory"]
 
@@ -102,9 +103,11 @@ class FromExistingMemory:
         dtype = torch.int64 if dtype is None else dtype
         numel = storage.nbytes() // dtype.itemsize
         shape = torch.Size([numel]) if shape is None else checked_shape(shape)
-        backing = _storage_backing(storage, filename, handler)
+        # a leaf's own storage is a slice of its mapping's: the backing is the mapping's
+        whole, start = whole_storage(storage)
+        backing = _storage_backing(whole, filename, handler)
         if backing is not None:
-            result = cls._from_backing(backing, 0, dtype, shape)
+            result = cls._from_backing(backing, start, dtype, shape)
         else:
             if _extent(dtype, shape) * dtype.itemsize > storage.nbytes():
                 # set_ would grow (reallocate) the caller's storage: its data moves

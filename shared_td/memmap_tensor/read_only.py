@@ -8,6 +8,7 @@ import torch
 from shared_td.errors import ReadOnlyError
 from shared_td.memmap_tensor import tensor as _tensor
 from shared_td.memmap_tensor.tensor import MemoryMappedTensor
+from shared_td.storage.slices import whole_storage
 
 __all__ = ["ReadOnlyMemoryMappedTensor", "refuse_read_only"]
 
@@ -126,7 +127,7 @@ def _keep_read_only(result, source: ReadOnlyMemoryMappedTensor):
         backing = source._backing
         if (type(result) is not ReadOnlyMemoryMappedTensor and backing is not None
                 and backing.storage is not None
-                and result.untyped_storage().data_ptr() == backing.storage.data_ptr()):
+                and whole_storage(result.untyped_storage())[0].data_ptr() == backing.storage.data_ptr()):
             result = result.as_subclass(ReadOnlyMemoryMappedTensor)
             result._backing = backing
             result._parent_shape = source._parent_shape

@@ -23,6 +23,7 @@ from shared_td.storage import files
 from shared_td.storage.anonymous import Segment
 from shared_td.storage.files import FileBacking
 from shared_td.storage.mapping import same_mapping
+from shared_td.storage.slices import storage_slice, whole_storage
 
 __all__ = ["MemoryMappedTensor", "checked_shape", "maps_file_at"]
 
@@ -129,12 +130,14 @@ class MemoryMappedTensor(FromExistingMemory, Factories, torch.Tensor):
         """The plain tensor over ``backing`` that :meth:`_from_backing` wraps, after the
         checks of :func:`_element_offset` (its errors); None for zero elements (nothing
         to map)."""
-        offset = _element_offset(backing, byte_offset, dtype, shape, stride)
-        if offset is None:
+        if _element_offset(backing, byte_offset, dtype, shape, stride) is None:
             return None
+        # over a storage of its own bytes (see shared_td.storage.slices): a plain view
+        # of it pickles those, not the whole segment or file
+        storage = storage_slice(backing.storage, byte_offset, _extent(dtype, shape, stride) * dtype.itemsize)
         if stride is None:  # C order (a leaf of a load or a write): set_ makes the strides
-            return torch.empty(0, dtype=dtype).set_(backing.storage, offset, shape)
-        return torch.empty(0, dtype=dtype).set_(backing.storage, offset, shape, stride)
+            return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+        return torch.empty(0, dtype=dtype).set_(storage, 0, shape, stride)
 
     @staticmethod
     def _leaf_specs(references: list) -> list:
@@ -143,30 +146,28 @@ class MemoryMappedTensor(FromExistingMemory, Factories, torch.Tensor):
         zero-element leaf, which pickles as itself, is refused), as ``(base, shape,
         strides, element offset, segment, parent shape)`` for :meth:`_make_leaves`.
 
-        ``base``: one zero-size tensor per segment and dtype, of which each leaf is one
-        ``as_strided`` (``set_`` on a new tensor costs two torch calls). A normal tensor
-        even in inference mode, so are the leaves: an attach under ``inference_mode()``
-        must not make the leaves of later attaches inference tensors (no in-place write
-        outside it). Each layout (dtype, shape, strides) is checked once: a leaf of a
-        layout met before costs its offset's checks only."""
-        bases: dict = {}
+        ``base``: a zero-size tensor per leaf over a storage of the leaf's own bytes (see
+        shared_td.storage.slices), of which each attach's leaf is one ``as_strided``
+        (``set_`` on a new tensor costs two torch calls). A normal tensor even in
+        inference mode, so are the leaves: an attach under ``inference_mode()`` must not
+        make the leaves of later attaches inference tensors (no in-place write outside
+        it). Each layout (dtype, shape, strides) is checked once: a leaf of a layout met
+        before costs its offset's checks only."""
         layouts: dict = {}  # (dtype, shape, strides) -> (item size, bytes it spans), checked
         sizes: dict = {}  # parent shape -> its torch.Size: one object per distinct shape
         specs = []
-        for backing, dtype, shape, stride, byte_offset, parent_shape in references:
-            layout = layouts.get((dtype, shape, stride))
-            if (layout is None or type(backing) is not Segment or byte_offset < 0
-                    or byte_offset % layout[0] or byte_offset + layout[1] > backing.nbytes):
-                # a new layout, or a leaf that does not fit: the whole check (its error)
-                layout = layouts[dtype, shape, stride] = _checked_layout(backing, byte_offset, dtype, shape, stride)
-            base = bases.get((backing, dtype))
-            if base is None:
-                with torch.inference_mode(False):  # a normal tensor, so are the leaves
-                    base = bases[backing, dtype] = torch.empty(0, dtype=dtype).set_(backing.storage, 0, (0,))
-            size = sizes.get(parent_shape)
-            if size is None:
-                size = sizes[parent_shape] = torch.Size(parent_shape)
-            specs.append((base, shape, stride, byte_offset // layout[0], backing, size))
+        with torch.inference_mode(False):  # a normal tensor, so are the leaves
+            for backing, dtype, shape, stride, byte_offset, parent_shape in references:
+                layout = layouts.get((dtype, shape, stride))
+                if (layout is None or type(backing) is not Segment or byte_offset < 0
+                        or byte_offset % layout[0] or byte_offset + layout[1] > backing.nbytes):
+                    # a new layout, or a leaf that does not fit: the whole check (its error)
+                    layout = layouts[dtype, shape, stride] = _checked_layout(backing, byte_offset, dtype, shape, stride)
+                base = torch.empty(0, dtype=dtype).set_(storage_slice(backing.storage, byte_offset, layout[1]), 0, (0,))
+                size = sizes.get(parent_shape)
+                if size is None:
+                    size = sizes[parent_shape] = torch.Size(parent_shape)
+                specs.append((base, shape, stride, 0, backing, size))
         return specs
 
     @staticmethod
@@ -221,7 +222,7 @@ class MemoryMappedTensor(FromExistingMemory, Factories, torch.Tensor):
 
     def _byte_offset(self) -> int:
         """Byte offset of this tensor's first element in its backing's storage."""
-        return self.storage_offset() * self.element_size()
+        return whole_storage(self.untyped_storage())[1] + self.storage_offset() * self.element_size()
 
     def _wrap(self, tensor: torch.Tensor):
         # a result that still views our storage is an MMT of the same backing; a copy
@@ -342,6 +343,27 @@ class MemoryMappedTensor(FromExistingMemory, Factories, torch.Tensor):
         or FileBacking (a file); None for an empty anonymous tensor."""
         return self._backing
 
+    def is_shared(self) -> bool:
+        """True when its memory is shared between processes already: an anonymous
+        segment, or a file mapped shared (torch's own answer is False for a leaf of a
+        segment or file that holds several, whose storage is a slice of the mapping's:
+        see shared_td.storage.slices). A private (copy-on-write) mapping: torch's answer.
+
+        Example:
+            >>> MemoryMappedTensor.zeros(3).is_shared()
+            True
+        """
+        backing = self._backing
+        if backing is None or not getattr(backing, "shared", True):
+            return super().is_shared()
+        return True
+
+    def share_memory_(self) -> "MemoryMappedTensor":
+        """Self, when its memory is shared already (:meth:`is_shared`): torch would copy a
+        leaf of a segment or file into new shared memory, away from the memory the other
+        processes map."""
+        return self if self.is_shared() else super().share_memory_()
+
     @property
     def parent_shape(self) -> torch.Size:
         """The shape of the tensor that this tensor was built from.
@@ -420,7 +442,7 @@ class MemoryMappedTensor(FromExistingMemory, Factories, torch.Tensor):
                 "or shared-memory segment (was it made with as_subclass?), so it cannot "
                 "be pickled by reference."
             )
-        if self.untyped_storage().data_ptr() != backing.storage.data_ptr():
+        if whole_storage(self.untyped_storage())[0].data_ptr() != backing.storage.data_ptr():
             raise RuntimeError("This MemoryMappedTensor no longer views the storage of "
                                f"{backing!r} (was set_ called on it?); cannot pickle it.")
         return (backing, self.dtype, tuple(self.shape), self.stride(),

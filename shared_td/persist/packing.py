@@ -14,6 +14,7 @@ import operator
 import torch
 
 from shared_td.storage.anonymous import align
+from shared_td.storage.slices import storage_slice
 
 # (read by map(): a loop in C, 3-4x faster over a tree's 2000 leaves than one in Python)
 _itemsize = operator.attrgetter("itemsize")
@@ -66,8 +67,10 @@ def packed_views(storage, sources: list[torch.Tensor], offsets: list[int], order
     the dtype and shape of ``sources[i]``, at byte ``offsets[i]`` (a layout of
     :func:`packed_layout`, which keeps them in bounds and aligned: not checked again).
 
-    Each is a tensor of its own over the storage, not a view of another one, so that an
-    in-place write to one leaf never bumps the version counter (autograd) of another.
+    Each is a tensor of its own over a storage of its own bytes (a slice of ``storage``,
+    see shared_td.storage.slices: a plain view of it pickles those, not the whole
+    segment), not a view of another one, so that an in-place write to one leaf never
+    bumps the version counter (autograd) of another.
     """
     empty_of: dict = {}  # dtype -> an empty tensor: new() of it is the cheapest new tensor
     views = []
@@ -77,7 +80,8 @@ def packed_views(storage, sources: list[torch.Tensor], offsets: list[int], order
         empty = empty_of.get(dtype)
         if empty is None:
             empty = empty_of[dtype] = torch.empty(0, dtype=dtype)
-        views.append(empty.new().set_(storage, offsets[i] // dtype.itemsize, source.shape))
+        piece = storage_slice(storage, offsets[i], source.numel() * dtype.itemsize)
+        views.append(empty.new().set_(piece, 0, source.shape))
     return views
 
 

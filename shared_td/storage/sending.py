@@ -20,6 +20,7 @@ import torch
 from shared_td.storage.anonymous import SEGMENT_ATTRIBUTE, Segment, find_segment
 from shared_td.errors import FileReplacedError
 from shared_td.storage.mapping import FILE_ATTRIBUTE, FileBacking, cached_backing, find_backing, inode_at
+from shared_td.storage.slices import storage_slice, whole_storage
 
 __all__ = ["backing_to_send", "mapped_memory"]
 
@@ -89,22 +90,29 @@ def _reduce_storage(storage, fallback: Callable) -> tuple:
     (torch keeps no descriptor of a mapping made by ``torch.from_file``). Any other
     storage goes to ``fallback``: the reducer registered before ours (torch's, or a
     user's), else the storage's own ``__reduce_ex__``."""
-    memory = mapped_memory(storage)
+    whole, start = whole_storage(storage)  # a leaf's own bytes: a slice of the mapping's
+    memory = mapped_memory(whole)
     if memory is None:
         return fallback(storage)
-    return _storage_of, (memory,)
+    if whole is storage:
+        return _storage_of, (memory,)
+    return _storage_slice_of, (memory, start, storage.nbytes())
 
 
 def _reduce_typed_storage(storage, fallback: Callable) -> tuple:
     # (multiprocess's pickler: torch registers no TypedStorage reducer there, and
     # TypedStorage.__reduce__ pickles the bytes; ours go as their untyped storage)
-    if mapped_memory(storage._untyped_storage) is None:
+    if mapped_memory(whole_storage(storage._untyped_storage)[0]) is None:
         return fallback(storage)
     return _typed_storage, (storage._untyped_storage, storage.dtype)
 
 
 def _storage_of(memory) -> Any:
     return memory.storage
+
+
+def _storage_slice_of(memory, start: int, nbytes: int) -> Any:
+    return storage_slice(memory.storage, start, nbytes)
 
 
 def _typed_storage(untyped, dtype) -> Any:
