@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from shared_td.containers import batch as batch_ops
+from shared_td.containers.shape_write_back import with_write_back
 from shared_td.containers.value_kinds import is_non_tensor
 from shared_td.errors import BatchDimError, TransposeDimError
 from shared_td.tensorclass_protocol import unwrap_tensorclass
@@ -96,11 +97,12 @@ class BatchDimOps:
             )
         size = self.batch_size
         new_size = torch.Size([*size[:start], math.prod(size[start : end + 1]), *size[end + 1 :]])
-        return self._batch_dims_changed(
+        out = self._batch_dims_changed(
             "flatten", new_size, lambda names: [*names[:start], None, *names[end + 1 :]], inplace,
             tensor_op=lambda v: torch.flatten(v, start, end),
             nested_op=lambda v: v.flatten(start, end),
         )
+        return with_write_back(self, out, lambda result: result.unflatten(start, size[start : end + 1]))
 
     def unflatten(self, dim: int, unflattened_size: Any, *, inplace: bool = False) -> "TensorDictBase":
         """The batch dim ``dim`` split into dims of ``unflattened_size`` (one of them may
@@ -123,11 +125,12 @@ class BatchDimOps:
                      .shape[dim : dim + len(unflattened_size)])
         size = self.batch_size
         new_size = torch.Size([*size[:dim], *sizes, *size[dim + 1 :]])
-        return self._batch_dims_changed(
+        out = self._batch_dims_changed(
             "unflatten", new_size, lambda names: [*names[:dim], *[None] * (len(sizes) - 1), *names[dim:]], inplace,
             tensor_op=lambda v: v.unflatten(dim, sizes),
             nested_op=lambda v: v.unflatten(dim, sizes),
         )
+        return with_write_back(self, out, lambda result: result.flatten(dim, dim + len(sizes) - 1))
 
     # ---------------------------------------------------------------- dense helpers
     def _batch_dims_changed(self, op: str, new_size: torch.Size, rename: Callable, inplace: bool, *,

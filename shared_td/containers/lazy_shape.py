@@ -21,6 +21,7 @@ import torch
 from shared_td.containers import batch as batch_ops
 from shared_td.containers.lazy_names import indexed_names
 from shared_td.containers.reshaping import permute_order
+from shared_td.containers.shape_write_back import inverse_order, unsqueezed, with_write_back
 from shared_td.containers.value_kinds import is_leaf_nontensor, is_non_tensor, is_tensor_collection
 from shared_td.keys import NestedKey, is_nested_key
 from shared_td.tensorclass_protocol import unwrap_tensorclass
@@ -325,24 +326,30 @@ class LazyShapeOps:
         """Insert a batch dim of size 1 in every member; ``stack_dim`` shifts if needed."""
         dim = batch_ops.insertion_dim(dim, self.batch_dims)
         if dim <= self._stack_dim:
-            return self._restack([m.unsqueeze(dim) for m in self.tensordicts], self._stack_dim + 1, member_wise=True)
-        return self._restack([m.unsqueeze(dim - 1) for m in self.tensordicts], member_wise=True)
+            out = self._restack([m.unsqueeze(dim) for m in self.tensordicts], self._stack_dim + 1, member_wise=True)
+        else:
+            out = self._restack([m.unsqueeze(dim - 1) for m in self.tensordicts], member_wise=True)
+        return with_write_back(self, out, lambda result: result.squeeze(dim))
 
     def squeeze(self, dim: int | None = None) -> Any:
         """Remove batch dims of size 1; squeezing ``stack_dim`` gives the single member."""
         if dim is None:
+            dims = [d for d in range(self.batch_dims) if self.batch_size[d] == 1]
             out: Any = self
-            for d in reversed(range(self.batch_dims)):
-                if self.batch_size[d] == 1:
-                    out = out.squeeze(d)
+            for d in reversed(dims):
+                out = out.squeeze(d)
+        else:
+            dim = batch_ops.normalize_dim(dim, self.batch_dims)
+            if self.batch_size[dim] != 1:
+                return self
+            if dim == self._stack_dim:
+                return self.tensordicts[0]  # (the member itself: the block writes into it)
+            dims = [dim]
+            sd = self._stack_dim - (dim < self._stack_dim)
+            out = self._restack([m.squeeze(self._member_dim(dim)) for m in self.tensordicts], sd, member_wise=True)
+        if any(out is member for member in self.tensordicts):
             return out
-        dim = batch_ops.normalize_dim(dim, self.batch_dims)
-        if self.batch_size[dim] != 1:
-            return self
-        if dim == self._stack_dim:
-            return self.tensordicts[0]
-        sd = self._stack_dim - (dim < self._stack_dim)
-        return self._restack([m.squeeze(self._member_dim(dim)) for m in self.tensordicts], sd, member_wise=True)
+        return with_write_back(self, out, lambda result: unsqueezed(result, dims))
 
     def permute(self, *dims_list: Any, dims: Any = None) -> "LazyStackedTensorDict":
         """Reorder the batch dims (or only the leading ones, as tensordict: see
@@ -351,8 +358,9 @@ class LazyShapeOps:
         sd = self._stack_dim
         member_order = [self._member_dim(d) for d in order if d != sd]
         # (dims=: members without batch dims take [], where permute(*[]) gives no dims at all)
-        return self._restack([m.permute(dims=member_order) for m in self.tensordicts], order.index(sd),
-                             member_wise=True)
+        out = self._restack([m.permute(dims=member_order) for m in self.tensordicts], order.index(sd),
+                            member_wise=True)
+        return with_write_back(self, out, lambda result: result.permute(inverse_order(order)))
 
     def expand(self, *shape: Any) -> "LazyStackedTensorDict":
         """Expand the batch dims (each member is expanded: views, no copy)."""
@@ -381,7 +389,11 @@ class LazyShapeOps:
                 return empty.reshape(positions.shape)
         return self._from_positions(positions)
 
-    view = reshape
+    def view(self, *shape: Any, size: Any = None) -> Any:
+        """:meth:`reshape` (views of the members); leaving ``with stack.view(...) as v:``
+        writes ``v`` back into the stack (see shape_write_back), as for a TensorDict."""
+        before = self.batch_size
+        return with_write_back(self, self.reshape(*shape, size=size), lambda result: result.reshape(before))
 
     # ---------------------------------------------------------------- torch.cat
     @classmethod

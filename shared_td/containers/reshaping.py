@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shared_td.containers import batch as batch_ops
+from shared_td.containers.shape_write_back import inverse_order, unsqueezed, with_write_back
 from shared_td.containers.value_kinds import is_non_tensor, is_tensor_collection
 
 if TYPE_CHECKING:  # for the annotations only: tensordict.py imports this module
@@ -63,15 +64,18 @@ class BatchShapeOps:
         if len(shape) == 1 and isinstance(shape[0], torch.dtype):
             raise TypeError("TensorDict.view(dtype) is not supported; use .to(dtype).")
         nb = self.batch_dims
-        size = torch.empty(self._batch_size, device="meta").view(batch_ops.shape_args(shape, size)).shape
-        return self._map_entries(lambda v: v.view((*size, *v.shape[nb:])), size, is_view=True)
+        before = self._batch_size
+        size = torch.empty(before, device="meta").view(batch_ops.shape_args(shape, size)).shape
+        return with_write_back(self, self._map_entries(lambda v: v.view((*size, *v.shape[nb:])), size, is_view=True),
+                               lambda out: out.view(before))
 
     def unsqueeze(self, dim: int) -> "TensorDict":
         """Insert a batch dim of size 1 at ``dim`` (a view)."""
         dim = batch_ops.insertion_dim(dim, self.batch_dims)
         size = torch.Size(list(self._batch_size[:dim]) + [1] + list(self._batch_size[dim:]))
         names = None if self._names is None else self._names[:dim] + [None] + self._names[dim:]
-        return self._map_entries(lambda v: v.unsqueeze(dim), size, names, is_view=True)
+        return with_write_back(self, self._map_entries(lambda v: v.unsqueeze(dim), size, names, is_view=True),
+                               lambda out: out.squeeze(dim))
 
     def squeeze(self, dim: int | None = None) -> "TensorDict":
         """Remove batch dims of size 1 (all of them, or only ``dim``) (a view)."""
@@ -85,7 +89,7 @@ class BatchShapeOps:
             size = torch.Size(list(out._batch_size[:d]) + list(out._batch_size[d + 1 :]))
             names = None if out._names is None else out._names[:d] + out._names[d + 1 :]
             out = out._map_entries(lambda v, d=d: v.squeeze(d), size, names, is_view=True)
-        return out
+        return with_write_back(self, out, lambda result: unsqueezed(result, dims))
 
     def permute(self, *dims_list: Any, dims: Any = None) -> "TensorDict":
         """Reorder the batch dims (a view); feature dims stay last. As in tensordict
@@ -105,10 +109,11 @@ class BatchShapeOps:
         order = permute_order(dims_list, nb, dims)
         size = torch.Size([self._batch_size[d] for d in order])
         names = None if self._names is None else [self._names[d] for d in order]
-        return self._map_entries(
+        out = self._map_entries(
             # (one tuple: ``v.permute(*())`` of a 0-dim leaf is a TypeError, ``v.permute(())`` is not)
             lambda v: v.permute((*order, *range(nb, v.ndim))), size, names, is_view=True
         )
+        return with_write_back(self, out, lambda result: result.permute(inverse_order(order)))
 
     @staticmethod
     def _from_dict_has_batch_dims(batch_size: Any, batch_dims: int | None) -> bool:

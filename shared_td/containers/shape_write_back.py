@@ -1,0 +1,62 @@
+"""``with td.view(...) as v:`` (also ``unsqueeze``, ``squeeze``, ``permute``,
+``transpose``, ``flatten``, ``unflatten``): leaving the block writes ``v``'s entries back
+into ``td``, as tensordict 0.15.3 does, so that keys added and entries replaced inside
+the block reach ``td`` (before, they were lost in silence; values written in place
+reach ``td`` anyway: ``v``'s leaves are views of ``td``'s).
+
+An unlocked ``td`` gets ``update(..., inplace=False)`` of ``v`` brought back to its batch
+shape (new keys added, replaced entries replaced); a locked one ``update_`` (the values
+copied in place: a locked tree takes no new key). A block that raises writes nothing
+back. The result holds its source weakly: a chain of views made in a loop keeps no
+earlier tree alive, and a source gone meanwhile gets nothing.
+
+Example:
+    >>> td = TensorDict(a=torch.zeros(3, 4), batch_size=[3, 4])
+    >>> with td.view(-1) as flat:
+    ...     flat["b"] = torch.ones(12)
+    >>> td["b"].shape
+    torch.Size([3, 4])
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+__all__ = ["inverse_order", "unsqueezed", "with_write_back"]
+
+
+def with_write_back(source: Any, result: Any, restore: Callable[[Any], Any]) -> Any:
+    """``result`` (of a batch-shape op on ``source``), marked so that leaving ``with
+    result:`` writes ``restore(result)`` (``result`` brought back to ``source``'s batch
+    shape) into ``source``; ``result`` itself when it is ``source`` (nothing to write)."""
+    if result is source:
+        return result
+    held = weakref.ref(source)
+
+    def write_back(out: Any) -> None:
+        target = held()
+        if target is None:
+            return
+        if target.is_locked:
+            target.update_(restore(out))
+        else:
+            target.update(restore(out), inplace=False)
+
+    result._last_op = ("write_back", write_back)
+    return result
+
+
+def inverse_order(order: list) -> list:
+    """The permutation that undoes ``permute(order)``."""
+    inverse = [0] * len(order)
+    for position, dim in enumerate(order):
+        inverse[dim] = position
+    return inverse
+
+
+def unsqueezed(result: Any, dims: list) -> Any:
+    """``result`` with a dim of size 1 put back at each of ``dims`` (the batch dims a
+    ``squeeze`` removed, as they were numbered before it)."""
+    for dim in sorted(dims):
+        result = result.unsqueeze(dim)
+    return result
