@@ -380,6 +380,7 @@ class ConvenienceOps:
 
         import torch
 
+        from shared_td.containers.nontensor import NonTensorData
         from shared_td.containers.tensordict import TensorDict
 
         size = tuple(batch_ops.shape_args(size))
@@ -394,8 +395,12 @@ class ConvenienceOps:
             if isinstance(x, torch.Tensor):
                 kw = {"dtype": dtype or x.dtype, "device": device or x.device, "requires_grad": requires_grad}
                 return make(x, (*size, *x.shape[nb:]), kw)
-            if is_non_tensor(x):  # no value to make: an empty tensordict in its place, as tensordict
-                return TensorDict._new_unsafe({}, torch.Size([*size, *x.batch_size[nb:]]), x.device)
+            if is_non_tensor(x):
+                batch = torch.Size([*size, *x.batch_size[nb:]])
+                if type(x) is NonTensorData:  # its one value, for every row, as tensordict 0.15.3
+                    return NonTensorData(x.data, batch_size=batch, device=x.device)
+                # no value to make for a stack's rows: an empty tensordict in its place, as tensordict
+                return TensorDict._new_unsafe({}, batch, x.device)
             return x._new_like((*size, *x.batch_size[nb:]), make, dtype, device, requires_grad)  # nested
 
         return dense._map_entries(entry, torch.Size(size), names)

@@ -1,0 +1,23 @@
+"""Drop-in fixes of the 2026-12-06 (thirteenth) round, side by side with tensordict 0.15.3
+where it is installed: found by tensordict's upstream tests and the differential fuzzer."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.reference import LIBS
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("method", ["new_empty", "new_zeros", "new_ones"])
+def test_new_like_keeps_a_non_tensor_value_for_every_row(lib, method):
+    """A NonTensorData entry keeps its value, over the new batch size (before: an empty
+    tensordict took its place, the value lost); a NonTensorStack still gives an empty
+    tensordict (no value for the new rows), as tensordict 0.15.3."""
+    td = lib.TensorDict(a=lib.NonTensorStack("a", "b").unsqueeze(-1), s="x", n={"t": "y"}, x=torch.ones(2),
+                        batch_size=(2,))
+    out = getattr(td, method)((4, 3))
+    assert type(out.get("s")).__name__ == "NonTensorData" and out.get("s").batch_size == (4, 3)
+    assert out["s"] == "x" and out["n", "t"] == "y"
+    assert type(out.get("a")).__name__ == "TensorDict" and out.get("a").batch_size == (4, 3, 1)
+    assert out["x"].shape == (4, 3)
