@@ -156,6 +156,7 @@ class MemoryMappedTensor(FromExistingMemory, Factories, torch.Tensor):
         layouts: dict = {}  # (dtype, shape, strides) -> (item size, bytes it spans), checked
         sizes: dict = {}  # parent shape -> its torch.Size: one object per distinct shape
         specs = []
+        empty_of: dict = {}  # dtype -> an empty tensor: new() of it is the cheapest new tensor
         with torch.inference_mode(False):  # a normal tensor, so are the leaves
             for backing, dtype, shape, stride, byte_offset, parent_shape in references:
                 layout = layouts.get((dtype, shape, stride))
@@ -163,7 +164,10 @@ class MemoryMappedTensor(FromExistingMemory, Factories, torch.Tensor):
                         or byte_offset % layout[0] or byte_offset + layout[1] > backing.nbytes):
                     # a new layout, or a leaf that does not fit: the whole check (its error)
                     layout = layouts[dtype, shape, stride] = _checked_layout(backing, byte_offset, dtype, shape, stride)
-                base = torch.empty(0, dtype=dtype).set_(storage_slice(backing.storage, byte_offset, layout[1]), 0, (0,))
+                empty = empty_of.get(dtype)
+                if empty is None:
+                    empty = empty_of[dtype] = torch.empty(0, dtype=dtype)
+                base = empty.new().set_(storage_slice(backing.storage, byte_offset, layout[1]))
                 size = sizes.get(parent_shape)
                 if size is None:
                     size = sizes[parent_shape] = torch.Size(parent_shape)

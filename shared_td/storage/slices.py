@@ -16,6 +16,12 @@ names the mapping and the slice's offset in it.
 """
 from __future__ import annotations
 
+import torch
+
+# torch's slicing of a storage without its Python wrapper's check of a meta device (our
+# mappings are CPU memory): 0.3 us instead of 0.75 a leaf, paid by every leaf of a tree
+_SLICE = getattr(getattr(torch._C, "StorageBase", None), "__getitem__", None) or torch.UntypedStorage.__getitem__
+
 __all__ = ["SLICE_ATTRIBUTE", "in_shared_mapping", "storage_slice", "whole_storage"]
 
 #: the attribute of a slice's storage that holds ``(the mapping's storage, byte start)``
@@ -38,7 +44,7 @@ def storage_slice(storage, start: int, nbytes: int):
     """
     if start == 0 and nbytes == storage.nbytes():
         return storage
-    piece = storage[start:start + nbytes]
+    piece = _SLICE(storage, slice(start, start + nbytes))
     # (torch keeps one Python object per storage while a tensor views it: the attribute
     # stays with every view of the slice)
     setattr(piece, SLICE_ATTRIBUTE, (storage, start))
