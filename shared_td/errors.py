@@ -79,6 +79,14 @@ class UnstorableValueError(TypeError, RuntimeError):
     here; this is a ``TypeError`` that is also a ``RuntimeError``."""
 
 
+class InPlaceKindError(TypeError, ValueError, RuntimeError):
+    """A value of another kind written in place into an entry (``set(..., inplace=True)``,
+    ``set_``, ``update_``): a non-tensor value into a tensor entry, a tensor into a
+    non-tensor one, a leaf into a nested tensordict. tensordict 0.15.3 raises a
+    ``RuntimeError`` or its ``_InplaceWriteError`` (a ``ValueError`` and a
+    ``RuntimeError``) there; this ``TypeError`` is all three."""
+
+
 class FormatError(ValueError, RuntimeError):
     """A saved directory does not hold what its meta.json says (or is not one at all).
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from shared_td.containers import batch as batch_ops
-from shared_td.errors import BatchSizeMismatchError
+from shared_td.errors import BatchSizeMismatchError, InPlaceKindError
 from shared_td.keys import NestedKey, key_repr
 from shared_td.tensorclass_protocol import is_tensorclass
 
@@ -95,7 +95,7 @@ def check_write_into(current: Any, value: Any, key: str | tuple[str, ...]) -> No
     the entry ``current``; writes nothing (update_ checks every entry before writing)."""
     if isinstance(current, torch.Tensor):
         if not isinstance(value, torch.Tensor):
-            raise TypeError(
+            raise InPlaceKindError(
                 f"Cannot write a {type(value).__name__} in place into tensor entry {_shown(key)}."
             )
         if not batch_ops.broadcasts_to(value.shape, current.shape):
@@ -107,9 +107,10 @@ def check_write_into(current: Any, value: Any, key: str | tuple[str, ...]) -> No
         try:
             current._check_update(value)
         except (ValueError, TypeError) as error:  # BatchSizeMismatchError too: name the key
-            raise type(error)(f"Cannot write into the non-tensor entry {_shown(key)}: {error}") from None
+            kind = InPlaceKindError if type(error) is TypeError else type(error)  # (a value of another kind)
+            raise kind(f"Cannot write into the non-tensor entry {_shown(key)}: {error}") from None
     elif is_tensor_collection(current) and (not is_tensor_collection(value) or is_non_tensor(value)):
-        raise TypeError(
+        raise InPlaceKindError(
             f"Cannot write a {type(value).__name__} in place into the nested tensordict "
             f"{_shown(key)}: give a dict or tensordict of its entries."
         )

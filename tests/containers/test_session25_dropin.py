@@ -21,3 +21,20 @@ def test_new_like_keeps_a_non_tensor_value_for_every_row(lib, method):
     assert out["s"] == "x" and out["n", "t"] == "y"
     assert type(out.get("a")).__name__ == "TensorDict" and out.get("a").batch_size == (4, 3, 1)
     assert out["x"].shape == (4, 3)
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_a_value_of_another_kind_written_in_place_raises_what_tensordict_users_catch(lib):
+    """tensordict 0.15.3 raises a RuntimeError (a string into a tensor entry) and a
+    ValueError that is a RuntimeError (a tensor into a string entry); shared_td's
+    InPlaceKindError is both, and still the TypeError it was (found by tensordict's
+    upstream test_set)."""
+    td = lib.TensorDict(x=torch.ones(3), s="text", batch_size=[3])
+    with pytest.raises(RuntimeError):
+        td.set("x", "a string", inplace=True)
+    with pytest.raises(RuntimeError) as caught:
+        td.set("s", torch.zeros(3), inplace=True)
+    assert isinstance(caught.value, ValueError)
+    if lib.__name__ == "shared_td":
+        assert isinstance(caught.value, TypeError) and "'s'" in str(caught.value)
+    assert torch.equal(td["x"], torch.ones(3)) and td["s"] == "text"
