@@ -129,3 +129,16 @@ def test_the_result_holds_its_source_weakly():
     with view as flat:
         flat["new"] = torch.zeros(12)
     assert "new" in flat.keys()
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_squeeze_of_a_lazy_stack_dim_gives_the_member_itself(lib):
+    """The stack dim of size 1 squeezed is the member: the block writes into it directly,
+    and the member is not marked (a later ``with member:`` writes nothing anywhere)."""
+    member = lib.TensorDict(a=torch.ones(3), batch_size=[3])
+    stack = lib.lazy_stack([member], 0)
+    with stack.squeeze(0) as view:
+        view["new"] = torch.zeros(3)
+    assert "new" in stack.keys() and "new" in member.keys()
+    if lib.__name__ == "shared_td":
+        assert view is member and getattr(member, "_last_op", None) is None
