@@ -158,8 +158,9 @@ def build_consolidated(node: Any, views: Iterator[torch.Tensor], layout: Layout,
         children = [build_consolidated(member, views, layout, moved_to) for member in node.tensordicts]
         new = type(node)(*children, stack_dim=node.stack_dim, batch_size=node._member_batch,
                          stack_dim_name=node._stack_dim_name)
-    else:  # non-tensor data: no layout of its own
-        new = node.clone(recurse=False)
+    else:  # non-tensor data: no layout of its own; a copy's own (clone(recurse=False) of a
+        # shared or memory-mapped value keeps its cell: a write into the copy reached the source)
+        new = node.clone()
         lock_built(new, ())
         return new
     new.__dict__["_consolidated"] = layout

@@ -38,3 +38,24 @@ def test_a_value_of_another_kind_written_in_place_raises_what_tensordict_users_c
     if lib.__name__ == "shared_td":
         assert isinstance(caught.value, TypeError) and "'s'" in str(caught.value)
     assert torch.equal(td["x"], torch.ones(3)) and td["s"] == "text"
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("source", ["share_memory_", "memmap_"])
+@pytest.mark.parametrize("how", ["plain", "share_memory", "pickled"])
+@pytest.mark.parametrize("write", ["set_", "update_"])
+def test_consolidate_gives_non_tensor_values_of_its_own(lib, source, how, write, tmp_path):
+    """A consolidated copy of a tree whose non-tensor values are shared or memory-mapped
+    does not write into them (it kept the source's shared cell: ``set_`` on the copy
+    changed the source; fuzzer seed 91384)."""
+    import pickle
+
+    td = lib.TensorDict({"a": torch.zeros(2)}, [2])
+    td.set_non_tensor("text", "old")
+    td.share_memory_() if source == "share_memory_" else td.memmap_(tmp_path / "save")
+    out = td.consolidate(share_memory=how == "share_memory")
+    if how == "pickled":
+        out = pickle.loads(pickle.dumps(out))
+    out.unlock_()
+    out.set_("text", "new") if write == "set_" else out.update_({"text": "new"})
+    assert td.get_non_tensor("text") == "old" and out.get_non_tensor("text") == "new"
