@@ -19,6 +19,7 @@ from shared_td.memmap_tensor import MemoryMappedTensor, checked_shape
 from shared_td.persist import api, writer
 from shared_td.persist import format as fmt
 from shared_td.persist.functions import check_out_type
+from shared_td.containers.load_in_place import check_entries_fit, is_stack, load_into
 from shared_td.containers.locking import lock_until_restored
 from shared_td.containers.unpicklable import check_picklable, naming_unpicklable
 from shared_td.tensorclass_protocol import is_tensorclass, unwrap_tensorclass
@@ -276,13 +277,12 @@ class MemmapMethods:
                 f"with {type(loaded).__name__}.load_memmap() instead.")
         was_memmap, was_locked = self.is_memmap(), self.is_locked
         target, source = unwrap_tensorclass(self), unwrap_tensorclass(loaded)
-        if _is_stack(target) != _is_stack(source):
-            kinds = ["a lazy stack" if _is_stack(node) else "a tensordict" for node in (source, target)]
+        if is_stack(target) != is_stack(source):
+            kinds = ["a lazy stack" if is_stack(node) else "a tensordict" for node in (source, target)]
             raise ValueError(
                 f"Cannot load {kinds[0]} ({os.fsdecode(prefix)!r}) in place into {kinds[1]}; "
                 f"nothing changed: load it with load_memmap() instead.")
-        if not _is_stack(target):
-            _check_entries_fit(target.batch_size, source, prefix)
+        check_entries_fit(target, source, prefix)
         # an archive's nodes have no directory; mode="r" ones do, but read-only files
         remap = was_memmap and mode != "r" and source._memmap_prefix is not None
         if remap:
@@ -300,10 +300,10 @@ class MemmapMethods:
                 ) from error
         if was_locked:
             target._unlock_tree()  # its old nested tensordicts forget self as a locked parent
-        _rebind(target, source)
+        load_into(target, source)  # into self's own nested nodes, where they match
         if remap:
             target._is_memmap, target._is_shared = True, False
-            if not _is_stack(target):  # a stack's device is its members'
+            if not is_stack(target):  # a stack's device is its members'
                 target._device = source._device  # the CPU, as memmap_ leaves it
         if remap or (was_locked and not was_memmap):
             self.lock_()
@@ -381,7 +381,7 @@ class MemmapMethods:
         )
 
     def _add_memmap_leaf(self, key: NestedKey, make: Any, shape: Any = None) -> torch.Tensor:
-        if _is_stack(self):  # (tensordict's words; it raised AttributeError: _tensordict)
+        if is_stack(self):  # (tensordict's words; it raised AttributeError: _tensordict)
             raise RuntimeError(
                 "Cannot call `make_memmap` on a LazyStackedTensorDict. Only a memory-mapped TensorDict "
                 "supports it: add the entry to a member (stack.tensordicts[i].make_memmap(...)).")
@@ -452,7 +452,7 @@ def _rewrite(node: Any, rewrite_top: Any, top: str) -> None:
 def _check_out(out: Any) -> None:
     """``load_memmap(out=)`` fills an unlocked TensorDict (refused before any change)."""
     check_out_type(out)
-    if _is_stack(out):
+    if is_stack(out):
         raise TypeError(
             "load_memmap(out=) takes a TensorDict, got a LazyStackedTensorDict: load into "
             "a stack with out.load_memmap_(prefix), or use the stack load_memmap returns."
@@ -530,31 +530,3 @@ def _fill(target: Any, source: Any) -> None:
     target._tensordict = entries
 
 
-def _is_stack(node: Any) -> bool:
-    return hasattr(node, "tensordicts")  # a LazyStackedTensorDict (not imported: it imports us)
-
-
-def _check_entries_fit(batch_size: torch.Size, source: Any, prefix: Any) -> None:
-    """Refuse a load_memmap_ whose entries do not start with self's batch size (a [3, 2]
-    save into a [1, 6] tensordict): tensordict 0.15.3 loads them, and its tree then
-    holds entries its batch size does not fit."""
-    for key, value in source._tensordict.items():
-        shape = value.shape if isinstance(value, torch.Tensor) else value.batch_size
-        if tuple(shape[: len(batch_size)]) != tuple(batch_size):
-            raise BatchSizeMismatchError(
-                f"Cannot load {os.fsdecode(prefix)!r} in place: its entry {key!r} of shape "
-                f"{list(shape)} does not fit this tensordict's batch size {list(batch_size)}; "
-                "nothing changed: load it with load_memmap() instead.")
-
-
-def _rebind(target: Any, source: Any) -> None:
-    """Make target's entries those loaded in source (entries not on disk are dropped,
-    as tensordict 0.15.3's load_memmap_ does); a lazy stack's members become the loaded
-    ones, so that its in-place writes reach their files."""
-    if _is_stack(target):
-        target.tensordicts = list(source.tensordicts)
-        target._stack_dim, target._member_batch = source._stack_dim, source._member_batch
-        target._stack_dim_name = source._stack_dim_name
-    else:
-        target._tensordict = dict(source._tensordict)
-    target._memmap_prefix = source._memmap_prefix

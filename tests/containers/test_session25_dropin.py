@@ -59,3 +59,54 @@ def test_consolidate_gives_non_tensor_values_of_its_own(lib, source, how, write,
     out.unlock_()
     out.set_("text", "new") if write == "set_" else out.update_({"text": "new"})
     assert td.get_non_tensor("text") == "old" and out.get_non_tensor("text") == "new"
+
+
+def _handles(lib, how):
+    """``(tree to load into, a node of it taken before the load)``."""
+    if how == "nested":
+        tree = lib.TensorDict({"n": lib.TensorDict({"a": torch.zeros(2)}, [2])}, [2])
+        return tree, tree.get("n")
+    members = [lib.TensorDict({"a": torch.zeros(2)}, [2]) for _ in range(2)]
+    if how == "member":
+        return lib.LazyStackedTensorDict(*members, stack_dim=0), members[0]
+    root = lib.LazyStackedTensorDict(*members, stack_dim=0)
+    return root[[0]], root  # (fuzzer seed 95249: the stack holds root's member 0)
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("how", ["nested", "member", "indexed stack"])
+@pytest.mark.parametrize("memmapped", [False, True])
+def test_load_memmap_loads_into_the_nodes_the_tree_has(lib, how, memmapped, tmp_path):
+    """A nested tensordict or lazy-stack member taken before ``load_memmap_`` sees the
+    loaded values and the writes made through the tree afterwards (they were replaced by
+    the loaded ones: the handle kept the old values; fuzzer seed 95249)."""
+    tree, handle = _handles(lib, how)
+    saved = tree.clone()
+    saved.apply_(lambda t: t + 5)
+    saved.memmap(tmp_path / "save")
+    if memmapped:
+        tree.memmap_(tmp_path / "own")
+    tree.load_memmap_(tmp_path / "save")
+    first = handle.get("a")[0].tolist() if how == "indexed stack" else handle.get("a").tolist()
+    assert first == [5.0, 5.0]
+    if memmapped and (how == "nested" or lib.__name__ == "shared_td"):  # the kept node is memory-mapped
+        # into the loaded directory (tensordict 0.15.3 unlocks a stack's members: README)
+        node = tree.get("n") if how == "nested" else tree.tensordicts[0]
+        assert node.is_memmap() and str(node.saved_path).startswith(str(tmp_path / "save"))
+    if tree.is_locked:
+        tree.unlock_()
+    tree.apply_(lambda t: t + 1)
+    assert (handle.get("a")[0] if how == "indexed stack" else handle.get("a")).tolist() == [6.0, 6.0]
+
+
+def test_load_memmap_into_a_lazy_stack_of_another_batch_size_is_refused(tmp_path):
+    """(it took the save's batch size in silence; tensordict 0.15.3 keeps its own over
+    the save's leaves; a TensorDict raises the same BatchSizeMismatchError)"""
+    import shared_td
+
+    small = shared_td.lazy_stack([shared_td.TensorDict(a=torch.ones(1), batch_size=[1]) for _ in range(2)])
+    small.memmap(tmp_path / "save")
+    stack = shared_td.lazy_stack([shared_td.TensorDict(a=torch.zeros(3), batch_size=[3]) for _ in range(2)])
+    with pytest.raises(shared_td.BatchSizeMismatchError, match=r"\[2, 1\].*\[2, 3\]"):
+        stack.load_memmap_(tmp_path / "save")
+    assert stack.batch_size == (2, 3) and stack["a"].tolist() == [[0.0] * 3] * 2

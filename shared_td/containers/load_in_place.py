@@ -1,0 +1,86 @@
+"""What ``load_memmap_(prefix)`` does to the tree it loads into, once the save is loaded
+(``loaded``) and checked: the tree keeps its own nested tensordicts, tensorclasses and
+lazy-stack members wherever the save has one of the same kind and batch size there, and
+each gets the saved entries, recursively, as tensordict 0.15.3 loads into the objects it
+has. Before, they were replaced by the loaded ones: a nested tensordict or a member taken
+before the load (``n = td["n"]``, a member of a stack, a stack holding the same members)
+kept the old values, and writes through the loaded tree never reached it.
+
+Entries not in the save are dropped (as tensordict); an entry of another kind or batch
+size there takes the saved one, and so does anything that is locked on its own after the
+tree was unlocked (a nested tensordict that another locked tree holds too: the load must
+not change that tree).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from shared_td.errors import BatchSizeMismatchError
+from shared_td.tensorclass_protocol import is_tensorclass, unwrap_tensorclass
+
+__all__ = ["check_entries_fit", "load_into"]
+
+
+def check_entries_fit(target: Any, source: Any, prefix: Any) -> None:
+    """Refuse a load_memmap_ whose save does not fit ``target``'s batch size: a TensorDict
+    whose saved entries do not start with it (a [3, 2] save into a [1, 6] tensordict:
+    tensordict 0.15.3 loads them, and its tree then holds entries its batch size does
+    not fit), a lazy stack saved with another batch size (a [2, 1] save into a [2, 3]
+    stack took the save's batch size in silence; tensordict keeps [2, 3] over [1] leaves)."""
+    if is_stack(target):
+        if tuple(source.batch_size) != tuple(target.batch_size):
+            raise BatchSizeMismatchError(
+                f"Cannot load {os.fsdecode(prefix)!r} in place: it holds a lazy stack of batch size "
+                f"{list(source.batch_size)}, this one's is {list(target.batch_size)}; nothing changed: "
+                "load it with load_memmap() instead.")
+        return
+    batch_size = target.batch_size
+    for key, value in source._tensordict.items():
+        shape = value.shape if isinstance(value, torch.Tensor) else value.batch_size
+        if tuple(shape[: len(batch_size)]) != tuple(batch_size):
+            raise BatchSizeMismatchError(
+                f"Cannot load {os.fsdecode(prefix)!r} in place: its entry {key!r} of shape "
+                f"{list(shape)} does not fit this tensordict's batch size {list(batch_size)}; "
+                "nothing changed: load it with load_memmap() instead.")
+
+
+def load_into(target: Any, source: Any) -> None:
+    """Make ``target``'s entries (a TensorDict's) or members (a lazy stack's) those of
+    ``source``, loading into ``target``'s own nodes where they match (see the module)."""
+    if is_stack(target):
+        members = [_kept(old, new) for old, new in zip(target.tensordicts, source.tensordicts)] \
+            if len(target.tensordicts) == len(source.tensordicts) else list(source.tensordicts)
+        target.tensordicts = members
+        target._stack_dim, target._member_batch = source._stack_dim, source._member_batch
+        target._stack_dim_name = source._stack_dim_name
+    else:
+        own = target._tensordict
+        target._tensordict = {key: _kept(own.get(key), value) for key, value in source._tensordict.items()}
+    target._memmap_prefix = source._memmap_prefix
+
+
+def is_stack(node: Any) -> bool:
+    return hasattr(node, "tensordicts")  # a LazyStackedTensorDict (not imported: it imports this layer's users)
+
+
+def _kept(old: Any, new: Any) -> Any:
+    """``old`` loaded with ``new``'s entries, when it is a node of the same kind and batch
+    size that nothing else keeps locked; else ``new``."""
+    if old is None or type(old) is not type(new) or is_tensorclass(old) != is_tensorclass(new):
+        return new
+    inner_old, inner_new = unwrap_tensorclass(old), unwrap_tensorclass(new)
+    if not hasattr(inner_old, "_tensordict") and not is_stack(inner_old):
+        return new  # a tensor, a non-tensor value: the saved one
+    if type(inner_old) is not type(inner_new) or inner_old.batch_size != inner_new.batch_size \
+            or inner_old.is_locked or getattr(inner_old, "_is_non_tensor", False):
+        return new
+    if is_stack(inner_old) and inner_old.stack_dim != inner_new.stack_dim:
+        return new
+    load_into(inner_old, inner_new)
+    inner_old._is_memmap, inner_old._is_shared = inner_new._is_memmap, inner_new._is_shared
+    if not is_stack(inner_old):  # (a stack's device is its members')
+        inner_old._device = inner_new._device
+    return old
