@@ -30,6 +30,18 @@ def wide_tree(lib, n=8):
                            "done": torch.tensor([True, False, True, False])}, [4])
 
 
+def tree_of(how, coord, tmp_path=None):
+    """The wide tree, its leaves in one segment (``memmap_``), one archive file
+    (``archive``) or a segment published and attached (``attach``)."""
+    if how == "memmap_":
+        return wide_tree(shared_td).memmap_()
+    if how == "archive":
+        wide_tree(shared_td).memmap(tmp_path / "t.tdz")
+        return shared_td.TensorDict.load_memmap(tmp_path / "t.tdz")
+    coord.publish("wide", wide_tree(shared_td))
+    return coord.attach("wide")
+
+
 def saved_and_loaded(obj):
     buffer = io.BytesIO()
     torch.save(obj, buffer)
@@ -42,14 +54,7 @@ def test_a_plain_view_of_a_leaf_pickles_its_own_bytes_only(how, tmp_path):
     """pickle.dumps of ``leaf.view(-1)`` (a plain tensor) of a tree of 8 such leaves:
     its own 64 KiB, not the tree's 512 KiB (before: the whole segment or file)."""
     with shared_td.Coordinator() as coord:
-        if how == "memmap_":
-            td = wide_tree(shared_td).memmap_()
-        elif how == "archive":
-            wide_tree(shared_td).memmap(tmp_path / "t.tdz")
-            td = shared_td.TensorDict.load_memmap(tmp_path / "t.tdz")
-        else:
-            coord.publish("wide", wide_tree(shared_td))
-            td = coord.attach("wide")
+        td = tree_of(how, coord, tmp_path)
         view = td["k3"].view(-1).as_subclass(torch.Tensor)  # (an archive's leaves are read-only ones)
         blob = pickle.dumps(view)
         assert len(blob) < 1.1 * LEAF_BYTES
@@ -60,16 +65,12 @@ def test_a_plain_view_of_a_leaf_pickles_its_own_bytes_only(how, tmp_path):
 
 
 @pytest.mark.parametrize("how", ["memmap_", "attach"])
-def test_torch_save_of_a_reshaped_tree_of_several_dtypes(how):
+def test_torch_save_of_a_reshaped_tree_of_several_dtypes(how, tmp_path):
     """torch.save of ``td.reshape(...)`` (plain views of float and bool leaves of one
     segment) works and writes about the tree's bytes once (before: "Cannot save multiple
     tensors or storages that view the same data as different types")."""
     with shared_td.Coordinator() as coord:
-        if how == "memmap_":
-            td = wide_tree(shared_td).memmap_()
-        else:
-            coord.publish("wide", wide_tree(shared_td))
-            td = coord.attach("wide")
+        td = tree_of(how, coord, tmp_path)
         reshaped = td.reshape(2, 2)
         assert type(reshaped["done"]) is torch.Tensor
         back, nbytes = saved_and_loaded(reshaped)
@@ -119,17 +120,13 @@ def test_from_storage_of_a_leaf_storage_is_that_leaf():
 
 
 @pytest.mark.parametrize("how", ["memmap_", "attach"])
-def test_share_memory_keeps_leaves_and_their_views_in_the_segment(how):
+def test_share_memory_keeps_leaves_and_their_views_in_the_segment(how, tmp_path):
     """A leaf's storage is a slice of the segment, which torch says is not shared: its
     ``share_memory_()`` (and a tree's, over plain views of it) would copy it into new
     memory that no other process maps. A leaf says it is shared and stays; a tree of
     plain views (``reshape``) keeps viewing the segment."""
     with shared_td.Coordinator() as coord:
-        if how == "memmap_":
-            td = wide_tree(shared_td).memmap_()
-        else:
-            coord.publish("wide", wide_tree(shared_td))
-            td = coord.attach("wide")
+        td = tree_of(how, coord, tmp_path)
         leaf = td["k1"]
         address = leaf.data_ptr()
         assert leaf.is_shared() and leaf.share_memory_() is leaf and leaf.data_ptr() == address
