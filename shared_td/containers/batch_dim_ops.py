@@ -65,6 +65,41 @@ class BatchDimOps:
         # shared or memory-mapped result is locked, as tensordict makes it)
         return self.permute(order)
 
+    swapaxes = swapdims = transpose  # (torch's names for it, as tensordict 0.15.3)
+
+    def movedim(self, source: Any, destination: Any) -> "TensorDictBase":
+        """The batch dims ``source`` (an int or a sequence) moved to ``destination``, the
+        others kept in order, as ``torch.movedim`` (a ``permute``: a view, with the
+        names; ``moveaxis`` is the same).
+
+        Raises:
+            BatchDimError: a dim outside the batch dims (an IndexError and a RuntimeError).
+            ValueError: ``source`` and ``destination`` of different lengths, or a dim
+                given twice.
+
+        Example:
+            >>> td = TensorDict(a=torch.zeros(2, 3, 4), batch_size=[2, 3, 4], names=["x", "y", "z"])
+            >>> td.movedim(0, -1).batch_size, td.movedim(0, -1).names
+            (torch.Size([3, 4, 2]), ['y', 'z', 'x'])
+        """
+        ndim = self.batch_dims
+        sources = [source] if isinstance(source, int) else list(source)
+        destinations = [destination] if isinstance(destination, int) else list(destination)
+        if len(sources) != len(destinations):
+            raise ValueError(f"movedim: source {source} and destination {destination} must have the same "
+                             "number of dims.")
+        sources = [batch_dim("movedim", d, ndim, "source") for d in sources]
+        destinations = [batch_dim("movedim", d, ndim, "destination") for d in destinations]
+        if len(set(sources)) != len(sources) or len(set(destinations)) != len(destinations):
+            raise ValueError(f"movedim: a dim is given twice in source {source} or destination {destination}.")
+        order: list = [None] * ndim
+        for moved, place in zip(sources, destinations):
+            order[place] = moved
+        rest = iter(d for d in range(ndim) if d not in sources)
+        return self.permute([next(rest) if d is None else d for d in order])
+
+    moveaxis = movedim
+
     def flatten(self, start_dim: int | None = None, end_dim: int | None = None, *,
                 inplace: bool = False) -> "TensorDictBase":
         """The batch dims ``start_dim`` to ``end_dim`` (default: all) flattened into one,

@@ -110,7 +110,8 @@ def _refuse_device_assignment(self, value: Any) -> None:
 
 _WRAPPED = (
     "unbind split chunk to cpu cuda pin_memory pin_memory_ clone contiguous expand reshape view "
-    "unsqueeze squeeze permute transpose flatten unflatten apply named_apply set_ lock_ unlock_ "
+    "unsqueeze squeeze permute transpose swapaxes swapdims movedim moveaxis flatten unflatten "
+    "apply named_apply set_ lock_ unlock_ "
     "share_memory_ exclude empty zero_ fill_ copy_ del_ rename_key_ refine_names auto_batch_size_ "
     "__eq__ __ne__ __lt__ __le__ __gt__ __ge__ __enter__ __exit__ all any "  # (all(dim) is a tensordict)
     "repeat repeat_interleave clear_device_ auto_device_ filter_empty_"

@@ -142,3 +142,28 @@ def test_squeeze_of_a_lazy_stack_dim_gives_the_member_itself(lib):
     assert "new" in stack.keys() and "new" in member.keys()
     if lib.__name__ == "shared_td":
         assert view is member and getattr(member, "_last_op", None) is None
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("lazy", [False, True])
+def test_swapaxes_swapdims_movedim_moveaxis_as_tensordict(lib, lazy):
+    """torch's other names for transpose, and movedim/moveaxis (a permute): the same
+    batch sizes, names and leaves as tensordict 0.15.3, views of the source, and their
+    with-blocks write back as the other batch-shape views."""
+    if lazy:
+        td = lib.lazy_stack([lib.TensorDict(a=torch.arange(12.0).view(3, 4), batch_size=[3, 4]) for _ in range(2)])
+    else:
+        td = lib.TensorDict(a=torch.arange(24.0).view(2, 3, 4), batch_size=[2, 3, 4], names=["x", "y", "z"])
+    assert td.swapaxes(0, 2).batch_size == td.swapdims(0, 2).batch_size == td.transpose(0, 2).batch_size
+    assert torch.equal(td.swapaxes(0, 2)["a"], td["a"].transpose(0, 2))
+    for source, destination in [(0, -1), ([0, 1], [2, 0]), (2, 0)]:
+        moved = td.movedim(source, destination)
+        assert torch.equal(moved["a"], td["a"].movedim(source, destination))
+        assert td.moveaxis(source, destination).batch_size == moved.batch_size
+    if not lazy:
+        assert td.movedim(0, -1).names == ["y", "z", "x"]
+    with td.movedim(0, -1) as view:
+        view["new"] = torch.ones(view.batch_size)
+    assert td["new"].shape == td.batch_size
+    td.movedim(0, -1).zero_()
+    assert (td["a"] == 0).all()
