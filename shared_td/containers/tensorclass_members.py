@@ -420,9 +420,12 @@ class _TensorClassMembers:
                 f"{sorted(type(self)._tc_field_names)}); nothing was updated."
             )
         if isinstance(other, dict):
-            for key in [k for k, v in other.items() if v is None and isinstance(k, str)]:
+            # None into a field of its own: stored as None; into a nested key (("inner",
+            # "a")): written there as any value (it was dropped, the old value kept)
+            fields = [k for k, v in other.items() if v is None and isinstance(k, str)]
+            for key in fields:
                 _store(self, key, None)
-            other = {k: v for k, v in other.items() if v is not None}
+            other = {k: v for k, v in other.items() if k not in fields}
             if not inplace:  # numbers given to int/float/bool fields, as setattr keeps them
                 other = {k: _kept_number(self, k, v) if isinstance(k, str) else v for k, v in other.items()}
         self._tensordict.update(other, inplace=inplace, keys_to_update=keys_to_update, **kwargs)

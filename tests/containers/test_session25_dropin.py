@@ -110,3 +110,22 @@ def test_load_memmap_into_a_lazy_stack_of_another_batch_size_is_refused(tmp_path
     with pytest.raises(shared_td.BatchSizeMismatchError, match=r"\[2, 1\].*\[2, 3\]"):
         stack.load_memmap_(tmp_path / "save")
     assert stack.batch_size == (2, 3) and stack["a"].tolist() == [[0.0] * 3] * 2
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_tensorclass_update_of_none_at_a_nested_key_writes_it(lib):
+    """``tc.update({("inner", "a"): None})`` writes None into the nested entry, as
+    TensorDict.update and tensordict 0.15.3 do (it was dropped with the None given to
+    the class's own fields, and the old value kept; fuzzer seed 103163)."""
+    inner = lib.TensorDict(batch_size=[1])
+    inner.set_non_tensor("a", "walk")
+
+    @lib.tensorclass
+    class Step:
+        inner: lib.TensorDict
+        info: str
+
+    step = Step(inner=inner, info="walk", batch_size=[1])
+    step.update({("inner", "a"): None, "info": None})
+    value = step.inner.get_non_tensor("a")  # (tensordict 0.15.3: its LinkedList([None]))
+    assert (value is None or list(value) == [None]) and step.info is None
