@@ -60,7 +60,8 @@ a resource tracker; we need neither):
   by ``filename``. A receiver keeps one mapping (and, for a segment, one descriptor) of
   what it receives while any view of it lives, however many views it receives.
 * Many leaves can share one segment (at :data:`ALIGNMENT`-byte offsets): descriptors grow
-  with the number of segments, not of tensors (user-issues row 15).
+  with the number of segments, not of tensors (user-issues row 15). Each leaf's torch
+  storage is a slice of the segment's, its own bytes only (:mod:`shared_td.storage.slices`).
 """
 
 from __future__ import annotations
@@ -153,7 +154,8 @@ class Segment:
         self.key = key
         try:
             # Mapped eagerly: mapping costs nothing until touched, and one fixed storage
-            # per segment is what lets a tensor prove which segment it views.
+            # per segment is what lets a tensor prove which segment it views (a leaf's
+            # own storage is a slice of it that names it: shared_td.storage.slices).
             storage = map_fd(fd, nbytes, shared=True,
                              what=f"an anonymous shared-memory segment (inode {key[1]})")
         except BaseException:
