@@ -35,7 +35,14 @@ class NonTensorOps:
 
     def non_tensor_items(self, include_nested: bool = False) -> Iterator[tuple[NestedKey, Any]]:
         """``(key, entry)`` of every NonTensorData and NonTensorStack entry (nested ones
-        too, as tuple keys, with ``include_nested``); the entries, not their values."""
+        too, as tuple keys, with ``include_nested``); the entries, not their values. A
+        lazy stack reads only its non-tensor keys (every member holds non-tensor data
+        there): a tensor key whose members' shapes differ cannot be read stacked."""
+        if hasattr(self, "tensordicts"):  # a lazy stack
+            for key in self.keys(include_nested, True, is_leaf_nontensor):
+                if _non_tensor_in_every_member(self, key):
+                    yield key, self.get(key)
+            return
         for key, value in self.items(include_nested, True, is_leaf_nontensor):
             if is_non_tensor(value):
                 yield key, value
@@ -44,6 +51,19 @@ class NonTensorOps:
         """A new tensordict without the non-tensor entries, at any depth (the nested
         tensordicts stay, even when they become empty); it shares the tensors."""
         return self.exclude(*[key for key, _ in self.non_tensor_items(include_nested=True)])
+
+
+def _non_tensor_in_every_member(stack: Any, key: NestedKey) -> bool:
+    """Whether every member of the lazy ``stack`` (and of lazy stacks in it) holds
+    non-tensor data at ``key``, read member by member (never stacked)."""
+    for member in stack.tensordicts:
+        member = getattr(member, "_tensordict", member) if getattr(member, "_is_tensorclass", False) else member
+        if hasattr(member, "tensordicts"):
+            if not _non_tensor_in_every_member(member, key):
+                return False
+        elif not is_non_tensor(member.get(key, None)):
+            return False
+    return True
 
 
 # ------------------------------------------------- what a Python value becomes

@@ -129,3 +129,16 @@ def test_tensorclass_update_of_none_at_a_nested_key_writes_it(lib):
     step.update({("inner", "a"): None, "info": None})
     value = step.inner.get_non_tensor("a")  # (tensordict 0.15.3: its LinkedList([None]))
     assert (value is None or list(value) == [None]) and step.info is None
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_non_tensor_items_of_a_lazy_stack_with_ragged_tensors(lib):
+    """``non_tensor_items``/``filter_non_tensor_data`` of a lazy stack whose members hold
+    tensors of different shapes under one key read only the non-tensor keys (they read
+    every key stacked: "Failed to stack tensors"; fuzzer seed 110519)."""
+    members = [lib.TensorDict(a=torch.zeros(3, n), s=text, n={"t": text, "u": torch.zeros(3, n + 1)}, batch_size=[3])
+               for n, text in ((1, "x"), (4, "z"))]
+    stack = lib.lazy_stack(members)
+    items = dict(stack.non_tensor_items(True))
+    assert set(items) == {"s", ("n", "t")} and items["s"].tolist() == [["x"] * 3, ["z"] * 3]
+    assert set(stack.filter_non_tensor_data().keys(True, True)) == {"a", ("n", "u")}
