@@ -63,7 +63,8 @@ def load_into(target: Any, source: Any) -> None:
 
 
 def is_stack(node: Any) -> bool:
-    return hasattr(node, "tensordicts")  # a LazyStackedTensorDict (not imported: it imports this layer's users)
+    # a LazyStackedTensorDict (lazy.py is not imported: it imports memmap_methods.py, ours)
+    return hasattr(node, "tensordicts")
 
 
 def _kept(old: Any, new: Any) -> Any:

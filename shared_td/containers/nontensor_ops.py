@@ -16,6 +16,7 @@ from shared_td.containers.nontensor_values import same_value
 from shared_td.containers.value_kinds import is_leaf_nontensor, is_non_tensor
 from shared_td.errors import BatchSizeMismatchError
 from shared_td.keys import NestedKey, key_repr
+from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 
 class NonTensorOps:
@@ -57,7 +58,7 @@ def _non_tensor_in_every_member(stack: Any, key: NestedKey) -> bool:
     """Whether every member of the lazy ``stack`` (and of lazy stacks in it) holds
     non-tensor data at ``key``, read member by member (never stacked)."""
     for member in stack.tensordicts:
-        member = getattr(member, "_tensordict", member) if getattr(member, "_is_tensorclass", False) else member
+        member = unwrap_tensorclass(member)
         if hasattr(member, "tensordicts"):
             if not _non_tensor_in_every_member(member, key):
                 return False
