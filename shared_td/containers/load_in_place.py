@@ -63,7 +63,7 @@ def load_into(target: Any, source: Any) -> None:
 
 
 def is_stack(node: Any) -> bool:
-    # a LazyStackedTensorDict (lazy.py is not imported: it imports memmap_methods.py, ours)
+    # a LazyStackedTensorDict, told by its members (lazy.py, above base.py, is not imported)
     return hasattr(node, "tensordicts")
 
 
