@@ -13,7 +13,7 @@ import torch
 
 from shared_td.containers import batch as batch_ops
 from shared_td.containers.nontensor_values import same_value
-from shared_td.containers.value_kinds import is_leaf_nontensor, is_non_tensor
+from shared_td.containers.value_kinds import is_leaf_nontensor, is_non_tensor, is_tensor_collection
 from shared_td.errors import BatchSizeMismatchError
 from shared_td.keys import NestedKey, key_repr
 from shared_td.tensorclass_protocol import unwrap_tensorclass
@@ -44,9 +44,12 @@ class NonTensorOps:
                 if _non_tensor_in_every_member(self, key):
                     yield key, self.get(key)
             return
-        for key, value in self.items(include_nested, True, is_leaf_nontensor):
+        for key, value in self.items():  # a nested lazy stack answers for its own keys
             if is_non_tensor(value):
                 yield key, value
+            elif include_nested and is_tensor_collection(value):
+                for inner, entry in unwrap_tensorclass(value).non_tensor_items(True):
+                    yield (key, *inner) if isinstance(inner, tuple) else (key, inner), entry
 
     def filter_non_tensor_data(self) -> Any:
         """A new tensordict without the non-tensor entries, at any depth (the nested

@@ -142,3 +142,17 @@ def test_non_tensor_items_of_a_lazy_stack_with_ragged_tensors(lib):
     items = dict(stack.non_tensor_items(True))
     assert set(items) == {"s", ("n", "t")} and items["s"].tolist() == [["x"] * 3, ["z"] * 3]
     assert set(stack.filter_non_tensor_data().keys(True, True)) == {"a", ("n", "u")}
+
+
+def test_non_tensor_items_of_a_tree_holding_a_ragged_lazy_stack():
+    """The same through a dense tree that holds such a stack (fuzzer seed 120177; with
+    members this ragged tensordict 0.15.3 raises too); keys and kinds as tensordict's
+    for a stack that is not ragged (the test above)."""
+    import shared_td
+
+    members = [shared_td.TensorDict(a=torch.zeros(3, n), s=text, batch_size=[3]) for n, text in ((1, "x"), (4, "z"))]
+    root = shared_td.TensorDict(l=shared_td.lazy_stack(members, 1), t="top", n={"u": "deep", "v": torch.zeros(2)},
+                                batch_size=[])
+    assert [key for key, _ in root.non_tensor_items(True)] == [("l", "s"), "t", ("n", "u")]
+    assert [key for key, _ in root.non_tensor_items()] == ["t"]
+    assert set(root.filter_non_tensor_data().keys(True, True)) == {("l", "a"), ("n", "v")}
