@@ -112,10 +112,10 @@ def _extent(dtype, shape, stride=None) -> int:
     return extent if count else 0
 
 
-def _element_offset(backing, byte_offset: int, dtype, shape, stride=None) -> int | None:
-    """Where a ``dtype`` tensor of ``shape`` (and ``stride``) at ``byte_offset`` of
-    ``backing`` starts, in elements, once checked to lie within the backing's bytes; None
-    when it has no element (nothing to map, nothing to check).
+def _checked_span(backing, byte_offset: int, dtype, shape, stride=None) -> int:
+    """How many bytes a ``dtype`` tensor of ``shape`` (and ``stride``) at ``byte_offset``
+    of ``backing`` spans, from its first element to its last, once checked to lie within
+    the backing's bytes; 0 when it has no element (nothing to map, nothing to check).
 
     Raises:
         TypeError, ValueError: as :func:`_extent`; ValueError also for a negative offset
@@ -128,7 +128,7 @@ def _element_offset(backing, byte_offset: int, dtype, shape, stride=None) -> int
         raise ValueError(f"Byte offset {byte_offset} is not a multiple of the "
                          f"{itemsize}-byte size of {dtype}.")
     if extent == 0:
-        return None
+        return 0
     if byte_offset < 0:
         raise ValueError(f"Byte offset {byte_offset} is negative.")
     offset = byte_offset // itemsize
@@ -139,4 +139,4 @@ def _element_offset(backing, byte_offset: int, dtype, shape, stride=None) -> int
             f"{where} holds {backing.nbytes} bytes, but a {dtype} tensor of shape "
             f"{tuple(shape)} at byte offset {byte_offset} needs {needed} bytes."
         )
-    return offset
+    return extent * itemsize

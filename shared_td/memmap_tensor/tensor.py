@@ -18,7 +18,7 @@ import torch
 
 from shared_td.memmap_tensor.existing_memory import FromExistingMemory
 from shared_td.memmap_tensor.factories import Factories, removed_on_failure
-from shared_td.memmap_tensor.shapes import _element_offset, _extent, checked_nbytes, checked_shape
+from shared_td.memmap_tensor.shapes import _checked_span, checked_nbytes, checked_shape
 from shared_td.storage import files
 from shared_td.storage.anonymous import Segment
 from shared_td.storage.files import FileBacking
@@ -128,13 +128,14 @@ class MemoryMappedTensor(FromExistingMemory, Factories, torch.Tensor):
     @staticmethod
     def _checked_view(backing, byte_offset: int, dtype: torch.dtype, shape: torch.Size, stride=None):
         """The plain tensor over ``backing`` that :meth:`_from_backing` wraps, after the
-        checks of :func:`_element_offset` (its errors); None for zero elements (nothing
+        checks of :func:`_checked_span` (its errors); None for zero elements (nothing
         to map)."""
-        if _element_offset(backing, byte_offset, dtype, shape, stride) is None:
+        span = _checked_span(backing, byte_offset, dtype, shape, stride)
+        if not span:
             return None
         # over a storage of its own bytes (see shared_td.storage.slices): a plain view
         # of it pickles those, not the whole segment or file
-        storage = storage_slice(backing.storage, byte_offset, _extent(dtype, shape, stride) * dtype.itemsize)
+        storage = storage_slice(backing.storage, byte_offset, span)
         if stride is None:  # C order (a leaf of a load or a write): set_ makes the strides
             return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
         return torch.empty(0, dtype=dtype).set_(storage, 0, shape, stride)
@@ -142,7 +143,7 @@ class MemoryMappedTensor(FromExistingMemory, Factories, torch.Tensor):
     @staticmethod
     def _leaf_specs(references: list) -> list:
         """The anonymous leaves that :meth:`_reference` described (a published version's),
-        each checked to lie within its segment (the errors of :func:`_element_offset`; a
+        each checked to lie within its segment (the errors of :func:`_checked_span`; a
         zero-element leaf, which pickles as itself, is refused), as ``(base, shape,
         strides, element offset, segment, parent shape)`` for :meth:`_make_leaves`.
 
@@ -525,10 +526,11 @@ def _checked_layout(backing, byte_offset: int, dtype, shape, stride) -> tuple[in
     checked to lie within ``backing``, a Segment, and to have elements."""
     if type(backing) is not Segment:
         raise TypeError(f"A published leaf lives in a shared-memory segment, not in {type(backing).__name__}.")
-    if _element_offset(backing, byte_offset, dtype, shape, stride) is None:
+    span = _checked_span(backing, byte_offset, dtype, shape, stride)
+    if not span:
         raise ValueError(f"A {dtype} leaf of shape {tuple(shape)} has no element: a "
                          "published leaf of a segment always has some.")
-    return dtype.itemsize, _extent(dtype, shape, stride) * dtype.itemsize
+    return dtype.itemsize, span
 
 
 def _names_path(path, own: str) -> bool:
