@@ -18,6 +18,7 @@ import torch
 from shared_td.containers import batch as batch_ops
 from shared_td.containers.base import (TensorDictBase, check_write_into, is_leaf_nontensor, is_non_tensor,
                                        is_tensor_collection)
+from shared_td.containers.value_kinds import is_lazy_stack
 from shared_td.containers.index_writes import number_kept, numbers_kept, plan_set_at
 from shared_td.containers.lazy_nontensor import written_through
 from shared_td.containers.nontensor import NonTensorData, as_non_tensor
@@ -36,6 +37,8 @@ class LazyWriteOps:
     """Mixin of LazyStackedTensorDict (it relies on ``tensordicts``, ``_stack_dim``,
     ``batch_size``, ``_restack`` and, for ``lazy[idx] = ...``, LazyShapeOps's
     ``_locate``, ``_positions`` and ``_element``)."""
+
+    _is_lazy_stack = True  # (the marker value_kinds.is_lazy_stack reads)
 
     # what ``get(key)`` gives for a non-tensor key: a NonTensorStack whose writes reach the members
     _written_through = written_through
@@ -504,10 +507,7 @@ def _has_path(td: TensorDictBase, path: tuple) -> bool:
     return td._get_path(path, None) is not None
 
 
-def _is_lazy(value: Any) -> bool:
-    """True for a LazyStackedTensorDict: the only class with this mixin (it cannot be
-    named here without importing lazy.py, which imports this module)."""
-    return isinstance(value, LazyWriteOps)
+_is_lazy = is_lazy_stack  # (its former name, which the lazy modules import from here)
 
 
 def _expand_to(value: Any, size: torch.Size) -> Any:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from shared_td.containers.value_kinds import is_lazy_stack
 from shared_td.errors import BatchSizeMismatchError
 from shared_td.tensorclass_protocol import is_tensorclass, unwrap_tensorclass
 
@@ -30,7 +31,7 @@ def check_entries_fit(target: Any, source: Any, prefix: Any) -> None:
     tensordict 0.15.3 loads them, and its tree then holds entries its batch size does
     not fit), a lazy stack saved with another batch size (a [2, 1] save into a [2, 3]
     stack took the save's batch size in silence; tensordict keeps [2, 3] over [1] leaves)."""
-    if is_stack(target):
+    if is_lazy_stack(target):
         if tuple(source.batch_size) != tuple(target.batch_size):
             raise BatchSizeMismatchError(
                 f"Cannot load {os.fsdecode(prefix)!r} in place: it holds a lazy stack of batch size "
@@ -50,7 +51,7 @@ def check_entries_fit(target: Any, source: Any, prefix: Any) -> None:
 def load_into(target: Any, source: Any) -> None:
     """Make ``target``'s entries (a TensorDict's) or members (a lazy stack's) those of
     ``source``, loading into ``target``'s own nodes where they match (see the module)."""
-    if is_stack(target):
+    if is_lazy_stack(target):
         members = [_kept(old, new) for old, new in zip(target.tensordicts, source.tensordicts)] \
             if len(target.tensordicts) == len(source.tensordicts) else list(source.tensordicts)
         target.tensordicts = members
@@ -62,26 +63,21 @@ def load_into(target: Any, source: Any) -> None:
     target._memmap_prefix = source._memmap_prefix
 
 
-def is_stack(node: Any) -> bool:
-    # a LazyStackedTensorDict, told by its members (lazy.py, above base.py, is not imported)
-    return hasattr(node, "tensordicts")
-
-
 def _kept(old: Any, new: Any) -> Any:
     """``old`` loaded with ``new``'s entries, when it is a node of the same kind and batch
     size that nothing else keeps locked; else ``new``."""
     if old is None or type(old) is not type(new) or is_tensorclass(old) != is_tensorclass(new):
         return new
     inner_old, inner_new = unwrap_tensorclass(old), unwrap_tensorclass(new)
-    if not hasattr(inner_old, "_tensordict") and not is_stack(inner_old):
+    if not hasattr(inner_old, "_tensordict") and not is_lazy_stack(inner_old):
         return new  # a tensor, a non-tensor value: the saved one
     if type(inner_old) is not type(inner_new) or inner_old.batch_size != inner_new.batch_size \
             or inner_old.is_locked or getattr(inner_old, "_is_non_tensor", False):
         return new
-    if is_stack(inner_old) and inner_old.stack_dim != inner_new.stack_dim:
+    if is_lazy_stack(inner_old) and inner_old.stack_dim != inner_new.stack_dim:
         return new
     load_into(inner_old, inner_new)
     inner_old._is_memmap, inner_old._is_shared = inner_new._is_memmap, inner_new._is_shared
-    if not is_stack(inner_old):  # (a stack's device is its members')
+    if not is_lazy_stack(inner_old):  # (a stack's device is its members')
         inner_old._device = inner_new._device
     return old

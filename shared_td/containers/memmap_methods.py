@@ -19,8 +19,9 @@ from shared_td.memmap_tensor import MemoryMappedTensor, checked_shape
 from shared_td.persist import api, writer
 from shared_td.persist import format as fmt
 from shared_td.persist.functions import check_out_type
-from shared_td.containers.load_in_place import check_entries_fit, is_stack, load_into
+from shared_td.containers.load_in_place import check_entries_fit, load_into
 from shared_td.containers.locking import lock_until_restored
+from shared_td.containers.value_kinds import is_lazy_stack
 from shared_td.containers.unpicklable import check_picklable, naming_unpicklable
 from shared_td.tensorclass_protocol import is_tensorclass, unwrap_tensorclass
 
@@ -277,8 +278,8 @@ class MemmapMethods:
                 f"with {type(loaded).__name__}.load_memmap() instead.")
         was_memmap, was_locked = self.is_memmap(), self.is_locked
         target, source = unwrap_tensorclass(self), unwrap_tensorclass(loaded)
-        if is_stack(target) != is_stack(source):
-            kinds = ["a lazy stack" if is_stack(node) else "a tensordict" for node in (source, target)]
+        if is_lazy_stack(target) != is_lazy_stack(source):
+            kinds = ["a lazy stack" if is_lazy_stack(node) else "a tensordict" for node in (source, target)]
             raise ValueError(
                 f"Cannot load {kinds[0]} ({os.fsdecode(prefix)!r}) in place into {kinds[1]}; "
                 f"nothing changed: load it with load_memmap() instead.")
@@ -303,7 +304,7 @@ class MemmapMethods:
         load_into(target, source)  # into self's own nested nodes, where they match
         if remap:
             target._is_memmap, target._is_shared = True, False
-            if not is_stack(target):  # a stack's device is its members'
+            if not is_lazy_stack(target):  # a stack's device is its members'
                 target._device = source._device  # the CPU, as memmap_ leaves it
         if remap or (was_locked and not was_memmap):
             self.lock_()
@@ -381,7 +382,7 @@ class MemmapMethods:
         )
 
     def _add_memmap_leaf(self, key: NestedKey, make: Any, shape: Any = None) -> torch.Tensor:
-        if is_stack(self):  # (tensordict's words; it raised AttributeError: _tensordict)
+        if is_lazy_stack(self):  # (tensordict's words; it raised AttributeError: _tensordict)
             raise RuntimeError(
                 "Cannot call `make_memmap` on a LazyStackedTensorDict. Only a memory-mapped TensorDict "
                 "supports it: add the entry to a member (stack.tensordicts[i].make_memmap(...)).")
@@ -452,7 +453,7 @@ def _rewrite(node: Any, rewrite_top: Any, top: str) -> None:
 def _check_out(out: Any) -> None:
     """``load_memmap(out=)`` fills an unlocked TensorDict (refused before any change)."""
     check_out_type(out)
-    if is_stack(out):
+    if is_lazy_stack(out):
         raise TypeError(
             "load_memmap(out=) takes a TensorDict, got a LazyStackedTensorDict: load into "
             "a stack with out.load_memmap_(prefix), or use the stack load_memmap returns."

@@ -13,7 +13,7 @@ import torch
 
 from shared_td.containers import batch as batch_ops
 from shared_td.containers.nontensor_values import same_value
-from shared_td.containers.value_kinds import is_leaf_nontensor, is_non_tensor, is_tensor_collection
+from shared_td.containers.value_kinds import is_lazy_stack, is_leaf_nontensor, is_non_tensor, is_tensor_collection
 from shared_td.errors import BatchSizeMismatchError
 from shared_td.keys import NestedKey, key_repr
 from shared_td.tensorclass_protocol import unwrap_tensorclass
@@ -39,7 +39,7 @@ class NonTensorOps:
         too, as tuple keys, with ``include_nested``); the entries, not their values. A
         lazy stack reads only its non-tensor keys (every member holds non-tensor data
         there): a tensor key whose members' shapes differ cannot be read stacked."""
-        if hasattr(self, "tensordicts"):  # a lazy stack
+        if is_lazy_stack(self):
             for key in self.keys(include_nested, True, is_leaf_nontensor):
                 if _non_tensor_in_every_member(self, key):
                     yield key, self.get(key)
@@ -62,7 +62,7 @@ def _non_tensor_in_every_member(stack: Any, key: NestedKey) -> bool:
     non-tensor data at ``key``, read member by member (never stacked)."""
     for member in stack.tensordicts:
         member = unwrap_tensorclass(member)
-        if hasattr(member, "tensordicts"):
+        if is_lazy_stack(member):
             if not _non_tensor_in_every_member(member, key):
                 return False
         elif not is_non_tensor(member.get(key, None)):
@@ -153,11 +153,9 @@ def list_to_entry(value: list, device: Any) -> Any:
     from shared_td.containers.nontensor import NonTensorStack
 
     tensors = [isinstance(v, torch.Tensor) for v in value]
-    if value and all(tensors):
-        if len({v.shape for v in value}) == 1:
-            return torch.stack(value)
-        return NonTensorStack._from_flat(value, torch.Size([len(value)]), device)
-    if any(tensors):  # tensors beside other values: one value each, as tensordict keeps them
+    if value and all(tensors) and len({v.shape for v in value}) == 1:
+        return torch.stack(value)
+    if any(tensors):  # of several shapes, or beside other values: one value each, as tensordict keeps them
         return NonTensorStack._from_flat(value, torch.Size([len(value)]), device)
     converted = list_to_tensor(value)
     if isinstance(converted, torch.Tensor):

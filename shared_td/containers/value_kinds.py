@@ -62,6 +62,13 @@ def is_non_tensor(value: Any) -> bool:
     return is_non_tensor_class(type(value))
 
 
+def is_lazy_stack(value: Any) -> bool:
+    """True for a LazyStackedTensorDict, told by a class marker of its mixin
+    (lazy_writes.LazyWriteOps): lazy.py cannot be imported here (it imports this module),
+    and a tensorclass around a stack is not one."""
+    return getattr(type(value), "_is_lazy_stack", False)
+
+
 def is_non_tensor_class(cls: type) -> bool:
     """True for the classes NonTensorData and NonTensorStack (and their subclasses)."""
     return getattr(cls, "_is_non_tensor", False)
