@@ -219,8 +219,8 @@ def write_results(target: Any, results: Any) -> None:
     """``apply(..., inplace=True)``: the tensors of ``results`` (what ``target``'s apply
     made, which no one else holds; None: nothing) written into ``target``'s entries.
     ``update_`` checks every write before the first one (see updates.py), so a result
-    that does not fit leaves ``target`` unchanged (written key by key, the keys before
-    it were written already)."""
+    that does not fit leaves ``target`` unchanged (before, the results were written key
+    by key, and the keys before it stayed written)."""
     if results is not None:
         target.update_(_without_non_tensors(unwrap_tensorclass(results), target))
 
