@@ -20,7 +20,8 @@ seconds, then that one connection is closed, and the loop goes on; a peer has
 else its connection is shut down (one thread watches the deadlines of the handshakes
 under way: a receive timeout bounds each read only); a peer that fails the handshake gets nothing but the closing (and the standard failure
 message of a wrong key). Once authenticated, a connection waits for requests as long as
-its client keeps it (a client idles between calls).
+its client keeps it (a client idles between calls), and its calls and answers are
+pickled by the standard library's pickle, in C (:meth:`Server.serve_client`).
 
 Like ``server.py``, this module imports only the standard library and ``multiprocess``
 (the manager never imports torch or the ``shared_td`` package).
@@ -36,13 +37,16 @@ Example:
 from __future__ import annotations
 
 import errno
+import pickle
 import socket
 import struct
+import sys
 import threading
 import time
 from traceback import format_exc
 
 from multiprocess import connection, managers
+from multiprocess.reduction import ForkingPickler
 
 __all__ = ["BACKOFF_MAX_S", "HANDSHAKE_S", "Server"]
 
@@ -193,6 +197,55 @@ class Server(managers.Server):
             conn.send(msg)
         except Exception:  # the peer left
             pass
+
+    def serve_client(self, conn) -> None:
+        """Answer the calls of an authenticated connection until its client closes it, as
+        ``managers.Server.serve_client`` does for the objects it serves (here the
+        registry only: no proxies), with the standard library's pickle, in C: the
+        Connection's own pickler (dill, in Python) took ~40 us of CPU a call on this
+        machine, of a 100 us round trip. An answer that pickle refuses goes through dill,
+        as before; the client reads either (one format)."""
+        while not self.stop_event.is_set():
+            try:
+                request = conn.recv_bytes()
+            except EOFError:  # the client closed the connection
+                sys.exit(0)  # (as the original: handle_request ends on SystemExit)
+            answer = _answer_bytes(self._outcome(request))
+            try:
+                conn.send_bytes(answer)
+            except Exception:  # the peer left
+                conn.close()
+                sys.exit(1)
+
+    def _outcome(self, request: bytes) -> tuple:
+        """``("#RETURN", result)`` of the pickled call ``request``, ``("#ERROR", exc)``
+        of the exception it raised, ``("#TRACEBACK", text)`` of a call that is refused
+        (an unknown object or a method that is not exposed) or does not unpickle."""
+        try:
+            ident, method, args, kwds = pickle.loads(request)
+            target, exposed, _typeids = self.id_to_obj[ident]
+            if method not in exposed:
+                raise AttributeError(f"method {method!r} of {type(target)!r} object is not in exposed={exposed!r}")
+            function = getattr(target, method)
+        except Exception:
+            return "#TRACEBACK", format_exc()
+        try:
+            return "#RETURN", function(*args, **kwds)
+        except Exception as err:
+            return "#ERROR", err
+
+
+def _answer_bytes(outcome: tuple) -> bytes:
+    """``outcome`` pickled: by pickle in C, else by dill (a value that only dill
+    pickles), else the traceback of that failure (as ``#UNSERIALIZABLE``)."""
+    try:
+        return pickle.dumps(outcome, pickle.HIGHEST_PROTOCOL)
+    except Exception:
+        pass
+    try:
+        return bytes(ForkingPickler.dumps(outcome))
+    except Exception:
+        return pickle.dumps(("#UNSERIALIZABLE", format_exc()), pickle.HIGHEST_PROTOCOL)
 
 
 def _limit_waits(conn, seconds: float) -> None:

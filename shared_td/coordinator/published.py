@@ -23,8 +23,8 @@ each MemoryMappedTensor over an anonymous segment replaced by its index in ``lea
 bytes to view and stays in the tree, pickled as itself. A process parses a published
 version once (a :class:`ParsedVersion`: each leaf checked against its segment once, by
 arithmetic, and kept as its spec), and each attach of that version makes new
-MemoryMappedTensors of those specs (one ``as_strided`` each, of one base tensor per
-segment and dtype: ``MemoryMappedTensor._leaf_specs``) and unpickles only the tree
+MemoryMappedTensors of those specs (each a new tensor set to the storage of its own
+bytes: ``MemoryMappedTensor._make_leaves``) and unpickles only the tree
 around them, so every attach still returns new objects (new nodes, leaves whose metadata
 is their own), as a plain unpickle did. A leaf that does not fit its segment is refused
 before any view is made, and the error names the published name and the leaf's key.
