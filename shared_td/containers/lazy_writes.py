@@ -399,11 +399,11 @@ class LazyWriteOps:
                      if isinstance(part, torch.Tensor)}  # (non-tensor entries take no tensor)
             leaves = dict.fromkeys(parts, value)
         else:  # (only the source's keys are read: another one may differ in shape across members)
-            leaves = dict(value.items(include_nested=True, leaves_only=True, is_leaf=is_leaf_nontensor))
             try:
+                leaves = dict(value.items(include_nested=True, leaves_only=True, is_leaf=is_leaf_nontensor))
                 parts = {key: view.get(key, None) for key in leaves}
-            except RuntimeError:  # (its members' shapes differ: written member by member)
-                return None
+            except RuntimeError:  # (its members' shapes differ, or those of a lazy stack the
+                return None  # value holds: written member by member)
         source = TensorDict(batch_size=view.batch_size)
         for key, leaf in leaves.items():
             part = parts[key]

@@ -80,8 +80,14 @@ class NonTensorData(NonTensorDataBase):
         return [self.data] * self._batch_size.numel()
 
     def _transform(self, op: Callable[[torch.Tensor], torch.Tensor], keep_members: bool = False) -> "NonTensorData":
-        size = op(torch.zeros((), dtype=torch.uint8).expand(self._batch_size)).shape
-        return self._same_value(size)
+        base = torch.zeros((), dtype=torch.uint8).expand(self._batch_size)
+        taken = op(base)
+        if taken.numel() and taken.untyped_storage().data_ptr() != base.untyped_storage().data_ptr():
+            # an index list, tensor or mask: a copy, as a tensor's, whose writes stay in it
+            # (a shared or memory-mapped value's copy kept its cell or its files: a write
+            # into a sampled row replaced the source's value)
+            return NonTensorData(self.data, batch_size=taken.shape, device=self._device)
+        return self._same_value(taken.shape)
 
     def _with_batch_size(self, batch_size: torch.Size, key: str) -> "NonTensorData":
         if self._batch_size == batch_size:
