@@ -8,6 +8,7 @@ from typing import Any
 
 from shared_td.containers.base import is_leaf_nontensor, is_tensor_collection
 from shared_td.containers.lazy_writes import _is_branch, _is_lazy
+from shared_td.containers.shape_write_back import with_write_back
 from shared_td.keys import NestedKey, key_repr, unravel_key
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 
@@ -92,8 +93,8 @@ class KeyOps:
             self._tensordict = entries
             return self
         out = type(self)._new_unsafe(entries, self._batch_size, self._device, self.names)
-        out._last_op = keys_write_back(self, "flatten_keys", separator)
-        return out
+        # leaving `with td.flatten_keys() as flat:` writes flat's entries back into td
+        return with_write_back(self, out, lambda result: result.unflatten_keys(separator))
 
     def unflatten_keys(self, separator: str = ".", inplace: bool = False) -> "KeyOps":
         """The inverse of ``flatten_keys``: ``"a.b"`` becomes ``("a", "b")``.
@@ -120,8 +121,7 @@ class KeyOps:
             self._check_unlocked((), "unflatten its keys")
             self._tensordict = out._tensordict
             return self
-        out._last_op = keys_write_back(self, "unflatten_keys", separator)
-        return out
+        return with_write_back(self, out, lambda result: result.flatten_keys(separator))
 
 
 def _by_first_part(td: "KeyOps", keys: tuple, strict: bool, whole_wins: bool) -> dict:
@@ -242,26 +242,3 @@ def _taken(td: "KeyOps", path: tuple) -> bool:
             return True
         node = value
     return False
-
-
-def keys_write_back(source: "KeyOps", method: str, separator: str) -> tuple:
-    """The ``_last_op`` of what ``source.flatten_keys(separator)`` (or ``unflatten_keys``)
-    returns: leaving ``with source.flatten_keys(",") as flat:`` writes ``flat``'s
-    entries back into ``source`` (``update`` of the inverse op's result), as tensordict
-    0.15.3 does, so the keys added or replaced in the block reach ``source``; a locked
-    ``source`` is left as it is. (Removed keys are not removed from ``source``.)
-
-    Example:
-        >>> td = TensorDict(batch_size=[2])
-        >>> with td.flatten_keys(",") as flat:
-        ...     flat["a,b"] = torch.zeros(2)
-        >>> td["a", "b"].shape
-        torch.Size([2])
-    """
-    inverse = "unflatten_keys" if method == "flatten_keys" else "flatten_keys"
-
-    def write_back(result: "KeyOps") -> None:
-        if not source.is_locked:
-            source.update(getattr(result, inverse)(separator))
-
-    return ("write_back", write_back)

@@ -254,11 +254,9 @@ class LazyShapeOps:
                       options: dict | None = None) -> "LazyStackedTensorDict":
         options = options or {}
         if not inplace:
-            from shared_td.containers.keyops import keys_write_back
-
             out = self._restack([getattr(m, method)(separator, **options) for m in self.tensordicts])
-            out._last_op = keys_write_back(self, method, separator)
-            return out
+            inverse = "unflatten_keys" if method == "flatten_keys" else "flatten_keys"
+            return with_write_back(self, out, lambda result: getattr(result, inverse)(separator))
         for member in self.tensordicts:  # a locked member raises before any is changed
             member._check_unlocked((), f"{method.replace('_', ' ')} in place")
         for member in self.tensordicts:

@@ -458,6 +458,13 @@ def _fit_in_place(current: Any, part: Any) -> Any:
     if is_non_tensor(current):
         return one_value_into(current, part)
     source = unwrap_tensorclass(part)
+    if _is_lazy(source) and _is_branch(current):
+        # a lazy part laid out otherwise than the member (leaving `with lazy.view(-1):` on
+        # a locked stack) fits as the dense tree it reads as; a ragged one cannot be one
+        try:
+            source = source.to_tensordict()
+        except RuntimeError:
+            return part
     if not _is_branch(current) or not _is_branch(source) or _is_lazy(source):
         return part
     fitted = {}

@@ -210,5 +210,5 @@ class LockingOps:
             self.lock_()
         elif op == "lock_":
             self.unlock_()
-        elif isinstance(op, tuple) and op[0] == "write_back" and exc_type is None:  # (keyops.keys_write_back;
+        elif isinstance(op, tuple) and op[0] == "write_back" and exc_type is None:  # (shape_write_back.with_write_back;
             op[1](self)  # a block that raised writes nothing back, as in tensordict)

@@ -82,10 +82,10 @@ class NonTensorData(NonTensorDataBase):
     def _transform(self, op: Callable[[torch.Tensor], torch.Tensor], keep_members: bool = False) -> "NonTensorData":
         base = torch.zeros((), dtype=torch.uint8).expand(self._batch_size)
         taken = op(base)
-        if taken.numel() and taken.untyped_storage().data_ptr() != base.untyped_storage().data_ptr():
-            # an index list, tensor or mask: a copy, as a tensor's, whose writes stay in it
-            # (a shared or memory-mapped value's copy kept its cell or its files: a write
-            # into a sampled row replaced the source's value)
+        if not taken.numel() or taken.untyped_storage().data_ptr() != base.untyped_storage().data_ptr():
+            # an index list, tensor or mask (or nothing selected): a copy, as a tensor's,
+            # whose writes stay in it (a shared or memory-mapped value's copy kept its cell
+            # or its files: a write into a sampled row replaced the source's value)
             return NonTensorData(self.data, batch_size=taken.shape, device=self._device)
         return self._same_value(taken.shape)
 
@@ -287,13 +287,15 @@ class NonTensorStack(NonTensorBase):
             piece = NonTensorData(values[0], batch_size=new_positions.shape, device=self._device)
         else:
             piece = NonTensorStack._from_flat(values, new_positions.shape, self._device, members)
-        if self._is_memmap or self._is_shared or self._shared_value is not None:
+        if not new_positions.numel() or (
+                new_positions.untyped_storage().data_ptr() != positions.untyped_storage().data_ptr()):
+            pass  # an index list, tensor or mask: a copy, as tensordict's, whose writes stay in it
+        elif self._is_memmap or self._is_shared or self._shared_value is not None:
             piece._copy_of_stored_stack = True  # (see NonTensorBase._refuse_copy_write)
-        elif new_positions.numel() and new_positions.untyped_storage().data_ptr() == positions.untyped_storage().data_ptr():
+        else:
             # a view (an int or slice index, a reshape, permute, unsqueeze...): its in-place
-            # writes reach this stack, as tensordict's pieces, which hold its members; an
-            # index list, tensor or mask gives a copy there as here (a sample of a buffer
-            # edited in place must not write into the buffer)
+            # writes reach this stack, as tensordict's pieces, which hold its members (a
+            # sample of a buffer edited in place must not write into the buffer: a copy)
             piece._piece_of = (self, taken)
         return piece
 

@@ -1,12 +1,13 @@
 """``with td.view(...) as v:`` (also ``unsqueeze``, ``squeeze``, ``permute``,
-``transpose``, ``flatten``, ``unflatten``): leaving the block writes ``v``'s entries back
+``transpose``, ``flatten``, ``unflatten``, ``flatten_keys``, ``unflatten_keys``): leaving
+the block writes ``v``'s entries back
 into ``td``, as tensordict 0.15.3 does, so that keys added and entries replaced inside
 the block reach ``td`` (before, they were lost in silence; values written in place
 reach ``td`` anyway: ``v``'s leaves are views of ``td``'s).
 
 An unlocked ``td`` gets ``update(..., inplace=False)`` of ``v`` brought back to its batch
-shape (new keys added, replaced entries replaced); a locked one ``update_`` (the values
-copied in place: a locked tree takes no new key). A block that raises writes nothing
+shape (new keys added, replaced entries replaced); a locked one ``update_`` of the keys it
+has (the values copied in place: a locked tree takes no new key). A block that raises writes nothing
 back. The result holds its source weakly: a chain of views made in a loop keeps no
 earlier tree alive, and a source gone meanwhile gets nothing.
 
@@ -21,6 +22,8 @@ from __future__ import annotations
 
 import weakref
 from typing import Any, Callable
+
+from shared_td.containers.value_kinds import is_leaf_nontensor
 
 __all__ = ["inverse_order", "unsqueezed", "with_write_back"]
 
@@ -37,10 +40,15 @@ def with_write_back(source: Any, result: Any, restore: Callable[[Any], Any]) -> 
         target = held()
         if target is None:
             return
+        back = restore(out)
         if target.is_locked:
-            target.update_(restore(out))
+            # in place, and only the keys it has: a locked tree takes no new key (one added
+            # in a flatten_keys block), skipped as tensordict 0.15.3's update_ skips it
+            present = set(target.keys(True, True, is_leaf_nontensor))
+            target.update_(back, keys_to_update=[key for key in back.keys(True, True, is_leaf_nontensor)
+                                                 if key in present])
         else:
-            target.update(restore(out), inplace=False)
+            target.update(back, inplace=False)
 
     result._last_op = ("write_back", write_back)
     return result

@@ -60,3 +60,82 @@ def test_an_index_write_of_a_value_holding_a_ragged_lazy_stack(lib):
     assert [member["r"].tolist() for member in first["next"].tensordicts] == [[10, 11, 12, 13], [10], [10]]
     assert first["b"].item() == 10
     assert [member["r"].tolist() for member in stack.tensordicts[1]["next"].tensordicts] == [[10, 11, 12, 13], [10], [10]]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("source", ["share_memory_", "memmap_"])
+@pytest.mark.parametrize("index", ["empty list", "empty tensor", "all-False mask"])
+@pytest.mark.parametrize("write", ["set inplace", "update_"])
+def test_a_selection_of_no_row_never_writes_into_the_source(lib, source, index, write, tmp_path):
+    """Nothing selected, nothing written back: a non-tensor write into ``td[[]]`` of a
+    shared or memory-mapped tree left the source's value replaced for every row."""
+    td = lib.TensorDict({"obs": torch.zeros(2)}, [2])
+    td.set_non_tensor("info", "walk")
+    td.share_memory_() if source == "share_memory_" else td.memmap_(tmp_path / "save")
+    rows = {"empty list": [], "empty tensor": torch.tensor([], dtype=torch.long),
+            "all-False mask": torch.tensor([False, False])}[index]
+    none = td[rows]
+    none.set("info", "CHANGED", inplace=True) if write == "set inplace" else none.update_({"info": "CHANGED"})
+    assert td.get_non_tensor("info") == "walk"
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("source", ["share_memory_", "memmap_"])
+@pytest.mark.parametrize("index", ["list", "tensor", "mask"])
+def test_a_row_copy_of_a_shared_or_mapped_stack_takes_writes_of_its_own(lib, source, index, tmp_path):
+    """A NonTensorStack's selection by an index list, tensor or mask is a copy: a write
+    into it is its own (before: refused with 'Cannot update a leaf NonTensorDataBase',
+    the refusal meant for the views of such a stack). tensordict 0.15.3 writes a shared
+    stack's copy into the stack."""
+    td = lib.TensorDict({"obs": torch.zeros(3), "s": lib.NonTensorStack("a", "b", "c")}, [3])
+    td.share_memory_() if source == "share_memory_" else td.memmap_(tmp_path / "save")
+    rows = {"list": [0, 2], "tensor": torch.tensor([0, 2]), "mask": torch.tensor([True, False, True])}[index]
+    copy = td[rows]
+    copy.set("s", lib.NonTensorStack("Y", "Z"), inplace=True)
+    assert copy.get("s").tolist() == ["Y", "Z"]
+    if lib.__name__ == "shared_td" or source == "memmap_":
+        assert td.get("s").tolist() == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("prepare", ["lock_", "memmap_"])
+@pytest.mark.parametrize("method", ["flatten_keys", "unflatten_keys"])
+def test_a_keys_block_on_a_locked_tree_writes_its_entries_back_in_place(lib, prepare, method, tmp_path):
+    """Leaving ``with td.flatten_keys() as flat:`` on a locked tree (``lock_()``, or any
+    tree after ``memmap_()``) writes the entries replaced in the block back in place, as
+    on an unlocked one (before: a locked tree was left as it was, the block's writes lost
+    in silence); a key added in the block is left out, as tensordict's ``update_`` skips
+    it (a locked tree takes no new key)."""
+    td = lib.TensorDict({"obs": torch.zeros(2), "n": {"a": torch.zeros(2)}}, [2])
+    td.lock_() if prepare == "lock_" else td.memmap_(tmp_path / "save")
+    with getattr(td, method)(".") as keys:
+        keys["obs"] = keys["obs"] + 1
+        keys["added"] = torch.ones(2)
+        if method == "flatten_keys":
+            keys["n.a"] = keys["n.a"] + 2
+    assert td["obs"].tolist() == [1.0, 1.0]
+    assert td["n", "a"].tolist() == ([2.0, 2.0] if method == "flatten_keys" else [0.0, 0.0])
+    assert "added" not in td.keys()
+    if prepare == "memmap_":
+        assert lib.TensorDict.load_memmap(tmp_path / "save")["obs"].tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("prepare", ["lock_", "share_memory_"])
+@pytest.mark.parametrize("op", ["flatten", "view"])
+@pytest.mark.parametrize("values", [("x", "x"), ("x", "y")])
+def test_an_empty_shape_block_on_a_locked_lazy_stack_of_non_tensor_values(lib, prepare, op, values):
+    """Leaving an empty ``with lazy.flatten(0, -1):`` (or ``view(-1)``) block on a locked
+    lazy stack whose members hold a NonTensorData writes the same values back (before:
+    a ValueError 'Cannot write a NonTensorStack ... into a NonTensorData', the write-back
+    split along another dim than the members'; fuzzer seed 141040)."""
+    members = []
+    for value in values:
+        member = lib.TensorDict({"c": torch.zeros(1, 2)}, [1, 2])
+        member.set_non_tensor("s", value)
+        members.append(member)
+    stack = lib.lazy_stack(members, 0)
+    getattr(stack, prepare)()
+    with (stack.flatten(0, -1) if op == "flatten" else stack.view(-1)):
+        pass
+    assert stack.get("s").tolist() == [[[values[0]] * 2], [[values[1]] * 2]]
