@@ -1,15 +1,15 @@
 """``with td.view(...) as v:`` (also ``unsqueeze``, ``squeeze``, ``permute``,
 ``transpose``, ``flatten``, ``unflatten``, ``flatten_keys``, ``unflatten_keys``): leaving
-the block writes ``v``'s entries back
-into ``td``, as tensordict 0.15.3 does, so that keys added and entries replaced inside
-the block reach ``td`` (before, they were lost in silence; values written in place
-reach ``td`` anyway: ``v``'s leaves are views of ``td``'s).
+the block writes ``v``'s entries back into ``td``, as tensordict 0.15.3 does, so that keys
+added and entries replaced inside the block reach ``td`` (before, they were lost in
+silence; values written in place reach ``td`` anyway: ``v``'s leaves are views of
+``td``'s).
 
 An unlocked ``td`` gets ``update(..., inplace=False)`` of ``v`` brought back to its batch
-shape (new keys added, replaced entries replaced); a locked one ``update_`` of the keys it
-has (the values copied in place: a locked tree takes no new key). A block that raises writes nothing
-back. The result holds its source weakly: a chain of views made in a loop keeps no
-earlier tree alive, and a source gone meanwhile gets nothing.
+shape (new keys added, replaced entries replaced); a locked one ``update_`` of the keys
+it has (the values copied in place: a locked tree takes no new key). A block that raises
+writes nothing back. The result holds its source weakly: a chain of views made in a loop
+keeps no earlier tree alive, and a source gone meanwhile gets nothing.
 
 Example:
     >>> td = TensorDict(a=torch.zeros(3, 4), batch_size=[3, 4])
