@@ -500,9 +500,13 @@ def _tensorclass_new_like(tc: Any, out: Any) -> Any:
     >>> type(p).__name__, p.x.tolist(), p.label
     ('Point', [0.0, 0.0], 'a')
     """
+    from shared_td.containers.nontensor import NonTensorData  # (it imports this module)
+
     for key, value in tc._tensordict.items():
-        if is_non_tensor(value):  # (out holds an empty tensordict there)
-            out.set_non_tensor(key, tc._tensordict.get_non_tensor(key))
+        # one value for the batch; a NonTensorStack has none for the new rows, and out
+        # keeps the empty tensordict there, as tensordict 0.15.3 (it held the old rows' list)
+        if type(value) is NonTensorData:
+            out.set_non_tensor(key, value.data)
     return type(tc)._from_tensordict(out)
 
 

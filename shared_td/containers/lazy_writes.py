@@ -177,6 +177,8 @@ class LazyWriteOps:
     def update_(self, other: Any, *, keys_to_update=None, non_blocking: bool = False) -> "LazyStackedTensorDict":
         """As TensorDict.update_, member by member (see ``update``)."""
         parts = self._update_parts(other, inplace=True)
+        if keys_to_update is not None:  # (the other keys are neither checked nor written)
+            parts = [part.select(*keys_to_update, strict=False) for part in parts]
         # (key by member: the members of a heterogeneous stack hold different keys, and
         # each is written with its own part, as tensordict 0.15.3 does -- torch.cat(...,
         # out=lazy) writes so)
@@ -187,11 +189,10 @@ class LazyWriteOps:
                 f"update_() writes in place, but key {key_repr(unravel_key(missing))} does not "
                 f"exist in {type(self).__name__}. Use update() to add it."
             )
-        selected = None if keys_to_update is None else [unravel_key(k) for k in keys_to_update]
         for member, part in zip(self.tensordicts, parts):
-            check_write(member, part, inplace=True, add_missing=False, selected=selected)
+            check_write(member, part, inplace=True, add_missing=False)
         for member, part in zip(self.tensordicts, parts):
-            member.update_(part, keys_to_update=keys_to_update)
+            member.update_(part)
         return self
 
     def _update_parts(self, other: Any, inplace: bool = False) -> list:

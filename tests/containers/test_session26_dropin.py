@@ -139,3 +139,46 @@ def test_an_empty_shape_block_on_a_locked_lazy_stack_of_non_tensor_values(lib, p
     with (stack.flatten(0, -1) if op == "flatten" else stack.view(-1)):
         pass
     assert stack.get("s").tolist() == [[[values[0]] * 2], [[values[1]] * 2]]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("prepare", ["lock_", "memmap_"])
+@pytest.mark.parametrize("method", ["flatten_keys", "unflatten_keys"])
+def test_a_keys_block_on_a_locked_lazy_stack_writes_what_it_has(lib, prepare, method, tmp_path):
+    """The key blocks on a locked lazy stack write the replaced entries back and skip the
+    keys added (before: KeyError from the stack's ``update_``, which looked for missing
+    keys before reading ``keys_to_update``; fuzzer seeds 150739, 152736)."""
+    def member():
+        return lib.TensorDict({"a": torch.zeros(2), "n": {"b": torch.zeros(2)}}, [2])
+
+    stack = lib.lazy_stack([member(), member()])
+    stack.lock_() if prepare == "lock_" else stack.memmap_(tmp_path / "save")
+    with getattr(stack, method)() as keys:
+        keys["new"] = torch.ones(2, 2)
+        keys["a"] = torch.ones(2, 2)
+    assert stack["a"].sum().item() == 4.0
+    assert "new" not in stack.keys()
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_a_lazy_update_in_place_reads_only_the_keys_to_update(lib):
+    stack = lib.lazy_stack([lib.TensorDict({"a": torch.zeros(2)}, [2]) for _ in range(2)])
+    stack.update_({"a": torch.ones(2, 2), "new": torch.ones(2, 2)}, keys_to_update=["a"])
+    assert stack["a"].sum().item() == 4.0 and "new" not in stack.keys()
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_new_like_of_a_lazy_stack_of_tensorclasses_leaves_a_stacked_field_empty(lib):
+    """``new_zeros`` of a lazy stack of tensorclasses whose non-tensor field differs across
+    members: the field has no value for the new rows, an empty tensordict as for a plain
+    NonTensorStack key (before: a NonTensorData holding the old rows' list; fuzzer seed
+    140558)."""
+    from typing import Any
+
+    @lib.tensorclass
+    class Tagged:
+        info: Any
+
+    stack = lib.lazy_stack([Tagged(info="w", batch_size=[3]), Tagged(info="z", batch_size=[3])])
+    field = stack.new_zeros(2)._tensordict.get("info")
+    assert isinstance(field, lib.TensorDict) and not list(field.keys())
