@@ -79,7 +79,8 @@ class NonTensorData(NonTensorDataBase):
     def _flat_values(self) -> list:
         return [self.data] * self._batch_size.numel()
 
-    def _transform(self, op: Callable[[torch.Tensor], torch.Tensor], keep_members: bool = False) -> "NonTensorData":
+    def _transform(self, op: Callable[[torch.Tensor], torch.Tensor], keep_members: bool = False,
+                   added_dims: int = 0) -> "NonTensorData":
         base = torch.zeros((), dtype=torch.uint8).expand(self._batch_size)
         taken = op(base)
         if not taken.numel() or taken.untyped_storage().data_ptr() != base.untyped_storage().data_ptr():
@@ -274,16 +275,20 @@ class NonTensorStack(NonTensorBase):
     def _flat_values(self) -> list:
         return list(self._values)
 
-    def _transform(self, op: Callable[[torch.Tensor], torch.Tensor], keep_members: bool = False) -> "NonTensorBase":
+    def _transform(self, op: Callable[[torch.Tensor], torch.Tensor], keep_members: bool = False,
+                   added_dims: int = 0) -> "NonTensorBase":
         """``op`` applied to the positions of the values. Only indexing and unsqueeze
         keep the stacked members (as tensordict's lazy stack of them does); a reshape,
-        expand or permute gives one value per element."""
+        expand or permute gives one value per element. ``added_dims``: the dims of size
+        1 that an index's ``None`` adds, which are no dim of the stack: ``stack[0, None]``
+        is its member with a dim added, a NonTensorData, as in tensordict 0.15.3."""
         positions = torch.arange(len(self._values)).reshape(self._batch_size)
         new_positions = op(positions)
         taken = new_positions.reshape(-1).tolist()
         values = [self._values[i] for i in taken]
         members = None if self._members is None or not keep_members else [self._members[i] for i in taken]
-        if new_positions.ndim == 0 or one_member(members, values, new_positions.ndim):
+        if (new_positions.ndim == added_dims and len(values) == 1  # (its dims all indexed away)
+                or one_member(members, values, new_positions.ndim - added_dims)):
             piece = NonTensorData(values[0], batch_size=new_positions.shape, device=self._device)
         else:
             piece = NonTensorStack._from_flat(values, new_positions.shape, self._device, members)

@@ -121,13 +121,15 @@ class NonTensorBase(NonTensorMaps, NonTensorBatchDimOps, TensorDictBase):
     def _del_str(self, key: str) -> None:
         raise KeyError(key)
 
-    def _transform(self, op: Callable[[torch.Tensor], torch.Tensor], keep_members: bool = False) -> "NonTensorBase":
+    def _transform(self, op: Callable[[torch.Tensor], torch.Tensor], keep_members: bool = False,
+                   added_dims: int = 0) -> "NonTensorBase":
         raise NotImplementedError
 
     def _index(self, index: Any) -> "NonTensorBase":
         index = batch_ops.normalize_index(index, self._batch_size)
         batch_ops.indexed_batch_size(self._batch_size, index)  # range checks
-        return self._transform(lambda positions: positions[index], keep_members=True)
+        return self._transform(lambda positions: positions[index], keep_members=True,
+                               added_dims=sum(part is None for part in index))
 
     def expand(self, *shape: Any) -> "NonTensorBase":
         """The values broadcast to ``shape``, as ``reshape``: a NonTensorData stays one

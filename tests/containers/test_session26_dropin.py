@@ -182,3 +182,25 @@ def test_new_like_of_a_lazy_stack_of_tensorclasses_leaves_a_stacked_field_empty(
     stack = lib.lazy_stack([Tagged(info="w", batch_size=[3]), Tagged(info="z", batch_size=[3])])
     field = stack.new_zeros(2)._tensordict.get("info")
     assert isinstance(field, lib.TensorDict) and not list(field.keys())
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("index, kind, shape", [
+    ((0, None), "NonTensorData", (1,)), ((None, 0), "NonTensorData", (1,)),
+    ([0], "NonTensorStack", (1,)), (None, "NonTensorStack", (1, 3)), (0, "NonTensorData", ())])
+def test_a_stack_indexed_to_one_element_with_dims_added_is_that_element(lib, index, kind, shape):
+    """``stack[0, None]``: the element at 0 with a dim added, a NonTensorData, as in
+    tensordict 0.15.3 (it stayed a NonTensorStack of one value); a list index keeps the
+    stack's dim (a stack of one)."""
+    out = lib.NonTensorStack("a", "b", "c")[index]
+    assert type(out).__name__ == kind and tuple(out.batch_size) == shape
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("index, kind, shape", [
+    ((None, 1, 0), "NonTensorData", (1,)), ((0, None, None, 1), "NonTensorData", (1, 1)),
+    ((0, None), "NonTensorStack", (1, 2)), ((None, 0, [1]), "NonTensorStack", (1, 1))])
+def test_a_nested_stack_indexed_to_one_element_with_dims_added(lib, index, kind, shape):
+    inner = lib.NonTensorStack(lib.NonTensorStack("a", "b"), lib.NonTensorStack("c", "d"))
+    out = inner[index]
+    assert type(out).__name__ == kind and tuple(out.batch_size) == shape
