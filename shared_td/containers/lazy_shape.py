@@ -21,7 +21,7 @@ import torch
 from shared_td.containers import batch as batch_ops
 from shared_td.containers.lazy_names import indexed_names
 from shared_td.containers.reshaping import permute_order
-from shared_td.containers.shape_write_back import inverse_order, unsqueezed, with_write_back
+from shared_td.containers.shape_write_back import back_to_types_of, inverse_order, unsqueezed, with_write_back
 from shared_td.containers.value_kinds import is_leaf_nontensor, is_non_tensor, is_tensor_collection
 from shared_td.keys import NestedKey, is_nested_key
 from shared_td.tensorclass_protocol import unwrap_tensorclass
@@ -230,13 +230,14 @@ class LazyShapeOps:
         """Every member moved or cast (self when nothing changes)."""
         from shared_td.containers.to_args import copied_as_root, parse_to
 
-        parse_to(args, kwargs, self.batch_size)  # (the stack's batch_size= checked here, once)
+        _device, dtype, _asked = parse_to(args, kwargs, self.batch_size)  # (batch_size= checked here, once)
         kwargs.pop("batch_size", None)
         with copied_as_root(self, []) as result:  # (locked as the stack: see copied_as_root)
             moved = [m.to(*args, **kwargs) for m in self.tensordicts]
             result.append(self if all(a is b for a, b in zip(moved, self.tensordicts))
                           else self._restack(moved, member_wise=True))
-        return result[0]
+        # leaving `with lazy.to(...) as t:` writes t back, on the stack's devices and dtypes
+        return with_write_back(self, result[0], back_to_types_of(self, dtype is not None))
 
     def flatten_keys(self, separator: str = ".", inplace: bool = False,
                      is_leaf: Any = None) -> "LazyStackedTensorDict":

@@ -23,9 +23,11 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable
 
+import torch
+
 from shared_td.containers.value_kinds import is_leaf_nontensor
 
-__all__ = ["inverse_order", "unsqueezed", "with_write_back"]
+__all__ = ["back_to_types_of", "inverse_order", "unsqueezed", "with_write_back"]
 
 
 def with_write_back(source: Any, result: Any, restore: Callable[[Any], Any]) -> Any:
@@ -68,3 +70,22 @@ def unsqueezed(result: Any, dims: list) -> Any:
     for dim in sorted(dims):
         result = result.unsqueeze(dim)
     return result
+
+
+def back_to_types_of(source: Any, dtypes: bool) -> Callable[[Any], Any]:
+    """The ``restore`` of ``source.to(...)``'s write-back (``with td.to(torch.float64) as
+    t:``): ``t`` with each tensor back on the device of ``source``'s entry at its key, and
+    back in its dtype when ``dtypes`` (``to`` cast them), as tensordict 0.15.3 writes it
+    back; an entry ``source`` lacks (added in the block) as it is. Holds ``source``
+    weakly, as :func:`with_write_back` does."""
+    held = weakref.ref(source)
+
+    def restore(result: Any) -> Any:
+        target, back = held(), result.clone(recurse=False)
+        for key, value in result.items(True, True, is_leaf_nontensor):
+            old = target.get(key, None)
+            if isinstance(value, torch.Tensor) and isinstance(old, torch.Tensor):
+                back.set(key, value.to(device=old.device, dtype=old.dtype if dtypes else value.dtype))
+        return back
+
+    return restore

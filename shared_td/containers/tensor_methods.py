@@ -12,6 +12,7 @@ import torch
 from shared_td.containers.base import TensorDictBase, is_non_tensor, is_tensor_collection, on_cuda
 from shared_td.containers.consolidation import moved_consolidated
 from shared_td.containers.lazy_writes import _is_lazy
+from shared_td.containers.shape_write_back import back_to_types_of, with_write_back
 from shared_td.containers.to_args import copied_as_root, parse_to
 from shared_td.containers.unpicklable import check_picklable
 from shared_td.keys import NestedKey, unravel_key
@@ -68,7 +69,8 @@ class TensorMethods:
             moved = self if device is None else self._moved(device, asked)
             result.append(moved if dtype is None else
                           moved._map_entries(lambda v: v.to(dtype), moved._batch_size, moved.names))
-        return result[0]
+        # leaving `with td.to(...) as t:` writes t back into td, on td's devices and dtypes
+        return with_write_back(self, result[0], back_to_types_of(self, dtype is not None))
 
     def _moved(self, device: torch.device, asked: bool) -> "TensorDict":
         """``to(device)`` (``asked``: non_blocking was given)."""

@@ -204,3 +204,35 @@ def test_a_nested_stack_indexed_to_one_element_with_dims_added(lib, index, kind,
     inner = lib.NonTensorStack(lib.NonTensorStack("a", "b"), lib.NonTensorStack("c", "d"))
     out = inner[index]
     assert type(out).__name__ == kind and tuple(out.batch_size) == shape
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("root", ["td", "lazy"])
+@pytest.mark.parametrize("how", ["to('cpu')", "cpu()", "to(torch.float64)"])
+def test_a_to_block_writes_back_on_the_sources_dtypes(lib, root, how):
+    """Leaving ``with td.to(...) as t:`` writes ``t`` back into ``td`` (keys added and
+    entries replaced in the block; each tensor back in its dtype when ``to`` cast them),
+    as tensordict 0.15.3 (before, nothing was written back)."""
+    td = lib.TensorDict({"a": torch.zeros(2), "n": {"b": torch.zeros(2)}}, [2])
+    if root == "lazy":
+        td = lib.lazy_stack([td[0], td[1]])
+    with eval("td." + how) as t:
+        t["a"] = torch.ones(2, dtype=t["a"].dtype)
+        t["n", "b"] += 2
+        t["new"] = torch.ones(2)
+    assert td["a"].tolist() == [1.0, 1.0] and td["a"].dtype == torch.float32
+    assert td["n", "b"].tolist() == [2.0, 2.0] and "new" in td.keys()
+
+
+def test_a_to_result_holds_its_source_weakly():
+    import gc
+    import weakref
+
+    import shared_td
+
+    td = shared_td.TensorDict({"a": torch.zeros(2)}, [2])
+    source = weakref.ref(td)
+    cast = td.to(torch.float64)
+    del td
+    gc.collect()
+    assert source() is None and cast["a"].dtype == torch.float64
