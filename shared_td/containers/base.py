@@ -228,7 +228,7 @@ class TensorDictBase(TensorDictRoot, LockingOps, BatchSplitOps, NonTensorOps, Co
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, str) or (isinstance(index, tuple) and is_nested_key(index)):
             value = self.get(index)
-            return value._python_value() if is_non_tensor(value) else value
+            return value._read_value() if is_non_tensor(value) else value
         return self._index(index)
 
     def __setitem__(self, index: Any, value: Any) -> None:

@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from shared_td.containers import batch as batch_ops
+from shared_td.containers.linked_list import linked_values
 from shared_td.containers.nontensor_base import NonTensorBase
 from shared_td.containers.nontensor_values import nest, nested_shape, one_member, same_value
 from shared_td.errors import BatchSizeMismatchError
@@ -67,6 +68,10 @@ class NonTensorData(NonTensorDataBase):
         return self.data(*args, **kwargs)
 
     def _python_value(self) -> Any:
+        return self.data
+
+    def _read_value(self) -> Any:
+        """What ``td[key]`` and a tensorclass field give of this entry: the value."""
         return self.data
 
     def tolist(self) -> Any:
@@ -262,6 +267,11 @@ class NonTensorStack(NonTensorBase):
 
     def _python_value(self) -> list:
         return self.tolist()
+
+    def _read_value(self) -> list:
+        """What ``td[key]`` and a tensorclass field give of this entry: its values as a
+        LinkedList whose item assignments write into it, as tensordict 0.15.3's."""
+        return linked_values(self) if self._batch_size else self.tolist()
 
     def tolist(self) -> list:
         """The values as nested lists, one level per batch dim."""

@@ -394,7 +394,7 @@ class _FieldAttribute:
                 return self.field.default
             raise AttributeError(f"Field {self.name!r} of {owner.__name__} has no class-level default.")
         value = obj._tensordict._get_str(self.name, None)
-        return value._python_value() if is_non_tensor(value) else value
+        return value._read_value() if is_non_tensor(value) else value
 
     def __set__(self, obj: Any, value: Any) -> None:
         if type(obj)._frozen and not in_init(obj):

@@ -352,7 +352,7 @@ class _TensorClassMembers:
             if is_tensorclass(head):  # (its own get gives its non-tensor fields as values)
                 return head.get(path[1:], default, **kwargs)
         value = self._tensordict.get(path, default, **kwargs)
-        return value._python_value() if len(path) == 1 and is_non_tensor(value) else value
+        return value._read_value() if len(path) == 1 and is_non_tensor(value) else value
 
     def set(self, key: Any, value: Any, inplace: bool = False, **kwargs: Any) -> Any:
         """Set the field (or nested entry) ``key``; returns self.

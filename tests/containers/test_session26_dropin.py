@@ -236,3 +236,54 @@ def test_a_to_result_holds_its_source_weakly():
     del td
     gc.collect()
     assert source() is None and cast["a"].dtype == torch.float64
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("source", ["plain", "share_memory_", "memmap_"])
+def test_the_values_of_a_stack_are_a_list_that_writes_back(lib, source, tmp_path):
+    """``td["names"]`` of a NonTensorStack is a LinkedList, as tensordict 0.15.3's: an
+    item or slice assignment writes into the tensordict (before: a plain list, the write
+    lost in silence); ``tolist()`` is a plain copy."""
+    td = lib.TensorDict(batch_size=[3])
+    td["names"] = ["a", "b", "c"]
+    if source == "share_memory_":
+        td.share_memory_()
+    elif source == "memmap_":
+        td.memmap_(tmp_path / "save")
+    values = td["names"]
+    values[0] = "z"
+    values[1:] = ["y", "x"]
+    assert td.get("names").tolist() == ["z", "y", "x"] == values
+    assert type(values.tolist()) is list
+    if source == "memmap_":
+        assert lib.TensorDict.load_memmap(tmp_path / "save").get("names").tolist() == ["z", "y", "x"]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_a_nested_stacks_values_write_back_at_their_position_and_unlink_on_a_length_change(lib):
+    import pickle
+
+    td = lib.TensorDict(batch_size=[2, 2])
+    td["s"] = [["a", "b"], ["c", "d"]]
+    values = td["s"]
+    values[0][1] = "z"
+    values[1] = ["p", "q"]
+    assert td.get("s").tolist() == [["a", "z"], ["p", "q"]]
+    copy = pickle.loads(pickle.dumps(values))
+    assert copy == [["a", "z"], ["p", "q"]]
+    copy[0] = ["no", "link"]
+    values.append("x")  # a length change unlinks: later assignments stay in the list
+    values[0] = ["m", "n"]
+    assert td.get("s").tolist() == [["a", "z"], ["p", "q"]]
+
+
+def test_a_value_the_stack_refuses_leaves_the_list_as_it_was(tmp_path):
+    import shared_td
+
+    td = shared_td.TensorDict(batch_size=[2])
+    td["s"] = ["a", "b"]
+    td.memmap_(tmp_path / "save")
+    values = shared_td.TensorDict.load_memmap(tmp_path / "save", mode="r")["s"]
+    with pytest.raises(shared_td.ReadOnlyError):
+        values[0] = "z"
+    assert values == ["a", "b"]

@@ -20,6 +20,7 @@ from tests.persist import share_children as kids
 from tests.persist.persist_helpers import dir_state, values_state
 
 from shared_td import NonTensorData, NonTensorStack, TensorDict
+from shared_td.containers.linked_list import LinkedList
 
 JOIN_TIMEOUT = 60
 
@@ -62,8 +63,10 @@ def expected(after: bool) -> dict:
 def assert_values(got: dict, want: dict) -> None:
     assert list(got) == list(want)
     for key in want:
-        # the type too: a bool stays a bool (not 0/1), an int is not a tensor
-        assert type(got[key]) is type(want[key]) and got[key] == want[key], (key, got[key], want[key])
+        # the type too: a bool stays a bool (not 0/1), an int is not a tensor; a stack's
+        # values are read as a LinkedList (a list), as tensordict's
+        kind = LinkedList if key == "st" else type(want[key])
+        assert type(got[key]) is kind and got[key] == want[key], (key, got[key], want[key])
 
 
 # ------------------------------------------------------------ one writer, two readers
