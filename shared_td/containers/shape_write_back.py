@@ -52,7 +52,7 @@ def with_write_back(source: Any, result: Any, restore: Callable[[Any], Any]) -> 
         else:
             target.update(back, inplace=False)
 
-    result._last_op = ("write_back", write_back)
+    result._last_op = ("write_back", write_back, restore)  # (restore: a tensorclass checks its fields)
     return result
 
 

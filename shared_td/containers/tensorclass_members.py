@@ -8,7 +8,7 @@ decorated class, skipping the names the class already defines.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -67,10 +67,27 @@ def _wrap(obj: Any, result: Any) -> Any:
     if isinstance(result, TensorDictBase) and not is_non_tensor(result):
         if set(result._keys_str()) <= type(obj)._tc_field_names:
             return type(obj)._from_tensordict(result)
+        op = getattr(result, "_last_op", None)
+        if isinstance(op, tuple) and op[0] == "write_back":
+            # (tc.flatten_keys() of a nested field, a TensorDict: leaving its block must not
+            # put a key that is no field into the instance, which set() and update() refuse)
+            result._last_op = ("write_back", _fields_checked(obj, *op[1:]), op[2])
         return result
     if isinstance(result, tuple) and result and all(isinstance(r, TensorDictBase) for r in result):
         return tuple(_wrap(obj, r) for r in result)
     return result
+
+
+def _fields_checked(obj: Any, write_back: Callable, restore: Callable) -> Callable:
+    """``write_back`` (of a ``with`` block's result), once the keys it would write are
+    checked to be fields of ``obj``'s class: a ValueError, nothing written, otherwise."""
+    def checked(out: Any) -> None:
+        extra = sorted(set(restore(out)._keys_str()) - type(obj)._tc_field_names)
+        if extra:
+            raise ValueError(f"Keys {extra} are not fields of {type(obj).__name__} (its fields are "
+                             f"{sorted(type(obj)._tc_field_names)}); nothing was written back.")
+        write_back(out)
+    return checked
 
 
 def _field_keywords(obj: Any, kwargs: dict) -> dict:

@@ -287,3 +287,28 @@ def test_a_value_the_stack_refuses_leaves_the_list_as_it_was(tmp_path):
     with pytest.raises(shared_td.ReadOnlyError):
         values[0] = "z"
     assert values == ["a", "b"]
+
+
+def test_a_key_block_of_a_tensorclass_never_adds_a_key_that_is_no_field():
+    """``tc.flatten_keys()`` of a tensorclass with a nested tensordict field gives a
+    TensorDict (tensordict 0.15.3 raises at the call); leaving its block with a key that
+    is no field raises a ValueError and writes nothing (before: the key was put into the
+    instance, which ``set`` and ``update`` refuse; fuzzer seed 153463), while the
+    block's writes to fields still reach it."""
+    import shared_td
+
+    @shared_td.tensorclass
+    class Step:
+        obs: torch.Tensor
+        inner: shared_td.TensorDict
+
+    step = Step(obs=torch.zeros(2), inner=shared_td.TensorDict({"c": torch.zeros(2)}, [2]), batch_size=[2])
+    with pytest.raises(ValueError, match="'new'"):
+        with step.flatten_keys(".") as flat:
+            flat.set("new", torch.ones(2))
+            flat["obs"] = torch.ones(2)
+    assert sorted(step._tensordict.keys()) == ["inner", "obs"] and step.obs.tolist() == [0.0, 0.0]
+    with step.flatten_keys(".") as flat:
+        flat["inner.c"] = torch.ones(2)
+        flat["inner.d"] = torch.ones(2)
+    assert step.inner["c"].tolist() == [1.0, 1.0] and "d" in step.inner.keys()
