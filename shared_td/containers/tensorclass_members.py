@@ -71,21 +71,22 @@ def _wrap(obj: Any, result: Any) -> Any:
         if isinstance(op, tuple) and op[0] == "write_back":
             # (tc.flatten_keys() of a nested field, a TensorDict: leaving its block must not
             # put a key that is no field into the instance, which set() and update() refuse)
-            result._last_op = ("write_back", _fields_checked(obj, *op[1:]), op[2])
+            result._last_op = ("write_back", _fields_checked(type(obj), *op[1:]), op[2])
         return result
     if isinstance(result, tuple) and result and all(isinstance(r, TensorDictBase) for r in result):
         return tuple(_wrap(obj, r) for r in result)
     return result
 
 
-def _fields_checked(obj: Any, write_back: Callable, restore: Callable) -> Callable:
+def _fields_checked(cls: type, write_back: Callable, restore: Callable) -> Callable:
     """``write_back`` (of a ``with`` block's result), once the keys it would write are
-    checked to be fields of ``obj``'s class: a ValueError, nothing written, otherwise."""
+    checked to be fields of the tensorclass ``cls``: a ValueError, nothing written,
+    otherwise. (The class, not the instance: the result holds its source weakly.)"""
     def checked(out: Any) -> None:
-        extra = sorted(set(restore(out)._keys_str()) - type(obj)._tc_field_names)
+        extra = sorted(set(restore(out)._keys_str()) - cls._tc_field_names)
         if extra:
-            raise ValueError(f"Keys {extra} are not fields of {type(obj).__name__} (its fields are "
-                             f"{sorted(type(obj)._tc_field_names)}); nothing was written back.")
+            raise ValueError(f"Keys {extra} are not fields of {cls.__name__} (its fields are "
+                             f"{sorted(cls._tc_field_names)}); nothing was written back.")
         write_back(out)
     return checked
 
