@@ -19,8 +19,9 @@ from shared_td.keys import NestedKey, key_repr
 from shared_td.tensorclass_protocol import is_tensorclass
 
 __all__ = [
-    "TensorDictRoot", "check_write_into", "default_is_leaf", "is_leaf_nontensor", "is_non_tensor",
-    "is_non_tensor_class", "is_tensor_collection", "on_cuda", "parse_device", "self_nesting_error",
+    "TensorDictRoot", "check_write_into", "default_is_leaf", "is_lazy_stack", "is_lazy_stack_class",
+    "is_leaf_nontensor", "is_non_tensor", "is_non_tensor_class", "is_tensor_collection", "on_cuda",
+    "parse_device", "self_nesting_error",
 ]
 
 
@@ -63,10 +64,15 @@ def is_non_tensor(value: Any) -> bool:
 
 
 def is_lazy_stack(value: Any) -> bool:
-    """True for a LazyStackedTensorDict, told by a class marker of its mixin
-    (lazy_writes.LazyWriteOps): lazy.py cannot be imported here (it imports this module),
-    and a tensorclass around a stack is not one."""
-    return getattr(type(value), "_is_lazy_stack", False)
+    """True for a LazyStackedTensorDict (a tensorclass around a stack is not one)."""
+    return is_lazy_stack_class(type(value))
+
+
+def is_lazy_stack_class(cls: type) -> bool:
+    """True for LazyStackedTensorDict (and its subclasses), told by a class marker of its
+    mixin (lazy_writes.LazyWriteOps): lazy.py cannot be imported here (it imports this
+    module)."""
+    return getattr(cls, "_is_lazy_stack", False)
 
 
 def is_non_tensor_class(cls: type) -> bool:

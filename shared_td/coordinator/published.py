@@ -57,8 +57,7 @@ from typing import Any
 
 import torch
 
-from shared_td.containers.base import is_leaf_nontensor
-from shared_td.containers.lazy import LazyStackedTensorDict
+from shared_td.containers.value_kinds import is_lazy_stack_class, is_leaf_nontensor
 from shared_td.keys import key_repr
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.storage.anonymous import Segment
@@ -212,19 +211,15 @@ def layout_of(td: Any) -> dict:
     return {"class": type(td).__name__, "batch_size": list(td.batch_size), "leaves": leaves}
 
 
-def _is_lazy_stack(cls: type) -> bool:
-    return issubclass(cls, LazyStackedTensorDict) and not getattr(cls, "_is_non_tensor", False)
-
-
 def _summary_leaves(td: Any, prefix: tuple):
     """(key path, leaf) of ``td``: tensors and non-tensor values, lazy stacks member by member."""
-    if _is_lazy_stack(type(td)):
+    if is_lazy_stack_class(type(td)):
         for index, member in enumerate(td.tensordicts):
             yield from _summary_leaves(member, prefix + (str(index),))
         return
-    for key, value in td.items(True, True, lambda cls: is_leaf_nontensor(cls) or _is_lazy_stack(cls)):
+    for key, value in td.items(True, True, lambda cls: is_leaf_nontensor(cls) or is_lazy_stack_class(cls)):
         key = prefix + ((key,) if isinstance(key, str) else tuple(key))
-        if _is_lazy_stack(type(value)):
+        if is_lazy_stack_class(type(value)):
             yield from _summary_leaves(value, key)
         else:
             yield key, value

@@ -23,13 +23,9 @@ from shared_td.storage import files
 from shared_td.storage.anonymous import Segment
 from shared_td.storage.files import FileBacking
 from shared_td.storage.mapping import same_mapping
-from shared_td.storage.slices import storage_slice, whole_storage
+from shared_td.storage.slices import no_view_tracking, storage_slice, whole_storage
 
 __all__ = ["MemoryMappedTensor", "checked_shape", "maps_file_at"]
-
-# below the dispatch key of views and version counters: a leaf made from nothing needs
-# neither (the set_ of _make_leaves: 0.85 us a leaf instead of 1.1)
-_OWN_VERSION_COUNTER = torch._C._AutoDispatchBelowADInplaceOrView
 
 # A non-contiguous input up to this size is made contiguous and written with pwrite;
 # bigger ones (e.g. an expanded scalar) are copied through the mapping, with no temporary.
@@ -172,18 +168,18 @@ class MemoryMappedTensor(FromExistingMemory, Factories, torch.Tensor):
     @staticmethod
     def _make_leaves(specs: list) -> list:
         """New MMTs over the ``specs`` of :meth:`_leaf_specs`, each a new tensor ``set_``
-        to its storage (``new()`` of an empty one, below the dispatch key of views and
-        version counters: ~0.9 us a leaf here, where a base tensor made per leaf at the
-        first attach and viewed with ``as_strided`` at each cost 1.3 us more at the
-        first attach of a version, which every refresh after a publish is, and 0.35 us
-        less at a later one), made an MMT by assigning its class (as
-        :func:`basic_views` does; ``as_subclass`` would make a second tensor). Each is
+        to its storage (``new()`` of an empty one, under ``no_view_tracking``: ~0.9 us a
+        leaf here, where a base tensor made per leaf at the first attach and viewed with
+        ``as_strided`` at each cost 1.3 us more at the first attach of a version, which
+        every refresh after a publish is, and 0.35 us less at a later one), made an MMT
+        by assigning its class (as :func:`basic_views` does; ``as_subclass`` would make
+        a second tensor). Each is
         a tensor of its own, with its own version counter: an in-place write to one
         leaf never fails autograd's backward of another that it saved. A normal tensor
         even in inference mode: an attach under ``inference_mode()`` must not make
         inference tensors (no in-place write outside it)."""
         made = []
-        with torch.inference_mode(False), _OWN_VERSION_COUNTER():
+        with torch.inference_mode(False), no_view_tracking():
             for storage, empty, shape, stride, backing, parent_shape in specs:
                 leaf = empty.new().set_(storage, 0, shape, stride)
                 leaf.__class__ = MemoryMappedTensor
