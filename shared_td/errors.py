@@ -62,7 +62,8 @@ class IndexTypeError(TypeError, IndexError):
 class KeyThroughLeafError(KeyError, ValueError):
     """A nested key runs through an entry that is not a tensordict (``td["a", "b"]``
     where ``"a"`` holds a tensor). tensordict raises ``ValueError``; this is also the
-    ``KeyError`` of any other missing key. ``get(key, default)`` returns the default."""
+    ``KeyError`` of any other missing key. ``get(key, default)`` returns the default
+    (``get(key)`` of a key missing otherwise gives None, as tensordict's)."""
 
     __str__ = BaseException.__str__
 

@@ -14,6 +14,11 @@ from shared_td.errors import KeyTypeError
 
 NestedKey = Union[str, Tuple["NestedKey", ...]]
 
+#: The default that makes ``td.get(key, RAISE)`` raise the KeyError naming a missing key
+#: (a plain ``get`` gives None, as tensordict's): for the code in this package that needs
+#: the entry.
+RAISE = object()
+
 
 def unravel_key(key: NestedKey) -> tuple[str, ...]:
     """Return ``key`` as a flat, non-empty tuple of strings.

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from shared_td.containers.value_kinds import is_tensor_collection
+from shared_td.keys import RAISE
 
 __all__ = ["nested_calls"]
 
@@ -34,7 +35,7 @@ def nested_calls(td: Any, fn: Callable, others: tuple, default: Any, batch_size:
     for key in list(td.keys()):
         value = td._tensordict[key]
         if default is NO_DEFAULT:
-            other_values = [other.get(key) for other in others]
+            other_values = [other.get(key, RAISE) for other in others]
         else:
             other_values = [other.get(key, default) if is_tensor_collection(other) else other
                             for other in others]

@@ -32,7 +32,7 @@ from shared_td.containers.value_kinds import (
     TensorDictRoot, check_write_into, default_is_leaf, is_leaf_nontensor, is_non_tensor, is_non_tensor_class,
     is_tensor_collection, on_cuda, parse_device, self_nesting_error)
 from shared_td.errors import KeyThroughLeafError
-from shared_td.keys import NestedKey, is_nested_key, key_repr, unravel_key
+from shared_td.keys import is_nested_key, key_repr, NestedKey, RAISE, unravel_key
 from shared_td.containers.memmap_methods import MemmapMethods
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 
@@ -173,11 +173,21 @@ class TensorDictBase(TensorDictRoot, LockingOps, BatchSplitOps, NonTensorOps, Co
         return node
 
     def get(self, key: NestedKey, default: Any = NO_DEFAULT) -> Any:
-        """The entry at ``key`` (non-tensors as NonTensorData), or ``default``.
+        """The entry at ``key`` (non-tensors as NonTensorData), or ``default`` when it is
+        missing: None when no default is given, as in tensordict 0.15.3 (``td[key]``
+        raises the KeyError).
 
         Raises:
-            KeyError: naming the key and the existing ones, when it is missing and no
-                default is given.
+            KeyThroughLeafError: a KeyError and ValueError, when no default is given and
+                a part of ``key`` holds a tensor (``td.get(("x", "y"))`` with ``"x"`` a
+                tensor: there can be no entry below it), as in tensordict.
+
+        Example:
+            >>> import torch
+            >>> from shared_td import TensorDict
+            >>> td = TensorDict({"x": torch.zeros(2)}, [2])
+            >>> td.get("y") is None, td.get("y", 0)
+            (True, 0)
         """
         path = unravel_key(key)
         value = self._get_path(path, NO_DEFAULT)
@@ -193,41 +203,57 @@ class TensorDictBase(TensorDictRoot, LockingOps, BatchSplitOps, NonTensorOps, Co
         return value
 
     def _default_for_missing(self, path: tuple[str, ...], default: Any) -> Any:
-        """What ``get`` of the missing ``path`` gives: ``default``, else (none given) the
-        KeyError of :meth:`_missing_key_error` raised."""
-        if default is NO_DEFAULT:
+        """What ``get`` of the missing ``path`` gives: ``default``; None when none is
+        given, unless a part of ``path`` holds a tensor (the KeyThroughLeafError of
+        :meth:`_missing_key_error` raised, as tensordict raises one); with ``RAISE`` (an
+        internal caller that needs the entry), the KeyError of ``_missing_key_error``."""
+        if default is RAISE:
             raise self._missing_key_error(path)
+        if default is NO_DEFAULT:
+            leaf = self._leaf_on(path)
+            if leaf is not None and not is_non_tensor(leaf[1]):
+                raise self._missing_key_error(path)
+            return None
         return default
+
+    def _leaf_on(self, path: tuple[str, ...]) -> tuple[int, Any] | None:
+        """``(i, value)`` of the first part ``path[i]`` of the missing ``path`` that holds
+        a value no deeper key can be in (a tensor or a non-tensor), or None."""
+        for i in range(len(path) - 1):
+            # by prefix, through _get_path: a lazy stack's ragged leaf is read, not stacked
+            node = self._get_path(path[: i + 1], None)
+            if node is None:
+                return None
+            if not is_tensor_collection(node) or is_non_tensor(node):
+                return i, node
+        return None
 
     def _missing_key_error(self, path: tuple[str, ...]) -> KeyError:
         """The error for the missing ``path``: a KeyThroughLeafError (KeyError and the
         ValueError tensordict raises) when a part of it holds a tensor or a non-tensor
         value, so the message says why no deeper key can be there."""
-        for i, part in enumerate(path[:-1]):
-            # by prefix, through _get_path: a lazy stack's ragged leaf is read, not stacked
-            node = self._get_path(path[: i + 1], None)
-            if node is None:
-                break
-            if not is_tensor_collection(node) or is_non_tensor(node):
-                kind = type(node).__name__ if isinstance(node, torch.Tensor) or is_non_tensor(node) else "tensor"
-                rest = path[i + 1] if i + 2 == len(path) else path[i + 1:]
-                return KeyThroughLeafError(
-                    f"Key {key_repr(path)} not found in {type(self).__name__}: {part!r} is a "
-                    f"{kind}, not a tensordict, so it has no entry {rest!r}. "
-                    f"Read {key_repr(path[: i + 1])} itself, or set another key."
-                )
-        return KeyError(self._missing_key_message(path))
+        leaf = self._leaf_on(path)
+        if leaf is None:
+            return KeyError(self._missing_key_message(path))
+        i, node = leaf
+        kind = type(node).__name__ if isinstance(node, torch.Tensor) or is_non_tensor(node) else "tensor"
+        rest = path[i + 1] if i + 2 == len(path) else path[i + 1:]
+        return KeyThroughLeafError(
+            f"Key {key_repr(path)} not found in {type(self).__name__}: {path[i]!r} is a "
+            f"{kind}, not a tensordict, so it has no entry {rest!r}. "
+            f"Read {key_repr(path[: i + 1])} itself, or set another key."
+        )
 
     def _missing_key_message(self, path: tuple[str, ...]) -> str:
         existing = [k for k in self.keys(include_nested=True)]
         return (
             f"Key {key_repr(path)} not found in {type(self).__name__} with keys "
-            f"{existing}. Use td.get(key, default) to allow a missing key."
+            f"{existing}. td.get(key) gives None (or td.get(key, default) the default) for a missing key."
         )
 
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, str) or (isinstance(index, tuple) and is_nested_key(index)):
-            value = self.get(index)
+            value = self.get(index, RAISE)
             return value._read_value() if is_non_tensor(value) else value
         return self._index(index)
 
@@ -396,13 +422,13 @@ class TensorDictBase(TensorDictRoot, LockingOps, BatchSplitOps, NonTensorOps, Co
 
     def get_non_tensor(self, key: NestedKey, default: Any = NO_DEFAULT) -> Any:
         """The plain Python value of a non-tensor entry (``td["task"]`` does the same)."""
-        value = self.get(key, default)
+        value = self.get(key, RAISE if default is NO_DEFAULT else default)
         return value._python_value() if is_non_tensor(value) else value
 
     def is_non_tensor(self, key: NestedKey) -> bool:
         """True if the entry at ``key`` is a NonTensorData or NonTensorStack (the stored
         entry: a tensorclass's ``get`` gives the value inside). KeyError if missing."""
-        return is_non_tensor(self.get(key))
+        return is_non_tensor(self.get(key, RAISE))
 
     def rename_key_(self, old_key: NestedKey, new_key: NestedKey, safe: bool = False):
         """Move entry ``old_key`` to ``new_key``; returns self. ``safe=True`` refuses to
@@ -411,7 +437,7 @@ class TensorDictBase(TensorDictRoot, LockingOps, BatchSplitOps, NonTensorOps, Co
         old, new = unravel_key(old_key), unravel_key(new_key)
         if renamed_in_members(self, old, new, safe):  # (its get() would give a stacked copy)
             return self
-        value = self.get(old)
+        value = self.get(old, RAISE)
         # the lock first, as tensordict: a locked tensordict refuses any rename
         self._parent_for_write(old, create=False)._check_unlocked(old, "rename")
         if safe and new != old and new in self.keys(include_nested=True):  # (a key renamed to itself: nothing)

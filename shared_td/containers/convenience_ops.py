@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 from shared_td.containers.value_kinds import is_leaf_nontensor, is_non_tensor, is_tensor_collection
 from shared_td.errors import KeyThroughLeafError, KeyTypeError
-from shared_td.keys import NestedKey, unravel_key
+from shared_td.keys import NestedKey, RAISE, unravel_key
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 #: what a lookup of a key that is not there reads
@@ -147,10 +147,12 @@ class ConvenienceOps:
         return self.clone(recurse=False)
 
     def get_at(self, key: NestedKey, index: Any, default: Any = _ABSENT) -> Any:
-        """``self.get(key)[index]``, or ``default`` when the key is missing (without a
-        default, the KeyError of ``get``)."""
+        """``self.get(key)[index]``, or ``default`` when the key is missing (None
+        without a default, as ``get`` gives)."""
         value = self.get(key) if default is _ABSENT else self.get(key, _ABSENT)
-        return default if value is _ABSENT else value[index]
+        if value is None or value is _ABSENT:
+            return None if default is _ABSENT else default
+        return value[index]
 
     def set_at_(self, key: NestedKey, value: Any, index: Any, *, non_blocking: bool = False) -> Any:
         """Write ``value`` at batch index ``index`` of the existing entry ``key``, in place
@@ -175,9 +177,9 @@ class ConvenienceOps:
         Raises:
             KeyError: naming the key, when it is missing.
         """
-        entry = self.get(key)
+        entry = self.get(key, RAISE)
         path = unravel_key(key)
-        parent = unwrap_tensorclass(self.get(path[:-1]) if len(path) > 1 else self)
+        parent = unwrap_tensorclass(self.get(path[:-1], RAISE) if len(path) > 1 else self)
         try:
             if getattr(entry, "_is_non_tensor", False) and hasattr(entry, "_set_at") and hasattr(parent, "_tensordict"):
                 # a NonTensorData holds one value for the batch: written at some rows it
@@ -339,7 +341,7 @@ class ConvenienceOps:
 
     def _joined_tensors(self, join: Any, keys: tuple, out_key: NestedKey, dim: int, keep_entries: bool) -> Any:
         # set first: a locked tensordict raises before anything is removed
-        self.set(out_key, join([self.get(key) for key in keys], dim))
+        self.set(out_key, join([self.get(key, RAISE) for key in keys], dim))
         if not keep_entries:
             for key in keys:
                 if unravel_key(key) != unravel_key(out_key):

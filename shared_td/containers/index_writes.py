@@ -26,7 +26,7 @@ from shared_td.containers.nontensor_ops import check_non_tensor_write
 from shared_td.containers.row_writes import fit_source
 from shared_td.containers.tensorclass_compat import check_row_write
 from shared_td.errors import BatchSizeMismatchError
-from shared_td.keys import key_repr, unravel_key
+from shared_td.keys import key_repr, RAISE, unravel_key
 from shared_td.memmap_tensor import refuse_read_only
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 
@@ -261,13 +261,13 @@ def plan_set_at(target: Any, path: tuple, value: Any, index: Any, writes: list, 
             node._plan_set_at(path[depth:], value, index, writes)
             return
     if entry is None:
-        entry = unwrap_tensorclass(target.get(path))  # (a KeyError naming a missing key)
+        entry = unwrap_tensorclass(target.get(path, RAISE))  # (a KeyError naming a missing key)
     if is_tensor_collection(entry) and not is_non_tensor(entry):  # a nested tensordict: its rows
         rows_index, rows = batch_ops.index_and_size(index, entry.batch_size)
         entry._plan_index_writes(rows_index, entry._row_source(rows_index, value, rows), writes, rows, path=path)
         return
     if not isinstance(entry, torch.Tensor):  # a non-tensor: written by its node's set_at_
-        node = unwrap_tensorclass(target.get(path[:-1])) if len(path) > 1 else target
+        node = unwrap_tensorclass(target.get(path[:-1], RAISE)) if len(path) > 1 else target
         check_non_tensor_write(entry, batch_ops.index_and_size(index, entry.batch_size)[0], value, path)
         store_first(writes, lambda: node.set_at_(path[-1], value, index))
         return

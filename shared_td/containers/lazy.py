@@ -35,7 +35,7 @@ from shared_td.containers.lazy_shape import LazyShapeOps, set_batch_size, stacke
 from shared_td.containers.lazy_writes import LazyWriteOps, _is_branch, _peek
 from shared_td.containers.value_kinds import is_non_tensor, is_tensor_collection
 from shared_td.errors import BatchSizeMismatchError
-from shared_td.keys import NestedKey, is_nested_key, unravel_key
+from shared_td.keys import is_nested_key, NestedKey, RAISE, unravel_key
 from shared_td.tensorclass_protocol import is_tensorclass, unwrap_tensorclass
 
 
@@ -324,7 +324,7 @@ class LazyStackedTensorDict(LazyMembers, LazyConversions, LazyApplyOps, LazyName
 
     def pop(self, key: NestedKey, default: Any = NO_DEFAULT) -> Any:
         """Remove the entry ``key`` from every member and return its stacked value."""
-        value = self.get(key, default)
+        value = self.get(key, RAISE if default is NO_DEFAULT else default)
         if key in self:
             self.del_(key)
         return value

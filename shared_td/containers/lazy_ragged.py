@@ -14,7 +14,7 @@ import torch
 from shared_td.containers.lazy_writes import _is_branch, _is_lazy
 from shared_td.containers.nontensor import stack_non_tensors
 from shared_td.containers.value_kinds import is_leaf_nontensor, is_non_tensor
-from shared_td.keys import key_repr, unravel_key
+from shared_td.keys import key_repr, RAISE, unravel_key
 from shared_td.tensorclass_protocol import is_tensorclass
 
 if TYPE_CHECKING:  # for the annotations only: lazy.py imports this module
@@ -77,7 +77,7 @@ def members_values(lazy: "LazyStackedTensorDict", path: tuple, as_list: bool, as
     inner = {"as_list": as_list} if as_list else (
         {"as_padded_tensor": True, "padding_side": padding_side, "padding_value": padding_value}
         if as_padded_tensor else {})
-    values = [m.get(path, **inner) if _is_lazy(m) else m.get(path) for m in lazy.tensordicts]
+    values = [m.get(path, **inner) if _is_lazy(m) else m.get(path, RAISE) for m in lazy.tensordicts]
     if as_list:
         return values
     if not all(isinstance(v, torch.Tensor) for v in values):

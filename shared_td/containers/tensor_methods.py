@@ -15,7 +15,7 @@ from shared_td.containers.lazy_writes import _is_lazy
 from shared_td.containers.shape_write_back import back_to_types_of, with_write_back
 from shared_td.containers.to_args import copied_as_root, parse_to
 from shared_td.containers.unpicklable import check_picklable
-from shared_td.keys import NestedKey, unravel_key
+from shared_td.keys import NestedKey, RAISE, unravel_key
 from shared_td.memmap_tensor import ReadOnlyMemoryMappedTensor, refuse_read_only
 from shared_td.storage.slices import in_shared_mapping
 from shared_td.tensorclass_protocol import unwrap_tensorclass
@@ -183,7 +183,7 @@ def _tensors_at(node: Any, path: tuple) -> Iterator[torch.Tensor]:
     elif not isinstance(node, TensorDictBase):  # a tensor on the way: fill_ names the key
         raise KeyError(path)
     else:
-        yield from _tensors_at(node.get(path[:1]), path[1:])
+        yield from _tensors_at(node.get(path[:1], RAISE), path[1:])
 
 
 def _adopt_entries(target: Any, source: Any) -> None:

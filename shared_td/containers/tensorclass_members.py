@@ -18,7 +18,7 @@ from shared_td.containers.memmap_methods import MemmapMethods
 from shared_td.containers.nontensor import NonTensorData, as_non_tensor
 from shared_td.containers.tensorclass_compat import check_row_write
 from shared_td.containers.tensordict import TensorDict
-from shared_td.keys import is_nested_key, unravel_key
+from shared_td.keys import is_nested_key, RAISE, unravel_key
 from shared_td.tensorclass_protocol import is_tensorclass, unwrap_tensorclass
 
 
@@ -359,13 +359,15 @@ class _TensorClassMembers:
         if len(path) == 1 and path[0] in type(self)._tc_field_names:
             # (asked of the keys: reading a ragged entry of a lazy stack without kwargs raises)
             if path[0] not in self._tensordict.keys():
-                return None if default is NO_DEFAULT else default
+                return None if default is NO_DEFAULT or default is RAISE else default
         elif len(path) == 1 and isinstance(getattr(type(self), path[0], None), property):
             return getattr(self, path[0])  # tc.get("batch_size") is tc.batch_size, as in tensordict
         elif len(path) > 1:
             # (a branch only: reading a leaf of a lazy stack would stack it; a lazy
             # stack's get gives its members' tensorclass, its _peek_str does not)
             head = _peek(self._tensordict, path[0])
+            if head is not None and not _is_branch(head) and default is NO_DEFAULT:
+                return None  # (a key below a leaf field: None, as tensordict's tensorclass gives)
             head = self._tensordict.get(path[0]) if _is_branch(head) else None
             if is_tensorclass(head):  # (its own get gives its non-tensor fields as values)
                 return head.get(path[1:], default, **kwargs)

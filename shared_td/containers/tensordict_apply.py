@@ -16,7 +16,7 @@ from shared_td.containers.comparisons import part_of
 from shared_td.containers.nontensor import NonTensorStack
 from shared_td.containers.unsupported_options import refuse_options
 from shared_td.errors import BatchSizeMismatchError
-from shared_td.keys import NestedKey
+from shared_td.keys import NestedKey, RAISE
 from shared_td.tensorclass_protocol import is_tensorclass, unwrap_tensorclass
 
 
@@ -149,7 +149,7 @@ class LeafMapping:
         entries = {}
         for key, value in self._tensordict.items():
             if default is NO_DEFAULT:
-                other_values = [o.get(key) for o in others]
+                other_values = [o.get(key, RAISE) for o in others]
             else:  # (an other that is not a tensordict is a default given for a whole subtree)
                 other_values = [o.get(key, default) if is_tensor_collection(o) else o for o in others]
             tensor = isinstance(value, torch.Tensor)  # most entries: no class to ask about

@@ -101,7 +101,8 @@ def test_get_unknown_key_names_it():
     with pytest.raises(KeyError, match="'missing'.*obs"):
         td["missing"]
     with pytest.raises(KeyError, match=r"\('nested', 'missing'\)"):
-        td.get(("nested", "missing"))
+        td["nested", "missing"]
+    assert td.get(("nested", "missing")) is None
     with pytest.raises(TypeError, match="3"):
         td.get(3)
 
