@@ -23,7 +23,7 @@ from shared_td.containers.lazy_names import indexed_names
 from shared_td.containers.reshaping import permute_order
 from shared_td.containers.shape_write_back import back_to_types_of, inverse_order, unsqueezed, with_write_back
 from shared_td.containers.value_kinds import is_leaf_nontensor, is_non_tensor, is_tensor_collection
-from shared_td.keys import NestedKey, is_nested_key
+from shared_td.keys import NestedKey, is_nested_key, key_repr, unravel_key
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 if TYPE_CHECKING:  # for the annotations only: lazy.py imports this module
@@ -463,8 +463,11 @@ def stacked_into(out: Any, result: Any) -> Any:
     place, as tensordict's does: see _into.)"""
     if out is None:
         return result
-    # (a key that out lacks is left to update_, which refuses it before writing)
     leaves = dict(result.items(True, True, is_leaf_nontensor))
+    missing = next((key for key in leaves if key not in out), None)
+    if missing is not None:  # (tensordict 0.15.3 leaves it out in silence)
+        raise KeyError(f"stack(..., out=out): out has no entry {key_repr(unravel_key(missing))}, which the stacked "
+                       "tensordicts hold; nothing was written. Add it to out, or stack without out=.")
     replaced = [key for key, value in leaves.items() if is_non_tensor(value) and is_non_tensor(out.get(key, None))]
     if not replaced:
         return out.update_(result)

@@ -92,6 +92,8 @@ class LazyWriteOps:
             # (lazy.set_non_tensor(("sub", "k"), v) makes one of the root's batch size,
             # which a nested stack with more batch dims refused)
             value = value._with_batch_size(self.batch_size, key)
+        if is_tensor_collection(value) and value.batch_size[: self.batch_dims] != self.batch_size:
+            value = self._resized_child(value, key)  # (an empty TensorDict(), re-batched as TensorDict.set does)
         if isinstance(value, torch.Tensor) or is_tensor_collection(value):
             shape = value.batch_size if is_tensor_collection(value) else value.shape
             if shape[: self.batch_dims] != self.batch_size:
@@ -174,9 +176,10 @@ class LazyWriteOps:
             member.update(part, clone, inplace=inplace, keys_to_update=keys_to_update)
         return self
 
-    def update_(self, other: Any, *, keys_to_update=None, non_blocking: bool = False) -> "LazyStackedTensorDict":
+    def update_(self, input_dict_or_td: Any = None, clone: bool = False, *, keys_to_update=None,
+                non_blocking: bool = False, **entries: Any) -> "LazyStackedTensorDict":
         """As TensorDict.update_, member by member (see ``update``)."""
-        parts = self._update_parts(other, inplace=True)
+        parts = self._update_parts(update_source(self, input_dict_or_td, entries, False), inplace=True)
         if keys_to_update is not None:  # (the other keys are neither checked nor written)
             parts = [part.select(*keys_to_update, strict=False) for part in parts]
         # (key by member: the members of a heterogeneous stack hold different keys, and

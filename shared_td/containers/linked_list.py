@@ -11,7 +11,8 @@ change the length of the list (``append``, ``extend``, ``insert``, ``pop``, ``re
 ``clear``, ``del``, ``+=``, ``*=``) change the list only and unlink it: later
 assignments no longer write back, as in tensordict. It compares equal to a list of the
 same items; ``tolist()`` is a plain copy; a pickle or a copy of it is not linked (it
-never carries the tensordict with it).
+never carries the tensordict with it). torch's pytree walks it as a list, as tensordict
+registers its own (``tree_leaves(td["names"])`` gives the values; rebuilt, a plain list).
 
 Example:
     >>> from shared_td import TensorDict
@@ -25,6 +26,8 @@ Example:
 from __future__ import annotations
 
 from typing import Any
+
+import torch.utils._pytree as pytree
 
 __all__ = ["LinkedList", "linked_values"]
 
@@ -84,3 +87,12 @@ def _linked(stack: Any, values: list, at: tuple, depth: int) -> LinkedList:
     if depth > 1:
         values = [_linked(stack, item, at + (i,), depth - 1) for i, item in enumerate(values)]
     return LinkedList(values, stack=stack, at=at)
+
+
+def _flatten_with_keys(values: LinkedList) -> tuple[list, None]:
+    return [(pytree.SequenceKey(i), item) for i, item in enumerate(values)], None
+
+
+# (the public torch.utils.pytree of newer torch registers through this one too)
+pytree.register_pytree_node(LinkedList, lambda values: (list(values), None), lambda items, _: list(items),
+                            serialized_type_name="shared_td.LinkedList", flatten_with_keys_fn=_flatten_with_keys)

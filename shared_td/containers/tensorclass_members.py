@@ -91,10 +91,20 @@ def _fields_checked(cls: type, write_back: Callable, restore: Callable) -> Calla
     return checked
 
 
+# The options of update()/update_() that a tensorclass passes on (any other keyword is a field)
+_UPDATE_OPTIONS = frozenset({"clone", "non_blocking", "is_leaf", "update_batch_size", "ignore_lock"})
+
+
 def _field_keywords(obj: Any, kwargs: dict) -> dict:
     """Take out of ``kwargs`` the keywords that name fields of ``obj``: entries of an
-    update (``tc.update(a=...)``, as in tensordict); the rest are options."""
-    return {name: kwargs.pop(name) for name in list(kwargs) if name in type(obj)._tc_field_names}
+    update (``tc.update(a=...)``, as in tensordict); the rest are options. A keyword that
+    is neither is a ValueError naming it, before anything is written (as tensordict's)."""
+    fields = type(obj)._tc_field_names
+    unknown = sorted(name for name in kwargs if name not in fields and name not in _UPDATE_OPTIONS)
+    if unknown:
+        raise ValueError(f"Keys {unknown} are not fields of {type(obj).__name__} (its fields are "
+                         f"{sorted(fields)}); nothing was updated.")
+    return {name: kwargs.pop(name) for name in list(kwargs) if name in fields}
 
 
 def _forward(name: str, wrap: bool) -> Any:
@@ -144,6 +154,15 @@ class _TensorClassMembers:
     """The members added to every tensorclass (collected into ``MEMBERS``)."""
 
     _is_tensorclass = True
+
+    def del_(self, key: Any) -> Any:
+        """Remove the entry ``key``; returns self. A field set to None holds no entry:
+        deleting it leaves it None, as tensordict 0.15.3 does (no KeyError)."""
+        path = unravel_key(key)
+        if len(path) == 1 and path[0] in type(self)._tc_field_names and path[0] not in self._tensordict.keys():
+            return self
+        self._tensordict.del_(key)
+        return self
 
     batch_size = _td_property("batch_size", settable=True)
     names = _td_property("names", settable=True)

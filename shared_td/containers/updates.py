@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from shared_td.containers.update_options import update_source
 from shared_td.containers.value_kinds import is_non_tensor, is_tensor_collection
+from shared_td.errors import BatchSizeMismatchError
 from shared_td.keys import key_repr, unravel_key
 from shared_td.memmap_tensor import refuse_read_only
 from shared_td.tensorclass_protocol import is_tensorclass, unwrap_tensorclass
@@ -43,6 +44,7 @@ class UpdateOps:
             >>> td["a"] is src["a"], td["a"].tolist()
             (False, [0.0, 0.0])
         """
+        _check_source_batch(self, input_dict_or_td)
         other = update_source(self, input_dict_or_td, entries, ignore_lock)
         selected = None if keys_to_update is None else [unravel_key(k) for k in keys_to_update]
         for path, value, in_place, _ in _stores_first(self._plan_update(other, (), inplace, True, selected)):
@@ -54,8 +56,11 @@ class UpdateOps:
                 self.set(path, value.clone() if clone and hasattr(value, "clone") else value)
         return self
 
-    def update_(self, other: Any, *, keys_to_update=None, non_blocking: bool = False) -> "TensorDictBase":
-        """Write every entry of ``other`` into the existing entries, in place.
+    def update_(self, input_dict_or_td: Any = None, clone: bool = False, *, keys_to_update=None,
+                non_blocking: bool = False, **entries: Any) -> "TensorDictBase":
+        """Write every entry of ``input_dict_or_td`` (and the keyword ``entries``, as
+        ``update`` takes them: ``td.update_(a=x)``) into the existing entries, in place.
+        ``clone`` is accepted for tensordict's signature: an in-place write copies anyway.
 
         Raises KeyError (naming the key) if one is missing; as every entry is checked
         before the first one is written, a failing update_ leaves self unchanged. (A
@@ -63,6 +68,7 @@ class UpdateOps:
         plan cannot check everything -- a full disk --: such entries are written first,
         so that this fails before any tensor is written.)
         """
+        other = update_source(self, input_dict_or_td, entries, False)
         selected = None if keys_to_update is None else [unravel_key(k) for k in keys_to_update]
         for path, value, _, _ in _stores_first(self._plan_update(other, (), True, False, selected)):
             if isinstance(value, _NestedUpdate):
@@ -382,3 +388,21 @@ def _merges_into_tensorclass(current: Any, value: Any) -> bool:
     if not isinstance(value, (dict, TensorDictBase)) or getattr(value, "_is_non_tensor", False):
         return False
     return {unravel_key(key)[0] for key in value.keys()} <= type(current)._tc_field_names
+
+
+def _check_source_batch(td: Any, source: Any) -> None:
+    """BatchSizeMismatchError (a RuntimeError, as tensordict 0.15.3 raises) when the
+    tensordict ``source`` of ``td.update(source)`` has a batch size that neither starts
+    ``td``'s nor is started by it: even an empty one, whose nested tensordicts would
+    otherwise be re-batched to ``td``'s in silence."""
+    if not is_tensor_collection(source):
+        return
+    theirs, mine = tuple(unwrap_tensorclass(source).batch_size), tuple(td.batch_size)
+    shorter = min(len(theirs), len(mine))
+    if theirs[:shorter] != mine[:shorter]:
+        raise BatchSizeMismatchError(
+            f"update() got a source with batch size {list(theirs)} for a destination with batch size "
+            f"{list(mine)}: neither starts the other, so its entries cannot fit; nothing was written. "
+            "Make the batch sizes agree first (tensordict's update_batch_size=True, which replaces the "
+            "destination's batch size, is not built)."
+        )

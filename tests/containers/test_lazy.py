@@ -621,6 +621,8 @@ class TestOps:
         dense = homo()
         assert (dense == dense.to_tensordict()).all()
         with pytest.raises(BatchSizeMismatchError):
+            _ = dense == td((5,), a=torch.zeros(5, 2))
+        with pytest.raises(KeyError):  # (an empty one takes the stack's batch size, as tensordict's)
             _ = dense == td()
 
     def test_select_exclude(self):

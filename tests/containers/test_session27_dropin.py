@@ -1,0 +1,174 @@
+"""Drop-in fixes of the 2026-12-06 (fifteenth) round, side by side with tensordict 0.15.3
+where it is installed: found by running tensordict's upstream test_methods.py and
+test_generic.py against shared_td (a probe outside the repository) and by fuzzer run 16."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+
+from tests.reference import LIBS, outcome
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("lazy", [False, True], ids=["TensorDict", "lazy"])
+def test_update_in_place_takes_entries_as_keywords(lib, lazy):
+    """``td.update_(a=x)`` writes ``x`` into ``a`` in place, as ``update(a=x)`` adds it
+    (upstream test_update_kwargs; before: a TypeError)."""
+    td = (lib.lazy_stack([lib.TensorDict(a=torch.zeros(())) for _ in range(3)]) if lazy
+          else lib.TensorDict(a=torch.zeros(3), batch_size=[3]))
+    before = td["a"] if not lazy else td.tensordicts[0]["a"]
+    assert td.update_(a=torch.ones(3)) is td
+    assert td["a"].tolist() == [1.0, 1.0, 1.0]
+    if not lazy:
+        assert td["a"] is before  # (in place: the same tensor)
+    td.update_({"a": torch.full((3,), 2.0)}, a=torch.full((3,), 5.0))  # (the keywords win)
+    assert td["a"].tolist() == [5.0, 5.0, 5.0]
+    with pytest.raises(KeyError):
+        td.update_(b=torch.ones(3))
+    assert "b" not in td.keys()
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("method", ["update", "update_"])
+def test_a_tensorclass_update_refuses_a_keyword_that_is_no_field(lib, method):
+    """``tc.update_(bogus=x)`` (and ``update``) of a keyword that is neither a field nor
+    an option raises a ValueError naming it, nothing written, as tensordict's (before:
+    ignored in silence)."""
+
+    @lib.tensorclass
+    class Step:
+        x: torch.Tensor
+
+    step = Step(x=torch.zeros(2), batch_size=[2])
+    getattr(step, method)(x=torch.ones(2))
+    assert step.x.tolist() == [1.0, 1.0]
+    with pytest.raises(ValueError, match="bogus"):
+        getattr(step, method)(x=torch.full((2,), 3.0), bogus=torch.ones(2))
+    assert step.x.tolist() == [1.0, 1.0] and list(step.keys()) == ["x"]
+    getattr(step, method)(x=torch.full((2,), 4.0), non_blocking=False)  # (an option, not a field)
+    assert step.x.tolist() == [4.0, 4.0]
+
+
+_SOURCES = {  # (destination batch, source batch, source entries)
+    "empty [4] into [3]": ([3], [4], {}),
+    "nested empty [4] into [3]": ([3], [4], {"n": "td"}),
+    "[4] into [3]": ([3], [4], {"x": (4,)}),
+    "lazy [2, 3] into [3]": ([3], [2, 3], "lazy"),
+    "empty [] into [3]": ([3], [], {}),
+    "empty [3] into [3, 2]": ([3, 2], [3], {}),
+    "[3, 2] into [3]": ([3], [3, 2], {"x": (3, 2)}),
+    "[3] into []": ([], [3], {"x": (3,)}),
+}
+
+
+def _update(lib, case, inplace):
+    mine, theirs, entries = _SOURCES[case]
+    if entries == "lazy":
+        source = lib.lazy_stack([lib.TensorDict(batch_size=theirs[1:]) for _ in range(theirs[0])])
+    else:
+        source = lib.TensorDict({k: lib.TensorDict(batch_size=theirs) if v == "td" else torch.zeros(v)
+                                 for k, v in entries.items()}, batch_size=theirs)
+    td = lib.TensorDict(batch_size=mine)
+    td.update(source, inplace=inplace)
+    return list(td.batch_size), {k: list(getattr(v, "batch_size", v.shape)) for k, v in td.items()}
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("case", list(_SOURCES))
+def test_update_refuses_a_source_whose_batch_size_cannot_fit_even_when_empty(case, inplace):
+    """tensordict 0.15.3 checks the batch sizes first: neither starting the other is a
+    RuntimeError, even for a source with no entry (upstream test_update_batch_size_errors);
+    shared_td accepted one and re-batched its nested tensordicts in silence."""
+    import shared_td
+    import tensordict
+    from tests.reference import needs_tensordict
+
+    ours = outcome(lambda: _update(shared_td, case, inplace))
+    if needs_tensordict.args[0]:
+        pytest.skip(needs_tensordict.kwargs["reason"])
+    assert ours == outcome(lambda: _update(tensordict, case, inplace))
+    if ours == "error":
+        with pytest.raises(RuntimeError, match=r"batch size \[.*nothing was written"):
+            _update(shared_td, case, inplace)
+
+
+def test_update_in_place_of_an_empty_source_of_another_batch_size_is_still_accepted():
+    """As tensordict's ``update_``: it checks no batch size (nothing is added)."""
+    import shared_td
+
+    td = shared_td.TensorDict(x=torch.zeros(3), batch_size=[3])
+    assert td.update_(shared_td.TensorDict(batch_size=[4])) is td
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_an_empty_tensordict_set_into_a_lazy_stack_takes_its_batch_size(lib):
+    """``lazy["inner"] = TensorDict({...}, [])`` whose tensors start with the stack's batch
+    size is re-batched, as ``TensorDict.set`` does (upstream test_nested_td_emptyshape;
+    before: a BatchSizeMismatchError)."""
+    lazy = lib.lazy_stack([lib.TensorDict(a=torch.zeros(3), batch_size=[3]) for _ in range(2)], 0)
+    inner = lib.TensorDict({"x": torch.randn(2, 3, 1)}, [])
+    lazy["inner"] = inner
+    assert lazy["inner"].batch_size == torch.Size([2, 3])
+    assert torch.equal(lazy["inner"]["x"], inner["x"])
+    assert inner.batch_size == torch.Size([])  # (a copy is re-batched, not the value)
+    lazy["empty"] = lib.TensorDict()
+    assert lazy["empty"].batch_size == torch.Size([2, 3])
+    with pytest.raises(RuntimeError):
+        lazy["bad"] = lib.TensorDict({"x": torch.zeros(4)}, [])
+    assert "bad" not in lazy.keys()
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_the_values_of_a_non_tensor_stack_are_walked_by_pytree(lib):
+    """torch's pytree walks ``td[key]`` of a NonTensorStack down to its values (upstream
+    test_non_tensor_data[stacked_td]; before: one leaf, the whole list)."""
+    lazy = lib.lazy_stack([lib.TensorDict(a=torch.zeros(3), batch_size=[3]) for _ in range(2)], 0)
+    lazy["this", "other"] = "success"
+    values = lazy["this", "other"]
+    assert pytree.tree_leaves(values) == ["success"] * 6
+    assert pytree.tree_map(str.upper, values) == [["SUCCESS"] * 3] * 2
+
+
+def test_a_rebuilt_tree_of_linked_values_is_a_plain_list_that_writes_nothing():
+    import shared_td
+
+    td = shared_td.TensorDict(batch_size=[2])
+    td["names"] = ["a", "b"]
+    rebuilt = pytree.tree_map(str.upper, td["names"])
+    assert type(rebuilt) is list and rebuilt == ["A", "B"]
+    assert [path for path, _ in pytree.tree_flatten_with_path(td["names"])[0]] == [
+        (pytree.SequenceKey(0),), (pytree.SequenceKey(1),)]
+    assert td["names"] == ["a", "b"]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("locked", [False, True])
+def test_deleting_a_tensorclass_field_that_holds_none_is_a_no_op(lib, locked):
+    """A field set to None holds no entry: ``del_`` leaves it None, as tensordict's
+    (before: a KeyError; fuzzer run 16)."""
+
+    @lib.tensorclass
+    class Step:
+        obs: torch.Tensor
+        node: object = None
+
+    step = Step(obs=torch.zeros(2), batch_size=[2])
+    if locked:
+        step.lock_()
+    assert step.del_("node") is step
+    assert step.node is None and list(step.keys()) == ["obs"]
+    with pytest.raises(KeyError):
+        step.del_("zzz")
+
+
+def test_stack_into_an_out_that_lacks_a_key_names_it_and_writes_nothing():
+    """README: shared_td refuses where tensordict 0.15.3 drops the key in silence (fuzzer
+    run 16); the error names the key and ``out=``, not the ``update_`` it used inside."""
+    import shared_td
+
+    tds = [shared_td.TensorDict(a=torch.ones(2), b=torch.ones(2), batch_size=[2]) for _ in range(3)]
+    out = shared_td.TensorDict(a=torch.zeros(3, 2), batch_size=[3, 2])
+    with pytest.raises(KeyError, match=r"out=out.*'b'.*nothing was written"):
+        torch.stack(tds, 0, out=out)
+    assert out["a"].sum() == 0 and list(out.keys()) == ["a"]
