@@ -32,7 +32,7 @@ from shared_td.containers.value_kinds import (
     TensorDictRoot, check_write_into, default_is_leaf, is_leaf_nontensor, is_non_tensor, is_non_tensor_class,
     is_tensor_collection, on_cuda, parse_device, self_nesting_error)
 from shared_td.errors import KeyThroughLeafError
-from shared_td.keys import is_nested_key, key_repr, NestedKey, RAISE, unravel_key
+from shared_td.keys import NestedKey, RAISE, is_nested_key, key_repr, unravel_key
 from shared_td.containers.memmap_methods import MemmapMethods
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 

@@ -26,7 +26,7 @@ from shared_td.containers.nontensor_ops import check_non_tensor_write
 from shared_td.containers.row_writes import fit_source
 from shared_td.containers.tensorclass_compat import check_row_write
 from shared_td.errors import BatchSizeMismatchError
-from shared_td.keys import key_repr, RAISE, unravel_key
+from shared_td.keys import RAISE, key_repr, unravel_key
 from shared_td.memmap_tensor import refuse_read_only
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 

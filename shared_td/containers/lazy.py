@@ -35,7 +35,7 @@ from shared_td.containers.lazy_shape import LazyShapeOps, set_batch_size, stacke
 from shared_td.containers.lazy_writes import LazyWriteOps, _is_branch, _peek
 from shared_td.containers.value_kinds import is_non_tensor, is_tensor_collection
 from shared_td.errors import BatchSizeMismatchError
-from shared_td.keys import is_nested_key, NestedKey, RAISE, unravel_key
+from shared_td.keys import NestedKey, RAISE, is_nested_key, unravel_key
 from shared_td.tensorclass_protocol import is_tensorclass, unwrap_tensorclass
 
 

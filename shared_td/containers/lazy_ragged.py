@@ -14,7 +14,7 @@ import torch
 from shared_td.containers.lazy_writes import _is_branch, _is_lazy
 from shared_td.containers.nontensor import stack_non_tensors
 from shared_td.containers.value_kinds import is_leaf_nontensor, is_non_tensor
-from shared_td.keys import key_repr, RAISE, unravel_key
+from shared_td.keys import RAISE, key_repr, unravel_key
 from shared_td.tensorclass_protocol import is_tensorclass
 
 if TYPE_CHECKING:  # for the annotations only: lazy.py imports this module

@@ -25,7 +25,7 @@ from shared_td.containers.nontensor import NonTensorData, as_non_tensor
 from shared_td.containers.nontensor_ops import list_to_entry, one_value_into
 from shared_td.containers.update_options import update_source
 from shared_td.errors import BatchSizeMismatchError
-from shared_td.keys import key_repr, RAISE, unravel_key
+from shared_td.keys import RAISE, key_repr, unravel_key
 from shared_td.memmap_tensor import refuse_read_only
 from shared_td.tensorclass_protocol import is_tensorclass, unwrap_tensorclass
 

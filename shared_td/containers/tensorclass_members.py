@@ -18,7 +18,7 @@ from shared_td.containers.memmap_methods import MemmapMethods
 from shared_td.containers.nontensor import NonTensorData, as_non_tensor
 from shared_td.containers.tensorclass_compat import check_row_write
 from shared_td.containers.tensordict import TensorDict
-from shared_td.keys import is_nested_key, RAISE, unravel_key
+from shared_td.keys import RAISE, is_nested_key, unravel_key
 from shared_td.tensorclass_protocol import is_tensorclass, unwrap_tensorclass
 
 
