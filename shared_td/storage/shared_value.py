@@ -59,6 +59,7 @@ import ctypes
 import multiprocessing.reduction
 import os
 import pickle
+import struct
 import threading
 import weakref
 from typing import Any, Callable, ContextManager, Iterator
@@ -71,10 +72,24 @@ from shared_td.storage.cache import InodeCache
 from shared_td.storage.files import allocate, pwrite_all
 
 _HEADER_WORDS = 5  # version, then (offset, length) of slots 0 and 1
+_FIRST_HEADER = struct.Struct(f"={_HEADER_WORDS}Q")  # (the words as the mapped header reads them)
 _PAYLOAD = 64  # where the payload area starts; the header is reserved at creation
 # The bytes that the ByteLocks lock (a lock needs no data there); see the module doc.
 _VALUE, _WRITE, _UPDATE = 0, 1, 2
 _WHAT = "a shared non-tensor value"
+
+
+def _pickled(value: Any) -> bytes:
+    try:
+        return pickle.dumps(value)
+    except Exception as error:
+        # (the cell is unchanged; a tensordict's write checks its values before
+        # writing any entry, and names the entry: NonTensorBase._check_storable)
+        raise TypeError(
+            f"A shared non-tensor value must be picklable; {type(value).__name__} is "
+            f"not ({error}). Nothing was written: write a picklable value (a function "
+            "defined at module level, not a lambda; no lock or open file)."
+        ) from error
 
 
 def _pread_all(fd: int, length: int, offset: int) -> bytes:
@@ -139,12 +154,20 @@ class SharedValue:
     def create(cls, value: Any) -> "SharedValue":
         """A new shared cell holding ``value`` (which must be picklable).
 
-        The header is reserved with ``posix_fallocate``: a full memory is a
-        :class:`~shared_td.storage.files.StorageFullError` here, never a SIGBUS.
+        The header and the value are reserved with ``posix_fallocate``: a full memory is
+        a :class:`~shared_td.storage.files.StorageFullError` here, never a SIGBUS.
         """
-        fd = create_memfd(f"shared_td-value-{os.getpid()}", _PAYLOAD, _WHAT)
+        payload = _pickled(value)
+        fd = create_memfd(f"shared_td-value-{os.getpid()}", _PAYLOAD + len(payload), _WHAT)
+        try:
+            # The first value, as set() would write it (slot 1 live, version 1), without
+            # its locks: no other process or thread can reach this memfd yet.
+            pwrite_all(fd, payload, _PAYLOAD, where=_WHAT)
+            pwrite_all(fd, _FIRST_HEADER.pack(1, 0, 0, _PAYLOAD, len(payload)), 0, where=_WHAT)
+        except BaseException:
+            os.close(fd)
+            raise
         cell = cls(fd)
-        cell.set(value)
         _CACHE.put(cell.key, cell)
         for batch in _new_cell_batches():
             batch.append(cell)
@@ -201,16 +224,7 @@ class SharedValue:
         return self._write(value, version)
 
     def _write(self, value: Any, expected: int | None) -> bool:
-        try:
-            payload = pickle.dumps(value)
-        except Exception as error:
-            # (the cell is unchanged; a tensordict's write checks its values before
-            # writing any entry, and names the entry: NonTensorBase._check_storable)
-            raise TypeError(
-                f"A shared non-tensor value must be picklable; {type(value).__name__} is "
-                f"not ({error}). Nothing was written: write a picklable value (a function "
-                "defined at module level, not a lambda; no lock or open file)."
-            ) from error
+        payload = _pickled(value)
         length = len(payload)
         write_lock, value_lock = self._write_lock, self._value_lock
         # this shape exactly: a Ctrl-C here never leaves a lock held (see ByteLock); a
