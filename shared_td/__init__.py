@@ -19,14 +19,14 @@ from shared_td.containers.base import (
     is_tensor_collection,
 )
 from shared_td.containers.consolidated_load import from_consolidated
-from shared_td.containers.extra_constructors import cat, fromkeys, maybe_dense_stack, stack
+from shared_td.containers.extra_constructors import cat, fromkeys, make_tensordict, maybe_dense_stack, stack
 from shared_td.containers.lazy import LazyStackedTensorDict
 from shared_td.containers.nontensor import NonTensorData, NonTensorDataBase, NonTensorStack
 from shared_td.containers.tensorclass import TensorClass, from_dataclass, is_tensorclass, tensorclass
 from shared_td.containers.tensordict import TensorDict
 from shared_td.coordinator import Coordinator, attach, is_stale, refresh, version, wait_version
 from shared_td.keys import NestedKey
-from shared_td.keys import canonical_key as unravel_key
+from shared_td.keys import canonical_key as unravel_key, unravel_key_list
 from shared_td.errors import (
     AtomicWriteError,
     BatchDimError,
@@ -131,6 +131,7 @@ __all__ = [
     "is_tensor_collection",
     "is_tensorclass",
     "lazy_stack",
+    "make_tensordict",
     "maybe_dense_stack",
     "from_consolidated",
     "load",
@@ -144,6 +145,7 @@ __all__ = [
     "tensorclass",
     "unpack_memmap",
     "unravel_key",
+    "unravel_key_list",
     "version",
     "wait_version",
 ]

@@ -64,6 +64,22 @@ def canonical_key(key: NestedKey) -> NestedKey:
     return parts[0] if len(parts) == 1 else parts
 
 
+def unravel_key_list(keys: list | tuple) -> list:
+    """Each of ``keys`` as :func:`canonical_key` gives it (``shared_td.unravel_key``),
+    as tensordict's ``unravel_key_list``.
+
+    Examples:
+        >>> unravel_key_list(["a", ("b",), ("c", ("d",))])
+        ['a', 'b', ('c', 'd')]
+
+    Raises:
+        TypeError: ``keys`` is not a list or a tuple (or a key is not a nested key).
+    """
+    if not isinstance(keys, (list, tuple)):
+        raise TypeError(f"unravel_key_list() takes a list or a tuple of keys, got {type(keys).__name__}.")
+    return [canonical_key(key) for key in keys]
+
+
 def is_nested_key(key: object) -> bool:
     """True if ``key`` is a str or a (possibly nested) non-empty tuple of str.
 

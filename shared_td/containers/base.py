@@ -19,7 +19,7 @@ from shared_td.containers.consolidated_pickle import deepcopy_collection
 from shared_td.containers.consolidation import ConsolidateMethods
 from shared_td.containers.convenience_ops import ConvenienceOps
 from shared_td.containers.extra_names import ExtraNameOps
-from shared_td.containers.keysview import UNSEEN, KeysView
+from shared_td.containers.keysview import UNSEEN, KeysView, peek_path
 from shared_td.containers.locking import LockingOps
 from shared_td.containers.nontensor_ops import NonTensorOps
 from shared_td.containers.pinning import PinningOps
@@ -42,6 +42,8 @@ __all__ = [
 ]
 
 NO_DEFAULT = object()
+#: the options of a lazy stack's ``get`` that ``get`` passes on to one on a key's path
+_AS_MEMBERS = frozenset({"as_list", "as_padded_tensor", "as_nested_tensor", "padding_side", "padding_value", "layout"})
 
 
 class TensorDictBase(TensorDictRoot, LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, MemmapMethods,
@@ -159,7 +161,7 @@ class TensorDictBase(TensorDictRoot, LockingOps, BatchSplitOps, NonTensorOps, Co
                 f"`in` tests keys of a tensordict (str or tuples of str), got {key!r}; "
                 "to test values, compare tensors explicitly."
             )
-        return self._get_path(unravel_key(key), None) is not None
+        return peek_path(self, unravel_key(key)) is not None  # (a nested lazy stack's ragged leaf too)
 
     def _get_path(self, path: tuple[str, ...], default: Any) -> Any:
         node: Any = self
@@ -172,10 +174,15 @@ class TensorDictBase(TensorDictRoot, LockingOps, BatchSplitOps, NonTensorOps, Co
                 return default
         return node
 
-    def get(self, key: NestedKey, default: Any = NO_DEFAULT) -> Any:
+    def get(self, key: NestedKey, default: Any = NO_DEFAULT, **as_members: Any) -> Any:
         """The entry at ``key`` (non-tensors as NonTensorData), or ``default`` when it is
         missing: None when no default is given, as in tensordict 0.15.3 (``td[key]``
         raises the KeyError).
+
+        ``as_members``: a lazy stack's options (``as_list``, ``as_padded_tensor``,
+        ``as_nested_tensor`` and their ``padding_side``, ``padding_value``, ``layout``),
+        for a key that runs through one (``td.get(("stack", "x"), as_list=True)``), as
+        tensordict takes them; elsewhere the entry is given as it is, as there.
 
         Raises:
             KeyThroughLeafError: a KeyError and ValueError, when no default is given and
@@ -190,6 +197,15 @@ class TensorDictBase(TensorDictRoot, LockingOps, BatchSplitOps, NonTensorOps, Co
             (True, 0)
         """
         path = unravel_key(key)
+        if as_members and not as_members.keys() <= _AS_MEMBERS:
+            unknown = sorted(as_members.keys() - _AS_MEMBERS)
+            raise TypeError(f"get() got unexpected keyword arguments {unknown}: it takes a default and a lazy "
+                            f"stack's {sorted(_AS_MEMBERS)}.")
+        if as_members and len(path) > 1:
+            for depth in range(1, len(path)):  # (peeked: reading the stack's leaf could raise)
+                node = peek_path(self, path[:depth])
+                if hasattr(node, "_peek_str"):  # a lazy stack: it reads the rest
+                    return node.get(path[depth:], default, **as_members)
         value = self._get_path(path, NO_DEFAULT)
         if value is NO_DEFAULT:
             return self._default_for_missing(path, default)

@@ -137,6 +137,25 @@ def fromkeys(keys: Sequence[Any], value: Any = 0) -> Any:
     return TensorDict(dict.fromkeys(keys, value), batch_size=[])
 
 
+def make_tensordict(input_dict: dict | None = None, batch_size: Any = None, device: Any = None,
+                    auto_batch_size: bool | None = None, **entries: Any) -> Any:
+    """A TensorDict of the keyword ``entries`` and ``input_dict`` (whose entries win), as
+    ``TensorDict.from_dict`` makes it (tensordict 0.15.3's ``make_tensordict``): batch
+    size ``[]`` unless ``batch_size`` is given or ``auto_batch_size=True``.
+
+    Example:
+        >>> make_tensordict(a=torch.zeros(3, 4), b=torch.zeros(3)).batch_size
+        torch.Size([])
+        >>> make_tensordict({"a": torch.zeros(3)}, auto_batch_size=True).batch_size
+        torch.Size([3])
+    """
+    from shared_td.containers.tensordict import TensorDict
+
+    if input_dict is not None:
+        entries.update(input_dict)
+    return TensorDict.from_dict(entries, batch_size=batch_size, device=device, auto_batch_size=bool(auto_batch_size))
+
+
 def from_list(items: Sequence[Any], *, auto_batch_size: bool | None = None, batch_size: Any = None,
               device: Any = None, batch_dims: int | None = None, names: Any = None,
               lazy: bool | None = None) -> Any:

@@ -23,6 +23,38 @@ def _peeks(cls: type) -> bool:
     return hasattr(cls, "_peek_str")
 
 
+def peek_path(td: Any, path: tuple) -> Any:
+    """The entry at ``path`` of ``td`` read without stacking anything (None when it is
+    not there): a lazy stack on the way is peeked at (its first member's leaf, a lazy
+    stack of its members' nested nodes), since reading a ragged leaf of one raises. For
+    ``key in td`` and what only needs to know an entry's kind."""
+    node = td
+    for part in path:
+        read = _reader(type(node))
+        if read is _INNER:  # a tensorclass: its tensordict
+            node = node._tensordict
+            read = _reader(type(node))
+        if read is None:  # (a tensor or value on the way)
+            return None
+        node = read(node, part, None)
+        if node is None:
+            return None
+    return node
+
+
+_INNER = object()
+
+
+@functools.lru_cache(maxsize=4096)
+def _reader(cls: type) -> Any:
+    """How :func:`peek_path` reads an entry of an instance of ``cls`` (asked once per
+    class): a lazy stack's ``_peek_str``, a tensordict's ``_get_str``, ``_INNER`` for a
+    tensorclass, None for what holds no entry."""
+    if is_tensorclass(cls):
+        return _INNER
+    return getattr(cls, "_peek_str", None) or getattr(cls, "_get_str", None)
+
+
 def _sort_name(key: Any) -> str:
     """What ``sort=True`` orders a key by: its parts joined by ".", as tensordict 0.15.3
     does (``("a", "c")`` sorts as ``"a.c"``: after ``"a-b"``, where ordering the tuples

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 
 from shared_td.containers import batch as batch_ops
+from shared_td.containers.keysview import peek_path
 from shared_td.containers.lazy_names import indexed_names
 from shared_td.containers.reshaping import permute_order
 from shared_td.containers.shape_write_back import back_to_types_of, inverse_order, unsqueezed, with_write_back
@@ -463,12 +464,15 @@ def stacked_into(out: Any, result: Any) -> Any:
     place, as tensordict's does: see _into.)"""
     if out is None:
         return result
-    leaves = dict(result.items(True, True, is_leaf_nontensor))
-    missing = next((key for key in leaves if key not in out), None)
+    # (keys, then values of out's non-tensor entries only: reading every leaf of the
+    # result would stack a ragged nested lazy stack's tensors, which update_ writes member by member)
+    keys = list(result.keys(True, True, is_leaf_nontensor))
+    missing = next((key for key in keys if key not in out), None)
     if missing is not None:  # (tensordict 0.15.3 leaves it out in silence)
         raise KeyError(f"stack(..., out=out): out has no entry {key_repr(unravel_key(missing))}, which the stacked "
                        "tensordicts hold; nothing was written. Add it to out, or stack without out=.")
-    replaced = [key for key, value in leaves.items() if is_non_tensor(value) and is_non_tensor(out.get(key, None))]
+    leaves = {key: result.get(key) for key in keys if is_non_tensor(peek_path(out, unravel_key(key)))}
+    replaced = [key for key, value in leaves.items() if is_non_tensor(value)]
     if not replaced:
         return out.update_(result)
     for key in replaced:  # every node whose entry is replaced, before any write
@@ -477,7 +481,7 @@ def stacked_into(out: Any, result: Any) -> Any:
         if parent.is_locked:
             parent.set(path[-1], leaves[key])  # (raises the locked error, naming the key)
     # (keys_to_update, not exclude: exclude keeps the fields of a nested tensorclass)
-    out.update_(result, keys_to_update=[key for key in leaves if key not in replaced])
+    out.update_(result, keys_to_update=[key for key in keys if key not in replaced])
     for key in replaced:
         out.set(key, leaves[key])
     return out

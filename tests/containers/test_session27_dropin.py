@@ -172,3 +172,70 @@ def test_stack_into_an_out_that_lacks_a_key_names_it_and_writes_nothing():
     with pytest.raises(KeyError, match=r"out=out.*'b'.*nothing was written"):
         torch.stack(tds, 0, out=out)
     assert out["a"].sum() == 0 and list(out.keys()) == ["a"]
+
+
+def _ragged_parts(lib):
+    def one(v):
+        members = [lib.TensorDict({"h": torch.full((3,), v)}, []), lib.TensorDict({"h": torch.full((2,), v)}, [])]
+        return lib.TensorDict({"lazy": lib.lazy_stack(members), "dense": torch.full((2,), v)}, [])
+
+    return one(0.0), one(1.0)
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_stacking_into_out_through_a_ragged_nested_lazy_stack(lib):
+    """``lazy_stack([a, b], out=out)`` where the items hold a lazy stack whose tensors
+    differ in shape writes into ``out`` (upstream test_lazy.py, 9 tests; before: "Failed
+    to stack tensors", as checking out's keys read each leaf of the result densely)."""
+    a, b = _ragged_parts(lib)
+    out = a.unsqueeze(0).expand(2).clone()
+    assert lib.LazyStackedTensorDict.lazy_stack([a, b], dim=0, out=out) is out
+    assert out["dense"].tolist() == [[0.0, 0.0], [1.0, 1.0]]
+    assert out[1]["lazy"][1]["h"].tolist() == [1.0, 1.0] and out[1]["lazy"][0]["h"].tolist() == [1.0] * 3
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_in_finds_a_key_of_a_ragged_nested_lazy_stack(lib):
+    a, _ = _ragged_parts(lib)
+    assert ("lazy", "h") in a and ("lazy", "q") not in a and ("dense", "q") not in a
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_get_passes_a_lazy_stacks_options_to_the_one_on_the_keys_path(lib):
+    """``td.get(("inner", "x"), as_list=True)`` (or ``as_padded_tensor=True`` with its
+    padding) where ``inner`` is a ragged lazy stack: the stack reads it (before: a
+    TypeError; upstream test_lazy.py)."""
+    inner = lib.lazy_stack([lib.TensorDict({"x": torch.ones(1)}), lib.TensorDict({"x": torch.ones(2) * 2})])
+    td = lib.TensorDict(inner=inner, batch_size=[2])
+    assert [t.tolist() for t in td.get(("inner", "x"), as_list=True)] == [[1.0], [2.0, 2.0]]
+    padded = td.get(("inner", "x"), as_padded_tensor=True, padding_side="left", padding_value=100)
+    assert padded.tolist() == [[100.0, 1.0], [2.0, 2.0]]
+    assert td.get(("inner", "q"), as_list=True) is None
+    dense = lib.TensorDict(a=torch.zeros(2), batch_size=[2])
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (tensordict warns that 0.17 will change this)
+        assert torch.equal(dense.get("a", as_list=True), torch.zeros(2))  # (no stack on the way: the entry)
+
+
+def test_get_refuses_a_keyword_it_does_not_know():
+    import shared_td
+
+    td = shared_td.TensorDict(a=torch.zeros(2), batch_size=[2])
+    with pytest.raises(TypeError, match="bogus"):
+        td.get("a", bogus=1)
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_unravel_key_list_and_make_tensordict(lib):
+    """Two public names of tensordict 0.15.3 that shared_td lacked (upstream test_utils.py,
+    test_misc.py)."""
+    assert lib.unravel_key_list(["a", ("b",), ("c", ("d",))]) == ["a", "b", ("c", "d")]
+    with pytest.raises(TypeError):
+        lib.unravel_key_list("a")
+    td = lib.make_tensordict(a=torch.zeros(3, 4), b=torch.zeros(3))
+    assert td.batch_size == torch.Size([]) and sorted(td.keys()) == ["a", "b"]
+    td = lib.make_tensordict({"a": torch.zeros(3), "b": {"c": torch.zeros(3, 4)}}, auto_batch_size=True)
+    assert td.batch_size == torch.Size([3]) and td["b"].batch_size == torch.Size([3, 4])
+    td = lib.make_tensordict({"a": torch.ones(2)}, batch_size=[2], a=torch.zeros(2))
+    assert td["a"].tolist() == [1.0, 1.0]  # (input_dict's entries win over the keywords)
