@@ -203,7 +203,7 @@ class TensorDictBase(TensorDictRoot, LockingOps, BatchSplitOps, NonTensorOps, Co
                             f"stack's {sorted(_AS_MEMBERS)}.")
         if as_members and len(path) > 1:
             for depth in range(1, len(path)):  # (peeked: reading the stack's leaf could raise)
-                node = peek_path(self, path[:depth])
+                node = unwrap_tensorclass(peek_path(self, path[:depth]))  # (a lazy stack of tensorclasses too)
                 if hasattr(node, "_peek_str"):  # a lazy stack: it reads the rest
                     return node.get(path[depth:], default, **as_members)
         value = self._get_path(path, NO_DEFAULT)

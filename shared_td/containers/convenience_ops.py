@@ -172,7 +172,7 @@ class ConvenienceOps:
             ...     print(str(error).split(" into")[0])
             set_at_('text', ..., 0): Cannot write per-element values
             >>> TensorDict(text=NonTensorData("x"), batch_size=[2]).set_at_("text", "y", 0)["text"]
-            ['y', 'x']
+            LinkedList(['y', 'x'])
 
         Raises:
             KeyError: naming the key, when it is missing.
@@ -416,7 +416,7 @@ class ConvenienceOps:
 
         Example:
             >>> TensorDict(a=torch.arange(2), s=NonTensorStack("x", "y"), batch_size=[2]).repeat(2)["s"]
-            ['x', 'y', 'x', 'y']
+            LinkedList(['x', 'y', 'x', 'y'])
         """
         from shared_td.containers import batch as batch_ops
 
@@ -442,7 +442,7 @@ class ConvenienceOps:
 
         Example:
             >>> TensorDict(a=torch.arange(2), s=NonTensorStack("x", "y"), batch_size=[2]).repeat_interleave(2)["s"]
-            ['x', 'x', 'y', 'y']
+            LinkedList(['x', 'x', 'y', 'y'])
         """
         import torch
 

@@ -45,6 +45,9 @@ class LinkedList(list):
             self._stack[self._at + (index,)] = value
         super().__setitem__(index, value)
 
+    def __repr__(self) -> str:
+        return f"LinkedList({list.__repr__(self)})"  # (as tensordict's; str() too, nested ones inside)
+
     def tolist(self) -> list:
         """A plain copy, nested lists for a nested stack, linked to nothing."""
         return [item.tolist() if isinstance(item, LinkedList) else item for item in self]

@@ -217,7 +217,7 @@ class NonTensorStack(NonTensorBase):
     Examples:
         >>> td = torch.stack([TensorDict(task="walk"), TensorDict(task="run")])
         >>> td["task"]
-        ['walk', 'run']
+        LinkedList(['walk', 'run'])
         >>> td[1]["task"]
         'run'
     """

@@ -92,7 +92,8 @@ def _fields_checked(cls: type, write_back: Callable, restore: Callable) -> Calla
 
 
 # The options of update()/update_() that a tensorclass passes on (any other keyword is a field)
-_UPDATE_OPTIONS = frozenset({"clone", "non_blocking", "is_leaf", "update_batch_size", "ignore_lock"})
+_UPDATE_OPTIONS = frozenset({"clone", "non_blocking", "keys_to_update", "is_leaf", "update_batch_size",
+                             "ignore_lock"})
 
 
 def _field_keywords(obj: Any, kwargs: dict) -> dict:

@@ -32,6 +32,7 @@ def update_source(td: Any, other: Any, entries: dict, ignore_lock: bool) -> Any:
         >>> sorted(update_source(td, other, {"n": {"r": 2}}, False)["n"].keys())
         ['q', 'r']
     """
+    other = unwrap_tensorclass(other)  # (a tensorclass was iterated as rows: TypeError)
     for name in _NOT_BUILT:
         if name in entries:
             value = entries.pop(name)
@@ -48,7 +49,7 @@ def update_source(td: Any, other: Any, entries: dict, ignore_lock: bool) -> Any:
         return [(k, v) for k, v in other.items() if k not in entries] + list(entries.items())
     # a shallow copy of other (its batch size, names, a lazy stack's members and their own
     # keys kept: a dict of its items lost them, audit 21) with the keywords written over it
-    merged = unwrap_tensorclass(other).copy()
+    merged = other.copy()
     for key, value in entries.items():
         _write_over(merged, key, value)
     return merged

@@ -239,3 +239,83 @@ def test_unravel_key_list_and_make_tensordict(lib):
     assert td.batch_size == torch.Size([3]) and td["b"].batch_size == torch.Size([3, 4])
     td = lib.make_tensordict({"a": torch.ones(2)}, batch_size=[2], a=torch.zeros(2))
     assert td["a"].tolist() == [1.0, 1.0]  # (input_dict's entries win over the keywords)
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_a_linked_list_shows_its_class(lib):
+    """``repr``/``str`` of ``td[key]`` of a NonTensorStack say ``LinkedList(...)``, nested
+    ones too, as tensordict's (upstream test_linked_list_str)."""
+    td = lib.TensorDict(batch_size=[2, 2])
+    td["n"] = [["a", "b"], ["c", "d"]]
+    shown = "LinkedList([LinkedList(['a', 'b']), LinkedList(['c', 'd'])])"
+    assert repr(td["n"]) == str(td["n"]) == f"{td['n']}" == shown
+    assert td["n"] == [["a", "b"], ["c", "d"]] and repr(td["n"].tolist()) == "[['a', 'b'], ['c', 'd']]"
+
+
+def _step_class(lib):
+    @lib.tensorclass
+    class Step:
+        obs: torch.Tensor
+        act: torch.Tensor = None
+
+    return Step
+
+
+def test_a_tensorclass_update_in_place_takes_keys_to_update():
+    """A regression of this round's keyword check (fuzzer triage 14): ``keys_to_update``
+    is an option of ``update_``, not a field (README: only the selected keys are
+    written)."""
+    import shared_td
+
+    step = _step_class(shared_td)(obs=torch.zeros(2), act=torch.zeros(2), batch_size=[2])
+    step.update_({"obs": torch.ones(2), "act": torch.ones(2)}, keys_to_update=["obs"])
+    assert step.obs.tolist() == [1.0, 1.0] and step.act.tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("how", ["as_list", "as_nested_tensor"])
+def test_get_passes_the_options_to_a_lazy_stack_of_tensorclasses_on_the_path(lib, how):
+    step = _step_class(lib)
+    stack = lib.lazy_stack([step(obs=torch.zeros(2), batch_size=[]), step(obs=torch.zeros(3), batch_size=[])])
+    got = lib.TensorDict(t=stack, batch_size=[2]).get(("t", "obs"), **{how: True})
+    shapes = [x.shape for x in (got if how == "as_list" else got.unbind())]
+    assert shapes == [torch.Size([2]), torch.Size([3])]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("join", ["stack", "cat"])
+def test_stack_and_cat_of_tensorclasses_write_into_out(lib, join):
+    """``torch.stack(tcs, out=out)`` and ``torch.cat`` of tensorclasses wrote nothing into
+    ``out`` (fuzzer triage 14): ``out`` is written, as tensordict's."""
+    step = _step_class(lib)
+    if join == "stack":
+        out = step(obs=torch.zeros(2, 3), batch_size=[2])
+        torch.stack([step(obs=torch.ones(3), batch_size=[]), step(obs=torch.full((3,), 2.0), batch_size=[])], out=out)
+        assert out.obs[:, 0].tolist() == [1.0, 2.0]
+    else:
+        out = step(obs=torch.zeros(4, 3), batch_size=[4])
+        torch.cat([step(obs=torch.ones(2, 3), batch_size=[2]), step(obs=torch.full((2, 3), 2.0), batch_size=[2])],
+                  out=out)
+        assert out.obs[:, 0].tolist() == [1.0, 1.0, 2.0, 2.0]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("how", ["update", "update_", "update with keywords", "0-dim", "lazy"])
+def test_a_tensordict_is_updated_from_a_tensorclass(lib, how):
+    """``td.update(tc)`` (``update_`` too) writes the fields (before: "Iteration over a
+    0-dim tensordict", the tensorclass walked as rows; fuzzer triage 14)."""
+    step = _step_class(lib)
+    td = lib.TensorDict(obs=torch.zeros(2), batch_size=[2])
+    if how == "update":
+        td.update(step(obs=torch.ones(2), batch_size=[2]))
+    elif how == "update_":
+        td.update_(step(obs=torch.ones(2), batch_size=[2]))
+    elif how == "update with keywords":
+        td.update(step(obs=torch.ones(2), batch_size=[2]), extra=torch.ones(2))
+        assert td["extra"].tolist() == [1.0, 1.0]
+    elif how == "0-dim":
+        td = lib.TensorDict(obs=torch.zeros(())).update(step(obs=torch.ones(()), batch_size=[]))
+    else:
+        td = lib.lazy_stack([lib.TensorDict(obs=torch.zeros(())), lib.TensorDict(obs=torch.zeros(()))])
+        td.update(step(obs=torch.ones(2), batch_size=[2]))
+    assert (td["obs"] == 1).all()
