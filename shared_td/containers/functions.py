@@ -108,8 +108,9 @@ def stack(items: Sequence[Any], dim: int = 0, *, out: Any = None, lazy_if_shapes
     first = items[0]
     if not isinstance(first, TensorDictBase):  # tensorclass
         inner = [unwrap_tensorclass(item) for item in items]
-        into = None if out is None else unwrap_tensorclass(out)  # (out= was dropped: nothing written)
-        return type(first)._from_tensordict(stack(inner, dim, out=into, lazy_if_shapes_differ=lazy_if_shapes_differ))
+        # (out= goes on: it was dropped, and nothing was written into it)
+        return type(first)._from_tensordict(stack(inner, dim, out=unwrap_tensorclass(out),
+                                                  lazy_if_shapes_differ=lazy_if_shapes_differ))
     dim = batch_ops.insertion_dim(dim, first.batch_dims, "torch.stack")
     for i, item in enumerate(items):
         if item.batch_size != first.batch_size:
@@ -205,8 +206,8 @@ def cat(items: Sequence[Any], dim: int = 0, *, out: Any = None) -> Any:
         return cat_non_tensors(items, dim)
     first = items[0]
     if not isinstance(first, TensorDictBase):  # tensorclass
-        into = None if out is None else unwrap_tensorclass(out)
-        return type(first)._from_tensordict(cat([unwrap_tensorclass(item) for item in items], dim, out=into))
+        return type(first)._from_tensordict(cat([unwrap_tensorclass(item) for item in items], dim,
+                                                out=unwrap_tensorclass(out)))
     if not first.batch_dims:
         raise ValueError("torch.cat needs tensordicts with at least one batch dim.")
     dim = batch_ops.normalize_dim(dim, first.batch_dims)
