@@ -94,6 +94,11 @@ def pad_stack(values: list, padding_value: Any, side: str, path: tuple) -> torch
     if side not in ("left", "right"):
         raise ValueError(f"padding_side must be 'left' or 'right', got {side!r}.")
     shape = [max(sizes) for sizes in zip(*[v.shape for v in values])]
+    dtype = values[0].dtype
+    if not (dtype.is_floating_point or dtype.is_complex or dtype is torch.bool):
+        limits = torch.iinfo(dtype)  # (torch.full wraps -1 into 255 for uint8; pad_sequence refuses it)
+        if not limits.min <= padding_value <= limits.max:
+            raise RuntimeError(f"padding_value {padding_value!r} cannot be converted to {dtype} without overflow.")
     out = torch.full([len(values), *shape], padding_value, dtype=values[0].dtype, device=values[0].device)
     for i, value in enumerate(values):
         if side == "right":

@@ -24,6 +24,7 @@ from shared_td.containers.lazy_nontensor import written_through
 from shared_td.containers.nontensor import NonTensorData, as_non_tensor
 from shared_td.containers.nontensor_ops import list_to_entry, one_value_into
 from shared_td.containers.update_options import update_source
+from shared_td.containers.updates import check_source_batch
 from shared_td.errors import BatchSizeMismatchError
 from shared_td.keys import RAISE, key_repr, unravel_key
 from shared_td.memmap_tensor import refuse_read_only
@@ -167,6 +168,7 @@ class LazyWriteOps:
         """As TensorDict.update, member by member: ``input_dict_or_td`` (and entries given
         as keywords, ``lazy.update(a=x)``) is split along ``stack_dim`` (a lazy stack of the
         same layout gives its members). Checked before writing."""
+        check_source_batch(self, input_dict_or_td)  # (as TensorDict.update: an empty source too)
         other = update_source(self, input_dict_or_td, entries, ignore_lock)
         parts = self._update_parts(other, inplace)
         selected = None if keys_to_update is None else [unravel_key(k) for k in keys_to_update]

@@ -44,7 +44,7 @@ class UpdateOps:
             >>> td["a"] is src["a"], td["a"].tolist()
             (False, [0.0, 0.0])
         """
-        _check_source_batch(self, input_dict_or_td)
+        check_source_batch(self, input_dict_or_td)
         other = update_source(self, input_dict_or_td, entries, ignore_lock)
         selected = None if keys_to_update is None else [unravel_key(k) for k in keys_to_update]
         for path, value, in_place, _ in _stores_first(self._plan_update(other, (), inplace, True, selected)):
@@ -99,9 +99,11 @@ class UpdateOps:
             path = prefix + unravel_key(key)
             is_mapping = isinstance(value, (dict, TensorDictBase)) and not is_non_tensor(value)
             if selected is not None and not any(path[: len(s)] == s for s in selected):
-                # Only some keys below this one are selected: descend into a mapping.
-                if is_mapping and any(s[: len(path)] == path for s in selected):
-                    plan += self._plan_nested(value, path, inplace, add_missing, selected, names_of)
+                # Only some keys below this one are selected: descend into a mapping, or
+                # into a tensorclass's fields (skipped before: its selected fields not written).
+                node = value if is_mapping else unwrap_tensorclass(value)
+                if (is_mapping or node is not value) and any(s[: len(path)] == path for s in selected):
+                    plan += self._plan_nested(node, path, inplace, add_missing, selected, names_of)
                 continue
             current = self._get_path(path, None)
             owner = _field_owner(self, path) if value is None else None
@@ -390,7 +392,7 @@ def _merges_into_tensorclass(current: Any, value: Any) -> bool:
     return {unravel_key(key)[0] for key in value.keys()} <= type(current)._tc_field_names
 
 
-def _check_source_batch(td: Any, source: Any) -> None:
+def check_source_batch(td: Any, source: Any) -> None:
     """BatchSizeMismatchError (a RuntimeError, as tensordict 0.15.3 raises) when the
     tensordict ``source`` of ``td.update(source)`` has a batch size that neither starts
     ``td``'s nor is started by it: even an empty one, whose nested tensordicts would

@@ -319,3 +319,68 @@ def test_a_tensordict_is_updated_from_a_tensorclass(lib, how):
         td = lib.lazy_stack([lib.TensorDict(obs=torch.zeros(())), lib.TensorDict(obs=torch.zeros(()))])
         td.update(step(obs=torch.ones(2), batch_size=[2]))
     assert (td["obs"] == 1).all()
+
+
+def _noted_step_class(lib):
+    from typing import Any
+
+    @lib.tensorclass
+    class Noted:
+        obs: torch.Tensor
+        info: Any
+
+    return Noted
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("how", ["update_", "update"])
+def test_keys_to_update_reaches_a_field_of_a_nested_tensorclass(lib, how):
+    """``td.update_(src, keys_to_update=[("c", "obs")])`` where ``c`` is a tensorclass:
+    its field is written (before: left as it was, in silence; fuzzer run 18)."""
+    noted = _noted_step_class(lib)
+    td = lib.TensorDict({"a": torch.zeros(2), "c": noted(obs=torch.zeros(2, 3), info="run", batch_size=[2])}, [2])
+    src = lib.TensorDict({"a": torch.ones(2), "c": noted(obs=torch.ones(2, 3), info="walk", batch_size=[2])}, [2])
+    getattr(td, how)(src, keys_to_update=[("c", "obs"), "a"])
+    assert td["a"].tolist() == [1.0, 1.0] and td["c"].obs[:, 0].tolist() == [1.0, 1.0]
+    assert td["c"].info == "run"
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("deeper", [False, True])
+def test_stack_into_out_writes_a_nested_tensorclass_with_a_non_tensor_field(lib, deeper):
+    """``torch.stack(items, out=out)`` where the items hold a tensorclass with a non-tensor
+    field left that field's tensors at out's old values (fuzzer run 18: 8 records)."""
+    noted = _noted_step_class(lib)
+    item = lib.TensorDict({"a": torch.ones(2), "c": noted(obs=torch.ones(2, 3), info="run", batch_size=[2])}, [2])
+    if deeper:
+        item = lib.TensorDict({"n": item}, [2])
+    other = item.clone()
+    other.apply_(lambda t: t.add_(1))
+    out = torch.stack([item.clone(), other.clone()], 0)
+    out.zero_()
+    torch.stack([item, other], 0, out=out)
+    written = out["n", "c"] if deeper else out["c"]
+    assert written.obs[..., 0].tolist() == [[1.0, 1.0], [2.0, 2.0]]
+
+
+@pytest.mark.parametrize("batch", [[2, 5], [1, 5], [3, 3]])
+def test_a_lazy_stack_refuses_an_update_whose_batch_size_cannot_fit(batch):
+    """As a TensorDict does (an empty source too); nothing written (fuzzer run 18;
+    README: tensordict 0.15.3 checks member by member and lets [3, 3] pass)."""
+    import shared_td
+
+    lazy = shared_td.lazy_stack([shared_td.TensorDict(x=torch.zeros(3), batch_size=[3]) for _ in range(2)])
+    with pytest.raises(RuntimeError, match="nothing was written"):
+        lazy.update(shared_td.TensorDict(n=shared_td.TensorDict(batch_size=batch), batch_size=batch))
+    assert list(lazy.keys()) == ["x"]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_padding_refuses_a_value_the_dtype_cannot_hold(lib):
+    """``as_padded_tensor=True, padding_value=-1`` of uint8 tensors: torch's
+    ``pad_sequence`` and tensordict refuse it (before: padded with 255; fuzzer run 18)."""
+    lazy = lib.lazy_stack([lib.TensorDict(x=torch.ones(1, dtype=torch.uint8)),
+                           lib.TensorDict(x=torch.ones(2, dtype=torch.uint8))])
+    with pytest.raises(RuntimeError, match="overflow"):
+        lazy.get("x", as_padded_tensor=True, padding_value=-1)
+    assert lazy.get("x", as_padded_tensor=True, padding_value=7).tolist() == [[1, 7], [1, 1]]
