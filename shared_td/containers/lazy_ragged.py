@@ -99,7 +99,7 @@ def pad_stack(values: list, padding_value: Any, side: str, path: tuple) -> torch
         limits = torch.iinfo(dtype)  # (torch.full wraps -1 into 255 for uint8; pad_sequence refuses it)
         if not limits.min <= padding_value <= limits.max:
             raise RuntimeError(f"padding_value {padding_value!r} cannot be converted to {dtype} without overflow.")
-    out = torch.full([len(values), *shape], padding_value, dtype=values[0].dtype, device=values[0].device)
+    out = torch.full([len(values), *shape], padding_value, dtype=dtype, device=values[0].device)
     for i, value in enumerate(values):
         if side == "right":
             region = tuple(slice(0, n) for n in value.shape)
