@@ -102,7 +102,11 @@ class UpdateOps:
                 # Only some keys below this one are selected: descend into a mapping, or
                 # into a tensorclass's fields (skipped before: its selected fields not written).
                 node = value if is_mapping else unwrap_tensorclass(value)
-                if (is_mapping or node is not value) and any(s[: len(path)] == path for s in selected):
+                if not (is_mapping or node is not value) or not any(s[: len(path)] == path for s in selected):
+                    continue
+                if node is not value and add_missing and self._get_path(path, None) is None:
+                    plan.append(self._planned_set(path, value, names_of))  # (added whole, as tensordict's)
+                else:
                     plan += self._plan_nested(node, path, inplace, add_missing, selected, names_of)
                 continue
             current = self._get_path(path, None)
@@ -132,10 +136,14 @@ class UpdateOps:
                     current._check_storable(value._flat_values() if is_non_tensor(value) else [value], path)
                 plan.append((path, value, True, store))
             else:
-                value = self._checked_set(path, value)
-                self._plan_names(path, value, names_of)
-                plan.append((path, value, False, False))
+                plan.append(self._planned_set(path, value, names_of))
         return plan
+
+    def _planned_set(self, path: tuple, value: Any, names_of: dict) -> tuple:
+        """The checked write ``set(path, value)`` of the plan (see :meth:`_plan_update`)."""
+        value = self._checked_set(path, value)
+        self._plan_names(path, value, names_of)
+        return path, value, False, False
 
     def _plan_nested(self, value: Any, path: tuple, inplace: bool, add_missing: bool, selected: list | None,
                      names_of: dict) -> list:

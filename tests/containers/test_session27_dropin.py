@@ -384,3 +384,17 @@ def test_padding_refuses_a_value_the_dtype_cannot_hold(lib):
     with pytest.raises(RuntimeError, match="overflow"):
         lazy.get("x", as_padded_tensor=True, padding_value=-1)
     assert lazy.get("x", as_padded_tensor=True, padding_value=7).tolist() == [[1, 7], [1, 1]]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_keys_to_update_below_a_tensorclass_the_tree_lacks_adds_it_whole(lib):
+    """``td.update(src, keys_to_update=[("c", "obs")])`` where ``src["c"]`` is a
+    tensorclass and ``td`` has no ``c``: the tensorclass is added whole, as tensordict's
+    (this round's first descent into tensorclass fields added a TensorDict of ``obs``
+    only; fuzzer run 19)."""
+    noted = _noted_step_class(lib)
+    td = lib.TensorDict({"a": torch.zeros(2)}, [2])
+    src = lib.TensorDict({"a": torch.ones(2), "c": noted(obs=torch.ones(2, 3), info="walk", batch_size=[2])}, [2])
+    td.update(src, keys_to_update=[("c", "obs")])
+    assert type(td["c"]) is noted and td["c"].info == "walk" and td["c"].obs[:, 0].tolist() == [1.0, 1.0]
+    assert td["a"].tolist() == [0.0, 0.0]
