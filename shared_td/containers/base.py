@@ -201,11 +201,13 @@ class TensorDictBase(TensorDictRoot, LockingOps, BatchSplitOps, NonTensorOps, Co
             unknown = sorted(as_members.keys() - _AS_MEMBERS)
             raise TypeError(f"get() got unexpected keyword arguments {unknown}: it takes a default and a lazy "
                             f"stack's {sorted(_AS_MEMBERS)}.")
-        if as_members and len(path) > 1:
-            for depth in range(1, len(path)):  # (peeked: reading the stack's leaf could raise)
-                node = unwrap_tensorclass(peek_path(self, path[:depth]))  # (a lazy stack of tensorclasses too)
-                if hasattr(node, "_peek_str"):  # a lazy stack: it reads the rest
-                    return node.get(path[depth:], default, **as_members)
+        node = self
+        for depth in range(1, len(path) if as_members else 0):  # (peeked: reading a stack's leaf could raise)
+            node = unwrap_tensorclass(peek_path(node, path[depth - 1: depth]))  # (a stack of tensorclasses too)
+            if node is None:
+                break
+            if hasattr(node, "_peek_str"):  # a lazy stack: it reads the rest
+                return node.get(path[depth:], default, **as_members)
         value = self._get_path(path, NO_DEFAULT)
         if value is NO_DEFAULT:
             return self._default_for_missing(path, default)
@@ -228,7 +230,7 @@ class TensorDictBase(TensorDictRoot, LockingOps, BatchSplitOps, NonTensorOps, Co
         if default is NO_DEFAULT:
             leaf = self._leaf_on(path)
             if leaf is not None and not is_non_tensor(leaf[1]):
-                raise self._missing_key_error(path)
+                raise self._missing_key_error(path, leaf)
             return None
         return default
 
@@ -244,11 +246,12 @@ class TensorDictBase(TensorDictRoot, LockingOps, BatchSplitOps, NonTensorOps, Co
                 return i, node
         return None
 
-    def _missing_key_error(self, path: tuple[str, ...]) -> KeyError:
+    def _missing_key_error(self, path: tuple[str, ...], leaf: Any = NO_DEFAULT) -> KeyError:
         """The error for the missing ``path``: a KeyThroughLeafError (KeyError and the
         ValueError tensordict raises) when a part of it holds a tensor or a non-tensor
-        value, so the message says why no deeper key can be there."""
-        leaf = self._leaf_on(path)
+        value, so the message says why no deeper key can be there (``leaf``: the
+        :meth:`_leaf_on` of ``path``, when the caller has it)."""
+        leaf = self._leaf_on(path) if leaf is NO_DEFAULT else leaf
         if leaf is None:
             return KeyError(self._missing_key_message(path))
         i, node = leaf

@@ -192,7 +192,7 @@ class KeysView:
             return False
         kinds, node = {}, self._td
         for depth, part in enumerate(path):
-            value = (node._peek_str if _peeks(type(node)) else node._get_str)(part, _MISSING)
+            value = _reader(type(node))(node, part, _MISSING)
             if value is _MISSING:
                 return False
             listed, walked, wrapped = kinds.get(type(value)) or self._kind(type(value), kinds)

@@ -70,9 +70,7 @@ class NonTensorData(NonTensorDataBase):
     def _python_value(self) -> Any:
         return self.data
 
-    def _read_value(self) -> Any:
-        """What ``td[key]`` and a tensorclass field give of this entry: the value."""
-        return self.data
+    _read_value = _python_value  # (what td[key] and a tensorclass field give: the value)
 
     def tolist(self) -> Any:
         """The value repeated along the batch dims, as nested lists."""
