@@ -36,7 +36,7 @@ def peek_path(td: Any, path: tuple) -> Any:
             read = _reader(type(node))
         if read is None:  # (a tensor or value on the way)
             return None
-        node = read(node, part, None)
+        node = getattr(node, read)(part, None)
         if node is None:
             return None
     return node
@@ -47,12 +47,13 @@ _INNER = object()
 
 @functools.lru_cache(maxsize=4096)
 def _reader(cls: type) -> Any:
-    """How :func:`peek_path` reads an entry of an instance of ``cls`` (asked once per
-    class): a lazy stack's ``_peek_str``, a tensordict's ``_get_str``, ``_INNER`` for a
-    tensorclass, None for what holds no entry."""
+    """The name of the method :func:`peek_path` reads an entry of an instance of ``cls``
+    with (asked once per class; the name, not the function, so that a method replaced
+    later is the one called): a lazy stack's ``_peek_str``, a tensordict's ``_get_str``;
+    ``_INNER`` for a tensorclass, None for what holds no entry."""
     if is_tensorclass(cls):
         return _INNER
-    return getattr(cls, "_peek_str", None) or getattr(cls, "_get_str", None)
+    return "_peek_str" if hasattr(cls, "_peek_str") else "_get_str" if hasattr(cls, "_get_str") else None
 
 
 def _sort_name(key: Any) -> str:
@@ -192,7 +193,7 @@ class KeysView:
             return False
         kinds, node = {}, self._td
         for depth, part in enumerate(path):
-            value = _reader(type(node))(node, part, _MISSING)
+            value = getattr(node, _reader(type(node)))(part, _MISSING)
             if value is _MISSING:
                 return False
             listed, walked, wrapped = kinds.get(type(value)) or self._kind(type(value), kinds)
