@@ -24,6 +24,7 @@ from shared_td.containers.lazy_nontensor import written_through
 from shared_td.containers.nontensor import NonTensorData, as_non_tensor
 from shared_td.containers.nontensor_ops import list_to_entry, one_value_into
 from shared_td.containers.update_options import update_source
+from shared_td.containers.update_batch import rebatch_for_update
 from shared_td.containers.updates import check_source_batch
 from shared_td.errors import BatchSizeMismatchError
 from shared_td.keys import RAISE, key_repr, unravel_key
@@ -164,16 +165,33 @@ class LazyWriteOps:
 
     def update(self, input_dict_or_td: Any = None, clone: bool = False, inplace: bool = False, *,
                keys_to_update=None, non_blocking: bool = False, ignore_lock: bool = False,
-               **entries: Any) -> "LazyStackedTensorDict":
+               update_batch_size: bool = False, **entries: Any) -> "LazyStackedTensorDict":
         """As TensorDict.update, member by member: ``input_dict_or_td`` (and entries given
         as keywords, ``lazy.update(a=x)``) is split along ``stack_dim`` (a lazy stack of the
-        same layout gives its members). Checked before writing."""
-        check_source_batch(self, input_dict_or_td)  # (as TensorDict.update: an empty source too)
+        same layout gives its members). Checked before writing. With
+        ``update_batch_size=True`` a source of more members (a lazy stack along the same
+        dim, or a tensordict of that size there) makes the stack grow by copies of the
+        extra ones, and one of fewer makes its members the stack's (see TensorDict.update).
+
+        Example:
+            >>> lazy = LazyStackedTensorDict(TensorDict(a=torch.zeros(2)), TensorDict(a=torch.zeros(2)))
+            >>> lazy.update(TensorDict(a=torch.ones(3, 2), batch_size=[3]), update_batch_size=True).batch_size
+            torch.Size([3])
+        """
         other = update_source(self, input_dict_or_td, entries, ignore_lock)
-        parts = self._update_parts(other, inplace)
-        selected = None if keys_to_update is None else [unravel_key(k) for k in keys_to_update]
-        for member, part in zip(self.tensordicts, parts):
-            check_write(member, part, inplace=inplace, add_missing=True, selected=selected)
+        undo = None
+        if update_batch_size:
+            undo = rebatch_for_update(self, other, inplace=inplace, keys_to_update=keys_to_update)
+        try:
+            check_source_batch(self, other)  # (as TensorDict.update: an empty source too)
+            parts = self._update_parts(other, inplace)
+            selected = None if keys_to_update is None else [unravel_key(k) for k in keys_to_update]
+            for member, part in zip(self.tensordicts, parts):
+                check_write(member, part, inplace=inplace, add_missing=True, selected=selected)
+        except BaseException:
+            if undo is not None:
+                undo()  # (nothing written yet)
+            raise
         for member, part in zip(self.tensordicts, parts):
             member.update(part, clone, inplace=inplace, keys_to_update=keys_to_update)
         return self

@@ -1,7 +1,7 @@
 """tensordict 0.15.3's keywords of ``update`` beyond the entries to write: entries given
 as keywords (``td.update(a=x)``), ``ignore_lock`` (deprecated there: it warns and does
-not lift the lock) and the options shared_td does not build (``is_leaf``,
-``update_batch_size``), which raise a TypeError naming them.
+not lift the lock) and the option shared_td does not build (``is_leaf``), which raises
+a TypeError naming it.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from shared_td.containers.value_kinds import is_non_tensor, is_tensor_collection
 
 __all__ = ["update_source"]
 
-_NOT_BUILT = ("is_leaf", "update_batch_size")
+_NOT_BUILT = ("is_leaf",)
 
 
 def update_source(td: Any, other: Any, entries: dict, ignore_lock: bool) -> Any:

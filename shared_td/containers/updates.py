@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from shared_td.containers.update_batch import rebatch_for_update
 from shared_td.containers.update_options import update_source
 from shared_td.containers.value_kinds import is_non_tensor, is_tensor_collection
 from shared_td.errors import BatchSizeMismatchError
@@ -21,7 +22,8 @@ class UpdateOps:
 
     def update(
         self, input_dict_or_td: Any = None, clone: bool = False, inplace: bool = False, *,
-        keys_to_update=None, non_blocking: bool = False, ignore_lock: bool = False, **entries: Any,
+        keys_to_update=None, non_blocking: bool = False, ignore_lock: bool = False,
+        update_batch_size: bool = False, **entries: Any,
     ) -> "TensorDictBase":
         """Set every entry of ``input_dict_or_td`` (a dict or tensordict; tensordict's
         name, so that ``td.update(other=x)`` is an entry, as there), merging nested ones.
@@ -29,8 +31,17 @@ class UpdateOps:
         Keywords that are not options are top-level entries, as in tensordict:
         ``td.update(a=x)`` writes ``x`` at ``"a"`` (written after a tensordict's entries,
         so merged into a nested one of the same key; it replaces a dict's). ``ignore_lock=True`` warns (a DeprecationWarning, as tensordict
-        0.15.3's) and, as there, does not lift the lock; tensordict's ``is_leaf`` and
-        ``update_batch_size`` raise a TypeError saying shared_td does not support them.
+        0.15.3's) and, as there, does not lift the lock; tensordict's ``is_leaf`` raises a
+        TypeError saying shared_td does not support it.
+
+        A tensordict source must have a batch size that starts this one's or is started
+        by it (BatchSizeMismatchError), unless ``update_batch_size=True``: then this
+        tensordict, and each nested one whose source's batch size differs, takes the
+        source's batch size (see ``shared_td.containers.update_batch``; every key of
+        such a tensordict must be in the source, and neither ``inplace=True`` nor
+        ``keys_to_update`` is allowed with it); a lazy stack given a source of more or
+        fewer members gets as many. A batch size that starts the source's (``[]`` for a
+        source of ``[2]``) is kept, as in tensordict 0.15.3.
 
         With ``clone=True`` the entries added or replaced are copies of ``other``'s (as
         tensordict 0.15.3; ``clone`` and ``inplace`` may be passed by position, as
@@ -43,11 +54,22 @@ class UpdateOps:
             >>> td = TensorDict(batch_size=[2]).update(src, clone=True)
             >>> td["a"] is src["a"], td["a"].tolist()
             (False, [0.0, 0.0])
+            >>> td.update(TensorDict(a=torch.ones(5), batch_size=[5]), update_batch_size=True).batch_size
+            torch.Size([5])
         """
-        check_source_batch(self, input_dict_or_td)
         other = update_source(self, input_dict_or_td, entries, ignore_lock)
-        selected = None if keys_to_update is None else [unravel_key(k) for k in keys_to_update]
-        for path, value, in_place, _ in _stores_first(self._plan_update(other, (), inplace, True, selected)):
+        undo = None
+        if update_batch_size:
+            undo = rebatch_for_update(self, other, inplace=inplace, keys_to_update=keys_to_update)
+        try:
+            check_source_batch(self, other)
+            selected = None if keys_to_update is None else [unravel_key(k) for k in keys_to_update]
+            plan = _stores_first(self._plan_update(other, (), inplace, True, selected))
+        except BaseException:
+            if undo is not None:
+                undo()  # (nothing written yet: every rebatched node back as it was)
+            raise
+        for path, value, in_place, _ in plan:
             if isinstance(value, (_NestedUpdate, _EmptyField)):
                 value.write(clone)
             elif in_place:
@@ -119,6 +141,8 @@ class UpdateOps:
                 if current is not None:
                     unwrap_tensorclass(owner)._check_unlocked(path, "remove")
                     plan.append((path, _EmptyField(owner, path[-1]), True, False))
+            elif not inplace and selected is None and _restacks(current, value):
+                plan.append(self._planned_set(path, _restacked(current, value), names_of))
             elif is_mapping and isinstance(current, TensorDictBase) and not is_non_tensor(current):
                 plan += self._plan_nested(value, path, inplace, add_missing, selected, names_of)
             elif _merges_into_tensorclass(current, value):
@@ -339,6 +363,25 @@ class _EmptyField:
         setattr(self.owner, self.name, None)  # (the tensorclass removes the entry)
 
 
+def _restacks(current: Any, value: Any) -> bool:
+    """Whether ``update`` writes the lazy stack ``value`` over the TensorDict ``current``
+    (of its batch size) as tensordict 0.15.3 does: ``current`` becomes a lazy stack of
+    its slices along the stack's dim, updated member by member (:func:`_restacked`)."""
+    from shared_td.containers.tensordict import TensorDict  # (it imports this module)
+    from shared_td.containers.value_kinds import is_lazy_stack
+
+    return is_lazy_stack(value) and isinstance(current, TensorDict) and current.batch_size == value.batch_size
+
+
+def _restacked(current: Any, value: Any) -> Any:
+    """A new lazy stack of ``current``'s slices along ``value``'s stack dim, updated with
+    ``value``'s members (so it holds what each member gives, ragged or not; the slices
+    are new tensordicts over the same tensors, and none of them is written here: a
+    failure changes nothing). ``current`` itself is left as it is, as in tensordict."""
+    lazy = type(value)(*current.unbind(value.stack_dim), stack_dim=value.stack_dim)
+    return lazy.update(value)
+
+
 def _field_owner(td: Any, path: tuple) -> Any:
     """The tensorclass instance in ``td`` of which ``path`` names a declared field, or
     None."""
@@ -413,6 +456,6 @@ def check_source_batch(td: Any, source: Any) -> None:
         raise BatchSizeMismatchError(
             f"update() got a source with batch size {list(theirs)} for a destination with batch size "
             f"{list(mine)}: neither starts the other, so its entries cannot fit; nothing was written. "
-            "Make the batch sizes agree first (tensordict's update_batch_size=True, which replaces the "
-            "destination's batch size, is not built)."
+            "Make the batch sizes agree first, or pass update_batch_size=True to give the destination the "
+            "source's batch size."
         )
