@@ -152,6 +152,23 @@ class SplitSizeError(ValueError, RuntimeError):
     torch.split) raise; also the ValueError this package raised before."""
 
 
+class WorkerDiedError(RuntimeError):
+    """A worker process of ``map``/``map_iter`` ended (killed, out of memory) while it
+    computed a chunk; the message names the chunk."""
+
+
+class WorkerTraceback(Exception):
+    """The traceback of an error raised in a worker process of ``map``/``map_iter``, as
+    text: the ``__cause__`` of that error raised again in the parent."""
+
+    def __init__(self, text: str):
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return "\n\nin the worker process:\n" + self.text
+
+
 class SegmentUnavailableError(RuntimeError):
     """A pickled segment can no longer be attached: its sender exited or released it."""
 

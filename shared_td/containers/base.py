@@ -21,6 +21,7 @@ from shared_td.containers.convenience_ops import ConvenienceOps
 from shared_td.containers.extra_names import ExtraNameOps
 from shared_td.containers.keysview import UNSEEN, KeysView, peek_path
 from shared_td.containers.locking import LockingOps
+from shared_td.containers.parallel_map import MapOps
 from shared_td.containers.nontensor_ops import NonTensorOps
 from shared_td.containers.pinning import PinningOps
 from shared_td.containers.splitting import BatchSplitOps
@@ -47,7 +48,7 @@ _AS_MEMBERS = frozenset({"as_list", "as_padded_tensor", "as_nested_tensor", "pad
 
 
 class TensorDictBase(TensorDictRoot, LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, MemmapMethods,
-                     ConsolidateMethods, ComparisonOps, UpdateOps, PinningOps, ExtraNameOps, TreeResets):
+                     ConsolidateMethods, ComparisonOps, UpdateOps, PinningOps, ExtraNameOps, TreeResets, MapOps):
     """Common API of TensorDict, LazyStackedTensorDict and the non-tensor containers."""
 
     _is_non_tensor = False

@@ -1,0 +1,230 @@
+"""The worker processes of ``TensorDictBase.map``/``map_iter``: a small pool that runs
+``fn`` on each chunk it is sent and notices a worker that died.
+
+Why not ``multiprocessing.Pool``: when one of its workers dies (SIGKILL, the OOM killer,
+a segfault in ``fn``), the pool starts another one and the chunk it held is lost, so
+``imap`` waits for its result for ever (tensordict 0.15.3's ``map`` hangs so). Here each
+worker holds one chunk at a time on a pipe of its own, and the parent waits on the pipes
+and on the processes' sentinels together: a worker that dies is a ``WorkerDiedError``
+that names the chunk it held, at once, and every other worker is stopped.
+
+Chunks and results travel through ``multiprocessing``'s pickler with torch's reductions
+(``torch.multiprocessing``): a memory-mapped chunk goes by file name, a plain tensor
+through shared memory, as with tensordict's pool.
+"""
+from __future__ import annotations
+
+import signal
+import traceback
+from multiprocessing import connection
+from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
+import torch
+
+from shared_td.errors import WorkerDiedError, WorkerTraceback
+
+__all__ = ["WorkerDiedError", "run_chunks"]
+
+_JOIN_S = 5.0  # seconds a stopped worker gets to exit before it is killed
+_POLL_S = 1.0  # seconds between two looks at the workers while none answers (Ctrl-C is seen)
+
+
+def run_chunks(fn: Callable, tasks: Iterable[tuple], *, workers: int, start_method: str | None, seed: int,
+               threads: int, tasks_per_worker: int | None, ordered: bool, describe: Callable[[int], str]) -> Iterator:
+    """Yield ``fn(chunk)`` for each ``(number, chunk, out)`` of ``tasks`` (with ``out``
+    not None, the worker writes the result into it, ``out.update_(result)``, and None is
+    yielded), computed by ``workers`` processes started with ``start_method`` (None: torch's
+    default). In the order of the numbers if ``ordered``, else as they are done. Worker
+    ``i`` seeds torch with ``seed + i`` and numpy with it too, and uses ``threads`` torch
+    threads; it is replaced after ``tasks_per_worker`` chunks (None: never).
+
+    Raises the error ``fn`` raised in a worker (the worker's traceback as its cause), or
+    WorkerDiedError naming the chunk (``describe(number)``) a worker held when it died.
+    Closing the generator early, or an error, stops every worker (within 5 s each, then
+    SIGKILL) and closes every pipe.
+    """
+    import torch.multiprocessing as torch_mp  # (registers torch's reductions with the pickler)
+
+    context = torch_mp.get_context(start_method)
+    pool = _Pool(context, fn, workers, seed, threads, tasks_per_worker)
+    tasks = iter(tasks)
+    done: dict[int, Any] = {}
+    following = 0  # (ordered: the number of the next result to yield)
+    try:
+        exhausted = False
+        while True:
+            while not exhausted and pool.idle():
+                task = next(tasks, None)
+                if task is None:
+                    exhausted = True
+                else:
+                    pool.give(task, describe)
+            if exhausted and not pool.busy():
+                break
+            for number, result in pool.answers(describe):
+                if not ordered:
+                    yield result
+                    continue
+                done[number] = result
+            while ordered and following in done:
+                yield done.pop(following)
+                following += 1
+        while ordered and following in done:  # (numbers are consecutive from 0)
+            yield done.pop(following)
+            following += 1
+    finally:
+        pool.close()
+
+
+class _Worker:
+    __slots__ = ("process", "pipe", "holding", "served")
+
+    def __init__(self, process: Any, pipe: Any):
+        self.process, self.pipe, self.holding, self.served = process, pipe, None, 0
+
+
+class _Pool:
+    def __init__(self, context: Any, fn: Callable, size: int, seed: int, threads: int, tasks_per_worker: int | None):
+        self._context, self._fn, self._seed, self._threads = context, fn, seed, threads
+        self._limit = tasks_per_worker
+        self._started = 0
+        self._workers: list[_Worker] = []
+        for _ in range(size):
+            self._workers.append(self._start())
+
+    def _start(self) -> _Worker:
+        mine, theirs = self._context.Pipe()
+        process = self._context.Process(
+            target=_serve, args=(self._fn, theirs, self._seed + self._started, self._threads),
+            name=f"shared_td-map-{self._started}", daemon=True)
+        self._started += 1
+        process.start()
+        theirs.close()  # (the worker's end: its death then reads as end of file here)
+        return _Worker(process, mine)
+
+    def idle(self) -> bool:
+        return any(worker.holding is None for worker in self._workers)
+
+    def busy(self) -> bool:
+        return any(worker.holding is not None for worker in self._workers)
+
+    def give(self, task: tuple, describe: Callable[[int], str]) -> None:
+        worker = next(worker for worker in self._workers if worker.holding is None)
+        worker.holding = task[0]
+        try:
+            worker.pipe.send(task)
+        except (BrokenPipeError, ConnectionResetError):  # it died while idle
+            raise self._died(worker, describe) from None
+
+    def answers(self, describe: Callable[[int], str]) -> list:
+        """The ``(number, result)`` of the workers that answered, waiting for one (the
+        error ``fn`` raised, or WorkerDiedError, is raised)."""
+        busy = [worker for worker in self._workers if worker.holding is not None]
+        waited = [worker.pipe for worker in busy] + [worker.process.sentinel for worker in busy]
+        ready = set(connection.wait(waited, timeout=_POLL_S))
+        out = []
+        for worker in busy:
+            if worker.pipe in ready or worker.pipe.poll():  # (an answer sent just before it exited)
+                try:
+                    ok, value = worker.pipe.recv()
+                except (EOFError, OSError):
+                    ok, value = None, None
+                if ok is None:
+                    raise self._died(worker, describe)
+                if not ok:
+                    error, text = value
+                    raise error from WorkerTraceback(text)
+                out.append((worker.holding, value))
+                worker.holding = None
+                worker.served += 1
+                if self._limit is not None and worker.served >= self._limit:
+                    self._replace(worker)
+            elif worker.process.sentinel in ready:
+                raise self._died(worker, describe)
+        return out
+
+    def _died(self, worker: _Worker, describe: Callable[[int], str]) -> WorkerDiedError:
+        worker.process.join(_JOIN_S)
+        code = worker.process.exitcode
+        how = (f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0
+               else f"exited with code {code}")
+        return WorkerDiedError(
+            f"map(): worker process {worker.process.pid} {how} while it computed {describe(worker.holding)}; "
+            "the other workers were stopped and no result is returned. If it ran out of memory, use more, "
+            "smaller chunks (num_chunks= or chunksize=) or fewer workers.")
+
+    def _replace(self, worker: _Worker) -> None:
+        _stop(worker)
+        self._workers[self._workers.index(worker)] = self._start()
+
+    def close(self) -> None:
+        for worker in self._workers:
+            _stop(worker)
+        self._workers = []
+
+
+def _stop(worker: _Worker) -> None:
+    """End ``worker``: asked to (None on its pipe) when idle, else terminated; killed if
+    it has not exited within _JOIN_S; its pipe closed."""
+    process = worker.process
+    try:
+        if worker.holding is None and process.is_alive():
+            worker.pipe.send(None)
+        else:
+            process.terminate()
+    except (OSError, ValueError):  # (a pipe the worker closed by dying)
+        process.terminate()
+    process.join(_JOIN_S)
+    if process.is_alive():
+        process.kill()
+        process.join(_JOIN_S)
+    worker.pipe.close()
+
+
+def _serve(fn: Callable, pipe: Any, seed: int, threads: int) -> None:  # in the worker process
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.set_num_threads(threads)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (Ctrl-C is the parent's to handle: it stops the workers)
+    while True:
+        try:
+            task = pipe.recv()
+        except EOFError:  # the parent is gone
+            return
+        if task is None:
+            return
+        number, chunk, out = task
+        try:
+            result = fn(chunk)
+            if out is not None:
+                if result is not None:
+                    out.update_(result)
+                result = None
+            answer = (True, result)
+        except BaseException as error:  # (sent back: the parent raises it)
+            answer = (False, _portable(error))
+        del task, chunk, out
+        try:
+            pipe.send(answer)
+        except (BrokenPipeError, ConnectionResetError):  # the parent is gone: nobody to answer
+            return
+        except Exception as error:  # a result that cannot be pickled: said so, not a dead worker
+            pipe.send((False, RuntimeError(f"map(): the result of fn for a chunk could not be sent back to the "
+                                           f"parent process ({type(error).__name__}: {error}).")))
+        del answer
+
+
+def _portable(error: BaseException) -> tuple:
+    """``(error, the worker's traceback as text)`` to send (an exception's cause is not
+    pickled); a RuntimeError saying what it was in place of one that cannot be pickled."""
+    import pickle
+
+    text = "".join(traceback.format_exception(error))
+    if not isinstance(error, Exception):  # (SystemExit raised in the parent would end it)
+        return RuntimeError(f"map(): fn raised {type(error).__name__}: {error}"), text
+    try:
+        pickle.dumps(error)
+    except Exception:
+        error = RuntimeError(f"map(): fn raised {type(error).__name__}: {error}")
+    return error, text
