@@ -112,7 +112,7 @@ class LazyShapeOps:
             positions = self._positions(where[1])
             # an index tensor or mask across the stack dim copies, as torch's advanced
             # indexing (and tensordict 0.15.3) does: no view of the members' memory
-            advanced = any(isinstance(p, torch.Tensor) for p in where[1])
+            advanced = any(isinstance(p, (torch.Tensor, bool)) for p in where[1])  # (a bool too, for torch)
             stacked = self._from_positions(positions, copies=advanced)
             if positions.ndim:  # a new stack of views (never a member itself): name it
                 indexed_names(self, stacked, where[1])

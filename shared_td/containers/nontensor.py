@@ -189,9 +189,18 @@ class NonTensorData(NonTensorDataBase):
 
     def _stays_one_value(self, index: tuple, source: Any) -> bool:
         """True if ``self[index] = source`` leaves one value for the whole batch: the one
-        held written again, or one value written into the only element of a 0-dim entry
-        (which tensordict 0.15.3 keeps a NonTensorData)."""
-        return self._holds_only(index, source) or (not self._batch_size and not isinstance(source, NonTensorStack))
+        held written again, one value written into the only element of a 0-dim entry
+        (which tensordict 0.15.3 keeps a NonTensorData), or one value written over every
+        element (``lazy[:] = value`` gives each member its part so: tensordict 0.15.3
+        writes it into a memory-mapped stack's members, where this refused it)."""
+        if self._holds_only(index, source):
+            return True
+        if isinstance(source, NonTensorStack):
+            return False
+        if not self._batch_size:
+            return True
+        touched, _ = flat_positions(index, self._batch_size)
+        return len(set(touched)) == self._batch_size.numel() and isinstance(as_non_tensor(source), NonTensorData)
 
     def _holds_only(self, index: tuple, source: Any) -> bool:
         """True if every value that ``self[index] = source`` writes is the one held."""
