@@ -22,6 +22,7 @@ from shared_td.bench.cases_cluster import SharedLoopback, case_cluster_counter, 
 from shared_td.bench.cases_cluster_push import case_cluster_push
 from shared_td.bench.cases_cluster_values import case_cluster_value
 from shared_td.bench.cases_consolidate import case_consolidate, case_consolidated_pickle
+from shared_td.bench.cases_map import case_map
 from shared_td.bench.cases_tree_walk import case_tree_walk
 from shared_td.bench.cases_files import (
     case_big_leaf,
@@ -56,6 +57,7 @@ CASES: dict[str, Callable[..., dict]] = {
     "consolidate": case_consolidate,
     "consol_pickle": case_consolidated_pickle,
     "tree_walk": case_tree_walk,
+    "map": case_map,
     "replay": case_replay,
     "replay_worker": case_replay_worker,
     "replay_loader": case_replay_loader,

@@ -57,7 +57,10 @@ class MapOps:
                 with base + i); default: a new ``torch.Generator()``, so the same seed at
                 every call, as tensordict 0.15.3 (without its FutureWarning).
             max_tasks_per_child: chunks a worker computes before a new one replaces it.
-            worker_threads: torch threads in each worker.
+            worker_threads: torch threads in each worker; above 1 only with the
+                ``"spawn"`` or ``"forkserver"`` start method (ValueError with ``"fork"``:
+                a forked worker's torch threads hang once the parent used its own, and
+                tensordict's map then never returns).
             index_with_generator: cut each chunk when a worker is free for it, instead
                 of all of them first (less memory at once).
             pbar: show ``map(): N of M chunks`` on stderr.

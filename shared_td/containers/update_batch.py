@@ -24,7 +24,7 @@ import torch
 from shared_td.containers.consolidated_tree import locked_path
 from shared_td.containers.value_kinds import is_lazy_stack, is_non_tensor, is_tensor_collection
 from shared_td.errors import LockedTensorDictError
-from shared_td.keys import key_repr
+from shared_td.keys import key_repr, unravel_key
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 __all__ = ["rebatch_for_update"]
@@ -56,7 +56,8 @@ def rebatch_for_update(dest: Any, source: Any, *, inplace: bool, keys_to_update:
     if not _is_node(source):
         return None
     jobs: list = []
-    _plan(unwrap_tensorclass(dest), source, (), jobs)
+    selected = None if keys_to_update is None else [unravel_key(key) for key in keys_to_update]
+    _plan(unwrap_tensorclass(dest), source, (), jobs, selected)
     if not jobs:
         return None
     for kind, path, node, part in jobs:
@@ -87,10 +88,11 @@ def _differ(mine: torch.Size, theirs: torch.Size) -> bool:
     return tuple(mine[:common]) != tuple(theirs[:common])
 
 
-def _plan(node: Any, source: Any, path: tuple, jobs: list) -> None:
+def _plan(node: Any, source: Any, path: tuple, jobs: list, selected: list | None = None) -> None:
     """Append to ``jobs`` the ``(kind, path, node, source)`` changes that ``source``
     needs of ``node`` and of its nested tensordicts, in the order they are made (a lazy
-    stack's members before the stack)."""
+    stack's members before the stack). A nested tensordict that no key of ``selected``
+    (``keys_to_update``) reaches is not planned: the update leaves it as it is."""
     if is_lazy_stack(node):
         parts = _parts(node, source)
         if parts is None or len(parts) != len(node.tensordicts):
@@ -98,7 +100,7 @@ def _plan(node: Any, source: Any, path: tuple, jobs: list) -> None:
             return
         before = len(jobs)
         for member, part in zip(node.tensordicts, parts):
-            _plan(member, unwrap_tensorclass(part), path, jobs)
+            _plan(member, unwrap_tensorclass(part), path, jobs, selected)
         if len(jobs) > before and parts and _differ(node._member_batch, parts[0].batch_size):
             jobs.append((_MEMBERS, path, node, source))
         return
@@ -108,10 +110,18 @@ def _plan(node: Any, source: Any, path: tuple, jobs: list) -> None:
         jobs.append((_NODE, path, node, source))
         return
     for key, value in source.items():
+        if selected is not None and not any(_on_path(path + (key,), chosen) for chosen in selected):
+            continue
         child = unwrap_tensorclass(node._tensordict.get(key))
         value = unwrap_tensorclass(value)
         if _is_node(child) and _is_node(value):
-            _plan(child, value, path + (key,), jobs)
+            _plan(child, value, path + (key,), jobs, selected)
+
+
+def _on_path(path: tuple, chosen: tuple) -> bool:
+    """Whether the selected key ``chosen`` is ``path``, below it, or above it."""
+    common = min(len(path), len(chosen))
+    return path[:common] == chosen[:common]
 
 
 def _parts(lazy: Any, source: Any) -> list | None:
@@ -152,7 +162,7 @@ def _check(kind: str, path: tuple, node: Any, source: Any, inplace: bool, keys_t
             f"update(update_batch_size=True, keys_to_update=...): {where} would change batch size "
             f"({list(node.batch_size)} -> {list(source.batch_size)}), which would drop the keys not updated. "
             "Select the keys first (source.select(...)). Nothing was written.")
-    missing = set(node.keys(True)) - set(source.keys(True))
+    missing = _missing_keys(node, source)
     if missing:
         raise RuntimeError(
             f"update(update_batch_size=True): {where} has batch size {list(node.batch_size)} and its source "
@@ -165,6 +175,31 @@ def _check(kind: str, path: tuple, node: Any, source: Any, inplace: bool, keys_t
             f"update(update_batch_size=True) would change the batch size of {where}, but the tensordict at "
             f"{key_repr(path + locked) if path + locked else 'the root'} is locked. Unlock it first "
             "(with td.unlock_(): ...). Nothing was written.")
+
+
+def _missing_keys(node: Any, source: Any, prefix: tuple = ()) -> set:
+    """The full keys (tuples) of ``node`` and of the tensordicts below it that ``source``
+    lacks, a lazy stack's member by member against the part of ``source`` it takes (a key
+    only some members hold included: ``keys(True)`` of a lazy stack leaves it out, and the
+    rebatched member would lose it silently)."""
+    node, source = unwrap_tensorclass(node), unwrap_tensorclass(source)
+    if is_lazy_stack(node):
+        parts = _parts(node, source) if _is_node(source) else None
+        if parts is None:  # (refused by the split, with its own message)
+            return set()
+        return set().union(*(_missing_keys(member, part, prefix) for member, part in zip(node.tensordicts, parts)))
+    theirs = set(source.keys())
+    missing = set()
+    for key in node.keys():
+        if key not in theirs:
+            missing.add(prefix + (key,))
+            continue
+        child = node.get(key)
+        if _is_node(child):  # (a leaf of the source is not read: a ragged one would not stack)
+            value = source.get(key)
+            if _is_node(value):
+                missing |= _missing_keys(child, value, prefix + (key,))
+    return missing
 
 
 def _rebatch(node: Any, source: Any, path: tuple, undo: "_Undo") -> None:

@@ -370,7 +370,10 @@ def _restacks(current: Any, value: Any) -> bool:
     from shared_td.containers.tensordict import TensorDict  # (it imports this module)
     from shared_td.containers.value_kinds import is_lazy_stack
 
-    return is_lazy_stack(value) and isinstance(current, TensorDict) and current.batch_size == value.batch_size
+    # (tensordict restacks a TensorDict whose batch size starts the stack's too, when the
+    # stack dim is one of its dims: the slices then take the rest of the members' batch)
+    return (is_lazy_stack(value) and isinstance(current, TensorDict) and value.stack_dim < current.batch_dims
+            and value.batch_size[: current.batch_dims] == current.batch_size)
 
 
 def _restacked(current: Any, value: Any) -> Any:

@@ -183,3 +183,13 @@ def test_closing_map_iter_early_stops_the_workers():
 def test_pbar_counts_the_chunks_on_stderr(capsys):
     _map(_data(shared_td), fns.double, chunksize=2, pbar=True)
     assert "map(): 3 of 3 chunks" in capsys.readouterr().err
+
+
+def test_several_threads_per_fork_worker_are_refused_before_any_worker_starts():
+    """A forked worker's OpenMP threads hang once the parent used its own (measured:
+    map(worker_threads=2) with fork never returned): refused, naming the fix."""
+    data = _data(shared_td)
+    (data["obs"] * 2).sum()  # (the parent's threads used, as in any program)
+    with pytest.raises(ValueError, match="mp_start_method='spawn' or 'forkserver'"):
+        data.map(fns.double, num_workers=2, worker_threads=2, mp_start_method="fork")
+    assert not _ours_left()

@@ -203,3 +203,67 @@ def test_a_nested_lazy_stack_that_cannot_take_its_source_changes_nothing():
         td.update(source, update_batch_size=True)
     assert td.batch_size == (3,) and td["a"] is a and td["stack"] is stack
     assert stack.tensordicts == members and stack.batch_size == (3, 2)
+
+
+# fuzzer run 20 (update_bs, update_lazy_node): a key only some members of a lazy stack hold, keys_to_update,
+# a lazy stack over a TensorDict whose batch size starts its own
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("nested,source_members", [(False, 3), (True, 2), (True, 3)])
+def test_a_lazy_stack_member_key_the_source_lacks_is_refused(lib, nested, source_members):
+    """A key only some members hold ("extra") is a key of the node: a rebatch would drop it."""
+    m0 = lib.TensorDict(a=torch.zeros(1), extra=torch.full((1,), 7.0), batch_size=[1])
+    lazy = lib.lazy_stack([m0, lib.TensorDict(a=torch.zeros(1), batch_size=[1])], 1)
+    src_lazy = lib.lazy_stack([lib.TensorDict(a=torch.ones(2), batch_size=[2]) for _ in range(source_members)], 1)
+    x = lib.TensorDict(b=lazy, batch_size=[1]) if nested else lazy
+    src = lib.TensorDict(b=src_lazy, batch_size=[2]) if nested else src_lazy
+    batch = x.batch_size
+    with pytest.raises(RuntimeError):
+        x.update(src, update_batch_size=True)
+    if lib is shared_td:  # (tensordict 0.15.3 has rebatched x before it raises)
+        assert x.batch_size == batch
+        assert m0["extra"].tolist() == [7.0]
+        assert sorted(m0.keys()) == ["a", "extra"]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("other_lazy", [False, True])
+def test_keys_to_update_leaves_an_unselected_node_of_another_batch_size_alone(lib, other_lazy):
+    other = (lib.lazy_stack([lib.TensorDict(z=torch.zeros(1), batch_size=[1]) for _ in range(2)], 1) if other_lazy
+             else lib.TensorDict(z=torch.zeros(1, 2), batch_size=[1, 2]))
+    x = lib.TensorDict(c=lib.TensorDict(v=torch.zeros(1), batch_size=[1]), other=other, batch_size=[1])
+    src = lib.TensorDict(c=lib.TensorDict(v=torch.ones(1), batch_size=[1]),
+                         other=lib.TensorDict(z=torch.ones(1, 3), batch_size=[1, 3]), batch_size=[1])
+    x.update(src, update_batch_size=True, keys_to_update=["c"])
+    assert x["c", "v"].tolist() == [1.0]
+    assert x["other"].batch_size == torch.Size([1, 2])
+    assert x["other", "z"].tolist() == [[0.0, 0.0]]
+    if lib is shared_td:  # the selected node itself: still refused (README-listed; tensordict rebatches it)
+        with pytest.raises(RuntimeError):
+            x.update(src, update_batch_size=True, keys_to_update=["other"])
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_a_lazy_stack_over_a_tensordict_whose_batch_starts_it_restacks(lib):
+    x = lib.TensorDict(a=torch.zeros(2), n=lib.TensorDict(z=torch.zeros(2), batch_size=[2]), batch_size=[2])
+    node = x["n"]
+    src = lib.lazy_stack([lib.TensorDict(a=torch.ones(3), n=lib.TensorDict(z=torch.ones(3) * i, batch_size=[3]),
+                                         batch_size=[3]) for i in range(2)], 0)
+    x.update(src)
+    assert type(x["n"]).__name__ == "LazyStackedTensorDict" and x["n"] is not node
+    assert x["n", "z"].tolist() == [[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]]
+    assert node["z"].tolist() == [0.0, 0.0]  # the TensorDict itself is left as it was
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_a_member_key_its_own_part_lacks_is_refused_even_if_another_part_has_it(lib):
+    """(fuzz20 seed 211971) member 0 holds "extra"; its part does not, the extra (4th) part does."""
+    m0 = lib.TensorDict(a=torch.zeros(1), extra=torch.full((1,), 7.0), batch_size=[1])
+    x = lib.TensorDict(b=lib.lazy_stack([m0, lib.TensorDict(a=torch.zeros(1), batch_size=[1])], 1), batch_size=[1])
+    parts = [lib.TensorDict(a=torch.ones(2), batch_size=[2]) for _ in range(3)]
+    parts.append(lib.TensorDict(a=torch.ones(2), extra=torch.ones(2), batch_size=[2]))
+    src = lib.TensorDict(b=lib.lazy_stack(parts, 1), batch_size=[2])
+    with pytest.raises(RuntimeError):
+        x.update(src, update_batch_size=True)
+    if lib is shared_td:
+        assert x.batch_size == torch.Size([1]) and sorted(m0.keys()) == ["a", "extra"]
