@@ -20,6 +20,7 @@ from shared_td.containers.base import (TensorDictBase, check_write_into, is_leaf
                                        is_tensor_collection)
 from shared_td.containers.value_kinds import is_lazy_stack
 from shared_td.containers.index_writes import number_kept, numbers_kept, plan_set_at
+from shared_td.containers.lazy_element_writes import writes_per_member
 from shared_td.containers.lazy_nontensor import written_through
 from shared_td.containers.nontensor import NonTensorData, as_non_tensor
 from shared_td.containers.nontensor_ops import list_to_entry, one_value_into
@@ -391,7 +392,7 @@ class LazyWriteOps:
                 sources = [value[tuple(c)] for c in np.ndindex(*positions.shape)]
             else:
                 sources = [value] * len(targets)
-            targets, sources = _per_member(targets, sources)
+            targets, sources = writes_per_member(targets, sources, stack=_is_branch(value))
         for (member, sub), source in zip(targets, sources):
             member = unwrap_tensorclass(member)
             sub_index, sub_rows = batch_ops.index_and_size(sub, member.batch_size)
@@ -439,35 +440,6 @@ class LazyWriteOps:
             else:
                 return None
         return source
-
-
-def _per_member(targets: list, sources: list) -> tuple[list, list]:
-    """The element writes ``(member, element index)`` <- source of an index that spans
-    the stack dim, as one write per member: its elements' indices as index tensors, and
-    their sources stacked. Written element by element, each write was planned from the
-    member as it was, and a non-tensor entry, rebuilt whole by each one, kept only the
-    last element's value (fuzzed upstream indexing tests: 2 of 4 rows). A member of no
-    batch dim, or sources that do not stack (ragged), stay element by element."""
-    grouped: dict = {}
-    for (member, sub), source in zip(targets, sources):
-        grouped.setdefault(id(member), (member, [], []))
-        grouped[id(member)][1].append(sub)
-        grouped[id(member)][2].append(source)
-    out_targets, out_sources = [], []
-    for member, subs, parts in grouped.values():
-        if len(subs) > 1 and subs[0]:
-            index = tuple(torch.tensor(column) for column in zip(*subs))
-            try:
-                stacked = torch.stack(parts, 0) if _is_branch(parts[0]) else parts[0]
-            except RuntimeError:  # (ragged sources)
-                stacked = None
-            if stacked is not None:
-                out_targets.append((member, index))
-                out_sources.append(stacked)
-                continue
-        out_targets += [(member, sub) for sub in subs]
-        out_sources += parts
-    return out_targets, out_sources
 
 
 def _expand_lead(value: Any, lead: torch.Size, shape: torch.Size) -> Any:

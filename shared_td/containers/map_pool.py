@@ -24,7 +24,7 @@ import torch
 
 from shared_td.errors import WorkerDiedError, WorkerTraceback
 
-__all__ = ["WorkerDiedError", "run_chunks"]
+__all__ = ["run_chunks"]
 
 _JOIN_S = 5.0  # seconds a stopped worker gets to exit before it is killed
 _POLL_S = 1.0  # seconds between two looks at the workers while none answers (Ctrl-C is seen)
@@ -56,7 +56,7 @@ def run_chunks(fn: Callable, tasks: Iterable[tuple], *, workers: int, start_meth
     pool = _Pool(context, fn, workers, seed, threads, tasks_per_worker)
     tasks = iter(tasks)
     done: dict[int, Any] = {}
-    following = 0  # (ordered: the number of the next result to yield)
+    following = 0  # (ordered: the number of the next result to yield; numbers go from 0 up)
     try:
         exhausted = False
         while True:
@@ -76,9 +76,6 @@ def run_chunks(fn: Callable, tasks: Iterable[tuple], *, workers: int, start_meth
             while ordered and following in done:
                 yield done.pop(following)
                 following += 1
-        while ordered and following in done:  # (numbers are consecutive from 0)
-            yield done.pop(following)
-            following += 1
     finally:
         pool.close()
 
@@ -96,8 +93,12 @@ class _Pool:
         self._limit = tasks_per_worker
         self._started = 0
         self._workers: list[_Worker] = []
-        for _ in range(size):
-            self._workers.append(self._start())
+        try:
+            for _ in range(size):
+                self._workers.append(self._start())
+        except BaseException:  # (a worker that could not start: the others are stopped)
+            self.close()
+            raise
 
     def _start(self) -> _Worker:
         mine, theirs = self._context.Pipe()

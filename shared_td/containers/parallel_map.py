@@ -162,7 +162,7 @@ def _results(td: Any, fn: Callable, dim: int, num_workers: int | None, out: Any,
         if generator is None:
             generator = torch.Generator()  # (tensordict 0.15.3's default: the same base seed at each call)
         seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator))
-        results = run_chunks(fn, chunks, workers=workers, start_method=start_method, seed=seed,
+        results = run_chunks(fn, chunks, workers=min(workers, len(rows)), start_method=start_method, seed=seed,
                              threads=worker_threads, tasks_per_worker=max_tasks_per_child, ordered=not shuffle,
                              describe=lambda number: _described(rows, number, dim))
     return _counted(results, len(rows), method) if pbar else results
