@@ -38,9 +38,9 @@ class UpdateOps:
         by it (BatchSizeMismatchError), unless ``update_batch_size=True``: then this
         tensordict, and each nested one whose source's batch size differs, takes the
         source's batch size (see ``shared_td.containers.update_batch``; every key of
-        such a tensordict must be in the source, and neither ``inplace=True`` nor
-        ``keys_to_update`` is allowed with it); a lazy stack given a source of more or
-        fewer members gets as many. A batch size that starts the source's (``[]`` for a
+        such a tensordict must be in the source, and ``inplace=True`` or a
+        ``keys_to_update`` that selects it is refused); a lazy stack given a source of
+        more or fewer members gets as many. A batch size that starts the source's (``[]`` for a
         source of ``[2]``) is kept, as in tensordict 0.15.3.
 
         With ``clone=True`` the entries added or replaced are copies of ``other``'s (as
@@ -365,7 +365,7 @@ class _EmptyField:
 
 def _restacks(current: Any, value: Any) -> bool:
     """Whether ``update`` writes the lazy stack ``value`` over the TensorDict ``current``
-    (of its batch size) as tensordict 0.15.3 does: ``current`` becomes a lazy stack of
+    (whose batch size starts the stack's) as tensordict 0.15.3 does: ``current`` becomes a lazy stack of
     its slices along the stack's dim, updated member by member (:func:`_restacked`)."""
     from shared_td.containers.tensordict import TensorDict  # (it imports this module)
     from shared_td.containers.value_kinds import is_lazy_stack
