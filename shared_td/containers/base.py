@@ -30,8 +30,8 @@ from shared_td.containers.updates import UpdateOps
 # the value kinds live below this module; also importable from here, where code
 # outside the package has always found them (__all__)
 from shared_td.containers.value_kinds import (
-    TensorDictRoot, check_write_into, default_is_leaf, is_leaf_nontensor, is_non_tensor, is_non_tensor_class,
-    is_tensor_collection, on_cuda, parse_device, self_nesting_error)
+    TensorDictRoot, check_write_into, default_is_leaf, is_lazy_stack, is_leaf_nontensor, is_non_tensor,
+    is_non_tensor_class, is_tensor_collection, on_cuda, parse_device, self_nesting_error)
 from shared_td.errors import KeyThroughLeafError
 from shared_td.keys import NestedKey, RAISE, is_nested_key, key_repr, unravel_key
 from shared_td.containers.memmap_methods import MemmapMethods
@@ -207,7 +207,7 @@ class TensorDictBase(TensorDictRoot, LockingOps, BatchSplitOps, NonTensorOps, Co
             node = unwrap_tensorclass(peek_path(node, path[depth - 1: depth]))  # (a stack of tensorclasses too)
             if node is None:
                 break
-            if hasattr(node, "_peek_str"):  # a lazy stack: it reads the rest
+            if is_lazy_stack(node):  # it reads the rest
                 return node.get(path[depth:], default, **as_members)
         value = self._get_path(path, NO_DEFAULT)
         if value is NO_DEFAULT:

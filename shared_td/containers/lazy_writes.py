@@ -25,7 +25,7 @@ from shared_td.containers.lazy_nontensor import written_through
 from shared_td.containers.nontensor import NonTensorData, as_non_tensor
 from shared_td.containers.nontensor_ops import list_to_entry, one_value_into
 from shared_td.containers.update_options import update_source
-from shared_td.containers.update_batch import rebatch_for_update
+from shared_td.containers.update_batch import planned_after_rebatch
 from shared_td.containers.updates import check_source_batch
 from shared_td.errors import BatchSizeMismatchError
 from shared_td.keys import RAISE, key_repr, unravel_key
@@ -180,19 +180,17 @@ class LazyWriteOps:
             torch.Size([3])
         """
         other = update_source(self, input_dict_or_td, entries, ignore_lock)
-        undo = None
-        if update_batch_size:
-            undo = rebatch_for_update(self, other, inplace=inplace, keys_to_update=keys_to_update)
-        try:
+        selected = None if keys_to_update is None else [unravel_key(k) for k in keys_to_update]
+
+        def plan() -> list:  # (checks only: nothing is written before it returns)
             check_source_batch(self, other)  # (as TensorDict.update: an empty source too)
             parts = self._update_parts(other, inplace)
-            selected = None if keys_to_update is None else [unravel_key(k) for k in keys_to_update]
             for member, part in zip(self.tensordicts, parts):
                 check_write(member, part, inplace=inplace, add_missing=True, selected=selected)
-        except BaseException:
-            if undo is not None:
-                undo()  # (nothing written yet)
-            raise
+            return parts
+
+        parts = planned_after_rebatch(self, other, plan, update_batch_size=update_batch_size, inplace=inplace,
+                                      keys_to_update=keys_to_update)
         for member, part in zip(self.tensordicts, parts):
             member.update(part, clone, inplace=inplace, keys_to_update=keys_to_update)
         return self

@@ -27,9 +27,23 @@ from shared_td.errors import LockedTensorDictError
 from shared_td.keys import key_repr, unravel_key
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 
-__all__ = ["rebatch_for_update"]
+__all__ = ["planned_after_rebatch", "rebatch_for_update"]
 
 _NODE, _REFILL, _MEMBERS = "node", "refill", "members"  # the kinds of job (see _plan)
+
+
+def planned_after_rebatch(dest: Any, source: Any, plan: Callable[[], Any], *, update_batch_size: bool,
+                          inplace: bool, keys_to_update: Any) -> Any:
+    """``plan()`` (an update's checks, which write nothing), run after
+    :func:`rebatch_for_update` when ``update_batch_size``; if it raises, every rebatched
+    node is put back before the error goes on."""
+    undo = rebatch_for_update(dest, source, inplace=inplace, keys_to_update=keys_to_update) if update_batch_size else None
+    try:
+        return plan()
+    except BaseException:
+        if undo is not None:
+            undo()
+        raise
 
 
 def rebatch_for_update(dest: Any, source: Any, *, inplace: bool, keys_to_update: Any) -> Callable[[], None] | None:
@@ -209,12 +223,18 @@ def _rebatch(node: Any, source: Any, path: tuple, undo: "_Undo") -> None:
         child = unwrap_tensorclass(value)
         part = unwrap_tensorclass(source.get(key, None)) if _is_node(child) else None  # (a leaf's is not read)
         if _is_node(part) and (is_lazy_stack(child) or hasattr(child, "_tensordict")):
-            undo.save(child)
-            (_refill if is_lazy_stack(child) else _rebatch)(child, part, path + (key,), undo)
+            _follow(child, part, path + (key,), undo)
         else:  # a leaf, or a tensordict the source replaces by a leaf: the update writes the source's
             del node._tensordict[key]
     node._names = None
     node._batch_size = torch.Size(source.batch_size)
+
+
+def _follow(node: Any, source: Any, path: tuple, undo: "_Undo") -> None:
+    """A nested tensordict (or lazy stack) of a changed node, saved, then given ``source``'s
+    batch size (or members)."""
+    undo.save(node)
+    (_refill if is_lazy_stack(node) else _rebatch)(node, source, path, undo)
 
 
 def _refill(lazy: Any, source: Any, path: tuple, undo: "_Undo") -> None:
@@ -230,8 +250,7 @@ def _refill(lazy: Any, source: Any, path: tuple, undo: "_Undo") -> None:
     for member, part in zip(members, parts):
         part = unwrap_tensorclass(part)
         if _differ(member.batch_size, part.batch_size):
-            undo.save(member)
-            (_refill if is_lazy_stack(member) else _rebatch)(member, part, path, undo)
+            _follow(member, part, path, undo)
     if members:
         lazy._member_batch = members[0].batch_size
     elif parts:

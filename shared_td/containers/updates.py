@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from shared_td.containers.update_batch import rebatch_for_update
+from shared_td.containers.update_batch import planned_after_rebatch
 from shared_td.containers.update_options import update_source
-from shared_td.containers.value_kinds import is_non_tensor, is_tensor_collection
+from shared_td.containers.value_kinds import is_lazy_stack, is_non_tensor, is_tensor_collection
 from shared_td.errors import BatchSizeMismatchError
 from shared_td.keys import key_repr, unravel_key
 from shared_td.memmap_tensor import refuse_read_only
@@ -58,18 +58,14 @@ class UpdateOps:
             torch.Size([5])
         """
         other = update_source(self, input_dict_or_td, entries, ignore_lock)
-        undo = None
-        if update_batch_size:
-            undo = rebatch_for_update(self, other, inplace=inplace, keys_to_update=keys_to_update)
-        try:
+        selected = None if keys_to_update is None else [unravel_key(k) for k in keys_to_update]
+
+        def plan() -> list:  # (checks only: nothing is written before it returns)
             check_source_batch(self, other)
-            selected = None if keys_to_update is None else [unravel_key(k) for k in keys_to_update]
-            plan = _stores_first(self._plan_update(other, (), inplace, True, selected))
-        except BaseException:
-            if undo is not None:
-                undo()  # (nothing written yet: every rebatched node back as it was)
-            raise
-        for path, value, in_place, _ in plan:
+            return _stores_first(self._plan_update(other, (), inplace, True, selected))
+
+        for path, value, in_place, _ in planned_after_rebatch(self, other, plan, update_batch_size=update_batch_size,
+                                                              inplace=inplace, keys_to_update=keys_to_update):
             if isinstance(value, (_NestedUpdate, _EmptyField)):
                 value.write(clone)
             elif in_place:
@@ -367,12 +363,13 @@ def _restacks(current: Any, value: Any) -> bool:
     """Whether ``update`` writes the lazy stack ``value`` over the TensorDict ``current``
     (whose batch size starts the stack's) as tensordict 0.15.3 does: ``current`` becomes a lazy stack of
     its slices along the stack's dim, updated member by member (:func:`_restacked`)."""
+    if not is_lazy_stack(value):  # (almost every entry of an update: nothing imported)
+        return False
     from shared_td.containers.tensordict import TensorDict  # (it imports this module)
-    from shared_td.containers.value_kinds import is_lazy_stack
 
     # (tensordict restacks a TensorDict whose batch size starts the stack's too, when the
     # stack dim is one of its dims: the slices then take the rest of the members' batch)
-    return (is_lazy_stack(value) and isinstance(current, TensorDict) and value.stack_dim < current.batch_dims
+    return (isinstance(current, TensorDict) and value.stack_dim < current.batch_dims
             and value.batch_size[: current.batch_dims] == current.batch_size)
 
 
