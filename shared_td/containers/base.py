@@ -18,6 +18,7 @@ from shared_td.containers.comparisons import ComparisonOps
 from shared_td.containers.consolidated_pickle import deepcopy_collection
 from shared_td.containers.consolidation import ConsolidateMethods
 from shared_td.containers.convenience_ops import ConvenienceOps
+from shared_td.containers.distributed_ops import DistributedOps
 from shared_td.containers.extra_names import ExtraNameOps
 from shared_td.containers.keysview import UNSEEN, KeysView, peek_path
 from shared_td.containers.locking import LockingOps
@@ -48,7 +49,8 @@ _AS_MEMBERS = frozenset({"as_list", "as_padded_tensor", "as_nested_tensor", "pad
 
 
 class TensorDictBase(TensorDictRoot, LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, MemmapMethods,
-                     ConsolidateMethods, ComparisonOps, UpdateOps, PinningOps, ExtraNameOps, TreeResets, MapOps):
+                     ConsolidateMethods, ComparisonOps, UpdateOps, PinningOps, ExtraNameOps, TreeResets, MapOps,
+                     DistributedOps):
     """Common API of TensorDict, LazyStackedTensorDict and the non-tensor containers."""
 
     _is_non_tensor = False

@@ -46,6 +46,7 @@ import pickle
 import weakref
 from typing import Any
 
+import numpy as np
 import torch
 
 from shared_td.containers import consolidated_extras as extras_
@@ -371,6 +372,8 @@ def _arrived_layout(payload: Any, runs: list[tuple]) -> Layout:
     """The layout of an arrived tree: its payload as buffer, its views made from runs."""
     if isinstance(payload, torch.Tensor):
         buffer = payload
+    elif isinstance(payload, np.ndarray):  # (an out-of-band buffer given to pickle.loads: no copy)
+        buffer = torch.from_numpy(payload.reshape(-1).view(np.uint8))
     else:
         data = payload if isinstance(payload, bytearray) else bytearray(payload)
         buffer = torch.frombuffer(data, dtype=_BYTE) if data else torch.empty(0, dtype=_BYTE)  # len: 64 * n

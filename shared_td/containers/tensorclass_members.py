@@ -320,6 +320,13 @@ class _TensorClassMembers:
         return self.load_memmap_(prefix, *args, **kwargs)
 
     @classmethod
+    def from_remote_init(cls, src: int, group: Any = None, device: Any = None, use_broadcast: bool = False) -> Any:
+        """``TensorDict.from_remote_init`` as an instance of this class (a tensorclass's
+        ``init_remote`` sends its fields' tensordict)."""
+        arrived = TensorDict.from_remote_init(src, group, device, use_broadcast)
+        return arrived if is_tensorclass(arrived) else cls.from_tensordict(arrived)
+
+    @classmethod
     def __init_subclass__(cls, **kwargs: Any) -> None:
         from shared_td.containers.tensorclass import _register
 

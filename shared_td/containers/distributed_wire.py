@@ -1,0 +1,171 @@
+"""What tensordict's ``torch.distributed`` methods put on the wire (distributed_ops.py).
+
+Leaf by leaf (``send``/``recv``/``isend``/``irecv``, ``reduce``, ``all_reduce``): the
+tensors of the tree in tensordict 0.15.3's order, each level's keys sorted and a lazy
+stack member after member, with its tags (``init_tag``, ``init_tag + 1``, ... or
+tensordict's pseudo-random chain), so that a tensordict rank and a shared_td rank
+exchange the leaves of the same structure. Non-tensor values have no leaf: they are not
+sent, as in tensordict. A leaf that cannot go in place (not contiguous) goes through a
+contiguous copy, written back into the leaf once its transfer is done.
+
+Whole trees (``init_remote``/``from_remote_init``, ``broadcast``, ``all_gather``,
+``gather_and_stack``), for a receiver that does not know the structure: the consolidated
+tree pickled with protocol 5, its buffer out of band. A message is a header (the pickle's
+length and the buffers' lengths, int64), the pickle, then each buffer as it is (the
+consolidated buffer is sent without a copy, and received into the storage the result's
+leaves are views of). Unpickling runs what the sender's pickle names, as
+``torch.distributed.recv_object_list`` and tensordict's own: use it only between ranks
+you trust, on a private network.
+"""
+from __future__ import annotations
+
+import pickle
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from shared_td.containers.value_kinds import is_lazy_stack, is_non_tensor, is_tensor_collection
+from shared_td.memmap_tensor import refuse_read_only
+from shared_td.tensorclass_protocol import unwrap_tensorclass
+
+_BYTE = torch.uint8
+_INT = torch.int64
+
+
+# ------------------------------------------------------------------ leaf by leaf
+def wire_leaves(obj: Any, path: tuple = ()) -> Iterator[tuple[tuple, torch.Tensor]]:
+    """``(key path, tensor)`` for every tensor leaf of ``obj``, in tensordict's order."""
+    node = unwrap_tensorclass(obj)
+    if is_non_tensor(node):
+        return
+    if is_lazy_stack(node):
+        for member in node.tensordicts:
+            yield from wire_leaves(member, path)
+        return
+    for key in sorted(node._keys_str()):
+        value = node._get_str(key, None)
+        if isinstance(value, torch.Tensor):
+            yield path + (key,), value
+        elif is_tensor_collection(value):
+            yield from wire_leaves(value, path + (key,))
+
+
+def wire_tags(init_tag: int, pseudo_rand: bool) -> Iterator[int]:
+    """The tag of each leaf in turn: ``init_tag``, ``init_tag + 1``, ... or, with
+    ``pseudo_rand``, tensordict's chain (each tag drawn from a generator seeded by the
+    previous one plus one, below 10000), so that the ranks of both packages agree."""
+    tag = init_tag - 1
+    while True:
+        tag = _next_pseudo_random(tag + 1) if pseudo_rand else tag + 1
+        yield tag
+
+
+def _next_pseudo_random(seed: int) -> int:
+    return int.from_bytes(np.random.default_rng(seed).bytes(8), "big") % 10_000
+
+
+def check_peer(peer: Any, group_peer: int | None, group: Any, name: str, group_name: str) -> None:
+    """As torch's point-to-point functions: a peer by global rank or by its rank in
+    ``group``, exactly one of them."""
+    if group_peer is not None:
+        if group is None:
+            raise ValueError(f"`{group_name}` requires `group` to be passed.")
+        if peer is not None:
+            raise ValueError(f"`{name}` and `{group_name}` are mutually exclusive.")
+    elif peer is None:
+        raise ValueError(f"Exactly one of `{name}` and `{group_name}` must be provided.")
+    elif not isinstance(peer, int) or isinstance(peer, bool):
+        raise TypeError(f"`{name}` must be a rank (an int), got {type(peer).__name__}: shared_td sends "
+                        f"through torch.distributed only (tensordict's UCXX pipes are not built).")
+
+
+def check_writable(path: tuple, tensor: torch.Tensor) -> None:
+    """Raise before anything is received if a transfer cannot write the leaf at
+    ``path``: mapped read-only (ReadOnlyError), or expanded (a ValueError: a stride 0
+    over several elements holds one value for many of its positions)."""
+    refuse_read_only(tensor, f"a receive into {_shown(path)}")
+    if any(stride == 0 and size > 1 for stride, size in zip(tensor.stride(), tensor.shape)):
+        raise ValueError(f"Cannot receive into {_shown(path)}: it is expanded (several of its "
+                         f"elements are one value in memory); clone it first. Nothing was received.")
+
+
+def _shown(path: tuple) -> str:
+    return repr(path[0] if len(path) == 1 else path)
+
+
+class CopiedTransfer:
+    """A transfer of a leaf that went through a contiguous copy: ``wait()`` waits for it,
+    then writes the copy into the leaf (a receive; a collective). It stands where
+    torch's ``Work`` would, for code that waits on each of a list."""
+
+    __slots__ = ("work", "copy", "leaves")
+
+    def __init__(self, work: Any, copy: torch.Tensor, leaves: list[torch.Tensor]):
+        self.work, self.copy, self.leaves = work, copy, leaves
+
+    def wait(self, *args: Any) -> bool:
+        done = self.work.wait(*args)
+        start = 0
+        with torch.no_grad():
+            for leaf in self.leaves:
+                count = leaf.numel()
+                leaf.copy_(self.copy[start:start + count].view(leaf.shape))
+                start += count
+        return done
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
+def in_place(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor torch.distributed gets for a leaf: itself as a plain tensor (a
+    MemoryMappedTensor, a subclass, writes its file through it)."""
+    return tensor if type(tensor) is torch.Tensor else tensor.as_subclass(torch.Tensor)
+
+
+# ------------------------------------------------------------------ whole trees
+def tree_message(obj: Any) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """``(header, pickle, buffers)`` of ``obj``, consolidated first if it is not."""
+    if not obj.is_consolidated():
+        obj = obj.consolidate()
+    buffers: list = []
+    data = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+    tensors = [_bytes_tensor(buffer.raw()) for buffer in buffers]
+    header = torch.tensor([len(data), len(tensors), *(t.numel() for t in tensors)], dtype=_INT)
+    return header, _bytes_tensor(bytearray(data)), tensors
+
+
+def _bytes_tensor(data: Any) -> torch.Tensor:
+    if not len(data):
+        return torch.empty(0, dtype=_BYTE)
+    return torch.from_numpy(np.frombuffer(data, dtype=np.uint8))
+
+
+def tree_of(data: torch.Tensor, buffers: list[torch.Tensor]) -> Any:
+    """The tree a message carried: its pickle loaded over the received buffers (the
+    consolidated one becomes the tree's storage, no copy)."""
+    return pickle.loads(data.numpy().tobytes(), buffers=[buffer.numpy() for buffer in buffers])
+
+
+def header_fields(header: torch.Tensor) -> tuple[int, list[int]]:
+    """The pickle's length and the buffers' lengths of a received header."""
+    values = header.tolist()
+    return values[0], values[2:2 + values[1]]
+
+
+def flat_message(obj: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(header, bytes)`` of ``obj``: the pickle and its buffers one after the other
+    (for the collectives that pad every rank's message to one size); ``obj`` None: an
+    empty message."""
+    if obj is None:
+        return torch.zeros(2, dtype=_INT), torch.empty(0, dtype=_BYTE)
+    header, data, buffers = tree_message(obj)
+    return header, torch.cat([data, *buffers])
+
+
+def tree_of_flat(header: torch.Tensor, flat: torch.Tensor) -> Any:
+    """The tree of a ``flat_message`` (``flat`` may be longer: padding)."""
+    length, lengths = header_fields(header)
+    parts = flat[:length + sum(lengths)].split([length, *lengths])
+    return tree_of(parts[0], list(parts[1:]))
