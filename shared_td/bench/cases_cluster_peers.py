@@ -17,8 +17,8 @@ pickling of ``init_remote``'s metadata) counts as the receiver waits for it. Col
 * ``tensordict init_remote``: ``init_remote`` -> ``from_remote_init`` (metadata pickled,
   then the consolidated storage): how a receiver that does not know the tree gets it;
 * ``tensordict per leaf``: ``send``/``recv``, one message per leaf, into that tensordict;
-* ``shared_td ...``: the same three with shared_td's TensorDict (its tensordict-compatible
-  methods), in the same run.
+* ``shared_td consolidated``, ``init_remote``, ``per leaf``: the same three with shared_td's
+  TensorDict (its tensordict-compatible methods), in the same run.
 
 The children are started first (:func:`start_peers`): they import torch and tensordict and
 join the group while the caller prepares its own column, which it times once they are
@@ -82,9 +82,11 @@ def _peer_main(rank: int, ports, nbytes: int, repeat: int, with_tensordict: bool
                 # processes it forked later, so parent_process().is_alive() need not see it)
                 return
         columns = {"raw gloo send/recv": _raw(rank, nbytes), **_raw_striped(rank, nbytes)}
-        columns.update(_shared_td_columns(rank, nbytes))
-        if tensordict is not None:
-            columns.update(_tensordict_columns(rank, tensordict, nbytes))
+        import shared_td
+
+        for library in (shared_td, tensordict):
+            if library is not None:
+                columns.update(_library_columns(rank, library, nbytes))
         best = {}
         for name, step in columns.items():
             _timed(rank, step)  # once untimed: buffers touched, connections warm
@@ -133,43 +135,25 @@ def _raw_striped(rank: int, nbytes: int, counts=STRIPED) -> dict:
     return columns
 
 
-def _tensordict_columns(rank: int, tensordict, nbytes: int) -> dict:
+def _library_columns(rank: int, library, nbytes: int) -> dict:
+    """tensordict's three ways with ``library``'s TensorDict (tensordict's, or
+    shared_td's tensordict-compatible methods), named after it."""
+    name = library.__name__
     if rank == 0:
         # a learner's weights: a plain (not consolidated) tree, so send(consolidated=True)
         # runs consolidate() on each call, as after each change
-        sent = policy_tree(nbytes, tensordict)
+        sent = policy_tree(nbytes, library)
         sent.init_remote(dst=1)  # the receiver's consolidated tensordict (untimed)
         return {
-            "tensordict consolidated": lambda: sent.send(dst=1, consolidated=True),
-            "tensordict init_remote": lambda: sent.init_remote(dst=1),
-            "tensordict per leaf": lambda: sent.send(dst=1),
+            f"{name} consolidated": lambda: sent.send(dst=1, consolidated=True),
+            f"{name} init_remote": lambda: sent.init_remote(dst=1),
+            f"{name} per leaf": lambda: sent.send(dst=1),
         }
-    received = tensordict.TensorDict.from_remote_init(src=0)
+    received = library.TensorDict.from_remote_init(src=0)
     return {
-        "tensordict consolidated": lambda: received.recv(src=0, consolidated=True),
-        "tensordict init_remote": lambda: tensordict.TensorDict.from_remote_init(src=0),
-        "tensordict per leaf": lambda: received.recv(src=0),
-    }
-
-
-def _shared_td_columns(rank: int, nbytes: int) -> dict:
-    """The same three ways with shared_td's TensorDict (its tensordict-compatible
-    ``torch.distributed`` methods), beside tensordict's in the same run."""
-    import shared_td
-
-    if rank == 0:
-        sent = policy_tree(nbytes)
-        sent.init_remote(dst=1)
-        return {
-            "shared_td send(consolidated=True)": lambda: sent.send(dst=1, consolidated=True),
-            "shared_td init_remote": lambda: sent.init_remote(dst=1),
-            "shared_td send per leaf": lambda: sent.send(dst=1),
-        }
-    received = shared_td.TensorDict.from_remote_init(src=0)
-    return {
-        "shared_td send(consolidated=True)": lambda: received.recv(src=0, consolidated=True),
-        "shared_td init_remote": lambda: shared_td.TensorDict.from_remote_init(src=0),
-        "shared_td send per leaf": lambda: received.recv(src=0),
+        f"{name} consolidated": lambda: received.recv(src=0, consolidated=True),
+        f"{name} init_remote": lambda: library.TensorDict.from_remote_init(src=0),
+        f"{name} per leaf": lambda: received.recv(src=0),
     }
 
 

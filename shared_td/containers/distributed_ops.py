@@ -51,7 +51,7 @@ class DistributedOps:
                 without ``group``.
 
         Example (two processes of a gloo group; tests/containers/test_distributed_ops.py
-        runs it)::
+        runs this exchange)::
 
             if rank == 0:
                 TensorDict(a=torch.ones(4), b=torch.ones(4, 3), batch_size=[4]).send(dst=1)
@@ -112,7 +112,7 @@ class DistributedOps:
         The receiver unpickles what the sender sent, as tensordict and torch's
         ``recv_object_list`` do: only between ranks you trust, on a private network.
 
-        Example (two processes; tests/containers/test_distributed_ops.py runs it)::
+        Example (two processes; tests/containers/test_distributed_ops.py runs this exchange)::
 
             if rank == 0:
                 td = TensorDict(obs=torch.ones(2, 84), batch_size=[2])
@@ -164,7 +164,7 @@ class DistributedOps:
         tensordict consolidated (itself if it is), elsewhere a new consolidated one,
         moved to ``device`` if given. Unpickles what ``src`` sent: trusted ranks only.
 
-        Example (each rank of a group; tests/containers/test_distributed_ops.py runs it)::
+        Example (each rank of a group; tests/containers/test_distributed_ops.py runs this)::
 
             td = TensorDict(a=torch.arange(3.0), batch_size=[3]) if rank == 0 else TensorDict()
             td = td.broadcast(src=0)  # tensor([0., 1., 2.]) at "a" on every rank
@@ -254,7 +254,8 @@ def _post_all(obj: Any, op: str, peer: Any, group: Any, group_peer: int | None, 
     wire.check_peer(peer, group_peer, group, *names)
     if consolidated:
         buffer = _consolidated_buffer(obj, op)
-        return [_post(op, wire.in_place(buffer), peer, group, group_peer, 0)], 0
+        # (held with its transfer: a buffer consolidated for this send has no other owner)
+        return [wire.HeldTransfer(_post(op, wire.in_place(buffer), peer, group, group_peer, 0), buffer, [])], 0
     leaves = list(wire.wire_leaves(obj))
     if op == "recv":
         for path, leaf in leaves:
@@ -268,7 +269,7 @@ def _post_all(obj: Any, op: str, peer: Any, group: Any, group_peer: int | None, 
         copy = tensor.contiguous() if op == "send" else torch.empty(tensor.shape, dtype=tensor.dtype,
                                                                      device=tensor.device)
         work = _post(op, copy, peer, group, group_peer, tag)
-        works.append(wire.CopiedTransfer(work, copy.view(-1), [tensor] if op == "recv" else []))
+        works.append(wire.HeldTransfer(work, copy.view(-1), [tensor] if op == "recv" else []))
     return works, tag
 
 
@@ -381,7 +382,7 @@ def collective(obj: Any, run: Callable[[torch.Tensor], Any], async_op: bool, buc
     for tensor, written_back in _buckets([wire.in_place(leaf) for _, leaf in leaves], bucket_bytes):
         work = run(tensor)
         if written_back:
-            work = wire.CopiedTransfer(work if async_op else _DONE, tensor, written_back)
+            work = wire.HeldTransfer(work if async_op else _DONE, tensor, written_back)
             if not async_op:
                 work.wait()
         works.append(work if async_op else None)

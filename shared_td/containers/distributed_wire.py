@@ -94,10 +94,12 @@ def _shown(path: tuple) -> str:
     return repr(path[0] if len(path) == 1 else path)
 
 
-class CopiedTransfer:
-    """A transfer of a leaf that went through a contiguous copy: ``wait()`` waits for it,
-    then writes the copy into the leaf (a receive; a collective). It stands where
-    torch's ``Work`` would, for code that waits on each of a list."""
+class HeldTransfer:
+    """A posted transfer that holds the tensor it moves (a copy, or a buffer
+    consolidated for it, which nothing else holds) until it is done; for leaves that
+    went through a contiguous copy (a receive, a collective), ``wait()`` then writes the
+    copy into them. It stands where torch's ``Work`` would, for code that waits on each
+    of a list."""
 
     __slots__ = ("work", "copy", "leaves")
 

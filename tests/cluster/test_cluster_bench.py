@@ -16,10 +16,11 @@ from tests.reference import needs_tensordict  # noqa: E402
 
 @needs_tensordict
 @pytest.mark.timeout(120)
-def test_sync_case_runs_beside_raw_gloo_and_tensordict(tmp_path):
+def test_sync_case_runs_beside_raw_gloo_and_both_packages_send_and_init_remote(tmp_path):
     # 5 MiB: above STRIPE_MIN_BYTES, so that the striped syncs are striped
     results = case_cluster_sync(BenchOptions.quick(size_mib=5, repeat=2), str(tmp_path))
     assert list(results) == ["raw gloo send/recv", "raw gloo x2 groups", "raw gloo x4 groups",
+                             "shared_td consolidated", "shared_td init_remote", "shared_td per leaf",
                              "tensordict consolidated", "tensordict init_remote", "tensordict per leaf",
                              "shared_td sync+worker", "shared_td sync x2 stripes+worker",
                              "shared_td sync x4 stripes+worker", "raw gloo send/recv, nodes' processes"]
