@@ -66,6 +66,7 @@ import errno  # noqa: E402
 import mmap  # noqa: E402
 import select  # noqa: E402
 import stat  # noqa: E402
+import time  # noqa: E402
 
 __all__ = [
     "ByteLock", "CreatorWatch", "creator_pid", "map_shared_bytes", "new_memfd", "pid_alive", "process_stat",
@@ -301,6 +302,8 @@ class CreatorWatch:
     Example:
         >>> CreatorWatch(os.getpid()).gone(), CreatorWatch(0).gone()
         (False, True)
+        >>> CreatorWatch(os.getpid()).wait(timeout=0.01)
+        False
     """
 
     def __init__(self, pid: int | None = None):
@@ -324,6 +327,20 @@ class CreatorWatch:
             if self._gone:
                 self.close()
         return self._gone
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the creator has ended (True) or ``timeout`` seconds passed (then
+        whether it has): on its pidfd, else polling the parent pid every 0.2 s."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.gone():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            if self._fd is not None:
+                select.select([self._fd], [], [], left)
+            else:
+                time.sleep(0.2 if left is None else min(0.2, left))
+        return True
 
     def close(self) -> None:
         """Let go of the pidfd (also done when the creator is found gone, or at collection)."""

@@ -64,3 +64,13 @@ def _make_steps(lib):
     Steps.__qualname__ = Steps.__name__ = f"Steps_{lib.__name__}"
     globals()[Steps.__name__] = Steps  # (found by name when a chunk is unpickled)
     return Steps
+
+
+def pid_file_then_sleep(chunk):
+    """Write this worker's pid into the directory named by the chunk's ``dir`` value,
+    then compute for a long time (a chunk whose caller dies meanwhile)."""
+    directory = chunk.get_non_tensor("dir")
+    with open(os.path.join(directory, f"{os.getpid()}.pid"), "w"):
+        pass
+    time.sleep(120)
+    return chunk

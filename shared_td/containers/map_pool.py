@@ -14,7 +14,9 @@ through shared memory, as with tensordict's pool.
 """
 from __future__ import annotations
 
+import os
 import signal
+import threading
 import traceback
 from multiprocessing import connection
 from typing import Any, Callable, Iterable, Iterator
@@ -23,6 +25,7 @@ import numpy as np
 import torch
 
 from shared_td.errors import WorkerDiedError, WorkerTraceback
+from shared_td.platform import CreatorWatch
 
 __all__ = ["run_chunks"]
 
@@ -190,6 +193,7 @@ def _stop(worker: _Worker) -> None:
 
 
 def _serve(fn: Callable, pipe: Any, seed: int, threads: int) -> None:  # in the worker process
+    _end_with_creator()
     torch.manual_seed(seed)
     np.random.seed(seed % 2**32)
     torch.set_num_threads(threads)
@@ -220,6 +224,21 @@ def _serve(fn: Callable, pipe: Any, seed: int, threads: int) -> None:  # in the 
             pipe.send((False, RuntimeError(f"map(): the result of fn for a chunk could not be sent back to the "
                                            f"parent process ({type(error).__name__}: {error}).")))
         del answer
+
+
+def _end_with_creator() -> None:
+    """End this worker as soon as the process that started it ends, SIGKILLed included:
+    nobody would take the result of the chunk it computes (before, it ran that chunk to
+    its end, minutes of a core for a long ``fn``). A watch of the process, not of a
+    thread (as PR_SET_PDEATHSIG would be): a map called from a thread that ends later
+    keeps its workers."""
+    watch = CreatorWatch()
+
+    def end_when_gone() -> None:
+        watch.wait()
+        os._exit(1)
+
+    threading.Thread(target=end_when_gone, name="shared_td-map-creator-watch", daemon=True).start()
 
 
 def _portable(error: BaseException) -> tuple:

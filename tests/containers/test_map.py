@@ -193,3 +193,37 @@ def test_several_threads_per_fork_worker_are_refused_before_any_worker_starts():
     with pytest.raises(ValueError, match="mp_start_method='spawn' or 'forkserver'"):
         data.map(fns.double, num_workers=2, worker_threads=2, mp_start_method="fork")
     assert not _ours_left()
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_workers_end_soon_after_their_caller_is_sigkilled_mid_chunk(tmp_path, start_method):
+    """The caller killed while its workers compute long chunks: each worker ends within a
+    bound (before, it ran its chunk to the end: here 120 s of a core each)."""
+    import subprocess
+    import sys
+
+    from tests import processes
+
+    script = tmp_path / "caller.py"
+    script.write_text(
+        "import sys, torch, shared_td\n"
+        "from tests import map_functions as fns\n"
+        "if __name__ == '__main__':\n"
+        f"    td = shared_td.TensorDict(x=torch.zeros(2), dir={str(tmp_path)!r}, batch_size=[2])\n"
+        f"    td.map(fns.pid_file_then_sleep, num_workers=2, chunksize=1, mp_start_method={start_method!r})\n")
+    caller = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        def worker_pids():
+            return [int(name.split(".")[0]) for name in os.listdir(tmp_path) if name.endswith(".pid")]
+        processes.wait_until(lambda: len(worker_pids()) == 2 or caller.poll() is not None, timeout=60)
+        assert len(worker_pids()) == 2, caller.stderr.read1().decode() if caller.poll() is not None else "no workers"
+        caller.kill()
+        caller.wait(10)
+        pids = worker_pids()
+        assert processes.wait_until(lambda: not any(processes.alive(pid) for pid in pids), timeout=10), pids
+    finally:
+        caller.kill()
+        caller.wait(10)
+        for pid in worker_pids():
+            if processes.alive(pid):
+                os.kill(pid, signal.SIGKILL)
