@@ -234,3 +234,26 @@ def tensorclass_transfers(rank: int, _) -> dict:
             "lazy": [type(lazy).__name__, [sorted(member.keys()) for member in lazy.tensordicts],
                      lazy.tensordicts[1]["y"].tolist()],
             "broadcast": [type(broadcast).__name__, broadcast.obs.tolist(), broadcast.label]}
+
+
+def sender_dies(rank: int, _) -> dict:
+    """Rank 0 sends the first of three leaves by hand, then is SIGKILLed; rank 1's recv
+    must raise (not wait for ever), within the group's timeout at most."""
+    import signal
+    import time
+
+    import torch.distributed as dist
+
+    from shared_td import TensorDict
+
+    if rank == 0:
+        dist.send(torch.ones(4), dst=1, tag=0)
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGKILL)
+    td = TensorDict(a=torch.zeros(4), b=torch.zeros(4), c=torch.zeros(4), batch_size=[4])
+    began = time.monotonic()
+    try:
+        td.recv(src=0)
+    except RuntimeError as error:
+        return {"raised": str(error)[:200], "seconds": time.monotonic() - began, "a": td["a"].tolist()}
+    return {"raised": None}

@@ -23,9 +23,9 @@ from tests.containers import distributed_children as children  # noqa: E402
 pytestmark = pytest.mark.timeout(120)
 
 
-def run_ranks(scenario: str, world: int = 2, argument=None) -> list:
+def run_ranks(scenario: str, world: int = 2, argument=None, reporting: int | None = None) -> list:
     """Each rank's result, in rank order; a rank's error fails the test with every
-    rank's traceback."""
+    rank's traceback. ``reporting``: how many ranks report (the others die)."""
     store = host_tcp_store("127.0.0.1", 0, timeout=children.TIMEOUT)
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
@@ -34,7 +34,7 @@ def run_ranks(scenario: str, world: int = 2, argument=None) -> list:
     for process in ranks:
         process.start()
     try:
-        items = [results.get(timeout=90) for _ in range(world)]
+        items = [results.get(timeout=90) for _ in range(world if reporting is None else reporting)]
     except queue_module.Empty:
         pytest.fail(f"{scenario}: a rank gave no result within 90 s")
     finally:
@@ -43,7 +43,8 @@ def run_ranks(scenario: str, world: int = 2, argument=None) -> list:
     errors = [f"rank {item[0]} of {scenario}:\n{item[2]}" for item in sorted(items) if item[1] == "error"]
     if errors:
         pytest.fail("\n".join(errors))
-    return [result for _, result in sorted(items)]
+    exit_codes = [process.exitcode for process in ranks]
+    return [result for _, result in sorted(items)] + ([exit_codes] if reporting is not None else [])
 
 
 def test_send_recv_writes_every_leaf_in_place_in_tensordicts_order(tmp_path):
@@ -64,6 +65,13 @@ def test_a_tensordict_rank_and_a_shared_td_rank_exchange_leaves(direction):
     assert received["first"] == {"b": [[1.0] * 3] * 4, "a.y": [[1.0] * 2] * 4, "a.z": [1.0] * 4}
     assert received["second"] == {"b": [[2.0] * 3] * 4, "a.y": [[2.0] * 2] * 4, "a.z": [2.0] * 4}
     assert received["tags"][1] == 102
+
+
+def test_a_receive_from_a_sender_killed_mid_transfer_raises_instead_of_waiting():
+    received, exit_codes = run_ranks("sender_dies", reporting=1)
+    assert exit_codes[0] == -9
+    assert received["raised"] and received["seconds"] < children.TIMEOUT, received
+    assert received["a"] == [1.0] * 4  # the leaf that arrived before the death is there
 
 
 def test_isend_and_irecv_return_their_transfers_early():
