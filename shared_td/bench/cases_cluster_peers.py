@@ -64,10 +64,11 @@ def policy_tree(nbytes: int, library=None):
         batch_size=[])
 
 
-def _peer_main(rank: int, ports, nbytes: int, repeat: int, with_tensordict: bool, go, results) -> None:
+def _peer_main(rank: int, ports, nbytes: int, repeat: int, with_tensordict: bool, go, results,
+               columns_of) -> None:
     """One rank: get the store's port from ``ports``, join the group, tell ``results`` it
-    is ready, wait for ``go``, then time each column ``repeat`` times (rank 1 reports the
-    best of each)."""
+    is ready, wait for ``go``, then time each column of ``columns_of(rank, nbytes,
+    tensordict or None)`` ``repeat`` times (rank 1 reports the best of each)."""
     caller = CreatorWatch()  # (not os.getppid() now: the caller may be gone already)
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     tensordict = tensordict_module() if with_tensordict else None
@@ -81,12 +82,7 @@ def _peer_main(rank: int, ports, nbytes: int, repeat: int, with_tensordict: bool
                 # orphaned: the caller went away (its sentinel pipe may live on in
                 # processes it forked later, so parent_process().is_alive() need not see it)
                 return
-        columns = {"raw gloo send/recv": _raw(rank, nbytes), **_raw_striped(rank, nbytes)}
-        import shared_td
-
-        for library in (shared_td, tensordict):
-            if library is not None:
-                columns.update(_library_columns(rank, library, nbytes))
+        columns = columns_of(rank, nbytes, tensordict)
         best = {}
         for name, step in columns.items():
             _timed(rank, step)  # once untimed: buffers touched, connections warm
@@ -95,6 +91,17 @@ def _peer_main(rank: int, ports, nbytes: int, repeat: int, with_tensordict: bool
             results.put(("times", best))
     finally:
         dist.destroy_process_group()
+
+
+def sync_columns(rank: int, nbytes: int, tensordict) -> dict:
+    """``cluster_sync``'s reference columns (see the module's opening)."""
+    import shared_td
+
+    columns = {"raw gloo send/recv": _raw(rank, nbytes), **_raw_striped(rank, nbytes)}
+    for library in (shared_td, tensordict):
+        if library is not None:
+            columns.update(_library_columns(rank, library, nbytes))
+    return columns
 
 
 def _timed(rank: int, step) -> float:
@@ -160,12 +167,12 @@ def _library_columns(rank: int, library, nbytes: int) -> dict:
 class Peers:
     """The two rank processes of :func:`start_peers`."""
 
-    def __init__(self, nbytes: int, repeat: int, start_method: str = "spawn"):
+    def __init__(self, nbytes: int, repeat: int, start_method: str = "spawn", columns_of=sync_columns):
         ctx = multiprocessing.get_context(start_method)
         # kept until close: a spawned rank unpickles the queues after start() returned
         self._go, self._results, self._ports = ctx.Event(), ctx.Queue(), ctx.Queue()
         self._procs = [ctx.Process(target=_peer_main, args=(rank, self._ports, nbytes, repeat, tensordict_module() is not None,
-                                                            self._go, self._results), daemon=True)
+                                                            self._go, self._results, columns_of), daemon=True)
                        for rank in (0, 1)]
         self._limit = START_S + repeat * 6 * (1 + nbytes / 20e6)  # the columns, at 20 MB/s at worst
         self._started, self._waiting = time.monotonic(), len(self._procs)
@@ -222,7 +229,7 @@ class Peers:
             queue.join_thread()
 
 
-def start_peers(nbytes: int, repeat: int, start_method: str = "spawn") -> Peers:
+def start_peers(nbytes: int, repeat: int, start_method: str = "spawn", columns_of=sync_columns) -> Peers:
     """Start the two ranks (they get ready while the caller works). Once ready they wait,
     idle, for :meth:`Peers.measure` as long as the caller lives, so that a caller may
     start them before other work (the runner of a quick run: before the first case); the
@@ -231,5 +238,6 @@ def start_peers(nbytes: int, repeat: int, start_method: str = "spawn") -> Peers:
     ``start_method``: "spawn" (fresh interpreters, as a user's ranks) or "fork" (copies of
     the caller, which must have started no thread, store or coordinator yet: the quick
     run's start); either way each rank makes its own group, buffers and connections
-    after it started, so the columns time the same work."""
-    return Peers(nbytes, repeat, start_method)
+    after it started, so the columns time the same work. ``columns_of``: a function of
+    a module (the ranks import it by name) that makes the timed steps of a rank."""
+    return Peers(nbytes, repeat, start_method, columns_of)

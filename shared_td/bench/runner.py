@@ -22,6 +22,7 @@ from shared_td.bench.cases_cluster import SharedLoopback, case_cluster_counter, 
 from shared_td.bench.cases_cluster_push import case_cluster_push
 from shared_td.bench.cases_cluster_values import case_cluster_value
 from shared_td.bench.cases_consolidate import case_consolidate, case_consolidated_pickle
+from shared_td.bench.cases_dist_batch import case_dist_batch
 from shared_td.bench.cases_map import case_map
 from shared_td.bench.cases_tree_walk import case_tree_walk
 from shared_td.bench.cases_files import (
@@ -65,6 +66,7 @@ CASES: dict[str, Callable[..., dict]] = {
     "cluster_push": case_cluster_push,
     "cluster_counter": case_cluster_counter,
     "cluster_value": case_cluster_value,
+    "dist_batch": case_dist_batch,
 }
 
 #: The cases that run jobs in the run's worker process (shared_td/bench/worker.py).

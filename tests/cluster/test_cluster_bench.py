@@ -37,3 +37,14 @@ def test_push_and_counter_cases_run(tmp_path):
     finally:
         close_shared_worker()
     assert list(case_cluster_counter(options, str(tmp_path))) == ["raw TCPStore.add", "shared_td fetch_add"]
+
+
+@needs_tensordict
+@pytest.mark.timeout(120)
+def test_dist_batch_case_runs_both_packages_beside_the_raw_per_leaf_floor(tmp_path):
+    from shared_td.bench.cases_dist_batch import case_dist_batch
+
+    results = case_dist_batch(BenchOptions.quick(repeat=1), str(tmp_path))
+    assert list(results) == ["raw isend/irecv per leaf", "shared_td isend/irecv", "tensordict isend/irecv",
+                             "raw all_reduce per leaf", "shared_td all_reduce", "tensordict all_reduce"]
+    assert all(0 < seconds < 10 for seconds in results.values()), results
