@@ -78,18 +78,23 @@ def rebatch_for_update(dest: Any, source: Any, *, inplace: bool, keys_to_update:
         _check(kind, path, node, part, inplace, keys_to_update)
     undo = _Undo()
     try:  # (a nested lazy stack the checks did not reach may still refuse its source)
-        for kind, path, node, part in jobs:
-            undo.save(node)
-            if kind == _REFILL:
-                _refill(node, part, path, undo)
-            elif kind == _MEMBERS:  # its members were rebatched by their own jobs, before this one
-                node._member_batch = node.tensordicts[0].batch_size
-            else:
-                _rebatch(node, part, path, undo)
+        _make_changes(jobs, undo)
     except BaseException:
         undo()
         raise
     return undo
+
+
+def _make_changes(jobs: list, undo: "_Undo") -> None:
+    """Make the changes ``jobs`` (from :func:`_plan`) list, in their order, saving each node in ``undo`` first."""
+    for kind, path, node, part in jobs:
+        undo.save(node)
+        if kind == _REFILL:
+            _refill(node, part, path, undo)
+        elif kind == _MEMBERS:  # its members were rebatched by their own jobs, before this one
+            node._member_batch = node.tensordicts[0].batch_size
+        else:
+            _rebatch(node, part, path, undo)
 
 
 def _is_node(value: Any) -> bool:
@@ -248,9 +253,11 @@ def _refill(lazy: Any, source: Any, path: tuple, undo: "_Undo") -> None:
         lazy.__dict__.update(kept)
         return
     for member, part in zip(members, parts):
-        part = unwrap_tensorclass(part)
-        if _differ(member.batch_size, part.batch_size):
-            _follow(member, part, path, undo)
+        # (planned as a node of its own: a member of the same batch size may still hold a
+        # nested tensordict of another one, which its update alone could not write)
+        jobs: list = []
+        _plan(member, unwrap_tensorclass(part), path, jobs)
+        _make_changes(jobs, undo)
     if members:
         lazy._member_batch = members[0].batch_size
     elif parts:

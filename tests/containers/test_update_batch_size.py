@@ -267,3 +267,19 @@ def test_a_member_key_its_own_part_lacks_is_refused_even_if_another_part_has_it(
         x.update(src, update_batch_size=True)
     if lib is shared_td:
         assert x.batch_size == torch.Size([1]) and sorted(m0.keys()) == ["a", "extra"]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_a_lazy_stack_refilled_with_more_members_rebatches_their_nested_tensordicts(lib):
+    # (fuzzer run 21: the members keep their batch size [], their nested "next" goes from [1] to [4, 2]:
+    # before, "must start with the batch size [1]" while tensordict 0.15.3 took it)
+    member = lib.TensorDict(next=lib.TensorDict(b=torch.zeros(1), batch_size=[1]))
+    lazy = lib.lazy_stack([member], 0)
+    source = lib.TensorDict(next=lib.TensorDict(b=torch.arange(8.).reshape(4, 2), batch_size=[4, 2]),
+                            batch_size=[4])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        assert lazy.update(source, update_batch_size=True) is lazy
+    assert lazy.batch_size == (4,) and lazy.tensordicts[0] is member
+    assert lazy["next"].batch_size == (4, 2)
+    assert lazy["next", "b"].tolist() == source["next", "b"].tolist()
