@@ -44,7 +44,8 @@ class DistributedOps:
             consolidated: send every leaf as ONE message, the buffer of the consolidated
                 tensordict (this one consolidated first unless it is): the receiver
                 calls ``recv(consolidated=True)`` on a tensordict of the same
-                consolidated layout, such as ``from_remote_init``'s result.
+                consolidated layout, such as ``from_remote_init``'s result. The layout
+                is shared_td's, not tensordict's: between shared_td ranks only.
 
         Raises:
             ValueError: neither or both of ``dst`` and ``group_dst``, or ``group_dst``
@@ -173,12 +174,46 @@ class DistributedOps:
 
     def all_gather(self, *, group: Any = None) -> list:
         """Every rank's tensordict (structures may differ), on every rank, in rank order:
-        new consolidated tensordicts. Each rank calls it. Unpickles what the others
-        sent: trusted ranks only."""
+        new consolidated tensordicts (a tensorclass's fields as a TensorDict, as in
+        tensordict 0.15.3). Each rank calls it. Unpickles what the others sent: trusted
+        ranks only."""
         import torch.distributed as dist
 
         header, flat = wire.flat_message(self)
-        return [wire.tree_of_flat(*message) for message in gathered(header, flat, group, None, dist)]
+        # (a tensorclass's arrive as their tensordicts, as tensordict 0.15.3 gives them)
+        return [unwrap_tensorclass(wire.tree_of_flat(*message)) for message in gathered(header, flat, group, None, dist)]
+
+    def scatter(self, src: int, tensordicts: list | None = None, *, group: Any = None, device: Any = None) -> Any:
+        """Rank ``src``'s ``tensordicts``, one per rank of the group, each to its rank: the
+        tensordict this rank receives (a new consolidated one; a tensorclass's fields as a
+        TensorDict, as in tensordict 0.15.3; moved to ``device`` if given). Every rank
+        calls it; this tensordict is not used. Unpickles what ``src`` sent: trusted ranks
+        only.
+
+        Raises:
+            ValueError: on ``src``, ``tensordicts`` is not one per rank (the other ranks
+                then wait for the group's timeout, as for any collective a rank left).
+
+        Example (each rank of a group)::
+
+            parts = [TensorDict(a=torch.full((3,), float(r))) for r in range(2)] if rank == 0 else None
+            TensorDict().scatter(src=0, tensordicts=parts)  # "a": tensor([r, r, r]) on rank r
+        """
+        import torch.distributed as dist
+
+        world = dist.get_world_size(group)
+        on_src = dist.get_rank() == src
+        if on_src and (tensordicts is None or len(tensordicts) != world):
+            given = "None" if tensordicts is None else f"{len(tensordicts)} tensordicts"
+            raise ValueError(f"scatter(src={src}) needs one tensordict per rank of the group on rank {src}: "
+                             f"{world}, got {given}.")
+        messages = [wire.flat_message(td) for td in tensordicts] if on_src else None
+        sizes = (torch.tensor([max(h.numel() for h, _ in messages), max(f.numel() for _, f in messages)])
+                 if on_src else torch.zeros(2, dtype=torch.int64))
+        dist.broadcast(sizes, src=src, group=group)
+        header = _scattered(messages and [h for h, _ in messages], int(sizes[0]), torch.int64, src, group, dist)
+        flat = _scattered(messages and [f for _, f in messages], int(sizes[1]), torch.uint8, src, group, dist)
+        return _arrived(unwrap_tensorclass(wire.tree_of_flat(header, flat)), device)
 
     def gather_and_stack(self, dst: int, group: Any = None) -> Any:
         """Stack the tensordicts of the other ranks into this one on rank ``dst``, in
@@ -360,9 +395,21 @@ def _all_gathered(tensor: torch.Tensor, group: Any, dist: Any) -> list[torch.Ten
     return out
 
 
-def _padded_gather(tensor: torch.Tensor, size: int, group: Any, dst: int | None, dist: Any) -> list | None:
+def _padded(tensor: torch.Tensor, size: int) -> torch.Tensor:
     padded = torch.zeros(size, dtype=tensor.dtype)  # zeros: no stale memory goes out as padding
     padded[:tensor.numel()] = tensor
+    return padded
+
+
+def _scattered(parts: list | None, size: int, dtype: torch.dtype, src: int, group: Any, dist: Any) -> torch.Tensor:
+    """This rank's part of ``parts`` (given on rank ``src``), each padded to ``size``."""
+    out = torch.empty(size, dtype=dtype)
+    dist.scatter(out, None if parts is None else [_padded(part, size) for part in parts], src=src, group=group)
+    return out
+
+
+def _padded_gather(tensor: torch.Tensor, size: int, group: Any, dst: int | None, dist: Any) -> list | None:
+    padded = _padded(tensor, size)
     if dst is None:
         return _all_gathered(padded, group, dist)
     out = [torch.empty_like(padded) for _ in range(dist.get_world_size(group))] if dist.get_rank() == dst else None

@@ -257,3 +257,18 @@ def sender_dies(rank: int, _) -> dict:
     except RuntimeError as error:
         return {"raised": str(error)[:200], "seconds": time.monotonic() - began, "a": td["a"].tolist()}
     return {"raised": None}
+
+
+def scatter(rank: int, world: int) -> dict:
+    """Rank 0 scatters one tensordict per rank (of different structures, a tensorclass
+    among them); a tensorclass's all_gather gives TensorDicts, as tensordict's."""
+    from shared_td import TensorDict
+
+    parts = None
+    if rank == 0:
+        parts = [TensorDict(a=torch.full((3,), float(r)), s=f"to {r}", batch_size=[3]) for r in range(world - 1)]
+        parts.append(Step(obs=torch.full((2, 3), float(world - 1)), label="last", batch_size=[2]))
+    got = TensorDict().scatter(src=0, tensordicts=parts)
+    gathered = Step(obs=torch.full((1, 3), float(rank)), label=str(rank), batch_size=[1]).all_gather()
+    return {"type": type(got).__name__, "values": _plain(got), "s": got["s" if "s" in got.keys() else "label"],
+            "gathered": [[type(item).__name__, item["obs"].tolist(), item["label"]] for item in gathered]}

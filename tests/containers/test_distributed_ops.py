@@ -232,3 +232,22 @@ def test_a_whole_tree_arrives_over_its_received_buffer_without_a_copy():
     assert tree["a"].tolist() == [0.0, 1.0, 2.0, 3.0] and tree["s"] == "x" and tree.is_consolidated()
     start = received[0].data_ptr()
     assert start <= tree["a"].data_ptr() < start + received[0].numel()
+
+
+def test_scatter_gives_each_rank_its_tensordict_and_a_tensorclass_arrives_as_its_fields():
+    results = run_ranks("scatter", world=3, argument=3)
+    assert results[0] == {**results[0], "type": "TensorDict", "values": {"a": [0.0] * 3}, "s": "to 0"}
+    assert results[1]["values"] == {"a": [1.0] * 3} and results[1]["s"] == "to 1"
+    assert results[2] == {**results[2], "type": "TensorDict", "values": {"obs": [[2.0] * 3] * 2}, "s": "last"}
+    for result in results:  # all_gather of a tensorclass: TensorDicts, as tensordict 0.15.3 gives them
+        assert result["gathered"] == [["TensorDict", [[float(r)] * 3], str(r)] for r in range(3)]
+
+
+def test_scatter_refuses_a_list_that_is_not_one_per_rank(monkeypatch):
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # (this process alone)
+    try:
+        with pytest.raises(ValueError, match=r"one tensordict per rank of the group on rank 0: 1, got 2 tensordicts"):
+            TensorDict().scatter(src=0, tensordicts=[TensorDict(), TensorDict()])
+    finally:
+        dist.destroy_process_group()
