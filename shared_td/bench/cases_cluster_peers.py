@@ -68,7 +68,8 @@ def _peer_main(rank: int, ports, nbytes: int, repeat: int, with_tensordict: bool
                columns_of) -> None:
     """One rank: get the store's port from ``ports``, join the group, tell ``results`` it
     is ready, wait for ``go``, then time each column of ``columns_of(rank, nbytes,
-    tensordict or None)`` ``repeat`` times (rank 1 reports the best of each)."""
+    tensordict or None)`` ``repeat`` times, the columns taking turns (rank 1 reports the
+    best of each)."""
     caller = CreatorWatch()  # (not os.getppid() now: the caller may be gone already)
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     tensordict = tensordict_module() if with_tensordict else None
@@ -82,11 +83,14 @@ def _peer_main(rank: int, ports, nbytes: int, repeat: int, with_tensordict: bool
                 # orphaned: the caller went away (its sentinel pipe may live on in
                 # processes it forked later, so parent_process().is_alive() need not see it)
                 return
-        columns = columns_of(rank, nbytes, tensordict)
-        best = {}
-        for name, step in columns.items():
+        columns = list(columns_of(rank, nbytes, tensordict).items())
+        for _, step in columns:
             _timed(rank, step)  # once untimed: buffers touched, connections warm
-            best[name] = min(_timed(rank, step) for _ in range(repeat))
+        best = dict.fromkeys((name for name, _ in columns), float("inf"))
+        for round_ in range(repeat):  # the columns take turns, in a rotating order: a slow phase hits them all
+            start = round_ % len(columns)
+            for name, step in columns[start:] + columns[:start]:
+                best[name] = min(best[name], _timed(rank, step))
         if rank == 1:
             results.put(("times", best))
     finally:
