@@ -8,8 +8,8 @@ exchange the leaves of the same structure. Non-tensor values have no leaf: they 
 sent, as in tensordict. A leaf that cannot go in place (not contiguous) goes through a
 contiguous copy, written back into the leaf once its transfer is done.
 
-Whole trees (``init_remote``/``from_remote_init``, ``broadcast``, ``all_gather``,
-``gather_and_stack``), for a receiver that does not know the structure: the consolidated
+Whole trees (``init_remote``/``from_remote_init``, ``broadcast``, ``scatter``,
+``all_gather``, ``gather_and_stack``), for a receiver that does not know the structure: the consolidated
 tree pickled with protocol 5, its buffer out of band. A message is a header (the pickle's
 length and the buffers' lengths, int64), the pickle, then each buffer as it is (the
 consolidated buffer is sent without a copy, and received into the storage the result's
@@ -148,9 +148,12 @@ def tree_message(obj: Any) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tenso
 
 
 def _bytes_tensor(data: Any) -> torch.Tensor:
-    if not len(data):
+    view = memoryview(data)
+    if not view.nbytes:
         return torch.empty(0, dtype=_BYTE)
-    return torch.from_numpy(np.frombuffer(data, dtype=np.uint8))
+    if view.readonly:  # (a read-only array's buffer: torch takes writable memory only)
+        view = memoryview(bytearray(view))
+    return torch.from_numpy(np.frombuffer(view, dtype=np.uint8))
 
 
 def tree_of(data: torch.Tensor, buffers: list[torch.Tensor]) -> Any:

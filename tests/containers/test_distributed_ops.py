@@ -251,3 +251,20 @@ def test_scatter_refuses_a_list_that_is_not_one_per_rank(monkeypatch):
             TensorDict().scatter(src=0, tensordicts=[TensorDict(), TensorDict()])
     finally:
         dist.destroy_process_group()
+
+
+def test_a_read_only_array_among_the_values_travels_without_torchs_warning():
+    import warnings
+
+    import numpy as np
+
+    from shared_td import NonTensorData
+    from shared_td.containers.distributed_wire import tree_message, tree_of
+
+    array = np.arange(4.0)
+    array.setflags(write=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (torch.from_numpy warns on a read-only array)
+        header, data, buffers = tree_message(TensorDict(x=torch.ones(2), n=NonTensorData(array)))
+        tree = tree_of(data, [buffer.clone() for buffer in buffers])
+    assert tree["n"].tolist() == [0.0, 1.0, 2.0, 3.0] and tree["x"].tolist() == [1.0, 1.0]
