@@ -134,8 +134,7 @@ class DistributedOps:
             raise ValueError("init_remote needs dst, the receiver's rank (or use_broadcast=True to send to "
                              "every rank of the group).")
         wire.check_peer(dst, None, group, "dst", "group_dst")
-        header, data, buffers = wire.tree_message(self)
-        for tensor in (header[:2], header[2:], data, *buffers):
+        for tensor in _message_parts(self):
             if tensor.numel():
                 dist.send(tensor, dst=dst, group=group)
 
@@ -350,6 +349,13 @@ def wait_all(works: list) -> None:
 
 
 # ------------------------------------------------------------------ whole trees
+def _message_parts(obj: Any) -> tuple[torch.Tensor, ...]:
+    """The parts of ``obj``'s message, in the order :func:`_read_message` reads them: the
+    pickle's length and the buffers' count, the buffers' lengths, the pickle, each buffer."""
+    header, data, buffers = wire.tree_message(obj)
+    return header[:2], header[2:], data, *buffers
+
+
 def _read_message(received: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """The tree of a message, each of its parts filled by ``received(empty tensor)``."""
     counts = received(torch.empty(2, dtype=torch.int64)).tolist()
@@ -374,8 +380,7 @@ def broadcast_tree(obj: Any, src: int, group: Any, device: Any) -> Any:
     if dist.get_rank() != src:
         return _arrived(_read_message(broadcast), device)
     consolidated = obj if obj.is_consolidated() else obj.consolidate()
-    header, data, buffers = wire.tree_message(consolidated)
-    for tensor in (header[:2], header[2:], data, *buffers):
+    for tensor in _message_parts(consolidated):
         broadcast(tensor)
     return consolidated
 
