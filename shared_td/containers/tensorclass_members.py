@@ -321,8 +321,8 @@ class _TensorClassMembers:
 
     @classmethod
     def from_remote_init(cls, src: int, group: Any = None, device: Any = None, use_broadcast: bool = False) -> Any:
-        """``TensorDict.from_remote_init`` as an instance of this class (a tensorclass's
-        ``init_remote`` sends its fields' tensordict)."""
+        """``TensorDict.from_remote_init`` as an instance of this class (a tensorclass that
+        arrives is kept as it is; a plain tensordict becomes this class's fields)."""
         arrived = TensorDict.from_remote_init(src, group, device, use_broadcast)
         return arrived if is_tensorclass(arrived) else cls.from_tensordict(arrived)
 
