@@ -26,6 +26,7 @@ from shared_td.containers import batch as batch_ops
 from shared_td.containers.base import NO_DEFAULT, TensorDictBase
 from shared_td.containers.batch_dim_ops import LazyBatchDimOps
 from shared_td.containers.convenience_ops import TensorData
+from shared_td.containers.keysview import peek_path
 from shared_td.containers.lazy_ragged import Ragged, has_ragged_leaf, members_values, stacked
 from shared_td.containers.lazy_apply import LazyApplyOps
 from shared_td.containers.lazy_convert import LazyConversions
@@ -307,10 +308,16 @@ class LazyStackedTensorDict(LazyMembers, LazyConversions, LazyApplyOps, LazyName
                 three options is given (the message names the key and the shapes).
         """
         path = unravel_key(key)
+        as_members = as_list or as_padded_tensor or as_nested_tensor
+        if as_members and len(path) > 1:  # (peeked: a lazy stack in the members may hold it ragged)
+            peeked = [peek_path(m, path) for m in self.tensordicts]
+            if peeked and all(v is not None for v in peeked) and not is_non_tensor(peeked[0]):
+                return members_values(self, path, as_list, as_padded_tensor, as_nested_tensor, padding_side,
+                                      padding_value, layout)
         value = self._get_path(path, NO_DEFAULT)
         if value is NO_DEFAULT:
             return self._default_for_missing(path, default)
-        if not (as_list or as_padded_tensor or as_nested_tensor) or is_non_tensor(value):
+        if not as_members or is_non_tensor(value):
             if isinstance(value, Ragged):
                 raise value.error()
             return self._written_through(path, value)  # (a non-tensor: its writes reach the members)

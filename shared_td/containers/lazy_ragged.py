@@ -72,12 +72,13 @@ def members_values(lazy: "LazyStackedTensorDict", path: tuple, as_list: bool, as
     """``lazy.get(path, ...)`` with ``as_list``, ``as_padded_tensor`` or
     ``as_nested_tensor`` (see ``LazyStackedTensorDict.get``), for an entry that every
     member has."""
-    # a member that is a lazy stack itself gives its values the same way (a nested
-    # list, or its own padded tensor), since they may be ragged too
+    # a member that is a lazy stack itself, or whose path runs through one (a nested
+    # key), gives its values the same way (a nested list, or its own padded tensor),
+    # since they may be ragged too
     inner = {"as_list": as_list} if as_list else (
         {"as_padded_tensor": True, "padding_side": padding_side, "padding_value": padding_value}
         if as_padded_tensor else {})
-    values = [m.get(path, **inner) if _is_lazy(m) else m.get(path, RAISE) for m in lazy.tensordicts]
+    values = [m.get(path, **inner) if _is_lazy(m) else m.get(path, RAISE, **inner) for m in lazy.tensordicts]
     if as_list:
         return values
     if not all(isinstance(v, torch.Tensor) for v in values):
