@@ -1,5 +1,5 @@
 """tensordict 0.15.3's torch.distributed methods (send, recv, isend, irecv, init_remote,
-from_remote_init, broadcast, all_gather, gather_and_stack, reduce, all_reduce) between
+from_remote_init, broadcast, scatter, all_gather, gather_and_stack, reduce, all_reduce) between
 real spawned ranks of a gloo group on 127.0.0.1, and against tensordict's own ranks
 (tests/containers/distributed_children.py runs each rank). Every wait is bounded: the
 group's own timeout, the queue read and the join."""
