@@ -5,8 +5,10 @@ would run them: two processes (spawned; forked in a quick run from the command l
 127.0.0.1, ``GLOO_SOCKET_IFNAME=lo``).
 
 Each column runs once untimed (buffers touched, as in a training loop), then the columns
-take turns, one timing each per round; each timing starts when both ranks leave a barrier and ends when the receiver (rank 1) holds the data, so that the sender's own work (tensordict's ``consolidate()``, the
-pickling of ``init_remote``'s metadata) counts as the receiver waits for it. Columns:
+take turns, one timing each per round; each timing starts when both ranks leave a barrier
+and ends when the receiver (rank 1) holds the data, so that the sender's own work
+(tensordict's ``consolidate()``, the pickling of ``init_remote``'s metadata) counts as the
+receiver waits for it. Columns:
 
 * ``raw gloo send/recv``: ``dist.send``/``dist.recv`` of the same bytes (the floor);
 * ``raw gloo xK groups``: the same bytes in K ranges over K gloo groups at once (what
