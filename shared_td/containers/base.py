@@ -26,6 +26,7 @@ from shared_td.containers.parallel_map import MapOps
 from shared_td.containers.nontensor_ops import NonTensorOps
 from shared_td.containers.pinning import PinningOps
 from shared_td.containers.splitting import BatchSplitOps
+from shared_td.containers.state_dicts import StateDictOps
 from shared_td.containers.tree_resets import TreeResets
 from shared_td.containers.updates import UpdateOps
 # the value kinds live below this module; also importable from here, where code
@@ -50,7 +51,7 @@ _AS_MEMBERS = frozenset({"as_list", "as_padded_tensor", "as_nested_tensor", "pad
 
 class TensorDictBase(TensorDictRoot, LockingOps, BatchSplitOps, NonTensorOps, ConvenienceOps, MemmapMethods,
                      ConsolidateMethods, ComparisonOps, UpdateOps, PinningOps, ExtraNameOps, TreeResets, MapOps,
-                     DistributedOps):
+                     DistributedOps, StateDictOps):
     """Common API of TensorDict, LazyStackedTensorDict and the non-tensor containers."""
 
     _is_non_tensor = False

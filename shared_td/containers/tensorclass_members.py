@@ -319,6 +319,21 @@ class _TensorClassMembers:
         """Same as ``load_memmap_``."""
         return self.load_memmap_(prefix, *args, **kwargs)
 
+    def state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False,
+                   flatten: bool = True) -> Any:
+        """``TensorDict.state_dict``, this level marked with the class's name and its
+        non-tensor fields (None ones included) in ``_metadata``, as tensordict 0.15.3."""
+        from shared_td.containers.state_dicts import state_dict_of
+
+        return state_dict_of(self, destination, prefix, keep_vars, flatten)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False,
+                        from_flatten: bool | None = None) -> Any:
+        """``TensorDict.load_state_dict`` into this instance, its non-tensor fields too."""
+        from shared_td.containers.state_dicts import load_state_dict
+
+        return load_state_dict(self, state_dict, strict, assign, from_flatten)
+
     @classmethod
     def from_remote_init(cls, src: int, group: Any = None, device: Any = None, use_broadcast: bool = False) -> Any:
         """``TensorDict.from_remote_init`` as an instance of this class (a tensorclass that

@@ -1,0 +1,118 @@
+"""``state_dict``/``load_state_dict`` in tensordict 0.15.3's format: a state dict of either
+package loads into the other (flat and nested, non-tensor values, tensorclasses), a load
+writes in place into shared and memory-mapped leaves, and what is refused writes
+nothing."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shared_td
+td_module = pytest.importorskip("tensordict")
+
+
+@shared_td.tensorclass
+class StdStep:
+    obs: torch.Tensor
+    label: str
+    extra: torch.Tensor = None
+
+
+@td_module.tensorclass
+class TdStep:
+    obs: torch.Tensor
+    label: str
+    extra: torch.Tensor = None
+
+
+STEPS = {shared_td: StdStep, td_module: TdStep}
+
+
+def tree(lib, fill: float):
+    return lib.TensorDict(a=torch.full((2,), fill), text=f"v{fill}", batch_size=[2],
+                          n=lib.TensorDict(b=torch.full((2, 3), fill), batch_size=[2]),
+                          step=STEPS[lib](obs=torch.full((2, 4), fill), label=f"l{fill}", batch_size=[2]))
+
+
+def plain(td) -> dict:
+    return {"a": td["a"].tolist(), "text": td["text"], "n.b": td["n", "b"].tolist(),
+            "step.obs": td["step"].obs.tolist(), "step.label": td["step"].label, "step.extra": td["step"].extra}
+
+
+@pytest.mark.parametrize("source", [shared_td, td_module], ids=["from_shared_td", "from_tensordict"])
+@pytest.mark.parametrize("target", [shared_td, td_module], ids=["into_shared_td", "into_tensordict"])
+@pytest.mark.parametrize("flatten", [True, False])
+def test_a_state_dict_of_either_package_loads_into_the_other(source, target, flatten):
+    state = tree(source, 1.0).state_dict(flatten=flatten)
+    loaded = tree(target, 0.0)
+    assert loaded.load_state_dict(state) is loaded
+    assert plain(loaded) == plain(tree(target, 1.0))
+
+
+def test_the_format_is_tensordicts():
+    ours, theirs = tree(shared_td, 1.0).state_dict(), tree(td_module, 1.0).state_dict()
+    assert list(ours) == list(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    step = {**theirs._metadata["step"], "_type": "StdStep"}
+    assert dict(ours._metadata) == {**theirs._metadata, "step": step}
+
+
+def test_a_load_writes_into_the_leaves_of_a_shared_and_a_memory_mapped_tensordict(tmp_path):
+    shared = tree(shared_td, 0.0).share_memory_()
+    leaf = shared["n", "b"]
+    shared.load_state_dict(tree(shared_td, 3.0).state_dict())
+    assert leaf.tolist() == [[3.0] * 3] * 2 and shared["n", "b"] is not None and leaf.is_shared()
+    mapped = tree(shared_td, 0.0).memmap_(tmp_path / "saved")
+    mapped.load_state_dict(tree(shared_td, 5.0).state_dict())
+    reloaded = shared_td.TensorDict.load_memmap(tmp_path / "saved")
+    assert reloaded["a"].tolist() == [5.0, 5.0] and reloaded["text"] == "v5.0" and reloaded["step"].label == "l5.0"
+
+
+def test_a_checkpoint_through_torch_save_loads_back(tmp_path):
+    torch.save(tree(shared_td, 2.0).state_dict(), tmp_path / "ckpt.pt")
+    loaded = tree(shared_td, 0.0).load_state_dict(torch.load(tmp_path / "ckpt.pt", weights_only=False))
+    assert plain(loaded) == plain(tree(shared_td, 2.0))
+
+
+def test_a_lazy_stack_gives_its_stacked_leaves_and_loads_them_into_its_members():
+    stack = shared_td.lazy_stack([shared_td.TensorDict(x=torch.ones(2)), shared_td.TensorDict(x=torch.zeros(2))])
+    target = shared_td.lazy_stack([shared_td.TensorDict(x=torch.zeros(2)), shared_td.TensorDict(x=torch.zeros(2))])
+    target.load_state_dict(stack.state_dict())
+    assert [member["x"].tolist() for member in target.tensordicts] == [[1.0, 1.0], [0.0, 0.0]]
+
+
+def test_keep_vars_keeps_the_autograd_tensors():
+    weight = torch.ones(2, requires_grad=True)
+    td = shared_td.TensorDict(w=weight)
+    assert td.state_dict(keep_vars=True)["w"] is weight
+    assert not td.state_dict()["w"].requires_grad
+
+
+def test_keys_that_would_collide_when_flat_are_a_key_error_naming_them():
+    td = shared_td.TensorDict({"a.b": torch.zeros(1), "a": shared_td.TensorDict(b=torch.ones(1))})
+    with pytest.raises(KeyError, match="'a.b'.*state_dict\\(flatten=False\\)"):
+        td.state_dict()
+    assert set(td.state_dict(flatten=False)) == {"a.b", "a"}
+
+
+def test_strict_refuses_other_keys_before_writing_anything():
+    td = shared_td.TensorDict(a=torch.zeros(1), c=torch.zeros(1))
+    with pytest.raises(RuntimeError, match=r"lacks \['c'\] and has \['b'\] more.*Nothing was written"):
+        td.load_state_dict(shared_td.TensorDict(a=torch.ones(1), b=torch.ones(1)).state_dict())
+    assert td["a"].tolist() == [0.0]
+    td.load_state_dict(shared_td.TensorDict(a=torch.ones(1), b=torch.ones(1)).state_dict(), strict=False)
+    assert td["a"].tolist() == [1.0] and td["b"].tolist() == [1.0] and td["c"].tolist() == [0.0]
+
+
+def test_assign_replaces_the_tensors():
+    td = shared_td.TensorDict(a=torch.zeros(2))
+    before = td["a"]
+    new = shared_td.TensorDict(a=torch.ones(2)).state_dict()
+    td.load_state_dict(new, assign=True)
+    assert td["a"] is not before and before.tolist() == [0.0, 0.0] and td["a"].tolist() == [1.0, 1.0]
+
+
+def test_a_non_tensor_stack_keeps_its_values():
+    td = shared_td.TensorDict(s=shared_td.NonTensorStack("x", "y"), batch_size=[2])
+    target = shared_td.TensorDict(s=shared_td.NonTensorStack("p", "q"), batch_size=[2])
+    target.load_state_dict(td.state_dict())
+    assert target["s"].tolist() == ["x", "y"]
