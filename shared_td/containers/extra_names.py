@@ -20,7 +20,7 @@ import torch
 from shared_td.containers import batch as batch_ops
 from shared_td.containers import extra_constructors as build
 from shared_td.containers import extra_split_keys as split_key_parts
-from shared_td.containers.value_kinds import is_leaf_nontensor
+from shared_td.containers.value_kinds import is_lazy_stack, is_leaf_nontensor, is_non_tensor, is_tensor_collection
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 
@@ -97,6 +97,44 @@ class ExtraNameOps:
         """
         keys = self.keys(include_nested=True, leaves_only=True, is_leaf=is_leaf_nontensor)
         return max((len(key) - 1 for key in keys if isinstance(key, tuple)), default=0)
+
+    # ------------------------------------------------------------ memory and device
+    def data_ptr(self, *, storage: bool = False) -> Any:
+        """The data pointer of each tensor leaf (``untyped_storage().data_ptr()`` with
+        ``storage=True``, which a view shares with its base), as a TensorDict of 0-d int64
+        tensors with this one's keys, an empty batch size and the CPU device, as in
+        tensordict 0.15.3: compare two to check that they share memory. A lazy stack
+        gives one entry per member (``"0"``, ``"1"``, ...); non-tensor values have none.
+
+        Example:
+            >>> td = TensorDict(a=torch.zeros(2), batch_size=[2])
+            >>> bool((td[:1].data_ptr() == td.data_ptr()).all()), bool((td[1:].data_ptr() == td.data_ptr()).all())
+            (True, False)
+        """
+        from shared_td.containers.tensordict import TensorDict  # (it imports this module's layer)
+
+        return TensorDict(_pointers(self, storage), device="cpu")
+
+    def is_contiguous(self) -> bool:
+        """Whether every tensor leaf is contiguous; a lazy stack, whose leaves are stacked
+        when read, is not (as in tensordict 0.15.3)."""
+        node = unwrap_tensorclass(self)
+        return not is_lazy_stack(node) and all(leaf.is_contiguous() for leaf in node._leaf_tensors())
+
+    @property
+    def is_cpu(self) -> bool:
+        """Whether the tensordict's device is the CPU (False when it has none)."""
+        return self.device is not None and self.device.type == "cpu"
+
+    @property
+    def is_cuda(self) -> bool:
+        """Whether the tensordict's device is a CUDA one (False when it has none)."""
+        return self.device is not None and self.device.type == "cuda"
+
+    @property
+    def is_meta(self) -> bool:
+        """Whether the tensordict's device is the meta device (False when it has none)."""
+        return self.device is not None and self.device.type == "meta"
 
     # ------------------------------------------------------------ tensor_split
     def tensor_split(self, indices_or_sections: int | Sequence[int] | torch.Tensor, dim: int = 0) -> tuple:
@@ -279,3 +317,17 @@ def _split_spec(indices_or_sections: Any) -> int | list[int]:
             f"0-d or 1-d long tensor, got a {type(indices_or_sections).__name__}."
         )
     return [operator.index(i) for i in spec]
+
+
+def _pointers(obj: Any, storage: bool) -> dict:
+    node = unwrap_tensorclass(obj)
+    if is_lazy_stack(node):
+        return {str(i): _pointers(member, storage) for i, member in enumerate(node.tensordicts)}
+    pointers = {}
+    for key in node.keys():
+        value = node.get(key)
+        if isinstance(value, torch.Tensor):
+            pointers[key] = value.untyped_storage().data_ptr() if storage else value.data_ptr()
+        elif is_tensor_collection(value) and not is_non_tensor(value):
+            pointers[key] = _pointers(value, storage)
+    return pointers
