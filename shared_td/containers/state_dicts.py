@@ -172,8 +172,8 @@ def _check_keys(node: Any, state: Any, strict: bool, path: tuple) -> None:
         theirs |= set(_level(state).get("_non_tensor", {}))
     ours = set(entries.keys()) | (type(node)._tc_field_names if is_tensorclass(node) else set())
     empty = {key for key in ours - theirs if _is_empty_node(entries.get(key))}
-    extra = {key for key in theirs - ours if isinstance(state[key], dict) and not state[key]
-             and not _level(state[key])}
+    extra = {key for key in theirs - ours if isinstance(state.get(key), dict) and not state[key]
+             and not _level(state[key])}  # (an empty level of the state dict's: nothing to load)
     if ours - theirs - empty or theirs - ours - extra:
         where = f" at {path!r}" if path else ""
         raise RuntimeError(f"Cannot load the state dict{where}: its keys are not the tensordict's (the state dict "

@@ -116,3 +116,12 @@ def test_a_non_tensor_stack_keeps_its_values():
     target = shared_td.TensorDict(s=shared_td.NonTensorStack("p", "q"), batch_size=[2])
     target.load_state_dict(td.state_dict())
     assert target["s"].tolist() == ["x", "y"]
+
+
+def test_a_non_tensor_field_the_class_lacks_is_refused_naming_it():
+    state = StdStep(obs=torch.ones(2, 4), label="a", batch_size=[2]).state_dict()
+    state._metadata[""]["_non_tensor"]["unknown"] = 1
+    target = StdStep(obs=torch.zeros(2, 4), label="b", batch_size=[2])
+    with pytest.raises(RuntimeError, match=r"has \['unknown'\] more.*Nothing was written"):
+        target.load_state_dict(state)
+    assert target.obs.sum().item() == 0 and target.label == "b"
