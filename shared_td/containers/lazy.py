@@ -311,7 +311,7 @@ class LazyStackedTensorDict(LazyMembers, LazyConversions, LazyApplyOps, LazyName
         as_members = as_list or as_padded_tensor or as_nested_tensor
         if as_members and len(path) > 1:  # (peeked: a lazy stack in the members may hold it ragged)
             peeked = [peek_path(m, path) for m in self.tensordicts]
-            if peeked and all(v is not None for v in peeked) and not is_non_tensor(peeked[0]):
+            if peeked and all(v is not None and not is_non_tensor(v) for v in peeked):
                 return members_values(self, path, as_list, as_padded_tensor, as_nested_tensor, padding_side,
                                       padding_value, layout)
         value = self._get_path(path, NO_DEFAULT)
