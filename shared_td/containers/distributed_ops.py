@@ -180,7 +180,8 @@ class DistributedOps:
 
         header, flat = wire.flat_message(self)
         # (a tensorclass's arrive as their tensordicts, as tensordict 0.15.3 gives them)
-        return [unwrap_tensorclass(wire.tree_of_flat(*message)) for message in gathered(header, flat, group, None, dist)]
+        messages = gathered(header, flat, group, None, dist)
+        return [unwrap_tensorclass(wire.tree_of_flat(*message)) for message in messages]
 
     def scatter(self, src: int, tensordicts: list | None = None, *, group: Any = None, device: Any = None) -> Any:
         """Rank ``src``'s ``tensordicts``, one per rank of the group, each to its rank: the

@@ -91,12 +91,16 @@ def state_dict_of(node: Any, destination: Any, prefix: str, keep_vars: bool, fla
     if is_tensorclass(node):
         level["_type"] = type(node).__name__
         non_tensor = {name: None for name in type(node)._tc_field_names if name not in entries.keys()}
-    destination._metadata[prefix[:-1] if prefix.endswith(_SEP) else prefix] = level
+    level_key = prefix[:-1] if prefix.endswith(_SEP) else prefix
+    if prefix:
+        _claim(destination, level_key)
+    destination._metadata[level_key] = level
     for key in entries.keys():
         item = entries.get(key)
         if is_non_tensor(item) and is_tensorclass(node):
             non_tensor[key] = _value(item)
         elif is_non_tensor(item):
+            _claim(destination, prefix + key)
             destination._metadata[prefix + key] = _non_tensor_level(item)
             if not flatten:
                 destination[prefix + key] = _nested_level(destination._metadata[prefix + key])
@@ -113,10 +117,17 @@ def state_dict_of(node: Any, destination: Any, prefix: str, keep_vars: bool, fla
 
 
 def _put(destination: Any, key: str, value: Any) -> None:
-    if key in destination:
+    _claim(destination, key)
+    destination[key] = value
+
+
+def _claim(destination: Any, key: str) -> None:
+    """A KeyError when ``key`` names a leaf or a level already: two entries (a key holding
+    the separator and a nested key) would share it, and the state dict would not load
+    back (tensordict 0.15.3 refuses two leaves so, and writes a leaf and a level)."""
+    if key in destination or key in destination._metadata:
         raise KeyError(f"Two entries of the tensordict get the flat state-dict key {key!r} (a key holding "
                        f"{_SEP!r} and a nested key): use state_dict(flatten=False) to keep them apart.")
-    destination[key] = value
 
 
 def _value(item: Any) -> Any:

@@ -47,7 +47,8 @@ def _tree(fill: float):
 
 
 def _plain(td) -> dict:
-    return {key if isinstance(key, str) else ".".join(key): value.tolist() for key, value in td.items(include_nested=True, leaves_only=True)
+    return {key if isinstance(key, str) else ".".join(key): value.tolist()
+            for key, value in td.items(include_nested=True, leaves_only=True)
             if isinstance(value, torch.Tensor)}
 
 

@@ -18,8 +18,10 @@ def _lazy(lib, members):
 
 def _nested(lib, sizes):
     """A lazy stack of 2 members, each holding `rg`: a lazy stack of 0-d tds whose `b` has the given sizes."""
-    return _lazy(lib, [lib.TensorDict(rg=_lazy(lib, [lib.TensorDict(b=torch.full((n,), j)) for j, n in enumerate(sizes)]))
-                       for _ in range(2)])
+    def inner():
+        return _lazy(lib, [lib.TensorDict(b=torch.full((n,), j)) for j, n in enumerate(sizes)])
+
+    return _lazy(lib, [lib.TensorDict(rg=inner()) for _ in range(2)])
 
 
 @pytest.mark.parametrize("lib", LIBS)

@@ -125,3 +125,13 @@ def test_a_non_tensor_field_the_class_lacks_is_refused_naming_it():
     with pytest.raises(RuntimeError, match=r"has \['unknown'\] more.*Nothing was written"):
         target.load_state_dict(state)
     assert target.obs.sum().item() == 0 and target.label == "b"
+
+
+def test_a_leaf_and_a_level_that_would_share_a_flat_key_are_refused():
+    # (tensordict 0.15.3 writes both, and its state dict then fails to load: "invalid data type 'str'")
+    td = shared_td.TensorDict({"a.b": torch.zeros(1), "a": {"b": {"c": torch.ones(1)}}})
+    with pytest.raises(KeyError, match="'a.b'"):
+        td.state_dict()
+    nested = td.state_dict(flatten=False)
+    assert shared_td.TensorDict({"a.b": torch.ones(1), "a": {"b": {"c": torch.zeros(1)}}}).load_state_dict(
+        nested)["a", "b", "c"].tolist() == [1.0]
