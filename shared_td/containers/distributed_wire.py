@@ -117,11 +117,11 @@ class HeldTransfer:
 
     def wait(self, *args: Any) -> bool:
         done = self.work.wait(*args)
-        start = 0
+        start, flat = 0, self.copy.view(-1)  # (contiguous: a copy, or the leaves packed)
         with torch.no_grad():
             for leaf in self.leaves:
                 count = leaf.numel()
-                leaf.copy_(self.copy[start:start + count].view(leaf.shape))
+                leaf.copy_(flat[start:start + count].view(leaf.shape))
                 start += count
         return done
 
