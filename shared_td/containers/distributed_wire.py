@@ -13,14 +13,16 @@ Whole trees (``init_remote``/``from_remote_init``, ``broadcast``, ``scatter``,
 tree pickled with protocol 5, its buffer out of band. A message is a header (the pickle's
 length and the buffers' lengths, int64), the pickle, then each buffer as it is (the
 consolidated buffer is sent without a copy, and received into the storage the result's
-leaves are views of). Unpickling runs what the sender's pickle names, as
+leaves are views of). A sender that cannot build its message (a value pickle refuses) sends a failure notice
+instead (a negative first count, then its error's text), so the receivers raise at once
+rather than wait for the group's timeout. Unpickling runs what the sender's pickle names, as
 ``torch.distributed.recv_object_list`` and tensordict's own: use it only between ranks
 you trust, on a private network.
 """
 from __future__ import annotations
 
 import pickle
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -92,14 +94,14 @@ def check_writable(path: tuple, tensor: torch.Tensor) -> None:
     ``path``: mapped read-only (ReadOnlyError), or expanded (a ValueError: a stride 0
     over several elements holds one value for many of its positions)."""
     if type(tensor) is not torch.Tensor:  # (a plain tensor is never mapped read-only: no message to make)
-        refuse_read_only(tensor, f"a receive into {_shown(path)}")
+        refuse_read_only(tensor, f"a receive into {shown(path)}")
     strides = tensor.stride()
     if 0 in strides and any(stride == 0 and size > 1 for stride, size in zip(strides, tensor.shape)):
-        raise ValueError(f"Cannot receive into {_shown(path)}: it is expanded (several of its "
+        raise ValueError(f"Cannot receive into {shown(path)}: it is expanded (several of its "
                          f"elements are one value in memory); clone it first. Nothing was received.")
 
 
-def _shown(path: tuple) -> str:
+def shown(path: tuple) -> str:
     return repr(path[0] if len(path) == 1 else path)
 
 
@@ -183,3 +185,65 @@ def tree_of_flat(header: torch.Tensor, flat: torch.Tensor) -> Any:
     length, lengths = header_fields(header)
     parts = flat[:length + sum(lengths)].split([length, *lengths])
     return tree_of(parts[0], list(parts[1:]))
+
+
+# ------------------------------------------- a whole tree, part by part, or a failure notice
+def message_parts(obj: Any) -> tuple[torch.Tensor, ...]:
+    """The parts of ``obj``'s message, in the order :func:`read_tree` reads them: the
+    pickle's length and the buffers' count, the buffers' lengths, the pickle, each buffer."""
+    header, data, buffers = tree_message(obj)
+    return header[:2], header[2:], data, *buffers
+
+
+def send_tree(obj: Any, send: Callable[[torch.Tensor], Any]) -> Any:
+    """Send ``obj``'s message, part by part, through ``send``; returns ``obj``
+    consolidated. If it cannot be built (a non-tensor value pickle refuses), a failure
+    notice goes instead, then the error is raised: the receivers raise it too rather
+    than wait for the group's timeout."""
+    try:
+        consolidated = obj if obj.is_consolidated() else obj.consolidate()
+        parts = message_parts(consolidated)
+    except Exception as error:
+        send_notice(error, send)
+        raise
+    for tensor in parts:
+        send(tensor)
+    return consolidated
+
+
+FAILED = -1  # a message's first count when its sender could not build it; the second: its error text's length
+
+
+def failure_text(error: Exception) -> torch.Tensor:
+    text = f"{type(error).__name__}: {error}"
+    return torch.tensor(bytearray(text[:2000].encode(errors="replace")), dtype=_BYTE)
+
+
+def send_notice(error: Exception, send: Callable[[torch.Tensor], Any]) -> None:
+    text = failure_text(error)
+    send(torch.tensor([FAILED, text.numel()]))
+    send(text)
+
+
+def sender_failed(notices: list[tuple[str, torch.Tensor]]) -> RuntimeError:
+    """The error of a receiver given the ``(sender, its error's text)`` of failure notices."""
+    return RuntimeError("; ".join(f"{sender} could not send its tensordict, and raised there: "
+                                  f"{text.numpy().tobytes().decode(errors='replace')}" for sender, text in notices)
+                        + ". Nothing was received.")
+
+
+def first_counts(received: Callable[[torch.Tensor], torch.Tensor], sender: str) -> list[int]:
+    """A message's first two counts; a failure notice raises its sender's error here."""
+    counts = received(torch.empty(2, dtype=_INT)).tolist()
+    if counts[0] == FAILED:
+        raise sender_failed([(sender, received(torch.empty(counts[1], dtype=_BYTE)))])
+    return counts
+
+
+def read_tree(received: Callable[[torch.Tensor], torch.Tensor], sender: str) -> Any:
+    """The tree of a message (see ``send_tree``), each of its parts filled by
+    ``received(empty tensor)``."""
+    counts = first_counts(received, sender)
+    lengths = received(torch.empty(counts[1], dtype=_INT)).tolist()
+    data = received(torch.empty(counts[0], dtype=_BYTE))
+    return tree_of(data, [received(torch.empty(length, dtype=_BYTE)) for length in lengths])

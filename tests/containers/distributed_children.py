@@ -272,3 +272,65 @@ def scatter(rank: int, world: int) -> dict:
     gathered = Step(obs=torch.full((1, 3), float(rank)), label=str(rank), batch_size=[1]).all_gather()
     return {"type": type(got).__name__, "values": _plain(got), "s": got["s" if "s" in got.keys() else "label"],
             "gathered": [[type(item).__name__, item["obs"].tolist(), item["label"]] for item in gathered]}
+
+
+def _outcome(call) -> list:
+    """``[error type, message with its notes, seconds]`` of ``call()`` (None: it returned)."""
+    import time
+
+    began = time.monotonic()
+    try:
+        call()
+    except Exception as error:
+        message = "\n".join([str(error), *getattr(error, "__notes__", [])])
+        return [type(error).__name__, message, time.monotonic() - began]
+    return [None, "", time.monotonic() - began]
+
+
+def senders_fail(rank: int, world: int) -> dict:
+    """A rank that cannot build its message (a non-tensor value pickle refuses, a
+    scatter list that is not one per rank) raises its error; each other rank raises one
+    naming it instead of waiting for the group's timeout (30 s); the group stays usable."""
+    import threading
+
+    import torch.distributed as dist
+
+    from shared_td import TensorDict
+
+    def unpicklable():
+        return TensorDict(a=torch.ones(2), mutex=threading.Lock(), batch_size=[2])
+
+    def remote_init():
+        if rank == 0:
+            unpicklable().init_remote(dst=1)
+        elif rank == 1:
+            TensorDict.from_remote_init(src=0)
+
+    fine = TensorDict(a=torch.full((2,), float(rank)), batch_size=[2])
+    outcomes = {
+        "init_remote": _outcome(remote_init),
+        "broadcast": _outcome(lambda: (unpicklable() if rank == 0 else TensorDict()).broadcast(src=0)),
+        "scatter_list": _outcome(lambda: TensorDict().scatter(src=0, tensordicts=[fine] if rank == 0 else None)),
+        "scatter_pickle": _outcome(lambda: TensorDict().scatter(
+            src=0, tensordicts=[fine] * (world - 1) + [unpicklable()] if rank == 0 else None)),
+        "all_gather": _outcome(lambda: (unpicklable() if rank == 1 else fine).all_gather()),
+        "gather_and_stack": _outcome(lambda: (unpicklable() if rank == 2 else
+                                              TensorDict(a=torch.zeros(world - 1, 2), batch_size=[world - 1]))
+                                     .gather_and_stack(dst=0)),
+    }
+    check = torch.ones(1)
+    dist.all_reduce(check)  # (the group still works)
+    return {"outcomes": outcomes, "usable": check.item()}
+
+
+def posting_fails(rank: int, _) -> dict:
+    """all_reduce(op=MAX) of a tree whose second leaf torch refuses to post (complex):
+    the error names that leaf, raised once the first leaf's reduction is done."""
+    import torch.distributed as dist
+
+    from shared_td import TensorDict
+
+    td = TensorDict(a=torch.full((4_000_000,), float(rank + 1)), b=torch.ones(3, dtype=torch.complex64))
+    outcome = _outcome(lambda: td.all_reduce(op=dist.ReduceOp.MAX))
+    first = td["a"]
+    return {"outcome": outcome[:2], "a_reduced_when_raised": bool((first[:1] == 2).all() and (first[-1:] == 2).all())}

@@ -268,3 +268,43 @@ def test_a_read_only_array_among_the_values_travels_without_torchs_warning():
         header, data, buffers = tree_message(TensorDict(x=torch.ones(2), n=NonTensorData(array)))
         tree = tree_of(data, [buffer.clone() for buffer in buffers])
     assert tree["n"].tolist() == [0.0, 1.0, 2.0, 3.0] and tree["x"].tolist() == [1.0, 1.0]
+
+
+def test_a_rank_that_cannot_send_its_tensordict_makes_the_others_raise_at_once_naming_it():
+    results = run_ranks("senders_fail", world=3, argument=3)
+    for rank, result in enumerate(results):
+        outcomes = result["outcomes"]
+        assert result["usable"] == 3.0, rank
+        for operation, (kind, message, seconds) in outcomes.items():
+            assert seconds < 10, (rank, operation, seconds)  # (not the group's timeout, 30 s)
+            if operation == "init_remote" and rank == 2:
+                assert kind is None  # (not a party to it)
+        assert outcomes["init_remote"][:2] == (["TypeError", "cannot pickle '_thread.lock' object"] if rank == 0 else
+                                               outcomes["init_remote"][:2])
+        failing = {"init_remote": 0, "broadcast": 0, "scatter_list": 0, "scatter_pickle": 0, "all_gather": 1,
+                   "gather_and_stack": 2}
+        for operation, sender in failing.items():
+            kind, message, _ = outcomes[operation]
+            if operation == "init_remote" and rank == 2:
+                continue
+            if rank == sender:  # its own error, as it was
+                expected = "ValueError" if operation == "scatter_list" else "TypeError"
+                assert kind == expected, (rank, operation, kind, message)
+            else:
+                assert kind == "RuntimeError", (rank, operation, kind, message)
+                named = f"rank {sender} of the group" if operation in ("all_gather", "gather_and_stack") \
+                    else f"rank {sender}"
+                assert message.startswith(f"{named} could not send its tensordict, and raised there: "), message
+                reason = ("ValueError: scatter(src=0) needs one tensordict per rank" if operation == "scatter_list"
+                          else "TypeError: cannot pickle '_thread.lock' object")
+                assert reason in message, (operation, message)
+
+
+def test_a_leaf_gloo_cannot_reduce_is_named_after_the_posted_ones_are_waited_for():
+    results = run_ranks("posting_fails")
+    for result in results:
+        kind, message = result["outcome"]
+        assert kind == "ValueError" and "does not support RedOpType.MAX on complex tensors" in message
+        assert "all_reduce of the leaf 'b' (torch.complex64, shape (3,)) could not be posted; " \
+               "the 1 posted before it were waited for." in message
+        assert result["a_reduced_when_raised"]
