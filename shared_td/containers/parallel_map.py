@@ -11,6 +11,7 @@ error that names its chunk, where tensordict's ``multiprocessing.Pool`` waits fo
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -20,6 +21,7 @@ import torch
 
 from shared_td.containers import batch as batch_ops
 from shared_td.containers.map_pool import run_chunks
+from shared_td.containers.pool_watch import pool_results
 
 __all__ = ["MapOps"]
 
@@ -49,10 +51,12 @@ class MapOps:
                 by one (the results are stacked). Not with ``num_chunks``.
             num_chunks: the number of chunks (at most the size of ``dim``); default: one
                 per worker.
-            pool: a ``multiprocessing`` pool to run the chunks (``imap``): then
-                ``num_workers``, ``generator``, ``max_tasks_per_child``,
-                ``worker_threads`` and ``mp_start_method`` are not used, and a worker of
-                that pool that dies is not noticed (its ``imap`` waits for ever).
+            pool: a ``multiprocessing`` (or ``multiprocess``) pool to run the chunks
+                (its ``imap_unordered``): then ``num_workers``, ``generator``,
+                ``max_tasks_per_child``, ``worker_threads`` and ``mp_start_method`` are
+                not used. A worker of that pool that dies while it computes a chunk is a
+                WorkerDiedError naming the chunk (the pool's own ``imap`` would wait for
+                ever); the pool goes on running, yours to terminate.
             generator: draws the workers' base seed (worker ``i`` seeds torch and numpy
                 with base + i); default: a new ``torch.Generator()``, so the same seed at
                 every call, as tensordict 0.15.3 (without its FutureWarning).
@@ -148,6 +152,7 @@ def _results(td: Any, fn: Callable, dim: int, num_workers: int | None, out: Any,
     workers = pool._processes if pool is not None else (num_workers or os.cpu_count() or 1)
     rows = _chunk_rows(td.batch_size[dim], chunksize, num_chunks, workers, shuffle)
     before = (slice(None),) * dim
+    describe = functools.partial(_described, rows, dim=dim)
     direct = out is not None and (out.is_shared() or out.is_memmap())  # (the workers write into it)
 
     def tasks() -> Iterator[tuple]:
@@ -156,15 +161,14 @@ def _results(td: Any, fn: Callable, dim: int, num_workers: int | None, out: Any,
 
     chunks = tasks() if index_with_generator else iter(list(tasks()))
     if pool is not None:
-        call = _WrittenInto(fn)
-        results = (pool.imap_unordered if shuffle else pool.imap)(call, ((c, o) for _, c, o in chunks), 1)
+        results = pool_results(pool, fn, chunks, len(rows), ordered=not shuffle, describe=describe)
     else:
         if generator is None:
             generator = torch.Generator()  # (tensordict 0.15.3's default: the same base seed at each call)
         seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator))
         results = run_chunks(fn, chunks, workers=min(workers, len(rows)), start_method=start_method, seed=seed,
                              threads=worker_threads, tasks_per_worker=max_tasks_per_child, ordered=not shuffle,
-                             describe=lambda number: _described(rows, number, dim))
+                             describe=describe)
     return _counted(results, len(rows), method) if pbar else results
 
 
@@ -199,22 +203,6 @@ def _described(rows: list, number: int, dim: int) -> str:
     else:
         where = f"{index.numel()} shuffled rows"
     return f"chunk {number} ({where} along dim {dim})"
-
-
-class _WrittenInto:
-    """``fn`` as a user's pool calls it: on ``(chunk, out)``, writing into ``out`` when given."""
-
-    def __init__(self, fn: Callable):
-        self.fn = fn
-
-    def __call__(self, task: tuple) -> Any:
-        chunk, out = task
-        result = self.fn(chunk)
-        if out is None:
-            return result
-        if result is not None:
-            out.update_(result)
-        return None
 
 
 def _counted(results: Iterator, total: int, method: str) -> Iterator:
