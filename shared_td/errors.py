@@ -68,6 +68,14 @@ class KeyThroughLeafError(KeyError, ValueError):
     __str__ = BaseException.__str__
 
 
+class StateDictKeysError(RuntimeError, KeyError):
+    """``load_state_dict(strict=True)`` of a state dict whose keys are not the tree's.
+    tensordict 0.15.3 raises ``RuntimeError`` for a tensordict and ``KeyError`` for a
+    tensorclass; this is both."""
+
+    __str__ = BaseException.__str__
+
+
 class NotASaveError(NotADirectoryError, ValueError):
     """A path given to load a save names a file that is neither a saved tensordict
     directory nor an archive (or a FIFO, socket or device). tensordict raises

@@ -116,10 +116,13 @@ class ExtraNameOps:
         return TensorDict(_pointers(self, storage), device="cpu")
 
     def is_contiguous(self) -> bool:
-        """Whether every tensor leaf is contiguous; a lazy stack, whose leaves are stacked
-        when read, is not (as in tensordict 0.15.3)."""
+        """Whether every tensor leaf is contiguous; a lazy stack (a NonTensorStack too), whose
+        leaves are stacked when read, is not, also below the root (as in tensordict 0.15.3)."""
         node = unwrap_tensorclass(self)
-        return not is_lazy_stack(node) and all(leaf.is_contiguous() for leaf in node._leaf_tensors())
+        if is_lazy_stack(node) or (is_non_tensor(node) and not node._one_value):
+            return False
+        return all(value.is_contiguous() for _, value in node._items_str()
+                   if isinstance(value, torch.Tensor) or is_tensor_collection(value))
 
     @property
     def is_cpu(self) -> bool:

@@ -22,7 +22,7 @@ from shared_td.containers.value_kinds import is_lazy_stack
 from shared_td.errors import BatchSizeMismatchError
 from shared_td.tensorclass_protocol import is_tensorclass, unwrap_tensorclass
 
-__all__ = ["check_entries_fit", "load_into"]
+__all__ = ["check_entries_fit", "give_device", "load_into"]
 
 
 def check_entries_fit(target: Any, source: Any, prefix: Any) -> None:
@@ -81,3 +81,19 @@ def _kept(old: Any, new: Any) -> Any:
     if not is_lazy_stack(inner_old):  # (a stack's device is its members')
         inner_old._device = inner_new._device
     return old
+
+
+def give_device(node: Any, device: Any) -> None:
+    """``device`` for ``node`` and every tensordict in it (a lazy stack: its members'). A load
+    that does not memory-map the tree again keeps the tree's device, and the nodes it loaded
+    (on the CPU, as load_memmap gives them) take it, as in tensordict 0.15.3: before, a tree
+    without a device held nested tensordicts on the CPU."""
+    node = unwrap_tensorclass(node)
+    if is_lazy_stack(node):
+        for member in node.tensordicts:
+            give_device(member, device)
+    elif hasattr(node, "_tensordict") and not getattr(node, "_is_non_tensor", False):
+        node._device = device
+        for value in node._tensordict.values():
+            if not isinstance(value, torch.Tensor):
+                give_device(value, device)

@@ -19,7 +19,7 @@ from shared_td.memmap_tensor import MemoryMappedTensor, checked_shape
 from shared_td.persist import api, writer
 from shared_td.persist import format as fmt
 from shared_td.persist.functions import check_out_type
-from shared_td.containers.load_in_place import check_entries_fit, load_into
+from shared_td.containers.load_in_place import check_entries_fit, give_device, load_into
 from shared_td.containers.locking import lock_until_restored
 from shared_td.containers.value_kinds import is_lazy_stack
 from shared_td.containers.unpicklable import check_picklable, naming_unpicklable
@@ -276,7 +276,7 @@ class MemmapMethods:
                 f"Cannot load a saved {type(loaded).__name__} in place into an instance of "
                 f"{type(self).__name__} ({os.fsdecode(prefix)!r}); nothing changed: load it "
                 f"with {type(loaded).__name__}.load_memmap() instead.")
-        was_memmap, was_locked = self.is_memmap(), self.is_locked
+        was_memmap, was_locked, was_device = self.is_memmap(), self.is_locked, self.device
         target, source = unwrap_tensorclass(self), unwrap_tensorclass(loaded)
         if is_lazy_stack(target) != is_lazy_stack(source):
             kinds = ["a lazy stack" if is_lazy_stack(node) else "a tensordict" for node in (source, target)]
@@ -302,6 +302,8 @@ class MemmapMethods:
         if was_locked:
             target._unlock_tree()  # its old nested tensordicts forget self as a locked parent
         load_into(target, source)  # into self's own nested nodes, where they match
+        if not remap:
+            give_device(target, was_device)  # (loaded on the CPU: self keeps its device, throughout)
         if remap:
             target._is_memmap, target._is_shared = True, False
             if not is_lazy_stack(target):  # a stack's device is its members'

@@ -74,15 +74,17 @@ class TensorDictKind(nodes.NodeKind):
 
     def rebuild(self, meta: NodeMeta, values: dict, *, directory: str, parent_batch, unpickle, read_only=None) -> TensorDict:
         batch_size = torch.Size(meta.batch_size)
+        device = None if meta.device is None else torch.device(meta.device)
         for key, value in values.items():
             if isinstance(value, torch.Tensor):
                 continue  # its shape was checked with meta.json
             if getattr(value, "_is_non_tensor", False):
                 if value.batch_size != batch_size:
-                    values[key] = value._with_batch_size(batch_size, key)
+                    values[key] = value = value._with_batch_size(batch_size, key)
+                if value._device is None:  # (saved without one: the node's, as set() gives it, as tensordict loads it)
+                    value._device = device
             else:
                 fmt.check_batch_fits(meta.path, key, batch_size, value.batch_size)
-        device = None if meta.device is None else torch.device(meta.device)
         saved_type = meta.document.get("_type", fmt.TENSORDICT_TYPE)  # (a subclass's, see NodeMeta.from_json)
         cls = TensorDict if saved_type == fmt.TENSORDICT_TYPE else tensordict_subclass(saved_type) or TensorDict
         td = cls._new_unsafe(values, batch_size, device)

@@ -191,14 +191,18 @@ class NonTensorData(NonTensorDataBase):
         """True if ``self[index] = source`` leaves one value for the whole batch: the one
         held written again, one value written into the only element of a 0-dim entry
         (which tensordict 0.15.3 keeps a NonTensorData), or one value written over every
-        element (``lazy[:] = value`` gives each member its part so: tensordict 0.15.3
-        writes it into a memory-mapped stack's members, where this refused it)."""
+        element of an entry shared or memory-mapped, which cannot become a stack
+        (``lazy[:] = value`` gives each member its part so: tensordict 0.15.3 writes it
+        into a memory-mapped stack's members, where this refused it; an entry in memory
+        becomes a NonTensorStack, as in tensordict)."""
         if self._holds_only(index, source):
             return True
         if isinstance(source, NonTensorStack):
             return False
         if not self._batch_size:
             return True
+        if not (self._is_shared or self._is_memmap):
+            return False
         touched, _ = flat_positions(index, self._batch_size)
         return len(set(touched)) == self._batch_size.numel() and isinstance(as_non_tensor(source), NonTensorData)
 

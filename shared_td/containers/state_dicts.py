@@ -21,6 +21,7 @@ import collections
 from typing import Any
 
 from shared_td.containers.value_kinds import is_lazy_stack, is_non_tensor, is_tensor_collection
+from shared_td.errors import StateDictKeysError
 from shared_td.tensorclass_protocol import is_tensorclass, unwrap_tensorclass
 
 __all__ = ["StateDictOps", "load_state_dict", "state_dict_of"]
@@ -87,6 +88,8 @@ def state_dict_of(node: Any, destination: Any, prefix: str, keep_vars: bool, fla
         destination._metadata = collections.OrderedDict()
     level = {"batch_size": node.batch_size, "device": node.device}
     entries = unwrap_tensorclass(node)
+    if is_lazy_stack(entries):
+        _refuse_exclusive_keys(entries, prefix)
     non_tensor = {}
     if is_tensorclass(node):
         level["_type"] = type(node).__name__
@@ -99,11 +102,11 @@ def state_dict_of(node: Any, destination: Any, prefix: str, keep_vars: bool, fla
         item = entries.get(key)
         if is_non_tensor(item) and is_tensorclass(node):
             non_tensor[key] = _value(item)
-        elif is_non_tensor(item):
+        elif is_non_tensor(item) and flatten:
             _claim(destination, prefix + key)
             destination._metadata[prefix + key] = _non_tensor_level(item)
-            if not flatten:
-                destination[prefix + key] = _nested_level(destination._metadata[prefix + key])
+        elif is_non_tensor(item):  # (its level in its own nested state dict only, as tensordict 0.15.3)
+            _put(destination, prefix + key, _nested_level(_non_tensor_level(item)))
         elif is_tensor_collection(item):
             if flatten:
                 state_dict_of(item, destination, prefix + key + _SEP, keep_vars, True)
@@ -111,9 +114,21 @@ def state_dict_of(node: Any, destination: Any, prefix: str, keep_vars: bool, fla
                 destination[prefix + key] = state_dict_of(item, None, "", keep_vars, False)
         else:
             _put(destination, prefix + key, item if keep_vars else item.detach())
-    if non_tensor:
+    if is_tensorclass(node):  # (empty too, as tensordict 0.15.3 writes it)
         level["_non_tensor"] = non_tensor
     return destination
+
+
+def _refuse_exclusive_keys(stack: Any, prefix: str) -> None:
+    """A RuntimeError for a lazy stack whose members hold different keys, as tensordict 0.15.3:
+    its state dict would leave the keys only some members hold out, in silence."""
+    key_sets = [set(unwrap_tensorclass(member).keys()) for member in stack.tensordicts]
+    only_some = set().union(*key_sets) - set.intersection(*key_sets) if key_sets else set()
+    if only_some:
+        where = f" at {prefix[:-1]!r}" if prefix else ""
+        raise RuntimeError(f"Cannot take the state dict of the lazy stack{where}: the keys {sorted(only_some)} are held "
+                           "by some of its members only, and a state dict holds the stack's leaves (tensordict 0.15.3 "
+                           "refuses it too); take each member's state dict, or densify the stack first.")
 
 
 def _put(destination: Any, key: str, value: Any) -> None:
@@ -174,7 +189,8 @@ def _level(state: Any) -> dict:
 
 
 def _check_keys(node: Any, state: Any, strict: bool, path: tuple) -> None:
-    """With ``strict``, a RuntimeError naming the keys that differ, before any write."""
+    """With ``strict``, a StateDictKeysError (a RuntimeError and a KeyError) naming the
+    keys that differ, before any write."""
     entries = unwrap_tensorclass(node)
     if not strict or is_non_tensor(entries):
         return
@@ -187,7 +203,7 @@ def _check_keys(node: Any, state: Any, strict: bool, path: tuple) -> None:
              and not _level(state[key])}  # (an empty level of the state dict's: nothing to load)
     if ours - theirs - empty or theirs - ours - extra:
         where = f" at {path!r}" if path else ""
-        raise RuntimeError(f"Cannot load the state dict{where}: its keys are not the tensordict's (the state dict "
+        raise StateDictKeysError(f"Cannot load the state dict{where}: its keys are not the tensordict's (the state dict "
                            f"lacks {sorted(ours - theirs - empty)} and has {sorted(theirs - ours - extra)} more). "
                            "Pass strict=False to load the keys it has. Nothing was written.")
     for key in theirs & ours:
@@ -208,7 +224,7 @@ def _load(node: Any, state: Any, assign: bool) -> None:
     for name, value in level.get("_non_tensor", {}).items() if is_tensorclass(node) else ():
         current = entries.get(name, None)
         if value is None:  # (a field that is None holds no entry)
-            if current is not None:
+            if current is not None and getattr(node, name) is not None:  # (a stored None is left: locked trees)
                 setattr(node, name, None)
         else:
             _set_value(entries, name, current, value, assign)
@@ -230,5 +246,7 @@ def _load(node: Any, state: Any, assign: bool) -> None:
 def _set_value(entries: Any, key: str, current: Any, value: Any, assign: bool) -> None:
     if current is not None and not assign:
         entries.set_(key, value)  # (in place, as the leaves: a shared or memory-mapped value's readers see it)
+    elif not isinstance(value, list):  # (a list: a NonTensorStack's values, one per element)
+        entries.set_non_tensor(key, value)  # (set() would read a dict as a nested tensordict, a number as a tensor)
     else:
         entries.set(key, value)

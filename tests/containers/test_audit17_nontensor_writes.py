@@ -160,3 +160,18 @@ def test_a_storable_value_is_written_everywhere(mode, tmp_path):
     if mode == "memmap":
         back = shared_td.TensorDict.load_memmap(tmp_path, allow_pickle=True)
         assert back[1]["s"] == {1, 2} and back["t"] == frozenset({3}) and back["a"].tolist() == [0.0, 1.0, 1.0, 0.0]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("index", [slice(None), Ellipsis, None, (slice(None), slice(None))],
+                         ids=[":", "...", "None", "(:, :)"])
+def test_one_value_written_over_every_element_of_an_entry_in_memory_makes_it_a_stack(lib, index):
+    """As tensordict 0.15.3 (an entry shared or memory-mapped cannot become a stack: the
+    value is written there, README)."""
+    td = lib.TensorDict(a=torch.zeros(4, 3), batch_size=[4, 3])
+    td.set_non_tensor("text", "old")
+    value = td[index].apply(lambda x: torch.full_like(x, -1))
+    value.set_non_tensor("text", "new")
+    td[index] = value
+    assert type(td.get("text")).__name__ == "NonTensorStack"
+    assert td[0, 0]["text"] == "new" and td[3, 2]["text"] == "new"

@@ -47,3 +47,25 @@ def test_is_contiguous_and_the_device_flags(lib):
     assert (td.is_cpu, td.is_cuda, td.is_meta) == (False, False, False)  # no device
     on_cpu = td.to("cpu")
     assert (on_cpu.is_cpu, on_cpu.is_cuda, on_cpu.is_meta) == (True, False, False)
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("where", ["child", "grandchild", "non_tensor_stack", "tensorclass_field"])
+def test_a_stack_below_the_root_is_not_contiguous(lib, where):
+    lazy = lib.lazy_stack([lib.TensorDict(a=torch.zeros(2), batch_size=[2]) for _ in range(3)])
+    if where == "child":
+        td = lib.TensorDict(n=lazy, batch_size=[3])
+    elif where == "grandchild":
+        td = lib.TensorDict(m=lib.TensorDict(n=lazy, batch_size=[3]), batch_size=[3])
+    elif where == "non_tensor_stack":
+        td = lib.TensorDict(a=torch.zeros(3), s=lib.NonTensorStack("a", "b", "c"), batch_size=[3])
+    else:
+        @lib.tensorclass
+        class Holder:
+            n: lib.TensorDict
+
+        td = Holder(n=lazy, batch_size=[3])
+    assert not td.is_contiguous()
+    if where != "non_tensor_stack":  # (contiguous() keeps a NonTensorStack, in both)
+        assert td.contiguous().is_contiguous()  # (the lazy stacks made dense)
+    assert lib.TensorDict(s=lib.NonTensorData("x", batch_size=[3]), batch_size=[3]).is_contiguous()

@@ -135,3 +135,79 @@ def test_a_leaf_and_a_level_that_would_share_a_flat_key_are_refused():
     nested = td.state_dict(flatten=False)
     assert shared_td.TensorDict({"a.b": torch.ones(1), "a": {"b": {"c": torch.zeros(1)}}}).load_state_dict(
         nested)["a", "b", "c"].tolist() == [1.0]
+
+
+LIBS = [shared_td, td_module]
+IDS = ["shared_td", "tensordict"]
+
+
+@pytest.mark.parametrize("lib", LIBS, ids=IDS)
+def test_a_locked_tensorclass_loads_a_state_dict_whose_field_is_none_as_its_own(lib):
+    # NEW-3: the field holds a stored None (update_ of None into a consolidated tensorclass); 39e54a5
+    # deleted the entry, which the locked tensorclass refused
+    step = STEPS[lib](obs=torch.zeros(2), label="a", batch_size=[2]).consolidate()
+    step.update_({"label": None})
+    assert step.is_locked and step.label is None
+    assert step.load_state_dict(step.state_dict()) is step
+    assert step.label is None
+
+
+@pytest.mark.parametrize("lib", LIBS, ids=IDS)
+@pytest.mark.parametrize("batch", [[2, 1], []], ids=["batched", "no_batch"])
+@pytest.mark.parametrize("value", [{"d": 1}, 0], ids=["dict", "number"])
+def test_a_non_tensor_value_loads_as_a_non_tensor_value_with_assign(lib, batch, value):
+    # NEW-4: 39e54a5 wrote it with set(), which reads a dict as a nested tensordict and a number as a tensor
+    source = lib.TensorDict(a=torch.ones(batch), batch_size=batch)
+    source.set_non_tensor("s", value)
+    target = lib.TensorDict(a=torch.zeros(batch), batch_size=batch)
+    target.set_non_tensor("s", "old")
+    target.load_state_dict(source.state_dict(), assign=True)
+    assert lib.is_non_tensor(target.get("s")) and target.get_non_tensor("s") == value
+    assert target["a"].tolist() == torch.ones(batch).tolist()
+
+
+@pytest.mark.parametrize("lib", LIBS, ids=IDS)
+@pytest.mark.parametrize("where", ["root", "node"])
+def test_a_lazy_stack_with_keys_only_some_members_hold_is_refused(lib, where):
+    # NEW-5: 39e54a5 gave the common keys only, leaving 'only0' out of the checkpoint in silence
+    stack = lib.lazy_stack([lib.TensorDict(a=torch.zeros(()), only0=torch.ones(())), lib.TensorDict(a=torch.ones(()))])
+    tree = stack if where == "root" else lib.TensorDict(n=stack, batch_size=[2])
+    with pytest.raises(RuntimeError, match="exclusive keys" if lib is td_module else "only0"):
+        tree.state_dict()
+
+
+def test_the_nested_format_and_an_empty_tensorclass_level_are_tensordicts():
+    # NOTE-1/NOTE-2: flatten=False writes a non-tensor entry's level in its own state dict only, and a
+    # tensorclass level without non-tensor fields has `_non_tensor: {}`, as tensordict 0.15.3
+    @shared_td.tensorclass
+    class StdPair:
+        x: torch.Tensor
+
+    @td_module.tensorclass
+    class TdPair:
+        x: torch.Tensor
+
+    states = []
+    for lib, pair in ((shared_td, StdPair), (td_module, TdPair)):
+        td = lib.TensorDict(a=torch.zeros(2), s="txt", p=pair(x=torch.ones(2), batch_size=[2]), batch_size=[2])
+        states.append((td.state_dict(flatten=False), td.state_dict()))
+    (ours_nested, ours_flat), (theirs_nested, theirs_flat) = states
+    assert list(ours_nested._metadata) == list(theirs_nested._metadata) == [""]
+    assert dict(ours_nested["s"]._metadata) == dict(theirs_nested["s"]._metadata)
+    assert ours_flat._metadata["p"] == {**theirs_flat._metadata["p"], "_type": "StdPair"}
+    loaded = shared_td.TensorDict(a=torch.ones(2), s="old", p=StdPair(x=torch.zeros(2), batch_size=[2]), batch_size=[2])
+    loaded.load_state_dict(theirs_nested)
+    assert loaded["s"] == "txt" and loaded["p"].x.tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("kind", ["tensordict", "tensorclass"])
+def test_a_strict_load_of_other_keys_raises_what_tensordict_raises_for_either_kind(kind):
+    # tensordict 0.15.3: RuntimeError for a tensordict, KeyError for a tensorclass; ours is both
+    tree = StdStep(obs=torch.zeros(2), label="a", batch_size=[2]) if kind == "tensorclass" else \
+        shared_td.TensorDict(obs=torch.zeros(2), batch_size=[2])
+    state = tree.state_dict()
+    state["other"] = torch.ones(2)
+    for expected in (RuntimeError, KeyError):
+        with pytest.raises(expected, match=r"has \['other'\] more\). Pass strict=False"):
+            tree.load_state_dict(state)
+    assert tree.obs.tolist() == [0.0, 0.0] if kind == "tensorclass" else tree["obs"].tolist() == [0.0, 0.0]
