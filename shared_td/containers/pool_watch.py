@@ -99,7 +99,8 @@ class _Watch:
             raise WorkerDiedError(
                 f"The pool given to map() stopped receiving results (its result thread ended: a worker died "
                 f"while a result it sent was being received), so the {len(pending)} chunks still pending "
-                f"({self.describe(pending[0])} first) are lost. The pool is broken: terminate() it, or let shared_td run the workers (no pool=).")
+                f"({self.describe(pending[0])} first) are lost. The pool is broken: terminate() it, or let "
+                f"shared_td run the workers (no pool=).")
         now = time.monotonic()
         for number in pending:
             if not done[number]:

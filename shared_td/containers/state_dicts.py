@@ -126,9 +126,10 @@ def _refuse_exclusive_keys(stack: Any, prefix: str) -> None:
     only_some = set().union(*key_sets) - set.intersection(*key_sets) if key_sets else set()
     if only_some:
         where = f" at {prefix[:-1]!r}" if prefix else ""
-        raise RuntimeError(f"Cannot take the state dict of the lazy stack{where}: the keys {sorted(only_some)} are held "
-                           "by some of its members only, and a state dict holds the stack's leaves (tensordict 0.15.3 "
-                           "refuses it too); take each member's state dict, or densify the stack first.")
+        raise RuntimeError(f"Cannot take the state dict of the lazy stack{where}: the keys {sorted(only_some)} "
+                           "are held by some of its members only, and a state dict holds the stack's leaves "
+                           "(tensordict 0.15.3 refuses it too); take each member's state dict, or densify the stack "
+                           "first.")
 
 
 def _put(destination: Any, key: str, value: Any) -> None:
@@ -203,9 +204,10 @@ def _check_keys(node: Any, state: Any, strict: bool, path: tuple) -> None:
              and not _level(state[key])}  # (an empty level of the state dict's: nothing to load)
     if ours - theirs - empty or theirs - ours - extra:
         where = f" at {path!r}" if path else ""
-        raise StateDictKeysError(f"Cannot load the state dict{where}: its keys are not the tensordict's (the state dict "
-                           f"lacks {sorted(ours - theirs - empty)} and has {sorted(theirs - ours - extra)} more). "
-                           "Pass strict=False to load the keys it has. Nothing was written.")
+        raise StateDictKeysError(f"Cannot load the state dict{where}: its keys are not the tensordict's (the "
+                                 f"state dict lacks {sorted(ours - theirs - empty)} and has "
+                                 f"{sorted(theirs - ours - extra)} more). Pass strict=False to load the keys it has. "
+                                 "Nothing was written.")
     for key in theirs & ours:
         value = state[key] if key in state else None
         if isinstance(value, dict) and is_tensor_collection(entries.get(key)):
