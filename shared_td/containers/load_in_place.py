@@ -14,7 +14,7 @@ not change that tree).
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -22,7 +22,7 @@ from shared_td.containers.value_kinds import is_lazy_stack
 from shared_td.errors import BatchSizeMismatchError
 from shared_td.tensorclass_protocol import is_tensorclass, unwrap_tensorclass
 
-__all__ = ["check_entries_fit", "give_device", "load_into"]
+__all__ = ["check_entries_fit", "give_device", "keep_one_value_devices", "load_into", "one_value_devices"]
 
 
 def check_entries_fit(target: Any, source: Any, prefix: Any) -> None:
@@ -84,16 +84,48 @@ def _kept(old: Any, new: Any) -> Any:
 
 
 def give_device(node: Any, device: Any) -> None:
-    """``device`` for ``node`` and every tensordict in it (a lazy stack: its members'). A load
-    that does not memory-map the tree again keeps the tree's device, and the nodes it loaded
-    (on the CPU, as load_memmap gives them) take it, as in tensordict 0.15.3: before, a tree
-    without a device held nested tensordicts on the CPU."""
+    """``device`` for ``node`` and every tensordict and non-tensor entry in it (a lazy
+    stack: its members'). A load that does not memory-map the tree again keeps the tree's
+    device, and the nodes it loaded (on the CPU, as load_memmap gives them) take it, as in
+    tensordict 0.15.3: before, a tree without a device held nested tensordicts on the CPU."""
     node = unwrap_tensorclass(node)
     if is_lazy_stack(node):
         for member in node.tensordicts:
             give_device(member, device)
-    elif hasattr(node, "_tensordict") and not getattr(node, "_is_non_tensor", False):
+    elif getattr(node, "_is_non_tensor", False):
+        node._device = device
+    elif hasattr(node, "_tensordict"):
         node._device = device
         for value in node._tensordict.values():
             if not isinstance(value, torch.Tensor):
                 give_device(value, device)
+
+
+def one_value_devices(node: Any) -> dict:
+    """``{path: device}`` of every NonTensorData entry of ``node``, for
+    :func:`keep_one_value_devices`."""
+    return {path: entry._device for path, entry in _non_tensor_entries(node) if entry._one_value}
+
+
+def keep_one_value_devices(node: Any, devices: dict) -> None:
+    """Give each NonTensorData entry of ``node`` at a path of ``devices`` the device it
+    had there: a load that maps the tree again keeps such an entry's device, as
+    tensordict 0.15.3, whose load updates the entry (a NonTensorStack is taken as loaded,
+    on the CPU, in both)."""
+    for path, entry in _non_tensor_entries(node):
+        if entry._one_value and path in devices:
+            entry._device = devices[path]
+
+
+def _non_tensor_entries(node: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
+    """``(path, entry)`` of every non-tensor entry of ``node`` (a lazy stack's member by
+    its position)."""
+    node = unwrap_tensorclass(node)
+    if getattr(node, "_is_non_tensor", False):
+        yield path, node
+        return
+    children = (enumerate(node.tensordicts) if is_lazy_stack(node)
+                else node._tensordict.items() if hasattr(node, "_tensordict") else ())
+    for key, value in children:
+        if not isinstance(value, torch.Tensor):
+            yield from _non_tensor_entries(value, path + (key,))

@@ -19,7 +19,8 @@ from shared_td.memmap_tensor import MemoryMappedTensor, checked_shape
 from shared_td.persist import api, writer
 from shared_td.persist import format as fmt
 from shared_td.persist.functions import check_out_type
-from shared_td.containers.load_in_place import check_entries_fit, give_device, load_into
+from shared_td.containers.load_in_place import (check_entries_fit, give_device, keep_one_value_devices, load_into,
+                                                 one_value_devices)
 from shared_td.containers.locking import lock_until_restored
 from shared_td.containers.value_kinds import is_lazy_stack
 from shared_td.containers.unpicklable import check_picklable, naming_unpicklable
@@ -301,7 +302,9 @@ class MemmapMethods:
                 ) from error
         if was_locked:
             target._unlock_tree()  # its old nested tensordicts forget self as a locked parent
+        kept_devices = one_value_devices(target) if remap else {}
         load_into(target, source)  # into self's own nested nodes, where they match
+        keep_one_value_devices(target, kept_devices)
         if not remap:
             give_device(target, was_device)  # (loaded on the CPU: self keeps its device, throughout)
         if remap:

@@ -44,3 +44,39 @@ def test_a_non_tensor_entry_loaded_takes_its_nodes_device(saver, loader, tmp_pat
     devices = [loaded.get(key).device for key in ("s", "stack", "n", ("n", "t"))]
     assert devices == [torch.device("cpu")] * 4
     assert loaded["s"] == "run" and loaded["n", "t"] == "q"
+
+
+def _non_tensor_tree(lib, device):
+    td = lib.TensorDict(a=torch.zeros(2), n=lib.TensorDict(batch_size=[2]), batch_size=[2], device=device)
+    td.set_non_tensor("c", True)
+    td.set_non_tensor(("n", "s"), "x")
+    td["stack"] = lib.NonTensorStack("p", "q")
+    return td
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("device", [None, "cpu"])
+@pytest.mark.parametrize("root", ["tensordict", "lazy_stack"])
+def test_load_memmap_into_a_tree_in_memory_gives_its_non_tensor_entries_the_trees_device(lib, device, root,
+                                                                                         tmp_path):
+    td = _non_tensor_tree(lib, device)
+    if root == "lazy_stack":
+        td = lib.lazy_stack([td[0].clone(), td[1].clone()])
+    td.clone().memmap(tmp_path)
+    td.load_memmap_(tmp_path)
+    expected = None if device is None else torch.device(device)
+    assert [td.get(key).device for key in ("c", ("n", "s"), "stack")] == [expected] * 3
+    assert td.state_dict()._metadata["c"]["device"] == expected
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("device", [None, "cpu"])
+def test_load_memmap_into_a_memory_mapped_tree_keeps_a_non_tensor_datas_device(lib, device, tmp_path):
+    td = _non_tensor_tree(lib, device)
+    td.memmap_(tmp_path / "here")
+    td.clone().memmap(tmp_path / "there")
+    td.load_memmap_(tmp_path / "there")
+    expected = None if device is None else torch.device(device)
+    assert [td.get("c").device, td.get(("n", "s")).device] == [expected] * 2
+    assert td.get("stack").device == torch.device("cpu")  # (a stack is taken as loaded)
+    assert td["c"] is True and td["n", "s"] == "x"
