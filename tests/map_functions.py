@@ -80,3 +80,17 @@ def slower_first(chunk):
     """The first rows take longest: their results arrive after the later ones'."""
     time.sleep(0.3 if (chunk["row"] < 2).any() else 0.0)
     return chunk.clone()
+
+
+class SlowToSend:
+    """A value that takes a while to pickle: a result sent after its chunk was done."""
+
+    def __reduce__(self):
+        time.sleep(1.5)
+        return (SlowToSend, ())
+
+
+def slow_to_send(chunk):
+    result = chunk.clone()
+    result.set_non_tensor("slow", SlowToSend())
+    return result

@@ -416,19 +416,24 @@ def gathered(obj: Any, group: Any, dst: int | None, dist: Any) -> list | None:
         error, text = None, torch.empty(0, dtype=torch.uint8)
     except Exception as failure:
         error, text = failure, wire.failure_text(failure)
-    sizes = _all_gathered(torch.tensor([wire.FAILED, text.numel()] if error else [header.numel(), flat.numel()]),
-                          group, dist)
+    counts = [wire.FAILED, text.numel()] if error is not None else [header.numel(), flat.numel()]
+    sizes = _all_gathered(torch.tensor(counts), group, dist)
     failed = [rank for rank, size in enumerate(sizes) if size[0] == wire.FAILED]
     if failed:  # (every rank knows: they all take part in gathering the errors' texts)
         texts = _padded_gather(text, max(int(sizes[rank][1]) for rank in failed), group, None, dist)
         if error is not None:
             raise error
-        raise wire.sender_failed([(f"rank {rank} of the group", texts[rank][:int(sizes[rank][1])])
+        raise wire.sender_failed([(_rank_named(rank, group, dist), texts[rank][:int(sizes[rank][1])])
                                   for rank in failed])
     width, length = (max(size[i] for size in sizes) for i in (0, 1))
     headers = _padded_gather(header, int(width), group, dst, dist)
     flats = _padded_gather(flat, int(length), group, dst, dist)
     return None if headers is None else list(zip(headers, flats))
+
+
+def _rank_named(rank: int, group: Any, dist: Any) -> str:
+    """A rank of ``group`` by its global rank, as the other calls name their peers."""
+    return f"rank {rank}" if group is None else f"rank {dist.get_global_rank(group, rank)} (rank {rank} of the group)"
 
 
 def _all_gathered(tensor: torch.Tensor, group: Any, dist: Any) -> list[torch.Tensor]:

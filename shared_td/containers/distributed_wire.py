@@ -215,7 +215,10 @@ FAILED = -1  # a message's first count when its sender could not build it; the s
 
 
 def failure_text(error: Exception) -> torch.Tensor:
-    text = f"{type(error).__name__}: {error}"
+    try:
+        text = f"{type(error).__name__}: {error}"
+    except Exception:  # (its __str__ raised: the receivers still get a notice, not the group's timeout)
+        text = f"{type(error).__name__} (its message could not be made)"
     return torch.tensor(bytearray(text[:2000].encode(errors="replace")), dtype=_BYTE)
 
 
@@ -228,8 +231,8 @@ def send_notice(error: Exception, send: Callable[[torch.Tensor], Any]) -> None:
 def sender_failed(notices: list[tuple[str, torch.Tensor]]) -> RuntimeError:
     """The error of a receiver given the ``(sender, its error's text)`` of failure notices."""
     return RuntimeError("; ".join(f"{sender} could not send its tensordict, and raised there: "
-                                  f"{text.numpy().tobytes().decode(errors='replace')}" for sender, text in notices)
-                        + ". Nothing was received.")
+                                  f"{text.numpy().tobytes().decode(errors='replace').rstrip('.')}"
+                                  for sender, text in notices) + ". Nothing was received.")
 
 
 def first_counts(received: Callable[[torch.Tensor], torch.Tensor], sender: str) -> list[int]:

@@ -10,7 +10,9 @@ result can be lost after its chunk is done, too: torch sends the tensors of a re
 through the worker's ``resource_sharer``, and if the worker dies before the pool's
 result thread took them, that thread ends for good (no result of any chunk comes any
 more; the pool is broken). That is raised at once, and a chunk done whose result has
-not come within ``_RESULT_GRACE`` is given up. The pool stays the caller's to terminate.
+not come ``_RESULT_GRACE`` after its worker ended is given up. The pool stays the
+caller's to terminate. Not seen: a pool broken before the call (a worker killed while
+it waited for a task holds the pool's task queue, so no chunk ever starts).
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from shared_td.errors import WorkerDiedError
 from shared_td.platform import pid_alive
 
 _TICK = 0.25  # seconds between two looks at the workers
-_RESULT_GRACE = 10.0  # seconds for the result of a chunk done to arrive
+_RESULT_GRACE = 10.0  # seconds for the result of a chunk done to arrive once its worker ended
 
 
 def pool_results(pool: Any, fn: Callable, tasks: Iterator[tuple], total: int, ordered: bool,
@@ -49,7 +51,11 @@ def pool_results(pool: Any, fn: Callable, tasks: Iterator[tuple], total: int, or
                 number, result = arrivals.next(timeout=_TICK)
                 break
             except timeout_error:
-                watch.check(pool)
+                try:
+                    watch.check(pool)
+                except WorkerDiedError:
+                    _forget_job(pool, arrivals)
+                    raise
         watch.arrived(number)
         if not ordered:
             yield result
@@ -110,11 +116,22 @@ class _Watch:
                         f"{self.describe(number)}: that chunk is lost, and the pool's imap would wait for it for "
                         f"ever. terminate() the pool if it is of no more use, or let shared_td run the workers (no "
                         f"pool=): it stops them all.")
+            elif pid_alive(pids[number]):  # (still sending it: a large result takes its time)
+                self.done_since.pop(number, None)
             elif now - self.done_since.setdefault(number, now) > _RESULT_GRACE:
                 raise WorkerDiedError(
                     f"The result of {self.describe(number)}, computed by the pool given to map() (worker pid "
-                    f"{pids[number]}), has not come {_RESULT_GRACE:.0f} s after it was done: it is lost (its worker "
-                    f"died before the result was received, or the pool stopped receiving). terminate() the pool.")
+                    f"{pids[number]}), has not come {_RESULT_GRACE:.0f} s after its worker ended: it is lost (the "
+                    f"worker died before the result was received). terminate() the pool.")
+
+
+def _forget_job(pool: Any, arrivals: Any) -> None:
+    """Drop this map's job from a pool whose result thread ended: a job left in its
+    cache makes the pool's ``terminate()`` raise CPython's AssertionError ("Cannot have
+    cache with result_handler not alive") before it stops the workers."""
+    results_thread = getattr(pool, "_result_handler", None)
+    if results_thread is not None and not results_thread.is_alive():
+        getattr(pool, "_cache", {}).pop(getattr(arrivals, "_job", None), None)
 
 
 def _state_of(pool: Any) -> str:

@@ -282,9 +282,23 @@ def _outcome(call) -> list:
     try:
         call()
     except Exception as error:
-        message = "\n".join([str(error), *getattr(error, "__notes__", [])])
+        try:
+            said = str(error)
+        except Exception:  # (an error whose message cannot be made: one of the cases)
+            said = "<exception str() failed>"
+        message = "\n".join([said, *getattr(error, "__notes__", [])])
         return [type(error).__name__, message, time.monotonic() - began]
     return [None, "", time.monotonic() - began]
+
+
+class _WordlessError(Exception):
+    def __str__(self):
+        raise ValueError("no words")
+
+
+class _RefusesPickleWordlessly:
+    def __reduce__(self):
+        raise _WordlessError()
 
 
 def senders_fail(rank: int, world: int) -> dict:
@@ -307,6 +321,8 @@ def senders_fail(rank: int, world: int) -> dict:
             TensorDict.from_remote_init(src=0)
 
     fine = TensorDict(a=torch.full((2,), float(rank)), batch_size=[2])
+    wordless = TensorDict(a=torch.ones(2), value=_RefusesPickleWordlessly(), batch_size=[2])
+    pair = dist.new_group([1, 2])  # (every rank makes it; ranks 1 and 2 gather in it)
     outcomes = {
         "init_remote": _outcome(remote_init),
         "broadcast": _outcome(lambda: (unpicklable() if rank == 0 else TensorDict()).broadcast(src=0)),
@@ -317,6 +333,9 @@ def senders_fail(rank: int, world: int) -> dict:
         "gather_and_stack": _outcome(lambda: (unpicklable() if rank == 2 else
                                               TensorDict(a=torch.zeros(world - 1, 2), batch_size=[world - 1]))
                                      .gather_and_stack(dst=0)),
+        "wordless": _outcome(lambda: (wordless if rank == 0 else TensorDict()).broadcast(src=0)),
+        "pair": _outcome(lambda: (unpicklable() if rank == 2 else fine).all_gather(group=pair)) if rank else
+        [None, "", 0.0],
     }
     check = torch.ones(1)
     dist.all_reduce(check)  # (the group still works)

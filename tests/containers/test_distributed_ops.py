@@ -292,12 +292,21 @@ def test_a_rank_that_cannot_send_its_tensordict_makes_the_others_raise_at_once_n
                 assert kind == expected, (rank, operation, kind, message)
             else:
                 assert kind == "RuntimeError", (rank, operation, kind, message)
-                named = f"rank {sender} of the group" if operation in ("all_gather", "gather_and_stack") \
-                    else f"rank {sender}"
-                assert message.startswith(f"{named} could not send its tensordict, and raised there: "), message
+                assert message.startswith(f"rank {sender} could not send its tensordict, and raised there: "), message
+                assert ".." not in message and message.endswith(". Nothing was received."), message
                 reason = ("ValueError: scatter(src=0) needs one tensordict per rank" if operation == "scatter_list"
                           else "TypeError: cannot pickle '_thread.lock' object")
                 assert reason in message, (operation, message)
+        kind, message, _ = outcomes["wordless"]  # (an error whose message cannot be made still goes)
+        assert (kind, message) == (("_WordlessError", "<exception str() failed>") if rank == 0 else (
+            "RuntimeError", "rank 0 could not send its tensordict, and raised there: _WordlessError (its message "
+            "could not be made). Nothing was received.")), (rank, kind, message)
+        kind, message, _ = outcomes["pair"]  # (a rank of a subgroup named by its global rank too)
+        if rank == 1:
+            assert kind == "RuntimeError" and message.startswith(
+                "rank 2 (rank 1 of the group) could not send its tensordict, and raised there: TypeError"), message
+        elif rank == 2:
+            assert kind == "TypeError", message
 
 
 def test_a_leaf_gloo_cannot_reduce_is_named_after_the_posted_ones_are_waited_for():

@@ -148,6 +148,29 @@ def test_a_users_pool_worker_killed_at_a_random_moment_ends_the_map_within_a_bou
         assert time.monotonic() - start < 30
 
 
+def test_a_result_still_being_sent_by_a_live_worker_is_waited_for(monkeypatch):
+    from shared_td.containers import pool_watch
+
+    monkeypatch.setattr(pool_watch, "_RESULT_GRACE", 0.5)  # (shorter than the result takes to pickle)
+    with multiprocessing.get_context("fork").Pool(2) as pool:
+        results = list(_data(shared_td).map_iter(fns.slow_to_send, pool=pool, chunksize=3))
+    assert [result["row"].tolist() for result in results] == [[0, 1, 2], [3, 4, 5]]
+
+
+def test_a_pool_whose_result_thread_ended_is_an_error_and_can_be_terminated():
+    """Each worker exits once its task is done (maxtasksperchild=1), before the caller took
+    the tensors of its result from it: the pool's result thread ends for good."""
+    pool = multiprocessing.get_context("fork").Pool(2, maxtasksperchild=1)
+    try:
+        start = time.monotonic()
+        with pytest.raises(shared_td.WorkerDiedError, match="stopped receiving results"):
+            _data(shared_td, rows=8).map(fns.double, pool=pool, chunksize=1)
+        assert time.monotonic() - start < 30
+    finally:
+        pool.terminate()  # (raised CPython's AssertionError with this map's job left in its cache)
+        pool.join()
+
+
 def test_a_users_pool_gives_the_results_in_order_and_its_replaced_workers_are_no_error():
     data = _data(shared_td, rows=6)
     with multiprocessing.get_context("fork").Pool(2) as pool:
