@@ -374,7 +374,10 @@ def numbers_kept(given: dict, target: Any, prefix: tuple = ()) -> dict:
     for key, value in given.items():
         path = prefix + unravel_key(key)
         if isinstance(value, dict):
-            value = numbers_kept(value, target, path)
+            # a dict for a non-tensor entry is one Python value, as TensorDict.update_ keeps it
+            value = number_kept(value, target._get_path(path, None))
+            if isinstance(value, dict):
+                value = numbers_kept(value, target, path)
         elif isinstance(value, numbers.Number):  # (only then is the entry looked up)
             value = number_kept(value, target._get_path(path, None))
         kept[key] = value
@@ -382,9 +385,10 @@ def numbers_kept(given: dict, target: Any, prefix: tuple = ()) -> dict:
 
 
 def number_kept(value: Any, entry: Any) -> Any:
-    """``value`` written in place into ``entry``: a Python number into non-tensor data
-    as a NonTensorData holding that number (see :func:`numbers_kept`), else as it is."""
-    if isinstance(value, numbers.Number) and is_non_tensor(entry):
+    """``value`` written in place into ``entry``: a Python number or dict into non-tensor
+    data as a NonTensorData holding it (see :func:`numbers_kept`; a dict split as a
+    tensordict was refused for its batch size), else as it is."""
+    if isinstance(value, (numbers.Number, dict)) and is_non_tensor(entry):
         return NonTensorData(value)
     return value
 

@@ -15,7 +15,7 @@ from shared_td.containers.lazy_writes import _is_branch, _is_lazy
 from shared_td.containers.nontensor import stack_non_tensors
 from shared_td.containers.value_kinds import is_leaf_nontensor, is_non_tensor
 from shared_td.keys import RAISE, key_repr, unravel_key
-from shared_td.tensorclass_protocol import is_tensorclass
+from shared_td.tensorclass_protocol import is_tensorclass, unwrap_tensorclass
 
 if TYPE_CHECKING:  # for the annotations only: lazy.py imports this module
     from shared_td.containers.lazy import LazyStackedTensorDict
@@ -62,9 +62,21 @@ def stacked(lazy: "LazyStackedTensorDict", path: tuple, values: list) -> Any:
 
 
 def has_ragged_leaf(lazy: "LazyStackedTensorDict") -> bool:
-    """True when the members' tensors under some key differ in shape."""
+    """True when the members' tensors under some key differ in shape, in this stack or
+    in a lazy stack that a member holds (reading such a key through this stack raises
+    the stacking error, not a Ragged mark)."""
+    if any(_holds_ragged_stack(member) for member in lazy.tensordicts):
+        return True
     return any(isinstance(lazy._get_path(unravel_key(key), None), Ragged)
                for key in lazy.keys(True, True, is_leaf_nontensor))
+
+
+def _holds_ragged_stack(node: Any) -> bool:
+    """True when ``node`` is, or holds at any depth, a lazy stack with a ragged leaf."""
+    if _is_lazy(node):
+        return has_ragged_leaf(node)
+    node = unwrap_tensorclass(node)  # (a tensorclass member: its fields' tensordict)
+    return any(_holds_ragged_stack(value) for _, value in node._items_str() if _is_branch(value))
 
 
 def members_values(lazy: "LazyStackedTensorDict", path: tuple, as_list: bool, as_padded_tensor: bool,

@@ -247,3 +247,20 @@ def test_a_reshape_of_a_lazy_stack_with_no_element_keeps_its_entries(L, reshape)
     out = reshape(lz)
     assert sorted(map(str, out.keys(True))) == ["('n', 'b')", "a", "n", "s"]
     assert out["a"].shape == (*out.batch_size, 2) and out["n", "b"].shape == out.batch_size
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.parametrize("reps", [1, 2])
+def test_repeat_keeps_a_ragged_lazy_stack_that_the_members_of_a_lazy_stack_hold(lib, nested, reps):
+    # shared_td asked the outer stack for the stacked leaf to find ragged ones, which for a
+    # stack held by its members raised "Failed to stack tensors" instead
+    def ragged():
+        return lib.lazy_stack([lib.TensorDict({"a": torch.zeros(n)}, batch_size=[]) for n in (2, 3)], 0)
+
+    outer = lib.lazy_stack([lib.TensorDict({"rg": ragged()}, batch_size=[]) for _ in range(2)], 0)
+    root = lib.TensorDict({"rgn": outer}, batch_size=[2]) if nested else outer
+    out = root.repeat(reps)
+    node = out["rgn"] if nested else out
+    assert tuple(node.batch_size) == (2 * reps,)
+    assert [tuple(m["a"].shape) for m in node[-1]["rg"].tensordicts] == [(2,), (3,)]

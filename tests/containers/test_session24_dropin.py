@@ -409,3 +409,32 @@ def test_a_0d_tensordict_written_into_lazy_rows_beside_a_non_tensor_entry(lib, r
     stack[rows] = stack[0].clone()
     assert [m["next"].tolist() for m in members] == [[4, 0], [4, 0]]
     assert stack.get("a").tolist() == ["", ""]
+
+
+@pytest.mark.parametrize("kind", ["dense", "lazy"])
+@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.parametrize("how", ["update_", "update_inplace", "update_at_"])
+def test_an_in_place_update_writes_a_dict_into_a_non_tensor_entry_as_one_value(kind, nested, how):
+    # a dict given for a NonTensorData entry is its new Python value, as a TensorDict's
+    # update_ keeps it (the README's differences: tensordict 0.15.3 keeps the old value or
+    # raises KeyError); the lazy stack split it as a tensordict and raised a batch-size
+    # error for its key 'd'
+    import shared_td
+
+    if kind == "lazy":
+        node = shared_td.lazy_stack([shared_td.TensorDict(obs=torch.zeros(1), batch_size=[]) for _ in range(2)])
+        for member in node.tensordicts:
+            member.set_non_tensor("done", "walk")
+    else:
+        node = shared_td.TensorDict(obs=torch.zeros(2, 1), batch_size=[2]).set_non_tensor("done", "walk")
+    root = shared_td.TensorDict({"b": node}, [2]) if nested else node
+    source = {"done": {"d": 1}, "obs": torch.ones(2, 1)}
+    source = {"b": source} if nested else source
+    if how == "update_":
+        root.update_(source)
+    elif how == "update_inplace":
+        root.update(source, inplace=True)
+    else:
+        root.update_at_(source, slice(None))
+    assert node.get("done").tolist() == [{"d": 1}, {"d": 1}]
+    assert node.get("obs").flatten().tolist() == [1.0, 1.0]
