@@ -373,13 +373,11 @@ def numbers_kept(given: dict, target: Any, prefix: tuple = ()) -> dict:
     kept = {}
     for key, value in given.items():
         path = prefix + unravel_key(key)
-        if isinstance(value, dict):
-            # a dict for a non-tensor entry is one Python value, as TensorDict.update_ keeps it
+        if isinstance(value, (dict, numbers.Number)):  # (only then is the entry looked up)
+            # (a dict for a non-tensor entry is one Python value, as TensorDict.update_ keeps it)
             value = number_kept(value, target._get_path(path, None))
-            if isinstance(value, dict):
-                value = numbers_kept(value, target, path)
-        elif isinstance(value, numbers.Number):  # (only then is the entry looked up)
-            value = number_kept(value, target._get_path(path, None))
+        if isinstance(value, dict):  # (one for a nested node: its entries in turn)
+            value = numbers_kept(value, target, path)
         kept[key] = value
     return kept
 

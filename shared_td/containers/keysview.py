@@ -4,9 +4,9 @@ from __future__ import annotations
 import functools
 from typing import Any, Iterator
 
-from shared_td.containers.value_kinds import default_is_leaf, is_non_tensor_class
-from shared_td.keys import is_nested_key, unravel_key
-from shared_td.tensorclass_protocol import is_tensorclass
+from shared_td.containers.value_kinds import default_is_leaf, is_lazy_stack, is_non_tensor_class, is_tensor_collection
+from shared_td.keys import RAISE, is_nested_key, unravel_key
+from shared_td.tensorclass_protocol import is_tensorclass, unwrap_tensorclass
 
 
 #: what KeysView.pairs gives for a value that only ``get(key)`` can give
@@ -40,6 +40,22 @@ def peek_path(td: Any, path: tuple) -> Any:
         if node is None:
             return None
     return node
+
+
+def tensors_at(node: Any, path: tuple) -> Iterator[Any]:
+    """The tensors that hold ``node``'s entry at ``path`` (every tensor of a collection
+    there), read node by node: through a lazy stack, in each member (its ``get`` gives a
+    stacked copy). A KeyError when ``path`` is missing or runs through a tensor."""
+    node = unwrap_tensorclass(node)
+    if is_lazy_stack(node):
+        for member in node.tensordicts:
+            yield from tensors_at(member, path)
+    elif not path:
+        yield from node._leaf_tensors() if is_tensor_collection(node) else [node]
+    elif not is_tensor_collection(node):
+        raise KeyError(path)
+    else:
+        yield from tensors_at(node.get(path[:1], RAISE), path[1:])
 
 
 _INNER = object()

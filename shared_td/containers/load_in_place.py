@@ -88,23 +88,14 @@ def give_device(node: Any, device: Any) -> None:
     stack: its members'). A load that does not memory-map the tree again keeps the tree's
     device, and the nodes it loaded (on the CPU, as load_memmap gives them) take it, as in
     tensordict 0.15.3: before, a tree without a device held nested tensordicts on the CPU."""
-    node = unwrap_tensorclass(node)
-    if is_lazy_stack(node):
-        for member in node.tensordicts:
-            give_device(member, device)
-    elif getattr(node, "_is_non_tensor", False):
-        node._device = device
-    elif hasattr(node, "_tensordict"):
-        node._device = device
-        for value in node._tensordict.values():
-            if not isinstance(value, torch.Tensor):
-                give_device(value, device)
+    for _, inner in _nodes(node):
+        inner._device = device
 
 
 def one_value_devices(node: Any) -> dict:
     """``{path: device}`` of every NonTensorData entry of ``node``, for
     :func:`keep_one_value_devices`."""
-    return {path: entry._device for path, entry in _non_tensor_entries(node) if entry._one_value}
+    return {path: inner._device for path, inner in _nodes(node) if _is_one_value(inner)}
 
 
 def keep_one_value_devices(node: Any, devices: dict) -> None:
@@ -112,20 +103,26 @@ def keep_one_value_devices(node: Any, devices: dict) -> None:
     had there: a load that maps the tree again keeps such an entry's device, as
     tensordict 0.15.3, whose load updates the entry (a NonTensorStack is taken as loaded,
     on the CPU, in both)."""
-    for path, entry in _non_tensor_entries(node):
-        if entry._one_value and path in devices:
-            entry._device = devices[path]
+    for path, inner in _nodes(node):
+        if _is_one_value(inner) and path in devices:
+            inner._device = devices[path]
 
 
-def _non_tensor_entries(node: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
-    """``(path, entry)`` of every non-tensor entry of ``node`` (a lazy stack's member by
-    its position)."""
+def _is_one_value(node: Any) -> bool:
+    return getattr(node, "_is_non_tensor", False) and node._one_value
+
+
+def _nodes(node: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
+    """``(path, node)`` of ``node`` and of every tensordict and non-tensor entry in it; a
+    lazy stack by its members (at their positions: a stack's device is its members'), a
+    tensorclass by its tensordict."""
     node = unwrap_tensorclass(node)
-    if getattr(node, "_is_non_tensor", False):
-        yield path, node
+    if is_lazy_stack(node):
+        for index, member in enumerate(node.tensordicts):
+            yield from _nodes(member, path + (index,))
         return
-    children = (enumerate(node.tensordicts) if is_lazy_stack(node)
-                else node._tensordict.items() if hasattr(node, "_tensordict") else ())
-    for key, value in children:
-        if not isinstance(value, torch.Tensor):
-            yield from _non_tensor_entries(value, path + (key,))
+    yield path, node
+    if not getattr(node, "_is_non_tensor", False):
+        for key, value in node._tensordict.items():
+            if not isinstance(value, torch.Tensor):
+                yield from _nodes(value, path + (key,))

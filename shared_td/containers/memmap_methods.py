@@ -302,10 +302,11 @@ class MemmapMethods:
                 ) from error
         if was_locked:
             target._unlock_tree()  # its old nested tensordicts forget self as a locked parent
-        kept_devices = one_value_devices(target) if remap else {}
+        kept_devices = one_value_devices(target) if remap else None
         load_into(target, source)  # into self's own nested nodes, where they match
-        keep_one_value_devices(target, kept_devices)
-        if not remap:
+        if remap:
+            keep_one_value_devices(target, kept_devices)
+        else:
             give_device(target, was_device)  # (loaded on the CPU: self keeps its device, throughout)
         if remap:
             target._is_memmap, target._is_shared = True, False

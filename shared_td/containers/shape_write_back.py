@@ -25,8 +25,9 @@ from typing import Any, Callable
 
 import torch
 
-from shared_td.containers.value_kinds import is_lazy_stack, is_leaf_nontensor, is_tensor_collection
-from shared_td.tensorclass_protocol import unwrap_tensorclass
+from shared_td.containers.keysview import tensors_at
+from shared_td.containers.value_kinds import is_leaf_nontensor
+from shared_td.keys import unravel_key
 
 __all__ = ["back_to_types_of", "inverse_order", "unsqueezed", "with_write_back"]
 
@@ -56,9 +57,9 @@ def with_write_back(source: Any, result: Any, restore: Callable[[Any], Any]) -> 
             # writing those replaced every leaf, and tensors held from before no longer reached
             # target), as tensordict 0.15.3 keeps them
             present = set(target.keys(True))
-            changed = [key for key in back.keys(True, True, is_leaf_nontensor)
-                       if key not in present or not _still_views(back, target, key)]
-            changed += [key for key in back.keys(True) if key not in present and key not in changed]
+            leaves = set(back.keys(True, True, is_leaf_nontensor))
+            changed = [key for key in back.keys(True)
+                       if key not in present or (key in leaves and not _still_views(back, target, key))]
             if changed:
                 target.update(back, inplace=False, keys_to_update=changed)
 
@@ -66,24 +67,14 @@ def with_write_back(source: Any, result: Any, restore: Callable[[Any], Any]) -> 
     return result
 
 
-def _leaf_tensors(node: Any, key: tuple) -> list | None:
-    """The tensors that hold ``node``'s entry at ``key``, read member by member through
-    lazy stacks (no stacked copy); None where one is not a tensor."""
-    node = unwrap_tensorclass(node)
-    if is_lazy_stack(node):
-        found = [_leaf_tensors(member, key) for member in node.tensordicts]
-        return None if any(part is None for part in found) else [t for part in found for t in part]
-    value = node.get(key[0], None)
-    if len(key) > 1:
-        return None if value is None or not is_tensor_collection(value) else _leaf_tensors(value, key[1:])
-    return [value] if isinstance(value, torch.Tensor) else None
-
-
 def _still_views(back: Any, target: Any, key: Any) -> bool:
     """Whether every tensor of ``back``'s entry at ``key`` views a storage of ``target``'s
-    entry there (the block did not replace it)."""
-    key = (key,) if isinstance(key, str) else tuple(key)
-    new, old = _leaf_tensors(back, key), _leaf_tensors(target, key)
+    entry there (the block did not replace it); False for a non-tensor entry."""
+    path = unravel_key(key)
+    try:
+        new, old = list(tensors_at(back, path)), list(tensors_at(target, path))
+    except KeyError:
+        return False
     if not new or not old:
         return False
     storages = {t.untyped_storage().data_ptr() for t in old}

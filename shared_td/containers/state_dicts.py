@@ -56,7 +56,8 @@ class StateDictOps:
         into this tensordict and return it: each leaf written into the tensor it has
         (``assign=True``: the state dict's tensors replace them), the batch sizes and
         non-tensor values set. ``strict``: the keys must be this tensordict's (a missing
-        or extra key is a RuntimeError naming them, before anything is written).
+        or extra key is a StateDictKeysError, both a RuntimeError and a KeyError, naming
+        them, before anything is written).
         ``from_flatten``: None tells a flat state dict by its keys.
 
         Example:
@@ -156,24 +157,24 @@ def _non_tensor_level(item: Any) -> dict:
             "_non_tensor": {"data": _value(item), "_metadata": None, "_is_non_tensor": True}}
 
 
-def _nested_level(level: dict) -> collections.OrderedDict:
+def _nested_level(level: dict | None) -> collections.OrderedDict:
+    """A nested state dict's level: an ``OrderedDict`` whose ``_metadata`` holds ``level``
+    under ``""`` (None: nothing yet)."""
     out = collections.OrderedDict()
-    out._metadata = collections.OrderedDict([("", level)])
+    out._metadata = collections.OrderedDict([] if level is None else [("", level)])
     return out
 
 
 def _unflattened(flat: Any) -> collections.OrderedDict:
     """A flat state dict as nested ``OrderedDict``s, each with its level's ``_metadata``
     (a level with no leaf, a non-tensor entry, from its metadata alone)."""
-    root = _nested_level({})
-    root._metadata.clear()
+    root = _nested_level(None)
 
     def level_at(parts: list) -> Any:
         node = root
         for part in parts:
             if part not in node:
-                node[part] = _nested_level({})
-                node[part]._metadata.clear()
+                node[part] = _nested_level(None)
             node = node[part]
         return node
 

@@ -5,20 +5,19 @@ collections answer the same methods) and the in-place ``zero_``, ``fill_`` and
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from shared_td.containers.base import TensorDictBase, is_non_tensor, is_tensor_collection, on_cuda
 from shared_td.containers.consolidation import moved_consolidated
-from shared_td.containers.lazy_writes import _is_lazy
+from shared_td.containers.keysview import tensors_at
 from shared_td.containers.shape_write_back import back_to_types_of, with_write_back
 from shared_td.containers.to_args import copied_as_root, parse_to
 from shared_td.containers.unpicklable import check_picklable
-from shared_td.keys import NestedKey, RAISE, unravel_key
+from shared_td.keys import NestedKey, unravel_key
 from shared_td.memmap_tensor import ReadOnlyMemoryMappedTensor, refuse_read_only
 from shared_td.storage.slices import in_shared_mapping
-from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 if TYPE_CHECKING:  # for the annotations only: tensordict.py imports this module
     from shared_td.containers.tensordict import TensorDict
@@ -161,29 +160,13 @@ def fill_entry(td: Any, key: NestedKey, value: Any) -> Any:
     every tensor to fill found first, a read-only one refused before any is written."""
     path = unravel_key(key)
     try:
-        targets = list(_tensors_at(td, path))
+        targets = list(tensors_at(td, path))
     except KeyError:
         raise td._missing_key_error(path) from None
     refuse_read_only(targets, "fill_")
     for leaf in targets:
         leaf.fill_(value)
     return td
-
-
-def _tensors_at(node: Any, path: tuple) -> Iterator[torch.Tensor]:
-    """The tensors that ``fill_(path, v)`` writes: the entry at ``path`` of ``node``,
-    or every tensor of the collection there, read node by node: through a lazy stack,
-    in each member (a lazy stack's ``get`` gives a stacked copy, filled for nothing)."""
-    node = unwrap_tensorclass(node)
-    if _is_lazy(node):
-        for member in node.tensordicts:
-            yield from _tensors_at(member, path)
-    elif not path:
-        yield from node._leaf_tensors() if isinstance(node, TensorDictBase) else [node]
-    elif not isinstance(node, TensorDictBase):  # a tensor on the way: fill_ names the key
-        raise KeyError(path)
-    else:
-        yield from _tensors_at(node.get(path[:1], RAISE), path[1:])
 
 
 def _adopt_entries(target: Any, source: Any) -> None:
