@@ -177,13 +177,14 @@ LAZY_BLOCK_OPS = {
 }
 
 
-@pytest.mark.parametrize("L", LIBS)
+# (tensordict 0.15.3's view of a lazy stack is a dense copy, whose block writes copies back:
+# that pair is not compared)
+@pytest.mark.parametrize(("L", "op"), [pytest.param(lib.values[0], op, id=f"{lib.id}-{op}", marks=lib.marks)
+                                       for lib in LIBS for op in LAZY_BLOCK_OPS
+                                       if not (op == "view(-1)" and lib.id == "tensordict")])
 @pytest.mark.parametrize("stack_dim", [0, 1])
-@pytest.mark.parametrize("op", list(LAZY_BLOCK_OPS))
 @pytest.mark.parametrize("act", ["none", "add", "set_"])
-def test_a_block_on_a_lazy_stack_keeps_the_leaves_it_did_not_replace(L, stack_dim, op, act):
-    if op == "view(-1)" and L.__name__ == "tensordict":
-        pytest.skip("tensordict 0.15.3's view of a lazy stack is a dense copy: its block writes copies back")
+def test_a_block_on_a_lazy_stack_keeps_the_leaves_it_did_not_replace(L, op, stack_dim, act):
     members = [L.TensorDict(a=torch.ones(2), n=L.TensorDict(b=torch.ones(2), batch_size=[2]), batch_size=[2])
                for _ in range(2)]
     td = L.lazy_stack(members, stack_dim)  # (2, 2)
