@@ -69,7 +69,7 @@ import stat  # noqa: E402
 import time  # noqa: E402
 
 __all__ = [
-    "ByteLock", "CreatorWatch", "creator_pid", "map_shared_bytes", "new_memfd", "pid_alive", "process_stat",
+    "ByteLock", "CreatorWatch", "creator_pid", "free_bytes", "map_shared_bytes", "new_memfd", "pid_alive", "process_stat",
     "rename_exchange", "reopen_description", "reopen_peer_fd", "try_flock", "unmap_bytes",
 ]
 
@@ -223,6 +223,25 @@ def _map_bytes(fd: int, nbytes: int, flags: int) -> int:
 def unmap_bytes(address: int, nbytes: int) -> None:
     """Undo :func:`map_shared_bytes` or :func:`map_private_bytes`."""
     _LIBC.munmap(address, nbytes)
+
+
+_LIBC.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+
+
+def free_bytes(fd: int, offset: int, nbytes: int) -> bool:
+    """Give the memory of bytes ``offset .. offset + nbytes`` of the memfd ``fd`` back
+    (``fallocate(FALLOC_FL_PUNCH_HOLE)``; the file keeps its size, those bytes then read
+    as zeros); only whole pages are freed. Whether it was done: best effort, a system
+    that cannot punch holes keeps the memory.
+
+    Example:
+        >>> fd = new_memfd("example", 3 * mmap.PAGESIZE)
+        >>> free_bytes(fd, mmap.PAGESIZE, mmap.PAGESIZE), os.fstat(fd).st_size == 3 * mmap.PAGESIZE
+        (True, True)
+        >>> os.close(fd)
+    """
+    return _LIBC.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, nbytes) == 0
 
 
 # --------------------------------------------------------------------- paths

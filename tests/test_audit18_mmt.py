@@ -526,7 +526,7 @@ def test_a_failed_forking_pickle_of_a_shared_value_leaks_no_descriptor():
         raise TimeoutError("hand-over to the coordinator timed out (test)")
 
     before = _open_fds()
-    cell.handing_over(failed)
+    cell.slab.handing_over(failed)
     with pytest.raises(TimeoutError):
         ForkingPickler.dumps(cell)
     assert _open_fds() == before

@@ -179,7 +179,8 @@ def case_share_nontensor(options, root: str) -> dict:
     returns; "+ coordinator ready" waits for it too (until the values are held by it).
     warm: per call, over ``rounds`` calls: the caller's time (shared_td's background
     hand-over is waited for after the clock stops, before the next timing), and with
-    that wait inside the timing (the hand-over's cost counted).
+    that wait inside the timing (the hand-over's cost counted); and one call on a tree
+    of :data:`MANY_VALUES` str values, its hand-over counted.
     """
     from shared_td.bench.libraries import libraries
     from shared_td.bench.worker import JobWorker, shared_worker
@@ -218,8 +219,25 @@ def case_share_nontensor(options, root: str) -> dict:
         # a timing costs a few ms: best of 3 even with --quick
         warm = best_of_each(max(options.repeat, 3), {name: (batch(lib), run) for name, lib in libraries().items()})
         out[row] = {name: warm[name] / calls for name in names}
+    # a tree of many values (per-environment task names, say): one memfd for them all
+    many = best_of_each(max(options.repeat, 3), {
+        name: (_many_values_setup(lib), share_all_handed_over) for name, lib in libraries().items()})
+    out[f"warm: {MANY_VALUES} values + hand-over"] = {name: many[name] for name in names}
     ownership.embedded_coordinator(start=False)
     return out
+
+
+#: the number of str values of share_nontensor's "many values" row
+MANY_VALUES = 200
+
+
+def _many_values_setup(lib):
+    def setup():
+        from shared_td.coordinator import ownership
+
+        ownership.embedded_coordinator(start=False)  # the previous hand-over is done
+        return [lib.TensorDict({f"task{i}": f"walk to door {i}" for i in range(MANY_VALUES)}, batch_size=[])]
+    return setup
 
 
 def _first_share(connection) -> dict:

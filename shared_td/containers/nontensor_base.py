@@ -297,13 +297,13 @@ class NonTensorBase(NonTensorMaps, NonTensorBatchDimOps, TensorDictBase):
     # with share_non_tensor=True: in-place writes in one process are then seen by all.
     _shared_value = None
 
-    def _share(self) -> None:
+    def _share(self, cell=None) -> None:
         """Move the payload into a process-shared cell (share_memory_(),
-        memmap_(share_non_tensor=True))."""
+        memmap_(share_non_tensor=True)): ``cell`` if given (made holding the payload
+        already, with the other values of a tree: one memfd for all), else a new one."""
         from shared_td.storage.shared_value import SharedValue
 
-        payload = self._payload
-        self._shared_value = SharedValue.create(payload)
+        self._shared_value = SharedValue.create(self._payload) if cell is None else cell
         # the cell holds the value now: a stale private copy would be pickled (by value)
         # with every entry sent to another process; a view of a memory-mapped value
         # (_same_value) no longer writes through the entry it was made from (audit 21: a

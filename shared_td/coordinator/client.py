@@ -358,29 +358,29 @@ class Coordinator:
         if self.cluster is not None:
             self.cluster.local_names.forget(name)
 
-    def adopt_cells(self, cells: list) -> None:
-        """Hold the shared non-tensor cells ``cells`` (new
-        :class:`~shared_td.storage.shared_value.SharedValue` objects of this process) in
-        the manager too, so that they stay attachable after this process exits, while the
-        manager lives. One round trip; each cell records the manager as a fallback holder.
-        Cells this process dropped since the last call are released in the same trip.
+    def adopt_slabs(self, slabs: list) -> None:
+        """Hold the memfds of shared non-tensor values ``slabs`` (new
+        :class:`~shared_td.storage.value_slab.ValueSlab` objects of this process) in the
+        manager too, so that their cells stay attachable after this process exits, while
+        the manager lives. One round trip; each slab records the manager as a fallback
+        holder. Slabs this process dropped since the last call are released in the same trip.
         """
         address = self.address
         released = _RELEASED.pop(address, [])
         adopter = os.getpid()
         try:
-            pid, fds = self._call("adopt_cells", adopter, [(c.fd, c.key) for c in cells], released)
+            pid, fds = self._call("adopt_cells", adopter, [(slab.fd, slab.key) for slab in slabs], released)
         except BaseException:
             # not told (or not known to be): told with the next adoption instead (telling
             # twice is harmless), else the manager held them until it stopped
             _RELEASED.setdefault(address, [])[:0] = released
             raise
-        for cell, fd in zip(cells, fds):
-            cell.add_holders([(pid, fd)])
-            # once this process drops the cell, the manager may drop it too (told with
+        for slab, fd in zip(slabs, fds):
+            slab.add_holders([(pid, fd)])
+            # once this process drops the slab, the manager may drop it too (told with
             # the next adoption: a finalizer must not make a round trip); only this
             # process's drop: a fork child's inherited copy is not the adopter's
-            weakref.finalize(cell, _release_later, address, cell.key, adopter)
+            weakref.finalize(slab, _release_later, address, slab.key, adopter)
 
     def _call(self, method: str, *args):
         self._check()
@@ -463,7 +463,7 @@ class _Endpoint:
 # Coordinators of this process's active ``with`` blocks and publish calls, innermost
 # last (process-wide, not per thread: a worker thread's memmap_ uses the same one).
 _IN_USE: list[Coordinator] = []
-# address -> keys of cells this process dropped, released with its next adopt_cells
+# address -> keys of slabs this process dropped, released with its next adopt_slabs
 _RELEASED: dict[str, list] = {}
 
 

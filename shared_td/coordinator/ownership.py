@@ -1,12 +1,13 @@
 """Who owns the values of ``memmap_(share_non_tensor=True)``: a coordinator, if any.
 
-A shared non-tensor value lives in a memfd cell
-(:class:`~shared_td.storage.shared_value.SharedValue`) that other processes reach by
-reopening the descriptor of a process that holds it. When ``memmap_`` makes cells, it
-hands them (one round trip per ``memmap_`` call) to *the process's coordinator*, which
-opens its own descriptor on each: a pickled cell then names that coordinator as a
-fallback holder and stays attachable after its creator exited, while the coordinator
-lives. The process's coordinator is, in order:
+A shared non-tensor value lives in a cell
+(:class:`~shared_td.storage.shared_value.SharedValue`) of a memfd, its slab
+(:class:`~shared_td.storage.value_slab.ValueSlab`: one per ``memmap_`` call), that other
+processes reach by reopening the descriptor of a process that holds it. When ``memmap_``
+makes a slab, it hands it (one round trip per ``memmap_`` call) to *the process's
+coordinator*, which opens its own descriptor on it: a pickled cell then names that
+coordinator as a fallback holder and stays attachable after its creator exited, while the
+coordinator lives. The process's coordinator is, in order:
 
 1. the innermost ``with coord:`` block or ``coord.publish(...)`` call of this process;
 2. an embedded coordinator this process already uses: one it started, or its parent's
@@ -15,7 +16,7 @@ lives. The process's coordinator is, in order:
 3. else a new embedded coordinator, started once (~0.1 s, measured; see below) and
    stopped when this process exits, or within 0.2 s of its being SIGKILLed;
 4. except in a daemonic worker (``multiprocessing``/``multiprocess`` daemon, e.g. a
-   DataLoader worker) with no coordinator from 1-2: its cells stay owned by itself, as
+   DataLoader worker) with no coordinator from 1-2: its slabs stay owned by itself, as
    without a coordinator. Such a worker lives and dies with its parent anyway, so a
    manager process of its own would add a process per worker and change no lifetime.
 
@@ -25,8 +26,8 @@ manager runs ``shared_td/coordinator/server.py`` in a fresh interpreter that imp
 once per process.
 
 Handing over in the background. ``memmap_`` does not wait for the embedded coordinator:
-the start and the round trip that hands it the new cells run in one background thread of
-this process (batched: a round trip waits up to 5 ms for the cells of more calls, and
+the start and the round trip that hands it the new slabs run in one background thread of
+this process (batched: a round trip waits up to 5 ms for the slabs of more calls, and
 whoever needs it cuts that short), and ``memmap_`` returns as soon as its cells exist
 (the values are already shared with this process's threads and with fork children).
 What needs the coordinator waits for it:
@@ -44,14 +45,14 @@ and raised, once, by the next of these or by the next ``memmap_(share_non_tensor
 (with a note saying where it came from); the values it concerned stay owned by this
 process, as without a coordinator. A child exec'd during the start (its first ~0.1 s)
 does not find the coordinator in its environment yet: it starts its own when it needs
-one. A coordinator given with ``with``/``publish`` adopts the cells in the caller, and
+one. A coordinator given with ``with``/``publish`` adopts the slabs in the caller, and
 one announced in the environment is connected to in the caller (a failure is raised by
 that ``memmap_``); only the hand-over round trips to the embedded one run in the
 background.
 
-The engine does not import this module: ``memmap_`` hands its new cells to the hook that
+The engine does not import this module: ``memmap_`` hands its new slabs to the hook that
 this module registers in storage at import (see
-:func:`shared_td.storage.shared_value.set_cell_adopter`).
+:func:`shared_td.storage.shared_value.set_slab_adopter`).
 
 Example:
     >>> import shared_td
@@ -72,7 +73,7 @@ import multiprocessing
 from shared_td.coordinator import client
 from shared_td.coordinator.channels import RESOURCE_ERRNOS
 from shared_td.coordinator.process import START_TIMEOUT
-from shared_td.storage.shared_value import set_cell_adopter
+from shared_td.storage.shared_value import set_slab_adopter
 
 __all__ = ["adopt", "embedded_coordinator", "ENV_VAR"]
 
@@ -86,8 +87,8 @@ _EMBEDDED: client.Coordinator | None = None
 _LOCK = threading.Lock()
 
 
-def adopt(cells: list) -> None:
-    """Hand the new ``cells`` to the process's coordinator (see the module doc).
+def adopt(slabs: list) -> None:
+    """Hand the new ``slabs`` to the process's coordinator (see the module doc).
 
     A coordinator given with ``with``/``publish`` adopts them here: ConnectionError if it
     is gone. Else they go to the embedded coordinator in the background (started there
@@ -98,16 +99,16 @@ def adopt(cells: list) -> None:
     stalled, not gone: never replaced), ``CoordinatorAuthenticationError`` if it
     refuses the authkey announced with it (there, not gone: never replaced either).
     """
-    if not cells:
+    if not slabs:
         return
     given = client.innermost()
     if given is not None:
-        given.adopt_cells(cells)
+        given.adopt_slabs(slabs)
         return
     _HANDOVER.raise_failure()
     if _known_embedded() is None and _is_daemonic():
-        return  # a daemonic worker: the cells stay its own
-    _HANDOVER.submit(cells)
+        return  # a daemonic worker: the slabs stay its own
+    _HANDOVER.submit(slabs)
 
 
 def embedded_coordinator(start: bool) -> client.Coordinator | None:
@@ -149,12 +150,12 @@ def _started_embedded() -> client.Coordinator:
         return _EMBEDDED
 
 
-def _hand_over(cells: list) -> None:
-    """Give ``cells`` to the embedded coordinator (started if none is known); one that
+def _hand_over(slabs: list) -> None:
+    """Give ``slabs`` to the embedded coordinator (started if none is known); one that
     is gone is replaced once. Runs in the background thread."""
     coord = _known_embedded() or _started_embedded()
     try:
-        coord.adopt_cells(cells)
+        coord.adopt_slabs(slabs)
     except ConnectionError as err:
         # only a coordinator that is gone is replaced (a stalled one is not: a new one
         # would split the ownership; one that refuses our authkey is there too, and its
@@ -162,11 +163,11 @@ def _hand_over(cells: list) -> None:
         if isinstance(err, (TimeoutError, client.CoordinatorAuthenticationError)):
             raise
         _forget_embedded(coord)
-        (_known_embedded() or _started_embedded()).adopt_cells(cells)
+        (_known_embedded() or _started_embedded()).adopt_slabs(slabs)
 
 
 class _Handover:
-    """The background thread that hands new cells to the embedded coordinator, and what
+    """The background thread that hands new slabs to the embedded coordinator, and what
     it left to raise (see the module doc). One per process: a fork child makes its own.
     """
 
@@ -174,7 +175,7 @@ class _Handover:
     #: its own timeout (a start, a connection to an announced coordinator, two calls)
     #: and it may replace a gone coordinator once.
     WAIT = 2 * START_TIMEOUT + 3 * TIMEOUT
-    #: Seconds a round trip waits for more cells to take with it (see _run).
+    #: Seconds a round trip waits for more slabs to take with it (see _run).
     GATHER = 0.005
 
     def __init__(self):
@@ -182,21 +183,21 @@ class _Handover:
         self._lock = threading.Lock()
         self._executor: futures.ThreadPoolExecutor | None = None
         self._thread_id: int | None = None
-        self._cells: list = []  # to hand over, taken by the next round trip
+        self._slabs: list = []  # to hand over, taken by the next round trip
         self._queued: futures.Future | None = None  # the round trip not started yet
         self._latest: futures.Future | None = None
         self._failure: BaseException | None = None
         self._kick = threading.Event()  # set: hand over now, someone waits for it
 
-    def submit(self, cells: list) -> None:
-        """Hand ``cells`` over in the background; each cell waits for it when its
+    def submit(self, slabs: list) -> None:
+        """Hand ``slabs`` over in the background; each slab waits for it when its
         holders are asked for (a pickle)."""
         with self._lock:
-            self._cells.extend(cells)
+            self._slabs.extend(slabs)
             if self._executor is None:
                 self._executor = futures.ThreadPoolExecutor(
                     1, thread_name_prefix="shared_td-handover", initializer=self._in_thread)
-            # one round trip queued at a time: it takes every cell added until it starts
+            # one round trip queued at a time: it takes every slab added until it starts
             # (and the thread is woken once for them all)
             if self._queued is None:
                 try:
@@ -209,23 +210,23 @@ class _Handover:
             self.raise_failure()
             return
         wait = functools.partial(self._wait, future)
-        for cell in cells:
-            cell.handing_over(wait)
+        for slab in slabs:
+            slab.handing_over(wait)
 
     def _run(self) -> None:
-        # gather the cells of the calls made meanwhile into this round trip (a loop of
+        # gather the slabs of the calls made meanwhile into this round trip (a loop of
         # memmap_ calls makes one round trip per GATHER seconds, not one per call);
         # whoever needs the hand-over cuts the wait short (kick)
         self._kick.wait(self.GATHER)
         self._kick.clear()
         with self._lock:
-            cells, self._cells, self._queued = self._cells, [], None
-        if not cells:
+            slabs, self._slabs, self._queued = self._slabs, [], None
+        if not slabs:
             return
         try:
-            _hand_over(cells)
+            _hand_over(slabs)
         except BaseException as err:  # kept for the next operation that needs it
-            err.add_note(f"(raised in the background while handing {len(cells)} value(s) of "
+            err.add_note(f"(raised in the background while handing {len(slabs)} value(s) of "
                          "memmap_(share_non_tensor=True) to the embedded coordinator: they "
                          "stay owned by this process only)")
             with self._lock:
@@ -324,4 +325,4 @@ def _start_embedded() -> client.Coordinator:
     return client.Coordinator(timeout=TIMEOUT).start()
 
 
-set_cell_adopter(adopt)
+set_slab_adopter(adopt)

@@ -5,7 +5,7 @@ The manager process imports no torch and no container (see
 
 * :func:`pickle_by_reference`: the tensordict's pickle, and a *reference* to every memfd
   it names (an anonymous :class:`~shared_td.storage.anonymous.Segment`, a shared
-  non-tensor :class:`~shared_td.storage.shared_value.SharedValue`):
+  non-tensor value's :class:`~shared_td.storage.value_slab.ValueSlab`):
   ``(pid, fd, (st_dev, st_ino), how)`` in the publishing process, ``how`` being opaque
   bytes that say how to rebuild it here. The manager opens its own descriptor on each,
   and answers an attach with ``(its pid, its fd, key, how)`` instead, so attaching works
@@ -61,13 +61,13 @@ from shared_td.containers.value_kinds import is_lazy_stack_class, is_leaf_nonten
 from shared_td.keys import key_repr
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.storage.anonymous import Segment
-from shared_td.storage.shared_value import SharedValue
+from shared_td.storage.value_slab import ValueSlab
 
 __all__ = ["ParsedVersion", "layout_of", "pickle_by_reference", "rebuild"]
 
 # Pickled as ``attach(pid, fd, (st_dev, st_ino), *rest)``: a descriptor of the pickling
 # process that the receiver reopens through /proc (unless it has that inode open already).
-_BY_DESCRIPTOR = (Segment, SharedValue)
+_BY_DESCRIPTOR = (Segment, ValueSlab)
 
 
 class _ReferenceCollector(pickle.Pickler):

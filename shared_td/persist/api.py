@@ -16,7 +16,7 @@ from shared_td.persist import archive_write
 from shared_td.persist import atomic, in_flight, nodes
 from shared_td.storage import files
 from shared_td.storage.files import FileBacking
-from shared_td.storage.shared_value import adopt_new_cells, collecting_new_cells
+from shared_td.storage.shared_value import SharedValue, adopt_new_slabs, collecting_new_slabs
 from shared_td.persist.future import TensorDictFuture
 from shared_td.persist.loader import Loader, load_written_archive
 from shared_td.persist.planner import VALUE_KINDS, NodePlan, Options, Planner
@@ -163,7 +163,7 @@ def _share_values_first(root: NodePlan, options: Options) -> Callable[[], None]:
     """memmap_(share_non_tensor=True): share the tree's non-tensor values before any byte
     is written; returns what puts them back as they were, for a write that fails later.
 
-    Sharing hands the new cells to a coordinator (``adopt_new_cells``: a round trip,
+    Sharing hands the new cells' slab to a coordinator (``adopt_new_slabs``: a round trip,
     which fails when it is gone or reports an earlier hand-over error). Done after the
     write, as _build shares them, that failure came once the leaves were adopted and
     the files written: a half-converted tree. Here it comes first, and leaves the values
@@ -184,14 +184,23 @@ def _share_values_first(root: NodePlan, options: Options) -> Callable[[], None]:
             vars(obj).update(state)
 
     try:
-        with collecting_new_cells() as cells:
+        with collecting_new_slabs() as slabs:
+            _share_together([node.obj for node in values])
             for node in values:
                 node.kind.adopt(node.obj, {}, node.directory, share_non_tensor=True)
-        adopt_new_cells(cells)
+        adopt_new_slabs(slabs)
     except BaseException:
         undo()
         raise
     return undo
+
+
+def _share_together(values: list) -> None:
+    """Share the non-tensor ``values`` not shared yet, all in one new slab (one memfd)."""
+    values = list({id(value): value for value in values if value._shared_value is None}.values())
+    if values:
+        for value, cell in zip(values, SharedValue.create_many([value._payload for value in values])):
+            value._share(cell)
 
 
 def _share_copies_first(values: list[NodePlan]) -> None:
@@ -200,10 +209,9 @@ def _share_copies_first(values: list[NodePlan]) -> None:
     a hand-over that fails then leaves nothing on disk (made by _build after the write,
     it left a complete save behind a ConnectionError). _build adopts them as they are."""
     copies = [node.obj.clone() for node in values]
-    with collecting_new_cells() as cells:
-        for copy in copies:
-            copy._share()
-    adopt_new_cells(cells)  # (the source's values are left alone: nothing to undo)
+    with collecting_new_slabs() as slabs:
+        _share_together(copies)
+    adopt_new_slabs(slabs)  # (the source's values are left alone: nothing to undo)
     for node, copy in zip(values, copies):
         node.obj, node.premade = copy, True
 
@@ -212,10 +220,10 @@ def _finish(root: NodePlan, options: Options) -> Any:
     if not options.share_non_tensor:
         result = _build(root, options)
     else:
-        with collecting_new_cells() as cells:
+        with collecting_new_slabs() as slabs:
             result = _build(root, options)
         # a coordinator holds them too, so they outlive this process (one round trip)
-        adopt_new_cells(cells)
+        adopt_new_slabs(slabs)
     result.lock_()
     return result
 

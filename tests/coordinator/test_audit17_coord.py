@@ -298,10 +298,10 @@ def test_manager_out_of_descriptors_in_an_adoption_keeps_none_of_its_cells():
         cells = [SharedValue.create(f"value {i}") for i in range(5)]
         with soft_limit(pid, resource.RLIMIT_NOFILE, base + 3):  # room for some of the 5
             with pytest.raises(OSError) as caught:
-                coord.adopt_cells(cells)
+                coord.adopt_slabs([cell.slab for cell in cells])
         assert caught.value.errno == errno.EMFILE
         assert open_fds(pid) == base
-        coord.adopt_cells(cells)  # once descriptors are free: all five
+        coord.adopt_slabs([cell.slab for cell in cells])  # once descriptors are free: all five
         assert open_fds(pid) == base + 5
 
 

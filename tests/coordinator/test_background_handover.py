@@ -22,8 +22,7 @@ SLOW = """
         return real_start()
     ownership._start_embedded = slow_start
     def recorded_holders(td):  # the holders recorded so far, without waiting for more
-        cell = td.get("task")._shared_value
-        return list(cell._holders if hasattr(cell, "_holders") else cell.holders)
+        return list(td.get("task")._shared_value.slab._holders)
 """
 
 

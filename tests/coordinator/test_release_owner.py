@@ -102,7 +102,7 @@ def test_releases_are_kept_when_the_adopt_call_fails(monkeypatch):
 
         monkeypatch.setattr(coord, "_call", failing)
         with pytest.raises(TimeoutError):
-            coord.adopt_cells([])
+            coord.adopt_slabs([])
         assert client._RELEASED.pop(coord.address) == [(1, 2)]
 
 

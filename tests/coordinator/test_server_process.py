@@ -199,17 +199,21 @@ def test_the_manager_lets_go_of_a_replaced_tensordicts_memory():
 
 # ------------------------------------------------------------------ the engine's hook
 
-def test_memmap_hands_new_cells_to_the_registered_adopter():
+def test_memmap_hands_its_new_slab_to_the_registered_adopter():
+    """One slab (memfd) per memmap_ call holds all its new cells."""
+    from shared_td.storage.shared_value import SharedValue
+
     handed = []
-    shared_value.set_cell_adopter(handed.append)
+    shared_value.set_slab_adopter(handed.append)
     try:
         td = shared_td.TensorDict(a="x", b="y").memmap_(share_non_tensor=True)
         shared_td.TensorDict(c=torch.zeros(1)).memmap_(share_non_tensor=True)  # no cell: no call
         shared_td.TensorDict(d="z").memmap_()  # not shared: no call
     finally:
-        shared_value.set_cell_adopter(ownership.adopt)
-    assert len(handed) == 1
-    cells = {cell.get(): cell for cell in handed[0]}
+        shared_value.set_slab_adopter(ownership.adopt)
+    assert len(handed) == 1 and len(handed[0]) == 1
+    (slab,) = handed[0]
+    cells = {cell.get(): cell for cell in (slab.cell(index, SharedValue) for index in range(slab.cells))}
     assert sorted(cells) == ["x", "y"]
     cells["x"].set("X")  # the very cells the tensordict reads
     assert td["a"] == "X" and td["b"] == "y"

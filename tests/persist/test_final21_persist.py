@@ -71,14 +71,14 @@ def test_plain_value_view_stays_a_private_copy():
 def gone_coordinator():
     before = shared_value._ADOPTER
 
-    def fail(cells):
-        raise ConnectionError(f"coordinator gone (injected), {len(cells)} cells")
+    def fail(slabs):
+        raise ConnectionError(f"coordinator gone (injected), {len(slabs)} slabs")
 
-    shared_value.set_cell_adopter(fail)
+    shared_value.set_slab_adopter(fail)
     try:
         yield
     finally:
-        shared_value.set_cell_adopter(before)
+        shared_value.set_slab_adopter(before)
 
 
 @pytest.mark.parametrize("call", ["memmap", "memmap_like"])

@@ -42,6 +42,32 @@ def write_forever(td, first_id: int, key: str = "v") -> None:
         i += 1
 
 
+def sized_value(i: int, size: int) -> dict:
+    """Version ``i`` of a value of ``size`` bytes (its size varies: see whole())."""
+    return {"id": i, "blob": bytes([i % 251]) * size}
+
+
+def not_whole(value) -> str | None:
+    """What is wrong with a :func:`sized_value` (bytes of another version), or None."""
+    if not isinstance(value, dict) or set(value) != {"id", "blob"}:
+        return f"not a version dict: {type(value).__name__}"
+    if value["blob"].count(value["id"] % 251) != len(value["blob"]):
+        return f"id {value['id']}: blob holds bytes of other versions"
+    return None
+
+
+def grow_forever(td, key: str, first_id: int, seed: int) -> None:
+    """Write ``key`` of ``td`` with values that mostly grow (each often outgrowing its
+    region: a new region of the slab at each such write) until killed."""
+    import random
+
+    rng, size, i = random.Random(seed), 1000, first_id
+    while True:
+        size = int(size * rng.uniform(0.9, 1.4)) % (6 * MiB) + 1
+        td.set_(key, sized_value(i, size))
+        i += 1
+
+
 def attached_reader(inbox, outbox) -> None:
     """Attach once (the first message: a pickled tensordict), then read continuously,
     checking every value, until "stop". A "check" message is answered with

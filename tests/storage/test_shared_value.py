@@ -74,12 +74,24 @@ def test_a_fork_child_does_not_share_the_locks_its_parent_holds():
     assert child.exitcode == 0 and cell.get() == "from the child"
 
 
-def test_memory_stays_bounded_across_writes():
-    """Each write goes where no reader looks (beside the live value), but the memfd
-    never grows past the live value plus room for the new one: below 64 bytes plus
-    three times the largest value, two for values of one size."""
+def _memory(cell) -> int:
     import os
+
+    return os.fstat(cell.fd).st_blocks * 512  # what the memfd holds (its size is sparse)
+
+
+def test_memory_stays_bounded_across_writes():
+    """Each write goes where no reader looks (the region of the slot that is not live),
+    but the memfd's memory never grows past the live value plus room for the new one:
+    for values of one size, two regions of that size; else each region at most 1.5
+    times the largest value its slot held (the regions it replaced freed)."""
+    import mmap
     import random
+
+    page = mmap.PAGESIZE
+
+    def pages(nbytes: int) -> int:
+        return -(-nbytes // page) * page
 
     cell = SharedValue.create(b"")
     size = 1 << 20
@@ -87,13 +99,66 @@ def test_memory_stays_bounded_across_writes():
         cell.set(bytes([i]) * size)
         assert cell.get() == bytes([i]) * size
     pickled = len(pickle.dumps(bytes(size)))
-    assert os.fstat(cell.fd).st_size <= 64 + 2 * pickled + 128  # + the first, tiny value
+    assert _memory(cell) <= page + 2 * pages(pickled)  # + the headers and the first, tiny value
     rng = random.Random(0)
     for i in range(200):
         value = bytes([i % 256]) * rng.randint(0, 2 * size)
         cell.set(value)
         assert cell.get() == value
-    assert os.fstat(cell.fd).st_size <= 64 + 3 * (len(pickle.dumps(bytes(2 * size))) + 8)
+    assert _memory(cell) <= 2 * page + 2 * pages(3 * len(pickle.dumps(bytes(2 * size))) // 2)
+
+
+def test_a_value_that_grows_a_little_at_each_write_keeps_its_memory_bounded():
+    """A value that outgrows its region moves to a new one, 1.5 times bigger, and the
+    old one is freed: 2000 writes each a few bytes longer (a list appended to) hold a
+    few regions' worth, not one per write."""
+    cell = SharedValue.create([])
+    for i in range(2000):
+        cell.set(list(range(i)) + ["x" * 4000])
+        assert len(cell.get()) == i + 1
+    final = len(pickle.dumps(list(range(2000)) + ["x" * 4000]))
+    assert _memory(cell) <= 4 * final
+
+
+def test_cells_made_together_share_one_memfd_and_stay_independent():
+    first, second, third = SharedValue.create_many(["a", {"k": 1}, None])
+    assert first.slab is second.slab is third.slab and first.fd == third.fd
+    second.set("x" * 100_000)  # outgrows its region: a new one, at the slab's end
+    first.set(b"\x00" * 50_000)
+    assert (first.get(), second.get(), third.get()) == (b"\x00" * 50_000, "x" * 100_000, None)
+    assert pickle.loads(pickle.dumps(second)) is second
+    assert [cell.index for cell in (first, second, third)] == [0, 1, 2]
+
+
+def _read_cells_in_child(cells, queue):
+    queue.put([cell.get() for cell in cells])
+    cells[1].set("from the child")
+    queue.put(len({cell.fd for cell in cells}))
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_cells_of_one_slab_reach_another_process_through_one_descriptor(method):
+    cells = SharedValue.create_many(["a", "b", "c"])
+    ctx = multiprocessing.get_context(method)
+    queue = ctx.Queue()
+    child = ctx.Process(target=_read_cells_in_child, args=(cells, queue))
+    child.start()
+    try:
+        assert queue.get(timeout=WAIT) == ["a", "b", "c"]
+        assert queue.get(timeout=WAIT) == 1
+    finally:
+        child.join(WAIT)
+    assert child.exitcode == 0
+    assert [cell.get() for cell in cells] == ["a", "from the child", "c"]
+
+
+def test_a_cell_index_outside_its_slab_is_refused():
+    from shared_td.errors import SegmentUnavailableError
+    from shared_td.storage import shared_value
+
+    cell = SharedValue.create("only")
+    with pytest.raises(SegmentUnavailableError, match="cell 1 of a slab of 1"):
+        shared_value._cell_of(cell.slab, 1)
 
 
 def test_set_if_version_never_overwrites_a_write_it_has_not_seen():

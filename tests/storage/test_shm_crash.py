@@ -81,6 +81,53 @@ def test_a_writer_killed_mid_write_stress():
     run_killed_writers(rounds=150)
 
 
+def run_killed_slab_writers(rounds: int) -> None:
+    """Values shared together are cells of one memfd (a slab): two processes write two
+    of its cells with values that outgrow their regions (allocating in the slab under
+    its lock), one is SIGKILLed at a random moment; every cell stays whole, the third
+    untouched, and the survivor and later writers go on (the killed one's slab lock
+    went with it)."""
+    td = TensorDict(a=NonTensorData(kids.sized_value(0, 10)), b=NonTensorData(kids.sized_value(0, 10)),
+                    c=NonTensorData(kids.sized_value(5, 100))).memmap_(share_non_tensor=True)
+    cells = [td.get(key)._shared_value for key in "abc"]
+    assert len({cell.slab for cell in cells}) == 1  # (one slab for the tree)
+    rng = random.Random()
+    for round_ in range(rounds):
+        victim = FORK.Process(target=kids.grow_forever, args=(td, "a", 1000 * (round_ + 1), rng.random()))
+        survivor = FORK.Process(target=kids.grow_forever, args=(td, "b", 1000 * (round_ + 1), rng.random()))
+        victim.start()
+        survivor.start()
+        try:
+            time.sleep(rng.uniform(0.02, 0.4))
+            kill(victim)
+            time.sleep(0.05)  # the survivor goes on allocating (it would hang on a lock left held)
+            before = td["b"]["id"]
+            deadline = time.monotonic() + WAIT
+            while td["b"]["id"] == before and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert td["b"]["id"] != before, f"round {round_}: the survivor stopped writing"
+        finally:
+            kill(survivor)
+        problems = [kids.not_whole(td[key]) for key in "ab"]
+        assert problems == [None, None], f"round {round_}: {problems}"
+        assert td["c"] == kids.sized_value(5, 100)
+    for key in "ab":  # the cells still take writes, growing or not
+        td.set_(key, kids.sized_value(7, 3 * kids.MiB))
+        td.set_(key, kids.sized_value(8, 10))
+        assert td[key] == kids.sized_value(8, 10)
+    assert td["c"] == kids.sized_value(5, 100)
+
+
+def test_writers_killed_mid_allocation_in_a_slab_leave_every_cell_whole():
+    run_killed_slab_writers(rounds=6)
+
+
+@pytest.mark.stress
+@pytest.mark.skipif(not STRESS, reason="long stress test: set SHARED_TD_STRESS=1")
+def test_writers_killed_mid_allocation_in_a_slab_stress():
+    run_killed_slab_writers(rounds=100)
+
+
 # ------------------------------------------------------------ item 6: threads x processes
 def run_contention(seconds: float) -> None:
     td = TensorDict(v=NonTensorData(("start", 0, b""))).memmap_(share_non_tensor=True)
