@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 
 from shared_td.containers.keysview import tensors_at
-from shared_td.containers.value_kinds import is_leaf_nontensor
+from shared_td.containers.value_kinds import is_leaf_nontensor, is_non_tensor
 from shared_td.keys import unravel_key
 
 __all__ = ["back_to_types_of", "inverse_order", "unsqueezed", "with_write_back"]
@@ -56,10 +56,14 @@ def with_write_back(source: Any, result: Any, restore: Callable[[Any], Any]) -> 
             # that target keeps its leaves (a lazy stack's `back` reads them stacked, as copies;
             # writing those replaced every leaf, and tensors held from before no longer reached
             # target), as tensordict 0.15.3 keeps them
+            # a non-tensor entry the block left alone (its value as target's) is not written
+            # either: rewriting it put a new object there (a NonTensorStack read before the
+            # block no longer reached target, and a squeeze turned a stack into one value)
             present = set(target.keys(True))
             leaves = set(back.keys(True, True, is_leaf_nontensor))
             changed = [key for key in back.keys(True)
-                       if key not in present or (key in leaves and not _still_views(back, target, key))]
+                       if key not in present or (key in leaves and not _still_views(back, target, key)
+                                                 and not _same_non_tensor(back, target, key))]
             if changed:
                 target.update(back, inplace=False, keys_to_update=changed)
 
@@ -79,6 +83,18 @@ def _still_views(back: Any, target: Any, key: Any) -> bool:
         return False
     storages = {t.untyped_storage().data_ptr() for t in old}
     return all(t.untyped_storage().data_ptr() in storages for t in new)
+
+
+def _same_non_tensor(back: Any, target: Any, key: Any) -> bool:
+    """Whether ``back`` and ``target`` both hold a non-tensor at ``key`` with the same
+    values, element by element (False where they cannot be compared)."""
+    try:
+        new, old = back.get(key), target.get(key)
+        if not (is_non_tensor(new) and is_non_tensor(old)) or new.batch_size != old.batch_size:
+            return False
+        return bool(new.tolist() == old.tolist())
+    except Exception:  # (values whose == gives no bool, an array; an entry read as ragged): written
+        return False
 
 
 def inverse_order(order: list) -> list:

@@ -211,3 +211,53 @@ def test_a_block_on_a_lazy_stack_still_replaces_the_entries_replaced_in_it(L):
         v["a"] = torch.full((2, 1, 2), 3, dtype=torch.int64)
     held.fill_(9.0)
     assert td["a"].dtype == torch.int64 and td["a"].tolist() == [[3, 3], [3, 3]]
+
+
+# ------------------------------------------------ non-tensor entries the block left alone
+# (fuzz record 222863: every non-tensor entry was rewritten on leaving the block, so a
+# NonTensorStack or NonTensorData read before it no longer reached td, and a squeeze
+# block turned a NonTensorStack into one value)
+NT_BLOCK_OPS = {
+    "squeeze(0)": lambda t: t.squeeze(0),
+    "unsqueeze(0)": lambda t: t.unsqueeze(0),
+    "view(-1)": lambda t: t.view(-1),
+    "permute(0)": lambda t: t.permute(0),
+}
+
+
+def one_row(L, entry):
+    td = L.TensorDict(t=torch.zeros(1), batch_size=[1])
+    td["s"] = ["run"] if entry == "stack" else L.NonTensorData("run", batch_size=[1])
+    return td
+
+
+# (tensordict 0.15.3's squeeze block writes a NonTensorStack back over a NonTensorData:
+# that triple is not compared)
+@pytest.mark.parametrize(("L", "op", "entry"),
+                         [pytest.param(lib.values[0], op, entry, id=f"{lib.id}-{op}-{entry}", marks=lib.marks)
+                          for lib in LIBS for op in NT_BLOCK_OPS for entry in ("stack", "data")
+                          if not (lib.id == "tensordict" and op == "squeeze(0)" and entry == "data")])
+@pytest.mark.parametrize("act", ["none", "add"])
+def test_a_block_keeps_the_non_tensor_entries_it_did_not_change(L, op, entry, act):
+    td = one_row(L, entry)
+    held = td.get("s")
+    with NT_BLOCK_OPS[op](td) as v:
+        if act == "add":
+            v["new"] = torch.ones(v.batch_size)
+    assert type(td.get("s")) is type(held)
+    assert td.to_dict()["s"] == (["run"] if entry == "stack" else "run")
+    # an entry read before the block still reaches td
+    if entry == "stack":
+        held[0] = "walk"
+    else:
+        held.update_(L.NonTensorData("walk", batch_size=[1]))
+    assert td.get("s").tolist() == ["walk"]
+
+
+@pytest.mark.parametrize("L", LIBS)
+@pytest.mark.parametrize("op", ["unsqueeze(0)", "permute(0)"])
+def test_a_block_still_writes_a_non_tensor_value_replaced_in_it(L, op):
+    td = one_row(L, "data")
+    with NT_BLOCK_OPS[op](td) as v:
+        v["s"] = L.NonTensorData("walk", batch_size=v.batch_size)
+    assert td.get("s").tolist() == ["walk"]
