@@ -50,6 +50,8 @@ def _missing() -> list[str]:
 
     if not hasattr(fcntl, "F_OFD_SETLKW"):
         missing.append("open-file-description locks (fcntl.F_OFD_SETLKW, Linux 3.15)")
+    if not hasattr(fcntl, "F_ADD_SEALS"):
+        missing.append("memfd seals (fcntl.F_ADD_SEALS, Linux 3.17)")
     return missing
 
 
@@ -63,6 +65,7 @@ if _MISSING:
 
 import ctypes  # noqa: E402  (after the check: what follows needs what it checks)
 import errno  # noqa: E402
+import fcntl  # noqa: E402
 import mmap  # noqa: E402
 import select  # noqa: E402
 import stat  # noqa: E402
@@ -103,8 +106,9 @@ ByteLock, reopen_description, try_flock = _locks.ByteLock, _locks.reopen_descrip
 
 def new_memfd(name: str, nbytes: int) -> int:
     """A new memfd (close-on-exec; ``name`` shows in ``/proc/<pid>/fd``, never in
-    ``/dev/shm``) of ``nbytes`` bytes, all reserved with ``posix_fallocate``: touching
-    them never raises SIGBUS. A full memory is the OSError of ``posix_fallocate``
+    ``/dev/shm``) of ``nbytes`` bytes, all reserved with ``posix_fallocate``, and sealed
+    against shrinking (``F_SEAL_SHRINK``; another process of the user could otherwise
+    truncate it through ``/proc``): touching them never raises SIGBUS. A full memory is the OSError of ``posix_fallocate``
     (``ENOSPC``, ``ENOMEM``) or of :func:`shared_td.memory_check.check_memory_room`,
     raised with the new descriptor closed (what was reserved is freed). The caller owns it. A memfd has no
     size limit of its own (reserving more than the memory fills RAM until the OOM killer
@@ -118,13 +122,17 @@ def new_memfd(name: str, nbytes: int) -> int:
         >>> os.close(fd)
     """
     _memory_check.check_growth(nbytes)  # before anything exists
-    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         for start in range(0, nbytes, _ALLOCATE_CHUNK):
             left = nbytes - start
             if start:
                 _memory_check.check_growth(left)
             os.posix_fallocate(fd, start, min(left, _ALLOCATE_CHUNK))
+        # never smaller: a process of the user truncating it (through /proc/<pid>/fd)
+        # would make every mapping of it raise SIGBUS; growing, punching holes and
+        # writing stay allowed, and no other seal can be added
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
     except BaseException:
         os.close(fd)
         raise

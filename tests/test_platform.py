@@ -283,6 +283,7 @@ def _import_shared_td_after(setup: str) -> subprocess.CompletedProcess:
     ("import sys; sys.platform = 'win32'", "Linux (this is 'win32')"),
     ("import os; del os.memfd_create", "os.memfd_create"),
     ("import fcntl; del fcntl.F_OFD_SETLKW", "open-file-description locks (fcntl.F_OFD_SETLKW"),
+    ("import fcntl; del fcntl.F_ADD_SEALS", "memfd seals (fcntl.F_ADD_SEALS"),
     ("import os; isdir = os.path.isdir; os.path.isdir = lambda p: p != '/proc/self/fd' and isdir(p)",
      "/proc (mounted procfs)"),
 ])

@@ -226,7 +226,7 @@ class _Handover:
         try:
             _hand_over(slabs)
         except BaseException as err:  # kept for the next operation that needs it
-            err.add_note(f"(raised in the background while handing {len(slabs)} value(s) of "
+            err.add_note(f"(raised in the background while handing {len(slabs)} slab(s) of values of "
                          "memmap_(share_non_tensor=True) to the embedded coordinator: they "
                          "stay owned by this process only)")
             with self._lock:

@@ -23,8 +23,8 @@ their numbers reused: the inode check says so) and asks again (see
 
 Besides published tensordicts the registry holds:
 
-* *adopted cells*: the memfds of ``share_non_tensor=True`` values that a process handed
-  over (:meth:`Registry.adopt_cells`), so that they stay attachable after it exits;
+* *adopted cells*: the memfds (slabs) of ``share_non_tensor=True`` values that a process
+  handed over (:meth:`Registry.adopt_cells`), so that they stay attachable after it exits;
 * the *version table*: one memfd of u64 slots, one per published name, that attached
   processes map read-only to check ``is_stale`` without a round trip.
 

@@ -188,7 +188,9 @@ class SharedValue:
                 if version == self._cached[0]:
                     return self._cached[1]  # another thread of ours read it meanwhile
                 slot = _SLOT * (version & 1)
-                payload = _pread_all(self.fd, self._slots[slot + _LENGTH], self._slots[slot])
+                offset, length, capacity = self._slots[slot], self._slots[slot + _LENGTH], self._slots[slot + _CAPACITY]
+                self.slab.check_region(offset, max(length, capacity))
+                payload = _pread_all(self.fd, length, offset)
             finally:
                 lock.give_back()
         value = pickle.loads(payload)  # ours now: no lock needed
@@ -232,6 +234,8 @@ class SharedValue:
                 # the slot that is not live: no reader looks at its region (module doc)
                 other = _SLOT * (1 - (version & 1))
                 offset, capacity = self._slots[other], self._slots[other + _CAPACITY]
+                if capacity:  # (a slot not written yet has no region)
+                    self.slab.check_region(offset, capacity)
                 if length > capacity:
                     # reserve first: a full memory fails here, before anything is published
                     slab = self.slab

@@ -9,7 +9,8 @@ measured, more than the rest of sharing a small value).
 The layout::
 
     bytes 0 .. 63        slab header: word 0 = end (the first byte not allocated yet),
-                         word 1 = the number of cells
+                         word 1 = the number of cells, word 2 = MAGIC (what tells a
+                         slab from another memfd handed to attach_slab)
     64 + 64 * i ...      cell i's header (see shared_value: version, two slots)
     then                 payload regions, each of one slot of one cell
 
@@ -28,6 +29,11 @@ The layout::
   aligned 8-byte store. A slot's offset is stored before its capacity: a writer killed
   between the two leaves the new offset with the old, smaller capacity, never an old
   region with a new one's capacity.
+* What another process of the user may do: a memfd that is not a slab (no MAGIC word), a
+  cell naming bytes outside the allocated regions (:meth:`ValueSlab.check_region`) are a
+  :class:`~shared_td.errors.SegmentUnavailableError`, never read, written or freed; the
+  memfd is sealed against shrinking (:func:`~shared_td.platform.new_memfd`), so a
+  truncation through ``/proc`` cannot make the mapped headers raise SIGBUS.
 * Locks: byte 0 is the slab's allocation lock; cell ``i`` has bytes ``1 + 3i .. 3 + 3i``
   (every lock a :class:`~shared_td.platform.ByteLock`: threads, then open-file-description
   lock). Lock order: a cell's locks, then the slab's.
@@ -59,8 +65,16 @@ __all__ = ["ValueSlab", "attach_slab", "keep_slab", "region_capacity"]
 SLAB_HEADER = 64
 #: bytes of each cell's header
 CELL_HEADER = 64
-_WORDS = struct.Struct("=2Q")  # end, number of cells
+_WORDS = struct.Struct("=3Q")  # end, number of cells, MAGIC
+#: word 2 of a slab's header: another memfd (a Segment's, a counter's) named by a forged
+#: or mistaken pickle is refused, not read and written as cells
+MAGIC = int.from_bytes(b"stdslab1", "little")
 _WHAT = "a shared non-tensor value"
+
+
+#: payloads of this many bytes or more are written from themselves by ValueSlab.create,
+#: not copied into its image of the memfd first
+_WRITTEN_APART = 1 << 20
 
 
 def _place(end: int, nbytes: int) -> tuple[int, int]:
@@ -100,12 +114,13 @@ class ValueSlab:
         try:
             stat = os.fstat(fd)
             self.key = (stat.st_dev, stat.st_ino)
-            _end, self.cells = _WORDS.unpack(os.pread(fd, _WORDS.size, 0).ljust(_WORDS.size, b"\0"))
+            _end, self.cells, magic = _WORDS.unpack(os.pread(fd, _WORDS.size, 0).ljust(_WORDS.size, b"\0"))
             self._mapped = SLAB_HEADER + CELL_HEADER * self.cells
-            if not self.cells or stat.st_size < self._mapped:
+            if magic != MAGIC or not self.cells or stat.st_size < self._mapped:
                 raise SegmentUnavailableError(
                     f"The memfd (inode {stat.st_ino}, {stat.st_size} bytes) is not a slab of shared "
-                    f"non-tensor values ({self.cells} cells): refused.")
+                    f"non-tensor values ({'its mark, ' if magic == MAGIC else 'no slab mark, '}{self.cells} "
+                    "cells): refused.")
             # Mapped once: the headers read by every get(). Their bytes were reserved at
             # creation, so touching them can never raise SIGBUS.
             self._address = map_shared_bytes(fd, self._mapped)
@@ -129,25 +144,37 @@ class ValueSlab:
         """A new slab of one cell per payload, cell ``i``'s header being
         ``cell_header(offset, length, capacity)`` of the region its payload was written to.
 
-        The whole memfd is reserved with ``posix_fallocate`` and written in one
-        ``pwrite``: a full memory is a :class:`~shared_td.storage.files.StorageFullError`
-        here, never a SIGBUS.
+        The whole memfd is reserved with ``posix_fallocate``: a full memory is a
+        :class:`~shared_td.storage.files.StorageFullError` here, never a SIGBUS. The
+        headers and the small payloads are written in one ``pwrite``; payloads of
+        :data:`_WRITTEN_APART` bytes or more are placed after them and written from
+        themselves (copied into that image, a big value was held twice more at once).
         """
+        order = sorted(range(len(payloads)), key=lambda i: len(payloads[i]) >= _WRITTEN_APART)  # (stable)
         end = SLAB_HEADER + CELL_HEADER * len(payloads)
-        regions = []
-        for payload in payloads:
-            offset, capacity = _place(end, len(payload))
-            regions.append((offset, capacity))
+        regions: list = [None] * len(payloads)
+        image_size = None  # where the first payload written apart starts
+        for index in order:
+            offset, capacity = _place(end, len(payloads[index]))
+            if image_size is None and len(payloads[index]) >= _WRITTEN_APART:
+                image_size = offset
+            regions[index] = (offset, capacity)
             end = offset + capacity
-        image = bytearray(end)
-        _WORDS.pack_into(image, 0, end, len(payloads))
+        image = bytearray(end if image_size is None else image_size)
+        _WORDS.pack_into(image, 0, end, len(payloads), MAGIC)
+        apart = []
         for index, (payload, (offset, capacity)) in enumerate(zip(payloads, regions)):
             header = SLAB_HEADER + CELL_HEADER * index
             image[header:header + CELL_HEADER] = cell_header(offset, len(payload), capacity).ljust(CELL_HEADER, b"\0")
-            image[offset:offset + len(payload)] = payload
+            if len(payload) >= _WRITTEN_APART:
+                apart.append((payload, offset))
+            else:
+                image[offset:offset + len(payload)] = payload
         fd = create_memfd(f"shared_td-value-{os.getpid()}", end, _WHAT)
         try:
             pwrite_all(fd, image, 0, where=_WHAT)
+            for payload, offset in apart:
+                pwrite_all(fd, payload, offset, where=_WHAT)
         except BaseException:
             os.close(fd)
             raise
@@ -172,6 +199,11 @@ class ValueSlab:
         the module doc); a full memory raises here, ``end`` unchanged. Called with the
         writing cell's write lock held (the lock order)."""
         lock = self._lock
+        # this shape exactly (see ByteLock): a signal handler or finalizer growing another
+        # cell of this slab while this thread is inside allocate() would re-enter both
+        # locks (an RLock, and an OFD lock this description holds) and get the same region
+        if lock.threads._is_owned():
+            raise lock.reentered("Allocating room for a shared non-tensor value")
         with lock.threads:
             try:
                 lock.take()
@@ -181,6 +213,17 @@ class ValueSlab:
             finally:
                 lock.give_back()
         return offset, capacity
+
+    def check_region(self, offset: int, capacity: int) -> None:
+        """Refuse a region that is not among the allocated ones (after the headers, before
+        ``end``): the header was written by something else than shared_td, which a
+        process of the same user can do; reading, writing or freeing it would hit other
+        cells or the headers."""
+        if offset < self._mapped or offset + capacity > self._end.value:
+            raise SegmentUnavailableError(
+                f"{_WHAT} (inode {self.key[1]}) names bytes {offset}..{offset + capacity}, outside "
+                f"the regions of its slab ({self._mapped}..{self._end.value}): the memfd was "
+                "written by something else than shared_td; refused.")
 
     def free(self, offset: int, capacity: int) -> None:
         """Give back the memory of a region no reader can be in any more (whole pages)."""

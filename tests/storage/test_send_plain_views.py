@@ -316,14 +316,29 @@ def test_a_storage_not_ours_is_told_without_a_search(monkeypatch, tmp_path):
     assert all(sending.mapped_memory(t.detach().untyped_storage()) is not None for t in keep)
 
 
+def _descriptors_of(key: tuple[int, int]) -> int:
+    """How many of this process's descriptors name the file ``key`` (st_dev, st_ino):
+    only those, as a garbage cycle inherited from the test process that forked us may
+    close a descriptor of its own meanwhile (that made the count of all of them flaky)."""
+    found = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            st = os.stat(f"/proc/self/fd/{name}")
+        except OSError:  # (the listing's own descriptor, closed by now)
+            continue
+        found += (st.st_dev, st.st_ino) == tuple(key)
+    return found
+
+
 def receive_rows(queue, events, count: int) -> None:
-    """Keep ``count`` tensors off ``queue``; say how many descriptors this process opened
-    and how many distinct mappings they view."""
+    """Take the (st_dev, st_ino) of a file or segment off ``queue``, then keep ``count``
+    tensors; say how many descriptors of that file or segment this process opened and
+    how many distinct mappings the tensors view."""
     try:
-        before = len(os.listdir("/proc/self/fd"))
+        key = queue.get(timeout=WAIT)
+        before = _descriptors_of(key)
         kept = [queue.get(timeout=WAIT) for _ in range(count)]
-        events.put((len(os.listdir("/proc/self/fd")) - before,
-                    len({t.untyped_storage().data_ptr() for t in kept})))
+        events.put((_descriptors_of(key) - before, len({t.untyped_storage().data_ptr() for t in kept})))
     except Exception as error:  # (the test shows it)
         events.put(("error", repr(error)))
 
@@ -340,6 +355,8 @@ def test_a_receiver_keeps_one_mapping_of_what_it_receives_many_views_of(where, t
     process.start()  # before the buffer: the receiver does not inherit its mapping
     buffer = shared_td.MemoryMappedTensor.zeros((count, 1024), filename=(
         tmp_path / "rows.memmap" if where == "file" else None))
+    st = os.fstat(buffer._backing.fd) if where == "segment" else os.stat(buffer._backing.path)
+    queue.put((st.st_dev, st.st_ino))  # what the receiver counts descriptors of
     for row in range(count):
         queue.put(buffer.detach()[row])
     opened, mappings = events.get(timeout=WAIT)

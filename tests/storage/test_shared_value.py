@@ -3,11 +3,19 @@ memmap_(share_non_tensor=True) in tests/persist and tests/coordinator)."""
 from __future__ import annotations
 
 import multiprocessing
+import os
 import pickle
 import queue as queue_module
+import signal
+import struct
+import subprocess
+import sys
 
 import pytest
 
+from shared_td.errors import SegmentUnavailableError
+from shared_td.storage import value_slab
+from shared_td.storage.anonymous import Segment
 from shared_td.storage.shared_value import SharedValue
 
 WAIT = 30
@@ -176,3 +184,114 @@ def test_set_if_version_never_overwrites_a_write_it_has_not_seen():
     assert cell.get() == "from the child"
     assert cell.set_if_version("remote", seen + 1) is True and cell.get() == "remote"
     assert cell.version == seen + 2
+
+
+# ------------------------------------------------ review31: re-entry, hostile memfds, peak memory
+@pytest.mark.timeout(60)
+def test_a_signal_handler_growing_a_sibling_cell_mid_allocation_is_refused(monkeypatch):
+    """A signal handler that grows one cell while the code it interrupted is inside the
+    slab's allocation for another cell of the same slab must be refused (RuntimeError),
+    as re-entering a cell's own locks is: re-entered, the allocation lock (an RLock, and
+    an OFD lock this description already holds) let both allocations take the same region,
+    and one value overwrote the other."""
+    first, second = SharedValue.create_many(["a", "b"])
+    refused = []
+
+    def handler(signum, frame):
+        try:
+            second.set("S" * 20_000)  # outgrows its region: allocates in the same slab
+        except RuntimeError as err:
+            refused.append(err)
+
+    real_allocate = value_slab.allocate
+    raised = []
+
+    def allocate_interrupted(*args, **kwargs):
+        # the signal lands inside allocate(): the slab's lock taken, `end` not moved yet
+        if not raised:
+            raised.append(True)
+            os.kill(os.getpid(), signal.SIGUSR1)  # its handler runs as this call returns
+        return real_allocate(*args, **kwargs)
+
+    previous = signal.signal(signal.SIGUSR1, handler)
+    monkeypatch.setattr(value_slab, "allocate", allocate_interrupted)
+    try:
+        first.set("F" * 30_000)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    monkeypatch.undo()
+    assert raised and len(refused) == 1 and "signal handler" in str(refused[0])
+    assert first.get() == "F" * 30_000 and second.get() == "b"
+    second.set("S" * 20_000)  # outside the handler: allowed, in a region of its own
+    second._cached = (-1, None)  # read from the memfd, as another process would
+    first._cached = (-1, None)
+    assert (first.get(), second.get()) == ("F" * 30_000, "S" * 20_000)
+
+
+def test_a_segment_memfd_named_as_a_slab_is_refused_and_left_alone():
+    """A forged or mistaken pickle naming another memfd (here a Segment whose first bytes
+    look like a slab's: an end and a small cell count) must not be read and written as
+    cells: a write moved the 'end' word, the first 8 bytes of the tensor."""
+    segment = Segment.create(4096)
+    words = struct.pack("=8Q", 4096, 3, 1, 0, 0, 0, 100, 2**40)
+    segment.write(0, words)
+    with pytest.raises(SegmentUnavailableError, match="not a slab"):
+        value_slab.attach_slab(os.getpid(), segment.fd, segment.key)
+    assert os.pread(segment.fd, len(words), 0) == words
+
+
+@pytest.mark.parametrize("offset, length, capacity", [
+    (10**9, 50, 64),          # past the file
+    (200, 2**40, 2**40),      # a length that MemoryError'd
+    (2**63 + 5, 10, 10),      # an offset that OverflowError'd
+    (0, 40, 4096),            # the headers themselves
+])
+def test_a_cell_naming_bytes_outside_its_regions_is_refused(offset, length, capacity):
+    cell = SharedValue.create_many(["a", "b"])[1]
+    slot = 3 * (cell.version & 1)  # the live slot: what get() reads
+    cell._slots[slot], cell._slots[slot + 1], cell._slots[slot + 2] = offset, length, capacity
+    cell._cached = (-1, None)
+    with pytest.raises(SegmentUnavailableError, match="outside the regions"):
+        cell.get()
+    other = 3 - slot  # the slot a write reuses
+    cell._slots[other], cell._slots[other + 2] = offset, capacity
+    with pytest.raises(SegmentUnavailableError, match="outside the regions"):
+        cell.set("c")
+    assert cell.slab.cell(0, type(cell)).get() == "a"  # its sibling untouched
+
+
+def test_a_slab_cannot_be_truncated_under_its_readers():
+    """Any process of the user can open /proc/<pid>/fd/<fd> and truncate the memfd; every
+    reader's get() then touched its unmapped headers: SIGBUS (the process killed). The
+    memfd is sealed against shrinking (growing, writing and hole punching still work)."""
+    first, second = SharedValue.create_many(["a", "b"])
+    other = os.open(f"/proc/{os.getpid()}/fd/{first.fd}", os.O_RDWR)
+    try:
+        with pytest.raises(PermissionError):
+            os.ftruncate(other, 0)
+    finally:
+        os.close(other)
+    second.set("x" * 100_000)  # grows the slab, frees a region: still allowed
+    first.set("y" * 50_000)
+    assert (first.get(), second.get()) == ("y" * 50_000, "x" * 100_000)
+
+
+_MEASURE = """
+import pickle, resource
+from shared_td.storage.shared_value import SharedValue
+big = b"x" * (64 * 2**20)
+pickle.dumps(big)  # the pickle a create makes anyway: in the baseline
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+cell = SharedValue.create(big)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_sharing_a_big_value_holds_no_second_copy_of_it():
+    """create_many wrote the memfd from one image of it: a big value's pickle was copied
+    into a bytearray of the whole slab first, its peak memory growing by twice the value
+    (measured in a fresh process: ru_maxrss is a high-water mark)."""
+    grown_mib = int(subprocess.run([sys.executable, "-c", _MEASURE], capture_output=True, text=True,
+                                   check=True, timeout=100).stdout)
+    assert grown_mib < 32, f"peak memory grew by {grown_mib} MiB sharing a 64 MiB value"
