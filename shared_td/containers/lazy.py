@@ -214,7 +214,7 @@ class LazyStackedTensorDict(LazyMembers, LazyConversions, LazyApplyOps, LazyName
             RuntimeError: if a member, or a tensordict nested in one, is memory-mapped.
             TypeError: naming its key, if a non-tensor value cannot be pickled.
         """
-        from shared_td.containers.unpicklable import check_picklable
+        from shared_td.containers.unpicklable import check_picklable, share_values_together
 
         pending = list(self.tensordicts)
         while pending:  # (every nested node: a member's share_memory_ refuses any mapped one)
@@ -228,6 +228,7 @@ class LazyStackedTensorDict(LazyMembers, LazyConversions, LazyApplyOps, LazyName
                 )
             pending += node._collection_children()
         check_picklable(self, "share_memory_()", shared=True)
+        share_values_together(self)  # (then found shared by the members)
         for member in self.tensordicts:
             member.share_memory_()
         self._is_shared = True

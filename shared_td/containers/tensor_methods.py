@@ -14,7 +14,7 @@ from shared_td.containers.consolidation import moved_consolidated
 from shared_td.containers.keysview import tensors_at
 from shared_td.containers.shape_write_back import back_to_types_of, with_write_back
 from shared_td.containers.to_args import copied_as_root, parse_to
-from shared_td.containers.unpicklable import check_picklable
+from shared_td.containers.unpicklable import check_picklable, share_values_together
 from shared_td.keys import NestedKey, unravel_key
 from shared_td.memmap_tensor import ReadOnlyMemoryMappedTensor, refuse_read_only
 from shared_td.storage.slices import in_shared_mapping
@@ -142,6 +142,7 @@ class TensorMethods:
         if on_cuda(self._device):
             return self
         check_picklable(self, "share_memory_()", shared=True)  # (the nodes are shared one by one)
+        share_values_together(self)  # (then found shared below)
         for value in self._tensordict.values():
             if isinstance(value, torch.Tensor) and value.layout is torch.strided and \
                     in_shared_mapping(value.untyped_storage()):

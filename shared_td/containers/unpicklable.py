@@ -23,9 +23,10 @@ import torch
 
 from shared_td.keys import key_repr
 from shared_td.persist import format as fmt
+from shared_td.storage.shared_value import share_together
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 
-__all__ = ["check_picklable", "naming_unpicklable"]
+__all__ = ["check_picklable", "naming_unpicklable", "share_values_together"]
 
 
 def check_picklable(obj: Any, action: str, *, shared: bool) -> None:
@@ -62,6 +63,12 @@ def naming_unpicklable(obj: Any, action: str, shared: bool) -> Iterator[None]:
         for note in getattr(error, "__notes__", ()):  # (what a failed clean-up added, say)
             named.add_note(note)
         raise named from error
+
+
+def share_values_together(obj: Any) -> None:
+    """Put every non-tensor value of ``obj`` not in a shared cell yet into cells of one
+    memfd (``share_memory_()`` of a tree: one descriptor for its values, not one each)."""
+    share_together([entry for _path, entry in _non_tensor_entries(obj)])
 
 
 def _non_tensor_entries(obj: Any, path: tuple = ()) -> Any:

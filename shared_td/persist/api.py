@@ -16,7 +16,7 @@ from shared_td.persist import archive_write
 from shared_td.persist import atomic, in_flight, nodes
 from shared_td.storage import files
 from shared_td.storage.files import FileBacking
-from shared_td.storage.shared_value import SharedValue, adopt_new_slabs, collecting_new_slabs
+from shared_td.storage.shared_value import adopt_new_slabs, collecting_new_slabs, share_together
 from shared_td.persist.future import TensorDictFuture
 from shared_td.persist.loader import Loader, load_written_archive
 from shared_td.persist.planner import VALUE_KINDS, NodePlan, Options, Planner
@@ -185,7 +185,7 @@ def _share_values_first(root: NodePlan, options: Options) -> Callable[[], None]:
 
     try:
         with collecting_new_slabs() as slabs:
-            _share_together([node.obj for node in values])
+            share_together([node.obj for node in values])
             for node in values:
                 node.kind.adopt(node.obj, {}, node.directory, share_non_tensor=True)
         adopt_new_slabs(slabs)
@@ -195,14 +195,6 @@ def _share_values_first(root: NodePlan, options: Options) -> Callable[[], None]:
     return undo
 
 
-def _share_together(values: list) -> None:
-    """Share the non-tensor ``values`` not shared yet, all in one new slab (one memfd)."""
-    values = list({id(value): value for value in values if value._shared_value is None}.values())
-    if values:
-        for value, cell in zip(values, SharedValue.create_many([value._payload for value in values])):
-            value._share(cell)
-
-
 def _share_copies_first(values: list[NodePlan]) -> None:
     """memmap()/memmap_like(share_non_tensor=True): the copy's values, made and shared
     (handed to the coordinator) before any byte is written, as memmap_ shares its own:
@@ -210,7 +202,7 @@ def _share_copies_first(values: list[NodePlan]) -> None:
     it left a complete save behind a ConnectionError). _build adopts them as they are."""
     copies = [node.obj.clone() for node in values]
     with collecting_new_slabs() as slabs:
-        _share_together(copies)
+        share_together(copies)
     adopt_new_slabs(slabs)  # (the source's values are left alone: nothing to undo)
     for node, copy in zip(values, copies):
         node.obj, node.premade = copy, True

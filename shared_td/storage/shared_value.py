@@ -304,6 +304,24 @@ class SharedValue:
         return f"SharedValue(fd={self.fd}, inode={self.key[1]}, cell={self.index}, holders={list(self.slab._holders)})"
 
 
+def share_together(entries: list) -> None:
+    """Put the values of the non-tensor ``entries`` (NonTensorData, NonTensorStack: their
+    ``_payload``) not in a cell yet into new cells of one slab, one memfd for all
+    (``entry._share(cell)``); an entry listed twice gets one cell.
+
+    Example:
+        >>> from shared_td import NonTensorData
+        >>> entries = [NonTensorData("walk"), NonTensorData("run")]
+        >>> share_together(entries)
+        >>> entries[0]._shared_value.slab is entries[1]._shared_value.slab
+        True
+    """
+    entries = list({id(entry): entry for entry in entries if entry._shared_value is None}.values())
+    if entries:
+        for entry, cell in zip(entries, SharedValue.create_many([entry._payload for entry in entries])):
+            entry._share(cell)
+
+
 def _first_header(offset: int, length: int, capacity: int) -> bytes:
     """A new cell's header: version 1, slot 1 live (its value at ``offset``), slot 0 empty."""
     return _HEADER.pack(1, 0, 0, 0, offset, length, capacity)

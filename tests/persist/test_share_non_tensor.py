@@ -227,3 +227,35 @@ def test_unlocked_plain_td_still_turns_data_into_a_stack():
     td = TensorDict(task="walk", batch_size=[3])
     td[1] = {"task": "run"}
     assert td["task"] == ["walk", "run", "walk"]
+
+
+# ------------------------------------------------------------ a tree's values: one memfd
+def _own_descriptors() -> int:
+    import os
+
+    return len(os.listdir("/proc/self/fd"))  # this process's own table: no other program's
+
+
+def _set_value(td, key, value) -> None:
+    td.set_(key, value)
+
+
+@pytest.mark.parametrize("how", ["memmap_", "share_memory_", "lazy share_memory_"])
+def test_the_values_of_a_tree_share_one_memfd(how):
+    """The values shared by one call are cells of one memfd: 200 values, one descriptor
+    (one each before: 200, and the memory of 200 pages); each value stays its own."""
+    def tree():
+        return TensorDict({f"task{i}": f"walk to door {i}" for i in range(100)}, batch_size=[])
+
+    source = TensorDict(a=tree(), b=tree(), batch_size=[]) if how != "lazy share_memory_" else \
+        TensorDict.lazy_stack([tree(), tree()])
+    before = _own_descriptors()
+    td = source.memmap_(share_non_tensor=True) if how == "memmap_" else source.share_memory_()
+    assert _own_descriptors() - before == 1
+    key = ("a", "task7") if how != "lazy share_memory_" else "task7"
+    written = td if how != "lazy share_memory_" else td.tensordicts[0]
+    run(multiprocessing.get_context("fork"), _set_value, written, key, "run")
+    if how == "lazy share_memory_":
+        assert td.tensordicts[0]["task7"] == "run" and td.tensordicts[1]["task7"] == "walk to door 7"
+    else:
+        assert td[key] == "run" and td["b", "task7"] == "walk to door 7" and td["a", "task6"] == "walk to door 6"
