@@ -306,18 +306,33 @@ def keep_slab(slab: ValueSlab) -> ValueSlab:
 
 def attach_slab(pid: int, fd: int, key: tuple[int, int], holders: tuple = ()) -> ValueSlab:
     """This process's slab ``key``: its own, else opened through process ``pid``'s
-    descriptor ``fd``, else through a holder's."""
+    descriptor ``fd``, else through a holder's. ``holders`` are recorded on it either way
+    (a pickle made after a coordinator adopted the slab names it: this process, sending
+    the slab on, names it too).
+
+    Example:
+        >>> slab = ValueSlab.create([b"x"], lambda offset, length, capacity: b"")
+        >>> _ = keep_slab(slab)
+        >>> attach_slab(os.getpid(), slab.fd, slab.key, ((4242, 7),)) is slab, slab.holders
+        (True, ((4242, 7),))
+    """
     key = tuple(key)
-    return _CACHE.get_or_create(key, lambda: ValueSlab(_reopen_from_any(key, ((pid, fd), *holders)), holders))
+    slab = _CACHE.get_or_create(key, lambda: ValueSlab(_reopen_from_any(key, ((pid, fd), *holders)), holders))
+    if holders:
+        slab.add_holders(holders)
+    return slab
 
 
 def _receive(duplicate, key: tuple[int, int], pid: int, fd: int, holders: tuple = ()) -> ValueSlab:
     """Unpickle a slab sent by ForkingPickler: this process's, else the duplicate
     descriptor received, else (it cannot be taken) :func:`attach_slab`'s routes."""
     key = tuple(key)
-    return receive_duplicate(duplicate, key, SLAB_HEADER + CELL_HEADER, pid, what=_WHAT, cached=_CACHE.get,
+    slab = receive_duplicate(duplicate, key, SLAB_HEADER + CELL_HEADER, pid, what=_WHAT, cached=_CACHE.get,
                              adopt=lambda new_fd: keep_slab(ValueSlab(new_fd, holders)),
                              fallback=lambda: attach_slab(pid, fd, key, holders))
+    if holders:
+        slab.add_holders(holders)  # (as attach_slab records them)
+    return slab
 
 
 multiprocessing.reduction.ForkingPickler.register(ValueSlab, ValueSlab._reduce_with_duplicate)
