@@ -75,6 +75,7 @@ _HEADER = struct.Struct(f"={1 + _SLOT_WORDS}Q")
 # The bytes that the ByteLocks lock (a lock needs no data there), after the cell's first
 # (see value_slab): see the module doc.
 _VALUE, _WRITE, _UPDATE = 0, 1, 2
+_LOCK_BYTES = 3  # per cell; byte 0 of the memfd is the slab's
 _WHAT = "a shared non-tensor value"
 
 
@@ -124,7 +125,7 @@ class SharedValue:
         address = slab.header_address(index)
         self._version_word = ctypes.c_uint64.from_address(address)
         self._slots = (ctypes.c_uint64 * _SLOT_WORDS).from_address(address + 8)
-        first = 1 + 3 * index  # (byte 0 is the slab's)
+        first = 1 + _LOCK_BYTES * index
         self._value_lock = ByteLock(slab.fd, first + _VALUE)
         self._write_lock = ByteLock(slab.fd, first + _WRITE)
         self._update_lock = ByteLock(slab.fd, first + _UPDATE, for_blocks=True)  # (held by updating() blocks only)
