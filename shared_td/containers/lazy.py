@@ -214,19 +214,10 @@ class LazyStackedTensorDict(LazyMembers, LazyConversions, LazyApplyOps, LazyName
             RuntimeError: if a member, or a tensordict nested in one, is memory-mapped.
             TypeError: naming its key, if a non-tensor value cannot be pickled.
         """
+        from shared_td.containers.tensor_methods import refuse_mapped_nodes
         from shared_td.containers.unpicklable import check_picklable, share_values_together
 
-        pending = list(self.tensordicts)
-        while pending:  # (every nested node: a member's share_memory_ refuses any mapped one)
-            node = unwrap_tensorclass(pending.pop())
-            if is_non_tensor(node):
-                continue
-            if getattr(node, "_is_memmap", False):
-                raise RuntimeError(
-                    "memmap and shared memory are mutually exclusive features: a member of "
-                    "this stack, or a tensordict in one, is memory-mapped already."
-                )
-            pending += node._collection_children()
+        refuse_mapped_nodes(self.tensordicts, "a member of this stack, or a tensordict in one")
         check_picklable(self, "share_memory_()", shared=True)
         share_values_together(self)  # (then found shared by the members)
         for member in self.tensordicts:

@@ -23,7 +23,7 @@ from shared_td.containers.index_writes import number_kept, numbers_kept, plan_se
 from shared_td.containers.lazy_element_writes import writes_per_member
 from shared_td.containers.lazy_nontensor import written_through
 from shared_td.containers.nontensor import NonTensorData, as_non_tensor
-from shared_td.containers.nontensor_ops import list_to_entry, one_value_into
+from shared_td.containers.nontensor_ops import list_to_entry, non_tensor_over_rows, one_value_into
 from shared_td.containers.update_options import update_source
 from shared_td.containers.update_batch import planned_after_rebatch
 from shared_td.containers.updates import check_source_batch
@@ -433,8 +433,9 @@ class LazyWriteOps:
             part = parts[key]
             if isinstance(leaf, torch.Tensor) and isinstance(part, torch.Tensor):
                 source.set(key, broadcast(key, leaf, part))
-            elif isinstance(leaf, NonTensorData) and not leaf.batch_size and is_non_tensor(part):
-                source.set(key, NonTensorData(leaf.data, batch_size=view.batch_size))  # (one value: every row)
+            elif is_non_tensor(leaf) and is_non_tensor(part) and \
+                    (entry := non_tensor_over_rows(leaf, part.batch_size, view.batch_size)) is not None:
+                source.set(key, entry)
             else:
                 return None
         return source

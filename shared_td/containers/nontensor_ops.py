@@ -135,6 +135,33 @@ def one_value_into(current: Any, value: Any) -> Any:
     return value
 
 
+def non_tensor_over_rows(leaf: Any, part_batch: torch.Size, rows: torch.Size) -> Any:
+    """The non-tensor entry ``leaf`` of a source written into ``rows`` of a lazy stack,
+    where the entry's part has batch size ``part_batch``, broadcast as a tensor would be:
+    a NonTensorData is one value for every row, a NonTensorStack's values (one per element
+    of a nested node) are repeated over the part's leading dims (left to the row-by-row
+    path, the node's first dim was taken as the rows'). None if ``leaf``'s batch size is
+    not the last dims of ``part_batch`` (it does not broadcast there).
+
+    Example:
+        >>> from shared_td import NonTensorStack
+        >>> non_tensor_over_rows(NonTensorStack("a", "b"), torch.Size([3, 2]), torch.Size([3])).tolist()
+        [['a', 'b'], ['a', 'b'], ['a', 'b']]
+    """
+    from shared_td.containers.nontensor import NonTensorData
+
+    size = leaf.batch_size
+    lead = len(part_batch) - len(size)
+    if lead < 0 or tuple(part_batch[lead:]) != tuple(size):
+        return None
+    if isinstance(leaf, NonTensorData):
+        return NonTensorData(leaf.data, batch_size=rows)
+    values = leaf.tolist()
+    for dim in reversed(part_batch[:lead]):
+        values = [values] * dim
+    return type(leaf).from_list(values)
+
+
 def list_to_tensor(value: list | tuple) -> Any:
     """Numbers become a tensor (as tensordict does); other values stay Python."""
     try:

@@ -18,6 +18,7 @@ from shared_td.containers.unpicklable import check_picklable, share_values_toget
 from shared_td.keys import NestedKey, unravel_key
 from shared_td.memmap_tensor import ReadOnlyMemoryMappedTensor, refuse_read_only
 from shared_td.storage.slices import in_shared_mapping
+from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 if TYPE_CHECKING:  # for the annotations only: tensordict.py imports this module
     from shared_td.containers.tensordict import TensorDict
@@ -141,6 +142,8 @@ class TensorMethods:
             )
         if on_cuda(self._device):
             return self
+        # before any value is put in a cell: nothing done on refusal
+        refuse_mapped_nodes(self._collection_children(), "a tensordict nested in this one")
         check_picklable(self, "share_memory_()", shared=True)  # (the nodes are shared one by one)
         share_values_together(self)  # (then found shared below)
         for value in self._tensordict.values():
@@ -154,6 +157,27 @@ class TensorMethods:
         self._is_shared = True
         self.lock_()
         return self
+
+
+def refuse_mapped_nodes(nodes: list, which: str) -> None:
+    """The RuntimeError of ``share_memory_()`` if one of ``nodes`` (tensordicts,
+    tensorclasses), or a tensordict nested in one at any depth, is memory-mapped
+    (``which`` says where it was looked for), raised before anything is shared: the
+    values of the whole tree are put in cells first (share_values_together), so a
+    refusal met on the way down left values of the tree, those of the mapped node too,
+    in cells that every process receiving them then wrote through, while
+    ``is_shared()`` read False."""
+    pending = list(nodes)
+    while pending:
+        node = unwrap_tensorclass(pending.pop())
+        if is_non_tensor(node):
+            continue
+        if getattr(node, "_is_memmap", False):
+            raise RuntimeError(
+                f"memmap and shared memory are mutually exclusive features: {which} is "
+                "memory-mapped already."
+            )
+        pending += node._collection_children()
 
 
 def fill_entry(td: Any, key: NestedKey, value: Any) -> Any:

@@ -76,3 +76,28 @@ def test_one_value_over_every_element_of_a_memory_mapped_tensordict(tmp_path):
     with pytest.raises(RuntimeError, match="per-element values"):
         td[:2] = value[:2].set_non_tensor("text", "newer")
     assert td.get_non_tensor("text") == "new"
+
+
+# lazy[rows] = a 0-d tensordict whose nested node (batch [2]) holds a non-tensor entry: the
+# source was fitted to the rows row by row, which took the nested node's dim as the rows'
+# (row 0 got element 0 everywhere, row 2 element 1; fuzz record 226286, triage24); it is
+# broadcast to every row, as a tensor is (tensordict 0.15.3 does)
+def _member(L, i, nt):
+    obs = L.TensorDict({"k": torch.tensor([10. * i, 10. * i + 1])}, [2])
+    if nt == "stack":
+        obs["s"] = L.NonTensorStack(L.NonTensorData(f"walk{i}"), L.NonTensorData(f"run{i}"))
+    else:
+        obs.set_non_tensor("s", f"walk{i}")
+    return L.TensorDict({"obs": obs}, [])
+
+
+@pytest.mark.parametrize("nt", ["stack", "data"])
+@pytest.mark.parametrize("index", [slice(None, None, 2), [0, 2], torch.tensor([True, False, True])],
+                         ids=["step", "list", "mask"])
+@pytest.mark.parametrize("lib", LIBS)
+def test_a_row_with_a_nested_non_tensor_is_written_whole_into_every_row(lib, index, nt):
+    L = lib
+    x = L.LazyStackedTensorDict.lazy_stack([_member(L, i, nt) for i in range(3)])
+    x[index] = x[1].clone()
+    assert x.get(("obs", "k")).tolist() == [[10., 11.]] * 3
+    assert x.get(("obs", "s")).tolist() == ([["walk1", "run1"]] * 3 if nt == "stack" else [["walk1"] * 2] * 3)

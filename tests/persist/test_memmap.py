@@ -3,6 +3,7 @@ and §3, §5, §12 of the memmap spec), without atomic= and share_non_tensor=.""
 from __future__ import annotations
 
 import os
+import pickle
 import threading
 
 import pytest
@@ -595,3 +596,37 @@ def test_alike_nodes_share_no_metadata_that_differs(tmp_path):
     assert isinstance(back["f", "x"], TensorDict)
     metas = {key: (tmp_path / "p" / key / "meta.json").read_bytes() for key in "abcdefg"}
     assert metas["a"] == metas["g"] and len(set(metas.values())) == 6
+
+
+# share_memory_() of a tree with a memory-mapped nested tensordict is refused before any
+# value is put in a cell (the tree's values were all put in one slab first, so entries
+# that read is_shared() False, the mapped node's own among them, stayed tied to a shared
+# cell: a pickled copy's write reached the tree; triage24)
+def _tree(tmp_path, depth):
+    mapped = TensorDict({"t": torch.zeros(2), "s": "walk"}, [2]).memmap_(tmp_path)
+    node = mapped if depth == 1 else TensorDict({"deeper": mapped, "v": "mid"}, [2])
+    td = TensorDict({"a": "first", "inner": node, "z": "last"}, [])
+    keys = ["a", "z", ("inner", "s") if depth == 1 else ("inner", "deeper", "s")]
+    return td, keys + ([("inner", "v")] if depth == 2 else [])
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_refused_share_memory_ties_no_unshared_value_to_a_cell(tmp_path, depth):
+    td, keys = _tree(tmp_path, depth)
+    with pytest.raises(RuntimeError, match="mutually exclusive"):
+        td.share_memory_()
+    unshared = [k for k in keys if not td.get(k).is_shared()]
+    before = {k: td.get(k).data for k in unshared}
+    copy = pickle.loads(pickle.dumps(td))
+    for k in unshared:
+        copy.set_(k, "changed")
+    assert {k: td.get(k).data for k in unshared} == before
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_refused_share_memory_shares_nothing(tmp_path, depth):
+    # (tensordict 0.15.3 leaves the entries before the mapped node shared)
+    td, keys = _tree(tmp_path, depth)
+    with pytest.raises(RuntimeError, match="mutually exclusive"):
+        td.share_memory_()
+    assert [k for k in keys if td.get(k).is_shared()] == [] and not td.is_locked
