@@ -21,6 +21,7 @@ from typing import Any, Iterator
 
 import torch
 
+from shared_td.containers.value_kinds import on_cuda
 from shared_td.keys import key_repr
 from shared_td.persist import format as fmt
 from shared_td.storage.shared_value import share_together
@@ -67,24 +68,28 @@ def naming_unpicklable(obj: Any, action: str, shared: bool) -> Iterator[None]:
 
 def share_values_together(obj: Any) -> None:
     """Put every non-tensor value of ``obj`` not in a shared cell yet into cells of one
-    memfd (``share_memory_()`` of a tree: one descriptor for its values, not one each)."""
-    share_together([entry for _path, entry in _non_tensor_entries(obj)])
+    memfd (``share_memory_()`` of a tree: one descriptor for its values, not one each);
+    not those of a tensordict on a CUDA device (its ``share_memory_()`` leaves it as it is)."""
+    share_together([entry for _path, entry in _non_tensor_entries(obj, on_cuda_node=False)])
 
 
-def _non_tensor_entries(obj: Any, path: tuple = ()) -> Any:
-    """(nested key, NonTensorData/NonTensorStack) of every non-tensor entry of ``obj``."""
+def _non_tensor_entries(obj: Any, path: tuple = (), *, on_cuda_node: bool = True) -> Any:
+    """(nested key, NonTensorData/NonTensorStack) of every non-tensor entry of ``obj``
+    (``on_cuda_node=False``: none of a tensordict whose device is CUDA)."""
     if getattr(obj, "_is_non_tensor", False):
         yield path, obj
         return
     node = unwrap_tensorclass(obj)
+    if not on_cuda_node and on_cuda(getattr(node, "_device", None)):
+        return
     members = getattr(node, "tensordicts", None)
     if members is not None:  # a lazy stack: its members hold the entries, under the same keys
         for member in members:
-            yield from _non_tensor_entries(member, path)
+            yield from _non_tensor_entries(member, path, on_cuda_node=on_cuda_node)
         return
     for key, value in getattr(node, "_tensordict", {}).items():
         if not isinstance(value, torch.Tensor):
-            yield from _non_tensor_entries(value, path + (key,))
+            yield from _non_tensor_entries(value, path + (key,), on_cuda_node=on_cuda_node)
 
 
 def _unpicklable(obj: Any, shared: bool) -> tuple | None:

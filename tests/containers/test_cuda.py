@@ -272,3 +272,15 @@ def test_a_tree_moved_leaf_by_leaf_is_ready_when_to_returns(non_blocking):
         torch.cuda.synchronize()
     assert on_gpu.device.type == "cuda" and back.device == torch.device("cpu")
     assert all(torch.equal(back[f"k{i}", "x"], row) for i, row in enumerate(rows))
+
+
+@needs_cuda
+def test_share_memory_of_a_cpu_tree_leaves_the_values_of_a_nested_cuda_tensordict_alone():
+    """share_memory_() puts a tree's values in one memfd before the nodes are shared: not
+    those of a nested tensordict on a CUDA device, whose own share_memory_() leaves it as
+    it is (triage24)."""
+    inner = TensorDict({"obs": torch.zeros(2, device="cuda"), "task": "walk"}, [], device="cuda")
+    td = TensorDict({"label": "cpu side", "inner": inner}, [])
+    td.share_memory_()
+    assert td.get("label").is_shared()
+    assert td["inner"].get("task")._shared_value is None and not td["inner"].is_locked
