@@ -230,17 +230,19 @@ def test_unlocked_plain_td_still_turns_data_into_a_stack():
 
 
 # ------------------------------------------------------------ a tree's values: one memfd
-def _value_descriptors() -> int:
-    """This process's descriptors on memfds of shared values: only those (a garbage
-    cycle of an earlier test closing a descriptor of its own meanwhile made a count of
-    all of them flaky)."""
+def _value_memfds() -> set:
+    """(st_dev, st_ino) of the memfds of shared values this process holds a descriptor
+    of: compared as sets, as an earlier test's garbage may close one of its own meanwhile
+    (a count of descriptors went flaky so)."""
     import os
 
-    found = 0
+    found = set()
     for name in os.listdir("/proc/self/fd"):
         try:
-            found += os.readlink(f"/proc/self/fd/{name}").startswith("/memfd:shared_td-value-")
-        except OSError:  # (the listing's own descriptor, closed by now)
+            if os.readlink(f"/proc/self/fd/{name}").startswith("/memfd:shared_td-value-"):
+                st = os.stat(f"/proc/self/fd/{name}")
+                found.add((st.st_dev, st.st_ino))
+        except OSError:  # (the listing's own descriptor, or one closed by now)
             pass
     return found
 
@@ -258,9 +260,9 @@ def test_the_values_of_a_tree_share_one_memfd(how):
 
     source = TensorDict(a=tree(), b=tree(), batch_size=[]) if how != "lazy share_memory_" else \
         TensorDict.lazy_stack([tree(), tree()])
-    before = _value_descriptors()
+    before = _value_memfds()
     td = source.memmap_(share_non_tensor=True) if how == "memmap_" else source.share_memory_()
-    assert _value_descriptors() - before == 1
+    assert len(_value_memfds() - before) == 1
     key = ("a", "task7") if how != "lazy share_memory_" else "task7"
     written = td if how != "lazy share_memory_" else td.tensordicts[0]
     run(multiprocessing.get_context("fork"), _set_value, written, key, "run")
