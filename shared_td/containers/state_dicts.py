@@ -227,12 +227,15 @@ def _load(node: Any, state: Any, assign: bool) -> None:
     for name, value in level.get("_non_tensor", {}).items() if is_tensorclass(node) else ():
         current = entries.get(name, None)
         if value is None:  # (a field that is None holds no entry)
-            if current is not None and getattr(node, name) is not None:  # (a stored None is left: locked trees)
+            if current is not None and not _reads_as_none(current):  # (a stored None is left: locked trees)
                 setattr(node, name, None)
         else:
             _set_value(entries, name, current, value, assign)
+    fields = type(node)._tc_field_names if is_tensorclass(node) else None
     for key, value in state.items():
         current = entries.get(key, None)
+        if fields is not None and key not in fields and current is None:
+            continue  # (strict=False: a key the class has no field for is not added, as in tensordict 0.15.3)
         if isinstance(value, dict):
             inner = _level(value)
             if inner.get("_type") in ("NonTensorData", "NonTensorStack"):
@@ -244,6 +247,21 @@ def _load(node: Any, state: Any, assign: bool) -> None:
             _load(current, value, assign)
         else:
             entries.set(key, value, inplace=not assign and current is not None)
+
+
+def _reads_as_none(value: Any) -> bool:
+    """Whether a non-tensor entry holds None for every element: tensordict 0.15.3's state
+    dict records such a NonTensorStack field as None, which is then no order to drop it."""
+    if not is_non_tensor(value):
+        return False
+    pending = [value.tolist()]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, list):
+            pending.extend(item)
+        elif item is not None:
+            return False
+    return True
 
 
 def _set_value(entries: Any, key: str, current: Any, value: Any, assign: bool) -> None:

@@ -211,3 +211,36 @@ def test_a_strict_load_of_other_keys_raises_what_tensordict_raises_for_either_ki
         with pytest.raises(expected, match=r"has \['other'\] more\). Pass strict=False"):
             tree.load_state_dict(state)
     assert tree.obs.tolist() == [0.0, 0.0] if kind == "tensorclass" else tree["obs"].tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("lib", LIBS, ids=IDS)
+@pytest.mark.parametrize("prep", ["plain", "lock_", "memmap_"])
+def test_tensordicts_state_dict_of_a_field_of_none_values_keeps_the_stack(lib, prep, tmp_path):
+    # triage25 (fuzz record 224588): tensordict 0.15.3 records a tensorclass field holding a NonTensorStack of
+    # None values as `_non_tensor: {"label": None}`; the load took that None for "the field is None" and deleted
+    # the entry (a LockedTensorDictError in a locked or memory-mapped tree); tensordict keeps the stack
+    def tree(mod):
+        step = STEPS[mod](obs=torch.zeros(2), label=mod.NonTensorStack.from_list([None, None]), batch_size=[2])
+        return mod.TensorDict(s=step, batch_size=[2])
+    state = tree(td_module).state_dict()
+    target = tree(lib)
+    if prep == "lock_":
+        target.lock_()
+    elif prep == "memmap_":
+        target.memmap_(tmp_path)
+    assert target.load_state_dict(state) is target
+    assert target.get(("s", "label")).tolist() == [None, None]
+
+
+@pytest.mark.parametrize("lib", LIBS, ids=IDS)
+@pytest.mark.parametrize("prep", ["plain", "lock_", "share_memory_"])
+def test_a_key_the_tensorclass_has_no_field_for_is_not_added_by_a_lax_load(lib, prep):
+    # triage25 (fuzz record 225415): load_state_dict(strict=False) added a tensor under a key that is no field of
+    # the class to the tensorclass's tensordict (a LockedTensorDictError when locked); tensordict 0.15.3 skips it
+    step = STEPS[lib](obs=torch.zeros(2), label="a", batch_size=[2])
+    state = step.state_dict()
+    state["not_a_field"] = torch.ones(2)
+    if prep != "plain":
+        getattr(step, prep)()
+    assert step.load_state_dict(state, strict=False) is step
+    assert "not_a_field" not in step.to_tensordict().keys()
