@@ -214,14 +214,14 @@ class LazyStackedTensorDict(LazyMembers, LazyConversions, LazyApplyOps, LazyName
             RuntimeError: if a member, or a tensordict nested in one, is memory-mapped.
             TypeError: naming its key, if a non-tensor value cannot be pickled.
         """
-        from shared_td.containers.tensor_methods import refuse_mapped_nodes
+        from shared_td.containers.tensor_methods import refuse_mapped_nodes, share_checked
         from shared_td.containers.unpicklable import check_picklable, share_values_together
 
         refuse_mapped_nodes(self.tensordicts, "a member of this stack, or a tensordict in one")
         check_picklable(self, "share_memory_()", shared=True)
         share_values_together(self)  # (then found shared by the members)
         for member in self.tensordicts:
-            member.share_memory_()
+            share_checked(member)
         self._is_shared = True
         return self.lock_()
 

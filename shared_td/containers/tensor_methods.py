@@ -142,10 +142,17 @@ class TensorMethods:
             )
         if on_cuda(self._device):
             return self
-        # before any value is put in a cell: nothing done on refusal
+        # the whole tree checked, and its values put in cells, once, here: before any value
+        # is put in a cell (nothing done on refusal), and not again by each nested node
         refuse_mapped_nodes(self._collection_children(), "a tensordict nested in this one")
-        check_picklable(self, "share_memory_()", shared=True)  # (the nodes are shared one by one)
+        check_picklable(self, "share_memory_()", shared=True)
         share_values_together(self)  # (then found shared below)
+        self._share_checked_nodes()
+        return self
+
+    def _share_checked_nodes(self) -> None:
+        """share_memory_() of this node and those below it, once the tree was checked and
+        its values put in cells at its root: each node shared, then locked."""
         for value in self._tensordict.values():
             if isinstance(value, torch.Tensor) and value.layout is torch.strided and \
                     in_shared_mapping(value.untyped_storage()):
@@ -153,10 +160,20 @@ class TensorMethods:
             if isinstance(value, torch.Tensor) or is_non_tensor(value):
                 value.share_memory_()
             elif is_tensor_collection(value):
-                value.share_memory_()
+                share_checked(value)
         self._is_shared = True
         self.lock_()
-        return self
+
+
+def share_checked(node: Any) -> None:
+    """``node.share_memory_()`` for a tensordict below a root whose share_memory_() has
+    checked the whole tree and put its values in cells: a TensorDict is not checked again
+    (each nesting level walked its whole subtree again); a CUDA one, a tensorclass or a
+    lazy stack shares as it does alone."""
+    if isinstance(node, TensorMethods) and not on_cuda(node._device):
+        node._share_checked_nodes()
+    else:
+        node.share_memory_()
 
 
 def refuse_mapped_nodes(nodes: list, which: str) -> None:
