@@ -96,6 +96,14 @@ class InPlaceKindError(TypeError, ValueError, RuntimeError):
     ``RuntimeError``) there; this ``TypeError`` is all three."""
 
 
+class InPlaceWriteError(ValueError, RuntimeError):
+    """An entry that cannot be written in place as a whole (``set_``, ``update_``,
+    ``set(..., inplace=True)``, ``apply_``): an expanded tensor (``expand()``), several of
+    whose elements are one memory location, which torch refuses to write. tensordict
+    0.15.3 raises its ``_InplaceWriteError`` (a ``ValueError`` and a ``RuntimeError``)
+    there, after writing the entries before it; this is both, raised before any write."""
+
+
 class FormatError(ValueError, RuntimeError):
     """A saved directory does not hold what its meta.json says (or is not one at all).
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from shared_td.containers import batch as batch_ops
-from shared_td.errors import BatchSizeMismatchError, InPlaceKindError
+from shared_td.errors import BatchSizeMismatchError, InPlaceKindError, InPlaceWriteError
 from shared_td.keys import NestedKey, key_repr
 from shared_td.tensorclass_protocol import is_tensorclass
 
@@ -116,6 +116,12 @@ def check_write_into(current: Any, value: Any, key: str | tuple[str, ...]) -> No
                 f"Cannot write a value of shape {list(value.shape)} in place into entry "
                 f"{_shown(key)} of shape {list(current.shape)}."
             )
+        if 0 in current.stride() and _overlaps(current):
+            raise InPlaceWriteError(
+                f"Cannot write entry {_shown(key)} in place: it is expanded (shape {list(current.shape)}, "
+                f"strides {list(current.stride())}), so several of its elements are one memory location. "
+                "Write into a contiguous copy (td = td.contiguous()), or set() a new value."
+            )
     elif is_non_tensor(current):
         try:
             current._check_update(value)
@@ -127,6 +133,12 @@ def check_write_into(current: Any, value: Any, key: str | tuple[str, ...]) -> No
             f"Cannot write a {type(value).__name__} in place into the nested tensordict "
             f"{_shown(key)}: give a dict or tensordict of its entries."
         )
+
+
+def _overlaps(tensor: torch.Tensor) -> bool:
+    """Whether some elements of ``tensor`` are one memory location (a dim of stride 0
+    and more than one element: what ``expand()`` makes, and torch refuses to write)."""
+    return any(stride == 0 and size > 1 for stride, size in zip(tensor.stride(), tensor.shape))
 
 
 def _shown(key: str | tuple[str, ...]) -> str:

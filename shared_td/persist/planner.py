@@ -155,9 +155,12 @@ class Planner:
         node = NodePlan(obj, kind, directory, exists=exists)
         if exists:
             node.stale = _stale_entries(kind, obj, directory, path)
+        # the key path that messages name: a tensorclass's tensordict holds its fields
+        # under the tensorclass's own key (its directory name is no key of the user's)
+        inner = (lambda name: path) if kind.name == nodes.TENSORCLASS else (lambda name: path + (name,))
         for name, child in kind.children(obj):
             node.children[name] = self._plan(
-                child, _join(directory, name), path + (name,), parent_exists=exists
+                child, _join(directory, name), inner(name), parent_exists=exists
             )
         self._plan_entries(node, kind.entries(obj), directory, path)
         return node
