@@ -201,8 +201,7 @@ def _check_keys(node: Any, state: Any, strict: bool, path: tuple) -> None:
         theirs |= set(_level(state).get("_non_tensor", {}))
     ours = set(entries.keys()) | (type(node)._tc_field_names if is_tensorclass(node) else set())
     empty = {key for key in ours - theirs if _is_empty_node(entries.get(key))}
-    extra = {key for key in theirs - ours if isinstance(state.get(key), dict) and not state[key]
-             and not _level(state[key])}  # (an empty level of the state dict's: nothing to load)
+    extra = {key for key in theirs - ours if _holds_nothing(state.get(key))}  # (levels with no leaf: nothing to load)
     if ours - theirs - empty or theirs - ours - extra:
         where = f" at {path!r}" if path else ""
         raise StateDictKeysError(f"Cannot load the state dict{where}: its keys are not the tensordict's (the "
@@ -213,6 +212,18 @@ def _check_keys(node: Any, state: Any, strict: bool, path: tuple) -> None:
         value = state[key] if key in state else None
         if isinstance(value, dict) and is_tensor_collection(entries.get(key)):
             _check_keys(entries.get(key), value, strict, path + (key,))
+
+
+def _holds_nothing(state: Any) -> bool:
+    """Whether a state dict level holds no leaf and no non-tensor value at any depth (an empty
+    nested tensordict's levels, metadata alone): there is nothing to load from it, and tensordict
+    0.15.3 neither refuses it (strict) nor adds it."""
+    if not isinstance(state, dict):
+        return False
+    level = _level(state)
+    if level.get("_type") in ("NonTensorData", "NonTensorStack") or level.get("_non_tensor"):
+        return False
+    return all(_holds_nothing(value) for value in state.values())
 
 
 def _is_empty_node(value: Any) -> bool:
@@ -237,6 +248,8 @@ def _load(node: Any, state: Any, assign: bool) -> None:
         if fields is not None and key not in fields and current is None:
             continue  # (strict=False: a key the class has no field for is not added, as in tensordict 0.15.3)
         if isinstance(value, dict):
+            if current is None and _holds_nothing(value):
+                continue  # (no leaf to load: not added, as in tensordict 0.15.3, so a locked tree loads it)
             inner = _level(value)
             if inner.get("_type") in ("NonTensorData", "NonTensorStack"):
                 _set_value(entries, key, current, inner["_non_tensor"]["data"], assign)
