@@ -367,6 +367,10 @@ class MemmapMethods:
         """Add a memory-mapped copy of ``tensor`` as leaf ``key`` (``copy_data=False``:
         same shape and dtype, zeros). ``robust_key`` is accepted and ignored, as in
         :meth:`make_memmap`."""
+        if isinstance(tensor, torch.Tensor) and tensor.is_nested:  # (its .shape is torch's "Internal error")
+            raise NotImplementedError(
+                f"make_memmap_from_tensor: key {key!r} was given a nested tensor (torch.nested), which shared_td "
+                "does not support. Store its components (tensor.unbind()) as separate entries.")
         source = tensor if copy_data else torch.zeros_like(tensor, device="cpu")
         return self._add_memmap_leaf(
             key, lambda path: MemoryMappedTensor.from_tensor(

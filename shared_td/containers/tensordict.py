@@ -119,7 +119,7 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, BatchDimOps, IndexWrites
         for key, value in entries.items():
             if type(key) is not str or self._names is not None:  # (named: set() names each child)
                 self.set(key, value)
-            elif type(value) is torch.Tensor:
+            elif type(value) is torch.Tensor and not value.is_nested:
                 fits = value.shape[:batch_dims] == batch_size and device is None
                 stored[key] = value if fits else self._fitted(key, value, value.shape)
             elif type(value) is dict:
@@ -201,6 +201,11 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, BatchDimOps, IndexWrites
         non-tensor entry stays Python data (``True`` is not turned into a tensor).
         """
         if isinstance(value, torch.Tensor):  # most entries: none of the conversions below applies
+            if value.is_nested:  # (its .shape is torch's "Internal error ... Please file an issue")
+                raise NotImplementedError(
+                    f"Cannot store the nested tensor (torch.nested) given for key {key!r}: shared_td does not "
+                    "support nested tensors. Store its components (value.unbind()) as separate entries, or "
+                    "a padded tensor (torch.nested.to_padded_tensor(value, 0.0)) with their lengths.")
             return self._fitted(key, value, value.shape)
         from shared_td.containers.nontensor import NonTensorData, NonTensorStack, as_non_tensor
 
