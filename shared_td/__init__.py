@@ -22,6 +22,8 @@ from shared_td.containers.consolidated_load import from_consolidated
 from shared_td.containers.extra_constructors import cat, fromkeys, make_tensordict, maybe_dense_stack, stack
 from shared_td.containers.lazy import LazyStackedTensorDict
 from shared_td.containers.nontensor import NonTensorData, NonTensorDataBase, NonTensorStack
+from shared_td.containers.nontensor_options import (capture_non_tensor_stack, list_to_stack,
+                                                     set_capture_non_tensor_stack, set_list_to_stack)
 from shared_td.containers.tensorclass import TensorClass, from_dataclass, is_tensorclass, tensorclass
 from shared_td.containers.tensordict import TensorDict
 from shared_td.coordinator import Coordinator, attach, is_stale, refresh, version, wait_version
@@ -129,7 +131,11 @@ __all__ = [
     "attach",
     "cat",
     "default_is_leaf",
+    "capture_non_tensor_stack",
     "from_dataclass",
+    "list_to_stack",
+    "set_capture_non_tensor_stack",
+    "set_list_to_stack",
     "fromkeys",
     "gc",
     "is_leaf_nontensor",

@@ -22,6 +22,7 @@ import torch
 from shared_td.containers import batch as batch_ops
 from shared_td.containers.linked_list import linked_values
 from shared_td.containers.nontensor_base import NonTensorBase
+from shared_td.containers.nontensor_options import capture_non_tensor_stack
 from shared_td.containers.nontensor_values import nest, nested_shape, one_member, same_value
 from shared_td.errors import BatchSizeMismatchError
 
@@ -480,17 +481,24 @@ def _same_value(a: Any, b: Any) -> bool:
         return False
 
 
-def stack_non_tensors(items: Sequence[NonTensorBase], dim: int) -> NonTensorStack:
+def stack_non_tensors(items: Sequence[NonTensorBase], dim: int) -> NonTensorBase:
     """``torch.stack`` of non-tensor entries: one value per element, each NonTensorData
-    stacked remembered as a member."""
+    stacked remembered as a member (with ``set_capture_non_tensor_stack(True)``, a
+    NonTensorData when every item is one of one equal value)."""
     dim = batch_ops.insertion_dim(dim, len(items[0].batch_size), "torch.stack")  # the error of every tensordict's
-    return _combine(items, lambda positions: torch.stack(positions, dim), members=True)
+    stacked = _combine(items, lambda positions: torch.stack(positions, dim), members=True)
+    return _one_value(items, stacked) if capture_non_tensor_stack() else stacked
 
 
 def cat_non_tensors(items: Sequence[NonTensorBase], dim: int) -> NonTensorBase:
     """``torch.cat`` of non-tensor entries: one value per element; a NonTensorData when
     every item is one and their values are equal, as in tensordict 0.15.3."""
-    combined = _combine(items, lambda positions: torch.cat(positions, dim), members=False)
+    return _one_value(items, _combine(items, lambda positions: torch.cat(positions, dim), members=False))
+
+
+def _one_value(items: Sequence[NonTensorBase], combined: NonTensorStack) -> NonTensorBase:
+    """A NonTensorData of ``combined``'s batch size when every item is a NonTensorData
+    of one equal value, else ``combined``."""
     first = items[0]
     if all(isinstance(item, NonTensorData) and same_value(item.data, first.data) for item in items):
         return NonTensorData(first.data, batch_size=combined.batch_size, device=first.device)

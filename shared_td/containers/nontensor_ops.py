@@ -12,6 +12,7 @@ from typing import Any, Iterator
 import torch
 
 from shared_td.containers import batch as batch_ops
+from shared_td.containers.nontensor_options import list_to_stack
 from shared_td.containers.nontensor_values import same_value
 from shared_td.containers.value_kinds import is_lazy_stack, is_leaf_nontensor, is_non_tensor, is_tensor_collection
 from shared_td.errors import BatchSizeMismatchError
@@ -177,11 +178,14 @@ def list_to_entry(value: list, device: Any) -> Any:
     too) is a NonTensorStack with one value per element (equal-length inner lists are
     more dims), whose batch size is then checked like a tensor's: ``["a", "b", "c"]``
     fits a batch size of ``[3]``."""
-    from shared_td.containers.nontensor import NonTensorStack
+    from shared_td.containers.nontensor import NonTensorData, NonTensorStack
 
     tensors = [isinstance(v, torch.Tensor) for v in value]
     if value and all(tensors) and len({v.shape for v in value}) == 1:
         return torch.stack(value)
+    if not list_to_stack():  # set_list_to_stack(False): a list that is no tensor is one value
+        converted = list_to_tensor(value)
+        return converted if isinstance(converted, torch.Tensor) else NonTensorData(value, device=device)
     if any(tensors):  # of several shapes, or beside other values: one value each, as tensordict keeps them
         return NonTensorStack._from_flat(value, torch.Size([len(value)]), device)
     converted = list_to_tensor(value)

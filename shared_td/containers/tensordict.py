@@ -34,6 +34,7 @@ from shared_td.containers.keyops import KeyOps
 from shared_td.containers.locking import LockingOps
 from shared_td.containers.naming import NamedBatchDims, check_names
 from shared_td.containers.nontensor_ops import kept_by_empty, list_to_entry, list_to_tensor
+from shared_td.containers.nontensor_options import list_to_stack
 from shared_td.containers.nontensor_values import same_value
 from shared_td.containers.reshaping import BatchShapeOps
 from shared_td.containers.row_writes import write_rows
@@ -211,7 +212,7 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, BatchDimOps, IndexWrites
 
         if into is not None and is_non_tensor(into) and not is_tensor_collection(value):
             if isinstance(value, list):  # one value per element, as set() takes it (a NonTensorData refuses it)
-                if isinstance(into, NonTensorData) and same_value(value, into.data):
+                if isinstance(into, NonTensorData) and (same_value(value, into.data) or not list_to_stack()):
                     # the list it holds, written again (td.update_(td.to_dict())): one value, as tensordict takes it
                     return NonTensorData(value, batch_size=self._batch_size, device=self._device)
                 return as_non_tensor(value, self._batch_size, key, self._device)
