@@ -25,7 +25,7 @@ from shared_td.containers.nontensor import NonTensorData, NonTensorStack
 from shared_td.containers.nontensor_ops import check_non_tensor_write
 from shared_td.containers.row_writes import fit_source
 from shared_td.containers.tensorclass_compat import check_row_write
-from shared_td.errors import BatchSizeMismatchError
+from shared_td.errors import BatchSizeMismatchError, IndexTypeError
 from shared_td.keys import RAISE, key_repr, unravel_key
 from shared_td.memmap_tensor import refuse_read_only
 from shared_td.tensorclass_protocol import unwrap_tensorclass
@@ -181,6 +181,8 @@ def reads_entry_dims(index: Any, batch_size: torch.Size) -> bool:
         return True
     try:
         batch_ops.normalize_index(index, batch_size)
+    except IndexTypeError:
+        raise  # not an index on any dims (a float, a str): the TypeError and IndexError, as td[idx]
     except IndexError:
         return True
     return False

@@ -51,6 +51,14 @@ class LazyMembers:
                 "a lazy stack's members are tensordicts or tensorclasses."
             )
         member = unwrap_tensorclass(tensordict)
+        # the lock first, as tensordict 0.15.3 (a locked stack refuses any member, whatever its
+        # device or batch size); locked is what ``is_locked`` says: the stack's own lock, or
+        # every member's (a reshape or view of a locked stack, whose members are locked views)
+        action = "insert a member into the lazy stack"
+        super()._check_unlocked((), action)
+        if self.is_locked:
+            for locked in self.tensordicts:
+                locked._check_unlocked((), action)
         if self.tensordicts and member.device != self.device:
             raise ValueError(
                 f"Devices differ: the stack is on {self.device}, the new member on {member.device}; "
@@ -61,7 +69,6 @@ class LazyMembers:
                 f"Batch sizes in tensordicts differs: the members have batch_size "
                 f"{list(self._member_batch)}, the new one {list(member.batch_size)}."
             )
-        super()._check_unlocked((), "insert a member into the lazy stack")
         return member
 
     def _add_member(self, index: int, given: Any, member: Any) -> None:
