@@ -22,7 +22,7 @@ from shared_td.persist.functions import check_out_type
 from shared_td.containers.load_in_place import (check_entries_fit, give_device, keep_one_value_devices, load_into,
                                                  one_value_devices)
 from shared_td.containers.locking import lock_until_restored
-from shared_td.containers.value_kinds import is_lazy_stack
+from shared_td.containers.value_kinds import is_lazy_stack, nested_tensor_error
 from shared_td.containers.unpicklable import check_picklable, naming_unpicklable
 from shared_td.tensorclass_protocol import is_tensorclass, unwrap_tensorclass
 
@@ -367,10 +367,8 @@ class MemmapMethods:
         """Add a memory-mapped copy of ``tensor`` as leaf ``key`` (``copy_data=False``:
         same shape and dtype, zeros). ``robust_key`` is accepted and ignored, as in
         :meth:`make_memmap`."""
-        if isinstance(tensor, torch.Tensor) and tensor.is_nested:  # (its .shape is torch's "Internal error")
-            raise NotImplementedError(
-                f"make_memmap_from_tensor: key {key!r} was given a nested tensor (torch.nested), which shared_td "
-                "does not support. Store its components (tensor.unbind()) as separate entries.")
+        if isinstance(tensor, torch.Tensor) and tensor.is_nested:
+            raise nested_tensor_error(key, "make_memmap_from_tensor cannot map the entry")
         source = tensor if copy_data else torch.zeros_like(tensor, device="cpu")
         return self._add_memmap_leaf(
             key, lambda path: MemoryMappedTensor.from_tensor(

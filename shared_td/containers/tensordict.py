@@ -28,6 +28,7 @@ from shared_td.containers.base import (
     parse_device,
     self_nesting_error,
 )
+from shared_td.containers.value_kinds import nested_tensor_error
 from shared_td.containers.convenience_ops import TensorData
 from shared_td.containers.index_writes import IndexWrites
 from shared_td.containers.keyops import KeyOps
@@ -202,11 +203,8 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, BatchDimOps, IndexWrites
         non-tensor entry stays Python data (``True`` is not turned into a tensor).
         """
         if isinstance(value, torch.Tensor):  # most entries: none of the conversions below applies
-            if value.is_nested:  # (its .shape is torch's "Internal error ... Please file an issue")
-                raise NotImplementedError(
-                    f"Cannot store the nested tensor (torch.nested) given for key {key!r}: shared_td does not "
-                    "support nested tensors. Store its components (value.unbind()) as separate entries, or "
-                    "a padded tensor (torch.nested.to_padded_tensor(value, 0.0)) with their lengths.")
+            if value.is_nested:
+                raise nested_tensor_error(key, "Cannot store the entry")
             return self._fitted(key, value, value.shape)
         from shared_td.containers.nontensor import NonTensorData, NonTensorStack, as_non_tensor
 

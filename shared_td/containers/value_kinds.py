@@ -135,6 +135,16 @@ def check_write_into(current: Any, value: Any, key: str | tuple[str, ...]) -> No
         )
 
 
+def nested_tensor_error(key: NestedKey, action: str) -> NotImplementedError:
+    """The error of ``action`` ("Cannot store the entry") for a nested tensor
+    (``torch.nested``) given for ``key``: shared_td stores none (its ``.shape`` is
+    torch's "Internal error ... Please file an issue")."""
+    return NotImplementedError(
+        f"{action} {_shown(key)}: its value is a nested tensor (torch.nested), which shared_td does not "
+        "support. Store its components (value.unbind()) as separate entries, or a padded tensor "
+        "(torch.nested.to_padded_tensor(value, 0.0)) with their lengths.")
+
+
 def _overlaps(tensor: torch.Tensor) -> bool:
     """Whether some elements of ``tensor`` are one memory location (a dim of stride 0
     and more than one element: what ``expand()`` makes, and torch refuses to write)."""
