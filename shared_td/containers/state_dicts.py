@@ -20,6 +20,8 @@ from __future__ import annotations
 import collections
 from typing import Any
 
+import torch
+
 from shared_td.containers.value_kinds import is_lazy_stack, is_non_tensor, is_tensor_collection
 from shared_td.errors import StateDictKeysError
 from shared_td.tensorclass_protocol import is_tensorclass, unwrap_tensorclass
@@ -152,7 +154,9 @@ def _value(item: Any) -> Any:
 
 
 def _non_tensor_level(item: Any) -> dict:
-    kind = "NonTensorStack" if is_lazy_stack(item) else "NonTensorData"
+    from shared_td.containers.nontensor import NonTensorStack
+
+    kind = "NonTensorStack" if isinstance(item, NonTensorStack) else "NonTensorData"
     return {"batch_size": item.batch_size, "device": item.device, "_type": kind,
             "_non_tensor": {"data": _value(item), "_metadata": None, "_is_non_tensor": True}}
 
@@ -252,7 +256,7 @@ def _load(node: Any, state: Any, assign: bool) -> None:
                 continue  # (no leaf to load: not added, as in tensordict 0.15.3, so a locked tree loads it)
             inner = _level(value)
             if inner.get("_type") in ("NonTensorData", "NonTensorStack"):
-                _set_value(entries, key, current, inner["_non_tensor"]["data"], assign)
+                _set_value(entries, key, current, _non_tensor_value(inner), assign)
                 continue
             if current is None:
                 current = entries.empty()
@@ -260,6 +264,27 @@ def _load(node: Any, state: Any, assign: bool) -> None:
             _load(current, value, assign)
         else:
             entries.set(key, value, inplace=not assign and current is not None)
+
+
+def _non_tensor_value(level: dict) -> Any:
+    """A non-tensor level's value as the entry to write: a NonTensorData of its one value
+    (a list too: one value, not one per element), or a NonTensorStack of the level's batch
+    size from its values (nested lists, one level per batch dim; values that are lists
+    themselves are not read as more dims)."""
+    from shared_td.containers.nontensor import NonTensorData, NonTensorStack
+
+    data = level["_non_tensor"]["data"]
+    if "batch_size" not in level:
+        return data
+    shape = torch.Size(level["batch_size"])
+    if level.get("_type") != "NonTensorStack":
+        return NonTensorData(data, batch_size=shape, device=level.get("device"))
+    flat = [data]
+    for size in shape:
+        if not all(isinstance(item, list) and len(item) == size for item in flat):
+            return data  # (not nested as the batch size says: left to the write's own checks)
+        flat = [value for item in flat for value in item]
+    return NonTensorStack._from_flat(flat, shape, level.get("device"))
 
 
 def _reads_as_none(value: Any) -> bool:
@@ -280,7 +305,7 @@ def _reads_as_none(value: Any) -> bool:
 def _set_value(entries: Any, key: str, current: Any, value: Any, assign: bool) -> None:
     if current is not None and not assign:
         entries.set_(key, value)  # (in place, as the leaves: a shared or memory-mapped value's readers see it)
-    elif not isinstance(value, list):  # (a list: a NonTensorStack's values, one per element)
-        entries.set_non_tensor(key, value)  # (set() would read a dict as a nested tensordict, a number as a tensor)
-    else:
+    elif is_non_tensor(value) or isinstance(value, list):  # (an entry, or a NonTensorStack's values, one per element)
         entries.set(key, value)
+    else:
+        entries.set_non_tensor(key, value)  # (set() would read a dict as a nested tensordict, a number as a tensor)
