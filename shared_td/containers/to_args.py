@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from shared_td.containers.base import parse_device
+from shared_td.containers.base import is_leaf_nontensor, parse_device
 
 
 #: tensordict's own keywords of ``to()`` that change nothing here (accepted, ignored),
@@ -22,7 +22,8 @@ _IGNORED = ("non_blocking_pin", "num_threads", "inplace")
 def parse_to(args: tuple, kwargs: dict, batch_size: Any = None) -> tuple[torch.device | None, torch.dtype | None, bool]:
     """``(device, dtype, non_blocking)`` of ``to(*args, **kwargs)``; None for what is
     not asked. Besides torch's forms, tensordict's: ``other=`` (or a first argument) that
-    is a tensordict gives its device; ``non_blocking_pin=`` and ``num_threads=`` are
+    is a tensordict gives its device, and its dtype when all its leaves are tensors of
+    one dtype (as tensordict 0.15.3); ``non_blocking_pin=`` and ``num_threads=`` are
     accepted and change nothing; ``batch_size=`` must be ``batch_size`` (the caller's,
     when given: a tensordict's ``to`` does not reshape it here, a ValueError says what
     to do). Arguments torch's ``Tensor.to`` refuses raise its error (a TypeError or
@@ -49,10 +50,22 @@ def parse_to(args: tuple, kwargs: dict, batch_size: Any = None) -> tuple[torch.d
     if other is not None:
         if args or kwargs:
             raise TypeError("to(other) takes no other argument: give other.device and a dtype instead.")
-        return parse_device(other.device), None, False
+        return parse_device(other.device), _single_dtype(other), False
     # (torch's own parser of Tensor.to's overloads, which tensordict uses as well)
     device, dtype, non_blocking, _memory_format = torch._C._nn._parse_to(*args, **kwargs)
     return parse_device(device), dtype, bool(non_blocking)
+
+
+def _single_dtype(other: Any) -> torch.dtype | None:
+    """The dtype of ``other``'s leaves when they all are tensors of one dtype (what
+    tensordict's ``to(other=td)`` casts to, as ``Tensor.to(other)`` does); None when
+    they differ, when ``other`` holds a non-tensor leaf (as tensordict 0.15.3) or none.
+    A tensor given as ``other=`` gives its own dtype, as ``Tensor.to(other)``."""
+    if isinstance(other, torch.Tensor):
+        return other.dtype
+    dtypes = {value.dtype if isinstance(value, torch.Tensor) else None
+              for value in other.values(True, True, is_leaf=is_leaf_nontensor)}
+    return dtypes.pop() if len(dtypes) == 1 else None
 
 
 def _is_tensordict(value: Any) -> bool:
