@@ -34,7 +34,7 @@ def test_every_exception_class_is_defined_in_errors_and_exported():
                if inspect.isclass(value) and issubclass(value, BaseException)}
     assert defined == {
         "AtomicWriteError", "BatchDimError", "BatchSizeMismatchError", "ClusterAuthError", "CoordinatorAuthenticationError",
-        "CoordinatorTimeoutError", "DemoNodeStoppedError", "FileReplacedError", "FileTooShortError", "FormatError", "IndexTypeError", "InPlaceKindError", "KeyThroughLeafError", "KeyTypeError", "LockedTensorDictError", "MappingError",
+        "CoordinatorTimeoutError", "DemoNodeStoppedError", "FileReplacedError", "FileTooShortError", "FormatError", "IndexTypeError", "InPlaceKindError", "InPlaceWriteError", "KeyThroughLeafError", "KeyTypeError", "LockedTensorDictError", "MappingError",
         "NameClashError", "ArgumentGivenTwiceError", "NodeTakenOverError", "NotASaveError", "OwnerLostError", "ReadOnlyError", "SaveChangedError", "SegmentUnavailableError", "SplitSizeError", "StalePair", "StateDictKeysError",
         "StorageFullError", "TransferFailed", "TransferRefused", "TransposeDimError", "UnstorableValueError", "WorkerDiedError", "WorkerTraceback",
     }
