@@ -19,6 +19,8 @@ from shared_td.containers.base import (
     is_tensor_collection,
 )
 from shared_td.containers.consolidated_load import from_consolidated
+from shared_td.containers.functional import assert_allclose_td, dense_stack_tds, merge_tensordicts
+from shared_td.containers.functional_pad import pad, pad_sequence
 from shared_td.containers.extra_constructors import cat, fromkeys, make_tensordict, maybe_dense_stack, stack
 from shared_td.containers.lazy import LazyStackedTensorDict
 from shared_td.containers.nontensor import NonTensorData, NonTensorDataBase, NonTensorStack
@@ -128,9 +130,11 @@ __all__ = [
     "TransferFailed",
     "TransferRefused",
     "UnstorableValueError",
+    "assert_allclose_td",
     "attach",
     "cat",
     "default_is_leaf",
+    "dense_stack_tds",
     "capture_non_tensor_stack",
     "from_dataclass",
     "list_to_stack",
@@ -151,6 +155,9 @@ __all__ = [
     "load",
     "load_memmap",
     "memmap",
+    "merge_tensordicts",
+    "pad",
+    "pad_sequence",
     "pack_memmap",
     "refresh",
     "refresh_archive_checksums",
