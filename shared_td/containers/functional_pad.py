@@ -140,6 +140,8 @@ def _pad_lazy(td: Any, pairs: list, value_of: Callable, path: tuple, inplace: bo
                + [_filler(members[-1], value_of, path) for _ in range(max(after, 0))])
     if inplace:
         td.tensordicts[:] = members
+        if members:  # (the stack's batch size is its members' with the stack dim inserted)
+            td._member_batch = unwrap_tensorclass(members[0]).batch_size
         return td
     return maybe_dense_stack(members, sd)
 

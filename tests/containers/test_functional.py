@@ -166,3 +166,11 @@ def test_assert_allclose_td(lib):
         lib.assert_allclose_td(a, {"x": 1})
     lazy = lib.lazy_stack([lib.TensorDict(x=torch.zeros(3)), lib.TensorDict(x=torch.ones(3))])
     assert lib.assert_allclose_td(lazy, lazy.clone())
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_pad_in_place_of_a_lazy_stack_gives_it_the_new_batch_size(lib):
+    stack = lib.lazy_stack([lib.TensorDict({"a": torch.ones(3)}, [3]) for _ in range(2)], 0)
+    assert lib.pad(stack, [1, 0, 0, 2], inplace=True) is stack
+    assert stack.batch_size == torch.Size([3, 5]) and stack["a"].shape == torch.Size([3, 5])
+    assert stack[0]["a"].tolist() == [0.0] * 5 and stack[1]["a"].tolist() == [1.0, 1.0, 1.0, 0.0, 0.0]
