@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from shared_td.containers.base import is_leaf_nontensor, parse_device
+from shared_td.containers.base import parse_device
 
 
 #: tensordict's own keywords of ``to()`` that change nothing here (accepted, ignored),
@@ -57,14 +57,13 @@ def parse_to(args: tuple, kwargs: dict, batch_size: Any = None) -> tuple[torch.d
 
 
 def _single_dtype(other: Any) -> torch.dtype | None:
-    """The dtype of ``other``'s leaves when they all are tensors of one dtype (what
-    tensordict's ``to(other=td)`` casts to, as ``Tensor.to(other)`` does); None when
-    they differ, when ``other`` holds a non-tensor leaf (as tensordict 0.15.3) or none.
-    A tensor given as ``other=`` gives its own dtype, as ``Tensor.to(other)``."""
+    """The dtype of ``other``'s tensor leaves when they all have one (what tensordict's
+    ``to(other=td)`` casts to, as ``Tensor.to(other)`` does); None when they differ or
+    there is none. Non-tensor entries do not count, as in tensordict 0.15.3 and as for
+    ``other.dtype``. A tensor given as ``other=`` gives its own dtype."""
     if isinstance(other, torch.Tensor):
         return other.dtype
-    dtypes = {value.dtype if isinstance(value, torch.Tensor) else None
-              for value in other.values(True, True, is_leaf=is_leaf_nontensor)}
+    dtypes = {value.dtype for value in other.values(True, True)}  # (tensor leaves only)
     return dtypes.pop() if len(dtypes) == 1 else None
 
 
