@@ -134,15 +134,19 @@ def _pad_lazy(td: Any, pairs: list, value_of: Callable, path: tuple, inplace: bo
     members = [_pad(m, inner, value_of, path, inplace) for m in td.tensordicts]
     if (before > 0 or after > 0) and not members:
         raise RuntimeError("pad: a lazy stack without members cannot grow along its stack dim.")
+    first, last = (members[0], members[-1]) if members else (None, None)  # (templates kept before a crop)
     if before < 0 or after < 0:
         members = members[max(-before, 0): len(members) - max(-after, 0)]
-    members = ([_filler(members[0], value_of, path) for _ in range(max(before, 0))] + members
-               + [_filler(members[-1], value_of, path) for _ in range(max(after, 0))])
+    members = ([_filler(first, value_of, path) for _ in range(max(before, 0))] + members
+               + [_filler(last, value_of, path) for _ in range(max(after, 0))])
+    template = members[0] if members else first
     if inplace:
         td.tensordicts[:] = members
-        if members:  # (the stack's batch size is its members' with the stack dim inserted)
-            td._member_batch = unwrap_tensorclass(members[0]).batch_size
+        if template is not None:  # (the stack's batch size is its members' with the stack dim inserted)
+            td._member_batch = unwrap_tensorclass(template).batch_size
         return td
+    if not members and template is not None:  # cropped to none: the members' entries, empty along the stack dim
+        return maybe_dense_stack([template], sd)[(slice(None),) * sd + (slice(0, 0),)]
     return maybe_dense_stack(members, sd)
 
 
@@ -161,9 +165,11 @@ def _filler(template: Any, value_of: Callable, path: tuple) -> Any:
 
 def _pad_non_tensor(entry: Any, pairs: list, fill_all: bool = False) -> Any:
     """A NonTensorStack of ``entry``'s values padded with None (or all None)."""
-    from shared_td.containers.nontensor import NonTensorStack
+    from shared_td.containers.nontensor import NonTensorData, NonTensorStack
 
     size = list(entry.batch_size)
+    if not size and fill_all:  # (a 0-d value, e.g. in a lazy stack's member: the filler holds None)
+        return NonTensorData(None, batch_size=[], device=entry.device)
     if not size or (not fill_all and not any(b or a for b, a in pairs)):
         return entry
 

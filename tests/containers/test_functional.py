@@ -6,6 +6,8 @@ import torch
 import shared_td
 from tests.reference import LIBS
 
+S = shared_td
+
 
 def _td(lib, **kw):
     return lib.TensorDict(**kw)
@@ -174,3 +176,41 @@ def test_pad_in_place_of_a_lazy_stack_gives_it_the_new_batch_size(lib):
     assert lib.pad(stack, [1, 0, 0, 2], inplace=True) is stack
     assert stack.batch_size == torch.Size([3, 5]) and stack["a"].shape == torch.Size([3, 5])
     assert stack[0]["a"].tolist() == [0.0] * 5 and stack[1]["a"].tolist() == [1.0, 1.0, 1.0, 0.0, 0.0]
+
+
+# -- fuzzer round 5: pad of lazy stacks (new members' non-tensor values None; crops)
+
+
+def _lazy_nt(n):
+    members = [S.TensorDict(x=torch.full((), float(i + 1)), batch_size=[]) for i in range(n)]
+    for t in members:
+        t.set_non_tensor("s", "u")
+    return S.lazy_stack(members, 0)
+
+
+def test_pad_lazy_new_members_hold_none_for_0d_non_tensor():
+    out = S.pad(_lazy_nt(2), [1, 1], value=-1)
+    assert out["s"].tolist() == [None, "u", "u", None]
+    assert out["x"].tolist() == [-1.0, 1.0, 2.0, -1.0]
+
+
+def test_pad_sequence_lazy_non_tensor_padded_with_none():
+    td = S.TensorDict(n=_lazy_nt(2), batch_size=[2])
+    out = S.pad_sequence([td[:l] for l in (0, 1, 2)], pad_dim=0)
+    assert out["n", "s"].tolist() == [[None, None], ["u", None], ["u", "u"]]
+
+
+def test_pad_lazy_crop_all_members_then_grow():
+    for ps, n, want in (([2, -1], 1, [[-1.0] * 2] * 2), ([-1, 1], 1, [[-1.0] * 2]), ([-2, 3], 2, [[-1.0] * 2] * 3)):
+        lz = S.lazy_stack([S.TensorDict(x=torch.full((2,), float(i + 1))) for i in range(n)], 0)
+        out = S.pad(S.TensorDict(n=lz, batch_size=[n]), ps, value=-1)
+        assert out["n", "x"].tolist() == want
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("stack_dim,sizes,shape", [(0, [-2, 0], [0, 3]), (0, [-1, -1, 0, 1], [0, 4]),
+                                                   (1, [0, 1, -1, -1], [4, 0])])
+def test_pad_crops_a_lazy_stack_to_no_member(lib, stack_dim, sizes, shape):
+    stack = lib.lazy_stack([lib.TensorDict({"a": torch.ones(3)}, [3]) for _ in range(2)], stack_dim)
+    out = lib.pad(stack, sizes)
+    assert out.batch_size == torch.Size(shape) and out["a"].shape == torch.Size(shape)
