@@ -56,6 +56,9 @@ def pad(tensordict: Any, pad_size: Sequence[int], value: float = 0.0, inplace: b
         if size[dim] + before + after < 0:
             raise RuntimeError(f"pad: ({before}, {after}) on batch dim {dim} of size {size[dim]} would give "
                                "a negative size.")
+        if size[dim] + before < 0 or size[dim] + after < 0:  # (torch's narrow() error, after some writes)
+            raise RuntimeError(f"pad: ({before}, {after}) on batch dim {dim} of size {size[dim]} crops more "
+                               "than the dim holds on one side.")
     if inplace:
         _check_inplace(tensordict, (), any(b or a for b, a in pairs))
     return _pad(tensordict, pairs, lambda key: value, (), inplace)
@@ -69,9 +72,7 @@ def _check_inplace(td: Any, path: tuple, resizes: bool) -> None:
         if not path and resizes:
             raise RuntimeError("pad(..., inplace=True) of a non-tensor value cannot keep it: use inplace=False.")
         return
-    if not resizes:
-        return
-    if td.is_locked:
+    if td.is_locked:  # (even with no size change: its leaves would be replaced by private copies)
         raise LockedTensorDictError(f"pad(..., inplace=True): the tensordict{where} is locked; unlock_() "
                                     "it or use inplace=False.")
     if td.is_shared() or td.is_memmap():
@@ -131,7 +132,11 @@ def _pad_lazy(td: Any, pairs: list, value_of: Callable, path: tuple, inplace: bo
     sd = td.stack_dim
     before, after = pairs[sd] if sd < len(pairs) else (0, 0)
     inner = pairs[:sd] + pairs[sd + 1:]
-    members = [_pad(m, inner, value_of, path, inplace) for m in td.tensordicts]
+    padded: dict[int, Any] = {}  # a member held twice is padded once (in place, twice would pad it twice)
+    for member in td.tensordicts:
+        if id(member) not in padded:
+            padded[id(member)] = _pad(member, inner, value_of, path, inplace)
+    members = [padded[id(member)] for member in td.tensordicts]
     if (before > 0 or after > 0) and not members:
         raise RuntimeError("pad: a lazy stack without members cannot grow along its stack dim.")
     first, last = (members[0], members[-1]) if members else (None, None)  # (templates kept before a crop)

@@ -10,12 +10,14 @@
 
 As in tensordict 0.15.3: each is a context manager, a decorator, or ``.set()`` for the
 rest of the program; the mode is one for the whole process (all threads), read from the
-``LIST_TO_STACK`` / ``CAPTURE_NONTENSOR_STACK`` environment variables at import; the
+``LIST_TO_STACK`` / ``CAPTURE_NONTENSOR_STACK`` environment variables at import and
+written into them while set (so child processes share it); the
 non-default modes are deprecated there (removed in tensordict 0.17) and warn so here.
 """
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import warnings
 from typing import Any, Callable
@@ -50,8 +52,9 @@ def _mode(option: str, default: bool, allow_none: bool) -> bool | None:
 
 class _GlobalMode:
     """A process-wide option: ``with option(mode):``, ``@option(mode)`` on a function
-    (each call runs in the mode; a generator function's body runs when it is iterated,
-    outside it: use ``with`` inside it), or ``option(mode).set()``."""
+    (each call runs in the mode; each step of a generator function), or
+    ``option(mode).set()``. Processes started meanwhile inherit it (the environment
+    variable is set with it)."""
 
     _option = ""  # the key in _MODES, also the environment variable read at import
     _default = True
@@ -65,23 +68,61 @@ class _GlobalMode:
                           f"in 0.17: {self._deprecation}", DeprecationWarning, stacklevel=2)
 
     def set(self) -> None:
-        """Apply the mode for the rest of the program."""
+        """Apply the mode for the rest of the program, and to the processes it starts
+        then (the environment variable is set too, as tensordict 0.15.3 does)."""
         _MODES[self._option] = self.mode
+        os.environ[self._option] = str(self.mode)
 
     def __enter__(self) -> None:
-        self._before.append(_MODES[self._option])
+        self._before.append((_MODES[self._option], os.environ.get(self._option)))
         _MODES[self._option] = self.mode
+        os.environ[self._option] = str(self.mode)
 
     def __exit__(self, *exc_info: Any) -> None:
-        _MODES[self._option] = self._before.pop()
+        mode, environment = self._before.pop()
+        _MODES[self._option] = mode
+        if environment is None:
+            os.environ.pop(self._option, None)
+        else:
+            os.environ[self._option] = environment
 
     def __call__(self, function: Callable) -> Callable:
+        if inspect.isgeneratorfunction(function):
+            return self._steps_in_mode(function)
+
         @functools.wraps(function)
         def in_mode(*args: Any, **kwargs: Any) -> Any:
             with self:
                 return function(*args, **kwargs)
 
         return in_mode
+
+    def _steps_in_mode(self, function: Callable) -> Callable:
+        """A generator function whose every step (``next``, ``send``, ``throw``, ``close``)
+        runs in the mode, and outside it between steps, as torch's decorators do."""
+        @functools.wraps(function)
+        def steps_in_mode(*args: Any, **kwargs: Any) -> Any:
+            with self:
+                generator = function(*args, **kwargs)
+            step = functools.partial(generator.send, None)
+            while True:
+                try:
+                    with self:
+                        value = step()
+                except StopIteration as stop:
+                    return stop.value
+                try:
+                    reply = yield value
+                except GeneratorExit:
+                    with self:
+                        generator.close()
+                    raise
+                except BaseException as error:  # thrown in: into the generator, in the mode
+                    step = functools.partial(generator.throw, error)
+                else:
+                    step = functools.partial(generator.send, reply)
+
+        return steps_in_mode
 
 
 class set_list_to_stack(_GlobalMode):

@@ -214,3 +214,37 @@ def test_pad_crops_a_lazy_stack_to_no_member(lib, stack_dim, sizes, shape):
     stack = lib.lazy_stack([lib.TensorDict({"a": torch.ones(3)}, [3]) for _ in range(2)], stack_dim)
     out = lib.pad(stack, sizes)
     assert out.batch_size == torch.Size(shape) and out["a"].shape == torch.Size(shape)
+
+
+# -- review of this round's change: pad checks everything before any write
+
+
+
+
+@pytest.mark.parametrize("make", ["lock", "memmap", "share"])
+def test_pad_inplace_of_a_locked_shared_or_memmapped_tree_is_refused_even_without_resizing(make, tmp_path):
+    td = S.TensorDict(a=torch.zeros(3), batch_size=[3])
+    td = {"lock": td.lock_, "memmap": lambda: td.memmap_(tmp_path), "share": td.share_memory_}[make]()
+    leaf = td["a"]
+    with pytest.raises(RuntimeError):
+        S.pad(td, [0, 0], inplace=True)
+    assert td["a"] is leaf or td["a"].data_ptr() == leaf.data_ptr()  # the leaf the files/segment back is kept
+
+
+def test_pad_a_crop_larger_than_the_dim_on_one_side_is_refused_before_any_write():
+    td = S.TensorDict({"n": S.TensorDict(s=S.NonTensorStack("a", "b", "c"), batch_size=[3]),
+                       "a": torch.arange(3.)}, batch_size=[3])
+    with pytest.raises(RuntimeError, match="crops more"):
+        S.pad(td, [-4, 2], inplace=True)
+    assert td["n"].batch_size == torch.Size([3]) and td["n", "s"] == ["a", "b", "c"]
+    stack = S.lazy_stack([S.TensorDict(a=torch.zeros(2), batch_size=[2]) for _ in range(3)])
+    with pytest.raises(RuntimeError, match="crops more"):
+        S.pad(stack, [-4, 2])  # (3 - 4 + 2 = 1 row; it gave 2 rows)
+
+
+def test_pad_inplace_of_a_lazy_stack_holding_one_member_twice_pads_it_once():
+    member = S.TensorDict(a=torch.ones(3), batch_size=[3])
+    td = S.TensorDict(l=S.lazy_stack([member, member], 1), batch_size=[3])
+    S.pad(td, [0, 1], inplace=True)
+    assert td.batch_size == torch.Size([4]) and td["l"].batch_size == torch.Size([4, 2])
+    assert member.batch_size == torch.Size([4])

@@ -116,3 +116,39 @@ def test_the_environment_sets_the_mode_at_import(variable, value, expected):
                           env={**os.environ, variable: value}, capture_output=True, timeout=120)
     assert done.returncode == 0, done.stderr.decode()
     assert done.stdout.decode().strip() == expected
+
+
+def test_the_mode_reaches_processes_started_in_it():
+    """As tensordict's, set() and a block write the environment variable (a spawn worker
+    started in the block builds what the parent builds) and leaving restores it."""
+    os.environ.pop("LIST_TO_STACK", None)
+    with pytest.warns(DeprecationWarning):
+        off = shared_td.set_list_to_stack(False)
+    with off:
+        done = subprocess.run([sys.executable, "-c", "import shared_td; print(shared_td.list_to_stack())"],
+                              capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr.decode()
+    assert done.stdout.decode().strip() == "False"
+    assert "LIST_TO_STACK" not in os.environ and shared_td.list_to_stack(allow_none=True) is None
+    shared_td.set_list_to_stack(True).set()
+    assert os.environ["LIST_TO_STACK"] == "True"
+
+
+def test_a_decorated_generator_runs_each_step_in_the_mode():
+    with pytest.warns(DeprecationWarning):
+        @shared_td.set_list_to_stack(False)
+        def modes():
+            reply = yield shared_td.list_to_stack()
+            try:
+                yield (reply, shared_td.list_to_stack())
+            except KeyError:
+                yield ("thrown", shared_td.list_to_stack())
+            return "done"
+
+    steps = modes()
+    assert next(steps) is False and shared_td.list_to_stack() is True  # outside between steps
+    assert steps.send("r") == ("r", False)
+    assert steps.throw(KeyError("k")) == ("thrown", False)
+    with pytest.raises(StopIteration) as stop:
+        next(steps)
+    assert stop.value.value == "done" and shared_td.list_to_stack() is True
