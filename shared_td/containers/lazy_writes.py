@@ -18,7 +18,7 @@ import torch
 from shared_td.containers import batch as batch_ops
 from shared_td.containers.base import (TensorDictBase, check_write_into, is_leaf_nontensor, is_non_tensor,
                                        is_tensor_collection)
-from shared_td.containers.value_kinds import is_lazy_stack
+from shared_td.containers.value_kinds import is_lazy_stack, nested_tensor_error
 from shared_td.containers.index_writes import number_kept, numbers_kept, plan_set_at
 from shared_td.containers.lazy_element_writes import writes_per_member
 from shared_td.containers.lazy_nontensor import written_through
@@ -97,6 +97,8 @@ class LazyWriteOps:
             value = value._with_batch_size(self.batch_size, key)
         if is_tensor_collection(value) and value.batch_size[: self.batch_dims] != self.batch_size:
             value = self._resized_child(value, key)  # (an empty TensorDict(), re-batched as TensorDict.set does)
+        if isinstance(value, torch.Tensor) and value.is_nested:
+            raise nested_tensor_error(key, "Cannot store the entry")
         if isinstance(value, torch.Tensor) or is_tensor_collection(value):
             shape = value.batch_size if is_tensor_collection(value) else value.shape
             if shape[: self.batch_dims] != self.batch_size:

@@ -30,3 +30,10 @@ def test_a_nested_tensor_is_refused_naming_the_key(nested, how, tmp_path):
             td = shared_td.TensorDict()
             td.memmap_(tmp_path)
             td.make_memmap_from_tensor("n", nested)
+
+
+def test_a_lazy_stack_refuses_a_nested_tensor_naming_the_key(nested):
+    stack = shared_td.lazy_stack([shared_td.TensorDict(), shared_td.TensorDict()])
+    with pytest.raises(NotImplementedError, match="'n'.*nested tensor"):
+        stack.set("n", nested)
+    assert "n" not in stack.keys()
