@@ -116,7 +116,7 @@ def check_write_into(current: Any, value: Any, key: str | tuple[str, ...]) -> No
                 f"Cannot write a value of shape {list(value.shape)} in place into entry "
                 f"{_shown(key)} of shape {list(current.shape)}."
             )
-        if 0 in current.stride() and _overlaps(current):
+        if not current.is_contiguous() and _overlaps(current):  # (an expanded tensor is never contiguous)
             raise InPlaceWriteError(
                 f"Cannot write entry {_shown(key)} in place: it is expanded (shape {list(current.shape)}, "
                 f"strides {list(current.stride())}), so several of its elements are one memory location. "
