@@ -221,8 +221,11 @@ def pad_sequence(list_of_tensordicts: Sequence[Any], pad_dim: int = 0, padding_v
         RuntimeError: an empty list, a 0-d entry, shapes that differ outside ``pad_dim``,
             or ``return_mask`` with tensorclasses.
         KeyError: the tensordicts' keys differ, or ``padding_value`` names no entry.
-        ValueError: ``padding_side`` is not "left" or "right".
-        IndexError: ``pad_dim`` is out of range for an entry.
+        ValueError: ``padding_side`` is not "left" or "right", or a negative ``pad_dim`` lands
+            on batch dims of some entries and on other dims of others (or on several batch
+            dims) while the samples' batch sizes differ along it.
+        IndexError: ``pad_dim`` is out of range for an entry (or for the batch size, when
+            there is no tensor entry).
 
     Example:
         >>> tds = [TensorDict(a=torch.ones(n, 2)) for n in (3, 5)]
@@ -255,7 +258,17 @@ def pad_sequence(list_of_tensordicts: Sequence[Any], pad_dim: int = 0, padding_v
     batch_dims = {d for d in dims.values() if d < ndim}
     on_batch = len(batch_dims) == 1 and all(d < ndim for d in dims.values())
     if not dims and ndim:
+        if not -ndim <= pad_dim < ndim:
+            raise IndexError(f"pad_sequence: pad_dim={pad_dim} is out of range for the batch size "
+                             f"{list(tds[0].batch_size)} (the tensordicts hold no tensor entry).")
         on_batch, batch_dims = True, {pad_dim % ndim}
+    if not on_batch and batch_dims:  # (a negative pad_dim: batch dims of some entries, other dims of others)
+        differ = sorted(d for d in batch_dims if len({td.batch_size[d] for td in tds}) > 1)
+        if differ:
+            raise ValueError(f"pad_sequence: pad_dim={pad_dim} counts from the last dim of each entry and lands "
+                             f"on batch dims {sorted(batch_dims)} of some entries and on other dims of others, "
+                             "so the batch cannot be padded along it, but the samples' batch sizes differ "
+                             f"along dim {differ[0]}.")
     padded = []
     if on_batch:
         (bdim,) = batch_dims

@@ -248,3 +248,35 @@ def test_pad_inplace_of_a_lazy_stack_holding_one_member_twice_pads_it_once():
     S.pad(td, [0, 1], inplace=True)
     assert td.batch_size == torch.Size([4]) and td["l"].batch_size == torch.Size([4, 2])
     assert member.batch_size == torch.Size([4])
+
+
+# -- fuzzer round 5 triage: pad_sequence's pad_dim checks
+
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_pad_sequence_negative_dim_on_batch_and_feature_dims_longer_sample_is_value_error(lib):
+    # pad_dim=-3 lands on batch dim 0 of "a" (batch dims only) and batch dim 1 of "b": the batch
+    # cannot be padded along it, and item 1 is longer than item 0 (tensordict's ValueError).
+    tds = [lib.TensorDict(a=torch.zeros(n, 2, 1), b=torch.zeros(n, 2, 1, 3), batch_size=[n, 2, 1]) for n in (1, 2)]
+    with pytest.raises(ValueError, match="pad_dim=-3"):
+        lib.pad_sequence(tds, pad_dim=-3)
+
+
+def test_pad_sequence_negative_dim_mixed_landing_shorter_sample_is_value_error():
+    # tensordict 0.15.3 broadcasts item 1's f (1, 3) into 2 rows (made-up data, masks all True)
+    tds = [shared_td.TensorDict(v=torch.ones(n), f=torch.ones(n, 3), batch_size=[n]) for n in (2, 1)]
+    with pytest.raises(ValueError, match="batch sizes differ along dim 0"):
+        shared_td.pad_sequence(tds, pad_dim=-1, return_mask=True)
+    same = [shared_td.TensorDict(v=torch.ones(2), f=torch.ones(2, n), batch_size=[2]) for n in (2, 3)]
+    out = shared_td.pad_sequence(same, pad_dim=-1, return_mask=True)  # equal batches: still pads the features
+    assert out["f"].shape == (2, 2, 3) and out["masks", "f"].sum(-1).tolist() == [[2, 2], [3, 3]]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("pad_dim", [1, -2])
+def test_pad_sequence_without_tensors_pad_dim_out_of_range(lib, pad_dim):
+    tds = [lib.TensorDict(batch_size=[1]) for _ in range(2)]
+    with pytest.raises(IndexError):
+        lib.pad_sequence(tds, pad_dim=pad_dim)
+    assert list(lib.pad_sequence(tds, pad_dim=-1).batch_size) == [2, 1]
