@@ -245,7 +245,7 @@ def pad_sequence(list_of_tensordicts: Sequence[Any], pad_dim: int = 0, padding_v
                            "with to_tensordict() first.")
     masks_key = None if return_mask is False else "masks" if return_mask is True else canonical_key(return_mask)
     tds = [unwrap_tensorclass(item) for item in items]
-    keys = _sameleaf_keys(tds)
+    keys = _same_leaf_keys(tds)
     values = dict(padding_value) if isinstance(padding_value, Mapping) else {}
     values = {canonical_key(k): v for k, v in values.items()}
     unknown = [k for k in values if k not in keys]
@@ -284,7 +284,7 @@ def pad_sequence(list_of_tensordicts: Sequence[Any], pad_dim: int = 0, padding_v
             for key, dim in dims.items():
                 leaf = td.get(key)
                 copy.set(key, leaf if dim < ndim else _pad_along(leaf, dim, lengths[key], padding_side,
-                                                                 values.get(key, default), key))
+                                                                 values.get(key, default)))
             padded.append(copy)
     if masks_key is not None:
         for td, copy in zip(tds, padded):
@@ -305,7 +305,7 @@ def pad_sequence(list_of_tensordicts: Sequence[Any], pad_dim: int = 0, padding_v
     return result
 
 
-def _sameleaf_keys(tds: list) -> list:
+def _same_leaf_keys(tds: list) -> list:
     """The leaf keys of the first tensordict; a KeyError names those another lacks or adds
     (tensordict 0.15.3 returns an empty tensordict there, losing every entry)."""
     keys = leaf_keys(tds[0])
@@ -338,7 +338,8 @@ def _pad_dims(tds: list, keys: list, pad_dim: int) -> dict:
     return dims
 
 
-def _pad_along(tensor: torch.Tensor, dim: int, length: int, side: str, value: Any, key: Any) -> torch.Tensor:
+def _pad_along(tensor: torch.Tensor, dim: int, length: int, side: str, value: Any) -> torch.Tensor:
+    """``tensor`` padded along ``dim`` to ``length`` with ``value``, on ``side``."""
     missing = length - tensor.shape[dim]
     pairs = [(0, 0)] * dim + [(missing, 0) if side == "left" else (0, missing)]
     return _pad_tensor(tensor, pairs, value)
