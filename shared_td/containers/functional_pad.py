@@ -169,40 +169,22 @@ def _filler(template: Any, value_of: Callable, path: tuple) -> Any:
 
 
 def _pad_non_tensor(entry: Any, pairs: list, fill_all: bool = False) -> Any:
-    """A NonTensorStack of ``entry``'s values padded with None (or all None)."""
+    """A NonTensorStack of ``entry``'s values padded with None (or all None): the
+    positions of its values are padded as a tensor is (-1: a new element), so crops and
+    growth follow the tensors' rule exactly."""
     from shared_td.containers.nontensor import NonTensorData, NonTensorStack
 
-    size = list(entry.batch_size)
+    size = entry.batch_size
     if not size and fill_all:  # (a 0-d value, e.g. in a lazy stack's member: the filler holds None)
         return NonTensorData(None, batch_size=[], device=entry.device)
     if not size or (not fill_all and not any(b or a for b, a in pairs)):
         return entry
-
-    def padded(values: Any, dim: int) -> Any:
-        if dim == len(size):
-            return None if fill_all else values
-        rows = [padded(v, dim + 1) for v in values]
-        before, after = pairs[dim] if dim < len(pairs) else (0, 0)
-        rows = rows[max(-before, 0): len(rows) - max(-after, 0)]
-        blank = padded_blank(dim + 1)
-        return [blank() for _ in range(max(before, 0))] + rows + [blank() for _ in range(max(after, 0))]
-
-    def padded_blank(dim: int) -> Callable:
-        new = [n + sum(pairs[d]) if d < len(pairs) else n for d, n in enumerate(size)]
-        return lambda: _blank(new[dim:])
-
-    values = entry.tolist()
-    new_size = [n + sum(pairs[d]) if d < len(pairs) else n for d, n in enumerate(size)]
-    flat = _flatten(padded(values, 0), len(new_size))
-    return NonTensorStack._from_flat(flat, torch.Size(new_size), entry.device)
-
-
-def _blank(size: list) -> Any:
-    return None if not size else [_blank(size[1:]) for _ in range(size[0])]
-
-
-def _flatten(values: Any, depth: int) -> list:
-    return [values] if depth == 0 else [v for row in values for v in _flatten(row, depth - 1)]
+    values = entry._flat_values()
+    positions = _pad_tensor(torch.arange(len(values)).reshape(size), pairs, -1)
+    if fill_all:
+        positions.fill_(-1)
+    taken = [values[i] if i >= 0 else None for i in positions.reshape(-1).tolist()]
+    return NonTensorStack._from_flat(taken, positions.shape, entry.device)
 
 
 # ------------------------------------------------------------------ pad_sequence
