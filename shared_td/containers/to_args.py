@@ -50,21 +50,12 @@ def parse_to(args: tuple, kwargs: dict, batch_size: Any = None) -> tuple[torch.d
     if other is not None:
         if args or kwargs:
             raise TypeError("to(other) takes no other argument: give other.device and a dtype instead.")
-        return parse_device(other.device), _single_dtype(other), False
+        # its dtype: the one of all its tensor leaves, None if they differ (non-tensor
+        # entries do not count), as tensordict 0.15.3's to(other=...) takes; a tensor's own
+        return parse_device(other.device), other.dtype, False
     # (torch's own parser of Tensor.to's overloads, which tensordict uses as well)
     device, dtype, non_blocking, _memory_format = torch._C._nn._parse_to(*args, **kwargs)
     return parse_device(device), dtype, bool(non_blocking)
-
-
-def _single_dtype(other: Any) -> torch.dtype | None:
-    """The dtype of ``other``'s tensor leaves when they all have one (what tensordict's
-    ``to(other=td)`` casts to, as ``Tensor.to(other)`` does); None when they differ or
-    there is none. Non-tensor entries do not count, as in tensordict 0.15.3 and as for
-    ``other.dtype``. A tensor given as ``other=`` gives its own dtype."""
-    if isinstance(other, torch.Tensor):
-        return other.dtype
-    dtypes = {value.dtype for value in other.values(True, True)}  # (tensor leaves only)
-    return dtypes.pop() if len(dtypes) == 1 else None
 
 
 def _is_tensordict(value: Any) -> bool:
