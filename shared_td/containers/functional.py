@@ -13,17 +13,12 @@ from typing import Any, Callable
 import torch
 
 from shared_td.containers.base import is_leaf_nontensor, is_non_tensor, is_tensor_collection
-from shared_td.containers.value_kinds import is_lazy_stack
+from shared_td.containers.value_kinds import is_lazy_stack, is_nested_node
 from shared_td.errors import KeyThroughLeafError
 from shared_td.keys import canonical_key
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 
-__all__ = ["assert_allclose_td", "dense_stack_tds", "is_node", "leaf_keys", "merge_tensordicts"]
-
-
-def is_node(value: Any) -> bool:
-    """A nested tensordict, lazy stack or tensorclass (not a non-tensor entry)."""
-    return is_tensor_collection(value) and not is_non_tensor(value)
+__all__ = ["assert_allclose_td", "dense_stack_tds", "leaf_keys", "merge_tensordicts"]
 
 
 def leaf_keys(td: Any) -> list:
@@ -84,7 +79,7 @@ def merge_tensordicts(*tensordicts: Any, callback_exist: Callable | Mapping | No
 
 def _get_leaf(td: Any, key: Any, index: int) -> Any:
     value = td.get(key, None)
-    if is_node(value):
+    if is_nested_node(value):
         raise KeyError(f"merge_tensordicts: {key!r} is a nested tensordict in tensordict {index} but a "
                        "leaf in another; rename one of them.")
     return value

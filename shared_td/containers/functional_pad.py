@@ -12,8 +12,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from shared_td.containers.base import is_non_tensor, is_tensor_collection
-from shared_td.containers.functional import is_node, leaf_keys
-from shared_td.containers.value_kinds import is_lazy_stack
+from shared_td.containers.functional import leaf_keys
+from shared_td.containers.value_kinds import is_lazy_stack, is_nested_node
 from shared_td.errors import LockedTensorDictError
 from shared_td.keys import canonical_key
 from shared_td.tensorclass_protocol import is_tensorclass, unwrap_tensorclass
@@ -83,7 +83,7 @@ def _check_inplace(td: Any, path: tuple, resizes: bool) -> None:
         _check_inplace(member, path, resizes)
     if not members:
         for key, child in td.items():
-            if is_node(child):
+            if is_nested_node(child):
                 _check_inplace(child, path + (key,), resizes)
 
 

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from shared_td.containers.consolidated_tree import locked_path
-from shared_td.containers.value_kinds import is_lazy_stack, is_non_tensor, is_tensor_collection
+from shared_td.containers.value_kinds import is_lazy_stack, is_nested_node
 from shared_td.errors import LockedTensorDictError
 from shared_td.keys import key_repr, unravel_key
 from shared_td.tensorclass_protocol import unwrap_tensorclass
@@ -67,7 +67,7 @@ def rebatch_for_update(dest: Any, source: Any, *, inplace: bool, keys_to_update:
         (torch.Size([5]), True, torch.Size([5, 2]))
     """
     source = unwrap_tensorclass(source)
-    if not _is_node(source):
+    if not is_nested_node(source):
         return None
     jobs: list = []
     selected = None if keys_to_update is None else [unravel_key(key) for key in keys_to_update]
@@ -95,10 +95,6 @@ def _make_changes(jobs: list, undo: "_Undo") -> None:
             node._member_batch = node.tensordicts[0].batch_size
         else:
             _rebatch(node, part, path, undo)
-
-
-def _is_node(value: Any) -> bool:
-    return is_tensor_collection(value) and not is_non_tensor(value)
 
 
 def _differ(mine: torch.Size, theirs: torch.Size) -> bool:
@@ -133,7 +129,7 @@ def _plan(node: Any, source: Any, path: tuple, jobs: list, selected: list | None
             continue
         child = unwrap_tensorclass(node._tensordict.get(key))
         value = unwrap_tensorclass(value)
-        if _is_node(child) and _is_node(value):
+        if is_nested_node(child) and is_nested_node(value):
             _plan(child, value, path + (key,), jobs, selected)
 
 
@@ -203,7 +199,7 @@ def _missing_keys(node: Any, source: Any, prefix: tuple = ()) -> set:
     rebatched member would lose it silently)."""
     node, source = unwrap_tensorclass(node), unwrap_tensorclass(source)
     if is_lazy_stack(node):
-        parts = _parts(node, source) if _is_node(source) else None
+        parts = _parts(node, source) if is_nested_node(source) else None
         if parts is None:  # (refused by the split, with its own message)
             return set()
         return set().union(*(_missing_keys(member, part, prefix) for member, part in zip(node.tensordicts, parts)))
@@ -214,9 +210,9 @@ def _missing_keys(node: Any, source: Any, prefix: tuple = ()) -> set:
             missing.add(prefix + (key,))
             continue
         child = node.get(key)
-        if _is_node(child):  # (a leaf of the source is not read: a ragged one would not stack)
+        if is_nested_node(child):  # (a leaf of the source is not read: a ragged one would not stack)
             value = source.get(key)
-            if _is_node(value):
+            if is_nested_node(value):
                 missing |= _missing_keys(child, value, prefix + (key,))
     return missing
 
@@ -226,8 +222,8 @@ def _rebatch(node: Any, source: Any, path: tuple, undo: "_Undo") -> None:
     their sources', and given ``source``'s batch size, unnamed."""
     for key, value in list(node._tensordict.items()):
         child = unwrap_tensorclass(value)
-        part = unwrap_tensorclass(source.get(key, None)) if _is_node(child) else None  # (a leaf's is not read)
-        if _is_node(part) and (is_lazy_stack(child) or hasattr(child, "_tensordict")):
+        part = unwrap_tensorclass(source.get(key, None)) if is_nested_node(child) else None  # (a leaf's is not read)
+        if is_nested_node(part) and (is_lazy_stack(child) or hasattr(child, "_tensordict")):
             _follow(child, part, path + (key,), undo)
         else:  # a leaf, or a tensordict the source replaces by a leaf: the update writes the source's
             del node._tensordict[key]

@@ -75,6 +75,12 @@ def is_lazy_stack_class(cls: type) -> bool:
     return getattr(cls, "_is_lazy_stack", False)
 
 
+def is_nested_node(value: Any) -> bool:
+    """A nested tensordict, lazy stack or tensorclass: a collection that is not a
+    non-tensor entry (NonTensorData and NonTensorStack are collections too)."""
+    return is_tensor_collection(value) and not is_non_tensor(value)
+
+
 def is_non_tensor_class(cls: type) -> bool:
     """True for the classes NonTensorData and NonTensorStack (and their subclasses)."""
     return getattr(cls, "_is_non_tensor", False)
