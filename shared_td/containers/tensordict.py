@@ -203,9 +203,13 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, BatchDimOps, IndexWrites
         non-tensor entry stays Python data (``True`` is not turned into a tensor).
         """
         if isinstance(value, torch.Tensor):  # most entries: none of the conversions below applies
-            if value.is_nested:
-                raise nested_tensor_error(key, "Cannot store the entry")
-            return self._fitted(key, value, value.shape)
+            try:
+                shape = value.shape
+            except RuntimeError:  # (checked only here: a set pays nothing for it)
+                if value.is_nested:  # torch's "Internal error ... Please file an issue"
+                    raise nested_tensor_error(key, "Cannot store the entry") from None
+                raise
+            return self._fitted(key, value, shape)
         from shared_td.containers.nontensor import NonTensorData, NonTensorStack, as_non_tensor
 
         if into is not None and is_non_tensor(into) and not is_tensor_collection(value):
