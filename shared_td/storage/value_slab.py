@@ -55,10 +55,11 @@ from typing import Callable
 
 from shared_td.errors import SegmentUnavailableError
 from shared_td.platform import ByteLock, free_bytes, map_shared_bytes, reopen_description, unmap_bytes
-from shared_td.storage.anonymous import attach_peer_fd, create_memfd
+from shared_td.storage.anonymous import GENERIC_ADVICE, attach_peer_fd, create_memfd
 from shared_td.storage.cache import InodeCache
 from shared_td.storage.duplicates import held_duplicate, receive_duplicate
 from shared_td.storage.files import allocate, pwrite_all
+from shared_td.storage.holders import open_first
 
 __all__ = ["ValueSlab", "attach_slab", "keep_slab", "region_capacity"]
 
@@ -317,7 +318,7 @@ def attach_slab(pid: int, fd: int, key: tuple[int, int], holders: tuple = ()) ->
         (True, ((4242, 7),))
     """
     key = tuple(key)
-    slab = _CACHE.get_or_create(key, lambda: ValueSlab(_reopen_from_any(key, ((pid, fd), *holders)), holders))
+    slab = _CACHE.get_or_create(key, lambda: ValueSlab(_reopen(key, pid, fd, holders), holders))
     if holders:
         slab.add_holders(holders)
     return slab
@@ -338,11 +339,10 @@ def _receive(duplicate, key: tuple[int, int], pid: int, fd: int, holders: tuple 
 multiprocessing.reduction.ForkingPickler.register(ValueSlab, ValueSlab._reduce_with_duplicate)
 
 
-def _reopen_from_any(key: tuple[int, int], candidates) -> int:
-    first_error = None
-    for pid, fd in candidates:
-        try:
-            return attach_peer_fd(pid, fd, key, what="shared non-tensor value")
-        except SegmentUnavailableError as err:
-            first_error = first_error or err
-    raise first_error
+def _reopen(key: tuple[int, int], pid: int, fd: int, holders: tuple) -> int:
+    """Our own descriptor on slab ``key``: through process ``pid``'s descriptor ``fd``,
+    else through each holder's in turn (:func:`~shared_td.storage.holders.open_first`)."""
+    def open_route(route_pid: int, route_fd: int, advice: str) -> int:
+        return attach_peer_fd(route_pid, route_fd, key, what="shared non-tensor value", advice=advice)
+
+    return open_first((pid, fd), holders, open_route, what="shared non-tensor value", key=key, advice=GENERIC_ADVICE)

@@ -295,3 +295,16 @@ def test_sharing_a_big_value_holds_no_second_copy_of_it():
     grown_mib = int(subprocess.run([sys.executable, "-c", _MEASURE], capture_output=True, text=True,
                                    check=True, timeout=100).stdout)
     assert grown_mib < 32, f"peak memory grew by {grown_mib} MiB sharing a 64 MiB value"
+
+
+def test_a_slab_no_route_reaches_is_an_error_naming_every_route_tried():
+    """Attaching a slab whose sender and holders are all gone says what each route
+    answered (before, only the sender's error was raised, the holders' lost)."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(timeout=WAIT)  # a pid that was a process, now gone (its descriptors with it)
+    key = (0, 123456789)  # no slab of this process
+    with pytest.raises(SegmentUnavailableError) as info:
+        value_slab.attach_slab(dead.pid, 5, key, ((dead.pid, 6),))
+    message = str(info.value)
+    assert "Routes tried" in message and "(1) its sender" in message and "(2) a coordinator holding it" in message
+    assert "shared non-tensor value (inode 123456789)" in message
