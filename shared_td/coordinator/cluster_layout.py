@@ -69,21 +69,23 @@ _VALUE_CLASSES = {
 class _Tree:
     """A walk of a tree by its node kinds: its container nodes (path -> meta document;
     None: not wanted), tensor leaves (path, tensor, row) and non-tensor values (path,
-    value), in order."""
+    value), in order; ``user_keys``: the user's key of each leaf and value by its path
+    (what messages name: a tensorclass's field without the ``_tensordict`` of the path)."""
 
     documents: dict | None = field(default_factory=dict)
     leaves: list = field(default_factory=list)
     values: list = field(default_factory=list)
+    user_keys: dict = field(default_factory=dict)
 
 
 def _is_value(obj) -> bool:
     return type(obj) in (NonTensorData, NonTensorStack)
 
 
-def _walk(obj, tree: _Tree, path: tuple = (), row: int | None = None) -> None:
-    """Add ``obj``'s node at ``path`` and everything below it to ``tree``. ``row``: the
-    row of the root's first dimension that all of ``obj`` is (None: ``obj``'s own first
-    batch dimension is the root's)."""
+def _walk(obj, tree: _Tree, path: tuple = (), row: int | None = None, key_path: tuple = ()) -> None:
+    """Add ``obj``'s node at ``path`` (the user's key ``key_path``) and everything
+    below it to ``tree``. ``row``: the row of the root's first dimension that all of
+    ``obj`` is (None: ``obj``'s own first batch dimension is the root's)."""
     kind = nodes.kind_for_object(obj)  # TypeError for what the engine cannot memory-map
     documented = tree.documents is not None
     entries = []
@@ -92,13 +94,15 @@ def _walk(obj, tree: _Tree, path: tuple = (), row: int | None = None) -> None:
             if documented:
                 entries.append(LeafMeta.of(key, value))
             tree.leaves.append((path + (key,), value, row))
+            tree.user_keys[path + (key,)] = key_path + (key,)
             continue
         if documented:
             entries.append(ChildMeta(key, nodes.kind_for_object(value).child_type_name(value)))
         if _is_value(value):
             tree.values.append((path + (key,), value))
+            tree.user_keys[path + (key,)] = key_path + (key,)
         else:
-            _walk(value, tree, path + (key,), row)
+            _walk(value, tree, path + (key,), row, key_path + (key,))
     if documented:
         meta, side_files = kind.metadata(obj, tuple(entries))
         if side_files:  # no container node has any; non-tensor data is not walked here
@@ -106,8 +110,10 @@ def _walk(obj, tree: _Tree, path: tuple = (), row: int | None = None) -> None:
         tree.documents[path] = json.loads(meta.to_json())
     # a lazy stack along the root's first dimension: each member is one row of it
     stacked_rows = row is None and kind.name == nodes.LAZY and obj.stack_dim == 0
+    # a tensorclass's tensordict holds its fields under the tensorclass's own key
+    inner = (lambda child: key_path) if kind.name == nodes.TENSORCLASS else (lambda child: key_path + (child,))
     for index, (child, member) in enumerate(kind.children(obj)):
-        _walk(member, tree, path + (child,), index if stacked_rows else row)
+        _walk(member, tree, path + (child,), index if stacked_rows else row, inner(child))
 
 
 def _survey(td, name: str) -> _Tree:
@@ -125,7 +131,7 @@ def check_kinds(td, name: str, share_non_tensor: bool) -> _Tree:
     without ``share_non_tensor=True``; what no node kind handles. Returns the walk."""
     tree = _survey(td, name)
     if tree.values and not share_non_tensor:
-        key = tree.values[0][0]
+        key = tree.user_keys[tree.values[0][0]]
         raise TypeError(
             f"{name!r}: the leaf {key} is a non-tensor value; a replicated name shares its "
             "non-tensor values across the cluster only when published with share_non_tensor=True "
@@ -146,14 +152,14 @@ def describe(td, name: str, share_non_tensor: bool = False) -> tuple[dict, Segme
         backing = getattr(leaf, "_backing", None)
         if not isinstance(backing, Segment):
             raise ValueError(
-                f"{name!r}: the leaf {key} is not in anonymous shared memory; publish with "
+                f"{name!r}: the leaf {tree.user_keys[key]} is not in anonymous shared memory; publish with "
                 "replicate=True without a prefix, so that the whole tree lies in one segment."
             )
         if segment is not None and backing is not segment:
             raise ValueError(f"{name!r}: the leaves lie in several segments; replicate a tree made "
                              "by one memmap_() without a prefix.")
         if not leaf.is_contiguous():
-            raise ValueError(f"{name!r}: the leaf {key} is not contiguous.")
+            raise ValueError(f"{name!r}: the leaf {tree.user_keys[key]} is not contiguous.")
         segment = backing
     if segment is None:
         raise ValueError(f"{name!r}: nothing to replicate (no tensor with elements).")

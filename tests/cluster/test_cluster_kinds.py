@@ -191,7 +191,7 @@ def test_a_tensorclass_unknown_on_the_replica_node_is_never_imported(pair, monke
 
 def test_what_does_not_replicate_is_a_clear_error(pair):
     owner, _other = pair
-    with pytest.raises(TypeError, match=r"\('step', '_tensordict', 'label'\).*share_non_tensor=True"):
+    with pytest.raises(TypeError, match=r"the leaf \('step', 'label'\) is a non-tensor value.*share_non_tensor=True"):
         owner.publish("p", kinds_td(2))
     with pytest.raises(TypeError, match="a replicated name is a TensorDict, a tensorclass or a lazy stack"):
         owner.publish("value", shared_td.NonTensorData("x"), share_non_tensor=True)
