@@ -11,6 +11,7 @@ from typing import Any, Sequence
 
 import torch
 
+from shared_td.containers.batch import insertion_dim
 from shared_td.containers.value_kinds import is_tensor_collection
 from shared_td.tensorclass_protocol import is_tensorclass, unwrap_tensorclass
 
@@ -90,8 +91,9 @@ def _dense_here(items: list, dim: int) -> Any:
     from shared_td.containers.tensordict import TensorDict
 
     first = items[0]
-    if dim < 0:  # counted from the items' own batch: a nested one's is longer
-        dim += first.batch_dims + 1
+    # counted from the items' own batch (a nested one's is longer); out of range is an
+    # error, as torch.stack's (it was wrapped into range once more before)
+    dim = insertion_dim(dim, first.batch_dims, "maybe_dense_stack")
     nested = [key for key in first._keys_str()
               if all(type(item._get_str(key, None)) is TensorDict for item in items)]
     if not nested:

@@ -48,6 +48,17 @@ def test_dense_stack_tds(lib):
         lib.dense_stack_tds([box, box])
 
 
+@pytest.mark.parametrize("dim", [-4, -5, 3])
+def test_dense_stack_out_of_range_dim_is_an_error_as_torch_stack(dim):
+    """tensordict 0.15.3 wraps a dim below -ndim - 1 into range (dim=-4 of 2 batch dims
+    stacks at -1); shared_td stacked there too, while torch.stack and lazy_stack refuse it."""
+    tds = [shared_td.TensorDict(a=torch.zeros(3, 2), batch_size=[3, 2]) for _ in range(2)]
+    for stack in (shared_td.dense_stack_tds, shared_td.maybe_dense_stack):
+        with pytest.raises(shared_td.BatchDimError, match=f"dim={dim}.* out of range .*-3 <= dim <= 2"):
+            stack(tds, dim)
+    assert shared_td.dense_stack_tds(tds, -3).batch_size == torch.Size([2, 3, 2])  # the lowest in range
+
+
 @pytest.mark.parametrize("lib", LIBS)
 def test_pad_tensors_nontensors_nested(lib):
     td = lib.TensorDict(a=torch.arange(3.0), s="x", n=lib.TensorDict(b=torch.ones(3, 2), batch_size=[3, 2]),
