@@ -466,7 +466,7 @@ class TensorDictBase(TensorDictRoot, LockingOps, BatchSplitOps, NonTensorOps, Co
         if safe and new != old and new in self.keys(include_nested=True):  # (a key renamed to itself: nothing)
             raise KeyError(f"Key {key_repr(new)} is already present in TensorDict; pass safe=False to replace it.")
         self.set(new, value)
-        if old != new:
+        if old != new and old[:len(new)] != new:  # (a key renamed to its parent: the set replaced it)
             self.del_(old)
         return self
 

@@ -164,7 +164,10 @@ def _zeros_like_entry(source: Any, batch_size: torch.Size, target_batch: torch.S
         # row, the rows not written included; a stack's values leave None in the others.
         value = None if isinstance(source, NonTensorStack) else source.data
         return NonTensorData(value, batch_size=batch_size)
-    return source.empty(batch_size=batch_size) if hasattr(source, "empty") else source
+    if not hasattr(source, "empty"):
+        return source
+    # the source's own batch dims past the indexed ones stay, as a tensor's feature dims
+    return source.empty(batch_size=batch_size + source.batch_size[len(target_batch):])
 
 
 def reads_entry_dims(index: Any, batch_size: torch.Size) -> bool:

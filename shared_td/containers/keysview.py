@@ -72,6 +72,18 @@ def _reader(cls: type) -> Any:
     return "_peek_str" if hasattr(cls, "_peek_str") else "_get_str" if hasattr(cls, "_get_str") else None
 
 
+def _peeked(lazy: Any, key: str, default: Any) -> Any:
+    """A lazy stack's entry ``key`` as its walk sees it: ``_peek_str``'s, but a lazy stack
+    of members that were all given as one tensorclass is that tensorclass over it (as
+    ``get`` gives it), so that ``is_leaf`` is asked about that class, as for a tensordict."""
+    value = lazy._peek_str(key, default)
+    if value is not default and is_lazy_stack(value) and value.tensordicts:
+        cls = value._tensorclass_of(value.tensordicts[0])
+        if cls is not None and all(value._tensorclass_of(m) is cls for m in value.tensordicts[1:]):
+            return cls._from_tensordict(value)
+    return value
+
+
 def _sort_name(key: Any) -> str:
     """What ``sort=True`` orders a key by: its parts joined by ".", as tensordict 0.15.3
     does (``("a", "c")`` sorts as ``"a.c"``: after ``"a-b"``, where ordering the tuples
@@ -134,7 +146,7 @@ class KeysView:
         walk finds (and all below it) is not."""
         if not _peeks(type(td)):
             return td._items_str(), exact
-        return ((key, td._peek_str(key, None)) for key in td._keys_str()), False
+        return ((key, _peeked(td, key, None)) for key in td._keys_str()), False
 
     def _walk(self, td: Any, prefix: tuple, exact: bool, kinds: dict) -> Iterator:
         entries, exact = self._entries(td, exact)
@@ -209,7 +221,8 @@ class KeysView:
             return False
         kinds, node = {}, self._td
         for depth, part in enumerate(path):
-            value = getattr(node, _reader(type(node)))(part, _MISSING)
+            read = _reader(type(node))
+            value = _peeked(node, part, _MISSING) if read == "_peek_str" else getattr(node, read)(part, _MISSING)
             if value is _MISSING:
                 return False
             listed, walked, wrapped = kinds.get(type(value)) or self._kind(type(value), kinds)

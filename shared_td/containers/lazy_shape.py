@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 
 from shared_td.containers import batch as batch_ops
+from shared_td.containers.base import NO_DEFAULT
 from shared_td.containers.keysview import peek_path
 from shared_td.containers.lazy_names import indexed_names
 from shared_td.containers.reshaping import permute_order
@@ -274,9 +275,35 @@ class LazyShapeOps:
         name = None if self.names is None else self.names[dim]
         return type(self).lazy_stack(list(self.unbind(dim)), dim, stack_dim_name=name)
 
-    def empty(self, recurse: bool = False) -> "LazyStackedTensorDict":
-        """A lazy stack of the members' ``empty()``."""
-        return self._restack([m.empty(recurse) for m in self.tensordicts], member_wise=True)
+    def empty(self, recurse: bool = False, *, batch_size: Any = None, device: Any = NO_DEFAULT) -> Any:
+        """A lazy stack of the members' ``empty(recurse)`` (on ``device`` if given). A
+        ``batch_size`` that keeps this stack's dims up to its stack dim goes to the
+        members without the stack dim; any other gives a TensorDict of that batch size,
+        as in tensordict 0.15.3 (the members cannot give those dims), which with
+        ``recurse=True`` holds the nested collections emptied (a RuntimeError names one
+        that does not fit it, as TensorDict.empty's).
+
+        Example:
+            >>> lazy = lazy_stack([TensorDict(a=torch.zeros(4), batch_size=[4])] * 3)
+            >>> type(lazy.empty()).__name__, lazy.empty(batch_size=[3, 2]).batch_size
+            ('LazyStackedTensorDict', torch.Size([3, 2]))
+            >>> type(lazy.empty(batch_size=[5, 3, 4])).__name__
+            'TensorDict'
+        """
+        options = {} if device is NO_DEFAULT else {"device": device}
+        if batch_size is None:
+            return self._restack([m.empty(recurse, **options) for m in self.tensordicts], member_wise=True)
+        size, dim = batch_ops.as_batch_size(batch_size), self._stack_dim
+        if size[:dim + 1] == self.batch_size[:dim + 1]:
+            inner = size[:dim] + size[dim + 1:]
+            return self._restack([m.empty(recurse, batch_size=inner, **options) for m in self.tensordicts],
+                                 member_wise=True)
+        from shared_td.containers.tensordict import TensorDict
+
+        # (no tensor leaf left to copy: the emptied stack's nested collections, made dense)
+        plain = self.empty(True).to_tensordict() if recurse else TensorDict(batch_size=self.batch_size,
+                                                                             device=self.device)
+        return plain.empty(recurse, batch_size=size, **options)
 
     def select(self, *keys: NestedKey, inplace: bool = False, strict: bool = True,
                as_tensordict: bool = False) -> "LazyStackedTensorDict":

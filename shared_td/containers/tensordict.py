@@ -447,7 +447,7 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, BatchDimOps, IndexWrites
                     entries[key] = _emptied_for(value, size, key)
         names = self.names if size == self._batch_size else None  # names fit the old dims only
         return type(self)._new_unsafe(
-            entries, size, self._device if device is NO_DEFAULT else device, names
+            entries, size, self._device if device is NO_DEFAULT else parse_device(device), names
         )
 
     @classmethod

@@ -1,0 +1,81 @@
+"""What tensordict's own test_generic.py (its second half) found, side by side with
+tensordict 0.15.3: keys(is_leaf=) of a lazy stack holding a tensorclass, a key renamed to
+its parent, a new nested entry written through an index keeping its own batch dims, and
+a lazy stack's ``empty(batch_size=, device=)``."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.reference import LIBS
+
+
+def _step_class(lib):
+    @lib.tensorclass
+    class Step:
+        x: torch.Tensor
+
+    return Step
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_lazy_stack_keys_is_leaf_sees_the_tensorclass(lib):
+    step = _step_class(lib)
+    td = lib.TensorDict(a=torch.zeros(3), tc=step(x=torch.zeros(3, 4), batch_size=[3]), batch_size=[3])
+    stack = lib.lazy_stack([td[0], td[1]])
+    is_leaf = lambda cls: cls is step  # noqa: E731
+    for tree in (td, stack):
+        assert list(tree.keys(True, True, is_leaf=is_leaf)) == ["tc"]
+        assert len(tree.keys(True, True, is_leaf=is_leaf)) == 1
+        assert "tc" in tree.keys(True, True, is_leaf=is_leaf)
+        assert [type(value) for value in tree.values(True, True, is_leaf=is_leaf)] == [step]
+        if lib.__name__ == "shared_td":  # (tensordict walks into it on a TensorDict: documented)
+            assert ("tc", "x") not in list(tree.keys(True, False, is_leaf=is_leaf))  # listed whole, not walked
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_rename_key_to_its_parent(lib):
+    td = lib.TensorDict(a={"b": {"c": torch.tensor(7)}})
+    assert td.rename_key_(("a", "b", "c"), ("a", "b")) is td
+    assert td["a", "b"] == 7 and list(td.keys(True, True)) == [("a", "b")]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("kind", ["td", "tensorclass", "lazy", "lazy dim 1"])
+def test_a_new_nested_entry_written_through_an_index_keeps_its_batch_dims(lib, kind):
+    inner = {
+        "td": lambda: lib.TensorDict(i=torch.ones(3, 4, 2), batch_size=[3, 4]),
+        "tensorclass": lambda: _step_class(lib)(x=torch.ones(3, 4, 2), batch_size=[3, 4]),
+        "lazy": lambda: lib.lazy_stack([lib.TensorDict(i=torch.ones(4, 2), batch_size=[4])] * 3),
+        "lazy dim 1": lambda: lib.lazy_stack([lib.TensorDict(i=torch.ones(3, 2), batch_size=[3])] * 4, 1),
+    }[kind]
+    buffer = lib.TensorDict(batch_size=[5, 3])
+    buffer[0] = lib.TensorDict(n=inner(), batch_size=[3])  # (a tensorclass: its class kept, a lazy stack: dense)
+    assert buffer["n"].batch_size == torch.Size([5, 3, 4])  # shared_td: [5, 3] (a lazy stack: TypeError)
+    assert buffer[0]["n"].batch_size == torch.Size([3, 4])
+    leaf = next(iter(buffer["n"].values(True, True)))
+    assert leaf[0].eq(1).all() and leaf[1:].eq(0).all()
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("stack_dim", [0, 1])
+def test_lazy_stack_empty_with_a_batch_size_or_device(lib, stack_dim):
+    lazy = lib.lazy_stack([lib.TensorDict(i=torch.ones(4, 2), n={"z": torch.ones(4)}, s="x", batch_size=[4])] * 3,
+                          stack_dim)
+    size = list(lazy.batch_size)
+
+    def shape(result):
+        return type(result).__name__, result.batch_size, sorted(map(str, result.keys(True)))
+
+    assert shape(lazy.empty(batch_size=size)) == ("LazyStackedTensorDict", torch.Size(size), [])
+    assert shape(lazy.empty(batch_size=[5, *size])) == ("TensorDict", torch.Size([5, *size]), [])
+    assert shape(lazy.empty(batch_size=[])) == ("TensorDict", torch.Size([]), [])
+    assert shape(lazy.empty(recurse=True, batch_size=[])) == ("TensorDict", torch.Size([]), ["n", "s"])
+    # the dims up to the stack dim kept: still a stack (of members with fewer dims)
+    kept = lazy.empty(recurse=True, batch_size=size[:1])
+    assert shape(kept) == ("LazyStackedTensorDict" if stack_dim == 0 else "TensorDict", torch.Size(size[:1]),
+                           ["n", "s"])
+    assert lazy.empty(device="cpu").device == torch.device("cpu")  # (a device, not the str given)
+    assert lib.TensorDict(batch_size=[2]).empty(device="cpu").device == torch.device("cpu")
+    with pytest.raises(RuntimeError, match="'n'"):  # a nested tensordict that cannot take it
+        lazy.empty(recurse=True, batch_size=[2, *size])
