@@ -196,9 +196,10 @@ def renamed_in_members(td: Any, old: tuple, new: tuple, safe: bool) -> bool:
     for member, inner_old, inner_new in targets.values():  # every check before the first change
         if not _holds(member, inner_old):
             raise KeyError(td._missing_key_message(old))
+        # the lock before the safe check, as a TensorDict's rename_key_ and tensordict
+        _check_renamable(unwrap_tensorclass(member), inner_old, inner_new)
         if safe and inner_new != inner_old and _holds(member, inner_new):
             raise KeyError(f"Key {key_repr(new)} is already present in TensorDict; pass safe=False to replace it.")
-        _check_renamable(unwrap_tensorclass(member), inner_old, inner_new)
     for member, inner_old, inner_new in targets.values():
         member.rename_key_(inner_old, inner_new, safe)
     return True
