@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from shared_td.containers.new_tensor import DATA_DEVICE, new_tensor
 from shared_td.containers.value_kinds import is_leaf_nontensor, is_non_tensor, is_tensor_collection
 from shared_td.errors import KeyThroughLeafError, KeyTypeError
 from shared_td.keys import NestedKey, RAISE, unravel_key
@@ -347,6 +348,15 @@ class ConvenienceOps:
                 if unravel_key(key) != unravel_key(out_key):
                     del self[key]
         return self
+
+    def new_tensor(self, data: Any, *, dtype: Any = None, device: Any = DATA_DEVICE, requires_grad: bool = False,
+                   pin_memory: bool | None = None) -> Any:
+        """:func:`~shared_td.containers.new_tensor.new_tensor`: a tensordict whose leaves
+        are copies of ``data`` (or of its leaves), each of the dtype of this one's leaf;
+        a tensorclass gives one of its class, its non-tensor fields kept."""
+        out = new_tensor(self._tensordict if getattr(self, "_is_tensorclass", False) else self, data,
+                         dtype=dtype, device=device, requires_grad=requires_grad, pin_memory=pin_memory)
+        return _tensorclass_new_like(self, out) if getattr(self, "_is_tensorclass", False) else out
 
     def new_empty(self, *size: Any, dtype: Any = None, device: Any = None, requires_grad: bool = False,
                   **ignored: Any) -> Any:

@@ -284,7 +284,7 @@ class LazyShapeOps:
         that does not fit it, as TensorDict.empty's).
 
         Example:
-            >>> lazy = lazy_stack([TensorDict(a=torch.zeros(4), batch_size=[4])] * 3)
+            >>> lazy = shared_td.lazy_stack([TensorDict(a=torch.zeros(4), batch_size=[4])] * 3)
             >>> type(lazy.empty()).__name__, lazy.empty(batch_size=[3, 2]).batch_size
             ('LazyStackedTensorDict', torch.Size([3, 2]))
             >>> type(lazy.empty(batch_size=[5, 3, 4])).__name__
