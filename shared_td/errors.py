@@ -21,8 +21,8 @@ class BatchDimError(IndexError, RuntimeError):
 
 
 class TransposeDimError(BatchDimError, ValueError):
-    """A ``transpose`` dim outside the batch dims: a BatchDimError (the IndexError torch
-    raises) and the ValueError tensordict 0.15.3 raises."""
+    """A ``transpose`` or ``permute`` dim outside the batch dims: a BatchDimError (the
+    IndexError torch raises) and the ValueError tensordict 0.15.3 raises."""
 
 
 class BatchSizeMismatchError(ValueError, RuntimeError):

@@ -13,6 +13,7 @@ import torch
 from shared_td.containers import batch as batch_ops
 from shared_td.containers.shape_write_back import inverse_order, unsqueezed, with_write_back
 from shared_td.containers.value_kinds import is_non_tensor, is_tensor_collection
+from shared_td.errors import BatchDimError, TransposeDimError
 
 if TYPE_CHECKING:  # for the annotations only: tensordict.py imports this module
     from shared_td.containers.tensordict import TensorDict
@@ -98,7 +99,8 @@ class BatchShapeOps:
         may also be given as ``dims=[...]``.
 
         Raises:
-            ValueError: the dims are not each of the first ``len(dims)`` batch dims once.
+            ValueError: the dims are not each of the first ``len(dims)`` batch dims once
+            (a dim out of range: a TransposeDimError, also an IndexError).
 
         Example:
             >>> td = TensorDict(a=torch.zeros(2, 3, 4), batch_size=[2, 3, 4])
@@ -169,7 +171,8 @@ def permute_order(dims_list: Any, batch_dims: int, dims: Any = None) -> list:
     leading ones (negative dims count from the last batch dim), the others stay.
 
     Raises:
-        ValueError: the dims are not each of the first ``len(dims)`` batch dims once.
+        ValueError: the dims are not each of the first ``len(dims)`` batch dims once
+            (a dim out of range: a TransposeDimError, also an IndexError).
         TypeError: dims given both ways.
 
     Example:
@@ -179,7 +182,10 @@ def permute_order(dims_list: Any, batch_dims: int, dims: Any = None) -> list:
     if dims is not None and dims_list:
         raise TypeError(f"permute takes its dims once: {list(dims_list)} and dims={list(dims)} were given.")
     dims = dims_list if dims is None else (dims,)
-    order = [batch_ops.normalize_dim(d, batch_dims) for d in batch_ops.shape_args(dims)]
+    try:
+        order = [batch_ops.normalize_dim(d, batch_dims) for d in batch_ops.shape_args(dims)]
+    except BatchDimError as out_of_range:  # (also the ValueError tensordict raises)
+        raise TransposeDimError(f"permute: {out_of_range}") from None
     if sorted(order) != list(range(len(order))):
         which = (f"each of the {batch_dims} batch dims" if len(order) == batch_dims
                  else f"each of the first {len(order)} of the {batch_dims} batch dims (the others stay)")

@@ -79,3 +79,13 @@ def test_lazy_stack_empty_with_a_batch_size_or_device(lib, stack_dim):
     assert lib.TensorDict(batch_size=[2]).empty(device="cpu").device == torch.device("cpu")
     with pytest.raises(RuntimeError, match="'n'"):  # a nested tensordict that cannot take it
         lazy.empty(recurse=True, batch_size=[2, *size])
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_permute_out_of_range_is_the_value_error_tensordict_raises(lib):
+    td = lib.TensorDict(a=torch.zeros(2, 3, 4, 5), batch_size=[2, 3, 4, 5])
+    with pytest.raises(ValueError):
+        td.permute(2, 5, 0, 1)
+    if lib.__name__ == "shared_td":  # also the IndexError torch raises for a tensor's permute
+        with pytest.raises(IndexError, match="permute: dim=5 is out of range"):
+            td.permute(2, 5, 0, 1)
