@@ -21,6 +21,7 @@ from shared_td.containers import batch as batch_ops
 from shared_td.containers import extra_constructors as build
 from shared_td.containers import extra_split_keys as split_key_parts
 from shared_td.containers.value_kinds import is_lazy_stack, is_leaf_nontensor, is_non_tensor, is_tensor_collection
+from shared_td.keys import NestedKey
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 
@@ -202,6 +203,32 @@ class ExtraNameOps:
         if target is self:
             return parts
         return tuple(self if part is target else build.wrap_for(type(self), part) for part in parts)
+
+    def separates(self, *keys: NestedKey, default: Any = split_key_parts.NO_DEFAULT, strict: bool = True,
+                  filter_empty: bool = True) -> Any:
+        """Remove the entries ``keys`` from self, in place, and return them in a new
+        tensordict (the same tensors: nothing is copied) that keeps the nested
+        tensordicts holding them, with their batch sizes (tensordict 0.15.3's
+        ``separates``: ``split_keys(keys, inplace=True)``, the separated part only).
+        ``strict=True`` and no ``default``: a missing key is a KeyError and self is left
+        whole (tensordict 0.15.3 has removed the keys before it by then); else it is
+        given ``default`` (not None) in the result, or skipped. The result holds the
+        separated entries only (tensordict 0.15.3 also puts a copy of self's other
+        non-tensor entries there). ``filter_empty=True``: the nested tensordicts of self
+        that the removal leaves empty are removed too.
+
+        Example:
+            >>> td = TensorDict(a=torch.zeros(3), b=torch.zeros(3), n={"c": torch.zeros(3)}, batch_size=[3])
+            >>> out = td.separates("a", ("n", "c"))
+            >>> sorted(map(str, out.keys(True, True))), list(td.keys())
+            (["('n', 'c')", 'a'], ['b'])
+        """
+        strict = strict and default is split_key_parts.NO_DEFAULT  # (a default given: a missing key takes it)
+        separated, rest = self.split_keys(keys, inplace=True, default=default, strict=strict, reproduce_struct=True)
+        split_key_parts.drop_empty(unwrap_tensorclass(separated))
+        if filter_empty:
+            split_key_parts.drop_empty(unwrap_tensorclass(rest))
+        return separated
 
     # ------------------------------------------------------------ classmethods
     @classmethod

@@ -54,7 +54,7 @@ def split_keys(td: Any, key_sets: tuple, *, inplace: bool, default: Any, strict:
             td.pop(key, None)
         rest = td
     if not reproduce_struct:
-        _drop_empty(rest)
+        drop_empty(rest)
     return (*parts, rest)
 
 
@@ -67,7 +67,7 @@ def _drop_non_tensors(td: Any) -> None:
             _drop_non_tensors(unwrap_tensorclass(value))
 
 
-def _drop_empty(td: Any) -> None:
+def drop_empty(td: Any) -> None:
     """Remove the nested tensordicts of ``td`` that hold no leaf, at every depth (in
     place; tensordict's ``filter_empty_``)."""
     for key, value in list(td.items()):
@@ -76,4 +76,4 @@ def _drop_empty(td: Any) -> None:
         if value.is_empty():
             td.del_(key)
         else:
-            _drop_empty(unwrap_tensorclass(value))
+            drop_empty(unwrap_tensorclass(value))

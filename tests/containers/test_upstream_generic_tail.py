@@ -89,3 +89,47 @@ def test_permute_out_of_range_is_the_value_error_tensordict_raises(lib):
     if lib.__name__ == "shared_td":  # also the IndexError torch raises for a tensor's permute
         with pytest.raises(IndexError, match="permute: dim=5 is out of range"):
             td.permute(2, 5, 0, 1)
+
+
+def _separable(lib):
+    return lib.TensorDict(a=torch.zeros(3), b=torch.ones(3), s="x",
+                          nested=lib.TensorDict(c=torch.zeros(3), d=torch.zeros(3), batch_size=[3]),
+                          e=lib.TensorDict(f=torch.zeros(3), batch_size=[3]), batch_size=[3])
+
+
+def _leaf_keys(td):
+    return sorted(map(str, td.keys(True, True)))
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_separates_moves_the_entries_into_a_new_tensordict(lib):
+    td = _separable(lib)
+    a = td["a"]
+    out = td.separates("a", ("nested", "c"))
+    assert _leaf_keys(out) == ["('nested', 'c')", "a"] and out.batch_size == torch.Size([3])
+    assert out["a"] is a  # not copied
+    assert _leaf_keys(td) == ["('e', 'f')", "('nested', 'd')", "b"] and td["s"] == "x"
+    emptied = _separable(lib)
+    assert _leaf_keys(emptied.separates(("e", "f"))) == ["('e', 'f')"]
+    assert "e" not in emptied.keys()  # left empty: removed (filter_empty=True)
+    kept = _separable(lib)
+    kept.separates(("e", "f"), filter_empty=False)
+    assert "e" in kept.keys() and kept["e"].is_empty()
+    with_default = _separable(lib).separates("a", "zz", default=torch.ones(3))  # a default: not strict
+    assert _leaf_keys(with_default) == ["a", "zz"]
+    lazy = lib.lazy_stack([_separable(lib), _separable(lib)])
+    out = lazy.separates("a")
+    assert type(out).__name__ == "LazyStackedTensorDict" and _leaf_keys(out) == ["a"] and "a" not in lazy.keys()
+    with pytest.raises(RuntimeError):
+        _separable(lib).lock_().separates("a")
+
+
+def test_separates_a_missing_key_leaves_the_tensordict_whole():
+    """tensordict 0.15.3 has removed "a" by the time "zz" raises: "a" is lost."""
+    import shared_td
+
+    td = _separable(shared_td)
+    with pytest.raises(KeyError, match="zz"):
+        td.separates("a", "zz")
+    assert _leaf_keys(td) == _leaf_keys(_separable(shared_td))
+    assert _leaf_keys(td.separates("a", "zz", strict=False)) == ["a"]  # skipped
