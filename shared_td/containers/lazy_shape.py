@@ -22,7 +22,7 @@ from shared_td.containers import batch as batch_ops
 from shared_td.containers.base import NO_DEFAULT
 from shared_td.containers.keysview import peek_path
 from shared_td.containers.lazy_names import indexed_names
-from shared_td.containers.reshaping import permute_order
+from shared_td.containers.reshaping import permute_order, view_dtype
 from shared_td.containers.shape_write_back import back_to_types_of, inverse_order, unsqueezed, with_write_back
 from shared_td.containers.value_kinds import is_leaf_nontensor, is_non_tensor, is_tensor_collection
 from shared_td.keys import NestedKey, is_nested_key, key_repr, unravel_key
@@ -416,9 +416,12 @@ class LazyShapeOps:
                 return empty.reshape(positions.shape)
         return self._from_positions(positions)
 
-    def view(self, *shape: Any, size: Any = None) -> Any:
+    def view(self, *shape: Any, size: Any = None, batch_size: Any = None) -> Any:
         """:meth:`reshape` (views of the members); leaving ``with stack.view(...) as v:``
-        writes ``v`` back into the stack (see shape_write_back), as for a TensorDict."""
+        writes ``v`` back into the stack (see shape_write_back), as for a TensorDict.
+        ``view(dtype)``: each tensor leaf viewed as ``dtype`` (see TensorDict.view)."""
+        if len(shape) == 1 and isinstance(shape[0], torch.dtype):
+            return view_dtype(self, shape[0], batch_size)
         before = self.batch_size
         return with_write_back(self, self.reshape(*shape, size=size), lambda result: result.reshape(before))
 

@@ -59,11 +59,21 @@ class BatchShapeOps:
         ).shape
         return self._map_entries(lambda v: v.reshape((*size, *v.shape[nb:])), size)
 
-    def view(self, *shape: Any, size: Any = None) -> "TensorDict":
+    def view(self, *shape: Any, size: Any = None, batch_size: Any = None) -> "TensorDict":
         """A view with reshaped batch dims (the storage is shared; raises if impossible);
-        the shape may also be given as ``size=``."""
+        the shape may also be given as ``size=``. ``view(dtype)``: every tensor leaf
+        viewed as ``dtype`` (``torch.Tensor.view(dtype)``: the same bytes read as another
+        type, so a leaf's last dim changes size when the item sizes differ: a leaf
+        whose last dim is a batch dim raises then), of batch size ``batch_size`` if
+        given, as in tensordict 0.15.3.
+
+        Example:
+            >>> td = TensorDict(a=torch.zeros(3, 4), batch_size=[3])
+            >>> td.view(torch.int32)["a"].dtype, td.view(torch.float16)["a"].shape
+            (torch.int32, torch.Size([3, 8]))
+        """
         if len(shape) == 1 and isinstance(shape[0], torch.dtype):
-            raise TypeError("TensorDict.view(dtype) is not supported; use .to(dtype).")
+            return view_dtype(self, shape[0], batch_size)
         nb = self.batch_dims
         before = self._batch_size
         size = torch.empty(before, device="meta").view(batch_ops.shape_args(shape, size)).shape
@@ -163,6 +173,12 @@ class BatchShapeOps:
         common = _common_prefix(shapes)
         self.batch_size = common if batch_dims is None else common[:batch_dims]
         return self
+
+
+def view_dtype(td: Any, dtype: torch.dtype, batch_size: Any) -> Any:
+    """``td.view(dtype, batch_size=)`` of a TensorDict or lazy stack: each tensor leaf
+    viewed as ``dtype``; non-tensor entries kept."""
+    return td.apply(lambda leaf: leaf.view(dtype), batch_size=batch_size)
 
 
 def permute_order(dims_list: Any, batch_dims: int, dims: Any = None) -> list:
