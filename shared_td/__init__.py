@@ -69,6 +69,7 @@ from shared_td.errors import (
     UnstorableValueError,
 )
 from shared_td.memmap_tensor import MemoryMappedTensor
+from shared_td.persist.append import append_memmap
 from shared_td.persist.archive import is_memmap_archive
 from shared_td.persist.archive_checksums import refresh_archive_checksums
 from shared_td.persist.archive_write import pack_memmap, unpack_memmap
@@ -142,6 +143,7 @@ __all__ = [
     "set_list_to_stack",
     "fromkeys",
     "gc",
+    "append_memmap",
     "is_leaf_nontensor",
     "is_memmap_archive",
     "is_non_tensor",

@@ -1,0 +1,267 @@
+"""``append_memmap``: rows added to a saved tensordict along its first batch dimension,
+in one step that a SIGKILL cannot tear.
+
+How: under the prefix's writer lock (the one ``atomic=True`` writers take), a staging
+directory beside the prefix mirrors the save. Every file is a hard link to the saved one
+(no byte is copied), except the meta.json of each TensorDict node, written anew with the
+new number of rows. Each leaf file then grows in place: the new rows' bytes go after the
+bytes its meta.json declares. Nobody maps those (a reader of the old version maps the
+declared bytes only), and a load ignores bytes past the declared size, so an append cut
+short leaves the save as it was. Then the staging directory is swapped in
+(``RENAME_EXCHANGE``): every level of the save goes from the old number of rows to the
+new one at once. A SIGKILL at any moment leaves the old save or the new one, never a
+mix (tensordict 0.15.3 replaces its meta.json files one at a time, and a kill between
+two leaves levels with different numbers of rows, which a reader may then load).
+
+What cannot grow is refused before anything is written (ValueError naming the key): a
+lazy stack, a NonTensorStack, a nested tensor, an archive, rows whose keys, classes,
+dtypes or shapes past the first dimension differ from the save's, and a non-tensor
+value that differs from the saved one (a NonTensorData holds one value for all rows).
+
+Needs hard links (every local Linux filesystem has them): where the filesystem refuses
+them, an OSError says so and nothing changes. Readers that mapped the save before keep
+its old rows (their leaves are views of the old sizes); a load after the append sees
+the new ones.
+"""
+from __future__ import annotations
+
+import json
+import os
+import stat
+import warnings
+from typing import Any
+
+import torch
+
+from shared_td.persist import api, atomic, nodes
+from shared_td.persist import format as fmt
+from shared_td.storage.writing import pwrite_all
+
+__all__ = ["append_memmap"]
+
+
+def append_memmap(prefix: Any, rows: Any, *, allow_pickle: bool | None = None) -> None:
+    """Append ``rows`` (a TensorDict or tensorclass) to the tensordict saved at
+    ``prefix`` (a directory that ``memmap``/``save`` wrote, by shared_td or tensordict
+    0.15.3), along its first batch dimension, as tensordict 0.15.3's
+    ``append_memmap``, but in one step: a failure or a SIGKILL at any moment leaves the
+    save as it was or with every row appended (see the module's opening).
+
+    ``rows`` must have the save's keys, classes, dtypes and shapes, its batch size may
+    differ in the first dimension only, and each non-tensor entry must hold the saved
+    value (one value, or a NonTensorStack of that value). ``allow_pickle``: whether the
+    save's pickled non-tensor values may be read to compare them (as in
+    ``load_memmap``). Appends to one prefix are serialised with its other writers (the
+    ``atomic=True`` lock).
+
+    Raises:
+        ValueError: ``prefix`` is no saved directory (an archive: unpack it first), or
+            ``rows`` cannot be appended (names the key and what differs); nothing
+            changed.
+        OSError: the filesystem refuses hard links, or a file cannot be written
+            (a read-only save, a full disk); nothing changed.
+
+    Example:
+        >>> td = TensorDict(obs=torch.zeros(3, 2), batch_size=[3])
+        >>> _ = td.memmap("data/replay")
+        >>> shared_td.append_memmap("data/replay", TensorDict(obs=torch.ones(2, 2), batch_size=[2]))
+        >>> shared_td.load_memmap("data/replay")["obs"].sum(-1).tolist()
+        [0.0, 0.0, 0.0, 2.0, 2.0]
+    """
+    target = _saved_directory(prefix)
+    with atomic.acquired(target):
+        try:
+            atomic.sweep_leftovers(target)
+        except OSError as error:  # what dead writers left does not stop this one
+            warnings.warn(str(error), RuntimeWarning, stacklevel=2)
+        saved = api.load_memmap(target, allow_pickle=bool(allow_pickle))
+        growth = _Growth(target)
+        _match(saved, rows, (), growth)
+        if not growth.rows:
+            return  # no row to add: the save stays as it is
+        staging = atomic.Staging(target)
+        try:
+            _mirror(target, staging.path, growth.rows)
+            for leaf_file, declared, source in growth.leaves:
+                _grow(os.path.join(staging.path, leaf_file), declared, source)
+            staging.finish()
+            atomic.swap_into_place(staging.path, target)
+        except BaseException as error:
+            staging.discard(error)
+            raise
+
+
+def _saved_directory(prefix: Any) -> str:
+    """The directory to append to (a symlink resolved, as atomic writes do); ValueError
+    unless it is a saved tensordict's directory."""
+    if prefix is None:
+        raise ValueError("append_memmap: pass the directory that memmap/save wrote, not None.")
+    target = atomic.resolve(prefix)
+    if os.path.isfile(target):
+        raise ValueError(f"append_memmap: {target} is a file (an archive cannot grow: unpack_memmap it into a "
+                         "directory, append there, then pack_memmap it again).")
+    if not os.path.isdir(target):
+        raise ValueError(f"append_memmap: {target} is not a directory: save the first rows with memmap/save.")
+    why = fmt.not_a_save(target)
+    if why is not None:
+        raise ValueError(f"append_memmap: {target} is not a saved tensordict: {why}.")
+    return target
+
+
+class _Growth:
+    """What an append writes: ``rows`` new rows; ``leaves``: (leaf file relative to the
+    save, bytes its meta.json declares, the new rows' tensor) per leaf."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self.rows: int | None = None
+        self.leaves: list[tuple[str, int, torch.Tensor]] = []
+
+
+def _match(saved: Any, rows: Any, path: tuple, growth: _Growth) -> None:
+    """Check that ``rows`` (at key ``path``) can be appended to the loaded ``saved``
+    node, and record its leaves in ``growth`` (ValueError naming the key otherwise)."""
+    where = repr(path[0] if len(path) == 1 else path) if path else "the root"
+    kind = nodes.kind_for_object(saved)
+    if kind.name in (nodes.LAZY, nodes.NON_TENSOR_STACK):
+        what = "a lazy stack" if kind.name == nodes.LAZY else "a NonTensorStack"
+        raise ValueError(f"append_memmap: {where} of the save is {what}, which cannot grow: save such a tree "
+                         "as a whole instead.")
+    try:
+        other = nodes.kind_for_object(rows)
+    except TypeError:
+        other = None
+    if other is None or other.name != kind.name or (kind.name == nodes.TENSORCLASS and type(rows) is not type(saved)):
+        raise ValueError(f"append_memmap: {where} of the save is a {type(saved).__name__}, the rows hold a "
+                         f"{type(rows).__name__} there.")
+    if kind.name == nodes.TENSORCLASS:
+        (_, inner), = kind.children(saved)
+        (_, rows_inner), = other.children(rows)
+        _match(inner, rows_inner, path, growth)
+        return
+    _match_batch(saved, rows, where, growth)
+    saved_entries, rows_entries = dict(kind.entries(saved)), dict(other.entries(rows))
+    if saved_entries.keys() != rows_entries.keys():
+        missing, extra = saved_entries.keys() - rows_entries.keys(), rows_entries.keys() - saved_entries.keys()
+        differ = [f"lack the keys {sorted(missing)}"] * bool(missing) + [f"hold {sorted(extra)}, which the save "
+                                                                          "lacks"] * bool(extra)
+        raise ValueError(f"append_memmap: the rows at {where} {' and '.join(differ)}: they must have the save's keys.")
+    for key, value in saved_entries.items():
+        if isinstance(value, torch.Tensor):
+            _match_leaf(value, rows_entries[key], path + (key,), growth)
+        elif nodes.kind_for_object(value).name == nodes.NON_TENSOR_DATA:
+            _match_value(value, rows_entries[key], path + (key,))
+        else:
+            _match(value, rows_entries[key], path + (key,), growth)
+
+
+def _match_batch(saved: Any, rows: Any, where: str, growth: _Growth) -> None:
+    if not saved.batch_size:
+        raise ValueError(f"append_memmap: {where} of the save has no batch dimension to append rows along.")
+    if len(rows.batch_size) != len(saved.batch_size) or rows.batch_size[1:] != saved.batch_size[1:]:
+        raise ValueError(f"append_memmap: the rows at {where} have batch size {list(rows.batch_size)}, the save "
+                         f"{list(saved.batch_size)}: they may differ in the first dimension only.")
+    if growth.rows is None:
+        growth.rows = rows.batch_size[0]
+
+
+def _match_leaf(saved: torch.Tensor, rows: Any, path: tuple, growth: _Growth) -> None:
+    name = repr(path[0] if len(path) == 1 else path)
+    if not isinstance(rows, torch.Tensor):
+        raise ValueError(f"append_memmap: the entry {name} is a tensor in the save, a {type(rows).__name__} "
+                         "in the rows.")
+    if rows.is_nested or saved.is_nested or getattr(saved, "filename", None) is None:
+        raise ValueError(f"append_memmap: the entry {name} is a nested tensor, which cannot grow.")
+    if rows.dtype != saved.dtype or rows.shape[1:] != saved.shape[1:]:
+        raise ValueError(f"append_memmap: the entry {name} is {saved.dtype} of shape {list(saved.shape)} in the "
+                         f"save and {rows.dtype} of shape {list(rows.shape)} in the rows: the dtype and the shape "
+                         "past the first dimension must be the same.")
+    leaf_file = os.path.relpath(saved.filename, growth.directory)
+    growth.leaves.append((leaf_file, saved.numel() * saved.element_size(), rows))
+
+
+def _match_value(saved: Any, rows: Any, path: tuple) -> None:
+    """A saved NonTensorData holds one value for every row: the rows' must be that value."""
+    name = repr(path[0] if len(path) == 1 else path)
+    kind = nodes.kind_for_object(rows) if not isinstance(rows, torch.Tensor) else None
+    if kind is None or kind.name not in (nodes.NON_TENSOR_DATA, nodes.NON_TENSOR_STACK):
+        raise ValueError(f"append_memmap: the entry {name} is a non-tensor value in the save, a "
+                         f"{type(rows).__name__} in the rows.")
+    values = [rows.data] if kind.name == nodes.NON_TENSOR_DATA else _flat(rows.tolist())
+    for value in values:
+        if not _equal(value, saved.data):
+            raise ValueError(f"append_memmap: the entry {name} holds {saved.data!r} for every row of the save and "
+                             f"{value!r} in the rows: a saved non-tensor value cannot change (save the tree anew).")
+
+
+def _flat(values: Any) -> list:
+    return [v for value in values for v in _flat(value)] if isinstance(values, list) else [values]
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return a is b or bool(a == b)
+    except Exception:  # (an array's ambiguous truth value: not equal as one value)
+        return False
+
+
+def _mirror(source: str, staging: str, rows: int) -> None:
+    """``staging`` made a copy of the save ``source`` of hard links, but for the
+    meta.json of each TensorDict node, written with ``rows`` more rows."""
+    for directory, subdirectories, files in os.walk(source):
+        relative = os.path.relpath(directory, source)
+        into = staging if relative == "." else os.path.join(staging, relative)
+        for name in subdirectories:
+            if os.path.islink(os.path.join(directory, name)):  # (os.walk does not go in: linked, as a file)
+                files.append(name)
+            else:
+                os.mkdir(os.path.join(into, name))
+        for name in files:
+            here = os.path.join(directory, name)
+            grown = _grown_meta(here, rows) if name == fmt.META else None
+            if grown is None:
+                _link(here, os.path.join(into, name))
+            else:
+                with open(os.path.join(into, name), "xb") as meta:
+                    meta.write(grown)
+
+
+def _grown_meta(path: str, rows: int) -> bytes | None:
+    """The meta.json at ``path`` with ``rows`` more rows, for a TensorDict node (None:
+    another node's, which records no batch size)."""
+    with open(path, "rb") as meta:
+        raw = meta.read()
+    document = json.loads(raw)  # (checked by the load that came before, under the same lock)
+    if nodes.kind_for_type_string(document["_type"]).name != nodes.TENSORDICT:
+        return None
+    document["shape"][0] += rows
+    for entry in fmt.node_entries(document).values():
+        if "shape" in entry:  # a leaf (its first dim is the batch's first)
+            entry["shape"][0] += rows
+    return fmt.dumps(document, compact=b'", "' not in raw)
+
+
+def _link(source: str, destination: str) -> None:
+    try:
+        os.link(source, destination, follow_symlinks=False)
+    except OSError as error:
+        raise OSError(error.errno, f"append_memmap links the saved files into the new version of the save, and "
+                                   f"{source} could not be linked: {error.strerror}. Nothing changed; on a "
+                                   "filesystem without hard links, load the save, concatenate the rows and "
+                                   "save the result anew.") from None
+
+
+def _grow(path: str, declared: int, source: torch.Tensor) -> None:
+    """Write ``source``'s bytes into the leaf file ``path`` after its ``declared``
+    bytes (bytes past them, left by an append cut short, are overwritten or cut)."""
+    data = source.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        size = os.fstat(fd)
+        if not stat.S_ISREG(size.st_mode):
+            raise ValueError(f"append_memmap: the leaf file {os.path.basename(path)} is not a regular file.")
+        pwrite_all(fd, data, declared, where=path)
+        if size.st_size > declared + data.size:
+            os.ftruncate(fd, declared + data.size)
+    finally:
+        os.close(fd)

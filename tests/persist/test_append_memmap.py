@@ -1,0 +1,272 @@
+"""append_memmap: rows appended to a save along its first batch dim, side by side with
+tensordict 0.15.3's (which reads what shared_td appends, and appends to shared_td's
+saves), refused before anything changes when they do not fit, and one step under
+SIGKILLs at random moments and concurrent appenders (real forked processes)."""
+from __future__ import annotations
+
+import errno
+import multiprocessing
+import os
+import random
+import time
+
+import pytest
+import torch
+
+import shared_td
+from shared_td import NonTensorStack, TensorDict, append_memmap, load_memmap, tensorclass
+from tests.persist.persist_helpers import dir_state
+from tests.reference import needs_tensordict, tensordict
+
+FORK = multiprocessing.get_context("fork")
+JOIN = 60
+
+
+@tensorclass
+class Step:
+    x: torch.Tensor
+    label: str
+
+
+def _tree(rows: int, first: int = 0) -> TensorDict:
+    """``rows`` rows whose every leaf holds its row's number (from ``first``)."""
+    numbers = torch.arange(first, first + rows)
+    return TensorDict(
+        a=numbers.float()[:, None].expand(rows, 2).clone(), s="text",
+        n=TensorDict(b=numbers.clone(), m=TensorDict(c=numbers.double()[:, None, None].expand(rows, 4, 1).clone(),
+                                                    batch_size=[rows, 4]), batch_size=[rows]),
+        step=Step(x=numbers.float(), label="walk", batch_size=[rows]), batch_size=[rows])
+
+
+def _state(directory) -> dict:
+    """dir_state without the writer lock files (which stay, as beside atomic writes)."""
+    return {path: value for path, value in dir_state(directory).items() if not path.endswith(".lock")}
+
+
+def _check_rows(td, rows: int) -> None:
+    """Every level has ``rows`` rows and every leaf row i holds i."""
+    assert td.batch_size == torch.Size([rows]) and td["n", "m"].batch_size == torch.Size([rows, 4])
+    expected = torch.arange(rows)
+    for key, leaf in td.items(True, True):
+        if isinstance(leaf, torch.Tensor):
+            assert leaf.shape[0] == rows and bool((leaf.reshape(rows, -1) == expected[:, None]).all()), key
+    assert td["s"] == "text" and td["step"].label == "walk"
+
+
+def test_rows_are_appended_at_every_level(tmp_path):
+    prefix = tmp_path / "replay"
+    _tree(3).memmap(prefix)
+    append_memmap(prefix, _tree(2, first=3))
+    _check_rows(load_memmap(prefix), 5)
+    append_memmap(prefix, _tree(0, first=5))  # no row: nothing to do
+    append_memmap(str(prefix), _tree(4, first=5))
+    _check_rows(load_memmap(prefix), 9)
+    assert sorted(os.listdir(tmp_path)) == [".replay.lock", "replay"]  # no staging directory left
+
+
+def test_a_reader_keeps_the_rows_it_mapped_and_its_memory_mapped_tree_stays_valid(tmp_path):
+    prefix = tmp_path / "replay"
+    mapped = _tree(3).memmap(prefix)
+    reader = load_memmap(prefix)
+    append_memmap(prefix, _tree(2, first=3))
+    _check_rows(reader, 3)  # the old version's rows, the same files
+    mapped["a"][0] = 7.0  # the memory-mapped tree writes into the (same) file
+    assert load_memmap(prefix)["a"][0].tolist() == [7.0, 7.0]
+
+
+@needs_tensordict
+def test_interop_with_tensordict_both_ways(tmp_path):
+    plain = lambda lib, rows, first: lib.TensorDict(  # noqa: E731
+        a=torch.arange(first, first + rows).float()[:, None].expand(rows, 3).clone(), s="x",
+        n=lib.TensorDict(b=torch.arange(first, first + rows), batch_size=[rows]), batch_size=[rows])
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    plain(shared_td, 2, 0).memmap(ours)
+    append_memmap(ours, plain(shared_td, 3, 2))
+    loaded = tensordict.load_memmap(ours)
+    assert loaded.batch_size == torch.Size([5]) and loaded["n", "b"].tolist() == [0, 1, 2, 3, 4]
+    tensordict.append_memmap(ours, plain(tensordict, 1, 5))
+    assert load_memmap(ours)["a"][:, 0].tolist() == [0, 1, 2, 3, 4, 5]
+    plain(tensordict, 2, 0).memmap(theirs)
+    append_memmap(theirs, plain(shared_td, 2, 2))
+    assert tensordict.load_memmap(theirs)["n", "b"].tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("rows, message", [
+    (lambda: _tree(2).exclude("s"), r"at the root lack the keys \['s'\]"),
+    (lambda: _tree(2).set("extra", torch.zeros(2)), r"hold \['extra'\], which the save lacks"),
+    (lambda: _tree(2).apply(lambda x: x.to(torch.int32)), r"'a' is torch.float32 .* torch.int32"),
+    (lambda: _tree(2).set("a", torch.zeros(2, 3)), r"'a' .* shape past the first dimension"),
+    (lambda: _tree(2).set("s", "other"), r"'s' holds 'text' for every row .* 'other'"),
+    (lambda: _tree(2).set(("step", "label"), "run"), r"holds 'walk' for every row"),
+    (lambda: shared_td.lazy_stack([_tree(1), _tree(1)]), "the rows hold a LazyStackedTensorDict"),
+    (lambda: TensorDict(a=torch.zeros(2, 2)), "batch size"),
+    (lambda: _tree(2)["a"], "the rows hold a Tensor"),
+])
+def test_rows_that_do_not_fit_are_refused_before_anything_changes(tmp_path, rows, message):
+    prefix = tmp_path / "replay"
+    _tree(3).memmap(prefix)
+    before = _state(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        append_memmap(prefix, rows())
+    assert _state(tmp_path) == before
+
+
+@pytest.mark.parametrize("saved, message", [
+    (lambda: shared_td.lazy_stack([_tree(1), _tree(1)]), "a lazy stack, which cannot grow"),
+    (lambda: TensorDict(t=NonTensorStack("a", "b"), batch_size=[2]), "'t' of the save is a NonTensorStack"),
+    (lambda: TensorDict(x=torch.zeros(())), "no batch dimension"),
+])
+def test_what_cannot_grow_is_refused(tmp_path, saved, message):
+    prefix = tmp_path / "saved"
+    saved().memmap(prefix)
+    before = _state(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        append_memmap(prefix, saved())
+    assert _state(tmp_path) == before
+
+
+def test_a_prefix_that_is_no_save_is_refused(tmp_path):
+    _tree(2).memmap(tmp_path / "run.tdz")
+    (tmp_path / "photos").mkdir()
+    (tmp_path / "photos" / "a.jpg").write_bytes(b"x")
+    before = _state(tmp_path)
+    with pytest.raises(ValueError, match="an archive cannot grow"):
+        append_memmap(tmp_path / "run.tdz", _tree(1))
+    with pytest.raises(ValueError, match="is not a saved tensordict"):
+        append_memmap(tmp_path / "photos", _tree(1))
+    with pytest.raises(ValueError, match="is not a directory"):
+        append_memmap(tmp_path / "missing", _tree(1))
+    assert _state(tmp_path) == before
+
+
+def test_a_symlinked_prefix_appends_to_its_target_and_keeps_the_link(tmp_path):
+    _tree(2).memmap(tmp_path / "real")
+    os.symlink(tmp_path / "real", tmp_path / "link")
+    append_memmap(tmp_path / "link", _tree(1, first=2))
+    assert os.path.islink(tmp_path / "link")
+    _check_rows(load_memmap(tmp_path / "real"), 3)
+
+
+def test_a_filesystem_without_hard_links_changes_nothing(tmp_path, monkeypatch):
+    prefix = tmp_path / "replay"
+    _tree(3).memmap(prefix)
+    before = _state(tmp_path)
+
+    def refuse(*args, **kwargs):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", refuse)
+    with pytest.raises(OSError, match="could not be linked: Operation not permitted. Nothing changed"):
+        append_memmap(prefix, _tree(2, first=3))
+    assert _state(tmp_path) == before  # (the staging directory removed)
+
+
+def test_bytes_left_by_an_append_cut_short_are_overwritten(tmp_path):
+    prefix = tmp_path / "replay"
+    _tree(3).memmap(prefix)
+    leaf = prefix / "n" / "b.memmap"
+    with open(leaf, "ab") as file:
+        file.write(b"\xff" * 100)  # past the declared 24 bytes, as a killed append leaves them
+    _check_rows(load_memmap(prefix), 3)
+    append_memmap(prefix, _tree(1, first=3))
+    _check_rows(load_memmap(prefix), 4)
+    assert os.path.getsize(leaf) == 4 * 8
+
+
+# ------------------------------------------------------------ real processes
+def _append_forever(prefix: str, first: int) -> None:  # a forked child: killed by the test
+    rows = first
+    while True:
+        append_memmap(prefix, _tree(64, first=rows))
+        rows += 64
+
+
+def _saved_rows(prefix) -> int:
+    td = load_memmap(prefix)
+    _check_rows(td, td.batch_size[0])
+    return td.batch_size[0]
+
+
+def test_sigkill_at_random_moments_leaves_the_old_or_the_new_save(tmp_path):
+    prefix, rng = tmp_path / "replay", random.Random(2024)
+    _tree(64).memmap(prefix)
+    rows, grew = 64, 0
+    for _ in range(8):
+        child = FORK.Process(target=_append_forever, args=(str(prefix), rows))
+        child.start()
+        time.sleep(rng.uniform(0.05, 0.4))
+        child.kill()
+        child.join(JOIN)
+        assert child.exitcode == -9
+        now = _saved_rows(prefix)  # every level the same number of rows, each row its own
+        assert now >= rows and (now - rows) % 64 == 0
+        grew += now > rows
+        rows = now
+    append_memmap(prefix, _tree(64, first=rows))  # sweeps what the killed appends left beside it
+    assert _saved_rows(prefix) == rows + 64
+    assert sorted(os.listdir(tmp_path)) == [".replay.lock", "replay"]
+    assert grew  # (the kills did not all come before a first append)
+
+
+def _append_rows(prefix: str, values: list) -> None:  # a forked child
+    for value in values:
+        rows = _tree(1)
+        rows.apply_(lambda leaf: leaf.fill_(value))
+        append_memmap(prefix, rows)
+
+
+def test_concurrent_appenders_each_land_every_row_once(tmp_path):
+    prefix = tmp_path / "replay"
+    _tree(1).memmap(prefix)
+    children = [FORK.Process(target=_append_rows, args=(str(prefix), list(range(first, 40, 2))))
+                for first in (1, 2)]
+    for child in children:
+        child.start()
+    for child in children:
+        child.join(JOIN)
+        assert child.exitcode == 0
+    values = load_memmap(prefix)["n", "b"].tolist()
+    assert sorted(values) == list(range(40))  # every row once, none torn or lost
+
+
+def _append_blocked_at(prefix: str, point: str, ready) -> None:  # a forked child: killed at ``point``
+    import shared_td.persist.append as append_module
+
+    def block(original):
+        def blocked(*args, **kwargs):
+            if point != "after first grow" or blocked.calls:
+                ready.set()
+                time.sleep(JOIN)
+            blocked.calls += 1
+            return original(*args, **kwargs)
+
+        blocked.calls = 0
+        return blocked
+
+    if point == "swap":
+        append_module.atomic.swap_into_place = block(append_module.atomic.swap_into_place)
+    elif point == "mirror":
+        append_module._link = block(append_module._link)
+    else:
+        append_module._grow = block(append_module._grow)
+    append_memmap(prefix, _tree(64, first=64))
+
+
+@pytest.mark.parametrize("point", ["mirror", "after first grow", "swap"])
+def test_sigkill_at_each_step_leaves_the_old_save(tmp_path, point):
+    """Killed while linking, between two leaves grown, or just before the swap: the save
+    holds its old rows at every level (the leaves may hold bytes past them)."""
+    prefix = tmp_path / "replay"
+    _tree(64).memmap(prefix)
+    ready = FORK.Event()
+    child = FORK.Process(target=_append_blocked_at, args=(str(prefix), point, ready))
+    child.start()
+    assert ready.wait(JOIN)
+    child.kill()
+    child.join(JOIN)
+    assert _saved_rows(prefix) == 64
+    assert any(name.startswith(".replay.shared_td-new-") for name in os.listdir(tmp_path))  # its staging
+    shared_td.gc(prefix)
+    assert sorted(os.listdir(tmp_path)) == [".replay.lock", "replay"]
+    append_memmap(prefix, _tree(64, first=64))
+    assert _saved_rows(prefix) == 128
