@@ -19,7 +19,7 @@ from shared_td.containers.base import (
     is_tensor_collection,
 )
 from shared_td.containers.consolidated_load import from_consolidated
-from shared_td.containers.functional import assert_allclose_td, dense_stack_tds, merge_tensordicts
+from shared_td.containers.functional import assert_allclose_td, assert_close, dense_stack_tds, merge_tensordicts
 from shared_td.containers.functional_pad import pad, pad_sequence
 from shared_td.containers.extra_constructors import cat, fromkeys, make_tensordict, maybe_dense_stack, stack
 from shared_td.containers.lazy import LazyStackedTensorDict
@@ -30,7 +30,7 @@ from shared_td.containers.tensorclass import TensorClass, from_dataclass, is_ten
 from shared_td.containers.tensordict import TensorDict
 from shared_td.coordinator import Coordinator, attach, is_stale, refresh, version, wait_version
 from shared_td.keys import NestedKey
-from shared_td.keys import canonical_key as unravel_key, unravel_key_list
+from shared_td.keys import canonical_key as unravel_key, unravel_key_list, unravel_key_to_tuple
 from shared_td.errors import (
     AtomicWriteError,
     BatchDimError,
@@ -132,6 +132,7 @@ __all__ = [
     "TransferRefused",
     "UnstorableValueError",
     "assert_allclose_td",
+    "assert_close",
     "attach",
     "cat",
     "default_is_leaf",
@@ -169,6 +170,7 @@ __all__ = [
     "unpack_memmap",
     "unravel_key",
     "unravel_key_list",
+    "unravel_key_to_tuple",
     "version",
     "wait_version",
 ]

@@ -50,6 +50,17 @@ def unravel_key(key: NestedKey) -> tuple[str, ...]:
     )
 
 
+def unravel_key_to_tuple(key: object) -> tuple[str, ...]:
+    """``key`` as a flat tuple of strings, as :func:`unravel_key`, but ``()`` for what
+    is not a key instead of an error (tensordict 0.15.3's ``unravel_key_to_tuple``).
+
+    Examples:
+        >>> unravel_key_to_tuple("a"), unravel_key_to_tuple(("a", ("b", ("c",)))), unravel_key_to_tuple(("a", 1))
+        (('a',), ('a', 'b', 'c'), ())
+    """
+    return unravel_key(key) if is_nested_key(key) else ()
+
+
 def canonical_key(key: NestedKey) -> NestedKey:
     """``key`` in tensordict's canonical form: a ``str`` for one part, else a flat tuple.
 

@@ -193,3 +193,11 @@ def test_is_nested_key_formats_nothing(key):
     _ReprCounted.reprs = 0
     assert not is_nested_key(key)
     assert _ReprCounted.reprs == 0
+
+
+def test_unravel_key_to_tuple_gives_an_empty_tuple_for_what_is_not_a_key():
+    from shared_td import unravel_key_to_tuple
+
+    assert unravel_key_to_tuple("a") == ("a",)
+    assert unravel_key_to_tuple(("a", ("b", ("c",)))) == ("a", "b", "c")
+    assert unravel_key_to_tuple(("a", 1)) == unravel_key_to_tuple(1) == unravel_key_to_tuple(()) == ()

@@ -18,7 +18,7 @@ from shared_td.errors import KeyThroughLeafError
 from shared_td.keys import canonical_key
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 
-__all__ = ["assert_allclose_td", "dense_stack_tds", "leaf_keys", "merge_tensordicts"]
+__all__ = ["assert_allclose_td", "assert_close", "dense_stack_tds", "leaf_keys", "merge_tensordicts"]
 
 
 def leaf_keys(td: Any) -> list:
@@ -174,3 +174,7 @@ def assert_allclose_td(actual: Any, expected: Any, rtol: float | None = None, at
         torch.testing.assert_close(one, two, rtol=rtol, atol=atol, equal_nan=equal_nan,
                                    msg=lambda torch_msg, text=text: f"{text}\n{torch_msg}")
     return True
+
+
+#: tensordict 0.15.3's other name of :func:`assert_allclose_td`
+assert_close = assert_allclose_td

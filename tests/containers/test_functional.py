@@ -179,6 +179,7 @@ def test_assert_allclose_td(lib):
         lib.assert_allclose_td(a, {"x": 1})
     lazy = lib.lazy_stack([lib.TensorDict(x=torch.zeros(3)), lib.TensorDict(x=torch.ones(3))])
     assert lib.assert_allclose_td(lazy, lazy.clone())
+    assert lib.assert_close is lib.assert_allclose_td  # its other name
 
 
 @pytest.mark.parametrize("lib", LIBS)
