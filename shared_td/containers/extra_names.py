@@ -215,7 +215,8 @@ class ExtraNameOps:
         given ``default`` (not None) in the result, or skipped. The result holds the
         separated entries only (tensordict 0.15.3 also puts a copy of self's other
         non-tensor entries there). ``filter_empty=True``: the nested tensordicts of self
-        that the removal leaves empty are removed too.
+        that the removal leaves empty are removed too (not those empty before). A locked
+        tensordict on a key's path is refused before any key is removed.
 
         Example:
             >>> td = TensorDict(a=torch.zeros(3), b=torch.zeros(3), n={"c": torch.zeros(3)}, batch_size=[3])
@@ -226,8 +227,9 @@ class ExtraNameOps:
         strict = strict and default is split_key_parts.NO_DEFAULT  # (a default given: a missing key takes it)
         separated, rest = self.split_keys(keys, inplace=True, default=default, strict=strict, reproduce_struct=True)
         split_key_parts.drop_empty(unwrap_tensorclass(separated))
-        if filter_empty:
-            split_key_parts.drop_empty(unwrap_tensorclass(rest))
+        if filter_empty:  # (the nested tensordicts on the removed keys' paths only: those
+            for key in keys:  # are unlocked, as each key's was; others are the user's)
+                split_key_parts.drop_emptied(rest, key)
         return separated
 
     # ------------------------------------------------------------ classmethods

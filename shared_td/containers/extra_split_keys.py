@@ -7,7 +7,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from shared_td.containers.value_kinds import is_non_tensor, is_tensor_collection
+from shared_td.containers.value_kinds import is_lazy_stack, is_non_tensor, is_tensor_collection
+from shared_td.keys import unravel_key
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 #: split_keys's ``default`` when none is given
@@ -50,12 +51,26 @@ def split_keys(td: Any, key_sets: tuple, *, inplace: bool, default: Any, strict:
             taken.append(key)
         parts.append(part)
     if inplace:
+        for key in taken:  # every removal checked before the first: a locked nested
+            _check_removable(td, unravel_key(key))  # tensordict lost the keys before it
         for key in taken:
             td.pop(key, None)
         rest = td
     if not reproduce_struct:
         drop_empty(rest)
     return (*parts, rest)
+
+
+def _check_removable(td: Any, path: tuple) -> None:
+    """Raise as ``td.pop(path, None)`` would for a lock, without changing anything: the
+    tensordict holding ``path`` (in each member of a lazy stack) must be unlocked."""
+    td = unwrap_tensorclass(td)
+    if is_lazy_stack(td):
+        td._check_unlocked(path, "remove")
+        for member in td.tensordicts:
+            _check_removable(member, path)
+    elif td._get_path(path, None) is not None:
+        td._parent_for_write(path, create=False)._check_unlocked(path, "remove")
 
 
 def _drop_non_tensors(td: Any) -> None:
@@ -77,3 +92,14 @@ def drop_empty(td: Any) -> None:
             td.del_(key)
         else:
             drop_empty(unwrap_tensorclass(value))
+
+
+def drop_emptied(td: Any, key: Any) -> None:
+    """Remove the nested tensordicts on ``key``'s path in ``td`` that hold no leaf, the
+    deepest first (after ``key`` was removed: what the removal left empty)."""
+    path = unravel_key(key)
+    for depth in range(len(path) - 1, 0, -1):
+        node = td.get(path[:depth], None)
+        if node is None or not is_tensor_collection(node) or is_non_tensor(node) or not node.is_empty():
+            return
+        td.del_(path[:depth])

@@ -75,13 +75,13 @@ def _reader(cls: type) -> Any:
 def _peeked(lazy: Any, key: str, default: Any) -> Any:
     """A lazy stack's entry ``key`` as its walk sees it: ``_peek_str``'s, but a lazy stack
     of members that were all given as one tensorclass is that tensorclass over it (as
-    ``get`` gives it), so that ``is_leaf`` is asked about that class, as for a tensordict."""
+    ``get`` gives it), so that ``is_leaf`` is asked about that class, as for a tensordict.
+    The wrapper is built as a stored one (``_stored=True``): a key listing must not run
+    the class's ``__post_init__`` (which may write into the members, or raise on a locked
+    stack) nor a frozen class's lock."""
     value = lazy._peek_str(key, default)
-    if value is not default and is_lazy_stack(value) and value.tensordicts:
-        cls = value._tensorclass_of(value.tensordicts[0])
-        if cls is not None and all(value._tensorclass_of(m) is cls for m in value.tensordicts[1:]):
-            return cls._from_tensordict(value)
-    return value
+    cls = value._one_tensorclass() if value is not default and is_lazy_stack(value) else None
+    return value if cls is None else cls._from_tensordict(value, _stored=True)
 
 
 def _sort_name(key: Any) -> str:

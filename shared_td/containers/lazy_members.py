@@ -140,11 +140,17 @@ class LazyMembers:
         stack of their tensordicts, as ``lazy_stack([tc1, tc2])`` gives (its save is
         that class around a lazy stack, as tensordict's); else ``stack`` itself, whose
         members given as tensorclasses are saved so."""
-        if stack is self or not getattr(stack, "_tensorclass_members", None) or not stack.tensordicts:
-            return stack
-        classes = {stack._tensorclass_of(member) for member in stack.tensordicts}
-        if len(classes) != 1 or None in classes:
+        cls = None if stack is self else stack._one_tensorclass()
+        if cls is None:
             return stack
         stack._tensorclass_members = None  # (the class is around the stack now, not on its members)
         # (a frozen class does not lock the new stack: that locked the members it shares)
-        return classes.pop()._from_tensordict(stack, _lock=False)
+        return cls._from_tensordict(stack, _lock=False)
+
+    def _one_tensorclass(self) -> type | None:
+        """The tensorclass every member was given as; None when one was not, or they
+        were of two classes (or there is no member)."""
+        if not getattr(self, "_tensorclass_members", None) or not self.tensordicts:
+            return None
+        classes = {self._tensorclass_of(member) for member in self.tensordicts}
+        return classes.pop() if len(classes) == 1 and None not in classes else None

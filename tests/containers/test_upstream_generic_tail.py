@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import shared_td
+
 from tests.reference import LIBS
 
 
@@ -126,10 +128,58 @@ def test_separates_moves_the_entries_into_a_new_tensordict(lib):
 
 def test_separates_a_missing_key_leaves_the_tensordict_whole():
     """tensordict 0.15.3 has removed "a" by the time "zz" raises: "a" is lost."""
-    import shared_td
-
     td = _separable(shared_td)
     with pytest.raises(KeyError, match="zz"):
         td.separates("a", "zz")
     assert _leaf_keys(td) == _leaf_keys(_separable(shared_td))
     assert _leaf_keys(td.separates("a", "zz", strict=False)) == ["a"]  # skipped
+
+
+# ------------------------------------------------------------ the review of this change
+@shared_td.tensorclass
+class _Cast:
+    x: torch.Tensor
+
+    def __post_init__(self):
+        self.x = self.x.float()
+
+
+def _cast_member():
+    td = shared_td.TensorDict(a=torch.zeros(2), o=_Cast(x=torch.zeros(2), batch_size=[2]), batch_size=[2])
+    td.get("o")._tensordict.set("x", torch.zeros(2, dtype=torch.long))
+    return td
+
+
+def test_listing_keys_of_a_lazy_stack_runs_no_tensorclass_post_init():
+    lazy = shared_td.lazy_stack([_cast_member(), _cast_member()])
+    assert list(lazy.keys(True, True)) == ["a", ("o", "x")]
+    assert lazy.tensordicts[0].get("o")._tensordict.get("x").dtype == torch.long  # not cast by a listing
+    lazy.lock_()
+    assert list(lazy.keys(True, True)) == ["a", ("o", "x")]  # (raised LockedTensorDictError)
+    assert ("o", "x") in lazy.keys(True, True)
+
+
+def _tree():
+    return shared_td.TensorDict(a=torch.arange(3.0), n=shared_td.TensorDict(c=torch.zeros(3), batch_size=[3]), batch_size=[3])
+
+
+@pytest.mark.parametrize("how", ["separates", "split_keys", "lazy"])
+def test_a_locked_nested_tensordict_leaves_the_keys_before_it_in_place(how):
+    td = shared_td.lazy_stack([_tree(), _tree()]) if how == "lazy" else _tree()
+    (td.tensordicts[1] if how == "lazy" else td)["n"].lock_()
+    with pytest.raises(RuntimeError, match="locked"):
+        if how == "split_keys":
+            td.split_keys(["a", ("n", "c")], inplace=True)
+        else:
+            td.separates("a", ("n", "c"))
+    assert sorted(map(str, td.keys(True, True))) == ["('n', 'c')", "a"]
+
+
+def test_separates_filter_empty_removes_what_the_removal_emptied_only():
+    td = shared_td.TensorDict(a=torch.zeros(3), m=shared_td.TensorDict(b=torch.zeros(3), batch_size=[3]),
+                    n=shared_td.TensorDict(c=torch.zeros(3), e=shared_td.TensorDict(batch_size=[3]), batch_size=[3]),
+                    k=shared_td.TensorDict(batch_size=[3]), batch_size=[3])
+    td["n"].lock_()
+    out = td.separates("a", ("m", "b"))  # (raised on the locked n's empty e, "a" lost)
+    assert sorted(map(str, out.keys(True, True))) == ["('m', 'b')", "a"]
+    assert sorted(map(str, td.keys(True))) == ["('n', 'c')", "('n', 'e')", "k", "n"]  # m emptied: gone; k kept
