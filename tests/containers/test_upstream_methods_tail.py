@@ -39,3 +39,14 @@ def test_view_dtype_keeps_non_tensor_entries_and_refuses_a_batch_dim_that_change
     assert td.view(torch.int16)["s"] == "x"
     with pytest.raises(RuntimeError, match="'a'"):  # its last dim is a batch dim: 3 float32 are 6 float16
         lib.TensorDict(a=torch.zeros(3), batch_size=[3]).view(torch.float16)
+
+
+def test_a_view_dtype_block_writes_through_the_views_and_keeps_the_dtype():
+    """tensordict 0.15.3 replaces td's float leaf by the int32 view on exit."""
+    import shared_td
+
+    td = shared_td.TensorDict(a=torch.zeros(3, 4), batch_size=[3])
+    with td.view(torch.int32) as bits:
+        bits["a"] += 1
+    assert td["a"].dtype == torch.float32
+    assert td["a"][0, 0].item() == torch.tensor(1, dtype=torch.int32).view(torch.float32).item()
