@@ -463,8 +463,25 @@ class TensorDictBase(TensorDictRoot, LockingOps, BatchSplitOps, NonTensorOps, Co
         value = self.get(old, RAISE)
         # the lock first, as tensordict: a locked tensordict refuses any rename
         self._parent_for_write(old, create=False)._check_unlocked(old, "rename")
-        if safe and new != old and new in self.keys(include_nested=True):  # (a key renamed to itself: nothing)
+        below = len(new) > len(old) and new[:len(old)] == old  # (renamed below itself: what is at new moves too)
+        if safe and new != old and not below and new in self.keys(include_nested=True):  # (to itself: nothing)
             raise KeyError(f"Key {key_repr(new)} is already present in TensorDict; pass safe=False to replace it.")
+        if getattr(value, "_through_members", None) is not None and old != new:
+            # a lazy stack's non-tensor entry (a NonTensorStack whose writes reach the
+            # members' entries at old): those entries leave with the rename, so the moved
+            # stack is its own (its writes went to the members' old key: a KeyError)
+            value._through_members = None
+        if below:
+            # a key renamed to a key below itself: removed first, then set under a new
+            # tensordict at its old key, as tensordict 0.15.3 (setting first wrote the entry
+            # into itself: a ValueError, or for a tensorclass a field, then all was deleted)
+            self.del_(old)
+            try:
+                self.set(new, value)
+            except BaseException:
+                self.set(old, value)
+                raise
+            return self
         self.set(new, value)
         if old != new and old[:len(new)] != new:  # (a key renamed to its parent: the set replaced it)
             self.del_(old)

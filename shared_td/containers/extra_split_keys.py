@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from shared_td.containers.value_kinds import is_lazy_stack, is_non_tensor, is_tensor_collection
-from shared_td.keys import unravel_key
+from shared_td.keys import key_repr, unravel_key
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 #: split_keys's ``default`` when none is given
@@ -32,6 +32,9 @@ def split_keys(td: Any, key_sets: tuple, *, inplace: bool, default: Any, strict:
         default = NO_DEFAULT  # (a missing key raises; default is ignored, as in tensordict)
     elif default is NO_DEFAULT:
         default = None  # (a missing key is skipped)
+    for key_set in key_sets:
+        if not callable(key_set) or isinstance(key_set, Iterable):
+            _refuse_nested_pairs(list(key_set))
     rest = td.copy()  # (a new tree over the same tensors: taking from it leaves td alone)
     parts, taken = [], []
     for key_set in key_sets:
@@ -59,6 +62,20 @@ def split_keys(td: Any, key_sets: tuple, *, inplace: bool, default: Any, strict:
     if not reproduce_struct:
         drop_empty(rest)
     return (*parts, rest)
+
+
+def _refuse_nested_pairs(keys: list) -> None:
+    """ValueError when a key of one set is inside another of it (``"k0"`` and ``("k0",
+    "k1")``): taken in that order the second is missing, the other way round the part
+    holds the outer entry without the inner one, lost from both (as in tensordict
+    0.15.3). Checked before anything is taken. Keys sorted as tuples: one inside another
+    comes right after it."""
+    paths = sorted({unravel_key(key) for key in keys})
+    for outer, inner in zip(paths, paths[1:]):
+        if inner[:len(outer)] == outer:
+            raise ValueError(f"split_keys/separates: {key_repr(outer)} and {key_repr(inner)} are both given, and "
+                             f"the second is inside the first: give only {key_repr(outer)} (it holds the other), "
+                             "or take them in two calls. Nothing was taken.")
 
 
 def _check_removable(td: Any, path: tuple) -> None:

@@ -167,7 +167,20 @@ def _zeros_like_entry(source: Any, batch_size: torch.Size, target_batch: torch.S
     if not hasattr(source, "empty"):
         return source
     # the source's own batch dims past the indexed ones stay, as a tensor's feature dims
-    return source.empty(batch_size=batch_size + source.batch_size[len(target_batch):])
+    entry = source.empty(batch_size=batch_size + source.batch_size[len(target_batch):])
+    members = getattr(entry, "tensordicts", None)
+    if members and getattr(source, "tensordicts", None) is not None:
+        # a lazy stack of empty members: a member whose rows the index does not reach would
+        # get no key, and the stack (the keys its members share) none either. Each member
+        # starts with zero entries of the source's keys, as tensordict 0.15.3's zeros.
+        dim = source.stack_dim
+        source_member = source.batch_size[:dim] + source.batch_size[dim + 1:]
+        for key in source._keys_str():
+            value = source._get_str(key, None)
+            row = value.select(dim, 0) if isinstance(value, torch.Tensor) else value[(slice(None),) * dim + (0,)]
+            for member in members:
+                member.set(key, _zeros_like_entry(row, member.batch_size, source_member))
+    return entry
 
 
 def reads_entry_dims(index: Any, batch_size: torch.Size) -> bool:

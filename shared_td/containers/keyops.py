@@ -198,7 +198,8 @@ def renamed_in_members(td: Any, old: tuple, new: tuple, safe: bool) -> bool:
             raise KeyError(td._missing_key_message(old))
         # the lock before the safe check, as a TensorDict's rename_key_ and tensordict
         _check_renamable(unwrap_tensorclass(member), inner_old, inner_new)
-        if safe and inner_new != inner_old and _holds(member, inner_new):
+        below = len(inner_new) > len(inner_old) and inner_new[:len(inner_old)] == inner_old
+        if safe and inner_new != inner_old and not below and _holds(member, inner_new):
             raise KeyError(f"Key {key_repr(new)} is already present in TensorDict; pass safe=False to replace it.")
     for member, inner_old, inner_new in targets.values():
         member.rename_key_(inner_old, inner_new, safe)
@@ -227,6 +228,8 @@ def _check_renamable(member: Any, old: tuple, new: tuple) -> None:
     the one ``new`` is written into (or the deepest existing one on its way, which
     gets the missing tensordicts)."""
     member._parent_for_write(old, create=False)._check_unlocked(old, "rename")
+    if len(new) > len(old) and new[:len(old)] == old:
+        return  # (renamed below itself: old leaves first and its tensordict gets new's)
     parent, depth = member._deepest_existing_parent(new)
     parent._check_unlocked(new[: depth + 1], "rename")
 

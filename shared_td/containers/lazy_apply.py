@@ -61,7 +61,7 @@ class LazyApplyOps:
         every member is so; ``out`` must be a lazy stack: along the same stack dim its
         members get the members' results, along another one it is updated with the
         result; it is returned (tensordict returns a new stack of its members).
-        ``batch_size`` makes the stack dense first (``to_tensordict()``) and the result
+        ``batch_size`` makes the stack dense first (``contiguous()``) and the result
         is a TensorDict, as in tensordict. ``inplace=True`` takes none of
         ``batch_size``, ``names`` and ``device`` (a ValueError, as tensordict).
 
@@ -93,7 +93,8 @@ class LazyApplyOps:
             write_results(self, self.named_apply(fn, *others, _prefix=_prefix, **common))
             return self
         if batch_size is not None:
-            result = self.to_tensordict().named_apply(
+            # (contiguous, not to_tensordict: a nested tensorclass keeps its class, as tensordict)
+            result = self.contiguous().named_apply(
                 fn, *others, batch_size=batch_size, names=names, device=device, out=out,
                 _prefix=_prefix or None, **common,
             )

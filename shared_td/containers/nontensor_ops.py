@@ -80,6 +80,16 @@ def check_non_tensor_write(current: Any, index: tuple, source: Any, key: str | t
     from shared_td.containers.nontensor import NonTensorData, as_non_tensor, broadcast_values
 
     name = key_repr(key) if isinstance(key, tuple) else repr(key)
+    if is_tensor_collection(source) and not is_non_tensor(source):
+        # (as set_/update_ refuse it, and tensordict 0.15.3: it became every indexed
+        # element's Python value, the whole tensordict in each, not its rows)
+        from shared_td.errors import InPlaceKindError
+
+        raise InPlaceKindError(
+            f"Cannot write a {type(source).__name__} into the non-tensor entry {name} at an "
+            "index: replace the entry with set() (not in place), or wrap a value meant as "
+            "Python data in NonTensorData(value)."
+        )
     source = as_non_tensor(source)  # (a list: one value per indexed element)
     current._refuse_copy_write_at(index, source)  # a piece of a stored stack: the write would be lost
     shared_or_files = current._shared_value is not None or current.is_memmap()
