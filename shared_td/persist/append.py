@@ -25,6 +25,7 @@ the new ones.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
@@ -55,9 +56,10 @@ def append_memmap(prefix: Any, rows: Any, *, allow_pickle: bool | None = None) -
     ``atomic=True`` lock).
 
     Raises:
-        ValueError: ``prefix`` is no saved directory (an archive: unpack it first), or
-            ``rows`` cannot be appended (names the key and what differs); nothing
-            changed.
+        TypeError: ``rows`` is no TensorDict, lazy stack or tensorclass instance.
+        ValueError: ``prefix`` is no saved directory (an archive: unpack it first; a
+            nested level of a save: append to the save), or ``rows`` cannot be
+            appended (names the key and what differs); nothing changed.
         OSError: the filesystem refuses hard links, or a file cannot be written
             (a read-only save, a full disk); nothing changed.
 
@@ -80,13 +82,16 @@ def append_memmap(prefix: Any, rows: Any, *, allow_pickle: bool | None = None) -
         if not growth.rows:
             return  # no row to add: the save stays as it is
         staging = atomic.Staging(target)
+        grown: list[tuple[str, int]] = []
         try:
             _mirror(target, staging.path, growth.rows)
             for leaf_file, declared, source in growth.leaves:
-                _grow(os.path.join(staging.path, leaf_file), declared, source)
+                grown.append((os.path.join(staging.path, leaf_file), declared))
+                _grow(grown[-1][0], declared, source)
             staging.finish()
             atomic.swap_into_place(staging.path, target)
         except BaseException as error:
+            _shrink(grown)  # the saved files (the same inodes) back to their declared bytes
             staging.discard(error)
             raise
 
@@ -105,6 +110,11 @@ def _saved_directory(prefix: Any) -> str:
     why = fmt.not_a_save(target)
     if why is not None:
         raise ValueError(f"append_memmap: {target} is not a saved tensordict: {why}.")
+    parent = os.path.dirname(target)
+    if fmt.not_a_save(parent) is None and os.path.isfile(os.path.join(parent, fmt.META)):
+        # a nested node of that save: growing it alone leaves the save's levels disagreeing
+        raise ValueError(f"append_memmap: {target} lies inside the save {parent} (one of its nested levels): "
+                         "append rows to that save as a whole.")
     return target
 
 
@@ -131,9 +141,15 @@ def _match(saved: Any, rows: Any, path: tuple, growth: _Growth) -> None:
         other = nodes.kind_for_object(rows)
     except TypeError:
         other = None
+    if other is not None and other.name == nodes.LAZY and kind.name == nodes.TENSORDICT:
+        rows = rows.to_tensordict()  # rows of a lazy stack: tensordict 0.15.3 appends them too
+        other = nodes.kind_for_object(rows)
+    if other is None and not path:
+        raise TypeError(f"append_memmap: rows are a TensorDict or a tensorclass instance of shared_td, not a "
+                        f"{_class_name(rows, saved)}.")
     if other is None or other.name != kind.name or (kind.name == nodes.TENSORCLASS and type(rows) is not type(saved)):
-        raise ValueError(f"append_memmap: {where} of the save is a {type(saved).__name__}, the rows hold a "
-                         f"{type(rows).__name__} there.")
+        raise ValueError(f"append_memmap: {where} of the save is a {_class_name(saved, rows)}, the rows hold a "
+                         f"{_class_name(rows, saved)} there.")
     if kind.name == nodes.TENSORCLASS:
         (_, inner), = kind.children(saved)
         (_, rows_inner), = other.children(rows)
@@ -148,11 +164,18 @@ def _match(saved: Any, rows: Any, path: tuple, growth: _Growth) -> None:
         raise ValueError(f"append_memmap: the rows at {where} {' and '.join(differ)}: they must have the save's keys.")
     for key, value in saved_entries.items():
         if isinstance(value, torch.Tensor):
-            _match_leaf(value, rows_entries[key], path + (key,), growth)
+            _match_leaf(value, rows_entries[key], path + (key,), growth, kind.directory(saved))
         elif nodes.kind_for_object(value).name == nodes.NON_TENSOR_DATA:
             _match_value(value, rows_entries[key], path + (key,))
         else:
             _match(value, rows_entries[key], path + (key,), growth)
+
+
+def _class_name(obj: Any, other: Any) -> str:
+    """``obj``'s class name, with its module when ``other``'s has the same name (a
+    tensordict.TensorDict given as rows of a shared_td save)."""
+    cls, name = type(obj), type(obj).__name__
+    return f"{cls.__module__}.{name}" if name == type(other).__name__ and cls is not type(other) else name
 
 
 def _match_batch(saved: Any, rows: Any, where: str, growth: _Growth) -> None:
@@ -165,18 +188,24 @@ def _match_batch(saved: Any, rows: Any, where: str, growth: _Growth) -> None:
         growth.rows = rows.batch_size[0]
 
 
-def _match_leaf(saved: torch.Tensor, rows: Any, path: tuple, growth: _Growth) -> None:
+def _match_leaf(saved: torch.Tensor, rows: Any, path: tuple, growth: _Growth, node_directory: str) -> None:
     name = repr(path[0] if len(path) == 1 else path)
     if not isinstance(rows, torch.Tensor):
         raise ValueError(f"append_memmap: the entry {name} is a tensor in the save, a {type(rows).__name__} "
                          "in the rows.")
-    if rows.is_nested or saved.is_nested or getattr(saved, "filename", None) is None:
+    if rows.is_nested or saved.is_nested:
         raise ValueError(f"append_memmap: the entry {name} is a nested tensor, which cannot grow.")
     if rows.dtype != saved.dtype or rows.shape[1:] != saved.shape[1:]:
         raise ValueError(f"append_memmap: the entry {name} is {saved.dtype} of shape {list(saved.shape)} in the "
                          f"save and {rows.dtype} of shape {list(rows.shape)} in the rows: the dtype and the shape "
                          "past the first dimension must be the same.")
-    leaf_file = os.path.relpath(saved.filename, growth.directory)
+    if saved.numel() == 0:  # no file was written for it (nor mapped): the rows' bytes make a new one
+        if rows.numel() == 0:
+            return
+        leaf_file = os.path.relpath(os.path.join(node_directory, fmt.file_names(path[-1], leaf=True)[0]),
+                                    growth.directory)
+    else:
+        leaf_file = os.path.relpath(saved.filename, growth.directory)
     growth.leaves.append((leaf_file, saved.numel() * saved.element_size(), rows))
 
 
@@ -245,17 +274,39 @@ def _link(source: str, destination: str) -> None:
     try:
         os.link(source, destination, follow_symlinks=False)
     except OSError as error:
+        if error.errno == errno.EXDEV:  # (a mount inside the save: its files are on another filesystem)
+            raise OSError(error.errno, f"append_memmap links the saved files into the new version of the save, "
+                                       f"and {source} is on another filesystem than the save's directory (a mount "
+                                       "inside it). Nothing changed: keep a save on one filesystem.") from None
         raise OSError(error.errno, f"append_memmap links the saved files into the new version of the save, and "
                                    f"{source} could not be linked: {error.strerror}. Nothing changed; on a "
                                    "filesystem without hard links, load the save, concatenate the rows and "
                                    "save the result anew.") from None
 
 
+def _shrink(grown: list[tuple[str, int]]) -> None:
+    """After a failed append, cut the bytes it wrote past each leaf's declared size
+    (best effort: the next append overwrites or cuts what is left)."""
+    for path, declared in grown:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            if stat.S_ISREG(os.fstat(fd).st_mode) and os.fstat(fd).st_size > declared:
+                os.ftruncate(fd, declared)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
 def _grow(path: str, declared: int, source: torch.Tensor) -> None:
     """Write ``source``'s bytes into the leaf file ``path`` after its ``declared``
     bytes (bytes past them, left by an append cut short, are overwritten or cut)."""
     data = source.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    create = os.O_CREAT if declared == 0 else 0  # (an empty leaf's file: none was saved)
+    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | create, 0o666)
     try:
         size = os.fstat(fd)
         if not stat.S_ISREG(size.st_mode):

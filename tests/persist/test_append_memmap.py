@@ -8,13 +8,17 @@ import errno
 import multiprocessing
 import os
 import random
+import resource
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 
 import shared_td
-from shared_td import NonTensorStack, TensorDict, append_memmap, load_memmap, tensorclass
+from shared_td import LazyStackedTensorDict, NonTensorStack, TensorDict, append_memmap, load_memmap, tensorclass
 from tests.persist.persist_helpers import dir_state
 from tests.reference import needs_tensordict, tensordict
 
@@ -98,9 +102,8 @@ def test_interop_with_tensordict_both_ways(tmp_path):
     (lambda: _tree(2).set("a", torch.zeros(2, 3)), r"'a' .* shape past the first dimension"),
     (lambda: _tree(2).set("s", "other"), r"'s' holds 'text' for every row .* 'other'"),
     (lambda: _tree(2).set(("step", "label"), "run"), r"holds 'walk' for every row"),
-    (lambda: shared_td.lazy_stack([_tree(1), _tree(1)]), "the rows hold a LazyStackedTensorDict"),
+    (lambda: shared_td.lazy_stack([_tree(1), _tree(1)], 1), "batch size"),  # (rows of a lazy stack: made dense)
     (lambda: TensorDict(a=torch.zeros(2, 2)), "batch size"),
-    (lambda: _tree(2)["a"], "the rows hold a Tensor"),
 ])
 def test_rows_that_do_not_fit_are_refused_before_anything_changes(tmp_path, rows, message):
     prefix = tmp_path / "replay"
@@ -171,6 +174,70 @@ def test_bytes_left_by_an_append_cut_short_are_overwritten(tmp_path):
     append_memmap(prefix, _tree(1, first=3))
     _check_rows(load_memmap(prefix), 4)
     assert os.path.getsize(leaf) == 4 * 8
+
+
+@pytest.mark.parametrize("saved, rows", [
+    (lambda: TensorDict(a=torch.zeros(0, 2), batch_size=[0]),
+     lambda: TensorDict(a=torch.arange(4.).reshape(2, 2), batch_size=[2])),
+    (lambda: TensorDict(a=torch.zeros(3, 0), b=torch.zeros(3), batch_size=[3]),
+     lambda: TensorDict(a=torch.zeros(2, 0), b=torch.ones(2), batch_size=[2])),
+], ids=["no row saved", "no element per row"])
+def test_leaves_without_a_file_grow(tmp_path, saved, rows):
+    """Neither library writes a file for an empty leaf: the append makes one (it raised
+    'The MemoryMappedTensor has no file associated')."""
+    saved().memmap(tmp_path / "s")
+    append_memmap(tmp_path / "s", rows())
+    assert (load_memmap(tmp_path / "s") == torch.cat([saved(), rows()])).all()
+    if tensordict is not None:
+        assert tensordict.load_memmap(tmp_path / "s")["b" if "b" in saved().keys() else "a"].shape[0] == \
+            saved().batch_size[0] + rows().batch_size[0]
+
+
+def test_rows_of_a_lazy_stack_are_appended_and_what_is_no_tensordict_is_a_type_error(tmp_path):
+    TensorDict(a=torch.zeros(3), batch_size=[3]).memmap(tmp_path / "s")
+    append_memmap(tmp_path / "s", LazyStackedTensorDict.lazy_stack([TensorDict(a=torch.ones(())) for _ in range(2)]))
+    assert load_memmap(tmp_path / "s")["a"].tolist() == [0, 0, 0, 1, 1]
+    for rows in ({"a": torch.ones(2)}, torch.ones(2)):
+        with pytest.raises(TypeError, match="rows are a TensorDict or a tensorclass instance"):
+            append_memmap(tmp_path / "s", rows)
+
+
+@needs_tensordict
+def test_rows_of_tensordicts_own_class_are_named_with_its_module(tmp_path):
+    TensorDict(a=torch.zeros(3), batch_size=[3]).memmap(tmp_path / "s")
+    with pytest.raises(TypeError, match=r"of shared_td, not a tensordict\.\S*TensorDict"):
+        append_memmap(tmp_path / "s", tensordict.TensorDict(a=torch.ones(2), batch_size=[2]))
+
+
+def test_a_nested_level_of_a_save_is_refused(tmp_path):
+    _tree(2).memmap(tmp_path / "s")
+    before = _state(tmp_path)
+    with pytest.raises(ValueError, match="lies inside the save"):
+        append_memmap(tmp_path / "s" / "n", _tree(1)["n"])
+    assert _state(tmp_path) == before and not os.path.exists(tmp_path / "s" / ".n.lock")
+
+
+def test_a_failed_append_leaves_no_bytes_past_the_declared_size(tmp_path):
+    """A full disk (RLIMIT_FSIZE, in a fresh interpreter): the rows written into the saved
+    leaf files (the same inodes as the staging directory's links) are cut off again."""
+    prefix = tmp_path / "s"
+    TensorDict(a=torch.zeros(3, 1000), batch_size=[3]).memmap(prefix)
+    script = ("import torch, shared_td\n"
+              "try:\n"
+              f"    shared_td.append_memmap({str(prefix)!r}, shared_td.TensorDict(a=torch.ones(50, 1000), batch_size=[50]))\n"
+              "except OSError:\n"
+              "    raise SystemExit(0)\n"
+              "raise SystemExit(1)\n")
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+
+    done = subprocess.run([sys.executable, "-c", script], preexec_fn=limit, timeout=120)
+    assert done.returncode == 0
+    assert os.path.getsize(prefix / "a.memmap") == 12000
+    assert load_memmap(prefix).batch_size == torch.Size([3])
+    assert sorted(os.listdir(tmp_path)) == [".s.lock", "s"]
 
 
 # ------------------------------------------------------------ real processes
