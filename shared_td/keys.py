@@ -61,6 +61,16 @@ def unravel_key_to_tuple(key: object) -> tuple[str, ...]:
     return unravel_key(key) if is_nested_key(key) else ()
 
 
+def is_below(key: tuple[str, ...], other: tuple[str, ...]) -> bool:
+    """Whether the flat key ``key`` names an entry inside the entry ``other`` (strictly).
+
+    Example:
+        >>> is_below(("a", "b"), ("a",)), is_below(("a",), ("a",)), is_below(("ab",), ("a",))
+        (True, False, False)
+    """
+    return len(key) > len(other) and key[:len(other)] == other
+
+
 def canonical_key(key: NestedKey) -> NestedKey:
     """``key`` in tensordict's canonical form: a ``str`` for one part, else a flat tuple.
 

@@ -35,7 +35,7 @@ from shared_td.containers.value_kinds import (
     TensorDictRoot, check_write_into, default_is_leaf, is_lazy_stack, is_leaf_nontensor, is_non_tensor,
     is_non_tensor_class, is_tensor_collection, on_cuda, parse_device, self_nesting_error)
 from shared_td.errors import KeyThroughLeafError
-from shared_td.keys import NestedKey, RAISE, is_nested_key, key_repr, unravel_key
+from shared_td.keys import NestedKey, RAISE, is_below, is_nested_key, key_repr, unravel_key
 from shared_td.containers.memmap_methods import MemmapMethods
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 
@@ -463,7 +463,7 @@ class TensorDictBase(TensorDictRoot, LockingOps, BatchSplitOps, NonTensorOps, Co
         value = self.get(old, RAISE)
         # the lock first, as tensordict: a locked tensordict refuses any rename
         self._parent_for_write(old, create=False)._check_unlocked(old, "rename")
-        below = len(new) > len(old) and new[:len(old)] == old  # (renamed below itself: what is at new moves too)
+        below = is_below(new, old)  # (renamed below itself: what is at new moves too)
         if safe and new != old and not below and new in self.keys(include_nested=True):  # (to itself: nothing)
             raise KeyError(f"Key {key_repr(new)} is already present in TensorDict; pass safe=False to replace it.")
         if getattr(value, "_through_members", None) is not None and old != new:
@@ -483,7 +483,7 @@ class TensorDictBase(TensorDictRoot, LockingOps, BatchSplitOps, NonTensorOps, Co
                 raise
             return self
         self.set(new, value)
-        if old != new and old[:len(new)] != new:  # (a key renamed to its parent: the set replaced it)
+        if old != new and not is_below(old, new):  # (a key renamed to its parent: the set replaced it)
             self.del_(old)
         return self
 

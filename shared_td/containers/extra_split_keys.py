@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from shared_td.containers.value_kinds import is_lazy_stack, is_non_tensor, is_tensor_collection
-from shared_td.keys import key_repr, unravel_key
+from shared_td.keys import is_below, key_repr, unravel_key
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 #: split_keys's ``default`` when none is given
@@ -72,7 +72,7 @@ def _refuse_nested_pairs(keys: list) -> None:
     comes right after it."""
     paths = sorted({unravel_key(key) for key in keys})
     for outer, inner in zip(paths, paths[1:]):
-        if inner[:len(outer)] == outer:
+        if is_below(inner, outer):
             raise ValueError(f"split_keys/separates: {key_repr(outer)} and {key_repr(inner)} are both given, and "
                              f"the second is inside the first: give only {key_repr(outer)} (it holds the other), "
                              "or take them in two calls. Nothing was taken.")

@@ -9,7 +9,7 @@ from typing import Any
 from shared_td.containers.base import is_leaf_nontensor, is_tensor_collection
 from shared_td.containers.lazy_writes import _is_branch, _is_lazy
 from shared_td.containers.shape_write_back import with_write_back
-from shared_td.keys import NestedKey, key_repr, unravel_key
+from shared_td.keys import NestedKey, is_below, key_repr, unravel_key
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 
@@ -198,8 +198,7 @@ def renamed_in_members(td: Any, old: tuple, new: tuple, safe: bool) -> bool:
             raise KeyError(td._missing_key_message(old))
         # the lock before the safe check, as a TensorDict's rename_key_ and tensordict
         _check_renamable(unwrap_tensorclass(member), inner_old, inner_new)
-        below = len(inner_new) > len(inner_old) and inner_new[:len(inner_old)] == inner_old
-        if safe and inner_new != inner_old and not below and _holds(member, inner_new):
+        if safe and inner_new != inner_old and not is_below(inner_new, inner_old) and _holds(member, inner_new):
             raise KeyError(f"Key {key_repr(new)} is already present in TensorDict; pass safe=False to replace it.")
     for member, inner_old, inner_new in targets.values():
         member.rename_key_(inner_old, inner_new, safe)
@@ -228,7 +227,7 @@ def _check_renamable(member: Any, old: tuple, new: tuple) -> None:
     the one ``new`` is written into (or the deepest existing one on its way, which
     gets the missing tensordicts)."""
     member._parent_for_write(old, create=False)._check_unlocked(old, "rename")
-    if len(new) > len(old) and new[:len(old)] == old:
+    if is_below(new, old):
         return  # (renamed below itself: old leaves first and its tensordict gets new's)
     parent, depth = member._deepest_existing_parent(new)
     parent._check_unlocked(new[: depth + 1], "rename")
