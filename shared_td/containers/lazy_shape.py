@@ -302,7 +302,8 @@ class LazyShapeOps:
 
         # (no tensor leaf left to copy: the emptied stack's nested collections, made dense)
         plain = self.empty(True).to_tensordict() if recurse else TensorDict(batch_size=self.batch_size,
-                                                                             device=self.device)
+                                                                             device=self.device,
+                                                                             names=self.names)
         return plain.empty(recurse, batch_size=size, **options)
 
     def select(self, *keys: NestedKey, inplace: bool = False, strict: bool = True,

@@ -445,7 +445,12 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, BatchDimOps, IndexWrites
                         entries[key] = kept
                 elif is_tensor_collection(value):
                     entries[key] = _emptied_for(value, size, key)
-        names = self.names if size == self._batch_size else None  # names fit the old dims only
+        names = self.names
+        if names is not None and len(size) != len(names):
+            # as the batch_size setter (and tensordict 0.15.3): the dims that stay keep their
+            # names, by position; new dims are unnamed
+            names = (list(names) + [None] * len(size))[:len(size)]
+            names = names if any(n is not None for n in names) else None
         return type(self)._new_unsafe(
             entries, size, self._device if device is NO_DEFAULT else parse_device(device), names
         )

@@ -183,3 +183,26 @@ def test_separates_filter_empty_removes_what_the_removal_emptied_only():
     out = td.separates("a", ("m", "b"))  # (raised on the locked n's empty e, "a" lost)
     assert sorted(map(str, out.keys(True, True))) == ["('m', 'b')", "a"]
     assert sorted(map(str, td.keys(True))) == ["('n', 'c')", "('n', 'e')", "k", "n"]  # m emptied: gone; k kept
+
+
+# ------------------------------------------------------------ fuzz round 8
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("recurse", [False, True])
+@pytest.mark.parametrize("batch_size, expected", [
+    ([2], ["a"]), ([2, 3, 4], ["a", "b", None]), ([2, 3], ["a", "b"]), ([5, 3], ["a", "b"]),
+])
+def test_empty_with_another_batch_size_keeps_the_names_by_position(lib, recurse, batch_size, expected):
+    # as the batch_size setter: the dims that stay keep their names, new dims are unnamed
+    td = lib.TensorDict({"x": torch.zeros(2, 3)}, [2, 3], names=["a", "b"])
+    assert td.empty(recurse, batch_size=batch_size).names == expected
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("stack_dim", [1, 2])
+def test_lazy_empty_to_a_tensordict_keeps_the_names_by_position(lib, stack_dim):
+    td = lib.TensorDict({"x": torch.zeros(2, 3)}, [2, 3], names=["a", "b"])
+    lazy = lib.lazy_stack([td.clone(), td.clone()], dim=stack_dim)
+    for recurse in (False, True):
+        assert lazy.empty(recurse, batch_size=[2]).names == ["a"]
