@@ -168,16 +168,22 @@ def _zeros_like_entry(source: Any, batch_size: torch.Size, target_batch: torch.S
         return source
     # the source's own batch dims past the indexed ones stay, as a tensor's feature dims
     entry = source.empty(batch_size=batch_size + source.batch_size[len(target_batch):])
-    members = getattr(entry, "tensordicts", None)
-    if members and getattr(source, "tensordicts", None) is not None:
+    # (a lazy stack of tensorclasses is that class around the stack: its members are inside)
+    members, lazy = getattr(unwrap_tensorclass(entry), "tensordicts", None), unwrap_tensorclass(source)
+    if members and getattr(lazy, "tensordicts", None) is not None:
         # a lazy stack of empty members: a member whose rows the index does not reach would
         # get no key, and the stack (the keys its members share) none either. Each member
         # starts with zero entries of the source's keys, as tensordict 0.15.3's zeros.
-        dim = source.stack_dim
-        source_member = source.batch_size[:dim] + source.batch_size[dim + 1:]
-        for key in source._keys_str():
-            value = source._get_str(key, None)
-            row = value.select(dim, 0) if isinstance(value, torch.Tensor) else value[(slice(None),) * dim + (0,)]
+        dim = lazy.stack_dim
+        source_member = lazy.batch_size[:dim] + lazy.batch_size[dim + 1:]
+        for key in lazy._keys_str():
+            value = lazy._get_str(key, None)
+            if is_non_tensor(value):  # (its members' values, not the first's: None when they differ)
+                row = value if isinstance(value, NonTensorStack) else value[(slice(None),) * dim + (0,)]
+            elif isinstance(value, torch.Tensor):
+                row = value.select(dim, 0)
+            else:
+                row = value[(slice(None),) * dim + (0,)]
             for member in members:
                 member.set(key, _zeros_like_entry(row, member.batch_size, source_member))
     return entry

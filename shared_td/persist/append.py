@@ -83,15 +83,18 @@ def append_memmap(prefix: Any, rows: Any, *, allow_pickle: bool | None = None) -
             return  # no row to add: the save stays as it is
         staging = atomic.Staging(target)
         grown: list[tuple[str, int]] = []
+        staged_meta = None
         try:
             _mirror(target, staging.path, growth.rows)
             for leaf_file, declared, source in growth.leaves:
                 grown.append((os.path.join(staging.path, leaf_file), declared))
                 _grow(grown[-1][0], declared, source)
             staging.finish()
+            staged_meta = os.stat(os.path.join(staging.path, fmt.META))
             atomic.swap_into_place(staging.path, target)
         except BaseException as error:
-            _shrink(grown)  # the saved files (the same inodes) back to their declared bytes
+            if not _is_live(target, staged_meta):  # (once swapped in, the grown files are the save's)
+                _shrink(grown)  # the saved files (the same inodes) back to their declared bytes
             staging.discard(error)
             raise
 
@@ -111,7 +114,7 @@ def _saved_directory(prefix: Any) -> str:
     if why is not None:
         raise ValueError(f"append_memmap: {target} is not a saved tensordict: {why}.")
     parent = os.path.dirname(target)
-    if fmt.not_a_save(parent) is None and os.path.isfile(os.path.join(parent, fmt.META)):
+    if fmt.not_a_save(parent) is None and _is_nested_level(parent, os.path.basename(target)):
         # a nested node of that save: growing it alone leaves the save's levels disagreeing
         raise ValueError(f"append_memmap: {target} lies inside the save {parent} (one of its nested levels): "
                          "append rows to that save as a whole.")
@@ -126,6 +129,22 @@ class _Growth:
         self.directory = directory
         self.rows: int | None = None
         self.leaves: list[tuple[str, int, torch.Tensor]] = []
+
+
+def _is_nested_level(parent: str, name: str) -> bool:
+    """Whether the directory ``name`` in the save ``parent`` is one of its nested levels
+    (a key its meta.json lists, or a tensorclass's tensordict), not a save of its own
+    that was only written inside that directory."""
+    if name == fmt.TENSORCLASS_CHILD:
+        return True
+    try:
+        with open(os.path.join(parent, fmt.META), "rb") as file:
+            meta = json.loads(file.read().decode("utf-8"))
+    except (OSError, ValueError):
+        return True  # (unreadable now: refused, as before)
+    if not isinstance(meta, dict):
+        return True
+    return any(name in fmt.file_names(key, leaf=False) for key in fmt.node_entries(meta))
 
 
 def _match(saved: Any, rows: Any, path: tuple, growth: _Growth) -> None:
@@ -282,6 +301,18 @@ def _link(source: str, destination: str) -> None:
                                    f"{source} could not be linked: {error.strerror}. Nothing changed; on a "
                                    "filesystem without hard links, load the save, concatenate the rows and "
                                    "save the result anew.") from None
+
+
+def _is_live(target: str, staged_meta: Any) -> bool:
+    """Whether the staged version (its meta.json ``staged_meta``) is the save at
+    ``target`` now: an error raised after the swap (a RuntimeWarning made an error, a
+    KeyboardInterrupt) must not cut the files its meta.json declares."""
+    if staged_meta is None:
+        return False
+    try:
+        return os.path.samestat(os.stat(os.path.join(target, fmt.META)), staged_meta)
+    except OSError:
+        return False
 
 
 def _shrink(grown: list[tuple[str, int]]) -> None:

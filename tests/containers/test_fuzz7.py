@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared_td import TensorDict, lazy_stack, tensorclass
+from shared_td import NonTensorData, TensorDict, lazy_stack, tensorclass
 
 
 @pytest.mark.parametrize("how", ["setitem", "set_at_"])
@@ -132,3 +132,25 @@ def test_a_key_and_a_key_inside_it_are_refused_before_anything_is_taken(keys, lo
             take()
     assert sorted(map(str, td.keys(True, True))) == ["('k0', 'k1')", "('k0', 'k2')"]
     assert sorted(map(str, td.split_keys([("k0", "k1")], ["k0"])[1].keys(True, True))) == ["('k0', 'k2')"]
+
+
+# ------------------------------------------------------------ the second review
+@tensorclass
+class _Fields:
+    x: torch.Tensor
+
+
+def test_index_write_of_a_new_lazy_stack_of_tensorclasses_keeps_its_fields():
+    td = TensorDict(k=torch.zeros(3), batch_size=[3])
+    src = TensorDict(k=torch.ones(3), newn=lazy_stack([_Fields(x=torch.ones(2) * (i + 1)) for i in range(3)]),
+                     batch_size=[3])
+    td[torch.tensor([2, 2, 0])] = src
+    assert td.get(("newn", "x")).tolist() == [[3.0, 3.0], [0.0, 0.0], [2.0, 2.0]]
+
+
+def test_index_write_of_a_new_lazy_stack_leaves_no_member_value_in_rows_not_written():
+    td = TensorDict(k=torch.zeros(3), batch_size=[3])
+    members = [TensorDict(s=NonTensorData(f"v{i}"), a=torch.ones(())) for i in range(3)]
+    src = TensorDict(k=torch.ones(3), newn=lazy_stack(members), batch_size=[3])
+    td[torch.tensor([2, 2, 0])] = src
+    assert [td[i]["newn", "s"] for i in range(3)] == ["v2", None, "v1"]  # as tensordict 0.15.3

@@ -13,12 +13,14 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
 
 import shared_td
 from shared_td import LazyStackedTensorDict, NonTensorStack, TensorDict, append_memmap, load_memmap, tensorclass
+from shared_td.persist import atomic
 from tests.persist.persist_helpers import dir_state
 from tests.reference import needs_tensordict, tensordict
 
@@ -238,6 +240,35 @@ def test_a_failed_append_leaves_no_bytes_past_the_declared_size(tmp_path):
     assert os.path.getsize(prefix / "a.memmap") == 12000
     assert load_memmap(prefix).batch_size == torch.Size([3])
     assert sorted(os.listdir(tmp_path)) == [".s.lock", "s"]
+
+
+def test_append_memmap_keeps_the_grown_files_when_an_error_comes_after_the_swap(tmp_path, monkeypatch):
+    d = str(tmp_path / "save")
+    TensorDict(a=torch.arange(3.0), batch_size=[3]).memmap(d)
+
+    def busy(path):
+        raise OSError(16, "busy")
+
+    monkeypatch.setattr(atomic, "remove_tree", busy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RuntimeWarning):
+            shared_td.append_memmap(d, TensorDict(a=torch.tensor([7.0, 8.0]), batch_size=[2]))
+    monkeypatch.undo()
+    assert shared_td.load_memmap(d)["a"].tolist() == [0.0, 1.0, 2.0, 7.0, 8.0]
+
+
+def test_append_memmap_to_a_save_written_inside_another_saves_directory(tmp_path):
+    TensorDict(a=torch.zeros(2), batch_size=[2]).memmap(str(tmp_path / "run"))
+    TensorDict(b=torch.ones(3), batch_size=[3]).memmap(str(tmp_path / "run" / "extra"))
+    shared_td.append_memmap(str(tmp_path / "run" / "extra"), TensorDict(b=torch.full((2,), 5.0), batch_size=[2]))
+    assert shared_td.load_memmap(str(tmp_path / "run" / "extra"))["b"].tolist() == [1.0, 1.0, 1.0, 5.0, 5.0]
+
+
+def test_append_memmap_still_refuses_a_nested_level(tmp_path):
+    TensorDict(n=TensorDict(c=torch.zeros(2), batch_size=[2]), batch_size=[2]).memmap(str(tmp_path / "run"))
+    with pytest.raises(ValueError, match="nested levels"):
+        shared_td.append_memmap(str(tmp_path / "run" / "n"), TensorDict(c=torch.ones(1), batch_size=[1]))
 
 
 # ------------------------------------------------------------ real processes
