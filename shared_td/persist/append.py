@@ -71,6 +71,13 @@ def append_memmap(prefix: Any, rows: Any, *, allow_pickle: bool | None = None) -
         [0.0, 0.0, 0.0, 2.0, 2.0]
     """
     target = _saved_directory(prefix)
+    try:
+        nodes.kind_for_object(rows)
+    except TypeError:  # before the save is read, as tensordict 0.15.3 checks it
+        cls = type(rows)
+        name = cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+        raise TypeError(f"append_memmap: rows are a TensorDict, a lazy stack or a tensorclass instance of "
+                        f"shared_td, not a {name}.") from None
     with atomic.acquired(target):
         try:
             atomic.sweep_leftovers(target)
@@ -161,11 +168,8 @@ def _match(saved: Any, rows: Any, path: tuple, growth: _Growth) -> None:
     except TypeError:
         other = None
     if other is not None and other.name == nodes.LAZY and kind.name == nodes.TENSORDICT:
-        rows = rows.to_tensordict()  # rows of a lazy stack: tensordict 0.15.3 appends them too
+        rows = rows.contiguous()  # rows of a lazy stack (tensordict 0.15.3 appends them too); keeps tensorclasses
         other = nodes.kind_for_object(rows)
-    if other is None and not path:
-        raise TypeError(f"append_memmap: rows are a TensorDict or a tensorclass instance of shared_td, not a "
-                        f"{_class_name(rows, saved)}.")
     if other is None or other.name != kind.name or (kind.name == nodes.TENSORCLASS and type(rows) is not type(saved)):
         raise ValueError(f"append_memmap: {where} of the save is a {_class_name(saved, rows)}, the rows hold a "
                          f"{_class_name(rows, saved)} there.")

@@ -200,7 +200,7 @@ def test_rows_of_a_lazy_stack_are_appended_and_what_is_no_tensordict_is_a_type_e
     append_memmap(tmp_path / "s", LazyStackedTensorDict.lazy_stack([TensorDict(a=torch.ones(())) for _ in range(2)]))
     assert load_memmap(tmp_path / "s")["a"].tolist() == [0, 0, 0, 1, 1]
     for rows in ({"a": torch.ones(2)}, torch.ones(2)):
-        with pytest.raises(TypeError, match="rows are a TensorDict or a tensorclass instance"):
+        with pytest.raises(TypeError, match="rows are a TensorDict, a lazy stack or a tensorclass instance"):
             append_memmap(tmp_path / "s", rows)
 
 
@@ -269,6 +269,46 @@ def test_append_memmap_still_refuses_a_nested_level(tmp_path):
     TensorDict(n=TensorDict(c=torch.zeros(2), batch_size=[2]), batch_size=[2]).memmap(str(tmp_path / "run"))
     with pytest.raises(ValueError, match="nested levels"):
         shared_td.append_memmap(str(tmp_path / "run" / "n"), TensorDict(c=torch.ones(1), batch_size=[1]))
+
+
+# fuzz round 9
+@shared_td.tensorclass
+class _Obs:
+    obs: torch.Tensor
+    info: str
+
+
+def test_lazy_rows_with_a_tensorclass_entry_are_appended(tmp_path):
+    prefix = tmp_path / "s"
+    td = shared_td.TensorDict(
+        {"a": torch.zeros(2), "n": shared_td.TensorDict({"tc": _Obs(obs=torch.zeros(2, 3), info="u", batch_size=[2])}, [2]),
+         "tc": _Obs(obs=torch.zeros(2), info="u", batch_size=[2])}, [2])
+    td.memmap(prefix)
+    more = td.clone()
+    more["a"] += 1
+    more["tc"].obs += 2
+    shared_td.append_memmap(prefix, shared_td.lazy_stack(list(more.unbind(0)), dim=0))
+    out = shared_td.load_memmap(prefix)
+    assert out.batch_size == torch.Size([4])
+    assert isinstance(out["tc"], _Obs) and isinstance(out["n", "tc"], _Obs)
+    assert out["a"].tolist() == [0, 0, 1, 1]
+    assert out["tc"].obs.tolist() == [0, 0, 2, 2]
+    assert out["n", "tc"].obs.shape == (4, 3)
+    assert out["tc"].info == "u"
+
+
+@pytest.mark.parametrize("rows", [{"a": torch.zeros(1)}, 3, None])
+def test_rows_that_are_no_tensordict_are_a_type_error_before_the_save_is_read(tmp_path, rows):
+    prefix = tmp_path / "s"
+    shared_td.lazy_stack([shared_td.TensorDict(a=torch.zeros(2)), shared_td.TensorDict(a=torch.ones(2))]).memmap(prefix)
+    with pytest.raises(TypeError, match="rows"):
+        shared_td.append_memmap(prefix, rows)
+    assert shared_td.load_memmap(prefix).batch_size == torch.Size([2])
+
+
+def test_a_prefix_that_is_no_directory_is_still_a_value_error_first(tmp_path):
+    with pytest.raises(ValueError):
+        shared_td.append_memmap(tmp_path / "missing", {"a": 1})
 
 
 # ------------------------------------------------------------ real processes
