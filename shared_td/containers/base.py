@@ -427,10 +427,15 @@ class TensorDictBase(TensorDictRoot, LockingOps, BatchSplitOps, NonTensorOps, Co
         path = unravel_key(key)
         if self._get_path(path, None) is None:
             raise self._missing_key_error(path)
-        parent = self._parent_for_write(path, create=False)
-        parent._check_unlocked(path, "remove")
-        parent._del_str(path[-1])
+        self._check_removable(path)
+        self._parent_for_write(path, create=False)._del_str(path[-1])
         return self
+
+    def _check_removable(self, path: tuple) -> None:
+        """Raise as ``del_(path)`` would for a lock, changing nothing (a path this
+        tensordict lacks: nothing to check)."""
+        if self._get_path(path, None) is not None:
+            self._parent_for_write(path, create=False)._check_unlocked(path, "remove")
 
     def pop(self, key: NestedKey, default: Any = NO_DEFAULT) -> Any:
         """Remove the entry ``key`` and return it (or ``default`` when it is missing)."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from shared_td.containers.value_kinds import is_lazy_stack, is_non_tensor, is_tensor_collection
+from shared_td.containers.value_kinds import is_non_tensor, is_tensor_collection
 from shared_td.keys import is_below, key_repr, unravel_key
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 
@@ -55,7 +55,7 @@ def split_keys(td: Any, key_sets: tuple, *, inplace: bool, default: Any, strict:
         parts.append(part)
     if inplace:
         for key in taken:  # every removal checked before the first: a locked nested
-            _check_removable(td, unravel_key(key))  # tensordict lost the keys before it
+            unwrap_tensorclass(td)._check_removable(unravel_key(key))  # tensordict lost the keys before it
         for key in taken:
             td.pop(key, None)
         rest = td
@@ -76,18 +76,6 @@ def _refuse_nested_pairs(keys: list) -> None:
             raise ValueError(f"split_keys/separates: {key_repr(outer)} and {key_repr(inner)} are both given, and "
                              f"the second is inside the first: give only {key_repr(outer)} (it holds the other), "
                              "or take them in two calls. Nothing was taken.")
-
-
-def _check_removable(td: Any, path: tuple) -> None:
-    """Raise as ``td.pop(path, None)`` would for a lock, without changing anything: the
-    tensordict holding ``path`` (in each member of a lazy stack) must be unlocked."""
-    td = unwrap_tensorclass(td)
-    if is_lazy_stack(td):
-        td._check_unlocked(path, "remove")
-        for member in td.tensordicts:
-            _check_removable(member, path)
-    elif td._get_path(path, None) is not None:
-        td._parent_for_write(path, create=False)._check_unlocked(path, "remove")
 
 
 def _drop_non_tensors(td: Any) -> None:
@@ -113,7 +101,13 @@ def drop_empty(td: Any) -> None:
 
 def drop_emptied(td: Any, key: Any) -> None:
     """Remove the nested tensordicts on ``key``'s path in ``td`` that hold no leaf, the
-    deepest first (after ``key`` was removed: what the removal left empty)."""
+    deepest first (after ``key`` was removed: what the removal left empty).
+
+    Example:
+        >>> td = TensorDict(a={"b": {"c": torch.zeros(())}}, e={})
+        >>> del td["a", "b", "c"]; drop_emptied(td, ("a", "b", "c")); sorted(td.keys())
+        ['e']
+    """
     path = unravel_key(key)
     for depth in range(len(path) - 1, 0, -1):
         node = td.get(path[:depth], None)

@@ -155,13 +155,17 @@ class LazyWriteOps:
             raise self._missing_key_error(path)
         self._check_unlocked(path, "remove")
         for member in holders:  # all checks first: a failure leaves every member unchanged
-            if _is_lazy(member):  # (a lazy member checks all its own members in its del_)
-                member._check_unlocked(path, "remove")
-            else:
-                member._parent_for_write(path, create=False)._check_unlocked(path, "remove")
+            member._check_removable(path)
         for member in holders:
             member.del_(path)
         return self
+
+    def _check_removable(self, path: tuple) -> None:
+        """Raise as ``del_(path)`` would for a lock, changing nothing: this stack and,
+        in each member holding ``path``, the tensordict that holds it."""
+        self._check_unlocked(path, "remove")
+        for member in self.tensordicts:
+            member._check_removable(path)
 
     def _empty_child(self) -> "LazyStackedTensorDict":
         return self._restack([m._empty_child() for m in self.tensordicts])

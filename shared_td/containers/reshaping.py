@@ -177,7 +177,12 @@ class BatchShapeOps:
 
 def view_dtype(td: Any, dtype: torch.dtype, batch_size: Any) -> Any:
     """``td.view(dtype, batch_size=)`` of a TensorDict or lazy stack: each tensor leaf
-    viewed as ``dtype``; non-tensor entries kept."""
+    viewed as ``dtype``; non-tensor entries kept.
+
+    Example:
+        >>> view_dtype(TensorDict(a=torch.zeros(2, 2), s="x", batch_size=[2]), torch.int16, None)["a"].shape
+        torch.Size([2, 4])
+    """
     return td.apply(lambda leaf: leaf.view(dtype), batch_size=batch_size)
 
 

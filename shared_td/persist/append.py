@@ -36,6 +36,7 @@ import torch
 
 from shared_td.persist import api, atomic, nodes
 from shared_td.persist import format as fmt
+from shared_td.keys import key_repr
 from shared_td.storage.writing import pwrite_all
 
 __all__ = ["append_memmap"]
@@ -148,7 +149,7 @@ def _is_nested_level(parent: str, name: str) -> bool:
         with open(os.path.join(parent, fmt.META), "rb") as file:
             meta = json.loads(file.read().decode("utf-8"))
     except (OSError, ValueError):
-        return True  # (unreadable now: refused, as before)
+        return True  # (a parent save whose meta.json cannot be read now: taken as listing it)
     if not isinstance(meta, dict):
         return True
     return any(name in fmt.file_names(key, leaf=False) for key in fmt.node_entries(meta))
@@ -157,7 +158,7 @@ def _is_nested_level(parent: str, name: str) -> bool:
 def _match(saved: Any, rows: Any, path: tuple, growth: _Growth) -> None:
     """Check that ``rows`` (at key ``path``) can be appended to the loaded ``saved``
     node, and record its leaves in ``growth`` (ValueError naming the key otherwise)."""
-    where = repr(path[0] if len(path) == 1 else path) if path else "the root"
+    where = key_repr(path) if path else "the root"
     kind = nodes.kind_for_object(saved)
     if kind.name in (nodes.LAZY, nodes.NON_TENSOR_STACK):
         what = "a lazy stack" if kind.name == nodes.LAZY else "a NonTensorStack"
@@ -212,7 +213,7 @@ def _match_batch(saved: Any, rows: Any, where: str, growth: _Growth) -> None:
 
 
 def _match_leaf(saved: torch.Tensor, rows: Any, path: tuple, growth: _Growth, node_directory: str) -> None:
-    name = repr(path[0] if len(path) == 1 else path)
+    name = key_repr(path)
     if not isinstance(rows, torch.Tensor):
         raise ValueError(f"append_memmap: the entry {name} is a tensor in the save, a {type(rows).__name__} "
                          "in the rows.")
@@ -234,26 +235,29 @@ def _match_leaf(saved: torch.Tensor, rows: Any, path: tuple, growth: _Growth, no
 
 def _match_value(saved: Any, rows: Any, path: tuple) -> None:
     """A saved NonTensorData holds one value for every row: the rows' must be that value."""
-    name = repr(path[0] if len(path) == 1 else path)
+    name = key_repr(path)
     kind = nodes.kind_for_object(rows) if not isinstance(rows, torch.Tensor) else None
     if kind is None or kind.name not in (nodes.NON_TENSOR_DATA, nodes.NON_TENSOR_STACK):
         raise ValueError(f"append_memmap: the entry {name} is a non-tensor value in the save, a "
                          f"{type(rows).__name__} in the rows.")
-    values = [rows.data] if kind.name == nodes.NON_TENSOR_DATA else _flat(rows.tolist())
+    # (a stack's values one per element: tolist() nests them, and a list value would be
+    # taken apart with the nesting)
+    values = [rows.data] if kind.name == nodes.NON_TENSOR_DATA else rows._flat_values()
     for value in values:
         if not _equal(value, saved.data):
             raise ValueError(f"append_memmap: the entry {name} holds {saved.data!r} for every row of the save and "
                              f"{value!r} in the rows: a saved non-tensor value cannot change (save the tree anew).")
 
 
-def _flat(values: Any) -> list:
-    return [v for value in values for v in _flat(value)] if isinstance(values, list) else [values]
-
-
 def _equal(a: Any, b: Any) -> bool:
+    """Whether two non-tensor values are equal (element-wise ones: everywhere), as
+    containers/nontensor_values.same_value, which this layer cannot import."""
+    if a is b:
+        return True
     try:
-        return a is b or bool(a == b)
-    except Exception:  # (an array's ambiguous truth value: not equal as one value)
+        same = a == b
+        return bool(same.all()) if hasattr(same, "all") else bool(same)
+    except Exception:  # noqa: BLE001 - values of foreign types: not equal
         return False
 
 

@@ -15,11 +15,13 @@ import sys
 import time
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
 import shared_td
-from shared_td import LazyStackedTensorDict, NonTensorStack, TensorDict, append_memmap, load_memmap, tensorclass
+from shared_td import (LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDict, append_memmap, load_memmap,
+                       tensorclass)
 from shared_td.persist import atomic
 from tests.persist.persist_helpers import dir_state
 from tests.reference import needs_tensordict, tensordict
@@ -309,6 +311,21 @@ def test_rows_that_are_no_tensordict_are_a_type_error_before_the_save_is_read(tm
 def test_a_prefix_that_is_no_directory_is_still_a_value_error_first(tmp_path):
     with pytest.raises(ValueError):
         shared_td.append_memmap(tmp_path / "missing", {"a": 1})
+
+
+# the final review
+@pytest.mark.parametrize("value, stacked", [([1, 2], True), ([1, 2], False), (np.array([1, 2]), False),
+                                            ("x", True)])
+def test_rows_holding_the_saved_non_tensor_value_are_appended(tmp_path, value, stacked):
+    prefix = tmp_path / "replay"
+    TensorDict(obs=torch.zeros(3), tag=NonTensorData(value, batch_size=[3]), batch_size=[3]).memmap(prefix)
+    if stacked:  # (a NonTensorStack of that value in each row: tolist() nests a list value)
+        rows = torch.stack([TensorDict(obs=torch.ones(()), tag=NonTensorData(value)) for _ in range(2)])
+    else:
+        rows = TensorDict(obs=torch.ones(2), tag=NonTensorData(value, batch_size=[2]), batch_size=[2])
+    append_memmap(prefix, rows, allow_pickle=True)
+    out = load_memmap(prefix, allow_pickle=True)
+    assert out.batch_size == torch.Size([5]) and out["obs"].tolist() == [0, 0, 0, 1, 1]
 
 
 # ------------------------------------------------------------ real processes
