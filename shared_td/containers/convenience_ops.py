@@ -88,8 +88,17 @@ class ConvenienceOps:
             source = source._tensordict
         if keys_to_update is not None:
             source = source.select(*keys_to_update, strict=False)
-        for key in source.keys(True, True, is_leaf_nontensor):
+        rows = None  # a lazy stack's rows at idx: the members written there may hold keys
+        for key in source.keys(True, True, is_leaf_nontensor):  # that the others lack
             if target._get_path(unravel_key(key), None) is None:
+                if isinstance(target, LazyStackedTensorDict):
+                    if rows is None:
+                        try:
+                            rows = target[idx]
+                        except Exception:
+                            rows = False
+                    if rows is not False and rows._get_path(unravel_key(key), None) is not None:
+                        continue
                 if isinstance(target, TensorDict):  # (the cause, as in tensordict: ValueError)
                     _refuse_other_tensorclass(target, source, unravel_key(key))
                 raise KeyError(

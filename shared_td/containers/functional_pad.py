@@ -262,6 +262,11 @@ def pad_sequence(list_of_tensordicts: Sequence[Any], pad_dim: int = 0, padding_v
     else:
         lengths = {key: max(td.get(key).shape[dim] for td in tds) for key, dim in dims.items()}
         for td in tds:
+            if is_lazy_stack(td):  # padded as the dense tree it reads as, as tensordict 0.15.3 gives it
+                try:
+                    td = td.contiguous()
+                except RuntimeError:  # (members of other shapes: padded as they are, a lazy stack)
+                    pass
             copy = td.empty(recurse=True)  # (new nodes: the input is left as it is)
             for key, dim in dims.items():
                 leaf = td.get(key)

@@ -138,7 +138,9 @@ def one_value_into(current: Any, value: Any) -> Any:
         return value
     if isinstance(value, NonTensorStack) and value.batch_size == current.batch_size:
         values = value._flat_values()
-        if values and all(same_value(v, values[0]) for v in values[1:]):
+        if not values:  # a stack of no element (a 0-sized batch dim) writes no value: current's is kept
+            return NonTensorData(current.data, batch_size=current.batch_size, device=current.device)
+        if all(same_value(v, values[0]) for v in values[1:]):
             return NonTensorData(values[0], batch_size=current.batch_size, device=current.device)
     elif (isinstance(value, torch.Tensor) and value.shape == current.batch_size and value.numel()
           and isinstance(current.data, numbers.Number) and same_value(value, current.data)):

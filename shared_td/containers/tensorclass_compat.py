@@ -38,7 +38,23 @@ def check_row_write(dest: Any, value: Any, path: tuple = ()) -> None:
         ...     print(str(error)[:56])
         Cannot write a B into the rows of the A at key 'obs': __
     """
-    if not is_tensorclass(dest) or not is_tensorclass(value) or isinstance(value, type(dest)):
+    if not is_tensorclass(dest) or isinstance(value, type(dest)):
+        return
+    if not is_tensorclass(value):
+        # a tensordict (or dict) of keys that are no fields: they would be added into the
+        # instance as keys no attribute reads (its copies and rows then lose the class),
+        # which set() and update() refuse too (tensordict 0.15.3 adds them, then cannot
+        # index or clone the tree)
+        from shared_td.containers.value_kinds import is_non_tensor, is_tensor_collection
+
+        if isinstance(value, dict) or (is_tensor_collection(value) and not is_non_tensor(value)):
+            extra = sorted(set(value.keys()) - type(dest)._tc_field_names, key=str)
+            if extra:
+                where = f" at key {key_repr(path)}" if path else ""
+                raise ValueError(
+                    f"Keys {extra} are not fields of {type(dest).__name__}{where} (its fields are "
+                    f"{sorted(type(dest)._tc_field_names)}); nothing was written."
+                )
         return
     mine, theirs = type(dest)._tc_field_names, type(value)._tc_field_names
     if mine == theirs:
