@@ -1,6 +1,6 @@
 """The layers of shared_td import only the layers below them, also inside functions.
 
-storage/, keys.py, errors.py, platform.py, tensorclass_protocol.py  <-  memmap_tensor/
+storage/, keys.py, errors.py, platform.py, tensorclass_protocol.py, nontensor_values.py  <-  memmap_tensor/
 <-  persist/  <-  containers/  <-  coordinator/  <-  cli/, demo/, bench/ (and the
 package's __init__).
 
@@ -19,7 +19,7 @@ PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 LAYERS = {
     "storage": 0, "keys": 0, "errors": 0, "platform": 0, "platform_locks": 0, "memory_check": 0,
-    "tensorclass_protocol": 0,
+    "tensorclass_protocol": 0, "nontensor_values": 0,
     "memmap_tensor": 1,
     "persist": 2,
     "containers": 3,

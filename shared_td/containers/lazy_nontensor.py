@@ -25,7 +25,7 @@ from typing import Any, Iterator
 import torch
 
 from shared_td.containers.nontensor import NonTensorData, NonTensorStack
-from shared_td.containers.nontensor_values import same_value
+from shared_td.nontensor_values import same_value
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 

@@ -23,7 +23,7 @@ from shared_td.containers import batch as batch_ops
 from shared_td.containers.linked_list import linked_values
 from shared_td.containers.nontensor_base import NonTensorBase
 from shared_td.containers.nontensor_options import capture_non_tensor_stack
-from shared_td.containers.nontensor_values import nest, nested_shape, one_member, same_value
+from shared_td.nontensor_values import nest, nested_shape, one_member, same_value
 from shared_td.errors import BatchSizeMismatchError
 
 

@@ -24,7 +24,7 @@ from shared_td.containers import batch as batch_ops
 from shared_td.containers.base import TensorDictBase, is_non_tensor, is_tensor_collection, parse_device
 from shared_td.containers.batch_dim_ops import NonTensorBatchDimOps
 from shared_td.containers.nontensor_maps import NonTensorMaps
-from shared_td.containers.nontensor_values import same_value
+from shared_td.nontensor_values import same_value
 from shared_td.containers.reshaping import permute_order
 from shared_td.containers.to_args import parse_to
 from shared_td.errors import BatchSizeMismatchError, ReadOnlyError

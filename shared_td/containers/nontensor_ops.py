@@ -13,7 +13,7 @@ import torch
 
 from shared_td.containers import batch as batch_ops
 from shared_td.containers.nontensor_options import list_to_stack
-from shared_td.containers.nontensor_values import same_value
+from shared_td.nontensor_values import same_value
 from shared_td.containers.value_kinds import is_lazy_stack, is_leaf_nontensor, is_non_tensor, is_tensor_collection
 from shared_td.errors import BatchSizeMismatchError
 from shared_td.keys import NestedKey, key_repr

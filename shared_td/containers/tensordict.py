@@ -36,7 +36,7 @@ from shared_td.containers.locking import LockingOps
 from shared_td.containers.naming import NamedBatchDims, check_names
 from shared_td.containers.nontensor_ops import kept_by_empty, list_to_entry, list_to_tensor
 from shared_td.containers.nontensor_options import list_to_stack
-from shared_td.containers.nontensor_values import same_value
+from shared_td.nontensor_values import same_value
 from shared_td.containers.reshaping import BatchShapeOps
 from shared_td.containers.row_writes import write_rows
 from shared_td.containers.tensor_methods import TensorMethods

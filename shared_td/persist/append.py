@@ -37,6 +37,7 @@ import torch
 from shared_td.persist import api, atomic, nodes
 from shared_td.persist import format as fmt
 from shared_td.keys import key_repr
+from shared_td.nontensor_values import same_value
 from shared_td.storage.writing import pwrite_all
 
 __all__ = ["append_memmap"]
@@ -244,21 +245,9 @@ def _match_value(saved: Any, rows: Any, path: tuple) -> None:
     # taken apart with the nesting)
     values = [rows.data] if kind.name == nodes.NON_TENSOR_DATA else rows._flat_values()
     for value in values:
-        if not _equal(value, saved.data):
+        if not same_value(value, saved.data):
             raise ValueError(f"append_memmap: the entry {name} holds {saved.data!r} for every row of the save and "
                              f"{value!r} in the rows: a saved non-tensor value cannot change (save the tree anew).")
-
-
-def _equal(a: Any, b: Any) -> bool:
-    """Whether two non-tensor values are equal (element-wise ones: everywhere), as
-    containers/nontensor_values.same_value, which this layer cannot import."""
-    if a is b:
-        return True
-    try:
-        same = a == b
-        return bool(same.all()) if hasattr(same, "all") else bool(same)
-    except Exception:  # noqa: BLE001 - values of foreign types: not equal
-        return False
 
 
 def _mirror(source: str, staging: str, rows: int) -> None:
