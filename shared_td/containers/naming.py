@@ -83,6 +83,18 @@ def renamed(current: Sequence[str | None] | None, batch_dims: int, names: Sequen
     return new
 
 
+def resized_names(names: Sequence[str | None], dims: int) -> list:
+    """``names`` for a batch size of ``dims`` dims: the dims that stay keep their names,
+    by position, and new dims are unnamed (the ``batch_size`` setter's rule, as
+    tensordict 0.15.3's).
+
+    Example:
+        >>> resized_names(["x", "y"], 1), resized_names(["x"], 3)
+        (['x'], ['x', None, None])
+    """
+    return (list(names) + [None] * dims)[:dims]
+
+
 def carries_names(child: Any) -> bool:
     """Whether ``child`` (a nested entry, unwrapped) names its batch dims after its
     parent's: a TensorDict (NamedBatchDims) or a lazy stack (lazy_names.LazyNames), which
@@ -174,9 +186,9 @@ class NamedBatchDims:
             >>> td.names
             ['x']
         """
-        old, dims = self._names, len(self._batch_size)
+        old = self._names
         self._names = None  # (the setter reads the current names for the dims it is not given)
-        self.names = (list(old) + [None] * dims)[:dims]
+        self.names = resized_names(old, len(self._batch_size))
 
     def _named_children(self) -> list:
         """The nested TensorDicts (also inside tensorclasses) that carry our names."""

@@ -33,7 +33,7 @@ from shared_td.containers.convenience_ops import TensorData
 from shared_td.containers.index_writes import IndexWrites
 from shared_td.containers.keyops import KeyOps
 from shared_td.containers.locking import LockingOps
-from shared_td.containers.naming import NamedBatchDims, check_names
+from shared_td.containers.naming import NamedBatchDims, check_names, resized_names
 from shared_td.containers.nontensor_ops import kept_by_empty, list_to_entry, list_to_tensor
 from shared_td.containers.nontensor_options import list_to_stack
 from shared_td.nontensor_values import same_value
@@ -446,10 +446,8 @@ class TensorDict(NamedBatchDims, KeyOps, BatchShapeOps, BatchDimOps, IndexWrites
                 elif is_tensor_collection(value):
                     entries[key] = _emptied_for(value, size, key)
         names = self.names
-        if names is not None and len(size) != len(names):
-            # as the batch_size setter (and tensordict 0.15.3): the dims that stay keep their
-            # names, by position; new dims are unnamed
-            names = (list(names) + [None] * len(size))[:len(size)]
+        if names is not None and len(size) != len(names):  # (as the batch_size setter names them)
+            names = resized_names(names, len(size))
             names = names if any(n is not None for n in names) else None
         return type(self)._new_unsafe(
             entries, size, self._device if device is NO_DEFAULT else parse_device(device), names
