@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from shared_td.containers.value_kinds import is_non_tensor, is_tensor_collection
+from shared_td.containers.value_kinds import is_nested_node, is_non_tensor, is_tensor_collection
 from shared_td.keys import is_below, key_repr, unravel_key
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 
@@ -33,7 +33,7 @@ def split_keys(td: Any, key_sets: tuple, *, inplace: bool, default: Any, strict:
     elif default is NO_DEFAULT:
         default = None  # (a missing key is skipped)
     for key_set in key_sets:
-        if not callable(key_set) or isinstance(key_set, Iterable):
+        if not _is_predicate(key_set):
             _refuse_nested_pairs(list(key_set))
     rest = td.copy()  # (a new tree over the same tensors: taking from it leaves td alone)
     parts, taken = [], []
@@ -41,7 +41,7 @@ def split_keys(td: Any, key_sets: tuple, *, inplace: bool, default: Any, strict:
         part = td.empty(recurse=reproduce_struct)
         if reproduce_struct:  # the tree of nested tensordicts, without td's non-tensor values
             _drop_non_tensors(part)
-        if callable(key_set) and not isinstance(key_set, Iterable):
+        if _is_predicate(key_set):
             chosen = key_set
             key_set = [key for key, value in rest.items(True, True)
                        if chosen(key if isinstance(key, tuple) else (key,), value)]
@@ -54,14 +54,20 @@ def split_keys(td: Any, key_sets: tuple, *, inplace: bool, default: Any, strict:
             taken.append(key)
         parts.append(part)
     if inplace:
+        target = unwrap_tensorclass(td)
         for key in taken:  # every removal checked before the first: a locked nested
-            unwrap_tensorclass(td)._check_removable(unravel_key(key))  # tensordict lost the keys before it
+            target._check_removable(unravel_key(key))  # tensordict lost the keys before it
         for key in taken:
             td.pop(key, None)
         rest = td
     if not reproduce_struct:
         drop_empty(rest)
     return (*parts, rest)
+
+
+def _is_predicate(key_set: Any) -> bool:
+    """A set given as ``fn(key, value) -> bool``, not as keys."""
+    return callable(key_set) and not isinstance(key_set, Iterable)
 
 
 def _refuse_nested_pairs(keys: list) -> None:
@@ -91,7 +97,7 @@ def drop_empty(td: Any) -> None:
     """Remove the nested tensordicts of ``td`` that hold no leaf, at every depth (in
     place; tensordict's ``filter_empty_``)."""
     for key, value in list(td.items()):
-        if not is_tensor_collection(value) or is_non_tensor(value):
+        if not is_nested_node(value):
             continue
         if value.is_empty():
             td.del_(key)
@@ -111,6 +117,6 @@ def drop_emptied(td: Any, key: Any) -> None:
     path = unravel_key(key)
     for depth in range(len(path) - 1, 0, -1):
         node = td.get(path[:depth], None)
-        if node is None or not is_tensor_collection(node) or is_non_tensor(node) or not node.is_empty():
+        if not is_nested_node(node) or not node.is_empty():
             return
         td.del_(path[:depth])
