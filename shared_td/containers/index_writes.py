@@ -178,11 +178,11 @@ def _zeros_like_entry(source: Any, batch_size: torch.Size, target_batch: torch.S
         source_member = lazy.batch_size[:dim] + lazy.batch_size[dim + 1:]
         for key in lazy._keys_str():
             value = lazy._get_str(key, None)
-            if is_non_tensor(value):  # (its members' values, not the first's: None when they differ)
-                row = value if isinstance(value, NonTensorStack) else value[(slice(None),) * dim + (0,)]
+            if isinstance(value, NonTensorStack):  # (its members' values, not the first's: None when they differ)
+                row = value
             elif isinstance(value, torch.Tensor):
                 row = value.select(dim, 0)
-            else:
+            else:  # (a NonTensorData: its one value; a collection: one member's shape)
                 row = value[(slice(None),) * dim + (0,)]
             for member in members:
                 member.set(key, _zeros_like_entry(row, member.batch_size, source_member))
