@@ -88,16 +88,12 @@ class ConvenienceOps:
             source = source._tensordict
         if keys_to_update is not None:
             source = source.select(*keys_to_update, strict=False)
-        rows = None  # a lazy stack's rows at idx: the members written there may hold keys
-        for key in source.keys(True, True, is_leaf_nontensor):  # that the others lack
+        rows = _ABSENT  # a lazy stack's rows at idx, read once: the members written there may
+        for key in source.keys(True, True, is_leaf_nontensor):  # hold keys that the others lack
             if target._get_path(unravel_key(key), None) is None:
                 if isinstance(target, LazyStackedTensorDict):
-                    if rows is None:
-                        try:
-                            rows = target[idx]
-                        except Exception:
-                            rows = False
-                    if rows is not False and rows._get_path(unravel_key(key), None) is not None:
+                    rows = _rows_at(target, idx) if rows is _ABSENT else rows
+                    if rows is not None and rows._get_path(unravel_key(key), None) is not None:
                         continue
                 if isinstance(target, TensorDict):  # (the cause, as in tensordict: ValueError)
                     _refuse_other_tensorclass(target, source, unravel_key(key))
@@ -491,6 +487,14 @@ class ConvenienceOps:
         from shared_td.containers.lazy import LazyStackedTensorDict
 
         return self.contiguous() if isinstance(self, LazyStackedTensorDict) else self
+
+
+def _rows_at(lazy: Any, idx: Any) -> Any:
+    """``lazy[idx]``, or None for an index that the write refuses itself (with its own error)."""
+    try:
+        return lazy[idx]
+    except (IndexError, TypeError, ValueError, RuntimeError):
+        return None
 
 
 def _keeps_members(node: Any) -> bool:
