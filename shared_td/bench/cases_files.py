@@ -110,6 +110,28 @@ def case_tree_archive(options, root: str) -> dict:
     return best_of_each(options.repeat, variants)
 
 
+_APPEND_LEAVES = 100  # a flat replay save: 100 leaves of 4 floats per row
+
+
+def case_tree_append(options, root: str) -> dict:
+    """append_memmap of one row to a save of 100 leaves (what a replay buffer on disk
+    does per step), vs the floor: the row's bytes written at the end of each leaf file
+    and one meta.json written anew (to a temporary file, renamed into place). Each
+    library appends to its own save, which grows by a row per run."""
+    def tree(lib, rows):
+        return lib.TensorDict({f"k{i}": torch.zeros(rows, 4) for i in range(_APPEND_LEAVES)}, batch_size=[rows])
+
+    variants = {}
+    floor = os.path.join(root, "append_floor")
+    tree(_shared_td(), 10).memmap(floor)
+    variants["floor: pwrite+meta"] = (lambda: floor, floors.append_rows)
+    for name, lib in libraries().items():
+        path = os.path.join(root, f"append_{name}")
+        tree(lib, 10).memmap(path)
+        variants[name] = (lambda lib=lib, path=path: (path, tree(lib, 1)), lambda s, lib=lib: lib.append_memmap(*s))
+    return best_of_each(options.repeat, variants)
+
+
 def _shared_td():
     import shared_td
     return shared_td

@@ -21,6 +21,9 @@ What each floor counts, and why:
   :func:`write_tree_checked` adds the system calls of the checks ``memmap_`` keeps.
 * **atomic rewrite** (:func:`rewrite_tree`): the write into a new sibling directory,
   ``renameat2(RENAME_EXCHANGE)`` with the old one, the old one removed.
+* **append** (:func:`append_rows`): one row of zeros written (``pwrite``) past the
+  declared bytes of each leaf file of a flat save, then its meta.json written anew to a
+  temporary file and renamed into place (one level: no staging directory is needed).
 * **anonymous** (:func:`share_anonymously`): one memfd of the total size (our layout is
   one segment per tree), ftruncate, one mapping, then one copy and one view per leaf.
 * **attach** (:func:`map_views`): per leaf a mapped view of its file; anonymously, the
@@ -219,6 +222,28 @@ def rewrite_tree(nodes: list, path: str, staging: str, *, map_after: bool = True
         raise OSError(f"renameat2(RENAME_EXCHANGE) is not available for {path}")
     shutil.rmtree(staging)
     return views
+
+
+def append_rows(path: str) -> None:
+    """Grow the flat save at ``path`` (one level, as ``saved_nodes`` reads it) by one
+    row of zeros: the floor of ``append_memmap`` of one row."""
+    meta_path = os.path.join(path, _META)
+    with open(meta_path, "rb") as f:
+        meta = json.load(f)
+    for key, entry in meta.items():
+        if type(entry) is dict and "dtype" in entry:
+            shape = entry["shape"]
+            row = _dtype(entry["dtype"]).itemsize
+            for n in shape[1:]:
+                row *= n
+            fd = os.open(os.path.join(path, key + _LEAF_SUFFIX), os.O_WRONLY | os.O_CLOEXEC)
+            os.pwrite(fd, bytes(row), shape[0] * row)
+            os.close(fd)
+            shape[0] += 1
+    meta["shape"][0] += 1
+    with open(meta_path + ".new", "w") as f:
+        json.dump(meta, f)
+    os.replace(meta_path + ".new", meta_path)
 
 
 def share_anonymously(sources: list[torch.Tensor]) -> list[torch.Tensor]:

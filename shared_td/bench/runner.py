@@ -28,6 +28,7 @@ from shared_td.bench.cases_tree_walk import case_tree_walk
 from shared_td.bench.cases_files import (
     case_big_leaf,
     case_tree_anonymous,
+    case_tree_append,
     case_tree_archive,
     case_tree_load,
     case_tree_to_files,
@@ -50,6 +51,7 @@ CASES: dict[str, Callable[..., dict]] = {
     "tree_load": case_tree_load,
     "tree_anonymous": case_tree_anonymous,
     "tree_archive": case_tree_archive,
+    "tree_append": case_tree_append,
     "leaf_pickle": case_leaf_pickle,
     "atomic_rewrite": case_atomic_rewrite,
     "coord_attach": case_coord_attach,

@@ -34,8 +34,9 @@ from typing import Any
 
 import torch
 
-from shared_td.persist import api, atomic, nodes
+from shared_td.persist import atomic, nodes
 from shared_td.persist import format as fmt
+from shared_td.persist.loader import Loader
 from shared_td.keys import key_repr
 from shared_td.nontensor_values import same_value
 from shared_td.storage.writing import pwrite_all
@@ -85,8 +86,11 @@ def append_memmap(prefix: Any, rows: Any, *, allow_pickle: bool | None = None) -
             atomic.sweep_leftovers(target)
         except OSError as error:  # what dead writers left does not stop this one
             warnings.warn(str(error), RuntimeWarning, stacklevel=2)
-        saved = api.load_memmap(target, allow_pickle=bool(allow_pickle))
-        growth = _Growth(target)
+        # the structure and values only: the rows are checked against each leaf's saved
+        # dtype and shape, never its bytes, so no file is mapped (half the time of an
+        # append of one row to 100 leaves was mapping them and unmapping them again)
+        saved = Loader(allow_pickle=bool(allow_pickle), map_leaves=False).load(target)
+        growth = _Growth()
         _match(saved, rows, (), growth)
         if not growth.rows:
             return  # no row to add: the save stays as it is
@@ -95,8 +99,8 @@ def append_memmap(prefix: Any, rows: Any, *, allow_pickle: bool | None = None) -
         staged_meta = None
         try:
             _mirror(target, staging.path, growth.rows)
-            for leaf_file, declared, source in growth.leaves:
-                grown.append((os.path.join(staging.path, leaf_file), declared))
+            for leaf_file, declared, source in growth.leaves:  # (its twin in staging: the same inode)
+                grown.append((os.path.join(staging.path, os.path.relpath(leaf_file, target)), declared))
                 _grow(grown[-1][0], declared, source)
             staging.finish()
             staged_meta = os.stat(os.path.join(staging.path, fmt.META))
@@ -131,11 +135,10 @@ def _saved_directory(prefix: Any) -> str:
 
 
 class _Growth:
-    """What an append writes: ``rows`` new rows; ``leaves``: (leaf file relative to the
-    save, bytes its meta.json declares, the new rows' tensor) per leaf."""
+    """What an append writes: ``rows`` new rows; ``leaves``: (leaf file in the save,
+    bytes its meta.json declares, the new rows' tensor) per leaf."""
 
-    def __init__(self, directory: str):
-        self.directory = directory
+    def __init__(self):
         self.rows: int | None = None
         self.leaves: list[tuple[str, int, torch.Tensor]] = []
 
@@ -187,9 +190,10 @@ def _match(saved: Any, rows: Any, path: tuple, growth: _Growth) -> None:
         differ = [f"lack the keys {sorted(missing)}"] * bool(missing) + [f"hold {sorted(extra)}, which the save "
                                                                           "lacks"] * bool(extra)
         raise ValueError(f"append_memmap: the rows at {where} {' and '.join(differ)}: they must have the save's keys.")
+    directory = kind.directory(saved)
     for key, value in saved_entries.items():
         if isinstance(value, torch.Tensor):
-            _match_leaf(value, rows_entries[key], path + (key,), growth, kind.directory(saved))
+            _match_leaf(value, rows_entries[key], path + (key,), growth, directory)
         elif nodes.kind_for_object(value).name == nodes.NON_TENSOR_DATA:
             _match_value(value, rows_entries[key], path + (key,))
         else:
@@ -224,14 +228,36 @@ def _match_leaf(saved: torch.Tensor, rows: Any, path: tuple, growth: _Growth, no
         raise ValueError(f"append_memmap: the entry {name} is {saved.dtype} of shape {list(saved.shape)} in the "
                          f"save and {rows.dtype} of shape {list(rows.shape)} in the rows: the dtype and the shape "
                          "past the first dimension must be the same.")
-    if saved.numel() == 0:  # no file was written for it (nor mapped): the rows' bytes make a new one
+    declared = saved.numel() * saved.element_size()
+    if declared == 0:  # no file was written for it: the rows' bytes make a new one
         if rows.numel() == 0:
             return
-        leaf_file = os.path.relpath(os.path.join(node_directory, fmt.file_names(path[-1], leaf=True)[0]),
-                                    growth.directory)
+        leaf_file = fmt.file_names(path[-1], leaf=True)[0]
     else:
-        leaf_file = os.path.relpath(saved.filename, growth.directory)
-    growth.leaves.append((leaf_file, saved.numel() * saved.element_size(), rows))
+        leaf_file = _saved_leaf_file(node_directory, path, declared)
+    growth.leaves.append((os.path.join(node_directory, leaf_file), declared, rows))
+
+
+def _saved_leaf_file(node_directory: str, path: tuple, declared: int) -> str:
+    """The name of the file of the saved leaf ``path`` in ``node_directory`` (its robust
+    name, else its legacy one, as the loader looks them up); ValueError naming the key
+    when it is missing, not a regular file or shorter than the ``declared`` bytes (the
+    save is damaged: growing it would put the rows at the wrong place)."""
+    for name in fmt.file_names(path[-1], leaf=True):
+        try:
+            info = os.lstat(os.path.join(node_directory, name))
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"append_memmap: the file of the entry {key_repr(path)} "
+                             f"({os.path.join(node_directory, name)}) is not a regular file: nothing changed.")
+        if info.st_size < declared:
+            raise ValueError(f"append_memmap: the file of the entry {key_repr(path)} "
+                             f"({os.path.join(node_directory, name)}) holds {info.st_size} bytes and its "
+                             f"{fmt.META} declares {declared}: the save is damaged, nothing changed.")
+        return name
+    raise ValueError(f"append_memmap: the save lacks the file of the entry {key_repr(path)} in {node_directory}: "
+                     "it is damaged, nothing changed.")
 
 
 def _match_value(saved: Any, rows: Any, path: tuple) -> None:

@@ -155,8 +155,11 @@ class Loader:
     how leaves are opened and ``num_threads`` how many threads map them (module doc)."""
 
     def __init__(self, *, robust_key: bool = True, allow_pickle: bool = False,
-                 mode: str | None = None, num_threads: int = 0):
+                 mode: str | None = None, num_threads: int = 0, map_leaves: bool = True):
         self.robust_key = True if robust_key is None else robust_key
+        # False: each leaf an empty tensor on the "meta" device of its saved dtype and
+        # shape, no file opened (a caller that reads only the tree's structure and values)
+        self.map_leaves = map_leaves
         self.allow_pickle = check_allow_pickle(allow_pickle)
         # member name -> pickle bytes made by this process (load_written_archive): read
         # from here, never from the file; None: side files are read (if allow_pickle)
@@ -350,6 +353,8 @@ class Loader:
     def _load_leaf(self, directory: Directory, leaf: LeafMeta) -> torch.Tensor:
         if leaf.is_nested:
             raise NotImplementedError(f"{self._where(directory, leaf.key)}: nested tensors cannot be loaded yet.")
+        if not self.map_leaves:
+            return torch.empty(leaf.shape, dtype=leaf.dtype, device="meta")
         if 0 in leaf.shape:  # zero-element leaves have no file
             return MemoryMappedTensor.empty(torch.Size(leaf.shape), dtype=leaf.dtype)
         if isinstance(directory, ArchiveNode):

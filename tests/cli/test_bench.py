@@ -37,6 +37,7 @@ def test_quick_runs_every_case_in_bounded_time():
     assert "shared_td fds held" in rows["tree_anonymous"]
     # each tree case's first column is its floor (shared_td/bench/floors.py)
     assert rows["tree_load"][:3] == ["floor: json+open+mmap", "floor + our checks", "shared_td"]
+    assert rows["tree_append"][:2] == ["floor: pwrite+meta", "shared_td"]
     assert rows["tree_anonymous"][:2] == ["floor: memfd+copy+view", "shared_td threads=0"]
     assert rows["tree_to_files"][:3] == ["floor: write+map", "floor: write only", "shared_td threads=0"]
     assert rows["atomic_rewrite"][:2] == ["floor: new dir+exchange", "memmap_ (new directory)"]

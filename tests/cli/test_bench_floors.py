@@ -86,3 +86,14 @@ def test_checked_load_floor_maps_the_same_leaves(tmp_path):
     _, path = _saved(tmp_path)
     plain, checked = floors.load_tree(path), floors.load_tree_checked(path)
     assert sorted(v.numpy().tobytes() for v in plain) == sorted(v.numpy().tobytes() for v in checked)
+
+
+def test_append_floor_grows_a_flat_save_by_one_row_as_append_memmap_does(tmp_path):
+    rows = shared_td.TensorDict(a=torch.arange(6.0).reshape(3, 2), b=torch.arange(3), batch_size=[3])
+    for name in ("floor", "library"):
+        rows.memmap(str(tmp_path / name))
+    floors.append_rows(str(tmp_path / "floor"))
+    shared_td.append_memmap(str(tmp_path / "library"), rows[:1].clone().zero_())
+    floor, library = (shared_td.load_memmap(str(tmp_path / name)) for name in ("floor", "library"))
+    assert floor.batch_size == library.batch_size == torch.Size([4])
+    assert all(torch.equal(floor[key], library[key]) for key in ("a", "b"))

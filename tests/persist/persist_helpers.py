@@ -124,6 +124,8 @@ def dir_state(root) -> dict:
                 state[rel] = "-> " + os.readlink(path)
             elif os.path.isdir(path):
                 state[rel] = "<dir>"
+            elif not os.path.isfile(path):  # a FIFO or socket: never opened (would wait)
+                state[rel] = "<special>"
             else:
                 with open(path, "rb") as handle:
                     state[rel] = handle.read()
