@@ -365,6 +365,10 @@ def _grow(path: str, declared: int, source: torch.Tensor) -> None:
         size = os.fstat(fd)
         if not stat.S_ISREG(size.st_mode):
             raise ValueError(f"append_memmap: the leaf file {os.path.basename(path)} is not a regular file.")
+        if size.st_size < declared:  # (checked before, but a writer that takes no lock may have replaced it)
+            raise ValueError(f"append_memmap: the leaf file {os.path.basename(path)} holds {size.st_size} bytes, "
+                             f"fewer than the {declared} its {fmt.META} declares: the save changed during the "
+                             "append, nothing changed.")
         pwrite_all(fd, data, declared, where=path)
         if size.st_size > declared + data.size:
             os.ftruncate(fd, declared + data.size)

@@ -476,3 +476,25 @@ def test_append_memmap_maps_no_leaf_of_the_save(tmp_path, monkeypatch):
     assert mapped == []
     monkeypatch.undo()
     _check_rows(load_memmap(prefix), 5)
+
+
+def test_a_leaf_file_cut_by_a_writer_that_takes_no_lock_during_the_append_is_refused(tmp_path, monkeypatch):
+    # Checked before the staging directory is made, the size is checked again where the
+    # rows are written: a shorter file grown at its declared size would leave a hole of
+    # zeros before the rows, taken for rows by the next load.
+    from shared_td.persist import append as append_module
+    prefix = tmp_path / "replay"
+    _tree(3).memmap(prefix)
+    leaf = prefix / "n" / "m" / "c.memmap"
+    real = append_module._mirror
+
+    def mirror_then_cut(*args):
+        real(*args)
+        os.truncate(leaf, 8)
+
+    monkeypatch.setattr(append_module, "_mirror", mirror_then_cut)
+    with pytest.raises(ValueError, match="holds 8 bytes, fewer than the 96 its meta.json declares: the save "
+                                         "changed during the append"):
+        append_memmap(prefix, _tree(2, first=3))
+    assert os.path.getsize(leaf) == 8 and os.path.getsize(prefix / "a.memmap") == 3 * 2 * 4
+    assert sorted(os.listdir(tmp_path)) == [".replay.lock", "replay"]
