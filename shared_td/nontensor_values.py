@@ -19,6 +19,16 @@ def same_value(a: Any, b: Any) -> bool:
         return False
 
 
+def identical_value(a: Any, b: Any) -> bool:
+    """Whether writing ``a`` over ``b`` changes nothing: the same object, or equal values
+    of one type (an ``==`` that gives no bool, as arrays', counts as different; unlike
+    :func:`same_value`, ``1 == 1.0`` and ``True == 1`` count as different too)."""
+    try:
+        return a is b or (type(a) is type(b) and bool(a == b))
+    except Exception:  # noqa: BLE001 - an == that raises: different
+        return False
+
+
 def one_member(members: list | None, values: list, ndim: int) -> bool:
     """True if ``values`` (``ndim`` dims) are all of one stacked NonTensorData, with no
     dim of the stack left: then they are that NonTensorData (or a part of it). Their
@@ -29,10 +39,7 @@ def one_member(members: list | None, values: list, ndim: int) -> bool:
     if ndim > members[0][1]:
         return False
     first = values[0]
-    try:
-        return all(v is first or (type(v) is type(first) and bool(v == first)) for v in values)
-    except Exception:  # an == that gives no bool (arrays): keep them as a stack
-        return False
+    return all(identical_value(v, first) for v in values)  # (arrays: kept as a stack)
 
 
 def nested_shape(values: Any) -> tuple[list[int], list]:

@@ -23,7 +23,7 @@ from shared_td.containers import batch as batch_ops
 from shared_td.containers.linked_list import linked_values
 from shared_td.containers.nontensor_base import NonTensorBase
 from shared_td.containers.nontensor_options import capture_non_tensor_stack
-from shared_td.nontensor_values import nest, nested_shape, one_member, same_value
+from shared_td.nontensor_values import identical_value, nest, nested_shape, one_member, same_value
 from shared_td.errors import BatchSizeMismatchError
 
 
@@ -167,11 +167,11 @@ class NonTensorData(NonTensorDataBase):
         tensordict that holds the entry can: ``td[index] = ...`` there replaces it with a
         stack."""
         values = broadcast_values(as_non_tensor(value), batch_ops.indexed_batch_size(self._batch_size, index))
-        if values and all(_same_value(v, values[0]) for v in values):
+        if values and all(identical_value(v, values[0]) for v in values):
             if not self._batch_size:
                 self._update_(NonTensorData(values[0], batch_size=[]))
                 return
-            if _same_value(values[0], self.data):
+            if identical_value(values[0], self.data):
                 return
         raise ValueError(
             "A NonTensorData holds one value for all its elements, so it cannot take "
@@ -211,7 +211,7 @@ class NonTensorData(NonTensorDataBase):
         """True if every value that ``self[index] = source`` writes is the one held."""
         source = as_non_tensor(source)
         values = broadcast_values(source, batch_ops.indexed_batch_size(self._batch_size, index))
-        return all(_same_value(v, self.data) for v in values)
+        return all(identical_value(v, self.data) for v in values)
 
     def __repr__(self) -> str:
         shown = str(self.data)
@@ -411,7 +411,7 @@ class NonTensorStack(NonTensorBase):
         touched, shape = flat_positions(index, self._batch_size)
         new_values = broadcast_values(source, shape)
         values = self._values
-        return all(_same_value(values[p], v) for p, v in zip(touched, new_values))
+        return all(identical_value(values[p], v) for p, v in zip(touched, new_values))
 
     def maybe_to_stack(self) -> "NonTensorStack":
         """A new stack of the same values (not copies of them), as tensordict 0.15.3."""
@@ -470,15 +470,6 @@ def _all_positions(batch_size: torch.Size) -> torch.Tensor:
     """``arange(numel).reshape(batch_size)``, made once per batch size (making it costs
     O(numel) at each write otherwise). Only ever read (indexed)."""
     return torch.arange(batch_size.numel()).reshape(batch_size)
-
-
-def _same_value(a: Any, b: Any) -> bool:
-    """Whether writing ``a`` over ``b`` changes nothing (same object, or equal values of
-    one type; an ``==`` that gives no bool, as arrays', counts as different)."""
-    try:
-        return a is b or (type(a) is type(b) and bool(a == b))
-    except Exception:
-        return False
 
 
 def stack_non_tensors(items: Sequence[NonTensorBase], dim: int) -> NonTensorBase:
