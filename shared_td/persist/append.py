@@ -36,6 +36,7 @@ import torch
 
 from shared_td.persist import atomic, nodes
 from shared_td.persist import format as fmt
+from shared_td.errors import FormatError
 from shared_td.persist.loader import Loader
 from shared_td.keys import key_repr
 from shared_td.nontensor_values import same_value
@@ -95,13 +96,13 @@ def append_memmap(prefix: Any, rows: Any, *, allow_pickle: bool | None = None) -
         if not growth.rows:
             return  # no row to add: the save stays as it is
         staging = atomic.Staging(target)
-        grown: list[tuple[str, int]] = []
+        grown: list[tuple[str, str, int]] = []
         staged_meta = None
         try:
             _mirror(target, staging.path, growth.rows)
             for leaf_file, declared, source in growth.leaves:  # (its twin in staging: the same inode)
-                grown.append((os.path.join(staging.path, os.path.relpath(leaf_file, target)), declared))
-                _grow(grown[-1][0], declared, source)
+                grown.append((staging.path, os.path.relpath(leaf_file, target), declared))
+                _grow(*grown[-1], source)
             staging.finish()
             staged_meta = os.stat(os.path.join(staging.path, fmt.META))
             atomic.swap_into_place(staging.path, target)
@@ -248,16 +249,24 @@ def _saved_leaf_file(node_directory: str, path: tuple, declared: int) -> str:
             info = os.lstat(os.path.join(node_directory, name))
         except FileNotFoundError:
             continue
+        # (FormatError: a ValueError, and the RuntimeError and class a load raises for a damaged save)
         if not stat.S_ISREG(info.st_mode):
-            raise ValueError(f"append_memmap: the file of the entry {key_repr(path)} "
-                             f"({os.path.join(node_directory, name)}) is not a regular file: nothing changed.")
+            raise FormatError(os.path.join(node_directory, name), f"append_memmap: the file of the entry "
+                              f"{key_repr(path)} is not a regular file: nothing changed")
         if info.st_size < declared:
+            raise FormatError(os.path.join(node_directory, name), f"append_memmap: the file of the entry "
+                              f"{key_repr(path)} holds {info.st_size} bytes and its {fmt.META} declares "
+                              f"{declared}: the save is damaged, nothing changed")
+        if info.st_nlink > 1:  # grown in place, it would grow (and cut) the other names' file too
             raise ValueError(f"append_memmap: the file of the entry {key_repr(path)} "
-                             f"({os.path.join(node_directory, name)}) holds {info.st_size} bytes and its "
-                             f"{fmt.META} declares {declared}: the save is damaged, nothing changed.")
+                             f"({os.path.join(node_directory, name)}) has {info.st_nlink} names (hard links: "
+                             "another save, a `cp -al` copy, another key of this save, or what a failed "
+                             "write left beside it shares it), and the rows are written into the file itself: "
+                             "copy the save (cp without -l) or save it anew first, or remove leftovers with "
+                             "`shared-td gc`; nothing changed.")
         return name
-    raise ValueError(f"append_memmap: the save lacks the file of the entry {key_repr(path)} in {node_directory}: "
-                     "it is damaged, nothing changed.")
+    raise FormatError(os.path.join(node_directory, fmt.META), f"append_memmap: the save lacks the file of the "
+                      f"entry {key_repr(path)} in {node_directory}: it is damaged, nothing changed")
 
 
 def _match_value(saved: Any, rows: Any, path: tuple) -> None:
@@ -338,13 +347,38 @@ def _is_live(target: str, staged_meta: Any) -> bool:
         return False
 
 
-def _shrink(grown: list[tuple[str, int]]) -> None:
+def _open_below(root: str, relative: str, flags: int) -> int:
+    """Open the file ``relative`` below the directory ``root`` (the staging directory)
+    one component at a time, following no symlink: a nested level of the save swapped
+    for a symlink after the load (which refuses one) was mirrored as that symlink, and
+    must not send the rows (or the cut of a failed append) into a file outside the save.
+    ValueError when a component is a symlink or no directory."""
+    parts = relative.split(os.sep)
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        for part in parts[:-1]:
+            try:
+                child = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except OSError as error:
+                if error.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                raise ValueError(f"append_memmap: {part} (on the way to the leaf file {relative}) is no longer a "
+                                 "directory of the save (a symlink or a file put in its place by another "
+                                 "process during the append): nothing changed.") from None
+            os.close(fd)
+            fd = child
+        return os.open(parts[-1], flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o666, dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+def _shrink(grown: list[tuple[str, str, int]]) -> None:
     """After a failed append, cut the bytes it wrote past each leaf's declared size
     (best effort: the next append overwrites or cuts what is left)."""
-    for path, declared in grown:
+    for root, relative, declared in grown:
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-        except OSError:
+            fd = _open_below(root, relative, os.O_WRONLY)
+        except (OSError, ValueError):
             continue
         try:
             if stat.S_ISREG(os.fstat(fd).st_mode) and os.fstat(fd).st_size > declared:
@@ -355,12 +389,13 @@ def _shrink(grown: list[tuple[str, int]]) -> None:
             os.close(fd)
 
 
-def _grow(path: str, declared: int, source: torch.Tensor) -> None:
+def _grow(root: str, relative: str, declared: int, source: torch.Tensor) -> None:
     """Write ``source``'s bytes into the leaf file ``path`` after its ``declared``
     bytes (bytes past them, left by an append cut short, are overwritten or cut)."""
     data = source.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
     create = os.O_CREAT if declared == 0 else 0  # (an empty leaf's file: none was saved)
-    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | create, 0o666)
+    path = os.path.join(root, relative)
+    fd = _open_below(root, relative, os.O_WRONLY | create)
     try:
         size = os.fstat(fd)
         if not stat.S_ISREG(size.st_mode):

@@ -451,14 +451,14 @@ def _damage_fifo(leaf):
 ])
 def test_a_damaged_leaf_file_is_refused_by_its_key_before_anything_changes(tmp_path, damage, message):
     # The save's leaves are checked from their meta.json and files without mapping them:
-    # one that is too short, not a regular file or missing is a ValueError naming its key
-    # (a grown short file would have put the rows at the wrong place; a FIFO was opened).
+    # one that is too short, not a regular file or missing is a FormatError naming its key,
+    # as a load's (a grown short file would have put the rows at the wrong place).
     prefix = tmp_path / "replay"
     _tree(3).memmap(prefix)
     leaf = str(prefix / "n" / "m" / "c.memmap")
     damage(leaf)
     before = _state(prefix)
-    with pytest.raises(ValueError, match=re.escape(message)):
+    with pytest.raises(shared_td.FormatError, match=re.escape(message)):  # (a ValueError and a RuntimeError)
         append_memmap(prefix, _tree(2, first=3))
     assert _state(prefix) == before
 
@@ -498,3 +498,58 @@ def test_a_leaf_file_cut_by_a_writer_that_takes_no_lock_during_the_append_is_ref
         append_memmap(prefix, _tree(2, first=3))
     assert os.path.getsize(leaf) == 8 and os.path.getsize(prefix / "a.memmap") == 3 * 2 * 4
     assert sorted(os.listdir(tmp_path)) == [".replay.lock", "replay"]
+
+
+def _two_level_rows(rows, first=0):
+    n = torch.arange(first, first + rows).float()
+    return TensorDict(a=n.clone(), n=TensorDict(c=n.clone(), batch_size=[rows]), batch_size=[rows])
+
+
+def test_a_leaf_file_shared_with_another_save_is_refused_before_anything_changes(tmp_path):
+    # rows grow each leaf file in place: a file with another name (a `cp -al` snapshot)
+    # grew too, and the snapshot's next append cut the save's rows off again
+    main, snapshot = tmp_path / "main", tmp_path / "snapshot"
+    _two_level_rows(3).memmap(main)
+    subprocess.run(["cp", "-al", str(main), str(snapshot)], check=True, timeout=60)
+    for prefix in (main, snapshot):
+        with pytest.raises(ValueError, match="has 2 names"):
+            append_memmap(prefix, _two_level_rows(2, first=3))
+        assert load_memmap(prefix)["a"].tolist() == [0.0, 1.0, 2.0]
+    os.remove(snapshot / "a.memmap")
+    os.remove(snapshot / "n" / "c.memmap")
+    append_memmap(main, _two_level_rows(2, first=3))
+    assert load_memmap(main)["n", "c"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+
+
+def test_two_keys_on_one_inode_are_refused(tmp_path):
+    # (else key a's new rows were b's: both keys read [0, 0, 0, 2])
+    prefix = tmp_path / "save"
+    TensorDict(a=torch.zeros(3), b=torch.zeros(3), batch_size=[3]).memmap(prefix)
+    os.remove(prefix / "b.memmap")
+    os.link(prefix / "a.memmap", prefix / "b.memmap")
+    with pytest.raises(ValueError, match="has 2 names"):
+        append_memmap(prefix, TensorDict(a=torch.ones(1), b=torch.full((1,), 2.0), batch_size=[1]))
+    assert load_memmap(prefix).batch_size == torch.Size([3])
+
+
+def test_a_nested_level_swapped_for_a_symlink_during_the_append_writes_no_file_outside(tmp_path, monkeypatch):
+    # the staging directory mirrors what is there when it is made: a level turned into a
+    # symlink after the load (which refuses one) must not lead the rows (or the cut of a
+    # failed append) into a file outside the save
+    from shared_td.persist import append as append_module
+    prefix, victim = tmp_path / "save", tmp_path / "victim"
+    _two_level_rows(3).memmap(prefix)
+    victim.mkdir()
+    (victim / "c.memmap").write_bytes(b"precious " * 10)
+    real = append_module._mirror
+
+    def swap_then_mirror(source, staging, rows):  # another process, between the check and the links
+        os.rename(prefix / "n", tmp_path / "n.moved")
+        os.symlink(victim, prefix / "n")
+        real(source, staging, rows)
+
+    monkeypatch.setattr(append_module, "_mirror", swap_then_mirror)
+    with pytest.raises(ValueError, match="no longer a directory of the save"):
+        append_memmap(prefix, _two_level_rows(2, first=3))
+    assert (victim / "c.memmap").read_bytes() == b"precious " * 10
+    assert sorted(os.listdir(tmp_path)) == [".save.lock", "n.moved", "save", "victim"]
