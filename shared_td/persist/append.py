@@ -390,8 +390,9 @@ def _shrink(grown: list[tuple[str, str, int]]) -> None:
 
 
 def _grow(root: str, relative: str, declared: int, source: torch.Tensor) -> None:
-    """Write ``source``'s bytes into the leaf file ``path`` after its ``declared``
-    bytes (bytes past them, left by an append cut short, are overwritten or cut)."""
+    """Write ``source``'s bytes into the leaf file ``relative`` below ``root`` (the
+    staging directory: :func:`_open_below`) after its ``declared`` bytes (bytes past
+    them, left by an append cut short, are overwritten or cut)."""
     data = source.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
     create = os.O_CREAT if declared == 0 else 0  # (an empty leaf's file: none was saved)
     path = os.path.join(root, relative)
