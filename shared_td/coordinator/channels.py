@@ -420,9 +420,11 @@ def out_of_resources(err: OSError, doing: str) -> OSError:
 
 def gone(address: str, err: BaseException) -> ConnectionError:
     """The error for a coordinator whose manager is gone (``err``: how it showed)."""
+    pid = _manager_pid(address)
+    process = f"its manager process {pid}" if pid else "its manager process"
     return ConnectionError(
         f"The shared_td coordinator at {address} is gone ({type(err).__name__}: {err}): "
-        "it was shut down or its process died. Tensordicts already attached stay readable "
+        f"it was shut down or {process} died. Tensordicts already attached stay readable "
         "and writable; publish again through a new Coordinator."
     )
 

@@ -168,6 +168,7 @@ def _sync_ordered(cluster, store, name: str, owned, syncs: NameSyncs, deadline: 
             report.delivered.append(node)
         else:
             report.dropped[node] = reason
+            _mark_if_lost(cluster, node)
     syncs.holders.difference_update(report.dropped)  # looked up again by the next sync
     return report
 
@@ -195,6 +196,17 @@ def _sync_one(cluster, peer: int, name: str, owned, version: int, payload, deadl
             return f"left (shutdown): node {peer} left the cluster during the sync ({type(err).__name__})"
         return f"{type(err).__name__}: {err}"
     return None
+
+
+def _mark_if_lost(cluster, peer: int) -> None:
+    """A replica node dropped by this sync whose heartbeat stands still is recorded as
+    found lost (``Liveness.mark_lost``): the next sync drops it at once, as later ones
+    do, instead of waiting ``2 * HEARTBEAT_S`` for it to beat again."""
+    try:
+        if not cluster._liveness.alive(peer):
+            cluster._liveness.mark_lost(peer)
+    except (RuntimeError, OSError):
+        pass  # the store cannot tell: the next sync looks again
 
 
 def _departed(cluster, peer: int) -> bool:

@@ -116,6 +116,9 @@ def create_memfd(name: str, nbytes: int, what: str) -> int:
     except OSError as err:
         if err.errno in NO_SPACE_ERRNOS:
             raise storage_full_error(err, nbytes, what) from err
+        if err.errno in (errno.EMFILE, errno.ENFILE):  # this process's own descriptors, said so
+            raise OSError(err.errno, f"Could not create {what} of {nbytes} bytes ({err}). "
+                                     f"{descriptor_limits(err.errno)}") from err
         raise
 
 
