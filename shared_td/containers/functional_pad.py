@@ -262,7 +262,7 @@ def pad_sequence(list_of_tensordicts: Sequence[Any], pad_dim: int = 0, padding_v
     else:
         lengths = {key: max(td.get(key).shape[dim] for td in tds) for key, dim in dims.items()}
         for td in tds:
-            if is_lazy_stack(td):  # padded as the dense tree it reads as, as tensordict 0.15.3 gives it
+            if _holds_lazy_stack(td):  # padded as the dense tree it reads as, as tensordict 0.15.3 gives it
                 try:
                     td = td.contiguous()
                 except RuntimeError:  # (members of other shapes: padded as they are, a lazy stack)
@@ -290,6 +290,14 @@ def pad_sequence(list_of_tensordicts: Sequence[Any], pad_dim: int = 0, padding_v
 
         return stacked_into(out, result)
     return result
+
+
+def _holds_lazy_stack(td: Any) -> bool:
+    """True when ``td`` is a lazy stack or holds one at some nested level (its nodes only:
+    a non-tensor entry is no node)."""
+    if is_lazy_stack(td):
+        return True
+    return any(is_nested_node(value) and _holds_lazy_stack(value) for value in td.values())
 
 
 def _same_leaf_keys(tds: list) -> list:

@@ -61,7 +61,7 @@ class IndexWrites:
                 if isinstance(entry, torch.Tensor):
                     refuse_read_only(entry, "td[index] = value")
                     if isinstance(value, torch.Tensor):
-                        _check_fits(value, target_batch + entry.shape[self.batch_dims:], path + (key,), index)
+                        check_indexed_fits(value, target_batch + entry.shape[self.batch_dims:], path + (key,), index)
                     fitted = fit_source(entry, index, value, path + (key,))  # (cast to its dtype)
                     writes.append(lambda entry=entry, fitted=fitted: entry.__setitem__(index, fitted))
                 elif is_tensor_collection(entry) and not is_non_tensor(entry):
@@ -82,7 +82,7 @@ class IndexWrites:
             if isinstance(current, torch.Tensor):
                 if not isinstance(source, torch.Tensor):
                     raise TypeError(f"Cannot write a {type(source).__name__} into tensor entry {key!r}.")
-                _check_fits(source, target_batch + current.shape[self.batch_dims:], path + (key,), index)
+                check_indexed_fits(source, target_batch + current.shape[self.batch_dims:], path + (key,), index)
                 refuse_read_only(current, "td[index] = value")
                 # (cast to the entry's dtype, and torch's overlap refusals checked: see row_writes)
                 source = fit_source(current, index, source, path + (key,))
@@ -114,10 +114,11 @@ class IndexWrites:
                 inner = unwrap_tensorclass(current)
                 inner_batch = target_batch + inner.batch_size[self.batch_dims:]
                 checks = {}
-                if check_classes:
-                    check_row_write(current, source, path + (key,))
-                    if type(inner) is type(self):  # (a lazy stack's members are not checked)
-                        checks = {"check_classes": True}
+                # (below a lazy stack only keys that are no field are refused: they would
+                # be added into the tensorclass, whose copies then read as TensorDicts)
+                check_row_write(current, source, path + (key,), fields_only=not check_classes)
+                if check_classes and type(inner) is type(self):  # (a lazy stack's members are not checked)
+                    checks = {"check_classes": True}
                 inner._plan_index_writes(index, unwrap_tensorclass(source), writes, inner_batch,
                                          path=path + (key,), **checks)
 
@@ -142,7 +143,7 @@ def store_first(writes: list, write: Callable[[], None]) -> None:
     writes.insert(at, write)
 
 
-def _check_fits(source: torch.Tensor, expected: torch.Size, key: tuple, index: tuple) -> None:
+def check_indexed_fits(source: torch.Tensor, expected: torch.Size, key: tuple, index: tuple) -> None:
     """Raise unless ``source`` fits ``expected``, the shape of the indexed entry ``key``
     (its full path: a top-level key is named as a string), as torch's ``leaf[index] =
     source`` takes it: extra leading size-1 dims dropped, then broadcast."""
@@ -296,7 +297,7 @@ def plan_set_at(target: Any, path: tuple, value: Any, index: Any, writes: list, 
         store_first(writes, lambda: node.set_at_(path[-1], value, index))
         return
     if isinstance(value, torch.Tensor):
-        _check_fits(value, batch_ops.indexed_batch_size(entry.shape, index), path, index)
+        check_indexed_fits(value, batch_ops.indexed_batch_size(entry.shape, index), path, index)
     refuse_read_only(entry, op)
     # (cast to the entry's dtype, and torch's overlap refusals checked: see row_writes)
     value = fit_source(entry, index, value, path, normalized=False)
@@ -306,10 +307,11 @@ def plan_set_at(target: Any, path: tuple, value: Any, index: Any, writes: list, 
 def own_index(index: Any, root: Any, paths: Any = None) -> Any:
     """``index`` with each tensor in it that lies in the memory of a tensor of ``root``
     (its leaves, those of its nested tensordicts and of the members of its lazy stacks;
-    only those at or below ``paths``, the keys written, when given) replaced by a copy, read before anything is written: the mask that is the buffer's
-    own "done" leaf (``env[env["done"]] = reset``) selects for every entry the rows it
-    selected before the write, whatever the order of the entries, and torch's refusal of
-    an index in the memory it writes (which would fail the write halfway) cannot happen.
+    only those at or below ``paths``, the keys written, when given) replaced by a copy,
+    read before anything is written: the mask that is the buffer's own "done" leaf
+    (``env[env["done"]] = reset``) selects for every entry the rows it selected before
+    the write, whatever the order of the entries, and torch's refusal of an index in the
+    memory it writes (which would fail the write halfway) cannot happen.
 
     Example:
         >>> from shared_td import TensorDict

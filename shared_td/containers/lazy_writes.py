@@ -19,7 +19,7 @@ from shared_td.containers import batch as batch_ops
 from shared_td.containers.base import (TensorDictBase, check_write_into, is_leaf_nontensor, is_non_tensor,
                                        is_tensor_collection)
 from shared_td.containers.value_kinds import is_lazy_stack, nested_tensor_error
-from shared_td.containers.index_writes import number_kept, numbers_kept, plan_set_at
+from shared_td.containers.index_writes import check_indexed_fits, number_kept, numbers_kept, plan_set_at
 from shared_td.containers.lazy_element_writes import writes_per_member
 from shared_td.containers.lazy_nontensor import written_through
 from shared_td.containers.nontensor import NonTensorData, as_non_tensor
@@ -296,6 +296,8 @@ class LazyWriteOps:
             touched[index] = True
             if isinstance(value, torch.Tensor) and value.dtype != stacked.dtype:
                 value = value.to(stacked.dtype)  # as tensordict casts it (index_put_ would refuse)
+            if isinstance(value, torch.Tensor):  # (the dense set_at_'s error, not torch's expand one)
+                check_indexed_fits(value, batch_ops.indexed_batch_size(stacked.shape, index), path, index)
             stacked[index] = value
             parts = self._touched_parts(path, stacked, touched)
             refuse_read_only([leaf for leaf, _, _ in parts], "set_at_")

@@ -17,10 +17,12 @@ from shared_td.keys import key_repr
 from shared_td.tensorclass_protocol import is_tensorclass
 
 
-def check_row_write(dest: Any, value: Any, path: tuple = ()) -> None:
+def check_row_write(dest: Any, value: Any, path: tuple = (), fields_only: bool = False) -> None:
     """Raise ValueError if ``dest[idx] = value`` writes a tensorclass of another class
     with other fields into the tensorclass ``dest`` (any other pair passes). ``path``:
-    where ``dest`` is in the tensordict written into, for the message.
+    where ``dest`` is in the tensordict written into, for the message. ``fields_only``:
+    refuse only a tensordict or dict source holding keys that are no field (the check
+    made below a lazy stack, whose members take another tensorclass as tensordict's do).
 
     Example:
         >>> import torch
@@ -58,6 +60,8 @@ def check_row_write(dest: Any, value: Any, path: tuple = ()) -> None:
         return
     mine, theirs = type(dest)._tc_field_names, type(value)._tc_field_names
     if mine == theirs:
+        return
+    if fields_only:  # (below a lazy stack: only the keys that are no field are refused)
         return
     where = f" at key {key_repr(path)}" if path else ""
     # (tensordict's wording follows, so that handlers matching on it still match)
