@@ -241,29 +241,29 @@ def _match_leaf(saved: torch.Tensor, rows: Any, path: tuple, growth: _Growth, no
 
 def _saved_leaf_file(node_directory: str, path: tuple, declared: int) -> str:
     """The name of the file of the saved leaf ``path`` in ``node_directory`` (its robust
-    name, else its legacy one, as the loader looks them up); ValueError naming the key
-    when it is missing, not a regular file or shorter than the ``declared`` bytes (the
-    save is damaged: growing it would put the rows at the wrong place)."""
+    name, else its legacy one, as the loader looks them up). A FormatError (a ValueError
+    and the RuntimeError a load raises for a damaged save) naming the key when it is
+    missing, not a regular file or shorter than the ``declared`` bytes (growing it would
+    put the rows at the wrong place); a ValueError when the file has another name too."""
     for name in fmt.file_names(path[-1], leaf=True):
+        file = os.path.join(node_directory, name)
         try:
-            info = os.lstat(os.path.join(node_directory, name))
+            info = os.lstat(file)
         except FileNotFoundError:
             continue
-        # (FormatError: a ValueError, and the RuntimeError and class a load raises for a damaged save)
         if not stat.S_ISREG(info.st_mode):
-            raise FormatError(os.path.join(node_directory, name), f"append_memmap: the file of the entry "
-                              f"{key_repr(path)} is not a regular file: nothing changed")
+            raise FormatError(file, f"append_memmap: the file of the entry {key_repr(path)} is not a regular file: "
+                                    "nothing changed")
         if info.st_size < declared:
-            raise FormatError(os.path.join(node_directory, name), f"append_memmap: the file of the entry "
-                              f"{key_repr(path)} holds {info.st_size} bytes and its {fmt.META} declares "
-                              f"{declared}: the save is damaged, nothing changed")
+            raise FormatError(file, f"append_memmap: the file of the entry {key_repr(path)} holds {info.st_size} "
+                                    f"bytes and its {fmt.META} declares {declared}: the save is damaged, nothing "
+                                    "changed")
         if info.st_nlink > 1:  # grown in place, it would grow (and cut) the other names' file too
-            raise ValueError(f"append_memmap: the file of the entry {key_repr(path)} "
-                             f"({os.path.join(node_directory, name)}) has {info.st_nlink} names (hard links: "
-                             "another save, a `cp -al` copy, another key of this save, or what a failed "
-                             "write left beside it shares it), and the rows are written into the file itself: "
-                             "copy the save (cp without -l) or save it anew first, or remove leftovers with "
-                             "`shared-td gc`; nothing changed.")
+            raise ValueError(f"append_memmap: the file of the entry {key_repr(path)} ({file}) has {info.st_nlink} "
+                             "names (hard links: another save, a `cp -al` copy, another key of this save, or what "
+                             "a failed write left beside it shares it), and the rows are written into the file "
+                             "itself: copy the save (cp without -l) or save it anew first, or remove leftovers "
+                             "with `shared-td gc`; nothing changed.")
         return name
     raise FormatError(os.path.join(node_directory, fmt.META), f"append_memmap: the save lacks the file of the "
                       f"entry {key_repr(path)} in {node_directory}: it is damaged, nothing changed")
