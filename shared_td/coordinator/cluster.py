@@ -322,7 +322,7 @@ class Cluster(ClusterAttach, ClusterMembership, ClusterRequests):
                 works = self._groups.recv(rep.owner, generation, replica.segment_bytes(rep.segment, nbytes), tag,
                                           bound, stripes)
                 # every stripe, before the version; given up once the owner is found lost
-                self._groups.wait(rep.owner, works, bound, f"pull of {name!r}", nbytes)
+                self._groups.wait(rep.owner, works, bound, f"pull of {name!r}", nbytes, generation=generation)
             except TransferFailed as err:
                 self._groups.fail(rep.owner, generation)
                 raise self._lost_or(rep.owner, name, err) from err

@@ -67,7 +67,7 @@ def into_scratch(cluster, owner: int, pair: int, tag: int, nbytes: int, stripes:
     deadline = receive_bound(cluster)
     try:
         works = cluster._groups.recv(owner, pair, torch.empty(nbytes, dtype=torch.uint8), tag, deadline, stripes)
-        cluster._groups.wait(owner, works, deadline, what, nbytes)
+        cluster._groups.wait(owner, works, deadline, what, nbytes, generation=pair)
         return True
     except StalePair:
         return False  # the pair moved on: the owner's send failed with the old one

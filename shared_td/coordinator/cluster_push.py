@@ -292,7 +292,8 @@ def send_answered(cluster, peer: int, generation: int, tag: int, payload: torch.
         if header is not None:
             works += groups.send(peer, generation, header, PUSH_TAG, deadline)
         works += groups.send(peer, generation, payload, tag if send_tag is None else send_tag, deadline, stripes)
-        groups.wait(peer, works, deadline, what, int(payload.numel()))  # ends once the peer is found lost
+        # (ends once the peer is found lost, or moved the pair on)
+        groups.wait(peer, works, deadline, what, int(payload.numel()), generation=generation)
         try:
             return decode_signed(cluster._store, answer_context(peer, cluster.node, generation, tag), buffer)
         except ClusterAuthError as err:

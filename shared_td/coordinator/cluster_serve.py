@@ -228,7 +228,7 @@ def _serve_pull(cluster, peer: int, request: dict, until: float) -> None:
     payload = replica.segment_bytes(owned.segment, owned.layout["nbytes"])
     bound = time.monotonic() + cluster.timeout  # (and WAIT_SLACK_S + its bytes at MIN_RATE: wait_bound)
     works = cluster._groups.send(peer, group_pair, payload, request["tag"], bound, stripes)
-    cluster._groups.wait(peer, works, bound, "pull", owned.layout["nbytes"])
+    cluster._groups.wait(peer, works, bound, "pull", owned.layout["nbytes"], generation=group_pair)
 
 
 def _refused(cluster, request: dict, owned) -> bool:
@@ -281,7 +281,7 @@ def _serve_receive(cluster, peer: int, request: dict, entry, apply) -> None:
             scratch = torch.empty(request["nbytes"], dtype=torch.uint8)
             deadline = time.monotonic() + cluster.timeout
             works = cluster._groups.recv(peer, request["pair"], scratch, tag, deadline, stripes)
-            cluster._groups.wait(peer, works, deadline, request["op"], request["nbytes"])
+            cluster._groups.wait(peer, works, deadline, request["op"], request["nbytes"], generation=request["pair"])
         else:
             apply(cluster, peer, entry, request)
             answer = {"ok": True}
@@ -415,7 +415,7 @@ def _apply_push(cluster, peer: int, generation: int, header: dict, inline: torch
         rows = torch.empty(nbytes, dtype=torch.uint8)
         deadline = time.monotonic() + cluster.timeout
         works = cluster._groups.recv(peer, generation, rows, header["tag"], deadline)
-        cluster._groups.wait(peer, works, deadline, "push", nbytes)
+        cluster._groups.wait(peer, works, deadline, "push", nbytes, generation=generation)
     owned = cluster._owned.get(header["name"])
     try:
         if not same(owned, header["generation"], header.get("digest")):
@@ -466,7 +466,8 @@ def watch_pairs(cluster) -> None:
 def _apply_rows(cluster, peer: int, owned: Owned, request: dict) -> None:
     buffer = torch.empty(request["nbytes"], dtype=torch.uint8)
     works = cluster._groups.recv(peer, request["pair"], buffer, request["tag"])
-    cluster._groups.wait(peer, works, time.monotonic() + cluster.timeout, "push", request["nbytes"])
+    cluster._groups.wait(peer, works, time.monotonic() + cluster.timeout, "push", request["nbytes"],
+                         generation=request["pair"])
     _write_rows(owned, buffer, request["rows"])
 
 
@@ -487,7 +488,7 @@ def _apply_sync(cluster, peer: int, rep: Replica, request: dict) -> None:
                                      request["tag"], deadline, stripes)
         # every stripe, before the version; given up once the owner is found lost, so
         # that this replica's lock does not hold a pull up for the wait's whole bound
-        cluster._groups.wait(peer, works, deadline, "sync", request["nbytes"])
+        cluster._groups.wait(peer, works, deadline, "sync", request["nbytes"], generation=request["pair"])
         replica.set_state(rep.segment, 2 * request["version"])
     except TransferFailed:
         # the pair is failed before the lock goes (_handle's fail then finds it moved

@@ -360,14 +360,20 @@ class PairGroups:
             return None
         return f"node {peer} is lost (its heartbeat stood still)" if lost else None
 
-    def wait(self, peer: int, works: list, deadline: float, what: str = "transfer", nbytes: int = 0) -> None:
+    def wait(self, peer: int, works: list, deadline: float, what: str = "transfer", nbytes: int = 0,
+             generation: int | None = None) -> None:
         """:func:`wait_work` of a transfer of ``nbytes`` with ``peer``, given up
         (TransferFailed) as soon as ``peer`` is found lost or this node closes: the wait
         runs in a waiter thread (:class:`~shared_td.coordinator.cluster_waits.WorkWaiters`),
         since gloo never ends an operation whose message was under way when the peer
         died. One of at most DIRECT_MAX_BYTES, with those waited for before it, is
         waited for here (see there). Its bound (:func:`wait_bound`) allows for the bytes
-        of the transfers with ``peer`` waited for when it starts."""
+        of the transfers with ``peer`` waited for when it starts. ``generation``: the
+        pair generation the transfer went over, when known: the wait is also given up
+        once the store's pair moved past it (the peer failed the pair, e.g. it found this
+        node lost while it was stopped: gloo never ends the send whose receive the peer
+        closed, and a lane that sent a pull waited out the whole bound, holding up every
+        request of that peer)."""
         if not works:
             return
         # The peer serves this node's requests one at a time (its lane), so a transfer
@@ -382,7 +388,8 @@ class PairGroups:
                 wait_work(works, deadline, what, queued)
                 return
             self._waiters.wait(lambda: wait_work(works, deadline, what, queued), wait_bound(deadline, queued),
-                               lambda: self._why_lost(peer), what)
+                               lambda: self._why_lost(peer) or (
+                                   None if generation is None else self._why_moved(peer, generation)), what)
         finally:
             with self._guard:
                 self._in_flight[peer] -= nbytes

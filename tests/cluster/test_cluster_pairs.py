@@ -75,3 +75,28 @@ def test_a_generation_the_store_moved_past_is_not_built_before_its_notice_comes(
     finally:
         for side in (*sides, fresh):
             side.close()
+
+
+def test_a_wait_is_given_up_once_the_peer_moved_the_pair_past_its_generation(store):
+    """A node stopped while a transfer was under way, found lost by its peer (which failed
+    the pair), then resumed: gloo never ends its posted receive (or send), and its lane
+    waited out the transfer's whole bound (11-16 s seen), holding up every request of that
+    peer. The wait now looks at the store's pair too and ends once it moved past."""
+    from shared_td.coordinator.cluster_transfer import TransferFailed
+    import torch
+
+    sides = _pair_of_nodes(store, 1)
+    sides[1]._alive = lambda peer: True  # (a Cluster's liveness: the peer beats)
+    try:
+        nbytes = 1 << 20  # (past DIRECT_MAX_BYTES: waited for in a waiter, watched)
+        works = sides[1].recv(0, 0, torch.empty(nbytes, dtype=torch.uint8), 7, time.monotonic() + 20)
+        # the peer moved the store's pair to generation 1 and its connection stays open (as
+        # seen with real nodes: gloo ended neither side's operation), so the receive stays
+        sides[0].move_on(1)
+        began = time.monotonic()
+        with pytest.raises(TransferFailed, match="moved to generation 1"):
+            sides[1].wait(0, works, time.monotonic() + 15, "pull", nbytes, generation=0)
+        assert time.monotonic() - began < 3.0
+    finally:
+        for side in sides:
+            side.close()

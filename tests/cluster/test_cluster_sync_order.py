@@ -134,12 +134,12 @@ def test_a_pull_waiting_for_a_failed_sync_starts_on_the_next_pair(pair, monkeypa
 
     syncing_inside = threading.Event()
 
-    def wait(peer, works, deadline, what="transfer", nbytes=0):
+    def wait(peer, works, deadline, what="transfer", nbytes=0, generation=None):
         if what == "sync":  # the sync's wait gives up once the pull waits for the lock
             syncing_inside.set()
             assert pull_sent.wait(WAIT)  # the pull asked while the sync held the replica's lock
             raise TransferFailed("the sync's wait timed out (made to, by the test)")
-        return real_wait(peer, works, deadline, what, nbytes)
+        return real_wait(peer, works, deadline, what, nbytes, generation=generation)
 
     failing = []
 
