@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from shared_td.containers.new_tensor import DATA_DEVICE, new_tensor
+from shared_td.containers.new_tensor import DATA_DEVICE, new_tensor, non_tensor_like
 from shared_td.containers.value_kinds import is_leaf_nontensor, is_non_tensor, is_tensor_collection
 from shared_td.errors import KeyThroughLeafError, KeyTypeError
 from shared_td.keys import NestedKey, RAISE, unravel_key
@@ -397,9 +397,6 @@ class ConvenienceOps:
 
         import torch
 
-        from shared_td.containers.nontensor import NonTensorData
-        from shared_td.containers.tensordict import TensorDict
-
         size = tuple(batch_ops.shape_args(size))
         if getattr(self, "_is_tensorclass", False):  # its tensordict's, wrapped again (no _map_entries)
             return _tensorclass_new_like(self, self._tensordict._new_like(size, make, dtype, device, requires_grad))
@@ -413,11 +410,7 @@ class ConvenienceOps:
                 kw = {"dtype": dtype or x.dtype, "device": device or x.device, "requires_grad": requires_grad}
                 return make(x, (*size, *x.shape[nb:]), kw)
             if is_non_tensor(x):
-                batch = torch.Size([*size, *x.batch_size[nb:]])
-                if type(x) is NonTensorData:  # its one value, for every row, as tensordict 0.15.3
-                    return NonTensorData(x.data, batch_size=batch, device=x.device)
-                # no value to make for a stack's rows: an empty tensordict in its place, as tensordict
-                return TensorDict._new_unsafe({}, batch, x.device)
+                return non_tensor_like(x, torch.Size([*size, *x.batch_size[nb:]]), x.device)
             return x._new_like((*size, *x.batch_size[nb:]), make, dtype, device, requires_grad)  # nested
 
         return dense._map_entries(entry, torch.Size(size), names)

@@ -55,8 +55,8 @@ def test_tensordict_data_gives_each_leaf_its_own(lib):
     td = _tree(lib).exclude("s")  # (tensordict 0.15.3 looks for a non-tensor entry's key in data too)
     data = lib.TensorDict(a=torch.ones(2), b=torch.full((2,), 7), n={"c": torch.ones(2)}, batch_size=[2])
     out = td.new_tensor(data)
-    if lib.__name__ == "shared_td":  # a non-tensor entry, left out, needs no counterpart
-        assert _leaves(_tree(lib).new_tensor(data)) == _leaves(out)
+    with pytest.raises(KeyError, match="s"):  # (a non-tensor entry's key too, as tensordict 0.15.3)
+        _tree(lib).new_tensor(data)
     assert out["b"].tolist() == [7, 7] and out["b"].dtype == torch.int64 and out["n", "c"].dtype == torch.float64
     assert out["a"].data_ptr() != data["a"].data_ptr()
     with pytest.raises(KeyError, match="b"):
@@ -78,3 +78,21 @@ def test_tensorclass_and_lazy_stack(lib):
     lazy = lib.lazy_stack([lib.TensorDict(a=torch.zeros(2), batch_size=[2])] * 3)
     out = lazy.new_tensor([1, 2])
     assert type(out).__name__ == "TensorDict" and out["a"].tolist() == [1.0, 2.0]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_non_tensor_entries_keep_the_tensordicts_value_for_every_new_row(lib):
+    # (they were left out: tensordict 0.15.3 keeps a NonTensorData's value, on the
+    # result's device, and makes a NonTensorStack an empty tensordict, as new_empty does)
+    td = lib.TensorDict(a=torch.zeros(3), s="text", st=lib.NonTensorStack("x", "y", "z"),
+                        n={"t": "inner"}, batch_size=[3])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = td.new_tensor(torch.ones(2, 5))
+        data = lib.TensorDict(a=torch.ones(2), s="other", st=torch.zeros(2), n={"t": "x"}, batch_size=[2])
+        from_td = td.new_tensor(data)
+    assert out.get("s").tolist() == [["text"] * 5] * 2 and out.get("s").device == torch.device("cpu")
+    assert out["n", "t"] == "inner" and out.get(("n", "t")).batch_size == torch.Size([2, 5])
+    assert type(out.get("st")).__name__ == "TensorDict" and out.get("st").batch_size == torch.Size([2, 5])
+    assert list(out.get("st").keys()) == []
+    assert from_td["s"] == "text" and from_td.get("s").batch_size == torch.Size([2])  # td's value, not data's
