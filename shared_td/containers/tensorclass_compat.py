@@ -21,8 +21,8 @@ def check_row_write(dest: Any, value: Any, path: tuple = (), fields_only: bool =
     """Raise ValueError if ``dest[idx] = value`` writes a tensorclass of another class
     with other fields into the tensorclass ``dest`` (any other pair passes). ``path``:
     where ``dest`` is in the tensordict written into, for the message. ``fields_only``:
-    refuse only a tensordict or dict source holding keys that are no field (the check
-    made below a lazy stack, whose members take another tensorclass as tensordict's do).
+    refuse only a source (a tensordict, a dict, a tensorclass of other fields) holding
+    keys that are no field (the check made below a lazy stack).
 
     Example:
         >>> import torch
@@ -42,11 +42,11 @@ def check_row_write(dest: Any, value: Any, path: tuple = (), fields_only: bool =
     """
     if not is_tensorclass(dest) or isinstance(value, type(dest)):
         return
-    if not is_tensorclass(value):
+    if not is_tensorclass(value) or (fields_only and type(dest)._tc_field_names != type(value)._tc_field_names):
         # a tensordict (or dict) of keys that are no fields: they would be added into the
         # instance as keys no attribute reads (its copies and rows then lose the class),
         # which set() and update() refuse too (tensordict 0.15.3 adds them, then cannot
-        # index or clone the tree)
+        # index or clone the tree); below a lazy stack, a tensorclass of other fields too
         from shared_td.containers.value_kinds import is_non_tensor, is_tensor_collection
 
         if isinstance(value, dict) or (is_tensor_collection(value) and not is_non_tensor(value)):
@@ -60,8 +60,6 @@ def check_row_write(dest: Any, value: Any, path: tuple = (), fields_only: bool =
         return
     mine, theirs = type(dest)._tc_field_names, type(value)._tc_field_names
     if mine == theirs:
-        return
-    if fields_only:  # (below a lazy stack: only the keys that are no field are refused)
         return
     where = f" at key {key_repr(path)}" if path else ""
     # (tensordict's wording follows, so that handlers matching on it still match)

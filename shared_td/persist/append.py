@@ -40,6 +40,7 @@ from shared_td.errors import FormatError
 from shared_td.persist.loader import Loader
 from shared_td.keys import key_repr
 from shared_td.nontensor_values import same_value
+from shared_td.storage import files
 from shared_td.storage.writing import pwrite_all
 
 __all__ = ["append_memmap"]
@@ -96,19 +97,24 @@ def append_memmap(prefix: Any, rows: Any, *, allow_pickle: bool | None = None) -
         if not growth.rows:
             return  # no row to add: the save stays as it is
         staging = atomic.Staging(target)
-        grown: list[tuple[str, str, int]] = []
+        staged = _StagedLevels(staging.path)
+        grown: list[tuple[str, int]] = []
         staged_meta = None
         try:
             _mirror(target, staging.path, growth.rows)
             for leaf_file, declared, source in growth.leaves:  # (its twin in staging: the same inode)
-                grown.append((staging.path, os.path.relpath(leaf_file, target), declared))
-                _grow(*grown[-1], source)
+                grown.append((os.path.relpath(leaf_file, target), declared))
+                if leaf_file in growth.shared:  # other names share it: grow a copy, not them
+                    _unshare(staged, *grown[-1])
+                _grow(staged, *grown[-1], source)
+            staged.close()
             staging.finish()
             staged_meta = os.stat(os.path.join(staging.path, fmt.META))
             atomic.swap_into_place(staging.path, target)
         except BaseException as error:
             if not _is_live(target, staged_meta):  # (once swapped in, the grown files are the save's)
-                _shrink(grown)  # the saved files (the same inodes) back to their declared bytes
+                _shrink(staged, grown)  # the saved files (the same inodes) back to their declared bytes
+            staged.close()
             staging.discard(error)
             raise
 
@@ -142,6 +148,7 @@ class _Growth:
     def __init__(self):
         self.rows: int | None = None
         self.leaves: list[tuple[str, int, torch.Tensor]] = []
+        self.shared: set[str] = set()  # leaf files with other names (hard links): grown as a copy
 
 
 def _is_nested_level(parent: str, name: str) -> bool:
@@ -235,16 +242,21 @@ def _match_leaf(saved: torch.Tensor, rows: Any, path: tuple, growth: _Growth, no
             return
         leaf_file = fmt.file_names(path[-1], leaf=True)[0]
     else:
-        leaf_file = _saved_leaf_file(node_directory, path, declared)
+        leaf_file, shared = _saved_leaf_file(node_directory, path, declared)
+        if shared:
+            growth.shared.add(os.path.join(node_directory, leaf_file))
     growth.leaves.append((os.path.join(node_directory, leaf_file), declared, rows))
 
 
-def _saved_leaf_file(node_directory: str, path: tuple, declared: int) -> str:
+def _saved_leaf_file(node_directory: str, path: tuple, declared: int) -> tuple[str, bool]:
     """The name of the file of the saved leaf ``path`` in ``node_directory`` (its robust
-    name, else its legacy one, as the loader looks them up). A FormatError (a ValueError
-    and the RuntimeError a load raises for a damaged save) naming the key when it is
-    missing, not a regular file or shorter than the ``declared`` bytes (growing it would
-    put the rows at the wrong place); a ValueError when the file has another name too."""
+    name, else its legacy one, as the loader looks them up), and whether it has other
+    names too (hard links: a `cp -al` copy, another key, the retired version of an
+    earlier append that could not be removed): such a file is grown as a copy
+    (:func:`_unshare`), never in place. A FormatError (a ValueError and the RuntimeError
+    a load raises for a damaged save) naming the key when it is missing, not a regular
+    file or shorter than the ``declared`` bytes (growing it would put the rows at the
+    wrong place)."""
     for name in fmt.file_names(path[-1], leaf=True):
         file = os.path.join(node_directory, name)
         try:
@@ -258,13 +270,7 @@ def _saved_leaf_file(node_directory: str, path: tuple, declared: int) -> str:
             raise FormatError(file, f"append_memmap: the file of the entry {key_repr(path)} holds {info.st_size} "
                                     f"bytes and its {fmt.META} declares {declared}: the save is damaged, nothing "
                                     "changed")
-        if info.st_nlink > 1:  # grown in place, it would grow (and cut) the other names' file too
-            raise ValueError(f"append_memmap: the file of the entry {key_repr(path)} ({file}) has {info.st_nlink} "
-                             "names (hard links: another save, a `cp -al` copy, another key of this save, or what "
-                             "a failed write left beside it shares it), and the rows are written into the file "
-                             "itself: copy the save (cp without -l) or save it anew first, or remove leftovers "
-                             "with `shared-td gc`; nothing changed.")
-        return name
+        return name, info.st_nlink > 1
     raise FormatError(os.path.join(node_directory, fmt.META), f"append_memmap: the save lacks the file of the "
                       f"entry {key_repr(path)} in {node_directory}: it is damaged, nothing changed")
 
@@ -288,15 +294,15 @@ def _match_value(saved: Any, rows: Any, path: tuple) -> None:
 def _mirror(source: str, staging: str, rows: int) -> None:
     """``staging`` made a copy of the save ``source`` of hard links, but for the
     meta.json of each TensorDict node, written with ``rows`` more rows."""
-    for directory, subdirectories, files in os.walk(source):
+    for directory, subdirectories, names in os.walk(source):
         relative = os.path.relpath(directory, source)
         into = staging if relative == "." else os.path.join(staging, relative)
         for name in subdirectories:
             if os.path.islink(os.path.join(directory, name)):  # (os.walk does not go in: linked, as a file)
-                files.append(name)
+                names.append(name)
             else:
                 os.mkdir(os.path.join(into, name))
-        for name in files:
+        for name in names:
             here = os.path.join(directory, name)
             grown = _grown_meta(here, rows) if name == fmt.META else None
             if grown is None:
@@ -347,41 +353,67 @@ def _is_live(target: str, staged_meta: Any) -> bool:
         return False
 
 
-def _open_below(root: str, relative: str, flags: int) -> int:
-    """Open the file ``relative`` below the directory ``root`` (the staging directory)
-    one component at a time, following no symlink: a nested level of the save swapped
-    for a symlink after the load (which refuses one) was mirrored as that symlink, and
-    must not send the rows (or the cut of a failed append) into a file outside the save.
-    ValueError when a component is a symlink or no directory."""
-    parts = relative.split(os.sep)
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+class _StagedLevels:
+    """The levels of the staging directory ``root``, each opened once, one below the
+    other, without following a symlink (a nested level of the save swapped for a
+    symlink after the load, which refuses one, was mirrored as that symlink, and must
+    not send the rows, or the cut of a failed append, into a file outside the save: a
+    RuntimeError). :meth:`close` closes them (it may be called again)."""
+
+    def __init__(self, root: str):
+        self.root = root
+        self.opened: dict[tuple, files.Directory] = {}
+
+    def leaf(self, relative: str) -> tuple[files.Directory, str]:
+        """The opened directory of the leaf file ``relative`` (below the root), and its name."""
+        *levels, name = relative.split(os.sep)
+        if () not in self.opened:
+            self.opened[()] = files.Directory.open(self.root, action="append rows")
+        for depth in range(1, len(levels) + 1):
+            if tuple(levels[:depth]) not in self.opened:
+                self.opened[tuple(levels[:depth])] = self.opened[tuple(levels[:depth - 1])].child(levels[depth - 1])
+        return self.opened[tuple(levels)], name
+
+    def close(self) -> None:
+        for directory in self.opened.values():
+            directory.close()
+        self.opened.clear()
+
+
+def _unshare(staged: _StagedLevels, relative: str, declared: int) -> None:
+    """Replace the staged leaf file ``relative`` (a hard link to the saved file, which
+    has other names) by a copy of its ``declared`` bytes, so that growing it changes no
+    other name's file."""
+    directory, name = staged.leaf(relative)
+    source = directory.open_regular(name)  # (a FIFO or symlink put there meanwhile: refused)
     try:
-        for part in parts[:-1]:
-            try:
-                child = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-            except OSError as error:
-                if error.errno not in (errno.ELOOP, errno.ENOTDIR):
-                    raise
-                raise ValueError(f"append_memmap: {part} (on the way to the leaf file {relative}) is no longer a "
-                                 "directory of the save (a symlink or a file put in its place by another "
-                                 "process during the append): nothing changed.") from None
-            os.close(fd)
-            fd = child
-        return os.open(parts[-1], flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o666, dir_fd=fd)
+        directory.unlink(name)
+        copy = directory.open_file(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        try:
+            done = 0
+            while done < declared:
+                sent = os.sendfile(copy, source, done, declared - done)
+                if sent == 0:
+                    raise ValueError(f"append_memmap: the leaf file {relative} was cut during the append: "
+                                     "nothing changed.")
+                done += sent
+        finally:
+            os.close(copy)
     finally:
-        os.close(fd)
+        os.close(source)
 
 
-def _shrink(grown: list[tuple[str, str, int]]) -> None:
+def _shrink(staged: _StagedLevels, grown: list[tuple[str, int]]) -> None:
     """After a failed append, cut the bytes it wrote past each leaf's declared size
     (best effort: the next append overwrites or cuts what is left)."""
-    for root, relative, declared in grown:
+    for relative, declared in grown:
         try:
-            fd = _open_below(root, relative, os.O_WRONLY)
-        except (OSError, ValueError):
+            directory, name = staged.leaf(relative)
+            fd = directory.open_regular(name, os.O_WRONLY)
+        except (OSError, RuntimeError, ValueError):
             continue
         try:
-            if stat.S_ISREG(os.fstat(fd).st_mode) and os.fstat(fd).st_size > declared:
+            if os.fstat(fd).st_size > declared:
                 os.ftruncate(fd, declared)
         except OSError:
             pass
@@ -389,22 +421,21 @@ def _shrink(grown: list[tuple[str, str, int]]) -> None:
             os.close(fd)
 
 
-def _grow(root: str, relative: str, declared: int, source: torch.Tensor) -> None:
-    """Write ``source``'s bytes into the leaf file ``relative`` below ``root`` (the
-    staging directory: :func:`_open_below`) after its ``declared`` bytes (bytes past
-    them, left by an append cut short, are overwritten or cut)."""
+def _grow(staged: _StagedLevels, relative: str, declared: int, source: torch.Tensor) -> None:
+    """Write ``source``'s bytes into the staged leaf file ``relative`` after its
+    ``declared`` bytes (bytes past them, left by an append cut short, are overwritten
+    or cut)."""
     data = source.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-    create = os.O_CREAT if declared == 0 else 0  # (an empty leaf's file: none was saved)
-    path = os.path.join(root, relative)
-    fd = _open_below(root, relative, os.O_WRONLY | create)
+    directory, name = staged.leaf(relative)
+    if declared == 0 and not directory.exists(name):  # (an empty leaf's file: none was saved)
+        os.close(directory.open_file(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+    fd, size = directory.open_regular_stat(name, os.O_WRONLY)  # (a FIFO, a symlink: refused)
+    path = directory.join(name)
     try:
-        size = os.fstat(fd)
-        if not stat.S_ISREG(size.st_mode):
-            raise ValueError(f"append_memmap: the leaf file {os.path.basename(path)} is not a regular file.")
         if size.st_size < declared:  # (checked before, but a writer that takes no lock may have replaced it)
-            raise ValueError(f"append_memmap: the leaf file {os.path.basename(path)} holds {size.st_size} bytes, "
-                             f"fewer than the {declared} its {fmt.META} declares: the save changed during the "
-                             "append, nothing changed.")
+            raise ValueError(f"append_memmap: the leaf file {path} holds {size.st_size} bytes, fewer than the "
+                             f"{declared} its {fmt.META} declares: the save changed during the append, nothing "
+                             "changed.")
         pwrite_all(fd, data, declared, where=path)
         if size.st_size > declared + data.size:
             os.ftruncate(fd, declared + data.size)

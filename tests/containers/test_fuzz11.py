@@ -24,6 +24,28 @@ def _tree():
     return TensorDict({"nn": LazyStackedTensorDict(member(), member(), stack_dim=0)}, [2])
 
 
+@tensorclass
+class _TCLazyRowWider:
+    obs: torch.Tensor
+    info: Any = None
+    a: torch.Tensor = None
+
+
+@pytest.mark.parametrize("index", [Ellipsis, 0, slice(0, 1)])
+def test_row_write_below_lazy_stack_refuses_a_tensorclass_of_more_fields(index):
+    # (a tensorclass source with a field the member's class lacks added it as a key,
+    # as a dict source did: the member's clone then read as a TensorDict; tensordict
+    # 0.15.3 refuses the write)
+    td = _tree()
+    wider = _TCLazyRowWider(obs=torch.ones(2, 2), a=torch.ones(2, 2), batch_size=[2, 2])
+    val = TensorDict({"nn": TensorDict({"x": wider}, [2])}, [2])
+    with pytest.raises(ValueError, match=r"Keys \['a'\] are not fields of _TCLazyRow"):
+        td[index] = val[index]
+    member = td["nn"].tensordicts[0]
+    assert sorted(member["x"].keys()) == ["info", "obs"] and type(member.clone()["x"]) is _TCLazyRow
+    assert member["x"].obs.tolist() == [0.0, 0.0]
+
+
 @pytest.mark.parametrize("index", [Ellipsis, 0, slice(0, 1)])
 def test_row_write_below_lazy_stack_refuses_keys_that_are_no_field(index):
     # (they were added into each member's tensorclass: tensordict adds them, then fails to read it)
