@@ -483,9 +483,10 @@ class ConvenienceOps:
 
 
 def _rows_at(lazy: Any, idx: Any) -> Any:
-    """``lazy[idx]``, or None for an index that the write refuses itself (with its own error)."""
+    """``lazy[idx]`` (its tensordict where the rows are a member given as a tensorclass),
+    or None for an index that the write refuses itself (with its own error)."""
     try:
-        return lazy[idx]
+        return unwrap_tensorclass(lazy[idx])
     except (IndexError, TypeError, ValueError, RuntimeError):
         return None
 

@@ -208,9 +208,12 @@ def permute_order(dims_list: Any, batch_dims: int, dims: Any = None) -> list:
     except BatchDimError as out_of_range:  # (also the ValueError tensordict raises)
         raise TransposeDimError(f"permute: {out_of_range}") from None
     if sorted(order) != list(range(len(order))):
+        given = list(batch_ops.shape_args(dims))
+        if len(order) > batch_dims:
+            raise ValueError(f"permute got {len(order)} dims {given} for a tensordict of {batch_dims} batch dims.")
         which = (f"each of the {batch_dims} batch dims" if len(order) == batch_dims
                  else f"each of the first {len(order)} of the {batch_dims} batch dims (the others stay)")
-        raise ValueError(f"permute needs {which} once, got {list(dims)}.")
+        raise ValueError(f"permute needs {which} once, got {given}.")
     return order + list(range(len(order), batch_dims))
 
 
