@@ -80,3 +80,23 @@ def test_permute_message_names_the_dims_given_as_a_list():
     td = TensorDict({"a": torch.zeros(2, 3, 4)}, [2, 3])
     with pytest.raises(ValueError, match=r"got \[0, 0\]\.$"):
         td.permute([0, 0])
+
+
+@pytest.mark.parametrize("write, error", [
+    (lambda ls: ls.set("a", torch.ones(2, 2)), AttributeError),
+    (lambda ls: ls.__setitem__("a", torch.ones(2, 2)), AttributeError),
+    (lambda ls: ls.set_non_tensor("a", 1), AttributeError),
+    (lambda ls: ls.update({"a": torch.ones(2, 2)}), ValueError),
+    (lambda ls: ls.update(TensorDict({"a": torch.ones(2, 2)}, [2, 2])), ValueError),
+], ids=["set", "setitem", "set_non_tensor", "update_dict", "update_td"])
+def test_a_new_key_that_is_no_field_of_tensorclass_members_is_refused(write, error):
+    # (it was added into every member, as in tensordict 0.15.3: their copies then read as
+    # TensorDicts and tensordict could not load their save; each member's own set() and
+    # update() refuse it, and so does a stack made by lazy_stack)
+    ls = _stack()
+    with pytest.raises(error, match="'a'|\\['a'\\]"):
+        write(ls)
+    assert sorted(ls[0].keys()) == ["info", "obs"] and type(ls[0].clone()) is _TCMember
+    ls.update({"obs": torch.ones(2, 2)})  # a field is written
+    ls.set("obs", torch.full((2, 2), 2.0))
+    assert ls[1].obs.tolist() == [2.0, 2.0]

@@ -359,7 +359,8 @@ def test_reading_a_frozen_member_does_not_lock_the_stack(lib, read):
         member.unlock_()
     {"lazy[0]": lambda: lazy[0], "lazy[::1]": lambda: lazy[::1], "list": lambda: list(lazy)}[read]()
     assert [member.is_locked for member in lazy.tensordicts] == [False, False]
-    lazy["y"] = torch.zeros(2, 3)  # raised LockedTensorDictError
+    lazy["x"] = torch.full((2, 3), 5.0)  # (a field replaced: raised LockedTensorDictError)
+    assert lazy[1].x.tolist() == [5.0] * 3
 
 
 @pytest.mark.parametrize("lib", LIBS)
