@@ -11,6 +11,7 @@ import weakref
 from typing import Any
 
 from shared_td.containers.lazy_writes import _is_branch
+from shared_td.containers.tensorclass_compat import check_row_write
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 
 
@@ -133,6 +134,15 @@ class LazyMembers:
         if value is None or value is member:
             return cls._from_tensordict(member, _stored=True)
         return cls._from_tensordict(value)
+
+    def _refuse_keys_no_field(self, member: Any, source: Any, path: tuple = ()) -> None:
+        """ValueError naming them when ``source`` (a tensordict or dict written into
+        ``member``: its part of a row write or an update) holds keys that are no field of
+        the tensorclass ``member`` was given as, as the member's own ``update()``
+        refuses them (added, its copies read as TensorDicts, and tensordict 0.15.3 could
+        not load its save); nothing is checked for a member given as a tensordict."""
+        if self._tensorclass_of(member) is not None:
+            check_row_write(self._member_as_given(member), source, path, fields_only=True)
 
     def _one_class_view(self, stack: Any) -> Any:
         """``stack`` (a new stack that indexing this one built) as tensordict 0.15.3 gives

@@ -24,7 +24,6 @@ from shared_td.containers.lazy_element_writes import writes_per_member
 from shared_td.containers.lazy_nontensor import written_through
 from shared_td.containers.nontensor import NonTensorData, as_non_tensor
 from shared_td.containers.nontensor_ops import list_to_entry, non_tensor_over_rows, one_value_into
-from shared_td.containers.tensorclass_compat import check_row_write
 from shared_td.containers.update_options import update_source
 from shared_td.containers.update_batch import planned_after_rebatch
 from shared_td.containers.updates import check_source_batch
@@ -200,10 +199,8 @@ class LazyWriteOps:
             check_source_batch(self, other)  # (as TensorDict.update: an empty source too)
             parts = self._update_parts(other, inplace)
             for member, part in zip(self.tensordicts, parts):
-                if self._tensorclass_of(member) is not None and selected is None:
-                    # a member given as a tensorclass takes no key that is no field of it,
-                    # as its own update() refuses it (added, its copies read as TensorDicts)
-                    check_row_write(self._member_as_given(member), part, fields_only=True)
+                if selected is None:
+                    self._refuse_keys_no_field(member, part)
                 check_write(member, part, inplace=inplace, add_missing=True, selected=selected)
             return parts
 
@@ -413,11 +410,7 @@ class LazyWriteOps:
             targets, sources = writes_per_member(targets, sources, stack=_is_branch(value))
         for (member, sub), source in zip(targets, sources):
             member = unwrap_tensorclass(member)
-            if self._tensorclass_of(member) is not None:
-                # a member given as a tensorclass takes no key that is no field of it (it
-                # would be added into the member, whose copies then read as TensorDicts and
-                # whose save tensordict 0.15.3 cannot load), as a dense tensorclass does
-                check_row_write(self._member_as_given(member), source, path, fields_only=True)
+            self._refuse_keys_no_field(member, source, path)
             sub_index, sub_rows = batch_ops.index_and_size(sub, member.batch_size)
             member._plan_index_writes(sub_index, unwrap_tensorclass(source), writes, sub_rows, path=path)
 
