@@ -140,9 +140,18 @@ class LazyMembers:
         ``member``: its part of a row write or an update) holds keys that are no field of
         the tensorclass ``member`` was given as, as the member's own ``update()``
         refuses them (added, its copies read as TensorDicts, and tensordict 0.15.3 could
-        not load its save); nothing is checked for a member given as a tensordict."""
+        not load its save). A member given as a tensordict takes any key."""
         if self._tensorclass_of(member) is not None:
             check_row_write(self._member_as_given(member), source, path, fields_only=True)
+
+    def _refuse_new_key_no_field(self, member: Any, key: str) -> None:
+        """The AttributeError of the member's own ``set()`` when the new ``key`` is no
+        field of the tensorclass ``member`` was given as (see _refuse_keys_no_field)."""
+        cls = self._tensorclass_of(member)
+        if cls is not None and key not in cls._tc_field_names:
+            from shared_td.containers.tensorclass_members import _no_field_message
+
+            raise AttributeError(_no_field_message(cls, key))
 
     def _one_class_view(self, stack: Any) -> Any:
         """``stack`` (a new stack that indexing this one built) as tensordict 0.15.3 gives

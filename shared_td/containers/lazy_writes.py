@@ -64,13 +64,8 @@ class LazyWriteOps:
         is checked all the way down (``check_write``): checking its first level only let
         a stack of stacks write its first inner stack before the second one raised."""
         current = _peek(member, key)
-        cls = self._tensorclass_of(member)
-        if current is None and cls is not None and key not in cls._tc_field_names:
-            # a member given as a tensorclass takes no key that is no field of it, as the
-            # member's own set() refuses it (added, its copies read as TensorDicts)
-            from shared_td.containers.tensorclass_members import _no_field_message
-
-            raise AttributeError(_no_field_message(cls, key))
+        if current is None:
+            self._refuse_new_key_no_field(member, key)
         if current is None or not inplace:
             action = "add" if current is None else "replace"
             super()._check_unlocked((key,), action)
