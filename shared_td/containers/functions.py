@@ -185,6 +185,7 @@ def _stack_with_lazy(items: list, dim: int, lazy_if_shapes_differ: bool) -> Any:
 
     members = [stack_elements([parts[i] for parts in elements]) for i in range(len(elements[0]))]
     result = LazyStackedTensorDict.lazy_stack(members, sd + 1 if dim <= sd else sd)
+    result._keep_classes_of(items, sd)  # (members given as one tensorclass stay so, as in tensordict)
     names = items[0].names  # (the items' stack dim names kept, as the README says)
     if names is not None and any(name is not None for name in names) and all(i.names == names for i in items):
         result.names = list(names[:dim]) + [None] + list(names[dim:])

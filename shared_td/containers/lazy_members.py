@@ -135,6 +135,28 @@ class LazyMembers:
             return cls._from_tensordict(member, _stored=True)
         return cls._from_tensordict(value)
 
+    def _keep_classes_of(self, items: Any, sd: int) -> None:
+        """Record on this new stack, whose member i was built from the members i of the
+        lazy stacks ``items`` along ``sd`` (``torch.stack``, ``torch.cat`` along another
+        dim), the tensorclass that all those members were given as, so that its members
+        read, clone and save as that class (and refuse keys that are no field), as in
+        tensordict 0.15.3 (they read as TensorDicts)."""
+        if not all(getattr(item, "_tensorclass_members", None) and item.stack_dim == sd
+                   and len(item.tensordicts) == len(self.tensordicts) for item in items):
+            return
+        for i, member in enumerate(self.tensordicts):
+            classes = {item._tensorclass_of(item.tensordicts[i]) for item in items}
+            if len(classes) == 1 and None not in classes:
+                self._record_class(member, classes.pop())
+
+    def _keep_classes_joined(self, items: Any) -> None:
+        """Record on this new stack, whose members are those of the lazy stacks ``items``
+        (``torch.cat`` along the stack dim), the tensorclass each was given as."""
+        for item in items:
+            for member in item.tensordicts:
+                if item._tensorclass_of(member) is not None:
+                    self._record_class(member, item._tensorclass_of(member))
+
     def _refuse_keys_no_field(self, member: Any, source: Any, path: tuple = ()) -> None:
         """ValueError naming them when ``source`` (a tensordict or dict written into
         ``member``: its part of a row write or an update) holds keys that are no field of

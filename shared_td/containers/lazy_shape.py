@@ -99,7 +99,10 @@ class LazyShapeOps:
             return self._index(staged[0])._index(staged[1], as_given)
         where = self._locate(index)
         if self.tensordicts and -1 not in self.batch_size and _selects_no_member(where, self):
-            return self._empty_selection(index, where)
+            empty = self._empty_selection(index, where)
+            cls = self._one_tensorclass() if as_given else None
+            # (members all given as one tensorclass: that class around it, as tensordict 0.15.3 gives)
+            return cls._from_tensordict(empty, _lock=False) if cls is not None else empty
         if where[0] == "one":
             member = self.tensordicts[where[1]]
             out = member if _trivial(where[2]) else member._index(where[2])
@@ -445,11 +448,13 @@ class LazyShapeOps:
             # (batch_size counts only without members; device would move them)
             result = cls(*members, stack_dim=sd, stack_dim_name=name, batch_size=first._member_batch,
                          device=None if members else first.device)
+            result._keep_classes_joined([item for item in items if isinstance(item, cls) and item._stack_dim == sd])
         else:
             member_dim = dim if dim < sd else dim - 1
             groups = zip(*[parts(item) for item in items])
             result = cls(*[torch.cat(list(group), member_dim) for group in groups], stack_dim=sd,
                          stack_dim_name=name)
+            result._keep_classes_of(items, sd)
         return _into(out, result)
 
 
