@@ -199,12 +199,13 @@ def _sync_one(cluster, peer: int, name: str, owned, version: int, payload, deadl
 
 
 def _mark_if_lost(cluster, peer: int) -> None:
-    """A replica node dropped by this sync whose heartbeat stands still is recorded as
-    found lost (``Liveness.mark_lost``): the next sync drops it at once, as later ones
-    do, instead of waiting ``2 * HEARTBEAT_S`` for it to beat again."""
+    """A replica node dropped by this sync whose heartbeat stands still is found lost
+    (``Cluster._found``, as a request to it that failed so: nothing stays built with
+    it): the next sync drops it at once, as later ones do, instead of waiting
+    ``2 * HEARTBEAT_S`` for it to beat again."""
     try:
         if not cluster._liveness.alive(peer):
-            cluster._liveness.mark_lost(peer)
+            cluster._found(peer)
     except (RuntimeError, OSError):
         pass  # the store cannot tell: the next sync looks again
 
