@@ -3,8 +3,33 @@
 Importable by name. Each reports on a queue instead of dying silently, and never waits
 without a timeout.
 """
+import contextlib
 import os
 import resource
+
+
+@contextlib.contextmanager
+def descriptors_taken():
+    """A low soft RLIMIT_NOFILE, then every descriptor up to it taken: this process, not
+    the coordinator, is out of descriptors inside the block (restored after it)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    hog = []
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+        try:
+            while True:
+                hog.append(os.open("/dev/null", os.O_RDONLY))
+        except OSError:
+            pass
+        yield
+    finally:
+        for fd in hog:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def _outcome(err: BaseException) -> tuple:
+    return type(err).__name__, isinstance(err, ConnectionError), getattr(err, "errno", None), str(err)
 
 
 def out_of_descriptors(address, authkey, queue):
@@ -19,27 +44,29 @@ def out_of_descriptors(address, authkey, queue):
     os.environ[ownership.ENV_VAR] = f"{address};{authkey.hex()}"
     ownership._EMBEDDED = None  # (a fork child: nothing known yet but the environment)
     outcomes = []
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    hog = []
-    try:
-        # a low soft limit, then every descriptor up to it taken: this process, not the
-        # coordinator, is out of descriptors
-        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
-        try:
-            while True:
-                hog.append(os.open("/dev/null", os.O_RDONLY))
-        except OSError:
-            pass
+    with descriptors_taken():
         for attempt in (lambda: shared_td.attach("x", address=address, authkey=authkey, timeout=5),
                         ownership._known_embedded):
             try:
                 attempt()
                 outcomes.append(("returned", False, None, ""))
             except BaseException as err:
-                outcomes.append((type(err).__name__, isinstance(err, ConnectionError),
-                                 getattr(err, "errno", None), str(err)))
-    finally:
-        for fd in hog:
-            os.close(fd)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+                outcomes.append(_outcome(err))
     queue.put((outcomes, os.environ.get(ownership.ENV_VAR) is not None))
+
+
+def publish_without_descriptors(coord, queue):
+    """With no descriptor left in this process, publish a small tree through ``coord``
+    (a handle of the test's Coordinator); report how it ended, as out_of_descriptors."""
+    import torch
+
+    import shared_td
+
+    td = shared_td.TensorDict(a=torch.ones(2), batch_size=[2])
+    with descriptors_taken():
+        try:
+            coord.publish("y", td)
+            outcome = ("returned", False, None, "")
+        except BaseException as err:
+            outcome = _outcome(err)
+    queue.put(outcome)
