@@ -245,7 +245,11 @@ def _refill(lazy: Any, source: Any, path: tuple, undo: "_Undo") -> None:
     if len(parts) < len(members):
         kept = {name: lazy.__dict__[name] for name in ("_lock_parents", "_context_ops", "_stack_dim_name")
                 if name in lazy.__dict__}
-        type(lazy).__init__(lazy, *parts, stack_dim=lazy.stack_dim)
+        # (with no part left, the members' batch size is the source's less the stack dim:
+        # the stack of 0 rows keeps its other dims, as any node takes its source's)
+        whole, dim = unwrap_tensorclass(source).batch_size, lazy.stack_dim
+        member_batch = None if parts else whole[:dim] + whole[dim + 1:]
+        type(lazy).__init__(lazy, *parts, stack_dim=dim, batch_size=member_batch)
         lazy.__dict__.update(kept)
         return
     for member, part in zip(members, parts):

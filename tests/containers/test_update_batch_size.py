@@ -283,3 +283,20 @@ def test_a_lazy_stack_refilled_with_more_members_rebatches_their_nested_tensordi
     assert lazy.batch_size == (4,) and lazy.tensordicts[0] is member
     assert lazy["next"].batch_size == (4, 2)
     assert lazy["next", "b"].tolist() == source["next", "b"].tolist()
+
+
+@pytest.mark.parametrize("stack_dim", [0, 1])
+@pytest.mark.parametrize("nested", [False, True])
+def test_a_lazy_stack_given_no_row_keeps_the_source_other_dims(stack_dim, nested):
+    # (tensordict 0.15.3 refuses a source of no row; the stack had lost its other dims: [0])
+    lazy = shared_td.LazyStackedTensorDict(
+        *[shared_td.TensorDict(a=torch.zeros(3), batch_size=[3]) for _ in range(2)], stack_dim=stack_dim)
+    shape = [0, 3] if stack_dim == 0 else [3, 0]
+    source = shared_td.TensorDict(a=torch.zeros(shape), batch_size=shape)
+    if nested:
+        root = shared_td.TensorDict(s=lazy)
+        _update(root, shared_td.TensorDict(s=source))
+        lazy = root["s"]
+    else:
+        _update(lazy, source)
+    assert lazy.batch_size == tuple(shape)  # (a stack of no member holds no key)
