@@ -200,7 +200,8 @@ def map_shared_bytes(fd: int, nbytes: int) -> int:
         >>> ctypes.c_uint64.from_address(address).value = 7
         >>> os.pread(fd, 1, 0)
         b'\\x07'
-        >>> unmap_bytes(address, 8); os.close(fd)
+        >>> unmap_bytes(address, 8), os.close(fd)
+        (0, None)
     """
     return _map_bytes(fd, nbytes, mmap.MAP_SHARED)
 
@@ -215,7 +216,8 @@ def map_private_bytes(fd: int, nbytes: int) -> int:
         >>> ctypes.c_uint64.from_address(address).value = 7
         >>> os.pread(fd, 1, 0)
         b'\\x00'
-        >>> unmap_bytes(address, 8); os.close(fd)
+        >>> unmap_bytes(address, 8), os.close(fd)
+        (0, None)
     """
     return _map_bytes(fd, nbytes, mmap.MAP_PRIVATE)
 
@@ -228,9 +230,10 @@ def _map_bytes(fd: int, nbytes: int, flags: int) -> int:
     return address
 
 
-def unmap_bytes(address: int, nbytes: int) -> None:
-    """Undo :func:`map_shared_bytes` or :func:`map_private_bytes`."""
-    _LIBC.munmap(address, nbytes)
+# unmap_bytes(address, nbytes) undoes map_shared_bytes or map_private_bytes. It is the C
+# function itself, not a Python function around it: finalizers call it, and no Ctrl-C can
+# land inside a call that runs no bytecode (shared_td.finalizers).
+unmap_bytes = _LIBC.munmap
 
 
 _LIBC.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]

@@ -24,7 +24,6 @@ import ctypes
 import json
 import math
 import os
-import weakref
 from typing import Any
 
 import torch
@@ -37,6 +36,7 @@ from shared_td.containers.nontensor import NonTensorData, NonTensorStack
 from shared_td.containers.tensorclass import tensorclass_for_type_string
 from shared_td.containers.tensordict import TensorDict
 from shared_td.errors import FormatError
+from shared_td.finalizers import Finalizer
 from shared_td.keys import key_repr
 from shared_td.persist.format import dtype_from_name
 from shared_td.storage import files
@@ -111,7 +111,7 @@ def _map_private(fd: int, nbytes: int, path: str) -> torch.Tensor:
     array = (ctypes.c_uint8 * nbytes).from_address(address)
     # not at exit: an exit handler that runs later may still read the tree (the
     # process's end unmaps it anyway)
-    weakref.finalize(array, platform.unmap_bytes, address, nbytes).atexit = False
+    Finalizer(array, platform.unmap_bytes, address, nbytes).atexit = False
     return torch.frombuffer(array, dtype=torch.uint8)
 
 

@@ -39,6 +39,7 @@ from shared_td.coordinator import published, staleness
 from shared_td.coordinator.channels import CoordinatorAuthenticationError, call, drop_channel
 from shared_td.coordinator.process import ServerProcess
 from shared_td.errors import CoordinatorTimeoutError, SegmentUnavailableError
+from shared_td.finalizers import Finalizer
 from shared_td.storage.anonymous import add_segment_holders
 
 __all__ = ["Coordinator", "CoordinatorAuthenticationError", "CoordinatorTimeoutError", "attach"]
@@ -133,7 +134,7 @@ class Coordinator:
         # collected, or still running at exit: stop it (in the owner only, see ServerProcess),
         # its cluster node first (a weak reference: the node refers to this handle)
         member: list = []
-        weakref.finalize(self, _stop_manager, process, member, min(self._timeout, SHUTDOWN_TIMEOUT))
+        Finalizer(self, _stop_manager, process, member, min(self._timeout, SHUTDOWN_TIMEOUT))
         if self._cluster_args is not None:
             self._join_cluster(member)
         return self
@@ -380,7 +381,7 @@ class Coordinator:
             # once this process drops the slab, the manager may drop it too (told with
             # the next adoption: a finalizer must not make a round trip); only this
             # process's drop: a fork child's inherited copy is not the adopter's
-            weakref.finalize(slab, _release_later, address, slab.key, adopter)
+            Finalizer(slab, _release_later, address, slab.key, adopter)
 
     def _call(self, method: str, *args):
         self._check()

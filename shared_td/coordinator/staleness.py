@@ -35,6 +35,7 @@ from typing import Any
 
 from shared_td.coordinator import channels
 from shared_td.errors import SegmentUnavailableError
+from shared_td.finalizers import Finalizer
 from shared_td.platform import map_shared_bytes, pid_alive, unmap_bytes
 from shared_td.storage.anonymous import attach_peer_fd
 from shared_td.storage.cache import InodeCache
@@ -61,16 +62,21 @@ class _Table:
     has none), which, unlike the pid, cannot come to name another process."""
 
     def __init__(self, fd: int, nbytes: int, pid: int, pidfd: int | None):
+        # Owns pidfd from the call on: closed when this object dies, a failure below
+        # included (the caller, which cannot tell whether the call got this far, never
+        # closes it: a Ctrl-C landing as it returned had it closed twice, once more a
+        # descriptor number the process had reused meanwhile).
+        if pidfd is not None:
+            Finalizer(self, os.close, pidfd)
+        self.pid, self._exited = pid, None
         address = map_shared_bytes(fd, nbytes)
-        unmap = weakref.finalize(self, unmap_bytes, address, nbytes)
+        unmap = Finalizer(self, unmap_bytes, address, nbytes)
         unmap.atexit = False  # exit unmaps anyway; a late is_stale must not find it gone
         self.words = (ctypes.c_uint64 * (nbytes // 8)).from_address(address)
-        self.pid, self._exited = pid, None
         if pidfd is not None:
             # poll, not select: select refuses descriptors past 1023
             self._exited = select.poll()
             self._exited.register(pidfd, select.POLLIN)
-            weakref.finalize(self, os.close, pidfd)  # last: a failure above, the caller closes it
 
     def manager_alive(self) -> bool:
         """Whether the manager still runs: no round trip, a poll of its pidfd (readable
@@ -127,19 +133,18 @@ def _map_table(pid: int, fd: int, key: tuple[int, int], nbytes: int, *, address:
         except (AttributeError, OSError):  # no pidfd here (kernel < 5.3), or it just died
             pidfd = None
         try:
-            try:
-                own_fd = attach_peer_fd(pid, fd, key, what="coordinator version table", min_size=nbytes)
-            except SegmentUnavailableError as err:
-                failed.append((err, pidfd))  # from here the pidfd is closed below
-                raise
-            try:
-                return _Table(own_fd, nbytes, pid, pidfd)
-            finally:
-                os.close(own_fd)  # the mapping keeps the memory
+            own_fd = attach_peer_fd(pid, fd, key, what="coordinator version table", min_size=nbytes)
+        except SegmentUnavailableError as err:
+            failed.append((err, pidfd))  # from here the pidfd is closed below
+            raise
         except BaseException:
-            if pidfd is not None and not failed:
+            if pidfd is not None:
                 os.close(pidfd)
             raise
+        try:
+            return _Table(own_fd, nbytes, pid, pidfd)  # (which owns pidfd from the call on)
+        finally:
+            os.close(own_fd)  # the mapping keeps the memory
 
     try:
         return _TABLES.get_or_create(key, open_table)

@@ -277,10 +277,14 @@ class _TreeWriter:
             return
         try:
             self.slots.acquire()
-            future = self.pool.submit(self._fill, leaf, fd, source, is_new, pooled=True)
         except BaseException:
             os.close(fd)
             raise
+        # From the submit on, the job owns fd (it closes it), failures here included: a
+        # Ctrl-C landing as submit returned had it closed here too, while the job still
+        # wrote through it (or through another file given its number meanwhile). One
+        # landing inside submit, before the job is queued, leaves fd open instead.
+        future = self.pool.submit(self._fill, leaf, fd, source, is_new, pooled=True)
         self.futures.append((leaf, future))
 
     def _fill(self, leaf: LeafPlan, fd: int, source: torch.Tensor, created: bool,

@@ -8,7 +8,7 @@ a resource tracker; we need neither):
   :class:`~shared_td.storage.files.StorageFullError` at creation, never a SIGBUS later;
   a mapping that this process's limits refuse (``RLIMIT_AS``) is refused first.
 * The :class:`Segment` object owns exactly one descriptor and one mapping (its
-  ``storage``). The descriptor is closed by ``weakref.finalize`` when that storage dies:
+  ``storage``). The descriptor is closed by a finalizer when that storage dies:
   when the Segment and every tensor viewing it are gone, plain views too (``detach()``,
   ``view()``, ``.data``), as torch keeps the descriptor of its shared storages, so that
   such a view can still be sent (below); not at interpreter exit (the kernel closes it
@@ -71,10 +71,10 @@ import mmap
 import multiprocessing
 import multiprocessing.reduction
 import os
-import weakref
 
 from shared_td import platform
 from shared_td.errors import MappingError, SegmentUnavailableError
+from shared_td.finalizers import Finalizer
 from shared_td.storage.files import NO_SPACE_ERRNOS, map_fd, pwrite_all, storage_full_error
 from shared_td.storage.cache import MappingCache
 from shared_td.storage.holders import add_holders, holders_of, open_first
@@ -170,7 +170,7 @@ class Segment:
         # such a view sent by ForkingPickler after this object died goes as a duplicate
         # of it (see _reduce_storage). The storage's Python object is one per mapping
         # (torch keeps it while any tensor views it), so it can say what it maps.
-        self._finalizer = weakref.finalize(storage, os.close, fd)
+        self._finalizer = Finalizer(storage, os.close, fd)
         # Not at interpreter exit: a view put on a queue just before main returns is
         # pickled by the queue's feeder thread after atexit hooks run (os.dup(fd): EBADF,
         # the receiver waits for ever); the kernel closes the descriptor at exit anyway.

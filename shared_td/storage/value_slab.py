@@ -54,6 +54,7 @@ import weakref
 from typing import Callable
 
 from shared_td.errors import SegmentUnavailableError
+from shared_td.finalizers import Finalizer
 from shared_td.platform import ByteLock, free_bytes, map_shared_bytes, reopen_description, unmap_bytes
 from shared_td.storage.anonymous import GENERIC_ADVICE, attach_peer_fd, create_memfd
 from shared_td.storage.cache import InodeCache
@@ -107,7 +108,7 @@ class ValueSlab:
     def __init__(self, fd: int, holders: tuple = ()):
         # Takes ownership of fd.
         self.fd = fd
-        self._finalizer = weakref.finalize(self, os.close, fd)
+        self._finalizer = Finalizer(self, os.close, fd)
         # not at interpreter exit: a cell put on a queue just before main returns is
         # pickled by the feeder thread after atexit hooks (os.dup(fd) would be EBADF);
         # the kernel closes it at exit
@@ -128,7 +129,7 @@ class ValueSlab:
         except BaseException:
             self._finalizer()
             raise
-        unmap = weakref.finalize(self, unmap_bytes, self._address, self._mapped)
+        unmap = Finalizer(self, unmap_bytes, self._address, self._mapped)
         unmap.atexit = False  # exit unmaps anyway; a late get() must not find it gone
         self._end = ctypes.c_uint64.from_address(self._address)
         self._lock = ByteLock(fd, 0)

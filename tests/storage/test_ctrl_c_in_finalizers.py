@@ -1,0 +1,216 @@
+"""A Ctrl-C that lands while one of shared_td's finalizers runs reaches the program
+(shared_td.finalizers): before, Python dropped it there ("Exception ignored in:
+<finalize object ...>") and a worker looping on loads or attaches went on running after
+1 SIGINT in 4 (loads of a consolidated file) or in 12 (attaches). Real SIGINTs at random
+moments into forked children; every wait bounded."""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import sys
+import time
+import traceback
+import weakref
+
+import pytest
+import torch
+
+import shared_td
+from shared_td.finalizers import Finalizer
+
+TRIALS = 20
+INTERRUPTED = 7  # a child's exit code once its KeyboardInterrupt reached its loop
+
+
+def _child(loop, ready: int) -> None:
+    """In a fork child: run ``loop`` until Ctrl-C; never returns."""
+    code = 1
+    try:
+        os.write(ready, b"r")
+        loop()
+    except KeyboardInterrupt:
+        code = INTERRUPTED
+    except BaseException:
+        traceback.print_exc()  # (what ended it instead: shown with the failure)
+    finally:
+        os._exit(code)
+
+
+def _interrupt_children(loop, seed: int) -> list:
+    """The outcome of each of TRIALS children, each sent SIGINT at a random moment of
+    ``loop``: its exit code, or "still running" after 5 s (then killed)."""
+    rng, outcomes = random.Random(seed), []
+    for _ in range(TRIALS):
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read_end)
+            _child(loop, write_end)
+        os.close(write_end)
+        try:
+            assert os.read(read_end, 1) == b"r"
+        finally:
+            os.close(read_end)
+        time.sleep(rng.uniform(0.02, 0.15))
+        os.kill(pid, signal.SIGINT)
+        deadline = time.monotonic() + 5
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                outcomes.append(os.waitstatus_to_exitcode(status))
+                break
+            if time.monotonic() > deadline:
+                outcomes.append("still running")
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                break
+            time.sleep(0.01)
+    return outcomes
+
+
+def _touch(td) -> None:
+    td["a"].numpy().sum()  # (numpy: torch's thread pool is not a fork child's to use)
+
+
+def test_ctrl_c_while_loaded_trees_are_unmapped(tmp_path):
+    path = str(tmp_path / "tree.bin")
+    shared_td.TensorDict(a=torch.ones(4 << 20)).consolidate(filename=path)
+
+    def load_in_a_loop():
+        while True:
+            _touch(shared_td.TensorDict.from_consolidated(path))
+
+    seed = random.randrange(1 << 30)
+    outcomes = _interrupt_children(load_in_a_loop, seed)
+    assert outcomes == [INTERRUPTED] * TRIALS, f"seed {seed}: {outcomes}"
+
+
+def test_ctrl_c_while_attached_views_are_dropped():
+    with shared_td.Coordinator(timeout=5) as coord:
+        coord.publish("x", shared_td.TensorDict(a=torch.ones(1 << 20)))
+
+        def attach_in_a_loop():
+            while True:
+                _touch(shared_td.attach("x", address=coord.address, authkey=coord.authkey, timeout=5))
+
+        seed = random.randrange(1 << 30)
+        outcomes = _interrupt_children(attach_in_a_loop, seed)
+    assert outcomes == [INTERRUPTED] * TRIALS, f"seed {seed}: {outcomes}"
+
+
+def _in_a_fork_child(check) -> int:
+    """``check()``'s exit code in a fork child (INTERRUPTED if a KeyboardInterrupt
+    reached it), within 20 s."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = check()
+        except KeyboardInterrupt:
+            code = INTERRUPTED
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 20
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the child did not end within 20 s")
+        time.sleep(0.01)
+
+
+class _Owner:
+    pass
+
+
+def test_a_ctrl_c_landing_before_the_cleanup_runs_it_and_is_raised_again():
+    def check():
+        owner, fd = _Owner(), os.open(os.devnull, os.O_RDONLY)
+        closing = Finalizer(owner, os.close, fd)
+        # runs first (the last made): its Ctrl-C lands as it returns, and with the
+        # interrupt raised again at once it would land before `closing` began
+        Finalizer(owner, __import__("_thread").interrupt_main)
+        try:
+            del owner
+            time.sleep(5)  # (ended by the Ctrl-C raised again)
+        except KeyboardInterrupt:
+            return 2 if closing.alive else 0
+        return 3
+    assert _in_a_fork_child(check) == 0
+
+
+def test_other_reports_and_another_library_s_dropped_ctrl_c_go_to_the_hook_before():
+    def check():
+        reports = []
+        sys.unraisablehook = reports.append  # (a hook that was there first)
+        Finalizer(_Owner(), os.getpid)  # (installs shared_td's in front of it)
+        foreign = _Owner()
+        weakref.finalize(foreign, __import__("_thread").interrupt_main)
+        del foreign  # (Python drops a Ctrl-C landing in another library's finalizer)
+        time.sleep(0.5)
+        failing = _Owner()
+        Finalizer(failing, os.close, -1)
+        del failing
+        kinds = [report.exc_type for report in reports]
+        return 0 if kinds == [KeyboardInterrupt, OSError] else 2
+    assert _in_a_fork_child(check) == 0
+
+
+def test_a_ctrl_c_as_the_version_table_opens_closes_the_manager_pidfd_once(monkeypatch):
+    # (the table's own finalizer closed the pidfd, then the failing open closed it again:
+    # an OSError EBADF instead of the KeyboardInterrupt, or a reused descriptor closed)
+    from shared_td.coordinator import staleness
+    from shared_td.storage.cache import InodeCache
+    closed = []
+
+    def close_then_ctrl_c(fd):
+        os.close(fd)
+        closed.append(fd)
+        if len(closed) == 1:  # the table's descriptor, closed once mapped: a Ctrl-C lands as it returns
+            raise KeyboardInterrupt
+
+    with shared_td.Coordinator(timeout=5) as coord:
+        coord.publish("x", shared_td.TensorDict(a=torch.zeros(2)))
+        monkeypatch.setattr(staleness, "_TABLES", InodeCache())  # (as in a process that never mapped it)
+        monkeypatch.setattr(staleness, "os", type("Os", (), {"close": staticmethod(close_then_ctrl_c),
+                                                            "pidfd_open": staticmethod(os.pidfd_open)}))
+        with pytest.raises(KeyboardInterrupt):
+            shared_td.attach("x", address=coord.address, authkey=coord.authkey, timeout=5)
+        assert len(closed) == 2 and len(set(closed)) == 2  # the table's descriptor, then the pidfd: once each
+
+
+def test_a_ctrl_c_as_a_leaf_job_is_queued_never_closes_its_descriptor_twice(tmp_path, monkeypatch):
+    # (the writer closed the descriptor it had just handed to the job, which still wrote
+    # through it: EBADF, or another file that took its number meanwhile)
+    from concurrent.futures import ThreadPoolExecutor
+    from shared_td.persist import writer
+    real_submit, closes, handed = ThreadPoolExecutor.submit, [], []  # closes: the failed ones
+
+    def submit_then_ctrl_c(pool, fn, *args, **kwargs):
+        future = real_submit(pool, fn, *args, **kwargs)
+        if not handed:
+            handed.append((args[1], future))
+            raise KeyboardInterrupt  # (landing as submit returns)
+        return future
+
+    def counting_close(fd):
+        try:
+            real_close(fd)
+        except OSError as error:
+            closes.append((fd, error))  # (EBADF: closed twice)
+            raise
+
+    real_close = os.close
+    monkeypatch.setattr(ThreadPoolExecutor, "submit", submit_then_ctrl_c)
+    monkeypatch.setattr(writer.os, "close", counting_close)
+    td = shared_td.TensorDict(a=torch.ones(writer._POOL_LEAF_BYTES), b=torch.ones(writer._POOL_LEAF_BYTES))
+    with pytest.raises(KeyboardInterrupt):
+        td.memmap(tmp_path / "saved", num_threads=2)
+    future = handed[0][1]
+    future.result(timeout=30)  # (the job wrote its leaf and closed the descriptor)
+    monkeypatch.undo()
+    assert closes == []
