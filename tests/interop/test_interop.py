@@ -509,3 +509,19 @@ def test_reserved_key_names(tmp_path):
     tensordict.TensorDict(data, [2]).memmap(tmp_path / "tdict")
     loaded = load("shared_td", tmp_path / "tdict")
     assert set(loaded.keys()) == {"ok", "sub"} and torch.equal(loaded["ok"], source["ok"])
+
+
+def test_a_leaf_file_shorter_than_meta_json_is_grown_by_tensordict_refused_by_shared_td(tmp_path):
+    # What a reader by path meets while a save is swapped: one version's meta.json, the
+    # other's leaf file (the README's warning about tensordict readers during rewrites).
+    prefix = tmp_path / "save"
+    shared_td.TensorDict({"mk": torch.full((2,), 100)}, [2]).memmap(prefix)
+    meta = json.loads((prefix / "meta.json").read_text())
+    meta["mk"]["shape"], meta["shape"] = [2000], [2000]
+    (prefix / "meta.json").write_text(json.dumps(meta))
+    leaf = prefix / "mk.memmap"
+    with pytest.raises(shared_td.FileTooShortError, match="mk.memmap"):
+        shared_td.load_memmap(prefix)
+    assert leaf.stat().st_size == 16  # (never written)
+    tensordict.TensorDict.load_memmap(prefix)
+    assert leaf.stat().st_size == 16000  # grown in place, with zeros
