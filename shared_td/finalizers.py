@@ -4,19 +4,20 @@ Python runs a signal's handler between two bytecodes of whatever code runs then,
 Ctrl-C that arrives while a ``weakref.finalize`` callback runs raises its
 KeyboardInterrupt *inside the callback*, and Python drops an exception raised there
 (it prints "Exception ignored in: <finalize object ...>"): the program goes on as if
-the key had never been pressed. A worker looping on ``attach``, whose old views are
-unmapped by finalizers, went on running after 1 Ctrl-C in 12 to 30.
+the key had never been pressed. A worker looping on ``from_consolidated`` or ``attach``,
+whose old trees are unmapped by finalizers, went on running after 1 Ctrl-C in 4 (loads)
+or in 12 to 30 (attaches).
 
 A :class:`Finalizer` is a ``weakref.finalize`` whose dropped KeyboardInterrupt is
 raised again: the first one made installs a ``sys.unraisablehook`` (in front of whatever
 hook was there, which still gets every other report) that, for a KeyboardInterrupt
 dropped by a Finalizer (or by a weak reference's callback or ``__del__`` of shared_td),
-runs that finalizer if it had not begun yet (its ``alive``), then has a new thread send SIGINT to the main thread again. Not the hook itself: Python
-checks for signals right after each call, so a signal it sent would be raised in the
-hook, and dropped again. The new thread runs once the main thread lets it (at its next
-switch or blocking call: outside this finalizer); a blocking call of the main thread
-ends with EINTR as for a Ctrl-C. The hook is put back if something replaced it (a test
-runner's per-test hook) when the next Finalizer is made.
+runs that finalizer if it had not begun yet (its ``alive``), then has a new thread send
+SIGINT to the main thread again. Not the hook itself: Python checks for signals right
+after each call, so a signal it sent would be raised in the hook, and dropped again.
+The new thread runs once the main thread lets it (at its next switch or blocking call:
+outside this finalizer); a blocking call of the main thread ends with EINTR as for a
+Ctrl-C. The hook is put back if something replaced it when the next Finalizer is made.
 
 What its callback does decides the rest, so our callbacks are C functions (``os.close``,
 :data:`shared_td.platform.unmap_bytes`): no bytecode runs inside them, and the
