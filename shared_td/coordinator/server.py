@@ -196,20 +196,21 @@ def make_private_dir(root: str | None = None) -> tuple[str, int]:
             fd = os.open(starting, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             continue  # swept already (see above): the sweeper's, not ours
-        try:
-            if not platform.try_flock(fd) or not _still_at(fd, starting):
-                os.close(fd)  # a sweeper holds it or removed it (see above)
-                continue
-            final = os.path.join(root, f"{DIR_PREFIX}{os.getpid()}-{starting[-8:]}")
-            if not os.path.lexists(final):  # (a rename onto an empty directory replaces it)
-                os.rename(starting, final)  # the lock belongs to the inode: it follows
-                return final, fd
+        try:  # (fd is closed once, after it: never in it and again in its handler)
+            ours = platform.try_flock(fd) and _still_at(fd, starting)
+            if ours:
+                final = os.path.join(root, f"{DIR_PREFIX}{os.getpid()}-{starting[-8:]}")
+                if not os.path.lexists(final):  # (a rename onto an empty directory replaces it)
+                    os.rename(starting, final)  # the lock belongs to the inode: it follows
+                    return final, fd
         except BaseException:
             os.close(fd)
             shutil.rmtree(starting, ignore_errors=True)
             raise
         os.close(fd)
-        os.rmdir(starting)  # that name is taken: draw another
+        if ours:
+            os.rmdir(starting)  # that name is taken: draw another
+        # (else a sweeper holds it or removed it, see above: draw another)
 
 
 # ----------------------------------------------------------------------------- server

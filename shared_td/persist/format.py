@@ -320,9 +320,6 @@ def not_a_save(directory: str) -> str | None:
         kind = file_kind(os.lstat(path).st_mode)
         if kind is None:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-            kind = file_kind(os.fstat(fd).st_mode)  # replaced since the lstat
-            if kind is not None:
-                os.close(fd)
     except FileNotFoundError:
         return f"it has no {META}"
     except OSError as error:
@@ -331,8 +328,12 @@ def not_a_save(directory: str) -> str | None:
         return f"its {META} is a symlink (not followed)"
     if kind is not None:
         return f"its {META} is {kind}, not a regular file"
-    try:
-        data = read_whole(fd, os.fstat(fd).st_size, path, bounded_reads.MAX_META_BYTES)
+    try:  # (closed whatever happens once open returned: an fstat failing, or a Ctrl-C, left it open)
+        stat = os.fstat(fd)
+        kind = file_kind(stat.st_mode)  # replaced since the lstat
+        if kind is not None:
+            return f"its {META} is {kind}, not a regular file"
+        data = read_whole(fd, stat.st_size, path, bounded_reads.MAX_META_BYTES)
     except FormatError as error:
         return f"its {META} is too big: {error.reason}"
     except OSError as error:

@@ -200,7 +200,11 @@ class Segment:
             raise map_error(error.errno, -1, nbytes, True, "a new anonymous shared-memory segment "
                             "(inode none yet: refused before any byte was reserved)") from None
         fd = create_memfd(f"shared_td-{os.getpid()}", nbytes, "an anonymous shared-memory segment")
-        st = os.fstat(fd)
+        try:
+            st = os.fstat(fd)
+        except BaseException:  # (a Ctrl-C as it returned: the memfd is nobody else's yet)
+            os.close(fd)
+            raise
         return _register(fd, nbytes, (st.st_dev, st.st_ino))
 
     def write(self, offset: int, data) -> None:
@@ -254,8 +258,13 @@ class Segment:
 def _register(fd: int, nbytes: int, key: tuple[int, int]) -> Segment:
     """Wrap ``fd`` as this process's Segment for ``key``, unless this process maps that
     segment already (another thread won, or plain views keep its mapping): then ``fd``
-    is closed and that one returned."""
-    existing = cached_segment(key)
+    is closed and that one returned. Owns ``fd`` from the call on (its callers never
+    close it after: a Ctrl-C landing as this returned would close it twice)."""
+    try:
+        existing = cached_segment(key)
+    except BaseException:  # (a Ctrl-C, or a failing lookup: fd was left open)
+        os.close(fd)
+        raise
     if existing is not None:
         os.close(fd)
         return existing

@@ -1,8 +1,16 @@
-"""A Ctrl-C that lands while one of shared_td's finalizers runs reaches the program
-(shared_td.finalizers): before, Python dropped it there ("Exception ignored in:
-<finalize object ...>") and a worker looping on loads or attaches went on running after
-1 SIGINT in 4 (loads of a consolidated file) or in 12 (attaches). Real SIGINTs at random
-moments into forked children; every wait bounded."""
+"""A Ctrl-C (a KeyboardInterrupt raised between two bytecodes, right after a call
+returns included) never loses itself or a resource:
+
+* one landing while a finalizer of shared_td runs reaches the program
+  (shared_td.finalizers): before, Python dropped it there ("Exception ignored in:
+  <finalize object ...>") and a worker looping on loads or attaches went on running
+  after 1 SIGINT in 4 (loads of a consolidated file) or in 12 (attaches). Real SIGINTs
+  at random moments into forked children; every wait bounded;
+* one landing as a descriptor is handed to its owner closes it once (not twice: EBADF,
+  or another file that took the number), and one landing once a descriptor is open
+  and owned closes it (no leak). Deterministic: the call before the landing point is
+  made to raise KeyboardInterrupt after it returned, as a SIGINT handled there would.
+"""
 from __future__ import annotations
 
 import os
@@ -214,3 +222,61 @@ def test_a_ctrl_c_as_a_leaf_job_is_queued_never_closes_its_descriptor_twice(tmp_
     future.result(timeout=30)  # (the job wrote its leaf and closed the descriptor)
     monkeypatch.undo()
     assert closes == []
+
+
+def _descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("failure", [KeyboardInterrupt, OSError])
+def test_a_failure_as_a_save_s_meta_json_is_checked_closes_it(tmp_path, monkeypatch, failure):
+    # (a Ctrl-C as fstat returned, or fstat failing, left meta.json open: atomic=True
+    # writes and append_memmap check the save through it)
+    from shared_td.persist import format as fmt
+    (tmp_path / fmt.META).write_text("{}")
+    real_fstat = os.fstat
+
+    def fstat_then_fail(fd, *args, **kwargs):
+        real_fstat(fd, *args, **kwargs)
+        raise failure(5, "Input/output error") if failure is OSError else failure()
+
+    before = _descriptors()
+    monkeypatch.setattr(fmt.os, "fstat", fstat_then_fail)
+    if failure is OSError:
+        assert fmt.not_a_save(str(tmp_path)) == f"its {fmt.META} cannot be read: Input/output error"
+    else:
+        with pytest.raises(KeyboardInterrupt):
+            fmt.not_a_save(str(tmp_path))
+    monkeypatch.undo()
+    assert _descriptors() == before
+
+
+@pytest.mark.parametrize("landing", ["as fstat returns", "as the cache is looked up"])
+def test_a_ctrl_c_as_a_new_segment_is_registered_leaks_no_memfd(monkeypatch, landing):
+    from shared_td.storage import anonymous
+    made = []
+    real_create, real_fstat = anonymous.create_memfd, os.fstat
+
+    def recorded_create(*args, **kwargs):
+        made.append(real_create(*args, **kwargs))
+        return made[-1]
+
+    def fstat_then_ctrl_c(fd, *args, **kwargs):
+        result = real_fstat(fd, *args, **kwargs)
+        if fd in made:
+            raise KeyboardInterrupt
+        return result
+
+    def lookup_interrupted(key):
+        raise KeyboardInterrupt
+
+    before = _descriptors()
+    monkeypatch.setattr(anonymous, "create_memfd", recorded_create)
+    if landing == "as fstat returns":
+        monkeypatch.setattr(anonymous.os, "fstat", fstat_then_ctrl_c)
+    else:
+        monkeypatch.setattr(anonymous, "cached_segment", lookup_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        anonymous.Segment.create(4096)
+    monkeypatch.undo()
+    assert len(made) == 1 and _descriptors() == before
