@@ -259,4 +259,12 @@ def copy_in_background(jobs: list, threads: int, result: Callable[[], Any], stor
 
     # (as memmap_'s: the interpreter waits for the copy at exit, before concurrent.futures
     # refuses the copies' pool; no tree or prefix to wait for: the tree stays locked)
-    return TensorDictFuture(in_flight.run_in_background(copy, "consolidate", "shared_td-consolidate"), "consolidate")
+    handover = in_flight.Handover()  # (a Ctrl-C as the thread starts: the copy runs, or never)
+    try:
+        future = in_flight.run_in_background(copy, "consolidate", "shared_td-consolidate", handover=handover)
+    except BaseException:
+        if handover.kept_by_caller():  # the copy never runs: its clean-up is ours
+            storage.abort()
+            on_error()
+        raise
+    return TensorDictFuture(future, "consolidate")

@@ -16,7 +16,7 @@ import torch
 from shared_td.errors import BatchSizeMismatchError, ReadOnlyError
 from shared_td.keys import NestedKey, encode_key, unravel_key
 from shared_td.memmap_tensor import MemoryMappedTensor, checked_shape
-from shared_td.persist import api, writer
+from shared_td.persist import api, in_flight, writer
 from shared_td.persist import format as fmt
 from shared_td.persist.functions import check_out_type
 from shared_td.containers.load_in_place import (check_entries_fit, give_device, keep_one_value_devices, load_into,
@@ -117,16 +117,20 @@ class MemmapMethods:
         # the tree locked, a state this write would save and put back if it failed
         api.wait_for_background_writes(self, prefix)
         unlock = lock_until_restored(self)
+        # a write returning early owns the unlock from its thread's start on: a Ctrl-C
+        # landing as it returns must not unlock the tree it still writes
+        handover = in_flight.Handover() if early else None
         try:
             with naming_unpicklable(self, "memmap_", share_non_tensor):
                 return api.memmap(
                     self, prefix, copy_existing, inplace=True, num_threads=num_threads,
                     return_early=return_early, share_non_tensor=share_non_tensor,
                     existsok=existsok, robust_key=robust_key, atomic=atomic,
-                    on_early_failure=unlock if early else None,
+                    on_early_failure=unlock if early else None, handover=handover,
                 )
         except BaseException:
-            unlock()
+            if handover is None or handover.kept_by_caller():
+                unlock()
             raise
 
     def memmap(

@@ -42,6 +42,7 @@ def memmap(
     archive: bool | None = None,
     compression: Any = None,
     on_early_failure: Callable[[], None] | None = None,
+    handover: Any = None,
 ) -> Any:
     """Write ``obj``'s leaves to memory-mapped files (or anonymous shared memory).
 
@@ -51,6 +52,8 @@ def memmap(
     (``persist.archive``), ``compression`` its payloads. ``on_early_failure``: called
     by the background thread of a ``return_early`` write that failed, before its
     future is given the error (memmap_ puts back the locks it took for the write).
+    ``handover`` (an ``in_flight.Handover``): tells a failing caller whether that write
+    runs (it then owns the clean-up) or never will.
     """
     if not isinstance(num_threads, int):
         raise ValueError(f"num_threads must be an int, got {num_threads!r}.")
@@ -89,6 +92,7 @@ def memmap(
     check_leaf_layouts(root)
     undo = _share_values_first(root, options)
     if return_early and num_threads > 1:
+        handover = in_flight.Handover() if handover is None else handover
         try:
             # made here, as the plan is: an unpicklable value is an error of this call
             documents = None if root.directory is None else tree_documents(root)
@@ -96,9 +100,10 @@ def memmap(
             future = in_flight.run_in_background(
                 lambda: _execute(planner, root, options, documents, undo), description,
                 "shared_td-memmap", prefix=options.prefix, nodes=(node.obj for node in root.walk()),
-                on_failure=on_early_failure)
+                on_failure=on_early_failure, handover=handover)
         except BaseException:
-            undo()
+            if handover.kept_by_caller():  # (else the running write owns undo)
+                undo()
             raise
         # memmap_'s result is the source itself, known now (as tensordict's resulting_td)
         return TensorDictFuture(future, description,

@@ -114,9 +114,38 @@ def ended(future: Future) -> None:
         _running.pop(id(future), None)
 
 
+class Handover:
+    """Who cleans up after a background write: its caller, until the write's thread
+    takes it over (the first thing it does), or the caller takes it back (a failure or a
+    Ctrl-C, landing anywhere from the thread's start on: inside ``Thread.start``, which
+    waits for the thread, or as a call returns). Whichever comes first keeps it: the
+    caller never undoes what a running write still owns, nor the write what its caller
+    undid (it is then not run: cancelled)."""
+
+    __slots__ = ("_lock", "_owner")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: str | None = None
+
+    def _take(self, who: str) -> bool:
+        with self._lock:
+            if self._owner is None:
+                self._owner = who
+            return self._owner == who
+
+    def taken_by_write(self) -> bool:
+        return self._take("write")
+
+    def kept_by_caller(self) -> bool:
+        """Whether the caller (failing) still owns the clean-up: the write never ran."""
+        return self._take("caller")
+
+
 def run_in_background(work: Callable[[], Any], description: str, thread_name: str, *,
                       prefix: str | None = None, nodes: Iterable[Any] = (),
-                      on_failure: Callable[[], None] | None = None) -> Future:
+                      on_failure: Callable[[], None] | None = None,
+                      handover: Handover | None = None) -> Future:
     """The future of ``work()`` run on a thread of its own, recorded here (see the module
     doc) from now until just before the future is set. ``on_failure()`` runs when
     ``work`` raised, before the future is set (``result()`` must not return while it
@@ -128,8 +157,11 @@ def run_in_background(work: Callable[[], Any], description: str, thread_name: st
     without an active exception").
     """
     future = _WriteFuture(description)
+    handover = Handover() if handover is None else handover
 
     def run() -> None:
+        if not handover.taken_by_write():  # (its caller failed as it started: not run)
+            future.cancel()
         if not future.set_running_or_notify_cancel():
             ended(future)
             return
@@ -151,7 +183,8 @@ def run_in_background(work: Callable[[], Any], description: str, thread_name: st
     try:
         threading.Thread(target=run, daemon=False, name=thread_name).start()
     except BaseException:
-        ended(future)
+        if handover.kept_by_caller():  # (else the write runs: it owns the record)
+            ended(future)
         raise
     return future
 
