@@ -28,8 +28,9 @@ and the interrupt lands before the cleanup (it is still ``alive``: the hook runs
 after it. Limits: between ``weakref.finalize`` taking the callback out of its registry
 and calling it (one dict lookup) a landing interrupt still skips that cleanup (it is
 raised again all the same); a callback written in Python may be cut anywhere, as any
-code; a hook that replaced ours turns this off until the next Finalizer is made, and
-one that was in place then and was itself replaced since keeps getting the reports.
+code; a hook that replaced ours turns this off until the next Finalizer is made. A
+KeyboardInterrupt dropped in another thread than the main one is no Ctrl-C (Python
+raises a signal's in the main thread only): it is reported as any other.
 
 Example:
     >>> import os, time, _thread
@@ -47,6 +48,7 @@ Example:
 from __future__ import annotations
 
 import _thread
+import os
 import signal
 import sys
 import threading
@@ -63,53 +65,60 @@ class Finalizer(weakref.finalize):
     __slots__ = ()
 
     def __init__(self, obj, func, /, *args, **kwargs):
-        if sys.unraisablehook is not _raise_ctrl_c_again:
+        if not isinstance(sys.unraisablehook, _Hook):
             _put_in_front()
         super().__init__(obj, func, *args, **kwargs)
 
 
-# Each hook that shared_td's was put in front of, oldest first. A hook put in front of
-# ours may chain to it (the usual idiom) and then find ours in front of it again: the
-# chain comes back to ours, which hands the report to the hook before that one (not to
-# the same one again: a RecursionError, and the report lost).
-_replaced: list = []
-_forwarding = threading.local()  # .depth: how many of _replaced this thread's report went through
+class _Hook:
+    """shared_td's hook as put in front of ``replaced``, the hook in place then, which
+    gets every other report. One object per placement, each with its own ``replaced``:
+    a hook that chains to an earlier placement reaches that one, which hands the report
+    on to its own (never back to the same hook: a RecursionError), and one restored by
+    whoever replaced it (``old = sys.unraisablehook``, later ``sys.unraisablehook =
+    old``) hands on to the hook it replaced then, not to the replacement now gone."""
+
+    __slots__ = ("replaced",)
+
+    def __init__(self, replaced) -> None:
+        self.replaced = replaced
+
+    def __call__(self, unraisable) -> None:
+        if unraisable.exc_type is None or not issubclass(unraisable.exc_type, KeyboardInterrupt):
+            self.replaced(unraisable)
+            return
+        try:
+            dropped_by = unraisable.object
+            if isinstance(dropped_by, Finalizer) and dropped_by.alive:  # (landed before its callback began)
+                dropped_by()
+        finally:
+            main_thread = threading.main_thread().ident
+            if _thread.get_ident() != main_thread:
+                # not a Ctrl-C: Python raises a signal's only in the main thread (this one
+                # was raised in this thread: an asynchronous exception, a raise): reported
+                self.replaced(unraisable)
+            else:
+                try:
+                    _thread.start_new_thread(_send_ctrl_c, (main_thread,))
+                except RuntimeError:  # (no new thread at interpreter shutdown: it is ending anyway)
+                    pass
+
+
 _installing = threading.Lock()
+
+
+def _new_lock_in_child() -> None:
+    global _installing
+    _installing = threading.Lock()  # (a thread of the parent may have held it at the fork)
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
 
 
 def _put_in_front() -> None:
     with _installing:
-        if sys.unraisablehook is not _raise_ctrl_c_again:
-            _replaced.append(sys.unraisablehook)
-            sys.unraisablehook = _raise_ctrl_c_again
-
-
-def _raise_ctrl_c_again(unraisable) -> None:
-    depth = getattr(_forwarding, "depth", 0)
-    if depth or unraisable.exc_type is None or not issubclass(unraisable.exc_type, KeyboardInterrupt):
-        _hand_on(unraisable, depth)
-        return
-    try:
-        dropped_by = unraisable.object
-        if isinstance(dropped_by, Finalizer) and dropped_by.alive:  # (landed before its callback began)
-            dropped_by()
-    finally:
-        try:
-            _thread.start_new_thread(_send_ctrl_c, (threading.main_thread().ident,))
-        except RuntimeError:  # (no new thread at interpreter shutdown: it is ending anyway)
-            pass
-
-
-def _hand_on(unraisable, depth: int) -> None:
-    """The report to the hook ours replaced, or, when the chain came back to ours from
-    that one, to the one before it."""
-    if depth >= len(_replaced):  # (every hook of the chain has had it)
-        return
-    _forwarding.depth = depth + 1
-    try:
-        _replaced[-1 - depth](unraisable)
-    finally:
-        _forwarding.depth = depth
+        if not isinstance(sys.unraisablehook, _Hook):
+            sys.unraisablehook = _Hook(sys.unraisablehook)
 
 
 def _send_ctrl_c(main_thread: int) -> None:

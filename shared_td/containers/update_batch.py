@@ -110,7 +110,9 @@ def _plan(node: Any, source: Any, path: tuple, jobs: list, selected: list | None
     (``keys_to_update``) reaches is not planned: the update leaves it as it is."""
     if is_lazy_stack(node):
         parts = _parts(node, source)
-        if parts is None or len(parts) != len(node.tensordicts):
+        # (a stack of no member given a source of no row still takes its other dims)
+        if parts is None or len(parts) != len(node.tensordicts) or (
+                not parts and _differ(node.batch_size, source.batch_size)):
             jobs.append((_REFILL, path, node, source))
             return
         before = len(jobs)
@@ -242,7 +244,7 @@ def _refill(lazy: Any, source: Any, path: tuple, undo: "_Undo") -> None:
     """The members of ``lazy`` made those ``source`` gives (see the module's docstring)."""
     parts = _split(lazy, source, path)
     members = lazy.tensordicts
-    if len(parts) < len(members):
+    if len(parts) < len(members) or not parts:
         kept = {name: lazy.__dict__[name] for name in ("_lock_parents", "_context_ops", "_stack_dim_name")
                 if name in lazy.__dict__}
         # (with no part left, the members' batch size is the source's less the stack dim:

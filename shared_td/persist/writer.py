@@ -37,6 +37,7 @@ import torch
 
 from shared_td.memmap_tensor import MemoryMappedTensor
 from shared_td.persist import format as fmt
+from shared_td.persist import in_flight
 from shared_td.persist.node_commit import node_files, put_node_in_place, stage_node_files
 from shared_td.persist.node_rewrite import NODE_LOCK_S, node_rewrite, rewrite_node
 from shared_td.persist.packing import copy_all, leaf_nbytes, packed_layout, packed_views, stage_small_leaves
@@ -280,17 +281,27 @@ class _TreeWriter:
         except BaseException:
             os.close(fd)
             raise
-        # From the submit on, the job owns fd (it closes it), failures here included: a
-        # Ctrl-C landing as submit returned had it closed here too, while the job still
-        # wrote through it (or through another file given its number meanwhile). One
-        # landing inside submit, before the job is queued, leaves fd open instead.
-        future = self.pool.submit(self._fill, leaf, fd, source, is_new, pooled=True)
+        # fd (and the slot) are the job's once it starts, else ours: a submit that failed
+        # (a pool refusing work at exit) or a Ctrl-C landing in it or as it returned closes
+        # fd here only if the job never runs (closed twice before: the job still wrote
+        # through it, or through another file given its number meanwhile).
+        handover = in_flight.Handover()
+        try:
+            future = self.pool.submit(self._fill, leaf, fd, source, is_new, pooled=True, handover=handover)
+        except BaseException:
+            if handover.kept_by_caller():
+                os.close(fd)
+                self.slots.release()
+            raise
         self.futures.append((leaf, future))
 
     def _fill(self, leaf: LeafPlan, fd: int, source: torch.Tensor, created: bool,
-              pooled: bool = False) -> torch.Tensor:
+              pooled: bool = False, handover: in_flight.Handover | None = None) -> torch.Tensor | None:
         """Write (or reserve) the bytes of ``leaf`` into ``fd`` (``created``: a new
-        file), map it, close ``fd``."""
+        file), map it, close ``fd``; nothing when the caller that handed it over failed
+        first (``handover``: fd is then the caller's)."""
+        if handover is not None and not handover.taken_by_write():
+            return None
         try:
             if self.options.like:
                 files.reserve_space(fd, leaf_nbytes(source), leaf.path)

@@ -300,3 +300,18 @@ def test_a_lazy_stack_given_no_row_keeps_the_source_other_dims(stack_dim, nested
     else:
         _update(lazy, source)
     assert lazy.batch_size == tuple(shape)  # (a stack of no member holds no key)
+
+
+@pytest.mark.parametrize("born_empty", [False, True])
+def test_a_lazy_stack_of_no_member_given_no_row_of_other_dims_takes_them(born_empty):
+    # (no member and no part: nothing was planned, and the update refused the source,
+    # "pass update_batch_size=True", which was passed; review44)
+    if born_empty:
+        lazy = shared_td.LazyStackedTensorDict(stack_dim=0, batch_size=[3])
+    else:
+        lazy = shared_td.LazyStackedTensorDict(
+            *[shared_td.TensorDict(a=torch.zeros(3), batch_size=[3]) for _ in range(2)], stack_dim=0)
+        _update(lazy, shared_td.TensorDict(a=torch.zeros(0, 3), batch_size=[0, 3]))
+    assert lazy.batch_size == (0, 3)
+    _update(lazy, shared_td.TensorDict(a=torch.zeros(0, 5), batch_size=[0, 5]))
+    assert lazy.batch_size == (0, 5)

@@ -361,3 +361,70 @@ def test_a_ctrl_c_as_an_early_write_starts_leaves_it_locked_and_recorded(tmp_pat
     else:  # its caller took it back first: never run, nothing kept locked
         assert added and not locked
     assert not added or "c" in td.keys()
+
+
+def test_a_hook_swapped_in_and_restored_leaves_no_trace_in_shared_td_s_chain():
+    # (shared_td's hook, put in front of a block's own hook by a Finalizer made in the
+    # block, kept handing every later report to that block's hook once the block had
+    # restored shared_td's: lost to the default hook; review44)
+    done = _run_script("""
+        import sys
+        from shared_td.finalizers import Finalizer
+        class Owner: pass
+        seen, old = [], sys.unraisablehook
+        sys.unraisablehook = seen.append  # (as test.support.catch_unraisable_exception)
+        Finalizer(Owner(), len, ())
+        sys.unraisablehook = old
+        class Bad:
+            def __del__(self):
+                raise ValueError("after the block")
+        Bad()
+        print(len(seen))
+    """)
+    assert done.stdout.strip() == "0" and "after the block" in done.stderr, done.stderr[-2000:]
+
+
+def test_a_keyboard_interrupt_dropped_in_a_worker_thread_never_interrupts_the_main_one():
+    # (Python raises a signal's KeyboardInterrupt only in the main thread: one dropped in
+    # a worker's finalizer was raised there, asynchronously or by a raise; the hook sent
+    # the main thread a SIGINT nobody pressed; review44)
+    done = _run_script("""
+        import threading, time, weakref
+        import shared_td
+        def interrupted():
+            raise KeyboardInterrupt  # (as an asynchronous exception aimed at the worker)
+        def worker():
+            class Owner: pass
+            owner = Owner()
+            weakref.finalize(owner, interrupted)
+            del owner
+        thread = threading.Thread(target=worker)
+        thread.start()
+        thread.join()
+        try:
+            time.sleep(1)
+            print("not interrupted")
+        except KeyboardInterrupt:
+            print("interrupted")
+    """)
+    assert done.stdout.strip() == "not interrupted", done.stderr[-2000:]
+    assert "Exception ignored in" in done.stderr  # (reported as any other)
+
+
+def test_a_leaf_job_the_pool_refuses_closes_its_descriptor(tmp_path, monkeypatch):
+    # (from bbb9332 on the job owned fd from the submit on, even a submit that raised and
+    # queued nothing: a pool refusing work, as every pool does once the main thread has
+    # returned, left the leaf file open; review44)
+    from concurrent.futures import ThreadPoolExecutor
+    from shared_td.persist import writer
+
+    def refusing_submit(pool, fn, *args, **kwargs):
+        raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+
+    td = shared_td.TensorDict(a=torch.ones(writer._POOL_LEAF_BYTES), b=torch.ones(writer._POOL_LEAF_BYTES))
+    before = _descriptors()
+    monkeypatch.setattr(ThreadPoolExecutor, "submit", refusing_submit)
+    with pytest.raises(RuntimeError, match="cannot schedule"):
+        td.memmap(tmp_path / "saved", num_threads=2)
+    monkeypatch.undo()
+    assert _descriptors() == before
