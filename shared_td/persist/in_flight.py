@@ -115,12 +115,13 @@ def ended(future: Future) -> None:
 
 
 class Handover:
-    """Who cleans up after a background write: its caller, until the write's thread
-    takes it over (the first thing it does), or the caller takes it back (a failure or a
-    Ctrl-C, landing anywhere from the thread's start on: inside ``Thread.start``, which
-    waits for the thread, or as a call returns). Whichever comes first keeps it: the
-    caller never undoes what a running write still owns, nor the write what its caller
-    undid (it is then not run: cancelled)."""
+    """Who cleans up after a job handed to another thread (a background write, a leaf of
+    the writer's pool): its caller, until the job's thread takes it over (the first thing
+    it does), or the caller takes it back (a failure or a Ctrl-C, landing anywhere from
+    the hand-over on: inside ``Thread.start``, which waits for the thread, inside a
+    pool's ``submit``, or as either returns). Whichever comes first keeps it: the caller
+    never undoes what a running job still owns, nor the job what its caller undid (it
+    is then not run)."""
 
     __slots__ = ("_lock", "_owner")
 
