@@ -171,6 +171,14 @@ class Storage:
         self.backing = self.file = None
         if filename is not None:
             self.file = NewFile(os.path.abspath(os.fspath(filename)), nbytes, metadata)
+        try:
+            self._place(nbytes, total, filename, share_memory, pin_memory)
+        except BaseException:  # (a Ctrl-C included: the new file and its descriptor stayed)
+            self.abort()
+            raise
+
+    def _place(self, nbytes: int, total: int, filename: Any, share_memory: bool, pin_memory: bool) -> None:
+        if self.file is not None:
             self.backing = self.file.backing
         elif share_memory and total:
             self.backing = Segment.create(nbytes)
@@ -243,7 +251,8 @@ def run_copies(jobs: list[Callable[[], None]], threads: int) -> None:
 
 
 def copy_in_background(jobs: list, threads: int, result: Callable[[], Any], storage: Storage,
-                       on_error: Callable[[], Any] = lambda: None) -> TensorDictFuture:
+                       on_error: Callable[[], Any] = lambda: None,
+                       handover: "in_flight.Handover | None" = None) -> TensorDictFuture:
     """Run the copies on a background thread; the future's result is ``result()``,
     called once they all succeeded (and ``storage`` committed: a file renamed in place);
     ``on_error()`` runs when a copy failed."""
@@ -259,11 +268,14 @@ def copy_in_background(jobs: list, threads: int, result: Callable[[], Any], stor
 
     # (as memmap_'s: the interpreter waits for the copy at exit, before concurrent.futures
     # refuses the copies' pool; no tree or prefix to wait for: the tree stays locked)
-    handover = in_flight.Handover()  # (a Ctrl-C as the thread starts: the copy runs, or never)
+    # (a Ctrl-C as the thread starts: the copy runs, or never; a caller's handover: the
+    # caller aborts when it keeps it, its failures before this call included)
+    caller_cleans = handover is not None
+    handover = in_flight.Handover() if handover is None else handover
     try:
         future = in_flight.run_in_background(copy, "consolidate", "shared_td-consolidate", handover=handover)
     except BaseException:
-        if handover.kept_by_caller():  # the copy never runs: its clean-up is ours
+        if not caller_cleans and handover.kept_by_caller():  # the copy never runs: its clean-up is ours
             storage.abort()
             on_error()
         raise

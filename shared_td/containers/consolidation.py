@@ -54,6 +54,7 @@ from shared_td.containers.pinning import check_pinnable
 from shared_td.errors import LockedTensorDictError
 from shared_td.keys import key_repr
 from shared_td.memmap_tensor import MemoryMappedTensor
+from shared_td.persist import in_flight
 from shared_td.persist.writer import packed_layout
 from shared_td.storage.anonymous import Segment
 from shared_td.tensorclass_protocol import unwrap_tensorclass
@@ -185,42 +186,52 @@ class ConsolidateMethods:
         if filename is not None:
             sizes = (source.numel() * source.element_size() for source in sources)
             metadata = metadata_json(self, zip(offsets, sizes), kind_name, os.fspath(filename))
-        storage = Storage(total, filename=filename, share_memory=share_memory,
-                           pin_memory=pin_memory and filename is None and not share_memory,
-                           metadata=metadata)
-        storage.zero_padding(sources, offsets, small)
-        others = unpacked(sources, small)
-        jobs = copy_jobs(storage.plain, sources, offsets, small, others, threads, storage.write_big,
-                         lambda index: leaf_location(self, index))
-        views, entries, runs = placed_views(storage.plain, sources, offsets, small + others)
-        leaves = storage.wrap(views, sources)
-        layout = Layout(storage.buffer)
-        if leaves is views:  # a plain buffer: it pickles with the tree (consolidated_pickle)
-            layout.record(views, entries=entries, runs=runs)
-
-        def finish() -> Any:
-            if inplace:
-                adopt_views(self, iter(leaves), layout)
-                self.lock_()
-                result = self
-            else:
-                # a file's mapping is CPU memory: its tree is on the CPU, as in tensordict
-                on_file = torch.device("cpu") if filename is not None else None
-                result = build_consolidated(self, iter(leaves), layout, moved_to=on_file)
-            unwrap_tensorclass(result).__dict__.setdefault("_consolidated", layout)  # a non-tensor root
-            return result
-
-        if return_early and threads > 1:
-            if inplace:  # this tensordict keeps its leaves until the copy has succeeded,
-                # locked meanwhile: the copies' views replace its leaves by position, so an
-                # entry added or deleted before they do mixed up the values
-                return copy_in_background(jobs, threads, finish, storage, on_error=lock_until_restored(self))
-            result = finish()
-            return copy_in_background(jobs, threads, lambda: result, storage)
+        handover, restorers, storage = in_flight.Handover(), [], None
         try:
+            storage = Storage(total, filename=filename, share_memory=share_memory,
+                              pin_memory=pin_memory and filename is None and not share_memory,
+                              metadata=metadata)
+            storage.zero_padding(sources, offsets, small)
+            others = unpacked(sources, small)
+            jobs = copy_jobs(storage.plain, sources, offsets, small, others, threads, storage.write_big,
+                             lambda index: leaf_location(self, index))
+            views, entries, runs = placed_views(storage.plain, sources, offsets, small + others)
+            leaves = storage.wrap(views, sources)
+            layout = Layout(storage.buffer)
+            if leaves is views:  # a plain buffer: it pickles with the tree (consolidated_pickle)
+                layout.record(views, entries=entries, runs=runs)
+
+            def finish() -> Any:
+                if inplace:
+                    adopt_views(self, iter(leaves), layout)
+                    self.lock_()
+                    result = self
+                else:
+                    # a file's mapping is CPU memory: its tree is on the CPU, as in tensordict
+                    on_file = torch.device("cpu") if filename is not None else None
+                    result = build_consolidated(self, iter(leaves), layout, moved_to=on_file)
+                unwrap_tensorclass(result).__dict__.setdefault("_consolidated", layout)  # a non-tensor root
+                return result
+
+            if return_early and threads > 1:
+                if inplace:  # this tensordict keeps its leaves until the copy has succeeded,
+                    # locked meanwhile: the copies' views replace its leaves by position, so an
+                    # entry added or deleted before they do mixed up the values
+                    lock_until_restored(self, restorers)
+                    return copy_in_background(jobs, threads, finish, storage, on_error=restorers[0],
+                                              handover=handover)
+                result = finish()
+                return copy_in_background(jobs, threads, lambda: result, storage, handover=handover)
             run_copies(jobs, threads)  # before any leaf is replaced: a failed copy changes nothing
         except BaseException:
-            storage.abort()
+            # (from the storage's making on, until a background copy took it over: a
+            # failure or a Ctrl-C landing anywhere here left its new file and descriptor,
+            # and with return_early, inplace=True the tree locked)
+            if handover.kept_by_caller():
+                if storage is not None:
+                    storage.abort()
+                for restore in restorers:
+                    restore()
             raise
         storage.commit()
         return finish()

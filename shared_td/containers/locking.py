@@ -49,7 +49,7 @@ def _mark(node: Any, token: object) -> None:
         _prune_at = max(1024, 2 * len(_lock_tokens))
 
 
-def lock_until_restored(obj: Any) -> Callable[[], None]:
+def lock_until_restored(obj: Any, restorers: list | None = None) -> Callable[[], None]:
     """Lock ``obj`` (a tensordict or tensorclass) and every nested tensordict, as
     ``lock_()`` does, and return what puts each one's lock back as it was: its flag and
     its locked parents (an unlocked tree may hold a tensordict locked on its own, which
@@ -64,19 +64,6 @@ def lock_until_restored(obj: Any) -> Callable[[], None]:
     # write that fails after it (its "unlocked" would unlock a completed memmap_).
     token = object()
     pending = [(unwrap_tensorclass(obj), None)]
-    with _tokens_guard:
-        while pending:
-            node, parent = pending.pop()
-            if id(node) not in seen:
-                seen.add(id(node))
-                saved.append((node, node._is_locked, dict(node._lock_parents), getattr(node, "_last_op", None),
-                              _token_of(node)))
-                node._is_locked = True
-                node._last_op = "lock_"
-                _mark(node, token)
-                pending.extend((unwrap_tensorclass(child), node) for child in node._collection_children())
-            if parent is not None:
-                node._lock_parents[id(parent)] = weakref.ref(parent)
 
     def restore() -> None:
         with _tokens_guard:
@@ -88,6 +75,23 @@ def lock_until_restored(obj: Any) -> Callable[[], None]:
                 node._lock_parents.clear()
                 node._lock_parents.update(parents)
 
+    # (``restorers``: the caller's, given restore before any node is locked: a Ctrl-C
+    # landing as this call returns left the tree locked, restore lost with the result)
+    if restorers is not None:
+        restorers.append(restore)
+    with _tokens_guard:
+        while pending:
+            node, parent = pending.pop()
+            if id(node) not in seen:
+                seen.add(id(node))
+                saved.append((node, node._is_locked, dict(node._lock_parents), getattr(node, "_last_op", None),
+                              _token_of(node)))
+                _mark(node, token)  # (first: a Ctrl-C landing in it leaves the node as it was)
+                node._is_locked = True
+                node._last_op = "lock_"
+                pending.extend((unwrap_tensorclass(child), node) for child in node._collection_children())
+            if parent is not None:
+                node._lock_parents[id(parent)] = weakref.ref(parent)
     return restore
 
 

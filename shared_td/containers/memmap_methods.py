@@ -116,11 +116,12 @@ class MemmapMethods:
         # an earlier return_early write of this tree (or prefix) ends first: it holds
         # the tree locked, a state this write would save and put back if it failed
         api.wait_for_background_writes(self, prefix)
-        unlock = lock_until_restored(self)
         # a write returning early owns the unlock from its thread's start on: a Ctrl-C
         # landing as it returns must not unlock the tree it still writes
         handover = in_flight.Handover() if early else None
+        restorers: list = []  # (filled before the tree is locked: see lock_until_restored)
         try:
+            unlock = lock_until_restored(self, restorers)
             with naming_unpicklable(self, "memmap_", share_non_tensor):
                 return api.memmap(
                     self, prefix, copy_existing, inplace=True, num_threads=num_threads,
@@ -129,8 +130,8 @@ class MemmapMethods:
                     on_early_failure=unlock if early else None, handover=handover,
                 )
         except BaseException:
-            if handover is None or handover.kept_by_caller():
-                unlock()
+            if restorers and (handover is None or handover.kept_by_caller()):
+                restorers[0]()
             raise
 
     def memmap(

@@ -74,20 +74,34 @@ def same(entry, generation, digest) -> bool:
     return entry is not None and entry.generation == generation and entry.digest == digest
 
 
+def _new_lock():
+    """A C RLock: its release() checks in C that this thread holds it (RuntimeError if
+    not), so a finally may release it without knowing whether acquire() returned."""
+    return threading.RLock()
+
+
 @contextlib.contextmanager
 def publish_lock(cluster, name: str):
     """The owner's publishes of ``name``, one at a time (claim to record): two at once
     left the record naming a generation the owner no longer held. TimeoutError after
     the cluster's timeout."""
     locks = cluster.__dict__.setdefault("_publish_locks", {})
-    lock = locks.get(name) or locks.setdefault(name, threading.Lock())
-    if not lock.acquire(timeout=cluster.timeout):
-        raise TimeoutError(f"publish({name!r}): another publish of {name!r} on this node did not end within "
-                           f"{cluster.timeout:g} s: nothing was published (retry).")
+    lock = locks.get(name) or locks.setdefault(name, _new_lock())
+    if lock._is_owned():  # (this thread's own publish of it, re-entered: not reentrant)
+        raise TimeoutError(f"publish({name!r}): this thread's own publish of {name!r} has not ended: "
+                           "nothing was published.")
+    # acquire() inside the try: a Ctrl-C landing as it returned, before a try, left the
+    # lock held and every later publish of the name on this node timing out
     try:
+        if not lock.acquire(timeout=cluster.timeout):
+            raise TimeoutError(f"publish({name!r}): another publish of {name!r} on this node did not end within "
+                               f"{cluster.timeout:g} s: nothing was published (retry).")
         yield
     finally:
-        lock.release()
+        try:
+            lock.release()
+        except RuntimeError:
+            pass  # not taken: timed out, or interrupted before acquire returned
 
 
 def _refused(cluster) -> None:

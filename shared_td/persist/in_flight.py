@@ -180,12 +180,14 @@ def run_in_background(work: Callable[[], Any], description: str, thread_name: st
             ended(future)
             future.set_result(result)
 
-    started(future, prefix, nodes, description)
     try:
+        # (inside the try: a Ctrl-C landing as started() returned left the write recorded
+        # with a future never set: the program's exit waited for it forever)
+        started(future, prefix, nodes, description)
         threading.Thread(target=run, daemon=False, name=thread_name).start()
     except BaseException:
         if handover.kept_by_caller():  # (else the write runs: it owns the record)
-            ended(future)
+            ended(future)  # (nothing when started() never recorded it)
         raise
     return future
 

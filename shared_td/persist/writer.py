@@ -374,7 +374,7 @@ def _make_root(path: str) -> tuple[Directory, list[str]]:
     write among, nor to remove if it fails (nor is a parent made by another meanwhile).
     Such a parent vanishes again when that writer fails and removes it (still empty):
     the missing parents are then found and made again (a few times at most)."""
-    name, made = os.path.basename(path), []
+    name, made, opened = os.path.basename(path), [], None
     try:
         for tries_left in reversed(range(8)):
             missing, parent = [], os.path.dirname(path)
@@ -406,8 +406,13 @@ def _make_root(path: str) -> tuple[Directory, list[str]]:
                         continue
                     raise
                 made.append(path)
-                return above.child(name), made
+                # (held here, not in flight as the return value: a Ctrl-C landing as
+                # ``above`` closed left it open, its directory removed below)
+                opened = above.child(name)
+            return opened, made
     except BaseException as error:  # (opening it needs a descriptor: there may be none)
+        if opened is not None:
+            opened.close()
         _remove_made(made, error)
         raise
 

@@ -95,12 +95,26 @@ class acquired:
                     f"{self.lock.timeout:g} s: an atomic write of the same prefix is still "
                     "running. Wait for it, or raise SHARED_TD_LOCK_TIMEOUT."
                 ) from None
-            if self._holds_the_file_at_its_path():
-                return self
+            except BaseException:
+                # a Ctrl-C landing as acquire() returned (or inside it, once the file was
+                # locked): __exit__ never runs, so the lock stayed held (by this process,
+                # until the exception was discarded and the FileLock freed)
+                self._release_if_held()
+                raise
+            try:
+                if self._holds_the_file_at_its_path():
+                    return self
+            except BaseException:
+                self._release_if_held()
+                raise
             # gc removed the file between our open and our flock: what we hold locks
             # nothing that the next writer would see, so lock the file now there
             self.lock.release()
             create_lock_file(self.lock.lock_file)
+
+    def _release_if_held(self) -> None:
+        if self.lock.is_locked:
+            self.lock.release()
 
     def _holds_the_file_at_its_path(self) -> bool:
         """False if the locked file was unlinked or replaced (filelock 3.12 does not check that)."""
