@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Callable
+from typing import Any
 
 from shared_td.errors import LockedTensorDictError
 from shared_td.keys import key_repr
@@ -49,14 +49,17 @@ def _mark(node: Any, token: object) -> None:
         _prune_at = max(1024, 2 * len(_lock_tokens))
 
 
-def lock_until_restored(obj: Any, restorers: list | None = None) -> Callable[[], None]:
+def lock_until_restored(obj: Any, restorers: list) -> None:
     """Lock ``obj`` (a tensordict or tensorclass) and every nested tensordict, as
-    ``lock_()`` does, and return what puts each one's lock back as it was: its flag and
-    its locked parents (an unlocked tree may hold a tensordict locked on its own, which
-    must stay locked). For a write running in the background (memmap_, consolidate
-    with ``return_early``) that must find the entries as it left them, and undo the
-    lock if it fails. One walk that saves and locks each node (a node held twice is
-    saved once; the restore is a no-op for a node that a later call locked again)."""
+    ``lock_()`` does, having first appended to ``restorers`` what puts each one's lock
+    back as it was: its flag and its locked parents (an unlocked tree may hold a
+    tensordict locked on its own, which must stay locked). Given before any node is
+    locked, not returned: a Ctrl-C landing as this call returned left the tree locked,
+    the restore lost with the result. For a write running in the background (memmap_,
+    consolidate with ``return_early``) that must find the entries as it left them, and
+    undo the lock if it fails. One walk that saves and locks each node (a node held
+    twice is saved once; the restore is a no-op for a node that a later call locked
+    again)."""
     saved, seen = [], set()
     # Each call marks the nodes with a token of its own: restore() puts back only the
     # nodes that still carry it. A later write of the same nodes (which locked them
@@ -75,10 +78,7 @@ def lock_until_restored(obj: Any, restorers: list | None = None) -> Callable[[],
                 node._lock_parents.clear()
                 node._lock_parents.update(parents)
 
-    # (``restorers``: the caller's, given restore before any node is locked: a Ctrl-C
-    # landing as this call returns left the tree locked, restore lost with the result)
-    if restorers is not None:
-        restorers.append(restore)
+    restorers.append(restore)
     with _tokens_guard:
         while pending:
             node, parent = pending.pop()
@@ -92,7 +92,6 @@ def lock_until_restored(obj: Any, restorers: list | None = None) -> Callable[[],
                 pending.extend((unwrap_tensorclass(child), node) for child in node._collection_children())
             if parent is not None:
                 node._lock_parents[id(parent)] = weakref.ref(parent)
-    return restore
 
 
 class LockingOps:

@@ -121,13 +121,13 @@ class MemmapMethods:
         handover = in_flight.Handover() if early else None
         restorers: list = []  # (filled before the tree is locked: see lock_until_restored)
         try:
-            unlock = lock_until_restored(self, restorers)
+            lock_until_restored(self, restorers)
             with naming_unpicklable(self, "memmap_", share_non_tensor):
                 return api.memmap(
                     self, prefix, copy_existing, inplace=True, num_threads=num_threads,
                     return_early=return_early, share_non_tensor=share_non_tensor,
                     existsok=existsok, robust_key=robust_key, atomic=atomic,
-                    on_early_failure=unlock if early else None, handover=handover,
+                    on_early_failure=restorers[0] if early else None, handover=handover,
                 )
         except BaseException:
             if restorers and (handover is None or handover.kept_by_caller()):

@@ -168,15 +168,16 @@ def test_prefix_made_by_another_process_after_planning_is_left_alone(tmp_path, m
 
 
 def test_failed_earlier_write_does_not_undo_a_later_lock():
-    td = TensorDict(a=torch.ones(2), n=TensorDict(b=torch.ones(2)))
-    first = lock_until_restored(td)
-    lock_until_restored(td)  # a later write that succeeded: never restored
-    first()  # the earlier write failed after it
+    td, restorers = TensorDict(a=torch.ones(2), n=TensorDict(b=torch.ones(2))), []
+    lock_until_restored(td, restorers)
+    lock_until_restored(td, [])  # a later write that succeeded: never restored
+    restorers[0]()  # the earlier write failed after it
     assert td.is_locked and td["n"].is_locked
     # in order (the later one restored first), each puts back what it found
-    other = TensorDict(a=torch.ones(2), n=TensorDict(b=torch.ones(2)))
-    first, second = lock_until_restored(other), None
-    second = lock_until_restored(other)
+    other, restorers = TensorDict(a=torch.ones(2), n=TensorDict(b=torch.ones(2))), []
+    lock_until_restored(other, restorers)
+    lock_until_restored(other, restorers)
+    first, second = restorers
     second()
     assert other.is_locked
     first()
