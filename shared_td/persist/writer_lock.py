@@ -82,26 +82,24 @@ class acquired:
 
     def __enter__(self) -> "acquired":
         while True:
+            # (any failure from the acquire on gives the lock back if this process took
+            # it: a Ctrl-C landing as acquire() returned, or inside it once the file was
+            # locked, left it held, since __exit__ never runs, until the exception was
+            # discarded and the FileLock freed)
             try:
-                self.lock.acquire()
-            except PermissionError as error:  # an existing lock file we may not open to write
-                raise PermissionError(error.errno, (
-                    f"Cannot lock {self.lock.lock_file}: this process may not open it for writing "
-                    f"({error.strerror}). Every writer of a prefix opens its lock file so: make it "
-                    "writable by them (chmod), or remove it (the next writer makes a new one).")) from None
-            except filelock.Timeout:
-                raise TimeoutError(
-                    f"Another writer has held the lock {self.lock.lock_file} for more than "
-                    f"{self.lock.timeout:g} s: an atomic write of the same prefix is still "
-                    "running. Wait for it, or raise SHARED_TD_LOCK_TIMEOUT."
-                ) from None
-            except BaseException:
-                # a Ctrl-C landing as acquire() returned (or inside it, once the file was
-                # locked): __exit__ never runs, so the lock stayed held (by this process,
-                # until the exception was discarded and the FileLock freed)
-                self._release_if_held()
-                raise
-            try:
+                try:
+                    self.lock.acquire()
+                except PermissionError as error:  # an existing lock file we may not open to write
+                    raise PermissionError(error.errno, (
+                        f"Cannot lock {self.lock.lock_file}: this process may not open it for writing "
+                        f"({error.strerror}). Every writer of a prefix opens its lock file so: make it "
+                        "writable by them (chmod), or remove it (the next writer makes a new one).")) from None
+                except filelock.Timeout:
+                    raise TimeoutError(
+                        f"Another writer has held the lock {self.lock.lock_file} for more than "
+                        f"{self.lock.timeout:g} s: an atomic write of the same prefix is still "
+                        "running. Wait for it, or raise SHARED_TD_LOCK_TIMEOUT."
+                    ) from None
                 if self._holds_the_file_at_its_path():
                     return self
             except BaseException:
