@@ -251,11 +251,12 @@ def run_copies(jobs: list[Callable[[], None]], threads: int) -> None:
 
 
 def copy_in_background(jobs: list, threads: int, result: Callable[[], Any], storage: Storage,
-                       on_error: Callable[[], Any] = lambda: None,
-                       handover: "in_flight.Handover | None" = None) -> TensorDictFuture:
+                       handover: "in_flight.Handover", on_error: Callable[[], Any] = lambda: None) -> TensorDictFuture:
     """Run the copies on a background thread; the future's result is ``result()``,
     called once they all succeeded (and ``storage`` committed: a file renamed in place);
-    ``on_error()`` runs when a copy failed."""
+    ``on_error()`` runs when a copy failed. Until the thread has taken ``handover``, a
+    failure here (a Ctrl-C as the thread starts included) is the caller's to clean up
+    (the storage, the tree's locks): the copy then never runs."""
     def copy() -> Any:
         try:
             run_copies(jobs, threads)
@@ -268,15 +269,5 @@ def copy_in_background(jobs: list, threads: int, result: Callable[[], Any], stor
 
     # (as memmap_'s: the interpreter waits for the copy at exit, before concurrent.futures
     # refuses the copies' pool; no tree or prefix to wait for: the tree stays locked)
-    # (a Ctrl-C as the thread starts: the copy runs, or never; a caller's handover: the
-    # caller aborts when it keeps it, its failures before this call included)
-    caller_cleans = handover is not None
-    handover = in_flight.Handover() if handover is None else handover
-    try:
-        future = in_flight.run_in_background(copy, "consolidate", "shared_td-consolidate", handover=handover)
-    except BaseException:
-        if not caller_cleans and handover.kept_by_caller():  # the copy never runs: its clean-up is ours
-            storage.abort()
-            on_error()
-        raise
+    future = in_flight.run_in_background(copy, "consolidate", "shared_td-consolidate", handover=handover)
     return TensorDictFuture(future, "consolidate")

@@ -218,10 +218,9 @@ class ConsolidateMethods:
                     # locked meanwhile: the copies' views replace its leaves by position, so an
                     # entry added or deleted before they do mixed up the values
                     lock_until_restored(self, restorers)
-                    return copy_in_background(jobs, threads, finish, storage, on_error=restorers[0],
-                                              handover=handover)
+                    return copy_in_background(jobs, threads, finish, storage, handover, on_error=restorers[0])
                 result = finish()
-                return copy_in_background(jobs, threads, lambda: result, storage, handover=handover)
+                return copy_in_background(jobs, threads, lambda: result, storage, handover)
             run_copies(jobs, threads)  # before any leaf is replaced: a failed copy changes nothing
         except BaseException:
             # (from the storage's making on, until a background copy took it over: a

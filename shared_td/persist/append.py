@@ -102,9 +102,9 @@ def append_memmap(prefix: Any, rows: Any, *, allow_pickle: bool | None = None) -
         staged_meta = None
         try:
             _mirror(target, staging.path, growth.rows)
-            for leaf_file, declared, source in growth.leaves:  # (its twin in staging: the same inode)
+            for leaf_file, declared, source, shared in growth.leaves:  # (its twin in staging: the same inode)
                 grown.append((os.path.relpath(leaf_file, target), declared))
-                if leaf_file in growth.shared:  # other names share it: grow a copy, not them
+                if shared:  # other names share it: grow a copy, not them
                     _unshare(staged, *grown[-1])
                 _grow(staged, *grown[-1], source)
             staged.close()
@@ -147,8 +147,8 @@ class _Growth:
 
     def __init__(self):
         self.rows: int | None = None
-        self.leaves: list[tuple[str, int, torch.Tensor]] = []
-        self.shared: set[str] = set()  # leaf files with other names (hard links): grown as a copy
+        # (file, declared bytes, rows, whether the file has other names: hard links, grown as a copy)
+        self.leaves: list[tuple[str, int, torch.Tensor, bool]] = []
 
 
 def _is_nested_level(parent: str, name: str) -> bool:
@@ -240,12 +240,10 @@ def _match_leaf(saved: torch.Tensor, rows: Any, path: tuple, growth: _Growth, no
     if declared == 0:  # no file was written for it: the rows' bytes make a new one
         if rows.numel() == 0:
             return
-        leaf_file = fmt.file_names(path[-1], leaf=True)[0]
+        leaf_file, shared = fmt.file_names(path[-1], leaf=True)[0], False
     else:
         leaf_file, shared = _saved_leaf_file(node_directory, path, declared)
-        if shared:
-            growth.shared.add(os.path.join(node_directory, leaf_file))
-    growth.leaves.append((os.path.join(node_directory, leaf_file), declared, rows))
+    growth.leaves.append((os.path.join(node_directory, leaf_file), declared, rows, shared))
 
 
 def _saved_leaf_file(node_directory: str, path: tuple, declared: int) -> tuple[str, bool]:

@@ -145,12 +145,13 @@ class Handover:
 
 def run_in_background(work: Callable[[], Any], description: str, thread_name: str, *,
                       prefix: str | None = None, nodes: Iterable[Any] = (),
-                      on_failure: Callable[[], None] | None = None,
-                      handover: Handover | None = None) -> Future:
+                      on_failure: Callable[[], None] | None = None, handover: Handover) -> Future:
     """The future of ``work()`` run on a thread of its own, recorded here (see the module
     doc) from now until just before the future is set. ``on_failure()`` runs when
     ``work`` raised, before the future is set (``result()`` must not return while it
-    runs); an error of its own is added to work's as a note.
+    runs); an error of its own is added to work's as a note. ``handover``: the thread
+    takes it first thing; a caller that failed first (a Ctrl-C as the thread started)
+    keeps the clean-up, and ``work`` never runs.
 
     The thread is not a daemon: the interpreter waits for it at exit (and this module
     makes sure it can still use a thread pool then). A daemon thread still freeing a
@@ -158,7 +159,6 @@ def run_in_background(work: Callable[[], Any], description: str, thread_name: st
     without an active exception").
     """
     future = _WriteFuture(description)
-    handover = Handover() if handover is None else handover
 
     def run() -> None:
         if not handover.taken_by_write():  # (its caller failed as it started: not run)
