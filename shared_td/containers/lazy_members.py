@@ -154,8 +154,9 @@ class LazyMembers:
         (``torch.cat`` along the stack dim), the tensorclass each was given as."""
         for item in items:
             for member in item.tensordicts:
-                if item._tensorclass_of(member) is not None:
-                    self._record_class(member, item._tensorclass_of(member))
+                cls = item._tensorclass_of(member)
+                if cls is not None:
+                    self._record_class(member, cls)
 
     def _refuse_keys_no_field(self, member: Any, source: Any, path: tuple = ()) -> None:
         """ValueError naming them when ``source`` (a tensordict or dict written into
