@@ -73,7 +73,7 @@ import time  # noqa: E402
 
 __all__ = [
     "ByteLock", "CreatorWatch", "creator_pid", "free_bytes", "map_shared_bytes", "new_memfd", "pid_alive", "process_stat",
-    "rename_exchange", "reopen_description", "reopen_peer_fd", "try_flock", "unmap_bytes",
+    "rename_exchange", "reopen_description", "reopen_peer_fd", "ThreadLock", "try_flock", "unmap_bytes",
 ]
 
 
@@ -98,7 +98,8 @@ def _load_sibling(name: str):
 _memory_check = _load_sibling("memory_check")
 # the lock primitives, in a module of their own (see there); their home for importers is here
 _locks = _load_sibling("platform_locks")
-ByteLock, reopen_description, try_flock = _locks.ByteLock, _locks.reopen_description, _locks.try_flock
+ByteLock, ThreadLock, reopen_description, try_flock = (_locks.ByteLock, _locks.ThreadLock, _locks.reopen_description,
+                                                      _locks.try_flock)
 
 
 # --------------------------------------------------------------------- memfds

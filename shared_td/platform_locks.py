@@ -41,7 +41,7 @@ import struct
 import threading
 from typing import Iterator
 
-__all__ = ["ByteLock", "reopen_description", "try_flock"]
+__all__ = ["ByteLock", "ThreadLock", "reopen_description", "try_flock"]
 
 # struct flock on Linux: l_type, l_whence (short); l_start, l_len (off_t); l_pid (0 for
 # OFD locks), padded to 32 bytes
@@ -52,15 +52,71 @@ def _request(kind: int, byte: int) -> bytes:
     return _FLOCK.pack(kind, os.SEEK_SET, byte, 1, 0)
 
 
-class _ThreadLock(threading.RLock().__class__):
+class ThreadLock(threading.RLock().__class__):
     """A C ``RLock`` (``with`` enters and exits in C, ``_is_owned()`` is a C check) that
-    also answers :meth:`locked`, as a ``threading.Lock`` does: held by any thread."""
+    also answers :meth:`locked`, as a ``threading.Lock`` does: held by any thread.
+
+    A wait for it that must be bounded (``acquire(timeout=)``) holds it with this exact
+    pattern::
+
+        lock.refuse_reentry("what is being done")
+        try:
+            if not lock.acquire(timeout=seconds):
+                raise TimeoutError("...")
+            ...                      # the locked section
+        finally:
+            try:
+                lock.release()
+            except RuntimeError:
+                pass                 # not taken: timed out, or interrupted before it was
+
+    Why this shape: a Ctrl-C's KeyboardInterrupt surfaces right after any call returns,
+    so ``if not lock.acquire(...): raise`` before the ``try`` can leave the lock held for
+    good, and a Python ``__exit__`` (or a helper called in the ``finally``) can be cut
+    before it releases. Here the acquire is inside the ``try``, and the release is one C
+    call that checks that this thread holds the lock (RuntimeError if not), so the
+    ``finally`` needs no flag that an interrupted acquire could not set. The re-entry
+    check comes first, as the ``finally`` would otherwise give back an outer hold. (A
+    KeyboardInterrupt reaches only the main thread: a lock that only other threads take
+    needs none of this.) Like any RLock, a thread that holds it takes it again at once,
+    ``acquire(blocking=False)`` included: code that must not re-enter checks
+    :meth:`refuse_reentry` (or ``_is_owned()``) first.
+
+    Example:
+        >>> lock = ThreadLock()
+        >>> lock.refuse_reentry("an example")
+        >>> try:
+        ...     if not lock.acquire(timeout=1.0):
+        ...         raise TimeoutError("held elsewhere")
+        ...     print(lock.locked())
+        ...     lock.refuse_reentry("an example, nested")
+        ... finally:
+        ...     try:
+        ...         lock.release()
+        ...     except RuntimeError:
+        ...         pass
+        Traceback (most recent call last):
+        ...
+        RuntimeError: an example, nested: this thread holds the lock already ...
+        >>> lock.locked()
+        False
+    """
 
     def locked(self) -> bool:
         if self._is_owned() or not self.acquire(False):
             return True
         self.release()
         return False
+
+    def refuse_reentry(self, what: str) -> None:
+        """RuntimeError if this thread holds the lock (``what``: the operation), which
+        waiting would turn into a wait for itself."""
+        if self._is_owned():
+            raise RuntimeError(
+                f"{what}: this thread holds the lock already (the operation was nested, or a signal "
+                "handler or finalizer ran it while the code it interrupted held it). Waiting would only "
+                "time out: do that work outside the handler (set a flag there, act on it later)."
+            )
 
 
 class ByteLock:
@@ -121,7 +177,7 @@ class ByteLock:
         # for _is_owned() (see "Re-entry" above); a lock held only by hold() blocks
         # (``for_blocks``) is a plain Lock, released by whichever thread leaves the block
         # (a generator resumed or closed on another thread), its holder noted for re-entry
-        self.threads = threading.Lock() if for_blocks else _ThreadLock()
+        self.threads = threading.Lock() if for_blocks else ThreadLock()
         self.holder: int | None = None  # the thread inside a hold() block
         self.take = functools.partial(fcntl.fcntl, fd, fcntl.F_OFD_SETLKW, _request(fcntl.F_WRLCK, byte))
         self.take_shared = functools.partial(fcntl.fcntl, fd, fcntl.F_OFD_SETLKW, _request(fcntl.F_RDLCK, byte))
@@ -135,7 +191,7 @@ class ByteLock:
         (the generator is then closed, which gives the lock back)."""
         take = self.take if exclusive else self.take_shared
         me = threading.get_ident()
-        if self.holder == me or (isinstance(self.threads, _ThreadLock) and self.threads._is_owned()):
+        if self.holder == me or (isinstance(self.threads, ThreadLock) and self.threads._is_owned()):
             raise self.reentered("a nested hold() of the same lock")
         with self.threads:
             self.holder = me
@@ -166,7 +222,7 @@ class ByteLock:
         """In a fork child, after :func:`reopen_description` of ``fd``: a fresh thread
         lock; if the reopen failed (``reopen_error``), refuse every later take (and
         never give back: the description is still the parent's, with its locks)."""
-        self.threads = _ThreadLock() if isinstance(self.threads, _ThreadLock) else threading.Lock()
+        self.threads = ThreadLock() if isinstance(self.threads, ThreadLock) else threading.Lock()
         self.holder = None
         if reopen_error is not None:
             message = (

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
+import threading
 import time
 
 import pytest
@@ -25,6 +26,28 @@ def finish(process, timeout: float = WAIT) -> int:
         process.join(timeout)
         pytest.fail("child process hung")
     return process.exitcode
+
+
+@contextlib.contextmanager
+def held_elsewhere(lock, timeout: float = WAIT):
+    """``lock`` held by another thread for the block, as a sync or a transfer under way
+    on its caller's thread holds it (the cluster's locks are re-entrant RLocks: held by
+    the test's own thread, they would not look held to its calls)."""
+    taken, done = threading.Event(), threading.Event()
+
+    def hold():
+        with lock:
+            taken.set()
+            done.wait(timeout)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    try:
+        assert taken.wait(timeout), "the lock was not taken"
+        yield
+    finally:
+        done.set()
+        holder.join(timeout)
 
 
 def wait_until(condition, timeout: float = 10.0) -> bool:

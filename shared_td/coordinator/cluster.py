@@ -100,6 +100,7 @@ from shared_td.coordinator.cluster_transfer import PairGroups, TransferFailed, s
 from shared_td.coordinator.cluster_values import ClusterValues
 from shared_td.coordinator.cluster_wake import AnswerWaits
 from shared_td.errors import OwnerLostError, TransferRefused
+from shared_td.platform import ThreadLock
 
 __all__ = ["ATTACH_TRIES", "Cluster", "ClusterAuthError", "OwnerLostError", "SyncReport"]
 
@@ -162,7 +163,7 @@ class Cluster(ClusterAttach, ClusterMembership, ClusterRequests):
         # name -> the newest generation its owner announced to this node (a renew notice):
         # what is_stale can still tell once the store host is lost
         self._announced: dict[str, int] = {}
-        self._attaching = threading.Lock()  # one attach at a time (user's, or a lane's renewal)
+        self._attaching = ThreadLock()  # one attach at a time (user's, or a lane's renewal)
         self._tags = itertools.count(1)
         self._reply_slots = itertools.count()
         self._local = threading.local()  # each thread's reply queue
@@ -298,6 +299,7 @@ class Cluster(ClusterAttach, ClusterMembership, ClusterRequests):
     def _fill(self, name: str, rep: Replica) -> int:
         """:meth:`pull` into ``rep`` (registered or not: see _attach; asked without its lock: see
         cluster_serve._serve_pull); returns the version."""
+        rep.lock.refuse_reentry(f"pull({name!r})")  # (before anything is asked: nothing to drain)
         deadline = time.monotonic() + self.timeout
         nbytes = rep.layout["nbytes"]
         stripes = stripe_count(nbytes, self.stripes)
@@ -313,10 +315,10 @@ class Cluster(ClusterAttach, ClusterMembership, ClusterRequests):
             cluster_push.raise_if_republished(self, name, rep, refusal, "pull")
             raise
         bound = cluster_drain.receive_bound(self)  # (announced: its send is bounded so)
-        if not rep.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            cluster_drain.into_scratch(self, rep.owner, generation, tag, nbytes, stripes, f"pull of {name!r}")
-            raise TimeoutError(f"Another transfer of {name!r} on this node did not end within {self.timeout:g} s.")
         try:
+            if not rep.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                cluster_drain.into_scratch(self, rep.owner, generation, tag, nbytes, stripes, f"pull of {name!r}")
+                raise TimeoutError(f"Another transfer of {name!r} on this node did not end within {self.timeout:g} s.")
             try:
                 replica.set_state(rep.segment, replica.state(rep.segment) | 1)
                 works = self._groups.recv(rep.owner, generation, replica.segment_bytes(rep.segment, nbytes), tag,
@@ -329,7 +331,10 @@ class Cluster(ClusterAttach, ClusterMembership, ClusterRequests):
             replica.set_state(rep.segment, 2 * answer["version"])
             return answer["version"]
         finally:
-            rep.lock.release()
+            try:
+                rep.lock.release()
+            except RuntimeError:
+                pass  # not taken: timed out, or interrupted before acquire returned (platform.ThreadLock)
 
     def push(self, name: str, index) -> None:
         """Rows ``index`` (of the first batch dimension) of this node's replica -> the

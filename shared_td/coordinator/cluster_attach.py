@@ -60,15 +60,19 @@ class ClusterAttach:
         if name in self._owned:
             return self._owned[name].td
         cluster_push.check_name(name)  # a replica of it could never push
-        if not self._attaching.acquire(timeout=self.timeout):
-            raise TimeoutError(f"Another attach on this node did not end within {self.timeout:g} s.")
+        self._attaching.refuse_reentry(f"attach({name!r})")
         try:
+            if not self._attaching.acquire(timeout=self.timeout):
+                raise TimeoutError(f"Another attach on this node did not end within {self.timeout:g} s.")
             for tries_left in reversed(range(ATTACH_TRIES)):
                 td = self._attach(name, last_try=not tries_left)
                 if td is not None:
                     return td
         finally:
-            self._attaching.release()
+            try:
+                self._attaching.release()
+            except RuntimeError:
+                pass  # not taken: timed out, or interrupted before acquire returned (platform.ThreadLock)
 
     def _attach(self, name: str, last_try: bool):
         """``attach``'s work, once; None when the owner published ``name`` again

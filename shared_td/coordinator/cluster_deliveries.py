@@ -34,9 +34,13 @@ Example (a stand-in for an owner: ``serve`` is called with the lock held)::
     ...                              _name_syncs={"p": NameSyncs()})
     >>> served, done = [], threading.Event()
     >>> syncs = node._name_syncs["p"]
-    >>> with syncs.lock:                  # a sync under way: queued, the lane goes on
-    ...     deliver(node, "p", {"budget": 5.0}, lambda until: (served.append(syncs.lock.locked()), done.set()))
-    ...     waiting = list(served)
+    >>> held, ended = threading.Event(), threading.Event()
+    >>> def a_sync():                     # a sync under way (on its caller's thread)
+    ...     with syncs.lock:
+    ...         held.set(); ended.wait(5.0)
+    >>> sync = threading.Thread(target=a_sync); sync.start(); _ = held.wait(5.0)
+    >>> deliver(node, "p", {"budget": 5.0}, lambda until: (served.append(syncs.lock.locked()), done.set()))
+    >>> waiting = list(served); ended.set()  # queued, the lane went on; the sync ends
     >>> done.wait(5.0), waiting, served    # served once the sync was done, the lock held
     (True, [], [True])
     >>> threads = list(node._threads)
@@ -48,6 +52,8 @@ from __future__ import annotations
 import collections
 import threading
 import time
+
+from shared_td.platform import ThreadLock
 
 __all__ = ["DELIVERER", "IDLE_S", "MAX_DELIVERERS", "NameSyncs", "cancel", "deliver", "name_syncs", "served_until",
            "stop"]
@@ -105,7 +111,7 @@ class NameSyncs:
     its record then no longer counts)."""
 
     def __init__(self):
-        self.lock = threading.Lock()
+        self.lock = ThreadLock()
         self.generation = 0
         self.holders: set[int] = set()
         # the pulls waiting for ``lock``, [until, serve, key, cancelled] in order, served by the node's
@@ -344,7 +350,7 @@ class _Deliverers:
                 return  # MAX_DELIVERERS others wait already
 
 
-def _acquire(cluster, lock: threading.Lock, until: float, others) -> bool | None:
+def _acquire(cluster, lock: ThreadLock, until: float, others) -> bool | None:
     """``lock``, waited for until SERVE_FLOOR_S before ``until`` (False then, or once the
     node stops); None after a slice of _SLICE_S while ``others()`` says that other names
     wait (the caller serves them first, then comes back)."""

@@ -51,6 +51,7 @@ import weakref
 
 from shared_td.coordinator.cluster_liveness import LOST_AFTER_S
 from shared_td.coordinator.cluster_store import ClusterAuthError
+from shared_td.platform import ThreadLock
 
 __all__ = ["Endpoint", "layout_digest", "next_generation", "overtaken", "publish_lock", "read_identity", "read_name",
            "record_name", "same", "wait_named"]
@@ -75,9 +76,10 @@ def same(entry, generation, digest) -> bool:
 
 
 def _new_lock():
-    """A C RLock: its release() checks in C that this thread holds it (RuntimeError if
-    not), so a finally may release it without knowing whether acquire() returned."""
-    return threading.RLock()
+    """A :class:`~shared_td.platform.ThreadLock`: its release() checks in C that this
+    thread holds it (RuntimeError if not), so a finally may release it without knowing
+    whether acquire() returned."""
+    return ThreadLock()
 
 
 @contextlib.contextmanager

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -50,6 +49,7 @@ from shared_td.coordinator.cluster_messages import (ANSWER_BYTES, LENGTH_BYTES, 
                                                     encode_signed, push_context)
 from shared_td.coordinator.cluster_transfer import PUSH_TAG, TransferFailed, answer_tag
 from shared_td.errors import IndexTypeError
+from shared_td.platform import ThreadLock
 
 __all__ = ["MAX_NAME_BYTES", "PushLine", "check_name", "push", "raise_if_republished", "send_answered"]
 
@@ -59,7 +59,7 @@ class PushLine:
     """This node's pushes to one owner: one at a time (``lock``), and what the owner's
     kept receive on pair ``generation`` expects next: ``posted`` bytes, header ``seq``."""
 
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    lock: ThreadLock = field(default_factory=ThreadLock)
     generation: int = -1
     posted: int = HEADER_BYTES
     seq: int = 0
@@ -142,10 +142,11 @@ def _packed(cluster, name: str, rep, index: torch.Tensor, deadline: float) -> to
     read once no transfer writes the replica: TimeoutError if one does not end by
     ``deadline``; RuntimeError for a replica no transfer ever filled (the Cluster
     registers none: its zeros, pushed, were written into the owner's data)."""
-    if not rep.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-        raise TimeoutError(f"push({name!r}): a transfer into this node's replica of {name!r} did not end within "
-                           f"{cluster.timeout:g} s: nothing was sent (retry).")
+    rep.lock.refuse_reentry(f"push({name!r})")
     try:
+        if not rep.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise TimeoutError(f"push({name!r}): a transfer into this node's replica of {name!r} did not end within "
+                               f"{cluster.timeout:g} s: nothing was sent (retry).")
         if not replica.state(rep.segment):  # (0: no transfer ever wrote it)
             raise RuntimeError(f"push({name!r}): this node's replica of {name!r} was never filled by a transfer, so "
                                f"none of its rows were written here: nothing was sent. Attach {name!r} again, write "
@@ -154,7 +155,10 @@ def _packed(cluster, name: str, rep, index: torch.Tensor, deadline: float) -> to
             rep.leaves = replica.leaf_views(rep.segment, rep.layout)
         return replica.pack_rows(rep.leaves, index, reserve=HEADER_BYTES)
     finally:
-        rep.lock.release()
+        try:
+            rep.lock.release()
+        except RuntimeError:
+            pass  # not taken: timed out, or interrupted before acquire returned (platform.ThreadLock)
 
 
 def _current_generation(cluster, name: str) -> int | None:
@@ -247,9 +251,10 @@ def _over_pair(cluster, owner: int, generation: int, request: dict, message: tor
     message 10-40x slower, see cluster_transfer), else the header alone, padded to the
     posted size, then the rows."""
     line = cluster._push_lines.setdefault(owner, PushLine())
-    if not line.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-        raise TransferFailed(f"another push to node {owner} did not end in time")
+    line.lock.refuse_reentry(f"push to node {owner}")
     try:
+        if not line.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise TransferFailed(f"another push to node {owner} did not end in time")
         if line.generation != generation:  # a new pair: its receive is posted for a header
             line.generation, line.posted, line.seq = generation, HEADER_BYTES, 0
         tag = cluster._next_tag()
@@ -270,7 +275,10 @@ def _over_pair(cluster, owner: int, generation: int, request: dict, message: tor
             return send_answered(cluster, owner, generation, tag, padded, deadline, what, send_tag=PUSH_TAG)
         return send_answered(cluster, owner, generation, tag, rows, deadline, what, header=padded)
     finally:
-        line.lock.release()
+        try:
+            line.lock.release()
+        except RuntimeError:
+            pass  # not taken: timed out, or interrupted before acquire returned (platform.ThreadLock)
 
 
 def send_answered(cluster, peer: int, generation: int, tag: int, payload: torch.Tensor, deadline: float, what: str,

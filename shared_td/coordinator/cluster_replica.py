@@ -22,13 +22,13 @@ row is a whole member, so each leaf of member ``m`` is sent whole when ``m`` is 
 """
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from shared_td.coordinator.cluster_layout import tensor_leaves
+from shared_td.platform import ThreadLock
 from shared_td.storage.anonymous import Segment
 
 __all__ = ["Owned", "Replica", "forget_replica", "leaf_views", "new_segment", "pack_rows", "record_replica",
@@ -70,7 +70,7 @@ class Replica:
     layout: dict
     owner: int
     generation: int
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    lock: ThreadLock = field(default_factory=ThreadLock)
     leaves: list = field(default_factory=list)  # leaf_views(segment, layout), made by the first push
     renewed_from: int = 0
     digest: str = ""  # the publish's identity, with the generation (see cluster_generations)

@@ -92,17 +92,21 @@ def sync(cluster, name: str, timeout: float | None) -> SyncReport:
         raise ValueError(f"sync({name!r}, timeout={timeout!r}): the timeout is a number of seconds above 0.")
     deadline = time.monotonic() + timeout
     syncs = name_syncs(cluster, name)
-    if not syncs.lock.acquire(timeout=timeout):
-        raise TimeoutError(f"Another sync of {name!r} on this node did not end within {timeout:g} s: nothing was "
-                           "sent (retry, or give the sync a longer timeout).")
+    syncs.lock.refuse_reentry(f"sync({name!r})")
     try:
+        if not syncs.lock.acquire(timeout=timeout):
+            raise TimeoutError(f"Another sync of {name!r} on this node did not end within {timeout:g} s: nothing was "
+                               "sent (retry, or give the sync a longer timeout).")
         report = _sync_ordered(cluster, store, name, owned, syncs, deadline)
     except Exception as err:
         if cluster._closed:  # this node's shutdown ended it (a cancelled sender, its pairs closed)
             raise cluster._shut_down(f" during the sync of {name!r}") from err
         raise
     finally:
-        syncs.lock.release()
+        try:
+            syncs.lock.release()
+        except RuntimeError:
+            pass  # not taken: timed out, or interrupted before acquire returned (platform.ThreadLock)
     if cluster._closed and report.dropped:  # dropped for a transfer the shutdown ended
         raise cluster._shut_down(f" during the sync of {name!r} (it reached {report.delivered or 'no node'})")
     return report

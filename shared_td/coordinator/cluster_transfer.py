@@ -86,6 +86,7 @@ from shared_td.coordinator.cluster_messages import (ANSWER_BYTES, answer_context
 from shared_td.coordinator.cluster_waits import (MIN_RATE, WAIT_SLACK_S, WATCH_S, RendezvousStore,  # noqa: F401
                                                  WorkWaiters, end_works, wait_bound, wait_work)
 from shared_td.errors import StalePair, TransferFailed
+from shared_td.platform import ThreadLock
 
 __all__ = ["ANSWER_BYTES", "ANSWER_TAG_BIT", "CLOSE_TAG", "DIRECT_MAX_BYTES", "MAX_STRIPES", "MIN_RATE", "PUSH_TAG",
            "STRIPE_MIN_BYTES", "TAG_WRAP", "WAIT_SLACK_S", "PairGroups", "StalePair", "TransferFailed",
@@ -165,7 +166,7 @@ class PairGroups:
         self._groups: dict[int, tuple[int, list]] = {}  # peer -> (generation, its stripes' groups)
         self._rendezvous: dict[int, object] = {}  # peer -> the store connection its builds use
         self._generations: dict[int, int] = {}  # peer -> the newest generation known here
-        self._locks: dict[int, threading.Lock] = {}
+        self._locks: dict[int, ThreadLock] = {}  # (its pattern: see ThreadLock)
         self._guard = threading.Lock()
         self._waiters = WorkWaiters()  # see wait()
         self._closing = False  # close() ran: waits and builds give up
@@ -208,10 +209,11 @@ class PairGroups:
         if have is not None and have[0] == generation and len(have[1]) >= count:
             return have[1][:count]
         with self._guard:
-            lock = self._locks.setdefault(peer, threading.Lock())
-        if not lock.acquire(timeout=self._left(deadline)):
-            raise TransferFailed(f"the group with node {peer} is being rebuilt for too long")
+            lock = self._locks.setdefault(peer, ThreadLock())
+        lock.refuse_reentry(f"the group with node {peer}")
         try:
+            if not lock.acquire(timeout=self._left(deadline)):
+                raise TransferFailed(f"the group with node {peer} is being rebuilt for too long")
             have = self._groups.get(peer)
             if have is not None and have[0] == generation and len(have[1]) >= count:
                 return have[1][:count]
@@ -233,7 +235,10 @@ class PairGroups:
             self.seen(peer, generation)
             return built[:count]
         finally:
-            lock.release()
+            try:
+                lock.release()
+            except RuntimeError:
+                pass  # not taken: timed out, or interrupted before acquire returned (platform.ThreadLock)
 
     def check(self, peer: int, generation: int) -> None:
         """StalePair if this node already moved the pair with ``peer`` past ``generation``."""

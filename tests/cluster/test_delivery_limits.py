@@ -6,6 +6,7 @@ per contended name, kept 60 s: 26 threads for 150 names).
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -17,6 +18,7 @@ torch_dist = pytest.importorskip("torch.distributed")
 import shared_td  # noqa: E402
 from shared_td.coordinator import cluster_deliveries, cluster_drain, cluster_serve, cluster_sync  # noqa: E402
 from tests.cluster.test_cluster_store import _members, pair, store  # noqa: E402,F401 - fixtures
+from tests.processes import held_elsewhere  # noqa: E402
 
 WAIT = 10.0
 NAMES = 12  # three times the cap
@@ -196,18 +198,12 @@ def test_a_pull_given_up_after_its_owner_served_it_fails_no_pair(impatient, monk
 
     monkeypatch.setattr(cluster_serve, "_serve", late_serve)
     monkeypatch.setattr(owner._groups, "send", late_send)
-    held = other._replicas["p"].lock
-    if where == "lock":
-        assert held.acquire(timeout=WAIT)
-    try:
+    with held_elsewhere(other._replicas["p"].lock) if where == "lock" else contextlib.nullcontext():
         if where == "receive":  # (the pull that got its answer receives it: within its transfer's bound)
             assert other.pull("p") == owner.version("p")
         else:
             with pytest.raises(TimeoutError):
                 other.pull("p")
-    finally:
-        if where == "lock":
-            held.release()
     assert other.pull("q") == owner.version("q")  # the same pair, at once
     owner._owned["q"].td["x"].fill_(7.0)
     report = owner.sync("q", timeout=WAIT)
@@ -234,7 +230,7 @@ def test_a_cancel_drops_a_queued_pull_and_says_when_one_is_served():
     first = {"from": 1, "caller": "x", "tag": 1, "budget": 5.0}
     second = {"from": 1, "caller": "x", "tag": 2, "budget": 5.0}
     try:
-        with syncs.lock:
+        with held_elsewhere(syncs.lock):  # a sync under way
             cluster_deliveries.deliver(node, "c", first, lambda until: (inside.set(), go.wait(WAIT), served.append(1)))
             cluster_deliveries.deliver(node, "c", second, lambda until: served.append(2))
             assert cluster_deliveries.cancel(node, "c", second) == "dropped"
@@ -339,7 +335,7 @@ def test_slow_sends_of_four_names_do_not_hold_up_another_names_pull():
     try:
         for i, name in enumerate(big):
             syncs = cluster_deliveries.name_syncs(node, name)
-            with syncs.lock:  # a sync under way: queued
+            with held_elsewhere(syncs.lock):  # a sync under way: queued
                 cluster_deliveries.deliver(node, name, {"budget": 5.0, "from": 1, "caller": "c", "tag": i},
                                            lambda until, n=name: (started.append(n), go.wait(WAIT)))
         deadline = time.monotonic() + WAIT
@@ -347,7 +343,7 @@ def test_slow_sends_of_four_names_do_not_hold_up_another_names_pull():
             time.sleep(0.01)
         assert sorted(started) == big  # every send under way
         small = cluster_deliveries.name_syncs(node, "small")
-        with small.lock:  # a short sync of "small"
+        with held_elsewhere(small.lock):  # a short sync of "small"
             cluster_deliveries.deliver(node, "small", {"budget": 5.0, "from": 1, "caller": "c", "tag": 99},
                                        lambda until: served.set())
             time.sleep(0.05)
@@ -383,7 +379,7 @@ def test_a_delivery_thread_that_cannot_start_leaves_no_pull_queued(monkeypatch):
     _failing_starts(monkeypatch, cluster_deliveries.DELIVERER)
     node = types.SimpleNamespace(timeout=5.0, _stop=threading.Event(), _threads=[], _name_syncs={}, node=5)
     syncs, served = cluster_deliveries.name_syncs(node, "a"), []
-    with syncs.lock:
+    with held_elsewhere(syncs.lock):
         with pytest.raises(RuntimeError):
             cluster_deliveries.deliver(node, "a", {"budget": 5.0, "from": 1, "caller": "c", "tag": 1},
                                        lambda until: served.append(1))
