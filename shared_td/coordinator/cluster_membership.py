@@ -262,6 +262,9 @@ class ClusterMembership:
         if os.getpid() != self._started_in:
             return  # a fork child: a stop notice or a closed pair would end the parent's node
         self._stop.set()
+        # its threads' pops end once the stop notices below come: at once from a host
+        # that answers; from one that stopped answering, this bounds the close
+        self._store.hurry(self.timeout)
         stop_deliveries(self)  # (their idle waits)
         _RUNNING.discard(self)
         # a process whose number was taken over leaves the queues and the claim to its successor

@@ -129,7 +129,7 @@ def owner_keys_there(store, names: list[str]) -> bool:
     """Whether ``owner/<name>`` exists for each of ``names``: one round trip (the store's
     ``check`` of all their keys, on the calling thread's connection), whatever their
     number. What a key holds is not read (:func:`names_taken_over` does that)."""
-    return not names or store.raw.check([f"owner/{name}" for name in names])
+    return not names or store.has_all([f"owner/{name}" for name in names])
 
 
 def keep_owner_key(store, node: int, name: str, refuse: Callable[[], None], run: str = "") -> bool:

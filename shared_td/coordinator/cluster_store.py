@@ -68,6 +68,7 @@ import torch.distributed as dist
 # how a node finds its store, re-exported: defined here before
 from shared_td.coordinator.cluster_launch import check_store, cluster_key, open_store  # noqa: F401
 from shared_td.coordinator.cluster_launch import signing_key
+from shared_td.coordinator.cluster_store_watch import StallWatch
 from shared_td.errors import ClusterAuthError
 from shared_td.storage.counter import INT64_MAX, INT64_MIN, counter_int
 
@@ -96,17 +97,31 @@ _ABSENT = b"\x00absent"
 CAS_TRIES = 1000
 
 
-def _store_call(method):
+def _store_call(method=None, *, waits=None):
     """A SignedStore method whose lost store host raises ConnectionError (torch raises
-    DistNetworkError, a RuntimeError), whichever caller uses it: the Cluster, a counter."""
+    DistNetworkError, a RuntimeError), whichever caller uses it: the Cluster, a counter.
+    The call is due within the store's timeout, plus ``waits(self, *args, **kwargs)``
+    seconds for a call that waits for something (a key, a queue's value); one that is
+    not done by then finds the host lost (see cluster_store_watch). A call made inside
+    another (``set_json_if_newer`` reads first) runs under the outer one's due time."""
+    if method is None:
+        return functools.partial(_store_call, waits=waits)
+
     @functools.wraps(method)
-    def call(self, key, *args):
+    def call(self, key, *args, **kwargs):
+        me, calls = threading.get_ident(), self._watch.calls
+        outer = me in calls
         try:
-            return method(self, key, *args)
+            if not outer:  # (inside the try: a Ctrl-C landing after it takes it back)
+                calls[me] = time.monotonic() + self.timeout + (waits(self, key, *args, **kwargs) if waits else 0.0)
+                self._watch.start()
+            return method(self, key, *args, **kwargs)
         except dist.DistNetworkError as err:
             self._host_lost = True  # no connection is tried any more: see _store
-            raise ConnectionError(f"The cluster store is gone ({err}) while using {key!r}: the "
-                                  "node that hosts it (node 0 by default) stopped.") from err
+            raise self._lost(key, err) from err
+        finally:
+            if not outer:
+                calls.pop(me, None)
     return call
 
 
@@ -151,22 +166,49 @@ class SignedStore:
         # after a random backoff: 7-14 s for a spare), and no process can exit while
         # one runs (a node took 16 s to stop after the host's SIGKILL)
         self._host_lost = False
+        address = (base.host, base.port) if isinstance(base, dist.TCPStore) else None
+        self._watch = StallWatch(address, on_stall=self._stalled)
         if spares:
             self._connect_spares(spares)
+
+    def hurry(self, seconds: float) -> None:
+        """Every call of this store, in flight or to come, done within ``seconds``, or
+        the host is taken as lost (see cluster_store_watch): a closing node's bound."""
+        self._watch.hurry(seconds)
+
+    def _stalled(self) -> None:
+        """A call was not done when due (see cluster_store_watch): the host is lost."""
+        self._host_lost = True
+
+    def _lost(self, key: str, err: Exception) -> ConnectionError:
+        """The ConnectionError of a call on ``key`` that found the host gone (``err``)."""
+        if self._watch.stalled.is_set():
+            return ConnectionError(
+                f"The cluster store's host did not answer a call of this node in time (the node's timeout, "
+                f"{self.timeout:g} s, plus what the call waits for; while using {key!r}): it is taken as lost, as "
+                "if it had stopped (it is stopped, frozen, or cut off from this node), and this node opens no "
+                "new connection to it: start the cluster again.")
+        return ConnectionError(f"The cluster store is gone ({err}) while using {key!r}: the "
+                               "node that hosts it (node 0 by default) stopped.")
 
     def _connect_spares(self, count: int) -> None:
         """Put ``count`` new connections in the spares, each from its own background
         thread (a connect stalled by the resolver holds that thread only, not a caller
         and not the other spares)."""
         def connect_one() -> None:
+            me = threading.get_ident()
             for _ in range(SPARE_TRIES):
                 if self._closed or self._host_lost:
                     return
-                try:
+                try:  # due as a call (a host that accepts and never answers: see cluster_store_watch)
+                    self._watch.calls[me] = time.monotonic() + self.timeout + _SPARE_CONNECT_WORST_S
+                    self._watch.start()
                     self._spares.put(dist.PrefixStore("shared_td", self._new_connection()))
                     return
                 except dist.DistNetworkError:  # timed out: stalled, or the host is gone
                     continue
+                finally:
+                    self._watch.calls.pop(me, None)
 
         def connect() -> None:
             try:
@@ -221,6 +263,7 @@ class SignedStore:
         closing sockets, after it closed (one left so made a later test's descriptor
         check see sockets come and go)."""
         self._closed = True
+        self._watch.close()
         deadline = time.monotonic() + _SPARE_CONNECT_WORST_S + 0.5
         with self._connecting_lock:
             connecting = list(self._connecting)
@@ -305,7 +348,7 @@ class SignedStore:
     def set_json(self, key: str, value) -> None:
         self._store().set(key, self.sign(key, json.dumps(value).encode()))
 
-    @_store_call
+    @_store_call(waits=lambda self, key: self.timeout)
     def get_json(self, key: str):
         """The value at ``key`` (waits up to the store's timeout for it to exist)."""
         return json.loads(self.check(key, self._store().get(key)))
@@ -369,6 +412,11 @@ class SignedStore:
         return self._store().check([key])
 
     @_store_call
+    def has_all(self, keys: list[str]) -> bool:
+        """Whether every key of ``keys`` exists: one round trip, whatever their number."""
+        return self._store().check(keys)
+
+    @_store_call(waits=lambda self, keys, timeout: timeout)
     def wait(self, keys: list[str], timeout: float) -> bool:
         """Whether all ``keys`` exist within ``timeout`` seconds (False on timeout)."""
         store = self._store()
@@ -446,7 +494,8 @@ class SignedStore:
     def push_json(self, queue: str, value) -> None:
         self._store().queue_push(queue, self.sign(queue, json.dumps(value).encode()))
 
-    @_store_call
+    @_store_call(waits=lambda self, queue, deadline=None: self.timeout if deadline is None
+                 else max(0.0, deadline - time.monotonic()))
     def drain(self, queue: str, deadline: float | None = None) -> int:
         """Drop what waits in ``queue``, at most as many values as it held when this
         began and not past ``deadline`` (``time.monotonic()``; default: the store's
@@ -465,7 +514,7 @@ class SignedStore:
             dropped += 1
         return dropped
 
-    @_store_call
+    @_store_call(waits=lambda self, queue, timeout, ended=None: timeout)
     def pop_json(self, queue: str, timeout: float, ended=None):
         """The next value of ``queue``, or None when none came within ``timeout`` s.
         Waits on the thread's connection for that queue (see the module's opening); a

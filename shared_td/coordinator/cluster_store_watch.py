@@ -1,0 +1,150 @@
+"""A store host that stops answering: every store call of this process is bounded.
+
+torch's TCPStore client (2.13) waits for the answer of a plain call (``check``, ``set``,
+``add``, ``compare_set``...) with no time limit: a host that is stopped (SIGSTOP, a
+frozen virtual machine) or cut off without a reset (a network partition) held every
+call of every other node, and their shutdown, for as long as it lasted (a ``sync`` with
+a 15 s timeout returned after 100 s, a node's close took 120 s: fuzz16). Its own
+timeout bounds only the waits for keys.
+
+So :class:`StallWatch` notes each store call in flight (the calling thread and when it
+is due: the store's timeout, plus what the call itself waits for), and a thread of its
+own looks every :data:`WATCH_EVERY_S`; once one is overdue, the host is taken as lost:
+``on_stall`` is called (the store then opens no new connection to it) and every socket
+of this process connected to the host's address is shut down, so every call blocked on
+one fails at once (torch raises DistNetworkError: a ConnectionError for the caller, see
+``cluster_store._store_call``) and every later call on them too. The host is looked up
+again only then (a name: it may need the resolver; never on a call's path). Nothing
+else of the process is touched: a socket whose peer is not the host's address and
+port stays as it is.
+
+Example (a call registered with a due time already passed, on a store at no address:
+nothing to cut, the stall is still said)::
+
+    >>> said = []
+    >>> watch = StallWatch(None, on_stall=lambda: said.append(True))
+    >>> watch.calls[1] = time.monotonic() - 1.0   # (a thread's call, overdue)
+    >>> watch.start(); watch.stalled.wait(5.0), said
+    (True, [True])
+    >>> watch.close()
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import threading
+import time
+
+__all__ = ["StallWatch", "WATCH_EVERY_S", "cut_connections", "host_peers"]
+
+#: How often the watch looks at the calls in flight (a stall is found this much late).
+WATCH_EVERY_S = 0.25
+
+
+class StallWatch:
+    """The store calls in flight (:attr:`calls`: thread ident -> ``time.monotonic()``
+    by which the call is due) and the thread that watches them (see the module's
+    opening). ``address``: the store host's ``(host, port)``, or None for a store that
+    is not reached over the network (nothing to cut)."""
+
+    def __init__(self, address: tuple[str, int] | None, on_stall):
+        self.address = address
+        self.calls: dict[int, float] = {}
+        self.stalled = threading.Event()  # set once a call was overdue (the host is lost)
+        self.cap: float | None = None  # see hurry()
+        self._on_stall = on_stall
+        self._ended = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._starting = threading.Lock()
+
+    def start(self) -> None:
+        """Start the watching thread (once: at the store's first call). A daemon: it
+        never enters torch, so the interpreter's exit never waits for it nor aborts."""
+        if self._thread is not None:  # (each call asks: no lock once it runs)
+            return
+        with self._starting:
+            if self._thread is None and not self._ended.is_set():
+                self._thread = threading.Thread(target=self._watch, name="shared_td-store-watch", daemon=True)
+                self._thread.start()
+
+    def hurry(self, seconds: float) -> None:
+        """Every call in flight now or made later is due within ``seconds`` from now
+        at the latest, also one that waits longer by itself (a queue's pop): for a
+        closing node, whose pops end once its stop notices come (at once from a host
+        that answers)."""
+        self.cap = time.monotonic() + seconds
+        self.start()
+
+    def close(self) -> None:
+        """End the watching thread (the store closed)."""
+        self._ended.set()
+        with self._starting:
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(5 * WATCH_EVERY_S)
+
+    def _watch(self) -> None:
+        peers = None
+        while not self._ended.wait(WATCH_EVERY_S):
+            calls = self.calls.copy()  # (one C call: other threads add and remove theirs)
+            if not self.stalled.is_set():
+                now = time.monotonic()
+                if not any(due < now for due in calls.values()) and not (calls and self.cap is not None
+                                                                         and self.cap < now):
+                    continue
+                self.stalled.set()
+                self._on_stall()
+            if calls and self.address is not None:
+                # again at each look while calls are in flight: a connect that torch's
+                # client is making tries again (until its timeout) after each cut
+                peers = peers if peers is not None else host_peers(*self.address)
+                cut_connections(peers)
+
+
+def _plain(address: str) -> str:
+    """``address`` with an IPv4 address mapped into IPv6 (``::ffff:127.0.0.1``, how
+    torch's client sockets name their peer) written as the IPv4 one."""
+    try:
+        parsed = ipaddress.ip_address(address.split("%")[0])
+    except ValueError:
+        return address
+    mapped = getattr(parsed, "ipv4_mapped", None)
+    return str(mapped or parsed)
+
+
+def host_peers(host: str, port: int) -> set[tuple[str, int]]:
+    """The ``(address, port)`` pairs of ``host``:``port`` as a connected socket names
+    its peer (see :func:`_plain`); empty when ``host`` cannot be resolved."""
+    try:
+        return {(_plain(info[4][0]), port) for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
+    except OSError:
+        return set()
+
+
+def cut_connections(peers: set[tuple[str, int]]) -> int:
+    """Shut down every socket of this process connected to one of ``peers`` (see
+    :func:`host_peers`); returns how many. A blocked receive on one returns at once.
+    Every other descriptor is left as it is."""
+    cut = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            copy = os.dup(int(name))  # (its own descriptor: the number may be closed meanwhile)
+        except OSError:
+            continue
+        try:
+            sock = socket.socket(fileno=copy)
+        except OSError:  # not a socket any more (the number was reused)
+            os.close(copy)
+            continue
+        with sock:  # closes the copy only; shutdown() acts on the connection itself
+            try:
+                peer = sock.getpeername() if sock.family in (socket.AF_INET, socket.AF_INET6) else None
+                if sock.type == socket.SOCK_STREAM and peer and (_plain(peer[0]), peer[1]) in peers:
+                    sock.shutdown(socket.SHUT_RDWR)
+                    cut += 1
+            except OSError:
+                pass  # not connected (a listening socket, one being closed)
+    return cut
