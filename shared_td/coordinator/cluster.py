@@ -173,6 +173,7 @@ class Cluster(ClusterAttach, ClusterMembership, ClusterRequests):
         self._waits = AnswerWaits()  # the threads waiting in their reply queue, woken by the watch thread
         self._stop = threading.Event()  # set: this node's threads end (shutdown, or the number taken over)
         self._closed = False  # shutdown() ran
+        self._left = False  # shutdown() ran to its end (an interrupted one is finished by the next call)
         self._liveness: Liveness | None = None
         self._claim: str | None = None  # this process's token in claim/<node> (cluster_liveness)
         self._run = ""  # the cluster's run, which claim tokens are bound to (cluster_runs.run_id)

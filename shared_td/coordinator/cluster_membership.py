@@ -147,7 +147,7 @@ class ClusterMembership:
                     "joined before it. It did not join. Give every node the same authkey= (or SHARED_TD_CLUSTER_KEY).")
         except BaseException:  # nothing of this node runs yet: no stop request may reach the other
             self._stop.set()
-            self._closed = True
+            self._closed = self._left = True
             if self._claim is not None:
                 self._release(joined=False)
             self._store.close()
@@ -255,11 +255,13 @@ class ClusterMembership:
         Replicas already attached stay readable. Node 0 usually hosts the store: the
         others lose it when it leaves. In a fork child of the process that started it,
         only this copy is marked shut down: the node, its threads, its connections and
-        its number stay the parent's."""
-        if self._store is None or self._closed:
+        its number stay the parent's. A shutdown interrupted (a Ctrl-C) is finished by the
+        next call: each step may run again."""
+        if self._store is None or self._left:
             return
         self._closed = True
         if os.getpid() != self._started_in:
+            self._left = True
             return  # a fork child: a stop notice or a closed pair would end the parent's node
         self._stop.set()
         # its threads' pops end once the stop notices below come: at once from a host
@@ -299,6 +301,9 @@ class ClusterMembership:
         self._filling.clear()
         self._owned.clear()
         self._store.close()
+        # (before, an interrupted call left the pairs, the store's connections and every
+        # replica open until the process ended: the next one returned at once)
+        self._left = True
 
     def _release(self, joined: bool = True) -> None:
         try:
