@@ -60,13 +60,19 @@ class StallWatch:
 
     def start(self) -> None:
         """Start the watching thread (once: at the store's first call). A daemon: it
-        never enters torch, so the interpreter's exit never waits for it nor aborts."""
+        never enters torch, so the interpreter's exit never waits for it nor aborts. A
+        thread that cannot start (the thread limit) is tried again at the next call;
+        the call goes on meanwhile, unwatched, as every call did before the watch."""
         if self._thread is not None:  # (each call asks: no lock once it runs)
             return
         with self._starting:
             if self._thread is None and not self._ended.is_set():
-                self._thread = threading.Thread(target=self._watch, name="shared_td-store-watch", daemon=True)
-                self._thread.start()
+                thread = threading.Thread(target=self._watch, name="shared_td-store-watch", daemon=True)
+                try:
+                    thread.start()
+                except RuntimeError:
+                    return
+                self._thread = thread
 
     def hurry(self, seconds: float) -> None:
         """Every call in flight now or made later is due within ``seconds`` from now

@@ -147,3 +147,26 @@ def test_a_node_whose_store_host_stopped_answers_and_closes_within_its_timeout(f
                 os.kill(process.pid, signal.SIGCONT)
                 process.kill()
                 process.join(WAIT)
+
+
+def test_a_watch_thread_that_cannot_start_fails_no_call_and_is_tried_again(monkeypatch):
+    """The thread limit: the store's calls go on (unwatched, as before the watch), and
+    the next call starts the thread; close() does not join a thread never started."""
+    from torch.distributed import HashStore
+
+    real_start = threading.Thread.start
+
+    def refused(thread):
+        if thread.name == "shared_td-store-watch":
+            raise RuntimeError("can't start new thread")
+        real_start(thread)
+
+    store = SignedStore(HashStore(), KEY.encode(), timeout=5.0)
+    monkeypatch.setattr(threading.Thread, "start", refused)
+    store.set_json("a", 1)
+    assert store.get_json("a") == 1 and store._watch._thread is None
+    monkeypatch.setattr(threading.Thread, "start", real_start)
+    store.set_json("b", 2)
+    assert store._watch._thread is not None and store._watch._thread.is_alive()
+    store.close()
+    assert not store._watch._thread.is_alive()
