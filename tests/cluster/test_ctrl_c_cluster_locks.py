@@ -46,29 +46,21 @@ def test_pull(pair):
     assert view["x"].tolist() == [1.0, 2.0, 3.0, 4.0]
 
 
-def test_push_reading_the_replica(pair):
+@pytest.mark.parametrize("holder", ["replica", "push line"])
+def test_push(pair, holder):
+    """The lock of the replica (read for the rows) or of the push line to the owner."""
     owner, other = pair
     td, view = _published(pair)
-    lock = _interrupted_once(other._replicas["p"], "lock")
+    if holder == "replica":
+        lock = _interrupted_once(other._replicas["p"], "lock")
+    else:
+        lock = _interrupted_once(other._push_lines.setdefault(owner.node, cluster_push.PushLine()), "lock")
     view["x"][1] = 7.0
     with pytest.raises(KeyboardInterrupt):
         other.push("p", 1)
     assert _free_in_another_thread(lock.lock)
     other.push("p", 1)
     assert td["x"].tolist() == [0.0, 7.0, 2.0, 3.0]
-
-
-def test_push_line_to_the_owner(pair):
-    owner, other = pair
-    td, view = _published(pair)
-    line = other._push_lines.setdefault(owner.node, cluster_push.PushLine())
-    lock = _interrupted_once(line, "lock")
-    view["x"][2] = 9.0
-    with pytest.raises(KeyboardInterrupt):
-        other.push("p", 2)
-    assert _free_in_another_thread(lock.lock)
-    other.push("p", 2)
-    assert td["x"].tolist() == [0.0, 1.0, 9.0, 3.0]
 
 
 def test_sync(pair):
