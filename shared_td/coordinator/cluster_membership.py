@@ -264,11 +264,24 @@ class ClusterMembership:
             self._left = True
             return  # a fork child: a stop notice or a closed pair would end the parent's node
         self._stop.set()
-        # its threads' pops end once the stop notices below come: at once from a host
-        # that answers; from one that stopped answering, this bounds the close
-        self._store.hurry(self.timeout)
+        try:
+            # its threads' pops end once the stop notices come: at once from a host that
+            # answers; from one that stopped answering, this bounds the close
+            self._store.hurry(self.timeout)
+            self._leave()
+        except BaseException:
+            # interrupted (a Ctrl-C): the bound goes (the next call sets its own). Left
+            # armed, the pops still in flight (their stop notices never sent) were found
+            # overdue one timeout later: the host taken as lost, and every socket of the
+            # process to it cut, another node's of this process and the user's included
+            self._store.hurry(None)
+            raise
+        self._left = True
+        _RUNNING.discard(self)  # (only now: a close interrupted in its joins is finished at exit)
+
+    def _leave(self) -> None:
+        """:meth:`shutdown`'s steps once its store calls are bounded (each may run again)."""
         stop_deliveries(self)  # (their idle waits)
-        _RUNNING.discard(self)
         # a process whose number was taken over leaves the queues and the claim to its successor
         mine = self._liveness is None or self._liveness.taken_over is None
         self._waits.wake_all(self._store, notice=mine)  # the threads waiting for an answer: see AnswerWaits
@@ -301,9 +314,6 @@ class ClusterMembership:
         self._filling.clear()
         self._owned.clear()
         self._store.close()
-        # (before, an interrupted call left the pairs, the store's connections and every
-        # replica open until the process ended: the next one returned at once)
-        self._left = True
 
     def _release(self, joined: bool = True) -> None:
         try:

@@ -171,9 +171,10 @@ class SignedStore:
         if spares:
             self._connect_spares(spares)
 
-    def hurry(self, seconds: float) -> None:
+    def hurry(self, seconds: float | None) -> None:
         """Every call of this store, in flight or to come, done within ``seconds``, or
-        the host is taken as lost (see cluster_store_watch): a closing node's bound."""
+        the host is taken as lost (see cluster_store_watch): a closing node's bound
+        (None: lifted, for a close that was interrupted)."""
         self._watch.hurry(seconds)
 
     def _stalled(self) -> None:
@@ -300,11 +301,22 @@ class SignedStore:
             store = self._spares.get_nowait()
             self._connect_spares(1)  # its replacement, in the background
         except queue.Empty:
+            self._connecting_now()
             try:
                 store = dist.PrefixStore("shared_td", self._raw.clone())
             except (AttributeError, RuntimeError):  # a Store that cannot be cloned: share it
                 store = self._base
         return store
+
+    def _connecting_now(self) -> None:
+        """The calling thread's store call (if one runs) connects first: it is due that
+        much later, the connect's own bound (torch's: the store's timeout), which a
+        reverse DNS lookup the resolver dropped fills for 5 s: not the host stalling
+        (review48: a node with a 1 s timeout took its healthy host as lost)."""
+        me = threading.get_ident()
+        due = self._watch.calls.get(me)
+        if due is not None:
+            self._watch.calls[me] = due + self.timeout
 
     def _queue_connection(self, queue_name: str):
         """The calling thread's connection for its blocking pops of ``queue_name``: one of

@@ -74,12 +74,12 @@ class StallWatch:
                     return
                 self._thread = thread
 
-    def hurry(self, seconds: float) -> None:
+    def hurry(self, seconds: float | None) -> None:
         """Every call in flight now or made later is due within ``seconds`` from now
         at the latest, also one that waits longer by itself (a queue's pop): for a
         closing node, whose pops end once its stop notices come (at once from a host
-        that answers)."""
-        self.cap = time.monotonic() + seconds
+        that answers). None: no such bound any more (a close that was interrupted)."""
+        self.cap = None if seconds is None else time.monotonic() + seconds
         self.start()
 
     def close(self) -> None:
@@ -91,20 +91,33 @@ class StallWatch:
             thread.join(5 * WATCH_EVERY_S)
 
     def _watch(self) -> None:
-        peers = None
+        # the host's addresses: looked up first while it answers (off every call's path),
+        # again at the stall; an empty answer (a lookup lost) is looked up at each look
+        peers = host_peers(*self.address) if self.address is not None else set()
+        looked_again = False
+        # (thread, due) of each call in flight -> its due, pushed back by the times this
+        # process itself did not run (SIGSTOP, a frozen machine: this thread's sleep
+        # overran) while it was in flight: on resuming, this thread may look before the
+        # caller reads the answer waiting for it (review48: a healthy host taken as lost)
+        excused: dict[tuple[int, float], float] = {}
+        last = time.monotonic()
         while not self._ended.wait(WATCH_EVERY_S):
             calls = self.calls.copy()  # (one C call: other threads add and remove theirs)
             if not self.stalled.is_set():
                 now = time.monotonic()
-                if not any(due < now for due in calls.values()) and not (calls and self.cap is not None
-                                                                         and self.cap < now):
+                overran, last = now - last - WATCH_EVERY_S, now
+                pause = overran if overran > WATCH_EVERY_S else 0.0
+                excused = {call: excused.get(call, call[1]) + pause for call in calls.items()}
+                if not any(due < now for due in excused.values()) and not (calls and self.cap is not None
+                                                                           and self.cap < now):
                     continue
                 self.stalled.set()
                 self._on_stall()
             if calls and self.address is not None:
                 # again at each look while calls are in flight: a connect that torch's
                 # client is making tries again (until its timeout) after each cut
-                peers = peers if peers is not None else host_peers(*self.address)
+                if not looked_again or not peers:
+                    peers, looked_again = peers | host_peers(*self.address), True
                 cut_connections(peers)
 
 

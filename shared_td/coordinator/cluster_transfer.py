@@ -170,6 +170,7 @@ class PairGroups:
         self._guard = threading.Lock()
         self._waiters = WorkWaiters()  # see wait()
         self._closing = False  # close() ran: waits and builds give up
+        self._unclosed: dict[int, tuple[int, list]] = {}  # taken by close(), not closed yet (it was interrupted)
         self._builds: set[threading.Thread] = set()  # build threads still running (see _build_watched)
         self._in_flight: dict[int, int] = {}  # peer -> bytes of the transfers waited for now (see wait)
 
@@ -480,12 +481,15 @@ class PairGroups:
         ended (bounded) when this returns."""
         with self._guard:
             self._closing = True
-            pairs, self._groups = list(self._groups.items()), {}
+            # each kept until closed: a close interrupted (a Ctrl-C) is finished by the next
+            self._unclosed.update(self._groups)
+            self._groups = {}
             self._rendezvous.clear()
             builds = list(self._builds)
         self._waiters.close()
-        for peer, (_generation, groups) in pairs:
-            self._close(peer, groups)
+        for peer in list(self._unclosed):
+            self._close(peer, self._unclosed[peer][1])
+            del self._unclosed[peer]
         end = time.monotonic() + _BUILD_END_S
         for thread in builds:
             thread.join(max(0.0, end - time.monotonic()))
