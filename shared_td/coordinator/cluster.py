@@ -94,7 +94,8 @@ from shared_td.coordinator.cluster_membership import ClusterMembership
 from shared_td.coordinator.cluster_replica import Owned, Replica
 from shared_td.coordinator.cluster_requests import ClusterRequests
 from shared_td.coordinator.cluster_serve import lane_queue
-from shared_td.coordinator.cluster_store import ClusterAuthError, ClusterCounter, SignedStore, cluster_key
+from shared_td.coordinator.cluster_counter import ClusterCounter
+from shared_td.coordinator.cluster_store import ClusterAuthError, SignedStore, cluster_key
 from shared_td.coordinator.cluster_sync import SyncReport
 from shared_td.coordinator.cluster_transfer import PairGroups, TransferFailed, stripe_count, stripe_ranges
 from shared_td.coordinator.cluster_values import ClusterValues

@@ -11,7 +11,8 @@ pytest.importorskip("torch.distributed")
 from tests.cluster.test_cluster_store import KEY, _pair, store  # noqa: E402,F401 - store: a fixture
 
 import shared_td  # noqa: E402
-from shared_td.coordinator.cluster_store import ClusterCounter, SignedStore  # noqa: E402
+from shared_td.coordinator.cluster_counter import ClusterCounter  # noqa: E402
+from shared_td.coordinator.cluster_store import SignedStore  # noqa: E402
 
 
 def _set(store, key: str, value: bytes) -> None:

@@ -125,7 +125,7 @@ def test_close_returns_once_no_spare_is_still_connecting(store):
 def test_counter_is_shared_between_stores(store):
     a = SignedStore(store, KEY, timeout=5)
     b = SignedStore(store.clone(), KEY, timeout=5)
-    from shared_td.coordinator.cluster_store import ClusterCounter
+    from shared_td.coordinator.cluster_counter import ClusterCounter
 
     ca, cb = ClusterCounter(a, "c"), ClusterCounter(b, "c")
     assert [ca.fetch_add(2), cb.fetch_add(1), ca.fetch_add()] == [0, 2, 3]
@@ -134,7 +134,7 @@ def test_counter_is_shared_between_stores(store):
 
 def test_cluster_counter_refuses_what_the_local_counter_refuses(store):
     """1.5 added 1 and "2" added 2 (int()); past int64 the store wrapped round."""
-    from shared_td.coordinator.cluster_store import ClusterCounter
+    from shared_td.coordinator.cluster_counter import ClusterCounter
 
     counter = ClusterCounter(SignedStore(store, KEY, timeout=5), "checked")
     local = shared_td.SharedCounter(0)
