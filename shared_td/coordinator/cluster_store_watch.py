@@ -13,10 +13,12 @@ own looks every :data:`WATCH_EVERY_S`; once one is overdue, the host is taken as
 ``on_stall`` is called (the store then opens no new connection to it) and every socket
 of this process connected to the host's address is shut down, so every call blocked on
 one fails at once (torch raises DistNetworkError: a ConnectionError for the caller, see
-``cluster_store._store_call``) and every later call on them too. The host is looked up
-again only then (a name: it may need the resolver; never on a call's path). Nothing
-else of the process is touched: a socket whose peer is not the host's address and
-port stays as it is.
+``cluster_store._store_call``) and every later call on them too. The host's name is
+looked up by the watching thread only (as it starts, again at the stall: never on a
+call's path, as a lookup may wait for the resolver). Nothing else of the process is
+touched: a socket whose peer is not the host's address and port stays as it is. A call
+that connects first is due later (``SignedStore._connecting_now``), and a time this
+process itself did not run (stopped, its machine frozen) is not held against a call.
 
 Example (a call registered with a due time already passed, on a store at no address:
 nothing to cut, the stall is still said)::
