@@ -13,11 +13,14 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
+import threading
+import time
 import urllib.parse
 
 import torch
 import torch.distributed as dist
 
+from shared_td.coordinator.cluster_store_watch import StallWatch
 from shared_td.coordinator.store_host import host_tcp_store
 
 __all__ = ["MIN_KEY_BYTES", "check_store", "cluster_key", "open_store", "signing_key"]
@@ -142,5 +145,29 @@ def open_store(url: str, node: int, timeout: float):
     if is_master:
         store = host_tcp_store(host, port, timeout=timeout)
     else:
-        store = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout))
+        store = _connect_client(host, port, timeout)
     return store, found_node, found_nodes
+
+
+def _connect_client(host: str, port: int, timeout: float):
+    """The node's first connection to the store (a TCPStore client), bounded: torch's
+    constructor waits for the host's answer to its validation with no limit once the
+    connect itself succeeded, which the kernel does for a stopped host (fuzz17: a node's
+    ``start()`` waited as long as the host was stopped). Watched as a call that connects
+    (due two timeouts later, see ``SignedStore._connecting_now``): overdue, its socket is
+    cut (cluster_store_watch) and ConnectionError is raised."""
+    watch = StallWatch((host, port), on_stall=lambda: None)
+    me = threading.get_ident()
+    try:  # (registered inside: a Ctrl-C landing after it still closes the watch, which would cut later)
+        watch.calls[me] = time.monotonic() + 2 * timeout
+        watch.start()
+        return dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout))
+    except dist.DistNetworkError as err:
+        if not watch.stalled.is_set():
+            raise
+        raise ConnectionError(
+            f"The cluster store's host {host}:{port} accepted this node's connection but did not answer it "
+            f"within {2 * timeout:g} s (twice the node's timeout): it is stopped, frozen, or cut off.") from err
+    finally:
+        watch.calls.pop(me, None)
+        watch.close()

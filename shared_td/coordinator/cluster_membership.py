@@ -227,6 +227,9 @@ class ClusterMembership:
         waiting = {n: f"join/{n}" for n in range(self.nodes) if n != self.node}
         deadline, pause = time.monotonic() + self.timeout, 0.001
         while waiting:
+            # read before looking: the look that ends the wait comes after the deadline
+            # (a node stopped past it, SIGSTOP, looks once more on resuming: fuzz17)
+            late = time.monotonic() > deadline
             for n, key in list(waiting.items()):
                 if self._store.has(key):
                     record = self._store.get_json(key)  # ClusterAuthError: another authkey
@@ -234,7 +237,7 @@ class ClusterMembership:
                         raise ValueError(f"Node {record['node']} joined with nodes={record['nodes']}, "
                                          f"this node has {self.nodes}.")
                     del waiting[n]
-            if waiting and time.monotonic() > deadline:
+            if waiting and late:
                 raise TimeoutError(f"Cluster node {self.node}: nodes {', '.join(map(str, waiting))} did not join "
                                    f"within {self.timeout:g} s.")
             if waiting:
