@@ -155,7 +155,9 @@ def _connect_client(host: str, port: int, timeout: float):
     connect itself succeeded, which the kernel does for a stopped host (fuzz17: a node's
     ``start()`` waited as long as the host was stopped). Watched as a call that connects
     (due two timeouts later, see ``SignedStore._connecting_now``): overdue, its socket is
-    cut (cluster_store_watch) and ConnectionError is raised."""
+    cut (cluster_store_watch) and ConnectionError is raised. A host that is not there (no
+    node hosts the store yet, a wrong address) is a ConnectionError too, once torch's
+    connect tries end (its timeout; it was torch's DistNetworkError, a RuntimeError)."""
     watch = StallWatch((host, port), on_stall=lambda: None)
     me = threading.get_ident()
     try:  # (registered inside: a Ctrl-C landing after it still closes the watch, which would cut later)
@@ -164,7 +166,10 @@ def _connect_client(host: str, port: int, timeout: float):
         return dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout))
     except dist.DistNetworkError as err:
         if not watch.stalled.is_set():
-            raise
+            raise ConnectionError(
+                f"Could not connect to the cluster store at {host}:{port} within the node's timeout ({timeout:g} s): "
+                f"{str(err).splitlines()[0][:200]}. Start the node that hosts it (node 0 by default) first, and "
+                "give every node the same address and port.") from err
         raise ConnectionError(
             f"The cluster store's host {host}:{port} accepted this node's connection but did not answer it "
             f"within {2 * timeout:g} s (twice the node's timeout): it is stopped, frozen, or cut off.") from err

@@ -83,3 +83,17 @@ def test_join_still_times_out(monkeypatch):
     node = types.SimpleNamespace(node=0, nodes=2, timeout=3.0, _store=store)
     with pytest.raises(TimeoutError):
         cm.ClusterMembership._wait_for_the_others(node)
+
+
+def test_start_with_no_store_host_there_is_a_connection_error():
+    """No process listens at the store's address (node 0 not started, a wrong port): a
+    ConnectionError naming the address once torch's connect tries end (it was torch's
+    DistNetworkError, a RuntimeError, unlike every other lost-store error)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # (closed: nothing listens there)
+    started = time.monotonic()
+    with pytest.raises(ConnectionError, match=f"127.0.0.1:{port}"):
+        shared_td.Coordinator(cluster=f"tcp://127.0.0.1:{port}", node=1, nodes=2, timeout=1.0,
+                              authkey="no-store-host-key-0123456789abcdef").start()
+    assert time.monotonic() - started < 15.0

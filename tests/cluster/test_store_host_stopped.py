@@ -25,8 +25,9 @@ from tests.cluster import stalled_host_children as children  # noqa: E402
 from tests.processes import WAIT  # noqa: E402
 
 KEY = "a-stopped-store-host-test-key-0123456789"
-#: The slack allowed past a bound, for a loaded machine.
-SLACK_S = 3.0
+#: The slack allowed past a bound, for a loaded machine (the full suite runs cluster
+#: tests two at a time on 2 cores).
+SLACK_S = 5.0
 
 
 class _Caller:
@@ -87,7 +88,8 @@ def test_calls_to_a_stopped_host_fail_within_their_bound_and_only_its_connection
             assert accepted.recv(1) == b"x"
             other.close()
             accepted.close()
-            store.close()
+            store.close()  # (its watch thread ends: bounded here, as a loaded machine may be slow)
+            store._watch._thread.join(WAIT)
             assert not store._watch._thread.is_alive()
         finally:
             os.kill(host.pid, signal.SIGCONT)
