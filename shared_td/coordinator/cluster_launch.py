@@ -14,7 +14,6 @@ import datetime
 import hashlib
 import os
 import threading
-import time
 import urllib.parse
 
 import torch
@@ -161,8 +160,7 @@ def _connect_client(host: str, port: int, timeout: float):
     watch = StallWatch((host, port), on_stall=lambda: None)
     me = threading.get_ident()
     try:  # (registered inside: a Ctrl-C landing after it still closes the watch, which would cut later)
-        watch.calls[me] = time.monotonic() + 2 * timeout
-        watch.start()
+        watch.begin(me, 2 * timeout)
         return dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout))
     except dist.DistNetworkError as err:
         if not watch.stalled.is_set():

@@ -113,8 +113,7 @@ def _store_call(method=None, *, waits=None):
         outer = me in calls
         try:
             if not outer:  # (inside the try: a Ctrl-C landing after it takes it back)
-                calls[me] = time.monotonic() + self.timeout + (waits(self, key, *args, **kwargs) if waits else 0.0)
-                self._watch.start()
+                self._watch.begin(me, self.timeout + (waits(self, key, *args, **kwargs) if waits else 0.0))
             return method(self, key, *args, **kwargs)
         except dist.DistNetworkError as err:
             self._host_lost = True  # no connection is tried any more: see _store
@@ -202,8 +201,7 @@ class SignedStore:
                 if self._closed or self._host_lost:
                     return
                 try:  # due as a call (a host that accepts and never answers: see cluster_store_watch)
-                    self._watch.calls[me] = time.monotonic() + self.timeout + _SPARE_CONNECT_WORST_S
-                    self._watch.start()
+                    self._watch.begin(me, self.timeout + _SPARE_CONNECT_WORST_S)
                     self._spares.put(dist.PrefixStore("shared_td", self._new_connection()))
                     return
                 except dist.DistNetworkError:  # timed out: stalled, or the host is gone

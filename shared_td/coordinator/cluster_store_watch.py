@@ -76,6 +76,14 @@ class StallWatch:
                     return
                 self._thread = thread
 
+    def begin(self, thread: int, seconds: float) -> None:
+        """Note the call ``thread`` makes now, due within ``seconds``, and watch. Called
+        inside the ``try`` whose ``finally`` removes it (``calls.pop(thread, None)``): a
+        Ctrl-C landing once it is noted then still removes it (left, it would later be
+        found overdue: a healthy host taken as lost)."""
+        self.calls[thread] = time.monotonic() + seconds
+        self.start()
+
     def hurry(self, seconds: float | None) -> None:
         """Every call in flight now or made later is due within ``seconds`` from now
         at the latest, also one that waits longer by itself (a queue's pop): for a
