@@ -185,7 +185,6 @@ class Cluster(ClusterAttach, ClusterMembership, ClusterRequests):
         self.refused = 0  # requests dropped for a wrong signature
         self.renew_failures = 0  # replicas not renewed after a re-publish (see cluster_serve)
         self.serve_errors = 0  # errors a serving thread met and served on past (cluster_serve)
-        self._pid = os.getpid()
         # this process's run of the node, named in its requests and echoed by their answers
         # in the store: a restarted node must not take its predecessor's (cluster_requests)
         self._caller = secrets.token_hex(8)
@@ -211,7 +210,7 @@ class Cluster(ClusterAttach, ClusterMembership, ClusterRequests):
         replicas of the old one are stale (:meth:`is_stale`). A name has one owner: one
         another node owns is a ValueError while that node lives, and taken over once it
         is lost (:func:`~shared_td.coordinator.cluster_owners.claim_name`)."""
-        store = self._checked()
+        store = self._as_node(f"publish({name!r})")
         cluster_push.check_name(name)  # before anything is claimed: a push of it could never be sent
         cluster_layout.check_kinds(td, name, share_non_tensor)  # before anything is mapped or published
         with generations.publish_lock(self, name):  # claim to record: see cluster_generations
@@ -295,7 +294,7 @@ class Cluster(ClusterAttach, ClusterMembership, ClusterRequests):
         OwnerLostError if the owner is lost (the replica keeps what it has)."""
         if name in self._owned:
             return self._owned[name].version
-        self._checked()
+        self._as_node(f"pull({name!r})")
         return self._fill(name, self._replica(name))
 
     def _fill(self, name: str, rep: Replica) -> int:
@@ -390,16 +389,34 @@ class Cluster(ClusterAttach, ClusterMembership, ClusterRequests):
 
     def _checked(self) -> SignedStore:
         """The store, once this node runs: RuntimeError before start() and after
-        shutdown(), NodeTakenOverError once another process took this node's number over."""
+        shutdown(), NodeTakenOverError once another process took this node's number over.
+        In a fork child of the node's process, the store only (its own connections: see
+        cluster_store's _STORES): reads and counters; what acts as the node asks
+        :meth:`_as_node` first."""
         if self._store is None:
             raise RuntimeError("This Cluster is not started (call start()).")
         if self._closed:
             # before the liveness check: a node that left stopped beating, and its own
             # stopped heartbeat read as a takeover (a NodeTakenOverError naming this pid)
             raise self._shut_down()
-        if self._liveness is not None:
+        if self._liveness is not None and os.getpid() == self._started_in:
+            # (a fork child's copy never beats: its look would write the node's heartbeat)
             self._liveness.check()
         return self._store
+
+    def _as_node(self, call: str) -> SignedStore:
+        """:meth:`_checked`, for a call that acts as this node (publish, pull, push, sync,
+        an attach that makes a replica): a RuntimeError in a fork child of the node's
+        process, whose copies of the node's gloo pairs are the parent's sockets and whose
+        copy has none of the node's threads (before, its sync went out on them beside the
+        parent's transfers, and its publish claimed a name that no process served)."""
+        if os.getpid() != self._started_in:
+            raise RuntimeError(
+                f"{call}: this process (pid {os.getpid()}) is a fork child of node {self.node}'s process (pid "
+                f"{self._started_in}), not the node: its transfers, threads and heartbeat stay in that process. "
+                "Make this call there; a fork child may read the node's replicas (shared memory), attach one the "
+                "node holds and use its cluster counters.")
+        return self._checked()
 
     def _shut_down(self, during: str = "") -> RuntimeError:
         """The error of a call on this node once it was shut down (``during``: the call

@@ -39,7 +39,7 @@ ATTACH_TRIES = 3
 class ClusterAttach:
     """Mixin of Cluster: :meth:`attach` and the making of a replica (it relies on
     ``node``, ``timeout``, ``_owned``, ``_replicas``, ``_filling``, ``_attaching``,
-    ``_values``, ``_store``, ``_threads``, ``_checked``, ``_info``, ``_fill``,
+    ``_values``, ``_store``, ``_threads``, ``_checked``, ``_as_node``, ``_info``, ``_fill``,
     ``_memmap_here`` and ``_request``/``_answer`` of
     :class:`~shared_td.coordinator.cluster_requests.ClusterRequests`)."""
 
@@ -115,6 +115,7 @@ class ClusterAttach:
             return False
 
     def _attach_generation(self, name: str, info: dict, have: Replica | None):
+        self._as_node(f"attach({name!r})")  # (a replica this node holds already is handed out in a fork child too)
         layout, generation = info["layout"], info["generation"]
         latest = self._values.latest(name, generation, len(layout.get("values", ())), info.get("digest", ""))
         if None in latest:  # a value's stored record is forged (counted): its owner stores it again

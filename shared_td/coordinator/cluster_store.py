@@ -58,17 +58,19 @@ import functools
 import hashlib
 import hmac
 import json
+import os
 import queue
 import re
 import threading
 import time
+import weakref
 
 import torch.distributed as dist
 
 # how a node finds its store, re-exported: defined here before
 from shared_td.coordinator.cluster_launch import check_store, cluster_key, open_store  # noqa: F401
 from shared_td.coordinator.cluster_launch import signing_key
-from shared_td.coordinator.cluster_store_watch import StallWatch
+from shared_td.coordinator.cluster_store_watch import StallWatch, open_sockets
 from shared_td.errors import ClusterAuthError
 from shared_td.storage.counter import INT64_MAX, INT64_MIN
 
@@ -95,6 +97,27 @@ POP_CONNECTIONS = 4
 _ABSENT = b"\x00absent"
 #: The most compare-and-set tries of one write that other writers keep overtaking.
 CAS_TRIES = 1000
+
+
+# Every SignedStore of this process. A fork child inherits their connections as shared
+# sockets: a call of the child's on one went out beside the parent's on the same
+# connection and each read the other's answer (a parent's read of a value got a
+# counter's bytes, its next call garbage), and their watch, whose thread did not come
+# along (the child's calls were unbounded). So in a fork child each starts anew: no
+# connection, no spare, a watch of its own, which spares the sockets inherited (the
+# parent's connections: shut down by the child, they would be cut for the parent too).
+_STORES: weakref.WeakSet = weakref.WeakSet()
+
+
+def _forget_parents_connections() -> None:
+    stores = list(_STORES)
+    if stores:
+        inherited = open_sockets()
+        for store in stores:
+            store._no_connection_yet(spared=inherited)
+
+
+os.register_at_fork(after_in_child=_forget_parents_connections)
 
 
 def _store_call(method=None, *, waits=None):
@@ -155,20 +178,28 @@ class SignedStore:
         self._raw = base
         self._authkey = signing_key(authkey)  # (its hash: see signing_key)
         self.timeout = timeout
-        self._local = threading.local()
-        self._spares: queue.SimpleQueue = queue.SimpleQueue()
-        self._connecting: set[threading.Thread] = set()  # spares being connected
-        self._connecting_lock = threading.Lock()
         self._closed = False
         # set once a call found the store's host gone: a connect to it would not fail
         # at once (torch retries a refused connect until its timeout, then once more
         # after a random backoff: 7-14 s for a spare), and no process can exit while
         # one runs (a node took 16 s to stop after the host's SIGKILL)
         self._host_lost = False
-        address = (base.host, base.port) if isinstance(base, dist.TCPStore) else None
-        self._watch = StallWatch(address, on_stall=self._stalled)
+        self._no_connection_yet()
+        _STORES.add(self)
         if spares:
             self._connect_spares(spares)
+
+    def _no_connection_yet(self, spared: frozenset[str] = frozenset()) -> None:
+        """This process's connections (none yet: each thread makes its own at its first
+        call) and the watch of its calls, which leaves ``spared`` sockets alone; made
+        anew in a fork child (see _STORES)."""
+        self._local = threading.local()
+        self._spares: queue.SimpleQueue = queue.SimpleQueue()
+        self._connecting: set[threading.Thread] = set()  # spares being connected
+        self._connecting_lock = threading.Lock()
+        base = self._raw
+        self._watch = StallWatch((base.host, base.port) if isinstance(base, dist.TCPStore) else None,
+                                 on_stall=self._stalled, spared=spared)
 
     def hurry(self, seconds: float | None) -> None:
         """Every call of this store, in flight or to come, done within ``seconds``, or
@@ -302,6 +333,11 @@ class SignedStore:
             self._connecting_now()
             try:
                 store = dist.PrefixStore("shared_td", self._raw.clone())
+            except dist.DistNetworkError:
+                # the host did not answer the connect: the call fails as any on a lost host
+                # (taken for a Store that cannot be cloned, the thread went on over the
+                # shared connection, which a fork child's watch spares: its call hung)
+                raise
             except (AttributeError, RuntimeError):  # a Store that cannot be cloned: share it
                 store = self._base
         return store

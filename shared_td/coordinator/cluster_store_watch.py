@@ -38,7 +38,7 @@ import socket
 import threading
 import time
 
-__all__ = ["StallWatch", "WATCH_EVERY_S", "cut_connections", "host_peers"]
+__all__ = ["StallWatch", "WATCH_EVERY_S", "cut_connections", "host_peers", "open_sockets"]
 
 #: How often the watch looks at the calls in flight (a stall is found this much late).
 WATCH_EVERY_S = 0.25
@@ -48,10 +48,12 @@ class StallWatch:
     """The store calls in flight (:attr:`calls`: thread ident -> ``time.monotonic()``
     by which the call is due) and the thread that watches them (see the module's
     opening). ``address``: the store host's ``(host, port)``, or None for a store that
-    is not reached over the network (nothing to cut)."""
+    is not reached over the network (nothing to cut); ``spared``: sockets (as
+    :func:`open_sockets` names them) that a stall leaves alone."""
 
-    def __init__(self, address: tuple[str, int] | None, on_stall):
+    def __init__(self, address: tuple[str, int] | None, on_stall, spared: frozenset[str] = frozenset()):
         self.address = address
+        self.spared = spared  # sockets never cut (see cut_connections): a fork child's inherited ones
         self.calls: dict[int, float] = {}
         self.stalled = threading.Event()  # set once a call was overdue (the host is lost)
         self.cap: float | None = None  # see hurry()
@@ -128,7 +130,7 @@ class StallWatch:
                 # client is making tries again (until its timeout) after each cut
                 if not looked_again or not peers:
                     peers, looked_again = peers | host_peers(*self.address), True
-                cut_connections(peers)
+                cut_connections(peers, self.spared)
 
 
 def _plain(address: str) -> str:
@@ -151,14 +153,30 @@ def host_peers(host: str, port: int) -> set[tuple[str, int]]:
         return set()
 
 
-def cut_connections(peers: set[tuple[str, int]]) -> int:
+def open_sockets() -> frozenset[str]:
+    """The sockets this process has open, as ``/proc/self/fd`` names them
+    (``socket:[inode]``: the same name in every process that holds one)."""
+    links = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if link.startswith("socket:"):
+            links.add(link)
+    return frozenset(links)
+
+
+def cut_connections(peers: set[tuple[str, int]], spared: frozenset[str] = frozenset()) -> int:
     """Shut down every socket of this process connected to one of ``peers`` (see
-    :func:`host_peers`); returns how many. A blocked receive on one returns at once.
-    Every other descriptor is left as it is."""
+    :func:`host_peers`), but those ``spared`` (see :func:`open_sockets`); returns how
+    many. A blocked receive on one returns at once. Every other descriptor is left as
+    it is."""
     cut = 0
     for name in os.listdir("/proc/self/fd"):
         try:
-            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+            link = os.readlink(f"/proc/self/fd/{name}")
+            if not link.startswith("socket:") or link in spared:
                 continue
             copy = os.dup(int(name))  # (its own descriptor: the number may be closed meanwhile)
         except OSError:

@@ -80,7 +80,7 @@ def sync(cluster, name: str, timeout: float | None) -> SyncReport:
     """On the owner: send the current contents of ``name`` to every node holding a
     replica, as a new version; returns when all have it (or were dropped: a node
     that fails or does not answer within ``timeout`` seconds)."""
-    store = cluster._checked()  # may give up names taken over while this process was stopped
+    store = cluster._as_node(f"sync({name!r})")  # may give up names taken over while this process was stopped
     owned = cluster._owned.get(name)
     if owned is None:
         taken = cluster._taken_names.get(name)
