@@ -34,6 +34,7 @@ import time
 from multiprocess import managers
 
 from shared_td.coordinator import channels, server
+from shared_td.storage.fd_mapping import descriptor_limits
 
 __all__ = ["ServerProcess", "START_TIMEOUT"]
 
@@ -101,7 +102,13 @@ class ServerProcess:
         its socket's path would be too long for a Unix socket (a long ``TMPDIR``).
         """
         _check_socket_path(tempfile.gettempdir())
-        popen = cls._launch(authkey)
+        try:
+            popen = cls._launch(authkey)
+        except OSError as err:  # (subprocess's pipes): the raw errno named no limit
+            if err.errno not in (errno.EMFILE, errno.ENFILE):
+                raise
+            raise OSError(err.errno, f"Could not start the shared_td coordinator's manager process: this process "
+                                     f"is out of descriptors ({err}). {descriptor_limits(err.errno)}") from err
         try:
             ready, _, _ = select.select([popen.stdout], [], [], timeout)
             address = popen.stdout.readline().decode().strip() if ready else ""

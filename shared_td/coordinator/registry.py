@@ -174,7 +174,7 @@ class Registry:
                 try:
                     self._table = VersionTable(VERSION_SLOTS)
                 except OSError as err:
-                    raise _manager_short_of(err) from err
+                    raise _table_refused(err) from err
             taken = len(self._slots)
             self._slots[name] = taken if taken < self._table.slots else None
         slot = self._slots[name]
@@ -226,6 +226,24 @@ def _reopen(pid: int, fd: int, key) -> int:
         return platform.reopen_peer_fd(pid, fd, key)
     except OSError as err:
         raise _manager_short_of(err) from err
+
+
+def _table_refused(err: OSError) -> OSError:
+    """The error of the manager's version table (a memfd) that could not be made: past
+    the manager's RLIMIT_FSIZE, which it inherits from the process that started the
+    coordinator (`ulimit -f`: the raw "File too large" read as the caller's own), or
+    short of memory; else :func:`_manager_short_of`."""
+    if err.errno not in (errno.EFBIG, errno.ENOSPC, errno.ENOMEM):
+        return _manager_short_of(err)
+    if err.errno == errno.EFBIG:
+        soft, hard = (("unlimited" if value == resource.RLIM_INFINITY else str(value))
+                      for value in resource.getrlimit(resource.RLIMIT_FSIZE))
+        why = (f"its RLIMIT_FSIZE soft/hard = {soft}/{hard} bytes, inherited from the process that started the "
+               "coordinator: raise it there (`ulimit -f unlimited`)")
+    else:
+        why = "the machine is short of memory (a memfd's pages are RAM)"
+    return OSError(err.errno, f"The shared_td coordinator's manager process {os.getpid()} could not make its "
+                              f"version table of {VERSION_SLOTS * _SLOT.size} bytes: {why} ({err}).")
 
 
 def _manager_short_of(err: OSError) -> OSError:

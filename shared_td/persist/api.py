@@ -288,8 +288,14 @@ def _memmap_to_archive(obj: Any, prefix: Any, *, like: bool, return_early: bool,
         # through the descriptor of the file this call wrote, never by the name: any
         # process may have renamed its own file over it since (the lock only orders
         # shared_td's writers); the pickles are this call's own bytes, not the file's
-        return load_written_archive(target, fd, writable=like,
-                                    pickles=archive_write.planned_pickles(planned))
+        try:
+            return load_written_archive(target, fd, writable=like,
+                                        pickles=archive_write.planned_pickles(planned))
+        except Exception as err:
+            err.add_note(f"The archive {target} was written completely and replaced the one "
+                         "that was there: only loading it back into this process failed. Load "
+                         "it with shared_td.load_memmap once the cause is fixed.")
+            raise
 
     loaded = archive_write.write_archive(target, fill, compression, existsok=existsok, then=load)
     return loaded.lock_()

@@ -82,6 +82,7 @@ from shared_td.persist import format as fmt
 from shared_td.persist.bounded_reads import MAX_META_BYTES, MemberData, member_pieces, read_member
 from shared_td.persist.node_meta import LeafMeta
 from shared_td.storage import files
+from shared_td.storage.fd_mapping import map_error
 
 #: the suffix that makes ``memmap``/``save`` write an archive (``archive=None``)
 ARCHIVE_SUFFIX = ".tdz"
@@ -363,7 +364,11 @@ class Archive:
                     "mapped, not copied)."))
         # private: after a fork each process writes its own copy (a shared mapping, the
         # default, let a DataLoader worker's write reach the parent's "copy")
-        return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        try:
+            return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        except OSError as err:  # RLIMIT_AS, vm.max_map_count, the commit: say which member
+            raise map_error(err.errno, -1, nbytes, False, f"member {name!r} of the archive "
+                            f"{self.path} (compressed: decompressed into private memory)") from None
 
     def backing(self) -> files.FileBacking:
         """The one mapping of the whole archive (made on first use)."""

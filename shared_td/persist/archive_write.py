@@ -247,9 +247,23 @@ def check_archive_target(target: Any, *, existsok: bool) -> str:
     if os.path.isdir(target):
         raise IsADirectoryError(errno.EISDIR, f"Cannot write an archive at {target}: it is a "
                                 "directory (pass archive=False to write a directory save there).")
+    try:
+        _refuse_special(target, os.lstat(target))
+    except FileNotFoundError:
+        pass
     if not existsok:
         _refuse_existing(target)
     return target
+
+
+def _refuse_special(target: str, found: os.stat_result | None) -> None:
+    """An OSError (EEXIST) when what is at ``target`` (``found``: its lstat) is no
+    regular file: a FIFO, socket or device is never replaced (the archive renamed over
+    it removed it: ``/dev/null`` for a root writer), as ``consolidate(filename=)``."""
+    if found is not None and not stat.S_ISREG(found.st_mode):
+        raise OSError(errno.EEXIST, f"Cannot write an archive at {target}: it is "
+                      f"{files.file_kind(found.st_mode)}, which an archive write would replace. Remove it, "
+                      "or write the archive elsewhere.")
 
 
 def _refuse_existing(target: str) -> None:
@@ -275,6 +289,7 @@ def write_archive(target: str, fill: Callable[[Members], None], compression: Any
     parent, name = os.path.split(target)
     os.makedirs(parent, exist_ok=True)
     with atomic.acquired(target), Directory.open(parent) as directory:
+        _refuse_special(target, directory.lstat(name))  # (again: it may have come since the check)
         if not existsok:
             _refuse_existing(target)
         _sweep(target)

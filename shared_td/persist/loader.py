@@ -63,6 +63,7 @@ from shared_td.persist.archive import ZIP_STARTS, Archive, ArchiveNode
 from shared_td.persist.bounded_reads import MAX_META_BYTES, MAX_PICKLE_BYTES
 from shared_td.persist.node_meta import ChildMeta, LeafMeta, NodeMeta
 from shared_td.storage import files
+from shared_td.storage.fd_mapping import descriptor_limits
 from shared_td.storage.files import Directory, FileTooShortError
 
 #: open(O_RDWR) fails so on a file that can be read but not written (its mode or ACL,
@@ -468,7 +469,14 @@ def load_written_archive(path: str, fd: int, *, writable: bool, pickles: dict[st
     pickles. ``path`` names the archive in messages and mapped tensors; ``writable``
     maps it shared (``mode="r+"``); ``pickles`` are the side files the writer made
     (member name -> bytes), unpickled instead of the archive's (no other is read)."""
-    archive = Archive(path, writable=writable, fd=os.dup(fd))
+    try:
+        dup = os.dup(fd)
+    except OSError as err:
+        if err.errno not in (errno.EMFILE, errno.ENFILE):
+            raise
+        raise OSError(err.errno, f"Cannot open the archive {path} again to load it: {err.strerror}. "
+                                 f"{descriptor_limits(err.errno)}") from None
+    archive = Archive(path, writable=writable, fd=dup)
     loader = Loader(mode="r+" if writable else None)
     loader.pickles = pickles
     return loader.load_opened(ArchiveNode(archive))
