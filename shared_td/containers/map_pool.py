@@ -18,7 +18,8 @@ import os
 import signal
 import threading
 import traceback
-from multiprocessing import connection
+import weakref
+from multiprocessing import connection, process as mp_process
 from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
@@ -83,6 +84,22 @@ def run_chunks(fn: Callable, tasks: Iterable[tuple], *, workers: int, start_meth
         pool.close()
 
 
+# The workers started in this process. A child made by os.fork inherits multiprocessing's
+# table of this process's children (multiprocessing's own fork children get a fresh one):
+# its normal exit (multiprocessing's atexit hook) then SIGTERMed these daemonic workers,
+# which are the parent's, and the parent's map() failed with WorkerDiedError.
+_LIVE: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _disown_in_child() -> None:
+    for process in list(_LIVE):
+        mp_process._children.discard(process)
+    _LIVE.clear()
+
+
+os.register_at_fork(after_in_child=_disown_in_child)
+
+
 class _Worker:
     __slots__ = ("process", "pipe", "holding", "served")
 
@@ -110,6 +127,7 @@ class _Pool:
             name=f"shared_td-map-{self._started}", daemon=True)
         self._started += 1
         process.start()
+        _LIVE.add(process)
         theirs.close()  # (the worker's end: its death then reads as end of file here)
         return _Worker(process, mine)
 

@@ -32,6 +32,7 @@ Example:
 from __future__ import annotations
 
 import concurrent.futures.thread  # noqa: F401  (its exit hook first: ours, registered after, runs before it)
+import os
 import sys
 import threading
 import traceback
@@ -245,3 +246,16 @@ def _wait_at_exit() -> None:
 
 
 threading._register_atexit(_wait_at_exit)
+
+
+def _after_fork_in_child() -> None:
+    """A fork child runs none of its parent's background writes (their threads are the
+    parent's; the parent completes them): it forgets them. Else the child's exit
+    (``_wait_at_exit``: a normal exit, a multiprocessing or DataLoader worker's end) and
+    its next write of the same tree or prefix waited for a future nobody sets."""
+    global _guard
+    _guard = threading.Lock()  # (a thread of the parent may have held it at the fork)
+    _running.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
