@@ -19,7 +19,7 @@ import urllib.parse
 import torch
 import torch.distributed as dist
 
-from shared_td.coordinator.cluster_store_watch import StallWatch
+from shared_td.coordinator.cluster_store_watch import StallWatch, resolving
 from shared_td.coordinator.store_host import host_tcp_store
 
 __all__ = ["MIN_KEY_BYTES", "check_store", "cluster_key", "open_store", "signing_key"]
@@ -161,7 +161,8 @@ def _connect_client(host: str, port: int, timeout: float):
     me = threading.get_ident()
     try:  # (registered inside: a Ctrl-C landing after it still closes the watch, which would cut later)
         watch.begin(me, 2 * timeout)
-        return dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout))
+        with resolving():
+            return dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout))
     except dist.DistNetworkError as err:
         if not watch.stalled.is_set():
             raise ConnectionError(

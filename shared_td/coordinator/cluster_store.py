@@ -70,7 +70,7 @@ import torch.distributed as dist
 # how a node finds its store, re-exported: defined here before
 from shared_td.coordinator.cluster_launch import check_store, cluster_key, open_store  # noqa: F401
 from shared_td.coordinator.cluster_launch import signing_key
-from shared_td.coordinator.cluster_store_watch import StallWatch, open_sockets
+from shared_td.coordinator.cluster_store_watch import StallWatch, open_sockets, resolving
 from shared_td.errors import ClusterAuthError
 from shared_td.storage.counter import INT64_MAX, INT64_MIN
 
@@ -105,16 +105,14 @@ CAS_TRIES = 1000
 # counter's bytes, its next call garbage), and their watch, whose thread did not come
 # along (the child's calls were unbounded). So in a fork child each starts anew: no
 # connection, no spare, a watch of its own, which spares the sockets inherited (the
-# parent's connections: shut down by the child, they would be cut for the parent too).
+# parent's connections: shut down by the child, they would be cut for the parent too),
+# listed before the child's first connection (a child that never calls pays nothing).
 _STORES: weakref.WeakSet = weakref.WeakSet()
 
 
 def _forget_parents_connections() -> None:
-    stores = list(_STORES)
-    if stores:
-        inherited = open_sockets()
-        for store in stores:
-            store._no_connection_yet(spared=inherited)
+    for store in list(_STORES):
+        store._no_connection_yet(forked=True)
 
 
 os.register_at_fork(after_in_child=_forget_parents_connections)
@@ -189,17 +187,18 @@ class SignedStore:
         if spares:
             self._connect_spares(spares)
 
-    def _no_connection_yet(self, spared: frozenset[str] = frozenset()) -> None:
+    def _no_connection_yet(self, forked: bool = False) -> None:
         """This process's connections (none yet: each thread makes its own at its first
-        call) and the watch of its calls, which leaves ``spared`` sockets alone; made
-        anew in a fork child (see _STORES)."""
+        call) and the watch of its calls; made anew in a fork child (``forked``: see
+        _STORES), whose watch spares the sockets it inherited (:meth:`_take_connection`)."""
         self._local = threading.local()
         self._spares: queue.SimpleQueue = queue.SimpleQueue()
         self._connecting: set[threading.Thread] = set()  # spares being connected
         self._connecting_lock = threading.Lock()
+        self._inherited_unlisted = forked
         base = self._raw
         self._watch = StallWatch((base.host, base.port) if isinstance(base, dist.TCPStore) else None,
-                                 on_stall=self._stalled, spared=spared)
+                                 on_stall=self._stalled)
 
     def hurry(self, seconds: float | None) -> None:
         """Every call of this store, in flight or to come, done within ``seconds``, or
@@ -243,8 +242,8 @@ class SignedStore:
         def connect() -> None:
             try:
                 connect_one()
-            except (AttributeError, RuntimeError):  # not clonable
-                pass
+            except (AttributeError, RuntimeError, ConnectionError):  # not clonable; a fork child that may not
+                pass  # connect (see cluster_store_watch.resolving)
             finally:
                 with self._connecting_lock:
                     self._connecting.discard(threading.current_thread())
@@ -271,10 +270,11 @@ class SignedStore:
         hold a closing node for the whole store timeout), then given the store's own
         timeout; another Store's clone."""
         raw = self._raw
-        if not isinstance(raw, dist.TCPStore):
-            return raw.clone()
-        connect_s = min(SPARE_CONNECT_S, raw.timeout.total_seconds())
-        store = dist.TCPStore(raw.host, raw.port, None, False, datetime.timedelta(seconds=connect_s))
+        with resolving():
+            if not isinstance(raw, dist.TCPStore):
+                return raw.clone()
+            connect_s = min(SPARE_CONNECT_S, raw.timeout.total_seconds())
+            store = dist.TCPStore(raw.host, raw.port, None, False, datetime.timedelta(seconds=connect_s))
         store.set_timeout(raw.timeout)
         return store
 
@@ -326,13 +326,18 @@ class SignedStore:
         if self._host_lost:
             raise ConnectionError("The cluster store is gone (a call of this node found its host "
                                   "stopped): no new connection to it is tried.")
+        if self._inherited_unlisted:  # a fork child's first connection: its sockets are all inherited
+            with self._connecting_lock:
+                if self._inherited_unlisted:
+                    self._watch.spared, self._inherited_unlisted = open_sockets(), False
         try:
             store = self._spares.get_nowait()
             self._connect_spares(1)  # its replacement, in the background
         except queue.Empty:
             self._connecting_now()
             try:
-                store = dist.PrefixStore("shared_td", self._raw.clone())
+                with resolving():
+                    store = dist.PrefixStore("shared_td", self._raw.clone())
             except dist.DistNetworkError:
                 # the host did not answer the connect: the call fails as any on a lost host
                 # (taken for a Store that cannot be cloned, the thread went on over the

@@ -38,22 +38,79 @@ import socket
 import threading
 import time
 
-__all__ = ["StallWatch", "WATCH_EVERY_S", "cut_connections", "host_peers", "open_sockets"]
+__all__ = ["StallWatch", "WATCH_EVERY_S", "cut_connections", "host_peers", "open_sockets", "resolving"]
 
 #: How often the watch looks at the calls in flight (a stall is found this much late).
 WATCH_EVERY_S = 0.25
+
+#: How long a fork waits for this process's store connects (and host lookups) under way.
+FORK_WAIT_S = 5.0
+
+# The threads connecting to the store or looking its host up now. Each holds glibc's
+# resolver lock for a while (torch's connect looks its peer's name up): a fork made then
+# gives the child that lock held by a thread it does not have, and the child's own first
+# connect (made anew there: see cluster_store's _STORES) waited on it for ever, where no
+# stall watch can cut anything (review49). So a fork waits (at most FORK_WAIT_S) for those
+# under way, and none starts until it is made; a child forked past that wait refuses to
+# connect. The forking thread's own entry is not waited for: it cannot be connecting, so
+# it is one a Ctrl-C left behind (a Python __exit__ can be cut before it runs).
+_lookups: set[int] = set()
+_no_new_lookups = threading.Lock()  # held through a fork (see _before_fork)
+_forked_mid_lookup = False
+
+
+class resolving:
+    """``with resolving():`` around a store connect or a host lookup (see above)."""
+
+    def __enter__(self) -> None:
+        if _forked_mid_lookup:
+            raise ConnectionError(  # (an OSError: never taken for a Store that cannot be cloned)
+                "This process was forked while another thread of its parent was connecting to the cluster store "
+                f"(it did not end within {FORK_WAIT_S:g} s): a connect here could wait for ever on a lock that "
+                "thread held. Fork once the node's connects are done, or use the forkserver or spawn start method.")
+        with _no_new_lookups:
+            _lookups.add(threading.get_ident())
+
+    def __exit__(self, *exc) -> None:
+        _lookups.discard(threading.get_ident())
+
+
+def _others_lookups() -> set[int]:
+    return _lookups - {threading.get_ident()}  # (one C call: other threads add and remove theirs)
+
+
+def _before_fork() -> None:
+    _no_new_lookups.acquire()
+    end = time.monotonic() + FORK_WAIT_S
+    while _others_lookups() and time.monotonic() < end:
+        time.sleep(0.001)
+
+
+def _after_fork_in_parent() -> None:
+    _no_new_lookups.release()
+
+
+def _after_fork_in_child() -> None:
+    global _no_new_lookups, _forked_mid_lookup
+    _forked_mid_lookup = _forked_mid_lookup or bool(_others_lookups())
+    _lookups.clear()
+    _no_new_lookups = threading.Lock()
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_after_fork_in_child)
 
 
 class StallWatch:
     """The store calls in flight (:attr:`calls`: thread ident -> ``time.monotonic()``
     by which the call is due) and the thread that watches them (see the module's
     opening). ``address``: the store host's ``(host, port)``, or None for a store that
-    is not reached over the network (nothing to cut); ``spared``: sockets (as
+    is not reached over the network (nothing to cut). :attr:`spared`: sockets (as
     :func:`open_sockets` names them) that a stall leaves alone."""
 
-    def __init__(self, address: tuple[str, int] | None, on_stall, spared: frozenset[str] = frozenset()):
+    def __init__(self, address: tuple[str, int] | None, on_stall):
         self.address = address
-        self.spared = spared  # sockets never cut (see cut_connections): a fork child's inherited ones
+        self.spared: frozenset[str] = frozenset()  # never cut (cut_connections): a fork child's inherited ones
         self.calls: dict[int, float] = {}
         self.stalled = threading.Event()  # set once a call was overdue (the host is lost)
         self.cap: float | None = None  # see hurry()
@@ -148,7 +205,9 @@ def host_peers(host: str, port: int) -> set[tuple[str, int]]:
     """The ``(address, port)`` pairs of ``host``:``port`` as a connected socket names
     its peer (see :func:`_plain`); empty when ``host`` cannot be resolved."""
     try:
-        return {(_plain(info[4][0]), port) for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
+        with resolving():
+            found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        return {(_plain(info[4][0]), port) for info in found}
     except OSError:
         return set()
 

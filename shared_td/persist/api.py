@@ -292,9 +292,9 @@ def _memmap_to_archive(obj: Any, prefix: Any, *, like: bool, return_early: bool,
             return load_written_archive(target, fd, writable=like,
                                         pickles=archive_write.planned_pickles(planned))
         except Exception as err:
-            err.add_note(f"The archive {target} was written completely and replaced the one "
-                         "that was there: only loading it back into this process failed. Load "
-                         "it with shared_td.load_memmap once the cause is fixed.")
+            err.add_note(f"The archive {target} was written completely and is in place: only "
+                         "loading it back into this process failed. Load it with "
+                         "shared_td.load_memmap once the cause is fixed.")
             raise
 
     loaded = archive_write.write_archive(target, fill, compression, existsok=existsok, then=load)

@@ -247,12 +247,12 @@ def check_archive_target(target: Any, *, existsok: bool) -> str:
     if os.path.isdir(target):
         raise IsADirectoryError(errno.EISDIR, f"Cannot write an archive at {target}: it is a "
                                 "directory (pass archive=False to write a directory save there).")
+    if not existsok:  # (first: any file there is tensordict's RuntimeError)
+        _refuse_existing(target)
     try:
         _refuse_special(target, os.lstat(target))
     except FileNotFoundError:
         pass
-    if not existsok:
-        _refuse_existing(target)
     return target
 
 
@@ -289,9 +289,9 @@ def write_archive(target: str, fill: Callable[[Members], None], compression: Any
     parent, name = os.path.split(target)
     os.makedirs(parent, exist_ok=True)
     with atomic.acquired(target), Directory.open(parent) as directory:
-        _refuse_special(target, directory.lstat(name))  # (again: it may have come since the check)
         if not existsok:
             _refuse_existing(target)
+        _refuse_special(target, directory.lstat(name))  # (again: it may have come since the check)
         _sweep(target)
         temporary, fd = _new_temporary(directory, name)
         members = None

@@ -24,3 +24,11 @@ def test_archive_write_refuses_a_fifo_target_and_leaves_it(tmp_path, through_lin
     with pytest.raises(OSError, match="FIFO"):
         shared_td.pack_memmap(str(tmp_path / "sv"), str(path))
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
+def test_existsok_false_on_a_fifo_is_tensordicts_runtime_error(tmp_path):
+    fifo = tmp_path / "f.tdz"
+    os.mkfifo(fifo)
+    with pytest.raises(RuntimeError, match="already exists"):
+        shared_td.TensorDict(a=torch.ones(3), batch_size=[3]).memmap(str(fifo), existsok=False)
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
