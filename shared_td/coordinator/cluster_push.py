@@ -92,7 +92,8 @@ def push(cluster, name: str, index) -> None:
     check_name(name)
     if name in cluster._owned:
         return  # the owner's replica is its own buffer: the rows are already there
-    cluster._as_node(f"push({name!r})")  # free, unless this process was stopped for seconds (its number may be taken over)
+    # free, unless this process was stopped for seconds (its number may be taken over)
+    cluster._as_node(f"push({name!r})")
     rep = cluster._replica(name)
     if rep.renewed_from:  # renewed on the owner's notice: the user's rows are in the old views
         raise _republished(name, rep.generation, rep.renewed_from, renewed=True)

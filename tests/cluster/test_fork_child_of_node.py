@@ -146,7 +146,8 @@ _REPLICA = textwrap.dedent("""
             said = []
             for what, call in [("pull", lambda: coord.pull("x")), ("push", lambda: coord.push("x", [0])),
                                ("sync", lambda: coord.sync("x")),
-                               ("publish", lambda: coord.publish("y", shared_td.TensorDict(w=torch.zeros(2)), replicate=True))]:
+                               ("publish", lambda: coord.publish("y", shared_td.TensorDict(w=torch.zeros(2)),
+                                                                 replicate=True))]:
                 try:
                     call()
                     said.append(f"{what}: no error")
