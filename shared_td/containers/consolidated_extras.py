@@ -44,6 +44,7 @@ import copy
 import copyreg
 import functools
 import io
+import os
 import pickle
 import sys
 import threading
@@ -62,6 +63,24 @@ _local = threading.local()
 _hook = threading.Lock()
 _users = 0  # the contexts open in all threads, while the tensor reducer is registered
 _previous: Any = None  # what copyreg.dispatch_table held for torch.Tensor before
+
+
+def _after_fork_in_child() -> None:
+    # A thread of the parent may have held _hook at the fork, and the contexts open in
+    # the parent's other threads never close here: count only this thread's, and take
+    # the reducer off when none is open (as _release does).
+    global _hook, _users, _previous
+    _hook = threading.Lock()
+    _users = len(getattr(_local, "stack", None) or ())
+    if _users == 0 and copyreg.dispatch_table.get(_Tensor) is _reduce_tensor:
+        if _previous is None:
+            copyreg.dispatch_table.pop(_Tensor, None)
+        else:
+            copyreg.dispatch_table[_Tensor] = _previous
+        _previous = None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Context:

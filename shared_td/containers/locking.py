@@ -6,6 +6,7 @@ so that it cannot be unlocked on its own.
 """
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from typing import Any
@@ -32,6 +33,14 @@ def lock_built(node: "LockingOps", children: list) -> None:
 _lock_tokens: dict[int, tuple[weakref.ref, object]] = {}
 _tokens_guard = threading.Lock()
 _prune_at = 1024
+
+
+def _new_guard_in_child() -> None:
+    global _tokens_guard
+    _tokens_guard = threading.Lock()  # (a thread of the parent may have held it at the fork)
+
+
+os.register_at_fork(after_in_child=_new_guard_in_child)
 
 
 def _token_of(node: Any) -> object:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import os
 import time
 from typing import Any, Callable, Iterator
@@ -33,9 +34,8 @@ def rewrite_node(obj: Any, directory: str, expected: tuple[int, int] | None = No
     the node's flock, SaveChangedError (nothing written) if ``directory`` is no longer
     the ``expected`` ``(st_dev, st_ino)`` it was mapped from: a stale view's write never
     reaches a newer save's files (written through the descriptor checked)."""
-    with Directory.open(directory) as opened:
+    with Directory.open(directory) as opened, _held(opened, expected is not None):
         if expected is not None:
-            _lock_node(opened)
             st = os.fstat(opened.fd)
             if (st.st_dev, st.st_ino) != tuple(expected):
                 raise SaveChangedError(
@@ -80,8 +80,7 @@ def node_rewrite(obj: Any, directory: str) -> Iterator[Callable[[], None]]:
     was replaced meanwhile (what the block wrote went to the old version)."""
     kind = nodes.kind_for_object(obj)
     expected = kind.metadata(obj, _entries_now(kind, obj))[0]
-    with Directory.open(directory) as opened:
-        _lock_node(opened)
+    with Directory.open(directory) as opened, _held(opened):
         on_disk = read_meta(opened)
         if not _same_layout(on_disk, expected):
             raise SaveChangedError(
@@ -109,6 +108,23 @@ def _lock_node(opened: Directory) -> None:
                                "(it holds the directory's flock): it is stalled or stopped.")
         time.sleep(pause)
         pause = min(2 * pause, 0.05)
+
+
+@contextlib.contextmanager
+def _held(opened: Directory, take: bool = True) -> Iterator[None]:
+    """The node's flock (:func:`_lock_node`) for the block, given back explicitly at its
+    end: a child forked meanwhile shares the descriptor's open file description, and a
+    flock that only the close drops would stay held by the child's copy for its whole
+    life (every later rewrite of the node, the parent's and the child's, waited
+    NODE_LOCK_S and raised TimeoutError)."""
+    if not take:
+        yield
+        return
+    _lock_node(opened)
+    try:
+        yield
+    finally:
+        fcntl.flock(opened.fd, fcntl.LOCK_UN)
 
 
 def _same_layout(first: NodeMeta, second: NodeMeta) -> bool:
