@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import secrets
 import threading
 import time
@@ -270,6 +271,17 @@ _LOCK = threading.Lock()
 # a pending gen/ mark above its name record, as stored -> (its owner's heartbeat as first
 # seen with it, when): a mark whose owner's heartbeat stands still is taken back
 _MARKS: dict[bytes, tuple[bytes | None, float]] = {}
+
+
+def _new_lock_in_child() -> None:
+    # a fork child reads names too (is_stale, refresh, attach of a replica its node
+    # holds): a parent thread that held _LOCK at the fork left the child's copy held for
+    # ever, and the child's next look at a pending or missing gen/ record hung
+    global _LOCK
+    _LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
 
 
 def _owner_gone(store, small: dict, blob: bytes) -> bool:

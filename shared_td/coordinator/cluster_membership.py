@@ -86,13 +86,26 @@ from shared_td.coordinator.cluster_store import ClusterAuthError, SignedStore
 from shared_td.coordinator.cluster_transfer import PairGroups
 from shared_td.coordinator.cluster_wake import wake_pops
 from shared_td.coordinator.cluster_values import ClusterValues
+from shared_td.platform import ThreadLock
 
 __all__ = ["ClusterMembership", "settled_run"]
 
 # The nodes this process started and did not shut down yet: shut down at exit (see the
 # module's opening). A fork child runs none of them: it starts with none.
 _RUNNING: set = set()
-os.register_at_fork(after_in_child=_RUNNING.clear)
+
+
+def _after_fork_in_child() -> None:
+    # a fork child may still attach a replica its node holds (handed out, no transfer):
+    # a parent thread inside an attach at the fork (a user's, a lane's renewal) left the
+    # child's copy of the node's attach lock held by a thread it does not have, and every
+    # attach and refresh of the child waited the node's timeout, then raised TimeoutError
+    for node in _RUNNING:
+        node._attaching = ThreadLock()
+    _RUNNING.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 # The longest timeout of the nodes this process started: the bound on the wait for
 # their threads at exit (every wait of theirs ends within it).
 _EXIT_WAIT_S = [0.0]
