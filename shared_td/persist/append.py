@@ -106,7 +106,7 @@ def append_memmap(prefix: Any, rows: Any, *, allow_pickle: bool | None = None) -
                 grown.append((os.path.relpath(leaf_file, target), declared))
                 if shared:  # other names share it: grow a copy, not them
                     _unshare(staged, *grown[-1])
-                _grow(staged, *grown[-1], source)
+                _grow(staged, *grown[-1], source, saved=leaf_file)
             staged.close()
             staging.finish()
             staged_meta = os.stat(os.path.join(staging.path, fmt.META))
@@ -419,15 +419,20 @@ def _shrink(staged: _StagedLevels, grown: list[tuple[str, int]]) -> None:
             os.close(fd)
 
 
-def _grow(staged: _StagedLevels, relative: str, declared: int, source: torch.Tensor) -> None:
-    """Write ``source``'s bytes into the staged leaf file ``relative`` after its
-    ``declared`` bytes (bytes past them, left by an append cut short, are overwritten
-    or cut)."""
+def _grow(staged: _StagedLevels, relative: str, declared: int, source: torch.Tensor, saved: str) -> None:
+    """Write ``source``'s bytes into the staged leaf file ``relative`` (made from the
+    ``saved`` file, which errors name) after its ``declared`` bytes (bytes past them, left by an append
+    cut short, are overwritten or cut)."""
     data = source.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
     directory, name = staged.leaf(relative)
     if declared == 0 and not directory.exists(name):  # (an empty leaf's file: none was saved)
         os.close(directory.open_file(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
-    fd, size = directory.open_regular_stat(name, os.O_WRONLY)  # (a FIFO, a symlink: refused)
+    try:
+        fd, size = directory.open_regular_stat(name, os.O_WRONLY)  # (a FIFO, a symlink: refused)
+    except PermissionError as error:  # (the staged name is gone once the call returns: name the saved one)
+        raise PermissionError(error.errno, f"append_memmap: cannot write the leaf file {saved}: "
+                              f"{os.strerror(error.errno)} (a read-only file or save: make it writable, e.g. "
+                              "chmod u+w, or save the tree anew); nothing changed.") from None
     path = directory.join(name)
     try:
         if size.st_size < declared:  # (checked before, but a writer that takes no lock may have replaced it)

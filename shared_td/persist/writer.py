@@ -260,7 +260,12 @@ class _TreeWriter:
         if options.like and directory.exists(name):
             # a "like" file must read as zeros: a new file replaces the old one, whose
             # mappings (maybe the source's own) keep the old bytes; nothing is truncated
-            directory.unlink(name)
+            try:
+                directory.unlink(name)
+            except IsADirectoryError as error:  # (a directory where the leaf's file goes)
+                raise IsADirectoryError(error.errno, f"Cannot write key {leaf.key!r} to {leaf.path}: it is a "
+                                        "directory, not a file. Remove that directory (or write to another "
+                                        "prefix) and write again.") from None
         try:
             fd, is_new = files.reserve_file(directory, name, existsok=options.existsok)
         except IsADirectoryError as error:  # (a FIFO, socket or device there: its own message)
