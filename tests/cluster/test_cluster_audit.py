@@ -150,7 +150,7 @@ def test_a_process_with_another_key_cannot_seize_a_running_nodes_number(store, p
         wrong.start()
     assert time.monotonic() - began < 8  # refused before any wait for heartbeats
     assert store.get("shared_td/claim/1") == claim  # nothing claimed, nothing overwritten
-    assert SignedStore(store, KEY, timeout=5.0).get_json("join/1")["pid"] == other._pid
+    assert SignedStore(store, KEY, timeout=5.0).get_json("join/1")["pid"] == other._started_in
     twin = Cluster(url, 1, 2, authkey=KEY, timeout=5.0, hostname="127.0.0.1")
     with pytest.raises(ValueError, match="Node 1 is running"):
         twin.start()
