@@ -71,7 +71,10 @@ def _after_fork_in_child() -> None:
     # the reducer off when none is open (as _release does).
     global _hook, _users, _previous
     _hook = threading.Lock()
-    _users = len(getattr(_local, "stack", None) or ())
+    stack = getattr(_local, "stack", None) or ()
+    for context in stack:  # (the others, open in the parent's other threads, are not counted here)
+        context.pid = os.getpid()
+    _users = len(stack)
     if _users == 0 and copyreg.dispatch_table.get(_Tensor) is _reduce_tensor:
         if _previous is None:
             copyreg.dispatch_table.pop(_Tensor, None)
@@ -90,7 +93,7 @@ class Context:
     asked for)."""
 
     __slots__ = ("root", "handle", "layout", "value_ids", "described", "_paths", "guard", "stack", "owner",
-                 "_layout_ref", "suspended")
+                 "_layout_ref", "suspended", "pid")
 
     def __init__(self, root: Any, layout: Any, value_ids: set[int], described: set[int]):
         self.root, self.layout, self.value_ids, self.described = root, layout, value_ids, described
@@ -101,6 +104,7 @@ class Context:
         self.owner: tuple = ()  # who saves its values (see _asker): the only one it answers
         self._layout_ref: Any = None
         self.suspended = 0  # answers no one while its tree is pickled whole (Tree.__reduce_ex__)
+        self.pid = 0  # the process that counted it in _users (a fork child counts only its thread's)
 
     @property
     def paths(self) -> dict[int, tuple]:
@@ -303,6 +307,7 @@ def _open(context: Context) -> None:
         stack = _local.stack = []
     stack.append(context)
     context.stack = stack
+    context.pid = os.getpid()
     with _hook:
         if _users == 0:
             _previous = copyreg.dispatch_table.get(_Tensor)
@@ -317,7 +322,8 @@ def _close(context: Context) -> None:
     context.owner = ()  # (a frame, a pickler or a memo: not kept alive by a closed context)
     if stack and context in stack:
         stack.remove(context)
-        _release()
+        if getattr(context, "pid", 0) == os.getpid():  # (a parent thread's, closed in a fork child: not counted)
+            _release()
 
 
 def _close_dropped(context: Context, _ref: Any) -> None:

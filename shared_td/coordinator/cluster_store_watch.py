@@ -55,7 +55,9 @@ FORK_WAIT_S = 5.0
 # connect. The forking thread's own entry is not waited for: it cannot be connecting, so
 # it is one a Ctrl-C left behind (a Python __exit__ can be cut before it runs).
 _lookups: set[int] = set()
-_no_new_lookups = threading.Lock()  # held through a fork (see _before_fork)
+# held through a fork (see _before_fork); re-entrant: a signal handler that forks while its
+# thread is inside resolving()'s own `with _no_new_lookups:` would wait for itself for ever
+_no_new_lookups = threading.RLock()
 _forked_mid_lookup = False
 
 
@@ -94,7 +96,7 @@ def _after_fork_in_child() -> None:
     global _no_new_lookups, _forked_mid_lookup
     _forked_mid_lookup = _forked_mid_lookup or bool(_others_lookups())
     _lookups.clear()
-    _no_new_lookups = threading.Lock()
+    _no_new_lookups = threading.RLock()
 
 
 os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,

@@ -120,8 +120,8 @@ def _held(opened: Directory, take: bool = True) -> Iterator[None]:
     if not take:
         yield
         return
-    _lock_node(opened)
-    try:
+    try:  # (taken inside: a Ctrl-C right after the flock still gives it back; LOCK_UN of one not held is a no-op)
+        _lock_node(opened)
         yield
     finally:
         fcntl.flock(opened.fd, fcntl.LOCK_UN)
