@@ -6,6 +6,8 @@ A helper module, not a test (pytest collects only test_*.py); imported as
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import subprocess
 import threading
 import time
@@ -26,6 +28,21 @@ def finish(process, timeout: float = WAIT) -> int:
         process.join(timeout)
         pytest.fail("child process hung")
     return process.exitcode
+
+
+def fork_exit_code(pid: int, timeout: float = WAIT) -> int | None:
+    """The exit code of the fork child ``pid`` (``os.waitstatus_to_exitcode``: minus the
+    signal that ended it), waited for within ``timeout`` seconds; None for a child still
+    running then, which is killed (and reaped)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return None
 
 
 @contextlib.contextmanager

@@ -9,6 +9,8 @@ import pytest
 
 pytest.importorskip("torch.distributed")
 
+from tests.cluster.test_fork_child_of_node import _OWNER  # noqa: E402 (node 0 publishing "x")
+
 BOUND_S = 120
 
 _GENERATIONS = textwrap.dedent("""
@@ -43,16 +45,6 @@ def test_fork_child_reads_a_name_while_a_parent_thread_holds_the_generations_loc
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["child", "0", "parent", "(1,", "'d')"], done.stdout  # (-14: the alarm)
 
-
-_OWNER = textwrap.dedent("""
-    import os, sys, time, torch, shared_td
-    coord = shared_td.Coordinator(cluster=sys.argv[1], node=0, nodes=2, authkey=sys.argv[2], timeout=15.0).start()
-    coord.publish("x", shared_td.TensorDict(w=torch.arange(4.0), batch_size=[4]), replicate=True)
-    end = time.monotonic() + 90
-    while not os.path.exists(sys.argv[3]) and time.monotonic() < end:
-        time.sleep(0.05)
-    coord.shutdown()
-""")
 
 # node 1 attaches "x"; a thread of it is inside another attach (holds the node's attach lock, as a
 # renewal lane does) at the fork and ends it 0.5 s later; the child then attaches and refreshes "x"

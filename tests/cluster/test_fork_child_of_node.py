@@ -20,6 +20,7 @@ dist = pytest.importorskip("torch.distributed")
 from shared_td.coordinator.cluster_store import SignedStore  # noqa: E402
 from tests.cluster import stalled_host_children as children  # noqa: E402
 from tests.cluster.test_cluster_store import store  # noqa: E402,F401 (a fixture)
+from tests.processes import fork_exit_code  # noqa: E402
 
 KEY = b"fork-child-of-a-node test key 0123"
 BOUND_S = 60  # every wait of these tests
@@ -39,15 +40,9 @@ def _forked(body) -> int:
 
 
 def _status(pid: int) -> int:
-    end = time.monotonic() + BOUND_S + 5
-    while time.monotonic() < end:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.01)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    raise AssertionError("the fork child did not end within its bound")
+    code = fork_exit_code(pid, BOUND_S + 5)
+    assert code is not None, "the fork child did not end within its bound"
+    return code
 
 
 def test_a_fork_child_and_its_parent_use_the_store_at_once(store):  # noqa: F811 (fixture)

@@ -13,6 +13,7 @@ dist = pytest.importorskip("torch.distributed")
 
 from shared_td.coordinator import cluster_store_watch  # noqa: E402
 from shared_td.coordinator.cluster_store import SignedStore  # noqa: E402
+from tests.processes import fork_exit_code  # noqa: E402
 
 HELD = threading.Lock()  # stands for the resolver's lock, held while a connect runs
 
@@ -41,27 +42,10 @@ def test_a_fork_waits_for_a_connect_under_way():
     if pid == 0:
         signal.alarm(10)
         os._exit(0 if signed.get_json("a") == 1 else 1)
-    end = time.monotonic() + 20
-    while not (done := os.waitpid(pid, os.WNOHANG))[0] and time.monotonic() < end:
-        time.sleep(0.01)
-    if not done[0]:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
+    outcome = fork_exit_code(pid, 20)
     other.join(10)
     signed.close()
-    assert done[0] and os.waitstatus_to_exitcode(done[1]) == 0, "the fork child's first call hung"
-
-
-def _child_outcome(pid: int) -> int | None:
-    end = time.monotonic() + 20
-    while time.monotonic() < end:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.01)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    return None
+    assert outcome == 0, "the fork child's first call hung"
 
 
 def test_a_child_forked_past_the_wait_refuses_to_connect(monkeypatch):
@@ -83,7 +67,7 @@ def test_a_child_forked_past_the_wait_refuses_to_connect(monkeypatch):
             os._exit(0 if "forked while another thread" in str(err) else 1)
         os._exit(2)
     waited = time.monotonic() - began
-    outcome = _child_outcome(pid)
+    outcome = fork_exit_code(pid, 20)
     other.join(10)
     signed.close()
     assert outcome == 0, outcome
@@ -100,5 +84,5 @@ def test_the_forking_threads_own_entry_is_not_waited_for():
         waited = time.monotonic() - began
     finally:
         cluster_store_watch._lookups.discard(threading.get_ident())
-    assert _child_outcome(pid) == 0
+    assert fork_exit_code(pid, 20) == 0
     assert waited < cluster_store_watch.FORK_WAIT_S / 2
