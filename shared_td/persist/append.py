@@ -421,8 +421,8 @@ def _shrink(staged: _StagedLevels, grown: list[tuple[str, int]]) -> None:
 
 def _grow(staged: _StagedLevels, relative: str, declared: int, source: torch.Tensor, saved: str) -> None:
     """Write ``source``'s bytes into the staged leaf file ``relative`` (made from the
-    ``saved`` file, which errors name) after its ``declared`` bytes (bytes past them, left by an append
-    cut short, are overwritten or cut)."""
+    ``saved`` file, which errors name) after its ``declared`` bytes (bytes past them,
+    left by an append cut short, are overwritten or cut)."""
     data = source.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
     directory, name = staged.leaf(relative)
     if declared == 0 and not directory.exists(name):  # (an empty leaf's file: none was saved)
