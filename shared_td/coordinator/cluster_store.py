@@ -100,18 +100,18 @@ CAS_TRIES = 1000
 
 
 # Every SignedStore of this process. A fork child inherits their connections as shared
-# sockets: a call of the child's on one went out beside the parent's on the same
-# connection and each read the other's answer (a parent's read of a value got a
-# counter's bytes, its next call garbage), and their watch, whose thread did not come
-# along (the child's calls were unbounded). So in a fork child each starts anew: no
-# connection, no spare, a watch of its own, which spares the sockets inherited (the
-# parent's connections: shut down by the child, they would be cut for the parent too),
-# listed before the child's first connection (a child that never calls pays nothing).
+# sockets (its calls went out beside the parent's and each read the other's answer) and
+# their watch, whose thread did not come along. So in a fork child each starts anew: no
+# connection, no spare, a watch of its own, which spares the sockets inherited (listed
+# before the child's first connection). The parent's connections are kept there, never
+# freed: running torch's destructors of the parent's objects in a child is not known safe.
 _STORES: weakref.WeakSet = weakref.WeakSet()
+_INHERITED: list = []
 
 
 def _forget_parents_connections() -> None:
     for store in list(_STORES):
+        _INHERITED.append((store._local, store._spares, store._watch))
         store._no_connection_yet(forked=True)
 
 

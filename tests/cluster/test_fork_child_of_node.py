@@ -4,6 +4,7 @@ call went out beside the parent's on one connection and each read the other's an
 they are bounded by a watch of its own, and it is refused what only the node can do."""
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import signal
@@ -31,6 +32,7 @@ def _forked(body) -> int:
     0 when it returned True."""
     pid = os.fork()
     if pid == 0:
+        gc.disable()  # (the test process's garbage is not the child's to collect: a fork in a test runner)
         try:
             signal.alarm(BOUND_S)
             os._exit(0 if body() else 1)

@@ -2,6 +2,7 @@
 first connect (made anew: cluster_store's _STORES) must not wait for ever on a lock that
 thread held at the fork (glibc's resolver lock, taken by torch's connect)."""
 import datetime
+import gc
 import os
 import signal
 import threading
@@ -40,6 +41,7 @@ def test_a_fork_waits_for_a_connect_under_way():
     time.sleep(0.1)  # it is connecting now
     pid = os.fork()
     if pid == 0:
+        gc.disable()  # (the test process's garbage is not the child's to collect: a fork in a test runner)
         signal.alarm(10)
         os._exit(0 if signed.get_json("a") == 1 else 1)
     outcome = fork_exit_code(pid, 20)
@@ -60,6 +62,7 @@ def test_a_child_forked_past_the_wait_refuses_to_connect(monkeypatch):
     began = time.monotonic()
     pid = os.fork()
     if pid == 0:
+        gc.disable()  # (the test process's garbage is not the child's to collect: a fork in a test runner)
         signal.alarm(10)
         try:
             signed.get_json("a")
