@@ -37,6 +37,7 @@ import os
 import socket
 import threading
 import time
+from typing import Iterator
 
 __all__ = ["StallWatch", "WATCH_EVERY_S", "cut_connections", "host_peers", "open_sockets", "resolving"]
 
@@ -214,18 +215,21 @@ def host_peers(host: str, port: int) -> set[tuple[str, int]]:
         return set()
 
 
-def open_sockets() -> frozenset[str]:
-    """The sockets this process has open, as ``/proc/self/fd`` names them
-    (``socket:[inode]``: the same name in every process that holds one)."""
-    links = set()
+def _sockets() -> Iterator[tuple[int, str]]:
+    """``(descriptor, name)`` of each socket this process has open, as ``/proc/self/fd``
+    names it (``socket:[inode]``: the same name in every process that holds one)."""
     for name in os.listdir("/proc/self/fd"):
         try:
             link = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:
+        except OSError:  # (closed meanwhile)
             continue
         if link.startswith("socket:"):
-            links.add(link)
-    return frozenset(links)
+            yield int(name), link
+
+
+def open_sockets() -> frozenset[str]:
+    """The names of the sockets this process has open (see :func:`_sockets`)."""
+    return frozenset(link for _fd, link in _sockets())
 
 
 def cut_connections(peers: set[tuple[str, int]], spared: frozenset[str] = frozenset()) -> int:
@@ -234,12 +238,11 @@ def cut_connections(peers: set[tuple[str, int]], spared: frozenset[str] = frozen
     many. A blocked receive on one returns at once. Every other descriptor is left as
     it is."""
     cut = 0
-    for name in os.listdir("/proc/self/fd"):
+    for fd, link in _sockets():
+        if link in spared:
+            continue
         try:
-            link = os.readlink(f"/proc/self/fd/{name}")
-            if not link.startswith("socket:") or link in spared:
-                continue
-            copy = os.dup(int(name))  # (its own descriptor: the number may be closed meanwhile)
+            copy = os.dup(fd)  # (its own descriptor: the number may be closed meanwhile)
         except OSError:
             continue
         try:
