@@ -25,6 +25,7 @@ the new ones.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -37,6 +38,7 @@ import torch
 from shared_td.persist import atomic, nodes
 from shared_td.persist import format as fmt
 from shared_td.errors import FormatError
+from shared_td.persist.bounded_reads import MAX_META_BYTES
 from shared_td.persist.loader import Loader
 from shared_td.keys import key_repr
 from shared_td.nontensor_values import same_value
@@ -92,16 +94,19 @@ def append_memmap(prefix: Any, rows: Any, *, allow_pickle: bool | None = None) -
         # dtype and shape, never its bytes, so no file is mapped (half the time of an
         # append of one row to 100 leaves was mapping them and unmapping them again)
         saved = Loader(allow_pickle=bool(allow_pickle), map_leaves=False).load(target)
-        growth = _Growth()
-        _match(saved, rows, (), growth)
+        growth = _Growth(target)
+        try:
+            _match(saved, rows, (), growth)
+        finally:
+            growth.saved.close()
         if not growth.rows:
             return  # no row to add: the save stays as it is
         staging = atomic.Staging(target)
-        staged = _StagedLevels(staging.path)
+        staged = _Levels(staging.path)
         grown: list[tuple[str, int]] = []
         staged_meta = None
         try:
-            _mirror(target, staging.path, growth.rows)
+            _mirror(target, staged, growth.rows)
             for leaf_file, declared, source, shared in growth.leaves:  # (its twin in staging: the same inode)
                 grown.append((os.path.relpath(leaf_file, target), declared))
                 if shared:  # other names share it: grow a copy, not them
@@ -143,9 +148,11 @@ def _saved_directory(prefix: Any) -> str:
 
 class _Growth:
     """What an append writes: ``rows`` new rows; ``leaves``: (leaf file in the save,
-    bytes its meta.json declares, the new rows' tensor) per leaf."""
+    bytes its meta.json declares, the new rows' tensor) per leaf. ``saved``: the levels
+    of the save ``target``, through which its leaf files are looked at."""
 
-    def __init__(self):
+    def __init__(self, target: str):
+        self.saved = _Levels(target)
         self.rows: int | None = None
         # (file, declared bytes, rows, whether the file has other names: hard links, grown as a copy)
         self.leaves: list[tuple[str, int, torch.Tensor, bool]] = []
@@ -242,11 +249,11 @@ def _match_leaf(saved: torch.Tensor, rows: Any, path: tuple, growth: _Growth, no
             return
         leaf_file, shared = fmt.file_names(path[-1], leaf=True)[0], False
     else:
-        leaf_file, shared = _saved_leaf_file(node_directory, path, declared)
+        leaf_file, shared = _saved_leaf_file(growth.saved, node_directory, path, declared)
     growth.leaves.append((os.path.join(node_directory, leaf_file), declared, rows, shared))
 
 
-def _saved_leaf_file(node_directory: str, path: tuple, declared: int) -> tuple[str, bool]:
+def _saved_leaf_file(saved: _Levels, node_directory: str, path: tuple, declared: int) -> tuple[str, bool]:
     """The name of the file of the saved leaf ``path`` in ``node_directory`` (its robust
     name, else its legacy one, as the loader looks them up), and whether it has other
     names too (hard links: a `cp -al` copy, another key, the retired version of an
@@ -254,12 +261,13 @@ def _saved_leaf_file(node_directory: str, path: tuple, declared: int) -> tuple[s
     (:func:`_unshare`), never in place. A FormatError (a ValueError and the RuntimeError
     a load raises for a damaged save) naming the key when it is missing, not a regular
     file or shorter than the ``declared`` bytes (growing it would put the rows at the
-    wrong place)."""
+    wrong place). ``saved``: the save's levels (looked at through them, as the loader
+    does, so that a save nested past PATH_MAX grows too)."""
     for name in fmt.file_names(path[-1], leaf=True):
         file = os.path.join(node_directory, name)
-        try:
-            info = os.lstat(file)
-        except FileNotFoundError:
+        directory, _ = saved.leaf(os.path.relpath(file, saved.root))
+        info = directory.lstat(name)
+        if info is None:
             continue
         if not stat.S_ISREG(info.st_mode):
             raise FormatError(file, f"append_memmap: the file of the entry {key_repr(path)} is not a regular file: "
@@ -289,32 +297,34 @@ def _match_value(saved: Any, rows: Any, path: tuple) -> None:
                              f"{value!r} in the rows: a saved non-tensor value cannot change (save the tree anew).")
 
 
-def _mirror(source: str, staging: str, rows: int) -> None:
-    """``staging`` made a copy of the save ``source`` of hard links, but for the
-    meta.json of each TensorDict node, written with ``rows`` more rows."""
-    for directory, subdirectories, names in os.walk(source):
-        relative = os.path.relpath(directory, source)
-        into = staging if relative == "." else os.path.join(staging, relative)
-        for name in subdirectories:
-            if os.path.islink(os.path.join(directory, name)):  # (os.walk does not go in: linked, as a file)
-                names.append(name)
-            else:
-                os.mkdir(os.path.join(into, name))
-        for name in names:
-            here = os.path.join(directory, name)
-            grown = _grown_meta(here, rows) if name == fmt.META else None
-            if grown is None:
-                _link(here, os.path.join(into, name))
-            else:
-                with open(os.path.join(into, name), "xb") as meta:
-                    meta.write(grown)
+def _mirror(source: str, staged: _Levels, rows: int) -> None:
+    """``staged`` (the staging directory) made a copy of the save ``source`` of hard
+    links, but for the meta.json of each TensorDict node, written with ``rows`` more
+    rows. Every name is taken relative to its opened level, never as a whole path (a
+    save nested past PATH_MAX has paths no system call takes)."""
+    with contextlib.closing(os.fwalk(source)) as walk:  # (its descriptors closed on an error too)
+        for directory, subdirectories, names, fd in walk:
+            relative = os.path.relpath(directory, source)
+            into = staged.level(() if relative == "." else tuple(relative.split(os.sep)))
+            here = files.Directory(fd, directory, "append rows")  # (fwalk's own descriptor: never closed here)
+            for name in list(subdirectories):
+                if here.is_symlink(name):  # (fwalk does not go in: linked, as a file)
+                    subdirectories.remove(name)
+                    names.append(name)
+                else:
+                    into.mkdir(name)
+            for name in names:
+                grown = _grown_meta(here, rows) if name == fmt.META else None
+                if grown is None:
+                    _link(here, into, name)
+                else:
+                    into.write_new_file(name, grown)
 
 
-def _grown_meta(path: str, rows: int) -> bytes | None:
-    """The meta.json at ``path`` with ``rows`` more rows, for a TensorDict node (None:
-    another node's, which records no batch size)."""
-    with open(path, "rb") as meta:
-        raw = meta.read()
+def _grown_meta(directory: files.Directory, rows: int) -> bytes | None:
+    """The meta.json in ``directory`` with ``rows`` more rows, for a TensorDict node
+    (None: another node's, which records no batch size)."""
+    raw = directory.read(fmt.META, limit=MAX_META_BYTES)
     document = json.loads(raw)  # (checked by the load that came before, under the same lock)
     if nodes.kind_for_type_string(document["_type"]).name != nodes.TENSORDICT:
         return None
@@ -325,10 +335,12 @@ def _grown_meta(path: str, rows: int) -> bytes | None:
     return fmt.dumps(document, compact=b'", "' not in raw)
 
 
-def _link(source: str, destination: str) -> None:
+def _link(directory: files.Directory, into: files.Directory, name: str) -> None:
+    """Hard-link the entry ``name`` of ``directory`` (a symlink itself) into ``into``."""
     try:
-        os.link(source, destination, follow_symlinks=False)
+        os.link(name, name, src_dir_fd=directory.fd, dst_dir_fd=into.fd, follow_symlinks=False)
     except OSError as error:
+        source = directory.join(name)
         if error.errno == errno.EXDEV:  # (a mount inside the save: its files are on another filesystem)
             raise OSError(error.errno, f"append_memmap links the saved files into the new version of the save, "
                                        f"and {source} is on another filesystem than the save's directory (a mount "
@@ -351,26 +363,31 @@ def _is_live(target: str, staged_meta: Any) -> bool:
         return False
 
 
-class _StagedLevels:
-    """The levels of the staging directory ``root``, each opened once, one below the
-    other, without following a symlink (a nested level of the save swapped for a
-    symlink after the load, which refuses one, was mirrored as that symlink, and must
-    not send the rows, or the cut of a failed append, into a file outside the save: a
-    RuntimeError). :meth:`close` closes them (it may be called again)."""
+class _Levels:
+    """The levels of the directory ``root`` (the save, or its staging copy), each opened
+    once, one below the other, without following a symlink (a nested level of the save
+    swapped for a symlink after the load, which refuses one, was mirrored as that
+    symlink, and must not send the rows, or the cut of a failed append, into a file
+    outside the save: a RuntimeError). :meth:`close` closes them (it may be called
+    again)."""
 
     def __init__(self, root: str):
         self.root = root
         self.opened: dict[tuple, files.Directory] = {}
 
-    def leaf(self, relative: str) -> tuple[files.Directory, str]:
-        """The opened directory of the leaf file ``relative`` (below the root), and its name."""
-        *levels, name = relative.split(os.sep)
+    def level(self, levels: tuple) -> files.Directory:
+        """The opened directory of the names ``levels`` below the root."""
         if () not in self.opened:
             self.opened[()] = files.Directory.open(self.root, action="append rows")
         for depth in range(1, len(levels) + 1):
-            if tuple(levels[:depth]) not in self.opened:
-                self.opened[tuple(levels[:depth])] = self.opened[tuple(levels[:depth - 1])].child(levels[depth - 1])
-        return self.opened[tuple(levels)], name
+            if levels[:depth] not in self.opened:
+                self.opened[levels[:depth]] = self.opened[levels[:depth - 1]].child(levels[depth - 1])
+        return self.opened[levels]
+
+    def leaf(self, relative: str) -> tuple[files.Directory, str]:
+        """The opened directory of the leaf file ``relative`` (below the root), and its name."""
+        *levels, name = relative.split(os.sep)
+        return self.level(tuple(levels)), name
 
     def close(self) -> None:
         for directory in self.opened.values():
@@ -378,7 +395,7 @@ class _StagedLevels:
         self.opened.clear()
 
 
-def _unshare(staged: _StagedLevels, relative: str, declared: int) -> None:
+def _unshare(staged: _Levels, relative: str, declared: int) -> None:
     """Replace the staged leaf file ``relative`` (a hard link to the saved file, which
     has other names) by a copy of its ``declared`` bytes, so that growing it changes no
     other name's file."""
@@ -401,7 +418,7 @@ def _unshare(staged: _StagedLevels, relative: str, declared: int) -> None:
         os.close(source)
 
 
-def _shrink(staged: _StagedLevels, grown: list[tuple[str, int]]) -> None:
+def _shrink(staged: _Levels, grown: list[tuple[str, int]]) -> None:
     """After a failed append, cut the bytes it wrote past each leaf's declared size
     (best effort: the next append overwrites or cuts what is left)."""
     for relative, declared in grown:
@@ -419,7 +436,7 @@ def _shrink(staged: _StagedLevels, grown: list[tuple[str, int]]) -> None:
             os.close(fd)
 
 
-def _grow(staged: _StagedLevels, relative: str, declared: int, source: torch.Tensor, saved: str) -> None:
+def _grow(staged: _Levels, relative: str, declared: int, source: torch.Tensor, saved: str) -> None:
     """Write ``source``'s bytes into the staged leaf file ``relative`` (made from the
     ``saved`` file, which errors name) after its ``declared`` bytes (bytes past them,
     left by an append cut short, are overwritten or cut)."""

@@ -307,12 +307,12 @@ def relocated(backing: FileBacking, path: str) -> FileBacking:
     """The same mapping under the file's new name, after its directory was renamed.
 
     The mapped inode is unchanged, so no byte moves; this process's cache then hands
-    out the new name.
+    out the new name, under the inode recorded when it was mapped (``path`` is not
+    looked at: a save nested past PATH_MAX has leaf paths no system call takes).
     """
     moved = FileBacking(path, backing.storage, backing.nbytes, backing.shared, backing.read_only, backing.inode)
     if backing.shared:
-        st = os.stat(path)
-        _keep((st.st_dev, st.st_ino), moved)
+        _keep(getattr(backing.storage, FILE_ATTRIBUTE)[5], moved)
     return moved
 
 
