@@ -8,6 +8,7 @@ written; a leaf already memory-mapped to its own file, the very file there now, 
 from __future__ import annotations
 
 import bisect
+import errno
 import os
 import stat
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from shared_td.persist import format as fmt
 from shared_td.persist import nodes
 from shared_td.storage import files
 from shared_td.storage.files import FileBacking
+from shared_td.storage.writing import not_regular_error
 
 # tensordict's own words for a leaf that already has a file and is asked into another
 # prefix: code written for tensordict matches this text (pytest.raises(match=...))
@@ -246,7 +248,7 @@ class Planner:
         leaf = LeafPlan(key, tensor, target, name)
         if type(tensor) is torch.Tensor:  # the common case: a plain tensor, always written
             if target is not None and in_existing:
-                self._check_existing(key, target, path)
+                self._check_existing(leaf, path)
             self.leaves.append(leaf)
             return leaf
         backing = getattr(tensor, "_backing", None) if isinstance(tensor, MemoryMappedTensor) else None
@@ -295,11 +297,17 @@ class Planner:
         elif target is None and isinstance(tensor, MemoryMappedTensor) and backing is not None:
             leaf.keep = not self.options.like  # already anonymous shared memory
         if target is not None and not leaf.keep and in_existing:
-            self._check_existing(key, target, path)
+            self._check_existing(leaf, path)
         self.leaves.append(leaf)
         return leaf
 
-    def _check_existing(self, key: str, target: str, path: tuple) -> None:
+    def _check_existing(self, leaf: LeafPlan, path: tuple) -> None:
+        """What is at the leaf's place must take its bytes. The write overwrites an
+        existing file in place, one leaf after the other: a file there that refuses the
+        write (a directory, a FIFO, a file this process may not write) is refused here,
+        before the first leaf's old bytes are overwritten (found by the write, it failed
+        it with the earlier leaves' files holding the new bytes under the old meta.json)."""
+        key, target = leaf.key, leaf.path
         try:
             st = os.lstat(target)
         except OSError:
@@ -311,7 +319,26 @@ class Planner:
                 f"The file {target} already exists (key {path + (key,)}); pass "
                 "existsok=True to overwrite it."
             )
+        if leaf.source.numel():  # (an empty leaf gets no file: what is there stays untouched)
+            if stat.S_ISDIR(st.st_mode):
+                raise leaf_is_a_directory(key, target)
+            # a "like" leaf and a view of the very file get new files: the old one is unlinked
+            overwritten_in_place = not (self.options.like or leaf.replace)
+            if overwritten_in_place and not stat.S_ISREG(st.st_mode):
+                raise not_regular_error(errno.EINVAL, f"file {target}", st.st_mode)
+            if overwritten_in_place and not os.access(target, os.W_OK, effective_ids=True, follow_symlinks=False):
+                raise PermissionError(errno.EACCES, (
+                    f"Cannot write key {path + (key,)} to {target}: this process may not write that file (its "
+                    "mode, a read-only file system or an immutable file). Nothing was written: make it "
+                    "writable, or write with atomic=True (a new version of the save, made beside it, "
+                    "replaces it)."))
         self.overwritten.append((target, st))
+
+
+def leaf_is_a_directory(key: str, target: str) -> IsADirectoryError:
+    """The error for a leaf whose file would go where a directory is."""
+    return IsADirectoryError(errno.EISDIR, f"Cannot write key {key!r} to {target}: it is a directory, not a file. "
+                                           "Remove that directory (or write to another prefix) and write again.")
 
 
 # the kinds of non-tensor values: views of one value (one shared cell, or the payload

@@ -41,7 +41,7 @@ from shared_td.persist import in_flight
 from shared_td.persist.node_commit import node_files, put_node_in_place, stage_node_files
 from shared_td.persist.node_rewrite import NODE_LOCK_S, node_rewrite, rewrite_node
 from shared_td.persist.packing import copy_all, leaf_nbytes, packed_layout, packed_views, stage_small_leaves
-from shared_td.persist.planner import LeafPlan, NodePlan, Options
+from shared_td.persist.planner import LeafPlan, NodePlan, Options, leaf_is_a_directory
 from shared_td.storage import files
 from shared_td.storage.anonymous import Segment, align
 from shared_td.storage.files import Directory, FileBacking
@@ -262,16 +262,12 @@ class _TreeWriter:
             # mappings (maybe the source's own) keep the old bytes; nothing is truncated
             try:
                 directory.unlink(name)
-            except IsADirectoryError as error:  # (a directory where the leaf's file goes)
-                raise IsADirectoryError(error.errno, f"Cannot write key {leaf.key!r} to {leaf.path}: it is a "
-                                        "directory, not a file. Remove that directory (or write to another "
-                                        "prefix) and write again.") from None
+            except IsADirectoryError:  # (one made there since the plan, which refuses it)
+                raise leaf_is_a_directory(leaf.key, leaf.path) from None
         try:
             fd, is_new = files.reserve_file(directory, name, existsok=options.existsok)
-        except IsADirectoryError as error:  # (a FIFO, socket or device there: its own message)
-            raise IsADirectoryError(error.errno, f"Cannot write key {leaf.key!r} to {leaf.path}: it is a "
-                                    "directory, not a file. Remove that directory (or write to another "
-                                    "prefix) and write again.") from None
+        except IsADirectoryError:  # (as above; a FIFO, socket or device there: its own message)
+            raise leaf_is_a_directory(leaf.key, leaf.path) from None
         if is_new:
             self.made_files.setdefault(id(node), []).append(name)
         self._hand_over(leaf, fd, source, nbytes, is_new)
