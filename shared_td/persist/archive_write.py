@@ -30,6 +30,7 @@ from shared_td.persist.bounded_reads import MAX_META_BYTES
 from shared_td.persist.planner import NodePlan, Options, Planner
 from shared_td.persist.writer import node_files
 from shared_td.storage import files
+from shared_td.storage.fd_mapping import mapping_limits
 from shared_td.storage.files import Directory, NO_SPACE_ERRNOS, storage_full_error
 
 _PAD_EXTRA_ID = 0x6474  # b"td", tensordict's id for the padding block
@@ -103,10 +104,23 @@ def _write_member(zf: zipfile.ZipFile, name: str, size: int, chunks: Iterable, c
                                f"({written} bytes instead of {size}).")
 
 
-def _file_chunks(fd: int, size: int):
+def _out_of_memory(action: str) -> MemoryError:
+    """The MemoryError of a piece that this process could not allocate to ``action``:
+    a bare one said nothing of what was read or of the limit (RLIMIT_AS) that refused it."""
+    return MemoryError(f"Cannot {action} in pieces of up to {_CHUNK >> 20} MiB: out of memory. This process may "
+                       f"have reached a limit: {mapping_limits(False)}. Raise it (`ulimit -v`, "
+                       "resource.setrlimit(resource.RLIMIT_AS, ...)) or free memory; nothing changed at the "
+                       "destination.")
+
+
+def _file_chunks(fd: int, size: int, path: str):
+    """The bytes of the file ``path`` open as ``fd``, in pieces."""
     done = 0
     while done < size:
-        chunk = os.pread(fd, min(_CHUNK, size - done), done)
+        try:
+            chunk = os.pread(fd, min(_CHUNK, size - done), done)
+        except MemoryError:
+            raise _out_of_memory(f"read {path} to put it in the archive") from None
         if not chunk:
             return
         yield chunk
@@ -199,7 +213,7 @@ def add_directory(members: Members, directory: Directory, at: str = "") -> None:
         fd = directory.open_regular(name)
         try:
             size = os.fstat(fd).st_size
-            members.add(at + name, size, _file_chunks(fd, size))
+            members.add(at + name, size, _file_chunks(fd, size, directory.join(name)))
         finally:
             os.close(fd)
     for name in _subdirectories(directory, names, kinds):
@@ -462,9 +476,13 @@ def _extract(archive: Archive, member: str, root: Directory) -> None:
             # in bounded pieces, never past the size its header announces (a member that
             # holds more is a FormatError at the first byte too many), its CRC checked
             offset = 0
-            for chunk in archive.pieces(member, _CHUNK):
-                files.pwrite_all(fd, chunk, offset, where=f"file {directory.join(name)}")
-                offset += len(chunk)
+            try:
+                for chunk in archive.pieces(member, _CHUNK):
+                    files.pwrite_all(fd, chunk, offset, where=f"file {directory.join(name)}")
+                    offset += len(chunk)
+            except MemoryError:
+                raise _out_of_memory(f"read the member {member!r} of the archive {archive.path} to "
+                                     "unpack it") from None
         finally:
             os.close(fd)
     finally:
