@@ -5,6 +5,8 @@ collections answer the same methods) and the in-place ``zero_``, ``fill_`` and
 """
 from __future__ import annotations
 
+import errno
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -15,8 +17,9 @@ from shared_td.containers.keysview import tensors_at
 from shared_td.containers.shape_write_back import back_to_types_of, with_write_back
 from shared_td.containers.to_args import copied_as_root, parse_to
 from shared_td.containers.unpicklable import check_picklable, share_values_together
-from shared_td.keys import NestedKey, unravel_key
+from shared_td.keys import NestedKey, key_repr, unravel_key
 from shared_td.memmap_tensor import ReadOnlyMemoryMappedTensor, refuse_read_only
+from shared_td.storage.fd_mapping import descriptor_limits
 from shared_td.storage.slices import in_shared_mapping
 from shared_td.tensorclass_protocol import unwrap_tensorclass
 
@@ -134,6 +137,11 @@ class TensorMethods:
             RuntimeError: if the tensordict is memory-mapped (the two are exclusive).
             TypeError: naming its nested key, if a non-tensor value cannot be pickled
                 (checked before anything is shared).
+            OSError: EMFILE or ENFILE naming the key and the limit, when this process is
+                out of file descriptors (torch's shared memory keeps one open per
+                tensor): the tensors before that key are shared already, the tree is
+                not marked shared nor locked, and a call once descriptors are free
+                completes it.
         """
         if self._is_memmap:
             raise RuntimeError(
@@ -150,28 +158,48 @@ class TensorMethods:
         self._share_checked_nodes()
         return self
 
-    def _share_checked_nodes(self) -> None:
-        """share_memory_() of this node and those below it, once the tree was checked and
-        its values put in cells at its root: each node shared, then locked."""
-        for value in self._tensordict.values():
+    def _share_checked_nodes(self, path: tuple = ()) -> None:
+        """share_memory_() of this node (at ``path`` below the root) and those below it,
+        once the tree was checked and its values put in cells at its root: each node
+        shared, then locked."""
+        for key, value in self._tensordict.items():
             if isinstance(value, torch.Tensor) and value.layout is torch.strided and \
                     in_shared_mapping(value.untyped_storage()):
                 continue  # a plain view of a segment or shared file: shared already (torch would copy it)
-            if isinstance(value, torch.Tensor) or is_non_tensor(value):
+            if isinstance(value, torch.Tensor):
+                try:
+                    value.share_memory_()
+                except RuntimeError as error:
+                    raise _out_of_descriptors(error, path + (key,)) or error
+            elif is_non_tensor(value):
                 value.share_memory_()
             elif is_tensor_collection(value):
-                share_checked(value)
+                share_checked(value, path + (key,))
         self._is_shared = True
         self.lock_()
 
 
-def share_checked(node: Any) -> None:
-    """``node.share_memory_()`` for a tensordict below a root whose share_memory_() has
-    checked the whole tree and put its values in cells: a TensorDict is not checked again
-    (each nesting level walked its whole subtree again); a CUDA one, a tensorclass or a
-    lazy stack shares as it does alone."""
+def _out_of_descriptors(error: RuntimeError, path: tuple) -> OSError | None:
+    """torch's RuntimeError for a tensor at ``path`` that could not be moved to shared
+    memory for want of a file descriptor (torch keeps one open per shared tensor), as an
+    OSError naming the key and the limit; None for any other error."""
+    for code in (errno.ENFILE, errno.EMFILE):  # (EMFILE's words begin ENFILE's: that one first)
+        if f"{os.strerror(code)} ({code})" in str(error):
+            return OSError(code, f"share_memory_(): the tensor at {key_repr(path)} could not be moved to shared "
+                                 f"memory: {descriptor_limits(code)} The tensors before it are shared already; the "
+                                 "tree is neither marked shared nor locked: call share_memory_() again once "
+                                 "descriptors are free (or share one anonymous segment for the whole tree: "
+                                 "memmap_() without a prefix).")
+    return None
+
+
+def share_checked(node: Any, path: tuple = ()) -> None:
+    """``node.share_memory_()`` for a tensordict (at ``path``) below a root whose
+    share_memory_() has checked the whole tree and put its values in cells: a TensorDict
+    is not checked again (each nesting level walked its whole subtree again); a CUDA one,
+    a tensorclass or a lazy stack shares as it does alone."""
     if isinstance(node, TensorMethods) and not on_cuda(node._device):
-        node._share_checked_nodes()
+        node._share_checked_nodes(path)
     else:
         node.share_memory_()
 
