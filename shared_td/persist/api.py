@@ -56,7 +56,8 @@ def memmap(
     runs (it then owns the clean-up) or never will.
     """
     if not isinstance(num_threads, int):
-        raise ValueError(f"num_threads must be an int, got {num_threads!r}.")
+        # a TypeError, as tensordict 0.15.3 raises for a str or None (and as load_memmap does)
+        raise TypeError(f"num_threads must be an int, got {num_threads!r} of type {type(num_threads).__name__}.")
     # as in tensordict 0.15.3, a count below 2 (-1 too) writes in the calling thread
     num_threads = max(num_threads, 0)
     prefix = prefix_path(prefix, "memmap_" if inplace else "memmap_like" if like else "memmap (or save)")
