@@ -45,7 +45,7 @@ import threading
 import time
 from traceback import format_exc
 
-from multiprocess import connection, managers
+from multiprocess import connection, managers, process
 from multiprocess.reduction import ForkingPickler
 
 __all__ = ["BACKOFF_MAX_S", "HANDSHAKE_S", "Server"]
@@ -115,6 +115,22 @@ class Server(managers.Server):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._deadlines = _Deadlines()
+
+    def start_accepting(self) -> None:
+        """Start the accept loop's thread; before the manager reports its address, so
+        that a manager unable to start it (a low RLIMIT_AS it inherited) fails its start
+        with an error (``managers.Server.serve_forever`` started it itself, and its
+        ``finally: sys.exit(0)`` swallowed that error: the manager exited silently once
+        it had reported its address, and the first call found it gone)."""
+        self.stop_event = threading.Event()
+        threading.Thread(target=self.accepter, name="shared_td-accept", daemon=True).start()
+
+    def serve_forever(self) -> None:
+        """Serve until a shutdown request (or the watch of the parent) sets ``stop_event``;
+        :meth:`start_accepting` started the accept loop."""
+        process.current_process()._manager_server = self  # (as managers.Server's)
+        while not self.stop_event.is_set():
+            self.stop_event.wait(1)
 
     def accepter(self) -> None:
         pause = 0.0

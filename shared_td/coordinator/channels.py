@@ -390,9 +390,23 @@ def _connect_error(address: str, err: BaseException) -> OSError:
         return CoordinatorTimeoutError(
             f"The shared_td coordinator at {address} closed a new connection before the handshake ended "
             f"({type(err).__name__}: {err}), and its manager process {pid} is alive: it is short of threads or "
-            f"memory (or this process was stopped past the 5 s a handshake may take). Check `ps -o pid,stat,rss,nlwp -p {pid}`; "
-            "tensordicts already attached stay readable and writable.")
+            f"memory{_address_space_limit(pid)} (or this process was stopped past the 5 s a handshake may take). "
+            f"Check `ps -o pid,stat,rss,nlwp -p {pid}`; tensordicts already attached stay readable and writable.")
     return gone(address, err)
+
+
+def _address_space_limit(pid: int) -> str:
+    """The manager's own RLIMIT_AS (inherited from the process that started it), as
+    words for an error, when it has one: a low one is the likely cause."""
+    try:
+        with open(f"/proc/{pid}/limits") as limits:
+            soft = next((line.split()[3] for line in limits if line.startswith("Max address space")), "unlimited")
+    except (OSError, IndexError):
+        return ""
+    if not soft.isdigit():
+        return ""
+    return (f"; its RLIMIT_AS is {int(soft) >> 20} MiB (inherited from the process that started it: raise it "
+            "there before Coordinator.start)")
 
 
 def _manager_pid(address: str) -> int | None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import errno
 import os
+import resource
 import select
 import shutil
 import subprocess
@@ -83,6 +84,17 @@ def _check_socket_path(root: str) -> None:
                       f"{spare} bytes shorter (e.g. /tmp) for the process that starts it.")
 
 
+def _inherited_limits() -> str:
+    """This process's RLIMIT_AS, which the manager inherits, as words for a failed start
+    when it is set: a manager short of address space cannot start its threads."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return ""
+    return (f" The manager inherits this process's RLIMIT_AS of {soft >> 20} MiB, which may be too low for "
+            "it to start its threads: raise it (resource.setrlimit, `ulimit -v`) before Coordinator.start "
+            "and lower it after.")
+
+
 class ServerProcess:
     """A coordinator server running in a child interpreter of this process."""
 
@@ -120,8 +132,8 @@ class ServerProcess:
                     code = None
                 raise RuntimeError(
                     f"The shared_td coordinator exited with code {code} before listening; see "
-                    "its error output above." if code is not None else
-                    f"The shared_td coordinator did not start within {timeout:g} s."
+                    f"its error output above.{_inherited_limits()}" if code is not None else
+                    f"The shared_td coordinator did not start within {timeout:g} s.{_inherited_limits()}"
                 )
         except BaseException:
             popen.kill()

@@ -231,9 +231,12 @@ def serve(authkey: bytes, report, parent: int) -> None:
         # inherited a connection can never unbalance a refcount.
         server.id_to_obj[REGISTRY_ID] = (Registry(), EXPOSED, None)
         server.id_to_refcount[REGISTRY_ID] = 1
-        report(server.address)
+        # its threads first: a manager that cannot start them (a low RLIMIT_AS it
+        # inherited) exits before it reports, so that start() says so, not the first call
+        server.start_accepting()
         threading.Thread(target=_watch_parent, args=(server, parent), daemon=True).start()
-        server.serve_forever()  # ends with SystemExit after a shutdown request
+        report(server.address)
+        server.serve_forever()  # returns after a shutdown request
     finally:
         if server is not None:
             # the listener's own finalizer unlinks the socket: run it before rmtree
@@ -290,10 +293,7 @@ def _watch_parent(server, parent: int) -> None:
     """
     while os.getppid() == parent:
         time.sleep(_PARENT_POLL_S)
-    # serve_forever creates stop_event; the parent may have died before it ran
-    while getattr(server, "stop_event", None) is None:
-        time.sleep(_PARENT_POLL_S)
-    server.stop_event.set()
+    server.stop_event.set()  # (made by start_accepting, before this thread started)
 
 
 if __name__ == "__main__":

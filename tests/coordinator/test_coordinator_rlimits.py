@@ -49,3 +49,34 @@ def test_starting_a_coordinator_out_of_descriptors_names_rlimit_nofile():
             print("AGAIN OK")
     """)
     assert "ERR" in out and "RLIMIT_NOFILE" in out and "AGAIN OK" in out, out
+
+
+def test_a_manager_short_of_address_space_fails_the_start_naming_rlimit_as():
+    # the manager inherits RLIMIT_AS; too low for its watch thread's stack, it exited once
+    # it had reported its address: start() succeeded and the first call said it was "gone".
+    # Over a scan of levels, each start either fails naming the limit or gives a manager
+    # that serves the first call (made with the limit lifted in this process) or, short of
+    # threads for it, says so naming its limit.
+    out = _run("""
+        import resource, torch, shared_td
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        for mib in range(18, 57, 6):
+            resource.setrlimit(resource.RLIMIT_AS, (mib << 20, hard))
+            try:
+                co = shared_td.Coordinator()
+                co.start()
+            except RuntimeError as e:
+                assert "before listening" in str(e) and f"RLIMIT_AS of {mib} MiB" in str(e), e
+                print("REFUSED", mib)
+                continue
+            finally:
+                resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+            with co:
+                try:
+                    co.publish("x", shared_td.TensorDict(a=torch.zeros(4), batch_size=[4]))
+                    print("SERVED", mib)
+                except shared_td.CoordinatorTimeoutError as e:
+                    assert f"its RLIMIT_AS is {mib} MiB" in str(e), e
+                    print("SHORT", mib)
+    """)
+    assert "REFUSED 18" in out, out
