@@ -22,6 +22,7 @@ node_meta.py, which builds on these names.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -235,17 +236,36 @@ def prefix_of_lock(name: str) -> str | None:
     return None
 
 
+# why write_temporary could not create its file in a directory
+_DIRECTORY_NOT_WRITABLE = {
+    errno.EACCES: "this process has no permission to create files in its directory (its mode or ACL)",
+    errno.EPERM: "this process may not create files in its directory",
+    errno.EROFS: "its directory is on a read-only file system",
+}
+
+
 def write_temporary(directory: Directory, name: str, data: bytes) -> str:
     """Write ``data`` to a new temporary file beside ``name`` in ``directory``; returns
     the temporary's name.
 
     The caller renames it over ``name`` (atomic: readers see the old or the new file).
     A failed write removes the temporary at once; no room is a StorageFullError naming
-    the file and the bytes needed.
+    the file and the bytes needed; a directory this process may not write, an OSError
+    naming the file and the fix.
     """
     temporary = f"{name}.{os.getpid()}.{threading.get_ident()}.tmp"
-    directory.unlink(temporary)  # left by a killed writer of the same pid and thread id
-    directory.write_new_file(temporary, data, final=name)
+    try:
+        directory.unlink(temporary)  # left by a killed writer of the same pid and thread id
+        directory.write_new_file(temporary, data, final=name)
+    except OSError as error:
+        if error.errno not in _DIRECTORY_NOT_WRITABLE:
+            raise
+        # (the bare error named the temporary only: "Permission denied: .../meta.json.<pid>.<tid>.tmp")
+        raise OSError(error.errno, (
+            f"Cannot write {directory.join(name)}: {_DIRECTORY_NOT_WRITABLE[error.errno]}, and a "
+            f"file there is replaced by a new one made beside it ({temporary}). Make the directory "
+            f"{directory.path} writable, or write the tree to a new prefix (memmap_(new_prefix), or "
+            "atomic=True, which makes a new version of the whole save beside it).")) from None
     return temporary
 
 

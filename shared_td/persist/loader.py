@@ -65,15 +65,7 @@ from shared_td.persist.node_meta import ChildMeta, LeafMeta, NodeMeta
 from shared_td.storage import files
 from shared_td.storage.fd_mapping import descriptor_limits
 from shared_td.storage.files import Directory, FileTooShortError
-
-#: open(O_RDWR) fails so on a file that can be read but not written (its mode or ACL,
-#: a read-only file system, an immutable file): such a file is mapped copy-on-write,
-#: read-only, and its tensors' errors say why, in these words.
-READ_ONLY_ERRNOS = {
-    errno.EROFS: "it is on a read-only file system",
-    errno.EACCES: "this process has no permission to write it (its mode or ACL)",
-    errno.EPERM: "this process may not write it (an immutable or append-only file)",
-}
+from shared_td.storage.mapping import READ_ONLY_ERRNOS
 
 #: The values of ``load_memmap(mode=)``: None (writable where allowed), read-only, read-write.
 MODES = (None, "r", "r+")

@@ -346,6 +346,17 @@ def _unpickle_backing(path: str, shared: bool, read_only: str | None,
     return _open_backing(path, shared, read_only, inode, boot, pickled=True)
 
 
+#: open(O_RDWR) fails so on a file that can be read but not written (its mode or ACL,
+#: a read-only file system, an immutable file): such a file is mapped copy-on-write,
+#: read-only, where a load (or a receiver) may, and its tensors' errors say why, in
+#: these words.
+READ_ONLY_ERRNOS = {
+    errno.EROFS: "it is on a read-only file system",
+    errno.EACCES: "this process has no permission to write it (its mode or ACL)",
+    errno.EPERM: "this process may not write it (an immutable or append-only file)",
+}
+
+
 def _open_backing(path, shared, read_only, inode, boot, *, pickled: bool) -> FileBacking:
     checked = inode is not None and boot is not None and boot == boot_id()
     if shared:
@@ -364,7 +375,16 @@ def _open_backing(path, shared, read_only, inode, boot, *, pickled: bool) -> Fil
     try:
         if checked and (st.st_dev, st.st_ino) != tuple(inode):
             raise replaced_since_pickled(path, shared)
-        return map_path_fd(path, fd, st, read_only=read_only, shared=shared, bound=inode is not None)
+        try:
+            return map_path_fd(path, fd, st, read_only=read_only, shared=shared, bound=inode is not None)
+        except OSError as error:
+            if not (pickled and shared and error.errno in READ_ONLY_ERRNOS):
+                raise
+            # a file this process may read but not write (made read-only since the sender
+            # mapped it, or not this user's): mapped read-only, as load_memmap maps it, so
+            # that a reader works and a write raises a ReadOnlyError saying why (a bare
+            # MappingError "Cannot open ...: Permission denied" failed the unpickle)
+            return map_path_fd(path, fd, st, read_only=READ_ONLY_ERRNOS[error.errno], bound=inode is not None)
     finally:
         os.close(fd)
 
