@@ -148,7 +148,7 @@ class Planner:
             self._check_in_place(obj, kind, directory, path)
         # Inside a directory that does not exist yet nothing exists either: a new save
         # skips every per-file check (they cost a system call per file).
-        exists = directory is not None and parent_exists and os.path.lexists(directory)
+        exists = directory is not None and parent_exists and _lstat(directory, path) is not None
         if exists and directory != self.root and os.path.islink(directory):
             raise RuntimeError(
                 f"Refusing to write a memory-mapped TensorDict through symlink {directory} "
@@ -308,9 +308,8 @@ class Planner:
         before the first leaf's old bytes are overwritten (found by the write, it failed
         it with the earlier leaves' files holding the new bytes under the old meta.json)."""
         key, target = leaf.key, leaf.path
-        try:
-            st = os.lstat(target)
-        except OSError:
+        st = _lstat(target, path + (key,))
+        if st is None:
             return  # nothing there (or no directory there: the write will say so)
         if stat.S_ISLNK(st.st_mode):
             raise RuntimeError(f"Refusing to write memory-mapped tensor through symlink {target}.")
@@ -333,6 +332,22 @@ class Planner:
                     "writable, or write with atomic=True (a new version of the save, made beside it, "
                     "replaces it)."))
         self.overwritten.append((target, st))
+
+
+def _lstat(place: str, key: tuple) -> os.stat_result | None:
+    """``os.lstat`` of the place of ``key`` in an existing directory; None if nothing is
+    there. A place past PATH_MAX, which no path reaches (ENAMETOOLONG), is refused:
+    taken as missing, an existing deep level of an in-place rewrite was planned as new,
+    and the write failed once the leaves above it were overwritten."""
+    try:
+        return os.lstat(place)
+    except OSError as error:
+        if error.errno != errno.ENAMETOOLONG:
+            return None
+    raise OSError(errno.ENAMETOOLONG, (
+        f"Cannot rewrite key {key} in place: its place ({len(os.fsencode(place))} bytes of path) lies past "
+        "PATH_MAX, where an in-place rewrite cannot look. Nothing was written: rewrite the save with "
+        "atomic=True (a new version made beside it, which works there) or write to a new prefix."))
 
 
 def leaf_is_a_directory(key: str, target: str) -> IsADirectoryError:

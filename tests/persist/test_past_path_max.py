@@ -3,6 +3,7 @@ through opened directories, and so must every rewrite of it (an append, an atomi
 rewrite), which took whole paths and failed with ENAMETOOLONG."""
 import os
 
+import pytest
 import torch
 
 import shared_td
@@ -40,3 +41,18 @@ def test_atomic_rewrite_of_a_save_nested_past_path_max(tmp_path):
     assert _leaf(written).tolist() == [10.0, 11.0, 12.0]
     _leaf(written).add_(1)  # the written tensors map the files now in place
     assert _leaf(shared_td.load_memmap(prefix)).tolist() == [11.0, 12.0, 13.0]
+
+
+def test_in_place_rewrite_of_a_save_nested_past_path_max_is_refused_before_a_byte_changes(tmp_path):
+    # review52: its deep levels were planned as new (os.path.lexists is False for
+    # ENAMETOOLONG): the write overwrote the leaves above them, then failed
+    prefix = str(tmp_path / "save")
+    saved = _deep(3)
+    saved["top"] = torch.zeros(3)
+    saved.memmap_(prefix)
+    new = _deep(3, start=10.0)
+    new["top"] = torch.ones(3)
+    with pytest.raises(OSError, match="past PATH_MAX.*atomic=True"):
+        new.memmap_(prefix, existsok=True)
+    loaded = shared_td.load_memmap(prefix)
+    assert loaded["top"].tolist() == [0.0] * 3 and _leaf(loaded).tolist() == [0.0, 1.0, 2.0]
