@@ -302,9 +302,13 @@ def _mirror(source: str, staged: _Levels, rows: int) -> None:
     links, but for the meta.json of each TensorDict node, written with ``rows`` more
     rows. Every name is taken relative to its opened level, never as a whole path (a
     save nested past PATH_MAX has paths no system call takes)."""
-    with contextlib.closing(os.fwalk(source)) as walk:  # (its descriptors closed on an error too)
+    made = {"."}  # the levels made in the staging directory, each to be walked
+    errors: list[OSError] = []  # (fwalk skips a level it cannot open or list, silently by default)
+    # (closing: fwalk's descriptors are closed on an error too)
+    with contextlib.closing(os.fwalk(source, onerror=errors.append)) as walk:
         for directory, subdirectories, names, fd in walk:
             relative = os.path.relpath(directory, source)
+            made.discard(relative)
             into = staged.level(() if relative == "." else tuple(relative.split(os.sep)))
             here = files.Directory(fd, directory, "append rows")  # (fwalk's own descriptor: never closed here)
             for name in list(subdirectories):
@@ -313,12 +317,17 @@ def _mirror(source: str, staged: _Levels, rows: int) -> None:
                     names.append(name)
                 else:
                     into.mkdir(name)
+                    made.add(os.path.normpath(os.path.join(relative, name)))
             for name in names:
                 grown = _grown_meta(here, rows) if name == fmt.META else None
                 if grown is None:
                     _link(here, into, name)
                 else:
                     into.write_new_file(name, grown)
+    if made:  # (levels fwalk skipped: it could not open or list them, or they were swapped since listed)
+        error = errors[0] if errors else OSError(errno.ESTALE, "it was replaced since it was listed")
+        raise OSError(error.errno, f"append_memmap could not copy the levels {sorted(made)} of the save {source} "
+                                   f"into its new version: {error.strerror}; nothing changed.")
 
 
 def _grown_meta(directory: files.Directory, rows: int) -> bytes | None:
@@ -376,7 +385,12 @@ class _Levels:
         self.opened: dict[tuple, files.Directory] = {}
 
     def level(self, levels: tuple) -> files.Directory:
-        """The opened directory of the names ``levels`` below the root."""
+        """The opened directory of the names ``levels`` below the root. Only the levels
+        above it stay open (the save is gone through in order): a save of many nested
+        nodes must not hold a descriptor per node (past RLIMIT_NOFILE, often 1024, a
+        save that memmap and load_memmap handle could not grow)."""
+        for other in [opened for opened in self.opened if levels[:len(opened)] != opened]:
+            self.opened.pop(other).close()
         if () not in self.opened:
             self.opened[()] = files.Directory.open(self.root, action="append rows")
         for depth in range(1, len(levels) + 1):
