@@ -186,10 +186,11 @@ def _out_of_descriptors(error: RuntimeError, path: tuple) -> OSError | None:
     for code in (errno.ENFILE, errno.EMFILE):  # (EMFILE's words begin ENFILE's: that one first)
         if f"{os.strerror(code)} ({code})" in str(error):
             return OSError(code, f"share_memory_(): the tensor at {key_repr(path)} could not be moved to shared "
-                                 f"memory: {descriptor_limits(code)} The tensors before it are shared already; the "
-                                 "tree is neither marked shared nor locked: call share_memory_() again once "
-                                 "descriptors are free (or share one anonymous segment for the whole tree: "
-                                 "memmap_() without a prefix).")
+                                 f"memory: {descriptor_limits(code)} The tensors before it are shared already (the "
+                                 "nested tensordicts completed before it marked shared and locked); its tensordict "
+                                 "and those above it are neither: call share_memory_() again once descriptors are "
+                                 "free (or share one anonymous segment for the whole tree: memmap_() without a "
+                                 "prefix).")
     return None
 
 

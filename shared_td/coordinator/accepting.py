@@ -123,12 +123,14 @@ class Server(managers.Server):
         ``finally: sys.exit(0)`` swallowed that error: the manager exited silently once
         it had reported its address, and the first call found it gone)."""
         self.stop_event = threading.Event()
+        # (as managers.Server.serve_forever: proxies unpickled here resolve to the objects;
+        # set before the first connection can be served, not once serve_forever runs)
+        process.current_process()._manager_server = self
         threading.Thread(target=self.accepter, name="shared_td-accept", daemon=True).start()
 
     def serve_forever(self) -> None:
         """Serve until a shutdown request (or the watch of the parent) sets ``stop_event``;
         :meth:`start_accepting` started the accept loop."""
-        process.current_process()._manager_server = self  # (as managers.Server's)
         while not self.stop_event.is_set():
             self.stop_event.wait(1)
 
