@@ -77,6 +77,9 @@ ARCHIVE_VALUE_REASON = ("it was loaded from an archive, where a non-tensor value
 
 #: How long a load keeps restarting while atomic writers replace the directory under it.
 RETRY_SECONDS = 60.0
+#: Times one node is read again when a node rewrite removed a side file its meta.json
+#: named while it was loaded (each rewrite takes milliseconds).
+NODE_REREADS = 100
 
 
 def check_allow_pickle(allow_pickle: Any) -> bool:
@@ -287,9 +290,16 @@ class Loader:
             return None
         return ArchiveNode(archive)
 
-    def _load(self, directory: Directory, parent_batch: tuple | None) -> Any:
+    def _load(self, directory: Directory, parent_batch: tuple | None, attempt: int = 0) -> Any:
         """Load one node: its keyed entries (from its meta.json), its fixed-name
-        children (the kind names them), then the kind rebuilds the container."""
+        children (the kind names them), then the kind rebuilds the container.
+
+        A node rewrite in another process (a non-tensor ``set_``) renames a new meta.json
+        in, then removes the side file (other.pickle, pickle.pkl) the new value no longer
+        needs: a side file that the meta.json read here names and that is gone when read
+        makes the node read again, from its new meta.json (``attempt``: the times it was;
+        comparing the two meta.json cannot tell, a later rewrite may put the same one
+        back). One still missing after :data:`NODE_REREADS` reads is damage: raised."""
         meta = read_meta(directory, self._parsed)
         kind = nodes.kind_for_type_string(meta.type)
         values = dict.fromkeys(entry.key for entry in meta.entries)  # in the saved order
@@ -321,9 +331,22 @@ class Loader:
             raise FileNotFoundError(f"{directory.path} was replaced while it was loaded.")
         # a node of an archive has no directory of its own to write back to
         own = None if isinstance(directory, ArchiveNode) else directory.path
-        return kind.rebuild(meta, values, directory=own, parent_batch=parent_batch,
-                            unpickle=lambda name: self._unpickle(directory, name),
-                            read_only=self._read_only_reason(directory))
+        gone: list[str] = []  # the side files found missing
+
+        def unpickle(name: str) -> Any:
+            try:
+                return self._unpickle(directory, name)
+            except FileNotFoundError:
+                gone.append(name)
+                raise
+
+        try:
+            return kind.rebuild(meta, values, directory=own, parent_batch=parent_batch, unpickle=unpickle,
+                                read_only=self._read_only_reason(directory))
+        except FileNotFoundError:
+            if not gone or own is None or attempt >= NODE_REREADS:
+                raise
+        return self._load(directory, parent_batch, attempt + 1)
 
     def _read_only_reason(self, directory: Directory) -> str | None:
         """Why a node loaded from ``directory`` may not be written in place (its files,
