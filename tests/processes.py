@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
+import sys
+import tempfile
+import textwrap
 import threading
 import time
 
@@ -95,3 +99,46 @@ def small_tmpfs(path, size: str = "1m"):
         yield path
     finally:
         subprocess.run(["umount", str(path)], check=True)
+
+
+# The script run_as_nobody runs: the caller's code defines warm(base) and check(base).
+_AS_NOBODY = """
+import os, sys
+base = sys.argv[1]
+{code}
+warm(base)  # as the caller: the lazy imports (as root, the interpreter may be unreadable to nobody)
+if os.getuid() != 0:
+    raise SystemExit(0 if check(base) else 1)
+pid = os.fork()  # root writes read-only files and directories: the user nobody does not
+if pid == 0:
+    try:
+        os.setgid(65534); os.setgroups([]); os.setuid(65534)
+    except OSError:
+        os._exit(77)
+    os._exit(0 if check(base) else 1)
+_, status = os.waitpid(pid, 0)
+raise SystemExit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def run_as_nobody(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run ``code`` (Python source defining ``warm(base)`` and ``check(base) -> bool``)
+    in a new interpreter: ``warm`` as this user, then ``check`` as the user nobody in a
+    fork child when this is root (who writes read-only files), else directly. ``base``:
+    a fresh directory anyone may write (pytest's tmp_path may lie under a root-only one),
+    removed afterwards, made writable again first. Skips the test when root cannot drop
+    to nobody; fails it, with the output, unless ``check`` returned True."""
+    base = tempfile.mkdtemp()
+    os.chmod(base, 0o777)
+    try:
+        done = subprocess.run([sys.executable, "-c", _AS_NOBODY.format(code=textwrap.dedent(code)), base],
+                              timeout=timeout, capture_output=True, text=True)
+    finally:
+        for root, directories, _ in os.walk(base):
+            for name in directories:
+                os.chmod(os.path.join(root, name), 0o755)
+        shutil.rmtree(base)
+    if done.returncode == 77:
+        pytest.skip("cannot drop to the user nobody")
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+    return done

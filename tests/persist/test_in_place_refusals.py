@@ -4,12 +4,6 @@ not write) before the first old leaf file is overwritten: found by the write its
 failed with the earlier leaves' files already holding the new bytes under the old
 meta.json (limits19)."""
 import os
-import pathlib
-import shutil
-import subprocess
-import sys
-import tempfile
-import textwrap
 
 import numpy as np
 import pytest
@@ -17,6 +11,7 @@ import torch
 
 import shared_td
 from shared_td import TensorDict
+from tests.processes import run_as_nobody
 
 
 def _save(prefix) -> None:
@@ -62,16 +57,17 @@ def test_an_empty_leaf_over_a_directory_is_no_error(tmp_path):
 
 
 def test_a_read_only_file_where_a_later_leaf_goes():
-    base = pathlib.Path(tempfile.mkdtemp())  # (pytest's tmp_path may lie under a root-only 0700 directory)
-    os.chmod(base, 0o777)
-    code = textwrap.dedent(f"""
-        import os, numpy as np, torch, shared_td
+    run_as_nobody("""
+        import numpy as np, torch, shared_td
         from shared_td import TensorDict
-        p = {str(base / 'save')!r}
-        w = p + "-warm"  # lazy imports done first (as root the interpreter may be unreadable to nobody)
-        TensorDict(a=torch.ones(2), batch_size=[2]).memmap_(w)
-        TensorDict(a=torch.ones(2), batch_size=[2]).memmap_(w, existsok=True)
-        def rewrite():
+
+        def warm(base):
+            w = os.path.join(base, "warm")
+            TensorDict(a=torch.ones(2), batch_size=[2]).memmap_(w)
+            TensorDict(a=torch.ones(2), batch_size=[2]).memmap_(w, existsok=True)
+
+        def check(base):
+            p = os.path.join(base, "save")
             TensorDict(a=torch.ones(4), b=torch.ones(4), batch_size=[4]).memmap_(p)
             os.chmod(os.path.join(p, "b.memmap"), 0o444)
             new = TensorDict(a=torch.full((4,), 2.0), b=torch.full((4,), 2.0), batch_size=[4])
@@ -84,17 +80,4 @@ def test_a_read_only_file_where_a_later_leaf_goes():
             ok = "b.memmap" in msg and "atomic=True" in msg and first == [1.0] * 4
             new.memmap_(p, existsok=True, atomic=True)  # the fix the message names
             return ok and shared_td.load_memmap(p)["b"].tolist() == [2.0] * 4
-        if os.getuid() != 0:
-            raise SystemExit(0 if rewrite() else 1)
-        pid = os.fork()  # root writes read-only files: the user nobody does not
-        if pid == 0:
-            os.setgid(65534); os.setgroups([]); os.setuid(65534)
-            os._exit(0 if rewrite() else 1)
-        _, st = os.waitpid(pid, 0)
-        raise SystemExit(os.waitstatus_to_exitcode(st))
     """)
-    try:
-        done = subprocess.run([sys.executable, "-c", code], timeout=120, capture_output=True, text=True)
-    finally:
-        shutil.rmtree(base)
-    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
