@@ -39,6 +39,7 @@ from shared_td.finalizers import Finalizer
 from shared_td.platform import map_shared_bytes, pid_alive, unmap_bytes
 from shared_td.storage.anonymous import attach_peer_fd
 from shared_td.storage.cache import InodeCache
+from shared_td.storage.fd_mapping import map_error
 
 __all__ = ["is_stale", "refresh", "remember"]
 
@@ -69,7 +70,11 @@ class _Table:
         if pidfd is not None:
             Finalizer(self, os.close, pidfd)
         self.pid, self._exited = pid, None
-        address = map_shared_bytes(fd, nbytes)
+        try:
+            address = map_shared_bytes(fd, nbytes)
+        except OSError as error:  # ENOMEM: RLIMIT_AS, vm.max_map_count (named, as for a segment)
+            raise map_error(error.errno, fd, nbytes, True,
+                            f"the coordinator version table of manager process {pid}") from None
         unmap = Finalizer(self, unmap_bytes, address, nbytes)
         unmap.atexit = False  # exit unmaps anyway; a late is_stale must not find it gone
         self.words = (ctypes.c_uint64 * (nbytes // 8)).from_address(address)

@@ -59,6 +59,7 @@ from shared_td.platform import ByteLock, free_bytes, map_shared_bytes, reopen_de
 from shared_td.storage.anonymous import GENERIC_ADVICE, attach_peer_fd, create_memfd
 from shared_td.storage.cache import InodeCache
 from shared_td.storage.duplicates import held_duplicate, receive_duplicate
+from shared_td.storage.fd_mapping import map_error
 from shared_td.storage.files import allocate, pwrite_all
 from shared_td.storage.holders import open_first
 
@@ -125,7 +126,11 @@ class ValueSlab:
                     "cells): refused.")
             # Mapped once: the headers read by every get(). Their bytes were reserved at
             # creation, so touching them can never raise SIGBUS.
-            self._address = map_shared_bytes(fd, self._mapped)
+            try:
+                self._address = map_shared_bytes(fd, self._mapped)
+            except OSError as error:  # ENOMEM: RLIMIT_AS, vm.max_map_count (named, as for a segment)
+                raise map_error(error.errno, fd, self._mapped, True,
+                                f"the slab of shared non-tensor values (inode {stat.st_ino})") from None
         except BaseException:
             self._finalizer()
             raise
