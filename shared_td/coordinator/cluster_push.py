@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shared_td.coordinator import cluster_replica as replica
+from shared_td.coordinator.cluster_renewals import renew_failure
 from shared_td.coordinator.cluster_serve import HEADER_BYTES, kept_receive_bytes
 from shared_td.coordinator.cluster_store import ClusterAuthError
 from shared_td.coordinator.cluster_messages import (ANSWER_BYTES, LENGTH_BYTES, answer_context, decode_signed,
@@ -135,7 +136,8 @@ def raise_if_republished(cluster, name: str, rep, refusal: RuntimeError, op: str
     if current is None or current <= rep.generation:
         current = _current_generation(cluster, name)
     if current is not None and current > rep.generation:
-        raise _republished(name, current, rep.generation, renewed=False, op=op) from refusal
+        failure = renew_failure(cluster, name, rep.generation)
+        raise _republished(name, current, rep.generation, renewed=False, op=op, failure=failure) from refusal
 
 
 def _packed(cluster, name: str, rep, index: torch.Tensor, deadline: float) -> torch.Tensor:
@@ -171,20 +173,24 @@ def _current_generation(cluster, name: str) -> int | None:
         return None
 
 
-def _republished(name: str, current: int, held: int, renewed: bool, op: str = "push") -> RuntimeError:
+def _republished(name: str, current: int, held: int, renewed: bool, op: str = "push",
+                 failure: BaseException | None = None) -> RuntimeError:
     """The error of a push of ``name`` whose user's rows are in views of generation
     ``held`` while the owner published generation ``current``: ``renewed``, this node's
     replica was renewed meanwhile (refused here), else the owner refused it (a push or,
-    ``op="pull"``, a pull: it sent nothing). A RuntimeError, its ``current`` the generation."""
+    ``op="pull"``, a pull: it sent nothing), while the node renews its replica or after
+    that renew failed (``failure``: its error). A RuntimeError, its ``current`` the
+    generation."""
+    renewing = "it is being renewed" if failure is None else \
+        f"its renew failed: {type(failure).__name__}: {failure}; attach({name!r}) renews it"
     if renewed:
         what = (f"this node renewed its replica on the owner's notice, and the rows written into views of generation "
                 f"{held} are not in the new one (a push would send the owner's own values in their place): "
                 "nothing was sent")
     elif op == "pull":
-        what = (f"this node's replica is still of generation {held} (it is being renewed): the owner sent nothing")
+        what = f"this node's replica is still of generation {held} ({renewing}): the owner sent nothing"
     else:
-        what = (f"this node's replica is still of generation {held} (it is being renewed), and the owner wrote none "
-                "of its rows")
+        what = f"this node's replica is still of generation {held} ({renewing}), and the owner wrote none of its rows"
     then = "write the rows into them, then push" if op == "push" else "then pull"
     error = RuntimeError(f"{op}({name!r}): {name!r} was published again (generation {current}) and {what}. "
                          f"Refresh the views (shared_td.refresh(view); in the {op}ing process, attach({name!r}) "

@@ -28,6 +28,14 @@ def renew(cluster, name: str, generation: int) -> None:
     renewals.add(name, generation)
 
 
+def renew_failure(cluster, name: str, generation: int) -> BaseException | None:
+    """Why this node's last renew of its replica of ``name``, which holds ``generation``,
+    failed (the error of the renew's attach), if it did and nothing renewed it since."""
+    renewals = cluster.__dict__.get("_renewals")
+    failed = renewals.failed.get(name) if renewals is not None else None
+    return failed[1] if failed is not None and failed[0] > generation else None
+
+
 def held(cluster, name: str):
     """The replica of ``name`` this node holds, or the one its first attach is filling
     (a notice that came meanwhile renews it once that attach is done: the renew's attach
@@ -39,7 +47,9 @@ class Renewals:
     """The renews of a node's replicas, one after another, by a thread (:data:`RENEWER`)
     started when one is queued and ended when none waits. It is one of the node's
     (``Cluster._threads``): shutdown waits for it, and its attach is the node's, not the
-    user's. A failed renew leaves the old replica (stale), counted in ``renew_failures``.
+    user's. A failed renew leaves the old replica (stale), counted in ``renew_failures``,
+    its error kept in ``failed`` for the refusals of a pull or push of the old
+    generation (:func:`renew_failure`: they said the replica "is being renewed").
 
     Example (a stand-in for a node: ``attach`` is what a renew calls)::
 
@@ -60,6 +70,8 @@ class Renewals:
         self._waiting: collections.deque = collections.deque()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        #: name -> (generation, error) of its last renew that failed
+        self.failed: dict[str, tuple[int, BaseException]] = {}
 
     def add(self, name: str, generation: int) -> None:
         """Queue the renew of ``name`` to ``generation``; returns at once."""
@@ -78,9 +90,10 @@ class Renewals:
             cluster._threads.append(thread)  # before it runs: its attach is the node's
             try:
                 thread.start()
-            except RuntimeError:  # "can't start new thread": the renew waits for the next add
+            except RuntimeError as error:  # "can't start new thread": the renew waits for the next add
                 cluster._threads.remove(thread)  # (never started: shutdown cannot join it)
                 cluster.renew_failures += 1
+                self.failed[name] = (generation, error)
                 return
             self._thread = thread
 
@@ -104,6 +117,7 @@ class Renewals:
                 continue  # renewed meanwhile (by an attach, or a notice before), or let go
             try:
                 cluster.attach(name)
-            except Exception:  # noqa: BLE001 - nobody waits for this answer; counted
+            except Exception as error:  # noqa: BLE001 - nobody waits for this answer; counted, kept
                 if not cluster._closed:
                     cluster.renew_failures += 1
+                    self.failed[name] = (generation, error)

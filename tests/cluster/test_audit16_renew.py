@@ -201,3 +201,29 @@ def test_a_renew_notice_during_a_first_attach_renews_it_once_done(pair):
         first.join(10)
     assert wait_until(lambda: other._replicas["buf"].generation == 2, 10), other.renew_failures
     assert (other.attach("buf")["w"] == 5.0).all()
+
+
+def test_a_pull_after_a_failed_renew_says_why_it_failed_not_that_it_is_being_renewed(pair):
+    """limits21: a renew refused by a limit of this node (out of descriptors) was counted
+    in renew_failures only, and every pull of the name then said the replica "is being
+    renewed" while nothing renewed it. Now the refusal names the renew's error and that
+    attach renews it; an attach does."""
+    owner, other = pair
+    owner.publish("buf", _buffer(1.0))
+    other.attach("buf")
+    real_fill = other._fill
+
+    def failing_fill(name, rep):
+        if other._serving():  # the renew's, not the user's
+            raise OSError(24, "Too many open files (RLIMIT_NOFILE soft/hard = 64/64)")
+        return real_fill(name, rep)
+
+    other._fill = failing_fill
+    owner.publish("buf", _buffer(5.0))
+    assert wait_until(lambda: other.renew_failures == 1, 10)
+    other._fill = real_fill
+    with pytest.raises(RuntimeError, match=r"still of generation 1 \(its renew failed: OSError: .*RLIMIT_NOFILE.*; "
+                                           r"attach\('buf'\) renews it\)"):
+        other.pull("buf")
+    assert torch.equal(other.attach("buf")["w"], torch.full((N, WIDTH), 5.0))
+    other.pull("buf")  # renewed: no refusal, whatever the failure kept
