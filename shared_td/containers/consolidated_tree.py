@@ -158,6 +158,10 @@ def build_consolidated(node: Any, views: Iterator[torch.Tensor], layout: Layout,
         children = [build_consolidated(member, views, layout, moved_to) for member in node.tensordicts]
         new = type(node)(*children, stack_dim=node.stack_dim, batch_size=node._member_batch,
                          stack_dim_name=node._stack_dim_name)
+        for member, child in zip(node.tensordicts, children):  # (members given as tensorclasses stay so)
+            cls = node._tensorclass_of(member)
+            if cls is not None:
+                new._record_class(child, cls)
     else:  # non-tensor data: no layout of its own; a copy's own (clone(recurse=False) of a
         # shared or memory-mapped value keeps its cell: a write into the copy reached the source)
         new = node.clone()

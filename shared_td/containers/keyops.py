@@ -193,20 +193,23 @@ def renamed_in_members(td: Any, old: tuple, new: tuple, safe: bool) -> bool:
         node, depth = unwrap_tensorclass(node)._get_str(old[depth], None), depth + 1
     targets: dict = {}
     _rename_targets(node, old[depth:], new[depth:], targets)
-    for member, inner_old, inner_new in targets.values():  # every check before the first change
+    for member, inner_old, inner_new, stack in targets.values():  # every check before the first change
         if not _holds(member, inner_old):
             raise KeyError(td._missing_key_message(old))
+        # (a member given as a tensorclass: a key that is no field is refused, as its own
+        # rename_key_ and set refuse it)
+        stack._refuse_new_key_no_field(member, inner_new[0])
         # the lock before the safe check, as a TensorDict's rename_key_ and tensordict
         _check_renamable(unwrap_tensorclass(member), inner_old, inner_new)
         if safe and inner_new != inner_old and not is_below(inner_new, inner_old) and _holds(member, inner_new):
             raise KeyError(f"Key {key_repr(new)} is already present in TensorDict; pass safe=False to replace it.")
-    for member, inner_old, inner_new in targets.values():
+    for member, inner_old, inner_new, _ in targets.values():
         member.rename_key_(inner_old, inner_new, safe)
     return True
 
 
 def _rename_targets(node: Any, old: tuple, new: tuple, targets: dict) -> None:
-    """Fill ``targets`` with ``{(id, old, new): (member, old, new)}``: the members of
+    """Fill ``targets`` with ``{(id, old, new): (member, old, new, stack)}``: the members of
     lazy stack ``node`` that rename, each met once (a member stacked twice is one
     object: renaming it twice raised after the first), looking through the lazy stacks
     among them or on their part of the common path."""
@@ -218,7 +221,7 @@ def _rename_targets(node: Any, old: tuple, new: tuple, targets: dict) -> None:
         if _is_lazy(inner):
             _rename_targets(inner, old[depth:], new[depth:], targets)
         else:  # (a missing key: the member is checked, and named, by the caller)
-            targets.setdefault((id(member), old, new), (member, old, new))
+            targets.setdefault((id(member), old, new), (member, old, new, node))
 
 
 def _check_renamable(member: Any, old: tuple, new: tuple) -> None:

@@ -165,6 +165,21 @@ class _TensorClassMembers:
         self._tensordict.del_(key)
         return self
 
+    def rename_key_(self, old_key: Any, new_key: Any, safe: bool = False) -> Any:
+        """Move the entry ``old_key`` to ``new_key`` (see TensorDict.rename_key_); returns
+        self. A field renamed reads None after.
+
+        Raises:
+            AttributeError: (before anything changes) if the first part of ``new_key`` is
+                not a field, as ``set`` refuses it (tensordict 0.15.3 renames, then cannot
+                load its save or rebuild the instance).
+        """
+        new = unravel_key(new_key)
+        if new[0] not in type(self)._tc_field_names:
+            raise AttributeError(_no_field_message(type(self), new[0]))
+        self._tensordict.rename_key_(old_key, new_key, safe=safe)
+        return self
+
     batch_size = _td_property("batch_size", settable=True)
     names = _td_property("names", settable=True)
     is_locked = _td_property("is_locked", settable=True)
