@@ -254,6 +254,7 @@ class MemmapMethods:
             )
         if out is None:
             return _as_subclass(loaded, cls)
+        _refuse_no_fields(out, loaded, prefix)
         _load_into(unwrap_tensorclass(out), loaded)
         return out
 
@@ -290,6 +291,7 @@ class MemmapMethods:
                 f"Cannot load {kinds[0]} ({os.fsdecode(prefix)!r}) in place into {kinds[1]}; "
                 f"nothing changed: load it with load_memmap() instead.")
         check_entries_fit(target, source, prefix)
+        _refuse_no_fields(self, loaded, prefix)
         # an archive's nodes have no directory; mode="r" ones do, but read-only files
         remap = was_memmap and mode != "r" and source._memmap_prefix is not None
         if remap:
@@ -512,6 +514,21 @@ def _as_subclass(loaded: Any, cls: type) -> Any:
         converted.__dict__.update(loaded.__dict__)
         return converted
     return loaded
+
+
+def _refuse_no_fields(target: Any, loaded: Any, prefix: Any) -> None:
+    """A load into the tensorclass instance ``target`` (``out=``, ``load_memmap_``) of a
+    save holding keys that are no fields of its class: a ValueError naming them, before
+    anything changes (it held them where no attribute reads them, as ``set`` refuses to;
+    tensordict 0.15.3 puts them in, then returns a TensorDict for ``out=``)."""
+    if not is_tensorclass(target):
+        return
+    extra = sorted(set(unwrap_tensorclass(loaded)._keys_str()) - type(target)._tc_field_names)
+    if extra:
+        raise ValueError(
+            f"Cannot load {os.fsdecode(prefix)!r} into a {type(target).__name__}: it holds the keys {extra}, "
+            f"which are no fields of {type(target).__name__}; nothing changed: load it on its own, "
+            "shared_td.load_memmap(prefix), which gives the saved tree as it is.")
 
 
 def _load_into(out: Any, loaded: Any) -> None:

@@ -1,13 +1,15 @@
 """fuzz18: consolidate() of a lazy stack whose members were given as tensorclasses keeps
 their class (as tensordict 0.15.3 does), also through pickle, clone and a save; rename_key_
-to a key that is no field of a tensorclass (or of a member given as one) is refused as set is."""
+to a key that is no field of a tensorclass (or of a member given as one) is refused as set is,
+and so is a load into a tensorclass of a save holding keys that are no fields."""
 import pickle
 from typing import Any
 
+import pytest
 import torch
 
 import shared_td
-from shared_td import LazyStackedTensorDict, tensorclass
+from shared_td import LazyStackedTensorDict, TensorDict, lazy_stack, tensorclass
 
 
 @tensorclass
@@ -40,11 +42,6 @@ def test_consolidate_of_a_plain_member_stack_keeps_tensordicts():
     assert [type(m).__name__ for m in c.unbind(0)] == ["TensorDict", "TensorDict"]
 
 
-import pytest
-
-from shared_td import TensorDict, lazy_stack
-
-
 @pytest.mark.parametrize("make", ["tc", "lazy_stack", "constructor", "nested"])
 def test_rename_key_to_a_key_that_is_no_field_is_refused(make, tmp_path):
     def tc(i):
@@ -71,3 +68,17 @@ def test_rename_key_in_a_plain_lazy_stack_takes_any_key():
     ls = lazy_stack([TensorDict(obs=torch.zeros(2), batch_size=[2]), TensorDict(obs=torch.ones(2), batch_size=[2])], 0)
     ls.rename_key_("obs", "renamed")
     assert list(ls.keys()) == ["renamed"]
+
+
+@pytest.mark.parametrize("how", ["out", "load_memmap_"])
+def test_a_load_into_a_tensorclass_of_a_save_with_keys_that_are_no_fields_is_refused(tmp_path, how):
+    shared_td.TensorDict(a=torch.zeros(2), batch_size=[2]).memmap(tmp_path / "other")
+    target = TC18(obs=torch.ones(2), info="kept", batch_size=[2])
+    with pytest.raises(ValueError, match=r"holds the keys \['a'\], which are no fields of TC18; nothing changed"):
+        if how == "out":
+            shared_td.TensorDict.load_memmap(tmp_path / "other", out=target)
+        else:
+            target.load_memmap_(tmp_path / "other")
+    assert target.obs.tolist() == [1.0, 1.0] and target.info == "kept" and "a" not in target._tensordict.keys()
+    shared_td.TensorDict(obs=torch.full((2,), 3.0), batch_size=[2]).memmap(tmp_path / "fields")
+    assert shared_td.TensorDict.load_memmap(tmp_path / "fields", out=target).obs.tolist() == [3.0, 3.0]
