@@ -141,7 +141,7 @@ _WRAPPED = (
     "unbind split chunk to cpu cuda pin_memory pin_memory_ clone contiguous expand reshape view "
     "unsqueeze squeeze permute transpose swapaxes swapdims movedim moveaxis flatten unflatten "
     "apply named_apply set_ lock_ unlock_ "
-    "share_memory_ exclude empty zero_ fill_ copy_ del_ rename_key_ refine_names auto_batch_size_ "
+    "share_memory_ exclude empty zero_ fill_ copy_ del_ refine_names auto_batch_size_ "
     "__eq__ __ne__ __lt__ __le__ __gt__ __ge__ __enter__ __exit__ all any "  # (all(dim) is a tensordict)
     "repeat repeat_interleave clear_device_ auto_device_ filter_empty_"
 ).split()
@@ -166,14 +166,9 @@ class _TensorClassMembers:
         return self
 
     def rename_key_(self, old_key: Any, new_key: Any, safe: bool = False) -> Any:
-        """Move the entry ``old_key`` to ``new_key`` (see TensorDict.rename_key_); returns
-        self. A field renamed reads None after.
-
-        Raises:
-            AttributeError: (before anything changes) if the first part of ``new_key`` is
-                not a field, as ``set`` refuses it (tensordict 0.15.3 renames, then cannot
-                load its save or rebuild the instance).
-        """
+        """Move the entry ``old_key`` to ``new_key``; returns self. A ``new_key`` that is no
+        field is an AttributeError before anything changes, as ``set`` raises (tensordict
+        0.15.3 renames, then cannot load its save or rebuild the instance)."""
         new = unravel_key(new_key)
         if new[0] not in type(self)._tc_field_names:
             raise AttributeError(_no_field_message(type(self), new[0]))
