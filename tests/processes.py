@@ -112,7 +112,7 @@ if os.getuid() != 0:
 pid = os.fork()  # root writes read-only files and directories: the user nobody does not
 if pid == 0:
     try:
-        os.setgid(65534); os.setgroups([]); os.setuid(65534)
+        os.setgid({uid}); os.setgroups([]); os.setuid({uid})
     except OSError:
         os._exit(77)
     os._exit(0 if check(base) else 1)
@@ -121,17 +121,19 @@ raise SystemExit(os.waitstatus_to_exitcode(status))
 """
 
 
-def run_as_nobody(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def run_as_nobody(code: str, timeout: float = 120, uid: int = 65534) -> subprocess.CompletedProcess:
     """Run ``code`` (Python source defining ``warm(base)`` and ``check(base) -> bool``)
     in a new interpreter: ``warm`` as this user, then ``check`` as the user nobody in a
     fork child when this is root (who writes read-only files), else directly. ``base``:
     a fresh directory anyone may write (pytest's tmp_path may lie under a root-only one),
     removed afterwards, made writable again first. Skips the test when root cannot drop
-    to nobody; fails it, with the output, unless ``check`` returned True."""
+    to nobody; fails it, with the output, unless ``check`` returned True. ``uid``: another
+    user (and group) than nobody's 65534, one no other process runs as (a limit per user,
+    RLIMIT_NPROC, then counts only the check's tasks)."""
     base = tempfile.mkdtemp()
     os.chmod(base, 0o777)
     try:
-        done = subprocess.run([sys.executable, "-c", _AS_NOBODY.format(code=textwrap.dedent(code)), base],
+        done = subprocess.run([sys.executable, "-c", _AS_NOBODY.format(code=textwrap.dedent(code), uid=int(uid)), base],
                               timeout=timeout, capture_output=True, text=True)
     finally:
         for root, directories, _ in os.walk(base):

@@ -19,7 +19,7 @@ PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 LAYERS = {
     "storage": 0, "keys": 0, "errors": 0, "platform": 0, "platform_locks": 0, "memory_check": 0, "finalizers": 0,
-    "tensorclass_protocol": 0, "nontensor_values": 0,
+    "tensorclass_protocol": 0, "nontensor_values": 0, "thread_pool": 0,
     "memmap_tensor": 1,
     "persist": 2,
     "containers": 3,

@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import operator
 import os
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import torch
@@ -27,6 +26,7 @@ from shared_td.persist import in_flight
 from shared_td.persist.future import TensorDictFuture
 from shared_td.storage import files
 from shared_td.storage.anonymous import Segment, align
+from shared_td.thread_pool import ThreadPool
 
 _nbytes = operator.attrgetter("nbytes")
 
@@ -241,11 +241,13 @@ class Storage:
 def run_copies(jobs: list[Callable[[], None]], threads: int) -> None:
     """Run the ``jobs`` on the calling thread (``threads`` below 2) or on that many
     threads; raise the first error (once every job has ended)."""
-    if threads <= 1 or len(jobs) <= 1:
+    pool = ThreadPool.start(min(threads, len(jobs)), "shared_td-consolidate") if threads > 1 and len(jobs) > 1 \
+        else None
+    if pool is None:  # (also when the system starts no thread: RLIMIT_NPROC)
         for job in jobs:
             job()
         return
-    with ThreadPoolExecutor(min(threads, len(jobs)), thread_name_prefix="shared_td-consolidate") as pool:
+    with pool:
         for done in [pool.submit(job) for job in jobs]:
             done.result()  # the first error of the copies
 

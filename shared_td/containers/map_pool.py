@@ -15,6 +15,7 @@ through shared memory, as with tensordict's pool.
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import threading
 import traceback
@@ -126,7 +127,18 @@ class _Pool:
             target=_serve, args=(self._fn, theirs, self._seed + self._started, self._threads),
             name=f"shared_td-map-{self._started}", daemon=True)
         self._started += 1
-        process.start()
+        try:
+            process.start()
+        except BlockingIOError as error:  # fork or exec refused (EAGAIN): say which limit
+            mine.close()
+            theirs.close()
+            soft, hard = (("unlimited" if value == resource.RLIM_INFINITY else value)
+                          for value in resource.getrlimit(resource.RLIMIT_NPROC))
+            raise BlockingIOError(error.errno, (
+                f"map(): worker process {self._started - 1} could not be started ({error.strerror}): this user may "
+                f"have reached its limit on processes and threads, RLIMIT_NPROC soft/hard = {soft}/{hard} "
+                "(ulimit -u), or the system its memory. Use fewer workers (num_workers=) or raise the limit."
+            )) from error
         _LIVE.add(process)
         theirs.close()  # (the worker's end: its death then reads as end of file here)
         return _Worker(process, mine)
@@ -239,8 +251,9 @@ def _serve(fn: Callable, pipe: Any, seed: int, threads: int) -> None:  # in the 
         except (BrokenPipeError, ConnectionResetError):  # the parent is gone: nobody to answer
             return
         except Exception as error:  # a result that cannot be pickled: said so, not a dead worker
-            pipe.send((False, RuntimeError(f"map(): the result of fn for a chunk could not be sent back to the "
-                                           f"parent process ({type(error).__name__}: {error}).")))
+            failed = RuntimeError(f"map(): the result of fn for a chunk could not be sent back to the "
+                                  f"parent process ({type(error).__name__}: {error}).")
+            pipe.send((False, (failed, "".join(traceback.format_exception(error)))))
         del answer
 
 
@@ -256,7 +269,10 @@ def _end_with_creator() -> None:
         watch.wait()
         os._exit(1)
 
-    threading.Thread(target=end_when_gone, name="shared_td-map-creator-watch", daemon=True).start()
+    try:
+        threading.Thread(target=end_when_gone, name="shared_td-map-creator-watch", daemon=True).start()
+    except RuntimeError:  # no thread (RLIMIT_NPROC, memory): the worker serves without the watch
+        watch.close()  # (it then ends at the end of file of its pipe, once its chunk is done)
 
 
 def _portable(error: BaseException) -> tuple:

@@ -12,10 +12,11 @@ in a node that is locked, memory-mapped or shared, whose leaves stay where they 
 """
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from shared_td.thread_pool import ThreadPool
 
 if TYPE_CHECKING:  # (base imports this module)
     from shared_td.containers.base import TensorDictBase
@@ -36,8 +37,10 @@ def pinned_copies(leaves: list[torch.Tensor], num_threads: int | None) -> dict[i
     distinct = {id(leaf): leaf for leaf in leaves}  # (keeps each alive: the ids stay theirs)
     if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 0):
         raise ValueError(f"pin_memory(num_threads={num_threads!r}): an int >= 0 or None is needed.")
-    if num_threads and num_threads > 1 and len(distinct) > 1:
-        with ThreadPoolExecutor(min(num_threads, len(distinct)), thread_name_prefix="shared_td-pin") as pool:
+    pool = ThreadPool.start(min(num_threads, len(distinct)), "shared_td-pin") \
+        if num_threads and num_threads > 1 and len(distinct) > 1 else None
+    if pool is not None:  # (None also when the system starts no thread: RLIMIT_NPROC)
+        with pool:
             return dict(zip(distinct, pool.map(torch.Tensor.pin_memory, distinct.values())))
     return {key: leaf.pin_memory() for key, leaf in distinct.items()}
 

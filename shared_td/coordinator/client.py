@@ -41,6 +41,7 @@ from shared_td.coordinator.process import ServerProcess
 from shared_td.errors import CoordinatorTimeoutError, SegmentUnavailableError
 from shared_td.finalizers import Finalizer
 from shared_td.storage.anonymous import add_segment_holders
+from shared_td.thread_pool import thread_refused
 
 __all__ = ["Coordinator", "CoordinatorAuthenticationError", "CoordinatorTimeoutError", "attach"]
 
@@ -147,8 +148,11 @@ class Coordinator:
             self.cluster = Cluster(spec, node, nodes, authkey=cluster_key, timeout=self._timeout,
                                    coordinator=self, stripes=stripes).start()
             member.append(weakref.ref(self.cluster))
-        except BaseException:
+        except BaseException as error:
             self.shutdown()
+            if type(error) is RuntimeError and str(error) == "can't start new thread":  # (Thread.start's)
+                raise thread_refused(error, f"Cluster node {node}'s start",
+                                     "end threads or processes of this user") from error
             raise
 
     def shutdown(self) -> None:

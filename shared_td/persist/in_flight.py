@@ -42,6 +42,7 @@ from concurrent.futures import Future
 from typing import Any, Callable, Iterable
 
 from shared_td.persist.writer_lock import lock_timeout
+from shared_td.thread_pool import thread_refused
 
 
 class _Write:
@@ -160,6 +161,7 @@ def run_in_background(work: Callable[[], Any], description: str, thread_name: st
     without an active exception").
     """
     future = _WriteFuture(description)
+    thread = None
 
     def run() -> None:
         if not handover.taken_by_write():  # (its caller failed as it started: not run)
@@ -185,10 +187,14 @@ def run_in_background(work: Callable[[], Any], description: str, thread_name: st
         # (inside the try: a Ctrl-C landing as started() returned left the write recorded
         # with a future never set: the program's exit waited for it forever)
         started(future, prefix, nodes, description)
-        threading.Thread(target=run, daemon=False, name=thread_name).start()
-    except BaseException:
+        thread = threading.Thread(target=run, daemon=False, name=thread_name)
+        thread.start()
+    except BaseException as error:
         if handover.kept_by_caller():  # (else the write runs: it owns the record)
             ended(future)  # (nothing when started() never recorded it)
+            if type(error) is RuntimeError and thread is not None and thread.ident is None:
+                # refused by the system (RLIMIT_NPROC, memory): say so, and which limit
+                raise thread_refused(error, description) from error
         raise
     return future
 

@@ -49,7 +49,7 @@ import pickle
 import stat
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import wait
 from typing import Any
 
 import torch
@@ -66,6 +66,7 @@ from shared_td.storage import files
 from shared_td.storage.fd_mapping import descriptor_limits
 from shared_td.storage.files import Directory, FileTooShortError
 from shared_td.storage.mapping import READ_ONLY_ERRNOS
+from shared_td.thread_pool import ThreadPool
 
 #: The values of ``load_memmap(mode=)``: None (writable where allowed), read-only, read-write.
 MODES = (None, "r", "r+")
@@ -163,7 +164,7 @@ class Loader:
         self.mode = check_mode(mode)
         self.num_threads = check_num_threads(num_threads)
         self._opened: tuple | None = None  # (root directory, its path) of the current load
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: ThreadPool | None = None
         self._names: dict[tuple[str, bool], list[str]] = {}  # (key, leaf) -> its file names
         self._parsed: dict[bytes, NodeMeta] = {}  # meta.json bytes -> checked (read_meta)
 
@@ -181,9 +182,12 @@ class Loader:
                 node, parent_batch = self._walk(opened, parts, subpath)
                 if not self.num_threads:
                     return self._load(node, parent_batch)
-                with ThreadPoolExecutor(self.num_threads, thread_name_prefix="shared_td-load") as pool:
-                    self._pool = pool
+                self._pool = ThreadPool.start(self.num_threads, "shared_td-load")  # (None: no thread started)
+                try:
                     return self._load(node, parent_batch)
+                finally:
+                    if self._pool is not None:
+                        self._pool.shutdown()
             except RecursionError:
                 raise too_deep(path) from None
             except (FileNotFoundError, FormatError, FileTooShortError):

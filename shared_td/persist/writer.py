@@ -31,7 +31,6 @@ import contextlib
 import errno
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -45,6 +44,7 @@ from shared_td.persist.planner import LeafPlan, NodePlan, Options, leaf_is_a_dir
 from shared_td.storage import files
 from shared_td.storage.anonymous import Segment, align
 from shared_td.storage.files import Directory, FileBacking
+from shared_td.thread_pool import ThreadPool
 
 # The engine's writes, as one module for its callers: the node rewrites (non-tensor writes,
 # added entries) live in node_rewrite.py and a node's own files in node_commit.py, and are
@@ -115,7 +115,7 @@ def write_tree(root: NodePlan, leaves: list[LeafPlan], options: Options, *, clea
         documents = tree_documents(root)
     made_root = clean_up and not root.exists
     directory, made = _make_root(root.directory) if made_root else (Directory.open(root.directory), [])
-    pool = ThreadPoolExecutor(options.num_threads) if options.num_threads > 1 else None
+    pool = ThreadPool.start(options.num_threads, "shared_td-write") if options.num_threads > 1 else None
     writer = _TreeWriter(options, pool, documents)
     try:
         writer.write(root, directory)
@@ -150,7 +150,7 @@ class _TreeWriter:
     over; at most two per thread wait, so descriptors stay few.
     """
 
-    def __init__(self, options: Options, pool: ThreadPoolExecutor | None, documents: dict):
+    def __init__(self, options: Options, pool: ThreadPool | None, documents: dict):
         self.options = options
         self.pool = pool
         self.documents = documents  # node id -> (meta.json bytes, side files)

@@ -1,0 +1,120 @@
+"""The threads of a ``num_threads`` option (a save, a load, a consolidate, a pin), and
+the error for a thread the system refuses.
+
+``concurrent.futures.ThreadPoolExecutor`` starts its threads one by one as work is
+submitted; a thread the system refused (``RLIMIT_NPROC``, the threads and processes of
+this user; memory) made ``submit`` raise a bare ``RuntimeError: can't start new thread``
+with the job queued all the same: the call failed, naming no limit, though the threads
+started so far could have done the work (and a queued job could still run later, on a
+descriptor its caller had closed). A :class:`ThreadPool` starts its threads at once, as
+many as the system gives: :meth:`ThreadPool.start` returns None when it gives none, and
+the caller then does the work itself.
+
+Example:
+    >>> pool = ThreadPool.start(2, "shared_td-example")
+    >>> [future.result() for future in [pool.submit(pow, 2, n) for n in range(4)]]
+    [1, 2, 4, 8]
+    >>> pool.shutdown()
+"""
+from __future__ import annotations
+
+import queue
+import resource
+import threading
+from concurrent.futures import Future
+from typing import Any, Callable
+
+__all__ = ["ThreadPool", "thread_refused"]
+
+
+class ThreadPool:
+    """Up to ``count`` threads, all started by :meth:`start`, running the jobs submitted
+    in turn; :meth:`shutdown` (or the end of a ``with`` block) waits for every job
+    submitted, then for the threads."""
+
+    def __init__(self, threads: list[threading.Thread], jobs: queue.SimpleQueue):
+        # Private: use ThreadPool.start.
+        self._threads = threads
+        self._jobs = jobs
+
+    @classmethod
+    def start(cls, count: int, name: str) -> "ThreadPool | None":
+        """A pool of the threads of ``count`` that the system starts (named
+        ``name-<i>``), or None if it starts none: the caller works alone."""
+        jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threads = []
+        for index in range(count):
+            thread = threading.Thread(target=_serve, args=(jobs,), name=f"{name}-{index}", daemon=True)
+            try:
+                thread.start()
+            except RuntimeError:  # can't start new thread: the ones started do the work
+                break
+            threads.append(thread)
+        return cls(threads, jobs) if threads else None
+
+    def submit(self, fn: Callable, *args: Any, **kwargs: Any) -> Future:
+        """Run ``fn(*args, **kwargs)`` on a thread of the pool; its future."""
+        future: Future = Future()
+        self._jobs.put((future, fn, args, kwargs))
+        return future
+
+    def map(self, fn: Callable, items) -> list:
+        """``[fn(item) for item in items]``, run on the pool; the first error is raised
+        once every call ended."""
+        futures = [self.submit(fn, item) for item in items]
+        for future in futures:
+            future.exception()  # (wait for every one)
+        return [future.result() for future in futures]
+
+    def shutdown(self) -> None:
+        """Wait for the jobs submitted, then end the threads (it may be called again)."""
+        for _ in self._threads:
+            self._jobs.put(None)
+        for thread in self._threads:
+            thread.join()
+        self._threads = []
+
+    def __enter__(self) -> "ThreadPool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _serve(jobs: queue.SimpleQueue) -> None:
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        future, fn, args, kwargs = job
+        if not future.set_running_or_notify_cancel():
+            continue
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException as error:  # noqa: B036 - the caller's to raise, as an executor's future does
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+        del job, future, fn, args, kwargs  # (nothing of a job kept alive while waiting for the next)
+
+
+def _limit(value: int) -> str:
+    return "unlimited" if value == resource.RLIM_INFINITY else str(value)
+
+
+def thread_refused(error: BaseException, what: str,
+                   fix: str = "pass num_threads=0 (the calling thread does the work)") -> RuntimeError:
+    """The error for the thread of ``what`` that the system refused (``error``: the
+    RuntimeError of ``Thread.start``); ``fix``: what helps besides raising the limit.
+
+    Example:
+        >>> "RLIMIT_NPROC soft/hard" in str(thread_refused(RuntimeError("can't start new thread"), "a write"))
+        True
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NPROC)
+    as_soft, as_hard = resource.getrlimit(resource.RLIMIT_AS)
+    return RuntimeError(
+        f"{error}: {what} could not start a thread. This user may have reached its limit on threads "
+        f"and processes, RLIMIT_NPROC soft/hard = {_limit(soft)}/{_limit(hard)} (`ulimit -u`), or this "
+        f"process its memory limit, RLIMIT_AS soft/hard = {_limit(as_soft)}/{_limit(as_hard)}. Raise the "
+        f"limit, or {fix}.")
