@@ -526,7 +526,7 @@ def _refuse_no_fields(target: Any, loaded: Any, prefix: Any) -> None:
     extra = sorted(set(unwrap_tensorclass(loaded)._keys_str()) - type(target)._tc_field_names)
     if extra:
         raise ValueError(
-            f"Cannot load {os.fsdecode(prefix)!r} into a {type(target).__name__}: it holds the keys {extra}, "
+            f"Cannot load {os.fsdecode(prefix)!r} into the {type(target).__name__} given: it holds the keys {extra}, "
             f"which are no fields of {type(target).__name__}; nothing changed: load it on its own, "
             "shared_td.load_memmap(prefix), which gives the saved tree as it is.")
 

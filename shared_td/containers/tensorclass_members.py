@@ -304,7 +304,7 @@ class _TensorClassMembers:
 
         with loading_as(cls):
             loaded = MemmapMethods.load_memmap.__func__(
-                cls, prefix, device, non_blocking, out=unwrap_tensorclass(out), robust_key=robust_key,
+                cls, prefix, device, non_blocking, out=out, robust_key=robust_key,  # (its fields checked there)
                 subpath=subpath, mode=mode, num_threads=num_threads, allow_pickle=allow_pickle)
         if is_tensorclass(out):
             return out  # (its tensordict was loaded in place)

@@ -93,7 +93,7 @@ class Renewals:
             except RuntimeError as error:  # "can't start new thread": the renew waits for the next add
                 cluster._threads.remove(thread)  # (never started: shutdown cannot join it)
                 cluster.renew_failures += 1
-                self.failed[name] = (generation, error)
+                self.failed[name] = (generation, _kept(error))
                 return
             self._thread = thread
 
@@ -120,4 +120,14 @@ class Renewals:
             except Exception as error:  # noqa: BLE001 - nobody waits for this answer; counted, kept
                 if not cluster._closed:
                     cluster.renew_failures += 1
-                    self.failed[name] = (generation, error)
+                    self.failed[name] = (generation, _kept(error))
+
+
+def _kept(error: BaseException) -> BaseException:
+    """``error``, to keep in :attr:`Renewals.failed` (its type and text are all that is
+    read): without its traceback and chained errors, whose frames held the failed attach's
+    locals (the new generation's segment, its mapping and descriptor, as big as the data)
+    for as long as the entry stayed."""
+    error.__traceback__ = None
+    error.__cause__ = error.__context__ = None
+    return error

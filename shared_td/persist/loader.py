@@ -43,6 +43,7 @@ load returns or raises.
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import os
 import pickle
@@ -294,63 +295,59 @@ class Loader:
             return None
         return ArchiveNode(archive)
 
-    def _load(self, directory: Directory, parent_batch: tuple | None, attempt: int = 0) -> Any:
+    def _load(self, directory: Directory, parent_batch: tuple | None) -> Any:
         """Load one node: its keyed entries (from its meta.json), its fixed-name
         children (the kind names them), then the kind rebuilds the container.
 
         A node rewrite in another process (a non-tensor ``set_``) renames a new meta.json
         in, then removes the side file (other.pickle, pickle.pkl) the new value no longer
         needs: a side file that the meta.json read here names and that is gone when read
-        makes the node read again, from its new meta.json (``attempt``: the times it was;
-        comparing the two meta.json cannot tell, a later rewrite may put the same one
-        back). One still missing after :data:`NODE_REREADS` reads is damage: raised."""
-        meta = read_meta(directory, self._parsed)
-        kind = nodes.kind_for_type_string(meta.type)
-        values = dict.fromkeys(entry.key for entry in meta.entries)  # in the saved order
-        mapping = {}  # key -> future of its leaf, when a pool maps them
-        try:
-            for entry in meta.entries:
-                if isinstance(entry, ChildMeta):
-                    child = self._open_child(directory, entry.key)
-                    try:
-                        values[entry.key] = self._load(child, meta.batch_size)
-                    finally:
-                        child.close()
-                elif self._pool is not None:
-                    mapping[entry.key] = self._pool.submit(self._load_leaf, directory, entry)
-                else:
-                    values[entry.key] = self._load_leaf(directory, entry)
-        finally:
-            if mapping:  # the threads use directory's fd: none may outlive it, also on an error
-                wait(mapping.values())
-        for key, future in mapping.items():
-            values[key] = future.result()
-        names = kind.child_names(meta, directory.exists)
-        for name in names:
-            values[name] = self._load_child(directory, name, meta.batch_size)
-        # children found by looking at the directory: if the tree was swapped out
-        # meanwhile, the first missing one may have gone with the old version (all of
-        # them: a lazy stack without members is a save too)
-        if (names or meta.type == fmt.LAZY_STACK_TYPE) and self._opened is not None and _replaced(*self._opened):
-            raise FileNotFoundError(f"{directory.path} was replaced while it was loaded.")
-        # a node of an archive has no directory of its own to write back to
-        own = None if isinstance(directory, ArchiveNode) else directory.path
-        gone: list[str] = []  # the side files found missing
-
-        def unpickle(name: str) -> Any:
+        makes the node read again, from its new meta.json (comparing the two meta.json
+        cannot tell: a later rewrite may put the same one back). One still missing after
+        :data:`NODE_REREADS` reads is damage: raised. (A loop in this frame: a node nested
+        near the recursion limit is read again at the depth it was read, and a level of
+        the tree costs one frame.)"""
+        for attempt in range(NODE_REREADS + 1):  # (the last one raises)
+            meta = read_meta(directory, self._parsed)
+            kind = nodes.kind_for_type_string(meta.type)
+            values = dict.fromkeys(entry.key for entry in meta.entries)  # in the saved order
+            mapping = {}  # key -> future of its leaf, when a pool maps them
             try:
-                return self._unpickle(directory, name)
+                for entry in meta.entries:
+                    if isinstance(entry, ChildMeta):
+                        child = self._open_child(directory, entry.key)
+                        try:
+                            values[entry.key] = self._load(child, meta.batch_size)
+                        finally:
+                            child.close()
+                    elif self._pool is not None:
+                        mapping[entry.key] = self._pool.submit(self._load_leaf, directory, entry)
+                    else:
+                        values[entry.key] = self._load_leaf(directory, entry)
+            finally:
+                if mapping:  # the threads use directory's fd: none may outlive it, also on an error
+                    wait(mapping.values())
+            for key, future in mapping.items():
+                values[key] = future.result()
+            names = kind.child_names(meta, directory.exists)
+            for name in names:
+                values[name] = self._load_child(directory, name, meta.batch_size)
+            # children found by looking at the directory: if the tree was swapped out
+            # meanwhile, the first missing one may have gone with the old version (all of
+            # them: a lazy stack without members is a save too)
+            if (names or meta.type == fmt.LAZY_STACK_TYPE) and self._opened is not None and _replaced(*self._opened):
+                raise FileNotFoundError(f"{directory.path} was replaced while it was loaded.")
+            # a node of an archive has no directory of its own to write back to
+            own = None if isinstance(directory, ArchiveNode) else directory.path
+            gone: list[str] = []  # the side files found missing (their read, not their unpickling)
+            unpickle = functools.partial(self._unpickle, directory, gone=gone)
+            try:
+                return kind.rebuild(meta, values, directory=own, parent_batch=parent_batch, unpickle=unpickle,
+                                    read_only=self._read_only_reason(directory))
             except FileNotFoundError:
-                gone.append(name)
-                raise
-
-        try:
-            return kind.rebuild(meta, values, directory=own, parent_batch=parent_batch, unpickle=unpickle,
-                                read_only=self._read_only_reason(directory))
-        except FileNotFoundError:
-            if not gone or own is None or attempt >= NODE_REREADS:
-                raise
-        return self._load(directory, parent_batch, attempt + 1)
+                if not gone or own is None or attempt >= NODE_REREADS:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _read_only_reason(self, directory: Directory) -> str | None:
         """Why a node loaded from ``directory`` may not be written in place (its files,
@@ -457,7 +454,10 @@ class Loader:
     def _where(directory: Directory, key: str) -> str:
         return f"key {key!r} listed in {directory.path}/{fmt.META}"
 
-    def _unpickle(self, directory: Directory, name: str) -> Any:
+    def _unpickle(self, directory: Directory, name: str, gone: list | None = None) -> Any:
+        """The value pickled in the side file ``name`` of ``directory``; a side file that is
+        missing is added to ``gone`` (a FileNotFoundError that its unpickling raises, the
+        pickled object's own, is not: it is raised as it is)."""
         if self.pickles is not None and isinstance(directory, ArchiveNode):
             own = self.pickles.get(directory._member(name))
             if own is not None:  # bytes this process pickled from its own objects
@@ -468,7 +468,13 @@ class Loader:
                 f"Refusing to load pickled non-tensor data from {path}: unpickling can run "
                 "arbitrary code. Pass allow_pickle=True if you trust this directory."
             )
-        return pickle.loads(directory.read(name, limit=MAX_PICKLE_BYTES))
+        try:
+            data = directory.read(name, limit=MAX_PICKLE_BYTES)
+        except FileNotFoundError:
+            if gone is not None:
+                gone.append(name)
+            raise
+        return pickle.loads(data)
 
 
 def too_deep(path: str) -> FormatError:
