@@ -233,9 +233,9 @@ def test_a_ctrl_c_as_the_version_table_opens_closes_the_manager_pidfd_once(monke
 def test_a_ctrl_c_as_a_leaf_job_is_queued_never_closes_its_descriptor_twice(tmp_path, monkeypatch):
     # (the writer closed the descriptor it had just handed to the job, which still wrote
     # through it: EBADF, or another file that took its number meanwhile)
-    from concurrent.futures import ThreadPoolExecutor
     from shared_td.persist import writer
-    real_submit, closes, handed = ThreadPoolExecutor.submit, [], []  # closes: the failed ones
+    from shared_td.thread_pool import ThreadPool
+    real_submit, closes, handed = ThreadPool.submit, [], []  # closes: the failed ones
 
     def submit_then_ctrl_c(pool, fn, *args, **kwargs):
         future = real_submit(pool, fn, *args, **kwargs)
@@ -252,7 +252,7 @@ def test_a_ctrl_c_as_a_leaf_job_is_queued_never_closes_its_descriptor_twice(tmp_
             raise
 
     real_close = os.close
-    monkeypatch.setattr(ThreadPoolExecutor, "submit", submit_then_ctrl_c)
+    monkeypatch.setattr(ThreadPool, "submit", submit_then_ctrl_c)
     monkeypatch.setattr(writer.os, "close", counting_close)
     td = shared_td.TensorDict(a=torch.ones(writer._POOL_LEAF_BYTES), b=torch.ones(writer._POOL_LEAF_BYTES))
     with pytest.raises(KeyboardInterrupt):
@@ -413,17 +413,17 @@ def test_a_keyboard_interrupt_dropped_in_a_worker_thread_never_interrupts_the_ma
 
 def test_a_leaf_job_the_pool_refuses_closes_its_descriptor(tmp_path, monkeypatch):
     # (from bbb9332 on the job owned fd from the submit on, even a submit that raised and
-    # queued nothing: a pool refusing work, as every pool does once the main thread has
-    # returned, left the leaf file open; review44)
-    from concurrent.futures import ThreadPoolExecutor
+    # queued nothing: a pool refusing work, as a ThreadPoolExecutor did once the main
+    # thread had returned, left the leaf file open; review44)
     from shared_td.persist import writer
+    from shared_td.thread_pool import ThreadPool
 
     def refusing_submit(pool, fn, *args, **kwargs):
         raise RuntimeError("cannot schedule new futures after interpreter shutdown")
 
     td = shared_td.TensorDict(a=torch.ones(writer._POOL_LEAF_BYTES), b=torch.ones(writer._POOL_LEAF_BYTES))
     before = _descriptors()
-    monkeypatch.setattr(ThreadPoolExecutor, "submit", refusing_submit)
+    monkeypatch.setattr(ThreadPool, "submit", refusing_submit)
     with pytest.raises(RuntimeError, match="cannot schedule"):
         td.memmap(tmp_path / "saved", num_threads=2)
     monkeypatch.undo()
