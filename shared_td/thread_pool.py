@@ -24,7 +24,7 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Callable
 
-__all__ = ["ThreadPool", "thread_refused"]
+__all__ = ["ThreadPool", "limit_text", "thread_refused"]
 
 
 class ThreadPool:
@@ -98,8 +98,15 @@ def _serve(jobs: queue.SimpleQueue) -> None:
         del job, future, fn, args, kwargs  # (nothing of a job kept alive while waiting for the next)
 
 
-def _limit(value: int) -> str:
-    return "unlimited" if value == resource.RLIM_INFINITY else str(value)
+def limit_text(which: int) -> str:
+    """``"soft/hard"`` of the limit ``which`` (``resource.RLIMIT_...``), as ``ulimit`` words them.
+
+    Example:
+        >>> limit_text(resource.RLIMIT_CPU)
+        'unlimited/unlimited'
+    """
+    return "/".join("unlimited" if value == resource.RLIM_INFINITY else str(value)
+                    for value in resource.getrlimit(which))
 
 
 def thread_refused(error: BaseException, what: str,
@@ -111,10 +118,8 @@ def thread_refused(error: BaseException, what: str,
         >>> "RLIMIT_NPROC soft/hard" in str(thread_refused(RuntimeError("can't start new thread"), "a write"))
         True
     """
-    soft, hard = resource.getrlimit(resource.RLIMIT_NPROC)
-    as_soft, as_hard = resource.getrlimit(resource.RLIMIT_AS)
     return RuntimeError(
         f"{error}: {what} could not start a thread. This user may have reached its limit on threads "
-        f"and processes, RLIMIT_NPROC soft/hard = {_limit(soft)}/{_limit(hard)} (`ulimit -u`), or this "
-        f"process its memory limit, RLIMIT_AS soft/hard = {_limit(as_soft)}/{_limit(as_hard)}. Raise the "
+        f"and processes, RLIMIT_NPROC soft/hard = {limit_text(resource.RLIMIT_NPROC)} (`ulimit -u`), or "
+        f"this process its memory limit, RLIMIT_AS soft/hard = {limit_text(resource.RLIMIT_AS)}. Raise the "
         f"limit, or {fix}.")

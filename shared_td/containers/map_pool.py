@@ -28,6 +28,7 @@ import torch
 
 from shared_td.errors import WorkerDiedError, WorkerTraceback
 from shared_td.platform import CreatorWatch
+from shared_td.thread_pool import limit_text
 
 __all__ = ["run_chunks"]
 
@@ -132,11 +133,10 @@ class _Pool:
         except BlockingIOError as error:  # fork or exec refused (EAGAIN): say which limit
             mine.close()
             theirs.close()
-            soft, hard = (("unlimited" if value == resource.RLIM_INFINITY else value)
-                          for value in resource.getrlimit(resource.RLIMIT_NPROC))
             raise BlockingIOError(error.errno, (
                 f"map(): worker process {self._started - 1} could not be started ({error.strerror}): this user may "
-                f"have reached its limit on processes and threads, RLIMIT_NPROC soft/hard = {soft}/{hard} "
+                f"have reached its limit on processes and threads, RLIMIT_NPROC soft/hard = "
+                f"{limit_text(resource.RLIMIT_NPROC)} "
                 "(ulimit -u), or the system its memory. Use fewer workers (num_workers=) or raise the limit."
             )) from error
         _LIVE.add(process)
