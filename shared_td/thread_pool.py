@@ -6,9 +6,9 @@ submitted; a thread the system refused (``RLIMIT_NPROC``, the threads and proces
 this user; memory) made ``submit`` raise a bare ``RuntimeError: can't start new thread``
 with the job queued all the same: the call failed, naming no limit, though the threads
 started so far could have done the work (and a queued job could still run later, on a
-descriptor its caller had closed). A :class:`ThreadPool` starts its threads at once, as
-many as the system gives: :meth:`ThreadPool.start` returns None when it gives none, and
-the caller then does the work itself.
+descriptor its caller had closed). A :class:`ThreadPool` works on the threads the
+system gives: :meth:`ThreadPool.start` returns None when it gives not even one, and the
+caller then does the work itself; a later thread refused is no error.
 
 Example:
     >>> pool = ThreadPool.start(2, "shared_td-example")
@@ -18,6 +18,7 @@ Example:
 """
 from __future__ import annotations
 
+import os
 import queue
 import resource
 import threading
@@ -28,34 +29,46 @@ __all__ = ["ThreadPool", "limit_text", "thread_refused"]
 
 
 class ThreadPool:
-    """Up to ``count`` threads, all started by :meth:`start`, running the jobs submitted
-    in turn; :meth:`shutdown` (or the end of a ``with`` block) waits for every job
-    submitted, then for the threads."""
+    """Up to ``count`` threads, started as jobs come when no thread is idle (the first by
+    :meth:`start`), running the jobs submitted in turn; :meth:`shutdown` (or the end of a
+    ``with`` block) waits for every job submitted, then for the threads."""
 
-    def __init__(self, threads: list[threading.Thread], jobs: queue.SimpleQueue):
+    def __init__(self, count: int, name: str):
         # Private: use ThreadPool.start.
-        self._threads = threads
-        self._jobs = jobs
+        self._count, self._name = count, name
+        self._threads: list[threading.Thread] = []
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = threading.Semaphore(0)  # (one release per thread waiting for a job)
+        self._pid = os.getpid()  # (a fork child's copy has no thread: it refuses jobs)
+        self._shut = False
 
     @classmethod
     def start(cls, count: int, name: str) -> "ThreadPool | None":
-        """A pool of the threads of ``count`` that the system starts (named
-        ``name-<i>``), or None if it starts none: the caller works alone."""
-        jobs: queue.SimpleQueue = queue.SimpleQueue()
-        threads = []
-        for index in range(count):
-            thread = threading.Thread(target=_serve, args=(jobs,), name=f"{name}-{index}", daemon=True)
-            try:
-                thread.start()
-            except RuntimeError:  # can't start new thread: the ones started do the work
-                break
-            threads.append(thread)
-        return cls(threads, jobs) if threads else None
+        """A pool of up to ``count`` threads named ``name-<i>``, or None if the system
+        starts not even the first: the caller works alone."""
+        pool = cls(count, name)
+        return pool if pool._grow() else None
+
+    def _grow(self) -> bool:
+        """Start one more thread; whether the system started it."""
+        thread = threading.Thread(target=_serve, args=(self._jobs, self._idle),
+                                  name=f"{self._name}-{len(self._threads)}", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError:  # can't start new thread: the ones started do the work
+            self._count = len(self._threads)  # (no more tries: each costs a clone)
+            return False
+        self._threads.append(thread)
+        return True
 
     def submit(self, fn: Callable, *args: Any, **kwargs: Any) -> Future:
         """Run ``fn(*args, **kwargs)`` on a thread of the pool; its future."""
+        if self._shut or os.getpid() != self._pid:  # (no thread would ever run it: its waiter hung)
+            raise RuntimeError("ThreadPool.submit: the pool is shut down (or this is a fork child's copy of it).")
         future: Future = Future()
         self._jobs.put((future, fn, args, kwargs))
+        if not self._idle.acquire(blocking=False) and len(self._threads) < self._count:
+            self._grow()
         return future
 
     def map(self, fn: Callable, items) -> list:
@@ -68,6 +81,7 @@ class ThreadPool:
 
     def shutdown(self) -> None:
         """Wait for the jobs submitted, then end the threads (it may be called again)."""
+        self._shut = True
         for _ in self._threads:
             self._jobs.put(None)
         for thread in self._threads:
@@ -81,8 +95,9 @@ class ThreadPool:
         self.shutdown()
 
 
-def _serve(jobs: queue.SimpleQueue) -> None:
+def _serve(jobs: queue.SimpleQueue, idle: threading.Semaphore) -> None:
     while True:
+        idle.release()
         job = jobs.get()
         if job is None:
             return

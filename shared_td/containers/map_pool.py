@@ -223,12 +223,16 @@ def _stop(worker: _Worker) -> None:
 
 
 def _serve(fn: Callable, pipe: Any, seed: int, threads: int) -> None:  # in the worker process
-    _end_with_creator()
+    unwatched = _end_with_creator()  # (None: a thread watches the creator)
     torch.manual_seed(seed)
     np.random.seed(seed % 2**32)
     torch.set_num_threads(threads)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # (Ctrl-C is the parent's to handle: it stops the workers)
     while True:
+        if unwatched is not None:  # no watch thread: look at the creator while waiting for a task
+            while not pipe.poll(_POLL_S):
+                if unwatched.gone():
+                    return
         try:
             task = pipe.recv()
         except EOFError:  # the parent is gone
@@ -246,6 +250,8 @@ def _serve(fn: Callable, pipe: Any, seed: int, threads: int) -> None:  # in the 
         except BaseException as error:  # (sent back: the parent raises it)
             answer = (False, _portable(error))
         del task, chunk, out
+        if unwatched is not None and unwatched.gone():  # (a send nobody reads could block for ever)
+            return
         try:
             pipe.send(answer)
         except (BrokenPipeError, ConnectionResetError):  # the parent is gone: nobody to answer
@@ -257,12 +263,14 @@ def _serve(fn: Callable, pipe: Any, seed: int, threads: int) -> None:  # in the 
         del answer
 
 
-def _end_with_creator() -> None:
+def _end_with_creator() -> "CreatorWatch | None":
     """End this worker as soon as the process that started it ends, SIGKILLed included:
     nobody would take the result of the chunk it computes (before, it ran that chunk to
     its end, minutes of a core for a long ``fn``). A watch of the process, not of a
     thread (as PR_SET_PDEATHSIG would be): a map called from a thread that ends later
-    keeps its workers."""
+    keeps its workers. Without a thread (RLIMIT_NPROC, memory) the watch is returned:
+    the worker looks at it between chunks (a fork worker holds its own pipe's parent
+    end, and those of the workers forked before it: the end of file never comes)."""
     watch = CreatorWatch()
 
     def end_when_gone() -> None:
@@ -271,8 +279,9 @@ def _end_with_creator() -> None:
 
     try:
         threading.Thread(target=end_when_gone, name="shared_td-map-creator-watch", daemon=True).start()
-    except RuntimeError:  # no thread (RLIMIT_NPROC, memory): the worker serves without the watch
-        watch.close()  # (it then ends at the end of file of its pipe, once its chunk is done)
+    except RuntimeError:  # no thread (RLIMIT_NPROC, memory): the worker serves, looking at the watch itself
+        return watch
+    return None
 
 
 def _portable(error: BaseException) -> tuple:

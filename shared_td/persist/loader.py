@@ -324,9 +324,13 @@ class Loader:
                         mapping[entry.key] = self._pool.submit(self._load_leaf, directory, entry)
                     else:
                         values[entry.key] = self._load_leaf(directory, entry)
+            except BaseException:
+                for future in mapping.values():  # (the leaves not started never run)
+                    future.cancel()
+                raise
             finally:
                 if mapping:  # the threads use directory's fd: none may outlive it, also on an error
-                    wait(mapping.values())
+                    _wait_all(list(mapping.values()))
             for key, future in mapping.items():
                 values[key] = future.result()
             names = kind.child_names(meta, directory.exists)
@@ -475,6 +479,23 @@ class Loader:
                 gone.append(name)
             raise
         return pickle.loads(data)
+
+
+def _wait_all(futures: list) -> None:
+    """Wait for every one of ``futures`` (jobs of the load's pool using a directory's
+    descriptor, closed once this returns). A Ctrl-C meanwhile cancels the jobs not
+    started and is raised once the running ones have ended."""
+    interrupted = None
+    while True:
+        try:
+            wait(futures)
+            break
+        except BaseException as error:  # noqa: B036 - a Ctrl-C: raised below, once none runs
+            interrupted = interrupted or error
+            for future in futures:
+                future.cancel()
+    if interrupted is not None:
+        raise interrupted
 
 
 def too_deep(path: str) -> FormatError:
