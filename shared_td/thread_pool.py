@@ -25,7 +25,7 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Callable
 
-__all__ = ["ThreadPool", "limit_text", "thread_refused"]
+__all__ = ["ThreadPool", "is_thread_refusal", "limit_text", "thread_refused"]
 
 
 class ThreadPool:
@@ -122,6 +122,11 @@ def limit_text(which: int) -> str:
     """
     return "/".join("unlimited" if value == resource.RLIM_INFINITY else str(value)
                     for value in resource.getrlimit(which))
+
+
+def is_thread_refusal(error: BaseException) -> bool:
+    """Whether ``error`` is ``Thread.start``'s for a thread the system refused."""
+    return type(error) is RuntimeError and str(error) == "can't start new thread"
 
 
 def thread_refused(error: BaseException, what: str,

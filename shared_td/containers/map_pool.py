@@ -28,7 +28,7 @@ import torch
 
 from shared_td.errors import WorkerDiedError, WorkerTraceback
 from shared_td.platform import CreatorWatch
-from shared_td.thread_pool import limit_text
+from shared_td.thread_pool import is_thread_refusal, limit_text, thread_refused
 
 __all__ = ["run_chunks"]
 
@@ -156,6 +156,14 @@ class _Pool:
             worker.pipe.send(task)
         except (BrokenPipeError, ConnectionResetError):  # it died while idle
             raise self._died(worker, describe) from None
+        except RuntimeError as error:
+            if not is_thread_refusal(error):
+                raise
+            # torch shares a plain tensor's storage through multiprocessing's resource_sharer,
+            # whose listener is a thread of the sender
+            raise thread_refused(error, f"map(), sending {describe(task[0])} to a worker",
+                                 "use fewer workers, or map a memory-mapped tensordict "
+                                 "(its chunks go by file name)") from error
 
     def answers(self, describe: Callable[[int], str]) -> list:
         """The ``(number, result)`` of the workers that answered, waiting for one (the
@@ -257,8 +265,13 @@ def _serve(fn: Callable, pipe: Any, seed: int, threads: int) -> None:  # in the 
         except (BrokenPipeError, ConnectionResetError):  # the parent is gone: nobody to answer
             return
         except Exception as error:  # a result that cannot be pickled: said so, not a dead worker
-            failed = RuntimeError(f"map(): the result of fn for a chunk could not be sent back to the "
-                                  f"parent process ({type(error).__name__}: {error}).")
+            if is_thread_refusal(error):  # (torch sends a plain tensor through a thread of this worker)
+                failed = thread_refused(error, "map(): a worker, sending the result of fn for a chunk back,",
+                                        "use fewer workers, or pass a memory-mapped or shared out= "
+                                        "(the workers write it themselves)")
+            else:
+                failed = RuntimeError(f"map(): the result of fn for a chunk could not be sent back to the "
+                                      f"parent process ({type(error).__name__}: {error}).")
             pipe.send((False, (failed, "".join(traceback.format_exception(error)))))
         del answer
 

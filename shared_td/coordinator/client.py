@@ -41,7 +41,7 @@ from shared_td.coordinator.process import ServerProcess
 from shared_td.errors import CoordinatorTimeoutError, SegmentUnavailableError
 from shared_td.finalizers import Finalizer
 from shared_td.storage.anonymous import add_segment_holders
-from shared_td.thread_pool import thread_refused
+from shared_td.thread_pool import is_thread_refusal, thread_refused
 
 __all__ = ["Coordinator", "CoordinatorAuthenticationError", "CoordinatorTimeoutError", "attach"]
 
@@ -150,7 +150,7 @@ class Coordinator:
             member.append(weakref.ref(self.cluster))
         except BaseException as error:
             self.shutdown()
-            if type(error) is RuntimeError and str(error) == "can't start new thread":  # (Thread.start's)
+            if is_thread_refusal(error):
                 raise thread_refused(error, f"Cluster node {node}'s start",
                                      "end threads or processes of this user") from error
             raise

@@ -194,7 +194,8 @@ def run_in_background(work: Callable[[], Any], description: str, thread_name: st
             ended(future)  # (nothing when started() never recorded it)
             if type(error) is RuntimeError and thread is not None and thread.ident is None:
                 # refused by the system (RLIMIT_NPROC, memory): say so, and which limit
-                raise thread_refused(error, description) from error
+                raise thread_refused(error, description, "write without return_early=True (the calling "
+                                     "thread then writes, and the call returns the result itself)") from error
         raise
     return future
 

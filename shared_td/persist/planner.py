@@ -327,7 +327,7 @@ class Planner:
                 raise not_regular_error(errno.EINVAL, f"file {target}", st.st_mode)
             if overwritten_in_place and not os.access(target, os.W_OK, effective_ids=True, follow_symlinks=False):
                 raise PermissionError(errno.EACCES, (
-                    f"Cannot write key {path + (key,)} to {target}: this process may not write that file (its "
+                    f"Cannot write key {key!r} to {target}: this process may not write that file (its "
                     "mode, a read-only file system or an immutable file). Nothing was written: make it "
                     "writable, or write with atomic=True (a new version of the save, made beside it, "
                     "replaces it)."))
