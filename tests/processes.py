@@ -81,6 +81,20 @@ def wait_until(condition, timeout: float = 10.0) -> bool:
     return condition()
 
 
+def all_threads_stopped(pid: int) -> bool:
+    """Whether every thread of process ``pid`` is stopped (SIGSTOP is delivered
+    asynchronously: ``kill`` returns before the target stops, and a thread of it may
+    still serve a request meanwhile)."""
+    states = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat", "rb") as stat:
+                states.append(stat.read().rsplit(b")", 1)[1].split()[0])
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return all(state in (b"T", b"t") for state in states)
+
+
 def alive(pid: int) -> bool:
     """Whether process ``pid`` runs (a zombie counts as dead), as shared_td sees it."""
     return pid_alive(pid)

@@ -21,7 +21,7 @@ dist = pytest.importorskip("torch.distributed")
 from shared_td.coordinator.cluster_store import SignedStore  # noqa: E402
 from tests.cluster import stalled_host_children as children  # noqa: E402
 from tests.cluster.test_cluster_store import store  # noqa: E402,F401 (a fixture)
-from tests.processes import fork_exit_code  # noqa: E402
+from tests.processes import all_threads_stopped, fork_exit_code, wait_until  # noqa: E402
 
 KEY = b"fork-child-of-a-node test key 0123"
 BOUND_S = 60  # every wait of these tests
@@ -79,6 +79,7 @@ def test_a_fork_childs_store_call_is_bounded_when_the_host_stops():
 
         def child() -> bool:
             os.kill(host.pid, signal.SIGSTOP)
+            wait_until(lambda: all_threads_stopped(host.pid), timeout=5)  # (kill returns before it stops)
             began = time.monotonic()
             try:
                 signed.get_json("a")

@@ -22,7 +22,7 @@ dist = pytest.importorskip("torch.distributed")
 
 from shared_td.coordinator.cluster_store import SignedStore  # noqa: E402
 from tests.cluster import stalled_host_children as children  # noqa: E402
-from tests.processes import WAIT  # noqa: E402
+from tests.processes import WAIT, all_threads_stopped, wait_until  # noqa: E402
 
 KEY = "a-stopped-store-host-test-key-0123456789"
 #: The slack allowed past a bound, for a loaded machine (the full suite runs cluster
@@ -76,6 +76,7 @@ def test_calls_to_a_stopped_host_fail_within_their_bound_and_only_its_connection
         other = socket.create_connection(listener.getsockname())  # not the store's: never cut
         accepted, _ = listener.accept()
         os.kill(host.pid, signal.SIGSTOP)
+        assert wait_until(lambda: all_threads_stopped(host.pid), timeout=5)  # (kill returns before it stops)
         try:
             outcome, took = caller(lambda: store.has("a"))
             assert isinstance(outcome, ConnectionError) and "did not answer" in str(outcome), outcome

@@ -25,6 +25,7 @@ from shared_td.coordinator.cluster_store import SignedStore  # noqa: E402
 from shared_td.coordinator.cluster_store_watch import StallWatch  # noqa: E402
 from tests.cluster import stalled_host_children as children  # noqa: E402
 from tests.cluster.test_cluster_store import _pair, store  # noqa: E402,F401 (fixtures)
+from tests.processes import all_threads_stopped, wait_until  # noqa: E402
 
 KEY = b"review48-store-watch-key-0123456789"
 
@@ -85,6 +86,7 @@ def test_a_lookup_of_the_host_lost_at_the_stall_still_cuts(monkeypatch):
         resume = threading.Timer(6.0, os.kill, (host.pid, signal.SIGCONT))  # (bounded: the host runs again)
         resume.start()
         os.kill(host.pid, signal.SIGSTOP)
+        assert wait_until(lambda: all_threads_stopped(host.pid), timeout=5)  # (kill returns before it stops)
         began = time.monotonic()
         try:
             with pytest.raises(ConnectionError, match="did not answer"):

@@ -30,6 +30,7 @@ def test_map_result_that_cannot_be_sent_back_is_a_runtime_error():
 def test_map_workers_under_rlimit_nproc():
     run_as_nobody("""
     import resource
+    import numpy.random  # (as root: a map worker seeds it, and the venv may be unreadable to the user)
     import torch
     import shared_td
     torch.set_num_threads(1)
@@ -94,6 +95,7 @@ def test_map_thread_refused_names_rlimit_nproc():
     # refused, it was a bare "can't start new thread", or "could not be sent back"
     code = r'''
 import os, resource, time, torch, shared_td as st
+import numpy.random  # (as root: a map worker seeds it, and the venv may be unreadable to the user)
 def fn(td):
     return td.apply(lambda x: x + 1)
 def warm(base):

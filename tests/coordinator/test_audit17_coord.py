@@ -31,7 +31,7 @@ from tests.processes import WAIT, finish, wait_until
 import shared_td
 from shared_td.errors import CoordinatorTimeoutError
 from shared_td.coordinator import accepting, channels, process, server
-from tests.coordinator.test_stalled import all_threads_stopped
+from tests.processes import all_threads_stopped
 
 
 class Interrupted(Exception):

@@ -26,21 +26,10 @@ import pytest
 import torch
 
 from tests.coordinator import coord_children as kids
-from tests.processes import WAIT, alive, finish, wait_until
+from tests.processes import WAIT, alive, all_threads_stopped, finish, wait_until
 
 import shared_td
 from shared_td.coordinator import ownership
-
-
-def all_threads_stopped(pid: int) -> bool:
-    states = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{task}/stat", "rb") as stat:
-                states.append(stat.read().rsplit(b")", 1)[1].split()[0])
-        except OSError:  # a thread that ended meanwhile
-            pass
-    return all(state in (b"T", b"t") for state in states)
 
 
 @contextlib.contextmanager
