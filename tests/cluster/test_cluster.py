@@ -22,7 +22,7 @@ from tests.cluster.stores import loopback_store  # noqa: E402
 
 from tests.cluster import cluster_children as kids  # noqa: E402
 from tests.cluster.kills import loop_through_an_owner_kill  # noqa: E402
-from tests.processes import WAIT, finish  # noqa: E402
+from tests.processes import WAIT, all_threads_stopped, finish, wait_until  # noqa: E402
 
 KEY = b"cluster test key"
 
@@ -219,6 +219,7 @@ def test_stopped_replica_is_dropped_within_the_timeout_and_rejoins(nodes_of):
     nodes.ok(2, "attach", "policy")
     os.kill(nodes.procs[2].pid, signal.SIGSTOP)
     try:
+        assert wait_until(lambda: all_threads_stopped(nodes.procs[2].pid), timeout=5)  # (kill returns before it stops)
         began = time.monotonic()
         took, version, delivered, dropped = nodes.ok(0, "timed_sync", "policy", 3.0)
         # the sync itself ends at its timeout (measured in the node: the test's queues
@@ -311,6 +312,7 @@ def test_a_stopped_node_whose_number_was_taken_over_stands_down_when_it_runs_aga
     os.kill(old.pid, signal.SIGSTOP)
     successor = None
     try:
+        assert wait_until(lambda: all_threads_stopped(old.pid), timeout=5)  # (kill returns before it stops)
         successor = Cluster(f"tcp://127.0.0.1:{store.port}?host=0", 1, 2, authkey=KEY, timeout=15.0,
                             hostname="127.0.0.1").start()  # after the old heartbeat stood still
         assert successor.attach("policy")["w"][:2].tolist() == [1.0, 2.0]

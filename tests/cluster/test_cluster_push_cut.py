@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("torch.distributed")
 
 from tests.cluster.test_cluster import nodes_of, store  # noqa: E402,F401  (the fixtures)
-from tests.processes import WAIT  # noqa: E402
+from tests.processes import WAIT, all_threads_stopped, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -43,6 +43,7 @@ def test_a_pusher_killed_mid_message_ends_the_owners_kept_receive(nodes_of):  # 
     owner = nodes.procs[0].pid
     os.kill(owner, signal.SIGSTOP)  # reads nothing: the next push's bytes fill the socket buffers, no more
     try:
+        assert wait_until(lambda: all_threads_stopped(owner), timeout=5)  # (kill returns before it stops)
         nodes.commands[1].put(("push_cut", "big", ROWS, 0.5))  # the same size again, killed 0.5 s into its send
         nodes.procs[1].join(WAIT)
     finally:

@@ -31,6 +31,7 @@ pytest.importorskip("torch.distributed")
 import shared_td  # noqa: E402
 from tests.cluster.test_cluster_store import pair, store  # noqa: E402,F401 - fixtures
 from tests.cluster.test_cluster_owner_loss import WITHIN_S  # noqa: E402
+from tests.processes import all_threads_stopped, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -107,6 +108,7 @@ def test_a_pull_waiting_for_an_answer_or_for_a_killed_owner_logs_no_c10d_timeout
         # the pull waits ~STOPPED_S for the answer of a stopped (not lost) owner, then gets it
         os.kill(owner, signal.SIGSTOP)
         try:
+            assert wait_until(lambda: all_threads_stopped(owner), timeout=5)  # (kill returns before it stops)
             (tmp_path / "stopped").touch()
             time.sleep(STOPPED_S)
         finally:

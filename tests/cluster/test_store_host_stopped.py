@@ -130,6 +130,7 @@ def test_a_node_whose_store_host_stopped_answers_and_closes_within_its_timeout(f
         assert ask(0, "attach")[0] == ("ok",)
         os.kill(nodes[0].pid, signal.SIGSTOP)
         try:
+            assert wait_until(lambda: all_threads_stopped(nodes[0].pid), timeout=5)  # (kill returns before it stops)
             if first == "sync":
                 (outcome, *why), took = ask(1, "sync")
                 assert outcome == "ConnectionError" and "did not answer" in why[0] and took < timeout + SLACK_S
