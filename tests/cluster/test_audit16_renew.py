@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -42,6 +43,23 @@ def _held_transfer(member, monkeypatch):
 
     monkeypatch.setattr(member._groups, "recv", held)
     return started, release
+
+
+def failing_renews(member, error: BaseException, made: list | None = None):
+    """Make the renews of ``member`` (the fills its own threads make, not the user's)
+    raise ``error``; ``made`` gets a weakref to each new generation's tensordict. Returns
+    the real fill, to put back (``member._fill = real``)."""
+    real_fill = member._fill
+
+    def failing_fill(name, rep):
+        if member._serving():
+            if made is not None:
+                made.append(weakref.ref(rep.td))  # (on the new generation's segment)
+            raise error
+        return real_fill(name, rep)
+
+    member._fill = failing_fill
+    return real_fill
 
 
 def _renewed(member, generation: int) -> bool:
@@ -156,14 +174,7 @@ def test_a_failed_renew_puts_the_replica_record_back_to_the_generation_held(pair
     big = lambda value: shared_td.TensorDict(w=torch.full((512, 1024), value), batch_size=[512])  # 2 MiB
     owner.publish("buf", big(1.0))
     other.attach("buf")
-    real_fill = other._fill
-
-    def failing_fill(name, rep):
-        if other._serving():  # the renew's, not the user's
-            raise ConnectionError("the renew's transfer failed")
-        return real_fill(name, rep)
-
-    other._fill = failing_fill
+    failing_renews(other, ConnectionError("the renew's transfer failed"))
     owner.publish("buf", big(5.0))
     assert wait_until(lambda: other.renew_failures == 1, 10)
     assert other._replicas["buf"].generation == 1
@@ -211,14 +222,7 @@ def test_a_pull_after_a_failed_renew_says_why_it_failed_not_that_it_is_being_ren
     owner, other = pair
     owner.publish("buf", _buffer(1.0))
     other.attach("buf")
-    real_fill = other._fill
-
-    def failing_fill(name, rep):
-        if other._serving():  # the renew's, not the user's
-            raise OSError(24, "Too many open files (RLIMIT_NOFILE soft/hard = 64/64)")
-        return real_fill(name, rep)
-
-    other._fill = failing_fill
+    real_fill = failing_renews(other, OSError(24, "Too many open files (RLIMIT_NOFILE soft/hard = 64/64)"))
     owner.publish("buf", _buffer(5.0))
     assert wait_until(lambda: other.renew_failures == 1, 10)
     other._fill = real_fill
